@@ -1,0 +1,2 @@
+//! `legendctl`: the Legend command-line tool.
+fn main() {}
