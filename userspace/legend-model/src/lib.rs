@@ -1,1 +1,11 @@
-//! Placeholder; filled by its owner.
+//! Embedding models of Legend: score functions, their gradients, losses and the optimizer.
+//!
+//! Every model is written as an *operator* that turns an anchor row and a relation row into a
+//! query vector, followed by a *comparator* between that query and a candidate row (the
+//! PyTorch-BigGraph decomposition). Scoring one positive against many negatives is then a
+//! matrix product (dot comparator) or a distance matrix (TransE), which is how both the CPU
+//! engine and the GPU kernels batch the work.
+
+mod decoder;
+
+pub use decoder::{Comparator, Decoder, Side};

@@ -1,0 +1,246 @@
+//! Score functions f(s, r, d) as query operator + comparator.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Which end of a triple is being scored against candidates (the corrupted side).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// Candidates replace the destination: the query is built from (source, relation).
+    Dst,
+    /// Candidates replace the source: the query is built from (relation, destination).
+    Src,
+}
+
+/// How a query vector is compared with a candidate row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Comparator {
+    /// Inner product.
+    Dot,
+    /// Negative L1 distance.
+    NegL1,
+    /// Negative L2 distance.
+    NegL2,
+}
+
+impl Comparator {
+    /// The score of `candidate` against `query` (higher is more plausible).
+    pub fn compare(self, query: &[f32], candidate: &[f32]) -> f32 {
+        debug_assert_eq!(query.len(), candidate.len());
+        let pairs = query.iter().zip(candidate);
+        match self {
+            Comparator::Dot => pairs.map(|(q, c)| q * c).sum(),
+            Comparator::NegL1 => -pairs.map(|(q, c)| (q - c).abs()).sum::<f32>(),
+            Comparator::NegL2 => -pairs.map(|(q, c)| (q - c) * (q - c)).sum::<f32>().sqrt(),
+        }
+    }
+}
+
+/// A knowledge-graph embedding model.
+///
+/// Rows are `dim` floats. ComplEx stores the real parts in the first half of a row and the
+/// imaginary parts in the second half, so one thread (or SIMD lane) can read an element's real
+/// and imaginary part at the same offset of two half-rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Decoder {
+    /// `<s, d>`: graphs without relation types; relation rows are ignored.
+    Dot,
+    /// `<s, r, d>` (diagonal bilinear).
+    DistMult,
+    /// `Re(<s, r, conj(d)>)` with complex rows of `dim / 2` elements.
+    ComplEx,
+    /// `-||s + r - d||_1`.
+    TransEL1,
+    /// `-||s + r - d||_2`.
+    TransEL2,
+}
+
+impl Decoder {
+    /// All decoders, for tests and help texts.
+    pub const ALL: [Decoder; 5] = [
+        Decoder::Dot,
+        Decoder::DistMult,
+        Decoder::ComplEx,
+        Decoder::TransEL1,
+        Decoder::TransEL2,
+    ];
+
+    /// The comparator that follows this model's query operator.
+    pub fn comparator(self) -> Comparator {
+        match self {
+            Decoder::Dot | Decoder::DistMult | Decoder::ComplEx => Comparator::Dot,
+            Decoder::TransEL1 => Comparator::NegL1,
+            Decoder::TransEL2 => Comparator::NegL2,
+        }
+    }
+
+    /// Whether the model has relation parameters.
+    pub fn uses_relations(self) -> bool {
+        self != Decoder::Dot
+    }
+
+    /// Checks that `dim` suits the model (ComplEx needs an even dimension).
+    pub fn check_dim(self, dim: usize) -> Result<(), String> {
+        if dim == 0 {
+            return Err("the embedding dimension must be at least 1".into());
+        }
+        if self == Decoder::ComplEx && dim % 2 != 0 {
+            return Err(format!(
+                "complex needs an even dimension (real and imaginary halves), got {dim}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Writes into `out` the query for scoring candidates on `side`.
+    ///
+    /// `anchor` is the source row for [`Side::Dst`] and the destination row for [`Side::Src`];
+    /// `rel` is the relation row (ignored, and may be empty, for [`Decoder::Dot`]). The score of
+    /// a candidate `c` is then `self.comparator().compare(out, c)`.
+    pub fn query(self, side: Side, anchor: &[f32], rel: &[f32], out: &mut [f32]) {
+        let dim = anchor.len();
+        debug_assert_eq!(out.len(), dim);
+        match self {
+            Decoder::Dot => out.copy_from_slice(anchor),
+            Decoder::DistMult => {
+                for ((o, a), r) in out.iter_mut().zip(anchor).zip(rel) {
+                    *o = a * r;
+                }
+            }
+            Decoder::ComplEx => {
+                let h = dim / 2;
+                let (a_re, a_im) = anchor.split_at(h);
+                let (r_re, r_im) = rel.split_at(h);
+                let (o_re, o_im) = out.split_at_mut(h);
+                for k in 0..h {
+                    match side {
+                        // s * r, compared with d through Re(q * conj(d)) = q_re d_re + q_im d_im.
+                        Side::Dst => {
+                            o_re[k] = a_re[k] * r_re[k] - a_im[k] * r_im[k];
+                            o_im[k] = a_re[k] * r_im[k] + a_im[k] * r_re[k];
+                        }
+                        // Re(s * r * conj(d)) = <s, conj(r) * d> as real vectors.
+                        Side::Src => {
+                            o_re[k] = r_re[k] * a_re[k] + r_im[k] * a_im[k];
+                            o_im[k] = r_re[k] * a_im[k] - r_im[k] * a_re[k];
+                        }
+                    }
+                }
+            }
+            Decoder::TransEL1 | Decoder::TransEL2 => {
+                for ((o, a), r) in out.iter_mut().zip(anchor).zip(rel) {
+                    *o = match side {
+                        Side::Dst => a + r,
+                        Side::Src => a - r,
+                    };
+                }
+            }
+        }
+    }
+
+    /// The score f(s, r, d) of one triple.
+    pub fn score(self, src: &[f32], rel: &[f32], dst: &[f32]) -> f32 {
+        let mut q = vec![0.0; src.len()];
+        self.query(Side::Dst, src, rel, &mut q);
+        self.comparator().compare(&q, dst)
+    }
+
+    /// The configuration name (`model.decoder`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Decoder::Dot => "dot",
+            Decoder::DistMult => "distmult",
+            Decoder::ComplEx => "complex",
+            Decoder::TransEL1 => "transe_l1",
+            Decoder::TransEL2 => "transe_l2",
+        }
+    }
+}
+
+impl fmt::Display for Decoder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Decoder {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Decoder::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| {
+                format!("unknown decoder {s:?}: expected one of dot, distmult, complex, transe_l1, transe_l2")
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Direct formulas, written independently of the query/comparator split.
+    fn reference(decoder: Decoder, s: &[f32], r: &[f32], d: &[f32]) -> f64 {
+        let f = |x: f32| x as f64;
+        match decoder {
+            Decoder::Dot => s.iter().zip(d).map(|(a, b)| f(*a) * f(*b)).sum(),
+            Decoder::DistMult => (0..s.len()).map(|k| f(s[k]) * f(r[k]) * f(d[k])).sum(),
+            Decoder::ComplEx => {
+                let h = s.len() / 2;
+                (0..h)
+                    .map(|k| {
+                        let (sr, si) = (f(s[k]), f(s[k + h]));
+                        let (rr, ri) = (f(r[k]), f(r[k + h]));
+                        let (dr, di) = (f(d[k]), f(d[k + h]));
+                        // Re((sr + i si)(rr + i ri)(dr - i di))
+                        let (pr, pi) = (sr * rr - si * ri, sr * ri + si * rr);
+                        pr * dr + pi * di
+                    })
+                    .sum()
+            }
+            Decoder::TransEL1 => -(0..s.len())
+                .map(|k| (f(s[k]) + f(r[k]) - f(d[k])).abs())
+                .sum::<f64>(),
+            Decoder::TransEL2 => -(0..s.len())
+                .map(|k| (f(s[k]) + f(r[k]) - f(d[k])).powi(2))
+                .sum::<f64>()
+                .sqrt(),
+        }
+    }
+
+    #[test]
+    fn both_sides_agree_with_the_direct_formula() {
+        let dim = 6;
+        let row = |seed: u32| -> Vec<f32> {
+            (0..dim)
+                .map(|k| ((seed * 7 + k as u32 * 13) % 11) as f32 / 5.0 - 1.0)
+                .collect()
+        };
+        let (s, r, d) = (row(1), row(2), row(3));
+        for decoder in Decoder::ALL {
+            let want = reference(decoder, &s, &r, &d);
+            let mut q = vec![0.0; dim];
+            decoder.query(Side::Dst, &s, &r, &mut q);
+            let via_dst = decoder.comparator().compare(&q, &d) as f64;
+            decoder.query(Side::Src, &d, &r, &mut q);
+            let via_src = decoder.comparator().compare(&q, &s) as f64;
+            assert!(
+                (via_dst - want).abs() < 1e-5,
+                "{decoder} dst: {via_dst} vs {want}"
+            );
+            assert!(
+                (via_src - want).abs() < 1e-5,
+                "{decoder} src: {via_src} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for d in Decoder::ALL {
+            assert_eq!(d.name().parse::<Decoder>().unwrap(), d);
+        }
+        assert!("rotate".parse::<Decoder>().unwrap_err().contains("rotate"));
+    }
+}
