@@ -34,6 +34,63 @@ impl Comparator {
             Comparator::NegL2 => -pairs.map(|(q, c)| (q - c) * (q - c)).sum::<f32>().sqrt(),
         }
     }
+
+    /// Accumulates (`+=`) the gradient of `grad_score · compare(query, candidate)` into
+    /// `grad_query` and `grad_candidate`.
+    ///
+    /// The non-differentiable points take the zero subgradient: `|x|` at `x = 0` for
+    /// [`Comparator::NegL1`], and the whole distance at `query == candidate` for
+    /// [`Comparator::NegL2`].
+    pub fn backward(
+        self,
+        query: &[f32],
+        candidate: &[f32],
+        grad_score: f32,
+        grad_query: &mut [f32],
+        grad_candidate: &mut [f32],
+    ) {
+        let dim = query.len();
+        debug_assert!(candidate.len() == dim && grad_query.len() == dim);
+        debug_assert_eq!(grad_candidate.len(), dim);
+        match self {
+            Comparator::Dot => {
+                for t in 0..dim {
+                    grad_query[t] += grad_score * candidate[t];
+                    grad_candidate[t] += grad_score * query[t];
+                }
+            }
+            Comparator::NegL1 => {
+                for t in 0..dim {
+                    let g = grad_score * sign(query[t] - candidate[t]);
+                    grad_query[t] -= g;
+                    grad_candidate[t] += g;
+                }
+            }
+            Comparator::NegL2 => {
+                let dist = -Comparator::NegL2.compare(query, candidate);
+                if dist > 0.0 {
+                    let w = grad_score / dist;
+                    for t in 0..dim {
+                        let g = w * (query[t] - candidate[t]);
+                        grad_query[t] -= g;
+                        grad_candidate[t] += g;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The sign of `x`, with `sign(0) = 0` (the subgradient of `|x|` that the L1 gradients use).
+#[inline]
+pub(crate) fn sign(x: f32) -> f32 {
+    if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else {
+        0.0
+    }
 }
 
 /// A knowledge-graph embedding model.
@@ -84,7 +141,7 @@ impl Decoder {
         if dim == 0 {
             return Err("the embedding dimension must be at least 1".into());
         }
-        if self == Decoder::ComplEx && dim % 2 != 0 {
+        if self == Decoder::ComplEx && !dim.is_multiple_of(2) {
             return Err(format!(
                 "complex needs an even dimension (real and imaginary halves), got {dim}"
             ));
@@ -133,6 +190,72 @@ impl Decoder {
                         Side::Dst => a + r,
                         Side::Src => a - r,
                     };
+                }
+            }
+        }
+    }
+
+    /// Accumulates (`+=`) the gradient through [`Decoder::query`]: given `grad_query` = ∂L/∂query,
+    /// adds ∂L/∂anchor into `grad_anchor` and ∂L/∂rel into `grad_rel`.
+    ///
+    /// `grad_rel` is left untouched (and may be empty) for [`Decoder::Dot`].
+    pub fn query_backward(
+        self,
+        side: Side,
+        anchor: &[f32],
+        rel: &[f32],
+        grad_query: &[f32],
+        grad_anchor: &mut [f32],
+        grad_rel: &mut [f32],
+    ) {
+        let dim = anchor.len();
+        debug_assert!(grad_query.len() == dim && grad_anchor.len() == dim);
+        match self {
+            Decoder::Dot => {
+                for (ga, g) in grad_anchor.iter_mut().zip(grad_query) {
+                    *ga += g;
+                }
+            }
+            Decoder::DistMult => {
+                for t in 0..dim {
+                    grad_anchor[t] += grad_query[t] * rel[t];
+                    grad_rel[t] += grad_query[t] * anchor[t];
+                }
+            }
+            Decoder::ComplEx => {
+                let h = dim / 2;
+                let (a_re, a_im) = anchor.split_at(h);
+                let (r_re, r_im) = rel.split_at(h);
+                let (g_re, g_im) = grad_query.split_at(h);
+                let (ga_re, ga_im) = grad_anchor.split_at_mut(h);
+                let (gr_re, gr_im) = grad_rel.split_at_mut(h);
+                for k in 0..h {
+                    // Transposes of the 2x2 real Jacobians of the products in `query`.
+                    match side {
+                        Side::Dst => {
+                            ga_re[k] += g_re[k] * r_re[k] + g_im[k] * r_im[k];
+                            ga_im[k] += g_im[k] * r_re[k] - g_re[k] * r_im[k];
+                            gr_re[k] += g_re[k] * a_re[k] + g_im[k] * a_im[k];
+                            gr_im[k] += g_im[k] * a_re[k] - g_re[k] * a_im[k];
+                        }
+                        Side::Src => {
+                            ga_re[k] += g_re[k] * r_re[k] - g_im[k] * r_im[k];
+                            ga_im[k] += g_re[k] * r_im[k] + g_im[k] * r_re[k];
+                            gr_re[k] += g_re[k] * a_re[k] + g_im[k] * a_im[k];
+                            gr_im[k] += g_re[k] * a_im[k] - g_im[k] * a_re[k];
+                        }
+                    }
+                }
+            }
+            Decoder::TransEL1 | Decoder::TransEL2 => {
+                // query = anchor + rel (Dst) or anchor - rel (Src).
+                let rel_sign = match side {
+                    Side::Dst => 1.0,
+                    Side::Src => -1.0,
+                };
+                for t in 0..dim {
+                    grad_anchor[t] += grad_query[t];
+                    grad_rel[t] += rel_sign * grad_query[t];
                 }
             }
         }

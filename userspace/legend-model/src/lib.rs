@@ -6,6 +6,14 @@
 //! matrix product (dot comparator) or a distance matrix (TransE), which is how both the CPU
 //! engine and the GPU kernels batch the work.
 
+mod adagrad;
+mod chunk;
 mod decoder;
+mod init;
+mod loss;
 
+pub use adagrad::AdaGrad;
+pub use chunk::{Chunk, ChunkGrads, ChunkModel, ChunkWorkspace};
 pub use decoder::{Comparator, Decoder, Side};
+pub use init::{DEFAULT_NODE_INIT, Distribution, Init, RelationInit, Table, fill_row};
+pub use loss::{DEFAULT_MARGIN, Loss, RowLoss};

@@ -1,0 +1,237 @@
+//! Losses of one positive score against the scores of its chunk's negatives.
+//!
+//! Every loss is a *sum* over positives (the reduction of PyTorch-BigGraph and of Marius'
+//! default), and each side of a triple (destination and source corruption) contributes one
+//! term, as in both systems. An excluded negative (a sampled row equal to the true candidate,
+//! when filtering) contributes nothing, as if its score were −∞ (PBG's masking).
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The default margin of [`Loss::Ranking`]: 0.1 in both PyTorch-BigGraph (`margin`) and
+/// Marius (`RANKING` `margin`).
+pub const DEFAULT_MARGIN: f32 = 0.1;
+
+/// A training loss for one positive against `k` negatives.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Loss {
+    /// Softmax cross-entropy: `−pos + log(exp(pos) + Σ_j exp(neg_j))` (Marius `SOFTMAX_CE`,
+    /// PBG `softmax`).
+    SoftmaxCe,
+    /// Logistic: `softplus(−pos) + (1/k) Σ_j softplus(neg_j)`.
+    ///
+    /// The negatives are weighted by `1/k`, `k` being the number of negative columns (masked
+    /// ones included), exactly as PyTorch-BigGraph's `LogisticLossFunction` sets its negative
+    /// weight to `1 / num_neg`, so that positives and negatives weigh the same overall.
+    Logistic,
+    /// Margin ranking: `Σ_j max(0, margin − pos + neg_j)` (PBG `ranking`, Marius `RANKING`).
+    Ranking {
+        /// The margin by which a positive should beat each negative.
+        margin: f32,
+    },
+}
+
+/// The loss of one positive and the gradient with respect to its score.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RowLoss {
+    /// The loss value.
+    pub loss: f32,
+    /// ∂loss/∂pos.
+    pub grad_pos: f32,
+}
+
+impl Loss {
+    /// The configuration name: `softmax_ce`, `logistic` or `ranking`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Loss::SoftmaxCe => "softmax_ce",
+            Loss::Logistic => "logistic",
+            Loss::Ranking { .. } => "ranking",
+        }
+    }
+
+    /// Computes the loss of positive score `pos` against the negative scores in `scores`, and
+    /// overwrites `scores` with ∂loss/∂score (in place, so the chunk's score matrix becomes its
+    /// gradient matrix without a second b×k buffer).
+    ///
+    /// `excluded[j] == true` removes negative `j` from the loss (its gradient is 0).
+    pub fn row_in_place(self, pos: f32, scores: &mut [f32], excluded: Option<&[bool]>) -> RowLoss {
+        if let Some(m) = excluded {
+            assert_eq!(
+                m.len(),
+                scores.len(),
+                "mask row and score row differ in length"
+            );
+        }
+        let is_out = |j: usize| excluded.is_some_and(|m| m[j]);
+        match self {
+            Loss::SoftmaxCe => {
+                // Shift by the maximum so that no exponential overflows.
+                let mut max = pos;
+                for (j, &s) in scores.iter().enumerate() {
+                    if !is_out(j) && s > max {
+                        max = s;
+                    }
+                }
+                let mut sum = 0.0f64;
+                let mut partial = 0.0f32;
+                for (j, s) in scores.iter_mut().enumerate() {
+                    let e = if is_out(j) { 0.0 } else { (*s - max).exp() };
+                    *s = e;
+                    partial += e;
+                    // Flush to f64 every few terms: k can be large and terms differ in scale.
+                    if j % 64 == 63 {
+                        sum += partial as f64;
+                        partial = 0.0;
+                    }
+                }
+                let pos_e = ((pos - max) as f64).exp();
+                let total = sum + partial as f64 + pos_e;
+                let inv = (1.0 / total) as f32;
+                for s in scores.iter_mut() {
+                    *s *= inv;
+                }
+                RowLoss {
+                    loss: ((max - pos) as f64 + total.ln()) as f32,
+                    grad_pos: (pos_e / total - 1.0) as f32,
+                }
+            }
+            Loss::Logistic => {
+                let w = 1.0 / scores.len().max(1) as f32;
+                let mut neg_loss = 0.0f64;
+                for (j, s) in scores.iter_mut().enumerate() {
+                    if is_out(j) {
+                        *s = 0.0;
+                    } else {
+                        neg_loss += softplus(*s) as f64;
+                        *s = w * sigmoid(*s);
+                    }
+                }
+                RowLoss {
+                    loss: (softplus(-pos) as f64 + w as f64 * neg_loss) as f32,
+                    grad_pos: -sigmoid(-pos),
+                }
+            }
+            Loss::Ranking { margin } => {
+                let mut loss = 0.0f64;
+                let mut active = 0u32;
+                for (j, s) in scores.iter_mut().enumerate() {
+                    let l = margin - pos + *s;
+                    if !is_out(j) && l > 0.0 {
+                        loss += l as f64;
+                        active += 1;
+                        *s = 1.0;
+                    } else {
+                        *s = 0.0;
+                    }
+                }
+                RowLoss {
+                    loss: loss as f32,
+                    grad_pos: -(active as f32),
+                }
+            }
+        }
+    }
+}
+
+/// `log(1 + exp(x))` without overflow for large `x` or loss of precision for very negative `x`.
+#[inline]
+fn softplus(x: f32) -> f32 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+/// `1 / (1 + exp(-x))`, stable on both tails.
+#[inline]
+fn sigmoid(x: f32) -> f32 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
+impl fmt::Display for Loss {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Loss::Ranking { margin } => write!(f, "ranking(margin {margin})"),
+            other => f.write_str(other.name()),
+        }
+    }
+}
+
+impl FromStr for Loss {
+    type Err = String;
+
+    /// Parses a configuration name; `ranking` takes [`DEFAULT_MARGIN`].
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "softmax_ce" => Ok(Loss::SoftmaxCe),
+            "logistic" => Ok(Loss::Logistic),
+            "ranking" => Ok(Loss::Ranking {
+                margin: DEFAULT_MARGIN,
+            }),
+            _ => Err(format!(
+                "unknown loss {s:?}: expected one of softmax_ce, logistic, ranking"
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for l in [
+            Loss::SoftmaxCe,
+            Loss::Logistic,
+            Loss::Ranking {
+                margin: DEFAULT_MARGIN,
+            },
+        ] {
+            assert_eq!(l.name().parse::<Loss>().unwrap(), l);
+        }
+        assert!("hinge".parse::<Loss>().unwrap_err().contains("hinge"));
+    }
+
+    #[test]
+    fn softmax_is_stable_for_huge_scores() {
+        let mut row = vec![1e4f32, -1e4, 1e4 - 1.0];
+        let r = Loss::SoftmaxCe.row_in_place(1e4, &mut row, None);
+        // log(2 + e^-1) with the positive tied to the largest negative.
+        let want = (2.0f64 + (-1.0f64).exp()).ln();
+        assert!((r.loss as f64 - want).abs() < 1e-5, "{}", r.loss);
+        assert!(row.iter().all(|g| g.is_finite()));
+        let total: f32 = row.iter().sum::<f32>() + r.grad_pos + 1.0;
+        assert!((total - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn masked_negatives_do_not_count() {
+        for loss in [
+            Loss::SoftmaxCe,
+            Loss::Logistic,
+            Loss::Ranking { margin: 0.5 },
+        ] {
+            let mut full = vec![0.3f32, 2.0, -0.7];
+            let mut masked = full.clone();
+            let a = loss.row_in_place(0.1, &mut masked, Some(&[false, true, false]));
+            assert_eq!(masked[1], 0.0);
+            // Dropping the masked column is the same as a −∞ score.
+            full[1] = -1e30;
+            let b = loss.row_in_place(0.1, &mut full, None);
+            assert!((a.loss - b.loss).abs() < 1e-6, "{loss}");
+            assert!((a.grad_pos - b.grad_pos).abs() < 1e-6, "{loss}");
+        }
+    }
+
+    #[test]
+    fn softplus_and_sigmoid_tails() {
+        assert_eq!(softplus(100.0), 100.0);
+        assert!(softplus(-100.0) > 0.0 && softplus(-100.0) < 1e-40);
+        assert_eq!(sigmoid(-200.0), 0.0);
+        assert_eq!(sigmoid(200.0), 1.0);
+    }
+}
