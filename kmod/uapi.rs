@@ -82,6 +82,8 @@ pub struct Info {
     pub doorbell_len: u32,
     /// Number of valid entries in [`Info::namespaces`].
     pub num_namespaces: u32,
+    /// Always zero.
+    pub _pad1: u32,
     /// Active namespaces, the first `num_namespaces` entries valid.
     pub namespaces: [NamespaceInfo; MAX_NAMESPACES],
 }

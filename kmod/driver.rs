@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: GPL-2.0-only
+
+//! PCI glue: probe brings a controller up and registers its character device.
+
+use core::sync::atomic::{
+    AtomicU32,
+    Ordering, //
+};
+
+use kernel::{
+    device::Core,
+    miscdevice::{
+        MiscDeviceOptions,
+        MiscDeviceRegistration, //
+    },
+    pci,
+    prelude::*,
+    sync::Arc, //
+};
+
+use crate::{
+    chardev::OpenFile,
+    controller::Controller, //
+};
+
+/// Names of the character devices; `MiscDeviceOptions` needs `'static` names.
+const NAMES: [&CStr; 8] = [
+    c"legend-nvme0",
+    c"legend-nvme1",
+    c"legend-nvme2",
+    c"legend-nvme3",
+    c"legend-nvme4",
+    c"legend-nvme5",
+    c"legend-nvme6",
+    c"legend-nvme7",
+];
+
+/// Bit `i` set: `NAMES[i]` is taken.
+static NAMES_USED: AtomicU32 = AtomicU32::new(0);
+
+/// A claimed index into [`NAMES`], released on drop.
+struct NameSlot(usize);
+
+impl NameSlot {
+    fn claim() -> Result<Self> {
+        let mut used = NAMES_USED.load(Ordering::Relaxed);
+        loop {
+            let i = (!used).trailing_zeros() as usize;
+            if i >= NAMES.len() {
+                return Err(ENOSPC);
+            }
+            match NAMES_USED.compare_exchange(used, used | (1 << i), Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => return Ok(Self(i)),
+                Err(now) => used = now,
+            }
+        }
+    }
+}
+
+impl Drop for NameSlot {
+    fn drop(&mut self) {
+        NAMES_USED.fetch_and(!(1 << self.0), Ordering::AcqRel);
+    }
+}
+
+/// Driver data of a bound controller.
+///
+/// Fields drop in declaration order: the character device is deregistered first (so no `open`
+/// can look at `ctrl` any more), then the controller reference and the name are released.
+#[pin_data]
+pub(crate) struct Registered {
+    #[pin]
+    misc: MiscDeviceRegistration<OpenFile>,
+    ctrl: Arc<Controller>,
+    _name: NameSlot,
+}
+
+impl Registered {
+    /// The controller behind the character device `misc`.
+    pub(crate) fn controller_of(misc: &MiscDeviceRegistration<OpenFile>) -> Arc<Controller> {
+        let misc = core::ptr::from_ref(misc).cast_mut();
+        // SAFETY: every `MiscDeviceRegistration<OpenFile>` is the `misc` field of a `Registered`,
+        // and `open` (the only caller) runs under the misc core's lock, which deregistration also
+        // takes, so the `Registered` is alive.
+        let this = unsafe { &*kernel::container_of!(misc, Registered, misc) };
+        this.ctrl.clone()
+    }
+}
+
+pub(crate) struct LegendNvme;
+
+kernel::pci_device_table!(
+    PCI_TABLE,
+    <LegendNvme as pci::Driver>::IdInfo,
+    [(pci::DeviceId::from_class(0x010802, 0xffffff), ())]
+);
+
+impl pci::Driver for LegendNvme {
+    type IdInfo = ();
+    type Data<'bound> = Registered;
+
+    const ID_TABLE: pci::IdTable<Self::IdInfo> = &PCI_TABLE;
+
+    fn probe<'bound>(
+        pdev: &'bound pci::Device<Core<'_>>,
+        _info: Option<&'bound Self::IdInfo>,
+    ) -> impl PinInit<Self::Data<'bound>, Error> + 'bound {
+        pin_init::pin_init_scope(move || {
+            let name = NameSlot::claim()?;
+            let ctrl = Controller::probe(pdev)?;
+            let options = MiscDeviceOptions { name: NAMES[name.0] };
+            Ok(try_pin_init!(Registered {
+                ctrl,
+                _name: name,
+                misc <- MiscDeviceRegistration::register(options),
+            }))
+        })
+    }
+
+    fn unbind<'bound>(_pdev: &'bound pci::Device<Core<'_>>, this: Pin<&Self::Data<'bound>>) {
+        this.ctrl.shutdown();
+    }
+}

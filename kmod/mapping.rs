@@ -1,0 +1,120 @@
+// SPDX-License-Identifier: GPL-2.0-only
+
+//! Pinned host memory and its streaming DMA mappings for one controller.
+//!
+//! The `unsafe` calls into the C shim are kept here: a [`HostPages`] owns its page pins and DMA
+//! mappings and releases both when dropped.
+
+use kernel::{
+    bindings,
+    device,
+    prelude::*,
+    sync::aref::ARef, //
+};
+
+use crate::uapi;
+
+// The kernel structs are only passed by pointer, never by value.
+#[expect(improper_ctypes)]
+extern "C" {
+    fn legend_shim_pin_user(uaddr: usize, npages: usize, pages: *mut *mut bindings::page) -> isize;
+    fn legend_shim_unpin_user(pages: *mut *mut bindings::page, npages: usize);
+    fn legend_shim_dma_map_page(
+        dev: *mut bindings::device,
+        page: *mut bindings::page,
+        bus: *mut u64,
+    ) -> c_int;
+    fn legend_shim_dma_unmap_page(dev: *mut bindings::device, bus: u64);
+}
+
+/// The C `struct device` of `dev`.
+pub(crate) fn raw_device(dev: &device::Device) -> *mut bindings::device {
+    // CAST: `device::Device` is a `repr(transparent)` wrapper of `struct device`.
+    core::ptr::from_ref(dev).cast::<bindings::device>().cast_mut()
+}
+
+/// Most pages one mapping may pin (1 GiB of host memory).
+pub(crate) const MAX_HOST_PAGES: usize = 1 << 18;
+
+/// User pages pinned with `FOLL_LONGTERM` and mapped for DMA by one device.
+///
+/// # Invariants
+///
+/// - `pages` holds pinned pages, each pinned once by this object.
+/// - `bus[i]` is a live streaming DMA mapping of `pages[i]` for `dev`.
+pub(crate) struct HostPages {
+    dev: ARef<device::Device>,
+    pages: KVec<*mut bindings::page>,
+    bus: KVec<u64>,
+}
+
+// SAFETY: the page pointers are references owned through pins; pinning, unpinning and DMA
+// (un)mapping may happen on any thread.
+unsafe impl Send for HostPages {}
+
+impl HostPages {
+    /// Pins `npages` pages of the calling process from `uaddr` and maps them for `dev`.
+    ///
+    /// `dev` must stay bound until the result is dropped; the controller ensures it by dropping
+    /// every mapping before its unbind completes.
+    ///
+    /// # Errors
+    ///
+    /// - `EFAULT` if the range is not fully mapped writable memory of the caller.
+    /// - `ENOMEM` if memory or a DMA mapping could not be had.
+    pub(crate) fn pin(dev: &device::Device<device::Bound>, uaddr: u64, npages: usize) -> Result<Self> {
+        let uaddr = usize::try_from(uaddr).map_err(|_| EINVAL)?;
+        let mut pages = KVec::with_capacity(npages, GFP_KERNEL)?;
+        // SAFETY: `pages` has room for `npages` entries; the shim pins at most that many.
+        let got = unsafe { legend_shim_pin_user(uaddr, npages, pages.as_mut_ptr()) };
+        if got < 0 {
+            // CAST: a negative errno from pin_user_pages_fast fits in an i32.
+            return Err(Error::from_errno(got as i32));
+        }
+        // CAST: `got` is non-negative here and at most `npages`.
+        let got = got as usize;
+        // SAFETY: the shim initialised the first `got` entries.
+        unsafe { pages.inc_len(got) };
+        let mut this = Self {
+            dev: dev.into(),
+            pages,
+            bus: KVec::with_capacity(npages, GFP_KERNEL)?,
+        };
+        if got != npages {
+            // `this` unpins the partial set on drop.
+            return Err(EFAULT);
+        }
+        for i in 0..npages {
+            let mut bus = 0u64;
+            // SAFETY: `pages[i]` is a pinned page and `dev` is a bound device (the caller's
+            // contract).
+            let ret = unsafe { legend_shim_dma_map_page(raw_device(&this.dev), this.pages[i], &mut bus) };
+            if ret != 0 {
+                return Err(ENOMEM);
+            }
+            this.bus.push(bus, GFP_KERNEL)?;
+        }
+        Ok(this)
+    }
+
+    /// Bus addresses of the pages, one per [`uapi::HOST_PAGE_SIZE`] bytes.
+    pub(crate) fn bus_addrs(&self) -> &[u64] {
+        &self.bus
+    }
+
+    /// Bytes pinned.
+    pub(crate) fn len(&self) -> usize {
+        self.pages.len() * uapi::HOST_PAGE_SIZE as usize
+    }
+}
+
+impl Drop for HostPages {
+    fn drop(&mut self) {
+        for &bus in self.bus.iter() {
+            // SAFETY: by the invariants `bus` is a live mapping for `dev`.
+            unsafe { legend_shim_dma_unmap_page(raw_device(&self.dev), bus) };
+        }
+        // SAFETY: by the invariants each page is pinned once by this object.
+        unsafe { legend_shim_unpin_user(self.pages.as_mut_ptr(), self.pages.len()) };
+    }
+}
