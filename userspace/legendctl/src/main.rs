@@ -1,2 +1,63 @@
-//! `legendctl`: the Legend command-line tool.
-fn main() {}
+//! `legendctl`: import graphs, partition them, plan swap orders, train and evaluate embeddings.
+
+mod cmd;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Legend: graph embeddings at billion-edge scale on one machine.
+#[derive(Parser)]
+#[command(name = "legendctl", version, about, propagate_version = true)]
+struct Cli {
+    /// Log filter (tracing syntax), e.g. `debug` or `legend_dataset=trace`. Also `LEGEND_LOG`.
+    #[arg(long, global = true, value_name = "FILTER")]
+    log: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Import delimited text or a Marius directory into a dataset directory.
+    Import(cmd::import::Args),
+    /// Sort a dataset's train edges into N×N partition buckets.
+    Partition(cmd::partition::Args),
+    /// Compute and validate a partition-swap order.
+    Plan(cmd::plan::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = cli
+        .log
+        .clone()
+        .or_else(|| std::env::var("LEGEND_LOG").ok())
+        .unwrap_or_else(|| "info".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let result = match cli.command {
+        Command::Import(args) => cmd::import::run(args),
+        Command::Partition(args) => cmd::partition::run(args),
+        Command::Plan(args) => cmd::plan::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) if is_broken_pipe(&err) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `legendctl ... | head` closing the pipe early is not a failure.
+fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    err.chain().any(|e| {
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}

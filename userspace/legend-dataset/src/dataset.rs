@@ -1,0 +1,119 @@
+//! Reading a dataset directory.
+
+use std::path::{Path, PathBuf};
+
+use crate::buckets::{Buckets, PartitionScheme, read_pod};
+use crate::error::{IoContext, Result, invalid};
+use crate::meta::{DatasetMeta, Split};
+use crate::{ENTITIES_FILE, Edge, RELATIONS_FILE, edge_file};
+
+/// An imported dataset directory.
+#[derive(Clone, Debug)]
+pub struct Dataset {
+    dir: PathBuf,
+    meta: DatasetMeta,
+}
+
+impl Dataset {
+    /// Opens the dataset in `dir`, reading and checking `dataset.toml`.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Dataset> {
+        let dir = dir.as_ref().to_owned();
+        if !dir.is_dir() {
+            return Err(invalid(&dir, "not a dataset directory (run `legendctl import` first)"));
+        }
+        let meta = DatasetMeta::read(&dir)?;
+        Ok(Dataset { dir, meta })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The metadata.
+    pub fn meta(&self) -> &DatasetMeta {
+        &self.meta
+    }
+
+    /// Loads the edges of `split`, checking their count and id ranges.
+    pub fn edges(&self, split: Split) -> Result<Vec<Edge>> {
+        let path = edge_file(&self.dir, split);
+        let edges: Vec<Edge> = read_pod(&path)?;
+        let want = self.meta.splits.get(split);
+        if edges.len() as u64 != want {
+            return Err(invalid(&path, format!("holds {} edges, dataset.toml says {want}", edges.len())));
+        }
+        let (ne, nr) = (self.meta.entities, self.meta.relations);
+        if let Some((i, e)) = edges
+            .iter()
+            .enumerate()
+            .find(|(_, e)| u64::from(e[0]) >= ne || u64::from(e[2]) >= ne || u64::from(e[1]) >= nr)
+        {
+            return Err(invalid(
+                &path,
+                format!("edge {i} {e:?} is outside {ne} entities / {nr} relations"),
+            ));
+        }
+        Ok(edges)
+    }
+
+    /// The partition scheme for `num_partitions`.
+    pub fn scheme(&self, num_partitions: u32) -> Result<PartitionScheme> {
+        PartitionScheme::new(self.meta.entities, num_partitions).map_err(|m| invalid(&self.dir, m))
+    }
+
+    /// Train edges in N×N buckets: the saved ones if `legendctl partition` wrote them for this N,
+    /// else sorted now in memory.
+    pub fn buckets(&self, num_partitions: u32) -> Result<Buckets> {
+        let scheme = self.scheme(num_partitions)?;
+        if let Some(saved) = Buckets::load(&self.dir, scheme, self.meta.splits.train)? {
+            return Ok(saved);
+        }
+        Ok(Buckets::build(&self.edges(Split::Train)?, scheme))
+    }
+
+    /// Sorts train edges into N×N buckets and saves them next to the edges.
+    pub fn partition(&self, num_partitions: u32) -> Result<Buckets> {
+        let scheme = self.scheme(num_partitions)?;
+        let buckets = Buckets::build(&self.edges(Split::Train)?, scheme);
+        buckets.save(&self.dir)?;
+        Ok(buckets)
+    }
+
+    /// Entity labels indexed by id.
+    pub fn entity_labels(&self) -> Result<Vec<String>> {
+        self.labels(ENTITIES_FILE, self.meta.entities)
+    }
+
+    /// Relation labels indexed by id.
+    pub fn relation_labels(&self) -> Result<Vec<String>> {
+        self.labels(RELATIONS_FILE, self.meta.relations)
+    }
+
+    fn labels(&self, file: &str, count: u64) -> Result<Vec<String>> {
+        let path = self.dir.join(file);
+        let text = std::fs::read(&path).at(&path)?;
+        let labels: Vec<String> = text
+            .split(|&b| b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| {
+                let label = l.splitn(2, |&b| b == b'\t').nth(1).unwrap_or_default();
+                String::from_utf8_lossy(label).into_owned()
+            })
+            .collect();
+        if labels.len() as u64 != count {
+            return Err(invalid(&path, format!("holds {} labels, dataset.toml says {count}", labels.len())));
+        }
+        Ok(labels)
+    }
+}
+
+/// Degree (in + out) of every entity over `edges`.
+pub fn degrees(num_entities: usize, edges: &[Edge]) -> Vec<u32> {
+    let mut deg = vec![0u32; num_entities];
+    for e in edges {
+        deg[e[0] as usize] += 1;
+        deg[e[2] as usize] += 1;
+    }
+    deg
+}

@@ -1,0 +1,116 @@
+//! `legendctl import`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use anyhow::{Context, bail};
+use legend_dataset::{Columns, Delimiter, ImportInput, ImportOptions, import};
+
+/// Arguments of `legendctl import`.
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["train", "split", "marius"])))]
+pub struct Args {
+    /// Output dataset directory (must not exist).
+    #[arg(short = 'o', long = "out")]
+    out: PathBuf,
+    /// Training edges (text, optionally gzip).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["split", "marius"])]
+    train: Option<PathBuf>,
+    /// Validation edges.
+    #[arg(long, value_name = "FILE", requires = "train")]
+    valid: Option<PathBuf>,
+    /// Test edges.
+    #[arg(long, value_name = "FILE", requires = "train")]
+    test: Option<PathBuf>,
+    /// Split FILEs at random into train,valid,test by these fractions, e.g. 0.9,0.05,0.05.
+    #[arg(long, value_name = "FRACTIONS", value_parser = parse_fractions, requires = "files", conflicts_with = "marius")]
+    split: Option<[f64; 3]>,
+    /// A directory preprocessed by Marius (dataset.yaml, edges/*_edges.bin).
+    #[arg(long, value_name = "DIR")]
+    marius: Option<PathBuf>,
+    /// Seed of the node-id permutation and of --split.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Field delimiter: tab, comma, whitespace or one character (default: detected).
+    #[arg(long)]
+    delimiter: Option<Delimiter>,
+    /// Column order: hrt (= srd), htr, or sd for graphs without relation types.
+    #[arg(long, default_value = "hrt")]
+    columns: Columns,
+    /// Keep valid/test edges whose entity or relation never occurs in train.
+    #[arg(long)]
+    keep_unseen: bool,
+    /// Print a JSON summary on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Files to split (with --split).
+    #[arg(value_name = "FILE")]
+    files: Vec<PathBuf>,
+}
+
+fn parse_fractions(s: &str) -> Result<[f64; 3], String> {
+    let parts: Vec<f64> = s
+        .split(',')
+        .map(|p| p.trim().parse::<f64>().map_err(|e| format!("{p:?}: {e}")))
+        .collect::<Result<_, _>>()?;
+    <[f64; 3]>::try_from(parts).map_err(|p| format!("expected three fractions train,valid,test, got {}", p.len()))
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let input = match (args.train, args.split, args.marius) {
+        (Some(train), None, None) => {
+            if !args.files.is_empty() {
+                bail!("positional FILEs are only used with --split; use --train/--valid/--test");
+            }
+            ImportInput::Files {
+                train,
+                valid: args.valid,
+                test: args.test,
+            }
+        }
+        (None, Some(fractions), None) => ImportInput::Split {
+            files: args.files,
+            fractions,
+        },
+        (None, None, Some(dir)) => ImportInput::Marius { dir },
+        _ => bail!("give exactly one of --train, --split or --marius"),
+    };
+    // A signal only raises a flag: the importer stops at its next check and removes its
+    // temporary directory, so an interrupted import leaves nothing behind.
+    let cancel = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, cancel.clone()).context("installing a signal handler")?;
+    }
+    let options = ImportOptions {
+        input,
+        delimiter: args.delimiter,
+        columns: args.columns,
+        seed: args.seed,
+        keep_unseen: args.keep_unseen,
+        progress: true,
+        cancel: Some(cancel),
+    };
+    let summary = import(&options, &args.out)?;
+    if args.json {
+        super::print_json(&summary)?;
+    } else {
+        println!(
+            "imported {} entities, {} relations, {} train / {} valid / {} test edges into {} in {:.1} s",
+            summary.entities,
+            summary.relations,
+            summary.train,
+            summary.valid,
+            summary.test,
+            summary.output.display(),
+            summary.seconds
+        );
+        if summary.unseen_dropped > 0 {
+            println!(
+                "dropped {} valid/test edges whose entity or relation is not in train (--keep-unseen keeps them)",
+                summary.unseen_dropped
+            );
+        }
+    }
+    Ok(())
+}
