@@ -1,1 +1,48 @@
-//! Placeholder; filled by its owner.
+//! Legend's out-of-core embedding store.
+//!
+//! Node embeddings and their AdaGrad state live on a file or block device,
+//! partition by partition (`[embeddings | AdaGrad state]`, contiguous and
+//! aligned), behind a checksummed superblock kept in two alternating copies.
+//! The `file` backend opens the target with `O_DIRECT` and moves data with
+//! `io_uring` using registered buffers and several requests in flight.
+//! The on-disk format and the commit protocol are described in
+//! `Documentation/store-format.md`.
+//!
+//! Typical use by the training engine:
+//! ```no_run
+//! # use legend_storage::*;
+//! # fn main() -> Result<(), StoreError> {
+//! let dataset = DatasetId { id: [0; 16], label: "fb15k".into() };
+//! let spec = StoreSpec { dataset, num_nodes: 14_951, dim: 100, num_partitions: 4,
+//!     aux_bytes: 1 << 20, progress_capacity: 4096, shadow: true };
+//! let mut store = Store::create("store.bin".as_ref(), &spec, &CreateOptions::default())?;
+//! let mut slot = IoBuffer::new(store.max_partition_bytes())?;
+//! if !store.is_initialized(Region::Partition(0))? {
+//!     let rows = store.partition(0)?.rows;
+//!     let (emb, state) = slot.split_partition_mut(rows, 100);
+//!     emb.fill(0.01); // the engine's initialiser
+//!     state.fill(0.0);
+//! } else {
+//!     store.read(Region::Partition(0), &mut slot)?;
+//! }
+//! store.write(Region::Partition(0), &slot)?;
+//! store.commit(b"epoch 1")?;
+//! # Ok(()) }
+//! ```
+
+mod buffer;
+mod device;
+mod error;
+mod layout;
+mod signature;
+mod store;
+mod superblock;
+mod uring;
+
+pub use buffer::{IO_ALIGN, IoBuffer};
+pub use error::StoreError;
+pub use layout::{
+    BASE_ALIGN, DatasetId, Extent, Layout, MAX_LABEL_BYTES, MAX_PARTITIONS, MAX_PROGRESS_BYTES,
+    SUPERBLOCK_SLOT_BYTES, StoreSpec, partition_nodes, rows_per_partition,
+};
+pub use store::{CreateOptions, Expect, IoConfig, IoRequest, Region, Store};
