@@ -13,7 +13,7 @@
 //! calls, so the training loop does not allocate once the workspace has seen the largest chunk.
 
 use crate::decoder::sign;
-use crate::{Comparator, Decoder, Loss, Side};
+use crate::{Comparator, Decoder, Loss, Side, vmath};
 
 /// The model evaluated on chunks.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -445,7 +445,7 @@ fn l1_scores(query: &[f32], negs: &[f32], dim: usize, scores: &mut [f32]) {
     }
     for (q, srow) in query.chunks_exact(dim).zip(scores.chunks_exact_mut(k)) {
         for (n, s) in negs.chunks_exact(dim).zip(srow) {
-            *s = -q.iter().zip(n).map(|(a, c)| (a - c).abs()).sum::<f32>();
+            *s = -vmath::l1_distance(q, n);
         }
     }
 }
@@ -481,10 +481,7 @@ fn l1_backward(
 
 fn squared_norms(rows: &[f32], dim: usize, out: &mut Vec<f32>) {
     out.clear();
-    out.extend(
-        rows.chunks_exact(dim)
-            .map(|r| r.iter().map(|x| x * x).sum::<f32>()),
-    );
+    out.extend(rows.chunks_exact(dim).map(vmath::squared_norm));
 }
 
 /// Sets `v` to `len` zeros, keeping its allocation.

@@ -84,13 +84,10 @@ impl Comparator {
 /// The sign of `x`, with `sign(0) = 0` (the subgradient of `|x|` that the L1 gradients use).
 #[inline]
 pub(crate) fn sign(x: f32) -> f32 {
-    if x > 0.0 {
-        1.0
-    } else if x < 0.0 {
-        -1.0
-    } else {
-        0.0
-    }
+    // Two selects instead of a branch chain, so that loops over it vectorise.
+    let pos = if x > 0.0 { 1.0 } else { 0.0 };
+    let neg = if x < 0.0 { 1.0 } else { 0.0 };
+    pos - neg
 }
 
 /// A knowledge-graph embedding model.

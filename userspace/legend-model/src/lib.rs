@@ -11,6 +11,7 @@ mod chunk;
 mod decoder;
 mod init;
 mod loss;
+mod vmath;
 
 pub use adagrad::AdaGrad;
 pub use chunk::{Chunk, ChunkGrads, ChunkModel, ChunkWorkspace};

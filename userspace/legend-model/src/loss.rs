@@ -8,6 +8,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::vmath;
+
 /// The default margin of [`Loss::Ranking`]: 0.1 in both PyTorch-BigGraph (`margin`) and
 /// Marius (`RANKING` `margin`).
 pub const DEFAULT_MARGIN: f32 = 0.1;
@@ -62,93 +64,88 @@ impl Loss {
                 scores.len(),
                 "mask row and score row differ in length"
             );
+            // A −∞ score drops out of every loss below with a zero gradient, so the kernels
+            // themselves need no mask.
+            for (s, &out) in scores.iter_mut().zip(m) {
+                if out {
+                    *s = f32::NEG_INFINITY;
+                }
+            }
         }
-        let is_out = |j: usize| excluded.is_some_and(|m| m[j]);
         match self {
             Loss::SoftmaxCe => {
-                // Shift by the maximum so that no exponential overflows.
-                let mut max = pos;
-                for (j, &s) in scores.iter().enumerate() {
-                    if !is_out(j) && s > max {
-                        max = s;
-                    }
+                // Shift by the maximum so that no exponential overflows; the largest term is 1,
+                // so the sum cannot underflow either.
+                let max = vmath::max(pos, scores);
+                for s in scores.iter_mut() {
+                    *s = vmath::exp_nonpositive(*s - max);
                 }
-                let mut sum = 0.0f64;
-                let mut partial = 0.0f32;
-                for (j, s) in scores.iter_mut().enumerate() {
-                    let e = if is_out(j) { 0.0 } else { (*s - max).exp() };
-                    *s = e;
-                    partial += e;
-                    // Flush to f64 every few terms: k can be large and terms differ in scale.
-                    if j % 64 == 63 {
-                        sum += partial as f64;
-                        partial = 0.0;
-                    }
-                }
-                let pos_e = ((pos - max) as f64).exp();
-                let total = sum + partial as f64 + pos_e;
-                let inv = (1.0 / total) as f32;
+                let pos_e = vmath::exp_nonpositive(pos - max);
+                let total = vmath::sum(scores) + pos_e;
+                let inv = 1.0 / total;
                 for s in scores.iter_mut() {
                     *s *= inv;
                 }
                 RowLoss {
-                    loss: ((max - pos) as f64 + total.ln()) as f32,
-                    grad_pos: (pos_e / total - 1.0) as f32,
+                    loss: ((max - pos) as f64 + (total as f64).ln()) as f32,
+                    grad_pos: pos_e * inv - 1.0,
                 }
             }
             Loss::Logistic => {
                 let w = 1.0 / scores.len().max(1) as f32;
-                let mut neg_loss = 0.0f64;
-                for (j, s) in scores.iter_mut().enumerate() {
-                    if is_out(j) {
-                        *s = 0.0;
-                    } else {
-                        neg_loss += softplus(*s) as f64;
-                        *s = w * sigmoid(*s);
+                // Blocks through a stack buffer: a map with two outputs vectorises, a map fused
+                // with a float reduction does not (strict FP order).
+                let mut neg_loss = 0.0f32;
+                let mut buf = [0.0f32; BLOCK];
+                for block in scores.chunks_mut(BLOCK) {
+                    let sp = &mut buf[..block.len()];
+                    for (x, s) in block.iter_mut().zip(sp.iter_mut()) {
+                        let (softplus, sigmoid) = softplus_sigmoid(*x);
+                        *s = softplus;
+                        *x = w * sigmoid;
                     }
+                    neg_loss += vmath::sum(sp);
                 }
+                let (pos_loss, pos_sig) = softplus_sigmoid(-pos);
                 RowLoss {
-                    loss: (softplus(-pos) as f64 + w as f64 * neg_loss) as f32,
-                    grad_pos: -sigmoid(-pos),
+                    loss: pos_loss + w * neg_loss,
+                    grad_pos: -pos_sig,
                 }
             }
             Loss::Ranking { margin } => {
-                let mut loss = 0.0f64;
-                let mut active = 0u32;
-                for (j, s) in scores.iter_mut().enumerate() {
-                    let l = margin - pos + *s;
-                    if !is_out(j) && l > 0.0 {
-                        loss += l as f64;
-                        active += 1;
-                        *s = 1.0;
-                    } else {
-                        *s = 0.0;
+                let (mut loss, mut active) = (0.0f32, 0.0f32);
+                let mut buf = [0.0f32; BLOCK];
+                for block in scores.chunks_mut(BLOCK) {
+                    let hinge = &mut buf[..block.len()];
+                    for (x, h) in block.iter_mut().zip(hinge.iter_mut()) {
+                        let v = margin - pos + *x;
+                        *h = if v > 0.0 { v } else { 0.0 };
+                        // The gradient is 1 where the hinge is active.
+                        *x = if v > 0.0 { 1.0 } else { 0.0 };
                     }
+                    loss += vmath::sum(hinge);
+                    active += vmath::sum(block);
                 }
                 RowLoss {
-                    loss: loss as f32,
-                    grad_pos: -(active as f32),
+                    loss,
+                    grad_pos: -active,
                 }
             }
         }
     }
 }
 
-/// `log(1 + exp(x))` without overflow for large `x` or loss of precision for very negative `x`.
-#[inline]
-fn softplus(x: f32) -> f32 {
-    x.max(0.0) + (-x.abs()).exp().ln_1p()
-}
+/// Elements per block of the two-pass loss kernels (a stack buffer of this many floats).
+const BLOCK: usize = 128;
 
-/// `1 / (1 + exp(-x))`, stable on both tails.
-#[inline]
-fn sigmoid(x: f32) -> f32 {
-    if x >= 0.0 {
-        1.0 / (1.0 + (-x).exp())
-    } else {
-        let e = x.exp();
-        e / (1.0 + e)
-    }
+/// `(softplus(x), sigmoid(x))` = `(log(1 + eˣ), 1 / (1 + e⁻ˣ))` from one `exp(−|x|)`, stable
+/// on both tails; `(0, 0)` at `x = −∞`.
+#[inline(always)]
+fn softplus_sigmoid(x: f32) -> (f32, f32) {
+    let e = vmath::exp_nonpositive(-x.abs());
+    let softplus = if x > 0.0 { x } else { 0.0 } + vmath::ln_1p_unit(e);
+    let sigmoid = if x >= 0.0 { 1.0 } else { e } / (1.0 + e);
+    (softplus, sigmoid)
 }
 
 impl fmt::Display for Loss {
@@ -229,9 +226,16 @@ mod tests {
 
     #[test]
     fn softplus_and_sigmoid_tails() {
-        assert_eq!(softplus(100.0), 100.0);
-        assert!(softplus(-100.0) > 0.0 && softplus(-100.0) < 1e-40);
-        assert_eq!(sigmoid(-200.0), 0.0);
-        assert_eq!(sigmoid(200.0), 1.0);
+        assert_eq!(softplus_sigmoid(100.0), (100.0, 1.0));
+        let (sp, sig) = softplus_sigmoid(-100.0);
+        // exp(−100) is flushed to 0 (it is below f32::MIN_POSITIVE anyway).
+        assert!((0.0..1e-37).contains(&sp) && sig < 1e-37);
+        assert_eq!(softplus_sigmoid(f32::NEG_INFINITY), (0.0, 0.0));
+        for x in [-3.0f32, -0.5, 0.0, 0.7, 4.0] {
+            let (sp, sig) = softplus_sigmoid(x);
+            let x = x as f64;
+            assert!((sp as f64 - x.exp().ln_1p()).abs() < 1e-6);
+            assert!((sig as f64 - 1.0 / (1.0 + (-x).exp())).abs() < 1e-6);
+        }
     }
 }
