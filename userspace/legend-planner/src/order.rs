@@ -1,0 +1,51 @@
+//! The orderings the planner knows.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::Serialize;
+
+use crate::error::PlanError;
+
+/// Which partition-swap ordering to plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Order {
+    /// Legend's Algorithm 1 (buffer states) and Algorithm 2 (bucket order); capacity 3 only.
+    Legend,
+    /// Marius's BETA ordering, with an exhaustively searched tail; any capacity ≥ 2.
+    Beta,
+    /// Naive row-by-row baseline for ablations; any capacity ≥ 2.
+    Sequential,
+}
+
+impl Order {
+    /// Every ordering, in the order the documentation lists them.
+    pub const ALL: [Order; 3] = [Order::Legend, Order::Beta, Order::Sequential];
+
+    /// The name used by `FromStr`, `Display` and the CLI.
+    pub fn name(self) -> &'static str {
+        match self {
+            Order::Legend => "legend",
+            Order::Beta => "beta",
+            Order::Sequential => "sequential",
+        }
+    }
+}
+
+impl fmt::Display for Order {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Order {
+    type Err = PlanError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Order::ALL
+            .into_iter()
+            .find(|o| o.name() == s)
+            .ok_or_else(|| PlanError::UnknownOrder(s.to_owned()))
+    }
+}
