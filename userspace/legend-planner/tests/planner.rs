@@ -248,3 +248,57 @@ fn rejects_property1_violation() {
             | ValidationError::DuplicateBucket { .. })
     ));
 }
+
+fn twitter() -> legend_planner::PredictionInput {
+    // Legend's Theorem 3 example: TW, d = 100, M = 15 GB, t = 1e-7 s, w = 2 GB/s, r = 3 GB/s.
+    legend_planner::PredictionInput {
+        edges: 1_460_000_000,
+        nodes: 41_600_000,
+        dim: 100,
+        buffer_bytes: 15e9,
+        seconds_per_edge: 1e-7,
+        write_bytes_per_s: 2e9,
+        read_bytes_per_s: 3e9,
+        bucket_edges: None,
+    }
+}
+
+#[test]
+fn theorem3_on_the_paper_figures() {
+    let p = plan(12, 3, Order::Legend).unwrap();
+    let pred = legend_planner::predict(&p, &twitter()).unwrap();
+    assert!(
+        (pred.threshold - 1.28e-7).abs() < 1e-9,
+        "{}",
+        pred.threshold
+    );
+    assert!(pred.theorem3_holds);
+    assert!(pred.epoch_s_with_overlap < pred.epoch_s_without_overlap);
+    let expected_compute = 1.46e9 * 1e-7;
+    assert!((pred.compute_s - expected_compute).abs() < 1e-6);
+
+    // FM is too sparse: 4e-8 < threshold.
+    let fm = legend_planner::PredictionInput {
+        edges: 4_000_000,
+        nodes: 10_000_000,
+        ..twitter()
+    };
+    assert!(!legend_planner::predict(&p, &fm).unwrap().theorem3_holds);
+}
+
+#[test]
+fn prediction_uses_bucket_counts() {
+    let p = plan(6, 3, Order::Legend).unwrap();
+    let mut input = twitter();
+    input.bucket_edges = Some(vec![1; 36]);
+    let pred = legend_planner::predict(&p, &input).unwrap();
+    assert!((pred.compute_s - 36.0 * 1e-7).abs() < 1e-12);
+    input.bucket_edges = Some(vec![1; 35]);
+    assert_eq!(
+        legend_planner::predict(&p, &input),
+        Err(legend_planner::PredictError::BucketCountLength {
+            expected: 36,
+            got: 35
+        })
+    );
+}
