@@ -131,6 +131,8 @@ pub(crate) struct Controller {
     info: uapi::Info,
     /// Physical address of the first doorbell, the start of the doorbell `mmap`.
     doorbell_phys: u64,
+    /// CAP.TO in milliseconds.
+    timeout_ms: i64,
     pub(crate) stats: Stats,
     #[pin]
     state: Mutex<State>,
@@ -214,6 +216,7 @@ impl Controller {
                 pdev: pdev_ref.into(),
                 info,
                 doorbell_phys,
+                timeout_ms: caps.timeout_ms,
                 stats: Stats::default(),
                 state <- new_mutex!(State {
                     live: Some(Live { bar, admin }),
@@ -360,8 +363,12 @@ impl Controller {
     /// Runs an admin command, counting it.
     fn admin(&self, live: &mut Live, cmd: &Command) -> Result<admin::Completion> {
         self.stats.admin_commands.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: a `Live` exists only while the device is bound: `shutdown` takes it, under the
+        // state lock that the caller holds, before unbind completes.
+        let dev = unsafe { self.dev().as_bound() };
         let Live { bar, admin } = live;
-        bar.try_access_with(|bar| admin.submit(bar, cmd)).ok_or(ENODEV)?
+        // `access` rather than `try_access`: polling sleeps, which an RCU read section forbids.
+        admin.submit(bar.access(dev)?, cmd)
     }
 
     /// Pins `args.len` bytes at `args.addr` for `owner` and returns the mapping's handle and bus
@@ -588,8 +595,9 @@ impl Controller {
             unsafe { legend_shim_zap_file(m.file) };
         }
         state.mmaps.clear();
-        let timeout_ms = 30_000;
-        if live.bar.try_access_with(|bar| disable(bar, timeout_ms)).unwrap_or(Ok(())).is_err() {
+        // SAFETY: called from unbind, so the device is still bound.
+        let dev = unsafe { self.dev().as_bound() };
+        if live.bar.access(dev).and_then(|bar| disable(bar, self.timeout_ms)).is_err() {
             dev_warn!(self.dev(), "controller did not disable cleanly\n");
         }
         self.stats.bytes_pinned.store(0, Ordering::Relaxed);

@@ -52,8 +52,10 @@ void legend_shim_zap_file(struct file *file)
 	unmap_mapping_range(file->f_mapping, 0, 0, 1);
 }
 
-void legend_shim_pci_address(struct pci_dev *pdev, u32 *domain, u8 *bus, u8 *devfn)
+void legend_shim_pci_address(struct device *dev, u32 *domain, u8 *bus, u8 *devfn)
 {
+	struct pci_dev *pdev = to_pci_dev(dev);
+
 	*domain = pci_domain_nr(pdev->bus);
 	*bus = pdev->bus->number;
 	*devfn = pdev->devfn;

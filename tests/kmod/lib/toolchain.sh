@@ -28,7 +28,7 @@ die() { printf '[toolchain] error: %s\n' "$*" >&2; exit 1; }
 host_tools() {
     local need=() p
     for p in make gcc libc6-dev bc flex bison libelf-dev libssl-dev busybox-static \
-        xz-utils cpio qemu-system-x86 qemu-utils; do
+        xz-utils cpio qemu-system-x86; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
     done
     [ ${#need[@]} -eq 0 ] && return 0
