@@ -122,6 +122,16 @@ impl Store {
     /// signature unless `opts.force`, and targets too small for the layout.
     /// The new store is at generation 0 with every region uninitialised.
     pub fn create(path: &Path, spec: &StoreSpec, opts: &CreateOptions) -> Result<Self, StoreError> {
+        let existed = path.exists();
+        let res = Self::create_in(path, spec, opts);
+        if res.is_err() && !existed {
+            // Leave no half-made file behind; the error is what matters.
+            let _ = std::fs::remove_file(path);
+        }
+        res
+    }
+
+    fn create_in(path: &Path, spec: &StoreSpec, opts: &CreateOptions) -> Result<Self, StoreError> {
         let dev = Device::open(path, true, opts.io.allow_buffered)?;
         let layout = Layout::compute(spec, dev.block_size)?;
         let needed = layout.total_bytes;
@@ -161,16 +171,15 @@ impl Store {
         dev.write_at(0, &vec![0; 2 * SUPERBLOCK_SLOT_BYTES as usize])?;
         dev.sync()?;
         let n = spec.num_partitions as usize;
-        let mut store = Self::assemble(
-            dev,
-            spec.clone(),
+        let fresh = Superblock {
+            generation: 0,
+            spec: spec.clone(),
             layout,
-            0,
-            Vec::new(),
-            RegionState::default(),
-            vec![RegionState::default(); n],
-            &opts.io,
-        )?;
+            aux_state: RegionState::default(),
+            partition_states: vec![RegionState::default(); n],
+            progress: Vec::new(),
+        };
+        let mut store = Self::assemble(dev, fresh, &opts.io)?;
         store.write_superblock(0)?;
         tracing::info!(path = %path.display(), bytes = needed, direct = store.dev.direct, "created store");
         Ok(store)
@@ -265,29 +274,10 @@ impl Store {
             )));
         }
         tracing::info!(path = %path.display(), generation = sb.generation, direct = dev.direct, "opened store");
-        Self::assemble(
-            dev,
-            sb.spec,
-            sb.layout,
-            sb.generation,
-            sb.progress,
-            sb.aux_state,
-            sb.partition_states,
-            io,
-        )
+        Self::assemble(dev, sb, io)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn assemble(
-        dev: Device,
-        spec: StoreSpec,
-        layout: Layout,
-        generation: u64,
-        progress: Vec<u8>,
-        aux: RegionState,
-        partitions: Vec<RegionState>,
-        io: &IoConfig,
-    ) -> Result<Self, StoreError> {
+    fn assemble(dev: Device, sb: Superblock, io: &IoConfig) -> Result<Self, StoreError> {
         use std::os::fd::AsRawFd;
         let ring = Ring::new(
             dev.file.as_raw_fd(),
@@ -309,12 +299,12 @@ impl Store {
         Ok(Self {
             ring,
             request_bytes,
-            spec,
-            layout,
-            generation,
-            progress,
-            aux: track(aux),
-            partitions: partitions.into_iter().map(track).collect(),
+            spec: sb.spec,
+            layout: sb.layout,
+            generation: sb.generation,
+            progress: sb.progress,
+            aux: track(sb.aux_state),
+            partitions: sb.partition_states.into_iter().map(track).collect(),
             dev,
         })
     }
@@ -408,7 +398,7 @@ impl Store {
             let extent = self.extent(region)?;
             let (bytes, offsets) = (extent.bytes, extent.offsets);
             let t = *self.tracked(region)?;
-            if !write && !(t.committed.initialized || t.dirty) {
+            if !(write || t.committed.initialized || t.dirty) {
                 return Err(StoreError::NotInitialized {
                     path: self.dev.path.clone(),
                     region: region.to_string(),
