@@ -1,0 +1,77 @@
+//! Partition write and read throughput of the `file` backend.
+//!
+//! ```text
+//! cargo run --release -p legend-storage --example throughput -- \
+//!     [PATH] [TOTAL_MIB] [PARTITIONS] [QUEUE_DEPTH] [REQUEST_KIB]
+//! ```
+//! Writes every partition once (one `write` per partition, as swaps do),
+//! commits (so the `fdatasync` is inside the timing), then reads every
+//! partition back. Compare with
+//! `dd if=/dev/zero of=PATH.dd bs=1M count=TOTAL_MIB oflag=direct conv=fdatasync`
+//! and `dd if=PATH.dd of=/dev/null bs=1M iflag=direct`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use legend_storage::{
+    CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, Region, Store, StoreError, StoreSpec,
+};
+
+fn arg<T: std::str::FromStr>(args: &[String], i: usize, default: T) -> T {
+    args.get(i).and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+fn main() -> Result<(), StoreError> {
+    let args: Vec<String> = std::env::args().collect();
+    let path: PathBuf = arg(&args, 1, PathBuf::from("/work/targets/storage/bench-store.bin"));
+    let total_mib: u64 = arg(&args, 2, 512);
+    let num_partitions: u32 = arg(&args, 3, 8);
+    let io = IoConfig {
+        queue_depth: arg(&args, 4, 32),
+        request_bytes: arg::<u32>(&args, 5, 1024) << 10,
+        ..IoConfig::default()
+    };
+    let dim = 100;
+    let spec = StoreSpec {
+        dataset: DatasetId { id: [0xbe; 16], label: "throughput".into() },
+        num_nodes: (total_mib << 20) / (u64::from(dim) * 8),
+        dim,
+        num_partitions,
+        aux_bytes: 0,
+        progress_capacity: 0,
+        shadow: false,
+    };
+    let opts = CreateOptions { io: io.clone(), force: true, max_bytes: None };
+    let mut store = Store::create(&path, &spec, &opts)?;
+    let mut buf = IoBuffer::new(store.max_partition_bytes())?;
+    for (i, v) in buf.as_f32_mut().iter_mut().enumerate() {
+        *v = i as f32;
+    }
+    let bytes: u64 = store.layout().partitions.iter().map(|e| e.bytes).sum();
+    let mib = bytes as f64 / f64::from(1 << 20);
+
+    let t = Instant::now();
+    for p in 0..num_partitions {
+        store.write(Region::Partition(p), &buf)?;
+    }
+    store.commit(&[])?;
+    let write_s = t.elapsed().as_secs_f64();
+    drop(store);
+
+    let mut store = Store::open(&path, &Expect::default(), &io)?;
+    let t = Instant::now();
+    for p in 0..num_partitions {
+        store.read(Region::Partition(p), &mut buf)?;
+    }
+    let read_s = t.elapsed().as_secs_f64();
+    println!(
+        "{}: {mib:.0} MiB in {num_partitions} partitions, direct={}, qd={}, request={} KiB",
+        path.display(),
+        store.is_direct(),
+        io.queue_depth,
+        io.request_bytes >> 10
+    );
+    println!("write+commit: {:.0} MiB/s ({write_s:.2} s)", mib / write_s);
+    println!("read:         {:.0} MiB/s ({read_s:.2} s)", mib / read_s);
+    Ok(())
+}
