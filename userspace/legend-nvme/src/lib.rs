@@ -1,1 +1,75 @@
-//! Placeholder; filled by its owner.
+//! Safe userspace access to the `legend_nvme` kernel module.
+//!
+//! - [`Sysfs`] lists NVMe controllers and moves them between the stock `nvme` driver and
+//!   `legend_nvme` (what `legendctl device list|bind|unbind` does).
+//! - [`Device`] opens `/dev/legend-nvme<N>` and wraps its ioctls and the doorbell `mmap`
+//!   (what `legendctl device info|health` and the daemon use).
+
+mod device;
+mod sysfs;
+
+pub use device::{Device, Doorbells, Health, HostMapping, QueuePair};
+pub use legend_uapi as uapi;
+pub use sysfs::{Controller, Sysfs};
+
+/// Errors of this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No PCI device with this address, or it is not an NVMe controller.
+    #[error("No NVMe controller at {0}")]
+    NotFound(String),
+    /// Binding would take a controller whose block devices are in use.
+    #[error("{bdf} is in use ({reason}); unmount/close it or pass --force")]
+    InUse {
+        /// PCI address.
+        bdf: String,
+        /// What uses it.
+        reason: String,
+    },
+    /// The controller did not appear under the expected driver.
+    #[error("{bdf} did not bind to {driver}; is the module loaded? (see dmesg)")]
+    NotBound {
+        /// PCI address.
+        bdf: String,
+        /// Driver expected.
+        driver: String,
+    },
+    /// A sysfs or procfs access failed.
+    #[error("Cannot access {path}")]
+    Sysfs {
+        /// The file.
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Opening the character device failed.
+    #[error("Cannot open {path}")]
+    Open {
+        /// The device file.
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An ioctl or mmap of the device failed.
+    #[error("{op} failed")]
+    Ioctl {
+        /// The operation.
+        op: &'static str,
+        /// The errno, as the uapi documentation describes it.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An admin command completed with an NVMe error status.
+    #[error("{op} completed with NVMe status {status:#x}")]
+    Status {
+        /// The operation.
+        op: &'static str,
+        /// Status code type << 8 | status code.
+        status: u32,
+    },
+}
+
+/// Result of this crate.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,346 @@
+//! `/dev/legend-nvme<N>`: ioctls and the doorbell mapping.
+
+use std::{
+    fs::{File, OpenOptions},
+    io,
+    os::fd::AsRawFd,
+    ptr::NonNull,
+};
+
+use legend_uapi as uapi;
+
+use crate::{Error, Result};
+
+/// An open `legend_nvme` character device.
+///
+/// Everything created through it (mappings, queue pairs) belongs to this open file and is
+/// released by the kernel when it is closed.
+#[derive(Debug)]
+pub struct Device {
+    file: File,
+    path: String,
+}
+
+/// The SMART / health log fields `legendctl device health` shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Health {
+    /// Critical warning bits (0 is healthy).
+    pub critical_warning: u8,
+    /// Composite temperature in kelvin.
+    pub temperature_kelvin: u16,
+    /// Available spare, percent.
+    pub available_spare: u8,
+    /// Percentage of the rated endurance used.
+    pub percentage_used: u8,
+    /// Data units (1000 × 512 bytes) read, low 64 bits.
+    pub data_units_read: u64,
+    /// Data units written, low 64 bits.
+    pub data_units_written: u64,
+    /// Power-on hours, low 64 bits.
+    pub power_on_hours: u64,
+    /// Unsafe shutdowns, low 64 bits.
+    pub unsafe_shutdowns: u64,
+    /// Media and data integrity errors, low 64 bits.
+    pub media_errors: u64,
+}
+
+/// A host-memory mapping: the kernel pinned `len` bytes and reports one bus address per page.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostMapping {
+    /// Handle for [`Device::unmap`] and [`Device::create_queue_pair`].
+    pub handle: u32,
+    /// Bus address of each [`uapi::HOST_PAGE_SIZE`] page, for this controller.
+    pub bus_addrs: Vec<u64>,
+}
+
+/// Doorbell offsets of a created queue pair, relative to [`Doorbells`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueuePair {
+    /// Queue identifier.
+    pub qid: u32,
+    /// Byte offset of the SQ tail doorbell.
+    pub sq_doorbell: u32,
+    /// Byte offset of the CQ head doorbell.
+    pub cq_doorbell: u32,
+}
+
+/// The controller's doorbell registers mapped uncached into this process; unmapped on drop.
+#[derive(Debug)]
+pub struct Doorbells {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is device memory shared by all threads; writes to distinct doorbells are
+// independent 32-bit MMIO stores.
+unsafe impl Send for Doorbells {}
+// SAFETY: as above.
+unsafe impl Sync for Doorbells {}
+
+impl Doorbells {
+    /// Base address, e.g. to register with `cuMemHostRegister(..., IOMEMORY)`.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the mapping is empty (never, for a created mapping).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Writes `value` to the doorbell at byte `offset` (from [`QueuePair`]).
+    ///
+    /// # Panics
+    ///
+    /// If `offset` is not a 4-byte aligned offset inside the mapping.
+    pub fn ring(&self, offset: u32, value: u32) {
+        let offset = offset as usize;
+        assert!(
+            offset.is_multiple_of(4) && offset + 4 <= self.len,
+            "doorbell offset {offset} out of range"
+        );
+        // SAFETY: checked above to be an aligned dword of the live mapping.
+        unsafe {
+            self.ptr
+                .as_ptr()
+                .add(offset)
+                .cast::<u32>()
+                .write_volatile(value)
+        };
+    }
+}
+
+impl Drop for Doorbells {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping this object owns.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+impl Device {
+    /// Opens a character device, e.g. `/dev/legend-nvme0`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Open`], e.g. for a missing node or missing `legend` group membership.
+    pub fn open(path: &str) -> Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| Error::Open {
+                path: path.to_owned(),
+                source,
+            })?;
+        Ok(Self {
+            file,
+            path: path.to_owned(),
+        })
+    }
+
+    /// The device file's path.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn ioctl<T>(&self, op: &'static str, cmd: u32, arg: &mut T) -> Result<()> {
+        // SAFETY: `cmd` encodes `size_of::<T>()` (uapi) and `arg` is a valid, exclusive `T`.
+        let r = unsafe {
+            libc::ioctl(
+                self.file.as_raw_fd(),
+                cmd as libc::c_ulong,
+                std::ptr::from_mut(arg),
+            )
+        };
+        if r < 0 {
+            Err(Error::Ioctl {
+                op,
+                source: io::Error::last_os_error(),
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Controller identity and limits (`INFO`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`].
+    pub fn info(&self) -> Result<uapi::Info> {
+        // SAFETY: `Info` is integers and integer arrays; all-zero is a valid value.
+        let mut info: uapi::Info = unsafe { std::mem::zeroed() };
+        self.ioctl("INFO", uapi::IOCTL_INFO, &mut info)?;
+        Ok(info)
+    }
+
+    fn admin(
+        &self,
+        op: &'static str,
+        opcode: u8,
+        nsid: u32,
+        cdw10: u32,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let mut a = uapi::AdminArgs {
+            opcode,
+            nsid,
+            data: buf.as_mut_ptr() as u64,
+            data_len: u32::try_from(buf.len()).unwrap_or(u32::MAX),
+            ..Default::default()
+        };
+        a.cdw[0] = cdw10;
+        self.ioctl(op, uapi::IOCTL_ADMIN, &mut a)?;
+        if a.status != 0 {
+            return Err(Error::Status {
+                op,
+                status: a.status,
+            });
+        }
+        Ok(())
+    }
+
+    /// Identify Controller data (4096 bytes).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`], [`Error::Status`].
+    pub fn identify_controller(&self) -> Result<Vec<u8>> {
+        let mut buf = vec![0u8; 4096];
+        self.admin("Identify", uapi::ADMIN_OPC_IDENTIFY, 0, 1, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// The SMART / health log.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`], [`Error::Status`].
+    pub fn health(&self) -> Result<Health> {
+        let mut b = vec![0u8; 512];
+        self.admin(
+            "Get Log Page (SMART)",
+            uapi::ADMIN_OPC_GET_LOG_PAGE,
+            u32::MAX,
+            u32::from(uapi::LOG_ID_SMART),
+            &mut b,
+        )?;
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
+        Ok(Health {
+            critical_warning: b[0],
+            temperature_kelvin: u16::from_le_bytes([b[1], b[2]]),
+            available_spare: b[3],
+            percentage_used: b[5],
+            data_units_read: u64_at(32),
+            data_units_written: u64_at(48),
+            power_on_hours: u64_at(128),
+            unsafe_shutdowns: u64_at(144),
+            media_errors: u64_at(160),
+        })
+    }
+
+    /// Pins `len` bytes of host memory at `addr` for the controller.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr + len` must stay mapped, and not be reused for other data, until the mapping
+    /// is released ([`Device::unmap`] or closing the device): the controller writes to it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`] with the errno `Documentation/uapi.md` lists for `MAP`.
+    pub unsafe fn map_host(&self, addr: *mut u8, len: usize) -> Result<HostMapping> {
+        let mut bus_addrs = vec![0u64; len.div_ceil(uapi::HOST_PAGE_SIZE as usize)];
+        let mut a = uapi::MapArgs {
+            addr: addr as u64,
+            len: len as u64,
+            bus_addrs: bus_addrs.as_mut_ptr() as u64,
+            bus_addrs_cap: u32::try_from(bus_addrs.len()).unwrap_or(u32::MAX),
+            kind: uapi::MAP_KIND_HOST,
+            ..Default::default()
+        };
+        self.ioctl("MAP", uapi::IOCTL_MAP, &mut a)?;
+        bus_addrs.truncate(a.pages as usize);
+        Ok(HostMapping {
+            handle: a.handle,
+            bus_addrs,
+        })
+    }
+
+    /// Releases a mapping.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`] (`ENOENT`, `EBUSY` while a queue pair uses it).
+    pub fn unmap(&self, handle: u32) -> Result<()> {
+        self.ioctl(
+            "UNMAP",
+            uapi::IOCTL_UNMAP,
+            &mut uapi::UnmapArgs { handle, flags: 0 },
+        )
+    }
+
+    /// Creates I/O queue pair `qid` with its SQ and CQ in earlier mappings.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`] with the errno `Documentation/uapi.md` lists for `CREATE_QUEUE_PAIR`.
+    pub fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> Result<QueuePair> {
+        let mut a = args;
+        self.ioctl("CREATE_QUEUE_PAIR", uapi::IOCTL_CREATE_QUEUE_PAIR, &mut a)?;
+        Ok(QueuePair {
+            qid: a.qid,
+            sq_doorbell: a.sq_doorbell,
+            cq_doorbell: a.cq_doorbell,
+        })
+    }
+
+    /// Deletes queue pair `qid`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`] (`ENOENT` if this file did not create it).
+    pub fn delete_queue_pair(&self, qid: u32) -> Result<()> {
+        self.ioctl(
+            "DELETE_QUEUE_PAIR",
+            uapi::IOCTL_DELETE_QUEUE_PAIR,
+            &mut uapi::DeleteQueuePairArgs { qid, flags: 0 },
+        )
+    }
+
+    /// Maps the doorbell registers (`Info::doorbell_len` bytes).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`] for the `INFO` or `mmap` call.
+    pub fn doorbells(&self) -> Result<Doorbells> {
+        let len = self.info()?.doorbell_len as usize;
+        // SAFETY: a new shared mapping of the device at offset 0; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                self.file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::Ioctl {
+                op: "mmap",
+                source: io::Error::last_os_error(),
+            });
+        }
+        let ptr = NonNull::new(p.cast()).ok_or(Error::Ioctl {
+            op: "mmap",
+            source: io::Error::from_raw_os_error(libc::EINVAL),
+        })?;
+        Ok(Doorbells { ptr, len })
+    }
+}
