@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Builds legend_nvme for KERNELVER in DIR (DKMS's MAKE step).
+# Uses /lib/modules/KERNELVER/build when its headers carry the Rust artifacts; otherwise (Debian)
+# prepares a tree with the kernel's exact rustc through toolchain.sh, as the selftests do.
+set -euo pipefail
+kver=${1:?usage: build.sh KERNELVER DIR}
+dir=${2:?usage: build.sh KERNELVER DIR}
+build=/lib/modules/$kver/build
+if [ -f "$build/rust/libkernel.rmeta" ]; then
+    exec make -C "$build" M="$dir" modules
+fi
+[ -f "$dir/toolchain.sh" ] || { echo "legend-nvme: $build lacks Rust artifacts and toolchain.sh is missing" >&2; exit 1; }
+export LEGEND_KVER=$kver LEGEND_CACHE=${LEGEND_CACHE:-/var/cache/legend}
+# shellcheck source=../tests/kmod/lib/toolchain.sh
+source "$dir/toolchain.sh"
+host_tools
+fetch_all
+prepare_tree
+kmake M="$dir" modules
