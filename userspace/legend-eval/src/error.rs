@@ -1,0 +1,59 @@
+//! What can be wrong with the inputs of an evaluation.
+
+/// An input that cannot be evaluated; the message names what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    /// The embedding dimension does not suit the decoder (zero, or odd for ComplEx).
+    #[error("bad embedding dimension: {0}")]
+    Dim(String),
+    /// A table's length is not a multiple of the dimension, or it has no rows.
+    #[error("{table} table has {len} floats, which is not a positive multiple of dim {dim}")]
+    TableSize {
+        /// "entity" or "relation".
+        table: &'static str,
+        /// Its length in floats.
+        len: usize,
+        /// The embedding dimension.
+        dim: usize,
+    },
+    /// An entity or relation id is not below the number of rows it indexes.
+    #[error("{at}: {role} id {id} out of range (there are {limit})")]
+    IdOutOfRange {
+        /// Which triple, e.g. "triple 17".
+        at: String,
+        /// "source", "relation" or "destination".
+        role: &'static str,
+        /// The offending id.
+        id: u32,
+        /// The number of entities or relations.
+        limit: usize,
+    },
+    /// The filter index was built for another number of entities than the table has.
+    #[error("the filter index was built for {index} entities but the entity table has {table}")]
+    FilterSize {
+        /// Entities of the index.
+        index: usize,
+        /// Rows of the entity table.
+        table: usize,
+    },
+    /// The degree list does not have one entry per entity.
+    #[error("{len} entity degrees given for {table} entities")]
+    DegreesLen {
+        /// Entries given.
+        len: usize,
+        /// Rows of the entity table.
+        table: usize,
+    },
+    /// Degree-proportional negatives were asked for, but every degree is zero.
+    #[error("every entity degree is zero: cannot draw degree-proportional negatives")]
+    ZeroDegrees,
+    /// The sampled protocol was asked for with no negatives at all.
+    #[error("the sampled protocol needs at least one negative (uniform + degree = 0)")]
+    NoNegatives,
+    /// There is nothing to rank.
+    #[error("no triples to rank")]
+    NoTriples,
+    /// The rayon pool could not be built.
+    #[error("cannot build the evaluation thread pool: {0}")]
+    ThreadPool(#[from] rayon::ThreadPoolBuildError),
+}
