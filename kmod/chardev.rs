@@ -95,7 +95,8 @@ impl MiscDevice for OpenFile {
                 let (mut r, mut w) = user.reader_writer();
                 let mut args: uapi::MapArgs = r.read()?;
                 let (handle, bus) = ctrl.map(owner, &args)?;
-                let out = UserSlice::new(UserPtr::from_addr(args.bus_addrs as usize), bus.len() * 8);
+                let out =
+                    UserSlice::new(UserPtr::from_addr(args.bus_addrs as usize), bus.len() * 8);
                 let written = out.writer().write_slice(<[u64] as AsBytes>::as_bytes(&bus));
                 if let Err(e) = written {
                     let _ = ctrl.unmap(owner, handle);
@@ -144,7 +145,9 @@ impl MiscDevice for OpenFile {
                 }
                 let mut buf = KVec::from_elem(0u8, len, GFP_KERNEL)?;
                 let c = ctrl.admin_passthrough(&args, &mut buf)?;
-                UserSlice::new(UserPtr::from_addr(args.data as usize), len).writer().write_slice(&buf)?;
+                UserSlice::new(UserPtr::from_addr(args.data as usize), len)
+                    .writer()
+                    .write_slice(&buf)?;
                 args.result = c.result;
                 args.status = u32::from(c.status);
                 w.write(&args)?;

@@ -60,7 +60,12 @@ type DevresBar0 = pci::DevresBar<{ regs::BAR0_MIN }>;
 #[expect(improper_ctypes)]
 extern "C" {
     fn legend_shim_zap_file(file: *mut bindings::file);
-    fn legend_shim_pci_address(dev: *mut bindings::device, domain: *mut u32, bus: *mut u8, devfn: *mut u8);
+    fn legend_shim_pci_address(
+        dev: *mut bindings::device,
+        domain: *mut u32,
+        bus: *mut u8,
+        devfn: *mut u8,
+    );
 }
 
 const OPC_DELETE_SQ: u8 = 0x00;
@@ -177,7 +182,9 @@ impl Controller {
         pdev.enable_device_mem()?;
         pdev.set_master();
         // SAFETY: probe runs before any DMA allocation or mapping for this device exists.
-        unsafe { kernel::dma::Device::dma_set_mask_and_coherent(pdev, kernel::dma::DmaMask::new::<64>())? };
+        unsafe {
+            kernel::dma::Device::dma_set_mask_and_coherent(pdev, kernel::dma::DmaMask::new::<64>())?
+        };
         let bar = pdev
             .iomap_region_sized::<{ regs::BAR0_MIN }>(0, c"legend_nvme")
             .inspect_err(|_| dev_err!(pdev, "cannot map BAR0\n"))?;
@@ -196,14 +203,22 @@ impl Controller {
             return Err(ENODEV);
         }
         let mut admin = AdminQueue::new(pdev.as_ref(), caps.stride)?;
-        let mut info = Self::bring_up(pdev, &bar, &mut admin, &caps, bar_len).inspect_err(|_| {
-            // The controller must not keep using admin memory that is about to be freed.
-            let _ = disable(&bar, caps.timeout_ms);
-        })?;
+        let mut info =
+            Self::bring_up(pdev, &bar, &mut admin, &caps, bar_len).inspect_err(|_| {
+                // The controller must not keep using admin memory that is about to be freed.
+                let _ = disable(&bar, caps.timeout_ms);
+            })?;
 
         let (mut domain, mut bus, mut devfn) = (0u32, 0u8, 0u8);
         // SAFETY: `pdev` is a valid, bound PCI device.
-        unsafe { legend_shim_pci_address(crate::mapping::raw_device(pdev.as_ref()), &mut domain, &mut bus, &mut devfn) };
+        unsafe {
+            legend_shim_pci_address(
+                crate::mapping::raw_device(pdev.as_ref()),
+                &mut domain,
+                &mut bus,
+                &mut devfn,
+            )
+        };
         info.pci_domain = domain;
         info.pci_bus = bus;
         info.pci_device = devfn >> 3;
@@ -241,7 +256,11 @@ impl Controller {
         disable(bar, caps.timeout_ms)
             .inspect_err(|_| dev_err!(pdev, "controller did not disable within CAP.TO\n"))?;
         const Q: u32 = admin::DEPTH as u32 - 1;
-        bar.write_reg(regs::AQA::zeroed().with_const_asqs::<Q>().with_const_acqs::<Q>());
+        bar.write_reg(
+            regs::AQA::zeroed()
+                .with_const_asqs::<Q>()
+                .with_const_acqs::<Q>(),
+        );
         // CAST: splitting the 64-bit addresses into dwords.
         let (sq, cq) = (admin.sq_dma(), admin.cq_dma());
         bar.write_reg(regs::ASQ_LO::zeroed().with_addr(sq as u32));
@@ -260,9 +279,9 @@ impl Controller {
 
         let mut buf = KVec::from_elem(0u8, admin::DATA_LEN, GFP_KERNEL)?;
         let run = |admin: &mut AdminQueue, cmd: Command, what: &str| -> Result<u32> {
-            let c = admin.submit(bar, &cmd).inspect_err(|e| {
-                dev_err!(pdev, "{} failed: {:?}\n", what, e)
-            })?;
+            let c = admin
+                .submit(bar, &cmd)
+                .inspect_err(|e| dev_err!(pdev, "{} failed: {:?}\n", what, e))?;
             if c.status != 0 {
                 dev_err!(pdev, "{} failed with status {:#x}\n", what, c.status);
                 return Err(EIO);
@@ -272,7 +291,16 @@ impl Controller {
 
         // Identify Controller (CNS 1).
         let data = admin.data_dma();
-        run(admin, Command { opcode: uapi::ADMIN_OPC_IDENTIFY, prp1: data, cdw: [1, 0, 0, 0, 0, 0], ..Default::default() }, "Identify Controller")?;
+        run(
+            admin,
+            Command {
+                opcode: uapi::ADMIN_OPC_IDENTIFY,
+                prp1: data,
+                cdw: [1, 0, 0, 0, 0, 0],
+                ..Default::default()
+            },
+            "Identify Controller",
+        )?;
         admin.data(&mut buf);
         let mut info = uapi::Info {
             abi_version: uapi::ABI_VERSION,
@@ -303,7 +331,16 @@ impl Controller {
         info.firmware.copy_from_slice(&buf[64..72]);
 
         // Active Namespace ID list (CNS 2), then Identify Namespace (CNS 0) for each.
-        run(admin, Command { opcode: uapi::ADMIN_OPC_IDENTIFY, prp1: data, cdw: [2, 0, 0, 0, 0, 0], ..Default::default() }, "Identify active namespaces")?;
+        run(
+            admin,
+            Command {
+                opcode: uapi::ADMIN_OPC_IDENTIFY,
+                prp1: data,
+                cdw: [2, 0, 0, 0, 0, 0],
+                ..Default::default()
+            },
+            "Identify active namespaces",
+        )?;
         admin.data(&mut buf);
         let mut nsids = [0u32; uapi::MAX_NAMESPACES];
         let mut count = 0;
@@ -316,7 +353,16 @@ impl Controller {
             count += 1;
         }
         for (i, &nsid) in nsids[..count].iter().enumerate() {
-            run(admin, Command { opcode: uapi::ADMIN_OPC_IDENTIFY, nsid, prp1: data, ..Default::default() }, "Identify Namespace")?;
+            run(
+                admin,
+                Command {
+                    opcode: uapi::ADMIN_OPC_IDENTIFY,
+                    nsid,
+                    prp1: data,
+                    ..Default::default()
+                },
+                "Identify Namespace",
+            )?;
             admin.data(&mut buf);
             let lbaf = usize::from(buf[26] & 0xf);
             info.namespaces[i] = uapi::NamespaceInfo {
@@ -330,7 +376,15 @@ impl Controller {
 
         // Set Features, Number of Queues: both counts are zero based.
         let want = WANTED_QUEUE_PAIRS - 1;
-        let granted = run(admin, Command { opcode: OPC_SET_FEATURES, cdw: [FEAT_NUM_QUEUES, (want << 16) | want, 0, 0, 0, 0], ..Default::default() }, "Set Features (number of queues)")?;
+        let granted = run(
+            admin,
+            Command {
+                opcode: OPC_SET_FEATURES,
+                cdw: [FEAT_NUM_QUEUES, (want << 16) | want, 0, 0, 0, 0],
+                ..Default::default()
+            },
+            "Set Features (number of queues)",
+        )?;
         let mut pairs = (granted & 0xffff).min(granted >> 16).min(want) + 1;
         // Doorbells of qid 0..=pairs must fit in BAR0.
         let room = (bar_len.saturating_sub(regs::DOORBELLS) / (2 * caps.stride)).saturating_sub(1);
@@ -338,9 +392,18 @@ impl Controller {
         info.queue_pairs = pairs;
         let db_bytes = (pairs as usize + 1) * 2 * caps.stride;
         // CAST: bounded by the BAR length checked above.
-        info.doorbell_len = db_bytes.next_multiple_of(uapi::HOST_PAGE_SIZE as usize).min(bar_len - regs::DOORBELLS) as u32;
-        dev_info!(pdev, "NVMe {}.{}, {} I/O queue pairs, {} namespaces, MQES {}\n",
-            info.nvme_version >> 16, (info.nvme_version >> 8) & 0xff, pairs, count, caps.mqes);
+        info.doorbell_len = db_bytes
+            .next_multiple_of(uapi::HOST_PAGE_SIZE as usize)
+            .min(bar_len - regs::DOORBELLS) as u32;
+        dev_info!(
+            pdev,
+            "NVMe {}.{}, {} I/O queue pairs, {} namespaces, MQES {}\n",
+            info.nvme_version >> 16,
+            (info.nvme_version >> 8) & 0xff,
+            pairs,
+            count,
+            caps.mqes
+        );
         Ok(info)
     }
 
@@ -386,7 +449,10 @@ impl Controller {
         match args.kind {
             uapi::MAP_KIND_HOST => {}
             uapi::MAP_KIND_GPU => {
-                dev_warn!(self.dev(), "GPU memory mapping requested, but NVIDIA P2P is unavailable\n");
+                dev_warn!(
+                    self.dev(),
+                    "GPU memory mapping requested, but NVIDIA P2P is unavailable\n"
+                );
                 return Err(EOPNOTSUPP);
             }
             _ => return Err(EINVAL),
@@ -413,8 +479,17 @@ impl Controller {
         bus.extend_from_slice(pages.bus_addrs(), GFP_KERNEL)?;
         let handle = state.next_handle;
         state.next_handle = state.next_handle.checked_add(1).ok_or(ENOSPC)?;
-        self.stats.bytes_pinned.fetch_add(pages.len() as u64, Ordering::Relaxed);
-        state.maps.push(Mapping { owner, handle, pages }, GFP_KERNEL)?;
+        self.stats
+            .bytes_pinned
+            .fetch_add(pages.len() as u64, Ordering::Relaxed);
+        state.maps.push(
+            Mapping {
+                owner,
+                handle,
+                pages,
+            },
+            GFP_KERNEL,
+        )?;
         Ok((handle, bus))
     }
 
@@ -425,19 +500,39 @@ impl Controller {
     /// `ENOENT` if `owner` has no such mapping, `EBUSY` while a queue pair uses it.
     pub(crate) fn unmap(&self, owner: Owner, handle: u32) -> Result {
         let mut state = self.state.lock();
-        let i = state.maps.iter().position(|m| m.owner == owner && m.handle == handle).ok_or(ENOENT)?;
-        if state.queues.iter().any(|q| q.sq_handle == handle || q.cq_handle == handle) {
+        let i = state
+            .maps
+            .iter()
+            .position(|m| m.owner == owner && m.handle == handle)
+            .ok_or(ENOENT)?;
+        if state
+            .queues
+            .iter()
+            .any(|q| q.sq_handle == handle || q.cq_handle == handle)
+        {
             return Err(EBUSY);
         }
         let m = state.maps.remove(i)?;
-        self.stats.bytes_pinned.fetch_sub(m.pages.len() as u64, Ordering::Relaxed);
+        self.stats
+            .bytes_pinned
+            .fetch_sub(m.pages.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
     /// Bus address of `bytes` at `offset` of mapping `handle`, which must be contiguous.
-    fn queue_memory(state: &State, owner: Owner, handle: u32, offset: u64, bytes: u64) -> Result<u64> {
+    fn queue_memory(
+        state: &State,
+        owner: Owner,
+        handle: u32,
+        offset: u64,
+        bytes: u64,
+    ) -> Result<u64> {
         let page = u64::from(uapi::HOST_PAGE_SIZE);
-        let m = state.maps.iter().find(|m| m.owner == owner && m.handle == handle).ok_or(ENOENT)?;
+        let m = state
+            .maps
+            .iter()
+            .find(|m| m.owner == owner && m.handle == handle)
+            .ok_or(ENOENT)?;
         if offset % page != 0 || offset.checked_add(bytes).ok_or(EINVAL)? > m.pages.len() as u64 {
             return Err(EINVAL);
         }
@@ -459,8 +554,16 @@ impl Controller {
     ///
     /// `EINVAL` for a bad qid, depth, offset or non-contiguous queue memory, `EBUSY` if the qid is
     /// in use, `ENOENT` for unknown handles, `EIO` if the controller refuses the command.
-    pub(crate) fn create_queue_pair(&self, owner: Owner, args: &uapi::QueuePairArgs) -> Result<(u32, u32)> {
-        if args.qid == 0 || args.qid > self.info.queue_pairs || args.depth < 2 || args.depth > self.info.max_queue_entries {
+    pub(crate) fn create_queue_pair(
+        &self,
+        owner: Owner,
+        args: &uapi::QueuePairArgs,
+    ) -> Result<(u32, u32)> {
+        if args.qid == 0
+            || args.qid > self.info.queue_pairs
+            || args.depth < 2
+            || args.depth > self.info.max_queue_entries
+        {
             return Err(EINVAL);
         }
         let mut guard = self.state.lock();
@@ -476,18 +579,59 @@ impl Controller {
         let live = Self::live(state)?;
         let size_qid = ((args.depth - 1) << 16) | args.qid;
         // Polled queue: physically contiguous, interrupts disabled.
-        let c = self.admin(live, &Command { opcode: OPC_CREATE_CQ, prp1: cq, cdw: [size_qid, 1, 0, 0, 0, 0], ..Default::default() })?;
+        let c = self.admin(
+            live,
+            &Command {
+                opcode: OPC_CREATE_CQ,
+                prp1: cq,
+                cdw: [size_qid, 1, 0, 0, 0, 0],
+                ..Default::default()
+            },
+        )?;
         if c.status != 0 {
-            dev_err!(self.dev(), "Create I/O CQ {} failed with status {:#x}\n", args.qid, c.status);
+            dev_err!(
+                self.dev(),
+                "Create I/O CQ {} failed with status {:#x}\n",
+                args.qid,
+                c.status
+            );
             return Err(EIO);
         }
-        let c = self.admin(live, &Command { opcode: OPC_CREATE_SQ, prp1: sq, cdw: [size_qid, (args.qid << 16) | 1, 0, 0, 0, 0], ..Default::default() })?;
+        let c = self.admin(
+            live,
+            &Command {
+                opcode: OPC_CREATE_SQ,
+                prp1: sq,
+                cdw: [size_qid, (args.qid << 16) | 1, 0, 0, 0, 0],
+                ..Default::default()
+            },
+        )?;
         if c.status != 0 {
-            dev_err!(self.dev(), "Create I/O SQ {} failed with status {:#x}\n", args.qid, c.status);
-            let _ = self.admin(live, &Command { opcode: OPC_DELETE_CQ, cdw: [args.qid, 0, 0, 0, 0, 0], ..Default::default() });
+            dev_err!(
+                self.dev(),
+                "Create I/O SQ {} failed with status {:#x}\n",
+                args.qid,
+                c.status
+            );
+            let _ = self.admin(
+                live,
+                &Command {
+                    opcode: OPC_DELETE_CQ,
+                    cdw: [args.qid, 0, 0, 0, 0, 0],
+                    ..Default::default()
+                },
+            );
             return Err(EIO);
         }
-        state.queues.push(QueuePair { owner, qid: args.qid, sq_handle: args.sq_handle, cq_handle: args.cq_handle }, GFP_KERNEL)?;
+        state.queues.push(
+            QueuePair {
+                owner,
+                qid: args.qid,
+                sq_handle: args.sq_handle,
+                cq_handle: args.cq_handle,
+            },
+            GFP_KERNEL,
+        )?;
         self.stats.queue_pairs.fetch_add(1, Ordering::Relaxed);
         let stride = self.info.doorbell_stride;
         Ok((2 * args.qid * stride, (2 * args.qid + 1) * stride))
@@ -496,9 +640,21 @@ impl Controller {
     /// Deletes a queue pair on the controller (SQ first, as the specification requires).
     fn delete_on_device(&self, live: &mut Live, qid: u32) {
         for opcode in [OPC_DELETE_SQ, OPC_DELETE_CQ] {
-            match self.admin(live, &Command { opcode, cdw: [qid, 0, 0, 0, 0, 0], ..Default::default() }) {
+            match self.admin(
+                live,
+                &Command {
+                    opcode,
+                    cdw: [qid, 0, 0, 0, 0, 0],
+                    ..Default::default()
+                },
+            ) {
                 Ok(c) if c.status == 0 => {}
-                Ok(c) => dev_warn!(self.dev(), "deleting queue {} failed with status {:#x}\n", qid, c.status),
+                Ok(c) => dev_warn!(
+                    self.dev(),
+                    "deleting queue {} failed with status {:#x}\n",
+                    qid,
+                    c.status
+                ),
                 Err(e) => dev_warn!(self.dev(), "deleting queue {} failed: {:?}\n", qid, e),
             }
         }
@@ -513,7 +669,11 @@ impl Controller {
     pub(crate) fn delete_queue_pair(&self, owner: Owner, qid: u32) -> Result {
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        let i = state.queues.iter().position(|q| q.owner == owner && q.qid == qid).ok_or(ENOENT)?;
+        let i = state
+            .queues
+            .iter()
+            .position(|q| q.owner == owner && q.qid == qid)
+            .ok_or(ENOENT)?;
         state.queues.remove(i)?;
         if let Some(live) = state.live.as_mut() {
             self.delete_on_device(live, qid);
@@ -526,7 +686,11 @@ impl Controller {
     /// # Errors
     ///
     /// `EPERM` for other commands or log pages, `EINVAL` for a bad length.
-    pub(crate) fn admin_passthrough(&self, args: &uapi::AdminArgs, data: &mut [u8]) -> Result<admin::Completion> {
+    pub(crate) fn admin_passthrough(
+        &self,
+        args: &uapi::AdminArgs,
+        data: &mut [u8],
+    ) -> Result<admin::Completion> {
         match args.opcode {
             uapi::ADMIN_OPC_IDENTIFY => {}
             uapi::ADMIN_OPC_GET_LOG_PAGE if (args.cdw[0] & 0xff) as u8 == uapi::LOG_ID_SMART => {}
@@ -545,7 +709,15 @@ impl Controller {
         let mut guard = self.state.lock();
         let live = Self::live(&mut guard)?;
         let prp1 = live.admin.data_dma();
-        let c = self.admin(live, &Command { opcode: args.opcode, nsid: args.nsid, prp1, cdw })?;
+        let c = self.admin(
+            live,
+            &Command {
+                opcode: args.opcode,
+                nsid: args.nsid,
+                prp1,
+                cdw,
+            },
+        )?;
         live.admin.data(data);
         Ok(c)
     }
@@ -574,7 +746,9 @@ impl Controller {
         // Queues are gone, so the device no longer accesses the mappings.
         while let Some(i) = state.maps.iter().position(|m| m.owner == owner) {
             if let Ok(m) = state.maps.remove(i) {
-                self.stats.bytes_pinned.fetch_sub(m.pages.len() as u64, Ordering::Relaxed);
+                self.stats
+                    .bytes_pinned
+                    .fetch_sub(m.pages.len() as u64, Ordering::Relaxed);
             }
         }
         state.mmaps.retain(|m| m.owner != owner);
@@ -585,7 +759,9 @@ impl Controller {
     pub(crate) fn shutdown(&self) {
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        let Some(mut live) = state.live.take() else { return };
+        let Some(mut live) = state.live.take() else {
+            return;
+        };
         while let Some(q) = state.queues.pop() {
             self.delete_on_device(&mut live, q.qid);
         }
@@ -597,7 +773,12 @@ impl Controller {
         state.mmaps.clear();
         // SAFETY: called from unbind, so the device is still bound.
         let dev = unsafe { self.dev().as_bound() };
-        if live.bar.access(dev).and_then(|bar| disable(bar, self.timeout_ms)).is_err() {
+        if live
+            .bar
+            .access(dev)
+            .and_then(|bar| disable(bar, self.timeout_ms))
+            .is_err()
+        {
             dev_warn!(self.dev(), "controller did not disable cleanly\n");
         }
         self.stats.bytes_pinned.store(0, Ordering::Relaxed);

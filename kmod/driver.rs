@@ -49,7 +49,12 @@ impl NameSlot {
             if i >= NAMES.len() {
                 return Err(ENOSPC);
             }
-            match NAMES_USED.compare_exchange(used, used | (1 << i), Ordering::AcqRel, Ordering::Relaxed) {
+            match NAMES_USED.compare_exchange(
+                used,
+                used | (1 << i),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
                 Ok(_) => return Ok(Self(i)),
                 Err(now) => used = now,
             }
@@ -108,7 +113,9 @@ impl pci::Driver for LegendNvme {
         pin_init::pin_init_scope(move || {
             let name = NameSlot::claim()?;
             let ctrl = Controller::probe(pdev)?;
-            let options = MiscDeviceOptions { name: NAMES[name.0] };
+            let options = MiscDeviceOptions {
+                name: NAMES[name.0],
+            };
             Ok(try_pin_init!(Registered {
                 ctrl,
                 _name: name,

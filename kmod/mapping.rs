@@ -30,7 +30,9 @@ extern "C" {
 /// The C `struct device` of `dev`.
 pub(crate) fn raw_device(dev: &device::Device) -> *mut bindings::device {
     // CAST: `device::Device` is a `repr(transparent)` wrapper of `struct device`.
-    core::ptr::from_ref(dev).cast::<bindings::device>().cast_mut()
+    core::ptr::from_ref(dev)
+        .cast::<bindings::device>()
+        .cast_mut()
 }
 
 /// Most pages one mapping may pin (1 GiB of host memory).
@@ -62,7 +64,11 @@ impl HostPages {
     ///
     /// - `EFAULT` if the range is not fully mapped writable memory of the caller.
     /// - `ENOMEM` if memory or a DMA mapping could not be had.
-    pub(crate) fn pin(dev: &device::Device<device::Bound>, uaddr: u64, npages: usize) -> Result<Self> {
+    pub(crate) fn pin(
+        dev: &device::Device<device::Bound>,
+        uaddr: u64,
+        npages: usize,
+    ) -> Result<Self> {
         let uaddr = usize::try_from(uaddr).map_err(|_| EINVAL)?;
         let mut pages = KVec::with_capacity(npages, GFP_KERNEL)?;
         // SAFETY: `pages` has room for `npages` entries; the shim pins at most that many.
@@ -88,7 +94,8 @@ impl HostPages {
             let mut bus = 0u64;
             // SAFETY: `pages[i]` is a pinned page and `dev` is a bound device (the caller's
             // contract).
-            let ret = unsafe { legend_shim_dma_map_page(raw_device(&this.dev), this.pages[i], &mut bus) };
+            let ret =
+                unsafe { legend_shim_dma_map_page(raw_device(&this.dev), this.pages[i], &mut bus) };
             if ret != 0 {
                 return Err(ENOMEM);
             }
