@@ -570,3 +570,12 @@ fn works_on_tmp_and_shm_with_or_without_direct_io() {
         );
     }
 }
+
+#[test]
+fn store_and_buffers_can_move_to_an_io_thread() {
+    fn is_send<T: Send>() {}
+    fn is_sync<T: Sync>() {}
+    is_send::<Store>();
+    is_send::<IoBuffer>();
+    is_sync::<IoBuffer>();
+}
