@@ -25,6 +25,12 @@ enum Command {
     Partition(cmd::partition::Args),
     /// Compute and validate a partition-swap order.
     Plan(cmd::plan::Args),
+    /// Train embeddings on a dataset.
+    Train(cmd::train::Args),
+    /// Evaluate a run's embeddings (link prediction).
+    Eval(cmd::eval::Args),
+    /// Export a run's embeddings with labels.
+    Export(cmd::export::Args),
 }
 
 fn main() -> ExitCode {
@@ -43,6 +49,9 @@ fn main() -> ExitCode {
         Command::Import(args) => cmd::import::run(args),
         Command::Partition(args) => cmd::partition::run(args),
         Command::Plan(args) => cmd::plan::run(args),
+        Command::Train(args) => cmd::train::run(args),
+        Command::Eval(args) => cmd::eval::run(args),
+        Command::Export(args) => cmd::export::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

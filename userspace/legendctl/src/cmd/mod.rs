@@ -1,8 +1,11 @@
 //! One module per subcommand: its clap arguments and its `run`.
 
+pub mod eval;
+pub mod export;
 pub mod import;
 pub mod partition;
 pub mod plan;
+pub mod train;
 
 use std::io::Write;
 

@@ -1,0 +1,416 @@
+//! The partition buffer: C resident partitions of node embeddings + AdaGrad state, swapped with
+//! a [`PartitionStore`] on a dedicated I/O thread so that a swap overlaps with compute.
+
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use legend_dataset::PartitionScheme;
+use legend_model::Init;
+use rustc_hash::FxHashMap;
+
+/// Rows of one partition: embeddings and AdaGrad state, `rows × dim` each.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Partition {
+    /// Partition id.
+    pub id: u32,
+    /// Embeddings, row-major.
+    pub emb: Vec<f32>,
+    /// AdaGrad state, same shape.
+    pub state: Vec<f32>,
+}
+
+/// Where partitions live while they are not in the buffer.
+///
+/// Implemented by the in-RAM store here and by the on-disk stores.
+pub trait PartitionStore: Send + 'static {
+    /// Reads partition `p` into `emb`/`state` (already sized). Returns `false`, leaving the
+    /// buffers untouched, if the partition was never written: the caller initialises it.
+    fn read(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError>;
+    /// Writes partition `p`.
+    fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), StoreError>;
+    /// Makes every write so far durable.
+    fn sync(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// A store failure.
+#[derive(Debug, thiserror::Error)]
+#[error("partition store: {0}")]
+pub struct StoreError(pub String);
+
+/// Partitions kept in RAM outside the buffer: the `memory` backend when C < N.
+#[derive(Default)]
+pub struct MemoryStore {
+    parts: FxHashMap<u32, (Vec<f32>, Vec<f32>)>,
+}
+
+impl MemoryStore {
+    /// A store holding whole tables (`entities × dim` each), split by `scheme`: resuming a run.
+    pub fn from_tables(scheme: PartitionScheme, dim: usize, emb: &[f32], state: &[f32]) -> MemoryStore {
+        let parts = (0..scheme.num_partitions)
+            .map(|p| {
+                let r = scheme.range(p);
+                let span = r.start as usize * dim..r.end as usize * dim;
+                (p, (emb[span.clone()].to_vec(), state[span].to_vec()))
+            })
+            .collect();
+        MemoryStore { parts }
+    }
+}
+
+impl PartitionStore for MemoryStore {
+    fn read(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError> {
+        match self.parts.get(&p) {
+            Some((e, s)) => {
+                emb.copy_from_slice(e);
+                state.copy_from_slice(s);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), StoreError> {
+        let entry = self.parts.entry(p).or_default();
+        entry.0.clear();
+        entry.0.extend_from_slice(emb);
+        entry.1.clear();
+        entry.1.extend_from_slice(state);
+        Ok(())
+    }
+}
+
+/// I/O counters of a buffer.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct IoStats {
+    /// Partitions read from the store (never-written ones initialised instead are not counted).
+    pub reads: u64,
+    /// Partitions initialised in memory instead of read.
+    pub initialised: u64,
+    /// Partitions written to the store.
+    pub writes: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Time the I/O thread spent on I/O.
+    pub io_time: Duration,
+    /// Time compute spent waiting for a swap to finish.
+    pub wait_time: Duration,
+    /// Swaps (buffer state changes), the initial fill not included.
+    pub swaps: u64,
+}
+
+enum Request {
+    /// Write `evict` back (if any), then load partition `load` into its buffers.
+    Swap { evict: Option<Partition>, load: u32 },
+    /// Write these partitions back and sync; hand them back.
+    Flush(Vec<Partition>),
+    /// Read a copy of a partition that is not resident (initialising a never-written one).
+    Read(u32),
+}
+
+struct Reply {
+    loaded: Option<Partition>,
+    flushed: Vec<Partition>,
+    stats: IoStats,
+}
+
+/// The partition buffer.
+///
+/// Compute reads and updates rows of resident partitions through [`PartitionBuffer::row`] and
+/// [`PartitionBuffer::rows_mut`]. A swap hands the evicted partition to the I/O thread, which
+/// writes it back and reuses its memory for the partition being loaded, so the buffer never
+/// holds more than C partitions.
+pub struct PartitionBuffer {
+    scheme: PartitionScheme,
+    dim: usize,
+    resident: Vec<Option<Partition>>,
+    requests: Option<mpsc::Sender<Request>>,
+    // Behind a mutex only so that the buffer is `Sync` and compute threads can share `&self`.
+    replies: std::sync::Mutex<mpsc::Receiver<Result<Reply, StoreError>>>,
+    thread: Option<JoinHandle<()>>,
+    in_flight: Option<u32>,
+    stats: IoStats,
+}
+
+impl PartitionBuffer {
+    /// A buffer over `store` with nothing resident yet. `init` initialises never-written
+    /// partitions, row by global id, so results do not depend on which partitions are resident.
+    pub fn new(scheme: PartitionScheme, dim: usize, init: Init, mut store: impl PartitionStore) -> Self {
+        let (req_tx, req_rx) = mpsc::channel::<Request>();
+        let (rep_tx, rep_rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("legend-io".into())
+            .spawn(move || {
+                for request in req_rx {
+                    let reply = serve(&mut store, scheme, dim, &init, request);
+                    if rep_tx.send(reply).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("spawning the I/O thread");
+        PartitionBuffer {
+            scheme,
+            dim,
+            resident: (0..scheme.num_partitions).map(|_| None).collect(),
+            requests: Some(req_tx),
+            replies: std::sync::Mutex::new(rep_rx),
+            thread: Some(thread),
+            in_flight: None,
+            stats: IoStats::default(),
+        }
+    }
+
+    /// The partitioning.
+    pub fn scheme(&self) -> PartitionScheme {
+        self.scheme
+    }
+
+    /// Row width.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Resident partitions, ascending.
+    pub fn resident(&self) -> Vec<u32> {
+        (0..self.scheme.num_partitions)
+            .filter(|&p| self.resident[p as usize].is_some())
+            .collect()
+    }
+
+    /// Whether partition `p` is resident (and not being swapped).
+    pub fn is_resident(&self, p: u32) -> bool {
+        self.resident[p as usize].is_some()
+    }
+
+    /// I/O counters so far.
+    pub fn stats(&self) -> IoStats {
+        self.stats
+    }
+
+    fn send(&self, request: Request) -> Result<(), StoreError> {
+        self.requests
+            .as_ref()
+            .expect("I/O thread alive until drop")
+            .send(request)
+            .map_err(|_| StoreError("the I/O thread has stopped".into()))
+    }
+
+    fn receive(&mut self) -> Result<Reply, StoreError> {
+        let started = Instant::now();
+        let reply = self
+            .replies
+            .get_mut()
+            .expect("the reply channel lock is never poisoned")
+            .recv()
+            .map_err(|_| StoreError("the I/O thread has stopped".into()))??;
+        self.stats.wait_time += started.elapsed();
+        let s = reply.stats;
+        self.stats.reads += s.reads;
+        self.stats.initialised += s.initialised;
+        self.stats.writes += s.writes;
+        self.stats.bytes_read += s.bytes_read;
+        self.stats.bytes_written += s.bytes_written;
+        self.stats.io_time += s.io_time;
+        Ok(reply)
+    }
+
+    /// Loads partitions until exactly `state` is resident, evicting others first-come.
+    /// Used for the initial fill (nothing resident) and between epochs.
+    pub fn fill(&mut self, state: &[u32]) -> Result<(), StoreError> {
+        let mut evictable: Vec<u32> = self.resident().into_iter().filter(|p| !state.contains(p)).collect();
+        for &p in state {
+            if self.is_resident(p) {
+                continue;
+            }
+            let evict = evictable.pop().and_then(|e| self.resident[e as usize].take());
+            self.send(Request::Swap { evict, load: p })?;
+            self.in_flight = Some(p);
+            self.finish_swap()?;
+        }
+        for e in evictable {
+            let part = self.resident[e as usize].take().expect("resident");
+            self.send(Request::Flush(vec![part]))?;
+            self.receive()?;
+        }
+        Ok(())
+    }
+
+    /// Starts a swap: `evict` leaves the buffer now (compute must not touch it any more) and
+    /// `load` becomes resident at [`PartitionBuffer::finish_swap`].
+    pub fn begin_swap(&mut self, evict: u32, load: u32) -> Result<(), StoreError> {
+        assert!(self.in_flight.is_none(), "one swap at a time");
+        let part = self.resident[evict as usize]
+            .take()
+            .unwrap_or_else(|| panic!("evicting partition {evict}, which is not resident"));
+        self.send(Request::Swap {
+            evict: Some(part),
+            load,
+        })?;
+        self.in_flight = Some(load);
+        self.stats.swaps += 1;
+        Ok(())
+    }
+
+    /// Waits for the swap in flight and makes its partition resident.
+    pub fn finish_swap(&mut self) -> Result<(), StoreError> {
+        let p = self.in_flight.take().expect("a swap in flight");
+        let reply = self.receive()?;
+        let part = reply.loaded.expect("a swap reply carries the loaded partition");
+        debug_assert_eq!(part.id, p);
+        self.resident[p as usize] = Some(part);
+        Ok(())
+    }
+
+    /// Writes every resident partition back to the store and syncs it; they stay resident.
+    pub fn flush(&mut self) -> Result<(), StoreError> {
+        let parts: Vec<Partition> = self.resident.iter_mut().filter_map(Option::take).collect();
+        self.send(Request::Flush(parts))?;
+        let reply = self.receive()?;
+        for part in reply.flushed {
+            let id = part.id as usize;
+            self.resident[id] = Some(part);
+        }
+        Ok(())
+    }
+
+    /// A copy of partition `p`, resident or not (for checkpoints and export).
+    pub fn read_partition(&mut self, p: u32) -> Result<Partition, StoreError> {
+        if let Some(part) = self.partition(p) {
+            return Ok(part.clone());
+        }
+        self.send(Request::Read(p))?;
+        Ok(self.receive()?.loaded.expect("a read reply carries the partition"))
+    }
+
+    /// Embedding and state rows of entity `id`, if its partition is resident.
+    pub fn row(&self, id: u32) -> Option<(&[f32], &[f32])> {
+        let p = self.scheme.partition_of(id);
+        let part = self.resident[p as usize].as_ref()?;
+        let local = (u64::from(id) - self.scheme.range(p).start) as usize * self.dim;
+        Some((&part.emb[local..local + self.dim], &part.state[local..local + self.dim]))
+    }
+
+    /// Mutable embedding and state rows of entity `id`, if its partition is resident.
+    pub fn rows_mut(&mut self, id: u32) -> Option<(&mut [f32], &mut [f32])> {
+        let p = self.scheme.partition_of(id);
+        let start = self.scheme.range(p).start;
+        let part = self.resident[p as usize].as_mut()?;
+        let local = (u64::from(id) - start) as usize * self.dim;
+        Some((
+            &mut part.emb[local..local + self.dim],
+            &mut part.state[local..local + self.dim],
+        ))
+    }
+
+    /// A resident partition.
+    pub fn partition(&self, p: u32) -> Option<&Partition> {
+        self.resident[p as usize].as_ref()
+    }
+}
+
+impl Drop for PartitionBuffer {
+    fn drop(&mut self) {
+        // Closing the channel ends the I/O thread's loop.
+        self.requests.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(
+    store: &mut impl PartitionStore,
+    scheme: PartitionScheme,
+    dim: usize,
+    init: &Init,
+    request: Request,
+) -> Result<Reply, StoreError> {
+    let started = Instant::now();
+    let mut stats = IoStats::default();
+    let bytes = |p: &Partition| (p.emb.len() + p.state.len()) as u64 * 4;
+    match request {
+        Request::Swap { evict, load } => {
+            let mut part = match evict {
+                Some(old) => {
+                    store.write(old.id, &old.emb, &old.state)?;
+                    stats.writes += 1;
+                    stats.bytes_written += bytes(&old);
+                    old
+                }
+                None => Partition {
+                    id: load,
+                    emb: Vec::new(),
+                    state: Vec::new(),
+                },
+            };
+            load_into(store, scheme, dim, init, load, &mut part, &mut stats)?;
+            stats.io_time = started.elapsed();
+            Ok(Reply {
+                loaded: Some(part),
+                flushed: Vec::new(),
+                stats,
+            })
+        }
+        Request::Read(p) => {
+            let mut part = Partition {
+                id: p,
+                emb: Vec::new(),
+                state: Vec::new(),
+            };
+            load_into(store, scheme, dim, init, p, &mut part, &mut stats)?;
+            stats.io_time = started.elapsed();
+            Ok(Reply {
+                loaded: Some(part),
+                flushed: Vec::new(),
+                stats,
+            })
+        }
+        Request::Flush(parts) => {
+            for p in &parts {
+                store.write(p.id, &p.emb, &p.state)?;
+                stats.writes += 1;
+                stats.bytes_written += bytes(p);
+            }
+            store.sync()?;
+            stats.io_time = started.elapsed();
+            Ok(Reply {
+                loaded: None,
+                flushed: parts,
+                stats,
+            })
+        }
+    }
+}
+
+/// Reads partition `p` into `part` (reusing its memory), or initialises it if never written.
+fn load_into(
+    store: &mut impl PartitionStore,
+    scheme: PartitionScheme,
+    dim: usize,
+    init: &Init,
+    p: u32,
+    part: &mut Partition,
+    stats: &mut IoStats,
+) -> Result<(), StoreError> {
+    let range = scheme.range(p);
+    let len = (range.end - range.start) as usize * dim;
+    part.id = p;
+    part.emb.resize(len, 0.0);
+    part.state.resize(len, 0.0);
+    if store.read(p, &mut part.emb, &mut part.state)? {
+        stats.reads += 1;
+        stats.bytes_read += (part.emb.len() + part.state.len()) as u64 * 4;
+    } else {
+        for (row, emb) in range.zip(part.emb.chunks_exact_mut(dim)) {
+            init.node_row(row, emb);
+        }
+        part.state.fill(0.0);
+        stats.initialised += 1;
+    }
+    Ok(())
+}

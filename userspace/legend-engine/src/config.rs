@@ -1,0 +1,390 @@
+//! The training configuration: TOML sections `model`, `storage`, `training`, `evaluation`.
+//!
+//! Every key has a default, so an empty file (or none) trains a sensible model. Unknown keys and
+//! bad values are errors that name the key. `Documentation/config.md` lists every key.
+
+use std::path::PathBuf;
+
+use legend_model::{Decoder, Loss};
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration of a training run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// The model.
+    pub model: ModelConfig,
+    /// Where embeddings live and how partitions are swapped.
+    pub storage: StorageConfig,
+    /// The optimisation.
+    pub training: TrainingConfig,
+    /// Evaluation during and after training.
+    pub evaluation: EvaluationConfig,
+}
+
+/// `[model]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// `dot | distmult | complex | transe_l1 | transe_l2`.
+    pub decoder: String,
+    /// Embedding dimension (reals; ComplEx uses dim/2 complex numbers).
+    pub dim: usize,
+    /// `softmax_ce | logistic | ranking`.
+    pub loss: String,
+    /// Margin of the ranking loss.
+    pub margin: f32,
+    /// Standard deviation of the normal initialisation of node rows.
+    pub init_scale: f32,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            decoder: "complex".into(),
+            dim: 200,
+            loss: "softmax_ce".into(),
+            margin: legend_model::DEFAULT_MARGIN,
+            init_scale: 1e-3,
+        }
+    }
+}
+
+/// `[storage]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StorageConfig {
+    /// Number of node partitions N.
+    pub num_partitions: u32,
+    /// Partitions resident at once, C (0 = all N).
+    pub buffer_capacity: u32,
+    /// `memory` (all partitions in RAM; swaps move them between the buffer and RAM).
+    pub backend: String,
+    /// Store path for disk backends.
+    pub path: Option<PathBuf>,
+    /// `cpu`.
+    pub device: String,
+    /// `legend | beta | sequential`.
+    pub order: String,
+    /// Overlap each swap with the compute of the buckets that do not need it.
+    pub prefetch: bool,
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        StorageConfig {
+            num_partitions: 1,
+            buffer_capacity: 0,
+            backend: "memory".into(),
+            path: None,
+            device: "cpu".into(),
+            order: "legend".into(),
+            prefetch: true,
+        }
+    }
+}
+
+/// `[training]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainingConfig {
+    /// Epochs.
+    pub num_epochs: u32,
+    /// Positive edges per batch; parameters are updated after every batch.
+    pub batch_size: usize,
+    /// AdaGrad learning rate.
+    pub learning_rate: f32,
+    /// AdaGrad epsilon.
+    pub adagrad_eps: f32,
+    /// Seed of initialisation, shuffling and sampling.
+    pub seed: u64,
+    /// Worker threads (0 = one per core).
+    pub threads: usize,
+    /// Write a checkpoint every this many epochs (0 = only at the end).
+    pub checkpoint_every: u32,
+    /// Negative sampling.
+    pub negatives: NegativesConfig,
+}
+
+impl Default for TrainingConfig {
+    fn default() -> Self {
+        TrainingConfig {
+            num_epochs: 50,
+            batch_size: 1000,
+            learning_rate: 0.1,
+            adagrad_eps: 1e-9,
+            seed: 0,
+            threads: 0,
+            checkpoint_every: 0,
+            negatives: NegativesConfig::default(),
+        }
+    }
+}
+
+/// `[training.negatives]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NegativesConfig {
+    /// Chunks per batch; the positives of a chunk share their negatives.
+    pub num_chunks: usize,
+    /// Negatives per positive and corrupted side, shared by the chunk.
+    pub negatives_per_positive: usize,
+    /// Fraction of negatives drawn proportionally to degree (the rest uniformly).
+    pub degree_fraction: f64,
+    /// Exclude sampled negatives that form a true train triple.
+    pub filtered: bool,
+}
+
+impl Default for NegativesConfig {
+    fn default() -> Self {
+        NegativesConfig {
+            num_chunks: 1,
+            negatives_per_positive: 1000,
+            degree_fraction: 0.0,
+            filtered: false,
+        }
+    }
+}
+
+/// `[evaluation]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvaluationConfig {
+    /// `filtered | sampled`.
+    pub protocol: String,
+    /// Split evaluated after training: `test | valid`.
+    pub split: String,
+    /// Evaluate on `valid` every this many epochs (0 = never during training).
+    pub epochs_per_eval: u32,
+    /// Uniform negatives of the sampled protocol.
+    pub uniform_negatives: usize,
+    /// Degree-based negatives of the sampled protocol.
+    pub degree_negatives: usize,
+    /// Seed of the sampled protocol.
+    pub seed: u64,
+}
+
+impl Default for EvaluationConfig {
+    fn default() -> Self {
+        EvaluationConfig {
+            protocol: "filtered".into(),
+            split: "test".into(),
+            epochs_per_eval: 0,
+            uniform_negatives: 1000,
+            degree_negatives: 1000,
+            seed: 0,
+        }
+    }
+}
+
+/// A configuration error; the message names the key.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+fn bad(key: &str, why: impl std::fmt::Display) -> ConfigError {
+    ConfigError(format!("{key}: {why}"))
+}
+
+impl Config {
+    /// Parses a TOML configuration and applies `key=value` overrides (dotted keys, TOML values;
+    /// a value that is not valid TOML is taken as a string).
+    pub fn parse(text: &str, overrides: &[String]) -> Result<Config, ConfigError> {
+        let mut table: toml::Table =
+            toml::from_str(text).map_err(|e| ConfigError(format!("invalid configuration: {e}")))?;
+        for o in overrides {
+            let (key, value) = o
+                .split_once('=')
+                .ok_or_else(|| ConfigError(format!("--set {o:?}: expected section.key=value")))?;
+            set_dotted(&mut table, key.trim(), parse_value(value.trim()))?;
+        }
+        let config: Config = Config::deserialize(toml::Value::Table(table))
+            .map_err(|e| ConfigError(format!("invalid configuration: {}", e.message())))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The resolved configuration as TOML (written into the run directory).
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("configuration always serializes")
+    }
+
+    /// The decoder named by `model.decoder`.
+    pub fn decoder(&self) -> Decoder {
+        self.model.decoder.parse().expect("validated")
+    }
+
+    /// The loss named by `model.loss`.
+    pub fn loss(&self) -> Loss {
+        match self.model.loss.as_str() {
+            "softmax_ce" => Loss::SoftmaxCe,
+            "logistic" => Loss::Logistic,
+            _ => Loss::Ranking {
+                margin: self.model.margin,
+            },
+        }
+    }
+
+    /// The ordering named by `storage.order`.
+    pub fn order(&self) -> legend_planner::Order {
+        self.storage.order.parse().expect("validated")
+    }
+
+    /// Buffer capacity with 0 resolved to N.
+    pub fn capacity(&self) -> u32 {
+        match self.storage.buffer_capacity {
+            0 => self.storage.num_partitions,
+            c => c.min(self.storage.num_partitions),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let decoder: Decoder = self.model.decoder.parse().map_err(|e| bad("model.decoder", e))?;
+        decoder.check_dim(self.model.dim).map_err(|e| bad("model.dim", e))?;
+        if !["softmax_ce", "logistic", "ranking"].contains(&self.model.loss.as_str()) {
+            return Err(bad(
+                "model.loss",
+                format!("unknown loss {:?}: expected softmax_ce, logistic or ranking", self.model.loss),
+            ));
+        }
+        positive_f32("model.margin", self.model.margin, true)?;
+        positive_f32("model.init_scale", self.model.init_scale, false)?;
+        let s = &self.storage;
+        if s.num_partitions == 0 {
+            return Err(bad("storage.num_partitions", "must be at least 1"));
+        }
+        if s.buffer_capacity == 1 && s.num_partitions > 1 {
+            return Err(bad("storage.buffer_capacity", "must be at least 2 when there are several partitions"));
+        }
+        match s.backend.as_str() {
+            "memory" => {}
+            "file" | "proxy" | "nvme" => {
+                return Err(bad("storage.backend", format!("{:?} is not available in this build yet; use memory", s.backend)));
+            }
+            other => return Err(bad("storage.backend", format!("unknown backend {other:?}: expected memory"))),
+        }
+        if s.device != "cpu" {
+            return Err(bad(
+                "storage.device",
+                format!("{:?} is not available: this build trains on the CPU only (device = \"cpu\")", s.device),
+            ));
+        }
+        s.order
+            .parse::<legend_planner::Order>()
+            .map_err(|e| bad("storage.order", e))?;
+        let t = &self.training;
+        if t.num_epochs == 0 {
+            return Err(bad("training.num_epochs", "must be at least 1"));
+        }
+        if t.batch_size == 0 {
+            return Err(bad("training.batch_size", "must be at least 1"));
+        }
+        positive_f32("training.learning_rate", t.learning_rate, false)?;
+        positive_f32("training.adagrad_eps", t.adagrad_eps, true)?;
+        let n = &t.negatives;
+        if n.num_chunks == 0 || n.num_chunks > t.batch_size {
+            return Err(bad(
+                "training.negatives.num_chunks",
+                format!("must be between 1 and training.batch_size ({})", t.batch_size),
+            ));
+        }
+        if n.negatives_per_positive == 0 {
+            return Err(bad("training.negatives.negatives_per_positive", "must be at least 1"));
+        }
+        if !(0.0..=1.0).contains(&n.degree_fraction) {
+            return Err(bad("training.negatives.degree_fraction", "must be between 0 and 1"));
+        }
+        let e = &self.evaluation;
+        if !["filtered", "sampled"].contains(&e.protocol.as_str()) {
+            return Err(bad("evaluation.protocol", format!("unknown protocol {:?}: expected filtered or sampled", e.protocol)));
+        }
+        if !["test", "valid"].contains(&e.split.as_str()) {
+            return Err(bad("evaluation.split", format!("unknown split {:?}: expected test or valid", e.split)));
+        }
+        Ok(())
+    }
+}
+
+fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
+    if !v.is_finite() || v < 0.0 || (!zero_ok && v == 0.0) {
+        let want = if zero_ok { "a finite number ≥ 0" } else { "a finite number > 0" };
+        return Err(bad(key, format!("must be {want}, got {v}")));
+    }
+    Ok(())
+}
+
+fn parse_value(text: &str) -> toml::Value {
+    // Parse as the right-hand side of a TOML assignment; fall back to a bare string.
+    toml::from_str::<toml::Table>(&format!("v = {text}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(text.to_owned()))
+}
+
+fn set_dotted(table: &mut toml::Table, key: &str, value: toml::Value) -> Result<(), ConfigError> {
+    let mut parts: Vec<&str> = key.split('.').collect();
+    let last = parts.pop().filter(|l| !l.is_empty()).ok_or_else(|| ConfigError(format!("--set: empty key in {key:?}")))?;
+    let mut t = table;
+    for p in parts {
+        t = t
+            .entry(p)
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .ok_or_else(|| ConfigError(format!("--set {key}: {p} is not a section")))?;
+    }
+    t.insert(last.to_owned(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_parse_from_nothing() {
+        let c = Config::parse("", &[]).unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.decoder(), Decoder::ComplEx);
+    }
+
+    #[test]
+    fn overrides_and_file_values() {
+        let c = Config::parse(
+            "[model]\ndecoder = \"distmult\"\n[training.negatives]\nnum_chunks = 2\n",
+            &["model.dim=64".into(), "storage.order=beta".into(), "training.learning_rate=0.05".into()],
+        )
+        .unwrap();
+        assert_eq!((c.decoder(), c.model.dim, c.storage.order.as_str()), (Decoder::DistMult, 64, "beta"));
+        assert_eq!(c.training.negatives.num_chunks, 2);
+        assert_eq!(c.training.learning_rate, 0.05);
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let cases: &[(&str, &[&str], &str)] = &[
+            ("[model]\ndimension = 3\n", &[], "dimension"),
+            ("[modle]\n", &[], "modle"),
+            ("", &["model.decoder=rotate"], "model.decoder"),
+            ("", &["model.decoder=complex", "model.dim=7"], "model.dim"),
+            ("", &["model.dim=\"big\""], "dim"),
+            ("", &["training.learning_rate=-1"], "training.learning_rate"),
+            ("", &["training.negatives.degree_fraction=2"], "training.negatives.degree_fraction"),
+            ("", &["storage.device=\"cuda:0\""], "storage.device"),
+            ("", &["storage.order=random"], "storage.order"),
+            ("", &["evaluation.protocol=raw"], "evaluation.protocol"),
+            ("", &["training.batch_size"], "section.key=value"),
+            ("[model\n", &[], "invalid configuration"),
+        ];
+        for (text, sets, needle) in cases {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            let err = Config::parse(text, &sets).unwrap_err().to_string();
+            assert!(err.contains(needle), "{text:?} {sets:?}: {err:?} lacks {needle:?}");
+        }
+    }
+
+    #[test]
+    fn resolved_config_round_trips() {
+        let c = Config::parse("", &["storage.num_partitions=4".into()]).unwrap();
+        assert_eq!(Config::parse(&c.to_toml(), &[]).unwrap(), c);
+    }
+}

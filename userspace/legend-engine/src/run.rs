@@ -1,0 +1,258 @@
+//! Run directories: the resolved configuration, metrics and atomically committed checkpoints.
+//!
+//! ```text
+//! RUN/config.toml                 resolved configuration
+//! RUN/metrics.jsonl               one JSON object per epoch (and the final evaluation)
+//! RUN/run.toml                    the commit record: which checkpoint is current, shapes, CRCs
+//! RUN/checkpoints/epoch-NNNNN/    entities.bin, entities.state.bin, relations.bin,
+//!                                 relations.state.bin: raw little-endian f32, row-major
+//! ```
+//!
+//! A checkpoint is written into `epoch-NNNNN.tmp/`, synced, renamed, and committed by replacing
+//! `run.toml` (temporary file, fsync, rename). A crash at any point leaves the previous
+//! `run.toml` and the checkpoint it names intact.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the run directory layout.
+pub const RUN_FORMAT_VERSION: u32 = 1;
+
+/// The commit record `run.toml`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunMeta {
+    /// [`RUN_FORMAT_VERSION`].
+    pub format_version: u32,
+    /// The dataset directory (absolute).
+    pub dataset: PathBuf,
+    /// The dataset identity (hex) the run was trained on.
+    pub dataset_identity: String,
+    /// `model.decoder`.
+    pub decoder: String,
+    /// Floats per row.
+    pub dim: usize,
+    /// Rows of the entity tables.
+    pub entities: u64,
+    /// Rows of the relation tables (0 for Dot).
+    pub relations: u64,
+    /// Epochs completed in the current checkpoint.
+    pub epochs_completed: u32,
+    /// The current checkpoint directory, relative to the run directory.
+    pub checkpoint: String,
+    /// CRC-32 of each table file of the checkpoint.
+    pub checksums: TableChecksums,
+}
+
+/// CRC-32 of the four table files.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TableChecksums {
+    /// `entities.bin`.
+    pub entities: u32,
+    /// `entities.state.bin`.
+    pub entities_state: u32,
+    /// `relations.bin`.
+    pub relations: u32,
+    /// `relations.state.bin`.
+    pub relations_state: u32,
+}
+
+/// The four table files of a checkpoint.
+pub const TABLE_FILES: [&str; 4] = ["entities.bin", "entities.state.bin", "relations.bin", "relations.state.bin"];
+
+/// Loaded parameters of a checkpoint.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tables {
+    /// Entity embeddings.
+    pub entities: Vec<f32>,
+    /// Entity AdaGrad state.
+    pub entities_state: Vec<f32>,
+    /// Relation embeddings.
+    pub relations: Vec<f32>,
+    /// Relation AdaGrad state.
+    pub relations_state: Vec<f32>,
+}
+
+/// A run-directory error, naming the path.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// An I/O error.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A damaged or foreign run directory.
+    #[error("{path}: {message}")]
+    Invalid {
+        /// The path.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RunError + '_ {
+    move |source| RunError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn invalid(path: &Path, message: impl Into<String>) -> RunError {
+    RunError::Invalid {
+        path: path.to_owned(),
+        message: message.into(),
+    }
+}
+
+/// Path of `run.toml` in `run`.
+pub fn meta_path(run: &Path) -> PathBuf {
+    run.join("run.toml")
+}
+
+/// Reads the commit record of `run`.
+pub fn read_meta(run: &Path) -> Result<RunMeta, RunError> {
+    let path = meta_path(run);
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    let meta: RunMeta = toml::from_str(&text).map_err(|e| invalid(&path, format!("not a run record: {e}")))?;
+    if meta.format_version != RUN_FORMAT_VERSION {
+        return Err(invalid(&path, format!("run format {} is not supported", meta.format_version)));
+    }
+    Ok(meta)
+}
+
+/// A table file being written: streamed, checksummed, synced.
+pub struct TableWriter {
+    path: PathBuf,
+    out: BufWriter<File>,
+    crc: crc32fast::Hasher,
+}
+
+impl TableWriter {
+    fn create(path: PathBuf) -> Result<TableWriter, RunError> {
+        let file = File::create(&path).map_err(io(&path))?;
+        Ok(TableWriter {
+            out: BufWriter::with_capacity(1 << 20, file),
+            crc: crc32fast::Hasher::new(),
+            path,
+        })
+    }
+
+    /// Appends rows.
+    pub fn write(&mut self, values: &[f32]) -> Result<(), RunError> {
+        let bytes: &[u8] = bytemuck::cast_slice(values);
+        self.crc.update(bytes);
+        self.out.write_all(bytes).map_err(io(&self.path))
+    }
+
+    fn finish(self) -> Result<u32, RunError> {
+        let file = self.out.into_inner().map_err(|e| RunError::Io {
+            path: self.path.clone(),
+            source: e.into_error(),
+        })?;
+        file.sync_all().map_err(io(&self.path))?;
+        Ok(self.crc.finalize())
+    }
+}
+
+/// Writes and commits a checkpoint of `meta.epochs_completed` epochs.
+///
+/// `write_entities` streams the entity embeddings and state into the two writers (partition
+/// by partition, so the whole table never needs to be in memory).
+pub fn commit_checkpoint(
+    run: &Path,
+    mut meta: RunMeta,
+    relations: (&[f32], &[f32]),
+    write_entities: impl FnOnce(&mut TableWriter, &mut TableWriter) -> Result<(), RunError>,
+) -> Result<RunMeta, RunError> {
+    let dir = run.join("checkpoints");
+    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    let name = format!("epoch-{:05}", meta.epochs_completed);
+    let tmp = dir.join(format!("{name}.tmp"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    std::fs::create_dir(&tmp).map_err(io(&tmp))?;
+    let [e, es, r, rs] = TABLE_FILES.map(|f| TableWriter::create(tmp.join(f)));
+    let (mut e, mut es, mut r, mut rs) = (e?, es?, r?, rs?);
+    write_entities(&mut e, &mut es)?;
+    r.write(relations.0)?;
+    rs.write(relations.1)?;
+    meta.checksums = TableChecksums {
+        entities: e.finish()?,
+        entities_state: es.finish()?,
+        relations: r.finish()?,
+        relations_state: rs.finish()?,
+    };
+    sync_dir(&tmp)?;
+    let final_dir = dir.join(&name);
+    if final_dir.exists() {
+        std::fs::remove_dir_all(&final_dir).map_err(io(&final_dir))?;
+    }
+    std::fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
+    sync_dir(&dir)?;
+    meta.checkpoint = format!("checkpoints/{name}");
+    write_atomically(&meta_path(run), toml::to_string_pretty(&meta).expect("serializes").as_bytes())?;
+    // Older checkpoints are no longer named by run.toml.
+    for entry in std::fs::read_dir(&dir).map_err(io(&dir))? {
+        let path = entry.map_err(io(&dir))?.path();
+        if path != final_dir {
+            std::fs::remove_dir_all(&path).map_err(io(&path))?;
+        }
+    }
+    Ok(meta)
+}
+
+/// Writes `bytes` to `path` through a synced temporary file and a rename.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), RunError> {
+    let tmp = path.with_extension("tmp");
+    let mut f = File::create(&tmp).map_err(io(&tmp))?;
+    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io(path))?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+fn sync_dir(dir: &Path) -> Result<(), RunError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+}
+
+/// Loads the current checkpoint of `run`, verifying sizes and checksums.
+pub fn load_tables(run: &Path, meta: &RunMeta) -> Result<Tables, RunError> {
+    let dir = run.join(&meta.checkpoint);
+    let rows = [meta.entities, meta.entities, meta.relations, meta.relations];
+    let sums = [
+        meta.checksums.entities,
+        meta.checksums.entities_state,
+        meta.checksums.relations,
+        meta.checksums.relations_state,
+    ];
+    let mut tables = Vec::with_capacity(4);
+    for ((file, rows), crc) in TABLE_FILES.iter().zip(rows).zip(sums) {
+        let path = dir.join(file);
+        let bytes = std::fs::read(&path).map_err(io(&path))?;
+        let want = rows as usize * meta.dim * 4;
+        if bytes.len() != want {
+            return Err(invalid(&path, format!("holds {} bytes, expected {want} ({rows} rows × {} floats)", bytes.len(), meta.dim)));
+        }
+        if crc32fast::hash(&bytes) != crc {
+            return Err(invalid(&path, "checksum mismatch: the checkpoint is damaged"));
+        }
+        tables.push(bytemuck::pod_collect_to_vec::<u8, f32>(&bytes));
+    }
+    let mut it = tables.into_iter();
+    let mut next = || it.next().expect("four tables");
+    Ok(Tables {
+        entities: next(),
+        entities_state: next(),
+        relations: next(),
+        relations_state: next(),
+    })
+}

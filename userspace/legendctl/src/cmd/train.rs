@@ -1,0 +1,252 @@
+//! `legendctl train`.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use legend_dataset::{Dataset, Split};
+use legend_engine::run::{self, RunMeta, TableChecksums};
+use legend_engine::{Config, MemoryStore, PartitionBuffer, Relations, Trainer};
+use legend_eval::SampledNegatives;
+use legend_model::{Distribution, Init, RelationInit};
+
+use super::eval::{EvalRequest, describe, evaluate, open_run_dataset};
+
+/// Arguments of `legendctl train`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The dataset directory (from `legendctl import`); with --resume, defaults to the run's.
+    #[arg(long)]
+    dataset: Option<PathBuf>,
+    /// The run directory to create (or to continue with --resume).
+    #[arg(long)]
+    out: PathBuf,
+    /// Configuration file (TOML); every key has a default.
+    config: Option<PathBuf>,
+    /// Override a configuration key, e.g. `--set model.dim=100` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Continue the run in --out from its last checkpoint.
+    #[arg(long)]
+    resume: bool,
+    /// Print one JSON object per epoch, and the final evaluation, on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    // Everything that can be wrong with the inputs is checked before the run directory exists.
+    let (config, dataset, resumed) = if args.resume {
+        let meta = run::read_meta(&args.out).context("--resume needs a run directory with a checkpoint")?;
+        let text = std::fs::read_to_string(args.out.join("config.toml"))
+            .with_context(|| format!("{}/config.toml", args.out.display()))?;
+        if args.config.is_some() {
+            bail!("--resume continues with the run's own config.toml; change keys with --set");
+        }
+        let config = Config::parse(&text, &args.sets)?;
+        let dataset = open_run_dataset(&meta, args.dataset.as_deref())?;
+        (config, dataset, Some(meta))
+    } else {
+        let Some(dir) = &args.dataset else {
+            bail!("--dataset DIR is required (or --resume an existing run)");
+        };
+        let text = match &args.config {
+            Some(p) => std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+            None => String::new(),
+        };
+        let config = Config::parse(&text, &args.sets).with_context(|| match &args.config {
+            Some(p) => format!("{}", p.display()),
+            None => "configuration".into(),
+        })?;
+        if args.out.exists() && std::fs::read_dir(&args.out)?.next().is_some() {
+            bail!("{} already exists; choose another --out or continue it with --resume", args.out.display());
+        }
+        (config, Dataset::open(dir)?, None)
+    };
+    let created = resumed.is_none() && !args.out.exists();
+    let result = train(&args, &config, &dataset, resumed);
+    if result.is_err() && created && !meta_exists(&args.out) {
+        // Nothing was committed: leave no half-made run directory behind.
+        let _ = std::fs::remove_dir_all(&args.out);
+    }
+    result
+}
+
+fn meta_exists(run: &Path) -> bool {
+    run::meta_path(run).exists()
+}
+
+fn train(args: &Args, config: &Config, dataset: &Dataset, resumed: Option<RunMeta>) -> anyhow::Result<()> {
+    let meta_ds = dataset.meta();
+    let decoder = config.decoder();
+    let dim = config.model.dim;
+    if !meta_ds.has_relations && decoder.uses_relations() {
+        tracing::warn!("the dataset has no relation types; {decoder} learns one relation for all edges");
+    }
+    let buckets = dataset.buckets(config.storage.num_partitions)?;
+    let scheme = buckets.scheme();
+    let degrees = legend_dataset::degrees(meta_ds.entities as usize, buckets.edges());
+    let init = Init {
+        seed: config.training.seed,
+        node: Distribution::Normal {
+            std: config.model.init_scale,
+        },
+        relation: RelationInit::Identity,
+    };
+    let (store, relations, start_epoch) = match &resumed {
+        Some(meta) => {
+            let t = run::load_tables(&args.out, meta)?;
+            let store = MemoryStore::from_tables(scheme, dim, &t.entities, &t.entities_state);
+            let rel = Relations {
+                emb: t.relations,
+                state: t.relations_state,
+            };
+            (store, rel, meta.epochs_completed)
+        }
+        None => (
+            MemoryStore::default(),
+            Relations::init(decoder, meta_ds.relations as usize, dim, &init),
+            0,
+        ),
+    };
+    let buffer = PartitionBuffer::new(scheme, dim, init, store);
+    let mut trainer = Trainer::new(config, buckets, &degrees, buffer, relations)?;
+    let epochs = config.training.num_epochs;
+    if start_epoch >= epochs {
+        bail!("the run already has {start_epoch} epochs; raise training.num_epochs with --set to continue");
+    }
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    run::write_atomically(&args.out.join("config.toml"), config.to_toml().as_bytes())?;
+    let plan = trainer.plan();
+    tracing::info!(
+        "training {decoder} d={dim} on {} ({} entities, {} relations, {} train edges); engine cpu, {} partitions, buffer {}, order {} ({} buffer states per epoch)",
+        dataset.dir().display(),
+        meta_ds.entities,
+        meta_ds.relations,
+        meta_ds.splits.train,
+        scheme.num_partitions,
+        config.capacity(),
+        config.storage.order,
+        plan.io_count
+    );
+    let mut meta = resumed.unwrap_or_else(|| RunMeta {
+        format_version: run::RUN_FORMAT_VERSION,
+        dataset: std::fs::canonicalize(dataset.dir()).unwrap_or_else(|_| dataset.dir().to_owned()),
+        dataset_identity: format!("{:032x}", meta_ds.identity()),
+        decoder: decoder.name().into(),
+        dim,
+        entities: meta_ds.entities,
+        relations: if decoder.uses_relations() { meta_ds.relations } else { 0 },
+        epochs_completed: 0,
+        checkpoint: String::new(),
+        checksums: TableChecksums::default(),
+    });
+    let mut metrics = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(args.out.join("metrics.jsonl"))
+        .context("opening metrics.jsonl")?;
+    let eval_negatives = SampledNegatives {
+        uniform: config.evaluation.uniform_negatives,
+        degree: config.evaluation.degree_negatives,
+        seed: config.evaluation.seed,
+    };
+    let threads = config.training.threads;
+    for epoch in start_epoch + 1..=epochs {
+        let bar = ProgressBar::new(meta_ds.splits.train);
+        bar.set_style(
+            ProgressStyle::with_template("epoch {prefix:>4} [{bar:30}] {pos}/{len} edges {per_sec} eta {eta}")
+                .expect("static template")
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(format!("{epoch}/{epochs}"));
+        let report = trainer.run_epoch(epoch, &mut |done| bar.set_position(done))?;
+        bar.finish_and_clear();
+        let mut line = serde_json::to_value(&report)?;
+        if config.evaluation.epochs_per_eval > 0 && epoch % config.evaluation.epochs_per_eval == 0 && meta_ds.splits.valid > 0 {
+            let (entities, _) = gather_entities(&mut trainer, dim)?;
+            let request = EvalRequest {
+                protocol: &config.evaluation.protocol,
+                split: Split::Valid,
+                negatives: eval_negatives,
+                threads,
+            };
+            let m = evaluate(dataset, decoder, dim, &entities, &trainer.relations().emb, &request)?;
+            tracing::info!("epoch {epoch} valid: {}", describe(&m));
+            line["valid"] = serde_json::to_value(&m)?;
+        }
+        tracing::info!(
+            "epoch {epoch}/{epochs}: loss {:.4}, {:.0} edges/s ({} negatives per positive and side), {:.2} s",
+            report.loss,
+            report.edges_per_sec,
+            report.negatives_per_positive,
+            report.seconds
+        );
+        writeln!(metrics, "{line}")?;
+        if args.json {
+            super::print_json(&line)?;
+        }
+        let every = config.training.checkpoint_every;
+        if epoch == epochs || (every > 0 && epoch % every == 0) {
+            meta.epochs_completed = epoch;
+            meta = checkpoint(&args.out, meta, &mut trainer)?;
+        }
+    }
+    let (entities, _) = gather_entities(&mut trainer, dim)?;
+    let split: Split = config.evaluation.split.parse().map_err(anyhow::Error::msg)?;
+    let request = EvalRequest {
+        protocol: &config.evaluation.protocol,
+        split,
+        negatives: eval_negatives,
+        threads,
+    };
+    if dataset.meta().splits.get(split) == 0 {
+        tracing::warn!("no {} edges: skipping the final evaluation", split.name());
+        return Ok(());
+    }
+    let m = evaluate(dataset, decoder, dim, &entities, &trainer.relations().emb, &request)?;
+    let final_line = serde_json::json!({ "final": true, "split": split.name(), "metrics": m });
+    writeln!(metrics, "{final_line}")?;
+    if args.json {
+        super::print_json(&final_line)?;
+    } else {
+        println!("{} {}: {}", args.out.display(), split.name(), describe(&m));
+    }
+    Ok(())
+}
+
+/// The whole entity table and its state, partition by partition.
+fn gather_entities(trainer: &mut Trainer, dim: usize) -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
+    let buffer = trainer.buffer();
+    let scheme = buffer.scheme();
+    let mut emb = Vec::with_capacity(scheme.entities as usize * dim);
+    let mut state = Vec::with_capacity(scheme.entities as usize * dim);
+    for p in 0..scheme.num_partitions {
+        let part = buffer.read_partition(p)?;
+        emb.extend_from_slice(&part.emb);
+        state.extend_from_slice(&part.state);
+    }
+    Ok((emb, state))
+}
+
+fn checkpoint(out: &Path, meta: RunMeta, trainer: &mut Trainer) -> anyhow::Result<RunMeta> {
+    let relations = trainer.relations().clone();
+    let buffer = trainer.buffer();
+    let meta = run::commit_checkpoint(out, meta, (&relations.emb, &relations.state), |e, s| {
+        for p in 0..buffer.scheme().num_partitions {
+            let part = buffer
+                .read_partition(p)
+                .map_err(|err| run::RunError::Invalid {
+                    path: out.to_owned(),
+                    message: err.to_string(),
+                })?;
+            e.write(&part.emb)?;
+            s.write(&part.state)?;
+        }
+        Ok(())
+    })?;
+    tracing::debug!("checkpoint {} committed", meta.checkpoint);
+    Ok(meta)
+}
