@@ -50,6 +50,14 @@ pub enum EvalError {
     /// The sampled protocol was asked for with no negatives at all.
     #[error("the sampled protocol needs at least one negative (uniform + degree = 0)")]
     NoNegatives,
+    /// So many negatives that their rows would not fit in memory.
+    #[error("{uniform} uniform + {degree} degree negatives are too many to gather")]
+    TooManyNegatives {
+        /// Uniform negatives asked for.
+        uniform: usize,
+        /// Degree negatives asked for.
+        degree: usize,
+    },
     /// There is nothing to rank.
     #[error("no triples to rank")]
     NoTriples,

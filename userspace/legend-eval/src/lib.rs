@@ -101,6 +101,10 @@ pub enum Protocol<'a> {
     },
 }
 
+/// The most floats of negative rows one chunk and side may gather (1 GiB); more is a typo, not
+/// an evaluation protocol.
+const MAX_NEGATIVE_FLOATS: usize = 1 << 28;
+
 /// Which protocol produced a [`Metrics`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -162,7 +166,23 @@ pub struct Metrics {
 ///
 /// Fails, naming the problem, on a dimension the decoder rejects, a table whose size is not a
 /// multiple of `dim`, an id out of range, a filter index or degree list built for another
-/// number of entities, or an empty triple list.
+/// number of entities, an impossible number of negatives, or an empty triple list.
+///
+/// ```
+/// use legend_eval::{Embeddings, FilterIndex, Protocol, evaluate};
+/// use legend_model::Decoder;
+///
+/// // Three entities on a line, one relation "+1" (TransE, dim 1).
+/// let entities = [0.0, 1.0, 2.0];
+/// let relations = [1.0];
+/// let embeddings = Embeddings { decoder: Decoder::TransEL1, entities: &entities, relations: &relations, dim: 1 };
+/// let train = [[0, 0, 1]];
+/// let test = [[1, 0, 2]];
+/// let filter = FilterIndex::build(3, &[&train, &test])?;
+/// let metrics = evaluate(&embeddings, &test, &Protocol::Filtered { filter: &filter }, 1)?;
+/// assert_eq!((metrics.mrr, metrics.count, metrics.triples), (1.0, 2, 1));
+/// # Ok::<(), legend_eval::EvalError>(())
+/// ```
 pub fn evaluate(
     embeddings: &Embeddings<'_>,
     triples: &[[u32; 3]],
@@ -185,8 +205,18 @@ pub fn evaluate(
             (tallies, ProtocolKind::Filtered, None)
         }
         Protocol::Sampled { negatives, degrees } => {
-            if negatives.uniform + negatives.degree == 0 {
-                return Err(EvalError::NoNegatives);
+            match negatives.uniform.checked_add(negatives.degree) {
+                Some(0) => return Err(EvalError::NoNegatives),
+                // Each chunk and side gathers the rows of its negatives.
+                Some(n)
+                    if n.checked_mul(model.dim)
+                        .is_some_and(|f| f <= MAX_NEGATIVE_FLOATS) => {}
+                _ => {
+                    return Err(EvalError::TooManyNegatives {
+                        uniform: negatives.uniform,
+                        degree: negatives.degree,
+                    });
+                }
             }
             let sampler = if negatives.degree > 0 {
                 if degrees.len() != model.num_entities {

@@ -396,6 +396,10 @@ fn bad_inputs_are_errors_that_name_the_problem() {
     assert!(m.contains("degree is zero"), "{m}");
     let m = msg(ok, &[[0, 0, 0]], &sampled(0, 0, &[]));
     assert!(m.contains("at least one negative"), "{m}");
+    let m = msg(ok, &[[0, 0, 0]], &sampled(usize::MAX, 1, &[1, 1, 1]));
+    assert!(m.contains("too many"), "{m}");
+    let m = msg(ok, &[[0, 0, 0]], &sampled(1 << 27, 0, &[]));
+    assert!(m.contains("too many"), "{m}");
     // Degrees are not needed without degree negatives.
     assert!(evaluate(&ok, &[[0, 0, 0]], &sampled(3, 0, &[]), 2).is_ok());
 }
