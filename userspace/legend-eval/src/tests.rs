@@ -98,6 +98,17 @@ fn nan_scores_rank_last_and_are_reported() {
     assert_eq!(filtered_ranks(&e, &[[2, 0, 1]], &[]), vec![5.0, 5.0]);
     let m = filtered_metrics(&e, &[[0, 0, 1], [3, 0, 4]], &[]);
     assert_eq!(m.nan_queries, 4);
+    // Sampled: the same rule against drawn negatives (all five entities, degree 1 each).
+    let p = Protocol::Sampled {
+        negatives: SampledNegatives {
+            uniform: 0,
+            degree: 50,
+            seed: 3,
+        },
+        degrees: &[1; 5],
+    };
+    let m = evaluate(&e, &[[2, 0, 1]], &p, 1).unwrap();
+    assert_eq!((m.mean_rank, m.hits_at_50, m.nan_queries), (51.0, 0.0, 2));
     // The whole model NaN: every query ranks last, never first.
     let all_nan = [nan; 5];
     let e = embeddings(Decoder::Dot, &all_nan, &[], 1);
@@ -185,6 +196,13 @@ fn filtered_equals_the_naive_reference_for_every_decoder() {
         assert_eq!(got, want, "{decoder}");
         let unfiltered = naive_ranks(&e, &test, &[]);
         assert_ne!(got, unfiltered, "{decoder}: filtering changed nothing");
+        // The metrics do not depend on how the queries are spread over threads.
+        let filter = FilterIndex::build(n as usize, &[&known, &test]).unwrap();
+        let p = Protocol::Filtered { filter: &filter };
+        let one = evaluate(&e, &test, &p, 1).unwrap();
+        assert_eq!(one, evaluate(&e, &test, &p, 3).unwrap(), "{decoder}");
+        let mean = want.iter().sum::<f64>() / want.len() as f64;
+        assert!((one.mean_rank - mean).abs() < 1e-9, "{decoder}");
     }
 }
 
