@@ -415,7 +415,7 @@ impl Controller {
         self.doorbell_phys
     }
 
-    fn dev(&self) -> &device::Device {
+    pub(crate) fn dev(&self) -> &device::Device {
         self.pdev.as_ref()
     }
 

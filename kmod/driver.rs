@@ -20,7 +20,8 @@ use kernel::{
 
 use crate::{
     chardev::OpenFile,
-    controller::Controller, //
+    controller::Controller,
+    sysfs::StatsFiles, //
 };
 
 /// Names of the character devices; `MiscDeviceOptions` needs `'static` names.
@@ -70,10 +71,12 @@ impl Drop for NameSlot {
 
 /// Driver data of a bound controller.
 ///
-/// Fields drop in declaration order: the character device is deregistered first (so no `open`
-/// can look at `ctrl` any more), then the controller reference and the name are released.
+/// Fields drop in declaration order: the sysfs counters go first, then the character device is
+/// deregistered (so no `open` can look at `ctrl` any more), then the controller reference and the
+/// name are released.
 #[pin_data]
 pub(crate) struct Registered {
+    _stats: StatsFiles,
     #[pin]
     misc: MiscDeviceRegistration<OpenFile>,
     ctrl: Arc<Controller>,
@@ -113,10 +116,12 @@ impl pci::Driver for LegendNvme {
         pin_init::pin_init_scope(move || {
             let name = NameSlot::claim()?;
             let ctrl = Controller::probe(pdev)?;
+            let stats = StatsFiles::new(ctrl.clone())?;
             let options = MiscDeviceOptions {
                 name: NAMES[name.0],
             };
             Ok(try_pin_init!(Registered {
+                _stats: stats,
                 ctrl,
                 _name: name,
                 misc <- MiscDeviceRegistration::register(options),

@@ -9,6 +9,7 @@ mod controller;
 mod driver;
 mod mapping;
 mod regs;
+mod sysfs;
 // The ABI file is shared with userspace: some items are used only there, and `pub` is its API.
 #[allow(dead_code, unreachable_pub)]
 #[path = "uapi.rs"]

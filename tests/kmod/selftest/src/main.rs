@@ -503,6 +503,56 @@ fn test_concurrent() -> TestResult {
     Ok(())
 }
 
+/// The driver's counters in `/sys/bus/pci/devices/<BDF>/legend_nvme/`.
+fn counters() -> Result<[u64; 3], String> {
+    let dir = format!(
+        "/sys/bus/pci/devices/{}/legend_nvme",
+        expect_env("LEGEND_BDF")
+    );
+    let mut out = [0; 3];
+    for (v, name) in out
+        .iter_mut()
+        .zip(["queue_pairs", "bytes_pinned", "admin_commands"])
+    {
+        let text = fs::read_to_string(format!("{dir}/{name}"))
+            .map_err(|e| format!("read {dir}/{name}: {e}"))?;
+        *v = text
+            .trim()
+            .parse()
+            .map_err(|_| format!("{name}: {text:?} is not a number"))?;
+    }
+    Ok(out)
+}
+
+fn test_sysfs_counters() -> TestResult {
+    let [q0, b0, a0] = counters()?;
+    check(q0 == 0 && b0 == 0, || {
+        format!("idle controller: {q0} queue pairs, {b0} bytes pinned")
+    })?;
+    let dev = Dev::open()?;
+    let info = dev.info()?;
+    let db = dev.doorbells(info.doorbell_len as usize)?;
+    let buf = Buf::new(&dev, 4 * PAGE)?;
+    let [q, b, a] = counters()?;
+    check(q == 0 && b == 4 * PAGE as u64 && a == a0, || {
+        format!("after MAP of 4 pages: {q} queue pairs, {b} bytes, {a} admin commands (was {a0})")
+    })?;
+    // The queue's memory is one more 2-page mapping; creating it issues Create I/O CQ and SQ.
+    let q1 = Queue::create(&dev, 1, 16, db.ptr)?;
+    let [q, b, a] = counters()?;
+    check(q == 1 && b == 6 * PAGE as u64 && a == a0 + 2, || {
+        format!(
+            "after CREATE_QUEUE_PAIR: {q} queue pairs, {b} bytes, {a} admin commands (was {a0})"
+        )
+    })?;
+    drop((q1, buf, db, dev));
+    let [q, b, a] = counters()?;
+    // Closing the file deletes the queue pair (Delete I/O SQ and CQ) and releases the mappings.
+    check(q == 0 && b == 0 && a == a0 + 4, || {
+        format!("after close: {q} queue pairs, {b} bytes, {a} admin commands (was {a0})")
+    })
+}
+
 fn test_bad_inputs() -> TestResult {
     let dev = Dev::open()?;
     let other = Dev::open()?;
@@ -965,8 +1015,9 @@ fn main() {
         }
         "verify-image" => report("image-contents", verify_image(&arg(2))),
         "guest" => {
-            let tests: [(&str, Test); 8] = [
+            let tests: [(&str, Test); 9] = [
                 ("info", test_info),
+                ("sysfs-counters", test_sysfs_counters),
                 ("admin-passthrough", test_admin),
                 ("map-host", test_map),
                 ("io-read-write", test_io),
