@@ -116,7 +116,7 @@ impl pci::Driver for LegendNvme {
         pin_init::pin_init_scope(move || {
             let name = NameSlot::claim()?;
             let ctrl = Controller::probe(pdev)?;
-            let stats = StatsFiles::new(ctrl.clone())?;
+            let stats = StatsFiles::new(ctrl.clone(), name.0)?;
             let options = MiscDeviceOptions {
                 name: NAMES[name.0],
             };

@@ -67,7 +67,7 @@ void legend_shim_pci_address(struct device *dev, u32 *domain, u8 *bus, u8 *devfn
 }
 
 /*
- * Per-controller counters under /sys/bus/pci/devices/<BDF>/legend_nvme/. The values live on the
+ * Per-controller attributes under /sys/bus/pci/devices/<BDF>/legend_nvme/. The values live on the
  * Rust side; each show() asks legend_nvme_stat() for one of them. The group is allocated per
  * device because each attribute carries the controller's context.
  */
@@ -75,6 +75,7 @@ static const char *const legend_stat_names[] = {
 	"queue_pairs",
 	"bytes_pinned",
 	"admin_commands",
+	"index",
 };
 
 struct legend_stat_attr {

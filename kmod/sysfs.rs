@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: GPL-2.0-only
 
-//! Read-only counters of a bound controller in `/sys/bus/pci/devices/<BDF>/legend_nvme/`:
-//! `queue_pairs` (I/O queue pairs in use), `bytes_pinned` (memory mapped through `MAP`) and
-//! `admin_commands` (admin commands issued since bring-up).
+//! Read-only attributes of a bound controller in `/sys/bus/pci/devices/<BDF>/legend_nvme/`:
+//! `queue_pairs` (I/O queue pairs in use), `bytes_pinned` (memory mapped through `MAP`),
+//! `admin_commands` (admin commands issued since bring-up) and `index` (`N` of its
+//! `/dev/legend-nvme<N>`, which has no parent device to link it to the PCI device).
 
 use core::{
     ffi::c_void,
@@ -41,21 +42,31 @@ extern "C" {
 const QUEUE_PAIRS: c_uint = 0;
 const BYTES_PINNED: c_uint = 1;
 const ADMIN_COMMANDS: c_uint = 2;
+const INDEX: c_uint = 3;
 
-/// Called by the shim's `show()` for attribute `which` of the controller at `ctx`.
+/// What the attributes show: the controller and the index of its character device.
+struct Context {
+    ctrl: Arc<Controller>,
+    index: usize,
+}
+
+/// Called by the shim's `show()` for attribute `which` of the context at `ctx`.
 ///
 /// # Safety
 ///
-/// `ctx` is the controller pointer a live [`StatsFiles`] registered.
+/// `ctx` is the context pointer of a live [`StatsFiles`].
 #[no_mangle]
 unsafe extern "C" fn legend_nvme_stat(ctx: *const c_void, which: c_uint) -> u64 {
-    // SAFETY: by the function's contract `ctx` points to a controller, which the `StatsFiles`
+    // SAFETY: by the function's contract `ctx` points to the `Context` that the `StatsFiles`
     // keeps alive until the group is removed, and removal waits for running `show()` calls.
-    let stats = unsafe { &(*ctx.cast::<Controller>()).stats };
+    let ctx = unsafe { &*ctx.cast::<Context>() };
+    let stats = &ctx.ctrl.stats;
     match which {
         QUEUE_PAIRS => u64::from(stats.queue_pairs.load(Ordering::Relaxed)),
         BYTES_PINNED => stats.bytes_pinned.load(Ordering::Relaxed),
         ADMIN_COMMANDS => stats.admin_commands.load(Ordering::Relaxed),
+        // CAST: an index into the driver's eight names.
+        INDEX => ctx.index as u64,
         _ => 0,
     }
 }
@@ -64,11 +75,11 @@ unsafe extern "C" fn legend_nvme_stat(ctx: *const c_void, which: c_uint) -> u64 
 ///
 /// # Invariants
 ///
-/// `group` was returned by `legend_shim_sysfs_add` for `ctrl` and is not yet removed.
+/// `group` was returned by `legend_shim_sysfs_add` for `ctx` and is not yet removed.
 pub(crate) struct StatsFiles {
     group: *mut RawGroup,
-    /// Keeps the context of the attributes alive.
-    _ctrl: Arc<Controller>,
+    /// The attributes' context; boxed so its address stays fixed.
+    _ctx: KBox<Context>,
 }
 
 // SAFETY: the group is only touched by `Drop`, and sysfs removal may run on any thread.
@@ -77,29 +88,31 @@ unsafe impl Send for StatsFiles {}
 unsafe impl Sync for StatsFiles {}
 
 impl StatsFiles {
-    /// Creates the attribute group of `ctrl` on its PCI device.
+    /// Creates the attribute group of `ctrl`, whose character device is `/dev/legend-nvme<index>`,
+    /// on its PCI device.
     ///
     /// # Errors
     ///
     /// `ENOMEM`, or `EEXIST` if the device already has the group.
-    pub(crate) fn new(ctrl: Arc<Controller>) -> Result<Self> {
+    pub(crate) fn new(ctrl: Arc<Controller>, index: usize) -> Result<Self> {
+        let ctx = KBox::new(Context { ctrl, index }, GFP_KERNEL)?;
         let mut group = core::ptr::null_mut();
-        let ctx = core::ptr::from_ref::<Controller>(&ctrl).cast::<c_void>();
-        // SAFETY: the device is valid while `ctrl` holds a reference to it, and `ctx` stays
-        // valid until `Drop` removes the group (the `Arc` is kept in `self`).
-        let ret = unsafe { legend_shim_sysfs_add(raw_device(ctrl.dev()), ctx, &mut group) };
+        let raw = core::ptr::from_ref::<Context>(&ctx).cast::<c_void>();
+        // SAFETY: the device is valid while `ctx.ctrl` holds a reference to it, and `raw` stays
+        // valid until `Drop` removes the group (the box is kept in `self`).
+        let ret = unsafe { legend_shim_sysfs_add(raw_device(ctx.ctrl.dev()), raw, &mut group) };
         if ret != 0 {
             return Err(Error::from_errno(ret));
         }
-        // INVARIANT: the shim created `group` for `ctrl`.
-        Ok(Self { group, _ctrl: ctrl })
+        // INVARIANT: the shim created `group` for `ctx`.
+        Ok(Self { group, _ctx: ctx })
     }
 }
 
 impl Drop for StatsFiles {
     fn drop(&mut self) {
         // SAFETY: by the invariants `group` is live; removal waits for running `show()` calls,
-        // and `_ctrl`, dropped after this, keeps their context valid until then.
+        // and `_ctx`, dropped after this, keeps their context valid until then.
         unsafe { legend_shim_sysfs_remove(self.group) };
     }
 }

@@ -136,10 +136,10 @@ impl Sysfs {
                 block_devices.extend(parts);
             }
         }
-        let char_device = names(&dir.join("misc"))
-            .into_iter()
-            .next()
-            .map(|n| format!("/dev/{n}"));
+        // The misc device has no parent, so the driver names it in its own attribute group.
+        let char_device = read(&dir.join("legend_nvme/index"))
+            .ok()
+            .map(|n| format!("/dev/legend-nvme{n}"));
         Ok(Controller {
             bdf: bdf.to_owned(),
             driver,
@@ -275,6 +275,20 @@ mod tests {
             s.controller("0000:00:05.0"),
             Err(Error::NotFound(_))
         ));
+    }
+
+    #[test]
+    fn names_the_char_device_of_a_legend_controller() {
+        let t = tempfile::tempdir().unwrap();
+        fake(t.path(), "0000:00:04.0", "legend_nvme", "nvme0n1");
+        let dir = t
+            .path()
+            .join("sys/bus/pci/devices/0000:00:04.0/legend_nvme");
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("index"), "3\n").unwrap();
+        let s = Sysfs::with_roots(t.path().join("sys"), t.path().join("proc"));
+        let c = s.controller("0000:00:04.0").unwrap();
+        assert_eq!(c.char_device.as_deref(), Some("/dev/legend-nvme3"));
     }
 
     #[test]

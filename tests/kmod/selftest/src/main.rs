@@ -4,7 +4,11 @@
 //! - `gen-image PATH BLOCKS` (host): writes the NVMe backing image with a known pattern;
 //! - `verify-image PATH` (host, after the guest ran): checks the blocks the guest wrote;
 //! - `guest` (in QEMU): the ioctl, I/O, bad-input, fuzz and cleanup tests;
-//! - `unbind BDF` (in QEMU): unbind and rebind with an open file descriptor and live queue.
+//! - `unbind BDF` (in QEMU): unbind and rebind with an open file descriptor and live queue;
+//! - `bind BDF` (in QEMU, controller bound to `nvme`): `legend-nvme`'s `Sysfs::list` and
+//!   `Sysfs::bind`, refused while the namespace is open, then forced;
+//! - `handback BDF` (in QEMU): `Sysfs::unbind` back to `nvme`, reading through the block device,
+//!   and `Sysfs::bind` again.
 //!
 //! Each test prints `ok NAME` or `FAIL NAME: reason`; the runner counts those lines.
 
@@ -17,6 +21,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use legend_nvme::Sysfs;
 use legend_uapi as uapi;
 
 const BLOCK: usize = 512;
@@ -972,6 +977,89 @@ fn test_unbind(bdf: &str) -> TestResult {
     check(st == 0, || format!("read after rebind status {st:#x}"))
 }
 
+/// Waits up to 15 s for `path` to appear (the `nvme` driver scans namespaces asynchronously).
+fn wait_for(path: &str) -> TestResult {
+    let start = Instant::now();
+    while fs::metadata(path).is_err() {
+        if start.elapsed() > Duration::from_secs(15) {
+            return Err(format!("{path} did not appear within 15 s"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// `Sysfs::list` while the stock driver holds the controller.
+fn test_device_list(bdf: &str) -> TestResult {
+    let list = Sysfs::default().list().map_err(|e| format!("list: {e}"))?;
+    let [c] = list.as_slice() else {
+        return Err(format!("want one controller, got {list:?}"));
+    };
+    check(
+        c.bdf == bdf
+            && c.driver.as_deref() == Some("nvme")
+            && c.id == (0x1b36, 0x0010)
+            && c.block_devices == ["nvme0n1"]
+            && c.char_device.is_none(),
+        || format!("{c:?}"),
+    )
+}
+
+/// `Sysfs::bind` refuses while a namespace is open, then `force` takes it anyway.
+fn test_bind_in_use(bdf: &str) -> TestResult {
+    let sysfs = Sysfs::default();
+    let held = File::open("/dev/nvme0n1").map_err(|e| format!("open /dev/nvme0n1: {e}"))?;
+    match sysfs.bind(bdf, false) {
+        Err(legend_nvme::Error::InUse { reason, .. }) if reason.contains("open by process") => {}
+        other => return Err(format!("bind while open: {other:?}")),
+    }
+    let c = sysfs.controller(bdf).map_err(|e| e.to_string())?;
+    check(c.driver.as_deref() == Some("nvme"), || {
+        format!("refused bind still moved the controller: {c:?}")
+    })?;
+    let c = sysfs
+        .bind(bdf, true)
+        .map_err(|e| format!("forced bind: {e}"))?;
+    drop(held);
+    check(
+        c.driver.as_deref() == Some("legend_nvme")
+            && c.char_device.as_deref() == Some(DEV)
+            && c.block_devices.is_empty(),
+        || format!("after forced bind: {c:?}"),
+    )?;
+    Dev::open()?.info().map(|_| ())
+}
+
+/// `Sysfs::unbind` hands the controller back to `nvme`, which sees what the queues wrote; then
+/// `Sysfs::bind` (nothing open) takes it again.
+fn test_handback(bdf: &str) -> TestResult {
+    let sysfs = Sysfs::default();
+    let c = sysfs.unbind(bdf).map_err(|e| format!("unbind: {e}"))?;
+    check(c.driver.as_deref() == Some("nvme"), || {
+        format!("after unbind: {c:?}")
+    })?;
+    wait_for("/dev/nvme0n1")?;
+    let mut f = File::open("/dev/nvme0n1").map_err(|e| format!("open /dev/nvme0n1: {e}"))?;
+    let mut block = vec![0u8; BLOCK];
+    for (lba, seed) in [(0, 0), (100, 0), (WRITE_BASE, 1), (WRITE_BASE + 7, 1)] {
+        f.seek(SeekFrom::Start(lba * BLOCK as u64))
+            .and_then(|_| f.read_exact(&mut block))
+            .map_err(|e| format!("read lba {lba} through nvme: {e}"))?;
+        check(block == pattern(lba, seed), || {
+            format!("lba {lba} through nvme differs")
+        })?;
+    }
+    drop(f);
+    let c = sysfs
+        .bind(bdf, false)
+        .map_err(|e| format!("bind again: {e}"))?;
+    check(
+        c.driver.as_deref() == Some("legend_nvme") && c.char_device.as_deref() == Some(DEV),
+        || format!("after bind: {c:?}"),
+    )?;
+    Dev::open()?.info().map(|_| ())
+}
+
 fn report(name: &str, r: TestResult) {
     match r {
         Ok(()) => println!("ok {name}"),
@@ -1034,9 +1122,14 @@ fn main() {
             }
         }
         "unbind" => report("unbind-rebind-open-fd", test_unbind(&arg(2))),
+        "bind" => {
+            report("device-list", test_device_list(&arg(2)));
+            report("bind-refused-in-use-then-forced", test_bind_in_use(&arg(2)));
+        }
+        "handback" => report("unbind-to-nvme-and-rebind", test_handback(&arg(2))),
         _ => {
             eprintln!(
-                "usage: legend-kmod-selftest gen-image PATH BLOCKS | verify-image PATH | guest | unbind BDF"
+                "usage: legend-kmod-selftest gen-image PATH BLOCKS | verify-image PATH | guest | unbind BDF | bind BDF | handback BDF"
             );
             std::process::exit(2);
         }
