@@ -70,7 +70,8 @@ impl Buckets {
     /// Groups `edges` into buckets by a stable counting sort.
     pub fn build(edges: &[Edge], scheme: PartitionScheme) -> Buckets {
         let n2 = scheme.num_partitions as usize * scheme.num_partitions as usize;
-        let bucket = |e: &Edge| scheme.bucket_index(scheme.partition_of(e[0]), scheme.partition_of(e[2]));
+        let bucket =
+            |e: &Edge| scheme.bucket_index(scheme.partition_of(e[0]), scheme.partition_of(e[2]));
         let mut offsets = vec![0u64; n2 + 1];
         for e in edges {
             offsets[bucket(e) + 1] += 1;
@@ -126,7 +127,10 @@ impl Buckets {
         let (edges_path, offsets_path) = Self::paths(dir, self.scheme.num_partitions);
         for (path, bytes) in [
             (&edges_path, bytemuck::cast_slice::<Edge, u8>(&self.edges)),
-            (&offsets_path, bytemuck::cast_slice::<u64, u8>(&self.offsets)),
+            (
+                &offsets_path,
+                bytemuck::cast_slice::<u64, u8>(&self.offsets),
+            ),
         ] {
             let tmp = path.with_extension("partial");
             write_synced(&tmp, bytes)?;
@@ -139,7 +143,11 @@ impl Buckets {
     ///
     /// `expected_edges` is the dataset's train edge count: files that disagree with it are stale
     /// or damaged and are rejected.
-    pub fn load(dir: &Path, scheme: PartitionScheme, expected_edges: u64) -> Result<Option<Buckets>> {
+    pub fn load(
+        dir: &Path,
+        scheme: PartitionScheme,
+        expected_edges: u64,
+    ) -> Result<Option<Buckets>> {
         let (edges_path, offsets_path) = Self::paths(dir, scheme.num_partitions);
         if !edges_path.exists() || !offsets_path.exists() {
             return Ok(None);
@@ -148,24 +156,47 @@ impl Buckets {
         let offsets: Vec<u64> = read_pod(&offsets_path)?;
         let edges: Vec<Edge> = read_pod(&edges_path)?;
         let monotone = offsets.windows(2).all(|w| w[0] <= w[1]);
-        if offsets.len() != n2 + 1 || offsets[0] != 0 || !monotone || offsets[n2] != edges.len() as u64 {
-            return Err(invalid(&offsets_path, format!("not valid offsets for {n2} buckets of {} edges", edges.len())));
+        if offsets.len() != n2 + 1
+            || offsets[0] != 0
+            || !monotone
+            || offsets[n2] != edges.len() as u64
+        {
+            return Err(invalid(
+                &offsets_path,
+                format!(
+                    "not valid offsets for {n2} buckets of {} edges",
+                    edges.len()
+                ),
+            ));
         }
         if edges.len() as u64 != expected_edges {
             return Err(invalid(
                 &edges_path,
-                format!("holds {} edges but the dataset has {expected_edges} train edges; re-run partition", edges.len()),
+                format!(
+                    "holds {} edges but the dataset has {expected_edges} train edges; re-run partition",
+                    edges.len()
+                ),
             ));
         }
-        let buckets = Buckets { scheme, edges, offsets };
+        let buckets = Buckets {
+            scheme,
+            edges,
+            offsets,
+        };
         for i in 0..scheme.num_partitions {
             for j in 0..scheme.num_partitions {
-                let misplaced = buckets
-                    .bucket(i, j)
-                    .iter()
-                    .any(|e| scheme.partition_of(e[0]) != i || scheme.partition_of(e[2]) != j || u64::from(e[0].max(e[2])) >= scheme.entities);
+                let misplaced = buckets.bucket(i, j).iter().any(|e| {
+                    scheme.partition_of(e[0]) != i
+                        || scheme.partition_of(e[2]) != j
+                        || u64::from(e[0].max(e[2])) >= scheme.entities
+                });
                 if misplaced {
-                    return Err(invalid(&edges_path, format!("bucket ({i}, {j}) holds an edge of another bucket; re-run partition")));
+                    return Err(invalid(
+                        &edges_path,
+                        format!(
+                            "bucket ({i}, {j}) holds an edge of another bucket; re-run partition"
+                        ),
+                    ));
                 }
             }
         }
@@ -178,7 +209,10 @@ pub(crate) fn read_pod<T: bytemuck::Pod>(path: &Path) -> Result<Vec<T>> {
     let bytes = std::fs::read(path).at(path)?;
     let size = std::mem::size_of::<T>();
     if bytes.len() % size != 0 {
-        return Err(invalid(path, format!("size {} is not a multiple of {size} bytes", bytes.len())));
+        return Err(invalid(
+            path,
+            format!("size {} is not a multiple of {size} bytes", bytes.len()),
+        ));
     }
     Ok(bytemuck::pod_collect_to_vec(&bytes))
 }
@@ -193,8 +227,15 @@ mod tests {
     fn ranges_cover_ids() {
         let s = PartitionScheme::new(10, 4).unwrap();
         assert_eq!(s.rows_per_partition, 3);
-        assert_eq!([s.range(0), s.range(1), s.range(2), s.range(3)], [0..3, 3..6, 6..9, 9..10]);
-        assert!(PartitionScheme::new(3, 4).unwrap_err().contains("4 partitions for 3 entities"));
+        assert_eq!(
+            [s.range(0), s.range(1), s.range(2), s.range(3)],
+            [0..3, 3..6, 6..9, 9..10]
+        );
+        assert!(
+            PartitionScheme::new(3, 4)
+                .unwrap_err()
+                .contains("4 partitions for 3 entities")
+        );
         assert!(PartitionScheme::new(3, 0).is_err());
     }
 

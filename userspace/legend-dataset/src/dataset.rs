@@ -19,7 +19,10 @@ impl Dataset {
     pub fn open(dir: impl AsRef<Path>) -> Result<Dataset> {
         let dir = dir.as_ref().to_owned();
         if !dir.is_dir() {
-            return Err(invalid(&dir, "not a dataset directory (run `legendctl import` first)"));
+            return Err(invalid(
+                &dir,
+                "not a dataset directory (run `legendctl import` first)",
+            ));
         }
         let meta = DatasetMeta::read(&dir)?;
         Ok(Dataset { dir, meta })
@@ -41,7 +44,10 @@ impl Dataset {
         let edges: Vec<Edge> = read_pod(&path)?;
         let want = self.meta.splits.get(split);
         if edges.len() as u64 != want {
-            return Err(invalid(&path, format!("holds {} edges, dataset.toml says {want}", edges.len())));
+            return Err(invalid(
+                &path,
+                format!("holds {} edges, dataset.toml says {want}", edges.len()),
+            ));
         }
         let (ne, nr) = (self.meta.entities, self.meta.relations);
         if let Some((i, e)) = edges
@@ -102,7 +108,10 @@ impl Dataset {
             })
             .collect();
         if labels.len() as u64 != count {
-            return Err(invalid(&path, format!("holds {} labels, dataset.toml says {count}", labels.len())));
+            return Err(invalid(
+                &path,
+                format!("holds {} labels, dataset.toml says {count}", labels.len()),
+            ));
         }
         Ok(labels)
     }

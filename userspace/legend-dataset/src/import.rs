@@ -130,7 +130,6 @@ impl Interner {
         Ok(id)
     }
 
-
     /// Labels indexed by id.
     fn into_labels(self) -> Vec<Box<[u8]>> {
         let mut labels = vec![Box::<[u8]>::default(); self.ids.len()];
@@ -155,17 +154,30 @@ pub(crate) struct RawGraph {
 pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
     let started = Instant::now();
     if out.exists() {
-        return Err(invalid(out, "already exists; remove it or choose another output directory"));
+        return Err(invalid(
+            out,
+            "already exists; remove it or choose another output directory",
+        ));
     }
     let (raw, sources) = match &options.input {
         ImportInput::Marius { dir } => (marius::read(dir)?, vec![dir.display().to_string()]),
         ImportInput::Files { train, valid, test } => {
-            let inputs: Vec<(Split, &PathBuf)> = [(Split::Train, Some(train)), (Split::Valid, valid.as_ref()), (Split::Test, test.as_ref())]
-                .into_iter()
-                .filter_map(|(s, p)| p.map(|p| (s, p)))
-                .collect();
+            let inputs: Vec<(Split, &PathBuf)> = [
+                (Split::Train, Some(train)),
+                (Split::Valid, valid.as_ref()),
+                (Split::Test, test.as_ref()),
+            ]
+            .into_iter()
+            .filter_map(|(s, p)| p.map(|p| (s, p)))
+            .collect();
             let raw = read_text(options, &inputs)?;
-            (raw, inputs.iter().map(|(_, p)| p.display().to_string()).collect())
+            (
+                raw,
+                inputs
+                    .iter()
+                    .map(|(_, p)| p.display().to_string())
+                    .collect(),
+            )
         }
         ImportInput::Split { files, fractions } => {
             check_fractions(fractions)?;
@@ -228,7 +240,9 @@ fn check_fractions(f: &[f64; 3]) -> Result<()> {
         )));
     }
     if f[0] == 0.0 {
-        return Err(DatasetError::Options("--split: the train fraction must be positive".into()));
+        return Err(DatasetError::Options(
+            "--split: the train fraction must be positive".into(),
+        ));
     }
     Ok(())
 }
@@ -242,9 +256,11 @@ fn read_text(options: &ImportOptions, inputs: &[(Split, &PathBuf)]) -> Result<Ra
     let bar = if options.progress {
         let bar = ProgressBar::new(total);
         bar.set_style(
-            ProgressStyle::with_template("{msg:>12} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-                .expect("static template")
-                .progress_chars("=> "),
+            ProgressStyle::with_template(
+                "{msg:>12} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            )
+            .expect("static template")
+            .progress_chars("=> "),
         );
         bar
     } else {
@@ -274,7 +290,9 @@ fn read_text(options: &ImportOptions, inputs: &[(Split, &PathBuf)]) -> Result<Ra
             let tail = entities.intern(f.tail).map_err(parse_error)?;
             let rel = match f.rel {
                 Some(r) => relations.intern(r).map_err(parse_error)?,
-                None => relations.intern(UNTYPED_RELATION.as_bytes()).map_err(parse_error)?,
+                None => relations
+                    .intern(UNTYPED_RELATION.as_bytes())
+                    .map_err(parse_error)?,
             };
             edges.push([head, rel, tail]);
             if line_no % 65536 == 0 {
@@ -283,7 +301,10 @@ fn read_text(options: &ImportOptions, inputs: &[(Split, &PathBuf)]) -> Result<Ra
             }
         }
         if edges.len() == before {
-            return Err(invalid(*path, "no edges: the file is empty or holds only comments and blank lines"));
+            return Err(invalid(
+                *path,
+                "no edges: the file is empty or holds only comments and blank lines",
+            ));
         }
         done_before += consumed.load(Ordering::Relaxed);
         bar.set_position(done_before);
@@ -337,7 +358,9 @@ fn finish(mut raw: RawGraph, options: &ImportOptions) -> Result<FinalGraph> {
     let (mut dropped, mut kept) = (0u64, 0u64);
     for split in [Split::Valid, Split::Test] {
         raw.splits[split as usize].retain(|&[s, r, d]| {
-            let seen = entity_in_train[s as usize] && entity_in_train[d as usize] && relation_in_train[r as usize];
+            let seen = entity_in_train[s as usize]
+                && entity_in_train[d as usize]
+                && relation_in_train[r as usize];
             if seen {
                 return true;
             }
@@ -360,7 +383,9 @@ fn finish(mut raw: RawGraph, options: &ImportOptions) -> Result<FinalGraph> {
         );
     }
     // Entities: random permutation of the used ones, so that id ranges mix high- and low-degree nodes.
-    let mut order: Vec<u32> = (0..ne as u32).filter(|&e| entity_used[e as usize]).collect();
+    let mut order: Vec<u32> = (0..ne as u32)
+        .filter(|&e| entity_used[e as usize])
+        .collect();
     order.shuffle(&mut Xoshiro256PlusPlus::seed_from_u64(options.seed));
     let mut entity_map = vec![u32::MAX; ne];
     for (new, &old) in order.iter().enumerate() {
@@ -377,7 +402,11 @@ fn finish(mut raw: RawGraph, options: &ImportOptions) -> Result<FinalGraph> {
     }
     for edges in &mut raw.splits {
         for e in edges.iter_mut() {
-            *e = [entity_map[e[0] as usize], relation_map[e[1] as usize], entity_map[e[2] as usize]];
+            *e = [
+                entity_map[e[0] as usize],
+                relation_map[e[1] as usize],
+                entity_map[e[2] as usize],
+            ];
         }
     }
     let mut entity_labels = vec![Box::<[u8]>::default(); order.len()];
@@ -411,7 +440,8 @@ impl FinalGraph {
         for split in Split::ALL {
             let edges = &self.splits[split as usize];
             let path = edge_file(dir, split);
-            *checksums.get_mut(split) = u64::from(write_synced(&path, bytemuck::cast_slice(edges))?);
+            *checksums.get_mut(split) =
+                u64::from(write_synced(&path, bytemuck::cast_slice(edges))?);
             *splits.get_mut(split) = edges.len() as u64;
         }
         write_labels(&dir.join(ENTITIES_FILE), &self.entity_labels)?;
@@ -430,7 +460,9 @@ impl FinalGraph {
             unseen_kept: self.unseen_kept,
         };
         meta.write(dir)?;
-        File::open(&edges_dir).and_then(|d| d.sync_all()).at(&edges_dir)?;
+        File::open(&edges_dir)
+            .and_then(|d| d.sync_all())
+            .at(&edges_dir)?;
         File::open(dir).and_then(|d| d.sync_all()).at(dir)?;
         Ok(meta)
     }
@@ -439,7 +471,9 @@ impl FinalGraph {
 /// Writes `bytes` to a new file, syncs it and returns its CRC-32.
 pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<u32> {
     let mut file = File::create(path).at(path)?;
-    file.write_all(bytes).and_then(|_| file.sync_all()).at(path)?;
+    file.write_all(bytes)
+        .and_then(|_| file.sync_all())
+        .at(path)?;
     Ok(crc32fast::hash(bytes))
 }
 

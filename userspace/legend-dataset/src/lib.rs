@@ -7,7 +7,9 @@
 //! See `Documentation/dataset-format.md`.
 
 #[cfg(target_endian = "big")]
-compile_error!("edge files are little-endian and read by casting; big-endian hosts are not supported");
+compile_error!(
+    "edge files are little-endian and read by casting; big-endian hosts are not supported"
+);
 
 mod buckets;
 mod dataset;

@@ -51,7 +51,12 @@ pub(crate) fn read(dir: &Path) -> Result<RawGraph> {
     let nodes = u32::try_from(nodes)
         .ok()
         .filter(|&n| n < u32::MAX)
-        .ok_or_else(|| invalid(&yaml_path, format!("num_nodes {nodes} exceeds the 32-bit id range")))?;
+        .ok_or_else(|| {
+            invalid(
+                &yaml_path,
+                format!("num_nodes {nodes} exceeds the 32-bit id range"),
+            )
+        })?;
     let num_relations = yaml.get("num_relations").copied().unwrap_or(1).max(1);
     let mut splits: [Vec<Edge>; 3] = Default::default();
     let mut width_seen = None;
@@ -59,7 +64,10 @@ pub(crate) fn read(dir: &Path) -> Result<RawGraph> {
         let path = dir.join("edges").join(split_file(split));
         if !path.exists() {
             if split == Split::Train {
-                return Err(invalid(&path, "missing: a Marius dataset needs train edges"));
+                return Err(invalid(
+                    &path,
+                    "missing: a Marius dataset needs train edges",
+                ));
             }
             continue;
         }
@@ -70,9 +78,17 @@ pub(crate) fn read(dir: &Path) -> Result<RawGraph> {
             }
             continue;
         }
-        let width = row_width(&path, bytes.len(), yaml.get(count_key(split)).copied(), num_relations)?;
+        let width = row_width(
+            &path,
+            bytes.len(),
+            yaml.get(count_key(split)).copied(),
+            num_relations,
+        )?;
         if let Some(w) = width_seen.filter(|&w| w != width) {
-            return Err(invalid(&path, format!("rows of {width} columns, but other splits have {w}")));
+            return Err(invalid(
+                &path,
+                format!("rows of {width} columns, but other splits have {w}"),
+            ));
         }
         width_seen = Some(width);
         let ids: Vec<i32> = bytes
@@ -82,9 +98,16 @@ pub(crate) fn read(dir: &Path) -> Result<RawGraph> {
         let edges = &mut splits[split as usize];
         edges.reserve(ids.len() / width);
         for (row, r) in ids.chunks_exact(width).enumerate() {
-            let (s, rel, d) = if width == 3 { (r[0], r[1], r[2]) } else { (r[0], 0, r[1]) };
+            let (s, rel, d) = if width == 3 {
+                (r[0], r[1], r[2])
+            } else {
+                (r[0], 0, r[1])
+            };
             let bad = |what: &str, v: i32, limit: u64| {
-                invalid(&path, format!("row {row}: {what} id {v} outside 0..{limit}"))
+                invalid(
+                    &path,
+                    format!("row {row}: {what} id {v} outside 0..{limit}"),
+                )
             };
             let node = |v: i32| u32::try_from(v).ok().filter(|&v| v < nodes);
             let s = node(s).ok_or_else(|| bad("source", s, nodes.into()))?;
@@ -98,12 +121,16 @@ pub(crate) fn read(dir: &Path) -> Result<RawGraph> {
     }
     let has_relations = width_seen == Some(3);
     let relation_labels = if has_relations {
-        (0..num_relations).map(|r| r.to_string().into_bytes().into()).collect()
+        (0..num_relations)
+            .map(|r| r.to_string().into_bytes().into())
+            .collect()
     } else {
         vec![UNTYPED_RELATION.as_bytes().into()]
     };
     Ok(RawGraph {
-        entity_labels: (0..nodes).map(|n| n.to_string().into_bytes().into()).collect(),
+        entity_labels: (0..nodes)
+            .map(|n| n.to_string().into_bytes().into())
+            .collect(),
         relation_labels,
         has_relations,
         splits,
@@ -113,7 +140,10 @@ pub(crate) fn read(dir: &Path) -> Result<RawGraph> {
 /// Decides whether rows are `[src, rel, dst]` (3) or `[src, dst]` (2) int32 columns.
 fn row_width(path: &Path, len: usize, count: Option<u64>, relations: u64) -> Result<usize> {
     if len % 4 != 0 {
-        return Err(invalid(path, format!("size {len} is not a multiple of 4 bytes (int32 ids)")));
+        return Err(invalid(
+            path,
+            format!("size {len} is not a multiple of 4 bytes (int32 ids)"),
+        ));
     }
     let ints = (len / 4) as u64;
     if let Some(count) = count.filter(|&c| c > 0) {
@@ -121,7 +151,9 @@ fn row_width(path: &Path, len: usize, count: Option<u64>, relations: u64) -> Res
             3 | 2 if ints % count == 0 => Ok((ints / count) as usize),
             _ => Err(invalid(
                 path,
-                format!("{len} bytes do not hold {count} int32 rows of 2 or 3 columns (int64 or weighted edges are not supported)"),
+                format!(
+                    "{len} bytes do not hold {count} int32 rows of 2 or 3 columns (int64 or weighted edges are not supported)"
+                ),
             )),
         };
     }
@@ -130,6 +162,9 @@ fn row_width(path: &Path, len: usize, count: Option<u64>, relations: u64) -> Res
         (false, true) => Ok(2),
         (true, true) if relations > 1 => Ok(3),
         (true, true) => Ok(2),
-        (false, false) => Err(invalid(path, format!("{len} bytes are neither 2- nor 3-column int32 rows"))),
+        (false, false) => Err(invalid(
+            path,
+            format!("{len} bytes are neither 2- nor 3-column int32 rows"),
+        )),
     }
 }

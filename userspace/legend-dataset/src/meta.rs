@@ -112,8 +112,8 @@ impl DatasetMeta {
     pub fn read(dir: &Path) -> Result<Self> {
         let path = dir.join(META_FILE);
         let text = std::fs::read_to_string(&path).at(&path)?;
-        let meta: DatasetMeta =
-            toml::from_str(&text).map_err(|e| invalid(&path, format!("not a dataset description: {e}")))?;
+        let meta: DatasetMeta = toml::from_str(&text)
+            .map_err(|e| invalid(&path, format!("not a dataset description: {e}")))?;
         if meta.format_version != FORMAT_VERSION {
             return Err(invalid(
                 &path,
@@ -124,7 +124,10 @@ impl DatasetMeta {
             ));
         }
         if meta.id_width != 4 {
-            return Err(invalid(&path, format!("id width {} is not supported (expected 4)", meta.id_width)));
+            return Err(invalid(
+                &path,
+                format!("id width {} is not supported (expected 4)", meta.id_width),
+            ));
         }
         Ok(meta)
     }

@@ -54,7 +54,9 @@ impl FromStr for Columns {
             "hrt" | "srd" => Ok(Columns::Hrt),
             "htr" => Ok(Columns::Htr),
             "sd" => Ok(Columns::Sd),
-            _ => Err(format!("unknown column order {s:?}: expected hrt, htr, srd or sd")),
+            _ => Err(format!(
+                "unknown column order {s:?}: expected hrt, htr, srd or sd"
+            )),
         }
     }
 }
@@ -127,7 +129,11 @@ pub(crate) fn parse_fields(
         count += 1;
     }
     if count != width {
-        let what = if count < width { "missing column" } else { "wrong column count" };
+        let what = if count < width {
+            "missing column"
+        } else {
+            "wrong column count"
+        };
         return Err(format!(
             "{what}: expected {width} columns ({}), found {count}",
             columns.name()
@@ -182,7 +188,8 @@ impl LineReader {
             consumed: consumed.clone(),
         };
         let inner: Box<dyn BufRead + Send> = if gz {
-            let decoder = flate2::read::MultiGzDecoder::new(BufReader::with_capacity(1 << 16, counting));
+            let decoder =
+                flate2::read::MultiGzDecoder::new(BufReader::with_capacity(1 << 16, counting));
             Box::new(BufReader::with_capacity(1 << 16, decoder))
         } else {
             Box::new(BufReader::with_capacity(1 << 16, counting))
@@ -206,7 +213,9 @@ impl LineReader {
         loop {
             buf.clear();
             let n = self.inner.read_until(b'\n', buf).map_err(|e| {
-                let message = if e.kind() == io::ErrorKind::InvalidInput || e.kind() == io::ErrorKind::InvalidData {
+                let message = if e.kind() == io::ErrorKind::InvalidInput
+                    || e.kind() == io::ErrorKind::InvalidData
+                {
                     format!("unreadable (corrupt gzip?): {e}")
                 } else {
                     e.to_string()
@@ -253,7 +262,11 @@ fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 mod tests {
     use super::*;
 
-    fn parse(line: &str, d: Delimiter, c: Columns) -> std::result::Result<(String, Option<String>, String), String> {
+    fn parse(
+        line: &str,
+        d: Delimiter,
+        c: Columns,
+    ) -> std::result::Result<(String, Option<String>, String), String> {
         let f = parse_fields(line.as_bytes(), d, c)?;
         let s = |b: &[u8]| String::from_utf8(b.to_vec()).unwrap();
         Ok((s(f.head), f.rel.map(s), s(f.tail)))
@@ -262,9 +275,18 @@ mod tests {
     #[test]
     fn column_orders() {
         let tab = Delimiter::Byte(b'\t');
-        assert_eq!(parse("a\tr\tb", tab, Columns::Hrt).unwrap(), ("a".into(), Some("r".into()), "b".into()));
-        assert_eq!(parse("a\tb\tr", tab, Columns::Htr).unwrap(), ("a".into(), Some("r".into()), "b".into()));
-        assert_eq!(parse("a\tb", tab, Columns::Sd).unwrap(), ("a".into(), None, "b".into()));
+        assert_eq!(
+            parse("a\tr\tb", tab, Columns::Hrt).unwrap(),
+            ("a".into(), Some("r".into()), "b".into())
+        );
+        assert_eq!(
+            parse("a\tb\tr", tab, Columns::Htr).unwrap(),
+            ("a".into(), Some("r".into()), "b".into())
+        );
+        assert_eq!(
+            parse("a\tb", tab, Columns::Sd).unwrap(),
+            ("a".into(), None, "b".into())
+        );
         assert_eq!(
             parse("  a   r \t b ", Delimiter::Whitespace, Columns::Hrt).unwrap(),
             ("a".into(), Some("r".into()), "b".into())
@@ -274,10 +296,26 @@ mod tests {
     #[test]
     fn bad_lines_are_named() {
         let tab = Delimiter::Byte(b'\t');
-        assert!(parse("a\tr", tab, Columns::Hrt).unwrap_err().contains("missing column"));
-        assert!(parse("a\tr\tb\tc", tab, Columns::Hrt).unwrap_err().contains("wrong column count"));
-        assert!(parse("a\t\tb", tab, Columns::Hrt).unwrap_err().contains("empty field in column 2"));
-        assert!(parse("a\t \tb", tab, Columns::Hrt).unwrap_err().contains("empty field in column 2"));
+        assert!(
+            parse("a\tr", tab, Columns::Hrt)
+                .unwrap_err()
+                .contains("missing column")
+        );
+        assert!(
+            parse("a\tr\tb\tc", tab, Columns::Hrt)
+                .unwrap_err()
+                .contains("wrong column count")
+        );
+        assert!(
+            parse("a\t\tb", tab, Columns::Hrt)
+                .unwrap_err()
+                .contains("empty field in column 2")
+        );
+        assert!(
+            parse("a\t \tb", tab, Columns::Hrt)
+                .unwrap_err()
+                .contains("empty field in column 2")
+        );
     }
 
     #[test]

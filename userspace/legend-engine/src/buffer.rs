@@ -48,7 +48,12 @@ pub struct MemoryStore {
 
 impl MemoryStore {
     /// A store holding whole tables (`entities × dim` each), split by `scheme`: resuming a run.
-    pub fn from_tables(scheme: PartitionScheme, dim: usize, emb: &[f32], state: &[f32]) -> MemoryStore {
+    pub fn from_tables(
+        scheme: PartitionScheme,
+        dim: usize,
+        emb: &[f32],
+        state: &[f32],
+    ) -> MemoryStore {
         let parts = (0..scheme.num_partitions)
             .map(|p| {
                 let r = scheme.range(p);
@@ -139,7 +144,12 @@ pub struct PartitionBuffer {
 impl PartitionBuffer {
     /// A buffer over `store` with nothing resident yet. `init` initialises never-written
     /// partitions, row by global id, so results do not depend on which partitions are resident.
-    pub fn new(scheme: PartitionScheme, dim: usize, init: Init, mut store: impl PartitionStore) -> Self {
+    pub fn new(
+        scheme: PartitionScheme,
+        dim: usize,
+        init: Init,
+        mut store: impl PartitionStore,
+    ) -> Self {
         let (req_tx, req_rx) = mpsc::channel::<Request>();
         let (rep_tx, rep_rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -222,12 +232,18 @@ impl PartitionBuffer {
     /// Loads partitions until exactly `state` is resident, evicting others first-come.
     /// Used for the initial fill (nothing resident) and between epochs.
     pub fn fill(&mut self, state: &[u32]) -> Result<(), StoreError> {
-        let mut evictable: Vec<u32> = self.resident().into_iter().filter(|p| !state.contains(p)).collect();
+        let mut evictable: Vec<u32> = self
+            .resident()
+            .into_iter()
+            .filter(|p| !state.contains(p))
+            .collect();
         for &p in state {
             if self.is_resident(p) {
                 continue;
             }
-            let evict = evictable.pop().and_then(|e| self.resident[e as usize].take());
+            let evict = evictable
+                .pop()
+                .and_then(|e| self.resident[e as usize].take());
             self.send(Request::Swap { evict, load: p })?;
             self.in_flight = Some(p);
             self.finish_swap()?;
@@ -260,7 +276,9 @@ impl PartitionBuffer {
     pub fn finish_swap(&mut self) -> Result<(), StoreError> {
         let p = self.in_flight.take().expect("a swap in flight");
         let reply = self.receive()?;
-        let part = reply.loaded.expect("a swap reply carries the loaded partition");
+        let part = reply
+            .loaded
+            .expect("a swap reply carries the loaded partition");
         debug_assert_eq!(part.id, p);
         self.resident[p as usize] = Some(part);
         Ok(())
@@ -284,7 +302,10 @@ impl PartitionBuffer {
             return Ok(part.clone());
         }
         self.send(Request::Read(p))?;
-        Ok(self.receive()?.loaded.expect("a read reply carries the partition"))
+        Ok(self
+            .receive()?
+            .loaded
+            .expect("a read reply carries the partition"))
     }
 
     /// Embedding and state rows of entity `id`, if its partition is resident.
@@ -292,7 +313,10 @@ impl PartitionBuffer {
         let p = self.scheme.partition_of(id);
         let part = self.resident[p as usize].as_ref()?;
         let local = (u64::from(id) - self.scheme.range(p).start) as usize * self.dim;
-        Some((&part.emb[local..local + self.dim], &part.state[local..local + self.dim]))
+        Some((
+            &part.emb[local..local + self.dim],
+            &part.state[local..local + self.dim],
+        ))
     }
 
     /// Mutable embedding and state rows of entity `id`, if its partition is resident.

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use legend_model::{Decoder, Loss};
+use legend_model::{Decoder, Distribution, Init, Loss, RelationInit};
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration of a training run.
@@ -36,6 +36,8 @@ pub struct ModelConfig {
     pub margin: f32,
     /// Standard deviation of the normal initialisation of node rows.
     pub init_scale: f32,
+    /// How relation rows start: `identity` (the operator's identity) or `random` (like nodes).
+    pub relation_init: String,
 }
 
 impl Default for ModelConfig {
@@ -46,6 +48,7 @@ impl Default for ModelConfig {
             loss: "softmax_ce".into(),
             margin: legend_model::DEFAULT_MARGIN,
             init_scale: 1e-3,
+            relation_init: "random".into(),
         }
     }
 }
@@ -110,7 +113,7 @@ impl Default for TrainingConfig {
     fn default() -> Self {
         TrainingConfig {
             num_epochs: 50,
-            batch_size: 1000,
+            batch_size: 100,
             learning_rate: 0.1,
             adagrad_eps: 1e-9,
             seed: 0,
@@ -139,7 +142,7 @@ impl Default for NegativesConfig {
     fn default() -> Self {
         NegativesConfig {
             num_chunks: 1,
-            negatives_per_positive: 1000,
+            negatives_per_positive: 100,
             degree_fraction: 0.0,
             filtered: false,
         }
@@ -225,6 +228,21 @@ impl Config {
         }
     }
 
+    /// The initialisation of all tables.
+    pub fn init(&self) -> Init {
+        let node = Distribution::Normal {
+            std: self.model.init_scale,
+        };
+        Init {
+            seed: self.training.seed,
+            node,
+            relation: match self.model.relation_init.as_str() {
+                "random" => RelationInit::Random(node),
+                _ => RelationInit::Identity,
+            },
+        }
+    }
+
     /// The ordering named by `storage.order`.
     pub fn order(&self) -> legend_planner::Order {
         self.storage.order.parse().expect("validated")
@@ -239,34 +257,69 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let decoder: Decoder = self.model.decoder.parse().map_err(|e| bad("model.decoder", e))?;
-        decoder.check_dim(self.model.dim).map_err(|e| bad("model.dim", e))?;
+        let decoder: Decoder = self
+            .model
+            .decoder
+            .parse()
+            .map_err(|e| bad("model.decoder", e))?;
+        decoder
+            .check_dim(self.model.dim)
+            .map_err(|e| bad("model.dim", e))?;
         if !["softmax_ce", "logistic", "ranking"].contains(&self.model.loss.as_str()) {
             return Err(bad(
                 "model.loss",
-                format!("unknown loss {:?}: expected softmax_ce, logistic or ranking", self.model.loss),
+                format!(
+                    "unknown loss {:?}: expected softmax_ce, logistic or ranking",
+                    self.model.loss
+                ),
             ));
         }
         positive_f32("model.margin", self.model.margin, true)?;
         positive_f32("model.init_scale", self.model.init_scale, false)?;
+        if !["identity", "random"].contains(&self.model.relation_init.as_str()) {
+            return Err(bad(
+                "model.relation_init",
+                format!(
+                    "unknown value {:?}: expected identity or random",
+                    self.model.relation_init
+                ),
+            ));
+        }
         let s = &self.storage;
         if s.num_partitions == 0 {
             return Err(bad("storage.num_partitions", "must be at least 1"));
         }
         if s.buffer_capacity == 1 && s.num_partitions > 1 {
-            return Err(bad("storage.buffer_capacity", "must be at least 2 when there are several partitions"));
+            return Err(bad(
+                "storage.buffer_capacity",
+                "must be at least 2 when there are several partitions",
+            ));
         }
         match s.backend.as_str() {
             "memory" => {}
             "file" | "proxy" | "nvme" => {
-                return Err(bad("storage.backend", format!("{:?} is not available in this build yet; use memory", s.backend)));
+                return Err(bad(
+                    "storage.backend",
+                    format!(
+                        "{:?} is not available in this build yet; use memory",
+                        s.backend
+                    ),
+                ));
             }
-            other => return Err(bad("storage.backend", format!("unknown backend {other:?}: expected memory"))),
+            other => {
+                return Err(bad(
+                    "storage.backend",
+                    format!("unknown backend {other:?}: expected memory"),
+                ));
+            }
         }
         if s.device != "cpu" {
             return Err(bad(
                 "storage.device",
-                format!("{:?} is not available: this build trains on the CPU only (device = \"cpu\")", s.device),
+                format!(
+                    "{:?} is not available: this build trains on the CPU only (device = \"cpu\")",
+                    s.device
+                ),
             ));
         }
         s.order
@@ -285,21 +338,39 @@ impl Config {
         if n.num_chunks == 0 || n.num_chunks > t.batch_size {
             return Err(bad(
                 "training.negatives.num_chunks",
-                format!("must be between 1 and training.batch_size ({})", t.batch_size),
+                format!(
+                    "must be between 1 and training.batch_size ({})",
+                    t.batch_size
+                ),
             ));
         }
         if n.negatives_per_positive == 0 {
-            return Err(bad("training.negatives.negatives_per_positive", "must be at least 1"));
+            return Err(bad(
+                "training.negatives.negatives_per_positive",
+                "must be at least 1",
+            ));
         }
         if !(0.0..=1.0).contains(&n.degree_fraction) {
-            return Err(bad("training.negatives.degree_fraction", "must be between 0 and 1"));
+            return Err(bad(
+                "training.negatives.degree_fraction",
+                "must be between 0 and 1",
+            ));
         }
         let e = &self.evaluation;
         if !["filtered", "sampled"].contains(&e.protocol.as_str()) {
-            return Err(bad("evaluation.protocol", format!("unknown protocol {:?}: expected filtered or sampled", e.protocol)));
+            return Err(bad(
+                "evaluation.protocol",
+                format!(
+                    "unknown protocol {:?}: expected filtered or sampled",
+                    e.protocol
+                ),
+            ));
         }
         if !["test", "valid"].contains(&e.split.as_str()) {
-            return Err(bad("evaluation.split", format!("unknown split {:?}: expected test or valid", e.split)));
+            return Err(bad(
+                "evaluation.split",
+                format!("unknown split {:?}: expected test or valid", e.split),
+            ));
         }
         Ok(())
     }
@@ -307,7 +378,11 @@ impl Config {
 
 fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
     if !v.is_finite() || v < 0.0 || (!zero_ok && v == 0.0) {
-        let want = if zero_ok { "a finite number ≥ 0" } else { "a finite number > 0" };
+        let want = if zero_ok {
+            "a finite number ≥ 0"
+        } else {
+            "a finite number > 0"
+        };
         return Err(bad(key, format!("must be {want}, got {v}")));
     }
     Ok(())
@@ -323,7 +398,10 @@ fn parse_value(text: &str) -> toml::Value {
 
 fn set_dotted(table: &mut toml::Table, key: &str, value: toml::Value) -> Result<(), ConfigError> {
     let mut parts: Vec<&str> = key.split('.').collect();
-    let last = parts.pop().filter(|l| !l.is_empty()).ok_or_else(|| ConfigError(format!("--set: empty key in {key:?}")))?;
+    let last = parts
+        .pop()
+        .filter(|l| !l.is_empty())
+        .ok_or_else(|| ConfigError(format!("--set: empty key in {key:?}")))?;
     let mut t = table;
     for p in parts {
         t = t
@@ -351,10 +429,17 @@ mod tests {
     fn overrides_and_file_values() {
         let c = Config::parse(
             "[model]\ndecoder = \"distmult\"\n[training.negatives]\nnum_chunks = 2\n",
-            &["model.dim=64".into(), "storage.order=beta".into(), "training.learning_rate=0.05".into()],
+            &[
+                "model.dim=64".into(),
+                "storage.order=beta".into(),
+                "training.learning_rate=0.05".into(),
+            ],
         )
         .unwrap();
-        assert_eq!((c.decoder(), c.model.dim, c.storage.order.as_str()), (Decoder::DistMult, 64, "beta"));
+        assert_eq!(
+            (c.decoder(), c.model.dim, c.storage.order.as_str()),
+            (Decoder::DistMult, 64, "beta")
+        );
         assert_eq!(c.training.negatives.num_chunks, 2);
         assert_eq!(c.training.learning_rate, 0.05);
     }
@@ -368,7 +453,11 @@ mod tests {
             ("", &["model.decoder=complex", "model.dim=7"], "model.dim"),
             ("", &["model.dim=\"big\""], "dim"),
             ("", &["training.learning_rate=-1"], "training.learning_rate"),
-            ("", &["training.negatives.degree_fraction=2"], "training.negatives.degree_fraction"),
+            (
+                "",
+                &["training.negatives.degree_fraction=2"],
+                "training.negatives.degree_fraction",
+            ),
             ("", &["storage.device=\"cuda:0\""], "storage.device"),
             ("", &["storage.order=random"], "storage.order"),
             ("", &["evaluation.protocol=raw"], "evaluation.protocol"),
@@ -378,7 +467,10 @@ mod tests {
         for (text, sets, needle) in cases {
             let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
             let err = Config::parse(text, &sets).unwrap_err().to_string();
-            assert!(err.contains(needle), "{text:?} {sets:?}: {err:?} lacks {needle:?}");
+            assert!(
+                err.contains(needle),
+                "{text:?} {sets:?}: {err:?} lacks {needle:?}"
+            );
         }
     }
 

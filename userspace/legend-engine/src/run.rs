@@ -62,7 +62,12 @@ pub struct TableChecksums {
 }
 
 /// The four table files of a checkpoint.
-pub const TABLE_FILES: [&str; 4] = ["entities.bin", "entities.state.bin", "relations.bin", "relations.state.bin"];
+pub const TABLE_FILES: [&str; 4] = [
+    "entities.bin",
+    "entities.state.bin",
+    "relations.bin",
+    "relations.state.bin",
+];
 
 /// Loaded parameters of a checkpoint.
 #[derive(Clone, Debug, PartialEq)]
@@ -122,9 +127,13 @@ pub fn meta_path(run: &Path) -> PathBuf {
 pub fn read_meta(run: &Path) -> Result<RunMeta, RunError> {
     let path = meta_path(run);
     let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-    let meta: RunMeta = toml::from_str(&text).map_err(|e| invalid(&path, format!("not a run record: {e}")))?;
+    let meta: RunMeta =
+        toml::from_str(&text).map_err(|e| invalid(&path, format!("not a run record: {e}")))?;
     if meta.format_version != RUN_FORMAT_VERSION {
-        return Err(invalid(&path, format!("run format {} is not supported", meta.format_version)));
+        return Err(invalid(
+            &path,
+            format!("run format {} is not supported", meta.format_version),
+        ));
     }
     Ok(meta)
 }
@@ -200,7 +209,12 @@ pub fn commit_checkpoint(
     std::fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
     sync_dir(&dir)?;
     meta.checkpoint = format!("checkpoints/{name}");
-    write_atomically(&meta_path(run), toml::to_string_pretty(&meta).expect("serializes").as_bytes())?;
+    write_atomically(
+        &meta_path(run),
+        toml::to_string_pretty(&meta)
+            .expect("serializes")
+            .as_bytes(),
+    )?;
     // Older checkpoints are no longer named by run.toml.
     for entry in std::fs::read_dir(&dir).map_err(io(&dir))? {
         let path = entry.map_err(io(&dir))?.path();
@@ -215,7 +229,9 @@ pub fn commit_checkpoint(
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), RunError> {
     let tmp = path.with_extension("tmp");
     let mut f = File::create(&tmp).map_err(io(&tmp))?;
-    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(io(&tmp))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .map_err(io(&tmp))?;
     std::fs::rename(&tmp, path).map_err(io(path))?;
     sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
@@ -240,10 +256,20 @@ pub fn load_tables(run: &Path, meta: &RunMeta) -> Result<Tables, RunError> {
         let bytes = std::fs::read(&path).map_err(io(&path))?;
         let want = rows as usize * meta.dim * 4;
         if bytes.len() != want {
-            return Err(invalid(&path, format!("holds {} bytes, expected {want} ({rows} rows × {} floats)", bytes.len(), meta.dim)));
+            return Err(invalid(
+                &path,
+                format!(
+                    "holds {} bytes, expected {want} ({rows} rows × {} floats)",
+                    bytes.len(),
+                    meta.dim
+                ),
+            ));
         }
         if crc32fast::hash(&bytes) != crc {
-            return Err(invalid(&path, "checksum mismatch: the checkpoint is damaged"));
+            return Err(invalid(
+                &path,
+                "checksum mismatch: the checkpoint is damaged",
+            ));
         }
         tables.push(bytemuck::pod_collect_to_vec::<u8, f32>(&bytes));
     }

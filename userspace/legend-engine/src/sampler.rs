@@ -18,7 +18,9 @@ const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// A stream key from a seed and a tuple of counters.
 pub(crate) fn key(seed: u64, parts: &[u64]) -> u64 {
-    parts.iter().fold(mix(seed.wrapping_add(GOLDEN)), |k, &p| mix(k ^ p.wrapping_add(GOLDEN)))
+    parts.iter().fold(mix(seed.wrapping_add(GOLDEN)), |k, &p| {
+        mix(k ^ p.wrapping_add(GOLDEN))
+    })
 }
 
 /// The `i`-th 64-bit draw of stream `key`.
@@ -67,7 +69,10 @@ impl NegativeSampler {
     pub fn sample(&self, partitions: &[u32], key: u64, out: &mut [u32]) {
         let by_degree = (self.degree_fraction * out.len() as f64).round() as usize;
         let rows: u64 = partitions.iter().map(|&p| self.rows(p)).sum();
-        let weight: u64 = partitions.iter().map(|&p| *self.degree_prefix[p as usize].last().unwrap()).sum();
+        let weight: u64 = partitions
+            .iter()
+            .map(|&p| *self.degree_prefix[p as usize].last().unwrap())
+            .sum();
         for (i, o) in out.iter_mut().enumerate() {
             let bits = draw(key, i as u64);
             *o = if i < by_degree && weight > 0 {

@@ -261,12 +261,19 @@ impl Trainer {
     }
 
     /// Trains one epoch (numbered from 1). `progress` is called with the positives done so far.
-    pub fn run_epoch(&mut self, epoch: u32, progress: &mut dyn FnMut(u64)) -> Result<EpochReport, TrainError> {
+    pub fn run_epoch(
+        &mut self,
+        epoch: u32,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<EpochReport, TrainError> {
         let started = Instant::now();
         let io_before = self.buffer.stats();
         let pi = self.epoch_relabeling(epoch);
         let relabel = |b: &Bucket| [pi[b[0] as usize], pi[b[1] as usize]];
-        let first: Vec<u32> = self.plan.states[0].iter().map(|&p| pi[p as usize]).collect();
+        let first: Vec<u32> = self.plan.states[0]
+            .iter()
+            .map(|&p| pi[p as usize])
+            .collect();
         let mut report = EpochReport {
             epoch,
             negatives_per_positive: self.negatives,
@@ -316,7 +323,8 @@ impl Trainer {
             let s = self.buffer.stats();
             sr.io_s = (s.io_time - stats_before.io_time).as_secs_f64();
             sr.wait_s = (s.wait_time - stats_before.wait_time).as_secs_f64();
-            sr.bytes = (s.bytes_read + s.bytes_written) - (stats_before.bytes_read + stats_before.bytes_written);
+            sr.bytes = (s.bytes_read + s.bytes_written)
+                - (stats_before.bytes_read + stats_before.bytes_written);
             report.swaps.push(sr);
             report.buffer_states += 1;
         }
@@ -336,13 +344,28 @@ impl Trainer {
         Ok(report)
     }
 
-    fn run_buckets(&mut self, buckets: &[Bucket], resident: &[u32], ctx: &mut EpochCtx<'_>) -> Result<(), TrainError> {
+    fn run_buckets(
+        &mut self,
+        buckets: &[Bucket],
+        resident: &[u32],
+        ctx: &mut EpochCtx<'_>,
+    ) -> Result<(), TrainError> {
         let mut sorted_resident = resident.to_vec();
         sorted_resident.sort_unstable();
         for b in buckets {
             let mut edges = self.buckets.bucket(b[0], b[1]).to_vec();
             let scheme = self.buckets.scheme();
-            shuffle(&mut edges, key(self.seed, &[1, u64::from(ctx.epoch), scheme.bucket_index(b[0], b[1]) as u64]));
+            shuffle(
+                &mut edges,
+                key(
+                    self.seed,
+                    &[
+                        1,
+                        u64::from(ctx.epoch),
+                        scheme.bucket_index(b[0], b[1]) as u64,
+                    ],
+                ),
+            );
             for batch in edges.chunks(self.batch_size) {
                 *ctx.loss += self.train_batch(batch, &sorted_resident, ctx.epoch, *ctx.batch);
                 *ctx.batch += 1;
@@ -354,7 +377,13 @@ impl Trainer {
     }
 
     /// One synchronous step on `batch`; returns its summed loss.
-    fn train_batch(&mut self, batch: &[Edge], partitions: &[u32], epoch: u32, batch_no: u64) -> f64 {
+    fn train_batch(
+        &mut self,
+        batch: &[Edge],
+        partitions: &[u32],
+        epoch: u32,
+        batch_no: u64,
+    ) -> f64 {
         let dim = self.dim;
         let chunks = self.num_chunks.min(batch.len());
         let k = self.negatives;
@@ -362,7 +391,10 @@ impl Trainer {
         let mut negs = vec![0u32; chunks * 2 * k];
         for (c, pair) in negs.chunks_exact_mut(2 * k).enumerate() {
             for (side, out) in pair.chunks_exact_mut(k).enumerate() {
-                let stream = key(self.seed, &[2, u64::from(epoch), batch_no, c as u64, side as u64]);
+                let stream = key(
+                    self.seed,
+                    &[2, u64::from(epoch), batch_no, c as u64, side as u64],
+                );
                 self.sampler.sample(partitions, stream, out);
             }
         }
@@ -419,15 +451,26 @@ impl Trainer {
                 }
             }
             for (j, &id) in block.neg_src.iter().enumerate() {
-                add(&mut index, &mut grads, id, &r.neg_src[j * dim..(j + 1) * dim]);
+                add(
+                    &mut index,
+                    &mut grads,
+                    id,
+                    &r.neg_src[j * dim..(j + 1) * dim],
+                );
             }
             for (j, &id) in block.neg_dst.iter().enumerate() {
-                add(&mut index, &mut grads, id, &r.neg_dst[j * dim..(j + 1) * dim]);
+                add(
+                    &mut index,
+                    &mut grads,
+                    id,
+                    &r.neg_dst[j * dim..(j + 1) * dim],
+                );
             }
         }
         for (&id, &slot) in &index {
             let (emb, state) = self.buffer.rows_mut(id).expect("sampled rows are resident");
-            self.optimizer.apply_row(emb, state, &grads[slot * dim..(slot + 1) * dim]);
+            self.optimizer
+                .apply_row(emb, state, &grads[slot * dim..(slot + 1) * dim]);
         }
         for (&r, &slot) in &rel_index {
             let row = r as usize * dim..(r as usize + 1) * dim;
@@ -449,10 +492,17 @@ struct EpochCtx<'a> {
     progress: &'a mut dyn FnMut(u64),
 }
 
-fn gather(buffer: &PartitionBuffer, ids: impl Iterator<Item = u32>, dim: usize, out: &mut Vec<f32>) {
+fn gather(
+    buffer: &PartitionBuffer,
+    ids: impl Iterator<Item = u32>,
+    dim: usize,
+    out: &mut Vec<f32>,
+) {
     out.clear();
     for id in ids {
-        let (emb, _) = buffer.row(id).expect("rows of a running bucket are resident");
+        let (emb, _) = buffer
+            .row(id)
+            .expect("rows of a running bucket are resident");
         debug_assert_eq!(emb.len(), dim);
         out.extend_from_slice(emb);
     }
@@ -483,12 +533,22 @@ fn run_block(
         let src_mask: Vec<bool> = block
             .edges
             .iter()
-            .flat_map(|e| block.neg_src.iter().map(move |&n| known.contains(&[n, e[1], e[2]])))
+            .flat_map(|e| {
+                block
+                    .neg_src
+                    .iter()
+                    .map(move |&n| known.contains(&[n, e[1], e[2]]))
+            })
             .collect();
         let dst_mask: Vec<bool> = block
             .edges
             .iter()
-            .flat_map(|e| block.neg_dst.iter().map(move |&n| known.contains(&[e[0], e[1], n])))
+            .flat_map(|e| {
+                block
+                    .neg_dst
+                    .iter()
+                    .map(move |&n| known.contains(&[e[0], e[1], n]))
+            })
             .collect();
         (src_mask, dst_mask)
     });

@@ -11,8 +11,16 @@ use legend_model::Decoder;
 /// Arguments of `legendctl eval`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The run directory.
-    run: PathBuf,
+    /// The run directory (or use --embeddings for embeddings trained elsewhere).
+    #[arg(required_unless_present = "embeddings")]
+    run: Option<PathBuf>,
+    /// A directory with `entities.npy` and `relations.npy` (float32, rows in this dataset's id
+    /// order, ComplEx rows as [real | imaginary]): evaluate embeddings trained by another system.
+    #[arg(long, conflicts_with = "run", requires_all = ["dataset", "decoder"])]
+    embeddings: Option<PathBuf>,
+    /// The score function of --embeddings: dot, distmult, complex, transe_l1, transe_l2.
+    #[arg(long)]
+    decoder: Option<Decoder>,
     /// `filtered` (full ranking, known triples removed) or `sampled` (uniform + degree negatives).
     #[arg(long, default_value = "filtered")]
     protocol: String,
@@ -28,7 +36,7 @@ pub struct Args {
     /// Sampled protocol: seed (default: a fixed seed, so runs are comparable).
     #[arg(long)]
     seed: Option<u64>,
-    /// The dataset, if it moved since training.
+    /// The dataset (for a run: only if it moved since training).
     #[arg(long)]
     dataset: Option<PathBuf>,
     /// Threads (0 = one per core).
@@ -62,7 +70,11 @@ pub fn evaluate(
 ) -> anyhow::Result<Metrics> {
     let triples = dataset.edges(request.split)?;
     if triples.is_empty() {
-        bail!("{}: the {} split has no edges to evaluate", dataset.dir().display(), request.split.name());
+        bail!(
+            "{}: the {} split has no edges to evaluate",
+            dataset.dir().display(),
+            request.split.name()
+        );
     }
     let embeddings = Embeddings {
         decoder,
@@ -73,10 +85,18 @@ pub fn evaluate(
     let ne = dataset.meta().entities as usize;
     let metrics = match request.protocol {
         "filtered" => {
-            let parts: Vec<Vec<[u32; 3]>> = Split::ALL.iter().map(|&s| dataset.edges(s)).collect::<Result<_, _>>()?;
+            let parts: Vec<Vec<[u32; 3]>> = Split::ALL
+                .iter()
+                .map(|&s| dataset.edges(s))
+                .collect::<Result<_, _>>()?;
             let refs: Vec<&[[u32; 3]]> = parts.iter().map(Vec::as_slice).collect();
             let filter = FilterIndex::build(ne, &refs)?;
-            legend_eval::evaluate(&embeddings, &triples, &Protocol::Filtered { filter: &filter }, request.threads)?
+            legend_eval::evaluate(
+                &embeddings,
+                &triples,
+                &Protocol::Filtered { filter: &filter },
+                request.threads,
+            )?
         }
         "sampled" => {
             let degrees = legend_dataset::degrees(ne, &dataset.edges(Split::Train)?);
@@ -94,7 +114,8 @@ pub fn evaluate(
 /// Opens the dataset a run was trained on and checks that it is the same data.
 pub fn open_run_dataset(meta: &RunMeta, override_dir: Option<&Path>) -> anyhow::Result<Dataset> {
     let dir = override_dir.unwrap_or(&meta.dataset);
-    let dataset = Dataset::open(dir).with_context(|| "opening the run's dataset (use --dataset if it moved)")?;
+    let dataset = Dataset::open(dir)
+        .with_context(|| "opening the run's dataset (use --dataset if it moved)")?;
     let identity = format!("{:032x}", dataset.meta().identity());
     if identity != meta.dataset_identity {
         bail!(
@@ -123,10 +144,57 @@ pub fn describe(m: &Metrics) -> String {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let meta = run::read_meta(&args.run)?;
-    let dataset = open_run_dataset(&meta, args.dataset.as_deref())?;
-    let tables = run::load_tables(&args.run, &meta)?;
-    let decoder: Decoder = meta.decoder.parse().map_err(anyhow::Error::msg)?;
+    let (label, dataset, decoder, dim, entities, relations) = match (&args.run, &args.embeddings) {
+        (Some(run_dir), _) => {
+            let meta = run::read_meta(run_dir)?;
+            let dataset = open_run_dataset(&meta, args.dataset.as_deref())?;
+            let tables = run::load_tables(run_dir, &meta)?;
+            let decoder: Decoder = meta.decoder.parse().map_err(anyhow::Error::msg)?;
+            (
+                run_dir.display().to_string(),
+                dataset,
+                decoder,
+                meta.dim,
+                tables.entities,
+                tables.relations,
+            )
+        }
+        (None, Some(dir)) => {
+            let dataset = Dataset::open(args.dataset.as_ref().expect("required by clap"))?;
+            let decoder = args.decoder.expect("required by clap");
+            let (entities, rows, dim) = read_npy(&dir.join("entities.npy"))?;
+            if rows as u64 != dataset.meta().entities {
+                bail!(
+                    "{}: {rows} rows, but the dataset has {} entities",
+                    dir.join("entities.npy").display(),
+                    dataset.meta().entities
+                );
+            }
+            let relations = if decoder.uses_relations() {
+                let path = dir.join("relations.npy");
+                let (r, rrows, rdim) = read_npy(&path)?;
+                if rrows as u64 != dataset.meta().relations || rdim != dim {
+                    bail!(
+                        "{}: shape ({rrows}, {rdim}), expected ({}, {dim})",
+                        path.display(),
+                        dataset.meta().relations
+                    );
+                }
+                r
+            } else {
+                Vec::new()
+            };
+            (
+                dir.display().to_string(),
+                dataset,
+                decoder,
+                dim,
+                entities,
+                relations,
+            )
+        }
+        (None, None) => bail!("give a run directory or --embeddings"),
+    };
     let request = EvalRequest {
         protocol: &args.protocol,
         split: args.split,
@@ -137,11 +205,61 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
         threads: args.threads,
     };
-    let m = evaluate(&dataset, decoder, meta.dim, &tables.entities, &tables.relations, &request)?;
+    let m = evaluate(&dataset, decoder, dim, &entities, &relations, &request)?;
     if args.json {
         super::print_json(&m)?;
     } else {
-        println!("{} {}: {}", args.run.display(), args.split.name(), describe(&m));
+        println!("{label} {}: {}", args.split.name(), describe(&m));
     }
     Ok(())
+}
+
+/// Reads a 2-D little-endian float32 C-order `.npy` file: (values, rows, columns).
+pub fn read_npy(path: &Path) -> anyhow::Result<(Vec<f32>, usize, usize)> {
+    let bytes = std::fs::read(path).with_context(|| path.display().to_string())?;
+    let bad = |why: &str| anyhow::anyhow!("{}: {why}", path.display());
+    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
+        return Err(bad("not a .npy file"));
+    }
+    let (header_len, start) = match bytes[6] {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
+        2 | 3 if bytes.len() >= 12 => (
+            u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+            12,
+        ),
+        v => return Err(bad(&format!("unsupported .npy version {v}"))),
+    };
+    let header = std::str::from_utf8(
+        bytes
+            .get(start..start + header_len)
+            .ok_or_else(|| bad("truncated header"))?,
+    )
+    .map_err(|_| bad("header is not text"))?;
+    if !header.contains("'descr': '<f4'") || !header.contains("'fortran_order': False") {
+        return Err(bad(&format!(
+            "expected little-endian float32 in C order, header {header:?}"
+        )));
+    }
+    let shape = header
+        .split("'shape': (")
+        .nth(1)
+        .and_then(|s| s.split(')').next())
+        .ok_or_else(|| bad("no shape in header"))?;
+    let dims: Vec<usize> = shape
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().map_err(|_| bad("bad shape")))
+        .collect::<anyhow::Result<_>>()?;
+    let [rows, cols] = dims[..] else {
+        return Err(bad(&format!("expected a 2-D array, shape ({shape})")));
+    };
+    let data = &bytes[start + header_len..];
+    if data.len() != rows * cols * 4 {
+        return Err(bad(&format!(
+            "{} data bytes for shape ({rows}, {cols})",
+            data.len()
+        )));
+    }
+    Ok((bytemuck::pod_collect_to_vec(data), rows, cols))
 }

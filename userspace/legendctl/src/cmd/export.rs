@@ -43,7 +43,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let out = args.out.unwrap_or_else(|| args.run.join("export"));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let entity_labels = dataset.entity_labels()?;
-    let relation_labels = if meta.relations > 0 { dataset.relation_labels()? } else { Vec::new() };
+    let relation_labels = if meta.relations > 0 {
+        dataset.relation_labels()?
+    } else {
+        Vec::new()
+    };
     for (name, table, labels) in [
         ("entities", &tables.entities, &entity_labels),
         ("relations", &tables.relations, &relation_labels),
@@ -53,23 +57,37 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         match args.format {
             Format::Npy => {
-                write_npy(&out.join(format!("{name}.npy")), table, labels.len(), meta.dim)?;
+                write_npy(
+                    &out.join(format!("{name}.npy")),
+                    table,
+                    labels.len(),
+                    meta.dim,
+                )?;
                 write_labels(&out.join(format!("{name}.labels.txt")), labels)?;
             }
             Format::Bin => {
                 let path = out.join(format!("{name}.bin"));
-                std::fs::write(&path, bytemuck::cast_slice::<f32, u8>(table)).with_context(|| path.display().to_string())?;
+                std::fs::write(&path, bytemuck::cast_slice::<f32, u8>(table))
+                    .with_context(|| path.display().to_string())?;
                 write_labels(&out.join(format!("{name}.labels.txt")), labels)?;
             }
             Format::Tsv => write_tsv(&out.join(format!("{name}.tsv")), table, labels, meta.dim)?,
         }
     }
-    println!("exported {} entities and {} relations (d = {}) to {}", entity_labels.len(), relation_labels.len(), meta.dim, out.display());
+    println!(
+        "exported {} entities and {} relations (d = {}) to {}",
+        entity_labels.len(),
+        relation_labels.len(),
+        meta.dim,
+        out.display()
+    );
     Ok(())
 }
 
 fn create(path: &Path) -> anyhow::Result<BufWriter<File>> {
-    Ok(BufWriter::new(File::create(path).with_context(|| path.display().to_string())?))
+    Ok(BufWriter::new(
+        File::create(path).with_context(|| path.display().to_string())?,
+    ))
 }
 
 fn write_labels(path: &Path, labels: &[String]) -> anyhow::Result<()> {
@@ -96,7 +114,8 @@ fn write_tsv(path: &Path, table: &[f32], labels: &[String], dim: usize) -> anyho
 
 /// NumPy format 1.0: magic, header length, a Python-literal dict padded to 64 bytes, data.
 fn write_npy(path: &Path, table: &[f32], rows: usize, dim: usize) -> anyhow::Result<()> {
-    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {dim}), }}");
+    let mut header =
+        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {dim}), }}");
     let unpadded = 10 + header.len() + 1;
     header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
     header.push('\n');

@@ -54,7 +54,8 @@ fn parse_fractions(s: &str) -> Result<[f64; 3], String> {
         .split(',')
         .map(|p| p.trim().parse::<f64>().map_err(|e| format!("{p:?}: {e}")))
         .collect::<Result<_, _>>()?;
-    <[f64; 3]>::try_from(parts).map_err(|p| format!("expected three fractions train,valid,test, got {}", p.len()))
+    <[f64; 3]>::try_from(parts)
+        .map_err(|p| format!("expected three fractions train,valid,test, got {}", p.len()))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -80,7 +81,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // temporary directory, so an interrupted import leaves nothing behind.
     let cancel = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, cancel.clone()).context("installing a signal handler")?;
+        signal_hook::flag::register(signal, cancel.clone())
+            .context("installing a signal handler")?;
     }
     let options = ImportOptions {
         input,

@@ -68,12 +68,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let prediction = match (edges, nodes) {
         (Some(edges), Some(nodes)) => {
-            let partition_bytes = nodes.div_ceil(u64::from(args.partitions)) as f64 * f64::from(args.dim) * 8.0;
+            let partition_bytes =
+                nodes.div_ceil(u64::from(args.partitions)) as f64 * f64::from(args.dim) * 8.0;
             let input = PredictionInput {
                 edges,
                 nodes,
                 dim: args.dim,
-                buffer_bytes: args.buffer_bytes.unwrap_or(partition_bytes * f64::from(args.buffer)),
+                buffer_bytes: args
+                    .buffer_bytes
+                    .unwrap_or(partition_bytes * f64::from(args.buffer)),
                 seconds_per_edge: args.seconds_per_edge,
                 write_bytes_per_s: args.write_bw,
                 read_bytes_per_s: args.read_bw,
@@ -85,12 +88,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     if args.json {
         match prediction {
-            Some(prediction) => super::print_json(&WithPrediction { plan: &plan, prediction })?,
+            Some(prediction) => super::print_json(&WithPrediction {
+                plan: &plan,
+                prediction,
+            })?,
             None => super::print_json(&plan)?,
         }
         return Ok(());
     }
-    println!("order {} with N = {}, C = {}:", plan.kind, args.partitions, args.buffer);
+    println!(
+        "order {} with N = {}, C = {}:",
+        plan.kind, args.partitions, args.buffer
+    );
     for (i, s) in plan.states.iter().enumerate() {
         println!("  state {i:>3}: {s:?}");
     }
@@ -109,7 +118,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "Theorem 3: density {:.3e} vs threshold {:.3e}: I/O {} hidden; predicted epoch {:.2} s with overlap, {:.2} s without",
             p.density,
             p.threshold,
-            if p.theorem3_holds { "fully" } else { "not fully" },
+            if p.theorem3_holds {
+                "fully"
+            } else {
+                "not fully"
+            },
             p.epoch_s_with_overlap,
             p.epoch_s_without_overlap
         );

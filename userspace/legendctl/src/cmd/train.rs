@@ -10,7 +10,6 @@ use legend_dataset::{Dataset, Split};
 use legend_engine::run::{self, RunMeta, TableChecksums};
 use legend_engine::{Config, MemoryStore, PartitionBuffer, Relations, Trainer};
 use legend_eval::SampledNegatives;
-use legend_model::{Distribution, Init, RelationInit};
 
 use super::eval::{EvalRequest, describe, evaluate, open_run_dataset};
 
@@ -39,7 +38,8 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     // Everything that can be wrong with the inputs is checked before the run directory exists.
     let (config, dataset, resumed) = if args.resume {
-        let meta = run::read_meta(&args.out).context("--resume needs a run directory with a checkpoint")?;
+        let meta = run::read_meta(&args.out)
+            .context("--resume needs a run directory with a checkpoint")?;
         let text = std::fs::read_to_string(args.out.join("config.toml"))
             .with_context(|| format!("{}/config.toml", args.out.display()))?;
         if args.config.is_some() {
@@ -53,7 +53,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             bail!("--dataset DIR is required (or --resume an existing run)");
         };
         let text = match &args.config {
-            Some(p) => std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+            Some(p) => {
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?
+            }
             None => String::new(),
         };
         let config = Config::parse(&text, &args.sets).with_context(|| match &args.config {
@@ -61,7 +63,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             None => "configuration".into(),
         })?;
         if args.out.exists() && std::fs::read_dir(&args.out)?.next().is_some() {
-            bail!("{} already exists; choose another --out or continue it with --resume", args.out.display());
+            bail!(
+                "{} already exists; choose another --out or continue it with --resume",
+                args.out.display()
+            );
         }
         (config, Dataset::open(dir)?, None)
     };
@@ -78,23 +83,24 @@ fn meta_exists(run: &Path) -> bool {
     run::meta_path(run).exists()
 }
 
-fn train(args: &Args, config: &Config, dataset: &Dataset, resumed: Option<RunMeta>) -> anyhow::Result<()> {
+fn train(
+    args: &Args,
+    config: &Config,
+    dataset: &Dataset,
+    resumed: Option<RunMeta>,
+) -> anyhow::Result<()> {
     let meta_ds = dataset.meta();
     let decoder = config.decoder();
     let dim = config.model.dim;
     if !meta_ds.has_relations && decoder.uses_relations() {
-        tracing::warn!("the dataset has no relation types; {decoder} learns one relation for all edges");
+        tracing::warn!(
+            "the dataset has no relation types; {decoder} learns one relation for all edges"
+        );
     }
     let buckets = dataset.buckets(config.storage.num_partitions)?;
     let scheme = buckets.scheme();
     let degrees = legend_dataset::degrees(meta_ds.entities as usize, buckets.edges());
-    let init = Init {
-        seed: config.training.seed,
-        node: Distribution::Normal {
-            std: config.model.init_scale,
-        },
-        relation: RelationInit::Identity,
-    };
+    let init = config.init();
     let (store, relations, start_epoch) = match &resumed {
         Some(meta) => {
             let t = run::load_tables(&args.out, meta)?;
@@ -115,9 +121,12 @@ fn train(args: &Args, config: &Config, dataset: &Dataset, resumed: Option<RunMet
     let mut trainer = Trainer::new(config, buckets, &degrees, buffer, relations)?;
     let epochs = config.training.num_epochs;
     if start_epoch >= epochs {
-        bail!("the run already has {start_epoch} epochs; raise training.num_epochs with --set to continue");
+        bail!(
+            "the run already has {start_epoch} epochs; raise training.num_epochs with --set to continue"
+        );
     }
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
     run::write_atomically(&args.out.join("config.toml"), config.to_toml().as_bytes())?;
     let plan = trainer.plan();
     tracing::info!(
@@ -138,7 +147,11 @@ fn train(args: &Args, config: &Config, dataset: &Dataset, resumed: Option<RunMet
         decoder: decoder.name().into(),
         dim,
         entities: meta_ds.entities,
-        relations: if decoder.uses_relations() { meta_ds.relations } else { 0 },
+        relations: if decoder.uses_relations() {
+            meta_ds.relations
+        } else {
+            0
+        },
         epochs_completed: 0,
         checkpoint: String::new(),
         checksums: TableChecksums::default(),
@@ -157,15 +170,20 @@ fn train(args: &Args, config: &Config, dataset: &Dataset, resumed: Option<RunMet
     for epoch in start_epoch + 1..=epochs {
         let bar = ProgressBar::new(meta_ds.splits.train);
         bar.set_style(
-            ProgressStyle::with_template("epoch {prefix:>4} [{bar:30}] {pos}/{len} edges {per_sec} eta {eta}")
-                .expect("static template")
-                .progress_chars("=> "),
+            ProgressStyle::with_template(
+                "epoch {prefix:>4} [{bar:30}] {pos}/{len} edges {per_sec} eta {eta}",
+            )
+            .expect("static template")
+            .progress_chars("=> "),
         );
         bar.set_prefix(format!("{epoch}/{epochs}"));
         let report = trainer.run_epoch(epoch, &mut |done| bar.set_position(done))?;
         bar.finish_and_clear();
         let mut line = serde_json::to_value(&report)?;
-        if config.evaluation.epochs_per_eval > 0 && epoch % config.evaluation.epochs_per_eval == 0 && meta_ds.splits.valid > 0 {
+        if config.evaluation.epochs_per_eval > 0
+            && epoch % config.evaluation.epochs_per_eval == 0
+            && meta_ds.splits.valid > 0
+        {
             let (entities, _) = gather_entities(&mut trainer, dim)?;
             let request = EvalRequest {
                 protocol: &config.evaluation.protocol,
@@ -173,7 +191,14 @@ fn train(args: &Args, config: &Config, dataset: &Dataset, resumed: Option<RunMet
                 negatives: eval_negatives,
                 threads,
             };
-            let m = evaluate(dataset, decoder, dim, &entities, &trainer.relations().emb, &request)?;
+            let m = evaluate(
+                dataset,
+                decoder,
+                dim,
+                &entities,
+                &trainer.relations().emb,
+                &request,
+            )?;
             tracing::info!("epoch {epoch} valid: {}", describe(&m));
             line["valid"] = serde_json::to_value(&m)?;
         }
@@ -195,7 +220,11 @@ fn train(args: &Args, config: &Config, dataset: &Dataset, resumed: Option<RunMet
         }
     }
     let (entities, _) = gather_entities(&mut trainer, dim)?;
-    let split: Split = config.evaluation.split.parse().map_err(anyhow::Error::msg)?;
+    let split: Split = config
+        .evaluation
+        .split
+        .parse()
+        .map_err(anyhow::Error::msg)?;
     let request = EvalRequest {
         protocol: &config.evaluation.protocol,
         split,
@@ -206,7 +235,14 @@ fn train(args: &Args, config: &Config, dataset: &Dataset, resumed: Option<RunMet
         tracing::warn!("no {} edges: skipping the final evaluation", split.name());
         return Ok(());
     }
-    let m = evaluate(dataset, decoder, dim, &entities, &trainer.relations().emb, &request)?;
+    let m = evaluate(
+        dataset,
+        decoder,
+        dim,
+        &entities,
+        &trainer.relations().emb,
+        &request,
+    )?;
     let final_line = serde_json::json!({ "final": true, "split": split.name(), "metrics": m });
     writeln!(metrics, "{final_line}")?;
     if args.json {

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, the workspace's unit and integration tests, the kernel
+# module's selftests in QEMU, and (when present) the NVRTC compile check of the CUDA kernels.
+# Every stage runs even if an earlier one failed; the last line is `test-suites: N passed, M failed`.
+# Tests that need a GPU skip cleanly here; scripts/gpu/run-all.sh runs them on a GPU machine.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+
+passed=0
+failed=0
+failures=()
+stage() {
+  local name=$1
+  shift
+  echo "=== $name: $*"
+  local start=$SECONDS
+  if "$@"; then
+    passed=$((passed + 1))
+    echo "=== $name: ok ($((SECONDS - start)) s)"
+  else
+    failed=$((failed + 1))
+    failures+=("$name")
+    echo "=== $name: FAILED ($((SECONDS - start)) s)"
+  fi
+}
+
+stage fmt cargo fmt --all --check
+stage clippy cargo clippy --workspace --all-targets --locked -- -D warnings
+stage cargo-test cargo test --workspace --locked
+stage kmod-selftests tests/kmod/run
+if [ -x scripts/gpu/nvrtc-check.sh ]; then
+  stage nvrtc-compile scripts/gpu/nvrtc-check.sh
+fi
+
+[ "$failed" -eq 0 ] || echo "failed stages: ${failures[*]}"
+echo "test-suites: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]

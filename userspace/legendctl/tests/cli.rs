@@ -1,0 +1,364 @@
+//! End-to-end tests of `legendctl` on a generated knowledge graph: import, partition, plan,
+//! train, eval, export and resume, and the errors of each.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn legendctl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_legendctl"))
+        .args(args)
+        .env("LEGEND_LOG", "warn")
+        .output()
+        .expect("running legendctl")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = legendctl(args);
+    assert!(
+        out.status.success(),
+        "legendctl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn fails(args: &[&str], needle: &str) {
+    let out = legendctl(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "legendctl {args:?} should fail");
+    assert!(
+        err.contains(needle),
+        "legendctl {args:?}: {err:?} lacks {needle:?}"
+    );
+}
+
+/// A graph with structure to learn: entity i relates to (i + r + 1) mod n by relation r.
+fn graph(dir: &Path) -> PathBuf {
+    let n = 60;
+    let mut train = String::new();
+    let mut test = String::new();
+    for i in 0..n {
+        for r in 0..3 {
+            let line = format!("e{i}\tr{r}\te{}\n", (i + r + 1) % n);
+            if (i * 3 + r) % 10 == 0 {
+                &mut test
+            } else {
+                &mut train
+            }
+            .push_str(&line);
+        }
+    }
+    std::fs::write(dir.join("train.tsv"), train).unwrap();
+    std::fs::write(dir.join("test.tsv"), &test).unwrap();
+    std::fs::write(dir.join("valid.tsv"), &test).unwrap();
+    let ds = dir.join("ds");
+    let d = |f: &str| dir.join(f).display().to_string();
+    ok(&[
+        "import",
+        "-o",
+        &d("ds"),
+        "--train",
+        &d("train.tsv"),
+        "--valid",
+        &d("valid.tsv"),
+        "--test",
+        &d("test.tsv"),
+    ]);
+    ds
+}
+
+fn json(line: &str) -> serde_json::Value {
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+#[test]
+fn import_json_summary_and_plan_json_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("t.tsv"), "a\tr\tb\nb\tr\tc\n").unwrap();
+    let out = ok(&[
+        "import",
+        "-o",
+        &s(&dir.path().join("ds")),
+        "--train",
+        &s(&dir.path().join("t.tsv")),
+        "--json",
+    ]);
+    let v = json(out.trim());
+    for key in ["entities", "relations", "train", "valid", "test"] {
+        assert!(v.get(key).is_some(), "{key} missing from {v}");
+    }
+    let plan = json(ok(&["plan", "-n", "6", "-c", "3", "--json"]).trim());
+    let mut keys: Vec<&str> = plan
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        [
+            "io_count",
+            "order",
+            "states",
+            "swaps",
+            "swaps_without_overlap",
+            "volume"
+        ]
+    );
+    assert_eq!(plan["io_count"], 8);
+    fails(&["plan", "-n", "6", "-c", "4", "--order", "legend"], "4");
+    fails(
+        &[
+            "import",
+            "-o",
+            &s(&dir.path().join("x")),
+            "--train",
+            &s(&dir.path().join("missing.tsv")),
+        ],
+        "missing.tsv",
+    );
+    assert!(!dir.path().join("x").exists());
+}
+
+#[test]
+fn train_eval_export_and_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = graph(dir.path());
+    let run = dir.path().join("run");
+    let common = [
+        "--set",
+        "model.dim=16",
+        "--set",
+        "training.batch_size=32",
+        "--set",
+        "training.negatives.negatives_per_positive=16",
+        "--set",
+        "storage.num_partitions=4",
+        "--set",
+        "storage.buffer_capacity=3",
+    ];
+    let mut args = vec![
+        "train",
+        "--dataset",
+        &*s(&ds).leak(),
+        "--out",
+        &*s(&run).leak(),
+        "--json",
+        "--set",
+        "training.num_epochs=4",
+    ];
+    args.extend(common);
+    let out = ok(&args);
+    let lines: Vec<serde_json::Value> = out.lines().map(json).collect();
+    assert_eq!(lines.len(), 5, "4 epochs + the final evaluation: {out}");
+    assert_eq!(lines[0]["epoch"], 1);
+    assert!(
+        lines[0]["swaps"].as_array().unwrap().len() > 1,
+        "C < N swaps partitions"
+    );
+    let final_mrr = lines[4]["metrics"]["mrr"].as_f64().unwrap();
+    assert!(final_mrr > 0.0 && final_mrr <= 1.0);
+    assert_eq!(lines[4]["metrics"]["protocol"], "filtered");
+
+    // eval reproduces the final figure; sampled is deterministic.
+    let m = json(ok(&["eval", &s(&run), "--json"]).trim());
+    assert_eq!(m["mrr"].as_f64().unwrap(), final_mrr);
+    for key in [
+        "mrr",
+        "mean_rank",
+        "hits_at_1",
+        "hits_at_3",
+        "hits_at_10",
+        "protocol",
+        "count",
+    ] {
+        assert!(m.get(key).is_some(), "{key} missing from {m}");
+    }
+    let a = ok(&["eval", &s(&run), "--protocol", "sampled", "--json"]);
+    let b = ok(&["eval", &s(&run), "--protocol", "sampled", "--json"]);
+    assert_eq!(a, b);
+    assert_eq!(json(a.trim())["protocol"], "sampled");
+
+    // export → eval --embeddings gives the same figure.
+    ok(&[
+        "export",
+        &s(&run),
+        "--format",
+        "npy",
+        "-o",
+        &s(&dir.path().join("npy")),
+    ]);
+    let m2 = json(
+        ok(&[
+            "eval",
+            "--embeddings",
+            &s(&dir.path().join("npy")),
+            "--decoder",
+            "complex",
+            "--dataset",
+            &s(&ds),
+            "--json",
+        ])
+        .trim(),
+    );
+    assert_eq!(m2["mrr"], m["mrr"]);
+    ok(&[
+        "export",
+        &s(&run),
+        "--format",
+        "tsv",
+        "-o",
+        &s(&dir.path().join("tsv")),
+    ]);
+    let tsv = std::fs::read_to_string(dir.path().join("tsv/entities.tsv")).unwrap();
+    assert_eq!(tsv.lines().count(), 60);
+    assert_eq!(
+        tsv.lines().next().unwrap().split('\t').count(),
+        17,
+        "label + 16 values"
+    );
+
+    // Two epochs, then two more with --resume, equal four straight epochs bit for bit.
+    let half = dir.path().join("half");
+    let mut args = vec![
+        "train",
+        "--dataset",
+        &*s(&ds).leak(),
+        "--out",
+        &*s(&half).leak(),
+        "--set",
+        "training.num_epochs=2",
+    ];
+    args.extend(common);
+    ok(&args);
+    ok(&[
+        "train",
+        "--out",
+        &s(&half),
+        "--resume",
+        "--set",
+        "training.num_epochs=4",
+    ]);
+    let tables = |r: &Path| -> Vec<u8> {
+        let meta = std::fs::read_to_string(r.join("run.toml")).unwrap();
+        let ckpt = meta
+            .lines()
+            .find(|l| l.starts_with("checkpoint"))
+            .unwrap()
+            .split('"')
+            .nth(1)
+            .unwrap()
+            .to_owned();
+        [
+            "entities.bin",
+            "entities.state.bin",
+            "relations.bin",
+            "relations.state.bin",
+        ]
+        .iter()
+        .flat_map(|f| std::fs::read(r.join(&ckpt).join(f)).unwrap())
+        .collect()
+    };
+    assert!(
+        tables(&run) == tables(&half),
+        "resumed training differs from uninterrupted training"
+    );
+    fails(
+        &["train", "--out", &s(&half), "--resume"],
+        "already has 4 epochs",
+    );
+}
+
+#[test]
+fn thread_count_does_not_change_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = graph(dir.path());
+    let run = |threads: &str| {
+        let out = dir.path().join(format!("t{threads}"));
+        ok(&[
+            "train",
+            "--dataset",
+            &s(&ds),
+            "--out",
+            &s(&out),
+            "--set",
+            "training.num_epochs=2",
+            "--set",
+            "model.dim=8",
+            "--set",
+            &format!("training.threads={threads}"),
+            "--set",
+            "training.batch_size=600",
+            "--set",
+            "training.negatives.num_chunks=3",
+        ]);
+        std::fs::read(out.join("checkpoints/epoch-00002/entities.bin")).unwrap()
+    };
+    assert!(run("1") == run("2"));
+}
+
+#[test]
+fn bad_configurations_are_refused_and_leave_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = graph(dir.path());
+    let out = dir.path().join("run");
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(&cfg, "[model]\ndimension = 3\n").unwrap();
+    fails(
+        &["train", "--dataset", &s(&ds), "--out", &s(&out), &s(&cfg)],
+        "dimension",
+    );
+    fails(
+        &[
+            "train",
+            "--dataset",
+            &s(&ds),
+            "--out",
+            &s(&out),
+            "--set",
+            "model.decoder=rotate",
+        ],
+        "model.decoder",
+    );
+    fails(
+        &[
+            "train",
+            "--dataset",
+            &s(&ds),
+            "--out",
+            &s(&out),
+            "--set",
+            "storage.device=cuda:0",
+        ],
+        "storage.device",
+    );
+    fails(
+        &[
+            "train",
+            "--dataset",
+            &s(&ds),
+            "--out",
+            &s(&out),
+            "--set",
+            "storage.num_partitions=1000",
+        ],
+        "1000 partitions",
+    );
+    fails(
+        &[
+            "train",
+            "--dataset",
+            &s(&dir.path().join("nope")),
+            "--out",
+            &s(&out),
+        ],
+        "nope",
+    );
+    assert!(!out.exists(), "a refused run left its directory behind");
+    fails(&["eval", &s(&dir.path().join("nope"))], "run.toml");
+}
