@@ -1,0 +1,155 @@
+"""Helpers shared by the baseline scripts: read a Legend dataset, write foreign embeddings
+in Legend's layout, and score them with `legendctl eval` (Legend's filtered evaluator).
+
+Legend's ComplEx rows are [real parts (dim/2) | imaginary parts (dim/2)], and the score is
+Re(<s, r, conj(d)>). Row i of entities.npy is the entity with Legend id i (DS/entities.tsv).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+
+def read_tsv_ids(path: Path) -> list[str]:
+    """`id<TAB>label` lines -> labels, indexed by id (checked to be 0..n-1 in order)."""
+    labels = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            ident, label = line.rstrip("\n").split("\t", 1)
+            if int(ident) != i:
+                raise ValueError(f"{path}: line {i + 1} has id {ident}, expected {i}")
+            labels.append(label)
+    return labels
+
+
+def read_edges(dataset: Path, split: str) -> np.ndarray:
+    """`edges/<split>.bin`: little-endian u32 [src, rel, dst] rows -> int64 array (n, 3)."""
+    raw = np.fromfile(dataset / "edges" / f"{split}.bin", dtype="<u4")
+    if raw.size % 3:
+        raise ValueError(f"{dataset}/edges/{split}.bin: {raw.size} words is not a multiple of 3")
+    return raw.reshape(-1, 3).astype(np.int64)
+
+
+def write_embeddings(out: Path, entities: np.ndarray, relations: np.ndarray) -> None:
+    """Writes entities.npy / relations.npy as C-order little-endian float32."""
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(out / "entities.npy", np.ascontiguousarray(entities, dtype="<f4"))
+    np.save(out / "relations.npy", np.ascontiguousarray(relations, dtype="<f4"))
+
+
+def _fake_run(emb_dir: Path, dataset: Path, decoder: str, reference_run: Path) -> Path:
+    """For a legendctl without `eval --embeddings`: wrap the npy files in a run directory
+    (run.toml + checkpoint tables, zero AdaGrad state) that `legendctl eval RUN` accepts.
+    The dataset identity is copied from a Legend run on the same dataset."""
+    ent = np.load(emb_dir / "entities.npy").astype("<f4")
+    rel = np.load(emb_dir / "relations.npy").astype("<f4")
+    meta_text = (reference_run / "run.toml").read_text()
+    identity = next(
+        line.split("=", 1)[1].strip().strip('"')
+        for line in meta_text.splitlines()
+        if line.startswith("dataset_identity")
+    )
+    run = emb_dir / "as-run"
+    ck = run / "checkpoints" / "epoch-00000"
+    ck.mkdir(parents=True, exist_ok=True)
+    tables = {
+        "entities.bin": ent.tobytes(),
+        "entities.state.bin": np.zeros_like(ent).tobytes(),
+        "relations.bin": rel.tobytes(),
+        "relations.state.bin": np.zeros_like(rel).tobytes(),
+    }
+    for name, data in tables.items():
+        (ck / name).write_bytes(data)
+    crc = {k: zlib.crc32(v) & 0xFFFFFFFF for k, v in tables.items()}
+    (run / "run.toml").write_text(
+        "format_version = 1\n"
+        f'dataset = "{dataset.resolve()}"\n'
+        f'dataset_identity = "{identity}"\n'
+        f'decoder = "{decoder}"\n'
+        f"dim = {ent.shape[1]}\n"
+        f"entities = {ent.shape[0]}\n"
+        f"relations = {rel.shape[0]}\n"
+        "epochs_completed = 0\n"
+        'checkpoint = "checkpoints/epoch-00000"\n'
+        "\n[checksums]\n"
+        f"entities = {crc['entities.bin']}\n"
+        f"entities_state = {crc['entities.state.bin']}\n"
+        f"relations = {crc['relations.bin']}\n"
+        f"relations_state = {crc['relations.state.bin']}\n"
+    )
+    return run
+
+
+def legend_eval(
+    legendctl: str,
+    dataset: Path,
+    emb_dir: Path,
+    decoder: str = "complex",
+    reference_run: Path | None = None,
+    threads: int = 0,
+) -> dict:
+    """Filtered test metrics of foreign embeddings by Legend's evaluator (`legendctl eval`)."""
+    cmd = [
+        legendctl, "eval", "--dataset", str(dataset), "--decoder", decoder,
+        "--embeddings", str(emb_dir), "--protocol", "filtered", "--threads", str(threads), "--json",
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0 and "unexpected argument" in p.stderr and reference_run is not None:
+        # Older legendctl: no foreign-embedding mode yet.
+        print("legendctl eval has no --embeddings; evaluating through a run directory", file=sys.stderr)
+        run = _fake_run(emb_dir, dataset, decoder, reference_run)
+        cmd = [legendctl, "eval", str(run), "--protocol", "filtered", "--threads", str(threads), "--json"]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_legend_train(legendctl: str, dataset: Path, out: Path, settings: list[str], nice: int = 0) -> dict:
+    """Runs `legendctl train --json`; returns per-epoch records, final metrics, wall seconds, the command."""
+    import time
+
+    cmd = [legendctl, "train", "--dataset", str(dataset), "--out", str(out)]
+    for s in settings:
+        cmd += ["--set", s]
+    cmd.append("--json")
+    full = (["nice", "-n", str(nice)] if nice else []) + cmd
+    t0 = time.perf_counter()
+    p = subprocess.run(full, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    epochs, final = [], None
+    for line in p.stdout.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        rec = json.loads(line)
+        if rec.get("final"):
+            final = rec
+        elif "epoch" in rec:
+            epochs.append(rec)
+    return {"command": " ".join(cmd), "epochs": epochs, "final": final, "wall_s": wall}
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def threads_env(threads: int) -> None:
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, str(threads))
