@@ -94,7 +94,7 @@ impl MiscDevice for OpenFile {
             uapi::IOCTL_MAP => {
                 let (mut r, mut w) = user.reader_writer();
                 let mut args: uapi::MapArgs = r.read()?;
-                let (handle, bus) = ctrl.map(owner, &args)?;
+                let (handle, page_size, bus) = Controller::map(ctrl, owner, &args)?;
                 let out =
                     UserSlice::new(UserPtr::from_addr(args.bus_addrs as usize), bus.len() * 8);
                 let written = out.writer().write_slice(<[u64] as AsBytes>::as_bytes(&bus));
@@ -103,8 +103,8 @@ impl MiscDevice for OpenFile {
                     return Err(e);
                 }
                 args.handle = handle;
-                args.page_size = uapi::HOST_PAGE_SIZE;
-                // CAST: at most `MAX_HOST_PAGES` entries.
+                args.page_size = page_size;
+                // CAST: at most `MAX_GPU_PAGES` entries.
                 args.pages = bus.len() as u32;
                 w.write(&args)?;
             }

@@ -49,6 +49,10 @@ use crate::{
         HostPages,
         MAX_HOST_PAGES, //
     },
+    p2p::{
+        GpuPages,
+        Revoker, //
+    },
     regs,
     uapi, //
 };
@@ -87,11 +91,49 @@ struct Live {
     admin: AdminQueue,
 }
 
+/// Most 64 KiB pages one GPU mapping may pin (64 GiB).
+const MAX_GPU_PAGES: u64 = 1 << 20;
+
+/// Memory behind a mapping.
+enum Memory {
+    Host(HostPages),
+    Gpu(GpuPages),
+}
+
+impl Memory {
+    fn bus_addrs(&self) -> &[u64] {
+        match self {
+            Self::Host(p) => p.bus_addrs(),
+            Self::Gpu(p) => p.bus_addrs(),
+        }
+    }
+
+    /// Bytes covered by one entry of [`Memory::bus_addrs`].
+    fn page_size(&self) -> u32 {
+        match self {
+            Self::Host(_) => uapi::HOST_PAGE_SIZE,
+            Self::Gpu(_) => uapi::GPU_PAGE_SIZE,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Self::Host(p) => p.len(),
+            Self::Gpu(p) => p.len(),
+        }
+    }
+}
+
 /// A [`uapi::MapArgs`] mapping.
+///
+/// Dropping one may call into the NVIDIA driver, which may wait for its free callback, which
+/// takes the state lock: mappings are dropped only after the state lock is released.
 struct Mapping {
     owner: Owner,
     handle: u32,
-    pages: HostPages,
+    memory: Memory,
+    /// NVIDIA freed the GPU memory ([`Revoker::revoke`]); no longer counted or usable.
+    revoked: bool,
 }
 
 /// An I/O queue pair created through [`uapi::IOCTL_CREATE_QUEUE_PAIR`].
@@ -434,63 +476,108 @@ impl Controller {
         admin.submit(bar.access(dev)?, cmd)
     }
 
-    /// Pins `args.len` bytes at `args.addr` for `owner` and returns the mapping's handle and bus
-    /// addresses.
+    /// Pins `args.len` bytes at `args.addr` for `owner` and returns the mapping's handle, its page
+    /// size and its bus addresses.
     ///
     /// # Errors
     ///
-    /// `EINVAL` for bad arguments, `E2BIG` above [`MAX_HOST_PAGES`], `EOPNOTSUPP` for GPU memory
-    /// (no NVIDIA P2P support in this build), `ENODEV` after unbind, plus [`HostPages::pin`]'s.
-    pub(crate) fn map(&self, owner: Owner, args: &uapi::MapArgs) -> Result<(u32, KVec<u64>)> {
-        let page = u64::from(uapi::HOST_PAGE_SIZE);
+    /// `EINVAL` for bad arguments, `E2BIG` above [`MAX_HOST_PAGES`] or [`MAX_GPU_PAGES`],
+    /// `ENOSPC` for a short `bus_addrs` array, `ENODEV` after unbind, `ENXIO` if NVIDIA freed the
+    /// GPU memory while it was being mapped, plus [`HostPages::pin`]'s and [`GpuPages::pin`]'s.
+    pub(crate) fn map(
+        this: &Arc<Self>,
+        owner: Owner,
+        args: &uapi::MapArgs,
+    ) -> Result<(u32, u32, KVec<u64>)> {
         if args.flags != 0 {
             return Err(EINVAL);
         }
-        match args.kind {
-            uapi::MAP_KIND_HOST => {}
-            uapi::MAP_KIND_GPU => {
-                dev_warn!(
-                    self.dev(),
-                    "GPU memory mapping requested, but NVIDIA P2P is unavailable\n"
-                );
-                return Err(EOPNOTSUPP);
-            }
+        let (page, max) = match args.kind {
+            uapi::MAP_KIND_HOST => (uapi::HOST_PAGE_SIZE, MAX_HOST_PAGES as u64),
+            uapi::MAP_KIND_GPU => (uapi::GPU_PAGE_SIZE, MAX_GPU_PAGES),
             _ => return Err(EINVAL),
-        }
+        };
+        let page = u64::from(page);
         if args.len == 0 || args.len % page != 0 || args.addr % page != 0 {
             return Err(EINVAL);
         }
         args.addr.checked_add(args.len).ok_or(EINVAL)?;
-        let npages = usize::try_from(args.len / page).map_err(|_| E2BIG)?;
-        if npages > MAX_HOST_PAGES {
+        let npages = args.len / page;
+        if npages > max {
             return Err(E2BIG);
         }
-        if (args.bus_addrs_cap as usize) < npages {
+        if u64::from(args.bus_addrs_cap) < npages {
             return Err(ENOSPC);
         }
+        let memory = if args.kind == uapi::MAP_KIND_HOST {
+            let guard = this.state.lock();
+            if guard.live.is_none() {
+                return Err(ENODEV);
+            }
+            // SAFETY: `live` is `Some`, so unbind has not run `shutdown` yet, which it does
+            // under this lock before the device is unbound; the reference does not outlive the
+            // guard.
+            let dev = unsafe { this.dev().as_bound() };
+            // CAST: `npages <= MAX_HOST_PAGES`.
+            Memory::Host(HostPages::pin(dev, args.addr, npages as usize)?)
+        } else {
+            let handle = this.new_handle()?;
+            let revoker: Arc<dyn Revoker> = this.clone();
+            // Without the state lock: NVIDIA may run a free callback meanwhile, which takes it.
+            let gpu = GpuPages::pin(&this.pdev, args.addr, args.len, revoker, owner, handle)?;
+            return this.insert(owner, handle, Memory::Gpu(gpu));
+        };
+        let handle = this.new_handle()?;
+        this.insert(owner, handle, memory)
+    }
+
+    /// Allocates a mapping handle.
+    fn new_handle(&self) -> Result<u32> {
+        let mut state = self.state.lock();
+        let handle = state.next_handle;
+        state.next_handle = handle.checked_add(1).ok_or(ENOSPC)?;
+        Ok(handle)
+    }
+
+    /// Records a new mapping; on failure it is dropped after the state lock is released.
+    fn insert(&self, owner: Owner, handle: u32, memory: Memory) -> Result<(u32, u32, KVec<u64>)> {
+        let mut bus = KVec::with_capacity(memory.bus_addrs().len(), GFP_KERNEL)?;
+        bus.extend_from_slice(memory.bus_addrs(), GFP_KERNEL)?;
+        let page_size = memory.page_size();
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        Self::live(state)?;
-        // SAFETY: `live` is `Some`, so unbind has not run `shutdown` yet, which it does under
-        // this lock before the device is unbound; the reference does not outlive the guard.
-        let dev = unsafe { self.dev().as_bound() };
-        let pages = HostPages::pin(dev, args.addr, npages)?;
-        let mut bus = KVec::with_capacity(npages, GFP_KERNEL)?;
-        bus.extend_from_slice(pages.bus_addrs(), GFP_KERNEL)?;
-        let handle = state.next_handle;
-        state.next_handle = state.next_handle.checked_add(1).ok_or(ENOSPC)?;
+        if state.live.is_none() {
+            drop(guard);
+            drop(memory);
+            return Err(ENODEV);
+        }
+        // Under the state lock, a free callback that has not revoked the memory yet will find
+        // the mapping once it is recorded.
+        if let Memory::Gpu(g) = &memory {
+            if g.revoked() {
+                drop(guard);
+                drop(memory);
+                return Err(ENXIO);
+            }
+        }
+        if let Err(e) = state.maps.reserve(1, GFP_KERNEL) {
+            drop(guard);
+            drop(memory);
+            return Err(e.into());
+        }
         self.stats
             .bytes_pinned
-            .fetch_add(pages.len() as u64, Ordering::Relaxed);
+            .fetch_add(memory.len() as u64, Ordering::Relaxed);
         state.maps.push(
             Mapping {
                 owner,
                 handle,
-                pages,
+                memory,
+                revoked: false,
             },
             GFP_KERNEL,
         )?;
-        Ok((handle, bus))
+        Ok((handle, page_size, bus))
     }
 
     /// Releases mapping `handle` of `owner`.
@@ -499,6 +586,13 @@ impl Controller {
     ///
     /// `ENOENT` if `owner` has no such mapping, `EBUSY` while a queue pair uses it.
     pub(crate) fn unmap(&self, owner: Owner, handle: u32) -> Result {
+        let m = self.take_mapping(owner, handle)?;
+        // Dropped here, after the state lock is released.
+        drop(m);
+        Ok(())
+    }
+
+    fn take_mapping(&self, owner: Owner, handle: u32) -> Result<Mapping> {
         let mut state = self.state.lock();
         let i = state
             .maps
@@ -513,13 +607,19 @@ impl Controller {
             return Err(EBUSY);
         }
         let m = state.maps.remove(i)?;
-        self.stats
-            .bytes_pinned
-            .fetch_sub(m.pages.len() as u64, Ordering::Relaxed);
-        Ok(())
+        if !m.revoked {
+            self.stats
+                .bytes_pinned
+                .fetch_sub(m.memory.len() as u64, Ordering::Relaxed);
+        }
+        Ok(m)
     }
 
     /// Bus address of `bytes` at `offset` of mapping `handle`, which must be contiguous.
+    ///
+    /// # Errors
+    ///
+    /// `ENOENT` for an unknown handle, `ENXIO` if NVIDIA freed its memory, `EINVAL` otherwise.
     fn queue_memory(
         state: &State,
         owner: Owner,
@@ -527,16 +627,22 @@ impl Controller {
         offset: u64,
         bytes: u64,
     ) -> Result<u64> {
-        let page = u64::from(uapi::HOST_PAGE_SIZE);
         let m = state
             .maps
             .iter()
             .find(|m| m.owner == owner && m.handle == handle)
             .ok_or(ENOENT)?;
-        if offset % page != 0 || offset.checked_add(bytes).ok_or(EINVAL)? > m.pages.len() as u64 {
+        if m.revoked {
+            return Err(ENXIO);
+        }
+        let len = m.memory.len() as u64;
+        if offset % u64::from(uapi::HOST_PAGE_SIZE) != 0 || offset.checked_add(bytes).ok_or(EINVAL)? > len
+        {
             return Err(EINVAL);
         }
-        let bus = m.pages.bus_addrs();
+        let page = u64::from(m.memory.page_size());
+        let bus = m.memory.bus_addrs();
+        // CAST: both indices are below the number of pages, which fits in a `usize`.
         let first = (offset / page) as usize;
         let last = ((offset + bytes - 1) / page) as usize;
         // NVMe queues in this driver are physically contiguous (PC = 1).
@@ -545,7 +651,7 @@ impl Controller {
                 return Err(EINVAL);
             }
         }
-        Ok(bus[first])
+        Ok(bus[first] + offset % page)
     }
 
     /// Creates I/O queue pair `args.qid` in memory of `owner`'s mappings.
@@ -736,6 +842,37 @@ impl Controller {
     pub(crate) fn release(&self, owner: Owner) {
         let mut guard = self.state.lock();
         let state = &mut *guard;
+        self.delete_queues_of(state, owner);
+        // Queues are gone, so the device no longer accesses the mappings. They are dropped
+        // after the lock is released (see `Mapping`).
+        let mut gone = KVec::new();
+        let mut i = 0;
+        while i < state.maps.len() {
+            if state.maps[i].owner != owner {
+                i += 1;
+                continue;
+            }
+            if gone.reserve(1, GFP_KERNEL).is_err() {
+                // Out of memory: drop this one under the lock rather than leak it.
+                let _ = state.maps.remove(i);
+                continue;
+            }
+            if let Ok(m) = state.maps.remove(i) {
+                if !m.revoked {
+                    self.stats
+                        .bytes_pinned
+                        .fetch_sub(m.memory.len() as u64, Ordering::Relaxed);
+                }
+                let _ = gone.push(m, GFP_KERNEL);
+            }
+        }
+        state.mmaps.retain(|m| m.owner != owner);
+        drop(guard);
+        drop(gone);
+    }
+
+    /// Deletes every queue pair of `owner` on the device.
+    fn delete_queues_of(&self, state: &mut State, owner: Owner) {
         while let Some(i) = state.queues.iter().position(|q| q.owner == owner) {
             if let Ok(q) = state.queues.remove(i) {
                 if let Some(live) = state.live.as_mut() {
@@ -743,15 +880,6 @@ impl Controller {
                 }
             }
         }
-        // Queues are gone, so the device no longer accesses the mappings.
-        while let Some(i) = state.maps.iter().position(|m| m.owner == owner) {
-            if let Ok(m) = state.maps.remove(i) {
-                self.stats
-                    .bytes_pinned
-                    .fetch_sub(m.pages.len() as u64, Ordering::Relaxed);
-            }
-        }
-        state.mmaps.retain(|m| m.owner != owner);
     }
 
     /// Quiesces the controller and drops every resource that needs the bound device; called from
@@ -782,6 +910,33 @@ impl Controller {
             dev_warn!(self.dev(), "controller did not disable cleanly\n");
         }
         self.stats.bytes_pinned.store(0, Ordering::Relaxed);
-        state.maps.clear();
+        let maps = core::mem::take(&mut state.maps);
+        // Still bound (this is unbind), and the lock is released first (see `Mapping`).
+        drop(guard);
+        drop(maps);
+    }
+}
+
+impl Revoker for Controller {
+    fn revoke(&self, owner: Owner, handle: u32) {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        // Any queue of the owner may have commands pointing into the memory.
+        self.delete_queues_of(state, owner);
+        if let Some(m) = state
+            .maps
+            .iter_mut()
+            .find(|m| m.owner == owner && m.handle == handle && !m.revoked)
+        {
+            m.revoked = true;
+            self.stats
+                .bytes_pinned
+                .fetch_sub(m.memory.len() as u64, Ordering::Relaxed);
+        }
+        dev_warn!(
+            self.dev(),
+            "NVIDIA freed the GPU memory of mapping {}: deleted its owner's queue pairs\n",
+            handle
+        );
     }
 }

@@ -8,6 +8,7 @@ mod chardev;
 mod controller;
 mod driver;
 mod mapping;
+mod p2p;
 mod regs;
 mod sysfs;
 // The ABI file is shared with userspace: some items are used only there, and `pub` is its API.

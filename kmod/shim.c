@@ -8,6 +8,7 @@
 #include <linux/dma-mapping.h>
 #include <linux/fs.h>
 #include <linux/mm.h>
+#include <linux/module.h>
 #include <linux/pci.h>
 #include <linux/slab.h>
 #include <linux/sysfs.h>
@@ -132,4 +133,18 @@ void legend_shim_sysfs_remove(struct legend_sysfs *s)
 {
 	sysfs_remove_group(&s->dev->kobj, &s->group);
 	kfree(s);
+}
+
+/*
+ * Run-time resolution of another module's GPL exports (NVIDIA's nvidia_p2p_*), so this module
+ * loads without it. A successful get pins the exporting module until the matching put.
+ */
+void *legend_shim_symbol_get(const char *name)
+{
+	return __symbol_get(name);
+}
+
+void legend_shim_symbol_put(const char *name)
+{
+	__symbol_put(name);
 }

@@ -24,6 +24,8 @@ void legend_shim_zap_file(struct file *file);
 void legend_shim_pci_address(struct device *dev, u32 *domain, u8 *bus, u8 *devfn);
 int legend_shim_sysfs_add(struct device *dev, const void *ctx, struct legend_sysfs **out);
 void legend_shim_sysfs_remove(struct legend_sysfs *s);
+void *legend_shim_symbol_get(const char *name);
+void legend_shim_symbol_put(const char *name);
 
 /* Implemented in Rust (sysfs.rs). */
 u64 legend_nvme_stat(const void *ctx, unsigned int which);

@@ -7,6 +7,8 @@
 //! - `unbind BDF` (in QEMU): unbind and rebind with an open file descriptor and live queue;
 //! - `bind BDF` (in QEMU, controller bound to `nvme`): `legend-nvme`'s `Sysfs::list` and
 //!   `Sysfs::bind`, refused while the namespace is open, then forced;
+//! - `gpu` (in QEMU, with the `nv_p2p_fake` test double of NVIDIA's P2P API loaded): GPU
+//!   mappings, DMA through them, the free callback and its races;
 //! - `handback BDF` (in QEMU): `Sysfs::unbind` back to `nvme`, reading through the block device,
 //!   and `Sysfs::bind` again.
 //!
@@ -290,16 +292,27 @@ impl Queue {
         buf: &Buf,
         page: usize,
     ) -> Result<u16, String> {
-        let mut sqe = [0u32; 16];
-        sqe[0] = opcode;
-        sqe[1] = 1;
-        let prp1 = buf.bus[page];
         let bytes = blocks as usize * BLOCK;
         let prp2 = if bytes > PAGE { buf.bus[page + 1] } else { 0 };
         assert!(
             bytes <= 2 * PAGE,
             "tests use at most two pages (no PRP lists)"
         );
+        self.rw_prp(opcode, lba, blocks, buf.bus[page], prp2)
+    }
+
+    /// As [`Queue::rw`], with the PRP entries given as bus addresses.
+    fn rw_prp(
+        &mut self,
+        opcode: u32,
+        lba: u64,
+        blocks: u32,
+        prp1: u64,
+        prp2: u64,
+    ) -> Result<u16, String> {
+        let mut sqe = [0u32; 16];
+        sqe[0] = opcode;
+        sqe[1] = 1;
         sqe[6] = prp1 as u32;
         sqe[7] = (prp1 >> 32) as u32;
         sqe[8] = prp2 as u32;
@@ -645,7 +658,8 @@ fn test_bad_inputs() -> TestResult {
         "MAP GPU without NVIDIA",
         dev.ioctl(
             uapi::IOCTL_MAP,
-            &mut map(a, 65536, 16, uapi::MAP_KIND_GPU, 0),
+            // 64 KiB aligned, as GPU mappings must be; checked before looking for NVIDIA.
+            &mut map(0x7f00_0000_0000, 65536, 16, uapi::MAP_KIND_GPU, 0),
         ),
         libc::EOPNOTSUPP,
     );
@@ -977,6 +991,225 @@ fn test_unbind(bdf: &str) -> TestResult {
     check(st == 0, || format!("read after rebind status {st:#x}"))
 }
 
+const FAKE: &str = "/sys/module/nv_p2p_fake/parameters";
+const GPU_PAGE: u64 = uapi::GPU_PAGE_SIZE as u64;
+/// Where the GPU test writes (outside what `verify-image` checks).
+const GPU_LBA: u64 = 8192;
+
+fn fake_get(name: &str) -> Result<u64, String> {
+    let text = fs::read_to_string(format!("{FAKE}/{name}")).map_err(|e| format!("{name}: {e}"))?;
+    text.trim()
+        .parse()
+        .map_err(|_| format!("{name}: {text:?} is not a number"))
+}
+
+fn fake_set(name: &str, value: &str) -> TestResult {
+    fs::write(format!("{FAKE}/{name}"), value).map_err(|e| format!("set {name}: {e}"))
+}
+
+/// MAP of "GPU memory" (the test double's) at `addr`; returns the handle and bus addresses.
+fn map_gpu(dev: &Dev, addr: u64, len: u64) -> Result<(u32, Vec<u64>), i32> {
+    let mut bus = vec![0u64; (len / GPU_PAGE).max(1) as usize];
+    let mut args = uapi::MapArgs {
+        addr,
+        len,
+        bus_addrs: bus.as_mut_ptr() as u64,
+        bus_addrs_cap: bus.len() as u32,
+        kind: uapi::MAP_KIND_GPU,
+        ..Default::default()
+    };
+    dev.ioctl(uapi::IOCTL_MAP, &mut args)?;
+    if args.page_size != uapi::GPU_PAGE_SIZE || args.pages as usize != bus.len() {
+        return Err(-1);
+    }
+    Ok((args.handle, bus))
+}
+
+fn unmap(dev: &Dev, handle: u32) -> Result<(), i32> {
+    dev.ioctl(uapi::IOCTL_UNMAP, &mut uapi::UnmapArgs { handle, flags: 0 })
+}
+
+/// Persistent pinning: DMA to and from the GPU pages through a queue; the free callback path
+/// does not touch persistent pins; unmapping releases them.
+fn test_gpu_persistent() -> TestResult {
+    let base = fake_get("va_base")?;
+    let dev = Dev::open()?;
+    let (h, bus) = map_gpu(&dev, base, 4 * GPU_PAGE).map_err(|e| format!("MAP GPU: errno {e}"))?;
+    check(bus.iter().all(|&b| b != 0 && b % GPU_PAGE == 0), || {
+        format!("bus addresses {bus:x?}")
+    })?;
+    let [_, pinned_bytes, _] = counters()?;
+    check(
+        pinned_bytes == 4 * GPU_PAGE && fake_get("pinned")? == 1,
+        || format!("{pinned_bytes} bytes pinned"),
+    )?;
+    fake_set("revoke", "1")?;
+    check(fake_get("pinned")? == 1, || {
+        "revoke freed a persistent pin".into()
+    })?;
+    let info = dev.info()?;
+    let db = dev.doorbells(info.doorbell_len as usize)?;
+    let mut q = Queue::create(&dev, 1, 16, db.ptr)?;
+    let mut host = Buf::new(&dev, PAGE)?;
+    // Image -> GPU page 0 -> LBA GPU_LBA -> host memory.
+    for (op, lba, prp) in [(2, 100, bus[0]), (1, GPU_LBA, bus[0])] {
+        let st = q.rw_prp(op, lba, 8, prp, 0)?;
+        check(st == 0, || {
+            format!("opcode {op} via GPU memory: status {st:#x}")
+        })?;
+    }
+    let st = q.rw(2, GPU_LBA, 8, &host, 0)?;
+    check(st == 0, || format!("read back status {st:#x}"))?;
+    for i in 0..8u64 {
+        check(
+            host.slice()[i as usize * BLOCK..][..BLOCK] == pattern(100 + i, 0),
+            || format!("block {i} did not travel through the GPU pages"),
+        )?;
+    }
+    unmap(&dev, h).map_err(|e| format!("UNMAP GPU: errno {e}"))?;
+    check(fake_get("pinned")? == 0, || "UNMAP kept the pin".into())
+}
+
+/// Callback mode: NVIDIA frees the memory under a live queue; the driver deletes the owner's
+/// queues before the callback returns, refuses the mapping afterwards, and UNMAP still works.
+fn test_gpu_free_callback() -> TestResult {
+    let base = fake_get("va_base")?;
+    fake_set("persistent", "0")?;
+    let dev = Dev::open()?;
+    let info = dev.info()?;
+    let db = dev.doorbells(info.doorbell_len as usize)?;
+    let (h, bus) = map_gpu(&dev, base, 2 * GPU_PAGE).map_err(|e| format!("MAP GPU: errno {e}"))?;
+    let mut q = Queue::create(&dev, 1, 16, db.ptr)?;
+    let st = q.rw_prp(2, 100, 8, bus[1], 0)?;
+    check(st == 0, || format!("read into GPU memory: status {st:#x}"))?;
+    fake_set("revoke", "1")?;
+    let [queues, bytes, _] = counters()?;
+    check(fake_get("pinned")? == 0, || "pin survived revoke".into())?;
+    // What is left pinned is the queue's own 2 host pages.
+    check(queues == 0 && bytes == 2 * PAGE as u64, || {
+        format!("after the free callback: {queues} queue pairs, {bytes} bytes pinned")
+    })?;
+    let mut args = uapi::QueuePairArgs {
+        qid: 2,
+        depth: 16,
+        sq_handle: h,
+        cq_handle: h,
+        sq_offset: 0,
+        cq_offset: PAGE as u64,
+        ..Default::default()
+    };
+    check(
+        dev.ioctl(uapi::IOCTL_CREATE_QUEUE_PAIR, &mut args) == Err(libc::ENXIO),
+        || "queue in revoked GPU memory not refused with ENXIO".into(),
+    )?;
+    unmap(&dev, h).map_err(|e| format!("UNMAP after revoke: errno {e}"))?;
+    fake_set("persistent", "1")
+}
+
+/// MAP, UNMAP and close race with the free callback for a while; nothing may leak or hang.
+fn test_gpu_callback_race() -> TestResult {
+    let base = fake_get("va_base")?;
+    fake_set("persistent", "0")?;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let revoker = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut n = 0u32;
+            while !stop.load(Ordering::Relaxed) {
+                let _ = fake_set("revoke", "1");
+                n += 1;
+            }
+            n
+        })
+    };
+    let (start, mut maps, mut other) = (Instant::now(), 0u32, Vec::new());
+    let mut dev = Dev::open()?;
+    let mut i = 0u64;
+    while start.elapsed() < Duration::from_secs(3) {
+        i += 1;
+        if i % 16 == 0 {
+            // Close with live (or revoked) mappings.
+            dev = Dev::open()?;
+        }
+        match map_gpu(&dev, base + (i % 8) * GPU_PAGE, GPU_PAGE) {
+            Ok((h, _)) => {
+                maps += 1;
+                if i % 3 != 0 && unmap(&dev, h).is_err() {
+                    other.push(format!("UNMAP {h} failed"));
+                }
+            }
+            // The free raced with MAP: the callback ran before the mapping was recorded
+            // (ENXIO), or NVIDIA refused to map pages being freed (the double's EINVAL).
+            Err(libc::ENXIO | libc::EINVAL) => {}
+            Err(e) => other.push(format!("MAP errno {e}")),
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let revokes = revoker.join().map_err(|_| "revoker panicked")?;
+    drop(dev);
+    fake_set("revoke", "1")?;
+    fake_set("persistent", "1")?;
+    let [queues, bytes, _] = counters()?;
+    check(other.is_empty(), || other.join("; "))?;
+    check(maps > 10 && revokes > 10, || {
+        format!("only {maps} maps and {revokes} revokes")
+    })?;
+    check(
+        queues == 0 && bytes == 0 && fake_get("pinned")? == 0,
+        || {
+            format!(
+                "leak: {queues} queue pairs, {bytes} bytes, {} pins",
+                fake_get("pinned").unwrap_or(99)
+            )
+        },
+    )
+}
+
+/// Bad GPU mappings: alignment, memory NVIDIA does not know, incompatible page-table version.
+fn test_gpu_bad() -> TestResult {
+    let base = fake_get("va_base")?;
+    let dev = Dev::open()?;
+    let mut fails = Vec::new();
+    let mut expect = |name: &str, got: Result<(u32, Vec<u64>), i32>, want: i32| {
+        let got = got.map(|_| ());
+        if got != Err(want) {
+            fails.push(format!("{name}: got {got:?}, want errno {want}"));
+        }
+    };
+    expect(
+        "unaligned address",
+        map_gpu(&dev, base + 4096, GPU_PAGE),
+        libc::EINVAL,
+    );
+    expect("4 KiB length", map_gpu(&dev, base, 4096), libc::EINVAL);
+    expect(
+        "not GPU memory",
+        map_gpu(&dev, base - GPU_PAGE, GPU_PAGE),
+        libc::EINVAL,
+    );
+    fake_set("table_version", &0x0002_0002u32.to_string())?;
+    expect(
+        "page table major version 2",
+        map_gpu(&dev, base, GPU_PAGE),
+        libc::EPROTO,
+    );
+    fake_set("table_version", &0x0001_0003u32.to_string())?;
+    let newer = map_gpu(&dev, base, GPU_PAGE);
+    fake_set("table_version", &0x0001_0002u32.to_string())?;
+    if newer.is_err() {
+        fails.push(format!("newer minor version refused: {newer:?}"));
+    }
+    drop(dev);
+    check(fake_get("pinned")? == 0, || {
+        "a refused MAP leaked a pin".into()
+    })?;
+    if fails.is_empty() {
+        Ok(())
+    } else {
+        Err(fails.join("; "))
+    }
+}
+
 /// Waits up to 15 s for `path` to appear (the `nvme` driver scans namespaces asynchronously).
 fn wait_for(path: &str) -> TestResult {
     let start = Instant::now();
@@ -1126,10 +1359,24 @@ fn main() {
             report("device-list", test_device_list(&arg(2)));
             report("bind-refused-in-use-then-forced", test_bind_in_use(&arg(2)));
         }
+        "gpu" => {
+            let tests: [(&str, Test); 4] = [
+                ("gpu-persistent-dma", test_gpu_persistent),
+                ("gpu-free-callback", test_gpu_free_callback),
+                ("gpu-callback-race", test_gpu_callback_race),
+                ("gpu-bad-mappings", test_gpu_bad),
+            ];
+            for (name, t) in tests {
+                report(
+                    name,
+                    std::panic::catch_unwind(t).unwrap_or_else(|_| Err("panicked".into())),
+                );
+            }
+        }
         "handback" => report("unbind-to-nvme-and-rebind", test_handback(&arg(2))),
         _ => {
             eprintln!(
-                "usage: legend-kmod-selftest gen-image PATH BLOCKS | verify-image PATH | guest | unbind BDF | bind BDF | handback BDF"
+                "usage: legend-kmod-selftest gen-image PATH BLOCKS | verify-image PATH | guest | unbind BDF | bind BDF | handback BDF | gpu"
             );
             std::process::exit(2);
         }
