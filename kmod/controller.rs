@@ -386,12 +386,12 @@ impl Controller {
         admin.data(&mut buf);
         let mut nsids = [0u32; uapi::MAX_NAMESPACES];
         let mut count = 0;
-        for i in 0..uapi::MAX_NAMESPACES {
+        for (i, slot) in nsids.iter_mut().enumerate() {
             let nsid = le32(&buf, i * 4);
             if nsid == 0 {
                 break;
             }
-            nsids[i] = nsid;
+            *slot = nsid;
             count += 1;
         }
         for (i, &nsid) in nsids[..count].iter().enumerate() {
@@ -636,7 +636,8 @@ impl Controller {
             return Err(ENXIO);
         }
         let len = m.memory.len() as u64;
-        if offset % u64::from(uapi::HOST_PAGE_SIZE) != 0 || offset.checked_add(bytes).ok_or(EINVAL)? > len
+        if offset % u64::from(uapi::HOST_PAGE_SIZE) != 0
+            || offset.checked_add(bytes).ok_or(EINVAL)? > len
         {
             return Err(EINVAL);
         }

@@ -142,7 +142,11 @@ impl Api {
                 c"nvidia_p2p_put_pages_persistent",
                 nv::legend_put_pages_persistent_fn
             ),
-            dma_map_pages: resolve!(syms, c"nvidia_p2p_dma_map_pages", nv::legend_dma_map_pages_fn),
+            dma_map_pages: resolve!(
+                syms,
+                c"nvidia_p2p_dma_map_pages",
+                nv::legend_dma_map_pages_fn
+            ),
             dma_unmap_pages: resolve!(
                 syms,
                 c"nvidia_p2p_dma_unmap_pages",
@@ -303,7 +307,11 @@ impl GpuPages {
                 // Not on this GPU (MIG, vGPU): fall back to the callback API below.
                 r if r == -ENOTSUPP || r == EOPNOTSUPP.to_errno() => {}
                 r => {
-                    dev_warn!(pdev.as_ref(), "nvidia_p2p_get_pages_persistent failed: {}\n", r);
+                    dev_warn!(
+                        pdev.as_ref(),
+                        "nvidia_p2p_get_pages_persistent failed: {}\n",
+                        r
+                    );
                     return Err(Error::from_errno(r));
                 }
             }
@@ -372,7 +380,11 @@ impl GpuPages {
         // for a persistent one, until `Drop` releases it).
         let table = unsafe { &*self.table };
         if !compatible(table.version, nv::NVIDIA_P2P_PAGE_TABLE_VERSION) {
-            dev_err!(dev, "NVIDIA P2P page table version {:#x} unsupported\n", table.version);
+            dev_err!(
+                dev,
+                "NVIDIA P2P page table version {:#x} unsupported\n",
+                table.version
+            );
             return Err(EPROTO);
         }
         let pages = len / u64::from(uapi::GPU_PAGE_SIZE);
@@ -398,7 +410,8 @@ impl GpuPages {
         }
         // SAFETY: NVIDIA returned a valid DMA mapping.
         let dma = unsafe { &*self.dma };
-        if !compatible(dma.version, nv::NVIDIA_P2P_DMA_MAPPING_VERSION) || dma.entries != table.entries
+        if !compatible(dma.version, nv::NVIDIA_P2P_DMA_MAPPING_VERSION)
+            || dma.entries != table.entries
         {
             dev_err!(
                 dev,
@@ -463,7 +476,11 @@ impl Drop for GpuPages {
                 dev_warn!(dev, "nvidia_p2p_dma_unmap_pages failed: {}\n", ret);
             }
         }
-        let ret = match (&self.mode, self.api.put_pages_persistent, self.api.put_pages) {
+        let ret = match (
+            &self.mode,
+            self.api.put_pages_persistent,
+            self.api.put_pages,
+        ) {
             // SAFETY: `table` is a live persistent page table of `va` (invariants).
             (Mode::Persistent, Some(put), _) => unsafe { put(self.va, self.table, 0) },
             // SAFETY: `table` is a live page table of `va` (invariants).

@@ -98,7 +98,7 @@ fetch_all() {
         "linux-headers-7.3.4+deb13-common=$KPKGVER" "linux-source-7.3=$KPKGVER" \
         "linux-kbuild-7.3.4+deb13=$KPKGVER" \
         "rustc=$RUSTPKGVER" "libstd-rust-1.85=$RUSTPKGVER" "libstd-rust-dev=$RUSTPKGVER" \
-        "rust-src=$RUSTPKGVER" bindgen libllvm19 libclang1-19 libclang-cpp19 \
+        "rust-src=$RUSTPKGVER" "rust-clippy=$RUSTPKGVER" bindgen libllvm19 libclang1-19 libclang-cpp19 \
         "nvidia-open-kernel-dkms=$NVPKGVER" "${RUST_LIBS[@]}"
 }
 
@@ -106,7 +106,7 @@ fetch_all() {
 write_wrappers() {
     mkdir -p "$TOOLS"
     local lib=$PREFIX/usr/lib/x86_64-linux-gnu t
-    for t in rustc rustdoc bindgen; do
+    for t in rustc rustdoc bindgen clippy-driver; do
         cat >"$TOOLS/$t" <<W
 #!/bin/sh
 export LIBCLANG_PATH=$PREFIX/usr/lib/llvm-19/lib
@@ -122,18 +122,24 @@ W
 kmake() { # kmake ARGS... : make against the prepared tree with the matching toolchain
     PATH=$TOOLS:$PATH make -C "$KSRC" O="$KBUILD" ARCH=x86_64 CC=gcc HOSTCC=gcc \
         RUSTC="$TOOLS/rustc" HOSTRUSTC="$TOOLS/rustc" RUSTDOC="$TOOLS/rustdoc" \
+        CLIPPY_DRIVER="$TOOLS/clippy-driver" \
         BINDGEN="$TOOLS/bindgen" PAHOLE="$TOOLS/pahole" KERNELRELEASE="$KVER" "$@"
 }
 
 HEADERS=$PREFIX/usr/src/linux-headers-$KVER
 
 prepare_tree() {
+    # Caches prepared before clippy was part of the toolchain get it added.
+    if [ -f "$PREFIX/.extracted" ] && [ ! -x "$PREFIX/usr/bin/clippy-driver" ]; then
+        extract "$PREFIX" rust-clippy
+        write_wrappers
+    fi
     if [ -f "$KBUILD/.legend-prepared" ]; then return 0; fi
     local t0=$SECONDS
     if [ ! -f "$PREFIX/.extracted" ]; then
         rm -rf "$PREFIX"
         extract "$PREFIX" "linux-binary-$KVER" "linux-modules-$KVER" "linux-headers-$KVER" "linux-headers-7.3.4+deb13-common" \
-            "linux-kbuild-7.3.4+deb13" rustc libstd-rust-1.85 libstd-rust-dev rust-src bindgen libllvm19 \
+            "linux-kbuild-7.3.4+deb13" rustc libstd-rust-1.85 libstd-rust-dev rust-src rust-clippy bindgen libllvm19 \
             libclang1-19 libclang-cpp19 nvidia-open-kernel-dkms "${RUST_LIBS[@]}"
         touch "$PREFIX/.extracted"
     fi
