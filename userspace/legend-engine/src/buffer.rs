@@ -33,6 +33,12 @@ pub trait PartitionStore: Send + 'static {
     fn sync(&mut self) -> Result<(), StoreError> {
         Ok(())
     }
+    /// Commits a checkpoint: every partition written so far, `aux` (the relation parameters)
+    /// and `progress`, atomically. Stores without their own checkpoints (RAM) do nothing and
+    /// return `false`; the caller then saves the checkpoint elsewhere.
+    fn commit(&mut self, _progress: &[u8], _aux: &[u8]) -> Result<bool, StoreError> {
+        Ok(false)
+    }
 }
 
 /// A store failure.
@@ -115,11 +121,18 @@ enum Request {
     Flush(Vec<Partition>),
     /// Read a copy of a partition that is not resident (initialising a never-written one).
     Read(u32),
+    /// Write these partitions back, then commit a checkpoint with this progress and aux data.
+    Checkpoint {
+        parts: Vec<Partition>,
+        progress: Vec<u8>,
+        aux: Vec<u8>,
+    },
 }
 
 struct Reply {
     loaded: Option<Partition>,
     flushed: Vec<Partition>,
+    committed: bool,
     stats: IoStats,
 }
 
@@ -296,6 +309,24 @@ impl PartitionBuffer {
         Ok(())
     }
 
+    /// Writes every resident partition back and commits a checkpoint with `progress` and
+    /// `aux` in the store. Returns whether the store keeps checkpoints itself (see
+    /// [`PartitionStore::commit`]).
+    pub fn checkpoint(&mut self, progress: Vec<u8>, aux: Vec<u8>) -> Result<bool, StoreError> {
+        let parts: Vec<Partition> = self.resident.iter_mut().filter_map(Option::take).collect();
+        self.send(Request::Checkpoint {
+            parts,
+            progress,
+            aux,
+        })?;
+        let reply = self.receive()?;
+        for part in reply.flushed {
+            let id = part.id as usize;
+            self.resident[id] = Some(part);
+        }
+        Ok(reply.committed)
+    }
+
     /// A copy of partition `p`, resident or not (for checkpoints and export).
     pub fn read_partition(&mut self, p: u32) -> Result<Partition, StoreError> {
         if let Some(part) = self.partition(p) {
@@ -356,14 +387,11 @@ fn serve(
 ) -> Result<Reply, StoreError> {
     let started = Instant::now();
     let mut stats = IoStats::default();
-    let bytes = |p: &Partition| (p.emb.len() + p.state.len()) as u64 * 4;
     match request {
         Request::Swap { evict, load } => {
             let mut part = match evict {
                 Some(old) => {
-                    store.write(old.id, &old.emb, &old.state)?;
-                    stats.writes += 1;
-                    stats.bytes_written += bytes(&old);
+                    write_back(store, std::slice::from_ref(&old), &mut stats)?;
                     old
                 }
                 None => Partition {
@@ -377,6 +405,7 @@ fn serve(
             Ok(Reply {
                 loaded: Some(part),
                 flushed: Vec::new(),
+                committed: false,
                 stats,
             })
         }
@@ -391,20 +420,33 @@ fn serve(
             Ok(Reply {
                 loaded: Some(part),
                 flushed: Vec::new(),
+                committed: false,
                 stats,
             })
         }
         Request::Flush(parts) => {
-            for p in &parts {
-                store.write(p.id, &p.emb, &p.state)?;
-                stats.writes += 1;
-                stats.bytes_written += bytes(p);
-            }
+            write_back(store, &parts, &mut stats)?;
             store.sync()?;
             stats.io_time = started.elapsed();
             Ok(Reply {
                 loaded: None,
                 flushed: parts,
+                committed: false,
+                stats,
+            })
+        }
+        Request::Checkpoint {
+            parts,
+            progress,
+            aux,
+        } => {
+            write_back(store, &parts, &mut stats)?;
+            let committed = store.commit(&progress, &aux)?;
+            stats.io_time = started.elapsed();
+            Ok(Reply {
+                loaded: None,
+                flushed: parts,
+                committed,
                 stats,
             })
         }
@@ -435,6 +477,19 @@ fn load_into(
         }
         part.state.fill(0.0);
         stats.initialised += 1;
+    }
+    Ok(())
+}
+
+fn write_back(
+    store: &mut impl PartitionStore,
+    parts: &[Partition],
+    stats: &mut IoStats,
+) -> Result<(), StoreError> {
+    for p in parts {
+        store.write(p.id, &p.emb, &p.state)?;
+        stats.writes += 1;
+        stats.bytes_written += (p.emb.len() + p.state.len()) as u64 * 4;
     }
     Ok(())
 }

@@ -63,8 +63,11 @@ pub struct StorageConfig {
     pub buffer_capacity: u32,
     /// `memory` (all partitions in RAM; swaps move them between the buffer and RAM).
     pub backend: String,
-    /// Store path for disk backends.
+    /// Store path for disk backends (default: `store.bin` in the run directory).
     pub path: Option<PathBuf>,
+    /// Let the `file` backend overwrite a target that carries a file system, partition table
+    /// or another store.
+    pub force: bool,
     /// `cpu`.
     pub device: String,
     /// `legend | beta | sequential`.
@@ -80,6 +83,7 @@ impl Default for StorageConfig {
             buffer_capacity: 0,
             backend: "memory".into(),
             path: None,
+            force: false,
             device: "cpu".into(),
             order: "legend".into(),
             prefetch: true,
@@ -296,8 +300,8 @@ impl Config {
             ));
         }
         match s.backend.as_str() {
-            "memory" => {}
-            "file" | "proxy" | "nvme" => {
+            "memory" | "file" => {}
+            "proxy" | "nvme" => {
                 return Err(bad(
                     "storage.backend",
                     format!(
@@ -309,7 +313,7 @@ impl Config {
             other => {
                 return Err(bad(
                     "storage.backend",
-                    format!("unknown backend {other:?}: expected memory"),
+                    format!("unknown backend {other:?}: expected memory or file"),
                 ));
             }
         }

@@ -3,6 +3,7 @@
 
 pub mod buffer;
 pub mod config;
+pub mod file_store;
 pub mod run;
 pub mod sampler;
 pub mod trainer;

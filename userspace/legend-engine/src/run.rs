@@ -41,8 +41,12 @@ pub struct RunMeta {
     pub relations: u64,
     /// Epochs completed in the current checkpoint.
     pub epochs_completed: u32,
-    /// The current checkpoint directory, relative to the run directory.
+    /// The current checkpoint directory, relative to the run directory (memory backend).
     pub checkpoint: String,
+    /// The store holding the checkpoint (file backend): its superblock is the commit record,
+    /// and `epochs_completed` here is informational.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<PathBuf>,
     /// CRC-32 of each table file of the checkpoint.
     pub checksums: TableChecksums,
 }
@@ -240,8 +244,25 @@ fn sync_dir(dir: &Path) -> Result<(), RunError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
 }
 
-/// Loads the current checkpoint of `run`, verifying sizes and checksums.
+/// Loads the current checkpoint of `run`: from its store (file backend) or from its checkpoint
+/// directory, verifying sizes and checksums.
 pub fn load_tables(run: &Path, meta: &RunMeta) -> Result<Tables, RunError> {
+    if let Some(path) = &meta.store {
+        let spec = crate::file_store::FileStoreSpec {
+            path,
+            dataset: dataset_id(&meta.dataset_identity, path)?,
+            num_nodes: meta.entities,
+            dim: meta.dim,
+            num_partitions: 0,
+            aux_bytes: 0,
+            force: false,
+        };
+        let mut store = crate::file_store::FileStore::open_any_partitioning(&spec)
+            .map_err(|e| invalid(path, e.to_string()))?;
+        return store
+            .read_tables(meta.dim, meta.relations as usize * meta.dim)
+            .map_err(|e| invalid(path, e.to_string()));
+    }
     let dir = run.join(&meta.checkpoint);
     let rows = [meta.entities, meta.entities, meta.relations, meta.relations];
     let sums = [
@@ -280,5 +301,15 @@ pub fn load_tables(run: &Path, meta: &RunMeta) -> Result<Tables, RunError> {
         entities_state: next(),
         relations: next(),
         relations_state: next(),
+    })
+}
+
+/// The store identity of a dataset identity in hex.
+pub fn dataset_id(hex: &str, context: &Path) -> Result<legend_storage::DatasetId, RunError> {
+    let id = u128::from_str_radix(hex, 16)
+        .map_err(|_| invalid(context, format!("bad dataset identity {hex:?}")))?;
+    Ok(legend_storage::DatasetId {
+        id: id.to_le_bytes(),
+        label: hex.chars().take(12).collect(),
     })
 }

@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use legend_dataset::{Dataset, Split};
+use legend_engine::file_store::{
+    FileStore, FileStoreSpec, decode_progress, encode_progress, encode_relations,
+};
 use legend_engine::run::{self, RunMeta, TableChecksums};
 use legend_engine::{Config, MemoryStore, PartitionBuffer, Relations, Trainer};
 use legend_eval::SampledNegatives;
@@ -101,45 +104,15 @@ fn train(
     let scheme = buckets.scheme();
     let degrees = legend_dataset::degrees(meta_ds.entities as usize, buckets.edges());
     let init = config.init();
-    let (store, relations, start_epoch) = match &resumed {
-        Some(meta) => {
-            let t = run::load_tables(&args.out, meta)?;
-            let store = MemoryStore::from_tables(scheme, dim, &t.entities, &t.entities_state);
-            let rel = Relations {
-                emb: t.relations,
-                state: t.relations_state,
-            };
-            (store, rel, meta.epochs_completed)
-        }
-        None => (
-            MemoryStore::default(),
-            Relations::init(decoder, meta_ds.relations as usize, dim, &init),
-            0,
-        ),
+    let relation_floats = if decoder.uses_relations() {
+        meta_ds.relations as usize * dim
+    } else {
+        0
     };
-    let buffer = PartitionBuffer::new(scheme, dim, init, store);
-    let mut trainer = Trainer::new(config, buckets, &degrees, buffer, relations)?;
-    let epochs = config.training.num_epochs;
-    if start_epoch >= epochs {
-        bail!(
-            "the run already has {start_epoch} epochs; raise training.num_epochs with --set to continue"
-        );
-    }
+    let fresh_relations = || Relations::init(decoder, meta_ds.relations as usize, dim, &init);
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     run::write_atomically(&args.out.join("config.toml"), config.to_toml().as_bytes())?;
-    let plan = trainer.plan();
-    tracing::info!(
-        "training {decoder} d={dim} on {} ({} entities, {} relations, {} train edges); engine cpu, {} partitions, buffer {}, order {} ({} buffer states per epoch)",
-        dataset.dir().display(),
-        meta_ds.entities,
-        meta_ds.relations,
-        meta_ds.splits.train,
-        scheme.num_partitions,
-        config.capacity(),
-        config.storage.order,
-        plan.io_count
-    );
     let mut meta = resumed.unwrap_or_else(|| RunMeta {
         format_version: run::RUN_FORMAT_VERSION,
         dataset: std::fs::canonicalize(dataset.dir()).unwrap_or_else(|_| dataset.dir().to_owned()),
@@ -154,8 +127,85 @@ fn train(
         },
         epochs_completed: 0,
         checkpoint: String::new(),
+        store: None,
         checksums: TableChecksums::default(),
     });
+    let (buffer, relations, start_epoch) = if config.storage.backend == "file" {
+        let path = match &meta.store {
+            Some(p) => p.clone(),
+            None => match &config.storage.path {
+                Some(p) => p.clone(),
+                None => std::fs::canonicalize(&args.out)?.join("store.bin"),
+            },
+        };
+        let spec = FileStoreSpec {
+            path: &path,
+            dataset: run::dataset_id(&meta.dataset_identity, &path)?,
+            num_nodes: meta_ds.entities,
+            dim,
+            num_partitions: scheme.num_partitions,
+            aux_bytes: (relation_floats * 8) as u64,
+            force: config.storage.force,
+        };
+        let mut store = if meta.store.is_some() {
+            FileStore::open(&spec)?
+        } else {
+            let store = FileStore::create(&spec)?;
+            // From here on the run's commit record is the store's superblock.
+            meta.store = Some(std::fs::canonicalize(&path)?);
+            run::write_atomically(
+                &run::meta_path(&args.out),
+                toml::to_string_pretty(&meta)?.as_bytes(),
+            )?;
+            store
+        };
+        let epochs_done = decode_progress(store.progress())?;
+        let relations = match store.aux(relation_floats * 8)? {
+            Some(bytes) if epochs_done > 0 => {
+                let all: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+                let (emb, state) = all.split_at(relation_floats);
+                Relations {
+                    emb: emb.to_vec(),
+                    state: state.to_vec(),
+                }
+            }
+            _ => fresh_relations(),
+        };
+        let buffer = PartitionBuffer::new(scheme, dim, init, store);
+        (buffer, relations, epochs_done)
+    } else if !meta.checkpoint.is_empty() {
+        let t = run::load_tables(&args.out, &meta)?;
+        let store = MemoryStore::from_tables(scheme, dim, &t.entities, &t.entities_state);
+        let relations = Relations {
+            emb: t.relations,
+            state: t.relations_state,
+        };
+        let buffer = PartitionBuffer::new(scheme, dim, init, store);
+        (buffer, relations, meta.epochs_completed)
+    } else {
+        let buffer = PartitionBuffer::new(scheme, dim, init, MemoryStore::default());
+        (buffer, fresh_relations(), 0)
+    };
+    let mut trainer = Trainer::new(config, buckets, &degrees, buffer, relations)?;
+    let epochs = config.training.num_epochs;
+    if start_epoch >= epochs {
+        bail!(
+            "the run already has {start_epoch} epochs; raise training.num_epochs with --set to continue"
+        );
+    }
+    let plan = trainer.plan();
+    tracing::info!(
+        "training {decoder} d={dim} on {} ({} entities, {} relations, {} train edges); engine cpu, {} backend, {} partitions, buffer {}, order {} ({} buffer states per epoch)",
+        dataset.dir().display(),
+        meta_ds.entities,
+        meta_ds.relations,
+        meta_ds.splits.train,
+        config.storage.backend,
+        scheme.num_partitions,
+        config.capacity(),
+        config.storage.order,
+        plan.io_count
+    );
     let mut metrics = OpenOptions::new()
         .create(true)
         .append(true)
@@ -219,7 +269,6 @@ fn train(
             meta = checkpoint(&args.out, meta, &mut trainer)?;
         }
     }
-    let (entities, _) = gather_entities(&mut trainer, dim)?;
     let split: Split = config
         .evaluation
         .split
@@ -235,6 +284,8 @@ fn train(
         tracing::warn!("no {} edges: skipping the final evaluation", split.name());
         return Ok(());
     }
+    // Ranking needs the whole entity table in memory.
+    let (entities, _) = gather_entities(&mut trainer, dim)?;
     let m = evaluate(
         dataset,
         decoder,
@@ -270,6 +321,15 @@ fn gather_entities(trainer: &mut Trainer, dim: usize) -> anyhow::Result<(Vec<f32
 fn checkpoint(out: &Path, meta: RunMeta, trainer: &mut Trainer) -> anyhow::Result<RunMeta> {
     let relations = trainer.relations().clone();
     let buffer = trainer.buffer();
+    let aux = encode_relations(&relations.emb, &relations.state);
+    if buffer.checkpoint(encode_progress(meta.epochs_completed), aux)? {
+        // The store committed; run.toml only mirrors the epoch count for people.
+        run::write_atomically(
+            &run::meta_path(out),
+            toml::to_string_pretty(&meta)?.as_bytes(),
+        )?;
+        return Ok(meta);
+    }
     let meta = run::commit_checkpoint(out, meta, (&relations.emb, &relations.state), |e, s| {
         for p in 0..buffer.scheme().num_partitions {
             let part = buffer

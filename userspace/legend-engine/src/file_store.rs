@@ -1,0 +1,237 @@
+//! The `file` backend: partitions in a [`legend_storage::Store`] on a file or block device
+//! (`O_DIRECT`, io_uring), with checkpoints committed by the store's superblock flip.
+
+use std::path::Path;
+
+use legend_storage::{
+    CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, Region, Store, StoreSpec,
+};
+
+use crate::buffer::{PartitionStore, StoreError};
+use crate::run::Tables;
+
+/// Bytes reserved for the training-progress record in the superblock.
+pub const PROGRESS_CAPACITY: u32 = 4096;
+
+/// A partition store over an on-disk [`Store`].
+///
+/// The store is created with shadow copies, so a crash rolls every partition back to exactly
+/// the last committed checkpoint, and resuming reproduces an uninterrupted run.
+pub struct FileStore {
+    store: Store,
+    staging: IoBuffer,
+}
+
+/// What a store-backed run needs to know to create or open its store.
+pub struct FileStoreSpec<'a> {
+    /// The store path.
+    pub path: &'a Path,
+    /// Dataset identity and label.
+    pub dataset: DatasetId,
+    /// Entities.
+    pub num_nodes: u64,
+    /// Floats per row.
+    pub dim: usize,
+    /// Partitions.
+    pub num_partitions: u32,
+    /// Bytes of the relation parameters and their state.
+    pub aux_bytes: u64,
+    /// Overwrite a target carrying another signature.
+    pub force: bool,
+}
+
+fn err(e: legend_storage::StoreError) -> StoreError {
+    StoreError(e.to_string())
+}
+
+impl FileStore {
+    /// Creates a new store. It is made under a temporary name and renamed into place, so an
+    /// interrupted creation never leaves a store that cannot be opened.
+    pub fn create(spec: &FileStoreSpec<'_>) -> Result<FileStore, StoreError> {
+        let store_spec = StoreSpec {
+            dataset: spec.dataset.clone(),
+            num_nodes: spec.num_nodes,
+            dim: spec.dim as u32,
+            num_partitions: spec.num_partitions,
+            aux_bytes: spec.aux_bytes.max(1),
+            progress_capacity: PROGRESS_CAPACITY,
+            shadow: true,
+        };
+        let opts = CreateOptions {
+            force: spec.force,
+            ..CreateOptions::default()
+        };
+        let is_file = !spec.path.exists() || spec.path.is_file();
+        let store = if is_file && !spec.path.exists() {
+            let tmp = spec.path.with_extension("creating");
+            let _ = std::fs::remove_file(&tmp);
+            Store::create(&tmp, &store_spec, &opts).map_err(err)?;
+            std::fs::rename(&tmp, spec.path)
+                .map_err(|e| StoreError(format!("{}: {e}", spec.path.display())))?;
+            Store::open(spec.path, &Expect::default(), &IoConfig::default()).map_err(err)?
+        } else {
+            Store::create(spec.path, &store_spec, &opts).map_err(err)?
+        };
+        Self::with_store(store)
+    }
+
+    /// Opens an existing store, checking it belongs to this dataset, dimension and partitioning.
+    pub fn open(spec: &FileStoreSpec<'_>) -> Result<FileStore, StoreError> {
+        let expect = Expect {
+            dataset: Some(spec.dataset.clone()),
+            dim: Some(spec.dim as u32),
+            num_partitions: Some(spec.num_partitions),
+        };
+        Self::with_store(Store::open(spec.path, &expect, &IoConfig::default()).map_err(err)?)
+    }
+
+    /// Opens an existing store of this dataset and dimension, whatever its partitioning.
+    pub fn open_any_partitioning(spec: &FileStoreSpec<'_>) -> Result<FileStore, StoreError> {
+        let expect = Expect {
+            dataset: Some(spec.dataset.clone()),
+            dim: Some(spec.dim as u32),
+            num_partitions: None,
+        };
+        Self::with_store(Store::open(spec.path, &expect, &IoConfig::default()).map_err(err)?)
+    }
+
+    fn with_store(store: Store) -> Result<FileStore, StoreError> {
+        let staging = IoBuffer::new(
+            store
+                .max_partition_bytes()
+                .max(store.spec().aux_bytes as usize),
+        )
+        .map_err(err)?;
+        Ok(FileStore { store, staging })
+    }
+
+    /// The progress record of the last commit (empty for a new store).
+    pub fn progress(&self) -> &[u8] {
+        self.store.progress()
+    }
+
+    /// The relation parameters of the last commit, if any was made.
+    pub fn aux(&mut self, len: usize) -> Result<Option<Vec<u8>>, StoreError> {
+        if !self.store.is_initialized(Region::Aux).map_err(err)? {
+            return Ok(None);
+        }
+        self.store
+            .read(Region::Aux, &mut self.staging)
+            .map_err(err)?;
+        Ok(Some(self.staging.as_bytes()[..len].to_vec()))
+    }
+}
+
+impl PartitionStore for FileStore {
+    fn read(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError> {
+        if !self
+            .store
+            .is_initialized(Region::Partition(p))
+            .map_err(err)?
+        {
+            return Ok(false);
+        }
+        self.store
+            .read(Region::Partition(p), &mut self.staging)
+            .map_err(err)?;
+        let data = self.staging.as_f32();
+        emb.copy_from_slice(&data[..emb.len()]);
+        state.copy_from_slice(&data[emb.len()..emb.len() + state.len()]);
+        Ok(true)
+    }
+
+    fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), StoreError> {
+        let data = self.staging.as_f32_mut();
+        data[..emb.len()].copy_from_slice(emb);
+        data[emb.len()..emb.len() + state.len()].copy_from_slice(state);
+        self.store
+            .write(Region::Partition(p), &self.staging)
+            .map_err(err)
+    }
+
+    fn commit(&mut self, progress: &[u8], aux: &[u8]) -> Result<bool, StoreError> {
+        let bytes = self.staging.as_bytes_mut();
+        bytes[..aux.len()].copy_from_slice(aux);
+        bytes[aux.len()..self.store.spec().aux_bytes as usize].fill(0);
+        self.store.write(Region::Aux, &self.staging).map_err(err)?;
+        self.store.commit(progress).map_err(err)?;
+        Ok(true)
+    }
+}
+
+/// Encodes the training progress stored with a checkpoint.
+pub fn encode_progress(epochs_completed: u32) -> Vec<u8> {
+    format!("epochs_completed={epochs_completed}\n").into_bytes()
+}
+
+/// Decodes [`encode_progress`]; an empty record (a new store) is epoch 0.
+pub fn decode_progress(progress: &[u8]) -> Result<u32, StoreError> {
+    if progress.is_empty() {
+        return Ok(0);
+    }
+    std::str::from_utf8(progress)
+        .ok()
+        .and_then(|t| t.trim().strip_prefix("epochs_completed="))
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| {
+            StoreError(format!(
+                "unreadable progress record {:?}",
+                String::from_utf8_lossy(progress)
+            ))
+        })
+}
+
+/// Relation tables as the aux region holds them: embeddings then state, little-endian f32.
+pub fn encode_relations(emb: &[f32], state: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity((emb.len() + state.len()) * 4);
+    out.extend_from_slice(bytemuck::cast_slice(emb));
+    out.extend_from_slice(bytemuck::cast_slice(state));
+    out
+}
+
+impl FileStore {
+    /// Reads the committed checkpoint whole: every partition and the relation tables
+    /// (`relation_floats` floats each).
+    pub fn read_tables(
+        &mut self,
+        dim: usize,
+        relation_floats: usize,
+    ) -> Result<Tables, StoreError> {
+        if self.store.progress().is_empty() {
+            return Err(StoreError(format!(
+                "{}: the run has no checkpoint yet",
+                self.store.path().display()
+            )));
+        }
+        let spec = self.store.spec().clone();
+        let mut entities = Vec::with_capacity(spec.num_nodes as usize * dim);
+        let mut entities_state = Vec::with_capacity(spec.num_nodes as usize * dim);
+        for p in 0..spec.num_partitions {
+            let range = legend_storage::partition_nodes(spec.num_nodes, spec.num_partitions, p);
+            let len = (range.end - range.start) as usize * dim;
+            let (mut emb, mut state) = (vec![0.0; len], vec![0.0; len]);
+            if !self.read(p, &mut emb, &mut state)? {
+                return Err(StoreError(format!(
+                    "{}: partition {p} was never written",
+                    self.store.path().display()
+                )));
+            }
+            entities.extend_from_slice(&emb);
+            entities_state.extend_from_slice(&state);
+        }
+        let (relations, relations_state) = match self.aux(relation_floats * 8)? {
+            Some(bytes) => {
+                let all: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+                let (e, s) = all.split_at(relation_floats);
+                (e.to_vec(), s.to_vec())
+            }
+            None => (Vec::new(), Vec::new()),
+        };
+        Ok(Tables {
+            entities,
+            entities_state,
+            relations,
+            relations_state,
+        })
+    }
+}

@@ -1,0 +1,332 @@
+//! The `file` backend end to end: equality with the in-memory run, swap counts, crash safety
+//! under SIGKILL, refusals, and peak memory.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_legendctl")
+}
+
+fn run(args: &[&str]) -> std::process::Output {
+    Command::new(bin())
+        .args(args)
+        .env("LEGEND_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = run(args);
+    assert!(
+        out.status.success(),
+        "legendctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// A knowledge graph of `n` entities written as TSV and imported (no valid/test split when
+/// `eval` is false, so that training skips the final ranking).
+fn graph(dir: &Path, n: usize, edges_per_node: usize, eval: bool) -> PathBuf {
+    let mut train = String::with_capacity(n * edges_per_node * 16);
+    let mut held = String::new();
+    for i in 0..n {
+        for k in 0..edges_per_node {
+            let j = (i * 7919 + k * 104_729 + 1) % n;
+            let line = format!("{i}\tr{}\t{j}\n", k % 5);
+            if eval && (i + k) % 20 == 0 {
+                &mut held
+            } else {
+                &mut train
+            }
+            .push_str(&line);
+        }
+    }
+    std::fs::write(dir.join("train.tsv"), train).unwrap();
+    let ds = dir.join("ds");
+    let mut args = vec![
+        "import".to_string(),
+        "-o".into(),
+        s(&ds),
+        "--train".into(),
+        s(&dir.join("train.tsv")),
+    ];
+    if eval {
+        std::fs::write(dir.join("test.tsv"), held).unwrap();
+        args.extend([
+            "--test".into(),
+            s(&dir.join("test.tsv")),
+            "--keep-unseen".into(),
+        ]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    ok(&args);
+    ds
+}
+
+const SMALL: [&str; 12] = [
+    "--set",
+    "model.dim=16",
+    "--set",
+    "storage.num_partitions=6",
+    "--set",
+    "storage.buffer_capacity=3",
+    "--set",
+    "training.threads=1",
+    "--set",
+    "training.batch_size=64",
+    "--set",
+    "training.checkpoint_every=1",
+];
+
+fn train_args<'a>(ds: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec!["train", "--dataset", ds, "--out", out];
+    a.extend(SMALL);
+    a.extend(extra);
+    a
+}
+
+/// The four tables of a run, via export.
+fn tables(run_dir: &Path) -> Vec<u8> {
+    let out = run_dir.with_extension("export");
+    let _ = std::fs::remove_dir_all(&out);
+    ok(&["export", &s(run_dir), "--format", "bin", "-o", &s(&out)]);
+    ["entities.bin", "relations.bin"]
+        .iter()
+        .flat_map(|f| std::fs::read(out.join(f)).unwrap())
+        .collect()
+}
+
+#[test]
+fn file_backend_equals_memory_and_swaps_follow_the_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = s(&graph(dir.path(), 600, 6, true));
+    let mem = dir.path().join("mem");
+    let file = dir.path().join("file");
+    let a = ok(&train_args(
+        &ds,
+        &s(&mem),
+        &["--set", "training.num_epochs=3", "--json"],
+    ));
+    let b = ok(&train_args(
+        &ds,
+        &s(&file),
+        &[
+            "--set",
+            "training.num_epochs=3",
+            "--set",
+            "storage.backend=file",
+            "--json",
+        ],
+    ));
+    assert!(
+        tables(&mem) == tables(&file),
+        "file backend differs from the in-memory run"
+    );
+    let plan: serde_json::Value =
+        serde_json::from_str(ok(&["plan", "-n", "6", "-c", "3", "--json"]).trim()).unwrap();
+    for out in [&a, &b] {
+        let epoch1: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+        assert_eq!(
+            epoch1["buffer_states"], plan["io_count"],
+            "measured buffer states = planned io_count"
+        );
+        assert_eq!(
+            epoch1["swaps"].as_array().unwrap().len() + 1,
+            plan["io_count"].as_u64().unwrap() as usize
+        );
+    }
+    // Epoch 1 reads nothing (every partition starts initialised in memory); later epochs read
+    // what earlier ones wrote.
+    let last: serde_json::Value = serde_json::from_str(b.lines().nth(2).unwrap()).unwrap();
+    assert!(
+        last["bytes_read"].as_u64().unwrap() > 0 && last["bytes_written"].as_u64().unwrap() > 0
+    );
+}
+
+#[test]
+fn a_store_of_another_dataset_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d1 = dir.path().join("one");
+    let d2 = dir.path().join("two");
+    std::fs::create_dir_all(&d1).unwrap();
+    std::fs::create_dir_all(&d2).unwrap();
+    let ds1 = s(&graph(&d1, 300, 4, false));
+    let ds2 = s(&graph(&d2, 300, 5, false));
+    let r1 = dir.path().join("r1");
+    let r2 = dir.path().join("r2");
+    ok(&train_args(
+        &ds1,
+        &s(&r1),
+        &[
+            "--set",
+            "training.num_epochs=1",
+            "--set",
+            "storage.backend=file",
+        ],
+    ));
+    ok(&train_args(
+        &ds2,
+        &s(&r2),
+        &[
+            "--set",
+            "training.num_epochs=1",
+            "--set",
+            "storage.backend=file",
+        ],
+    ));
+    std::fs::copy(r1.join("store.bin"), r2.join("store.bin")).unwrap();
+    let out = run(&[
+        "train",
+        "--out",
+        &s(&r2),
+        "--resume",
+        "--set",
+        "training.num_epochs=2",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("dataset"), "{err}");
+    // A truncated store is refused too, naming the file.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(r1.join("store.bin"))
+        .unwrap();
+    f.set_len(4096).unwrap();
+    let out = run(&["eval", &s(&r1)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("store.bin"), "{err}");
+}
+
+/// SIGKILL at random moments of training and checkpointing; `--resume` must always find the last
+/// complete checkpoint and finish with exactly the tables of an uninterrupted run.
+#[test]
+fn sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run() {
+    let trials: u64 = std::env::var("LEGEND_KILL_TRIALS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50);
+    let dir = tempfile::tempdir().unwrap();
+    let ds = s(&graph(dir.path(), 2000, 8, false));
+    let epochs = [
+        "--set",
+        "training.num_epochs=4",
+        "--set",
+        "storage.backend=file",
+    ];
+    let reference = dir.path().join("reference");
+    let started = std::time::Instant::now();
+    ok(&train_args(&ds, &s(&reference), &epochs));
+    let full = started.elapsed();
+    let want = tables(&reference);
+    let mut resumed_from_checkpoint = 0;
+    for trial in 0..trials {
+        let out = dir.path().join(format!("trial{trial}"));
+        let mut child = Command::new(bin())
+            .args(train_args(&ds, &s(&out), &epochs))
+            .env("LEGEND_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // A deterministic spread of kill times over the whole run (creation, epochs, checkpoints).
+        let frac = ((trial * 7919) % 1000) as f64 / 1000.0;
+        std::thread::sleep(full.mul_f64(frac * 1.1));
+        let _ = child.kill();
+        child.wait().unwrap();
+        if !out.join("run.toml").exists() {
+            // Killed before the store was created and recorded: nothing to resume.
+            continue;
+        }
+        let meta = std::fs::read_to_string(out.join("run.toml")).unwrap();
+        if !meta.contains("epochs_completed = 0") {
+            resumed_from_checkpoint += 1;
+        }
+        let r = run(&["train", "--out", &s(&out), "--resume"]);
+        let stderr = String::from_utf8_lossy(&r.stderr);
+        if !r.status.success() && stderr.contains("already has 4 epochs") {
+            assert!(tables(&out) == want, "trial {trial}: finished run differs");
+            continue;
+        }
+        assert!(r.status.success(), "trial {trial}: resume failed: {stderr}");
+        assert!(
+            tables(&out) == want,
+            "trial {trial}: resumed run differs from the uninterrupted one"
+        );
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+    assert!(
+        resumed_from_checkpoint > 0 || trials < 5,
+        "no trial was killed after a checkpoint"
+    );
+}
+
+/// Peak RSS of a training run whose store is 8× its buffer stays within the documented bound
+/// (Documentation/store-format.md, "Memory"): (C + 1) partitions + 2 copies of the edges +
+/// 12 bytes per node + a fixed allowance, far below the store itself.
+#[test]
+fn peak_memory_is_bounded_by_the_buffer_not_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, dim, n, c) = (384_000u64, 128u64, 24u64, 3u64);
+    let ds = s(&graph(dir.path(), nodes as usize, 1, false));
+    let out = dir.path().join("run");
+    let args = [
+        "train",
+        "--dataset",
+        &ds,
+        "--out",
+        &s(&out),
+        "--set",
+        "storage.backend=file",
+        "--set",
+        &format!("model.dim={dim}"),
+        "--set",
+        &format!("storage.num_partitions={n}"),
+        "--set",
+        &format!("storage.buffer_capacity={c}"),
+        "--set",
+        "training.num_epochs=1",
+        "--set",
+        "training.negatives.negatives_per_positive=16",
+        "--set",
+        "training.batch_size=1000",
+    ];
+    // Reaped with wait4 below, which also returns the child's own peak RSS.
+    #[expect(clippy::zombie_processes)]
+    let child = Command::new(bin())
+        .args(args)
+        .env("LEGEND_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let mut status = 0;
+    // SAFETY: rusage is plain data that wait4 fills in.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waits for our own child, passing valid pointers to locals.
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as i32);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "training failed: {status}"
+    );
+    let peak = usage.ru_maxrss as u64 * 1024;
+    let partition = nodes.div_ceil(n) * dim * 8;
+    let edges = nodes * 12;
+    let bound = (c + 1) * partition + 2 * edges + 12 * nodes + 64 * (1 << 20);
+    let store = nodes * dim * 8;
+    assert!(store >= 8 * c * partition, "the store is 8× the buffer");
+    assert!(peak <= bound, "peak RSS {peak} B above the bound {bound} B");
+    assert!(
+        peak < store / 2,
+        "peak RSS {peak} B is not far below the store ({store} B)"
+    );
+    eprintln!(
+        "peak RSS {:.1} MiB, bound {:.1} MiB, store {:.1} MiB",
+        peak as f64 / 1048576.0,
+        bound as f64 / 1048576.0,
+        store as f64 / 1048576.0
+    );
+}
