@@ -139,7 +139,7 @@ pub(crate) fn read(dir: &Path) -> Result<RawGraph> {
 
 /// Decides whether rows are `[src, rel, dst]` (3) or `[src, dst]` (2) int32 columns.
 fn row_width(path: &Path, len: usize, count: Option<u64>, relations: u64) -> Result<usize> {
-    if len % 4 != 0 {
+    if !len.is_multiple_of(4) {
         return Err(invalid(
             path,
             format!("size {len} is not a multiple of 4 bytes (int32 ids)"),
@@ -148,7 +148,7 @@ fn row_width(path: &Path, len: usize, count: Option<u64>, relations: u64) -> Res
     let ints = (len / 4) as u64;
     if let Some(count) = count.filter(|&c| c > 0) {
         return match ints / count {
-            3 | 2 if ints % count == 0 => Ok((ints / count) as usize),
+            3 | 2 if ints.is_multiple_of(count) => Ok((ints / count) as usize),
             _ => Err(invalid(
                 path,
                 format!(
@@ -157,7 +157,7 @@ fn row_width(path: &Path, len: usize, count: Option<u64>, relations: u64) -> Res
             )),
         };
     }
-    match (ints % 3 == 0, ints % 2 == 0) {
+    match (ints.is_multiple_of(3), ints.is_multiple_of(2)) {
         (true, false) => Ok(3),
         (false, true) => Ok(2),
         (true, true) if relations > 1 => Ok(3),
