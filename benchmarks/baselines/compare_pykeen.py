@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from legend_common import cpu_model, legend_eval, run_legend_train  # noqa: E402
+from legend_common import cpu_model, legend_eval, loadavg, run_legend_train  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -134,7 +134,7 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(f"\nwordnet-rr, ComplEx d={args.dim}, batch {args.batch_size}, Adagrad lr {args.lr}, "
-          f"{args.threads} threads, CPU: {cpu_model()}\n")
+          f"{args.threads} threads, CPU: {cpu_model()}, load average at the end {loadavg()}\n")
     print(table)
     print("\nCommands:")
     for r in rows:

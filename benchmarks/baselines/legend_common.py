@@ -153,3 +153,11 @@ def cpu_model() -> str:
 def threads_env(threads: int) -> None:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, str(threads))
+
+
+def loadavg() -> str:
+    """1/5/15-minute load averages (the machine is shared: timings depend on them)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
