@@ -42,6 +42,12 @@ def legend_settings(epochs: int, negatives: int, args) -> list[str]:
 
 
 def run_pykeen(args, out: Path, epochs: int, negatives: int, limit_edges: int = 0) -> dict:
+    if args.reuse_pykeen and (out / "train.json").exists():
+        summary = json.loads((out / "train.json").read_text())
+        s = summary["settings"]
+        if (s["epochs"], s["negatives"], s["limit_edges"], s["dim"]) == (epochs, negatives, limit_edges, args.dim):
+            print(f"== reusing PyKEEN run {out}", file=sys.stderr, flush=True)
+            return {"command": summary.get("command", "(reused)"), "wall_s": float("nan"), **summary}
     cmd = [
         sys.executable, str(HERE / "pykeen_train.py"), "--dataset", str(args.dataset), "--out", str(out),
         "--dim", str(args.dim), "--epochs", str(epochs), "--batch-size", str(args.batch_size),
@@ -55,7 +61,9 @@ def run_pykeen(args, out: Path, epochs: int, negatives: int, limit_edges: int = 
     subprocess.run(cmd, check=True, stdout=sys.stderr)
     wall = time.perf_counter() - t0
     summary = json.loads((out / "train.json").read_text())
-    return {"command": " ".join(cmd), "wall_s": wall, **summary}
+    summary["command"] = " ".join(cmd)
+    (out / "train.json").write_text(json.dumps(summary, indent=1))
+    return {"wall_s": wall, **summary}
 
 
 def main() -> None:
@@ -71,6 +79,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reuse-pykeen", action="store_true",
+                    help="reuse PyKEEN runs already in --work with the same settings (re-evaluate only)")
     args = ap.parse_args()
 
     work = args.work
