@@ -31,6 +31,8 @@ enum Command {
     Eval(cmd::eval::Args),
     /// Export a run's embeddings with labels.
     Export(cmd::export::Args),
+    /// NVMe controllers for GPU-direct I/O: list, bind, unbind, info, health.
+    Device(cmd::device::Args),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +54,7 @@ fn main() -> ExitCode {
         Command::Train(args) => cmd::train::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Export(args) => cmd::export::run(args),
+        Command::Device(args) => cmd::device::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,239 @@
+//! `legendctl device`: NVMe controllers for the `legend_nvme` module.
+
+use legend_nvme::{Device, Sysfs};
+use serde::Serialize;
+
+/// Arguments of `legendctl device`.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: DeviceCommand,
+    /// Print JSON.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(clap::Subcommand)]
+enum DeviceCommand {
+    /// NVMe controllers, their driver, block devices and legend device node.
+    List,
+    /// Move a controller from `nvme` to `legend_nvme` (refused while its namespaces are in use).
+    Bind {
+        /// PCI address, e.g. 0000:01:00.0.
+        bdf: String,
+        /// Bind even if a namespace is mounted or open.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Hand a controller back to `nvme`.
+    Unbind {
+        /// PCI address.
+        bdf: String,
+    },
+    /// What the module reports for a controller: identity, limits, namespaces.
+    Info {
+        /// Device node (default /dev/legend-nvme0).
+        #[arg(default_value = "/dev/legend-nvme0")]
+        device: String,
+    },
+    /// SMART / health log of a controller.
+    Health {
+        /// Device node (default /dev/legend-nvme0).
+        #[arg(default_value = "/dev/legend-nvme0")]
+        device: String,
+    },
+}
+
+#[derive(Serialize)]
+struct ControllerView {
+    bdf: String,
+    driver: Option<String>,
+    vendor: String,
+    device: String,
+    block_devices: Vec<String>,
+    legend_device: Option<String>,
+}
+
+impl From<legend_nvme::Controller> for ControllerView {
+    fn from(c: legend_nvme::Controller) -> Self {
+        ControllerView {
+            bdf: c.bdf,
+            driver: c.driver,
+            vendor: format!("{:04x}", c.id.0),
+            device: format!("{:04x}", c.id.1),
+            block_devices: c.block_devices,
+            legend_device: c.char_device,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct NamespaceView {
+    nsid: u32,
+    lba_bytes: u64,
+    lbas: u64,
+}
+
+#[derive(Serialize)]
+struct InfoView {
+    device: String,
+    abi_version: u32,
+    pci_address: String,
+    nvme_version: String,
+    model: String,
+    serial: String,
+    firmware: String,
+    max_queue_entries: u32,
+    doorbell_stride: u32,
+    max_transfer: u32,
+    queue_pairs: u32,
+    namespaces: Vec<NamespaceView>,
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes)
+        .trim_end_matches([' ', '\0'])
+        .to_owned()
+}
+
+#[derive(Serialize)]
+struct HealthView {
+    device: String,
+    critical_warning: u8,
+    temperature_celsius: i32,
+    available_spare_percent: u8,
+    percentage_used: u8,
+    data_units_read: u64,
+    data_units_written: u64,
+    power_on_hours: u64,
+    unsafe_shutdowns: u64,
+    media_errors: u64,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let sysfs = Sysfs::default();
+    match args.command {
+        DeviceCommand::List => {
+            let list: Vec<ControllerView> = sysfs.list()?.into_iter().map(Into::into).collect();
+            if args.json {
+                return super::print_json(&list);
+            }
+            if list.is_empty() {
+                println!("no NVMe controllers found");
+            }
+            for c in list {
+                println!(
+                    "{}  {}:{}  driver {}  block {}  legend {}",
+                    c.bdf,
+                    c.vendor,
+                    c.device,
+                    c.driver.as_deref().unwrap_or("(none)"),
+                    if c.block_devices.is_empty() {
+                        "-".into()
+                    } else {
+                        c.block_devices.join(",")
+                    },
+                    c.legend_device.as_deref().unwrap_or("-"),
+                );
+            }
+        }
+        DeviceCommand::Bind { bdf, force } => {
+            report(args.json, "bound", sysfs.bind(&bdf, force)?.into())?
+        }
+        DeviceCommand::Unbind { bdf } => {
+            report(args.json, "handed back to nvme", sysfs.unbind(&bdf)?.into())?
+        }
+        DeviceCommand::Info { device } => {
+            let info = Device::open(&device)?.info()?;
+            let namespaces = info.namespaces[..info.num_namespaces as usize]
+                .iter()
+                .map(|n| NamespaceView {
+                    nsid: n.nsid,
+                    lba_bytes: 1u64 << n.lba_shift,
+                    lbas: n.blocks,
+                })
+                .collect();
+            let v = info.nvme_version;
+            let view = InfoView {
+                device,
+                abi_version: info.abi_version,
+                pci_address: format!(
+                    "{:04x}:{:02x}:{:02x}.{}",
+                    info.pci_domain, info.pci_bus, info.pci_device, info.pci_function
+                ),
+                nvme_version: format!("{}.{}.{}", v >> 16, (v >> 8) & 0xff, v & 0xff),
+                model: text(&info.model),
+                serial: text(&info.serial),
+                firmware: text(&info.firmware),
+                max_queue_entries: info.max_queue_entries,
+                doorbell_stride: info.doorbell_stride,
+                max_transfer: info.max_transfer,
+                queue_pairs: info.queue_pairs,
+                namespaces,
+            };
+            if args.json {
+                return super::print_json(&view);
+            }
+            println!(
+                "{} ({}): {} serial {} firmware {}, NVMe {}, {} queue pairs of up to {} entries, max transfer {} B",
+                view.device,
+                view.pci_address,
+                view.model,
+                view.serial,
+                view.firmware,
+                view.nvme_version,
+                view.queue_pairs,
+                view.max_queue_entries,
+                view.max_transfer
+            );
+            for n in &view.namespaces {
+                println!(
+                    "  namespace {}: {} blocks of {} B",
+                    n.nsid, n.lbas, n.lba_bytes
+                );
+            }
+        }
+        DeviceCommand::Health { device } => {
+            let h = Device::open(&device)?.health()?;
+            let view = HealthView {
+                device,
+                critical_warning: h.critical_warning,
+                temperature_celsius: i32::from(h.temperature_kelvin) - 273,
+                available_spare_percent: h.available_spare,
+                percentage_used: h.percentage_used,
+                data_units_read: h.data_units_read,
+                data_units_written: h.data_units_written,
+                power_on_hours: h.power_on_hours,
+                unsafe_shutdowns: h.unsafe_shutdowns,
+                media_errors: h.media_errors,
+            };
+            if args.json {
+                return super::print_json(&view);
+            }
+            println!(
+                "{}: critical warning {:#04x}, {} °C, spare {}%, used {}%, {} power-on hours, {} unsafe shutdowns, {} media errors",
+                view.device,
+                view.critical_warning,
+                view.temperature_celsius,
+                view.available_spare_percent,
+                view.percentage_used,
+                view.power_on_hours,
+                view.unsafe_shutdowns,
+                view.media_errors
+            );
+        }
+    }
+    Ok(())
+}
+
+fn report(json: bool, what: &str, c: ControllerView) -> anyhow::Result<()> {
+    if json {
+        return super::print_json(&c);
+    }
+    println!(
+        "{} {what} (driver {})",
+        c.bdf,
+        c.driver.as_deref().unwrap_or("(none)")
+    );
+    Ok(())
+}
