@@ -1,0 +1,42 @@
+// Shared definitions of Legend's CUDA kernels. The Rust side prepends this file to every
+// kernel source, so the programs need no include path (NVRTC has no system headers).
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// The golden-ratio increment of splitmix64.
+#define LEGEND_GOLDEN 0x9e3779b97f4a7c15ULL
+
+// splitmix64's finaliser, bit for bit the `mix` of legend-model's init.rs and of the CPU
+// sampler: CPU and GPU draw the same numbers from the same counters.
+__device__ __forceinline__ u64 legend_mix(u64 z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+// The i-th 64-bit draw of the counter-based stream `key`.
+__device__ __forceinline__ u64 legend_draw(u64 key, u64 i) {
+    return legend_mix(key + (i + 1) * LEGEND_GOLDEN);
+}
+
+// A uniform integer below n from 64 random bits: the high word of bits * n (multiply-shift).
+__device__ __forceinline__ u64 legend_below(u64 bits, u64 n) {
+    return __umul64hi(bits, n);
+}
+
+// Marks entity (or relation) `id` as touched by this batch; the first marker appends it to
+// the list of rows the optimizer will update, so each row takes exactly one step.
+__device__ __forceinline__ void legend_mark(u32* flags, u32* list, u32* count, u32 id) {
+    if (atomicExch(&flags[id], 1u) == 0u) {
+        list[atomicAdd(count, 1u)] = id;
+    }
+}
+
+// Decoders and losses, numbered as in the Rust enums of legend-cuda.
+#define LEGEND_DOT 0
+#define LEGEND_DISTMULT 1
+#define LEGEND_COMPLEX 2
+#define LEGEND_LOSS_SOFTMAX 0
+#define LEGEND_LOSS_LOGISTIC 1
+#define LEGEND_LOSS_RANKING 2

@@ -1,0 +1,27 @@
+// Counter-based initialisation of embedding rows (the hash spec of legend-model's init.rs):
+// element t of row `row` is a pure function of (seed, table, row, t).
+
+// One thread per element of `rows` consecutive rows starting at global row `first_row`.
+// `normal` selects N(0, scale^2) (Box-Muller in double precision, one output per element);
+// otherwise uniform on (-scale, scale).
+extern "C" __global__ void legend_init_rows(float* out, u64 first_row, u32 rows, u32 dim,
+                                            u64 seed, u32 table_tag, int normal, float scale) {
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)rows * dim) return;
+    u64 row = first_row + idx / dim;
+    u64 t = idx % dim;
+    u64 key = legend_mix(legend_mix(seed + (u64)(table_tag + 1) * LEGEND_GOLDEN) ^ row);
+    u64 bits = legend_mix(key + (t + 1) * LEGEND_GOLDEN);
+    float value;
+    if (normal) {
+        const double scale32 = 1.0 / 4294967296.0;
+        double u1 = ((double)(bits >> 32) + 0.5) * scale32;
+        double u2 = (double)(bits & 0xffffffffULL) * scale32;
+        double z = sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+        value = (float)((double)scale * z);
+    } else {
+        float u = ((float)(bits >> 40) + 0.5f) * (1.0f / 16777216.0f);
+        value = scale * __fsub_rn(__fmul_rn(2.0f, u), 1.0f);
+    }
+    out[idx] = value;
+}

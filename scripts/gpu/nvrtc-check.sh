@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Compiles every Legend CUDA kernel with NVRTC for sm_80 and sm_90, without a GPU: installs the
+# nvidia-cuda-nvrtc wheel (libnvrtc.so.13) into ~/.cache/legend/nvrtc when missing, builds
+# legend-nvrtc-check and runs it. Exits non-zero on any compile error or warning.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+# 13.0 matches the CUDA 13.0 driver of the GPU machines (newer NVRTC emits PTX it rejects).
+version=${LEGEND_NVRTC_VERSION:-13.0.88}
+prefix=${LEGEND_NVRTC_DIR:-$HOME/.cache/legend/nvrtc/$version}
+lib=$prefix/nvidia/cu13/lib
+if [ ! -e "$lib/libnvrtc.so.13" ]; then
+    echo "installing nvidia-cuda-nvrtc==$version into $prefix"
+    python3 -m pip install --quiet --disable-pip-version-check --no-deps \
+        --target "$prefix" "nvidia-cuda-nvrtc==$version"
+fi
+if [ ! -e "$lib/libnvrtc.so.13" ]; then
+    echo "nvrtc-check: $lib/libnvrtc.so.13 missing after the install" >&2
+    exit 1
+fi
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
+cd "$root"
+cargo build --quiet -p legend-cuda --bin legend-nvrtc-check
+LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    "$CARGO_TARGET_DIR/debug/legend-nvrtc-check" sm_80 sm_90

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# All GPU tests and benchmarks of legend-cuda in one call, on a machine with CUDA 13 and
+# PyTorch but no Rust toolchain: builds nothing. Expects the binaries in target-gpu/
+# (made by scripts/gpu/build-binaries.sh) and writes logs under ${OUT:-target-gpu/out}.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+bin=$root/target-gpu
+out=${OUT:-$bin/out}
+mkdir -p "$out"
+# NVRTC and the driver: the toolkit's copy first, else the one PyTorch's wheels ship.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+         $(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null); do
+    [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
+done
+echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+status=0
+echo "== tests"
+for t in "$bin"/test-*; do
+    "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" || status=1
+done
+echo "== legend-cuda batch benchmark"
+"$bin/batch_bench" "$out/bench.jsonl" 2>&1 | tee "$out/bench.log" || status=1
+echo "== PyTorch batch and summary"
+PYTHONUNBUFFERED=1 python3 "$root/scripts/gpu/torch_batch.py" "$out/bench.jsonl" 2>&1 | tee "$out/summary.log" || status=1
+exit $status

@@ -1,0 +1,161 @@
+//! Batch time of one training step on the GPU: B = 10⁵ positives in 10 chunks of 10⁴, 10³
+//! negatives per positive and side shared by a chunk, d = 100, ComplEx and Dot, softmax
+//! cross-entropy, negatives sampled on the GPU. Prints one JSON object per configuration
+//! (and writes them to the file named by the first argument, if any).
+//!
+//! `LEGEND_BENCH_GROUPS` (default `2,4,20`) lists the jobs per launch to try.
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use cudarc::driver::sys::CUevent_flags;
+use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, negative_keys};
+use legend_model::{AdaGrad, ChunkModel, Decoder, Distribution, Loss, Table};
+
+const ENTITIES: usize = 1_000_000;
+const RELATIONS: usize = 1_000;
+const BATCH: usize = 100_000;
+const CHUNKS: usize = 10;
+const NEGATIVES: usize = 1_000;
+const DIM: usize = 100;
+const WARMUP: usize = 3;
+const TIMED: usize = 20;
+/// Distinct batches cycled through, so repeated steps do not hit the same rows in L2.
+const BATCHES: u64 = 4;
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let out_path = std::env::args().nth(1);
+    let groups: Vec<usize> = std::env::var("LEGEND_BENCH_GROUPS")
+        .unwrap_or_else(|_| "2,4,20".into())
+        .split(',')
+        .map(|g| g.trim().parse())
+        .collect::<Result<_, _>>()?;
+    let t = Instant::now();
+    let gpu = Gpu::new(0)?;
+    eprintln!(
+        "device {} ({}), kernels ready in {:.2} s",
+        gpu.name(),
+        gpu.arch(),
+        t.elapsed().as_secs_f64()
+    );
+    let ctx = gpu.context().clone();
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let batches: Vec<Vec<[u32; 3]>> = (0..BATCHES)
+        .map(|b| {
+            (0..BATCH as u64)
+                .map(|i| {
+                    let h = mix(b << 40 ^ i);
+                    [
+                        (h % ENTITIES as u64) as u32,
+                        ((h >> 20) % RELATIONS as u64) as u32,
+                        ((h >> 40) % ENTITIES as u64) as u32,
+                    ]
+                })
+                .collect()
+        })
+        .collect();
+    let degrees = vec![1u32; ENTITIES];
+    let all = 0..ENTITIES as u64;
+    let mut json = String::new();
+    for decoder in [Decoder::ComplEx, Decoder::Dot] {
+        for &group in &groups {
+            let model = ChunkModel {
+                decoder,
+                loss: Loss::SoftmaxCe,
+                dim: DIM,
+            };
+            let shape = BatchShape {
+                max_batch: BATCH,
+                num_chunks: CHUNKS,
+                negatives: NEGATIVES,
+                group,
+            };
+            let mut engine =
+                GpuBatchEngine::new(&gpu, model, AdaGrad::default(), shape, &degrees, RELATIONS)?;
+            let dist = Distribution::Uniform { bound: 0.5 };
+            let mut nodes = DeviceTable::init(&gpu, ENTITIES, DIM, 0, 7, Table::Node, dist)?;
+            let mut rels = DeviceTable::init(&gpu, RELATIONS, DIM, 0, 7, Table::Relation, dist)?;
+            let (mut total, mut sample, mut fb, mut opt) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut unique_rows = 0usize;
+            let mut loss = 0.0;
+            for it in 0..WARMUP + TIMED {
+                let b = it as u64 % BATCHES;
+                engine.set_batch(&gpu, &batches[b as usize])?;
+                let keys = negative_keys(11, 1, it as u64, engine.chunks());
+                let ev: Vec<_> = (0..4)
+                    .map(|_| ctx.new_event(timing))
+                    .collect::<Result<_, _>>()?;
+                ev[0].record(gpu.stream())?;
+                engine.sample_negatives(&gpu, std::slice::from_ref(&all), &keys, 0.0)?;
+                ev[1].record(gpu.stream())?;
+                engine.forward_backward(&gpu, &mut nodes, Some(&mut rels))?;
+                ev[2].record(gpu.stream())?;
+                engine.apply(&gpu, &mut nodes, Some(&mut rels))?;
+                ev[3].record(gpu.stream())?;
+                loss = engine.loss(&gpu)?;
+                gpu.synchronize()?;
+                if it >= WARMUP {
+                    total.push(f64::from(ev[0].elapsed_ms(&ev[3])?));
+                    sample.push(f64::from(ev[0].elapsed_ms(&ev[1])?));
+                    fb.push(f64::from(ev[1].elapsed_ms(&ev[2])?));
+                    opt.push(f64::from(ev[2].elapsed_ms(&ev[3])?));
+                }
+                if it == WARMUP {
+                    let mut ids: Vec<u32> = engine.negatives(&gpu)?;
+                    ids.extend(batches[b as usize].iter().flat_map(|e| [e[0], e[2]]));
+                    ids.sort_unstable();
+                    ids.dedup();
+                    unique_rows = ids.len();
+                }
+            }
+            // One more step with an event after every kernel, for the breakdown.
+            engine.set_profiling(true);
+            engine.set_batch(&gpu, &batches[0])?;
+            let keys = negative_keys(11, 2, 0, engine.chunks());
+            engine.sample_negatives(&gpu, std::slice::from_ref(&all), &keys, 0.0)?;
+            engine.step(&gpu, &mut nodes, Some(&mut rels))?;
+            let phases = engine.take_profile(&gpu)?;
+            engine.set_profiling(false);
+            let profile: Vec<String> = phases
+                .iter()
+                .map(|(n, ms)| format!("\"{n}\":{ms:.4}"))
+                .collect();
+            if !loss.is_finite() {
+                return Err(format!("{decoder}: loss {loss}").into());
+            }
+            // Fewest bytes a step must move: each touched entity row's parameters and state
+            // read and written once, plus the edges.
+            let bytes = unique_rows as f64 * DIM as f64 * 4.0 * 4.0 + BATCH as f64 * 12.0;
+            let line = format!(
+                "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"group\":{group},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"forward_backward_ms\":{:.4},\"adagrad_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
+                gpu.name(),
+                median(&mut total),
+                median(&mut sample),
+                median(&mut fb),
+                median(&mut opt),
+                engine.step_flops(),
+                bytes,
+                loss / BATCH as f64,
+                profile.join(","),
+            );
+            println!("{line}");
+            writeln!(json, "{line}")?;
+        }
+    }
+    if let Some(path) = out_path {
+        std::fs::write(path, json)?;
+    }
+    Ok(())
+}

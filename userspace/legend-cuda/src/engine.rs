@@ -1,0 +1,931 @@
+//! One synchronous training step on device-resident tables.
+//!
+//! The step follows legend-model's CPU math exactly (`ChunkWorkspace::forward_backward` per
+//! chunk, gradients of repeated rows summed, one `AdaGrad::apply_row` per touched row), with
+//! the products in TF32 on the tensor cores:
+//!
+//! 1. negatives: `2 · chunks` lists of `k` ids drawn on the GPU from counter-based streams
+//!    (draw for draw the CPU sampler's), or given by the caller;
+//! 2. per group of jobs (a job is one side of one chunk): queries and positive scores,
+//!    gathered negatives, `S = Q·Nᵀ`, the loss turning `S` into `∂L/∂S` in place,
+//!    `dQ = G·N`, `dN = Gᵀ·Q`, and the backward through the query operator, all added into
+//!    a gradient table with atomics while each touched row is listed once;
+//! 3. AdaGrad over the listed rows, in place, which also clears their gradients and marks.
+//!
+//! All work is queued on the [`Gpu`]'s stream; nothing waits for the device until
+//! [`GpuBatchEngine::loss`] reads the loss back.
+
+use std::ops::Range;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use legend_model::{AdaGrad, ChunkModel, Comparator, Decoder, Distribution, Loss, Table};
+
+use crate::error::DriverContext;
+use crate::gpu::grid_1d;
+use crate::{Gpu, GpuError};
+
+/// Operands of one batched product (`LegendGemm` in `kernels/gemm.cu`, field for field).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct GemmArgs {
+    a: u64,
+    a_batch: i64,
+    a_ld: i64,
+    b: u64,
+    b_batch: i64,
+    b_ld: i64,
+    c: u64,
+    c_batch: i64,
+    c_ld: i64,
+    m: i32,
+    n: i32,
+    k: i32,
+    m_rows: u64,
+    k_rows: u64,
+    k_split: i32,
+    atomic: i32,
+}
+
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (8-byte fields, then three
+// ints padded to 8 before the next pointer, exactly as C lays it out).
+unsafe impl DeviceRepr for GemmArgs {}
+
+/// The rows of a launch group (`LegendJobs` in `kernels/train.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct JobArgs {
+    edges: u64,
+    row0: u64,
+    rows: u64,
+    first_job: u32,
+    max_rows: u32,
+    dim: u32,
+    decoder: i32,
+}
+
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct.
+unsafe impl DeviceRepr for JobArgs {}
+
+/// Output tile edge of the product kernels.
+const TILE: usize = 128;
+/// K-slice of the product kernels; split-K ranges are multiples of it.
+const SLICE: usize = 32;
+/// Rows per block of the loss kernel (`LEGEND_LOSS_ROWS`).
+const LOSS_ROWS: usize = 32;
+
+/// A parameter table on the device: embeddings, AdaGrad state, and the per-batch gradient
+/// accumulator with its touched-row list (both left cleared between steps).
+pub struct DeviceTable {
+    rows: usize,
+    dim: usize,
+    emb: CudaSlice<f32>,
+    state: CudaSlice<f32>,
+    grad: CudaSlice<f32>,
+    flags: CudaSlice<u32>,
+    list: CudaSlice<u32>,
+    count: CudaSlice<u32>,
+}
+
+impl DeviceTable {
+    /// A table holding copies of `emb` and `state` (`rows × dim` each).
+    pub fn from_host(gpu: &Gpu, dim: usize, emb: &[f32], state: &[f32]) -> Result<Self, GpuError> {
+        if dim == 0 || !emb.len().is_multiple_of(dim) || state.len() != emb.len() {
+            return Err(GpuError::Shape(format!(
+                "table of {} floats and state of {} for dim {dim}",
+                emb.len(),
+                state.len()
+            )));
+        }
+        let rows = emb.len() / dim;
+        Ok(DeviceTable {
+            rows,
+            dim,
+            emb: gpu.upload(emb)?,
+            state: gpu.upload(state)?,
+            grad: gpu.zeros(rows * dim)?,
+            flags: gpu.zeros(rows)?,
+            list: gpu.zeros(rows)?,
+            count: gpu.zeros(1)?,
+        })
+    }
+
+    /// A table of `rows` rows initialised on the device by the counter-based hash of
+    /// legend-model's `fill_row` (row `i` is global row `first_row + i` of `table`), with a
+    /// zero AdaGrad state.
+    pub fn init(
+        gpu: &Gpu,
+        rows: usize,
+        dim: usize,
+        first_row: u64,
+        seed: u64,
+        table: Table,
+        dist: Distribution,
+    ) -> Result<Self, GpuError> {
+        let mut emb = gpu.zeros::<f32>(rows * dim)?;
+        fill(gpu, &mut emb, rows, dim, first_row, seed, table, dist)?;
+        Ok(DeviceTable {
+            rows,
+            dim,
+            emb,
+            state: gpu.zeros(rows * dim)?,
+            grad: gpu.zeros(rows * dim)?,
+            flags: gpu.zeros(rows)?,
+            list: gpu.zeros(rows)?,
+            count: gpu.zeros(1)?,
+        })
+    }
+
+    /// Rows of the table.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Floats per row.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The embeddings, `rows × dim` row-major.
+    pub fn emb(&self) -> &CudaSlice<f32> {
+        &self.emb
+    }
+
+    /// The embeddings, writable (for swaps in and out of a partition buffer).
+    pub fn emb_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.emb
+    }
+
+    /// The AdaGrad state, same shape.
+    pub fn state(&self) -> &CudaSlice<f32> {
+        &self.state
+    }
+
+    /// The AdaGrad state, writable.
+    pub fn state_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.state
+    }
+
+    /// Host copies of the embeddings and the state (waits for the device).
+    pub fn download(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+        Ok((gpu.download(&self.emb)?, gpu.download(&self.state)?))
+    }
+
+    /// The gradients summed by [`GpuBatchEngine::forward_backward`] and not yet applied
+    /// (all zeros outside a step), for checks.
+    pub fn pending_gradients(&self, gpu: &Gpu) -> Result<Vec<f32>, GpuError> {
+        gpu.download(&self.grad)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn fill(
+    gpu: &Gpu,
+    out: &mut CudaSlice<f32>,
+    rows: usize,
+    dim: usize,
+    first_row: u64,
+    seed: u64,
+    table: Table,
+    dist: Distribution,
+) -> Result<(), GpuError> {
+    let tag = match table {
+        Table::Node => 0,
+        Table::Relation => 1,
+        Table::InverseRelation => 2,
+    };
+    let (normal, scale) = match dist {
+        Distribution::Normal { std } => (true, std),
+        Distribution::Uniform { bound } => (false, bound),
+    };
+    let rows32 =
+        u32::try_from(rows).map_err(|_| GpuError::Shape(format!("{rows} rows in one launch")))?;
+    if out.len() < rows * dim {
+        return Err(GpuError::Shape("init output too short".into()));
+    }
+    gpu.launch_init(out, first_row, rows32, dim as u32, seed, tag, normal, scale)
+}
+
+/// Fills `out` (at least `rows × dim` floats) with rows `first_row..first_row + rows` of
+/// `table` as legend-model's `fill_row` draws them.
+#[allow(clippy::too_many_arguments)]
+pub fn init_rows(
+    gpu: &Gpu,
+    out: &mut CudaSlice<f32>,
+    dim: usize,
+    first_row: u64,
+    rows: usize,
+    seed: u64,
+    table: Table,
+    dist: Distribution,
+) -> Result<(), GpuError> {
+    fill(gpu, out, rows, dim, first_row, seed, table, dist)
+}
+
+/// A stream key from a seed and counters: the CPU trainer's `key` (legend-engine's sampler),
+/// bit for bit.
+pub fn stream_key(seed: u64, parts: &[u64]) -> u64 {
+    const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mix = |mut z: u64| {
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    parts.iter().fold(mix(seed.wrapping_add(GOLDEN)), |k, &p| {
+        mix(k ^ p.wrapping_add(GOLDEN))
+    })
+}
+
+/// The keys of the negative lists of one batch as the CPU trainer forms them: list
+/// `2c + side` uses `key(seed, [2, epoch, batch, c, side])` (side 0 replaces sources).
+pub fn negative_keys(seed: u64, epoch: u32, batch: u64, chunks: usize) -> Vec<u64> {
+    (0..2 * chunks as u64)
+        .map(|l| stream_key(seed, &[2, u64::from(epoch), batch, l / 2, l % 2]))
+        .collect()
+}
+
+/// The shapes an engine is sized for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchShape {
+    /// The most positives in one batch.
+    pub max_batch: usize,
+    /// Chunks per batch (a smaller batch uses `min(num_chunks, len)`).
+    pub num_chunks: usize,
+    /// Negatives per positive and side, shared by a chunk.
+    pub negatives: usize,
+    /// Jobs (chunk sides) per launch: more fills the GPU better with small chunks, fewer
+    /// keeps the score matrices in L2. 2 (one chunk) suits 10⁴-row chunks.
+    pub group: usize,
+}
+
+/// One training step at a time over device tables (see the module docs).
+pub struct GpuBatchEngine {
+    model: ChunkModel,
+    optimizer: AdaGrad,
+    shape: BatchShape,
+    max_rows: usize,
+    entities: usize,
+    relations: usize,
+    degree_prefix_host: Vec<u64>,
+    degree_prefix: CudaSlice<u64>,
+    keys: CudaSlice<u64>,
+    part_start: CudaSlice<u64>,
+    part_rows: CudaSlice<u64>,
+    edges: CudaSlice<u32>,
+    row0: CudaSlice<u32>,
+    rows: CudaSlice<u32>,
+    batch_len: usize,
+    chunks: usize,
+    negs: CudaSlice<u32>,
+    query: CudaSlice<f32>,
+    pos: CudaSlice<f32>,
+    grad_pos: CudaSlice<f32>,
+    neg_rows: CudaSlice<f32>,
+    scores: CudaSlice<f32>,
+    grad_query: CudaSlice<f32>,
+    grad_negs: CudaSlice<f32>,
+    loss_sum: CudaSlice<f64>,
+    /// Stand-ins for the relation table of Dot, which the kernels never dereference.
+    no_rel: CudaSlice<f32>,
+    no_rel_u32: CudaSlice<u32>,
+    /// When profiling: events recorded after each phase, with the phase's name.
+    marks: Option<Vec<(&'static str, CudaEvent)>>,
+}
+
+fn decoder_code(d: Decoder) -> Result<i32, GpuError> {
+    match d {
+        Decoder::Dot => Ok(0),
+        Decoder::DistMult => Ok(1),
+        Decoder::ComplEx => Ok(2),
+        Decoder::TransEL1 | Decoder::TransEL2 => Err(GpuError::Unsupported(format!(
+            "decoder {d}: the GPU engine runs the dot-comparator models (dot, distmult, complex)"
+        ))),
+    }
+}
+
+fn loss_code(l: Loss) -> (i32, f32) {
+    match l {
+        Loss::SoftmaxCe => (0, 0.0),
+        Loss::Logistic => (1, 0.0),
+        Loss::Ranking { margin } => (2, margin),
+    }
+}
+
+fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per).max(1) as u32
+}
+
+impl GpuBatchEngine {
+    /// An engine for `model` trained with `optimizer` over `degrees.len()` entities and
+    /// `relations` relations; `degrees` drive the degree-based negatives.
+    pub fn new(
+        gpu: &Gpu,
+        model: ChunkModel,
+        optimizer: AdaGrad,
+        shape: BatchShape,
+        degrees: &[u32],
+        relations: usize,
+    ) -> Result<Self, GpuError> {
+        decoder_code(model.decoder)?;
+        debug_assert_eq!(model.decoder.comparator(), Comparator::Dot);
+        model
+            .decoder
+            .check_dim(model.dim)
+            .map_err(GpuError::Shape)?;
+        if shape.max_batch == 0 || shape.num_chunks == 0 || shape.negatives == 0 || shape.group == 0
+        {
+            return Err(GpuError::Shape(format!(
+                "every size of {shape:?} must be at least 1"
+            )));
+        }
+        let group = shape.group.min(2 * shape.num_chunks);
+        let shape = BatchShape { group, ..shape };
+        let max_rows = shape.max_batch.div_ceil(shape.num_chunks);
+        let (d, k) = (model.dim, shape.negatives);
+        let lists = 2 * shape.num_chunks;
+        let mut prefix = Vec::with_capacity(degrees.len() + 1);
+        prefix.push(0u64);
+        let mut acc = 0u64;
+        for &deg in degrees {
+            acc += u64::from(deg);
+            prefix.push(acc);
+        }
+        Ok(GpuBatchEngine {
+            model,
+            optimizer,
+            shape,
+            max_rows,
+            entities: degrees.len(),
+            relations,
+            degree_prefix: gpu.upload(&prefix)?,
+            degree_prefix_host: prefix,
+            keys: gpu.zeros(lists)?,
+            part_start: gpu.zeros(1)?,
+            part_rows: gpu.zeros(1)?,
+            edges: gpu.zeros(3 * shape.max_batch)?,
+            row0: gpu.zeros(lists)?,
+            rows: gpu.zeros(lists)?,
+            batch_len: 0,
+            chunks: 0,
+            negs: gpu.zeros(lists * k)?,
+            query: gpu.zeros(group * max_rows * d)?,
+            pos: gpu.zeros(group * max_rows)?,
+            grad_pos: gpu.zeros(group * max_rows)?,
+            neg_rows: gpu.zeros(group * k * d)?,
+            scores: gpu.zeros(group * max_rows * k)?,
+            grad_query: gpu.zeros(group * max_rows * d)?,
+            grad_negs: gpu.zeros(group * k * d)?,
+            loss_sum: gpu.zeros(1)?,
+            no_rel: gpu.zeros(d)?,
+            no_rel_u32: gpu.zeros(1)?,
+            marks: None,
+        })
+    }
+
+    /// The shapes the engine was made for (its group clamped to the jobs of a batch).
+    pub fn shape(&self) -> BatchShape {
+        self.shape
+    }
+
+    /// Chunks of the current batch: `min(num_chunks, batch length)`.
+    pub fn chunks(&self) -> usize {
+        self.chunks
+    }
+
+    /// Uploads a batch of `(source, relation, destination)` positives and splits it into
+    /// chunks as the CPU trainer does (chunk `c` holds rows `c·B/C .. (c+1)·B/C`).
+    pub fn set_batch(&mut self, gpu: &Gpu, edges: &[[u32; 3]]) -> Result<(), GpuError> {
+        let b = edges.len();
+        if b == 0 || b > self.shape.max_batch {
+            return Err(GpuError::Shape(format!(
+                "batch of {b} edges (at most {})",
+                self.shape.max_batch
+            )));
+        }
+        let rel_limit = if self.model.decoder.uses_relations() {
+            self.relations
+        } else {
+            usize::MAX
+        };
+        if let Some(e) = edges.iter().find(|e| {
+            e[0] as usize >= self.entities
+                || e[2] as usize >= self.entities
+                || e[1] as usize >= rel_limit
+        }) {
+            return Err(GpuError::Shape(format!(
+                "edge {e:?} outside {} entities / {} relations",
+                self.entities, self.relations
+            )));
+        }
+        let flat: Vec<u32> = edges.iter().flatten().copied().collect();
+        gpu.write(&flat, &mut self.edges)?;
+        let chunks = self.shape.num_chunks.min(b);
+        if (b, chunks) != (self.batch_len, self.chunks) {
+            let mut row0 = Vec::with_capacity(2 * chunks);
+            let mut rows = Vec::with_capacity(2 * chunks);
+            for c in 0..chunks {
+                let (lo, hi) = (c * b / chunks, (c + 1) * b / chunks);
+                for _side in 0..2 {
+                    row0.push(lo as u32);
+                    rows.push((hi - lo) as u32);
+                }
+            }
+            gpu.write(&row0, &mut self.row0)?;
+            gpu.write(&rows, &mut self.rows)?;
+            self.batch_len = b;
+            self.chunks = chunks;
+        }
+        Ok(())
+    }
+
+    /// Draws the negatives of the current batch on the GPU, as legend-engine's
+    /// `NegativeSampler::sample` does on the CPU: list `l` (`2c + side`) from stream
+    /// `keys[l]` (see [`negative_keys`]) over the entity-id ranges `partitions`, the first
+    /// `round(degree_fraction · k)` draws by degree.
+    pub fn sample_negatives(
+        &mut self,
+        gpu: &Gpu,
+        partitions: &[Range<u64>],
+        keys: &[u64],
+        degree_fraction: f64,
+    ) -> Result<(), GpuError> {
+        let lists = 2 * self.chunks;
+        if keys.len() != lists {
+            return Err(GpuError::Shape(format!(
+                "{} keys for {lists} negative lists",
+                keys.len()
+            )));
+        }
+        if partitions.is_empty()
+            || partitions
+                .iter()
+                .any(|p| p.start >= p.end || p.end > self.entities as u64)
+        {
+            return Err(GpuError::Shape(format!(
+                "partition ranges {partitions:?} for {} entities",
+                self.entities
+            )));
+        }
+        let k = self.shape.negatives;
+        let by_degree = (degree_fraction * k as f64).round() as u32;
+        let starts: Vec<u64> = partitions.iter().map(|p| p.start).collect();
+        let counts: Vec<u64> = partitions.iter().map(|p| p.end - p.start).collect();
+        let total_rows: u64 = counts.iter().sum();
+        let p = &self.degree_prefix_host;
+        let weight: u64 = partitions
+            .iter()
+            .map(|r| p[r.end as usize] - p[r.start as usize])
+            .sum();
+        if self.part_start.len() < starts.len() {
+            self.part_start = gpu.zeros(starts.len())?;
+            self.part_rows = gpu.zeros(starts.len())?;
+        }
+        gpu.write(&starts, &mut self.part_start)?;
+        gpu.write(&counts, &mut self.part_rows)?;
+        gpu.write(keys, &mut self.keys)?;
+        let (lists32, k32, nparts) = (lists as u32, k as u32, starts.len() as u32);
+        let s = gpu.stream();
+        let mut b = s.launch_builder(&gpu.kernels.sample);
+        b.arg(&self.keys)
+            .arg(&lists32)
+            .arg(&k32)
+            .arg(&by_degree)
+            .arg(&self.part_start)
+            .arg(&self.part_rows)
+            .arg(&nparts)
+            .arg(&total_rows)
+            .arg(&self.degree_prefix)
+            .arg(&weight)
+            .arg(&mut self.negs);
+        // SAFETY: keys has `lists` entries, the partition arrays `nparts`, the prefix
+        // entities + 1 (ranges checked above), and negs lists × k: all the kernel touches.
+        unsafe { b.launch(grid_1d((lists * k) as u64)?) }
+            .during("launching legend_sample_negatives")?;
+        self.mark(gpu, "sample")?;
+        Ok(())
+    }
+
+    /// Uses the given negatives (`2 · chunks` lists of `k` entity ids, list `2c` replacing
+    /// sources and `2c + 1` destinations) instead of sampling.
+    pub fn set_negatives(&mut self, gpu: &Gpu, ids: &[u32]) -> Result<(), GpuError> {
+        let want = 2 * self.chunks * self.shape.negatives;
+        if ids.len() != want || ids.iter().any(|&i| i as usize >= self.entities) {
+            return Err(GpuError::Shape(format!(
+                "{} negative ids (need {want} below {})",
+                ids.len(),
+                self.entities
+            )));
+        }
+        gpu.write(ids, &mut self.negs)
+    }
+
+    /// The negatives of the current batch (waits for the device).
+    pub fn negatives(&self, gpu: &Gpu) -> Result<Vec<u32>, GpuError> {
+        let mut all = gpu.download(&self.negs)?;
+        all.truncate(2 * self.chunks * self.shape.negatives);
+        Ok(all)
+    }
+
+    fn check_tables(
+        &self,
+        nodes: &DeviceTable,
+        rels: Option<&DeviceTable>,
+    ) -> Result<(), GpuError> {
+        let d = self.model.dim;
+        if nodes.dim != d || nodes.rows < self.entities {
+            return Err(GpuError::Shape(format!(
+                "node table {}×{} for {} entities of dim {d}",
+                nodes.rows, nodes.dim, self.entities
+            )));
+        }
+        match (self.model.decoder.uses_relations(), rels) {
+            (true, Some(r)) if r.dim == d && r.rows >= self.relations => Ok(()),
+            (true, _) => Err(GpuError::Shape(format!(
+                "{} needs a relation table of {} rows of dim {d}",
+                self.model.decoder, self.relations
+            ))),
+            (false, _) => Ok(()),
+        }
+    }
+
+    /// Queues the forward and backward passes of the current batch: afterwards the tables'
+    /// gradient accumulators hold the summed gradients and every touched row is listed.
+    pub fn forward_backward(
+        &mut self,
+        gpu: &Gpu,
+        nodes: &mut DeviceTable,
+        rels: Option<&mut DeviceTable>,
+    ) -> Result<(), GpuError> {
+        if self.chunks == 0 {
+            return Err(GpuError::Shape("no batch set".into()));
+        }
+        self.check_tables(nodes, rels.as_deref())?;
+        self.mark(gpu, "(between steps)")?;
+        gpu.clear(&mut self.loss_sum)?;
+        let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
+        let decoder = decoder_code(self.model.decoder)?;
+        let (loss, margin) = loss_code(self.model.loss);
+        let jobs = 2 * self.chunks;
+        let s = gpu.stream().clone();
+        let kern = &gpu.kernels;
+        let (rel_emb, rel_grad, rel_flags, rel_list, rel_count) = match rels.as_deref() {
+            Some(r) => (
+                gpu.ptr(&r.emb),
+                gpu.ptr(&r.grad),
+                gpu.ptr(&r.flags),
+                gpu.ptr(&r.list),
+                gpu.ptr(&r.count),
+            ),
+            None => {
+                let (f, u) = (gpu.ptr(&self.no_rel), gpu.ptr(&self.no_rel_u32));
+                (f, f, u, u, u)
+            }
+        };
+        let warps = |n: usize| LaunchConfig {
+            grid_dim: (blocks(n, 8), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        for g0 in (0..jobs).step_by(self.shape.group) {
+            let gz = self.shape.group.min(jobs - g0) as u32;
+            let job_args = JobArgs {
+                edges: gpu.ptr(&self.edges),
+                row0: gpu.ptr(&self.row0) + 4 * g0 as u64,
+                rows: gpu.ptr(&self.rows) + 4 * g0 as u64,
+                first_job: g0 as u32,
+                max_rows: max_rows as u32,
+                dim: d as u32,
+                decoder,
+            };
+            let rows_ptr = job_args.rows;
+            let per_row = LaunchConfig {
+                grid_dim: (blocks(max_rows, 8), gz, 1),
+                ..warps(0)
+            };
+
+            let mut b = s.launch_builder(&kern.queries);
+            b.arg(&job_args)
+                .arg(&nodes.emb)
+                .arg(&rel_emb)
+                .arg(&mut self.query)
+                .arg(&mut self.pos);
+            // SAFETY: edges hold the batch, row0/rows the jobs from g0 on; ids were checked
+            // against the tables in set_batch/check_tables; query and pos hold group ×
+            // max_rows rows.
+            unsafe { b.launch(per_row) }.during("launching legend_queries")?;
+            self.mark(gpu, "queries")?;
+
+            let (g032, k32, d32) = (g0 as u32, k as u32, d as u32);
+            let mut b = s.launch_builder(&kern.gather_negatives);
+            b.arg(&self.negs)
+                .arg(&g032)
+                .arg(&k32)
+                .arg(&d32)
+                .arg(&nodes.emb)
+                .arg(&mut self.neg_rows);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks(k * d, 256), gz, 1),
+                ..warps(0)
+            };
+            // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_rows group·k·d.
+            unsafe { b.launch(cfg) }.during("launching legend_gather_negatives")?;
+            self.mark(gpu, "gather_negatives")?;
+
+            let q = gpu.ptr(&self.query);
+            let nr = gpu.ptr(&self.neg_rows);
+            let sc = gpu.ptr(&self.scores);
+            let (mr, kk, dd) = (max_rows as i64, k as i64, d as i64);
+            // S = Q · Nᵀ.
+            let scores = GemmArgs {
+                a: q,
+                a_batch: mr * dd,
+                a_ld: dd,
+                b: nr,
+                b_batch: kk * dd,
+                b_ld: dd,
+                c: sc,
+                c_batch: mr * kk,
+                c_ld: kk,
+                m: max_rows as i32,
+                n: k as i32,
+                k: d as i32,
+                m_rows: rows_ptr,
+                k_rows: 0,
+                k_split: 0,
+                atomic: 0,
+            };
+            self.gemm(gpu, &kern.gemm_nt, &scores, gz, 1)?;
+            self.mark(gpu, "scores_product")?;
+
+            let mut b = s.launch_builder(&kern.loss);
+            let mr32 = max_rows as u32;
+            b.arg(&mut self.scores)
+                .arg(&self.pos)
+                .arg(&mut self.grad_pos)
+                .arg(&rows_ptr)
+                .arg(&mr32)
+                .arg(&k32)
+                .arg(&loss)
+                .arg(&margin)
+                .arg(&mut self.loss_sum);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks(max_rows, LOSS_ROWS), gz, 1),
+                ..warps(0)
+            };
+            // SAFETY: scores hold group × max_rows × k floats written by the product above;
+            // pos/grad_pos group × max_rows; loss_sum one double.
+            unsafe { b.launch(cfg) }.during("launching legend_loss")?;
+            self.mark(gpu, "loss")?;
+
+            // dQ = G · N.
+            let grad_query = GemmArgs {
+                a: sc,
+                a_batch: mr * kk,
+                a_ld: kk,
+                b: nr,
+                b_batch: kk * dd,
+                b_ld: dd,
+                c: gpu.ptr(&self.grad_query),
+                c_batch: mr * dd,
+                c_ld: dd,
+                m: max_rows as i32,
+                n: d as i32,
+                k: k as i32,
+                m_rows: rows_ptr,
+                k_rows: 0,
+                k_split: 0,
+                atomic: 0,
+            };
+            self.gemm(gpu, &kern.gemm_nn, &grad_query, gz, 1)?;
+            self.mark(gpu, "grad_query_product")?;
+
+            // dN = Gᵀ · Q, split over the rows so that enough blocks run; the splits add up
+            // atomically into a cleared buffer.
+            gpu.clear(&mut self.grad_negs)?;
+            let tiles = k.div_ceil(TILE) * d.div_ceil(TILE) * gz as usize;
+            let splits = (2 * 132usize)
+                .div_ceil(tiles)
+                .clamp(1, max_rows.div_ceil(SLICE));
+            let k_split = max_rows.div_ceil(splits).div_ceil(SLICE) * SLICE;
+            let grad_negs = GemmArgs {
+                a: sc,
+                a_batch: mr * kk,
+                a_ld: kk,
+                b: q,
+                b_batch: mr * dd,
+                b_ld: dd,
+                c: gpu.ptr(&self.grad_negs),
+                c_batch: kk * dd,
+                c_ld: dd,
+                m: k as i32,
+                n: d as i32,
+                k: max_rows as i32,
+                m_rows: 0,
+                k_rows: rows_ptr,
+                k_split: k_split as i32,
+                atomic: 1,
+            };
+            self.gemm(
+                gpu,
+                &kern.gemm_tn,
+                &grad_negs,
+                gz,
+                max_rows.div_ceil(k_split) as u32,
+            )?;
+            self.mark(gpu, "grad_negatives_product")?;
+
+            let mut b = s.launch_builder(&kern.rows_backward);
+            b.arg(&job_args)
+                .arg(&nodes.emb)
+                .arg(&rel_emb)
+                .arg(&self.query)
+                .arg(&self.grad_query)
+                .arg(&self.grad_pos)
+                .arg(&mut nodes.grad)
+                .arg(&mut nodes.flags)
+                .arg(&mut nodes.list)
+                .arg(&mut nodes.count)
+                .arg(&rel_grad)
+                .arg(&rel_flags)
+                .arg(&rel_list)
+                .arg(&rel_count);
+            // SAFETY: as for legend_queries; the gradient tables have the shape of the
+            // parameter tables and the lists one slot per row (a row is listed once).
+            unsafe { b.launch(per_row) }.during("launching legend_rows_backward")?;
+            self.mark(gpu, "rows_backward")?;
+
+            let mut b = s.launch_builder(&kern.negatives_backward);
+            b.arg(&self.negs)
+                .arg(&g032)
+                .arg(&k32)
+                .arg(&d32)
+                .arg(&self.grad_negs)
+                .arg(&mut nodes.grad)
+                .arg(&mut nodes.flags)
+                .arg(&mut nodes.list)
+                .arg(&mut nodes.count);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks(k, 8), gz, 1),
+                ..warps(0)
+            };
+            // SAFETY: negs ids are below the node rows; grad_negs holds group·k·d floats.
+            unsafe { b.launch(cfg) }.during("launching legend_negatives_backward")?;
+            self.mark(gpu, "negatives_backward")?;
+        }
+        Ok(())
+    }
+
+    fn gemm(
+        &self,
+        gpu: &Gpu,
+        f: &cudarc::driver::CudaFunction,
+        g: &GemmArgs,
+        batch: u32,
+        splits: u32,
+    ) -> Result<(), GpuError> {
+        let tiles = (g.m as usize).div_ceil(TILE) * (g.n as usize).div_ceil(TILE);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles as u32, splits, batch),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(g);
+        // SAFETY: every operand address and stride above describes a live engine buffer of
+        // at least batch × its per-entry size; the kernel bounds rows by m_rows/k_rows.
+        unsafe { b.launch(cfg) }.during("launching a product kernel")?;
+        Ok(())
+    }
+
+    /// Queues AdaGrad on every row touched since the last call, in place, and clears the
+    /// gradients and row lists for the next batch.
+    pub fn apply(
+        &mut self,
+        gpu: &Gpu,
+        nodes: &mut DeviceTable,
+        rels: Option<&mut DeviceTable>,
+    ) -> Result<(), GpuError> {
+        let touched_nodes = nodes
+            .rows
+            .min(2 * self.batch_len + 2 * self.chunks * self.shape.negatives);
+        self.adagrad(gpu, nodes, touched_nodes)?;
+        if let Some(r) = rels
+            && self.model.decoder.uses_relations()
+        {
+            let touched = r.rows.min(self.batch_len);
+            self.adagrad(gpu, r, touched)?;
+        }
+        Ok(())
+    }
+
+    fn adagrad(&mut self, gpu: &Gpu, t: &mut DeviceTable, capacity: usize) -> Result<(), GpuError> {
+        let (d, lr, eps) = (t.dim as u32, self.optimizer.lr, self.optimizer.eps);
+        let mut b = gpu.stream().launch_builder(&gpu.kernels.adagrad);
+        b.arg(&mut t.emb)
+            .arg(&mut t.state)
+            .arg(&mut t.grad)
+            .arg(&mut t.flags)
+            .arg(&t.list)
+            .arg(&t.count)
+            .arg(&d)
+            .arg(&lr)
+            .arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(capacity, 8), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel reads the count, then only list entries below it (each a row
+        // id of this table) and those rows of the four same-shaped buffers.
+        unsafe { b.launch(cfg) }.during("launching legend_adagrad")?;
+        self.mark(gpu, "adagrad")?;
+        gpu.clear(&mut t.count)
+    }
+
+    /// Queues one full step on the current batch and negatives.
+    pub fn step(
+        &mut self,
+        gpu: &Gpu,
+        nodes: &mut DeviceTable,
+        mut rels: Option<&mut DeviceTable>,
+    ) -> Result<(), GpuError> {
+        self.forward_backward(gpu, nodes, rels.as_deref_mut())?;
+        self.apply(gpu, nodes, rels)
+    }
+
+    /// The summed loss of the last forward pass (both sides, all positives); waits for it.
+    pub fn loss(&self, gpu: &Gpu) -> Result<f64, GpuError> {
+        Ok(gpu.download(&self.loss_sum)?[0])
+    }
+
+    /// Score FLOPs of one step on a full batch: three products (scores, dQ, dN) of
+    /// 2·B·k·d each, on both sides.
+    pub fn step_flops(&self) -> f64 {
+        let (b, k, d) = (
+            self.shape.max_batch as f64,
+            self.shape.negatives as f64,
+            self.model.dim as f64,
+        );
+        2.0 * 3.0 * 2.0 * b * k * d
+    }
+
+    /// Turns per-phase timing on (an event after every kernel of
+    /// [`GpuBatchEngine::forward_backward`] and [`GpuBatchEngine::apply`]) or off.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.marks = on.then(Vec::new);
+    }
+
+    /// Milliseconds per phase since profiling was turned on or last read, summed over
+    /// launches (waits for the device); empty when profiling is off.
+    pub fn take_profile(&mut self, gpu: &Gpu) -> Result<Vec<(&'static str, f64)>, GpuError> {
+        let Some(marks) = self.marks.as_mut() else {
+            return Ok(Vec::new());
+        };
+        gpu.synchronize()?;
+        let mut out: Vec<(&'static str, f64)> = Vec::new();
+        for pair in marks.windows(2) {
+            let ms = f64::from(
+                pair[0]
+                    .1
+                    .elapsed_ms(&pair[1].1)
+                    .during("reading a phase time")?,
+            );
+            match out.iter_mut().find(|(n, _)| *n == pair[1].0) {
+                Some((_, t)) => *t += ms,
+                None => out.push((pair[1].0, ms)),
+            }
+        }
+        marks.clear();
+        Ok(out)
+    }
+
+    /// Records the end of phase `name` when profiling.
+    fn mark(&mut self, gpu: &Gpu, name: &'static str) -> Result<(), GpuError> {
+        if let Some(marks) = self.marks.as_mut() {
+            let ev = gpu
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .during("creating a timing event")?;
+            ev.record(gpu.stream()).during("recording a timing event")?;
+            marks.push((name, ev));
+        }
+        Ok(())
+    }
+
+    /// Scratch buffers for checks: the score (then gradient) matrices and the queries,
+    /// which tests poison before a step so that an unwritten element shows as NaN.
+    pub fn poison_scratch(&mut self, gpu: &Gpu) -> Result<(), GpuError> {
+        for buf in [
+            &mut self.query,
+            &mut self.pos,
+            &mut self.grad_pos,
+            &mut self.neg_rows,
+            &mut self.scores,
+            &mut self.grad_query,
+        ] {
+            let nan = vec![f32::NAN; buf.len()];
+            gpu.write(&nan, buf)?;
+        }
+        Ok(())
+    }
+}

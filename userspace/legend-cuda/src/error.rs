@@ -1,0 +1,70 @@
+//! Errors of the GPU engine.
+
+use cudarc::driver::DriverError;
+
+/// Why a GPU operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// The CUDA driver library (`libcuda.so`) could not be loaded.
+    #[error(
+        "no CUDA driver: libcuda.so could not be loaded (is an NVIDIA driver installed, and is \
+         this a machine with a GPU?)"
+    )]
+    NoDriver,
+    /// The NVRTC library (`libnvrtc.so.13`) could not be loaded.
+    #[error(
+        "no NVRTC: libnvrtc.so.13 could not be loaded; install the CUDA 13 toolkit or the \
+         nvidia-cuda-nvrtc wheel and add its lib directory to LD_LIBRARY_PATH"
+    )]
+    NoNvrtc,
+    /// The driver loaded but reports no device with this ordinal.
+    #[error("no CUDA device {ordinal}: the driver reports {count} device(s)")]
+    NoDevice {
+        /// The device asked for.
+        ordinal: usize,
+        /// The devices present.
+        count: usize,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA driver call failed ({what}): {source}")]
+    Driver {
+        /// What was being done.
+        what: &'static str,
+        /// The driver's error.
+        source: DriverError,
+    },
+    /// NVRTC rejected a kernel source or printed a warning for it.
+    #[error("NVRTC compiling the Legend kernels for {arch}: {message}")]
+    Compile {
+        /// The target architecture (`sm_90`, ...).
+        arch: String,
+        /// The NVRTC status and log.
+        message: String,
+    },
+    /// The PTX cache could not be read or written.
+    #[error("PTX cache {path}: {source}")]
+    Cache {
+        /// The cache file.
+        path: std::path::PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The engine cannot run this configuration.
+    #[error("unsupported on the GPU: {0}")]
+    Unsupported(String),
+    /// Arguments of inconsistent shapes.
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+}
+
+/// Attaches a description to a driver result.
+pub(crate) trait DriverContext<T> {
+    /// Maps a driver error into [`GpuError::Driver`] with `what`.
+    fn during(self, what: &'static str) -> Result<T, GpuError>;
+}
+
+impl<T> DriverContext<T> for Result<T, DriverError> {
+    fn during(self, what: &'static str) -> Result<T, GpuError> {
+        self.map_err(|source| GpuError::Driver { what, source })
+    }
+}

@@ -1,0 +1,234 @@
+//! A CUDA device: context, stream and the loaded kernels.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+
+use crate::error::DriverContext;
+use crate::{GpuError, nvrtc};
+
+/// The kernels of the program, loaded from one module.
+pub(crate) struct Kernels {
+    pub(crate) init_rows: CudaFunction,
+    pub(crate) sample: CudaFunction,
+    pub(crate) gemm_nt: CudaFunction,
+    pub(crate) gemm_nn: CudaFunction,
+    pub(crate) gemm_tn: CudaFunction,
+    pub(crate) queries: CudaFunction,
+    pub(crate) gather_negatives: CudaFunction,
+    pub(crate) loss: CudaFunction,
+    pub(crate) rows_backward: CudaFunction,
+    pub(crate) negatives_backward: CudaFunction,
+    pub(crate) adagrad: CudaFunction,
+}
+
+/// One CUDA device with a stream and the Legend kernels loaded on it.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    name: String,
+    arch: String,
+    pub(crate) kernels: Kernels,
+}
+
+/// Whether the CUDA driver library can be loaded (cudarc panics on its first call otherwise).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library by its candidate names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+impl Gpu {
+    /// Opens device `ordinal`: checks that the driver and NVRTC load and that the device
+    /// exists, then compiles (or takes from the PTX cache) and loads the kernels.
+    pub fn new(ordinal: usize) -> Result<Gpu, GpuError> {
+        if !driver_present() {
+            return Err(GpuError::NoDriver);
+        }
+        if !nvrtc::nvrtc_present() {
+            return Err(GpuError::NoNvrtc);
+        }
+        let count = CudaContext::device_count()
+            .during("counting devices")?
+            .max(0) as usize;
+        if ordinal >= count {
+            return Err(GpuError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).during("creating the context")?;
+        // SAFETY: the engine runs all its work on one stream, in order, and frees nothing
+        // while work that uses it is queued (buffers live in the engine until it drops,
+        // and dropping a CudaSlice frees it stream-ordered), so cudarc's per-buffer events
+        // are not needed; they would cost an event record per kernel argument.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().during("creating a stream")?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .during("reading the compute capability")?;
+        let arch = format!("sm_{major}{minor}");
+        let name = ctx.name().during("reading the device name")?;
+        let ptx = nvrtc::cached_ptx(&arch)?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .during("loading the kernels")?;
+        let f = |name: &str| -> Result<CudaFunction, GpuError> { load(&module, name) };
+        let kernels = Kernels {
+            init_rows: f("legend_init_rows")?,
+            sample: f("legend_sample_negatives")?,
+            gemm_nt: f("legend_gemm_nt")?,
+            gemm_nn: f("legend_gemm_nn")?,
+            gemm_tn: f("legend_gemm_tn")?,
+            queries: f("legend_queries")?,
+            gather_negatives: f("legend_gather_negatives")?,
+            loss: f("legend_loss")?,
+            rows_backward: f("legend_rows_backward")?,
+            negatives_backward: f("legend_negatives_backward")?,
+            adagrad: f("legend_adagrad")?,
+        };
+        Ok(Gpu {
+            ctx,
+            stream,
+            name,
+            arch,
+            kernels,
+        })
+    }
+
+    /// The device's name, as the driver reports it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The architecture the kernels were compiled for (`sm_90` on an H100).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream all the engine's work is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits for all queued work and reports any error it raised.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.stream
+            .synchronize()
+            .during("synchronizing the stream")?;
+        self.ctx.check_err().during("a queued operation")
+    }
+
+    /// A device buffer of `len` zeros.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, GpuError> {
+        self.stream
+            .alloc_zeros(len.max(1))
+            .during("allocating device memory")
+    }
+
+    /// A device copy of `data`.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>, GpuError> {
+        if data.is_empty() {
+            // SAFETY: a one-element allocation that nothing reads (an empty table's stand-in).
+            return unsafe { self.stream.alloc(1) }.during("allocating device memory");
+        }
+        self.stream.clone_htod(data).during("copying to the device")
+    }
+
+    /// Copies `data` into the start of `dst` (which must be at least as long).
+    pub fn write<T: DeviceRepr>(&self, data: &[T], dst: &mut CudaSlice<T>) -> Result<(), GpuError> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.slice_mut(..data.len());
+        self.stream
+            .memcpy_htod(data, &mut view)
+            .during("copying to the device")
+    }
+
+    /// A host copy of `src` (waits for the stream).
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        src: &CudaSlice<T>,
+    ) -> Result<Vec<T>, GpuError> {
+        self.stream
+            .clone_dtoh(src)
+            .during("copying from the device")
+    }
+
+    /// Fills `dst` with zero bytes, stream-ordered.
+    pub fn clear<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        dst: &mut CudaSlice<T>,
+    ) -> Result<(), GpuError> {
+        self.stream
+            .memset_zeros(dst)
+            .during("clearing device memory")
+    }
+
+    /// The raw address of a buffer, for the argument structures of the kernels.
+    pub(crate) fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        // Event tracking is off (see `new`), so the returned guard records nothing.
+        let (p, _guard) = s.device_ptr(&self.stream);
+        p
+    }
+
+    /// Runs `init_rows` for `rows` rows starting at `first_row` (see `kernels/init.cu`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_init(
+        &self,
+        out: &mut CudaSlice<f32>,
+        first_row: u64,
+        rows: u32,
+        dim: u32,
+        seed: u64,
+        tag: u32,
+        normal: bool,
+        scale: f32,
+    ) -> Result<(), GpuError> {
+        let n = u64::from(rows) * u64::from(dim);
+        let normal = i32::from(normal);
+        let mut b = self.stream.launch_builder(&self.kernels.init_rows);
+        b.arg(out)
+            .arg(&first_row)
+            .arg(&rows)
+            .arg(&dim)
+            .arg(&seed)
+            .arg(&tag)
+            .arg(&normal)
+            .arg(&scale);
+        // SAFETY: `out` holds at least rows × dim floats (checked by the caller); the
+        // kernel writes only below that and reads nothing.
+        unsafe { b.launch(grid_1d(n)?) }.during("launching legend_init_rows")?;
+        Ok(())
+    }
+}
+
+fn load(module: &Arc<CudaModule>, name: &str) -> Result<CudaFunction, GpuError> {
+    module
+        .load_function(name)
+        .map_err(|source| GpuError::Driver {
+            what: "finding a kernel in the module",
+            source,
+        })
+}
+
+/// 256 threads a block, one thread per item.
+pub(crate) fn grid_1d(n: u64) -> Result<LaunchConfig, GpuError> {
+    let blocks = n.div_ceil(256).max(1);
+    let blocks = u32::try_from(blocks)
+        .map_err(|_| GpuError::Shape(format!("{n} items is too many for one launch")))?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}

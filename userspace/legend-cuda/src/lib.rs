@@ -1,0 +1,18 @@
+//! The GPU engine of Legend: CUDA kernels compiled at run time with NVRTC and run through
+//! cudarc's driver API (loaded dynamically, so building needs no CUDA).
+//!
+//! - [`nvrtc`]: the kernel sources (`kernels/*.cu`), their compilation and the PTX cache.
+//! - [`Gpu`]: a device context, a stream and the loaded kernels; a missing driver, NVRTC or
+//!   device is an error ([`GpuError`]), never a panic.
+//! - [`GpuBatchEngine`]: one synchronous training step on device-resident tables: negative
+//!   sampling, chunked scores and gradients on tensor cores, and in-place AdaGrad.
+
+mod error;
+pub mod nvrtc;
+
+pub use error::GpuError;
+mod engine;
+mod gpu;
+
+pub use engine::{BatchShape, DeviceTable, GpuBatchEngine, init_rows, negative_keys, stream_key};
+pub use gpu::{Gpu, driver_present};

@@ -1,0 +1,212 @@
+//! Run-time compilation of the kernels with NVRTC, and the per-architecture PTX cache.
+
+use std::ffi::{CStr, CString};
+use std::path::{Path, PathBuf};
+
+use cudarc::nvrtc::{result, sys};
+
+use crate::GpuError;
+
+/// The kernel sources, in the order they are concatenated into one program. `common.cuh`
+/// goes first, so the program needs no include path.
+pub const KERNEL_SOURCES: [(&str, &str); 5] = [
+    ("common.cuh", include_str!("../../../kernels/common.cuh")),
+    ("init.cu", include_str!("../../../kernels/init.cu")),
+    ("sample.cu", include_str!("../../../kernels/sample.cu")),
+    ("gemm.cu", include_str!("../../../kernels/gemm.cu")),
+    ("train.cu", include_str!("../../../kernels/train.cu")),
+];
+
+/// Every kernel entry point of the program.
+pub const KERNEL_NAMES: [&str; 11] = [
+    "legend_init_rows",
+    "legend_sample_negatives",
+    "legend_gemm_nt",
+    "legend_gemm_nn",
+    "legend_gemm_tn",
+    "legend_queries",
+    "legend_gather_negatives",
+    "legend_loss",
+    "legend_rows_backward",
+    "legend_negatives_backward",
+    "legend_adagrad",
+];
+
+/// The whole program: every source, each preceded by a `#line` marker so that NVRTC's
+/// messages name the original file and line.
+pub fn program_source() -> String {
+    let mut src = String::new();
+    for (name, text) in KERNEL_SOURCES {
+        src.push_str(&format!("#line 1 \"kernels/{name}\"\n"));
+        src.push_str(text);
+        src.push('\n');
+    }
+    src
+}
+
+/// NVRTC options: warnings on, standard C++17, line info for the profilers. No fast math:
+/// the kernels are checked against the CPU to 1e-3 and the losses need accurate exp/log.
+fn options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "--generate-line-info".into(),
+        "--restrict".into(),
+        "-default-device".into(),
+    ]
+}
+
+/// Whether `libnvrtc` can be loaded (checked before any NVRTC call, which would panic).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library by its candidate names.
+    unsafe { sys::is_culib_present() }
+}
+
+/// The NVRTC version, as (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32), GpuError> {
+    if !nvrtc_present() {
+        return Err(GpuError::NoNvrtc);
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: both pointers are to live locals; the library is present (checked above).
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| GpuError::Compile {
+            arch: String::new(),
+            message: format!("nvrtcVersion: {e:?}"),
+        })?;
+    Ok((major, minor))
+}
+
+/// A compiled program.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// PTX text (NUL-free).
+    pub ptx: String,
+    /// NVRTC's log (empty when there was nothing to say).
+    pub log: String,
+}
+
+/// Compiles the program for `arch` (`sm_80`, `sm_90`, ...). Fails on an error; warnings
+/// come back in [`Compiled::log`].
+pub fn compile(arch: &str) -> Result<Compiled, GpuError> {
+    if !nvrtc_present() {
+        return Err(GpuError::NoNvrtc);
+    }
+    let fail = |message: String| GpuError::Compile {
+        arch: arch.to_string(),
+        message,
+    };
+    let src = CString::new(program_source()).map_err(|_| fail("a source holds a NUL".into()))?;
+    let prog = result::create_program(&src, Some(c"legend_kernels.cu"))
+        .map_err(|e| fail(format!("nvrtcCreateProgram: {e:?}")))?;
+    // SAFETY: `prog` was just created and is destroyed once, below.
+    let status = unsafe { result::compile_program(prog, &options(arch)) };
+    // SAFETY: `prog` is live.
+    let log = unsafe { result::get_program_log(prog) }
+        .map(|raw| c_chars_to_string(&raw))
+        .unwrap_or_default();
+    let ptx = match status {
+        // SAFETY: `prog` is live and compiled.
+        Ok(()) => unsafe { result::get_ptx(prog) }
+            .map(|raw| c_chars_to_string(&raw))
+            .map_err(|e| fail(format!("nvrtcGetPTX: {e:?}"))),
+        Err(e) => Err(fail(format!("{e:?}\n{log}"))),
+    };
+    // SAFETY: `prog` is live and not used after this.
+    let destroyed = unsafe { result::destroy_program(prog) };
+    let ptx = ptx?;
+    destroyed.map_err(|e| fail(format!("nvrtcDestroyProgram: {e:?}")))?;
+    Ok(Compiled {
+        ptx,
+        log: log.trim().to_string(),
+    })
+}
+
+fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = raw.iter().map(|&c| c as u8).collect();
+    CStr::from_bytes_until_nul(&bytes)
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// FNV-1a, 64 bits: a hash that stays the same across Rust releases, for cache file names.
+fn fnv1a(data: &[u8], mut h: u64) -> u64 {
+    for &b in data {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// The cache directory: `$XDG_CACHE_HOME/legend/ptx`, else `~/.cache/legend/ptx`; `None`
+/// when neither variable is set (then nothing is cached).
+pub fn cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))?;
+    Some(base.join("legend").join("ptx"))
+}
+
+/// The PTX for `arch`, from the cache when present, else compiled and stored there. The
+/// key covers the sources, the options and the NVRTC version, so any change recompiles.
+pub fn cached_ptx(arch: &str) -> Result<String, GpuError> {
+    let (major, minor) = nvrtc_version()?;
+    let mut h = fnv1a(program_source().as_bytes(), 0xcbf2_9ce4_8422_2325);
+    h = fnv1a(options(arch).join(" ").as_bytes(), h);
+    h = fnv1a(format!("nvrtc {major}.{minor}").as_bytes(), h);
+    let path = cache_dir().map(|d| d.join(arch).join(format!("{h:016x}.ptx")));
+    if let Some(path) = &path
+        && let Ok(ptx) = std::fs::read_to_string(path)
+    {
+        return Ok(ptx);
+    }
+    let compiled = compile(arch)?;
+    if let Some(path) = path {
+        let io = |source| GpuError::Cache {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(path.parent().expect("the path has a parent")).map_err(io)?;
+        // Write then rename, so a concurrent reader never sees half a file.
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::write(&tmp, &compiled.ptx).map_err(io)?;
+        std::fs::rename(&tmp, &path).map_err(io)?;
+    }
+    Ok(compiled.ptx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_name_is_defined() {
+        let src = program_source();
+        for name in KERNEL_NAMES {
+            assert!(
+                src.contains(&format!("void {name}(")) || src.contains(&format!(") {name}(")),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn compiles_without_warnings_where_nvrtc_is_present() {
+        if !nvrtc_present() {
+            println!("skip: libnvrtc.so.13 not found (set LD_LIBRARY_PATH)");
+            return;
+        }
+        for arch in ["sm_80", "sm_90"] {
+            let c = compile(arch).unwrap_or_else(|e| panic!("{e}"));
+            assert!(c.log.is_empty(), "{arch}: {}", c.log);
+            for name in KERNEL_NAMES {
+                assert!(
+                    c.ptx.contains(&format!(".entry {name}(")),
+                    "{arch}: {name} missing"
+                );
+            }
+        }
+    }
+}
