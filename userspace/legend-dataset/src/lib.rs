@@ -14,6 +14,7 @@ compile_error!(
 mod buckets;
 mod dataset;
 mod error;
+mod generate;
 mod import;
 mod marius;
 mod meta;
@@ -24,6 +25,7 @@ use std::path::{Path, PathBuf};
 pub use buckets::{Buckets, PartitionScheme};
 pub use dataset::{Dataset, degrees};
 pub use error::{DatasetError, Result};
+pub use generate::{GenerateOptions, GenerateSummary, generate};
 pub use import::{ImportInput, ImportOptions, ImportSummary, UNTYPED_RELATION, import};
 pub use meta::{DatasetMeta, FORMAT_VERSION, META_FILE, Split, SplitCounts};
 pub use text::{Columns, Delimiter};
