@@ -31,6 +31,10 @@ enum Command {
     Eval(cmd::eval::Args),
     /// Export a run's embeddings with labels.
     Export(cmd::export::Args),
+    /// Generate a synthetic power-law graph as a dataset directory.
+    Generate(cmd::generate::Args),
+    /// Draw a run's compute-vs-I/O timeline per swap (SVG or HTML).
+    Report(cmd::report::Args),
     /// NVMe controllers for GPU-direct I/O: list, bind, unbind, info, health.
     Device(cmd::device::Args),
 }
@@ -54,6 +58,8 @@ fn main() -> ExitCode {
         Command::Train(args) => cmd::train::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Export(args) => cmd::export::run(args),
+        Command::Generate(args) => cmd::generate::run(args),
+        Command::Report(args) => cmd::report::run(args),
         Command::Device(args) => cmd::device::run(args),
     };
     match result {

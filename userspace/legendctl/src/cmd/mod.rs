@@ -3,9 +3,11 @@
 pub mod device;
 pub mod eval;
 pub mod export;
+pub mod generate;
 pub mod import;
 pub mod partition;
 pub mod plan;
+pub mod report;
 pub mod train;
 
 use std::io::Write;

@@ -1,0 +1,82 @@
+//! `legendctl generate`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use anyhow::Context;
+use legend_dataset::{GenerateOptions, generate};
+
+/// Arguments of `legendctl generate`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Entities (node ids 0..N).
+    #[arg(long, value_name = "N")]
+    nodes: u64,
+    /// Edges in all splits together.
+    #[arg(long, value_name = "M")]
+    edges: u64,
+    /// Relation types (1 makes an untyped graph).
+    #[arg(long, value_name = "R", default_value_t = 1)]
+    relations: u64,
+    /// Power-law exponent of degrees and relation frequencies: 0 uniform, 1 Zipf.
+    #[arg(long, value_name = "S", default_value_t = 0.8)]
+    skew: f64,
+    /// Seed; the same options and seed give identical files.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Fractions of train, valid and test edges.
+    #[arg(long, value_name = "FRACTIONS", default_value = "0.9,0.05,0.05", value_parser = parse_fractions)]
+    split: [f64; 3],
+    /// Print a JSON summary on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Output dataset directory (must not exist).
+    #[arg(value_name = "OUT")]
+    out: PathBuf,
+}
+
+fn parse_fractions(s: &str) -> Result<[f64; 3], String> {
+    let parts: Vec<f64> = s
+        .split(',')
+        .map(|p| p.trim().parse::<f64>().map_err(|e| format!("{p:?}: {e}")))
+        .collect::<Result<_, _>>()?;
+    <[f64; 3]>::try_from(parts)
+        .map_err(|p| format!("expected three fractions train,valid,test, got {}", p.len()))
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    // A signal only raises a flag, so the temporary directory is removed and nothing is left.
+    let cancel = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, cancel.clone())
+            .context("installing a signal handler")?;
+    }
+    let options = GenerateOptions {
+        nodes: args.nodes,
+        edges: args.edges,
+        relations: args.relations,
+        skew: args.skew,
+        seed: args.seed,
+        split: args.split,
+        progress: true,
+        cancel: Some(cancel),
+    };
+    let summary = generate(&options, &args.out)?;
+    if args.json {
+        super::print_json(&summary)?;
+    } else {
+        println!(
+            "generated {} entities, {} relations, {} train / {} valid / {} test edges into {} in {:.1} s ({:.1} M edges/s drawn)",
+            summary.entities,
+            summary.relations,
+            summary.train,
+            summary.valid,
+            summary.test,
+            summary.output.display(),
+            summary.seconds,
+            args.edges as f64 / summary.generate_seconds.max(1e-9) / 1e6
+        );
+    }
+    Ok(())
+}

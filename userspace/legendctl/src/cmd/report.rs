@@ -1,0 +1,462 @@
+//! `legendctl report`: a timeline of compute vs I/O per swap, from a run's `metrics.jsonl`.
+//!
+//! The SVG is written by hand: two lanes on one time axis, like Figures 8 and 9 of the Legend
+//! paper. The compute lane shows, per swap, the compute overlapped with the swap's I/O, the time
+//! compute waited for it and the compute after it; the I/O lane shows the swap's write-back and
+//! read from its start. A table gives every epoch's time, I/O time, wait and hidden I/O share.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use serde::Deserialize;
+
+/// Arguments of `legendctl report`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Training run directory (the one holding metrics.jsonl).
+    #[arg(value_name = "RUN")]
+    run: PathBuf,
+    /// Output file: .svg, or .html for a page with the SVG inline [default: RUN/report.svg].
+    #[arg(short = 'o', long = "out", value_name = "FILE")]
+    out: Option<PathBuf>,
+    /// Epoch to draw [default: the last one recorded].
+    #[arg(long, value_name = "K")]
+    epoch: Option<u32>,
+}
+
+/// One epoch line of metrics.jsonl (fields of legend-engine's `EpochReport` that the report uses).
+#[derive(Deserialize)]
+struct Epoch {
+    epoch: u32,
+    seconds: f64,
+    edges_per_sec: f64,
+    io_s: f64,
+    io_wait_s: f64,
+    bytes_read: u64,
+    bytes_written: u64,
+    swaps: Vec<Swap>,
+}
+
+/// One swap of an epoch (legend-engine's `SwapReport`).
+#[derive(Deserialize)]
+struct Swap {
+    evicted: u32,
+    loaded: u32,
+    start_s: f64,
+    io_s: f64,
+    overlap_compute_s: f64,
+    wait_s: f64,
+    after_compute_s: f64,
+    bytes: u64,
+}
+
+impl Epoch {
+    fn check(&self) -> Result<(), String> {
+        let mut times = vec![self.seconds, self.io_s, self.io_wait_s];
+        for s in &self.swaps {
+            times.extend([
+                s.start_s,
+                s.io_s,
+                s.overlap_compute_s,
+                s.wait_s,
+                s.after_compute_s,
+            ]);
+        }
+        match times.iter().find(|t| !(t.is_finite() && **t >= 0.0)) {
+            Some(t) => Err(format!(
+                "epoch {}: time {t} is not a non-negative number",
+                self.epoch
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Share of the I/O time that compute did not wait for; `None` without I/O.
+    fn hidden(&self) -> Option<f64> {
+        (self.io_s > 0.0).then(|| (1.0 - self.io_wait_s / self.io_s).clamp(0.0, 1.0))
+    }
+
+    /// I/O and wait outside the swaps: the initial buffer fill.
+    fn fill(&self) -> (f64, f64) {
+        let io: f64 = self.swaps.iter().map(|s| s.io_s).sum();
+        let wait: f64 = self.swaps.iter().map(|s| s.wait_s).sum();
+        ((self.io_s - io).max(0.0), (self.io_wait_s - wait).max(0.0))
+    }
+
+    fn summary(&self) -> String {
+        let hidden = self.hidden().map_or("no I/O".into(), |h| {
+            format!("{:.1}% of I/O hidden", 100.0 * h)
+        });
+        format!(
+            "epoch {}: {:.3} s, {} swaps, I/O {:.3} s ({}), compute waited {:.3} s, {hidden}",
+            self.epoch,
+            self.seconds,
+            self.swaps.len(),
+            self.io_s,
+            bytes(self.bytes_read + self.bytes_written),
+            self.io_wait_s
+        )
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let path = args.run.join("metrics.jsonl");
+    let epochs = read_metrics(&path)?;
+    let chosen = match args.epoch {
+        // A resumed run may repeat an epoch; its last record is the one that counted.
+        Some(k) => epochs
+            .iter()
+            .rev()
+            .find(|e| e.epoch == k)
+            .with_context(|| {
+                let have: Vec<String> = epochs.iter().map(|e| e.epoch.to_string()).collect();
+                format!(
+                    "{}: no epoch {k} (recorded: {})",
+                    path.display(),
+                    have.join(", ")
+                )
+            })?,
+        None => epochs
+            .last()
+            .expect("read_metrics returns at least one epoch"),
+    };
+    let out = args.out.unwrap_or_else(|| args.run.join("report.svg"));
+    let html = match out.extension().and_then(|e| e.to_str()) {
+        Some("svg") => false,
+        Some("html" | "htm") => true,
+        _ => bail!("{}: the output must end in .svg or .html", out.display()),
+    };
+    let title = format!("{}: epoch {}", args.run.display(), chosen.epoch);
+    let svg = render(&title, chosen, &epochs)?;
+    let text = if html {
+        format!(
+            "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{}</title></head>\n<body>\n{svg}</body></html>\n",
+            escape(&title)
+        )
+    } else {
+        svg
+    };
+    std::fs::write(&out, text).with_context(|| format!("writing {}", out.display()))?;
+    println!("{}", chosen.summary());
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// Epoch records in file order; the final-evaluation line is skipped.
+fn read_metrics(path: &Path) -> anyhow::Result<Vec<Epoch>> {
+    let text = std::fs::read_to_string(path).with_context(|| {
+        format!(
+            "reading {} (is {} a training run directory?)",
+            path.display(),
+            path.parent().unwrap_or(path).display()
+        )
+    })?;
+    let mut epochs = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{}:{}", path.display(), i + 1);
+        let value: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{}: not JSON", at()))?;
+        if value.get("final").and_then(serde_json::Value::as_bool) == Some(true) {
+            continue;
+        }
+        let epoch: Epoch = serde_json::from_value(value)
+            .with_context(|| format!("{}: not an epoch record of legendctl train", at()))?;
+        epoch
+            .check()
+            .map_err(|m| anyhow::anyhow!("{}: {m}", at()))?;
+        epochs.push(epoch);
+    }
+    if epochs.is_empty() {
+        bail!(
+            "{}: no epoch records (empty, or no epoch has finished yet)",
+            path.display()
+        );
+    }
+    Ok(epochs)
+}
+
+const WIDTH: f64 = 1200.0;
+const LEFT: f64 = 110.0;
+const RIGHT: f64 = 30.0;
+const LANE: f64 = 36.0;
+const COMPUTE_Y: f64 = 78.0;
+const IO_Y: f64 = COMPUTE_Y + LANE + 10.0;
+const AXIS_Y: f64 = IO_Y + LANE + 8.0;
+const LEGEND_Y: f64 = AXIS_Y + 44.0;
+const TABLE_Y: f64 = LEGEND_Y + 56.0;
+const ROW: f64 = 18.0;
+/// Epochs listed in the table; a long run shows its latest ones.
+const TABLE_ROWS: usize = 30;
+
+/// Fill colours by segment class; wait is the only warm colour so a glance finds it.
+const STYLE: &str = "text{font-family:sans-serif;font-size:13px;fill:#222}\
+.title{font-size:16px;font-weight:bold}.small{font-size:11px;fill:#555}\
+.mono{font-family:monospace;font-size:12px}.chosen{font-weight:bold}\
+.overlap{fill:#4f9d69}.after{fill:#2f6db5}.initial{fill:#a9b7c6}\
+.wait,.fill-wait{fill:#d9453d}.io{fill:#f0a43a}.fill{fill:#f6d19b}\
+.alt rect{opacity:.78}.grid{stroke:#ddd;stroke-width:1}.axis{stroke:#444;stroke-width:1}";
+
+/// The timeline of `epoch` and the table of `all`, as a standalone SVG document.
+fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
+    let span = epoch.swaps.iter().fold(epoch.seconds, |m, s| {
+        m.max(s.start_s + s.io_s)
+            .max(s.start_s + s.overlap_compute_s + s.wait_s + s.after_compute_s)
+    });
+    let span = if span > 0.0 { span } else { 1.0 };
+    let scale = (WIDTH - LEFT - RIGHT) / span;
+    let x = |t: f64| LEFT + t * scale;
+    let shown = &all[all.len().saturating_sub(TABLE_ROWS)..];
+    let height = TABLE_Y + ROW * (shown.len() as f64 + 1.0) + 16.0;
+    let mut s = String::new();
+    writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}">"#
+    )?;
+    writeln!(s, "<style>{STYLE}</style>")?;
+    writeln!(s, r##"<rect width="100%" height="100%" fill="#fff"/>"##)?;
+    writeln!(
+        s,
+        r#"<text class="title" x="16" y="26">{}: compute vs I/O per swap</text>"#,
+        escape(title)
+    )?;
+    writeln!(
+        s,
+        r#"<text x="16" y="48">{}</text>"#,
+        escape(&epoch.summary())
+    )?;
+
+    // Grid and axis first, so the lanes draw over the grid lines.
+    let step = tick_step(span);
+    let decimals = (-step.log10()).ceil().max(0.0) as usize;
+    let ticks = (span / step).floor() as u32;
+    for k in 0..=ticks {
+        let t = f64::from(k) * step;
+        writeln!(
+            s,
+            r#"<line class="grid" x1="{0:.2}" y1="{1}" x2="{0:.2}" y2="{AXIS_Y}"/><text class="small" x="{0:.2}" y="{2}" text-anchor="middle">{t:.decimals$}</text>"#,
+            x(t),
+            COMPUTE_Y - 6.0,
+            AXIS_Y + 16.0
+        )?;
+    }
+    writeln!(
+        s,
+        r#"<line class="axis" x1="{LEFT}" y1="{AXIS_Y}" x2="{}" y2="{AXIS_Y}"/><text class="small" x="{}" y="{}" text-anchor="end">seconds from the epoch start</text>"#,
+        WIDTH - RIGHT,
+        WIDTH - RIGHT,
+        AXIS_Y + 32.0
+    )?;
+    for (label, y) in [("compute", COMPUTE_Y), ("I/O", IO_Y)] {
+        writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="end">{label}</text>"#,
+            LEFT - 10.0,
+            y + LANE / 2.0 + 5.0
+        )?;
+    }
+
+    let rect = |s: &mut String, class: &str, t0: f64, dt: f64, y: f64| {
+        writeln!(
+            s,
+            r#"<rect class="{class}" x="{:.2}" y="{y}" width="{:.2}" height="{LANE}"/>"#,
+            x(t0),
+            dt * scale
+        )
+    };
+    // Before the first swap: the buffer fill (its I/O and the wait for it) and the initial buckets.
+    let (fill_io, fill_wait) = epoch.fill();
+    let first = epoch.swaps.first().map_or(epoch.seconds, |sw| sw.start_s);
+    writeln!(
+        s,
+        "<g><title>before the first swap: buffer fill {fill_io:.3} s of I/O, waited {fill_wait:.3} s; initial buckets until {first:.3} s</title>"
+    )?;
+    rect(&mut s, "fill-wait", 0.0, fill_wait.min(first), COMPUTE_Y)?;
+    rect(
+        &mut s,
+        "initial",
+        fill_wait.min(first),
+        (first - fill_wait).max(0.0),
+        COMPUTE_Y,
+    )?;
+    rect(&mut s, "fill", 0.0, fill_io, IO_Y)?;
+    writeln!(s, "</g>")?;
+
+    for (i, sw) in epoch.swaps.iter().enumerate() {
+        let alt = if i % 2 == 1 { r#" class="alt""# } else { "" };
+        writeln!(
+            s,
+            "<g{alt}><title>swap {}: write back p{}, read p{} ({}) from {:.3} s; I/O {:.3} s; compute {:.3} s overlapped, waited {:.3} s, {:.3} s after</title>",
+            i + 1,
+            sw.evicted,
+            sw.loaded,
+            bytes(sw.bytes),
+            sw.start_s,
+            sw.io_s,
+            sw.overlap_compute_s,
+            sw.wait_s,
+            sw.after_compute_s
+        )?;
+        let mut t = sw.start_s;
+        for (class, dt) in [
+            ("overlap", sw.overlap_compute_s),
+            ("wait", sw.wait_s),
+            ("after", sw.after_compute_s),
+        ] {
+            rect(&mut s, class, t, dt, COMPUTE_Y)?;
+            t += dt;
+        }
+        rect(&mut s, "io", sw.start_s, sw.io_s, IO_Y)?;
+        // Label the swap where there is room: the partition read and the one written back.
+        if sw.io_s * scale >= 64.0 {
+            writeln!(
+                s,
+                r#"<text class="small" x="{:.2}" y="{}" text-anchor="middle">+p{} −p{}</text>"#,
+                x(sw.start_s + sw.io_s / 2.0),
+                IO_Y + LANE / 2.0 + 4.0,
+                sw.loaded,
+                sw.evicted
+            )?;
+        }
+        writeln!(s, "</g>")?;
+    }
+
+    let legend = [
+        (
+            "compute",
+            &[
+                ("overlap", "overlapped with the swap's I/O"),
+                ("wait", "waiting for I/O"),
+                ("after", "after the swap"),
+                ("initial", "before the first swap"),
+            ][..],
+        ),
+        (
+            "I/O",
+            &[
+                ("io", "swap I/O: write back + read"),
+                ("fill", "buffer fill"),
+            ][..],
+        ),
+    ];
+    for (row, (lane, entries)) in legend.iter().enumerate() {
+        let y = LEGEND_Y + 20.0 * row as f64;
+        writeln!(
+            s,
+            r#"<text class="small" x="{}" y="{y}" text-anchor="end">{lane}</text>"#,
+            LEFT - 10.0
+        )?;
+        let mut lx = LEFT;
+        for (class, label) in *entries {
+            writeln!(
+                s,
+                r#"<rect class="{class} key" x="{lx}" y="{}" width="14" height="14"/><text x="{}" y="{y}">{}</text>"#,
+                y - 11.0,
+                lx + 20.0,
+                escape(label)
+            )?;
+            lx += 20.0 + 7.0 * label.len() as f64 + 28.0;
+        }
+    }
+
+    let columns = [
+        "epoch",
+        "time (s)",
+        "I/O (s)",
+        "waited (s)",
+        "I/O hidden",
+        "swaps",
+        "moved",
+        "edges/s",
+    ];
+    let col_x = |c: usize| 16.0 + 110.0 * c as f64;
+    for (c, name) in columns.iter().enumerate() {
+        writeln!(
+            s,
+            r#"<text class="mono chosen" x="{}" y="{TABLE_Y}">{name}</text>"#,
+            col_x(c)
+        )?;
+    }
+    if shown.len() < all.len() {
+        writeln!(
+            s,
+            r#"<text class="small" x="{}" y="{TABLE_Y}">({} earlier epochs not listed)</text>"#,
+            col_x(columns.len()),
+            all.len() - shown.len()
+        )?;
+    }
+    for (r, e) in shown.iter().enumerate() {
+        let class = if std::ptr::eq(e, epoch) {
+            "mono chosen"
+        } else {
+            "mono"
+        };
+        let cells = [
+            e.epoch.to_string(),
+            format!("{:.3}", e.seconds),
+            format!("{:.3}", e.io_s),
+            format!("{:.3}", e.io_wait_s),
+            e.hidden()
+                .map_or("—".into(), |h| format!("{:.1}%", 100.0 * h)),
+            e.swaps.len().to_string(),
+            bytes(e.bytes_read + e.bytes_written),
+            format!("{:.0}", e.edges_per_sec),
+        ];
+        let y = TABLE_Y + ROW * (r as f64 + 1.0);
+        for (c, cell) in cells.iter().enumerate() {
+            writeln!(
+                s,
+                r#"<text class="{class}" x="{}" y="{y}">{cell}</text>"#,
+                col_x(c)
+            )?;
+        }
+    }
+    writeln!(s, "</svg>")?;
+    Ok(s)
+}
+
+/// A tick spacing of 1, 2 or 5 × 10^k giving about 10 ticks over `span`.
+fn tick_step(span: f64) -> f64 {
+    let raw = span / 10.0;
+    let base = 10f64.powf(raw.log10().floor());
+    [1.0, 2.0, 5.0]
+        .into_iter()
+        .map(|m| m * base)
+        .find(|&step| step >= raw)
+        .unwrap_or(10.0 * base)
+}
+
+/// Bytes in binary units.
+fn bytes(n: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", units[u])
+    }
+}
+
+/// Escapes text for XML content and attributes.
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
