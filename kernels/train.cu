@@ -192,73 +192,98 @@ extern "C" __global__ void legend_loss(float* __restrict__ scores, const float* 
     }
 }
 
-// Backward through the positive score and the query operator of every row: with
-// dq = G·N + grad_pos · true (from the product kernel), adds ∂L/∂anchor and
-// ∂L/∂true = grad_pos · q into the entity gradient table and ∂L/∂relation into the relation
-// one, and marks the rows for the optimizer.
+// Marks `id` in `flags`; the first marker appends it to the block's list.
+__device__ __forceinline__ void legend_mark_local(u32* flags, u32 id, u32* list, u32* count) {
+    if (atomicExch(&flags[id], 1u) == 0u) list[atomicAdd(count, 1u)] = id;
+}
+
+// The work of one warp in legend_rows_backward: edge `r` of chunk z0 / 2.
+__device__ void legend_edge_backward(LegendJobs jobs, const float* __restrict__ emb,
+                                     const float* __restrict__ rel,
+                                     const float* __restrict__ query,
+                                     const float* __restrict__ grad_query,
+                                     const float* __restrict__ grad_pos,
+                                     float* __restrict__ emb_grad, u32* emb_flags,
+                                     float* __restrict__ rel_grad, u32* rel_flags, u32 z0,
+                                     u32 z1, u32 r, u32 lane, u32* new_rows, u32* n_rows,
+                                     u32* new_rels, u32* n_rels) {
+    const u32* e = jobs.edges + 3ull * (jobs.row0[z0] + r);
+    u32 src = e[0], relation = e[1], dst = e[2];
+    u32 d = jobs.dim;
+    // Side 0 replaces sources (query from the destination), side 1 destinations.
+    u64 row0 = (u64)z0 * jobs.max_rows + r, row1 = (u64)z1 * jobs.max_rows + r;
+    const float* S = emb + (u64)src * d;
+    const float* D = emb + (u64)dst * d;
+    const float* w = rel + (u64)relation * d;
+    const float *q0 = query + row0 * d, *q1 = query + row1 * d;
+    const float *dq0 = grad_query + row0 * d, *dq1 = grad_query + row1 * d;
+    float gp0 = grad_pos[row0], gp1 = grad_pos[row1];
+    float* gs = emb_grad + (u64)src * d;
+    float* gd = emb_grad + (u64)dst * d;
+    float* gw = rel_grad + (u64)relation * d;
+    if (jobs.decoder == LEGEND_COMPLEX) {
+        u32 h = d / 2;
+        for (u32 k = lane; k < h; k += 32) {
+            float sre = S[k], sim = S[k + h], dre = D[k], dim_ = D[k + h];
+            float rre = w[k], rim = w[k + h];
+            float g0re = dq0[k] + gp0 * sre, g0im = dq0[k + h] + gp0 * sim;
+            float g1re = dq1[k] + gp1 * dre, g1im = dq1[k + h] + gp1 * dim_;
+            // Transposes of the 2x2 real Jacobians of the complex products, plus the
+            // positive-score gradients of the true candidates.
+            atomicAdd(&gs[k], gp0 * q0[k] + g1re * rre + g1im * rim);
+            atomicAdd(&gs[k + h], gp0 * q0[k + h] + g1im * rre - g1re * rim);
+            atomicAdd(&gd[k], gp1 * q1[k] + g0re * rre - g0im * rim);
+            atomicAdd(&gd[k + h], gp1 * q1[k + h] + g0re * rim + g0im * rre);
+            atomicAdd(&gw[k], g0re * dre + g0im * dim_ + g1re * sre + g1im * sim);
+            atomicAdd(&gw[k + h], g0re * dim_ - g0im * dre + g1im * sre - g1re * sim);
+        }
+    } else {
+        bool distmult = jobs.decoder == LEGEND_DISTMULT;
+        for (u32 k = lane; k < d; k += 32) {
+            float g0 = dq0[k] + gp0 * S[k], g1 = dq1[k] + gp1 * D[k];
+            float wk = distmult ? w[k] : 1.0f;
+            atomicAdd(&gs[k], gp0 * q0[k] + g1 * wk);
+            atomicAdd(&gd[k], gp1 * q1[k] + g0 * wk);
+            if (distmult) atomicAdd(&gw[k], g0 * D[k] + g1 * S[k]);
+        }
+    }
+    if (lane == 0) {
+        legend_mark_local(emb_flags, src, new_rows, n_rows);
+        legend_mark_local(emb_flags, dst, new_rows, n_rows);
+        if (jobs.decoder != LEGEND_DOT) legend_mark_local(rel_flags, relation, new_rels, n_rels);
+    }
+}
+
+// Backward through the positive scores and the query operators of every edge, both sides
+// at once (jobs 2c and 2c + 1 of a chunk share their rows, and launches hold whole chunks):
+// with dq = G·N + grad_pos · true (from the product kernel), adds ∂L/∂source,
+// ∂L/∂destination and ∂L/∂relation of the edge into the gradient tables, one atomic per
+// element and table, and marks the rows for the optimizer. blockIdx.y is the chunk.
 extern "C" __global__ void legend_rows_backward(
     LegendJobs jobs, const float* __restrict__ emb, const float* __restrict__ rel,
     const float* __restrict__ query, const float* __restrict__ grad_query,
     const float* __restrict__ grad_pos, float* __restrict__ emb_grad, u32* emb_flags,
     u32* emb_list, u32* emb_count, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
     u32* rel_count) {
-    u32 z = blockIdx.y;
+    // Rows newly marked by this block, appended to the global lists with one atomic per
+    // block: a per-row atomic on the shared counters serialised the whole kernel.
+    __shared__ u32 new_rows[16], new_rels[8], n_rows, n_rels, base_rows, base_rels;
+    if (threadIdx.x == 0) n_rows = n_rels = 0;
+    __syncthreads();
+    u32 z0 = 2 * blockIdx.y, z1 = z0 + 1;
     u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 lane = threadIdx.x & 31;
-    if (r >= jobs.rows[z]) return;
-    u32 side = (jobs.first_job + z) & 1;
-    const u32* e = jobs.edges + 3ull * (jobs.row0[z] + r);
-    u32 anchor = side ? e[0] : e[2];
-    u32 truth = side ? e[2] : e[0];
-    u32 relation = e[1];
-    u32 d = jobs.dim;
-    u64 row = (u64)z * jobs.max_rows + r;
-    const float* a = emb + (u64)anchor * d;
-    const float* t = emb + (u64)truth * d;
-    const float* w = rel + (u64)relation * d;
-    const float* q = query + row * d;
-    const float* dq = grad_query + row * d;
-    float gp = grad_pos[row];
-    float* ga = emb_grad + (u64)anchor * d;
-    float* gt = emb_grad + (u64)truth * d;
-    float* gw = rel_grad + (u64)relation * d;
-    if (jobs.decoder == LEGEND_COMPLEX) {
-        u32 h = d / 2;
-        for (u32 k = lane; k < h; k += 32) {
-            float gre = dq[k] + gp * t[k], gim = dq[k + h] + gp * t[k + h];
-            atomicAdd(&gt[k], gp * q[k]);
-            atomicAdd(&gt[k + h], gp * q[k + h]);
-            float are = a[k], aim = a[k + h], rre = w[k], rim = w[k + h];
-            // Transposes of the 2x2 real Jacobians of the complex products.
-            if (side) {
-                atomicAdd(&ga[k], gre * rre + gim * rim);
-                atomicAdd(&ga[k + h], gim * rre - gre * rim);
-                atomicAdd(&gw[k], gre * are + gim * aim);
-                atomicAdd(&gw[k + h], gim * are - gre * aim);
-            } else {
-                atomicAdd(&ga[k], gre * rre - gim * rim);
-                atomicAdd(&ga[k + h], gre * rim + gim * rre);
-                atomicAdd(&gw[k], gre * are + gim * aim);
-                atomicAdd(&gw[k + h], gre * aim - gim * are);
-            }
-        }
-    } else {
-        for (u32 k = lane; k < d; k += 32) {
-            float g = dq[k] + gp * t[k];
-            atomicAdd(&gt[k], gp * q[k]);
-            if (jobs.decoder == LEGEND_DISTMULT) {
-                atomicAdd(&ga[k], g * w[k]);
-                atomicAdd(&gw[k], g * a[k]);
-            } else {
-                atomicAdd(&ga[k], g);
-            }
-        }
+    if (r < jobs.rows[z0]) legend_edge_backward(jobs, emb, rel, query, grad_query, grad_pos,
+                                                emb_grad, emb_flags, rel_grad, rel_flags, z0, z1,
+                                                r, lane, new_rows, &n_rows, new_rels, &n_rels);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (n_rows) base_rows = atomicAdd(emb_count, n_rows);
+        if (n_rels) base_rels = atomicAdd(rel_count, n_rels);
     }
-    if (lane == 0) {
-        legend_mark(emb_flags, emb_list, emb_count, anchor);
-        legend_mark(emb_flags, emb_list, emb_count, truth);
-        if (jobs.decoder != LEGEND_DOT) legend_mark(rel_flags, rel_list, rel_count, relation);
-    }
+    __syncthreads();
+    if (threadIdx.x < n_rows) emb_list[base_rows + threadIdx.x] = new_rows[threadIdx.x];
+    if (threadIdx.x < n_rels) rel_list[base_rels + threadIdx.x] = new_rels[threadIdx.x];
 }
 
 // Adds the gradients of the negatives (k x d per job) into the entity gradient table.

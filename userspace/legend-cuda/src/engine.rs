@@ -22,7 +22,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, LaunchConfig, PushKernelA
 use legend_model::{AdaGrad, ChunkModel, Comparator, Decoder, Distribution, Loss, Table};
 
 use crate::error::DriverContext;
-use crate::gpu::grid_1d;
+use crate::gpu::{GEMM_SMEM, grid_1d};
 use crate::{Gpu, GpuError};
 
 /// Operands of one batched product (`LegendGemm` in `kernels/gemm.cu`, field for field).
@@ -45,10 +45,14 @@ struct GemmArgs {
     k_rows: u64,
     k_split: i32,
     atomic: i32,
+    a_vec: i32,
+    b_vec: i32,
+    c_vec: i32,
 }
 
 // SAFETY: plain #[repr(C)] data laid out as the kernel's struct (8-byte fields, then three
-// ints padded to 8 before the next pointer, exactly as C lays it out).
+// ints padded to 8 before the next pointer, then five ints and tail padding to 8, exactly
+// as C lays it out).
 unsafe impl DeviceRepr for GemmArgs {}
 
 /// The rows of a launch group (`LegendJobs` in `kernels/train.cu`).
@@ -70,7 +74,7 @@ unsafe impl DeviceRepr for JobArgs {}
 /// Output tile edge of the product kernels.
 const TILE: usize = 128;
 /// K-slice of the product kernels; split-K ranges are multiples of it.
-const SLICE: usize = 32;
+const SLICE: usize = 16;
 /// Rows per block of the loss kernel (`LEGEND_LOSS_ROWS`).
 const LOSS_ROWS: usize = 32;
 
@@ -253,8 +257,10 @@ pub struct BatchShape {
     pub num_chunks: usize,
     /// Negatives per positive and side, shared by a chunk.
     pub negatives: usize,
-    /// Jobs (chunk sides) per launch: more fills the GPU better with small chunks, fewer
-    /// keeps the score matrices in L2. 2 (one chunk) suits 10⁴-row chunks.
+    /// Jobs (chunk sides) per launch, rounded up to whole chunks (an even number): more
+    /// fills the GPU better, fewer needs less memory (the score buffer holds
+    /// `group × ⌈max_batch / num_chunks⌉ × negatives` floats). On an H100, a whole batch
+    /// (`2 · num_chunks`) was fastest for 10 chunks of 10⁴ rows.
     pub group: usize,
 }
 
@@ -338,7 +344,8 @@ impl GpuBatchEngine {
                 "every size of {shape:?} must be at least 1"
             )));
         }
-        let group = shape.group.min(2 * shape.num_chunks);
+        // Whole chunks per launch: the row backward handles both sides of an edge at once.
+        let group = (shape.group + shape.group % 2).min(2 * shape.num_chunks);
         let shape = BatchShape { group, ..shape };
         let max_rows = shape.max_batch.div_ceil(shape.num_chunks);
         let (d, k) = (model.dim, shape.negatives);
@@ -653,6 +660,9 @@ impl GpuBatchEngine {
                 k_rows: 0,
                 k_split: 0,
                 atomic: 0,
+                a_vec: 0,
+                b_vec: 0,
+                c_vec: 0,
             };
             self.gemm(gpu, &kern.gemm_nt, &scores, gz, 1)?;
             self.mark(gpu, "scores_product")?;
@@ -695,6 +705,9 @@ impl GpuBatchEngine {
                 k_rows: 0,
                 k_split: 0,
                 atomic: 0,
+                a_vec: 0,
+                b_vec: 0,
+                c_vec: 0,
             };
             self.gemm(gpu, &kern.gemm_nn, &grad_query, gz, 1)?;
             self.mark(gpu, "grad_query_product")?;
@@ -724,6 +737,9 @@ impl GpuBatchEngine {
                 k_rows: rows_ptr,
                 k_split: k_split as i32,
                 atomic: 1,
+                a_vec: 0,
+                b_vec: 0,
+                c_vec: 0,
             };
             self.gemm(
                 gpu,
@@ -749,9 +765,14 @@ impl GpuBatchEngine {
                 .arg(&rel_flags)
                 .arg(&rel_list)
                 .arg(&rel_count);
-            // SAFETY: as for legend_queries; the gradient tables have the shape of the
-            // parameter tables and the lists one slot per row (a row is listed once).
-            unsafe { b.launch(per_row) }.during("launching legend_rows_backward")?;
+            let per_edge = LaunchConfig {
+                grid_dim: (blocks(max_rows, 8), gz / 2, 1),
+                ..warps(0)
+            };
+            // SAFETY: as for legend_queries (gz is even: whole chunks); the gradient tables
+            // have the shape of the parameter tables and the lists one slot per row (a row
+            // is listed once).
+            unsafe { b.launch(per_edge) }.during("launching legend_rows_backward")?;
             self.mark(gpu, "rows_backward")?;
 
             let mut b = s.launch_builder(&kern.negatives_backward);
@@ -783,11 +804,21 @@ impl GpuBatchEngine {
         batch: u32,
         splits: u32,
     ) -> Result<(), GpuError> {
+        // 16-byte copies need 16-byte aligned rows in every batch entry.
+        let aligned = |p: u64, ld: i64, batch: i64| {
+            i32::from(p.is_multiple_of(16) && ld % 4 == 0 && batch % 4 == 0)
+        };
+        let g = &GemmArgs {
+            a_vec: aligned(g.a, g.a_ld, g.a_batch),
+            b_vec: aligned(g.b, g.b_ld, g.b_batch),
+            c_vec: aligned(g.c, g.c_ld, g.c_batch),
+            ..*g
+        };
         let tiles = (g.m as usize).div_ceil(TILE) * (g.n as usize).div_ceil(TILE);
         let cfg = LaunchConfig {
             grid_dim: (tiles as u32, splits, batch),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: GEMM_SMEM,
         };
         let mut b = gpu.stream().launch_builder(f);
         b.arg(g);

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
@@ -25,6 +26,11 @@ pub(crate) struct Kernels {
     pub(crate) negatives_backward: CudaFunction,
     pub(crate) adagrad: CudaFunction,
 }
+
+/// Dynamic shared memory of the product kernels: `LEGEND_STAGES` (4) stages of a 128-row A
+/// tile and a 128-column B tile, 16 + 4 floats a row (`kernels/gemm.cu`); the 128 × 132
+/// output tile staged for the stores fits in the same space.
+pub(crate) const GEMM_SMEM: u32 = 4 * (128 + 128) * 20 * 4;
 
 /// One CUDA device with a stream and the Legend kernels loaded on it.
 pub struct Gpu {
@@ -87,6 +93,13 @@ impl Gpu {
             negatives_backward: f("legend_negatives_backward")?,
             adagrad: f("legend_adagrad")?,
         };
+        for f in [&kernels.gemm_nt, &kernels.gemm_nn, &kernels.gemm_tn] {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                GEMM_SMEM as i32,
+            )
+            .during("raising the shared-memory limit of the product kernels")?;
+        }
         Ok(Gpu {
             ctx,
             stream,
