@@ -198,7 +198,7 @@ const STYLE: &str = "text{font-family:sans-serif;font-size:13px;fill:#222}\
 .mono{font-family:monospace;font-size:12px}.chosen{font-weight:bold}\
 .overlap{fill:#4f9d69}.after{fill:#2f6db5}.initial{fill:#a9b7c6}\
 .wait,.fill-wait{fill:#d9453d}.io{fill:#f0a43a}.fill{fill:#f6d19b}\
-.alt rect{opacity:.78}.grid{stroke:#ddd;stroke-width:1}.axis{stroke:#444;stroke-width:1}";
+.sep{stroke:#fff;stroke-width:1}.grid{stroke:#ddd;stroke-width:1}.axis{stroke:#444;stroke-width:1}";
 
 /// The timeline of `epoch` and the table of `all`, as a standalone SVG document.
 fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
@@ -286,10 +286,9 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
     writeln!(s, "</g>")?;
 
     for (i, sw) in epoch.swaps.iter().enumerate() {
-        let alt = if i % 2 == 1 { r#" class="alt""# } else { "" };
         writeln!(
             s,
-            "<g{alt}><title>swap {}: write back p{}, read p{} ({}) from {:.3} s; I/O {:.3} s; compute {:.3} s overlapped, waited {:.3} s, {:.3} s after</title>",
+            "<g><title>swap {}: write back p{}, read p{} ({}) from {:.3} s; I/O {:.3} s; compute {:.3} s overlapped, waited {:.3} s, {:.3} s after</title>",
             i + 1,
             sw.evicted,
             sw.loaded,
@@ -322,6 +321,18 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
             )?;
         }
         writeln!(s, "</g>")?;
+    }
+
+    // Swap boundaries, where they are far enough apart to tell from the segments.
+    if epoch.swaps.len() as f64 * 4.0 <= WIDTH - LEFT - RIGHT {
+        for sw in &epoch.swaps {
+            writeln!(
+                s,
+                r#"<line class="sep" x1="{0:.2}" y1="{COMPUTE_Y}" x2="{0:.2}" y2="{1}"/>"#,
+                x(sw.start_s),
+                COMPUTE_Y + LANE
+            )?;
+        }
     }
 
     let legend = [
