@@ -46,3 +46,18 @@ extern "C" __global__ void legend_sample_negatives(
     }
     out[idx] = (u32)id;
 }
+
+// Rewrites global entity ids into rows of a slot-indexed node table (a partition buffer on
+// the GPU): id -> slot_of[id / rows_per_partition] * rows_per_partition
+// + id % rows_per_partition. Element i is rewritten when bit (i % step) of `which` is set
+// (edges: step 3, which 0b101 for source and destination; negatives: step 1, which 1). The
+// host has checked that every partition met is resident.
+extern "C" __global__ void legend_remap_ids(u32* __restrict__ ids, u64 n, u32 step, u32 which,
+                                            const u32* __restrict__ slot_of,
+                                            u64 rows_per_partition) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n || !((which >> (i % step)) & 1u)) return;
+    u64 id = ids[i];
+    u64 p = id / rows_per_partition;
+    ids[i] = (u32)((u64)slot_of[p] * rows_per_partition + id % rows_per_partition);
+}

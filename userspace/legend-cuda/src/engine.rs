@@ -248,6 +248,45 @@ pub fn negative_keys(seed: u64, epoch: u32, batch: u64, chunks: usize) -> Vec<u6
         .collect()
 }
 
+/// Where the node rows live when the node table is a partition buffer on the GPU: partition
+/// `p` (ids `p · rows_per_partition ..`, the scheme of legend-dataset's `PartitionScheme`)
+/// sits in slot `slot_of[p]` ([`SlotMap::ABSENT`] when not resident), and entity `id` is
+/// row `slot · rows_per_partition + id mod rows_per_partition` of the table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotMap {
+    /// Rows of every partition (the last may use fewer).
+    pub rows_per_partition: u64,
+    /// The slot of each partition.
+    pub slot_of: Vec<u32>,
+}
+
+impl SlotMap {
+    /// The slot of a partition that is not resident.
+    pub const ABSENT: u32 = u32::MAX;
+
+    /// The table row of global entity `id`, if its partition is resident.
+    pub fn row(&self, id: u64) -> Option<u64> {
+        let p = usize::try_from(id / self.rows_per_partition).ok()?;
+        match self.slot_of.get(p) {
+            Some(&s) if s != Self::ABSENT => {
+                Some(u64::from(s) * self.rows_per_partition + id % self.rows_per_partition)
+            }
+            _ => None,
+        }
+    }
+
+    /// Rows a table needs to hold every slot.
+    pub fn table_rows(&self) -> u64 {
+        let slots = self
+            .slot_of
+            .iter()
+            .filter(|&&s| s != Self::ABSENT)
+            .map(|&s| u64::from(s) + 1)
+            .max();
+        slots.unwrap_or(0) * self.rows_per_partition
+    }
+}
+
 /// The shapes an engine is sized for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchShape {
@@ -294,6 +333,8 @@ pub struct GpuBatchEngine {
     /// Stand-ins for the relation table of Dot, which the kernels never dereference.
     no_rel: CudaSlice<f32>,
     no_rel_u32: CudaSlice<u32>,
+    /// Where node rows live, when the node table is slot-indexed, with its device copy.
+    slots: Option<(SlotMap, CudaSlice<u32>)>,
     /// When profiling: events recorded after each phase, with the phase's name.
     marks: Option<Vec<(&'static str, CudaEvent)>>,
 }
@@ -385,6 +426,7 @@ impl GpuBatchEngine {
             loss_sum: gpu.zeros(1)?,
             no_rel: gpu.zeros(d)?,
             no_rel_u32: gpu.zeros(1)?,
+            slots: None,
             marks: None,
         })
     }
@@ -397,6 +439,61 @@ impl GpuBatchEngine {
     /// Chunks of the current batch: `min(num_chunks, batch length)`.
     pub fn chunks(&self) -> usize {
         self.chunks
+    }
+
+    /// Makes the node table slot-indexed (`Some`: a partition buffer on the GPU, see
+    /// [`SlotMap`]) or indexed by global id (`None`, the default). Batches and negatives
+    /// keep using global ids; the engine rewrites them into table rows on the GPU. Call it
+    /// again after every swap.
+    pub fn set_slots(&mut self, gpu: &Gpu, slots: Option<SlotMap>) -> Result<(), GpuError> {
+        self.slots = match slots {
+            None => None,
+            Some(map) => {
+                if map.rows_per_partition == 0 || map.table_rows() > u64::from(u32::MAX) {
+                    return Err(GpuError::Shape(format!(
+                        "slot map of {} rows a partition and {} rows in all",
+                        map.rows_per_partition,
+                        map.table_rows()
+                    )));
+                }
+                let dev = gpu.upload(&map.slot_of)?;
+                Some((map, dev))
+            }
+        };
+        Ok(())
+    }
+
+    /// Rewrites the global ids of `ids` (every element whose index mod `step` has its bit
+    /// set in `which`) into slot rows, when the table is slot-indexed (`slots`).
+    fn remap(
+        slots: &Option<(SlotMap, CudaSlice<u32>)>,
+        gpu: &Gpu,
+        ids: &mut CudaSlice<u32>,
+        n: usize,
+        step: u32,
+        which: u32,
+    ) -> Result<(), GpuError> {
+        let Some((map, slot_of)) = slots else {
+            return Ok(());
+        };
+        let n64 = n as u64;
+        let mut b = gpu.stream().launch_builder(&gpu.kernels.remap);
+        b.arg(ids)
+            .arg(&n64)
+            .arg(&step)
+            .arg(&which)
+            .arg(slot_of)
+            .arg(&map.rows_per_partition);
+        // SAFETY: `ids` holds at least n ids, each checked by the caller to lie in a resident
+        // partition, whose index is below slot_of's length.
+        unsafe { b.launch(grid_1d(n64)?) }.during("launching legend_remap_ids")?;
+        Ok(())
+    }
+
+    /// Whether global entity `id` can be used: below the entity count, and resident when
+    /// the table is slot-indexed.
+    fn usable(&self, id: u64) -> bool {
+        id < self.entities as u64 && self.slots.as_ref().is_none_or(|(m, _)| m.row(id).is_some())
     }
 
     /// Uploads a batch of `(source, relation, destination)` positives and splits it into
@@ -415,17 +512,18 @@ impl GpuBatchEngine {
             usize::MAX
         };
         if let Some(e) = edges.iter().find(|e| {
-            e[0] as usize >= self.entities
-                || e[2] as usize >= self.entities
+            !self.usable(u64::from(e[0]))
+                || !self.usable(u64::from(e[2]))
                 || e[1] as usize >= rel_limit
         }) {
             return Err(GpuError::Shape(format!(
-                "edge {e:?} outside {} entities / {} relations",
+                "edge {e:?} outside {} entities / {} relations, or in a partition not resident",
                 self.entities, self.relations
             )));
         }
         let flat: Vec<u32> = edges.iter().flatten().copied().collect();
         gpu.write(&flat, &mut self.edges)?;
+        Self::remap(&self.slots, gpu, &mut self.edges, flat.len(), 3, 0b101)?;
         let chunks = self.shape.num_chunks.min(b);
         if (b, chunks) != (self.batch_len, self.chunks) {
             let mut row0 = Vec::with_capacity(2 * chunks);
@@ -466,12 +564,24 @@ impl GpuBatchEngine {
         if partitions.is_empty()
             || partitions
                 .iter()
-                .any(|p| p.start >= p.end || p.end > self.entities as u64)
+                .any(|p| p.start >= p.end || !self.usable(p.start) || !self.usable(p.end - 1))
         {
             return Err(GpuError::Shape(format!(
-                "partition ranges {partitions:?} for {} entities",
+                "partition ranges {partitions:?} for {} entities (and resident)",
                 self.entities
             )));
+        }
+        if let Some((map, _)) = &self.slots {
+            let rpp = map.rows_per_partition;
+            let absent = partitions
+                .iter()
+                .flat_map(|r| r.start / rpp..=(r.end - 1) / rpp)
+                .find(|&q| map.row(q * rpp).is_none());
+            if let Some(q) = absent {
+                return Err(GpuError::Shape(format!(
+                    "negatives from partition {q}, which is not resident"
+                )));
+            }
         }
         let k = self.shape.negatives;
         let by_degree = (degree_fraction * k as f64).round() as u32;
@@ -508,6 +618,7 @@ impl GpuBatchEngine {
         // entities + 1 (ranges checked above), and negs lists × k: all the kernel touches.
         unsafe { b.launch(grid_1d((lists * k) as u64)?) }
             .during("launching legend_sample_negatives")?;
+        Self::remap(&self.slots, gpu, &mut self.negs, lists * k, 1, 1)?;
         self.mark(gpu, "sample")?;
         Ok(())
     }
@@ -516,17 +627,19 @@ impl GpuBatchEngine {
     /// sources and `2c + 1` destinations) instead of sampling.
     pub fn set_negatives(&mut self, gpu: &Gpu, ids: &[u32]) -> Result<(), GpuError> {
         let want = 2 * self.chunks * self.shape.negatives;
-        if ids.len() != want || ids.iter().any(|&i| i as usize >= self.entities) {
+        if ids.len() != want || ids.iter().any(|&i| !self.usable(u64::from(i))) {
             return Err(GpuError::Shape(format!(
-                "{} negative ids (need {want} below {})",
+                "{} negative ids (need {want} below {}, resident)",
                 ids.len(),
                 self.entities
             )));
         }
-        gpu.write(ids, &mut self.negs)
+        gpu.write(ids, &mut self.negs)?;
+        Self::remap(&self.slots, gpu, &mut self.negs, want, 1, 1)
     }
 
-    /// The negatives of the current batch (waits for the device).
+    /// The negatives of the current batch as the kernels use them: global ids, or table
+    /// rows when the table is slot-indexed (waits for the device).
     pub fn negatives(&self, gpu: &Gpu) -> Result<Vec<u32>, GpuError> {
         let mut all = gpu.download(&self.negs)?;
         all.truncate(2 * self.chunks * self.shape.negatives);
@@ -539,10 +652,14 @@ impl GpuBatchEngine {
         rels: Option<&DeviceTable>,
     ) -> Result<(), GpuError> {
         let d = self.model.dim;
-        if nodes.dim != d || nodes.rows < self.entities {
+        let need = match &self.slots {
+            Some((map, _)) => map.table_rows() as usize,
+            None => self.entities,
+        };
+        if nodes.dim != d || nodes.rows < need {
             return Err(GpuError::Shape(format!(
-                "node table {}×{} for {} entities of dim {d}",
-                nodes.rows, nodes.dim, self.entities
+                "node table {}×{} for {need} rows of dim {d}",
+                nodes.rows, nodes.dim
             )));
         }
         match (self.model.decoder.uses_relations(), rels) {

@@ -16,6 +16,7 @@ use crate::{GpuError, nvrtc};
 pub(crate) struct Kernels {
     pub(crate) init_rows: CudaFunction,
     pub(crate) sample: CudaFunction,
+    pub(crate) remap: CudaFunction,
     pub(crate) gemm_nt: CudaFunction,
     pub(crate) gemm_nn: CudaFunction,
     pub(crate) gemm_tn: CudaFunction,
@@ -83,6 +84,7 @@ impl Gpu {
         let kernels = Kernels {
             init_rows: f("legend_init_rows")?,
             sample: f("legend_sample_negatives")?,
+            remap: f("legend_remap_ids")?,
             gemm_nt: f("legend_gemm_nt")?,
             gemm_nn: f("legend_gemm_nn")?,
             gemm_tn: f("legend_gemm_tn")?,

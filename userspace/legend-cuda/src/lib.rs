@@ -14,5 +14,7 @@ pub use error::GpuError;
 mod engine;
 mod gpu;
 
-pub use engine::{BatchShape, DeviceTable, GpuBatchEngine, init_rows, negative_keys, stream_key};
+pub use engine::{
+    BatchShape, DeviceTable, GpuBatchEngine, SlotMap, init_rows, negative_keys, stream_key,
+};
 pub use gpu::{Gpu, driver_present};

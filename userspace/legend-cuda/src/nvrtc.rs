@@ -18,9 +18,10 @@ pub const KERNEL_SOURCES: [(&str, &str); 5] = [
 ];
 
 /// Every kernel entry point of the program.
-pub const KERNEL_NAMES: [&str; 11] = [
+pub const KERNEL_NAMES: [&str; 12] = [
     "legend_init_rows",
     "legend_sample_negatives",
+    "legend_remap_ids",
     "legend_gemm_nt",
     "legend_gemm_nn",
     "legend_gemm_tn",

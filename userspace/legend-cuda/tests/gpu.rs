@@ -2,7 +2,7 @@
 //! random inputs every run. Needs a GPU: without a driver, NVRTC or device every test prints
 //! a skip line and passes.
 
-use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, GpuError, negative_keys};
+use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, GpuError, SlotMap, negative_keys};
 use legend_dataset::PartitionScheme;
 use legend_engine::sampler::NegativeSampler;
 use legend_model::{
@@ -447,4 +447,118 @@ fn transe_is_refused_with_a_clear_error() {
         .err()
         .expect("refused");
     assert!(matches!(err, GpuError::Unsupported(_)), "{err}");
+}
+
+#[test]
+fn slot_indexed_table_matches_the_global_table() {
+    let Some(gpu) = gpu() else { return };
+    let s = seed("slots");
+    let mut rng = Rng(s);
+    let (entities, relations, d, k, batch) = (4001u64, 13usize, 100usize, 200usize, 1000usize);
+    let scheme = PartitionScheme::new(entities, 4).unwrap();
+    let rpp = scheme.rows_per_partition;
+    // Partitions 2 and 0 resident, in slots 0 and 1.
+    let resident = [2u32, 0];
+    let map = SlotMap {
+        rows_per_partition: rpp,
+        slot_of: vec![1, SlotMap::ABSENT, 0, SlotMap::ABSENT],
+    };
+    let n = entities as usize * d;
+    let emb: Vec<f32> = (0..n).map(|_| rng.uniform(-0.5, 0.5)).collect();
+    let state: Vec<f32> = (0..n).map(|_| rng.uniform(0.1, 1.0)).collect();
+    let rel: Vec<f32> = (0..relations * d).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    let rel_state = vec![0.5f32; relations * d];
+    let degrees: Vec<u32> = (0..entities).map(|_| rng.below(20) as u32).collect();
+    let pick = |rng: &mut Rng| {
+        let r = scheme.range(resident[rng.below(2) as usize]);
+        (r.start + rng.below(r.end - r.start)) as u32
+    };
+    let edges: Vec<[u32; 3]> = (0..batch)
+        .map(|_| {
+            [
+                pick(&mut rng),
+                rng.below(relations as u64) as u32,
+                pick(&mut rng),
+            ]
+        })
+        .collect();
+    let ranges: Vec<_> = resident.iter().map(|&p| scheme.range(p)).collect();
+    let keys = negative_keys(s, 1, 0, 2);
+    let model = ChunkModel {
+        decoder: Decoder::ComplEx,
+        loss: Loss::SoftmaxCe,
+        dim: d,
+    };
+    let shape = BatchShape {
+        max_batch: batch,
+        num_chunks: 2,
+        negatives: k,
+        group: 4,
+    };
+    let opt = AdaGrad::default();
+    let run = |slots: Option<SlotMap>, emb: &[f32], state: &[f32]| {
+        let mut engine = GpuBatchEngine::new(&gpu, model, opt, shape, &degrees, relations).unwrap();
+        engine.set_slots(&gpu, slots).unwrap();
+        let mut nodes = DeviceTable::from_host(&gpu, d, emb, state).unwrap();
+        let mut rels = DeviceTable::from_host(&gpu, d, &rel, &rel_state).unwrap();
+        engine.set_batch(&gpu, &edges).unwrap();
+        engine.sample_negatives(&gpu, &ranges, &keys, 0.5).unwrap();
+        let negs = engine.negatives(&gpu).unwrap();
+        engine.step(&gpu, &mut nodes, Some(&mut rels)).unwrap();
+        (
+            engine.loss(&gpu).unwrap(),
+            nodes.download(&gpu).unwrap().0,
+            negs,
+        )
+    };
+    let (loss_a, emb_a, negs_a) = run(None, &emb, &state);
+    // The same rows, gathered into a two-slot table.
+    let rows = map.table_rows() as usize;
+    let (mut slot_emb, mut slot_state) = (vec![0.0f32; rows * d], vec![0.0f32; rows * d]);
+    for id in ranges.iter().flat_map(|r| r.clone()) {
+        let row = map.row(id).unwrap() as usize;
+        let g = id as usize;
+        slot_emb[row * d..(row + 1) * d].copy_from_slice(&emb[g * d..(g + 1) * d]);
+        slot_state[row * d..(row + 1) * d].copy_from_slice(&state[g * d..(g + 1) * d]);
+    }
+    let (loss_b, emb_b, negs_b) = run(Some(map.clone()), &slot_emb, &slot_state);
+    let want_negs: Vec<u32> = negs_a
+        .iter()
+        .map(|&id| map.row(u64::from(id)).unwrap() as u32)
+        .collect();
+    assert_eq!(
+        negs_b, want_negs,
+        "slot negatives are the global ones, remapped"
+    );
+    assert!(
+        (loss_a - loss_b).abs() <= 1e-6 * loss_a.abs(),
+        "loss {loss_a} vs {loss_b}"
+    );
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for id in ranges.iter().flat_map(|r| r.clone()) {
+        let row = map.row(id).unwrap() as usize;
+        let g = id as usize;
+        got.extend_from_slice(&emb_b[row * d..(row + 1) * d]);
+        want.extend_from_slice(&emb_a[g * d..(g + 1) * d]);
+    }
+    let err = rel_err(&got, &want);
+    println!(
+        "slot table vs global table: loss {loss_a:.6e} / {loss_b:.6e}, rows rel err {err:.2e}"
+    );
+    assert!(err < 1e-6, "rows differ: {err:e}");
+    // Rows of partitions that were not resident stay untouched in the global run.
+    for p in [1u32, 3] {
+        let r = scheme.range(p);
+        let span = r.start as usize * d..r.end as usize * d;
+        assert_eq!(emb_a[span.clone()], emb[span], "partition {p} moved");
+    }
+    // A batch touching a partition that is not resident is refused.
+    let mut engine = GpuBatchEngine::new(&gpu, model, opt, shape, &degrees, relations).unwrap();
+    engine.set_slots(&gpu, Some(map)).unwrap();
+    let outside = scheme.range(1).start as u32;
+    assert!(
+        engine
+            .set_batch(&gpu, &[[outside, 0, edges[0][2]]])
+            .is_err()
+    );
 }
