@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2, help="extra throughput rounds (alternating order)")
+    ap.add_argument("--throughput-epochs", type=int, default=3)
     ap.add_argument("--skip-legend", action="store_true")
     ap.add_argument("--skip-pbg", action="store_true")
     args = ap.parse_args()
@@ -141,90 +143,128 @@ def main() -> None:
         )
     num_entities = len(read_tsv_ids(dataset / "entities.tsv"))
     num_relations = len(read_tsv_ids(dataset / "relations.tsv"))
-    rows = []
+    runs: list[dict] = []
 
-    # --- Legend
-    legend_run = work / "legend-run"
-    if not args.skip_legend:
-        shutil.rmtree(legend_run, ignore_errors=True)
+    def legend_train(tag: str, epochs: int) -> dict:
+        out = work / f"legend-{tag}"
+        shutil.rmtree(out, ignore_errors=True)
         settings = [
             "model.decoder=complex", f"model.dim={args.dim}", "model.loss=softmax_ce", "model.init_scale=0.001",
-            f"training.num_epochs={args.epochs}", f"training.batch_size={args.batch_size}",
+            "model.relation_init=identity",
+            f"training.num_epochs={epochs}", f"training.batch_size={args.batch_size}",
             f"training.negatives.num_chunks={num_chunks}",
             f"training.negatives.negatives_per_positive={args.negatives}",
             "training.negatives.degree_fraction=0", f"training.learning_rate={args.lr}",
             f"training.threads={args.threads}", f"training.seed={args.seed}",
         ]
-        print("== Legend", file=sys.stderr, flush=True)
-        r = run_legend_train(args.legendctl, dataset, legend_run, settings)
-        eps = [e["edges_per_sec"] for e in r["epochs"]]
-        rows.append({
-            "system": "Legend", "epochs": args.epochs, "train_s": sum(e["seconds"] for e in r["epochs"]),
-            "edges_per_sec_mean": float(np.mean(eps)), "edges_per_sec_median": float(np.median(eps)),
-            "wall_s": r["wall_s"], "mrr": r["final"]["metrics"]["mrr"],
-            "hits_at_10": r["final"]["metrics"]["hits_at_10"], "command": r["command"], "load": loadavg(),
-        })
+        print(f"== Legend {tag} ({epochs} epochs), load {loadavg()}", file=sys.stderr, flush=True)
+        r = run_legend_train(args.legendctl, dataset, out, settings)
+        rec = {
+            "system": "Legend", "tag": tag, "epochs": epochs, "out": str(out), "command": r["command"],
+            "epoch_rates": [e["edges_per_sec"] for e in r["epochs"]],
+            "train_s": sum(e["seconds"] for e in r["epochs"]), "wall_s": r["wall_s"],
+            "mrr": r["final"]["metrics"]["mrr"], "hits_at_10": r["final"]["metrics"]["hits_at_10"],
+            "load_after": loadavg(),
+        }
+        runs.append(rec)
+        return rec
 
-    # --- PBG
-    if not args.skip_pbg:
-        pbg = work / "pbg"
-        shutil.rmtree(pbg, ignore_errors=True)
-        (pbg / "data").mkdir(parents=True)
-        train = read_edges(dataset, "train")
-        rel_names = [f"r{i}" for i in range(num_relations)]
-        tsv = pbg / "train.tsv"
-        with open(tsv, "w") as f:
-            for s, r_, d in train:
-                f.write(f"{s}\tr{r_}\t{d}\n")
-        config = pbg / "config.py"
+    pbg = work / "pbg"
+    bindir = Path(sys.executable).parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+    def pbg_config(tag: str, epochs: int) -> Path:
+        config = pbg / f"config-{tag}.py"
         config.write_text(PBG_CONFIG.format(
             entity_path=str(pbg / "data"), edge_path=str(pbg / "data" / "train_partitioned"),
-            checkpoint_path=str(pbg / "model"), relations=rel_names, dim=args.dim, lr=args.lr,
-            epochs=args.epochs, batch_size=args.batch_size, negatives=args.negatives, threads=args.threads,
+            checkpoint_path=str(pbg / f"model-{tag}"), relations=[f"r{i}" for i in range(num_relations)],
+            dim=args.dim, lr=args.lr, epochs=epochs, batch_size=args.batch_size, negatives=args.negatives,
+            threads=args.threads,
         ))
-        bindir = Path(sys.executable).parent
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        imp = [str(bindir / "torchbiggraph_import_from_tsv"), "--lhs-col", "0", "--rel-col", "1", "--rhs-col", "2",
-               str(config), str(tsv)]
-        print("+ " + " ".join(imp), file=sys.stderr, flush=True)
-        subprocess.run(imp, check=True, stdout=sys.stderr, stderr=sys.stderr, env=env)
+        return config
+
+    def pbg_train(tag: str, epochs: int) -> dict:
+        config = pbg_config(tag, epochs)
+        shutil.rmtree(pbg / f"model-{tag}", ignore_errors=True)
         cmd = [str(bindir / "torchbiggraph_train"), str(config)]
-        print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+        print(f"== PBG {tag} ({epochs} epochs), load {loadavg()}\n+ {' '.join(cmd)}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         wall = time.perf_counter() - t0
-        (pbg / "train.log").write_text(p.stdout)
+        log = pbg / f"train-{tag}.log"
+        log.write_text(p.stdout)
         if p.returncode != 0:
-            sys.exit(f"torchbiggraph_train failed ({p.returncode}); log {pbg / 'train.log'}:\n{p.stdout[-4000:]}")
-        # "Processed N edges in T s ( R M/sec )" once per bucket per epoch (one bucket here)
+            sys.exit(f"torchbiggraph_train failed ({p.returncode}); log {log}:\n{p.stdout[-4000:]}")
+        # "Processed N edges in T s ( R M/sec )": once per bucket per epoch (one bucket here). The
+        # first epoch's time includes starting the Hogwild worker processes.
         per = [(int(n), float(t)) for n, t in re.findall(r"Processed (\d+) edges in ([0-9.]+) s", p.stdout)]
-        if len(per) != args.epochs:
-            print(f"warning: {len(per)} 'Processed' lines for {args.epochs} epochs", file=sys.stderr)
-        eps = [n / t for n, t in per]
-        emb_dir = pbg / "export"
-        export_pbg(pbg / "model", pbg / "data", dataset, num_entities, num_relations, args.dim, emb_dir)
-        m = legend_eval(args.legendctl, dataset, emb_dir, "complex", reference_run=legend_run)
-        rows.append({
-            "system": "PyTorch-BigGraph 1.0.0", "epochs": args.epochs, "train_s": sum(t for _, t in per),
-            "edges_per_sec_mean": float(np.mean(eps)), "edges_per_sec_median": float(np.median(eps)),
-            "wall_s": wall, "mrr": m["mrr"], "hits_at_10": m["hits_at_10"], "command": " ".join(cmd), "load": loadavg(),
-            "config": config.read_text(),
-        })
+        if len(per) != epochs:
+            print(f"warning: {len(per)} 'Processed' lines for {epochs} epochs", file=sys.stderr)
+        rec = {
+            "system": "PyTorch-BigGraph 1.0.0", "tag": tag, "epochs": epochs, "command": " ".join(cmd),
+            "epoch_rates": [n / t for n, t in per], "train_s": sum(t for _, t in per), "wall_s": wall,
+            "ckpt": str(pbg / f"model-{tag}"), "config": config.read_text(), "load_after": loadavg(),
+        }
+        runs.append(rec)
+        return rec
+
+    if not args.skip_pbg and not (pbg / "data" / "train_partitioned").exists():
+        shutil.rmtree(pbg, ignore_errors=True)
+        (pbg / "data").mkdir(parents=True)
+        tsv = pbg / "train.tsv"
+        with open(tsv, "w") as f:
+            for s_, r_, d_ in read_edges(dataset, "train"):
+                f.write(f"{s_}\tr{r_}\t{d_}\n")
+        imp = [str(bindir / "torchbiggraph_import_from_tsv"), "--lhs-col", "0", "--rel-col", "1", "--rhs-col", "2",
+               str(pbg_config("import", 1)), str(tsv)]
+        print("+ " + " ".join(imp), file=sys.stderr, flush=True)
+        subprocess.run(imp, check=True, stdout=sys.stderr, stderr=sys.stderr, env=env)
+
+    # Quality run (also timed): Legend then PBG, args.epochs each; MRR of both by Legend's evaluator.
+    if not args.skip_legend:
+        legend_train("quality", args.epochs)
+    if not args.skip_pbg:
+        q = pbg_train("quality", args.epochs)
+        emb_dir = pbg / "export-quality"
+        export_pbg(Path(q["ckpt"]), pbg / "data", dataset, num_entities, num_relations, args.dim, emb_dir)
+        m = legend_eval(args.legendctl, dataset, emb_dir, "complex", reference_run=work / "legend-quality")
+        q["mrr"], q["hits_at_10"] = m["mrr"], m["hits_at_10"]
+    # Throughput rounds, alternating which system goes first (the machine is shared; load drifts).
+    for i in range(args.rounds):
+        order = ["pbg", "legend"] if i % 2 == 0 else ["legend", "pbg"]
+        for which in order:
+            if which == "pbg" and not args.skip_pbg:
+                pbg_train(f"tput{i + 1}", args.throughput_epochs)
+            if which == "legend" and not args.skip_legend:
+                legend_train(f"tput{i + 1}", args.throughput_epochs)
 
     print(f"\n{args.data.name}: ComplEx d={args.dim}, softmax loss, batch {args.batch_size}, "
           f"{args.negatives} uniform negatives per positive and side (chunk of {min(args.batch_size, args.negatives)}), "
-          f"lr {args.lr}, {args.epochs} epochs, {args.threads} threads, CPU: {cpu_model()}, load average at the end {loadavg()}\n")
-    print("| system | positive edges/s (median epoch) | mean | train s (sum of epochs) | process wall s | filtered MRR | Hits@10 | load avg after |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['system']} | {r['edges_per_sec_median']:.0f} | {r['edges_per_sec_mean']:.0f} | {r['train_s']:.1f} "
-              f"| {r['wall_s']:.1f} | {r['mrr']:.4f} | {r['hits_at_10']:.4f} | {r['load']} |")
-    if len(rows) == 2:
-        print(f"\nLegend / PBG throughput: {rows[0]['edges_per_sec_median'] / rows[1]['edges_per_sec_median']:.2f}x")
+          f"lr {args.lr}, {args.threads} threads, CPU: {cpu_model()}, load average at the end {loadavg()}\n")
+    print("| system | positive edges/s, median epoch (first epoch of each run left out) | min – max | epochs (runs) "
+          f"| {args.epochs}-epoch run: train s | filtered MRR | Hits@10 |")
+    print("|---|---|---|---|---|---|---|")
+    summary = {}
+    for system in dict.fromkeys(r["system"] for r in runs):
+        mine = [r for r in runs if r["system"] == system]
+        # Each run's first epoch is left out (PBG's includes starting its worker processes).
+        rates = [x for r in mine for x in r["epoch_rates"][1:]]
+        q = next((r for r in mine if r["tag"] == "quality"), None)
+        summary[system] = float(np.median(rates))
+        print(f"| {system} | {np.median(rates):.0f} | {min(rates):.0f} – {max(rates):.0f} | {len(rates)} ({len(mine)}) "
+              f"| {q['train_s']:.1f} | {q['mrr']:.4f} | {q['hits_at_10']:.4f} |" if q else "| – | – | – |")
+    if len(summary) == 2:
+        a, b = summary.values()
+        print(f"\nLegend / PBG throughput (medians): {a / b:.2f}x")
+    print("\nRuns (per-epoch positive edges/s):")
+    for r in runs:
+        print(f"  {r['system']} {r['tag']}: " + ", ".join(f"{x:.0f}" for x in r["epoch_rates"])
+              + f"  (load after {r['load_after']})")
     print("\nCommands:")
-    for r in rows:
-        print(f"  {r['command']}")
-    (work / "pbg-results.json").write_text(json.dumps({"rows": rows, "cpu": cpu_model()}, indent=1))
+    for r in runs:
+        if r["tag"] == "quality":
+            print(f"  {r['command']}")
+    (work / "pbg-results.json").write_text(json.dumps({"runs": runs, "cpu": cpu_model()}, indent=1))
 
 
 if __name__ == "__main__":

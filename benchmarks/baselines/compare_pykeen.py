@@ -30,6 +30,7 @@ def legend_settings(epochs: int, negatives: int, args) -> list[str]:
         "model.decoder=complex",
         f"model.dim={args.dim}",
         "model.loss=softmax_ce",
+        "model.relation_init=identity",
         f"training.num_epochs={epochs}",
         f"training.batch_size={args.batch_size}",
         "training.negatives.num_chunks=1",
