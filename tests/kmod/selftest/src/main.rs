@@ -5,6 +5,8 @@
 //! - `verify-image PATH` (host, after the guest ran): checks the blocks the guest wrote;
 //! - `guest` (in QEMU): the ioctl, I/O, bad-input, fuzz and cleanup tests;
 //! - `unbind BDF` (in QEMU): unbind and rebind with an open file descriptor and live queue;
+//! - `legendctl BDF` (in QEMU, controller bound to `nvme`): `legendctl device list|bind|info|
+//!   health|unbind` spawned from `/bin/legendctl`, a round trip back to `nvme` (see `legendctl.rs`);
 //! - `bind BDF` (in QEMU, controller bound to `nvme`): `legend-nvme`'s `Sysfs::list` and
 //!   `Sysfs::bind`, refused while the namespace is open, then forced;
 //! - `gpu` (in QEMU, with the `nv_p2p_fake` test double of NVIDIA's P2P API loaded): GPU
@@ -26,6 +28,8 @@ use std::{
 use legend_nvme::Sysfs;
 use legend_uapi as uapi;
 
+mod legendctl;
+
 const BLOCK: usize = 512;
 const PAGE: usize = 4096;
 /// First LBA the guest writes (seed 1); the host checks these after the run.
@@ -34,6 +38,14 @@ const WRITE_BASE: u64 = 4096;
 const WRITE_SPAN: u64 = 256;
 const QUEUES: u64 = 4;
 const DEV: &str = "/dev/legend-nvme0";
+/// What QEMU's `-device nvme` emulates (with the runner's serial and image size in the
+/// environment): checked through the ioctl by `info` and through `legendctl` by `legendctl-info`.
+const QEMU_MODEL: &str = "QEMU NVMe Ctrl";
+const QEMU_MQES: u32 = 2048;
+const QEMU_DOORBELL_STRIDE: u32 = 4;
+const QEMU_PCI_ID: (u16, u16) = (0x1b36, 0x0010);
+/// The CLI under test, built statically by the runner.
+const LEGENDCTL: &str = "/bin/legendctl";
 
 type TestResult = Result<(), String>;
 type Test = fn() -> TestResult;
@@ -343,16 +355,16 @@ fn test_info() -> TestResult {
     check(info.abi_version == uapi::ABI_VERSION, || {
         format!("abi {}", info.abi_version)
     })?;
-    check(trimmed(&info.model) == "QEMU NVMe Ctrl", || {
+    check(trimmed(&info.model) == QEMU_MODEL, || {
         format!("model {:?}", trimmed(&info.model))
     })?;
     check(trimmed(&info.serial) == expect_env("LEGEND_SERIAL"), || {
         format!("serial {:?}", trimmed(&info.serial))
     })?;
-    check(info.max_queue_entries == 2048, || {
+    check(info.max_queue_entries == QEMU_MQES, || {
         format!("mqes {}", info.max_queue_entries)
     })?;
-    check(info.doorbell_stride == 4, || {
+    check(info.doorbell_stride == QEMU_DOORBELL_STRIDE, || {
         format!("stride {}", info.doorbell_stride)
     })?;
     check(info.queue_pairs >= QUEUES as u32, || {
@@ -1231,7 +1243,7 @@ fn test_device_list(bdf: &str) -> TestResult {
     check(
         c.bdf == bdf
             && c.driver.as_deref() == Some("nvme")
-            && c.id == (0x1b36, 0x0010)
+            && c.id == QEMU_PCI_ID
             && c.block_devices == ["nvme0n1"]
             && c.char_device.is_none(),
         || format!("{c:?}"),
@@ -1355,6 +1367,7 @@ fn main() {
             }
         }
         "unbind" => report("unbind-rebind-open-fd", test_unbind(&arg(2))),
+        "legendctl" => legendctl::run(&arg(2)),
         "bind" => {
             report("device-list", test_device_list(&arg(2)));
             report("bind-refused-in-use-then-forced", test_bind_in_use(&arg(2)));
@@ -1376,7 +1389,7 @@ fn main() {
         "handback" => report("unbind-to-nvme-and-rebind", test_handback(&arg(2))),
         _ => {
             eprintln!(
-                "usage: legend-kmod-selftest gen-image PATH BLOCKS | verify-image PATH | guest | unbind BDF | bind BDF | handback BDF | gpu"
+                "usage: legend-kmod-selftest gen-image PATH BLOCKS | verify-image PATH | guest | unbind BDF | legendctl BDF | bind BDF | handback BDF | gpu"
             );
             std::process::exit(2);
         }
