@@ -20,9 +20,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::error::{DatasetError, IoContext, Result, invalid};
+use crate::error::{DatasetError, IoContext, Result};
 use crate::import::{UNTYPED_RELATION, write_synced};
 use crate::meta::{DatasetMeta, FORMAT_VERSION, Split, SplitCounts};
+use crate::staging::{Staging, check_new_output};
 use crate::{EDGES_DIR, ENTITIES_FILE, Edge, RELATIONS_FILE, edge_file};
 
 /// Edges per block: the unit of parallel work and of random streams. Changing it changes the
@@ -167,12 +168,7 @@ pub struct GenerateSummary {
 pub fn generate(options: &GenerateOptions, out: &Path) -> Result<GenerateSummary> {
     let started = Instant::now();
     options.check()?;
-    if out.exists() {
-        return Err(invalid(
-            out,
-            "already exists; remove it or choose another output directory",
-        ));
-    }
+    check_new_output(out)?;
     let counts = options.counts();
     let bar = progress_bar(options);
     let model = Model::new(options);
@@ -185,21 +181,8 @@ pub fn generate(options: &GenerateOptions, out: &Path) -> Result<GenerateSummary
     }
     let generate_seconds = started.elapsed().as_secs_f64();
 
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
-        _ => PathBuf::from("."),
-    };
-    let name = out
-        .file_name()
-        .ok_or_else(|| invalid(out, "not a usable directory name"))?
-        .to_string_lossy()
-        .into_owned();
-    std::fs::create_dir_all(&parent).at(&parent)?;
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}.generating-"))
-        .tempdir_in(&parent)
-        .at(&parent)?;
-    let dir = tmp.path();
+    let staging = Staging::new(out, "generating")?;
+    let dir = staging.dir();
     let edges_dir = dir.join(EDGES_DIR);
     std::fs::create_dir(&edges_dir).at(&edges_dir)?;
     let mut checksums = SplitCounts::default();
@@ -237,17 +220,10 @@ pub fn generate(options: &GenerateOptions, out: &Path) -> Result<GenerateSummary
         unseen_kept: 0,
     };
     meta.write(dir)?;
-    File::open(&edges_dir)
-        .and_then(|d| d.sync_all())
-        .at(&edges_dir)?;
-    File::open(dir).and_then(|d| d.sync_all()).at(dir)?;
     if options.cancelled() {
         return Err(DatasetError::Interrupted);
     }
-    std::fs::rename(dir, out).at(out)?;
-    // The directory now lives at `out`; keep TempDir from deleting it.
-    let _ = tmp.keep();
-    File::open(&parent).and_then(|d| d.sync_all()).at(&parent)?;
+    staging.publish()?;
     Ok(GenerateSummary {
         output: out.to_owned(),
         entities: options.nodes,

@@ -22,6 +22,7 @@ use serde::Serialize;
 use crate::error::{DatasetError, IoContext, Result, invalid};
 use crate::marius;
 use crate::meta::{DatasetMeta, FORMAT_VERSION, Split, SplitCounts};
+use crate::staging::{Staging, check_new_output};
 use crate::text::{Columns, Delimiter, LineReader, parse_fields};
 use crate::{EDGES_DIR, ENTITIES_FILE, Edge, RELATIONS_FILE, edge_file};
 
@@ -153,12 +154,7 @@ pub(crate) struct RawGraph {
 /// `out` must not exist. On any error, or when cancelled, nothing is left behind.
 pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
     let started = Instant::now();
-    if out.exists() {
-        return Err(invalid(
-            out,
-            "already exists; remove it or choose another output directory",
-        ));
-    }
+    check_new_output(out)?;
     let (raw, sources) = match &options.input {
         ImportInput::Marius { dir } => (marius::read(dir)?, vec![dir.display().to_string()]),
         ImportInput::Files { train, valid, test } => {
@@ -192,26 +188,10 @@ pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
     };
     check_cancel(options)?;
     let graph = finish(raw, options)?;
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
-        _ => PathBuf::from("."),
-    };
-    let name = out
-        .file_name()
-        .ok_or_else(|| invalid(out, "not a usable directory name"))?
-        .to_string_lossy()
-        .into_owned();
-    std::fs::create_dir_all(&parent).at(&parent)?;
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}.importing-"))
-        .tempdir_in(&parent)
-        .at(&parent)?;
-    let meta = graph.write(tmp.path(), options.seed, sources)?;
+    let staging = Staging::new(out, "importing")?;
+    let meta = graph.write(staging.dir(), options.seed, sources)?;
     check_cancel(options)?;
-    std::fs::rename(tmp.path(), out).at(out)?;
-    // The directory now lives at `out`; keep TempDir from deleting it.
-    let _ = tmp.keep();
-    File::open(&parent).and_then(|d| d.sync_all()).at(&parent)?;
+    staging.publish()?;
     Ok(ImportSummary {
         output: out.to_owned(),
         entities: meta.entities,
@@ -460,10 +440,6 @@ impl FinalGraph {
             unseen_kept: self.unseen_kept,
         };
         meta.write(dir)?;
-        File::open(&edges_dir)
-            .and_then(|d| d.sync_all())
-            .at(&edges_dir)?;
-        File::open(dir).and_then(|d| d.sync_all()).at(dir)?;
         Ok(meta)
     }
 }

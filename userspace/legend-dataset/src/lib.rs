@@ -18,6 +18,7 @@ mod generate;
 mod import;
 mod marius;
 mod meta;
+mod staging;
 mod text;
 
 use std::path::{Path, PathBuf};

@@ -1,36 +1,11 @@
 //! End-to-end tests of `legendctl` on a generated knowledge graph: import, partition, plan,
 //! train, eval, export and resume, and the errors of each.
 
+mod common;
+
+use common::{fails, json, ok, s};
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn legendctl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_legendctl"))
-        .args(args)
-        .env("LEGEND_LOG", "warn")
-        .output()
-        .expect("running legendctl")
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = legendctl(args);
-    assert!(
-        out.status.success(),
-        "legendctl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn fails(args: &[&str], needle: &str) {
-    let out = legendctl(args);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "legendctl {args:?} should fail");
-    assert!(
-        err.contains(needle),
-        "legendctl {args:?}: {err:?} lacks {needle:?}"
-    );
-}
 
 /// A graph with structure to learn: entity i relates to (i + r + 1) mod n by relation r.
 fn graph(dir: &Path) -> PathBuf {
@@ -65,14 +40,6 @@ fn graph(dir: &Path) -> PathBuf {
         &d("test.tsv"),
     ]);
     ds
-}
-
-fn json(line: &str) -> serde_json::Value {
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
-}
-
-fn s(p: &Path) -> String {
-    p.display().to_string()
 }
 
 #[test]

@@ -1,41 +1,12 @@
 //! End-to-end tests of `legendctl generate` and `legendctl report`.
 
+mod common;
+
+use common::{fails, ok, s};
+
 use std::path::Path;
-use std::process::{Command, Output};
 
 use legend_dataset::{Dataset, Split};
-
-fn legendctl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_legendctl"))
-        .args(args)
-        .env("LEGEND_LOG", "warn")
-        .output()
-        .expect("running legendctl")
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = legendctl(args);
-    assert!(
-        out.status.success(),
-        "legendctl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn fails(args: &[&str], needle: &str) {
-    let out = legendctl(args);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "legendctl {args:?} should fail");
-    assert!(
-        err.contains(needle),
-        "legendctl {args:?}: {err:?} lacks {needle:?}"
-    );
-}
-
-fn s(p: &Path) -> String {
-    p.display().to_string()
-}
 
 #[test]
 fn generate_writes_a_reproducible_dataset_and_refuses_bad_arguments() {

@@ -1,34 +1,12 @@
 //! The `file` backend end to end: equality with the in-memory run, swap counts, crash safety
 //! under SIGKILL, refusals, and peak memory.
 
+mod common;
+
+use common::{bin, legendctl as run, ok, s};
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_legendctl")
-}
-
-fn run(args: &[&str]) -> std::process::Output {
-    Command::new(bin())
-        .args(args)
-        .env("LEGEND_LOG", "warn")
-        .output()
-        .unwrap()
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = run(args);
-    assert!(
-        out.status.success(),
-        "legendctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn s(p: &Path) -> String {
-    p.display().to_string()
-}
 
 /// A knowledge graph of `n` entities written as TSV and imported (no valid/test split when
 /// `eval` is false, so that training skips the final ranking).

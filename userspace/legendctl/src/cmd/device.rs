@@ -145,7 +145,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         DeviceCommand::Info { device } => {
             let info = Device::open(&device)?.info()?;
-            let namespaces = info.namespaces[..info.num_namespaces as usize]
+            // Never trust the count beyond the array the ABI defines.
+            let count = (info.num_namespaces as usize).min(info.namespaces.len());
+            let namespaces = info.namespaces[..count]
                 .iter()
                 .map(|n| NamespaceView {
                     nsid: n.nsid,

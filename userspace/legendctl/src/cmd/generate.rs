@@ -1,10 +1,7 @@
 //! `legendctl generate`.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
-use anyhow::Context;
 use legend_dataset::{GenerateOptions, generate};
 
 /// Arguments of `legendctl generate`.
@@ -26,7 +23,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Fractions of train, valid and test edges.
-    #[arg(long, value_name = "FRACTIONS", default_value = "0.9,0.05,0.05", value_parser = parse_fractions)]
+    #[arg(long, value_name = "FRACTIONS", default_value = "0.9,0.05,0.05", value_parser = super::parse_fractions)]
     split: [f64; 3],
     /// Print a JSON summary on stdout.
     #[arg(long)]
@@ -36,22 +33,8 @@ pub struct Args {
     out: PathBuf,
 }
 
-fn parse_fractions(s: &str) -> Result<[f64; 3], String> {
-    let parts: Vec<f64> = s
-        .split(',')
-        .map(|p| p.trim().parse::<f64>().map_err(|e| format!("{p:?}: {e}")))
-        .collect::<Result<_, _>>()?;
-    <[f64; 3]>::try_from(parts)
-        .map_err(|p| format!("expected three fractions train,valid,test, got {}", p.len()))
-}
-
 pub fn run(args: Args) -> anyhow::Result<()> {
-    // A signal only raises a flag, so the temporary directory is removed and nothing is left.
-    let cancel = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, cancel.clone())
-            .context("installing a signal handler")?;
-    }
+    let cancel = super::cancel_on_signals()?;
     let options = GenerateOptions {
         nodes: args.nodes,
         edges: args.edges,

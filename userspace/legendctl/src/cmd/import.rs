@@ -1,10 +1,8 @@
 //! `legendctl import`.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use legend_dataset::{Columns, Delimiter, ImportInput, ImportOptions, import};
 
 /// Arguments of `legendctl import`.
@@ -24,7 +22,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE", requires = "train")]
     test: Option<PathBuf>,
     /// Split FILEs at random into train,valid,test by these fractions, e.g. 0.9,0.05,0.05.
-    #[arg(long, value_name = "FRACTIONS", value_parser = parse_fractions, requires = "files", conflicts_with = "marius")]
+    #[arg(long, value_name = "FRACTIONS", value_parser = super::parse_fractions, requires = "files", conflicts_with = "marius")]
     split: Option<[f64; 3]>,
     /// A directory preprocessed by Marius (dataset.yaml, edges/*_edges.bin).
     #[arg(long, value_name = "DIR")]
@@ -49,15 +47,6 @@ pub struct Args {
     files: Vec<PathBuf>,
 }
 
-fn parse_fractions(s: &str) -> Result<[f64; 3], String> {
-    let parts: Vec<f64> = s
-        .split(',')
-        .map(|p| p.trim().parse::<f64>().map_err(|e| format!("{p:?}: {e}")))
-        .collect::<Result<_, _>>()?;
-    <[f64; 3]>::try_from(parts)
-        .map_err(|p| format!("expected three fractions train,valid,test, got {}", p.len()))
-}
-
 pub fn run(args: Args) -> anyhow::Result<()> {
     let input = match (args.train, args.split, args.marius) {
         (Some(train), None, None) => {
@@ -77,13 +66,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, None, Some(dir)) => ImportInput::Marius { dir },
         _ => bail!("give exactly one of --train, --split or --marius"),
     };
-    // A signal only raises a flag: the importer stops at its next check and removes its
-    // temporary directory, so an interrupted import leaves nothing behind.
-    let cancel = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, cancel.clone())
-            .context("installing a signal handler")?;
-    }
+    let cancel = super::cancel_on_signals()?;
     let options = ImportOptions {
         input,
         delimiter: args.delimiter,

@@ -11,6 +11,10 @@ pub mod report;
 pub mod train;
 
 use std::io::Write;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use anyhow::Context;
 
 use serde::Serialize;
 
@@ -20,4 +24,25 @@ pub fn print_json(value: &impl Serialize) -> anyhow::Result<()> {
     serde_json::to_writer(&mut out, value)?;
     writeln!(out)?;
     Ok(())
+}
+
+/// A flag raised by SIGINT/SIGTERM instead of dying, so that import and generate stop at their
+/// next check and remove their temporary directory: an interrupted command leaves nothing.
+pub fn cancel_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, cancel.clone())
+            .context("installing a signal handler")?;
+    }
+    Ok(cancel)
+}
+
+/// Parses `train,valid,test` fractions such as `0.9,0.05,0.05` (checked further by the library).
+pub fn parse_fractions(s: &str) -> Result<[f64; 3], String> {
+    let parts: Vec<f64> = s
+        .split(',')
+        .map(|p| p.trim().parse::<f64>().map_err(|e| format!("{p:?}: {e}")))
+        .collect::<Result<_, _>>()?;
+    <[f64; 3]>::try_from(parts)
+        .map_err(|p| format!("expected three fractions train,valid,test, got {}", p.len()))
 }
