@@ -302,7 +302,7 @@ fn bad_configurations_are_refused_and_leave_nothing() {
             "--set",
             "storage.device=cuda:0",
         ],
-        "storage.device",
+        "cuda",
     );
     fails(
         &[
