@@ -99,6 +99,9 @@ impl MiscDevice for OpenFile {
                     UserSlice::new(UserPtr::from_addr(args.bus_addrs as usize), bus.len() * 8);
                 let written = out.writer().write_slice(<[u64] as AsBytes>::as_bytes(&bus));
                 if let Err(e) = written {
+                    // Undone like an UNMAP: refused (`EBUSY`) while the file has a queue pair,
+                    // since part of the addresses may have reached the caller before the fault.
+                    // The mapping then stays with the file and is released when it is closed.
                     let _ = ctrl.unmap(owner, handle);
                     return Err(e);
                 }

@@ -140,8 +140,6 @@ struct Mapping {
 struct QueuePair {
     owner: Owner,
     qid: u32,
-    sq_handle: u32,
-    cq_handle: u32,
 }
 
 /// A file with a doorbell mapping; its pointer is valid while the file is open, and the file
@@ -582,9 +580,19 @@ impl Controller {
 
     /// Releases mapping `handle` of `owner`.
     ///
+    /// Refused while `owner` has any queue pair, not only one whose SQ or CQ lies in the mapping:
+    /// commands already submitted may carry PRPs (data buffers, PRP lists) that point into any of
+    /// the owner's mappings, and the driver never sees them, so it cannot tell which memory the
+    /// controller may still write. Deleting the queue pairs is what stops that: Delete I/O SQ
+    /// completes only after the controller has completed or aborted the SQ's commands. The
+    /// alternative, deleting the owner's queues here before unmapping, would silently tear down
+    /// queues the process is still polling; refusing changes nothing and tells it to delete
+    /// them first. A mapping NVIDIA already freed ([`Revoker::revoke`], which deleted the owner's
+    /// queues at that time) holds nothing the device could reach, and may always be forgotten.
+    ///
     /// # Errors
     ///
-    /// `ENOENT` if `owner` has no such mapping, `EBUSY` while a queue pair uses it.
+    /// `ENOENT` if `owner` has no such mapping, `EBUSY` while `owner` has a queue pair.
     pub(crate) fn unmap(&self, owner: Owner, handle: u32) -> Result {
         let m = self.take_mapping(owner, handle)?;
         // Dropped here, after the state lock is released.
@@ -599,11 +607,7 @@ impl Controller {
             .iter()
             .position(|m| m.owner == owner && m.handle == handle)
             .ok_or(ENOENT)?;
-        if state
-            .queues
-            .iter()
-            .any(|q| q.sq_handle == handle || q.cq_handle == handle)
-        {
+        if !state.maps[i].revoked && state.queues.iter().any(|q| q.owner == owner) {
             return Err(EBUSY);
         }
         let m = state.maps.remove(i)?;
@@ -734,8 +738,6 @@ impl Controller {
             QueuePair {
                 owner,
                 qid: args.qid,
-                sq_handle: args.sq_handle,
-                cq_handle: args.cq_handle,
             },
             GFP_KERNEL,
         )?;

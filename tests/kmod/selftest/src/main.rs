@@ -583,11 +583,65 @@ fn test_sysfs_counters() -> TestResult {
     })
 }
 
+/// UNMAP of a data buffer while the file has a live queue pair is refused and changes nothing
+/// (the queue keeps working, nothing is unpinned); after DELETE_QUEUE_PAIR it succeeds.
+fn test_unmap_live_queue() -> TestResult {
+    let [q0, b0, _] = counters()?;
+    check(q0 == 0 && b0 == 0, || {
+        format!("idle controller: {q0} queue pairs, {b0} bytes pinned")
+    })?;
+    let dev = Dev::open()?;
+    let info = dev.info()?;
+    let db = dev.doorbells(info.doorbell_len as usize)?;
+    let mut data = Buf::new(&dev, 2 * PAGE)?;
+    let mut q = Queue::create(&dev, 1, 16, db.ptr)?;
+    let st = q.rw(2, 100, 8, &data, 0)?;
+    check(st == 0, || format!("read status {st:#x}"))?;
+    let pinned = 4 * PAGE as u64;
+    for h in [data.handle, q.mem.handle] {
+        check(unmap(&dev, h) == Err(libc::EBUSY), || {
+            format!("UNMAP {h} with a live queue pair not refused with EBUSY")
+        })?;
+    }
+    let [queues, bytes, _] = counters()?;
+    check(queues == 1 && bytes == pinned, || {
+        format!(
+            "after refused UNMAPs: {queues} queue pairs, {bytes} bytes pinned, want 1, {pinned}"
+        )
+    })?;
+    // Still mapped: the buffer takes DMA and the data arrives.
+    data.slice().fill(0);
+    let st = q.rw(2, 100, 8, &data, 1)?;
+    check(st == 0, || {
+        format!("read after refused UNMAP: status {st:#x}")
+    })?;
+    check(
+        &data.slice()[PAGE..][..BLOCK] == pattern(100, 0).as_slice(),
+        || "read after refused UNMAP: wrong data".into(),
+    )?;
+    dev.ioctl(
+        uapi::IOCTL_DELETE_QUEUE_PAIR,
+        &mut uapi::DeleteQueuePairArgs { qid: 1, flags: 0 },
+    )
+    .map_err(|e| format!("DELETE: errno {e}"))?;
+    unmap(&dev, data.handle).map_err(|e| format!("UNMAP after DELETE: errno {e}"))?;
+    let [queues, bytes, _] = counters()?;
+    check(queues == 0 && bytes == 2 * PAGE as u64, || {
+        format!("after DELETE and UNMAP: {queues} queue pairs, {bytes} bytes pinned")
+    })?;
+    unmap(&dev, q.mem.handle).map_err(|e| format!("UNMAP queue memory: errno {e}"))?;
+    let [_, bytes, _] = counters()?;
+    check(bytes == 0, || format!("{bytes} bytes still pinned"))
+}
+
 fn test_bad_inputs() -> TestResult {
     let dev = Dev::open()?;
     let other = Dev::open()?;
     let info = dev.info()?;
     let good = Buf::new(&dev, 4 * PAGE)?;
+    // A data buffer no queue lives in: its UNMAP is refused while any queue pair of the file
+    // lives (commands may still point into it).
+    let data = Buf::new(&dev, PAGE)?;
     let mut bus = vec![0u64; 1 << 20];
     let busp = bus.as_mut_ptr() as u64;
     let map = |addr: u64, len: u64, cap: u32, kind: u32, flags: u32| uapi::MapArgs {
@@ -800,6 +854,17 @@ fn test_bad_inputs() -> TestResult {
             uapi::IOCTL_UNMAP,
             &mut uapi::UnmapArgs {
                 handle: good.handle,
+                flags: 0,
+            },
+        ),
+        libc::EBUSY,
+    );
+    expect(
+        "UNMAP data buffer with a live queue pair",
+        dev.ioctl(
+            uapi::IOCTL_UNMAP,
+            &mut uapi::UnmapArgs {
+                handle: data.handle,
                 flags: 0,
             },
         ),
@@ -1078,12 +1143,27 @@ fn test_gpu_persistent() -> TestResult {
             || format!("block {i} did not travel through the GPU pages"),
         )?;
     }
+    check(unmap(&dev, h) == Err(libc::EBUSY), || {
+        "UNMAP GPU with a live queue pair not refused".into()
+    })?;
+    check(fake_get("pinned")? == 1, || {
+        "refused UNMAP dropped the pin".into()
+    })?;
+    dev.ioctl(
+        uapi::IOCTL_DELETE_QUEUE_PAIR,
+        &mut uapi::DeleteQueuePairArgs {
+            qid: q.qid,
+            flags: 0,
+        },
+    )
+    .map_err(|e| format!("DELETE: errno {e}"))?;
     unmap(&dev, h).map_err(|e| format!("UNMAP GPU: errno {e}"))?;
     check(fake_get("pinned")? == 0, || "UNMAP kept the pin".into())
 }
 
 /// Callback mode: NVIDIA frees the memory under a live queue; the driver deletes the owner's
-/// queues before the callback returns, refuses the mapping afterwards, and UNMAP still works.
+/// queues before the callback returns, refuses the mapping afterwards, and UNMAP still works
+/// (even with a queue pair created since).
 fn test_gpu_free_callback() -> TestResult {
     let base = fake_get("va_base")?;
     fake_set("persistent", "0")?;
@@ -1114,7 +1194,9 @@ fn test_gpu_free_callback() -> TestResult {
         dev.ioctl(uapi::IOCTL_CREATE_QUEUE_PAIR, &mut args) == Err(libc::ENXIO),
         || "queue in revoked GPU memory not refused with ENXIO".into(),
     )?;
-    unmap(&dev, h).map_err(|e| format!("UNMAP after revoke: errno {e}"))?;
+    // Freed memory holds nothing the device could reach: UNMAP is allowed with a live queue.
+    let _q2 = Queue::create(&dev, 2, 16, db.ptr)?;
+    unmap(&dev, h).map_err(|e| format!("UNMAP after revoke, with a live queue: errno {e}"))?;
     fake_set("persistent", "1")
 }
 
@@ -1348,13 +1430,14 @@ fn main() {
         }
         "verify-image" => report("image-contents", verify_image(&arg(2))),
         "guest" => {
-            let tests: [(&str, Test); 9] = [
+            let tests: [(&str, Test); 10] = [
                 ("info", test_info),
                 ("sysfs-counters", test_sysfs_counters),
                 ("admin-passthrough", test_admin),
                 ("map-host", test_map),
                 ("io-read-write", test_io),
                 ("io-concurrent-queues", test_concurrent),
+                ("unmap-refused-with-live-queue", test_unmap_live_queue),
                 ("bad-inputs", test_bad_inputs),
                 ("fuzz", test_fuzz),
                 ("process-death-cleanup", test_process_death),
