@@ -276,7 +276,8 @@ impl Device {
     ///
     /// # Errors
     ///
-    /// [`Error::Ioctl`] (`ENOENT`, `EBUSY` while a queue pair uses it).
+    /// [`Error::Ioctl`] (`ENOENT`; `EBUSY` while this file has any queue pair: delete the queues,
+    /// which waits for their outstanding commands, before unmapping memory they may use).
     pub fn unmap(&self, handle: u32) -> Result<()> {
         self.ioctl(
             "UNMAP",
