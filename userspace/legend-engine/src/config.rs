@@ -205,8 +205,11 @@ impl Config {
                 .ok_or_else(|| ConfigError(format!("--set {o:?}: expected section.key=value")))?;
             set_dotted(&mut table, key.trim(), parse_value(value.trim()))?;
         }
-        let config: Config = Config::deserialize(toml::Value::Table(table))
-            .map_err(|e| ConfigError(format!("invalid configuration: {}", e.message())))?;
+        // Deserialize from text, not from the table, so that an error carries a position from
+        // which the offending key can be named.
+        let resolved = toml::to_string(&table).expect("a TOML table always serializes");
+        let config: Config =
+            toml::from_str(&resolved).map_err(|e| ConfigError(name_key(&resolved, &e)))?;
         config.validate()?;
         Ok(config)
     }
@@ -377,6 +380,33 @@ impl Config {
             ));
         }
         Ok(())
+    }
+}
+
+/// `section.key: message` for a deserialization error in `text`, found from the error's span.
+fn name_key(text: &str, e: &toml::de::Error) -> String {
+    let key = e.span().and_then(|span| {
+        let line_start = text[..span.start.min(text.len())]
+            .rfind('\n')
+            .map_or(0, |i| i + 1);
+        let line = text[line_start..].lines().next()?.trim();
+        if let Some(header) = line.strip_prefix('[') {
+            return Some(header.trim_end_matches(']').to_owned());
+        }
+        let key = line.split('=').next()?.trim();
+        let section = text[..line_start]
+            .lines()
+            .rev()
+            .find_map(|l| l.trim().strip_prefix('['))
+            .map(|h| h.trim_end_matches(']'));
+        Some(match section {
+            Some(section) => format!("{section}.{key}"),
+            None => key.to_owned(),
+        })
+    });
+    match key {
+        Some(key) => format!("{key}: {}", e.message()),
+        None => format!("invalid configuration: {}", e.message()),
     }
 }
 
