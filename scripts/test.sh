@@ -27,7 +27,7 @@ stage() {
 
 stage fmt cargo fmt --all --check
 stage clippy cargo clippy --workspace --all-targets --locked -- -D warnings
-stage cargo-test cargo test --workspace --locked
+stage cargo-test cargo test --workspace --locked --no-fail-fast
 stage kmod-selftests tests/kmod/run
 if [ -x scripts/gpu/nvrtc-check.sh ]; then
   stage nvrtc-compile scripts/gpu/nvrtc-check.sh
