@@ -23,4 +23,6 @@ echo "== legend-cuda batch benchmark"
 "$bin/batch_bench" "$out/bench.jsonl" 2>&1 | tee "$out/bench.log" || status=1
 echo "== PyTorch batch and summary"
 PYTHONUNBUFFERED=1 python3 "$root/scripts/gpu/torch_batch.py" "$out/bench.jsonl" 2>&1 | tee "$out/summary.log" || status=1
+echo "== legendctl train on the GPU (scripts/gpu/train-bench.sh)"
+bash "$root/scripts/gpu/train-bench.sh" || status=1
 exit $status

@@ -114,6 +114,24 @@ impl DeviceTable {
         })
     }
 
+    /// A table of `rows` zero rows (a partition buffer's slots, filled by
+    /// [`DeviceTable::write_rows`]).
+    pub fn zeros(gpu: &Gpu, rows: usize, dim: usize) -> Result<Self, GpuError> {
+        if dim == 0 {
+            return Err(GpuError::Shape("a table of dim 0".into()));
+        }
+        Ok(DeviceTable {
+            rows,
+            dim,
+            emb: gpu.zeros(rows * dim)?,
+            state: gpu.zeros(rows * dim)?,
+            grad: gpu.zeros(rows * dim)?,
+            flags: gpu.zeros(rows)?,
+            list: gpu.zeros(rows)?,
+            count: gpu.zeros(1)?,
+        })
+    }
+
     /// A table of `rows` rows initialised on the device by the counter-based hash of
     /// legend-model's `fill_row` (row `i` is global row `first_row + i` of `table`), with a
     /// zero AdaGrad state.
@@ -173,6 +191,53 @@ impl DeviceTable {
     /// Host copies of the embeddings and the state (waits for the device).
     pub fn download(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
         Ok((gpu.download(&self.emb)?, gpu.download(&self.state)?))
+    }
+
+    /// Copies `emb` and `state` (the same length, whole rows) into the table from row
+    /// `row0` on, stream-ordered (for loading a partition into a slot).
+    pub fn write_rows(
+        &mut self,
+        gpu: &Gpu,
+        row0: usize,
+        emb: &[f32],
+        state: &[f32],
+    ) -> Result<(), GpuError> {
+        let span = self.span(row0, emb.len(), state.len())?;
+        let s = gpu.stream();
+        s.memcpy_htod(emb, &mut self.emb.slice_mut(span.clone()))
+            .during("copying rows to the device")?;
+        s.memcpy_htod(state, &mut self.state.slice_mut(span))
+            .during("copying rows to the device")
+    }
+
+    /// Copies rows from `row0` on into `emb` and `state` (the same length, whole rows),
+    /// after the work queued so far (for writing a slot back to its partition).
+    pub fn read_rows(
+        &self,
+        gpu: &Gpu,
+        row0: usize,
+        emb: &mut [f32],
+        state: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let span = self.span(row0, emb.len(), state.len())?;
+        let s = gpu.stream();
+        s.memcpy_dtoh(&self.emb.slice(span.clone()), emb)
+            .during("copying rows from the device")?;
+        s.memcpy_dtoh(&self.state.slice(span), state)
+            .during("copying rows from the device")?;
+        s.synchronize().during("copying rows from the device")
+    }
+
+    /// The float range of `len` floats (and `state_len` of state) from row `row0`.
+    fn span(&self, row0: usize, len: usize, state_len: usize) -> Result<Range<usize>, GpuError> {
+        let start = row0 * self.dim;
+        if len != state_len || !len.is_multiple_of(self.dim) || start + len > self.rows * self.dim {
+            return Err(GpuError::Shape(format!(
+                "{len} floats ({state_len} of state) from row {row0} of a {}×{} table",
+                self.rows, self.dim
+            )));
+        }
+        Ok(start..start + len)
     }
 
     /// The gradients summed by [`GpuBatchEngine::forward_backward`] and not yet applied
@@ -330,6 +395,8 @@ pub struct GpuBatchEngine {
     grad_query: CudaSlice<f32>,
     grad_negs: CudaSlice<f32>,
     loss_sum: CudaSlice<f64>,
+    /// Whether the loss sum runs on over steps (see `set_loss_accumulation`).
+    accumulate_loss: bool,
     /// Stand-ins for the relation table of Dot, which the kernels never dereference.
     no_rel: CudaSlice<f32>,
     no_rel_u32: CudaSlice<u32>,
@@ -424,6 +491,7 @@ impl GpuBatchEngine {
             grad_query: gpu.zeros(group * max_rows * d)?,
             grad_negs: gpu.zeros(group * k * d)?,
             loss_sum: gpu.zeros(1)?,
+            accumulate_loss: false,
             no_rel: gpu.zeros(d)?,
             no_rel_u32: gpu.zeros(1)?,
             slots: None,
@@ -685,7 +753,9 @@ impl GpuBatchEngine {
         }
         self.check_tables(nodes, rels.as_deref())?;
         self.mark(gpu, "(between steps)")?;
-        gpu.clear(&mut self.loss_sum)?;
+        if !self.accumulate_loss {
+            gpu.clear(&mut self.loss_sum)?;
+        }
         let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
         let decoder = decoder_code(self.model.decoder)?;
         let (loss, margin) = loss_code(self.model.loss);
@@ -1004,6 +1074,21 @@ impl GpuBatchEngine {
     /// The summed loss of the last forward pass (both sides, all positives); waits for it.
     pub fn loss(&self, gpu: &Gpu) -> Result<f64, GpuError> {
         Ok(gpu.download(&self.loss_sum)?[0])
+    }
+
+    /// Keeps summing the loss over steps (`true`) until [`GpuBatchEngine::take_loss`], instead
+    /// of restarting the sum at every forward pass (`false`, the default): a trainer then reads
+    /// it once an epoch and never waits for a step.
+    pub fn set_loss_accumulation(&mut self, on: bool) {
+        self.accumulate_loss = on;
+    }
+
+    /// The loss summed since the last call (or since accumulation was turned on); waits for
+    /// it and restarts the sum.
+    pub fn take_loss(&mut self, gpu: &Gpu) -> Result<f64, GpuError> {
+        let sum = gpu.download(&self.loss_sum)?[0];
+        gpu.clear(&mut self.loss_sum)?;
+        Ok(sum)
     }
 
     /// Score FLOPs of one step on a full batch: three products (scores, dQ, dN) of

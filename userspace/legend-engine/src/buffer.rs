@@ -366,6 +366,12 @@ impl PartitionBuffer {
     pub fn partition(&self, p: u32) -> Option<&Partition> {
         self.resident[p as usize].as_ref()
     }
+
+    /// A resident partition, writable (a compute engine that keeps the rows elsewhere
+    /// copies them back here before the partition leaves or is read).
+    pub fn partition_mut(&mut self, p: u32) -> Option<&mut Partition> {
+        self.resident[p as usize].as_mut()
+    }
 }
 
 impl Drop for PartitionBuffer {

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use legend_model::{Decoder, Distribution, Init, Loss, RelationInit};
+use legend_model::{Comparator, Decoder, Distribution, Init, Loss, RelationInit};
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration of a training run.
@@ -68,7 +68,7 @@ pub struct StorageConfig {
     /// Let the `file` backend overwrite a target that carries a file system, partition table
     /// or another store.
     pub force: bool,
-    /// `cpu`.
+    /// `cpu`, `cuda:N` (the GPU engine on device N) or `auto` (`cuda:0` when a GPU opens).
     pub device: String,
     /// `legend | beta | sequential`.
     pub order: String,
@@ -89,6 +89,18 @@ impl Default for StorageConfig {
             prefetch: true,
         }
     }
+}
+
+/// Where `storage.device` asks to train.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// The CPU engine.
+    Cpu,
+    /// The GPU engine on CUDA device N.
+    Cuda(usize),
+    /// CUDA device 0 when a driver is present and the device opens (and the configuration
+    /// runs on the GPU), else the CPU.
+    Auto,
 }
 
 /// `[training]`.
@@ -255,6 +267,47 @@ impl Config {
         self.storage.order.parse().expect("validated")
     }
 
+    /// `storage.device`, parsed.
+    pub fn device(&self) -> Result<DeviceChoice, ConfigError> {
+        let d = self.storage.device.as_str();
+        match d {
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "auto" => Ok(DeviceChoice::Auto),
+            _ => d
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceChoice::Cuda)
+                .ok_or_else(|| {
+                    bad(
+                        "storage.device",
+                        format!("unknown device {d:?}: expected cpu, cuda:N or auto"),
+                    )
+                }),
+        }
+    }
+
+    /// Whether the GPU engine can train this configuration; the error names the key it
+    /// cannot run (TransE and filtered negatives train on the CPU only).
+    pub fn cuda_support(&self) -> Result<(), ConfigError> {
+        if self.decoder().comparator() != Comparator::Dot {
+            return Err(bad(
+                "model.decoder",
+                format!(
+                    "{} runs on the CPU only (storage.device = \"cpu\"); the GPU engine \
+                     trains dot, distmult and complex",
+                    self.decoder()
+                ),
+            ));
+        }
+        if self.training.negatives.filtered {
+            return Err(bad(
+                "training.negatives.filtered",
+                "filtered negatives run on the CPU only (storage.device = \"cpu\")",
+            ));
+        }
+        Ok(())
+    }
+
     /// Buffer capacity with 0 resolved to N.
     pub fn capacity(&self) -> u32 {
         match self.storage.buffer_capacity {
@@ -320,14 +373,9 @@ impl Config {
                 ));
             }
         }
-        if s.device != "cpu" {
-            return Err(bad(
-                "storage.device",
-                format!(
-                    "{:?} is not available: this build trains on the CPU only (device = \"cpu\")",
-                    s.device
-                ),
-            ));
+        let device = self.device()?;
+        if device != DeviceChoice::Cpu && device != DeviceChoice::Auto {
+            self.cuda_support()?;
         }
         s.order
             .parse::<legend_planner::Order>()
@@ -492,7 +540,21 @@ mod tests {
                 &["training.negatives.degree_fraction=2"],
                 "training.negatives.degree_fraction",
             ),
-            ("", &["storage.device=\"cuda:0\""], "storage.device"),
+            ("", &["storage.device=\"gpu\""], "storage.device"),
+            ("", &["storage.device=\"cuda:x\""], "storage.device"),
+            (
+                "",
+                &["storage.device=\"cuda:0\"", "model.decoder=transe_l2"],
+                "model.decoder",
+            ),
+            (
+                "",
+                &[
+                    "storage.device=\"cuda:0\"",
+                    "training.negatives.filtered=true",
+                ],
+                "training.negatives.filtered",
+            ),
             ("", &["storage.order=random"], "storage.order"),
             ("", &["evaluation.protocol=raw"], "evaluation.protocol"),
             ("", &["training.batch_size"], "section.key=value"),

@@ -1,13 +1,16 @@
 //! Legend's training engine: configuration, the partition buffer, negative sampling and the
-//! CPU engine that walks the planner's bucket order.
+//! trainer that walks the planner's bucket order, stepping on the CPU or on a CUDA GPU.
 
 pub mod buffer;
+mod compute;
 pub mod config;
+pub mod device;
 pub mod file_store;
 pub mod run;
 pub mod sampler;
 pub mod trainer;
 
 pub use buffer::{IoStats, MemoryStore, Partition, PartitionBuffer, PartitionStore, StoreError};
-pub use config::{Config, ConfigError};
+pub use config::{Config, ConfigError, DeviceChoice};
+pub use device::Device;
 pub use trainer::{EpochReport, Relations, SwapReport, TrainError, Trainer};

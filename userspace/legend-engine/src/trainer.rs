@@ -1,27 +1,29 @@
-//! The CPU engine: walks the planner's bucket order over the partition buffer and trains with
-//! synchronous sparse AdaGrad.
+//! The trainer: walks the planner's bucket order over the partition buffer and trains with
+//! synchronous sparse AdaGrad, on the CPU or on a CUDA GPU (the compute backends).
 //!
-//! A batch of positives from one bucket is split into chunks that share negatives; each chunk is
-//! split further into fixed blocks of rows ([`BLOCK_ROWS`]), the unit of parallel work. Blocks
-//! read a snapshot of the parameters; their gradients are summed in block order and applied
-//! before the next batch, so updates are synchronous and the result depends only on the seed,
-//! never on the thread count.
+//! A batch of positives from one bucket is split into chunks that share negatives. On the CPU
+//! each chunk is split further into fixed blocks of rows ([`BLOCK_ROWS`]), the unit of parallel
+//! work. Blocks read a snapshot of the parameters; their gradients are summed in block order
+//! and applied before the next batch, so updates are synchronous and the result depends only
+//! on the seed, never on the thread count. The GPU draws the same negatives from the same
+//! streams and takes the same steps with TF32 products.
 
 use std::time::Instant;
 
-use legend_dataset::{Buckets, Edge};
-use legend_model::{AdaGrad, Chunk, ChunkModel, ChunkWorkspace, Decoder, Init, Table};
+use legend_dataset::Buckets;
+use legend_model::{AdaGrad, ChunkModel, Decoder, Init, Table};
 use legend_planner::{Bucket, Plan};
-use rayon::prelude::*;
-use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 
 use crate::buffer::{IoStats, PartitionBuffer, StoreError};
-use crate::config::Config;
+use crate::compute::cpu::CpuCompute;
+use crate::compute::cuda::CudaCompute;
+use crate::compute::{ComputeBackend, Step};
+use crate::config::{Config, ConfigError};
+use crate::device::Device;
 use crate::sampler::{NegativeSampler, below, draw, key};
 
-/// Rows of a chunk handled by one parallel task.
-pub const BLOCK_ROWS: usize = 256;
+pub use crate::compute::cpu::BLOCK_ROWS;
 
 /// Relation parameters and their AdaGrad state, always resident.
 #[derive(Clone, Debug, PartialEq)]
@@ -108,21 +110,15 @@ pub struct EpochReport {
 
 /// Training state: parameters, buffer, plan and data.
 pub struct Trainer {
-    model: ChunkModel,
-    optimizer: AdaGrad,
-    dim: usize,
     batch_size: usize,
-    num_chunks: usize,
     negatives: usize,
     prefetch: bool,
     seed: u64,
     buckets: Buckets,
     plan: Plan,
-    sampler: NegativeSampler,
-    known: Option<FxHashSet<Edge>>,
     buffer: PartitionBuffer,
     relations: Relations,
-    pool: rayon::ThreadPool,
+    compute: Box<dyn ComputeBackend>,
 }
 
 /// A training error.
@@ -140,6 +136,20 @@ pub enum TrainError {
         /// The epoch.
         epoch: u32,
     },
+    /// The configuration cannot train on the chosen device.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The CUDA device asked for could not be opened.
+    #[error("storage.device = {device:?}: {error}")]
+    Device {
+        /// `storage.device`.
+        device: String,
+        /// Why.
+        error: legend_cuda::GpuError,
+    },
+    /// The GPU engine failed.
+    #[error("GPU engine: {0}")]
+    Gpu(#[from] legend_cuda::GpuError),
     /// The thread pool could not start.
     #[error("starting {threads} worker threads: {message}")]
     Threads {
@@ -150,25 +160,9 @@ pub enum TrainError {
     },
 }
 
-/// One block of a chunk: its rows and the chunk's negatives.
-struct Block<'a> {
-    edges: &'a [Edge],
-    neg_src: &'a [u32],
-    neg_dst: &'a [u32],
-}
-
-/// Gradients of one block, with the ids they belong to.
-struct BlockGrads {
-    loss: f64,
-    src: Vec<f32>,
-    rel: Vec<f32>,
-    dst: Vec<f32>,
-    neg_src: Vec<f32>,
-    neg_dst: Vec<f32>,
-}
-
 impl Trainer {
-    /// A trainer over `buckets` with `buffer` (nothing resident yet) and starting `relations`.
+    /// A CPU trainer over `buckets` with `buffer` (nothing resident yet) and starting
+    /// `relations`.
     pub fn new(
         config: &Config,
         buckets: Buckets,
@@ -176,48 +170,37 @@ impl Trainer {
         buffer: PartitionBuffer,
         relations: Relations,
     ) -> Result<Trainer, TrainError> {
+        Trainer::on_device(config, buckets, degrees, buffer, relations, Device::Cpu)
+    }
+
+    /// A trainer like [`Trainer::new`] that steps on `device` (see [`Device::open`]).
+    pub fn on_device(
+        config: &Config,
+        buckets: Buckets,
+        degrees: &[u32],
+        buffer: PartitionBuffer,
+        relations: Relations,
+        device: Device,
+    ) -> Result<Trainer, TrainError> {
         let scheme = buckets.scheme();
         let plan = legend_planner::plan(scheme.num_partitions, config.capacity(), config.order())?;
         let t = &config.training;
-        let threads = match t.threads {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            n => n,
+        let compute: Box<dyn ComputeBackend> = match device {
+            Device::Cpu => Box::new(cpu_compute(config, &buckets, degrees)?),
+            Device::Cuda { gpu, .. } => {
+                Box::new(CudaCompute::new(*gpu, config, scheme, degrees, &relations)?)
+            }
         };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("legend-cpu-{i}"))
-            .build()
-            .map_err(|e| TrainError::Threads {
-                threads,
-                message: e.to_string(),
-            })?;
-        let known = t
-            .negatives
-            .filtered
-            .then(|| buckets.edges().iter().copied().collect());
         Ok(Trainer {
-            model: ChunkModel {
-                decoder: config.decoder(),
-                loss: config.loss(),
-                dim: config.model.dim,
-            },
-            optimizer: AdaGrad {
-                lr: t.learning_rate,
-                eps: t.adagrad_eps,
-            },
-            dim: config.model.dim,
             batch_size: t.batch_size,
-            num_chunks: t.negatives.num_chunks,
             negatives: t.negatives.negatives_per_positive,
             prefetch: config.storage.prefetch,
             seed: t.seed,
-            sampler: NegativeSampler::new(scheme, degrees, t.negatives.degree_fraction),
             buckets,
             plan,
-            known,
             buffer,
             relations,
-            pool,
+            compute,
         })
     }
 
@@ -226,14 +209,23 @@ impl Trainer {
         &self.plan
     }
 
-    /// The partition buffer.
+    /// The partition buffer. On the GPU its resident partitions are current only after
+    /// [`Trainer::sync_host`].
     pub fn buffer(&mut self) -> &mut PartitionBuffer {
         &mut self.buffer
     }
 
-    /// The relation parameters.
+    /// The relation parameters (on the GPU, as of the last [`Trainer::sync_host`]).
     pub fn relations(&self) -> &Relations {
         &self.relations
+    }
+
+    /// Copies the parameters the compute engine holds (GPU: resident partitions and
+    /// relations) into the host buffer and [`Trainer::relations`]; call it before a
+    /// checkpoint, an evaluation or an export. A no-op on the CPU.
+    pub fn sync_host(&mut self) -> Result<(), TrainError> {
+        self.compute
+            .sync_host(&mut self.buffer, &mut self.relations)
     }
 
     /// The partition relabeling used in epoch `epoch` (from 1): epoch e+1 starts in the buffer
@@ -280,15 +272,21 @@ impl Trainer {
             buffer_states: 1,
             ..EpochReport::default()
         };
-        let mut loss = 0.0f64;
         let mut batch_counter = 0u64;
+        for p in self.buffer.resident() {
+            if !first.contains(&p) {
+                self.compute.evicting(&mut self.buffer, p)?;
+            }
+        }
         self.buffer.fill(&first)?;
+        for &p in &first {
+            self.compute.loaded(&self.buffer, p)?;
+        }
         let mut resident = first.clone();
         let plan = self.plan.clone();
         let initial: Vec<Bucket> = plan.initial.iter().map(relabel).collect();
         let mut ctx = EpochCtx {
             epoch,
-            loss: &mut loss,
             edges: &mut report.edges,
             batch: &mut batch_counter,
             progress,
@@ -306,19 +304,23 @@ impl Trainer {
                 ..SwapReport::default()
             };
             resident.retain(|&p| p != evicted);
+            self.compute.evicting(&mut self.buffer, evicted)?;
             self.buffer.begin_swap(evicted, loaded)?;
             let t = Instant::now();
             if self.prefetch {
                 self.run_buckets(&overlap, &resident, &mut ctx)?;
+                self.compute.synchronize()?;
             }
             sr.overlap_compute_s = t.elapsed().as_secs_f64();
             self.buffer.finish_swap()?;
+            self.compute.loaded(&self.buffer, loaded)?;
             resident.push(loaded);
             let t = Instant::now();
             if !self.prefetch {
                 self.run_buckets(&overlap, &resident, &mut ctx)?;
             }
             self.run_buckets(&after, &resident, &mut ctx)?;
+            self.compute.synchronize()?;
             sr.after_compute_s = t.elapsed().as_secs_f64();
             let s = self.buffer.stats();
             sr.io_s = (s.io_time - stats_before.io_time).as_secs_f64();
@@ -328,6 +330,7 @@ impl Trainer {
             report.swaps.push(sr);
             report.buffer_states += 1;
         }
+        let loss = self.compute.take_loss()?;
         if !loss.is_finite() {
             return Err(TrainError::Diverged { epoch });
         }
@@ -367,7 +370,14 @@ impl Trainer {
                 ),
             );
             for batch in edges.chunks(self.batch_size) {
-                *ctx.loss += self.train_batch(batch, &sorted_resident, ctx.epoch, *ctx.batch);
+                let step = Step {
+                    batch,
+                    resident: &sorted_resident,
+                    epoch: ctx.epoch,
+                    batch_no: *ctx.batch,
+                };
+                self.compute
+                    .train_batch(&step, &mut self.buffer, &mut self.relations)?;
                 *ctx.batch += 1;
                 *ctx.edges += batch.len() as u64;
                 (ctx.progress)(*ctx.edges);
@@ -375,202 +385,56 @@ impl Trainer {
         }
         Ok(())
     }
-
-    /// One synchronous step on `batch`; returns its summed loss.
-    fn train_batch(
-        &mut self,
-        batch: &[Edge],
-        partitions: &[u32],
-        epoch: u32,
-        batch_no: u64,
-    ) -> f64 {
-        let dim = self.dim;
-        let chunks = self.num_chunks.min(batch.len());
-        let k = self.negatives;
-        // Negatives of every chunk and side.
-        let mut negs = vec![0u32; chunks * 2 * k];
-        for (c, pair) in negs.chunks_exact_mut(2 * k).enumerate() {
-            for (side, out) in pair.chunks_exact_mut(k).enumerate() {
-                let stream = key(
-                    self.seed,
-                    &[2, u64::from(epoch), batch_no, c as u64, side as u64],
-                );
-                self.sampler.sample(partitions, stream, out);
-            }
-        }
-        let mut blocks = Vec::new();
-        for c in 0..chunks {
-            let rows = &batch[c * batch.len() / chunks..(c + 1) * batch.len() / chunks];
-            let pair = &negs[c * 2 * k..(c + 1) * 2 * k];
-            for edges in rows.chunks(BLOCK_ROWS) {
-                blocks.push(Block {
-                    edges,
-                    neg_src: &pair[..k],
-                    neg_dst: &pair[k..],
-                });
-            }
-        }
-        let buffer = &self.buffer;
-        let relations = &self.relations;
-        let model = &self.model;
-        let known = self.known.as_ref();
-        let results: Vec<BlockGrads> = self.pool.install(|| {
-            blocks
-                .par_iter()
-                .map_init(ChunkWorkspace::new, |ws, block| {
-                    run_block(ws, model, buffer, relations, known, block, dim)
-                })
-                .collect()
-        });
-        // Sum gradients per row in block order (deterministic), then take one AdaGrad step per
-        // touched row.
-        let mut index: FxHashMap<u32, usize> = FxHashMap::default();
-        let mut grads: Vec<f32> = Vec::new();
-        let mut rel_index: FxHashMap<u32, usize> = FxHashMap::default();
-        let mut rel_grads: Vec<f32> = Vec::new();
-        let add = |index: &mut FxHashMap<u32, usize>, grads: &mut Vec<f32>, id: u32, g: &[f32]| {
-            let next = index.len();
-            let slot = *index.entry(id).or_insert(next);
-            if slot == next {
-                grads.extend_from_slice(g);
-            } else {
-                for (a, b) in grads[slot * dim..(slot + 1) * dim].iter_mut().zip(g) {
-                    *a += b;
-                }
-            }
-        };
-        let mut loss = 0.0;
-        for (block, r) in blocks.iter().zip(&results) {
-            loss += r.loss;
-            for (i, e) in block.edges.iter().enumerate() {
-                let row = i * dim..(i + 1) * dim;
-                add(&mut index, &mut grads, e[0], &r.src[row.clone()]);
-                add(&mut index, &mut grads, e[2], &r.dst[row.clone()]);
-                if !r.rel.is_empty() {
-                    add(&mut rel_index, &mut rel_grads, e[1], &r.rel[row]);
-                }
-            }
-            for (j, &id) in block.neg_src.iter().enumerate() {
-                add(
-                    &mut index,
-                    &mut grads,
-                    id,
-                    &r.neg_src[j * dim..(j + 1) * dim],
-                );
-            }
-            for (j, &id) in block.neg_dst.iter().enumerate() {
-                add(
-                    &mut index,
-                    &mut grads,
-                    id,
-                    &r.neg_dst[j * dim..(j + 1) * dim],
-                );
-            }
-        }
-        for (&id, &slot) in &index {
-            let (emb, state) = self.buffer.rows_mut(id).expect("sampled rows are resident");
-            self.optimizer
-                .apply_row(emb, state, &grads[slot * dim..(slot + 1) * dim]);
-        }
-        for (&r, &slot) in &rel_index {
-            let row = r as usize * dim..(r as usize + 1) * dim;
-            self.optimizer.apply_row(
-                &mut self.relations.emb[row.clone()],
-                &mut self.relations.state[row],
-                &rel_grads[slot * dim..(slot + 1) * dim],
-            );
-        }
-        loss
-    }
 }
 
 struct EpochCtx<'a> {
     epoch: u32,
-    loss: &'a mut f64,
     edges: &'a mut u64,
     batch: &'a mut u64,
     progress: &'a mut dyn FnMut(u64),
 }
 
-fn gather(
-    buffer: &PartitionBuffer,
-    ids: impl Iterator<Item = u32>,
-    dim: usize,
-    out: &mut Vec<f32>,
-) {
-    out.clear();
-    for id in ids {
-        let (emb, _) = buffer
-            .row(id)
-            .expect("rows of a running bucket are resident");
-        debug_assert_eq!(emb.len(), dim);
-        out.extend_from_slice(emb);
-    }
-}
-
-fn run_block(
-    ws: &mut ChunkWorkspace,
-    model: &ChunkModel,
-    buffer: &PartitionBuffer,
-    relations: &Relations,
-    known: Option<&FxHashSet<Edge>>,
-    block: &Block<'_>,
-    dim: usize,
-) -> BlockGrads {
-    let (mut src, mut dst, mut ns, mut nd) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    gather(buffer, block.edges.iter().map(|e| e[0]), dim, &mut src);
-    gather(buffer, block.edges.iter().map(|e| e[2]), dim, &mut dst);
-    gather(buffer, block.neg_src.iter().copied(), dim, &mut ns);
-    gather(buffer, block.neg_dst.iter().copied(), dim, &mut nd);
-    let mut rel = Vec::new();
-    if !relations.emb.is_empty() {
-        for e in block.edges {
-            let r = e[1] as usize;
-            rel.extend_from_slice(&relations.emb[r * dim..(r + 1) * dim]);
-        }
-    }
-    let masks = known.map(|known| {
-        let src_mask: Vec<bool> = block
-            .edges
-            .iter()
-            .flat_map(|e| {
-                block
-                    .neg_src
-                    .iter()
-                    .map(move |&n| known.contains(&[n, e[1], e[2]]))
-            })
-            .collect();
-        let dst_mask: Vec<bool> = block
-            .edges
-            .iter()
-            .flat_map(|e| {
-                block
-                    .neg_dst
-                    .iter()
-                    .map(move |&n| known.contains(&[e[0], e[1], n]))
-            })
-            .collect();
-        (src_mask, dst_mask)
-    });
-    let chunk = Chunk {
-        src: &src,
-        rel: &rel,
-        dst: &dst,
-        neg_src: &ns,
-        neg_dst: &nd,
-        exclude_src: masks.as_ref().map(|m| m.0.as_slice()),
-        exclude_dst: masks.as_ref().map(|m| m.1.as_slice()),
+/// The CPU engine for `config`.
+fn cpu_compute(
+    config: &Config,
+    buckets: &Buckets,
+    degrees: &[u32],
+) -> Result<CpuCompute, TrainError> {
+    let t = &config.training;
+    let threads = match t.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
     };
-    let loss = ws.forward_backward(model, &chunk);
-    let g = ws.grads();
-    BlockGrads {
-        loss,
-        src: g.src.clone(),
-        rel: g.rel.clone(),
-        dst: g.dst.clone(),
-        neg_src: g.neg_src.clone(),
-        neg_dst: g.neg_dst.clone(),
-    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("legend-cpu-{i}"))
+        .build()
+        .map_err(|e| TrainError::Threads {
+            threads,
+            message: e.to_string(),
+        })?;
+    Ok(CpuCompute {
+        model: ChunkModel {
+            decoder: config.decoder(),
+            loss: config.loss(),
+            dim: config.model.dim,
+        },
+        optimizer: AdaGrad {
+            lr: t.learning_rate,
+            eps: t.adagrad_eps,
+        },
+        dim: config.model.dim,
+        num_chunks: t.negatives.num_chunks,
+        negatives: t.negatives.negatives_per_positive,
+        seed: t.seed,
+        sampler: NegativeSampler::new(buckets.scheme(), degrees, t.negatives.degree_fraction),
+        known: t
+            .negatives
+            .filtered
+            .then(|| buckets.edges().iter().copied().collect()),
+        pool,
+        loss: 0.0,
+    })
 }
 
 /// Fisher–Yates with the counter-based stream `key`.

@@ -11,7 +11,7 @@ use legend_engine::file_store::{
     FileStore, FileStoreSpec, decode_progress, encode_progress, encode_relations,
 };
 use legend_engine::run::{self, RunMeta, TableChecksums};
-use legend_engine::{Config, MemoryStore, PartitionBuffer, Relations, Trainer};
+use legend_engine::{Config, Device, MemoryStore, PartitionBuffer, Relations, Trainer};
 use legend_eval::SampledNegatives;
 
 use super::eval::{EvalRequest, describe, evaluate, open_run_dataset};
@@ -73,8 +73,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         (config, Dataset::open(dir)?, None)
     };
+    // Opening the device is the last check: a GPU asked for and missing fails here.
+    let device = Device::open(&config)?;
+    tracing::info!("device: {}", device.describe());
     let created = resumed.is_none() && !args.out.exists();
-    let result = train(&args, &config, &dataset, resumed);
+    let result = train(&args, &config, &dataset, resumed, device);
     if result.is_err() && created && !meta_exists(&args.out) {
         // Nothing was committed: leave no half-made run directory behind.
         let _ = std::fs::remove_dir_all(&args.out);
@@ -91,6 +94,7 @@ fn train(
     config: &Config,
     dataset: &Dataset,
     resumed: Option<RunMeta>,
+    device: Device,
 ) -> anyhow::Result<()> {
     let meta_ds = dataset.meta();
     let decoder = config.decoder();
@@ -186,7 +190,8 @@ fn train(
         let buffer = PartitionBuffer::new(scheme, dim, init, MemoryStore::default());
         (buffer, fresh_relations(), 0)
     };
-    let mut trainer = Trainer::new(config, buckets, &degrees, buffer, relations)?;
+    let engine = device.describe();
+    let mut trainer = Trainer::on_device(config, buckets, &degrees, buffer, relations, device)?;
     let epochs = config.training.num_epochs;
     if start_epoch >= epochs {
         bail!(
@@ -195,7 +200,7 @@ fn train(
     }
     let plan = trainer.plan();
     tracing::info!(
-        "training {decoder} d={dim} on {} ({} entities, {} relations, {} train edges); engine cpu, {} backend, {} partitions, buffer {}, order {} ({} buffer states per epoch)",
+        "training {decoder} d={dim} on {} ({} entities, {} relations, {} train edges); engine {engine}, {} backend, {} partitions, buffer {}, order {} ({} buffer states per epoch)",
         dataset.dir().display(),
         meta_ds.entities,
         meta_ds.relations,
@@ -306,6 +311,7 @@ fn train(
 
 /// The whole entity table and its state, partition by partition.
 fn gather_entities(trainer: &mut Trainer, dim: usize) -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
+    trainer.sync_host()?;
     let buffer = trainer.buffer();
     let scheme = buffer.scheme();
     let mut emb = Vec::with_capacity(scheme.entities as usize * dim);
@@ -319,6 +325,7 @@ fn gather_entities(trainer: &mut Trainer, dim: usize) -> anyhow::Result<(Vec<f32
 }
 
 fn checkpoint(out: &Path, meta: RunMeta, trainer: &mut Trainer) -> anyhow::Result<RunMeta> {
+    trainer.sync_host()?;
     let relations = trainer.relations().clone();
     let buffer = trainer.buffer();
     let aux = encode_relations(&relations.emb, &relations.state);

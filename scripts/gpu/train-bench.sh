@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# `legendctl train` on the GPU machine, end to end, next to the CPU engine in the same run:
+#  1. the trainer's GPU-vs-CPU tests (legend-engine/tests/gpu_trainer.rs);
+#  2. UMLS quality: ComplEx with the default config, 200 epochs, CPU and GPU, in memory and
+#     out of core (N = 4, C = 3); filtered test MRR of each;
+#  3. epoch time on a generated graph (10^6 nodes, 2·10^7 edges, 10 relations): B = 10^5,
+#     10 chunks, 1000 negatives, d = 100, Dot and ComplEx, in memory and out of core (N = 8,
+#     C = 3, file backend on this machine's disk), GPU utilisation sampled every 100 ms.
+# Builds nothing: expects target-gpu/ from scripts/gpu/build-binaries.sh and the UMLS
+# dataset imported into gpu-data/umls (both carried). Logs under ${OUT:-target-gpu/out}.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+bin=$root/target-gpu
+out=${OUT:-$bin/out}
+mkdir -p "$out"
+work=${LEGEND_WORK:-/tmp/legend-train-bench}
+rm -rf "$work" && mkdir -p "$work"
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+         $(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null); do
+    [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
+done
+ctl=$bin/legendctl
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/hw.txt"
+lscpu | grep -E '^Model name|^CPU\(s\)' | tee -a "$out/hw.txt"
+df -h "$work" | tail -1 | tee -a "$out/hw.txt"
+
+echo "== trainer tests"
+"$bin/test-gpu_trainer" --test-threads=1 --nocapture 2>&1 | tee "$out/trainer-tests.log" || status=1
+
+echo "== UMLS, ComplEx defaults, 200 epochs"
+mrr() { python3 -c 'import json,sys; print("%.4f" % [json.loads(l) for l in open(sys.argv[1])][-1]["metrics"]["mrr"])' "$1/metrics.jsonl"; }
+for layout in "mem:storage.num_partitions=1" "ooc:storage.num_partitions=4"; do
+    name=${layout%%:*}; parts=${layout#*:}
+    extra=()
+    [ "$name" = ooc ] && extra=(--set storage.buffer_capacity=3)
+    for dev in cpu cuda:0; do
+        run=$work/umls-$name-${dev%%:*}
+        start=$(date +%s%N)
+        "$ctl" train --dataset "$root/gpu-data/umls" --out "$run" --set training.num_epochs=200 \
+            --set "$parts" "${extra[@]}" --set "storage.device=\"$dev\"" >"$out/umls-$name-${dev%%:*}.log" 2>&1 || status=1
+        end=$(date +%s%N)
+        printf 'umls %-4s %-7s MRR %s  %d ms\n' "$name" "$dev" "$(mrr "$run")" $(( (end - start) / 1000000 )) | tee -a "$out/umls.txt"
+    done
+done
+
+echo "== generated graph: 1e6 nodes, 2e7 edges"
+t0=$(date +%s)
+"$ctl" generate --nodes 1000000 --edges 20000000 --relations 10 --split 1,0,0 "$work/gen" >/dev/null || status=1
+echo "generated in $(( $(date +%s) - t0 )) s"
+common=(--set training.batch_size=100000 --set training.negatives.num_chunks=10
+        --set training.negatives.negatives_per_positive=1000 --set model.dim=100
+        --set training.num_epochs=3 --set storage.device='"cuda:0"' --json)
+for model in dot complex; do
+    for layout in mem ooc; do
+        run=$work/bench-$model-$layout
+        opts=(--set "model.decoder=$model")
+        [ "$layout" = ooc ] && opts+=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
+                                      --set storage.backend=file --set "storage.path=\"$work/store-$model.bin\"")
+        nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader,nounits -lms 100 \
+            >"$out/util-$model-$layout.csv" 2>/dev/null &
+        smi=$!
+        "$ctl" train --dataset "$work/gen" --out "$run" "${common[@]}" "${opts[@]}" \
+            >"$out/bench-$model-$layout.jsonl" 2>"$out/bench-$model-$layout.log" || status=1
+        kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+        python3 - "$out/bench-$model-$layout.jsonl" "$out/util-$model-$layout.csv" "$model" "$layout" "$out/bench-$model-$layout.log" <<'PY' | tee -a "$out/bench.txt"
+import datetime, json, re, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+ep = [l for l in lines if "epoch" in l]
+util = []
+for l in open(sys.argv[2]):
+    f = [x.strip() for x in l.split(",")]
+    if len(f) == 2 and f[1].isdigit():
+        util.append((datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f"), float(f[1])))
+# The last epoch's window: its end from the log line's timestamp (UTC, as nvidia-smi's clock
+# here), its start that minus the epoch's seconds.
+log = re.sub(r"\x1b\[[0-9;]*m", "", open(sys.argv[5]).read())
+ends = re.findall(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z\s+INFO\s+epoch (\d+)/", log)
+span = []
+if ends and ep:
+    end = datetime.datetime.fromisoformat(ends[-1][0][:26])
+    start = end - datetime.timedelta(seconds=ep[-1]["seconds"])
+    span = [u for t, u in util if start <= t <= end]
+for e in ep:
+    sw = e["swaps"]
+    print(f'{sys.argv[3]:8s} {sys.argv[4]:4s} epoch {e["epoch"]}: {e["seconds"]:.2f} s, {e["edges_per_sec"]/1e6:.2f} M edges/s, loss {e["loss"]:.3f}, '
+          f'states {e["buffer_states"]}, read {e["bytes_read"]/1e9:.2f} GB, written {e["bytes_written"]/1e9:.2f} GB, io {e["io_s"]:.2f} s, '
+          f'io wait {e["io_wait_s"]:.2f} s, overlap compute {sum(s["overlap_compute_s"] for s in sw):.2f} s, after compute {sum(s["after_compute_s"] for s in sw):.2f} s')
+if not span:
+    print(f'{sys.argv[3]:8s} {sys.argv[4]:4s} no utilisation samples in the last epoch')
+else:
+    print(f'{sys.argv[3]:8s} {sys.argv[4]:4s} GPU utilisation in epoch {ep[-1]["epoch"]} ({len(span)} samples of 100 ms): mean {sum(span)/len(span):.1f}%, median {sorted(span)[len(span)//2]:.0f}%, samples {[int(u) for u in span]}')
+PY
+    done
+done
+exit $status

@@ -1,0 +1,74 @@
+//! `storage.device`: which engine trains, resolved before anything is written.
+
+use legend_cuda::{Gpu, driver_present};
+
+use crate::config::{Config, DeviceChoice};
+use crate::trainer::TrainError;
+
+/// The engine a run trains on.
+pub enum Device {
+    /// The CPU engine.
+    Cpu,
+    /// The GPU engine on an opened CUDA device (kernels loaded).
+    Cuda {
+        /// The device ordinal.
+        ordinal: usize,
+        /// The device.
+        gpu: Box<Gpu>,
+    },
+}
+
+impl Device {
+    /// Resolves `storage.device`: `cpu`; `cuda:N`, which opens device N or fails with the
+    /// reason (no driver, no NVRTC, no such device); `auto`, which opens device 0 when a
+    /// driver is present and the configuration runs on the GPU, and otherwise trains on the
+    /// CPU (saying why in the log).
+    pub fn open(config: &Config) -> Result<Device, TrainError> {
+        match config.device()? {
+            DeviceChoice::Cpu => Ok(Device::Cpu),
+            DeviceChoice::Cuda(ordinal) => {
+                config.cuda_support()?;
+                let gpu = Gpu::new(ordinal).map_err(|error| TrainError::Device {
+                    device: config.storage.device.clone(),
+                    error,
+                })?;
+                Ok(Device::Cuda {
+                    ordinal,
+                    gpu: Box::new(gpu),
+                })
+            }
+            DeviceChoice::Auto => {
+                if let Err(e) = config.cuda_support() {
+                    tracing::info!("storage.device = \"auto\": training on the CPU ({e})");
+                    return Ok(Device::Cpu);
+                }
+                if !driver_present() {
+                    tracing::info!(
+                        "storage.device = \"auto\": no CUDA driver, training on the CPU"
+                    );
+                    return Ok(Device::Cpu);
+                }
+                match Gpu::new(0) {
+                    Ok(gpu) => Ok(Device::Cuda {
+                        ordinal: 0,
+                        gpu: Box::new(gpu),
+                    }),
+                    Err(e) => {
+                        tracing::info!("storage.device = \"auto\": training on the CPU ({e})");
+                        Ok(Device::Cpu)
+                    }
+                }
+            }
+        }
+    }
+
+    /// The engine in words: `cpu`, or `cuda:N (name, sm_XY)`.
+    pub fn describe(&self) -> String {
+        match self {
+            Device::Cpu => "cpu".into(),
+            Device::Cuda { ordinal, gpu } => {
+                format!("cuda:{ordinal} ({}, {})", gpu.name(), gpu.arch())
+            }
+        }
+    }
+}
