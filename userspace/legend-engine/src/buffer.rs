@@ -52,6 +52,17 @@ pub struct MemoryStore {
     parts: FxHashMap<u32, (Vec<f32>, Vec<f32>)>,
 }
 
+impl Partition {
+    /// A partition with no memory yet.
+    fn empty(id: u32) -> Partition {
+        Partition {
+            id,
+            emb: Vec::new(),
+            state: Vec::new(),
+        }
+    }
+}
+
 impl MemoryStore {
     /// A store holding whole tables (`entities × dim` each), split by `scheme`: resuming a run.
     pub fn from_tables(
@@ -395,41 +406,25 @@ fn serve(
     let mut stats = IoStats::default();
     match request {
         Request::Swap { evict, load } => {
-            let mut part = match evict {
+            let part = match evict {
                 Some(old) => {
                     write_back(store, std::slice::from_ref(&old), &mut stats)?;
                     old
                 }
-                None => Partition {
-                    id: load,
-                    emb: Vec::new(),
-                    state: Vec::new(),
-                },
+                None => Partition::empty(load),
             };
-            load_into(store, scheme, dim, init, load, &mut part, &mut stats)?;
-            stats.io_time = started.elapsed();
-            Ok(Reply {
-                loaded: Some(part),
-                flushed: Vec::new(),
-                committed: false,
-                stats,
-            })
+            loaded_reply(store, scheme, dim, init, load, part, stats, started)
         }
-        Request::Read(p) => {
-            let mut part = Partition {
-                id: p,
-                emb: Vec::new(),
-                state: Vec::new(),
-            };
-            load_into(store, scheme, dim, init, p, &mut part, &mut stats)?;
-            stats.io_time = started.elapsed();
-            Ok(Reply {
-                loaded: Some(part),
-                flushed: Vec::new(),
-                committed: false,
-                stats,
-            })
-        }
+        Request::Read(p) => loaded_reply(
+            store,
+            scheme,
+            dim,
+            init,
+            p,
+            Partition::empty(p),
+            stats,
+            started,
+        ),
         Request::Flush(parts) => {
             write_back(store, &parts, &mut stats)?;
             store.sync()?;
@@ -457,6 +452,28 @@ fn serve(
             })
         }
     }
+}
+
+/// Loads partition `p` into `part` (reusing its memory) and builds the reply that carries it.
+#[expect(clippy::too_many_arguments)]
+fn loaded_reply(
+    store: &mut impl PartitionStore,
+    scheme: PartitionScheme,
+    dim: usize,
+    init: &Init,
+    p: u32,
+    mut part: Partition,
+    mut stats: IoStats,
+    started: Instant,
+) -> Result<Reply, StoreError> {
+    load_into(store, scheme, dim, init, p, &mut part, &mut stats)?;
+    stats.io_time = started.elapsed();
+    Ok(Reply {
+        loaded: Some(part),
+        flushed: Vec::new(),
+        committed: false,
+        stats,
+    })
 }
 
 /// Reads partition `p` into `part` (reusing its memory), or initialises it if never written.

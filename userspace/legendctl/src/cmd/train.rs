@@ -216,12 +216,6 @@ fn train(
         .append(true)
         .open(args.out.join("metrics.jsonl"))
         .context("opening metrics.jsonl")?;
-    let eval_negatives = SampledNegatives {
-        uniform: config.evaluation.uniform_negatives,
-        degree: config.evaluation.degree_negatives,
-        seed: config.evaluation.seed,
-    };
-    let threads = config.training.threads;
     for epoch in start_epoch + 1..=epochs {
         let bar = ProgressBar::new(meta_ds.splits.train);
         bar.set_style(
@@ -239,21 +233,7 @@ fn train(
             && epoch % config.evaluation.epochs_per_eval == 0
             && meta_ds.splits.valid > 0
         {
-            let (entities, _) = gather_entities(&mut trainer, dim)?;
-            let request = EvalRequest {
-                protocol: &config.evaluation.protocol,
-                split: Split::Valid,
-                negatives: eval_negatives,
-                threads,
-            };
-            let m = evaluate(
-                dataset,
-                decoder,
-                dim,
-                &entities,
-                &trainer.relations().emb,
-                &request,
-            )?;
+            let m = evaluate_now(&mut trainer, dataset, config, Split::Valid)?;
             tracing::info!("epoch {epoch} valid: {}", describe(&m));
             line["valid"] = serde_json::to_value(&m)?;
         }
@@ -279,26 +259,11 @@ fn train(
         .split
         .parse()
         .map_err(anyhow::Error::msg)?;
-    let request = EvalRequest {
-        protocol: &config.evaluation.protocol,
-        split,
-        negatives: eval_negatives,
-        threads,
-    };
     if dataset.meta().splits.get(split) == 0 {
         tracing::warn!("no {} edges: skipping the final evaluation", split.name());
         return Ok(());
     }
-    // Ranking needs the whole entity table in memory.
-    let (entities, _) = gather_entities(&mut trainer, dim)?;
-    let m = evaluate(
-        dataset,
-        decoder,
-        dim,
-        &entities,
-        &trainer.relations().emb,
-        &request,
-    )?;
+    let m = evaluate_now(&mut trainer, dataset, config, split)?;
     let final_line = serde_json::json!({ "final": true, "split": split.name(), "metrics": m });
     writeln!(metrics, "{final_line}")?;
     if args.json {
@@ -307,6 +272,36 @@ fn train(
         println!("{} {}: {}", args.out.display(), split.name(), describe(&m));
     }
     Ok(())
+}
+
+/// Evaluates the current parameters on `split` as `[evaluation]` says. Ranking needs the whole
+/// entity table in memory.
+fn evaluate_now(
+    trainer: &mut Trainer,
+    dataset: &Dataset,
+    config: &Config,
+    split: Split,
+) -> anyhow::Result<legend_eval::Metrics> {
+    let dim = config.model.dim;
+    let (entities, _) = gather_entities(trainer, dim)?;
+    let request = EvalRequest {
+        protocol: &config.evaluation.protocol,
+        split,
+        negatives: SampledNegatives {
+            uniform: config.evaluation.uniform_negatives,
+            degree: config.evaluation.degree_negatives,
+            seed: config.evaluation.seed,
+        },
+        threads: config.training.threads,
+    };
+    evaluate(
+        dataset,
+        config.decoder(),
+        dim,
+        &entities,
+        &trainer.relations().emb,
+        &request,
+    )
 }
 
 /// The whole entity table and its state, partition by partition.
