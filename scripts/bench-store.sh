@@ -6,6 +6,8 @@
 #  4. Legend vs BETA vs sequential partition order;
 #  5. Theorem 3's condition for this graph, with the measured compute rate and bandwidths.
 # Usage: scripts/bench-store.sh [WORKDIR] [NODES] [EDGES] [DIM]
+# With BIN_DIR set (a folder holding `legendctl` and `throughput`, e.g. carried to a machine
+# without Rust), nothing is built.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=${1:-$root/target/bench-store}
@@ -13,16 +15,22 @@ nodes=${2:-1000000}
 edges=${3:-4000000}
 dim=${4:-64}
 mkdir -p "$work"
-cargo build --release --locked -q -p legendctl -p legend-storage --examples --bins --manifest-path "$root/Cargo.toml"
-target=${CARGO_TARGET_DIR:-$root/target}/release
-bin=$target/legendctl
+if [ -n "${BIN_DIR:-}" ]; then
+  bin=$BIN_DIR/legendctl
+  throughput=$BIN_DIR/throughput
+else
+  cargo build --release --locked -q -p legendctl -p legend-storage --examples --bins --manifest-path "$root/Cargo.toml"
+  target=${CARGO_TARGET_DIR:-$root/target}/release
+  bin=$target/legendctl
+  throughput=$target/examples/throughput
+fi
 echo "## host: $(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p' | head -1), disk of $work: $(df -h "$work" | awk 'NR==2 {print $1, $2}')"
 
 echo "### 1. raw O_DIRECT (dd, 1 MiB blocks, 1 GiB) vs the store"
 dd if=/dev/zero of="$work/dd.bin" bs=1M count=1024 oflag=direct 2>&1 | tail -1 | sed 's/^/dd write: /'
 dd if="$work/dd.bin" of=/dev/null bs=1M iflag=direct 2>&1 | tail -1 | sed 's/^/dd read:  /'
 rm -f "$work/dd.bin"
-"$target/examples/throughput" "$work/store-throughput.bin" 1024 8 32 1024 2>&1 | tail -4
+"$throughput" "$work/store-throughput.bin" 1024 8 32 1024 2>&1 | tail -4
 rm -f "$work/store-throughput.bin"
 
 ds=$work/graph-$nodes-$edges
