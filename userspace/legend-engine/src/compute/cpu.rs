@@ -11,8 +11,25 @@ use crate::buffer::PartitionBuffer;
 use crate::sampler::{NegativeSampler, key};
 use crate::trainer::{Relations, TrainError};
 
-/// Rows of a chunk handled by one parallel task.
+/// Most rows of a chunk handled by one parallel task. Every task packs the chunk's negatives
+/// for its matrix products, a cost proportional to the negatives, so tasks should be large.
 pub const BLOCK_ROWS: usize = 256;
+
+/// Small chunks are still split into up to this many tasks (of at least [`MIN_BLOCK_ROWS`]
+/// rows), so that small batches use several cores.
+const MIN_BLOCKS: usize = 4;
+/// See [`MIN_BLOCKS`].
+const MIN_BLOCK_ROWS: usize = 16;
+
+/// Rows per task for a chunk of `rows` rows. It depends on the chunk alone, never on the thread
+/// count, so that results do not either.
+fn block_len(rows: usize) -> usize {
+    let blocks = rows
+        .div_ceil(BLOCK_ROWS)
+        .max(rows.div_ceil(MIN_BLOCK_ROWS).min(MIN_BLOCKS))
+        .max(1);
+    rows.div_ceil(blocks).max(1)
+}
 
 /// The CPU engine: rows are read and updated in the host partition buffer.
 pub(crate) struct CpuCompute {
@@ -86,7 +103,7 @@ impl ComputeBackend for CpuCompute {
         for c in 0..chunks {
             let rows = &batch[c * batch.len() / chunks..(c + 1) * batch.len() / chunks];
             let pair = &negs[c * 2 * k..(c + 1) * 2 * k];
-            for edges in rows.chunks(BLOCK_ROWS) {
+            for edges in rows.chunks(block_len(rows.len())) {
                 blocks.push(Block {
                     edges,
                     neg_src: &pair[..k],
@@ -263,5 +280,23 @@ fn run_block(
         dst: g.dst.clone(),
         neg_src: g.neg_src.clone(),
         neg_dst: g.neg_dst.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_chunks_still_split_and_large_ones_keep_big_blocks() {
+        assert_eq!(block_len(5), 5, "too small to split");
+        assert_eq!(block_len(100), 25, "four tasks for a batch of 100");
+        assert_eq!(block_len(1000), 250);
+        assert_eq!(
+            block_len(10_000),
+            250,
+            "never more than BLOCK_ROWS rows a task"
+        );
+        assert_eq!(block_len(0), 1);
     }
 }
