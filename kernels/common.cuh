@@ -37,6 +37,8 @@ __device__ __forceinline__ void legend_mark(u32* flags, u32* list, u32* count, u
 #define LEGEND_DOT 0
 #define LEGEND_DISTMULT 1
 #define LEGEND_COMPLEX 2
+#define LEGEND_TRANSE_L1 3
+#define LEGEND_TRANSE_L2 4
 #define LEGEND_LOSS_SOFTMAX 0
 #define LEGEND_LOSS_LOGISTIC 1
 #define LEGEND_LOSS_RANKING 2

@@ -1,5 +1,6 @@
 // One training step on chunks of positives that share negatives (the CPU math of
-// legend-model's ChunkWorkspace::forward_backward, for the dot-comparator decoders).
+// legend-model's ChunkWorkspace::forward_backward). TransE's distance products and its
+// per-row parts live in kernels/distance.cu.
 //
 // A launch covers a group of "jobs": job j = 2c + s is side s of chunk c, s = 0 replacing
 // sources (query from relation and destination), s = 1 replacing destinations (query from
@@ -19,7 +20,7 @@ struct LegendJobs {
 };
 
 // Queries of every row of the group (q = op(anchor, relation)) and the positive scores
-// pos = <q, true candidate>.
+// pos = <q, true candidate> (TransE: -||q - true candidate||).
 extern "C" __global__ void legend_queries(LegendJobs jobs, const float* __restrict__ emb,
                                           const float* __restrict__ rel,
                                           float* __restrict__ query, float* __restrict__ pos) {
@@ -36,6 +37,11 @@ extern "C" __global__ void legend_queries(LegendJobs jobs, const float* __restri
     const float* t = emb + truth * d;
     const float* w = rel + (u64)e[1] * d;
     float* q = query + ((u64)z * jobs.max_rows + r) * d;
+    if (jobs.decoder >= LEGEND_TRANSE_L1) {
+        legend_transe_query(jobs.decoder == LEGEND_TRANSE_L2, side, a, w, t, q, d, lane,
+                            pos + (u64)z * jobs.max_rows + r);
+        return;
+    }
     float dot = 0.0f;
     if (jobs.decoder == LEGEND_COMPLEX) {
         u32 h = d / 2;
@@ -221,7 +227,10 @@ __device__ void legend_edge_backward(LegendJobs jobs, const float* __restrict__ 
     float* gs = emb_grad + (u64)src * d;
     float* gd = emb_grad + (u64)dst * d;
     float* gw = rel_grad + (u64)relation * d;
-    if (jobs.decoder == LEGEND_COMPLEX) {
+    if (jobs.decoder >= LEGEND_TRANSE_L1) {
+        legend_transe_edge_backward(jobs.decoder == LEGEND_TRANSE_L2, d, lane, S, D, q0, q1, dq0,
+                                    dq1, gp0, gp1, gs, gd, gw);
+    } else if (jobs.decoder == LEGEND_COMPLEX) {
         u32 h = d / 2;
         for (u32 k = lane; k < h; k += 32) {
             float sre = S[k], sim = S[k + h], dre = D[k], dim_ = D[k + h];

@@ -1,9 +1,11 @@
 //! Batch time of one training step on the GPU: B = 10⁵ positives in 10 chunks of 10⁴, 10³
-//! negatives per positive and side shared by a chunk, d = 100, ComplEx and Dot, softmax
-//! cross-entropy, negatives sampled on the GPU. Prints one JSON object per configuration
-//! (and writes them to the file named by the first argument, if any).
+//! negatives per positive and side shared by a chunk, d = 100, softmax cross-entropy,
+//! negatives sampled on the GPU. Prints one JSON object per configuration (and writes them to
+//! the file named by the first argument, if any).
 //!
-//! `LEGEND_BENCH_GROUPS` (default `2,4,20`) lists the jobs per launch to try.
+//! `LEGEND_BENCH_GROUPS` (default `2,4,20`) lists the jobs per launch to try,
+//! `LEGEND_BENCH_DECODERS` (default `complex,dot`) the models (`model.decoder` names, so
+//! `transe_l1` and `transe_l2` too).
 
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -41,6 +43,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .split(',')
         .map(|g| g.trim().parse())
         .collect::<Result<_, _>>()?;
+    let decoders: Vec<Decoder> = std::env::var("LEGEND_BENCH_DECODERS")
+        .unwrap_or_else(|_| "complex,dot".into())
+        .split(',')
+        .map(|d| d.trim().parse())
+        .collect::<Result<_, _>>()?;
     let t = Instant::now();
     let gpu = Gpu::new(0)?;
     eprintln!(
@@ -68,7 +75,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let degrees = vec![1u32; ENTITIES];
     let all = 0..ENTITIES as u64;
     let mut json = String::new();
-    for decoder in [Decoder::ComplEx, Decoder::Dot] {
+    for &decoder in &decoders {
         for &group in &groups {
             let model = ChunkModel {
                 decoder,

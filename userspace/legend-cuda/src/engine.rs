@@ -2,14 +2,15 @@
 //!
 //! The step follows legend-model's CPU math exactly (`ChunkWorkspace::forward_backward` per
 //! chunk, gradients of repeated rows summed, one `AdaGrad::apply_row` per touched row), with
-//! the products in TF32 on the tensor cores:
+//! the products in TF32 on the tensor cores (TransE: distances in FP32 on the CUDA cores):
 //!
 //! 1. negatives: `2 · chunks` lists of `k` ids drawn on the GPU from counter-based streams
 //!    (draw for draw the CPU sampler's), or given by the caller;
 //! 2. per group of jobs (a job is one side of one chunk): queries and positive scores,
 //!    gathered negatives, `S = Q·Nᵀ`, the loss turning `S` into `∂L/∂S` in place,
 //!    `dQ = G·N`, `dN = Gᵀ·Q`, and the backward through the query operator, all added into
-//!    a gradient table with atomics while each touched row is listed once;
+//!    a gradient table with atomics while each touched row is listed once (TransE:
+//!    `S = −‖Q_i − N_j‖` and the gradients through the distances, `kernels/distance.cu`);
 //! 3. AdaGrad over the listed rows, in place, which also clears their gradients and marks.
 //!
 //! All work is queued on the [`Gpu`]'s stream; nothing waits for the device until
@@ -77,6 +78,23 @@ const TILE: usize = 128;
 const SLICE: usize = 16;
 /// Rows per block of the loss kernel (`LEGEND_LOSS_ROWS`).
 const LOSS_ROWS: usize = 32;
+/// Output tiles of the distance kernels (`kernels/distance.cu`): 128 rows by 128 columns
+/// for the scores, by 64 for the gradients.
+const DIST_ROWS: usize = 128;
+const DIST_SCORE_COLS: usize = 128;
+const DIST_GRAD_COLS: usize = 64;
+
+/// The three products of a step, on the tensor cores (dot comparator) or as distances on the
+/// CUDA cores (TransE).
+#[derive(Clone, Copy, Debug)]
+enum Product {
+    /// `S = Q·Nᵀ`, or `S = −‖Q_i − N_j‖`.
+    Scores,
+    /// `dQ = G·N`, or through the distances.
+    GradQuery,
+    /// `dN = Gᵀ·Q`, or through the distances.
+    GradNegatives,
+}
 
 /// A parameter table on the device: embeddings, AdaGrad state, and the per-batch gradient
 /// accumulator with its touched-row list (both left cleared between steps).
@@ -363,8 +381,9 @@ pub struct BatchShape {
     pub negatives: usize,
     /// Jobs (chunk sides) per launch, rounded up to whole chunks (an even number): more
     /// fills the GPU better, fewer needs less memory (the score buffer holds
-    /// `group × ⌈max_batch / num_chunks⌉ × negatives` floats). On an H100, a whole batch
-    /// (`2 · num_chunks`) was fastest for 10 chunks of 10⁴ rows.
+    /// `group × ⌈max_batch / num_chunks⌉ × negatives` floats, and TransE L2 as many
+    /// distances). On an H100, a whole batch (`2 · num_chunks`) was fastest for 10 chunks of
+    /// 10⁴ rows.
     pub group: usize,
 }
 
@@ -394,6 +413,9 @@ pub struct GpuBatchEngine {
     scores: CudaSlice<f32>,
     grad_query: CudaSlice<f32>,
     grad_negs: CudaSlice<f32>,
+    /// TransE L2's distances, the shape of `scores` (one float otherwise): the loss
+    /// overwrites the scores, and the gradients divide by the distances.
+    dist: CudaSlice<f32>,
     loss_sum: CudaSlice<f64>,
     /// Whether the loss sum runs on over steps (see `set_loss_accumulation`).
     accumulate_loss: bool,
@@ -406,14 +428,14 @@ pub struct GpuBatchEngine {
     marks: Option<Vec<(&'static str, CudaEvent)>>,
 }
 
-fn decoder_code(d: Decoder) -> Result<i32, GpuError> {
+/// The decoder's number in the kernels (`LEGEND_DOT` .. `LEGEND_TRANSE_L2`).
+fn decoder_code(d: Decoder) -> i32 {
     match d {
-        Decoder::Dot => Ok(0),
-        Decoder::DistMult => Ok(1),
-        Decoder::ComplEx => Ok(2),
-        Decoder::TransEL1 | Decoder::TransEL2 => Err(GpuError::Unsupported(format!(
-            "decoder {d}: the GPU engine runs the dot-comparator models (dot, distmult, complex)"
-        ))),
+        Decoder::Dot => 0,
+        Decoder::DistMult => 1,
+        Decoder::ComplEx => 2,
+        Decoder::TransEL1 => 3,
+        Decoder::TransEL2 => 4,
     }
 }
 
@@ -440,8 +462,6 @@ impl GpuBatchEngine {
         degrees: &[u32],
         relations: usize,
     ) -> Result<Self, GpuError> {
-        decoder_code(model.decoder)?;
-        debug_assert_eq!(model.decoder.comparator(), Comparator::Dot);
         model
             .decoder
             .check_dim(model.dim)
@@ -490,6 +510,11 @@ impl GpuBatchEngine {
             scores: gpu.zeros(group * max_rows * k)?,
             grad_query: gpu.zeros(group * max_rows * d)?,
             grad_negs: gpu.zeros(group * k * d)?,
+            dist: gpu.zeros(if model.decoder == Decoder::TransEL2 {
+                group * max_rows * k
+            } else {
+                1
+            })?,
             loss_sum: gpu.zeros(1)?,
             accumulate_loss: false,
             no_rel: gpu.zeros(d)?,
@@ -757,7 +782,7 @@ impl GpuBatchEngine {
             gpu.clear(&mut self.loss_sum)?;
         }
         let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
-        let decoder = decoder_code(self.model.decoder)?;
+        let decoder = decoder_code(self.model.decoder);
         let (loss, margin) = loss_code(self.model.loss);
         let jobs = 2 * self.chunks;
         let s = gpu.stream().clone();
@@ -851,7 +876,7 @@ impl GpuBatchEngine {
                 b_vec: 0,
                 c_vec: 0,
             };
-            self.gemm(gpu, &kern.gemm_nt, &scores, gz, 1)?;
+            self.product(gpu, Product::Scores, &scores, gz, 1)?;
             self.mark(gpu, "scores_product")?;
 
             let mut b = s.launch_builder(&kern.loss);
@@ -896,7 +921,7 @@ impl GpuBatchEngine {
                 b_vec: 0,
                 c_vec: 0,
             };
-            self.gemm(gpu, &kern.gemm_nn, &grad_query, gz, 1)?;
+            self.product(gpu, Product::GradQuery, &grad_query, gz, 1)?;
             self.mark(gpu, "grad_query_product")?;
 
             // dN = Gᵀ · Q, split over the rows so that enough blocks run; the splits add up
@@ -928,9 +953,9 @@ impl GpuBatchEngine {
                 b_vec: 0,
                 c_vec: 0,
             };
-            self.gemm(
+            self.product(
                 gpu,
-                &kern.gemm_tn,
+                Product::GradNegatives,
                 &grad_negs,
                 gz,
                 max_rows.div_ceil(k_split) as u32,
@@ -980,6 +1005,59 @@ impl GpuBatchEngine {
             unsafe { b.launch(cfg) }.during("launching legend_negatives_backward")?;
             self.mark(gpu, "negatives_backward")?;
         }
+        Ok(())
+    }
+
+    /// Runs one of the step's products on the operands `g` describes: the TF32 product
+    /// kernels for the dot comparator, the distance kernels for TransE (which take the same
+    /// operands, plus the queries or negatives the gradients compare against).
+    fn product(
+        &self,
+        gpu: &Gpu,
+        which: Product,
+        g: &GemmArgs,
+        batch: u32,
+        splits: u32,
+    ) -> Result<(), GpuError> {
+        let kern = &gpu.kernels;
+        let l2 = match self.model.decoder.comparator() {
+            Comparator::Dot => {
+                let f = match which {
+                    Product::Scores => &kern.gemm_nt,
+                    Product::GradQuery => &kern.gemm_nn,
+                    Product::GradNegatives => &kern.gemm_tn,
+                };
+                return self.gemm(gpu, f, g, batch, splits);
+            }
+            Comparator::NegL1 => 0i32,
+            Comparator::NegL2 => 1i32,
+        };
+        let (f, cols, other) = match which {
+            Product::Scores => (&kern.dist_scores, DIST_SCORE_COLS, None),
+            Product::GradQuery => (&kern.dist_grad_query, DIST_GRAD_COLS, Some(&self.query)),
+            Product::GradNegatives => (
+                &kern.dist_grad_negatives,
+                DIST_GRAD_COLS,
+                Some(&self.neg_rows),
+            ),
+        };
+        let tiles = (g.m as usize).div_ceil(DIST_ROWS) * (g.n as usize).div_ceil(cols);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles as u32, splits, batch),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let dist = gpu.ptr(&self.dist);
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(g).arg(&l2);
+        if let Some(x) = other {
+            b.arg(x);
+        }
+        b.arg(&dist);
+        // SAFETY: as for `gemm`; the queries and negatives have C's shape in the gradient
+        // products, and for L2 `dist` holds group × max_rows × k floats, the scores' shape
+        // (the scores kernel writes it, the gradient kernels read it).
+        unsafe { b.launch(cfg) }.during("launching a distance kernel")?;
         Ok(())
     }
 
@@ -1092,7 +1170,7 @@ impl GpuBatchEngine {
     }
 
     /// Score FLOPs of one step on a full batch: three products (scores, dQ, dN) of
-    /// 2·B·k·d each, on both sides.
+    /// 2·B·k·d each, on both sides (for TransE, two operations per element pair likewise).
     pub fn step_flops(&self) -> f64 {
         let (b, k, d) = (
             self.shape.max_batch as f64,
@@ -1155,6 +1233,7 @@ impl GpuBatchEngine {
             &mut self.neg_rows,
             &mut self.scores,
             &mut self.grad_query,
+            &mut self.dist,
         ] {
             let nan = vec![f32::NAN; buf.len()];
             gpu.write(&nan, buf)?;

@@ -429,24 +429,91 @@ fn training_step_matches_the_cpu_engine() {
     }
 }
 
+/// TransE on the CUDA cores: distances summed elementwise, so no TF32 rounding, and the zero
+/// subgradients (L1 ties, L2 at distance 0) as the CPU takes them.
 #[test]
-fn transe_is_refused_with_a_clear_error() {
+fn transe_l1_step_matches_the_cpu_engine() {
     let Some(gpu) = gpu() else { return };
-    let model = ChunkModel {
-        decoder: Decoder::TransEL2,
-        loss: Loss::SoftmaxCe,
-        dim: 8,
-    };
-    let shape = BatchShape {
-        max_batch: 8,
-        num_chunks: 1,
-        negatives: 4,
-        group: 2,
-    };
-    let err = GpuBatchEngine::new(&gpu, model, AdaGrad::default(), shape, &[1; 10], 1)
-        .err()
-        .expect("refused");
-    assert!(matches!(err, GpuError::Unsupported(_)), "{err}");
+    let s = seed("transe l1");
+    let cases = [
+        Case {
+            decoder: Decoder::TransEL1,
+            loss: Loss::SoftmaxCe,
+            dim: 100,
+            batch: 3001,
+            chunks: 3,
+            k: 260,
+            group: 2,
+            exact: false,
+        },
+        // Grid inputs: many exact ties between query and negative elements (sign 0), and the
+        // ranking hinge decided identically on both engines.
+        Case {
+            decoder: Decoder::TransEL1,
+            loss: Loss::Ranking { margin: 0.5 },
+            dim: 36,
+            batch: 1501,
+            chunks: 5,
+            k: 64,
+            group: 3,
+            exact: true,
+        },
+        // More than 128 columns (two gradient column tiles and a partial one), B < C.
+        Case {
+            decoder: Decoder::TransEL1,
+            loss: Loss::Logistic,
+            dim: 130,
+            batch: 7,
+            chunks: 10,
+            k: 33,
+            group: 2,
+            exact: false,
+        },
+    ];
+    for case in &cases {
+        check_step(&gpu, case, s);
+    }
+}
+
+#[test]
+fn transe_l2_step_matches_the_cpu_engine() {
+    let Some(gpu) = gpu() else { return };
+    let s = seed("transe l2");
+    let cases = [
+        Case {
+            decoder: Decoder::TransEL2,
+            loss: Loss::SoftmaxCe,
+            dim: 100,
+            batch: 2002,
+            chunks: 4,
+            k: 300,
+            group: 4,
+            exact: false,
+        },
+        Case {
+            decoder: Decoder::TransEL2,
+            loss: Loss::Logistic,
+            dim: 17,
+            batch: 999,
+            chunks: 4,
+            k: 129,
+            group: 1,
+            exact: false,
+        },
+        Case {
+            decoder: Decoder::TransEL2,
+            loss: Loss::Ranking { margin: 0.25 },
+            dim: 20,
+            batch: 803,
+            chunks: 2,
+            k: 100,
+            group: 4,
+            exact: true,
+        },
+    ];
+    for case in &cases {
+        check_step(&gpu, case, s);
+    }
 }
 
 #[test]

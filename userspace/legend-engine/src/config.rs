@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use legend_model::{Comparator, Decoder, Distribution, Init, Loss, RelationInit};
+use legend_model::{Decoder, Distribution, Init, Loss, RelationInit};
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration of a training run.
@@ -287,18 +287,8 @@ impl Config {
     }
 
     /// Whether the GPU engine can train this configuration; the error names the key it
-    /// cannot run (TransE and filtered negatives train on the CPU only).
+    /// cannot run (filtered negatives train on the CPU only).
     pub fn cuda_support(&self) -> Result<(), ConfigError> {
-        if self.decoder().comparator() != Comparator::Dot {
-            return Err(bad(
-                "model.decoder",
-                format!(
-                    "{} runs on the CPU only (storage.device = \"cpu\"); the GPU engine \
-                     trains dot, distmult and complex",
-                    self.decoder()
-                ),
-            ));
-        }
         if self.training.negatives.filtered {
             return Err(bad(
                 "training.negatives.filtered",
@@ -544,11 +534,6 @@ mod tests {
             ("", &["storage.device=\"cuda:x\""], "storage.device"),
             (
                 "",
-                &["storage.device=\"cuda:0\"", "model.decoder=transe_l2"],
-                "model.decoder",
-            ),
-            (
-                "",
                 &[
                     "storage.device=\"cuda:0\"",
                     "training.negatives.filtered=true",
@@ -567,6 +552,19 @@ mod tests {
                 err.contains(needle),
                 "{text:?} {sets:?}: {err:?} lacks {needle:?}"
             );
+        }
+    }
+
+    #[test]
+    fn every_decoder_runs_on_cuda() {
+        for decoder in Decoder::ALL {
+            let sets = [
+                "storage.device=\"cuda:0\"".to_string(),
+                format!("model.decoder={decoder}"),
+            ];
+            let c = Config::parse("", &sets).unwrap_or_else(|e| panic!("{decoder}: {e}"));
+            assert_eq!(c.decoder(), decoder);
+            assert!(c.cuda_support().is_ok(), "{decoder}");
         }
     }
 

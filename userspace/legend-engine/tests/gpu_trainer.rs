@@ -1,6 +1,6 @@
 //! The trainer on a CUDA GPU against the CPU trainer on the same graph, seed and plan, in
-//! memory (C = N) and out of core (N = 4, C = 3). Needs a GPU: without a driver, NVRTC or
-//! device every test prints a skip line and passes.
+//! memory (C = N) and out of core (N = 4, C = 3), for ComplEx and TransE. Needs a GPU:
+//! without a driver, NVRTC or device every test prints a skip line and passes.
 
 use legend_cuda::{Gpu, GpuError};
 use legend_dataset::{Buckets, PartitionScheme};
@@ -49,11 +49,11 @@ struct Outcome {
     swaps: usize,
 }
 
-fn train(partitions: u32, capacity: u32, device: Device) -> Outcome {
+fn train(decoder: &str, partitions: u32, capacity: u32, device: Device) -> Outcome {
     let config = Config::parse(
         "",
         &[
-            "model.decoder=complex".into(),
+            format!("model.decoder={decoder}"),
             "model.dim=32".into(),
             "training.batch_size=700".into(),
             "training.negatives.num_chunks=3".into(),
@@ -105,37 +105,48 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
-fn compare(partitions: u32, capacity: u32) {
+fn compare(decoder: &str, partitions: u32, capacity: u32) {
     let Some(device) = device() else {
         return;
     };
-    let gpu = train(partitions, capacity, device);
-    let cpu = train(partitions, capacity, Device::Cpu);
+    let gpu = train(decoder, partitions, capacity, device);
+    let cpu = train(decoder, partitions, capacity, Device::Cpu);
     let (e, r) = (rel_err(&gpu.emb, &cpu.emb), rel_err(&gpu.rel, &cpu.rel));
     println!(
-        "N={partitions} C={capacity}: losses gpu {:?} cpu {:?}; swaps {}; parameters rel. err. nodes {e:.2e} relations {r:.2e}",
+        "{decoder} N={partitions} C={capacity}: losses gpu {:?} cpu {:?}; swaps {}; parameters rel. err. nodes {e:.2e} relations {r:.2e}",
         gpu.losses, cpu.losses, gpu.swaps
     );
     assert_eq!(gpu.swaps, cpu.swaps);
     for (g, c) in gpu.losses.iter().zip(&cpu.losses) {
         assert!(
             (g - c).abs() <= 1e-3 * c.abs(),
-            "loss {g} on the GPU, {c} on the CPU"
+            "{decoder}: loss {g} on the GPU, {c} on the CPU"
         );
     }
     // AdaGrad's first steps are ±lr whatever the gradient's size, so TF32 rounding that flips
     // the sign of a tiny gradient moves a coordinate by a whole step: after four epochs the
     // parameters agree to a few percent (a slot or swap mix-up gives errors near 1).
-    assert!(e < 0.1 && r < 0.1, "parameters differ: {e:.2e} / {r:.2e}");
+    assert!(
+        e < 0.1 && r < 0.1,
+        "{decoder}: parameters differ: {e:.2e} / {r:.2e}"
+    );
 }
 
 #[test]
 fn in_memory_training_matches_the_cpu_trainer() {
-    compare(1, 1);
-    compare(2, 2);
+    compare("complex", 1, 1);
+    compare("complex", 2, 2);
 }
 
 #[test]
 fn out_of_core_training_matches_the_cpu_trainer() {
-    compare(4, 3);
+    compare("complex", 4, 3);
+}
+
+#[test]
+fn transe_training_matches_the_cpu_trainer() {
+    for decoder in ["transe_l1", "transe_l2"] {
+        compare(decoder, 1, 1);
+        compare(decoder, 4, 3);
+    }
 }

@@ -10,7 +10,7 @@
 
 use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, SlotMap, negative_keys};
 use legend_dataset::PartitionScheme;
-use legend_model::{AdaGrad, ChunkModel};
+use legend_model::{AdaGrad, ChunkModel, Decoder};
 
 use super::{ComputeBackend, Step};
 use crate::buffer::PartitionBuffer;
@@ -59,10 +59,16 @@ impl CudaCompute {
             eps: t.adagrad_eps,
         };
         let (chunks, k) = (t.negatives.num_chunks, t.negatives.negatives_per_positive);
-        // Whole batches per launch where the score matrices fit, else fewer chunks.
+        // Whole batches per launch where the score matrices fit, else fewer chunks. TransE L2
+        // keeps its distances next to the scores (legend-cuda's `BatchShape::group`).
         let rows = t.batch_size.div_ceil(chunks.max(1));
+        let bytes = if model.decoder == Decoder::TransEL2 {
+            8
+        } else {
+            4
+        };
         let mut group = 2 * chunks;
-        while group > 2 && group * rows * k * 4 > SCORE_BYTES {
+        while group > 2 && group * rows * k * bytes > SCORE_BYTES {
             group -= 2;
         }
         let shape = BatchShape {

@@ -1,0 +1,359 @@
+// TransE on CUDA cores: the chunk score matrices S = -||q_i - n_j||_p (p = 1, 2) and their
+// gradients, on the operands that the products of kernels/gemm.cu take (LegendGemm), plus
+// the per-row parts that legend_queries and legend_rows_backward (kernels/train.cu) call for
+// the TransE decoders.
+//
+// Distances are summed elementwise, Σ|q - n| or Σ(q - n)², never through the expansion
+// |q|² - 2 q·n + |n|²: the expansion loses the digits of near pairs to cancellation (the CPU
+// engine recomputes those pairs), and on CUDA cores the direct sum costs two instructions per
+// element pair against the expansion's one.
+//
+// Gradients, with G = ∂L/∂S from legend_loss:
+//   dQ_i = -Σ_j W_ij φ(q_i - n_j),  dN_j = Σ_i W_ij φ(q_i - n_j),
+// where L1 has φ = sign (sign(0) = 0) and W = G, and L2 has φ = identity and
+// W_ij = G_ij / ||q_i - n_j|| (0 at distance 0): the zero subgradients of legend-model's
+// Comparator::backward. Both are one kernel body, out(m, n) = -Σ_kk A(m, kk) φ(X(m, n) -
+// B(kk, n)): for dQ (m = i, kk = j, n = embedding column) A = W, X = Q, B = N; for dN
+// (m = j, kk = i) A = Wᵀ, X = N, B = Q, since φ(n - q) = -φ(q - n).
+//
+// Tiling: 256 threads as 16 x 16, each with 8 output rows (two groups of 4, 64 apart) and 8
+// (scores) or 4 (gradients) columns, so the output tiles are 128 x 128 and 128 x 64. Slices
+// of 8 along the reduction are staged in shared memory as [kk][row], double-buffered through
+// registers, and read back as 16-byte vectors.
+
+#define LEGEND_DIST_BK 8
+#define LEGEND_DIST_BM 128
+#define LEGEND_DIST_SN 128
+#define LEGEND_DIST_GN 64
+// Row stride of a staged [kk][row] slice: 4 words of padding make the transposing stores of
+// a warp (8 kk by 4 rows) hit 32 different banks.
+#define LEGEND_DIST_ROW(rows) ((rows) + 4)
+#define LEGEND_DIST_SLICE(rows) (LEGEND_DIST_BK * LEGEND_DIST_ROW(rows))
+
+// Row (or column) `i` of a thread's micro tile: two groups of 4, 64 apart, so that the 16
+// threads of a half-warp read 64 consecutive floats of a staged row.
+__device__ __forceinline__ int legend_dist_at(int t, int i) {
+    return (i & 4) * 16 + t * 4 + (i & 3);
+}
+
+// One element pair's term of the distance: |x| or x².
+template <bool L2>
+__device__ __forceinline__ float legend_dist_term(float x, float acc) {
+    return L2 ? fmaf(x, x, acc) : acc + fabsf(x);
+}
+
+// φ(x - b): x - b for L2, sign(x - b) for L1 (compared directly: with subnormals, x - b is
+// zero exactly when x == b, and has the sign of the comparison otherwise).
+template <bool L2>
+__device__ __forceinline__ float legend_dist_phi(float x, float b) {
+    return L2 ? x - b : (x > b ? 1.0f : 0.0f) - (x < b ? 1.0f : 0.0f);
+}
+
+// ||q - t||_p of two rows of d floats, summed by one warp (lanes stride over the elements,
+// then a butterfly). The same order everywhere, so the positive scores of legend_queries and
+// the distances legend_rows_backward recomputes agree bit for bit.
+__device__ __forceinline__ float legend_row_distance(const float* q, const float* t, u32 d,
+                                                     u32 lane, bool l2) {
+    float acc = 0.0f;
+    for (u32 k = lane; k < d; k += 32) {
+        float x = q[k] - t[k];
+        acc = l2 ? legend_dist_term<true>(x, acc) : legend_dist_term<false>(x, acc);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return l2 ? sqrtf(acc) : acc;
+}
+
+// The TransE part of legend_queries (one warp, one row): q = anchor + relation when the
+// destination is replaced (side 1), anchor - relation when the source is (side 0, the anchor
+// being the destination), and pos = -||q - truth||.
+__device__ __forceinline__ void legend_transe_query(bool l2, u32 side, const float* a,
+                                                    const float* w, const float* t, float* q,
+                                                    u32 d, u32 lane, float* pos) {
+    for (u32 k = lane; k < d; k += 32) q[k] = side ? a[k] + w[k] : a[k] - w[k];
+    // Each lane reads back only the elements it wrote.
+    float dist = legend_row_distance(q, t, d, lane, l2);
+    if (lane == 0) *pos = -dist;
+}
+
+// The TransE part of legend_rows_backward (one warp, one edge, both sides). Side 0 has
+// q0 = D - w against the true source S, side 1 q1 = S + w against the true destination D;
+// dq holds the negatives' part of ∂L/∂q. With u = gp · φ(q - truth) (gp / ||q - truth|| for
+// L2), ∂L/∂q = dq - u and the truth gets +u; the anchor gets ∂L/∂q and the relation ±∂L/∂q.
+__device__ __forceinline__ void legend_transe_edge_backward(
+    bool l2, u32 d, u32 lane, const float* S, const float* D, const float* q0, const float* q1,
+    const float* dq0, const float* dq1, float gp0, float gp1, float* gs, float* gd, float* gw) {
+    float c0 = gp0, c1 = gp1;
+    if (l2) {
+        float d0 = legend_row_distance(q0, S, d, lane, true);
+        float d1 = legend_row_distance(q1, D, d, lane, true);
+        c0 = d0 > 0.0f ? gp0 / d0 : 0.0f;
+        c1 = d1 > 0.0f ? gp1 / d1 : 0.0f;
+    }
+    for (u32 k = lane; k < d; k += 32) {
+        float u0 = c0 * (l2 ? q0[k] - S[k] : legend_dist_phi<false>(q0[k], S[k]));
+        float u1 = c1 * (l2 ? q1[k] - D[k] : legend_dist_phi<false>(q1[k], D[k]));
+        float g0 = dq0[k] - u0, g1 = dq1[k] - u1;
+        atomicAdd(&gs[k], u0 + g1);
+        atomicAdd(&gd[k], g0 + u1);
+        atomicAdd(&gw[k], g1 - g0);
+    }
+}
+
+// Loads one BK-slice (k0 .. k0 + BK, below kend) of ROWS rows (r0 .., below rlim) of an
+// operand into registers, zeros outside: element (r, kk) at P[r * ld + kk] when k-contiguous
+// (KC), else at P[kk * ld + r]. Consecutive threads read consecutive addresses either way.
+template <int ROWS, bool KC>
+__device__ __forceinline__ void legend_dist_load(const float* P, long long ld, int r0, int rlim,
+                                                 int k0, int kend, float* v) {
+#pragma unroll
+    for (int u = 0; u < ROWS * LEGEND_DIST_BK / 256; ++u) {
+        int e = threadIdx.x + u * 256;
+        int r = KC ? e / LEGEND_DIST_BK : e % ROWS;
+        int kk = KC ? e % LEGEND_DIST_BK : e / ROWS;
+        int gr = r0 + r, gk = k0 + kk;
+        bool ok = gr < rlim && gk < kend;
+        v[u] = ok ? (KC ? P[(long long)gr * ld + gk] : P[(long long)gk * ld + gr]) : 0.0f;
+    }
+}
+
+// Stores what legend_dist_load<ROWS, KC> loaded into a [kk][row] slice.
+template <int ROWS, bool KC>
+__device__ __forceinline__ void legend_dist_store(float* s, const float* v) {
+#pragma unroll
+    for (int u = 0; u < ROWS * LEGEND_DIST_BK / 256; ++u) {
+        int e = threadIdx.x + u * 256;
+        int r = KC ? e / LEGEND_DIST_BK : e % ROWS;
+        int kk = KC ? e % LEGEND_DIST_BK : e / ROWS;
+        s[kk * LEGEND_DIST_ROW(ROWS) + r] = v[u];
+    }
+}
+
+// Four consecutive floats of a staged slice (16-byte aligned: the row strides are multiples
+// of 4 floats).
+__device__ __forceinline__ float4 legend_dist_vec(const float* s, int at) {
+    return *reinterpret_cast<const float4*>(s + at);
+}
+
+// S = -dist(Q_i, N_j) for the operands of legend_gemm_nt (both k-contiguous); L2 also
+// writes the distances into `dist` (C's layout), which the gradient kernels need.
+template <bool L2>
+__device__ __forceinline__ void legend_dist_scores_body(const LegendGemm& g, float* dist,
+                                                        float* as, float* bs) {
+    int z = blockIdx.z;
+    int m = g.m_rows ? (int)g.m_rows[z] : g.m;
+    int ntiles = (g.n + LEGEND_DIST_SN - 1) / LEGEND_DIST_SN;
+    int m0 = (blockIdx.x / ntiles) * LEGEND_DIST_BM;
+    int n0 = (blockIdx.x % ntiles) * LEGEND_DIST_SN;
+    if (m0 >= m) return;
+    const float* A = g.a + (long long)z * g.a_batch;
+    const float* B = g.b + (long long)z * g.b_batch;
+    int tm = threadIdx.x >> 4, tn = threadIdx.x & 15;
+    float acc[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+    const int SA = LEGEND_DIST_SLICE(LEGEND_DIST_BM), SB = LEGEND_DIST_SLICE(LEGEND_DIST_SN);
+    float va[4], vb[4];
+    legend_dist_load<LEGEND_DIST_BM, true>(A, g.a_ld, m0, m, 0, g.k, va);
+    legend_dist_load<LEGEND_DIST_SN, true>(B, g.b_ld, n0, g.n, 0, g.k, vb);
+    legend_dist_store<LEGEND_DIST_BM, true>(as, va);
+    legend_dist_store<LEGEND_DIST_SN, true>(bs, vb);
+    __syncthreads();
+    for (int k0 = 0, it = 0; k0 < g.k; k0 += LEGEND_DIST_BK, ++it) {
+        bool more = k0 + LEGEND_DIST_BK < g.k;
+        // The next slice's loads are in flight while this one is computed.
+        if (more) {
+            int next = k0 + LEGEND_DIST_BK;
+            legend_dist_load<LEGEND_DIST_BM, true>(A, g.a_ld, m0, m, next, g.k, va);
+            legend_dist_load<LEGEND_DIST_SN, true>(B, g.b_ld, n0, g.n, next, g.k, vb);
+        }
+        const float* sa = as + (it & 1) * SA;
+        const float* sb = bs + (it & 1) * SB;
+#pragma unroll
+        for (int kk = 0; kk < LEGEND_DIST_BK; ++kk) {
+            const float* ra = sa + kk * LEGEND_DIST_ROW(LEGEND_DIST_BM);
+            const float* rb = sb + kk * LEGEND_DIST_ROW(LEGEND_DIST_SN);
+            float4 a0 = legend_dist_vec(ra, tm * 4), a1 = legend_dist_vec(ra, 64 + tm * 4);
+            float4 b0 = legend_dist_vec(rb, tn * 4), b1 = legend_dist_vec(rb, 64 + tn * 4);
+            float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    acc[i][j] = legend_dist_term<L2>(a[i] - b[j], acc[i][j]);
+        }
+        // The other buffer was last read before the previous barrier.
+        if (more) {
+            legend_dist_store<LEGEND_DIST_BM, true>(as + ((it + 1) & 1) * SA, va);
+            legend_dist_store<LEGEND_DIST_SN, true>(bs + ((it + 1) & 1) * SB, vb);
+        }
+        __syncthreads();
+    }
+    float* C = g.c + (long long)z * g.c_batch;
+    float* Dz = dist + (long long)z * g.c_batch;
+    bool vec = (reinterpret_cast<unsigned long long>(C) & 15) == 0 && (g.c_ld & 3) == 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        int row = m0 + legend_dist_at(tm, i);
+        if (row >= m) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int col = n0 + legend_dist_at(tn, 4 * h);
+            float v[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) v[c] = L2 ? sqrtf(acc[i][4 * h + c]) : acc[i][4 * h + c];
+            long long at = (long long)row * g.c_ld + col;
+            if (vec && col + 3 < g.n) {
+                *reinterpret_cast<float4*>(C + at) = make_float4(-v[0], -v[1], -v[2], -v[3]);
+                if (L2) *reinterpret_cast<float4*>(Dz + at) = make_float4(v[0], v[1], v[2], v[3]);
+            } else {
+                for (int c = 0; c < 4 && col + c < g.n; ++c) {
+                    C[at + c] = -v[c];
+                    if (L2) Dz[at + c] = v[c];
+                }
+            }
+        }
+    }
+}
+
+// Loads the gradient kernels' slice k0 .. of G (and of the distances for L2) and of B.
+template <bool A_KC, bool L2>
+__device__ __forceinline__ void legend_dist_grad_load(const LegendGemm& g, const float* A,
+                                                      const float* D, const float* B, int m0,
+                                                      int m, int n0, int k0, int kend,
+                                                      float* ga, float* da, float* vb) {
+    legend_dist_load<LEGEND_DIST_BM, A_KC>(A, g.a_ld, m0, m, k0, kend, ga);
+    if (L2) legend_dist_load<LEGEND_DIST_BM, A_KC>(D, g.a_ld, m0, m, k0, kend, da);
+    legend_dist_load<LEGEND_DIST_GN, false>(B, g.b_ld, n0, g.n, k0, kend, vb);
+}
+
+// Stores a loaded slice, forming W = G, or G / dist (0 at distance 0) for L2.
+template <bool A_KC, bool L2>
+__device__ __forceinline__ void legend_dist_grad_store(float* as, float* bs, float* ga,
+                                                       const float* da, const float* vb) {
+    if (L2) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) ga[u] = da[u] > 0.0f ? ga[u] / da[u] : 0.0f;
+    }
+    legend_dist_store<LEGEND_DIST_BM, A_KC>(as, ga);
+    legend_dist_store<LEGEND_DIST_GN, false>(bs, vb);
+}
+
+// out(m, n) = -Σ_kk A(m, kk) φ(X(m, n) - B(kk, n)) (see the top of the file). A is G (with
+// the distances `dist` in the same layout for L2), k-contiguous for dQ and not for dN; B is
+// n-contiguous; X has C's layout. Split over K with atomic adds as in legend_gemm.
+template <bool A_KC, bool L2>
+__device__ __forceinline__ void legend_dist_grad_body(const LegendGemm& g, const float* X,
+                                                      const float* dist, float* as, float* bs) {
+    int z = blockIdx.z;
+    int m = g.m_rows ? (int)g.m_rows[z] : g.m;
+    int kdim = g.k_rows ? (int)g.k_rows[z] : g.k;
+    int ntiles = (g.n + LEGEND_DIST_GN - 1) / LEGEND_DIST_GN;
+    int m0 = (blockIdx.x / ntiles) * LEGEND_DIST_BM;
+    int n0 = (blockIdx.x % ntiles) * LEGEND_DIST_GN;
+    if (m0 >= m) return;
+    int kbeg = g.k_split ? blockIdx.y * g.k_split : 0;
+    int kend = g.k_split ? min(kdim, kbeg + g.k_split) : kdim;
+    if (g.atomic && kbeg >= kend) return;
+    const float* A = g.a + (long long)z * g.a_batch;
+    const float* Dz = dist + (long long)z * g.a_batch;
+    const float* B = g.b + (long long)z * g.b_batch;
+    float* C = g.c + (long long)z * g.c_batch;
+    const float* Xz = X + (long long)z * g.c_batch;
+    int tm = threadIdx.x >> 4, tn = threadIdx.x & 15;
+    float x[8][4], acc[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        int row = m0 + legend_dist_at(tm, i);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int col = n0 + tn * 4 + j;
+            x[i][j] = row < m && col < g.n ? Xz[(long long)row * g.c_ld + col] : 0.0f;
+            acc[i][j] = 0.0f;
+        }
+    }
+    const int SA = LEGEND_DIST_SLICE(LEGEND_DIST_BM), SB = LEGEND_DIST_SLICE(LEGEND_DIST_GN);
+    float ga[4], da[4], vb[2];
+    legend_dist_grad_load<A_KC, L2>(g, A, Dz, B, m0, m, n0, kbeg, kend, ga, da, vb);
+    legend_dist_grad_store<A_KC, L2>(as, bs, ga, da, vb);
+    __syncthreads();
+    for (int k0 = kbeg, it = 0; k0 < kend; k0 += LEGEND_DIST_BK, ++it) {
+        bool more = k0 + LEGEND_DIST_BK < kend;
+        if (more)
+            legend_dist_grad_load<A_KC, L2>(g, A, Dz, B, m0, m, n0, k0 + LEGEND_DIST_BK, kend,
+                                            ga, da, vb);
+        const float* sa = as + (it & 1) * SA;
+        const float* sb = bs + (it & 1) * SB;
+#pragma unroll
+        for (int kk = 0; kk < LEGEND_DIST_BK; ++kk) {
+            const float* ra = sa + kk * LEGEND_DIST_ROW(LEGEND_DIST_BM);
+            float4 a0 = legend_dist_vec(ra, tm * 4), a1 = legend_dist_vec(ra, 64 + tm * 4);
+            float4 b0 = legend_dist_vec(sb + kk * LEGEND_DIST_ROW(LEGEND_DIST_GN), tn * 4);
+            float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            float b[4] = {b0.x, b0.y, b0.z, b0.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    acc[i][j] = fmaf(a[i], legend_dist_phi<L2>(x[i][j], b[j]), acc[i][j]);
+        }
+        if (more)
+            legend_dist_grad_store<A_KC, L2>(as + ((it + 1) & 1) * SA, bs + ((it + 1) & 1) * SB,
+                                             ga, da, vb);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        int row = m0 + legend_dist_at(tm, i);
+        if (row >= m) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int col = n0 + tn * 4 + j;
+            if (col >= g.n) continue;
+            float* out = &C[(long long)row * g.c_ld + col];
+            if (g.atomic)
+                atomicAdd(out, -acc[i][j]);
+            else
+                *out = -acc[i][j];
+        }
+    }
+}
+
+// S = -||Q_i - N_j||_p: the operands of legend_gemm_nt; `l2` picks p = 2 (and the distances
+// written into `dist`, C's layout), else p = 1 (`dist` unused).
+extern "C" __global__ void __launch_bounds__(256, 1) legend_dist_scores(LegendGemm g, int l2,
+                                                                        float* __restrict__ dist) {
+    __shared__ __align__(16) float as[2 * LEGEND_DIST_SLICE(LEGEND_DIST_BM)];
+    __shared__ __align__(16) float bs[2 * LEGEND_DIST_SLICE(LEGEND_DIST_SN)];
+    if (l2)
+        legend_dist_scores_body<true>(g, dist, as, bs);
+    else
+        legend_dist_scores_body<false>(g, dist, as, bs);
+}
+
+// dQ from G (legend_gemm_nn's operands: G, N), with X = Q in dQ's layout and, for L2, the
+// distances in G's layout.
+extern "C" __global__ void __launch_bounds__(256, 1) legend_dist_grad_query(
+    LegendGemm g, int l2, const float* __restrict__ x, const float* __restrict__ dist) {
+    __shared__ __align__(16) float as[2 * LEGEND_DIST_SLICE(LEGEND_DIST_BM)];
+    __shared__ __align__(16) float bs[2 * LEGEND_DIST_SLICE(LEGEND_DIST_GN)];
+    if (l2)
+        legend_dist_grad_body<true, true>(g, x, dist, as, bs);
+    else
+        legend_dist_grad_body<true, false>(g, x, dist, as, bs);
+}
+
+// dN from G (legend_gemm_tn's operands: Gᵀ, Q, split over the rows with atomic adds), with
+// X = N in dN's layout and, for L2, the distances in G's layout.
+extern "C" __global__ void __launch_bounds__(256, 1) legend_dist_grad_negatives(
+    LegendGemm g, int l2, const float* __restrict__ x, const float* __restrict__ dist) {
+    __shared__ __align__(16) float as[2 * LEGEND_DIST_SLICE(LEGEND_DIST_BM)];
+    __shared__ __align__(16) float bs[2 * LEGEND_DIST_SLICE(LEGEND_DIST_GN)];
+    if (l2)
+        legend_dist_grad_body<false, true>(g, x, dist, as, bs);
+    else
+        legend_dist_grad_body<false, false>(g, x, dist, as, bs);
+}
