@@ -19,7 +19,8 @@
 // Tiling: 256 threads as 16 x 16, each with 8 output rows (two groups of 4, 64 apart) and 8
 // (scores) or 4 (gradients) columns, so the output tiles are 128 x 128 and 128 x 64. Slices
 // of 8 along the reduction are staged in shared memory as [kk][row], double-buffered through
-// registers, and read back as 16-byte vectors.
+// registers, and read back as 16-byte vectors. Two blocks a multiprocessor: at 128 registers
+// the inner loops keep everything in registers (ptxas spills only addresses, outside them).
 
 #define LEGEND_DIST_BK 8
 #define LEGEND_DIST_BM 128
@@ -136,9 +137,10 @@ __device__ __forceinline__ float4 legend_dist_vec(const float* s, int at) {
 }
 
 // S = -dist(Q_i, N_j) for the operands of legend_gemm_nt (both k-contiguous); L2 also
-// writes the distances into `dist` (C's layout), which the gradient kernels need.
+// writes the inverse distances (0 at distance 0) into `inv_dist` (C's layout), which the
+// gradient kernels multiply G with.
 template <bool L2>
-__device__ __forceinline__ void legend_dist_scores_body(const LegendGemm& g, float* dist,
+__device__ __forceinline__ void legend_dist_scores_body(const LegendGemm& g, float* inv_dist,
                                                         float* as, float* bs) {
     int z = blockIdx.z;
     int m = g.m_rows ? (int)g.m_rows[z] : g.m;
@@ -193,7 +195,7 @@ __device__ __forceinline__ void legend_dist_scores_body(const LegendGemm& g, flo
         __syncthreads();
     }
     float* C = g.c + (long long)z * g.c_batch;
-    float* Dz = dist + (long long)z * g.c_batch;
+    float* Dz = inv_dist + (long long)z * g.c_batch;
     bool vec = (reinterpret_cast<unsigned long long>(C) & 15) == 0 && (g.c_ld & 3) == 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -202,24 +204,27 @@ __device__ __forceinline__ void legend_dist_scores_body(const LegendGemm& g, flo
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             int col = n0 + legend_dist_at(tn, 4 * h);
-            float v[4];
+            float v[4], r[4];
 #pragma unroll
-            for (int c = 0; c < 4; ++c) v[c] = L2 ? sqrtf(acc[i][4 * h + c]) : acc[i][4 * h + c];
+            for (int c = 0; c < 4; ++c) {
+                v[c] = L2 ? sqrtf(acc[i][4 * h + c]) : acc[i][4 * h + c];
+                r[c] = v[c] > 0.0f ? 1.0f / v[c] : 0.0f;
+            }
             long long at = (long long)row * g.c_ld + col;
             if (vec && col + 3 < g.n) {
                 *reinterpret_cast<float4*>(C + at) = make_float4(-v[0], -v[1], -v[2], -v[3]);
-                if (L2) *reinterpret_cast<float4*>(Dz + at) = make_float4(v[0], v[1], v[2], v[3]);
+                if (L2) *reinterpret_cast<float4*>(Dz + at) = make_float4(r[0], r[1], r[2], r[3]);
             } else {
                 for (int c = 0; c < 4 && col + c < g.n; ++c) {
                     C[at + c] = -v[c];
-                    if (L2) Dz[at + c] = v[c];
+                    if (L2) Dz[at + c] = r[c];
                 }
             }
         }
     }
 }
 
-// Loads the gradient kernels' slice k0 .. of G (and of the distances for L2) and of B.
+// Loads the gradient kernels' slice k0 .. of G (and of the inverse distances for L2) and of B.
 template <bool A_KC, bool L2>
 __device__ __forceinline__ void legend_dist_grad_load(const LegendGemm& g, const float* A,
                                                       const float* D, const float* B, int m0,
@@ -230,24 +235,25 @@ __device__ __forceinline__ void legend_dist_grad_load(const LegendGemm& g, const
     legend_dist_load<LEGEND_DIST_GN, false>(B, g.b_ld, n0, g.n, k0, kend, vb);
 }
 
-// Stores a loaded slice, forming W = G, or G / dist (0 at distance 0) for L2.
+// Stores a loaded slice, forming W = G, or G times the inverse distance for L2.
 template <bool A_KC, bool L2>
 __device__ __forceinline__ void legend_dist_grad_store(float* as, float* bs, float* ga,
                                                        const float* da, const float* vb) {
     if (L2) {
 #pragma unroll
-        for (int u = 0; u < 4; ++u) ga[u] = da[u] > 0.0f ? ga[u] / da[u] : 0.0f;
+        for (int u = 0; u < 4; ++u) ga[u] *= da[u];
     }
     legend_dist_store<LEGEND_DIST_BM, A_KC>(as, ga);
     legend_dist_store<LEGEND_DIST_GN, false>(bs, vb);
 }
 
 // out(m, n) = -Σ_kk A(m, kk) φ(X(m, n) - B(kk, n)) (see the top of the file). A is G (with
-// the distances `dist` in the same layout for L2), k-contiguous for dQ and not for dN; B is
+// the inverse distances in the same layout for L2), k-contiguous for dQ and not for dN; B is
 // n-contiguous; X has C's layout. Split over K with atomic adds as in legend_gemm.
 template <bool A_KC, bool L2>
 __device__ __forceinline__ void legend_dist_grad_body(const LegendGemm& g, const float* X,
-                                                      const float* dist, float* as, float* bs) {
+                                                      const float* inv_dist, float* as,
+                                                      float* bs) {
     int z = blockIdx.z;
     int m = g.m_rows ? (int)g.m_rows[z] : g.m;
     int kdim = g.k_rows ? (int)g.k_rows[z] : g.k;
@@ -259,7 +265,7 @@ __device__ __forceinline__ void legend_dist_grad_body(const LegendGemm& g, const
     int kend = g.k_split ? min(kdim, kbeg + g.k_split) : kdim;
     if (g.atomic && kbeg >= kend) return;
     const float* A = g.a + (long long)z * g.a_batch;
-    const float* Dz = dist + (long long)z * g.a_batch;
+    const float* Dz = inv_dist + (long long)z * g.a_batch;
     const float* B = g.b + (long long)z * g.b_batch;
     float* C = g.c + (long long)z * g.c_batch;
     const float* Xz = X + (long long)z * g.c_batch;
@@ -322,38 +328,38 @@ __device__ __forceinline__ void legend_dist_grad_body(const LegendGemm& g, const
     }
 }
 
-// S = -||Q_i - N_j||_p: the operands of legend_gemm_nt; `l2` picks p = 2 (and the distances
-// written into `dist`, C's layout), else p = 1 (`dist` unused).
-extern "C" __global__ void __launch_bounds__(256, 1) legend_dist_scores(LegendGemm g, int l2,
-                                                                        float* __restrict__ dist) {
+// S = -||Q_i - N_j||_p: the operands of legend_gemm_nt; `l2` picks p = 2 (and the inverse
+// distances written into `inv_dist`, C's layout), else p = 1 (`inv_dist` unused).
+extern "C" __global__ void __launch_bounds__(256, 2) legend_dist_scores(
+    LegendGemm g, int l2, float* __restrict__ inv_dist) {
     __shared__ __align__(16) float as[2 * LEGEND_DIST_SLICE(LEGEND_DIST_BM)];
     __shared__ __align__(16) float bs[2 * LEGEND_DIST_SLICE(LEGEND_DIST_SN)];
     if (l2)
-        legend_dist_scores_body<true>(g, dist, as, bs);
+        legend_dist_scores_body<true>(g, inv_dist, as, bs);
     else
-        legend_dist_scores_body<false>(g, dist, as, bs);
+        legend_dist_scores_body<false>(g, inv_dist, as, bs);
 }
 
 // dQ from G (legend_gemm_nn's operands: G, N), with X = Q in dQ's layout and, for L2, the
-// distances in G's layout.
-extern "C" __global__ void __launch_bounds__(256, 1) legend_dist_grad_query(
-    LegendGemm g, int l2, const float* __restrict__ x, const float* __restrict__ dist) {
+// inverse distances in G's layout.
+extern "C" __global__ void __launch_bounds__(256, 2) legend_dist_grad_query(
+    LegendGemm g, int l2, const float* __restrict__ x, const float* __restrict__ inv_dist) {
     __shared__ __align__(16) float as[2 * LEGEND_DIST_SLICE(LEGEND_DIST_BM)];
     __shared__ __align__(16) float bs[2 * LEGEND_DIST_SLICE(LEGEND_DIST_GN)];
     if (l2)
-        legend_dist_grad_body<true, true>(g, x, dist, as, bs);
+        legend_dist_grad_body<true, true>(g, x, inv_dist, as, bs);
     else
-        legend_dist_grad_body<true, false>(g, x, dist, as, bs);
+        legend_dist_grad_body<true, false>(g, x, inv_dist, as, bs);
 }
 
 // dN from G (legend_gemm_tn's operands: Gᵀ, Q, split over the rows with atomic adds), with
-// X = N in dN's layout and, for L2, the distances in G's layout.
-extern "C" __global__ void __launch_bounds__(256, 1) legend_dist_grad_negatives(
-    LegendGemm g, int l2, const float* __restrict__ x, const float* __restrict__ dist) {
+// X = N in dN's layout and, for L2, the inverse distances in G's layout.
+extern "C" __global__ void __launch_bounds__(256, 2) legend_dist_grad_negatives(
+    LegendGemm g, int l2, const float* __restrict__ x, const float* __restrict__ inv_dist) {
     __shared__ __align__(16) float as[2 * LEGEND_DIST_SLICE(LEGEND_DIST_BM)];
     __shared__ __align__(16) float bs[2 * LEGEND_DIST_SLICE(LEGEND_DIST_GN)];
     if (l2)
-        legend_dist_grad_body<false, true>(g, x, dist, as, bs);
+        legend_dist_grad_body<false, true>(g, x, inv_dist, as, bs);
     else
-        legend_dist_grad_body<false, false>(g, x, dist, as, bs);
+        legend_dist_grad_body<false, false>(g, x, inv_dist, as, bs);
 }

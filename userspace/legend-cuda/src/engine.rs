@@ -382,7 +382,7 @@ pub struct BatchShape {
     /// Jobs (chunk sides) per launch, rounded up to whole chunks (an even number): more
     /// fills the GPU better, fewer needs less memory (the score buffer holds
     /// `group × ⌈max_batch / num_chunks⌉ × negatives` floats, and TransE L2 as many
-    /// distances). On an H100, a whole batch (`2 · num_chunks`) was fastest for 10 chunks of
+    /// inverse distances). On an H100, a whole batch (`2 · num_chunks`) was fastest for 10 chunks of
     /// 10⁴ rows.
     pub group: usize,
 }
@@ -413,8 +413,8 @@ pub struct GpuBatchEngine {
     scores: CudaSlice<f32>,
     grad_query: CudaSlice<f32>,
     grad_negs: CudaSlice<f32>,
-    /// TransE L2's distances, the shape of `scores` (one float otherwise): the loss
-    /// overwrites the scores, and the gradients divide by the distances.
+    /// TransE L2's inverse distances (0 at distance 0), the shape of `scores` (one float
+    /// otherwise): the loss overwrites the scores, and the gradients scale G by them.
     dist: CudaSlice<f32>,
     loss_sum: CudaSlice<f64>,
     /// Whether the loss sum runs on over steps (see `set_loss_accumulation`).
@@ -1056,7 +1056,7 @@ impl GpuBatchEngine {
         b.arg(&dist);
         // SAFETY: as for `gemm`; the queries and negatives have C's shape in the gradient
         // products, and for L2 `dist` holds group × max_rows × k floats, the scores' shape
-        // (the scores kernel writes it, the gradient kernels read it).
+        // (the scores kernel writes it, the gradient kernels read it); L1 never touches it.
         unsafe { b.launch(cfg) }.during("launching a distance kernel")?;
         Ok(())
     }

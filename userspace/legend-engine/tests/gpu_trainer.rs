@@ -125,9 +125,13 @@ fn compare(decoder: &str, partitions: u32, capacity: u32) {
     }
     // AdaGrad's first steps are ±lr whatever the gradient's size, so TF32 rounding that flips
     // the sign of a tiny gradient moves a coordinate by a whole step: after four epochs the
-    // parameters agree to a few percent (a slot or swap mix-up gives errors near 1).
+    // parameters agree to a few percent (a slot or swap mix-up gives errors near 1). TransE L1
+    // is chaotic on its own: its gradients are sums of ±G, and the CPU trainer's parameters
+    // move by 8e-2 (N = 1) and 1.3e-1 (N = 4, C = 3) when a third of the relation entries
+    // change by 1e-7 relative, as much as the GPU's differ from the CPU's.
+    let bound = if decoder == "transe_l1" { 0.25 } else { 0.1 };
     assert!(
-        e < 0.1 && r < 0.1,
+        e < bound && r < bound,
         "{decoder}: parameters differ: {e:.2e} / {r:.2e}"
     );
 }
@@ -145,7 +149,7 @@ fn out_of_core_training_matches_the_cpu_trainer() {
 
 #[test]
 fn transe_training_matches_the_cpu_trainer() {
-    for decoder in ["transe_l1", "transe_l2"] {
+    for decoder in ["transe_l2", "transe_l1"] {
         compare(decoder, 1, 1);
         compare(decoder, 4, 3);
     }
