@@ -19,8 +19,9 @@
 // Tiling: 256 threads as 16 x 16, each with 8 output rows (two groups of 4, 64 apart) and 8
 // (scores) or 4 (gradients) columns, so the output tiles are 128 x 128 and 128 x 64. Slices
 // of 8 along the reduction are staged in shared memory as [kk][row], double-buffered through
-// registers, and read back as 16-byte vectors. Two blocks a multiprocessor: at 128 registers
-// the inner loops keep everything in registers (ptxas spills only addresses, outside them).
+// registers, and read back as 16-byte vectors. One block a multiprocessor (the gradients take
+// about 230 registers, the scores 170, no spills): on an H100, capping them at 128 for two
+// blocks made the L2 gradients 20-30% slower, more than it saved elsewhere (Documentation/gpu.md).
 
 #define LEGEND_DIST_BK 8
 #define LEGEND_DIST_BM 128
@@ -330,7 +331,7 @@ __device__ __forceinline__ void legend_dist_grad_body(const LegendGemm& g, const
 
 // S = -||Q_i - N_j||_p: the operands of legend_gemm_nt; `l2` picks p = 2 (and the inverse
 // distances written into `inv_dist`, C's layout), else p = 1 (`inv_dist` unused).
-extern "C" __global__ void __launch_bounds__(256, 2) legend_dist_scores(
+extern "C" __global__ void __launch_bounds__(256, 1) legend_dist_scores(
     LegendGemm g, int l2, float* __restrict__ inv_dist) {
     __shared__ __align__(16) float as[2 * LEGEND_DIST_SLICE(LEGEND_DIST_BM)];
     __shared__ __align__(16) float bs[2 * LEGEND_DIST_SLICE(LEGEND_DIST_SN)];
@@ -342,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) legend_dist_scores(
 
 // dQ from G (legend_gemm_nn's operands: G, N), with X = Q in dQ's layout and, for L2, the
 // inverse distances in G's layout.
-extern "C" __global__ void __launch_bounds__(256, 2) legend_dist_grad_query(
+extern "C" __global__ void __launch_bounds__(256, 1) legend_dist_grad_query(
     LegendGemm g, int l2, const float* __restrict__ x, const float* __restrict__ inv_dist) {
     __shared__ __align__(16) float as[2 * LEGEND_DIST_SLICE(LEGEND_DIST_BM)];
     __shared__ __align__(16) float bs[2 * LEGEND_DIST_SLICE(LEGEND_DIST_GN)];
@@ -354,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) legend_dist_grad_query(
 
 // dN from G (legend_gemm_tn's operands: Gᵀ, Q, split over the rows with atomic adds), with
 // X = N in dN's layout and, for L2, the inverse distances in G's layout.
-extern "C" __global__ void __launch_bounds__(256, 2) legend_dist_grad_negatives(
+extern "C" __global__ void __launch_bounds__(256, 1) legend_dist_grad_negatives(
     LegendGemm g, int l2, const float* __restrict__ x, const float* __restrict__ inv_dist) {
     __shared__ __align__(16) float as[2 * LEGEND_DIST_SLICE(LEGEND_DIST_BM)];
     __shared__ __align__(16) float bs[2 * LEGEND_DIST_SLICE(LEGEND_DIST_GN)];
