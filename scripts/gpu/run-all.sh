@@ -21,6 +21,9 @@ for t in "$bin"/test-*; do
 done
 echo "== legend-cuda batch benchmark"
 "$bin/batch_bench" "$out/bench.jsonl" 2>&1 | tee "$out/bench.log" || status=1
+echo "== TransE batch benchmark (CUDA cores)"
+LEGEND_BENCH_DECODERS=transe_l2,transe_l1 LEGEND_BENCH_GROUPS=20 "$bin/batch_bench" \
+    "$out/bench-transe.jsonl" 2>&1 | tee "$out/bench-transe.log" || status=1
 echo "== PyTorch batch and summary"
 PYTHONUNBUFFERED=1 python3 "$root/scripts/gpu/torch_batch.py" "$out/bench.jsonl" 2>&1 | tee "$out/summary.log" || status=1
 echo "== legendctl train on the GPU (scripts/gpu/train-bench.sh)"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `legendctl train` on the GPU machine, end to end, next to the CPU engine in the same run:
 #  1. the trainer's GPU-vs-CPU tests (legend-engine/tests/gpu_trainer.rs);
-#  2. UMLS quality: ComplEx with the default config, 200 epochs, CPU and GPU, in memory and
-#     out of core (N = 4, C = 3); filtered test MRR of each;
+#  2. UMLS quality: ComplEx, TransE L2 and TransE L1 with the default config, 200 epochs, CPU
+#     and GPU, in memory and out of core (N = 4, C = 3); filtered test MRR of each;
 #  3. epoch time on a generated graph (10^6 nodes, 2·10^7 edges, 10 relations): B = 10^5,
 #     10 chunks, 1000 negatives, d = 100, Dot and ComplEx, in memory and out of core (N = 8,
 #     C = 3, file backend on this machine's disk), GPU utilisation sampled every 100 ms.
@@ -28,19 +28,22 @@ df -h "$work" | tail -1 | tee -a "$out/hw.txt"
 echo "== trainer tests"
 "$bin/test-gpu_trainer" --test-threads=1 --nocapture 2>&1 | tee "$out/trainer-tests.log" || status=1
 
-echo "== UMLS, ComplEx defaults, 200 epochs"
+echo "== UMLS, defaults with ComplEx, TransE L2 and TransE L1, 200 epochs"
 mrr() { python3 -c 'import json,sys; print("%.4f" % [json.loads(l) for l in open(sys.argv[1])][-1]["metrics"]["mrr"])' "$1/metrics.jsonl"; }
-for layout in "mem:storage.num_partitions=1" "ooc:storage.num_partitions=4"; do
-    name=${layout%%:*}; parts=${layout#*:}
-    extra=()
-    [ "$name" = ooc ] && extra=(--set storage.buffer_capacity=3)
-    for dev in cpu cuda:0; do
-        run=$work/umls-$name-${dev%%:*}
-        start=$(date +%s%N)
-        "$ctl" train --dataset "$root/gpu-data/umls" --out "$run" --set training.num_epochs=200 \
-            --set "$parts" "${extra[@]}" --set "storage.device=\"$dev\"" >"$out/umls-$name-${dev%%:*}.log" 2>&1 || status=1
-        end=$(date +%s%N)
-        printf 'umls %-4s %-7s MRR %s  %d ms\n' "$name" "$dev" "$(mrr "$run")" $(( (end - start) / 1000000 )) | tee -a "$out/umls.txt"
+for model in complex transe_l2 transe_l1; do
+    for layout in "mem:storage.num_partitions=1" "ooc:storage.num_partitions=4"; do
+        name=${layout%%:*}; parts=${layout#*:}
+        extra=()
+        [ "$name" = ooc ] && extra=(--set storage.buffer_capacity=3)
+        for dev in cpu cuda:0; do
+            run=$work/umls-$model-$name-${dev%%:*}
+            start=$(date +%s%N)
+            "$ctl" train --dataset "$root/gpu-data/umls" --out "$run" --set training.num_epochs=200 \
+                --set "model.decoder=$model" --set "$parts" "${extra[@]}" --set "storage.device=\"$dev\"" \
+                >"$out/umls-$model-$name-${dev%%:*}.log" 2>&1 || status=1
+            end=$(date +%s%N)
+            printf 'umls %-9s %-4s %-7s MRR %s  %d ms\n' "$model" "$name" "$dev" "$(mrr "$run")" $(( (end - start) / 1000000 )) | tee -a "$out/umls.txt"
+        done
     done
 done
 
