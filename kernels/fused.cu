@@ -411,18 +411,29 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
         }
 }
 
-// One pair of kernels per padded width 8·DK: 32, 64, 104 (d = 100) and 128.
-#define LEGEND_FUSED_KERNELS(DK, WIDTH)                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2)                   \
-        legend_fused_rows_d##WIDTH(LegendFused f) {                                            \
-        legend_fused_rows_body<DK>(f);                                                         \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2)                   \
-        legend_fused_negatives_d##WIDTH(LegendFused f) {                                       \
-        legend_fused_negatives_body<DK>(f);                                                    \
-    }
-
-LEGEND_FUSED_KERNELS(4, 32)
-LEGEND_FUSED_KERNELS(8, 64)
-LEGEND_FUSED_KERNELS(13, 104)
-LEGEND_FUSED_KERNELS(16, 128)
+// One pair of kernels per padded width 8·DK: 32, 64, 104 (d = 100) and 128, written out so
+// that each entry point can be found by its name.
+extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d32(LegendFused f) {
+    legend_fused_rows_body<4>(f);
+}
+extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d32(LegendFused f) {
+    legend_fused_negatives_body<4>(f);
+}
+extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d64(LegendFused f) {
+    legend_fused_rows_body<8>(f);
+}
+extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d64(LegendFused f) {
+    legend_fused_negatives_body<8>(f);
+}
+extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d104(LegendFused f) {
+    legend_fused_rows_body<13>(f);
+}
+extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d104(LegendFused f) {
+    legend_fused_negatives_body<13>(f);
+}
+extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d128(LegendFused f) {
+    legend_fused_rows_body<16>(f);
+}
+extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d128(LegendFused f) {
+    legend_fused_negatives_body<16>(f);
+}
