@@ -176,13 +176,17 @@ fn a_batch_gathered_on_the_device_trains_like_one_uploaded() {
         // The same batches: only the order of atomic additions differs.
         assert!((a - b).abs() <= 1e-5 * b.abs(), "loss {a} vs {b}");
     }
-    let diff = host
+    // AdaGrad's first step is ±lr whatever the gradient's size, so a tiny gradient whose sign
+    // the order of atomic additions flips moves a coordinate by 2·lr: compare norms.
+    let (num, den) = host
         .1
         .iter()
         .zip(&device.1)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    assert!(diff < 1e-3, "parameters differ by {diff}");
+        .fold((0.0, 0.0), |(n, d), (a, b)| {
+            (n + f64::from(a - b).powi(2), d + f64::from(*b).powi(2))
+        });
+    let err = (num / den).sqrt();
+    assert!(err < 1e-2, "parameters differ: relative error {err:.2e}");
     // Rows outside the entities are refused before any launch.
     let mut e = engine(&gpu, entities, 1000, k, dim);
     // SAFETY: refused before the kernels run.
@@ -296,9 +300,22 @@ fn copies_on_the_transfer_stream_overlap_compute() {
         (host.len() * 4) >> 20,
         (host.len() * 4) as f64 / copy_alone / 1e6
     );
-    assert!(gpu.download(&dst).unwrap().iter().all(|&x| x == 1.5));
     assert!(
         overlap > 0.8 * (end - start) && span < compute_alone + 0.5 * copy_alone,
         "the copy should run while compute runs, not after it"
     );
+    // And back, timed on the host.
+    let mut back = vec![0.0f32; host.len()];
+    let (at, _) = dst.device_ptr(gpu.stream());
+    let started = std::time::Instant::now();
+    // SAFETY: `dst` holds back.len() floats; nothing else runs.
+    unsafe { t.download_raw(at, &mut back) }.unwrap();
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "download of {} MB: {:.1} ms ({:.1} GB/s)",
+        (back.len() * 4) >> 20,
+        secs * 1e3,
+        (back.len() * 4) as f64 / secs / 1e9
+    );
+    assert!(back.iter().all(|&x| x == 1.5));
 }
