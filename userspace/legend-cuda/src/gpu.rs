@@ -27,6 +27,29 @@ pub(crate) struct Kernels {
     pub(crate) rows_backward: CudaFunction,
     pub(crate) negatives_backward: CudaFunction,
     pub(crate) adagrad: CudaFunction,
+    /// The fused product kernels, narrowest padded width first.
+    pub(crate) fused: Vec<FusedKernels>,
+}
+
+/// The fused score/loss/gradient kernels of one padded width (`kernels/fused.cu`).
+pub(crate) struct FusedKernels {
+    /// Widest rows (d) the pair handles: its fragments span `width` columns.
+    pub(crate) width: usize,
+    pub(crate) rows: CudaFunction,
+    pub(crate) negatives: CudaFunction,
+}
+
+/// Padded widths of the fused kernels (`LEGEND_FUSED_KERNELS` in `kernels/fused.cu`).
+const FUSED_WIDTHS: [usize; 4] = [32, 64, 104, 128];
+
+/// Rows of the operand tile the fused kernels walk over (`LEGEND_FUSED_TILE`).
+pub(crate) const FUSED_TILE: usize = 64;
+
+/// Dynamic shared memory of the fused kernels of padded width `width`: two stages of a
+/// 64-row tile of `width + 4` floats a row, and the negatives kernel's two stages of 64 row
+/// statistics (two floats each).
+pub(crate) fn fused_smem(width: usize) -> u32 {
+    (2 * FUSED_TILE * (width + 4) * 4 + 2 * FUSED_TILE * 8) as u32
 }
 
 /// Dynamic shared memory of the product kernels: `LEGEND_STAGES` (4) stages of a 128-row A
@@ -96,6 +119,16 @@ impl Gpu {
             rows_backward: f("legend_rows_backward")?,
             negatives_backward: f("legend_negatives_backward")?,
             adagrad: f("legend_adagrad")?,
+            fused: FUSED_WIDTHS
+                .iter()
+                .map(|&width| {
+                    Ok(FusedKernels {
+                        width,
+                        rows: f(&format!("legend_fused_rows_d{width}"))?,
+                        negatives: f(&format!("legend_fused_negatives_d{width}"))?,
+                    })
+                })
+                .collect::<Result<_, GpuError>>()?,
         };
         for f in [&kernels.gemm_nt, &kernels.gemm_nn, &kernels.gemm_tn] {
             f.set_attribute(
@@ -103,6 +136,15 @@ impl Gpu {
                 GEMM_SMEM as i32,
             )
             .during("raising the shared-memory limit of the product kernels")?;
+        }
+        for k in &kernels.fused {
+            for f in [&k.rows, &k.negatives] {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    fused_smem(k.width) as i32,
+                )
+                .during("raising the shared-memory limit of the fused kernels")?;
+            }
         }
         Ok(Gpu {
             ctx,
