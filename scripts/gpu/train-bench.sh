@@ -9,7 +9,9 @@
 #     also in memory with the edges uploaded bucket by bucket.
 # Builds nothing: expects target-gpu/ from scripts/gpu/build-binaries.sh and the UMLS
 # dataset imported into gpu-data/umls (both carried; LEGEND_GPU_BIN and LEGEND_GPU_DATA name
-# other folders). Logs under ${OUT:-target-gpu/out}.
+# other folders). Logs under ${OUT:-target-gpu/out}. LEGEND_BENCH_ONLY picks the parts
+# (default "tests umls epochs"), LEGEND_BENCH_LAYOUTS the epoch runs' layouts (default
+# "mem memup ooc"; memup runs for Dot only), e.g. to time an older legendctl the same way.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=${LEGEND_GPU_BIN:-$root/target-gpu}
@@ -28,25 +30,32 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 lscpu | grep -E '^Model name|^CPU\(s\)' | tee -a "$out/hw.txt"
 df -h "$work" | tail -1 | tee -a "$out/hw.txt"
 
-echo "== trainer tests"
-"$bin/test-gpu_trainer" --test-threads=1 --nocapture 2>&1 | tee "$out/trainer-tests.log" || status=1
+only=" ${LEGEND_BENCH_ONLY:-tests umls epochs} "
 
-echo "== UMLS, ComplEx defaults, 200 epochs"
-mrr() { python3 -c 'import json,sys; print("%.4f" % [json.loads(l) for l in open(sys.argv[1])][-1]["metrics"]["mrr"])' "$1/metrics.jsonl"; }
-for layout in "mem:storage.num_partitions=1" "ooc:storage.num_partitions=4"; do
-    name=${layout%%:*}; parts=${layout#*:}
-    extra=()
-    [ "$name" = ooc ] && extra=(--set storage.buffer_capacity=3)
-    for dev in cpu cuda:0; do
-        run=$work/umls-$name-${dev%%:*}
-        start=$(date +%s%N)
-        "$ctl" train --dataset "$data/umls" --out "$run" --set training.num_epochs=200 \
-            --set "$parts" "${extra[@]}" --set "storage.device=\"$dev\"" >"$out/umls-$name-${dev%%:*}.log" 2>&1 || status=1
-        end=$(date +%s%N)
-        printf 'umls %-4s %-7s MRR %s  %d ms\n' "$name" "$dev" "$(mrr "$run")" $(( (end - start) / 1000000 )) | tee -a "$out/umls.txt"
+if [[ $only == *" tests "* ]]; then
+    echo "== trainer tests"
+    "$bin/test-gpu_trainer" --test-threads=1 --nocapture 2>&1 | tee "$out/trainer-tests.log" || status=1
+fi
+
+if [[ $only == *" umls "* ]]; then
+    echo "== UMLS, ComplEx defaults, 200 epochs"
+    mrr() { python3 -c 'import json,sys; print("%.4f" % [json.loads(l) for l in open(sys.argv[1])][-1]["metrics"]["mrr"])' "$1/metrics.jsonl"; }
+    for layout in "mem:storage.num_partitions=1" "ooc:storage.num_partitions=4"; do
+        name=${layout%%:*}; parts=${layout#*:}
+        extra=()
+        [ "$name" = ooc ] && extra=(--set storage.buffer_capacity=3)
+        for dev in cpu cuda:0; do
+            run=$work/umls-$name-${dev%%:*}
+            start=$(date +%s%N)
+            "$ctl" train --dataset "$data/umls" --out "$run" --set training.num_epochs=200 \
+                --set "$parts" "${extra[@]}" --set "storage.device=\"$dev\"" >"$out/umls-$name-${dev%%:*}.log" 2>&1 || status=1
+            end=$(date +%s%N)
+            printf 'umls %-4s %-7s MRR %s  %d ms\n' "$name" "$dev" "$(mrr "$run")" $(( (end - start) / 1000000 )) | tee -a "$out/umls.txt"
+        done
     done
-done
+fi
 
+[[ $only == *" epochs "* ]] || exit $status
 echo "== generated graph: 1e6 nodes, 2e7 edges"
 t0=$(date +%s)
 "$ctl" generate --nodes 1000000 --edges 20000000 --relations 10 --split 1,0,0 "$work/gen" >/dev/null || status=1
@@ -56,9 +65,8 @@ common=(--set training.batch_size=100000 --set training.negatives.num_chunks=10
         --set training.num_epochs=3 --set storage.device='"cuda:0"' --json)
 for model in dot complex; do
     # memup (Dot): in memory, but the edges uploaded bucket by bucket (storage.gpu_edge_fraction = 0).
-    layouts="mem ooc"
-    [ "$model" = dot ] && layouts="mem memup ooc"
-    for layout in $layouts; do
+    for layout in ${LEGEND_BENCH_LAYOUTS:-mem memup ooc}; do
+        [ "$layout" = memup ] && [ "$model" != dot ] && continue
         run=$work/bench-$model-$layout
         opts=(--set "model.decoder=$model")
         [ "$layout" = memup ] && opts+=(--set storage.gpu_edge_fraction=0)
