@@ -70,11 +70,6 @@ impl RowSpan {
             floats: range.len(),
         }
     }
-
-    /// Floats of embeddings (and of state) the span covers.
-    pub fn floats(&self) -> usize {
-        self.floats
-    }
 }
 
 /// The device address of a buffer (event tracking is off, see `Gpu::new`: the guard records

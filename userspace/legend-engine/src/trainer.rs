@@ -5,10 +5,11 @@
 //! [`Permutation`], keyed by the seed, the epoch and the bucket): batch `b` holds positions
 //! `b·B ..` of it, which the GPU gathers on the device and the CPU in parallel on the host.
 //! A batch is split into chunks that share negatives. On the CPU each chunk is split further
-//! into fixed blocks of rows ([`BLOCK_ROWS`]), the unit of parallel work. Blocks read a snapshot of the parameters; their gradients are summed in block order
-//! and applied before the next batch, so updates are synchronous and the result depends only
-//! on the seed, never on the thread count. The GPU draws the same negatives from the same
-//! streams and takes the same steps with TF32 products.
+//! into fixed blocks of rows ([`BLOCK_ROWS`]), the unit of parallel work. Blocks read a
+//! snapshot of the parameters; their gradients are summed in block order and applied before
+//! the next batch, so updates are synchronous and the result depends only on the seed, never
+//! on the thread count. The GPU draws the same negatives from the same streams and takes the
+//! same steps with TF32 products.
 
 use std::time::Instant;
 
