@@ -18,12 +18,14 @@
 use std::ops::Range;
 
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
-use legend_model::{AdaGrad, ChunkModel, Comparator, Decoder, Distribution, Loss, Table};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use legend_model::{
+    AdaGrad, ChunkModel, Comparator, Decoder, Distribution, Loss, Permutation, Table,
+};
 
 use crate::error::DriverContext;
 use crate::gpu::{FUSED_TILE, GEMM_SMEM, fused_smem, grid_1d};
-use crate::{Gpu, GpuError};
+use crate::{Gpu, GpuError, RowSpan};
 
 /// Operands of one batched product (`LegendGemm` in `kernels/gemm.cu`, field for field).
 #[repr(C)]
@@ -258,6 +260,13 @@ impl DeviceTable {
         s.memcpy_dtoh(&self.state.slice(span), state)
             .during("copying rows from the device")?;
         s.synchronize().during("copying rows from the device")
+    }
+
+    /// The device addresses of `floats` floats of embeddings and state from row `row0`
+    /// (whole rows), for copies on a [`crate::Transfer`].
+    pub fn row_span(&self, row0: usize, floats: usize) -> Result<RowSpan, GpuError> {
+        let span = self.span(row0, floats, floats)?;
+        Ok(RowSpan::new(&self.emb, &self.state, span))
     }
 
     /// The float range of `len` floats (and `state_len` of state) from row `row0`.
@@ -612,6 +621,27 @@ impl GpuBatchEngine {
         id < self.entities as u64 && self.slots.as_ref().is_none_or(|(m, _)| m.row(id).is_some())
     }
 
+    /// Why rows of `ranges` (global entity ids) cannot be used, if they cannot: a range is
+    /// empty or past the entities, or (slot-indexed table) meets a partition not resident.
+    fn unusable_ranges(&self, ranges: &[Range<u64>]) -> Option<String> {
+        if ranges
+            .iter()
+            .any(|p| p.start >= p.end || !self.usable(p.start) || !self.usable(p.end - 1))
+        {
+            return Some(format!(
+                "row ranges {ranges:?} for {} entities (and resident)",
+                self.entities
+            ));
+        }
+        let (map, _) = self.slots.as_ref()?;
+        let rpp = map.rows_per_partition;
+        ranges
+            .iter()
+            .flat_map(|r| r.start / rpp..=(r.end - 1) / rpp)
+            .find(|&q| map.row(q * rpp).is_none())
+            .map(|q| format!("partition {q} is not resident"))
+    }
+
     /// Uploads a batch of `(source, relation, destination)` positives and splits it into
     /// chunks as the CPU trainer does (chunk `c` holds rows `c·B/C .. (c+1)·B/C`).
     pub fn set_batch(&mut self, gpu: &Gpu, edges: &[[u32; 3]]) -> Result<(), GpuError> {
@@ -639,7 +669,46 @@ impl GpuBatchEngine {
         }
         let flat: Vec<u32> = edges.iter().flatten().copied().collect();
         gpu.write(&flat, &mut self.edges)?;
-        Self::remap(&self.slots, gpu, &mut self.edges, flat.len(), 3, 0b101)?;
+        self.finish_batch(gpu, b)
+    }
+
+    /// Builds the batch on the device: edges `order(first) .. order(first + len − 1)` of
+    /// `bucket` (`order.len()` edges in device memory, three ids an edge, legend-model's
+    /// [`Permutation`] order), then split into chunks as [`GpuBatchEngine::set_batch`] does.
+    /// The host checks the row ranges (known, resident when slot-indexed), not the edges.
+    ///
+    /// # Safety
+    /// Every edge of `bucket` must have its source in `src_rows`, its destination in
+    /// `dst_rows` and (for decoders with relations) a relation below the engine's relation
+    /// count: the kernels index the tables with them unchecked.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn set_batch_from_device(
+        &mut self,
+        gpu: &Gpu,
+        bucket: &CudaView<'_, u32>,
+        order: &Permutation,
+        first: u64,
+        len: usize,
+        src_rows: Range<u64>,
+        dst_rows: Range<u64>,
+    ) -> Result<(), GpuError> {
+        if len == 0 || len > self.shape.max_batch {
+            return Err(GpuError::Shape(format!(
+                "batch of {len} edges (at most {})",
+                self.shape.max_batch
+            )));
+        }
+        if let Some(why) = self.unusable_ranges(&[src_rows, dst_rows]) {
+            return Err(GpuError::Shape(format!("bucket rows: {why}")));
+        }
+        crate::batch::gather_batch(gpu, bucket, order, first, len as u32, &mut self.edges)?;
+        self.finish_batch(gpu, len)
+    }
+
+    /// After the `b` edges of a batch are in `edges` (global ids): rewrites them into slot rows
+    /// and splits the batch into chunks.
+    fn finish_batch(&mut self, gpu: &Gpu, b: usize) -> Result<(), GpuError> {
+        Self::remap(&self.slots, gpu, &mut self.edges, 3 * b, 3, 0b101)?;
         let chunks = self.shape.num_chunks.min(b);
         if (b, chunks) != (self.batch_len, self.chunks) {
             let mut row0 = Vec::with_capacity(2 * chunks);
@@ -677,27 +746,11 @@ impl GpuBatchEngine {
                 keys.len()
             )));
         }
-        if partitions.is_empty()
-            || partitions
-                .iter()
-                .any(|p| p.start >= p.end || !self.usable(p.start) || !self.usable(p.end - 1))
-        {
-            return Err(GpuError::Shape(format!(
-                "partition ranges {partitions:?} for {} entities (and resident)",
-                self.entities
-            )));
+        if partitions.is_empty() {
+            return Err(GpuError::Shape("negatives from no partition".into()));
         }
-        if let Some((map, _)) = &self.slots {
-            let rpp = map.rows_per_partition;
-            let absent = partitions
-                .iter()
-                .flat_map(|r| r.start / rpp..=(r.end - 1) / rpp)
-                .find(|&q| map.row(q * rpp).is_none());
-            if let Some(q) = absent {
-                return Err(GpuError::Shape(format!(
-                    "negatives from partition {q}, which is not resident"
-                )));
-            }
+        if let Some(why) = self.unusable_ranges(partitions) {
+            return Err(GpuError::Shape(format!("negatives: {why}")));
         }
         let k = self.shape.negatives;
         let by_degree = (degree_fraction * k as f64).round() as u32;

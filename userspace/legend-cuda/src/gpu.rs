@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
@@ -17,6 +17,7 @@ pub(crate) struct Kernels {
     pub(crate) init_rows: CudaFunction,
     pub(crate) sample: CudaFunction,
     pub(crate) remap: CudaFunction,
+    pub(crate) gather_batch: CudaFunction,
     pub(crate) gemm_nt: CudaFunction,
     pub(crate) gemm_nn: CudaFunction,
     pub(crate) gemm_tn: CudaFunction,
@@ -108,6 +109,7 @@ impl Gpu {
             init_rows: f("legend_init_rows")?,
             sample: f("legend_sample_negatives")?,
             remap: f("legend_remap_ids")?,
+            gather_batch: f("legend_gather_batch")?,
             gemm_nt: f("legend_gemm_nt")?,
             gemm_nn: f("legend_gemm_nn")?,
             gemm_tn: f("legend_gemm_tn")?,
@@ -179,6 +181,31 @@ impl Gpu {
             .synchronize()
             .during("synchronizing the stream")?;
         self.ctx.check_err().during("a queued operation")
+    }
+
+    /// An event recorded on the stream now: it completes when the work queued so far has run.
+    pub fn record(&self) -> Result<CudaEvent, GpuError> {
+        let ev = self
+            .ctx
+            .new_event(None)
+            .during("creating an ordering event")?;
+        ev.record(&self.stream)
+            .during("recording an ordering event")?;
+        Ok(ev)
+    }
+
+    /// Work queued after this call waits for `event` (recorded on another stream: a copy).
+    pub fn wait_for(&self, event: &CudaEvent) -> Result<(), GpuError> {
+        self.stream
+            .wait(event)
+            .during("ordering the stream after an event")
+    }
+
+    /// Bytes of device memory in all.
+    pub fn total_memory(&self) -> Result<usize, GpuError> {
+        self.ctx
+            .total_mem()
+            .during("reading the device memory size")
     }
 
     /// A device buffer of `len` zeros.

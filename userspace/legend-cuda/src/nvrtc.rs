@@ -9,20 +9,22 @@ use crate::GpuError;
 
 /// The kernel sources, in the order they are concatenated into one program. `common.cuh`
 /// goes first, so the program needs no include path.
-pub const KERNEL_SOURCES: [(&str, &str); 6] = [
+pub const KERNEL_SOURCES: [(&str, &str); 7] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("init.cu", include_str!("../../../kernels/init.cu")),
     ("sample.cu", include_str!("../../../kernels/sample.cu")),
+    ("batch.cu", include_str!("../../../kernels/batch.cu")),
     ("gemm.cu", include_str!("../../../kernels/gemm.cu")),
     ("train.cu", include_str!("../../../kernels/train.cu")),
     ("fused.cu", include_str!("../../../kernels/fused.cu")),
 ];
 
 /// Every kernel entry point of the program.
-pub const KERNEL_NAMES: [&str; 20] = [
+pub const KERNEL_NAMES: [&str; 21] = [
     "legend_init_rows",
     "legend_sample_negatives",
     "legend_remap_ids",
+    "legend_gather_batch",
     "legend_gemm_nt",
     "legend_gemm_nn",
     "legend_gemm_tn",
