@@ -71,16 +71,20 @@ extern "C" __global__ void legend_queries(LegendJobs jobs, const float* __restri
     if (lane == 0) pos[(u64)z * jobs.max_rows + r] = dot;
 }
 
-// Copies the negatives of every job of the group into dense k x d blocks.
+// Copies the negatives of every job of the group into dense k x d blocks, rounded to TF32
+// when `tf32` is set (they then only feed the tensor-core products); TransE's FP32 distances
+// take them as they are.
 extern "C" __global__ void legend_gather_negatives(const u32* __restrict__ negs, u32 first_job,
                                                    u32 k, u32 dim, const float* __restrict__ emb,
-                                                   float* __restrict__ out) {
+                                                   float* __restrict__ out, int tf32) {
     u32 z = blockIdx.y;
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)k * dim) return;
     u64 j = idx / dim, t = idx % dim;
     u64 id = negs[(u64)(first_job + z) * k + j];
-    out[(u64)z * k * dim + idx] = emb[id * dim + t];
+    // Rounded here, once: the products read these rows many times.
+    float v = emb[id * dim + t];
+    out[(u64)z * k * dim + idx] = tf32 ? __uint_as_float(legend_tf32(v)) : v;
 }
 
 // Rows handled by one block of the loss kernel (8 warps, 4 rows each), so that the loss
@@ -325,12 +329,34 @@ extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __re
     if (w >= *count) return;
     u64 id = list[w];
     u64 base = id * dim;
-    for (u32 t = lane; t < dim; t += 32) {
-        float g = grad[base + t];
-        float s = state[base + t] + g * g;
-        state[base + t] = s;
-        param[base + t] -= lr * g / (sqrtf(s) + eps);
-        grad[base + t] = 0.0f;
+    if ((dim & 3) == 0) {
+        // 16-byte accesses where rows allow them: a row of d = 100 is 25 of them, one
+        // pass of the warp instead of four dependent ones.
+        float4* p4 = reinterpret_cast<float4*>(param + base);
+        float4* s4 = reinterpret_cast<float4*>(state + base);
+        float4* g4 = reinterpret_cast<float4*>(grad + base);
+        for (u32 t = lane; t < dim / 4; t += 32) {
+            float4 g = g4[t], s = s4[t], p = p4[t];
+            s.x += g.x * g.x;
+            s.y += g.y * g.y;
+            s.z += g.z * g.z;
+            s.w += g.w * g.w;
+            p.x -= lr * g.x / (sqrtf(s.x) + eps);
+            p.y -= lr * g.y / (sqrtf(s.y) + eps);
+            p.z -= lr * g.z / (sqrtf(s.z) + eps);
+            p.w -= lr * g.w / (sqrtf(s.w) + eps);
+            s4[t] = s;
+            p4[t] = p;
+            g4[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    } else {
+        for (u32 t = lane; t < dim; t += 32) {
+            float g = grad[base + t];
+            float s = state[base + t] + g * g;
+            state[base + t] = s;
+            param[base + t] -= lr * g / (sqrtf(s) + eps);
+            grad[base + t] = 0.0f;
+        }
     }
     if (lane == 0) flags[id] = 0u;
 }

@@ -4,21 +4,24 @@
 # the kernel tests, batch_bench, legendctl and the trainer's GPU tests. train-bench.sh also
 # needs UMLS imported into gpu-data/ (carry it too):
 #   legendctl import --out gpu-data/umls --train D/train.txt --valid D/valid.txt --test D/test.txt
+# LEGEND_GPU_BIN names another output folder (a helper's carry folder, say); the scripts that
+# run there take the same variable.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
+out=${LEGEND_GPU_BIN:-$root/target-gpu}
 cd "$root"
-rm -rf target-gpu && mkdir -p target-gpu
+rm -rf "$out" && mkdir -p "$out"
 cargo build --release -p legend-cuda --examples
-cp "$CARGO_TARGET_DIR/release/examples/batch_bench" target-gpu/
+cp "$CARGO_TARGET_DIR/release/examples/batch_bench" "$out/"
 cargo build --release -p legendctl
-cp "$CARGO_TARGET_DIR/release/legendctl" target-gpu/
+cp "$CARGO_TARGET_DIR/release/legendctl" "$out/"
 cargo test --release -p legend-cuda -p legend-engine --no-run --message-format=json 2>/dev/null |
     python3 -c '
 import json, shutil, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("legend_cuda", "gpu", "gpu_trainer"):
-        shutil.copy(m["executable"], "target-gpu/test-" + m["target"]["name"])
-'
-strip target-gpu/* && ls -la target-gpu
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("legend_cuda", "gpu", "pipeline", "gpu_trainer"):
+        shutil.copy(m["executable"], sys.argv[1] + "/test-" + m["target"]["name"])
+' "$out"
+strip "$out"/* && ls -la "$out"

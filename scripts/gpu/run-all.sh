@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks of legend-cuda in one call, on a machine with CUDA 13 and
 # PyTorch but no Rust toolchain: builds nothing. Expects the binaries in target-gpu/
-# (made by scripts/gpu/build-binaries.sh) and writes logs under ${OUT:-target-gpu/out}.
+# (made by scripts/gpu/build-binaries.sh; LEGEND_GPU_BIN names another folder) and writes logs
+# under ${OUT:-target-gpu/out}.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-bin=$root/target-gpu
+bin=${LEGEND_GPU_BIN:-$root/target-gpu}
 out=${OUT:-$bin/out}
 mkdir -p "$out"
 # NVRTC and the driver: the toolkit's copy first, else the one PyTorch's wheels ship.

@@ -5,12 +5,17 @@
 #     and GPU, in memory and out of core (N = 4, C = 3); filtered test MRR of each;
 #  3. epoch time on a generated graph (10^6 nodes, 2·10^7 edges, 10 relations): B = 10^5,
 #     10 chunks, 1000 negatives, d = 100, Dot and ComplEx, in memory and out of core (N = 8,
-#     C = 3, file backend on this machine's disk), GPU utilisation sampled every 100 ms.
+#     C = 3, file backend on this machine's disk), GPU utilisation sampled every 100 ms; Dot
+#     also in memory with the edges uploaded bucket by bucket.
 # Builds nothing: expects target-gpu/ from scripts/gpu/build-binaries.sh and the UMLS
-# dataset imported into gpu-data/umls (both carried). Logs under ${OUT:-target-gpu/out}.
+# dataset imported into gpu-data/umls (both carried; LEGEND_GPU_BIN and LEGEND_GPU_DATA name
+# other folders). Logs under ${OUT:-target-gpu/out}. LEGEND_BENCH_ONLY picks the parts
+# (default "tests umls epochs"), LEGEND_BENCH_LAYOUTS the epoch runs' layouts (default
+# "mem memup ooc"; memup runs for Dot only), e.g. to time an older legendctl the same way.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-bin=$root/target-gpu
+bin=${LEGEND_GPU_BIN:-$root/target-gpu}
+data=${LEGEND_GPU_DATA:-$root/gpu-data}
 out=${OUT:-$bin/out}
 mkdir -p "$out"
 work=${LEGEND_WORK:-/tmp/legend-train-bench}
@@ -25,28 +30,35 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 lscpu | grep -E '^Model name|^CPU\(s\)' | tee -a "$out/hw.txt"
 df -h "$work" | tail -1 | tee -a "$out/hw.txt"
 
-echo "== trainer tests"
-"$bin/test-gpu_trainer" --test-threads=1 --nocapture 2>&1 | tee "$out/trainer-tests.log" || status=1
+only=" ${LEGEND_BENCH_ONLY:-tests umls epochs} "
 
-echo "== UMLS, defaults with ComplEx, TransE L2 and TransE L1, 200 epochs"
-mrr() { python3 -c 'import json,sys; print("%.4f" % [json.loads(l) for l in open(sys.argv[1])][-1]["metrics"]["mrr"])' "$1/metrics.jsonl"; }
-for model in complex transe_l2 transe_l1; do
-    for layout in "mem:storage.num_partitions=1" "ooc:storage.num_partitions=4"; do
-        name=${layout%%:*}; parts=${layout#*:}
-        extra=()
-        [ "$name" = ooc ] && extra=(--set storage.buffer_capacity=3)
-        for dev in cpu cuda:0; do
-            run=$work/umls-$model-$name-${dev%%:*}
-            start=$(date +%s%N)
-            "$ctl" train --dataset "$root/gpu-data/umls" --out "$run" --set training.num_epochs=200 \
-                --set "model.decoder=$model" --set "$parts" "${extra[@]}" --set "storage.device=\"$dev\"" \
-                >"$out/umls-$model-$name-${dev%%:*}.log" 2>&1 || status=1
-            end=$(date +%s%N)
-            printf 'umls %-9s %-4s %-7s MRR %s  %d ms\n' "$model" "$name" "$dev" "$(mrr "$run")" $(( (end - start) / 1000000 )) | tee -a "$out/umls.txt"
+if [[ $only == *" tests "* ]]; then
+    echo "== trainer tests"
+    "$bin/test-gpu_trainer" --test-threads=1 --nocapture 2>&1 | tee "$out/trainer-tests.log" || status=1
+fi
+
+if [[ $only == *" umls "* ]]; then
+    echo "== UMLS, defaults with ComplEx, TransE L2 and TransE L1, 200 epochs"
+    mrr() { python3 -c 'import json,sys; print("%.4f" % [json.loads(l) for l in open(sys.argv[1])][-1]["metrics"]["mrr"])' "$1/metrics.jsonl"; }
+    for model in complex transe_l2 transe_l1; do
+        for layout in "mem:storage.num_partitions=1" "ooc:storage.num_partitions=4"; do
+            name=${layout%%:*}; parts=${layout#*:}
+            extra=()
+            [ "$name" = ooc ] && extra=(--set storage.buffer_capacity=3)
+            for dev in cpu cuda:0; do
+                run=$work/umls-$model-$name-${dev%%:*}
+                start=$(date +%s%N)
+                "$ctl" train --dataset "$data/umls" --out "$run" --set training.num_epochs=200 \
+                    --set "model.decoder=$model" --set "$parts" "${extra[@]}" \
+                    --set "storage.device=\"$dev\"" >"$out/umls-$model-$name-${dev%%:*}.log" 2>&1 || status=1
+                end=$(date +%s%N)
+                printf 'umls %-9s %-4s %-7s MRR %s  %d ms\n' "$model" "$name" "$dev" "$(mrr "$run")" $(( (end - start) / 1000000 )) | tee -a "$out/umls.txt"
+            done
         done
     done
-done
+fi
 
+[[ $only == *" epochs "* ]] || exit $status
 echo "== generated graph: 1e6 nodes, 2e7 edges"
 t0=$(date +%s)
 "$ctl" generate --nodes 1000000 --edges 20000000 --relations 10 --split 1,0,0 "$work/gen" >/dev/null || status=1
@@ -55,9 +67,12 @@ common=(--set training.batch_size=100000 --set training.negatives.num_chunks=10
         --set training.negatives.negatives_per_positive=1000 --set model.dim=100
         --set training.num_epochs=3 --set storage.device='"cuda:0"' --json)
 for model in dot complex; do
-    for layout in mem ooc; do
+    # memup (Dot): in memory, but the edges uploaded bucket by bucket (storage.gpu_edge_fraction = 0).
+    for layout in ${LEGEND_BENCH_LAYOUTS:-mem memup ooc}; do
+        [ "$layout" = memup ] && [ "$model" != dot ] && continue
         run=$work/bench-$model-$layout
         opts=(--set "model.decoder=$model")
+        [ "$layout" = memup ] && opts+=(--set storage.gpu_edge_fraction=0)
         [ "$layout" = ooc ] && opts+=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
                                       --set storage.backend=file --set "storage.path=\"$work/store-$model.bin\"")
         nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader,nounits -lms 100 \
@@ -88,7 +103,8 @@ for e in ep:
     sw = e["swaps"]
     print(f'{sys.argv[3]:8s} {sys.argv[4]:4s} epoch {e["epoch"]}: {e["seconds"]:.2f} s, {e["edges_per_sec"]/1e6:.2f} M edges/s, loss {e["loss"]:.3f}, '
           f'states {e["buffer_states"]}, read {e["bytes_read"]/1e9:.2f} GB, written {e["bytes_written"]/1e9:.2f} GB, io {e["io_s"]:.2f} s, '
-          f'io wait {e["io_wait_s"]:.2f} s, overlap compute {sum(s["overlap_compute_s"] for s in sw):.2f} s, after compute {sum(s["after_compute_s"] for s in sw):.2f} s')
+          f'io wait {e["io_wait_s"]:.2f} s, overlap compute {sum(s["overlap_compute_s"] for s in sw):.2f} s, after compute {sum(s["after_compute_s"] for s in sw):.2f} s, '
+          f'host<->GPU copies {sum(s.get("copy_s", 0.0) for s in sw):.2f} s')
 if not span:
     print(f'{sys.argv[3]:8s} {sys.argv[4]:4s} no utilisation samples in the last epoch')
 else:

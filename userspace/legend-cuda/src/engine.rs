@@ -19,12 +19,14 @@
 use std::ops::Range;
 
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
-use legend_model::{AdaGrad, ChunkModel, Comparator, Decoder, Distribution, Loss, Table};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use legend_model::{
+    AdaGrad, ChunkModel, Comparator, Decoder, Distribution, Loss, Permutation, Table,
+};
 
 use crate::error::DriverContext;
-use crate::gpu::{GEMM_SMEM, grid_1d};
-use crate::{Gpu, GpuError};
+use crate::gpu::{FUSED_TILE, GEMM_SMEM, fused_smem, grid_1d};
+use crate::{Gpu, GpuError, RowSpan};
 
 /// Operands of one batched product (`LegendGemm` in `kernels/gemm.cu`, field for field).
 #[repr(C)]
@@ -72,6 +74,38 @@ struct JobArgs {
 // SAFETY: plain #[repr(C)] data laid out as the kernel's struct.
 unsafe impl DeviceRepr for JobArgs {}
 
+/// Buffers and sizes of the fused kernels (`LegendFused` in `kernels/fused.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct FusedArgs {
+    query: u64,
+    query_tf32: u64,
+    negs: u64,
+    pos: u64,
+    grad_pos: u64,
+    grad_query: u64,
+    grad_negs: u64,
+    stats: u64,
+    rows: u64,
+    loss_sum: u64,
+    max_rows: u32,
+    k: u32,
+    dim: u32,
+    loss: i32,
+    margin: f32,
+    vec: i32,
+    row_split: u32,
+    atomic: i32,
+}
+
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (ten pointers, then eight
+// 4-byte fields: no padding).
+unsafe impl DeviceRepr for FusedArgs {}
+
+/// Blocks the fused negatives kernel aims at (about eight per multiprocessor of an H100, so
+/// that the last wave is short): the rows of a job are split into ranges to get there.
+const FUSED_BLOCKS: usize = 1024;
+
 /// Output tile edge of the product kernels.
 const TILE: usize = 128;
 /// K-slice of the product kernels; split-K ranges are multiples of it.
@@ -84,8 +118,8 @@ const DIST_ROWS: usize = 128;
 const DIST_SCORE_COLS: usize = 128;
 const DIST_GRAD_COLS: usize = 64;
 
-/// The three products of a step, on the tensor cores (dot comparator) or as distances on the
-/// CUDA cores (TransE).
+/// The three products of an unfused step, on the tensor cores (dot comparator) or as
+/// distances on the CUDA cores (TransE).
 #[derive(Clone, Copy, Debug)]
 enum Product {
     /// `S = Q·Nᵀ`, or `S = −‖Q_i − N_j‖`.
@@ -246,6 +280,13 @@ impl DeviceTable {
         s.synchronize().during("copying rows from the device")
     }
 
+    /// The device addresses of `floats` floats of embeddings and state from row `row0`
+    /// (whole rows), for copies on a [`crate::Transfer`].
+    pub fn row_span(&self, row0: usize, floats: usize) -> Result<RowSpan, GpuError> {
+        let span = self.span(row0, floats, floats)?;
+        Ok(RowSpan::new(&self.emb, &self.state, span))
+    }
+
     /// The float range of `len` floats (and `state_len` of state) from row `row0`.
     fn span(&self, row0: usize, len: usize, state_len: usize) -> Result<Range<usize>, GpuError> {
         let start = row0 * self.dim;
@@ -382,8 +423,8 @@ pub struct BatchShape {
     /// Jobs (chunk sides) per launch, rounded up to whole chunks (an even number): more
     /// fills the GPU better, fewer needs less memory (the score buffer holds
     /// `group × ⌈max_batch / num_chunks⌉ × negatives` floats, and TransE L2 as many
-    /// inverse distances). On an H100, a whole batch (`2 · num_chunks`) was fastest for 10 chunks of
-    /// 10⁴ rows.
+    /// inverse distances). On an H100, a whole batch (`2 · num_chunks`) was fastest for 10
+    /// chunks of 10⁴ rows.
     pub group: usize,
 }
 
@@ -410,6 +451,12 @@ pub struct GpuBatchEngine {
     pos: CudaSlice<f32>,
     grad_pos: CudaSlice<f32>,
     neg_rows: CudaSlice<f32>,
+    /// The fused kernels' index in `Kernels::fused` when the rows fit them (d ≤ 128); the
+    /// score matrices then stay on chip and `scores` is not used.
+    fused: Option<usize>,
+    /// Fused path: the queries rounded to TF32 and each row's loss statistics.
+    query_tf32: CudaSlice<f32>,
+    stats: CudaSlice<f32>,
     scores: CudaSlice<f32>,
     grad_query: CudaSlice<f32>,
     grad_negs: CudaSlice<f32>,
@@ -478,6 +525,18 @@ impl GpuBatchEngine {
         let max_rows = shape.max_batch.div_ceil(shape.num_chunks);
         let (d, k) = (model.dim, shape.negatives);
         let lists = 2 * shape.num_chunks;
+        // The fused kernels are dot products on the tensor cores: TransE runs unfused.
+        let fused = if model.decoder.comparator() == Comparator::Dot {
+            gpu.kernels.fused.iter().position(|f| f.width >= d)
+        } else {
+            None
+        };
+        // Unfused: one score matrix per job of a group.
+        let score_len = if fused.is_some() {
+            1
+        } else {
+            group * max_rows * k
+        };
         let mut prefix = Vec::with_capacity(degrees.len() + 1);
         prefix.push(0u64);
         let mut acc = 0u64;
@@ -507,7 +566,10 @@ impl GpuBatchEngine {
             pos: gpu.zeros(group * max_rows)?,
             grad_pos: gpu.zeros(group * max_rows)?,
             neg_rows: gpu.zeros(group * k * d)?,
-            scores: gpu.zeros(group * max_rows * k)?,
+            fused,
+            query_tf32: gpu.zeros(group * max_rows * d)?,
+            stats: gpu.zeros(2 * group * max_rows)?,
+            scores: gpu.zeros(score_len)?,
             grad_query: gpu.zeros(group * max_rows * d)?,
             grad_negs: gpu.zeros(group * k * d)?,
             dist: gpu.zeros(if model.decoder == Decoder::TransEL2 {
@@ -589,6 +651,27 @@ impl GpuBatchEngine {
         id < self.entities as u64 && self.slots.as_ref().is_none_or(|(m, _)| m.row(id).is_some())
     }
 
+    /// Why rows of `ranges` (global entity ids) cannot be used, if they cannot: a range is
+    /// empty or past the entities, or (slot-indexed table) meets a partition not resident.
+    fn unusable_ranges(&self, ranges: &[Range<u64>]) -> Option<String> {
+        if ranges
+            .iter()
+            .any(|p| p.start >= p.end || !self.usable(p.start) || !self.usable(p.end - 1))
+        {
+            return Some(format!(
+                "row ranges {ranges:?} for {} entities (and resident)",
+                self.entities
+            ));
+        }
+        let (map, _) = self.slots.as_ref()?;
+        let rpp = map.rows_per_partition;
+        ranges
+            .iter()
+            .flat_map(|r| r.start / rpp..=(r.end - 1) / rpp)
+            .find(|&q| map.row(q * rpp).is_none())
+            .map(|q| format!("partition {q} is not resident"))
+    }
+
     /// Uploads a batch of `(source, relation, destination)` positives and splits it into
     /// chunks as the CPU trainer does (chunk `c` holds rows `c·B/C .. (c+1)·B/C`).
     pub fn set_batch(&mut self, gpu: &Gpu, edges: &[[u32; 3]]) -> Result<(), GpuError> {
@@ -616,7 +699,46 @@ impl GpuBatchEngine {
         }
         let flat: Vec<u32> = edges.iter().flatten().copied().collect();
         gpu.write(&flat, &mut self.edges)?;
-        Self::remap(&self.slots, gpu, &mut self.edges, flat.len(), 3, 0b101)?;
+        self.finish_batch(gpu, b)
+    }
+
+    /// Builds the batch on the device: edges `order(first) .. order(first + len − 1)` of
+    /// `bucket` (`order.len()` edges in device memory, three ids an edge, legend-model's
+    /// [`Permutation`] order), then split into chunks as [`GpuBatchEngine::set_batch`] does.
+    /// The host checks the row ranges (known, resident when slot-indexed), not the edges.
+    ///
+    /// # Safety
+    /// Every edge of `bucket` must have its source in `src_rows`, its destination in
+    /// `dst_rows` and (for decoders with relations) a relation below the engine's relation
+    /// count: the kernels index the tables with them unchecked.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn set_batch_from_device(
+        &mut self,
+        gpu: &Gpu,
+        bucket: &CudaView<'_, u32>,
+        order: &Permutation,
+        first: u64,
+        len: usize,
+        src_rows: Range<u64>,
+        dst_rows: Range<u64>,
+    ) -> Result<(), GpuError> {
+        if len == 0 || len > self.shape.max_batch {
+            return Err(GpuError::Shape(format!(
+                "batch of {len} edges (at most {})",
+                self.shape.max_batch
+            )));
+        }
+        if let Some(why) = self.unusable_ranges(&[src_rows, dst_rows]) {
+            return Err(GpuError::Shape(format!("bucket rows: {why}")));
+        }
+        crate::batch::gather_batch(gpu, bucket, order, first, len as u32, &mut self.edges)?;
+        self.finish_batch(gpu, len)
+    }
+
+    /// After the `b` edges of a batch are in `edges` (global ids): rewrites them into slot rows
+    /// and splits the batch into chunks.
+    fn finish_batch(&mut self, gpu: &Gpu, b: usize) -> Result<(), GpuError> {
+        Self::remap(&self.slots, gpu, &mut self.edges, 3 * b, 3, 0b101)?;
         let chunks = self.shape.num_chunks.min(b);
         if (b, chunks) != (self.batch_len, self.chunks) {
             let mut row0 = Vec::with_capacity(2 * chunks);
@@ -654,27 +776,11 @@ impl GpuBatchEngine {
                 keys.len()
             )));
         }
-        if partitions.is_empty()
-            || partitions
-                .iter()
-                .any(|p| p.start >= p.end || !self.usable(p.start) || !self.usable(p.end - 1))
-        {
-            return Err(GpuError::Shape(format!(
-                "partition ranges {partitions:?} for {} entities (and resident)",
-                self.entities
-            )));
+        if partitions.is_empty() {
+            return Err(GpuError::Shape("negatives from no partition".into()));
         }
-        if let Some((map, _)) = &self.slots {
-            let rpp = map.rows_per_partition;
-            let absent = partitions
-                .iter()
-                .flat_map(|r| r.start / rpp..=(r.end - 1) / rpp)
-                .find(|&q| map.row(q * rpp).is_none());
-            if let Some(q) = absent {
-                return Err(GpuError::Shape(format!(
-                    "negatives from partition {q}, which is not resident"
-                )));
-            }
+        if let Some(why) = self.unusable_ranges(partitions) {
+            return Err(GpuError::Shape(format!("negatives: {why}")));
         }
         let k = self.shape.negatives;
         let by_degree = (degree_fraction * k as f64).round() as u32;
@@ -835,13 +941,16 @@ impl GpuBatchEngine {
             self.mark(gpu, "queries")?;
 
             let (g032, k32, d32) = (g0 as u32, k as u32, d as u32);
+            // TransE's distances take the negatives in FP32, the products in TF32.
+            let tf32 = i32::from(self.model.decoder.comparator() == Comparator::Dot);
             let mut b = s.launch_builder(&kern.gather_negatives);
             b.arg(&self.negs)
                 .arg(&g032)
                 .arg(&k32)
                 .arg(&d32)
                 .arg(&nodes.emb)
-                .arg(&mut self.neg_rows);
+                .arg(&mut self.neg_rows)
+                .arg(&tf32);
             let cfg = LaunchConfig {
                 grid_dim: (blocks(k * d, 256), gz, 1),
                 ..warps(0)
@@ -850,117 +959,121 @@ impl GpuBatchEngine {
             unsafe { b.launch(cfg) }.during("launching legend_gather_negatives")?;
             self.mark(gpu, "gather_negatives")?;
 
-            let q = gpu.ptr(&self.query);
-            let nr = gpu.ptr(&self.neg_rows);
-            let sc = gpu.ptr(&self.scores);
-            let (mr, kk, dd) = (max_rows as i64, k as i64, d as i64);
-            // S = Q · Nᵀ.
-            let scores = GemmArgs {
-                a: q,
-                a_batch: mr * dd,
-                a_ld: dd,
-                b: nr,
-                b_batch: kk * dd,
-                b_ld: dd,
-                c: sc,
-                c_batch: mr * kk,
-                c_ld: kk,
-                m: max_rows as i32,
-                n: k as i32,
-                k: d as i32,
-                m_rows: rows_ptr,
-                k_rows: 0,
-                k_split: 0,
-                atomic: 0,
-                a_vec: 0,
-                b_vec: 0,
-                c_vec: 0,
-            };
-            self.product(gpu, Product::Scores, &scores, gz, 1)?;
-            self.mark(gpu, "scores_product")?;
+            if let Some(which) = self.fused {
+                self.fused_products(gpu, which, g0, gz, loss, margin)?;
+            } else {
+                let q = gpu.ptr(&self.query);
+                let nr = gpu.ptr(&self.neg_rows);
+                let sc = gpu.ptr(&self.scores);
+                let (mr, kk, dd) = (max_rows as i64, k as i64, d as i64);
+                // S = Q · Nᵀ.
+                let scores = GemmArgs {
+                    a: q,
+                    a_batch: mr * dd,
+                    a_ld: dd,
+                    b: nr,
+                    b_batch: kk * dd,
+                    b_ld: dd,
+                    c: sc,
+                    c_batch: mr * kk,
+                    c_ld: kk,
+                    m: max_rows as i32,
+                    n: k as i32,
+                    k: d as i32,
+                    m_rows: rows_ptr,
+                    k_rows: 0,
+                    k_split: 0,
+                    atomic: 0,
+                    a_vec: 0,
+                    b_vec: 0,
+                    c_vec: 0,
+                };
+                self.product(gpu, Product::Scores, &scores, gz, 1)?;
+                self.mark(gpu, "scores_product")?;
 
-            let mut b = s.launch_builder(&kern.loss);
-            let mr32 = max_rows as u32;
-            b.arg(&mut self.scores)
-                .arg(&self.pos)
-                .arg(&mut self.grad_pos)
-                .arg(&rows_ptr)
-                .arg(&mr32)
-                .arg(&k32)
-                .arg(&loss)
-                .arg(&margin)
-                .arg(&mut self.loss_sum);
-            let cfg = LaunchConfig {
-                grid_dim: (blocks(max_rows, LOSS_ROWS), gz, 1),
-                ..warps(0)
-            };
-            // SAFETY: scores hold group × max_rows × k floats written by the product above;
-            // pos/grad_pos group × max_rows; loss_sum one double.
-            unsafe { b.launch(cfg) }.during("launching legend_loss")?;
-            self.mark(gpu, "loss")?;
+                let mut b = s.launch_builder(&kern.loss);
+                let mr32 = max_rows as u32;
+                b.arg(&mut self.scores)
+                    .arg(&self.pos)
+                    .arg(&mut self.grad_pos)
+                    .arg(&rows_ptr)
+                    .arg(&mr32)
+                    .arg(&k32)
+                    .arg(&loss)
+                    .arg(&margin)
+                    .arg(&mut self.loss_sum);
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks(max_rows, LOSS_ROWS), gz, 1),
+                    ..warps(0)
+                };
+                // SAFETY: scores hold group × max_rows × k floats written by the product above;
+                // pos/grad_pos group × max_rows; loss_sum one double.
+                unsafe { b.launch(cfg) }.during("launching legend_loss")?;
+                self.mark(gpu, "loss")?;
 
-            // dQ = G · N.
-            let grad_query = GemmArgs {
-                a: sc,
-                a_batch: mr * kk,
-                a_ld: kk,
-                b: nr,
-                b_batch: kk * dd,
-                b_ld: dd,
-                c: gpu.ptr(&self.grad_query),
-                c_batch: mr * dd,
-                c_ld: dd,
-                m: max_rows as i32,
-                n: d as i32,
-                k: k as i32,
-                m_rows: rows_ptr,
-                k_rows: 0,
-                k_split: 0,
-                atomic: 0,
-                a_vec: 0,
-                b_vec: 0,
-                c_vec: 0,
-            };
-            self.product(gpu, Product::GradQuery, &grad_query, gz, 1)?;
-            self.mark(gpu, "grad_query_product")?;
+                // dQ = G · N.
+                let grad_query = GemmArgs {
+                    a: sc,
+                    a_batch: mr * kk,
+                    a_ld: kk,
+                    b: nr,
+                    b_batch: kk * dd,
+                    b_ld: dd,
+                    c: gpu.ptr(&self.grad_query),
+                    c_batch: mr * dd,
+                    c_ld: dd,
+                    m: max_rows as i32,
+                    n: d as i32,
+                    k: k as i32,
+                    m_rows: rows_ptr,
+                    k_rows: 0,
+                    k_split: 0,
+                    atomic: 0,
+                    a_vec: 0,
+                    b_vec: 0,
+                    c_vec: 0,
+                };
+                self.product(gpu, Product::GradQuery, &grad_query, gz, 1)?;
+                self.mark(gpu, "grad_query_product")?;
 
-            // dN = Gᵀ · Q, split over the rows so that enough blocks run; the splits add up
-            // atomically into a cleared buffer.
-            gpu.clear(&mut self.grad_negs)?;
-            let tiles = k.div_ceil(TILE) * d.div_ceil(TILE) * gz as usize;
-            let splits = (2 * 132usize)
-                .div_ceil(tiles)
-                .clamp(1, max_rows.div_ceil(SLICE));
-            let k_split = max_rows.div_ceil(splits).div_ceil(SLICE) * SLICE;
-            let grad_negs = GemmArgs {
-                a: sc,
-                a_batch: mr * kk,
-                a_ld: kk,
-                b: q,
-                b_batch: mr * dd,
-                b_ld: dd,
-                c: gpu.ptr(&self.grad_negs),
-                c_batch: kk * dd,
-                c_ld: dd,
-                m: k as i32,
-                n: d as i32,
-                k: max_rows as i32,
-                m_rows: 0,
-                k_rows: rows_ptr,
-                k_split: k_split as i32,
-                atomic: 1,
-                a_vec: 0,
-                b_vec: 0,
-                c_vec: 0,
-            };
-            self.product(
-                gpu,
-                Product::GradNegatives,
-                &grad_negs,
-                gz,
-                max_rows.div_ceil(k_split) as u32,
-            )?;
-            self.mark(gpu, "grad_negatives_product")?;
+                // dN = Gᵀ · Q, split over the rows so that enough blocks run; the splits add up
+                // atomically into a cleared buffer.
+                gpu.clear(&mut self.grad_negs)?;
+                let tiles = k.div_ceil(TILE) * d.div_ceil(TILE) * gz as usize;
+                let splits = (2 * 132usize)
+                    .div_ceil(tiles)
+                    .clamp(1, max_rows.div_ceil(SLICE));
+                let k_split = max_rows.div_ceil(splits).div_ceil(SLICE) * SLICE;
+                let grad_negs = GemmArgs {
+                    a: sc,
+                    a_batch: mr * kk,
+                    a_ld: kk,
+                    b: q,
+                    b_batch: mr * dd,
+                    b_ld: dd,
+                    c: gpu.ptr(&self.grad_negs),
+                    c_batch: kk * dd,
+                    c_ld: dd,
+                    m: k as i32,
+                    n: d as i32,
+                    k: max_rows as i32,
+                    m_rows: 0,
+                    k_rows: rows_ptr,
+                    k_split: k_split as i32,
+                    atomic: 1,
+                    a_vec: 0,
+                    b_vec: 0,
+                    c_vec: 0,
+                };
+                self.product(
+                    gpu,
+                    Product::GradNegatives,
+                    &grad_negs,
+                    gz,
+                    max_rows.div_ceil(k_split) as u32,
+                )?;
+                self.mark(gpu, "grad_negatives_product")?;
+            }
 
             let mut b = s.launch_builder(&kern.rows_backward);
             b.arg(&job_args)
@@ -1008,9 +1121,82 @@ impl GpuBatchEngine {
         Ok(())
     }
 
-    /// Runs one of the step's products on the operands `g` describes: the TF32 product
-    /// kernels for the dot comparator, the distance kernels for TransE (which take the same
-    /// operands, plus the queries or negatives the gradients compare against).
+    /// The score, loss and gradient products of the group of `gz` jobs from `g0` through
+    /// the fused kernels `which` (`kernels/fused.cu`): the score matrices stay on chip.
+    fn fused_products(
+        &mut self,
+        gpu: &Gpu,
+        which: usize,
+        g0: usize,
+        gz: u32,
+        loss: i32,
+        margin: f32,
+    ) -> Result<(), GpuError> {
+        let kernels = &gpu.kernels.fused[which];
+        let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
+        // Row ranges per job for the negatives kernel, so that enough blocks run; ranges
+        // are whole tiles and add up atomically into a cleared buffer.
+        let negative_blocks = k.div_ceil(FUSED_TILE) * gz as usize;
+        let ranges = FUSED_BLOCKS
+            .div_ceil(negative_blocks)
+            .clamp(1, max_rows.div_ceil(FUSED_TILE));
+        let row_split = max_rows.div_ceil(ranges).div_ceil(FUSED_TILE) * FUSED_TILE;
+        let ranges = max_rows.div_ceil(row_split);
+        let aligned = gpu.ptr(&self.query_tf32).is_multiple_of(16)
+            && gpu.ptr(&self.neg_rows).is_multiple_of(16)
+            && d % 4 == 0;
+        let args = FusedArgs {
+            query: gpu.ptr(&self.query),
+            query_tf32: gpu.ptr(&self.query_tf32),
+            negs: gpu.ptr(&self.neg_rows),
+            pos: gpu.ptr(&self.pos),
+            grad_pos: gpu.ptr(&self.grad_pos),
+            grad_query: gpu.ptr(&self.grad_query),
+            grad_negs: gpu.ptr(&self.grad_negs),
+            stats: gpu.ptr(&self.stats),
+            rows: gpu.ptr(&self.rows) + 4 * g0 as u64,
+            loss_sum: gpu.ptr(&self.loss_sum),
+            max_rows: max_rows as u32,
+            k: k as u32,
+            dim: d as u32,
+            loss,
+            margin,
+            vec: i32::from(aligned),
+            row_split: row_split as u32,
+            atomic: i32::from(ranges > 1),
+        };
+        let smem = fused_smem(kernels.width);
+        let mut b = gpu.stream().launch_builder(&kernels.rows);
+        b.arg(&args);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(max_rows, FUSED_TILE), gz, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        // SAFETY: query/pos hold the group's rows (written by legend_queries), neg_rows its
+        // k × d negatives; query_tf32, grad_query, grad_pos and stats hold group × max_rows
+        // rows, and the kernel touches rows below rows[z] only.
+        unsafe { b.launch(cfg) }.during("launching the fused rows kernel")?;
+        self.mark(gpu, "fused_rows")?;
+        if ranges > 1 {
+            gpu.clear(&mut self.grad_negs)?;
+        }
+        let mut b = gpu.stream().launch_builder(&kernels.negatives);
+        b.arg(&args);
+        let cfg = LaunchConfig {
+            grid_dim: (k.div_ceil(FUSED_TILE) as u32, ranges as u32, gz),
+            ..cfg
+        };
+        // SAFETY: as above; grad_negs holds group × k × d floats, and the rows kernel
+        // queued before has written the statistics and rounded queries this one reads.
+        unsafe { b.launch(cfg) }.during("launching the fused negatives kernel")?;
+        self.mark(gpu, "fused_negatives")?;
+        Ok(())
+    }
+
+    /// Runs one of the unfused step's products on the operands `g` describes: the TF32
+    /// product kernels for the dot comparator, the distance kernels for TransE (which take
+    /// the same operands, plus the queries or negatives the gradients compare against).
     fn product(
         &self,
         gpu: &Gpu,
@@ -1231,6 +1417,8 @@ impl GpuBatchEngine {
             &mut self.pos,
             &mut self.grad_pos,
             &mut self.neg_rows,
+            &mut self.query_tf32,
+            &mut self.stats,
             &mut self.scores,
             &mut self.grad_query,
             &mut self.dist,

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
@@ -17,6 +17,7 @@ pub(crate) struct Kernels {
     pub(crate) init_rows: CudaFunction,
     pub(crate) sample: CudaFunction,
     pub(crate) remap: CudaFunction,
+    pub(crate) gather_batch: CudaFunction,
     pub(crate) gemm_nt: CudaFunction,
     pub(crate) gemm_nn: CudaFunction,
     pub(crate) gemm_tn: CudaFunction,
@@ -29,6 +30,29 @@ pub(crate) struct Kernels {
     pub(crate) rows_backward: CudaFunction,
     pub(crate) negatives_backward: CudaFunction,
     pub(crate) adagrad: CudaFunction,
+    /// The fused product kernels, narrowest padded width first.
+    pub(crate) fused: Vec<FusedKernels>,
+}
+
+/// The fused score/loss/gradient kernels of one padded width (`kernels/fused.cu`).
+pub(crate) struct FusedKernels {
+    /// Widest rows (d) the pair handles: its fragments span `width` columns.
+    pub(crate) width: usize,
+    pub(crate) rows: CudaFunction,
+    pub(crate) negatives: CudaFunction,
+}
+
+/// Padded widths of the fused kernels (`LEGEND_FUSED_KERNELS` in `kernels/fused.cu`).
+const FUSED_WIDTHS: [usize; 4] = [32, 64, 104, 128];
+
+/// Rows of the operand tile the fused kernels walk over (`LEGEND_FUSED_TILE`).
+pub(crate) const FUSED_TILE: usize = 64;
+
+/// Dynamic shared memory of the fused kernels of padded width `width`: two stages of a
+/// 64-row tile of `width + 4` floats a row, and the negatives kernel's two stages of 64 row
+/// statistics (two floats each).
+pub(crate) fn fused_smem(width: usize) -> u32 {
+    (2 * FUSED_TILE * (width + 4) * 4 + 2 * FUSED_TILE * 8) as u32
 }
 
 /// Dynamic shared memory of the product kernels: `LEGEND_STAGES` (4) stages of a 128-row A
@@ -88,6 +112,7 @@ impl Gpu {
             init_rows: f("legend_init_rows")?,
             sample: f("legend_sample_negatives")?,
             remap: f("legend_remap_ids")?,
+            gather_batch: f("legend_gather_batch")?,
             gemm_nt: f("legend_gemm_nt")?,
             gemm_nn: f("legend_gemm_nn")?,
             gemm_tn: f("legend_gemm_tn")?,
@@ -100,6 +125,16 @@ impl Gpu {
             rows_backward: f("legend_rows_backward")?,
             negatives_backward: f("legend_negatives_backward")?,
             adagrad: f("legend_adagrad")?,
+            fused: FUSED_WIDTHS
+                .iter()
+                .map(|&width| {
+                    Ok(FusedKernels {
+                        width,
+                        rows: f(&format!("legend_fused_rows_d{width}"))?,
+                        negatives: f(&format!("legend_fused_negatives_d{width}"))?,
+                    })
+                })
+                .collect::<Result<_, GpuError>>()?,
         };
         for f in [&kernels.gemm_nt, &kernels.gemm_nn, &kernels.gemm_tn] {
             f.set_attribute(
@@ -107,6 +142,15 @@ impl Gpu {
                 GEMM_SMEM as i32,
             )
             .during("raising the shared-memory limit of the product kernels")?;
+        }
+        for k in &kernels.fused {
+            for f in [&k.rows, &k.negatives] {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    fused_smem(k.width) as i32,
+                )
+                .during("raising the shared-memory limit of the fused kernels")?;
+            }
         }
         Ok(Gpu {
             ctx,
@@ -143,6 +187,31 @@ impl Gpu {
             .synchronize()
             .during("synchronizing the stream")?;
         self.ctx.check_err().during("a queued operation")
+    }
+
+    /// An event recorded on the stream now: it completes when the work queued so far has run.
+    pub fn record(&self) -> Result<CudaEvent, GpuError> {
+        let ev = self
+            .ctx
+            .new_event(None)
+            .during("creating an ordering event")?;
+        ev.record(&self.stream)
+            .during("recording an ordering event")?;
+        Ok(ev)
+    }
+
+    /// Work queued after this call waits for `event` (recorded on another stream: a copy).
+    pub fn wait_for(&self, event: &CudaEvent) -> Result<(), GpuError> {
+        self.stream
+            .wait(event)
+            .during("ordering the stream after an event")
+    }
+
+    /// Bytes of device memory in all.
+    pub fn total_memory(&self) -> Result<usize, GpuError> {
+        self.ctx
+            .total_mem()
+            .during("reading the device memory size")
     }
 
     /// A device buffer of `len` zeros.

@@ -5,16 +5,26 @@
 //! - [`Gpu`]: a device context, a stream and the loaded kernels; a missing driver, NVRTC or
 //!   device is an error ([`GpuError`]), never a panic.
 //! - [`GpuBatchEngine`]: one synchronous training step on device-resident tables: negative
-//!   sampling, chunked scores and gradients on tensor cores, and in-place AdaGrad.
+//!   sampling, chunked scores and gradients on tensor cores, and in-place AdaGrad; batches
+//!   uploaded or gathered on the device from a resident bucket.
+//! - [`Transfer`]: copies between host memory and the device through pinned staging on a
+//!   stream of their own.
 
 mod error;
 pub mod nvrtc;
 
 pub use error::GpuError;
+mod batch;
 mod engine;
 mod gpu;
+mod transfer;
 
+pub use batch::gather_batch;
 pub use engine::{
     BatchShape, DeviceTable, GpuBatchEngine, SlotMap, init_rows, negative_keys, stream_key,
 };
 pub use gpu::{Gpu, driver_present};
+pub use transfer::{DEFAULT_CHUNK_BYTES, RowSpan, Transfer};
+
+/// cudarc's types that the engine's API hands out (events ordering streams, device buffers).
+pub use cudarc::driver::{CudaEvent, CudaSlice, CudaView};

@@ -9,20 +9,23 @@ use crate::GpuError;
 
 /// The kernel sources, in the order they are concatenated into one program. `common.cuh`
 /// goes first, so the program needs no include path.
-pub const KERNEL_SOURCES: [(&str, &str); 6] = [
+pub const KERNEL_SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("init.cu", include_str!("../../../kernels/init.cu")),
     ("sample.cu", include_str!("../../../kernels/sample.cu")),
+    ("batch.cu", include_str!("../../../kernels/batch.cu")),
     ("gemm.cu", include_str!("../../../kernels/gemm.cu")),
     ("distance.cu", include_str!("../../../kernels/distance.cu")),
     ("train.cu", include_str!("../../../kernels/train.cu")),
+    ("fused.cu", include_str!("../../../kernels/fused.cu")),
 ];
 
 /// Every kernel entry point of the program.
-pub const KERNEL_NAMES: [&str; 15] = [
+pub const KERNEL_NAMES: [&str; 24] = [
     "legend_init_rows",
     "legend_sample_negatives",
     "legend_remap_ids",
+    "legend_gather_batch",
     "legend_gemm_nt",
     "legend_gemm_nn",
     "legend_gemm_tn",
@@ -35,6 +38,14 @@ pub const KERNEL_NAMES: [&str; 15] = [
     "legend_rows_backward",
     "legend_negatives_backward",
     "legend_adagrad",
+    "legend_fused_rows_d32",
+    "legend_fused_negatives_d32",
+    "legend_fused_rows_d64",
+    "legend_fused_negatives_d64",
+    "legend_fused_rows_d104",
+    "legend_fused_negatives_d104",
+    "legend_fused_rows_d128",
+    "legend_fused_negatives_d128",
 ];
 
 /// The whole program: every source, each preceded by a `#line` marker so that NVRTC's

@@ -413,6 +413,28 @@ fn training_step_matches_the_cpu_engine() {
             group: 3,
             exact: true,
         },
+        // d = 128: the widest fused kernels.
+        Case {
+            decoder: Decoder::DistMult,
+            loss: Loss::SoftmaxCe,
+            dim: 128,
+            batch: 1000,
+            chunks: 2,
+            k: 200,
+            group: 2,
+            exact: false,
+        },
+        // d > 128: the unfused path (score matrices through device memory).
+        Case {
+            decoder: Decoder::ComplEx,
+            loss: Loss::SoftmaxCe,
+            dim: 160,
+            batch: 800,
+            chunks: 2,
+            k: 100,
+            group: 4,
+            exact: false,
+        },
         Case {
             decoder: Decoder::Dot,
             loss: Loss::Logistic,

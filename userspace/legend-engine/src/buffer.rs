@@ -41,6 +41,17 @@ pub trait PartitionStore: Send + 'static {
     }
 }
 
+/// Work a compute engine that keeps resident rows elsewhere (the GPU) has the buffer's I/O
+/// thread do around one swap, so that its copies overlap with compute rather than stall it.
+pub trait SwapHook: Send {
+    /// Runs before the evicted partition `part` is written back: makes its rows current
+    /// (waiting for the device's copy of them).
+    fn before_write(&mut self, part: &mut Partition) -> Result<(), StoreError>;
+    /// Runs once the loaded partition `part` has been read or initialised, before the swap is
+    /// reported finished: starts its copy to where compute reads it.
+    fn after_read(&mut self, part: &Partition) -> Result<(), StoreError>;
+}
+
 /// A store failure.
 #[derive(Debug, thiserror::Error)]
 #[error("partition store: {0}")]
@@ -121,13 +132,20 @@ pub struct IoStats {
     pub io_time: Duration,
     /// Time compute spent waiting for a swap to finish.
     pub wait_time: Duration,
+    /// Part of `io_time` the I/O thread spent in [`SwapHook`]s (the GPU's copies).
+    pub hook_time: Duration,
     /// Swaps (buffer state changes), the initial fill not included.
     pub swaps: u64,
 }
 
 enum Request {
-    /// Write `evict` back (if any), then load partition `load` into its buffers.
-    Swap { evict: Option<Partition>, load: u32 },
+    /// Write `evict` back (if any), then load partition `load` into its buffers, running
+    /// `hook` around both.
+    Swap {
+        evict: Option<Partition>,
+        load: u32,
+        hook: Option<Box<dyn SwapHook>>,
+    },
     /// Write these partitions back and sync; hand them back.
     Flush(Vec<Partition>),
     /// Read a copy of a partition that is not resident (initialising a never-written one).
@@ -250,6 +268,7 @@ impl PartitionBuffer {
         self.stats.bytes_read += s.bytes_read;
         self.stats.bytes_written += s.bytes_written;
         self.stats.io_time += s.io_time;
+        self.stats.hook_time += s.hook_time;
         Ok(reply)
     }
 
@@ -268,7 +287,11 @@ impl PartitionBuffer {
             let evict = evictable
                 .pop()
                 .and_then(|e| self.resident[e as usize].take());
-            self.send(Request::Swap { evict, load: p })?;
+            self.send(Request::Swap {
+                evict,
+                load: p,
+                hook: None,
+            })?;
             self.in_flight = Some(p);
             self.finish_swap()?;
         }
@@ -283,6 +306,17 @@ impl PartitionBuffer {
     /// Starts a swap: `evict` leaves the buffer now (compute must not touch it any more) and
     /// `load` becomes resident at [`PartitionBuffer::finish_swap`].
     pub fn begin_swap(&mut self, evict: u32, load: u32) -> Result<(), StoreError> {
+        self.begin_swap_with(evict, load, None)
+    }
+
+    /// [`PartitionBuffer::begin_swap`] with a hook the I/O thread runs before it writes
+    /// `evict` back and after it has read `load` (see [`SwapHook`]).
+    pub fn begin_swap_with(
+        &mut self,
+        evict: u32,
+        load: u32,
+        hook: Option<Box<dyn SwapHook>>,
+    ) -> Result<(), StoreError> {
         assert!(self.in_flight.is_none(), "one swap at a time");
         let part = self.resident[evict as usize]
             .take()
@@ -290,6 +324,7 @@ impl PartitionBuffer {
         self.send(Request::Swap {
             evict: Some(part),
             load,
+            hook,
         })?;
         self.in_flight = Some(load);
         self.stats.swaps += 1;
@@ -405,15 +440,31 @@ fn serve(
     let started = Instant::now();
     let mut stats = IoStats::default();
     match request {
-        Request::Swap { evict, load } => {
+        Request::Swap {
+            evict,
+            load,
+            mut hook,
+        } => {
             let part = match evict {
-                Some(old) => {
+                Some(mut old) => {
+                    if let Some(h) = hook.as_deref_mut() {
+                        let t = Instant::now();
+                        h.before_write(&mut old)?;
+                        stats.hook_time += t.elapsed();
+                    }
                     write_back(store, std::slice::from_ref(&old), &mut stats)?;
                     old
                 }
                 None => Partition::empty(load),
             };
-            loaded_reply(store, scheme, dim, init, load, part, stats, started)
+            let mut reply = loaded_reply(store, scheme, dim, init, load, part, stats, started)?;
+            if let Some(h) = hook.as_deref_mut() {
+                let t = Instant::now();
+                h.after_read(reply.loaded.as_ref().expect("a swap loads a partition"))?;
+                reply.stats.hook_time += t.elapsed();
+                reply.stats.io_time = started.elapsed();
+            }
+            Ok(reply)
         }
         Request::Read(p) => loaded_reply(
             store,

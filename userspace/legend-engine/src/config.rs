@@ -74,6 +74,9 @@ pub struct StorageConfig {
     pub order: String,
     /// Overlap each swap with the compute of the buckets that do not need it.
     pub prefetch: bool,
+    /// GPU engine: the largest share of the device's memory the train edges may take to stay
+    /// on the device across epochs; above it each bucket is uploaded when it is trained.
+    pub gpu_edge_fraction: f64,
 }
 
 impl Default for StorageConfig {
@@ -87,6 +90,7 @@ impl Default for StorageConfig {
             device: "cpu".into(),
             order: "legend".into(),
             prefetch: true,
+            gpu_edge_fraction: 0.25,
         }
     }
 }
@@ -362,6 +366,9 @@ impl Config {
                     format!("unknown backend {other:?}: expected memory or file"),
                 ));
             }
+        }
+        if !(0.0..=1.0).contains(&s.gpu_edge_fraction) {
+            return Err(bad("storage.gpu_edge_fraction", "must be between 0 and 1"));
         }
         let device = self.device()?;
         if device != DeviceChoice::Cpu && device != DeviceChoice::Auto {

@@ -1,27 +1,30 @@
 //! The trainer: walks the planner's bucket order over the partition buffer and trains with
 //! synchronous sparse AdaGrad, on the CPU or on a CUDA GPU (the compute backends).
 //!
-//! A batch of positives from one bucket is split into chunks that share negatives. On the CPU
-//! each chunk is split further into fixed blocks of rows ([`BLOCK_ROWS`]), the unit of parallel
-//! work. Blocks read a snapshot of the parameters; their gradients are summed in block order
-//! and applied before the next batch, so updates are synchronous and the result depends only
-//! on the seed, never on the thread count. The GPU draws the same negatives from the same
-//! streams and takes the same steps with TF32 products.
+//! A bucket's edges are trained in the order of a counter-based permutation (legend-model's
+//! [`Permutation`], keyed by the seed, the epoch and the bucket): batch `b` holds positions
+//! `b·B ..` of it, which the GPU gathers on the device and the CPU in parallel on the host.
+//! A batch is split into chunks that share negatives. On the CPU each chunk is split further
+//! into fixed blocks of rows ([`BLOCK_ROWS`]), the unit of parallel work. Blocks read a
+//! snapshot of the parameters; their gradients are summed in block order and applied before
+//! the next batch, so updates are synchronous and the result depends only on the seed, never
+//! on the thread count. The GPU draws the same negatives from the same streams and takes the
+//! same steps with TF32 products.
 
 use std::time::Instant;
 
 use legend_dataset::Buckets;
-use legend_model::{AdaGrad, ChunkModel, Decoder, Init, Table};
+use legend_model::{AdaGrad, ChunkModel, Decoder, Init, Permutation, Table};
 use legend_planner::{Bucket, Plan};
 use serde::Serialize;
 
 use crate::buffer::{IoStats, PartitionBuffer, StoreError};
 use crate::compute::cpu::CpuCompute;
 use crate::compute::cuda::CudaCompute;
-use crate::compute::{ComputeBackend, Step};
+use crate::compute::{BucketRef, ComputeBackend, Step};
 use crate::config::{Config, ConfigError};
 use crate::device::Device;
-use crate::sampler::{NegativeSampler, below, draw, key};
+use crate::sampler::{NegativeSampler, key};
 
 pub use crate::compute::cpu::BLOCK_ROWS;
 
@@ -65,6 +68,9 @@ pub struct SwapReport {
     pub start_s: f64,
     /// Seconds of I/O the swap took on the I/O thread.
     pub io_s: f64,
+    /// Part of `io_s` spent copying the partitions between the host and the GPU (the GPU
+    /// engine's copies run on the I/O thread; 0 on the CPU).
+    pub copy_s: f64,
     /// Seconds of compute overlapped with the swap.
     pub overlap_compute_s: f64,
     /// Seconds compute waited for the swap.
@@ -187,9 +193,9 @@ impl Trainer {
         let t = &config.training;
         let compute: Box<dyn ComputeBackend> = match device {
             Device::Cpu => Box::new(cpu_compute(config, &buckets, degrees)?),
-            Device::Cuda { gpu, .. } => {
-                Box::new(CudaCompute::new(*gpu, config, scheme, degrees, &relations)?)
-            }
+            Device::Cuda { gpu, .. } => Box::new(CudaCompute::new(
+                *gpu, config, &buckets, degrees, &relations,
+            )?),
         };
         Ok(Trainer {
             batch_size: t.batch_size,
@@ -304,8 +310,8 @@ impl Trainer {
                 ..SwapReport::default()
             };
             resident.retain(|&p| p != evicted);
-            self.compute.evicting(&mut self.buffer, evicted)?;
-            self.buffer.begin_swap(evicted, loaded)?;
+            let hook = self.compute.begin_swap(&mut self.buffer, evicted, loaded)?;
+            self.buffer.begin_swap_with(evicted, loaded, hook)?;
             let t = Instant::now();
             if self.prefetch {
                 self.run_buckets(&overlap, &resident, &mut ctx)?;
@@ -313,7 +319,7 @@ impl Trainer {
             }
             sr.overlap_compute_s = t.elapsed().as_secs_f64();
             self.buffer.finish_swap()?;
-            self.compute.loaded(&self.buffer, loaded)?;
+            self.compute.finish_swap(&self.buffer, loaded)?;
             resident.push(loaded);
             let t = Instant::now();
             if !self.prefetch {
@@ -325,6 +331,7 @@ impl Trainer {
             let s = self.buffer.stats();
             sr.io_s = (s.io_time - stats_before.io_time).as_secs_f64();
             sr.wait_s = (s.wait_time - stats_before.wait_time).as_secs_f64();
+            sr.copy_s = (s.hook_time - stats_before.hook_time).as_secs_f64();
             sr.bytes = (s.bytes_read + s.bytes_written)
                 - (stats_before.bytes_read + stats_before.bytes_written);
             report.swaps.push(sr);
@@ -356,22 +363,25 @@ impl Trainer {
         let mut sorted_resident = resident.to_vec();
         sorted_resident.sort_unstable();
         for b in buckets {
-            let mut edges = self.buckets.bucket(b[0], b[1]).to_vec();
             let scheme = self.buckets.scheme();
-            shuffle(
-                &mut edges,
-                key(
-                    self.seed,
-                    &[
-                        1,
-                        u64::from(ctx.epoch),
-                        scheme.bucket_index(b[0], b[1]) as u64,
-                    ],
-                ),
-            );
-            for batch in edges.chunks(self.batch_size) {
+            let edges = self.buckets.bucket(b[0], b[1]);
+            if edges.is_empty() {
+                continue;
+            }
+            let index = scheme.bucket_index(b[0], b[1]);
+            let order = key(self.seed, &[1, u64::from(ctx.epoch), index as u64]);
+            let bucket = BucketRef {
+                parts: *b,
+                index,
+                edges,
+                order: Permutation::new(edges.len() as u64, order),
+            };
+            self.compute.begin_bucket(&bucket)?;
+            for first in (0..edges.len()).step_by(self.batch_size) {
                 let step = Step {
-                    batch,
+                    bucket: &bucket,
+                    first: first as u64,
+                    len: self.batch_size.min(edges.len() - first),
                     resident: &sorted_resident,
                     epoch: ctx.epoch,
                     batch_no: *ctx.batch,
@@ -379,7 +389,7 @@ impl Trainer {
                 self.compute
                     .train_batch(&step, &mut self.buffer, &mut self.relations)?;
                 *ctx.batch += 1;
-                *ctx.edges += batch.len() as u64;
+                *ctx.edges += step.len as u64;
                 (ctx.progress)(*ctx.edges);
             }
         }
@@ -437,14 +447,6 @@ fn cpu_compute(
     })
 }
 
-/// Fisher–Yates with the counter-based stream `key`.
-fn shuffle<T>(items: &mut [T], key: u64) {
-    for i in (1..items.len()).rev() {
-        let j = below(draw(key, i as u64), i as u64 + 1) as usize;
-        items.swap(i, j);
-    }
-}
-
 fn diff(a: IoStats, b: IoStats) -> IoStats {
     IoStats {
         reads: a.reads - b.reads,
@@ -454,6 +456,7 @@ fn diff(a: IoStats, b: IoStats) -> IoStats {
         bytes_written: a.bytes_written - b.bytes_written,
         io_time: a.io_time.saturating_sub(b.io_time),
         wait_time: a.wait_time.saturating_sub(b.wait_time),
+        hook_time: a.hook_time.saturating_sub(b.hook_time),
         swaps: a.swaps - b.swaps,
     }
 }

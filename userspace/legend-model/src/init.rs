@@ -144,10 +144,12 @@ pub fn fill_row(seed: u64, table: Table, row: u64, dist: Distribution, out: &mut
     }
 }
 
-const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+/// splitmix64's golden-ratio increment.
+pub(crate) const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
+/// splitmix64's finaliser (`mix` in the module docs).
 #[inline]
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)

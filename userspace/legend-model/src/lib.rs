@@ -11,6 +11,7 @@ mod chunk;
 mod decoder;
 mod init;
 mod loss;
+mod permutation;
 mod vmath;
 
 pub use adagrad::AdaGrad;
@@ -18,3 +19,4 @@ pub use chunk::{Chunk, ChunkGrads, ChunkModel, ChunkWorkspace};
 pub use decoder::{Comparator, Decoder, Side};
 pub use init::{DEFAULT_NODE_INIT, Distribution, Init, RelationInit, Table, fill_row};
 pub use loss::{DEFAULT_MARGIN, Loss, RowLoss};
+pub use permutation::{PERMUTATION_ROUNDS, Permutation};

@@ -6,14 +6,17 @@ use legend_model::{AdaGrad, Chunk, ChunkModel, ChunkWorkspace};
 use rayon::prelude::*;
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::{ComputeBackend, Step};
-use crate::buffer::PartitionBuffer;
+use super::{BucketRef, ComputeBackend, Step};
+use crate::buffer::{PartitionBuffer, SwapHook};
 use crate::sampler::{NegativeSampler, key};
 use crate::trainer::{Relations, TrainError};
 
 /// Most rows of a chunk handled by one parallel task. Every task packs the chunk's negatives
 /// for its matrix products, a cost proportional to the negatives, so tasks should be large.
 pub const BLOCK_ROWS: usize = 256;
+
+/// Fewest edges a parallel task of the batch gather handles.
+const GATHER_MIN: usize = 4096;
 
 /// Small chunks are still split into up to this many tasks (of at least [`MIN_BLOCK_ROWS`]
 /// rows), so that small batches use several cores.
@@ -72,6 +75,23 @@ impl ComputeBackend for CpuCompute {
         Ok(())
     }
 
+    fn begin_swap(
+        &mut self,
+        _host: &mut PartitionBuffer,
+        _evicted: u32,
+        _loaded: u32,
+    ) -> Result<Option<Box<dyn SwapHook>>, TrainError> {
+        Ok(None)
+    }
+
+    fn finish_swap(&mut self, _host: &PartitionBuffer, _loaded: u32) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    fn begin_bucket(&mut self, _bucket: &BucketRef<'_>) -> Result<(), TrainError> {
+        Ok(())
+    }
+
     fn train_batch(
         &mut self,
         step: &Step<'_>,
@@ -79,7 +99,15 @@ impl ComputeBackend for CpuCompute {
         rels: &mut Relations,
     ) -> Result<(), TrainError> {
         let dim = self.dim;
-        let batch = step.batch;
+        // The batch in the bucket's order, gathered in parallel (each position is independent).
+        let batch: Vec<Edge> = self.pool.install(|| {
+            (0..step.len)
+                .into_par_iter()
+                .with_min_len(GATHER_MIN)
+                .map(|j| step.edge(j))
+                .collect()
+        });
+        let batch = batch.as_slice();
         let chunks = self.num_chunks.min(batch.len());
         let k = self.negatives;
         // Negatives of every chunk and side.

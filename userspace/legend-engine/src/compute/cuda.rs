@@ -3,17 +3,34 @@
 //! table), relations resident on the device, and each batch stepped by legend-cuda's
 //! [`GpuBatchEngine`], which draws the CPU engine's negatives exactly.
 //!
-//! Partitions move between the host buffer and their slots with synchronous copies on the
-//! compute stream (pageable host memory): the evicted slot is copied out before the buffer's
-//! I/O thread writes it back, and the loaded partition is copied in after the swap finished.
-//! The disk I/O of a swap still overlaps with the GPU's compute of the overlap buckets.
+//! Edges: checked once (every edge of bucket (i, j) has its source in partition i, its
+//! destination in j and a known relation), then kept on the device across epochs when they
+//! take at most `storage.gpu_edge_fraction` of its memory; otherwise each bucket is uploaded
+//! when it is trained, into one of two device buffers in turn, on a copy stream of its own, so
+//! that a bucket's upload overlaps the compute of the one before. Each batch is gathered on
+//! the device in the bucket's permutation order: the host never shuffles or uploads a batch.
+//!
+//! Partitions move between the host buffer and their slots through pinned staging on an I/O
+//! stream ([`Transfer`]), ordered against the compute stream by events. In a swap, the
+//! buffer's I/O thread runs the copies (a [`SwapHook`]): once the compute queued before the
+//! swap has run it downloads the evicted slot into the host partition, which it then writes
+//! back, and right after reading the loaded partition it uploads it into the same slot; the
+//! compute stream waits for that upload (an event) before the after-swap buckets. The overlap
+//! buckets, which touch neither partition, run on the compute stream meanwhile.
 
-use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, SlotMap, negative_keys};
-use legend_dataset::PartitionScheme;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use legend_cuda::{
+    BatchShape, CudaEvent, CudaSlice, DEFAULT_CHUNK_BYTES, DeviceTable, Gpu, GpuBatchEngine,
+    GpuError, RowSpan, SlotMap, Transfer, negative_keys,
+};
+use legend_dataset::{Buckets, PartitionScheme};
 use legend_model::{AdaGrad, ChunkModel, Decoder};
+use rayon::prelude::*;
 
-use super::{ComputeBackend, Step};
-use crate::buffer::PartitionBuffer;
+use super::{BucketRef, ComputeBackend, Step};
+use crate::buffer::{Partition, PartitionBuffer, StoreError, SwapHook};
 use crate::config::Config;
 use crate::trainer::{Relations, TrainError};
 
@@ -35,18 +52,55 @@ pub(crate) struct CudaCompute {
     free: Vec<u32>,
     seed: u64,
     degree_fraction: f64,
+    edges: DeviceEdges,
+    /// The I/O stream of the slot copies, shared with the swap hooks.
+    copies: Arc<Mutex<SlotCopies>>,
+    /// The slot the partition of the swap in flight will take.
+    incoming: Option<u32>,
+}
+
+/// The train edges on the device.
+enum DeviceEdges {
+    /// All of them, bucket after bucket (three ids an edge), uploaded once; the first edge of
+    /// each bucket.
+    Resident {
+        all: CudaSlice<u32>,
+        offsets: Vec<u64>,
+        /// Range (in ids) of the current bucket.
+        current: Range<usize>,
+    },
+    /// Two buffers of the largest bucket, filled in turn, one bucket at a time.
+    PerBucket {
+        buffers: [CudaSlice<u32>; 2],
+        /// Completes when the compute that reads each buffer has run.
+        released: [Option<CudaEvent>; 2],
+        /// The buffer of the current bucket and its length in ids.
+        current: (usize, usize),
+        transfer: Transfer,
+    },
+}
+
+/// The copy stream of the partition slots. `closed` is set when the engine drops: a swap hook
+/// that runs later must not touch the device table any more.
+struct SlotCopies {
+    transfer: Transfer,
+    closed: bool,
+    /// Completes when the upload of the swap in flight has run (set by the hook).
+    uploaded: Option<CudaEvent>,
 }
 
 impl CudaCompute {
-    /// A GPU engine on `gpu` for `config`, with `capacity` slots and the relations uploaded.
+    /// A GPU engine on `gpu` for `config`, with `capacity` slots, the relations uploaded and
+    /// the edges of `buckets` checked (and uploaded when they stay resident).
     pub(crate) fn new(
         gpu: Gpu,
         config: &Config,
-        scheme: PartitionScheme,
+        buckets: &Buckets,
         degrees: &[u32],
         relations: &Relations,
     ) -> Result<CudaCompute, TrainError> {
         config.cuda_support()?;
+        let scheme = buckets.scheme();
         let t = &config.training;
         let dim = config.model.dim;
         let model = ChunkModel {
@@ -60,7 +114,7 @@ impl CudaCompute {
         };
         let (chunks, k) = (t.negatives.num_chunks, t.negatives.negatives_per_positive);
         // Whole batches per launch where the score matrices fit, else fewer chunks. TransE L2
-        // keeps its distances next to the scores (legend-cuda's `BatchShape::group`).
+        // keeps its inverse distances next to the scores (legend-cuda's `BatchShape::group`).
         let rows = t.batch_size.div_ceil(chunks.max(1));
         let bytes = if model.decoder == Decoder::TransEL2 {
             8
@@ -78,6 +132,10 @@ impl CudaCompute {
             group,
         };
         let num_relations = relations.emb.len().checked_div(dim).unwrap_or(0);
+        check_edges(
+            buckets,
+            model.decoder.uses_relations().then_some(num_relations),
+        )?;
         let mut engine =
             GpuBatchEngine::new(&gpu, model, optimizer, shape, degrees, num_relations)?;
         engine.set_loss_accumulation(true);
@@ -99,6 +157,12 @@ impl CudaCompute {
         } else {
             None
         };
+        let edges = DeviceEdges::new(&gpu, buckets, config.storage.gpu_edge_fraction)?;
+        let copies = SlotCopies {
+            transfer: Transfer::new(&gpu, DEFAULT_CHUNK_BYTES)?,
+            closed: false,
+            uploaded: None,
+        };
         let mut compute = CudaCompute {
             gpu,
             engine,
@@ -114,6 +178,9 @@ impl CudaCompute {
             },
             seed: t.seed,
             degree_fraction: t.negatives.degree_fraction,
+            edges,
+            copies: Arc::new(Mutex::new(copies)),
+            incoming: None,
         };
         compute.publish_slots()?;
         Ok(compute)
@@ -136,14 +203,182 @@ impl CudaCompute {
         slot as usize * self.scheme.rows_per_partition as usize
     }
 
+    /// The device rows partition `p` has (or will have) in `slot`.
+    fn span(&self, slot: u32, p: u32) -> Result<RowSpan, TrainError> {
+        let r = self.scheme.range(p);
+        let floats = (r.end - r.start) as usize * self.nodes.dim();
+        Ok(self.nodes.row_span(self.row0(slot), floats)?)
+    }
+
+    fn copies(&self) -> MutexGuard<'_, SlotCopies> {
+        // A hook that panicked leaves nothing half-done that matters here: the swap failed.
+        self.copies.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Copies the device rows of resident partition `p` into its host copy.
     fn download(&self, host: &mut PartitionBuffer, p: u32) -> Result<(), TrainError> {
         let row0 = self.row0(self.slot_of[p as usize]);
         let part = host
             .partition_mut(p)
             .expect("a partition on the device is resident in the host buffer");
-        self.nodes
-            .read_rows(&self.gpu, row0, &mut part.emb, &mut part.state)?;
+        self.copies()
+            .transfer
+            .download_rows(&self.nodes, row0, &mut part.emb, &mut part.state)?;
+        Ok(())
+    }
+}
+
+impl Drop for CudaCompute {
+    fn drop(&mut self) {
+        // Waits for a hook that is copying, and stops those still queued on the I/O thread.
+        self.copies().closed = true;
+    }
+}
+
+/// Checks that every edge of bucket (i, j) has its source in partition i, its destination in
+/// partition j and (when `relations` is given) a relation below it: the kernels index the
+/// tables with the ids unchecked.
+fn check_edges(buckets: &Buckets, relations: Option<usize>) -> Result<(), TrainError> {
+    let scheme = buckets.scheme();
+    let n = scheme.num_partitions;
+    let rel_limit = relations.map_or(u64::MAX, |r| r as u64);
+    for i in 0..n {
+        for j in 0..n {
+            let (src, dst) = (scheme.range(i), scheme.range(j));
+            let bad = buckets.bucket(i, j).par_iter().find_any(|e| {
+                !src.contains(&u64::from(e[0]))
+                    || !dst.contains(&u64::from(e[2]))
+                    || u64::from(e[1]) >= rel_limit
+            });
+            if let Some(e) = bad {
+                return Err(GpuError::Shape(format!(
+                    "train edge {e:?} of bucket ({i}, {j}): ids outside partitions {i} / {j} \
+                     ({src:?} / {dst:?}) or relation not below {rel_limit}"
+                ))
+                .into());
+            }
+        }
+    }
+    Ok(())
+}
+
+impl DeviceEdges {
+    /// All edges on the device when they take at most `fraction` of its memory, else two
+    /// buffers for one bucket at a time.
+    fn new(gpu: &Gpu, buckets: &Buckets, fraction: f64) -> Result<DeviceEdges, GpuError> {
+        let edges = buckets.edges();
+        let ids: &[u32] = bytemuck::cast_slice(edges);
+        let bytes = std::mem::size_of_val(ids);
+        let mut transfer = Transfer::new(gpu, DEFAULT_CHUNK_BYTES)?;
+        if bytes as f64 <= fraction * gpu.total_memory()? as f64 {
+            let mut all = gpu.zeros(ids.len())?;
+            transfer.upload(ids, &mut all)?;
+            let mut offsets = vec![0u64];
+            offsets.extend(buckets.counts().iter().scan(0u64, |acc, &c| {
+                *acc += c;
+                Some(*acc)
+            }));
+            return Ok(DeviceEdges::Resident {
+                all,
+                offsets,
+                current: 0..0,
+            });
+        }
+        let largest = buckets.counts().into_iter().max().unwrap_or(0) as usize;
+        Ok(DeviceEdges::PerBucket {
+            buffers: [gpu.zeros(3 * largest)?, gpu.zeros(3 * largest)?],
+            released: [None, None],
+            current: (1, 0),
+            transfer,
+        })
+    }
+
+    /// Makes `bucket` the current one (uploading it when the edges are not resident).
+    fn begin(&mut self, gpu: &Gpu, bucket: &BucketRef<'_>) -> Result<(), GpuError> {
+        match self {
+            DeviceEdges::Resident {
+                offsets, current, ..
+            } => {
+                let start = 3 * offsets[bucket.index] as usize;
+                *current = start..start + 3 * bucket.edges.len();
+            }
+            DeviceEdges::PerBucket {
+                buffers,
+                released,
+                current,
+                transfer,
+            } => {
+                // The previous bucket's batches are all queued: its buffer is free once they ran.
+                let previous = current.0;
+                released[previous] = Some(gpu.record()?);
+                let next = 1 - previous;
+                if let Some(ev) = &released[next] {
+                    transfer.wait(ev)?;
+                }
+                let ids: &[u32] = bytemuck::cast_slice(bucket.edges);
+                transfer.upload_unordered(ids, &mut buffers[next])?;
+                *current = (next, ids.len());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The copies of one swap, run by the buffer's I/O thread.
+struct SwapCopy {
+    copies: Arc<Mutex<SlotCopies>>,
+    /// Completes when the compute queued before the swap (the last to use the evicted slot)
+    /// has run.
+    released: CudaEvent,
+    /// The evicted partition's rows on the device, and the loaded partition's (the same slot).
+    out: RowSpan,
+    into: RowSpan,
+}
+
+impl SwapCopy {
+    fn lock(&self, p: u32) -> Result<MutexGuard<'_, SlotCopies>, StoreError> {
+        let c = self.copies.lock().unwrap_or_else(|e| e.into_inner());
+        if c.closed {
+            return Err(StoreError(format!(
+                "partition {p}: the GPU engine stopped before the swap's copies ran"
+            )));
+        }
+        Ok(c)
+    }
+}
+
+fn copy_error(what: &str, p: u32, e: GpuError) -> StoreError {
+    StoreError(format!("{what} partition {p} on the GPU: {e}"))
+}
+
+impl SwapHook for SwapCopy {
+    fn before_write(&mut self, part: &mut Partition) -> Result<(), StoreError> {
+        let mut c = self.lock(part.id)?;
+        c.transfer
+            .wait(&self.released)
+            .map_err(|e| copy_error("downloading", part.id, e))?;
+        // SAFETY: the node table lives until the engine drops, which marks the copies closed
+        // (checked under this lock) before freeing it; after `released`, nothing on the compute
+        // stream touches the evicted slot (its partition is unmapped and the overlap buckets do
+        // not use it), and the slot's next upload is queued behind this copy.
+        unsafe {
+            c.transfer
+                .download_span(&self.out, &mut part.emb, &mut part.state)
+        }
+        .map_err(|e| copy_error("downloading", part.id, e))
+    }
+
+    fn after_read(&mut self, part: &Partition) -> Result<(), StoreError> {
+        let mut c = self.lock(part.id)?;
+        // SAFETY: as in `before_write`; the slot is free once the download above (earlier on
+        // the same stream) has run, and compute waits for `uploaded` before using it.
+        unsafe { c.transfer.upload_span(&part.emb, &part.state, &self.into) }
+            .map_err(|e| copy_error("uploading", part.id, e))?;
+        let ev = c
+            .transfer
+            .record()
+            .map_err(|e| copy_error("uploading", part.id, e))?;
+        c.uploaded = Some(ev);
         Ok(())
     }
 }
@@ -162,10 +397,11 @@ impl ComputeBackend for CudaCompute {
         };
         let part = host.partition(p).expect("a loaded partition is resident");
         let row0 = self.row0(slot);
-        self.nodes
-            .write_rows(&self.gpu, row0, &part.emb, &part.state)?;
-        // The host partition may be handed to the I/O thread at the next swap.
-        self.gpu.synchronize()?;
+        let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
+        copies
+            .transfer
+            .upload_rows(&mut self.nodes, row0, &part.emb, &part.state)?;
+        drop(copies);
         self.slot_of[p as usize] = slot;
         self.publish_slots()
     }
@@ -183,6 +419,46 @@ impl ComputeBackend for CudaCompute {
         self.publish_slots()
     }
 
+    fn begin_swap(
+        &mut self,
+        _host: &mut PartitionBuffer,
+        evicted: u32,
+        loaded: u32,
+    ) -> Result<Option<Box<dyn SwapHook>>, TrainError> {
+        let slot = self.slot_of[evicted as usize];
+        assert_ne!(
+            slot,
+            SlotMap::ABSENT,
+            "swapping out partition {evicted}, not on the GPU"
+        );
+        self.slot_of[evicted as usize] = SlotMap::ABSENT;
+        self.publish_slots()?;
+        let hook = SwapCopy {
+            copies: self.copies.clone(),
+            released: self.gpu.record()?,
+            out: self.span(slot, evicted)?,
+            into: self.span(slot, loaded)?,
+        };
+        self.incoming = Some(slot);
+        Ok(Some(Box::new(hook)))
+    }
+
+    fn finish_swap(&mut self, _host: &PartitionBuffer, loaded: u32) -> Result<(), TrainError> {
+        let slot = self.incoming.take().expect("a swap in flight");
+        let uploaded = self
+            .copies()
+            .uploaded
+            .take()
+            .expect("the swap's hook uploaded the loaded partition");
+        self.gpu.wait_for(&uploaded)?;
+        self.slot_of[loaded as usize] = slot;
+        self.publish_slots()
+    }
+
+    fn begin_bucket(&mut self, bucket: &BucketRef<'_>) -> Result<(), TrainError> {
+        Ok(self.edges.begin(&self.gpu, bucket)?)
+    }
+
     fn train_batch(
         &mut self,
         step: &Step<'_>,
@@ -190,7 +466,26 @@ impl ComputeBackend for CudaCompute {
         _rels: &mut Relations,
     ) -> Result<(), TrainError> {
         let gpu = &self.gpu;
-        self.engine.set_batch(gpu, step.batch)?;
+        let view = match &self.edges {
+            DeviceEdges::Resident { all, current, .. } => all.slice(current.clone()),
+            DeviceEdges::PerBucket {
+                buffers, current, ..
+            } => buffers[current.0].slice(..current.1),
+        };
+        let [src, dst] = step.bucket.parts;
+        // SAFETY: `check_edges` checked every edge of the bucket at construction: sources in
+        // partition `src`, destinations in `dst`, relations known.
+        unsafe {
+            self.engine.set_batch_from_device(
+                gpu,
+                &view,
+                &step.bucket.order,
+                step.first,
+                step.len,
+                self.scheme.range(src),
+                self.scheme.range(dst),
+            )
+        }?;
         let keys = negative_keys(self.seed, step.epoch, step.batch_no, self.engine.chunks());
         let ranges: Vec<_> = step
             .resident

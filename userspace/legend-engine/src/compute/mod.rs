@@ -2,19 +2,51 @@
 //! [`crate::Trainer::run_epoch`] drives. The host [`PartitionBuffer`] stays the source of truth
 //! for partitions that are not resident; a backend that keeps resident rows elsewhere (the GPU)
 //! copies a partition out when it leaves the buffer and in when it arrives.
+//!
+//! The contract, in the order the trainer calls it:
+//! - [`ComputeBackend::loaded`] / [`ComputeBackend::evicting`] around the buffer's fill (the
+//!   epoch's first state) and [`ComputeBackend::sync_host`] before the host copies are read:
+//!   synchronous, the host copy is current when they return.
+//! - A swap: [`ComputeBackend::begin_swap`] (the evicted partition leaves compute; the backend
+//!   may hand the buffer a [`SwapHook`] that its I/O thread runs before writing the partition
+//!   back and after reading the next), the buffer's `begin_swap_with`, the overlap buckets
+//!   (which touch neither partition), the buffer's `finish_swap`, then
+//!   [`ComputeBackend::finish_swap`], after which compute may use the loaded partition.
+//! - A bucket: [`ComputeBackend::begin_bucket`], then its batches in order through
+//!   [`ComputeBackend::train_batch`]; batch `b` holds positions `b·B ..` of the bucket's
+//!   [`Permutation`].
+//! - [`ComputeBackend::synchronize`] where the trainer times compute, [`ComputeBackend::take_loss`]
+//!   once an epoch.
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 
 use legend_dataset::Edge;
+use legend_model::Permutation;
 
-use crate::buffer::PartitionBuffer;
+use crate::buffer::{PartitionBuffer, SwapHook};
 use crate::trainer::{Relations, TrainError};
+
+/// A bucket about to be trained.
+pub(crate) struct BucketRef<'a> {
+    /// Its partitions: sources in the first, destinations in the second.
+    pub(crate) parts: [u32; 2],
+    /// Its index in the row-major order of the buckets (legend-dataset's `bucket_index`).
+    pub(crate) index: usize,
+    /// Its edges as stored.
+    pub(crate) edges: &'a [Edge],
+    /// The order they are trained in (a permutation of the edge indices).
+    pub(crate) order: Permutation,
+}
 
 /// One batch to train on.
 pub(crate) struct Step<'a> {
-    /// The positives, shuffled, `[source, relation, destination]`.
-    pub(crate) batch: &'a [Edge],
+    /// The bucket the batch comes from.
+    pub(crate) bucket: &'a BucketRef<'a>,
+    /// Positions `first .. first + len` of the bucket's order make the batch, in that order.
+    pub(crate) first: u64,
+    /// Edges in the batch.
+    pub(crate) len: usize,
     /// The resident partitions, ascending: negatives are drawn from them.
     pub(crate) resident: &'a [u32],
     /// The epoch, from 1.
@@ -23,12 +55,36 @@ pub(crate) struct Step<'a> {
     pub(crate) batch_no: u64,
 }
 
-/// A compute engine driven by the trainer's epoch loop.
+impl Step<'_> {
+    /// The batch's edges, `[source, relation, destination]`.
+    pub(crate) fn edge(&self, j: usize) -> Edge {
+        self.bucket.edges[self.bucket.order.at(self.first + j as u64) as usize]
+    }
+}
+
+/// A compute engine driven by the trainer's epoch loop (see the module docs for the order of
+/// the calls).
 pub(crate) trait ComputeBackend {
-    /// Partition `p` has become resident in `host` (after the fill or a swap).
+    /// Partition `p` has become resident in `host` (after the fill).
     fn loaded(&mut self, host: &PartitionBuffer, p: u32) -> Result<(), TrainError>;
-    /// Partition `p` is about to leave `host`: its host copy must be made current.
+    /// Partition `p` is about to leave `host` outside a swap (the fill): its host copy must be
+    /// made current.
     fn evicting(&mut self, host: &mut PartitionBuffer, p: u32) -> Result<(), TrainError>;
+    /// A swap begins: `evicted` leaves compute now (work queued so far may still use it) and
+    /// will leave `host` when the buffer starts the swap; `loaded` arrives at
+    /// [`ComputeBackend::finish_swap`]. Either `host`'s copy of `evicted` is current when this
+    /// returns, or the returned hook makes it current on the I/O thread before the write-back.
+    fn begin_swap(
+        &mut self,
+        host: &mut PartitionBuffer,
+        evicted: u32,
+        loaded: u32,
+    ) -> Result<Option<Box<dyn SwapHook>>, TrainError>;
+    /// The swap has finished: `loaded` is resident in `host`; compute queued from now on may
+    /// use it.
+    fn finish_swap(&mut self, host: &PartitionBuffer, loaded: u32) -> Result<(), TrainError>;
+    /// The batches of `bucket` follow.
+    fn begin_bucket(&mut self, bucket: &BucketRef<'_>) -> Result<(), TrainError>;
     /// Runs (or queues) one synchronous step on a batch of resident rows; its loss is added
     /// to the sum [`ComputeBackend::take_loss`] returns.
     fn train_batch(

@@ -1,0 +1,378 @@
+//! Copies between host memory and the device through pinned staging, on a stream of their own
+//! (an I/O stream), so that they run on the copy engines while the compute stream runs kernels.
+//!
+//! Host memory handed in is ordinary (pageable) memory: a copy goes through two pinned chunks
+//! in turn, the host filling (or draining) one, on several threads, while the DMA engine moves
+//! the other. The
+//! alternative, registering the caller's memory with `cuMemHostRegister`, saves that host copy
+//! but ties a registration to memory whose owner may reallocate or free it (a partition
+//! buffer's rows travel between partitions and its I/O thread, and are resized and dropped
+//! there); a staging area owned here has one lifetime and a fixed size, whatever is copied.
+//!
+//! Ordering against the compute stream ([`Gpu::stream`]) is by events: the safe copies order
+//! themselves (after the compute work queued so far, and before the compute work queued
+//! later); the raw ones, for threads that cannot borrow the device buffers (a partition
+//! buffer's I/O thread), leave it to the caller ([`Transfer::wait`], [`Transfer::record`],
+//! [`Gpu::wait_for`]).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUdeviceptr, CUevent_flags};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice, result};
+use rayon::prelude::*;
+
+use crate::error::DriverContext;
+use crate::{Gpu, GpuError};
+
+/// Default staging chunk: large enough that a chunk's DMA (about 0.5 ms at 25-50 GB/s) dwarfs
+/// the per-copy overhead, small enough that two stay cheap to pin.
+pub const DEFAULT_CHUNK_BYTES: usize = 16 << 20;
+
+/// Piece of a staging chunk one thread copies: one thread moves about 7 GB/s between pageable
+/// and pinned memory on the GPU machine (an H100 host), well short of the DMA engines, so the
+/// host side of a chunk is split over rayon's threads.
+const PIECE: usize = 1 << 20;
+
+/// `dst.copy_from_slice(src)` on several threads.
+fn copy(dst: &mut [u8], src: &[u8]) {
+    dst.par_chunks_mut(PIECE)
+        .zip(src.par_chunks(PIECE))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+}
+
+/// A stream for copies with its pinned staging (see the module docs).
+pub struct Transfer {
+    compute: Arc<CudaStream>,
+    stream: Arc<CudaStream>,
+    stage: [PinnedHostSlice<u8>; 2],
+    /// Recorded after the last DMA that used each staging chunk: the host may touch the chunk
+    /// again once it has completed.
+    done: [CudaEvent; 2],
+}
+
+/// Rows of a `DeviceTable` (embeddings and AdaGrad state) as raw device addresses, for copies
+/// queued where the table cannot be borrowed: see [`Transfer::download_span`].
+#[derive(Clone, Copy, Debug)]
+pub struct RowSpan {
+    emb: CUdeviceptr,
+    state: CUdeviceptr,
+    floats: usize,
+}
+
+impl RowSpan {
+    /// The floats `range` of the two same-shaped buffers `emb` and `state`.
+    pub(crate) fn new(emb: &CudaSlice<f32>, state: &CudaSlice<f32>, range: Range<usize>) -> Self {
+        let at = |s: &CudaSlice<f32>| addr(s) + (range.start * size_of::<f32>()) as u64;
+        RowSpan {
+            emb: at(emb),
+            state: at(state),
+            floats: range.len(),
+        }
+    }
+}
+
+/// The device address of a buffer (event tracking is off, see `Gpu::new`: the guard records
+/// nothing).
+fn addr<T>(s: &CudaSlice<T>) -> CUdeviceptr {
+    let (p, _guard) = s.device_ptr(s.stream());
+    p
+}
+
+impl Transfer {
+    /// A transfer stream on `gpu` with two pinned chunks of `chunk_bytes`.
+    pub fn new(gpu: &Gpu, chunk_bytes: usize) -> Result<Transfer, GpuError> {
+        let ctx = gpu.context();
+        let stream = ctx.new_stream().during("creating a transfer stream")?;
+        let chunk = chunk_bytes.max(4096);
+        let pinned = || {
+            // SAFETY: bytes need no initialisation. Flags 0, not write-combined: the host reads
+            // downloaded data from these chunks, which write-combined memory makes slow.
+            unsafe { ctx.alloc_pinned_with_flags::<u8>(chunk, 0) }
+                .during("allocating pinned staging memory")
+        };
+        let event = || {
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+                .during("creating a transfer event")
+        };
+        Ok(Transfer {
+            compute: gpu.stream().clone(),
+            stream,
+            stage: [pinned()?, pinned()?],
+            done: [event()?, event()?],
+        })
+    }
+
+    /// The transfer stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Copies queued after this call wait for `event`.
+    pub fn wait(&self, event: &CudaEvent) -> Result<(), GpuError> {
+        self.stream
+            .wait(event)
+            .during("ordering the transfer stream after an event")
+    }
+
+    /// An event recorded on the transfer stream now: it completes when the copies queued so far
+    /// have run.
+    pub fn record(&self) -> Result<CudaEvent, GpuError> {
+        record_on(&self.stream)
+    }
+
+    /// Copies queued after this call wait for the work queued so far on the compute stream.
+    fn after_compute(&self) -> Result<(), GpuError> {
+        self.wait(&record_on(&self.compute)?)
+    }
+
+    /// Compute work queued after this call waits for the copies queued so far.
+    fn before_compute(&self) -> Result<(), GpuError> {
+        self.compute
+            .wait(&self.record()?)
+            .during("ordering compute after the transfer stream")
+    }
+
+    /// Queues the copy of `src` into the device bytes at `dst` and returns once `src` has been
+    /// staged (the caller may reuse it); the last chunks may still be on their way.
+    ///
+    /// # Safety
+    /// `dst .. dst + size_of_val(src)` must be device memory that stays allocated until the
+    /// copies have run, and that no work unordered with the transfer stream uses meanwhile.
+    pub unsafe fn upload_raw<T: bytemuck::Pod>(
+        &mut self,
+        src: &[T],
+        dst: CUdeviceptr,
+    ) -> Result<(), GpuError> {
+        let src: &[u8] = bytemuck::cast_slice(src);
+        self.bind()?;
+        let chunk = self.stage[0].len();
+        for (c, part) in src.chunks(chunk).enumerate() {
+            let i = c % 2;
+            // The chunk's previous DMA must have read it before the host overwrites it.
+            self.done[i]
+                .synchronize()
+                .during("waiting for a staging chunk")?;
+            let stage = self.stage[i]
+                .as_mut_slice()
+                .during("mapping a staging chunk")?;
+            copy(&mut stage[..part.len()], part);
+            let at = dst + (c * chunk) as u64;
+            // SAFETY: the staged bytes stay untouched until `done[i]` completes (waited for
+            // above before every reuse); the destination is valid by the caller's contract.
+            unsafe { result::memcpy_htod_async(at, &stage[..part.len()], self.stream.cu_stream()) }
+                .during("copying a staging chunk to the device")?;
+            self.done[i]
+                .record(&self.stream)
+                .during("recording a staging event")?;
+        }
+        Ok(())
+    }
+
+    /// Copies the device bytes at `src` into `dst`; returns when `dst` holds them.
+    ///
+    /// # Safety
+    /// `src .. src + size_of_val(dst)` must be device memory that stays allocated until the
+    /// call returns, and that no work unordered with the transfer stream writes meanwhile.
+    pub unsafe fn download_raw<T: bytemuck::Pod>(
+        &mut self,
+        src: CUdeviceptr,
+        dst: &mut [T],
+    ) -> Result<(), GpuError> {
+        let dst: &mut [u8] = bytemuck::cast_slice_mut(dst);
+        self.bind()?;
+        let chunk = self.stage[0].len();
+        let total = dst.len();
+        let chunks = total.div_ceil(chunk);
+        let len = |c: usize| chunk.min(total - c * chunk);
+        for c in 0..chunks.min(2) {
+            // SAFETY: as this function's contract.
+            unsafe { self.queue_download(src, c, len(c)) }?;
+        }
+        for c in 0..chunks {
+            let i = c % 2;
+            self.done[i]
+                .synchronize()
+                .during("waiting for a staging chunk")?;
+            let stage = self.stage[i].as_slice().during("mapping a staging chunk")?;
+            copy(&mut dst[c * chunk..c * chunk + len(c)], &stage[..len(c)]);
+            if c + 2 < chunks {
+                // SAFETY: as this function's contract.
+                unsafe { self.queue_download(src, c + 2, len(c + 2)) }?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues the DMA of chunk `c` (`len` bytes) of `src` into staging chunk `c % 2`, whose
+    /// previous contents the host has consumed.
+    ///
+    /// # Safety
+    /// As [`Transfer::download_raw`].
+    unsafe fn queue_download(
+        &mut self,
+        src: CUdeviceptr,
+        c: usize,
+        len: usize,
+    ) -> Result<(), GpuError> {
+        let i = c % 2;
+        let chunk = self.stage[0].len();
+        self.done[i]
+            .synchronize()
+            .during("waiting for a staging chunk")?;
+        let stage = self.stage[i]
+            .as_mut_slice()
+            .during("mapping a staging chunk")?;
+        // SAFETY: the host reads the chunk only after `done[i]` completes; the source is valid
+        // by the caller's contract.
+        unsafe {
+            result::memcpy_dtoh_async(
+                &mut stage[..len],
+                src + (c * chunk) as u64,
+                self.stream.cu_stream(),
+            )
+        }
+        .during("copying device memory into a staging chunk")?;
+        self.done[i]
+            .record(&self.stream)
+            .during("recording a staging event")
+    }
+
+    /// Queues the copy of `emb` and `state` into the rows of `span` (see
+    /// [`Transfer::upload_raw`]).
+    ///
+    /// # Safety
+    /// The table `span` came from must stay allocated until the copies have run, and no work
+    /// unordered with the transfer stream may use those rows meanwhile.
+    pub unsafe fn upload_span(
+        &mut self,
+        emb: &[f32],
+        state: &[f32],
+        span: &RowSpan,
+    ) -> Result<(), GpuError> {
+        check_span(emb.len(), state.len(), span)?;
+        // SAFETY: the span's rows, by the caller's contract.
+        unsafe {
+            self.upload_raw(emb, span.emb)?;
+            self.upload_raw(state, span.state)
+        }
+    }
+
+    /// Copies the rows of `span` into `emb` and `state`; returns when they hold them.
+    ///
+    /// # Safety
+    /// The table `span` came from must stay allocated until the call returns, and no work
+    /// unordered with the transfer stream may write those rows meanwhile.
+    pub unsafe fn download_span(
+        &mut self,
+        span: &RowSpan,
+        emb: &mut [f32],
+        state: &mut [f32],
+    ) -> Result<(), GpuError> {
+        check_span(emb.len(), state.len(), span)?;
+        // SAFETY: the span's rows, by the caller's contract.
+        unsafe {
+            self.download_raw(span.emb, emb)?;
+            self.download_raw(span.state, state)
+        }
+    }
+
+    /// Copies `src` into the start of `dst` after the compute work queued so far and the
+    /// events passed to [`Transfer::wait`]; compute work queued later waits for it. Returns
+    /// once `src` is staged.
+    pub fn upload<T: bytemuck::Pod>(
+        &mut self,
+        src: &[T],
+        dst: &mut CudaSlice<T>,
+    ) -> Result<(), GpuError> {
+        self.after_compute()?;
+        self.upload_unordered(src, dst)
+    }
+
+    /// Like [`Transfer::upload`], but not after the compute work queued so far: only after the
+    /// events passed to [`Transfer::wait`] (for a buffer the caller knows compute is done with).
+    pub fn upload_unordered<T: bytemuck::Pod>(
+        &mut self,
+        src: &[T],
+        dst: &mut CudaSlice<T>,
+    ) -> Result<(), GpuError> {
+        if src.len() > dst.len() {
+            return Err(GpuError::Shape(format!(
+                "uploading {} elements into a buffer of {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        // SAFETY: `dst` is at least as long as `src`; it is freed stream-ordered on the compute
+        // stream, which waits for these copies (below) before anything queued later.
+        unsafe { self.upload_raw(src, addr(dst)) }?;
+        self.before_compute()
+    }
+
+    /// Copies `emb` and `state` into `span`'s rows after the compute work queued so far;
+    /// compute work queued later waits for them. Returns once the host data is staged.
+    pub fn upload_rows(
+        &mut self,
+        table: &mut crate::DeviceTable,
+        row0: usize,
+        emb: &[f32],
+        state: &[f32],
+    ) -> Result<(), GpuError> {
+        let span = table.row_span(row0, emb.len())?;
+        self.after_compute()?;
+        // SAFETY: the table is borrowed mutably for the call and freed stream-ordered on the
+        // compute stream, which waits for the copies (below); compute work queued before them
+        // runs first (above).
+        unsafe { self.upload_span(emb, state, &span) }?;
+        self.before_compute()
+    }
+
+    /// Copies rows from `row0` on into `emb` and `state`, after the compute work queued so
+    /// far; returns when they hold them.
+    pub fn download_rows(
+        &mut self,
+        table: &crate::DeviceTable,
+        row0: usize,
+        emb: &mut [f32],
+        state: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let span = table.row_span(row0, emb.len())?;
+        self.after_compute()?;
+        // SAFETY: the table is borrowed for the call, which returns after the copies ran, and
+        // the compute work that writes it was queued before them (above).
+        unsafe { self.download_span(&span, emb, state) }
+    }
+
+    fn bind(&self) -> Result<(), GpuError> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .during("making the context current on this thread")
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        // The staging chunks are freed next: no DMA may still use them.
+        let _ = self.stream.synchronize();
+    }
+}
+
+fn record_on(stream: &CudaStream) -> Result<CudaEvent, GpuError> {
+    let ev = stream
+        .context()
+        .new_event(None)
+        .during("creating an ordering event")?;
+    ev.record(stream).during("recording an ordering event")?;
+    Ok(ev)
+}
+
+fn check_span(emb: usize, state: usize, span: &RowSpan) -> Result<(), GpuError> {
+    if emb != span.floats || state != span.floats {
+        return Err(GpuError::Shape(format!(
+            "{emb} floats of embeddings and {state} of state for a span of {}",
+            span.floats
+        )));
+    }
+    Ok(())
+}
