@@ -49,9 +49,6 @@ pub enum GpuError {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// The engine cannot run this configuration.
-    #[error("unsupported on the GPU: {0}")]
-    Unsupported(String),
     /// Arguments of inconsistent shapes.
     #[error("shape mismatch: {0}")]
     Shape(String),
