@@ -30,7 +30,8 @@ for e in epochs:
     sw = e["swaps"]
     print(f'{model:8s} {layout:4s} epoch {e["epoch"]}: {e["seconds"]:.2f} s, {e["edges_per_sec"]/1e6:.2f} M edges/s, loss {e["loss"]:.3f}, '
           f'states {e["buffer_states"]}, read {e["bytes_read"]/1e9:.2f} GB, written {e["bytes_written"]/1e9:.2f} GB, io {e["io_s"]:.2f} s, '
-          f'io wait {e["io_wait_s"]:.2f} s, overlap compute {sum(s["overlap_compute_s"] for s in sw):.2f} s, after compute {sum(s["after_compute_s"] for s in sw):.2f} s')
+          f'io wait {e["io_wait_s"]:.2f} s, overlap compute {sum(s["overlap_compute_s"] for s in sw):.2f} s, after compute {sum(s["after_compute_s"] for s in sw):.2f} s, '
+          f'host<->GPU copies {sum(s.get("copy_s", 0.0) for s in sw):.2f} s')
 if not span:
     print(f'{model:8s} {layout:4s} no utilisation samples in the last epoch')
 else:

@@ -81,35 +81,9 @@ for model in dot complex; do
         "$ctl" train --dataset "$work/gen" --out "$run" "${common[@]}" "${opts[@]}" \
             >"$out/bench-$model-$layout.jsonl" 2>"$out/bench-$model-$layout.log" || status=1
         kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
-        python3 - "$out/bench-$model-$layout.jsonl" "$out/util-$model-$layout.csv" "$model" "$layout" "$out/bench-$model-$layout.log" <<'PY' | tee -a "$out/bench.txt"
-import datetime, json, re, sys
-lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-ep = [l for l in lines if "epoch" in l]
-util = []
-for l in open(sys.argv[2]):
-    f = [x.strip() for x in l.split(",")]
-    if len(f) == 2 and f[1].isdigit():
-        util.append((datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f"), float(f[1])))
-# The last epoch's window: its end from the log line's timestamp (UTC, as nvidia-smi's clock
-# here), its start that minus the epoch's seconds.
-log = re.sub(r"\x1b\[[0-9;]*m", "", open(sys.argv[5]).read())
-ends = re.findall(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z\s+INFO\s+epoch (\d+)/", log)
-span = []
-if ends and ep:
-    end = datetime.datetime.fromisoformat(ends[-1][0][:26])
-    start = end - datetime.timedelta(seconds=ep[-1]["seconds"])
-    span = [u for t, u in util if start <= t <= end]
-for e in ep:
-    sw = e["swaps"]
-    print(f'{sys.argv[3]:8s} {sys.argv[4]:4s} epoch {e["epoch"]}: {e["seconds"]:.2f} s, {e["edges_per_sec"]/1e6:.2f} M edges/s, loss {e["loss"]:.3f}, '
-          f'states {e["buffer_states"]}, read {e["bytes_read"]/1e9:.2f} GB, written {e["bytes_written"]/1e9:.2f} GB, io {e["io_s"]:.2f} s, '
-          f'io wait {e["io_wait_s"]:.2f} s, overlap compute {sum(s["overlap_compute_s"] for s in sw):.2f} s, after compute {sum(s["after_compute_s"] for s in sw):.2f} s, '
-          f'host<->GPU copies {sum(s.get("copy_s", 0.0) for s in sw):.2f} s')
-if not span:
-    print(f'{sys.argv[3]:8s} {sys.argv[4]:4s} no utilisation samples in the last epoch')
-else:
-    print(f'{sys.argv[3]:8s} {sys.argv[4]:4s} GPU utilisation in epoch {ep[-1]["epoch"]} ({len(span)} samples of 100 ms): mean {sum(span)/len(span):.1f}%, median {sorted(span)[len(span)//2]:.0f}%, samples {[int(u) for u in span]}')
-PY
+        python3 "$root/scripts/gpu/epoch_summary.py" "$out/bench-$model-$layout.jsonl" \
+            "$out/util-$model-$layout.csv" "$out/bench-$model-$layout.log" "$model" "$layout" |
+            tee -a "$out/bench.txt"
     done
 done
 exit $status
