@@ -25,7 +25,7 @@ use legend_model::{
 };
 
 use crate::error::DriverContext;
-use crate::gpu::{FUSED_TILE, GEMM_SMEM, fused_smem, grid_1d};
+use crate::gpu::{FUSED_BLOCK_ROWS, FUSED_TILE, GEMM_SMEM, fused_smem, grid_1d};
 use crate::{Gpu, GpuError, RowSpan};
 
 /// Operands of one batched product (`LegendGemm` in `kernels/gemm.cu`, field for field).
@@ -1136,7 +1136,7 @@ impl GpuBatchEngine {
         let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
         // Row ranges per job for the negatives kernel, so that enough blocks run; ranges
         // are whole tiles and add up atomically into a cleared buffer.
-        let negative_blocks = k.div_ceil(FUSED_TILE) * gz as usize;
+        let negative_blocks = k.div_ceil(FUSED_BLOCK_ROWS) * gz as usize;
         let ranges = FUSED_BLOCKS
             .div_ceil(negative_blocks)
             .clamp(1, max_rows.div_ceil(FUSED_TILE));
@@ -1169,7 +1169,7 @@ impl GpuBatchEngine {
         let mut b = gpu.stream().launch_builder(&kernels.rows);
         b.arg(&args);
         let cfg = LaunchConfig {
-            grid_dim: (blocks(max_rows, FUSED_TILE), gz, 1),
+            grid_dim: (blocks(max_rows, FUSED_BLOCK_ROWS), gz, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: smem,
         };
@@ -1184,7 +1184,7 @@ impl GpuBatchEngine {
         let mut b = gpu.stream().launch_builder(&kernels.negatives);
         b.arg(&args);
         let cfg = LaunchConfig {
-            grid_dim: (k.div_ceil(FUSED_TILE) as u32, ranges as u32, gz),
+            grid_dim: (k.div_ceil(FUSED_BLOCK_ROWS) as u32, ranges as u32, gz),
             ..cfg
         };
         // SAFETY: as above; grad_negs holds group × k × d floats, and the rows kernel

@@ -48,11 +48,14 @@ const FUSED_WIDTHS: [usize; 4] = [32, 64, 104, 128];
 /// Rows of the operand tile the fused kernels walk over (`LEGEND_FUSED_TILE`).
 pub(crate) const FUSED_TILE: usize = 64;
 
-/// Dynamic shared memory of the fused kernels of padded width `width`: two stages of a
-/// 64-row tile of `width + 4` floats a row, and the negatives kernel's two stages of 64 row
-/// statistics (two floats each).
+/// Rows (or negatives) a block of the fused kernels owns (`LEGEND_FUSED_BLOCK_ROWS`).
+pub(crate) const FUSED_BLOCK_ROWS: usize = 128;
+
+/// Dynamic shared memory of the fused kernels of padded width `width`: the block's own
+/// 128 rows and two stages of the walked 64-row tile, `width + 4` floats a row, and the
+/// negatives kernel's two stages of 64 row statistics (two floats each).
 pub(crate) fn fused_smem(width: usize) -> u32 {
-    (2 * FUSED_TILE * (width + 4) * 4 + 2 * FUSED_TILE * 8) as u32
+    ((FUSED_BLOCK_ROWS + 2 * FUSED_TILE) * (width + 4) * 4 + 2 * FUSED_TILE * 8) as u32
 }
 
 /// Dynamic shared memory of the product kernels: `LEGEND_STAGES` (4) stages of a 128-row A
