@@ -2,56 +2,16 @@
 //! random inputs every run. Needs a GPU: without a driver, NVRTC or device every test prints
 //! a skip line and passes.
 
-use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, GpuError, SlotMap, negative_keys};
+use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, SlotMap, negative_keys};
 use legend_dataset::PartitionScheme;
 use legend_engine::sampler::NegativeSampler;
 use legend_model::{
     AdaGrad, Chunk, ChunkModel, ChunkWorkspace, Decoder, Distribution, Loss, Table, fill_row,
 };
 
-fn gpu() -> Option<Gpu> {
-    match Gpu::new(0) {
-        Ok(g) => Some(g),
-        Err(e @ (GpuError::NoDriver | GpuError::NoNvrtc | GpuError::NoDevice { .. })) => {
-            println!("skip: {e}");
-            None
-        }
-        Err(e) => panic!("{e}"),
-    }
-}
+mod common;
 
-/// A fresh seed per run (printed, so a failure can be replayed with LEGEND_TEST_SEED).
-fn seed(test: &str) -> u64 {
-    let s = std::env::var("LEGEND_TEST_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-        });
-    println!("{test}: seed {s}");
-    s
-}
-
-/// A small counter-based generator for test inputs.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-}
+use common::{Rng, gpu, seed};
 
 /// ‖a − b‖ / ‖b‖ in f64; infinite when `a` holds a NaN (an unwritten, poisoned element).
 fn rel_err(a: &[f32], b: &[f32]) -> f64 {

@@ -6,51 +6,18 @@
 use cudarc::driver::DevicePtr;
 use cudarc::driver::sys::CUevent_flags;
 use legend_cuda::{
-    BatchShape, CudaEvent, DeviceTable, Gpu, GpuBatchEngine, GpuError, Transfer, gather_batch,
-    negative_keys,
+    BatchShape, CudaEvent, DeviceTable, Gpu, GpuBatchEngine, Transfer, gather_batch, negative_keys,
 };
 use legend_model::{AdaGrad, ChunkModel, Decoder, Loss, Permutation};
 
-fn gpu() -> Option<Gpu> {
-    match Gpu::new(0) {
-        Ok(g) => Some(g),
-        Err(e @ (GpuError::NoDriver | GpuError::NoNvrtc | GpuError::NoDevice { .. })) => {
-            println!("skip: {e}");
-            None
-        }
-        Err(e) => panic!("{e}"),
-    }
-}
+mod common;
 
-/// splitmix64 from a per-run seed (printed; replay with LEGEND_TEST_SEED).
-struct Rng(u64);
-
-impl Rng {
-    fn new(test: &str) -> Rng {
-        let s = std::env::var("LEGEND_TEST_SEED")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(1, |d| d.as_nanos() as u64)
-            });
-        println!("{test}: seed {s}");
-        Rng(s)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
+use common::{Rng, gpu, seed};
 
 #[test]
 fn gathered_batches_follow_the_rust_permutation() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng::new("gather");
+    let mut rng = Rng(seed("gather"));
     for n in [1u64, 2, 3, 4, 5, 255, 256, 257, 65_535, 65_537, 1_000_003] {
         let key = rng.next();
         let order = Permutation::new(n, key);
@@ -109,7 +76,7 @@ fn engine(gpu: &Gpu, entities: usize, max_batch: usize, k: usize, dim: usize) ->
 #[test]
 fn a_batch_gathered_on_the_device_trains_like_one_uploaded() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng::new("set_batch_from_device");
+    let mut rng = Rng(seed("set_batch_from_device"));
     let (entities, dim, k) = (4000usize, 32usize, 64usize);
     // A bucket of partition pair (0, 1) of two partitions of 2000 rows.
     let n = 5000u64;
@@ -198,7 +165,7 @@ fn a_batch_gathered_on_the_device_trains_like_one_uploaded() {
 #[test]
 fn staged_copies_round_trip_in_many_chunks() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng::new("transfer round trip");
+    let mut rng = Rng(seed("transfer round trip"));
     // 4 KiB chunks: a partition of 777 rows of 33 floats takes 26 chunks each way.
     let mut t = Transfer::new(&gpu, 4096).unwrap();
     let (rows, dim) = (777usize, 33usize);
@@ -229,7 +196,7 @@ fn timed_event(gpu: &Gpu) -> CudaEvent {
 #[test]
 fn copies_on_the_transfer_stream_overlap_compute() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng::new("overlap");
+    let mut rng = Rng(seed("overlap"));
     // Compute: training steps on the compute stream (200 take about 0.1 s on an H100).
     let (entities, dim, k, b) = (100_000usize, 128usize, 1000usize, 20_000usize);
     let mut e = engine(&gpu, entities, b, k, dim);

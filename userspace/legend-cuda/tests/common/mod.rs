@@ -1,0 +1,50 @@
+//! Helpers shared by the GPU test files (each file uses a part of them).
+#![allow(dead_code)]
+
+use legend_cuda::{Gpu, GpuError};
+
+/// The first GPU, or `None` after printing a skip line where no driver, NVRTC or device is
+/// present: the tests pass there.
+pub fn gpu() -> Option<Gpu> {
+    match Gpu::new(0) {
+        Ok(g) => Some(g),
+        Err(e @ (GpuError::NoDriver | GpuError::NoNvrtc | GpuError::NoDevice { .. })) => {
+            println!("skip: {e}");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// A fresh seed per run (printed, so a failure can be replayed with LEGEND_TEST_SEED).
+pub fn seed(test: &str) -> u64 {
+    let s = std::env::var("LEGEND_TEST_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    println!("{test}: seed {s}");
+    s
+}
+
+/// A small counter-based generator for test inputs.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    pub fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+}
