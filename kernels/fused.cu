@@ -3,31 +3,35 @@
 // the negatives as both keys and values, so it is computed the way attention is:
 //
 // - legend_fused_rows_dN: a block owns 128 rows of a job and walks over the job's negatives
-//   in tiles of 64: S = Q·Nᵀ (TF32 mma), the loss turns S into G in registers (softmax with
-//   a running maximum and sum, rescaling the accumulator; logistic and ranking elementwise),
-//   dQ += G·N. It ends with dQ, ∂L/∂pos, the loss and each row's statistics.
+//   in tiles of 64: S = Q·Nᵀ (tensor-core mma), the loss turns S into G in registers
+//   (softmax with a running maximum and sum, rescaling the accumulator; logistic and
+//   ranking elementwise), dQ += G·N. It ends with dQ, ∂L/∂pos, the loss and each row's
+//   statistics.
 // - legend_fused_negatives_dN: a block owns 128 negatives of a job and walks over the job's
 //   rows (a range of them when the rows are split): S again, G from the rows' statistics,
 //   dN += Gᵀ·Q.
 //
+// The products take FP16 operands and accumulate in FP32 (mma m16n8k16). FP16 keeps the
+// 10-bit significand of TF32, so the rounding error is TF32's, while a k16 step does twice
+// the work of TF32's k8 step for the same instruction and half the shared-memory bytes
+// (the benchmark batch: 2.50 -> 1.95 ms on an H100). The operands are small (embeddings, their products,
+// probabilities in [0, 1]); conversions saturate at FP16's largest finite value.
+//
 // The block's own operand sits in shared memory for the whole walk, the walked one comes
-// through shared memory in two cp.async stages of 64 rows. One warp owns two 16-row tiles,
-// so each B fragment it loads feeds two products (with one tile a warp, and its A fragments
-// in registers, the kernels waited on shared-memory loads: 2.02 ms for both at the benchmark
-// batch against 1.80 ms now, see Documentation/gpu.md). G goes from
-// the accumulator of S straight into the A fragment of the next product, without a shuffle:
-// in a k8 step the accumulator lane (g, t) holds columns 2t and 2t + 1, so the step takes
-// its k slots t and t + 4 as columns 2t and 2t + 1, and the B fragment reads the matching
-// rows. Both operands in shared memory are already rounded to TF32: the negatives by
-// legend_gather_negatives, the queries by the rows kernel (query_tf32).
+// through shared memory in two cp.async stages of 64 rows, and fragments are loaded with
+// ldmatrix. One warp owns two 16-row tiles, so each B fragment it loads feeds two products.
+// G goes from the accumulator of S straight into the A fragment of the next product: the
+// accumulators of two adjacent 8-column blocks are the A fragment of a k16 step.
+// Both operands arrive in FP16: the negatives from legend_gather_negatives_half, the queries
+// from the rows kernel (query_half).
 
 #define LEGEND_FUSED_WARPS 4
 #define LEGEND_FUSED_TILE (16 * LEGEND_FUSED_WARPS)
 
 struct LegendFused {
     const float* query;   // group x max_rows x dim
-    float* query_tf32;    // the same, rounded to TF32 (written by the rows kernel)
-    const float* negs;    // group x k x dim, rounded to TF32
+    u32* query_half;      // the same in FP16, dim_pad halves a row (written by the rows kernel)
+    const u32* negs;      // group x k x dim_pad halves (legend_gather_negatives_half)
     const float* pos;     // group x max_rows
     float* grad_pos;      // group x max_rows
     float* grad_query;    // group x max_rows x dim: sum over j of G_ij n_j
@@ -38,49 +42,94 @@ struct LegendFused {
     u32 max_rows;
     u32 k;
     u32 dim;
+    // Halves a row of query_half and negs: dim rounded up to the 16 of an mma's k step.
+    u32 dim_pad;
     int loss;
     float margin;
-    // Rows are 16-byte aligned (dim % 4 == 0): 16-byte copies into shared memory.
-    int vec;
     // Rows per blockIdx.y range in the negatives kernel (a multiple of the tile).
     u32 row_split;
     // Whether the negatives kernel adds into grad_negs (row ranges > 1) or stores.
     int atomic;
 };
 
-__device__ __forceinline__ void legend_mma_tf32(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
-                                                u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+// Two floats as FP16 in one register, `lo` in the low half (the lower k or column index).
+// Clamped to the finite range, so a huge value saturates instead of poisoning a whole row
+// of products with an infinity.
+__device__ __forceinline__ u32 legend_half2(float lo, float hi) {
+    u32 r;
+    lo = fminf(fmaxf(lo, -65504.0f), 65504.0f);
+    hi = fminf(fmaxf(hi, -65504.0f), 65504.0f);
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 }
 
-// Queues the copy of rows [r0, r0 + TILE) of a rows x dim matrix into a [TILE][SROW] tile,
-// columns padded with zeros to 8·DK and rows at or past `rlim` zero.
-template <int DK>
-__device__ __forceinline__ void legend_fused_tile(const float* P, u32 dim, u32 r0, u32 rlim,
-                                                  float* S, bool vec) {
-    constexpr int SROW = 8 * DK + 4;
-    if (vec) {
-        constexpr int PER_ROW = 2 * DK;
-        for (int e = threadIdx.x; e < LEGEND_FUSED_TILE * PER_ROW; e += 32 * LEGEND_FUSED_WARPS) {
-            int i = e / PER_ROW, c = (e % PER_ROW) * 4;
-            u32 r = r0 + i;
-            int bytes = r < rlim ? 4 * min(max((int)dim - c, 0), 4) : 0;
-            const float* src = bytes ? P + (u64)r * dim + c : P;
-            legend_cp16(&S[i * SROW + c], src, bytes);
-        }
-    } else {
-        constexpr int PER_ROW = 8 * DK;
-        for (int e = threadIdx.x; e < LEGEND_FUSED_TILE * PER_ROW; e += 32 * LEGEND_FUSED_WARPS) {
-            int i = e / PER_ROW, c = e % PER_ROW;
-            u32 r = r0 + i;
-            bool ok = r < rlim && (u32)c < dim;
-            legend_cp4(&S[i * SROW + c], ok ? P + (u64)r * dim + c : P, ok);
-        }
+__device__ __forceinline__ void legend_mma_f16(float* c, const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ldmatrix: four (or two) 8 x 8 FP16 matrices, lane 8i + r giving the address of row r of
+// matrix i; `trans` hands each lane a column pair instead of a row pair. Volatile: the
+// shared memory they read changes across the barriers of the tile loop.
+__device__ __forceinline__ void legend_ldsm4(u32 addr, u32 (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void legend_ldsm4_trans(u32 addr, u32 (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void legend_ldsm2_trans(u32 addr, u32& r0, u32& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(addr));
+}
+
+// Shared-memory rows of KS k16 steps: 16·KS halves and 8 more, so that the eight rows an
+// ldmatrix phase reads start in different banks.
+template <int KS>
+struct LegendHalfRows {
+    static constexpr int WORDS = 8 * KS + 4;
+    static constexpr u32 BYTES = 4 * WORDS;
+};
+
+// Queues the copy of rows [r0, r0 + TILE) of a matrix of 16·KS halves a row (already
+// zero-padded) into a tile of LegendHalfRows<KS>; rows at or past `rlim` become zeros.
+template <int KS>
+__device__ __forceinline__ void legend_fused_tile(const u32* P, u32 r0, u32 rlim, u32* S) {
+    constexpr int CHUNKS = 2 * KS;  // 16-byte pieces of a row
+    for (int e = threadIdx.x; e < LEGEND_FUSED_TILE * CHUNKS; e += 32 * LEGEND_FUSED_WARPS) {
+        int i = e / CHUNKS, c = e % CHUNKS;
+        u32 r = r0 + i;
+        bool ok = r < rlim;
+        const u32* src = ok ? P + (u64)r * (8 * KS) + 4 * c : P;
+        legend_cp16(reinterpret_cast<float*>(&S[i * LegendHalfRows<KS>::WORDS + 4 * c]),
+                    reinterpret_cast<const float*>(src), ok ? 16 : 0);
     }
+}
+
+// The negatives of jobs first_job.. in FP16, dim_pad halves a row (zeros past dim): the
+// fused kernels' operand, read many times, so converted once here.
+extern "C" __global__ void legend_gather_negatives_half(const u32* __restrict__ negs,
+                                                        u32 first_job, u32 k, u32 dim,
+                                                        u32 dim_pad,
+                                                        const float* __restrict__ emb,
+                                                        u32* __restrict__ out) {
+    u32 z = blockIdx.y, pairs = dim_pad / 2;
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)k * pairs) return;
+    u64 j = idx / pairs;
+    u32 c = 2 * (u32)(idx % pairs);
+    const float* row = emb + (u64)negs[(u64)(first_job + z) * k + j] * dim;
+    out[(u64)z * k * pairs + idx] =
+        legend_half2(c < dim ? row[c] : 0.0f, c + 1 < dim ? row[c + 1] : 0.0f);
 }
 
 // G of one score: softmax probability from the row's (max, 1 / sum), the logistic loss's
@@ -104,84 +153,89 @@ __device__ __forceinline__ float legend_quad_max(float v) {
 }
 
 // The A operand of a block (its rows, or its negatives) staged once in shared memory: BR
-// rows of 8·DK columns, zero past `dim` and at rows from `rlim`; each warp takes 16·MT of
-// them, so that every B fragment it loads feeds MT products.
+// rows, zero past `dim` and at rows from `rlim`; each warp takes 16·MT of them, so that
+// every B fragment it loads feeds MT products.
 #define LEGEND_FUSED_MT 2
 #define LEGEND_FUSED_BLOCK_ROWS (16 * LEGEND_FUSED_MT * LEGEND_FUSED_WARPS)
 
-// The A fragments of k8 step kk for the warp's MT row tiles, from a [rows][SROW] tile.
-template <int SROW>
-__device__ __forceinline__ void legend_fused_afrag(const float* sa, int row0, int kk, int g,
-                                                   int t, u32 (&a)[LEGEND_FUSED_MT][4]) {
-#pragma unroll
-    for (int m = 0; m < LEGEND_FUSED_MT; ++m) {
-        const float* p = sa + (row0 + 16 * m + g) * SROW + 8 * kk + t;
-        a[m][0] = __float_as_uint(p[0]);
-        a[m][1] = __float_as_uint(p[8 * SROW]);
-        a[m][2] = __float_as_uint(p[4]);
-        a[m][3] = __float_as_uint(p[8 * SROW + 4]);
-    }
-}
-
-// s[m][j] = A(tile m) · B(rows 8j..8j+7 of the walked tile)ᵀ over the padded width.
-template <int DK>
-__device__ __forceinline__ void legend_fused_scores(const float* sa, int row0, const float* sb,
-                                                    int g, int t,
+// s[m][j] = A(tile m) · B(rows 8j..8j+7 of the walked tile)ᵀ over the KS k16 steps; `sa`
+// and `sb` are shared-memory addresses of the two tiles.
+template <int KS>
+__device__ __forceinline__ void legend_fused_scores(u32 sa, int row0, u32 sb, int lane,
                                                     float (&s)[LEGEND_FUSED_MT][8][4]) {
-    constexpr int SROW = 8 * DK + 4;
+    constexpr u32 RB = LegendHalfRows<KS>::BYTES;
 #pragma unroll
     for (int m = 0; m < LEGEND_FUSED_MT; ++m)
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) s[m][j][q] = 0.0f;
+    // A: matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15); B: rows 8j.. | 8j+8.., k 0-7 | 8-15.
+    u32 a_at = sa + (row0 + (lane & 15)) * RB + (lane >> 4) * 16;
+    u32 b_at = sb + ((lane & 7) + 8 * (lane >> 4)) * RB + ((lane >> 3) & 1) * 16;
 #pragma unroll
-    for (int kk = 0; kk < DK; ++kk) {
+    for (int kk = 0; kk < KS; ++kk) {
         u32 a[LEGEND_FUSED_MT][4];
-        legend_fused_afrag<SROW>(sa, row0, kk, g, t, a);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float* b = sb + (8 * j + g) * SROW + 8 * kk + t;
-            u32 b0 = __float_as_uint(b[0]), b1 = __float_as_uint(b[4]);
+        for (int m = 0; m < LEGEND_FUSED_MT; ++m) legend_ldsm4(a_at + 16 * m * RB + 32 * kk, a[m]);
 #pragma unroll
-            for (int m = 0; m < LEGEND_FUSED_MT; ++m)
-                legend_mma_tf32(s[m][j], a[m][0], a[m][1], a[m][2], a[m][3], b0, b1);
+        for (int jp = 0; jp < 4; ++jp) {
+            u32 b[4];
+            legend_ldsm4(b_at + 16 * jp * RB + 32 * kk, b);
+#pragma unroll
+            for (int m = 0; m < LEGEND_FUSED_MT; ++m) {
+                legend_mma_f16(s[m][2 * jp], a[m], b[0], b[1]);
+                legend_mma_f16(s[m][2 * jp + 1], a[m], b[2], b[3]);
+            }
         }
     }
 }
 
-// acc[m] += G(tile m, as left in s) · (the walked tile), k8 step j taking columns 8j + 2t
-// and 8j + 2t + 1 as its slots t and t + 4.
-template <int DK>
+// acc[m] += G(tile m, as left in s) · (the walked tile): the accumulators of column blocks
+// 2jj and 2jj + 1 are exactly the A fragment of k16 step jj, and the walked rows come as B
+// through transposing loads.
+template <int DK, int KS>
 __device__ __forceinline__ void legend_fused_accumulate(const float (&s)[LEGEND_FUSED_MT][8][4],
-                                                        const float* sb, int g, int t,
+                                                        u32 sb, int lane,
                                                         float (&acc)[LEGEND_FUSED_MT][DK][4]) {
-    constexpr int SROW = 8 * DK + 4;
+    constexpr u32 RB = LegendHalfRows<KS>::BYTES;
+    // Matrices (walked rows 0-7 | 8-15) x (columns 8n.. | 8n+8..).
+    u32 b_at = sb + (lane & 15) * RB + (lane >> 4) * 16;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int jj = 0; jj < 4; ++jj) {
         u32 ga[LEGEND_FUSED_MT][4];
 #pragma unroll
         for (int m = 0; m < LEGEND_FUSED_MT; ++m) {
-            ga[m][0] = legend_tf32(s[m][j][0]);
-            ga[m][1] = legend_tf32(s[m][j][2]);
-            ga[m][2] = legend_tf32(s[m][j][1]);
-            ga[m][3] = legend_tf32(s[m][j][3]);
+            ga[m][0] = legend_half2(s[m][2 * jj][0], s[m][2 * jj][1]);
+            ga[m][1] = legend_half2(s[m][2 * jj][2], s[m][2 * jj][3]);
+            ga[m][2] = legend_half2(s[m][2 * jj + 1][0], s[m][2 * jj + 1][1]);
+            ga[m][3] = legend_half2(s[m][2 * jj + 1][2], s[m][2 * jj + 1][3]);
         }
-        const float* b = sb + (8 * j + 2 * t) * SROW + g;
 #pragma unroll
-        for (int n = 0; n < DK; ++n) {
-            u32 b0 = __float_as_uint(b[8 * n]), b1 = __float_as_uint(b[SROW + 8 * n]);
+        for (int n = 0; n < DK; n += 2) {
+            u32 at = b_at + 16 * jj * RB + 16 * n;
+            if (n + 1 < DK) {
+                u32 b[4];
+                legend_ldsm4_trans(at, b);
 #pragma unroll
-            for (int m = 0; m < LEGEND_FUSED_MT; ++m)
-                legend_mma_tf32(acc[m][n], ga[m][0], ga[m][1], ga[m][2], ga[m][3], b0, b1);
+                for (int m = 0; m < LEGEND_FUSED_MT; ++m) {
+                    legend_mma_f16(acc[m][n], ga[m], b[0], b[1]);
+                    legend_mma_f16(acc[m][n + 1], ga[m], b[2], b[3]);
+                }
+            } else {
+                u32 b0, b1;
+                legend_ldsm2_trans(at, b0, b1);
+#pragma unroll
+                for (int m = 0; m < LEGEND_FUSED_MT; ++m) legend_mma_f16(acc[m][n], ga[m], b0, b1);
+            }
         }
     }
 }
 
-template <int DK>
+template <int DK, int KS>
 __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
-    extern __shared__ float legend_fused_smem[];
-    constexpr int SROW = 8 * DK + 4;
+    extern __shared__ u32 legend_fused_smem[];
+    constexpr int SW = LegendHalfRows<KS>::WORDS;
     constexpr int T = LEGEND_FUSED_TILE;
     constexpr int MT = LEGEND_FUSED_MT;
     constexpr int BR = LEGEND_FUSED_BLOCK_ROWS;
@@ -193,19 +247,20 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u64 base = (u64)z * f.max_rows;
     u32 dim = f.dim, k = f.k;
-    float* sa = legend_fused_smem;
-    float* sb0 = legend_fused_smem + BR * SROW;
+    u32* sb0 = legend_fused_smem + BR * SW;
+    u32 sa_at = (u32)__cvta_generic_to_shared(legend_fused_smem);
+    u32 sb_at = (u32)__cvta_generic_to_shared(sb0);
 
-    // The block's queries, rounded once into shared memory; the rounded copy in device memory
+    // The block's queries, converted once into shared memory; the FP16 copy in device memory
     // is what the negatives kernel reads.
-    for (int e = threadIdx.x; e < BR * 8 * DK; e += 32 * LEGEND_FUSED_WARPS) {
-        int i = e / (8 * DK), c = e % (8 * DK);
+    for (int e = threadIdx.x; e < BR * 8 * KS; e += 32 * LEGEND_FUSED_WARPS) {
+        int i = e / (8 * KS), c = 2 * (e % (8 * KS));
         u32 r = r_block + i;
-        bool ok = r < nrows && (u32)c < dim;
-        u64 at = (base + r) * dim + c;
-        float v = __uint_as_float(legend_tf32(ok ? f.query[at] : 0.0f));
-        sa[i * SROW + c] = v;
-        if (ok) f.query_tf32[at] = v;
+        bool ok = r < nrows;
+        const float* q = f.query + (base + r) * dim;
+        u32 v = legend_half2(ok && (u32)c < dim ? q[c] : 0.0f, ok && (u32)c + 1 < dim ? q[c + 1] : 0.0f);
+        legend_fused_smem[i * SW + c / 2] = v;
+        if (ok) f.query_half[(base + r) * (f.dim_pad / 2) + c / 2] = v;
     }
     int row0 = warp * 16 * MT;
     // Per row tile m: rows a = r_block + row0 + 16m + g and b = a + 8.
@@ -233,19 +288,19 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
             for (int q = 0; q < 4; ++q) acc[m][n][q] = 0.0f;
     }
 
-    const float* N = f.negs + (u64)z * k * dim;
+    const u32* N = f.negs + (u64)z * k * (f.dim_pad / 2);
     int tiles = (k + T - 1) / T;
-    legend_fused_tile<DK>(N, dim, 0, k, sb0, f.vec);
+    legend_fused_tile<KS>(N, 0, k, sb0);
     asm volatile("cp.async.commit_group;\n" ::);
     for (int it = 0; it < tiles; ++it) {
         if (it + 1 < tiles)
-            legend_fused_tile<DK>(N, dim, (it + 1) * T, k, sb0 + ((it + 1) & 1) * T * SROW, f.vec);
+            legend_fused_tile<KS>(N, (it + 1) * T, k, sb0 + ((it + 1) & 1) * T * SW);
         asm volatile("cp.async.commit_group;\n" ::);
         asm volatile("cp.async.wait_group 1;\n" ::);
         __syncthreads();
-        const float* sn = sb0 + (it & 1) * T * SROW;
+        u32 sn = sb_at + (it & 1) * T * LegendHalfRows<KS>::BYTES;
         float s[MT][8][4];
-        legend_fused_scores<DK>(sa, row0, sn, g, t, s);
+        legend_fused_scores<KS>(sa_at, row0, sn, lane, s);
         u32 n0 = it * T + 2 * t;
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
@@ -308,7 +363,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
                     }
             }
         }
-        legend_fused_accumulate<DK>(s, sn, g, t, acc);
+        legend_fused_accumulate<DK, KS>(s, sn, lane, acc);
         // Every warp is done with this stage before the next iteration refills it.
         __syncthreads();
     }
@@ -379,10 +434,10 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     }
 }
 
-template <int DK>
+template <int DK, int KS>
 __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f) {
-    extern __shared__ float legend_fused_smem[];
-    constexpr int SROW = 8 * DK + 4;
+    extern __shared__ u32 legend_fused_smem[];
+    constexpr int SW = LegendHalfRows<KS>::WORDS;
     constexpr int T = LEGEND_FUSED_TILE;
     constexpr int MT = LEGEND_FUSED_MT;
     constexpr int BR = LEGEND_FUSED_BLOCK_ROWS;
@@ -394,13 +449,15 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u32 k = f.k, dim = f.dim;
     u32 j_block = blockIdx.x * BR;
-    const float* N = f.negs + (u64)z * k * dim;
-    float* sa = legend_fused_smem;
-    float* sb0 = legend_fused_smem + BR * SROW;
-    float2* sstats = reinterpret_cast<float2*>(sb0 + 2 * T * SROW);
-    // The block's negatives (rounded by the gather) in shared memory, in the first group.
+    u32 pairs = f.dim_pad / 2;
+    const u32* N = f.negs + (u64)z * k * pairs;
+    u32* sb0 = legend_fused_smem + BR * SW;
+    float2* sstats = reinterpret_cast<float2*>(sb0 + 2 * T * SW);
+    u32 sa_at = (u32)__cvta_generic_to_shared(legend_fused_smem);
+    u32 sb_at = (u32)__cvta_generic_to_shared(sb0);
+    // The block's negatives (FP16 from the gather) in shared memory, in the first group.
     for (int part = 0; part < BR / T; ++part)
-        legend_fused_tile<DK>(N, dim, j_block + part * T, k, sa + part * T * SROW, f.vec);
+        legend_fused_tile<KS>(N, j_block + part * T, k, legend_fused_smem + part * T * SW);
     int row0 = warp * 16 * MT;
     float acc[MT][DK][4];
 #pragma unroll
@@ -410,19 +467,20 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[m][n][q] = 0.0f;
     u64 base = (u64)z * f.max_rows;
-    const float* Q = f.query_tf32 + base * dim;
+    const u32* Q = f.query_half + base * pairs;
     const float2* stats = f.stats + base;
     float w = 1.0f / (float)k;
     int tiles = (rend - rbeg + T - 1) / T;
     auto stage = [&](int it) {
         u32 r0 = rbeg + it * T;
-        legend_fused_tile<DK>(Q, dim, r0, rend, sb0 + (it & 1) * T * SROW, f.vec);
+        legend_fused_tile<KS>(Q, r0, rend, sb0 + (it & 1) * T * SW);
         if (threadIdx.x < T) {
             u32 r = r0 + threadIdx.x;
             float* st = reinterpret_cast<float*>(&sstats[(it & 1) * T + threadIdx.x]);
             bool ok = r < rend;
-            legend_cp4(st, ok ? reinterpret_cast<const float*>(&stats[r]) : Q, ok);
-            legend_cp4(st + 1, ok ? reinterpret_cast<const float*>(&stats[r]) + 1 : Q, ok);
+            const float* from = reinterpret_cast<const float*>(&stats[ok ? r : rbeg]);
+            legend_cp4(st, from, ok);
+            legend_cp4(st + 1, from + 1, ok);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
@@ -432,10 +490,10 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
         else asm volatile("cp.async.commit_group;\n" ::);
         asm volatile("cp.async.wait_group 1;\n" ::);
         __syncthreads();
-        const float* sq = sb0 + (it & 1) * T * SROW;
+        u32 sq = sb_at + (it & 1) * T * LegendHalfRows<KS>::BYTES;
         const float2* st = sstats + (it & 1) * T;
         float s[MT][8][4];
-        legend_fused_scores<DK>(sa, row0, sq, g, t, s);
+        legend_fused_scores<KS>(sa_at, row0, sq, lane, s);
         u32 i0 = rbeg + it * T + 2 * t;
 #pragma unroll
         for (int m = 0; m < MT; ++m)
@@ -447,7 +505,7 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
                     bool ok = i0 + 8 * j + (q & 1) < rend;
                     s[m][j][q] = ok ? legend_fused_grad(f.loss, s[m][j][q], st[i], w, f.margin) : 0.0f;
                 }
-        legend_fused_accumulate<DK>(s, sq, g, t, acc);
+        legend_fused_accumulate<DK, KS>(s, sq, lane, acc);
         __syncthreads();
     }
     float* out = f.grad_negs + (u64)z * k * dim;
@@ -472,26 +530,26 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
 // One pair of kernels per padded width 8·DK: 32, 64, 104 (d = 100) and 128, written out so
 // that each entry point can be found by its name.
 extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d32(LegendFused f) {
-    legend_fused_rows_body<4>(f);
+    legend_fused_rows_body<4, 2>(f);
 }
 extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d32(LegendFused f) {
-    legend_fused_negatives_body<4>(f);
+    legend_fused_negatives_body<4, 2>(f);
 }
 extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d64(LegendFused f) {
-    legend_fused_rows_body<8>(f);
+    legend_fused_rows_body<8, 4>(f);
 }
 extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d64(LegendFused f) {
-    legend_fused_negatives_body<8>(f);
+    legend_fused_negatives_body<8, 4>(f);
 }
 extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d104(LegendFused f) {
-    legend_fused_rows_body<13>(f);
+    legend_fused_rows_body<13, 7>(f);
 }
 extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d104(LegendFused f) {
-    legend_fused_negatives_body<13>(f);
+    legend_fused_negatives_body<13, 7>(f);
 }
 extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d128(LegendFused f) {
-    legend_fused_rows_body<16>(f);
+    legend_fused_rows_body<16, 8>(f);
 }
 extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d128(LegendFused f) {
-    legend_fused_negatives_body<16>(f);
+    legend_fused_negatives_body<16, 8>(f);
 }

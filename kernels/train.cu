@@ -71,20 +71,17 @@ extern "C" __global__ void legend_queries(LegendJobs jobs, const float* __restri
     if (lane == 0) pos[(u64)z * jobs.max_rows + r] = dot;
 }
 
-// Copies the negatives of every job of the group into dense k x d blocks, rounded to TF32
-// when `tf32` is set (they then only feed the tensor-core products); TransE's FP32 distances
-// take them as they are.
+// Copies the negatives of every job of the group into dense k x d blocks for the unfused
+// products (which round to TF32 as they load) and TransE's FP32 distances.
 extern "C" __global__ void legend_gather_negatives(const u32* __restrict__ negs, u32 first_job,
                                                    u32 k, u32 dim, const float* __restrict__ emb,
-                                                   float* __restrict__ out, int tf32) {
+                                                   float* __restrict__ out) {
     u32 z = blockIdx.y;
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)k * dim) return;
     u64 j = idx / dim, t = idx % dim;
     u64 id = negs[(u64)(first_job + z) * k + j];
-    // Rounded here, once: the products read these rows many times.
-    float v = emb[id * dim + t];
-    out[(u64)z * k * dim + idx] = tf32 ? __uint_as_float(legend_tf32(v)) : v;
+    out[(u64)z * k * dim + idx] = emb[id * dim + t];
 }
 
 // Rows handled by one block of the loss kernel (8 warps, 4 rows each), so that the loss

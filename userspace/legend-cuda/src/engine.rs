@@ -25,7 +25,7 @@ use legend_model::{
 };
 
 use crate::error::DriverContext;
-use crate::gpu::{FUSED_BLOCK_ROWS, FUSED_TILE, GEMM_SMEM, fused_smem, grid_1d};
+use crate::gpu::{FUSED_BLOCK_ROWS, FUSED_TILE, GEMM_SMEM, fused_dim_pad, fused_smem, grid_1d};
 use crate::{Gpu, GpuError, RowSpan};
 
 /// Operands of one batched product (`LegendGemm` in `kernels/gemm.cu`, field for field).
@@ -79,7 +79,7 @@ unsafe impl DeviceRepr for JobArgs {}
 #[derive(Clone, Copy, Debug)]
 struct FusedArgs {
     query: u64,
-    query_tf32: u64,
+    query_half: u64,
     negs: u64,
     pos: u64,
     grad_pos: u64,
@@ -91,9 +91,9 @@ struct FusedArgs {
     max_rows: u32,
     k: u32,
     dim: u32,
+    dim_pad: u32,
     loss: i32,
     margin: f32,
-    vec: i32,
     row_split: u32,
     atomic: i32,
 }
@@ -450,12 +450,15 @@ pub struct GpuBatchEngine {
     query: CudaSlice<f32>,
     pos: CudaSlice<f32>,
     grad_pos: CudaSlice<f32>,
+    /// The unfused path's dense negatives (FP32, d a row).
     neg_rows: CudaSlice<f32>,
     /// The fused kernels' index in `Kernels::fused` when the rows fit them (d ≤ 128); the
     /// score matrices then stay on chip and `scores` is not used.
     fused: Option<usize>,
-    /// Fused path: the queries rounded to TF32 and each row's loss statistics.
-    query_tf32: CudaSlice<f32>,
+    /// Fused path: the negatives and the queries in FP16 (pairs of values, `dim_pad` values
+    /// a row), and each row's loss statistics.
+    neg_half: CudaSlice<u32>,
+    query_half: CudaSlice<u32>,
     stats: CudaSlice<f32>,
     scores: CudaSlice<f32>,
     grad_query: CudaSlice<f32>,
@@ -531,11 +534,11 @@ impl GpuBatchEngine {
         } else {
             None
         };
-        // Unfused: one score matrix per job of a group.
-        let score_len = if fused.is_some() {
-            1
-        } else {
-            group * max_rows * k
+        // Unfused: one score matrix and the FP32 negatives per job of a group; fused: the
+        // FP16 operands.
+        let (score_len, neg_len, half_len) = match fused {
+            Some(i) => (1, 1, fused_dim_pad(gpu.kernels.fused[i].width) / 2),
+            None => (group * max_rows * k, group * k * d, 0),
         };
         let mut prefix = Vec::with_capacity(degrees.len() + 1);
         prefix.push(0u64);
@@ -565,9 +568,10 @@ impl GpuBatchEngine {
             query: gpu.zeros(group * max_rows * d)?,
             pos: gpu.zeros(group * max_rows)?,
             grad_pos: gpu.zeros(group * max_rows)?,
-            neg_rows: gpu.zeros(group * k * d)?,
+            neg_rows: gpu.zeros(neg_len)?,
             fused,
-            query_tf32: gpu.zeros(group * max_rows * d)?,
+            neg_half: gpu.zeros((group * k * half_len).max(1))?,
+            query_half: gpu.zeros((group * max_rows * half_len).max(1))?,
             stats: gpu.zeros(2 * group * max_rows)?,
             scores: gpu.zeros(score_len)?,
             grad_query: gpu.zeros(group * max_rows * d)?,
@@ -941,27 +945,24 @@ impl GpuBatchEngine {
             self.mark(gpu, "queries")?;
 
             let (g032, k32, d32) = (g0 as u32, k as u32, d as u32);
-            // TransE's distances take the negatives in FP32, the products in TF32.
-            let tf32 = i32::from(self.model.decoder.comparator() == Comparator::Dot);
-            let mut b = s.launch_builder(&kern.gather_negatives);
-            b.arg(&self.negs)
-                .arg(&g032)
-                .arg(&k32)
-                .arg(&d32)
-                .arg(&nodes.emb)
-                .arg(&mut self.neg_rows)
-                .arg(&tf32);
-            let cfg = LaunchConfig {
-                grid_dim: (blocks(k * d, 256), gz, 1),
-                ..warps(0)
-            };
-            // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_rows group·k·d.
-            unsafe { b.launch(cfg) }.during("launching legend_gather_negatives")?;
-            self.mark(gpu, "gather_negatives")?;
-
             if let Some(which) = self.fused {
-                self.fused_products(gpu, which, g0, gz, loss, margin)?;
+                self.fused_products(gpu, which, &nodes.emb, g0, gz)?;
             } else {
+                let mut b = s.launch_builder(&kern.gather_negatives);
+                b.arg(&self.negs)
+                    .arg(&g032)
+                    .arg(&k32)
+                    .arg(&d32)
+                    .arg(&nodes.emb)
+                    .arg(&mut self.neg_rows);
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks(k * d, 256), gz, 1),
+                    ..warps(0)
+                };
+                // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_rows
+                // group·k·d floats.
+                unsafe { b.launch(cfg) }.during("launching legend_gather_negatives")?;
+                self.mark(gpu, "gather_negatives")?;
                 let q = gpu.ptr(&self.query);
                 let nr = gpu.ptr(&self.neg_rows);
                 let sc = gpu.ptr(&self.scores);
@@ -1127,13 +1128,34 @@ impl GpuBatchEngine {
         &mut self,
         gpu: &Gpu,
         which: usize,
+        emb: &CudaSlice<f32>,
         g0: usize,
         gz: u32,
-        loss: i32,
-        margin: f32,
     ) -> Result<(), GpuError> {
         let kernels = &gpu.kernels.fused[which];
+        let (loss, margin) = loss_code(self.model.loss);
         let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
+        let dim_pad = fused_dim_pad(kernels.width);
+        let mut b = gpu
+            .stream()
+            .launch_builder(&gpu.kernels.gather_negatives_half);
+        let (g032, k32, d32, pad32) = (g0 as u32, k as u32, d as u32, dim_pad as u32);
+        b.arg(&self.negs)
+            .arg(&g032)
+            .arg(&k32)
+            .arg(&d32)
+            .arg(&pad32)
+            .arg(emb)
+            .arg(&mut self.neg_half);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(k * dim_pad / 2, 256), gz, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_half holds group × k
+        // rows of dim_pad / 2 pairs.
+        unsafe { b.launch(cfg) }.during("launching legend_gather_negatives_half")?;
+        self.mark(gpu, "gather_negatives")?;
         // Row ranges per job for the negatives kernel, so that enough blocks run; ranges
         // are whole tiles and add up atomically into a cleared buffer.
         let negative_blocks = k.div_ceil(FUSED_BLOCK_ROWS) * gz as usize;
@@ -1142,13 +1164,10 @@ impl GpuBatchEngine {
             .clamp(1, max_rows.div_ceil(FUSED_TILE));
         let row_split = max_rows.div_ceil(ranges).div_ceil(FUSED_TILE) * FUSED_TILE;
         let ranges = max_rows.div_ceil(row_split);
-        let aligned = gpu.ptr(&self.query_tf32).is_multiple_of(16)
-            && gpu.ptr(&self.neg_rows).is_multiple_of(16)
-            && d % 4 == 0;
         let args = FusedArgs {
             query: gpu.ptr(&self.query),
-            query_tf32: gpu.ptr(&self.query_tf32),
-            negs: gpu.ptr(&self.neg_rows),
+            query_half: gpu.ptr(&self.query_half),
+            negs: gpu.ptr(&self.neg_half),
             pos: gpu.ptr(&self.pos),
             grad_pos: gpu.ptr(&self.grad_pos),
             grad_query: gpu.ptr(&self.grad_query),
@@ -1159,9 +1178,9 @@ impl GpuBatchEngine {
             max_rows: max_rows as u32,
             k: k as u32,
             dim: d as u32,
+            dim_pad: dim_pad as u32,
             loss,
             margin,
-            vec: i32::from(aligned),
             row_split: row_split as u32,
             atomic: i32::from(ranges > 1),
         };
@@ -1173,9 +1192,10 @@ impl GpuBatchEngine {
             block_dim: (128, 1, 1),
             shared_mem_bytes: smem,
         };
-        // SAFETY: query/pos hold the group's rows (written by legend_queries), neg_rows its
-        // k × d negatives; query_tf32, grad_query, grad_pos and stats hold group × max_rows
-        // rows, and the kernel touches rows below rows[z] only.
+        // SAFETY: query/pos hold the group's rows (written by legend_queries), neg_half its
+        // k negatives; query_half, grad_query, grad_pos and stats hold group × max_rows rows,
+        // and the kernel touches rows below rows[z] only. Both FP16 buffers are allocations
+        // of their own (16-byte aligned) with rows of dim_pad values (32-byte multiples).
         unsafe { b.launch(cfg) }.during("launching the fused rows kernel")?;
         self.mark(gpu, "fused_rows")?;
         if ranges > 1 {
@@ -1188,7 +1208,7 @@ impl GpuBatchEngine {
             ..cfg
         };
         // SAFETY: as above; grad_negs holds group × k × d floats, and the rows kernel
-        // queued before has written the statistics and rounded queries this one reads.
+        // queued before has written the statistics and FP16 queries this one reads.
         unsafe { b.launch(cfg) }.during("launching the fused negatives kernel")?;
         self.mark(gpu, "fused_negatives")?;
         Ok(())
@@ -1417,13 +1437,17 @@ impl GpuBatchEngine {
             &mut self.pos,
             &mut self.grad_pos,
             &mut self.neg_rows,
-            &mut self.query_tf32,
             &mut self.stats,
             &mut self.scores,
             &mut self.grad_query,
             &mut self.dist,
         ] {
             let nan = vec![f32::NAN; buf.len()];
+            gpu.write(&nan, buf)?;
+        }
+        // Two FP16 NaNs a word.
+        for buf in [&mut self.neg_half, &mut self.query_half] {
+            let nan = vec![0x7e00_7e00u32; buf.len()];
             gpu.write(&nan, buf)?;
         }
         Ok(())

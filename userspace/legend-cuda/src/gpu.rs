@@ -30,6 +30,8 @@ pub(crate) struct Kernels {
     pub(crate) rows_backward: CudaFunction,
     pub(crate) negatives_backward: CudaFunction,
     pub(crate) adagrad: CudaFunction,
+    /// The fused kernels' FP16 copy of the negatives.
+    pub(crate) gather_negatives_half: CudaFunction,
     /// The fused product kernels, narrowest padded width first.
     pub(crate) fused: Vec<FusedKernels>,
 }
@@ -51,11 +53,19 @@ pub(crate) const FUSED_TILE: usize = 64;
 /// Rows (or negatives) a block of the fused kernels owns (`LEGEND_FUSED_BLOCK_ROWS`).
 pub(crate) const FUSED_BLOCK_ROWS: usize = 128;
 
-/// Dynamic shared memory of the fused kernels of padded width `width`: the block's own
-/// 128 rows and two stages of the walked 64-row tile, `width + 4` floats a row, and the
-/// negatives kernel's two stages of 64 row statistics (two floats each).
+/// FP16 values a row of the fused kernels' operands of width `width` holds: the width
+/// rounded up to the 16 of an mma's k step (the `dim_pad` of `LegendFused`).
+pub(crate) fn fused_dim_pad(width: usize) -> usize {
+    width.div_ceil(16) * 16
+}
+
+/// Dynamic shared memory of the fused kernels of width `width`: the block's own 128 rows
+/// and two stages of the walked 64-row tile, `fused_dim_pad(width) + 8` FP16 values a row
+/// (`LegendHalfRows`), and the negatives kernel's two stages of 64 row statistics (two
+/// floats each).
 pub(crate) fn fused_smem(width: usize) -> u32 {
-    ((FUSED_BLOCK_ROWS + 2 * FUSED_TILE) * (width + 4) * 4 + 2 * FUSED_TILE * 8) as u32
+    ((FUSED_BLOCK_ROWS + 2 * FUSED_TILE) * (fused_dim_pad(width) + 8) * 2 + 2 * FUSED_TILE * 8)
+        as u32
 }
 
 /// Dynamic shared memory of the product kernels: `LEGEND_STAGES` (4) stages of a 128-row A
@@ -128,6 +138,7 @@ impl Gpu {
             rows_backward: f("legend_rows_backward")?,
             negatives_backward: f("legend_negatives_backward")?,
             adagrad: f("legend_adagrad")?,
+            gather_negatives_half: f("legend_gather_negatives_half")?,
             fused: FUSED_WIDTHS
                 .iter()
                 .map(|&width| {
