@@ -49,6 +49,14 @@ pub enum GpuError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// A kernel source named by `LEGEND_KERNELS_DIR` could not be read.
+    #[error("kernel source {path} (LEGEND_KERNELS_DIR): {source}")]
+    KernelSource {
+        /// The source file.
+        path: std::path::PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// Arguments of inconsistent shapes.
     #[error("shape mismatch: {0}")]
     Shape(String),

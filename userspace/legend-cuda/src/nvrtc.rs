@@ -50,15 +50,26 @@ pub const KERNEL_NAMES: [&str; 25] = [
 ];
 
 /// The whole program: every source, each preceded by a `#line` marker so that NVRTC's
-/// messages name the original file and line.
-pub fn program_source() -> String {
+/// messages name the original file and line. The sources are the ones built into the
+/// binary, or, when `LEGEND_KERNELS_DIR` names a folder, that folder's files of the same
+/// names: kernel work on a GPU machine that has no Rust toolchain to rebuild with.
+pub fn program_source() -> Result<String, GpuError> {
+    let dir = std::env::var_os("LEGEND_KERNELS_DIR").filter(|d| !d.is_empty());
     let mut src = String::new();
     for (name, text) in KERNEL_SOURCES {
         src.push_str(&format!("#line 1 \"kernels/{name}\"\n"));
-        src.push_str(text);
+        match &dir {
+            Some(dir) => {
+                let path = Path::new(dir).join(name);
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|source| GpuError::KernelSource { path, source })?;
+                src.push_str(&text);
+            }
+            None => src.push_str(text),
+        }
         src.push('\n');
     }
-    src
+    Ok(src)
 }
 
 /// NVRTC options: warnings on, standard C++17, line info for the profilers. No fast math:
@@ -114,7 +125,7 @@ pub fn compile(arch: &str) -> Result<Compiled, GpuError> {
         arch: arch.to_string(),
         message,
     };
-    let src = CString::new(program_source()).map_err(|_| fail("a source holds a NUL".into()))?;
+    let src = CString::new(program_source()?).map_err(|_| fail("a source holds a NUL".into()))?;
     let prog = result::create_program(&src, Some(c"legend_kernels.cu"))
         .map_err(|e| fail(format!("nvrtcCreateProgram: {e:?}")))?;
     // SAFETY: `prog` was just created and is destroyed once, below.
@@ -170,7 +181,7 @@ pub fn cache_dir() -> Option<PathBuf> {
 /// key covers the sources, the options and the NVRTC version, so any change recompiles.
 pub fn cached_ptx(arch: &str) -> Result<String, GpuError> {
     let (major, minor) = nvrtc_version()?;
-    let mut h = fnv1a(program_source().as_bytes(), 0xcbf2_9ce4_8422_2325);
+    let mut h = fnv1a(program_source()?.as_bytes(), 0xcbf2_9ce4_8422_2325);
     h = fnv1a(options(arch).join(" ").as_bytes(), h);
     h = fnv1a(format!("nvrtc {major}.{minor}").as_bytes(), h);
     let path = cache_dir().map(|d| d.join(arch).join(format!("{h:016x}.ptx")));
@@ -200,7 +211,7 @@ mod tests {
 
     #[test]
     fn every_kernel_name_is_defined() {
-        let src = program_source();
+        let src = program_source().unwrap();
         for name in KERNEL_NAMES {
             assert!(
                 src.contains(&format!("void {name}(")) || src.contains(&format!(") {name}(")),
