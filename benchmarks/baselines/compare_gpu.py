@@ -74,7 +74,7 @@ def run_legend(args, log) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     settings = legend_settings(args.epochs, args.negatives, args) + [f'storage.device="{args.device}"']
     r = run_legend_train(args.legendctl, args.dataset, out, settings)
-    log.write(json.dumps(r["epochs"]) + "\n")
+    log.write(f"+ {r['command']}\n{r['log']}{json.dumps(r['epochs'])}\n")
     edges = r["epochs"][0]["edges"]
     exported = out / "export"
     subprocess.run([args.legendctl, "export", str(out), "--format", "npy", "-o", str(exported)],
@@ -203,6 +203,8 @@ def main() -> None:
     for r in rows:
         if "command" in r:
             print(f"  {r['command']}")
+    if any("error" in r for r in rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

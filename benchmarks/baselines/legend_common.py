@@ -136,7 +136,8 @@ def legend_eval(
 
 
 def run_legend_train(legendctl: str, dataset: Path, out: Path, settings: list[str], nice: int = 0) -> dict:
-    """Runs `legendctl train --json`; returns per-epoch records, final metrics, wall seconds, the command."""
+    """Runs `legendctl train --json`; returns per-epoch records, final metrics, wall seconds, the
+    command and its log (stderr)."""
     import time
 
     cmd = [legendctl, "train", "--dataset", str(dataset), "--out", str(out)]
@@ -159,7 +160,7 @@ def run_legend_train(legendctl: str, dataset: Path, out: Path, settings: list[st
             final = rec
         elif "epoch" in rec:
             epochs.append(rec)
-    return {"command": " ".join(cmd), "epochs": epochs, "final": final, "wall_s": wall}
+    return {"command": " ".join(cmd), "epochs": epochs, "final": final, "wall_s": wall, "log": p.stderr}
 
 
 def cpu_model() -> str:
