@@ -8,7 +8,7 @@
 #   here:  scripts/gpu/peers-prepare.sh /path/to/checkout/target-gpu-peers
 #   there: bash target-gpu-peers/scripts/gpu/peers-bench.sh        (carry ["target-gpu-peers"])
 # Installs the carried wheels (PyKEEN) into python3's environment (into /tmp/peers-site when
-# that is read-only), then runs compare_gpu.py. Knobs (environment): EPOCHS (default 10), NEG
+# that is read-only), then runs compare_gpu.py (versions: its output's first lines). Knobs (environment): EPOCHS (default 10), NEG
 # (K, default 1000), BATCH (1000), DATASET (a folder under DIR/data, default wordnet-rr),
 # SYSTEMS (legend,pyg,pyg-k,pykeen), PEER_TIMEOUT (seconds for each peer's training, default
 # 240); extra arguments go to compare_gpu.py. Writes peers.json, peers.log and runs.tgz (every
@@ -26,9 +26,11 @@ if ! python3 -m pip install -q --no-index --no-cache-dir --find-links "$root/whl
         --target /tmp/peers-site "$root"/whl/*.whl || exit 1
     export PYTHONPATH=/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -c 'import torch, torch_geometric, pykeen.version as v
-print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))
-print("torch_geometric", torch_geometric.__version__, "pykeen", v.get_version())' || exit 1
+# Legend's kernels, compiled by NVRTC for this GPU beforehand, if DIR/ptx holds them (copied
+# from a machine's ~/.cache/legend/ptx: the key covers sources, options and NVRTC version, so a
+# stale file is never used); otherwise legendctl compiles them at start (about 25 s).
+[ -d "$root/ptx" ] && mkdir -p "${XDG_CACHE_HOME:-$HOME/.cache}/legend" &&
+    cp -r "$root/ptx" "${XDG_CACHE_HOME:-$HOME/.cache}/legend/"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 status=0
 PYTHONUNBUFFERED=1 python3 "$root/benchmarks/baselines/compare_gpu.py" --legendctl "$root/legendctl" \
