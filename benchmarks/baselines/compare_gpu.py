@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--json-out", type=Path, help="results JSON (rewritten after every row)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--negatives", type=int, default=1000, help="K (all but the pyg row)")
     ap.add_argument("--dim", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=1000)

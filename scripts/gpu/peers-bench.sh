@@ -8,7 +8,7 @@
 #   here:  scripts/gpu/peers-prepare.sh /path/to/checkout/target-gpu-peers
 #   there: bash target-gpu-peers/scripts/gpu/peers-bench.sh        (carry ["target-gpu-peers"])
 # Installs the carried wheels (PyKEEN) into python3's environment (into /tmp/peers-site when
-# that is read-only), then runs compare_gpu.py (versions: its output's first lines). Knobs (environment): EPOCHS (default 10), NEG
+# that is read-only), then runs compare_gpu.py (versions: its output's first lines). Knobs (environment): EPOCHS (default 3), NEG
 # (K, default 1000), BATCH (1000), DATASET (a folder under DIR/data, default wordnet-rr),
 # SYSTEMS (legend,pyg,pyg-k,pykeen), PEER_TIMEOUT (seconds for each peer's training, default
 # 240); extra arguments go to compare_gpu.py. Writes peers.json, peers.log and runs.tgz (every
@@ -35,7 +35,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 status=0
 PYTHONUNBUFFERED=1 python3 "$root/benchmarks/baselines/compare_gpu.py" --legendctl "$root/legendctl" \
     --dataset "$dataset" --work "$work" --json-out "$out/peers.json" \
-    --legend-commit "$(cat "$root/COMMIT" 2>/dev/null)" --epochs "${EPOCHS:-10}" \
+    --legend-commit "$(cat "$root/COMMIT" 2>/dev/null)" --epochs "${EPOCHS:-3}" \
     --negatives "${NEG:-1000}" --batch-size "${BATCH:-1000}" --systems "${SYSTEMS:-legend,pyg,pyg-k,pykeen}" \
     --timeout "${PEER_TIMEOUT:-240}" "$@" 2>&1 | tee "$out/peers.log" || status=1
 tar czf "$out/runs.tgz" -C "$work" --exclude='*.npy' --exclude='*.bin' . 2>/dev/null
