@@ -44,6 +44,29 @@ def write_embeddings(out: Path, entities: np.ndarray, relations: np.ndarray) -> 
     np.save(out / "relations.npy", np.ascontiguousarray(relations, dtype="<f4"))
 
 
+def complex_scores(entities: np.ndarray, relations: np.ndarray, triples: np.ndarray) -> np.ndarray:
+    """Legend's ComplEx score Re(<s, r, conj(d)>) of (src, rel, dst) id rows, in float64, from
+    rows in Legend's [real | imaginary] layout."""
+
+    def as_complex(rows: np.ndarray) -> np.ndarray:
+        half = rows.shape[1] // 2
+        return rows[:, :half].astype(np.float64) + 1j * rows[:, half:].astype(np.float64)
+
+    s = as_complex(entities[triples[:, 0]])
+    r = as_complex(relations[triples[:, 1]])
+    d = as_complex(entities[triples[:, 2]])
+    return np.real((s * r * np.conj(d)).sum(axis=1))
+
+
+def check_export(system: str, theirs: np.ndarray, entities: np.ndarray, relations: np.ndarray,
+                 triples: np.ndarray) -> None:
+    """Exits unless a system's own scores of `triples` equal Legend's ComplEx formula on the
+    exported rows (the check that the conversion to Legend's ids and layout is right)."""
+    ours = complex_scores(entities, relations, triples)
+    if not np.allclose(theirs, ours, rtol=1e-4, atol=1e-6):
+        sys.exit(f"export check failed: {system} {theirs[:4]} vs Legend layout {ours[:4]}")
+
+
 def _fake_run(emb_dir: Path, dataset: Path, decoder: str, reference_run: Path) -> Path:
     """For a legendctl without `eval --embeddings`: wrap the npy files in a run directory
     (run.toml + checkpoint tables, zero AdaGrad state) that `legendctl eval RUN` accepts.
@@ -113,7 +136,8 @@ def legend_eval(
 
 
 def run_legend_train(legendctl: str, dataset: Path, out: Path, settings: list[str], nice: int = 0) -> dict:
-    """Runs `legendctl train --json`; returns per-epoch records, final metrics, wall seconds, the command."""
+    """Runs `legendctl train --json`; returns per-epoch records, final metrics, wall seconds, the
+    command and its log (stderr)."""
     import time
 
     cmd = [legendctl, "train", "--dataset", str(dataset), "--out", str(out)]
@@ -136,7 +160,7 @@ def run_legend_train(legendctl: str, dataset: Path, out: Path, settings: list[st
             final = rec
         elif "epoch" in rec:
             epochs.append(rec)
-    return {"command": " ".join(cmd), "epochs": epochs, "final": final, "wall_s": wall}
+    return {"command": " ".join(cmd), "epochs": epochs, "final": final, "wall_s": wall, "log": p.stderr}
 
 
 def cpu_model() -> str:

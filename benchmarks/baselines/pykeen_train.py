@@ -14,7 +14,9 @@ Settings mirror `legendctl train` as closely as PyKEEN allows:
   * negatives: BasicNegativeSampler, K uniform negatives per positive, drawn independently for
     every positive (no sharing), each positive corrupted on ONE side (PyKEEN corrupts the heads of
     the first half of a batch's negatives and the tails of the second half);
-  * optimizer: torch.optim.Adagrad(lr), elementwise, dense (eps 1e-10).
+  * optimizer: torch.optim.Adagrad(lr), elementwise, dense (eps 1e-10);
+  * --device: cpu (default) or cuda:N (the model and its training on that GPU; PyKEEN's loader
+    still draws the negatives on the CPU); epoch times are taken after the device has finished.
 """
 
 from __future__ import annotations
@@ -25,16 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from legend_common import read_edges, read_tsv_ids, threads_env, write_embeddings  # noqa: E402
-
-
-def dim2complex(rows: np.ndarray) -> np.ndarray:
-    """Legend layout [re | im] -> complex."""
-    half = rows.shape[1] // 2
-    return rows[:, :half].astype(np.float64) + 1j * rows[:, half:].astype(np.float64)
+from legend_common import check_export, read_edges, read_tsv_ids, threads_env, write_embeddings  # noqa: E402
 
 
 def main() -> None:
@@ -49,6 +43,7 @@ def main() -> None:
     ap.add_argument("--init-scale", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda:N")
     ap.add_argument("--limit-edges", type=int, default=0, help="train on the first N edges only (probing)")
     args = ap.parse_args()
 
@@ -93,7 +88,7 @@ def main() -> None:
         regularizer=None,
         loss=CrossEntropyLoss(reduction="mean"),
         random_seed=args.seed,
-    )
+    ).to(args.device)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=args.lr)
     loop = SLCWATrainingLoop(
         model=model,
@@ -101,6 +96,9 @@ def main() -> None:
         optimizer=optimizer,
         negative_sampler="basic",
         negative_sampler_kwargs=dict(num_negs_per_pos=args.negatives),
+        # The batch is given and fits: no probing for sub-batch sizes (on a GPU it would train
+        # trial batches before the first epoch).
+        automatic_memory_optimization=False,
     )
 
     epochs: list[dict] = []
@@ -111,6 +109,8 @@ def main() -> None:
             self.t = time.perf_counter()
 
         def post_epoch(self, epoch: int, epoch_loss: float, **kwargs) -> None:
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
             now = time.perf_counter()
             rec = {
                 "epoch": epoch,
@@ -130,7 +130,7 @@ def main() -> None:
         use_tqdm=False,
         use_tqdm_batch=False,
         callbacks=[EpochLog()],
-        pin_memory=False,
+        pin_memory=model.device.type == "cuda",  # PyKEEN's default on a GPU
     )
     train_s = time.perf_counter() - t0
 
@@ -138,20 +138,16 @@ def main() -> None:
         ent = model.entity_representations[0](indices=None)  # complex (n, d/2)
         rel = model.relation_representations[0](indices=None)
         assert ent.is_complex() and rel.is_complex()
-        ent_np = torch.cat([ent.real, ent.imag], dim=-1).numpy()
-        rel_np = torch.cat([rel.real, rel.imag], dim=-1).numpy()
+        ent_np = torch.cat([ent.real, ent.imag], dim=-1).cpu().numpy()
+        rel_np = torch.cat([rel.real, rel.imag], dim=-1).cpu().numpy()
         # Self-check of the conversion: PyKEEN's own scores == Legend's formula on the exported rows.
-        probe = torch.from_numpy(train[:64])
-        theirs = model.score_hrt(probe).flatten().numpy()
-        h = dim2complex(ent_np[train[:64, 0]])
-        r = dim2complex(rel_np[train[:64, 1]])
-        t = dim2complex(ent_np[train[:64, 2]])
-        ours = np.real((h * r * np.conj(t)).sum(axis=1))
-        if not np.allclose(theirs, ours, rtol=1e-4, atol=1e-6):
-            sys.exit(f"export check failed: PyKEEN {theirs[:4]} vs Legend layout {ours[:4]}")
+        probe = torch.from_numpy(train[:64]).to(model.device)
+        theirs = model.score_hrt(probe).flatten().double().cpu().numpy()
+    check_export("PyKEEN", theirs, ent_np, rel_np, train[:64])
     write_embeddings(args.out, ent_np, rel_np)
+    where = str(model.device) if model.device.type == "cuda" else f"{torch.get_num_threads()} threads"
     summary = {
-        "system": f"PyKEEN {get_version()} (torch {torch.__version__}, {torch.get_num_threads()} threads)",
+        "system": f"PyKEEN {get_version()} (torch {torch.__version__}, {where})",
         "epochs": epochs,
         "train_s": train_s,
         "train_edges": int(len(train)),

@@ -8,11 +8,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=${LEGEND_GPU_BIN:-$root/target-gpu}
 out=${OUT:-$bin/out}
 mkdir -p "$out"
-# NVRTC and the driver: the toolkit's copy first, else the one PyTorch's wheels ship.
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-         $(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null); do
-    [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
-done
+source "$root/scripts/gpu/nvrtc-env.sh"
 echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 status=0

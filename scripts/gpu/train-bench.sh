@@ -20,10 +20,7 @@ out=${OUT:-$bin/out}
 mkdir -p "$out"
 work=${LEGEND_WORK:-/tmp/legend-train-bench}
 rm -rf "$work" && mkdir -p "$work"
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-         $(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null); do
-    [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
-done
+source "$root/scripts/gpu/nvrtc-env.sh"
 ctl=$bin/legendctl
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/hw.txt"

@@ -25,10 +25,7 @@ negatives=${NEGATIVES:-1000}
 device=${DEVICE:-cuda:0}
 mkdir -p "$out"
 rm -rf "$data" "$work" && mkdir -p "$work"
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-         $(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null); do
-    [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
-done
+source "$root/scripts/gpu/nvrtc-env.sh"
 ctl=$bin/legendctl
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
