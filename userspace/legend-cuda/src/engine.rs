@@ -25,7 +25,9 @@ use legend_model::{
 };
 
 use crate::error::DriverContext;
-use crate::gpu::{FUSED_BLOCK_ROWS, FUSED_TILE, GEMM_SMEM, fused_dim_pad, fused_smem, grid_1d};
+use crate::gpu::{
+    FUSED_BLOCK_ROWS, FUSED_THREADS, FUSED_TILE, GEMM_SMEM, fused_dim_pad, fused_smem, grid_1d,
+};
 use crate::{Gpu, GpuError, RowSpan};
 
 /// Operands of one batched product (`LegendGemm` in `kernels/gemm.cu`, field for field).
@@ -1189,7 +1191,7 @@ impl GpuBatchEngine {
         b.arg(&args);
         let cfg = LaunchConfig {
             grid_dim: (blocks(max_rows, FUSED_BLOCK_ROWS), gz, 1),
-            block_dim: (128, 1, 1),
+            block_dim: (FUSED_THREADS, 1, 1),
             shared_mem_bytes: smem,
         };
         // SAFETY: query/pos hold the group's rows (written by legend_queries), neg_half its

@@ -53,6 +53,9 @@ pub(crate) const FUSED_TILE: usize = 64;
 /// Rows (or negatives) a block of the fused kernels owns (`LEGEND_FUSED_BLOCK_ROWS`).
 pub(crate) const FUSED_BLOCK_ROWS: usize = 128;
 
+/// Threads a block of the fused kernels (32 × `LEGEND_FUSED_WARPS`).
+pub(crate) const FUSED_THREADS: u32 = 128;
+
 /// FP16 values a row of the fused kernels' operands of width `width` holds: the width
 /// rounded up to the 16 of an mma's k step (the `dim_pad` of `LegendFused`).
 pub(crate) fn fused_dim_pad(width: usize) -> usize {
