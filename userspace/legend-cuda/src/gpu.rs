@@ -54,7 +54,7 @@ pub(crate) const FUSED_TILE: usize = 64;
 pub(crate) const FUSED_BLOCK_ROWS: usize = 128;
 
 /// Threads a block of the fused kernels (32 × `LEGEND_FUSED_WARPS`).
-pub(crate) const FUSED_THREADS: u32 = 128;
+pub(crate) const FUSED_THREADS: u32 = 256;
 
 /// FP16 values a row of the fused kernels' operands of width `width` holds: the width
 /// rounded up to the 16 of an mma's k step (the `dim_pad` of `LegendFused`).
