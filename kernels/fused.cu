@@ -14,8 +14,12 @@
 // The products take FP16 operands and accumulate in FP32 (mma m16n8k16). FP16 keeps the
 // 10-bit significand of TF32, so the rounding error is TF32's, while a k16 step does twice
 // the work of TF32's k8 step for the same instruction and half the shared-memory bytes
-// (the benchmark batch: 2.50 -> 1.95 ms on an H100). The operands are small (embeddings,
-// their products, probabilities in [0, 1]); conversions saturate at FP16's largest value.
+// (the benchmark batch: 2.50 -> 1.95 ms on an H100). FP16's range is narrow, so each job's
+// queries and negatives are scaled by a power of two that puts their largest magnitude just
+// under FP16's largest value (legend_fused_absmax, legend_fp16_scale): at the usual
+// initialisation (1e-3) the queries of ComplEx and DistMult are near 1e-6, FP16 subnormals
+// that would keep 3-4 of their bits. Scores and gradients are unscaled in FP32; G (a
+// probability, a weighted sigmoid or an indicator) needs no scale.
 //
 // The block's own operand sits in shared memory for the whole walk, the walked one comes
 // through shared memory in two cp.async stages of 64 rows, and fragments are loaded with
@@ -42,6 +46,9 @@ struct LegendFused {
     float* grad_negs;     // group x k x dim: sum over i of G_ij q_i
     float2* stats;        // group x max_rows: softmax (max, 1 / sum), else (pos, 0)
     const u32* rows;      // rows of each job of the group
+    // Per job: the largest magnitude of its queries and of its negatives, as float bits
+    // (legend_fused_absmax), from which both operands get their FP16 scales.
+    const u32* absmax;
     double* loss_sum;
     u32 max_rows;
     u32 k;
@@ -104,6 +111,49 @@ struct LegendHalfRows {
     static constexpr u32 BYTES = 4 * WORDS;
 };
 
+// The power of two that brings a matrix whose largest magnitude has the float bits
+// `max_bits` into [2^14, 2^15), FP16's top octave: products of embeddings (1e-6 and less
+// at the usual initialisation) would otherwise fall into FP16's subnormals and lose their
+// digits. Clamped to 2^±60, so that the product of two scales and its inverse stay normal
+// floats; 1 for a zero (or non-finite) matrix.
+__device__ __forceinline__ float legend_fp16_scale(u32 max_bits) {
+    int e = (int)((max_bits >> 23) & 0xffu);
+    if (e == 0 || e == 255) return 1.0f;
+    int s = max(-60, min(60, 14 - (e - 127)));
+    return __int_as_float((s + 127) << 23);
+}
+
+// Largest magnitude of each job's queries (its rows[z] rows) and negatives (rows of `emb`
+// by id), as float bits into absmax[2z] and absmax[2z + 1] (cleared before): non-negative
+// floats order like their bits. A warp a row, the job's rows spread over the blockIdx.x.
+extern "C" __global__ void legend_fused_absmax(const float* __restrict__ query,
+                                               const u32* __restrict__ rows, u32 max_rows,
+                                               u32 dim, const u32* __restrict__ negs,
+                                               u32 first_job, u32 k,
+                                               const float* __restrict__ emb,
+                                               u32* __restrict__ absmax) {
+    u32 z = blockIdx.y, lane = threadIdx.x & 31;
+    u32 nq = rows[z], warps = gridDim.x * (blockDim.x >> 5);
+    const float* q = query + (u64)z * max_rows * dim;
+    const u32* ids = negs + (u64)(first_job + z) * k;
+    float mq = 0.0f, mn = 0.0f;
+    for (u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < nq + k; r += warps) {
+        const float* row = r < nq ? q + (u64)r * dim : emb + (u64)ids[r - nq] * dim;
+        float m = 0.0f;
+        for (u32 c = lane; c < dim; c += 32) m = fmaxf(m, fabsf(row[c]));
+        if (r < nq) mq = fmaxf(mq, m);
+        else mn = fmaxf(mn, m);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        mq = fmaxf(mq, __shfl_xor_sync(0xffffffffu, mq, o));
+        mn = fmaxf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+    }
+    if (lane == 0) {
+        atomicMax(&absmax[2 * z], __float_as_uint(mq));
+        atomicMax(&absmax[2 * z + 1], __float_as_uint(mn));
+    }
+}
+
 // Queues the copy of rows [r0, r0 + TILE) of a matrix of 16·KS halves a row (already
 // zero-padded) into a tile of LegendHalfRows<KS>; rows at or past `rlim` become zeros.
 template <int KS>
@@ -119,21 +169,24 @@ __device__ __forceinline__ void legend_fused_tile(const u32* P, u32 r0, u32 rlim
     }
 }
 
-// The negatives of jobs first_job.. in FP16, dim_pad halves a row (zeros past dim): the
-// fused kernels' operand, read many times, so converted once here.
+// The negatives of jobs first_job.. in FP16, dim_pad halves a row (zeros past dim), scaled
+// by their job's power of two: the fused kernels' operand, read many times, so converted
+// once here.
 extern "C" __global__ void legend_gather_negatives_half(const u32* __restrict__ negs,
                                                         u32 first_job, u32 k, u32 dim,
                                                         u32 dim_pad,
                                                         const float* __restrict__ emb,
+                                                        const u32* __restrict__ absmax,
                                                         u32* __restrict__ out) {
     u32 z = blockIdx.y, pairs = dim_pad / 2;
+    float scale = legend_fp16_scale(absmax[2 * z + 1]);
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)k * pairs) return;
     u64 j = idx / pairs;
     u32 c = 2 * (u32)(idx % pairs);
     const float* row = emb + (u64)negs[(u64)(first_job + z) * k + j] * dim;
     out[(u64)z * k * pairs + idx] =
-        legend_half2(c < dim ? row[c] : 0.0f, c + 1 < dim ? row[c + 1] : 0.0f);
+        legend_half2(c < dim ? row[c] * scale : 0.0f, c + 1 < dim ? row[c + 1] * scale : 0.0f);
 }
 
 // G of one score: softmax probability from the row's (max, 1 / sum), the logistic loss's
@@ -193,6 +246,16 @@ __device__ __forceinline__ void legend_fused_scores(u32 sa, int row0, u32 sb, in
             }
         }
     }
+}
+
+// The scores of a tile in true units (the operands came scaled).
+__device__ __forceinline__ void legend_fused_unscale(float (&s)[LEGEND_FUSED_MT][8][4], float by) {
+#pragma unroll
+    for (int m = 0; m < LEGEND_FUSED_MT; ++m)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) s[m][j][q] *= by;
 }
 
 // acc[m] += G(tile m, as left in s) · (the walked tile): the accumulators of column blocks
@@ -255,14 +318,19 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     u32 sa_at = (u32)__cvta_generic_to_shared(legend_fused_smem);
     u32 sb_at = (u32)__cvta_generic_to_shared(sb0);
 
-    // The block's queries, converted once into shared memory; the FP16 copy in device memory
-    // is what the negatives kernel reads.
+    // Operand scales: S comes out scaled by both, dQ by the negatives'.
+    float q_scale = legend_fp16_scale(f.absmax[2 * z]);
+    float n_scale = legend_fp16_scale(f.absmax[2 * z + 1]);
+    float s_unscale = 1.0f / (q_scale * n_scale);
+    // The block's queries, scaled and converted once into shared memory; the FP16 copy in
+    // device memory is what the negatives kernel reads.
     for (int e = threadIdx.x; e < BR * 8 * KS; e += 32 * LEGEND_FUSED_WARPS) {
         int i = e / (8 * KS), c = 2 * (e % (8 * KS));
         u32 r = r_block + i;
         bool ok = r < nrows;
         const float* q = f.query + (base + r) * dim;
-        u32 v = legend_half2(ok && (u32)c < dim ? q[c] : 0.0f, ok && (u32)c + 1 < dim ? q[c + 1] : 0.0f);
+        u32 v = legend_half2(ok && (u32)c < dim ? q[c] * q_scale : 0.0f,
+                             ok && (u32)c + 1 < dim ? q[c + 1] * q_scale : 0.0f);
         legend_fused_smem[i * SW + c / 2] = v;
         if (ok) f.query_half[(base + r) * (f.dim_pad / 2) + c / 2] = v;
     }
@@ -305,6 +373,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
         u32 sn = sb_at + (it & 1) * T * LegendHalfRows<KS>::BYTES;
         float s[MT][8][4];
         legend_fused_scores<KS>(sa_at, row0, sn, lane, s);
+        legend_fused_unscale(s, s_unscale);
         u32 n0 = it * T + 2 * t;
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
@@ -412,7 +481,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
                 u32 c = 8 * n + 2 * t + (q & 1);
                 if ((hi ? vb[m] : va[m]) && c < dim)
                     f.grad_query[(base + (hi ? rb : ra[m])) * dim + c] =
-                        acc[m][n][q] * (hi ? scale_b : scale_a);
+                        acc[m][n][q] * (hi ? scale_b : scale_a) / n_scale;
             }
         if (t == 0) {
             if (va[m]) {
@@ -472,6 +541,9 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
             for (int q = 0; q < 4; ++q) acc[m][n][q] = 0.0f;
     u64 base = (u64)z * f.max_rows;
     const u32* Q = f.query_half + base * pairs;
+    // S comes out scaled by both operands' scales, dN by the queries'.
+    float q_scale = legend_fp16_scale(f.absmax[2 * z]);
+    float s_unscale = 1.0f / (q_scale * legend_fp16_scale(f.absmax[2 * z + 1]));
     const float2* stats = f.stats + base;
     float w = 1.0f / (float)k;
     int tiles = (rend - rbeg + T - 1) / T;
@@ -498,6 +570,7 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
         const float2* st = sstats + (it & 1) * T;
         float s[MT][8][4];
         legend_fused_scores<KS>(sa_at, row0, sq, lane, s);
+        legend_fused_unscale(s, s_unscale);
         u32 i0 = rbeg + it * T + 2 * t;
 #pragma unroll
         for (int m = 0; m < MT; ++m)
@@ -524,8 +597,9 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
                 u32 c = 8 * n + 2 * t + (q & 1);
                 if ((hi ? jb : ja) < k && c < dim) {
                     float* to = &out[(u64)(hi ? jb : ja) * dim + c];
-                    if (f.atomic) atomicAdd(to, acc[m][n][q]);
-                    else *to = acc[m][n][q];
+                    float v = acc[m][n][q] / q_scale;
+                    if (f.atomic) atomicAdd(to, v);
+                    else *to = v;
                 }
             }
     }

@@ -89,6 +89,7 @@ struct FusedArgs {
     grad_negs: u64,
     stats: u64,
     rows: u64,
+    absmax: u64,
     loss_sum: u64,
     max_rows: u32,
     k: u32,
@@ -100,13 +101,17 @@ struct FusedArgs {
     atomic: i32,
 }
 
-// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (ten pointers, then eight
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (eleven pointers, then eight
 // 4-byte fields: no padding).
 unsafe impl DeviceRepr for FusedArgs {}
 
 /// Blocks the fused negatives kernel aims at (about eight per multiprocessor of an H100, so
 /// that the last wave is short): the rows of a job are split into ranges to get there.
 const FUSED_BLOCKS: usize = 1024;
+
+/// Blocks a job of `legend_fused_absmax` (eight warps each, a warp a row): 64 blocks of
+/// each of a group's 20 jobs give the benchmark batch about ten per multiprocessor.
+const FUSED_ABSMAX_BLOCKS: u32 = 64;
 
 /// Output tile edge of the product kernels.
 const TILE: usize = 128;
@@ -461,6 +466,9 @@ pub struct GpuBatchEngine {
     /// a row), and each row's loss statistics.
     neg_half: CudaSlice<u32>,
     query_half: CudaSlice<u32>,
+    /// Fused path: each job's largest query and negative magnitudes (float bits), which
+    /// give the FP16 operands their power-of-two scales.
+    absmax: CudaSlice<u32>,
     stats: CudaSlice<f32>,
     scores: CudaSlice<f32>,
     grad_query: CudaSlice<f32>,
@@ -574,6 +582,7 @@ impl GpuBatchEngine {
             fused,
             neg_half: gpu.zeros((group * k * half_len).max(1))?,
             query_half: gpu.zeros((group * max_rows * half_len).max(1))?,
+            absmax: gpu.zeros(2 * group)?,
             stats: gpu.zeros(2 * group * max_rows)?,
             scores: gpu.zeros(score_len)?,
             grad_query: gpu.zeros(group * max_rows * d)?,
@@ -1138,16 +1147,37 @@ impl GpuBatchEngine {
         let (loss, margin) = loss_code(self.model.loss);
         let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
         let dim_pad = fused_dim_pad(kernels.width);
+        let (g032, k32, d32, pad32) = (g0 as u32, k as u32, d as u32, dim_pad as u32);
+        let (rows, mr32) = (gpu.ptr(&self.rows) + 4 * g0 as u64, max_rows as u32);
+        gpu.clear(&mut self.absmax)?;
+        let mut b = gpu.stream().launch_builder(&gpu.kernels.fused_absmax);
+        b.arg(&self.query)
+            .arg(&rows)
+            .arg(&mr32)
+            .arg(&d32)
+            .arg(&self.negs)
+            .arg(&g032)
+            .arg(&k32)
+            .arg(emb)
+            .arg(&mut self.absmax);
+        let cfg = LaunchConfig {
+            grid_dim: (FUSED_ABSMAX_BLOCKS, gz, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: query holds the group's rows (rows[z] of them written by legend_queries),
+        // negs 2·chunks·k ids below the table's rows, absmax two words a job of the group.
+        unsafe { b.launch(cfg) }.during("launching legend_fused_absmax")?;
         let mut b = gpu
             .stream()
             .launch_builder(&gpu.kernels.gather_negatives_half);
-        let (g032, k32, d32, pad32) = (g0 as u32, k as u32, d as u32, dim_pad as u32);
         b.arg(&self.negs)
             .arg(&g032)
             .arg(&k32)
             .arg(&d32)
             .arg(&pad32)
             .arg(emb)
+            .arg(&self.absmax)
             .arg(&mut self.neg_half);
         let cfg = LaunchConfig {
             grid_dim: (blocks(k * dim_pad / 2, 256), gz, 1),
@@ -1175,9 +1205,10 @@ impl GpuBatchEngine {
             grad_query: gpu.ptr(&self.grad_query),
             grad_negs: gpu.ptr(&self.grad_negs),
             stats: gpu.ptr(&self.stats),
-            rows: gpu.ptr(&self.rows) + 4 * g0 as u64,
+            rows,
+            absmax: gpu.ptr(&self.absmax),
             loss_sum: gpu.ptr(&self.loss_sum),
-            max_rows: max_rows as u32,
+            max_rows: mr32,
             k: k as u32,
             dim: d as u32,
             dim_pad: dim_pad as u32,

@@ -30,7 +30,8 @@ pub(crate) struct Kernels {
     pub(crate) rows_backward: CudaFunction,
     pub(crate) negatives_backward: CudaFunction,
     pub(crate) adagrad: CudaFunction,
-    /// The fused kernels' FP16 copy of the negatives.
+    /// The fused kernels' operand scales and FP16 copy of the negatives.
+    pub(crate) fused_absmax: CudaFunction,
     pub(crate) gather_negatives_half: CudaFunction,
     /// The fused product kernels, narrowest padded width first.
     pub(crate) fused: Vec<FusedKernels>,
@@ -141,6 +142,7 @@ impl Gpu {
             rows_backward: f("legend_rows_backward")?,
             negatives_backward: f("legend_negatives_backward")?,
             adagrad: f("legend_adagrad")?,
+            fused_absmax: f("legend_fused_absmax")?,
             gather_negatives_half: f("legend_gather_negatives_half")?,
             fused: FUSED_WIDTHS
                 .iter()
