@@ -110,6 +110,20 @@ def _fake_run(emb_dir: Path, dataset: Path, decoder: str, reference_run: Path) -
     return run
 
 
+def write_summary(out: Path, system: str, epochs: list[dict], train_s: float, train_edges: int,
+                  settings: dict) -> None:
+    """`train.json` of a baseline's run, then the final JSON line its driver waits for."""
+    summary = {
+        "system": system,
+        "epochs": epochs,
+        "train_s": train_s,
+        "train_edges": train_edges,
+        "settings": settings,
+    }
+    (out / "train.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({"final": True, "train_s": train_s}), flush=True)
+
+
 def legend_eval(
     legendctl: str,
     dataset: Path,

@@ -29,7 +29,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from legend_common import check_export, read_edges, read_tsv_ids, write_embeddings  # noqa: E402
+from legend_common import (  # noqa: E402
+    check_export,
+    read_edges,
+    read_tsv_ids,
+    write_embeddings,
+    write_summary,
+)
 
 
 def main() -> None:
@@ -118,15 +124,8 @@ def main() -> None:
     check_export("PyG", theirs, ent, rels, train[:64])
     write_embeddings(args.out, ent, rels)
     loss_name = "model.loss (1 corruption, BCE)" if k == 0 else f"forward, {k} negatives, softmax CE"
-    summary = {
-        "system": f"PyG {torch_geometric.__version__} kge.ComplEx, {loss_name} (torch {torch.__version__}, {device})",
-        "epochs": epochs,
-        "train_s": train_s,
-        "train_edges": int(len(train)),
-        "settings": vars(args) | {"dataset": str(args.dataset), "out": str(args.out)},
-    }
-    (args.out / "train.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps({"final": True, "train_s": train_s}), flush=True)
+    settings = vars(args) | {"dataset": str(args.dataset), "out": str(args.out)}
+    write_summary(args.out, f"PyG {torch_geometric.__version__} kge.ComplEx, {loss_name} (torch {torch.__version__}, {device})", epochs, train_s, int(len(train)), settings)
 
 
 if __name__ == "__main__":

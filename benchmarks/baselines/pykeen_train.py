@@ -28,7 +28,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from legend_common import check_export, read_edges, read_tsv_ids, threads_env, write_embeddings  # noqa: E402
+from legend_common import (  # noqa: E402
+    check_export,
+    read_edges,
+    read_tsv_ids,
+    threads_env,
+    write_embeddings,
+    write_summary,
+)
 
 
 def main() -> None:
@@ -146,15 +153,8 @@ def main() -> None:
     check_export("PyKEEN", theirs, ent_np, rel_np, train[:64])
     write_embeddings(args.out, ent_np, rel_np)
     where = str(model.device) if model.device.type == "cuda" else f"{torch.get_num_threads()} threads"
-    summary = {
-        "system": f"PyKEEN {get_version()} (torch {torch.__version__}, {where})",
-        "epochs": epochs,
-        "train_s": train_s,
-        "train_edges": int(len(train)),
-        "settings": vars(args) | {"dataset": str(args.dataset), "out": str(args.out)},
-    }
-    (args.out / "train.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps({"final": True, "train_s": train_s}), flush=True)
+    settings = vars(args) | {"dataset": str(args.dataset), "out": str(args.out)}
+    write_summary(args.out, f"PyKEEN {get_version()} (torch {torch.__version__}, {where})", epochs, train_s, int(len(train)), settings)
 
 
 if __name__ == "__main__":
