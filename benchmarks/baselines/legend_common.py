@@ -7,6 +7,7 @@ Re(<s, r, conj(d)>). Row i of entities.npy is the entity with Legend id i (DS/en
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -108,6 +109,23 @@ def _fake_run(emb_dir: Path, dataset: Path, decoder: str, reference_run: Path) -
         f"relations_state = {crc['relations.state.bin']}\n"
     )
     return run
+
+
+def baseline_arguments(doc: str, negatives: int, negatives_help: str, device: str) -> argparse.ArgumentParser:
+    """The options every baseline trainer takes (Legend's dataset, settings, output)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", type=Path, required=True, help="Legend dataset dir (legendctl import)")
+    ap.add_argument("--out", type=Path, required=True, help="output dir: entities.npy, relations.npy, train.json")
+    ap.add_argument("--dim", type=int, default=200, help="real floats per row (Legend's model.dim)")
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=1000)
+    ap.add_argument("--negatives", type=int, default=negatives, help=negatives_help)
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--init-scale", type=float, default=1e-3)
+    ap.add_argument("--device", default=device, help="cpu or cuda:N")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--limit-edges", type=int, default=0, help="train on the first N edges only (probing)")
+    return ap
 
 
 def write_summary(out: Path, system: str, epochs: list[dict], train_s: float, train_edges: int,

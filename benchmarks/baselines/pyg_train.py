@@ -22,7 +22,6 @@ init is Xavier-uniform: replaced), torch.optim.Adagrad(lr) on dense embeddings (
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from legend_common import (  # noqa: E402
+    baseline_arguments,
     check_export,
     read_edges,
     read_tsv_ids,
@@ -39,19 +39,9 @@ from legend_common import (  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dataset", type=Path, required=True, help="Legend dataset dir (legendctl import)")
-    ap.add_argument("--out", type=Path, required=True, help="output dir: entities.npy, relations.npy, train.json")
-    ap.add_argument("--dim", type=int, default=200, help="real floats per row (Legend's model.dim)")
-    ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--batch-size", type=int, default=1000)
-    ap.add_argument("--negatives", type=int, default=0,
-                    help="0: PyG's model.loss (1 corruption, BCE); K: K negatives per positive, softmax CE")
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--init-scale", type=float, default=1e-3)
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--limit-edges", type=int, default=0, help="train on the first N edges only (probing)")
+    ap = baseline_arguments(
+        __doc__, 0, "0: PyG's model.loss (1 corruption, BCE); K: K negatives per positive, softmax CE", "cuda:0"
+    )
     args = ap.parse_args()
 
     import torch

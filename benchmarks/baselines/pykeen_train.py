@@ -21,7 +21,6 @@ Settings mirror `legendctl train` as closely as PyKEEN allows:
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from legend_common import (  # noqa: E402
+    baseline_arguments,
     check_export,
     read_edges,
     read_tsv_ids,
@@ -39,19 +39,8 @@ from legend_common import (  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dataset", type=Path, required=True, help="Legend dataset dir (legendctl import)")
-    ap.add_argument("--out", type=Path, required=True, help="output dir: entities.npy, relations.npy, train.json")
-    ap.add_argument("--dim", type=int, default=200, help="real floats per row (Legend's model.dim)")
-    ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--batch-size", type=int, default=1000)
-    ap.add_argument("--negatives", type=int, default=1000, help="negatives per positive")
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--init-scale", type=float, default=1e-3)
+    ap = baseline_arguments(__doc__, 1000, "negatives per positive", "cpu")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    ap.add_argument("--limit-edges", type=int, default=0, help="train on the first N edges only (probing)")
     args = ap.parse_args()
 
     threads_env(args.threads)
