@@ -111,6 +111,7 @@ fn sampling_matches_the_cpu_sampler() {
     }
 }
 
+#[derive(Clone, Copy)]
 struct Case {
     decoder: Decoder,
     loss: Loss,
@@ -340,28 +341,22 @@ fn check_step(gpu: &Gpu, case: &Case, s: u64) {
 fn training_step_matches_the_cpu_engine() {
     let Some(gpu) = gpu() else { return };
     let s = seed("step");
+    let complex = Case {
+        decoder: Decoder::ComplEx,
+        loss: Loss::SoftmaxCe,
+        dim: 100,
+        batch: 3001,
+        chunks: 3,
+        k: 260,
+        group: 2,
+        exact: false,
+        scale: 1.0,
+    };
     let cases = [
+        complex,
         Case {
-            decoder: Decoder::ComplEx,
-            loss: Loss::SoftmaxCe,
-            dim: 100,
-            batch: 3001,
-            chunks: 3,
-            k: 260,
-            group: 2,
-            exact: false,
-            scale: 1.0,
-        },
-        Case {
-            decoder: Decoder::ComplEx,
-            loss: Loss::SoftmaxCe,
-            dim: 100,
-            batch: 3001,
-            chunks: 3,
-            k: 260,
-            group: 2,
-            exact: false,
             scale: 4e-3,
+            ..complex
         },
         Case {
             decoder: Decoder::Dot,
