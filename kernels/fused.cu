@@ -16,9 +16,9 @@
 // the work of TF32's k8 step for the same instruction and half the shared-memory bytes
 // (the benchmark batch: 2.50 -> 1.95 ms on an H100). FP16's range is narrow, so each job's
 // queries and negatives are scaled by a power of two that puts their largest magnitude just
-// under FP16's largest value (legend_fused_absmax, legend_fp16_scale): at the usual
-// initialisation (1e-3) the queries of ComplEx and DistMult are near 1e-6, FP16 subnormals
-// that would keep 3-4 of their bits. Scores and gradients are unscaled in FP32; G (a
+// under FP16's largest value (maxima from legend_queries and legend_fused_absmax, scales
+// from legend_fp16_scale): at the usual initialisation (1e-3) the queries of ComplEx and
+// DistMult are near 1e-6, FP16 subnormals that would keep 3-4 of their bits. Scores and gradients are unscaled in FP32; G (a
 // probability, a weighted sigmoid or an indicator) needs no scale.
 //
 // The block's own operand sits in shared memory for the whole walk, the walked one comes
@@ -123,35 +123,22 @@ __device__ __forceinline__ float legend_fp16_scale(u32 max_bits) {
     return __int_as_float((s + 127) << 23);
 }
 
-// Largest magnitude of each job's queries (its rows[z] rows) and negatives (rows of `emb`
-// by id), as float bits into absmax[2z] and absmax[2z + 1] (cleared before): non-negative
-// floats order like their bits. A warp a row, the job's rows spread over the blockIdx.x.
-extern "C" __global__ void legend_fused_absmax(const float* __restrict__ query,
-                                               const u32* __restrict__ rows, u32 max_rows,
-                                               u32 dim, const u32* __restrict__ negs,
-                                               u32 first_job, u32 k,
-                                               const float* __restrict__ emb,
+// Largest magnitude of each job's negatives (rows of `emb` by id), as float bits into
+// absmax[2z + 1] (cleared before legend_queries, which fills absmax[2z]): non-negative floats
+// order like their bits. A warp a row, the job's negatives spread over the blockIdx.x.
+extern "C" __global__ void legend_fused_absmax(const u32* __restrict__ negs, u32 first_job,
+                                               u32 k, u32 dim, const float* __restrict__ emb,
                                                u32* __restrict__ absmax) {
-    u32 z = blockIdx.y, lane = threadIdx.x & 31;
-    u32 nq = rows[z], warps = gridDim.x * (blockDim.x >> 5);
-    const float* q = query + (u64)z * max_rows * dim;
+    u32 z = blockIdx.y, lane = threadIdx.x & 31, warps = gridDim.x * (blockDim.x >> 5);
     const u32* ids = negs + (u64)(first_job + z) * k;
-    float mq = 0.0f, mn = 0.0f;
-    for (u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < nq + k; r += warps) {
-        const float* row = r < nq ? q + (u64)r * dim : emb + (u64)ids[r - nq] * dim;
-        float m = 0.0f;
-        for (u32 c = lane; c < dim; c += 32) m = fmaxf(m, fabsf(row[c]));
-        if (r < nq) mq = fmaxf(mq, m);
-        else mn = fmaxf(mn, m);
+    float largest = 0.0f;
+    for (u32 j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); j < k; j += warps) {
+        const float* row = emb + (u64)ids[j] * dim;
+        for (u32 c = lane; c < dim; c += 32) largest = fmaxf(largest, fabsf(row[c]));
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        mq = fmaxf(mq, __shfl_xor_sync(0xffffffffu, mq, o));
-        mn = fmaxf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
-    }
-    if (lane == 0) {
-        atomicMax(&absmax[2 * z], __float_as_uint(mq));
-        atomicMax(&absmax[2 * z + 1], __float_as_uint(mn));
-    }
+    for (int o = 16; o > 0; o >>= 1)
+        largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
+    if (lane == 0) atomicMax(&absmax[2 * z + 1], __float_as_uint(largest));
 }
 
 // Queues the copy of rows [r0, r0 + TILE) of a matrix of 16·KS halves a row (already

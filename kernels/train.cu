@@ -13,21 +13,21 @@ struct LegendJobs {
     const u32* edges;
     const u32* row0;
     const u32* rows;
+    // Fused path: legend_queries adds each job's largest query magnitude (float bits) into
+    // absmax[2z] (see kernels/fused.cu); null otherwise.
+    u32* absmax;
     u32 first_job;
     u32 max_rows;
     u32 dim;
     int decoder;
 };
 
-// Queries of every row of the group (q = op(anchor, relation)) and the positive scores
-// pos = <q, true candidate> (TransE: -||q - true candidate||).
-extern "C" __global__ void legend_queries(LegendJobs jobs, const float* __restrict__ emb,
-                                          const float* __restrict__ rel,
-                                          float* __restrict__ query, float* __restrict__ pos) {
-    u32 z = blockIdx.y;
-    u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    u32 lane = threadIdx.x & 31;
-    if (r >= jobs.rows[z]) return;
+// Query of row r of job z (q = op(anchor, relation)) and its positive score
+// pos = <q, true candidate> (TransE: -||q - true candidate||), by one warp. Returns the
+// row's largest query magnitude (0 for TransE, whose queries need no FP16 scale).
+__device__ float legend_query_row(const LegendJobs& jobs, const float* __restrict__ emb,
+                                  const float* __restrict__ rel, float* __restrict__ query,
+                                  float* __restrict__ pos, u32 z, u32 r, u32 lane) {
     u32 side = (jobs.first_job + z) & 1;
     const u32* e = jobs.edges + 3ull * (jobs.row0[z] + r);
     u64 anchor = side ? e[0] : e[2];
@@ -40,9 +40,9 @@ extern "C" __global__ void legend_queries(LegendJobs jobs, const float* __restri
     if (jobs.decoder >= LEGEND_TRANSE_L1) {
         legend_transe_query(jobs.decoder == LEGEND_TRANSE_L2, side, a, w, t, q, d, lane,
                             pos + (u64)z * jobs.max_rows + r);
-        return;
+        return 0.0f;
     }
-    float dot = 0.0f;
+    float dot = 0.0f, largest = 0.0f;
     if (jobs.decoder == LEGEND_COMPLEX) {
         u32 h = d / 2;
         for (u32 k = lane; k < h; k += 32) {
@@ -58,17 +58,43 @@ extern "C" __global__ void legend_queries(LegendJobs jobs, const float* __restri
             q[k] = qre;
             q[k + h] = qim;
             dot += qre * t[k] + qim * t[k + h];
+            largest = fmaxf(largest, fmaxf(fabsf(qre), fabsf(qim)));
         }
     } else {
         for (u32 k = lane; k < d; k += 32) {
             float v = jobs.decoder == LEGEND_DISTMULT ? a[k] * w[k] : a[k];
             q[k] = v;
             dot += v * t[k];
+            largest = fmaxf(largest, fabsf(v));
         }
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    for (int o = 16; o > 0; o >>= 1) {
+        dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
+    }
     if (lane == 0) pos[(u64)z * jobs.max_rows + r] = dot;
+    return largest;
+}
+
+// Queries and positive scores of every row of the group, a warp a row; with jobs.absmax,
+// each job's largest query magnitude too (one atomic a block).
+extern "C" __global__ void legend_queries(LegendJobs jobs, const float* __restrict__ emb,
+                                          const float* __restrict__ rel,
+                                          float* __restrict__ query, float* __restrict__ pos) {
+    __shared__ u32 block_largest;
+    if (threadIdx.x == 0) block_largest = 0u;
+    __syncthreads();
+    u32 z = blockIdx.y;
+    u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    u32 lane = threadIdx.x & 31;
+    if (r < jobs.rows[z]) {
+        float largest = legend_query_row(jobs, emb, rel, query, pos, z, r, lane);
+        if (lane == 0 && jobs.absmax) atomicMax(&block_largest, __float_as_uint(largest));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && jobs.absmax && block_largest)
+        atomicMax(&jobs.absmax[2 * z], block_largest);
 }
 
 // Copies the negatives of every job of the group into dense k x d blocks for the unfused

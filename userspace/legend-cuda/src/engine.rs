@@ -67,13 +67,15 @@ struct JobArgs {
     edges: u64,
     row0: u64,
     rows: u64,
+    absmax: u64,
     first_job: u32,
     max_rows: u32,
     dim: u32,
     decoder: i32,
 }
 
-// SAFETY: plain #[repr(C)] data laid out as the kernel's struct.
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (four pointers, then four
+// 4-byte fields: no padding).
 unsafe impl DeviceRepr for JobArgs {}
 
 /// Buffers and sizes of the fused kernels (`LegendFused` in `kernels/fused.cu`).
@@ -109,9 +111,10 @@ unsafe impl DeviceRepr for FusedArgs {}
 /// that the last wave is short): the rows of a job are split into ranges to get there.
 const FUSED_BLOCKS: usize = 1024;
 
-/// Blocks a job of `legend_fused_absmax` (eight warps each, a warp a row): 64 blocks of
-/// each of a group's 20 jobs give the benchmark batch about ten per multiprocessor.
-const FUSED_ABSMAX_BLOCKS: u32 = 64;
+/// Blocks a job of `legend_fused_absmax` (eight warps each, a warp a negative): 16 blocks
+/// of each of a group's 20 jobs give the benchmark batch between two and three per
+/// multiprocessor, about eight negatives a warp.
+const FUSED_ABSMAX_BLOCKS: u32 = 16;
 
 /// Output tile edge of the product kernels.
 const TILE: usize = 128;
@@ -928,10 +931,20 @@ impl GpuBatchEngine {
         };
         for g0 in (0..jobs).step_by(self.shape.group) {
             let gz = self.shape.group.min(jobs - g0) as u32;
+            // The fused path's operand scales start from zero maxima; legend_queries fills
+            // the queries' (null elsewhere: the kernel then skips it).
+            let absmax = match self.fused {
+                Some(_) => {
+                    gpu.clear(&mut self.absmax)?;
+                    gpu.ptr(&self.absmax)
+                }
+                None => 0,
+            };
             let job_args = JobArgs {
                 edges: gpu.ptr(&self.edges),
                 row0: gpu.ptr(&self.row0) + 4 * g0 as u64,
                 rows: gpu.ptr(&self.rows) + 4 * g0 as u64,
+                absmax,
                 first_job: g0 as u32,
                 max_rows: max_rows as u32,
                 dim: d as u32,
@@ -1149,15 +1162,11 @@ impl GpuBatchEngine {
         let dim_pad = fused_dim_pad(kernels.width);
         let (g032, k32, d32, pad32) = (g0 as u32, k as u32, d as u32, dim_pad as u32);
         let (rows, mr32) = (gpu.ptr(&self.rows) + 4 * g0 as u64, max_rows as u32);
-        gpu.clear(&mut self.absmax)?;
         let mut b = gpu.stream().launch_builder(&gpu.kernels.fused_absmax);
-        b.arg(&self.query)
-            .arg(&rows)
-            .arg(&mr32)
-            .arg(&d32)
-            .arg(&self.negs)
+        b.arg(&self.negs)
             .arg(&g032)
             .arg(&k32)
+            .arg(&d32)
             .arg(emb)
             .arg(&mut self.absmax);
         let cfg = LaunchConfig {
@@ -1165,8 +1174,8 @@ impl GpuBatchEngine {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: query holds the group's rows (rows[z] of them written by legend_queries),
-        // negs 2·chunks·k ids below the table's rows, absmax two words a job of the group.
+        // SAFETY: negs holds 2·chunks·k ids below the table's rows, absmax two words a job
+        // of the group (the queries' maxima already added by legend_queries).
         unsafe { b.launch(cfg) }.during("launching legend_fused_absmax")?;
         let mut b = gpu
             .stream()
