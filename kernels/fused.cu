@@ -18,8 +18,8 @@
 // queries and negatives are scaled by a power of two that puts their largest magnitude just
 // under FP16's largest value (maxima from legend_queries and legend_fused_absmax, scales
 // from legend_fp16_scale): at the usual initialisation (1e-3) the queries of ComplEx and
-// DistMult are near 1e-6, FP16 subnormals that would keep 3-4 of their bits. Scores and gradients are unscaled in FP32; G (a
-// probability, a weighted sigmoid or an indicator) needs no scale.
+// DistMult are near 1e-6, FP16 subnormals that would keep 3-4 of their bits. G (at most 1)
+// gets a fixed 2^14 (LEGEND_FUSED_G_SCALE). Scores and gradients are unscaled in FP32.
 //
 // The block's own operand sits in shared memory for the whole walk, the walked one comes
 // through shared memory in two cp.async stages of 64 rows, and fragments are loaded with
@@ -63,16 +63,27 @@ struct LegendFused {
     int atomic;
 };
 
+// A finite value saturated to FP16's range (only values past the clamped scales get there),
+// so that it does not turn a whole row of products into infinities; an infinity or a NaN
+// stays what it is, so a diverged table still shows in the loss.
+__device__ __forceinline__ float legend_fp16_clamp(float x) {
+    return isfinite(x) ? fminf(fmaxf(x, -65504.0f), 65504.0f) : x;
+}
+
 // Two floats as FP16 in one register, `lo` in the low half (the lower k or column index).
-// Clamped to the finite range, so a huge value saturates instead of poisoning a whole row
-// of products with an infinity.
 __device__ __forceinline__ u32 legend_half2(float lo, float hi) {
     u32 r;
-    lo = fminf(fmaxf(lo, -65504.0f), 65504.0f);
-    hi = fminf(fmaxf(hi, -65504.0f), 65504.0f);
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;"
+        : "=r"(r)
+        : "f"(legend_fp16_clamp(hi)), "f"(legend_fp16_clamp(lo)));
     return r;
 }
+
+// G (at most 1 for every loss: a probability, a weighted sigmoid, an indicator) enters the
+// second product scaled by 2^14: a softmax probability or a logistic weight of 1/k with a
+// small sigmoid is often below FP16's smallest normal (6e-5), and unscaled it would lose its
+// digits or vanish. The products come out 2^14 too large and are unscaled with the operands'.
+#define LEGEND_FUSED_G_SCALE 16384.0f
 
 __device__ __forceinline__ void legend_mma_f16(float* c, const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
@@ -260,10 +271,11 @@ __device__ __forceinline__ void legend_fused_accumulate(const float (&s)[LEGEND_
         u32 ga[LEGEND_FUSED_MT][4];
 #pragma unroll
         for (int m = 0; m < LEGEND_FUSED_MT; ++m) {
-            ga[m][0] = legend_half2(s[m][2 * jj][0], s[m][2 * jj][1]);
-            ga[m][1] = legend_half2(s[m][2 * jj][2], s[m][2 * jj][3]);
-            ga[m][2] = legend_half2(s[m][2 * jj + 1][0], s[m][2 * jj + 1][1]);
-            ga[m][3] = legend_half2(s[m][2 * jj + 1][2], s[m][2 * jj + 1][3]);
+            constexpr float G = LEGEND_FUSED_G_SCALE;
+            ga[m][0] = legend_half2(G * s[m][2 * jj][0], G * s[m][2 * jj][1]);
+            ga[m][1] = legend_half2(G * s[m][2 * jj][2], G * s[m][2 * jj][3]);
+            ga[m][2] = legend_half2(G * s[m][2 * jj + 1][0], G * s[m][2 * jj + 1][1]);
+            ga[m][3] = legend_half2(G * s[m][2 * jj + 1][2], G * s[m][2 * jj + 1][3]);
         }
 #pragma unroll
         for (int n = 0; n < DK; n += 2) {
@@ -288,7 +300,8 @@ __device__ __forceinline__ void legend_fused_accumulate(const float (&s)[LEGEND_
 
 template <int DK, int KS>
 __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
-    extern __shared__ u32 legend_fused_smem[];
+    // 16-byte aligned: cp.async's 16-byte copies and ldmatrix's rows.
+    extern __shared__ __align__(16) u32 legend_fused_smem[];
     constexpr int SW = LegendHalfRows<KS>::WORDS;
     constexpr int T = LEGEND_FUSED_TILE;
     constexpr int MT = LEGEND_FUSED_MT;
@@ -305,7 +318,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     u32 sa_at = (u32)__cvta_generic_to_shared(legend_fused_smem);
     u32 sb_at = (u32)__cvta_generic_to_shared(sb0);
 
-    // Operand scales: S comes out scaled by both, dQ by the negatives'.
+    // Operand scales: S comes out scaled by both, dQ by the negatives' and G's.
     float q_scale = legend_fp16_scale(f.absmax[2 * z]);
     float n_scale = legend_fp16_scale(f.absmax[2 * z + 1]);
     float s_unscale = 1.0f / (q_scale * n_scale);
@@ -468,7 +481,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
                 u32 c = 8 * n + 2 * t + (q & 1);
                 if ((hi ? vb[m] : va[m]) && c < dim)
                     f.grad_query[(base + (hi ? rb : ra[m])) * dim + c] =
-                        acc[m][n][q] * (hi ? scale_b : scale_a) / n_scale;
+                        acc[m][n][q] * (hi ? scale_b : scale_a) / (n_scale * LEGEND_FUSED_G_SCALE);
             }
         if (t == 0) {
             if (va[m]) {
@@ -496,7 +509,8 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
 
 template <int DK, int KS>
 __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f) {
-    extern __shared__ u32 legend_fused_smem[];
+    // 16-byte aligned: cp.async's 16-byte copies and ldmatrix's rows.
+    extern __shared__ __align__(16) u32 legend_fused_smem[];
     constexpr int SW = LegendHalfRows<KS>::WORDS;
     constexpr int T = LEGEND_FUSED_TILE;
     constexpr int MT = LEGEND_FUSED_MT;
@@ -528,7 +542,7 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
             for (int q = 0; q < 4; ++q) acc[m][n][q] = 0.0f;
     u64 base = (u64)z * f.max_rows;
     const u32* Q = f.query_half + base * pairs;
-    // S comes out scaled by both operands' scales, dN by the queries'.
+    // S comes out scaled by both operands' scales, dN by the queries' and G's.
     float q_scale = legend_fp16_scale(f.absmax[2 * z]);
     float s_unscale = 1.0f / (q_scale * legend_fp16_scale(f.absmax[2 * z + 1]));
     const float2* stats = f.stats + base;
@@ -584,7 +598,7 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
                 u32 c = 8 * n + 2 * t + (q & 1);
                 if ((hi ? jb : ja) < k && c < dim) {
                     float* to = &out[(u64)(hi ? jb : ja) * dim + c];
-                    float v = acc[m][n][q] / q_scale;
+                    float v = acc[m][n][q] / (q_scale * LEGEND_FUSED_G_SCALE);
                     if (f.atomic) atomicAdd(to, v);
                     else *to = v;
                 }

@@ -119,6 +119,11 @@ pub struct Compiled {
 /// Compiles the program for `arch` (`sm_80`, `sm_90`, ...). Fails on an error; warnings
 /// come back in [`Compiled::log`].
 pub fn compile(arch: &str) -> Result<Compiled, GpuError> {
+    compile_source(arch, &program_source()?)
+}
+
+/// Compiles `source` (a [`program_source`]) for `arch`.
+fn compile_source(arch: &str, source: &str) -> Result<Compiled, GpuError> {
     if !nvrtc_present() {
         return Err(GpuError::NoNvrtc);
     }
@@ -126,7 +131,7 @@ pub fn compile(arch: &str) -> Result<Compiled, GpuError> {
         arch: arch.to_string(),
         message,
     };
-    let src = CString::new(program_source()?).map_err(|_| fail("a source holds a NUL".into()))?;
+    let src = CString::new(source).map_err(|_| fail("a source holds a NUL".into()))?;
     let prog = result::create_program(&src, Some(c"legend_kernels.cu"))
         .map_err(|e| fail(format!("nvrtcCreateProgram: {e:?}")))?;
     // SAFETY: `prog` was just created and is destroyed once, below.
@@ -182,7 +187,10 @@ pub fn cache_dir() -> Option<PathBuf> {
 /// key covers the sources, the options and the NVRTC version, so any change recompiles.
 pub fn cached_ptx(arch: &str) -> Result<String, GpuError> {
     let (major, minor) = nvrtc_version()?;
-    let mut h = fnv1a(program_source()?.as_bytes(), 0xcbf2_9ce4_8422_2325);
+    // One read of the sources for the key and the compile, so that the PTX stored under a
+    // key is the PTX of those sources even while LEGEND_KERNELS_DIR's files change.
+    let source = program_source()?;
+    let mut h = fnv1a(source.as_bytes(), 0xcbf2_9ce4_8422_2325);
     h = fnv1a(options(arch).join(" ").as_bytes(), h);
     h = fnv1a(format!("nvrtc {major}.{minor}").as_bytes(), h);
     let path = cache_dir().map(|d| d.join(arch).join(format!("{h:016x}.ptx")));
@@ -191,7 +199,7 @@ pub fn cached_ptx(arch: &str) -> Result<String, GpuError> {
     {
         return Ok(ptx);
     }
-    let compiled = compile(arch)?;
+    let compiled = compile_source(arch, &source)?;
     if let Some(path) = path {
         let io = |source| GpuError::Cache {
             path: path.clone(),
