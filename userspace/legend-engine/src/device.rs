@@ -18,6 +18,31 @@ pub enum Device {
     },
 }
 
+/// Opens device `ordinal`, saying in the log how long it took: the first run of a build on a
+/// machine compiles the kernels with NVRTC (tens of seconds), later runs load them from the
+/// PTX cache.
+fn open_gpu(ordinal: usize) -> Result<Gpu, legend_cuda::GpuError> {
+    if driver_present() {
+        let cache = legend_cuda::nvrtc::cache_dir().map_or_else(
+            || "none: neither XDG_CACHE_HOME nor HOME is set".into(),
+            |d| d.display().to_string(),
+        );
+        tracing::info!(
+            "opening cuda:{ordinal} (the first run of a build compiles the kernels with \
+             NVRTC, tens of seconds; PTX cache {cache})"
+        );
+    }
+    let start = std::time::Instant::now();
+    let gpu = Gpu::new(ordinal)?;
+    tracing::info!(
+        "cuda:{ordinal} ({}, {}) ready in {:.1} s",
+        gpu.name(),
+        gpu.arch(),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(gpu)
+}
+
 impl Device {
     /// Resolves `storage.device`: `cpu`; `cuda:N`, which opens device N or fails with the
     /// reason (no driver, no NVRTC, no such device); `auto`, which opens device 0 when a
@@ -28,7 +53,7 @@ impl Device {
             DeviceChoice::Cpu => Ok(Device::Cpu),
             DeviceChoice::Cuda(ordinal) => {
                 config.cuda_support()?;
-                let gpu = Gpu::new(ordinal).map_err(|error| TrainError::Device {
+                let gpu = open_gpu(ordinal).map_err(|error| TrainError::Device {
                     device: config.storage.device.clone(),
                     error,
                 })?;
@@ -48,7 +73,7 @@ impl Device {
                     );
                     return Ok(Device::Cpu);
                 }
-                match Gpu::new(0) {
+                match open_gpu(0) {
                     Ok(gpu) => Ok(Device::Cuda {
                         ordinal: 0,
                         gpu: Box::new(gpu),
