@@ -1,15 +1,17 @@
 // Fused chunk products for the dot-comparator decoders (d <= 128): the score matrix of a
-// chunk never leaves the chip. It is the attention pattern with the queries as queries and
-// the negatives as both keys and values, so it is computed the way attention is:
+// chunk is computed once, on chip. It is the attention pattern with the queries as queries
+// and the negatives as both keys and values, so it is computed the way attention is:
 //
 // - legend_fused_rows_dN: a block owns 128 rows of a job and walks over the job's negatives
 //   in tiles of 64: S = Q·Nᵀ (tensor-core mma), the loss turns S into G in registers
 //   (softmax with a running maximum and sum, rescaling the accumulator; logistic and
-//   ranking elementwise), dQ += G·N. It ends with dQ, ∂L/∂pos, the loss and each row's
-//   statistics.
+//   ranking elementwise), dQ += G·N, and G goes out to device memory in FP16. It ends with
+//   dQ, ∂L/∂pos, the loss and, for softmax, the factors that turn the G it wrote (relative
+//   to the running maximum of its tile) into the final probabilities.
 // - legend_fused_negatives_dN: a block owns 128 negatives of a job and walks over the job's
-//   rows (a range of them when the rows are split): S again, G from the rows' statistics,
-//   dN += Gᵀ·Q.
+//   rows (a range of them when the rows are split): dN += Gᵀ·Q, with G read back. Reading
+//   G (2 bytes a score) costs less than computing S a second time, which took half of this
+//   kernel's mma and shared-memory loads (the benchmark batch: see Documentation/gpu.md).
 //
 // The products take FP16 operands and accumulate in FP32 (mma m16n8k16). FP16 keeps the
 // 10-bit significand of TF32, so the rounding error is TF32's, while a k16 step does twice
@@ -44,7 +46,16 @@ struct LegendFused {
     float* grad_pos;      // group x max_rows
     float* grad_query;    // group x max_rows x dim: sum over j of G_ij n_j
     float* grad_negs;     // group x k x dim: sum over i of G_ij q_i
-    float2* stats;        // group x max_rows: softmax (max, 1 / sum), else (pos, 0)
+    // G of each job (scaled by LEGEND_FUSED_G_SCALE; for softmax relative to the running
+    // maximum of the rows kernel's tile), in blocks of 16 rows by 16 negatives: block
+    // (row / 16, negative / 16) of job z at legend_fused_g_block, four 8 x 8 matrices a
+    // block (rows 0-7 | 8-15 by negatives 0-7, then 8-15), 16 bytes a row. These are the
+    // rows kernel's A fragments, one fully written 128-byte line a register and warp, and
+    // what ldmatrix reads (transposing) in the negatives kernel.
+    u32* g;
+    // Softmax: group x max_rows x (tiles of k): the factor that turns a tile's G into the
+    // probabilities (exp(running max - final max) / sum). Unused by the other losses.
+    float* corr;
     const u32* rows;      // rows of each job of the group
     // Per job: the largest magnitude of its queries and of its negatives, as float bits
     // (legend_fused_absmax), from which both operands get their FP16 scales.
@@ -187,15 +198,6 @@ extern "C" __global__ void legend_gather_negatives_half(const u32* __restrict__ 
         legend_half2(c < dim ? row[c] * scale : 0.0f, c + 1 < dim ? row[c + 1] * scale : 0.0f);
 }
 
-// G of one score: softmax probability from the row's (max, 1 / sum), the logistic loss's
-// weighted sigmoid, or the ranking hinge's indicator (st.x is the positive score then).
-__device__ __forceinline__ float legend_fused_grad(int loss, float s, float2 st, float w,
-                                                   float margin) {
-    if (loss == LEGEND_LOSS_SOFTMAX) return __expf(s - st.x) * st.y;
-    if (loss == LEGEND_LOSS_LOGISTIC) return w / (1.0f + __expf(-s));
-    return margin - st.x + s > 0.0f ? 1.0f : 0.0f;
-}
-
 // Sums v over the four lanes of a quad (the lanes holding one row of an accumulator).
 __device__ __forceinline__ float legend_quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -256,11 +258,43 @@ __device__ __forceinline__ void legend_fused_unscale(float (&s)[LEGEND_FUSED_MT]
             for (int q = 0; q < 4; ++q) s[m][j][q] *= by;
 }
 
-// acc[m] += G(tile m, as left in s) · (the walked tile): the accumulators of column blocks
-// 2jj and 2jj + 1 are exactly the A fragment of k16 step jj, and the walked rows come as B
-// through transposing loads.
+// Negatives a job's G keeps: k rounded up to the walked tile, so that the rows kernel
+// writes whole tiles (zeros past k).
+__device__ __forceinline__ u32 legend_fused_k_pad(u32 k) {
+    return (k + LEGEND_FUSED_TILE - 1) / LEGEND_FUSED_TILE * LEGEND_FUSED_TILE;
+}
+
+// The first word of G's block of 16 rows (from row 16·rb) by 16 negatives (from 16·nb)
+// of job z (128 words a block; rows padded to 16).
+__device__ __forceinline__ u32* legend_fused_g_block(const LegendFused& f, u32 z, u32 rb,
+                                                     u32 nb) {
+    u32 nbs = legend_fused_k_pad(f.k) / 16;
+    u64 job = (u64)((f.max_rows + 15) / 16) * nbs;
+    return f.g + ((u64)z * job + (u64)rb * nbs + nb) * 128;
+}
+
+// G of a tile (as left in s) as the A fragments of the second product, scaled by
+// LEGEND_FUSED_G_SCALE: the accumulators of column blocks 2jj and 2jj + 1 are exactly the A
+// fragment of k16 step jj (registers: row g, columns 16jj + 2t..; row g + 8; row g,
+// columns 16jj + 8 + 2t..; row g + 8).
+__device__ __forceinline__ void legend_fused_g_fragments(const float (&s)[LEGEND_FUSED_MT][8][4],
+                                                         u32 (&ga)[LEGEND_FUSED_MT][4][4]) {
+    constexpr float G = LEGEND_FUSED_G_SCALE;
+#pragma unroll
+    for (int m = 0; m < LEGEND_FUSED_MT; ++m)
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+            ga[m][jj][0] = legend_half2(G * s[m][2 * jj][0], G * s[m][2 * jj][1]);
+            ga[m][jj][1] = legend_half2(G * s[m][2 * jj][2], G * s[m][2 * jj][3]);
+            ga[m][jj][2] = legend_half2(G * s[m][2 * jj + 1][0], G * s[m][2 * jj + 1][1]);
+            ga[m][jj][3] = legend_half2(G * s[m][2 * jj + 1][2], G * s[m][2 * jj + 1][3]);
+        }
+}
+
+// acc[m] += G(tile m, A fragments ga) · (the walked tile), whose rows come as B through
+// transposing loads.
 template <int DK, int KS>
-__device__ __forceinline__ void legend_fused_accumulate(const float (&s)[LEGEND_FUSED_MT][8][4],
+__device__ __forceinline__ void legend_fused_accumulate(const u32 (&ga)[LEGEND_FUSED_MT][4][4],
                                                         u32 sb, int lane,
                                                         float (&acc)[LEGEND_FUSED_MT][DK][4]) {
     constexpr u32 RB = LegendHalfRows<KS>::BYTES;
@@ -268,15 +302,6 @@ __device__ __forceinline__ void legend_fused_accumulate(const float (&s)[LEGEND_
     u32 b_at = sb + (lane & 15) * RB + (lane >> 4) * 16;
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
-        u32 ga[LEGEND_FUSED_MT][4];
-#pragma unroll
-        for (int m = 0; m < LEGEND_FUSED_MT; ++m) {
-            constexpr float G = LEGEND_FUSED_G_SCALE;
-            ga[m][0] = legend_half2(G * s[m][2 * jj][0], G * s[m][2 * jj][1]);
-            ga[m][1] = legend_half2(G * s[m][2 * jj][2], G * s[m][2 * jj][3]);
-            ga[m][2] = legend_half2(G * s[m][2 * jj + 1][0], G * s[m][2 * jj + 1][1]);
-            ga[m][3] = legend_half2(G * s[m][2 * jj + 1][2], G * s[m][2 * jj + 1][3]);
-        }
 #pragma unroll
         for (int n = 0; n < DK; n += 2) {
             u32 at = b_at + 16 * jj * RB + 16 * n;
@@ -285,14 +310,15 @@ __device__ __forceinline__ void legend_fused_accumulate(const float (&s)[LEGEND_
                 legend_ldsm4_trans(at, b);
 #pragma unroll
                 for (int m = 0; m < LEGEND_FUSED_MT; ++m) {
-                    legend_mma_f16(acc[m][n], ga[m], b[0], b[1]);
-                    legend_mma_f16(acc[m][n + 1], ga[m], b[2], b[3]);
+                    legend_mma_f16(acc[m][n], ga[m][jj], b[0], b[1]);
+                    legend_mma_f16(acc[m][n + 1], ga[m][jj], b[2], b[3]);
                 }
             } else {
                 u32 b0, b1;
                 legend_ldsm2_trans(at, b0, b1);
 #pragma unroll
-                for (int m = 0; m < LEGEND_FUSED_MT; ++m) legend_mma_f16(acc[m][n], ga[m], b0, b1);
+                for (int m = 0; m < LEGEND_FUSED_MT; ++m)
+                    legend_mma_f16(acc[m][n], ga[m][jj], b0, b1);
             }
         }
     }
@@ -362,6 +388,14 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
 
     const u32* N = f.negs + (u64)z * k * (f.dim_pad / 2);
     int tiles = (k + T - 1) / T;
+    // The warp's blocks of G (its 16 rows, each tile's four 16-negative blocks): each
+    // fragment register fills one 128-byte line. Rows past nrows get finite values, which
+    // the negatives kernel multiplies by zero queries.
+    u32* g_out = legend_fused_g_block(f, z, (r_block + row0) / 16, 0) + lane;
+    // The rows' softmax factors (first the running maxima).
+    float* corr_at[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) corr_at[m] = f.corr + (base + ra[m]) * tiles;
     legend_fused_tile<KS>(N, 0, k, sb0);
     asm volatile("cp.async.commit_group;\n" ::);
     for (int it = 0; it < tiles; ++it) {
@@ -391,6 +425,12 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
                 float sca = __expf(ma[m] - na), scb = __expf(mb[m] - nb);
                 ma[m] = na;
                 mb[m] = nb;
+                // The running maxima this tile's G is relative to (one lane a tile and row;
+                // the same lane turns them into factors at the end).
+                if (t == (it & 3)) {
+                    if (va[m]) corr_at[m][it] = na;
+                    if (vb[m]) corr_at[m][8 * tiles + it] = nb;
+                }
                 la[m] *= sca;
                 lb[m] *= scb;
 #pragma unroll
@@ -436,7 +476,18 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
                     }
             }
         }
-        legend_fused_accumulate<DK, KS>(s, sn, lane, acc);
+        u32 ga[MT][4][4];
+        legend_fused_g_fragments(s, ga);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            if (r_block + row0 + 16 * m >= nrows) continue;
+            u32* out = g_out + (u64)m * (legend_fused_k_pad(k) / 16) * 128 + 4 * it * 128;
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) out[128 * jj + 32 * r] = ga[m][jj][r];
+        }
+        legend_fused_accumulate<DK, KS>(ga, sn, lane, acc);
         // Every warp is done with this stage before the next iteration refills it.
         __syncthreads();
     }
@@ -446,7 +497,6 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     for (int m = 0; m < MT; ++m) {
         float lsa = legend_quad_sum(la[m]), lsb = legend_quad_sum(lb[m]);
         float scale_a = 1.0f, scale_b = 1.0f, loss_a, loss_b, gpa, gpb;
-        float2 sta, stb;
         if (f.loss == LEGEND_LOSS_SOFTMAX) {
             scale_a = 1.0f / lsa;
             scale_b = 1.0f / lsb;
@@ -454,23 +504,21 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
             loss_b = mb[m] + logf(lsb) - pb[m];
             gpa = __expf(pa[m] - ma[m]) * scale_a - 1.0f;
             gpb = __expf(pb[m] - mb[m]) * scale_b - 1.0f;
-            sta = make_float2(ma[m], scale_a);
-            stb = make_float2(mb[m], scale_b);
+            for (int u = t; u < tiles; u += 4) {
+                if (va[m]) corr_at[m][u] = __expf(corr_at[m][u] - ma[m]) * scale_a;
+                if (vb[m]) corr_at[m][8 * tiles + u] = __expf(corr_at[m][8 * tiles + u] - mb[m]) * scale_b;
+            }
         } else if (f.loss == LEGEND_LOSS_LOGISTIC) {
             float ea = __expf(-fabsf(pa[m])), eb = __expf(-fabsf(pb[m]));
             loss_a = fmaxf(-pa[m], 0.0f) + log1pf(ea) + lsa;
             loss_b = fmaxf(-pb[m], 0.0f) + log1pf(eb) + lsb;
             gpa = -((-pa[m] >= 0.0f ? 1.0f : ea) / (1.0f + ea));
             gpb = -((-pb[m] >= 0.0f ? 1.0f : eb) / (1.0f + eb));
-            sta = make_float2(pa[m], 0.0f);
-            stb = make_float2(pb[m], 0.0f);
         } else {
             loss_a = lsa;
             loss_b = lsb;
             gpa = -legend_quad_sum(activa[m]);
             gpb = -legend_quad_sum(activb[m]);
-            sta = make_float2(pa[m], 0.0f);
-            stb = make_float2(pb[m], 0.0f);
         }
         u32 rb = ra[m] + 8;
 #pragma unroll
@@ -486,12 +534,10 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
         if (t == 0) {
             if (va[m]) {
                 f.grad_pos[base + ra[m]] = gpa;
-                f.stats[base + ra[m]] = sta;
                 mine += loss_a;
             }
             if (vb[m]) {
                 f.grad_pos[base + rb] = gpb;
-                f.stats[base + rb] = stb;
                 mine += loss_b;
             }
         }
@@ -505,6 +551,15 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
         for (int i = 0; i < LEGEND_FUSED_WARPS; ++i) total += block_loss[i];
         atomicAdd(f.loss_sum, (double)total);
     }
+}
+
+// The FP16 pair x with its halves multiplied by c.x (low) and c.y (high), in FP32.
+__device__ __forceinline__ u32 legend_half2_times(u32 x, float2 c) {
+    float lo, hi;
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
+        : "=f"(lo), "=f"(hi)
+        : "r"(x));
+    return legend_half2(lo * c.x, hi * c.y);
 }
 
 template <int DK, int KS>
@@ -524,14 +579,21 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
     u32 k = f.k, dim = f.dim;
     u32 j_block = blockIdx.x * BR;
     u32 pairs = f.dim_pad / 2;
-    const u32* N = f.negs + (u64)z * k * pairs;
-    u32* sb0 = legend_fused_smem + BR * SW;
-    float2* sstats = reinterpret_cast<float2*>(sb0 + 2 * T * SW);
-    u32 sa_at = (u32)__cvta_generic_to_shared(legend_fused_smem);
-    u32 sb_at = (u32)__cvta_generic_to_shared(sb0);
-    // The block's negatives (FP16 from the gather) in shared memory, in the first group.
-    for (int part = 0; part < BR / T; ++part)
-        legend_fused_tile<KS>(N, j_block + part * T, k, legend_fused_smem + part * T * SW);
+    u32 tiles = legend_fused_k_pad(k) / T;
+    bool softmax = f.loss == LEGEND_LOSS_SOFTMAX;
+    // Two stages of: G (T rows by the block's BR negatives, in its blocks of 16 x 16, by
+    // rows then negatives), the rows' FP16 queries, and for softmax the rows' factors of the
+    // block's BR / T tiles of negatives.
+    constexpr int G_WORDS = T * BR / 2;
+    u32* sg0 = legend_fused_smem;
+    u32* sq0 = sg0 + 2 * G_WORDS;
+    float* sc0 = reinterpret_cast<float*>(sq0 + 2 * T * SW);
+    u32 sg_at = (u32)__cvta_generic_to_shared(sg0);
+    u32 sq_at = (u32)__cvta_generic_to_shared(sq0);
+    u64 base = (u64)z * f.max_rows;
+    const u32* Q = f.query_half + base * pairs;
+    const float* corr = f.corr + base * tiles;
+    u32 first_tile = j_block / T;
     int row0 = warp * 16 * MT;
     float acc[MT][DK][4];
 #pragma unroll
@@ -540,50 +602,68 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
         for (int n = 0; n < DK; ++n)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[m][n][q] = 0.0f;
-    u64 base = (u64)z * f.max_rows;
-    const u32* Q = f.query_half + base * pairs;
-    // S comes out scaled by both operands' scales, dN by the queries' and G's.
     float q_scale = legend_fp16_scale(f.absmax[2 * z]);
-    float s_unscale = 1.0f / (q_scale * legend_fp16_scale(f.absmax[2 * z + 1]));
-    const float2* stats = f.stats + base;
-    float w = 1.0f / (float)k;
-    int tiles = (rend - rbeg + T - 1) / T;
+    int walk = (rend - rbeg + T - 1) / T;
     auto stage = [&](int it) {
         u32 r0 = rbeg + it * T;
-        legend_fused_tile<KS>(Q, r0, rend, sb0 + (it & 1) * T * SW);
-        if (threadIdx.x < T) {
-            u32 r = r0 + threadIdx.x;
-            float* st = reinterpret_cast<float*>(&sstats[(it & 1) * T + threadIdx.x]);
-            bool ok = r < rend;
-            const float* from = reinterpret_cast<const float*>(&stats[ok ? r : rbeg]);
-            legend_cp4(st, from, ok);
-            legend_cp4(st + 1, from + 1, ok);
+        u32* sg = sg0 + (it & 1) * G_WORDS;
+        // Each 16-row block's BR / 16 blocks lie together (BR · 32 bytes). Row blocks from
+        // rend on and negatives past the padded k come as zeros (the rows kernel wrote zeros
+        // from k to the padding, and finite values in rows past nrows of its blocks).
+        constexpr int CHUNKS = BR * 2;  // 16-byte pieces of a row block
+        for (int e = threadIdx.x; e < (T / 16) * CHUNKS; e += 32 * LEGEND_FUSED_WARPS) {
+            int rb = e / CHUNKS, c = e % CHUNKS;
+            u32 nb = j_block / 16 + c / 32;
+            bool ok = r0 + 16 * rb < rend && nb < tiles * (T / 16);
+            const u32* src = ok ? legend_fused_g_block(f, z, r0 / 16 + rb, nb) + 4 * (c % 32) : f.g;
+            legend_cp16(reinterpret_cast<float*>(&sg[rb * (BR * 8) + 4 * c]),
+                        reinterpret_cast<const float*>(src), ok ? 16 : 0);
+        }
+        legend_fused_tile<KS>(Q, r0, rend, sq0 + (it & 1) * T * SW);
+        if (softmax && threadIdx.x < BR) {
+            u32 i = threadIdx.x % T, u = threadIdx.x / T;
+            bool ok = r0 + i < rend && first_tile + u < tiles;
+            legend_cp4(&sc0[(it & 1) * BR + u * T + i],
+                       ok ? &corr[(u64)(r0 + i) * tiles + first_tile + u] : corr, ok);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
     stage(0);
-    for (int it = 0; it < tiles; ++it) {
-        if (it + 1 < tiles) stage(it + 1);
+    for (int it = 0; it < walk; ++it) {
+        if (it + 1 < walk) stage(it + 1);
         else asm volatile("cp.async.commit_group;\n" ::);
         asm volatile("cp.async.wait_group 1;\n" ::);
         __syncthreads();
-        u32 sq = sb_at + (it & 1) * T * LegendHalfRows<KS>::BYTES;
-        const float2* st = sstats + (it & 1) * T;
-        float s[MT][8][4];
-        legend_fused_scores<KS>(sa_at, row0, sq, lane, s);
-        legend_fused_unscale(s, s_unscale);
-        u32 i0 = rbeg + it * T + 2 * t;
+        u32 sg = sg_at + (it & 1) * G_WORDS * 4;
+        u32 sq = sq_at + (it & 1) * T * LegendHalfRows<KS>::BYTES;
+        // Gᵀ as A fragments of k step jj (row block jj): (negatives 0-7 | 8-15) x (rows 0-7 |
+        // 8-15) are the transposes of the block's matrices 0, 2, 1 and 3.
+        int q = lane >> 3;
+        u32 a_at = sg + (row0 / 16) * 512 + (((q & 1) << 1) | (q >> 1)) * 128 + (lane & 7) * 16;
+        u32 ga[MT][4][4];
 #pragma unroll
         for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+            for (int jj = 0; jj < 4; ++jj)
+                legend_ldsm4_trans(a_at + 512 * m + jj * (BR * 32), ga[m][jj]);
+        if (softmax) {
+            // G of each row from its tile's running maximum to the final probabilities.
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    int i = 8 * j + 2 * t + (q & 1);
-                    bool ok = i0 + 8 * j + (q & 1) < rend;
-                    s[m][j][q] = ok ? legend_fused_grad(f.loss, s[m][j][q], st[i], w, f.margin) : 0.0f;
+            for (int m = 0; m < MT; ++m) {
+                const float* c = sc0 + (it & 1) * BR + (row0 + 16 * m) / T * T;
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    float2 lo = *reinterpret_cast<const float2*>(&c[16 * jj + 2 * t]);
+                    float2 hi = *reinterpret_cast<const float2*>(&c[16 * jj + 8 + 2 * t]);
+                    ga[m][jj][0] = legend_half2_times(ga[m][jj][0], lo);
+                    ga[m][jj][1] = legend_half2_times(ga[m][jj][1], lo);
+                    ga[m][jj][2] = legend_half2_times(ga[m][jj][2], hi);
+                    ga[m][jj][3] = legend_half2_times(ga[m][jj][3], hi);
                 }
-        legend_fused_accumulate<DK, KS>(s, sq, lane, acc);
+            }
+        }
+        legend_fused_accumulate<DK, KS>(ga, sq, lane, acc);
+        // Every warp is done with this stage before the next iteration refills it.
         __syncthreads();
     }
     float* out = f.grad_negs + (u64)z * k * dim;

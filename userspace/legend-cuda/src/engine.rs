@@ -26,7 +26,8 @@ use legend_model::{
 
 use crate::error::DriverContext;
 use crate::gpu::{
-    FUSED_BLOCK_ROWS, FUSED_THREADS, FUSED_TILE, GEMM_SMEM, fused_dim_pad, fused_smem, grid_1d,
+    FUSED_BLOCK_ROWS, FUSED_THREADS, FUSED_TILE, GEMM_SMEM, fused_dim_pad, fused_k_pad,
+    fused_negatives_smem, fused_rows_smem, grid_1d,
 };
 use crate::{Gpu, GpuError, RowSpan};
 
@@ -89,7 +90,8 @@ struct FusedArgs {
     grad_pos: u64,
     grad_query: u64,
     grad_negs: u64,
-    stats: u64,
+    g: u64,
+    corr: u64,
     rows: u64,
     absmax: u64,
     loss_sum: u64,
@@ -103,7 +105,7 @@ struct FusedArgs {
     atomic: i32,
 }
 
-// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (eleven pointers, then eight
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (twelve pointers, then eight
 // 4-byte fields: no padding).
 unsafe impl DeviceRepr for FusedArgs {}
 
@@ -466,13 +468,16 @@ pub struct GpuBatchEngine {
     /// score matrices then stay on chip and `scores` is not used.
     fused: Option<usize>,
     /// Fused path: the negatives and the queries in FP16 (pairs of values, `dim_pad` values
-    /// a row), and each row's loss statistics.
+    /// a row); G of each row and negative (FP16 pairs in blocks of 16 × 16, rows padded to
+    /// 16 and negatives to `fused_k_pad(k)`) and the softmax factors of each row and
+    /// 64-negative tile (`LegendFused`'s `g` and `corr`).
     neg_half: CudaSlice<u32>,
     query_half: CudaSlice<u32>,
+    g: CudaSlice<u32>,
+    corr: CudaSlice<f32>,
     /// Fused path: each job's largest query and negative magnitudes (float bits), which
     /// give the FP16 operands their power-of-two scales.
     absmax: CudaSlice<u32>,
-    stats: CudaSlice<f32>,
     scores: CudaSlice<f32>,
     grad_query: CudaSlice<f32>,
     grad_negs: CudaSlice<f32>,
@@ -549,9 +554,14 @@ impl GpuBatchEngine {
         };
         // Unfused: one score matrix and the FP32 negatives per job of a group; fused: the
         // FP16 operands.
-        let (score_len, neg_len, half_len) = match fused {
-            Some(i) => (1, 1, fused_dim_pad(gpu.kernels.fused[i].width) / 2),
-            None => (group * max_rows * k, group * k * d, 0),
+        let (score_len, neg_len, half_len, k_pad) = match fused {
+            Some(i) => (
+                1,
+                1,
+                fused_dim_pad(gpu.kernels.fused[i].width) / 2,
+                fused_k_pad(k),
+            ),
+            None => (group * max_rows * k, group * k * d, 0, 0),
         };
         let mut prefix = Vec::with_capacity(degrees.len() + 1);
         prefix.push(0u64);
@@ -585,8 +595,9 @@ impl GpuBatchEngine {
             fused,
             neg_half: gpu.zeros((group * k * half_len).max(1))?,
             query_half: gpu.zeros((group * max_rows * half_len).max(1))?,
+            g: gpu.zeros((group * max_rows.next_multiple_of(16) * k_pad / 2).max(1))?,
+            corr: gpu.zeros((group * max_rows * k_pad / FUSED_TILE).max(1))?,
             absmax: gpu.zeros(2 * group)?,
-            stats: gpu.zeros(2 * group * max_rows)?,
             scores: gpu.zeros(score_len)?,
             grad_query: gpu.zeros(group * max_rows * d)?,
             grad_negs: gpu.zeros(group * k * d)?,
@@ -1213,7 +1224,8 @@ impl GpuBatchEngine {
             grad_pos: gpu.ptr(&self.grad_pos),
             grad_query: gpu.ptr(&self.grad_query),
             grad_negs: gpu.ptr(&self.grad_negs),
-            stats: gpu.ptr(&self.stats),
+            g: gpu.ptr(&self.g),
+            corr: gpu.ptr(&self.corr),
             rows,
             absmax: gpu.ptr(&self.absmax),
             loss_sum: gpu.ptr(&self.loss_sum),
@@ -1226,18 +1238,18 @@ impl GpuBatchEngine {
             row_split: row_split as u32,
             atomic: i32::from(ranges > 1),
         };
-        let smem = fused_smem(kernels.width);
         let mut b = gpu.stream().launch_builder(&kernels.rows);
         b.arg(&args);
         let cfg = LaunchConfig {
             grid_dim: (blocks(max_rows, FUSED_BLOCK_ROWS), gz, 1),
             block_dim: (FUSED_THREADS, 1, 1),
-            shared_mem_bytes: smem,
+            shared_mem_bytes: fused_rows_smem(kernels.width),
         };
         // SAFETY: query/pos hold the group's rows (written by legend_queries), neg_half its
-        // k negatives; query_half, grad_query, grad_pos and stats hold group × max_rows rows,
-        // and the kernel touches rows below rows[z] only. Both FP16 buffers are allocations
-        // of their own (16-byte aligned) with rows of dim_pad values (32-byte multiples).
+        // k negatives; query_half, grad_query, grad_pos and corr hold group × max_rows rows
+        // (g the rows rounded up to 16), and the kernel touches rows below rows[z] only (g:
+        // the 16-row blocks they begin). The FP16 buffers are allocations of their own
+        // (16-byte aligned), query_half with rows of dim_pad values (32-byte multiples).
         unsafe { b.launch(cfg) }.during("launching the fused rows kernel")?;
         self.mark(gpu, "fused_rows")?;
         if ranges > 1 {
@@ -1247,10 +1259,11 @@ impl GpuBatchEngine {
         b.arg(&args);
         let cfg = LaunchConfig {
             grid_dim: (k.div_ceil(FUSED_BLOCK_ROWS) as u32, ranges as u32, gz),
+            shared_mem_bytes: fused_negatives_smem(kernels.width),
             ..cfg
         };
         // SAFETY: as above; grad_negs holds group × k × d floats, and the rows kernel
-        // queued before has written the statistics and FP16 queries this one reads.
+        // queued before has written the G, factors and FP16 queries this one reads.
         unsafe { b.launch(cfg) }.during("launching the fused negatives kernel")?;
         self.mark(gpu, "fused_negatives")?;
         Ok(())
@@ -1479,7 +1492,7 @@ impl GpuBatchEngine {
             &mut self.pos,
             &mut self.grad_pos,
             &mut self.neg_rows,
-            &mut self.stats,
+            &mut self.corr,
             &mut self.scores,
             &mut self.grad_query,
             &mut self.dist,
@@ -1488,7 +1501,7 @@ impl GpuBatchEngine {
             gpu.write(&nan, buf)?;
         }
         // Two FP16 NaNs a word.
-        for buf in [&mut self.neg_half, &mut self.query_half] {
+        for buf in [&mut self.neg_half, &mut self.query_half, &mut self.g] {
             let nan = vec![0x7e00_7e00u32; buf.len()];
             gpu.write(&nan, buf)?;
         }

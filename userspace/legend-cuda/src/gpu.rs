@@ -63,13 +63,24 @@ pub(crate) fn fused_dim_pad(width: usize) -> usize {
     width.div_ceil(16) * 16
 }
 
-/// Dynamic shared memory of the fused kernels of width `width`: the block's own 128 rows
-/// and two stages of the walked 64-row tile, `fused_dim_pad(width) + 8` FP16 values a row
-/// (`LegendHalfRows`), and the negatives kernel's two stages of 64 row statistics (two
-/// floats each).
-pub(crate) fn fused_smem(width: usize) -> u32 {
-    ((FUSED_BLOCK_ROWS + 2 * FUSED_TILE) * (fused_dim_pad(width) + 8) * 2 + 2 * FUSED_TILE * 8)
-        as u32
+/// Dynamic shared memory of the fused rows kernel of width `width`: the block's own 128
+/// rows and two stages of the walked 64-row tile, `fused_dim_pad(width) + 8` FP16 values a
+/// row (`LegendHalfRows`).
+pub(crate) fn fused_rows_smem(width: usize) -> u32 {
+    ((FUSED_BLOCK_ROWS + 2 * FUSED_TILE) * (fused_dim_pad(width) + 8) * 2) as u32
+}
+
+/// Dynamic shared memory of the fused negatives kernel of width `width`, two stages of: G
+/// for 64 rows by the block's 128 negatives (FP16), the 64 rows' queries (as in the rows
+/// kernel) and their softmax factors for the block's two 64-negative tiles.
+pub(crate) fn fused_negatives_smem(width: usize) -> u32 {
+    (2 * FUSED_TILE * (FUSED_BLOCK_ROWS * 2 + (fused_dim_pad(width) + 8) * 2)
+        + 2 * FUSED_BLOCK_ROWS * 4) as u32
+}
+
+/// Negatives the fused kernels' G holds for `k`: whole walked tiles (`legend_fused_k_pad`).
+pub(crate) fn fused_k_pad(k: usize) -> usize {
+    k.div_ceil(FUSED_TILE) * FUSED_TILE
 }
 
 /// Dynamic shared memory of the product kernels: `LEGEND_STAGES` (4) stages of a 128-row A
@@ -163,10 +174,13 @@ impl Gpu {
             .during("raising the shared-memory limit of the product kernels")?;
         }
         for k in &kernels.fused {
-            for f in [&k.rows, &k.negatives] {
+            for (f, smem) in [
+                (&k.rows, fused_rows_smem(k.width)),
+                (&k.negatives, fused_negatives_smem(k.width)),
+            ] {
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    fused_smem(k.width) as i32,
+                    smem as i32,
                 )
                 .during("raising the shared-memory limit of the fused kernels")?;
             }
