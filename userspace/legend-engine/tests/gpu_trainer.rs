@@ -139,9 +139,11 @@ fn compare(decoder: &str, partitions: u32, capacity: u32, edge_fraction: f64) {
     // TransE L1 is chaotic on its own: its gradients are sums of ±G, and the CPU trainer's
     // parameters move by 0.08-0.14 and its epoch losses by up to 8e-4 relative when a third
     // of its relation entries change by 1e-7 or 1e-6 relative (both layouts below), as much as
-    // the GPU's differ from the CPU's. The other models get the tight bounds.
+    // the GPU's differ from the CPU's. The GPU's own atomics add in a different order each
+    // run: seven runs of N=1 C=1 gave node errors from 0.145 to 0.272 (an H100), hence 0.4,
+    // still far below a mix-up's. The other models get the tight bounds.
     let (loss_bound, bound) = if decoder == "transe_l1" {
-        (2e-3, 0.25)
+        (2e-3, 0.4)
     } else {
         (1e-3, 0.1)
     };
