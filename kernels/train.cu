@@ -9,6 +9,58 @@
 // One warp handles one row everywhere below: lanes stride over the d elements, or over the
 // d/2 complex pairs for ComplEx (real half first), so each element is read once.
 
+// V consecutive floats of a row, moved as one access: the per-row kernels read and write
+// whole float2/float4 pieces where the rows allow (one pass of a warp over a row of
+// d = 100).
+template <int V>
+struct LegendVec {
+    float v[V];
+};
+
+template <int V>
+__device__ __forceinline__ LegendVec<V> legend_ld(const float* p) {
+    LegendVec<V> r;
+    if constexpr (V == 4) {
+        float4 x = *reinterpret_cast<const float4*>(p);
+        r.v[0] = x.x;
+        r.v[1] = x.y;
+        r.v[2] = x.z;
+        r.v[3] = x.w;
+    } else if constexpr (V == 2) {
+        float2 x = *reinterpret_cast<const float2*>(p);
+        r.v[0] = x.x;
+        r.v[1] = x.y;
+    } else {
+        r.v[0] = *p;
+    }
+    return r;
+}
+
+template <int V>
+__device__ __forceinline__ void legend_st(float* p, const LegendVec<V>& x) {
+    if constexpr (V == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(x.v[0], x.v[1], x.v[2], x.v[3]);
+    } else if constexpr (V == 2) {
+        *reinterpret_cast<float2*>(p) = make_float2(x.v[0], x.v[1]);
+    } else {
+        *p = x.v[0];
+    }
+}
+
+// p[0 .. 4] += x: one vector reduction on sm_90 and later (a little faster than four
+// atomics there; in legend_rows_backward, whose atomics go to three rows an edge, neither
+// float2 nor float4 reductions beat scalar ones), four atomics before.
+__device__ __forceinline__ void legend_red4(float* p, const LegendVec<4>& x) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x.v[0]),
+                 "f"(x.v[1]), "f"(x.v[2]), "f"(x.v[3])
+                 : "memory");
+#else
+#pragma unroll
+    for (int v = 0; v < 4; ++v) atomicAdd(p + v, x.v[v]);
+#endif
+}
+
 struct LegendJobs {
     const u32* edges;
     const u32* row0;
@@ -22,79 +74,127 @@ struct LegendJobs {
     int decoder;
 };
 
-// Query of row r of job z (q = op(anchor, relation)) and its positive score
-// pos = <q, true candidate> (TransE: -||q - true candidate||), by one warp. Returns the
-// row's largest query magnitude (0 for TransE, whose queries need no FP16 scale).
-__device__ float legend_query_row(const LegendJobs& jobs, const float* __restrict__ emb,
-                                  const float* __restrict__ rel, float* __restrict__ query,
-                                  float* __restrict__ pos, u32 z, u32 r, u32 lane) {
-    u32 side = (jobs.first_job + z) & 1;
-    const u32* e = jobs.edges + 3ull * (jobs.row0[z] + r);
-    u64 anchor = side ? e[0] : e[2];
-    u64 truth = side ? e[2] : e[0];
-    u32 d = jobs.dim;
-    const float* a = emb + anchor * d;
-    const float* t = emb + truth * d;
-    const float* w = rel + (u64)e[1] * d;
-    float* q = query + ((u64)z * jobs.max_rows + r) * d;
-    if (jobs.decoder >= LEGEND_TRANSE_L1) {
-        legend_transe_query(jobs.decoder == LEGEND_TRANSE_L2, side, a, w, t, q, d, lane,
-                            pos + (u64)z * jobs.max_rows + r);
-        return 0.0f;
-    }
-    float dot = 0.0f, largest = 0.0f;
-    if (jobs.decoder == LEGEND_COMPLEX) {
+// The queries of both sides of an edge (side 0: q0 = op(D, relation) against the true S;
+// side 1: q1 = op(S, relation) against D), V elements of each lane (of each half for
+// ComplEx), with their positive scores and largest magnitudes added into dot and largest.
+template <int V>
+__device__ __forceinline__ void legend_query_pair(int decoder, u32 d, const float* S,
+                                                  const float* D, const float* w, float* q0,
+                                                  float* q1, u32 lane, float (&dot)[2],
+                                                  float (&largest)[2]) {
+    if (decoder == LEGEND_COMPLEX) {
         u32 h = d / 2;
-        for (u32 k = lane; k < h; k += 32) {
-            float are = a[k], aim = a[k + h], rre = w[k], rim = w[k + h];
-            float qre, qim;
-            if (side) {
-                qre = are * rre - aim * rim;
-                qim = are * rim + aim * rre;
-            } else {
-                qre = rre * are + rim * aim;
-                qim = rre * aim - rim * are;
+        for (u32 k = V * lane; k < h; k += 32 * V) {
+            LegendVec<V> sre = legend_ld<V>(S + k), sim = legend_ld<V>(S + k + h);
+            LegendVec<V> dre = legend_ld<V>(D + k), dim_ = legend_ld<V>(D + k + h);
+            LegendVec<V> rre = legend_ld<V>(w + k), rim = legend_ld<V>(w + k + h);
+            LegendVec<V> q0re, q0im, q1re, q1im;
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                q0re.v[v] = rre.v[v] * dre.v[v] + rim.v[v] * dim_.v[v];
+                q0im.v[v] = rre.v[v] * dim_.v[v] - rim.v[v] * dre.v[v];
+                q1re.v[v] = sre.v[v] * rre.v[v] - sim.v[v] * rim.v[v];
+                q1im.v[v] = sre.v[v] * rim.v[v] + sim.v[v] * rre.v[v];
+                dot[0] += q0re.v[v] * sre.v[v] + q0im.v[v] * sim.v[v];
+                dot[1] += q1re.v[v] * dre.v[v] + q1im.v[v] * dim_.v[v];
+                largest[0] = fmaxf(largest[0], fmaxf(fabsf(q0re.v[v]), fabsf(q0im.v[v])));
+                largest[1] = fmaxf(largest[1], fmaxf(fabsf(q1re.v[v]), fabsf(q1im.v[v])));
             }
-            q[k] = qre;
-            q[k + h] = qim;
-            dot += qre * t[k] + qim * t[k + h];
-            largest = fmaxf(largest, fmaxf(fabsf(qre), fabsf(qim)));
+            legend_st<V>(q0 + k, q0re);
+            legend_st<V>(q0 + k + h, q0im);
+            legend_st<V>(q1 + k, q1re);
+            legend_st<V>(q1 + k + h, q1im);
         }
     } else {
-        for (u32 k = lane; k < d; k += 32) {
-            float v = jobs.decoder == LEGEND_DISTMULT ? a[k] * w[k] : a[k];
-            q[k] = v;
-            dot += v * t[k];
-            largest = fmaxf(largest, fabsf(v));
+        bool distmult = decoder == LEGEND_DISTMULT;
+        for (u32 k = V * lane; k < d; k += 32 * V) {
+            LegendVec<V> s = legend_ld<V>(S + k), t = legend_ld<V>(D + k);
+            LegendVec<V> r = distmult ? legend_ld<V>(w + k) : LegendVec<V>{};
+            LegendVec<V> a, b;
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                a.v[v] = distmult ? t.v[v] * r.v[v] : t.v[v];
+                b.v[v] = distmult ? s.v[v] * r.v[v] : s.v[v];
+                dot[0] += a.v[v] * s.v[v];
+                dot[1] += b.v[v] * t.v[v];
+                largest[0] = fmaxf(largest[0], fabsf(a.v[v]));
+                largest[1] = fmaxf(largest[1], fabsf(b.v[v]));
+            }
+            legend_st<V>(q0 + k, a);
+            legend_st<V>(q1 + k, b);
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
-    }
-    if (lane == 0) pos[(u64)z * jobs.max_rows + r] = dot;
-    return largest;
 }
 
-// Queries and positive scores of every row of the group, a warp a row; with jobs.absmax,
-// each job's largest query magnitude too (one atomic a block).
+// Queries and positive scores of edge r of chunk z0 / 2, both sides (rows r of jobs z0 and
+// z0 + 1), by one warp: each row of the edge is read once. Sets each side's largest query
+// magnitude (0 for TransE, whose queries need no FP16 scale).
+__device__ void legend_query_edge(const LegendJobs& jobs, const float* __restrict__ emb,
+                                  const float* __restrict__ rel, float* __restrict__ query,
+                                  float* __restrict__ pos, u32 z0, u32 r, u32 lane,
+                                  float (&largest)[2]) {
+    const u32* e = jobs.edges + 3ull * (jobs.row0[z0] + r);
+    u32 d = jobs.dim;
+    const float* S = emb + (u64)e[0] * d;
+    const float* D = emb + (u64)e[2] * d;
+    const float* w = rel + (u64)e[1] * d;
+    u64 row0 = (u64)z0 * jobs.max_rows + r, row1 = row0 + jobs.max_rows;
+    float *q0 = query + row0 * d, *q1 = query + row1 * d;
+    largest[0] = largest[1] = 0.0f;
+    if (jobs.decoder >= LEGEND_TRANSE_L1) {
+        bool l2 = jobs.decoder == LEGEND_TRANSE_L2;
+        legend_transe_query(l2, 0, D, w, S, q0, d, lane, pos + row0);
+        legend_transe_query(l2, 1, S, w, D, q1, d, lane, pos + row1);
+        return;
+    }
+    float dot[2] = {0.0f, 0.0f};
+    // Rows start 16-byte aligned; ComplEx's halves 8-byte aligned when h is even.
+    if (jobs.decoder == LEGEND_COMPLEX) {
+        if (d % 4 == 0) legend_query_pair<2>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
+        else legend_query_pair<1>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
+    } else if (d % 4 == 0) {
+        legend_query_pair<4>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
+    } else if (d % 2 == 0) {
+        legend_query_pair<2>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
+    } else {
+        legend_query_pair<1>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            dot[s] += __shfl_xor_sync(0xffffffffu, dot[s], o);
+            largest[s] = fmaxf(largest[s], __shfl_xor_sync(0xffffffffu, largest[s], o));
+        }
+    if (lane == 0) {
+        pos[row0] = dot[0];
+        pos[row1] = dot[1];
+    }
+}
+
+// Queries and positive scores of every edge of the group's chunks (blockIdx.y), a warp an
+// edge; with jobs.absmax, each job's largest query magnitude too (one atomic a block and
+// side).
 extern "C" __global__ void legend_queries(LegendJobs jobs, const float* __restrict__ emb,
                                           const float* __restrict__ rel,
                                           float* __restrict__ query, float* __restrict__ pos) {
-    __shared__ u32 block_largest;
-    if (threadIdx.x == 0) block_largest = 0u;
+    __shared__ u32 block_largest[2];
+    if (threadIdx.x < 2) block_largest[threadIdx.x] = 0u;
     __syncthreads();
-    u32 z = blockIdx.y;
+    u32 z0 = 2 * blockIdx.y;
     u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 lane = threadIdx.x & 31;
-    if (r < jobs.rows[z]) {
-        float largest = legend_query_row(jobs, emb, rel, query, pos, z, r, lane);
-        if (lane == 0 && jobs.absmax) atomicMax(&block_largest, __float_as_uint(largest));
+    if (r < jobs.rows[z0]) {
+        float largest[2];
+        legend_query_edge(jobs, emb, rel, query, pos, z0, r, lane, largest);
+        if (lane == 0 && jobs.absmax) {
+            atomicMax(&block_largest[0], __float_as_uint(largest[0]));
+            atomicMax(&block_largest[1], __float_as_uint(largest[1]));
+        }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && jobs.absmax && block_largest)
-        atomicMax(&jobs.absmax[2 * z], block_largest);
+    if (threadIdx.x < 2 && jobs.absmax && block_largest[threadIdx.x])
+        atomicMax(&jobs.absmax[2 * (z0 + threadIdx.x)], block_largest[threadIdx.x]);
 }
 
 // Copies the negatives of every job of the group into dense k x d blocks for the unfused
@@ -335,7 +435,11 @@ extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ neg
     u32 id = negs[(u64)(first_job + z) * k + j];
     const float* g = grad_negs + ((u64)z * k + j) * dim;
     float* out = emb_grad + (u64)id * dim;
-    for (u32 t = lane; t < dim; t += 32) atomicAdd(&out[t], g[t]);
+    if (dim % 4 == 0) {
+        for (u32 t = 4 * lane; t < dim; t += 128) legend_red4(&out[t], legend_ld<4>(&g[t]));
+    } else {
+        for (u32 t = lane; t < dim; t += 32) atomicAdd(&out[t], g[t]);
+    }
     if (lane == 0) legend_mark(emb_flags, emb_list, emb_count, id);
 }
 

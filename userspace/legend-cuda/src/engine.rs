@@ -962,8 +962,9 @@ impl GpuBatchEngine {
                 decoder,
             };
             let rows_ptr = job_args.rows;
-            let per_row = LaunchConfig {
-                grid_dim: (blocks(max_rows, 8), gz, 1),
+            // Both sides of an edge at once (gz is even: whole chunks).
+            let per_edge = LaunchConfig {
+                grid_dim: (blocks(max_rows, 8), gz / 2, 1),
                 ..warps(0)
             };
 
@@ -976,7 +977,7 @@ impl GpuBatchEngine {
             // SAFETY: edges hold the batch, row0/rows the jobs from g0 on; ids were checked
             // against the tables in set_batch/check_tables; query and pos hold group ×
             // max_rows rows.
-            unsafe { b.launch(per_row) }.during("launching legend_queries")?;
+            unsafe { b.launch(per_edge) }.during("launching legend_queries")?;
             self.mark(gpu, "queries")?;
 
             let (g032, k32, d32) = (g0 as u32, k as u32, d as u32);
@@ -1126,11 +1127,7 @@ impl GpuBatchEngine {
                 .arg(&rel_flags)
                 .arg(&rel_list)
                 .arg(&rel_count);
-            let per_edge = LaunchConfig {
-                grid_dim: (blocks(max_rows, 8), gz / 2, 1),
-                ..warps(0)
-            };
-            // SAFETY: as for legend_queries (gz is even: whole chunks); the gradient tables
+            // SAFETY: as for legend_queries; the gradient tables
             // have the shape of the parameter tables and the lists one slot per row (a row
             // is listed once).
             unsafe { b.launch(per_edge) }.during("launching legend_rows_backward")?;
