@@ -90,6 +90,22 @@ __device__ __forceinline__ u32 legend_half2(float lo, float hi) {
     return r;
 }
 
+// Two floats known to lie in FP16's range (G, at most LEGEND_FUSED_G_SCALE) as FP16 in one
+// register, `lo` in the low half: no clamp.
+__device__ __forceinline__ u32 legend_half2_g(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 2^x, by the special-function unit (as __expf, whose argument it takes already
+// multiplied by log2(e)).
+__device__ __forceinline__ float legend_exp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 // G (at most 1 for every loss: a probability, a weighted sigmoid, an indicator) enters the
 // second product scaled by 2^14: a softmax probability or a logistic weight of 1/k with a
 // small sigmoid is often below FP16's smallest normal (6e-5), and unscaled it would lose its
@@ -284,10 +300,10 @@ __device__ __forceinline__ void legend_fused_g_fragments(const float (&s)[LEGEND
     for (int m = 0; m < LEGEND_FUSED_MT; ++m)
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
-            ga[m][jj][0] = legend_half2(G * s[m][2 * jj][0], G * s[m][2 * jj][1]);
-            ga[m][jj][1] = legend_half2(G * s[m][2 * jj][2], G * s[m][2 * jj][3]);
-            ga[m][jj][2] = legend_half2(G * s[m][2 * jj + 1][0], G * s[m][2 * jj + 1][1]);
-            ga[m][jj][3] = legend_half2(G * s[m][2 * jj + 1][2], G * s[m][2 * jj + 1][3]);
+            ga[m][jj][0] = legend_half2_g(G * s[m][2 * jj][0], G * s[m][2 * jj][1]);
+            ga[m][jj][1] = legend_half2_g(G * s[m][2 * jj][2], G * s[m][2 * jj][3]);
+            ga[m][jj][2] = legend_half2_g(G * s[m][2 * jj + 1][0], G * s[m][2 * jj + 1][1]);
+            ga[m][jj][3] = legend_half2_g(G * s[m][2 * jj + 1][2], G * s[m][2 * jj + 1][3]);
         }
 }
 
@@ -407,21 +423,25 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
         u32 sn = sb_at + (it & 1) * T * LegendHalfRows<KS>::BYTES;
         float s[MT][8][4];
         legend_fused_scores<KS>(sa_at, row0, sn, lane, s);
-        legend_fused_unscale(s, s_unscale);
         u32 n0 = it * T + 2 * t;
+        // Only the last tile can reach past k.
+        bool tail = (it + 1) * T > k;
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
             if (f.loss == LEGEND_LOSS_SOFTMAX) {
+                // On the scores as they come (scaled by a power of two, which keeps their
+                // order and makes the unscaled maximum exact): the maximum, then exp with the
+                // unscaling folded into one FFMA.
                 float xa = __int_as_float(0xff800000), xb = xa;
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
-                        if (n0 + 8 * j + (q & 1) >= k) s[m][j][q] = __int_as_float(0xff800000);
+                        if (tail && n0 + 8 * j + (q & 1) >= k) s[m][j][q] = __int_as_float(0xff800000);
                         if (q < 2) xa = fmaxf(xa, s[m][j][q]); else xb = fmaxf(xb, s[m][j][q]);
                     }
-                float na = fmaxf(ma[m], legend_quad_max(xa));
-                float nb = fmaxf(mb[m], legend_quad_max(xb));
+                float na = fmaxf(ma[m], legend_quad_max(xa) * s_unscale);
+                float nb = fmaxf(mb[m], legend_quad_max(xb) * s_unscale);
                 float sca = __expf(ma[m] - na), scb = __expf(mb[m] - nb);
                 ma[m] = na;
                 mb[m] = nb;
@@ -433,27 +453,34 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
                 }
                 la[m] *= sca;
                 lb[m] *= scb;
+                // Past the first tiles a row's maximum seldom moves: the accumulator is
+                // rescaled only when one of the warp's rows' did.
+                if (__any_sync(0xffffffffu, sca != 1.0f || scb != 1.0f)) {
 #pragma unroll
-                for (int n = 0; n < DK; ++n) {
-                    acc[m][n][0] *= sca;
-                    acc[m][n][1] *= sca;
-                    acc[m][n][2] *= scb;
-                    acc[m][n][3] *= scb;
+                    for (int n = 0; n < DK; ++n) {
+                        acc[m][n][0] *= sca;
+                        acc[m][n][1] *= sca;
+                        acc[m][n][2] *= scb;
+                        acc[m][n][3] *= scb;
+                    }
                 }
+                constexpr float LOG2E = 1.4426950408889634f;
+                float u = s_unscale * LOG2E, ba = na * LOG2E, bb = nb * LOG2E;
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
-                        s[m][j][q] = __expf(s[m][j][q] - (q < 2 ? na : nb));
+                        s[m][j][q] = legend_exp2(fmaf(s[m][j][q], u, -(q < 2 ? ba : bb)));
                         if (q < 2) la[m] += s[m][j][q]; else lb[m] += s[m][j][q];
                     }
             } else {
+                legend_fused_unscale(s, s_unscale);
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
                         float x = s[m][j][q];
-                        bool ok = n0 + 8 * j + (q & 1) < k;
+                        bool ok = !tail || n0 + 8 * j + (q & 1) < k;
                         float term, grad;
                         if (f.loss == LEGEND_LOSS_LOGISTIC) {
                             float ex = __expf(-fabsf(x));
@@ -553,13 +580,14 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     }
 }
 
-// The FP16 pair x with its halves multiplied by c.x (low) and c.y (high), in FP32.
+// The FP16 pair x (of G) with its halves multiplied by c.x (low) and c.y (high, both at
+// most 1), in FP32.
 __device__ __forceinline__ u32 legend_half2_times(u32 x, float2 c) {
     float lo, hi;
     asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
         : "=f"(lo), "=f"(hi)
         : "r"(x));
-    return legend_half2(lo * c.x, hi * c.y);
+    return legend_half2_g(lo * c.x, hi * c.y);
 }
 
 template <int DK, int KS>
