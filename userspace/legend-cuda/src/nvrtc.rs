@@ -119,11 +119,66 @@ pub struct Compiled {
 /// Compiles the program for `arch` (`sm_80`, `sm_90`, ...). Fails on an error; warnings
 /// come back in [`Compiled::log`].
 pub fn compile(arch: &str) -> Result<Compiled, GpuError> {
-    compile_source(arch, &program_source()?)
+    compile_source(arch, &program_source()?, &[])
 }
 
-/// Compiles `source` (a [`program_source`]) for `arch`.
-fn compile_source(arch: &str, source: &str) -> Result<Compiled, GpuError> {
+/// What ptxas gave one kernel: registers a thread and the bytes it spills (stores and
+/// loads per thread).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelResources {
+    /// The entry point.
+    pub name: String,
+    /// Registers a thread.
+    pub registers: u32,
+    /// Bytes a thread spills to local memory, and loads back.
+    pub spill_stores: u32,
+    /// See `spill_stores`.
+    pub spill_loads: u32,
+}
+
+/// Compiles the program for `arch` with ptxas's report and returns each kernel's
+/// resources, in the report's order: register pressure and spills (which decide how many
+/// blocks a multiprocessor holds) are visible without a GPU.
+pub fn resource_usage(arch: &str) -> Result<Vec<KernelResources>, GpuError> {
+    let compiled = compile_source(arch, &program_source()?, &["--ptxas-options=-v"])?;
+    Ok(parse_ptxas_report(&compiled.log))
+}
+
+/// The per-kernel figures of a ptxas `-v` report: a "Compiling entry function 'NAME'" line,
+/// then "N bytes stack frame, S bytes spill stores, L bytes spill loads" and "Used R
+/// registers".
+fn parse_ptxas_report(log: &str) -> Vec<KernelResources> {
+    let number_before = |line: &str, word: &str| -> Option<u32> {
+        let at = line.find(word)?;
+        line[..at].split_whitespace().last()?.parse().ok()
+    };
+    let mut out: Vec<KernelResources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or_default().to_string();
+            out.push(KernelResources {
+                name,
+                registers: 0,
+                spill_stores: 0,
+                spill_loads: 0,
+            });
+        } else if let Some(k) = out.last_mut() {
+            if let Some(n) = number_before(line, "registers") {
+                k.registers = n;
+            }
+            if let Some(n) = number_before(line, "bytes spill stores") {
+                k.spill_stores = n;
+            }
+            if let Some(n) = number_before(line, "bytes spill loads") {
+                k.spill_loads = n;
+            }
+        }
+    }
+    out
+}
+
+/// Compiles `source` (a [`program_source`]) for `arch`, with `extra` options.
+fn compile_source(arch: &str, source: &str, extra: &[&str]) -> Result<Compiled, GpuError> {
     if !nvrtc_present() {
         return Err(GpuError::NoNvrtc);
     }
@@ -134,8 +189,10 @@ fn compile_source(arch: &str, source: &str) -> Result<Compiled, GpuError> {
     let src = CString::new(source).map_err(|_| fail("a source holds a NUL".into()))?;
     let prog = result::create_program(&src, Some(c"legend_kernels.cu"))
         .map_err(|e| fail(format!("nvrtcCreateProgram: {e:?}")))?;
+    let mut opts = options(arch);
+    opts.extend(extra.iter().map(|o| o.to_string()));
     // SAFETY: `prog` was just created and is destroyed once, below.
-    let status = unsafe { result::compile_program(prog, &options(arch)) };
+    let status = unsafe { result::compile_program(prog, &opts) };
     // SAFETY: `prog` is live.
     let log = unsafe { result::get_program_log(prog) }
         .map(|raw| c_chars_to_string(&raw))
@@ -199,7 +256,7 @@ pub fn cached_ptx(arch: &str) -> Result<String, GpuError> {
     {
         return Ok(ptx);
     }
-    let compiled = compile_source(arch, &source)?;
+    let compiled = compile_source(arch, &source, &[])?;
     if let Some(path) = path {
         let io = |source| GpuError::Cache {
             path: path.clone(),
@@ -227,6 +284,53 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    #[test]
+    fn resource_usage_covers_every_kernel_where_nvrtc_is_present() {
+        if !nvrtc_present() {
+            println!("skip: libnvrtc.so.13 not found (set LD_LIBRARY_PATH)");
+            return;
+        }
+        let usage = resource_usage("sm_90").unwrap_or_else(|e| panic!("{e}"));
+        for name in KERNEL_NAMES {
+            let k = usage.iter().find(|k| k.name == name);
+            let k = k.unwrap_or_else(|| panic!("{name} missing from the ptxas report"));
+            // Every kernel needs some registers; the fused ones are capped at 128 by their
+            // launch bounds (256 threads, two blocks a multiprocessor).
+            assert!(k.registers > 0, "{k:?}");
+            if name.starts_with("legend_fused_rows") || name.starts_with("legend_fused_neg") {
+                assert!(k.registers <= 128, "{k:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn ptxas_reports_parse() {
+        let log = "ptxas info    : Compiling entry function 'legend_a' for 'sm_90'\n\
+                   ptxas info    : Function properties for legend_a\n\
+                   ptxas         .     40 bytes stack frame, 32 bytes spill stores, 68 bytes spill loads\n\
+                   ptxas info    : Used 128 registers, used 1 barriers, 40 bytes cumulative stack size\n\
+                   ptxas info    : Compiling entry function 'legend_b' for 'sm_90'\n\
+                   ptxas info    : Used 25 registers, used 0 barriers";
+        let got = parse_ptxas_report(log);
+        assert_eq!(
+            got,
+            vec![
+                KernelResources {
+                    name: "legend_a".into(),
+                    registers: 128,
+                    spill_stores: 32,
+                    spill_loads: 68
+                },
+                KernelResources {
+                    name: "legend_b".into(),
+                    registers: 25,
+                    spill_stores: 0,
+                    spill_loads: 0
+                },
+            ]
+        );
     }
 
     #[test]

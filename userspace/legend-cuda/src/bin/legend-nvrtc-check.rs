@@ -1,16 +1,33 @@
 //! Compiles every Legend kernel with NVRTC for each architecture named on the command line
-//! (default: sm_80 and sm_90) and fails on any error or warning. Needs `libnvrtc.so.13` on
-//! the library path, no GPU and no driver.
+//! (default: sm_80 and sm_90) and fails on any error or warning. With `--resources`, also
+//! prints each kernel's registers and spills as ptxas reports them. Needs `libnvrtc.so.13`
+//! on the library path, no GPU and no driver.
 
 use std::process::ExitCode;
 
 use legend_cuda::nvrtc;
 
-fn main() -> ExitCode {
-    let mut archs: Vec<String> = std::env::args().skip(1).collect();
-    if archs.is_empty() {
-        archs = vec!["sm_80".into(), "sm_90".into()];
+/// Prints ptxas's registers and spill bytes for every kernel built for `arch`.
+fn print_resources(arch: &str) -> Result<(), legend_cuda::GpuError> {
+    println!("{arch}: registers a thread, spill stores / loads (bytes a thread)");
+    for k in nvrtc::resource_usage(arch)? {
+        println!(
+            "  {:<32} {:>3}  {:>4} / {:<4}",
+            k.name, k.registers, k.spill_stores, k.spill_loads
+        );
     }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let resources = args.iter().any(|a| a == "--resources");
+    args.retain(|a| a != "--resources");
+    let archs = if args.is_empty() {
+        vec!["sm_80".into(), "sm_90".into()]
+    } else {
+        args
+    };
     let version = match nvrtc::nvrtc_version() {
         Ok(v) => v,
         Err(e) => {
@@ -49,6 +66,10 @@ fn main() -> ExitCode {
                 eprintln!("error: {e}");
                 failed = true;
             }
+        }
+        if resources && let Err(e) = print_resources(arch) {
+            eprintln!("error: {e}");
+            failed = true;
         }
     }
     if failed {
