@@ -435,7 +435,7 @@ pub struct BatchShape {
     /// Jobs (chunk sides) per launch, rounded up to whole chunks (an even number): more
     /// fills the GPU better, fewer needs less memory (the score buffer holds
     /// `group × ⌈max_batch / num_chunks⌉ × negatives` floats, and TransE L2 as many
-    /// inverse distances). On an H100, a whole batch (`2 · num_chunks`) was fastest for 10
+    /// inverse distances; the fused kernels' G as many FP16 values instead). On an H100, a whole batch (`2 · num_chunks`) was fastest for 10
     /// chunks of 10⁴ rows.
     pub group: usize,
 }
