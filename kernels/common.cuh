@@ -33,6 +33,38 @@ __device__ __forceinline__ void legend_mark(u32* flags, u32* list, u32* count, u
     }
 }
 
+// Where a step's gradient of one table row goes: added atomically into the gradient table
+// (the row is listed for legend_adagrad), or, for a node row the batch uses only once
+// (`direct`, from legend_count_uses), straight into AdaGrad on its parameters and state:
+// that one contribution is the row's whole gradient, so no table or second pass is needed.
+struct LegendRowSink {
+    float* grad;
+    float* param;
+    float* state;
+    bool direct;
+    float lr;
+    float eps;
+};
+
+// Element k's AdaGrad state for a direct row (0 otherwise), loaded by the caller with the
+// row's other values, so that the update waits for no further load.
+__device__ __forceinline__ float legend_sink_state(const LegendRowSink& row, u32 k) {
+    return row.direct ? row.state[k] : 0.0f;
+}
+
+// Element k of the row gets gradient g; for a direct row, `param` and `state` are the
+// element's values as loaded before.
+__device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k, float g,
+                                                float param, float state) {
+    if (row.direct) {
+        float s = state + g * g;
+        row.state[k] = s;
+        row.param[k] = param - row.lr * g / (sqrtf(s) + row.eps);
+    } else {
+        atomicAdd(&row.grad[k], g);
+    }
+}
+
 // Decoders and losses, numbered as in the Rust enums of legend-cuda.
 #define LEGEND_DOT 0
 #define LEGEND_DISTMULT 1

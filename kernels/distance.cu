@@ -84,7 +84,8 @@ __device__ __forceinline__ void legend_transe_query(bool l2, u32 side, const flo
 // L2), ∂L/∂q = dq - u and the truth gets +u; the anchor gets ∂L/∂q and the relation ±∂L/∂q.
 __device__ __forceinline__ void legend_transe_edge_backward(
     bool l2, u32 d, u32 lane, const float* S, const float* D, const float* q0, const float* q1,
-    const float* dq0, const float* dq1, float gp0, float gp1, float* gs, float* gd, float* gw) {
+    const float* dq0, const float* dq1, float gp0, float gp1, const LegendRowSink& gs,
+    const LegendRowSink& gd, const LegendRowSink& gw) {
     float c0 = gp0, c1 = gp1;
     if (l2) {
         float d0 = legend_row_distance(q0, S, d, lane, true);
@@ -93,12 +94,14 @@ __device__ __forceinline__ void legend_transe_edge_backward(
         c1 = d1 > 0.0f ? gp1 / d1 : 0.0f;
     }
     for (u32 k = lane; k < d; k += 32) {
-        float u0 = c0 * (l2 ? q0[k] - S[k] : legend_dist_phi<false>(q0[k], S[k]));
-        float u1 = c1 * (l2 ? q1[k] - D[k] : legend_dist_phi<false>(q1[k], D[k]));
+        float sk = S[k], dk = D[k];
+        float ss = legend_sink_state(gs, k), sd = legend_sink_state(gd, k);
+        float u0 = c0 * (l2 ? q0[k] - sk : legend_dist_phi<false>(q0[k], sk));
+        float u1 = c1 * (l2 ? q1[k] - dk : legend_dist_phi<false>(q1[k], dk));
         float g0 = dq0[k] - u0, g1 = dq1[k] - u1;
-        atomicAdd(&gs[k], u0 + g1);
-        atomicAdd(&gd[k], g0 + u1);
-        atomicAdd(&gw[k], g1 - g0);
+        legend_sink_add(gs, k, u0 + g1, sk, ss);
+        legend_sink_add(gd, k, g0 + u1, dk, sd);
+        legend_sink_add(gw, k, g1 - g0, 0.0f, 0.0f);
     }
 }
 

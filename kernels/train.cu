@@ -330,30 +330,50 @@ __device__ __forceinline__ void legend_mark_local(u32* flags, u32 id, u32* list,
     if (atomicExch(&flags[id], 1u) == 0u) list[atomicAdd(count, 1u)] = id;
 }
 
+// What the backward kernels need to update a node row used once by the batch in place
+// (legend_count_uses, LegendRowSink): the AdaGrad state and settings, and the use counts,
+// null when every row goes through the gradient table (GpuBatchEngine::forward_backward).
+struct LegendDirect {
+    float* state;
+    u32* uses;
+    float lr;
+    float eps;
+};
+
+// The sink of node row `id` (d floats a row), direct when the batch uses the row once.
+__device__ __forceinline__ LegendRowSink legend_node_sink(float* emb, float* emb_grad,
+                                                          const LegendDirect& direct, u32 id,
+                                                          u32 d) {
+    u64 at = (u64)id * d;
+    bool once = direct.uses && direct.uses[id] == 1u;
+    return LegendRowSink{emb_grad + at, emb + at, direct.state + at, once, direct.lr, direct.eps};
+}
+
 // The work of one warp in legend_rows_backward: edge `r` of chunk z0 / 2.
-__device__ void legend_edge_backward(LegendJobs jobs, const float* __restrict__ emb,
-                                     const float* __restrict__ rel,
+__device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* __restrict__ rel,
                                      const float* __restrict__ query,
                                      const float* __restrict__ grad_query,
                                      const float* __restrict__ grad_pos,
                                      float* __restrict__ emb_grad, u32* emb_flags,
-                                     float* __restrict__ rel_grad, u32* rel_flags, u32 z0,
-                                     u32 z1, u32 r, u32 lane, u32* new_rows, u32* n_rows,
-                                     u32* new_rels, u32* n_rels) {
+                                     const LegendDirect& direct, float* __restrict__ rel_grad,
+                                     u32* rel_flags, u32 z0, u32 z1, u32 r, u32 lane,
+                                     u32* new_rows, u32* n_rows, u32* new_rels, u32* n_rels) {
     const u32* e = jobs.edges + 3ull * (jobs.row0[z0] + r);
     u32 src = e[0], relation = e[1], dst = e[2];
     u32 d = jobs.dim;
     // Side 0 replaces sources (query from the destination), side 1 destinations.
     u64 row0 = (u64)z0 * jobs.max_rows + r, row1 = (u64)z1 * jobs.max_rows + r;
+    // Read before any update: a row updated in place is used by this edge alone, and each
+    // lane reads the elements it then writes.
     const float* S = emb + (u64)src * d;
     const float* D = emb + (u64)dst * d;
     const float* w = rel + (u64)relation * d;
     const float *q0 = query + row0 * d, *q1 = query + row1 * d;
     const float *dq0 = grad_query + row0 * d, *dq1 = grad_query + row1 * d;
     float gp0 = grad_pos[row0], gp1 = grad_pos[row1];
-    float* gs = emb_grad + (u64)src * d;
-    float* gd = emb_grad + (u64)dst * d;
-    float* gw = rel_grad + (u64)relation * d;
+    LegendRowSink gs = legend_node_sink(emb, emb_grad, direct, src, d);
+    LegendRowSink gd = legend_node_sink(emb, emb_grad, direct, dst, d);
+    LegendRowSink gw{rel_grad + (u64)relation * d, nullptr, nullptr, false, 0.0f, 0.0f};
     if (jobs.decoder >= LEGEND_TRANSE_L1) {
         legend_transe_edge_backward(jobs.decoder == LEGEND_TRANSE_L2, d, lane, S, D, q0, q1, dq0,
                                     dq1, gp0, gp1, gs, gd, gw);
@@ -362,30 +382,41 @@ __device__ void legend_edge_backward(LegendJobs jobs, const float* __restrict__ 
         for (u32 k = lane; k < h; k += 32) {
             float sre = S[k], sim = S[k + h], dre = D[k], dim_ = D[k + h];
             float rre = w[k], rim = w[k + h];
+            float ssre = legend_sink_state(gs, k), ssim = legend_sink_state(gs, k + h);
+            float sdre = legend_sink_state(gd, k), sdim = legend_sink_state(gd, k + h);
             float g0re = dq0[k] + gp0 * sre, g0im = dq0[k + h] + gp0 * sim;
             float g1re = dq1[k] + gp1 * dre, g1im = dq1[k + h] + gp1 * dim_;
             // Transposes of the 2x2 real Jacobians of the complex products, plus the
             // positive-score gradients of the true candidates.
-            atomicAdd(&gs[k], gp0 * q0[k] + g1re * rre + g1im * rim);
-            atomicAdd(&gs[k + h], gp0 * q0[k + h] + g1im * rre - g1re * rim);
-            atomicAdd(&gd[k], gp1 * q1[k] + g0re * rre - g0im * rim);
-            atomicAdd(&gd[k + h], gp1 * q1[k + h] + g0re * rim + g0im * rre);
-            atomicAdd(&gw[k], g0re * dre + g0im * dim_ + g1re * sre + g1im * sim);
-            atomicAdd(&gw[k + h], g0re * dim_ - g0im * dre + g1im * sre - g1re * sim);
+            legend_sink_add(gs, k, gp0 * q0[k] + g1re * rre + g1im * rim, sre, ssre);
+            legend_sink_add(gs, k + h, gp0 * q0[k + h] + g1im * rre - g1re * rim, sim, ssim);
+            legend_sink_add(gd, k, gp1 * q1[k] + g0re * rre - g0im * rim, dre, sdre);
+            legend_sink_add(gd, k + h, gp1 * q1[k + h] + g0re * rim + g0im * rre, dim_, sdim);
+            legend_sink_add(gw, k, g0re * dre + g0im * dim_ + g1re * sre + g1im * sim, 0.0f,
+                            0.0f);
+            legend_sink_add(gw, k + h, g0re * dim_ - g0im * dre + g1im * sre - g1re * sim, 0.0f,
+                            0.0f);
         }
     } else {
         bool distmult = jobs.decoder == LEGEND_DISTMULT;
         for (u32 k = lane; k < d; k += 32) {
-            float g0 = dq0[k] + gp0 * S[k], g1 = dq1[k] + gp1 * D[k];
+            float sk = S[k], dk = D[k];
+            float ss = legend_sink_state(gs, k), sd = legend_sink_state(gd, k);
+            float g0 = dq0[k] + gp0 * sk, g1 = dq1[k] + gp1 * dk;
             float wk = distmult ? w[k] : 1.0f;
-            atomicAdd(&gs[k], gp0 * q0[k] + g1 * wk);
-            atomicAdd(&gd[k], gp1 * q1[k] + g0 * wk);
-            if (distmult) atomicAdd(&gw[k], g0 * D[k] + g1 * S[k]);
+            legend_sink_add(gs, k, gp0 * q0[k] + g1 * wk, sk, ss);
+            legend_sink_add(gd, k, gp1 * q1[k] + g0 * wk, dk, sd);
+            if (distmult) legend_sink_add(gw, k, g0 * dk + g1 * sk, 0.0f, 0.0f);
         }
     }
+    // Rows updated in place are done: their use counts go back to zero (after every lane
+    // has read them), the others are listed for legend_adagrad.
+    __syncwarp();
     if (lane == 0) {
-        legend_mark_local(emb_flags, src, new_rows, n_rows);
-        legend_mark_local(emb_flags, dst, new_rows, n_rows);
+        if (gs.direct) direct.uses[src] = 0u;
+        else legend_mark_local(emb_flags, src, new_rows, n_rows);
+        if (gd.direct) direct.uses[dst] = 0u;
+        else legend_mark_local(emb_flags, dst, new_rows, n_rows);
         if (jobs.decoder != LEGEND_DOT) legend_mark_local(rel_flags, relation, new_rels, n_rels);
     }
 }
@@ -394,12 +425,13 @@ __device__ void legend_edge_backward(LegendJobs jobs, const float* __restrict__ 
 // at once (jobs 2c and 2c + 1 of a chunk share their rows, and launches hold whole chunks):
 // with dq = G·N + grad_pos · true (from the product kernel), adds ∂L/∂source,
 // ∂L/∂destination and ∂L/∂relation of the edge into the gradient tables, one atomic per
-// element and table, and marks the rows for the optimizer. blockIdx.y is the chunk.
+// element and table, and marks the rows for the optimizer; a node row the batch uses once
+// (direct.uses) gets its AdaGrad step here instead. blockIdx.y is the chunk.
 extern "C" __global__ void legend_rows_backward(
-    LegendJobs jobs, const float* __restrict__ emb, const float* __restrict__ rel,
-    const float* __restrict__ query, const float* __restrict__ grad_query,
-    const float* __restrict__ grad_pos, float* __restrict__ emb_grad, u32* emb_flags,
-    u32* emb_list, u32* emb_count, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
+    LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ query,
+    const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
+    float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
+    LegendDirect direct, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
     u32* rel_count) {
     // Rows newly marked by this block, appended to the global lists with one atomic per
     // block: a per-row atomic on the shared counters serialised the whole kernel.
@@ -410,8 +442,9 @@ extern "C" __global__ void legend_rows_backward(
     u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 lane = threadIdx.x & 31;
     if (r < jobs.rows[z0]) legend_edge_backward(jobs, emb, rel, query, grad_query, grad_pos,
-                                                emb_grad, emb_flags, rel_grad, rel_flags, z0, z1,
-                                                r, lane, new_rows, &n_rows, new_rels, &n_rels);
+                                                emb_grad, emb_flags, direct, rel_grad, rel_flags,
+                                                z0, z1, r, lane, new_rows, &n_rows, new_rels,
+                                                &n_rels);
     __syncthreads();
     if (threadIdx.x == 0) {
         if (n_rows) base_rows = atomicAdd(emb_count, n_rows);
@@ -422,18 +455,28 @@ extern "C" __global__ void legend_rows_backward(
     if (threadIdx.x < n_rels) rel_list[base_rels + threadIdx.x] = new_rels[threadIdx.x];
 }
 
-// Adds the gradients of the negatives (k x d per job) into the entity gradient table.
+// Adds the gradients of the negatives (k x d per job) into the entity gradient table; a
+// row the batch uses once (direct.uses) gets its AdaGrad step here instead.
 extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ negs, u32 first_job,
                                                      u32 k, u32 dim,
                                                      const float* __restrict__ grad_negs,
-                                                     float* __restrict__ emb_grad, u32* emb_flags,
-                                                     u32* emb_list, u32* emb_count) {
+                                                     float* emb, float* __restrict__ emb_grad,
+                                                     u32* emb_flags, u32* emb_list,
+                                                     u32* emb_count, LegendDirect direct) {
     u32 z = blockIdx.y;
     u32 j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 lane = threadIdx.x & 31;
     if (j >= k) return;
     u32 id = negs[(u64)(first_job + z) * k + j];
     const float* g = grad_negs + ((u64)z * k + j) * dim;
+    LegendRowSink row = legend_node_sink(emb, emb_grad, direct, id, dim);
+    if (row.direct) {
+        for (u32 t = lane; t < dim; t += 32)
+            legend_sink_add(row, t, g[t], row.param[t], row.state[t]);
+        __syncwarp();
+        if (lane == 0) direct.uses[id] = 0u;
+        return;
+    }
     float* out = emb_grad + (u64)id * dim;
     if (dim % 4 == 0) {
         for (u32 t = 4 * lane; t < dim; t += 128) legend_red4(&out[t], legend_ld<4>(&g[t]));
@@ -443,11 +486,24 @@ extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ neg
     if (lane == 0) legend_mark(emb_flags, emb_list, emb_count, id);
 }
 
+// Counts the batch's uses of each node row into uses (zero before): both endpoints of
+// every edge and every negative of every job, a thread each. A row used once can take its
+// AdaGrad step in the backward kernels (LegendDirect); they and legend_adagrad set the
+// counts back to zero.
+extern "C" __global__ void legend_count_uses(const u32* __restrict__ edges, u32 batch_len,
+                                             const u32* __restrict__ negs, u32 n_negs,
+                                             u32* uses) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 endpoints = 2ull * batch_len;
+    if (i < endpoints) atomicAdd(&uses[edges[3 * (i >> 1) + ((i & 1) ? 2 : 0)]], 1u);
+    else if (i < endpoints + n_negs) atomicAdd(&uses[negs[i - endpoints]], 1u);
+}
+
 // Elementwise AdaGrad on every row marked this batch (one warp a row), in place:
-// state += g²; param -= lr · g / (sqrt(state) + eps). Leaves the gradient rows and marks
-// zeroed for the next batch.
+// state += g²; param -= lr · g / (sqrt(state) + eps). Leaves the gradient rows, marks and
+// (uses, when not null) use counts zeroed for the next batch.
 extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __restrict__ state,
-                                          float* __restrict__ grad, u32* flags,
+                                          float* __restrict__ grad, u32* flags, u32* uses,
                                           const u32* __restrict__ list,
                                           const u32* __restrict__ count, u32 dim, float lr,
                                           float eps) {
@@ -485,5 +541,8 @@ extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __re
             grad[base + t] = 0.0f;
         }
     }
-    if (lane == 0) flags[id] = 0u;
+    if (lane == 0) {
+        flags[id] = 0u;
+        if (uses) uses[id] = 0u;
+    }
 }

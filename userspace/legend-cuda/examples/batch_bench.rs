@@ -93,31 +93,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let dist = Distribution::Uniform { bound: 0.5 };
             let mut nodes = DeviceTable::init(&gpu, ENTITIES, DIM, 0, 7, Table::Node, dist)?;
             let mut rels = DeviceTable::init(&gpu, RELATIONS, DIM, 0, 7, Table::Relation, dist)?;
-            let (mut total, mut sample, mut fb, mut opt) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut total, mut sample, mut steps) = (Vec::new(), Vec::new(), Vec::new());
             let mut unique_rows = 0usize;
             let mut loss = 0.0;
             for it in 0..WARMUP + TIMED {
                 let b = it as u64 % BATCHES;
                 engine.set_batch(&gpu, &batches[b as usize])?;
                 let keys = negative_keys(11, 1, it as u64, engine.chunks());
-                let ev: Vec<_> = (0..4)
+                let ev: Vec<_> = (0..3)
                     .map(|_| ctx.new_event(timing))
                     .collect::<Result<_, _>>()?;
                 ev[0].record(gpu.stream())?;
                 engine.sample_negatives(&gpu, std::slice::from_ref(&all), &keys, 0.0)?;
                 ev[1].record(gpu.stream())?;
-                engine.forward_backward(&gpu, &mut nodes, Some(&mut rels))?;
+                engine.step(&gpu, &mut nodes, Some(&mut rels))?;
                 ev[2].record(gpu.stream())?;
-                engine.apply(&gpu, &mut nodes, Some(&mut rels))?;
-                ev[3].record(gpu.stream())?;
                 loss = engine.loss(&gpu)?;
                 gpu.synchronize()?;
                 if it >= WARMUP {
-                    total.push(f64::from(ev[0].elapsed_ms(&ev[3])?));
+                    total.push(f64::from(ev[0].elapsed_ms(&ev[2])?));
                     sample.push(f64::from(ev[0].elapsed_ms(&ev[1])?));
-                    fb.push(f64::from(ev[1].elapsed_ms(&ev[2])?));
-                    opt.push(f64::from(ev[2].elapsed_ms(&ev[3])?));
+                    steps.push(f64::from(ev[1].elapsed_ms(&ev[2])?));
                 }
                 if it == WARMUP {
                     let mut ids: Vec<u32> = engine.negatives(&gpu)?;
@@ -146,12 +142,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // read and written once, plus the edges.
             let bytes = unique_rows as f64 * DIM as f64 * 4.0 * 4.0 + BATCH as f64 * 12.0;
             let line = format!(
-                "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"group\":{group},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"forward_backward_ms\":{:.4},\"adagrad_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
+                "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"group\":{group},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"step_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
                 gpu.name(),
                 median(&mut total),
                 median(&mut sample),
-                median(&mut fb),
-                median(&mut opt),
+                median(&mut steps),
                 engine.step_flops(),
                 bytes,
                 loss / BATCH as f64,

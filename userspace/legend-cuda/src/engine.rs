@@ -79,6 +79,22 @@ struct JobArgs {
 // 4-byte fields: no padding).
 unsafe impl DeviceRepr for JobArgs {}
 
+/// In-place AdaGrad for node rows used once (`LegendDirect` in `kernels/train.cu`): the
+/// node table's state and use counts (a null `uses` sends every row through the gradient
+/// table), and the optimizer's settings.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct DirectArgs {
+    state: u64,
+    uses: u64,
+    lr: f32,
+    eps: f32,
+}
+
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (two pointers, two floats:
+// no padding).
+unsafe impl DeviceRepr for DirectArgs {}
+
 /// Buffers and sizes of the fused kernels (`LegendFused` in `kernels/fused.cu`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -143,7 +159,8 @@ enum Product {
 }
 
 /// A parameter table on the device: embeddings, AdaGrad state, and the per-batch gradient
-/// accumulator with its touched-row list (both left cleared between steps).
+/// accumulator with its touched-row list and each row's use count (all left cleared between
+/// steps).
 pub struct DeviceTable {
     rows: usize,
     dim: usize,
@@ -153,6 +170,8 @@ pub struct DeviceTable {
     flags: CudaSlice<u32>,
     list: CudaSlice<u32>,
     count: CudaSlice<u32>,
+    /// Uses of each row by the current batch (`legend_count_uses`, [`GpuBatchEngine::step`]).
+    uses: CudaSlice<u32>,
 }
 
 impl DeviceTable {
@@ -175,6 +194,7 @@ impl DeviceTable {
             flags: gpu.zeros(rows)?,
             list: gpu.zeros(rows)?,
             count: gpu.zeros(1)?,
+            uses: gpu.zeros(rows)?,
         })
     }
 
@@ -193,6 +213,7 @@ impl DeviceTable {
             flags: gpu.zeros(rows)?,
             list: gpu.zeros(rows)?,
             count: gpu.zeros(1)?,
+            uses: gpu.zeros(rows)?,
         })
     }
 
@@ -219,6 +240,7 @@ impl DeviceTable {
             flags: gpu.zeros(rows)?,
             list: gpu.zeros(rows)?,
             count: gpu.zeros(1)?,
+            uses: gpu.zeros(rows)?,
         })
     }
 
@@ -315,6 +337,11 @@ impl DeviceTable {
     /// (all zeros outside a step), for checks.
     pub fn pending_gradients(&self, gpu: &Gpu) -> Result<Vec<f32>, GpuError> {
         gpu.download(&self.grad)
+    }
+
+    /// Each row's use count (all zeros outside a step), for checks.
+    pub fn pending_uses(&self, gpu: &Gpu) -> Result<Vec<u32>, GpuError> {
+        gpu.download(&self.uses)
     }
 }
 
@@ -908,6 +935,36 @@ impl GpuBatchEngine {
         nodes: &mut DeviceTable,
         rels: Option<&mut DeviceTable>,
     ) -> Result<(), GpuError> {
+        self.passes(gpu, nodes, rels, false)
+    }
+
+    /// Counts the current batch's uses of each node row into `nodes.uses`.
+    fn count_uses(&mut self, gpu: &Gpu, nodes: &mut DeviceTable) -> Result<(), GpuError> {
+        let negs = 2 * self.chunks * self.shape.negatives;
+        let (len32, negs32) = (self.batch_len as u32, negs as u32);
+        let cfg = grid_1d((2 * self.batch_len + negs) as u64)?;
+        let mut b = gpu.stream().launch_builder(&gpu.kernels.count_uses);
+        b.arg(&self.edges)
+            .arg(&len32)
+            .arg(&self.negs)
+            .arg(&negs32)
+            .arg(&mut nodes.uses);
+        // SAFETY: edges holds batch_len edges and negs 2·chunks·k ids, all rows of the node
+        // table (checked by check_tables and when set), which uses has one counter each.
+        unsafe { b.launch(cfg) }.during("launching legend_count_uses")?;
+        self.mark(gpu, "count_uses")
+    }
+
+    /// The forward and backward passes; with `direct`, the node rows the batch uses once
+    /// (counted by `count_uses` before) take their AdaGrad step in the backward kernels and
+    /// stay out of the gradient table and lists.
+    fn passes(
+        &mut self,
+        gpu: &Gpu,
+        nodes: &mut DeviceTable,
+        rels: Option<&mut DeviceTable>,
+        direct: bool,
+    ) -> Result<(), GpuError> {
         if self.chunks == 0 {
             return Err(GpuError::Shape("no batch set".into()));
         }
@@ -1112,9 +1169,15 @@ impl GpuBatchEngine {
                 self.mark(gpu, "grad_negatives_product")?;
             }
 
+            let direct_args = DirectArgs {
+                state: gpu.ptr(&nodes.state),
+                uses: if direct { gpu.ptr(&nodes.uses) } else { 0 },
+                lr: self.optimizer.lr,
+                eps: self.optimizer.eps,
+            };
             let mut b = s.launch_builder(&kern.rows_backward);
             b.arg(&job_args)
-                .arg(&nodes.emb)
+                .arg(&mut nodes.emb)
                 .arg(&rel_emb)
                 .arg(&self.query)
                 .arg(&self.grad_query)
@@ -1123,13 +1186,14 @@ impl GpuBatchEngine {
                 .arg(&mut nodes.flags)
                 .arg(&mut nodes.list)
                 .arg(&mut nodes.count)
+                .arg(&direct_args)
                 .arg(&rel_grad)
                 .arg(&rel_flags)
                 .arg(&rel_list)
                 .arg(&rel_count);
-            // SAFETY: as for legend_queries; the gradient tables
-            // have the shape of the parameter tables and the lists one slot per row (a row
-            // is listed once).
+            // SAFETY: as for legend_queries; the gradient tables and the node state have the
+            // shape of the parameter tables, uses one counter a node row, and the lists one
+            // slot per row (a row is listed once).
             unsafe { b.launch(per_edge) }.during("launching legend_rows_backward")?;
             self.mark(gpu, "rows_backward")?;
 
@@ -1139,15 +1203,18 @@ impl GpuBatchEngine {
                 .arg(&k32)
                 .arg(&d32)
                 .arg(&self.grad_negs)
+                .arg(&mut nodes.emb)
                 .arg(&mut nodes.grad)
                 .arg(&mut nodes.flags)
                 .arg(&mut nodes.list)
-                .arg(&mut nodes.count);
+                .arg(&mut nodes.count)
+                .arg(&direct_args);
             let cfg = LaunchConfig {
                 grid_dim: (blocks(k, 8), gz, 1),
                 ..warps(0)
             };
-            // SAFETY: negs ids are below the node rows; grad_negs holds group·k·d floats.
+            // SAFETY: negs ids are below the node rows; grad_negs holds group·k·d floats; the
+            // node state and uses as for legend_rows_backward.
             unsafe { b.launch(cfg) }.during("launching legend_negatives_backward")?;
             self.mark(gpu, "negatives_backward")?;
         }
@@ -1379,6 +1446,7 @@ impl GpuBatchEngine {
             .arg(&mut t.state)
             .arg(&mut t.grad)
             .arg(&mut t.flags)
+            .arg(&mut t.uses)
             .arg(&t.list)
             .arg(&t.count)
             .arg(&d)
@@ -1390,20 +1458,28 @@ impl GpuBatchEngine {
             shared_mem_bytes: 0,
         };
         // SAFETY: the kernel reads the count, then only list entries below it (each a row
-        // id of this table) and those rows of the four same-shaped buffers.
+        // id of this table) and those rows of the four same-shaped buffers and of uses.
         unsafe { b.launch(cfg) }.during("launching legend_adagrad")?;
         self.mark(gpu, "adagrad")?;
         gpu.clear(&mut t.count)
     }
 
-    /// Queues one full step on the current batch and negatives.
+    /// Queues one full step on the current batch and negatives: the result of
+    /// [`forward_backward`](Self::forward_backward) then [`apply`](Self::apply), but the node
+    /// rows the batch uses once (most of them) take their AdaGrad step in the backward
+    /// kernels, without the gradient table's atomics, clearing and second pass.
     pub fn step(
         &mut self,
         gpu: &Gpu,
         nodes: &mut DeviceTable,
         mut rels: Option<&mut DeviceTable>,
     ) -> Result<(), GpuError> {
-        self.forward_backward(gpu, nodes, rels.as_deref_mut())?;
+        if self.chunks == 0 {
+            return Err(GpuError::Shape("no batch set".into()));
+        }
+        self.check_tables(nodes, rels.as_deref())?;
+        self.count_uses(gpu, nodes)?;
+        self.passes(gpu, nodes, rels.as_deref_mut(), true)?;
         self.apply(gpu, nodes, rels)
     }
 

@@ -30,6 +30,7 @@ pub(crate) struct Kernels {
     pub(crate) rows_backward: CudaFunction,
     pub(crate) negatives_backward: CudaFunction,
     pub(crate) adagrad: CudaFunction,
+    pub(crate) count_uses: CudaFunction,
     /// The fused kernels' operand scales and FP16 copy of the negatives.
     pub(crate) fused_absmax: CudaFunction,
     pub(crate) gather_negatives_half: CudaFunction,
@@ -153,6 +154,7 @@ impl Gpu {
             rows_backward: f("legend_rows_backward")?,
             negatives_backward: f("legend_negatives_backward")?,
             adagrad: f("legend_adagrad")?,
+            count_uses: f("legend_count_uses")?,
             fused_absmax: f("legend_fused_absmax")?,
             gather_negatives_half: f("legend_gather_negatives_half")?,
             fused: FUSED_WIDTHS

@@ -21,7 +21,7 @@ pub const KERNEL_SOURCES: [(&str, &str); 8] = [
 ];
 
 /// Every kernel entry point of the program.
-pub const KERNEL_NAMES: [&str; 26] = [
+pub const KERNEL_NAMES: [&str; 27] = [
     "legend_init_rows",
     "legend_sample_negatives",
     "legend_remap_ids",
@@ -38,6 +38,7 @@ pub const KERNEL_NAMES: [&str; 26] = [
     "legend_rows_backward",
     "legend_negatives_backward",
     "legend_adagrad",
+    "legend_count_uses",
     "legend_fused_absmax",
     "legend_gather_negatives_half",
     "legend_fused_rows_d32",

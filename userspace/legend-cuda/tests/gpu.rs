@@ -328,12 +328,52 @@ fn check_step(gpu: &Gpu, case: &Case, s: u64) {
             .all(|&x| x == 0.0),
         "{what}: gradients not cleared"
     );
-    if case.decoder.uses_relations() {
+    let new_rel = if case.decoder.uses_relations() {
         let (new_rel, _) = rels.download(gpu).unwrap();
         assert!(
             rel_err(&new_rel, &rel) > 0.0 && new_rel.iter().all(|x| x.is_finite()),
             "{what}: relations"
         );
+        Some(new_rel)
+    } else {
+        None
+    };
+
+    // The trainer's path from the same tables: `step` gives the rows used once their
+    // AdaGrad step in the backward kernels; it must end where forward_backward then apply
+    // ended, with the gradients and use counts cleared.
+    let mut nodes = DeviceTable::from_host(gpu, d, &emb, &state).unwrap();
+    let mut rels = DeviceTable::from_host(gpu, d, &rel, &rel_state).unwrap();
+    engine.step(gpu, &mut nodes, Some(&mut rels)).unwrap();
+    let (step_emb, step_state) = nodes.download(gpu).unwrap();
+    let step_moved: Vec<f32> = step_emb.iter().zip(&emb).map(|(a, b)| a - b).collect();
+    let (path_err, path_state_err) = (
+        rel_err(&step_moved, &moved),
+        rel_err(&step_state, &new_state),
+    );
+    println!(
+        "{what}: step vs forward_backward + apply: moves {path_err:.2e}, state {path_state_err:.2e}"
+    );
+    assert!(path_err < 1e-5 && path_state_err < 1e-6, "{what}: step");
+    assert!(
+        nodes
+            .pending_gradients(gpu)
+            .unwrap()
+            .iter()
+            .all(|&x| x == 0.0)
+            && nodes.pending_uses(gpu).unwrap().iter().all(|&u| u == 0),
+        "{what}: gradients or use counts not cleared after step"
+    );
+    if let Some(new_rel) = new_rel {
+        let (step_rel, _) = rels.download(gpu).unwrap();
+        let a: Vec<f32> = step_rel.iter().zip(&rel).map(|(a, b)| a - b).collect();
+        let b: Vec<f32> = new_rel.iter().zip(&rel).map(|(a, b)| a - b).collect();
+        // Relations take the gradient table on both paths; their sums (many atomics, much
+        // cancellation at small scales) differ by the atomics' order, as the gradient
+        // check's tolerance allows.
+        let err = rel_err(&a, &b);
+        println!("{what}: step vs forward_backward + apply: relation moves {err:.2e}");
+        assert!(err < 1e-3, "{what}: relations after step");
     }
 }
 
