@@ -956,7 +956,7 @@ impl GpuBatchEngine {
     }
 
     /// The forward and backward passes; with `direct`, the node rows the batch uses once
-    /// (counted by `count_uses` before) take their AdaGrad step in the backward kernels and
+    /// (counted first by `count_uses`) take their AdaGrad step in the backward kernels and
     /// stay out of the gradient table and lists.
     fn passes(
         &mut self,
@@ -970,6 +970,9 @@ impl GpuBatchEngine {
         }
         self.check_tables(nodes, rels.as_deref())?;
         self.mark(gpu, "(between steps)")?;
+        if direct {
+            self.count_uses(gpu, nodes)?;
+        }
         if !self.accumulate_loss {
             gpu.clear(&mut self.loss_sum)?;
         }
@@ -1474,11 +1477,6 @@ impl GpuBatchEngine {
         nodes: &mut DeviceTable,
         mut rels: Option<&mut DeviceTable>,
     ) -> Result<(), GpuError> {
-        if self.chunks == 0 {
-            return Err(GpuError::Shape("no batch set".into()));
-        }
-        self.check_tables(nodes, rels.as_deref())?;
-        self.count_uses(gpu, nodes)?;
         self.passes(gpu, nodes, rels.as_deref_mut(), true)?;
         self.apply(gpu, nodes, rels)
     }
