@@ -203,6 +203,17 @@ fn cpu_step(
     (loss, gn, gr)
 }
 
+/// How far each parameter moved from `before` to `after`.
+fn moves(after: &[f32], before: &[f32]) -> Vec<f32> {
+    after.iter().zip(before).map(|(a, b)| a - b).collect()
+}
+
+/// Whether a table's gradients and use counts are all back to zero after a step.
+fn cleared(gpu: &Gpu, t: &DeviceTable) -> bool {
+    t.pending_gradients(gpu).unwrap().iter().all(|&x| x == 0.0)
+        && t.pending_uses(gpu).unwrap().iter().all(|&u| u == 0)
+}
+
 fn check_step(gpu: &Gpu, case: &Case, s: u64) {
     let mut rng = Rng(s ^ case.dim as u64 ^ ((case.k as u64) << 20));
     let (entities, relations, d) = (4001usize, 37usize, case.dim);
@@ -314,19 +325,15 @@ fn check_step(gpu: &Gpu, case: &Case, s: u64) {
             );
         }
     }
-    let moved: Vec<f32> = new_emb.iter().zip(&emb).map(|(a, b)| a - b).collect();
-    let want_moved: Vec<f32> = want_emb.iter().zip(&emb).map(|(a, b)| a - b).collect();
+    let moved = moves(&new_emb, &emb);
+    let want_moved = moves(&want_emb, &emb);
     let step_err = rel_err(&moved, &want_moved);
     let state_err = rel_err(&new_state, &want_state);
     println!("{what}: AdaGrad step rel err {step_err:.2e}, state rel err {state_err:.2e}");
     assert!(step_err < 1e-5 && state_err < 1e-6, "{what}: AdaGrad");
     assert!(
-        nodes
-            .pending_gradients(gpu)
-            .unwrap()
-            .iter()
-            .all(|&x| x == 0.0),
-        "{what}: gradients not cleared"
+        cleared(gpu, &nodes),
+        "{what}: gradients or use counts not cleared"
     );
     let new_rel = if case.decoder.uses_relations() {
         let (new_rel, _) = rels.download(gpu).unwrap();
@@ -346,7 +353,7 @@ fn check_step(gpu: &Gpu, case: &Case, s: u64) {
     let mut rels = DeviceTable::from_host(gpu, d, &rel, &rel_state).unwrap();
     engine.step(gpu, &mut nodes, Some(&mut rels)).unwrap();
     let (step_emb, step_state) = nodes.download(gpu).unwrap();
-    let step_moved: Vec<f32> = step_emb.iter().zip(&emb).map(|(a, b)| a - b).collect();
+    let step_moved = moves(&step_emb, &emb);
     let (path_err, path_state_err) = (
         rel_err(&step_moved, &moved),
         rel_err(&step_state, &new_state),
@@ -356,18 +363,12 @@ fn check_step(gpu: &Gpu, case: &Case, s: u64) {
     );
     assert!(path_err < 1e-5 && path_state_err < 1e-6, "{what}: step");
     assert!(
-        nodes
-            .pending_gradients(gpu)
-            .unwrap()
-            .iter()
-            .all(|&x| x == 0.0)
-            && nodes.pending_uses(gpu).unwrap().iter().all(|&u| u == 0),
+        cleared(gpu, &nodes),
         "{what}: gradients or use counts not cleared after step"
     );
     if let Some(new_rel) = new_rel {
         let (step_rel, _) = rels.download(gpu).unwrap();
-        let a: Vec<f32> = step_rel.iter().zip(&rel).map(|(a, b)| a - b).collect();
-        let b: Vec<f32> = new_rel.iter().zip(&rel).map(|(a, b)| a - b).collect();
+        let (a, b) = (moves(&step_rel, &rel), moves(&new_rel, &rel));
         // Relations take the gradient table on both paths; their sums (many atomics, much
         // cancellation at small scales) differ by the atomics' order, as the gradient
         // check's tolerance allows.
