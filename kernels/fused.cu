@@ -272,13 +272,11 @@ __device__ __forceinline__ void legend_fused_scores(u32 sa, int row0, u32 sb, in
 }
 
 // The scores of a tile in true units (the operands came scaled).
-__device__ __forceinline__ void legend_fused_unscale(float (&s)[LEGEND_FUSED_MT][8][4], float by) {
+__device__ __forceinline__ void legend_fused_unscale(float (&s)[8][4], float by) {
 #pragma unroll
-    for (int m = 0; m < LEGEND_FUSED_MT; ++m)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) s[m][j][q] *= by;
+        for (int q = 0; q < 4; ++q) s[j][q] *= by;
 }
 
 // Negatives a job's G keeps: k rounded up to the walked tile, so that the rows kernel
@@ -481,7 +479,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
                         if (q < 2) la[m] += s[m][j][q]; else lb[m] += s[m][j][q];
                     }
             } else {
-                legend_fused_unscale(s, s_unscale);
+                legend_fused_unscale(s[m], s_unscale);
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
 #pragma unroll

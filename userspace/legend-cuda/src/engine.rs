@@ -980,6 +980,8 @@ impl GpuBatchEngine {
         let decoder = decoder_code(self.model.decoder);
         let (loss, margin) = loss_code(self.model.loss);
         let jobs = 2 * self.chunks;
+        // Every kernel of the step goes on this one stream: the in-place AdaGrad of rows used
+        // once (direct) relies on every earlier reader of those rows having finished.
         let s = gpu.stream().clone();
         let kern = &gpu.kernels;
         let (rel_emb, rel_grad, rel_flags, rel_list, rel_count) = match rels.as_deref() {
