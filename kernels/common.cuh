@@ -37,6 +37,14 @@ __device__ __forceinline__ void legend_mark(u32* flags, u32* list, u32* count, u
 // (the row is listed for legend_adagrad), or, for a node row the batch uses only once
 // (`direct`, from legend_count_uses), straight into AdaGrad on its parameters and state:
 // that one contribution is the row's whole gradient, so no table or second pass is needed.
+// One element's AdaGrad step: state += g²; returns param − lr·g/(√state + eps). The one
+// formula of legend_adagrad and of the in-place updates below.
+__device__ __forceinline__ float legend_adagrad_step(float param, float& state, float g,
+                                                     float lr, float eps) {
+    state += g * g;
+    return param - lr * g / (sqrtf(state) + eps);
+}
+
 struct LegendRowSink {
     float* grad;
     float* param;
@@ -57,9 +65,8 @@ __device__ __forceinline__ float legend_sink_state(const LegendRowSink& row, u32
 __device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k, float g,
                                                 float param, float state) {
     if (row.direct) {
-        float s = state + g * g;
-        row.state[k] = s;
-        row.param[k] = param - row.lr * g / (sqrtf(s) + row.eps);
+        row.param[k] = legend_adagrad_step(param, state, g, row.lr, row.eps);
+        row.state[k] = state;
     } else {
         atomicAdd(&row.grad[k], g);
     }

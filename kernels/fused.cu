@@ -82,20 +82,17 @@ __device__ __forceinline__ float legend_fp16_clamp(float x) {
 }
 
 // Two floats as FP16 in one register, `lo` in the low half (the lower k or column index).
-__device__ __forceinline__ u32 legend_half2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;"
-        : "=r"(r)
-        : "f"(legend_fp16_clamp(hi)), "f"(legend_fp16_clamp(lo)));
-    return r;
-}
-
 // Two floats known to lie in FP16's range (G, at most LEGEND_FUSED_G_SCALE) as FP16 in one
-// register, `lo` in the low half: no clamp.
+// register, `lo` in the low half (the lower k or column index): no clamp.
 __device__ __forceinline__ u32 legend_half2_g(float lo, float hi) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+
+// Two floats of any size as FP16 in one register (the operands), saturated as above.
+__device__ __forceinline__ u32 legend_half2(float lo, float hi) {
+    return legend_half2_g(legend_fp16_clamp(lo), legend_fp16_clamp(hi));
 }
 
 // A store marked evict-first (st.global.cs): G streams through L2 (0.4 GB a benchmark batch)

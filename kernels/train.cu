@@ -501,7 +501,7 @@ extern "C" __global__ void legend_count_uses(const u32* __restrict__ edges, u32 
 
 // Elementwise AdaGrad on every row marked this batch (one warp a row), in place:
 // state += g²; param -= lr · g / (sqrt(state) + eps). Leaves the gradient rows, marks and
-// (uses, when not null) use counts zeroed for the next batch.
+// use counts zeroed for the next batch.
 extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __restrict__ state,
                                           float* __restrict__ grad, u32* flags, u32* uses,
                                           const u32* __restrict__ list,
@@ -520,29 +520,24 @@ extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __re
         float4* g4 = reinterpret_cast<float4*>(grad + base);
         for (u32 t = lane; t < dim / 4; t += 32) {
             float4 g = g4[t], s = s4[t], p = p4[t];
-            s.x += g.x * g.x;
-            s.y += g.y * g.y;
-            s.z += g.z * g.z;
-            s.w += g.w * g.w;
-            p.x -= lr * g.x / (sqrtf(s.x) + eps);
-            p.y -= lr * g.y / (sqrtf(s.y) + eps);
-            p.z -= lr * g.z / (sqrtf(s.z) + eps);
-            p.w -= lr * g.w / (sqrtf(s.w) + eps);
+            p.x = legend_adagrad_step(p.x, s.x, g.x, lr, eps);
+            p.y = legend_adagrad_step(p.y, s.y, g.y, lr, eps);
+            p.z = legend_adagrad_step(p.z, s.z, g.z, lr, eps);
+            p.w = legend_adagrad_step(p.w, s.w, g.w, lr, eps);
             s4[t] = s;
             p4[t] = p;
             g4[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
     } else {
         for (u32 t = lane; t < dim; t += 32) {
-            float g = grad[base + t];
-            float s = state[base + t] + g * g;
+            float s = state[base + t];
+            param[base + t] = legend_adagrad_step(param[base + t], s, grad[base + t], lr, eps);
             state[base + t] = s;
-            param[base + t] -= lr * g / (sqrtf(s) + eps);
             grad[base + t] = 0.0f;
         }
     }
     if (lane == 0) {
         flags[id] = 0u;
-        if (uses) uses[id] = 0u;
+        uses[id] = 0u;
     }
 }
