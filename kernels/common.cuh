@@ -33,10 +33,44 @@ __device__ __forceinline__ void legend_mark(u32* flags, u32* list, u32* count, u
     }
 }
 
-// Where a step's gradient of one table row goes: added atomically into the gradient table
-// (the row is listed for legend_adagrad), or, for a node row the batch uses only once
-// (`direct`, from legend_count_uses), straight into AdaGrad on its parameters and state:
-// that one contribution is the row's whole gradient, so no table or second pass is needed.
+// V consecutive floats of a row, moved as one access: the per-row kernels read and write
+// whole float2/float4 pieces where the rows allow (one pass of a warp over a row of
+// d = 100).
+template <int V>
+struct LegendVec {
+    float v[V];
+};
+
+template <int V>
+__device__ __forceinline__ LegendVec<V> legend_ld(const float* p) {
+    LegendVec<V> r;
+    if constexpr (V == 4) {
+        float4 x = *reinterpret_cast<const float4*>(p);
+        r.v[0] = x.x;
+        r.v[1] = x.y;
+        r.v[2] = x.z;
+        r.v[3] = x.w;
+    } else if constexpr (V == 2) {
+        float2 x = *reinterpret_cast<const float2*>(p);
+        r.v[0] = x.x;
+        r.v[1] = x.y;
+    } else {
+        r.v[0] = *p;
+    }
+    return r;
+}
+
+template <int V>
+__device__ __forceinline__ void legend_st(float* p, const LegendVec<V>& x) {
+    if constexpr (V == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(x.v[0], x.v[1], x.v[2], x.v[3]);
+    } else if constexpr (V == 2) {
+        *reinterpret_cast<float2*>(p) = make_float2(x.v[0], x.v[1]);
+    } else {
+        *p = x.v[0];
+    }
+}
+
 // One element's AdaGrad step: state += g²; returns param − lr·g/(√state + eps). The one
 // formula of legend_adagrad and of the in-place updates below.
 __device__ __forceinline__ float legend_adagrad_step(float param, float& state, float g,
@@ -45,6 +79,10 @@ __device__ __forceinline__ float legend_adagrad_step(float param, float& state, 
     return param - lr * g / (sqrtf(state) + eps);
 }
 
+// Where a step's gradient of one table row goes: added atomically into the gradient table
+// (the row is listed for legend_adagrad), or, for a node row the batch uses only once
+// (`direct`, from legend_count_uses), straight into AdaGrad on its parameters and state:
+// that one contribution is the row's whole gradient, so no table or second pass is needed.
 struct LegendRowSink {
     float* grad;
     float* param;
@@ -54,22 +92,43 @@ struct LegendRowSink {
     float eps;
 };
 
-// Element k's AdaGrad state for a direct row (0 otherwise), loaded by the caller with the
-// row's other values, so that the update waits for no further load.
-__device__ __forceinline__ float legend_sink_state(const LegendRowSink& row, u32 k) {
-    return row.direct ? row.state[k] : 0.0f;
+// Elements k .. k + V of a direct row's AdaGrad state (zeros otherwise), loaded by the
+// caller with the row's other values, so that the update waits for no further load.
+template <int V>
+__device__ __forceinline__ LegendVec<V> legend_sink_states(const LegendRowSink& row, u32 k) {
+    LegendVec<V> s{};
+    if (row.direct) s = legend_ld<V>(row.state + k);
+    return s;
 }
 
-// Element k of the row gets gradient g; for a direct row, `param` and `state` are the
-// element's values as loaded before.
+// Elements k .. k + V of the row get gradients g; for a direct row, `param` and `state`
+// are the elements' values as loaded before (one vector store each), otherwise one
+// atomic an element (vector reductions into three rows an edge were no faster).
+template <int V>
+__device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k,
+                                                const LegendVec<V>& g, const LegendVec<V>& param,
+                                                LegendVec<V> state) {
+    if (row.direct) {
+        LegendVec<V> p;
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+            p.v[v] = legend_adagrad_step(param.v[v], state.v[v], g.v[v], row.lr, row.eps);
+        legend_st<V>(row.param + k, p);
+        legend_st<V>(row.state + k, state);
+    } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) atomicAdd(&row.grad[k + v], g.v[v]);
+    }
+}
+
+// The one-element forms, for rows walked a float at a time.
+__device__ __forceinline__ float legend_sink_state(const LegendRowSink& row, u32 k) {
+    return legend_sink_states<1>(row, k).v[0];
+}
+
 __device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k, float g,
                                                 float param, float state) {
-    if (row.direct) {
-        row.param[k] = legend_adagrad_step(param, state, g, row.lr, row.eps);
-        row.state[k] = state;
-    } else {
-        atomicAdd(&row.grad[k], g);
-    }
+    legend_sink_add<1>(row, k, LegendVec<1>{{g}}, LegendVec<1>{{param}}, LegendVec<1>{{state}});
 }
 
 // Decoders and losses, numbered as in the Rust enums of legend-cuda.

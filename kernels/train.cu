@@ -9,44 +9,6 @@
 // One warp handles one row everywhere below: lanes stride over the d elements, or over the
 // d/2 complex pairs for ComplEx (real half first), so each element is read once.
 
-// V consecutive floats of a row, moved as one access: the per-row kernels read and write
-// whole float2/float4 pieces where the rows allow (one pass of a warp over a row of
-// d = 100).
-template <int V>
-struct LegendVec {
-    float v[V];
-};
-
-template <int V>
-__device__ __forceinline__ LegendVec<V> legend_ld(const float* p) {
-    LegendVec<V> r;
-    if constexpr (V == 4) {
-        float4 x = *reinterpret_cast<const float4*>(p);
-        r.v[0] = x.x;
-        r.v[1] = x.y;
-        r.v[2] = x.z;
-        r.v[3] = x.w;
-    } else if constexpr (V == 2) {
-        float2 x = *reinterpret_cast<const float2*>(p);
-        r.v[0] = x.x;
-        r.v[1] = x.y;
-    } else {
-        r.v[0] = *p;
-    }
-    return r;
-}
-
-template <int V>
-__device__ __forceinline__ void legend_st(float* p, const LegendVec<V>& x) {
-    if constexpr (V == 4) {
-        *reinterpret_cast<float4*>(p) = make_float4(x.v[0], x.v[1], x.v[2], x.v[3]);
-    } else if constexpr (V == 2) {
-        *reinterpret_cast<float2*>(p) = make_float2(x.v[0], x.v[1]);
-    } else {
-        *p = x.v[0];
-    }
-}
-
 // p[0 .. 4] += x: one vector reduction on sm_90 and later (a little faster than four
 // atomics there; in legend_rows_backward, whose atomics go to three rows an edge, neither
 // float2 nor float4 reductions beat scalar ones), four atomics before.
@@ -349,6 +311,76 @@ __device__ __forceinline__ LegendRowSink legend_node_sink(float* emb, float* emb
     return LegendRowSink{emb_grad + at, emb + at, direct.state + at, once, direct.lr, direct.eps};
 }
 
+// Backward of one ComplEx edge by one warp, V complex pairs a lane (of each half): the
+// queries are recomputed as legend_query_pair forms them, a few products instead of two
+// more rows to load.
+template <int V>
+__device__ __forceinline__ void legend_complex_edge_backward(
+    u32 h, u32 lane, const float* S, const float* D, const float* w, const float* dq0,
+    const float* dq1, float gp0, float gp1, const LegendRowSink& gs, const LegendRowSink& gd,
+    const LegendRowSink& gw) {
+    for (u32 k = V * lane; k < h; k += 32 * V) {
+        LegendVec<V> sre = legend_ld<V>(S + k), sim = legend_ld<V>(S + k + h);
+        LegendVec<V> dre = legend_ld<V>(D + k), dim_ = legend_ld<V>(D + k + h);
+        LegendVec<V> rre = legend_ld<V>(w + k), rim = legend_ld<V>(w + k + h);
+        LegendVec<V> a0re = legend_ld<V>(dq0 + k), a0im = legend_ld<V>(dq0 + k + h);
+        LegendVec<V> a1re = legend_ld<V>(dq1 + k), a1im = legend_ld<V>(dq1 + k + h);
+        LegendVec<V> ssre = legend_sink_states<V>(gs, k), ssim = legend_sink_states<V>(gs, k + h);
+        LegendVec<V> sdre = legend_sink_states<V>(gd, k), sdim = legend_sink_states<V>(gd, k + h);
+        LegendVec<V> gsre, gsim, gdre, gdim, gwre, gwim;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            float q0re = rre.v[v] * dre.v[v] + rim.v[v] * dim_.v[v];
+            float q0im = rre.v[v] * dim_.v[v] - rim.v[v] * dre.v[v];
+            float q1re = sre.v[v] * rre.v[v] - sim.v[v] * rim.v[v];
+            float q1im = sre.v[v] * rim.v[v] + sim.v[v] * rre.v[v];
+            float g0re = a0re.v[v] + gp0 * sre.v[v], g0im = a0im.v[v] + gp0 * sim.v[v];
+            float g1re = a1re.v[v] + gp1 * dre.v[v], g1im = a1im.v[v] + gp1 * dim_.v[v];
+            // Transposes of the 2x2 real Jacobians of the complex products, plus the
+            // positive-score gradients of the true candidates.
+            gsre.v[v] = gp0 * q0re + g1re * rre.v[v] + g1im * rim.v[v];
+            gsim.v[v] = gp0 * q0im + g1im * rre.v[v] - g1re * rim.v[v];
+            gdre.v[v] = gp1 * q1re + g0re * rre.v[v] - g0im * rim.v[v];
+            gdim.v[v] = gp1 * q1im + g0re * rim.v[v] + g0im * rre.v[v];
+            gwre.v[v] = g0re * dre.v[v] + g0im * dim_.v[v] + g1re * sre.v[v] + g1im * sim.v[v];
+            gwim.v[v] = g0re * dim_.v[v] - g0im * dre.v[v] + g1im * sre.v[v] - g1re * sim.v[v];
+        }
+        legend_sink_add<V>(gs, k, gsre, sre, ssre);
+        legend_sink_add<V>(gs, k + h, gsim, sim, ssim);
+        legend_sink_add<V>(gd, k, gdre, dre, sdre);
+        legend_sink_add<V>(gd, k + h, gdim, dim_, sdim);
+        legend_sink_add<V>(gw, k, gwre, LegendVec<V>{}, LegendVec<V>{});
+        legend_sink_add<V>(gw, k + h, gwim, LegendVec<V>{}, LegendVec<V>{});
+    }
+}
+
+// Backward of one Dot (queries S and D themselves) or DistMult edge by one warp, V elements
+// a lane.
+template <int V>
+__device__ __forceinline__ void legend_dot_edge_backward(
+    bool distmult, u32 d, u32 lane, const float* S, const float* D, const float* w,
+    const float* dq0, const float* dq1, float gp0, float gp1, const LegendRowSink& gs,
+    const LegendRowSink& gd, const LegendRowSink& gw) {
+    for (u32 k = V * lane; k < d; k += 32 * V) {
+        LegendVec<V> s = legend_ld<V>(S + k), t = legend_ld<V>(D + k);
+        LegendVec<V> r = distmult ? legend_ld<V>(w + k) : LegendVec<V>{};
+        LegendVec<V> a0 = legend_ld<V>(dq0 + k), a1 = legend_ld<V>(dq1 + k);
+        LegendVec<V> ss = legend_sink_states<V>(gs, k), sd = legend_sink_states<V>(gd, k);
+        LegendVec<V> ps, pd, pw;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            float wk = distmult ? r.v[v] : 1.0f;
+            float g0 = a0.v[v] + gp0 * s.v[v], g1 = a1.v[v] + gp1 * t.v[v];
+            ps.v[v] = gp0 * t.v[v] * wk + g1 * wk;
+            pd.v[v] = gp1 * s.v[v] * wk + g0 * wk;
+            pw.v[v] = g0 * t.v[v] + g1 * s.v[v];
+        }
+        legend_sink_add<V>(gs, k, ps, s, ss);
+        legend_sink_add<V>(gd, k, pd, t, sd);
+        if (distmult) legend_sink_add<V>(gw, k, pw, LegendVec<V>{}, LegendVec<V>{});
+    }
+}
+
 // The work of one warp in legend_rows_backward: edge `r` of chunk z0 / 2.
 __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* __restrict__ rel,
                                      const float* __restrict__ query,
@@ -368,46 +400,32 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
     const float* S = emb + (u64)src * d;
     const float* D = emb + (u64)dst * d;
     const float* w = rel + (u64)relation * d;
-    const float *q0 = query + row0 * d, *q1 = query + row1 * d;
     const float *dq0 = grad_query + row0 * d, *dq1 = grad_query + row1 * d;
     float gp0 = grad_pos[row0], gp1 = grad_pos[row1];
     LegendRowSink gs = legend_node_sink(emb, emb_grad, direct, src, d);
     LegendRowSink gd = legend_node_sink(emb, emb_grad, direct, dst, d);
     LegendRowSink gw{rel_grad + (u64)relation * d, nullptr, nullptr, false, 0.0f, 0.0f};
+    // Rows start 16-byte aligned; ComplEx's halves 8-byte aligned when h is even.
     if (jobs.decoder >= LEGEND_TRANSE_L1) {
-        legend_transe_edge_backward(jobs.decoder == LEGEND_TRANSE_L2, d, lane, S, D, q0, q1, dq0,
-                                    dq1, gp0, gp1, gs, gd, gw);
+        legend_transe_edge_backward(jobs.decoder == LEGEND_TRANSE_L2, d, lane, S, D,
+                                    query + row0 * d, query + row1 * d, dq0, dq1, gp0, gp1, gs,
+                                    gd, gw);
     } else if (jobs.decoder == LEGEND_COMPLEX) {
-        u32 h = d / 2;
-        for (u32 k = lane; k < h; k += 32) {
-            float sre = S[k], sim = S[k + h], dre = D[k], dim_ = D[k + h];
-            float rre = w[k], rim = w[k + h];
-            float ssre = legend_sink_state(gs, k), ssim = legend_sink_state(gs, k + h);
-            float sdre = legend_sink_state(gd, k), sdim = legend_sink_state(gd, k + h);
-            float g0re = dq0[k] + gp0 * sre, g0im = dq0[k + h] + gp0 * sim;
-            float g1re = dq1[k] + gp1 * dre, g1im = dq1[k + h] + gp1 * dim_;
-            // Transposes of the 2x2 real Jacobians of the complex products, plus the
-            // positive-score gradients of the true candidates.
-            legend_sink_add(gs, k, gp0 * q0[k] + g1re * rre + g1im * rim, sre, ssre);
-            legend_sink_add(gs, k + h, gp0 * q0[k + h] + g1im * rre - g1re * rim, sim, ssim);
-            legend_sink_add(gd, k, gp1 * q1[k] + g0re * rre - g0im * rim, dre, sdre);
-            legend_sink_add(gd, k + h, gp1 * q1[k + h] + g0re * rim + g0im * rre, dim_, sdim);
-            legend_sink_add(gw, k, g0re * dre + g0im * dim_ + g1re * sre + g1im * sim, 0.0f,
-                            0.0f);
-            legend_sink_add(gw, k + h, g0re * dim_ - g0im * dre + g1im * sre - g1re * sim, 0.0f,
-                            0.0f);
-        }
+        if (d % 4 == 0)
+            legend_complex_edge_backward<2>(d / 2, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd, gw);
+        else
+            legend_complex_edge_backward<1>(d / 2, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd, gw);
     } else {
         bool distmult = jobs.decoder == LEGEND_DISTMULT;
-        for (u32 k = lane; k < d; k += 32) {
-            float sk = S[k], dk = D[k];
-            float ss = legend_sink_state(gs, k), sd = legend_sink_state(gd, k);
-            float g0 = dq0[k] + gp0 * sk, g1 = dq1[k] + gp1 * dk;
-            float wk = distmult ? w[k] : 1.0f;
-            legend_sink_add(gs, k, gp0 * q0[k] + g1 * wk, sk, ss);
-            legend_sink_add(gd, k, gp1 * q1[k] + g0 * wk, dk, sd);
-            if (distmult) legend_sink_add(gw, k, g0 * dk + g1 * sk, 0.0f, 0.0f);
-        }
+        if (d % 4 == 0)
+            legend_dot_edge_backward<4>(distmult, d, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd,
+                                        gw);
+        else if (d % 2 == 0)
+            legend_dot_edge_backward<2>(distmult, d, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd,
+                                        gw);
+        else
+            legend_dot_edge_backward<1>(distmult, d, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd,
+                                        gw);
     }
     // Rows updated in place are done: their use counts go back to zero (after every lane
     // has read them), the others are listed for legend_adagrad.
@@ -426,8 +444,10 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
 // with dq = G·N + grad_pos · true (from the product kernel), adds ∂L/∂source,
 // ∂L/∂destination and ∂L/∂relation of the edge into the gradient tables, one atomic per
 // element and table, and marks the rows for the optimizer; a node row the batch uses once
-// (direct.uses) gets its AdaGrad step here instead. blockIdx.y is the chunk.
-extern "C" __global__ void legend_rows_backward(
+// (direct.uses) gets its AdaGrad step here instead. blockIdx.y is the chunk. Four blocks of
+// 8 warps an SM (at most 64 registers, a few spilled): more loads in flight made the
+// kernel 0.27 -> 0.21 ms (ComplEx) in the batch benchmark, against 0.22 ms at three.
+extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
     LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ query,
     const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
     float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
@@ -455,6 +475,15 @@ extern "C" __global__ void legend_rows_backward(
     if (threadIdx.x < n_rels) rel_list[base_rels + threadIdx.x] = new_rels[threadIdx.x];
 }
 
+// The in-place AdaGrad step of a direct row whose whole gradient is g, V elements a lane.
+template <int V>
+__device__ __forceinline__ void legend_direct_row(const LegendRowSink& row, const float* g,
+                                                  u32 dim, u32 lane) {
+    for (u32 t = V * lane; t < dim; t += 32 * V)
+        legend_sink_add<V>(row, t, legend_ld<V>(g + t), legend_ld<V>(row.param + t),
+                           legend_sink_states<V>(row, t));
+}
+
 // Adds the gradients of the negatives (k x d per job) into the entity gradient table; a
 // row the batch uses once (direct.uses) gets its AdaGrad step here instead.
 extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ negs, u32 first_job,
@@ -471,8 +500,8 @@ extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ neg
     const float* g = grad_negs + ((u64)z * k + j) * dim;
     LegendRowSink row = legend_node_sink(emb, emb_grad, direct, id, dim);
     if (row.direct) {
-        for (u32 t = lane; t < dim; t += 32)
-            legend_sink_add(row, t, g[t], row.param[t], row.state[t]);
+        if (dim % 4 == 0) legend_direct_row<4>(row, g, dim, lane);
+        else legend_direct_row<1>(row, g, dim, lane);
         __syncwarp();
         if (lane == 0) direct.uses[id] = 0u;
         return;
