@@ -24,8 +24,8 @@
 // gets a fixed 2^14 (LEGEND_FUSED_G_SCALE). Scores and gradients are unscaled in FP32.
 //
 // The block's own operand sits in shared memory for the whole walk, the walked one comes
-// through shared memory in two cp.async stages of 64 rows, and fragments are loaded with
-// ldmatrix. Eight warps a block, each owning one 16-row tile of the block's 128 rows, at
+// through shared memory in three cp.async stages of 64 rows (LEGEND_FUSED_STAGES), and
+// operands are read with ldmatrix, or by the warpgroup products (wgmma) on Hopper. Eight warps a block, each owning one 16-row tile of the block's 128 rows, at
 // 128 registers a thread, two blocks a multiprocessor (16 warps): with FP16 operands this
 // beats the TF32 version's four warps owning two tiles each at 255 registers (each B
 // fragment feeding two products, 8 warps a multiprocessor): 1.95 -> 1.74 ms a batch.
@@ -33,10 +33,21 @@
 // accumulators of two adjacent 8-column blocks are the A fragment of a k16 step.
 // Both operands arrive in FP16: the negatives from legend_gather_negatives_half, the queries
 // from the rows kernel (query_half).
+//
+// On Hopper (sm_90a) the products are warpgroup products (wgmma): the four warps of each
+// half of a block multiply their 64 rows at once, reading the shared-memory operands by
+// descriptor (G, in registers, stays an A fragment). Same math and accumulator layout, so
+// the loss and G code is shared. On an H100 the benchmark batch's rows kernel went 0.535 ->
+// 0.479 ms; its negatives kernel stayed near 0.29-0.30 ms (bound by its L2 traffic, see
+// Documentation/gpu.md). The mma.sync path, timed there with LEGEND_CUDA_ARCH=sm_90, takes
+// 0.56 and 0.32 ms in this layout.
 
 #define LEGEND_FUSED_WARPS 8
 // Rows of the walked tile (the eight 8-column blocks of a warp's score accumulators).
 #define LEGEND_FUSED_TILE 64
+// Shared-memory stages of the walked tiles: the copy of tile it + 2 is queued while tile it
+// is used, into the stage tile it - 1 used, so one barrier an iteration orders both.
+#define LEGEND_FUSED_STAGES 3
 
 struct LegendFused {
     const float* query;   // group x max_rows x dim
@@ -145,12 +156,106 @@ __device__ __forceinline__ void legend_ldsm2_trans(u32 addr, u32& r0, u32& r1) {
                  : "r"(addr));
 }
 
-// Shared-memory rows of KS k16 steps: 16·KS halves and 8 more, so that the eight rows an
-// ldmatrix phase reads start in different banks.
+// Hopper's warpgroup products (wgmma, sm_90a): four warps multiply a 64-row A by B, reading
+// B (and A, unless it comes from registers) from shared memory by descriptor, without the
+// ldmatrix traffic through registers that bounds the mma.sync version. Operands lie in
+// 8 x 8 FP16 core matrices of 128 contiguous bytes (legend_core_at). The accumulators are
+// mma.sync's: warp w of the group holds rows 16w.., as m16n8 fragments by 8-column block.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LEGEND_WGMMA 1
+#define LEGEND_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+
+// A no-swizzle operand descriptor (PTX ISA, "matrix descriptor"): the start address and the
+// byte offsets from a core matrix to the next along K (`lead`) and along M or N (`stride`),
+// each in 16-byte units.
+__device__ __forceinline__ u64 legend_wgmma_desc(u32 addr, u32 lead, u32 stride) {
+    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)(lead >> 4) << 16) | ((u64)(stride >> 4) << 32);
+}
+
+// Orders the warpgroup's register writes before the products that follow. The empty asm
+// pins the accumulators' last writes ahead of it: the compiler would otherwise sink, say,
+// their zeroing to the product that first uses them, and ptxas would serialise the products
+// around it.
+template <int N>
+__device__ __forceinline__ void legend_wgmma_fence(float* d) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void legend_wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// Waits for every product the warpgroup issued; the accumulators are ready after it (the
+// empty asm keeps the compiler from reading them earlier).
+template <int N>
+__device__ __forceinline__ void legend_wgmma_wait(float* d) {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 x 64) += A · Bᵀ, both K-major in shared memory (descriptors a and b).
+__device__ __forceinline__ void legend_wgmma_ss_n64(float* d, u64 a, u64 b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : LEGEND_F4(d, 0), LEGEND_F4(d, 4), LEGEND_F4(d, 8), LEGEND_F4(d, 12), LEGEND_F4(d, 16), LEGEND_F4(d, 20), LEGEND_F4(d, 24), LEGEND_F4(d, 28)
+        : "l"(a), "l"(b));
+}
+
+// d (64 x 8) += A · B, A from registers (mma.sync's A fragments), B N-major in shared memory.
+__device__ __forceinline__ void legend_wgmma_rs_n8(float* d, const u32 (&a)[4], u64 b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 1;\n}\n"
+        : LEGEND_F4(d, 0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// d (64 x 32) += A · B, A from registers (mma.sync's A fragments), B N-major in shared memory.
+__device__ __forceinline__ void legend_wgmma_rs_n32(float* d, const u32 (&a)[4], u64 b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"
+        : LEGEND_F4(d, 0), LEGEND_F4(d, 4), LEGEND_F4(d, 8), LEGEND_F4(d, 12)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// d (64 x 64) += A · B, A from registers (mma.sync's A fragments), B N-major in shared memory.
+__device__ __forceinline__ void legend_wgmma_rs_n64(float* d, const u32 (&a)[4], u64 b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : LEGEND_F4(d, 0), LEGEND_F4(d, 4), LEGEND_F4(d, 8), LEGEND_F4(d, 12), LEGEND_F4(d, 16), LEGEND_F4(d, 20), LEGEND_F4(d, 24), LEGEND_F4(d, 28)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+#endif
+
+// Makes this thread's shared-memory writes (cp.async copies, stores) visible to the
+// warpgroup products, which read through the async proxy; before the barrier that
+// publishes a stage.
+__device__ __forceinline__ void legend_fused_publish() {
+#ifdef LEGEND_WGMMA
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Shared-memory tiles of FP16 rows of KS k16 steps (2·KS 16-byte chunks a row), stored as
+// 8 x 8 core matrices of 128 contiguous bytes: eight rows' chunk c, then chunk c + 1. This is
+// the no-swizzle operand layout of wgmma, and each 8 x 8 matrix an ldmatrix phase reads is
+// one 128-byte line, so neither path has bank conflicts (and rows need no padding).
 template <int KS>
 struct LegendHalfRows {
-    static constexpr int WORDS = 8 * KS + 4;
+    static constexpr u32 CHUNKS = 2 * KS;
+    static constexpr int WORDS = 8 * KS;
     static constexpr u32 BYTES = 4 * WORDS;
+    // Byte offset of chunk `chunk` of row `row` in the tile (tiles start at multiples of
+    // eight rows).
+    static __device__ __forceinline__ u32 at(u32 row, u32 chunk) {
+        return ((row >> 3) * CHUNKS + chunk) * 128 + (row & 7) * 16;
+    }
 };
 
 // The power of two that brings a matrix whose largest magnitude has the float bits
@@ -193,7 +298,7 @@ __device__ __forceinline__ void legend_fused_tile(const u32* P, u32 r0, u32 rlim
         u32 r = r0 + i;
         bool ok = r < rlim;
         const u32* src = ok ? P + (u64)r * (8 * KS) + 4 * c : P;
-        legend_cp16(reinterpret_cast<float*>(&S[i * LegendHalfRows<KS>::WORDS + 4 * c]),
+        legend_cp16(reinterpret_cast<float*>(&S[LegendHalfRows<KS>::at(i, c) / 4]),
                     reinterpret_cast<const float*>(src), ok ? 16 : 0);
     }
 }
@@ -240,25 +345,38 @@ __device__ __forceinline__ float legend_quad_max(float v) {
 template <int KS>
 __device__ __forceinline__ void legend_fused_scores(u32 sa, int row0, u32 sb, int lane,
                                                     float (&s)[LEGEND_FUSED_MT][8][4]) {
-    constexpr u32 RB = LegendHalfRows<KS>::BYTES;
+    using H = LegendHalfRows<KS>;
 #pragma unroll
     for (int m = 0; m < LEGEND_FUSED_MT; ++m)
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) s[m][j][q] = 0.0f;
+#ifdef LEGEND_WGMMA
+    // The warpgroup's 64 rows (from row0 rounded down) against the tile's 64, K-major both.
+    float* d = &s[0][0][0];
+    u32 a0 = sa + H::at(row0 & ~63, 0);
+    legend_wgmma_fence<32>(d);
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+        legend_wgmma_ss_n64(d, legend_wgmma_desc(a0 + 256 * kk, 128, H::CHUNKS * 128),
+                            legend_wgmma_desc(sb + 256 * kk, 128, H::CHUNKS * 128));
+    legend_wgmma_commit();
+    legend_wgmma_wait<32>(d);
+#else
     // A: matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15); B: rows 8j.. | 8j+8.., k 0-7 | 8-15.
-    u32 a_at = sa + (row0 + (lane & 15)) * RB + (lane >> 4) * 16;
-    u32 b_at = sb + ((lane & 7) + 8 * (lane >> 4)) * RB + ((lane >> 3) & 1) * 16;
+    u32 a_at = sa + H::at(row0 + (lane & 15), lane >> 4);
+    u32 b_at = sb + H::at((lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1);
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
         u32 a[LEGEND_FUSED_MT][4];
 #pragma unroll
-        for (int m = 0; m < LEGEND_FUSED_MT; ++m) legend_ldsm4(a_at + 16 * m * RB + 32 * kk, a[m]);
+        for (int m = 0; m < LEGEND_FUSED_MT; ++m)
+            legend_ldsm4(a_at + H::at(16 * m, 2 * kk), a[m]);
 #pragma unroll
         for (int jp = 0; jp < 4; ++jp) {
             u32 b[4];
-            legend_ldsm4(b_at + 16 * jp * RB + 32 * kk, b);
+            legend_ldsm4(b_at + H::at(16 * jp, 2 * kk), b);
 #pragma unroll
             for (int m = 0; m < LEGEND_FUSED_MT; ++m) {
                 legend_mma_f16(s[m][2 * jp], a[m], b[0], b[1]);
@@ -266,6 +384,7 @@ __device__ __forceinline__ void legend_fused_scores(u32 sa, int row0, u32 sb, in
             }
         }
     }
+#endif
 }
 
 // The scores of a tile in true units (the operands came scaled).
@@ -310,19 +429,46 @@ __device__ __forceinline__ void legend_fused_g_fragments(const float (&s)[LEGEND
 }
 
 // acc[m] += G(tile m, A fragments ga) · (the walked tile), whose rows come as B through
-// transposing loads.
+// transposing loads (or, with wgmma, as an N-major operand).
 template <int DK, int KS>
 __device__ __forceinline__ void legend_fused_accumulate(const u32 (&ga)[LEGEND_FUSED_MT][4][4],
                                                         u32 sb, int lane,
                                                         float (&acc)[LEGEND_FUSED_MT][DK][4]) {
-    constexpr u32 RB = LegendHalfRows<KS>::BYTES;
+    using H = LegendHalfRows<KS>;
+#ifdef LEGEND_WGMMA
+    static_assert(LEGEND_FUSED_MT == 1, "a warpgroup product gives each warp 16 rows");
+    // B's 8·DK columns in pieces of 64, 32 and 8 (d = 100 pads to 104 = 64 + 32 + 8); along
+    // K (the walked rows) its core matrices are a row group (CHUNKS · 128 bytes) apart.
+    constexpr int N64 = DK / 8, N32 = DK % 8 / 4, N8 = DK % 4;
+    float* d = &acc[0][0][0];
+    legend_wgmma_fence<4 * DK>(d);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+        u32 at = sb + H::at(16 * jj, 0);
+#pragma unroll
+        for (int i = 0; i < N64; ++i)
+            legend_wgmma_rs_n64(d + 32 * i, ga[0][jj],
+                                legend_wgmma_desc(at + 8 * i * 128, H::CHUNKS * 128, 128));
+#pragma unroll
+        for (int i = 0; i < N32; ++i)
+            legend_wgmma_rs_n32(d + 32 * N64, ga[0][jj],
+                                legend_wgmma_desc(at + 8 * N64 * 128, H::CHUNKS * 128, 128));
+#pragma unroll
+        for (int i = 0; i < N8; ++i)
+            legend_wgmma_rs_n8(d + 32 * N64 + 16 * N32 + 4 * i, ga[0][jj],
+                               legend_wgmma_desc(at + (8 * N64 + 4 * N32 + i) * 128,
+                                                 H::CHUNKS * 128, 128));
+    }
+    legend_wgmma_commit();
+    legend_wgmma_wait<4 * DK>(d);
+#else
     // Matrices (walked rows 0-7 | 8-15) x (columns 8n.. | 8n+8..).
-    u32 b_at = sb + (lane & 15) * RB + (lane >> 4) * 16;
+    u32 b_at = sb + H::at(lane & 15, lane >> 4);
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
         for (int n = 0; n < DK; n += 2) {
-            u32 at = b_at + 16 * jj * RB + 16 * n;
+            u32 at = b_at + H::at(16 * jj, n);
             if (n + 1 < DK) {
                 u32 b[4];
                 legend_ldsm4_trans(at, b);
@@ -340,6 +486,7 @@ __device__ __forceinline__ void legend_fused_accumulate(const u32 (&ga)[LEGEND_F
             }
         }
     }
+#endif
 }
 
 template <int DK, int KS>
@@ -375,7 +522,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
         const float* q = f.query + (base + r) * dim;
         u32 v = legend_half2(ok && (u32)c < dim ? q[c] * q_scale : 0.0f,
                              ok && (u32)c + 1 < dim ? q[c + 1] * q_scale : 0.0f);
-        legend_fused_smem[i * SW + c / 2] = v;
+        legend_fused_smem[(LegendHalfRows<KS>::at(i, c / 8) + 2 * (c % 8)) / 4] = v;
         if (ok) f.query_half[(base + r) * (f.dim_pad / 2) + c / 2] = v;
     }
     int row0 = warp * 16 * MT;
@@ -414,15 +561,20 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     float* corr_at[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) corr_at[m] = f.corr + (base + ra[m]) * tiles;
-    legend_fused_tile<KS>(N, 0, k, sb0);
-    asm volatile("cp.async.commit_group;\n" ::);
-    for (int it = 0; it < tiles; ++it) {
-        if (it + 1 < tiles)
-            legend_fused_tile<KS>(N, (it + 1) * T, k, sb0 + ((it + 1) & 1) * T * SW);
+    constexpr int ST = LEGEND_FUSED_STAGES;
+    for (int it = 0; it < ST - 1; ++it) {
+        if (it < tiles) legend_fused_tile<KS>(N, it * T, k, sb0 + it * T * SW);
         asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 1;\n" ::);
+    }
+    for (int it = 0; it < tiles; ++it) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(ST - 2));
+        legend_fused_publish();
+        // Tile it has landed, and every warp is done with tile it - 1's stage.
         __syncthreads();
-        u32 sn = sb_at + (it & 1) * T * LegendHalfRows<KS>::BYTES;
+        int ahead = it + ST - 1;
+        if (ahead < tiles) legend_fused_tile<KS>(N, ahead * T, k, sb0 + ahead % ST * T * SW);
+        asm volatile("cp.async.commit_group;\n" ::);
+        u32 sn = sb_at + it % ST * T * LegendHalfRows<KS>::BYTES;
         float s[MT][8][4];
         legend_fused_scores<KS>(sa_at, row0, sn, lane, s);
         u32 n0 = it * T + 2 * t;
@@ -517,8 +669,6 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
                 for (int r = 0; r < 4; ++r) legend_store_streaming(out + 128 * jj + 32 * r, ga[m][jj][r]);
         }
         legend_fused_accumulate<DK, KS>(ga, sn, lane, acc);
-        // Every warp is done with this stage before the next iteration refills it.
-        __syncthreads();
     }
 
     float mine = 0.0f;
@@ -611,13 +761,14 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
     u32 pairs = f.dim_pad / 2;
     u32 tiles = legend_fused_k_pad(k) / T;
     bool softmax = f.loss == LEGEND_LOSS_SOFTMAX;
-    // Two stages of: G (T rows by the block's BR negatives, in its blocks of 16 x 16, by
+    // LEGEND_FUSED_STAGES stages of: G (T rows by the block's BR negatives, in its blocks of 16 x 16, by
     // rows then negatives), the rows' FP16 queries, and for softmax the rows' factors of the
     // block's BR / T tiles of negatives.
     constexpr int G_WORDS = T * BR / 2;
     u32* sg0 = legend_fused_smem;
-    u32* sq0 = sg0 + 2 * G_WORDS;
-    float* sc0 = reinterpret_cast<float*>(sq0 + 2 * T * SW);
+    constexpr int ST = LEGEND_FUSED_STAGES;
+    u32* sq0 = sg0 + ST * G_WORDS;
+    float* sc0 = reinterpret_cast<float*>(sq0 + ST * T * SW);
     u32 sg_at = (u32)__cvta_generic_to_shared(sg0);
     u32 sq_at = (u32)__cvta_generic_to_shared(sq0);
     u64 base = (u64)z * f.max_rows;
@@ -636,7 +787,7 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
     int walk = (rend - rbeg + T - 1) / T;
     auto stage = [&](int it) {
         u32 r0 = rbeg + it * T;
-        u32* sg = sg0 + (it & 1) * G_WORDS;
+        u32* sg = sg0 + it % ST * G_WORDS;
         // Each 16-row block's BR / 16 blocks lie together (BR · 32 bytes). Row blocks from
         // rend on and negatives past the padded k come as zeros (the rows kernel wrote zeros
         // from k to the padding, and finite values in rows past nrows of its blocks).
@@ -649,23 +800,27 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
             legend_cp16(reinterpret_cast<float*>(&sg[rb * (BR * 8) + 4 * c]),
                         reinterpret_cast<const float*>(src), ok ? 16 : 0);
         }
-        legend_fused_tile<KS>(Q, r0, rend, sq0 + (it & 1) * T * SW);
+        legend_fused_tile<KS>(Q, r0, rend, sq0 + it % ST * T * SW);
         if (softmax && threadIdx.x < BR) {
             u32 i = threadIdx.x % T, u = threadIdx.x / T;
             bool ok = r0 + i < rend && first_tile + u < tiles;
-            legend_cp4(&sc0[(it & 1) * BR + u * T + i],
+            legend_cp4(&sc0[it % ST * BR + u * T + i],
                        ok ? &corr[(u64)(r0 + i) * tiles + first_tile + u] : corr, ok);
         }
-        asm volatile("cp.async.commit_group;\n" ::);
     };
-    stage(0);
+    for (int it = 0; it < ST - 1; ++it) {
+        if (it < walk) stage(it);
+        asm volatile("cp.async.commit_group;\n" ::);
+    }
     for (int it = 0; it < walk; ++it) {
-        if (it + 1 < walk) stage(it + 1);
-        else asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 1;\n" ::);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(ST - 2));
+        legend_fused_publish();
+        // Stage it has landed, and every warp is done with stage it - 1.
         __syncthreads();
-        u32 sg = sg_at + (it & 1) * G_WORDS * 4;
-        u32 sq = sq_at + (it & 1) * T * LegendHalfRows<KS>::BYTES;
+        if (it + ST - 1 < walk) stage(it + ST - 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+        u32 sg = sg_at + it % ST * G_WORDS * 4;
+        u32 sq = sq_at + it % ST * T * LegendHalfRows<KS>::BYTES;
         // Gᵀ as A fragments of k step jj (row block jj): (negatives 0-7 | 8-15) x (rows 0-7 |
         // 8-15) are the transposes of the block's matrices 0, 2, 1 and 3.
         int q = lane >> 3;
@@ -680,7 +835,7 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
             // G of each row from its tile's running maximum to the final probabilities.
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                const float* c = sc0 + (it & 1) * BR + (row0 + 16 * m) / T * T;
+                const float* c = sc0 + it % ST * BR + (row0 + 16 * m) / T * T;
 #pragma unroll
                 for (int jj = 0; jj < 4; ++jj) {
                     float2 lo = *reinterpret_cast<const float2*>(&c[16 * jj + 2 * t]);
@@ -693,8 +848,6 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
             }
         }
         legend_fused_accumulate<DK, KS>(ga, sq, lane, acc);
-        // Every warp is done with this stage before the next iteration refills it.
-        __syncthreads();
     }
     float* out = f.grad_negs + (u64)z * k * dim;
 #pragma unroll

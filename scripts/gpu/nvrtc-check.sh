@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Compiles every Legend CUDA kernel with NVRTC for sm_80 and sm_90, without a GPU: installs the
-# nvidia-cuda-nvrtc wheel (libnvrtc.so.13) into ~/.cache/legend/nvrtc when missing, builds
-# legend-nvrtc-check and runs it. Exits non-zero on any compile error or warning.
+# Compiles every Legend CUDA kernel with NVRTC for sm_80, sm_90 and sm_90a (the fused kernels'
+# wgmma path), without a GPU: installs the nvidia-cuda-nvrtc wheel (libnvrtc.so.13) into
+# ~/.cache/legend/nvrtc when missing, builds legend-nvrtc-check and runs it. Exits non-zero on any compile error or warning.
 # `--resources` also prints each kernel's registers and spills (ptxas's report).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -22,4 +22,4 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
 cd "$root"
 cargo build --quiet -p legend-cuda --bin legend-nvrtc-check
 LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    "$CARGO_TARGET_DIR/debug/legend-nvrtc-check" "$@" sm_80 sm_90
+    "$CARGO_TARGET_DIR/debug/legend-nvrtc-check" "$@" sm_80 sm_90 sm_90a

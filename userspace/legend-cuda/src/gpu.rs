@@ -52,6 +52,9 @@ const FUSED_WIDTHS: [usize; 4] = [32, 64, 104, 128];
 /// Rows of the operand tile the fused kernels walk over (`LEGEND_FUSED_TILE`).
 pub(crate) const FUSED_TILE: usize = 64;
 
+/// Shared-memory stages of the walked tile (`LEGEND_FUSED_STAGES`).
+const FUSED_STAGES: usize = 3;
+
 /// Rows (or negatives) a block of the fused kernels owns (`LEGEND_FUSED_BLOCK_ROWS`).
 pub(crate) const FUSED_BLOCK_ROWS: usize = 128;
 
@@ -65,18 +68,32 @@ pub(crate) fn fused_dim_pad(width: usize) -> usize {
 }
 
 /// Dynamic shared memory of the fused rows kernel of width `width`: the block's own 128
-/// rows and two stages of the walked 64-row tile, `fused_dim_pad(width) + 8` FP16 values a
-/// row (`LegendHalfRows`).
+/// rows and the stages of the walked 64-row tile, `fused_dim_pad(width)` FP16 values a row
+/// (`LegendHalfRows`).
 pub(crate) fn fused_rows_smem(width: usize) -> u32 {
-    ((FUSED_BLOCK_ROWS + 2 * FUSED_TILE) * (fused_dim_pad(width) + 8) * 2) as u32
+    ((FUSED_BLOCK_ROWS + FUSED_STAGES * FUSED_TILE) * fused_dim_pad(width) * 2) as u32
 }
 
-/// Dynamic shared memory of the fused negatives kernel of width `width`, two stages of: G
-/// for 64 rows by the block's 128 negatives (FP16), the 64 rows' queries (as in the rows
+/// Dynamic shared memory of the fused negatives kernel of width `width`, stages of: G for
+/// 64 rows by the block's 128 negatives (FP16), the 64 rows' queries (as in the rows
 /// kernel) and their softmax factors for the block's two 64-negative tiles.
 pub(crate) fn fused_negatives_smem(width: usize) -> u32 {
-    (2 * FUSED_TILE * (FUSED_BLOCK_ROWS * 2 + (fused_dim_pad(width) + 8) * 2)
-        + 2 * FUSED_BLOCK_ROWS * 4) as u32
+    (FUSED_STAGES
+        * (FUSED_TILE * (FUSED_BLOCK_ROWS * 2 + fused_dim_pad(width) * 2) + FUSED_BLOCK_ROWS * 4))
+        as u32
+}
+
+/// The NVRTC target for a device of compute capability `major.minor`: Hopper (9.0) gets
+/// the arch-specific `sm_90a`, whose warpgroup products (wgmma) the fused kernels use;
+/// other devices their own `sm_XY`, and the fused kernels' mma.sync path. A non-empty
+/// `LEGEND_CUDA_ARCH` overrides it (e.g. `sm_90` on an H100, to run and time the mma.sync
+/// path there).
+fn kernel_arch(major: i32, minor: i32) -> String {
+    match std::env::var("LEGEND_CUDA_ARCH") {
+        Ok(arch) if !arch.is_empty() => arch,
+        _ if (major, minor) == (9, 0) => "sm_90a".to_string(),
+        _ => format!("sm_{major}{minor}"),
+    }
 }
 
 /// Negatives the fused kernels' G holds for `k`: whole walked tiles (`legend_fused_k_pad`).
@@ -130,7 +147,7 @@ impl Gpu {
         let (major, minor) = ctx
             .compute_capability()
             .during("reading the compute capability")?;
-        let arch = format!("sm_{major}{minor}");
+        let arch = kernel_arch(major, minor);
         let name = ctx.name().during("reading the device name")?;
         let ptx = nvrtc::cached_ptx(&arch)?;
         let module = ctx
@@ -201,7 +218,7 @@ impl Gpu {
         &self.name
     }
 
-    /// The architecture the kernels were compiled for (`sm_90` on an H100).
+    /// The architecture the kernels were compiled for (`sm_90a` on an H100).
     pub fn arch(&self) -> &str {
         &self.arch
     }

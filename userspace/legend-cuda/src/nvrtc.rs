@@ -340,7 +340,7 @@ mod tests {
             println!("skip: libnvrtc.so.13 not found (set LD_LIBRARY_PATH)");
             return;
         }
-        for arch in ["sm_80", "sm_90"] {
+        for arch in ["sm_80", "sm_90", "sm_90a"] {
             let c = compile(arch).unwrap_or_else(|e| panic!("{e}"));
             assert!(c.log.is_empty(), "{arch}: {}", c.log);
             for name in KERNEL_NAMES {

@@ -1,5 +1,5 @@
 //! Compiles every Legend kernel with NVRTC for each architecture named on the command line
-//! (default: sm_80 and sm_90) and fails on any error or warning. With `--resources`, also
+//! (default: sm_80, sm_90 and sm_90a) and fails on any error or warning. With `--resources`, also
 //! prints each kernel's registers and spills as ptxas reports them. Needs `libnvrtc.so.13`
 //! on the library path, no GPU and no driver.
 
@@ -24,7 +24,7 @@ fn main() -> ExitCode {
     let resources = args.iter().any(|a| a == "--resources");
     args.retain(|a| a != "--resources");
     let archs = if args.is_empty() {
-        vec!["sm_80".into(), "sm_90".into()]
+        vec!["sm_80".into(), "sm_90".into(), "sm_90a".into()]
     } else {
         args
     };
