@@ -8,7 +8,7 @@ use crate::error::StoreError;
 use crate::layout::{DatasetId, Extent, Layout, SUPERBLOCK_SLOT_BYTES, StoreSpec};
 use crate::signature;
 use crate::superblock::{FORMAT_VERSION, RegionState, SlotError, Superblock};
-use crate::uring::{Chunk, Ring};
+use crate::uring::Ring;
 
 /// I/O tuning; the defaults suit NVMe SSDs.
 #[derive(Clone, Debug)]
@@ -18,8 +18,9 @@ pub struct IoConfig {
     /// Size of one request; a partition is split into requests of this size
     /// (rounded to the block size).
     pub request_bytes: u32,
-    /// Buffers that stay registered with the ring (least recently used ones
-    /// are replaced).
+    /// Registered-buffer entries of the ring (least recently used ones are
+    /// replaced); a buffer takes one for each GiB (the kernel's limit for
+    /// one entry).
     pub registered_buffers: u16,
     /// Fall back to buffered I/O (with a warning) where the file system
     /// refuses `O_DIRECT`; when false that is an error.
@@ -390,6 +391,7 @@ impl Store {
     pub fn submit(&mut self, requests: &mut [IoRequest<'_>]) -> Result<(), StoreError> {
         let mut chunks = Vec::new();
         let mut written = Vec::new();
+        self.ring.begin_plan();
         for req in requests.iter_mut() {
             let (region, raw, write) = match req {
                 IoRequest::Read(r, b) => (*r, b.raw(), false),
@@ -422,20 +424,8 @@ impl Store {
             };
             let copy = if offsets[0] == offsets[1] { 0 } else { copy };
             let base = offsets[usize::from(copy)];
-            let buf_index = self.ring.buffer_index(raw);
-            let mut done = 0;
-            while done < io_len {
-                let len = (io_len - done).min(self.request_bytes);
-                chunks.push(Chunk {
-                    offset: base + done,
-                    // SAFETY: `done < io_len <= cap`, inside the allocation.
-                    addr: unsafe { raw.addr().add(done as usize) },
-                    len: len as u32,
-                    buf_index,
-                    write,
-                });
-                done += len;
-            }
+            self.ring
+                .plan(raw, base, io_len, self.request_bytes, write, &mut chunks);
             if write {
                 written.push(region);
             }
