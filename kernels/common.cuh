@@ -33,6 +33,20 @@ __device__ __forceinline__ void legend_mark(u32* flags, u32* list, u32* count, u
     }
 }
 
+// Asynchronous 4-byte copy into shared memory, zero-filled when `valid` is false (then
+// nothing is read from `src`).
+__device__ __forceinline__ void legend_cp4(float* dst, const float* src, bool valid) {
+    u32 d = (u32)__cvta_generic_to_shared(dst);
+    int bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+
+// Asynchronous 16-byte copy of which the first `bytes` come from `src`, the rest zeros.
+__device__ __forceinline__ void legend_cp16(float* dst, const float* src, int bytes) {
+    u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+
 // V consecutive floats of a row, moved as one access: the per-row kernels read and write
 // whole float2/float4 pieces where the rows allow (one pass of a warp over a row of
 // d = 100).

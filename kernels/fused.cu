@@ -270,24 +270,6 @@ __device__ __forceinline__ float legend_fp16_scale(u32 max_bits) {
     return __int_as_float((s + 127) << 23);
 }
 
-// Largest magnitude of each job's negatives (rows of `emb` by id), as float bits into
-// absmax[2z + 1] (cleared before legend_queries, which fills absmax[2z]): non-negative floats
-// order like their bits. A warp a row, the job's negatives spread over the blockIdx.x.
-extern "C" __global__ void legend_fused_absmax(const u32* __restrict__ negs, u32 first_job,
-                                               u32 k, u32 dim, const float* __restrict__ emb,
-                                               u32* __restrict__ absmax) {
-    u32 z = blockIdx.y, lane = threadIdx.x & 31, warps = gridDim.x * (blockDim.x >> 5);
-    const u32* ids = negs + (u64)(first_job + z) * k;
-    float largest = 0.0f;
-    for (u32 j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); j < k; j += warps) {
-        const float* row = emb + (u64)ids[j] * dim;
-        for (u32 c = lane; c < dim; c += 32) largest = fmaxf(largest, fabsf(row[c]));
-    }
-    for (int o = 16; o > 0; o >>= 1)
-        largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
-    if (lane == 0) atomicMax(&absmax[2 * z + 1], __float_as_uint(largest));
-}
-
 // Queues the copy of rows [r0, r0 + TILE) of a matrix of 16·KS halves a row (already
 // zero-padded) into a tile of LegendHalfRows<KS>; rows at or past `rlim` become zeros.
 template <int KS>
@@ -301,26 +283,6 @@ __device__ __forceinline__ void legend_fused_tile(const u32* P, u32 r0, u32 rlim
         legend_cp16(reinterpret_cast<float*>(&S[LegendHalfRows<KS>::at(i, c) / 4]),
                     reinterpret_cast<const float*>(src), ok ? 16 : 0);
     }
-}
-
-// The negatives of jobs first_job.. in FP16, dim_pad halves a row (zeros past dim), scaled
-// by their job's power of two: the fused kernels' operand, read many times, so converted
-// once here.
-extern "C" __global__ void legend_gather_negatives_half(const u32* __restrict__ negs,
-                                                        u32 first_job, u32 k, u32 dim,
-                                                        u32 dim_pad,
-                                                        const float* __restrict__ emb,
-                                                        const u32* __restrict__ absmax,
-                                                        u32* __restrict__ out) {
-    u32 z = blockIdx.y, pairs = dim_pad / 2;
-    float scale = legend_fp16_scale(absmax[2 * z + 1]);
-    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (u64)k * pairs) return;
-    u64 j = idx / pairs;
-    u32 c = 2 * (u32)(idx % pairs);
-    const float* row = emb + (u64)negs[(u64)(first_job + z) * k + j] * dim;
-    out[(u64)z * k * pairs + idx] =
-        legend_half2(c < dim ? row[c] * scale : 0.0f, c + 1 < dim ? row[c + 1] * scale : 0.0f);
 }
 
 // Sums v over the four lanes of a quad (the lanes holding one row of an accumulator).
@@ -869,29 +831,66 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
     }
 }
 
+// The fused kernels' helpers, in the program of the other kernels (LEGEND_FUSED_WIDTH 0).
+#if LEGEND_FUSED_WIDTH == 0
+// Largest magnitude of each job's negatives (rows of `emb` by id), as float bits into
+// absmax[2z + 1] (cleared before legend_queries, which fills absmax[2z]): non-negative floats
+// order like their bits. A warp a row, the job's negatives spread over the blockIdx.x.
+extern "C" __global__ void legend_fused_absmax(const u32* __restrict__ negs, u32 first_job,
+                                               u32 k, u32 dim, const float* __restrict__ emb,
+                                               u32* __restrict__ absmax) {
+    u32 z = blockIdx.y, lane = threadIdx.x & 31, warps = gridDim.x * (blockDim.x >> 5);
+    const u32* ids = negs + (u64)(first_job + z) * k;
+    float largest = 0.0f;
+    for (u32 j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); j < k; j += warps) {
+        const float* row = emb + (u64)ids[j] * dim;
+        for (u32 c = lane; c < dim; c += 32) largest = fmaxf(largest, fabsf(row[c]));
+    }
+    for (int o = 16; o > 0; o >>= 1)
+        largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
+    if (lane == 0) atomicMax(&absmax[2 * z + 1], __float_as_uint(largest));
+}
+
+// The negatives of jobs first_job.. in FP16, dim_pad halves a row (zeros past dim), scaled
+// by their job's power of two: the fused kernels' operand, read many times, so converted
+// once here.
+extern "C" __global__ void legend_gather_negatives_half(const u32* __restrict__ negs,
+                                                        u32 first_job, u32 k, u32 dim,
+                                                        u32 dim_pad,
+                                                        const float* __restrict__ emb,
+                                                        const u32* __restrict__ absmax,
+                                                        u32* __restrict__ out) {
+    u32 z = blockIdx.y, pairs = dim_pad / 2;
+    float scale = legend_fp16_scale(absmax[2 * z + 1]);
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)k * pairs) return;
+    u64 j = idx / pairs;
+    u32 c = 2 * (u32)(idx % pairs);
+    const float* row = emb + (u64)negs[(u64)(first_job + z) * k + j] * dim;
+    out[(u64)z * k * pairs + idx] =
+        legend_half2(c < dim ? row[c] * scale : 0.0f, c + 1 < dim ? row[c + 1] * scale : 0.0f);
+}
+#endif
+
 // One pair of kernels per padded width 8·DK: 32, 64, 104 (d = 100) and 128, written out so
-// that each entry point can be found by its name.
-extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d32(LegendFused f) {
-    legend_fused_rows_body<4, 2>(f);
-}
-extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d32(LegendFused f) {
-    legend_fused_negatives_body<4, 2>(f);
-}
-extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d64(LegendFused f) {
-    legend_fused_rows_body<8, 4>(f);
-}
-extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d64(LegendFused f) {
-    legend_fused_negatives_body<8, 4>(f);
-}
-extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d104(LegendFused f) {
-    legend_fused_rows_body<13, 7>(f);
-}
-extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d104(LegendFused f) {
-    legend_fused_negatives_body<13, 7>(f);
-}
-extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_rows_d128(LegendFused f) {
-    legend_fused_rows_body<16, 8>(f);
-}
-extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2) legend_fused_negatives_d128(LegendFused f) {
-    legend_fused_negatives_body<16, 8>(f);
-}
+// that each entry point can be found by its name. Each width is a program of its own
+// (LEGEND_FUSED_WIDTH, set by legend-cuda's nvrtc.rs), compiled in parallel with the others;
+// the program of the other kernels (LEGEND_FUSED_WIDTH 0) holds none of them.
+#define LEGEND_FUSED_PAIR(W, DK, KS)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2)                 \
+        legend_fused_rows_d##W(LegendFused f) {                                               \
+        legend_fused_rows_body<DK, KS>(f);                                                    \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2)                 \
+        legend_fused_negatives_d##W(LegendFused f) {                                          \
+        legend_fused_negatives_body<DK, KS>(f);                                               \
+    }
+#if LEGEND_FUSED_WIDTH == 32
+LEGEND_FUSED_PAIR(32, 4, 2)
+#elif LEGEND_FUSED_WIDTH == 64
+LEGEND_FUSED_PAIR(64, 8, 4)
+#elif LEGEND_FUSED_WIDTH == 104
+LEGEND_FUSED_PAIR(104, 13, 7)
+#elif LEGEND_FUSED_WIDTH == 128
+LEGEND_FUSED_PAIR(128, 16, 8)
+#endif

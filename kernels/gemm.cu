@@ -56,20 +56,6 @@ __device__ __forceinline__ u32 legend_tf32(float x) {
     return r;
 }
 
-// Asynchronous 4-byte copy into shared memory, zero-filled when `valid` is false (then
-// nothing is read from `src`).
-__device__ __forceinline__ void legend_cp4(float* dst, const float* src, bool valid) {
-    u32 d = (u32)__cvta_generic_to_shared(dst);
-    int bytes = valid ? 4 : 0;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
-}
-
-// Asynchronous 16-byte copy of which the first `bytes` come from `src`, the rest zeros.
-__device__ __forceinline__ void legend_cp16(float* dst, const float* src, int bytes) {
-    u32 d = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
-}
-
 // Queues the copy of one operand's 128 x 16 tile: rows (of A, or columns of B) r0.. below
 // `rlim`, K indices k0.. below `kend`. A k-contiguous operand lands as [row][k] (stride
 // LEGEND_SROW), the other as [k][row] (stride LEGEND_TROW), so that either way the copies

@@ -41,8 +41,8 @@ pub enum GpuError {
         /// The NVRTC status and log.
         message: String,
     },
-    /// The PTX cache could not be read or written.
-    #[error("PTX cache {path}: {source}")]
+    /// The kernel cache could not be read or written.
+    #[error("kernel cache {path}: {source}")]
     Cache {
         /// The cache file.
         path: std::path::PathBuf,

@@ -12,7 +12,7 @@ use cudarc::nvrtc::Ptx;
 use crate::error::DriverContext;
 use crate::{GpuError, nvrtc};
 
-/// The kernels of the program, loaded from one module.
+/// The kernels, each from the module of its program (`nvrtc::PROGRAMS`).
 pub(crate) struct Kernels {
     pub(crate) init_rows: CudaFunction,
     pub(crate) sample: CudaFunction,
@@ -123,7 +123,7 @@ pub fn driver_present() -> bool {
 
 impl Gpu {
     /// Opens device `ordinal`: checks that the driver and NVRTC load and that the device
-    /// exists, then compiles (or takes from the PTX cache) and loads the kernels.
+    /// exists, then compiles (or takes from the kernel cache) and loads the kernels.
     pub fn new(ordinal: usize) -> Result<Gpu, GpuError> {
         if !driver_present() {
             return Err(GpuError::NoDriver);
@@ -149,11 +149,24 @@ impl Gpu {
             .during("reading the compute capability")?;
         let arch = kernel_arch(major, minor);
         let name = ctx.name().during("reading the device name")?;
-        let ptx = nvrtc::cached_ptx(&arch)?;
-        let module = ctx
-            .load_module(Ptx::from_src(ptx))
-            .during("loading the kernels")?;
-        let f = |name: &str| -> Result<CudaFunction, GpuError> { load(&module, name) };
+        let modules = nvrtc::cached_programs(&arch)?
+            .into_iter()
+            .zip(&nvrtc::PROGRAMS)
+            .map(|(code, program)| {
+                let module = ctx
+                    .load_module(Ptx::from_binary(code))
+                    .during("loading the kernels")?;
+                Ok((program, module))
+            })
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        // Each kernel from the module of the program that defines it.
+        let f = |name: &str| -> Result<CudaFunction, GpuError> {
+            let (_, module) = modules
+                .iter()
+                .find(|(p, _)| p.kernels.contains(&name))
+                .unwrap_or(&modules[0]);
+            load(module, name)
+        };
         let kernels = Kernels {
             init_rows: f("legend_init_rows")?,
             sample: f("legend_sample_negatives")?,

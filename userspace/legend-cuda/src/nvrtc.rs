@@ -1,4 +1,10 @@
-//! Run-time compilation of the kernels with NVRTC, and the per-architecture PTX cache.
+//! Run-time compilation of the kernels with NVRTC, and the per-architecture cache of the
+//! machine code.
+//!
+//! The kernels are five programs: the fused kernels of each padded width (most of the
+//! compile time) and everything else. They compile in parallel, each to the device's own
+//! machine code (CUBIN), so a first start waits for the slowest program rather than for all
+//! of them and then for the driver to translate PTX.
 
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
@@ -7,8 +13,8 @@ use cudarc::nvrtc::{result, sys};
 
 use crate::GpuError;
 
-/// The kernel sources, in the order they are concatenated into one program. `common.cuh`
-/// goes first, so the program needs no include path.
+/// The kernel sources, in the order a program concatenates them. `common.cuh` goes first,
+/// so the programs need no include path.
 pub const KERNEL_SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("init.cu", include_str!("../../../kernels/init.cu")),
@@ -20,70 +26,129 @@ pub const KERNEL_SOURCES: [(&str, &str); 8] = [
     ("fused.cu", include_str!("../../../kernels/fused.cu")),
 ];
 
-/// Every kernel entry point of the program.
-pub const KERNEL_NAMES: [&str; 27] = [
-    "legend_init_rows",
-    "legend_sample_negatives",
-    "legend_remap_ids",
-    "legend_gather_batch",
-    "legend_gemm_nt",
-    "legend_gemm_nn",
-    "legend_gemm_tn",
-    "legend_dist_scores",
-    "legend_dist_grad_query",
-    "legend_dist_grad_negatives",
-    "legend_queries",
-    "legend_gather_negatives",
-    "legend_loss",
-    "legend_rows_backward",
-    "legend_negatives_backward",
-    "legend_adagrad",
-    "legend_count_uses",
-    "legend_fused_absmax",
-    "legend_gather_negatives_half",
-    "legend_fused_rows_d32",
-    "legend_fused_negatives_d32",
-    "legend_fused_rows_d64",
-    "legend_fused_negatives_d64",
-    "legend_fused_rows_d104",
-    "legend_fused_negatives_d104",
-    "legend_fused_rows_d128",
-    "legend_fused_negatives_d128",
-];
-
-/// The whole program: every source, each preceded by a `#line` marker so that NVRTC's
-/// messages name the original file and line. The sources are the ones built into the
-/// binary, or, when `LEGEND_KERNELS_DIR` names a folder, that folder's files of the same
-/// names: kernel work on a GPU machine that has no Rust toolchain to rebuild with.
-pub fn program_source() -> Result<String, GpuError> {
-    let dir = std::env::var_os("LEGEND_KERNELS_DIR").filter(|d| !d.is_empty());
-    let mut src = String::new();
-    for (name, text) in KERNEL_SOURCES {
-        src.push_str(&format!("#line 1 \"kernels/{name}\"\n"));
-        match &dir {
-            Some(dir) => {
-                let path = Path::new(dir).join(name);
-                let text = std::fs::read_to_string(&path)
-                    .map_err(|source| GpuError::KernelSource { path, source })?;
-                src.push_str(&text);
-            }
-            None => src.push_str(text),
-        }
-        src.push('\n');
-    }
-    Ok(src)
+/// One NVRTC program: the sources it concatenates, the fused width it defines
+/// (`LEGEND_FUSED_WIDTH`; 0 for the program of the other kernels) and its entry points.
+#[derive(Debug)]
+pub struct Program {
+    /// Names the program in logs and cache files.
+    pub name: &'static str,
+    sources: &'static [&'static str],
+    fused_width: u32,
+    /// The kernels it defines.
+    pub kernels: &'static [&'static str],
 }
 
-/// NVRTC options: warnings on, standard C++17, line info for the profilers. No fast math:
-/// the kernels are checked against the CPU to 1e-3 and the losses need accurate exp/log.
-fn options(arch: &str) -> Vec<String> {
-    vec![
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".into(),
-        "--generate-line-info".into(),
-        "--restrict".into(),
-        "-default-device".into(),
-    ]
+/// The fused kernels need only the shared definitions and their own file.
+const FUSED_SOURCES: &[&str] = &["common.cuh", "fused.cu"];
+
+/// Every program, the one with the most kernels first.
+pub const PROGRAMS: [Program; 5] = [
+    Program {
+        name: "kernels",
+        sources: &[
+            "common.cuh",
+            "init.cu",
+            "sample.cu",
+            "batch.cu",
+            "gemm.cu",
+            "distance.cu",
+            "train.cu",
+            "fused.cu",
+        ],
+        fused_width: 0,
+        kernels: &[
+            "legend_init_rows",
+            "legend_sample_negatives",
+            "legend_remap_ids",
+            "legend_gather_batch",
+            "legend_gemm_nt",
+            "legend_gemm_nn",
+            "legend_gemm_tn",
+            "legend_dist_scores",
+            "legend_dist_grad_query",
+            "legend_dist_grad_negatives",
+            "legend_queries",
+            "legend_gather_negatives",
+            "legend_loss",
+            "legend_rows_backward",
+            "legend_negatives_backward",
+            "legend_adagrad",
+            "legend_count_uses",
+            "legend_fused_absmax",
+            "legend_gather_negatives_half",
+        ],
+    },
+    Program {
+        name: "fused_d32",
+        sources: FUSED_SOURCES,
+        fused_width: 32,
+        kernels: &["legend_fused_rows_d32", "legend_fused_negatives_d32"],
+    },
+    Program {
+        name: "fused_d64",
+        sources: FUSED_SOURCES,
+        fused_width: 64,
+        kernels: &["legend_fused_rows_d64", "legend_fused_negatives_d64"],
+    },
+    Program {
+        name: "fused_d104",
+        sources: FUSED_SOURCES,
+        fused_width: 104,
+        kernels: &["legend_fused_rows_d104", "legend_fused_negatives_d104"],
+    },
+    Program {
+        name: "fused_d128",
+        sources: FUSED_SOURCES,
+        fused_width: 128,
+        kernels: &["legend_fused_rows_d128", "legend_fused_negatives_d128"],
+    },
+];
+
+/// Every kernel entry point, over all programs.
+pub fn kernel_names() -> impl Iterator<Item = &'static str> {
+    PROGRAMS.iter().flat_map(|p| p.kernels.iter().copied())
+}
+
+impl Program {
+    /// The program's source: its files, each preceded by a `#line` marker so that NVRTC's
+    /// messages name the original file and line. The files are the ones built into the
+    /// binary, or, when `LEGEND_KERNELS_DIR` names a folder, that folder's files of the same
+    /// names: kernel work on a GPU machine that has no Rust toolchain to rebuild with.
+    pub fn source(&self) -> Result<String, GpuError> {
+        let dir = std::env::var_os("LEGEND_KERNELS_DIR").filter(|d| !d.is_empty());
+        let mut src = String::new();
+        for (name, text) in KERNEL_SOURCES
+            .iter()
+            .filter(|(name, _)| self.sources.contains(name))
+        {
+            src.push_str(&format!("#line 1 \"kernels/{name}\"\n"));
+            match &dir {
+                Some(dir) => {
+                    let path = Path::new(dir).join(name);
+                    let text = std::fs::read_to_string(&path)
+                        .map_err(|source| GpuError::KernelSource { path, source })?;
+                    src.push_str(&text);
+                }
+                None => src.push_str(text),
+            }
+            src.push('\n');
+        }
+        Ok(src)
+    }
+
+    /// NVRTC options: warnings on, standard C++17, line info for the profilers, the fused
+    /// width. No fast math: the kernels are checked against the CPU to 1e-3 and the losses
+    /// need accurate exp/log.
+    fn options(&self, arch: &str) -> Vec<String> {
+        vec![
+            format!("--gpu-architecture={arch}"),
+            "--std=c++17".into(),
+            "--generate-line-info".into(),
+            "--restrict".into(),
+            "-default-device".into(),
+            format!("-DLEGEND_FUSED_WIDTH={}", self.fused_width),
+        ]
+    }
 }
 
 /// Whether `libnvrtc` can be loaded (checked before any NVRTC call, which would panic).
@@ -111,16 +176,39 @@ pub fn nvrtc_version() -> Result<(i32, i32), GpuError> {
 /// A compiled program.
 #[derive(Clone, Debug)]
 pub struct Compiled {
+    /// The program's name ([`Program::name`]).
+    pub program: &'static str,
     /// PTX text (NUL-free).
     pub ptx: String,
+    /// Machine code for the architecture it was compiled for.
+    pub cubin: Vec<u8>,
     /// NVRTC's log (empty when there was nothing to say).
     pub log: String,
 }
 
-/// Compiles the program for `arch` (`sm_80`, `sm_90`, ...). Fails on an error; warnings
-/// come back in [`Compiled::log`].
-pub fn compile(arch: &str) -> Result<Compiled, GpuError> {
-    compile_source(arch, &program_source()?, &[])
+/// Compiles every program for `arch` (`sm_80`, `sm_90a`, ...), in parallel, in the order of
+/// [`PROGRAMS`]. Fails on an error; warnings come back in each [`Compiled::log`].
+pub fn compile(arch: &str) -> Result<Vec<Compiled>, GpuError> {
+    compile_all(arch, &[])
+}
+
+/// Runs `compile_source` for every program on a thread of its own.
+fn compile_all(arch: &str, extra: &[&str]) -> Result<Vec<Compiled>, GpuError> {
+    let sources = PROGRAMS
+        .iter()
+        .map(Program::source)
+        .collect::<Result<Vec<_>, _>>()?;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = PROGRAMS
+            .iter()
+            .zip(&sources)
+            .map(|(p, src)| s.spawn(move || compile_source(arch, p, src, extra)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("NVRTC threads do not panic"))
+            .collect()
+    })
 }
 
 /// What ptxas gave one kernel: registers a thread and the bytes it spills (stores and
@@ -141,8 +229,16 @@ pub struct KernelResources {
 /// resources, in the report's order: register pressure and spills (which decide how many
 /// blocks a multiprocessor holds) are visible without a GPU.
 pub fn resource_usage(arch: &str) -> Result<Vec<KernelResources>, GpuError> {
-    let compiled = compile_source(arch, &program_source()?, &["--ptxas-options=-v"])?;
-    Ok(parse_ptxas_report(&compiled.log))
+    // A define no other compile has: the NVRTC of the GPU machines answered a repeated
+    // compile at once and without ptxas's report (an empty one), as if from a cache.
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let fresh = format!("-DLEGEND_PTXAS_REPORT={}_{stamp}", std::process::id());
+    Ok(compile_all(arch, &["--ptxas-options=-v", &fresh])?
+        .iter()
+        .flat_map(|c| parse_ptxas_report(&c.log))
+        .collect())
 }
 
 /// The per-kernel figures of a ptxas `-v` report: a "Compiling entry function 'NAME'" line,
@@ -178,19 +274,25 @@ fn parse_ptxas_report(log: &str) -> Vec<KernelResources> {
     out
 }
 
-/// Compiles `source` (a [`program_source`]) for `arch`, with `extra` options.
-fn compile_source(arch: &str, source: &str, extra: &[&str]) -> Result<Compiled, GpuError> {
+/// Compiles `source` (`program`'s [`Program::source`]) for `arch`, with `extra` options.
+fn compile_source(
+    arch: &str,
+    program: &'static Program,
+    source: &str,
+    extra: &[&str],
+) -> Result<Compiled, GpuError> {
     if !nvrtc_present() {
         return Err(GpuError::NoNvrtc);
     }
     let fail = |message: String| GpuError::Compile {
         arch: arch.to_string(),
-        message,
+        message: format!("program {}: {message}", program.name),
     };
     let src = CString::new(source).map_err(|_| fail("a source holds a NUL".into()))?;
-    let prog = result::create_program(&src, Some(c"legend_kernels.cu"))
+    let name = CString::new(format!("legend_{}.cu", program.name)).expect("no NUL in names");
+    let prog = result::create_program(&src, Some(&name))
         .map_err(|e| fail(format!("nvrtcCreateProgram: {e:?}")))?;
-    let mut opts = options(arch);
+    let mut opts = program.options(arch);
     opts.extend(extra.iter().map(|o| o.to_string()));
     // SAFETY: `prog` was just created and is destroyed once, below.
     let status = unsafe { result::compile_program(prog, &opts) };
@@ -198,21 +300,46 @@ fn compile_source(arch: &str, source: &str, extra: &[&str]) -> Result<Compiled, 
     let log = unsafe { result::get_program_log(prog) }
         .map(|raw| c_chars_to_string(&raw))
         .unwrap_or_default();
-    let ptx = match status {
+    let outputs = match status {
         // SAFETY: `prog` is live and compiled.
         Ok(()) => unsafe { result::get_ptx(prog) }
             .map(|raw| c_chars_to_string(&raw))
-            .map_err(|e| fail(format!("nvrtcGetPTX: {e:?}"))),
+            .map_err(|e| fail(format!("nvrtcGetPTX: {e:?}")))
+            // SAFETY: as above.
+            .and_then(|ptx| Ok((ptx, unsafe { cubin(prog) }.map_err(fail)?))),
         Err(e) => Err(fail(format!("{e:?}\n{log}"))),
     };
     // SAFETY: `prog` is live and not used after this.
     let destroyed = unsafe { result::destroy_program(prog) };
-    let ptx = ptx?;
+    let (ptx, cubin) = outputs?;
     destroyed.map_err(|e| fail(format!("nvrtcDestroyProgram: {e:?}")))?;
     Ok(Compiled {
+        program: program.name,
         ptx,
+        cubin,
         log: log.trim().to_string(),
     })
+}
+
+/// The machine code of a program compiled for a real architecture.
+///
+/// # Safety
+/// `prog` must be a live, successfully compiled program.
+unsafe fn cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>, String> {
+    let mut size = 0usize;
+    // SAFETY: the caller's contract; `size` is a live local.
+    unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
+        .result()
+        .map_err(|e| format!("nvrtcGetCUBINSize: {e:?}"))?;
+    if size == 0 {
+        return Err("no machine code (not a real architecture?)".into());
+    }
+    let mut out = vec![0u8; size];
+    // SAFETY: `out` holds the `size` bytes NVRTC reported.
+    unsafe { sys::nvrtcGetCUBIN(prog, out.as_mut_ptr().cast()) }
+        .result()
+        .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))?;
+    Ok(out)
 }
 
 fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {
@@ -231,45 +358,75 @@ fn fnv1a(data: &[u8], mut h: u64) -> u64 {
     h
 }
 
-/// The cache directory: `$XDG_CACHE_HOME/legend/ptx`, else `~/.cache/legend/ptx`; `None`
-/// when neither variable is set (then nothing is cached).
+/// The cache directory: `$XDG_CACHE_HOME/legend/kernels`, else `~/.cache/legend/kernels`;
+/// `None` when neither variable is set (then nothing is cached).
 pub fn cache_dir() -> Option<PathBuf> {
     let base = std::env::var_os("XDG_CACHE_HOME")
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))?;
-    Some(base.join("legend").join("ptx"))
+    Some(base.join("legend").join("kernels"))
 }
 
-/// The PTX for `arch`, from the cache when present, else compiled and stored there. The
-/// key covers the sources, the options and the NVRTC version, so any change recompiles.
-pub fn cached_ptx(arch: &str) -> Result<String, GpuError> {
+/// The machine code of every program for `arch`, in the order of [`PROGRAMS`]: from the
+/// cache where present, the others compiled in parallel and stored there. A program's key
+/// covers its sources, options and the NVRTC version, so any change recompiles it.
+pub fn cached_programs(arch: &str) -> Result<Vec<Vec<u8>>, GpuError> {
     let (major, minor) = nvrtc_version()?;
-    // One read of the sources for the key and the compile, so that the PTX stored under a
-    // key is the PTX of those sources even while LEGEND_KERNELS_DIR's files change.
-    let source = program_source()?;
-    let mut h = fnv1a(source.as_bytes(), 0xcbf2_9ce4_8422_2325);
-    h = fnv1a(options(arch).join(" ").as_bytes(), h);
-    h = fnv1a(format!("nvrtc {major}.{minor}").as_bytes(), h);
-    let path = cache_dir().map(|d| d.join(arch).join(format!("{h:016x}.ptx")));
-    if let Some(path) = &path
-        && let Ok(ptx) = std::fs::read_to_string(path)
-    {
-        return Ok(ptx);
-    }
-    let compiled = compile_source(arch, &source, &[])?;
-    if let Some(path) = path {
-        let io = |source| GpuError::Cache {
-            path: path.clone(),
-            source,
-        };
-        std::fs::create_dir_all(path.parent().expect("the path has a parent")).map_err(io)?;
-        // Write then rename, so a concurrent reader never sees half a file.
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        std::fs::write(&tmp, &compiled.ptx).map_err(io)?;
-        std::fs::rename(&tmp, &path).map_err(io)?;
-    }
-    Ok(compiled.ptx)
+    // One read of the sources for the key and the compile, so that the code stored under a
+    // key is the code of those sources even while LEGEND_KERNELS_DIR's files change.
+    let sources = PROGRAMS
+        .iter()
+        .map(Program::source)
+        .collect::<Result<Vec<_>, _>>()?;
+    let paths: Vec<Option<PathBuf>> = PROGRAMS
+        .iter()
+        .zip(&sources)
+        .map(|(p, source)| {
+            let mut h = fnv1a(source.as_bytes(), 0xcbf2_9ce4_8422_2325);
+            h = fnv1a(p.options(arch).join(" ").as_bytes(), h);
+            h = fnv1a(format!("nvrtc {major}.{minor}").as_bytes(), h);
+            cache_dir().map(|d| d.join(arch).join(format!("{}-{h:016x}.cubin", p.name)))
+        })
+        .collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = PROGRAMS
+            .iter()
+            .zip(&sources)
+            .zip(&paths)
+            .map(|((p, source), path)| {
+                s.spawn(move || -> Result<Vec<u8>, GpuError> {
+                    if let Some(path) = path
+                        && let Ok(code) = std::fs::read(path)
+                    {
+                        return Ok(code);
+                    }
+                    let compiled = compile_source(arch, p, source, &[])?;
+                    if let Some(path) = path {
+                        store(path, &compiled.cubin)?;
+                    }
+                    Ok(compiled.cubin)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("NVRTC threads do not panic"))
+            .collect()
+    })
+}
+
+/// Writes `data` to the cache file `path`: to a temporary name, then renamed, so that a
+/// concurrent reader never sees half a file.
+fn store(path: &Path, data: &[u8]) -> Result<(), GpuError> {
+    let io = |source| GpuError::Cache {
+        path: path.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(path.parent().expect("the path has a parent")).map_err(io)?;
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, data).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
 }
 
 #[cfg(test)]
@@ -277,14 +434,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_kernel_name_is_defined() {
-        let src = program_source().unwrap();
-        for name in KERNEL_NAMES {
-            assert!(
-                src.contains(&format!("void {name}(")) || src.contains(&format!(") {name}(")),
-                "{name}"
-            );
+    fn every_kernel_is_defined_by_exactly_one_program() {
+        // The entry points of fused.cu are made by a macro: its instantiations name them.
+        let defines = |src: &str, name: &str| {
+            src.contains(&format!("void {name}(")) || src.contains(&format!(") {name}("))
+        };
+        for p in &PROGRAMS {
+            let src = p.source().unwrap();
+            for name in p.kernels {
+                let pair = name
+                    .strip_prefix("legend_fused_rows_d")
+                    .or_else(|| name.strip_prefix("legend_fused_negatives_d"));
+                match pair {
+                    Some(w) => {
+                        assert_eq!(p.fused_width.to_string(), w, "{name} in {}", p.name);
+                        assert!(src.contains(&format!("LEGEND_FUSED_PAIR({w},")), "{name}");
+                    }
+                    None => assert!(defines(&src, name), "{name} in {}", p.name),
+                }
+            }
         }
+        let mut names: Vec<&str> = kernel_names().collect();
+        let all = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), all, "a kernel listed by two programs");
     }
 
     #[test]
@@ -294,7 +468,8 @@ mod tests {
             return;
         }
         let usage = resource_usage("sm_90").unwrap_or_else(|e| panic!("{e}"));
-        for name in KERNEL_NAMES {
+        assert_eq!(usage.len(), kernel_names().count(), "{usage:?}");
+        for name in kernel_names() {
             let k = usage.iter().find(|k| k.name == name);
             let k = k.unwrap_or_else(|| panic!("{name} missing from the ptxas report"));
             // Every kernel needs some registers; the fused ones are capped at 128 by their
@@ -341,13 +516,16 @@ mod tests {
             return;
         }
         for arch in ["sm_80", "sm_90", "sm_90a"] {
-            let c = compile(arch).unwrap_or_else(|e| panic!("{e}"));
-            assert!(c.log.is_empty(), "{arch}: {}", c.log);
-            for name in KERNEL_NAMES {
-                assert!(
-                    c.ptx.contains(&format!(".entry {name}(")),
-                    "{arch}: {name} missing"
-                );
+            let compiled = compile(arch).unwrap_or_else(|e| panic!("{e}"));
+            for (p, c) in PROGRAMS.iter().zip(&compiled) {
+                assert_eq!(c.program, p.name);
+                assert!(c.log.is_empty(), "{arch} {}: {}", p.name, c.log);
+                assert!(!c.cubin.is_empty(), "{arch} {}: no machine code", p.name);
+                // Exactly its own entry points.
+                assert_eq!(c.ptx.matches(".entry ").count(), p.kernels.len(), "{arch}");
+                for name in p.kernels {
+                    assert!(c.ptx.contains(&format!(".entry {name}(")), "{arch}: {name}");
+                }
             }
         }
     }

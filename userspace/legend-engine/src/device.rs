@@ -19,8 +19,8 @@ pub enum Device {
 }
 
 /// Opens device `ordinal`, saying in the log how long it took: the first run of a build on a
-/// machine compiles the kernels with NVRTC (tens of seconds), later runs load them from the
-/// PTX cache.
+/// machine compiles the kernels with NVRTC (seconds), later runs load them from the
+/// kernel cache.
 fn open_gpu(ordinal: usize) -> Result<Gpu, legend_cuda::GpuError> {
     if driver_present() {
         let cache = legend_cuda::nvrtc::cache_dir().map_or_else(
@@ -29,7 +29,7 @@ fn open_gpu(ordinal: usize) -> Result<Gpu, legend_cuda::GpuError> {
         );
         tracing::info!(
             "opening cuda:{ordinal} (the first run of a build compiles the kernels with \
-             NVRTC, tens of seconds; PTX cache {cache})"
+             NVRTC, seconds; kernel cache {cache})"
         );
     }
     let start = std::time::Instant::now();

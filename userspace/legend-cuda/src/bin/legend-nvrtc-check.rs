@@ -38,29 +38,32 @@ fn main() -> ExitCode {
     let mut failed = false;
     for arch in &archs {
         match nvrtc::compile(arch) {
-            Ok(c) if c.log.is_empty() => {
-                let entries = nvrtc::KERNEL_NAMES
-                    .iter()
-                    .filter(|n| c.ptx.contains(&format!(".entry {n}(")))
-                    .count();
-                if entries == nvrtc::KERNEL_NAMES.len() {
-                    println!(
-                        "ok: {arch}, NVRTC {}.{}, {entries} kernels, {} bytes of PTX",
-                        version.0,
-                        version.1,
-                        c.ptx.len()
-                    );
-                } else {
-                    eprintln!(
-                        "error: {arch}: {entries} of {} kernels in the PTX",
-                        nvrtc::KERNEL_NAMES.len()
-                    );
-                    failed = true;
+            Ok(programs) => {
+                for (p, c) in nvrtc::PROGRAMS.iter().zip(&programs) {
+                    if !c.log.is_empty() {
+                        eprintln!("error: {arch} {}: NVRTC warnings:\n{}", p.name, c.log);
+                        failed = true;
+                    }
+                    let missing: Vec<&str> = p
+                        .kernels
+                        .iter()
+                        .copied()
+                        .filter(|n| !c.ptx.contains(&format!(".entry {n}(")))
+                        .collect();
+                    if !missing.is_empty() {
+                        eprintln!("error: {arch} {}: missing {missing:?}", p.name);
+                        failed = true;
+                    }
                 }
-            }
-            Ok(c) => {
-                eprintln!("error: {arch}: NVRTC warnings:\n{}", c.log);
-                failed = true;
+                let kernels = nvrtc::kernel_names().count();
+                let code: usize = programs.iter().map(|c| c.cubin.len()).sum();
+                println!(
+                    "{}: {arch}, NVRTC {}.{}, {} programs, {kernels} kernels, {code} bytes of machine code",
+                    if failed { "checked" } else { "ok" },
+                    version.0,
+                    version.1,
+                    programs.len(),
+                );
             }
             Err(e) => {
                 eprintln!("error: {e}");
