@@ -26,11 +26,11 @@ if ! python3 -m pip install -q --no-index --no-cache-dir --find-links "$root/whl
         --target /tmp/peers-site "$root"/whl/*.whl || exit 1
     export PYTHONPATH=/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# Legend's kernels, compiled by NVRTC for this GPU beforehand, if DIR/kernels holds them
-# (copied from a machine's ~/.cache/legend/kernels: the key covers sources, options and NVRTC
-# version, so a stale file is never used); otherwise legendctl compiles them at start.
-[ -d "$root/kernels" ] && mkdir -p "${XDG_CACHE_HOME:-$HOME/.cache}/legend" &&
-    cp -r "$root/kernels" "${XDG_CACHE_HOME:-$HOME/.cache}/legend/"
+# Legend's kernels, compiled by NVRTC for this GPU beforehand, if DIR/kernel-cache holds them
+# (a copy of a machine's ~/.cache/legend/kernels: the key covers sources, options and NVRTC
+# version, so a stale file is never used); otherwise legendctl compiles them at start (10 s).
+[ -d "$root/kernel-cache" ] && mkdir -p "${XDG_CACHE_HOME:-$HOME/.cache}/legend/kernels" &&
+    cp -r "$root/kernel-cache/." "${XDG_CACHE_HOME:-$HOME/.cache}/legend/kernels/"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 status=0
 PYTHONUNBUFFERED=1 python3 "$root/benchmarks/baselines/compare_gpu.py" --legendctl "$root/legendctl" \
