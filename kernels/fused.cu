@@ -476,16 +476,35 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     float n_scale = legend_fp16_scale(f.absmax[2 * z + 1]);
     float s_unscale = 1.0f / (q_scale * n_scale);
     // The block's queries, scaled and converted once into shared memory; the FP16 copy in
-    // device memory is what the negatives kernel reads.
-    for (int e = threadIdx.x; e < BR * 8 * KS; e += 32 * LEGEND_FUSED_WARPS) {
-        int i = e / (8 * KS), c = 2 * (e % (8 * KS));
-        u32 r = r_block + i;
-        bool ok = r < nrows;
-        const float* q = f.query + (base + r) * dim;
-        u32 v = legend_half2(ok && (u32)c < dim ? q[c] * q_scale : 0.0f,
-                             ok && (u32)c + 1 < dim ? q[c + 1] * q_scale : 0.0f);
-        legend_fused_smem[(LegendHalfRows<KS>::at(i, c / 8) + 2 * (c % 8)) / 4] = v;
-        if (ok) f.query_half[(base + r) * (f.dim_pad / 2) + c / 2] = v;
+    // device memory is what the negatives kernel reads. Four values a thread and step, one
+    // 16-byte load, where rows allow (d % 4 == 0; the scalar loads of this prologue cost the
+    // kernel more than their bytes).
+    if (dim % 4 == 0) {
+        for (int e = threadIdx.x; e < BR * 4 * KS; e += 32 * LEGEND_FUSED_WARPS) {
+            int i = e / (4 * KS), c = 4 * (e % (4 * KS));
+            u32 r = r_block + i;
+            bool ok = r < nrows && (u32)c < dim;
+            float4 x = ok ? *reinterpret_cast<const float4*>(f.query + (base + r) * dim + c)
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            uint2 v = make_uint2(legend_half2(x.x * q_scale, x.y * q_scale),
+                                 legend_half2(x.z * q_scale, x.w * q_scale));
+            *reinterpret_cast<uint2*>(
+                &legend_fused_smem[(LegendHalfRows<KS>::at(i, c / 8) + 2 * (c % 8)) / 4]) = v;
+            if (r < nrows)
+                *reinterpret_cast<uint2*>(&f.query_half[(base + r) * (f.dim_pad / 2) + c / 2]) =
+                    v;
+        }
+    } else {
+        for (int e = threadIdx.x; e < BR * 8 * KS; e += 32 * LEGEND_FUSED_WARPS) {
+            int i = e / (8 * KS), c = 2 * (e % (8 * KS));
+            u32 r = r_block + i;
+            bool ok = r < nrows;
+            const float* q = f.query + (base + r) * dim;
+            u32 v = legend_half2(ok && (u32)c < dim ? q[c] * q_scale : 0.0f,
+                                 ok && (u32)c + 1 < dim ? q[c + 1] * q_scale : 0.0f);
+            legend_fused_smem[(LegendHalfRows<KS>::at(i, c / 8) + 2 * (c % 8)) / 4] = v;
+            if (ok) f.query_half[(base + r) * (f.dim_pad / 2) + c / 2] = v;
+        }
     }
     int row0 = warp * 16 * MT;
     // Per row tile m: rows a = r_block + row0 + 16m + g and b = a + 8.
@@ -665,12 +684,19 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
 #pragma unroll
         for (int n = 0; n < DK; ++n)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                bool hi = q >= 2;
-                u32 c = 8 * n + 2 * t + (q & 1);
-                if ((hi ? vb[m] : va[m]) && c < dim)
-                    f.grad_query[(base + (hi ? rb : ra[m])) * dim + c] =
-                        acc[m][n][q] * (hi ? scale_b : scale_a) / (n_scale * LEGEND_FUSED_G_SCALE);
+            for (int h = 0; h < 2; ++h) {
+                // The lane's two adjacent columns of a row: one 8-byte store when d is even.
+                u32 c = 8 * n + 2 * t;
+                float u = (h ? scale_b : scale_a) / (n_scale * LEGEND_FUSED_G_SCALE);
+                float x = acc[m][n][2 * h] * u, y = acc[m][n][2 * h + 1] * u;
+                if (!(h ? vb[m] : va[m]) || c >= dim) continue;
+                float* to = &f.grad_query[(base + (h ? rb : ra[m])) * dim + c];
+                if (dim % 2 == 0) {
+                    *reinterpret_cast<float2*>(to) = make_float2(x, y);
+                } else {
+                    to[0] = x;
+                    if (c + 1 < dim) to[1] = y;
+                }
             }
         if (t == 0) {
             if (va[m]) {

@@ -229,13 +229,7 @@ pub struct KernelResources {
 /// resources, in the report's order: register pressure and spills (which decide how many
 /// blocks a multiprocessor holds) are visible without a GPU.
 pub fn resource_usage(arch: &str) -> Result<Vec<KernelResources>, GpuError> {
-    // A define no other compile has: the NVRTC of the GPU machines answered a repeated
-    // compile at once and without ptxas's report (an empty one), as if from a cache.
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let fresh = format!("-DLEGEND_PTXAS_REPORT={}_{stamp}", std::process::id());
-    Ok(compile_all(arch, &["--ptxas-options=-v", &fresh])?
+    Ok(compile_all(arch, &["--ptxas-options=-v"])?
         .iter()
         .flat_map(|c| parse_ptxas_report(&c.log))
         .collect())
