@@ -93,6 +93,31 @@ __device__ __forceinline__ float legend_adagrad_step(float param, float& state, 
     return param - lr * g / (sqrtf(state) + eps);
 }
 
+// p[0 .. 4] += x: one vector reduction on sm_90 and later (a little faster than four
+// atomics there; in legend_rows_backward, whose atomics go to three rows an edge, neither
+// float2 nor float4 reductions beat scalar ones), four atomics before.
+__device__ __forceinline__ void legend_red4(float* p, const LegendVec<4>& x) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x.v[0]),
+                 "f"(x.v[1]), "f"(x.v[2]), "f"(x.v[3])
+                 : "memory");
+#else
+#pragma unroll
+    for (int v = 0; v < 4; ++v) atomicAdd(p + v, x.v[v]);
+#endif
+}
+
+// p[0], p[1] += x, y (p 8-byte aligned): one vector reduction on sm_90 and later, two
+// atomics before.
+__device__ __forceinline__ void legend_red2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+
 // Where a step's gradient of one table row goes: added atomically into the gradient table
 // (the row is listed for legend_adagrad), or, for a node row the batch uses only once
 // (`direct`, from legend_count_uses), straight into AdaGrad on its parameters and state:

@@ -844,14 +844,22 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
 #pragma unroll
         for (int n = 0; n < DK; ++n)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                bool hi = q >= 2;
-                u32 c = 8 * n + 2 * t + (q & 1);
-                if ((hi ? jb : ja) < k && c < dim) {
-                    float* to = &out[(u64)(hi ? jb : ja) * dim + c];
-                    float v = acc[m][n][q] / (q_scale * LEGEND_FUSED_G_SCALE);
-                    if (f.atomic) atomicAdd(to, v);
-                    else *to = v;
+            for (int h = 0; h < 2; ++h) {
+                // The lane's two adjacent columns of a negative: one 8-byte store or vector
+                // reduction when d is even.
+                u32 j = h ? jb : ja, c = 8 * n + 2 * t;
+                if (j >= k || c >= dim) continue;
+                float u = 1.0f / (q_scale * LEGEND_FUSED_G_SCALE);
+                float x = acc[m][n][2 * h] * u, y = acc[m][n][2 * h + 1] * u;
+                float* to = &out[(u64)j * dim + c];
+                if (dim % 2 == 0) {
+                    if (f.atomic) legend_red2(to, x, y);
+                    else *reinterpret_cast<float2*>(to) = make_float2(x, y);
+                } else {
+                    for (int v = 0; v < 2 && c + v < dim; ++v) {
+                        if (f.atomic) atomicAdd(to + v, v ? y : x);
+                        else to[v] = v ? y : x;
+                    }
                 }
             }
     }

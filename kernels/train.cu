@@ -9,20 +9,6 @@
 // One warp handles one row everywhere below: lanes stride over the d elements, or over the
 // d/2 complex pairs for ComplEx (real half first), so each element is read once.
 
-// p[0 .. 4] += x: one vector reduction on sm_90 and later (a little faster than four
-// atomics there; in legend_rows_backward, whose atomics go to three rows an edge, neither
-// float2 nor float4 reductions beat scalar ones), four atomics before.
-__device__ __forceinline__ void legend_red4(float* p, const LegendVec<4>& x) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x.v[0]),
-                 "f"(x.v[1]), "f"(x.v[2]), "f"(x.v[3])
-                 : "memory");
-#else
-#pragma unroll
-    for (int v = 0; v < 4; ++v) atomicAdd(p + v, x.v[v]);
-#endif
-}
-
 struct LegendJobs {
     const u32* edges;
     const u32* row0;
