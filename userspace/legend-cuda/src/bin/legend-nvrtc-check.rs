@@ -37,6 +37,11 @@ fn main() -> ExitCode {
     };
     let mut failed = false;
     for arch in &archs {
+        // The report first: a repeated compile may come from NVRTC's cache, without one.
+        if resources && let Err(e) = print_resources(arch) {
+            eprintln!("error: {e}");
+            failed = true;
+        }
         match nvrtc::compile(arch) {
             Ok(programs) => {
                 for (p, c) in nvrtc::PROGRAMS.iter().zip(&programs) {
@@ -69,10 +74,6 @@ fn main() -> ExitCode {
                 eprintln!("error: {e}");
                 failed = true;
             }
-        }
-        if resources && let Err(e) = print_resources(arch) {
-            eprintln!("error: {e}");
-            failed = true;
         }
     }
     if failed {
