@@ -41,6 +41,21 @@ pub struct Program {
 /// The fused kernels need only the shared definitions and their own file.
 const FUSED_SOURCES: &[&str] = &["common.cuh", "fused.cu"];
 
+/// The program of the fused kernels of padded width `$w` (`LEGEND_FUSED_PAIR` in fused.cu).
+macro_rules! fused_program {
+    ($w:literal) => {
+        Program {
+            name: concat!("fused_d", $w),
+            sources: FUSED_SOURCES,
+            fused_width: $w,
+            kernels: &[
+                concat!("legend_fused_rows_d", $w),
+                concat!("legend_fused_negatives_d", $w),
+            ],
+        }
+    };
+}
+
 /// Every program, the one with the most kernels first.
 pub const PROGRAMS: [Program; 5] = [
     Program {
@@ -78,30 +93,10 @@ pub const PROGRAMS: [Program; 5] = [
             "legend_gather_negatives_half",
         ],
     },
-    Program {
-        name: "fused_d32",
-        sources: FUSED_SOURCES,
-        fused_width: 32,
-        kernels: &["legend_fused_rows_d32", "legend_fused_negatives_d32"],
-    },
-    Program {
-        name: "fused_d64",
-        sources: FUSED_SOURCES,
-        fused_width: 64,
-        kernels: &["legend_fused_rows_d64", "legend_fused_negatives_d64"],
-    },
-    Program {
-        name: "fused_d104",
-        sources: FUSED_SOURCES,
-        fused_width: 104,
-        kernels: &["legend_fused_rows_d104", "legend_fused_negatives_d104"],
-    },
-    Program {
-        name: "fused_d128",
-        sources: FUSED_SOURCES,
-        fused_width: 128,
-        kernels: &["legend_fused_rows_d128", "legend_fused_negatives_d128"],
-    },
+    fused_program!(32),
+    fused_program!(64),
+    fused_program!(104),
+    fused_program!(128),
 ];
 
 /// Every kernel entry point, over all programs.
