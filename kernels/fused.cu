@@ -25,8 +25,9 @@
 //
 // The block's own operand sits in shared memory for the whole walk, the walked one comes
 // through shared memory in three cp.async stages of 64 rows (LEGEND_FUSED_STAGES), and
-// operands are read with ldmatrix, or by the warpgroup products (wgmma) on Hopper. Eight warps a block, each owning one 16-row tile of the block's 128 rows, at
-// 128 registers a thread, two blocks a multiprocessor (16 warps): with FP16 operands this
+// operands are read with ldmatrix, or by the warpgroup products (wgmma) on Hopper. Eight
+// warps a block, each owning one 16-row tile of the block's 128 rows, at 128 registers a
+// thread, two blocks a multiprocessor (16 warps): with FP16 operands this
 // beats the TF32 version's four warps owning two tiles each at 255 registers (each B
 // fragment feeding two products, 8 warps a multiprocessor): 1.95 -> 1.74 ms a batch.
 // G goes from the accumulator of S straight into the A fragment of the next product: the
@@ -38,8 +39,9 @@
 // half of a block multiply their 64 rows at once, reading the shared-memory operands by
 // descriptor (G, in registers, stays an A fragment). Same math and accumulator layout, so
 // the loss and G code is shared. On an H100 the benchmark batch's rows kernel went 0.535 ->
-// 0.479 ms; its negatives kernel stayed near 0.29-0.30 ms (bound by its L2 traffic, see
-// Documentation/gpu.md). The mma.sync path, timed there with LEGEND_CUDA_ARCH=sm_90, takes
+// 0.479 ms (0.40 ms once its prologue loaded in 16-byte pieces); its negatives kernel stayed
+// near 0.29-0.30 ms (bound by its L2 traffic; 0.28 ms with paired dN stores; see
+// Documentation/gpu.md). The mma.sync path, timed there with LEGEND_CUDA_ARCH=sm_90, took
 // 0.56 and 0.32 ms in this layout.
 
 #define LEGEND_FUSED_WARPS 8
