@@ -223,8 +223,8 @@ pub struct KernelResources {
 /// Compiles the programs for `arch` with ptxas's report and returns each kernel's
 /// resources, in the report's order: register pressure and spills (which decide how many
 /// blocks a multiprocessor holds) are visible without a GPU. Call it before any other
-/// compile for `arch` in the process: some NVRTC builds (the GPU machines' CUDA 13) answer a
-/// repeated compile from a cache, without ptxas and so without a report (then empty).
+/// compile for `arch`: some NVRTC builds (the GPU machines' CUDA 13) answer a compile they
+/// have done before from a cache, without ptxas and so without a report (then empty).
 pub fn resource_usage(arch: &str) -> Result<Vec<KernelResources>, GpuError> {
     Ok(compile_all(arch, &["--ptxas-options=-v"])?
         .iter()
@@ -460,9 +460,9 @@ mod tests {
         }
         let usage = resource_usage("sm_90").unwrap_or_else(|e| panic!("{e}"));
         if usage.is_empty() {
-            // The NVRTC of the GPU machines answers a compile its process has done before
-            // (here: another test's) from a cache, without running ptxas, so without a report.
-            println!("skip: NVRTC gave no ptxas report (a compile this process repeated)");
+            // The NVRTC of the GPU machines answers a compile it has done before (another
+            // test's, or an earlier run's) from a cache, without ptxas, so without a report.
+            println!("skip: NVRTC gave no ptxas report (it answered a repeated compile)");
             return;
         }
         assert_eq!(usage.len(), kernel_names().count(), "{usage:?}");
