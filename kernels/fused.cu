@@ -477,6 +477,15 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     float q_scale = legend_fp16_scale(f.absmax[2 * z]);
     float n_scale = legend_fp16_scale(f.absmax[2 * z + 1]);
     float s_unscale = 1.0f / (q_scale * n_scale);
+    // The first tiles of negatives are queued before the queries are staged, so that their
+    // copies overlap that work.
+    const u32* N = f.negs + (u64)z * k * (f.dim_pad / 2);
+    int tiles = (k + T - 1) / T;
+    constexpr int ST = LEGEND_FUSED_STAGES;
+    for (int it = 0; it < ST - 1; ++it) {
+        if (it < tiles) legend_fused_tile<KS>(N, it * T, k, sb0 + it * T * SW);
+        asm volatile("cp.async.commit_group;\n" ::);
+    }
     // The block's queries, scaled and converted once into shared memory; the FP16 copy in
     // device memory is what the negatives kernel reads. Four values a thread and step, one
     // 16-byte load, where rows allow (d % 4 == 0; the scalar loads of this prologue cost the
@@ -534,8 +543,6 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
             for (int q = 0; q < 4; ++q) acc[m][n][q] = 0.0f;
     }
 
-    const u32* N = f.negs + (u64)z * k * (f.dim_pad / 2);
-    int tiles = (k + T - 1) / T;
     // The warp's blocks of G (its 16 rows, each tile's four 16-negative blocks): each
     // fragment register fills one 128-byte line. Rows past nrows get finite values, which
     // the negatives kernel multiplies by zero queries.
@@ -544,11 +551,6 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     float* corr_at[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) corr_at[m] = f.corr + (base + ra[m]) * tiles;
-    constexpr int ST = LEGEND_FUSED_STAGES;
-    for (int it = 0; it < ST - 1; ++it) {
-        if (it < tiles) legend_fused_tile<KS>(N, it * T, k, sb0 + it * T * SW);
-        asm volatile("cp.async.commit_group;\n" ::);
-    }
     for (int it = 0; it < tiles; ++it) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(ST - 2));
         legend_fused_publish();
