@@ -161,7 +161,7 @@ __device__ __forceinline__ void legend_ldsm2_trans(u32 addr, u32& r0, u32& r1) {
 // Hopper's warpgroup products (wgmma, sm_90a): four warps multiply a 64-row A by B, reading
 // B (and A, unless it comes from registers) from shared memory by descriptor, without the
 // ldmatrix traffic through registers that bounds the mma.sync version. Operands lie in
-// 8 x 8 FP16 core matrices of 128 contiguous bytes (legend_core_at). The accumulators are
+// 8 x 8 FP16 core matrices of 128 contiguous bytes (LegendHalfRows). The accumulators are
 // mma.sync's: warp w of the group holds rows 16w.., as m16n8 fragments by 8-column block.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define LEGEND_WGMMA 1
@@ -174,14 +174,20 @@ __device__ __forceinline__ u64 legend_wgmma_desc(u32 addr, u32 lead, u32 stride)
     return (u64)((addr & 0x3ffffu) >> 4) | ((u64)(lead >> 4) << 16) | ((u64)(stride >> 4) << 32);
 }
 
-// Orders the warpgroup's register writes before the products that follow. The empty asm
-// pins the accumulators' last writes ahead of it: the compiler would otherwise sink, say,
-// their zeroing to the product that first uses them, and ptxas would serialise the products
-// around it.
+// Pins accumulators d at this point of the program (an empty asm that claims to change
+// them): no write of them moves below it, no read above it.
 template <int N>
-__device__ __forceinline__ void legend_wgmma_fence(float* d) {
+__device__ __forceinline__ void legend_wgmma_pin(float* d) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Orders the warpgroup's register writes before the products that follow. The accumulators'
+// last writes are pinned ahead of it: the compiler would otherwise sink, say, their zeroing
+// to the product that first uses them, and ptxas would serialise the products around it.
+template <int N>
+__device__ __forceinline__ void legend_wgmma_fence(float* d) {
+    legend_wgmma_pin<N>(d);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
 
@@ -189,13 +195,12 @@ __device__ __forceinline__ void legend_wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
-// Waits for every product the warpgroup issued; the accumulators are ready after it (the
-// empty asm keeps the compiler from reading them earlier).
+// Waits for every product the warpgroup issued; the accumulators d are ready after it
+// (pinned, so that the compiler does not read them earlier).
 template <int N>
 __device__ __forceinline__ void legend_wgmma_wait(float* d) {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    legend_wgmma_pin<N>(d);
 }
 
 // d (64 x 64) += A · Bᵀ, both K-major in shared memory (descriptors a and b).
@@ -284,6 +289,23 @@ __device__ __forceinline__ void legend_fused_tile(const u32* P, u32 r0, u32 rlim
         const u32* src = ok ? P + (u64)r * (8 * KS) + 4 * c : P;
         legend_cp16(reinterpret_cast<float*>(&S[LegendHalfRows<KS>::at(i, c) / 4]),
                     reinterpret_cast<const float*>(src), ok ? 16 : 0);
+    }
+}
+
+// Columns c and c + 1 of a row of `dim` floats at `to` (column c) get x and y, stored or
+// (`add`) added atomically: one 8-byte access when d is even (rows 8-byte aligned, c even),
+// else one per column inside the row. The fused kernels' outputs, from the accumulators'
+// column pairs.
+__device__ __forceinline__ void legend_fused_put_pair(float* to, u32 c, u32 dim, float x,
+                                                      float y, bool add) {
+    if (dim % 2 == 0) {
+        if (add) legend_red2(to, x, y);
+        else *reinterpret_cast<float2*>(to) = make_float2(x, y);
+        return;
+    }
+    for (u32 v = 0; v < 2 && c + v < dim; ++v) {
+        if (add) atomicAdd(to + v, v ? y : x);
+        else to[v] = v ? y : x;
     }
 }
 
@@ -689,18 +711,12 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
         for (int n = 0; n < DK; ++n)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                // The lane's two adjacent columns of a row: one 8-byte store when d is even.
+                // The lane's two adjacent columns of row a (h = 0) or b.
                 u32 c = 8 * n + 2 * t;
-                float u = (h ? scale_b : scale_a) / (n_scale * LEGEND_FUSED_G_SCALE);
-                float x = acc[m][n][2 * h] * u, y = acc[m][n][2 * h + 1] * u;
                 if (!(h ? vb[m] : va[m]) || c >= dim) continue;
-                float* to = &f.grad_query[(base + (h ? rb : ra[m])) * dim + c];
-                if (dim % 2 == 0) {
-                    *reinterpret_cast<float2*>(to) = make_float2(x, y);
-                } else {
-                    to[0] = x;
-                    if (c + 1 < dim) to[1] = y;
-                }
+                float u = (h ? scale_b : scale_a) / (n_scale * LEGEND_FUSED_G_SCALE);
+                legend_fused_put_pair(&f.grad_query[(base + (h ? rb : ra[m])) * dim + c], c, dim,
+                                      acc[m][n][2 * h] * u, acc[m][n][2 * h + 1] * u, false);
             }
         if (t == 0) {
             if (va[m]) {
@@ -753,9 +769,9 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
     u32 pairs = f.dim_pad / 2;
     u32 tiles = legend_fused_k_pad(k) / T;
     bool softmax = f.loss == LEGEND_LOSS_SOFTMAX;
-    // LEGEND_FUSED_STAGES stages of: G (T rows by the block's BR negatives, in its blocks of 16 x 16, by
-    // rows then negatives), the rows' FP16 queries, and for softmax the rows' factors of the
-    // block's BR / T tiles of negatives.
+    // LEGEND_FUSED_STAGES stages of: G (T rows by the block's BR negatives, in its blocks of
+    // 16 x 16, by rows then negatives), the rows' FP16 queries, and for softmax the rows'
+    // factors of the block's BR / T tiles of negatives.
     constexpr int G_WORDS = T * BR / 2;
     u32* sg0 = legend_fused_smem;
     constexpr int ST = LEGEND_FUSED_STAGES;
@@ -842,6 +858,7 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
         legend_fused_accumulate<DK, KS>(ga, sq, lane, acc);
     }
     float* out = f.grad_negs + (u64)z * k * dim;
+    float unscale = 1.0f / (q_scale * LEGEND_FUSED_G_SCALE);
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
         u32 ja = j_block + row0 + 16 * m + g, jb = ja + 8;
@@ -849,22 +866,11 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
         for (int n = 0; n < DK; ++n)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                // The lane's two adjacent columns of a negative: one 8-byte store or vector
-                // reduction when d is even.
+                // The lane's two adjacent columns of negative ja (h = 0) or jb.
                 u32 j = h ? jb : ja, c = 8 * n + 2 * t;
                 if (j >= k || c >= dim) continue;
-                float u = 1.0f / (q_scale * LEGEND_FUSED_G_SCALE);
-                float x = acc[m][n][2 * h] * u, y = acc[m][n][2 * h + 1] * u;
-                float* to = &out[(u64)j * dim + c];
-                if (dim % 2 == 0) {
-                    if (f.atomic) legend_red2(to, x, y);
-                    else *reinterpret_cast<float2*>(to) = make_float2(x, y);
-                } else {
-                    for (int v = 0; v < 2 && c + v < dim; ++v) {
-                        if (f.atomic) atomicAdd(to + v, v ? y : x);
-                        else to[v] = v ? y : x;
-                    }
-                }
+                legend_fused_put_pair(&out[(u64)j * dim + c], c, dim, acc[m][n][2 * h] * unscale,
+                                      acc[m][n][2 * h + 1] * unscale, f.atomic);
             }
     }
 }

@@ -22,6 +22,18 @@ struct LegendJobs {
     int decoder;
 };
 
+// ComplEx's queries of both sides of an edge from one complex element of S, D and the
+// relation: q0 = w·conj(d) against S (side 0), q1 = s·w against D (side 1), as (re, im).
+// One formula for legend_queries and the rows backward, which recomputes them.
+__device__ __forceinline__ void legend_complex_queries(float sre, float sim, float dre,
+                                                       float dim_, float rre, float rim,
+                                                       float (&q)[4]) {
+    q[0] = rre * dre + rim * dim_;
+    q[1] = rre * dim_ - rim * dre;
+    q[2] = sre * rre - sim * rim;
+    q[3] = sre * rim + sim * rre;
+}
+
 // The queries of both sides of an edge (side 0: q0 = op(D, relation) against the true S;
 // side 1: q1 = op(S, relation) against D), V elements of each lane (of each half for
 // ComplEx), with their positive scores and largest magnitudes added into dot and largest.
@@ -39,10 +51,13 @@ __device__ __forceinline__ void legend_query_pair(int decoder, u32 d, const floa
             LegendVec<V> q0re, q0im, q1re, q1im;
 #pragma unroll
             for (int v = 0; v < V; ++v) {
-                q0re.v[v] = rre.v[v] * dre.v[v] + rim.v[v] * dim_.v[v];
-                q0im.v[v] = rre.v[v] * dim_.v[v] - rim.v[v] * dre.v[v];
-                q1re.v[v] = sre.v[v] * rre.v[v] - sim.v[v] * rim.v[v];
-                q1im.v[v] = sre.v[v] * rim.v[v] + sim.v[v] * rre.v[v];
+                float q[4];
+                legend_complex_queries(sre.v[v], sim.v[v], dre.v[v], dim_.v[v], rre.v[v],
+                                       rim.v[v], q);
+                q0re.v[v] = q[0];
+                q0im.v[v] = q[1];
+                q1re.v[v] = q[2];
+                q1im.v[v] = q[3];
                 dot[0] += q0re.v[v] * sre.v[v] + q0im.v[v] * sim.v[v];
                 dot[1] += q1re.v[v] * dre.v[v] + q1im.v[v] * dim_.v[v];
                 largest[0] = fmaxf(largest[0], fmaxf(fabsf(q0re.v[v]), fabsf(q0im.v[v])));
@@ -298,8 +313,8 @@ __device__ __forceinline__ LegendRowSink legend_node_sink(float* emb, float* emb
 }
 
 // Backward of one ComplEx edge by one warp, V complex pairs a lane (of each half): the
-// queries are recomputed as legend_query_pair forms them, a few products instead of two
-// more rows to load.
+// queries are recomputed (legend_complex_queries), a few products instead of two more rows
+// to load.
 template <int V>
 __device__ __forceinline__ void legend_complex_edge_backward(
     u32 h, u32 lane, const float* S, const float* D, const float* w, const float* dq0,
@@ -316,18 +331,17 @@ __device__ __forceinline__ void legend_complex_edge_backward(
         LegendVec<V> gsre, gsim, gdre, gdim, gwre, gwim;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-            float q0re = rre.v[v] * dre.v[v] + rim.v[v] * dim_.v[v];
-            float q0im = rre.v[v] * dim_.v[v] - rim.v[v] * dre.v[v];
-            float q1re = sre.v[v] * rre.v[v] - sim.v[v] * rim.v[v];
-            float q1im = sre.v[v] * rim.v[v] + sim.v[v] * rre.v[v];
+            float q[4];
+            legend_complex_queries(sre.v[v], sim.v[v], dre.v[v], dim_.v[v], rre.v[v], rim.v[v],
+                                   q);
             float g0re = a0re.v[v] + gp0 * sre.v[v], g0im = a0im.v[v] + gp0 * sim.v[v];
             float g1re = a1re.v[v] + gp1 * dre.v[v], g1im = a1im.v[v] + gp1 * dim_.v[v];
             // Transposes of the 2x2 real Jacobians of the complex products, plus the
             // positive-score gradients of the true candidates.
-            gsre.v[v] = gp0 * q0re + g1re * rre.v[v] + g1im * rim.v[v];
-            gsim.v[v] = gp0 * q0im + g1im * rre.v[v] - g1re * rim.v[v];
-            gdre.v[v] = gp1 * q1re + g0re * rre.v[v] - g0im * rim.v[v];
-            gdim.v[v] = gp1 * q1im + g0re * rim.v[v] + g0im * rre.v[v];
+            gsre.v[v] = gp0 * q[0] + g1re * rre.v[v] + g1im * rim.v[v];
+            gsim.v[v] = gp0 * q[1] + g1im * rre.v[v] - g1re * rim.v[v];
+            gdre.v[v] = gp1 * q[2] + g0re * rre.v[v] - g0im * rim.v[v];
+            gdim.v[v] = gp1 * q[3] + g0re * rim.v[v] + g0im * rre.v[v];
             gwre.v[v] = g0re * dre.v[v] + g0im * dim_.v[v] + g1re * sre.v[v] + g1im * sim.v[v];
             gwim.v[v] = g0re * dim_.v[v] - g0im * dre.v[v] + g1im * sre.v[v] - g1re * sim.v[v];
         }
@@ -461,12 +475,14 @@ extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
     if (threadIdx.x < n_rels) rel_list[base_rels + threadIdx.x] = new_rels[threadIdx.x];
 }
 
-// The in-place AdaGrad step of a direct row whose whole gradient is g, V elements a lane.
+// A whole row's gradient g into its sink, V elements a lane: the in-place AdaGrad step of a
+// direct row, otherwise reductions into the gradient table.
 template <int V>
-__device__ __forceinline__ void legend_direct_row(const LegendRowSink& row, const float* g,
-                                                  u32 dim, u32 lane) {
+__device__ __forceinline__ void legend_sink_row(const LegendRowSink& row, const float* g,
+                                                u32 dim, u32 lane) {
     for (u32 t = V * lane; t < dim; t += 32 * V)
-        legend_sink_add<V>(row, t, legend_ld<V>(g + t), legend_ld<V>(row.param + t),
+        legend_sink_add<V>(row, t, legend_ld<V>(g + t),
+                           row.direct ? legend_ld<V>(row.param + t) : LegendVec<V>{},
                            legend_sink_states<V>(row, t));
 }
 
@@ -485,20 +501,15 @@ extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ neg
     u32 id = negs[(u64)(first_job + z) * k + j];
     const float* g = grad_negs + ((u64)z * k + j) * dim;
     LegendRowSink row = legend_node_sink(emb, emb_grad, direct, id, dim);
+    if (dim % 4 == 0) legend_sink_row<4>(row, g, dim, lane);
+    else legend_sink_row<1>(row, g, dim, lane);
     if (row.direct) {
-        if (dim % 4 == 0) legend_direct_row<4>(row, g, dim, lane);
-        else legend_direct_row<1>(row, g, dim, lane);
+        // Every lane has read the use count (legend_node_sink) before it is cleared.
         __syncwarp();
         if (lane == 0) direct.uses[id] = 0u;
-        return;
+    } else if (lane == 0) {
+        legend_mark(emb_flags, emb_list, emb_count, id);
     }
-    float* out = emb_grad + (u64)id * dim;
-    if (dim % 4 == 0) {
-        for (u32 t = 4 * lane; t < dim; t += 128) legend_red4(&out[t], legend_ld<4>(&g[t]));
-    } else {
-        for (u32 t = lane; t < dim; t += 32) atomicAdd(&out[t], g[t]);
-    }
-    if (lane == 0) legend_mark(emb_flags, emb_list, emb_count, id);
 }
 
 // Counts the batch's uses of each node row into uses (zero before): both endpoints of

@@ -46,9 +46,6 @@ pub(crate) struct FusedKernels {
     pub(crate) negatives: CudaFunction,
 }
 
-/// Padded widths of the fused kernels (`LEGEND_FUSED_KERNELS` in `kernels/fused.cu`).
-const FUSED_WIDTHS: [usize; 4] = [32, 64, 104, 128];
-
 /// Rows of the operand tile the fused kernels walk over (`LEGEND_FUSED_TILE`).
 pub(crate) const FUSED_TILE: usize = 64;
 
@@ -187,9 +184,12 @@ impl Gpu {
             count_uses: f("legend_count_uses")?,
             fused_absmax: f("legend_fused_absmax")?,
             gather_negatives_half: f("legend_gather_negatives_half")?,
-            fused: FUSED_WIDTHS
+            // The fused programs in order, narrowest first (`nvrtc::PROGRAMS`).
+            fused: nvrtc::PROGRAMS
                 .iter()
-                .map(|&width| {
+                .filter(|p| p.fused_width > 0)
+                .map(|p| {
+                    let width = p.fused_width as usize;
                     Ok(FusedKernels {
                         width,
                         rows: f(&format!("legend_fused_rows_d{width}"))?,

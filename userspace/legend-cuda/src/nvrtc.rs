@@ -33,7 +33,8 @@ pub struct Program {
     /// Names the program in logs and cache files.
     pub name: &'static str,
     sources: &'static [&'static str],
-    fused_width: u32,
+    /// The padded width of the fused kernels it defines (`LEGEND_FUSED_WIDTH`; 0: none).
+    pub fused_width: u32,
     /// The kernels it defines.
     pub kernels: &'static [&'static str],
 }
@@ -56,7 +57,7 @@ macro_rules! fused_program {
     };
 }
 
-/// Every program, the one with the most kernels first.
+/// Every program, the one with the most kernels first, then the fused ones narrowest first.
 pub const PROGRAMS: [Program; 5] = [
     Program {
         name: "kernels",
@@ -187,17 +188,29 @@ pub fn compile(arch: &str) -> Result<Vec<Compiled>, GpuError> {
     compile_all(arch, &[])
 }
 
-/// Runs `compile_source` for every program on a thread of its own.
+/// Runs `compile_source` for every program.
 fn compile_all(arch: &str, extra: &[&str]) -> Result<Vec<Compiled>, GpuError> {
-    let sources = PROGRAMS
-        .iter()
-        .map(Program::source)
-        .collect::<Result<Vec<_>, _>>()?;
+    let sources = sources()?;
+    per_program(&sources, |p, src| compile_source(arch, p, src, extra))
+}
+
+/// Every program's source, read once ([`Program::source`]).
+fn sources() -> Result<Vec<String>, GpuError> {
+    PROGRAMS.iter().map(Program::source).collect()
+}
+
+/// `work` on every program (with its source from `sources`) on a thread of its own, the
+/// results in the order of [`PROGRAMS`]: NVRTC compiles one program on one thread.
+fn per_program<T: Send>(
+    sources: &[String],
+    work: impl Fn(&'static Program, &str) -> Result<T, GpuError> + Sync,
+) -> Result<Vec<T>, GpuError> {
+    let work = &work;
     std::thread::scope(|s| {
         let handles: Vec<_> = PROGRAMS
             .iter()
-            .zip(&sources)
-            .map(|(p, src)| s.spawn(move || compile_source(arch, p, src, extra)))
+            .zip(sources)
+            .map(|(p, src)| s.spawn(move || work(p, src)))
             .collect();
         handles
             .into_iter()
@@ -366,44 +379,22 @@ pub fn cached_programs(arch: &str) -> Result<Vec<Vec<u8>>, GpuError> {
     let (major, minor) = nvrtc_version()?;
     // One read of the sources for the key and the compile, so that the code stored under a
     // key is the code of those sources even while LEGEND_KERNELS_DIR's files change.
-    let sources = PROGRAMS
-        .iter()
-        .map(Program::source)
-        .collect::<Result<Vec<_>, _>>()?;
-    let paths: Vec<Option<PathBuf>> = PROGRAMS
-        .iter()
-        .zip(&sources)
-        .map(|(p, source)| {
-            let mut h = fnv1a(source.as_bytes(), 0xcbf2_9ce4_8422_2325);
-            h = fnv1a(p.options(arch).join(" ").as_bytes(), h);
-            h = fnv1a(format!("nvrtc {major}.{minor}").as_bytes(), h);
-            cache_dir().map(|d| d.join(arch).join(format!("{}-{h:016x}.cubin", p.name)))
-        })
-        .collect();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = PROGRAMS
-            .iter()
-            .zip(&sources)
-            .zip(&paths)
-            .map(|((p, source), path)| {
-                s.spawn(move || -> Result<Vec<u8>, GpuError> {
-                    if let Some(path) = path
-                        && let Ok(code) = std::fs::read(path)
-                    {
-                        return Ok(code);
-                    }
-                    let compiled = compile_source(arch, p, source, &[])?;
-                    if let Some(path) = path {
-                        store(path, &compiled.cubin)?;
-                    }
-                    Ok(compiled.cubin)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("NVRTC threads do not panic"))
-            .collect()
+    let sources = sources()?;
+    per_program(&sources, |p, source| {
+        let mut h = fnv1a(source.as_bytes(), 0xcbf2_9ce4_8422_2325);
+        h = fnv1a(p.options(arch).join(" ").as_bytes(), h);
+        h = fnv1a(format!("nvrtc {major}.{minor}").as_bytes(), h);
+        let path = cache_dir().map(|d| d.join(arch).join(format!("{}-{h:016x}.cubin", p.name)));
+        if let Some(path) = &path
+            && let Ok(code) = std::fs::read(path)
+        {
+            return Ok(code);
+        }
+        let compiled = compile_source(arch, p, source, &[])?;
+        if let Some(path) = &path {
+            store(path, &compiled.cubin)?;
+        }
+        Ok(compiled.cubin)
     })
 }
 
