@@ -2,78 +2,88 @@
 // chunk is computed once, on chip. It is the attention pattern with the queries as queries
 // and the negatives as both keys and values, so it is computed the way attention is:
 //
-// - legend_fused_rows_dN: a block owns 128 rows of a job and walks over the job's negatives
-//   in tiles of 64: S = Q·Nᵀ (tensor-core mma), the loss turns S into G in registers
+// - legend_fused_rows_dW: the rows of a job in blocks of 128, each walked over the job's
+//   negatives in tiles: S = Q·Nᵀ (tensor cores), the loss turns S into G in registers
 //   (softmax with a running maximum and sum, rescaling the accumulator; logistic and
 //   ranking elementwise), dQ += G·N, and G goes out to device memory in FP16. It ends with
 //   dQ, ∂L/∂pos, the loss and, for softmax, the factors that turn the G it wrote (relative
 //   to the running maximum of its tile) into the final probabilities.
-// - legend_fused_negatives_dN: a block owns 128 negatives of a job and walks over the job's
+// - legend_fused_negatives_dW: a block owns 128 negatives of a job and walks over the job's
 //   rows (a range of them when the rows are split): dN += Gᵀ·Q, with G read back. Reading
 //   G (2 bytes a score) costs less than computing S a second time, which took half of this
 //   kernel's mma and shared-memory loads (the benchmark batch: see Documentation/gpu.md).
 //
-// The products take FP16 operands and accumulate in FP32 (mma m16n8k16). FP16 keeps the
-// 10-bit significand of TF32, so the rounding error is TF32's, while a k16 step does twice
-// the work of TF32's k8 step for the same instruction and half the shared-memory bytes
-// (the benchmark batch: 2.50 -> 1.95 ms on an H100). FP16's range is narrow, so each job's
+// Two implementations share the layouts, the loss and the epilogues below:
+// - Hopper (sm_90a): the rows kernel is warp-specialised and persistent, as FlashAttention-3
+//   is: one block a multiprocessor, a producer warp copying each block's queries and the
+//   tiles of 128 negatives into shared memory with the bulk copy engine (completing on
+//   mbarriers), and two consumer warpgroups of 64 rows each, at 240 registers
+//   (setmaxnreg), whose warpgroup products (wgmma) of one tile run while they compute the
+//   softmax of the next. The negatives kernel's products are warpgroup products too.
+// - Elsewhere (sm_80, and sm_90 without the a): eight warps a block, each owning one 16-row
+//   tile of the block's 128 rows, two blocks a multiprocessor, cp.async stages of 64
+//   negatives and mma.sync products (fragments through ldmatrix).
+//
+// The products take FP16 operands and accumulate in FP32. FP16 keeps the 10-bit
+// significand of TF32, so the rounding error is TF32's, while a k16 step does twice the
+// work of TF32's k8 step for the same instruction and half the shared-memory bytes (the
+// benchmark batch: 2.50 -> 1.95 ms on an H100). FP16's range is narrow, so each job's
 // queries and negatives are scaled by a power of two that puts their largest magnitude just
 // under FP16's largest value (maxima from legend_queries and legend_fused_absmax, scales
 // from legend_fp16_scale): at the usual initialisation (1e-3) the queries of ComplEx and
 // DistMult are near 1e-6, FP16 subnormals that would keep 3-4 of their bits. G (at most 1)
 // gets a fixed 2^14 (LEGEND_FUSED_G_SCALE). Scores and gradients are unscaled in FP32.
 //
-// The block's own operand sits in shared memory for the whole walk, the walked one comes
-// through shared memory in three cp.async stages of 64 rows (LEGEND_FUSED_STAGES), and
-// operands are read with ldmatrix, or by the warpgroup products (wgmma) on Hopper. Eight
-// warps a block, each owning one 16-row tile of the block's 128 rows, at 128 registers a
-// thread, two blocks a multiprocessor (16 warps): with FP16 operands this
-// beats the TF32 version's four warps owning two tiles each at 255 registers (each B
-// fragment feeding two products, 8 warps a multiprocessor): 1.95 -> 1.74 ms a batch.
-// G goes from the accumulator of S straight into the A fragment of the next product: the
-// accumulators of two adjacent 8-column blocks are the A fragment of a k16 step.
-// Both operands arrive in FP16: the negatives from legend_gather_negatives_half, the queries
-// from the rows kernel (query_half).
-//
-// On Hopper (sm_90a) the products are warpgroup products (wgmma): the four warps of each
-// half of a block multiply their 64 rows at once, reading the shared-memory operands by
-// descriptor (G, in registers, stays an A fragment). Same math and accumulator layout, so
-// the loss and G code is shared. On an H100 the benchmark batch's rows kernel went 0.535 ->
-// 0.479 ms (0.40 ms once its prologue loaded in 16-byte pieces); its negatives kernel stayed
-// near 0.29-0.30 ms (bound by its L2 traffic; 0.28 ms with paired dN stores; see
-// Documentation/gpu.md). The mma.sync path, timed there with LEGEND_CUDA_ARCH=sm_90, took
-// 0.56 and 0.32 ms in this layout.
+// Layouts in device memory, written and read as whole tiles (so the bulk copy engine can
+// move them, and cp.async in pieces of 16 contiguous bytes):
+// - The FP16 operands (the negatives from legend_gather_negatives_half, the queries from
+//   the rows kernel) in tiles of 64 rows, each laid out as in shared memory
+//   (LegendHalfRows): 8 x 8 core matrices of 128 contiguous bytes. Negatives are padded
+//   with zero rows to k_pad (a multiple of 128), queries to rows_pad (of 128).
+// - G in blocks of 16 rows by 16 negatives (one 8 x 8 matrix of the A fragment a 128-byte
+//   line), by column block of 128 negatives, then row block, so that the G of 64 rows by
+//   128 negatives (a stage of the negatives kernel) is 16 contiguous KB.
+// - The softmax factors by job, 64-negative tile, then row.
+// The rows kernel writes the FP16 queries, G and the factors of every row of each 128-row
+// block it runs, past rows[z] too (zero queries, finite G and factors), so the negatives
+// kernel copies whole 64-row tiles without masks: rows past rows[z] add zero.
 
 #define LEGEND_FUSED_WARPS 8
-// Rows of the walked tile (the eight 8-column blocks of a warp's score accumulators).
+// Rows of the tiles of the FP16 operands in device memory, and of the walked tile of the
+// mma.sync kernels (the eight 8-column blocks of a warp's score accumulators).
 #define LEGEND_FUSED_TILE 64
 // Shared-memory stages of the walked tiles: the copy of tile it + 2 is queued while tile it
 // is used, into the stage tile it - 1 used, so one barrier an iteration orders both.
 #define LEGEND_FUSED_STAGES 3
+// Negatives a block of the negatives kernel owns, and a column block of G: k is padded to it.
+#define LEGEND_FUSED_NEG_BLOCK 128
+// Rows a block of the rows kernel owns: the rows are padded to it.
+#define LEGEND_FUSED_BLOCK_ROWS 128
 
 struct LegendFused {
-    const float* query;   // group x max_rows x dim
-    u32* query_half;      // the same in FP16, dim_pad halves a row (written by the rows kernel)
-    const u32* negs;      // group x k x dim_pad halves (legend_gather_negatives_half)
+    const float* query;   // group x max_rows x dim (read 16 bytes past the end: allocated so)
+    u32* query_half;      // the same in FP16, tiled (written by the rows kernel)
+    const u32* negs;      // group x k_pad rows, tiled (legend_gather_negatives_half)
     const float* pos;     // group x max_rows
     float* grad_pos;      // group x max_rows
     float* grad_query;    // group x max_rows x dim: sum over j of G_ij n_j
     float* grad_negs;     // group x k x dim: sum over i of G_ij q_i
     // G of each job (scaled by LEGEND_FUSED_G_SCALE; for softmax relative to the running
-    // maximum of the rows kernel's tile), in blocks of 16 rows by 16 negatives: block
-    // (row / 16, negative / 16) of job z at legend_fused_g_block, four 8 x 8 matrices a
-    // block (rows 0-7 | 8-15 by negatives 0-7, then 8-15), 16 bytes a row. These are the
-    // rows kernel's A fragments, one fully written 128-byte line a register and warp, and
-    // what ldmatrix reads (transposing) in the negatives kernel.
+    // maximum of the rows kernel's tile) in blocks of 16 x 16 (legend_fused_g_block): four
+    // 8 x 8 matrices a block (rows 0-7 | 8-15 by negatives 0-7, then 8-15), 16 bytes a row.
+    // These are the rows kernel's A fragments, one fully written 128-byte line a register
+    // and warp, and what ldmatrix reads (transposing) in the negatives kernel.
     u32* g;
-    // Softmax: group x max_rows x (tiles of k): the factor that turns a tile's G into the
-    // probabilities (exp(running max - final max) / sum). Unused by the other losses.
+    // Softmax: the factor that turns a tile's G into the probabilities (exp(running max -
+    // final max) / sum), by job, 64-negative tile and row (legend_fused_corr). Unused by the
+    // other losses.
     float* corr;
     const u32* rows;      // rows of each job of the group
     // Per job: the largest magnitude of its queries and of its negatives, as float bits
     // (legend_fused_absmax), from which both operands get their FP16 scales.
     const u32* absmax;
     double* loss_sum;
+    u32 jobs;             // jobs of the group (the persistent rows kernel walks them all)
     u32 max_rows;
     u32 k;
     u32 dim;
@@ -87,6 +97,62 @@ struct LegendFused {
     int atomic;
 };
 
+// Negatives a job's G, factors and FP16 negatives hold: k rounded up to a column block.
+__device__ __forceinline__ u32 legend_fused_k_pad(u32 k) {
+    return (k + LEGEND_FUSED_NEG_BLOCK - 1) / LEGEND_FUSED_NEG_BLOCK * LEGEND_FUSED_NEG_BLOCK;
+}
+
+// Rows a job's FP16 queries, G and factors hold: max_rows rounded up to a block.
+__device__ __forceinline__ u32 legend_fused_rows_pad(const LegendFused& f) {
+    return (f.max_rows + LEGEND_FUSED_BLOCK_ROWS - 1) / LEGEND_FUSED_BLOCK_ROWS *
+           LEGEND_FUSED_BLOCK_ROWS;
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of FP16 rows of `chunks`
+// chunks, stored as 8 x 8 core matrices of 128 contiguous bytes: eight rows' chunk c, then
+// chunk c + 1. This is the no-swizzle operand layout of wgmma, and each 8 x 8 matrix an
+// ldmatrix phase reads is one 128-byte line, so neither path has bank conflicts (and rows
+// need no padding). Tiles start at multiples of eight rows; two 64-row tiles in a row are
+// one 128-row tile.
+__device__ __forceinline__ u32 legend_half_rows_at(u32 row, u32 chunk, u32 chunks) {
+    return ((row >> 3) * chunks + chunk) * 128 + (row & 7) * 16;
+}
+
+// The layout above for rows of KS k16 steps (2·KS chunks a row).
+template <int KS>
+struct LegendHalfRows {
+    static constexpr u32 CHUNKS = 2 * KS;
+    static constexpr int WORDS = 8 * KS;
+    static constexpr u32 BYTES = 4 * WORDS;
+    static __device__ __forceinline__ u32 at(u32 row, u32 chunk) {
+        return legend_half_rows_at(row, chunk, CHUNKS);
+    }
+};
+
+// The first word of 64-row tile t of job z of a tiled FP16 matrix with `tiles` tiles a job
+// and dim_pad halves a row.
+__device__ __forceinline__ u64 legend_fused_tile_word(u32 z, u32 tiles, u32 t, u32 dim_pad) {
+    return ((u64)z * tiles + t) * (LEGEND_FUSED_TILE * dim_pad / 2);
+}
+
+// The first word of G's block of 16 rows (from row 16·rb) by 16 negatives (from 16·nb) of
+// job z (128 words a block): column blocks of 128 negatives, in each the row blocks, in each
+// the column block's eight blocks.
+__device__ __forceinline__ u32* legend_fused_g_block(const LegendFused& f, u32 z, u32 rb,
+                                                     u32 nb) {
+    u32 row_blocks = legend_fused_rows_pad(f) / 16;
+    u32 columns = legend_fused_k_pad(f.k) / LEGEND_FUSED_NEG_BLOCK;
+    u64 block = (((u64)z * columns + nb / 8) * row_blocks + rb) * 8 + nb % 8;
+    return f.g + block * 128;
+}
+
+// The softmax factors (first the running maxima) of job z's rows for the 64 negatives of
+// tile `tile` (rows_pad floats).
+__device__ __forceinline__ float* legend_fused_corr(const LegendFused& f, u32 z, u32 tile) {
+    u32 tiles = legend_fused_k_pad(f.k) / LEGEND_FUSED_TILE;
+    return f.corr + ((u64)z * tiles + tile) * legend_fused_rows_pad(f);
+}
+
 // A finite value saturated to FP16's range (only values past the clamped scales get there),
 // so that it does not turn a whole row of products into infinities; an infinity or a NaN
 // stays what it is, so a diverged table still shows in the loss.
@@ -94,7 +160,6 @@ __device__ __forceinline__ float legend_fp16_clamp(float x) {
     return isfinite(x) ? fminf(fmaxf(x, -65504.0f), 65504.0f) : x;
 }
 
-// Two floats as FP16 in one register, `lo` in the low half (the lower k or column index).
 // Two floats known to lie in FP16's range (G, at most LEGEND_FUSED_G_SCALE) as FP16 in one
 // register, `lo` in the low half (the lower k or column index): no clamp.
 __device__ __forceinline__ u32 legend_half2_g(float lo, float hi) {
@@ -127,7 +192,266 @@ __device__ __forceinline__ float legend_exp2(float x) {
 // second product scaled by 2^14: a softmax probability or a logistic weight of 1/k with a
 // small sigmoid is often below FP16's smallest normal (6e-5), and unscaled it would lose its
 // digits or vanish. The products come out 2^14 too large and are unscaled with the operands'.
+// Softmax takes the factor inside its exponent (LEGEND_FUSED_G_LOG2), so its running sums
+// carry it too and it cancels where they divide.
 #define LEGEND_FUSED_G_SCALE 16384.0f
+#define LEGEND_FUSED_G_LOG2 14.0f
+
+// The power of two that brings a matrix whose largest magnitude has the float bits
+// `max_bits` into [2^14, 2^15), FP16's top octave: products of embeddings (1e-6 and less
+// at the usual initialisation) would otherwise fall into FP16's subnormals and lose their
+// digits. Clamped to 2^±60, so that the product of two scales and its inverse stay normal
+// floats; 1 for a zero (or non-finite) matrix.
+__device__ __forceinline__ float legend_fp16_scale(u32 max_bits) {
+    int e = (int)((max_bits >> 23) & 0xffu);
+    if (e == 0 || e == 255) return 1.0f;
+    int s = max(-60, min(60, 14 - (e - 127)));
+    return __int_as_float((s + 127) << 23);
+}
+
+// Columns c and c + 1 of a row of `dim` floats at `to` (column c) get x and y, stored or
+// (`add`) added atomically: one 8-byte access when d is even (rows 8-byte aligned, c even),
+// else one per column inside the row. The fused kernels' outputs, from the accumulators'
+// column pairs.
+__device__ __forceinline__ void legend_fused_put_pair(float* to, u32 c, u32 dim, float x,
+                                                      float y, bool add) {
+    if (dim % 2 == 0) {
+        if (add) legend_red2(to, x, y);
+        else *reinterpret_cast<float2*>(to) = make_float2(x, y);
+        return;
+    }
+    for (u32 v = 0; v < 2 && c + v < dim; ++v) {
+        if (add) atomicAdd(to + v, v ? y : x);
+        else to[v] = v ? y : x;
+    }
+}
+
+// Sums v over the four lanes of a quad (the lanes holding one row of an accumulator).
+__device__ __forceinline__ float legend_quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ __forceinline__ float legend_quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// A thread's two rows of a job through the loss: the rows a (row g of its warp's 16) and
+// b (g + 8) of the accumulators.
+struct LegendRowLoss {
+    float pa, pb;            // the positives' scores (0 past the job's rows)
+    float ma, mb;            // softmax: running maxima, the positive's score to begin with
+    float la, lb;            // this lane's part of the running sum (softmax, times 2^14) or
+                             // of the loss terms (the others)
+    float activa, activb;    // ranking: this lane's part of the active negatives
+};
+
+// The loss state of rows a and b before the first tile.
+__device__ __forceinline__ LegendRowLoss legend_row_loss(const LegendFused& f, u64 at_a,
+                                                         bool va, bool vb, int t) {
+    LegendRowLoss r;
+    r.pa = va ? f.pos[at_a] : 0.0f;
+    r.pb = vb ? f.pos[at_a + 8] : 0.0f;
+    r.ma = r.pa;
+    r.mb = r.pb;
+    // The positive counted once, by lane t = 0, as exp(0) times the G scale.
+    r.la = r.lb = (f.loss == LEGEND_LOSS_SOFTMAX && t == 0) ? LEGEND_FUSED_G_SCALE : 0.0f;
+    r.activa = r.activb = 0.0f;
+    return r;
+}
+
+// One tile of J 8-column blocks of scores (s, scaled by the operands' scales, unscaled by
+// s_unscale) through the loss: s becomes G times LEGEND_FUSED_G_SCALE, and the rows' state
+// moves on. For softmax, sca and scb are the factors by which the accumulators of rows a
+// and b must be rescaled (their running maxima moved); 1 for the other losses. n0 is the
+// negative of the lane's first column; only a `tail` tile can reach past k.
+template <int J>
+__device__ __forceinline__ void legend_fused_loss_tile(const LegendFused& f, float (&s)[J][4],
+                                                       LegendRowLoss& r, float s_unscale,
+                                                       u32 n0, bool tail, float& sca,
+                                                       float& scb) {
+    u32 k = f.k;
+    sca = scb = 1.0f;
+    if (f.loss == LEGEND_LOSS_SOFTMAX) {
+        // On the scores as they come (scaled by a power of two, which keeps their order and
+        // makes the unscaled maximum exact): the maximum, then exp with the unscaling and
+        // the G scale folded into one FFMA.
+        float xa = __int_as_float(0xff800000), xb = xa;
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (tail && n0 + 8 * j + (q & 1) >= k) s[j][q] = __int_as_float(0xff800000);
+                if (q < 2) xa = fmaxf(xa, s[j][q]); else xb = fmaxf(xb, s[j][q]);
+            }
+        float na = fmaxf(r.ma, legend_quad_max(xa) * s_unscale);
+        float nb = fmaxf(r.mb, legend_quad_max(xb) * s_unscale);
+        sca = __expf(r.ma - na);
+        scb = __expf(r.mb - nb);
+        r.ma = na;
+        r.mb = nb;
+        r.la *= sca;
+        r.lb *= scb;
+        constexpr float LOG2E = 1.4426950408889634f;
+        float u = s_unscale * LOG2E;
+        float ba = LEGEND_FUSED_G_LOG2 - na * LOG2E, bb = LEGEND_FUSED_G_LOG2 - nb * LOG2E;
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                s[j][q] = legend_exp2(fmaf(s[j][q], u, q < 2 ? ba : bb));
+                if (q < 2) r.la += s[j][q]; else r.lb += s[j][q];
+            }
+        return;
+    }
+    float w = 1.0f / (float)k;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            float x = s[j][q] * s_unscale;
+            bool ok = !tail || n0 + 8 * j + (q & 1) < k;
+            float term, grad;
+            if (f.loss == LEGEND_LOSS_LOGISTIC) {
+                float ex = __expf(-fabsf(x));
+                term = w * (fmaxf(x, 0.0f) + log1pf(ex));
+                grad = w * (x >= 0.0f ? 1.0f : ex) / (1.0f + ex);
+            } else {
+                float v = f.margin - (q < 2 ? r.pa : r.pb) + x;
+                term = v > 0.0f ? v : 0.0f;
+                grad = v > 0.0f ? 1.0f : 0.0f;
+            }
+            term = ok ? term : 0.0f;
+            grad = ok ? grad : 0.0f;
+            s[j][q] = grad * LEGEND_FUSED_G_SCALE;
+            if (q < 2) {
+                r.la += term;
+                r.activa += grad;
+            } else {
+                r.lb += term;
+                r.activb += grad;
+            }
+        }
+}
+
+// G of a tile of J 8-column blocks (as left in s) as the A fragments of the second product:
+// the accumulators of column blocks 2jj and 2jj + 1 are exactly the A fragment of k16 step
+// jj (registers: row g, columns 16jj + 2t..; row g + 8; row g, columns 16jj + 8 + 2t..;
+// row g + 8).
+template <int J>
+__device__ __forceinline__ void legend_fused_g_fragments(const float (&s)[J][4],
+                                                         u32 (&ga)[J / 2][4]) {
+#pragma unroll
+    for (int jj = 0; jj < J / 2; ++jj) {
+        ga[jj][0] = legend_half2_g(s[2 * jj][0], s[2 * jj][1]);
+        ga[jj][1] = legend_half2_g(s[2 * jj][2], s[2 * jj][3]);
+        ga[jj][2] = legend_half2_g(s[2 * jj + 1][0], s[2 * jj + 1][1]);
+        ga[jj][3] = legend_half2_g(s[2 * jj + 1][2], s[2 * jj + 1][3]);
+    }
+}
+
+// Multiplies the accumulators of rows a (elements 0, 1 of each block) and b by sca and scb,
+// when a row of the warp needs it: past the first tiles a row's maximum seldom moves.
+template <int DK>
+__device__ __forceinline__ void legend_fused_rescale(float (&acc)[DK][4], float sca,
+                                                     float scb) {
+    if (__any_sync(0xffffffffu, sca != 1.0f || scb != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < DK; ++n) {
+            acc[n][0] *= sca;
+            acc[n][1] *= sca;
+            acc[n][2] *= scb;
+            acc[n][3] *= scb;
+        }
+    }
+}
+
+// The end of rows a and b (job z, first row at `at_a` of the job-major buffers) after the
+// last tile: the loss (added into `loss`), ∂L/∂pos, dQ from its accumulators (scaled by the
+// negatives' scale n_scale), and for softmax the factors of the `tiles` walked tiles, each
+// `width` 64-negative tiles wide: the running maximum a tile's G is relative to was stored
+// at the tile's first 64-negative tile by lane t = tile % 4, which now turns it into the
+// factor of all of the tile's 64-negative tiles.
+template <int DK>
+__device__ __forceinline__ void legend_fused_rows_finish(const LegendFused& f, u32 z, u64 at_a,
+                                                         u32 ra, bool va, bool vb,
+                                                         const LegendRowLoss& r,
+                                                         const float (&acc)[DK][4],
+                                                         float n_scale, u32 tiles, u32 width,
+                                                         int t, float& loss) {
+    float lsa = legend_quad_sum(r.la), lsb = legend_quad_sum(r.lb);
+    // dQ's unscaling, apart from n_scale: G's scale, which softmax's sums carry.
+    float ua = 1.0f / LEGEND_FUSED_G_SCALE, ub = ua, loss_a, loss_b, gpa, gpb;
+    if (f.loss == LEGEND_LOSS_SOFTMAX) {
+        ua = 1.0f / lsa;
+        ub = 1.0f / lsb;
+        float fa = LEGEND_FUSED_G_SCALE * ua, fb = LEGEND_FUSED_G_SCALE * ub;
+        constexpr float LOG_G = 9.704060527839234f;  // ln(2^14)
+        loss_a = r.ma + logf(lsa) - LOG_G - r.pa;
+        loss_b = r.mb + logf(lsb) - LOG_G - r.pb;
+        gpa = __expf(r.pa - r.ma) * fa - 1.0f;
+        gpb = __expf(r.pb - r.mb) * fb - 1.0f;
+        for (u32 u = t; u < tiles; u += 4) {
+            float* c = legend_fused_corr(f, z, u * width) + ra;
+            float ca = __expf(c[0] - r.ma) * fa, cb = __expf(c[8] - r.mb) * fb;
+            for (u32 h = 0; h < width; ++h) {
+                float* ch = legend_fused_corr(f, z, u * width + h) + ra;
+                ch[0] = ca;
+                ch[8] = cb;
+            }
+        }
+    } else if (f.loss == LEGEND_LOSS_LOGISTIC) {
+        float ea = __expf(-fabsf(r.pa)), eb = __expf(-fabsf(r.pb));
+        loss_a = fmaxf(-r.pa, 0.0f) + log1pf(ea) + lsa;
+        loss_b = fmaxf(-r.pb, 0.0f) + log1pf(eb) + lsb;
+        gpa = -((-r.pa >= 0.0f ? 1.0f : ea) / (1.0f + ea));
+        gpb = -((-r.pb >= 0.0f ? 1.0f : eb) / (1.0f + eb));
+    } else {
+        loss_a = lsa;
+        loss_b = lsb;
+        gpa = -legend_quad_sum(r.activa);
+        gpb = -legend_quad_sum(r.activb);
+    }
+    u32 dim = f.dim;
+#pragma unroll
+    for (int n = 0; n < DK; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            // The lane's two adjacent columns of row a (h = 0) or b.
+            u32 c = 8 * n + 2 * t;
+            if (!(h ? vb : va) || c >= dim) continue;
+            float u = (h ? ub : ua) / n_scale;
+            legend_fused_put_pair(&f.grad_query[(at_a + 8 * h) * dim + c], c, dim,
+                                  acc[n][2 * h] * u, acc[n][2 * h + 1] * u, false);
+        }
+    if (t == 0) {
+        if (va) {
+            f.grad_pos[at_a] = gpa;
+            loss += loss_a;
+        }
+        if (vb) {
+            f.grad_pos[at_a + 8] = gpb;
+            loss += loss_b;
+        }
+    }
+}
+
+// Makes this thread's shared-memory writes (cp.async copies, stores) visible to the
+// warpgroup products and the bulk copy engine, which work through the async proxy; before
+// the barrier that publishes them.
+__device__ __forceinline__ void legend_fused_publish() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// The loss of a warp's rows into the batch's sum: one atomic a warp.
+__device__ __forceinline__ void legend_fused_add_loss(const LegendFused& f, float loss) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) loss += __shfl_xor_sync(0xffffffffu, loss, o);
+    if ((threadIdx.x & 31) == 0 && loss != 0.0f) atomicAdd(f.loss_sum, (double)loss);
+}
 
 __device__ __forceinline__ void legend_mma_f16(float* c, const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
@@ -195,21 +519,23 @@ __device__ __forceinline__ void legend_wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
-// Waits for every product the warpgroup issued; the accumulators d are ready after it
-// (pinned, so that the compiler does not read them earlier).
-template <int N>
+// Waits until at most PENDING of the warpgroup's product groups are still running (the
+// latest ones: groups complete in order); the accumulators d of the groups before are ready
+// after it (pinned, so that the compiler does not read them earlier).
+template <int N, int PENDING = 0>
 __device__ __forceinline__ void legend_wgmma_wait(float* d) {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
     legend_wgmma_pin<N>(d);
 }
 
-// d (64 x 64) += A · Bᵀ, both K-major in shared memory (descriptors a and b).
-__device__ __forceinline__ void legend_wgmma_ss_n64(float* d, u64 a, u64 b) {
+// d (64 x 128) = A · Bᵀ, plus d where `add` is non-zero; both K-major in shared memory.
+__device__ __forceinline__ void legend_wgmma_ss_n128(float* d, u64 a, u64 b, u32 add) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : LEGEND_F4(d, 0), LEGEND_F4(d, 4), LEGEND_F4(d, 8), LEGEND_F4(d, 12), LEGEND_F4(d, 16), LEGEND_F4(d, 20), LEGEND_F4(d, 24), LEGEND_F4(d, 28)
-        : "l"(a), "l"(b));
+        "{\n.reg .pred p;\nsetp.ne.u32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : LEGEND_F4(d, 0), LEGEND_F4(d, 4), LEGEND_F4(d, 8), LEGEND_F4(d, 12), LEGEND_F4(d, 16), LEGEND_F4(d, 20), LEGEND_F4(d, 24), LEGEND_F4(d, 28),
+          LEGEND_F4(d, 32), LEGEND_F4(d, 36), LEGEND_F4(d, 40), LEGEND_F4(d, 44), LEGEND_F4(d, 48), LEGEND_F4(d, 52), LEGEND_F4(d, 56), LEGEND_F4(d, 60)
+        : "l"(a), "l"(b), "r"(add));
 }
 
 // d (64 x 8) += A · B, A from registers (mma.sync's A fragments), B N-major in shared memory.
@@ -238,259 +564,190 @@ __device__ __forceinline__ void legend_wgmma_rs_n64(float* d, const u32 (&a)[4],
         : LEGEND_F4(d, 0), LEGEND_F4(d, 4), LEGEND_F4(d, 8), LEGEND_F4(d, 12), LEGEND_F4(d, 16), LEGEND_F4(d, 20), LEGEND_F4(d, 24), LEGEND_F4(d, 28)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
+// A u32 pinned like the accumulators (the A fragments of the register products: their
+// conversions must not sink below the fence that orders them before the products).
+template <int N>
+__device__ __forceinline__ void legend_wgmma_pin_u32(u32* a) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// mbarriers in shared memory (addresses from __cvta_generic_to_shared) and the bulk copy
+// engine, for the warp-specialised kernels.
+__device__ __forceinline__ void legend_mbar_init(u32 bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
+}
+
+__device__ __forceinline__ void legend_mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar)
+                 : "memory");
+}
+
+// Arrives and adds `bytes` to the transfers the barrier's phase waits for.
+__device__ __forceinline__ void legend_mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(
+                     bar),
+                 "r"(bytes)
+                 : "memory");
+}
+
+// Waits until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void legend_mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// `bytes` (a multiple of 16, 16-byte aligned both ends) from device memory into shared
+// memory by the bulk copy engine, completing on the barrier `bar`.
+__device__ __forceinline__ void legend_bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+
+// Register budgets of the warp-specialised kernels' warpgroups (the kernel starts at its
+// launch bound's share; the producer gives registers back, the consumers take them).
+template <int N>
+__device__ __forceinline__ void legend_setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+template <int N>
+__device__ __forceinline__ void legend_setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+// Waits until the `threads` threads of named barrier `id` have arrived (a warpgroup's
+// own barrier; 0 is __syncthreads').
+__device__ __forceinline__ void legend_bar_sync(u32 id, u32 threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 #endif
 
-// Makes this thread's shared-memory writes (cp.async copies, stores) visible to the
-// warpgroup products, which read through the async proxy; before the barrier that
-// publishes a stage.
-__device__ __forceinline__ void legend_fused_publish() {
-#ifdef LEGEND_WGMMA
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
 
-// Shared-memory tiles of FP16 rows of KS k16 steps (2·KS 16-byte chunks a row), stored as
-// 8 x 8 core matrices of 128 contiguous bytes: eight rows' chunk c, then chunk c + 1. This is
-// the no-swizzle operand layout of wgmma, and each 8 x 8 matrix an ldmatrix phase reads is
-// one 128-byte line, so neither path has bank conflicts (and rows need no padding).
+// Queues the copy of a 64-row tile of a tiled FP16 matrix (contiguous, from `src`) into
+// shared memory at `dst`, by all threads of the block; rows from `rlim` on become zeros.
 template <int KS>
-struct LegendHalfRows {
-    static constexpr u32 CHUNKS = 2 * KS;
-    static constexpr int WORDS = 8 * KS;
-    static constexpr u32 BYTES = 4 * WORDS;
-    // Byte offset of chunk `chunk` of row `row` in the tile (tiles start at multiples of
-    // eight rows).
-    static __device__ __forceinline__ u32 at(u32 row, u32 chunk) {
-        return ((row >> 3) * CHUNKS + chunk) * 128 + (row & 7) * 16;
-    }
-};
-
-// The power of two that brings a matrix whose largest magnitude has the float bits
-// `max_bits` into [2^14, 2^15), FP16's top octave: products of embeddings (1e-6 and less
-// at the usual initialisation) would otherwise fall into FP16's subnormals and lose their
-// digits. Clamped to 2^±60, so that the product of two scales and its inverse stay normal
-// floats; 1 for a zero (or non-finite) matrix.
-__device__ __forceinline__ float legend_fp16_scale(u32 max_bits) {
-    int e = (int)((max_bits >> 23) & 0xffu);
-    if (e == 0 || e == 255) return 1.0f;
-    int s = max(-60, min(60, 14 - (e - 127)));
-    return __int_as_float((s + 127) << 23);
-}
-
-// Queues the copy of rows [r0, r0 + TILE) of a matrix of 16·KS halves a row (already
-// zero-padded) into a tile of LegendHalfRows<KS>; rows at or past `rlim` become zeros.
-template <int KS>
-__device__ __forceinline__ void legend_fused_tile(const u32* P, u32 r0, u32 rlim, u32* S) {
-    constexpr int CHUNKS = 2 * KS;  // 16-byte pieces of a row
-    for (int e = threadIdx.x; e < LEGEND_FUSED_TILE * CHUNKS; e += 32 * LEGEND_FUSED_WARPS) {
-        int i = e / CHUNKS, c = e % CHUNKS;
-        u32 r = r0 + i;
-        bool ok = r < rlim;
-        const u32* src = ok ? P + (u64)r * (8 * KS) + 4 * c : P;
-        legend_cp16(reinterpret_cast<float*>(&S[LegendHalfRows<KS>::at(i, c) / 4]),
-                    reinterpret_cast<const float*>(src), ok ? 16 : 0);
+__device__ __forceinline__ void legend_fused_tile(const u32* src, u32 rlim, u32* dst) {
+    // 16-byte pieces: eight rows' chunk c, then chunk c + 1 (LegendHalfRows).
+    constexpr int PIECES = LEGEND_FUSED_TILE * 2 * KS;
+    for (int e = threadIdx.x; e < PIECES; e += 32 * LEGEND_FUSED_WARPS) {
+        u32 row = e / (16 * KS) * 8 + e % 8;
+        bool ok = row < rlim;
+        legend_cp16(reinterpret_cast<float*>(dst + 4 * e),
+                    reinterpret_cast<const float*>(ok ? src + 4 * e : src), ok ? 16 : 0);
     }
 }
 
-// Columns c and c + 1 of a row of `dim` floats at `to` (column c) get x and y, stored or
-// (`add`) added atomically: one 8-byte access when d is even (rows 8-byte aligned, c even),
-// else one per column inside the row. The fused kernels' outputs, from the accumulators'
-// column pairs.
-__device__ __forceinline__ void legend_fused_put_pair(float* to, u32 c, u32 dim, float x,
-                                                      float y, bool add) {
-    if (dim % 2 == 0) {
-        if (add) legend_red2(to, x, y);
-        else *reinterpret_cast<float2*>(to) = make_float2(x, y);
-        return;
-    }
-    for (u32 v = 0; v < 2 && c + v < dim; ++v) {
-        if (add) atomicAdd(to + v, v ? y : x);
-        else to[v] = v ? y : x;
-    }
-}
-
-// Sums v over the four lanes of a quad (the lanes holding one row of an accumulator).
-__device__ __forceinline__ float legend_quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
-__device__ __forceinline__ float legend_quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
-// The A operand of a block (its rows, or its negatives) staged once in shared memory: BR
-// rows, zero past `dim` and at rows from `rlim`; each warp takes 16·MT of them, so that
-// every B fragment it loads feeds MT products.
-#define LEGEND_FUSED_MT 1
-#define LEGEND_FUSED_BLOCK_ROWS (16 * LEGEND_FUSED_MT * LEGEND_FUSED_WARPS)
-
-// s[m][j] = A(tile m) · B(rows 8j..8j+7 of the walked tile)ᵀ over the KS k16 steps; `sa`
-// and `sb` are shared-memory addresses of the two tiles.
-template <int KS>
-__device__ __forceinline__ void legend_fused_scores(u32 sa, int row0, u32 sb, int lane,
-                                                    float (&s)[LEGEND_FUSED_MT][8][4]) {
-    using H = LegendHalfRows<KS>;
-#pragma unroll
-    for (int m = 0; m < LEGEND_FUSED_MT; ++m)
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) s[m][j][q] = 0.0f;
-#ifdef LEGEND_WGMMA
-    // The warpgroup's 64 rows (from row0 rounded down) against the tile's 64, K-major both.
-    float* d = &s[0][0][0];
-    u32 a0 = sa + H::at(row0 & ~63, 0);
-    legend_wgmma_fence<32>(d);
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
-        legend_wgmma_ss_n64(d, legend_wgmma_desc(a0 + 256 * kk, 128, H::CHUNKS * 128),
-                            legend_wgmma_desc(sb + 256 * kk, 128, H::CHUNKS * 128));
-    legend_wgmma_commit();
-    legend_wgmma_wait<32>(d);
-#else
-    // A: matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15); B: rows 8j.. | 8j+8.., k 0-7 | 8-15.
-    u32 a_at = sa + H::at(row0 + (lane & 15), lane >> 4);
-    u32 b_at = sb + H::at((lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1);
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-        u32 a[LEGEND_FUSED_MT][4];
-#pragma unroll
-        for (int m = 0; m < LEGEND_FUSED_MT; ++m)
-            legend_ldsm4(a_at + H::at(16 * m, 2 * kk), a[m]);
-#pragma unroll
-        for (int jp = 0; jp < 4; ++jp) {
-            u32 b[4];
-            legend_ldsm4(b_at + H::at(16 * jp, 2 * kk), b);
-#pragma unroll
-            for (int m = 0; m < LEGEND_FUSED_MT; ++m) {
-                legend_mma_f16(s[m][2 * jp], a[m], b[0], b[1]);
-                legend_mma_f16(s[m][2 * jp + 1], a[m], b[2], b[3]);
-            }
-        }
-    }
-#endif
-}
-
-// The scores of a tile in true units (the operands came scaled).
-__device__ __forceinline__ void legend_fused_unscale(float (&s)[8][4], float by) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) s[j][q] *= by;
-}
-
-// Negatives a job's G keeps: k rounded up to the walked tile, so that the rows kernel
-// writes whole tiles (zeros past k).
-__device__ __forceinline__ u32 legend_fused_k_pad(u32 k) {
-    return (k + LEGEND_FUSED_TILE - 1) / LEGEND_FUSED_TILE * LEGEND_FUSED_TILE;
-}
-
-// The first word of G's block of 16 rows (from row 16·rb) by 16 negatives (from 16·nb)
-// of job z (128 words a block; rows padded to 16).
-__device__ __forceinline__ u32* legend_fused_g_block(const LegendFused& f, u32 z, u32 rb,
-                                                     u32 nb) {
-    u32 nbs = legend_fused_k_pad(f.k) / 16;
-    u64 job = (u64)((f.max_rows + 15) / 16) * nbs;
-    return f.g + ((u64)z * job + (u64)rb * nbs + nb) * 128;
-}
-
-// G of a tile (as left in s) as the A fragments of the second product, scaled by
-// LEGEND_FUSED_G_SCALE: the accumulators of column blocks 2jj and 2jj + 1 are exactly the A
-// fragment of k16 step jj (registers: row g, columns 16jj + 2t..; row g + 8; row g,
-// columns 16jj + 8 + 2t..; row g + 8).
-__device__ __forceinline__ void legend_fused_g_fragments(const float (&s)[LEGEND_FUSED_MT][8][4],
-                                                         u32 (&ga)[LEGEND_FUSED_MT][4][4]) {
-    constexpr float G = LEGEND_FUSED_G_SCALE;
-#pragma unroll
-    for (int m = 0; m < LEGEND_FUSED_MT; ++m)
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-            ga[m][jj][0] = legend_half2_g(G * s[m][2 * jj][0], G * s[m][2 * jj][1]);
-            ga[m][jj][1] = legend_half2_g(G * s[m][2 * jj][2], G * s[m][2 * jj][3]);
-            ga[m][jj][2] = legend_half2_g(G * s[m][2 * jj + 1][0], G * s[m][2 * jj + 1][1]);
-            ga[m][jj][3] = legend_half2_g(G * s[m][2 * jj + 1][2], G * s[m][2 * jj + 1][3]);
-        }
-}
-
-// acc[m] += G(tile m, A fragments ga) · (the walked tile), whose rows come as B through
-// transposing loads (or, with wgmma, as an N-major operand).
-template <int DK, int KS>
-__device__ __forceinline__ void legend_fused_accumulate(const u32 (&ga)[LEGEND_FUSED_MT][4][4],
-                                                        u32 sb, int lane,
-                                                        float (&acc)[LEGEND_FUSED_MT][DK][4]) {
+// acc += G (A fragments ga of JJ k16 steps) · (the walked tile, JJ·16 rows of KS k16 steps
+// at shared-memory address sb), whose rows come as B through transposing loads (or, with
+// wgmma, as an N-major operand). With wgmma, the products are issued and committed here,
+// and waited for by the caller.
+template <int DK, int KS, int JJ>
+__device__ __forceinline__ void legend_fused_accumulate(const u32 (&ga)[JJ][4], u32 sb,
+                                                        int lane, float (&acc)[DK][4]) {
     using H = LegendHalfRows<KS>;
 #ifdef LEGEND_WGMMA
-    static_assert(LEGEND_FUSED_MT == 1, "a warpgroup product gives each warp 16 rows");
     // B's 8·DK columns in pieces of 64, 32 and 8 (d = 100 pads to 104 = 64 + 32 + 8); along
     // K (the walked rows) its core matrices are a row group (CHUNKS · 128 bytes) apart.
     constexpr int N64 = DK / 8, N32 = DK % 8 / 4, N8 = DK % 4;
-    float* d = &acc[0][0][0];
-    legend_wgmma_fence<4 * DK>(d);
+    float* d = &acc[0][0];
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
+    for (int jj = 0; jj < JJ; ++jj) {
         u32 at = sb + H::at(16 * jj, 0);
 #pragma unroll
         for (int i = 0; i < N64; ++i)
-            legend_wgmma_rs_n64(d + 32 * i, ga[0][jj],
+            legend_wgmma_rs_n64(d + 32 * i, ga[jj],
                                 legend_wgmma_desc(at + 8 * i * 128, H::CHUNKS * 128, 128));
 #pragma unroll
         for (int i = 0; i < N32; ++i)
-            legend_wgmma_rs_n32(d + 32 * N64, ga[0][jj],
+            legend_wgmma_rs_n32(d + 32 * N64, ga[jj],
                                 legend_wgmma_desc(at + 8 * N64 * 128, H::CHUNKS * 128, 128));
 #pragma unroll
         for (int i = 0; i < N8; ++i)
-            legend_wgmma_rs_n8(d + 32 * N64 + 16 * N32 + 4 * i, ga[0][jj],
+            legend_wgmma_rs_n8(d + 32 * N64 + 16 * N32 + 4 * i, ga[jj],
                                legend_wgmma_desc(at + (8 * N64 + 4 * N32 + i) * 128,
                                                  H::CHUNKS * 128, 128));
     }
     legend_wgmma_commit();
-    legend_wgmma_wait<4 * DK>(d);
 #else
     // Matrices (walked rows 0-7 | 8-15) x (columns 8n.. | 8n+8..).
     u32 b_at = sb + H::at(lane & 15, lane >> 4);
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
+    for (int jj = 0; jj < JJ; ++jj) {
 #pragma unroll
         for (int n = 0; n < DK; n += 2) {
             u32 at = b_at + H::at(16 * jj, n);
             if (n + 1 < DK) {
                 u32 b[4];
                 legend_ldsm4_trans(at, b);
-#pragma unroll
-                for (int m = 0; m < LEGEND_FUSED_MT; ++m) {
-                    legend_mma_f16(acc[m][n], ga[m][jj], b[0], b[1]);
-                    legend_mma_f16(acc[m][n + 1], ga[m][jj], b[2], b[3]);
-                }
+                legend_mma_f16(acc[n], ga[jj], b[0], b[1]);
+                legend_mma_f16(acc[n + 1], ga[jj], b[2], b[3]);
             } else {
                 u32 b0, b1;
                 legend_ldsm2_trans(at, b0, b1);
-#pragma unroll
-                for (int m = 0; m < LEGEND_FUSED_MT; ++m)
-                    legend_mma_f16(acc[m][n], ga[m][jj], b0, b1);
+                legend_mma_f16(acc[n], ga[jj], b0, b1);
             }
         }
     }
 #endif
 }
 
+#ifndef LEGEND_WGMMA
+// s[j] = A(the warp's 16 rows from row0) · B(rows 8j..8j+7 of the walked tile)ᵀ over the KS
+// k16 steps; `sa` and `sb` are shared-memory addresses of the two tiles.
+template <int KS>
+__device__ __forceinline__ void legend_fused_scores(u32 sa, int row0, u32 sb, int lane,
+                                                    float (&s)[8][4]) {
+    using H = LegendHalfRows<KS>;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) s[j][q] = 0.0f;
+    // A: matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15); B: rows 8j.. | 8j+8.., k 0-7 | 8-15.
+    u32 a_at = sa + H::at(row0 + (lane & 15), lane >> 4);
+    u32 b_at = sb + H::at((lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1);
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        u32 a[4];
+        legend_ldsm4(a_at + H::at(0, 2 * kk), a);
+#pragma unroll
+        for (int jp = 0; jp < 4; ++jp) {
+            u32 b[4];
+            legend_ldsm4(b_at + H::at(16 * jp, 2 * kk), b);
+            legend_mma_f16(s[2 * jp], a, b[0], b[1]);
+            legend_mma_f16(s[2 * jp + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// The rows kernel with mma.sync (see the top of the file): a block owns 128 rows of job
+// blockIdx.y, eight warps of 16 rows, tiles of 64 negatives in three cp.async stages.
 template <int DK, int KS>
 __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     // 16-byte aligned: cp.async's 16-byte copies and ldmatrix's rows.
     extern __shared__ __align__(16) u32 legend_fused_smem[];
-    constexpr int SW = LegendHalfRows<KS>::WORDS;
+    using H = LegendHalfRows<KS>;
+    constexpr int SW = H::WORDS;
     constexpr int T = LEGEND_FUSED_TILE;
-    constexpr int MT = LEGEND_FUSED_MT;
     constexpr int BR = LEGEND_FUSED_BLOCK_ROWS;
-    __shared__ float block_loss[LEGEND_FUSED_WARPS];
+    constexpr int ST = LEGEND_FUSED_STAGES;
     u32 z = blockIdx.y;
     u32 nrows = f.rows[z];
     u32 r_block = blockIdx.x * BR;
     if (r_block >= nrows) return;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u64 base = (u64)z * f.max_rows;
-    u32 dim = f.dim, k = f.k;
+    u32 dim = f.dim, k = f.k, k_pad = legend_fused_k_pad(k), rows_pad = legend_fused_rows_pad(f);
     u32* sb0 = legend_fused_smem + BR * SW;
     u32 sa_at = (u32)__cvta_generic_to_shared(legend_fused_smem);
     u32 sb_at = (u32)__cvta_generic_to_shared(sb0);
@@ -499,19 +756,21 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     float q_scale = legend_fp16_scale(f.absmax[2 * z]);
     float n_scale = legend_fp16_scale(f.absmax[2 * z + 1]);
     float s_unscale = 1.0f / (q_scale * n_scale);
-    // The first tiles of negatives are queued before the queries are staged, so that their
+    // Every tile of the padded k, so that G and the factors are written for all of it. The
+    // first tiles of negatives are queued before the queries are staged, so that their
     // copies overlap that work.
-    const u32* N = f.negs + (u64)z * k * (f.dim_pad / 2);
-    int tiles = (k + T - 1) / T;
-    constexpr int ST = LEGEND_FUSED_STAGES;
+    int tiles = k_pad / T;
     for (int it = 0; it < ST - 1; ++it) {
-        if (it < tiles) legend_fused_tile<KS>(N, it * T, k, sb0 + it * T * SW);
+        if (it < tiles)
+            legend_fused_tile<KS>(f.negs + legend_fused_tile_word(z, tiles, it, f.dim_pad), T,
+                                  sb0 + it * T * SW);
         asm volatile("cp.async.commit_group;\n" ::);
     }
     // The block's queries, scaled and converted once into shared memory; the FP16 copy in
-    // device memory is what the negatives kernel reads. Four values a thread and step, one
-    // 16-byte load, where rows allow (d % 4 == 0; the scalar loads of this prologue cost the
-    // kernel more than their bytes).
+    // device memory (the block's two tiles, laid out as here) is what the negatives kernel
+    // reads. Four values a thread and step, one 16-byte load, where rows allow (d % 4 ==
+    // 0; the scalar loads of this prologue cost the kernel more than their bytes).
+    u32* qh = f.query_half + legend_fused_tile_word(z, rows_pad / T, r_block / T, f.dim_pad);
     if (dim % 4 == 0) {
         for (int e = threadIdx.x; e < BR * 4 * KS; e += 32 * LEGEND_FUSED_WARPS) {
             int i = e / (4 * KS), c = 4 * (e % (4 * KS));
@@ -521,11 +780,9 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             uint2 v = make_uint2(legend_half2(x.x * q_scale, x.y * q_scale),
                                  legend_half2(x.z * q_scale, x.w * q_scale));
-            *reinterpret_cast<uint2*>(
-                &legend_fused_smem[(LegendHalfRows<KS>::at(i, c / 8) + 2 * (c % 8)) / 4]) = v;
-            if (r < nrows)
-                *reinterpret_cast<uint2*>(&f.query_half[(base + r) * (f.dim_pad / 2) + c / 2]) =
-                    v;
+            u32 word = (H::at(i, c / 8) + 2 * (c % 8)) / 4;
+            *reinterpret_cast<uint2*>(&legend_fused_smem[word]) = v;
+            *reinterpret_cast<uint2*>(&qh[word]) = v;
         }
     } else {
         for (int e = threadIdx.x; e < BR * 8 * KS; e += 32 * LEGEND_FUSED_WARPS) {
@@ -535,210 +792,63 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
             const float* q = f.query + (base + r) * dim;
             u32 v = legend_half2(ok && (u32)c < dim ? q[c] * q_scale : 0.0f,
                                  ok && (u32)c + 1 < dim ? q[c + 1] * q_scale : 0.0f);
-            legend_fused_smem[(LegendHalfRows<KS>::at(i, c / 8) + 2 * (c % 8)) / 4] = v;
-            if (ok) f.query_half[(base + r) * (f.dim_pad / 2) + c / 2] = v;
+            u32 word = (H::at(i, c / 8) + 2 * (c % 8)) / 4;
+            legend_fused_smem[word] = v;
+            qh[word] = v;
         }
     }
-    int row0 = warp * 16 * MT;
-    // Per row tile m: rows a = r_block + row0 + 16m + g and b = a + 8.
-    u32 ra[MT];
-    bool va[MT], vb[MT];
-    float pa[MT], pb[MT], ma[MT], mb[MT], la[MT], lb[MT], activa[MT], activb[MT];
-    float w = 1.0f / (float)k;
-    float acc[MT][DK][4];
+    int row0 = warp * 16;
+    // Rows a = r_block + row0 + g and b = a + 8.
+    u32 ra = r_block + row0 + g;
+    bool va = ra < nrows, vb = ra + 8 < nrows;
+    LegendRowLoss st = legend_row_loss(f, base + ra, va, vb, t);
+    float acc[DK][4];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        ra[m] = r_block + row0 + 16 * m + g;
-        va[m] = ra[m] < nrows;
-        vb[m] = ra[m] + 8 < nrows;
-        pa[m] = va[m] ? f.pos[base + ra[m]] : 0.0f;
-        pb[m] = vb[m] ? f.pos[base + ra[m] + 8] : 0.0f;
-        // Softmax: running max (the positive's score to begin with) and this lane's part of
-        // the running sum (the positive counted once, by lane t = 0). Other losses: sums.
-        ma[m] = pa[m];
-        mb[m] = pb[m];
-        la[m] = lb[m] = (f.loss == LEGEND_LOSS_SOFTMAX && t == 0) ? 1.0f : 0.0f;
-        activa[m] = activb[m] = 0.0f;
+    for (int n = 0; n < DK; ++n)
 #pragma unroll
-        for (int n = 0; n < DK; ++n)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[m][n][q] = 0.0f;
-    }
+        for (int q = 0; q < 4; ++q) acc[n][q] = 0.0f;
 
     // The warp's blocks of G (its 16 rows, each tile's four 16-negative blocks): each
     // fragment register fills one 128-byte line. Rows past nrows get finite values, which
     // the negatives kernel multiplies by zero queries.
-    u32* g_out = legend_fused_g_block(f, z, (r_block + row0) / 16, 0) + lane;
-    // The rows' softmax factors (first the running maxima).
-    float* corr_at[MT];
-#pragma unroll
-    for (int m = 0; m < MT; ++m) corr_at[m] = f.corr + (base + ra[m]) * tiles;
     for (int it = 0; it < tiles; ++it) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(ST - 2));
-        legend_fused_publish();
         // Tile it has landed, and every warp is done with tile it - 1's stage.
         __syncthreads();
         int ahead = it + ST - 1;
-        if (ahead < tiles) legend_fused_tile<KS>(N, ahead * T, k, sb0 + ahead % ST * T * SW);
+        if (ahead < tiles)
+            legend_fused_tile<KS>(f.negs + legend_fused_tile_word(z, tiles, ahead, f.dim_pad),
+                                  T, sb0 + ahead % ST * T * SW);
         asm volatile("cp.async.commit_group;\n" ::);
-        u32 sn = sb_at + it % ST * T * LegendHalfRows<KS>::BYTES;
-        float s[MT][8][4];
+        u32 sn = sb_at + it % ST * T * H::BYTES;
+        float s[8][4];
         legend_fused_scores<KS>(sa_at, row0, sn, lane, s);
-        u32 n0 = it * T + 2 * t;
-        // Only the last tile can reach past k.
-        bool tail = (it + 1) * T > k;
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            if (f.loss == LEGEND_LOSS_SOFTMAX) {
-                // On the scores as they come (scaled by a power of two, which keeps their
-                // order and makes the unscaled maximum exact): the maximum, then exp with the
-                // unscaling folded into one FFMA.
-                float xa = __int_as_float(0xff800000), xb = xa;
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        if (tail && n0 + 8 * j + (q & 1) >= k) s[m][j][q] = __int_as_float(0xff800000);
-                        if (q < 2) xa = fmaxf(xa, s[m][j][q]); else xb = fmaxf(xb, s[m][j][q]);
-                    }
-                float na = fmaxf(ma[m], legend_quad_max(xa) * s_unscale);
-                float nb = fmaxf(mb[m], legend_quad_max(xb) * s_unscale);
-                float sca = __expf(ma[m] - na), scb = __expf(mb[m] - nb);
-                ma[m] = na;
-                mb[m] = nb;
-                // The running maxima this tile's G is relative to (one lane a tile and row;
-                // the same lane turns them into factors at the end).
-                if (t == (it & 3)) {
-                    if (va[m]) corr_at[m][it] = na;
-                    if (vb[m]) corr_at[m][8 * tiles + it] = nb;
-                }
-                la[m] *= sca;
-                lb[m] *= scb;
-                // Past the first tiles a row's maximum seldom moves: the accumulator is
-                // rescaled only when one of the warp's rows' did.
-                if (__any_sync(0xffffffffu, sca != 1.0f || scb != 1.0f)) {
-#pragma unroll
-                    for (int n = 0; n < DK; ++n) {
-                        acc[m][n][0] *= sca;
-                        acc[m][n][1] *= sca;
-                        acc[m][n][2] *= scb;
-                        acc[m][n][3] *= scb;
-                    }
-                }
-                constexpr float LOG2E = 1.4426950408889634f;
-                float u = s_unscale * LOG2E, ba = na * LOG2E, bb = nb * LOG2E;
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        s[m][j][q] = legend_exp2(fmaf(s[m][j][q], u, -(q < 2 ? ba : bb)));
-                        if (q < 2) la[m] += s[m][j][q]; else lb[m] += s[m][j][q];
-                    }
-            } else {
-                legend_fused_unscale(s[m], s_unscale);
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        float x = s[m][j][q];
-                        bool ok = !tail || n0 + 8 * j + (q & 1) < k;
-                        float term, grad;
-                        if (f.loss == LEGEND_LOSS_LOGISTIC) {
-                            float ex = __expf(-fabsf(x));
-                            term = w * (fmaxf(x, 0.0f) + log1pf(ex));
-                            grad = w * (x >= 0.0f ? 1.0f : ex) / (1.0f + ex);
-                        } else {
-                            float v = f.margin - (q < 2 ? pa[m] : pb[m]) + x;
-                            term = v > 0.0f ? v : 0.0f;
-                            grad = v > 0.0f ? 1.0f : 0.0f;
-                        }
-                        term = ok ? term : 0.0f;
-                        s[m][j][q] = ok ? grad : 0.0f;
-                        if (q < 2) {
-                            la[m] += term;
-                            activa[m] += s[m][j][q];
-                        } else {
-                            lb[m] += term;
-                            activb[m] += s[m][j][q];
-                        }
-                    }
-            }
+        float sca, scb;
+        legend_fused_loss_tile<8>(f, s, st, s_unscale, it * T + 2 * t, (it + 1) * T > (int)k,
+                                  sca, scb);
+        legend_fused_rescale<DK>(acc, sca, scb);
+        // The running maxima this tile's G is relative to (one lane a tile and row; the same
+        // lane turns them into factors at the end).
+        if (f.loss == LEGEND_LOSS_SOFTMAX && t == (it & 3)) {
+            float* c = legend_fused_corr(f, z, it) + ra;
+            c[0] = st.ma;
+            c[8] = st.mb;
         }
-        u32 ga[MT][4][4];
-        legend_fused_g_fragments(s, ga);
+        u32 ga[4][4];
+        legend_fused_g_fragments<8>(s, ga);
+        u32* out = legend_fused_g_block(f, z, (r_block + row0) / 16, 4 * it) + lane;
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            if (r_block + row0 + 16 * m >= nrows) continue;
-            u32* out = g_out + (u64)m * (legend_fused_k_pad(k) / 16) * 128 + 4 * it * 128;
+        for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
-            for (int jj = 0; jj < 4; ++jj)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) legend_store_streaming(out + 128 * jj + 32 * r, ga[m][jj][r]);
-        }
-        legend_fused_accumulate<DK, KS>(ga, sn, lane, acc);
+            for (int r = 0; r < 4; ++r) legend_store_streaming(out + 128 * jj + 32 * r, ga[jj][r]);
+        legend_fused_accumulate<DK, KS, 4>(ga, sn, lane, acc);
     }
-
-    float mine = 0.0f;
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        float lsa = legend_quad_sum(la[m]), lsb = legend_quad_sum(lb[m]);
-        float scale_a = 1.0f, scale_b = 1.0f, loss_a, loss_b, gpa, gpb;
-        if (f.loss == LEGEND_LOSS_SOFTMAX) {
-            scale_a = 1.0f / lsa;
-            scale_b = 1.0f / lsb;
-            loss_a = ma[m] + logf(lsa) - pa[m];
-            loss_b = mb[m] + logf(lsb) - pb[m];
-            gpa = __expf(pa[m] - ma[m]) * scale_a - 1.0f;
-            gpb = __expf(pb[m] - mb[m]) * scale_b - 1.0f;
-            for (int u = t; u < tiles; u += 4) {
-                if (va[m]) corr_at[m][u] = __expf(corr_at[m][u] - ma[m]) * scale_a;
-                if (vb[m]) corr_at[m][8 * tiles + u] = __expf(corr_at[m][8 * tiles + u] - mb[m]) * scale_b;
-            }
-        } else if (f.loss == LEGEND_LOSS_LOGISTIC) {
-            float ea = __expf(-fabsf(pa[m])), eb = __expf(-fabsf(pb[m]));
-            loss_a = fmaxf(-pa[m], 0.0f) + log1pf(ea) + lsa;
-            loss_b = fmaxf(-pb[m], 0.0f) + log1pf(eb) + lsb;
-            gpa = -((-pa[m] >= 0.0f ? 1.0f : ea) / (1.0f + ea));
-            gpb = -((-pb[m] >= 0.0f ? 1.0f : eb) / (1.0f + eb));
-        } else {
-            loss_a = lsa;
-            loss_b = lsb;
-            gpa = -legend_quad_sum(activa[m]);
-            gpb = -legend_quad_sum(activb[m]);
-        }
-        u32 rb = ra[m] + 8;
-#pragma unroll
-        for (int n = 0; n < DK; ++n)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                // The lane's two adjacent columns of row a (h = 0) or b.
-                u32 c = 8 * n + 2 * t;
-                if (!(h ? vb[m] : va[m]) || c >= dim) continue;
-                float u = (h ? scale_b : scale_a) / (n_scale * LEGEND_FUSED_G_SCALE);
-                legend_fused_put_pair(&f.grad_query[(base + (h ? rb : ra[m])) * dim + c], c, dim,
-                                      acc[m][n][2 * h] * u, acc[m][n][2 * h + 1] * u, false);
-            }
-        if (t == 0) {
-            if (va[m]) {
-                f.grad_pos[base + ra[m]] = gpa;
-                mine += loss_a;
-            }
-            if (vb[m]) {
-                f.grad_pos[base + rb] = gpb;
-                mine += loss_b;
-            }
-        }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
-    if (lane == 0) block_loss[warp] = mine;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float total = 0.0f;
-        for (int i = 0; i < LEGEND_FUSED_WARPS; ++i) total += block_loss[i];
-        atomicAdd(f.loss_sum, (double)total);
-    }
+    float loss = 0.0f;
+    legend_fused_rows_finish<DK>(f, z, base + ra, ra, va, vb, st, acc, n_scale, tiles, 1, t,
+                                 loss);
+    legend_fused_add_loss(f, loss);
 }
+#endif
 
 // The FP16 pair x (of G) with its halves multiplied by c.x (low) and c.y (high, both at
 // most 1), in FP32.
@@ -750,70 +860,58 @@ __device__ __forceinline__ u32 legend_half2_times(u32 x, float2 c) {
     return legend_half2_g(lo * c.x, hi * c.y);
 }
 
+// The negatives kernel (see the top of the file): a block owns 128 negatives (column block
+// blockIdx.x) of job blockIdx.z and walks over the range blockIdx.y of its rows in tiles of
+// 64, three cp.async stages of: G (64 rows by the block's 128 negatives, 16 contiguous KB),
+// the rows' FP16 queries, and for softmax their factors for the block's two 64-negative
+// tiles. Eight warps, each owning 16 of the negatives.
 template <int DK, int KS>
 __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f) {
     // 16-byte aligned: cp.async's 16-byte copies and ldmatrix's rows.
     extern __shared__ __align__(16) u32 legend_fused_smem[];
-    constexpr int SW = LegendHalfRows<KS>::WORDS;
+    using H = LegendHalfRows<KS>;
+    constexpr int SW = H::WORDS;
     constexpr int T = LEGEND_FUSED_TILE;
-    constexpr int MT = LEGEND_FUSED_MT;
-    constexpr int BR = LEGEND_FUSED_BLOCK_ROWS;
+    constexpr int BN = LEGEND_FUSED_NEG_BLOCK;
+    constexpr int ST = LEGEND_FUSED_STAGES;
     u32 z = blockIdx.z;
     u32 nrows = f.rows[z];
     u32 rbeg = blockIdx.y * f.row_split;
     u32 rend = min(nrows, rbeg + f.row_split);
     if (rbeg >= rend) return;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    u32 k = f.k, dim = f.dim;
-    u32 j_block = blockIdx.x * BR;
-    u32 pairs = f.dim_pad / 2;
-    u32 tiles = legend_fused_k_pad(k) / T;
+    u32 k = f.k, dim = f.dim, rows_pad = legend_fused_rows_pad(f);
+    u32 column = blockIdx.x;
     bool softmax = f.loss == LEGEND_LOSS_SOFTMAX;
-    // LEGEND_FUSED_STAGES stages of: G (T rows by the block's BR negatives, in its blocks of
-    // 16 x 16, by rows then negatives), the rows' FP16 queries, and for softmax the rows'
-    // factors of the block's BR / T tiles of negatives.
-    constexpr int G_WORDS = T * BR / 2;
+    constexpr int G_WORDS = T * BN / 2;
     u32* sg0 = legend_fused_smem;
-    constexpr int ST = LEGEND_FUSED_STAGES;
     u32* sq0 = sg0 + ST * G_WORDS;
     float* sc0 = reinterpret_cast<float*>(sq0 + ST * T * SW);
     u32 sg_at = (u32)__cvta_generic_to_shared(sg0);
     u32 sq_at = (u32)__cvta_generic_to_shared(sq0);
-    u64 base = (u64)z * f.max_rows;
-    const u32* Q = f.query_half + base * pairs;
-    const float* corr = f.corr + base * tiles;
-    u32 first_tile = j_block / T;
-    int row0 = warp * 16 * MT;
-    float acc[MT][DK][4];
+    int row0 = warp * 16;
+    float acc[DK][4];
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < DK; ++n)
 #pragma unroll
-        for (int n = 0; n < DK; ++n)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[m][n][q] = 0.0f;
+        for (int q = 0; q < 4; ++q) acc[n][q] = 0.0f;
     float q_scale = legend_fp16_scale(f.absmax[2 * z]);
     int walk = (rend - rbeg + T - 1) / T;
+    // Whole tiles: rows past nrows in the last one have zero queries (see the top).
     auto stage = [&](int it) {
         u32 r0 = rbeg + it * T;
         u32* sg = sg0 + it % ST * G_WORDS;
-        // Each 16-row block's BR / 16 blocks lie together (BR · 32 bytes). Row blocks from
-        // rend on and negatives past the padded k come as zeros (the rows kernel wrote zeros
-        // from k to the padding, and finite values in rows past nrows of its blocks).
-        constexpr int CHUNKS = BR * 2;  // 16-byte pieces of a row block
-        for (int e = threadIdx.x; e < (T / 16) * CHUNKS; e += 32 * LEGEND_FUSED_WARPS) {
-            int rb = e / CHUNKS, c = e % CHUNKS;
-            u32 nb = j_block / 16 + c / 32;
-            bool ok = r0 + 16 * rb < rend && nb < tiles * (T / 16);
-            const u32* src = ok ? legend_fused_g_block(f, z, r0 / 16 + rb, nb) + 4 * (c % 32) : f.g;
-            legend_cp16(reinterpret_cast<float*>(&sg[rb * (BR * 8) + 4 * c]),
-                        reinterpret_cast<const float*>(src), ok ? 16 : 0);
-        }
-        legend_fused_tile<KS>(Q, r0, rend, sq0 + it % ST * T * SW);
-        if (softmax && threadIdx.x < BR) {
-            u32 i = threadIdx.x % T, u = threadIdx.x / T;
-            bool ok = r0 + i < rend && first_tile + u < tiles;
-            legend_cp4(&sc0[it % ST * BR + u * T + i],
-                       ok ? &corr[(u64)(r0 + i) * tiles + first_tile + u] : corr, ok);
+        const u32* g = legend_fused_g_block(f, z, r0 / 16, 8 * column);
+        for (int e = threadIdx.x; e < G_WORDS / 4; e += 32 * LEGEND_FUSED_WARPS)
+            legend_cp16(reinterpret_cast<float*>(sg + 4 * e),
+                        reinterpret_cast<const float*>(g + 4 * e), 16);
+        legend_fused_tile<KS>(f.query_half + legend_fused_tile_word(z, rows_pad / T, r0 / T,
+                                                                    f.dim_pad),
+                              T, sq0 + it % ST * T * SW);
+        if (softmax && threadIdx.x < 2 * T / 4) {
+            u32 h = threadIdx.x / (T / 4), piece = threadIdx.x % (T / 4);
+            legend_cp16(&sc0[it % ST * BN + h * T + 4 * piece],
+                        legend_fused_corr(f, z, 2 * column + h) + r0 + 4 * piece, 16);
         }
     };
     for (int it = 0; it < ST - 1; ++it) {
@@ -828,52 +926,277 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
         if (it + ST - 1 < walk) stage(it + ST - 1);
         asm volatile("cp.async.commit_group;\n" ::);
         u32 sg = sg_at + it % ST * G_WORDS * 4;
-        u32 sq = sq_at + it % ST * T * LegendHalfRows<KS>::BYTES;
+        u32 sq = sq_at + it % ST * T * H::BYTES;
         // Gᵀ as A fragments of k step jj (row block jj): (negatives 0-7 | 8-15) x (rows 0-7 |
         // 8-15) are the transposes of the block's matrices 0, 2, 1 and 3.
         int q = lane >> 3;
         u32 a_at = sg + (row0 / 16) * 512 + (((q & 1) << 1) | (q >> 1)) * 128 + (lane & 7) * 16;
-        u32 ga[MT][4][4];
+        u32 ga[4][4];
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int jj = 0; jj < 4; ++jj)
-                legend_ldsm4_trans(a_at + 512 * m + jj * (BR * 32), ga[m][jj]);
+        for (int jj = 0; jj < 4; ++jj) legend_ldsm4_trans(a_at + jj * (BN * 32), ga[jj]);
         if (softmax) {
             // G of each row from its tile's running maximum to the final probabilities.
+            const float* c = sc0 + it % ST * BN + row0 / T * T;
 #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const float* c = sc0 + it % ST * BR + (row0 + 16 * m) / T * T;
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-                    float2 lo = *reinterpret_cast<const float2*>(&c[16 * jj + 2 * t]);
-                    float2 hi = *reinterpret_cast<const float2*>(&c[16 * jj + 8 + 2 * t]);
-                    ga[m][jj][0] = legend_half2_times(ga[m][jj][0], lo);
-                    ga[m][jj][1] = legend_half2_times(ga[m][jj][1], lo);
-                    ga[m][jj][2] = legend_half2_times(ga[m][jj][2], hi);
-                    ga[m][jj][3] = legend_half2_times(ga[m][jj][3], hi);
-                }
+            for (int jj = 0; jj < 4; ++jj) {
+                float2 lo = *reinterpret_cast<const float2*>(&c[16 * jj + 2 * t]);
+                float2 hi = *reinterpret_cast<const float2*>(&c[16 * jj + 8 + 2 * t]);
+                ga[jj][0] = legend_half2_times(ga[jj][0], lo);
+                ga[jj][1] = legend_half2_times(ga[jj][1], lo);
+                ga[jj][2] = legend_half2_times(ga[jj][2], hi);
+                ga[jj][3] = legend_half2_times(ga[jj][3], hi);
             }
         }
-        legend_fused_accumulate<DK, KS>(ga, sq, lane, acc);
+#ifdef LEGEND_WGMMA
+        legend_wgmma_fence<4 * DK>(&acc[0][0]);
+        legend_fused_accumulate<DK, KS, 4>(ga, sq, lane, acc);
+        legend_wgmma_wait<4 * DK>(&acc[0][0]);
+#else
+        legend_fused_accumulate<DK, KS, 4>(ga, sq, lane, acc);
+#endif
     }
     float* out = f.grad_negs + (u64)z * k * dim;
     float unscale = 1.0f / (q_scale * LEGEND_FUSED_G_SCALE);
+    u32 ja = column * BN + row0 + g, jb = ja + 8;
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        u32 ja = j_block + row0 + 16 * m + g, jb = ja + 8;
+    for (int n = 0; n < DK; ++n)
 #pragma unroll
-        for (int n = 0; n < DK; ++n)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                // The lane's two adjacent columns of negative ja (h = 0) or jb.
-                u32 j = h ? jb : ja, c = 8 * n + 2 * t;
-                if (j >= k || c >= dim) continue;
-                legend_fused_put_pair(&out[(u64)j * dim + c], c, dim, acc[m][n][2 * h] * unscale,
-                                      acc[m][n][2 * h + 1] * unscale, f.atomic);
-            }
-    }
+        for (int h = 0; h < 2; ++h) {
+            // The lane's two adjacent columns of negative ja (h = 0) or jb.
+            u32 j = h ? jb : ja, c = 8 * n + 2 * t;
+            if (j >= k || c >= dim) continue;
+            legend_fused_put_pair(&out[(u64)j * dim + c], c, dim, acc[n][2 * h] * unscale,
+                                  acc[n][2 * h + 1] * unscale, f.atomic);
+        }
 }
+
+#ifdef LEGEND_WGMMA
+// The warp-specialised persistent rows kernel (Hopper; see the top of the file).
+// LEGEND_WS_THREADS: the producer warpgroup (its first thread issues every copy) and two
+// consumer warpgroups. A work item is 128 rows of a job: consumer warpgroup w owns rows
+// 64w.. of it, the producer walks the same items in the same order.
+#define LEGEND_WS_THREADS 384
+// Negatives a walked tile (two 64-row tiles of the FP16 negatives), and its stages.
+#define LEGEND_WS_TILE 128
+#define LEGEND_WS_STAGES 3
+// Registers a thread after setmaxnreg: 128 x 24 + 256 x 240 fit the 64 K of a multiprocessor.
+#define LEGEND_WS_PRODUCER_REGS 24
+#define LEGEND_WS_CONSUMER_REGS 240
+
+// Dynamic shared memory of the kernel for rows of KS k16 steps and width 8·DK, in bytes
+// (legend-cuda's fused_rows_smem computes the same total): the stages of negatives, the
+// block's 128 FP16 queries, each consumer's 64 FP32 queries as the bulk copy brings them
+// (from the 16-byte boundary below their first float: 16 bytes more at each end), then the
+// mbarriers.
+template <int DK, int KS>
+struct LegendWsSmem {
+    static constexpr u32 ROW = 32 * KS;
+    static constexpr u32 STAGE = LEGEND_WS_TILE * ROW;
+    static constexpr u32 QHALF = LEGEND_WS_STAGES * STAGE;
+    static constexpr u32 QF32 = QHALF + LEGEND_FUSED_BLOCK_ROWS * ROW;
+    static constexpr u32 QF32_WG = 64 * 32 * DK + 32;
+    static constexpr u32 BARS = QF32 + 2 * QF32_WG;
+    // full[stage], empty[stage], queries full[2], queries empty[2]
+    static constexpr u32 TOTAL = BARS + 8 * (2 * LEGEND_WS_STAGES + 4);
+};
+
+template <int DK, int KS>
+__device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
+    extern __shared__ __align__(128) unsigned char legend_ws_smem[];
+    using L = LegendWsSmem<DK, KS>;
+    using H = LegendHalfRows<KS>;
+    constexpr u32 ST = LEGEND_WS_STAGES, NT = LEGEND_WS_TILE;
+    u32 smem = (u32)__cvta_generic_to_shared(legend_ws_smem);
+    u32 full = smem + L::BARS, empty = full + 8 * ST, q_full = empty + 8 * ST,
+        q_empty = q_full + 16;
+    u32 dynamic;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic));
+    if (dynamic < L::TOTAL) __trap();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (u32 s = 0; s < ST; ++s) {
+            legend_mbar_init(full + 8 * s, 1);
+            legend_mbar_init(empty + 8 * s, 8);  // a consumer warp each
+        }
+        for (u32 w = 0; w < 2; ++w) {
+            legend_mbar_init(q_full + 8 * w, 1);
+            legend_mbar_init(q_empty + 8 * w, 4);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    u32 k = f.k, dim = f.dim, k_pad = legend_fused_k_pad(k), rows_pad = legend_fused_rows_pad(f);
+    u32 tiles = k_pad / NT, per_job = rows_pad / LEGEND_FUSED_BLOCK_ROWS;
+    u32 items = f.jobs * per_job;
+
+    if (warp < 4) {
+        // The producer: every copy of the walk, in the consumers' order.
+        legend_setmaxnreg_dec<LEGEND_WS_PRODUCER_REGS>();
+        if (threadIdx.x != 0) return;
+        u32 n = 0, done = 0;
+        for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
+            u32 z = item / per_job, r_block = item % per_job * LEGEND_FUSED_BLOCK_ROWS;
+            u32 nrows = f.rows[z];
+            if (r_block >= nrows) continue;
+            for (u32 w = 0; w < 2; ++w) {
+                if (done > 0) legend_mbar_wait(q_empty + 8 * w, (done - 1) & 1);
+                u32 r = r_block + 64 * w;
+                u32 valid = nrows > r ? min(nrows - r, 64u) : 0u;
+                u64 from = (u64)(f.query + ((u64)z * f.max_rows + r) * dim);
+                u64 lo = from & ~15ull, hi = (from + 4ull * valid * dim + 15) & ~15ull;
+                u32 bytes = valid ? (u32)(hi - lo) : 0u;
+                legend_mbar_expect(q_full + 8 * w, bytes);
+                if (bytes)
+                    legend_bulk_load(smem + L::QF32 + w * L::QF32_WG,
+                                     reinterpret_cast<const void*>(lo), bytes, q_full + 8 * w);
+            }
+            for (u32 it = 0; it < tiles; ++it, ++n) {
+                u32 s = n % ST;
+                if (n >= ST) legend_mbar_wait(empty + 8 * s, (n / ST + 1) & 1);
+                legend_mbar_expect(full + 8 * s, L::STAGE);
+                legend_bulk_load(smem + s * L::STAGE,
+                                 f.negs + legend_fused_tile_word(z, k_pad / LEGEND_FUSED_TILE,
+                                                                 2 * it, f.dim_pad),
+                                 L::STAGE, full + 8 * s);
+            }
+            ++done;
+        }
+        return;
+    }
+
+    legend_setmaxnreg_inc<LEGEND_WS_CONSUMER_REGS>();
+    int wg = (warp >> 2) - 1, w4 = warp & 3, g = lane >> 2, t = lane & 3;
+    u32 tid = threadIdx.x - 128 * (wg + 1);
+    u32 sq = smem + L::QHALF;
+    const float* staged = reinterpret_cast<const float*>(legend_ws_smem + L::QF32 + wg * L::QF32_WG);
+    float loss = 0.0f;
+    u32 n = 0, done = 0;
+    for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
+        u32 z = item / per_job, r_block = item % per_job * LEGEND_FUSED_BLOCK_ROWS;
+        u32 nrows = f.rows[z];
+        if (r_block >= nrows) continue;
+        u64 base = (u64)z * f.max_rows;
+        float q_scale = legend_fp16_scale(f.absmax[2 * z]);
+        float n_scale = legend_fp16_scale(f.absmax[2 * z + 1]);
+        float s_unscale = 1.0f / (q_scale * n_scale);
+        u32 r_wg = r_block + 64 * wg;
+        u32 valid = nrows > r_wg ? min(nrows - r_wg, 64u) : 0u;
+        // The copy began at the 16-byte boundary below the first float.
+        u32 skip = (u32)((u64)(f.query + (base + r_wg) * dim) & 15) / 4;
+        // The warpgroup's queries, scaled and converted into its half of the block's FP16
+        // tile (zeros past the job's rows and past dim), and into the FP16 copy the
+        // negatives kernel reads (the same layout, one 64-row tile).
+        legend_mbar_wait(q_full + 8 * wg, done & 1);
+        u32* qh = f.query_half + legend_fused_tile_word(z, rows_pad / LEGEND_FUSED_TILE,
+                                                        r_wg / LEGEND_FUSED_TILE, f.dim_pad);
+        for (u32 e = tid; e < 64 * H::CHUNKS; e += 128) {
+            u32 i = e / H::CHUNKS, c = e % H::CHUNKS;
+            float x[8];
+#pragma unroll
+            for (int v = 0; v < 8; ++v) {
+                u32 col = 8 * c + v;
+                x[v] = i < valid && col < dim ? staged[skip + i * dim + col] * q_scale : 0.0f;
+            }
+            uint4 h = make_uint4(legend_half2(x[0], x[1]), legend_half2(x[2], x[3]),
+                                 legend_half2(x[4], x[5]), legend_half2(x[6], x[7]));
+            *reinterpret_cast<uint4*>(legend_ws_smem + L::QHALF + H::at(64 * wg + i, c)) = h;
+            *reinterpret_cast<uint4*>(qh + H::at(i, c) / 4) = h;
+        }
+        __syncwarp();
+        if (lane == 0) legend_mbar_arrive(q_empty + 8 * wg);
+        legend_fused_publish();
+        legend_bar_sync(1 + wg, 128);
+
+        // Rows a = r_wg + 16·w4 + g and b = a + 8.
+        u32 ra = r_wg + 16 * w4 + g;
+        bool va = ra < nrows, vb = ra + 8 < nrows;
+        LegendRowLoss st = legend_row_loss(f, base + ra, va, vb, t);
+        float acc[DK][4];
+#pragma unroll
+        for (int c = 0; c < DK; ++c)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[c][q] = 0.0f;
+        u32 sa = sq + H::at(64 * wg, 0);
+        u32* g_out = legend_fused_g_block(f, z, (r_wg + 16 * w4) / 16, 0) + lane;
+        u64 g_column = legend_fused_g_block(f, z, 0, 8) - legend_fused_g_block(f, z, 0, 0);
+        float s[NT / 8][4];
+        u32 ga[NT / 16][4];
+        // S of the tile in `stage` into s, issued (the accumulators and G's fragments
+        // fenced first: the products that follow read them).
+        auto scores = [&](u32 stage) {
+            u32 sb = smem + stage * L::STAGE;
+            legend_wgmma_pin<NT / 2>(&s[0][0]);
+            legend_wgmma_pin_u32<NT / 4>(&ga[0][0]);
+            legend_wgmma_fence<4 * DK>(&acc[0][0]);
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk)
+                legend_wgmma_ss_n128(&s[0][0],
+                                     legend_wgmma_desc(sa + 256 * kk, 128, H::CHUNKS * 128),
+                                     legend_wgmma_desc(sb + 256 * kk, 128, H::CHUNKS * 128),
+                                     kk);
+            legend_wgmma_commit();
+        };
+        // Tile it's S through the loss (and for softmax the running maxima its G is
+        // relative to: one lane a tile and row, the same lane turns them into factors at
+        // the end); sca and scb rescale the accumulators.
+        float sca, scb;
+        auto loss_tile = [&](u32 it) {
+            legend_fused_loss_tile<NT / 8>(f, s, st, s_unscale, it * NT + 2 * t,
+                                           (it + 1) * NT > k, sca, scb);
+            if (f.loss == LEGEND_LOSS_SOFTMAX && t == (it & 3)) {
+                float* c = legend_fused_corr(f, z, 2 * it) + ra;
+                c[0] = st.ma;
+                c[8] = st.mb;
+            }
+        };
+        // Tile it's G into the fragments ga (once the product that read them is done),
+        // and out to device memory.
+        auto to_g = [&](u32 it) {
+            legend_fused_g_fragments<NT / 8>(s, ga);
+            u32* out = g_out + it * g_column;
+#pragma unroll
+            for (int jj = 0; jj < NT / 16; ++jj)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    legend_store_streaming(out + 128 * jj + 32 * r, ga[jj][r]);
+        };
+        u32 prev = n % ST;
+        legend_mbar_wait(full + 8 * prev, (n / ST) & 1);
+        scores(prev);
+        legend_wgmma_wait<NT / 2>(&s[0][0]);
+        loss_tile(0);
+        to_g(0);
+        ++n;
+        // Tile it's S is computed while tile it - 1's dQ product runs, and its loss while
+        // that product still runs; then the accumulators are rescaled and G converted.
+        for (u32 it = 1; it < tiles; ++it, ++n) {
+            u32 stage = n % ST;
+            legend_mbar_wait(full + 8 * stage, (n / ST) & 1);
+            scores(stage);
+            legend_fused_accumulate<DK, KS, NT / 16>(ga, smem + prev * L::STAGE, lane, acc);
+            legend_wgmma_wait<NT / 2, 1>(&s[0][0]);
+            loss_tile(it);
+            legend_wgmma_wait<4 * DK>(&acc[0][0]);
+            legend_wgmma_pin_u32<NT / 4>(&ga[0][0]);
+            __syncwarp();
+            if (lane == 0) legend_mbar_arrive(empty + 8 * prev);
+            legend_fused_rescale<DK>(acc, sca, scb);
+            to_g(it);
+            prev = stage;
+        }
+        legend_wgmma_pin_u32<NT / 4>(&ga[0][0]);
+        legend_wgmma_fence<4 * DK>(&acc[0][0]);
+        legend_fused_accumulate<DK, KS, NT / 16>(ga, smem + prev * L::STAGE, lane, acc);
+        legend_wgmma_wait<4 * DK>(&acc[0][0]);
+        __syncwarp();
+        if (lane == 0) legend_mbar_arrive(empty + 8 * prev);
+        legend_fused_rows_finish<DK>(f, z, base + ra, ra, va, vb, st, acc, n_scale, tiles, 2, t,
+                                     loss);
+        ++done;
+    }
+    legend_fused_add_loss(f, loss);
+}
+#endif
 
 // The fused kernels' helpers, in the program of the other kernels (LEGEND_FUSED_WIDTH 0).
 #if LEGEND_FUSED_WIDTH == 0
@@ -895,36 +1218,53 @@ extern "C" __global__ void legend_fused_absmax(const u32* __restrict__ negs, u32
     if (lane == 0) atomicMax(&absmax[2 * z + 1], __float_as_uint(largest));
 }
 
-// The negatives of jobs first_job.. in FP16, dim_pad halves a row (zeros past dim), scaled
-// by their job's power of two: the fused kernels' operand, read many times, so converted
-// once here.
+// The negatives of jobs first_job.. in FP16, scaled by their job's power of two, in the
+// tiled layout (64-row tiles of LegendHalfRows, dim_pad halves a row): zeros past dim and
+// from k to the padded k. The fused kernels' operand, read many times, so converted once
+// here. A thread a pair of values.
 extern "C" __global__ void legend_gather_negatives_half(const u32* __restrict__ negs,
                                                         u32 first_job, u32 k, u32 dim,
                                                         u32 dim_pad,
                                                         const float* __restrict__ emb,
                                                         const u32* __restrict__ absmax,
                                                         u32* __restrict__ out) {
-    u32 z = blockIdx.y, pairs = dim_pad / 2;
-    float scale = legend_fp16_scale(absmax[2 * z + 1]);
+    u32 z = blockIdx.y, pairs = dim_pad / 2, k_pad = legend_fused_k_pad(k);
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (u64)k * pairs) return;
-    u64 j = idx / pairs;
-    u32 c = 2 * (u32)(idx % pairs);
-    const float* row = emb + (u64)negs[(u64)(first_job + z) * k + j] * dim;
-    out[(u64)z * k * pairs + idx] =
-        legend_half2(c < dim ? row[c] * scale : 0.0f, c + 1 < dim ? row[c + 1] * scale : 0.0f);
+    if (idx >= (u64)k_pad * pairs) return;
+    u32 j = (u32)(idx / pairs), c = 2 * (u32)(idx % pairs);
+    float lo = 0.0f, hi = 0.0f;
+    if (j < k) {
+        float scale = legend_fp16_scale(absmax[2 * z + 1]);
+        const float* row = emb + (u64)negs[(u64)(first_job + z) * k + j] * dim;
+        lo = c < dim ? row[c] * scale : 0.0f;
+        hi = c + 1 < dim ? row[c + 1] * scale : 0.0f;
+    }
+    u32 word = legend_half_rows_at(j % LEGEND_FUSED_TILE, c / 8, dim_pad / 8) / 4 + c % 8 / 2;
+    out[legend_fused_tile_word(z, k_pad / LEGEND_FUSED_TILE, j / LEGEND_FUSED_TILE, dim_pad) +
+        word] = legend_half2(lo, hi);
 }
 #endif
 
 // One pair of kernels per padded width 8·DK: 32, 64, 104 (d = 100) and 128, written out so
 // that each entry point can be found by its name. Each width is a program of its own
 // (LEGEND_FUSED_WIDTH, set by legend-cuda's nvrtc.rs), compiled in parallel with the others;
-// the program of the other kernels (LEGEND_FUSED_WIDTH 0) holds none of them.
-#define LEGEND_FUSED_PAIR(W, DK, KS)                                                          \
+// the program of the other kernels (LEGEND_FUSED_WIDTH 0) holds none of them. On Hopper the
+// rows kernel is the warp-specialised one (one block of LEGEND_WS_THREADS a multiprocessor).
+#ifdef LEGEND_WGMMA
+#define LEGEND_FUSED_ROWS(W, DK, KS)                                                          \
+    extern "C" __global__ void __launch_bounds__(LEGEND_WS_THREADS, 1)                       \
+        legend_fused_rows_d##W(LegendFused f) {                                               \
+        legend_fused_rows_ws<DK, KS>(f);                                                      \
+    }
+#else
+#define LEGEND_FUSED_ROWS(W, DK, KS)                                                          \
     extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2)                 \
         legend_fused_rows_d##W(LegendFused f) {                                               \
         legend_fused_rows_body<DK, KS>(f);                                                    \
-    }                                                                                         \
+    }
+#endif
+#define LEGEND_FUSED_PAIR(W, DK, KS)                                                          \
+    LEGEND_FUSED_ROWS(W, DK, KS)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2)                 \
         legend_fused_negatives_d##W(LegendFused f) {                                          \
         legend_fused_negatives_body<DK, KS>(f);                                               \

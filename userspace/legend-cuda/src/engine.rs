@@ -26,8 +26,8 @@ use legend_model::{
 
 use crate::error::DriverContext;
 use crate::gpu::{
-    FUSED_BLOCK_ROWS, FUSED_THREADS, FUSED_TILE, GEMM_SMEM, fused_dim_pad, fused_k_pad,
-    fused_negatives_smem, fused_rows_smem, grid_1d,
+    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_THREADS, FUSED_TILE, GEMM_SMEM, RowsKernel,
+    fused_dim_pad, fused_k_pad, fused_negatives_smem, fused_rows_pad, grid_1d,
 };
 use crate::{Gpu, GpuError, RowSpan};
 
@@ -111,6 +111,7 @@ struct FusedArgs {
     rows: u64,
     absmax: u64,
     loss_sum: u64,
+    jobs: u32,
     max_rows: u32,
     k: u32,
     dim: u32,
@@ -121,8 +122,8 @@ struct FusedArgs {
     atomic: i32,
 }
 
-// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (twelve pointers, then eight
-// 4-byte fields: no padding).
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (twelve pointers, then nine
+// 4-byte fields: no padding inside; the kernel's struct ends padded to 8 bytes as this one).
 unsafe impl DeviceRepr for FusedArgs {}
 
 /// Blocks the fused negatives kernel aims at (about eight per multiprocessor of an H100, so
@@ -495,9 +496,10 @@ pub struct GpuBatchEngine {
     /// score matrices then stay on chip and `scores` is not used.
     fused: Option<usize>,
     /// Fused path: the negatives and the queries in FP16 (pairs of values, `dim_pad` values
-    /// a row); G of each row and negative (FP16 pairs in blocks of 16 × 16, rows padded to
-    /// 16 and negatives to `fused_k_pad(k)`) and the softmax factors of each row and
-    /// 64-negative tile (`LegendFused`'s `g` and `corr`).
+    /// a row, in tiles of 64 rows; negatives padded to `fused_k_pad(k)`, rows to
+    /// `fused_rows_pad`); G of each row and negative (FP16 pairs in blocks of 16 × 16) and
+    /// the softmax factors of each row and 64-negative tile (`LegendFused` in
+    /// `kernels/fused.cu` has the layouts).
     neg_half: CudaSlice<u32>,
     query_half: CudaSlice<u32>,
     g: CudaSlice<u32>,
@@ -581,14 +583,15 @@ impl GpuBatchEngine {
         };
         // Unfused: one score matrix and the FP32 negatives per job of a group; fused: the
         // FP16 operands.
-        let (score_len, neg_len, half_len, k_pad) = match fused {
+        let (score_len, neg_len, half_len, k_pad, rows_pad) = match fused {
             Some(i) => (
                 1,
                 1,
                 fused_dim_pad(gpu.kernels.fused[i].width) / 2,
                 fused_k_pad(k),
+                fused_rows_pad(max_rows),
             ),
-            None => (group * max_rows * k, group * k * d, 0, 0),
+            None => (group * max_rows * k, group * k * d, 0, 0, 0),
         };
         let mut prefix = Vec::with_capacity(degrees.len() + 1);
         prefix.push(0u64);
@@ -615,15 +618,16 @@ impl GpuBatchEngine {
             batch_len: 0,
             chunks: 0,
             negs: gpu.zeros(lists * k)?,
-            query: gpu.zeros(group * max_rows * d)?,
+            // Four floats more: the warp-specialised rows kernel copies whole 16-byte pieces.
+            query: gpu.zeros(group * max_rows * d + 4)?,
             pos: gpu.zeros(group * max_rows)?,
             grad_pos: gpu.zeros(group * max_rows)?,
             neg_rows: gpu.zeros(neg_len)?,
             fused,
-            neg_half: gpu.zeros((group * k * half_len).max(1))?,
-            query_half: gpu.zeros((group * max_rows * half_len).max(1))?,
-            g: gpu.zeros((group * max_rows.next_multiple_of(16) * k_pad / 2).max(1))?,
-            corr: gpu.zeros((group * max_rows * k_pad / FUSED_TILE).max(1))?,
+            neg_half: gpu.zeros((group * k_pad * half_len).max(1))?,
+            query_half: gpu.zeros((group * rows_pad * half_len).max(1))?,
+            g: gpu.zeros((group * rows_pad * k_pad / 2).max(1))?,
+            corr: gpu.zeros((group * rows_pad * k_pad / FUSED_TILE).max(1))?,
             absmax: gpu.zeros(2 * group)?,
             scores: gpu.zeros(score_len)?,
             grad_query: gpu.zeros(group * max_rows * d)?,
@@ -1269,17 +1273,17 @@ impl GpuBatchEngine {
             .arg(&self.absmax)
             .arg(&mut self.neg_half);
         let cfg = LaunchConfig {
-            grid_dim: (blocks(k * dim_pad / 2, 256), gz, 1),
+            grid_dim: (blocks(fused_k_pad(k) * dim_pad / 2, 256), gz, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_half holds group × k
-        // rows of dim_pad / 2 pairs.
+        // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_half holds group ×
+        // fused_k_pad(k) rows of dim_pad / 2 pairs.
         unsafe { b.launch(cfg) }.during("launching legend_gather_negatives_half")?;
         self.mark(gpu, "gather_negatives")?;
         // Row ranges per job for the negatives kernel, so that enough blocks run; ranges
         // are whole tiles and add up atomically into a cleared buffer.
-        let negative_blocks = k.div_ceil(FUSED_BLOCK_ROWS) * gz as usize;
+        let negative_blocks = k.div_ceil(FUSED_NEG_BLOCK) * gz as usize;
         let ranges = FUSED_BLOCKS
             .div_ceil(negative_blocks)
             .clamp(1, max_rows.div_ceil(FUSED_TILE));
@@ -1298,6 +1302,7 @@ impl GpuBatchEngine {
             rows,
             absmax: gpu.ptr(&self.absmax),
             loss_sum: gpu.ptr(&self.loss_sum),
+            jobs: gz,
             max_rows: mr32,
             k: k32,
             dim: d32,
@@ -1309,16 +1314,26 @@ impl GpuBatchEngine {
         };
         let mut b = gpu.stream().launch_builder(&kernels.rows);
         b.arg(&args);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks(max_rows, FUSED_BLOCK_ROWS), gz, 1),
-            block_dim: (FUSED_THREADS, 1, 1),
-            shared_mem_bytes: fused_rows_smem(kernels.width),
+        let row_blocks = blocks(max_rows, FUSED_BLOCK_ROWS);
+        let grid_dim = match kernels.rows_kernel {
+            // Persistent: a block a multiprocessor walks the group's blocks of rows.
+            RowsKernel::WarpSpecialised => {
+                ((row_blocks * gz).min(gpu.multiprocessors() as u32), 1, 1)
+            }
+            RowsKernel::MmaSync => (row_blocks, gz, 1),
         };
-        // SAFETY: query/pos hold the group's rows (written by legend_queries), neg_half its
-        // k negatives; query_half, grad_query, grad_pos and corr hold group × max_rows rows
-        // (g the rows rounded up to 16), and the kernel touches rows below rows[z] only (g:
-        // the 16-row blocks they begin). The FP16 buffers are allocations of their own
-        // (16-byte aligned), query_half with rows of dim_pad values (32-byte multiples).
+        let cfg = LaunchConfig {
+            grid_dim,
+            block_dim: (kernels.rows_kernel.threads(), 1, 1),
+            shared_mem_bytes: kernels.rows_kernel.smem(kernels.width),
+        };
+        // SAFETY: query/pos hold the group's rows (written by legend_queries; query with 16
+        // bytes to spare for the warp-specialised kernel's whole-piece copies), neg_half its
+        // fused_k_pad(k) negatives; query_half, g and corr hold group × fused_rows_pad rows
+        // (of dim_pad halves, fused_k_pad(k) values, and fused_k_pad(k) / 64 factors), the
+        // kernel writes them for whole blocks of rows and reads and writes the other
+        // buffers at rows below rows[z] only. The FP16 buffers are allocations of their own
+        // (16-byte aligned), with rows of dim_pad values (32-byte multiples).
         unsafe { b.launch(cfg) }.during("launching the fused rows kernel")?;
         self.mark(gpu, "fused_rows")?;
         if ranges > 1 {
@@ -1327,12 +1342,13 @@ impl GpuBatchEngine {
         let mut b = gpu.stream().launch_builder(&kernels.negatives);
         b.arg(&args);
         let cfg = LaunchConfig {
-            grid_dim: (k.div_ceil(FUSED_BLOCK_ROWS) as u32, ranges as u32, gz),
+            grid_dim: (k.div_ceil(FUSED_NEG_BLOCK) as u32, ranges as u32, gz),
+            block_dim: (FUSED_THREADS, 1, 1),
             shared_mem_bytes: fused_negatives_smem(kernels.width),
-            ..cfg
         };
         // SAFETY: as above; grad_negs holds group × k × d floats, and the rows kernel
-        // queued before has written the G, factors and FP16 queries this one reads.
+        // queued before has written the G, factors and FP16 queries this one reads (whole
+        // 64-row tiles, all inside the blocks of rows the rows kernel ran).
         unsafe { b.launch(cfg) }.during("launching the fused negatives kernel")?;
         self.mark(gpu, "fused_negatives")?;
         Ok(())

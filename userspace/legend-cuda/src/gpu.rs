@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
@@ -42,21 +42,37 @@ pub(crate) struct Kernels {
 pub(crate) struct FusedKernels {
     /// Widest rows (d) the pair handles: its fragments span `width` columns.
     pub(crate) width: usize,
+    /// How the rows kernel runs.
+    pub(crate) rows_kernel: RowsKernel,
     pub(crate) rows: CudaFunction,
     pub(crate) negatives: CudaFunction,
 }
 
-/// Rows of the operand tile the fused kernels walk over (`LEGEND_FUSED_TILE`).
+/// Rows of the tiles of the fused kernels' FP16 operands (`LEGEND_FUSED_TILE`).
 pub(crate) const FUSED_TILE: usize = 64;
 
-/// Shared-memory stages of the walked tile (`LEGEND_FUSED_STAGES`).
+/// Shared-memory stages of the walked tile of the mma.sync kernels (`LEGEND_FUSED_STAGES`).
 const FUSED_STAGES: usize = 3;
 
-/// Rows (or negatives) a block of the fused kernels owns (`LEGEND_FUSED_BLOCK_ROWS`).
+/// Rows a block of the fused rows kernel owns (`LEGEND_FUSED_BLOCK_ROWS`): the FP16 queries,
+/// G and the softmax factors hold each job's rows rounded up to it.
 pub(crate) const FUSED_BLOCK_ROWS: usize = 128;
 
-/// Threads a block of the fused kernels (32 × `LEGEND_FUSED_WARPS`).
+/// Negatives a block of the fused negatives kernel owns (`LEGEND_FUSED_NEG_BLOCK`).
+pub(crate) const FUSED_NEG_BLOCK: usize = 128;
+
+/// Threads a block of the mma.sync fused kernels and of the negatives kernel (32 ×
+/// `LEGEND_FUSED_WARPS`).
 pub(crate) const FUSED_THREADS: u32 = 256;
+
+/// Threads a block of the warp-specialised rows kernel (`LEGEND_WS_THREADS`): a producer
+/// warpgroup and two consumers.
+const FUSED_WS_THREADS: u32 = 384;
+
+/// Negatives a tile and stages of the warp-specialised rows kernel (`LEGEND_WS_TILE`,
+/// `LEGEND_WS_STAGES`).
+const FUSED_WS_TILE: usize = 128;
+const FUSED_WS_STAGES: usize = 3;
 
 /// FP16 values a row of the fused kernels' operands of width `width` holds: the width
 /// rounded up to the 16 of an mma's k step (the `dim_pad` of `LegendFused`).
@@ -64,20 +80,59 @@ pub(crate) fn fused_dim_pad(width: usize) -> usize {
     width.div_ceil(16) * 16
 }
 
-/// Dynamic shared memory of the fused rows kernel of width `width`: the block's own 128
-/// rows and the stages of the walked 64-row tile, `fused_dim_pad(width)` FP16 values a row
-/// (`LegendHalfRows`).
-pub(crate) fn fused_rows_smem(width: usize) -> u32 {
-    ((FUSED_BLOCK_ROWS + FUSED_STAGES * FUSED_TILE) * fused_dim_pad(width) * 2) as u32
-}
-
 /// Dynamic shared memory of the fused negatives kernel of width `width`, stages of: G for
 /// 64 rows by the block's 128 negatives (FP16), the 64 rows' queries (as in the rows
 /// kernel) and their softmax factors for the block's two 64-negative tiles.
 pub(crate) fn fused_negatives_smem(width: usize) -> u32 {
     (FUSED_STAGES
-        * (FUSED_TILE * (FUSED_BLOCK_ROWS * 2 + fused_dim_pad(width) * 2) + FUSED_BLOCK_ROWS * 4))
+        * (FUSED_TILE * (FUSED_NEG_BLOCK * 2 + fused_dim_pad(width) * 2) + FUSED_NEG_BLOCK * 4))
         as u32
+}
+
+/// How the fused rows kernel of a program runs: warp-specialised and persistent on Hopper
+/// (`sm_90a`, one block a multiprocessor), else eight mma.sync warps a block of 128 rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RowsKernel {
+    WarpSpecialised,
+    MmaSync,
+}
+
+impl RowsKernel {
+    /// The rows kernel compiled for `arch` (`LEGEND_WGMMA` in `kernels/fused.cu`: Hopper's
+    /// arch-specific target only).
+    fn for_arch(arch: &str) -> RowsKernel {
+        if arch == "sm_90a" {
+            RowsKernel::WarpSpecialised
+        } else {
+            RowsKernel::MmaSync
+        }
+    }
+
+    /// Threads a block.
+    pub(crate) fn threads(self) -> u32 {
+        match self {
+            RowsKernel::WarpSpecialised => FUSED_WS_THREADS,
+            RowsKernel::MmaSync => FUSED_THREADS,
+        }
+    }
+
+    /// Dynamic shared memory of the kernel of width `width`: the block's 128 FP16 queries
+    /// and the stages of the walked tile, `fused_dim_pad(width)` FP16 values a row
+    /// (`LegendHalfRows`); the warp-specialised kernel also stages each consumer's 64 FP32
+    /// queries (with 16 bytes to spare at each end) and keeps its mbarriers
+    /// (`LegendWsSmem`).
+    pub(crate) fn smem(self, width: usize) -> u32 {
+        let row = fused_dim_pad(width) * 2;
+        let bytes = match self {
+            RowsKernel::WarpSpecialised => {
+                (FUSED_WS_STAGES * FUSED_WS_TILE + FUSED_BLOCK_ROWS) * row
+                    + 2 * (64 * 4 * width + 32)
+                    + 8 * (2 * FUSED_WS_STAGES + 4)
+            }
+            RowsKernel::MmaSync => (FUSED_BLOCK_ROWS + FUSED_STAGES * FUSED_TILE) * row,
+        };
+        bytes as u32
+    }
 }
 
 /// The NVRTC target for a device of compute capability `major.minor`: Hopper (9.0) gets
@@ -93,9 +148,16 @@ fn kernel_arch(major: i32, minor: i32) -> String {
     }
 }
 
-/// Negatives the fused kernels' G holds for `k`: whole walked tiles (`legend_fused_k_pad`).
+/// Negatives the fused kernels' G, factors and FP16 negatives hold for `k`: whole blocks of
+/// the negatives kernel (`legend_fused_k_pad`).
 pub(crate) fn fused_k_pad(k: usize) -> usize {
-    k.div_ceil(FUSED_TILE) * FUSED_TILE
+    k.div_ceil(FUSED_NEG_BLOCK) * FUSED_NEG_BLOCK
+}
+
+/// Rows the fused kernels' FP16 queries, G and factors hold for a job of `rows` rows: whole
+/// blocks of the rows kernel (`legend_fused_rows_pad`).
+pub(crate) fn fused_rows_pad(rows: usize) -> usize {
+    rows.div_ceil(FUSED_BLOCK_ROWS) * FUSED_BLOCK_ROWS
 }
 
 /// Dynamic shared memory of the product kernels: `LEGEND_STAGES` (4) stages of a 128-row A
@@ -109,6 +171,7 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     name: String,
     arch: String,
+    multiprocessors: usize,
     pub(crate) kernels: Kernels,
 }
 
@@ -146,6 +209,10 @@ impl Gpu {
             .during("reading the compute capability")?;
         let arch = kernel_arch(major, minor);
         let name = ctx.name().during("reading the device name")?;
+        let multiprocessors = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .during("reading the multiprocessor count")?
+            .max(1) as usize;
         let modules = nvrtc::cached_programs(&arch)?
             .into_iter()
             .zip(&nvrtc::PROGRAMS)
@@ -192,6 +259,7 @@ impl Gpu {
                     let width = p.fused_width as usize;
                     Ok(FusedKernels {
                         width,
+                        rows_kernel: RowsKernel::for_arch(&arch),
                         rows: f(&format!("legend_fused_rows_d{width}"))?,
                         negatives: f(&format!("legend_fused_negatives_d{width}"))?,
                     })
@@ -207,7 +275,7 @@ impl Gpu {
         }
         for k in &kernels.fused {
             for (f, smem) in [
-                (&k.rows, fused_rows_smem(k.width)),
+                (&k.rows, k.rows_kernel.smem(k.width)),
                 (&k.negatives, fused_negatives_smem(k.width)),
             ] {
                 f.set_attribute(
@@ -222,6 +290,7 @@ impl Gpu {
             stream,
             name,
             arch,
+            multiprocessors,
             kernels,
         })
     }
@@ -234,6 +303,11 @@ impl Gpu {
     /// The architecture the kernels were compiled for (`sm_90a` on an H100).
     pub fn arch(&self) -> &str {
         &self.arch
+    }
+
+    /// The device's multiprocessors (the persistent kernels run one block on each).
+    pub(crate) fn multiprocessors(&self) -> usize {
+        self.multiprocessors
     }
 
     /// The context.

@@ -1,7 +1,8 @@
 //! Compiles every Legend kernel with NVRTC for each architecture named on the command line
 //! (default: sm_80, sm_90 and sm_90a) and fails on any error or warning. With `--resources`, also
-//! prints each kernel's registers and spills as ptxas reports them. Needs `libnvrtc.so.13`
-//! on the library path, no GPU and no driver.
+//! prints each kernel's registers and spills as ptxas reports them; with `--ptx DIR`, writes
+//! each program's PTX to `DIR/<program>.<arch>.ptx` (ptxas's notes name lines of it). Needs
+//! `libnvrtc.so.13` on the library path, no GPU and no driver.
 
 use std::process::ExitCode;
 
@@ -23,6 +24,18 @@ fn main() -> ExitCode {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let resources = args.iter().any(|a| a == "--resources");
     args.retain(|a| a != "--resources");
+    let ptx_dir = args
+        .iter()
+        .position(|a| a == "--ptx")
+        .map(|i| args.drain(i..(i + 2).min(args.len())).nth(1));
+    let ptx_dir = match ptx_dir {
+        Some(Some(dir)) => Some(std::path::PathBuf::from(dir)),
+        Some(None) => {
+            eprintln!("legend-nvrtc-check: --ptx needs a folder");
+            return ExitCode::FAILURE;
+        }
+        None => None,
+    };
     let archs = if args.is_empty() {
         vec!["sm_80".into(), "sm_90".into(), "sm_90a".into()]
     } else {
@@ -46,6 +59,13 @@ fn main() -> ExitCode {
         match nvrtc::compile(arch) {
             Ok(programs) => {
                 for (p, c) in nvrtc::PROGRAMS.iter().zip(&programs) {
+                    if let Some(dir) = &ptx_dir {
+                        let path = dir.join(format!("{}.{arch}.ptx", p.name));
+                        if let Err(e) = std::fs::write(&path, &c.ptx) {
+                            eprintln!("error: writing {}: {e}", path.display());
+                            failed = true;
+                        }
+                    }
                     if !c.log.is_empty() {
                         eprintln!("error: {arch} {}: NVRTC warnings:\n{}", p.name, c.log);
                         failed = true;
