@@ -129,6 +129,19 @@ struct LegendHalfRows {
     }
 };
 
+// Shared memory of the mma.sync rows kernel (the block's 128 FP16 queries and the stages of
+// 64 negatives) and of the negatives kernel (stages of G for 64 rows by 128 negatives, the
+// 64 rows' FP16 queries and their factors for the block's two 64-negative tiles).
+template <int KS>
+struct LegendFusedSmem {
+    static constexpr u32 ROWS = (LEGEND_FUSED_BLOCK_ROWS + LEGEND_FUSED_STAGES * LEGEND_FUSED_TILE) *
+                                LegendHalfRows<KS>::BYTES;
+    static constexpr u32 NEGATIVES =
+        LEGEND_FUSED_STAGES * (LEGEND_FUSED_TILE * LEGEND_FUSED_NEG_BLOCK * 2 +
+                               LEGEND_FUSED_TILE * LegendHalfRows<KS>::BYTES +
+                               LEGEND_FUSED_NEG_BLOCK * 4);
+};
+
 // The first word of 64-row tile t of job z of a tiled FP16 matrix with `tiles` tiles a job
 // and dim_pad halves a row.
 __device__ __forceinline__ u64 legend_fused_tile_word(u32 z, u32 tiles, u32 t, u32 dim_pad) {
@@ -226,6 +239,14 @@ __device__ __forceinline__ void legend_fused_put_pair(float* to, u32 c, u32 dim,
     }
 }
 
+// Stops the kernel (an error the host reports) if it was launched with less dynamic shared
+// memory than it uses: the launch takes the size from legend_fused_launch.
+__device__ __forceinline__ void legend_check_smem(u32 bytes) {
+    u32 dynamic;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic));
+    if (dynamic < bytes) __trap();
+}
+
 // Sums v over the four lanes of a quad (the lanes holding one row of an accumulator).
 __device__ __forceinline__ float legend_quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -265,28 +286,39 @@ __device__ __forceinline__ LegendRowLoss legend_row_loss(const LegendFused& f, u
 // s_unscale) through the loss: s becomes G times LEGEND_FUSED_G_SCALE, and the rows' state
 // moves on. For softmax, sca and scb are the factors by which the accumulators of rows a
 // and b must be rescaled (their running maxima moved); 1 for the other losses. n0 is the
-// negative of the lane's first column; only a `tail` tile can reach past k.
-template <int J>
+// negative of the lane's first column; only a TAIL tile can reach past k (its masks are
+// compiled into that version only: they were a quarter of the softmax's instructions).
+template <int J, bool TAIL>
 __device__ __forceinline__ void legend_fused_loss_tile(const LegendFused& f, float (&s)[J][4],
                                                        LegendRowLoss& r, float s_unscale,
-                                                       u32 n0, bool tail, float& sca,
-                                                       float& scb) {
+                                                       u32 n0, float& sca, float& scb) {
     u32 k = f.k;
     sca = scb = 1.0f;
     if (f.loss == LEGEND_LOSS_SOFTMAX) {
         // On the scores as they come (scaled by a power of two, which keeps their order and
         // makes the unscaled maximum exact): the maximum, then exp with the unscaling and
         // the G scale folded into one FFMA.
-        float xa = __int_as_float(0xff800000), xb = xa;
+        // Maxima and sums in four independent parts a row: one chain of 2J dependent
+        // instructions would stall on each one's latency.
+        constexpr int P = 4;
+        float xa[P], xb[P];
+#pragma unroll
+        for (int p = 0; p < P; ++p) xa[p] = xb[p] = __int_as_float(0xff800000);
 #pragma unroll
         for (int j = 0; j < J; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                if (tail && n0 + 8 * j + (q & 1) >= k) s[j][q] = __int_as_float(0xff800000);
-                if (q < 2) xa = fmaxf(xa, s[j][q]); else xb = fmaxf(xb, s[j][q]);
+                if (TAIL && n0 + 8 * j + (q & 1) >= k) s[j][q] = __int_as_float(0xff800000);
+                float& x = q < 2 ? xa[(2 * j + q) % P] : xb[(2 * j + q) % P];
+                x = fmaxf(x, s[j][q]);
             }
-        float na = fmaxf(r.ma, legend_quad_max(xa) * s_unscale);
-        float nb = fmaxf(r.mb, legend_quad_max(xb) * s_unscale);
+#pragma unroll
+        for (int p = 1; p < P; ++p) {
+            xa[0] = fmaxf(xa[0], xa[p]);
+            xb[0] = fmaxf(xb[0], xb[p]);
+        }
+        float na = fmaxf(r.ma, legend_quad_max(xa[0]) * s_unscale);
+        float nb = fmaxf(r.mb, legend_quad_max(xb[0]) * s_unscale);
         sca = __expf(r.ma - na);
         scb = __expf(r.mb - nb);
         r.ma = na;
@@ -296,13 +328,17 @@ __device__ __forceinline__ void legend_fused_loss_tile(const LegendFused& f, flo
         constexpr float LOG2E = 1.4426950408889634f;
         float u = s_unscale * LOG2E;
         float ba = LEGEND_FUSED_G_LOG2 - na * LOG2E, bb = LEGEND_FUSED_G_LOG2 - nb * LOG2E;
+        float sa[P] = {}, sb[P] = {};
 #pragma unroll
         for (int j = 0; j < J; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 s[j][q] = legend_exp2(fmaf(s[j][q], u, q < 2 ? ba : bb));
-                if (q < 2) r.la += s[j][q]; else r.lb += s[j][q];
+                float& x = q < 2 ? sa[(2 * j + q) % P] : sb[(2 * j + q) % P];
+                x += s[j][q];
             }
+        r.la += (sa[0] + sa[1]) + (sa[2] + sa[3]);
+        r.lb += (sb[0] + sb[1]) + (sb[2] + sb[3]);
         return;
     }
     float w = 1.0f / (float)k;
@@ -311,7 +347,7 @@ __device__ __forceinline__ void legend_fused_loss_tile(const LegendFused& f, flo
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             float x = s[j][q] * s_unscale;
-            bool ok = !tail || n0 + 8 * j + (q & 1) < k;
+            bool ok = !TAIL || n0 + 8 * j + (q & 1) < k;
             float term, grad;
             if (f.loss == LEGEND_LOSS_LOGISTIC) {
                 float ex = __expf(-fabsf(x));
@@ -333,6 +369,17 @@ __device__ __forceinline__ void legend_fused_loss_tile(const LegendFused& f, flo
                 r.activb += grad;
             }
         }
+}
+
+// The same for the tile of negatives from `first`, with the masks only where it reaches past k.
+template <int J>
+__device__ __forceinline__ void legend_fused_loss(const LegendFused& f, float (&s)[J][4],
+                                                  LegendRowLoss& r, float s_unscale, u32 first,
+                                                  int t, float& sca, float& scb) {
+    if (first + 8 * J > f.k)
+        legend_fused_loss_tile<J, true>(f, s, r, s_unscale, first + 2 * t, sca, scb);
+    else
+        legend_fused_loss_tile<J, false>(f, s, r, s_unscale, first + 2 * t, sca, scb);
 }
 
 // G of a tile of J 8-column blocks (as left in s) as the A fragments of the second product:
@@ -626,6 +673,11 @@ __device__ __forceinline__ void legend_setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 }
 
+// Arrives at named barrier `id` of `threads` threads without waiting.
+__device__ __forceinline__ void legend_bar_arrive(u32 id, u32 threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Waits until the `threads` threads of named barrier `id` have arrived (a warpgroup's
 // own barrier; 0 is __syncthreads').
 __device__ __forceinline__ void legend_bar_sync(u32 id, u32 threads) {
@@ -661,22 +713,21 @@ __device__ __forceinline__ void legend_fused_accumulate(const u32 (&ga)[JJ][4], 
     // K (the walked rows) its core matrices are a row group (CHUNKS · 128 bytes) apart.
     constexpr int N64 = DK / 8, N32 = DK % 8 / 4, N8 = DK % 4;
     float* d = &acc[0][0];
+    // One descriptor, moved by constant byte offsets (in its 16-byte address units).
+    u64 b = legend_wgmma_desc(sb, H::CHUNKS * 128, 128);
 #pragma unroll
     for (int jj = 0; jj < JJ; ++jj) {
-        u32 at = sb + H::at(16 * jj, 0);
+        constexpr u32 ROW_GROUP = H::CHUNKS * 128;
+        u64 at = b + 2 * jj * ROW_GROUP / 16;
 #pragma unroll
-        for (int i = 0; i < N64; ++i)
-            legend_wgmma_rs_n64(d + 32 * i, ga[jj],
-                                legend_wgmma_desc(at + 8 * i * 128, H::CHUNKS * 128, 128));
+        for (int i = 0; i < N64; ++i) legend_wgmma_rs_n64(d + 32 * i, ga[jj], at + 8 * i * 8);
 #pragma unroll
         for (int i = 0; i < N32; ++i)
-            legend_wgmma_rs_n32(d + 32 * N64, ga[jj],
-                                legend_wgmma_desc(at + 8 * N64 * 128, H::CHUNKS * 128, 128));
+            legend_wgmma_rs_n32(d + 32 * N64, ga[jj], at + 8 * N64 * 8);
 #pragma unroll
         for (int i = 0; i < N8; ++i)
             legend_wgmma_rs_n8(d + 32 * N64 + 16 * N32 + 4 * i, ga[jj],
-                               legend_wgmma_desc(at + (8 * N64 + 4 * N32 + i) * 128,
-                                                 H::CHUNKS * 128, 128));
+                               at + (8 * N64 + 4 * N32 + i) * 8);
     }
     legend_wgmma_commit();
 #else
@@ -741,6 +792,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     constexpr int T = LEGEND_FUSED_TILE;
     constexpr int BR = LEGEND_FUSED_BLOCK_ROWS;
     constexpr int ST = LEGEND_FUSED_STAGES;
+    legend_check_smem(LegendFusedSmem<KS>::ROWS);
     u32 z = blockIdx.y;
     u32 nrows = f.rows[z];
     u32 r_block = blockIdx.x * BR;
@@ -824,8 +876,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
         float s[8][4];
         legend_fused_scores<KS>(sa_at, row0, sn, lane, s);
         float sca, scb;
-        legend_fused_loss_tile<8>(f, s, st, s_unscale, it * T + 2 * t, (it + 1) * T > (int)k,
-                                  sca, scb);
+        legend_fused_loss<8>(f, s, st, s_unscale, it * T, t, sca, scb);
         legend_fused_rescale<DK>(acc, sca, scb);
         // The running maxima this tile's G is relative to (one lane a tile and row; the same
         // lane turns them into factors at the end).
@@ -874,6 +925,7 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
     constexpr int T = LEGEND_FUSED_TILE;
     constexpr int BN = LEGEND_FUSED_NEG_BLOCK;
     constexpr int ST = LEGEND_FUSED_STAGES;
+    legend_check_smem(LegendFusedSmem<KS>::NEGATIVES);
     u32 z = blockIdx.z;
     u32 nrows = f.rows[z];
     u32 rbeg = blockIdx.y * f.row_split;
@@ -982,6 +1034,9 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
 // Registers a thread after setmaxnreg: 128 x 24 + 256 x 240 fit the 64 K of a multiprocessor.
 #define LEGEND_WS_PRODUCER_REGS 24
 #define LEGEND_WS_CONSUMER_REGS 240
+#ifndef LEGEND_WS_PINGPONG
+#define LEGEND_WS_PINGPONG 1
+#endif
 
 // Dynamic shared memory of the kernel for rows of KS k16 steps and width 8·DK, in bytes
 // (legend-cuda's fused_rows_smem computes the same total): the stages of negatives, the
@@ -1009,9 +1064,7 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
     u32 smem = (u32)__cvta_generic_to_shared(legend_ws_smem);
     u32 full = smem + L::BARS, empty = full + 8 * ST, q_full = empty + 8 * ST,
         q_empty = q_full + 16;
-    u32 dynamic;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic));
-    if (dynamic < L::TOTAL) __trap();
+    legend_check_smem(L::TOTAL);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (u32 s = 0; s < ST; ++s) {
@@ -1066,6 +1119,7 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
 
     legend_setmaxnreg_inc<LEGEND_WS_CONSUMER_REGS>();
     int wg = (warp >> 2) - 1, w4 = warp & 3, g = lane >> 2, t = lane & 3;
+    if (LEGEND_WS_PINGPONG && wg == 1) legend_bar_arrive(3, 256);
     u32 tid = threadIdx.x - 128 * (wg + 1);
     u32 sq = smem + L::QHALF;
     const float* staged = reinterpret_cast<const float*>(legend_ws_smem + L::QF32 + wg * L::QF32_WG);
@@ -1118,22 +1172,30 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
             for (int q = 0; q < 4; ++q) acc[c][q] = 0.0f;
         u32 sa = sq + H::at(64 * wg, 0);
         u32* g_out = legend_fused_g_block(f, z, (r_wg + 16 * w4) / 16, 0) + lane;
-        u64 g_column = legend_fused_g_block(f, z, 0, 8) - legend_fused_g_block(f, z, 0, 0);
+        u32 g_column = legend_fused_rows_pad(f) / 16 * 8 * 128;
         float s[NT / 8][4];
         u32 ga[NT / 16][4];
         // S of the tile in `stage` into s, issued (the accumulators and G's fragments
         // fenced first: the products that follow read them).
+        u64 qa = legend_wgmma_desc(sa, 128, H::CHUNKS * 128);
+        // Ping-pong (FlashAttention-3): the warpgroups take turns to issue their products
+        // (named barriers 3 and 4), so that one's softmax runs while the other's products
+        // do, instead of both waiting on the tensor cores at once.
+        auto my_turn = [&]() {
+            if (LEGEND_WS_PINGPONG) legend_bar_sync(3 + wg, 256);
+        };
+        auto your_turn = [&]() {
+            if (LEGEND_WS_PINGPONG) legend_bar_arrive(4 - wg, 256);
+        };
         auto scores = [&](u32 stage) {
-            u32 sb = smem + stage * L::STAGE;
+            u64 nb = legend_wgmma_desc(smem + stage * L::STAGE, 128, H::CHUNKS * 128);
             legend_wgmma_pin<NT / 2>(&s[0][0]);
             legend_wgmma_pin_u32<NT / 4>(&ga[0][0]);
             legend_wgmma_fence<4 * DK>(&acc[0][0]);
+            // k16 step kk: 256 bytes on in both (16 in the descriptors' units).
 #pragma unroll
             for (int kk = 0; kk < KS; ++kk)
-                legend_wgmma_ss_n128(&s[0][0],
-                                     legend_wgmma_desc(sa + 256 * kk, 128, H::CHUNKS * 128),
-                                     legend_wgmma_desc(sb + 256 * kk, 128, H::CHUNKS * 128),
-                                     kk);
+                legend_wgmma_ss_n128(&s[0][0], qa + 16 * kk, nb + 16 * kk, kk);
             legend_wgmma_commit();
         };
         // Tile it's S through the loss (and for softmax the running maxima its G is
@@ -1141,39 +1203,42 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
         // the end); sca and scb rescale the accumulators.
         float sca, scb;
         auto loss_tile = [&](u32 it) {
-            legend_fused_loss_tile<NT / 8>(f, s, st, s_unscale, it * NT + 2 * t,
-                                           (it + 1) * NT > k, sca, scb);
+            legend_fused_loss<NT / 8>(f, s, st, s_unscale, it * NT, t, sca, scb);
             if (f.loss == LEGEND_LOSS_SOFTMAX && t == (it & 3)) {
                 float* c = legend_fused_corr(f, z, 2 * it) + ra;
                 c[0] = st.ma;
                 c[8] = st.mb;
             }
         };
-        // Tile it's G into the fragments ga (once the product that read them is done),
-        // and out to device memory.
-        auto to_g = [&](u32 it) {
+        // The tile's G into the fragments ga (once the product that read them is done),
+        // and out to device memory, where the next tile's G follows one column block on.
+        auto to_g = [&]() {
             legend_fused_g_fragments<NT / 8>(s, ga);
-            u32* out = g_out + it * g_column;
 #pragma unroll
             for (int jj = 0; jj < NT / 16; ++jj)
 #pragma unroll
                 for (int r = 0; r < 4; ++r)
-                    legend_store_streaming(out + 128 * jj + 32 * r, ga[jj][r]);
+                    legend_store_streaming(g_out + 128 * jj + 32 * r, ga[jj][r]);
+            g_out += g_column;
         };
         u32 prev = n % ST;
         legend_mbar_wait(full + 8 * prev, (n / ST) & 1);
+        my_turn();
         scores(prev);
+        your_turn();
         legend_wgmma_wait<NT / 2>(&s[0][0]);
         loss_tile(0);
-        to_g(0);
+        to_g();
         ++n;
         // Tile it's S is computed while tile it - 1's dQ product runs, and its loss while
         // that product still runs; then the accumulators are rescaled and G converted.
         for (u32 it = 1; it < tiles; ++it, ++n) {
             u32 stage = n % ST;
             legend_mbar_wait(full + 8 * stage, (n / ST) & 1);
+            my_turn();
             scores(stage);
             legend_fused_accumulate<DK, KS, NT / 16>(ga, smem + prev * L::STAGE, lane, acc);
+            your_turn();
             legend_wgmma_wait<NT / 2, 1>(&s[0][0]);
             loss_tile(it);
             legend_wgmma_wait<4 * DK>(&acc[0][0]);
@@ -1181,12 +1246,14 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
             __syncwarp();
             if (lane == 0) legend_mbar_arrive(empty + 8 * prev);
             legend_fused_rescale<DK>(acc, sca, scb);
-            to_g(it);
+            to_g();
             prev = stage;
         }
         legend_wgmma_pin_u32<NT / 4>(&ga[0][0]);
         legend_wgmma_fence<4 * DK>(&acc[0][0]);
+        my_turn();
         legend_fused_accumulate<DK, KS, NT / 16>(ga, smem + prev * L::STAGE, lane, acc);
+        your_turn();
         legend_wgmma_wait<4 * DK>(&acc[0][0]);
         __syncwarp();
         if (lane == 0) legend_mbar_arrive(empty + 8 * prev);
@@ -1245,6 +1312,26 @@ extern "C" __global__ void legend_gather_negatives_half(const u32* __restrict__ 
 }
 #endif
 
+// How legend-cuda launches a program's pair of fused kernels, read from the module
+// (legend_fused_launch): the rows kernel's threads a block, dynamic shared memory and whether
+// it is persistent (a block a multiprocessor walking all the group's blocks of rows, else a
+// block a 128 rows of a job, the jobs along y), and the negatives kernel's shared memory
+// (256 threads, a block a column block by row range by job). The sizes live here only.
+struct LegendFusedLaunch {
+    u32 rows_threads;
+    u32 rows_smem;
+    u32 rows_persistent;
+    u32 negatives_smem;
+};
+
+#ifdef LEGEND_WGMMA
+#define LEGEND_FUSED_LAUNCH(DK, KS)                                                           \
+    {LEGEND_WS_THREADS, LegendWsSmem<DK, KS>::TOTAL, 1, LegendFusedSmem<KS>::NEGATIVES}
+#else
+#define LEGEND_FUSED_LAUNCH(DK, KS)                                                           \
+    {32 * LEGEND_FUSED_WARPS, LegendFusedSmem<KS>::ROWS, 0, LegendFusedSmem<KS>::NEGATIVES}
+#endif
+
 // One pair of kernels per padded width 8·DK: 32, 64, 104 (d = 100) and 128, written out so
 // that each entry point can be found by its name. Each width is a program of its own
 // (LEGEND_FUSED_WIDTH, set by legend-cuda's nvrtc.rs), compiled in parallel with the others;
@@ -1264,6 +1351,8 @@ extern "C" __global__ void legend_gather_negatives_half(const u32* __restrict__ 
     }
 #endif
 #define LEGEND_FUSED_PAIR(W, DK, KS)                                                          \
+    extern "C" __device__ LegendFusedLaunch legend_fused_launch =                             \
+        LEGEND_FUSED_LAUNCH(DK, KS);                                                          \
     LEGEND_FUSED_ROWS(W, DK, KS)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2)                 \
         legend_fused_negatives_d##W(LegendFused f) {                                          \

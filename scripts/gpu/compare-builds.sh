@@ -2,7 +2,9 @@
 # Times the benchmark batch (batch_bench) of two or more builds in one call on the GPU machine,
 # alternating them (A B A B ...) so that a drift of the machine hits every build alike, and
 # prints the median step and phase times of each. Each argument is a folder made by
-# scripts/gpu/build-binaries.sh (carry them all). LEGEND_BENCH_GROUPS and
+# scripts/gpu/build-binaries.sh (carry them all), or BUILD@KERNELS: that build with the kernel
+# sources of the folder KERNELS (a copy of kernels/, through LEGEND_KERNELS_DIR), to time kernel
+# variants without a Rust toolchain. LEGEND_BENCH_GROUPS and
 # LEGEND_BENCH_DECODERS pass through (default here: group 20, complex and dot); ROUNDS (2)
 # sets the alternations. Logs and JSON lines under ${OUT:-/tmp/legend-compare}.
 set -euo pipefail
@@ -14,10 +16,13 @@ export LEGEND_BENCH_GROUPS=${LEGEND_BENCH_GROUPS:-20}
 export LEGEND_BENCH_DECODERS=${LEGEND_BENCH_DECODERS:-complex,dot}
 [ $# -ge 1 ] || { echo "usage: $0 BUILD_DIR..." >&2; exit 2; }
 for round in $(seq 1 "${ROUNDS:-2}"); do
-    for dir in "$@"; do
-        name=$(basename "$dir")
+    for arg in "$@"; do
+        dir=${arg%@*}
+        kernels=$([ "$arg" != "$dir" ] && echo "${arg#*@}" || true)
+        name=$(basename "$dir")${kernels:+_$(basename "$kernels")}
         echo "== round $round: $name"
-        "$dir/batch_bench" "$out/$name.$round.jsonl" 2>&1 | tee "$out/$name.$round.log" >/dev/null
+        LEGEND_KERNELS_DIR=$kernels "$dir/batch_bench" "$out/$name.$round.jsonl" 2>&1 |
+            tee "$out/$name.$round.log" >/dev/null
     done
 done
 python3 - "$out" "$@" <<'EOF'
@@ -25,7 +30,8 @@ import json, os, statistics, sys
 out, dirs = sys.argv[1], sys.argv[2:]
 rows = {}
 for d in dirs:
-    name = os.path.basename(d.rstrip("/"))
+    build, _, kernels = d.partition("@")
+    name = os.path.basename(build.rstrip("/")) + ("_" + os.path.basename(kernels.rstrip("/")) if kernels else "")
     for f in sorted(os.listdir(out)):
         if f.startswith(name + ".") and f.endswith(".jsonl"):
             for line in open(os.path.join(out, f)):

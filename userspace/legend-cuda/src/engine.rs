@@ -26,8 +26,8 @@ use legend_model::{
 
 use crate::error::DriverContext;
 use crate::gpu::{
-    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_THREADS, FUSED_TILE, GEMM_SMEM, RowsKernel,
-    fused_dim_pad, fused_k_pad, fused_negatives_smem, fused_rows_pad, grid_1d,
+    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_THREADS, FUSED_TILE, GEMM_SMEM, fused_dim_pad,
+    fused_k_pad, fused_rows_pad, grid_1d,
 };
 use crate::{Gpu, GpuError, RowSpan};
 
@@ -1315,17 +1315,17 @@ impl GpuBatchEngine {
         let mut b = gpu.stream().launch_builder(&kernels.rows);
         b.arg(&args);
         let row_blocks = blocks(max_rows, FUSED_BLOCK_ROWS);
-        let grid_dim = match kernels.rows_kernel {
-            // Persistent: a block a multiprocessor walks the group's blocks of rows.
-            RowsKernel::WarpSpecialised => {
-                ((row_blocks * gz).min(gpu.multiprocessors() as u32), 1, 1)
-            }
-            RowsKernel::MmaSync => (row_blocks, gz, 1),
+        let launch = kernels.launch;
+        let grid_dim = if launch.rows_persistent != 0 {
+            // A block a multiprocessor walks the group's blocks of rows.
+            ((row_blocks * gz).min(gpu.multiprocessors() as u32), 1, 1)
+        } else {
+            (row_blocks, gz, 1)
         };
         let cfg = LaunchConfig {
             grid_dim,
-            block_dim: (kernels.rows_kernel.threads(), 1, 1),
-            shared_mem_bytes: kernels.rows_kernel.smem(kernels.width),
+            block_dim: (launch.rows_threads, 1, 1),
+            shared_mem_bytes: launch.rows_smem,
         };
         // SAFETY: query/pos hold the group's rows (written by legend_queries; query with 16
         // bytes to spare for the warp-specialised kernel's whole-piece copies), neg_half its
@@ -1344,7 +1344,7 @@ impl GpuBatchEngine {
         let cfg = LaunchConfig {
             grid_dim: (k.div_ceil(FUSED_NEG_BLOCK) as u32, ranges as u32, gz),
             block_dim: (FUSED_THREADS, 1, 1),
-            shared_mem_bytes: fused_negatives_smem(kernels.width),
+            shared_mem_bytes: launch.negatives_smem,
         };
         // SAFETY: as above; grad_negs holds group × k × d floats, and the rows kernel
         // queued before has written the G, factors and FP16 queries this one reads (whole

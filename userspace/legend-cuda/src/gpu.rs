@@ -42,17 +42,14 @@ pub(crate) struct Kernels {
 pub(crate) struct FusedKernels {
     /// Widest rows (d) the pair handles: its fragments span `width` columns.
     pub(crate) width: usize,
-    /// How the rows kernel runs.
-    pub(crate) rows_kernel: RowsKernel,
+    /// How they are launched.
+    pub(crate) launch: FusedLaunch,
     pub(crate) rows: CudaFunction,
     pub(crate) negatives: CudaFunction,
 }
 
 /// Rows of the tiles of the fused kernels' FP16 operands (`LEGEND_FUSED_TILE`).
 pub(crate) const FUSED_TILE: usize = 64;
-
-/// Shared-memory stages of the walked tile of the mma.sync kernels (`LEGEND_FUSED_STAGES`).
-const FUSED_STAGES: usize = 3;
 
 /// Rows a block of the fused rows kernel owns (`LEGEND_FUSED_BLOCK_ROWS`): the FP16 queries,
 /// G and the softmax factors hold each job's rows rounded up to it.
@@ -61,18 +58,8 @@ pub(crate) const FUSED_BLOCK_ROWS: usize = 128;
 /// Negatives a block of the fused negatives kernel owns (`LEGEND_FUSED_NEG_BLOCK`).
 pub(crate) const FUSED_NEG_BLOCK: usize = 128;
 
-/// Threads a block of the mma.sync fused kernels and of the negatives kernel (32 ×
-/// `LEGEND_FUSED_WARPS`).
+/// Threads a block of the fused negatives kernel (32 × `LEGEND_FUSED_WARPS`).
 pub(crate) const FUSED_THREADS: u32 = 256;
-
-/// Threads a block of the warp-specialised rows kernel (`LEGEND_WS_THREADS`): a producer
-/// warpgroup and two consumers.
-const FUSED_WS_THREADS: u32 = 384;
-
-/// Negatives a tile and stages of the warp-specialised rows kernel (`LEGEND_WS_TILE`,
-/// `LEGEND_WS_STAGES`).
-const FUSED_WS_TILE: usize = 128;
-const FUSED_WS_STAGES: usize = 3;
 
 /// FP16 values a row of the fused kernels' operands of width `width` holds: the width
 /// rounded up to the 16 of an mma's k step (the `dim_pad` of `LegendFused`).
@@ -80,59 +67,20 @@ pub(crate) fn fused_dim_pad(width: usize) -> usize {
     width.div_ceil(16) * 16
 }
 
-/// Dynamic shared memory of the fused negatives kernel of width `width`, stages of: G for
-/// 64 rows by the block's 128 negatives (FP16), the 64 rows' queries (as in the rows
-/// kernel) and their softmax factors for the block's two 64-negative tiles.
-pub(crate) fn fused_negatives_smem(width: usize) -> u32 {
-    (FUSED_STAGES
-        * (FUSED_TILE * (FUSED_NEG_BLOCK * 2 + fused_dim_pad(width) * 2) + FUSED_NEG_BLOCK * 4))
-        as u32
-}
-
-/// How the fused rows kernel of a program runs: warp-specialised and persistent on Hopper
-/// (`sm_90a`, one block a multiprocessor), else eight mma.sync warps a block of 128 rows.
+/// How a program's fused kernels are launched, as the program itself says
+/// (`legend_fused_launch`, a `LegendFusedLaunch` in `kernels/fused.cu`): the kernels' shapes
+/// and shared memory differ by architecture and live with their code only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum RowsKernel {
-    WarpSpecialised,
-    MmaSync,
-}
-
-impl RowsKernel {
-    /// The rows kernel compiled for `arch` (`LEGEND_WGMMA` in `kernels/fused.cu`: Hopper's
-    /// arch-specific target only).
-    fn for_arch(arch: &str) -> RowsKernel {
-        if arch == "sm_90a" {
-            RowsKernel::WarpSpecialised
-        } else {
-            RowsKernel::MmaSync
-        }
-    }
-
-    /// Threads a block.
-    pub(crate) fn threads(self) -> u32 {
-        match self {
-            RowsKernel::WarpSpecialised => FUSED_WS_THREADS,
-            RowsKernel::MmaSync => FUSED_THREADS,
-        }
-    }
-
-    /// Dynamic shared memory of the kernel of width `width`: the block's 128 FP16 queries
-    /// and the stages of the walked tile, `fused_dim_pad(width)` FP16 values a row
-    /// (`LegendHalfRows`); the warp-specialised kernel also stages each consumer's 64 FP32
-    /// queries (with 16 bytes to spare at each end) and keeps its mbarriers
-    /// (`LegendWsSmem`).
-    pub(crate) fn smem(self, width: usize) -> u32 {
-        let row = fused_dim_pad(width) * 2;
-        let bytes = match self {
-            RowsKernel::WarpSpecialised => {
-                (FUSED_WS_STAGES * FUSED_WS_TILE + FUSED_BLOCK_ROWS) * row
-                    + 2 * (64 * 4 * width + 32)
-                    + 8 * (2 * FUSED_WS_STAGES + 4)
-            }
-            RowsKernel::MmaSync => (FUSED_BLOCK_ROWS + FUSED_STAGES * FUSED_TILE) * row,
-        };
-        bytes as u32
-    }
+pub(crate) struct FusedLaunch {
+    /// Threads a block of the rows kernel.
+    pub(crate) rows_threads: u32,
+    /// Dynamic shared memory of the rows kernel.
+    pub(crate) rows_smem: u32,
+    /// Non-zero: the rows kernel is persistent (a block a multiprocessor walks the group's
+    /// blocks of rows); zero: a block a 128 rows of a job, the jobs along y.
+    pub(crate) rows_persistent: u32,
+    /// Dynamic shared memory of the negatives kernel.
+    pub(crate) negatives_smem: u32,
 }
 
 /// The NVRTC target for a device of compute capability `major.minor`: Hopper (9.0) gets
@@ -257,9 +205,13 @@ impl Gpu {
                 .filter(|p| p.fused_width > 0)
                 .map(|p| {
                     let width = p.fused_width as usize;
+                    let (_, module) = modules
+                        .iter()
+                        .find(|(q, _)| std::ptr::eq(*q, p))
+                        .expect("every program has its module");
                     Ok(FusedKernels {
                         width,
-                        rows_kernel: RowsKernel::for_arch(&arch),
+                        launch: read_launch(module, &stream)?,
                         rows: f(&format!("legend_fused_rows_d{width}"))?,
                         negatives: f(&format!("legend_fused_negatives_d{width}"))?,
                     })
@@ -275,8 +227,8 @@ impl Gpu {
         }
         for k in &kernels.fused {
             for (f, smem) in [
-                (&k.rows, k.rows_kernel.smem(k.width)),
-                (&k.negatives, fused_negatives_smem(k.width)),
+                (&k.rows, k.launch.rows_smem),
+                (&k.negatives, k.launch.negatives_smem),
             ] {
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -439,6 +391,33 @@ impl Gpu {
         unsafe { b.launch(grid_1d(n)?) }.during("launching legend_init_rows")?;
         Ok(())
     }
+}
+
+/// A fused program's launch shapes (`legend_fused_launch` in its module).
+fn read_launch(
+    module: &Arc<CudaModule>,
+    stream: &Arc<CudaStream>,
+) -> Result<FusedLaunch, GpuError> {
+    let global = module
+        .get_global("legend_fused_launch", stream)
+        .during("finding legend_fused_launch")?;
+    let bytes = stream
+        .clone_dtoh(&global)
+        .during("reading legend_fused_launch")?;
+    if bytes.len() != std::mem::size_of::<FusedLaunch>() {
+        return Err(GpuError::Shape(format!(
+            "legend_fused_launch has {} bytes, expected {}",
+            bytes.len(),
+            std::mem::size_of::<FusedLaunch>()
+        )));
+    }
+    let word = |i: usize| u32::from_ne_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
+    Ok(FusedLaunch {
+        rows_threads: word(0),
+        rows_smem: word(1),
+        rows_persistent: word(2),
+        negatives_smem: word(3),
+    })
 }
 
 fn load(module: &Arc<CudaModule>, name: &str) -> Result<CudaFunction, GpuError> {

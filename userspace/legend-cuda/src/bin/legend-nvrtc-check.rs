@@ -1,7 +1,8 @@
 //! Compiles every Legend kernel with NVRTC for each architecture named on the command line
 //! (default: sm_80, sm_90 and sm_90a) and fails on any error or warning. With `--resources`, also
-//! prints each kernel's registers and spills as ptxas reports them; with `--ptx DIR`, writes
-//! each program's PTX to `DIR/<program>.<arch>.ptx` (ptxas's notes name lines of it). Needs
+//! prints each kernel's registers and spills as ptxas reports them; with `--dump DIR`, writes
+//! each program's PTX and machine code to `DIR/<program>.<arch>.ptx` and `.cubin` (ptxas's
+//! notes name lines of the PTX; nvdisasm reads the machine code). Needs
 //! `libnvrtc.so.13` on the library path, no GPU and no driver.
 
 use std::process::ExitCode;
@@ -24,14 +25,14 @@ fn main() -> ExitCode {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let resources = args.iter().any(|a| a == "--resources");
     args.retain(|a| a != "--resources");
-    let ptx_dir = args
+    let dump_dir = args
         .iter()
-        .position(|a| a == "--ptx")
+        .position(|a| a == "--dump")
         .map(|i| args.drain(i..(i + 2).min(args.len())).nth(1));
-    let ptx_dir = match ptx_dir {
+    let dump_dir = match dump_dir {
         Some(Some(dir)) => Some(std::path::PathBuf::from(dir)),
         Some(None) => {
-            eprintln!("legend-nvrtc-check: --ptx needs a folder");
+            eprintln!("legend-nvrtc-check: --dump needs a folder");
             return ExitCode::FAILURE;
         }
         None => None,
@@ -59,11 +60,13 @@ fn main() -> ExitCode {
         match nvrtc::compile(arch) {
             Ok(programs) => {
                 for (p, c) in nvrtc::PROGRAMS.iter().zip(&programs) {
-                    if let Some(dir) = &ptx_dir {
-                        let path = dir.join(format!("{}.{arch}.ptx", p.name));
-                        if let Err(e) = std::fs::write(&path, &c.ptx) {
-                            eprintln!("error: writing {}: {e}", path.display());
-                            failed = true;
+                    if let Some(dir) = &dump_dir {
+                        for (ext, bytes) in [("ptx", c.ptx.as_bytes()), ("cubin", &c.cubin[..])] {
+                            let path = dir.join(format!("{}.{arch}.{ext}", p.name));
+                            if let Err(e) = std::fs::write(&path, bytes) {
+                                eprintln!("error: writing {}: {e}", path.display());
+                                failed = true;
+                            }
                         }
                     }
                     if !c.log.is_empty() {
