@@ -210,6 +210,13 @@ __device__ __forceinline__ float legend_exp2(float x) {
 #define LEGEND_FUSED_G_SCALE 16384.0f
 #define LEGEND_FUSED_G_LOG2 14.0f
 
+// Whether values of a matrix whose largest magnitude has the float bits `max_bits` can pass
+// FP16's range once scaled by legend_fp16_scale: only where that scale was clamped (a
+// largest magnitude of 2^75 or more, or not finite); elsewhere the conversions need no clamp.
+__device__ __forceinline__ bool legend_fp16_scale_saturates(u32 max_bits) {
+    return ((max_bits >> 23) & 0xffu) > 127 + 74;
+}
+
 // The power of two that brings a matrix whose largest magnitude has the float bits
 // `max_bits` into [2^14, 2^15), FP16's top octave: products of embeddings (1e-6 and less
 // at the usual initialisation) would otherwise fall into FP16's subnormals and lose their
@@ -415,18 +422,19 @@ __device__ __forceinline__ void legend_fused_rescale(float (&acc)[DK][4], float 
 }
 
 // The end of rows a and b (job z, first row at `at_a` of the job-major buffers) after the
-// last tile: the loss (added into `loss`), ∂L/∂pos, dQ from its accumulators (scaled by the
-// negatives' scale n_scale), and for softmax the factors of the `tiles` walked tiles, each
-// `width` 64-negative tiles wide: the running maximum a tile's G is relative to was stored
-// at the tile's first 64-negative tile by lane t = tile % 4, which now turns it into the
-// factor of all of the tile's 64-negative tiles.
-template <int DK>
-__device__ __forceinline__ void legend_fused_rows_finish(const LegendFused& f, u32 z, u64 at_a,
-                                                         u32 ra, bool va, bool vb,
-                                                         const LegendRowLoss& r,
-                                                         const float (&acc)[DK][4],
-                                                         float n_scale, u32 tiles, u32 width,
-                                                         int t, float& loss) {
+// last tile: the loss (added into `loss`), ∂L/∂pos, and for softmax the factors of the
+// `tiles` walked tiles, each `width` 64-negative tiles wide: lane t = tile % 4 kept the
+// running maxima its G is relative to (`running(tile)`: rows a and b) and now turns them
+// into the factors of all of the tile's 64-negative tiles. Returns what the accumulators of
+// rows a (x) and b (y) are multiplied by to give dQ (the negatives' scale n_scale, G's and
+// softmax's sum undone).
+template <typename Running>
+__device__ __forceinline__ float2 legend_fused_rows_finish(const LegendFused& f, u32 z, u64 at_a,
+                                                           u32 ra, bool va, bool vb,
+                                                           const LegendRowLoss& r,
+                                                           float n_scale, u32 tiles, u32 width,
+                                                           int t, const Running& running,
+                                                           float& loss) {
     float lsa = legend_quad_sum(r.la), lsb = legend_quad_sum(r.lb);
     // dQ's unscaling, apart from n_scale: G's scale, which softmax's sums carry.
     float ua = 1.0f / LEGEND_FUSED_G_SCALE, ub = ua, loss_a, loss_b, gpa, gpb;
@@ -440,8 +448,8 @@ __device__ __forceinline__ void legend_fused_rows_finish(const LegendFused& f, u
         gpa = __expf(r.pa - r.ma) * fa - 1.0f;
         gpb = __expf(r.pb - r.mb) * fb - 1.0f;
         for (u32 u = t; u < tiles; u += 4) {
-            float* c = legend_fused_corr(f, z, u * width) + ra;
-            float ca = __expf(c[0] - r.ma) * fa, cb = __expf(c[8] - r.mb) * fb;
+            float2 m = running(u);
+            float ca = __expf(m.x - r.ma) * fa, cb = __expf(m.y - r.mb) * fb;
             for (u32 h = 0; h < width; ++h) {
                 float* ch = legend_fused_corr(f, z, u * width + h) + ra;
                 ch[0] = ca;
@@ -460,18 +468,6 @@ __device__ __forceinline__ void legend_fused_rows_finish(const LegendFused& f, u
         gpa = -legend_quad_sum(r.activa);
         gpb = -legend_quad_sum(r.activb);
     }
-    u32 dim = f.dim;
-#pragma unroll
-    for (int n = 0; n < DK; ++n)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            // The lane's two adjacent columns of row a (h = 0) or b.
-            u32 c = 8 * n + 2 * t;
-            if (!(h ? vb : va) || c >= dim) continue;
-            float u = (h ? ub : ua) / n_scale;
-            legend_fused_put_pair(&f.grad_query[(at_a + 8 * h) * dim + c], c, dim,
-                                  acc[n][2 * h] * u, acc[n][2 * h + 1] * u, false);
-        }
     if (t == 0) {
         if (va) {
             f.grad_pos[at_a] = gpa;
@@ -481,6 +477,22 @@ __device__ __forceinline__ void legend_fused_rows_finish(const LegendFused& f, u
             f.grad_pos[at_a + 8] = gpb;
             loss += loss_b;
         }
+    }
+    return make_float2(ua / n_scale, ub / n_scale);
+}
+
+// The lane's two adjacent columns of row a (h = 0) or b in each 8-column block of its
+// accumulators, times u, into the row of `dim` floats at `row` (as dQ leaves the mma.sync
+// kernel: each store spans 16 rows; the warp-specialised kernel goes through shared memory).
+template <int DK>
+__device__ __forceinline__ void legend_fused_put_row(float* row, const float (&acc)[DK][4], int h,
+                                                     float u, u32 dim, int t) {
+#pragma unroll
+    for (int n = 0; n < DK; ++n) {
+        u32 c = 8 * n + 2 * t;
+        if (c < dim)
+            legend_fused_put_pair(row + c, c, dim, acc[n][2 * h] * u, acc[n][2 * h + 1] * u,
+                                  false);
     }
 }
 
@@ -895,8 +907,14 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
         legend_fused_accumulate<DK, KS, 4>(ga, sn, lane, acc);
     }
     float loss = 0.0f;
-    legend_fused_rows_finish<DK>(f, z, base + ra, ra, va, vb, st, acc, n_scale, tiles, 1, t,
-                                 loss);
+    auto running = [&](u32 u) {
+        const float* c = legend_fused_corr(f, z, u) + ra;
+        return make_float2(c[0], c[8]);
+    };
+    float2 u = legend_fused_rows_finish(f, z, base + ra, ra, va, vb, st, n_scale, tiles, 1, t,
+                                        running, loss);
+    if (va) legend_fused_put_row<DK>(f.grad_query + (base + ra) * dim, acc, 0, u.x, dim, t);
+    if (vb) legend_fused_put_row<DK>(f.grad_query + (base + ra + 8) * dim, acc, 1, u.y, dim, t);
     legend_fused_add_loss(f, loss);
 }
 #endif
@@ -1031,6 +1049,10 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
 // Negatives a walked tile (two 64-row tiles of the FP16 negatives), and its stages.
 #define LEGEND_WS_TILE 128
 #define LEGEND_WS_STAGES 3
+// Tiles whose running maxima (softmax) a consumer keeps in shared memory until it turns them
+// into factors; a job of more tiles (k > 4096) keeps the rest in device memory and reads them
+// back (a round trip of latency a tile, which the readback from shared memory avoids).
+#define LEGEND_WS_MAXIMA 32
 // Registers a thread after setmaxnreg: 128 x 24 + 256 x 240 fit the 64 K of a multiprocessor.
 #define LEGEND_WS_PRODUCER_REGS 24
 #define LEGEND_WS_CONSUMER_REGS 240
@@ -1041,8 +1063,8 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
 // Dynamic shared memory of the kernel for rows of KS k16 steps and width 8·DK, in bytes
 // (legend-cuda's fused_rows_smem computes the same total): the stages of negatives, the
 // block's 128 FP16 queries, each consumer's 64 FP32 queries as the bulk copy brings them
-// (from the 16-byte boundary below their first float: 16 bytes more at each end), then the
-// mbarriers.
+// (from the 16-byte boundary below their first float: 16 bytes more at each end), each
+// consumer's running maxima (LEGEND_WS_MAXIMA tiles of its 64 rows), then the mbarriers.
 template <int DK, int KS>
 struct LegendWsSmem {
     static constexpr u32 ROW = 32 * KS;
@@ -1050,7 +1072,8 @@ struct LegendWsSmem {
     static constexpr u32 QHALF = LEGEND_WS_STAGES * STAGE;
     static constexpr u32 QF32 = QHALF + LEGEND_FUSED_BLOCK_ROWS * ROW;
     static constexpr u32 QF32_WG = 64 * 32 * DK + 32;
-    static constexpr u32 BARS = QF32 + 2 * QF32_WG;
+    static constexpr u32 MAXIMA = QF32 + 2 * QF32_WG;
+    static constexpr u32 BARS = MAXIMA + 2 * LEGEND_WS_MAXIMA * 64 * 4;
     // full[stage], empty[stage], queries full[2], queries empty[2]
     static constexpr u32 TOTAL = BARS + 8 * (2 * LEGEND_WS_STAGES + 4);
 };
@@ -1123,6 +1146,9 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
     u32 tid = threadIdx.x - 128 * (wg + 1);
     u32 sq = smem + L::QHALF;
     const float* staged = reinterpret_cast<const float*>(legend_ws_smem + L::QF32 + wg * L::QF32_WG);
+    // This thread's rows' running maxima (row 16·w4 + g of the warpgroup's, and + 8).
+    float* maxima = reinterpret_cast<float*>(legend_ws_smem + L::MAXIMA) +
+                    wg * LEGEND_WS_MAXIMA * 64 + 16 * w4 + (lane >> 2);
     float loss = 0.0f;
     u32 n = 0, done = 0;
     for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
@@ -1141,20 +1167,41 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
         // tile (zeros past the job's rows and past dim), and into the FP16 copy the
         // negatives kernel reads (the same layout, one 64-row tile).
         legend_mbar_wait(q_full + 8 * wg, done & 1);
+        // The last item's dQ has left the tile this conversion overwrites.
+        legend_bar_sync(1 + wg, 128);
         u32* qh = f.query_half + legend_fused_tile_word(z, rows_pad / LEGEND_FUSED_TILE,
                                                         r_wg / LEGEND_FUSED_TILE, f.dim_pad);
+        bool clamp = legend_fp16_scale_saturates(f.absmax[2 * z]);
+        // Piece e of the tile (16 bytes: eight rows' chunk c, then chunk c + 1), so that a
+        // warp writes 512 contiguous bytes.
         for (u32 e = tid; e < 64 * H::CHUNKS; e += 128) {
-            u32 i = e / H::CHUNKS, c = e % H::CHUNKS;
+            u32 i = e / (8 * H::CHUNKS) * 8 + e % 8, c = e / 8 % H::CHUNKS;
             float x[8];
+            const float* from = staged + skip + i * dim + 8 * c;
+            if (dim % 4 == 0) {
+                // Rows of whole 16-byte pieces (and skip 0): two vector reads.
 #pragma unroll
-            for (int v = 0; v < 8; ++v) {
-                u32 col = 8 * c + v;
-                x[v] = i < valid && col < dim ? staged[skip + i * dim + col] * q_scale : 0.0f;
+                for (int v = 0; v < 8; v += 4) {
+                    float4 y = i < valid && 8 * c + v < dim
+                                   ? *reinterpret_cast<const float4*>(from + v)
+                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    x[v] = y.x;
+                    x[v + 1] = y.y;
+                    x[v + 2] = y.z;
+                    x[v + 3] = y.w;
+                }
+            } else {
+#pragma unroll
+                for (int v = 0; v < 8; ++v) x[v] = i < valid && 8 * c + v < dim ? from[v] : 0.0f;
             }
-            uint4 h = make_uint4(legend_half2(x[0], x[1]), legend_half2(x[2], x[3]),
-                                 legend_half2(x[4], x[5]), legend_half2(x[6], x[7]));
-            *reinterpret_cast<uint4*>(legend_ws_smem + L::QHALF + H::at(64 * wg + i, c)) = h;
-            *reinterpret_cast<uint4*>(qh + H::at(i, c) / 4) = h;
+            u32 hv[4];
+#pragma unroll
+            for (int v = 0; v < 4; ++v)
+                hv[v] = clamp ? legend_half2(x[2 * v] * q_scale, x[2 * v + 1] * q_scale)
+                              : legend_half2_g(x[2 * v] * q_scale, x[2 * v + 1] * q_scale);
+            uint4 h = make_uint4(hv[0], hv[1], hv[2], hv[3]);
+            *reinterpret_cast<uint4*>(legend_ws_smem + L::QHALF + H::at(64 * wg, 0) + 16 * e) = h;
+            *reinterpret_cast<uint4*>(qh + 4 * e) = h;
         }
         __syncwarp();
         if (lane == 0) legend_mbar_arrive(q_empty + 8 * wg);
@@ -1205,7 +1252,7 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
         auto loss_tile = [&](u32 it) {
             legend_fused_loss<NT / 8>(f, s, st, s_unscale, it * NT, t, sca, scb);
             if (f.loss == LEGEND_LOSS_SOFTMAX && t == (it & 3)) {
-                float* c = legend_fused_corr(f, z, 2 * it) + ra;
+                float* c = it < LEGEND_WS_MAXIMA ? maxima + it * 64 : legend_fused_corr(f, z, 2 * it) + ra;
                 c[0] = st.ma;
                 c[8] = st.mb;
             }
@@ -1257,8 +1304,34 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
         legend_wgmma_wait<4 * DK>(&acc[0][0]);
         __syncwarp();
         if (lane == 0) legend_mbar_arrive(empty + 8 * prev);
-        legend_fused_rows_finish<DK>(f, z, base + ra, ra, va, vb, st, acc, n_scale, tiles, 2, t,
-                                     loss);
+        auto running = [&](u32 u) {
+            const float* c = u < LEGEND_WS_MAXIMA ? maxima + u * 64 : legend_fused_corr(f, z, 2 * u) + ra;
+            return make_float2(c[0], c[8]);
+        };
+        float2 u = legend_fused_rows_finish(f, z, base + ra, ra, va, vb, st, n_scale, tiles, 2,
+                                            t, running, loss);
+        // dQ through the warpgroup's FP16 query tile, free until the next item's queries:
+        // eight rows of the warp at a time, written from the fragments, then copied out as
+        // the rows lie in device memory, in whole 16-byte pieces where d % 4 == 0 (a store
+        // straight from the fragments spans 16 rows, eight cache lines).
+        float* stage = reinterpret_cast<float*>(legend_ws_smem + L::QHALF + wg * 64 * L::ROW) +
+                       w4 * 8 * dim;
+        u32 first = r_wg + 16 * w4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            legend_fused_put_row<DK>(stage + g * dim, acc, h, h ? u.y : u.x, dim, t);
+            __syncwarp();
+            u32 from = first + 8 * h;
+            u32 count = (nrows > from ? min(nrows - from, 8u) : 0u) * dim;
+            float* to = f.grad_query + (base + from) * dim;
+            if (dim % 4 == 0) {
+                for (u32 i = 4 * lane; i < count; i += 128)
+                    *reinterpret_cast<float4*>(to + i) = *reinterpret_cast<const float4*>(stage + i);
+            } else {
+                for (u32 i = lane; i < count; i += 32) to[i] = stage[i];
+            }
+            __syncwarp();
+        }
         ++done;
     }
     legend_fused_add_loss(f, loss);
