@@ -390,6 +390,15 @@ __device__ __forceinline__ void legend_fused_g_fragments(const float (&s)[J][4],
     }
 }
 
+// Zeros a warp's accumulators of DK 8-column blocks.
+template <int DK>
+__device__ __forceinline__ void legend_fused_clear(float (&acc)[DK][4]) {
+#pragma unroll
+    for (int n = 0; n < DK; ++n)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[n][q] = 0.0f;
+}
+
 // Multiplies the accumulators of rows a (elements 0, 1 of each block) and b by sca and scb,
 // when a row of the warp needs it: past the first tiles a row's maximum seldom moves.
 template <int DK>
@@ -852,10 +861,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     bool va = ra < nrows, vb = ra + 8 < nrows;
     LegendRowLoss st = legend_row_loss(f, base + ra, va, vb, t);
     float acc[DK][4];
-#pragma unroll
-    for (int n = 0; n < DK; ++n)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[n][q] = 0.0f;
+    legend_fused_clear<DK>(acc);
 
     // The warp's blocks of G (its 16 rows, each tile's four 16-negative blocks): each
     // fragment register fills one 128-byte line. Rows past nrows get finite values, which
@@ -949,10 +955,7 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
     u32 sq_at = (u32)__cvta_generic_to_shared(sq0);
     int row0 = warp * 16;
     float acc[DK][4];
-#pragma unroll
-    for (int n = 0; n < DK; ++n)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[n][q] = 0.0f;
+    legend_fused_clear<DK>(acc);
     float q_scale = legend_fp16_scale(f.absmax[2 * z]);
     int walk = (rend - rbeg + T - 1) / T;
     // Whole tiles: rows past nrows in the last one have zero queries (see the top).
@@ -1199,10 +1202,7 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
         bool va = ra < nrows, vb = ra + 8 < nrows;
         LegendRowLoss st = legend_row_loss(f, base + ra, va, vb, t);
         float acc[DK][4];
-#pragma unroll
-        for (int c = 0; c < DK; ++c)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[c][q] = 0.0f;
+        legend_fused_clear<DK>(acc);
         u32 sa = sq + H::at(64 * wg, 0);
         u32* g_out = legend_fused_g_block(f, z, (r_wg + 16 * w4) / 16, 0) + lane;
         u32 g_column = legend_fused_rows_pad(f) / 16 * 8 * 128;
