@@ -2,7 +2,7 @@
 # All GPU tests and benchmarks of legend-cuda in one call, on a machine with CUDA 13 and
 # PyTorch but no Rust toolchain: builds nothing. Expects the binaries in target-gpu/
 # (made by scripts/gpu/build-binaries.sh; LEGEND_GPU_BIN names another folder) and writes logs
-# under ${OUT:-target-gpu/out}.
+# under ${OUT:-target-gpu/out}, and all of them again as 00-logs.tar.gz.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=${LEGEND_GPU_BIN:-$root/target-gpu}
@@ -25,4 +25,7 @@ echo "== PyTorch batch and summary"
 PYTHONUNBUFFERED=1 python3 "$root/scripts/gpu/torch_batch.py" "$out/bench.jsonl" 2>&1 | tee "$out/summary.log" || status=1
 echo "== legendctl train on the GPU (scripts/gpu/train-bench.sh)"
 bash "$root/scripts/gpu/train-bench.sh" || status=1
+# Every log in one archive, first in name order: a remote runner that returns only a few of
+# the files still returns all of them.
+tar czf "$out/00-logs.tar.gz" -C "$out" --exclude 00-logs.tar.gz . || status=1
 exit $status
