@@ -1371,21 +1371,24 @@ extern "C" __global__ void legend_gather_negatives_half(const u32* __restrict__ 
 // How legend-cuda launches a program's pair of fused kernels, read from the module
 // (legend_fused_launch): the rows kernel's threads a block, dynamic shared memory and whether
 // it is persistent (a block a multiprocessor walking all the group's blocks of rows, else a
-// block a 128 rows of a job, the jobs along y), and the negatives kernel's shared memory
-// (256 threads, a block a column block by row range by job). The sizes live here only.
+// block a 128 rows of a job, the jobs along y), and the negatives kernel's threads a block
+// and shared memory (a block a column block by row range by job). The sizes live here only.
 struct LegendFusedLaunch {
     u32 rows_threads;
     u32 rows_smem;
     u32 rows_persistent;
+    u32 negatives_threads;
     u32 negatives_smem;
 };
 
 #ifdef LEGEND_WGMMA
 #define LEGEND_FUSED_LAUNCH(DK, KS)                                                           \
-    {LEGEND_WS_THREADS, LegendWsSmem<DK, KS>::TOTAL, 1, LegendFusedSmem<KS>::NEGATIVES}
+    {LEGEND_WS_THREADS, LegendWsSmem<DK, KS>::TOTAL, 1, 32 * LEGEND_FUSED_WARPS,              \
+     LegendFusedSmem<KS>::NEGATIVES}
 #else
 #define LEGEND_FUSED_LAUNCH(DK, KS)                                                           \
-    {32 * LEGEND_FUSED_WARPS, LegendFusedSmem<KS>::ROWS, 0, LegendFusedSmem<KS>::NEGATIVES}
+    {32 * LEGEND_FUSED_WARPS, LegendFusedSmem<KS>::ROWS, 0, 32 * LEGEND_FUSED_WARPS,          \
+     LegendFusedSmem<KS>::NEGATIVES}
 #endif
 
 // One pair of kernels per padded width 8·DK: 32, 64, 104 (d = 100) and 128, written out so

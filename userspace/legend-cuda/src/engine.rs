@@ -26,8 +26,8 @@ use legend_model::{
 
 use crate::error::DriverContext;
 use crate::gpu::{
-    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_THREADS, FUSED_TILE, GEMM_SMEM, fused_dim_pad,
-    fused_k_pad, fused_rows_pad, grid_1d,
+    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_TILE, GEMM_SMEM, fused_dim_pad, fused_k_pad,
+    fused_rows_pad, grid_1d,
 };
 use crate::{Gpu, GpuError, RowSpan};
 
@@ -1343,7 +1343,7 @@ impl GpuBatchEngine {
         b.arg(&args);
         let cfg = LaunchConfig {
             grid_dim: (k.div_ceil(FUSED_NEG_BLOCK) as u32, ranges as u32, gz),
-            block_dim: (FUSED_THREADS, 1, 1),
+            block_dim: (launch.negatives_threads, 1, 1),
             shared_mem_bytes: launch.negatives_smem,
         };
         // SAFETY: as above; grad_negs holds group × k × d floats, and the rows kernel

@@ -58,9 +58,6 @@ pub(crate) const FUSED_BLOCK_ROWS: usize = 128;
 /// Negatives a block of the fused negatives kernel owns (`LEGEND_FUSED_NEG_BLOCK`).
 pub(crate) const FUSED_NEG_BLOCK: usize = 128;
 
-/// Threads a block of the fused negatives kernel (32 × `LEGEND_FUSED_WARPS`).
-pub(crate) const FUSED_THREADS: u32 = 256;
-
 /// FP16 values a row of the fused kernels' operands of width `width` holds: the width
 /// rounded up to the 16 of an mma's k step (the `dim_pad` of `LegendFused`).
 pub(crate) fn fused_dim_pad(width: usize) -> usize {
@@ -79,6 +76,8 @@ pub(crate) struct FusedLaunch {
     /// Non-zero: the rows kernel is persistent (a block a multiprocessor walks the group's
     /// blocks of rows); zero: a block a 128 rows of a job, the jobs along y.
     pub(crate) rows_persistent: u32,
+    /// Threads a block of the negatives kernel.
+    pub(crate) negatives_threads: u32,
     /// Dynamic shared memory of the negatives kernel.
     pub(crate) negatives_smem: u32,
 }
@@ -172,13 +171,14 @@ impl Gpu {
             })
             .collect::<Result<Vec<_>, GpuError>>()?;
         // Each kernel from the module of the program that defines it.
-        let f = |name: &str| -> Result<CudaFunction, GpuError> {
+        let module_of = |name: &str| {
             let (_, module) = modules
                 .iter()
                 .find(|(p, _)| p.kernels.contains(&name))
                 .unwrap_or(&modules[0]);
-            load(module, name)
+            module
         };
+        let f = |name: &str| load(module_of(name), name);
         let kernels = Kernels {
             init_rows: f("legend_init_rows")?,
             sample: f("legend_sample_negatives")?,
@@ -205,14 +205,11 @@ impl Gpu {
                 .filter(|p| p.fused_width > 0)
                 .map(|p| {
                     let width = p.fused_width as usize;
-                    let (_, module) = modules
-                        .iter()
-                        .find(|(q, _)| std::ptr::eq(*q, p))
-                        .expect("every program has its module");
+                    let rows = format!("legend_fused_rows_d{width}");
                     Ok(FusedKernels {
                         width,
-                        launch: read_launch(module, &stream)?,
-                        rows: f(&format!("legend_fused_rows_d{width}"))?,
+                        launch: read_launch(module_of(&rows), &stream)?,
+                        rows: f(&rows)?,
                         negatives: f(&format!("legend_fused_negatives_d{width}"))?,
                     })
                 })
@@ -416,7 +413,8 @@ fn read_launch(
         rows_threads: word(0),
         rows_smem: word(1),
         rows_persistent: word(2),
-        negatives_smem: word(3),
+        negatives_threads: word(3),
+        negatives_smem: word(4),
     })
 }
 
