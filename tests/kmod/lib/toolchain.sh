@@ -1,13 +1,16 @@
 # shellcheck shell=bash
-# Prepares everything the kmod selftests need, from nothing, with results cached
-# under $LEGEND_CACHE (default ~/.cache/legend):
-#   - host build tools (apt, --no-upgrade so unrelated packages stay put);
-#   - Debian's stock kernel image/headers/source and the exact rustc/bindgen that
-#     built it, downloaded through a private apt configuration and extracted into
-#     a private prefix (the system's apt sources are never touched);
-#   - a kernel tree prepared with that compiler, so Rust modules link against the
-#     stock kernel's exports.
-# Sourced by tests/kmod/run and dkms/prepare-rust.sh; defines variables and functions only.
+# Prepares everything the kmod selftests need, from nothing, with results cached under
+# $LEGEND_CACHE (default ~/.cache/legend). Nothing is installed on or removed from the machine:
+#   - host build and test tools (flex, bison, libelf headers, busybox, QEMU, kmod, dkms) are
+#     downloaded from the machine's own Debian release through a private apt configuration and
+#     unpacked into $CACHE/host; only packages the machine lacks are fetched;
+#   - Debian's stock kernel image/headers/source and the exact rustc/bindgen that built it are
+#     downloaded the same way (trixie) and unpacked into $CACHE/prefix;
+#   - a kernel tree is prepared with that compiler, so Rust modules link against the stock
+#     kernel's exports.
+# First run: about 560 MB downloaded, about 4.5 GB of disk in the cache, 4-6 minutes on 2 cores.
+# Callers hold `cache_lock` while they prepare or use the cache, so concurrent runs queue.
+# Sourced by tests/kmod/run and dkms/build.sh; defines variables and functions only.
 
 KVER=${LEGEND_KVER:-7.3.4+deb13-amd64}
 KPKGVER=${LEGEND_KPKGVER:-7.3.4-1~bpo13+1}
@@ -16,6 +19,7 @@ NVPKGVER=${LEGEND_NVPKGVER:-550.163.01-2}
 CACHE=${LEGEND_CACHE:-$HOME/.cache/legend}
 DEBS=$CACHE/debs
 PREFIX=$CACHE/prefix
+HOST=$CACHE/host
 KSRC=$CACHE/linux-source-7.3
 KBUILD=$CACHE/kbuild-$KVER
 TOOLS=$CACHE/bin
@@ -25,19 +29,15 @@ SECMIRROR=${LEGEND_DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security
 log() { printf '[toolchain] %s\n' "$*" >&2; }
 die() { printf '[toolchain] error: %s\n' "$*" >&2; exit 1; }
 
-host_tools() {
-    local need=() p
-    for p in make gcc libc6-dev bc flex bison libelf-dev libssl-dev busybox-static \
-        xz-utils cpio qemu-system-x86; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
-    done
-    [ ${#need[@]} -eq 0 ] && return 0
-    log "installing host tools: ${need[*]}"
-    # --no-upgrade: installing test tools must not upgrade the machine's packages.
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends --no-upgrade "${need[@]}" >&2 \
-        || { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-            --no-install-recommends --no-upgrade "${need[@]}" >&2; } \
-        || die "apt-get install ${need[*]} failed"
+# cache_lock: serialises every user of the cache (two test runs at once would otherwise rebuild
+# the same tree under each other). Held until the calling shell exits.
+cache_lock() {
+    mkdir -p "$CACHE"
+    exec {LEGEND_LOCK_FD}>"$CACHE/.lock"
+    if ! flock -n "$LEGEND_LOCK_FD"; then
+        log "waiting for another run that holds $CACHE/.lock"
+        flock "$LEGEND_LOCK_FD"
+    fi
 }
 
 # Private apt: own sources list, lists and cache; the system configuration is untouched.
@@ -45,7 +45,8 @@ APT_DIR=$CACHE/apt
 apt_private() {
     apt-get -q -o Dir::Etc::sourcelist="$APT_DIR/sources.list" -o Dir::Etc::sourceparts=/nonexistent \
         -o Dir::State::Lists="$APT_DIR/lists" -o Dir::Cache="$APT_DIR/cache" \
-        -o Debug::NoLocking=1 -o APT::Get::AllowUnauthenticated=false "$@"
+        -o Dir::Etc::preferences=/dev/null -o Dir::Etc::preferencesparts=/nonexistent \
+        -o APT::Sandbox::User=root -o Debug::NoLocking=1 -o APT::Get::AllowUnauthenticated=false "$@"
 }
 
 apt_private_update() {
@@ -91,6 +92,90 @@ extract() { # extract DIR PKG...
     done
 }
 
+# Host tools, from the machine's own Debian release (so they run on its glibc); QEMU from that
+# release's backports (the plain release's QEMU may conflict with a backported qemu-utils).
+host_release() {
+    local id='' codename=''
+    if [ -r /etc/os-release ]; then
+        # shellcheck disable=SC1091
+        id=$(. /etc/os-release && echo "${ID:-}")
+        # shellcheck disable=SC1091
+        codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
+    fi
+    [ "$id" = debian ] && [ -n "$codename" ] \
+        || die "the selftests fetch their tools from Debian's archive: this machine is '${id:-unknown}' (need Debian 12 or later)"
+    echo "$codename"
+}
+
+HOST_PKGS=(flex bison m4 libelf-dev busybox-static cpio kmod)
+
+# host_tools: downloads what of HOST_PKGS (and QEMU) the machine lacks, resolved against its own
+# dpkg status, unpacks it into $HOST and writes wrappers for the tools into $TOOLS.
+host_tools() {
+    if [ ! -f "$HOST/.extracted" ]; then
+        local rel
+        rel=$(host_release)
+        local APT_DIR=$CACHE/apt-$rel k=/usr/share/keyrings/debian-archive-keyring.gpg
+        mkdir -p "$APT_DIR/lists/partial" "$APT_DIR/cache/archives/partial" "$CACHE/host-debs"
+        cat >"$APT_DIR/sources.list" <<SRC
+deb [signed-by=$k] $MIRROR $rel main
+deb [signed-by=$k] $MIRROR $rel-updates main
+deb [signed-by=$k] $MIRROR $rel-backports main
+deb [signed-by=$k] $SECMIRROR $rel-security main
+SRC
+        log "apt update ($rel, private lists)"
+        apt_private update >&2 || die "private apt update ($rel) failed"
+        # A simulated install against the machine's dpkg status lists exactly the packages (and
+        # versions) it lacks; nothing is installed.
+        local sim specs=() v f
+        sim=$(apt_private -s install --no-install-recommends -t "$rel-backports" "${HOST_PKGS[@]}" qemu-system-x86 2>&1) \
+            || { echo "$sim" >&2; die "cannot resolve the host tools from $rel"; }
+        mapfile -t specs < <(sed -n 's/^Inst \([^ ]*\) \(\[[^]]*\] \)\?(\([^ ]*\) .*/\1=\3/p' <<<"$sim")
+        # libelf-dev's libelf.so points at libelf.so.1, which must sit beside it in $HOST.
+        v=$(printf '%s\n' "${specs[@]}" | sed -n 's/^libelf-dev=//p')
+        [ -n "$v" ] && specs+=("libelf1=$v")
+        # dkms is a shell script; what it runs (make, the compiler) is what the build uses anyway.
+        specs+=(dkms)
+        log "downloading host tools: ${specs[*]}"
+        (cd "$CACHE/host-debs" && apt_private download "${specs[@]}" >&2) || die "download of host tools failed"
+        rm -rf "$HOST" && mkdir -p "$HOST"
+        for f in "$CACHE"/host-debs/*.deb; do dpkg-deb -x "$f" "$HOST"; done
+        touch "$HOST/.extracted"
+    fi
+    write_host_wrappers
+}
+
+# Wrappers that run the private host tools; kmake and the runner put $TOOLS first in PATH.
+write_host_wrappers() {
+    mkdir -p "$TOOLS"
+    local lib=$HOST/usr/lib/x86_64-linux-gnu t bin
+    local env="LD_LIBRARY_PATH=$lib:$HOST/lib/x86_64-linux-gnu"
+    for t in flex m4 cpio; do
+        bin=$(compgen -G "$HOST/usr/bin/$t" || compgen -G "$HOST/bin/$t" || command -v "$t") \
+            || die "host tool $t missing after unpacking (see $HOST)"
+        printf '#!/bin/sh\nexec env %s %s "$@"\n' "$env" "$bin" >"$TOOLS/$t"
+    done
+    bin=$(compgen -G "$HOST/usr/bin/bison" || command -v bison) || die "host tool bison missing (see $HOST)"
+    printf '#!/bin/sh\nexport BISON_PKGDATADIR=%s M4=%s\nexec %s "$@"\n' \
+        "$HOST/usr/share/bison" "$TOOLS/m4" "$bin" >"$TOOLS/bison"
+    # libelf's headers and libelf.so (objtool, resolve_btfids) for the kernel's host programs.
+    printf '#!/bin/sh\nexec gcc -I%s/usr/include "$@" -L%s -Wl,-rpath,%s\n' "$HOST" "$lib" "$lib" >"$TOOLS/hostcc"
+    bin=$(compgen -G "$HOST/bin/kmod" || compgen -G "$HOST/usr/bin/kmod" || command -v kmod) \
+        || die "host tool kmod missing (see $HOST)"
+    for t in depmod modprobe modinfo; do
+        printf '#!/bin/bash\nexport %s\nexec -a %s %s "$@"\n' "$env" "$t" "$bin" >"$TOOLS/$t"
+    done
+    bin=$(compgen -G "$HOST/bin/busybox" || command -v busybox) || die "host tool busybox missing (see $HOST)"
+    ln -sf "$bin" "$TOOLS/busybox"
+    bin=$(compgen -G "$HOST/usr/bin/qemu-system-x86_64" || command -v qemu-system-x86_64) \
+        || die "qemu-system-x86_64 missing (see $HOST)"
+    printf '#!/bin/sh\nexec env %s %s -L %s -L %s "$@"\n' "$env" "$bin" \
+        "$HOST/usr/share/seabios" "$HOST/usr/share/qemu" >"$TOOLS/qemu-system-x86_64"
+    bin=$(compgen -G "$HOST/usr/sbin/dkms" || command -v dkms) || die "dkms missing (see $HOST)"
+    ln -sf "$bin" "$TOOLS/dkms"
+    chmod +x "$TOOLS"/*
+}
+
 RUST_LIBS=(libc6 libgcc-s1 libstdc++6 libedit2 libffi8 libxml2 libz3-4 libzstd1 zlib1g libbsd0 libtinfo6 libmd0 liblzma5 libicu76)
 
 fetch_all() {
@@ -120,7 +205,7 @@ W
 }
 
 kmake() { # kmake ARGS... : make against the prepared tree with the matching toolchain
-    PATH=$TOOLS:$PATH make -C "$KSRC" O="$KBUILD" ARCH=x86_64 CC=gcc HOSTCC=gcc \
+    PATH=$TOOLS:$PATH make -C "$KSRC" O="$KBUILD" ARCH=x86_64 CC=gcc HOSTCC="$TOOLS/hostcc" \
         RUSTC="$TOOLS/rustc" HOSTRUSTC="$TOOLS/rustc" RUSTDOC="$TOOLS/rustdoc" \
         CLIPPY_DRIVER="$TOOLS/clippy-driver" \
         BINDGEN="$TOOLS/bindgen" PAHOLE="$TOOLS/pahole" KERNELRELEASE="$KVER" "$@"
