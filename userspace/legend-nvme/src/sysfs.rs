@@ -121,19 +121,28 @@ impl Sysfs {
             .ok()
             .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
         let mut block_devices = Vec::new();
+        let mut paths = Vec::new();
         for ctrl in names(&dir.join("nvme")) {
             let cdir = dir.join("nvme").join(&ctrl);
-            // Namespaces are the children with a device number; partitions nest below them.
-            for ns in names(&cdir)
-                .into_iter()
-                .filter(|n| n.starts_with("nvme") && cdir.join(n).join("dev").exists())
-            {
-                let nsdir = cdir.join(&ns);
-                let parts = names(&nsdir)
-                    .into_iter()
-                    .filter(|p| p.starts_with(&ns) && nsdir.join(p).join("partition").exists());
-                block_devices.push(ns.clone());
-                block_devices.extend(parts);
+            // Namespaces are the children with a device number; partitions nest below them. With
+            // native multipath the controller's children are hidden paths (`nvme0c0n1`, no device
+            // number) of a head block device elsewhere (`nvme0n1`).
+            for ns in names(&cdir).into_iter().filter(|n| n.starts_with("nvme")) {
+                if cdir.join(&ns).join("dev").exists() {
+                    Self::push_with_partitions(&cdir.join(&ns), &mut block_devices);
+                } else {
+                    paths.push(ns);
+                }
+            }
+        }
+        if !paths.is_empty() {
+            // A head lists its paths in `multipath/`.
+            let class = self.sys.join("class/block");
+            for head in names(&class) {
+                let mp = class.join(&head).join("multipath");
+                if names(&mp).iter().any(|p| paths.contains(p)) {
+                    Self::push_with_partitions(&class.join(&head), &mut block_devices);
+                }
             }
         }
         // The misc device has no parent, so the driver names it in its own attribute group.
@@ -150,6 +159,19 @@ impl Sysfs {
             block_devices,
             char_device,
         })
+    }
+
+    /// Appends the block device at `dir` (a namespace) and its partitions to `out`.
+    fn push_with_partitions(dir: &Path, out: &mut Vec<String>) {
+        let Some(ns) = dir.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+            return;
+        };
+        let parts: Vec<String> = names(dir)
+            .into_iter()
+            .filter(|p| p.starts_with(&ns) && dir.join(p).join("partition").exists())
+            .collect();
+        out.push(ns);
+        out.extend(parts);
     }
 
     /// Why the controller's block devices are busy: mounted, held by another block device
@@ -275,6 +297,27 @@ mod tests {
             s.controller("0000:00:05.0"),
             Err(Error::NotFound(_))
         ));
+    }
+
+    #[test]
+    fn lists_the_multipath_head_of_a_hidden_path() {
+        let t = tempfile::tempdir().unwrap();
+        // Native multipath: the controller holds the hidden path `nvme0c0n1` (no `dev`), the
+        // head `nvme0n1` lives under the subsystem and lists the path; `nvme1n1` is another
+        // controller's.
+        fake(t.path(), "0000:00:04.0", "nvme", "nvme0c0n1");
+        let ctrl = t.path().join("sys/bus/pci/devices/0000:00:04.0/nvme/nvme0");
+        fs::remove_file(ctrl.join("nvme0c0n1/dev")).unwrap();
+        let class = t.path().join("sys/class/block");
+        for (head, path) in [("nvme0n1", "nvme0c0n1"), ("nvme1n1", "nvme1c1n1")] {
+            fs::create_dir_all(class.join(head).join("multipath").join(path)).unwrap();
+            fs::write(class.join(head).join("dev"), "259:0").unwrap();
+        }
+        fs::create_dir_all(class.join("nvme0n1/nvme0n1p1")).unwrap();
+        fs::write(class.join("nvme0n1/nvme0n1p1/partition"), "1").unwrap();
+        let s = Sysfs::with_roots(t.path().join("sys"), t.path().join("proc"));
+        let c = s.controller("0000:00:04.0").unwrap();
+        assert_eq!(c.block_devices, ["nvme0n1", "nvme0n1p1"]);
     }
 
     #[test]
