@@ -15,6 +15,7 @@ fi
 export LEGEND_KVER=$kver LEGEND_CACHE=${LEGEND_CACHE:-/var/cache/legend}
 # shellcheck source=../tests/kmod/lib/toolchain.sh
 source "$dir/toolchain.sh"
+cache_lock
 host_tools
 fetch_all
 prepare_tree

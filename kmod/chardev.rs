@@ -1,9 +1,26 @@
 // SPDX-License-Identifier: GPL-2.0-only
 
 //! `/dev/legend-nvme<N>`: the ioctl and `mmap` interface of one controller.
+//!
+//! One open file at a time may be the writer (opened for writing): it alone maps memory, creates
+//! queue pairs and maps the doorbells. Any number of read-only files may read `INFO` and run the
+//! `ADMIN` passthrough (Identify, SMART), so monitoring works beside the service that owns the
+//! queues.
+
+use core::{
+    ffi::c_void,
+    sync::atomic::{
+        AtomicU64,
+        Ordering, //
+    },
+};
 
 use kernel::{
-    fs::File,
+    bindings,
+    fs::{
+        file,
+        File, //
+    },
     ioctl::_IOC_SIZE,
     miscdevice::{
         MiscDevice,
@@ -35,8 +52,9 @@ use crate::{
 // The kernel structs are only passed by pointer, never by value.
 #[expect(improper_ctypes)]
 extern "C" {
-    fn legend_shim_mmap_uncached(vma: *mut kernel::bindings::vm_area_struct, phys: u64) -> c_int;
-    fn legend_shim_vma_pgoff(vma: *mut kernel::bindings::vm_area_struct) -> usize;
+    fn legend_shim_doorbell_vma(vma: *mut bindings::vm_area_struct, ctx: *const c_void) -> c_int;
+    fn legend_shim_insert_pfn(vmf: *mut bindings::vm_fault, phys: u64, ret: *mut c_uint);
+    fn legend_shim_vma_pgoff(vma: *mut bindings::vm_area_struct) -> usize;
 }
 
 macro_rules! impl_bytes {
@@ -57,22 +75,32 @@ impl_bytes!(
     uapi::AdminArgs
 );
 
-/// State of one open file: the controller, and (by its address) the owner of what it creates.
+/// Source of [`OpenFile::owner`] numbers.
+static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
+
+/// State of one open file: the controller, and the number that owns what it creates.
 pub(crate) struct OpenFile {
     ctrl: Arc<Controller>,
+    owner: Owner,
+    /// Opened for writing: the controller's one writer.
+    writer: bool,
 }
 
 impl OpenFile {
-    fn owner(&self) -> Owner {
-        core::ptr::from_ref(self) as Owner
+    fn writer(&self) -> Result {
+        if self.writer {
+            Ok(())
+        } else {
+            Err(EBADF)
+        }
     }
 }
 
 impl Drop for OpenFile {
     fn drop(&mut self) {
         // The last reference to the file is gone (no mmap remains): delete its queues first, then
-        // release its mappings.
-        self.ctrl.release(self.owner());
+        // release its mappings and the writer's place.
+        self.ctrl.release(self.owner);
     }
 }
 
@@ -80,38 +108,52 @@ impl Drop for OpenFile {
 impl MiscDevice for OpenFile {
     type Ptr = Pin<KBox<Self>>;
 
-    fn open(_file: &File, misc: &MiscDeviceRegistration<Self>) -> Result<Pin<KBox<Self>>> {
+    fn open(file: &File, misc: &MiscDeviceRegistration<Self>) -> Result<Pin<KBox<Self>>> {
         let ctrl = Registered::controller_of(misc);
-        Ok(KBox::pin(OpenFile { ctrl }, GFP_KERNEL)?)
+        let owner = NEXT_OWNER.fetch_add(1, Ordering::Relaxed);
+        let writer = file.flags() & file::flags::O_ACCMODE != file::flags::O_RDONLY;
+        if writer {
+            ctrl.claim_writer(owner)?;
+        }
+        // On failure the box drops the `OpenFile`, whose `release` gives the writer's place back.
+        Ok(KBox::pin(
+            OpenFile {
+                ctrl,
+                owner,
+                writer,
+            },
+            GFP_KERNEL,
+        )?)
     }
 
     fn ioctl(me: Pin<&Self>, _file: &File, cmd: u32, arg: usize) -> Result<isize> {
         let user = UserSlice::new(UserPtr::from_addr(arg), _IOC_SIZE(cmd));
-        let owner = me.owner();
+        let owner = me.owner;
         let ctrl = &me.ctrl;
         match cmd {
             uapi::IOCTL_INFO => user.writer().write(ctrl.info())?,
             uapi::IOCTL_MAP => {
+                me.writer()?;
                 let (mut r, mut w) = user.reader_writer();
                 let mut args: uapi::MapArgs = r.read()?;
-                let (handle, page_size, bus) = Controller::map(ctrl, owner, &args)?;
-                let out =
-                    UserSlice::new(UserPtr::from_addr(args.bus_addrs as usize), bus.len() * 8);
-                let written = out.writer().write_slice(<[u64] as AsBytes>::as_bytes(&bus));
-                if let Err(e) = written {
-                    // Undone like an UNMAP: refused (`EBUSY`) while the file has a queue pair,
-                    // since part of the addresses may have reached the caller before the fault.
-                    // The mapping then stays with the file and is released when it is closed.
+                let (handle, page_size) = Controller::map(ctrl, owner, &args, |bus| {
+                    UserSlice::new(UserPtr::from_addr(args.bus_addrs as usize), bus.len() * 8)
+                        .writer()
+                        .write_slice(<[u64] as AsBytes>::as_bytes(bus))
+                })?;
+                args.handle = handle;
+                args.page_size = page_size;
+                // CAST: at most `MAX_GPU_PAGES` pages of the validated length.
+                args.pages = (args.len / u64::from(page_size)) as u32;
+                if let Err(e) = w.write(&args) {
+                    // Nothing is in flight with this mapping yet, and nothing could have used
+                    // its handle: undone like an UNMAP of a mapping no queue refers to.
                     let _ = ctrl.unmap(owner, handle);
                     return Err(e);
                 }
-                args.handle = handle;
-                args.page_size = page_size;
-                // CAST: at most `MAX_GPU_PAGES` entries.
-                args.pages = bus.len() as u32;
-                w.write(&args)?;
             }
             uapi::IOCTL_UNMAP => {
+                me.writer()?;
                 let args: uapi::UnmapArgs = user.reader().read()?;
                 if args.flags != 0 {
                     return Err(EINVAL);
@@ -119,6 +161,7 @@ impl MiscDevice for OpenFile {
                 ctrl.unmap(owner, args.handle)?;
             }
             uapi::IOCTL_CREATE_QUEUE_PAIR => {
+                me.writer()?;
                 let (mut r, mut w) = user.reader_writer();
                 let mut args: uapi::QueuePairArgs = r.read()?;
                 let (sq, cq) = ctrl.create_queue_pair(owner, &args)?;
@@ -130,6 +173,7 @@ impl MiscDevice for OpenFile {
                 }
             }
             uapi::IOCTL_DELETE_QUEUE_PAIR => {
+                me.writer()?;
                 let args: uapi::DeleteQueuePairArgs = user.reader().read()?;
                 if args.flags != 0 {
                     return Err(EINVAL);
@@ -161,23 +205,46 @@ impl MiscDevice for OpenFile {
     }
 
     fn mmap(me: Pin<&Self>, file: &File, vma: &VmaNew) -> Result {
+        me.writer()?;
+        let (doorbell_len, _) = me.ctrl.doorbell_region();
         let len = vma.end() - vma.start();
         // SAFETY: `vma` is a valid VMA being set up.
         let pgoff = unsafe { legend_shim_vma_pgoff(vma.as_ptr()) };
-        if pgoff != 0 || len > me.ctrl.info().doorbell_len as usize {
+        if pgoff != 0 || len > doorbell_len {
             return Err(EINVAL);
         }
-        me.ctrl.add_mmap(me.owner(), file.as_ptr())?;
-        vma.set_io();
-        vma.set_dontexpand();
-        vma.set_dontcopy();
-        vma.set_dontdump();
-        // SAFETY: `vma` is being set up; the range is the doorbell page(s) of BAR0, which stay
-        // mapped by the driver until unbind, which zaps this mapping first (`add_mmap`).
-        let ret = unsafe { legend_shim_mmap_uncached(vma.as_ptr(), me.ctrl.doorbell_phys()) };
+        me.ctrl.add_mmap(file.as_ptr())?;
+        let ctx = core::ptr::from_ref::<OpenFile>(&me).cast::<c_void>();
+        // SAFETY: `vma` is being set up; `ctx` stays valid while the VMA exists, since the VMA
+        // holds a reference to the file that owns this `OpenFile`. Pages are inserted on fault
+        // (`legend_nvme_doorbell_fault`); a private mapping is refused (`EINVAL`).
+        let ret = unsafe { legend_shim_doorbell_vma(vma.as_ptr(), ctx) };
         if ret != 0 {
             return Err(Error::from_errno(ret));
         }
         Ok(())
     }
+}
+
+/// Called by the shim's fault handler for page `pgoff` of a doorbell mapping; leaves `*ret` at
+/// `VM_FAULT_SIGBUS` unless the page is inserted.
+///
+/// # Safety
+///
+/// `ctx` is the context `mmap` gave the VMA and `vmf` the fault being handled on it.
+#[no_mangle]
+unsafe extern "C" fn legend_nvme_doorbell_fault(
+    ctx: *const c_void,
+    vmf: *mut bindings::vm_fault,
+    pgoff: usize,
+    ret: *mut c_uint,
+) {
+    // SAFETY: by the function's contract `ctx` points to the `OpenFile` of the VMA's file, which
+    // the VMA keeps open.
+    let me = unsafe { &*ctx.cast::<OpenFile>() };
+    me.ctrl.doorbell_fault(pgoff, |phys| {
+        // SAFETY: `vmf` is the fault being handled, `ret` its result; called under the doorbell
+        // lock, so unbind cannot revoke the mapping between the check and the insertion.
+        unsafe { legend_shim_insert_pfn(vmf, phys, ret) }
+    });
 }

@@ -1,13 +1,28 @@
 // SPDX-License-Identifier: GPL-2.0-only
 
-//! One NVMe controller: bring-up, identification, and the per-file resources (mappings, I/O
-//! queue pairs, doorbell mappings) that userspace creates through the character device.
+//! One NVMe controller: bring-up, identification, and the resources (mappings, I/O queue pairs,
+//! the doorbell mapping) that its one writer creates through the character device.
+//!
+//! # Isolation
+//!
+//! The writer builds its own NVMe commands, so the controller DMAs wherever their PRPs point.
+//! What keeps that inside the writer's own memory is the IOMMU (probe refuses a controller that
+//! is not alone behind a translating IOMMU domain, unless the administrator opted out), and what
+//! keeps memory the controller may still write from being freed is this module:
+//! - one writer at a time ([`State::writer`]), as VFIO has one container per group: no other
+//!   process can ring the writer's doorbells, and nobody else's memory is mapped;
+//! - the writer's memory is unpinned only when none of its queues exist on the controller, or
+//!   after the controller was disabled ([`Controller::quiesce`]); any admin command that fails
+//!   where the controller's state matters (a timeout, a completion nobody asked for, a Delete
+//!   that is refused) quiesces it first.
 //!
 //! # Locking
 //!
 //! All mutable state sits in [`Controller::state`], one mutex: admin commands are issued one at a
-//! time under it, and every ioctl takes it, so concurrent ioctls are serialised. Unbind takes it
-//! too and leaves [`State::live`] empty, after which every operation fails with `ENODEV`.
+//! time under it. Pinning memory runs outside it (a slow fault must not block everyone); unbind
+//! waits for pins in flight ([`State::pins_in_flight`]). The doorbell mapping has its own mutex,
+//! taken in the page-fault path (after `mmap_lock`), where nothing may wait for `state`.
+//! Order: `state`, then `doorbells`.
 //!
 //! # Lifetime
 //!
@@ -28,12 +43,14 @@ use kernel::{
         poll::read_poll_timeout,
         Io, //
     },
+    new_condvar,
     new_mutex,
     pci,
     prelude::*,
     sync::{
         aref::ARef,
         Arc,
+        CondVar,
         Mutex, //
     },
     time::Delta, //
@@ -46,6 +63,7 @@ use crate::{
         Command, //
     },
     mapping::{
+        raw_device,
         HostPages,
         MAX_HOST_PAGES, //
     },
@@ -70,6 +88,10 @@ extern "C" {
         bus: *mut u8,
         devfn: *mut u8,
     );
+    fn legend_shim_iommu_isolated(dev: *mut bindings::device) -> c_int;
+    fn legend_shim_taint_unsafe();
+    fn legend_shim_set_master(dev: *mut bindings::device, on: bool);
+    fn legend_shim_pci_class(dev: *mut bindings::device) -> u32;
 }
 
 const OPC_DELETE_SQ: u8 = 0x00;
@@ -79,20 +101,29 @@ const OPC_CREATE_CQ: u8 = 0x05;
 const OPC_SET_FEATURES: u8 = 0x09;
 const FEAT_NUM_QUEUES: u32 = 0x07;
 
+/// PCI class of an NVM Express controller (mass storage, non-volatile memory, NVMe).
+const CLASS_NVME: u32 = 0x010802;
+
 /// I/O queue pairs the driver asks for; more than a GPU-driven pipeline uses.
 const WANTED_QUEUE_PAIRS: u32 = 64;
 
-/// Identifies an open file: the address of its pinned state, unique while it is open.
-pub(crate) type Owner = usize;
+/// Identifies an open file: a number no other open file of this module gets.
+pub(crate) type Owner = u64;
+
+/// Most 64 KiB pages one GPU mapping may pin (64 GiB).
+const MAX_GPU_PAGES: u64 = 1 << 20;
 
 /// The resources that exist only while the device is bound.
 struct Live {
     bar: DevresBar0,
     admin: AdminQueue,
+    /// The controller was disabled after a failure ([`Controller::quiesce`]); it holds no I/O
+    /// queue until [`Controller::recover`] enables it again.
+    failed: bool,
+    /// Bumped whenever the controller forgets its I/O queues (quiesce): a [`QueuePair`] exists on
+    /// the controller only while its `epoch` is this one and the controller has not failed.
+    epoch: u64,
 }
-
-/// Most 64 KiB pages one GPU mapping may pin (64 GiB).
-const MAX_GPU_PAGES: u64 = 1 << 20;
 
 /// Memory behind a mapping.
 enum Memory {
@@ -140,26 +171,35 @@ struct Mapping {
 struct QueuePair {
     owner: Owner,
     qid: u32,
-}
-
-/// A file with a doorbell mapping; its pointer is valid while the file is open, and the file
-/// removes itself (see [`Controller::release`]) before it is freed.
-struct MappedFile {
-    owner: Owner,
-    file: *mut bindings::file,
+    /// [`Live::epoch`] when it was created.
+    epoch: u64,
+    /// Bytes `[start, end)` of each ring within its mapping: `(handle, start, end)`.
+    rings: [(u32, u64, u64); 2],
 }
 
 pub(crate) struct State {
     live: Option<Live>,
     maps: KVec<Mapping>,
     queues: KVec<QueuePair>,
-    mmaps: KVec<MappedFile>,
     next_handle: u32,
+    /// The open file that may map memory, create queues and map the doorbells.
+    writer: Option<Owner>,
+    /// `MAP` calls pinning memory outside the lock; unbind waits until none is left.
+    pins_in_flight: u32,
 }
 
-// SAFETY: the raw `file` pointers are only dereferenced (by the C shim) under the state mutex
+/// The doorbell mapping's side of the binding.
+struct DoorbellState {
+    /// Cleared at unbind: faults then raise `SIGBUS` and `mmap` fails with `ENODEV`.
+    live: bool,
+    /// The writer's file, if it mapped the doorbells; valid while it is open (the file leaves
+    /// here in [`Controller::release`] before it is freed).
+    file: Option<*mut bindings::file>,
+}
+
+// SAFETY: the raw `file` pointer is only dereferenced (by the C shim) under the doorbell mutex
 // while the file is open, which is the case on any thread.
-unsafe impl Send for State {}
+unsafe impl Send for DoorbellState {}
 
 /// Counters exported through sysfs.
 #[derive(Default)]
@@ -167,23 +207,14 @@ pub(crate) struct Stats {
     pub(crate) queue_pairs: AtomicU32,
     pub(crate) bytes_pinned: AtomicU64,
     pub(crate) admin_commands: AtomicU64,
-}
-
-/// An NVMe controller bound to `legend_nvme`.
-#[pin_data]
-pub(crate) struct Controller {
-    pdev: ARef<pci::Device>,
-    info: uapi::Info,
-    /// Physical address of the first doorbell, the start of the doorbell `mmap`.
-    doorbell_phys: u64,
-    /// CAP.TO in milliseconds.
-    timeout_ms: i64,
-    pub(crate) stats: Stats,
-    #[pin]
-    state: Mutex<State>,
+    /// 1 while the controller is disabled after a failure.
+    pub(crate) failed: AtomicU32,
+    /// Times the controller was enabled again after a failure.
+    pub(crate) resets: AtomicU64,
 }
 
 /// Capabilities read from CAP during bring-up.
+#[derive(Clone, Copy)]
 struct Caps {
     mqes: u32,
     stride: usize,
@@ -191,21 +222,99 @@ struct Caps {
     mpsmin: u32,
 }
 
+/// An NVMe controller bound to `legend_nvme`.
+#[pin_data]
+pub(crate) struct Controller {
+    pdev: ARef<pci::Device>,
+    info: uapi::Info,
+    caps: Caps,
+    /// Offset in BAR0 of the doorbell mapping's first page: the page of the first I/O queue's
+    /// doorbell.
+    doorbell_base: usize,
+    /// Physical address of the doorbell mapping's first page.
+    doorbell_phys: u64,
+    pub(crate) stats: Stats,
+    #[pin]
+    state: Mutex<State>,
+    /// Signalled when [`State::pins_in_flight`] drops to zero.
+    #[pin]
+    pins_done: CondVar,
+    #[pin]
+    doorbells: Mutex<DoorbellState>,
+}
+
+/// Waits for CSTS.RDY to become `ready`. A fatal status (CSTS.CFS) fails an enable at once; a
+/// disable is the reset that clears it, so it waits for RDY alone.
 fn wait_ready(bar: &Bar0<'_>, ready: bool, timeout_ms: i64) -> Result {
     // TIMEOUT: CAP.TO is the controller's own worst case for CSTS.RDY to follow CC.EN.
     read_poll_timeout(
         || Ok(bar.read(regs::CSTS)),
-        |csts| csts.rdy() == ready || csts.cfs(),
+        |csts| csts.rdy() == ready || (ready && csts.cfs()),
         Delta::from_millis(1),
         Delta::from_millis(timeout_ms),
     )
-    .and_then(|csts| if csts.cfs() { Err(EIO) } else { Ok(()) })
+    .and_then(|csts| {
+        if ready && csts.cfs() {
+            Err(EIO)
+        } else {
+            Ok(())
+        }
+    })
 }
 
 fn disable(bar: &Bar0<'_>, timeout_ms: i64) -> Result {
     let cc = bar.read(regs::CC);
     bar.write_reg(cc.with_en(false));
     wait_ready(bar, false, timeout_ms)
+}
+
+/// Resets the controller and enables it with `admin` as its admin queue.
+fn enable(bar: &Bar0<'_>, admin: &AdminQueue, caps: &Caps) -> Result {
+    disable(bar, caps.timeout_ms)?;
+    const Q: u32 = admin::DEPTH as u32 - 1;
+    bar.write_reg(
+        regs::AQA::zeroed()
+            .with_const_asqs::<Q>()
+            .with_const_acqs::<Q>(),
+    );
+    // CAST: splitting the 64-bit addresses into dwords.
+    let (sq, cq) = (admin.sq_dma(), admin.cq_dma());
+    bar.write_reg(regs::ASQ_LO::zeroed().with_addr(sq as u32));
+    bar.write_reg(regs::ASQ_HI::zeroed().with_addr((sq >> 32) as u32));
+    bar.write_reg(regs::ACQ_LO::zeroed().with_addr(cq as u32));
+    bar.write_reg(regs::ACQ_HI::zeroed().with_addr((cq >> 32) as u32));
+    // 64-byte SQ entries, 16-byte CQ entries, 4 KiB pages, NVM command set.
+    bar.write_reg(
+        regs::CC::zeroed()
+            .with_const_iosqes::<6>()
+            .with_const_iocqes::<4>()
+            .with_en(true),
+    );
+    wait_ready(bar, true, caps.timeout_ms)
+}
+
+/// Runs a bring-up or recovery admin command; any failure is an error.
+fn run_admin(admin: &mut AdminQueue, bar: &Bar0<'_>, cmd: Command) -> Result<u32> {
+    let c = admin.submit(bar, &cmd)?;
+    if c.status != 0 {
+        return Err(EIO);
+    }
+    Ok(c.result)
+}
+
+/// Set Features, Number of Queues: the I/O queue pairs granted (both counts are zero based).
+fn set_queue_count(admin: &mut AdminQueue, bar: &Bar0<'_>) -> Result<u32> {
+    let want = WANTED_QUEUE_PAIRS - 1;
+    let granted = run_admin(
+        admin,
+        bar,
+        Command {
+            opcode: OPC_SET_FEATURES,
+            cdw: [FEAT_NUM_QUEUES, (want << 16) | want, 0, 0, 0, 0],
+            ..Default::default()
+        },
+    )?;
+    Ok((granted & 0xffff).min(granted >> 16).min(want) + 1)
 }
 
 fn le32(b: &[u8], off: usize) -> u32 {
@@ -216,9 +325,71 @@ fn le64(b: &[u8], off: usize) -> u64 {
     u64::from(le32(b, off)) | (u64::from(le32(b, off + 4)) << 32)
 }
 
+/// Stops a controller that may still be running from reaching memory: CC.EN = 0, and bus
+/// mastering off if it does not obey.
+fn stop_dma(pdev: &pci::Device, bar: Option<&Bar0<'_>>, timeout_ms: i64) -> bool {
+    if bar.is_some_and(|bar| disable(bar, timeout_ms).is_ok()) {
+        return true;
+    }
+    dev_err!(
+        pdev.as_ref(),
+        "controller did not disable: bus mastering turned off\n"
+    );
+    // SAFETY: `pdev` is a valid PCI device.
+    unsafe { legend_shim_set_master(raw_device(pdev.as_ref()), false) };
+    false
+}
+
+/// Checks that the controller's DMA is confined by a translating IOMMU to its own group.
+fn check_isolation(pdev: &pci::Device) -> Result {
+    // SAFETY: `pdev` is a valid PCI device.
+    let ret = unsafe { legend_shim_iommu_isolated(raw_device(pdev.as_ref())) };
+    if ret == 0 {
+        return Ok(());
+    }
+    let (why, fix) = if ret == EXDEV.to_errno() {
+        (
+            "its IOMMU group holds other devices",
+            "move it to a slot with a group of its own (ACS)",
+        )
+    } else {
+        (
+            "it is not behind a translating IOMMU (none, or an identity/passthrough domain)",
+            "boot with intel_iommu=on or amd_iommu=on and without iommu=pt",
+        )
+    };
+    if !crate::module_parameters::enable_unsafe_noiommu_mode.value() {
+        dev_err!(
+            pdev.as_ref(),
+            "refusing to bind: {}; whoever opens the device could DMA to any memory ({}, or \
+             load legend_nvme with enable_unsafe_noiommu_mode=1 to accept that, tainting the \
+             kernel)\n",
+            why,
+            fix
+        );
+        return Err(EPERM);
+    }
+    // SAFETY: plain C call.
+    unsafe { legend_shim_taint_unsafe() };
+    dev_warn!(
+        pdev.as_ref(),
+        "UNSAFE: bound without DMA isolation ({}): access to /dev/legend-nvme* now equals root; \
+         kernel tainted\n",
+        why
+    );
+    Ok(())
+}
+
 impl Controller {
     /// Brings the controller up and identifies it.
     pub(crate) fn probe(pdev: &pci::Device<device::Core<'_>>) -> Result<Arc<Self>> {
+        // SAFETY: `pdev` is a valid PCI device.
+        let class = unsafe { legend_shim_pci_class(raw_device(pdev.as_ref())) };
+        if class != CLASS_NVME {
+            dev_err!(pdev, "class {:#08x} is not an NVMe controller\n", class);
+            return Err(ENODEV);
+        }
+        check_isolation(pdev)?;
         pdev.enable_device_mem()?;
         pdev.set_master();
         // SAFETY: probe runs before any DMA allocation or mapping for this device exists.
@@ -246,43 +417,56 @@ impl Controller {
         let mut info =
             Self::bring_up(pdev, &bar, &mut admin, &caps, bar_len).inspect_err(|_| {
                 // The controller must not keep using admin memory that is about to be freed.
-                let _ = disable(&bar, caps.timeout_ms);
+                stop_dma(pdev, Some(&bar), caps.timeout_ms);
             })?;
 
         let (mut domain, mut bus, mut devfn) = (0u32, 0u8, 0u8);
         // SAFETY: `pdev` is a valid, bound PCI device.
         unsafe {
-            legend_shim_pci_address(
-                crate::mapping::raw_device(pdev.as_ref()),
-                &mut domain,
-                &mut bus,
-                &mut devfn,
-            )
+            legend_shim_pci_address(raw_device(pdev.as_ref()), &mut domain, &mut bus, &mut devfn)
         };
         info.pci_domain = domain;
         info.pci_bus = bus;
         info.pci_device = devfn >> 3;
         info.pci_function = devfn & 7;
-        let doorbell_phys = pdev.resource_start(0)? + regs::DOORBELLS as u64;
-        let bar = bar.into_devres()?;
+        let page = uapi::HOST_PAGE_SIZE as usize;
+        // The mapping starts at the page of qid 1's SQ doorbell: where the stride puts the I/O
+        // doorbells on pages of their own, the admin queue's are out of reach.
+        let doorbell_base = (regs::DOORBELLS + 2 * caps.stride) / page * page;
+        let doorbell_phys = pdev.resource_start(0)? + doorbell_base as u64;
+        // CAST: bounded by the BAR length.
+        info.doorbell_len = (regs::DOORBELLS + (2 * info.queue_pairs as usize + 2) * caps.stride)
+            .next_multiple_of(page)
+            .saturating_sub(doorbell_base)
+            .min(bar_len - doorbell_base) as u32;
+        let bar = bar.into_devres().inspect_err(|_| {
+            stop_dma(pdev, None, caps.timeout_ms);
+        })?;
         let pdev_ref: &pci::Device = pdev;
         Arc::pin_init(
             try_pin_init!(Self {
                 pdev: pdev_ref.into(),
                 info,
+                caps,
+                doorbell_base,
                 doorbell_phys,
-                timeout_ms: caps.timeout_ms,
                 stats: Stats::default(),
                 state <- new_mutex!(State {
-                    live: Some(Live { bar, admin }),
+                    live: Some(Live { bar, admin, failed: false, epoch: 0 }),
                     maps: KVec::new(),
                     queues: KVec::new(),
-                    mmaps: KVec::new(),
                     next_handle: 1,
+                    writer: None,
+                    pins_in_flight: 0,
                 }),
+                pins_done <- new_condvar!(),
+                doorbells <- new_mutex!(DoorbellState { live: true, file: None }),
             }),
             GFP_KERNEL,
         )
+        .inspect_err(|_| {
+            stop_dma(pdev, None, caps.timeout_ms);
+        })
     }
 
     /// Resets and enables the controller with the admin queue, then identifies it.
@@ -293,40 +477,15 @@ impl Controller {
         caps: &Caps,
         bar_len: usize,
     ) -> Result<uapi::Info> {
-        disable(bar, caps.timeout_ms)
-            .inspect_err(|_| dev_err!(pdev, "controller did not disable within CAP.TO\n"))?;
-        const Q: u32 = admin::DEPTH as u32 - 1;
-        bar.write_reg(
-            regs::AQA::zeroed()
-                .with_const_asqs::<Q>()
-                .with_const_acqs::<Q>(),
-        );
-        // CAST: splitting the 64-bit addresses into dwords.
-        let (sq, cq) = (admin.sq_dma(), admin.cq_dma());
-        bar.write_reg(regs::ASQ_LO::zeroed().with_addr(sq as u32));
-        bar.write_reg(regs::ASQ_HI::zeroed().with_addr((sq >> 32) as u32));
-        bar.write_reg(regs::ACQ_LO::zeroed().with_addr(cq as u32));
-        bar.write_reg(regs::ACQ_HI::zeroed().with_addr((cq >> 32) as u32));
-        // 64-byte SQ entries, 16-byte CQ entries, 4 KiB pages, NVM command set.
-        bar.write_reg(
-            regs::CC::zeroed()
-                .with_const_iosqes::<6>()
-                .with_const_iocqes::<4>()
-                .with_en(true),
-        );
-        wait_ready(bar, true, caps.timeout_ms)
-            .inspect_err(|_| dev_err!(pdev, "controller did not become ready within CAP.TO\n"))?;
-
+        enable(bar, admin, caps).inspect_err(|_| {
+            dev_err!(
+                pdev,
+                "controller did not reset and become ready within CAP.TO\n"
+            )
+        })?;
         let mut buf = KVec::from_elem(0u8, admin::DATA_LEN, GFP_KERNEL)?;
         let run = |admin: &mut AdminQueue, cmd: Command, what: &str| -> Result<u32> {
-            let c = admin
-                .submit(bar, &cmd)
-                .inspect_err(|e| dev_err!(pdev, "{} failed: {:?}\n", what, e))?;
-            if c.status != 0 {
-                dev_err!(pdev, "{} failed with status {:#x}\n", what, c.status);
-                return Err(EIO);
-            }
-            Ok(c.result)
+            run_admin(admin, bar, cmd).inspect_err(|e| dev_err!(pdev, "{} failed: {:?}\n", what, e))
         };
 
         // Identify Controller (CNS 1).
@@ -356,9 +515,13 @@ impl Controller {
             max_queue_entries: caps.mqes,
             // CAST: the stride is at most 4 << 15.
             doorbell_stride: caps.stride as u32,
+            // MDTS counts minimum memory pages (4 KiB, checked above); large values saturate.
             max_transfer: match buf[77] {
                 0 => 0,
-                mdts => 4096u32.checked_shl(u32::from(mdts)).unwrap_or(u32::MAX),
+                mdts => 4096u64
+                    .checked_shl(u32::from(mdts))
+                    .and_then(|b| u32::try_from(b).ok())
+                    .unwrap_or(u32::MAX),
             },
             queue_pairs: 0,
             doorbell_len: 0,
@@ -414,27 +577,16 @@ impl Controller {
         // CAST: `count <= MAX_NAMESPACES`.
         info.num_namespaces = count as u32;
 
-        // Set Features, Number of Queues: both counts are zero based.
-        let want = WANTED_QUEUE_PAIRS - 1;
-        let granted = run(
-            admin,
-            Command {
-                opcode: OPC_SET_FEATURES,
-                cdw: [FEAT_NUM_QUEUES, (want << 16) | want, 0, 0, 0, 0],
-                ..Default::default()
-            },
-            "Set Features (number of queues)",
-        )?;
-        let mut pairs = (granted & 0xffff).min(granted >> 16).min(want) + 1;
+        let mut pairs = set_queue_count(admin, bar)
+            .inspect_err(|e| dev_err!(pdev, "Set Features (number of queues) failed: {:?}\n", e))?;
         // Doorbells of qid 0..=pairs must fit in BAR0.
-        let room = (bar_len.saturating_sub(regs::DOORBELLS) / (2 * caps.stride)).saturating_sub(1);
+        let room = bar_len
+            .saturating_sub(regs::DOORBELLS)
+            .checked_div(2 * caps.stride)
+            .unwrap_or(0)
+            .saturating_sub(1);
         pairs = pairs.min(u32::try_from(room).unwrap_or(u32::MAX));
         info.queue_pairs = pairs;
-        let db_bytes = (pairs as usize + 1) * 2 * caps.stride;
-        // CAST: bounded by the BAR length checked above.
-        info.doorbell_len = db_bytes
-            .next_multiple_of(uapi::HOST_PAGE_SIZE as usize)
-            .min(bar_len - regs::DOORBELLS) as u32;
         dev_info!(
             pdev,
             "NVMe {}.{}, {} I/O queue pairs, {} namespaces, MQES {}\n",
@@ -451,10 +603,6 @@ impl Controller {
         &self.info
     }
 
-    pub(crate) fn doorbell_phys(&self) -> u64 {
-        self.doorbell_phys
-    }
-
     pub(crate) fn dev(&self) -> &device::Device {
         self.pdev.as_ref()
     }
@@ -463,30 +611,127 @@ impl Controller {
         state.live.as_mut().ok_or(ENODEV)
     }
 
-    /// Runs an admin command, counting it.
+    /// Whether queue pair `q` exists on the controller.
+    fn on_device(live: Option<&Live>, q: &QueuePair) -> bool {
+        live.is_some_and(|l| !l.failed && l.epoch == q.epoch)
+    }
+
+    /// Makes `owner` the controller's one writer.
+    ///
+    /// # Errors
+    ///
+    /// `EBUSY` while another open file is the writer.
+    pub(crate) fn claim_writer(&self, owner: Owner) -> Result {
+        let mut state = self.state.lock();
+        if state.writer.is_some() {
+            return Err(EBUSY);
+        }
+        state.writer = Some(owner);
+        Ok(())
+    }
+
+    /// Stops the controller after a failure that leaves its state unknown, so that memory it may
+    /// reach can be released: CC.EN = 0 (which deletes every I/O queue), or bus mastering off if
+    /// the controller does not obey. Its queue records stay, no longer on the device.
+    fn quiesce(&self, live: &mut Live, why: &str) {
+        if live.failed {
+            return;
+        }
+        live.failed = true;
+        live.epoch += 1;
+        self.stats.queue_pairs.store(0, Ordering::Relaxed);
+        self.stats.failed.store(1, Ordering::Relaxed);
+        dev_err!(
+            self.dev(),
+            "{}: controller disabled, its I/O queues are gone\n",
+            why
+        );
+        // SAFETY: a `Live` exists only while the device is bound (see `admin`).
+        let dev = unsafe { self.dev().as_bound() };
+        stop_dma(&self.pdev, live.bar.access(dev).ok(), self.caps.timeout_ms);
+    }
+
+    /// Enables a controller that [`Controller::quiesce`] stopped, with a fresh admin queue.
+    ///
+    /// # Errors
+    ///
+    /// `EIO` if the controller does not reset (it is then hung: unbind and reset the slot).
+    fn recover(&self, live: &mut Live) -> Result {
+        if !live.failed {
+            return Ok(());
+        }
+        // SAFETY: as in `quiesce`.
+        let dev = unsafe { self.dev().as_bound() };
+        let bar = live.bar.access(dev)?;
+        // Disabled first, so the controller uses no admin memory while it is replaced.
+        disable(bar, self.caps.timeout_ms).map_err(|_| {
+            dev_err!(
+                self.dev(),
+                "controller does not reset: unbind it and reset the slot\n"
+            );
+            EIO
+        })?;
+        // SAFETY: `dev` is a valid PCI device; the controller is disabled.
+        unsafe { legend_shim_set_master(raw_device(self.dev()), true) };
+        let mut admin = AdminQueue::new(dev, self.caps.stride)?;
+        let granted = enable(bar, &admin, &self.caps)
+            .and_then(|()| set_queue_count(&mut admin, bar))
+            .inspect_err(|_| {
+                stop_dma(&self.pdev, Some(bar), self.caps.timeout_ms);
+            })?;
+        if granted < self.info.queue_pairs {
+            stop_dma(&self.pdev, Some(bar), self.caps.timeout_ms);
+            dev_err!(
+                self.dev(),
+                "after reset the controller grants {} queue pairs, not {}\n",
+                granted,
+                self.info.queue_pairs
+            );
+            return Err(EIO);
+        }
+        live.admin = admin;
+        live.failed = false;
+        self.stats.failed.store(0, Ordering::Relaxed);
+        self.stats.resets.fetch_add(1, Ordering::Relaxed);
+        dev_info!(self.dev(), "controller enabled again after a failure\n");
+        Ok(())
+    }
+
+    /// Runs an admin command, counting it. A timeout or a completion that does not match quiesces
+    /// the controller.
     fn admin(&self, live: &mut Live, cmd: &Command) -> Result<admin::Completion> {
+        if live.failed {
+            return Err(EIO);
+        }
         self.stats.admin_commands.fetch_add(1, Ordering::Relaxed);
         // SAFETY: a `Live` exists only while the device is bound: `shutdown` takes it, under the
         // state lock that the caller holds, before unbind completes.
         let dev = unsafe { self.dev().as_bound() };
-        let Live { bar, admin } = live;
+        let Live { bar, admin, .. } = &mut *live;
         // `access` rather than `try_access`: polling sleeps, which an RCU read section forbids.
-        admin.submit(bar.access(dev)?, cmd)
+        let result = admin.submit(bar.access(dev)?, cmd);
+        result.map_err(|fault| {
+            self.quiesce(live, "admin queue failed");
+            fault.into()
+        })
     }
 
-    /// Pins `args.len` bytes at `args.addr` for `owner` and returns the mapping's handle, its page
-    /// size and its bus addresses.
+    /// Pins `args.len` bytes at `args.addr` for `owner`, hands the bus addresses to `publish`
+    /// (which copies them to the caller) and records the mapping; returns its handle and page
+    /// size.
     ///
     /// # Errors
     ///
     /// `EINVAL` for bad arguments, `E2BIG` above [`MAX_HOST_PAGES`] or [`MAX_GPU_PAGES`],
     /// `ENOSPC` for a short `bus_addrs` array, `ENODEV` after unbind, `ENXIO` if NVIDIA freed the
-    /// GPU memory while it was being mapped, plus [`HostPages::pin`]'s and [`GpuPages::pin`]'s.
+    /// GPU memory while it was being mapped, `publish`'s error, plus [`HostPages::pin`]'s and
+    /// [`GpuPages::pin`]'s.
     pub(crate) fn map(
         this: &Arc<Self>,
         owner: Owner,
         args: &uapi::MapArgs,
-    ) -> Result<(u32, u32, KVec<u64>)> {
+        publish: impl FnOnce(&[u64]) -> Result,
+    ) -> Result<(u32, u32)> {
         if args.flags != 0 {
             return Err(EINVAL);
         }
@@ -507,65 +752,49 @@ impl Controller {
         if u64::from(args.bus_addrs_cap) < npages {
             return Err(ENOSPC);
         }
+        let (_ticket, handle) = PinTicket::take(this)?;
+        // SAFETY: the ticket keeps unbind from completing while it lives, so the device stays
+        // bound for the pinning and for dropping the memory on the error paths below.
+        let dev = unsafe { this.dev().as_bound() };
         let memory = if args.kind == uapi::MAP_KIND_HOST {
-            let guard = this.state.lock();
-            if guard.live.is_none() {
-                return Err(ENODEV);
-            }
-            // SAFETY: `live` is `Some`, so unbind has not run `shutdown` yet, which it does
-            // under this lock before the device is unbound; the reference does not outlive the
-            // guard.
-            let dev = unsafe { this.dev().as_bound() };
             // CAST: `npages <= MAX_HOST_PAGES`.
             Memory::Host(HostPages::pin(dev, args.addr, npages as usize)?)
         } else {
-            let handle = this.new_handle()?;
             let revoker: Arc<dyn Revoker> = this.clone();
             // Without the state lock: NVIDIA may run a free callback meanwhile, which takes it.
-            let gpu = GpuPages::pin(&this.pdev, args.addr, args.len, revoker, owner, handle)?;
-            return this.insert(owner, handle, Memory::Gpu(gpu));
+            Memory::Gpu(GpuPages::pin(
+                &this.pdev, args.addr, args.len, revoker, owner, handle,
+            )?)
         };
-        let handle = this.new_handle()?;
-        this.insert(owner, handle, memory)
-    }
-
-    /// Allocates a mapping handle.
-    fn new_handle(&self) -> Result<u32> {
-        let mut state = self.state.lock();
-        let handle = state.next_handle;
-        state.next_handle = handle.checked_add(1).ok_or(ENOSPC)?;
-        Ok(handle)
+        // Published before the mapping is recorded: a fault leaves nothing behind.
+        publish(memory.bus_addrs())?;
+        let page_size = memory.page_size();
+        this.insert(owner, handle, memory)?;
+        Ok((handle, page_size))
     }
 
     /// Records a new mapping; on failure it is dropped after the state lock is released.
-    fn insert(&self, owner: Owner, handle: u32, memory: Memory) -> Result<(u32, u32, KVec<u64>)> {
-        let mut bus = KVec::with_capacity(memory.bus_addrs().len(), GFP_KERNEL)?;
-        bus.extend_from_slice(memory.bus_addrs(), GFP_KERNEL)?;
-        let page_size = memory.page_size();
+    fn insert(&self, owner: Owner, handle: u32, memory: Memory) -> Result {
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        if state.live.is_none() {
+        let refused = if state.live.is_none() {
+            Some(ENODEV)
+        } else if matches!(&memory, Memory::Gpu(g) if g.revoked()) {
+            // Under the state lock, a free callback that has not revoked the memory yet will
+            // find the mapping once it is recorded.
+            Some(ENXIO)
+        } else {
+            state.maps.reserve(1, GFP_KERNEL).err().map(Error::from)
+        };
+        if let Some(e) = refused {
             drop(guard);
             drop(memory);
-            return Err(ENODEV);
-        }
-        // Under the state lock, a free callback that has not revoked the memory yet will find
-        // the mapping once it is recorded.
-        if let Memory::Gpu(g) = &memory {
-            if g.revoked() {
-                drop(guard);
-                drop(memory);
-                return Err(ENXIO);
-            }
-        }
-        if let Err(e) = state.maps.reserve(1, GFP_KERNEL) {
-            drop(guard);
-            drop(memory);
-            return Err(e.into());
+            return Err(e);
         }
         self.stats
             .bytes_pinned
             .fetch_add(memory.len() as u64, Ordering::Relaxed);
+        // Capacity reserved above: cannot fail.
         state.maps.push(
             Mapping {
                 owner,
@@ -575,39 +804,37 @@ impl Controller {
             },
             GFP_KERNEL,
         )?;
-        Ok((handle, page_size, bus))
+        Ok(())
     }
 
     /// Releases mapping `handle` of `owner`.
     ///
-    /// Refused while `owner` has any queue pair, not only one whose SQ or CQ lies in the mapping:
-    /// commands already submitted may carry PRPs (data buffers, PRP lists) that point into any of
-    /// the owner's mappings, and the driver never sees them, so it cannot tell which memory the
-    /// controller may still write. Deleting the queue pairs is what stops that: Delete I/O SQ
-    /// completes only after the controller has completed or aborted the SQ's commands. The
-    /// alternative, deleting the owner's queues here before unmapping, would silently tear down
-    /// queues the process is still polling; refusing changes nothing and tells it to delete
-    /// them first. A mapping NVIDIA already freed ([`Revoker::revoke`], which deleted the owner's
+    /// Refused while `owner` has any queue pair on the controller, not only one whose SQ or CQ
+    /// lies in the mapping: commands already submitted may carry PRPs (data buffers, PRP lists)
+    /// that point into any of the owner's mappings, and the driver never sees them, so it cannot
+    /// tell which memory the controller may still write. Deleting the queue pairs is what stops
+    /// that: Delete I/O SQ completes only after the controller has completed or aborted the SQ's
+    /// commands. A mapping NVIDIA already freed ([`Revoker::revoke`], which deleted the owner's
     /// queues at that time) holds nothing the device could reach, and may always be forgotten.
     ///
     /// # Errors
     ///
     /// `ENOENT` if `owner` has no such mapping, `EBUSY` while `owner` has a queue pair.
     pub(crate) fn unmap(&self, owner: Owner, handle: u32) -> Result {
-        let m = self.take_mapping(owner, handle)?;
-        // Dropped here, after the state lock is released.
-        drop(m);
-        Ok(())
-    }
-
-    fn take_mapping(&self, owner: Owner, handle: u32) -> Result<Mapping> {
-        let mut state = self.state.lock();
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
         let i = state
             .maps
             .iter()
             .position(|m| m.owner == owner && m.handle == handle)
             .ok_or(ENOENT)?;
-        if !state.maps[i].revoked && state.queues.iter().any(|q| q.owner == owner) {
+        let live = state.live.as_ref();
+        if !state.maps[i].revoked
+            && state
+                .queues
+                .iter()
+                .any(|q| q.owner == owner && Self::on_device(live, q))
+        {
             return Err(EBUSY);
         }
         let m = state.maps.remove(i)?;
@@ -616,7 +843,10 @@ impl Controller {
                 .bytes_pinned
                 .fetch_sub(m.memory.len() as u64, Ordering::Relaxed);
         }
-        Ok(m)
+        drop(guard);
+        // Dropped here, after the state lock is released (see `Mapping`).
+        drop(m);
+        Ok(())
     }
 
     /// Bus address of `bytes` at `offset` of mapping `handle`, which must be contiguous.
@@ -659,12 +889,14 @@ impl Controller {
         Ok(bus[first] + offset % page)
     }
 
-    /// Creates I/O queue pair `args.qid` in memory of `owner`'s mappings.
+    /// Creates I/O queue pair `args.qid` in memory of `owner`'s mappings; returns the byte offsets
+    /// of its SQ tail and CQ head doorbells in the doorbell mapping.
     ///
     /// # Errors
     ///
-    /// `EINVAL` for a bad qid, depth, offset or non-contiguous queue memory, `EBUSY` if the qid is
-    /// in use, `ENOENT` for unknown handles, `EIO` if the controller refuses the command.
+    /// `EINVAL` for a bad qid, depth, offset, overlapping rings or non-contiguous queue memory,
+    /// `EBUSY` if the qid is in use, `ENOENT` for unknown handles, `EIO` if the controller
+    /// refuses the command or failed and cannot be enabled again.
     pub(crate) fn create_queue_pair(
         &self,
         owner: Owner,
@@ -677,13 +909,33 @@ impl Controller {
         {
             return Err(EINVAL);
         }
+        let depth = u64::from(args.depth);
+        let rings = [
+            (args.sq_handle, args.sq_offset, depth * 64),
+            (args.cq_handle, args.cq_offset, depth * 16),
+        ]
+        .map(|(h, off, len)| (h, off, off.saturating_add(len)));
+        let [(sh, ss, se), (ch, cs, ce)] = rings;
+        // The controller would overwrite commands with completions.
+        if sh == ch && ss < ce && cs < se {
+            return Err(EINVAL);
+        }
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        Self::live(state)?;
+        self.recover(Self::live(state)?)?;
         if state.queues.iter().any(|q| q.qid == args.qid) {
             return Err(EBUSY);
         }
-        let depth = u64::from(args.depth);
+        // Another queue's rings would be overwritten by this one's.
+        if state.queues.iter().any(|q| {
+            q.rings.iter().any(|&(h, s, e)| {
+                rings
+                    .iter()
+                    .any(|&(h2, s2, e2)| h == h2 && s < e2 && s2 < e)
+            })
+        }) {
+            return Err(EINVAL);
+        }
         let sq = Self::queue_memory(state, owner, args.sq_handle, args.sq_offset, depth * 64)?;
         let cq = Self::queue_memory(state, owner, args.cq_handle, args.cq_offset, depth * 16)?;
         state.queues.reserve(1, GFP_KERNEL)?;
@@ -724,73 +976,110 @@ impl Controller {
                 args.qid,
                 c.status
             );
-            let _ = self.admin(
-                live,
-                &Command {
-                    opcode: OPC_DELETE_CQ,
-                    cdw: [args.qid, 0, 0, 0, 0, 0],
-                    ..Default::default()
-                },
-            );
+            // The CQ must go too; if it cannot, the controller is stopped instead.
+            self.delete_on_device(live, args.qid, &[OPC_DELETE_CQ])?;
             return Err(EIO);
         }
+        let epoch = live.epoch;
+        // Capacity reserved above: cannot fail.
         state.queues.push(
             QueuePair {
                 owner,
                 qid: args.qid,
+                epoch,
+                rings: [(sh, ss, se), (ch, cs, ce)],
             },
             GFP_KERNEL,
         )?;
         self.stats.queue_pairs.fetch_add(1, Ordering::Relaxed);
-        let stride = self.info.doorbell_stride;
-        Ok((2 * args.qid * stride, (2 * args.qid + 1) * stride))
+        let stride = self.info.doorbell_stride as usize;
+        let offset = |i: usize| -> u32 {
+            // CAST: inside the doorbell mapping (`doorbell_len` covers every granted qid).
+            (regs::DOORBELLS + i * stride - self.doorbell_base) as u32
+        };
+        // CAST: `qid <= queue_pairs`.
+        let qid = args.qid as usize;
+        Ok((offset(2 * qid), offset(2 * qid + 1)))
     }
 
-    /// Deletes a queue pair on the controller (SQ first, as the specification requires).
-    fn delete_on_device(&self, live: &mut Live, qid: u32) {
-        for opcode in [OPC_DELETE_SQ, OPC_DELETE_CQ] {
-            match self.admin(
-                live,
-                &Command {
-                    opcode,
-                    cdw: [qid, 0, 0, 0, 0, 0],
-                    ..Default::default()
-                },
-            ) {
-                Ok(c) if c.status == 0 => {}
-                Ok(c) => dev_warn!(
+    /// Deletes queue `qid` on the controller with `opcodes` (SQ before CQ, as the specification
+    /// requires). A refusal or an admin failure quiesces the controller.
+    ///
+    /// # Errors
+    ///
+    /// `EIO`, whatever failed (a refusal, a timeout); the controller is then disabled and holds
+    /// no queue.
+    fn delete_on_device(&self, live: &mut Live, qid: u32, opcodes: &[u8]) -> Result {
+        for &opcode in opcodes {
+            let c = self
+                .admin(
+                    live,
+                    &Command {
+                        opcode,
+                        cdw: [qid, 0, 0, 0, 0, 0],
+                        ..Default::default()
+                    },
+                )
+                .map_err(|_| EIO)?;
+            if c.status != 0 {
+                dev_err!(
                     self.dev(),
                     "deleting queue {} failed with status {:#x}\n",
                     qid,
                     c.status
-                ),
-                Err(e) => dev_warn!(self.dev(), "deleting queue {} failed: {:?}\n", qid, e),
+                );
+                self.quiesce(live, "a queue could not be deleted");
+                return Err(EIO);
             }
         }
-        self.stats.queue_pairs.fetch_sub(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Deletes queue pair `i` of `state` on the controller (if it is there) and forgets it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Controller::delete_on_device`]; the record then stays, no longer on the device, and
+    /// the next call forgets it.
+    fn delete_queue(&self, state: &mut State, i: usize) -> Result {
+        let qid = state.queues[i].qid;
+        if Self::on_device(state.live.as_ref(), &state.queues[i]) {
+            let live = Self::live(state)?;
+            self.delete_on_device(live, qid, &[OPC_DELETE_SQ, OPC_DELETE_CQ])?;
+            self.stats.queue_pairs.fetch_sub(1, Ordering::Relaxed);
+        }
+        state.queues.remove(i)?;
+        Ok(())
     }
 
     /// Deletes queue pair `qid` of `owner`.
     ///
     /// # Errors
     ///
-    /// `ENOENT` if `owner` has no such queue pair.
+    /// `ENOENT` if `owner` has no such queue pair, else as [`Controller::delete_queue`].
     pub(crate) fn delete_queue_pair(&self, owner: Owner, qid: u32) -> Result {
         let mut guard = self.state.lock();
-        let state = &mut *guard;
-        let i = state
+        let i = guard
             .queues
             .iter()
             .position(|q| q.owner == owner && q.qid == qid)
             .ok_or(ENOENT)?;
-        state.queues.remove(i)?;
-        if let Some(live) = state.live.as_mut() {
-            self.delete_on_device(live, qid);
-        }
-        Ok(())
+        self.delete_queue(&mut guard, i)
     }
 
-    /// Runs an allowed admin command with a kernel buffer of `data.len()` bytes.
+    /// Deletes every queue pair of `owner`; a failure quiesces the controller, after which none
+    /// is left on it either.
+    fn delete_queues_of(&self, state: &mut State, owner: Owner) {
+        while let Some(i) = state.queues.iter().position(|q| q.owner == owner) {
+            if self.delete_queue(state, i).is_err() {
+                // Quiesced: nothing is on the device any more.
+                let _ = state.queues.remove(i);
+            }
+        }
+    }
+
+    /// Runs an allowed admin command with a kernel buffer of `data.len()` bytes, which receives
+    /// the command's data if it succeeded (and stays as it is otherwise).
     ///
     /// # Errors
     ///
@@ -817,6 +1106,7 @@ impl Controller {
         }
         let mut guard = self.state.lock();
         let live = Self::live(&mut guard)?;
+        self.recover(live)?;
         let prp1 = live.admin.data_dma();
         let c = self.admin(
             live,
@@ -827,18 +1117,40 @@ impl Controller {
                 cdw,
             },
         )?;
-        live.admin.data(data);
+        if c.status == 0 {
+            live.admin.data(data);
+        }
         Ok(c)
     }
 
-    /// Records that `file` maps the doorbells, so unbind can revoke the mapping.
-    pub(crate) fn add_mmap(&self, owner: Owner, file: *mut bindings::file) -> Result {
-        let mut state = self.state.lock();
-        Self::live(&mut state)?;
-        if !state.mmaps.iter().any(|m| m.owner == owner) {
-            state.mmaps.push(MappedFile { owner, file }, GFP_KERNEL)?;
+    /// Records that `file` (the writer's) maps the doorbells, so unbind can revoke the mapping.
+    ///
+    /// # Errors
+    ///
+    /// `ENODEV` after unbind.
+    pub(crate) fn add_mmap(&self, file: *mut bindings::file) -> Result {
+        let mut db = self.doorbells.lock();
+        if !db.live {
+            return Err(ENODEV);
         }
+        db.file = Some(file);
         Ok(())
+    }
+
+    /// Length and physical address of the doorbell mapping.
+    pub(crate) fn doorbell_region(&self) -> (usize, u64) {
+        (self.info.doorbell_len as usize, self.doorbell_phys)
+    }
+
+    /// Resolves a fault on page `pgoff` of a doorbell mapping by calling `insert` with its
+    /// physical address, under the doorbell lock; does nothing (the fault raises `SIGBUS`) after
+    /// unbind or beyond the region.
+    pub(crate) fn doorbell_fault(&self, pgoff: usize, insert: impl FnOnce(u64)) {
+        let db = self.doorbells.lock();
+        let page = uapi::HOST_PAGE_SIZE as usize;
+        if db.live && pgoff < self.info.doorbell_len as usize / page {
+            insert(self.doorbell_phys + (pgoff * page) as u64);
+        }
     }
 
     /// Releases everything `owner` created; called when its file is closed.
@@ -846,8 +1158,8 @@ impl Controller {
         let mut guard = self.state.lock();
         let state = &mut *guard;
         self.delete_queues_of(state, owner);
-        // Queues are gone, so the device no longer accesses the mappings. They are dropped
-        // after the lock is released (see `Mapping`).
+        // Queues are gone (or the controller is stopped), so the device no longer accesses the
+        // mappings. They are dropped after the lock is released (see `Mapping`).
         let mut gone = KVec::new();
         let mut i = 0;
         while i < state.maps.len() {
@@ -869,54 +1181,56 @@ impl Controller {
                 let _ = gone.push(m, GFP_KERNEL);
             }
         }
-        state.mmaps.retain(|m| m.owner != owner);
+        if state.writer == Some(owner) {
+            state.writer = None;
+            self.doorbells.lock().file = None;
+        }
         drop(guard);
         drop(gone);
-    }
-
-    /// Deletes every queue pair of `owner` on the device.
-    fn delete_queues_of(&self, state: &mut State, owner: Owner) {
-        while let Some(i) = state.queues.iter().position(|q| q.owner == owner) {
-            if let Ok(q) = state.queues.remove(i) {
-                if let Some(live) = state.live.as_mut() {
-                    self.delete_on_device(live, q.qid);
-                }
-            }
-        }
     }
 
     /// Quiesces the controller and drops every resource that needs the bound device; called from
     /// unbind. Open files keep working objects that answer `ENODEV`.
     pub(crate) fn shutdown(&self) {
         let mut guard = self.state.lock();
-        let state = &mut *guard;
-        let Some(mut live) = state.live.take() else {
+        {
+            let mut db = self.doorbells.lock();
+            db.live = false;
+            if let Some(file) = db.file.take() {
+                // SAFETY: `file` is open: it leaves `doorbells` in `release` before it is freed,
+                // and that needs the doorbell lock.
+                unsafe { legend_shim_zap_file(file) };
+            }
+        }
+        let Some(mut live) = guard.live.take() else {
             return;
         };
-        while let Some(q) = state.queues.pop() {
-            self.delete_on_device(&mut live, q.qid);
+        // Memory being pinned is dropped by its `MAP` (which sees `live` gone) while the device
+        // is still bound.
+        while guard.pins_in_flight > 0 {
+            self.pins_done.wait(&mut guard);
         }
-        for m in state.mmaps.iter() {
-            // SAFETY: `file` is open: it leaves `mmaps` in `release` before it is freed, and
-            // that needs this lock.
-            unsafe { legend_shim_zap_file(m.file) };
+        let state = &mut *guard;
+        for q in state.queues.iter() {
+            if !live.failed && live.epoch == q.epoch {
+                // A failure quiesces; the controller is disabled below anyway.
+                let _ = self.delete_on_device(&mut live, q.qid, &[OPC_DELETE_SQ, OPC_DELETE_CQ]);
+            }
         }
-        state.mmaps.clear();
+        state.queues.clear();
+        self.stats.queue_pairs.store(0, Ordering::Relaxed);
         // SAFETY: called from unbind, so the device is still bound.
         let dev = unsafe { self.dev().as_bound() };
-        if live
-            .bar
-            .access(dev)
-            .and_then(|bar| disable(bar, self.timeout_ms))
-            .is_err()
-        {
-            dev_warn!(self.dev(), "controller did not disable cleanly\n");
-        }
+        stop_dma(&self.pdev, live.bar.access(dev).ok(), self.caps.timeout_ms);
+        // As the in-tree driver's disable does: no DMA at all until the next probe.
+        // SAFETY: `dev` is a valid PCI device.
+        unsafe { legend_shim_set_master(raw_device(self.dev()), false) };
         self.stats.bytes_pinned.store(0, Ordering::Relaxed);
         let maps = core::mem::take(&mut state.maps);
         // Still bound (this is unbind), and the lock is released first (see `Mapping`).
         drop(guard);
         drop(maps);
+        drop(live);
     }
 }
 
@@ -941,5 +1255,45 @@ impl Revoker for Controller {
             "NVIDIA freed the GPU memory of mapping {}: deleted its owner's queue pairs\n",
             handle
         );
+    }
+}
+
+/// A `MAP` in progress: while it lives, unbind waits (the memory being pinned needs the bound
+/// device until it is recorded or dropped).
+struct PinTicket<'a>(&'a Controller);
+
+impl<'a> PinTicket<'a> {
+    /// Takes a ticket and a fresh mapping handle.
+    ///
+    /// # Errors
+    ///
+    /// `ENODEV` after unbind, `ENOSPC` if every handle is in use.
+    fn take(ctrl: &'a Controller) -> Result<(Self, u32)> {
+        let mut state = ctrl.state.lock();
+        if state.live.is_none() {
+            return Err(ENODEV);
+        }
+        // Handles wrap around, skipping 0 and those still in use.
+        let mut handle = state.next_handle;
+        // At most `maps.len()` handles are taken, plus 0: one of this many candidates is free.
+        for _ in 0..state.maps.len() + 2 {
+            if handle != 0 && !state.maps.iter().any(|m| m.handle == handle) {
+                state.next_handle = handle.wrapping_add(1);
+                state.pins_in_flight += 1;
+                return Ok((Self(ctrl), handle));
+            }
+            handle = handle.wrapping_add(1);
+        }
+        Err(ENOSPC)
+    }
+}
+
+impl Drop for PinTicket<'_> {
+    fn drop(&mut self) {
+        let mut state = self.0.state.lock();
+        state.pins_in_flight -= 1;
+        if state.pins_in_flight == 0 {
+            self.0.pins_done.notify_all();
+        }
     }
 }

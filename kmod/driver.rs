@@ -9,6 +9,7 @@ use core::sync::atomic::{
 
 use kernel::{
     device::Core,
+    device_id::IdArray,
     miscdevice::{
         MiscDeviceOptions,
         MiscDeviceRegistration, //
@@ -69,6 +70,16 @@ impl Drop for NameSlot {
     }
 }
 
+/// The bound controller; shut down when dropped, which matters when probe fails after the
+/// controller came up (unbind shuts it down before, and a second shutdown does nothing).
+struct Quiesced(Arc<Controller>);
+
+impl Drop for Quiesced {
+    fn drop(&mut self) {
+        self.0.shutdown();
+    }
+}
+
 /// Driver data of a bound controller.
 ///
 /// Fields drop in declaration order: the sysfs counters go first, then the character device is
@@ -79,7 +90,7 @@ pub(crate) struct Registered {
     _stats: StatsFiles,
     #[pin]
     misc: MiscDeviceRegistration<OpenFile>,
-    ctrl: Arc<Controller>,
+    ctrl: Quiesced,
     _name: NameSlot,
 }
 
@@ -91,17 +102,16 @@ impl Registered {
         // and `open` (the only caller) runs under the misc core's lock, which deregistration also
         // takes, so the `Registered` is alive.
         let this = unsafe { &*kernel::container_of!(misc, Registered, misc) };
-        this.ctrl.clone()
+        this.ctrl.0.clone()
     }
 }
 
 pub(crate) struct LegendNvme;
 
-kernel::pci_device_table!(
-    PCI_TABLE,
-    <LegendNvme as pci::Driver>::IdInfo,
-    [(pci::DeviceId::from_class(0x010802, 0xffffff), ())]
-);
+/// No IDs, and so no module alias: the driver binds a controller only when asked to through its
+/// `driver_override` (as vfio-pci does), never on its own; `modprobe` or udev could otherwise
+/// hand it every NVMe disk, the boot disk included. Probe checks the class.
+static PCI_TABLE: IdArray<pci::DeviceId, (), 0> = IdArray::new([]);
 
 impl pci::Driver for LegendNvme {
     type IdInfo = ();
@@ -115,8 +125,8 @@ impl pci::Driver for LegendNvme {
     ) -> impl PinInit<Self::Data<'bound>, Error> + 'bound {
         pin_init::pin_init_scope(move || {
             let name = NameSlot::claim()?;
-            let ctrl = Controller::probe(pdev)?;
-            let stats = StatsFiles::new(ctrl.clone(), name.0)?;
+            let ctrl = Quiesced(Controller::probe(pdev)?);
+            let stats = StatsFiles::new(ctrl.0.clone(), name.0)?;
             let options = MiscDeviceOptions {
                 name: NAMES[name.0],
             };
@@ -130,6 +140,6 @@ impl pci::Driver for LegendNvme {
     }
 
     fn unbind<'bound>(_pdev: &'bound pci::Device<Core<'_>>, this: Pin<&Self::Data<'bound>>) {
-        this.ctrl.shutdown();
+        this.ctrl.0.shutdown();
     }
 }

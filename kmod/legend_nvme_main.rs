@@ -22,4 +22,10 @@ kernel::module_pci_driver! {
     authors: ["The Legend authors"],
     description: "NVMe queue pairs in caller-supplied memory for GPU-direct I/O",
     license: "GPL",
+    params: {
+        enable_unsafe_noiommu_mode: bool {
+            default: false,
+            description: "Bind controllers that no translating IOMMU isolates (taints the kernel): whoever opens the device can then DMA to any memory",
+        },
+    },
 }

@@ -2,8 +2,9 @@
 
 //! Pinned host memory and its streaming DMA mappings for one controller.
 //!
-//! The `unsafe` calls into the C shim are kept here: a [`HostPages`] owns its page pins and DMA
-//! mappings and releases both when dropped.
+//! The `unsafe` calls into the C shim are kept here: a [`HostPages`] owns its page pins, their
+//! charge against the pinning process's locked-memory limit, and its DMA mappings, and releases
+//! all three when dropped.
 
 use kernel::{
     bindings,
@@ -14,11 +15,23 @@ use kernel::{
 
 use crate::uapi;
 
+// The driver's page arithmetic and the ABI's host page are the same size.
+const _: () = assert!(kernel::page::PAGE_SIZE == uapi::HOST_PAGE_SIZE as usize);
+
 // The kernel structs are only passed by pointer, never by value.
 #[expect(improper_ctypes)]
 extern "C" {
-    fn legend_shim_pin_user(uaddr: usize, npages: usize, pages: *mut *mut bindings::page) -> isize;
-    fn legend_shim_unpin_user(pages: *mut *mut bindings::page, npages: usize);
+    fn legend_shim_pin_user(
+        uaddr: usize,
+        npages: usize,
+        pages: *mut *mut bindings::page,
+        mm: *mut *mut bindings::mm_struct,
+    ) -> isize;
+    fn legend_shim_unpin_user(
+        pages: *mut *mut bindings::page,
+        npages: usize,
+        mm: *mut bindings::mm_struct,
+    );
     fn legend_shim_dma_map_page(
         dev: *mut bindings::device,
         page: *mut bindings::page,
@@ -38,20 +51,23 @@ pub(crate) fn raw_device(dev: &device::Device) -> *mut bindings::device {
 /// Most pages one mapping may pin (1 GiB of host memory).
 pub(crate) const MAX_HOST_PAGES: usize = 1 << 18;
 
-/// User pages pinned with `FOLL_LONGTERM` and mapped for DMA by one device.
+/// User pages pinned with `FOLL_LONGTERM`, charged to their process's `RLIMIT_MEMLOCK`, and
+/// mapped for DMA by one device.
 ///
 /// # Invariants
 ///
-/// - `pages` holds pinned pages, each pinned once by this object.
-/// - `bus[i]` is a live streaming DMA mapping of `pages[i]` for `dev`.
+/// - `pages` holds pinned pages, each pinned once by this object and charged to `mm`, of which
+///   this object holds a reference (`mmgrab`).
+/// - `bus[i]` is a live streaming DMA mapping of `pages[i]` for `dev`, for `i < bus.len()`.
 pub(crate) struct HostPages {
     dev: ARef<device::Device>,
-    pages: KVec<*mut bindings::page>,
-    bus: KVec<u64>,
+    pages: KVVec<*mut bindings::page>,
+    bus: KVVec<u64>,
+    mm: *mut bindings::mm_struct,
 }
 
-// SAFETY: the page pointers are references owned through pins; pinning, unpinning and DMA
-// (un)mapping may happen on any thread.
+// SAFETY: the page and mm pointers are references owned through pins and `mmgrab`; unpinning,
+// uncharging and DMA (un)mapping may happen on any thread.
 unsafe impl Send for HostPages {}
 
 impl HostPages {
@@ -63,33 +79,35 @@ impl HostPages {
     /// # Errors
     ///
     /// - `EFAULT` if the range is not fully mapped writable memory of the caller.
-    /// - `ENOMEM` if memory or a DMA mapping could not be had.
+    /// - `ENOMEM` beyond the caller's `RLIMIT_MEMLOCK` (without `CAP_IPC_LOCK`), or if memory or a
+    ///   DMA mapping could not be had.
+    /// - `EOPNOTSUPP` if DMA to the pages would need sync calls (SWIOTLB bounce buffering).
     pub(crate) fn pin(
         dev: &device::Device<device::Bound>,
         uaddr: u64,
         npages: usize,
     ) -> Result<Self> {
         let uaddr = usize::try_from(uaddr).map_err(|_| EINVAL)?;
-        let mut pages = KVec::with_capacity(npages, GFP_KERNEL)?;
-        // SAFETY: `pages` has room for `npages` entries; the shim pins at most that many.
-        let got = unsafe { legend_shim_pin_user(uaddr, npages, pages.as_mut_ptr()) };
+        // Both arrays before pinning: no allocation can fail with pages pinned and not owned.
+        let mut pages = KVVec::with_capacity(npages, GFP_KERNEL)?;
+        let bus = KVVec::with_capacity(npages, GFP_KERNEL)?;
+        let mut mm = core::ptr::null_mut();
+        // SAFETY: `pages` has room for `npages` entries; the shim pins all of them or none.
+        let got = unsafe { legend_shim_pin_user(uaddr, npages, pages.as_mut_ptr(), &mut mm) };
         if got < 0 {
-            // CAST: a negative errno from pin_user_pages_fast fits in an i32.
+            // CAST: a negative errno fits in an i32.
             return Err(Error::from_errno(got as i32));
         }
-        // CAST: `got` is non-negative here and at most `npages`.
-        let got = got as usize;
-        // SAFETY: the shim initialised the first `got` entries.
-        unsafe { pages.inc_len(got) };
+        // SAFETY: the shim pinned and initialised all `npages` entries.
+        unsafe { pages.inc_len(npages) };
+        // INVARIANT: the pages are pinned and charged to `mm`, which the shim grabbed; no bus
+        // address yet.
         let mut this = Self {
             dev: dev.into(),
             pages,
-            bus: KVec::with_capacity(npages, GFP_KERNEL)?,
+            bus,
+            mm,
         };
-        if got != npages {
-            // `this` unpins the partial set on drop.
-            return Err(EFAULT);
-        }
         for i in 0..npages {
             let mut bus = 0u64;
             // SAFETY: `pages[i]` is a pinned page and `dev` is a bound device (the caller's
@@ -97,8 +115,15 @@ impl HostPages {
             let ret =
                 unsafe { legend_shim_dma_map_page(raw_device(&this.dev), this.pages[i], &mut bus) };
             if ret != 0 {
-                return Err(ENOMEM);
+                if ret == EOPNOTSUPP.to_errno() {
+                    dev_err!(
+                        this.dev,
+                        "DMA to user pages would need bounce buffers (SWIOTLB) or sync calls: refused\n"
+                    );
+                }
+                return Err(Error::from_errno(ret));
             }
+            // Capacity reserved above: cannot fail.
             this.bus.push(bus, GFP_KERNEL)?;
         }
         Ok(this)
@@ -121,7 +146,8 @@ impl Drop for HostPages {
             // SAFETY: by the invariants `bus` is a live mapping for `dev`.
             unsafe { legend_shim_dma_unmap_page(raw_device(&self.dev), bus) };
         }
-        // SAFETY: by the invariants each page is pinned once by this object.
-        unsafe { legend_shim_unpin_user(self.pages.as_mut_ptr(), self.pages.len()) };
+        // SAFETY: by the invariants each page is pinned once by this object and charged to `mm`,
+        // whose reference this releases.
+        unsafe { legend_shim_unpin_user(self.pages.as_mut_ptr(), self.pages.len(), self.mm) };
     }
 }

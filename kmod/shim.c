@@ -1,37 +1,78 @@
 // SPDX-License-Identifier: GPL-2.0-only
 /*
  * Kernel facilities that are macros or static inlines in C and have no Rust abstraction in 7.3
- * (pinning user pages, streaming DMA mapping of pages, uncached PFN mapping, zapping a file's
- * mappings, sysfs attribute groups). Each wrapper is a thin call; the Rust side keeps the
+ * (pinning and accounting user pages, streaming DMA mapping of pages, fault-time PFN mappings,
+ * zapping a file's mappings, IOMMU isolation checks, bus mastering, sysfs attribute groups). Each wrapper is a thin call; the Rust side keeps the
  * ownership rules.
  */
+#include <linux/capability.h>
 #include <linux/dma-mapping.h>
 #include <linux/fs.h>
+#include <linux/iommu.h>
 #include <linux/mm.h>
 #include <linux/module.h>
+#include <linux/panic.h>
 #include <linux/pci.h>
+#include <linux/sched/mm.h>
+#include <linux/sched/signal.h>
 #include <linux/slab.h>
 #include <linux/sysfs.h>
 
 #include "shim.h"
 
-long legend_shim_pin_user(unsigned long uaddr, unsigned long npages, struct page **pages)
+/*
+ * Pins npages user pages at uaddr for long-term DMA and charges them to the caller's locked-memory
+ * limit (mm->pinned_vm against RLIMIT_MEMLOCK, unless CAP_IPC_LOCK), as RDMA's umem does. On
+ * success *mm holds a reference (mmgrab) that legend_shim_unpin_user() drops with the charge.
+ */
+long legend_shim_pin_user(unsigned long uaddr, unsigned long npages, struct page **pages,
+			  struct mm_struct **mm)
 {
+	struct mm_struct *me = current->mm;
+	unsigned long limit = rlimit(RLIMIT_MEMLOCK) >> PAGE_SHIFT;
+	long got;
+
+	if (!me)
+		return -EFAULT;
+	if (atomic64_add_return(npages, &me->pinned_vm) > limit && !capable(CAP_IPC_LOCK)) {
+		atomic64_sub(npages, &me->pinned_vm);
+		return -ENOMEM;
+	}
 	/* LONGTERM: the device may access these pages for as long as the mapping lives. */
-	return pin_user_pages_fast(uaddr, npages, FOLL_WRITE | FOLL_LONGTERM, pages);
+	got = pin_user_pages_fast(uaddr, npages, FOLL_WRITE | FOLL_LONGTERM, pages);
+	if (got != (long)npages) {
+		if (got > 0)
+			unpin_user_pages(pages, got);
+		atomic64_sub(npages, &me->pinned_vm);
+		return got < 0 ? got : -EFAULT;
+	}
+	mmgrab(me);
+	*mm = me;
+	return got;
 }
 
-void legend_shim_unpin_user(struct page **pages, unsigned long npages)
+void legend_shim_unpin_user(struct page **pages, unsigned long npages, struct mm_struct *mm)
 {
 	unpin_user_pages_dirty_lock(pages, npages, true);
+	atomic64_sub(npages, &mm->pinned_vm);
+	mmdrop(mm);
 }
 
+/*
+ * Streaming mapping of one page. Refused where the DMA API would need sync calls (SWIOTLB bounce
+ * buffers, non-coherent DMA): the device reads and writes these pages for as long as they are
+ * mapped, with no point at which a sync could run.
+ */
 int legend_shim_dma_map_page(struct device *dev, struct page *page, u64 *bus)
 {
 	dma_addr_t addr = dma_map_page(dev, page, 0, PAGE_SIZE, DMA_BIDIRECTIONAL);
 
 	if (dma_mapping_error(dev, addr))
 		return -ENOMEM;
+	if (dma_need_sync(dev, addr)) {
+		dma_unmap_page(dev, addr, PAGE_SIZE, DMA_BIDIRECTIONAL);
+		return -EOPNOTSUPP;
+	}
 	*bus = addr;
 	return 0;
 }
@@ -41,11 +82,36 @@ void legend_shim_dma_unmap_page(struct device *dev, u64 bus)
 	dma_unmap_page(dev, bus, PAGE_SIZE, DMA_BIDIRECTIONAL);
 }
 
-int legend_shim_mmap_uncached(struct vm_area_struct *vma, u64 phys)
+/*
+ * Doorbell mappings are filled on fault, by legend_nvme_doorbell_fault() under the controller's
+ * doorbell lock, so none can be created after unbind revoked them (as VFIO maps BARs).
+ */
+static vm_fault_t legend_doorbell_fault(struct vm_fault *vmf)
 {
+	vm_fault_t ret = VM_FAULT_SIGBUS;
+
+	legend_nvme_doorbell_fault(vmf->vma->vm_private_data, vmf, vmf->pgoff, &ret);
+	return ret;
+}
+
+static const struct vm_operations_struct legend_doorbell_ops = {
+	.fault = legend_doorbell_fault,
+};
+
+int legend_shim_doorbell_vma(struct vm_area_struct *vma, const void *ctx)
+{
+	if (!(vma->vm_flags & VM_SHARED))
+		return -EINVAL;
+	vm_flags_set(vma, VM_IO | VM_PFNMAP | VM_DONTEXPAND | VM_DONTDUMP | VM_DONTCOPY);
 	vma->vm_page_prot = pgprot_noncached(vma->vm_page_prot);
-	return io_remap_pfn_range(vma, vma->vm_start, phys >> PAGE_SHIFT,
-				  vma->vm_end - vma->vm_start, vma->vm_page_prot);
+	vma->vm_ops = &legend_doorbell_ops;
+	vma->vm_private_data = (void *)ctx;
+	return 0;
+}
+
+void legend_shim_insert_pfn(struct vm_fault *vmf, u64 phys, vm_fault_t *ret)
+{
+	*ret = vmf_insert_pfn(vmf->vma, vmf->address, phys >> PAGE_SHIFT);
 }
 
 unsigned long legend_shim_vma_pgoff(struct vm_area_struct *vma)
@@ -56,6 +122,52 @@ unsigned long legend_shim_vma_pgoff(struct vm_area_struct *vma)
 void legend_shim_zap_file(struct file *file)
 {
 	unmap_mapping_range(file->f_mapping, 0, 0, 1);
+}
+
+/*
+ * 0 if dev's DMA goes through a translating IOMMU domain and its IOMMU group holds no other
+ * device; -ENODEV without an IOMMU or with an identity (passthrough) domain; -EXDEV if the group
+ * is shared (another device in it could reach this one's DMA mappings, or the reverse).
+ */
+static int legend_count_dev(struct device *dev, void *count)
+{
+	(*(int *)count)++;
+	return 0;
+}
+
+int legend_shim_iommu_isolated(struct device *dev)
+{
+	struct iommu_domain *domain = iommu_get_domain_for_dev(dev);
+	struct iommu_group *group;
+	int count = 0;
+
+	if (!domain || !iommu_is_dma_domain(domain))
+		return -ENODEV;
+	group = iommu_group_get(dev);
+	if (!group)
+		return -ENODEV;
+	iommu_group_for_each_dev(group, &count, legend_count_dev);
+	iommu_group_put(group);
+	return count == 1 ? 0 : -EXDEV;
+}
+
+/* The unsafe_noiommu parameter runs the device without isolation: the kernel is no longer sound. */
+void legend_shim_taint_unsafe(void)
+{
+	add_taint(TAINT_USER, LOCKDEP_STILL_OK);
+}
+
+void legend_shim_set_master(struct device *dev, bool on)
+{
+	if (on)
+		pci_set_master(to_pci_dev(dev));
+	else
+		pci_clear_master(to_pci_dev(dev));
+}
+
+u32 legend_shim_pci_class(struct device *dev)
+{
+	return to_pci_dev(dev)->class;
 }
 
 void legend_shim_pci_address(struct device *dev, u32 *domain, u8 *bus, u8 *devfn)
@@ -77,6 +189,8 @@ static const char *const legend_stat_names[] = {
 	"bytes_pinned",
 	"admin_commands",
 	"index",
+	"failed",
+	"resets",
 };
 
 struct legend_stat_attr {

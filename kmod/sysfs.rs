@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: GPL-2.0-only
 
 //! Read-only attributes of a bound controller in `/sys/bus/pci/devices/<BDF>/legend_nvme/`:
-//! `queue_pairs` (I/O queue pairs in use), `bytes_pinned` (memory mapped through `MAP`),
-//! `admin_commands` (admin commands issued since bring-up) and `index` (`N` of its
-//! `/dev/legend-nvme<N>`, which has no parent device to link it to the PCI device).
+//! `queue_pairs` (I/O queue pairs on the controller), `bytes_pinned` (memory mapped through
+//! `MAP`), `admin_commands` (admin commands issued since bring-up), `index` (`N` of its
+//! `/dev/legend-nvme<N>`, which has no parent device to link it to the PCI device), `failed` (1
+//! while the controller is disabled after a failure) and `resets` (times it was enabled again).
 
 use core::{
     ffi::c_void,
@@ -43,6 +44,8 @@ const QUEUE_PAIRS: c_uint = 0;
 const BYTES_PINNED: c_uint = 1;
 const ADMIN_COMMANDS: c_uint = 2;
 const INDEX: c_uint = 3;
+const FAILED: c_uint = 4;
+const RESETS: c_uint = 5;
 
 /// What the attributes show: the controller and the index of its character device.
 struct Context {
@@ -67,6 +70,8 @@ unsafe extern "C" fn legend_nvme_stat(ctx: *const c_void, which: c_uint) -> u64 
         ADMIN_COMMANDS => stats.admin_commands.load(Ordering::Relaxed),
         // CAST: an index into the driver's eight names.
         INDEX => ctx.index as u64,
+        FAILED => u64::from(stats.failed.load(Ordering::Relaxed)),
+        RESETS => stats.resets.load(Ordering::Relaxed),
         _ => 0,
     }
 }

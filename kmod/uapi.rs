@@ -8,7 +8,7 @@
 //! is the same for every compiler and has no uninitialised bytes to leak.
 
 /// Version of this ABI; [`Info::abi_version`] reports it. Bumped on any incompatible change.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 
 /// Most namespaces [`Info`] describes.
 pub const MAX_NAMESPACES: usize = 16;

@@ -23,6 +23,8 @@ HOST=$CACHE/host
 KSRC=$CACHE/linux-source-7.3
 KBUILD=$CACHE/kbuild-$KVER
 TOOLS=$CACHE/bin
+# The host tools' wrappers, apart from $TOOLS (whose rustc must not shadow the user's).
+HOSTBIN=$CACHE/host-bin
 MIRROR=${LEGEND_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 SECMIRROR=${LEGEND_DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
 
@@ -32,12 +34,15 @@ die() { printf '[toolchain] error: %s\n' "$*" >&2; exit 1; }
 # cache_lock: serialises every user of the cache (two test runs at once would otherwise rebuild
 # the same tree under each other). Held until the calling shell exits.
 cache_lock() {
+    # A child of the holder (dkms build run by tests/kmod/run) must not wait for its parent.
+    [ "${LEGEND_CACHE_LOCKED:-}" = "$CACHE" ] && return 0
     mkdir -p "$CACHE"
     exec {LEGEND_LOCK_FD}>"$CACHE/.lock"
     if ! flock -n "$LEGEND_LOCK_FD"; then
         log "waiting for another run that holds $CACHE/.lock"
         flock "$LEGEND_LOCK_FD"
     fi
+    export LEGEND_CACHE_LOCKED=$CACHE
 }
 
 # Private apt: own sources list, lists and cache; the system configuration is untouched.
@@ -110,7 +115,7 @@ host_release() {
 HOST_PKGS=(flex bison m4 libelf-dev busybox-static cpio kmod)
 
 # host_tools: downloads what of HOST_PKGS (and QEMU) the machine lacks, resolved against its own
-# dpkg status, unpacks it into $HOST and writes wrappers for the tools into $TOOLS.
+# dpkg status, unpacks it into $HOST and writes wrappers for the tools into $HOSTBIN.
 host_tools() {
     if [ ! -f "$HOST/.extracted" ]; then
         local rel
@@ -145,35 +150,35 @@ SRC
     write_host_wrappers
 }
 
-# Wrappers that run the private host tools; kmake and the runner put $TOOLS first in PATH.
+# Wrappers that run the private host tools; kmake and the runner put $HOSTBIN first in PATH.
 write_host_wrappers() {
-    mkdir -p "$TOOLS"
+    mkdir -p "$HOSTBIN"
     local lib=$HOST/usr/lib/x86_64-linux-gnu t bin
     local env="LD_LIBRARY_PATH=$lib:$HOST/lib/x86_64-linux-gnu"
     for t in flex m4 cpio; do
         bin=$(compgen -G "$HOST/usr/bin/$t" || compgen -G "$HOST/bin/$t" || command -v "$t") \
             || die "host tool $t missing after unpacking (see $HOST)"
-        printf '#!/bin/sh\nexec env %s %s "$@"\n' "$env" "$bin" >"$TOOLS/$t"
+        printf '#!/bin/sh\nexec env %s %s "$@"\n' "$env" "$bin" >"$HOSTBIN/$t"
     done
     bin=$(compgen -G "$HOST/usr/bin/bison" || command -v bison) || die "host tool bison missing (see $HOST)"
     printf '#!/bin/sh\nexport BISON_PKGDATADIR=%s M4=%s\nexec %s "$@"\n' \
-        "$HOST/usr/share/bison" "$TOOLS/m4" "$bin" >"$TOOLS/bison"
+        "$HOST/usr/share/bison" "$HOSTBIN/m4" "$bin" >"$HOSTBIN/bison"
     # libelf's headers and libelf.so (objtool, resolve_btfids) for the kernel's host programs.
-    printf '#!/bin/sh\nexec gcc -I%s/usr/include "$@" -L%s -Wl,-rpath,%s\n' "$HOST" "$lib" "$lib" >"$TOOLS/hostcc"
+    printf '#!/bin/sh\nexec gcc -I%s/usr/include "$@" -L%s -Wl,-rpath,%s\n' "$HOST" "$lib" "$lib" >"$HOSTBIN/hostcc"
     bin=$(compgen -G "$HOST/bin/kmod" || compgen -G "$HOST/usr/bin/kmod" || command -v kmod) \
         || die "host tool kmod missing (see $HOST)"
     for t in depmod modprobe modinfo; do
-        printf '#!/bin/bash\nexport %s\nexec -a %s %s "$@"\n' "$env" "$t" "$bin" >"$TOOLS/$t"
+        printf '#!/bin/bash\nexport %s\nexec -a %s %s "$@"\n' "$env" "$t" "$bin" >"$HOSTBIN/$t"
     done
     bin=$(compgen -G "$HOST/bin/busybox" || command -v busybox) || die "host tool busybox missing (see $HOST)"
-    ln -sf "$bin" "$TOOLS/busybox"
+    ln -sf "$bin" "$HOSTBIN/busybox"
     bin=$(compgen -G "$HOST/usr/bin/qemu-system-x86_64" || command -v qemu-system-x86_64) \
         || die "qemu-system-x86_64 missing (see $HOST)"
     printf '#!/bin/sh\nexec env %s %s -L %s -L %s "$@"\n' "$env" "$bin" \
-        "$HOST/usr/share/seabios" "$HOST/usr/share/qemu" >"$TOOLS/qemu-system-x86_64"
+        "$HOST/usr/share/seabios" "$HOST/usr/share/qemu" >"$HOSTBIN/qemu-system-x86_64"
     bin=$(compgen -G "$HOST/usr/sbin/dkms" || command -v dkms) || die "dkms missing (see $HOST)"
-    ln -sf "$bin" "$TOOLS/dkms"
-    chmod +x "$TOOLS"/*
+    ln -sf "$bin" "$HOSTBIN/dkms"
+    chmod +x "$HOSTBIN"/*
 }
 
 RUST_LIBS=(libc6 libgcc-s1 libstdc++6 libedit2 libffi8 libxml2 libz3-4 libzstd1 zlib1g libbsd0 libtinfo6 libmd0 liblzma5 libicu76)
@@ -205,7 +210,7 @@ W
 }
 
 kmake() { # kmake ARGS... : make against the prepared tree with the matching toolchain
-    PATH=$TOOLS:$PATH make -C "$KSRC" O="$KBUILD" ARCH=x86_64 CC=gcc HOSTCC="$TOOLS/hostcc" \
+    PATH=$TOOLS:$HOSTBIN:$PATH make -C "$KSRC" O="$KBUILD" ARCH=x86_64 CC=gcc HOSTCC="$HOSTBIN/hostcc" \
         RUSTC="$TOOLS/rustc" HOSTRUSTC="$TOOLS/rustc" RUSTDOC="$TOOLS/rustdoc" \
         CLIPPY_DRIVER="$TOOLS/clippy-driver" \
         BINDGEN="$TOOLS/bindgen" PAHOLE="$TOOLS/pahole" KERNELRELEASE="$KVER" "$@"

@@ -123,15 +123,31 @@ impl Drop for Doorbells {
 }
 
 impl Device {
-    /// Opens a character device, e.g. `/dev/legend-nvme0`.
+    /// Opens a character device, e.g. `/dev/legend-nvme0`, as its one writer: the open file that
+    /// may map memory, create queue pairs and map the doorbells.
     ///
     /// # Errors
     ///
-    /// [`Error::Open`], e.g. for a missing node or missing `legend` group membership.
+    /// [`Error::Open`], e.g. for a missing node, missing `legend` group membership, or `EBUSY`
+    /// while another open file is the writer.
     pub fn open(path: &str) -> Result<Self> {
+        Self::open_with(path, true)
+    }
+
+    /// Opens a character device read-only, for [`Device::info`], [`Device::health`] and
+    /// [`Device::identify_controller`]; any number of these may be open beside the writer.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Open`].
+    pub fn open_read_only(path: &str) -> Result<Self> {
+        Self::open_with(path, false)
+    }
+
+    fn open_with(path: &str, write: bool) -> Result<Self> {
         let file = OpenOptions::new()
             .read(true)
-            .write(true)
+            .write(write)
             .open(path)
             .map_err(|source| Error::Open {
                 path: path.to_owned(),

@@ -144,7 +144,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             report(args.json, "handed back to nvme", sysfs.unbind(&bdf)?.into())?
         }
         DeviceCommand::Info { device } => {
-            let info = Device::open(&device)?.info()?;
+            let info = Device::open_read_only(&device)?.info()?;
             // Never trust the count beyond the array the ABI defines.
             let count = (info.num_namespaces as usize).min(info.namespaces.len());
             let namespaces = info.namespaces[..count]
@@ -196,7 +196,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         DeviceCommand::Health { device } => {
-            let h = Device::open(&device)?.health()?;
+            let h = Device::open_read_only(&device)?.health()?;
             let view = HealthView {
                 device,
                 critical_warning: h.critical_warning,

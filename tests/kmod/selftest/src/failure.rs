@@ -1,0 +1,189 @@
+//! When things go wrong: stray admin doorbell writes, commands whose PRPs point anywhere, and a
+//! controller that stops answering (bus mastering cleared under a live queue).
+
+use std::{fs, os::unix::fs::FileExt, time::Instant};
+
+use legend_nvme_protocol::Opcode;
+
+use crate::{basic::identify_serial, *};
+
+pub const TESTS: &[(&str, Test)] = &[
+    ("admin-doorbell-tamper", test_admin_tamper),
+    ("wild-prps-fault", test_wild_prps),
+    ("failed-delete-quiesces", test_failed_delete),
+];
+
+/// The writer can reach the admin queue's doorbells (QEMU's 4-byte stride puts them on the same
+/// page as its own); ringing them makes the controller run cleared slots, which it rejects, and
+/// the driver notices the completions it did not ask for: at most one admin call fails, the
+/// controller is reset, and everything works again.
+fn test_admin_tamper() -> TestResult {
+    let resets = attr("resets")?;
+    let dev = Dev::open()?;
+    let db = dev.doorbells()?;
+    let ro = Dev::open_ro()?;
+    let before = identify_serial(&ro)?;
+    let mut q = Queue::create(&dev, 1, 16, db.ptr)?;
+    // Offset 0 and 4 of the mapping are the admin SQ tail and CQ head (BAR0 + 0x1000).
+    for (offset, value) in [(0usize, 7u32), (0, 8), (4, 3)] {
+        // SAFETY: aligned dwords inside the doorbell mapping.
+        unsafe { db.ptr.add(offset).cast::<u32>().write_volatile(value) };
+    }
+    let mut failures = 0;
+    let serial = loop {
+        match identify_serial(&ro) {
+            Ok(s) => break s,
+            Err(e) if failures == 0 && e.contains("errno 5") => failures += 1,
+            Err(e) => return Err(format!("admin after tampering (failure {failures}): {e}")),
+        }
+    };
+    check(serial == before, || {
+        format!("serial {serial:?} after tampering")
+    })?;
+    check(attr("failed")? == 0, || "controller still failed".into())?;
+    let reset = attr("resets")? - resets;
+    check(reset == failures, || {
+        format!("{failures} failed admin calls but {reset} resets")
+    })?;
+    if failures == 1 {
+        // The reset took the writer's queue: deleting it forgets it; a new one works.
+        dev.delete_queue_pair(1)
+            .map_err(|e| format!("DELETE of a queue the reset removed: errno {e}"))?;
+        q = Queue::create(&dev, 1, 16, db.ptr)?;
+    }
+    let data = Buf::new(&dev, PAGE)?;
+    let st = q.rw(Opcode::Read, 0, 8, &data, 0)?;
+    check(st.is_success(), || format!("I/O after tampering: {st}"))
+}
+
+/// A block no other test reads or checks.
+const SCRATCH_LBA: u64 = 9000;
+
+/// Under a translating IOMMU, PRPs that name unmapped addresses (0, the MSI window, a page
+/// unmapped before) fault in the IOMMU and reach no memory; the queue and controller live on.
+/// QEMU's controller completes such commands successfully (its DMA helpers drop the data),
+/// where hardware reports a Data Transfer Error: the evidence here is the IOMMU's fault in the
+/// kernel log and the unchanged page.
+fn test_wild_prps() -> TestResult {
+    let dev = Dev::open()?;
+    let db = dev.doorbells()?;
+    // Every mapping is made before the freed page's, so its IOVA is not handed out again.
+    let qmem = Buf::new(&dev, 3 * PAGE)?;
+    let mut data = Buf::new(&dev, 2 * PAGE)?;
+    let mut freed = Buf::new(&dev, PAGE)?;
+    let freed_bus = freed.bus[0];
+    freed.slice().fill(0x5a);
+    dev.unmap(freed.handle)
+        .map_err(|e| format!("UNMAP: errno {e}"))?;
+    // Lazy IOMMU domains invalidate unmapped IOVAs within 10 ms.
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let mut q = Queue::create_in(&dev, 1, 16, db.ptr, qmem)?;
+    let mut e = Expectations::default();
+    for (name, op, prp1) in [
+        ("read into bus address 0", Opcode::Read, 0u64),
+        ("read into an unmapped page", Opcode::Read, freed_bus),
+        ("write from the MSI window", Opcode::Write, 0xfee0_0000),
+    ] {
+        if let Err(err) = q.rw_prp(op, SCRATCH_LBA, 8, prp1, 0) {
+            e.fail(format!("{name}: {err}"));
+        }
+    }
+    if freed.slice().iter().any(|&b| b != 0x5a) {
+        e.fail("the unmapped page was written".into());
+    }
+    let log = std::process::Command::new("dmesg")
+        .output()
+        .map_err(|e| format!("dmesg: {e}"))?;
+    let bdf = expect_env("LEGEND_BDF");
+    let dev_id = bdf.strip_prefix("0000:").unwrap_or(&bdf);
+    if !String::from_utf8_lossy(&log.stdout)
+        .lines()
+        .any(|l| l.contains("DMAR") && l.contains(dev_id) && l.contains("fault addr 0x0"))
+    {
+        e.fail(format!("no DMAR fault at address 0 logged for {dev_id}"));
+    }
+    let st = q.rw(Opcode::Read, 100, 8, &data, 0)?;
+    check(
+        st.is_success() && data.slice()[..BLOCK] == pattern(100, 0),
+        || format!("valid read afterwards: {st}"),
+    )?;
+    check(attr("failed")? == 0, || {
+        "wild PRPs failed the controller".into()
+    })?;
+    e.result()
+}
+
+/// The PCI command register's bus master bit, through sysfs.
+fn set_bus_master(on: bool) -> TestResult {
+    let path = format!("/sys/bus/pci/devices/{}/config", expect_env("LEGEND_BDF"));
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("{path}: {e}"))?;
+    let mut cmd = [0u8; 2];
+    f.read_exact_at(&mut cmd, 4).map_err(|e| e.to_string())?;
+    let v = u16::from_le_bytes(cmd);
+    let v = if on { v | 4 } else { v & !4 };
+    f.write_all_at(&v.to_le_bytes(), 4)
+        .map_err(|e| e.to_string())
+}
+
+/// A Delete I/O SQ the controller never answers (its bus mastering was cleared, so it cannot
+/// fetch the command): `EIO` after the admin timeout, the controller disabled, and nothing
+/// unpinned until the owner lets go; then the controller comes back for the next user.
+fn test_failed_delete() -> TestResult {
+    let resets = attr("resets")?;
+    let dev = Dev::open()?;
+    let db = dev.doorbells()?;
+    let mut q = Queue::create(&dev, 1, 16, db.ptr)?;
+    let data = Buf::new(&dev, 2 * PAGE)?;
+    let st = q.rw(Opcode::Read, 100, 8, &data, 0)?;
+    check(st.is_success(), || format!("read {st}"))?;
+    let [_, pinned, _] = counters()?;
+    set_bus_master(false)?;
+    let start = Instant::now();
+    let got = dev.delete_queue_pair(1);
+    let took = start.elapsed().as_secs_f64();
+    check(got == Err(libc::EIO), || {
+        format!("DELETE without bus mastering: {got:?}, want EIO")
+    })?;
+    let [queues, bytes, _] = counters()?;
+    check(attr("failed")? == 1 && queues == 0, || {
+        format!(
+            "after the failed DELETE ({took:.1} s): failed {:?}, {queues} queue pairs",
+            attr("failed")
+        )
+    })?;
+    check(bytes == pinned, || {
+        format!("after the failed DELETE: {bytes} bytes pinned, want {pinned} (nothing released)")
+    })?;
+    // The controller is disabled: its queue is gone, so the record can go and the memory too.
+    dev.delete_queue_pair(1)
+        .map_err(|e| format!("second DELETE: errno {e}"))?;
+    dev.unmap(data.handle)
+        .map_err(|e| format!("UNMAP after the controller stopped: errno {e}"))?;
+    drop((q, db, dev));
+    let [_, bytes, _] = counters()?;
+    check(bytes == 0, || format!("{bytes} bytes pinned after close"))?;
+    // The next writer gets a working controller.
+    let dev = Dev::open()?;
+    let db = dev.doorbells()?;
+    let mut q = Queue::create(&dev, 1, 16, db.ptr)?;
+    let mut data = Buf::new(&dev, PAGE)?;
+    let st = q.rw(Opcode::Read, 100, 8, &data, 0)?;
+    check(
+        st.is_success() && data.slice()[..BLOCK] == pattern(100, 0),
+        || format!("read after recovery: {st}"),
+    )?;
+    check(
+        attr("resets")? == resets + 1 && attr("failed")? == 0,
+        || {
+            format!(
+                "resets {:?} (was {resets}), failed {:?}",
+                attr("resets"),
+                attr("failed")
+            )
+        },
+    )
+}
