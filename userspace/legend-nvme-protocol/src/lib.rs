@@ -22,7 +22,7 @@ mod status;
 
 use bytemuck::{Pod, Zeroable};
 
-pub use queue::{QueuePair, Ring};
+pub use queue::{MAX_DEPTH, QueuePair, Ring, Unexpected};
 pub use status::{CommandError, Status};
 
 /// NVM command set opcodes this crate builds.

@@ -44,13 +44,27 @@ pub struct Health {
     pub media_errors: u64,
 }
 
-/// A host-memory mapping: the kernel pinned `len` bytes and reports one bus address per page.
+/// Memory the controller may reach: one bus address per page.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HostMapping {
-    /// Handle for [`Device::unmap`] and [`Device::create_queue_pair`].
+pub struct Mapping {
+    /// Handle for [`Controller::unmap`] and [`Controller::create_queue_pair`].
     pub handle: u32,
-    /// Bus address of each [`uapi::HOST_PAGE_SIZE`] page, for this controller.
+    /// Bytes per entry of `bus_addrs` ([`uapi::HOST_PAGE_SIZE`] or [`uapi::GPU_PAGE_SIZE`]).
+    pub page_size: u32,
+    /// Bus address of each page, for this controller.
     pub bus_addrs: Vec<u64>,
+}
+
+impl Mapping {
+    /// Bus address of byte `offset` of the mapping.
+    ///
+    /// # Panics
+    ///
+    /// If `offset` lies beyond the mapping.
+    pub fn bus(&self, offset: usize) -> u64 {
+        let page = self.page_size as usize;
+        self.bus_addrs[offset / page] + (offset % page) as u64
+    }
 }
 
 /// Doorbell offsets of a created queue pair, relative to [`Doorbells`].
@@ -64,20 +78,52 @@ pub struct QueuePair {
     pub cq_doorbell: u32,
 }
 
-/// The controller's doorbell registers mapped uncached into this process; unmapped on drop.
-#[derive(Debug)]
+/// What keeps a [`Doorbells`] region valid.
+enum Backing {
+    /// A mapping of the device file, unmapped on drop.
+    Mmap,
+    /// Memory a userspace controller owns, kept alive by the value (only ever dropped).
+    Shared(#[expect(dead_code, reason = "held for its drop")] Box<dyn Send + Sync>),
+}
+
+/// The controller's doorbell registers, mapped uncached into this process (the kernel module's
+/// device, unmapped on drop), or a userspace controller's doorbell memory.
 pub struct Doorbells {
     ptr: NonNull<u8>,
     len: usize,
+    backing: Backing,
+}
+
+impl std::fmt::Debug for Doorbells {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Doorbells")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
 }
 
 // SAFETY: the mapping is device memory shared by all threads; writes to distinct doorbells are
-// independent 32-bit MMIO stores.
+// independent 32-bit stores.
 unsafe impl Send for Doorbells {}
 // SAFETY: as above.
 unsafe impl Sync for Doorbells {}
 
 impl Doorbells {
+    /// Doorbells in memory a userspace controller polls: `len` bytes at `ptr`, kept valid by
+    /// `keep` for as long as the result lives.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be valid for 4-byte aligned volatile writes of `len` bytes while `keep` lives.
+    pub unsafe fn shared(ptr: NonNull<u8>, len: usize, keep: Box<dyn Send + Sync>) -> Self {
+        Self {
+            ptr,
+            len,
+            backing: Backing::Shared(keep),
+        }
+    }
+
     /// Base address, e.g. to register with `cuMemHostRegister(..., IOMEMORY)`.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
@@ -93,33 +139,106 @@ impl Doorbells {
         self.len == 0
     }
 
-    /// Writes `value` to the doorbell at byte `offset` (from [`QueuePair`]).
+    /// The doorbell at byte `offset` (from [`QueuePair`]).
     ///
     /// # Panics
     ///
-    /// If `offset` is not a 4-byte aligned offset inside the mapping.
-    pub fn ring(&self, offset: u32, value: u32) {
+    /// If `offset` is not a 4-byte aligned offset inside the region.
+    pub fn register(&self, offset: u32) -> *mut u32 {
         let offset = offset as usize;
         assert!(
             offset.is_multiple_of(4) && offset + 4 <= self.len,
             "doorbell offset {offset} out of range"
         );
-        // SAFETY: checked above to be an aligned dword of the live mapping.
-        unsafe {
-            self.ptr
-                .as_ptr()
-                .add(offset)
-                .cast::<u32>()
-                .write_volatile(value)
-        };
+        // SAFETY: checked above to be an aligned dword of the live region.
+        unsafe { self.ptr.as_ptr().add(offset).cast::<u32>() }
+    }
+
+    /// Writes `value` to the doorbell at byte `offset` (from [`QueuePair`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`Doorbells::register`].
+    pub fn ring(&self, offset: u32, value: u32) {
+        // SAFETY: an aligned dword of the live region.
+        unsafe { self.register(offset).write_volatile(value) };
     }
 }
 
 impl Drop for Doorbells {
     fn drop(&mut self) {
-        // SAFETY: unmapping the mapping this object owns.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if matches!(self.backing, Backing::Mmap) {
+            // SAFETY: unmapping the mapping this object owns.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        }
     }
+}
+
+/// An NVMe controller that hands this process I/O queue pairs in memory it supplies: the kernel
+/// module's [`Device`], or a controller in userspace (`legend-nvme-proxy`). Everything that
+/// drives queues (the stores' CPU submitter, the GPU I/O kernels) works through this.
+pub trait Controller: Send + Sync {
+    /// Where the controller is, for messages (`/dev/legend-nvme0`, `proxy of /data/x.img`).
+    fn label(&self) -> &str;
+
+    /// Identity and limits (`INFO`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`].
+    fn info(&self) -> Result<uapi::Info>;
+
+    /// Makes `len` bytes of host memory at `addr` reachable by the controller.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr + len` must stay mapped, and not be reused for other data, until the mapping
+    /// is released ([`Controller::unmap`] or dropping the controller): the controller writes it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`] with the errno `Documentation/uapi.md` lists for `MAP`.
+    unsafe fn map_host(&self, addr: *mut u8, len: usize) -> Result<Mapping>;
+
+    /// Makes `len` bytes of GPU memory at device address `addr` reachable by the controller.
+    ///
+    /// # Safety
+    ///
+    /// As [`Controller::map_host`], for device memory (e.g. from `cuMemAlloc`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`] (`EOPNOTSUPP` without GPU support).
+    unsafe fn map_gpu(&self, addr: u64, len: usize) -> Result<Mapping>;
+
+    /// Releases a mapping.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`] (`ENOENT`; `EBUSY` while any queue pair exists: delete the queues,
+    /// which waits for their outstanding commands, before unmapping memory they may use).
+    fn unmap(&self, handle: u32) -> Result<()>;
+
+    /// Creates I/O queue pair `args.qid` with its SQ and CQ in earlier mappings.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`] with the errno `Documentation/uapi.md` lists for `CREATE_QUEUE_PAIR`.
+    fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> Result<QueuePair>;
+
+    /// Deletes queue pair `qid`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`] (`ENOENT` if this user did not create it).
+    fn delete_queue_pair(&self, qid: u32) -> Result<()>;
+
+    /// The doorbells (`Info::doorbell_len` bytes).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Ioctl`].
+    fn doorbells(&self) -> Result<Doorbells>;
 }
 
 impl Device {
@@ -181,18 +300,6 @@ impl Device {
         } else {
             Ok(())
         }
-    }
-
-    /// Controller identity and limits (`INFO`).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Ioctl`].
-    pub fn info(&self) -> Result<uapi::Info> {
-        // SAFETY: `Info` is integers and integer arrays; all-zero is a valid value.
-        let mut info: uapi::Info = unsafe { std::mem::zeroed() };
-        self.ioctl("INFO", uapi::IOCTL_INFO, &mut info)?;
-        Ok(info)
     }
 
     fn admin(
@@ -260,41 +367,48 @@ impl Device {
         })
     }
 
-    /// Pins `len` bytes of host memory at `addr` for the controller.
-    ///
-    /// # Safety
-    ///
-    /// `addr..addr + len` must stay mapped, and not be reused for other data, until the mapping
-    /// is released ([`Device::unmap`] or closing the device): the controller writes to it.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Ioctl`] with the errno `Documentation/uapi.md` lists for `MAP`.
-    pub unsafe fn map_host(&self, addr: *mut u8, len: usize) -> Result<HostMapping> {
-        let mut bus_addrs = vec![0u64; len.div_ceil(uapi::HOST_PAGE_SIZE as usize)];
+    /// `MAP` of `len` bytes at `addr` of memory `kind`.
+    fn map(&self, kind: u32, addr: u64, len: usize, page: u32) -> Result<Mapping> {
+        let mut bus_addrs = vec![0u64; len.div_ceil(page as usize)];
         let mut a = uapi::MapArgs {
-            addr: addr as u64,
+            addr,
             len: len as u64,
             bus_addrs: bus_addrs.as_mut_ptr() as u64,
             bus_addrs_cap: u32::try_from(bus_addrs.len()).unwrap_or(u32::MAX),
-            kind: uapi::MAP_KIND_HOST,
+            kind,
             ..Default::default()
         };
         self.ioctl("MAP", uapi::IOCTL_MAP, &mut a)?;
         bus_addrs.truncate(a.pages as usize);
-        Ok(HostMapping {
+        Ok(Mapping {
             handle: a.handle,
+            page_size: a.page_size,
             bus_addrs,
         })
     }
+}
 
-    /// Releases a mapping.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Ioctl`] (`ENOENT`; `EBUSY` while this file has any queue pair: delete the queues,
-    /// which waits for their outstanding commands, before unmapping memory they may use).
-    pub fn unmap(&self, handle: u32) -> Result<()> {
+impl Controller for Device {
+    fn label(&self) -> &str {
+        &self.path
+    }
+
+    fn info(&self) -> Result<uapi::Info> {
+        // SAFETY: `Info` is integers and integer arrays; all-zero is a valid value.
+        let mut info: uapi::Info = unsafe { std::mem::zeroed() };
+        self.ioctl("INFO", uapi::IOCTL_INFO, &mut info)?;
+        Ok(info)
+    }
+
+    unsafe fn map_host(&self, addr: *mut u8, len: usize) -> Result<Mapping> {
+        self.map(uapi::MAP_KIND_HOST, addr as u64, len, uapi::HOST_PAGE_SIZE)
+    }
+
+    unsafe fn map_gpu(&self, addr: u64, len: usize) -> Result<Mapping> {
+        self.map(uapi::MAP_KIND_GPU, addr, len, uapi::GPU_PAGE_SIZE)
+    }
+
+    fn unmap(&self, handle: u32) -> Result<()> {
         self.ioctl(
             "UNMAP",
             uapi::IOCTL_UNMAP,
@@ -302,12 +416,7 @@ impl Device {
         )
     }
 
-    /// Creates I/O queue pair `qid` with its SQ and CQ in earlier mappings.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Ioctl`] with the errno `Documentation/uapi.md` lists for `CREATE_QUEUE_PAIR`.
-    pub fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> Result<QueuePair> {
+    fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> Result<QueuePair> {
         let mut a = args;
         self.ioctl("CREATE_QUEUE_PAIR", uapi::IOCTL_CREATE_QUEUE_PAIR, &mut a)?;
         Ok(QueuePair {
@@ -317,12 +426,7 @@ impl Device {
         })
     }
 
-    /// Deletes queue pair `qid`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Ioctl`] (`ENOENT` if this file did not create it).
-    pub fn delete_queue_pair(&self, qid: u32) -> Result<()> {
+    fn delete_queue_pair(&self, qid: u32) -> Result<()> {
         self.ioctl(
             "DELETE_QUEUE_PAIR",
             uapi::IOCTL_DELETE_QUEUE_PAIR,
@@ -330,12 +434,7 @@ impl Device {
         )
     }
 
-    /// Maps the doorbell registers (`Info::doorbell_len` bytes).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Ioctl`] for the `INFO` or `mmap` call.
-    pub fn doorbells(&self) -> Result<Doorbells> {
+    fn doorbells(&self) -> Result<Doorbells> {
         let len = self.info()?.doorbell_len as usize;
         // SAFETY: a new shared mapping of the device at offset 0; the result is checked.
         let p = unsafe {
@@ -358,6 +457,10 @@ impl Device {
             op: "mmap",
             source: io::Error::from_raw_os_error(libc::EINVAL),
         })?;
-        Ok(Doorbells { ptr, len })
+        Ok(Doorbells {
+            ptr,
+            len,
+            backing: Backing::Mmap,
+        })
     }
 }

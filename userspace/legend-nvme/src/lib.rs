@@ -4,13 +4,15 @@
 //!   `legend_nvme` (what `legendctl device list|bind|unbind` does).
 //! - [`Device`] opens `/dev/legend-nvme<N>` and wraps its ioctls and the doorbell `mmap`
 //!   (what `legendctl device info|health` and the daemon use).
+//! - [`Controller`] is what drives queues needs of a controller: the kernel module's [`Device`]
+//!   implements it, and so does the userspace proxy controller (`legend-nvme-proxy`).
 
 mod device;
 mod sysfs;
 
-pub use device::{Device, Doorbells, Health, HostMapping, QueuePair};
+pub use device::{Controller, Device, Doorbells, Health, Mapping, QueuePair};
 pub use legend_uapi as uapi;
-pub use sysfs::{Controller, Sysfs};
+pub use sysfs::{PciController, Sysfs};
 
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error)]

@@ -14,9 +14,9 @@ pub const LEGEND_DRIVER: &str = "legend_nvme";
 /// The stock Linux driver.
 pub const STOCK_DRIVER: &str = "nvme";
 
-/// An NVMe controller as sysfs describes it.
+/// An NVMe controller as sysfs describes its PCI function.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Controller {
+pub struct PciController {
     /// PCI address, `DDDD:BB:DD.F`.
     pub bdf: String,
     /// Bound driver, if any.
@@ -91,7 +91,7 @@ impl Sysfs {
     /// # Errors
     ///
     /// [`Error::Sysfs`] if a device's attributes cannot be read.
-    pub fn list(&self) -> Result<Vec<Controller>> {
+    pub fn list(&self) -> Result<Vec<PciController>> {
         let mut out = Vec::new();
         for bdf in names(&self.sys.join("bus/pci/devices")) {
             let dir = self.device_dir(&bdf);
@@ -107,7 +107,7 @@ impl Sysfs {
     /// # Errors
     ///
     /// [`Error::NotFound`] if there is no NVMe controller at `bdf`.
-    pub fn controller(&self, bdf: &str) -> Result<Controller> {
+    pub fn controller(&self, bdf: &str) -> Result<PciController> {
         let dir = self.device_dir(bdf);
         if !read(&dir.join("class")).is_ok_and(|c| c == NVME_CLASS) {
             return Err(Error::NotFound(bdf.to_owned()));
@@ -115,7 +115,7 @@ impl Sysfs {
         self.describe(bdf)
     }
 
-    fn describe(&self, bdf: &str) -> Result<Controller> {
+    fn describe(&self, bdf: &str) -> Result<PciController> {
         let dir = self.device_dir(bdf);
         let driver = fs::read_link(dir.join("driver"))
             .ok()
@@ -149,7 +149,7 @@ impl Sysfs {
         let char_device = read(&dir.join("legend_nvme/index"))
             .ok()
             .map(|n| format!("/dev/legend-nvme{n}"));
-        Ok(Controller {
+        Ok(PciController {
             bdf: bdf.to_owned(),
             driver,
             id: (
@@ -176,7 +176,7 @@ impl Sysfs {
 
     /// Why the controller's block devices are busy: mounted, held by another block device
     /// (LVM, md), or open by a process; `None` if they are free.
-    pub fn in_use(&self, c: &Controller) -> Option<String> {
+    pub fn in_use(&self, c: &PciController) -> Option<String> {
         let mounts = fs::read_to_string(self.proc.join("mounts")).unwrap_or_default();
         for b in &c.block_devices {
             let dev = format!("/dev/{b}");
@@ -217,7 +217,7 @@ impl Sysfs {
     ///
     /// [`Error::NotFound`], [`Error::InUse`], [`Error::Sysfs`], or [`Error::NotBound`] if the
     /// module did not take it (not loaded, or probe failed: see dmesg).
-    pub fn bind(&self, bdf: &str, force: bool) -> Result<Controller> {
+    pub fn bind(&self, bdf: &str, force: bool) -> Result<PciController> {
         let c = self.controller(bdf)?;
         if c.driver.as_deref() == Some(LEGEND_DRIVER) {
             return Ok(c);
@@ -236,7 +236,7 @@ impl Sysfs {
     /// # Errors
     ///
     /// As [`Sysfs::bind`], without the in-use check (`legend_nvme` revokes its users itself).
-    pub fn unbind(&self, bdf: &str) -> Result<Controller> {
+    pub fn unbind(&self, bdf: &str) -> Result<PciController> {
         let c = self.controller(bdf)?;
         if c.driver.as_deref() == Some(STOCK_DRIVER) {
             return Ok(c);
@@ -244,7 +244,7 @@ impl Sysfs {
         self.switch(&c, STOCK_DRIVER)
     }
 
-    fn switch(&self, c: &Controller, to: &str) -> Result<Controller> {
+    fn switch(&self, c: &PciController, to: &str) -> Result<PciController> {
         let dir = self.device_dir(&c.bdf);
         // The override makes the probe below pick `to` and keeps other drivers off the device.
         write(&dir.join("driver_override"), to)?;

@@ -1,6 +1,6 @@
 //! `legendctl device`: NVMe controllers for the `legend_nvme` module.
 
-use legend_nvme::{Device, Sysfs};
+use legend_nvme::{Controller, Device, Sysfs};
 use serde::Serialize;
 
 /// Arguments of `legendctl device`.
@@ -54,8 +54,8 @@ struct ControllerView {
     legend_device: Option<String>,
 }
 
-impl From<legend_nvme::Controller> for ControllerView {
-    fn from(c: legend_nvme::Controller) -> Self {
+impl From<legend_nvme::PciController> for ControllerView {
+    fn from(c: legend_nvme::PciController) -> Self {
         ControllerView {
             bdf: c.bdf,
             driver: c.driver,

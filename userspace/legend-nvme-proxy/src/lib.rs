@@ -1,0 +1,502 @@
+//! A userspace NVMe controller: the `proxy` storage backend and the GPU I/O kernels' peer on
+//! machines without a bindable SSD (the GPU machines, cloud VMs with virtual disks).
+//!
+//! A [`Proxy`] serves I/O queue pairs exactly as `legend_nvme` hands them out (it implements
+//! [`legend_nvme::Controller`]): the user maps memory, creates queue pairs whose rings live in
+//! its own memory, and rings doorbells, which here are words of a page the proxy polls. A
+//! controller thread fetches the commands, runs them against a file or block device with
+//! `io_uring` (`O_DIRECT` where the file system allows it), moves their data to and from the
+//! memory their PRPs name (host memory directly, GPU memory through a [`DeviceMemory`], the
+//! GPU's copy engine) and posts completions with phase tags. The only difference a queue user
+//! sees from a real controller is where the rings and doorbells are.
+//!
+//! Faults can be injected ([`Faults`]): error statuses by LBA range or command count, a delay
+//! before each completion, lost doorbell writes.
+
+mod memory;
+mod service;
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::ops::Range;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use legend_nvme::{Controller, Doorbells, Mapping, QueuePair, uapi};
+use legend_nvme_protocol::{Cqe, MAX_DEPTH, Sqe, Status};
+
+pub use memory::DeviceMemory;
+use memory::{AddressSpace, Kind, Region};
+use service::{Queue, Service, State, lock};
+
+/// Faults the proxy injects; change them at any time with [`Proxy::set_faults`].
+#[derive(Clone, Debug, Default)]
+pub struct Faults {
+    /// Reads and writes touching these LBAs complete with this status.
+    pub fail_lbas: Option<(Range<u64>, Status)>,
+    /// Every n-th command fetched (counting from 1) completes with this status.
+    pub fail_every: Option<(u64, Status)>,
+    /// Each completion is posted no earlier than this after its command was fetched.
+    pub delay: Duration,
+    /// SQ tail doorbell writes to lose: the proxy acts as if it had not seen them (until the
+    /// queue's doorbell is written again).
+    pub lose_doorbells: u32,
+}
+
+/// How a proxy presents itself.
+#[derive(Clone, Debug)]
+pub struct ProxyOptions {
+    /// log2 of the LBA size: 9 (512 B) or 12 (4 KiB).
+    pub lba_shift: u32,
+    /// First byte of the backing file the namespace starts at, in LBAs.
+    pub start_lba: u64,
+    /// Blocks of the namespace; `None`: what fits in the file after `start_lba`.
+    pub blocks: Option<u64>,
+    /// Largest transfer of one command, in bytes (MDTS).
+    pub max_transfer: u32,
+    /// I/O queue pairs offered (qids `1..=queue_pairs`).
+    pub queue_pairs: u16,
+    /// Commands in flight against the file at once (bounce buffers of `max_transfer` each).
+    pub io_depth: u16,
+}
+
+impl Default for ProxyOptions {
+    fn default() -> Self {
+        ProxyOptions {
+            lba_shift: 9,
+            start_lba: 0,
+            blocks: None,
+            max_transfer: 1 << 20,
+            queue_pairs: 64,
+            io_depth: 64,
+        }
+    }
+}
+
+/// What the API and the controller thread share.
+pub(crate) struct Shared {
+    pub(crate) state: Mutex<State>,
+    pub(crate) faults: Mutex<Faults>,
+    doorbells: NonNull<u32>,
+    pub(crate) lba_shift: u32,
+    pub(crate) start_lba: u64,
+    pub(crate) blocks: u64,
+    pub(crate) max_transfer: u32,
+    bounce: (usize, usize),
+}
+
+// SAFETY: the doorbell page and bounce buffers are plain memory owned by the proxy, written by
+// the queue users and read by the controller thread with volatile accesses.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+/// Bytes of the doorbell page.
+const DOORBELL_PAGE: usize = 4096;
+
+impl Shared {
+    /// The doorbell word `index` (2 qid for the SQ tail, 2 qid + 1 for the CQ head).
+    pub(crate) fn doorbell(&self, index: u16) -> *mut u32 {
+        // SAFETY: indices stay below 2 (queue_pairs + 1) <= 1024 words of the page (checked
+        // at open).
+        unsafe { self.doorbells.as_ptr().add(usize::from(index)) }
+    }
+}
+
+/// Anonymous page-aligned memory, zeroed, released on drop.
+struct Pages {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: plain memory.
+unsafe impl Send for Pages {}
+// SAFETY: plain memory.
+unsafe impl Sync for Pages {}
+
+impl Pages {
+    fn new(len: usize) -> io::Result<Pages> {
+        // SAFETY: a fresh anonymous mapping; checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Pages {
+            ptr: NonNull::new(p.cast()).ok_or_else(io::Error::last_os_error)?,
+            len,
+        })
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A userspace NVMe controller over a file or block device. Dropping it stops the controller
+/// thread once the commands in flight are done.
+pub struct Proxy {
+    label: String,
+    shared: Arc<Shared>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    info: uapi::Info,
+    /// The doorbell page and the bounce buffers, released after the thread stopped.
+    memory: Arc<(Pages, Pages)>,
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxy").field("label", &self.label).finish()
+    }
+}
+
+fn einval(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, msg)
+}
+
+fn errno(op: &'static str, code: i32) -> legend_nvme::Error {
+    legend_nvme::Error::Ioctl {
+        op,
+        source: io::Error::from_raw_os_error(code),
+    }
+}
+
+impl Proxy {
+    /// Starts a proxy controller over `path` (a regular file or block device, opened read-write
+    /// with `O_DIRECT` where the file system allows it).
+    ///
+    /// # Errors
+    ///
+    /// The file cannot be opened or sized, or the options do not make a namespace (a file
+    /// shorter than `start_lba` plus one block, an LBA size other than 512 B or 4 KiB, a
+    /// transfer size that is not a multiple of the LBA size).
+    pub fn open(path: &Path, opts: &ProxyOptions) -> io::Result<Proxy> {
+        let label = format!("proxy of {}", path.display());
+        if opts.lba_shift != 9 && opts.lba_shift != 12 {
+            return Err(einval(format!(
+                "{label}: LBA size 2^{} B (512 B or 4 KiB)",
+                opts.lba_shift
+            )));
+        }
+        let lba = 1u64 << opts.lba_shift;
+        if opts.max_transfer == 0 || u64::from(opts.max_transfer) % lba != 0 {
+            return Err(einval(format!(
+                "{label}: max transfer {} B is not a multiple of the {lba} B LBA",
+                opts.max_transfer
+            )));
+        }
+        if opts.queue_pairs == 0 || 2 * (usize::from(opts.queue_pairs) + 1) * 4 > DOORBELL_PAGE {
+            return Err(einval(format!(
+                "{label}: {} queue pairs (1 to 511)",
+                opts.queue_pairs
+            )));
+        }
+        let open = |direct: bool| {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(if direct { libc::O_DIRECT } else { 0 })
+                .open(path)
+        };
+        let file = match open(true) {
+            Ok(f) => f,
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => open(false)?,
+            Err(e) => return Err(io::Error::new(e.kind(), format!("{label}: {e}"))),
+        };
+        let bytes = file_size(&file)?;
+        let fits = (bytes >> opts.lba_shift).saturating_sub(opts.start_lba);
+        let blocks = opts.blocks.unwrap_or(fits);
+        if blocks == 0 || blocks > fits {
+            return Err(einval(format!(
+                "{label}: {bytes} bytes hold {fits} blocks of {lba} B after LBA {}, not {blocks}",
+                opts.start_lba
+            )));
+        }
+        let slots = usize::from(opts.io_depth.max(1));
+        let doorbells = Pages::new(DOORBELL_PAGE)?;
+        let bounce = Pages::new(slots * opts.max_transfer as usize)?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                queues: Vec::new(),
+                space: AddressSpace::default(),
+                next_handle: 1,
+            }),
+            faults: Mutex::new(Faults::default()),
+            doorbells: doorbells.ptr.cast(),
+            lba_shift: opts.lba_shift,
+            start_lba: opts.start_lba,
+            blocks,
+            max_transfer: opts.max_transfer,
+            bounce: (bounce.ptr.as_ptr() as usize, bounce.len),
+        });
+        let info = info(opts, blocks, path);
+        let stop = Arc::new(AtomicBool::new(false));
+        let service = Service::new(shared.clone(), file, slots, bounce.ptr.as_ptr());
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("nvme-proxy".into())
+                .spawn(move || service.run(&stop))?
+        };
+        tracing::debug!(%label, blocks, lba, "proxy controller started");
+        Ok(Proxy {
+            label,
+            shared,
+            stop,
+            thread: Some(thread),
+            info,
+            memory: Arc::new((doorbells, bounce)),
+        })
+    }
+
+    /// Lets the proxy reach GPU memory (`map_gpu`) through `device`, and page-locks its bounce
+    /// buffers with it.
+    ///
+    /// # Errors
+    ///
+    /// The device's error when pinning the bounce buffers.
+    pub fn attach_device(&self, device: Arc<dyn DeviceMemory>) -> io::Result<()> {
+        let (ptr, len) = self.shared.bounce;
+        device.pin(ptr as *mut u8, len)?;
+        lock(&self.shared.state).space.device = Some(device);
+        Ok(())
+    }
+
+    /// Replaces the injected faults.
+    pub fn set_faults(&self, faults: Faults) {
+        *lock(&self.shared.faults) = faults;
+    }
+
+    /// The namespace's size in blocks.
+    pub fn blocks(&self) -> u64 {
+        self.shared.blocks
+    }
+
+    fn map(&self, start: u64, len: usize, kind: Kind) -> legend_nvme::Result<Mapping> {
+        let page = u64::from(match kind {
+            Kind::Host => uapi::HOST_PAGE_SIZE,
+            Kind::Gpu => uapi::GPU_PAGE_SIZE,
+        });
+        if len == 0 || !start.is_multiple_of(page) || !(len as u64).is_multiple_of(page) {
+            return Err(errno("MAP", libc::EINVAL));
+        }
+        let mut state = lock(&self.shared.state);
+        if kind == Kind::Gpu && state.space.device.is_none() {
+            return Err(errno("MAP", libc::EOPNOTSUPP));
+        }
+        let end = start + len as u64;
+        if state
+            .space
+            .regions
+            .iter()
+            .any(|r| start < r.start + r.len && r.start < end)
+        {
+            // One bus address names one region.
+            return Err(errno("MAP", libc::EEXIST));
+        }
+        let handle = state.next_handle;
+        state.next_handle += 1;
+        let region = Region {
+            handle,
+            start,
+            len: len as u64,
+            kind,
+        };
+        state.space.regions.push(region);
+        Ok(Mapping {
+            handle,
+            page_size: region.page_size(),
+            bus_addrs: (0..len as u64 / page).map(|i| start + i * page).collect(),
+        })
+    }
+}
+
+fn file_size(file: &File) -> io::Result<u64> {
+    let meta = file.metadata()?;
+    if meta.file_type().is_block_device() {
+        use std::io::Seek;
+        let mut f = file.try_clone()?;
+        return f.seek(io::SeekFrom::End(0));
+    }
+    Ok(meta.len())
+}
+
+/// The identity a proxy reports.
+fn info(opts: &ProxyOptions, blocks: u64, path: &Path) -> uapi::Info {
+    let mut model = [b' '; 40];
+    let name = b"Legend NVMe proxy";
+    model[..name.len()].copy_from_slice(name);
+    let mut serial = [b' '; 20];
+    let tag = format!("{:016x}", fnv(path.to_string_lossy().as_bytes()));
+    serial[..16].copy_from_slice(tag.as_bytes());
+    let mut firmware = [b' '; 8];
+    firmware[..5].copy_from_slice(b"0.1.0");
+    let mut namespaces = [uapi::NamespaceInfo::default(); uapi::MAX_NAMESPACES];
+    namespaces[0] = uapi::NamespaceInfo {
+        nsid: 1,
+        lba_shift: opts.lba_shift,
+        blocks,
+    };
+    uapi::Info {
+        abi_version: uapi::ABI_VERSION,
+        pci_domain: 0,
+        pci_bus: 0,
+        pci_device: 0,
+        pci_function: 0,
+        _pad0: 0,
+        nvme_version: 0x0002_0000,
+        model,
+        serial,
+        firmware,
+        max_queue_entries: u32::from(MAX_DEPTH),
+        doorbell_stride: 4,
+        max_transfer: opts.max_transfer,
+        queue_pairs: u32::from(opts.queue_pairs),
+        doorbell_len: DOORBELL_PAGE as u32,
+        num_namespaces: 1,
+        _pad1: 0,
+        namespaces,
+    }
+}
+
+/// FNV-1a, for a serial number that follows the backing path.
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+impl Controller for Proxy {
+    fn label(&self) -> &str {
+        &self.label
+    }
+
+    fn info(&self) -> legend_nvme::Result<uapi::Info> {
+        Ok(self.info)
+    }
+
+    unsafe fn map_host(&self, addr: *mut u8, len: usize) -> legend_nvme::Result<Mapping> {
+        self.map(addr as u64, len, Kind::Host)
+    }
+
+    unsafe fn map_gpu(&self, addr: u64, len: usize) -> legend_nvme::Result<Mapping> {
+        self.map(addr, len, Kind::Gpu)
+    }
+
+    fn unmap(&self, handle: u32) -> legend_nvme::Result<()> {
+        let mut state = lock(&self.shared.state);
+        let i = state
+            .space
+            .regions
+            .iter()
+            .position(|r| r.handle == handle)
+            .ok_or(errno("UNMAP", libc::ENOENT))?;
+        // As the kernel module: commands in flight may point anywhere in the user's memory.
+        if !state.queues.is_empty() {
+            return Err(errno("UNMAP", libc::EBUSY));
+        }
+        state.space.regions.remove(i);
+        Ok(())
+    }
+
+    fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> legend_nvme::Result<QueuePair> {
+        let fail = |code| Err(errno("CREATE_QUEUE_PAIR", code));
+        let depth = match u16::try_from(args.depth) {
+            Ok(d) if (2..=MAX_DEPTH).contains(&d) => d,
+            _ => return fail(libc::EINVAL),
+        };
+        let qid = match u16::try_from(args.qid) {
+            Ok(q) if q >= 1 && u32::from(q) <= self.info.queue_pairs => q,
+            _ => return fail(libc::EINVAL),
+        };
+        let mut state = lock(&self.shared.state);
+        if state.queues.iter().any(|q| q.qid == qid) {
+            return fail(libc::EBUSY);
+        }
+        let ring = |handle: u32, offset: u64, bytes: u64| -> Option<u64> {
+            let r = state.space.regions.iter().find(|r| r.handle == handle)?;
+            (r.kind == Kind::Host
+                && offset.is_multiple_of(4096)
+                && offset.checked_add(bytes)? <= r.len)
+                .then_some(r.start + offset)
+        };
+        let sq = ring(args.sq_handle, args.sq_offset, u64::from(depth) * 64);
+        let cq = ring(args.cq_handle, args.cq_offset, u64::from(depth) * 16);
+        let (Some(sq), Some(cq)) = (sq, cq) else {
+            return fail(libc::EINVAL);
+        };
+        // Fresh doorbells: the CQ head and SQ tail start at 0.
+        for i in [2 * qid, 2 * qid + 1] {
+            // SAFETY: a doorbell word of the proxy's page.
+            unsafe { self.shared.doorbell(i).write_volatile(0) };
+        }
+        state
+            .queues
+            .push(Queue::new(qid, depth, sq as *const Sqe, cq as *mut Cqe));
+        let stride = self.info.doorbell_stride;
+        Ok(QueuePair {
+            qid: u32::from(qid),
+            sq_doorbell: 2 * u32::from(qid) * stride,
+            cq_doorbell: (2 * u32::from(qid) + 1) * stride,
+        })
+    }
+
+    fn delete_queue_pair(&self, qid: u32) -> legend_nvme::Result<()> {
+        {
+            let mut state = lock(&self.shared.state);
+            let q = state
+                .queues
+                .iter_mut()
+                .find(|q| u32::from(q.qid) == qid)
+                .ok_or(errno("DELETE_QUEUE_PAIR", libc::ENOENT))?;
+            q.deleting = true;
+        }
+        // As Delete I/O SQ: returns once the queue's commands completed.
+        loop {
+            let mut state = lock(&self.shared.state);
+            let i = state
+                .queues
+                .iter()
+                .position(|q| u32::from(q.qid) == qid)
+                .expect("marked above");
+            if state.queues[i].idle() {
+                state.queues.remove(i);
+                return Ok(());
+            }
+            drop(state);
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    fn doorbells(&self) -> legend_nvme::Result<Doorbells> {
+        let keep: Box<dyn Send + Sync> = Box::new(self.memory.clone());
+        // SAFETY: the doorbell page is valid for writes while `keep` holds it.
+        Ok(unsafe { Doorbells::shared(self.memory.0.ptr, DOORBELL_PAGE, keep) })
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! The proxy's address space: what its "bus addresses" name, and its DMA engine.
+//!
+//! Host memory mapped through the proxy keeps its virtual address as bus address (the proxy
+//! runs in the same process), GPU memory its device address: with CUDA's unified addressing
+//! the two never overlap, so a bus address names one region or none. An address in no region
+//! is what an IOMMU would fault on: the command fails with a Data Transfer Error.
+
+use std::io;
+use std::ptr;
+use std::sync::Arc;
+
+use legend_nvme::uapi;
+
+/// Copies to and from GPU memory for the proxy: its DMA engine is the GPU's copy engine.
+/// `legend-cuda` implements it with the CUDA driver.
+pub trait DeviceMemory: Send + Sync {
+    /// Copies `src` to device address `dst`.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    fn write(&self, dst: u64, src: &[u8]) -> io::Result<()>;
+
+    /// Copies from device address `src` into `dst`.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    fn read(&self, src: u64, dst: &mut [u8]) -> io::Result<()>;
+
+    /// Page-locks `len` bytes of host memory at `ptr` (the proxy's bounce buffers) so copies
+    /// through it run at full speed; kept until the process ends or the memory is freed.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    fn pin(&self, ptr: *mut u8, len: usize) -> io::Result<()>;
+}
+
+/// What a mapping covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Host memory of this process.
+    Host,
+    /// GPU memory (device addresses).
+    Gpu,
+}
+
+/// One mapping.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Region {
+    pub(crate) handle: u32,
+    pub(crate) start: u64,
+    pub(crate) len: u64,
+    pub(crate) kind: Kind,
+}
+
+impl Region {
+    fn contains(&self, bus: u64, len: u64) -> bool {
+        bus >= self.start
+            && bus
+                .checked_add(len)
+                .is_some_and(|e| e <= self.start + self.len)
+    }
+
+    /// Bytes per bus-address entry.
+    pub(crate) fn page_size(&self) -> u32 {
+        match self.kind {
+            Kind::Host => uapi::HOST_PAGE_SIZE,
+            Kind::Gpu => uapi::GPU_PAGE_SIZE,
+        }
+    }
+}
+
+/// The regions the controller may reach, and how to reach GPU ones.
+#[derive(Clone, Default)]
+pub(crate) struct AddressSpace {
+    pub(crate) regions: Vec<Region>,
+    pub(crate) device: Option<Arc<dyn DeviceMemory>>,
+}
+
+/// A bus address the proxy cannot reach: an IOMMU fault on real hardware.
+#[derive(Debug)]
+pub(crate) struct Fault;
+
+impl AddressSpace {
+    fn find(&self, bus: u64, len: u64) -> Result<&Region, Fault> {
+        self.regions
+            .iter()
+            .find(|r| r.contains(bus, len))
+            .ok_or(Fault)
+    }
+
+    /// Writes `src` at bus address `bus` (DMA to memory).
+    pub(crate) fn write(&self, bus: u64, src: &[u8]) -> Result<(), Fault> {
+        match self.find(bus, src.len() as u64)?.kind {
+            // SAFETY: the range lies in a host mapping, which its owner keeps valid while mapped
+            // (the `map_host` contract); the controller may write it at any time.
+            Kind::Host => unsafe {
+                ptr::copy_nonoverlapping(src.as_ptr(), bus as *mut u8, src.len());
+            },
+            Kind::Gpu => self.device()?.write(bus, src).map_err(|_| Fault)?,
+        }
+        Ok(())
+    }
+
+    /// Reads `dst.len()` bytes at bus address `bus` (DMA from memory).
+    pub(crate) fn read(&self, bus: u64, dst: &mut [u8]) -> Result<(), Fault> {
+        match self.find(bus, dst.len() as u64)?.kind {
+            // SAFETY: as in `write`.
+            Kind::Host => unsafe {
+                ptr::copy_nonoverlapping(bus as *const u8, dst.as_mut_ptr(), dst.len());
+            },
+            Kind::Gpu => self.device()?.read(bus, dst).map_err(|_| Fault)?,
+        }
+        Ok(())
+    }
+
+    /// Reads one little-endian 64-bit PRP list entry.
+    pub(crate) fn read_u64(&self, bus: u64) -> Option<u64> {
+        let mut b = [0u8; 8];
+        self.read(bus, &mut b).ok()?;
+        Some(u64::from_le_bytes(b))
+    }
+
+    fn device(&self) -> Result<&Arc<dyn DeviceMemory>, Fault> {
+        self.device.as_ref().ok_or(Fault)
+    }
+}

@@ -1,0 +1,284 @@
+//! The proxy controller driven as the queue users drive a real one: queue memory and data
+//! buffers mapped through it, commands built with `legend-nvme-protocol`, doorbells rung.
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::time::{Duration, Instant};
+
+use legend_nvme::Controller;
+use legend_nvme_protocol::{Opcode, QueuePair, Sqe, Status, prp};
+use legend_nvme_proxy::{Faults, Proxy, ProxyOptions};
+
+const PAGE: usize = 4096;
+const BLOCKS: u64 = 4096;
+
+/// Page-aligned zeroed host memory.
+struct Mem(Vec<u8>, usize);
+
+impl Mem {
+    fn new(len: usize) -> Mem {
+        let v = vec![0u8; len + PAGE];
+        let off = v.as_ptr().align_offset(PAGE);
+        Mem(v, off)
+    }
+    fn ptr(&mut self) -> *mut u8 {
+        // SAFETY: `off < PAGE`, inside the vector.
+        unsafe { self.0.as_mut_ptr().add(self.1) }
+    }
+    fn bytes(&mut self, len: usize) -> &mut [u8] {
+        let off = self.1;
+        &mut self.0[off..off + len]
+    }
+}
+
+fn pattern(lba: u64) -> Vec<u8> {
+    (0..512)
+        .map(|i| (lba as usize * 31 + i * 7) as u8)
+        .collect()
+}
+
+fn backing() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ns.img");
+    let mut f = std::fs::File::create(&path).unwrap();
+    for lba in 0..BLOCKS {
+        f.write_all(&pattern(lba)).unwrap();
+    }
+    (dir, path)
+}
+
+/// A queue pair of `depth` entries in memory mapped through `proxy`, with a data buffer of
+/// `data` bytes and a PRP list page.
+struct Fixture {
+    _qmem: Mem,
+    data: Mem,
+    data_bus: Vec<u64>,
+    list: *mut u64,
+    list_bus: u64,
+    qp: QueuePair,
+    _db: legend_nvme::Doorbells,
+}
+
+impl Fixture {
+    fn new(proxy: &Proxy, qid: u32, depth: u16, data: usize) -> Fixture {
+        let mut qmem = Mem::new(3 * PAGE);
+        let mut dmem = Mem::new(data);
+        // SAFETY: both stay allocated (in the fixture) for as long as the proxy uses them.
+        let (qmap, dmap) = unsafe {
+            (
+                proxy.map_host(qmem.ptr(), 3 * PAGE).unwrap(),
+                proxy.map_host(dmem.ptr(), data).unwrap(),
+            )
+        };
+        let q = proxy
+            .create_queue_pair(legend_nvme::uapi::QueuePairArgs {
+                qid,
+                depth: u32::from(depth),
+                sq_handle: qmap.handle,
+                cq_handle: qmap.handle,
+                sq_offset: 0,
+                cq_offset: PAGE as u64,
+                ..Default::default()
+            })
+            .unwrap();
+        let db = proxy.doorbells().unwrap();
+        // SAFETY: the rings lie in `qmem`, the doorbells in `db`, both kept by the fixture.
+        let qp = unsafe {
+            QueuePair::new(
+                depth,
+                qmem.ptr().cast(),
+                qmem.ptr().add(PAGE).cast(),
+                db.register(q.sq_doorbell),
+                db.register(q.cq_doorbell),
+            )
+        };
+        // SAFETY: the third page of the queue memory.
+        let list = unsafe { qmem.ptr().add(2 * PAGE).cast::<u64>() };
+        Fixture {
+            list,
+            list_bus: qmap.bus(2 * PAGE),
+            _qmem: qmem,
+            data: dmem,
+            data_bus: dmap.bus_addrs,
+            qp,
+            _db: db,
+        }
+    }
+
+    fn prps(&self, offset: usize, len: u64) -> prp::Prp {
+        // SAFETY: one page of list entries in the fixture's queue memory.
+        let list = unsafe { std::slice::from_raw_parts_mut(self.list, PAGE / 8) };
+        let first = offset / PAGE;
+        prp::build(
+            (offset % PAGE) as u64,
+            len,
+            |i| self.data_bus[first + i],
+            list,
+            self.list_bus,
+        )
+        .unwrap()
+    }
+
+    /// Submits and waits (at most `timeout`) for one command.
+    fn run(&mut self, sqe: Sqe, timeout: Duration) -> Result<Status, String> {
+        let cid = self.qp.push(sqe).ok_or("queue full")?;
+        self.qp.ring_sq();
+        let start = Instant::now();
+        loop {
+            if let Some(done) = self.qp.poll() {
+                self.qp.ring_cq();
+                let (slot, cqe) = done.map_err(|e| e.to_string())?;
+                assert_eq!(slot, cid);
+                return Ok(cqe.status());
+            }
+            if start.elapsed() > timeout {
+                return Err(format!("no completion within {timeout:?}"));
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    fn rw(&mut self, op: Opcode, lba: u64, blocks: u32, offset: usize) -> Status {
+        let p = self.prps(offset, u64::from(blocks) * 512);
+        self.run(
+            Sqe::read_write(op, 1, lba, blocks, p),
+            Duration::from_secs(10),
+        )
+        .unwrap()
+    }
+}
+
+#[test]
+fn reads_and_writes_move_every_byte_through_prp_lists() {
+    let (_dir, path) = backing();
+    let proxy = Proxy::open(&path, &ProxyOptions::default()).unwrap();
+    let info = proxy.info().unwrap();
+    assert_eq!(info.namespaces[0].blocks, BLOCKS);
+    let mut f = Fixture::new(&proxy, 1, 16, 64 * PAGE);
+    // 100 blocks (13 pages) from byte 512 of the buffer: a PRP list.
+    let st = f.rw(Opcode::Read, 7, 100, 512);
+    assert!(st.is_success(), "{st}");
+    for i in 0..100u64 {
+        assert_eq!(
+            f.data.bytes(64 * PAGE)[512 + 512 * i as usize..][..512],
+            pattern(7 + i)
+        );
+    }
+    // Write them back 1000 blocks on, flush, and check the file itself.
+    let st = f.rw(Opcode::Write, 1007, 100, 512);
+    assert!(st.is_success(), "{st}");
+    let st = f.run(Sqe::flush(1), Duration::from_secs(10)).unwrap();
+    assert!(st.is_success(), "{st}");
+    let mut file = std::fs::File::open(&path).unwrap();
+    let mut block = vec![0u8; 512];
+    for i in 0..100u64 {
+        file.seek(SeekFrom::Start((1007 + i) * 512)).unwrap();
+        file.read_exact(&mut block).unwrap();
+        assert_eq!(block, pattern(7 + i), "lba {}", 1007 + i);
+    }
+}
+
+#[test]
+fn bad_commands_get_their_status() {
+    let (_dir, path) = backing();
+    let proxy = Proxy::open(&path, &ProxyOptions::default()).unwrap();
+    let mut f = Fixture::new(&proxy, 1, 8, 4 * PAGE);
+    let st = f.rw(Opcode::Read, BLOCKS - 1, 2, 0);
+    assert_eq!((st.sct(), st.sc()), (0, 0x80), "{st}");
+    // A PRP naming memory never mapped: what an IOMMU faults on.
+    let sqe = Sqe::read_write(
+        Opcode::Read,
+        1,
+        0,
+        8,
+        prp::Prp {
+            prp1: 0x1000,
+            prp2: 0,
+        },
+    );
+    let st = f.run(sqe, Duration::from_secs(10)).unwrap();
+    assert_eq!((st.sct(), st.sc()), (0, 0x04), "{st}");
+    let mut other_ns = Sqe::flush(1);
+    other_ns.nsid = 2;
+    let st = f.run(other_ns, Duration::from_secs(10)).unwrap();
+    assert_eq!((st.sct(), st.sc()), (0, 0x0b), "{st}");
+}
+
+#[test]
+fn injected_faults_are_reported_not_hung() {
+    let (_dir, path) = backing();
+    let proxy = Proxy::open(&path, &ProxyOptions::default()).unwrap();
+    let mut f = Fixture::new(&proxy, 1, 8, 4 * PAGE);
+    let media = Status::new(2, 0x81);
+    proxy.set_faults(Faults {
+        fail_lbas: Some((100..108, media)),
+        ..Faults::default()
+    });
+    assert_eq!(f.rw(Opcode::Read, 104, 1, 0), media);
+    assert!(f.rw(Opcode::Read, 108, 1, 0).is_success());
+    proxy.set_faults(Faults {
+        delay: Duration::from_millis(50),
+        ..Faults::default()
+    });
+    let start = Instant::now();
+    assert!(f.rw(Opcode::Read, 0, 1, 0).is_success());
+    assert!(start.elapsed() >= Duration::from_millis(50));
+    // A lost doorbell: the command is never fetched and the submitter's timeout fires; the
+    // next doorbell write (a later command's) covers it, and both complete.
+    proxy.set_faults(Faults {
+        lose_doorbells: 1,
+        ..Faults::default()
+    });
+    let p = f.prps(0, 512);
+    let err = f
+        .run(
+            Sqe::read_write(Opcode::Read, 1, 0, 1, p),
+            Duration::from_millis(200),
+        )
+        .unwrap_err();
+    assert!(err.contains("no completion"), "{err}");
+    f.qp.push(Sqe::read_write(Opcode::Read, 1, 1, 1, p))
+        .unwrap();
+    f.qp.ring_sq();
+    let (start, mut done) = (Instant::now(), 0);
+    while done < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{done} of 2 completed"
+        );
+        if let Some(c) = f.qp.poll() {
+            assert!(c.unwrap().1.status().is_success());
+            done += 1;
+        }
+    }
+    f.qp.ring_cq();
+}
+
+#[test]
+fn controller_rules_match_the_kernel_module() {
+    let (_dir, path) = backing();
+    let proxy = Proxy::open(&path, &ProxyOptions::default()).unwrap();
+    let f = Fixture::new(&proxy, 3, 8, PAGE);
+    let busy = |r: legend_nvme::Result<()>| match r {
+        Err(legend_nvme::Error::Ioctl { source, .. }) => source.raw_os_error(),
+        Ok(()) => None,
+        Err(_) => Some(-1),
+    };
+    // No unmap while a queue pair exists; no second queue with the same qid.
+    assert_eq!(busy(proxy.unmap(1)), Some(libc::EBUSY));
+    let again = proxy.create_queue_pair(legend_nvme::uapi::QueuePairArgs {
+        qid: 3,
+        depth: 8,
+        sq_handle: 1,
+        cq_handle: 1,
+        cq_offset: PAGE as u64,
+        ..Default::default()
+    });
+    assert!(again.is_err());
+    drop(f);
+    proxy.delete_queue_pair(3).unwrap();
+    assert_eq!(busy(proxy.unmap(1)), None);
+    // GPU memory needs a device to copy with.
+    // SAFETY: refused before any use of the address.
+    let gpu = unsafe { proxy.map_gpu(0x7f00_0000_0000, 65536) };
+    assert!(gpu.is_err());
+}
