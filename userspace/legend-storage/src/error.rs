@@ -194,6 +194,45 @@ pub enum StoreError {
         /// Capacity.
         capacity: u32,
     },
+    /// The NVMe controller refused a request of the store (`MAP`, `CREATE_QUEUE_PAIR`, ...).
+    #[error("{path}: {what}")]
+    Controller {
+        /// The target.
+        path: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The controller's error.
+        #[source]
+        source: legend_nvme::Error,
+    },
+    /// An NVMe command of a transfer completed with an error status.
+    #[error("{path}: {error} (store byte {region_offset})")]
+    Command {
+        /// The target.
+        path: PathBuf,
+        /// Byte offset in the store of the command's first block.
+        region_offset: u64,
+        /// The command and its decoded status.
+        error: legend_nvme_protocol::CommandError,
+    },
+    /// The controller stopped answering; the queue pair was deleted.
+    #[error(
+        "{path}: the controller did not complete a command in time; the queue pair was deleted ({state})"
+    )]
+    ControllerTimeout {
+        /// The target.
+        path: PathBuf,
+        /// The queue's state when the timeout fired.
+        state: String,
+    },
+    /// The controller broke the protocol (a completion for no command in flight).
+    #[error("{path}: {message}")]
+    Protocol {
+        /// The target.
+        path: PathBuf,
+        /// What happened.
+        message: String,
+    },
     /// An aligned buffer could not be allocated.
     #[error("cannot allocate an aligned I/O buffer of {bytes} bytes")]
     BufferAlloc {

@@ -3,8 +3,10 @@
 //! Node embeddings and their AdaGrad state live on a file or block device,
 //! partition by partition (`[embeddings | AdaGrad state]`, contiguous and
 //! aligned), behind a checksummed superblock kept in two alternating copies.
-//! The `file` backend opens the target with `O_DIRECT` and moves data with
-//! `io_uring` using registered buffers and several requests in flight.
+//! On a file or block device the store opens the target with `O_DIRECT` and
+//! moves data with `io_uring` using registered buffers and several requests in
+//! flight; on an NVMe namespace ([`Target::Nvme`]: the `legend_nvme` device or
+//! the userspace proxy) it drives an I/O queue pair from the calling thread.
 //! The on-disk format and the commit protocol are described in
 //! `Documentation/store-format.md`.
 //!
@@ -34,6 +36,8 @@ mod buffer;
 mod device;
 mod error;
 mod layout;
+mod medium;
+mod nvme;
 mod signature;
 mod store;
 mod superblock;
@@ -45,4 +49,6 @@ pub use layout::{
     BASE_ALIGN, DatasetId, Extent, Layout, MAX_LABEL_BYTES, MAX_PARTITIONS, MAX_PROGRESS_BYTES,
     SUPERBLOCK_SLOT_BYTES, StoreSpec, partition_nodes, rows_per_partition,
 };
+pub use medium::Target;
+pub use nvme::NvmeTarget;
 pub use store::{CreateOptions, Expect, IoConfig, IoRequest, Region, Store};

@@ -3,12 +3,11 @@
 use std::path::Path;
 
 use crate::buffer::IoBuffer;
-use crate::device::Device;
 use crate::error::StoreError;
 use crate::layout::{DatasetId, Extent, Layout, SUPERBLOCK_SLOT_BYTES, StoreSpec};
+use crate::medium::{Medium, Target, Transfer};
 use crate::signature;
 use crate::superblock::{FORMAT_VERSION, RegionState, SlotError, Superblock};
-use crate::uring::Ring;
 
 /// I/O tuning; the defaults suit NVMe SSDs.
 #[derive(Clone, Debug)]
@@ -25,6 +24,9 @@ pub struct IoConfig {
     /// Fall back to buffered I/O (with a warning) where the file system
     /// refuses `O_DIRECT`; when false that is an error.
     pub allow_buffered: bool,
+    /// NVMe targets: how long a command may go unanswered before the
+    /// transfer fails (and the queue pair is deleted).
+    pub command_timeout: std::time::Duration,
 }
 
 impl Default for IoConfig {
@@ -34,6 +36,7 @@ impl Default for IoConfig {
             request_bytes: 1 << 20,
             registered_buffers: 64,
             allow_buffered: true,
+            command_timeout: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -104,17 +107,13 @@ struct Tracked {
 /// returning, and [`Store::submit`] keeps several requests in flight.
 #[derive(Debug)]
 pub struct Store {
-    // Field order matters on drop: the ring (and its pins on registered
-    // memory) goes before the device it refers to.
-    ring: Ring,
-    dev: Device,
+    medium: Medium,
     spec: StoreSpec,
     layout: Layout,
     generation: u64,
     progress: Vec<u8>,
     aux: Tracked,
     partitions: Vec<Tracked>,
-    request_bytes: u64,
 }
 
 impl Store {
@@ -123,54 +122,60 @@ impl Store {
     /// signature unless `opts.force`, and targets too small for the layout.
     /// The new store is at generation 0 with every region uninitialised.
     pub fn create(path: &Path, spec: &StoreSpec, opts: &CreateOptions) -> Result<Self, StoreError> {
-        let existed = path.exists();
-        let res = Self::create_in(path, spec, opts);
-        if res.is_err() && !existed {
+        Self::create_on(&Target::Path(path), spec, opts)
+    }
+
+    /// Creates a store for `spec` on `target`, as [`Store::create`] does for a path.
+    pub fn create_on(
+        target: &Target<'_>,
+        spec: &StoreSpec,
+        opts: &CreateOptions,
+    ) -> Result<Self, StoreError> {
+        let new_file = match target {
+            Target::Path(path) => (!path.exists()).then_some(*path),
+            Target::Nvme(_) => None,
+        };
+        let res = Self::create_in(target, spec, opts);
+        if let (Err(_), Some(path)) = (&res, new_file) {
             // Leave no half-made file behind; the error is what matters.
             let _ = std::fs::remove_file(path);
         }
         res
     }
 
-    fn create_in(path: &Path, spec: &StoreSpec, opts: &CreateOptions) -> Result<Self, StoreError> {
-        let dev = Device::open(path, true, opts.io.allow_buffered)?;
-        let layout = Layout::compute(spec, dev.block_size)?;
+    fn create_in(
+        target: &Target<'_>,
+        spec: &StoreSpec,
+        opts: &CreateOptions,
+    ) -> Result<Self, StoreError> {
+        let mut medium = Medium::open(target, true, &opts.io)?;
+        let path = medium.path().to_owned();
+        let layout = Layout::compute(spec, medium.block_size())?;
         let needed = layout.total_bytes;
         if let Some(cap) = opts.max_bytes.filter(|&cap| needed > cap) {
             return Err(StoreError::DeviceTooSmall {
-                path: path.to_owned(),
+                path,
                 needed,
                 available: cap,
                 limit: "size cap",
             });
         }
-        let size = dev.size()?;
+        let size = medium.size()?;
         if size > 0 && !opts.force {
-            let head = dev.read_at(0, signature::SCAN_BYTES)?;
+            let head = medium.read_at(0, signature::SCAN_BYTES)?;
             if let Some((signature, offset)) = signature::find(&head) {
                 return Err(StoreError::ForeignSignature {
-                    path: path.to_owned(),
+                    path,
                     signature,
                     offset,
                 });
             }
         }
-        if dev.is_block {
-            if size < needed {
-                return Err(StoreError::DeviceTooSmall {
-                    path: path.to_owned(),
-                    needed,
-                    available: size,
-                    limit: "device size",
-                });
-            }
-        } else {
-            dev.preallocate(needed.max(size))?;
-        }
+        medium.reserve(needed)?;
         // Wipe both slots before writing generation 0, so a stale copy from
         // an older store (overwritten with force) can never win at open.
-        dev.write_at(0, &vec![0; 2 * SUPERBLOCK_SLOT_BYTES as usize])?;
-        dev.sync()?;
+        medium.write_at(0, &vec![0; 2 * SUPERBLOCK_SLOT_BYTES as usize])?;
+        medium.sync()?;
         let n = spec.num_partitions as usize;
         let fresh = Superblock {
             generation: 0,
@@ -180,18 +185,29 @@ impl Store {
             partition_states: vec![RegionState::default(); n],
             progress: Vec::new(),
         };
-        let mut store = Self::assemble(dev, fresh, &opts.io)?;
+        let mut store = Self::assemble(medium, fresh);
         store.write_superblock(0)?;
-        tracing::info!(path = %path.display(), bytes = needed, direct = store.dev.direct, "created store");
+        tracing::info!(path = %path.display(), bytes = needed, direct = store.medium.is_direct(), "created store");
         Ok(store)
     }
 
     /// Opens an existing store, picking the valid superblock copy with the
     /// highest generation, and checks it against `expect`.
     pub fn open(path: &Path, expect: &Expect, io: &IoConfig) -> Result<Self, StoreError> {
-        let dev = Device::open(path, false, io.allow_buffered)?;
+        Self::open_on(&Target::Path(path), expect, io)
+    }
+
+    /// Opens an existing store on `target`, as [`Store::open`] does for a path.
+    pub fn open_on(
+        target: &Target<'_>,
+        expect: &Expect,
+        io: &IoConfig,
+    ) -> Result<Self, StoreError> {
+        let mut medium = Medium::open(target, false, io)?;
+        let path = medium.path().to_owned();
+        let path = path.as_path();
         let slot_len = SUPERBLOCK_SLOT_BYTES as usize;
-        let head = dev.read_at(0, 2 * slot_len)?;
+        let head = medium.read_at(0, 2 * slot_len)?;
         let slot = |i: usize| {
             head.get(i * slot_len..((i + 1) * slot_len).min(head.len()))
                 .unwrap_or(&[])
@@ -258,7 +274,7 @@ impl Store {
                 expected: want,
             });
         }
-        let actual = dev.size()?;
+        let actual = medium.size()?;
         if actual < sb.layout.total_bytes {
             return Err(StoreError::Truncated {
                 path: path.to_owned(),
@@ -266,53 +282,37 @@ impl Store {
                 actual,
             });
         }
-        if sb.layout.align % dev.block_size != 0 {
+        if sb.layout.align % medium.block_size() != 0 {
             return Err(StoreError::InvalidSpec(format!(
                 "{}: store aligned to {} bytes cannot be used on a device with {}-byte blocks",
                 path.display(),
                 sb.layout.align,
-                dev.block_size
+                medium.block_size()
             )));
         }
-        tracing::info!(path = %path.display(), generation = sb.generation, direct = dev.direct, "opened store");
-        Self::assemble(dev, sb, io)
+        tracing::info!(path = %path.display(), generation = sb.generation, direct = medium.is_direct(), "opened store");
+        Ok(Self::assemble(medium, sb))
     }
 
-    fn assemble(dev: Device, sb: Superblock, io: &IoConfig) -> Result<Self, StoreError> {
-        use std::os::fd::AsRawFd;
-        let ring = Ring::new(
-            dev.file.as_raw_fd(),
-            io.queue_depth.max(1),
-            io.registered_buffers,
-        )
-        .map_err(|(what, source)| StoreError::Uring {
-            path: dev.path.clone(),
-            what,
-            source,
-        })?;
-        let request_bytes = u64::from(io.request_bytes)
-            .max(dev.block_size)
-            .next_multiple_of(dev.block_size);
+    fn assemble(medium: Medium, sb: Superblock) -> Self {
         let track = |committed| Tracked {
             committed,
             dirty: false,
         };
-        Ok(Self {
-            ring,
-            request_bytes,
+        Self {
+            medium,
             spec: sb.spec,
             layout: sb.layout,
             generation: sb.generation,
             progress: sb.progress,
             aux: track(sb.aux_state),
             partitions: sb.partition_states.into_iter().map(track).collect(),
-            dev,
-        })
+        }
     }
 
-    /// Path of the store.
+    /// Path of the store (for an NVMe target: the controller, namespace and start LBA).
     pub fn path(&self) -> &Path {
-        &self.dev.path
+        self.medium.path()
     }
 
     /// What the store holds.
@@ -343,14 +343,14 @@ impl Store {
         &self.progress
     }
 
-    /// Whether I/O bypasses the page cache (`O_DIRECT`).
+    /// Whether I/O bypasses the page cache (`O_DIRECT`, or NVMe queues).
     pub fn is_direct(&self) -> bool {
-        self.dev.direct
+        self.medium.is_direct()
     }
 
     /// Logical block size the store's I/O is aligned to.
     pub fn block_size(&self) -> u64 {
-        self.dev.block_size
+        self.medium.block_size()
     }
 
     /// Buffer capacity that fits any partition: allocate partition-buffer
@@ -389,9 +389,8 @@ impl Store {
     /// shadowed and become the committed contents at the next
     /// [`Store::commit`]. A batch must not read and write the same region.
     pub fn submit(&mut self, requests: &mut [IoRequest<'_>]) -> Result<(), StoreError> {
-        let mut chunks = Vec::new();
+        let mut transfers = Vec::with_capacity(requests.len());
         let mut written = Vec::new();
-        self.ring.begin_plan();
         for req in requests.iter_mut() {
             let (region, raw, write) = match req {
                 IoRequest::Read(r, b) => (*r, b.raw(), false),
@@ -402,14 +401,14 @@ impl Store {
             let t = *self.tracked(region)?;
             if !(write || t.committed.initialized || t.dirty) {
                 return Err(StoreError::NotInitialized {
-                    path: self.dev.path.clone(),
+                    path: self.path().to_owned(),
                     region: region.to_string(),
                 });
             }
             let io_len = self.io_len(bytes);
             if (raw.cap() as u64) < io_len {
                 return Err(StoreError::BufferTooSmall {
-                    path: self.dev.path.clone(),
+                    path: self.path().to_owned(),
                     region: region.to_string(),
                     needed: io_len as usize,
                     got: raw.cap(),
@@ -424,19 +423,17 @@ impl Store {
             };
             let copy = if offsets[0] == offsets[1] { 0 } else { copy };
             let base = offsets[usize::from(copy)];
-            self.ring
-                .plan(raw, base, io_len, self.request_bytes, write, &mut chunks);
+            transfers.push(Transfer {
+                raw,
+                offset: base,
+                len: io_len,
+                write,
+            });
             if write {
                 written.push(region);
             }
         }
-        self.ring
-            .run(&mut chunks)
-            .map_err(|source| StoreError::Uring {
-                path: self.dev.path.clone(),
-                what: "transfer",
-                source,
-            })?;
+        self.medium.run(&transfers)?;
         for region in written {
             self.tracked_mut(region).dirty = true;
         }
@@ -452,12 +449,12 @@ impl Store {
     pub fn commit(&mut self, progress: &[u8]) -> Result<u64, StoreError> {
         if progress.len() > self.spec.progress_capacity as usize {
             return Err(StoreError::ProgressTooLarge {
-                path: self.dev.path.clone(),
+                path: self.path().to_owned(),
                 len: progress.len(),
                 capacity: self.spec.progress_capacity,
             });
         }
-        self.dev.sync()?;
+        self.medium.sync()?;
         let settle = |t: &Tracked| {
             if t.dirty {
                 RegionState {
@@ -505,18 +502,18 @@ impl Store {
             partition_states: self.partitions.iter().map(|t| t.committed).collect(),
             progress: self.progress.clone(),
         };
-        self.dev
+        self.medium
             .write_at((generation % 2) * SUPERBLOCK_SLOT_BYTES, &sb.encode())?;
-        self.dev.sync()
+        self.medium.sync()
     }
 
     fn io_len(&self, bytes: u64) -> u64 {
-        bytes.next_multiple_of(self.dev.block_size)
+        bytes.next_multiple_of(self.medium.block_size())
     }
 
     fn no_such(&self, p: u32) -> StoreError {
         StoreError::NoSuchPartition {
-            path: self.dev.path.clone(),
+            path: self.path().to_owned(),
             partition: p,
             count: self.spec.num_partitions,
         }
@@ -528,7 +525,7 @@ impl Store {
             Region::Aux => self.layout.aux.as_ref().ok_or_else(|| {
                 StoreError::InvalidSpec(format!(
                     "{}: store has no aux region",
-                    self.dev.path.display()
+                    self.path().display()
                 ))
             }),
         }

@@ -1,0 +1,219 @@
+//! The store on an NVMe namespace, driven through queue pairs of the userspace proxy
+//! controller: the same bytes as on a file, commits, the start LBA, decoded command errors and
+//! a controller that stops answering.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use legend_nvme_protocol::Status;
+use legend_nvme_proxy::{Faults, Proxy, ProxyOptions};
+use legend_storage::{
+    CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, IoRequest, NvmeTarget, Region, Store,
+    StoreError, StoreSpec, Target,
+};
+
+fn spec() -> StoreSpec {
+    StoreSpec {
+        dataset: DatasetId {
+            id: [7; 16],
+            label: "nvme-test".into(),
+        },
+        num_nodes: 2_003,
+        dim: 29,
+        num_partitions: 4,
+        aux_bytes: 5_000,
+        progress_capacity: 256,
+        shadow: true,
+    }
+}
+
+fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("legend-nvme-test")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap()
+}
+
+/// A zero-filled backing file of `bytes` and a proxy over it.
+fn proxy(path: &Path, bytes: u64, lba_shift: u32) -> Arc<Proxy> {
+    std::fs::File::create(path).unwrap().set_len(bytes).unwrap();
+    let opts = ProxyOptions {
+        lba_shift,
+        ..ProxyOptions::default()
+    };
+    Arc::new(Proxy::open(path, &opts).unwrap())
+}
+
+fn target(p: &Arc<Proxy>, start_lba: u64) -> NvmeTarget {
+    NvmeTarget {
+        controller: p.clone(),
+        namespace: 1,
+        start_lba,
+    }
+}
+
+fn filled(store: &Store, seed: u32) -> IoBuffer {
+    let mut b = IoBuffer::new(store.max_partition_bytes()).unwrap();
+    for (i, v) in b.as_f32_mut().iter_mut().enumerate() {
+        *v = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) as f32;
+    }
+    b
+}
+
+fn payload(store: &Store, p: u32, b: &IoBuffer) -> Vec<u8> {
+    b.as_bytes()[..store.partition(p).unwrap().bytes as usize].to_vec()
+}
+
+#[test]
+fn a_store_on_a_namespace_holds_what_a_file_store_holds() {
+    let dir = scratch();
+    for lba_shift in [9, 12] {
+        let backing = dir.path().join(format!("ns-{lba_shift}.img"));
+        let px = proxy(&backing, 64 << 20, lba_shift);
+        // A start LBA: the store sits after a 1 MiB head the namespace keeps for others.
+        let start = (1 << 20) >> lba_shift;
+        let t = target(&px, start);
+        let file = dir.path().join(format!("file-{lba_shift}.bin"));
+        let mut on_nvme =
+            Store::create_on(&Target::Nvme(&t), &spec(), &CreateOptions::default()).unwrap();
+        let mut on_file = Store::create(&file, &spec(), &CreateOptions::default()).unwrap();
+        assert_eq!(on_nvme.layout(), on_file.layout());
+        for p in 0..4 {
+            let b = filled(&on_nvme, p * 3 + 1);
+            let mut batch = [IoRequest::Write(Region::Partition(p), &b)];
+            on_nvme.submit(&mut batch).unwrap();
+            on_file.submit(&mut batch).unwrap();
+        }
+        on_nvme.commit(b"epochs_completed=1").unwrap();
+        on_file.commit(b"epochs_completed=1").unwrap();
+        drop(on_nvme);
+        // The head before the start LBA is untouched.
+        let head = std::fs::read(&backing).unwrap();
+        assert!(head[..1 << 20].iter().all(|&b| b == 0));
+        let expect = Expect {
+            dataset: Some(spec().dataset),
+            dim: Some(29),
+            num_partitions: Some(4),
+        };
+        let mut again = Store::open_on(&Target::Nvme(&t), &expect, &IoConfig::default()).unwrap();
+        assert_eq!(again.generation(), 1);
+        assert_eq!(again.progress(), b"epochs_completed=1");
+        for p in 0..4 {
+            let (mut a, mut b) = (
+                IoBuffer::new(again.max_partition_bytes()).unwrap(),
+                IoBuffer::new(again.max_partition_bytes()).unwrap(),
+            );
+            again.read(Region::Partition(p), &mut a).unwrap();
+            on_file.read(Region::Partition(p), &mut b).unwrap();
+            assert_eq!(
+                payload(&again, p, &a),
+                payload(&on_file, p, &b),
+                "partition {p}"
+            );
+            assert_eq!(
+                payload(&again, p, &a),
+                payload(&again, p, &filled(&again, p * 3 + 1))
+            );
+        }
+    }
+}
+
+#[test]
+fn a_failed_command_names_its_lbas_and_status_and_commits_nothing() {
+    let dir = scratch();
+    let px = proxy(&dir.path().join("ns.img"), 64 << 20, 9);
+    let t = target(&px, 0);
+    let mut store =
+        Store::create_on(&Target::Nvme(&t), &spec(), &CreateOptions::default()).unwrap();
+    let b = filled(&store, 9);
+    store.write(Region::Partition(2), &b).unwrap();
+    store.commit(b"one").unwrap();
+    // A media error under partition 1's region.
+    let ext = store.partition(1).unwrap().clone();
+    let lba = ext.offsets[1] / 512;
+    px.set_faults(Faults {
+        fail_lbas: Some((lba..lba + 1, Status::new(2, 0x80))),
+        ..Faults::default()
+    });
+    let b1 = filled(&store, 4);
+    let e = store.write(Region::Partition(1), &b1).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(e, StoreError::Command { .. })
+            && msg.contains("Write Fault")
+            && msg.contains("write of"),
+        "{msg}"
+    );
+    px.set_faults(Faults::default());
+    drop(store);
+    // Nothing of the failed write was committed: generation 1, partition 1 never written.
+    let mut again =
+        Store::open_on(&Target::Nvme(&t), &Expect::default(), &IoConfig::default()).unwrap();
+    assert_eq!(again.generation(), 1);
+    assert!(!again.is_initialized(Region::Partition(1)).unwrap());
+    let mut back = IoBuffer::new(again.max_partition_bytes()).unwrap();
+    again.read(Region::Partition(2), &mut back).unwrap();
+    assert_eq!(payload(&again, 2, &back), payload(&again, 2, &b));
+}
+
+#[test]
+fn a_controller_that_stops_answering_fails_the_transfer_instead_of_hanging() {
+    let dir = scratch();
+    let px = proxy(&dir.path().join("ns.img"), 64 << 20, 9);
+    let t = target(&px, 0);
+    let io = IoConfig {
+        command_timeout: Duration::from_millis(500),
+        ..IoConfig::default()
+    };
+    let opts = CreateOptions {
+        io: io.clone(),
+        ..CreateOptions::default()
+    };
+    let mut store = Store::create_on(&Target::Nvme(&t), &spec(), &opts).unwrap();
+    px.set_faults(Faults {
+        lose_doorbells: 1,
+        ..Faults::default()
+    });
+    let b = filled(&store, 1);
+    let start = std::time::Instant::now();
+    let e = store.write(Region::Partition(0), &b).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(10));
+    let msg = e.to_string();
+    assert!(
+        matches!(e, StoreError::ControllerTimeout { .. }) && msg.contains("SQ tail"),
+        "{msg}"
+    );
+    // The queue pair is gone; the store refuses further I/O with the same reason.
+    assert!(matches!(
+        store.write(Region::Partition(0), &b),
+        Err(StoreError::ControllerTimeout { .. })
+    ));
+}
+
+#[test]
+fn a_namespace_too_small_or_a_missing_one_is_refused() {
+    let dir = scratch();
+    let px = proxy(&dir.path().join("ns.img"), 1 << 20, 9);
+    let e = Store::create_on(
+        &Target::Nvme(&target(&px, 0)),
+        &spec(),
+        &CreateOptions::default(),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, StoreError::DeviceTooSmall { .. }) && e.to_string().contains("namespace"),
+        "{e}"
+    );
+    let mut t = target(&px, 0);
+    t.namespace = 3;
+    let e = Store::create_on(&Target::Nvme(&t), &spec(), &CreateOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("no namespace 3"), "{e}");
+    let e = Store::create_on(
+        &Target::Nvme(&target(&px, 1 << 20)),
+        &spec(),
+        &CreateOptions::default(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("past the namespace"), "{e}");
+}
