@@ -61,10 +61,18 @@ pub struct StorageConfig {
     pub num_partitions: u32,
     /// Partitions resident at once, C (0 = all N).
     pub buffer_capacity: u32,
-    /// `memory` (all partitions in RAM; swaps move them between the buffer and RAM).
+    /// `memory` (all partitions in RAM; swaps move them between the buffer and RAM), `file`
+    /// (a store on a file or block device), `nvme` (on an SSD bound to `legend_nvme`, through
+    /// I/O queues) or `proxy` (through I/O queues of the userspace proxy controller over a file).
     pub backend: String,
-    /// Store path for disk backends (default: `store.bin` in the run directory).
+    /// Store path for disk backends: the file or block device (`file`), the device node (`nvme`,
+    /// default `/dev/legend-nvme0`) or the proxy's backing file (`proxy`); `file` and `proxy`
+    /// default to `store.bin` in the run directory.
     pub path: Option<PathBuf>,
+    /// `nvme`, `proxy`: the namespace holding the store.
+    pub namespace: u32,
+    /// `nvme`, `proxy`: the store's first LBA (the namespace's blocks before it stay untouched).
+    pub start_lba: u64,
     /// Let the `file` backend overwrite a target that carries a file system, partition table
     /// or another store.
     pub force: bool,
@@ -86,6 +94,8 @@ impl Default for StorageConfig {
             buffer_capacity: 0,
             backend: "memory".into(),
             path: None,
+            namespace: 1,
+            start_lba: 0,
             force: false,
             device: "cpu".into(),
             order: "legend".into(),
@@ -266,6 +276,36 @@ impl Config {
         }
     }
 
+    /// Whether partitions live in a store (`file`, `nvme`, `proxy`) rather than in RAM.
+    pub fn uses_store(&self) -> bool {
+        self.storage.backend != "memory"
+    }
+
+    /// How the `nvme` and `proxy` backends reach their store (`None` for the others).
+    pub fn queue_location(&self) -> Option<crate::controllers::QueueLocation> {
+        use crate::controllers::{QueueBackend, QueueLocation};
+        let backend = match self.storage.backend.as_str() {
+            "nvme" => QueueBackend::Nvme,
+            "proxy" => QueueBackend::Proxy,
+            _ => return None,
+        };
+        Some(QueueLocation {
+            backend,
+            namespace: self.storage.namespace,
+            start_lba: self.storage.start_lba,
+        })
+    }
+
+    /// The store path: `storage.path`, else the backend's default (`run_dir/store.bin`, or
+    /// `/dev/legend-nvme0` for `nvme`).
+    pub fn store_path(&self, run_dir: &std::path::Path) -> PathBuf {
+        match (&self.storage.path, self.storage.backend.as_str()) {
+            (Some(p), _) => p.clone(),
+            (None, "nvme") => PathBuf::from("/dev/legend-nvme0"),
+            (None, _) => run_dir.join("store.bin"),
+        }
+    }
+
     /// The ordering named by `storage.order`.
     pub fn order(&self) -> legend_planner::Order {
         self.storage.order.parse().expect("validated")
@@ -350,22 +390,16 @@ impl Config {
             ));
         }
         match s.backend.as_str() {
-            "memory" | "file" => {}
-            "proxy" | "nvme" => {
-                return Err(bad(
-                    "storage.backend",
-                    format!(
-                        "{:?} is not available in this build yet; use memory",
-                        s.backend
-                    ),
-                ));
-            }
+            "memory" | "file" | "nvme" | "proxy" => {}
             other => {
                 return Err(bad(
                     "storage.backend",
-                    format!("unknown backend {other:?}: expected memory or file"),
+                    format!("unknown backend {other:?}: expected memory, file, nvme or proxy"),
                 ));
             }
+        }
+        if s.namespace == 0 {
+            return Err(bad("storage.namespace", "namespace ids start at 1"));
         }
         if !(0.0..=1.0).contains(&s.gpu_edge_fraction) {
             return Err(bad("storage.gpu_edge_fraction", "must be between 0 and 1"));

@@ -1,13 +1,17 @@
-//! The `file` backend: partitions in a [`legend_storage::Store`] on a file or block device
-//! (`O_DIRECT`, io_uring), with checkpoints committed by the store's superblock flip.
+//! The `file`, `nvme` and `proxy` backends: partitions in a [`legend_storage::Store`] on a file
+//! or block device (`O_DIRECT`, io_uring), or on an NVMe namespace through I/O queue pairs (an
+//! SSD bound to `legend_nvme`, or the userspace proxy controller over a file), with checkpoints
+//! committed by the store's superblock flip.
 
 use std::path::Path;
 
 use legend_storage::{
-    CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, Region, Store, StoreSpec,
+    CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, Layout, NvmeTarget, Region, Store,
+    StoreSpec, Target,
 };
 
 use crate::buffer::{PartitionStore, StoreError};
+use crate::controllers::{self, QueueBackend, QueueLocation, SharedController};
 use crate::run::Tables;
 
 /// Bytes reserved for the training-progress record in the superblock.
@@ -20,6 +24,8 @@ pub const PROGRESS_CAPACITY: u32 = 4096;
 pub struct FileStore {
     store: Store,
     staging: IoBuffer,
+    /// The controller of a queue-backed store (kept for its users, e.g. the GPU I/O kernels).
+    controller: Option<SharedController>,
 }
 
 /// What a store-backed run needs to know to create or open its store.
@@ -38,6 +44,9 @@ pub struct FileStoreSpec<'a> {
     pub aux_bytes: u64,
     /// Overwrite a target carrying another signature.
     pub force: bool,
+    /// Reach the store through NVMe queues: `path` is then the device node (`nvme`) or the
+    /// proxy's backing file (`proxy`).
+    pub queue: Option<QueueLocation>,
 }
 
 fn err(e: legend_storage::StoreError) -> StoreError {
@@ -45,8 +54,9 @@ fn err(e: legend_storage::StoreError) -> StoreError {
 }
 
 impl FileStore {
-    /// Creates a new store. It is made under a temporary name and renamed into place, so an
-    /// interrupted creation never leaves a store that cannot be opened.
+    /// Creates a new store. On a file it is made under a temporary name and renamed into place,
+    /// so an interrupted creation never leaves a store that cannot be opened; a proxy's backing
+    /// file is created (or extended) to the store's size first.
     pub fn create(spec: &FileStoreSpec<'_>) -> Result<FileStore, StoreError> {
         let store_spec = StoreSpec {
             dataset: spec.dataset.clone(),
@@ -61,6 +71,16 @@ impl FileStore {
             force: spec.force,
             ..CreateOptions::default()
         };
+        if let Some(q) = spec.queue {
+            if q.backend == QueueBackend::Proxy {
+                size_backing_file(spec, &store_spec, q.start_lba)?;
+            }
+            let controller = controllers::open(q.backend, spec.path)?;
+            let target = nvme_target(&controller, q);
+            let store =
+                Store::create_on(&Target::Nvme(&target), &store_spec, &opts).map_err(err)?;
+            return Self::with_store(store, Some(controller));
+        }
         let is_file = !spec.path.exists() || spec.path.is_file();
         let store = if is_file && !spec.path.exists() {
             let tmp = spec.path.with_extension("creating");
@@ -72,37 +92,60 @@ impl FileStore {
         } else {
             Store::create(spec.path, &store_spec, &opts).map_err(err)?
         };
-        Self::with_store(store)
+        Self::with_store(store, None)
     }
 
     /// Opens an existing store, checking it belongs to this dataset, dimension and partitioning.
     pub fn open(spec: &FileStoreSpec<'_>) -> Result<FileStore, StoreError> {
-        let expect = Expect {
-            dataset: Some(spec.dataset.clone()),
-            dim: Some(spec.dim as u32),
-            num_partitions: Some(spec.num_partitions),
-        };
-        Self::with_store(Store::open(spec.path, &expect, &IoConfig::default()).map_err(err)?)
+        Self::open_expecting(spec, Some(spec.num_partitions))
     }
 
     /// Opens an existing store of this dataset and dimension, whatever its partitioning.
     pub fn open_any_partitioning(spec: &FileStoreSpec<'_>) -> Result<FileStore, StoreError> {
+        Self::open_expecting(spec, None)
+    }
+
+    fn open_expecting(
+        spec: &FileStoreSpec<'_>,
+        num_partitions: Option<u32>,
+    ) -> Result<FileStore, StoreError> {
         let expect = Expect {
             dataset: Some(spec.dataset.clone()),
             dim: Some(spec.dim as u32),
-            num_partitions: None,
+            num_partitions,
         };
-        Self::with_store(Store::open(spec.path, &expect, &IoConfig::default()).map_err(err)?)
+        let io = IoConfig::default();
+        match spec.queue {
+            Some(q) => {
+                let controller = controllers::open(q.backend, spec.path)?;
+                let target = nvme_target(&controller, q);
+                let store = Store::open_on(&Target::Nvme(&target), &expect, &io).map_err(err)?;
+                Self::with_store(store, Some(controller))
+            }
+            None => Self::with_store(Store::open(spec.path, &expect, &io).map_err(err)?, None),
+        }
     }
 
-    fn with_store(store: Store) -> Result<FileStore, StoreError> {
+    fn with_store(
+        store: Store,
+        controller: Option<SharedController>,
+    ) -> Result<FileStore, StoreError> {
         let staging = IoBuffer::new(
             store
                 .max_partition_bytes()
                 .max(store.spec().aux_bytes as usize),
         )
         .map_err(err)?;
-        Ok(FileStore { store, staging })
+        Ok(FileStore {
+            store,
+            staging,
+            controller,
+        })
+    }
+
+    /// The controller of a queue-backed store.
+    pub fn controller(&self) -> Option<&SharedController> {
+        self.controller.as_ref()
     }
 
     /// The progress record of the last commit (empty for a new store).
@@ -157,6 +200,39 @@ impl PartitionStore for FileStore {
         self.store.commit(progress).map_err(err)?;
         Ok(true)
     }
+}
+
+fn nvme_target(controller: &SharedController, q: QueueLocation) -> NvmeTarget {
+    NvmeTarget {
+        controller: controller.controller(),
+        namespace: q.namespace,
+        start_lba: q.start_lba,
+    }
+}
+
+/// Creates the proxy's backing file, or extends it, to hold the store after `start_lba`
+/// (512-byte blocks, the proxy's LBA size).
+fn size_backing_file(
+    spec: &FileStoreSpec<'_>,
+    store_spec: &StoreSpec,
+    start_lba: u64,
+) -> Result<(), StoreError> {
+    let needed = Layout::compute(store_spec, 512).map_err(err)?.total_bytes + (start_lba << 9);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(spec.path)
+        .map_err(|e| StoreError(format!("{}: {e}", spec.path.display())))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| StoreError(format!("{}: {e}", spec.path.display())))?;
+    if meta.is_file() && meta.len() < needed {
+        file.set_len(needed)
+            .map_err(|e| StoreError(format!("{}: {e}", spec.path.display())))?;
+    }
+    Ok(())
 }
 
 /// Encodes the training progress stored with a checkpoint.

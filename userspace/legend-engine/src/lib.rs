@@ -4,6 +4,7 @@
 pub mod buffer;
 mod compute;
 pub mod config;
+pub mod controllers;
 pub mod device;
 pub mod file_store;
 pub mod run;

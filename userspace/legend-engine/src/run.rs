@@ -47,6 +47,10 @@ pub struct RunMeta {
     /// and `epochs_completed` here is informational.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub store: Option<PathBuf>,
+    /// How the store is reached when it is behind NVMe queues (`nvme`, `proxy`): `store` is
+    /// then the device node or the proxy's backing file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_queue: Option<crate::controllers::QueueLocation>,
     /// CRC-32 of each table file of the checkpoint.
     pub checksums: TableChecksums,
 }
@@ -256,6 +260,7 @@ pub fn load_tables(run: &Path, meta: &RunMeta) -> Result<Tables, RunError> {
             num_partitions: 0,
             aux_bytes: 0,
             force: false,
+            queue: meta.store_queue,
         };
         let mut store = crate::file_store::FileStore::open_any_partitioning(&spec)
             .map_err(|e| invalid(path, e.to_string()))?;

@@ -1,5 +1,5 @@
-//! The `file` backend end to end: equality with the in-memory run, swap counts, crash safety
-//! under SIGKILL, refusals, and peak memory.
+//! The `file` and `proxy` backends end to end: equality with the in-memory run, swap counts,
+//! crash safety under SIGKILL, refusals, and peak memory.
 
 mod common;
 
@@ -81,11 +81,12 @@ fn tables(run_dir: &Path) -> Vec<u8> {
 }
 
 #[test]
-fn file_backend_equals_memory_and_swaps_follow_the_plan() {
+fn file_and_proxy_backends_equal_memory_and_swaps_follow_the_plan() {
     let dir = tempfile::tempdir().unwrap();
     let ds = s(&graph(dir.path(), 600, 6, true));
     let mem = dir.path().join("mem");
     let file = dir.path().join("file");
+    let proxy = dir.path().join("proxy");
     let a = ok(&train_args(
         &ds,
         &s(&mem),
@@ -102,13 +103,38 @@ fn file_backend_equals_memory_and_swaps_follow_the_plan() {
             "--json",
         ],
     ));
+    // The proxy: the same store through NVMe queues of the userspace controller, its backing
+    // file starting 1 MiB in (storage.start_lba).
+    let c = ok(&train_args(
+        &ds,
+        &s(&proxy),
+        &[
+            "--set",
+            "training.num_epochs=3",
+            "--set",
+            "storage.backend=proxy",
+            "--set",
+            "storage.start_lba=2048",
+            "--json",
+        ],
+    ));
+    let want = tables(&mem);
     assert!(
-        tables(&mem) == tables(&file),
+        want == tables(&file),
         "file backend differs from the in-memory run"
+    );
+    assert!(
+        want == tables(&proxy),
+        "proxy backend differs from the in-memory run"
+    );
+    let meta = std::fs::read_to_string(proxy.join("run.toml")).unwrap();
+    assert!(
+        meta.contains("backend = \"proxy\"") && meta.contains("start_lba = 2048"),
+        "{meta}"
     );
     let plan: serde_json::Value =
         serde_json::from_str(ok(&["plan", "-n", "6", "-c", "3", "--json"]).trim()).unwrap();
-    for out in [&a, &b] {
+    for out in [&a, &b, &c] {
         let epoch1: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
         assert_eq!(
             epoch1["buffer_states"], plan["io_count"],
@@ -184,18 +210,25 @@ fn a_store_of_another_dataset_is_refused() {
 /// complete checkpoint and finish with exactly the tables of an uninterrupted run.
 #[test]
 fn sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run() {
+    kill_and_resume("file", 50);
+}
+
+/// The same through the proxy controller's queues: a process killed with commands in flight
+/// leaves the backing file with the last commit readable.
+#[test]
+fn sigkill_then_resume_through_the_proxy() {
+    kill_and_resume("proxy", 12);
+}
+
+fn kill_and_resume(backend: &str, default_trials: u64) {
     let trials: u64 = std::env::var("LEGEND_KILL_TRIALS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(50);
+        .unwrap_or(default_trials);
     let dir = tempfile::tempdir().unwrap();
     let ds = s(&graph(dir.path(), 2000, 8, false));
-    let epochs = [
-        "--set",
-        "training.num_epochs=4",
-        "--set",
-        "storage.backend=file",
-    ];
+    let backend = format!("storage.backend={backend}");
+    let epochs = ["--set", "training.num_epochs=4", "--set", &backend];
     let reference = dir.path().join("reference");
     let started = std::time::Instant::now();
     ok(&train_args(&ds, &s(&reference), &epochs));

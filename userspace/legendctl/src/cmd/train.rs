@@ -132,15 +132,14 @@ fn train(
         epochs_completed: 0,
         checkpoint: String::new(),
         store: None,
+        store_queue: None,
         checksums: TableChecksums::default(),
     });
-    let (buffer, relations, start_epoch) = if config.storage.backend == "file" {
+    let (buffer, relations, start_epoch) = if config.uses_store() {
+        let queue = meta.store_queue.or(config.queue_location());
         let path = match &meta.store {
             Some(p) => p.clone(),
-            None => match &config.storage.path {
-                Some(p) => p.clone(),
-                None => std::fs::canonicalize(&args.out)?.join("store.bin"),
-            },
+            None => config.store_path(&std::fs::canonicalize(&args.out)?),
         };
         let spec = FileStoreSpec {
             path: &path,
@@ -150,6 +149,7 @@ fn train(
             num_partitions: scheme.num_partitions,
             aux_bytes: (relation_floats * 8) as u64,
             force: config.storage.force,
+            queue,
         };
         let mut store = if meta.store.is_some() {
             FileStore::open(&spec)?
@@ -157,6 +157,7 @@ fn train(
             let store = FileStore::create(&spec)?;
             // From here on the run's commit record is the store's superblock.
             meta.store = Some(std::fs::canonicalize(&path)?);
+            meta.store_queue = queue;
             run::write_atomically(
                 &run::meta_path(&args.out),
                 toml::to_string_pretty(&meta)?.as_bytes(),

@@ -1,0 +1,106 @@
+//! The NVMe controllers of the `nvme` and `proxy` backends, one per device (or backing file) in
+//! this process: `legend_nvme` has one writer per controller, and two proxies over one file
+//! would race, so every store, the trainer's and an evaluation's, shares it.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+
+use legend_nvme::{Controller, Device};
+use legend_nvme_proxy::{Proxy, ProxyOptions};
+use serde::{Deserialize, Serialize};
+
+use crate::buffer::StoreError;
+
+/// Which kind of controller drives a store's queues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueBackend {
+    /// `/dev/legend-nvmeN`: an SSD bound to the `legend_nvme` module.
+    Nvme,
+    /// The userspace proxy controller over a file or block device.
+    Proxy,
+}
+
+/// Where a store lives behind NVMe queues: with the path (the device node, or the proxy's
+/// backing file), enough to open it again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueLocation {
+    /// The controller kind.
+    pub backend: QueueBackend,
+    /// Namespace identifier.
+    pub namespace: u32,
+    /// The store's first LBA.
+    pub start_lba: u64,
+}
+
+/// An open controller of either kind.
+#[derive(Clone)]
+pub enum SharedController {
+    /// The module's device.
+    Device(Arc<Device>),
+    /// A userspace proxy.
+    Proxy(Arc<Proxy>),
+}
+
+impl SharedController {
+    /// The controller, for the store.
+    pub fn controller(&self) -> Arc<dyn Controller> {
+        match self {
+            SharedController::Device(d) => d.clone(),
+            SharedController::Proxy(p) => p.clone(),
+        }
+    }
+}
+
+enum Held {
+    Device(Weak<Device>),
+    Proxy(Weak<Proxy>),
+}
+
+static OPEN: Mutex<Option<HashMap<(QueueBackend, PathBuf), Held>>> = Mutex::new(None);
+
+/// The controller of `backend` at `path`, opening it unless this process already has it.
+///
+/// # Errors
+///
+/// A device that cannot be opened (module not loaded, controller not bound, another writer) or
+/// a backing file the proxy cannot serve, with the path and what to do.
+pub fn open(backend: QueueBackend, path: &Path) -> Result<SharedController, StoreError> {
+    let key_path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
+    let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
+    let map = open.get_or_insert_with(HashMap::new);
+    let key = (backend, key_path);
+    let held = match map.get(&key) {
+        Some(Held::Device(w)) => w.upgrade().map(SharedController::Device),
+        Some(Held::Proxy(w)) => w.upgrade().map(SharedController::Proxy),
+        None => None,
+    };
+    if let Some(c) = held {
+        return Ok(c);
+    }
+    let opened = match backend {
+        QueueBackend::Nvme => {
+            let d = Device::open(&path.to_string_lossy()).map_err(|e| {
+                StoreError(format!(
+                    "{e}: {}; is the controller bound to legend_nvme (`modprobe legend_nvme`, \
+                     `legendctl device bind BDF`), and no other process (legendd) its writer?",
+                    std::error::Error::source(&e).map_or_else(String::new, |s| s.to_string())
+                ))
+            })?;
+            let d = Arc::new(d);
+            map.insert(key, Held::Device(Arc::downgrade(&d)));
+            SharedController::Device(d)
+        }
+        QueueBackend::Proxy => {
+            let p = Proxy::open(path, &ProxyOptions::default()).map_err(|e| {
+                StoreError(format!("proxy controller over {}: {e}", path.display()))
+            })?;
+            let p = Arc::new(p);
+            map.insert(key, Held::Proxy(Arc::downgrade(&p)));
+            SharedController::Proxy(p)
+        }
+    };
+    Ok(opened)
+}
