@@ -408,8 +408,17 @@ impl Controller for Proxy {
             .iter()
             .position(|r| r.handle == handle)
             .ok_or(errno("UNMAP", libc::ENOENT))?;
-        // As the kernel module: commands in flight may point anywhere in the user's memory.
-        if !state.queues.is_empty() {
+        // A queue's rings may not go while it exists. Data buffers may: the controller thread
+        // moves data only under the state lock, after looking the address up, so a command in
+        // flight that names an unmapped buffer fails with a Data Transfer Error instead of
+        // reaching freed memory (what an IOMMU does for the kernel module's users).
+        let region = state.space.regions[i];
+        let inside = |p: u64| p >= region.start && p < region.start + region.len;
+        if state
+            .queues
+            .iter()
+            .any(|q| inside(q.sq as u64) || inside(q.cq as u64))
+        {
             return Err(errno("UNMAP", libc::EBUSY));
         }
         state.space.regions.remove(i);

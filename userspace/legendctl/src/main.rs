@@ -37,6 +37,8 @@ enum Command {
     Report(cmd::report::Args),
     /// NVMe controllers for GPU-direct I/O: list, bind, unbind, info, health.
     Device(cmd::device::Args),
+    /// Benchmarks: `bench io` measures a store target's I/O rate.
+    Bench(cmd::bench::Args),
 }
 
 fn main() -> ExitCode {
@@ -63,6 +65,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => cmd::generate::run(args),
         Command::Report(args) => cmd::report::run(args),
         Command::Device(args) => cmd::device::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

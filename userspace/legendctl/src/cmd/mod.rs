@@ -1,5 +1,6 @@
 //! One module per subcommand: its clap arguments and its `run`.
 
+pub mod bench;
 pub mod device;
 pub mod eval;
 pub mod export;

@@ -1,0 +1,368 @@
+//! `legendctl bench io`: raw I/O rate of a store target the way the backends drive it: a file
+//! or block device through `io_uring` (`file`), or a namespace through NVMe I/O queue pairs of
+//! the `legend_nvme` device (`nvme`) or the userspace proxy (`proxy`), submitted by CPU threads
+//! or by the GPU I/O kernels (`--submitter gpu`).
+//!
+//! Every command is checked: if any failed, or a queue stopped answering, the run reports that
+//! and prints no figures.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use legend_engine::controllers::{self, QueueBackend};
+use serde::Serialize;
+
+mod file;
+mod queues;
+
+/// Benchmarks.
+#[derive(Parser)]
+pub struct Args {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(Subcommand)]
+enum What {
+    /// Read or write a store target and report bandwidth, operations/s and latency.
+    Io(IoArgs),
+}
+
+/// Where the I/O goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// A file or block device through io_uring (O_DIRECT where the file system allows it).
+    File,
+    /// The userspace proxy controller over a file or block device, through NVMe queues.
+    Proxy,
+    /// An SSD bound to legend_nvme (`/dev/legend-nvmeN`), through NVMe queues.
+    Nvme,
+}
+
+/// Who builds and submits the commands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Submitter {
+    /// CPU threads, one queue (or ring) each.
+    Cpu,
+    /// GPU thread blocks, one queue pair each (the I/O kernels; `proxy` and `nvme`).
+    Gpu,
+}
+
+/// Access pattern.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pattern {
+    /// Consecutive requests, each queue its own stripe.
+    Seq,
+    /// Uniformly random, request-aligned offsets.
+    Rand,
+}
+
+/// Read or write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    /// Read.
+    Read,
+    /// Write (destroys the target's data in the span; `nvme` and block devices need --force).
+    Write,
+}
+
+/// `bench io` options.
+#[derive(Parser, Clone)]
+pub struct IoArgs {
+    /// The target's kind.
+    #[arg(long, value_enum, default_value = "file")]
+    pub backend: Backend,
+    /// A file or block device (`file`, `proxy`), or the device node (`nvme`).
+    #[arg(long)]
+    pub path: PathBuf,
+    /// CPU threads or GPU thread blocks submitting.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub submitter: Submitter,
+    /// Access pattern.
+    #[arg(long, value_enum, default_value = "seq")]
+    pub pattern: Pattern,
+    /// Read or write.
+    #[arg(long, value_enum, default_value = "read")]
+    pub op: Op,
+    /// Bytes per request (a multiple of the block size).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub size: u64,
+    /// Queues (CPU threads or GPU blocks), each with its own queue pair or ring.
+    #[arg(long, default_value_t = 1)]
+    pub queues: u32,
+    /// Requests in flight per queue.
+    #[arg(long, default_value_t = 32)]
+    pub depth: u32,
+    /// How long to run.
+    #[arg(long, default_value_t = 5.0)]
+    pub seconds: f64,
+    /// Bytes of the target the requests fall in, from `--offset` (default: all of it).
+    #[arg(long)]
+    pub span: Option<u64>,
+    /// First byte of the span.
+    #[arg(long, default_value_t = 0)]
+    pub offset: u64,
+    /// Namespace (`proxy`, `nvme`).
+    #[arg(long, default_value_t = 1)]
+    pub namespace: u32,
+    /// Allow writes to a device (`nvme`, block devices): they destroy its data in the span.
+    #[arg(long)]
+    pub force: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What one queue measured.
+#[derive(Default)]
+pub struct Samples {
+    /// Requests completed.
+    pub ops: u64,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Latency of each request, submission to completion, in nanoseconds.
+    pub latencies_ns: Vec<u64>,
+}
+
+impl Samples {
+    fn merge(&mut self, other: Samples) {
+        self.ops += other.ops;
+        self.bytes += other.bytes;
+        self.latencies_ns.extend(other.latencies_ns);
+    }
+}
+
+/// The report.
+#[derive(Serialize)]
+struct Report {
+    backend: Backend,
+    submitter: Submitter,
+    pattern: Pattern,
+    op: Op,
+    path: PathBuf,
+    request_bytes: u64,
+    queues: u32,
+    depth: u32,
+    elapsed_s: f64,
+    ops: u64,
+    bytes: u64,
+    ops_per_s: f64,
+    /// Decimal units: 10^9 bytes per second.
+    gb_per_s: f64,
+    /// Binary units: 2^30 bytes per second.
+    gib_per_s: f64,
+    latency_us: Percentiles,
+}
+
+#[derive(Serialize)]
+struct Percentiles {
+    p50: f64,
+    p90: f64,
+    p99: f64,
+    p999: f64,
+    max: f64,
+}
+
+fn percentiles(mut ns: Vec<u64>) -> Percentiles {
+    ns.sort_unstable();
+    let at = |q: f64| {
+        if ns.is_empty() {
+            return 0.0;
+        }
+        let i = ((ns.len() as f64 * q).ceil() as usize).clamp(1, ns.len()) - 1;
+        ns[i] as f64 / 1000.0
+    };
+    Percentiles {
+        p50: at(0.5),
+        p90: at(0.9),
+        p99: at(0.99),
+        p999: at(0.999),
+        max: at(1.0),
+    }
+}
+
+/// The span of the target requests fall in, checked against its size and block size.
+pub struct Span {
+    /// First byte.
+    pub start: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl Span {
+    /// `args`' span of a target of `size` bytes with `block`-byte blocks.
+    fn of(args: &IoArgs, size: u64, block: u64) -> anyhow::Result<Span> {
+        if args.size == 0 || !args.size.is_multiple_of(block) {
+            bail!(
+                "--size {} is not a positive multiple of the {block}-byte block of {}",
+                args.size,
+                args.path.display()
+            );
+        }
+        if !args.offset.is_multiple_of(block) || args.offset >= size {
+            bail!(
+                "--offset {} is not a block-aligned offset inside {} ({size} bytes)",
+                args.offset,
+                args.path.display()
+            );
+        }
+        let len = args.span.unwrap_or(size - args.offset);
+        if len < args.size || args.offset + len > size {
+            bail!(
+                "the span of {len} bytes from {} does not fit {} ({size} bytes) or is smaller than one request",
+                args.offset,
+                args.path.display()
+            );
+        }
+        Ok(Span {
+            start: args.offset,
+            len: len / args.size * args.size,
+        })
+    }
+
+    /// Offset of request `n` of queue `q` of `queues`.
+    pub fn offset(&self, args: &IoArgs, q: u32, n: u64, rng: &mut u64) -> u64 {
+        let slots = self.len / args.size;
+        let slot = match args.pattern {
+            // Each queue walks its own stripe of the span.
+            Pattern::Seq => (u64::from(q) * (slots / u64::from(args.queues)).max(1) + n) % slots,
+            Pattern::Rand => {
+                *rng ^= *rng << 13;
+                *rng ^= *rng >> 7;
+                *rng ^= *rng << 17;
+                *rng % slots
+            }
+        };
+        self.start + slot * args.size
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    match args.what {
+        What::Io(a) => io(a),
+    }
+}
+
+fn io(args: IoArgs) -> anyhow::Result<()> {
+    if args.queues == 0 || args.depth == 0 || args.seconds.is_nan() || args.seconds <= 0.0 {
+        bail!("--queues, --depth and --seconds must be positive");
+    }
+    if !args.path.exists() {
+        bail!(
+            "{}: no such file or device{}",
+            args.path.display(),
+            if args.backend == Backend::Nvme {
+                " (is the controller bound to legend_nvme? `legendctl device list`)"
+            } else {
+                ""
+            }
+        );
+    }
+    let duration = Duration::from_secs_f64(args.seconds);
+    let started = Instant::now();
+    let samples = match (args.backend, args.submitter) {
+        (Backend::File, Submitter::Cpu) => file::run(&args, duration)?,
+        (Backend::File, Submitter::Gpu) => {
+            bail!("--submitter gpu drives NVMe queues: use --backend proxy or nvme")
+        }
+        (b, s) => {
+            let kind = if b == Backend::Nvme {
+                QueueBackend::Nvme
+            } else {
+                QueueBackend::Proxy
+            };
+            let ctrl = controllers::open(kind, &args.path)
+                .with_context(|| format!("opening {}", args.path.display()))?;
+            match s {
+                Submitter::Cpu => queues::run(&args, ctrl.controller(), duration)?,
+                Submitter::Gpu => gpu(&args, &ctrl, duration)?,
+            }
+        }
+    };
+    let elapsed = started
+        .elapsed()
+        .min(duration.max(Duration::from_millis(1)) * 2);
+    let secs = elapsed.as_secs_f64();
+    let report = Report {
+        backend: args.backend,
+        submitter: args.submitter,
+        pattern: args.pattern,
+        op: args.op,
+        path: args.path.clone(),
+        request_bytes: args.size,
+        queues: args.queues,
+        depth: args.depth,
+        elapsed_s: secs,
+        ops: samples.ops,
+        bytes: samples.bytes,
+        ops_per_s: samples.ops as f64 / secs,
+        gb_per_s: samples.bytes as f64 / secs / 1e9,
+        gib_per_s: samples.bytes as f64 / secs / f64::from(1u32 << 30),
+        latency_us: percentiles(samples.latencies_ns),
+    };
+    if args.json {
+        super::print_json(&serde_json::to_value(&report)?)?;
+    } else {
+        let l = &report.latency_us;
+        println!(
+            "{} {} {} of {} B requests on {} ({} submitter, {} queues x {} deep): \
+             {} ops, {} bytes in {:.2} s: {:.0} ops/s, {:.3} GB/s ({:.3} GiB/s); latency \
+             p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, max {:.1} us",
+            name(&report.backend),
+            name(&report.pattern),
+            name(&report.op),
+            report.request_bytes,
+            report.path.display(),
+            name(&report.submitter),
+            report.queues,
+            report.depth,
+            report.ops,
+            report.bytes,
+            secs,
+            report.ops_per_s,
+            report.gb_per_s,
+            report.gib_per_s,
+            l.p50,
+            l.p90,
+            l.p99,
+            l.p999,
+            l.max
+        );
+    }
+    Ok(())
+}
+
+/// The lower-case name an option value has on the command line.
+fn name(v: &impl std::fmt::Debug) -> String {
+    format!("{v:?}").to_lowercase()
+}
+
+/// The GPU I/O kernels against the controller (`legend-cuda`).
+fn gpu(
+    args: &IoArgs,
+    ctrl: &controllers::SharedController,
+    duration: Duration,
+) -> anyhow::Result<Samples> {
+    let _ = (args, ctrl, duration, Arc::<()>::new(()));
+    bail!("--submitter gpu: the GPU I/O kernels are not in this build")
+}
+
+/// Refuses writes to a device unless forced.
+pub fn check_write(args: &IoArgs, is_device: bool) -> anyhow::Result<()> {
+    if args.op == Op::Write && is_device && !args.force {
+        bail!(
+            "--op write would overwrite {} bytes of {} from byte {}: pass --force to allow it",
+            args.span.map_or_else(|| "all".into(), |s| s.to_string()),
+            args.path.display(),
+            args.offset
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,266 @@
+//! `--backend proxy | nvme` with CPU submitters: one I/O queue pair per thread, `--depth`
+//! commands in flight, built and completed with `legend-nvme-protocol`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use legend_nvme::{Controller, uapi};
+use legend_nvme_protocol::{CommandError, MAX_DEPTH, Opcode, QueuePair, Sqe, prp};
+
+use super::{Backend, IoArgs, Op, Samples, Span, check_write};
+
+/// Page-aligned memory of one queue: SQ, CQ, one PRP list page per slot, then the data.
+struct QueueMemory {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl QueueMemory {
+    fn new(bytes: usize) -> anyhow::Result<QueueMemory> {
+        let layout = std::alloc::Layout::from_size_align(bytes, 4096)?;
+        // SAFETY: a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            bail!("cannot allocate {bytes} bytes of queue memory");
+        }
+        Ok(QueueMemory { ptr, layout })
+    }
+}
+
+impl Drop for QueueMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
+/// How long one command may take before the run is declared failed.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+pub fn run(
+    args: &IoArgs,
+    ctrl: Arc<dyn Controller>,
+    duration: Duration,
+) -> anyhow::Result<Samples> {
+    let info = ctrl.info()?;
+    let ns = info.namespaces[..info.num_namespaces as usize]
+        .iter()
+        .find(|n| n.nsid == args.namespace)
+        .with_context(|| format!("{}: no namespace {}", ctrl.label(), args.namespace))?;
+    check_write(args, args.backend == Backend::Nvme)?;
+    let block = 1u64 << ns.lba_shift;
+    let span = Span::of(args, ns.blocks << ns.lba_shift, block)?;
+    if info.max_transfer != 0 && args.size > u64::from(info.max_transfer) {
+        bail!(
+            "--size {} exceeds the controller's transfer limit of {} bytes",
+            args.size,
+            info.max_transfer
+        );
+    }
+    if args.size > (prp::MAX_PAGES as u64 - 1) * prp::PAGE || args.size / block > 65536 {
+        bail!("--size {} exceeds what one command moves here", args.size);
+    }
+    let depth = (args.depth + 1)
+        .min(u32::from(MAX_DEPTH))
+        .min(info.max_queue_entries);
+    if args.queues > info.queue_pairs {
+        bail!(
+            "--queues {}: the controller offers {}",
+            args.queues,
+            info.queue_pairs
+        );
+    }
+    let results: Vec<anyhow::Result<Samples>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..args.queues)
+            .map(|q| {
+                let (ctrl, span) = (&ctrl, &span);
+                s.spawn(move || {
+                    queue(
+                        args,
+                        ctrl.as_ref(),
+                        span,
+                        q,
+                        depth as u16,
+                        ns.lba_shift,
+                        duration,
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| bail!("a queue thread panicked"))
+            })
+            .collect()
+    });
+    let mut all = Samples::default();
+    for r in results {
+        all.merge(r?);
+    }
+    Ok(all)
+}
+
+fn queue(
+    args: &IoArgs,
+    ctrl: &dyn Controller,
+    span: &Span,
+    q: u32,
+    depth: u16,
+    lba_shift: u32,
+    duration: Duration,
+) -> anyhow::Result<Samples> {
+    const PAGE: usize = 4096;
+    let d = usize::from(depth);
+    let size = args.size as usize;
+    let sq_bytes = (d * 64).next_multiple_of(PAGE);
+    let cq_bytes = (d * 16).next_multiple_of(PAGE);
+    let data_at = sq_bytes + cq_bytes + d * PAGE;
+    let total = data_at + d * size;
+    let mem = QueueMemory::new(total)?;
+    // SAFETY: `mem` outlives the mapping: it is unmapped below after the queue pair is gone
+    // (or leaked with it on failure).
+    let map = unsafe { ctrl.map_host(mem.ptr, total) }?;
+    let qp = ctrl
+        .create_queue_pair(uapi::QueuePairArgs {
+            qid: q + 1,
+            depth: u32::from(depth),
+            sq_handle: map.handle,
+            cq_handle: map.handle,
+            sq_offset: 0,
+            cq_offset: sq_bytes as u64,
+            ..Default::default()
+        })
+        .with_context(|| format!("creating queue pair {}", q + 1))?;
+    let doorbells = ctrl.doorbells()?;
+    // SAFETY: the rings lie in `mem`, the doorbells in `doorbells`; the queue pair is deleted
+    // before either goes.
+    let mut pair = unsafe {
+        QueuePair::new(
+            depth,
+            mem.ptr.cast(),
+            mem.ptr.add(sq_bytes).cast(),
+            doorbells.register(qp.sq_doorbell),
+            doorbells.register(qp.cq_doorbell),
+        )
+    };
+    let result = drive(
+        args, &mut pair, &mem, &map, span, q, d, data_at, lba_shift, duration,
+    );
+    // The queue pair goes first (Delete I/O SQ waits for its commands), then the memory.
+    ctrl.delete_queue_pair(q + 1)?;
+    ctrl.unmap(map.handle)?;
+    drop(doorbells);
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+fn drive(
+    args: &IoArgs,
+    pair: &mut QueuePair,
+    mem: &QueueMemory,
+    map: &legend_nvme::Mapping,
+    span: &Span,
+    q: u32,
+    d: usize,
+    data_at: usize,
+    lba_shift: u32,
+    duration: Duration,
+) -> anyhow::Result<Samples> {
+    const PAGE: usize = 4096;
+    let size = args.size as usize;
+    let op = if args.op == Op::Read {
+        Opcode::Read
+    } else {
+        Opcode::Write
+    };
+    let lists_at = data_at - d * PAGE;
+    let mut samples = Samples::default();
+    let mut started = vec![Instant::now(); d];
+    let mut rng = 0x9e37_79b9_7f4a_7c15 ^ u64::from(q + 1);
+    let (mut n, mut in_flight) = (0u64, 0usize);
+    let deadline = Instant::now() + duration;
+    let mut last = Instant::now();
+    let mut failure: Option<String> = None;
+    loop {
+        let mut pushed = false;
+        while failure.is_none() && Instant::now() < deadline {
+            let slot = usize::from(pair.ring().sq_tail());
+            let data = data_at + slot * size;
+            // SAFETY: slot `slot`'s PRP list page in the queue memory.
+            let list = unsafe {
+                std::slice::from_raw_parts_mut(mem.ptr.add(lists_at + slot * PAGE).cast(), PAGE / 8)
+            };
+            let p = prp::build(
+                0,
+                args.size,
+                |i| map.bus(data + i * PAGE),
+                list,
+                map.bus(lists_at + slot * PAGE),
+            )
+            .map_err(|e| anyhow::anyhow!("PRPs: {e}"))?;
+            let offset = span.offset(args, q, n, &mut rng);
+            let sqe = Sqe::read_write(
+                op,
+                args.namespace,
+                offset >> lba_shift,
+                (args.size >> lba_shift) as u32,
+                p,
+            );
+            let Some(cid) = pair.push(sqe) else { break };
+            started[usize::from(cid)] = Instant::now();
+            n += 1;
+            in_flight += 1;
+            pushed = true;
+        }
+        if pushed {
+            pair.ring_sq();
+        }
+        if in_flight == 0 {
+            break;
+        }
+        let mut reaped = false;
+        while let Some(done) = pair.poll() {
+            reaped = true;
+            in_flight -= 1;
+            match done {
+                Ok((slot, cqe)) if cqe.status().is_success() => {
+                    samples.ops += 1;
+                    samples.bytes += size as u64;
+                    samples
+                        .latencies_ns
+                        .push(started[usize::from(slot)].elapsed().as_nanos() as u64);
+                }
+                Ok((slot, cqe)) => {
+                    failure.get_or_insert_with(|| {
+                        CommandError::new(&pair.sqe(slot), cqe.status()).to_string()
+                    });
+                }
+                Err(e) => {
+                    failure.get_or_insert(e.to_string());
+                }
+            }
+        }
+        if reaped {
+            pair.ring_cq();
+            last = Instant::now();
+        } else if last.elapsed() > TIMEOUT {
+            let r = pair.ring();
+            bail!(
+                "queue {}: no completion for {} s with {in_flight} commands in flight (SQ tail {}, \
+                 CQ head {}, phase {}); no figures are reported",
+                q + 1,
+                TIMEOUT.as_secs(),
+                r.sq_tail(),
+                r.cq_head(),
+                u8::from(r.phase())
+            );
+        }
+    }
+    if let Some(f) = failure {
+        bail!("queue {}: {f}; no figures are reported", q + 1);
+    }
+    Ok(samples)
+}

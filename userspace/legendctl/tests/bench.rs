@@ -1,0 +1,146 @@
+//! `legendctl bench io`: figures that add up for the file and proxy backends, refusals with a
+//! clear message, and no figures when a command failed.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{bin, fails, json, ok, s};
+
+fn target(dir: &tempfile::TempDir, bytes: u64) -> String {
+    let path = dir.path().join("target.img");
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(bytes).unwrap();
+    s(&path)
+}
+
+#[test]
+fn figures_add_up_for_file_and_proxy_in_both_directions() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = target(&dir, 64 << 20);
+    for backend in ["file", "proxy"] {
+        for (op, pattern, size) in [("read", "seq", "131072"), ("write", "rand", "8192")] {
+            let out = ok(&[
+                "bench",
+                "io",
+                "--backend",
+                backend,
+                "--path",
+                &path,
+                "--op",
+                op,
+                "--pattern",
+                pattern,
+                "--size",
+                size,
+                "--queues",
+                "2",
+                "--depth",
+                "8",
+                "--seconds",
+                "0.5",
+                "--json",
+            ]);
+            let r = json(out.trim());
+            let (ops, bytes) = (r["ops"].as_u64().unwrap(), r["bytes"].as_u64().unwrap());
+            assert!(ops > 0, "{backend} {op}: {r}");
+            assert_eq!(bytes, ops * size.parse::<u64>().unwrap(), "{r}");
+            let secs = r["elapsed_s"].as_f64().unwrap();
+            let gb = r["gb_per_s"].as_f64().unwrap();
+            assert!(
+                (gb - bytes as f64 / secs / 1e9).abs() < 1e-6 * gb.max(1.0),
+                "{r}"
+            );
+            let l = &r["latency_us"];
+            let p = |k: &str| l[k].as_f64().unwrap();
+            assert!(
+                p("p50") > 0.0 && p("p50") <= p("p99") && p("p99") <= p("max"),
+                "{r}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_arguments_and_missing_targets_are_one_line_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = target(&dir, 1 << 20);
+    fails(
+        &[
+            "bench",
+            "io",
+            "--backend",
+            "nvme",
+            "--path",
+            "/dev/legend-nvme9",
+        ],
+        "/dev/legend-nvme9: no such file or device",
+    );
+    fails(
+        &[
+            "bench",
+            "io",
+            "--backend",
+            "proxy",
+            "--path",
+            &path,
+            "--size",
+            "1000",
+        ],
+        "not a positive multiple",
+    );
+    fails(
+        &["bench", "io", "--path", &path, "--span", "4194304"],
+        "does not fit",
+    );
+    fails(
+        &["bench", "io", "--path", &path, "--submitter", "gpu"],
+        "--submitter gpu drives NVMe queues",
+    );
+}
+
+#[test]
+fn a_failing_command_means_no_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = target(&dir, 64 << 20);
+    let child = Command::new(bin())
+        .args([
+            "bench",
+            "io",
+            "--backend",
+            "proxy",
+            "--path",
+            &path,
+            "--pattern",
+            "rand",
+            "--size",
+            "65536",
+            "--seconds",
+            "5",
+        ])
+        .env("LEGEND_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The backing file shrinks under the proxy: reads past its new end fail.
+    std::thread::sleep(Duration::from_millis(500));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "{stdout}");
+    assert!(stdout.is_empty(), "figures printed: {stdout}");
+    assert!(
+        stderr.contains("Internal Error") && stderr.contains("no figures"),
+        "{stderr}"
+    );
+}
