@@ -57,6 +57,30 @@ pub enum GpuError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// The NVMe controller of the GPU I/O queues refused something.
+    #[error("{label}: {what}")]
+    Nvme {
+        /// The controller.
+        label: String,
+        /// What was refused, and why.
+        what: String,
+    },
+    /// A command of the GPU I/O kernels failed.
+    #[error("{label}: {error}")]
+    NvmeCommand {
+        /// The controller.
+        label: String,
+        /// The command and its decoded status.
+        error: legend_nvme_protocol::CommandError,
+    },
+    /// A queue of the GPU I/O kernels stopped answering; the queue pairs were deleted.
+    #[error("{label}: the controller stopped answering the GPU I/O queues ({state}); the queue pairs were deleted")]
+    NvmeTimeout {
+        /// The controller.
+        label: String,
+        /// The queue's state when the block gave up.
+        state: String,
+    },
     /// Arguments of inconsistent shapes.
     #[error("shape mismatch: {0}")]
     Shape(String),

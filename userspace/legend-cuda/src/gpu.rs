@@ -36,6 +36,9 @@ pub(crate) struct Kernels {
     pub(crate) gather_negatives_half: CudaFunction,
     /// The fused product kernels, narrowest padded width first.
     pub(crate) fused: Vec<FusedKernels>,
+    /// GPU-initiated NVMe I/O (`kernels/nvme_io.cu`) and its SQE test vectors.
+    pub(crate) nvme_io: CudaFunction,
+    pub(crate) sqe_vectors: CudaFunction,
 }
 
 /// The fused score/loss/gradient kernels of one padded width (`kernels/fused.cu`).
@@ -214,6 +217,8 @@ impl Gpu {
                     })
                 })
                 .collect::<Result<_, GpuError>>()?,
+            nvme_io: f("legend_nvme_io")?,
+            sqe_vectors: f("legend_nvme_sqe_vectors")?,
         };
         for f in [&kernels.gemm_nt, &kernels.gemm_nn, &kernels.gemm_tn] {
             f.set_attribute(

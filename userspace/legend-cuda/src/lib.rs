@@ -9,6 +9,8 @@
 //!   uploaded or gathered on the device from a resident bucket.
 //! - [`Transfer`]: copies between host memory and the device through pinned staging on a
 //!   stream of their own.
+//! - [`nvme_io`]: GPU-initiated NVMe I/O: thread blocks driving queue pairs of an SSD or of the
+//!   userspace proxy between GPU memory and a namespace.
 
 mod error;
 pub mod nvrtc;
@@ -17,6 +19,7 @@ pub use error::GpuError;
 mod batch;
 mod engine;
 mod gpu;
+pub mod nvme_io;
 mod transfer;
 
 pub use batch::gather_batch;

@@ -1,8 +1,8 @@
 //! Run-time compilation of the kernels with NVRTC, and the per-architecture cache of the
 //! machine code.
 //!
-//! The kernels are five programs: the fused kernels of each padded width (most of the
-//! compile time) and everything else. They compile in parallel, each to the device's own
+//! The kernels are six programs: the fused kernels of each padded width (most of the
+//! compile time), the NVMe I/O kernels, and everything else. They compile in parallel, each to the device's own
 //! machine code (CUBIN), so a first start waits for the slowest program rather than for all
 //! of them and then for the driver to translate PTX.
 
@@ -15,7 +15,7 @@ use crate::GpuError;
 
 /// The kernel sources, in the order a program concatenates them. `common.cuh` goes first,
 /// so the programs need no include path.
-pub const KERNEL_SOURCES: [(&str, &str); 8] = [
+pub const KERNEL_SOURCES: [(&str, &str); 9] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("init.cu", include_str!("../../../kernels/init.cu")),
     ("sample.cu", include_str!("../../../kernels/sample.cu")),
@@ -24,6 +24,7 @@ pub const KERNEL_SOURCES: [(&str, &str); 8] = [
     ("distance.cu", include_str!("../../../kernels/distance.cu")),
     ("train.cu", include_str!("../../../kernels/train.cu")),
     ("fused.cu", include_str!("../../../kernels/fused.cu")),
+    ("nvme_io.cu", include_str!("../../../kernels/nvme_io.cu")),
 ];
 
 /// One NVRTC program: the sources it concatenates, the fused width it defines
@@ -57,8 +58,9 @@ macro_rules! fused_program {
     };
 }
 
-/// Every program, the one with the most kernels first, then the fused ones narrowest first.
-pub const PROGRAMS: [Program; 5] = [
+/// Every program, the one with the most kernels first, then the fused ones narrowest first,
+/// then the NVMe I/O kernels (self-contained: they share nothing with the training kernels).
+pub const PROGRAMS: [Program; 6] = [
     Program {
         name: "kernels",
         sources: &[
@@ -98,6 +100,12 @@ pub const PROGRAMS: [Program; 5] = [
     fused_program!(64),
     fused_program!(104),
     fused_program!(128),
+    Program {
+        name: "nvme_io",
+        sources: &["nvme_io.cu"],
+        fused_width: 0,
+        kernels: &["legend_nvme_io", "legend_nvme_sqe_vectors"],
+    },
 ];
 
 /// Every kernel entry point, over all programs.

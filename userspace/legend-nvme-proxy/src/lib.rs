@@ -27,10 +27,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use legend_nvme::{Controller, Doorbells, Mapping, QueuePair, uapi};
+use legend_nvme::{Controller, DeviceMemory, Doorbells, Mapping, QueuePair, uapi};
 use legend_nvme_protocol::{Cqe, MAX_DEPTH, Sqe, Status};
 
-pub use memory::DeviceMemory;
 use memory::{AddressSpace, Kind, Region};
 use service::{Queue, Service, State, lock};
 

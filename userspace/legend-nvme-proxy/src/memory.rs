@@ -5,37 +5,10 @@
 //! the two never overlap, so a bus address names one region or none. An address in no region
 //! is what an IOMMU would fault on: the command fails with a Data Transfer Error.
 
-use std::io;
 use std::ptr;
 use std::sync::Arc;
 
-use legend_nvme::uapi;
-
-/// Copies to and from GPU memory for the proxy: its DMA engine is the GPU's copy engine.
-/// `legend-cuda` implements it with the CUDA driver.
-pub trait DeviceMemory: Send + Sync {
-    /// Copies `src` to device address `dst`.
-    ///
-    /// # Errors
-    ///
-    /// The driver's error.
-    fn write(&self, dst: u64, src: &[u8]) -> io::Result<()>;
-
-    /// Copies from device address `src` into `dst`.
-    ///
-    /// # Errors
-    ///
-    /// The driver's error.
-    fn read(&self, src: u64, dst: &mut [u8]) -> io::Result<()>;
-
-    /// Page-locks `len` bytes of host memory at `ptr` (the proxy's bounce buffers) so copies
-    /// through it run at full speed; kept until the process ends or the memory is freed.
-    ///
-    /// # Errors
-    ///
-    /// The driver's error.
-    fn pin(&self, ptr: *mut u8, len: usize) -> io::Result<()>;
-}
+use legend_nvme::{DeviceMemory, uapi};
 
 /// What a mapping covers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -174,6 +174,33 @@ impl Drop for Doorbells {
     }
 }
 
+/// Copies to and from GPU memory on behalf of a controller that is not a PCIe device (the
+/// userspace proxy): its DMA engine is the GPU's copy engine. `legend-cuda` implements it with
+/// the CUDA driver.
+pub trait DeviceMemory: Send + Sync {
+    /// Copies `src` to device address `dst`.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    fn write(&self, dst: u64, src: &[u8]) -> std::io::Result<()>;
+
+    /// Copies from device address `src` into `dst`.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    fn read(&self, src: u64, dst: &mut [u8]) -> std::io::Result<()>;
+
+    /// Page-locks `len` bytes of host memory at `ptr` (the proxy's bounce buffers) so copies
+    /// through it run at full speed; kept until the process ends or the memory is freed.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    fn pin(&self, ptr: *mut u8, len: usize) -> std::io::Result<()>;
+}
+
 /// An NVMe controller that hands this process I/O queue pairs in memory it supplies: the kernel
 /// module's [`Device`], or a controller in userspace (`legend-nvme-proxy`). Everything that
 /// drives queues (the stores' CPU submitter, the GPU I/O kernels) works through this.

@@ -10,7 +10,7 @@
 mod device;
 mod sysfs;
 
-pub use device::{Controller, Device, Doorbells, Health, Mapping, QueuePair};
+pub use device::{Controller, Device, DeviceMemory, Doorbells, Health, Mapping, QueuePair};
 pub use legend_uapi as uapi;
 pub use sysfs::{PciController, Sysfs};
 

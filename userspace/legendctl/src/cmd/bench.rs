@@ -344,14 +344,60 @@ fn name(v: &impl std::fmt::Debug) -> String {
     format!("{v:?}").to_lowercase()
 }
 
-/// The GPU I/O kernels against the controller (`legend-cuda`).
+/// The GPU I/O kernels against the controller (`legend-cuda`): `--queues` thread blocks of
+/// `--depth` threads, each block a queue pair with two batches in flight; each launch moves
+/// a few batches a block, until the time is up.
 fn gpu(
     args: &IoArgs,
     ctrl: &controllers::SharedController,
     duration: Duration,
 ) -> anyhow::Result<Samples> {
-    let _ = (args, ctrl, duration, Arc::<()>::new(()));
-    bail!("--submitter gpu: the GPU I/O kernels are not in this build")
+    use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, RingPlacement};
+    let device = legend_cuda::Gpu::new(0).context("opening cuda:0")?;
+    let placement = match ctrl {
+        controllers::SharedController::Proxy(p) => {
+            p.attach_device(Arc::new(CudaDeviceMemory::new(&device)?))?;
+            RingPlacement::Host
+        }
+        controllers::SharedController::Device(_) => RingPlacement::Device,
+    };
+    check_write(args, placement == RingPlacement::Device)?;
+    let opts = GpuIoOptions {
+        queues: args.queues,
+        threads: args.depth,
+        namespace: args.namespace,
+        placement,
+        timeout: Duration::from_secs(10),
+    };
+    let mut io = GpuIo::open(&device, ctrl.controller(), &opts)?;
+    let span = Span::of(args, io.namespace_bytes(), io.block_size())?;
+    // Four batches a block a launch, within 1 GiB of GPU memory.
+    let per_launch = (u64::from(args.queues) * u64::from(args.depth) * 4)
+        .min((1 << 30) / args.size)
+        .min(span.len / args.size)
+        .max(1);
+    let region = io.alloc(&device, (per_launch * args.size) as usize)?;
+    let deadline = Instant::now() + duration;
+    let mut samples = Samples::default();
+    let (mut n, mut rng) = (0u64, 0x9e37_79b9_7f4a_7c15u64);
+    while Instant::now() < deadline {
+        // One job a request (`--size` bytes), at the pattern's next offsets.
+        let jobs: Vec<GpuIoJob> = (0..per_launch)
+            .map(|i| GpuIoJob {
+                region,
+                offset: i * args.size,
+                bytes: args.size,
+                at: span.offset(args, 0, n + i, &mut rng),
+                write: args.op == Op::Write,
+            })
+            .collect();
+        n += per_launch;
+        let run = io.run(&device, &jobs, true)?;
+        samples.ops += run.commands;
+        samples.bytes += run.bytes;
+        samples.latencies_ns.extend(run.latencies_ns);
+    }
+    Ok(samples)
 }
 
 /// Refuses writes to a device unless forced.

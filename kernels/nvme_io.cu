@@ -1,0 +1,356 @@
+// GPU-initiated NVMe I/O: thread blocks build NVMe commands, write them into their queue
+// pair's submission queue, ring the doorbell and poll completions, so a partition swap needs no
+// CPU on its data path (the paper's Section 5, "Legend's batched protocol").
+//
+// One queue pair per thread block. In each round thread i writes the SQE of its command at
+// slot tail + i (no atomics), the block fences (system scope: the controller reads the SQ over
+// PCIe) and one thread rings the SQ doorbell once for the whole batch; thread i then looks at
+// CQ slot head + i by phase tag, the leading run of posted completions is consumed and one
+// thread moves the CQ head and rings its doorbell once. A new batch is submitted while the
+// previous one completes, so two batches are in flight.
+//
+// Beyond the paper: the command id is the SQ slot, and a slot is reused only once the command
+// written there completed (completions come in any order), so an id is never in flight twice;
+// every completion's status is checked, and a failure stops the block's submissions and is
+// reported with the command's LBA, block count and decoded status; a block that sees no
+// completion for `timeout_ns` stops and reports its queue's state instead of hanging (the
+// host then deletes the queue pair, which waits for or aborts what it still holds).
+//
+// The layouts and the Read/Write builder mirror legend-nvme-protocol (Rust); the test vectors
+// in kernels/testdata/sqe_vectors.txt pin both to the same bytes.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Deepest queue a block drives (its in-flight bookkeeping lives in shared memory); the same
+// limit as legend-nvme-protocol's MAX_DEPTH.
+#define LEGEND_IO_MAX_DEPTH 1024
+// NVMe memory page (CC.MPS = 0).
+#define LEGEND_IO_PAGE 4096ULL
+
+// One queue pair, driven by one block. The ring state is carried from launch to launch: the
+// block reads it at the start and writes it back at the end.
+struct LegendIoQueue {
+    u64 sq;           // SQ, 64-byte entries (device-visible address)
+    u64 cq;           // CQ, 16-byte entries
+    u64 sq_doorbell;  // 32-bit SQ tail doorbell
+    u64 cq_doorbell;  // 32-bit CQ head doorbell
+    u64 lists;        // `depth` PRP list pages of 4 KiB, one per slot
+    u64 lists_bus;    // the same pages, as the controller addresses them
+    u32 depth;
+    u32 qid;
+    u32 sq_tail;
+    u32 cq_head;
+    u32 phase;
+    u32 pad;
+};
+
+// One transfer between a buffer and consecutive LBAs, cut into commands of `command_bytes`.
+struct LegendIoJob {
+    u64 pages;          // bus address of each page of the buffer (u64 array)
+    u64 offset;         // byte of the buffer the transfer starts at
+    u64 bytes;          // bytes to move (a multiple of the LBA size)
+    u64 lba;            // first LBA
+    u64 command_bytes;  // bytes a command moves (the last one fewer)
+    u64 first_command;  // index of its first command among the launch's commands
+    u32 page_shift;     // log2 of the buffer's page size (16: GPU mappings, 12: host memory)
+    u32 opcode;         // 1 write, 2 read
+    u32 nsid;
+    u32 lba_shift;
+};
+
+// What a block reports.
+struct LegendIoResult {
+    u32 kind;       // 0 done, 1 a command failed, 2 timeout, 3 a completion for no command
+    u32 status;     // the failed command's status field (SCT << 8 | SC, DNR, More)
+    u64 lba;        // the failed command's LBA
+    u32 opcode;
+    u32 blocks;
+    u32 sq_tail;    // the queue when the block stopped
+    u32 cq_head;
+    u32 phase;
+    u32 in_flight;
+    u32 last_cqe[4];
+    u64 completed;  // commands completed
+};
+
+// The 64-byte submission queue entry (legend-nvme-protocol's `Sqe`).
+struct LegendSqe {
+    u32 cdw0, nsid, cdw2, cdw3;
+    u64 mptr, prp1, prp2;
+    u32 cdw[6];
+};
+
+// Bus address of byte `at` of a buffer whose `1 << page_shift`-byte pages are at `pages`.
+__device__ __forceinline__ u64 legend_io_bus(const u64* pages, u32 page_shift, u64 at) {
+    return pages[at >> page_shift] + (at & ((1ULL << page_shift) - 1));
+}
+
+// The PRP entries of a transfer of `len` bytes starting at byte `at` of the buffer; entries
+// beyond PRP2 go to the list page `list` (the controller's address `list_bus`), as
+// legend-nvme-protocol's `prp::build` does.
+__device__ __forceinline__ void legend_io_prps(const u64* pages, u32 page_shift, u64 at,
+                                               u64 len, u64* list, u64 list_bus, u64* prp1,
+                                               u64* prp2) {
+    u64 first = at & ~(LEGEND_IO_PAGE - 1);
+    u64 n = (at - first + len + LEGEND_IO_PAGE - 1) / LEGEND_IO_PAGE;
+    *prp1 = legend_io_bus(pages, page_shift, at);
+    if (n == 1) {
+        *prp2 = 0;
+    } else if (n == 2) {
+        *prp2 = legend_io_bus(pages, page_shift, first + LEGEND_IO_PAGE);
+    } else {
+        for (u64 k = 1; k < n; ++k) {
+            list[k - 1] = legend_io_bus(pages, page_shift, first + k * LEGEND_IO_PAGE);
+        }
+        *prp2 = list_bus;
+    }
+}
+
+// A Read (2) or Write (1) of `blocks` blocks at `lba` (legend-nvme-protocol's
+// `Sqe::read_write`), with command id `cid`.
+__device__ __forceinline__ LegendSqe legend_io_rw(u32 opcode, u32 nsid, u64 lba, u32 blocks,
+                                                  u64 prp1, u64 prp2, u32 cid) {
+    LegendSqe s;
+    s.cdw0 = opcode | (cid << 16);
+    s.nsid = nsid;
+    s.cdw2 = 0;
+    s.cdw3 = 0;
+    s.mptr = 0;
+    s.prp1 = prp1;
+    s.prp2 = prp2;
+    s.cdw[0] = (u32)lba;
+    s.cdw[1] = (u32)(lba >> 32);
+    s.cdw[2] = blocks - 1;
+    s.cdw[3] = 0;
+    s.cdw[4] = 0;
+    s.cdw[5] = 0;
+    return s;
+}
+
+// The SQE of command `g` of the launch (its job found by `first_command`, which increases with
+// the job), for slot `slot`.
+__device__ __forceinline__ LegendSqe legend_io_command(const LegendIoJob* jobs, u32 njobs, u64 g,
+                                                       const LegendIoQueue& q, u32 slot) {
+    u32 lo = 0, hi = njobs;
+    while (hi - lo > 1) {
+        u32 mid = (lo + hi) / 2;
+        if (jobs[mid].first_command <= g) lo = mid; else hi = mid;
+    }
+    u32 j = lo;
+    const LegendIoJob& job = jobs[j];
+    u64 done = (g - job.first_command) * job.command_bytes;
+    u64 len = min(job.command_bytes, job.bytes - done);
+    u64 prp1, prp2;
+    legend_io_prps((const u64*)job.pages, job.page_shift, job.offset + done, len,
+                   (u64*)(q.lists + (u64)slot * LEGEND_IO_PAGE),
+                   q.lists_bus + (u64)slot * LEGEND_IO_PAGE, &prp1, &prp2);
+    return legend_io_rw(job.opcode, job.nsid, job.lba + (done >> job.lba_shift),
+                        (u32)(len >> job.lba_shift), prp1, prp2, slot);
+}
+
+__device__ __forceinline__ u64 legend_io_now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// 16-byte volatile accesses (generic addresses: the rings may be GPU or host memory).
+__device__ __forceinline__ void legend_io_st16(u64 p, uint4 v) {
+    asm volatile("st.volatile.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+__device__ __forceinline__ uint4 legend_io_ld16(u64 p) {
+    uint4 v;
+    asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void legend_io_store_sqe(u64 sq, u32 slot, const LegendSqe& s) {
+    const uint4* src = (const uint4*)&s;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) legend_io_st16(sq + (u64)slot * 64 + 16 * i, src[i]);
+}
+
+__device__ __forceinline__ uint4 legend_io_load_cqe(u64 cq, u32 slot) {
+    return legend_io_ld16(cq + (u64)slot * 16);
+}
+
+// The commands [first, end) of this block's share of the launch go through queue pair
+// `queues[blockIdx.x]`; `latencies`, if not null, receives each command's submission-to-
+// completion time in nanoseconds.
+extern "C" __global__ void legend_nvme_io(LegendIoQueue* queues, const LegendIoJob* jobs,
+                                          u32 njobs, u64 total_commands, LegendIoResult* results,
+                                          u64 timeout_ns, u64* latencies) {
+    __shared__ unsigned char busy[LEGEND_IO_MAX_DEPTH];
+    __shared__ u64 command_of[LEGEND_IO_MAX_DEPTH];
+    __shared__ u64 started[LEGEND_IO_MAX_DEPTH];
+    __shared__ u32 s_tail, s_head, s_phase, s_in_flight, s_first_stop, s_stop;
+    __shared__ u64 s_next, s_end, s_completed, s_progress;
+    __shared__ LegendIoResult s_result;
+
+    const u32 t = threadIdx.x, T = blockDim.x;
+    LegendIoQueue q = queues[blockIdx.x];
+    const u32 depth = q.depth;
+    for (u32 i = t; i < depth; i += T) busy[i] = 0;
+    if (t == 0) {
+        u64 per = (total_commands + gridDim.x - 1) / gridDim.x;
+        s_next = min((u64)blockIdx.x * per, total_commands);
+        s_end = min(s_next + per, total_commands);
+        s_tail = q.sq_tail;
+        s_head = q.cq_head;
+        s_phase = q.phase;
+        s_in_flight = 0;
+        s_completed = 0;
+        s_stop = 0;
+        s_progress = legend_io_now();
+        s_result.kind = 0;
+        s_result.status = 0;
+        s_result.lba = 0;
+        s_result.opcode = 0;
+        s_result.blocks = 0;
+    }
+    __syncthreads();
+    while (true) {
+        // Submit: up to T commands into the slots from the tail whose last command completed.
+        u64 left = s_stop ? 0 : s_end - s_next;
+        u32 n = (u32)min((u64)min(T, depth - 1 - s_in_flight), left);
+        if (t == 0) s_first_stop = n;
+        __syncthreads();
+        u32 slot = (s_tail + t) % depth;
+        if (t < n && busy[slot]) atomicMin(&s_first_stop, t);
+        __syncthreads();
+        n = s_first_stop;
+        if (t < n) {
+            u64 g = s_next + t;
+            LegendSqe sqe = legend_io_command(jobs, njobs, g, q, slot);
+            legend_io_store_sqe(q.sq, slot, sqe);
+            busy[slot] = 1;
+            command_of[slot] = g;
+            started[slot] = legend_io_now();
+        }
+        // The entries (and PRP lists) must reach the controller before the doorbell does.
+        __threadfence_system();
+        __syncthreads();
+        if (t == 0 && n > 0) {
+            s_tail = (s_tail + n) % depth;
+            s_in_flight += n;
+            s_next += n;
+            *(volatile u32*)q.sq_doorbell = s_tail;
+        }
+        __syncthreads();
+
+        // Complete: the leading run of posted entries from the head, up to T of them.
+        u32 look = min(T, s_in_flight);
+        if (t == 0) s_first_stop = look;
+        __syncthreads();
+        u32 at = s_head + t;
+        u32 cslot = at % depth;
+        u32 want = s_phase ^ (at >= depth ? 1u : 0u);
+        if (t < look) {
+            uint4 e = legend_io_load_cqe(q.cq, cslot);
+            if (((e.w >> 16) & 1u) != want) atomicMin(&s_first_stop, t);
+        }
+        __syncthreads();
+        u32 m = s_first_stop;
+        if (t < m) {
+            // Re-read behind a fence: the phase tag may have been seen before the rest.
+            __threadfence_system();
+            uint4 e = legend_io_load_cqe(q.cq, cslot);
+            u32 cid = e.w & 0xffffu;
+            u32 status = (e.w >> 17) & 0x7fffu;
+            if (cid >= depth || !busy[cid]) {
+                if (atomicCAS(&s_result.kind, 0u, 3u) == 0u) {
+                    s_result.last_cqe[0] = e.x;
+                    s_result.last_cqe[1] = e.y;
+                    s_result.last_cqe[2] = e.z;
+                    s_result.last_cqe[3] = e.w;
+                }
+            } else {
+                if ((status & 0x7ffu) != 0 && atomicCAS(&s_result.kind, 0u, 1u) == 0u) {
+                    volatile LegendSqe* sqe = (volatile LegendSqe*)(q.sq + (u64)cid * 64);
+                    s_result.status = status;
+                    s_result.opcode = sqe->cdw0 & 0xffu;
+                    s_result.lba = (u64)sqe->cdw[0] | ((u64)sqe->cdw[1] << 32);
+                    s_result.blocks = (sqe->cdw[2] & 0xffffu) + 1;
+                }
+                if (latencies) latencies[command_of[cid]] = legend_io_now() - started[cid];
+                busy[cid] = 0;
+            }
+        }
+        __syncthreads();
+        if (t == 0) {
+            u64 now = legend_io_now();
+            if (m > 0) {
+                u32 h = s_head + m;
+                if (h >= depth) s_phase ^= 1u;
+                s_head = h % depth;
+                s_in_flight -= m;
+                s_completed += m;
+                s_progress = now;
+                *(volatile u32*)q.cq_doorbell = s_head;
+            }
+            // A failure stops further submissions; what is in flight still completes.
+            if (s_result.kind != 0) s_stop = 1;
+            if (s_in_flight > 0 && now - s_progress > timeout_ns) {
+                s_result.kind = 2;
+                s_stop = 2;
+            }
+        }
+        __syncthreads();
+        if (s_stop == 2 || (s_in_flight == 0 && (s_stop || s_next == s_end))) break;
+    }
+    if (t == 0) {
+        s_result.sq_tail = s_tail;
+        s_result.cq_head = s_head;
+        s_result.phase = s_phase;
+        s_result.in_flight = s_in_flight;
+        s_result.completed = s_completed;
+        if (s_result.kind == 2) {
+            uint4 e = legend_io_load_cqe(q.cq, (s_head + depth - 1) % depth);
+            s_result.last_cqe[0] = e.x;
+            s_result.last_cqe[1] = e.y;
+            s_result.last_cqe[2] = e.z;
+            s_result.last_cqe[3] = e.w;
+        }
+        results[blockIdx.x] = s_result;
+        queues[blockIdx.x].sq_tail = s_tail;
+        queues[blockIdx.x].cq_head = s_head;
+        queues[blockIdx.x].phase = s_phase;
+    }
+}
+
+// One test vector of the command builder: the inputs of a Read/Write over a buffer.
+struct LegendSqeVector {
+    u64 pages;  // the buffer's page table (u64 array)
+    u64 offset;
+    u64 lba;
+    u64 list_bus;
+    u32 page_shift;
+    u32 opcode;
+    u32 nsid;
+    u32 blocks;
+    u32 lba_shift;
+    u32 cid;
+};
+
+// Builds vector i's SQE into `out[16 i ..]` and its PRP list into `lists[512 i ..]`, with the
+// I/O kernel's own functions, for comparison with legend-nvme-protocol's bytes.
+extern "C" __global__ void legend_nvme_sqe_vectors(const LegendSqeVector* v, u32 n, u32* out,
+                                                   u64* lists) {
+    u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const LegendSqeVector& x = v[i];
+    u64 len = (u64)x.blocks << x.lba_shift;
+    u64 prp1, prp2;
+    legend_io_prps((const u64*)x.pages, x.page_shift, x.offset, len, lists + 512ULL * i,
+                   x.list_bus, &prp1, &prp2);
+    LegendSqe s = legend_io_rw(x.opcode, x.nsid, x.lba, x.blocks, prp1, prp2, x.cid);
+    const u32* w = (const u32*)&s;
+    for (int k = 0; k < 16; ++k) out[16 * i + k] = w[k];
+}

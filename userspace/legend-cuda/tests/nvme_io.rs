@@ -1,0 +1,328 @@
+//! The GPU I/O kernels (`kernels/nvme_io.cu`) against the userspace proxy controller over a
+//! file: the SQE bytes equal legend-nvme-protocol's test vectors, whole partitions move in both
+//! directions byte for byte, injected error statuses come back with their LBA, and a lost
+//! doorbell ends in a timeout report instead of a hang. Needs a GPU (skips otherwise).
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use legend_cuda::nvme_io::{
+    CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, RingPlacement, SqeVector, sqe_vectors,
+};
+use legend_cuda::{Gpu, GpuError};
+use legend_nvme_protocol::Status;
+use legend_nvme_proxy::{Faults, Proxy, ProxyOptions};
+
+mod common;
+
+use common::gpu;
+
+const VECTORS: &str = include_str!("../../../kernels/testdata/sqe_vectors.txt");
+
+/// Page `k` of vector `i`'s buffer, as the vector file's header says.
+fn page(i: usize, k: u64, page_shift: u32) -> u64 {
+    0x7f00_0000_0000 + (((k * 7919 + i as u64) % 509) << page_shift)
+}
+
+fn hex(s: &str) -> u64 {
+    u64::from_str_radix(s.trim_start_matches("0x"), 16).unwrap()
+}
+
+#[test]
+fn the_kernels_build_the_shared_sqe_vectors() {
+    let Some(gpu) = gpu() else { return };
+    let lines: Vec<&str> = VECTORS.lines().filter(|l| !l.starts_with('#')).collect();
+    let mut vectors = Vec::new();
+    let mut want = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let parts: Vec<&str> = line.split('|').collect();
+        let f: Vec<&str> = parts[0].split_whitespace().collect();
+        let (lba_shift, page_shift) = (f[4].parse::<u32>().unwrap(), f[5].parse::<u32>().unwrap());
+        let offset = hex(f[6]);
+        let blocks: u32 = f[3].parse().unwrap();
+        let last = (offset + (u64::from(blocks) << lba_shift)) >> page_shift;
+        let table: Vec<u64> = (0..=last).map(|k| page(i, k, page_shift)).collect();
+        let dev = gpu.upload(&table).unwrap();
+        vectors.push((dev, f.clone(), lba_shift, page_shift, offset, blocks));
+        let dwords: Vec<u32> = parts[1]
+            .split_whitespace()
+            .map(|w| u32::from_str_radix(w, 16).unwrap())
+            .collect();
+        let list: Vec<u64> = parts[2].split_whitespace().map(hex).collect();
+        want.push((dwords, list));
+    }
+    let inputs: Vec<SqeVector> = vectors
+        .iter()
+        .map(|(dev, f, lba_shift, page_shift, offset, blocks)| SqeVector {
+            pages: gpu_ptr(&gpu, dev),
+            offset: *offset,
+            lba: hex(f[2]),
+            list_bus: hex(f[8]),
+            page_shift: *page_shift,
+            opcode: f[0].parse().unwrap(),
+            nsid: f[1].parse().unwrap(),
+            blocks: *blocks,
+            lba_shift: *lba_shift,
+            cid: f[7].parse().unwrap(),
+        })
+        .collect();
+    let (sqes, lists) = sqe_vectors(&gpu, &inputs).unwrap();
+    for (i, (dwords, list)) in want.iter().enumerate() {
+        assert_eq!(&sqes[16 * i..16 * i + 16], dwords.as_slice(), "vector {i}: SQE");
+        assert_eq!(
+            &lists[512 * i..512 * i + list.len()],
+            list.as_slice(),
+            "vector {i}: PRP list"
+        );
+    }
+    println!("{} SQE vectors equal on CPU and GPU", want.len());
+}
+
+fn gpu_ptr(gpu: &Gpu, s: &legend_cuda::CudaSlice<u64>) -> u64 {
+    use cudarc::driver::DevicePtr;
+    let (p, _g) = s.device_ptr(gpu.stream());
+    p
+}
+
+/// A backing file of `bytes` with a known pattern, and a proxy over it that reaches `gpu`.
+fn proxy(dir: &tempfile::TempDir, bytes: usize, gpu: &Gpu) -> (std::path::PathBuf, Arc<Proxy>) {
+    let path = dir.path().join("ns.img");
+    let mut f = std::fs::File::create(&path).unwrap();
+    let data: Vec<u8> = (0..bytes).map(|i| ((i as u64 * 2_654_435_761) >> 13) as u8).collect();
+    f.write_all(&data).unwrap();
+    drop(f);
+    let p = Arc::new(Proxy::open(&path, &ProxyOptions::default()).unwrap());
+    p.attach_device(Arc::new(CudaDeviceMemory::new(gpu).unwrap()))
+        .unwrap();
+    (path, p)
+}
+
+fn scratch() -> tempfile::TempDir {
+    // tmpfs where the machine has one: the I/O then measures the queues, not a disk.
+    let base = if std::path::Path::new("/dev/shm").is_dir() {
+        std::path::PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    tempfile::Builder::new()
+        .prefix("legend-nvme-io")
+        .tempdir_in(base)
+        .unwrap()
+}
+
+#[test]
+fn whole_partitions_move_through_the_gpu_queues_byte_for_byte() {
+    let Some(gpu) = gpu() else { return };
+    let dir = scratch();
+    let bytes = 256 << 20;
+    let (path, proxy) = proxy(&dir, bytes, &gpu);
+    let opts = GpuIoOptions {
+        queues: 8,
+        threads: 256,
+        ..GpuIoOptions::default()
+    };
+    let mut io = GpuIo::open(&gpu, proxy.clone(), &opts).unwrap();
+    let half = bytes / 2;
+    let buf = Aligned::new(&gpu, half);
+    // SAFETY: `buf` outlives `io` (dropped first below).
+    let region = unsafe { io.map(buf.ptr, half) }.unwrap();
+    // Read the first half of the namespace into GPU memory.
+    let run = io
+        .run(
+            &gpu,
+            &[GpuIoJob {
+                region,
+                offset: 0,
+                bytes: half as u64,
+                at: 0,
+                write: false,
+            }],
+            true,
+        )
+        .unwrap();
+    let got = buf.download(&gpu);
+    let file = std::fs::read(&path).unwrap();
+    assert!(got == file[..half], "the read half differs from the file");
+    println!(
+        "read {} MiB in {} commands: {:.2} GB/s",
+        half >> 20,
+        run.commands,
+        run.bytes as f64 / run.seconds / 1e9
+    );
+    assert_eq!(run.latencies_ns.len() as u64, run.commands);
+    assert!(run.latencies_ns.iter().all(|&l| l > 0));
+    // Write it to the second half, then a swap in one launch: write a quarter back over the
+    // start while reading another quarter.
+    io.run(
+        &gpu,
+        &[GpuIoJob {
+            region,
+            offset: 0,
+            bytes: half as u64,
+            at: half as u64,
+            write: true,
+        }],
+        false,
+    )
+    .unwrap();
+    let file = std::fs::read(&path).unwrap();
+    assert!(file[half..] == file[..half], "the written half differs");
+    let q = half / 2;
+    io.run(
+        &gpu,
+        &[
+            GpuIoJob {
+                region,
+                offset: 0,
+                bytes: q as u64,
+                at: 4096,
+                write: true,
+            },
+            GpuIoJob {
+                region,
+                offset: q as u64,
+                bytes: q as u64,
+                at: (half + 12 * 4096) as u64,
+                write: false,
+            },
+        ],
+        false,
+    )
+    .unwrap();
+    let after = std::fs::read(&path).unwrap();
+    assert!(after[4096..4096 + q] == got[..q], "swap: the written quarter differs");
+    let got2 = buf.download(&gpu);
+    assert!(
+        got2[q..] == after[half + 12 * 4096..half + 12 * 4096 + q],
+        "swap: the read quarter differs"
+    );
+    drop(io);
+    drop(buf);
+}
+
+/// `len` bytes of GPU memory starting at a 64 KiB boundary (what P2P mappings need) inside a
+/// larger allocation.
+struct Aligned {
+    buf: legend_cuda::CudaSlice<u8>,
+    ptr: u64,
+    skip: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(gpu: &Gpu, len: usize) -> Aligned {
+        use cudarc::driver::DevicePtr;
+        let buf = gpu.zeros::<u8>(len + (1 << 16)).unwrap();
+        let base = {
+            let (base, _g) = buf.device_ptr(gpu.stream());
+            base
+        };
+        let ptr = base.next_multiple_of(1 << 16);
+        let skip = (ptr - base) as usize;
+        Aligned { buf, ptr, skip, len }
+    }
+
+    fn download(&self, gpu: &Gpu) -> Vec<u8> {
+        let all = gpu.download(&self.buf).unwrap();
+        all[self.skip..self.skip + self.len].to_vec()
+    }
+}
+
+#[test]
+fn injected_errors_come_back_with_their_lba_and_status() {
+    let Some(gpu) = gpu() else { return };
+    let dir = scratch();
+    let (_path, proxy) = proxy(&dir, 16 << 20, &gpu);
+    let mut io = GpuIo::open(&gpu, proxy.clone(), &GpuIoOptions::default()).unwrap();
+    let buf = Aligned::new(&gpu, 8 << 20);
+    // SAFETY: `buf` outlives `io`.
+    let region = unsafe { io.map(buf.ptr, 8 << 20) }.unwrap();
+    let media = Status::new(2, 0x81);
+    proxy.set_faults(Faults {
+        fail_lbas: Some((5000..5001, media)),
+        ..Faults::default()
+    });
+    let e = io
+        .run(
+            &gpu,
+            &[GpuIoJob {
+                region,
+                offset: 0,
+                bytes: 8 << 20,
+                at: 0,
+                write: false,
+            }],
+            false,
+        )
+        .unwrap_err();
+    match &e {
+        GpuError::NvmeCommand { error, .. } => {
+            assert_eq!(error.status.sct(), 2);
+            assert_eq!(error.status.sc(), 0x81);
+            assert!(error.lba <= 5000 && 5000 < error.lba + u64::from(error.blocks), "{e}");
+        }
+        other => panic!("{other}"),
+    }
+    assert!(e.to_string().contains("Unrecovered Read Error"), "{e}");
+    // The queues stay usable after a failed command.
+    proxy.set_faults(Faults::default());
+    io.run(
+        &gpu,
+        &[GpuIoJob {
+            region,
+            offset: 0,
+            bytes: 1 << 20,
+            at: 0,
+            write: false,
+        }],
+        false,
+    )
+    .unwrap();
+    drop(io);
+}
+
+#[test]
+fn a_lost_doorbell_times_out_with_a_report_not_a_hang() {
+    let Some(gpu) = gpu() else { return };
+    let dir = scratch();
+    let (_path, proxy) = proxy(&dir, 16 << 20, &gpu);
+    let opts = GpuIoOptions {
+        queues: 1,
+        threads: 32,
+        timeout: Duration::from_millis(500),
+        placement: RingPlacement::Host,
+        ..GpuIoOptions::default()
+    };
+    let mut io = GpuIo::open(&gpu, proxy.clone(), &opts).unwrap();
+    let buf = Aligned::new(&gpu, 1 << 20);
+    // SAFETY: `buf` outlives `io`.
+    let region = unsafe { io.map(buf.ptr, 1 << 20) }.unwrap();
+    // Every doorbell of the run is lost: one batch, one doorbell.
+    proxy.set_faults(Faults {
+        lose_doorbells: 1,
+        ..Faults::default()
+    });
+    let start = Instant::now();
+    let e = io
+        .run(
+            &gpu,
+            &[GpuIoJob {
+                region,
+                offset: 0,
+                bytes: 64 << 10,
+                at: 0,
+                write: false,
+            }],
+            false,
+        )
+        .unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(20));
+    let msg = e.to_string();
+    assert!(
+        matches!(e, GpuError::NvmeTimeout { .. }) && msg.contains("SQ tail") && msg.contains("in flight"),
+        "{msg}"
+    );
+    drop(io);
+}
+
