@@ -74,7 +74,9 @@ pub enum GpuError {
         error: legend_nvme_protocol::CommandError,
     },
     /// A queue of the GPU I/O kernels stopped answering; the queue pairs were deleted.
-    #[error("{label}: the controller stopped answering the GPU I/O queues ({state}); the queue pairs were deleted")]
+    #[error(
+        "{label}: the controller stopped answering the GPU I/O queues ({state}); the queue pairs were deleted"
+    )]
     NvmeTimeout {
         /// The controller.
         label: String,

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
-    result, sys,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits, result, sys,
 };
 use legend_nvme::{Controller, DeviceMemory, Doorbells, Mapping, uapi};
 use legend_nvme_protocol::{CommandError, MAX_DEPTH, Sqe, Status, prp};
@@ -241,7 +241,11 @@ impl Drop for Registered {
 enum Rings {
     Host(Pinned),
     /// GPU memory (raw, 64 KiB aligned inside the allocation at `base`).
-    Device { base: u64, aligned: u64, len: usize },
+    Device {
+        base: u64,
+        aligned: u64,
+        len: usize,
+    },
 }
 
 impl Rings {
@@ -265,6 +269,8 @@ impl Drop for Rings {
 
 /// A region of GPU memory the controller can reach, with its page table on the device.
 struct Region {
+    /// Device address of its byte 0.
+    start: u64,
     len: u64,
     mapping: Mapping,
     pages: CudaSlice<u64>,
@@ -276,6 +282,7 @@ struct Region {
 pub struct GpuIo {
     ctrl: Arc<dyn Controller>,
     stream: Arc<CudaStream>,
+    kernel: CudaFunction,
     opts: GpuIoOptions,
     qids: Vec<u32>,
     depth: u16,
@@ -348,7 +355,8 @@ impl GpuIo {
             .min(1 << 20);
         let page = prp::PAGE as usize;
         let d = usize::from(depth);
-        let per_queue = (d * 64).next_multiple_of(page) + (d * 16).next_multiple_of(page) + d * page;
+        let per_queue =
+            (d * 64).next_multiple_of(page) + (d * 16).next_multiple_of(page) + d * page;
         let total = (per_queue * opts.queues as usize).next_multiple_of(1 << 16);
         let ctx = gpu.context();
         ctx.bind_to_thread().during("binding the context")?;
@@ -450,6 +458,7 @@ impl GpuIo {
         Ok(GpuIo {
             ctrl,
             stream,
+            kernel: gpu.kernels.nvme_io.clone(),
             opts: opts.clone(),
             qids,
             depth,
@@ -508,6 +517,7 @@ impl GpuIo {
             .clone_htod(&mapping.bus_addrs)
             .during("uploading a page table")?;
         self.regions.push(Region {
+            start: ptr,
             len: len as u64,
             mapping,
             pages,
@@ -526,7 +536,7 @@ impl GpuIo {
         let align = uapi::GPU_PAGE_SIZE as usize;
         let len = len.next_multiple_of(align);
         let buf = gpu.zeros::<u8>(len + align)?;
-        let base = gpu.ptr(&buf);
+        let base = self.addr(&buf);
         let skip = (base.next_multiple_of(align as u64) - base) as usize;
         // SAFETY: the range lies in `buf`, which the region keeps until after the unmap.
         let region = unsafe { self.map(base + skip as u64, len) }?;
@@ -540,7 +550,10 @@ impl GpuIo {
     ///
     /// [`GpuError::Shape`] for a region it did not allocate; driver errors.
     pub fn download(&self, region: usize) -> Result<Vec<u8>, GpuError> {
-        let r = self.regions.get(region).ok_or_else(|| GpuError::Shape(format!("no region {region}")))?;
+        let r = self
+            .regions
+            .get(region)
+            .ok_or_else(|| GpuError::Shape(format!("no region {region}")))?;
         let (buf, skip) = r.owned.as_ref().ok_or_else(|| {
             GpuError::Shape(format!("region {region} was mapped, not allocated, here"))
         })?;
@@ -557,7 +570,7 @@ impl GpuIo {
     /// the LBA size; [`GpuError::NvmeCommand`] for a command the controller failed (its LBA
     /// and decoded status); [`GpuError::NvmeTimeout`] when a queue stopped answering (the queue
     /// pairs are then deleted, and every later call fails the same way).
-    pub fn run(&mut self, gpu: &Gpu, jobs: &[GpuIoJob], latencies: bool) -> Result<IoRun, GpuError> {
+    pub fn run(&mut self, jobs: &[GpuIoJob], latencies: bool) -> Result<IoRun, GpuError> {
         if let Some(why) = &self.broken {
             return Err(GpuError::NvmeTimeout {
                 label: self.ctrl.label().to_string(),
@@ -588,7 +601,7 @@ impl GpuIo {
             }
             let page_shift = region.mapping.page_size.trailing_zeros();
             kernel_jobs.push(IoJob {
-                pages: gpu.ptr(&region.pages),
+                pages: self.addr(&region.pages),
                 offset: j.offset,
                 bytes: j.bytes,
                 lba: j.at >> self.lba_shift,
@@ -626,7 +639,7 @@ impl GpuIo {
             shared_mem_bytes: 0,
         };
         let start = Instant::now();
-        let mut b = self.stream.launch_builder(&gpu.kernels.nvme_io);
+        let mut b = self.stream.launch_builder(&self.kernel);
         b.arg(&mut self.queues)
             .arg(&jobs_dev)
             .arg(&njobs)
@@ -642,7 +655,9 @@ impl GpuIo {
         // sizes the kernel indexes (checked above), and the controller's rings and doorbells
         // stay mapped while this object lives.
         unsafe { b.launch(cfg) }.during("launching legend_nvme_io")?;
-        self.stream.synchronize().during("waiting for the I/O kernels")?;
+        self.stream
+            .synchronize()
+            .during("waiting for the I/O kernels")?;
         let seconds = start.elapsed().as_secs_f64();
         let reports = self
             .stream
@@ -659,6 +674,72 @@ impl GpuIo {
             seconds,
             latencies_ns,
         })
+    }
+
+    /// The device address of `s` (the engine runs with cudarc's event tracking off).
+    fn addr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _guard) = s.device_ptr(&self.stream);
+        p
+    }
+
+    /// The device address of byte 0 of region `region`.
+    ///
+    /// # Errors
+    ///
+    /// [`GpuError::Shape`] for an unknown region.
+    pub fn region_addr(&self, region: usize) -> Result<u64, GpuError> {
+        let r = self
+            .regions
+            .get(region)
+            .ok_or_else(|| GpuError::Shape(format!("no region {region}")))?;
+        Ok(r.start)
+    }
+
+    /// Queues a copy of `bytes` from device address `src` to `dst` on the I/O stream (before
+    /// the next [`GpuIo::run`]'s kernels, after the previous ones).
+    ///
+    /// # Safety
+    ///
+    /// Both ranges must be live device memory that nothing else writes meanwhile.
+    ///
+    /// # Errors
+    ///
+    /// Driver errors.
+    pub unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), GpuError> {
+        // SAFETY: the caller's contract.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .during("copying on the I/O stream")
+    }
+
+    /// Makes the I/O stream wait for `event` (compute that must finish first).
+    ///
+    /// # Errors
+    ///
+    /// Driver errors.
+    pub fn wait(&self, event: &CudaEvent) -> Result<(), GpuError> {
+        self.stream.wait(event).during("ordering the I/O stream")
+    }
+
+    /// An event that completes when the I/O stream's work so far has run.
+    ///
+    /// # Errors
+    ///
+    /// Driver errors.
+    pub fn record(&self) -> Result<CudaEvent, GpuError> {
+        self.stream
+            .record_event(None)
+            .during("recording an I/O event")
+    }
+
+    /// Waits until the I/O stream's work has run.
+    ///
+    /// # Errors
+    ///
+    /// Driver errors.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.stream
+            .synchronize()
+            .during("waiting for the I/O stream")
     }
 
     /// Turns the blocks' reports into the first failure, if any.
@@ -759,7 +840,9 @@ impl CudaDeviceMemory {
     /// Driver errors.
     pub fn new(gpu: &Gpu) -> Result<CudaDeviceMemory, GpuError> {
         let ctx = gpu.context().clone();
-        let stream = ctx.new_stream().during("creating the proxy's copy stream")?;
+        let stream = ctx
+            .new_stream()
+            .during("creating the proxy's copy stream")?;
         Ok(CudaDeviceMemory { ctx, stream })
     }
 }

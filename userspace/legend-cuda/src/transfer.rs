@@ -70,6 +70,11 @@ impl RowSpan {
             floats: range.len(),
         }
     }
+
+    /// Device addresses of the embedding and state rows, and the bytes of each.
+    pub fn addrs(&self) -> (u64, u64, usize) {
+        (self.emb, self.state, self.floats * size_of::<f32>())
+    }
 }
 
 /// The device address of a buffer (event tracking is off, see `Gpu::new`: the guard records

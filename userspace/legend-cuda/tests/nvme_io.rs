@@ -54,22 +54,28 @@ fn the_kernels_build_the_shared_sqe_vectors() {
     }
     let inputs: Vec<SqeVector> = vectors
         .iter()
-        .map(|(dev, f, lba_shift, page_shift, offset, blocks)| SqeVector {
-            pages: gpu_ptr(&gpu, dev),
-            offset: *offset,
-            lba: hex(f[2]),
-            list_bus: hex(f[8]),
-            page_shift: *page_shift,
-            opcode: f[0].parse().unwrap(),
-            nsid: f[1].parse().unwrap(),
-            blocks: *blocks,
-            lba_shift: *lba_shift,
-            cid: f[7].parse().unwrap(),
-        })
+        .map(
+            |(dev, f, lba_shift, page_shift, offset, blocks)| SqeVector {
+                pages: gpu_ptr(&gpu, dev),
+                offset: *offset,
+                lba: hex(f[2]),
+                list_bus: hex(f[8]),
+                page_shift: *page_shift,
+                opcode: f[0].parse().unwrap(),
+                nsid: f[1].parse().unwrap(),
+                blocks: *blocks,
+                lba_shift: *lba_shift,
+                cid: f[7].parse().unwrap(),
+            },
+        )
         .collect();
     let (sqes, lists) = sqe_vectors(&gpu, &inputs).unwrap();
     for (i, (dwords, list)) in want.iter().enumerate() {
-        assert_eq!(&sqes[16 * i..16 * i + 16], dwords.as_slice(), "vector {i}: SQE");
+        assert_eq!(
+            &sqes[16 * i..16 * i + 16],
+            dwords.as_slice(),
+            "vector {i}: SQE"
+        );
         assert_eq!(
             &lists[512 * i..512 * i + list.len()],
             list.as_slice(),
@@ -89,7 +95,9 @@ fn gpu_ptr(gpu: &Gpu, s: &legend_cuda::CudaSlice<u64>) -> u64 {
 fn proxy(dir: &tempfile::TempDir, bytes: usize, gpu: &Gpu) -> (std::path::PathBuf, Arc<Proxy>) {
     let path = dir.path().join("ns.img");
     let mut f = std::fs::File::create(&path).unwrap();
-    let data: Vec<u8> = (0..bytes).map(|i| ((i as u64 * 2_654_435_761) >> 13) as u8).collect();
+    let data: Vec<u8> = (0..bytes)
+        .map(|i| ((i as u64 * 2_654_435_761) >> 13) as u8)
+        .collect();
     f.write_all(&data).unwrap();
     drop(f);
     let p = Arc::new(Proxy::open(&path, &ProxyOptions::default()).unwrap());
@@ -130,7 +138,6 @@ fn whole_partitions_move_through_the_gpu_queues_byte_for_byte() {
     // Read the first half of the namespace into GPU memory.
     let run = io
         .run(
-            &gpu,
             &[GpuIoJob {
                 region,
                 offset: 0,
@@ -155,7 +162,6 @@ fn whole_partitions_move_through_the_gpu_queues_byte_for_byte() {
     // Write it to the second half, then a swap in one launch: write a quarter back over the
     // start while reading another quarter.
     io.run(
-        &gpu,
         &[GpuIoJob {
             region,
             offset: 0,
@@ -170,7 +176,6 @@ fn whole_partitions_move_through_the_gpu_queues_byte_for_byte() {
     assert!(file[half..] == file[..half], "the written half differs");
     let q = half / 2;
     io.run(
-        &gpu,
         &[
             GpuIoJob {
                 region,
@@ -191,7 +196,10 @@ fn whole_partitions_move_through_the_gpu_queues_byte_for_byte() {
     )
     .unwrap();
     let after = std::fs::read(&path).unwrap();
-    assert!(after[4096..4096 + q] == got[..q], "swap: the written quarter differs");
+    assert!(
+        after[4096..4096 + q] == got[..q],
+        "swap: the written quarter differs"
+    );
     let got2 = buf.download(&gpu);
     assert!(
         got2[q..] == after[half + 12 * 4096..half + 12 * 4096 + q],
@@ -220,7 +228,12 @@ impl Aligned {
         };
         let ptr = base.next_multiple_of(1 << 16);
         let skip = (ptr - base) as usize;
-        Aligned { buf, ptr, skip, len }
+        Aligned {
+            buf,
+            ptr,
+            skip,
+            len,
+        }
     }
 
     fn download(&self, gpu: &Gpu) -> Vec<u8> {
@@ -245,7 +258,6 @@ fn injected_errors_come_back_with_their_lba_and_status() {
     });
     let e = io
         .run(
-            &gpu,
             &[GpuIoJob {
                 region,
                 offset: 0,
@@ -260,7 +272,10 @@ fn injected_errors_come_back_with_their_lba_and_status() {
         GpuError::NvmeCommand { error, .. } => {
             assert_eq!(error.status.sct(), 2);
             assert_eq!(error.status.sc(), 0x81);
-            assert!(error.lba <= 5000 && 5000 < error.lba + u64::from(error.blocks), "{e}");
+            assert!(
+                error.lba <= 5000 && 5000 < error.lba + u64::from(error.blocks),
+                "{e}"
+            );
         }
         other => panic!("{other}"),
     }
@@ -268,7 +283,6 @@ fn injected_errors_come_back_with_their_lba_and_status() {
     // The queues stay usable after a failed command.
     proxy.set_faults(Faults::default());
     io.run(
-        &gpu,
         &[GpuIoJob {
             region,
             offset: 0,
@@ -306,7 +320,6 @@ fn a_lost_doorbell_times_out_with_a_report_not_a_hang() {
     let start = Instant::now();
     let e = io
         .run(
-            &gpu,
             &[GpuIoJob {
                 region,
                 offset: 0,
@@ -320,9 +333,10 @@ fn a_lost_doorbell_times_out_with_a_report_not_a_hang() {
     assert!(start.elapsed() < Duration::from_secs(20));
     let msg = e.to_string();
     assert!(
-        matches!(e, GpuError::NvmeTimeout { .. }) && msg.contains("SQ tail") && msg.contains("in flight"),
+        matches!(e, GpuError::NvmeTimeout { .. })
+            && msg.contains("SQ tail")
+            && msg.contains("in flight"),
         "{msg}"
     );
     drop(io);
 }
-

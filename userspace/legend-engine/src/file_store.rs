@@ -26,6 +26,12 @@ pub struct FileStore {
     staging: IoBuffer,
     /// The controller of a queue-backed store (kept for its users, e.g. the GPU I/O kernels).
     controller: Option<SharedController>,
+    /// Partitions whose next read the caller does itself (GPU-initiated): `read` then moves no
+    /// data and only says whether the partition was ever written.
+    direct_reads: Vec<u32>,
+    /// Partitions the caller wrote itself since the buffer last wrote them back: the next
+    /// `write` of each moves no data.
+    direct_writes: Vec<u32>,
 }
 
 /// What a store-backed run needs to know to create or open its store.
@@ -140,7 +146,41 @@ impl FileStore {
             store,
             staging,
             controller,
+            direct_reads: Vec::new(),
+            direct_writes: Vec::new(),
         })
+    }
+
+    /// The next [`PartitionStore::read`] of `p` is run by the caller (the GPU I/O kernels):
+    /// it moves nothing and returns whether `p` was ever written.
+    pub fn claim_read(&mut self, p: u32) {
+        self.direct_reads.push(p);
+    }
+
+    /// Whether partition `p` holds data (committed or written since).
+    pub fn is_initialized(&self, p: u32) -> Result<bool, StoreError> {
+        self.store.is_initialized(Region::Partition(p)).map_err(err)
+    }
+
+    /// Where the caller's own transfer of partition `p` goes: the byte in the namespace and
+    /// the length (see [`Store::io_extent`]).
+    pub fn io_extent(&self, p: u32, write: bool) -> Result<(u64, u64), StoreError> {
+        self.store
+            .io_extent(Region::Partition(p), write)
+            .map_err(err)
+    }
+
+    /// Records that the caller wrote partition `p` itself; the buffer's next write of it moves
+    /// nothing.
+    pub fn mark_written(&mut self, p: u32) -> Result<(), StoreError> {
+        self.store.mark_written(Region::Partition(p)).map_err(err)?;
+        self.direct_writes.push(p);
+        Ok(())
+    }
+
+    /// Bytes the largest partition takes on the medium (a staging buffer for it).
+    pub fn max_partition_bytes(&self) -> usize {
+        self.store.max_partition_bytes()
     }
 
     /// The controller of a queue-backed store.
@@ -165,6 +205,15 @@ impl FileStore {
     }
 }
 
+/// Takes `p` out of `claims`, saying whether it was there.
+fn take_claim(claims: &mut Vec<u32>, p: u32) -> bool {
+    claims
+        .iter()
+        .position(|&c| c == p)
+        .map(|i| claims.swap_remove(i))
+        .is_some()
+}
+
 impl PartitionStore for FileStore {
     fn read(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError> {
         if !self
@@ -172,7 +221,11 @@ impl PartitionStore for FileStore {
             .is_initialized(Region::Partition(p))
             .map_err(err)?
         {
+            take_claim(&mut self.direct_reads, p);
             return Ok(false);
+        }
+        if take_claim(&mut self.direct_reads, p) {
+            return Ok(true);
         }
         self.store
             .read(Region::Partition(p), &mut self.staging)
@@ -184,6 +237,9 @@ impl PartitionStore for FileStore {
     }
 
     fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), StoreError> {
+        if take_claim(&mut self.direct_writes, p) {
+            return Ok(());
+        }
         let data = self.staging.as_f32_mut();
         data[..emb.len()].copy_from_slice(emb);
         data[emb.len()..emb.len() + state.len()].copy_from_slice(state);
@@ -233,6 +289,43 @@ fn size_backing_file(
             .map_err(|e| StoreError(format!("{}: {e}", spec.path.display())))?;
     }
     Ok(())
+}
+
+/// A [`FileStore`] shared by the partition buffer's I/O thread and the GPU engine's swap
+/// hooks, which move partitions themselves with the GPU I/O kernels (`claim_read`,
+/// `io_extent`, `mark_written`). Both run on the I/O thread, one after the other.
+#[derive(Clone)]
+pub struct SharedFileStore(std::sync::Arc<std::sync::Mutex<FileStore>>);
+
+impl SharedFileStore {
+    /// Shares `store`.
+    pub fn new(store: FileStore) -> SharedFileStore {
+        SharedFileStore(std::sync::Arc::new(std::sync::Mutex::new(store)))
+    }
+
+    /// The store.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, FileStore> {
+        // A panic under the lock leaves nothing half-done that matters: the run failed.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl PartitionStore for SharedFileStore {
+    fn read(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError> {
+        self.lock().read(p, emb, state)
+    }
+
+    fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), StoreError> {
+        self.lock().write(p, emb, state)
+    }
+
+    fn sync(&mut self) -> Result<(), StoreError> {
+        self.lock().sync()
+    }
+
+    fn commit(&mut self, progress: &[u8], aux: &[u8]) -> Result<bool, StoreError> {
+        self.lock().commit(progress, aux)
+    }
 }
 
 /// Encodes the training progress stored with a checkpoint.

@@ -234,6 +234,18 @@ impl Trainer {
             .sync_host(&mut self.buffer, &mut self.relations)
     }
 
+    /// Moves the swaps' partitions between the device and `store` with the engine's own I/O
+    /// (the GPU I/O kernels over `controller`'s NVMe queues) instead of the buffer's I/O
+    /// thread; `store` must be the buffer's store. Returns whether the engine does that (the
+    /// CPU engine's store I/O is already its own).
+    pub fn use_direct_io(
+        &mut self,
+        store: &crate::file_store::SharedFileStore,
+        controller: &crate::controllers::SharedController,
+    ) -> Result<bool, TrainError> {
+        self.compute.use_direct_io(store, controller)
+    }
+
     /// The partition relabeling used in epoch `epoch` (from 1): epoch e+1 starts in the buffer
     /// state epoch e ended in, so no I/O is spent between epochs, and it is a function of the
     /// epoch number alone, so a resumed run follows the same schedule.

@@ -29,7 +29,8 @@ fn page(i: usize, k: u64, page_shift: u32) -> u64 {
 fn inputs() -> Vec<Input> {
     let mut v = Vec::new();
     let mut cid = 0u16;
-    for (opcode, lba_shift, page_shift) in [(2u8, 9u32, 16u32), (1, 12, 16), (2, 9, 12), (1, 9, 12)] {
+    for (opcode, lba_shift, page_shift) in [(2u8, 9u32, 16u32), (1, 12, 16), (2, 9, 12), (1, 9, 12)]
+    {
         for (offset, bytes) in [
             (0u64, 512u64),
             (512, 3584),
@@ -66,7 +67,8 @@ fn inputs() -> Vec<Input> {
 fn build(i: usize, x: &Input) -> (Sqe, Vec<u64>) {
     let len = u64::from(x.blocks) << x.lba_shift;
     let first = x.offset & !(prp::PAGE - 1);
-    let bus = |at: u64| page(i, at >> x.page_shift, x.page_shift) + (at & ((1 << x.page_shift) - 1));
+    let bus =
+        |at: u64| page(i, at >> x.page_shift, x.page_shift) + (at & ((1 << x.page_shift) - 1));
     let mut list = vec![0u64; 512];
     let p = prp::build(
         x.offset % prp::PAGE,
@@ -100,7 +102,15 @@ fn render() -> String {
         let dwords: &[u32; 16] = bytemuck::cast_ref(&s);
         out += &format!(
             "{} {} {:#x} {} {} {} {:#x} {} {:#x} |",
-            x.opcode, x.nsid, x.lba, x.blocks, x.lba_shift, x.page_shift, x.offset, x.cid, x.list_bus
+            x.opcode,
+            x.nsid,
+            x.lba,
+            x.blocks,
+            x.lba_shift,
+            x.page_shift,
+            x.offset,
+            x.cid,
+            x.list_bus
         );
         for d in dwords {
             out += &format!(" {d:08x}");
@@ -118,7 +128,10 @@ fn render() -> String {
 fn the_builders_produce_the_shared_vectors() {
     let now = render();
     if std::env::var_os("LEGEND_BLESS").is_some() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels/testdata/sqe_vectors.txt");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../kernels/testdata/sqe_vectors.txt"
+        );
         std::fs::write(path, &now).unwrap();
         return;
     }

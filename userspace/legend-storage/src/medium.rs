@@ -88,6 +88,14 @@ impl Medium {
         }
     }
 
+    /// Where store byte 0 is on the medium: the start LBA's byte in an NVMe namespace.
+    pub(crate) fn base(&self) -> u64 {
+        match self {
+            Medium::File { .. } => 0,
+            Medium::Nvme(q) => q.start_byte(),
+        }
+    }
+
     /// Every I/O offset and length is a multiple of this.
     pub(crate) fn block_size(&self) -> u64 {
         match self {

@@ -259,6 +259,11 @@ impl NvmeQueues {
         1 << self.lba_shift
     }
 
+    /// The namespace byte of the start LBA.
+    pub(crate) fn start_byte(&self) -> u64 {
+        self.start_lba << self.lba_shift
+    }
+
     /// Bytes from the start LBA to the end of the namespace.
     pub(crate) fn size(&self) -> u64 {
         (self.blocks - self.start_lba) << self.lba_shift

@@ -396,16 +396,7 @@ impl Store {
                 IoRequest::Read(r, b) => (*r, b.raw(), false),
                 IoRequest::Write(r, b) => (*r, b.raw(), true),
             };
-            let extent = self.extent(region)?;
-            let (bytes, offsets) = (extent.bytes, extent.offsets);
-            let t = *self.tracked(region)?;
-            if !(write || t.committed.initialized || t.dirty) {
-                return Err(StoreError::NotInitialized {
-                    path: self.path().to_owned(),
-                    region: region.to_string(),
-                });
-            }
-            let io_len = self.io_len(bytes);
+            let (base, io_len) = self.target(region, write)?;
             if (raw.cap() as u64) < io_len {
                 return Err(StoreError::BufferTooSmall {
                     path: self.path().to_owned(),
@@ -414,15 +405,6 @@ impl Store {
                     got: raw.cap(),
                 });
             }
-            // Shadowed regions write the copy the last commit does not use;
-            // unshadowed ones have both offsets equal.
-            let copy = if write || t.dirty {
-                1 - t.committed.copy
-            } else {
-                t.committed.copy
-            };
-            let copy = if offsets[0] == offsets[1] { 0 } else { copy };
-            let base = offsets[usize::from(copy)];
             transfers.push(Transfer {
                 raw,
                 offset: base,
@@ -437,6 +419,54 @@ impl Store {
         for region in written {
             self.tracked_mut(region).dirty = true;
         }
+        Ok(())
+    }
+
+    /// The store byte offset and length (rounded to the block size) of the copy of `region` a
+    /// read (`write == false`) or a write goes to, checked as [`Store::submit`] checks.
+    fn target(&self, region: Region, write: bool) -> Result<(u64, u64), StoreError> {
+        let extent = self.extent(region)?;
+        let (bytes, offsets) = (extent.bytes, extent.offsets);
+        let t = *self.tracked(region)?;
+        if !(write || t.committed.initialized || t.dirty) {
+            return Err(StoreError::NotInitialized {
+                path: self.path().to_owned(),
+                region: region.to_string(),
+            });
+        }
+        // Shadowed regions write the copy the last commit does not use;
+        // unshadowed ones have both offsets equal.
+        let copy = if write || t.dirty {
+            1 - t.committed.copy
+        } else {
+            t.committed.copy
+        };
+        let copy = if offsets[0] == offsets[1] { 0 } else { copy };
+        Ok((offsets[usize::from(copy)], self.io_len(bytes)))
+    }
+
+    /// Where a transfer of `region` that the caller runs itself (the GPU I/O kernels) must go:
+    /// the byte offset on the medium (for an NVMe target, in the namespace: the start LBA
+    /// counted in) and the length, rounded to the block size. After such a write, report it
+    /// with [`Store::mark_written`] so the next [`Store::commit`] makes it current.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::NotInitialized`] for a read of a region never written; as
+    /// [`Store::partition`] for a bad partition.
+    pub fn io_extent(&self, region: Region, write: bool) -> Result<(u64, u64), StoreError> {
+        let (offset, len) = self.target(region, write)?;
+        Ok((self.medium.base() + offset, len))
+    }
+
+    /// Records that the caller wrote `region` itself at [`Store::io_extent`]`(region, true)`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Store::partition`] for a bad partition.
+    pub fn mark_written(&mut self, region: Region) -> Result<(), StoreError> {
+        self.tracked(region)?;
+        self.tracked_mut(region).dirty = true;
         Ok(())
     }
 

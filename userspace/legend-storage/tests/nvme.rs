@@ -217,3 +217,45 @@ fn a_namespace_too_small_or_a_missing_one_is_refused() {
     .unwrap_err();
     assert!(e.to_string().contains("past the namespace"), "{e}");
 }
+
+#[test]
+fn transfers_run_by_the_caller_land_where_io_extent_says_and_commit() {
+    use std::os::unix::fs::FileExt;
+    let dir = scratch();
+    let backing = dir.path().join("ns.img");
+    let px = proxy(&backing, 64 << 20, 9);
+    let t = target(&px, 4096);
+    let mut store =
+        Store::create_on(&Target::Nvme(&t), &spec(), &CreateOptions::default()).unwrap();
+    // The caller (standing in for the GPU I/O kernels) writes partition 3 itself, straight into
+    // the namespace, and tells the store.
+    let (at, len) = store.io_extent(Region::Partition(3), true).unwrap();
+    assert!(at >= 4096 * 512 && len % 512 == 0);
+    let b = filled(&store, 77);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&backing)
+        .unwrap();
+    file.write_all_at(&b.as_bytes()[..len as usize], at)
+        .unwrap();
+    file.sync_all().unwrap();
+    assert!(matches!(
+        store.io_extent(Region::Partition(3), false),
+        Err(StoreError::NotInitialized { .. })
+    ));
+    store.mark_written(Region::Partition(3)).unwrap();
+    // Reads now go to the copy just written.
+    assert_eq!(
+        store.io_extent(Region::Partition(3), false).unwrap(),
+        (at, len)
+    );
+    store.commit(b"epochs_completed=1").unwrap();
+    drop(store);
+    let mut again =
+        Store::open_on(&Target::Nvme(&t), &Expect::default(), &IoConfig::default()).unwrap();
+    let mut back = IoBuffer::new(again.max_partition_bytes()).unwrap();
+    again.read(Region::Partition(3), &mut back).unwrap();
+    assert_eq!(payload(&again, 3, &back), payload(&again, 3, &b));
+    // The next write goes to the other (shadow) copy.
+    assert_ne!(again.io_extent(Region::Partition(3), true).unwrap().0, at);
+}

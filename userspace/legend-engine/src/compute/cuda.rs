@@ -21,6 +21,7 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, RingPlacement};
 use legend_cuda::{
     BatchShape, CudaEvent, CudaSlice, DEFAULT_CHUNK_BYTES, DeviceTable, Gpu, GpuBatchEngine,
     GpuError, RowSpan, SlotMap, Transfer, negative_keys,
@@ -32,6 +33,8 @@ use rayon::prelude::*;
 use super::{BucketRef, ComputeBackend, Step};
 use crate::buffer::{Partition, PartitionBuffer, StoreError, SwapHook};
 use crate::config::Config;
+use crate::controllers::SharedController;
+use crate::file_store::SharedFileStore;
 use crate::trainer::{Relations, TrainError};
 
 /// Score-matrix memory the engine may use for one launch group.
@@ -57,6 +60,17 @@ pub(crate) struct CudaCompute {
     copies: Arc<Mutex<SlotCopies>>,
     /// The slot the partition of the swap in flight will take.
     incoming: Option<u32>,
+    /// Swaps through the GPU I/O kernels (`nvme` and `proxy` backends), once enabled.
+    direct: Option<Arc<Mutex<DirectIo>>>,
+}
+
+/// The GPU I/O kernels' side of direct swaps: their queues and a staging region the
+/// controller can reach, holding a partition as the store lays it out ([embeddings | state],
+/// padded to the LBA size), and the store that says where partitions are.
+struct DirectIo {
+    io: GpuIo,
+    staging: usize,
+    store: SharedFileStore,
 }
 
 /// The train edges on the device.
@@ -181,6 +195,7 @@ impl CudaCompute {
             edges,
             copies: Arc::new(Mutex::new(copies)),
             incoming: None,
+            direct: None,
         };
         compute.publish_slots()?;
         Ok(compute)
@@ -335,15 +350,21 @@ struct SwapCopy {
     into: RowSpan,
 }
 
+/// The slot copies of a swap's partition `p`, unless the engine has stopped (then nothing may
+/// touch its device memory any more).
+fn lock_open(copies: &Mutex<SlotCopies>, p: u32) -> Result<MutexGuard<'_, SlotCopies>, StoreError> {
+    let c = copies.lock().unwrap_or_else(|e| e.into_inner());
+    if c.closed {
+        return Err(StoreError(format!(
+            "partition {p}: the GPU engine stopped before the swap's copies ran"
+        )));
+    }
+    Ok(c)
+}
+
 impl SwapCopy {
     fn lock(&self, p: u32) -> Result<MutexGuard<'_, SlotCopies>, StoreError> {
-        let c = self.copies.lock().unwrap_or_else(|e| e.into_inner());
-        if c.closed {
-            return Err(StoreError(format!(
-                "partition {p}: the GPU engine stopped before the swap's copies ran"
-            )));
-        }
-        Ok(c)
+        lock_open(&self.copies, p)
     }
 }
 
@@ -379,6 +400,105 @@ impl SwapHook for SwapCopy {
             .record()
             .map_err(|e| copy_error("uploading", part.id, e))?;
         c.uploaded = Some(ev);
+        Ok(())
+    }
+}
+
+/// A swap through the GPU I/O kernels: the evicted slot's rows go to the store straight from
+/// GPU memory, and the loaded partition's rows come straight from the store into the slot; a
+/// partition never written is initialised on the host as before and uploaded.
+struct DirectSwap {
+    direct: Arc<Mutex<DirectIo>>,
+    copies: Arc<Mutex<SlotCopies>>,
+    released: CudaEvent,
+    out: RowSpan,
+    into: RowSpan,
+}
+
+fn direct_error(what: &str, p: u32, e: impl std::fmt::Display) -> StoreError {
+    StoreError(format!(
+        "{what} partition {p} through the GPU I/O kernels: {e}"
+    ))
+}
+
+impl DirectSwap {
+    fn lock(&self) -> MutexGuard<'_, DirectIo> {
+        self.direct.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl SwapHook for DirectSwap {
+    fn before_write(&mut self, part: &mut Partition) -> Result<(), StoreError> {
+        let p = part.id;
+        // Held throughout: the engine cannot drop (and free the slots) under the copies.
+        let _copies = lock_open(&self.copies, p)?;
+        let mut d = self.lock();
+        let fail = |e: GpuError| direct_error("writing", p, e);
+        let (at, len) = d.store.lock().io_extent(p, true)?;
+        let (emb, state, bytes) = self.out.addrs();
+        let base = d.io.region_addr(d.staging).map_err(fail)?;
+        d.io.wait(&self.released).map_err(fail)?;
+        // SAFETY: after `released` nothing on the compute stream touches the evicted slot; the
+        // staging region is this engine's and its I/O stream runs one swap at a time.
+        unsafe {
+            d.io.copy(base, emb, bytes).map_err(fail)?;
+            d.io.copy(base + bytes as u64, state, bytes).map_err(fail)?;
+        }
+        let staging = d.staging;
+        d.io.run(
+            &[GpuIoJob {
+                region: staging,
+                offset: 0,
+                bytes: len,
+                at,
+                write: true,
+            }],
+            false,
+        )
+        .map_err(fail)?;
+        d.store.lock().mark_written(p)
+    }
+
+    fn after_read(&mut self, part: &Partition) -> Result<(), StoreError> {
+        let p = part.id;
+        let mut c = lock_open(&self.copies, p)?;
+        let mut d = self.lock();
+        let fail = |e: GpuError| direct_error("reading", p, e);
+        if !d.store.lock().is_initialized(p)? {
+            // Initialised on the host by the buffer: uploaded as the host path does.
+            // SAFETY: the evicted rows left the slot (the I/O stream's copies ran before its
+            // kernels, which `run` waited for), and compute waits for `uploaded`.
+            unsafe { c.transfer.upload_span(&part.emb, &part.state, &self.into) }
+                .map_err(|e| copy_error("uploading", p, e))?;
+            c.uploaded = Some(
+                c.transfer
+                    .record()
+                    .map_err(|e| copy_error("uploading", p, e))?,
+            );
+            return Ok(());
+        }
+        let (at, len) = d.store.lock().io_extent(p, false)?;
+        let staging = d.staging;
+        d.io.run(
+            &[GpuIoJob {
+                region: staging,
+                offset: 0,
+                bytes: len,
+                at,
+                write: false,
+            }],
+            false,
+        )
+        .map_err(fail)?;
+        let (emb, state, bytes) = self.into.addrs();
+        let base = d.io.region_addr(staging).map_err(fail)?;
+        // SAFETY: the slot is free (its evicted rows were copied out first on this stream) and
+        // compute waits for `uploaded` before it reads the slot.
+        unsafe {
+            d.io.copy(emb, base, bytes).map_err(fail)?;
+            d.io.copy(state, base + bytes as u64, bytes).map_err(fail)?;
+        }
+        c.uploaded = Some(d.io.record().map_err(fail)?);
         Ok(())
     }
 }
@@ -433,14 +553,31 @@ impl ComputeBackend for CudaCompute {
         );
         self.slot_of[evicted as usize] = SlotMap::ABSENT;
         self.publish_slots()?;
-        let hook = SwapCopy {
-            copies: self.copies.clone(),
-            released: self.gpu.record()?,
-            out: self.span(slot, evicted)?,
-            into: self.span(slot, loaded)?,
-        };
+        let released = self.gpu.record()?;
+        let (out, into) = (self.span(slot, evicted)?, self.span(slot, loaded)?);
         self.incoming = Some(slot);
-        Ok(Some(Box::new(hook)))
+        if let Some(direct) = &self.direct {
+            // The buffer's read of `loaded` moves nothing: the hook reads it into the slot.
+            direct
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .store
+                .lock()
+                .claim_read(loaded);
+            return Ok(Some(Box::new(DirectSwap {
+                direct: direct.clone(),
+                copies: self.copies.clone(),
+                released,
+                out,
+                into,
+            })));
+        }
+        Ok(Some(Box::new(SwapCopy {
+            copies: self.copies.clone(),
+            released,
+            out,
+            into,
+        })))
     }
 
     fn finish_swap(&mut self, _host: &PartitionBuffer, loaded: u32) -> Result<(), TrainError> {
@@ -520,5 +657,42 @@ impl ComputeBackend for CudaCompute {
             table.read_rows(&self.gpu, 0, &mut rels.emb, &mut rels.state)?;
         }
         Ok(())
+    }
+
+    fn use_direct_io(
+        &mut self,
+        store: &SharedFileStore,
+        controller: &SharedController,
+    ) -> Result<bool, TrainError> {
+        let placement = match controller {
+            SharedController::Proxy(p) => {
+                // The proxy moves the kernels' data with this GPU's copy engine.
+                p.attach_device(Arc::new(CudaDeviceMemory::new(&self.gpu)?))
+                    .map_err(|e| StoreError(format!("attaching the GPU to the proxy: {e}")))?;
+                RingPlacement::Host
+            }
+            SharedController::Device(_) => RingPlacement::Device,
+        };
+        let opts = GpuIoOptions {
+            placement,
+            ..GpuIoOptions::default()
+        };
+        let mut io = GpuIo::open(&self.gpu, controller.controller(), &opts)?;
+        let staging = io.alloc(&self.gpu, store.lock().max_partition_bytes())?;
+        tracing::info!(
+            "partition swaps through the GPU I/O kernels: {} queue pairs of depth {} on {}",
+            opts.queues,
+            io.depth(),
+            match placement {
+                RingPlacement::Host => "pinned host memory (the proxy controller)",
+                RingPlacement::Device => "GPU memory",
+            }
+        );
+        self.direct = Some(Arc::new(Mutex::new(DirectIo {
+            io,
+            staging,
+            store: store.clone(),
+        })));
+        Ok(true)
     }
 }

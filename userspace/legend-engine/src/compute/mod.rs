@@ -25,6 +25,8 @@ use legend_dataset::Edge;
 use legend_model::Permutation;
 
 use crate::buffer::{PartitionBuffer, SwapHook};
+use crate::controllers::SharedController;
+use crate::file_store::SharedFileStore;
 use crate::trainer::{Relations, TrainError};
 
 /// A bucket about to be trained.
@@ -103,4 +105,14 @@ pub(crate) trait ComputeBackend {
         host: &mut PartitionBuffer,
         rels: &mut Relations,
     ) -> Result<(), TrainError>;
+    /// From now on swaps move partitions between the device and `store` with I/O the engine
+    /// runs itself (the GPU I/O kernels over `controller`'s queues). Engines without such I/O
+    /// return `false` and keep the buffer's I/O thread moving them.
+    fn use_direct_io(
+        &mut self,
+        _store: &SharedFileStore,
+        _controller: &SharedController,
+    ) -> Result<bool, TrainError> {
+        Ok(false)
+    }
 }

@@ -392,7 +392,7 @@ fn gpu(
             })
             .collect();
         n += per_launch;
-        let run = io.run(&device, &jobs, true)?;
+        let run = io.run(&jobs, true)?;
         samples.ops += run.commands;
         samples.bytes += run.bytes;
         samples.latencies_ns.extend(run.latencies_ns);

@@ -8,7 +8,7 @@ use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use legend_dataset::{Dataset, Split};
 use legend_engine::file_store::{
-    FileStore, FileStoreSpec, decode_progress, encode_progress, encode_relations,
+    FileStore, FileStoreSpec, SharedFileStore, decode_progress, encode_progress, encode_relations,
 };
 use legend_engine::run::{self, RunMeta, TableChecksums};
 use legend_engine::{Config, Device, MemoryStore, PartitionBuffer, Relations, Trainer};
@@ -135,6 +135,9 @@ fn train(
         store_queue: None,
         checksums: TableChecksums::default(),
     });
+    // A store behind NVMe queues, trained on a GPU: the GPU I/O kernels move the swaps.
+    let mut direct = None;
+    let gpu_engine = matches!(device, Device::Cuda { .. });
     let (buffer, relations, start_epoch) = if config.uses_store() {
         let queue = meta.store_queue.or(config.queue_location());
         let path = match &meta.store {
@@ -176,7 +179,14 @@ fn train(
             }
             _ => fresh_relations(),
         };
-        let buffer = PartitionBuffer::new(scheme, dim, init, store);
+        let buffer = match store.controller().cloned() {
+            Some(controller) if gpu_engine => {
+                let shared = SharedFileStore::new(store);
+                direct = Some((shared.clone(), controller));
+                PartitionBuffer::new(scheme, dim, init, shared)
+            }
+            _ => PartitionBuffer::new(scheme, dim, init, store),
+        };
         (buffer, relations, epochs_done)
     } else if !meta.checkpoint.is_empty() {
         let t = run::load_tables(&args.out, &meta)?;
@@ -193,6 +203,9 @@ fn train(
     };
     let engine = device.describe();
     let mut trainer = Trainer::on_device(config, buckets, &degrees, buffer, relations, device)?;
+    if let Some((store, controller)) = &direct {
+        trainer.use_direct_io(store, controller)?;
+    }
     let epochs = config.training.num_epochs;
     if start_epoch >= epochs {
         bail!(
