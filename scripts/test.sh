@@ -2,7 +2,8 @@
 # The whole test suite: formatting, lints, the workspace's unit and integration tests, the kernel
 # module's selftests in QEMU, and (when present) the NVRTC compile check of the CUDA kernels.
 # Every stage runs even if an earlier one failed; the last line is `test-suites: N passed, M failed`.
-# Tests that need a GPU skip cleanly here; scripts/gpu/run-all.sh runs them on a GPU machine.
+# Tests that need a GPU are reported as ignored (skipped) without one; scripts/gpu/run-all.sh runs
+# them on a GPU machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
@@ -27,7 +28,12 @@ stage() {
 
 stage fmt cargo fmt --all --check
 stage clippy cargo clippy --workspace --all-targets --locked -- -D warnings
-stage cargo-test cargo test --workspace --locked --no-fail-fast
+# The GPU tests are #[ignore]d (reported as skipped); where a GPU answers they run too.
+gpu_tests=()
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+  gpu_tests=(-- --include-ignored)
+fi
+stage cargo-test cargo test --workspace --locked --no-fail-fast "${gpu_tests[@]}"
 stage kmod-selftests tests/kmod/run
 if [ -x scripts/gpu/nvrtc-check.sh ]; then
   stage nvrtc-compile scripts/gpu/nvrtc-check.sh

@@ -25,7 +25,7 @@ lscpu | grep -E '^Model name|^CPU\(s\)' | tee -a "$out/hw.txt"
 
 if [[ $only == *" tests "* ]]; then
     echo "== GPU I/O kernel tests"
-    "$bin/test-nvme_io" --test-threads=1 --nocapture 2>&1 | tee "$out/nvme-io-tests.log" || status=1
+    "$bin/test-nvme_io" --include-ignored --test-threads=1 --nocapture 2>&1 | tee "$out/nvme-io-tests.log" || status=1
 fi
 
 if [[ $only == *" bench "* ]]; then

@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 status=0
 echo "== tests"
 for t in "$bin"/test-*; do
-    "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" || status=1
+    "$t" --include-ignored --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" || status=1
 done
 echo "== legend-cuda batch benchmark"
 "$bin/batch_bench" "$out/bench.jsonl" 2>&1 | tee "$out/bench.log" || status=1

@@ -31,7 +31,7 @@ only=" ${LEGEND_BENCH_ONLY:-tests umls epochs} "
 
 if [[ $only == *" tests "* ]]; then
     echo "== trainer tests"
-    "$bin/test-gpu_trainer" --test-threads=1 --nocapture 2>&1 | tee "$out/trainer-tests.log" || status=1
+    "$bin/test-gpu_trainer" --include-ignored --test-threads=1 --nocapture 2>&1 | tee "$out/trainer-tests.log" || status=1
 fi
 
 if [[ $only == *" umls "* ]]; then

@@ -11,7 +11,7 @@
 //! answering with the queue's state, after the queue pairs were deleted (which waits for or
 //! aborts what they held), so no command can outlive the call.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
@@ -825,11 +825,12 @@ impl Drop for GpuIo {
     }
 }
 
-/// The proxy controller's DMA engine for GPU memory: synchronous copies on a stream of its
-/// own, from the proxy's thread.
+/// The proxy controller's DMA engine for GPU memory: synchronous copies, each on a stream that
+/// no other thread is using at that moment (the proxy's threads copy at once, and a stream
+/// shared between them would make each wait for the others' copies).
 pub struct CudaDeviceMemory {
     ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    idle_streams: Mutex<Vec<Arc<CudaStream>>>,
 }
 
 impl CudaDeviceMemory {
@@ -840,10 +841,38 @@ impl CudaDeviceMemory {
     /// Driver errors.
     pub fn new(gpu: &Gpu) -> Result<CudaDeviceMemory, GpuError> {
         let ctx = gpu.context().clone();
-        let stream = ctx
+        let first = ctx
             .new_stream()
             .during("creating the proxy's copy stream")?;
-        Ok(CudaDeviceMemory { ctx, stream })
+        Ok(CudaDeviceMemory {
+            ctx,
+            idle_streams: Mutex::new(vec![first]),
+        })
+    }
+
+    /// Runs `copy` on an idle stream of this engine and waits for it.
+    fn copy_sync(
+        &self,
+        copy: impl FnOnce(sys::CUstream) -> Result<(), cudarc::driver::DriverError>,
+    ) -> std::io::Result<()> {
+        self.ctx.bind_to_thread().map_err(io_err)?;
+        let idle = self
+            .idle_streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        let stream = match idle {
+            Some(s) => s,
+            None => self.ctx.new_stream().map_err(io_err)?,
+        };
+        let done = copy(stream.cu_stream())
+            // SAFETY: the stream is live; waiting on it is always sound.
+            .and_then(|()| unsafe { result::stream::synchronize(stream.cu_stream()) });
+        self.idle_streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(stream);
+        done.map_err(io_err)
     }
 }
 
@@ -853,22 +882,14 @@ fn io_err(e: cudarc::driver::DriverError) -> std::io::Error {
 
 impl DeviceMemory for CudaDeviceMemory {
     fn write(&self, dst: u64, src: &[u8]) -> std::io::Result<()> {
-        self.ctx.bind_to_thread().map_err(io_err)?;
         // SAFETY: `dst..dst + len` lies in GPU memory mapped through the proxy (its region
         // check), `src` is live for the synchronous copy.
-        unsafe {
-            result::memcpy_htod_async(dst, src, self.stream.cu_stream()).map_err(io_err)?;
-            result::stream::synchronize(self.stream.cu_stream()).map_err(io_err)
-        }
+        self.copy_sync(|stream| unsafe { result::memcpy_htod_async(dst, src, stream) })
     }
 
     fn read(&self, src: u64, dst: &mut [u8]) -> std::io::Result<()> {
-        self.ctx.bind_to_thread().map_err(io_err)?;
         // SAFETY: as in `write`.
-        unsafe {
-            result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()).map_err(io_err)?;
-            result::stream::synchronize(self.stream.cu_stream()).map_err(io_err)
-        }
+        self.copy_sync(|stream| unsafe { result::memcpy_dtoh_async(dst, src, stream) })
     }
 
     fn pin(&self, ptr: *mut u8, len: usize) -> std::io::Result<()> {

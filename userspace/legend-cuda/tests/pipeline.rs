@@ -1,7 +1,8 @@
 //! The data path around the step: batches gathered on the device in legend-model's
 //! `Permutation` order, and copies through pinned staging on their own stream, overlapping
-//! compute. Needs a GPU: without a driver, NVRTC or device every test prints a skip line and
-//! passes.
+//! compute.
+//! Needs a GPU: the tests are `#[ignore]`d, so a plain `cargo test` reports them skipped;
+//! `--include-ignored` runs them (scripts/gpu/run-all.sh).
 
 use cudarc::driver::DevicePtr;
 use cudarc::driver::sys::CUevent_flags;
@@ -15,8 +16,9 @@ mod common;
 use common::{Rng, gpu, seed};
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
 fn gathered_batches_follow_the_rust_permutation() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let mut rng = Rng(seed("gather"));
     for n in [1u64, 2, 3, 4, 5, 255, 256, 257, 65_535, 65_537, 1_000_003] {
         let key = rng.next();
@@ -74,8 +76,9 @@ fn engine(gpu: &Gpu, entities: usize, max_batch: usize, k: usize, dim: usize) ->
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
 fn a_batch_gathered_on_the_device_trains_like_one_uploaded() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let mut rng = Rng(seed("set_batch_from_device"));
     let (entities, dim, k) = (4000usize, 32usize, 64usize);
     // A bucket of partition pair (0, 1) of two partitions of 2000 rows.
@@ -163,8 +166,9 @@ fn a_batch_gathered_on_the_device_trains_like_one_uploaded() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
 fn staged_copies_round_trip_in_many_chunks() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let mut rng = Rng(seed("transfer round trip"));
     // 4 KiB chunks: a partition of 777 rows of 33 floats takes 26 chunks each way.
     let mut t = Transfer::new(&gpu, 4096).unwrap();
@@ -194,8 +198,9 @@ fn timed_event(gpu: &Gpu) -> CudaEvent {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
 fn copies_on_the_transfer_stream_overlap_compute() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let mut rng = Rng(seed("overlap"));
     // Compute: training steps on the compute stream (200 take about 0.1 s on an H100).
     let (entities, dim, k, b) = (100_000usize, 128usize, 1000usize, 20_000usize);

@@ -3,11 +3,13 @@
 //!
 //! A [`Proxy`] serves I/O queue pairs exactly as `legend_nvme` hands them out (it implements
 //! [`legend_nvme::Controller`]): the user maps memory, creates queue pairs whose rings live in
-//! its own memory, and rings doorbells, which here are words of a page the proxy polls. A
-//! controller thread fetches the commands, runs them against a file or block device with
+//! its own memory, and rings doorbells, which here are words of a page the proxy polls. Its
+//! controller threads fetch the commands, runs them against a file or block device with
 //! `io_uring` (`O_DIRECT` where the file system allows it), moves their data to and from the
 //! memory their PRPs name (host memory directly, GPU memory through a [`DeviceMemory`], the
-//! GPU's copy engine) and posts completions with phase tags. The only difference a queue user
+//! GPU's copy engine) and posts completions with phase tags. Several controller threads share
+//! the queues out between them (queue `q` to thread `q % threads`), as a controller's engines
+//! do, so one busy queue does not hold up the others. The only difference a queue user
 //! sees from a real controller is where the rings and doorbells are.
 //!
 //! Faults can be injected ([`Faults`]): error statuses by LBA range or command count, a delay
@@ -22,7 +24,7 @@ use std::ops::Range;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -60,8 +62,11 @@ pub struct ProxyOptions {
     pub max_transfer: u32,
     /// I/O queue pairs offered (qids `1..=queue_pairs`).
     pub queue_pairs: u16,
-    /// Commands in flight against the file at once (bounce buffers of `max_transfer` each).
+    /// Commands in flight against the file at once (bounce buffers of `max_transfer` each),
+    /// shared out between the threads.
     pub io_depth: u16,
+    /// Controller threads (each polls its share of the queues and runs their commands).
+    pub threads: u16,
 }
 
 impl Default for ProxyOptions {
@@ -72,7 +77,11 @@ impl Default for ProxyOptions {
             blocks: None,
             max_transfer: 1 << 20,
             queue_pairs: 64,
-            io_depth: 64,
+            io_depth: 128,
+            // A quarter of the cores, at most 4: enough to keep a fast SSD or the GPU's copy
+            // engine busy, while the submitters and the training keep the rest.
+            threads: std::thread::available_parallelism()
+                .map_or(1, |n| (n.get() / 4).clamp(1, 4) as u16),
         }
     }
 }
@@ -87,6 +96,8 @@ pub(crate) struct Shared {
     pub(crate) blocks: u64,
     pub(crate) max_transfer: u32,
     bounce: (usize, usize),
+    /// Commands fetched so far, by all threads (`Faults::fail_every` counts them).
+    pub(crate) commands: AtomicU64,
 }
 
 // SAFETY: the doorbell page and bounce buffers are plain memory owned by the proxy, written by
@@ -149,14 +160,14 @@ impl Drop for Pages {
 }
 
 /// A userspace NVMe controller over a file or block device. Dropping it stops the controller
-/// thread once the commands in flight are done.
+/// threads once the commands in flight are done.
 pub struct Proxy {
     label: String,
     shared: Arc<Shared>,
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
     info: uapi::Info,
-    /// The doorbell page and the bounce buffers, released after the thread stopped.
+    /// The doorbell page and the bounce buffers, released after the threads stopped.
     memory: Arc<(Pages, Pages)>,
 }
 
@@ -228,9 +239,10 @@ impl Proxy {
                 opts.start_lba
             )));
         }
-        let slots = usize::from(opts.io_depth.max(1));
+        let threads = usize::from(opts.threads.clamp(1, opts.queue_pairs));
+        let slots = usize::from(opts.io_depth).div_ceil(threads).max(1);
         let doorbells = Pages::new(DOORBELL_PAGE)?;
-        let bounce = Pages::new(slots * opts.max_transfer as usize)?;
+        let bounce = Pages::new(threads * slots * opts.max_transfer as usize)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 queues: Vec::new(),
@@ -244,22 +256,47 @@ impl Proxy {
             blocks,
             max_transfer: opts.max_transfer,
             bounce: (bounce.ptr.as_ptr() as usize, bounce.len),
+            commands: AtomicU64::new(0),
         });
         let info = info(opts, blocks, path);
         let stop = Arc::new(AtomicBool::new(false));
-        let service = Service::new(shared.clone(), file, slots, bounce.ptr.as_ptr());
-        let thread = {
-            let stop = stop.clone();
-            std::thread::Builder::new()
-                .name("nvme-proxy".into())
-                .spawn(move || service.run(&stop))?
-        };
+        let mut workers = Vec::with_capacity(threads);
+        for shard in 0..threads {
+            // SAFETY: each thread's slots are its own part of the bounce allocation.
+            let bounce = unsafe {
+                bounce
+                    .ptr
+                    .as_ptr()
+                    .add(shard * slots * opts.max_transfer as usize)
+            };
+            let spawned = file.try_clone().and_then(|file| {
+                let service = Service::new(
+                    shared.clone(),
+                    file,
+                    (shard as u16, threads as u16),
+                    slots,
+                    bounce,
+                )?;
+                let stop = stop.clone();
+                std::thread::Builder::new()
+                    .name(format!("nvme-proxy-{shard}"))
+                    .spawn(move || service.run(&stop))
+            });
+            match spawned {
+                Ok(t) => workers.push(t),
+                Err(e) => {
+                    stop.store(true, Ordering::Release);
+                    workers.into_iter().for_each(|t| drop(t.join()));
+                    return Err(e);
+                }
+            }
+        }
         tracing::debug!(%label, blocks, lba, "proxy controller started");
         Ok(Proxy {
             label,
             shared,
             stop,
-            thread: Some(thread),
+            threads: workers,
             info,
             memory: Arc::new((doorbells, bounce)),
         })
@@ -503,7 +540,7 @@ impl Controller for Proxy {
 impl Drop for Proxy {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }

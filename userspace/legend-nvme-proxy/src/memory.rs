@@ -57,34 +57,48 @@ pub(crate) struct AddressSpace {
 pub(crate) struct Fault;
 
 impl AddressSpace {
-    fn find(&self, bus: u64, len: u64) -> Result<&Region, Fault> {
-        self.regions
+    /// The region holding `bus`, and how many bytes of `len` it holds from there.
+    fn find(&self, bus: u64, len: u64) -> Result<(&Region, u64), Fault> {
+        let r = self
+            .regions
             .iter()
-            .find(|r| r.contains(bus, len))
-            .ok_or(Fault)
+            .find(|r| r.contains(bus, 1))
+            .ok_or(Fault)?;
+        Ok((r, len.min(r.start + r.len - bus)))
     }
 
-    /// Writes `src` at bus address `bus` (DMA to memory).
-    pub(crate) fn write(&self, bus: u64, src: &[u8]) -> Result<(), Fault> {
-        match self.find(bus, src.len() as u64)?.kind {
-            // SAFETY: the range lies in a host mapping, which its owner keeps valid while mapped
-            // (the `map_host` contract); the controller may write it at any time.
-            Kind::Host => unsafe {
-                ptr::copy_nonoverlapping(src.as_ptr(), bus as *mut u8, src.len());
-            },
-            Kind::Gpu => self.device()?.write(bus, src).map_err(|_| Fault)?,
+    /// Writes `src` at bus address `bus` (DMA to memory). The range may span regions that lie
+    /// back to back (separate allocations can); any byte outside them is a fault.
+    pub(crate) fn write(&self, mut bus: u64, mut src: &[u8]) -> Result<(), Fault> {
+        while !src.is_empty() {
+            let (region, n) = self.find(bus, src.len() as u64)?;
+            let (piece, rest) = src.split_at(n as usize);
+            match region.kind {
+                // SAFETY: the range lies in a host mapping, which its owner keeps valid while
+                // mapped (the `map_host` contract); the controller may write it at any time.
+                Kind::Host => unsafe {
+                    ptr::copy_nonoverlapping(piece.as_ptr(), bus as *mut u8, piece.len());
+                },
+                Kind::Gpu => self.device()?.write(bus, piece).map_err(|_| Fault)?,
+            }
+            (bus, src) = (bus + n, rest);
         }
         Ok(())
     }
 
-    /// Reads `dst.len()` bytes at bus address `bus` (DMA from memory).
-    pub(crate) fn read(&self, bus: u64, dst: &mut [u8]) -> Result<(), Fault> {
-        match self.find(bus, dst.len() as u64)?.kind {
-            // SAFETY: as in `write`.
-            Kind::Host => unsafe {
-                ptr::copy_nonoverlapping(bus as *const u8, dst.as_mut_ptr(), dst.len());
-            },
-            Kind::Gpu => self.device()?.read(bus, dst).map_err(|_| Fault)?,
+    /// Reads `dst.len()` bytes at bus address `bus` (DMA from memory), as `write` does.
+    pub(crate) fn read(&self, mut bus: u64, mut dst: &mut [u8]) -> Result<(), Fault> {
+        while !dst.is_empty() {
+            let (region, n) = self.find(bus, dst.len() as u64)?;
+            let (piece, rest) = dst.split_at_mut(n as usize);
+            match region.kind {
+                // SAFETY: as in `write`.
+                Kind::Host => unsafe {
+                    ptr::copy_nonoverlapping(bus as *const u8, piece.as_mut_ptr(), piece.len());
+                },
+                Kind::Gpu => self.device()?.read(bus, piece).map_err(|_| Fault)?,
+            }
+            (bus, dst) = (bus + n, rest);
         }
         Ok(())
     }

@@ -284,3 +284,50 @@ fn controller_rules_match_the_kernel_module() {
     let gpu = unsafe { proxy.map_gpu(0x7f00_0000_0000, 65536) };
     assert!(gpu.is_err());
 }
+
+#[test]
+fn transfers_cross_back_to_back_mappings_and_fault_on_a_hole() {
+    let (_dir, path) = backing();
+    let opts = ProxyOptions {
+        threads: 3,
+        ..ProxyOptions::default()
+    };
+    let proxy = Proxy::open(&path, &opts).unwrap();
+    // Queues 1 to 4 land on all three controller threads.
+    let mut queues: Vec<Fixture> = (1..=4)
+        .map(|qid| Fixture::new(&proxy, qid, 8, 8 * PAGE))
+        .collect();
+    for (i, f) in queues.iter_mut().enumerate() {
+        let lba = 64 * i as u64;
+        assert!(f.rw(Opcode::Read, lba, 64, 0).is_success());
+        assert_eq!(f.data.bytes(PAGE)[..512], pattern(lba));
+    }
+    // One buffer mapped as two regions side by side: a command over both moves every byte
+    // (the proxy copies contiguous pages at once, across the regions' boundary).
+    let mut buf = Mem::new(8 * PAGE);
+    // SAFETY: `buf` outlives the proxy's use of it (the commands below complete first).
+    let (low, high) = unsafe {
+        (
+            proxy.map_host(buf.ptr(), 4 * PAGE).unwrap(),
+            proxy.map_host(buf.ptr().add(4 * PAGE), 4 * PAGE).unwrap(),
+        )
+    };
+    let f = &mut queues[0];
+    f.data_bus = low
+        .bus_addrs
+        .iter()
+        .chain(&high.bus_addrs)
+        .copied()
+        .collect();
+    assert!(f.rw(Opcode::Read, 300, 64, 0).is_success());
+    for i in 0..64u64 {
+        assert_eq!(
+            buf.bytes(8 * PAGE)[512 * i as usize..][..512],
+            pattern(300 + i)
+        );
+    }
+    // With the upper half unmapped the same command faults, as under an IOMMU.
+    proxy.unmap(high.handle).unwrap();
+    let st = f.rw(Opcode::Read, 300, 64, 0);
+    assert_eq!((st.sct(), st.sc()), (0, 0x04), "{st}");
+}

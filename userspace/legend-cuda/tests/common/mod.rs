@@ -1,19 +1,13 @@
 //! Helpers shared by the GPU test files (each file uses a part of them).
 #![allow(dead_code)]
 
-use legend_cuda::{Gpu, GpuError};
+use legend_cuda::Gpu;
 
-/// The first GPU, or `None` after printing a skip line where no driver, NVRTC or device is
-/// present: the tests pass there.
-pub fn gpu() -> Option<Gpu> {
-    match Gpu::new(0) {
-        Ok(g) => Some(g),
-        Err(e @ (GpuError::NoDriver | GpuError::NoNvrtc | GpuError::NoDevice { .. })) => {
-            println!("skip: {e}");
-            None
-        }
-        Err(e) => panic!("{e}"),
-    }
+/// The first GPU. The tests that call this are `#[ignore]`d (reported as skipped where
+/// `cargo test` runs without a GPU); asked for with `--include-ignored`, a missing driver,
+/// NVRTC or device fails them.
+pub fn gpu() -> Gpu {
+    Gpu::new(0).unwrap_or_else(|e| panic!("this test needs a GPU: {e}"))
 }
 
 /// A fresh seed per run (printed, so a failure can be replayed with LEGEND_TEST_SEED).
