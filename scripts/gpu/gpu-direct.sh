@@ -6,7 +6,8 @@
 #  2. `legendctl bench io` side by side on the same file: io_uring (file), the proxy with CPU
 #     submitters, the proxy with the GPU I/O kernels; on tmpfs (the queues' own cost) and on
 #     the machine's disk;
-#  3. training with storage.backend = "proxy" on cuda:0, against the file backend on cuda:0:
+#  3. the training step's time alone and beside the I/O kernels reading without pause (Fig. 9);
+#  4. training with storage.backend = "proxy" on cuda:0, against the file backend on cuda:0:
 #     UMLS quality (N = 4, C = 3) and a generated graph's epoch time (N = 8, C = 3).
 # Builds nothing: expects target-gpu/ (scripts/gpu/build-binaries.sh) and UMLS imported into
 # gpu-data/umls, both carried. Logs under ${OUT:-target-gpu/out}.
@@ -19,7 +20,7 @@ mkdir -p "$out"
 source "$root/scripts/gpu/nvrtc-env.sh"
 ctl=$bin/legendctl
 status=0
-only=" ${LEGEND_DIRECT_ONLY:-tests bench train} "
+only=" ${LEGEND_DIRECT_ONLY:-tests bench beside train} "
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/hw.txt"
 lscpu | grep -E '^Model name|^CPU\(s\)' | tee -a "$out/hw.txt"
 
@@ -57,6 +58,23 @@ print("%-9s %-6s %-4s %-5s %7d B  q%-2d d%-4d %8.3f GB/s %9.0f ops/s  p50 %8.1f 
         done
         rm -f "$f"
     done
+fi
+
+if [[ $only == *" beside "* ]]; then
+    echo "== training step alone and beside the GPU I/O kernels (proxy over tmpfs, 8 queues)"
+    f=/dev/shm/legend-beside.img
+    dd if=/dev/urandom of="$f" bs=64M count=64 status=none || status=1
+    LEGEND_BENCH_BESIDE_IO=$f LEGEND_BENCH_GROUPS=20 LEGEND_BENCH_DECODERS=complex,dot \
+        "$bin/batch_bench" "$out/beside.jsonl" 2>"$out/beside.log" >/dev/null || status=1
+    python3 - "$out/beside.jsonl" <<'PY' | tee "$out/beside.txt"
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    slow = 100.0 * (r["median_ms_beside_io"] / r["median_ms"] - 1.0)
+    print("%-8s step %.3f ms alone, %.3f ms beside I/O (%+.1f%%), I/O kept %.2f GB/s" % (
+        r["decoder"], r["median_ms"], r["median_ms_beside_io"], slow, r["io_gb_per_s_beside"]))
+PY
+    rm -f "$f"
 fi
 
 if [[ $only == *" train "* ]]; then

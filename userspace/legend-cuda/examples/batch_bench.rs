@@ -6,13 +6,22 @@
 //! `LEGEND_BENCH_GROUPS` (default `2,4,20`) lists the jobs per launch to try,
 //! `LEGEND_BENCH_DECODERS` (default `complex,dot`) the models (`model.decoder` names, so
 //! `transe_l1` and `transe_l2` too).
+//!
+//! `LEGEND_BENCH_BESIDE_IO=FILE` also times the steps again while the GPU I/O kernels read
+//! FILE without pause through the proxy controller on their own stream (the paper's Fig. 9:
+//! how much the I/O kernels slow training down), and reports the I/O rate they kept.
 
 use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use cudarc::driver::sys::CUevent_flags;
+use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions};
 use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, negative_keys};
 use legend_model::{AdaGrad, ChunkModel, Decoder, Distribution, Loss, Table};
+use legend_nvme_proxy::{Proxy, ProxyOptions};
 
 const ENTITIES: usize = 1_000_000;
 const RELATIONS: usize = 1_000;
@@ -36,6 +45,109 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// Batch times of `TIMED` steps after `WARMUP`, in ms.
+struct Timing {
+    total: Vec<f64>,
+    sample: Vec<f64>,
+    steps: Vec<f64>,
+    loss: f64,
+    unique_rows: usize,
+}
+
+fn timed_steps(
+    gpu: &Gpu,
+    engine: &mut GpuBatchEngine,
+    nodes: &mut DeviceTable,
+    rels: &mut DeviceTable,
+    batches: &[Vec<[u32; 3]>],
+) -> Result<Timing, Box<dyn std::error::Error>> {
+    let ctx = gpu.context().clone();
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let all = 0..ENTITIES as u64;
+    let mut t = Timing {
+        total: Vec::new(),
+        sample: Vec::new(),
+        steps: Vec::new(),
+        loss: 0.0,
+        unique_rows: 0,
+    };
+    for it in 0..WARMUP + TIMED {
+        let b = it as u64 % BATCHES;
+        engine.set_batch(gpu, &batches[b as usize])?;
+        let keys = negative_keys(11, 1, it as u64, engine.chunks());
+        let ev: Vec<_> = (0..3)
+            .map(|_| ctx.new_event(timing))
+            .collect::<Result<_, _>>()?;
+        ev[0].record(gpu.stream())?;
+        engine.sample_negatives(gpu, std::slice::from_ref(&all), &keys, 0.0)?;
+        ev[1].record(gpu.stream())?;
+        engine.step(gpu, nodes, Some(rels))?;
+        ev[2].record(gpu.stream())?;
+        t.loss = engine.loss(gpu)?;
+        gpu.synchronize()?;
+        if it >= WARMUP {
+            t.total.push(f64::from(ev[0].elapsed_ms(&ev[2])?));
+            t.sample.push(f64::from(ev[0].elapsed_ms(&ev[1])?));
+            t.steps.push(f64::from(ev[1].elapsed_ms(&ev[2])?));
+        }
+        if it == WARMUP {
+            let mut ids: Vec<u32> = engine.negatives(gpu)?;
+            ids.extend(batches[b as usize].iter().flat_map(|e| [e[0], e[2]]));
+            ids.sort_unstable();
+            ids.dedup();
+            t.unique_rows = ids.len();
+        }
+    }
+    Ok(t)
+}
+
+/// The GPU I/O kernels reading a file through the proxy without pause, in a thread of their
+/// own: 8 queue pairs, 256 MiB a launch into GPU memory.
+struct BackgroundIo {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Result<(u64, f64), String>>,
+}
+
+impl BackgroundIo {
+    const CHUNK: usize = 256 << 20;
+
+    fn start(gpu: &Gpu, path: &Path) -> Result<BackgroundIo, Box<dyn std::error::Error>> {
+        let proxy = Arc::new(Proxy::open(path, &ProxyOptions::default())?);
+        proxy.attach_device(Arc::new(CudaDeviceMemory::new(gpu)?))?;
+        let chunks = (proxy.blocks() << 9) / Self::CHUNK as u64;
+        if chunks == 0 {
+            return Err(format!("{}: smaller than 256 MiB", path.display()).into());
+        }
+        let mut io = GpuIo::open(gpu, proxy, &GpuIoOptions::default())?;
+        let region = io.alloc(gpu, Self::CHUNK)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let (start, mut bytes, mut k) = (Instant::now(), 0u64, 0u64);
+            while !flag.load(Ordering::Relaxed) {
+                let job = GpuIoJob {
+                    region,
+                    offset: 0,
+                    bytes: Self::CHUNK as u64,
+                    at: (k % chunks) * Self::CHUNK as u64,
+                    write: false,
+                };
+                bytes += io.run(&[job], false).map_err(|e| e.to_string())?.bytes;
+                k += 1;
+            }
+            Ok((bytes, start.elapsed().as_secs_f64()))
+        });
+        Ok(BackgroundIo { stop, thread })
+    }
+
+    /// Stops the reads; the bytes moved and the seconds they took.
+    fn stop(self) -> Result<(u64, f64), Box<dyn std::error::Error>> {
+        self.stop.store(true, Ordering::Relaxed);
+        let r = self.thread.join().map_err(|_| "the I/O thread panicked")?;
+        Ok(r?)
+    }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_path = std::env::args().nth(1);
     let groups: Vec<usize> = std::env::var("LEGEND_BENCH_GROUPS")
@@ -48,6 +160,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .split(',')
         .map(|d| d.trim().parse())
         .collect::<Result<_, _>>()?;
+    let beside_io = std::env::var_os("LEGEND_BENCH_BESIDE_IO").map(PathBuf::from);
     let t = Instant::now();
     let gpu = Gpu::new(0)?;
     eprintln!(
@@ -56,8 +169,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         gpu.arch(),
         t.elapsed().as_secs_f64()
     );
-    let ctx = gpu.context().clone();
-    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let batches: Vec<Vec<[u32; 3]>> = (0..BATCHES)
         .map(|b| {
             (0..BATCH as u64)
@@ -73,7 +184,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
     let degrees = vec![1u32; ENTITIES];
-    let all = 0..ENTITIES as u64;
     let mut json = String::new();
     for &decoder in &decoders {
         for &group in &groups {
@@ -93,41 +203,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let dist = Distribution::Uniform { bound: 0.5 };
             let mut nodes = DeviceTable::init(&gpu, ENTITIES, DIM, 0, 7, Table::Node, dist)?;
             let mut rels = DeviceTable::init(&gpu, RELATIONS, DIM, 0, 7, Table::Relation, dist)?;
-            let (mut total, mut sample, mut steps) = (Vec::new(), Vec::new(), Vec::new());
-            let mut unique_rows = 0usize;
-            let mut loss = 0.0;
-            for it in 0..WARMUP + TIMED {
-                let b = it as u64 % BATCHES;
-                engine.set_batch(&gpu, &batches[b as usize])?;
-                let keys = negative_keys(11, 1, it as u64, engine.chunks());
-                let ev: Vec<_> = (0..3)
-                    .map(|_| ctx.new_event(timing))
-                    .collect::<Result<_, _>>()?;
-                ev[0].record(gpu.stream())?;
-                engine.sample_negatives(&gpu, std::slice::from_ref(&all), &keys, 0.0)?;
-                ev[1].record(gpu.stream())?;
-                engine.step(&gpu, &mut nodes, Some(&mut rels))?;
-                ev[2].record(gpu.stream())?;
-                loss = engine.loss(&gpu)?;
-                gpu.synchronize()?;
-                if it >= WARMUP {
-                    total.push(f64::from(ev[0].elapsed_ms(&ev[2])?));
-                    sample.push(f64::from(ev[0].elapsed_ms(&ev[1])?));
-                    steps.push(f64::from(ev[1].elapsed_ms(&ev[2])?));
+            let mut run = || timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches);
+            let mut alone = run()?;
+            let beside = match &beside_io {
+                Some(path) => {
+                    let io = BackgroundIo::start(&gpu, path)?;
+                    let with_io = run()?;
+                    let (bytes, seconds) = io.stop()?;
+                    Some((with_io, bytes as f64 / seconds / 1e9))
                 }
-                if it == WARMUP {
-                    let mut ids: Vec<u32> = engine.negatives(&gpu)?;
-                    ids.extend(batches[b as usize].iter().flat_map(|e| [e[0], e[2]]));
-                    ids.sort_unstable();
-                    ids.dedup();
-                    unique_rows = ids.len();
-                }
-            }
+                None => None,
+            };
             // One more step with an event after every kernel, for the breakdown.
             engine.set_profiling(true);
             engine.set_batch(&gpu, &batches[0])?;
             let keys = negative_keys(11, 2, 0, engine.chunks());
-            engine.sample_negatives(&gpu, std::slice::from_ref(&all), &keys, 0.0)?;
+            engine.sample_negatives(
+                &gpu,
+                std::slice::from_ref(&(0..ENTITIES as u64)),
+                &keys,
+                0.0,
+            )?;
             engine.step(&gpu, &mut nodes, Some(&mut rels))?;
             let phases = engine.take_profile(&gpu)?;
             engine.set_profiling(false);
@@ -135,23 +231,33 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .iter()
                 .map(|(n, ms)| format!("\"{n}\":{ms:.4}"))
                 .collect();
+            let loss = alone.loss;
             if !loss.is_finite() {
                 return Err(format!("{decoder}: loss {loss}").into());
             }
+            let unique_rows = alone.unique_rows;
             // Fewest bytes a step must move: each touched entity row's parameters and state
             // read and written once, plus the edges.
             let bytes = unique_rows as f64 * DIM as f64 * 4.0 * 4.0 + BATCH as f64 * 12.0;
             let line = format!(
                 "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"group\":{group},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"step_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
                 gpu.name(),
-                median(&mut total),
-                median(&mut sample),
-                median(&mut steps),
+                median(&mut alone.total),
+                median(&mut alone.sample),
+                median(&mut alone.steps),
                 engine.step_flops(),
                 bytes,
                 loss / BATCH as f64,
                 profile.join(","),
             );
+            let line = match beside {
+                Some((mut with_io, gb_per_s)) => format!(
+                    "{},\"median_ms_beside_io\":{:.4},\"io_gb_per_s_beside\":{gb_per_s:.3}}}",
+                    line.trim_end_matches('}'),
+                    median(&mut with_io.total)
+                ),
+                None => line,
+            };
             println!("{line}");
             writeln!(json, "{line}")?;
         }

@@ -894,9 +894,17 @@ impl DeviceMemory for CudaDeviceMemory {
 
     fn pin(&self, ptr: *mut u8, len: usize) -> std::io::Result<()> {
         self.ctx.bind_to_thread().map_err(io_err)?;
-        // SAFETY: `ptr..ptr + len` is the proxy's own allocation, registered for the rest of
-        // the process (the proxy frees it only at its end, after the copies).
+        // SAFETY: `ptr..ptr + len` is the proxy's own allocation, which it unpins before it
+        // frees it (after its threads stopped copying).
         unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+            .result()
+            .map_err(io_err)
+    }
+
+    fn unpin(&self, ptr: *mut u8) -> std::io::Result<()> {
+        self.ctx.bind_to_thread().map_err(io_err)?;
+        // SAFETY: `ptr` was registered by `pin`; the proxy calls this once its threads stopped.
+        unsafe { sys::cuMemHostUnregister(ptr.cast()) }
             .result()
             .map_err(io_err)
     }

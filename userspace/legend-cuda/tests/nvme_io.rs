@@ -346,3 +346,31 @@ fn a_lost_doorbell_times_out_with_a_report_not_a_hang() {
     );
     drop(io);
 }
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn proxies_come_and_go_in_one_process() {
+    let gpu = gpu();
+    // Each proxy page-locks its bounce buffers with the GPU; a later one reusing the address
+    // range must not find them still registered.
+    for round in 0..3 {
+        let dir = scratch();
+        let (_path, proxy) = proxy(&dir, 8 << 20, &gpu);
+        let mut io = GpuIo::open(&gpu, proxy.clone(), &GpuIoOptions::default()).unwrap();
+        let region = io.alloc(&gpu, 4 << 20).unwrap();
+        let job = GpuIoJob {
+            region,
+            offset: 0,
+            bytes: 4 << 20,
+            at: 0,
+            write: false,
+        };
+        assert_eq!(
+            io.run(&[job], false).unwrap().bytes,
+            4 << 20,
+            "round {round}"
+        );
+        let again = proxy.attach_device(Arc::new(CudaDeviceMemory::new(&gpu).unwrap()));
+        assert!(again.is_err(), "a second GPU attached to one proxy");
+    }
+}

@@ -309,9 +309,16 @@ impl Proxy {
     ///
     /// The device's error when pinning the bounce buffers.
     pub fn attach_device(&self, device: Arc<dyn DeviceMemory>) -> io::Result<()> {
+        let mut state = lock(&self.shared.state);
+        if state.space.device.is_some() {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{}: a GPU is attached already", self.label),
+            ));
+        }
         let (ptr, len) = self.shared.bounce;
         device.pin(ptr as *mut u8, len)?;
-        lock(&self.shared.state).space.device = Some(device);
+        state.space.device = Some(device);
         Ok(())
     }
 
@@ -542,6 +549,13 @@ impl Drop for Proxy {
         self.stop.store(true, Ordering::Release);
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+        // The bounce buffers are freed once the last doorbell user lets go of them; no copy
+        // runs through them any more, so the GPU's lock on them goes now.
+        if let Some(device) = lock(&self.shared.state).space.device.take()
+            && let Err(e) = device.unpin(self.shared.bounce.0 as *mut u8)
+        {
+            tracing::warn!(label = %self.label, error = %e, "proxy: unpinning the bounce buffers");
         }
     }
 }

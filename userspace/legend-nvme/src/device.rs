@@ -193,12 +193,20 @@ pub trait DeviceMemory: Send + Sync {
     fn read(&self, src: u64, dst: &mut [u8]) -> std::io::Result<()>;
 
     /// Page-locks `len` bytes of host memory at `ptr` (the proxy's bounce buffers) so copies
-    /// through it run at full speed; kept until the process ends or the memory is freed.
+    /// through it run at full speed, until [`DeviceMemory::unpin`].
     ///
     /// # Errors
     ///
     /// The driver's error.
     fn pin(&self, ptr: *mut u8, len: usize) -> std::io::Result<()>;
+
+    /// Releases what [`DeviceMemory::pin`] locked at `ptr`, before that memory is freed (the
+    /// driver refuses to lock a range again while an old registration covers it).
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    fn unpin(&self, ptr: *mut u8) -> std::io::Result<()>;
 }
 
 /// An NVMe controller that hands this process I/O queue pairs in memory it supplies: the kernel
