@@ -93,6 +93,11 @@ if [[ $only == *" train "* ]]; then
         printf 'umls complex ooc %-6s MRR %s  %d ms\n' "$backend" "$(mrr "$run")" $(( (end - start) / 1000000 )) | tee -a "$out/train.txt"
     done
     grep -h "GPU I/O kernels" "$out/umls-proxy.log" | head -1 | tee -a "$out/train.txt"
+    # The timeline shows the I/O kernels' launches beside compute.
+    "$ctl" report "$work/umls-proxy" -o "$out/umls-proxy-report.svg" | tee -a "$out/train.txt" || status=1
+    launches=$(grep -c 'class="kwrite"\|class="kread"' "$out/umls-proxy-report.svg")
+    echo "report: $launches I/O kernel launches drawn" | tee -a "$out/train.txt"
+    [ "$launches" -gt 0 ] || { echo "no I/O kernel lane in the report"; status=1; }
     echo "== generated graph (1e6 nodes, 2e7 edges), Dot d = 100, N = 8, C = 3, 3 epochs: file vs proxy"
     "$ctl" generate --nodes 1000000 --edges 20000000 --relations 10 --split 0.98,0.01,0.01 "$work/g" >/dev/null || status=1
     for backend in file proxy; do
@@ -116,6 +121,7 @@ for r in rows:
         print("g %-6s final %s MRR %.4f" % (sys.argv[2], r["split"], r["metrics"]["mrr"]))
 PY
     done
+    "$ctl" report "$work/g-proxy" -o "$out/g-proxy-report.svg" | tee -a "$out/train.txt" || status=1
     rm -rf "$work"
 fi
 tar czf "$out/00-logs.tar.gz" -C "$out" --exclude 00-logs.tar.gz . || status=1

@@ -79,6 +79,27 @@ pub struct SwapReport {
     pub after_compute_s: f64,
     /// Bytes read plus written by the swap.
     pub bytes: u64,
+    /// The GPU I/O kernels' launches of the swap, when the engine moves partitions with them
+    /// (storage.backend = proxy | nvme on a GPU); empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub io_kernels: Vec<IoKernelSpan>,
+}
+
+/// One launch of the GPU I/O kernels: a partition written to the store or read from it.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct IoKernelSpan {
+    /// `write` or `read`.
+    pub op: &'static str,
+    /// Partition moved.
+    pub partition: u32,
+    /// Seconds from the epoch start to the launch.
+    pub start_s: f64,
+    /// Launch to the last completion.
+    pub seconds: f64,
+    /// NVMe commands submitted (and completed).
+    pub commands: u64,
+    /// Bytes moved.
+    pub bytes: u64,
 }
 
 /// What one epoch did.
@@ -331,6 +352,7 @@ impl Trainer {
             }
             sr.overlap_compute_s = t.elapsed().as_secs_f64();
             self.buffer.finish_swap()?;
+            sr.io_kernels = self.compute.take_io_kernels(started);
             self.compute.finish_swap(&self.buffer, loaded)?;
             resident.push(loaded);
             let t = Instant::now();

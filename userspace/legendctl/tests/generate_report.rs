@@ -185,6 +185,43 @@ fn report_draws_one_rect_per_swap_and_lane() {
 }
 
 #[test]
+fn gpu_initiated_swaps_get_a_lane_of_io_kernel_launches() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    std::fs::create_dir(&run).unwrap();
+    let mut e: serde_json::Value = serde_json::from_str(&epoch(1, 3)).unwrap();
+    for (i, sw) in e["swaps"].as_array_mut().unwrap().iter_mut().enumerate() {
+        let start = sw["start_s"].as_f64().unwrap();
+        sw["io_kernels"] = serde_json::json!([
+            {"op": "write", "partition": i, "start_s": start + 0.01, "seconds": 0.1,
+             "commands": 64, "bytes": 64 << 20},
+            {"op": "read", "partition": i + 3, "start_s": start + 0.12, "seconds": 0.1,
+             "commands": 64, "bytes": 64 << 20}
+        ]);
+    }
+    std::fs::write(run.join("metrics.jsonl"), format!("{e}\n")).unwrap();
+    ok(&["report", &s(&run)]);
+    let svg = std::fs::read_to_string(run.join("report.svg")).unwrap();
+    assert_balanced(&svg);
+    assert!(svg.contains(">I/O kernels</text>"), "the lane is labelled");
+    assert_eq!(count(&svg, "<rect class=\"kwrite\""), 3);
+    assert_eq!(count(&svg, "<rect class=\"kread\""), 3);
+    assert!(
+        svg.contains("I/O kernels: read p5, 64 commands"),
+        "hover text"
+    );
+    // Without launches (the file backend, the CPU engine) there is no such lane.
+    std::fs::write(run.join("metrics.jsonl"), format!("{}\n", epoch(1, 3))).unwrap();
+    ok(&["report", &s(&run)]);
+    let svg = std::fs::read_to_string(run.join("report.svg")).unwrap();
+    assert!(!svg.contains("I/O kernels"));
+    // A launch with a negative time is refused like any other bad time.
+    e["swaps"][0]["io_kernels"][0]["seconds"] = serde_json::json!(-1.0);
+    std::fs::write(run.join("metrics.jsonl"), format!("{e}\n")).unwrap();
+    fails(&["report", &s(&run)], "not a non-negative number");
+}
+
+#[test]
 fn report_errors_name_the_file_and_line() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");

@@ -20,6 +20,7 @@
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, RingPlacement};
 use legend_cuda::{
@@ -35,7 +36,7 @@ use crate::buffer::{Partition, PartitionBuffer, StoreError, SwapHook};
 use crate::config::Config;
 use crate::controllers::SharedController;
 use crate::file_store::SharedFileStore;
-use crate::trainer::{Relations, TrainError};
+use crate::trainer::{IoKernelSpan, Relations, TrainError};
 
 /// Score-matrix memory the engine may use for one launch group.
 const SCORE_BYTES: usize = 1 << 30;
@@ -71,6 +72,37 @@ struct DirectIo {
     io: GpuIo,
     staging: usize,
     store: SharedFileStore,
+    /// Launches not yet taken into a swap's report: when each began, and its span with
+    /// `start_s` still unset.
+    launches: Vec<(Instant, IoKernelSpan)>,
+}
+
+impl DirectIo {
+    /// Moves partition `p` between the staging region and its extent of the store (`at`,
+    /// `len` bytes) with one launch of the I/O kernels, and logs the launch.
+    fn move_staging(&mut self, p: u32, at: u64, len: u64, write: bool) -> Result<(), GpuError> {
+        let job = GpuIoJob {
+            region: self.staging,
+            offset: 0,
+            bytes: len,
+            at,
+            write,
+        };
+        let started = Instant::now();
+        let run = self.io.run(&[job], false)?;
+        self.launches.push((
+            started,
+            IoKernelSpan {
+                op: if write { "write" } else { "read" },
+                partition: p,
+                start_s: 0.0,
+                seconds: run.seconds,
+                commands: run.commands,
+                bytes: run.bytes,
+            },
+        ));
+        Ok(())
+    }
 }
 
 /// The train edges on the device.
@@ -444,18 +476,7 @@ impl SwapHook for DirectSwap {
             d.io.copy(base, emb, bytes).map_err(fail)?;
             d.io.copy(base + bytes as u64, state, bytes).map_err(fail)?;
         }
-        let staging = d.staging;
-        d.io.run(
-            &[GpuIoJob {
-                region: staging,
-                offset: 0,
-                bytes: len,
-                at,
-                write: true,
-            }],
-            false,
-        )
-        .map_err(fail)?;
+        d.move_staging(p, at, len, true).map_err(fail)?;
         d.store.lock().mark_written(p)
     }
 
@@ -478,20 +499,9 @@ impl SwapHook for DirectSwap {
             return Ok(());
         }
         let (at, len) = d.store.lock().io_extent(p, false)?;
-        let staging = d.staging;
-        d.io.run(
-            &[GpuIoJob {
-                region: staging,
-                offset: 0,
-                bytes: len,
-                at,
-                write: false,
-            }],
-            false,
-        )
-        .map_err(fail)?;
+        d.move_staging(p, at, len, false).map_err(fail)?;
         let (emb, state, bytes) = self.into.addrs();
-        let base = d.io.region_addr(staging).map_err(fail)?;
+        let base = d.io.region_addr(d.staging).map_err(fail)?;
         // SAFETY: the slot is free (its evicted rows were copied out first on this stream) and
         // compute waits for `uploaded` before it reads the slot.
         unsafe {
@@ -692,7 +702,22 @@ impl ComputeBackend for CudaCompute {
             io,
             staging,
             store: store.clone(),
+            launches: Vec::new(),
         })));
         Ok(true)
+    }
+
+    fn take_io_kernels(&mut self, epoch_start: Instant) -> Vec<IoKernelSpan> {
+        let Some(direct) = &self.direct else {
+            return Vec::new();
+        };
+        let mut d = direct.lock().unwrap_or_else(|e| e.into_inner());
+        d.launches
+            .drain(..)
+            .map(|(started, mut span)| {
+                span.start_s = started.saturating_duration_since(epoch_start).as_secs_f64();
+                span
+            })
+            .collect()
     }
 }

@@ -21,13 +21,15 @@
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 
+use std::time::Instant;
+
 use legend_dataset::Edge;
 use legend_model::Permutation;
 
 use crate::buffer::{PartitionBuffer, SwapHook};
 use crate::controllers::SharedController;
 use crate::file_store::SharedFileStore;
-use crate::trainer::{Relations, TrainError};
+use crate::trainer::{IoKernelSpan, Relations, TrainError};
 
 /// A bucket about to be trained.
 pub(crate) struct BucketRef<'a> {
@@ -114,5 +116,10 @@ pub(crate) trait ComputeBackend {
         _controller: &SharedController,
     ) -> Result<bool, TrainError> {
         Ok(false)
+    }
+    /// The I/O kernel launches since the last call, timed from `epoch_start` (engines without
+    /// direct I/O have none).
+    fn take_io_kernels(&mut self, _epoch_start: Instant) -> Vec<IoKernelSpan> {
+        Vec::new()
     }
 }

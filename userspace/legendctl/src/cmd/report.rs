@@ -1,9 +1,11 @@
 //! `legendctl report`: a timeline of compute vs I/O per swap, from a run's `metrics.jsonl`.
 //!
-//! The SVG is written by hand: two lanes on one time axis, like Figures 8 and 9 of the Legend
+//! The SVG is written by hand: lanes on one time axis, like Figures 8 and 9 of the Legend
 //! paper. The compute lane shows, per swap, the compute overlapped with the swap's I/O, the time
 //! compute waited for it and the compute after it; the I/O lane shows the swap's write-back and
-//! read from its start. A table gives every epoch's time, I/O time, wait and hidden I/O share.
+//! read from its start; for swaps the GPU I/O kernels moved, a third lane shows each of their
+//! launches (commands submitted to the last completion). A table gives every epoch's time, I/O
+//! time, wait and hidden I/O share.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -49,6 +51,20 @@ struct Swap {
     wait_s: f64,
     after_compute_s: f64,
     bytes: u64,
+    /// Launches of the GPU I/O kernels (legend-engine's `IoKernelSpan`), for GPU-initiated swaps.
+    #[serde(default)]
+    io_kernels: Vec<IoKernel>,
+}
+
+/// One launch of the GPU I/O kernels.
+#[derive(Deserialize)]
+struct IoKernel {
+    op: String,
+    partition: u32,
+    start_s: f64,
+    seconds: f64,
+    commands: u64,
+    bytes: u64,
 }
 
 impl Epoch {
@@ -62,6 +78,7 @@ impl Epoch {
                 s.wait_s,
                 s.after_compute_s,
             ]);
+            times.extend(s.io_kernels.iter().flat_map(|k| [k.start_s, k.seconds]));
         }
         match times.iter().find(|t| !(t.is_finite() && **t >= 0.0)) {
             Some(t) => Err(format!(
@@ -185,10 +202,29 @@ const RIGHT: f64 = 30.0;
 const LANE: f64 = 36.0;
 const COMPUTE_Y: f64 = 78.0;
 const IO_Y: f64 = COMPUTE_Y + LANE + 10.0;
-const AXIS_Y: f64 = IO_Y + LANE + 8.0;
-const LEGEND_Y: f64 = AXIS_Y + 44.0;
-const TABLE_Y: f64 = LEGEND_Y + 56.0;
 const ROW: f64 = 18.0;
+
+/// Where the parts below the lanes go: one lane lower when the I/O kernels' lane is drawn.
+struct Layout {
+    kernels_y: Option<f64>,
+    axis_y: f64,
+    legend_y: f64,
+    table_y: f64,
+}
+
+impl Layout {
+    fn new(kernels: bool) -> Layout {
+        let kernels_y = kernels.then_some(IO_Y + LANE + 10.0);
+        let axis_y = kernels_y.unwrap_or(IO_Y) + LANE + 8.0;
+        let legend_y = axis_y + 44.0;
+        Layout {
+            kernels_y,
+            axis_y,
+            legend_y,
+            table_y: legend_y + 20.0 * if kernels { 3.0 } else { 2.0 } + 16.0,
+        }
+    }
+}
 /// Epochs listed in the table; a long run shows its latest ones.
 const TABLE_ROWS: usize = 30;
 
@@ -198,19 +234,30 @@ const STYLE: &str = "text{font-family:sans-serif;font-size:13px;fill:#222}\
 .mono{font-family:monospace;font-size:12px}.chosen{font-weight:bold}\
 .overlap{fill:#4f9d69}.after{fill:#2f6db5}.initial{fill:#a9b7c6}\
 .wait,.fill-wait{fill:#d9453d}.io{fill:#f0a43a}.fill{fill:#f6d19b}\
+.kwrite{fill:#a0522d}.kread{fill:#7b5ea7}\
 .sep{stroke:#fff;stroke-width:1}.grid{stroke:#ddd;stroke-width:1}.axis{stroke:#444;stroke-width:1}";
 
 /// The timeline of `epoch` and the table of `all`, as a standalone SVG document.
 fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
     let span = epoch.swaps.iter().fold(epoch.seconds, |m, s| {
-        m.max(s.start_s + s.io_s)
+        let kernels = s.io_kernels.iter().map(|k| k.start_s + k.seconds);
+        kernels
+            .fold(m, f64::max)
+            .max(s.start_s + s.io_s)
             .max(s.start_s + s.overlap_compute_s + s.wait_s + s.after_compute_s)
     });
     let span = if span > 0.0 { span } else { 1.0 };
     let scale = (WIDTH - LEFT - RIGHT) / span;
     let x = |t: f64| LEFT + t * scale;
     let shown = &all[all.len().saturating_sub(TABLE_ROWS)..];
-    let height = TABLE_Y + ROW * (shown.len() as f64 + 1.0) + 16.0;
+    let kernels = epoch.swaps.iter().any(|sw| !sw.io_kernels.is_empty());
+    let Layout {
+        kernels_y,
+        axis_y,
+        legend_y,
+        table_y,
+    } = Layout::new(kernels);
+    let height = table_y + ROW * (shown.len() as f64 + 1.0) + 16.0;
     let mut s = String::new();
     writeln!(
         s,
@@ -237,20 +284,25 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
         let t = f64::from(k) * step;
         writeln!(
             s,
-            r#"<line class="grid" x1="{0:.2}" y1="{1}" x2="{0:.2}" y2="{AXIS_Y}"/><text class="small" x="{0:.2}" y="{2}" text-anchor="middle">{t:.decimals$}</text>"#,
+            r#"<line class="grid" x1="{0:.2}" y1="{1}" x2="{0:.2}" y2="{axis_y}"/><text class="small" x="{0:.2}" y="{2}" text-anchor="middle">{t:.decimals$}</text>"#,
             x(t),
             COMPUTE_Y - 6.0,
-            AXIS_Y + 16.0
+            axis_y + 16.0
         )?;
     }
     writeln!(
         s,
-        r#"<line class="axis" x1="{LEFT}" y1="{AXIS_Y}" x2="{}" y2="{AXIS_Y}"/><text class="small" x="{}" y="{}" text-anchor="end">seconds from the epoch start</text>"#,
+        r#"<line class="axis" x1="{LEFT}" y1="{axis_y}" x2="{}" y2="{axis_y}"/><text class="small" x="{}" y="{}" text-anchor="end">seconds from the epoch start</text>"#,
         WIDTH - RIGHT,
         WIDTH - RIGHT,
-        AXIS_Y + 32.0
+        axis_y + 32.0
     )?;
-    for (label, y) in [("compute", COMPUTE_Y), ("I/O", IO_Y)] {
+    let lanes = [
+        Some(("compute", COMPUTE_Y)),
+        Some(("I/O", IO_Y)),
+        kernels_y.map(|y| ("I/O kernels", y)),
+    ];
+    for (label, y) in lanes.into_iter().flatten() {
         writeln!(
             s,
             r#"<text x="{}" y="{}" text-anchor="end">{label}</text>"#,
@@ -309,6 +361,24 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
             t += dt;
         }
         rect(&mut s, "io", sw.start_s, sw.io_s, IO_Y)?;
+        if let Some(y) = kernels_y {
+            for k in &sw.io_kernels {
+                let class = if k.op == "write" { "kwrite" } else { "kread" };
+                writeln!(
+                    s,
+                    "<g><title>I/O kernels: {} p{}, {} commands, {} in {:.3} s ({:.2} GB/s) from {:.3} s</title>",
+                    escape(&k.op),
+                    k.partition,
+                    k.commands,
+                    bytes(k.bytes),
+                    k.seconds,
+                    k.bytes as f64 / k.seconds.max(1e-9) / 1e9,
+                    k.start_s
+                )?;
+                rect(&mut s, class, k.start_s, k.seconds, y)?;
+                writeln!(s, "</g>")?;
+            }
+        }
         // Label the swap where there is room: the partition read and the one written back.
         if sw.io_s * scale >= 64.0 {
             writeln!(
@@ -335,7 +405,7 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
         }
     }
 
-    let legend = [
+    let mut legend = vec![
         (
             "compute",
             &[
@@ -353,8 +423,17 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
             ][..],
         ),
     ];
+    if kernels {
+        legend.push((
+            "I/O kernels",
+            &[
+                ("kwrite", "launch writing a partition"),
+                ("kread", "launch reading a partition"),
+            ][..],
+        ));
+    }
     for (row, (lane, entries)) in legend.iter().enumerate() {
-        let y = LEGEND_Y + 20.0 * row as f64;
+        let y = legend_y + 20.0 * row as f64;
         writeln!(
             s,
             r#"<text class="small" x="{}" y="{y}" text-anchor="end">{lane}</text>"#,
@@ -387,14 +466,14 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
     for (c, name) in columns.iter().enumerate() {
         writeln!(
             s,
-            r#"<text class="mono chosen" x="{}" y="{TABLE_Y}">{name}</text>"#,
+            r#"<text class="mono chosen" x="{}" y="{table_y}">{name}</text>"#,
             col_x(c)
         )?;
     }
     if shown.len() < all.len() {
         writeln!(
             s,
-            r#"<text class="small" x="{}" y="{TABLE_Y}">({} earlier epochs not listed)</text>"#,
+            r#"<text class="small" x="{}" y="{table_y}">({} earlier epochs not listed)</text>"#,
             col_x(columns.len()),
             all.len() - shown.len()
         )?;
@@ -416,7 +495,7 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
             bytes(e.bytes_read + e.bytes_written),
             format!("{:.0}", e.edges_per_sec),
         ];
-        let y = TABLE_Y + ROW * (r as f64 + 1.0);
+        let y = table_y + ROW * (r as f64 + 1.0);
         for (c, cell) in cells.iter().enumerate() {
             writeln!(
                 s,
