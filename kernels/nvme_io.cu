@@ -304,6 +304,9 @@ extern "C" __global__ void legend_nvme_io(LegendIoQueue* queues, const LegendIoJ
         }
         __syncthreads();
         if (s_stop == 2 || (s_in_flight == 0 && (s_stop || s_next == s_end))) break;
+        // Nothing moved: let the training kernels sharing this multiprocessor have its issue
+        // slots for a moment (a completion is microseconds away at best).
+        if (n == 0 && m == 0) __nanosleep(500);
     }
     if (t == 0) {
         s_result.sq_tail = s_tail;

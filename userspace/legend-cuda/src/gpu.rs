@@ -122,6 +122,8 @@ pub struct Gpu {
     name: String,
     arch: String,
     multiprocessors: usize,
+    /// Multiprocessors left to kernels that run beside training (the GPU I/O kernels).
+    reserved: usize,
     pub(crate) kernels: Kernels,
 }
 
@@ -245,6 +247,7 @@ impl Gpu {
             name,
             arch,
             multiprocessors,
+            reserved: 0,
             kernels,
         })
     }
@@ -259,9 +262,18 @@ impl Gpu {
         &self.arch
     }
 
-    /// The device's multiprocessors (the persistent kernels run one block on each).
+    /// The multiprocessors the persistent kernels run one block on each: the device's, less
+    /// those reserved.
     pub(crate) fn multiprocessors(&self) -> usize {
-        self.multiprocessors
+        self.multiprocessors.saturating_sub(self.reserved).max(1)
+    }
+
+    /// Leaves `n` multiprocessors to kernels that stay resident beside training (the GPU I/O
+    /// kernels, a block per queue pair). A persistent kernel's block fills a multiprocessor
+    /// and walks a fixed share of the work: one that has to wait for a multiprocessor an I/O
+    /// block holds would double the kernel's time, while one block fewer costs its share.
+    pub fn reserve_multiprocessors(&mut self, n: usize) {
+        self.reserved = n;
     }
 
     /// The context.
