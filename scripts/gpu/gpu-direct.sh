@@ -64,16 +64,20 @@ if [[ $only == *" beside "* ]]; then
     echo "== training step alone and beside the GPU I/O kernels (proxy over tmpfs, 8 queues)"
     f=/dev/shm/legend-beside.img
     dd if=/dev/urandom of="$f" bs=64M count=64 status=none || status=1
-    LEGEND_BENCH_BESIDE_IO=$f LEGEND_BENCH_GROUPS=20 LEGEND_BENCH_DECODERS=complex,dot \
-        "$bin/batch_bench" "$out/beside.jsonl" 2>"$out/beside.log" >/dev/null || status=1
-    python3 - "$out/beside.jsonl" <<'PY' | tee "$out/beside.txt"
+    for q in 8 4 2; do
+        LEGEND_BENCH_BESIDE_IO=$f LEGEND_BENCH_IO_QUEUES=$q LEGEND_BENCH_GROUPS=20 \
+            LEGEND_BENCH_DECODERS=complex,dot "$bin/batch_bench" "$out/beside-q$q.jsonl" \
+            2>"$out/beside-q$q.log" >/dev/null || status=1
+        python3 - "$out/beside-q$q.jsonl" <<'PY' | tee -a "$out/beside.txt"
 import json, sys
 for l in open(sys.argv[1]):
     r = json.loads(l)
     slow = 100.0 * (r["median_ms_beside_io"] / r["median_ms"] - 1.0)
-    print("%-8s step %.3f ms alone, %.3f ms beside I/O (%+.1f%%), I/O kept %.2f GB/s" % (
-        r["decoder"], r["median_ms"], r["median_ms_beside_io"], slow, r["io_gb_per_s_beside"]))
+    print("%-8s step %.3f ms alone, %.3f ms beside I/O on %d queues (%+.1f%%), I/O kept %.2f GB/s" % (
+        r["decoder"], r["median_ms"], r["median_ms_beside_io"], r["io_queues"], slow,
+        r["io_gb_per_s_beside"]))
 PY
+    done
     rm -f "$f"
 fi
 

@@ -9,7 +9,8 @@
 //!
 //! `LEGEND_BENCH_BESIDE_IO=FILE` also times the steps again while the GPU I/O kernels read
 //! FILE without pause through the proxy controller on their own stream (the paper's Fig. 9:
-//! how much the I/O kernels slow training down), and reports the I/O rate they kept.
+//! how much the I/O kernels slow training down), and reports the I/O rate they kept;
+//! `LEGEND_BENCH_IO_QUEUES` (default 8) sets their queue pairs, a thread block each.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -102,7 +103,7 @@ fn timed_steps(
 }
 
 /// The GPU I/O kernels reading a file through the proxy without pause, in a thread of their
-/// own: 8 queue pairs, 256 MiB a launch into GPU memory.
+/// own: 256 MiB a launch into GPU memory.
 struct BackgroundIo {
     stop: Arc<AtomicBool>,
     thread: std::thread::JoinHandle<Result<(u64, f64), String>>,
@@ -110,9 +111,12 @@ struct BackgroundIo {
 
 impl BackgroundIo {
     const CHUNK: usize = 256 << 20;
-    const QUEUES: u32 = 8;
 
-    fn start(gpu: &Gpu, path: &Path) -> Result<BackgroundIo, Box<dyn std::error::Error>> {
+    fn start(
+        gpu: &Gpu,
+        path: &Path,
+        queues: u32,
+    ) -> Result<BackgroundIo, Box<dyn std::error::Error>> {
         let proxy = Arc::new(Proxy::open(path, &ProxyOptions::default())?);
         proxy.attach_device(Arc::new(CudaDeviceMemory::new(gpu)?))?;
         let chunks = (proxy.blocks() << 9) / Self::CHUNK as u64;
@@ -120,7 +124,7 @@ impl BackgroundIo {
             return Err(format!("{}: smaller than 256 MiB", path.display()).into());
         }
         let opts = GpuIoOptions {
-            queues: Self::QUEUES,
+            queues,
             ..GpuIoOptions::default()
         };
         let mut io = GpuIo::open(gpu, proxy, &opts)?;
@@ -166,8 +170,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|d| d.trim().parse())
         .collect::<Result<_, _>>()?;
     let beside_io = std::env::var_os("LEGEND_BENCH_BESIDE_IO").map(PathBuf::from);
+    let io_queues: u32 = match std::env::var("LEGEND_BENCH_IO_QUEUES") {
+        Ok(q) => q.parse()?,
+        Err(_) => 8,
+    };
     let t = Instant::now();
-    let mut gpu = Gpu::new(0)?;
+    let gpu = Gpu::new(0)?;
     eprintln!(
         "device {} ({}), kernels ready in {:.2} s",
         gpu.name(),
@@ -211,12 +219,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut alone = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches)?;
             let beside = match &beside_io {
                 Some(path) => {
-                    // As training does when its swaps run through the I/O kernels.
-                    gpu.reserve_multiprocessors(BackgroundIo::QUEUES as usize);
-                    let io = BackgroundIo::start(&gpu, path)?;
+                    let io = BackgroundIo::start(&gpu, path, io_queues)?;
                     let with_io = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches);
                     let (bytes, seconds) = io.stop()?;
-                    gpu.reserve_multiprocessors(0);
                     Some((with_io?, bytes as f64 / seconds / 1e9))
                 }
                 None => None,
@@ -259,7 +264,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
             let line = match beside {
                 Some((mut with_io, gb_per_s)) => format!(
-                    "{},\"median_ms_beside_io\":{:.4},\"io_gb_per_s_beside\":{gb_per_s:.3}}}",
+                    "{},\"median_ms_beside_io\":{:.4},\"io_queues\":{io_queues},\"io_gb_per_s_beside\":{gb_per_s:.3}}}",
                     line.strip_suffix('}').unwrap_or(&line),
                     median(&mut with_io.total)
                 ),

@@ -1,6 +1,7 @@
 //! A CUDA device: context, stream and the loaded kernels.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
@@ -122,8 +123,9 @@ pub struct Gpu {
     name: String,
     arch: String,
     multiprocessors: usize,
-    /// Multiprocessors left to kernels that run beside training (the GPU I/O kernels).
-    reserved: usize,
+    /// Blocks of the GPU I/O kernels running now (each holds a multiprocessor's worth of
+    /// room that a persistent kernel's block cannot share).
+    io_blocks: Arc<AtomicUsize>,
     pub(crate) kernels: Kernels,
 }
 
@@ -247,7 +249,7 @@ impl Gpu {
             name,
             arch,
             multiprocessors,
-            reserved: 0,
+            io_blocks: Arc::default(),
             kernels,
         })
     }
@@ -263,17 +265,19 @@ impl Gpu {
     }
 
     /// The multiprocessors the persistent kernels run one block on each: the device's, less
-    /// those reserved.
+    /// one for each block of the GPU I/O kernels running now. A persistent kernel's block fills
+    /// a multiprocessor and walks a fixed share of the work: one that had to wait for a
+    /// multiprocessor an I/O block holds would double the kernel's time, while a block fewer
+    /// costs only its share.
     pub(crate) fn multiprocessors(&self) -> usize {
-        self.multiprocessors.saturating_sub(self.reserved).max(1)
+        self.multiprocessors
+            .saturating_sub(self.io_blocks.load(Ordering::Relaxed))
+            .max(1)
     }
 
-    /// Leaves `n` multiprocessors to kernels that stay resident beside training (the GPU I/O
-    /// kernels, a block per queue pair). A persistent kernel's block fills a multiprocessor
-    /// and walks a fixed share of the work: one that has to wait for a multiprocessor an I/O
-    /// block holds would double the kernel's time, while one block fewer costs its share.
-    pub fn reserve_multiprocessors(&mut self, n: usize) {
-        self.reserved = n;
+    /// The count of I/O kernel blocks running, which `nvme_io::GpuIo` keeps.
+    pub(crate) fn io_blocks(&self) -> &Arc<AtomicUsize> {
+        &self.io_blocks
     }
 
     /// The context.

@@ -11,6 +11,7 @@
 //! answering with the queue's state, after the queue pairs were deleted (which waits for or
 //! aborts what they held), so no command can outlive the call.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -293,11 +294,35 @@ pub struct GpuIo {
     results: CudaSlice<IoResult>,
     regions: Vec<Region>,
     rings_map: Mapping,
+    /// The GPU's count of I/O blocks running (its persistent kernels leave them room).
+    io_blocks: Arc<AtomicUsize>,
     // Dropped after the queue pairs are deleted (in `Drop`): registrations, then memory.
     _doorbells_gpu: Registered,
     _doorbells: Doorbells,
     _rings: Rings,
     broken: Option<String>,
+}
+
+/// Counts a launch's blocks in the GPU's I/O block count while it lives.
+struct BlocksRunning {
+    count: Arc<AtomicUsize>,
+    blocks: usize,
+}
+
+impl BlocksRunning {
+    fn new(count: &Arc<AtomicUsize>, blocks: usize) -> Self {
+        count.fetch_add(blocks, Ordering::Relaxed);
+        BlocksRunning {
+            count: count.clone(),
+            blocks,
+        }
+    }
+}
+
+impl Drop for BlocksRunning {
+    fn drop(&mut self) {
+        self.count.fetch_sub(self.blocks, Ordering::Relaxed);
+    }
 }
 
 impl GpuIo {
@@ -469,6 +494,7 @@ impl GpuIo {
             results,
             regions: Vec::new(),
             rings_map,
+            io_blocks: gpu.io_blocks().clone(),
             _doorbells_gpu: doorbells_gpu,
             _doorbells: doorbells,
             _rings: rings,
@@ -639,6 +665,7 @@ impl GpuIo {
             shared_mem_bytes: 0,
         };
         let start = Instant::now();
+        let running = BlocksRunning::new(&self.io_blocks, self.qids.len());
         let mut b = self.stream.launch_builder(&self.kernel);
         b.arg(&mut self.queues)
             .arg(&jobs_dev)
@@ -658,6 +685,7 @@ impl GpuIo {
         self.stream
             .synchronize()
             .during("waiting for the I/O kernels")?;
+        drop(running);
         let seconds = start.elapsed().as_secs_f64();
         let reports = self
             .stream

@@ -689,7 +689,6 @@ impl ComputeBackend for CudaCompute {
         };
         let mut io = GpuIo::open(&self.gpu, controller.controller(), &opts)?;
         let staging = io.alloc(&self.gpu, store.lock().max_partition_bytes())?;
-        self.gpu.reserve_multiprocessors(opts.queues as usize);
         tracing::info!(
             "partition swaps through the GPU I/O kernels: {} queue pairs of depth {} on {}",
             opts.queues,
