@@ -4,7 +4,7 @@ filtered evaluator (`legendctl eval --embeddings DIR --decoder complex --protoco
 Run on the GPU machine through scripts/gpu/peers-bench.sh.
 
 Rows (--systems picks them, in this order):
-  legend  `legendctl train` with storage.device = DEVICE: softmax CE, each chunk of B positives
+  legend  `legendctl train` with training.device = DEVICE: softmax CE, each chunk of B positives
           shares K uniform negatives per corrupted side (both sides);
   pyg     PyG's kge.ComplEx with its own loader and loss: 1 corruption per positive, BCE;
   pyg-k   PyG's kge.ComplEx, forward() on K gathered negatives per positive, softmax CE;
@@ -72,7 +72,7 @@ def metrics(m: dict) -> dict:
 def run_legend(args, log) -> dict:
     out = args.work / "legend"
     shutil.rmtree(out, ignore_errors=True)
-    settings = legend_settings(args.epochs, args.negatives, args) + [f'storage.device="{args.device}"']
+    settings = legend_settings(args.epochs, args.negatives, args) + [f'training.device="{args.device}"']
     r = run_legend_train(args.legendctl, args.dataset, out, settings)
     log.write(f"+ {r['command']}\n{r['log']}{json.dumps(r['epochs'])}\n")
     edges = r["epochs"][0]["edges"]
@@ -83,7 +83,7 @@ def run_legend(args, log) -> dict:
     own = r["final"]["metrics"]["mrr"] if r["final"] else None
     return {
         "system": "Legend",
-        "detail": f"legendctl train, storage.device = {args.device}",
+        "detail": f"legendctl train, training.device = {args.device}",
         "negatives": f"{args.negatives} per side, shared by the chunk of {args.batch_size}",
         "loss": "softmax CE",
         "command": r["command"],

@@ -94,7 +94,7 @@ if [[ $only == *" train "* ]]; then
         start=$(date +%s%N)
         "$ctl" train --dataset "$data/umls" --out "$run" --set training.num_epochs=200 \
             --set storage.num_partitions=4 --set storage.buffer_capacity=3 \
-            --set "storage.backend=\"$backend\"" --set 'storage.device="cuda:0"' \
+            --set "storage.backend=\"$backend\"" --set 'training.device="cuda:0"' \
             >"$out/umls-$backend.log" 2>&1 || status=1
         end=$(date +%s%N)
         printf 'umls complex ooc %-6s MRR %s  %d ms\n' "$backend" "$(mrr "$run")" $(( (end - start) / 1000000 )) | tee -a "$out/train.txt"
@@ -114,7 +114,7 @@ if [[ $only == *" train "* ]]; then
             --set training.negatives.num_chunks=10 --set training.negatives.negatives_per_positive=1000 \
             --set training.negatives.degree_fraction=0.5 --set evaluation.protocol=sampled \
             --set storage.num_partitions=8 --set storage.buffer_capacity=3 \
-            --set "storage.backend=\"$backend\"" --set 'storage.device="cuda:0"' \
+            --set "storage.backend=\"$backend\"" --set 'training.device="cuda:0"' \
             >"$out/g-$backend.jsonl" 2>"$out/g-$backend.log" || status=1
         python3 - "$out/g-$backend.jsonl" "$backend" <<'PY' | tee -a "$out/train.txt"
 import json, sys

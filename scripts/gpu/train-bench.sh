@@ -47,7 +47,7 @@ if [[ $only == *" umls "* ]]; then
                 start=$(date +%s%N)
                 "$ctl" train --dataset "$data/umls" --out "$run" --set training.num_epochs=200 \
                     --set "model.decoder=$model" --set "$parts" "${extra[@]}" \
-                    --set "storage.device=\"$dev\"" >"$out/umls-$model-$name-${dev%%:*}.log" 2>&1 || status=1
+                    --set "training.device=\"$dev\"" >"$out/umls-$model-$name-${dev%%:*}.log" 2>&1 || status=1
                 end=$(date +%s%N)
                 printf 'umls %-9s %-4s %-7s MRR %s  %d ms\n' "$model" "$name" "$dev" "$(mrr "$run")" $(( (end - start) / 1000000 )) | tee -a "$out/umls.txt"
             done
@@ -62,7 +62,7 @@ t0=$(date +%s)
 echo "generated in $(( $(date +%s) - t0 )) s"
 common=(--set training.batch_size=100000 --set training.negatives.num_chunks=10
         --set training.negatives.negatives_per_positive=1000 --set model.dim=100
-        --set training.num_epochs=3 --set storage.device='"cuda:0"' --json)
+        --set training.num_epochs=3 --set training.device='"cuda:0"' --json)
 for model in dot complex; do
     # memup (Dot): in memory, but the edges uploaded bucket by bucket (storage.gpu_edge_fraction = 0).
     for layout in ${LEGEND_BENCH_LAYOUTS:-mem memup ooc}; do

@@ -54,7 +54,7 @@ status=0
     --set training.num_epochs="$epochs" \
     --set storage.num_partitions=8 --set storage.buffer_capacity=3 \
     --set storage.backend=file --set "storage.path=\"$work/store.bin\"" \
-    --set "storage.device=\"$device\"" \
+    --set "training.device=\"$device\"" \
     >"$out/twitter.jsonl" 2>"$out/twitter-train.log" || status=1
 kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
 tail -5 "$out/twitter-train.log"

@@ -2,10 +2,17 @@
 //!
 //! Every key has a default, so an empty file (or none) trains a sensible model. Unknown keys and
 //! bad values are errors that name the key. `Documentation/config.md` lists every key.
+//!
+//! The text is parsed once, at the edge: names become enums as they are read (an unknown name is
+//! an error naming its key), and [`Config::parse`] then checks what spans keys. Nothing
+//! downstream compares strings.
 
+use std::fmt;
 use std::path::PathBuf;
+use std::str::FromStr;
 
 use legend_model::{Decoder, Distribution, Init, Loss, RelationInit};
+use legend_planner::Order;
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration of a training run.
@@ -27,28 +34,51 @@ pub struct Config {
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// `dot | distmult | complex | transe_l1 | transe_l2`.
-    pub decoder: String,
+    #[serde(with = "by_name")]
+    pub decoder: Decoder,
     /// Embedding dimension (reals; ComplEx uses dim/2 complex numbers).
     pub dim: usize,
     /// `softmax_ce | logistic | ranking`.
-    pub loss: String,
+    pub loss: LossKind,
     /// Margin of the ranking loss.
     pub margin: f32,
     /// Standard deviation of the normal initialisation of node rows.
     pub init_scale: f32,
     /// How relation rows start: `identity` (the operator's identity) or `random` (like nodes).
-    pub relation_init: String,
+    pub relation_init: RelationStart,
+}
+
+/// `model.loss`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// Softmax cross-entropy over the positive and its negatives.
+    SoftmaxCe,
+    /// Logistic loss on every score.
+    Logistic,
+    /// Margin ranking loss (`model.margin`).
+    Ranking,
+}
+
+/// `model.relation_init`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RelationStart {
+    /// The decoder's identity operator.
+    Identity,
+    /// Drawn like node rows.
+    Random,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
-            decoder: "complex".into(),
+            decoder: Decoder::ComplEx,
             dim: 200,
-            loss: "softmax_ce".into(),
+            loss: LossKind::SoftmaxCe,
             margin: legend_model::DEFAULT_MARGIN,
             init_scale: 1e-3,
-            relation_init: "random".into(),
+            relation_init: RelationStart::Random,
         }
     }
 }
@@ -61,10 +91,8 @@ pub struct StorageConfig {
     pub num_partitions: u32,
     /// Partitions resident at once, C (0 = all N).
     pub buffer_capacity: u32,
-    /// `memory` (all partitions in RAM; swaps move them between the buffer and RAM), `file`
-    /// (a store on a file or block device), `nvme` (on an SSD bound to `legend_nvme`, through
-    /// I/O queues) or `proxy` (through I/O queues of the userspace proxy controller over a file).
-    pub backend: String,
+    /// Where partitions live outside the buffer.
+    pub backend: Backend,
     /// Store path for disk backends: the file or block device (`file`), the device node (`nvme`,
     /// default `/dev/legend-nvme0`) or the proxy's backing file (`proxy`); `file` and `proxy`
     /// default to `store.bin` in the run directory.
@@ -76,10 +104,9 @@ pub struct StorageConfig {
     /// Let the `file` backend overwrite a target that carries a file system, partition table
     /// or another store.
     pub force: bool,
-    /// `cpu`, `cuda:N` (the GPU engine on device N) or `auto` (`cuda:0` when a GPU opens).
-    pub device: String,
-    /// `legend | beta | sequential`.
-    pub order: String,
+    /// The partition-swap ordering.
+    #[serde(with = "by_name")]
+    pub order: Order,
     /// Overlap each swap with the compute of the buckets that do not need it.
     pub prefetch: bool,
     /// GPU engine: the largest share of the device's memory the train edges may take to stay
@@ -92,20 +119,51 @@ impl Default for StorageConfig {
         StorageConfig {
             num_partitions: 1,
             buffer_capacity: 0,
-            backend: "memory".into(),
+            backend: Backend::Memory,
             path: None,
             namespace: 1,
             start_lba: 0,
             force: false,
-            device: "cpu".into(),
-            order: "legend".into(),
+            order: Order::Legend,
             prefetch: true,
             gpu_edge_fraction: 0.25,
         }
     }
 }
 
-/// Where `storage.device` asks to train.
+/// `storage.backend`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// All partitions in RAM; swaps move them between the buffer and RAM.
+    Memory,
+    /// A store on a file or block device (`O_DIRECT` + io_uring).
+    File,
+    /// A store on a namespace of an SSD bound to `legend_nvme`, through I/O queue pairs.
+    Nvme,
+    /// The same through queue pairs of the userspace proxy controller over a file.
+    Proxy,
+}
+
+impl Backend {
+    /// The configuration name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::File => "file",
+            Backend::Nvme => "nvme",
+            Backend::Proxy => "proxy",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Where `training.device` asks to train.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceChoice {
     /// The CPU engine.
@@ -115,6 +173,32 @@ pub enum DeviceChoice {
     /// CUDA device 0 when a driver is present and the device opens (and the configuration
     /// runs on the GPU), else the CPU.
     Auto,
+}
+
+impl fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceChoice::Cpu => f.write_str("cpu"),
+            DeviceChoice::Cuda(n) => write!(f, "cuda:{n}"),
+            DeviceChoice::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+impl FromStr for DeviceChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "auto" => Ok(DeviceChoice::Auto),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceChoice::Cuda)
+                .ok_or_else(|| format!("unknown device {s:?}: expected cpu, cuda:N or auto")),
+        }
+    }
 }
 
 /// `[training]`.
@@ -135,6 +219,10 @@ pub struct TrainingConfig {
     pub threads: usize,
     /// Write a checkpoint every this many epochs (0 = only at the end).
     pub checkpoint_every: u32,
+    /// The engine: `cpu`, `cuda:N` (the GPU engine on device N) or `auto` (`cuda:0` when a GPU
+    /// opens). Was `storage.device`, still accepted with a warning.
+    #[serde(with = "by_name")]
+    pub device: DeviceChoice,
     /// Negative sampling.
     pub negatives: NegativesConfig,
 }
@@ -149,6 +237,7 @@ impl Default for TrainingConfig {
             seed: 0,
             threads: 0,
             checkpoint_every: 0,
+            device: DeviceChoice::Cpu,
             negatives: NegativesConfig::default(),
         }
     }
@@ -183,10 +272,10 @@ impl Default for NegativesConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EvaluationConfig {
-    /// `filtered | sampled`.
-    pub protocol: String,
-    /// Split evaluated after training: `test | valid`.
-    pub split: String,
+    /// How ranks are computed.
+    pub protocol: Protocol,
+    /// Split evaluated after training.
+    pub split: EvalSplit,
     /// Evaluate on `valid` every this many epochs (0 = never during training).
     pub epochs_per_eval: u32,
     /// Uniform negatives of the sampled protocol.
@@ -200,13 +289,76 @@ pub struct EvaluationConfig {
 impl Default for EvaluationConfig {
     fn default() -> Self {
         EvaluationConfig {
-            protocol: "filtered".into(),
-            split: "test".into(),
+            protocol: Protocol::Filtered,
+            split: EvalSplit::Test,
             epochs_per_eval: 0,
             uniform_negatives: 1000,
             degree_negatives: 1000,
             seed: 0,
         }
+    }
+}
+
+/// `evaluation.protocol`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Protocol {
+    /// Every entity is a candidate; true triples other than the one ranked are skipped.
+    Filtered,
+    /// Candidates are sampled (`uniform_negatives` + `degree_negatives`).
+    Sampled,
+}
+
+impl Protocol {
+    /// The configuration name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Filtered => "filtered",
+            Protocol::Sampled => "sampled",
+        }
+    }
+}
+
+/// `evaluation.split`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvalSplit {
+    /// The test edges.
+    Test,
+    /// The validation edges.
+    Valid,
+}
+
+impl EvalSplit {
+    /// The dataset's split.
+    pub fn split(self) -> legend_dataset::Split {
+        match self {
+            EvalSplit::Test => legend_dataset::Split::Test,
+            EvalSplit::Valid => legend_dataset::Split::Valid,
+        }
+    }
+}
+
+/// Serde through `FromStr` and `Display`, for the library types the configuration names.
+mod by_name {
+    use std::fmt::Display;
+    use std::str::FromStr;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<T: Display, S: Serializer>(value: &T, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(value)
+    }
+
+    pub fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
+    where
+        T: FromStr,
+        T::Err: Display,
+        D: Deserializer<'de>,
+    {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -231,6 +383,7 @@ impl Config {
                 .ok_or_else(|| ConfigError(format!("--set {o:?}: expected section.key=value")))?;
             set_dotted(&mut table, key.trim(), parse_value(value.trim()))?;
         }
+        move_deprecated_device(&mut table)?;
         // Deserialize from text, not from the table, so that an error carries a position from
         // which the offending key can be named.
         let resolved = toml::to_string(&table).expect("a TOML table always serializes");
@@ -245,17 +398,17 @@ impl Config {
         toml::to_string_pretty(self).expect("configuration always serializes")
     }
 
-    /// The decoder named by `model.decoder`.
+    /// `model.decoder`.
     pub fn decoder(&self) -> Decoder {
-        self.model.decoder.parse().expect("validated")
+        self.model.decoder
     }
 
-    /// The loss named by `model.loss`.
+    /// The loss of `model.loss` (with `model.margin` for the ranking loss).
     pub fn loss(&self) -> Loss {
-        match self.model.loss.as_str() {
-            "softmax_ce" => Loss::SoftmaxCe,
-            "logistic" => Loss::Logistic,
-            _ => Loss::Ranking {
+        match self.model.loss {
+            LossKind::SoftmaxCe => Loss::SoftmaxCe,
+            LossKind::Logistic => Loss::Logistic,
+            LossKind::Ranking => Loss::Ranking {
                 margin: self.model.margin,
             },
         }
@@ -269,25 +422,25 @@ impl Config {
         Init {
             seed: self.training.seed,
             node,
-            relation: match self.model.relation_init.as_str() {
-                "random" => RelationInit::Random(node),
-                _ => RelationInit::Identity,
+            relation: match self.model.relation_init {
+                RelationStart::Random => RelationInit::Random(node),
+                RelationStart::Identity => RelationInit::Identity,
             },
         }
     }
 
     /// Whether partitions live in a store (`file`, `nvme`, `proxy`) rather than in RAM.
     pub fn uses_store(&self) -> bool {
-        self.storage.backend != "memory"
+        self.storage.backend != Backend::Memory
     }
 
     /// How the `nvme` and `proxy` backends reach their store (`None` for the others).
     pub fn queue_location(&self) -> Option<crate::controllers::QueueLocation> {
         use crate::controllers::{QueueBackend, QueueLocation};
-        let backend = match self.storage.backend.as_str() {
-            "nvme" => QueueBackend::Nvme,
-            "proxy" => QueueBackend::Proxy,
-            _ => return None,
+        let backend = match self.storage.backend {
+            Backend::Nvme => QueueBackend::Nvme,
+            Backend::Proxy => QueueBackend::Proxy,
+            Backend::Memory | Backend::File => return None,
         };
         Some(QueueLocation {
             backend,
@@ -299,35 +452,21 @@ impl Config {
     /// The store path: `storage.path`, else the backend's default (`run_dir/store.bin`, or
     /// `/dev/legend-nvme0` for `nvme`).
     pub fn store_path(&self, run_dir: &std::path::Path) -> PathBuf {
-        match (&self.storage.path, self.storage.backend.as_str()) {
+        match (&self.storage.path, self.storage.backend) {
             (Some(p), _) => p.clone(),
-            (None, "nvme") => PathBuf::from("/dev/legend-nvme0"),
+            (None, Backend::Nvme) => PathBuf::from("/dev/legend-nvme0"),
             (None, _) => run_dir.join("store.bin"),
         }
     }
 
-    /// The ordering named by `storage.order`.
-    pub fn order(&self) -> legend_planner::Order {
-        self.storage.order.parse().expect("validated")
+    /// `storage.order`.
+    pub fn order(&self) -> Order {
+        self.storage.order
     }
 
-    /// `storage.device`, parsed.
-    pub fn device(&self) -> Result<DeviceChoice, ConfigError> {
-        let d = self.storage.device.as_str();
-        match d {
-            "cpu" => Ok(DeviceChoice::Cpu),
-            "auto" => Ok(DeviceChoice::Auto),
-            _ => d
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(DeviceChoice::Cuda)
-                .ok_or_else(|| {
-                    bad(
-                        "storage.device",
-                        format!("unknown device {d:?}: expected cpu, cuda:N or auto"),
-                    )
-                }),
-        }
+    /// `training.device`.
+    pub fn device(&self) -> DeviceChoice {
+        self.training.device
     }
 
     /// Whether the GPU engine can train this configuration; the error names the key it
@@ -336,7 +475,7 @@ impl Config {
         if self.training.negatives.filtered {
             return Err(bad(
                 "training.negatives.filtered",
-                "filtered negatives run on the CPU only (storage.device = \"cpu\")",
+                "filtered negatives run on the CPU only (training.device = \"cpu\")",
             ));
         }
         Ok(())
@@ -351,34 +490,12 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let decoder: Decoder = self
-            .model
+        self.model
             .decoder
-            .parse()
-            .map_err(|e| bad("model.decoder", e))?;
-        decoder
             .check_dim(self.model.dim)
             .map_err(|e| bad("model.dim", e))?;
-        if !["softmax_ce", "logistic", "ranking"].contains(&self.model.loss.as_str()) {
-            return Err(bad(
-                "model.loss",
-                format!(
-                    "unknown loss {:?}: expected softmax_ce, logistic or ranking",
-                    self.model.loss
-                ),
-            ));
-        }
         positive_f32("model.margin", self.model.margin, true)?;
         positive_f32("model.init_scale", self.model.init_scale, false)?;
-        if !["identity", "random"].contains(&self.model.relation_init.as_str()) {
-            return Err(bad(
-                "model.relation_init",
-                format!(
-                    "unknown value {:?}: expected identity or random",
-                    self.model.relation_init
-                ),
-            ));
-        }
         let s = &self.storage;
         if s.num_partitions == 0 {
             return Err(bad("storage.num_partitions", "must be at least 1"));
@@ -389,28 +506,15 @@ impl Config {
                 "must be at least 2 when there are several partitions",
             ));
         }
-        match s.backend.as_str() {
-            "memory" | "file" | "nvme" | "proxy" => {}
-            other => {
-                return Err(bad(
-                    "storage.backend",
-                    format!("unknown backend {other:?}: expected memory, file, nvme or proxy"),
-                ));
-            }
-        }
         if s.namespace == 0 {
             return Err(bad("storage.namespace", "namespace ids start at 1"));
         }
         if !(0.0..=1.0).contains(&s.gpu_edge_fraction) {
             return Err(bad("storage.gpu_edge_fraction", "must be between 0 and 1"));
         }
-        let device = self.device()?;
-        if device != DeviceChoice::Cpu && device != DeviceChoice::Auto {
+        if let DeviceChoice::Cuda(_) = self.training.device {
             self.cuda_support()?;
         }
-        s.order
-            .parse::<legend_planner::Order>()
-            .map_err(|e| bad("storage.order", e))?;
         let t = &self.training;
         if t.num_epochs == 0 {
             return Err(bad("training.num_epochs", "must be at least 1"));
@@ -440,22 +544,6 @@ impl Config {
             return Err(bad(
                 "training.negatives.degree_fraction",
                 "must be between 0 and 1",
-            ));
-        }
-        let e = &self.evaluation;
-        if !["filtered", "sampled"].contains(&e.protocol.as_str()) {
-            return Err(bad(
-                "evaluation.protocol",
-                format!(
-                    "unknown protocol {:?}: expected filtered or sampled",
-                    e.protocol
-                ),
-            ));
-        }
-        if !["test", "valid"].contains(&e.split.as_str()) {
-            return Err(bad(
-                "evaluation.split",
-                format!("unknown split {:?}: expected test or valid", e.split),
             ));
         }
         Ok(())
@@ -498,6 +586,31 @@ fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
         };
         return Err(bad(key, format!("must be {want}, got {v}")));
     }
+    Ok(())
+}
+
+/// Moves the old key `storage.device` to `training.device`, with a warning; both set is an error.
+fn move_deprecated_device(table: &mut toml::Table) -> Result<(), ConfigError> {
+    let Some(old) = table
+        .get_mut("storage")
+        .and_then(toml::Value::as_table_mut)
+        .and_then(|s| s.remove("device"))
+    else {
+        return Ok(());
+    };
+    let training = table
+        .entry("training")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+        .as_table_mut()
+        .ok_or_else(|| bad("training", "must be a section"))?;
+    if training.contains_key("device") {
+        return Err(bad(
+            "storage.device",
+            "the old name of training.device; set only training.device",
+        ));
+    }
+    tracing::warn!("storage.device is deprecated: it is now training.device");
+    training.insert("device".into(), old);
     Ok(())
 }
 
@@ -550,8 +663,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            (c.decoder(), c.model.dim, c.storage.order.as_str()),
-            (Decoder::DistMult, 64, "beta")
+            (c.decoder(), c.model.dim, c.storage.order),
+            (Decoder::DistMult, 64, Order::Beta)
         );
         assert_eq!(c.training.negatives.num_chunks, 2);
         assert_eq!(c.training.learning_rate, 0.05);
@@ -571,16 +684,25 @@ mod tests {
                 &["training.negatives.degree_fraction=2"],
                 "training.negatives.degree_fraction",
             ),
-            ("", &["storage.device=\"gpu\""], "storage.device"),
-            ("", &["storage.device=\"cuda:x\""], "storage.device"),
+            ("", &["training.device=\"gpu\""], "training.device"),
+            ("", &["training.device=\"cuda:x\""], "training.device"),
             (
                 "",
                 &[
-                    "storage.device=\"cuda:0\"",
+                    "training.device=\"cuda:0\"",
                     "training.negatives.filtered=true",
                 ],
                 "training.negatives.filtered",
             ),
+            (
+                "",
+                &["storage.device=cpu", "training.device=cpu"],
+                "set only training.device",
+            ),
+            ("", &["storage.backend=tape"], "storage.backend"),
+            ("", &["model.loss=hinge"], "model.loss"),
+            ("", &["model.relation_init=zero"], "model.relation_init"),
+            ("", &["evaluation.split=train"], "evaluation.split"),
             ("", &["storage.order=random"], "storage.order"),
             ("", &["evaluation.protocol=raw"], "evaluation.protocol"),
             ("", &["training.batch_size"], "section.key=value"),
@@ -600,13 +722,22 @@ mod tests {
     fn every_decoder_runs_on_cuda() {
         for decoder in Decoder::ALL {
             let sets = [
-                "storage.device=\"cuda:0\"".to_string(),
+                "training.device=\"cuda:0\"".to_string(),
                 format!("model.decoder={decoder}"),
             ];
             let c = Config::parse("", &sets).unwrap_or_else(|e| panic!("{decoder}: {e}"));
             assert_eq!(c.decoder(), decoder);
             assert!(c.cuda_support().is_ok(), "{decoder}");
         }
+    }
+
+    #[test]
+    fn the_old_device_key_still_works() {
+        let c = Config::parse("[storage]\ndevice = \"auto\"\n", &[]).unwrap();
+        assert_eq!(c.device(), DeviceChoice::Auto);
+        let c = Config::parse("", &["storage.device=cuda:1".into()]).unwrap();
+        assert_eq!(c.device(), DeviceChoice::Cuda(1));
+        assert!(c.to_toml().contains("[training]") && !c.to_toml().contains("[storage]\ndevice"));
     }
 
     #[test]

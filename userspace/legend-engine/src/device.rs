@@ -1,4 +1,4 @@
-//! `storage.device`: which engine trains, resolved before anything is written.
+//! `training.device`: which engine trains, resolved before anything is written.
 
 use legend_cuda::{Gpu, driver_present};
 
@@ -44,17 +44,17 @@ fn open_gpu(ordinal: usize) -> Result<Gpu, legend_cuda::GpuError> {
 }
 
 impl Device {
-    /// Resolves `storage.device`: `cpu`; `cuda:N`, which opens device N or fails with the
+    /// Resolves `training.device`: `cpu`; `cuda:N`, which opens device N or fails with the
     /// reason (no driver, no NVRTC, no such device); `auto`, which opens device 0 when a
     /// driver is present and the configuration runs on the GPU, and otherwise trains on the
     /// CPU (saying why in the log).
     pub fn open(config: &Config) -> Result<Device, TrainError> {
-        match config.device()? {
+        match config.device() {
             DeviceChoice::Cpu => Ok(Device::Cpu),
             DeviceChoice::Cuda(ordinal) => {
                 config.cuda_support()?;
                 let gpu = open_gpu(ordinal).map_err(|error| TrainError::Device {
-                    device: config.storage.device.clone(),
+                    device: config.device().to_string(),
                     error,
                 })?;
                 Ok(Device::Cuda {
@@ -64,12 +64,12 @@ impl Device {
             }
             DeviceChoice::Auto => {
                 if let Err(e) = config.cuda_support() {
-                    tracing::info!("storage.device = \"auto\": training on the CPU ({e})");
+                    tracing::info!("training.device = \"auto\": training on the CPU ({e})");
                     return Ok(Device::Cpu);
                 }
                 if !driver_present() {
                     tracing::info!(
-                        "storage.device = \"auto\": no CUDA driver, training on the CPU"
+                        "training.device = \"auto\": no CUDA driver, training on the CPU"
                     );
                     return Ok(Device::Cpu);
                 }
@@ -79,7 +79,7 @@ impl Device {
                         gpu: Box::new(gpu),
                     }),
                     Err(e) => {
-                        tracing::info!("storage.device = \"auto\": training on the CPU ({e})");
+                        tracing::info!("training.device = \"auto\": training on the CPU ({e})");
                         Ok(Device::Cpu)
                     }
                 }

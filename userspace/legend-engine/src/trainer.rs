@@ -167,9 +167,9 @@ pub enum TrainError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// The CUDA device asked for could not be opened.
-    #[error("storage.device = {device:?}: {error}")]
+    #[error("training.device = {device:?}: {error}")]
     Device {
-        /// `storage.device`.
+        /// `training.device`.
         device: String,
         /// Why.
         error: legend_cuda::GpuError,

@@ -300,7 +300,7 @@ fn bad_configurations_are_refused_and_leave_nothing() {
             "--out",
             &s(&out),
             "--set",
-            "storage.device=cuda:0",
+            "training.device=cuda:0",
         ],
         "cuda",
     );

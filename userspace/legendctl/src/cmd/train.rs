@@ -268,11 +268,7 @@ fn train(
             meta = checkpoint(&args.out, meta, &mut trainer)?;
         }
     }
-    let split: Split = config
-        .evaluation
-        .split
-        .parse()
-        .map_err(anyhow::Error::msg)?;
+    let split = config.evaluation.split.split();
     if dataset.meta().splits.get(split) == 0 {
         tracing::warn!("no {} edges: skipping the final evaluation", split.name());
         return Ok(());
@@ -299,7 +295,7 @@ fn evaluate_now(
     let dim = config.model.dim;
     let (entities, _) = gather_entities(trainer, dim)?;
     let request = EvalRequest {
-        protocol: &config.evaluation.protocol,
+        protocol: config.evaluation.protocol.name(),
         split,
         negatives: SampledNegatives {
             uniform: config.evaluation.uniform_negatives,
