@@ -319,6 +319,20 @@ impl Protocol {
     }
 }
 
+impl FromStr for Protocol {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "filtered" => Ok(Protocol::Filtered),
+            "sampled" => Ok(Protocol::Sampled),
+            _ => Err(format!(
+                "unknown protocol {s:?}: expected filtered or sampled"
+            )),
+        }
+    }
+}
+
 /// `evaluation.split`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -328,28 +328,6 @@ impl PartitionStore for SharedFileStore {
     }
 }
 
-/// Encodes the training progress stored with a checkpoint.
-pub fn encode_progress(epochs_completed: u32) -> Vec<u8> {
-    format!("epochs_completed={epochs_completed}\n").into_bytes()
-}
-
-/// Decodes [`encode_progress`]; an empty record (a new store) is epoch 0.
-pub fn decode_progress(progress: &[u8]) -> Result<u32, StoreError> {
-    if progress.is_empty() {
-        return Ok(0);
-    }
-    std::str::from_utf8(progress)
-        .ok()
-        .and_then(|t| t.trim().strip_prefix("epochs_completed="))
-        .and_then(|n| n.parse().ok())
-        .ok_or_else(|| {
-            StoreError(format!(
-                "unreadable progress record {:?}",
-                String::from_utf8_lossy(progress)
-            ))
-        })
-}
-
 /// Relation tables as the aux region holds them: embeddings then state, little-endian f32.
 pub fn encode_relations(emb: &[f32], state: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity((emb.len() + state.len()) * 4);

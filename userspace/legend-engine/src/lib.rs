@@ -6,12 +6,17 @@ mod compute;
 pub mod config;
 pub mod controllers;
 pub mod device;
+pub mod evaluation;
 pub mod file_store;
 pub mod run;
 pub mod sampler;
+pub mod session;
 pub mod trainer;
 
 pub use buffer::{IoStats, MemoryStore, Partition, PartitionBuffer, PartitionStore, StoreError};
 pub use config::{Config, ConfigError, DeviceChoice};
 pub use device::Device;
-pub use trainer::{EpochReport, Relations, SwapReport, TrainError, Trainer};
+pub use trainer::{
+    EpochCut, EpochEnd, EpochReport, IoDirection, IoKernelSpan, Relations, SwapReport, TrainError,
+    Trainer,
+};

@@ -41,6 +41,9 @@ pub struct RunMeta {
     pub relations: u64,
     /// Epochs completed in the current checkpoint.
     pub epochs_completed: u32,
+    /// Where the checkpoint stopped inside the next epoch, if it was interrupted there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut: Option<crate::trainer::EpochCut>,
     /// The current checkpoint directory, relative to the run directory (memory backend).
     pub checkpoint: String,
     /// The store holding the checkpoint (file backend): its superblock is the commit record,

@@ -11,12 +11,13 @@
 //! on the thread count. The GPU draws the same negatives from the same streams and takes the
 //! same steps with TF32 products.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use legend_dataset::Buckets;
 use legend_model::{AdaGrad, ChunkModel, Decoder, Init, Permutation, Table};
 use legend_planner::{Bucket, Plan};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::buffer::{IoStats, PartitionBuffer, StoreError};
 use crate::compute::cpu::CpuCompute;
@@ -58,7 +59,7 @@ impl Relations {
 }
 
 /// Timing of one swap of an epoch (for the compute-vs-I/O timeline).
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct SwapReport {
     /// Partition written back.
     pub evicted: u32,
@@ -81,15 +82,26 @@ pub struct SwapReport {
     pub bytes: u64,
     /// The GPU I/O kernels' launches of the swap, when the engine moves partitions with them
     /// (storage.backend = proxy | nvme on a GPU); empty otherwise.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub io_kernels: Vec<IoKernelSpan>,
 }
 
+/// Which way an I/O kernel launch moved data.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IoDirection {
+    /// From GPU memory to the store.
+    #[default]
+    Write,
+    /// From the store to GPU memory.
+    Read,
+}
+
 /// One launch of the GPU I/O kernels: a partition written to the store or read from it.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct IoKernelSpan {
-    /// `write` or `read`.
-    pub op: &'static str,
+    /// Which way the launch moved the partition.
+    pub op: IoDirection,
     /// Partition moved.
     pub partition: u32,
     /// Seconds from the epoch start to the launch.
@@ -103,7 +115,7 @@ pub struct IoKernelSpan {
 }
 
 /// What one epoch did.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct EpochReport {
     /// Epoch number, from 1.
     pub epoch: u32,
@@ -133,6 +145,35 @@ pub struct EpochReport {
     pub buffer_states: u64,
     /// Per-swap timings.
     pub swaps: Vec<SwapReport>,
+    /// The epoch was resumed in its middle: its times and I/O cover only the part trained
+    /// after the resume (its loss and edges cover the whole epoch).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub resumed: bool,
+}
+
+/// Where an interrupted epoch stopped: after its initial buckets and `swaps` swaps (each with
+/// its buckets), with what it had counted so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EpochCut {
+    /// The epoch (from 1).
+    pub epoch: u32,
+    /// Swaps finished.
+    pub swaps: u32,
+    /// Batches trained (negative samples are keyed by the batch number).
+    pub batches: u64,
+    /// Positive edges trained.
+    pub edges: u64,
+    /// Loss summed over them.
+    pub loss: f64,
+}
+
+/// How [`Trainer::run_epoch_from`] ended.
+#[derive(Debug)]
+pub enum EpochEnd {
+    /// The epoch is complete.
+    Done(EpochReport),
+    /// Stopped between two buffer states, as asked.
+    Stopped(EpochCut),
 }
 
 /// Training state: parameters, buffer, plan and data.
@@ -157,6 +198,9 @@ pub enum TrainError {
     /// The plan could not be made.
     #[error("planning: {0}")]
     Plan(#[from] legend_planner::PlanError),
+    /// A checkpoint's position inside an epoch does not fit the run's plan.
+    #[error("resuming: {0}")]
+    Resume(String),
     /// The loss became NaN or infinite.
     #[error("the loss diverged (not finite) in epoch {epoch}; lower training.learning_rate")]
     Diverged {
@@ -297,11 +341,41 @@ impl Trainer {
         epoch: u32,
         progress: &mut dyn FnMut(u64),
     ) -> Result<EpochReport, TrainError> {
+        match self.run_epoch_from(epoch, None, &AtomicBool::new(false), progress)? {
+            EpochEnd::Done(report) => Ok(report),
+            EpochEnd::Stopped(_) => unreachable!("nothing asked the epoch to stop"),
+        }
+    }
+
+    /// Trains epoch `epoch` from where `from` stopped (or from its start), until it ends or
+    /// `stop` is seen set between two buffer states. Stopping there leaves every parameter
+    /// consistent (nothing is half-trained), and an epoch resumed from the returned cut after
+    /// a checkpoint trains exactly what the uninterrupted epoch would have.
+    pub fn run_epoch_from(
+        &mut self,
+        epoch: u32,
+        from: Option<EpochCut>,
+        stop: &AtomicBool,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<EpochEnd, TrainError> {
         let started = Instant::now();
         let io_before = self.buffer.stats();
         let pi = self.epoch_relabeling(epoch);
         let relabel = |b: &Bucket| [pi[b[0] as usize], pi[b[1] as usize]];
-        let first: Vec<u32> = self.plan.states[0]
+        let from = from.filter(|c| c.epoch == epoch).unwrap_or(EpochCut {
+            epoch,
+            ..EpochCut::default()
+        });
+        let done_swaps = from.swaps as usize;
+        let plan = self.plan.clone();
+        if done_swaps > plan.swaps.len() {
+            return Err(TrainError::Resume(format!(
+                "epoch {epoch} stopped after {done_swaps} swaps, but its plan has {}",
+                plan.swaps.len()
+            )));
+        }
+        // The state the epoch is in: its first, or the one the last finished swap made.
+        let first: Vec<u32> = plan.states[done_swaps]
             .iter()
             .map(|&p| pi[p as usize])
             .collect();
@@ -309,9 +383,10 @@ impl Trainer {
             epoch,
             negatives_per_positive: self.negatives,
             buffer_states: 1,
+            edges: from.edges,
             ..EpochReport::default()
         };
-        let mut batch_counter = 0u64;
+        let mut batch_counter = from.batches;
         for p in self.buffer.resident() {
             if !first.contains(&p) {
                 self.compute.evicting(&mut self.buffer, p)?;
@@ -322,16 +397,28 @@ impl Trainer {
             self.compute.loaded(&self.buffer, p)?;
         }
         let mut resident = first.clone();
-        let plan = self.plan.clone();
-        let initial: Vec<Bucket> = plan.initial.iter().map(relabel).collect();
         let mut ctx = EpochCtx {
             epoch,
             edges: &mut report.edges,
             batch: &mut batch_counter,
             progress,
         };
-        self.run_buckets(&initial, &resident, &mut ctx)?;
-        for swap in &plan.swaps {
+        if done_swaps == 0 && from.batches == 0 {
+            let initial: Vec<Bucket> = plan.initial.iter().map(relabel).collect();
+            self.run_buckets(&initial, &resident, &mut ctx)?;
+        }
+        for (i, swap) in plan.swaps.iter().enumerate().skip(done_swaps) {
+            if stop.load(Ordering::Relaxed) {
+                self.compute.synchronize()?;
+                let cut = EpochCut {
+                    epoch,
+                    swaps: i as u32,
+                    batches: *ctx.batch,
+                    edges: *ctx.edges,
+                    loss: from.loss + self.compute.take_loss()?,
+                };
+                return Ok(EpochEnd::Stopped(cut));
+            }
             let (evicted, loaded) = (pi[swap.evicted as usize], pi[swap.loaded as usize]);
             let overlap: Vec<Bucket> = swap.overlap.iter().map(relabel).collect();
             let after: Vec<Bucket> = swap.after.iter().map(relabel).collect();
@@ -371,21 +458,23 @@ impl Trainer {
             report.swaps.push(sr);
             report.buffer_states += 1;
         }
-        let loss = self.compute.take_loss()?;
+        let loss = from.loss + self.compute.take_loss()?;
         if !loss.is_finite() {
             return Err(TrainError::Diverged { epoch });
         }
         let io = diff(self.buffer.stats(), io_before);
         report.loss = loss / report.edges.max(1) as f64;
         report.seconds = started.elapsed().as_secs_f64();
-        report.edges_per_sec = report.edges as f64 / report.seconds.max(1e-9);
+        let trained_now = report.edges - from.edges;
+        report.edges_per_sec = trained_now as f64 / report.seconds.max(1e-9);
         report.partitions_read = io.reads;
         report.partitions_written = io.writes;
         report.bytes_read = io.bytes_read;
         report.bytes_written = io.bytes_written;
         report.io_s = io.io_time.as_secs_f64();
         report.io_wait_s = io.wait_time.as_secs_f64();
-        Ok(report)
+        report.resumed = from.swaps > 0 || from.batches > 0;
+        Ok(EpochEnd::Done(report))
     }
 
     fn run_buckets(

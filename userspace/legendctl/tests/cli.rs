@@ -235,10 +235,22 @@ fn train_eval_export_and_resume() {
         tables(&run) == tables(&half),
         "resumed training differs from uninterrupted training"
     );
+    let again = ok(&["train", "--out", &s(&half), "--resume"]);
+    assert!(again.contains("nothing to do"), "{again}");
     fails(
-        &["train", "--out", &s(&half), "--resume"],
-        "already has 4 epochs",
+        &[
+            "train",
+            "--out",
+            &s(&half),
+            "--resume",
+            "--set",
+            "training.num_epochs=3",
+        ],
+        "set at least 4",
     );
+    // The refused resume changed nothing: the run still has nothing to do.
+    let again = ok(&["train", "--out", &s(&half), "--resume"]);
+    assert!(again.contains("nothing to do"), "{again}");
 }
 
 #[test]

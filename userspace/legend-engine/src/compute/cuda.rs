@@ -36,7 +36,7 @@ use crate::buffer::{Partition, PartitionBuffer, StoreError, SwapHook};
 use crate::config::Config;
 use crate::controllers::SharedController;
 use crate::file_store::SharedFileStore;
-use crate::trainer::{IoKernelSpan, Relations, TrainError};
+use crate::trainer::{IoDirection, IoKernelSpan, Relations, TrainError};
 
 /// Score-matrix memory the engine may use for one launch group.
 const SCORE_BYTES: usize = 1 << 30;
@@ -93,7 +93,11 @@ impl DirectIo {
         self.launches.push((
             started,
             IoKernelSpan {
-                op: if write { "write" } else { "read" },
+                op: if write {
+                    IoDirection::Write
+                } else {
+                    IoDirection::Read
+                },
                 partition: p,
                 start_s: 0.0,
                 seconds: run.seconds,

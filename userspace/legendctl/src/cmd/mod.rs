@@ -28,10 +28,14 @@ pub fn print_json(value: &impl Serialize) -> anyhow::Result<()> {
 }
 
 /// A flag raised by SIGINT/SIGTERM instead of dying, so that import and generate stop at their
-/// next check and remove their temporary directory: an interrupted command leaves nothing.
+/// next check and remove their temporary directory (an interrupted command leaves nothing), and
+/// train stops at its next checkpointable point. A second signal ends the process at once.
 pub fn cancel_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
     let cancel = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        // Registered first, so it sees the flag as the previous signal left it.
+        signal_hook::flag::register_conditional_shutdown(signal, 130, cancel.clone())
+            .context("installing a signal handler")?;
         signal_hook::flag::register(signal, cancel.clone())
             .context("installing a signal handler")?;
     }

@@ -1,0 +1,150 @@
+//! Ranking trained tables on a split of their dataset: legend-eval's filtered and sampled
+//! protocols, as `legendctl eval`, a session's evaluations and the daemon's eval jobs run them.
+
+use std::path::{Path, PathBuf};
+
+use legend_dataset::{Dataset, DatasetError, Split};
+use legend_eval::{Embeddings, EvalError, FilterIndex, Metrics, SampledNegatives};
+use legend_model::Decoder;
+
+use crate::config::Protocol;
+use crate::run::RunMeta;
+
+/// What to evaluate and how.
+#[derive(Clone, Copy, Debug)]
+pub struct EvalRequest {
+    /// Filtered or sampled ranking.
+    pub protocol: Protocol,
+    /// The split to rank.
+    pub split: Split,
+    /// The sampled protocol's negatives.
+    pub negatives: SampledNegatives,
+    /// Worker threads (0 = one per core).
+    pub threads: usize,
+}
+
+/// Why an evaluation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum EvaluationError {
+    /// The dataset could not be read.
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    /// The ranking failed.
+    #[error(transparent)]
+    Eval(#[from] EvalError),
+    /// The split has nothing to rank.
+    #[error("{dir}: the {split} split has no edges to evaluate")]
+    EmptySplit {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// The split's name.
+        split: &'static str,
+    },
+    /// The run's dataset could not be opened.
+    #[error("opening the run's dataset {dir} (use --dataset if it moved)")]
+    RunDataset {
+        /// Where the run says its dataset is.
+        dir: PathBuf,
+        /// Why it did not open.
+        #[source]
+        source: DatasetError,
+    },
+    /// A dataset other than the run's.
+    #[error("{dir} is not the dataset this run was trained on (identity {found}, run has {want})")]
+    OtherDataset {
+        /// The dataset directory given.
+        dir: PathBuf,
+        /// Its identity.
+        found: String,
+        /// The run's.
+        want: String,
+    },
+}
+
+/// Ranks `request.split` of `dataset` with `decoder` over the given tables (`dim` floats a row).
+pub fn evaluate(
+    dataset: &Dataset,
+    decoder: Decoder,
+    dim: usize,
+    entities: &[f32],
+    relations: &[f32],
+    request: &EvalRequest,
+) -> Result<Metrics, EvaluationError> {
+    let triples = dataset.edges(request.split)?;
+    if triples.is_empty() {
+        return Err(EvaluationError::EmptySplit {
+            dir: dataset.dir().to_owned(),
+            split: request.split.name(),
+        });
+    }
+    let embeddings = Embeddings {
+        decoder,
+        entities,
+        relations,
+        dim,
+    };
+    let ne = dataset.meta().entities as usize;
+    let metrics = match request.protocol {
+        Protocol::Filtered => {
+            let parts: Vec<Vec<[u32; 3]>> = Split::ALL
+                .iter()
+                .map(|&s| dataset.edges(s))
+                .collect::<Result<_, _>>()?;
+            let refs: Vec<&[[u32; 3]]> = parts.iter().map(Vec::as_slice).collect();
+            let filter = FilterIndex::build(ne, &refs)?;
+            legend_eval::evaluate(
+                &embeddings,
+                &triples,
+                &legend_eval::Protocol::Filtered { filter: &filter },
+                request.threads,
+            )?
+        }
+        Protocol::Sampled => {
+            let degrees = legend_dataset::degrees(ne, &dataset.edges(Split::Train)?);
+            let protocol = legend_eval::Protocol::Sampled {
+                negatives: request.negatives,
+                degrees: &degrees,
+            };
+            legend_eval::evaluate(&embeddings, &triples, &protocol, request.threads)?
+        }
+    };
+    Ok(metrics)
+}
+
+/// Opens the dataset a run was trained on (or `override_dir`, if it moved) and checks that it
+/// is the same data.
+pub fn open_run_dataset(
+    meta: &RunMeta,
+    override_dir: Option<&Path>,
+) -> Result<Dataset, EvaluationError> {
+    let dir = override_dir.unwrap_or(&meta.dataset);
+    let dataset = Dataset::open(dir).map_err(|source| EvaluationError::RunDataset {
+        dir: dir.to_owned(),
+        source,
+    })?;
+    let found = format!("{:032x}", dataset.meta().identity());
+    if found != meta.dataset_identity {
+        return Err(EvaluationError::OtherDataset {
+            dir: dir.to_owned(),
+            found,
+            want: meta.dataset_identity.clone(),
+        });
+    }
+    Ok(dataset)
+}
+
+/// One line of human-readable metrics.
+pub fn describe(m: &Metrics) -> String {
+    let protocol = match m.protocol {
+        legend_eval::ProtocolKind::Filtered => "filtered".to_string(),
+        legend_eval::ProtocolKind::Sampled => format!(
+            "sampled ({} uniform + {} degree negatives)",
+            m.uniform_negatives.unwrap_or(0),
+            m.degree_negatives.unwrap_or(0)
+        ),
+    };
+    format!(
+        "{protocol} MRR {:.4}  Hits@1 {:.4}  Hits@3 {:.4}  Hits@10 {:.4}  mean rank {:.1}  ({} queries, both sides; realistic ties)",
+        m.mrr, m.hits_at_1, m.hits_at_3, m.hits_at_10, m.mean_rank, m.count
+    )
+}

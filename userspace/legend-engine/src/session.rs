@@ -1,0 +1,733 @@
+//! A training session: one run directory from its creation (or its resumption) through the
+//! epochs, checkpoints and the final evaluation, reporting what happens as typed [`Event`]s.
+//! `legendctl train` and the daemon's jobs are thin callers: they turn events into a progress
+//! bar, JSON lines or a progress stream, and set a flag to stop.
+//!
+//! A run directory is either absent or resumable: it is assembled under a temporary name
+//! (configuration and commit record) and renamed into place before anything is trained. A stop
+//! asked for (SIGINT, a cancelled job) ends at the next buffer-state boundary with a checkpoint
+//! of that point, and resuming from it trains exactly what the uninterrupted run would have.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+
+use legend_dataset::{Dataset, DatasetError, Split};
+use legend_eval::{Metrics, SampledNegatives};
+use serde::{Deserialize, Serialize};
+
+use crate::buffer::{MemoryStore, PartitionBuffer, StoreError};
+use crate::config::{Config, ConfigError};
+use crate::device::Device;
+use crate::evaluation::{self, EvalRequest, EvaluationError};
+use crate::file_store::{FileStore, FileStoreSpec, SharedFileStore, encode_relations};
+use crate::run::{self, RunError, RunMeta, TableChecksums};
+use crate::trainer::{EpochCut, EpochEnd, EpochReport, Relations, TrainError, Trainer};
+
+/// How far a run has trained: whole epochs, and where an interrupted epoch stopped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Position {
+    /// Epochs trained to their end.
+    pub epochs_completed: u32,
+    /// The next epoch's part already trained, if it was interrupted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut: Option<EpochCut>,
+}
+
+impl Position {
+    /// The progress record a store's superblock keeps (TOML; `epochs_completed=N` alone is
+    /// the record of stores written before epochs could be cut).
+    pub fn encode(&self) -> Vec<u8> {
+        toml::to_string(self)
+            .expect("a position serializes")
+            .into_bytes()
+    }
+
+    /// Decodes [`Position::encode`]; an empty record (a new store) is the start.
+    pub fn decode(bytes: &[u8]) -> Result<Position, StoreError> {
+        if bytes.is_empty() {
+            return Ok(Position::default());
+        }
+        std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|t| toml::from_str(t).ok())
+            .ok_or_else(|| {
+                StoreError(format!(
+                    "unreadable progress record {:?}",
+                    String::from_utf8_lossy(bytes)
+                ))
+            })
+    }
+
+    /// In words: `the start`, `epoch 3`, `epoch 4 after 5 of its swaps`.
+    pub fn describe(&self) -> String {
+        match (self.epochs_completed, self.cut) {
+            (_, Some(cut)) => format!(
+                "epoch {} stopped after {} swaps ({} edges trained)",
+                cut.epoch, cut.swaps, cut.edges
+            ),
+            (0, None) => "the start".into(),
+            (n, None) => format!("the end of epoch {n}"),
+        }
+    }
+}
+
+/// What a session reports while it runs.
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// An epoch begins (or continues from a cut: `edges_done` > 0).
+    EpochStarted {
+        /// The epoch, from 1.
+        epoch: u32,
+        /// Epochs the run trains.
+        epochs: u32,
+        /// Train edges of the epoch.
+        edges: u64,
+        /// Edges already trained in it.
+        edges_done: u64,
+    },
+    /// Positive edges of the epoch trained so far (called often: keep it cheap).
+    Progress {
+        /// The epoch.
+        epoch: u32,
+        /// Edges trained so far in it.
+        edges_done: u64,
+    },
+    /// An epoch ended; `line` is what metrics.jsonl got (the report, with `valid` metrics
+    /// when the epoch was evaluated).
+    EpochFinished {
+        /// The epoch's report.
+        report: &'a EpochReport,
+        /// The validation metrics, if evaluated.
+        valid: Option<&'a Metrics>,
+        /// The metrics.jsonl line.
+        line: &'a serde_json::Value,
+    },
+    /// A checkpoint was committed.
+    Checkpoint {
+        /// What it holds.
+        position: Position,
+    },
+    /// The final evaluation starts.
+    Evaluating {
+        /// The split.
+        split: Split,
+    },
+    /// The final evaluation ended; `line` is what metrics.jsonl got.
+    Evaluated {
+        /// The split.
+        split: Split,
+        /// Its metrics.
+        metrics: &'a Metrics,
+        /// The metrics.jsonl line.
+        line: &'a serde_json::Value,
+    },
+}
+
+/// How [`Session::run`] ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Every epoch trained and the final evaluation done (`None` without edges to evaluate).
+    Finished(Option<Metrics>),
+    /// Stopped as asked, at this checkpointed position.
+    Stopped(Position),
+}
+
+/// A session error.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The dataset could not be read.
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    /// The run directory could not be read or written.
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// Training failed.
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// An evaluation failed.
+    #[error(transparent)]
+    Evaluation(#[from] EvaluationError),
+    /// The request cannot be carried out as asked (the message says why and what to do).
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// A run being trained.
+pub struct Session {
+    out: PathBuf,
+    config: Config,
+    dataset: Dataset,
+    trainer: Trainer,
+    meta: RunMeta,
+    position: Position,
+    engine: String,
+}
+
+/// The metrics.jsonl of `out`.
+fn metrics_path(out: &Path) -> PathBuf {
+    out.join("metrics.jsonl")
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> SessionError + '_ {
+    move |source| {
+        SessionError::Run(RunError::Io {
+            path: path.to_owned(),
+            source,
+        })
+    }
+}
+
+impl Session {
+    /// Creates the run `out` (which must not exist, or be an empty directory) training
+    /// `config` on the dataset in `dataset`. Everything that can be refused (configuration,
+    /// plan, dataset, device, store target) is checked before the directory appears; after
+    /// that the directory is always resumable.
+    pub fn create(out: &Path, dataset: &Path, config: Config) -> Result<Session, SessionError> {
+        if out.exists()
+            && std::fs::read_dir(out)
+                .map_err(io_error(out))?
+                .next()
+                .is_some()
+        {
+            return Err(SessionError::Refused(format!(
+                "{} already exists; choose another --out or continue it with --resume",
+                out.display()
+            )));
+        }
+        legend_planner::plan(
+            config.storage.num_partitions,
+            config.capacity(),
+            config.order(),
+        )
+        .map_err(TrainError::from)?;
+        let dataset = Dataset::open(dataset)?;
+        let device = Device::open(&config)?;
+        let meta = new_meta(&config, &dataset);
+        assemble_run_dir(out, &config, &meta)?;
+        // Nothing is trained until the session starts: a refusal on the way (a store target
+        // that holds a file system, say) takes the new directory away again.
+        Session::start(out, config, dataset, meta, device).inspect_err(|_| {
+            let _ = std::fs::remove_dir_all(out);
+        })
+    }
+
+    /// Reopens the run `out` where its last checkpoint left it; `sets` change configuration
+    /// keys (e.g. `training.num_epochs`), `dataset` names the dataset if it moved.
+    pub fn resume(
+        out: &Path,
+        dataset: Option<&Path>,
+        sets: &[String],
+    ) -> Result<Session, SessionError> {
+        if !run::meta_path(out).exists() {
+            return Err(SessionError::Refused(format!(
+                "{} is not a run directory (no run.toml): nothing to resume",
+                out.display()
+            )));
+        }
+        let meta = run::read_meta(out)?;
+        let config_path = out.join("config.toml");
+        let text = std::fs::read_to_string(&config_path).map_err(io_error(&config_path))?;
+        let config = Config::parse(&text, sets)?;
+        let dataset = evaluation::open_run_dataset(&meta, dataset)?;
+        let device = Device::open(&config)?;
+        let session = Session::start(out, config, dataset, meta, device)?;
+        // The keys changed with `sets` hold from now on.
+        run::write_atomically(&config_path, session.config.to_toml().as_bytes())?;
+        Ok(session)
+    }
+
+    fn start(
+        out: &Path,
+        config: Config,
+        dataset: Dataset,
+        mut meta: RunMeta,
+        device: Device,
+    ) -> Result<Session, SessionError> {
+        let meta_ds = dataset.meta();
+        let decoder = config.decoder();
+        let dim = config.model.dim;
+        if !meta_ds.has_relations && decoder.uses_relations() {
+            tracing::warn!(
+                "the dataset has no relation types; {decoder} learns one relation for all edges"
+            );
+        }
+        let buckets = dataset.buckets(config.storage.num_partitions)?;
+        let scheme = buckets.scheme();
+        let degrees = legend_dataset::degrees(meta_ds.entities as usize, buckets.edges());
+        let init = config.init();
+        let relation_floats = meta.relations as usize * dim;
+        let fresh_relations = || Relations::init(decoder, meta_ds.relations as usize, dim, &init);
+        let gpu_engine = matches!(device, Device::Cuda { .. });
+        let engine = device.describe();
+        let mut direct = None;
+        let (buffer, relations, position) = if config.uses_store() {
+            let queue = meta.store_queue.or(config.queue_location());
+            let recorded = meta.store.clone();
+            let run_dir = std::fs::canonicalize(out).map_err(io_error(out))?;
+            let path = recorded
+                .clone()
+                .unwrap_or_else(|| config.store_path(&run_dir));
+            let spec = FileStoreSpec {
+                path: &path,
+                dataset: run::dataset_id(&meta.dataset_identity, &path)?,
+                num_nodes: meta_ds.entities,
+                dim,
+                num_partitions: scheme.num_partitions,
+                aux_bytes: (relation_floats * 8) as u64,
+                // The run's own default store, left half-made by a crash before it was
+                // recorded, is this run's to overwrite.
+                force: config.storage.force || path.starts_with(&run_dir),
+                queue,
+            };
+            let mut store = if recorded.is_some() {
+                FileStore::open(&spec)?
+            } else {
+                let store = FileStore::create(&spec)?;
+                // From here on the run's commit record is the store's superblock.
+                meta.store = Some(std::fs::canonicalize(&path).map_err(io_error(&path))?);
+                meta.store_queue = queue;
+                write_meta(out, &meta)?;
+                store
+            };
+            let position = Position::decode(store.progress())?;
+            let relations = match store.aux(relation_floats * 8)? {
+                Some(bytes) if position != Position::default() => {
+                    let all: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+                    let (emb, state) = all.split_at(relation_floats);
+                    Relations {
+                        emb: emb.to_vec(),
+                        state: state.to_vec(),
+                    }
+                }
+                _ => fresh_relations(),
+            };
+            let buffer = match store.controller().cloned() {
+                // A store behind NVMe queues, trained on a GPU: the GPU I/O kernels move swaps.
+                Some(controller) if gpu_engine => {
+                    let shared = SharedFileStore::new(store);
+                    direct = Some((shared.clone(), controller));
+                    PartitionBuffer::new(scheme, dim, init, shared)
+                }
+                _ => PartitionBuffer::new(scheme, dim, init, store),
+            };
+            (buffer, relations, position)
+        } else if !meta.checkpoint.is_empty() {
+            let t = run::load_tables(out, &meta)?;
+            let store = MemoryStore::from_tables(scheme, dim, &t.entities, &t.entities_state);
+            let relations = Relations {
+                emb: t.relations,
+                state: t.relations_state,
+            };
+            let buffer = PartitionBuffer::new(scheme, dim, init, store);
+            let position = Position {
+                epochs_completed: meta.epochs_completed,
+                cut: meta.cut,
+            };
+            (buffer, relations, position)
+        } else {
+            let buffer = PartitionBuffer::new(scheme, dim, init, MemoryStore::default());
+            (buffer, fresh_relations(), Position::default())
+        };
+        let epochs = config.training.num_epochs;
+        if position.epochs_completed > epochs
+            || (position.epochs_completed == epochs && position.cut.is_some())
+        {
+            return Err(SessionError::Refused(format!(
+                "the run has trained to {}; training.num_epochs = {epochs} would undo that (set at least {})",
+                position.describe(),
+                position.epochs_completed + u32::from(position.cut.is_some())
+            )));
+        }
+        let mut trainer =
+            Trainer::on_device(&config, buckets, &degrees, buffer, relations, device)?;
+        if let Some((store, controller)) = &direct {
+            trainer.use_direct_io(store, controller)?;
+        }
+        keep_metrics_up_to(out, position.epochs_completed)?;
+        Ok(Session {
+            out: out.to_owned(),
+            config,
+            dataset,
+            trainer,
+            meta,
+            position,
+            engine,
+        })
+    }
+
+    /// Where training continues from.
+    pub fn position(&self) -> Position {
+        self.position
+    }
+
+    /// The resolved configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The dataset.
+    pub fn dataset(&self) -> &Dataset {
+        &self.dataset
+    }
+
+    /// The engine in words (`cpu`, `cuda:0 (NVIDIA H100 …, sm_90a)`).
+    pub fn engine(&self) -> &str {
+        &self.engine
+    }
+
+    /// Whether the run has nothing left to do: every epoch trained, and evaluated if the
+    /// dataset has edges to evaluate.
+    pub fn is_finished(&self) -> Result<bool, SessionError> {
+        let split = self.config.evaluation.split.split();
+        Ok(self.position.cut.is_none()
+            && self.position.epochs_completed >= self.config.training.num_epochs
+            && (self.dataset.meta().splits.get(split) == 0 || has_final_line(&self.out)?))
+    }
+
+    /// A one-line summary of what the run trains, for the log.
+    pub fn describe(&self) -> String {
+        let m = self.dataset.meta();
+        let plan = self.trainer.plan();
+        format!(
+            "training {} d={} on {} ({} entities, {} relations, {} train edges); engine {}, {} backend, {} partitions, buffer {}, order {} ({} buffer states per epoch)",
+            self.config.decoder(),
+            self.config.model.dim,
+            self.dataset.dir().display(),
+            m.entities,
+            m.relations,
+            m.splits.train,
+            self.engine,
+            self.config.storage.backend,
+            plan.num_partitions,
+            self.config.capacity(),
+            self.config.storage.order,
+            plan.io_count
+        )
+    }
+
+    /// Trains the remaining epochs, checkpointing as configured, then evaluates. When `stop`
+    /// is set it ends at the next buffer-state boundary with a checkpoint of that point.
+    pub fn run(
+        &mut self,
+        stop: &AtomicBool,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Outcome, SessionError> {
+        let epochs = self.config.training.num_epochs;
+        let mut metrics = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(metrics_path(&self.out))
+            .map_err(io_error(&metrics_path(&self.out)))?;
+        let total = self.dataset.meta().splits.train;
+        for epoch in self.position.epochs_completed + 1..=epochs {
+            let cut = self.position.cut.take();
+            on_event(Event::EpochStarted {
+                epoch,
+                epochs,
+                edges: total,
+                edges_done: cut.map_or(0, |c| c.edges),
+            });
+            let end = self.trainer.run_epoch_from(epoch, cut, stop, &mut |done| {
+                on_event(Event::Progress {
+                    epoch,
+                    edges_done: done,
+                })
+            })?;
+            let report = match end {
+                EpochEnd::Done(report) => report,
+                EpochEnd::Stopped(cut) => {
+                    self.position = Position {
+                        epochs_completed: epoch - 1,
+                        cut: Some(cut),
+                    };
+                    self.checkpoint()?;
+                    on_event(Event::Checkpoint {
+                        position: self.position,
+                    });
+                    return Ok(Outcome::Stopped(self.position));
+                }
+            };
+            let mut line = serde_json::to_value(&report).expect("a report serializes");
+            let e = &self.config.evaluation;
+            let valid = if e.epochs_per_eval > 0
+                && epoch % e.epochs_per_eval == 0
+                && self.dataset.meta().splits.valid > 0
+            {
+                let m = self.evaluate(Split::Valid)?;
+                line["valid"] = serde_json::to_value(&m).expect("metrics serialize");
+                Some(m)
+            } else {
+                None
+            };
+            append_line(&mut metrics, &self.out, &line)?;
+            on_event(Event::EpochFinished {
+                report: &report,
+                valid: valid.as_ref(),
+                line: &line,
+            });
+            self.position = Position {
+                epochs_completed: epoch,
+                cut: None,
+            };
+            let every = self.config.training.checkpoint_every;
+            let stopping = stop.load(std::sync::atomic::Ordering::Relaxed);
+            if epoch == epochs || stopping || (every > 0 && epoch % every == 0) {
+                self.checkpoint()?;
+                on_event(Event::Checkpoint {
+                    position: self.position,
+                });
+            }
+            if stopping && epoch < epochs {
+                return Ok(Outcome::Stopped(self.position));
+            }
+        }
+        if has_final_line(&self.out)? {
+            return Ok(Outcome::Finished(None));
+        }
+        let split = self.config.evaluation.split.split();
+        if self.dataset.meta().splits.get(split) == 0 {
+            tracing::warn!("no {} edges: skipping the final evaluation", split.name());
+            return Ok(Outcome::Finished(None));
+        }
+        on_event(Event::Evaluating { split });
+        let m = self.evaluate(split)?;
+        let line = serde_json::json!({ "final": true, "split": split.name(), "metrics": m });
+        append_line(&mut metrics, &self.out, &line)?;
+        on_event(Event::Evaluated {
+            split,
+            metrics: &m,
+            line: &line,
+        });
+        Ok(Outcome::Finished(Some(m)))
+    }
+
+    /// Evaluates the current parameters on `split` as `[evaluation]` says.
+    pub fn evaluate(&mut self, split: Split) -> Result<Metrics, SessionError> {
+        let dim = self.config.model.dim;
+        let entities = self.entity_table()?;
+        let e = &self.config.evaluation;
+        let request = EvalRequest {
+            protocol: e.protocol,
+            split,
+            negatives: SampledNegatives {
+                uniform: e.uniform_negatives,
+                degree: e.degree_negatives,
+                seed: e.seed,
+            },
+            threads: self.config.training.threads,
+        };
+        Ok(evaluation::evaluate(
+            &self.dataset,
+            self.config.decoder(),
+            dim,
+            &entities,
+            &self.trainer.relations().emb,
+            &request,
+        )?)
+    }
+
+    /// The whole entity embedding table, partition by partition.
+    fn entity_table(&mut self) -> Result<Vec<f32>, SessionError> {
+        self.trainer.sync_host()?;
+        let buffer = self.trainer.buffer();
+        let scheme = buffer.scheme();
+        let mut emb = Vec::with_capacity(scheme.entities as usize * self.config.model.dim);
+        for p in 0..scheme.num_partitions {
+            emb.extend_from_slice(&buffer.read_partition(p)?.emb);
+        }
+        Ok(emb)
+    }
+
+    /// Commits the parameters at `self.position`: in the store (its superblock is the commit
+    /// record) or as a checkpoint directory named by run.toml (memory backend).
+    fn checkpoint(&mut self) -> Result<(), SessionError> {
+        self.trainer.sync_host()?;
+        let relations = self.trainer.relations().clone();
+        let position = self.position;
+        self.meta.epochs_completed = position.epochs_completed;
+        self.meta.cut = position.cut;
+        let buffer = self.trainer.buffer();
+        let aux = encode_relations(&relations.emb, &relations.state);
+        if buffer.checkpoint(position.encode(), aux)? {
+            // The store committed; run.toml only mirrors the position for people.
+            return write_meta(&self.out, &self.meta);
+        }
+        let meta = std::mem::replace(&mut self.meta, new_placeholder_meta());
+        self.meta = run::commit_checkpoint(
+            &self.out,
+            meta,
+            (&relations.emb, &relations.state),
+            |e, s| {
+                for p in 0..buffer.scheme().num_partitions {
+                    let part = buffer.read_partition(p).map_err(|err| RunError::Invalid {
+                        path: self.out.clone(),
+                        message: err.to_string(),
+                    })?;
+                    e.write(&part.emb)?;
+                    s.write(&part.state)?;
+                }
+                Ok(())
+            },
+        )?;
+        tracing::debug!("checkpoint {} committed", self.meta.checkpoint);
+        Ok(())
+    }
+}
+
+/// The commit record of a new run of `config` on `dataset`.
+fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
+    let m = dataset.meta();
+    let decoder = config.decoder();
+    RunMeta {
+        format_version: run::RUN_FORMAT_VERSION,
+        dataset: std::fs::canonicalize(dataset.dir()).unwrap_or_else(|_| dataset.dir().to_owned()),
+        dataset_identity: format!("{:032x}", m.identity()),
+        decoder: decoder.name().into(),
+        dim: config.model.dim,
+        entities: m.entities,
+        relations: if decoder.uses_relations() {
+            m.relations
+        } else {
+            0
+        },
+        epochs_completed: 0,
+        cut: None,
+        checkpoint: String::new(),
+        store: None,
+        store_queue: None,
+        checksums: TableChecksums::default(),
+    }
+}
+
+/// A stand-in while the real record is moved through `commit_checkpoint`.
+fn new_placeholder_meta() -> RunMeta {
+    RunMeta {
+        format_version: run::RUN_FORMAT_VERSION,
+        dataset: PathBuf::new(),
+        dataset_identity: String::new(),
+        decoder: String::new(),
+        dim: 0,
+        entities: 0,
+        relations: 0,
+        epochs_completed: 0,
+        cut: None,
+        checkpoint: String::new(),
+        store: None,
+        store_queue: None,
+        checksums: TableChecksums::default(),
+    }
+}
+
+fn write_meta(out: &Path, meta: &RunMeta) -> Result<(), SessionError> {
+    let text = toml::to_string_pretty(meta).expect("a run record serializes");
+    Ok(run::write_atomically(
+        &run::meta_path(out),
+        text.as_bytes(),
+    )?)
+}
+
+/// Makes `out` with config.toml and run.toml in one rename, so that it never exists without
+/// them.
+fn assemble_run_dir(out: &Path, config: &Config, meta: &RunMeta) -> Result<(), SessionError> {
+    let name = out
+        .file_name()
+        .ok_or_else(|| SessionError::Refused(format!("{}: not a directory name", out.display())))?;
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(io_error(&parent))?;
+    let tmp = parent.join(format!(
+        ".{}.creating-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io_error(&tmp))?;
+    }
+    std::fs::create_dir(&tmp).map_err(io_error(&tmp))?;
+    let assembled = run::write_atomically(&tmp.join("config.toml"), config.to_toml().as_bytes())
+        .map_err(SessionError::from)
+        .and_then(|()| write_meta(&tmp, meta))
+        // An empty `out` is replaced; a non-empty one was refused before.
+        .and_then(|()| std::fs::rename(&tmp, out).map_err(io_error(out)));
+    if assembled.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    assembled
+}
+
+fn append_line(
+    metrics: &mut File,
+    out: &Path,
+    line: &serde_json::Value,
+) -> Result<(), SessionError> {
+    writeln!(metrics, "{line}").map_err(io_error(&metrics_path(out)))
+}
+
+/// The lines of metrics.jsonl (none if it does not exist yet).
+fn metrics_lines(out: &Path) -> Result<String, SessionError> {
+    let path = metrics_path(out);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => Ok(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
+        Err(e) => Err(io_error(&path)(e)),
+    }
+}
+
+fn is_final(line: &serde_json::Value) -> bool {
+    line.get("final").and_then(serde_json::Value::as_bool) == Some(true)
+}
+
+/// Whether the last record of metrics.jsonl is a final evaluation: nothing was trained after
+/// the run was last evaluated.
+fn has_final_line(out: &Path) -> Result<bool, SessionError> {
+    Ok(metrics_lines(out)?
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .last()
+        .is_some_and(|v| is_final(&v)))
+}
+
+/// Drops the metrics.jsonl records of epochs after `epochs` (trained after the checkpoint the
+/// run resumes from, so they will be trained again), the final evaluations that followed them,
+/// and lines a crash cut short, so that each epoch is recorded once.
+fn keep_metrics_up_to(out: &Path, epochs: u32) -> Result<(), SessionError> {
+    let path = metrics_path(out);
+    let text = metrics_lines(out)?;
+    let mut dropped_epoch = false;
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(l) else {
+                return false;
+            };
+            if is_final(&v) {
+                return !dropped_epoch;
+            }
+            let keep = v
+                .get("epoch")
+                .and_then(serde_json::Value::as_u64)
+                .is_some_and(|e| e <= u64::from(epochs));
+            dropped_epoch |= !keep;
+            keep
+        })
+        .collect();
+    if kept.len() == text.lines().count() {
+        return Ok(());
+    }
+    let mut new = kept.join("\n");
+    if !new.is_empty() {
+        new.push('\n');
+    }
+    Ok(run::write_atomically(&path, new.as_bytes())?)
+}
