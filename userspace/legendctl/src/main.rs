@@ -13,6 +13,9 @@ struct Cli {
     /// Log filter (tracing syntax), e.g. `debug` or `legend_dataset=trace`. Also `LEGEND_LOG`.
     #[arg(long, global = true, value_name = "FILTER")]
     log: Option<String>,
+    /// The daemon's socket for submit, jobs, watch, cancel and logs. Also `LEGEND_SOCKET`.
+    #[arg(long, global = true, value_name = "PATH")]
+    socket: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -39,6 +42,16 @@ enum Command {
     Device(cmd::device::Args),
     /// Benchmarks: `bench io` measures a store target's I/O rate.
     Bench(cmd::bench::Args),
+    /// Submit a job to legendd (train or eval).
+    Submit(cmd::client::SubmitArgs),
+    /// Jobs known to legendd.
+    Jobs(cmd::client::JobsArgs),
+    /// Follow a legendd job until it ends.
+    Watch(cmd::client::JobArgs),
+    /// Cancel a legendd job (a running one stops at its next checkpoint).
+    Cancel(cmd::client::JobArgs),
+    /// A legendd job's log.
+    Logs(cmd::client::JobArgs),
 }
 
 fn main() -> ExitCode {
@@ -66,6 +79,11 @@ fn main() -> ExitCode {
         Command::Report(args) => cmd::report::run(args),
         Command::Device(args) => cmd::device::run(args),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::Submit(args) => cmd::client::submit(cli.socket.as_deref(), args),
+        Command::Jobs(args) => cmd::client::jobs(cli.socket.as_deref(), args),
+        Command::Watch(args) => cmd::client::watch(cli.socket.as_deref(), args),
+        Command::Cancel(args) => cmd::client::cancel(cli.socket.as_deref(), args),
+        Command::Logs(args) => cmd::client::logs(cli.socket.as_deref(), args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,6 +1,7 @@
 //! One module per subcommand: its clap arguments and its `run`.
 
 pub mod bench;
+pub mod client;
 pub mod device;
 pub mod eval;
 pub mod export;

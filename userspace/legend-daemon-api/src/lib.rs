@@ -1,0 +1,453 @@
+//! The protocol of `legendd`, Legend's training service, on its Unix socket
+//! (`/run/legend/legendd.sock`): shared by the daemon and its clients (`legendctl submit`,
+//! `jobs`, `watch`, `cancel`, `logs`). `Documentation/daemon-api.md` is its reference.
+//!
+//! Every message is a frame: a 4-byte big-endian length, then that many bytes of JSON. A
+//! client sends [`Envelope`]s (the protocol version and a [`Request`]); the daemon answers each
+//! with one [`Reply`], except `watch`, which answers with a stream of [`Reply::Event`]s ended by
+//! [`Reply::Ended`].
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// The protocol version this crate speaks; the daemon refuses others.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Where the service listens (systemd's `RuntimeDirectory=legend`).
+pub const DEFAULT_SOCKET: &str = "/run/legend/legendd.sock";
+
+/// The largest frame either side accepts, in bytes.
+pub const MAX_FRAME: usize = 1 << 20;
+
+/// A request with the version it is written in.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Envelope {
+    /// [`PROTOCOL_VERSION`] of the client.
+    pub v: u32,
+    /// What is asked.
+    pub request: Request,
+}
+
+/// What a client asks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "call", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// The daemon's version and the caller's identity as the daemon sees it.
+    Hello,
+    /// Queue a job.
+    Submit {
+        /// The job.
+        job: JobSpec,
+    },
+    /// Jobs: the caller's own, or everyone's (`all`, the admin group only).
+    List {
+        /// Everyone's jobs.
+        #[serde(default)]
+        all: bool,
+    },
+    /// One job.
+    Status {
+        /// Its id.
+        job: u64,
+    },
+    /// A job's events as they happen, then its end.
+    Watch {
+        /// Its id.
+        job: u64,
+    },
+    /// Stop a job: a queued one at once, a running one at its next checkpointable point.
+    Cancel {
+        /// Its id.
+        job: u64,
+    },
+    /// A job's log.
+    Logs {
+        /// Its id.
+        job: u64,
+    },
+    /// The daemon's metrics in the Prometheus text format.
+    Metrics,
+    /// NVMe controllers and the module's devices (read-only).
+    Devices,
+    /// Hand a controller to `legend_nvme` (the admin group only).
+    Bind {
+        /// PCI address, e.g. `0000:01:00.0`.
+        bdf: String,
+        /// Bind even if a namespace is in use.
+        #[serde(default)]
+        force: bool,
+    },
+    /// Hand a controller back to `nvme` (the admin group only).
+    Unbind {
+        /// PCI address.
+        bdf: String,
+    },
+}
+
+/// A job to run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum JobSpec {
+    /// `legendctl train`: a run directory created (or resumed) and trained.
+    Train {
+        /// The dataset directory (absolute); optional when resuming.
+        dataset: Option<PathBuf>,
+        /// The run directory (absolute); its parent must be writable by the submitter.
+        out: PathBuf,
+        /// The configuration file's text (TOML).
+        #[serde(default)]
+        config: String,
+        /// `key=value` overrides.
+        #[serde(default)]
+        sets: Vec<String>,
+        /// Continue `out` from its last checkpoint.
+        #[serde(default)]
+        resume: bool,
+    },
+    /// `legendctl eval`: rank a run's tables.
+    Eval {
+        /// The run directory (absolute).
+        run: PathBuf,
+        /// `filtered` or `sampled`.
+        #[serde(default = "default_protocol")]
+        protocol: String,
+        /// `test` or `valid`.
+        #[serde(default = "default_split")]
+        split: String,
+    },
+}
+
+fn default_protocol() -> String {
+    "filtered".into()
+}
+
+fn default_split() -> String {
+    "test".into()
+}
+
+impl JobSpec {
+    /// The directory the job writes (train) or reads (eval).
+    pub fn dir(&self) -> &PathBuf {
+        match self {
+            JobSpec::Train { out, .. } => out,
+            JobSpec::Eval { run, .. } => run,
+        }
+    }
+
+    /// `train` or `eval`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            JobSpec::Train { .. } => "train",
+            JobSpec::Eval { .. } => "eval",
+        }
+    }
+}
+
+/// Where a job is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Waiting for its device.
+    Queued,
+    /// Running.
+    Running,
+    /// Ended as asked.
+    Succeeded,
+    /// Ended with an error (`JobInfo::error`).
+    Failed,
+    /// Stopped by a cancel (a train job keeps its last checkpoint: resumable).
+    Cancelled,
+}
+
+impl JobState {
+    /// Whether the job has ended.
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled
+        )
+    }
+
+    /// The name used on the wire and by `legendctl jobs`.
+    pub fn name(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Running => "running",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// How far a running job is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Progress {
+    /// The epoch being trained (from 1; 0 before the first).
+    pub epoch: u32,
+    /// Epochs of the run.
+    pub epochs: u32,
+    /// Edges of the epoch trained so far.
+    pub edges_done: u64,
+    /// Edges of an epoch.
+    pub edges: u64,
+    /// Positive edges per second of the last finished epoch.
+    pub edges_per_sec: f64,
+}
+
+/// A job as the daemon reports it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobInfo {
+    /// Its id (never reused by a daemon's state directory).
+    pub id: u64,
+    /// The submitter's uid.
+    pub owner: u32,
+    /// What it runs.
+    pub spec: JobSpec,
+    /// Where it is.
+    pub state: JobState,
+    /// The engine it runs on (`cpu`, `cuda:0`), once known.
+    #[serde(default)]
+    pub device: Option<String>,
+    /// Seconds since the epoch: submitted, started, ended.
+    pub submitted: u64,
+    /// When it started last (a resumed job starts again).
+    #[serde(default)]
+    pub started: Option<u64>,
+    /// When it ended.
+    #[serde(default)]
+    pub ended: Option<u64>,
+    /// How far it is.
+    #[serde(default)]
+    pub progress: Progress,
+    /// Why it failed.
+    #[serde(default)]
+    pub error: Option<String>,
+    /// The result: the final metrics line of a train job, the metrics of an eval job.
+    #[serde(default)]
+    pub result: Option<serde_json::Value>,
+}
+
+/// The daemon's answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    /// To [`Request::Hello`].
+    Hello {
+        /// The daemon's protocol version.
+        version: u32,
+        /// The daemon's build.
+        daemon: String,
+        /// The caller's uid.
+        uid: u32,
+        /// Whether the caller is in the admin group.
+        admin: bool,
+    },
+    /// One job (to submit, status and cancel).
+    Job {
+        /// The job.
+        job: JobInfo,
+    },
+    /// Jobs (to list).
+    Jobs {
+        /// The jobs, by id.
+        jobs: Vec<JobInfo>,
+    },
+    /// An event of a watched job: `epoch` (an epoch report line of metrics.jsonl), `progress`,
+    /// `checkpoint`, `evaluated`, `state`.
+    Event {
+        /// The job.
+        job: u64,
+        /// What happened (JSON with a `type` field).
+        event: serde_json::Value,
+    },
+    /// A watched job ended (the last reply of a watch).
+    Ended {
+        /// The job as it ended.
+        job: JobInfo,
+    },
+    /// Text: a log, or metrics.
+    Text {
+        /// The text.
+        text: String,
+    },
+    /// Structured data (devices).
+    Data {
+        /// The data.
+        data: serde_json::Value,
+    },
+    /// The request failed.
+    Error {
+        /// What kind of failure.
+        code: ErrorCode,
+        /// What went wrong, in words.
+        message: String,
+    },
+}
+
+/// Classes of [`Reply::Error`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The request is malformed, too large, or of another protocol version.
+    BadRequest,
+    /// The caller may not do this.
+    Forbidden,
+    /// No such job.
+    NotFound,
+    /// The request is well formed but cannot be carried out (the message says why).
+    Refused,
+    /// The daemon is shutting down or overloaded.
+    Unavailable,
+}
+
+/// A framing error.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The connection failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// A frame longer than the limit.
+    #[error("a frame of {len} bytes is over the {max}-byte limit")]
+    TooLarge {
+        /// Its announced length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The connection ended inside a frame.
+    #[error("the connection ended inside a frame")]
+    Truncated,
+    /// The frame is not the JSON expected.
+    #[error("malformed message: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Reads one frame's bytes; `None` when the peer closed the connection between frames.
+pub fn read_frame(r: &mut impl Read, max: usize) -> Result<Option<Vec<u8>>, FrameError> {
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        match r.read(&mut len[got..])? {
+            0 if got == 0 => return Ok(None),
+            0 => return Err(FrameError::Truncated),
+            n => got += n,
+        }
+    }
+    let len = u32::from_be_bytes(len) as usize;
+    if len > max {
+        return Err(FrameError::TooLarge { len, max });
+    }
+    let mut buf = vec![0u8; len];
+    r.read_exact(&mut buf).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => FrameError::Truncated,
+        _ => FrameError::Io(e),
+    })?;
+    Ok(Some(buf))
+}
+
+/// Reads one message; `None` when the peer closed the connection between frames.
+pub fn read_message<T: for<'de> Deserialize<'de>>(
+    r: &mut impl Read,
+    max: usize,
+) -> Result<Option<T>, FrameError> {
+    match read_frame(r, max)? {
+        Some(bytes) => Ok(Some(serde_json::from_slice(&bytes)?)),
+        None => Ok(None),
+    }
+}
+
+/// Writes one message as a frame.
+pub fn write_message(w: &mut impl Write, message: &impl Serialize) -> Result<(), FrameError> {
+    let bytes = serde_json::to_vec(message)?;
+    if bytes.len() > MAX_FRAME {
+        return Err(FrameError::TooLarge {
+            len: bytes.len(),
+            max: MAX_FRAME,
+        });
+    }
+    w.write_all(&(bytes.len() as u32).to_be_bytes())?;
+    w.write_all(&bytes)?;
+    w.flush()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_through_frames() {
+        let requests = [
+            Request::Hello,
+            Request::Submit {
+                job: JobSpec::Train {
+                    dataset: Some("/d".into()),
+                    out: "/o".into(),
+                    config: "[model]\ndim = 8\n".into(),
+                    sets: vec!["training.num_epochs=2".into()],
+                    resume: false,
+                },
+            },
+            Request::List { all: true },
+            Request::Watch { job: 7 },
+            Request::Bind {
+                bdf: "0000:01:00.0".into(),
+                force: false,
+            },
+        ];
+        for request in requests {
+            let mut wire = Vec::new();
+            let env = Envelope {
+                v: PROTOCOL_VERSION,
+                request,
+            };
+            write_message(&mut wire, &env).unwrap();
+            let back: Envelope = read_message(&mut wire.as_slice(), MAX_FRAME)
+                .unwrap()
+                .unwrap();
+            assert_eq!(back, env);
+        }
+    }
+
+    #[test]
+    fn bad_frames_are_errors_not_panics() {
+        // Over the limit, announced.
+        let mut wire = (MAX_FRAME as u32 + 1).to_be_bytes().to_vec();
+        wire.extend([0u8; 16]);
+        assert!(matches!(
+            read_frame(&mut wire.as_slice(), MAX_FRAME),
+            Err(FrameError::TooLarge { .. })
+        ));
+        // Cut inside the length and inside the body.
+        assert!(matches!(
+            read_frame(&mut [0u8, 0].as_slice(), MAX_FRAME),
+            Err(FrameError::Truncated)
+        ));
+        let mut short = 10u32.to_be_bytes().to_vec();
+        short.extend(b"{}");
+        assert!(matches!(
+            read_frame(&mut short.as_slice(), MAX_FRAME),
+            Err(FrameError::Truncated)
+        ));
+        // Closed between frames.
+        assert!(read_frame(&mut [].as_slice(), MAX_FRAME).unwrap().is_none());
+        // Unknown calls and fields.
+        for text in [
+            r#"{"v":1,"request":{"call":"format_disk"}}"#,
+            r#"{"v":1,"request":{"call":"status","job":1,"extra":2}}"#,
+            r#"{"v":1}"#,
+            "[1,2",
+        ] {
+            let mut wire = (text.len() as u32).to_be_bytes().to_vec();
+            wire.extend(text.as_bytes());
+            assert!(
+                read_message::<Envelope>(&mut wire.as_slice(), MAX_FRAME).is_err(),
+                "{text}"
+            );
+        }
+    }
+}

@@ -1,0 +1,355 @@
+//! The daemon's client: `legendctl submit`, `jobs`, `watch`, `cancel`, `logs` talk to
+//! `legendd` on its socket (`--socket`, `LEGEND_SOCKET`, else `/run/legend/legendd.sock`).
+
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use legend_daemon_api::{
+    DEFAULT_SOCKET, Envelope, JobInfo, JobSpec, JobState, MAX_FRAME, PROTOCOL_VERSION, Reply,
+    Request, read_message, write_message,
+};
+
+/// A connection to `legendd`.
+pub struct Client {
+    stream: UnixStream,
+}
+
+/// The socket to use: `--socket`, `LEGEND_SOCKET`, the default.
+fn socket_path(flag: Option<&Path>) -> PathBuf {
+    flag.map(Path::to_path_buf)
+        .or_else(|| std::env::var_os("LEGEND_SOCKET").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET))
+}
+
+impl Client {
+    /// Connects, with a one-line error when no daemon answers.
+    pub fn connect(flag: Option<&Path>) -> anyhow::Result<Client> {
+        let path = socket_path(flag);
+        let stream = UnixStream::connect(&path).map_err(|e| {
+            anyhow::anyhow!(
+                "cannot reach legendd at {} ({e}): is it running? (`systemctl start legendd`, or `legendd --foreground --socket {}`)",
+                path.display(),
+                path.display()
+            )
+        })?;
+        Ok(Client { stream })
+    }
+
+    fn send(&mut self, request: Request) -> anyhow::Result<()> {
+        write_message(
+            &mut self.stream,
+            &Envelope {
+                v: PROTOCOL_VERSION,
+                request,
+            },
+        )
+        .context("sending to legendd")
+    }
+
+    fn receive(&mut self) -> anyhow::Result<Reply> {
+        match read_message::<Reply>(&mut self.stream, MAX_FRAME).context("reading from legendd")? {
+            Some(Reply::Error { code, message }) => {
+                bail!(
+                    "legendd refused ({}): {message}",
+                    serde_json::to_string(&code)?.trim_matches('"')
+                )
+            }
+            Some(reply) => Ok(reply),
+            None => bail!("legendd closed the connection"),
+        }
+    }
+
+    /// Sends `request` and returns its one reply.
+    pub fn call(&mut self, request: Request) -> anyhow::Result<Reply> {
+        self.send(request)?;
+        self.receive()
+    }
+
+    fn job(&mut self, request: Request) -> anyhow::Result<JobInfo> {
+        match self.call(request)? {
+            Reply::Job { job } => Ok(job),
+            other => bail!("unexpected reply from legendd: {other:?}"),
+        }
+    }
+}
+
+/// Arguments of `legendctl submit`.
+#[derive(clap::Args)]
+pub struct SubmitArgs {
+    #[command(subcommand)]
+    job: SubmitCommand,
+}
+
+#[derive(clap::Subcommand)]
+enum SubmitCommand {
+    /// Train, as `legendctl train` does, in the daemon.
+    Train {
+        /// The dataset directory; with --resume, defaults to the run's.
+        #[arg(long)]
+        dataset: Option<PathBuf>,
+        /// The run directory to create (or to continue with --resume); in a directory you own.
+        #[arg(long)]
+        out: PathBuf,
+        /// Configuration file (TOML), read here and sent with the job.
+        config: Option<PathBuf>,
+        /// Override a configuration key (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Continue the run in --out from its last checkpoint.
+        #[arg(long)]
+        resume: bool,
+        /// Follow the job until it ends (as `legendctl watch`).
+        #[arg(long)]
+        watch: bool,
+        /// Print the job as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Evaluate a run, as `legendctl eval` does, in the daemon.
+    Eval {
+        /// The run directory.
+        run: PathBuf,
+        /// `filtered` or `sampled`.
+        #[arg(long, default_value = "filtered")]
+        protocol: String,
+        /// `test` or `valid`.
+        #[arg(long, default_value = "test")]
+        split: String,
+        /// Follow the job until it ends.
+        #[arg(long)]
+        watch: bool,
+        /// Print the job as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `path` made absolute against the current directory, its parent resolved (it may not exist
+/// yet itself).
+fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
+    let abs = std::path::absolute(path).with_context(|| path.display().to_string())?;
+    match (abs.parent(), abs.file_name()) {
+        (Some(parent), Some(name)) => Ok(std::fs::canonicalize(parent)
+            .with_context(|| parent.display().to_string())?
+            .join(name)),
+        _ => Ok(abs),
+    }
+}
+
+pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
+    let (spec, watch_it, json) = match args.job {
+        SubmitCommand::Train {
+            dataset,
+            out,
+            config,
+            sets,
+            resume,
+            watch,
+            json,
+        } => {
+            let config = match config {
+                Some(p) => std::fs::read_to_string(&p)
+                    .with_context(|| format!("reading {}", p.display()))?,
+                None => String::new(),
+            };
+            let spec = JobSpec::Train {
+                dataset: dataset.as_deref().map(absolute).transpose()?,
+                out: absolute(&out)?,
+                config,
+                sets,
+                resume,
+            };
+            (spec, watch, json)
+        }
+        SubmitCommand::Eval {
+            run,
+            protocol,
+            split,
+            watch,
+            json,
+        } => (
+            JobSpec::Eval {
+                run: absolute(&run)?,
+                protocol,
+                split,
+            },
+            watch,
+            json,
+        ),
+    };
+    let mut client = Client::connect(socket)?;
+    let job = client.job(Request::Submit { job: spec })?;
+    if json {
+        super::print_json(&job)?;
+    } else {
+        println!(
+            "job {} queued ({} on {})",
+            job.id,
+            job.spec.kind(),
+            job.device.as_deref().unwrap_or("?")
+        );
+    }
+    if watch_it {
+        return follow(client, job.id, json);
+    }
+    Ok(())
+}
+
+/// Arguments of `legendctl jobs`.
+#[derive(clap::Args)]
+pub struct JobsArgs {
+    /// Everyone's jobs (the daemon's admin group).
+    #[arg(long)]
+    all: bool,
+    /// Print JSON (one array).
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn jobs(socket: Option<&Path>, args: JobsArgs) -> anyhow::Result<()> {
+    let mut client = Client::connect(socket)?;
+    let Reply::Jobs { jobs } = client.call(Request::List { all: args.all })? else {
+        bail!("unexpected reply from legendd");
+    };
+    if args.json {
+        return super::print_json(&jobs);
+    }
+    println!(
+        "{:>5}  {:<10} {:<6} {:>6}  {:<8} {:<14} dir",
+        "id", "state", "kind", "owner", "device", "progress"
+    );
+    for j in &jobs {
+        let p = &j.progress;
+        let progress = if p.epochs > 0 {
+            format!("epoch {}/{}", p.epoch, p.epochs)
+        } else {
+            "-".into()
+        };
+        println!(
+            "{:>5}  {:<10} {:<6} {:>6}  {:<8} {:<14} {}",
+            j.id,
+            j.state.name(),
+            j.spec.kind(),
+            j.owner,
+            j.device.as_deref().unwrap_or("-"),
+            progress,
+            j.spec.dir().display()
+        );
+    }
+    Ok(())
+}
+
+/// Arguments of `legendctl watch`, `cancel` and `logs`.
+#[derive(clap::Args)]
+pub struct JobArgs {
+    /// The job id.
+    job: u64,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn watch(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
+    follow(Client::connect(socket)?, args.job, args.json)
+}
+
+/// Shows job `id`'s events until it ends: a progress bar on a terminal, epoch lines, and the
+/// end; fails unless the job succeeded.
+fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
+    client.send(Request::Watch { job: id })?;
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr()) && !json;
+    let mut bar: Option<ProgressBar> = None;
+    let ended = loop {
+        match client.receive()? {
+            Reply::Event { event, .. } => {
+                if json {
+                    super::print_json(&event)?;
+                    continue;
+                }
+                match event["type"].as_str() {
+                    Some("progress") if terminal => {
+                        let p = &event["progress"];
+                        let b = bar.get_or_insert_with(|| {
+                            let b = ProgressBar::new(p["edges"].as_u64().unwrap_or(0));
+                            b.set_style(
+                                ProgressStyle::with_template(
+                                    "epoch {prefix:>4} [{bar:30}] {pos}/{len} edges {per_sec} eta {eta}",
+                                )
+                                .expect("static template")
+                                .progress_chars("=> "),
+                            );
+                            b
+                        });
+                        b.set_prefix(format!("{}/{}", p["epoch"], p["epochs"]));
+                        b.set_length(p["edges"].as_u64().unwrap_or(0));
+                        b.set_position(p["edges_done"].as_u64().unwrap_or(0));
+                    }
+                    Some("epoch") => {
+                        if let Some(b) = bar.take() {
+                            b.finish_and_clear();
+                        }
+                        let l = &event["line"];
+                        eprintln!(
+                            "epoch {}: loss {:.4}, {:.0} edges/s, {:.2} s",
+                            l["epoch"],
+                            l["loss"].as_f64().unwrap_or(f64::NAN),
+                            l["edges_per_sec"].as_f64().unwrap_or(0.0),
+                            l["seconds"].as_f64().unwrap_or(0.0)
+                        );
+                    }
+                    Some("evaluated") => {
+                        let m = &event["line"]["metrics"];
+                        eprintln!(
+                            "{}: MRR {:.4}",
+                            event["line"]["split"].as_str().unwrap_or("?"),
+                            m["mrr"].as_f64().unwrap_or(f64::NAN)
+                        );
+                    }
+                    _ => {}
+                }
+            }
+            Reply::Ended { job } => break job,
+            other => bail!("unexpected reply from legendd: {other:?}"),
+        }
+    };
+    if let Some(b) = bar.take() {
+        b.finish_and_clear();
+    }
+    if json {
+        super::print_json(&ended)?;
+    } else {
+        println!("job {} {}", ended.id, ended.state.name());
+    }
+    match ended.state {
+        JobState::Succeeded => Ok(()),
+        JobState::Failed => bail!(
+            "job {} failed: {}",
+            ended.id,
+            ended.error.as_deref().unwrap_or("(no reason recorded)")
+        ),
+        state => bail!("job {} is {}", ended.id, state.name()),
+    }
+}
+
+pub fn cancel(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
+    let job = Client::connect(socket)?.job(Request::Cancel { job: args.job })?;
+    if args.json {
+        super::print_json(&job)?;
+    } else if job.state == JobState::Running {
+        println!("job {}: stopping at its next checkpoint", job.id);
+    } else {
+        println!("job {} {}", job.id, job.state.name());
+    }
+    Ok(())
+}
+
+pub fn logs(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
+    let Reply::Text { text } = Client::connect(socket)?.call(Request::Logs { job: args.job })?
+    else {
+        bail!("unexpected reply from legendd");
+    };
+    print!("{text}");
+    Ok(())
+}

@@ -1,0 +1,176 @@
+//! `legendctl submit | jobs | watch | cancel | logs` against a `legendd` started here (it is
+//! built beside legendctl by `cargo test --workspace`), and the daemon's authorisation with
+//! two users: another uid may not see, cancel or read the logs of a job, list everyone's
+//! jobs, or put a run into a directory it does not own. The two-user part needs
+//! root to switch uids and says so when it cannot run.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{legendctl, ok, s};
+
+/// The uid of `nobody` on Debian and most distributions.
+const OTHER_UID: u32 = 65534;
+
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn legendd() -> PathBuf {
+    let path = Path::new(common::bin()).with_file_name("legendd");
+    assert!(
+        path.exists(),
+        "{} is missing: build it with `cargo build -p legendd` (cargo test --workspace does)",
+        path.display()
+    );
+    path
+}
+
+fn start(dir: &Path) -> (Daemon, PathBuf) {
+    let socket = dir.join("sock");
+    std::fs::write(dir.join("legendd.toml"), "").unwrap();
+    let child = Command::new(legendd())
+        .args(["--foreground", "--config"])
+        .arg(dir.join("legendd.toml"))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("LEGEND_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "legendd did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (Daemon(child), socket)
+}
+
+fn as_other(socket: &Path, args: &[&str]) -> Output {
+    Command::new(common::bin())
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .env("LEGEND_LOG", "warn")
+        .uid(OTHER_UID)
+        .gid(OTHER_UID)
+        .output()
+        .unwrap()
+}
+
+fn refused(out: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains(needle),
+        "expected a refusal with {needle:?}, got {:?}: {err}",
+        out.status
+    );
+}
+
+#[test]
+fn submit_watch_jobs_logs_and_other_users_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    // Other users must reach the socket: the directory is world-searchable.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let ds = dir.path().join("ds");
+    ok(&[
+        "generate",
+        "--nodes",
+        "500",
+        "--edges",
+        "5000",
+        "--relations",
+        "3",
+        &s(&ds),
+    ]);
+    let (_daemon, socket) = start(dir.path());
+    let sock = s(&socket);
+    let out = dir.path().join("run");
+    let submitted = ok(&[
+        "--socket",
+        &sock,
+        "submit",
+        "train",
+        "--dataset",
+        &s(&ds),
+        "--out",
+        &s(&out),
+        "--set",
+        "training.num_epochs=3",
+        "--set",
+        "model.dim=16",
+        "--watch",
+    ]);
+    assert!(
+        submitted.contains("job 1 queued") && submitted.contains("job 1 succeeded"),
+        "{submitted}"
+    );
+    let jobs: serde_json::Value =
+        serde_json::from_str(&ok(&["--socket", &sock, "jobs", "--json"])).unwrap();
+    assert_eq!(jobs[0]["state"], "succeeded", "{jobs}");
+    assert_eq!(jobs[0]["spec"]["out"], s(&out));
+    let logs = ok(&["--socket", &sock, "logs", "1"]);
+    assert!(logs.contains("epoch 3:"), "{logs}");
+    // The run is the user's: evaluable by the local command like any run.
+    ok(&["eval", &s(&out)]);
+    // No daemon: one line naming the socket.
+    let missing = legendctl(&["--socket", "/nonexistent/legendd.sock", "jobs"]);
+    refused(
+        &missing,
+        "cannot reach legendd at /nonexistent/legendd.sock",
+    );
+    assert_eq!(String::from_utf8_lossy(&missing.stderr).lines().count(), 1);
+
+    if !nix_is_root() {
+        println!("skip: the two-user part needs root to run a client as uid {OTHER_UID}");
+        return;
+    }
+    refused(
+        &as_other(&socket, &["jobs", "--all"]),
+        "only the admin group",
+    );
+    refused(&as_other(&socket, &["cancel", "1"]), "not yours");
+    refused(&as_other(&socket, &["logs", "1"]), "not yours");
+    refused(&as_other(&socket, &["watch", "1"]), "not yours");
+    let theirs = as_other(&socket, &["jobs", "--json"]);
+    assert!(theirs.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&theirs.stdout).trim(),
+        "[]",
+        "they see no jobs of ours"
+    );
+    refused(
+        &as_other(
+            &socket,
+            &[
+                "submit",
+                "train",
+                "--dataset",
+                &s(&ds),
+                "--out",
+                &s(&dir.path().join("theirs")),
+            ],
+        ),
+        "not your directory",
+    );
+}
+
+fn nix_is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}

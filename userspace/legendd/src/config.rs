@@ -1,0 +1,89 @@
+//! `/etc/legend/legendd.toml`: every key has a default (`Documentation/daemon-api.md`, "Service").
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The daemon's configuration.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DaemonConfig {
+    /// The Unix socket clients connect to.
+    pub socket: PathBuf,
+    /// Where jobs and their logs are kept across restarts.
+    pub state_dir: PathBuf,
+    /// Members of this group (and root) may bind and unbind devices and see everyone's jobs.
+    pub admin_group: String,
+    /// Jobs running at once on the CPU.
+    pub cpu_jobs: usize,
+    /// Jobs running at once on each GPU.
+    pub gpu_jobs: usize,
+    /// Connections served at once; more are answered `unavailable` and closed.
+    pub max_connections: usize,
+    /// Seconds a client may take to send a request before it is disconnected.
+    pub request_timeout_s: u64,
+    /// Also serve the Prometheus metrics on `127.0.0.1:PORT` (`GET /metrics`).
+    pub metrics_port: Option<u16>,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        DaemonConfig {
+            socket: PathBuf::from(legend_daemon_api::DEFAULT_SOCKET),
+            state_dir: PathBuf::from("/var/lib/legend"),
+            admin_group: "legend-admin".into(),
+            cpu_jobs: 1,
+            gpu_jobs: 1,
+            max_connections: 256,
+            request_timeout_s: 30,
+            metrics_port: None,
+        }
+    }
+}
+
+impl DaemonConfig {
+    /// Reads `path`; a missing file is the defaults, unknown keys and bad values are errors.
+    pub fn load(path: &Path, must_exist: bool) -> anyhow::Result<DaemonConfig> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !must_exist => String::new(),
+            Err(e) => return Err(anyhow::anyhow!("{}: {e}", path.display())),
+        };
+        let config: DaemonConfig =
+            toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        if config.cpu_jobs == 0 || config.gpu_jobs == 0 || config.max_connections == 0 {
+            anyhow::bail!(
+                "{}: cpu_jobs, gpu_jobs and max_connections must be at least 1",
+                path.display()
+            );
+        }
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_file_states_the_defaults() {
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../systemd/legendd.toml");
+        assert_eq!(DaemonConfig::load(&shipped, true).unwrap(), DaemonConfig::default());
+    }
+
+    #[test]
+    fn bad_files_are_refused_with_their_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("legendd.toml");
+        for text in ["sockett = \"/x\"\n", "cpu_jobs = 0\n", "gpu_jobs = \"one\"\n"] {
+            std::fs::write(&path, text).unwrap();
+            let e = DaemonConfig::load(&path, true).unwrap_err().to_string();
+            assert!(e.contains("legendd.toml"), "{text}: {e}");
+        }
+        assert!(DaemonConfig::load(&dir.path().join("none.toml"), true).is_err());
+        assert_eq!(
+            DaemonConfig::load(&dir.path().join("none.toml"), false).unwrap(),
+            DaemonConfig::default()
+        );
+    }
+}

@@ -1,0 +1,718 @@
+//! The job table: jobs queued, running and ended, kept in the state directory across restarts
+//! (`jobs/<id>.json` and `jobs/<id>.log`); a scheduler that starts queued jobs when their device
+//! has room (one queue per GPU and one for the CPU); and the runners, which drive a
+//! [`Session`] (train) or an evaluation in a thread of their own.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::SyncSender;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use legend_daemon_api::{JobInfo, JobSpec, JobState, Progress, Reply};
+use legend_engine::config::{DeviceChoice, Protocol};
+use legend_engine::evaluation::{self, EvalRequest};
+use legend_engine::session::{Event, Outcome, Session};
+use legend_engine::{Config, run};
+use serde::{Deserialize, Serialize};
+
+use crate::config::DaemonConfig;
+
+/// Events kept for a slow watcher before it misses some (progress is sent again soon).
+pub const WATCH_BACKLOG: usize = 256;
+
+/// How often a running job's progress goes to its watchers.
+const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
+/// A job as the state directory keeps it.
+#[derive(Serialize, Deserialize)]
+struct Record {
+    info: JobInfo,
+    /// `cpu` or `cuda:N`.
+    queue: String,
+}
+
+struct Entry {
+    record: Record,
+    stop: Arc<AtomicBool>,
+    watchers: Vec<SyncSender<Reply>>,
+    last_progress: Instant,
+    /// Totals over the job's finished epochs, for the metrics.
+    io_bytes: u64,
+    train_seconds: f64,
+}
+
+#[derive(Default)]
+struct Table {
+    jobs: BTreeMap<u64, Entry>,
+    next_id: u64,
+    stopping: bool,
+    runners: Vec<JoinHandle<()>>,
+}
+
+/// The daemon's jobs.
+pub struct Jobs {
+    table: Mutex<Table>,
+    changed: Condvar,
+    dir: PathBuf,
+    cpu_jobs: usize,
+    gpu_jobs: usize,
+    /// Requests answered, for the metrics.
+    pub requests: AtomicU64,
+}
+
+/// Why a job could not be queued or touched.
+#[derive(Debug)]
+pub enum JobError {
+    /// No such job.
+    NotFound(u64),
+    /// The request cannot be carried out.
+    Refused(String),
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// An error with its causes, on one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(c) = source {
+        let _ = write!(s, ": {c}");
+        source = c.source();
+    }
+    s
+}
+
+impl Jobs {
+    /// Loads the jobs of `config.state_dir`. Jobs that were running when the daemon stopped
+    /// are queued again; a train job that had begun resumes from its last checkpoint.
+    pub fn open(config: &DaemonConfig) -> anyhow::Result<Arc<Jobs>> {
+        let dir = config.state_dir.join("jobs");
+        std::fs::create_dir_all(&dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+        let mut table = Table::default();
+        for entry in std::fs::read_dir(&dir)? {
+            let path = entry?.path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path)?;
+            let mut record: Record = match serde_json::from_str(&text) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!("{}: not a job record, skipped: {e}", path.display());
+                    continue;
+                }
+            };
+            table.next_id = table.next_id.max(record.info.id);
+            if record.info.state == JobState::Running {
+                record.info.state = JobState::Queued;
+                tracing::info!("job {} was running: queued again", record.info.id);
+            }
+            table.jobs.insert(
+                record.info.id,
+                Entry {
+                    record,
+                    stop: Arc::default(),
+                    watchers: Vec::new(),
+                    last_progress: Instant::now(),
+                    io_bytes: 0,
+                    train_seconds: 0.0,
+                },
+            );
+        }
+        let jobs = Arc::new(Jobs {
+            table: Mutex::new(table),
+            changed: Condvar::new(),
+            dir,
+            cpu_jobs: config.cpu_jobs,
+            gpu_jobs: config.gpu_jobs,
+            requests: AtomicU64::new(0),
+        });
+        let ids: Vec<u64> = jobs.lock().jobs.keys().copied().collect();
+        for id in ids {
+            jobs.persist(&jobs.lock(), id);
+        }
+        Ok(jobs)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn record_path(&self, id: u64) -> PathBuf {
+        self.dir.join(format!("{id}.json"))
+    }
+
+    /// The job's log file.
+    pub fn log_path(&self, id: u64) -> PathBuf {
+        self.dir.join(format!("{id}.log"))
+    }
+
+    /// Writes the job's record (temporary file, rename), so a crash keeps the old or the new.
+    fn persist(&self, table: &Table, id: u64) {
+        let Some(entry) = table.jobs.get(&id) else {
+            return;
+        };
+        let path = self.record_path(id);
+        let tmp = path.with_extension("json.tmp");
+        let text = serde_json::to_vec_pretty(&entry.record).expect("a job record serializes");
+        let written = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = written {
+            tracing::error!("job {id}: saving its record {}: {e}", path.display());
+        }
+    }
+
+    /// Appends a line to the job's log.
+    fn log(&self, id: u64, text: &str) {
+        let line = format!("{} {text}\n", now());
+        let appended = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path(id))
+            .and_then(|mut f| f.write_all(line.as_bytes()));
+        if let Err(e) = appended {
+            tracing::warn!("job {id}: writing its log: {e}");
+        }
+    }
+
+    /// Queues `spec` for `owner`; `queue` is the device it runs on.
+    pub fn submit(&self, owner: u32, spec: JobSpec, queue: String) -> Result<JobInfo, JobError> {
+        let mut t = self.lock();
+        if t.stopping {
+            return Err(JobError::Refused("the daemon is stopping".into()));
+        }
+        t.next_id += 1;
+        let id = t.next_id;
+        let info = JobInfo {
+            id,
+            owner,
+            spec,
+            state: JobState::Queued,
+            device: Some(queue.clone()),
+            submitted: now(),
+            started: None,
+            ended: None,
+            progress: Progress::default(),
+            error: None,
+            result: None,
+        };
+        t.jobs.insert(
+            id,
+            Entry {
+                record: Record {
+                    info: info.clone(),
+                    queue,
+                },
+                stop: Arc::default(),
+                watchers: Vec::new(),
+                last_progress: Instant::now(),
+                io_bytes: 0,
+                train_seconds: 0.0,
+            },
+        );
+        self.persist(&t, id);
+        drop(t);
+        self.log(
+            id,
+            &format!("submitted by uid {owner}: {}", info.spec.kind()),
+        );
+        tracing::info!("job {id}: {} by uid {owner} queued", info.spec.kind());
+        self.changed.notify_all();
+        Ok(info)
+    }
+
+    /// One job.
+    pub fn get(&self, id: u64) -> Result<JobInfo, JobError> {
+        self.lock()
+            .jobs
+            .get(&id)
+            .map(|e| e.record.info.clone())
+            .ok_or(JobError::NotFound(id))
+    }
+
+    /// Every job, or those of `owner`.
+    pub fn list(&self, owner: Option<u32>) -> Vec<JobInfo> {
+        self.lock()
+            .jobs
+            .values()
+            .map(|e| &e.record.info)
+            .filter(|i| owner.is_none_or(|o| i.owner == o))
+            .cloned()
+            .collect()
+    }
+
+    /// Cancels a job: a queued one at once, a running one at its next checkpointable point
+    /// (the runner then marks it cancelled). An ended job is left as it is.
+    pub fn cancel(&self, id: u64) -> Result<JobInfo, JobError> {
+        let mut t = self.lock();
+        let entry = t.jobs.get_mut(&id).ok_or(JobError::NotFound(id))?;
+        match entry.record.info.state {
+            JobState::Queued => {
+                entry.record.info.state = JobState::Cancelled;
+                entry.record.info.ended = Some(now());
+                entry.watchers.clear();
+                self.persist(&t, id);
+                drop(t);
+                self.log(id, "cancelled while queued");
+                self.changed.notify_all();
+            }
+            JobState::Running => {
+                entry.stop.store(true, Ordering::Relaxed);
+                drop(t);
+                self.log(
+                    id,
+                    "cancel asked: stopping at the next checkpointable point",
+                );
+            }
+            _ => {}
+        }
+        self.get(id)
+    }
+
+    /// Subscribes `to` to the job's events; `false` if the job has ended (nothing will come).
+    pub fn watch(&self, id: u64, to: SyncSender<Reply>) -> Result<bool, JobError> {
+        let mut t = self.lock();
+        let entry = t.jobs.get_mut(&id).ok_or(JobError::NotFound(id))?;
+        if entry.record.info.state.is_final() {
+            return Ok(false);
+        }
+        entry.watchers.push(to);
+        Ok(true)
+    }
+
+    /// Sends `event` to the job's watchers without ever waiting: a watcher whose backlog is
+    /// full misses it, one that went away is dropped.
+    fn broadcast(entry: &mut Entry, event: serde_json::Value) {
+        let id = entry.record.info.id;
+        entry.watchers.retain(|w| {
+            !matches!(
+                w.try_send(Reply::Event {
+                    job: id,
+                    event: event.clone(),
+                }),
+                Err(std::sync::mpsc::TrySendError::Disconnected(_))
+            )
+        });
+    }
+
+    /// Starts the scheduler thread.
+    pub fn start_scheduler(self: &Arc<Self>) -> JoinHandle<()> {
+        let jobs = self.clone();
+        std::thread::Builder::new()
+            .name("scheduler".into())
+            .spawn(move || jobs.schedule())
+            .expect("spawning the scheduler")
+    }
+
+    fn limit(&self, queue: &str) -> usize {
+        if queue == "cpu" {
+            self.cpu_jobs
+        } else {
+            self.gpu_jobs
+        }
+    }
+
+    fn schedule(self: Arc<Self>) {
+        let mut t = self.lock();
+        loop {
+            t.runners.retain(|r| !r.is_finished());
+            if t.stopping {
+                if t.runners.is_empty() {
+                    return;
+                }
+            } else {
+                let queued: Vec<(u64, String)> = t
+                    .jobs
+                    .values()
+                    .filter(|e| e.record.info.state == JobState::Queued)
+                    .map(|e| (e.record.info.id, e.record.queue.clone()))
+                    .collect();
+                for (id, queue) in queued {
+                    let running = t
+                        .jobs
+                        .values()
+                        .filter(|e| {
+                            e.record.info.state == JobState::Running && e.record.queue == queue
+                        })
+                        .count();
+                    if running < self.limit(&queue) {
+                        let runner = self.start(&mut t, id);
+                        t.runners.push(runner);
+                    }
+                }
+            }
+            t = self
+                .changed
+                .wait_timeout(t, Duration::from_secs(1))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn start(self: &Arc<Self>, t: &mut Table, id: u64) -> JoinHandle<()> {
+        let entry = t.jobs.get_mut(&id).expect("a queued job");
+        entry.record.info.state = JobState::Running;
+        entry.record.info.started = Some(now());
+        entry.record.info.error = None;
+        entry.stop.store(false, Ordering::Relaxed);
+        let spec = entry.record.info.spec.clone();
+        let stop = entry.stop.clone();
+        Self::broadcast(
+            entry,
+            serde_json::json!({"type": "state", "state": "running"}),
+        );
+        self.persist(t, id);
+        self.log(id, "started");
+        tracing::info!("job {id}: started");
+        let jobs = self.clone();
+        std::thread::Builder::new()
+            .name(format!("job-{id}"))
+            .spawn(move || {
+                let result = match &spec {
+                    JobSpec::Train { .. } => jobs.run_train(id, &spec, &stop),
+                    JobSpec::Eval { .. } => jobs.run_eval(&spec),
+                };
+                jobs.finish(id, result);
+            })
+            .expect("spawning a job thread")
+    }
+
+    fn run_train(&self, id: u64, spec: &JobSpec, stop: &AtomicBool) -> Result<Ended, String> {
+        let JobSpec::Train {
+            dataset,
+            out,
+            config,
+            sets,
+            resume,
+        } = spec
+        else {
+            unreachable!("a train job");
+        };
+        let mut session = if *resume {
+            Session::resume(out, dataset.as_deref(), sets).map_err(|e| chain(&e))?
+        } else {
+            let dataset = dataset.as_deref().ok_or("a new run needs a dataset")?;
+            let config = Config::parse(config, sets).map_err(|e| chain(&e))?;
+            let session = Session::create(out, dataset, config).map_err(|e| chain(&e))?;
+            // The run exists now: after a restart the job continues it.
+            self.update(id, |e| {
+                if let JobSpec::Train { resume, .. } = &mut e.record.info.spec {
+                    *resume = true;
+                }
+            });
+            session
+        };
+        if session.is_finished().map_err(|e| chain(&e))? {
+            self.log(id, "the run has nothing left to do");
+            return Ok(Ended::Done(None));
+        }
+        self.log(
+            id,
+            &format!(
+                "{} from {}",
+                session.describe(),
+                session.position().describe()
+            ),
+        );
+        self.update(id, |e| {
+            e.record.info.device = Some(session.engine().to_string())
+        });
+        let outcome = session
+            .run(stop, &mut |event| self.on_event(id, event))
+            .map_err(|e| chain(&e))?;
+        Ok(match outcome {
+            Outcome::Finished(metrics) => {
+                Ended::Done(metrics.map(|m| serde_json::to_value(m).expect("metrics serialize")))
+            }
+            Outcome::Stopped(position) => Ended::Stopped(position.describe()),
+        })
+    }
+
+    fn run_eval(&self, spec: &JobSpec) -> Result<Ended, String> {
+        let JobSpec::Eval {
+            run: dir,
+            protocol,
+            split,
+        } = spec
+        else {
+            unreachable!("an eval job");
+        };
+        let protocol: Protocol = protocol.parse()?;
+        let split: legend_dataset::Split = split.parse()?;
+        let meta = run::read_meta(dir).map_err(|e| chain(&e))?;
+        let dataset = evaluation::open_run_dataset(&meta, None).map_err(|e| chain(&e))?;
+        let tables = run::load_tables(dir, &meta).map_err(|e| chain(&e))?;
+        let decoder = meta.decoder.parse()?;
+        let request = EvalRequest {
+            protocol,
+            split,
+            negatives: legend_eval::SampledNegatives::default(),
+            threads: 0,
+        };
+        let m = evaluation::evaluate(
+            &dataset,
+            decoder,
+            meta.dim,
+            &tables.entities,
+            &tables.relations,
+            &request,
+        )
+        .map_err(|e| chain(&e))?;
+        Ok(Ended::Done(Some(
+            serde_json::to_value(m).expect("metrics serialize"),
+        )))
+    }
+
+    fn update(&self, id: u64, f: impl FnOnce(&mut Entry)) {
+        let mut t = self.lock();
+        if let Some(e) = t.jobs.get_mut(&id) {
+            f(e);
+            self.persist(&t, id);
+        }
+    }
+
+    /// A session event of job `id`: progress for `status` and the watchers, epoch lines for
+    /// the log and the metrics.
+    fn on_event(&self, id: u64, event: Event<'_>) {
+        let mut t = self.lock();
+        let Some(entry) = t.jobs.get_mut(&id) else {
+            return;
+        };
+        let p = &mut entry.record.info.progress;
+        let out = match event {
+            Event::EpochStarted {
+                epoch,
+                epochs,
+                edges,
+                edges_done,
+            } => {
+                *p = Progress {
+                    epoch,
+                    epochs,
+                    edges,
+                    edges_done,
+                    edges_per_sec: p.edges_per_sec,
+                };
+                None
+            }
+            Event::Progress { edges_done, .. } => {
+                p.edges_done = edges_done;
+                if entry.last_progress.elapsed() < PROGRESS_EVERY {
+                    return;
+                }
+                entry.last_progress = Instant::now();
+                Some(serde_json::json!({"type": "progress", "progress": *p}))
+            }
+            Event::EpochFinished { report, line, .. } => {
+                p.edges_per_sec = report.edges_per_sec;
+                p.edges_done = p.edges;
+                entry.io_bytes += report.bytes_read + report.bytes_written;
+                entry.train_seconds += report.seconds;
+                let text = format!(
+                    "epoch {}: loss {:.4}, {:.0} edges/s, {:.2} s",
+                    report.epoch, report.loss, report.edges_per_sec, report.seconds
+                );
+                let event = serde_json::json!({"type": "epoch", "line": line});
+                Self::broadcast(entry, event);
+                self.persist(&t, id);
+                drop(t);
+                self.log(id, &text);
+                return;
+            }
+            Event::Checkpoint { position } => {
+                Some(serde_json::json!({"type": "checkpoint", "position": position.describe()}))
+            }
+            Event::Evaluating { split } => {
+                Some(serde_json::json!({"type": "evaluating", "split": split.name()}))
+            }
+            Event::Evaluated { line, .. } => {
+                Some(serde_json::json!({"type": "evaluated", "line": line}))
+            }
+        };
+        if let Some(event) = out {
+            Self::broadcast(entry, event);
+        }
+    }
+
+    /// Records how job `id` ended and tells its watchers.
+    fn finish(&self, id: u64, result: Result<Ended, String>) {
+        let mut t = self.lock();
+        let stopping = t.stopping;
+        let Some(entry) = t.jobs.get_mut(&id) else {
+            return;
+        };
+        let info = &mut entry.record.info;
+        let text = match result {
+            Ok(Ended::Done(result)) => {
+                info.state = JobState::Succeeded;
+                info.result = result;
+                "succeeded".to_string()
+            }
+            Ok(Ended::Stopped(at)) if stopping => {
+                // The daemon is stopping: the job continues at the next start.
+                info.state = JobState::Queued;
+                if let JobSpec::Train { resume, .. } = &mut info.spec {
+                    *resume = true;
+                }
+                format!("stopped with the daemon at {at}; resumes at the next start")
+            }
+            Ok(Ended::Stopped(at)) => {
+                info.state = JobState::Cancelled;
+                format!("cancelled; checkpointed at {at}")
+            }
+            Err(e) => {
+                info.state = JobState::Failed;
+                info.error = Some(e.clone());
+                format!("failed: {e}")
+            }
+        };
+        if info.state.is_final() {
+            info.ended = Some(now());
+        }
+        // Dropping the senders ends the watches; each then reports the final state.
+        entry.watchers.clear();
+        self.persist(&t, id);
+        drop(t);
+        self.log(id, &text);
+        tracing::info!("job {id}: {text}");
+        self.changed.notify_all();
+    }
+
+    /// Stops every running job at its next checkpointable point and the scheduler once they
+    /// have; queued jobs stay queued.
+    pub fn shut_down(&self) {
+        let mut t = self.lock();
+        t.stopping = true;
+        for e in t.jobs.values() {
+            if e.record.info.state == JobState::Running {
+                e.stop.store(true, Ordering::Relaxed);
+            }
+        }
+        drop(t);
+        self.changed.notify_all();
+    }
+
+    /// The metrics in the Prometheus text format.
+    pub fn metrics(&self) -> String {
+        let t = self.lock();
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "# HELP legendd_jobs Jobs by state.\n# TYPE legendd_jobs gauge"
+        );
+        for state in [
+            JobState::Queued,
+            JobState::Running,
+            JobState::Succeeded,
+            JobState::Failed,
+            JobState::Cancelled,
+        ] {
+            let n = t
+                .jobs
+                .values()
+                .filter(|e| e.record.info.state == state)
+                .count();
+            let _ = writeln!(s, "legendd_jobs{{state=\"{}\"}} {n}", state.name());
+        }
+        let _ = writeln!(
+            s,
+            "# HELP legendd_queue_depth Jobs waiting, by device.\n# TYPE legendd_queue_depth gauge"
+        );
+        let mut queues: BTreeMap<&str, usize> = BTreeMap::new();
+        for e in t.jobs.values() {
+            let n = queues.entry(e.record.queue.as_str()).or_default();
+            *n += usize::from(e.record.info.state == JobState::Queued);
+        }
+        for (q, n) in queues {
+            let _ = writeln!(s, "legendd_queue_depth{{device=\"{q}\"}} {n}");
+        }
+        let _ = writeln!(
+            s,
+            "# HELP legendd_requests_total Requests answered.\n# TYPE legendd_requests_total counter\nlegendd_requests_total {}",
+            self.requests.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP legend_job_edges_per_second Edges per second of the job's last epoch.\n# TYPE legend_job_edges_per_second gauge"
+        );
+        for e in t
+            .jobs
+            .values()
+            .filter(|e| e.record.info.state == JobState::Running)
+        {
+            let i = &e.record.info;
+            let _ = writeln!(
+                s,
+                "legend_job_edges_per_second{{job=\"{}\",owner=\"{}\"}} {}",
+                i.id, i.owner, i.progress.edges_per_sec
+            );
+        }
+        let _ = writeln!(
+            s,
+            "# HELP legend_job_io_bytes_total Bytes the job's swaps moved.\n# TYPE legend_job_io_bytes_total counter"
+        );
+        for e in t.jobs.values() {
+            let _ = writeln!(
+                s,
+                "legend_job_io_bytes_total{{job=\"{}\"}} {}",
+                e.record.info.id, e.io_bytes
+            );
+        }
+        let _ = writeln!(
+            s,
+            "# HELP legend_job_train_seconds_total Seconds the job's epochs took (on its GPU or CPU).\n# TYPE legend_job_train_seconds_total counter"
+        );
+        for e in t.jobs.values() {
+            let _ = writeln!(
+                s,
+                "legend_job_train_seconds_total{{job=\"{}\"}} {}",
+                e.record.info.id, e.train_seconds
+            );
+        }
+        s
+    }
+}
+
+/// How a runner ended without an error.
+enum Ended {
+    /// Done, with its result.
+    Done(Option<serde_json::Value>),
+    /// Stopped as asked, checkpointed at this position.
+    Stopped(String),
+}
+
+/// The device queue a job runs in: `cpu` or `cuda:N`, from its configuration.
+pub fn queue_of(spec: &JobSpec) -> Result<String, String> {
+    let config = match spec {
+        JobSpec::Eval { .. } => return Ok("cpu".into()),
+        JobSpec::Train {
+            out,
+            config,
+            sets,
+            resume,
+            ..
+        } => if *resume {
+            let path = out.join("config.toml");
+            let text =
+                std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            Config::parse(&text, sets)
+        } else {
+            Config::parse(config, sets)
+        }
+        .map_err(|e| e.to_string())?,
+    };
+    Ok(match config.device() {
+        DeviceChoice::Cpu => "cpu".into(),
+        DeviceChoice::Cuda(n) => format!("cuda:{n}"),
+        DeviceChoice::Auto if legend_cuda::driver_present() => "cuda:0".into(),
+        DeviceChoice::Auto => "cpu".into(),
+    })
+}

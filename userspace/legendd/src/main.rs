@@ -1,0 +1,104 @@
+//! `legendd`: Legend's training service. It alone opens `/dev/legend-nvme*` and the GPUs, runs
+//! users' jobs (train, eval) in queues per device, and answers `legendctl` on a Unix socket,
+//! identifying callers by their credentials (`SO_PEERCRED`). `Documentation/daemon-api.md`
+//! describes the protocol and the service.
+
+mod access;
+mod config;
+mod jobs;
+mod notify;
+mod server;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::Context;
+use clap::Parser;
+
+use crate::config::DaemonConfig;
+
+/// Legend's training service.
+#[derive(Parser)]
+#[command(name = "legendd", version, about)]
+struct Args {
+    /// Configuration file.
+    #[arg(long, default_value = "/etc/legend/legendd.toml")]
+    config: PathBuf,
+    /// Stay in the foreground and log to stderr (the service does too; systemd keeps it).
+    #[arg(long)]
+    foreground: bool,
+    /// Listen here instead of the configured socket.
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Keep jobs here instead of the configured state directory.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Log filter (tracing syntax). Also `LEGEND_LOG`.
+    #[arg(long)]
+    log: Option<String>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let filter = args
+        .log
+        .clone()
+        .or_else(|| std::env::var("LEGEND_LOG").ok())
+        .unwrap_or_else(|| "info".into());
+    // journald adds its own timestamps; plain lines without colour read well there.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_target(false)
+        .init();
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
+    let explicit = args.config != std::path::Path::new("/etc/legend/legendd.toml");
+    let mut config = DaemonConfig::load(&args.config, explicit)?;
+    if let Some(s) = args.socket {
+        config.socket = s;
+    }
+    if let Some(d) = args.state_dir {
+        config.state_dir = d;
+    }
+    if !args.foreground && std::env::var_os("NOTIFY_SOCKET").is_none() {
+        tracing::info!("running in the foreground (legendd does not fork; systemd supervises it)");
+    }
+    let shutdown = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(signal, shutdown.clone())
+            .context("installing signal handlers")?;
+    }
+    let jobs = jobs::Jobs::open(&config).context("opening the state directory")?;
+    let listener = server::bind(&config.socket)?;
+    tracing::info!(
+        "legendd {} listening on {} (state in {})",
+        env!("CARGO_PKG_VERSION"),
+        config.socket.display(),
+        config.state_dir.display()
+    );
+    let scheduler = jobs.start_scheduler();
+    if let Some(port) = config.metrics_port {
+        server::serve_metrics_http(port, jobs.clone(), shutdown.clone())?;
+    }
+    notify::ready();
+    server::serve(listener, &config, jobs.clone(), &shutdown);
+    notify::stopping();
+    tracing::info!("stopping: running jobs checkpoint and will resume at the next start");
+    jobs.shut_down();
+    let _ = scheduler.join();
+    let _ = std::fs::remove_file(&config.socket);
+    shutdown.store(true, Ordering::Relaxed);
+    Ok(())
+}

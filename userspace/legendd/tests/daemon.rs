@@ -1,0 +1,556 @@
+//! `legendd` run as a process on a temporary socket and state directory, driven through its
+//! protocol: a job's results equal the same training run in-process; SIGKILL of the daemon in
+//! the middle of a job, then a restart, resumes the job and ends with the uninterrupted run's
+//! tables; SIGTERM checkpoints and the job continues at the next start; cancel is prompt and
+//! leaves a resumable run; malformed, truncated, oversized and slow requests get errors or
+//! disconnects, never a crash or a hang; a bounded load test prints its latency percentiles.
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use legend_daemon_api::{
+    Envelope, ErrorCode, JobInfo, JobSpec, JobState, MAX_FRAME, PROTOCOL_VERSION, Reply, Request,
+    read_message, write_message,
+};
+use legend_dataset::{GenerateOptions, generate};
+use legend_engine::Config;
+use legend_engine::session::Session;
+
+/// A daemon process on `dir/sock` with its state in `dir/state`; killed on drop.
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Daemon {
+    fn start(dir: &Path) -> Daemon {
+        let socket = dir.join("sock");
+        let config = dir.join("legendd.toml");
+        if !config.exists() {
+            std::fs::write(&config, "").unwrap();
+        }
+        let child = Command::new(env!("CARGO_BIN_EXE_legendd"))
+            .args(["--foreground", "--config"])
+            .arg(dir.join("legendd.toml"))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .env("LEGEND_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting legendd");
+        let started = Instant::now();
+        while UnixStream::connect(&socket).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "legendd did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Daemon { child, socket }
+    }
+
+    fn client(&self) -> Client {
+        Client(UnixStream::connect(&self.socket).unwrap())
+    }
+
+    fn signal(&mut self, signal: i32) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
+    fn wait(&mut self) -> std::process::ExitStatus {
+        self.child.wait().unwrap()
+    }
+}
+
+use libc::{SIGKILL, SIGTERM};
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Client(UnixStream);
+
+impl Client {
+    fn call(&mut self, request: Request) -> Reply {
+        write_message(
+            &mut self.0,
+            &Envelope {
+                v: PROTOCOL_VERSION,
+                request,
+            },
+        )
+        .unwrap();
+        read_message(&mut self.0, MAX_FRAME).unwrap().unwrap()
+    }
+
+    fn job(&mut self, request: Request) -> JobInfo {
+        match self.call(request) {
+            Reply::Job { job } => job,
+            other => panic!("expected a job, got {other:?}"),
+        }
+    }
+}
+
+fn dataset(dir: &Path) -> PathBuf {
+    let out = dir.join("ds");
+    let mut o = GenerateOptions::new(3000, 30_000);
+    o.relations = 4;
+    generate(&o, &out).unwrap();
+    out
+}
+
+const SETS: [&str; 7] = [
+    "model.dim=16",
+    "storage.num_partitions=4",
+    "storage.buffer_capacity=3",
+    "training.threads=1",
+    "training.batch_size=100",
+    "training.checkpoint_every=1",
+    "evaluation.protocol=sampled",
+];
+
+fn train_spec(ds: &Path, out: &Path, epochs: u32) -> JobSpec {
+    let mut sets: Vec<String> = SETS.iter().map(|s| s.to_string()).collect();
+    sets.push(format!("training.num_epochs={epochs}"));
+    JobSpec::Train {
+        dataset: Some(ds.to_owned()),
+        out: out.to_owned(),
+        config: String::new(),
+        sets,
+        resume: false,
+    }
+}
+
+/// The same run in this process.
+fn reference(ds: &Path, out: &Path, epochs: u32) -> Vec<f32> {
+    let mut sets: Vec<String> = SETS.iter().map(|s| s.to_string()).collect();
+    sets.push(format!("training.num_epochs={epochs}"));
+    let config = Config::parse("", &sets).unwrap();
+    let mut s = Session::create(out, ds, config).unwrap();
+    s.run(&AtomicBool::new(false), &mut |_| {}).unwrap();
+    tables(out)
+}
+
+fn tables(run: &Path) -> Vec<f32> {
+    let meta = legend_engine::run::read_meta(run).unwrap();
+    let t = legend_engine::run::load_tables(run, &meta).unwrap();
+    [t.entities, t.entities_state, t.relations, t.relations_state].concat()
+}
+
+/// Polls job `id` until `done` says so (at most `limit`).
+fn wait_for(c: &mut Client, id: u64, limit: Duration, done: impl Fn(&JobInfo) -> bool) -> JobInfo {
+    let started = Instant::now();
+    loop {
+        let j = c.job(Request::Status { job: id });
+        if done(&j) {
+            return j;
+        }
+        assert!(started.elapsed() < limit, "job {id} stuck: {j:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_job_trains_like_an_in_process_run_and_is_watched_to_its_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let want = reference(&ds, &dir.path().join("reference"), 3);
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let Reply::Hello { version, .. } = c.call(Request::Hello) else {
+        panic!("no hello");
+    };
+    assert_eq!(version, PROTOCOL_VERSION);
+    let out = dir.path().join("run");
+    let job = c.job(Request::Submit {
+        job: train_spec(&ds, &out, 3),
+    });
+    assert_eq!(job.device.as_deref(), Some("cpu"));
+    // Watch: epoch events, then the end.
+    let mut w = d.client();
+    write_message(
+        &mut w.0,
+        &Envelope {
+            v: PROTOCOL_VERSION,
+            request: Request::Watch { job: job.id },
+        },
+    )
+    .unwrap();
+    let mut epochs = 0;
+    let ended = loop {
+        match read_message::<Reply>(&mut w.0, MAX_FRAME).unwrap().unwrap() {
+            Reply::Event { event, .. } => epochs += usize::from(event["type"] == "epoch"),
+            Reply::Ended { job } => break job,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(ended.state, JobState::Succeeded, "{ended:?}");
+    assert!(epochs >= 1, "no epoch event reached the watcher");
+    assert!(
+        ended
+            .result
+            .as_ref()
+            .is_some_and(|r| r["mrr"].as_f64().is_some())
+    );
+    assert!(
+        tables(&out) == want,
+        "the daemon's run differs from the in-process run"
+    );
+    let Reply::Jobs { jobs } = c.call(Request::List { all: false }) else {
+        panic!();
+    };
+    assert_eq!(jobs.len(), 1);
+    let Reply::Text { text } = c.call(Request::Logs { job: job.id }) else {
+        panic!();
+    };
+    assert!(
+        text.contains("epoch 3:") && text.contains("succeeded"),
+        "{text}"
+    );
+    let Reply::Text { text } = c.call(Request::Metrics) else {
+        panic!();
+    };
+    assert!(
+        text.contains("legendd_jobs{state=\"succeeded\"} 1"),
+        "{text}"
+    );
+    // A second job on the same run directory is refused while... the first has ended, so
+    // resubmitting it as new is refused by the session (it exists).
+    let again = c.job(Request::Submit {
+        job: train_spec(&ds, &out, 3),
+    });
+    let failed = wait_for(&mut c, again.id, Duration::from_secs(60), |j| {
+        j.state.is_final()
+    });
+    assert_eq!(failed.state, JobState::Failed);
+    assert!(
+        failed
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("already exists")),
+        "{failed:?}"
+    );
+}
+
+#[test]
+fn sigkill_of_the_daemon_mid_job_then_restart_resumes_to_the_same_tables() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let want = reference(&ds, &dir.path().join("reference"), 6);
+    let out = dir.path().join("run");
+    let id;
+    {
+        let mut d = Daemon::start(dir.path());
+        let mut c = d.client();
+        id = c
+            .job(Request::Submit {
+                job: train_spec(&ds, &out, 6),
+            })
+            .id;
+        wait_for(&mut c, id, Duration::from_secs(120), |j| {
+            j.progress.epoch >= 2
+        });
+        d.signal(SIGKILL);
+        d.wait();
+    }
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let done = wait_for(&mut c, id, Duration::from_secs(300), |j| j.state.is_final());
+    assert_eq!(done.state, JobState::Succeeded, "{done:?}");
+    assert!(
+        tables(&out) == want,
+        "the resumed job differs from the uninterrupted run"
+    );
+}
+
+#[test]
+fn sigterm_checkpoints_running_jobs_and_they_continue_at_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let want = reference(&ds, &dir.path().join("reference"), 6);
+    let out = dir.path().join("run");
+    let id;
+    {
+        let mut d = Daemon::start(dir.path());
+        let mut c = d.client();
+        id = c
+            .job(Request::Submit {
+                job: train_spec(&ds, &out, 6),
+            })
+            .id;
+        wait_for(&mut c, id, Duration::from_secs(120), |j| {
+            j.progress.epoch >= 1 && j.progress.edges_done > 0
+        });
+        d.signal(SIGTERM);
+        let status = d.wait();
+        assert!(status.success(), "legendd exited with {status} on SIGTERM");
+    }
+    let record: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join(format!("state/jobs/{id}.json"))).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(record["info"]["state"], "queued", "{record}");
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let done = wait_for(&mut c, id, Duration::from_secs(300), |j| j.state.is_final());
+    assert_eq!(done.state, JobState::Succeeded, "{done:?}");
+    assert!(
+        tables(&out) == want,
+        "the continued job differs from the uninterrupted run"
+    );
+}
+
+#[test]
+fn cancel_is_prompt_and_leaves_a_resumable_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let out = dir.path().join("run");
+    let running = c.job(Request::Submit {
+        job: train_spec(&ds, &out, 50),
+    });
+    let queued = c.job(Request::Submit {
+        job: train_spec(&ds, &dir.path().join("second"), 2),
+    });
+    wait_for(&mut c, running.id, Duration::from_secs(120), |j| {
+        j.progress.edges_done > 0
+    });
+    // One CPU job at a time: the second waits, and is cancelled at once.
+    let q = c.job(Request::Cancel { job: queued.id });
+    assert_eq!(q.state, JobState::Cancelled);
+    let asked = Instant::now();
+    c.job(Request::Cancel { job: running.id });
+    let ended = wait_for(&mut c, running.id, Duration::from_secs(60), |j| {
+        j.state.is_final()
+    });
+    assert_eq!(ended.state, JobState::Cancelled, "{ended:?}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(20),
+        "cancel took {:?}",
+        asked.elapsed()
+    );
+    assert!(
+        !dir.path().join("second").exists(),
+        "a cancelled queued job wrote"
+    );
+    // The run is resumable: resubmitting it with resume continues where it stopped.
+    let resumed = c.job(Request::Submit {
+        job: JobSpec::Train {
+            dataset: None,
+            out: out.clone(),
+            config: String::new(),
+            sets: vec!["training.num_epochs=2".into()],
+            resume: true,
+        },
+    });
+    let done = wait_for(&mut c, resumed.id, Duration::from_secs(120), |j| {
+        j.state.is_final()
+    });
+    // Cancelled within epoch 1 or 2: resuming to 2 epochs finishes them.
+    assert!(
+        matches!(done.state, JobState::Succeeded | JobState::Failed),
+        "{done:?}"
+    );
+    if done.state == JobState::Failed {
+        assert!(
+            done.error
+                .as_deref()
+                .is_some_and(|e| e.contains("set at least")),
+            "{done:?}"
+        );
+    }
+}
+
+/// Writes raw bytes and reads one reply, if any comes.
+fn raw(d: &Daemon, bytes: &[u8]) -> Option<Reply> {
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(bytes).unwrap();
+    read_message(&mut s, MAX_FRAME).ok().flatten()
+}
+
+fn frame(text: &str) -> Vec<u8> {
+    let mut v = (text.len() as u32).to_be_bytes().to_vec();
+    v.extend(text.as_bytes());
+    v
+}
+
+#[test]
+fn malformed_truncated_oversized_and_slow_requests_do_no_harm() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("legendd.toml"), "request_timeout_s = 2\n").unwrap();
+    let d = Daemon::start(dir.path());
+    let bad = |r: Option<Reply>| match r {
+        Some(Reply::Error { code, .. }) => code,
+        other => panic!("expected an error reply, got {other:?}"),
+    };
+    assert_eq!(bad(raw(&d, &frame("{not json"))), ErrorCode::BadRequest);
+    assert_eq!(
+        bad(raw(&d, &frame(r#"{"v":1,"request":{"call":"rm_rf"}}"#))),
+        ErrorCode::BadRequest
+    );
+    assert_eq!(
+        bad(raw(&d, &frame(r#"{"v":99,"request":{"call":"hello"}}"#))),
+        ErrorCode::BadRequest
+    );
+    assert_eq!(
+        bad(raw(
+            &d,
+            &frame(r#"{"v":1,"request":{"call":"status","job":424242}}"#)
+        )),
+        ErrorCode::NotFound
+    );
+    // Over the limit: an error, then the connection closes.
+    let mut huge = ((MAX_FRAME + 1) as u32).to_be_bytes().to_vec();
+    huge.extend([b' '; 64]);
+    assert_eq!(bad(raw(&d, &huge)), ErrorCode::BadRequest);
+    // Cut inside a frame, then gone.
+    let mut cut = frame(r#"{"v":1,"request":{"call":"hello"}}"#);
+    cut.truncate(10);
+    drop(raw_no_reply(&d, &cut));
+    // Random bytes of every length.
+    let mut z = 0x2545_f491_4f6c_dd1du64;
+    for len in [0usize, 1, 3, 4, 5, 17, 100, 1000] {
+        let bytes: Vec<u8> = (0..len)
+            .map(|_| {
+                z ^= z << 13;
+                z ^= z >> 7;
+                z ^= z << 17;
+                z as u8
+            })
+            .collect();
+        drop(raw_no_reply(&d, &bytes));
+    }
+    // A client that connects and says nothing holds no one up, and is dropped after the
+    // request timeout.
+    let silent = UnixStream::connect(&d.socket).unwrap();
+    let mut c = d.client();
+    assert!(matches!(c.call(Request::Hello), Reply::Hello { .. }));
+    std::thread::sleep(Duration::from_secs(3));
+    let mut probe = [0u8; 1];
+    silent
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    assert_eq!(
+        std::io::Read::read(&mut &silent, &mut probe).unwrap_or(0),
+        0,
+        "a silent client was not disconnected"
+    );
+    // Still serving.
+    let mut c = d.client();
+    assert!(matches!(c.call(Request::Hello), Reply::Hello { .. }));
+    // Relative paths and datasets one may not read are refused at submission.
+    let refused = c.call(Request::Submit {
+        job: JobSpec::Train {
+            dataset: Some("ds".into()),
+            out: "run".into(),
+            config: String::new(),
+            sets: Vec::new(),
+            resume: false,
+        },
+    });
+    assert_eq!(bad(Some(refused)), ErrorCode::Refused);
+}
+
+fn raw_no_reply(d: &Daemon, bytes: &[u8]) -> UnixStream {
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    s
+}
+
+#[test]
+fn a_thousand_status_requests_a_second_while_a_job_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let job = c.job(Request::Submit {
+        job: train_spec(&ds, &dir.path().join("run"), 100),
+    });
+    let seconds = 10u64;
+    let threads = 4u64;
+    let per_thread = 1000 / threads;
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            let mut c = d.client();
+            std::thread::spawn(move || {
+                let mut lat = Vec::new();
+                let start = Instant::now();
+                for i in 0..per_thread * seconds {
+                    // Paced: request i of this thread is due at i / per_thread seconds.
+                    let due = Duration::from_micros(i * 1_000_000 / per_thread);
+                    if let Some(wait) = due.checked_sub(start.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                    let t = Instant::now();
+                    let j = c.job(Request::Status { job: job.id });
+                    lat.push(t.elapsed());
+                    assert_eq!(j.id, job.id);
+                }
+                (lat, start.elapsed())
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    let mut wall = Duration::ZERO;
+    for w in workers {
+        let (lat, took) = w.join().unwrap();
+        all.extend(lat);
+        wall = wall.max(took);
+    }
+    all.sort();
+    let pct = |p: f64| all[((all.len() - 1) as f64 * p) as usize];
+    let rate = all.len() as f64 / wall.as_secs_f64();
+    println!(
+        "{} status requests in {:.1} s ({rate:.0}/s) beside a training job: p50 {:?}, p99 {:?}, max {:?}",
+        all.len(),
+        wall.as_secs_f64(),
+        pct(0.5),
+        pct(0.99),
+        all[all.len() - 1]
+    );
+    assert!(
+        rate > 800.0,
+        "the daemon kept up with only {rate:.0} requests/s"
+    );
+    assert!(
+        pct(0.99) < Duration::from_millis(200),
+        "p99 {:?}",
+        pct(0.99)
+    );
+    c.job(Request::Cancel { job: job.id });
+}
+
+#[test]
+fn the_shipped_unit_passes_systemd_analyze_where_it_exists() {
+    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../systemd/legendd.service");
+    assert!(unit.exists());
+    let Ok(out) = Command::new("systemd-analyze")
+        .args(["verify", "--man=no"])
+        .arg(&unit)
+        .output()
+    else {
+        println!("skip: systemd-analyze is not installed here");
+        return;
+    };
+    let text = String::from_utf8_lossy(&out.stderr);
+    // The unit names a binary this machine need not have installed; anything else is a fault.
+    let problems: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.contains("is not executable"))
+        .collect();
+    assert!(problems.is_empty(), "{text}");
+}
