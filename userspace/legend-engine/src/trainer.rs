@@ -71,6 +71,7 @@ pub struct SwapReport {
     pub io_s: f64,
     /// Part of `io_s` spent copying the partitions between the host and the GPU (the GPU
     /// engine's copies run on the I/O thread; 0 on the CPU).
+    #[serde(default)]
     pub copy_s: f64,
     /// Seconds of compute overlapped with the swap.
     pub overlap_compute_s: f64,

@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use serde::Deserialize;
+use legend_engine::{EpochReport as Epoch, IoDirection};
 
 /// Arguments of `legendctl report`.
 #[derive(clap::Args)]
@@ -27,47 +27,15 @@ pub struct Args {
     epoch: Option<u32>,
 }
 
-/// One epoch line of metrics.jsonl (fields of legend-engine's `EpochReport` that the report uses).
-#[derive(Deserialize)]
-struct Epoch {
-    epoch: u32,
-    seconds: f64,
-    edges_per_sec: f64,
-    io_s: f64,
-    io_wait_s: f64,
-    bytes_read: u64,
-    bytes_written: u64,
-    swaps: Vec<Swap>,
+/// The report's view of an epoch record (legend-engine's `EpochReport`, read back).
+trait EpochView {
+    fn check(&self) -> Result<(), String>;
+    fn hidden(&self) -> Option<f64>;
+    fn fill(&self) -> (f64, f64);
+    fn summary(&self) -> String;
 }
 
-/// One swap of an epoch (legend-engine's `SwapReport`).
-#[derive(Deserialize)]
-struct Swap {
-    evicted: u32,
-    loaded: u32,
-    start_s: f64,
-    io_s: f64,
-    overlap_compute_s: f64,
-    wait_s: f64,
-    after_compute_s: f64,
-    bytes: u64,
-    /// Launches of the GPU I/O kernels (legend-engine's `IoKernelSpan`), for GPU-initiated swaps.
-    #[serde(default)]
-    io_kernels: Vec<IoKernel>,
-}
-
-/// One launch of the GPU I/O kernels.
-#[derive(Deserialize)]
-struct IoKernel {
-    op: String,
-    partition: u32,
-    start_s: f64,
-    seconds: f64,
-    commands: u64,
-    bytes: u64,
-}
-
-impl Epoch {
+impl EpochView for Epoch {
     fn check(&self) -> Result<(), String> {
         let mut times = vec![self.seconds, self.io_s, self.io_wait_s];
         for s in &self.swaps {
@@ -363,11 +331,14 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
         rect(&mut s, "io", sw.start_s, sw.io_s, IO_Y)?;
         if let Some(y) = kernels_y {
             for k in &sw.io_kernels {
-                let class = if k.op == "write" { "kwrite" } else { "kread" };
+                let (class, op) = match k.op {
+                    IoDirection::Write => ("kwrite", "write"),
+                    IoDirection::Read => ("kread", "read"),
+                };
                 writeln!(
                     s,
                     "<g><title>I/O kernels: {} p{}, {} commands, {} in {:.3} s ({:.2} GB/s) from {:.3} s</title>",
-                    escape(&k.op),
+                    op,
                     k.partition,
                     k.commands,
                     bytes(k.bytes),
