@@ -26,7 +26,7 @@ pub enum GpuError {
         count: usize,
     },
     /// A CUDA driver call failed.
-    #[error("CUDA driver call failed ({what}): {source}")]
+    #[error("CUDA driver call failed ({what})")]
     Driver {
         /// What was being done.
         what: &'static str,
@@ -42,7 +42,7 @@ pub enum GpuError {
         message: String,
     },
     /// The kernel cache could not be read or written.
-    #[error("kernel cache {path}: {source}")]
+    #[error("kernel cache {path}")]
     Cache {
         /// The cache file.
         path: std::path::PathBuf,
@@ -50,7 +50,7 @@ pub enum GpuError {
         source: std::io::Error,
     },
     /// A kernel source named by `LEGEND_KERNELS_DIR` could not be read.
-    #[error("kernel source {path} (LEGEND_KERNELS_DIR): {source}")]
+    #[error("kernel source {path} (LEGEND_KERNELS_DIR)")]
     KernelSource {
         /// The source file.
         path: std::path::PathBuf,

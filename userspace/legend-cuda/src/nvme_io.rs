@@ -789,7 +789,10 @@ impl GpuIo {
             // Nothing the queues still hold may reach memory after this returns.
             for &q in &self.qids {
                 if let Err(e) = self.ctrl.delete_queue_pair(q) {
-                    tracing::error!("deleting stuck GPU queue pair {q}: {e}");
+                    tracing::error!(
+                        error = &e as &dyn std::error::Error,
+                        "deleting stuck GPU queue pair {q}"
+                    );
                 }
             }
             self.broken = Some(state.clone());

@@ -322,7 +322,7 @@ pub enum FrameError {
     #[error("the connection ended inside a frame")]
     Truncated,
     /// The frame is not the JSON expected.
-    #[error("malformed message: {0}")]
+    #[error("malformed message")]
     Json(#[from] serde_json::Error),
 }
 

@@ -7,10 +7,14 @@ use std::path::PathBuf;
 ///
 /// Every variant names the file it concerns, and parse errors name the line, so that a user can
 /// go straight to the bad input.
+///
+/// A message never repeats its cause: [`DatasetError::Io`] displays its path only and returns the
+/// [`io::Error`] from [`std::error::Error::source`], so a report that walks the chain (such as
+/// `anyhow`'s `{:#}`) prints each part once: `nope.tsv: No such file or directory (os error 2)`.
 #[derive(Debug, thiserror::Error)]
 pub enum DatasetError {
-    /// An I/O error on a named file.
-    #[error("{path}: {source}")]
+    /// An I/O error on a named file; the message is the path, the cause is the source.
+    #[error("{path}")]
     Io {
         /// The file or directory.
         path: PathBuf,
@@ -65,5 +69,44 @@ pub(crate) fn invalid(path: impl Into<PathBuf>, message: impl Into<String>) -> D
     DatasetError::Invalid {
         path: path.into(),
         message: message.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    /// Displays `err` and its sources as `anyhow`'s `{:#}` does: `a: b: c`.
+    fn chain(err: &dyn std::error::Error) -> String {
+        let mut out = err.to_string();
+        let mut next = err.source();
+        while let Some(e) = next {
+            out.push_str(": ");
+            out.push_str(&e.to_string());
+            next = e.source();
+        }
+        out
+    }
+
+    #[test]
+    fn an_io_error_names_its_cause_once() {
+        let err = std::fs::File::open("/nonexistent/nope.tsv")
+            .at("/nonexistent/nope.tsv")
+            .unwrap_err();
+        assert_eq!(err.to_string(), "/nonexistent/nope.tsv");
+        assert!(err.source().is_some(), "the io::Error must stay the source");
+        assert_eq!(
+            chain(&err),
+            "/nonexistent/nope.tsv: No such file or directory (os error 2)"
+        );
+    }
+
+    #[test]
+    fn messages_without_a_source_carry_their_text() {
+        let err = invalid("ds/meta.toml", "bad version");
+        assert!(err.source().is_none());
+        assert_eq!(chain(&err), "ds/meta.toml: bad version");
     }
 }

@@ -53,10 +53,50 @@ pub trait SwapHook: Send {
     fn after_read(&mut self, part: &Partition) -> Result<(), StoreError>;
 }
 
-/// A store failure.
+/// A partition store failure, with its cause.
 #[derive(Debug, thiserror::Error)]
-#[error("partition store: {0}")]
-pub struct StoreError(pub String);
+pub enum StoreError {
+    /// The on-disk store failed.
+    #[error(transparent)]
+    Storage(#[from] legend_storage::StoreError),
+    /// A file of the store could not be created, opened or sized.
+    #[error("{}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The NVMe controller behind the store could not be opened or attached.
+    #[error("{what}")]
+    Controller {
+        /// What was being done, and what to check.
+        what: String,
+        /// Why it failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Moving a partition between the GPU and the store failed.
+    #[error("{what} partition {partition} {path}")]
+    Gpu {
+        /// `writing`, `reading`, `uploading`, `downloading`.
+        what: &'static str,
+        /// The partition.
+        partition: u32,
+        /// `on the GPU` or `through the GPU I/O kernels`.
+        path: &'static str,
+        /// Why.
+        #[source]
+        source: legend_cuda::GpuError,
+    },
+    /// The partition buffer's I/O thread has stopped (after an earlier failure).
+    #[error("the partition buffer's I/O thread has stopped")]
+    IoThreadStopped,
+    /// The store does not hold what was asked of it (the message says what).
+    #[error("{0}")]
+    Invalid(String),
+}
 
 /// Partitions kept in RAM outside the buffer: the `memory` backend when C < N.
 #[derive(Default)]
@@ -250,7 +290,7 @@ impl PartitionBuffer {
             .as_ref()
             .expect("I/O thread alive until drop")
             .send(request)
-            .map_err(|_| StoreError("the I/O thread has stopped".into()))
+            .map_err(|_| StoreError::IoThreadStopped)
     }
 
     fn receive(&mut self) -> Result<Reply, StoreError> {
@@ -260,7 +300,7 @@ impl PartitionBuffer {
             .get_mut()
             .expect("the reply channel lock is never poisoned")
             .recv()
-            .map_err(|_| StoreError("the I/O thread has stopped".into()))??;
+            .map_err(|_| StoreError::IoThreadStopped)??;
         self.stats.wait_time += started.elapsed();
         let s = reply.stats;
         self.stats.reads += s.reads;

@@ -82,12 +82,14 @@ pub fn open(backend: QueueBackend, path: &Path) -> Result<SharedController, Stor
     }
     let opened = match backend {
         QueueBackend::Nvme => {
-            let d = Device::open(&path.to_string_lossy()).map_err(|e| {
-                StoreError(format!(
-                    "{e}: {}; is the controller bound to legend_nvme (`modprobe legend_nvme`, \
-                     `legendctl device bind BDF`), and no other process (legendd) its writer?",
-                    std::error::Error::source(&e).map_or_else(String::new, |s| s.to_string())
-                ))
+            let d = Device::open(&path.to_string_lossy()).map_err(|e| StoreError::Controller {
+                what: format!(
+                    "opening {} (is the controller bound to legend_nvme: `modprobe legend_nvme`, \
+                     `legendctl device bind BDF`; and is no other process, such as legendd, its \
+                     writer?)",
+                    path.display()
+                ),
+                source: Box::new(e),
             })?;
             let d = Arc::new(d);
             map.insert(key, Held::Device(Arc::downgrade(&d)));
@@ -95,7 +97,10 @@ pub fn open(backend: QueueBackend, path: &Path) -> Result<SharedController, Stor
         }
         QueueBackend::Proxy => {
             let p = Proxy::open(path, &ProxyOptions::default()).map_err(|e| {
-                StoreError(format!("proxy controller over {}: {e}", path.display()))
+                StoreError::Controller {
+                    what: format!("starting the proxy controller over {}", path.display()),
+                    source: Box::new(e),
+                }
             })?;
             let p = Arc::new(p);
             map.insert(key, Held::Proxy(Arc::downgrade(&p)));

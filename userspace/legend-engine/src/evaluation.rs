@@ -2,6 +2,9 @@
 //! protocols, as `legendctl eval`, a session's evaluations and the daemon's eval jobs run them.
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use legend_dataset::{Dataset, DatasetError, Split};
 use legend_eval::{Embeddings, EvalError, FilterIndex, Metrics, SampledNegatives};
@@ -61,7 +64,12 @@ pub enum EvaluationError {
     },
 }
 
-/// Ranks `request.split` of `dataset` with `decoder` over the given tables (`dim` floats a row).
+/// Ranks `request.split` of `dataset` with `decoder` over the given tables (`dim` floats a row),
+/// logging its progress every [`PROGRESS_LOG_EVERY`] (an `info` line on stderr: a long evaluation
+/// never looks hung, and stdout stays the caller's).
+///
+/// Sampled negatives beyond the graph's entity count are reduced to it, with a warning (see
+/// [`SampledNegatives::capped`]).
 pub fn evaluate(
     dataset: &Dataset,
     decoder: Decoder,
@@ -92,11 +100,13 @@ pub fn evaluate(
                 .collect::<Result<_, _>>()?;
             let refs: Vec<&[[u32; 3]]> = parts.iter().map(Vec::as_slice).collect();
             let filter = FilterIndex::build(ne, &refs)?;
-            legend_eval::evaluate(
+            let progress = ProgressLog::new("filtered", 2 * triples.len() as u64);
+            legend_eval::evaluate_with_progress(
                 &embeddings,
                 &triples,
                 &legend_eval::Protocol::Filtered { filter: &filter },
                 request.threads,
+                &|n| progress.add(n),
             )?
         }
         Protocol::Sampled => {
@@ -105,10 +115,77 @@ pub fn evaluate(
                 negatives: request.negatives,
                 degrees: &degrees,
             };
-            legend_eval::evaluate(&embeddings, &triples, &protocol, request.threads)?
+            let progress = ProgressLog::new("sampled", 2 * triples.len() as u64);
+            legend_eval::evaluate_with_progress(
+                &embeddings,
+                &triples,
+                &protocol,
+                request.threads,
+                &|n| progress.add(n),
+            )?
         }
     };
     Ok(metrics)
+}
+
+/// How often a running evaluation logs its progress.
+pub const PROGRESS_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Counts ranked queries from the worker threads and logs how far the evaluation is every
+/// `every` (nothing for an evaluation shorter than that).
+struct ProgressLog {
+    what: &'static str,
+    total: u64,
+    done: AtomicU64,
+    started: Instant,
+    every: Duration,
+    next_log: Mutex<Instant>,
+}
+
+impl ProgressLog {
+    fn new(what: &'static str, total: u64) -> ProgressLog {
+        ProgressLog::with_interval(what, total, PROGRESS_LOG_EVERY)
+    }
+
+    fn with_interval(what: &'static str, total: u64, every: Duration) -> ProgressLog {
+        let started = Instant::now();
+        ProgressLog {
+            what,
+            total,
+            done: AtomicU64::new(0),
+            started,
+            every,
+            next_log: Mutex::new(started + every),
+        }
+    }
+
+    fn add(&self, n: u64) {
+        if let Some(line) = self.advance(n) {
+            tracing::info!("{line}");
+        }
+    }
+
+    /// Counts `n` more queries; the line due now, if any.
+    fn advance(&self, n: u64) -> Option<String> {
+        let done = self.done.fetch_add(n, Ordering::Relaxed) + n;
+        let now = Instant::now();
+        // One thread logs; the others go on without waiting.
+        let mut next = self.next_log.try_lock().ok()?;
+        // The last step is not logged: the result follows it.
+        if now < *next || done >= self.total {
+            return None;
+        }
+        *next = now + self.every;
+        let elapsed = now.duration_since(self.started).as_secs_f64();
+        let fraction = done as f64 / self.total.max(1) as f64;
+        let left = elapsed / fraction.max(f64::MIN_POSITIVE) - elapsed;
+        Some(format!(
+            "{} evaluation: {done}/{} queries ranked ({:.0}%) in {elapsed:.0} s, about {left:.0} s left",
+            self.what,
+            self.total,
+            100.0 * fraction
+        ))
+    }
 }
 
 /// Opens the dataset a run was trained on (or `override_dir`, if it moved) and checks that it
@@ -147,4 +224,29 @@ pub fn describe(m: &Metrics) -> String {
         "{protocol} MRR {:.4}  Hits@1 {:.4}  Hits@3 {:.4}  Hits@10 {:.4}  mean rank {:.1}  ({} queries, both sides; realistic ties)",
         m.mrr, m.hits_at_1, m.hits_at_3, m.hits_at_10, m.mean_rank, m.count
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_logs_only_when_due_and_counts_every_query() {
+        let p = ProgressLog::with_interval("filtered", 100, Duration::ZERO);
+        let line = p.advance(40).expect("due at once with a zero interval");
+        assert!(
+            line.starts_with("filtered evaluation: 40/100 queries ranked (40%) in "),
+            "{line}"
+        );
+        assert_eq!(
+            p.advance(60),
+            None,
+            "the last step is followed by the result"
+        );
+        assert_eq!(p.done.load(Ordering::Relaxed), 100);
+
+        let quiet = ProgressLog::with_interval("sampled", 100, Duration::from_secs(3600));
+        assert_eq!(quiet.advance(10), None);
+        assert_eq!(quiet.advance(10), None);
+    }
 }

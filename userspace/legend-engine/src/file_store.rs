@@ -55,10 +55,6 @@ pub struct FileStoreSpec<'a> {
     pub queue: Option<QueueLocation>,
 }
 
-fn err(e: legend_storage::StoreError) -> StoreError {
-    StoreError(e.to_string())
-}
-
 impl FileStore {
     /// Creates a new store. On a file it is made under a temporary name and renamed into place,
     /// so an interrupted creation never leaves a store that cannot be opened; a proxy's backing
@@ -83,20 +79,18 @@ impl FileStore {
             }
             let controller = controllers::open(q.backend, spec.path)?;
             let target = nvme_target(&controller, q);
-            let store =
-                Store::create_on(&Target::Nvme(&target), &store_spec, &opts).map_err(err)?;
+            let store = Store::create_on(&Target::Nvme(&target), &store_spec, &opts)?;
             return Self::with_store(store, Some(controller));
         }
         let is_file = !spec.path.exists() || spec.path.is_file();
         let store = if is_file && !spec.path.exists() {
             let tmp = spec.path.with_extension("creating");
             let _ = std::fs::remove_file(&tmp);
-            Store::create(&tmp, &store_spec, &opts).map_err(err)?;
-            std::fs::rename(&tmp, spec.path)
-                .map_err(|e| StoreError(format!("{}: {e}", spec.path.display())))?;
-            Store::open(spec.path, &Expect::default(), &IoConfig::default()).map_err(err)?
+            Store::create(&tmp, &store_spec, &opts)?;
+            std::fs::rename(&tmp, spec.path).map_err(io_error(spec.path))?;
+            Store::open(spec.path, &Expect::default(), &IoConfig::default())?
         } else {
-            Store::create(spec.path, &store_spec, &opts).map_err(err)?
+            Store::create(spec.path, &store_spec, &opts)?
         };
         Self::with_store(store, None)
     }
@@ -125,10 +119,10 @@ impl FileStore {
             Some(q) => {
                 let controller = controllers::open(q.backend, spec.path)?;
                 let target = nvme_target(&controller, q);
-                let store = Store::open_on(&Target::Nvme(&target), &expect, &io).map_err(err)?;
+                let store = Store::open_on(&Target::Nvme(&target), &expect, &io)?;
                 Self::with_store(store, Some(controller))
             }
-            None => Self::with_store(Store::open(spec.path, &expect, &io).map_err(err)?, None),
+            None => Self::with_store(Store::open(spec.path, &expect, &io)?, None),
         }
     }
 
@@ -140,8 +134,7 @@ impl FileStore {
             store
                 .max_partition_bytes()
                 .max(store.spec().aux_bytes as usize),
-        )
-        .map_err(err)?;
+        )?;
         Ok(FileStore {
             store,
             staging,
@@ -159,21 +152,19 @@ impl FileStore {
 
     /// Whether partition `p` holds data (committed or written since).
     pub fn is_initialized(&self, p: u32) -> Result<bool, StoreError> {
-        self.store.is_initialized(Region::Partition(p)).map_err(err)
+        Ok(self.store.is_initialized(Region::Partition(p))?)
     }
 
     /// Where the caller's own transfer of partition `p` goes: the byte in the namespace and
     /// the length (see [`Store::io_extent`]).
     pub fn io_extent(&self, p: u32, write: bool) -> Result<(u64, u64), StoreError> {
-        self.store
-            .io_extent(Region::Partition(p), write)
-            .map_err(err)
+        Ok(self.store.io_extent(Region::Partition(p), write)?)
     }
 
     /// Records that the caller wrote partition `p` itself; the buffer's next write of it moves
     /// nothing.
     pub fn mark_written(&mut self, p: u32) -> Result<(), StoreError> {
-        self.store.mark_written(Region::Partition(p)).map_err(err)?;
+        self.store.mark_written(Region::Partition(p))?;
         self.direct_writes.push(p);
         Ok(())
     }
@@ -195,12 +186,10 @@ impl FileStore {
 
     /// The relation parameters of the last commit, if any was made.
     pub fn aux(&mut self, len: usize) -> Result<Option<Vec<u8>>, StoreError> {
-        if !self.store.is_initialized(Region::Aux).map_err(err)? {
+        if !self.store.is_initialized(Region::Aux)? {
             return Ok(None);
         }
-        self.store
-            .read(Region::Aux, &mut self.staging)
-            .map_err(err)?;
+        self.store.read(Region::Aux, &mut self.staging)?;
         Ok(Some(self.staging.as_bytes()[..len].to_vec()))
     }
 }
@@ -216,20 +205,14 @@ fn take_claim(claims: &mut Vec<u32>, p: u32) -> bool {
 
 impl PartitionStore for FileStore {
     fn read(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError> {
-        if !self
-            .store
-            .is_initialized(Region::Partition(p))
-            .map_err(err)?
-        {
+        if !self.store.is_initialized(Region::Partition(p))? {
             take_claim(&mut self.direct_reads, p);
             return Ok(false);
         }
         if take_claim(&mut self.direct_reads, p) {
             return Ok(true);
         }
-        self.store
-            .read(Region::Partition(p), &mut self.staging)
-            .map_err(err)?;
+        self.store.read(Region::Partition(p), &mut self.staging)?;
         let data = self.staging.as_f32();
         emb.copy_from_slice(&data[..emb.len()]);
         state.copy_from_slice(&data[emb.len()..emb.len() + state.len()]);
@@ -243,17 +226,15 @@ impl PartitionStore for FileStore {
         let data = self.staging.as_f32_mut();
         data[..emb.len()].copy_from_slice(emb);
         data[emb.len()..emb.len() + state.len()].copy_from_slice(state);
-        self.store
-            .write(Region::Partition(p), &self.staging)
-            .map_err(err)
+        Ok(self.store.write(Region::Partition(p), &self.staging)?)
     }
 
     fn commit(&mut self, progress: &[u8], aux: &[u8]) -> Result<bool, StoreError> {
         let bytes = self.staging.as_bytes_mut();
         bytes[..aux.len()].copy_from_slice(aux);
         bytes[aux.len()..self.store.spec().aux_bytes as usize].fill(0);
-        self.store.write(Region::Aux, &self.staging).map_err(err)?;
-        self.store.commit(progress).map_err(err)?;
+        self.store.write(Region::Aux, &self.staging)?;
+        self.store.commit(progress)?;
         Ok(true)
     }
 }
@@ -273,22 +254,26 @@ fn size_backing_file(
     store_spec: &StoreSpec,
     start_lba: u64,
 ) -> Result<(), StoreError> {
-    let needed = Layout::compute(store_spec, 512).map_err(err)?.total_bytes + (start_lba << 9);
+    let needed = Layout::compute(store_spec, 512)?.total_bytes + (start_lba << 9);
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
         .open(spec.path)
-        .map_err(|e| StoreError(format!("{}: {e}", spec.path.display())))?;
-    let meta = file
-        .metadata()
-        .map_err(|e| StoreError(format!("{}: {e}", spec.path.display())))?;
+        .map_err(io_error(spec.path))?;
+    let meta = file.metadata().map_err(io_error(spec.path))?;
     if meta.is_file() && meta.len() < needed {
-        file.set_len(needed)
-            .map_err(|e| StoreError(format!("{}: {e}", spec.path.display())))?;
+        file.set_len(needed).map_err(io_error(spec.path))?;
     }
     Ok(())
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.to_owned(),
+        source,
+    }
 }
 
 /// A [`FileStore`] shared by the partition buffer's I/O thread and the GPU engine's swap
@@ -345,7 +330,7 @@ impl FileStore {
         relation_floats: usize,
     ) -> Result<Tables, StoreError> {
         if self.store.progress().is_empty() {
-            return Err(StoreError(format!(
+            return Err(StoreError::Invalid(format!(
                 "{}: the run has no checkpoint yet",
                 self.store.path().display()
             )));
@@ -358,7 +343,7 @@ impl FileStore {
             let len = (range.end - range.start) as usize * dim;
             let (mut emb, mut state) = (vec![0.0; len], vec![0.0; len]);
             if !self.read(p, &mut emb, &mut state)? {
-                return Err(StoreError(format!(
+                return Err(StoreError::Invalid(format!(
                     "{}: partition {p} was never written",
                     self.store.path().display()
                 )));

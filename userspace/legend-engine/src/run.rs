@@ -97,13 +97,21 @@ pub struct Tables {
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// An I/O error.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         /// The path.
         path: PathBuf,
         /// The error.
         #[source]
         source: std::io::Error,
+    },
+    /// A directory without `run.toml`.
+    #[error("{} {why}", dir.display())]
+    NotARun {
+        /// The directory.
+        dir: PathBuf,
+        /// What it is instead, and what to give.
+        why: &'static str,
     },
     /// A damaged or foreign run directory.
     #[error("{path}: {message}")]
@@ -129,6 +137,21 @@ fn invalid(path: &Path, message: impl Into<String>) -> RunError {
     }
 }
 
+/// The error for a directory without `run.toml`, saying what it is instead where that is clear.
+fn not_a_run(dir: &Path) -> RunError {
+    let why = if !dir.exists() {
+        "does not exist (expected a training run directory, with run.toml)"
+    } else if dir.join(legend_dataset::META_FILE).is_file() {
+        "is not a training run directory (no run.toml): it is a dataset; give the directory `legendctl train --out` created"
+    } else {
+        "is not a training run directory (no run.toml)"
+    };
+    RunError::NotARun {
+        dir: dir.to_owned(),
+        why,
+    }
+}
+
 /// Path of `run.toml` in `run`.
 pub fn meta_path(run: &Path) -> PathBuf {
     run.join("run.toml")
@@ -137,6 +160,9 @@ pub fn meta_path(run: &Path) -> PathBuf {
 /// Reads the commit record of `run`.
 pub fn read_meta(run: &Path) -> Result<RunMeta, RunError> {
     let path = meta_path(run);
+    if !path.is_file() {
+        return Err(not_a_run(run));
+    }
     let text = std::fs::read_to_string(&path).map_err(io(&path))?;
     let meta: RunMeta =
         toml::from_str(&text).map_err(|e| invalid(&path, format!("not a run record: {e}")))?;

@@ -54,7 +54,7 @@ impl Position {
             .ok()
             .and_then(|t| toml::from_str(t).ok())
             .ok_or_else(|| {
-                StoreError(format!(
+                StoreError::Invalid(format!(
                     "unreadable progress record {:?}",
                     String::from_utf8_lossy(bytes)
                 ))
@@ -693,8 +693,8 @@ fn is_final(line: &serde_json::Value) -> bool {
 fn has_final_line(out: &Path) -> Result<bool, SessionError> {
     Ok(metrics_lines(out)?
         .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .last()
+        .rev()
+        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .is_some_and(|v| is_final(&v)))
 }
 

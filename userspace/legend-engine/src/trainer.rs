@@ -197,7 +197,7 @@ pub enum TrainError {
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The plan could not be made.
-    #[error("planning: {0}")]
+    #[error("planning")]
     Plan(#[from] legend_planner::PlanError),
     /// A checkpoint's position inside an epoch does not fit the run's plan.
     #[error("resuming: {0}")]
@@ -212,15 +212,16 @@ pub enum TrainError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// The CUDA device asked for could not be opened.
-    #[error("training.device = {device:?}: {error}")]
+    #[error("training.device = {device:?}")]
     Device {
         /// `training.device`.
         device: String,
         /// Why.
+        #[source]
         error: legend_cuda::GpuError,
     },
     /// The GPU engine failed.
-    #[error("GPU engine: {0}")]
+    #[error("GPU engine")]
     Gpu(#[from] legend_cuda::GpuError),
     /// The thread pool could not start.
     #[error("starting {threads} worker threads: {message}")]

@@ -1,6 +1,9 @@
 //! What can be wrong with the inputs of an evaluation.
 
 /// An input that cannot be evaluated; the message names what is wrong.
+///
+/// A message never repeats its cause: where there is one, it is returned by
+/// [`std::error::Error::source`] only, so a report that walks the chain prints it once.
 #[derive(Debug, thiserror::Error)]
 pub enum EvalError {
     /// The embedding dimension does not suit the decoder (zero, or odd for ComplEx).
@@ -62,6 +65,28 @@ pub enum EvalError {
     #[error("no triples to rank")]
     NoTriples,
     /// The rayon pool could not be built.
-    #[error("cannot build the evaluation thread pool: {0}")]
+    #[error("cannot build the evaluation thread pool")]
     ThreadPool(#[from] rayon::ThreadPoolBuildError),
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::EvalError;
+
+    #[test]
+    fn the_thread_pool_error_is_a_source_not_part_of_the_message() {
+        // A second global pool is always refused, whatever the tests ran before.
+        let _ = rayon::ThreadPoolBuilder::new().build_global();
+        let cause = rayon::ThreadPoolBuilder::new()
+            .build_global()
+            .expect_err("the global pool exists");
+        let cause_text = cause.to_string();
+        let err = EvalError::from(cause);
+        assert_eq!(err.to_string(), "cannot build the evaluation thread pool");
+        let source = err.source().expect("the rayon error is the source");
+        assert_eq!(source.to_string(), cause_text);
+        assert!(!err.to_string().contains(&cause_text));
+    }
 }

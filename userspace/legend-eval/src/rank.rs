@@ -102,6 +102,7 @@ pub(crate) fn filtered(
     model: &Model<'_>,
     triples: &[[u32; 3]],
     filter: &FilterIndex,
+    progress: &(dyn Fn(u64) + Sync),
 ) -> Vec<Tally> {
     let num_queries = triples.len() * 2;
     let blocks: Vec<Vec<Tally>> = (0..num_queries.div_ceil(QUERY_BLOCK))
@@ -109,7 +110,9 @@ pub(crate) fn filtered(
         .map(|b| {
             let first = b * QUERY_BLOCK;
             let count = QUERY_BLOCK.min(num_queries - first);
-            filtered_block(model, triples, filter, first, count)
+            let tallies = filtered_block(model, triples, filter, first, count);
+            progress(count as u64);
+            tallies
         })
         .collect();
     blocks.concat()
@@ -214,6 +217,7 @@ pub(crate) fn sampled(
     triples: &[[u32; 3]],
     negatives: &SampledNegatives,
     degrees: Option<&DegreeSampler>,
+    progress: &(dyn Fn(u64) + Sync),
 ) -> Vec<Tally> {
     let chunks: Vec<Vec<Tally>> = triples
         .par_chunks(SAMPLED_CHUNK)
@@ -228,6 +232,7 @@ pub(crate) fn sampled(
                 for (i, t) in tallies.into_iter().enumerate() {
                     out[2 * i + side_index] = t;
                 }
+                progress(chunk.len() as u64);
             }
             out
         })

@@ -27,7 +27,7 @@ fn embeddings<'a>(
 fn filtered_ranks(e: &Embeddings<'_>, triples: &[[u32; 3]], known: &[[u32; 3]]) -> Vec<f64> {
     let model = validate(e, triples).unwrap();
     let filter = FilterIndex::build(model.num_entities, &[known, triples]).unwrap();
-    rank::filtered(&model, triples, &filter)
+    rank::filtered(&model, triples, &filter, &|_| {})
         .iter()
         .map(|t| t.rank())
         .collect()
@@ -102,13 +102,13 @@ fn nan_scores_rank_last_and_are_reported() {
     let p = Protocol::Sampled {
         negatives: SampledNegatives {
             uniform: 0,
-            degree: 50,
+            degree: 5,
             seed: 3,
         },
         degrees: &[1; 5],
     };
     let m = evaluate(&e, &[[2, 0, 1]], &p, 1).unwrap();
-    assert_eq!((m.mean_rank, m.hits_at_50, m.nan_queries), (51.0, 0.0, 2));
+    assert_eq!((m.mean_rank, m.hits_at_3, m.nan_queries), (6.0, 0.0, 2));
     // The whole model NaN: every query ranks last, never first.
     let all_nan = [nan; 5];
     let e = embeddings(Decoder::Dot, &all_nan, &[], 1);
@@ -228,7 +228,7 @@ fn a_perfect_model_has_mrr_one() {
         };
         let model = validate(&e, &triples).unwrap();
         let sampler = rank::DegreeSampler::new(&degrees);
-        let tallies = rank::sampled(&model, &triples, &negatives, sampler.as_ref());
+        let tallies = rank::sampled(&model, &triples, &negatives, sampler.as_ref(), &|_| {});
         assert!(tallies.iter().all(|t| t.above == 0));
         let p = Protocol::Sampled {
             negatives,
@@ -295,21 +295,77 @@ fn degree_negatives_follow_the_degrees() {
     let p = Protocol::Sampled {
         negatives: SampledNegatives {
             uniform: 0,
-            degree: 7,
+            degree: 3,
             seed: DEFAULT_SEED,
         },
         degrees: &degrees,
     };
     let m = evaluate(&e, &[[0, 0, 1]], &p, 1).unwrap();
-    // Destination side: 1 * 10 beats 1 * 2 seven times (rank 8); source side: 2 * 10 beats
-    // 2 * 1 seven times (rank 8).
-    assert_eq!(m.mean_rank, 8.0);
+    // Destination side: 1 * 10 beats 1 * 2 three times (rank 4); source side: 2 * 10 beats
+    // 2 * 1 three times (rank 4).
+    assert_eq!(m.mean_rank, 4.0);
 }
 
 #[test]
 fn default_negatives_are_1000_plus_1000() {
     let d = SampledNegatives::default();
     assert_eq!((d.uniform, d.degree, d.seed), (1000, 1000, DEFAULT_SEED));
+}
+
+#[test]
+fn capped_negatives_fit_the_graph_in_the_asked_proportion() {
+    let asked = |uniform, degree| SampledNegatives {
+        uniform,
+        degree,
+        seed: 7,
+    };
+    let fit = |n: SampledNegatives, entities| {
+        let c = n.capped(entities);
+        assert_eq!(c.seed, 7);
+        (c.uniform, c.degree)
+    };
+    assert_eq!(fit(asked(1000, 1000), 135), (67, 68));
+    assert_eq!(fit(asked(1000, 0), 135), (135, 0));
+    assert_eq!(fit(asked(0, 1000), 135), (0, 135));
+    assert_eq!(fit(asked(300, 100), 100), (75, 25));
+    // Within the graph: unchanged.
+    assert_eq!(fit(asked(60, 75), 135), (60, 75));
+    assert_eq!(fit(asked(0, 0), 5), (0, 0));
+    // No overflow on absurd requests.
+    assert_eq!(fit(asked(usize::MAX, usize::MAX), 10), (5, 5));
+    assert_eq!(fit(asked(usize::MAX, 1), 10), (9, 1));
+}
+
+#[test]
+fn progress_adds_up_to_the_query_count_under_both_protocols() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let (ent, rel, test, degrees) = sampled_setup();
+    let e = embeddings(Decoder::DistMult, &ent, &rel, 12);
+    let filter = FilterIndex::build(500, &[&test]).unwrap();
+    let sampled = Protocol::Sampled {
+        negatives: SampledNegatives {
+            uniform: 10,
+            degree: 10,
+            seed: 1,
+        },
+        degrees: &degrees,
+    };
+    for protocol in [Protocol::Filtered { filter: &filter }, sampled] {
+        for threads in [1, 3] {
+            let (done, calls) = (AtomicU64::new(0), AtomicU64::new(0));
+            let m = evaluate_with_progress(&e, &test, &protocol, threads, &|n| {
+                done.fetch_add(n, Ordering::Relaxed);
+                calls.fetch_add(1, Ordering::Relaxed);
+            })
+            .unwrap();
+            assert_eq!(done.into_inner(), 2 * test.len() as u64);
+            assert!(
+                calls.into_inner() > 1,
+                "progress comes in steps, not at the end"
+            );
+            assert_eq!(m, evaluate(&e, &test, &protocol, threads).unwrap());
+        }
+    }
 }
 
 #[test]
@@ -332,8 +388,9 @@ fn metrics_serialize_with_their_protocol() {
     };
     let json = serde_json::to_value(evaluate(&e, &[[0, 0, 1]], &p, 1).unwrap()).unwrap();
     assert_eq!(json["protocol"], "sampled");
-    assert_eq!(json["uniform_negatives"], 1000);
-    assert_eq!(json["degree_negatives"], 1000);
+    // 1000 + 1000 asked, on 3 entities: the numbers used.
+    assert_eq!(json["uniform_negatives"], 1);
+    assert_eq!(json["degree_negatives"], 2);
     assert_eq!(json["seed"], DEFAULT_SEED);
 }
 
@@ -414,10 +471,17 @@ fn bad_inputs_are_errors_that_name_the_problem() {
     assert!(m.contains("degree is zero"), "{m}");
     let m = msg(ok, &[[0, 0, 0]], &sampled(0, 0, &[]));
     assert!(m.contains("at least one negative"), "{m}");
-    let m = msg(ok, &[[0, 0, 0]], &sampled(usize::MAX, 1, &[1, 1, 1]));
-    assert!(m.contains("too many"), "{m}");
-    let m = msg(ok, &[[0, 0, 0]], &sampled(1 << 27, 0, &[]));
-    assert!(m.contains("too many"), "{m}");
+    // More negatives than entities are reduced to the entity count, never refused as too many
+    // to gather (that needs a table beyond 1 GiB).
+    let used = |p: &Protocol<'_>| {
+        let m = evaluate(&ok, &[[0, 0, 0]], p, 1).unwrap();
+        (m.uniform_negatives, m.degree_negatives)
+    };
+    assert_eq!(
+        used(&sampled(usize::MAX, 1, &[1, 1, 1])),
+        (Some(2), Some(1))
+    );
+    assert_eq!(used(&sampled(1 << 27, 0, &[])), (Some(3), Some(0)));
     // Degrees are not needed without degree negatives.
     assert!(evaluate(&ok, &[[0, 0, 0]], &sampled(3, 0, &[]), 2).is_ok());
 }

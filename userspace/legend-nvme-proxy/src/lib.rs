@@ -555,7 +555,7 @@ impl Drop for Proxy {
         if let Some(device) = lock(&self.shared.state).space.device.take()
             && let Err(e) = device.unpin(self.shared.bounce.0 as *mut u8)
         {
-            tracing::warn!(label = %self.label, error = %e, "proxy: unpinning the bounce buffers");
+            tracing::warn!(label = %self.label, error = &e as &dyn std::error::Error, "proxy: unpinning the bounce buffers");
         }
     }
 }

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// A system call failed.
-    #[error("{path}: {what}: {source}")]
+    #[error("{path}: {what}")]
     Io {
         /// Store path.
         path: PathBuf,
@@ -21,7 +21,7 @@ pub enum StoreError {
         source: io::Error,
     },
     /// `io_uring` could not be set up or a request failed in it.
-    #[error("{path}: io_uring: {what}: {source}")]
+    #[error("{path}: io_uring: {what}")]
     Uring {
         /// Store path.
         path: PathBuf,

@@ -480,7 +480,10 @@ impl NvmeQueues {
         );
         tracing::error!(label = %self.label.display(), "NVMe command timed out: {state}");
         if let Err(e) = self.ctrl.delete_queue_pair(self.qid) {
-            tracing::error!("deleting the stuck queue pair failed too: {e}");
+            tracing::error!(
+                error = &e as &dyn std::error::Error,
+                "deleting the stuck queue pair failed too"
+            );
         }
         self.broken = Some(state.clone());
         StoreError::ControllerTimeout {
@@ -574,7 +577,7 @@ impl Drop for NvmeQueues {
         {
             // The memory stays mapped (and allocated: leaked) rather than freed under a queue
             // the controller may still use.
-            tracing::error!(label = %self.label.display(), "deleting queue pair {}: {e}; leaking its memory", self.qid);
+            tracing::error!(label = %self.label.display(), error = &e as &dyn std::error::Error, "deleting queue pair {}; leaking its memory", self.qid);
             std::mem::forget(std::mem::take(&mut self.mapped));
             let rings = std::mem::replace(&mut self.rings, IoBuffer::new(1).expect("small buffer"));
             std::mem::forget(rings);

@@ -3,44 +3,9 @@
 
 mod common;
 
-use common::{fails, json, ok, s};
+use common::{fails, graph, json, ok, s};
 
-use std::path::{Path, PathBuf};
-
-/// A graph with structure to learn: entity i relates to (i + r + 1) mod n by relation r.
-fn graph(dir: &Path) -> PathBuf {
-    let n = 60;
-    let mut train = String::new();
-    let mut test = String::new();
-    for i in 0..n {
-        for r in 0..3 {
-            let line = format!("e{i}\tr{r}\te{}\n", (i + r + 1) % n);
-            if (i * 3 + r) % 10 == 0 {
-                &mut test
-            } else {
-                &mut train
-            }
-            .push_str(&line);
-        }
-    }
-    std::fs::write(dir.join("train.tsv"), train).unwrap();
-    std::fs::write(dir.join("test.tsv"), &test).unwrap();
-    std::fs::write(dir.join("valid.tsv"), &test).unwrap();
-    let ds = dir.join("ds");
-    let d = |f: &str| dir.join(f).display().to_string();
-    ok(&[
-        "import",
-        "-o",
-        &d("ds"),
-        "--train",
-        &d("train.tsv"),
-        "--valid",
-        &d("valid.tsv"),
-        "--test",
-        &d("test.tsv"),
-    ]);
-    ds
-}
+use std::path::Path;
 
 #[test]
 fn import_json_summary_and_plan_json_keys() {

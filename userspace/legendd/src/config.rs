@@ -68,14 +68,21 @@ mod tests {
     #[test]
     fn the_shipped_file_states_the_defaults() {
         let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../systemd/legendd.toml");
-        assert_eq!(DaemonConfig::load(&shipped, true).unwrap(), DaemonConfig::default());
+        assert_eq!(
+            DaemonConfig::load(&shipped, true).unwrap(),
+            DaemonConfig::default()
+        );
     }
 
     #[test]
     fn bad_files_are_refused_with_their_path() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("legendd.toml");
-        for text in ["sockett = \"/x\"\n", "cpu_jobs = 0\n", "gpu_jobs = \"one\"\n"] {
+        for text in [
+            "sockett = \"/x\"\n",
+            "cpu_jobs = 0\n",
+            "gpu_jobs = \"one\"\n",
+        ] {
             std::fs::write(&path, text).unwrap();
             let e = DaemonConfig::load(&path, true).unwrap_err().to_string();
             assert!(e.contains("legendd.toml"), "{text}: {e}");

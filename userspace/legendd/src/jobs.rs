@@ -577,11 +577,13 @@ impl Jobs {
         if info.state.is_final() {
             info.ended = Some(now());
         }
-        // Dropping the senders ends the watches; each then reports the final state.
-        entry.watchers.clear();
+        // Dropping the senders ends the watches, each then reporting the final state: only
+        // once the log says how the job ended, so a watcher that reads it next finds that.
+        let watchers = std::mem::take(&mut entry.watchers);
         self.persist(&t, id);
         drop(t);
         self.log(id, &text);
+        drop(watchers);
         tracing::info!("job {id}: {text}");
         self.changed.notify_all();
     }

@@ -97,7 +97,7 @@ pub fn serve(
             .spawn(move || {
                 let _slot = slot;
                 if let Err(e) = connection(stream, &admin_group, timeout, &jobs) {
-                    tracing::debug!("client: {e}");
+                    tracing::debug!(error = &e as &dyn std::error::Error, "client");
                 }
             });
         if let Err(e) = spawned {
@@ -177,15 +177,15 @@ fn connection(
 
 /// The reply to every request but `watch`.
 fn answer(request: Request, peer: &Peer, jobs: &Jobs) -> Reply {
-    let owned = |id: u64| -> Result<(), Reply> {
-        let info = jobs.get(id).map_err(job_error)?;
-        if peer.may_manage(info.owner) {
-            Ok(())
-        } else {
-            Err(error(
+    // Why the caller may not manage job `id`, as the reply to send; None when it may.
+    let refusal = |id: u64| -> Option<Reply> {
+        match jobs.get(id) {
+            Err(e) => Some(job_error(e)),
+            Ok(info) if peer.may_manage(info.owner) => None,
+            Ok(_) => Some(error(
                 ErrorCode::Forbidden,
                 format!("job {id} is not yours"),
-            ))
+            )),
         }
     };
     match request {
@@ -213,23 +213,23 @@ fn answer(request: Request, peer: &Peer, jobs: &Jobs) -> Reply {
                 jobs: jobs.list((!all).then_some(peer.uid)),
             }
         }
-        Request::Status { job } => match owned(job) {
-            Ok(()) => jobs
+        Request::Status { job } => match refusal(job) {
+            None => jobs
                 .get(job)
                 .map_or_else(job_error, |job| Reply::Job { job }),
-            Err(reply) => reply,
+            Some(reply) => reply,
         },
-        Request::Cancel { job } => match owned(job) {
-            Ok(()) => jobs
+        Request::Cancel { job } => match refusal(job) {
+            None => jobs
                 .cancel(job)
                 .map_or_else(job_error, |job| Reply::Job { job }),
-            Err(reply) => reply,
+            Some(reply) => reply,
         },
-        Request::Logs { job } => match owned(job) {
-            Ok(()) => Reply::Text {
+        Request::Logs { job } => match refusal(job) {
+            None => Reply::Text {
                 text: tail(&jobs.log_path(job), MAX_FRAME / 2),
             },
-            Err(reply) => reply,
+            Some(reply) => reply,
         },
         Request::Metrics => Reply::Text {
             text: jobs.metrics(),

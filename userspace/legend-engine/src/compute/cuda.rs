@@ -391,7 +391,7 @@ struct SwapCopy {
 fn lock_open(copies: &Mutex<SlotCopies>, p: u32) -> Result<MutexGuard<'_, SlotCopies>, StoreError> {
     let c = copies.lock().unwrap_or_else(|e| e.into_inner());
     if c.closed {
-        return Err(StoreError(format!(
+        return Err(StoreError::Invalid(format!(
             "partition {p}: the GPU engine stopped before the swap's copies ran"
         )));
     }
@@ -404,8 +404,13 @@ impl SwapCopy {
     }
 }
 
-fn copy_error(what: &str, p: u32, e: GpuError) -> StoreError {
-    StoreError(format!("{what} partition {p} on the GPU: {e}"))
+fn copy_error(what: &'static str, partition: u32, source: GpuError) -> StoreError {
+    StoreError::Gpu {
+        what,
+        partition,
+        path: "on the GPU",
+        source,
+    }
 }
 
 impl SwapHook for SwapCopy {
@@ -451,10 +456,13 @@ struct DirectSwap {
     into: RowSpan,
 }
 
-fn direct_error(what: &str, p: u32, e: impl std::fmt::Display) -> StoreError {
-    StoreError(format!(
-        "{what} partition {p} through the GPU I/O kernels: {e}"
-    ))
+fn direct_error(what: &'static str, partition: u32, source: GpuError) -> StoreError {
+    StoreError::Gpu {
+        what,
+        partition,
+        path: "through the GPU I/O kernels",
+        source,
+    }
 }
 
 impl DirectSwap {
@@ -682,7 +690,10 @@ impl ComputeBackend for CudaCompute {
             SharedController::Proxy(p) => {
                 // The proxy moves the kernels' data with this GPU's copy engine.
                 p.attach_device(Arc::new(CudaDeviceMemory::new(&self.gpu)?))
-                    .map_err(|e| StoreError(format!("attaching the GPU to the proxy: {e}")))?;
+                    .map_err(|e| StoreError::Controller {
+                        what: "attaching the GPU to the proxy controller".into(),
+                        source: Box::new(e),
+                    })?;
                 RingPlacement::Host
             }
             SharedController::Device(_) => RingPlacement::Device,

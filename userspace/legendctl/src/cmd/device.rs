@@ -1,7 +1,44 @@
 //! `legendctl device`: NVMe controllers for the `legend_nvme` module.
 
+use std::path::Path;
+
+use anyhow::bail;
 use legend_nvme::{Controller, Device, Sysfs};
 use serde::Serialize;
+
+/// The module's name, as `modprobe` and `/sys/module` know it.
+const MODULE: &str = "legend_nvme";
+
+/// Whether the `legend_nvme` module is loaded, under the sysfs root `sys` (normally `/sys`).
+fn module_loaded(sys: &Path) -> bool {
+    sys.join("module").join(MODULE).is_dir()
+}
+
+/// The next setup step (Documentation/admin-guide.md, "Install" and "Bind and unbind") when no
+/// legend device can be used: load the module, then bind a controller.
+fn setup_hint(module_loaded: bool) -> &'static str {
+    if module_loaded {
+        "no controller is bound to legend_nvme: `legendctl device bind BDF` hands one over (BDF from `legendctl device list`)"
+    } else {
+        "the legend_nvme module is not loaded: `modprobe legend_nvme`, then `legendctl device bind BDF` (BDF from `legendctl device list`; see Documentation/admin-guide.md)"
+    }
+}
+
+/// Opens a device node read-only; when it is missing, says which setup step is left.
+fn open_read_only(path: &str) -> anyhow::Result<Device> {
+    Device::open_read_only(path).map_err(|err| {
+        let missing = matches!(
+            &err,
+            legend_nvme::Error::Open { source, .. } if source.kind() == std::io::ErrorKind::NotFound
+        );
+        let err = anyhow::Error::new(err);
+        if missing {
+            err.context(setup_hint(module_loaded(Path::new("/sys"))))
+        } else {
+            err
+        }
+    })
+}
 
 /// Arguments of `legendctl device`.
 #[derive(clap::Args)]
@@ -115,6 +152,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     match args.command {
         DeviceCommand::List => {
             let list: Vec<ControllerView> = sysfs.list()?.into_iter().map(Into::into).collect();
+            let loaded = module_loaded(Path::new("/sys"));
+            if !loaded || !list.iter().any(|c| c.driver.as_deref() == Some(MODULE)) {
+                tracing::warn!("{}", setup_hint(loaded));
+            }
             if args.json {
                 return super::print_json(&list);
             }
@@ -138,13 +179,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         DeviceCommand::Bind { bdf, force } => {
+            // Binding without the module would leave the controller with no driver at all.
+            if !module_loaded(Path::new("/sys")) {
+                bail!(
+                    "the legend_nvme module is not loaded: `modprobe legend_nvme` first (see Documentation/admin-guide.md)"
+                );
+            }
             report(args.json, "bound", sysfs.bind(&bdf, force)?.into())?
         }
         DeviceCommand::Unbind { bdf } => {
             report(args.json, "handed back to nvme", sysfs.unbind(&bdf)?.into())?
         }
         DeviceCommand::Info { device } => {
-            let info = Device::open_read_only(&device)?.info()?;
+            let info = open_read_only(&device)?.info()?;
             // Never trust the count beyond the array the ABI defines.
             let count = (info.num_namespaces as usize).min(info.namespaces.len());
             let namespaces = info.namespaces[..count]
@@ -196,7 +243,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         DeviceCommand::Health { device } => {
-            let h = Device::open_read_only(&device)?.health()?;
+            let h = open_read_only(&device)?.health()?;
             let view = HealthView {
                 device,
                 critical_warning: h.critical_warning,
@@ -238,4 +285,43 @@ fn report(json: bool, what: &str, c: ControllerView) -> anyhow::Result<()> {
         c.driver.as_deref().unwrap_or("(none)")
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hint_follows_the_setup_step_left() {
+        let sys = tempfile::tempdir().unwrap();
+        assert!(!module_loaded(sys.path()));
+        let hint = setup_hint(module_loaded(sys.path()));
+        assert!(hint.contains("`modprobe legend_nvme`, then `legendctl device bind BDF`"));
+        std::fs::create_dir_all(sys.path().join("module/legend_nvme")).unwrap();
+        assert!(module_loaded(sys.path()));
+        let hint = setup_hint(true);
+        assert!(hint.contains("`legendctl device bind BDF`") && !hint.contains("modprobe"));
+    }
+
+    #[test]
+    fn a_missing_device_node_gets_the_hint_once() {
+        let err = open_read_only("/nonexistent/legend-nvme9").unwrap_err();
+        let text = format!("{err:#}");
+        assert_eq!(
+            text.matches("legendctl device bind BDF").count(),
+            1,
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("No such file or directory").count(),
+            1,
+            "{text}"
+        );
+        assert!(
+            text.ends_with(
+                "Cannot open /nonexistent/legend-nvme9: No such file or directory (os error 2)"
+            ),
+            "{text}"
+        );
+    }
 }

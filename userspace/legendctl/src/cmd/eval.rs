@@ -1,11 +1,13 @@
-//! `legendctl eval`, and the evaluation shared with `legendctl train`.
+//! `legendctl eval`: ranks a run's tables, or embeddings trained elsewhere.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use legend_dataset::{Dataset, Split};
-use legend_engine::run::{self, RunMeta};
-use legend_eval::{Embeddings, FilterIndex, Metrics, Protocol, SampledNegatives};
+use legend_engine::config::Protocol;
+use legend_engine::evaluation::{EvalRequest, describe, evaluate, open_run_dataset};
+use legend_engine::run;
+use legend_eval::SampledNegatives;
 use legend_model::Decoder;
 
 /// Arguments of `legendctl eval`.
@@ -21,16 +23,23 @@ pub struct Args {
     /// The score function of --embeddings: dot, distmult, complex, transe_l1, transe_l2.
     #[arg(long)]
     decoder: Option<Decoder>,
-    /// `filtered` (full ranking, known triples removed) or `sampled` (uniform + degree negatives).
+    /// `filtered` (full ranking, known triples removed) or `sampled` (uniform + degree negatives,
+    /// unfiltered; for graphs too large to rank fully).
+    ///
+    /// With `sampled`, uniform + degree negatives never exceed the graph's entities: on a smaller
+    /// graph both are reduced, in proportion, to the entity count, with a warning naming the
+    /// numbers (the metrics report the numbers used).
     #[arg(long, default_value = "filtered")]
-    protocol: String,
+    protocol: Protocol,
     /// The split to rank: `test` or `valid`.
     #[arg(long, default_value = "test")]
     split: Split,
-    /// Sampled protocol: uniform negatives.
+    /// Sampled protocol: uniform negatives per side and chunk of 1000 triples (reduced on graphs
+    /// with fewer entities than uniform + degree negatives; see --protocol).
     #[arg(long, default_value_t = 1000)]
     uniform_negatives: usize,
-    /// Sampled protocol: degree-proportional negatives.
+    /// Sampled protocol: degree-proportional negatives per side and chunk of 1000 triples
+    /// (reduced like --uniform-negatives).
     #[arg(long, default_value_t = 1000)]
     degree_negatives: usize,
     /// Sampled protocol: seed (default: a fixed seed, so runs are comparable).
@@ -45,102 +54,6 @@ pub struct Args {
     /// Print the metrics as one JSON object.
     #[arg(long)]
     json: bool,
-}
-
-/// What to evaluate and how.
-pub struct EvalRequest<'a> {
-    /// `filtered` or `sampled`.
-    pub protocol: &'a str,
-    /// Split to rank.
-    pub split: Split,
-    /// Sampled-protocol negatives.
-    pub negatives: SampledNegatives,
-    /// Threads.
-    pub threads: usize,
-}
-
-/// Evaluates `entities`/`relations` of `decoder` on `dataset`.
-pub fn evaluate(
-    dataset: &Dataset,
-    decoder: Decoder,
-    dim: usize,
-    entities: &[f32],
-    relations: &[f32],
-    request: &EvalRequest<'_>,
-) -> anyhow::Result<Metrics> {
-    let triples = dataset.edges(request.split)?;
-    if triples.is_empty() {
-        bail!(
-            "{}: the {} split has no edges to evaluate",
-            dataset.dir().display(),
-            request.split.name()
-        );
-    }
-    let embeddings = Embeddings {
-        decoder,
-        entities,
-        relations,
-        dim,
-    };
-    let ne = dataset.meta().entities as usize;
-    let metrics = match request.protocol {
-        "filtered" => {
-            let parts: Vec<Vec<[u32; 3]>> = Split::ALL
-                .iter()
-                .map(|&s| dataset.edges(s))
-                .collect::<Result<_, _>>()?;
-            let refs: Vec<&[[u32; 3]]> = parts.iter().map(Vec::as_slice).collect();
-            let filter = FilterIndex::build(ne, &refs)?;
-            legend_eval::evaluate(
-                &embeddings,
-                &triples,
-                &Protocol::Filtered { filter: &filter },
-                request.threads,
-            )?
-        }
-        "sampled" => {
-            let degrees = legend_dataset::degrees(ne, &dataset.edges(Split::Train)?);
-            let protocol = Protocol::Sampled {
-                negatives: request.negatives,
-                degrees: &degrees,
-            };
-            legend_eval::evaluate(&embeddings, &triples, &protocol, request.threads)?
-        }
-        other => bail!("unknown protocol {other:?}: expected filtered or sampled"),
-    };
-    Ok(metrics)
-}
-
-/// Opens the dataset a run was trained on and checks that it is the same data.
-pub fn open_run_dataset(meta: &RunMeta, override_dir: Option<&Path>) -> anyhow::Result<Dataset> {
-    let dir = override_dir.unwrap_or(&meta.dataset);
-    let dataset = Dataset::open(dir)
-        .with_context(|| "opening the run's dataset (use --dataset if it moved)")?;
-    let identity = format!("{:032x}", dataset.meta().identity());
-    if identity != meta.dataset_identity {
-        bail!(
-            "{} is not the dataset this run was trained on (identity {identity}, run has {})",
-            dir.display(),
-            meta.dataset_identity
-        );
-    }
-    Ok(dataset)
-}
-
-/// One line of human-readable metrics.
-pub fn describe(m: &Metrics) -> String {
-    let protocol = match m.protocol {
-        legend_eval::ProtocolKind::Filtered => "filtered".to_string(),
-        legend_eval::ProtocolKind::Sampled => format!(
-            "sampled ({} uniform + {} degree negatives)",
-            m.uniform_negatives.unwrap_or(0),
-            m.degree_negatives.unwrap_or(0)
-        ),
-    };
-    format!(
-        "{protocol} MRR {:.4}  Hits@1 {:.4}  Hits@3 {:.4}  Hits@10 {:.4}  mean rank {:.1}  ({} queries, both sides; realistic ties)",
-        m.mrr, m.hits_at_1, m.hits_at_3, m.hits_at_10, m.mean_rank, m.count
-    )
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -196,7 +109,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, None) => bail!("give a run directory or --embeddings"),
     };
     let request = EvalRequest {
-        protocol: &args.protocol,
+        protocol: args.protocol,
         split: args.split,
         negatives: SampledNegatives {
             uniform: args.uniform_negatives,

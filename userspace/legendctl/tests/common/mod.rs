@@ -2,7 +2,7 @@
 
 #![allow(dead_code)] // Each test binary uses its own subset.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// Path of the binary under test.
@@ -49,4 +49,40 @@ pub fn s(p: &Path) -> String {
 /// Parses one line of JSON output.
 pub fn json(line: &str) -> serde_json::Value {
     serde_json::from_str(line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
+}
+
+/// Imports into `dir/ds` a 60-entity, 3-relation graph with structure to learn (entity i
+/// relates to (i + r + 1) mod 60 by relation r; a tenth held out as test and valid).
+pub fn graph(dir: &Path) -> PathBuf {
+    let n = 60;
+    let mut train = String::new();
+    let mut test = String::new();
+    for i in 0..n {
+        for r in 0..3 {
+            let line = format!("e{i}\tr{r}\te{}\n", (i + r + 1) % n);
+            if (i * 3 + r) % 10 == 0 {
+                &mut test
+            } else {
+                &mut train
+            }
+            .push_str(&line);
+        }
+    }
+    std::fs::write(dir.join("train.tsv"), train).unwrap();
+    std::fs::write(dir.join("test.tsv"), &test).unwrap();
+    std::fs::write(dir.join("valid.tsv"), &test).unwrap();
+    let ds = dir.join("ds");
+    let d = |f: &str| dir.join(f).display().to_string();
+    ok(&[
+        "import",
+        "-o",
+        &d("ds"),
+        "--train",
+        &d("train.tsv"),
+        "--valid",
+        &d("valid.tsv"),
+        "--test",
+        &d("test.tsv"),
+    ]);
+    ds
 }
