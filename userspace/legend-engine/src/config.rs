@@ -124,7 +124,7 @@ impl Default for StorageConfig {
             namespace: 1,
             start_lba: 0,
             force: false,
-            order: Order::Legend,
+            order: Order::Auto,
             prefetch: true,
             gpu_edge_fraction: 0.25,
         }

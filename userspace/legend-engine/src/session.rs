@@ -409,7 +409,7 @@ impl Session {
             self.config.storage.backend,
             plan.num_partitions,
             self.config.capacity(),
-            self.config.storage.order,
+            plan.kind,
             plan.io_count
         )
     }

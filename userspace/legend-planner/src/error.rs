@@ -22,7 +22,9 @@ pub enum PlanError {
         num_partitions: u32,
     },
     /// The ordering is only defined for some capacities.
-    #[error("order `{order}` supports capacity {supported} only, got {capacity}")]
+    #[error(
+        "order `{order}` supports capacity {supported} only, got {capacity} (order `auto` plans any capacity)"
+    )]
     UnsupportedCapacity {
         /// Requested ordering.
         order: Order,
@@ -32,7 +34,7 @@ pub enum PlanError {
         supported: u32,
     },
     /// A name that is not `legend`, `beta` or `sequential`.
-    #[error("unknown order `{0}` (expected legend, beta or sequential)")]
+    #[error("unknown order `{0}` (expected auto, legend, beta or sequential)")]
     UnknownOrder(String),
     /// The planner produced a plan that fails validation: a planner bug.
     #[error(

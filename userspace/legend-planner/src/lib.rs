@@ -36,6 +36,7 @@ pub const LEGEND_CAPACITY: u32 = 3;
 /// [`PlanError::Invalid`] if the produced plan fails validation, which is a planner bug.
 pub fn plan(num_partitions: u32, capacity: u32, order: Order) -> Result<Plan, PlanError> {
     let n = num_partitions;
+    let order = order.resolve(capacity);
     if n == 0 {
         return Err(PlanError::ZeroPartitions);
     }
@@ -56,7 +57,8 @@ pub fn plan(num_partitions: u32, capacity: u32, order: Order) -> Result<Plan, Pl
                 });
             }
             Order::Legend => legend::states(n),
-            Order::Beta => beta::states(n, capacity),
+            // `Auto` was resolved above; it never reaches here.
+            Order::Beta | Order::Auto => beta::states(n, capacity),
             Order::Sequential => sequential::states(n, capacity),
         }
     };

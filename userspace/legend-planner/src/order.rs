@@ -11,6 +11,9 @@ use crate::error::PlanError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Order {
+    /// Legend's order where it applies (capacity 3), BETA at any other capacity: the default,
+    /// so that every capacity ≥ 2 plans. A plan records the order it resolved to.
+    Auto,
     /// Legend's Algorithm 1 (buffer states) and Algorithm 2 (bucket order); capacity 3 only.
     Legend,
     /// Marius's BETA ordering, with an exhaustively searched tail; any capacity ≥ 2.
@@ -21,14 +24,26 @@ pub enum Order {
 
 impl Order {
     /// Every ordering, in the order the documentation lists them.
-    pub const ALL: [Order; 3] = [Order::Legend, Order::Beta, Order::Sequential];
+    pub const ALL: [Order; 4] = [Order::Auto, Order::Legend, Order::Beta, Order::Sequential];
 
     /// The name used by `FromStr`, `Display` and the CLI.
     pub fn name(self) -> &'static str {
         match self {
+            Order::Auto => "auto",
             Order::Legend => "legend",
             Order::Beta => "beta",
             Order::Sequential => "sequential",
+        }
+    }
+}
+
+impl Order {
+    /// The order [`Order::Auto`] stands for at `capacity`; any other order itself.
+    pub fn resolve(self, capacity: u32) -> Order {
+        match self {
+            Order::Auto if capacity == crate::LEGEND_CAPACITY => Order::Legend,
+            Order::Auto => Order::Beta,
+            other => other,
         }
     }
 }

@@ -74,6 +74,21 @@ fn degenerate_and_errors() {
 }
 
 #[test]
+fn auto_is_legend_at_capacity_three_and_beta_elsewhere() {
+    for n in 4..20 {
+        assert_eq!(
+            plan(n, 3, Order::Auto).unwrap(),
+            plan(n, 3, Order::Legend).unwrap()
+        );
+        for c in [2, 4, 5] {
+            let auto = plan(n, c, Order::Auto).unwrap();
+            assert_eq!(auto.kind, Order::Beta);
+            assert_eq!(auto, plan(n, c, Order::Beta).unwrap());
+        }
+    }
+}
+
+#[test]
 fn order_names_round_trip() {
     for order in Order::ALL {
         assert_eq!(order.to_string().parse::<Order>(), Ok(order));

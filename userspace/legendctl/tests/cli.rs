@@ -306,3 +306,53 @@ fn bad_configurations_are_refused_and_leave_nothing() {
     assert!(!out.exists(), "a refused run left its directory behind");
     fails(&["eval", &s(&dir.path().join("nope"))], "run.toml");
 }
+
+#[test]
+fn any_buffer_capacity_trains_with_the_default_order_and_a_refusal_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = graph(dir.path());
+    for capacity in ["2", "4"] {
+        let out = dir.path().join(format!("c{capacity}"));
+        ok(&[
+            "train",
+            "--dataset",
+            &s(&ds),
+            "--out",
+            &s(&out),
+            "--set",
+            "storage.num_partitions=6",
+            "--set",
+            &format!("storage.buffer_capacity={capacity}"),
+            "--set",
+            "storage.backend=file",
+            "--set",
+            "training.num_epochs=1",
+        ]);
+        assert!(out.join("run.toml").is_file());
+    }
+    let refused = dir.path().join("refused");
+    let out = common::legendctl(&[
+        "train",
+        "--dataset",
+        &s(&ds),
+        "--out",
+        &s(&refused),
+        "--set",
+        "storage.num_partitions=6",
+        "--set",
+        "storage.buffer_capacity=4",
+        "--set",
+        "storage.order=legend",
+        "--set",
+        "storage.backend=file",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(err.matches("supports capacity 3 only").count(), 1, "{err}");
+    assert!(err.contains("`auto`"), "{err}");
+    assert!(
+        !refused.exists(),
+        "a refused run left {}",
+        refused.display()
+    );
+}

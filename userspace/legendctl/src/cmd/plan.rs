@@ -16,8 +16,9 @@ pub struct Args {
     /// Buffer capacity C (partitions resident at once).
     #[arg(long, short = 'c')]
     buffer: u32,
-    /// `legend` (Algorithms 1+2, C = 3), `beta` (Marius) or `sequential`.
-    #[arg(long, default_value = "legend")]
+    /// `auto` (legend at C = 3, else beta), `legend` (Algorithms 1+2, C = 3), `beta` (Marius)
+    /// or `sequential`.
+    #[arg(long, default_value = "auto")]
     order: Order,
     /// Print the plan as one JSON object.
     #[arg(long)]
