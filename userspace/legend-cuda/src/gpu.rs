@@ -323,6 +323,15 @@ impl Gpu {
             .during("reading the device memory size")
     }
 
+    /// Bytes of device memory in use, by every process on the device.
+    pub fn memory_in_use(&self) -> Result<usize, GpuError> {
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .during("reading the device memory in use")?;
+        Ok(total - free)
+    }
+
     /// A device buffer of `len` zeros.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
         &self,

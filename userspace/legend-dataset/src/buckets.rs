@@ -58,7 +58,7 @@ impl PartitionScheme {
 }
 
 /// Train edges sorted into N×N buckets; bucket `(i, j)` holds edges with source in partition `i`
-/// and destination in partition `j`, in their original relative order.
+/// and destination in partition `j`, in an order fixed by the input order alone.
 #[derive(Clone, Debug)]
 pub struct Buckets {
     scheme: PartitionScheme,
@@ -67,28 +67,39 @@ pub struct Buckets {
 }
 
 impl Buckets {
-    /// Groups `edges` into buckets by a stable counting sort.
-    pub fn build(edges: &[Edge], scheme: PartitionScheme) -> Buckets {
+    /// Groups `edges` into buckets in place (a counting pass, then each edge swapped into its
+    /// bucket's next free slot), so that bucketing a graph never holds its edges twice: at
+    /// billion-edge scale the copy a counting sort needs would be gigabytes of peak memory.
+    pub fn build(mut edges: Vec<Edge>, scheme: PartitionScheme) -> Buckets {
         let n2 = scheme.num_partitions as usize * scheme.num_partitions as usize;
         let bucket =
             |e: &Edge| scheme.bucket_index(scheme.partition_of(e[0]), scheme.partition_of(e[2]));
         let mut offsets = vec![0u64; n2 + 1];
-        for e in edges {
+        for e in &edges {
             offsets[bucket(e) + 1] += 1;
         }
         for i in 0..n2 {
             offsets[i + 1] += offsets[i];
         }
-        let mut cursor: Vec<u64> = offsets[..n2].to_vec();
-        let mut sorted = vec![[0u32; 3]; edges.len()];
-        for e in edges {
-            let b = bucket(e);
-            sorted[cursor[b] as usize] = *e;
-            cursor[b] += 1;
+        if n2 > 1 {
+            // `next[b]`: the first slot of bucket b not yet holding one of its own edges.
+            let mut next: Vec<usize> = offsets[..n2].iter().map(|&o| o as usize).collect();
+            for b in 0..n2 {
+                let end = offsets[b + 1] as usize;
+                while next[b] < end {
+                    let home = bucket(&edges[next[b]]);
+                    if home == b {
+                        next[b] += 1;
+                    } else {
+                        edges.swap(next[b], next[home]);
+                        next[home] += 1;
+                    }
+                }
+            }
         }
         Buckets {
             scheme,
-            edges: sorted,
+            edges,
             offsets,
         }
     }
@@ -206,15 +217,21 @@ impl Buckets {
 
 /// Reads a whole file of little-endian plain values.
 pub(crate) fn read_pod<T: bytemuck::Pod>(path: &Path) -> Result<Vec<T>> {
-    let bytes = std::fs::read(path).at(path)?;
-    let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).at(path)?;
+    let len = file.metadata().at(path)?.len();
+    let size = std::mem::size_of::<T>() as u64;
+    if len % size != 0 {
         return Err(invalid(
             path,
-            format!("size {} is not a multiple of {size} bytes", bytes.len()),
+            format!("size {len} is not a multiple of {size} bytes"),
         ));
     }
-    Ok(bytemuck::pod_collect_to_vec(&bytes))
+    // Read straight into the typed vector: a byte buffer first would hold the data twice.
+    let mut items = vec![T::zeroed(); (len / size) as usize];
+    file.read_exact(bytemuck::cast_slice_mut(&mut items))
+        .at(path)?;
+    Ok(items)
 }
 
 #[cfg(test)]
@@ -247,7 +264,7 @@ mod tests {
             prop_assume!(n <= v);
             let edges: Vec<Edge> = raw.iter().map(|&(s, r, d)| [s % v, r, d % v]).collect();
             let scheme = PartitionScheme::new(u64::from(v), n).unwrap();
-            let b = Buckets::build(&edges, scheme);
+            let b = Buckets::build(edges.clone(), scheme);
             let mut seen = Vec::new();
             for i in 0..n {
                 for j in 0..n {

@@ -63,6 +63,49 @@ impl Dataset {
         Ok(edges)
     }
 
+    /// Degree (in + out) of every entity over the edges of `split`, read from the file in
+    /// blocks rather than loaded whole (a caller that needs degrees only, such as sampled
+    /// evaluation, should not hold a billion-edge split in memory to count them).
+    pub fn degrees(&self, split: Split) -> Result<Vec<u32>> {
+        use std::io::Read;
+        const BLOCK_EDGES: usize = 1 << 14;
+        let path = edge_file(&self.dir, split);
+        let mut file = std::fs::File::open(&path).at(&path)?;
+        let want = self.meta.splits.get(split);
+        let have = file.metadata().at(&path)?.len();
+        let edge_bytes = std::mem::size_of::<Edge>() as u64;
+        if have != want * edge_bytes {
+            return Err(invalid(
+                &path,
+                format!("holds {have} bytes, dataset.toml says {want} edges of {edge_bytes} bytes"),
+            ));
+        }
+        let (ne, nr) = (self.meta.entities, self.meta.relations);
+        let mut deg = vec![0u32; ne as usize];
+        let mut block = vec![[0u32; 3]; BLOCK_EDGES];
+        let mut done = 0u64;
+        while done < want {
+            let n = (want - done).min(BLOCK_EDGES as u64) as usize;
+            file.read_exact(bytemuck::cast_slice_mut(&mut block[..n]))
+                .at(&path)?;
+            for (i, e) in block[..n].iter().enumerate() {
+                if u64::from(e[0]) >= ne || u64::from(e[2]) >= ne || u64::from(e[1]) >= nr {
+                    return Err(invalid(
+                        &path,
+                        format!(
+                            "edge {} {e:?} is outside {ne} entities / {nr} relations",
+                            done + i as u64
+                        ),
+                    ));
+                }
+                deg[e[0] as usize] += 1;
+                deg[e[2] as usize] += 1;
+            }
+            done += n as u64;
+        }
+        Ok(deg)
+    }
+
     /// The partition scheme for `num_partitions`.
     pub fn scheme(&self, num_partitions: u32) -> Result<PartitionScheme> {
         PartitionScheme::new(self.meta.entities, num_partitions).map_err(|m| invalid(&self.dir, m))
@@ -75,13 +118,13 @@ impl Dataset {
         if let Some(saved) = Buckets::load(&self.dir, scheme, self.meta.splits.train)? {
             return Ok(saved);
         }
-        Ok(Buckets::build(&self.edges(Split::Train)?, scheme))
+        Ok(Buckets::build(self.edges(Split::Train)?, scheme))
     }
 
     /// Sorts train edges into N×N buckets and saves them next to the edges.
     pub fn partition(&self, num_partitions: u32) -> Result<Buckets> {
         let scheme = self.scheme(num_partitions)?;
-        let buckets = Buckets::build(&self.edges(Split::Train)?, scheme);
+        let buckets = Buckets::build(self.edges(Split::Train)?, scheme);
         buckets.save(&self.dir)?;
         Ok(buckets)
     }

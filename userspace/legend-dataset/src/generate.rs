@@ -610,6 +610,8 @@ mod tests {
         assert_eq!(ds.relation_labels().unwrap()[6], "r6");
         let train = ds.edges(Split::Train).unwrap();
         assert_eq!(train.len(), 18_001);
+        // Counted from the file in blocks (18 001 edges: two), as from the loaded edges.
+        assert_eq!(ds.degrees(Split::Train).unwrap(), degrees(1_000, &train));
         assert!(train.iter().all(|e| e[0] != e[2]), "self-loop in train");
         let mut entity_in_train = [false; 1_000];
         let mut relation_in_train = [false; 7];

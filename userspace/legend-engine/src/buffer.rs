@@ -40,6 +40,18 @@ pub trait PartitionStore: Send + 'static {
     fn commit(&mut self, _progress: &[u8], _aux: &[u8]) -> Result<bool, StoreError> {
         Ok(false)
     }
+    /// Reads partition `p` for the buffer to hold, as [`PartitionStore::read`]; a store in
+    /// memory hands its copy over (the buffer writes the partition back when it evicts it), so
+    /// that a partition is never held twice.
+    fn take(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError> {
+        self.read(p, emb, state)
+    }
+    /// Whether the store is process memory, like the buffer: a checkpoint then leaves the
+    /// resident partitions where they are instead of copying them into it (with every
+    /// partition resident, that copy would be a second whole table in RAM).
+    fn in_memory(&self) -> bool {
+        false
+    }
 }
 
 /// Work a compute engine that keeps resident rows elsewhere (the GPU) has the buffer's I/O
@@ -117,19 +129,22 @@ impl Partition {
 
 impl MemoryStore {
     /// A store holding whole tables (`entities × dim` each), split by `scheme`: resuming a run.
+    /// The tables are cut from their ends, each partition moved out and the rest shrunk, so
+    /// that resuming never holds the tables twice.
     pub fn from_tables(
         scheme: PartitionScheme,
         dim: usize,
-        emb: &[f32],
-        state: &[f32],
+        mut emb: Vec<f32>,
+        mut state: Vec<f32>,
     ) -> MemoryStore {
-        let parts = (0..scheme.num_partitions)
-            .map(|p| {
-                let r = scheme.range(p);
-                let span = r.start as usize * dim..r.end as usize * dim;
-                (p, (emb[span.clone()].to_vec(), state[span].to_vec()))
-            })
-            .collect();
+        let mut parts = FxHashMap::default();
+        for p in (0..scheme.num_partitions).rev() {
+            let start = scheme.range(p).start as usize * dim;
+            let part = (emb.split_off(start), state.split_off(start));
+            emb.shrink_to_fit();
+            state.shrink_to_fit();
+            parts.insert(p, part);
+        }
         MemoryStore { parts }
     }
 }
@@ -144,6 +159,16 @@ impl PartitionStore for MemoryStore {
             }
             None => Ok(false),
         }
+    }
+
+    fn in_memory(&self) -> bool {
+        true
+    }
+
+    fn take(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError> {
+        let found = self.read(p, emb, state)?;
+        self.parts.remove(&p);
+        Ok(found)
     }
 
     fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), StoreError> {
@@ -396,8 +421,8 @@ impl PartitionBuffer {
         Ok(())
     }
 
-    /// Writes every resident partition back and commits a checkpoint with `progress` and
-    /// `aux` in the store. Returns whether the store keeps checkpoints itself (see
+    /// Writes every resident partition back (unless the store is in memory too) and commits a
+    /// checkpoint with `progress` and `aux` in the store. Returns whether the store keeps checkpoints itself (see
     /// [`PartitionStore::commit`]).
     pub fn checkpoint(&mut self, progress: Vec<u8>, aux: Vec<u8>) -> Result<bool, StoreError> {
         let parts: Vec<Partition> = self.resident.iter_mut().filter_map(Option::take).collect();
@@ -414,16 +439,28 @@ impl PartitionBuffer {
         Ok(reply.committed)
     }
 
-    /// A copy of partition `p`, resident or not (for checkpoints and export).
+    /// A copy of partition `p`, resident or not.
     pub fn read_partition(&mut self, p: u32) -> Result<Partition, StoreError> {
+        self.with_partition(p, Partition::clone)
+    }
+
+    /// Calls `f` with partition `p`: a resident one in place, another read from the store for
+    /// the call (for checkpoints, exports and evaluation, which would otherwise copy every
+    /// resident partition: the whole table when all are resident).
+    pub fn with_partition<R>(
+        &mut self,
+        p: u32,
+        f: impl FnOnce(&Partition) -> R,
+    ) -> Result<R, StoreError> {
         if let Some(part) = self.partition(p) {
-            return Ok(part.clone());
+            return Ok(f(part));
         }
         self.send(Request::Read(p))?;
-        Ok(self
+        let part = self
             .receive()?
             .loaded
-            .expect("a read reply carries the partition"))
+            .expect("a read reply carries the partition");
+        Ok(f(&part))
     }
 
     /// Embedding and state rows of entity `id`, if its partition is resident.
@@ -498,7 +535,16 @@ fn serve(
                 }
                 None => Partition::empty(load),
             };
-            let mut reply = loaded_reply(store, scheme, dim, init, load, part, stats, started)?;
+            let mut reply = loaded_reply(
+                store,
+                scheme,
+                dim,
+                init,
+                Partition { id: load, ..part },
+                Access::Take,
+                stats,
+                started,
+            )?;
             if let Some(h) = hook.as_deref_mut() {
                 let t = Instant::now();
                 h.after_read(reply.loaded.as_ref().expect("a swap loads a partition"))?;
@@ -512,8 +558,8 @@ fn serve(
             scheme,
             dim,
             init,
-            p,
             Partition::empty(p),
+            Access::Peek,
             stats,
             started,
         ),
@@ -533,7 +579,9 @@ fn serve(
             progress,
             aux,
         } => {
-            write_back(store, &parts, &mut stats)?;
+            if !store.in_memory() {
+                write_back(store, &parts, &mut stats)?;
+            }
             let committed = store.commit(&progress, &aux)?;
             stats.io_time = started.elapsed();
             Ok(Reply {
@@ -546,19 +594,28 @@ fn serve(
     }
 }
 
-/// Loads partition `p` into `part` (reusing its memory) and builds the reply that carries it.
+/// Whether a partition read becomes resident (the store may give up its copy) or is only
+/// looked at.
+#[derive(Clone, Copy)]
+enum Access {
+    Take,
+    Peek,
+}
+
+/// Loads partition `part.id` into `part` (reusing its memory) and builds the reply that
+/// carries it.
 #[expect(clippy::too_many_arguments)]
 fn loaded_reply(
     store: &mut impl PartitionStore,
     scheme: PartitionScheme,
     dim: usize,
     init: &Init,
-    p: u32,
     mut part: Partition,
+    access: Access,
     mut stats: IoStats,
     started: Instant,
 ) -> Result<Reply, StoreError> {
-    load_into(store, scheme, dim, init, p, &mut part, &mut stats)?;
+    load_into(store, scheme, dim, init, &mut part, access, &mut stats)?;
     stats.io_time = started.elapsed();
     Ok(Reply {
         loaded: Some(part),
@@ -568,22 +625,27 @@ fn loaded_reply(
     })
 }
 
-/// Reads partition `p` into `part` (reusing its memory), or initialises it if never written.
+/// Reads partition `part.id` into `part` (reusing its memory), or initialises it if never
+/// written.
 fn load_into(
     store: &mut impl PartitionStore,
     scheme: PartitionScheme,
     dim: usize,
     init: &Init,
-    p: u32,
     part: &mut Partition,
+    access: Access,
     stats: &mut IoStats,
 ) -> Result<(), StoreError> {
+    let p = part.id;
     let range = scheme.range(p);
     let len = (range.end - range.start) as usize * dim;
-    part.id = p;
     part.emb.resize(len, 0.0);
     part.state.resize(len, 0.0);
-    if store.read(p, &mut part.emb, &mut part.state)? {
+    let found = match access {
+        Access::Take => store.take(p, &mut part.emb, &mut part.state)?,
+        Access::Peek => store.read(p, &mut part.emb, &mut part.state)?,
+    };
+    if found {
         stats.reads += 1;
         stats.bytes_read += (part.emb.len() + part.state.len()) as u64 * 4;
     } else {

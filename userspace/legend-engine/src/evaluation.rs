@@ -110,7 +110,7 @@ pub fn evaluate(
             )?
         }
         Protocol::Sampled => {
-            let degrees = legend_dataset::degrees(ne, &dataset.edges(Split::Train)?);
+            let degrees = dataset.degrees(Split::Train)?;
             let protocol = legend_eval::Protocol::Sampled {
                 negatives: request.negatives,
                 degrees: &degrees,

@@ -8,6 +8,7 @@ pub mod controllers;
 pub mod device;
 pub mod evaluation;
 pub mod file_store;
+pub mod memory;
 pub mod run;
 pub mod sampler;
 pub mod session;

@@ -13,7 +13,7 @@
 //! `run.toml` and the checkpoint it names intact.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -308,25 +308,29 @@ pub fn load_tables(run: &Path, meta: &RunMeta) -> Result<Tables, RunError> {
     let mut tables = Vec::with_capacity(4);
     for ((file, rows), crc) in TABLE_FILES.iter().zip(rows).zip(sums) {
         let path = dir.join(file);
-        let bytes = std::fs::read(&path).map_err(io(&path))?;
         let want = rows as usize * meta.dim * 4;
-        if bytes.len() != want {
+        let len = std::fs::metadata(&path).map_err(io(&path))?.len();
+        if len != want as u64 {
             return Err(invalid(
                 &path,
                 format!(
-                    "holds {} bytes, expected {want} ({rows} rows × {} floats)",
-                    bytes.len(),
+                    "holds {len} bytes, expected {want} ({rows} rows × {} floats)",
                     meta.dim
                 ),
             ));
         }
-        if crc32fast::hash(&bytes) != crc {
+        // Read straight into the table: a byte buffer first would hold it twice.
+        let mut table = vec![0f32; want / 4];
+        File::open(&path)
+            .and_then(|mut f| f.read_exact(bytemuck::cast_slice_mut(&mut table)))
+            .map_err(io(&path))?;
+        if crc32fast::hash(bytemuck::cast_slice(&table)) != crc {
             return Err(invalid(
                 &path,
                 "checksum mismatch: the checkpoint is damaged",
             ));
         }
-        tables.push(bytemuck::pod_collect_to_vec::<u8, f32>(&bytes));
+        tables.push(table);
     }
     let mut it = tables.into_iter();
     let mut next = || it.next().expect("four tables");

@@ -22,6 +22,7 @@ use crate::config::{Config, ConfigError};
 use crate::device::Device;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
 use crate::file_store::{FileStore, FileStoreSpec, SharedFileStore, encode_relations};
+use crate::memory;
 use crate::run::{self, RunError, RunMeta, TableChecksums};
 use crate::trainer::{EpochCut, EpochEnd, EpochReport, Relations, TrainError, Trainer};
 
@@ -210,6 +211,7 @@ impl Session {
         )
         .map_err(TrainError::from)?;
         let dataset = Dataset::open(dataset)?;
+        check_memory(&config, dataset.meta())?;
         let device = Device::open(&config)?;
         let meta = new_meta(&config, &dataset);
         assemble_run_dir(out, &config, &meta)?;
@@ -238,6 +240,7 @@ impl Session {
         let text = std::fs::read_to_string(&config_path).map_err(io_error(&config_path))?;
         let config = Config::parse(&text, sets)?;
         let dataset = evaluation::open_run_dataset(&meta, dataset)?;
+        check_memory(&config, dataset.meta())?;
         let device = Device::open(&config)?;
         let session = Session::start(out, config, dataset, meta, device)?;
         // The keys changed with `sets` hold from now on.
@@ -322,7 +325,7 @@ impl Session {
             (buffer, relations, position)
         } else if !meta.checkpoint.is_empty() {
             let t = run::load_tables(out, &meta)?;
-            let store = MemoryStore::from_tables(scheme, dim, &t.entities, &t.entities_state);
+            let store = MemoryStore::from_tables(scheme, dim, t.entities, t.entities_state);
             let relations = Relations {
                 emb: t.relations,
                 state: t.relations_state,
@@ -513,7 +516,6 @@ impl Session {
     /// Evaluates the current parameters on `split` as `[evaluation]` says.
     pub fn evaluate(&mut self, split: Split) -> Result<Metrics, SessionError> {
         let dim = self.config.model.dim;
-        let entities = self.entity_table()?;
         let e = &self.config.evaluation;
         let request = EvalRequest {
             protocol: e.protocol,
@@ -525,26 +527,24 @@ impl Session {
             },
             threads: self.config.training.threads,
         };
-        Ok(evaluation::evaluate(
-            &self.dataset,
-            self.config.decoder(),
-            dim,
-            &entities,
-            &self.trainer.relations().emb,
-            &request,
-        )?)
-    }
-
-    /// The whole entity embedding table, partition by partition.
-    fn entity_table(&mut self) -> Result<Vec<f32>, SessionError> {
+        let decoder = self.config.decoder();
         self.trainer.sync_host()?;
+        let relations = self.trainer.relations().emb.clone();
         let buffer = self.trainer.buffer();
-        let scheme = buffer.scheme();
-        let mut emb = Vec::with_capacity(scheme.entities as usize * self.config.model.dim);
-        for p in 0..scheme.num_partitions {
-            emb.extend_from_slice(&buffer.read_partition(p)?.emb);
-        }
-        Ok(emb)
+        let evaluate = |entities: &[f32]| {
+            evaluation::evaluate(&self.dataset, decoder, dim, entities, &relations, &request)
+        };
+        let metrics = if buffer.scheme().num_partitions == 1 {
+            // One partition is the whole table: ranked in place, not copied.
+            buffer.with_partition(0, |part| evaluate(&part.emb))??
+        } else {
+            let mut emb = Vec::with_capacity(buffer.scheme().entities as usize * dim);
+            for p in 0..buffer.scheme().num_partitions {
+                buffer.with_partition(p, |part| emb.extend_from_slice(&part.emb))?;
+            }
+            evaluate(&emb)?
+        };
+        Ok(metrics)
     }
 
     /// Commits the parameters at `self.position`: in the store (its superblock is the commit
@@ -568,12 +568,15 @@ impl Session {
             (&relations.emb, &relations.state),
             |e, s| {
                 for p in 0..buffer.scheme().num_partitions {
-                    let part = buffer.read_partition(p).map_err(|err| RunError::Invalid {
-                        path: self.out.clone(),
-                        message: err.to_string(),
-                    })?;
-                    e.write(&part.emb)?;
-                    s.write(&part.state)?;
+                    buffer
+                        .with_partition(p, |part| {
+                            e.write(&part.emb)?;
+                            s.write(&part.state)
+                        })
+                        .map_err(|err| RunError::Invalid {
+                            path: self.out.clone(),
+                            message: err.to_string(),
+                        })??;
                 }
                 Ok(())
             },
@@ -581,6 +584,25 @@ impl Session {
         tracing::debug!("checkpoint {} committed", self.meta.checkpoint);
         Ok(())
     }
+}
+
+/// Refuses a run whose estimated peak host memory exceeds what the machine has (see
+/// [`memory::check_fits`]), before anything is allocated or written.
+fn check_memory(
+    config: &Config,
+    dataset: &legend_dataset::DatasetMeta,
+) -> Result<(), SessionError> {
+    let Some(available) = memory::available_bytes() else {
+        tracing::warn!("cannot read the available memory; the run's memory is not checked");
+        return Ok(());
+    };
+    let estimate = memory::check_fits(config, dataset, available).map_err(SessionError::Refused)?;
+    tracing::info!(
+        "host memory: about {:.1} GiB at the peak, {:.1} GiB available",
+        memory::gib(estimate.total()),
+        memory::gib(available)
+    );
+    Ok(())
 }
 
 /// The commit record of a new run of `config` on `dataset`.

@@ -146,6 +146,13 @@ pub struct EpochReport {
     pub buffer_states: u64,
     /// Per-swap timings.
     pub swaps: Vec<SwapReport>,
+    /// The process's peak resident memory so far (bytes; 0 where it cannot be read).
+    #[serde(default)]
+    pub peak_rss_bytes: u64,
+    /// Device memory in use at the end of the epoch (bytes, the GPU engine only; the whole
+    /// device's, other processes included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_bytes: Option<u64>,
     /// The epoch was resumed in its middle: its times and I/O cover only the part trained
     /// after the resume (its loss and edges cover the whole epoch).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -476,6 +483,8 @@ impl Trainer {
         report.io_s = io.io_time.as_secs_f64();
         report.io_wait_s = io.wait_time.as_secs_f64();
         report.resumed = from.swaps > 0 || from.batches > 0;
+        report.peak_rss_bytes = crate::memory::peak_rss_bytes().unwrap_or(0);
+        report.gpu_memory_bytes = self.compute.device_memory_in_use();
         Ok(EpochEnd::Done(report))
     }
 

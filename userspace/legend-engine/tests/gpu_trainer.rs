@@ -71,7 +71,7 @@ fn train(
     .unwrap();
     let edges = edges();
     let scheme = PartitionScheme::new(ENTITIES, partitions).unwrap();
-    let buckets = Buckets::build(&edges, scheme);
+    let buckets = Buckets::build(edges.clone(), scheme);
     let degrees = legend_dataset::degrees(ENTITIES as usize, buckets.edges());
     let dim = config.model.dim;
     let init = config.init();

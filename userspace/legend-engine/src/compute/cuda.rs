@@ -722,6 +722,10 @@ impl ComputeBackend for CudaCompute {
         Ok(true)
     }
 
+    fn device_memory_in_use(&self) -> Option<u64> {
+        self.gpu.memory_in_use().ok().map(|b| b as u64)
+    }
+
     fn take_io_kernels(&mut self, epoch_start: Instant) -> Vec<IoKernelSpan> {
         let Some(direct) = &self.direct else {
             return Vec::new();

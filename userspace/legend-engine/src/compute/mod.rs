@@ -117,6 +117,10 @@ pub(crate) trait ComputeBackend {
     ) -> Result<bool, TrainError> {
         Ok(false)
     }
+    /// Device memory in use (bytes), for engines with a device.
+    fn device_memory_in_use(&self) -> Option<u64> {
+        None
+    }
     /// The I/O kernel launches since the last call, timed from `epoch_start` (engines without
     /// direct I/O have none).
     fn take_io_kernels(&mut self, _epoch_start: Instant) -> Vec<IoKernelSpan> {

@@ -170,12 +170,17 @@ impl ProgressView {
                     tracing::info!("epoch {} valid: {}", report.epoch, describe(m));
                 }
                 tracing::info!(
-                    "epoch {}: loss {:.4}, {:.0} edges/s ({} negatives per positive and side), {:.2} s",
+                    "epoch {}: loss {:.4}, {:.0} edges/s ({} negatives per positive and side), {:.2} s, peak RSS {:.2} GiB{}",
                     report.epoch,
                     report.loss,
                     report.edges_per_sec,
                     report.negatives_per_positive,
-                    report.seconds
+                    report.seconds,
+                    legend_engine::memory::gib(report.peak_rss_bytes),
+                    report.gpu_memory_bytes.map_or(String::new(), |b| format!(
+                        ", GPU memory in use {:.2} GiB",
+                        legend_engine::memory::gib(b)
+                    ))
                 );
                 self.print(line);
             }

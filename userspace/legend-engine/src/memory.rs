@@ -1,0 +1,213 @@
+//! Host memory: what a run will need, what the machine has, and what a run used.
+//!
+//! A billion-edge run that the OOM killer ends while it saves has lost all its work, so a
+//! session estimates its peak before it allocates anything and refuses, saying which setting
+//! would make it fit, when the machine cannot hold it.
+
+use std::path::Path;
+
+use legend_dataset::{DatasetMeta, Split};
+
+use crate::config::{Backend, Config, Protocol};
+
+/// Bytes of one stored edge (source, relation, destination as `u32`).
+const EDGE_BYTES: u64 = 12;
+/// Bytes per edge of the filtered-negatives set (a hash set of edges at its load factor).
+const KNOWN_EDGE_BYTES: u64 = 32;
+/// The process itself, thread stacks, batch scratch and allocator slack.
+const BASELINE_BYTES: u64 = 512 << 20;
+
+/// A run's estimated peak host memory, by what holds it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostEstimate {
+    /// Train edges in their buckets.
+    pub edges: u64,
+    /// Embedding and optimizer rows held in RAM (every partition with the memory backend; the
+    /// buffer's partitions and the store's staging with the others).
+    pub tables: u64,
+    /// The filtered-negatives set, when `training.negatives.filtered` is on.
+    pub known_edges: u64,
+    /// The evaluation at the end (its split, the filter or degrees, the gathered entity table
+    /// when there is more than one partition).
+    pub evaluation: u64,
+    /// The process, threads and scratch.
+    pub baseline: u64,
+}
+
+impl HostEstimate {
+    /// What `config` on `dataset` will hold at its peak (the final evaluation runs while the
+    /// trainer still holds its edges and tables).
+    pub fn of(config: &Config, dataset: &DatasetMeta) -> HostEstimate {
+        let dim = config.model.dim as u64;
+        let n = u64::from(config.storage.num_partitions.max(1));
+        let row_bytes = dim * 4 * 2; // embedding + AdaGrad state
+        let partition_bytes = dataset.entities.div_ceil(n) * row_bytes;
+        let train = dataset.splits.get(Split::Train);
+        let tables = match config.storage.backend {
+            Backend::Memory => dataset.entities * row_bytes,
+            // The buffer's partitions, the store's staging buffer and one partition in flight.
+            _ => (u64::from(config.capacity()) + 2) * partition_bytes,
+        };
+        let known_edges = if config.training.negatives.filtered {
+            train * KNOWN_EDGE_BYTES
+        } else {
+            0
+        };
+        let split = dataset.splits.get(config.evaluation.split.split());
+        let gathered = if n > 1 { dataset.entities * dim * 4 } else { 0 };
+        let ranking = match config.evaluation.protocol {
+            // Every split's edges, twice: loaded, then indexed.
+            Protocol::Filtered => {
+                let all: u64 = Split::ALL.iter().map(|&s| dataset.splits.get(s)).sum();
+                all * EDGE_BYTES * 2
+            }
+            Protocol::Sampled => split * EDGE_BYTES + dataset.entities * 4,
+        };
+        HostEstimate {
+            edges: train * EDGE_BYTES,
+            tables,
+            known_edges,
+            evaluation: gathered + ranking,
+            baseline: BASELINE_BYTES,
+        }
+    }
+
+    /// The whole estimate in bytes.
+    pub fn total(&self) -> u64 {
+        self.edges + self.tables + self.known_edges + self.evaluation + self.baseline
+    }
+}
+
+/// Bytes this process may still allocate: the kernel's `MemAvailable`, lowered by a cgroup
+/// limit (a systemd unit's `MemoryMax`, a container's) where one applies. `None` where neither
+/// can be read.
+pub fn available_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let available = meminfo
+        .as_deref()
+        .and_then(|m| kib_field(m, "MemAvailable:"));
+    let cgroup = cgroup_headroom(Path::new("/sys/fs/cgroup"));
+    match (available, cgroup) {
+        (Some(a), Some(c)) => Some(a.min(c)),
+        (a, c) => a.or(c),
+    }
+}
+
+/// This process's peak resident set (`VmHWM`), in bytes.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    kib_field(&status, "VmHWM:")
+}
+
+/// The value of a `Name:   1234 kB` line, in bytes.
+fn kib_field(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(name))?;
+    let kib: u64 = line[name.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// `memory.max − memory.current` of this process's cgroup (v2) under `root`, if it has a limit.
+fn cgroup_headroom(root: &Path) -> Option<u64> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = own.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let dir = root.join(path.trim_start_matches('/'));
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
+    let max: u64 = read("memory.max")?.trim().parse().ok()?; // "max" (no limit) fails here
+    let current: u64 = read("memory.current")?.trim().parse().ok()?;
+    Some(max.saturating_sub(current))
+}
+
+/// Bytes in GiB, for messages.
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1u32 << 30)
+}
+
+/// Refuses `config` on `dataset` when its estimated peak exceeds `available` bytes, with a
+/// message that says how much it needs, what there is, and what to change.
+pub fn check_fits(
+    config: &Config,
+    dataset: &DatasetMeta,
+    available: u64,
+) -> Result<HostEstimate, String> {
+    let e = HostEstimate::of(config, dataset);
+    if e.total() <= available {
+        return Ok(e);
+    }
+    let mut advice = Vec::new();
+    let table_bytes = dataset.entities * config.model.dim as u64 * 8;
+    if config.storage.backend == Backend::Memory {
+        advice.push(format!(
+            "keep the tables ({:.1} GiB) on disk with storage.backend = \"file\" and a \
+             storage.num_partitions of 8 or more",
+            gib(table_bytes)
+        ));
+    } else if config.capacity() > 2 || config.storage.num_partitions < 16 {
+        advice.push(
+            "hold fewer or smaller partitions in RAM: raise storage.num_partitions or lower \
+             storage.buffer_capacity"
+                .into(),
+        );
+    }
+    if config.training.negatives.filtered {
+        advice.push(format!(
+            "turn training.negatives.filtered off ({:.1} GiB)",
+            gib(e.known_edges)
+        ));
+    }
+    if config.evaluation.protocol == Protocol::Filtered {
+        advice.push("evaluate with evaluation.protocol = \"sampled\"".into());
+    }
+    let advice = if advice.is_empty() {
+        "the edges alone exceed it: use a machine with more memory".to_string()
+    } else {
+        advice.join("; or ")
+    };
+    Err(format!(
+        "this run needs about {:.1} GiB of host memory ({:.1} GiB of edges, {:.1} GiB of tables, \
+         {:.1} GiB of filtered-negative index, {:.1} GiB for evaluation, {:.1} GiB for the process) \
+         but {:.1} GiB is available: {advice}",
+        gib(e.total()),
+        gib(e.edges),
+        gib(e.tables),
+        gib(e.known_edges),
+        gib(e.evaluation),
+        gib(e.baseline),
+        gib(available),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kib_fields_parse_as_bytes() {
+        let status = "Name:\tlegendctl\nVmHWM:\t  123456 kB\nVmRSS:\t 1000 kB\n";
+        assert_eq!(kib_field(status, "VmHWM:"), Some(123456 * 1024));
+        assert_eq!(kib_field(status, "VmPeak:"), None);
+        assert!(peak_rss_bytes().is_some_and(|b| b > 0));
+        assert!(available_bytes().is_some_and(|b| b > 0));
+    }
+
+    #[test]
+    fn a_cgroup_limit_is_headroom_and_no_limit_is_none() {
+        let root = tempfile::tempdir().unwrap();
+        let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+        let Some(path) = own.lines().find_map(|l| l.strip_prefix("0::")) else {
+            eprintln!("SKIPPED: no cgroup v2 path for this process");
+            return;
+        };
+        let dir = root.path().join(path.trim_start_matches('/'));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("memory.max"), "1000\n").unwrap();
+        std::fs::write(dir.join("memory.current"), "400\n").unwrap();
+        assert_eq!(cgroup_headroom(root.path()), Some(600));
+        std::fs::write(dir.join("memory.max"), "max\n").unwrap();
+        assert_eq!(cgroup_headroom(root.path()), None);
+    }
+}
