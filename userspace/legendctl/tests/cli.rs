@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{fails, graph, json, ok, s};
+use common::{argv, fails, graph, json, ok, s, train_args};
 
 use std::path::Path;
 
@@ -313,39 +313,23 @@ fn any_buffer_capacity_trains_with_the_default_order_and_a_refusal_leaves_nothin
     let ds = graph(dir.path());
     for capacity in ["2", "4"] {
         let out = dir.path().join(format!("c{capacity}"));
-        ok(&[
-            "train",
-            "--dataset",
-            &s(&ds),
-            "--out",
-            &s(&out),
-            "--set",
+        let capacity = format!("storage.buffer_capacity={capacity}");
+        let sets = [
             "storage.num_partitions=6",
-            "--set",
-            &format!("storage.buffer_capacity={capacity}"),
-            "--set",
+            &capacity,
             "storage.backend=file",
-            "--set",
-            "training.num_epochs=1",
-        ]);
+        ];
+        ok(&argv(&train_args(&ds, &out, &sets)));
         assert!(out.join("run.toml").is_file());
     }
     let refused = dir.path().join("refused");
-    let out = common::legendctl(&[
-        "train",
-        "--dataset",
-        &s(&ds),
-        "--out",
-        &s(&refused),
-        "--set",
+    let sets = [
         "storage.num_partitions=6",
-        "--set",
         "storage.buffer_capacity=4",
-        "--set",
         "storage.order=legend",
-        "--set",
         "storage.backend=file",
-    ]);
+    ];
+    let out = common::legendctl(&argv(&train_args(&ds, &refused, &sets)));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert_eq!(err.matches("supports capacity 3 only").count(), 1, "{err}");

@@ -8,7 +8,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{bin, s};
+use common::{argv, bin, s, train_args};
 use legend_dataset::{Dataset, Split};
 use legend_engine::config::Config;
 use legend_engine::memory::HostEstimate;
@@ -87,13 +87,8 @@ fn peak_memory_stays_within_edges_and_resident_tables() {
     for (i, (what, sets, resident_tables)) in cases.into_iter().enumerate() {
         let out = dir.path().join(format!("run{i}"));
         let sets: Vec<String> = base.iter().chain(sets).map(|s| s.to_string()).collect();
-        let mut args = vec!["train".to_string(), "--dataset".into(), s(&ds)];
-        args.extend(["--out".into(), s(&out)]);
-        for set in &sets {
-            args.extend(["--set".into(), set.clone()]);
-        }
-        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let peak = peak_rss_of(&argv);
+        let set_refs: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let peak = peak_rss_of(&argv(&train_args(&ds, &out, &set_refs)));
         let bound = ((edge_bytes + resident_tables) as f64 * 1.1) as u64 + (2 << 30);
         let estimate = HostEstimate::of(&Config::parse("", &sets).unwrap(), &meta).total();
         eprintln!(

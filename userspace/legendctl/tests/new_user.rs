@@ -26,6 +26,19 @@ fn write_npy(path: &Path, rows: usize, cols: usize, value: impl Fn(usize, usize)
     std::fs::write(path, bytes).unwrap();
 }
 
+/// The test graph in `dir/ds` and, in `dir/emb`, 4-dimensional entity embeddings for it with
+/// `value(row, column)`.
+fn graph_and_embeddings(
+    dir: &Path,
+    value: impl Fn(usize, usize) -> f32,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let ds = graph(dir);
+    let emb = dir.join("emb");
+    std::fs::create_dir(&emb).unwrap();
+    write_npy(&emb.join("entities.npy"), 60, 4, value);
+    (ds, emb)
+}
+
 /// Runs `legendctl args` and returns (success, stdout, stderr).
 fn run(args: &[&str]) -> (bool, String, String) {
     let out = legendctl(args);
@@ -39,12 +52,7 @@ fn run(args: &[&str]) -> (bool, String, String) {
 #[test]
 fn sampled_negatives_are_capped_to_the_graph_with_a_warning() {
     let dir = tempfile::tempdir().unwrap();
-    let ds = graph(dir.path());
-    let emb = dir.path().join("emb");
-    std::fs::create_dir(&emb).unwrap();
-    write_npy(&emb.join("entities.npy"), 60, 4, |r, c| {
-        ((r * 7 + c * 3) % 11) as f32 - 5.0
-    });
+    let (ds, emb) = graph_and_embeddings(dir.path(), |r, c| ((r * 7 + c * 3) % 11) as f32 - 5.0);
     let eval = |extra: &[&str]| {
         let mut args = vec![
             "eval",
@@ -105,12 +113,7 @@ fn sampled_negatives_are_capped_to_the_graph_with_a_warning() {
 #[test]
 fn progress_stays_off_stdout_and_draws_no_bar_off_a_terminal() {
     let dir = tempfile::tempdir().unwrap();
-    let ds = graph(dir.path());
-    let emb = dir.path().join("emb");
-    std::fs::create_dir(&emb).unwrap();
-    write_npy(&emb.join("entities.npy"), 60, 4, |r, c| {
-        (r + c) as f32 / 60.0
-    });
+    let (ds, emb) = graph_and_embeddings(dir.path(), |r, c| (r + c) as f32 / 60.0);
     let (success, stdout, stderr) = run(&[
         "--log",
         "info",

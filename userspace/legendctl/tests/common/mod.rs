@@ -86,3 +86,23 @@ pub fn graph(dir: &Path) -> PathBuf {
     ]);
     ds
 }
+
+/// The arguments of `legendctl train --dataset ds --out out --set K=V...`.
+pub fn train_args(ds: &Path, out: &Path, sets: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        "train".into(),
+        "--dataset".into(),
+        s(ds),
+        "--out".into(),
+        s(out),
+    ];
+    for set in sets {
+        args.extend(["--set".into(), set.to_string()]);
+    }
+    args
+}
+
+/// Borrows owned arguments for [`ok`], [`fails`] and [`legendctl`].
+pub fn argv(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
