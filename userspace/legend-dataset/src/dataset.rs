@@ -1,6 +1,9 @@
 //! Reading a dataset directory.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use rayon::prelude::*;
 
 use crate::buckets::{Buckets, PartitionScheme, read_pod};
 use crate::error::{IoContext, Result, invalid};
@@ -50,11 +53,10 @@ impl Dataset {
             ));
         }
         let (ne, nr) = (self.meta.entities, self.meta.relations);
-        if let Some((i, e)) = edges
-            .iter()
-            .enumerate()
-            .find(|(_, e)| u64::from(e[0]) >= ne || u64::from(e[2]) >= ne || u64::from(e[1]) >= nr)
-        {
+        if let Some(i) = edges.par_iter().position_first(|e| {
+            u64::from(e[0]) >= ne || u64::from(e[2]) >= ne || u64::from(e[1]) >= nr
+        }) {
+            let e = edges[i];
             return Err(invalid(
                 &path,
                 format!("edge {i} {e:?} is outside {ne} entities / {nr} relations"),
@@ -160,12 +162,14 @@ impl Dataset {
     }
 }
 
-/// Degree (in + out) of every entity over `edges`.
+/// Degree (in + out) of every entity over `edges`, counted on every core.
 pub fn degrees(num_entities: usize, edges: &[Edge]) -> Vec<u32> {
-    let mut deg = vec![0u32; num_entities];
-    for e in edges {
-        deg[e[0] as usize] += 1;
-        deg[e[2] as usize] += 1;
-    }
-    deg
+    let deg: Vec<AtomicU32> = (0..num_entities).map(|_| AtomicU32::new(0)).collect();
+    edges.par_chunks(1 << 16).for_each(|chunk| {
+        for e in chunk {
+            deg[e[0] as usize].fetch_add(1, Ordering::Relaxed);
+            deg[e[2] as usize].fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    deg.into_iter().map(AtomicU32::into_inner).collect()
 }

@@ -12,6 +12,7 @@ use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
+use std::time::Instant;
 
 use legend_dataset::{Dataset, DatasetError, Split};
 use legend_eval::{Metrics, SampledNegatives};
@@ -263,9 +264,16 @@ impl Session {
                 "the dataset has no relation types; {decoder} learns one relation for all edges"
             );
         }
+        let started = Instant::now();
         let buckets = dataset.buckets(config.storage.num_partitions)?;
         let scheme = buckets.scheme();
         let degrees = legend_dataset::degrees(meta_ds.entities as usize, buckets.edges());
+        tracing::info!(
+            "set-up: {} train edges loaded into {} buckets and entity degrees counted in {:.1} s",
+            buckets.edges().len(),
+            buckets.counts().len(),
+            started.elapsed().as_secs_f64()
+        );
         let init = config.init();
         let relation_floats = meta.relations as usize * dim;
         let fresh_relations = || Relations::init(decoder, meta_ds.relations as usize, dim, &init);
@@ -355,6 +363,10 @@ impl Session {
         if let Some((store, controller)) = &direct {
             trainer.use_direct_io(store, controller)?;
         }
+        tracing::info!(
+            "set-up: the {engine} engine ready (edges and relations placed) in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
         keep_metrics_up_to(out, position.epochs_completed)?;
         Ok(Session {
             out: out.to_owned(),
