@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue 17's end-to-end run on the GPU machine, in one call: generate the Twitter-shaped graph
+# (41,652,230 nodes, 1,468,365,182 edges, one relation, power-law degrees) with a small test
+# split, train it in GPU memory (memory backend, one partition: Dot, d = 100, B = 10^5, 10
+# chunks x 1000 negatives, half degree-based), commit the final checkpoint, rank the test split
+# against sampled negatives, export the embeddings as npy. Prints each phase's time, the set-up
+# log lines, every epoch's time and edges/s, the peak host RSS (getrusage of the children) and
+# GPU memory, and the MRR. The host-RAM swap tier (N = 8, C = 3) is not built yet.
+#
+# Builds nothing: expects legendctl in ${BIN_DIR:-target-gpu} (scripts/gpu/build-binaries.sh).
+# Edges on tmpfs (LEGEND_DATA), the run and the export on disk (LEGEND_WORK). NODES, EDGES and
+# EPOCHS scale it down for a dry run (DEVICE=cpu runs it without a GPU).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+bin=${BIN_DIR:-$root/target-gpu}
+out=${OUT:-$bin/out}
+data=${LEGEND_DATA:-/dev/shm/legend-billion}
+work=${LEGEND_WORK:-/var/tmp/legend-billion}
+nodes=${NODES:-41652230}
+edges=${EDGES:-1468365182}
+epochs=${EPOCHS:-3}
+device=${DEVICE:-cuda:0}
+mkdir -p "$out"
+rm -rf "$data" "$work" && mkdir -p "$work"
+source "$root/scripts/gpu/nvrtc-env.sh" >/dev/null
+ctl=$bin/legendctl
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+    lscpu | grep -E '^Model name|^CPU\(s\)'
+    free -g | head -2
+} | tee "$out/billion-hw.txt"
+
+# Runs a phase, printing its wall time and peak RSS; a failed phase ends the script with its
+# log's tail, so no figure is printed for work that did not complete.
+phase() {
+    local name=$1
+    shift
+    python3 - "$name" "$out/billion-$name.log" "$@" <<'EOF'
+import resource, subprocess, sys, time
+name, log, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
+start = time.time()
+with open(log, "w") as f:
+    code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+wall = time.time() - start
+peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+if code != 0:
+    print(f"== {name}: FAILED (exit {code}) after {wall:.1f} s; log tail:")
+    print("".join(open(log).readlines()[-15:]))
+    sys.exit(1)
+print(f"== {name}: {wall:.1f} s, peak RSS {peak:.2f} GiB")
+EOF
+}
+
+phase generate "$ctl" generate --nodes "$nodes" --edges "$edges" --relations 1 \
+    --split 0.9999,0,0.0001 "$data" || exit 1
+run=$work/run
+nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 \
+    >"$out/billion-gpu-memory.csv" 2>/dev/null &
+smi=$!
+phase train "$ctl" train --dataset "$data" --out "$run" \
+    --set model.decoder=dot --set model.dim=100 \
+    --set training.batch_size=100000 --set training.negatives.num_chunks=10 \
+    --set training.negatives.negatives_per_positive=1000 \
+    --set training.negatives.degree_fraction=0.5 \
+    --set training.num_epochs="$epochs" \
+    --set storage.num_partitions=1 --set storage.backend=memory \
+    --set evaluation.protocol=sampled --set training.device="$device"
+status=$?
+kill "$smi" 2>/dev/null
+wait "$smi" 2>/dev/null
+grep -E "host memory|set-up|epoch [0-9]+:|test:" "$out/billion-train.log" | sed 's/^[^ ]* *INFO //'
+[ "$status" = 0 ] || exit 1
+echo "GPU memory used, peak over the run: $(sort -n "$out/billion-gpu-memory.csv" | tail -1) MiB"
+phase export "$ctl" export "$run" --format npy -o "$work/export" || exit 1
+ls -la "$work/export" | tail -4
+du -sh "$run"
