@@ -33,7 +33,18 @@ gpu_tests=()
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   gpu_tests=(-- --include-ignored)
 fi
-stage cargo-test cargo test --workspace --locked --no-fail-fast "${gpu_tests[@]}"
+# Runs the workspace's tests and says how many were skipped (the GPU tests, without a GPU).
+cargo_tests() {
+  local log status
+  log=$(mktemp)
+  cargo test --workspace --locked --no-fail-fast "${gpu_tests[@]}" 2>&1 | tee "$log"
+  status=${PIPESTATUS[0]}
+  awk '/^test result:/ { for (i = 1; i < NF; i++) if ($(i + 1) ~ /^ignored/) n += $i }
+       END { printf "cargo-test: %d tests skipped (ignored: they need a GPU)\n", n }' "$log"
+  rm -f "$log"
+  return "$status"
+}
+stage cargo-test cargo_tests
 stage kmod-selftests tests/kmod/run
 if [ -x scripts/gpu/nvrtc-check.sh ]; then
   stage nvrtc-compile scripts/gpu/nvrtc-check.sh
