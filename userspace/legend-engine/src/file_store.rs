@@ -322,43 +322,84 @@ pub fn encode_relations(emb: &[f32], state: &[f32]) -> Vec<u8> {
 }
 
 impl FileStore {
-    /// Reads the committed checkpoint whole: every partition and the relation tables
-    /// (`relation_floats` floats each).
-    pub fn read_tables(
+    /// Calls `f` with each partition's embeddings in order, one partition in memory at a
+    /// time; an error from `f` ends the walk and is returned as [`StoreError::Invalid`].
+    pub fn for_each_partition(
         &mut self,
         dim: usize,
-        relation_floats: usize,
-    ) -> Result<Tables, StoreError> {
-        if self.store.progress().is_empty() {
+        mut f: impl FnMut(&[f32]) -> Result<(), String>,
+    ) -> Result<(), StoreError> {
+        self.require_checkpoint()?;
+        let spec = self.store.spec().clone();
+        for p in 0..spec.num_partitions {
+            let (emb, _) = self.committed_partition(p, dim)?;
+            f(&emb).map_err(StoreError::Invalid)?;
+        }
+        Ok(())
+    }
+
+    /// Partition `p` of the committed checkpoint: embeddings and state.
+    fn committed_partition(
+        &mut self,
+        p: u32,
+        dim: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), StoreError> {
+        let spec = self.store.spec();
+        let range = legend_storage::partition_nodes(spec.num_nodes, spec.num_partitions, p);
+        let len = (range.end - range.start) as usize * dim;
+        let (mut emb, mut state) = (vec![0.0; len], vec![0.0; len]);
+        if !self.read(p, &mut emb, &mut state)? {
             return Err(StoreError::Invalid(format!(
-                "{}: the run has no checkpoint yet",
+                "{}: partition {p} was never written",
                 self.store.path().display()
             )));
         }
-        let spec = self.store.spec().clone();
-        let mut entities = Vec::with_capacity(spec.num_nodes as usize * dim);
-        let mut entities_state = Vec::with_capacity(spec.num_nodes as usize * dim);
-        for p in 0..spec.num_partitions {
-            let range = legend_storage::partition_nodes(spec.num_nodes, spec.num_partitions, p);
-            let len = (range.end - range.start) as usize * dim;
-            let (mut emb, mut state) = (vec![0.0; len], vec![0.0; len]);
-            if !self.read(p, &mut emb, &mut state)? {
-                return Err(StoreError::Invalid(format!(
-                    "{}: partition {p} was never written",
-                    self.store.path().display()
-                )));
-            }
-            entities.extend_from_slice(&emb);
-            entities_state.extend_from_slice(&state);
-        }
-        let (relations, relations_state) = match self.aux(relation_floats * 8)? {
+        Ok((emb, state))
+    }
+
+    /// The checkpoint's relation embeddings and their AdaGrad state (`relation_floats` each;
+    /// empty when the store holds none).
+    pub fn relations(
+        &mut self,
+        relation_floats: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), StoreError> {
+        self.require_checkpoint()?;
+        Ok(match self.aux(relation_floats * 8)? {
             Some(bytes) => {
                 let all: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
                 let (e, s) = all.split_at(relation_floats);
                 (e.to_vec(), s.to_vec())
             }
             None => (Vec::new(), Vec::new()),
-        };
+        })
+    }
+
+    fn require_checkpoint(&self) -> Result<(), StoreError> {
+        if self.store.progress().is_empty() {
+            return Err(StoreError::Invalid(format!(
+                "{}: the run has no checkpoint yet",
+                self.store.path().display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The whole checkpoint: every partition's rows in order, and the relations.
+    pub fn read_tables(
+        &mut self,
+        dim: usize,
+        relation_floats: usize,
+    ) -> Result<Tables, StoreError> {
+        self.require_checkpoint()?;
+        let spec = self.store.spec().clone();
+        let mut entities = Vec::with_capacity(spec.num_nodes as usize * dim);
+        let mut entities_state = Vec::with_capacity(spec.num_nodes as usize * dim);
+        for p in 0..spec.num_partitions {
+            let (emb, state) = self.committed_partition(p, dim)?;
+            entities.extend_from_slice(&emb);
+            entities_state.extend_from_slice(&state);
+        }
+        let (relations, relations_state) = self.relations(relation_floats)?;
         Ok(Tables {
             entities,
             entities_state,

@@ -277,22 +277,108 @@ fn sync_dir(dir: &Path) -> Result<(), RunError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
 }
 
+/// Opens the store of a run trained with a store backend.
+fn open_run_store(path: &Path, meta: &RunMeta) -> Result<crate::file_store::FileStore, RunError> {
+    let spec = crate::file_store::FileStoreSpec {
+        path,
+        dataset: dataset_id(&meta.dataset_identity, path)?,
+        num_nodes: meta.entities,
+        dim: meta.dim,
+        num_partitions: 0,
+        aux_bytes: 0,
+        force: false,
+        queue: meta.store_queue,
+    };
+    crate::file_store::FileStore::open_any_partitioning(&spec)
+        .map_err(|e| invalid(path, e.to_string()))
+}
+
+/// Floats of the checkpoint file [`stream_entities`] reads at a time.
+const STREAM_FLOATS: usize = 16 << 20;
+
+/// Calls `block` with the current checkpoint's entity embeddings in row order, a piece at a
+/// time (a partition of the store, or 64 MiB of the checkpoint file), so that an export never
+/// holds the table. A checkpoint file's checksum is known only after its last piece: on a
+/// mismatch this returns an error after `block` has seen everything, and the caller must
+/// discard what it wrote.
+pub fn stream_entities(
+    run: &Path,
+    meta: &RunMeta,
+    mut block: impl FnMut(&[f32]) -> Result<(), RunError>,
+) -> Result<(), RunError> {
+    if let Some(path) = &meta.store {
+        let mut store = open_run_store(path, meta)?;
+        return store
+            .for_each_partition(meta.dim, |emb| block(emb).map_err(|e| e.to_string()))
+            .map_err(|e| invalid(path, e.to_string()));
+    }
+    let path = run.join(&meta.checkpoint).join(TABLE_FILES[0]);
+    let want = meta.entities * meta.dim as u64 * 4;
+    let mut file = File::open(&path).map_err(io(&path))?;
+    let len = file.metadata().map_err(io(&path))?.len();
+    if len != want {
+        return Err(invalid(
+            &path,
+            format!("holds {len} bytes, expected {want}"),
+        ));
+    }
+    let mut crc = crc32fast::Hasher::new();
+    let mut buf = vec![0f32; STREAM_FLOATS.min(want as usize / 4)];
+    let mut left = want as usize / 4;
+    while left > 0 {
+        let piece = &mut buf[..left.min(STREAM_FLOATS)];
+        file.read_exact(bytemuck::cast_slice_mut(piece))
+            .map_err(io(&path))?;
+        crc.update(bytemuck::cast_slice(piece));
+        block(piece)?;
+        left -= piece.len();
+    }
+    if crc.finalize() != meta.checksums.entities {
+        return Err(invalid(
+            &path,
+            "checksum mismatch: the checkpoint is damaged",
+        ));
+    }
+    Ok(())
+}
+
+/// The current checkpoint's relation embeddings (small: the rows of each relation).
+pub fn load_relations(run: &Path, meta: &RunMeta) -> Result<Vec<f32>, RunError> {
+    if meta.relations == 0 {
+        return Ok(Vec::new());
+    }
+    let floats = meta.relations as usize * meta.dim;
+    if let Some(path) = &meta.store {
+        let mut store = open_run_store(path, meta)?;
+        return store
+            .relations(floats)
+            .map(|(emb, _)| emb)
+            .map_err(|e| invalid(path, e.to_string()));
+    }
+    {
+        let path = run.join(&meta.checkpoint).join(TABLE_FILES[2]);
+        let bytes = std::fs::read(&path).map_err(io(&path))?;
+        if bytes.len() != floats * 4 {
+            return Err(invalid(
+                &path,
+                format!("holds {} bytes, expected {}", bytes.len(), floats * 4),
+            ));
+        }
+        if crc32fast::hash(&bytes) != meta.checksums.relations {
+            return Err(invalid(
+                &path,
+                "checksum mismatch: the checkpoint is damaged",
+            ));
+        }
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+}
+
 /// Loads the current checkpoint of `run`: from its store (file backend) or from its checkpoint
 /// directory, verifying sizes and checksums.
 pub fn load_tables(run: &Path, meta: &RunMeta) -> Result<Tables, RunError> {
     if let Some(path) = &meta.store {
-        let spec = crate::file_store::FileStoreSpec {
-            path,
-            dataset: dataset_id(&meta.dataset_identity, path)?,
-            num_nodes: meta.entities,
-            dim: meta.dim,
-            num_partitions: 0,
-            aux_bytes: 0,
-            force: false,
-            queue: meta.store_queue,
-        };
-        let mut store = crate::file_store::FileStore::open_any_partitioning(&spec)
-            .map_err(|e| invalid(path, e.to_string()))?;
+        let mut store = open_run_store(path, meta)?;
         return store
             .read_tables(meta.dim, meta.relations as usize * meta.dim)
             .map_err(|e| invalid(path, e.to_string()));

@@ -340,3 +340,27 @@ fn any_buffer_capacity_trains_with_the_default_order_and_a_refusal_leaves_nothin
         refused.display()
     );
 }
+
+#[test]
+fn an_export_of_a_damaged_checkpoint_fails_and_leaves_no_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = graph(dir.path());
+    let run = dir.path().join("run");
+    ok(&argv(&train_args(&ds, &run, &["training.num_epochs=1"])));
+    let meta = legend_engine::run::read_meta(&run).unwrap();
+    let table = run
+        .join(&meta.checkpoint)
+        .join(legend_engine::run::TABLE_FILES[0]);
+    let mut bytes = std::fs::read(&table).unwrap();
+    bytes[100] ^= 0x40;
+    std::fs::write(&table, bytes).unwrap();
+    let out = dir.path().join("out");
+    fails(
+        &["export", &s(&run), "--format", "npy", "-o", &s(&out)],
+        "checksum mismatch: the checkpoint is damaged",
+    );
+    let left: Vec<_> = std::fs::read_dir(&out)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "a failed export left {left:?}");
+}

@@ -41,39 +41,52 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let out = args.out.unwrap_or_else(|| args.run.join("export"));
     check_out_dir(&out, args.format)?;
     let dataset = open_run_dataset(&meta, args.dataset.as_deref())?;
-    let tables = legend_engine::run::load_tables(&args.run, &meta)?;
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let relations = legend_engine::run::load_relations(&args.run, &meta)?;
     let entity_labels = dataset.entity_labels()?;
     let relation_labels = if meta.relations > 0 {
         dataset.relation_labels()?
     } else {
         Vec::new()
     };
-    for (name, table, labels) in [
-        ("entities", &tables.entities, &entity_labels),
-        ("relations", &tables.relations, &relation_labels),
-    ] {
-        if labels.is_empty() {
-            continue;
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    // Every file is written under a hidden partial name and renamed once all are complete:
+    // a failed export leaves the directory as it was.
+    remove_partial_files(&out);
+    let mut files = Vec::new();
+    let result = (|| -> anyhow::Result<()> {
+        let mut export =
+            |name: &str,
+             labels: &[String],
+             write: &mut dyn FnMut(&mut TableWriter) -> anyhow::Result<()>| {
+                let mut w = TableWriter::create(&out, args.format, name, labels, meta.dim)?;
+                files.extend(w.partial_files());
+                write(&mut w)?;
+                w.finish()
+            };
+        export("entities", &entity_labels, &mut |w| {
+            Ok(legend_engine::run::stream_entities(
+                &args.run,
+                &meta,
+                |block| {
+                    w.rows(block)
+                        .map_err(|e| legend_engine::run::RunError::Invalid {
+                            path: out.clone(),
+                            message: format!("{e:#}"),
+                        })
+                },
+            )?)
+        })?;
+        if !relation_labels.is_empty() {
+            export("relations", &relation_labels, &mut |w| w.rows(&relations))?;
         }
-        match args.format {
-            Format::Npy => {
-                write_npy(
-                    &out.join(format!("{name}.npy")),
-                    table,
-                    labels.len(),
-                    meta.dim,
-                )?;
-                write_labels(&out.join(format!("{name}.labels.txt")), labels)?;
-            }
-            Format::Bin => {
-                let path = out.join(format!("{name}.bin"));
-                std::fs::write(&path, bytemuck::cast_slice::<f32, u8>(table))
-                    .with_context(|| path.display().to_string())?;
-                write_labels(&out.join(format!("{name}.labels.txt")), labels)?;
-            }
-            Format::Tsv => write_tsv(&out.join(format!("{name}.tsv")), table, labels, meta.dim)?,
-        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        remove_partial_files(&out);
+        return Err(e);
+    }
+    for (partial, done) in &files {
+        std::fs::rename(partial, done).with_context(|| done.display().to_string())?;
     }
     println!(
         "exported {} entities and {} relations (d = {}) to {}",
@@ -83,6 +96,105 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         out.display()
     );
     Ok(())
+}
+
+/// One table's export files being written: rows streamed in, labels beside them.
+struct TableWriter<'a> {
+    format: Format,
+    dim: usize,
+    out: BufWriter<File>,
+    /// (partial name, final name) of every file written.
+    files: Vec<(PathBuf, PathBuf)>,
+    /// The row labels, for TSV, which writes them in each row.
+    labels: &'a [String],
+    row: usize,
+}
+
+impl<'a> TableWriter<'a> {
+    /// Opens `name`'s files in `dir` for `labels.len()` rows of `dim` floats: the table's own
+    /// (with the .npy header) and, except for TSV, which carries them per row, the labels'.
+    fn create(
+        dir: &Path,
+        format: Format,
+        name: &str,
+        labels: &'a [String],
+        dim: usize,
+    ) -> anyhow::Result<TableWriter<'a>> {
+        let ext = match format {
+            Format::Npy => "npy",
+            Format::Tsv => "tsv",
+            Format::Bin => "bin",
+        };
+        let table = dir.join(format!("{name}.{ext}"));
+        let partial = partial_name(&table);
+        let mut files = vec![(partial.clone(), table)];
+        if format != Format::Tsv {
+            let path = dir.join(format!("{name}.labels.txt"));
+            let partial = partial_name(&path);
+            write_labels(&partial, labels)?;
+            files.push((partial, path));
+        }
+        let mut out = create(&partial)?;
+        if format == Format::Npy {
+            write_npy_header(&mut out, labels.len(), dim)?;
+        }
+        Ok(TableWriter {
+            format,
+            dim,
+            out,
+            files,
+            labels,
+            row: 0,
+        })
+    }
+
+    fn partial_files(&self) -> Vec<(PathBuf, PathBuf)> {
+        self.files.clone()
+    }
+
+    /// Appends whole rows.
+    fn rows(&mut self, block: &[f32]) -> anyhow::Result<()> {
+        match self.format {
+            Format::Npy | Format::Bin => self.out.write_all(bytemuck::cast_slice(block))?,
+            Format::Tsv => {
+                for row in block.chunks_exact(self.dim) {
+                    let label = self.labels.get(self.row).map_or("", String::as_str);
+                    write!(self.out, "{label}")?;
+                    for v in row {
+                        write!(self.out, "\t{v}")?;
+                    }
+                    writeln!(self.out)?;
+                    self.row += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> anyhow::Result<()> {
+        self.out.flush()?;
+        self.out.get_ref().sync_all()?;
+        Ok(())
+    }
+}
+
+/// Removes what an export that failed (or an earlier one that crashed) left half-written.
+fn remove_partial_files(dir: &Path) {
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if is_partial(&entry.file_name().to_string_lossy()) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+fn is_partial(name: &str) -> bool {
+    name.starts_with('.') && name.ends_with(".partial")
+}
+
+/// The hidden name a file has while it is written.
+fn partial_name(path: &Path) -> PathBuf {
+    let name = path.file_name().expect("a file name").to_string_lossy();
+    path.with_file_name(format!(".{name}.partial"))
 }
 
 impl Format {
@@ -134,6 +246,7 @@ fn check_out_dir(out: &Path, format: Format) -> anyhow::Result<()> {
         .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
         .collect::<std::io::Result<Vec<String>>>()
         .with_context(|| out.display().to_string())?;
+    names.retain(|n| !is_partial(n));
     names.sort();
     if names.iter().all(|n| format.files().contains(&n.as_str())) {
         return Ok(());
@@ -176,32 +289,16 @@ fn write_labels(path: &Path, labels: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn write_tsv(path: &Path, table: &[f32], labels: &[String], dim: usize) -> anyhow::Result<()> {
-    let mut w = create(path)?;
-    for (label, row) in labels.iter().zip(table.chunks_exact(dim)) {
-        write!(w, "{label}")?;
-        for v in row {
-            write!(w, "\t{v}")?;
-        }
-        writeln!(w)?;
-    }
-    w.flush()?;
-    Ok(())
-}
-
-/// NumPy format 1.0: magic, header length, a Python-literal dict padded to 64 bytes, data.
-fn write_npy(path: &Path, table: &[f32], rows: usize, dim: usize) -> anyhow::Result<()> {
+/// NumPy format 1.0's preamble: magic, header length, a Python-literal dict padded to 64 bytes.
+fn write_npy_header(w: &mut impl Write, rows: usize, dim: usize) -> anyhow::Result<()> {
     let mut header =
         format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {dim}), }}");
     let unpadded = 10 + header.len() + 1;
     header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
     header.push('\n');
-    let mut w = create(path)?;
     w.write_all(b"\x93NUMPY\x01\x00")?;
     w.write_all(&(header.len() as u16).to_le_bytes())?;
     w.write_all(header.as_bytes())?;
-    w.write_all(bytemuck::cast_slice(table))?;
-    w.flush()?;
     Ok(())
 }
 
