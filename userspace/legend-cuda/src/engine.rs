@@ -346,6 +346,19 @@ impl DeviceTable {
     }
 }
 
+/// `legend_init_rows`' table tag, normal flag and scale for rows of `table` drawn from `dist`.
+pub(crate) fn init_params(table: Table, dist: Distribution) -> (u32, bool, f32) {
+    let tag = match table {
+        Table::Node => 0,
+        Table::Relation => 1,
+        Table::InverseRelation => 2,
+    };
+    match dist {
+        Distribution::Normal { std } => (tag, true, std),
+        Distribution::Uniform { bound } => (tag, false, bound),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn fill(
     gpu: &Gpu,
@@ -357,15 +370,7 @@ fn fill(
     table: Table,
     dist: Distribution,
 ) -> Result<(), GpuError> {
-    let tag = match table {
-        Table::Node => 0,
-        Table::Relation => 1,
-        Table::InverseRelation => 2,
-    };
-    let (normal, scale) = match dist {
-        Distribution::Normal { std } => (true, std),
-        Distribution::Uniform { bound } => (false, bound),
-    };
+    let (tag, normal, scale) = init_params(table, dist);
     let rows32 =
         u32::try_from(rows).map_err(|_| GpuError::Shape(format!("{rows} rows in one launch")))?;
     if out.len() < rows * dim {

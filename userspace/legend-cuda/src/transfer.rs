@@ -19,7 +19,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUdeviceptr, CUevent_flags};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice, result};
+use cudarc::driver::{
+    CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice, PushKernelArg, result,
+};
 use rayon::prelude::*;
 
 use crate::error::DriverContext;
@@ -329,6 +331,56 @@ impl Transfer {
         // compute stream, which waits for the copies (below); compute work queued before them
         // runs first (above).
         unsafe { self.upload_span(emb, state, &span) }?;
+        self.before_compute()
+    }
+
+    /// Draws node rows `first_id..first_id + rows` as legend-model's `fill_row` does (`init`'s
+    /// seed and node distribution) into `table`'s rows from `row0`, with zero optimizer state,
+    /// ordered like [`Transfer::upload_rows`]: after the compute work queued so far and the
+    /// copies before it, before the compute work queued later. A partition that was never
+    /// written starts here instead of being drawn on the host and uploaded.
+    pub fn init_rows(
+        &mut self,
+        gpu: &Gpu,
+        table: &mut crate::DeviceTable,
+        row0: usize,
+        first_id: u64,
+        rows: usize,
+        init: &legend_model::Init,
+    ) -> Result<(), GpuError> {
+        let dim = table.dim();
+        let floats = rows * dim;
+        let span = table.row_span(row0, floats)?;
+        let (tag, normal, scale) = crate::engine::init_params(legend_model::Table::Node, init.node);
+        let rows32 = u32::try_from(rows)
+            .map_err(|_| GpuError::Shape(format!("{rows} rows in one launch")))?;
+        self.after_compute()?;
+        let mut b = self.stream.launch_builder(&gpu.kernels.init_rows);
+        let normal = i32::from(normal);
+        let dim32 = dim as u32;
+        b.arg(&span.emb)
+            .arg(&first_id)
+            .arg(&rows32)
+            .arg(&dim32)
+            .arg(&init.seed)
+            .arg(&tag)
+            .arg(&normal)
+            .arg(&scale);
+        // SAFETY: the span lies inside the table (checked by row_span), which is borrowed
+        // mutably for the call and freed stream-ordered after this stream's work (the compute
+        // stream waits for it, below); the kernel writes only the span's rows × dim floats.
+        unsafe { b.launch(crate::gpu::grid_1d(floats as u64)?) }
+            .during("launching legend_init_rows")?;
+        // SAFETY: as above, for the state half of the span.
+        unsafe {
+            result::memset_d8_async(
+                span.state,
+                0,
+                floats * size_of::<f32>(),
+                self.stream.cu_stream(),
+            )
+        }
+        .during("zeroing the optimizer state")?;
         self.before_compute()
     }
 

@@ -1,7 +1,8 @@
 //! The partition buffer: C resident partitions of node embeddings + AdaGrad state, swapped with
 //! a [`PartitionStore`] on a dedicated I/O thread so that a swap overlaps with compute.
 
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -19,6 +20,10 @@ pub struct Partition {
     pub emb: Vec<f32>,
     /// AdaGrad state, same shape.
     pub state: Vec<f32>,
+    /// Never written and not drawn yet: the engine that holds the partition initialises its
+    /// rows (see [`PartitionBuffer::defer_initialisation`]); `emb` and `state` mean nothing
+    /// until the engine hands them back.
+    pub fresh: bool,
 }
 
 /// Where partitions live while they are not in the buffer.
@@ -123,6 +128,7 @@ impl Partition {
             id,
             emb: Vec::new(),
             state: Vec::new(),
+            fresh: false,
         }
     }
 }
@@ -247,6 +253,8 @@ pub struct PartitionBuffer {
     thread: Option<JoinHandle<()>>,
     in_flight: Option<u32>,
     stats: IoStats,
+    /// Shared with the I/O thread: see [`PartitionBuffer::defer_initialisation`].
+    defer_init: Arc<AtomicBool>,
 }
 
 impl PartitionBuffer {
@@ -260,11 +268,13 @@ impl PartitionBuffer {
     ) -> Self {
         let (req_tx, req_rx) = mpsc::channel::<Request>();
         let (rep_tx, rep_rx) = mpsc::channel();
+        let defer_init = Arc::new(AtomicBool::new(false));
+        let defer = Arc::clone(&defer_init);
         let thread = std::thread::Builder::new()
             .name("legend-io".into())
             .spawn(move || {
                 for request in req_rx {
-                    let reply = serve(&mut store, scheme, dim, &init, request);
+                    let reply = serve(&mut store, scheme, dim, &init, &defer, request);
                     if rep_tx.send(reply).is_err() {
                         break;
                     }
@@ -280,7 +290,16 @@ impl PartitionBuffer {
             thread: Some(thread),
             in_flight: None,
             stats: IoStats::default(),
+            defer_init,
         }
+    }
+
+    /// From now on a never-written partition that becomes resident comes [`Partition::fresh`]
+    /// instead of drawn on the host: for an engine that draws the same rows itself (the GPU
+    /// engine draws 41.6 M rows in well under a second, where the host's cores take half a
+    /// minute). Only an engine that keeps the resident rows and hands them back may ask.
+    pub fn defer_initialisation(&self) {
+        self.defer_init.store(true, Ordering::Relaxed);
     }
 
     /// The partitioning.
@@ -513,6 +532,7 @@ fn serve(
     scheme: PartitionScheme,
     dim: usize,
     init: &Init,
+    defer_init: &AtomicBool,
     request: Request,
 ) -> Result<Reply, StoreError> {
     let started = Instant::now();
@@ -541,7 +561,9 @@ fn serve(
                 dim,
                 init,
                 Partition { id: load, ..part },
-                Access::Take,
+                Access::Take {
+                    defer_init: defer_init.load(Ordering::Relaxed),
+                },
                 stats,
                 started,
             )?;
@@ -594,11 +616,11 @@ fn serve(
     }
 }
 
-/// Whether a partition read becomes resident (the store may give up its copy) or is only
-/// looked at.
+/// Whether a partition read becomes resident (the store may give up its copy; a never-written
+/// one is left to the engine to draw when `defer_init`) or is only looked at.
 #[derive(Clone, Copy)]
 enum Access {
-    Take,
+    Take { defer_init: bool },
     Peek,
 }
 
@@ -639,13 +661,23 @@ fn load_into(
     let p = part.id;
     let range = scheme.range(p);
     let len = (range.end - range.start) as usize * dim;
-    part.emb.resize(len, 0.0);
-    part.state.resize(len, 0.0);
+    for rows in [&mut part.emb, &mut part.state] {
+        if rows.is_empty() {
+            // Zeroed by the allocator (fresh pages, touched only when written): filling a
+            // 17 GB partition explicitly would take seconds before it is even read.
+            *rows = vec![0.0; len];
+        } else {
+            rows.resize(len, 0.0);
+        }
+    }
     let found = match access {
-        Access::Take => store.take(p, &mut part.emb, &mut part.state)?,
+        Access::Take { .. } => store.take(p, &mut part.emb, &mut part.state)?,
         Access::Peek => store.read(p, &mut part.emb, &mut part.state)?,
     };
-    if found {
+    part.fresh = !found && matches!(access, Access::Take { defer_init: true });
+    if part.fresh {
+        stats.initialised += 1;
+    } else if found {
         stats.reads += 1;
         stats.bytes_read += (part.emb.len() + part.state.len()) as u64 * 4;
     } else {

@@ -267,9 +267,17 @@ impl Trainer {
         let t = &config.training;
         let compute: Box<dyn ComputeBackend> = match device {
             Device::Cpu => Box::new(cpu_compute(config, &buckets, degrees)?),
-            Device::Cuda { gpu, .. } => Box::new(CudaCompute::new(
-                *gpu, config, &buckets, degrees, &relations,
-            )?),
+            Device::Cuda { gpu, .. } => {
+                let compute = CudaCompute::new(*gpu, config, &buckets, degrees, &relations)?;
+                // The GPU draws never-written partitions itself, where the host's cores
+                // would take most of the first epoch at billion-edge scale. Only when every
+                // partition stays on the device in RAM-backed runs: swaps upload what the host
+                // holds (and a store's may go through the GPU I/O kernels).
+                if !config.uses_store() && config.capacity() == scheme.num_partitions {
+                    buffer.defer_initialisation();
+                }
+                Box::new(compute)
+            }
         };
         Ok(Trainer {
             batch_size: t.batch_size,

@@ -55,6 +55,8 @@ pub(crate) struct CudaCompute {
     /// Free slots (slot-indexed tables only).
     free: Vec<u32>,
     seed: u64,
+    /// How never-written rows start (drawn here for [`Partition::fresh`] partitions).
+    init: legend_model::Init,
     degree_fraction: f64,
     edges: DeviceEdges,
     /// The I/O stream of the slot copies, shared with the swap hooks.
@@ -227,6 +229,7 @@ impl CudaCompute {
                 Vec::new()
             },
             seed: t.seed,
+            init: config.init(),
             degree_fraction: t.negatives.degree_fraction,
             edges,
             copies: Arc::new(Mutex::new(copies)),
@@ -275,6 +278,7 @@ impl CudaCompute {
         self.copies()
             .transfer
             .download_rows(&self.nodes, row0, &mut part.emb, &mut part.state)?;
+        part.fresh = false;
         Ok(())
     }
 }
@@ -540,9 +544,21 @@ impl ComputeBackend for CudaCompute {
         let part = host.partition(p).expect("a loaded partition is resident");
         let row0 = self.row0(slot);
         let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
-        copies
-            .transfer
-            .upload_rows(&mut self.nodes, row0, &part.emb, &part.state)?;
+        if part.fresh {
+            let rows = self.scheme.range(p);
+            copies.transfer.init_rows(
+                &self.gpu,
+                &mut self.nodes,
+                row0,
+                rows.start,
+                (rows.end - rows.start) as usize,
+                &self.init,
+            )?;
+        } else {
+            copies
+                .transfer
+                .upload_rows(&mut self.nodes, row0, &part.emb, &part.state)?;
+        }
         drop(copies);
         self.slot_of[p as usize] = slot;
         self.publish_slots()
