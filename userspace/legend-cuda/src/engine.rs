@@ -1144,11 +1144,11 @@ impl GpuBatchEngine {
                 self.product(gpu, Product::GradQuery, &grad_query, gz, 1)?;
                 self.mark(gpu, "grad_query_product")?;
 
-                // dN = Gᵀ · Q, split over the rows so that enough blocks run; the splits add up
-                // atomically into a cleared buffer.
+                // dN = Gᵀ · Q, split over the rows so that two blocks run per multiprocessor (the
+                // device's count); the splits add up atomically into a cleared buffer.
                 gpu.clear(&mut self.grad_negs)?;
                 let tiles = k.div_ceil(TILE) * d.div_ceil(TILE) * gz as usize;
-                let splits = (2 * 132usize)
+                let splits = (2 * gpu.multiprocessors())
                     .div_ceil(tiles)
                     .clamp(1, max_rows.div_ceil(SLICE));
                 let k_split = max_rows.div_ceil(splits).div_ceil(SLICE) * SLICE;
