@@ -52,17 +52,25 @@ impl Dataset {
                 format!("holds {} edges, dataset.toml says {want}", edges.len()),
             ));
         }
-        let (ne, nr) = (self.meta.entities, self.meta.relations);
-        if let Some(i) = edges.par_iter().position_first(|e| {
-            u64::from(e[0]) >= ne || u64::from(e[2]) >= ne || u64::from(e[1]) >= nr
-        }) {
+        if let Some(i) = edges
+            .par_iter()
+            .position_first(|e| self.check_edge(e).is_err())
+        {
             let e = edges[i];
-            return Err(invalid(
-                &path,
-                format!("edge {i} {e:?} is outside {ne} entities / {nr} relations"),
-            ));
+            let why = self.check_edge(&e).unwrap_err();
+            return Err(invalid(&path, format!("edge {i} {e:?} {why}")));
         }
         Ok(edges)
+    }
+
+    /// Whether `e`'s ids lie within the dataset's entities and relations (the engines index
+    /// their tables with them unchecked); the error says what is wrong.
+    fn check_edge(&self, e: &Edge) -> std::result::Result<(), String> {
+        let (ne, nr) = (self.meta.entities, self.meta.relations);
+        if u64::from(e[0]) >= ne || u64::from(e[2]) >= ne || u64::from(e[1]) >= nr {
+            return Err(format!("is outside {ne} entities / {nr} relations"));
+        }
+        Ok(())
     }
 
     /// Degree (in + out) of every entity over the edges of `split`, read from the file in
@@ -82,8 +90,7 @@ impl Dataset {
                 format!("holds {have} bytes, dataset.toml says {want} edges of {edge_bytes} bytes"),
             ));
         }
-        let (ne, nr) = (self.meta.entities, self.meta.relations);
-        let mut deg = vec![0u32; ne as usize];
+        let mut deg = vec![0u32; self.meta.entities as usize];
         let mut block = vec![[0u32; 3]; BLOCK_EDGES];
         let mut done = 0u64;
         while done < want {
@@ -91,14 +98,9 @@ impl Dataset {
             file.read_exact(bytemuck::cast_slice_mut(&mut block[..n]))
                 .at(&path)?;
             for (i, e) in block[..n].iter().enumerate() {
-                if u64::from(e[0]) >= ne || u64::from(e[2]) >= ne || u64::from(e[1]) >= nr {
-                    return Err(invalid(
-                        &path,
-                        format!(
-                            "edge {} {e:?} is outside {ne} entities / {nr} relations",
-                            done + i as u64
-                        ),
-                    ));
+                if let Err(why) = self.check_edge(e) {
+                    let at = done + i as u64;
+                    return Err(invalid(&path, format!("edge {at} {e:?} {why}")));
                 }
                 deg[e[0] as usize] += 1;
                 deg[e[2] as usize] += 1;
@@ -120,13 +122,26 @@ impl Dataset {
         if let Some(saved) = Buckets::load(&self.dir, scheme, self.meta.splits.train)? {
             return Ok(saved);
         }
-        Ok(Buckets::build(self.edges(Split::Train)?, scheme))
+        self.sort_train_edges(scheme)
+    }
+
+    /// The train edges, checked and sorted into `scheme`'s buckets.
+    fn sort_train_edges(&self, scheme: PartitionScheme) -> Result<Buckets> {
+        if scheme.num_partitions == 1 {
+            return Ok(Buckets::build(self.edges(Split::Train)?, scheme));
+        }
+        Buckets::read(
+            &edge_file(&self.dir, Split::Train),
+            scheme,
+            self.meta.splits.train,
+            |e| self.check_edge(e),
+        )
     }
 
     /// Sorts train edges into N×N buckets and saves them next to the edges.
     pub fn partition(&self, num_partitions: u32) -> Result<Buckets> {
         let scheme = self.scheme(num_partitions)?;
-        let buckets = Buckets::build(self.edges(Split::Train)?, scheme);
+        let buckets = self.sort_train_edges(scheme)?;
         buckets.save(&self.dir)?;
         Ok(buckets)
     }
