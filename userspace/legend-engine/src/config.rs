@@ -294,7 +294,8 @@ impl Default for EvaluationConfig {
             epochs_per_eval: 0,
             uniform_negatives: 1000,
             degree_negatives: 1000,
-            seed: 0,
+            // `legendctl eval`'s default, so that it reproduces a run's own sampled figures.
+            seed: legend_eval::DEFAULT_SEED,
         }
     }
 }
@@ -663,6 +664,11 @@ mod tests {
         let c = Config::parse("", &[]).unwrap();
         assert_eq!(c, Config::default());
         assert_eq!(c.decoder(), Decoder::ComplEx);
+        assert_eq!(
+            c.evaluation.seed,
+            legend_eval::DEFAULT_SEED,
+            "as `legendctl eval`'s"
+        );
     }
 
     #[test]
