@@ -5,7 +5,9 @@
 # chunks x 1000 negatives, half degree-based), commit the final checkpoint, rank the test split
 # against sampled negatives, export the embeddings as npy. Prints each phase's time, the set-up
 # log lines, every epoch's time and edges/s, the peak host RSS (getrusage of the children) and
-# GPU memory, and the MRR. The host-RAM swap tier (N = 8, C = 3) is not built yet.
+# GPU memory, and the MRR; checks that the exported checkpoint ranks as the run did. Then the
+# host-RAM swap tier: the same graph with N = 8 partitions in host memory, C = 3 of them on the
+# GPU, for TIER_EPOCHS epochs (2), with its swap timeline (`legendctl report`).
 #
 # Builds nothing: expects legendctl in ${BIN_DIR:-target-gpu} (scripts/gpu/build-binaries.sh).
 # Edges on tmpfs (LEGEND_DATA), the run and the export on disk (LEGEND_WORK). NODES, EDGES and
@@ -19,6 +21,7 @@ work=${LEGEND_WORK:-/var/tmp/legend-billion}
 nodes=${NODES:-41652230}
 edges=${EDGES:-1468365182}
 epochs=${EPOCHS:-3}
+tier_epochs=${TIER_EPOCHS:-2}
 device=${DEVICE:-cuda:0}
 mkdir -p "$out"
 rm -rf "$data" "$work" && mkdir -p "$work"
@@ -36,13 +39,16 @@ phase() {
     local name=$1
     shift
     python3 - "$name" "$out/billion-$name.log" "$@" <<'EOF'
-import resource, subprocess, sys, time
+import os, subprocess, sys, time
 name, log, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
 start = time.time()
 with open(log, "w") as f:
-    code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    # This phase's own peak, not the largest of the phases so far.
+    _, status, usage = os.wait4(child.pid, 0)
+code = os.waitstatus_to_exitcode(status)
 wall = time.time() - start
-peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+peak = usage.ru_maxrss / 2**20
 if code != 0:
     print(f"== {name}: FAILED (exit {code}) after {wall:.1f} s; log tail:")
     print("".join(open(log).readlines()[-15:]))
@@ -54,23 +60,41 @@ EOF
 phase generate "$ctl" generate --nodes "$nodes" --edges "$edges" --relations 1 \
     --split 0.9999,0,0.0001 "$data" || exit 1
 run=$work/run
-nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 \
-    >"$out/billion-gpu-memory.csv" 2>/dev/null &
-smi=$!
-phase train "$ctl" train --dataset "$data" --out "$run" \
-    --set model.decoder=dot --set model.dim=100 \
-    --set training.batch_size=100000 --set training.negatives.num_chunks=10 \
-    --set training.negatives.negatives_per_positive=1000 \
-    --set training.negatives.degree_fraction=0.5 \
-    --set training.num_epochs="$epochs" \
-    --set storage.num_partitions=1 --set storage.backend=memory \
-    --set evaluation.protocol=sampled --set training.device="$device"
-status=$?
-kill "$smi" 2>/dev/null
-wait "$smi" 2>/dev/null
-grep -E "host memory|set-up|epoch [0-9]+:|test:" "$out/billion-train.log" | sed 's/^[^ ]* *INFO //'
-[ "$status" = 0 ] || exit 1
-echo "GPU memory used, peak over the run: $(sort -n "$out/billion-gpu-memory.csv" | tail -1) MiB"
+# The paper's Twitter settings; the run's own flags follow.
+train() {
+    local name=$1
+    shift
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 \
+        >"$out/billion-$name-gpu-memory.csv" 2>/dev/null &
+    local smi=$! status
+    phase "$name" "$ctl" train --dataset "$data" \
+        --set model.decoder=dot --set model.dim=100 \
+        --set training.batch_size=100000 --set training.negatives.num_chunks=10 \
+        --set training.negatives.negatives_per_positive=1000 \
+        --set training.negatives.degree_fraction=0.5 \
+        --set storage.backend=memory \
+        --set evaluation.protocol=sampled --set training.device="$device" "$@"
+    status=$?
+    kill "$smi" 2>/dev/null
+    wait "$smi" 2>/dev/null
+    grep -E "host memory|set-up|epoch [0-9]+:|test:" "$out/billion-$name.log" |
+        sed 's/^[^ ]* *INFO //'
+    [ "$status" = 0 ] || exit 1
+    echo "GPU memory used, peak over the run:" \
+        "$(sort -n "$out/billion-$name-gpu-memory.csv" | tail -1) MiB"
+}
+
+train train --out "$run" --set training.num_epochs="$epochs" --set storage.num_partitions=1
 phase export "$ctl" export "$run" --format npy -o "$work/export" || exit 1
 ls -la "$work/export" | tail -4
 du -sh "$run"
+# The checkpoint (streamed from the GPU) ranks as the run's own final evaluation did.
+phase verify "$ctl" eval --embeddings "$work/export" --decoder dot --dataset "$data" \
+    --protocol sampled || exit 1
+grep -E "MRR" "$out/billion-verify.log"
+rm -rf "$work/export"
+
+tier=$work/tier
+train tier --out "$tier" --set training.num_epochs="$tier_epochs" \
+    --set storage.num_partitions=8 --set storage.buffer_capacity=3
+"$ctl" report "$tier" -o "$out/billion-tier-timeline.html"

@@ -20,7 +20,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUdeviceptr, CUevent_flags};
 use cudarc::driver::{
-    CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice, PushKernelArg, result,
+    CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice, PushKernelArg,
+    result,
 };
 use rayon::prelude::*;
 
@@ -46,6 +47,8 @@ fn copy(dst: &mut [u8], src: &[u8]) {
 /// A stream for copies with its pinned staging (see the module docs).
 pub struct Transfer {
     compute: Arc<CudaStream>,
+    /// `legend_init_rows`, for partitions drawn on this stream.
+    init_kernel: CudaFunction,
     stream: Arc<CudaStream>,
     stage: [PinnedHostSlice<u8>; 2],
     /// Recorded after the last DMA that used each staging chunk: the host may touch the chunk
@@ -104,6 +107,7 @@ impl Transfer {
         };
         Ok(Transfer {
             compute: gpu.stream().clone(),
+            init_kernel: gpu.kernels.init_rows.clone(),
             stream,
             stage: [pinned()?, pinned()?],
             done: [event()?, event()?],
@@ -341,7 +345,6 @@ impl Transfer {
     /// written starts here instead of being drawn on the host and uploaded.
     pub fn init_rows(
         &mut self,
-        gpu: &Gpu,
         table: &mut crate::DeviceTable,
         row0: usize,
         first_id: u64,
@@ -349,13 +352,33 @@ impl Transfer {
         init: &legend_model::Init,
     ) -> Result<(), GpuError> {
         let dim = table.dim();
-        let floats = rows * dim;
-        let span = table.row_span(row0, floats)?;
+        let span = table.row_span(row0, rows * dim)?;
+        self.after_compute()?;
+        // SAFETY: the table is borrowed mutably for the call and freed stream-ordered after
+        // this stream's work (the compute stream waits for it, below).
+        unsafe { self.init_span(&span, dim, first_id, init) }?;
+        self.before_compute()
+    }
+
+    /// Queues the drawing of the node rows `first_id ..` that fill `span` (rows of `dim`), as
+    /// [`Transfer::init_rows`] does, with no ordering against the compute stream: a swap's
+    /// never-written partition, drawn into its slot.
+    ///
+    /// # Safety
+    /// The table `span` came from must stay allocated until the kernels have run, and no work
+    /// unordered with the transfer stream may use those rows meanwhile.
+    pub unsafe fn init_span(
+        &mut self,
+        span: &RowSpan,
+        dim: usize,
+        first_id: u64,
+        init: &legend_model::Init,
+    ) -> Result<(), GpuError> {
+        let rows = span.floats / dim.max(1);
         let (tag, normal, scale) = crate::engine::init_params(legend_model::Table::Node, init.node);
         let rows32 = u32::try_from(rows)
             .map_err(|_| GpuError::Shape(format!("{rows} rows in one launch")))?;
-        self.after_compute()?;
-        let mut b = self.stream.launch_builder(&gpu.kernels.init_rows);
+        let mut b = self.stream.launch_builder(&self.init_kernel);
         let normal = i32::from(normal);
         let dim32 = dim as u32;
         b.arg(&span.emb)
@@ -366,22 +389,20 @@ impl Transfer {
             .arg(&tag)
             .arg(&normal)
             .arg(&scale);
-        // SAFETY: the span lies inside the table (checked by row_span), which is borrowed
-        // mutably for the call and freed stream-ordered after this stream's work (the compute
-        // stream waits for it, below); the kernel writes only the span's rows × dim floats.
-        unsafe { b.launch(crate::gpu::grid_1d(floats as u64)?) }
+        // SAFETY: the kernel writes the span's rows × dim floats, which the caller keeps
+        // allocated and to itself.
+        unsafe { b.launch(crate::gpu::grid_1d(span.floats as u64)?) }
             .during("launching legend_init_rows")?;
         // SAFETY: as above, for the state half of the span.
         unsafe {
             result::memset_d8_async(
                 span.state,
                 0,
-                floats * size_of::<f32>(),
+                span.floats * size_of::<f32>(),
                 self.stream.cu_stream(),
             )
         }
-        .during("zeroing the optimizer state")?;
-        self.before_compute()
+        .during("zeroing the optimizer state")
     }
 
     /// Copies rows from `row0` on into `emb` and `state`, after the compute work queued so

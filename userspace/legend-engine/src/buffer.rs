@@ -45,17 +45,23 @@ pub trait PartitionStore: Send + 'static {
     fn commit(&mut self, _progress: &[u8], _aux: &[u8]) -> Result<bool, StoreError> {
         Ok(false)
     }
-    /// Reads partition `p` for the buffer to hold, as [`PartitionStore::read`]; a store in
-    /// memory hands its copy over (the buffer writes the partition back when it evicts it), so
-    /// that a partition is never held twice.
-    fn take(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError> {
-        self.read(p, emb, state)
-    }
-    /// Whether the store is process memory, like the buffer: a checkpoint then leaves the
-    /// resident partitions where they are instead of copying them into it (with every
-    /// partition resident, that copy would be a second whole table in RAM).
+    /// Whether the store is process memory, like the buffer: partitions then move between the
+    /// two ([`PartitionStore::take`], [`PartitionStore::keep`]) instead of being copied, and a
+    /// checkpoint leaves the resident partitions where they are (with every partition
+    /// resident, a copy would be a second whole table in RAM).
     fn in_memory(&self) -> bool {
         false
+    }
+    /// For a store in memory: gives partition `p`'s rows (embeddings, state) to the buffer,
+    /// which hands them back through [`PartitionStore::keep`]; `None` when the store does not
+    /// hold `p` (the buffer reads it, or initialises a never-written one).
+    fn take(&mut self, _p: u32) -> Option<(Vec<f32>, Vec<f32>)> {
+        None
+    }
+    /// For a store in memory: takes an evicted partition's rows over, as a move (a copy of a
+    /// 4 GB partition, into memory touched for the first time, costs seconds per swap).
+    fn keep(&mut self, p: u32, emb: Vec<f32>, state: Vec<f32>) -> Result<(), StoreError> {
+        self.write(p, &emb, &state)
     }
 }
 
@@ -171,10 +177,13 @@ impl PartitionStore for MemoryStore {
         true
     }
 
-    fn take(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError> {
-        let found = self.read(p, emb, state)?;
-        self.parts.remove(&p);
-        Ok(found)
+    fn take(&mut self, p: u32) -> Option<(Vec<f32>, Vec<f32>)> {
+        self.parts.remove(&p)
+    }
+
+    fn keep(&mut self, p: u32, emb: Vec<f32>, state: Vec<f32>) -> Result<(), StoreError> {
+        self.parts.insert(p, (emb, state));
+        Ok(())
     }
 
     fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), StoreError> {
@@ -220,6 +229,8 @@ enum Request {
     },
     /// Write these partitions back and sync; hand them back.
     Flush(Vec<Partition>),
+    /// Write these partitions back (a store in memory keeps them): they leave the buffer.
+    Evict(Vec<Partition>),
     /// Read a copy of a partition that is not resident (initialising a never-written one).
     Read(u32),
     /// Write these partitions back, then commit a checkpoint with this progress and aux data.
@@ -380,9 +391,12 @@ impl PartitionBuffer {
             self.in_flight = Some(p);
             self.finish_swap()?;
         }
-        for e in evictable {
-            let part = self.resident[e as usize].take().expect("resident");
-            self.send(Request::Flush(vec![part]))?;
+        let leaving = evictable
+            .into_iter()
+            .map(|e| self.resident[e as usize].take().expect("resident"))
+            .collect::<Vec<_>>();
+        if !leaving.is_empty() {
+            self.send(Request::Evict(leaving))?;
             self.receive()?;
         }
         Ok(())
@@ -550,8 +564,11 @@ fn serve(
                         h.before_write(&mut old)?;
                         stats.hook_time += t.elapsed();
                     }
-                    write_back(store, std::slice::from_ref(&old), &mut stats)?;
-                    old
+                    match evict_into(store, old, &mut stats)? {
+                        // The file stores' memory is reused for the partition being loaded.
+                        Some(old) => old,
+                        None => Partition::empty(load),
+                    }
                 }
                 None => Partition::empty(load),
             };
@@ -592,6 +609,19 @@ fn serve(
             Ok(Reply {
                 loaded: None,
                 flushed: parts,
+                committed: false,
+                stats,
+            })
+        }
+        Request::Evict(parts) => {
+            for part in parts {
+                evict_into(store, part, &mut stats)?;
+            }
+            store.sync()?;
+            stats.io_time = started.elapsed();
+            Ok(Reply {
+                loaded: None,
+                flushed: Vec::new(),
                 committed: false,
                 stats,
             })
@@ -661,6 +691,14 @@ fn load_into(
     let p = part.id;
     let range = scheme.range(p);
     let len = (range.end - range.start) as usize * dim;
+    if let Access::Take { .. } = access
+        && let Some((emb, state)) = store.take(p)
+    {
+        (part.emb, part.state, part.fresh) = (emb, state, false);
+        stats.reads += 1;
+        stats.bytes_read += (part.emb.len() + part.state.len()) as u64 * 4;
+        return Ok(());
+    }
     for rows in [&mut part.emb, &mut part.state] {
         if rows.is_empty() {
             // Zeroed by the allocator (fresh pages, touched only when written): filling a
@@ -670,10 +708,7 @@ fn load_into(
             rows.resize(len, 0.0);
         }
     }
-    let found = match access {
-        Access::Take { .. } => store.take(p, &mut part.emb, &mut part.state)?,
-        Access::Peek => store.read(p, &mut part.emb, &mut part.state)?,
-    };
+    let found = store.read(p, &mut part.emb, &mut part.state)?;
     part.fresh = !found && matches!(access, Access::Take { defer_init: true });
     if part.fresh {
         stats.initialised += 1;
@@ -692,6 +727,23 @@ fn load_into(
         stats.initialised += 1;
     }
     Ok(())
+}
+
+/// Writes an evicted partition back: a store in memory keeps it (`None`), others are
+/// written and the partition is handed back for its memory.
+fn evict_into(
+    store: &mut impl PartitionStore,
+    part: Partition,
+    stats: &mut IoStats,
+) -> Result<Option<Partition>, StoreError> {
+    if !store.in_memory() {
+        write_back(store, std::slice::from_ref(&part), stats)?;
+        return Ok(Some(part));
+    }
+    stats.writes += 1;
+    stats.bytes_written += (part.emb.len() + part.state.len()) as u64 * 4;
+    store.keep(part.id, part.emb, part.state)?;
+    Ok(None)
 }
 
 fn write_back(
@@ -733,5 +785,28 @@ mod tests {
             assert!(part.state.iter().all(|&x| x == 0.0));
         }
         assert_eq!(buffer.stats().initialised, 2);
+    }
+
+    #[test]
+    fn the_memory_store_moves_partitions_instead_of_copying_them() {
+        let (entities, dim) = (9_000u64, 4usize);
+        let scheme = PartitionScheme::new(entities, 3).unwrap();
+        let mut buffer = PartitionBuffer::new(scheme, dim, Init::default(), MemoryStore::default());
+        buffer.fill(&[0, 1]).unwrap();
+        buffer.rows_mut(5).unwrap().0[0] = 42.0;
+        let rows = |b: &PartitionBuffer, p| {
+            let part = b.partition(p).unwrap();
+            (part.emb.as_ptr(), part.state.as_ptr())
+        };
+        let before = rows(&buffer, 0);
+        buffer.begin_swap(0, 2).unwrap();
+        buffer.finish_swap().unwrap();
+        buffer.begin_swap(1, 0).unwrap();
+        buffer.finish_swap().unwrap();
+        // Partition 0 went into the store and came back: the same memory, its rows intact.
+        assert_eq!(rows(&buffer, 0), before);
+        assert_eq!(buffer.row(5).unwrap().0[0], 42.0);
+        let s = buffer.stats();
+        assert_eq!((s.writes, s.reads, s.initialised), (2, 1, 3));
     }
 }

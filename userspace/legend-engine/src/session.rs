@@ -540,19 +540,26 @@ impl Session {
             threads: self.config.training.threads,
         };
         let decoder = self.config.decoder();
-        self.trainer.sync_host()?;
+        self.trainer.sync_relations()?;
         let relations = self.trainer.relations().emb.clone();
-        let buffer = self.trainer.buffer();
+        let scheme = self.trainer.buffer().scheme();
         let evaluate = |entities: &[f32]| {
             evaluation::evaluate(&self.dataset, decoder, dim, entities, &relations, &request)
         };
-        let metrics = if buffer.scheme().num_partitions == 1 {
-            // One partition is the whole table: ranked in place, not copied.
-            buffer.with_partition(0, |part| evaluate(&part.emb))??
+        let metrics = if scheme.num_partitions == 1 && !self.trainer.holds_on_device(0) {
+            // One partition in host memory is the whole table: ranked in place, not copied.
+            self.trainer
+                .buffer()
+                .with_partition(0, |part| evaluate(&part.emb))??
         } else {
-            let mut emb = Vec::with_capacity(buffer.scheme().entities as usize * dim);
-            for p in 0..buffer.scheme().num_partitions {
-                buffer.with_partition(p, |part| emb.extend_from_slice(&part.emb))?;
+            // The embeddings alone, gathered from wherever each partition is (from the GPU
+            // a piece at a time: its optimizer state never comes to the host).
+            let mut emb = Vec::with_capacity(scheme.entities as usize * dim);
+            for p in 0..scheme.num_partitions {
+                self.trainer.stream_partition(p, &mut |rows, _| {
+                    emb.extend_from_slice(rows);
+                    Ok(())
+                })?;
             }
             evaluate(&emb)?
         };
@@ -562,14 +569,19 @@ impl Session {
     /// Commits the parameters at `self.position`: in the store (its superblock is the commit
     /// record) or as a checkpoint directory named by run.toml (memory backend).
     fn checkpoint(&mut self) -> Result<(), SessionError> {
-        self.trainer.sync_host()?;
+        if self.config.uses_store() {
+            // The store is written from the host rows.
+            self.trainer.sync_host()?;
+        } else {
+            // The tables stream from wherever they are into the checkpoint files (below).
+            self.trainer.sync_relations()?;
+        }
         let relations = self.trainer.relations().clone();
         let position = self.position;
         self.meta.epochs_completed = position.epochs_completed;
         self.meta.cut = position.cut;
-        let buffer = self.trainer.buffer();
         let aux = encode_relations(&relations.emb, &relations.state);
-        if buffer.checkpoint(position.encode(), aux)? {
+        if self.trainer.buffer().checkpoint(position.encode(), aux)? {
             // The store committed; run.toml only mirrors the position for people.
             return write_meta(&self.out, &self.meta);
         }
@@ -579,16 +591,20 @@ impl Session {
             meta,
             (&relations.emb, &relations.state),
             |e, s| {
-                for p in 0..buffer.scheme().num_partitions {
-                    buffer
-                        .with_partition(p, |part| {
-                            e.write(&part.emb)?;
-                            s.write(&part.state)
+                let trainer = &mut self.trainer;
+                for p in 0..trainer.buffer().scheme().num_partitions {
+                    trainer
+                        .stream_partition(p, &mut |emb, state| {
+                            e.write(emb)?;
+                            Ok(s.write(state)?)
                         })
-                        .map_err(|err| RunError::Invalid {
-                            path: self.out.clone(),
-                            message: err.to_string(),
-                        })??;
+                        .map_err(|err| match err {
+                            TrainError::Run(err) => err,
+                            other => RunError::Invalid {
+                                path: self.out.clone(),
+                                message: other.to_string(),
+                            },
+                        })?;
                 }
                 Ok(())
             },

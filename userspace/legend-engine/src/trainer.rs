@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::buffer::{IoStats, PartitionBuffer, StoreError};
 use crate::compute::cpu::CpuCompute;
 use crate::compute::cuda::CudaCompute;
-use crate::compute::{BucketRef, ComputeBackend, Step};
+use crate::compute::{BucketRef, ComputeBackend, RowSink, Step};
 use crate::config::{Config, ConfigError};
 use crate::device::Device;
 use crate::sampler::{NegativeSampler, key};
@@ -238,6 +238,9 @@ pub enum TrainError {
         /// The error.
         message: String,
     },
+    /// Writing a checkpoint's tables failed.
+    #[error(transparent)]
+    Run(#[from] crate::run::RunError),
 }
 
 impl Trainer {
@@ -270,10 +273,10 @@ impl Trainer {
             Device::Cuda { gpu, .. } => {
                 let compute = CudaCompute::new(*gpu, config, &buckets, degrees, &relations)?;
                 // The GPU draws never-written partitions itself, where the host's cores
-                // would take most of the first epoch at billion-edge scale. Only when every
-                // partition stays on the device in RAM-backed runs: swaps upload what the host
-                // holds (and a store's may go through the GPU I/O kernels).
-                if !config.uses_store() && config.capacity() == scheme.num_partitions {
+                // would take most of the first epoch at billion-edge scale. In RAM-backed runs:
+                // a store's swaps may go through the GPU I/O kernels, which move only what the
+                // store holds.
+                if !config.uses_store() {
                     buffer.defer_initialisation();
                 }
                 Box::new(compute)
@@ -314,6 +317,28 @@ impl Trainer {
     pub fn sync_host(&mut self) -> Result<(), TrainError> {
         self.compute
             .sync_host(&mut self.buffer, &mut self.relations)
+    }
+
+    /// Whether the compute engine holds partition `p` itself (on the GPU): its host rows are
+    /// then current only after [`Trainer::sync_host`].
+    pub fn holds_on_device(&self, p: u32) -> bool {
+        self.compute.holds(p)
+    }
+
+    /// Makes [`Trainer::relations`] current, leaving the node partitions where they are.
+    pub fn sync_relations(&mut self) -> Result<(), TrainError> {
+        self.compute.sync_relations(&mut self.relations)
+    }
+
+    /// Calls `f` with partition `p`'s embedding and state rows in order, a bounded piece at a
+    /// time: from the device when the engine holds `p` (nothing is gathered on the host),
+    /// else the host buffer's (or the store's) rows in one piece.
+    pub fn stream_partition(&mut self, p: u32, f: &mut RowSink<'_>) -> Result<(), TrainError> {
+        if self.compute.stream_partition(p, f)? {
+            return Ok(());
+        }
+        self.buffer
+            .with_partition(p, |part| f(&part.emb, &part.state))?
     }
 
     /// Moves the swaps' partitions between the device and `store` with the engine's own I/O

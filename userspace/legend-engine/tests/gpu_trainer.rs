@@ -87,11 +87,30 @@ fn train(
         swaps += report.swaps.len();
         copy_s += report.swaps.iter().map(|s| s.copy_s).sum::<f64>();
     }
-    trainer.sync_host().unwrap();
-    let mut emb = Vec::new();
+    // What a checkpoint streams from where the rows are (the GPU's slots, the host's store)
+    // before anything is copied back...
+    let (mut streamed, mut streamed_state) = (Vec::new(), Vec::new());
     for p in 0..partitions {
-        emb.extend(trainer.buffer().read_partition(p).unwrap().emb);
+        trainer
+            .stream_partition(p, &mut |e, s| {
+                streamed.extend_from_slice(e);
+                streamed_state.extend_from_slice(s);
+                Ok(())
+            })
+            .unwrap();
     }
+    trainer.sync_host().unwrap();
+    let (mut emb, mut state) = (Vec::new(), Vec::new());
+    for p in 0..partitions {
+        let part = trainer.buffer().read_partition(p).unwrap();
+        emb.extend(part.emb);
+        state.extend(part.state);
+    }
+    // ...is what the host holds once it is.
+    assert!(
+        streamed == emb && streamed_state == state,
+        "streamed rows differ"
+    );
     Outcome {
         losses,
         emb,

@@ -28,10 +28,10 @@ use legend_cuda::{
     GpuError, RowSpan, SlotMap, Transfer, negative_keys,
 };
 use legend_dataset::{Buckets, PartitionScheme};
-use legend_model::{AdaGrad, ChunkModel, Decoder};
+use legend_model::{AdaGrad, ChunkModel, Decoder, Init};
 use rayon::prelude::*;
 
-use super::{BucketRef, ComputeBackend, Step};
+use super::{BucketRef, ComputeBackend, RowSink, Step};
 use crate::buffer::{Partition, PartitionBuffer, StoreError, SwapHook};
 use crate::config::Config;
 use crate::controllers::SharedController;
@@ -40,6 +40,9 @@ use crate::trainer::{IoDirection, IoKernelSpan, Relations, TrainError};
 
 /// Score-matrix memory the engine may use for one launch group.
 const SCORE_BYTES: usize = 1 << 30;
+/// Floats of each of embeddings and state [`ComputeBackend::stream_partition`] stages at a
+/// time (64 MiB each).
+const STREAM_PIECE_FLOATS: usize = 16 << 20;
 
 /// The GPU engine over a device partition buffer.
 pub(crate) struct CudaCompute {
@@ -56,7 +59,7 @@ pub(crate) struct CudaCompute {
     free: Vec<u32>,
     seed: u64,
     /// How never-written rows start (drawn here for [`Partition::fresh`] partitions).
-    init: legend_model::Init,
+    init: Init,
     degree_fraction: f64,
     edges: DeviceEdges,
     /// The I/O stream of the slot copies, shared with the swap hooks.
@@ -388,6 +391,10 @@ struct SwapCopy {
     /// The evicted partition's rows on the device, and the loaded partition's (the same slot).
     out: RowSpan,
     into: RowSpan,
+    /// How a never-written loaded partition is drawn, and its rows' width and first id.
+    init: Init,
+    dim: usize,
+    first_id: u64,
 }
 
 /// The slot copies of a swap's partition `p`, unless the engine has stopped (then nothing may
@@ -431,15 +438,26 @@ impl SwapHook for SwapCopy {
             c.transfer
                 .download_span(&self.out, &mut part.emb, &mut part.state)
         }
-        .map_err(|e| copy_error("downloading", part.id, e))
+        .map_err(|e| copy_error("downloading", part.id, e))?;
+        part.fresh = false;
+        Ok(())
     }
 
     fn after_read(&mut self, part: &Partition) -> Result<(), StoreError> {
         let mut c = self.lock(part.id)?;
         // SAFETY: as in `before_write`; the slot is free once the download above (earlier on
         // the same stream) has run, and compute waits for `uploaded` before using it.
-        unsafe { c.transfer.upload_span(&part.emb, &part.state, &self.into) }
-            .map_err(|e| copy_error("uploading", part.id, e))?;
+        unsafe {
+            if part.fresh {
+                // Never written: drawn in the slot (the host's rows stay untouched until the
+                // partition is evicted and downloaded into them).
+                c.transfer
+                    .init_span(&self.into, self.dim, self.first_id, &self.init)
+            } else {
+                c.transfer.upload_span(&part.emb, &part.state, &self.into)
+            }
+        }
+        .map_err(|e| copy_error("uploading", part.id, e))?;
         let ev = c
             .transfer
             .record()
@@ -547,7 +565,6 @@ impl ComputeBackend for CudaCompute {
         if part.fresh {
             let rows = self.scheme.range(p);
             copies.transfer.init_rows(
-                &self.gpu,
                 &mut self.nodes,
                 row0,
                 rows.start,
@@ -615,6 +632,9 @@ impl ComputeBackend for CudaCompute {
             released,
             out,
             into,
+            init: self.init,
+            dim: self.nodes.dim(),
+            first_id: self.scheme.range(loaded).start,
         })))
     }
 
@@ -735,6 +755,44 @@ impl ComputeBackend for CudaCompute {
             store: store.clone(),
             launches: Vec::new(),
         })));
+        Ok(true)
+    }
+
+    fn holds(&self, p: u32) -> bool {
+        self.slot_of[p as usize] != SlotMap::ABSENT
+    }
+
+    fn sync_relations(&mut self, rels: &mut Relations) -> Result<(), TrainError> {
+        if let Some(table) = &self.rels {
+            table.read_rows(&self.gpu, 0, &mut rels.emb, &mut rels.state)?;
+        }
+        Ok(())
+    }
+
+    fn stream_partition(&mut self, p: u32, f: &mut RowSink<'_>) -> Result<bool, TrainError> {
+        let slot = self.slot_of[p as usize];
+        if slot == SlotMap::ABSENT {
+            return Ok(false);
+        }
+        let dim = self.nodes.dim();
+        let row0 = self.row0(slot);
+        let range = self.scheme.range(p);
+        let rows = (range.end - range.start) as usize;
+        let piece_rows = (STREAM_PIECE_FLOATS / dim).max(1);
+        let mut emb = vec![0.0; piece_rows.min(rows) * dim];
+        let mut state = vec![0.0; emb.len()];
+        let mut done = 0;
+        while done < rows {
+            let n = piece_rows.min(rows - done) * dim;
+            self.copies().transfer.download_rows(
+                &self.nodes,
+                row0 + done,
+                &mut emb[..n],
+                &mut state[..n],
+            )?;
+            f(&emb[..n], &state[..n])?;
+            done += n / dim;
+        }
         Ok(true)
     }
 

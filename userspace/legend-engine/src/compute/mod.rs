@@ -66,6 +66,9 @@ impl Step<'_> {
     }
 }
 
+/// Receives a partition's rows a piece at a time: embeddings, then the same rows' state.
+pub type RowSink<'a> = dyn FnMut(&[f32], &[f32]) -> Result<(), TrainError> + 'a;
+
 /// A compute engine driven by the trainer's epoch loop (see the module docs for the order of
 /// the calls).
 pub(crate) trait ComputeBackend {
@@ -115,6 +118,21 @@ pub(crate) trait ComputeBackend {
         _store: &SharedFileStore,
         _controller: &SharedController,
     ) -> Result<bool, TrainError> {
+        Ok(false)
+    }
+    /// Whether the engine holds partition `p` in memory of its own (a GPU's).
+    fn holds(&self, _p: u32) -> bool {
+        false
+    }
+    /// Makes [`Relations`] current (the relation rows the engine holds), leaving the node
+    /// partitions where they are.
+    fn sync_relations(&mut self, _rels: &mut Relations) -> Result<(), TrainError> {
+        Ok(())
+    }
+    /// Calls `f` with partition `p`'s embedding and state rows, a bounded piece at a time,
+    /// straight from where the engine holds them; `false` when it does not hold `p` (the host
+    /// buffer's rows are current then).
+    fn stream_partition(&mut self, _p: u32, _f: &mut RowSink<'_>) -> Result<bool, TrainError> {
         Ok(false)
     }
     /// Device memory in use (bytes), for engines with a device.
