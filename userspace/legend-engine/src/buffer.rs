@@ -231,8 +231,11 @@ enum Request {
     Flush(Vec<Partition>),
     /// Write these partitions back (a store in memory keeps them): they leave the buffer.
     Evict(Vec<Partition>),
-    /// Read a copy of a partition that is not resident (initialising a never-written one).
+    /// Read a copy of a partition that is not resident (initialising a never-written one); a
+    /// store in memory lends its own instead, which comes back with `Return`.
     Read(u32),
+    /// A partition a store in memory lent for a `Read`.
+    Return(Partition),
     /// Write these partitions back, then commit a checkpoint with this progress and aux data.
     Checkpoint {
         parts: Vec<Partition>,
@@ -243,6 +246,8 @@ enum Request {
 
 struct Reply {
     loaded: Option<Partition>,
+    /// `loaded` is the store's own (a `Read` from a store in memory): it goes back after use.
+    lent: bool,
     flushed: Vec<Partition>,
     committed: bool,
     stats: IoStats,
@@ -489,11 +494,14 @@ impl PartitionBuffer {
             return Ok(f(part));
         }
         self.send(Request::Read(p))?;
-        let part = self
-            .receive()?
-            .loaded
-            .expect("a read reply carries the partition");
-        Ok(f(&part))
+        let reply = self.receive()?;
+        let part = reply.loaded.expect("a read reply carries the partition");
+        let r = f(&part);
+        if reply.lent {
+            self.send(Request::Return(part))?;
+            self.receive()?;
+        }
+        Ok(r)
     }
 
     /// Embedding and state rows of entity `id`, if its partition is resident.
@@ -592,22 +600,52 @@ fn serve(
             }
             Ok(reply)
         }
-        Request::Read(p) => loaded_reply(
-            store,
-            scheme,
-            dim,
-            init,
-            Partition::empty(p),
-            Access::Peek,
-            stats,
-            started,
-        ),
+        Request::Read(p) => {
+            if let Some((emb, state)) = store.take(p) {
+                // Lent, not copied: a checkpoint or an evaluation reads every partition, and
+                // a copy of each would raise the run's peak by a partition.
+                let part = Partition {
+                    id: p,
+                    emb,
+                    state,
+                    fresh: false,
+                };
+                return Ok(Reply {
+                    loaded: Some(part),
+                    lent: true,
+                    flushed: Vec::new(),
+                    committed: false,
+                    stats,
+                });
+            }
+            loaded_reply(
+                store,
+                scheme,
+                dim,
+                init,
+                Partition::empty(p),
+                Access::Peek,
+                stats,
+                started,
+            )
+        }
+        Request::Return(part) => {
+            store.keep(part.id, part.emb, part.state)?;
+            Ok(Reply {
+                loaded: None,
+                lent: false,
+                flushed: Vec::new(),
+                committed: false,
+                stats,
+            })
+        }
         Request::Flush(parts) => {
             write_back(store, &parts, &mut stats)?;
             store.sync()?;
             stats.io_time = started.elapsed();
             Ok(Reply {
                 loaded: None,
+                lent: false,
                 flushed: parts,
                 committed: false,
                 stats,
@@ -621,6 +659,7 @@ fn serve(
             stats.io_time = started.elapsed();
             Ok(Reply {
                 loaded: None,
+                lent: false,
                 flushed: Vec::new(),
                 committed: false,
                 stats,
@@ -638,6 +677,7 @@ fn serve(
             stats.io_time = started.elapsed();
             Ok(Reply {
                 loaded: None,
+                lent: false,
                 flushed: parts,
                 committed,
                 stats,
@@ -671,6 +711,7 @@ fn loaded_reply(
     stats.io_time = started.elapsed();
     Ok(Reply {
         loaded: Some(part),
+        lent: false,
         flushed: Vec::new(),
         committed: false,
         stats,
@@ -801,6 +842,11 @@ mod tests {
         let before = rows(&buffer, 0);
         buffer.begin_swap(0, 2).unwrap();
         buffer.finish_swap().unwrap();
+        // Read while in the store (a checkpoint, an evaluation): lent, not copied.
+        let lent = buffer
+            .with_partition(0, |p| (p.emb.as_ptr(), p.emb[20]))
+            .unwrap();
+        assert_eq!(lent, (before.0, 42.0));
         buffer.begin_swap(1, 0).unwrap();
         buffer.finish_swap().unwrap();
         // Partition 0 went into the store and came back: the same memory, its rows intact.

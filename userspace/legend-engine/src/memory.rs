@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use legend_dataset::{DatasetMeta, Split};
+use legend_dataset::{DatasetMeta, PartitionScheme, Split};
 
 use crate::config::{Backend, Config, DeviceChoice, Protocol};
 
@@ -189,9 +189,188 @@ pub fn check_fits(
     ))
 }
 
+/// Bytes per row of a device table beyond its `dim` floats of embedding, AdaGrad state and
+/// gradient: the touched flag, the touched list and the use count (`u32` each).
+const DEVICE_ROW_EXTRA_BYTES: u64 = 12;
+/// The CUDA context, the loaded kernels and the batch workspace (score matrices of up to
+/// 1 GiB, operands): 1.14 GiB on an H100 both with one partition and with C = 3 of 8, the
+/// Twitter-shaped runs of `scripts/gpu/billion-edge.sh`.
+const DEVICE_WORKSPACE_BYTES: u64 = 3 << 29;
+
+/// A GPU run's estimated device memory, by what holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuEstimate {
+    /// Node rows: every entity (C = N) or C partition slots, each row its embedding, AdaGrad
+    /// state and gradient, and three counters.
+    pub nodes: u64,
+    /// One partition slot's share of `nodes` (C < N), or 0.
+    pub slot: u64,
+    /// Relation rows, as node rows.
+    pub relations: u64,
+    /// Train edges: all of them when resident, else two buffers of the largest bucket.
+    pub edges: u64,
+    /// Whether the edges stay on the device (they take at most `storage.gpu_edge_fraction`
+    /// of its memory).
+    pub edges_resident: bool,
+    /// What the edges would take if resident (to say what lowering the fraction saves).
+    pub all_edges: u64,
+    /// Degree prefix sums (degree-based negatives), context, kernels and batch workspace.
+    pub workspace: u64,
+}
+
+impl GpuEstimate {
+    /// What training `config` over `scheme` (entities and partitions), with `bucket_edges`
+    /// train edges per bucket and `relation_rows` relation rows, holds on a device of
+    /// `device_total` bytes.
+    pub fn of(
+        config: &Config,
+        scheme: PartitionScheme,
+        bucket_edges: &[u64],
+        relation_rows: u64,
+        device_total: u64,
+    ) -> GpuEstimate {
+        let row = config.model.dim as u64 * 4 * 3 + DEVICE_ROW_EXTRA_BYTES;
+        let capacity = u64::from(config.capacity());
+        let (table_rows, slot) = if capacity < u64::from(scheme.num_partitions) {
+            let slot = scheme.rows_per_partition * row;
+            (capacity * scheme.rows_per_partition, slot)
+        } else {
+            (scheme.entities, 0)
+        };
+        let all_edges = bucket_edges.iter().sum::<u64>() * EDGE_BYTES;
+        let edges_resident =
+            Self::edges_resident(all_edges, config.storage.gpu_edge_fraction, device_total);
+        let edges = if edges_resident {
+            all_edges
+        } else {
+            2 * bucket_edges.iter().copied().max().unwrap_or(0) * EDGE_BYTES
+        };
+        GpuEstimate {
+            nodes: table_rows * row,
+            slot,
+            relations: relation_rows * row,
+            edges,
+            edges_resident,
+            all_edges,
+            workspace: (scheme.entities + 1) * 8 + DEVICE_WORKSPACE_BYTES,
+        }
+    }
+
+    /// Whether `edge_bytes` of edges stay on a device of `device_total` bytes, given
+    /// `storage.gpu_edge_fraction`: the GPU engine's rule.
+    pub fn edges_resident(edge_bytes: u64, fraction: f64, device_total: u64) -> bool {
+        edge_bytes as f64 <= fraction * device_total as f64
+    }
+
+    /// The whole estimate in bytes.
+    pub fn total(&self) -> u64 {
+        self.nodes + self.relations + self.edges + self.workspace
+    }
+
+    /// Refuses the run when the estimate exceeds `free` bytes of `device`'s memory, saying
+    /// what would make it fit.
+    pub fn check(&self, config: &Config, device: &str, free: u64) -> Result<(), String> {
+        if self.total() <= free {
+            return Ok(());
+        }
+        let short = self.total() - free;
+        let mut advice = Vec::new();
+        if self.edges_resident && self.all_edges >= short {
+            advice.push(format!(
+                "keep the edges ({:.1} GiB) in host memory, streamed a bucket at a time, with a lower storage.gpu_edge_fraction (now {})",
+                gib(self.all_edges),
+                config.storage.gpu_edge_fraction
+            ));
+        }
+        if self.slot > 0 {
+            let fits = (self.total() - self.nodes + self.slot * 2 <= free)
+                .then(|| (free - (self.total() - self.nodes)) / self.slot);
+            advice.push(match fits {
+                Some(c) => format!(
+                    "hold fewer partitions on the GPU: storage.buffer_capacity = {c} (each of the {} slots takes {:.1} GiB)",
+                    config.capacity(),
+                    gib(self.slot)
+                ),
+                None => format!(
+                    "use smaller partitions: raise storage.num_partitions (each of the {} slots takes {:.1} GiB)",
+                    config.capacity(),
+                    gib(self.slot)
+                ),
+            });
+        } else {
+            advice.push(format!(
+                "keep the node table ({:.1} GiB) in host memory and a few partitions on the GPU: storage.num_partitions = 8, storage.buffer_capacity = 3",
+                gib(self.nodes)
+            ));
+        }
+        Err(format!(
+            "training on {device} needs about {:.1} GiB of its memory ({:.1} GiB of node rows with their AdaGrad state and gradients, {:.1} GiB of relation rows, {:.1} GiB of edges, {:.1} GiB of workspace) but {:.1} GiB is free: {}",
+            gib(self.total()),
+            gib(self.nodes),
+            gib(self.relations),
+            gib(self.edges),
+            gib(self.workspace),
+            gib(free),
+            advice.join("; or ")
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn twitter(partitions: u32, capacity: u32) -> (Config, GpuEstimate) {
+        let config = Config::parse(
+            "",
+            &[
+                "model.decoder=dot".into(),
+                "model.dim=100".into(),
+                format!("storage.num_partitions={partitions}"),
+                format!("storage.buffer_capacity={capacity}"),
+            ],
+        )
+        .unwrap();
+        let scheme = PartitionScheme::new(41_652_230, partitions).unwrap();
+        let n2 = u64::from(partitions * partitions);
+        let buckets = vec![1_468_218_346 / n2; n2 as usize];
+        let h100 = 81_559 << 20;
+        let e = GpuEstimate::of(&config, scheme, &buckets, 0, h100);
+        (config, e)
+    }
+
+    #[test]
+    fn the_gpu_estimate_matches_the_h100_runs_and_refuses_with_advice() {
+        // In use on the H100 (total minus free, after set-up): 64.86 GiB for N = 1, 35.49 GiB
+        // for N = 8, C = 3 (scripts/gpu/billion-edge.sh).
+        for ((n, c), used) in [((1, 1), 64.86), ((8, 3), 35.49)] {
+            let (config, e) = twitter(n, c);
+            assert!(e.edges_resident);
+            let got = gib(e.total());
+            assert!(
+                (got - used).abs() < 0.5,
+                "N={n} C={c}: {got:.2} GiB, used {used}"
+            );
+            assert!(e.check(&config, "cuda:0", 70 << 30).is_ok());
+        }
+        let (config, e) = twitter(1, 1);
+        let err = e.check(&config, "cuda:0", 40 << 30).unwrap_err();
+        assert!(
+            err.contains("needs about 65.")
+                && err.contains("40.0 GiB is free")
+                && err.contains("storage.num_partitions = 8"),
+            "{err}"
+        );
+        let (config, e) = twitter(8, 3);
+        let err = e.check(&config, "cuda:0", 30 << 30).unwrap_err();
+        assert!(
+            err.contains("storage.gpu_edge_fraction")
+                && err.contains("storage.buffer_capacity = 2"),
+            "{err}"
+        );
+        let err = e.check(&config, "cuda:0", 10 << 30).unwrap_err();
+        assert!(err.contains("raise storage.num_partitions"), "{err}");
+    }
 
     #[test]
     fn kib_fields_parse_as_bytes() {

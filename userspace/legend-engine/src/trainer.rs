@@ -227,6 +227,9 @@ pub enum TrainError {
         #[source]
         error: legend_cuda::GpuError,
     },
+    /// The run does not fit in the GPU's memory (the message says what to change).
+    #[error("{0}")]
+    GpuMemory(String),
     /// The GPU engine failed.
     #[error("GPU engine")]
     Gpu(#[from] legend_cuda::GpuError),

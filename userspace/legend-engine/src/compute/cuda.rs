@@ -36,6 +36,7 @@ use crate::buffer::{Partition, PartitionBuffer, StoreError, SwapHook};
 use crate::config::Config;
 use crate::controllers::SharedController;
 use crate::file_store::SharedFileStore;
+use crate::memory::{GpuEstimate, gib};
 use crate::trainer::{IoDirection, IoKernelSpan, Relations, TrainError};
 
 /// Score-matrix memory the engine may use for one launch group.
@@ -191,6 +192,32 @@ impl CudaCompute {
             buckets,
             model.decoder.uses_relations().then_some(num_relations),
         )?;
+        // Refused before anything is allocated, with what to change, rather than failing on
+        // whichever allocation runs out.
+        let total = gpu.total_memory()? as u64;
+        let free = total.saturating_sub(gpu.memory_in_use()? as u64);
+        let relation_rows = if model.decoder.uses_relations() {
+            num_relations as u64
+        } else {
+            0
+        };
+        let estimate = GpuEstimate::of(config, scheme, &buckets.counts(), relation_rows, total);
+        tracing::info!(
+            "GPU memory: about {:.1} GiB needed ({:.1} GiB of node rows, {:.1} GiB of edges{}), \
+             {:.1} GiB free",
+            gib(estimate.total()),
+            gib(estimate.nodes),
+            gib(estimate.edges),
+            if estimate.edges_resident {
+                ", resident"
+            } else {
+                ", a bucket at a time"
+            },
+            gib(free)
+        );
+        estimate
+            .check(config, gpu.name(), free)
+            .map_err(TrainError::GpuMemory)?;
         let mut engine =
             GpuBatchEngine::new(&gpu, model, optimizer, shape, degrees, num_relations)?;
         engine.set_loss_accumulation(true);
@@ -328,7 +355,7 @@ impl DeviceEdges {
         let ids: &[u32] = bytemuck::cast_slice(edges);
         let bytes = std::mem::size_of_val(ids);
         let mut transfer = Transfer::new(gpu, DEFAULT_CHUNK_BYTES)?;
-        if bytes as f64 <= fraction * gpu.total_memory()? as f64 {
+        if GpuEstimate::edges_resident(bytes as u64, fraction, gpu.total_memory()? as u64) {
             let mut all = gpu.zeros(ids.len())?;
             transfer.upload(ids, &mut all)?;
             let mut offsets = vec![0u64];
