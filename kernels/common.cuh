@@ -7,8 +7,9 @@ typedef unsigned long long u64;
 // The golden-ratio increment of splitmix64.
 #define LEGEND_GOLDEN 0x9e3779b97f4a7c15ULL
 
-// splitmix64's finaliser, bit for bit the `mix` of legend-model's init.rs and of the CPU
-// sampler: CPU and GPU draw the same numbers from the same counters.
+// The counter-based random numbers of legend-model's rng.rs, bit for bit (CPU and GPU draw the
+// same numbers from the same counters; kernels/testdata/rng_vectors.txt pins both).
+// splitmix64's finaliser.
 __device__ __forceinline__ u64 legend_mix(u64 z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
@@ -173,12 +174,6 @@ __device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k,
     legend_sink_add<1>(row, k, LegendVec<1>{{g}}, LegendVec<1>{{param}}, LegendVec<1>{{state}});
 }
 
-// Decoders and losses, numbered as in the Rust enums of legend-cuda.
-#define LEGEND_DOT 0
-#define LEGEND_DISTMULT 1
-#define LEGEND_COMPLEX 2
-#define LEGEND_TRANSE_L1 3
-#define LEGEND_TRANSE_L2 4
-#define LEGEND_LOSS_SOFTMAX 0
-#define LEGEND_LOSS_LOGISTIC 1
-#define LEGEND_LOSS_RANKING 2
+// Decoders and losses are numbered by legend-cuda (`DECODER_CODES`, `LOSS_CODES` in
+// engine.rs), which defines LEGEND_DOT .. LEGEND_TRANSE_L2 and LEGEND_LOSS_SOFTMAX ..
+// LEGEND_LOSS_RANKING on the NVRTC command line.

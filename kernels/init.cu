@@ -1,6 +1,17 @@
 // Counter-based initialisation of embedding rows (the hash spec of legend-model's init.rs):
 // element t of row `row` is a pure function of (seed, table, row, t).
 
+// The shared RNG test vectors: for each input (a, b, c), out holds mix(a), draw(a, b) and
+// below(a, c) (kernels/testdata/rng_vectors.txt).
+extern "C" __global__ void legend_rng_vectors(const u64* in, u32 n, u64* out) {
+    u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u64 a = in[3 * i], b = in[3 * i + 1], c = in[3 * i + 2];
+    out[3 * i] = legend_mix(a);
+    out[3 * i + 1] = legend_draw(a, b);
+    out[3 * i + 2] = legend_below(a, c);
+}
+
 // One thread per element of `rows` consecutive rows starting at global row `first_row`.
 // `normal` selects N(0, scale^2) (Box-Muller in double precision, one output per element);
 // otherwise uniform on (-scale, scale).
@@ -11,7 +22,7 @@ extern "C" __global__ void legend_init_rows(float* out, u64 first_row, u32 rows,
     u64 row = first_row + idx / dim;
     u64 t = idx % dim;
     u64 key = legend_mix(legend_mix(seed + (u64)(table_tag + 1) * LEGEND_GOLDEN) ^ row);
-    u64 bits = legend_mix(key + (t + 1) * LEGEND_GOLDEN);
+    u64 bits = legend_draw(key, t);
     float value;
     if (normal) {
         const double scale32 = 1.0 / 4294967296.0;

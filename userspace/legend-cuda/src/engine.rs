@@ -395,25 +395,27 @@ pub fn init_rows(
     fill(gpu, out, rows, dim, first_row, seed, table, dist)
 }
 
-/// A stream key from a seed and counters: the CPU trainer's `key` (legend-engine's sampler),
-/// bit for bit.
-pub fn stream_key(seed: u64, parts: &[u64]) -> u64 {
-    const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mix = |mut z: u64| {
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
-    parts.iter().fold(mix(seed.wrapping_add(GOLDEN)), |k, &p| {
-        mix(k ^ p.wrapping_add(GOLDEN))
-    })
+/// `(mix(a), draw(a, b), below(a, c))` of each input `(a, b, c)`, by the kernels' own RNG
+/// functions (`legend_rng_vectors`): the GPU side of the shared test vectors.
+pub fn rng_vectors(gpu: &Gpu, inputs: &[[u64; 3]]) -> Result<Vec<[u64; 3]>, GpuError> {
+    let flat: Vec<u64> = inputs.iter().flatten().copied().collect();
+    let n = inputs.len() as u32;
+    let input = gpu.upload(&flat)?;
+    let mut out = gpu.zeros::<u64>(flat.len())?;
+    let mut b = gpu.stream().launch_builder(&gpu.kernels.rng_vectors);
+    b.arg(&input).arg(&n).arg(&mut out);
+    // SAFETY: `input` and `out` hold 3 values per input; the kernel touches no more.
+    unsafe { b.launch(crate::gpu::grid_1d(u64::from(n))?) }
+        .during("launching legend_rng_vectors")?;
+    let out = gpu.download(&out)?;
+    Ok(out.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect())
 }
 
 /// The keys of the negative lists of one batch as the CPU trainer forms them: list
 /// `2c + side` uses `key(seed, [2, epoch, batch, c, side])` (side 0 replaces sources).
 pub fn negative_keys(seed: u64, epoch: u32, batch: u64, chunks: usize) -> Vec<u64> {
     (0..2 * chunks as u64)
-        .map(|l| stream_key(seed, &[2, u64::from(epoch), batch, l / 2, l % 2]))
+        .map(|l| legend_model::rng::key(seed, &[2, u64::from(epoch), batch, l / 2, l % 2]))
         .collect()
 }
 
@@ -530,17 +532,42 @@ pub struct GpuBatchEngine {
     marks: Option<Vec<(&'static str, CudaEvent)>>,
 }
 
-/// The decoder's number in the kernels (`LEGEND_DOT` .. `LEGEND_TRANSE_L2`).
-fn decoder_code(d: Decoder) -> i32 {
-    match d {
-        Decoder::Dot => 0,
-        Decoder::DistMult => 1,
-        Decoder::ComplEx => 2,
-        Decoder::TransEL1 => 3,
-        Decoder::TransEL2 => 4,
-    }
+/// The kernels' names of the decoders; a decoder's number is its index. The one definition:
+/// every program is compiled with `-D<name>=<index>` ([`code_defines`]).
+const DECODER_CODES: [(Decoder, &str); 5] = [
+    (Decoder::Dot, "LEGEND_DOT"),
+    (Decoder::DistMult, "LEGEND_DISTMULT"),
+    (Decoder::ComplEx, "LEGEND_COMPLEX"),
+    (Decoder::TransEL1, "LEGEND_TRANSE_L1"),
+    (Decoder::TransEL2, "LEGEND_TRANSE_L2"),
+];
+
+/// The kernels' names of the losses, numbered by index as [`DECODER_CODES`].
+const LOSS_CODES: [&str; 3] = [
+    "LEGEND_LOSS_SOFTMAX",
+    "LEGEND_LOSS_LOGISTIC",
+    "LEGEND_LOSS_RANKING",
+];
+
+/// The `-D` options that define the decoder and loss numbers in the kernels.
+pub(crate) fn code_defines() -> Vec<String> {
+    let decoders = DECODER_CODES.iter().map(|(_, name)| *name).enumerate();
+    let losses = LOSS_CODES.iter().copied().enumerate();
+    decoders
+        .chain(losses)
+        .map(|(code, name)| format!("-D{name}={code}"))
+        .collect()
 }
 
+/// The decoder's number in the kernels.
+fn decoder_code(d: Decoder) -> i32 {
+    DECODER_CODES
+        .iter()
+        .position(|(x, _)| *x == d)
+        .expect("every decoder has a code") as i32
+}
+
+/// The loss's number in the kernels (an index of [`LOSS_CODES`]) and its margin.
 fn loss_code(l: Loss) -> (i32, f32) {
     match l {
         Loss::SoftmaxCe => (0, 0.0),

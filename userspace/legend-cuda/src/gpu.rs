@@ -16,6 +16,7 @@ use crate::{GpuError, nvrtc};
 /// The kernels, each from the module of its program (`nvrtc::PROGRAMS`).
 pub(crate) struct Kernels {
     pub(crate) init_rows: CudaFunction,
+    pub(crate) rng_vectors: CudaFunction,
     pub(crate) sample: CudaFunction,
     pub(crate) remap: CudaFunction,
     pub(crate) gather_batch: CudaFunction,
@@ -188,6 +189,7 @@ impl Gpu {
         let f = |name: &str| load(module_of(name), name);
         let kernels = Kernels {
             init_rows: f("legend_init_rows")?,
+            rng_vectors: f("legend_rng_vectors")?,
             sample: f("legend_sample_negatives")?,
             remap: f("legend_remap_ids")?,
             gather_batch: f("legend_gather_batch")?,

@@ -76,6 +76,7 @@ pub const PROGRAMS: [Program; 6] = [
         fused_width: 0,
         kernels: &[
             "legend_init_rows",
+            "legend_rng_vectors",
             "legend_sample_negatives",
             "legend_remap_ids",
             "legend_gather_batch",
@@ -141,17 +142,19 @@ impl Program {
     }
 
     /// NVRTC options: warnings on, standard C++17, line info for the profilers, the fused
-    /// width. No fast math: the kernels are checked against the CPU to 1e-3 and the losses
+    /// width, the decoder and loss numbers (defined in Rust only). No fast math: the kernels are checked against the CPU to 1e-3 and the losses
     /// need accurate exp/log.
     fn options(&self, arch: &str) -> Vec<String> {
-        vec![
+        let mut options = vec![
             format!("--gpu-architecture={arch}"),
             "--std=c++17".into(),
             "--generate-line-info".into(),
             "--restrict".into(),
             "-default-device".into(),
             format!("-DLEGEND_FUSED_WIDTH={}", self.fused_width),
-        ]
+        ];
+        options.extend(crate::engine::code_defines());
+        options
     }
 }
 

@@ -31,6 +31,17 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn the_kernels_compute_the_shared_rng_vectors() {
+    let vectors = legend_model::rng::test_vectors();
+    let inputs: Vec<[u64; 3]> = vectors.iter().map(|v| [v[0], v[1], v[2]]).collect();
+    let got = legend_cuda::rng_vectors(&gpu(), &inputs).unwrap();
+    for (v, g) in vectors.iter().zip(&got) {
+        assert_eq!(g, &[v[3], v[4], v[5]], "inputs {:x?}", &v[..3]);
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
 fn init_matches_fill_row() {
     let gpu = gpu();
     let s = seed("init");

@@ -17,6 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use legend_model::Permutation;
+use legend_model::rng::{self, Stream};
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -35,6 +37,9 @@ const LABEL_BLOCK: u64 = 1 << 16;
 
 /// Redraws of a destination that equals the source before falling back to a loop-free choice.
 const SELF_LOOP_TRIES: u32 = 8;
+/// Counters naming the streams of the source and destination id permutations.
+const SOURCE_IDS: u64 = 0x5eed_0001;
+const DESTINATION_IDS: u64 = 0x5eed_0002;
 
 /// Options of [`generate`].
 #[derive(Clone, Debug)]
@@ -265,7 +270,7 @@ fn draw_train(
             if options.cancelled() {
                 return;
             }
-            let mut rng = SplitMix64::stream(options.seed, Split::Train, block as u64);
+            let mut rng = block_stream(options.seed, Split::Train, block);
             for e in chunk.iter_mut() {
                 *e = model.edge(&mut rng);
             }
@@ -292,7 +297,7 @@ fn draw_held_out(
             if options.cancelled() {
                 return;
             }
-            let mut rng = SplitMix64::stream(options.seed, split, block as u64);
+            let mut rng = block_stream(options.seed, split, block);
             let mut pick = || train[rng.below(train.len() as u64) as usize];
             for e in chunk.iter_mut() {
                 let first = pick();
@@ -365,19 +370,22 @@ impl Model {
             relations: PowerLaw::new(options.relations, options.skew),
             // Separate permutations make out- and in-hubs different nodes, as in real graphs
             // where the most cited and the most citing entities differ.
-            source_ids: Permutation::new(options.nodes, mix(options.seed ^ 0x5eed_0001)),
-            destination_ids: Permutation::new(options.nodes, mix(options.seed ^ 0x5eed_0002)),
+            source_ids: Permutation::new(options.nodes, rng::key(options.seed, &[SOURCE_IDS])),
+            destination_ids: Permutation::new(
+                options.nodes,
+                rng::key(options.seed, &[DESTINATION_IDS]),
+            ),
         }
     }
 
-    fn edge(&self, rng: &mut SplitMix64) -> Edge {
-        let src = self.source_ids.apply(self.sources.sample(rng.unit()));
+    fn edge(&self, rng: &mut Stream) -> Edge {
+        let src = self.source_ids.at(self.sources.sample(rng.unit()));
         let rel = self.relations.sample(rng.unit());
         let mut dst = src;
         for _ in 0..SELF_LOOP_TRIES {
             dst = self
                 .destination_ids
-                .apply(self.destinations.sample(rng.unit()));
+                .at(self.destinations.sample(rng.unit()));
             if dst != src {
                 break;
             }
@@ -440,75 +448,10 @@ impl PowerLaw {
     }
 }
 
-/// A keyed pseudo-random permutation of `0..n`: a 4-round Feistel network over the smallest
-/// even-bit power of two ≥ n, cycle-walked back into range. No table, so any rank maps to its id
-/// in O(1) from any thread.
-struct Permutation {
-    n: u64,
-    half_bits: u32,
-    keys: [u64; 4],
-}
-
-impl Permutation {
-    fn new(n: u64, key: u64) -> Permutation {
-        let bits = (64 - (n.max(2) - 1).leading_zeros()).next_multiple_of(2);
-        Permutation {
-            n,
-            half_bits: bits / 2,
-            keys: std::array::from_fn(|i| mix(key.wrapping_add(i as u64))),
-        }
-    }
-
-    fn apply(&self, mut x: u64) -> u64 {
-        // The domain is at most 4n, so on average under 4 rounds of walking.
-        loop {
-            x = self.feistel(x);
-            if x < self.n {
-                return x;
-            }
-        }
-    }
-
-    fn feistel(&self, x: u64) -> u64 {
-        let mask = (1u64 << self.half_bits) - 1;
-        let (mut left, mut right) = (x >> self.half_bits, x & mask);
-        for key in self.keys {
-            (left, right) = (right, left ^ (mix(right ^ key) & mask));
-        }
-        (left << self.half_bits) | right
-    }
-}
-
-/// The SplitMix64 finaliser: a bijective 64-bit mixer.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// SplitMix64: a counter run through [`mix`], so a stream is fixed by its starting key.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    /// The stream of one block of one split.
-    fn stream(seed: u64, split: Split, block: u64) -> SplitMix64 {
-        SplitMix64(mix(mix(mix(seed) ^ split as u64) ^ block))
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
-    }
-
-    /// Uniform in [0, 1) with 53 random bits.
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-
-    /// Uniform in `0..n` (multiply-shift; the bias is below 2⁻³²).
-    fn below(&mut self, n: u64) -> u64 {
-        ((u128::from(self.next()) * u128::from(n)) >> 64) as u64
-    }
+/// The draws of `split`'s block `block` (each block of edges draws from its own stream, so
+/// the graph does not depend on the thread count).
+fn block_stream(seed: u64, split: Split, block: usize) -> Stream {
+    Stream::new(rng::key(seed, &[split as u64, block as u64]))
 }
 
 #[cfg(test)]
@@ -550,19 +493,6 @@ mod tests {
     }
 
     #[test]
-    fn permutation_is_a_bijection() {
-        for n in [2u64, 3, 5, 16, 17, 1000, 65_537] {
-            let p = Permutation::new(n, 9);
-            let mut seen = vec![false; n as usize];
-            for x in 0..n {
-                let y = p.apply(x);
-                assert!(y < n && !seen[y as usize], "n = {n}: {x} -> {y}");
-                seen[y as usize] = true;
-            }
-        }
-    }
-
-    #[test]
     fn power_law_stays_in_range_and_favours_low_ranks() {
         for s in [0.0, 0.5, 1.0, 1.0 + 1e-12, 2.5] {
             let law = PowerLaw::new(10, s);
@@ -570,7 +500,7 @@ mod tests {
             assert_eq!(law.sample(1.0 - f64::EPSILON), 9, "skew {s}");
         }
         let law = PowerLaw::new(1000, 1.0);
-        let mut rng = SplitMix64(1);
+        let mut rng = Stream::new(1);
         let low = (0..10_000).filter(|_| law.sample(rng.unit()) < 10).count();
         // ln(11)/ln(1001) ≈ 35% of the mass sits on the top 1% of ranks.
         assert!((3000..4000).contains(&low), "{low}");

@@ -1,37 +1,11 @@
 //! Negative sampling from the partitions a bucket group may touch.
 //!
-//! Draws come from a counter-based hash of (seed, a key naming the batch, chunk and side, the
-//! draw index), so they depend neither on thread count nor on the order work is done in.
+//! Draws come from legend-model's counter-based [`rng`](legend_model::rng): stream keys name the
+//! epoch, batch, chunk and side, so draws depend neither on thread count nor on the order work
+//! is done in.
 
 use legend_dataset::PartitionScheme;
-
-/// splitmix64's finaliser: a bijective 64-bit mix.
-pub(crate) fn mix(mut z: u64) -> u64 {
-    z ^= z >> 30;
-    z = z.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z ^= z >> 27;
-    z = z.wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
-
-/// A stream key from a seed and a tuple of counters.
-pub(crate) fn key(seed: u64, parts: &[u64]) -> u64 {
-    parts.iter().fold(mix(seed.wrapping_add(GOLDEN)), |k, &p| {
-        mix(k ^ p.wrapping_add(GOLDEN))
-    })
-}
-
-/// The `i`-th 64-bit draw of stream `key`.
-pub(crate) fn draw(key: u64, i: u64) -> u64 {
-    mix(key.wrapping_add(i.wrapping_add(1).wrapping_mul(GOLDEN)))
-}
-
-/// A uniform integer below `n` from 64 random bits (multiply-shift; bias below 2⁻³²).
-pub(crate) fn below(bits: u64, n: u64) -> u64 {
-    ((u128::from(bits) * u128::from(n)) >> 64) as u64
-}
+use legend_model::rng::{below, draw};
 
 /// Samples entity ids from a set of partitions, a fraction proportionally to degree.
 pub struct NegativeSampler {
@@ -116,6 +90,7 @@ impl NegativeSampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use legend_model::rng::key;
 
     #[test]
     fn draws_stay_in_the_partitions_and_follow_degree() {

@@ -25,7 +25,8 @@ use crate::compute::cuda::CudaCompute;
 use crate::compute::{BucketRef, ComputeBackend, RowSink, Step};
 use crate::config::{Config, ConfigError};
 use crate::device::Device;
-use crate::sampler::{NegativeSampler, key};
+use crate::sampler::NegativeSampler;
+use legend_model::rng::key;
 
 pub use crate::compute::cpu::BLOCK_ROWS;
 

@@ -3,14 +3,11 @@
 //! Element `t` of row `row` of table `table` is a pure function of `(seed, table, row, t)`, so a
 //! row's initial value does not depend on partitioning, on the order rows are touched, or on the
 //! thread count, and a GPU kernel (one thread per element) reproduces it. The hash, as a spec
-//! for ports:
+//! for ports (`mix`, `G` and `draw` are [`crate::rng`]'s):
 //!
 //! ```text
-//! mix(z)   = splitmix64 finaliser: z ^= z >> 30; z *= 0xbf58476d1ce4e5b9;
-//!                                  z ^= z >> 27; z *= 0x94d049bb133111eb; z ^= z >> 31
-//! G        = 0x9e3779b97f4a7c15
 //! row_key  = mix(mix(seed + (tag(table) + 1) * G) ^ row)
-//! bits(t)  = mix(row_key + (t + 1) * G)            (all arithmetic wrapping, u64)
+//! bits(t)  = draw(row_key, t) = mix(row_key + (t + 1) * G)    (all arithmetic wrapping, u64)
 //! ```
 //!
 //! `tag(Node) = 0`, `tag(Relation) = 1`, `tag(InverseRelation) = 2`. From `bits`:
@@ -19,6 +16,8 @@
 //!   value `std · sqrt(−2 ln u1) · cos(2π u2)` in f64, rounded to f32 (Box–Muller, one output
 //!   per element so elements stay independent). A port using f64 math agrees up to the last-ulp
 //!   rounding of its `ln`/`cos`.
+
+use crate::rng::{GOLDEN, draw, mix};
 
 /// Which parameter table a row belongs to; each has its own random stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -127,7 +126,7 @@ impl Init {
 pub fn fill_row(seed: u64, table: Table, row: u64, dist: Distribution, out: &mut [f32]) {
     let key = row_key(seed, table, row);
     for (t, o) in out.iter_mut().enumerate() {
-        let bits = element_bits(key, t as u64);
+        let bits = draw(key, t as u64);
         *o = match dist {
             Distribution::Uniform { bound } => {
                 let u = ((bits >> 40) as f32 + 0.5) * (1.0 / (1u64 << 24) as f32);
@@ -144,25 +143,9 @@ pub fn fill_row(seed: u64, table: Table, row: u64, dist: Distribution, out: &mut
     }
 }
 
-/// splitmix64's golden-ratio increment.
-pub(crate) const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
-
-/// splitmix64's finaliser (`mix` in the module docs).
-#[inline]
-pub(crate) fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 #[inline]
 fn row_key(seed: u64, table: Table, row: u64) -> u64 {
     mix(mix(seed.wrapping_add((table.tag() + 1).wrapping_mul(GOLDEN))) ^ row)
-}
-
-#[inline]
-fn element_bits(key: u64, t: u64) -> u64 {
-    mix(key.wrapping_add((t + 1).wrapping_mul(GOLDEN)))
 }
 
 #[cfg(test)]

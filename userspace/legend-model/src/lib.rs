@@ -12,6 +12,7 @@ mod decoder;
 mod init;
 mod loss;
 mod permutation;
+pub mod rng;
 mod vmath;
 
 pub use adagrad::AdaGrad;

@@ -5,7 +5,7 @@
 //! ports (`kernels/batch.cu` mirrors it bit for bit):
 //!
 //! ```text
-//! mix, G   = splitmix64's finaliser and golden increment (see init.rs)
+//! mix, G   = splitmix64's finaliser and golden increment (see rng.rs)
 //! h        = the smallest h ≥ 1 with 2^(2h) ≥ n        (the domain: 2^(2h) < 4n for n ≥ 2)
 //! mask     = 2^h − 1
 //! k_r      = mix(key + (r + 1)·G)                      for the rounds r = 0 .. ROUNDS−1
@@ -18,7 +18,7 @@
 //! returns to `i`, so it ends, and two indices that reached the same value would have had the
 //! same predecessor. With a domain below `4n` a walk takes fewer than 4 steps on average.
 
-use crate::init::{GOLDEN, mix};
+use crate::rng::{GOLDEN, mix};
 
 /// Feistel rounds of a [`Permutation`]. Four make a pseudo-random permutation from random
 /// round functions; two more cost nothing next to a batch and keep small domains well mixed.

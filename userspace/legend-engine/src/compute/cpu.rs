@@ -8,7 +8,9 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::{BucketRef, ComputeBackend, Step};
 use crate::buffer::{PartitionBuffer, SwapHook};
-use crate::sampler::{NegativeSampler, key};
+use legend_model::rng::key;
+
+use crate::sampler::NegativeSampler;
 use crate::trainer::{Relations, TrainError};
 
 /// Most rows of a chunk handled by one parallel task. Every task packs the chunk's negatives
