@@ -253,6 +253,19 @@ struct Reply {
     stats: IoStats,
 }
 
+impl Reply {
+    /// A reply that carries nothing but the request's I/O counters.
+    fn stats(stats: IoStats) -> Reply {
+        Reply {
+            loaded: None,
+            lent: false,
+            flushed: Vec::new(),
+            committed: false,
+            stats,
+        }
+    }
+}
+
 /// The partition buffer.
 ///
 /// Compute reads and updates rows of resident partitions through [`PartitionBuffer::row`] and
@@ -613,9 +626,7 @@ fn serve(
                 return Ok(Reply {
                     loaded: Some(part),
                     lent: true,
-                    flushed: Vec::new(),
-                    committed: false,
-                    stats,
+                    ..Reply::stats(stats)
                 });
             }
             loaded_reply(
@@ -631,24 +642,15 @@ fn serve(
         }
         Request::Return(part) => {
             store.keep(part.id, part.emb, part.state)?;
-            Ok(Reply {
-                loaded: None,
-                lent: false,
-                flushed: Vec::new(),
-                committed: false,
-                stats,
-            })
+            Ok(Reply::stats(stats))
         }
         Request::Flush(parts) => {
             write_back(store, &parts, &mut stats)?;
             store.sync()?;
             stats.io_time = started.elapsed();
             Ok(Reply {
-                loaded: None,
-                lent: false,
                 flushed: parts,
-                committed: false,
-                stats,
+                ..Reply::stats(stats)
             })
         }
         Request::Evict(parts) => {
@@ -657,13 +659,7 @@ fn serve(
             }
             store.sync()?;
             stats.io_time = started.elapsed();
-            Ok(Reply {
-                loaded: None,
-                lent: false,
-                flushed: Vec::new(),
-                committed: false,
-                stats,
-            })
+            Ok(Reply::stats(stats))
         }
         Request::Checkpoint {
             parts,
@@ -676,11 +672,9 @@ fn serve(
             let committed = store.commit(&progress, &aux)?;
             stats.io_time = started.elapsed();
             Ok(Reply {
-                loaded: None,
-                lent: false,
                 flushed: parts,
                 committed,
-                stats,
+                ..Reply::stats(stats)
             })
         }
     }
@@ -711,10 +705,7 @@ fn loaded_reply(
     stats.io_time = started.elapsed();
     Ok(Reply {
         loaded: Some(part),
-        lent: false,
-        flushed: Vec::new(),
-        committed: false,
-        stats,
+        ..Reply::stats(stats)
     })
 }
 

@@ -39,14 +39,26 @@ pub struct HostEstimate {
 
 impl HostEstimate {
     /// What `config` on `dataset` will hold at its peak (the final evaluation runs while the
-    /// trainer still holds its edges and tables).
-    pub fn of(config: &Config, dataset: &DatasetMeta) -> HostEstimate {
+    /// trainer still holds its edges and tables), training on a CUDA device or not
+    /// (`on_cuda`), from its start or `resuming` from a checkpoint. When every partition stays
+    /// on the GPU (memory backend, C = N), a new run's host holds none of their rows, only the
+    /// embeddings evaluation gathers from the device; a resumed one reads the checkpoint's
+    /// tables first.
+    pub fn of(
+        config: &Config,
+        dataset: &DatasetMeta,
+        on_cuda: bool,
+        resuming: bool,
+    ) -> HostEstimate {
+        let all_on_gpu =
+            on_cuda && !config.uses_store() && config.capacity() == config.storage.num_partitions;
         let dim = config.model.dim as u64;
         let n = u64::from(config.storage.num_partitions.max(1));
         let row_bytes = dim * 4 * 2; // embedding + AdaGrad state
         let partition_bytes = dataset.entities.div_ceil(n) * row_bytes;
         let train = dataset.splits.get(Split::Train);
         let tables = match config.storage.backend {
+            Backend::Memory if all_on_gpu && !resuming => 0,
             Backend::Memory => dataset.entities * row_bytes,
             // The buffer's partitions, the store's staging buffer and one partition in flight.
             _ => (u64::from(config.capacity()) + 2) * partition_bytes,
@@ -57,7 +69,11 @@ impl HostEstimate {
             0
         };
         let split = dataset.splits.get(config.evaluation.split.split());
-        let gathered = if n > 1 { dataset.entities * dim * 4 } else { 0 };
+        let gathered = if n > 1 || all_on_gpu {
+            dataset.entities * dim * 4
+        } else {
+            0
+        };
         let ranking = match config.evaluation.protocol {
             // Every split's edges, twice: loaded, then indexed.
             Protocol::Filtered => {
@@ -134,14 +150,17 @@ pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / f64::from(1u32 << 30)
 }
 
-/// Refuses `config` on `dataset` when its estimated peak exceeds `available` bytes, with a
-/// message that says how much it needs, what there is, and what to change.
+/// Refuses `config` on `dataset` (on a CUDA device or not, resuming or not: see
+/// [`HostEstimate::of`]) when its estimated peak exceeds `available` bytes, with a message
+/// that says how much it needs, what there is, and what to change.
 pub fn check_fits(
     config: &Config,
     dataset: &DatasetMeta,
+    on_cuda: bool,
+    resuming: bool,
     available: u64,
 ) -> Result<HostEstimate, String> {
-    let e = HostEstimate::of(config, dataset);
+    let e = HostEstimate::of(config, dataset, on_cuda, resuming);
     if e.total() <= available {
         return Ok(e);
     }

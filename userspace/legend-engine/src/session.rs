@@ -212,8 +212,8 @@ impl Session {
         )
         .map_err(TrainError::from)?;
         let dataset = Dataset::open(dataset)?;
-        check_memory(&config, dataset.meta())?;
         let device = Device::open(&config)?;
+        check_memory(&config, dataset.meta(), &device, false)?;
         let meta = new_meta(&config, &dataset);
         assemble_run_dir(out, &config, &meta)?;
         // Nothing is trained until the session starts: a refusal on the way (a store target
@@ -241,8 +241,9 @@ impl Session {
         let text = std::fs::read_to_string(&config_path).map_err(io_error(&config_path))?;
         let config = Config::parse(&text, sets)?;
         let dataset = evaluation::open_run_dataset(&meta, dataset)?;
-        check_memory(&config, dataset.meta())?;
         let device = Device::open(&config)?;
+        // Resuming reads the checkpoint's tables into host memory before they go to the GPU.
+        check_memory(&config, dataset.meta(), &device, true)?;
         let session = Session::start(out, config, dataset, meta, device)?;
         // The keys changed with `sets` hold from now on.
         run::write_atomically(&config_path, session.config.to_toml().as_bytes())?;
@@ -619,12 +620,16 @@ impl Session {
 fn check_memory(
     config: &Config,
     dataset: &legend_dataset::DatasetMeta,
+    device: &Device,
+    resuming: bool,
 ) -> Result<(), SessionError> {
     let Some(available) = memory::available_bytes() else {
         tracing::warn!("cannot read the available memory; the run's memory is not checked");
         return Ok(());
     };
-    let estimate = memory::check_fits(config, dataset, available).map_err(SessionError::Refused)?;
+    let on_cuda = matches!(device, Device::Cuda { .. });
+    let estimate = memory::check_fits(config, dataset, on_cuda, resuming, available)
+        .map_err(SessionError::Refused)?;
     tracing::info!(
         "host memory: about {:.1} GiB at the peak, {:.1} GiB available",
         memory::gib(estimate.total()),

@@ -440,7 +440,7 @@ impl Trainer {
         }
         self.buffer.fill(&first)?;
         for &p in &first {
-            self.compute.loaded(&self.buffer, p)?;
+            self.compute.loaded(&mut self.buffer, p)?;
         }
         let mut resident = first.clone();
         let mut ctx = EpochCtx {

@@ -40,6 +40,20 @@ fn graph_and_embeddings(
 }
 
 /// Runs `legendctl args` and returns (success, stdout, stderr).
+/// `legendctl eval` of Dot embeddings in `emb` on `dataset`.
+fn eval_dot(emb: &Path, dataset: &Path) -> Vec<&'static str> {
+    let (emb, dataset) = (s(emb).leak(), s(dataset).leak());
+    vec![
+        "eval",
+        "--embeddings",
+        emb,
+        "--decoder",
+        "dot",
+        "--dataset",
+        dataset,
+    ]
+}
+
 fn run(args: &[&str]) -> (bool, String, String) {
     let out = legendctl(args);
     (
@@ -54,18 +68,8 @@ fn sampled_negatives_are_capped_to_the_graph_with_a_warning() {
     let dir = tempfile::tempdir().unwrap();
     let (ds, emb) = graph_and_embeddings(dir.path(), |r, c| ((r * 7 + c * 3) % 11) as f32 - 5.0);
     let eval = |extra: &[&str]| {
-        let mut args = vec![
-            "eval",
-            "--embeddings",
-            &*s(&emb).leak(),
-            "--decoder",
-            "dot",
-            "--dataset",
-            &*s(&ds).leak(),
-            "--protocol",
-            "sampled",
-            "--json",
-        ];
+        let mut args = eval_dot(&emb, &ds);
+        args.extend_from_slice(&["--protocol", "sampled", "--json"]);
         args.extend_from_slice(extra);
         let (success, stdout, stderr) = run(&args);
         assert!(success, "{stderr}");
@@ -114,18 +118,10 @@ fn sampled_negatives_are_capped_to_the_graph_with_a_warning() {
 fn progress_stays_off_stdout_and_draws_no_bar_off_a_terminal() {
     let dir = tempfile::tempdir().unwrap();
     let (ds, emb) = graph_and_embeddings(dir.path(), |r, c| (r + c) as f32 / 60.0);
-    let (success, stdout, stderr) = run(&[
-        "--log",
-        "info",
-        "eval",
-        "--embeddings",
-        &s(&emb),
-        "--decoder",
-        "dot",
-        "--dataset",
-        &s(&ds),
-        "--json",
-    ]);
+    let mut args = vec!["--log", "info"];
+    args.extend(eval_dot(&emb, &ds));
+    args.push("--json");
+    let (success, stdout, stderr) = run(&args);
     assert!(success, "{stderr}");
     assert_eq!(stdout.lines().count(), 1, "{stdout:?}");
     assert_eq!(json(stdout.trim())["protocol"], "filtered");
@@ -159,15 +155,7 @@ fn a_missing_input_names_its_cause_once() {
     // A dataset that is not there, through `eval --embeddings --dataset`.
     let emb = dir.path().join("emb");
     std::fs::create_dir(&emb).unwrap();
-    let (success, _, stderr) = run(&[
-        "eval",
-        "--embeddings",
-        &s(&emb),
-        "--decoder",
-        "dot",
-        "--dataset",
-        &s(&dir.path().join("no-ds")),
-    ]);
+    let (success, _, stderr) = run(&eval_dot(&emb, &dir.path().join("no-ds")));
     assert!(!success);
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(stderr.contains("no-ds"), "{stderr}");

@@ -69,7 +69,7 @@ struct BlockGrads {
 }
 
 impl ComputeBackend for CpuCompute {
-    fn loaded(&mut self, _host: &PartitionBuffer, _p: u32) -> Result<(), TrainError> {
+    fn loaded(&mut self, _host: &mut PartitionBuffer, _p: u32) -> Result<(), TrainError> {
         Ok(())
     }
 

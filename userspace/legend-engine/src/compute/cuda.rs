@@ -575,7 +575,7 @@ impl SwapHook for DirectSwap {
 }
 
 impl ComputeBackend for CudaCompute {
-    fn loaded(&mut self, host: &PartitionBuffer, p: u32) -> Result<(), TrainError> {
+    fn loaded(&mut self, host: &mut PartitionBuffer, p: u32) -> Result<(), TrainError> {
         if self.slot_of[p as usize] != SlotMap::ABSENT {
             return Ok(());
         }
@@ -604,6 +604,16 @@ impl ComputeBackend for CudaCompute {
                 .upload_rows(&mut self.nodes, row0, &part.emb, &part.state)?;
         }
         drop(copies);
+        if !self.slotted {
+            // Every partition stays here for the whole run, so the host copy is stale from the
+            // first step: its memory goes back (a whole table, resuming a run in GPU memory);
+            // a download refills it where one is needed.
+            let part = host
+                .partition_mut(p)
+                .expect("a loaded partition is resident");
+            part.emb = vec![0.0; part.emb.len()];
+            part.state = vec![0.0; part.state.len()];
+        }
         self.slot_of[p as usize] = slot;
         self.publish_slots()
     }

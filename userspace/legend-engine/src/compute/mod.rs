@@ -72,8 +72,10 @@ pub type RowSink<'a> = dyn FnMut(&[f32], &[f32]) -> Result<(), TrainError> + 'a;
 /// A compute engine driven by the trainer's epoch loop (see the module docs for the order of
 /// the calls).
 pub(crate) trait ComputeBackend {
-    /// Partition `p` has become resident in `host` (after the fill).
-    fn loaded(&mut self, host: &PartitionBuffer, p: u32) -> Result<(), TrainError>;
+    /// Partition `p` has become resident in `host` (after the fill). An engine that keeps the
+    /// rows itself for the whole run may give the host copy's memory back (see
+    /// [`ComputeBackend::evicting`], which fills it again).
+    fn loaded(&mut self, host: &mut PartitionBuffer, p: u32) -> Result<(), TrainError>;
     /// Partition `p` is about to leave `host` outside a swap (the fill): its host copy must be
     /// made current.
     fn evicting(&mut self, host: &mut PartitionBuffer, p: u32) -> Result<(), TrainError>;
