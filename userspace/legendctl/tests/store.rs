@@ -213,6 +213,13 @@ fn sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run() {
     kill_and_resume("file", 50);
 }
 
+/// The same with the memory backend, whose checkpoints stream the tables into a directory of
+/// their own: one killed while it is written leaves the one before usable.
+#[test]
+fn sigkill_then_resume_in_memory() {
+    kill_and_resume("memory", 16);
+}
+
 /// The same through the proxy controller's queues: a process killed with commands in flight
 /// leaves the backing file with the last commit readable.
 #[test]
