@@ -5,7 +5,8 @@
 # chunks x 1000 negatives, half degree-based), commit the final checkpoint, rank the test split
 # against sampled negatives, export the embeddings as npy. Prints each phase's time, the set-up
 # log lines, every epoch's time and edges/s, the peak host RSS (getrusage of the children) and
-# GPU memory, and the MRR; checks that the exported checkpoint ranks as the run did. Then the
+# GPU memory, and the MRR; resumes the run for one more epoch; checks that the exported
+# checkpoint ranks as the run did. Then the
 # host-RAM swap tier: the same graph with N = 8 partitions in host memory, C = 3 of them on the
 # GPU, for TIER_EPOCHS epochs (2), with its swap timeline (`legendctl report`).
 #
@@ -77,7 +78,7 @@ train() {
     status=$?
     kill "$smi" 2>/dev/null
     wait "$smi" 2>/dev/null
-    grep -E "host memory|set-up|epoch [0-9]+:|test:" "$out/billion-$name.log" |
+    grep -E "host memory|GPU memory|set-up|epoch [0-9]+:|test:" "$out/billion-$name.log" |
         sed 's/^[^ ]* *INFO //'
     [ "$status" = 0 ] || exit 1
     echo "GPU memory used, peak over the run:" \
@@ -85,6 +86,11 @@ train() {
 }
 
 train train --out "$run" --set training.num_epochs="$epochs" --set storage.num_partitions=1
+# One epoch more from the checkpoint: the tables come back from disk, go to the GPU, and their
+# host copies are given back.
+phase resume "$ctl" train --out "$run" --resume --set training.num_epochs=$((epochs + 1)) || exit 1
+grep -E "host memory|GPU memory|set-up|epoch [0-9]+:|test:" "$out/billion-resume.log" |
+    sed 's/^[^ ]* *INFO //'
 phase export "$ctl" export "$run" --format npy -o "$work/export" || exit 1
 ls -la "$work/export" | tail -4
 du -sh "$run"
