@@ -141,8 +141,9 @@ impl Partition {
 
 impl MemoryStore {
     /// A store holding whole tables (`entities × dim` each), split by `scheme`: resuming a run.
-    /// The tables are cut from their ends, each partition moved out and the rest shrunk, so
-    /// that resuming never holds the tables twice.
+    /// The tables are cut from their ends, each partition copied out and the rest shrunk, and
+    /// what remains is partition 0 itself, so that resuming holds the tables once and at most
+    /// one partition twice (none with one partition).
     pub fn from_tables(
         scheme: PartitionScheme,
         dim: usize,
@@ -150,13 +151,14 @@ impl MemoryStore {
         mut state: Vec<f32>,
     ) -> MemoryStore {
         let mut parts = FxHashMap::default();
-        for p in (0..scheme.num_partitions).rev() {
+        for p in (1..scheme.num_partitions).rev() {
             let start = scheme.range(p).start as usize * dim;
             let part = (emb.split_off(start), state.split_off(start));
             emb.shrink_to_fit();
             state.shrink_to_fit();
             parts.insert(p, part);
         }
+        parts.insert(0, (emb, state));
         MemoryStore { parts }
     }
 }
@@ -817,6 +819,31 @@ mod tests {
             assert!(part.state.iter().all(|&x| x == 0.0));
         }
         assert_eq!(buffer.stats().initialised, 2);
+    }
+
+    #[test]
+    fn tables_split_into_partitions_keep_their_rows_and_partition_zero_is_not_copied() {
+        let (entities, dim) = (1_001u64, 3usize);
+        let emb: Vec<f32> = (0..entities as usize * dim).map(|i| i as f32).collect();
+        let state: Vec<f32> = emb.iter().map(|x| -x).collect();
+        for n in [1, 4] {
+            let scheme = PartitionScheme::new(entities, n).unwrap();
+            let mut store = MemoryStore::from_tables(scheme, dim, emb.clone(), state.clone());
+            for p in 0..n {
+                let (e, s) = store.take(p).unwrap();
+                let rows = scheme.range(p);
+                let floats = rows.start as usize * dim..rows.end as usize * dim;
+                assert!(
+                    e == emb[floats.clone()] && s == state[floats],
+                    "partition {p}"
+                );
+            }
+        }
+        // Moved, not copied: the caller's table is partition 0.
+        let scheme = PartitionScheme::new(entities, 1).unwrap();
+        let at = emb.as_ptr();
+        let mut store = MemoryStore::from_tables(scheme, dim, emb, state);
+        assert_eq!(store.take(0).unwrap().0.as_ptr(), at);
     }
 
     #[test]
