@@ -1,10 +1,13 @@
 //! Ranking trained tables on a split of their dataset: legend-eval's filtered and sampled
 //! protocols, as `legendctl eval`, a session's evaluations and the daemon's eval jobs run them.
 
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
 
 use legend_dataset::{Dataset, DatasetError, Split};
 use legend_eval::{Embeddings, EvalError, FilterIndex, Metrics, SampledNegatives};
@@ -65,8 +68,8 @@ pub enum EvaluationError {
 }
 
 /// Ranks `request.split` of `dataset` with `decoder` over the given tables (`dim` floats a row),
-/// logging its progress every [`PROGRESS_LOG_EVERY`] (an `info` line on stderr: a long evaluation
-/// never looks hung, and stdout stays the caller's).
+/// showing its progress on stderr (a long evaluation never looks hung, and stdout stays the
+/// caller's): a bar on a terminal, else an `info` line every [`PROGRESS_LOG_EVERY`].
 ///
 /// Sampled negatives beyond the graph's entity count are reduced to it, with a warning (see
 /// [`SampledNegatives::capped`]).
@@ -131,9 +134,11 @@ pub fn evaluate(
 /// How often a running evaluation logs its progress.
 pub const PROGRESS_LOG_EVERY: Duration = Duration::from_secs(10);
 
-/// Counts ranked queries from the worker threads and logs how far the evaluation is every
-/// `every` (nothing for an evaluation shorter than that).
+/// Counts ranked queries from the worker threads and shows how far the evaluation is: a bar
+/// when stderr is a terminal, else a log line every `every` (nothing for an evaluation shorter
+/// than that).
 struct ProgressLog {
+    bar: Option<ProgressBar>,
     what: &'static str,
     total: u64,
     done: AtomicU64,
@@ -144,12 +149,26 @@ struct ProgressLog {
 
 impl ProgressLog {
     fn new(what: &'static str, total: u64) -> ProgressLog {
-        ProgressLog::with_interval(what, total, PROGRESS_LOG_EVERY)
+        let mut log = ProgressLog::with_interval(what, total, PROGRESS_LOG_EVERY);
+        if std::io::stderr().is_terminal() {
+            let bar = ProgressBar::new(total);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{msg} evaluation [{bar:30}] {pos}/{len} queries {per_sec} eta {eta}",
+                )
+                .expect("static template")
+                .progress_chars("=> "),
+            );
+            bar.set_message(what);
+            log.bar = Some(bar);
+        }
+        log
     }
 
     fn with_interval(what: &'static str, total: u64, every: Duration) -> ProgressLog {
         let started = Instant::now();
         ProgressLog {
+            bar: None,
             what,
             total,
             done: AtomicU64::new(0),
@@ -160,6 +179,10 @@ impl ProgressLog {
     }
 
     fn add(&self, n: u64) {
+        if let Some(bar) = &self.bar {
+            bar.inc(n);
+            return;
+        }
         if let Some(line) = self.advance(n) {
             tracing::info!("{line}");
         }
@@ -185,6 +208,15 @@ impl ProgressLog {
             self.total,
             100.0 * fraction
         ))
+    }
+}
+
+impl Drop for ProgressLog {
+    fn drop(&mut self) {
+        if let Some(bar) = &self.bar {
+            // The metrics follow on the lines the bar held.
+            bar.finish_and_clear();
+        }
     }
 }
 
