@@ -7,6 +7,7 @@ pub mod config;
 pub mod controllers;
 pub mod device;
 pub mod evaluation;
+pub mod export;
 pub mod file_store;
 pub mod memory;
 pub mod run;

@@ -1,0 +1,401 @@
+//! Exports a run's embeddings with their labels, as NumPy `.npy`, TSV or raw float32, for
+//! `legendctl export` and the daemon's export jobs.
+//!
+//! The entity rows stream from the checkpoint (or the store) a block at a time; every file is
+//! written under a hidden partial name and renamed once all are complete, so a failed export
+//! leaves the directory as it was, and a directory never mixes formats.
+
+use std::fmt;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use crate::evaluation::{EvaluationError, open_run_dataset};
+use crate::run::{self, RunError};
+
+/// Output formats.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Format {
+    /// NumPy `.npy` arrays (float32, C order) plus label files.
+    Npy,
+    /// `label<TAB>v1<TAB>v2…` per row.
+    Tsv,
+    /// Raw little-endian float32, row-major, plus label files.
+    Bin,
+}
+
+impl FromStr for Format {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Format, String> {
+        match s {
+            "npy" => Ok(Format::Npy),
+            "tsv" => Ok(Format::Tsv),
+            "bin" => Ok(Format::Bin),
+            _ => Err(format!("unknown export format {s:?} (npy, tsv or bin)")),
+        }
+    }
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Format::Npy => "npy",
+            Format::Tsv => "tsv",
+            Format::Bin => "bin",
+        })
+    }
+}
+
+/// Why an export failed (it left the output directory as it was).
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    /// The run could not be read.
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// The run's dataset (labels) could not be opened.
+    #[error(transparent)]
+    Dataset(#[from] EvaluationError),
+    /// Its labels could not be read.
+    #[error(transparent)]
+    Labels(#[from] legend_dataset::DatasetError),
+    /// An output file could not be written.
+    #[error("{}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The output directory holds something else.
+    #[error("{} {message}", dir.display())]
+    OutDir {
+        /// The directory.
+        dir: PathBuf,
+        /// What it holds and what to do.
+        message: String,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ExportError + '_ {
+    move |source| ExportError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// What an export wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exported {
+    /// Entity rows.
+    pub entities: usize,
+    /// Relation rows.
+    pub relations: usize,
+    /// Floats a row.
+    pub dim: usize,
+}
+
+/// Exports the tables of `run` as `format` into `out` (created; it must be new, empty, or hold
+/// an export of the same format, which is overwritten); `dataset` names the run's dataset if it
+/// moved.
+pub fn export(
+    run: &Path,
+    format: Format,
+    out: &Path,
+    dataset: Option<&Path>,
+) -> Result<Exported, ExportError> {
+    let meta = run::read_meta(run)?;
+    check_out_dir(out, format)?;
+    let dataset = open_run_dataset(&meta, dataset)?;
+    let relations = run::load_relations(run, &meta)?;
+    let entity_labels = dataset.entity_labels()?;
+    let relation_labels = if meta.relations > 0 {
+        dataset.relation_labels()?
+    } else {
+        Vec::new()
+    };
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    remove_partial_files(out);
+    let mut files = Vec::new();
+    let result = (|| -> Result<(), ExportError> {
+        let mut table =
+            |name: &str,
+             labels: &[String],
+             write: &mut dyn FnMut(&mut TableWriter) -> Result<(), ExportError>| {
+                let mut w = TableWriter::create(out, format, name, labels, meta.dim)?;
+                files.extend(w.partial_files());
+                write(&mut w)?;
+                w.finish()
+            };
+        table("entities", &entity_labels, &mut |w| {
+            let path = w.files[0].0.clone();
+            Ok(run::stream_entities(run, &meta, |block| {
+                w.rows(block).map_err(|e| RunError::Invalid {
+                    path: path.clone(),
+                    message: e.to_string(),
+                })
+            })?)
+        })?;
+        if !relation_labels.is_empty() {
+            table("relations", &relation_labels, &mut |w| {
+                let path = w.files[0].0.clone();
+                w.rows(&relations).map_err(io(&path))
+            })?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        remove_partial_files(out);
+        return Err(e);
+    }
+    for (partial, done) in &files {
+        std::fs::rename(partial, done).map_err(io(done))?;
+    }
+    Ok(Exported {
+        entities: entity_labels.len(),
+        relations: relation_labels.len(),
+        dim: meta.dim,
+    })
+}
+
+/// One table's export files being written: rows streamed in, labels beside them.
+struct TableWriter<'a> {
+    format: Format,
+    dim: usize,
+    out: BufWriter<File>,
+    /// (partial name, final name) of every file written.
+    files: Vec<(PathBuf, PathBuf)>,
+    /// The row labels, for TSV, which writes them in each row.
+    labels: &'a [String],
+    row: usize,
+}
+
+impl<'a> TableWriter<'a> {
+    /// Opens `name`'s files in `dir` for `labels.len()` rows of `dim` floats: the table's own
+    /// (with the .npy header) and, except for TSV, which carries them per row, the labels'.
+    fn create(
+        dir: &Path,
+        format: Format,
+        name: &str,
+        labels: &'a [String],
+        dim: usize,
+    ) -> Result<TableWriter<'a>, ExportError> {
+        let ext = match format {
+            Format::Npy => "npy",
+            Format::Tsv => "tsv",
+            Format::Bin => "bin",
+        };
+        let table = dir.join(format!("{name}.{ext}"));
+        let partial = partial_name(&table);
+        let mut files = vec![(partial.clone(), table)];
+        if format != Format::Tsv {
+            let path = dir.join(format!("{name}.labels.txt"));
+            let partial = partial_name(&path);
+            write_labels(&partial, labels)?;
+            files.push((partial, path));
+        }
+        let mut out = create(&partial)?;
+        if format == Format::Npy {
+            write_npy_header(&mut out, labels.len(), dim).map_err(io(&partial))?;
+        }
+        Ok(TableWriter {
+            format,
+            dim,
+            out,
+            files,
+            labels,
+            row: 0,
+        })
+    }
+
+    fn partial_files(&self) -> Vec<(PathBuf, PathBuf)> {
+        self.files.clone()
+    }
+
+    /// Appends whole rows.
+    fn rows(&mut self, block: &[f32]) -> std::io::Result<()> {
+        match self.format {
+            Format::Npy | Format::Bin => self.out.write_all(bytemuck::cast_slice(block))?,
+            Format::Tsv => {
+                for row in block.chunks_exact(self.dim) {
+                    let label = self.labels.get(self.row).map_or("", String::as_str);
+                    write!(self.out, "{label}")?;
+                    for v in row {
+                        write!(self.out, "\t{v}")?;
+                    }
+                    writeln!(self.out)?;
+                    self.row += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<(), ExportError> {
+        let path = self.files[0].0.clone();
+        self.out.flush().map_err(io(&path))?;
+        self.out.get_ref().sync_all().map_err(io(&path))
+    }
+}
+
+/// Removes what an export that failed (or an earlier one that crashed) left half-written.
+fn remove_partial_files(dir: &Path) {
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if is_partial(&entry.file_name().to_string_lossy()) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+fn is_partial(name: &str) -> bool {
+    name.starts_with('.') && name.ends_with(".partial")
+}
+
+/// The hidden name a file has while it is written.
+fn partial_name(path: &Path) -> PathBuf {
+    let name = path.file_name().expect("a file name").to_string_lossy();
+    path.with_file_name(format!(".{name}.partial"))
+}
+
+impl Format {
+    /// The name with its article, as in "an npy export".
+    fn a(self) -> &'static str {
+        match self {
+            Format::Npy => "an npy",
+            Format::Tsv => "a tsv",
+            Format::Bin => "a bin",
+        }
+    }
+
+    /// The files an export of this format writes.
+    fn files(self) -> &'static [&'static str] {
+        match self {
+            Format::Npy => &[
+                "entities.npy",
+                "relations.npy",
+                "entities.labels.txt",
+                "relations.labels.txt",
+            ],
+            Format::Tsv => &["entities.tsv", "relations.tsv"],
+            Format::Bin => &[
+                "entities.bin",
+                "relations.bin",
+                "entities.labels.txt",
+                "relations.labels.txt",
+            ],
+        }
+    }
+
+    /// The format whose table file `name` is, if any.
+    fn of_table(name: &str) -> Option<Format> {
+        [Format::Npy, Format::Tsv, Format::Bin]
+            .into_iter()
+            .find(|f| f.files()[..2].contains(&name))
+    }
+}
+
+/// Refuses an output directory that is neither absent, empty, nor an export of `format` alone,
+/// naming what it holds: an export never mixes formats or lands among unrelated files.
+fn check_out_dir(out: &Path, format: Format) -> Result<(), ExportError> {
+    let entries = match std::fs::read_dir(out) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io(out)(e)),
+    };
+    let mut names = entries
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<std::io::Result<Vec<String>>>()
+        .map_err(io(out))?;
+    names.retain(|n| !is_partial(n));
+    names.sort();
+    if names.iter().all(|n| format.files().contains(&n.as_str())) {
+        return Ok(());
+    }
+    let mut others: Vec<&str> = names
+        .iter()
+        .filter_map(|n| Format::of_table(n))
+        .filter(|&f| f != format)
+        .map(Format::a)
+        .collect();
+    others.dedup();
+    let found = names.join(", ");
+    let message = if others.is_empty() {
+        format!(
+            "already holds files that are not {} export ({found}); export into a new or empty directory",
+            format.a()
+        )
+    } else {
+        format!(
+            "already holds {} export ({found}); refusing to mix {} export into it: choose another --out or remove those files",
+            others.join(" and "),
+            format.a()
+        )
+    };
+    Err(ExportError::OutDir {
+        dir: out.to_owned(),
+        message,
+    })
+}
+
+fn create(path: &Path) -> Result<BufWriter<File>, ExportError> {
+    Ok(BufWriter::new(File::create(path).map_err(io(path))?))
+}
+
+fn write_labels(path: &Path, labels: &[String]) -> Result<(), ExportError> {
+    let mut w = create(path)?;
+    labels
+        .iter()
+        .try_for_each(|l| writeln!(w, "{l}"))
+        .and_then(|()| w.flush())
+        .map_err(io(path))
+}
+
+/// NumPy format 1.0's preamble: magic, header length, a Python-literal dict padded to 64 bytes.
+fn write_npy_header(w: &mut impl Write, rows: usize, dim: usize) -> std::io::Result<()> {
+    let mut header =
+        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {dim}), }}");
+    let unpadded = 10 + header.len() + 1;
+    header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
+    header.push('\n');
+    w.write_all(b"\x93NUMPY\x01\x00")?;
+    w.write_all(&(header.len() as u16).to_le_bytes())?;
+    w.write_all(header.as_bytes())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_export_directory_holds_one_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        let err = |f| check_out_dir(&out, f).unwrap_err().to_string();
+        check_out_dir(&out, Format::Tsv).expect("absent is fine");
+        std::fs::create_dir(&out).unwrap();
+        check_out_dir(&out, Format::Tsv).expect("empty is fine");
+        for f in ["entities.npy", "entities.labels.txt"] {
+            std::fs::write(out.join(f), "").unwrap();
+        }
+        check_out_dir(&out, Format::Npy).expect("the same format is overwritten");
+        assert_eq!(
+            err(Format::Tsv),
+            format!(
+                "{} already holds an npy export (entities.labels.txt, entities.npy); refusing to mix a tsv export into it: choose another --out or remove those files",
+                out.display()
+            )
+        );
+        assert!(err(Format::Bin).contains("holds an npy export"));
+        std::fs::write(out.join("notes.txt"), "").unwrap();
+        assert!(
+            err(Format::Npy).contains(
+                "files that are not an npy export (entities.labels.txt, entities.npy, notes.txt)"
+            ),
+            "{}",
+            err(Format::Npy)
+        );
+    }
+}
