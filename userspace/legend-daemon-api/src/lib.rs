@@ -118,6 +118,16 @@ pub enum JobSpec {
         #[serde(default = "default_split")]
         split: String,
     },
+    /// `legendctl export`: write a run's embeddings with their labels.
+    Export {
+        /// The run directory (absolute).
+        run: PathBuf,
+        /// The output directory (absolute): new, or empty, or holding an export of the same
+        /// format; its parent must be the submitter's.
+        out: PathBuf,
+        /// `npy`, `tsv` or `bin`.
+        format: String,
+    },
 }
 
 fn default_protocol() -> String {
@@ -129,19 +139,20 @@ fn default_split() -> String {
 }
 
 impl JobSpec {
-    /// The directory the job writes (train) or reads (eval).
+    /// The run directory the job trains (train) or reads (eval, export).
     pub fn dir(&self) -> &PathBuf {
         match self {
             JobSpec::Train { out, .. } => out,
-            JobSpec::Eval { run, .. } => run,
+            JobSpec::Eval { run, .. } | JobSpec::Export { run, .. } => run,
         }
     }
 
-    /// `train` or `eval`.
+    /// `train`, `eval` or `export`.
     pub fn kind(&self) -> &'static str {
         match self {
             JobSpec::Train { .. } => "train",
             JobSpec::Eval { .. } => "eval",
+            JobSpec::Export { .. } => "export",
         }
     }
 }

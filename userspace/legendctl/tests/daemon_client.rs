@@ -128,6 +128,43 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
     assert!(logs.contains("epoch 3:"), "{logs}");
     // The run is the user's: evaluable by the local command like any run.
     ok(&["eval", &s(&out)]);
+    // Exported by the daemon as by the local command, byte for byte.
+    let exported = ok(&[
+        "--socket",
+        &sock,
+        "submit",
+        "export",
+        &s(&out),
+        "--format",
+        "npy",
+        "--watch",
+    ]);
+    assert!(exported.contains("job 2 succeeded"), "{exported}");
+    let logs = ok(&["--socket", &sock, "logs", "2"]);
+    assert!(
+        logs.contains("exported 500 entities and 3 relations"),
+        "{logs}"
+    );
+    let local = dir.path().join("local-export");
+    ok(&["export", &s(&out), "--format", "npy", "-o", &s(&local)]);
+    for f in ["entities.npy", "relations.npy", "entities.labels.txt"] {
+        let daemon = std::fs::read(out.join("export").join(f)).unwrap();
+        assert!(
+            daemon == std::fs::read(local.join(f)).unwrap(),
+            "{f} differs"
+        );
+    }
+    // An unknown format is refused before anything is queued, naming it.
+    let bad = legendctl(&[
+        "--socket",
+        &sock,
+        "submit",
+        "export",
+        &s(&out),
+        "--format",
+        "csv",
+    ]);
+    refused(&bad, "csv");
     // No daemon: one line naming the socket.
     let missing = legendctl(&["--socket", "/nonexistent/legendd.sock", "jobs"]);
     refused(

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -16,6 +16,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use legend_daemon_api::{JobInfo, JobSpec, JobState, Progress, Reply};
 use legend_engine::config::{DeviceChoice, Protocol};
 use legend_engine::evaluation::{self, EvalRequest};
+use legend_engine::export;
 use legend_engine::session::{Event, Outcome, Session};
 use legend_engine::{Config, run};
 use serde::{Deserialize, Serialize};
@@ -379,6 +380,7 @@ impl Jobs {
                 let result = match &spec {
                     JobSpec::Train { .. } => jobs.run_train(id, &spec, &stop),
                     JobSpec::Eval { .. } => jobs.run_eval(&spec),
+                    JobSpec::Export { run, out, format } => jobs.run_export(id, run, out, format),
                 };
                 jobs.finish(id, result);
             })
@@ -469,6 +471,22 @@ impl Jobs {
         Ok(Ended::Done(Some(
             serde_json::to_value(m).expect("metrics serialize"),
         )))
+    }
+
+    fn run_export(&self, id: u64, run: &Path, out: &Path, format: &str) -> Result<Ended, String> {
+        let format = format.parse()?;
+        let done = export::export(run, format, out, None).map_err(|e| chain(&e))?;
+        self.log(
+            id,
+            &format!(
+                "exported {} entities and {} relations (d = {}) to {}",
+                done.entities,
+                done.relations,
+                done.dim,
+                out.display()
+            ),
+        );
+        Ok(Ended::Done(None))
     }
 
     fn update(&self, id: u64, f: impl FnOnce(&mut Entry)) {
@@ -694,7 +712,7 @@ enum Ended {
 /// The device queue a job runs in: `cpu` or `cuda:N`, from its configuration.
 pub fn queue_of(spec: &JobSpec) -> Result<String, String> {
     let config = match spec {
-        JobSpec::Eval { .. } => return Ok("cpu".into()),
+        JobSpec::Eval { .. } | JobSpec::Export { .. } => return Ok("cpu".into()),
         JobSpec::Train {
             out,
             config,

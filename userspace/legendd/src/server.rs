@@ -249,6 +249,18 @@ fn answer(request: Request, peer: &Peer, jobs: &Jobs) -> Reply {
     }
 }
 
+/// Checks that `run` is a training run its submitter may read.
+fn check_run_to_read(peer: &Peer, run: &Path) -> Result<(), String> {
+    access::check_may_read(peer, run)?;
+    if !legend_engine::run::meta_path(run).exists() {
+        return Err(format!(
+            "{} is not a training run directory (no run.toml)",
+            run.display()
+        ));
+    }
+    Ok(())
+}
+
 /// Checks what a submission names against what its submitter may touch, and finds its queue.
 fn check_submission(job: &JobSpec, peer: &Peer, jobs: &Jobs) -> Result<String, String> {
     let dir = job.dir();
@@ -289,14 +301,17 @@ fn check_submission(job: &JobSpec, peer: &Peer, jobs: &Jobs) -> Result<String, S
                 ));
             }
         }
-        JobSpec::Eval { run, .. } => {
-            access::check_may_read(peer, run)?;
-            if !legend_engine::run::meta_path(run).exists() {
-                return Err(format!(
-                    "{} is not a training run directory (no run.toml)",
-                    run.display()
-                ));
+        JobSpec::Eval { run, .. } => check_run_to_read(peer, run)?,
+        JobSpec::Export { run, out, format } => {
+            check_run_to_read(peer, run)?;
+            format.parse::<legend_engine::export::Format>()?;
+            if !out.is_absolute() {
+                return Err(format!("{}: give an absolute path", out.display()));
             }
+            let parent = out
+                .parent()
+                .ok_or_else(|| format!("{}: not a directory path", out.display()))?;
+            access::check_may_create_in(peer, parent)?;
         }
     }
     jobs::queue_of(job)

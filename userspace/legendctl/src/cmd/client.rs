@@ -124,6 +124,23 @@ enum SubmitCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Export a run's embeddings, as `legendctl export` does, in the daemon.
+    Export {
+        /// The run directory.
+        run: PathBuf,
+        /// `npy`, `tsv` or `bin`.
+        #[arg(long)]
+        format: legend_engine::export::Format,
+        /// The output directory (default RUN/export), in a directory you own.
+        #[arg(long, short = 'o')]
+        out: Option<PathBuf>,
+        /// Follow the job until it ends.
+        #[arg(long)]
+        watch: bool,
+        /// Print the job as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `path` made absolute against the current directory, its parent resolved (it may not exist
@@ -174,6 +191,21 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
                 run: absolute(&run)?,
                 protocol,
                 split,
+            },
+            watch,
+            json,
+        ),
+        SubmitCommand::Export {
+            run,
+            format,
+            out,
+            watch,
+            json,
+        } => (
+            JobSpec::Export {
+                out: absolute(&out.unwrap_or_else(|| run.join("export")))?,
+                run: absolute(&run)?,
+                format: format.to_string(),
             },
             watch,
             json,
