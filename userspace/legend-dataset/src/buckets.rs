@@ -81,7 +81,8 @@ impl Buckets {
                 offsets,
             };
         }
-        Self::build_in_blocks(&edges, scheme, BLOCK_EDGES)
+        let block = block_edges(edges.len(), scheme);
+        Self::build_in_blocks(&edges, scheme, block)
     }
 
     fn build_in_blocks(edges: &[Edge], scheme: PartitionScheme, block_edges: usize) -> Buckets {
@@ -115,9 +116,10 @@ impl Buckets {
             ));
         }
         let total = edges as usize;
+        let block_edges = block_edges(total, scheme);
         let block = |i: usize, out: &mut Vec<Edge>| -> Result<()> {
-            let first = i * BLOCK_EDGES;
-            out.resize(BLOCK_EDGES.min(total - first), [0; 3]);
+            let first = i * block_edges;
+            out.resize(block_edges.min(total - first), [0; 3]);
             file.read_exact_at(bytemuck::cast_slice_mut(out), first as u64 * edge_bytes)
                 .at(path)?;
             if let Some((k, message)) = out
@@ -130,7 +132,7 @@ impl Buckets {
             }
             Ok(())
         };
-        Self::from_blocks(scheme, total, BLOCK_EDGES, block)
+        Self::from_blocks(scheme, total, block_edges, block)
     }
 
     /// Buckets `total` edges that `block(i, out)` puts into `out`, block by block
@@ -310,9 +312,19 @@ impl Buckets {
 
 /// The block each thread reads at a time in [`read_pod`].
 const READ_BLOCK: usize = 64 << 20;
-/// Edges in a block of [`Buckets::read`] (16 MiB): a thread's buffer, and the unit whose
-/// edges are counted and placed together.
+/// Edges in a block of [`Buckets::read`] (16 MiB; more with very many buckets): a thread's
+/// buffer, and the unit whose edges are counted and placed together.
 const BLOCK_EDGES: usize = (16 << 20) / size_of::<Edge>();
+/// At most this many (block, bucket) pairs: each has a count and a run to place (24 bytes), so
+/// with many buckets (N = 256: 65,536) the blocks grow instead (384 MiB at the most).
+const BLOCK_BUCKET_PAIRS: usize = 1 << 24;
+
+/// Edges a block of [`Buckets::read`] or [`Buckets::build`] holds for `total` edges.
+fn block_edges(total: usize, scheme: PartitionScheme) -> usize {
+    let buckets = scheme.num_partitions as usize * scheme.num_partitions as usize;
+    let max_blocks = (BLOCK_BUCKET_PAIRS / buckets).max(1);
+    BLOCK_EDGES.max(total.div_ceil(max_blocks))
+}
 
 /// Reads a whole file of little-endian plain values.
 pub(crate) fn read_pod<T: bytemuck::Pod>(path: &Path) -> Result<Vec<T>> {
@@ -384,6 +396,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn blocks_grow_only_when_the_buckets_are_very_many() {
+        let twitter = 1_468_365_182usize;
+        let scheme = |n| PartitionScheme::new(41_652_230, n).unwrap();
+        assert_eq!(block_edges(twitter, scheme(8)), BLOCK_EDGES);
+        let big = block_edges(twitter, scheme(256));
+        assert!(
+            twitter.div_ceil(big) * 256 * 256 <= BLOCK_BUCKET_PAIRS,
+            "{big}"
+        );
+        assert_eq!(block_edges(10, scheme(256)), BLOCK_EDGES);
     }
 
     #[test]
