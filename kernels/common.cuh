@@ -142,8 +142,8 @@ __device__ __forceinline__ LegendVec<V> legend_sink_states(const LegendRowSink& 
 
 // Elements k .. k + V of the row get gradients g; for a direct row, `param` and `state`
 // are the elements' values as loaded before (one vector store each), otherwise one vector
-// reduction (rows backward 0.209 -> 0.205 ms against scalar atomics, with its loads in
-// vectors too; with scalar loads they had been no faster).
+// reduction, faster than scalar atomics once the loads are vectors too (Documentation/gpu.md,
+// measurement log, version 24).
 template <int V>
 __device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k,
                                                 const LegendVec<V>& g, const LegendVec<V>& param,

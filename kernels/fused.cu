@@ -26,8 +26,8 @@
 //
 // The products take FP16 operands and accumulate in FP32. FP16 keeps the 10-bit
 // significand of TF32, so the rounding error is TF32's, while a k16 step does twice the
-// work of TF32's k8 step for the same instruction and half the shared-memory bytes (the
-// benchmark batch: 2.50 -> 1.95 ms on an H100). FP16's range is narrow, so each job's
+// work of TF32's k8 step for the same instruction and half the shared-memory bytes
+// (Documentation/gpu.md, measurement log, version 10). FP16's range is narrow, so each job's
 // queries and negatives are scaled by a power of two that puts their largest magnitude just
 // under FP16's largest value (maxima from legend_queries and legend_fused_absmax, scales
 // from legend_fp16_scale): at the usual initialisation (1e-3) the queries of ComplEx and
@@ -187,8 +187,8 @@ __device__ __forceinline__ u32 legend_half2(float lo, float hi) {
 }
 
 // A store marked evict-first (st.global.cs): G streams through L2 (0.4 GB a benchmark batch)
-// and should not push out the negatives every block of the job reads (rows kernel 0.550 ->
-// 0.538 ms on an H100).
+// and should not push out the negatives every block of the job reads (measurement log,
+// version 17).
 __device__ __forceinline__ void legend_store_streaming(u32* p, u32 v) {
     asm volatile("st.global.cs.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -1213,8 +1213,8 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
         u64 qa = legend_wgmma_desc(sa, 128, H::CHUNKS * 128);
         // Ping-pong (FlashAttention-3): the warpgroups take turns to issue their products
         // (named barriers 3 and 4), so that one's softmax runs while the other's products
-        // do, instead of both waiting on the tensor cores at once (rows kernel 0.305 ->
-        // 0.300 ms on an H100; with the items' edges made cheap, 0.286 -> 0.264).
+        // do, instead of both waiting on the tensor cores at once (measurement log, version
+        // 28).
         auto my_turn = [&]() { legend_bar_sync(3 + wg, 256); };
         auto your_turn = [&]() { legend_bar_arrive(4 - wg, 256); };
         auto scores = [&](u32 stage) {

@@ -445,8 +445,8 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
 // ∂L/∂destination and ∂L/∂relation of the edge into the gradient tables, one atomic per
 // element and table, and marks the rows for the optimizer; a node row the batch uses once
 // (direct.uses) gets its AdaGrad step here instead. blockIdx.y is the chunk. Four blocks of
-// 8 warps an SM (at most 64 registers, a few spilled): more loads in flight made the
-// kernel 0.27 -> 0.21 ms (ComplEx) in the batch benchmark, against 0.22 ms at three.
+// 8 warps an SM (at most 64 registers, a few spilled): more loads in flight, faster than
+// three or two (Documentation/gpu.md, measurement log, version 19).
 extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
     LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ query,
     const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
