@@ -61,6 +61,66 @@ struct GemmArgs {
 // as C lays it out).
 unsafe impl DeviceRepr for GemmArgs {}
 
+/// A batch of row-major matrices of `rows × cols` floats, one after another from `ptr`.
+#[derive(Clone, Copy, Debug)]
+struct Matrices {
+    ptr: u64,
+    rows: usize,
+    cols: usize,
+}
+
+impl GemmArgs {
+    /// `c = a · b` for every batch entry (`b` as stored when the kernel transposes it): `m`,
+    /// `n` and `k` the product's sizes; every row counts, nothing is split, `c` is written.
+    fn product(a: Matrices, b: Matrices, c: Matrices, (m, n, k): (usize, usize, usize)) -> Self {
+        // Floats between batch entries, and between rows.
+        let strides = |x: Matrices| ((x.rows * x.cols) as i64, x.cols as i64);
+        let ((a_batch, a_ld), (b_batch, b_ld), (c_batch, c_ld)) =
+            (strides(a), strides(b), strides(c));
+        GemmArgs {
+            a: a.ptr,
+            a_batch,
+            a_ld,
+            b: b.ptr,
+            b_batch,
+            b_ld,
+            c: c.ptr,
+            c_batch,
+            c_ld,
+            m: m as i32,
+            n: n as i32,
+            k: k as i32,
+            m_rows: 0,
+            k_rows: 0,
+            k_split: 0,
+            atomic: 0,
+            // Set per launch from the addresses (`launch_product`).
+            a_vec: 0,
+            b_vec: 0,
+            c_vec: 0,
+        }
+    }
+
+    /// Only the first `rows[batch entry]` of the `m` rows count (a device array of counts).
+    fn m_rows(self, rows: u64) -> Self {
+        GemmArgs {
+            m_rows: rows,
+            ..self
+        }
+    }
+
+    /// Only the first `rows[batch entry]` of the `k` dimension count, split into slices of
+    /// `split` whose products add into `c` atomically (cleared first by the caller).
+    fn k_split(self, rows: u64, split: usize) -> Self {
+        GemmArgs {
+            k_rows: rows,
+            k_split: split as i32,
+            atomic: 1,
+            ..self
+        }
+    }
+}
+
 /// The rows of a launch group (`LegendJobs` in `kernels/train.cu`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -1100,29 +1160,15 @@ impl GpuBatchEngine {
                 let q = gpu.ptr(&self.query);
                 let nr = gpu.ptr(&self.neg_rows);
                 let sc = gpu.ptr(&self.scores);
-                let (mr, kk, dd) = (max_rows as i64, k as i64, d as i64);
+                let m = |ptr, rows, cols| Matrices { ptr, rows, cols };
                 // S = Q · Nᵀ.
-                let scores = GemmArgs {
-                    a: q,
-                    a_batch: mr * dd,
-                    a_ld: dd,
-                    b: nr,
-                    b_batch: kk * dd,
-                    b_ld: dd,
-                    c: sc,
-                    c_batch: mr * kk,
-                    c_ld: kk,
-                    m: max_rows as i32,
-                    n: k as i32,
-                    k: d as i32,
-                    m_rows: rows_ptr,
-                    k_rows: 0,
-                    k_split: 0,
-                    atomic: 0,
-                    a_vec: 0,
-                    b_vec: 0,
-                    c_vec: 0,
-                };
+                let scores = GemmArgs::product(
+                    m(q, max_rows, d),
+                    m(nr, k, d),
+                    m(sc, max_rows, k),
+                    (max_rows, k, d),
+                )
+                .m_rows(rows_ptr);
                 self.product(gpu, Product::Scores, &scores, gz, 1)?;
                 self.mark(gpu, "scores_product")?;
 
@@ -1147,27 +1193,13 @@ impl GpuBatchEngine {
                 self.mark(gpu, "loss")?;
 
                 // dQ = G · N.
-                let grad_query = GemmArgs {
-                    a: sc,
-                    a_batch: mr * kk,
-                    a_ld: kk,
-                    b: nr,
-                    b_batch: kk * dd,
-                    b_ld: dd,
-                    c: gpu.ptr(&self.grad_query),
-                    c_batch: mr * dd,
-                    c_ld: dd,
-                    m: max_rows as i32,
-                    n: d as i32,
-                    k: k as i32,
-                    m_rows: rows_ptr,
-                    k_rows: 0,
-                    k_split: 0,
-                    atomic: 0,
-                    a_vec: 0,
-                    b_vec: 0,
-                    c_vec: 0,
-                };
+                let grad_query = GemmArgs::product(
+                    m(sc, max_rows, k),
+                    m(nr, k, d),
+                    m(gpu.ptr(&self.grad_query), max_rows, d),
+                    (max_rows, d, k),
+                )
+                .m_rows(rows_ptr);
                 self.product(gpu, Product::GradQuery, &grad_query, gz, 1)?;
                 self.mark(gpu, "grad_query_product")?;
 
@@ -1179,27 +1211,13 @@ impl GpuBatchEngine {
                     .div_ceil(tiles)
                     .clamp(1, max_rows.div_ceil(SLICE));
                 let k_split = max_rows.div_ceil(splits).div_ceil(SLICE) * SLICE;
-                let grad_negs = GemmArgs {
-                    a: sc,
-                    a_batch: mr * kk,
-                    a_ld: kk,
-                    b: q,
-                    b_batch: mr * dd,
-                    b_ld: dd,
-                    c: gpu.ptr(&self.grad_negs),
-                    c_batch: kk * dd,
-                    c_ld: dd,
-                    m: k as i32,
-                    n: d as i32,
-                    k: max_rows as i32,
-                    m_rows: 0,
-                    k_rows: rows_ptr,
-                    k_split: k_split as i32,
-                    atomic: 1,
-                    a_vec: 0,
-                    b_vec: 0,
-                    c_vec: 0,
-                };
+                let grad_negs = GemmArgs::product(
+                    m(sc, max_rows, k),
+                    m(q, max_rows, d),
+                    m(gpu.ptr(&self.grad_negs), k, d),
+                    (k, d, max_rows),
+                )
+                .k_split(rows_ptr, k_split);
                 self.product(
                     gpu,
                     Product::GradNegatives,
@@ -1627,5 +1645,30 @@ impl GpuBatchEngine {
             gpu.write(&nan, buf)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn product_arguments_describe_their_row_major_batches() {
+        let m = |ptr, rows, cols| Matrices { ptr, rows, cols };
+        // S = Q · Nᵀ for 7 query rows, 5 negatives, d = 3.
+        let s = GemmArgs::product(m(0x100, 7, 3), m(0x200, 5, 3), m(0x300, 7, 5), (7, 5, 3))
+            .m_rows(0x400);
+        let got = (s.a_batch, s.a_ld, s.b_batch, s.b_ld, s.c_batch, s.c_ld);
+        assert_eq!(got, (21, 3, 15, 3, 35, 5));
+        assert_eq!(
+            (s.a, s.b, s.c, s.m, s.n, s.k),
+            (0x100, 0x200, 0x300, 7, 5, 3)
+        );
+        assert_eq!((s.m_rows, s.k_rows, s.k_split, s.atomic), (0x400, 0, 0, 0));
+        // dN = Gᵀ · Q, split over the query rows into atomic slices.
+        let n = GemmArgs::product(m(0x300, 7, 5), m(0x100, 7, 3), m(0x500, 5, 3), (5, 3, 7))
+            .k_split(0x400, 4);
+        assert_eq!((n.m_rows, n.k_rows, n.k_split, n.atomic), (0, 0x400, 4, 1));
+        assert_eq!((n.c_batch, n.c_ld, n.m, n.n, n.k), (15, 3, 5, 3, 7));
     }
 }
