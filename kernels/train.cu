@@ -14,7 +14,7 @@ struct LegendJobs {
     const u32* row0;
     const u32* rows;
     // Fused path: legend_queries adds each job's largest query magnitude (float bits) into
-    // absmax[2z] (see kernels/fused.cu); null otherwise.
+    // absmax[2z] (see kernels/fused_prepare.cu); null otherwise.
     u32* absmax;
     u32 first_job;
     u32 max_rows;

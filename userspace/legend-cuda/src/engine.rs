@@ -155,7 +155,7 @@ struct DirectArgs {
 // no padding).
 unsafe impl DeviceRepr for DirectArgs {}
 
-/// Buffers and sizes of the fused kernels (`LegendFused` in `kernels/fused.cu`).
+/// Buffers and sizes of the fused kernels (`LegendFused` in `kernels/fused.cuh`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct FusedArgs {
@@ -566,7 +566,7 @@ pub struct GpuBatchEngine {
     /// a row, in tiles of 64 rows; negatives padded to `fused_k_pad(k)`, rows to
     /// `fused_rows_pad`); G of each row and negative (FP16 pairs in blocks of 16 × 16) and
     /// the softmax factors of each row and 64-negative tile (`LegendFused` in
-    /// `kernels/fused.cu` has the layouts).
+    /// `kernels/fused.cuh` has the layouts).
     neg_half: CudaSlice<u32>,
     query_half: CudaSlice<u32>,
     g: CudaSlice<u32>,
@@ -1281,7 +1281,7 @@ impl GpuBatchEngine {
     }
 
     /// The score, loss and gradient products of the group of `gz` jobs from `g0` through
-    /// the fused kernels `which` (`kernels/fused.cu`): the score matrices stay on chip.
+    /// the fused kernels `which` (`kernels/fused*.cu*`): the score matrices stay on chip.
     fn fused_products(
         &mut self,
         gpu: &Gpu,

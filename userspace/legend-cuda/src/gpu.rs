@@ -43,7 +43,7 @@ pub(crate) struct Kernels {
     pub(crate) sqe_vectors: CudaFunction,
 }
 
-/// The fused score/loss/gradient kernels of one padded width (`kernels/fused.cu`).
+/// The fused score/loss/gradient kernels of one padded width (`kernels/fused*.cu*`).
 pub(crate) struct FusedKernels {
     /// Widest rows (d) the pair handles: its fragments span `width` columns.
     pub(crate) width: usize,
@@ -70,7 +70,7 @@ pub(crate) fn fused_dim_pad(width: usize) -> usize {
 }
 
 /// How a program's fused kernels are launched, as the program itself says
-/// (`legend_fused_launch`, a `LegendFusedLaunch` in `kernels/fused.cu`): the kernels' shapes
+/// (`legend_fused_launch`, a `LegendFusedLaunch` in `kernels/fused_launch.cu`): the kernels' shapes
 /// and shared memory differ by architecture and live with their code only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct FusedLaunch {

@@ -15,7 +15,7 @@ use crate::GpuError;
 
 /// The kernel sources, in the order a program concatenates them. `common.cuh` goes first,
 /// so the programs need no include path.
-pub const KERNEL_SOURCES: [(&str, &str); 9] = [
+pub const KERNEL_SOURCES: [(&str, &str); 16] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("init.cu", include_str!("../../../kernels/init.cu")),
     ("sample.cu", include_str!("../../../kernels/sample.cu")),
@@ -23,27 +23,68 @@ pub const KERNEL_SOURCES: [(&str, &str); 9] = [
     ("gemm.cu", include_str!("../../../kernels/gemm.cu")),
     ("distance.cu", include_str!("../../../kernels/distance.cu")),
     ("train.cu", include_str!("../../../kernels/train.cu")),
-    ("fused.cu", include_str!("../../../kernels/fused.cu")),
+    ("fused.cuh", include_str!("../../../kernels/fused.cuh")),
+    (
+        "fused_loss.cuh",
+        include_str!("../../../kernels/fused_loss.cuh"),
+    ),
+    (
+        "fused_ptx.cuh",
+        include_str!("../../../kernels/fused_ptx.cuh"),
+    ),
+    (
+        "fused_rows_sm80.cu",
+        include_str!("../../../kernels/fused_rows_sm80.cu"),
+    ),
+    (
+        "fused_negatives.cu",
+        include_str!("../../../kernels/fused_negatives.cu"),
+    ),
+    (
+        "fused_rows_sm90.cu",
+        include_str!("../../../kernels/fused_rows_sm90.cu"),
+    ),
+    (
+        "fused_prepare.cu",
+        include_str!("../../../kernels/fused_prepare.cu"),
+    ),
+    (
+        "fused_launch.cu",
+        include_str!("../../../kernels/fused_launch.cu"),
+    ),
     ("nvme_io.cu", include_str!("../../../kernels/nvme_io.cu")),
 ];
 
-/// One NVRTC program: the sources it concatenates, the fused width it defines
+/// One NVRTC program: the sources it concatenates (groups of file names), the fused width it defines
 /// (`LEGEND_FUSED_WIDTH`; 0 for the program of the other kernels) and its entry points.
 #[derive(Debug)]
 pub struct Program {
     /// Names the program in logs and cache files.
     pub name: &'static str,
-    sources: &'static [&'static str],
+    sources: &'static [&'static [&'static str]],
     /// The padded width of the fused kernels it defines (`LEGEND_FUSED_WIDTH`; 0: none).
     pub fused_width: u32,
     /// The kernels it defines.
     pub kernels: &'static [&'static str],
 }
 
-/// The fused kernels need only the shared definitions and their own file.
-const FUSED_SOURCES: &[&str] = &["common.cuh", "fused.cu"];
+/// The fused kernels' files, in the order they build on each other (fused.cuh describes them).
+const FUSED_FILES: &[&str] = &[
+    "fused.cuh",
+    "fused_loss.cuh",
+    "fused_ptx.cuh",
+    "fused_rows_sm80.cu",
+    "fused_negatives.cu",
+    "fused_rows_sm90.cu",
+    "fused_prepare.cu",
+    "fused_launch.cu",
+];
 
-/// The program of the fused kernels of padded width `$w` (`LEGEND_FUSED_PAIR` in fused.cu).
+/// The fused kernels need only the shared definitions and their own files.
+const FUSED_SOURCES: &[&[&str]] = &[&["common.cuh"], FUSED_FILES];
+
+/// The program of the fused kernels of padded width `$w` (`LEGEND_FUSED_PAIR` in
+/// fused_launch.cu).
 macro_rules! fused_program {
     ($w:literal) => {
         Program {
@@ -64,14 +105,16 @@ pub const PROGRAMS: [Program; 6] = [
     Program {
         name: "kernels",
         sources: &[
-            "common.cuh",
-            "init.cu",
-            "sample.cu",
-            "batch.cu",
-            "gemm.cu",
-            "distance.cu",
-            "train.cu",
-            "fused.cu",
+            &[
+                "common.cuh",
+                "init.cu",
+                "sample.cu",
+                "batch.cu",
+                "gemm.cu",
+                "distance.cu",
+                "train.cu",
+            ],
+            FUSED_FILES,
         ],
         fused_width: 0,
         kernels: &[
@@ -103,7 +146,7 @@ pub const PROGRAMS: [Program; 6] = [
     fused_program!(128),
     Program {
         name: "nvme_io",
-        sources: &["nvme_io.cu"],
+        sources: &[&["nvme_io.cu"]],
         fused_width: 0,
         kernels: &["legend_nvme_io", "legend_nvme_sqe_vectors"],
     },
@@ -124,7 +167,7 @@ impl Program {
         let mut src = String::new();
         for (name, text) in KERNEL_SOURCES
             .iter()
-            .filter(|(name, _)| self.sources.contains(name))
+            .filter(|(name, _)| self.sources.iter().any(|group| group.contains(name)))
         {
             src.push_str(&format!("#line 1 \"kernels/{name}\"\n"));
             match &dir {
@@ -428,7 +471,7 @@ mod tests {
 
     #[test]
     fn every_kernel_is_defined_by_exactly_one_program() {
-        // The entry points of fused.cu are made by a macro: its instantiations name them.
+        // The fused entry points are made by a macro: its instantiations name them.
         let defines = |src: &str, name: &str| {
             src.contains(&format!("void {name}(")) || src.contains(&format!(") {name}("))
         };

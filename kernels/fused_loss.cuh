@@ -1,0 +1,244 @@
+// The fused kernels' loss: softmax, logistic and ranking over a thread's two rows, their G
+// fragments, and the rows' finish (dQ out, the loss summed). Part of the fused programs
+// (fused.cuh describes them).
+
+// A thread's two rows of a job through the loss: the rows a (row g of its warp's 16) and
+// b (g + 8) of the accumulators.
+struct LegendRowLoss {
+    float pa, pb;            // the positives' scores (0 past the job's rows)
+    float ma, mb;            // softmax: running maxima, the positive's score to begin with
+    float la, lb;            // this lane's part of the running sum (softmax, times 2^14) or
+                             // of the loss terms (the others)
+    float activa, activb;    // ranking: this lane's part of the active negatives
+};
+
+// The loss state of rows a and b before the first tile.
+__device__ __forceinline__ LegendRowLoss legend_row_loss(const LegendFused& f, u64 at_a,
+                                                         bool va, bool vb, int t) {
+    LegendRowLoss r;
+    r.pa = va ? f.pos[at_a] : 0.0f;
+    r.pb = vb ? f.pos[at_a + 8] : 0.0f;
+    r.ma = r.pa;
+    r.mb = r.pb;
+    // The positive counted once, by lane t = 0, as exp(0) times the G scale.
+    r.la = r.lb = (f.loss == LEGEND_LOSS_SOFTMAX && t == 0) ? LEGEND_FUSED_G_SCALE : 0.0f;
+    r.activa = r.activb = 0.0f;
+    return r;
+}
+
+// One tile of J 8-column blocks of scores (s, scaled by the operands' scales, unscaled by
+// s_unscale) through the loss: s becomes G times LEGEND_FUSED_G_SCALE, and the rows' state
+// moves on. For softmax, sca and scb are the factors by which the accumulators of rows a
+// and b must be rescaled (their running maxima moved); 1 for the other losses. n0 is the
+// negative of the lane's first column; only a TAIL tile can reach past k (its masks are
+// compiled into that version only: they were a quarter of the softmax's instructions).
+template <int J, bool TAIL>
+__device__ __forceinline__ void legend_fused_loss_tile(const LegendFused& f, float (&s)[J][4],
+                                                       LegendRowLoss& r, float s_unscale,
+                                                       u32 n0, float& sca, float& scb) {
+    u32 k = f.k;
+    sca = scb = 1.0f;
+    if (f.loss == LEGEND_LOSS_SOFTMAX) {
+        // On the scores as they come (scaled by a power of two, which keeps their order and
+        // makes the unscaled maximum exact): the maximum, then exp with the unscaling and
+        // the G scale folded into one FFMA.
+        float xa = __int_as_float(0xff800000), xb = xa;
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (TAIL && n0 + 8 * j + (q & 1) >= k) s[j][q] = __int_as_float(0xff800000);
+                if (q < 2) xa = fmaxf(xa, s[j][q]); else xb = fmaxf(xb, s[j][q]);
+            }
+        float na = fmaxf(r.ma, legend_quad_max(xa) * s_unscale);
+        float nb = fmaxf(r.mb, legend_quad_max(xb) * s_unscale);
+        sca = __expf(r.ma - na);
+        scb = __expf(r.mb - nb);
+        r.ma = na;
+        r.mb = nb;
+        r.la *= sca;
+        r.lb *= scb;
+        constexpr float LOG2E = 1.4426950408889634f;
+        float u = s_unscale * LOG2E;
+        float ba = LEGEND_FUSED_G_LOG2 - na * LOG2E, bb = LEGEND_FUSED_G_LOG2 - nb * LOG2E;
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                s[j][q] = legend_exp2(fmaf(s[j][q], u, q < 2 ? ba : bb));
+                if (q < 2) r.la += s[j][q]; else r.lb += s[j][q];
+            }
+        return;
+    }
+    float w = 1.0f / (float)k;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            float x = s[j][q] * s_unscale;
+            bool ok = !TAIL || n0 + 8 * j + (q & 1) < k;
+            float term, grad;
+            if (f.loss == LEGEND_LOSS_LOGISTIC) {
+                float ex = __expf(-fabsf(x));
+                term = w * (fmaxf(x, 0.0f) + log1pf(ex));
+                grad = w * (x >= 0.0f ? 1.0f : ex) / (1.0f + ex);
+            } else {
+                float v = f.margin - (q < 2 ? r.pa : r.pb) + x;
+                term = v > 0.0f ? v : 0.0f;
+                grad = v > 0.0f ? 1.0f : 0.0f;
+            }
+            term = ok ? term : 0.0f;
+            grad = ok ? grad : 0.0f;
+            s[j][q] = grad * LEGEND_FUSED_G_SCALE;
+            if (q < 2) {
+                r.la += term;
+                r.activa += grad;
+            } else {
+                r.lb += term;
+                r.activb += grad;
+            }
+        }
+}
+
+// The same for the tile of negatives from `first`, with the masks only where it reaches past k.
+template <int J>
+__device__ __forceinline__ void legend_fused_loss(const LegendFused& f, float (&s)[J][4],
+                                                  LegendRowLoss& r, float s_unscale, u32 first,
+                                                  int t, float& sca, float& scb) {
+    if (first + 8 * J > f.k)
+        legend_fused_loss_tile<J, true>(f, s, r, s_unscale, first + 2 * t, sca, scb);
+    else
+        legend_fused_loss_tile<J, false>(f, s, r, s_unscale, first + 2 * t, sca, scb);
+}
+
+// G of a tile of J 8-column blocks (as left in s) as the A fragments of the second product:
+// the accumulators of column blocks 2jj and 2jj + 1 are exactly the A fragment of k16 step
+// jj (registers: row g, columns 16jj + 2t..; row g + 8; row g, columns 16jj + 8 + 2t..;
+// row g + 8).
+template <int J>
+__device__ __forceinline__ void legend_fused_g_fragments(const float (&s)[J][4],
+                                                         u32 (&ga)[J / 2][4]) {
+#pragma unroll
+    for (int jj = 0; jj < J / 2; ++jj) {
+        ga[jj][0] = legend_half2_g(s[2 * jj][0], s[2 * jj][1]);
+        ga[jj][1] = legend_half2_g(s[2 * jj][2], s[2 * jj][3]);
+        ga[jj][2] = legend_half2_g(s[2 * jj + 1][0], s[2 * jj + 1][1]);
+        ga[jj][3] = legend_half2_g(s[2 * jj + 1][2], s[2 * jj + 1][3]);
+    }
+}
+
+// Zeros a warp's accumulators of DK 8-column blocks.
+template <int DK>
+__device__ __forceinline__ void legend_fused_clear(float (&acc)[DK][4]) {
+#pragma unroll
+    for (int n = 0; n < DK; ++n)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[n][q] = 0.0f;
+}
+
+// Multiplies the accumulators of rows a (elements 0, 1 of each block) and b by sca and scb,
+// when a row of the warp needs it: past the first tiles a row's maximum seldom moves.
+template <int DK>
+__device__ __forceinline__ void legend_fused_rescale(float (&acc)[DK][4], float sca,
+                                                     float scb) {
+    if (__any_sync(0xffffffffu, sca != 1.0f || scb != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < DK; ++n) {
+            acc[n][0] *= sca;
+            acc[n][1] *= sca;
+            acc[n][2] *= scb;
+            acc[n][3] *= scb;
+        }
+    }
+}
+
+// The end of rows a and b (job z, first row at `at_a` of the job-major buffers) after the
+// last tile: the loss (added into `loss`), ∂L/∂pos, and for softmax the factors of the
+// `tiles` walked tiles, each `width` 64-negative tiles wide: lane t = tile % 4 kept the
+// running maxima its G is relative to (`running(tile)`: rows a and b) and now turns them
+// into the factors of all of the tile's 64-negative tiles. Returns what the accumulators of
+// rows a (x) and b (y) are multiplied by to give dQ (the negatives' scale n_scale, G's and
+// softmax's sum undone).
+template <typename Running>
+__device__ __forceinline__ float2 legend_fused_rows_finish(const LegendFused& f, u32 z, u64 at_a,
+                                                           u32 ra, bool va, bool vb,
+                                                           const LegendRowLoss& r,
+                                                           float n_scale, u32 tiles, u32 width,
+                                                           int t, const Running& running,
+                                                           float& loss) {
+    float lsa = legend_quad_sum(r.la), lsb = legend_quad_sum(r.lb);
+    // dQ's unscaling, apart from n_scale: G's scale, which softmax's sums carry.
+    float ua = 1.0f / LEGEND_FUSED_G_SCALE, ub = ua, loss_a, loss_b, gpa, gpb;
+    if (f.loss == LEGEND_LOSS_SOFTMAX) {
+        ua = 1.0f / lsa;
+        ub = 1.0f / lsb;
+        float fa = LEGEND_FUSED_G_SCALE * ua, fb = LEGEND_FUSED_G_SCALE * ub;
+        constexpr float LOG_G = 9.704060527839234f;  // ln(2^14)
+        loss_a = r.ma + logf(lsa) - LOG_G - r.pa;
+        loss_b = r.mb + logf(lsb) - LOG_G - r.pb;
+        gpa = __expf(r.pa - r.ma) * fa - 1.0f;
+        gpb = __expf(r.pb - r.mb) * fb - 1.0f;
+        for (u32 u = t; u < tiles; u += 4) {
+            float2 m = running(u);
+            float ca = __expf(m.x - r.ma) * fa, cb = __expf(m.y - r.mb) * fb;
+            for (u32 h = 0; h < width; ++h) {
+                float* ch = legend_fused_corr(f, z, u * width + h) + ra;
+                ch[0] = ca;
+                ch[8] = cb;
+            }
+        }
+    } else if (f.loss == LEGEND_LOSS_LOGISTIC) {
+        float ea = __expf(-fabsf(r.pa)), eb = __expf(-fabsf(r.pb));
+        loss_a = fmaxf(-r.pa, 0.0f) + log1pf(ea) + lsa;
+        loss_b = fmaxf(-r.pb, 0.0f) + log1pf(eb) + lsb;
+        gpa = -((-r.pa >= 0.0f ? 1.0f : ea) / (1.0f + ea));
+        gpb = -((-r.pb >= 0.0f ? 1.0f : eb) / (1.0f + eb));
+    } else {
+        loss_a = lsa;
+        loss_b = lsb;
+        gpa = -legend_quad_sum(r.activa);
+        gpb = -legend_quad_sum(r.activb);
+    }
+    if (t == 0) {
+        if (va) {
+            f.grad_pos[at_a] = gpa;
+            loss += loss_a;
+        }
+        if (vb) {
+            f.grad_pos[at_a + 8] = gpb;
+            loss += loss_b;
+        }
+    }
+    return make_float2(ua / n_scale, ub / n_scale);
+}
+
+// The lane's two adjacent columns of row a (h = 0) or b in each 8-column block of its
+// accumulators, times u, into the row of `dim` floats at `row` (as dQ leaves the mma.sync
+// kernel: each store spans 16 rows; the warp-specialised kernel goes through shared memory).
+template <int DK>
+__device__ __forceinline__ void legend_fused_put_row(float* row, const float (&acc)[DK][4], int h,
+                                                     float u, u32 dim, int t) {
+#pragma unroll
+    for (int n = 0; n < DK; ++n) {
+        u32 c = 8 * n + 2 * t;
+        if (c < dim)
+            legend_fused_put_pair(row + c, c, dim, acc[n][2 * h] * u, acc[n][2 * h + 1] * u,
+                                  false);
+    }
+}
+
+// Makes this thread's shared-memory writes (cp.async copies, stores) visible to the
+// warpgroup products and the bulk copy engine, which work through the async proxy; before
+// the barrier that publishes them.
+__device__ __forceinline__ void legend_fused_publish() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// The loss of a warp's rows into the batch's sum: one atomic a warp.
+__device__ __forceinline__ void legend_fused_add_loss(const LegendFused& f, float loss) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) loss += __shfl_xor_sync(0xffffffffu, loss, o);
+    if ((threadIdx.x & 31) == 0 && loss != 0.0f) atomicAdd(f.loss_sum, (double)loss);
+}
