@@ -129,17 +129,15 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
     // The run is the user's: evaluable by the local command like any run.
     ok(&["eval", &s(&out)]);
     // Exported by the daemon as by the local command, byte for byte.
-    let exported = ok(&[
-        "--socket",
-        &sock,
-        "submit",
-        "export",
-        &s(&out),
-        "--format",
-        "npy",
-        "--watch",
-    ]);
-    assert!(exported.contains("job 2 succeeded"), "{exported}");
+    let submit_export = |format: &str, watch: &[&str]| {
+        let mut args = vec!["--socket", &sock, "submit", "export", &*s(&out).leak()];
+        args.extend(["--format", format]);
+        args.extend(watch);
+        legendctl(&args)
+    };
+    let exported = submit_export("npy", &["--watch"]);
+    let stdout = String::from_utf8_lossy(&exported.stdout);
+    assert!(stdout.contains("job 2 succeeded"), "{stdout}");
     let logs = ok(&["--socket", &sock, "logs", "2"]);
     assert!(
         logs.contains("exported 500 entities and 3 relations"),
@@ -155,15 +153,7 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
         );
     }
     // An unknown format is refused before anything is queued, naming it.
-    let bad = legendctl(&[
-        "--socket",
-        &sock,
-        "submit",
-        "export",
-        &s(&out),
-        "--format",
-        "csv",
-    ]);
+    let bad = submit_export("csv", &[]);
     refused(&bad, "csv");
     // No daemon: one line naming the socket.
     let missing = legendctl(&["--socket", "/nonexistent/legendd.sock", "jobs"]);
