@@ -157,6 +157,24 @@ pub fn meta_path(run: &Path) -> PathBuf {
     run.join("run.toml")
 }
 
+/// The resolved configuration of `run` (its `config.toml`).
+pub fn read_config(run: &Path) -> Result<crate::Config, RunError> {
+    let path = run.join("config.toml");
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    crate::Config::parse(&text, &[]).map_err(|e| invalid(&path, e.to_string()))
+}
+
+/// The sampled negatives run `run` evaluates with (its `[evaluation]` section): what a later
+/// evaluation of the run uses unless asked otherwise, so that it reproduces the run's figures.
+pub fn evaluation_negatives(run: &Path) -> Result<legend_eval::SampledNegatives, RunError> {
+    let e = read_config(run)?.evaluation;
+    Ok(legend_eval::SampledNegatives {
+        uniform: e.uniform_negatives,
+        degree: e.degree_negatives,
+        seed: e.seed,
+    })
+}
+
 /// Reads the commit record of `run`.
 pub fn read_meta(run: &Path) -> Result<RunMeta, RunError> {
     let path = meta_path(run);

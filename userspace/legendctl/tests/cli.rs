@@ -364,3 +364,44 @@ fn an_export_of_a_damaged_checkpoint_fails_and_leaves_no_files() {
         .unwrap_or_default();
     assert!(left.is_empty(), "a failed export left {left:?}");
 }
+
+/// `legendctl eval RUN --protocol sampled` ranks with the run's own `[evaluation]` negatives
+/// and seed, so it reproduces the run's final figure; flags still override them.
+#[test]
+fn sampled_eval_of_a_run_reproduces_its_own_figure() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = graph(dir.path());
+    let run = dir.path().join("run");
+    let sets = [
+        "model.dim=16",
+        "training.num_epochs=2",
+        "evaluation.protocol=sampled",
+        "evaluation.seed=7",
+        "evaluation.uniform_negatives=20",
+        "evaluation.degree_negatives=10",
+    ];
+    let mut args = train_args(&ds, &run, &sets);
+    args.push("--json".into());
+    let out = ok(&argv(&args));
+    let last = json(out.lines().last().unwrap());
+    let eval = json(ok(&["eval", &s(&run), "--protocol", "sampled", "--json"]).trim());
+    for key in ["mrr", "mean_rank", "hits_at_10"] {
+        assert_eq!(eval[key], last["metrics"][key], "{key}: {eval} vs {last}");
+    }
+    let other = json(
+        ok(&[
+            "eval",
+            &s(&run),
+            "--protocol",
+            "sampled",
+            "--seed",
+            "8",
+            "--json",
+        ])
+        .trim(),
+    );
+    assert_ne!(
+        other["mean_rank"], eval["mean_rank"],
+        "--seed overrides the run's"
+    );
+}

@@ -456,7 +456,7 @@ impl Jobs {
         let request = EvalRequest {
             protocol,
             split,
-            negatives: legend_eval::SampledNegatives::default(),
+            negatives: run::evaluation_negatives(dir).map_err(|e| chain(&e))?,
             threads: 0,
         };
         let m = evaluation::evaluate(

@@ -35,14 +35,18 @@ pub struct Args {
     #[arg(long, default_value = "test")]
     split: Split,
     /// Sampled protocol: uniform negatives per side and chunk of 1000 triples (reduced on graphs
-    /// with fewer entities than uniform + degree negatives; see --protocol).
-    #[arg(long, default_value_t = 1000)]
-    uniform_negatives: usize,
+    /// with fewer entities than uniform + degree negatives; see --protocol). Default: the run's
+    /// `evaluation.uniform_negatives`, so that eval reproduces its figures; 1000 for
+    /// --embeddings.
+    #[arg(long)]
+    uniform_negatives: Option<usize>,
     /// Sampled protocol: degree-proportional negatives per side and chunk of 1000 triples
-    /// (reduced like --uniform-negatives).
-    #[arg(long, default_value_t = 1000)]
-    degree_negatives: usize,
-    /// Sampled protocol: seed (default: a fixed seed, so runs are comparable).
+    /// (reduced like --uniform-negatives). Default: the run's `evaluation.degree_negatives`;
+    /// 1000 for --embeddings.
+    #[arg(long)]
+    degree_negatives: Option<usize>,
+    /// Sampled protocol: seed. Default: the run's `evaluation.seed`; a fixed seed for
+    /// --embeddings, so that runs are comparable.
     #[arg(long)]
     seed: Option<u64>,
     /// The dataset (for a run: only if it moved since training).
@@ -57,64 +61,67 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let (label, dataset, decoder, dim, entities, relations) = match (&args.run, &args.embeddings) {
-        (Some(run_dir), _) => {
-            let meta = run::read_meta(run_dir)?;
-            let dataset = open_run_dataset(&meta, args.dataset.as_deref())?;
-            let tables = run::load_tables(run_dir, &meta)?;
-            let decoder: Decoder = meta.decoder.parse().map_err(anyhow::Error::msg)?;
-            (
-                run_dir.display().to_string(),
-                dataset,
-                decoder,
-                meta.dim,
-                tables.entities,
-                tables.relations,
-            )
-        }
-        (None, Some(dir)) => {
-            let dataset = Dataset::open(args.dataset.as_ref().expect("required by clap"))?;
-            let decoder = args.decoder.expect("required by clap");
-            let (entities, rows, dim) = read_npy(&dir.join("entities.npy"))?;
-            if rows as u64 != dataset.meta().entities {
-                bail!(
-                    "{}: {rows} rows, but the dataset has {} entities",
-                    dir.join("entities.npy").display(),
-                    dataset.meta().entities
-                );
+    let (label, dataset, decoder, dim, entities, relations, negatives) =
+        match (&args.run, &args.embeddings) {
+            (Some(run_dir), _) => {
+                let meta = run::read_meta(run_dir)?;
+                let dataset = open_run_dataset(&meta, args.dataset.as_deref())?;
+                let tables = run::load_tables(run_dir, &meta)?;
+                let decoder: Decoder = meta.decoder.parse().map_err(anyhow::Error::msg)?;
+                (
+                    run_dir.display().to_string(),
+                    dataset,
+                    decoder,
+                    meta.dim,
+                    tables.entities,
+                    tables.relations,
+                    run::evaluation_negatives(run_dir)?,
+                )
             }
-            let relations = if decoder.uses_relations() {
-                let path = dir.join("relations.npy");
-                let (r, rrows, rdim) = read_npy(&path)?;
-                if rrows as u64 != dataset.meta().relations || rdim != dim {
+            (None, Some(dir)) => {
+                let dataset = Dataset::open(args.dataset.as_ref().expect("required by clap"))?;
+                let decoder = args.decoder.expect("required by clap");
+                let (entities, rows, dim) = read_npy(&dir.join("entities.npy"))?;
+                if rows as u64 != dataset.meta().entities {
                     bail!(
-                        "{}: shape ({rrows}, {rdim}), expected ({}, {dim})",
-                        path.display(),
-                        dataset.meta().relations
+                        "{}: {rows} rows, but the dataset has {} entities",
+                        dir.join("entities.npy").display(),
+                        dataset.meta().entities
                     );
                 }
-                r
-            } else {
-                Vec::new()
-            };
-            (
-                dir.display().to_string(),
-                dataset,
-                decoder,
-                dim,
-                entities,
-                relations,
-            )
-        }
-        (None, None) => bail!("give a run directory or --embeddings"),
-    };
+                let relations = if decoder.uses_relations() {
+                    let path = dir.join("relations.npy");
+                    let (r, rrows, rdim) = read_npy(&path)?;
+                    if rrows as u64 != dataset.meta().relations || rdim != dim {
+                        bail!(
+                            "{}: shape ({rrows}, {rdim}), expected ({}, {dim})",
+                            path.display(),
+                            dataset.meta().relations
+                        );
+                    }
+                    r
+                } else {
+                    Vec::new()
+                };
+                (
+                    dir.display().to_string(),
+                    dataset,
+                    decoder,
+                    dim,
+                    entities,
+                    relations,
+                    SampledNegatives::default(),
+                )
+            }
+            (None, None) => bail!("give a run directory or --embeddings"),
+        };
     let request = EvalRequest {
         protocol: args.protocol,
         split: args.split,
         negatives: SampledNegatives {
-            uniform: args.uniform_negatives,
-            degree: args.degree_negatives,
-            seed: args.seed.unwrap_or(legend_eval::DEFAULT_SEED),
+            uniform: args.uniform_negatives.unwrap_or(negatives.uniform),
+            degree: args.degree_negatives.unwrap_or(negatives.degree),
+            seed: args.seed.unwrap_or(negatives.seed),
         },
         threads: args.threads,
     };
