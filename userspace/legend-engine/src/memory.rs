@@ -302,8 +302,9 @@ impl GpuEstimate {
             ));
         }
         if self.slot > 0 {
-            let fits = (self.total() - self.nodes + self.slot * 2 <= free)
-                .then(|| (free - (self.total() - self.nodes)) / self.slot);
+            // What stays whatever the slots: C' slots fit in what is free beside it.
+            let rest = self.total() - self.nodes;
+            let fits = (rest + self.slot * 2 <= free).then(|| (free - rest) / self.slot);
             advice.push(match fits {
                 Some(c) => format!(
                     "hold fewer partitions on the GPU: storage.buffer_capacity = {c} (each of the {} slots takes {:.1} GiB)",

@@ -744,14 +744,11 @@ impl ComputeBackend for CudaCompute {
         rels: &mut Relations,
     ) -> Result<(), TrainError> {
         for p in 0..self.scheme.num_partitions {
-            if self.slot_of[p as usize] != SlotMap::ABSENT {
+            if self.holds(p) {
                 self.download(host, p)?;
             }
         }
-        if let Some(table) = &self.rels {
-            table.read_rows(&self.gpu, 0, &mut rels.emb, &mut rels.state)?;
-        }
-        Ok(())
+        self.sync_relations(rels)
     }
 
     fn use_direct_io(
