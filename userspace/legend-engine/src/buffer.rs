@@ -268,6 +268,9 @@ impl Reply {
     }
 }
 
+/// One row's embedding and AdaGrad state, writable.
+pub type RowMut<'a> = (&'a mut [f32], &'a mut [f32]);
+
 /// The partition buffer.
 ///
 /// Compute reads and updates rows of resident partitions through [`PartitionBuffer::row`] and
@@ -540,6 +543,49 @@ impl PartitionBuffer {
             &mut part.emb[local..local + self.dim],
             &mut part.state[local..local + self.dim],
         ))
+    }
+
+    /// Writable rows of `ids`, in their order, so that callers can update them in parallel.
+    ///
+    /// # Panics
+    /// If an id repeats or its partition is not resident.
+    pub fn disjoint_rows_mut(&mut self, ids: &[u32]) -> Vec<RowMut<'_>> {
+        let dim = self.dim;
+        let scheme = self.scheme;
+        // What is left of each resident partition past the last row handed out, and the id of
+        // its first row: ids are visited in ascending order, each row split off the front.
+        let mut rest: Vec<Option<(RowMut<'_>, u64)>> = self
+            .resident
+            .iter_mut()
+            .enumerate()
+            .map(|(p, part)| {
+                part.as_mut().map(|part| {
+                    let first = scheme.range(p as u32).start;
+                    ((&mut part.emb[..], &mut part.state[..]), first)
+                })
+            })
+            .collect();
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        order.sort_unstable_by_key(|&i| ids[i]);
+        let mut rows: Vec<Option<RowMut<'_>>> = ids.iter().map(|_| None).collect();
+        for i in order {
+            let id = u64::from(ids[i]);
+            let p = scheme.partition_of(ids[i]) as usize;
+            let ((emb, state), first) = rest[p]
+                .take()
+                .unwrap_or_else(|| panic!("row {id}: partition {p} is not resident"));
+            let skip =
+                id.checked_sub(first)
+                    .unwrap_or_else(|| panic!("row {id} asked for twice")) as usize
+                    * dim;
+            let (row, emb) = emb[skip..].split_at_mut(dim);
+            let (row_state, state) = state[skip..].split_at_mut(dim);
+            rows[i] = Some((row, row_state));
+            rest[p] = Some(((emb, state), id + 1));
+        }
+        rows.into_iter()
+            .map(|r| r.expect("every id visited"))
+            .collect()
     }
 
     /// A resident partition.
@@ -819,6 +865,47 @@ mod tests {
             assert!(part.state.iter().all(|&x| x == 0.0));
         }
         assert_eq!(buffer.stats().initialised, 2);
+    }
+
+    #[test]
+    fn disjoint_rows_are_the_rows_asked_for_in_their_order() {
+        let (entities, dim) = (100u64, 2usize);
+        let scheme = PartitionScheme::new(entities, 4).unwrap();
+        let emb: Vec<f32> = (0..entities as usize * dim).map(|i| i as f32).collect();
+        let state: Vec<f32> = emb.iter().map(|x| -x).collect();
+        let store = MemoryStore::from_tables(scheme, dim, emb, state);
+        let mut buffer = PartitionBuffer::new(scheme, dim, Init::default(), store);
+        buffer.fill(&[3, 1]).unwrap();
+        // Unsorted, across both resident partitions, first and last rows of each included.
+        let ids = [99u32, 25, 80, 49, 26, 75];
+        let rows = buffer.disjoint_rows_mut(&ids);
+        for (&id, (emb, state)) in ids.iter().zip(&rows) {
+            let first = (id as usize * dim) as f32;
+            assert_eq!(*emb, [first, first + 1.0], "row {id}");
+            assert_eq!(*state, [-first, -first - 1.0], "row {id}");
+        }
+        for (emb, state) in rows {
+            emb[0] = 0.5;
+            state[1] = 0.25;
+        }
+        for id in ids {
+            let (emb, state) = buffer.row(id).unwrap();
+            assert!(
+                emb[0] == 0.5 && state[1] == 0.25,
+                "row {id} written through"
+            );
+        }
+        let repeated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            buffer.disjoint_rows_mut(&[30, 26, 30]).len()
+        }));
+        assert!(
+            repeated.is_err(),
+            "a repeated row must not be handed out twice"
+        );
+        let absent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            buffer.disjoint_rows_mut(&[0]).len()
+        }));
+        assert!(absent.is_err(), "partition 0 is not resident");
     }
 
     #[test]

@@ -615,6 +615,8 @@ fn cpu_compute(
             .then(|| buckets.edges().iter().copied().collect()),
         pool,
         loss: 0.0,
+        neg_rows: Vec::new(),
+        block_grads: Vec::new(),
     })
 }
 

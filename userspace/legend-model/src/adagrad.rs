@@ -5,6 +5,8 @@
 //! row (the mean of `g²` over the row); Legend keeps one per element, so its state table has the
 //! shape of the embedding table.
 
+use crate::vmath;
+
 /// AdaGrad hyper-parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdaGrad {
@@ -32,6 +34,11 @@ impl AdaGrad {
             param.len() == grad.len() && state.len() == grad.len(),
             "param, state and grad rows differ in length"
         );
+        vmath::wide(|| self.step(param, state, grad));
+    }
+
+    #[inline(always)]
+    fn step(&self, param: &mut [f32], state: &mut [f32], grad: &[f32]) {
         for ((p, s), &g) in param.iter_mut().zip(state.iter_mut()).zip(grad) {
             *s += g * g;
             *p -= self.lr * g / (s.sqrt() + self.eps);
@@ -59,6 +66,24 @@ mod tests {
         opt.apply_row(&mut p, &mut s, &[4.0, 0.0, 0.0]);
         assert_eq!(s[0], 25.0);
         assert!((p[0] - (0.9 - 0.1 * 4.0 / 5.0)).abs() < 1e-7);
+    }
+
+    #[test]
+    fn the_avx2_build_gives_the_same_floats_as_the_portable_one() {
+        let opt = AdaGrad { lr: 0.1, eps: 1e-9 };
+        let grad: Vec<f32> = (0..203)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let mut p = [vec![0.5f32; 203], vec![0.5f32; 203]];
+        let mut s = [vec![0.0f32; 203], vec![0.0f32; 203]];
+        for _ in 0..3 {
+            let [(p0, p1), (s0, s1)] = [p.split_at_mut(1), s.split_at_mut(1)];
+            opt.apply_row(&mut p0[0], &mut s0[0], &grad);
+            opt.step(&mut p1[0], &mut s1[0], &grad);
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&p[0]), bits(&p[1]));
+        assert_eq!(bits(&s[0]), bits(&s[1]));
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! calls, so the training loop does not allocate once the workspace has seen the largest chunk.
 
 use crate::decoder::sign;
+use crate::sgemm::sgemm;
 use crate::{Comparator, Decoder, Loss, Side, vmath};
 
 /// The model evaluated on chunks.
@@ -105,6 +106,13 @@ impl ChunkWorkspace {
     /// The gradients of the last [`ChunkWorkspace::forward_backward`] call.
     pub fn grads(&self) -> &ChunkGrads {
         &self.grads
+    }
+
+    /// Exchanges the last call's gradients with `out`: the caller keeps them without a copy,
+    /// and the workspace writes its next call into `out`'s old buffers (no allocation once
+    /// both have seen the largest chunk).
+    pub fn swap_grads(&mut self, out: &mut ChunkGrads) {
+        std::mem::swap(&mut self.grads, out);
     }
 
     /// Computes the summed loss of the chunk (both sides, all positives) and its gradients,
@@ -237,7 +245,7 @@ impl Scratch {
 
         self.scores.resize(b * k, 0.0);
         match cmp {
-            Comparator::Dot => gemm(
+            Comparator::Dot => sgemm(
                 b,
                 dim,
                 k,
@@ -276,7 +284,7 @@ impl Scratch {
         match cmp {
             Comparator::Dot => {
                 // dQ += G·N, dN = Gᵀ·Q.
-                gemm(
+                sgemm(
                     b,
                     k,
                     dim,
@@ -287,7 +295,7 @@ impl Scratch {
                     1.0,
                     &mut self.grad_query,
                 );
-                gemm(
+                sgemm(
                     k,
                     b,
                     dim,
@@ -334,7 +342,7 @@ impl Scratch {
     fn l2_scores(&mut self, negs: &[f32], dim: usize) {
         let b = self.query.len() / dim;
         let k = negs.len() / dim;
-        gemm(
+        sgemm(
             b,
             dim,
             k,
@@ -390,7 +398,7 @@ impl Scratch {
                 self.col_sum[j] += w;
             }
         }
-        gemm(
+        sgemm(
             b,
             k,
             dim,
@@ -401,7 +409,7 @@ impl Scratch {
             1.0,
             &mut self.grad_query,
         );
-        gemm(
+        sgemm(
             k,
             b,
             dim,
@@ -488,56 +496,4 @@ fn squared_norms(rows: &[f32], dim: usize, out: &mut Vec<f32>) {
 fn reset(v: &mut Vec<f32>, len: usize) {
     v.clear();
     v.resize(len, 0.0);
-}
-
-/// `C (m×n) = op(A)·op(B) + beta·C` on row-major slices, where `op(A)` is m×k (stored k×m when
-/// `a_t`) and `op(B)` is k×n (stored n×k when `b_t`).
-#[allow(clippy::too_many_arguments)]
-fn gemm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    a_t: bool,
-    b: &[f32],
-    b_t: bool,
-    beta: f32,
-    c: &mut [f32],
-) {
-    assert!(
-        a.len() == m * k && b.len() == k * n && c.len() == m * n,
-        "gemm shapes"
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        for x in c.iter_mut() {
-            *x *= beta;
-        }
-        return;
-    }
-    let (rsa, csa) = if a_t { (1, m) } else { (k, 1) };
-    let (rsb, csb) = if b_t { (1, k) } else { (n, 1) };
-    // SAFETY: the asserts above make every index the strides can form lie inside `a`, `b` and
-    // `c` (A: (m−1)·rsa + (k−1)·csa < m·k, likewise B and C); `c` is borrowed mutably, so it
-    // aliases neither `a` nor `b`; and matrixmultiply reads `c` only when beta ≠ 0.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            rsa as isize,
-            csa as isize,
-            b.as_ptr(),
-            rsb as isize,
-            csb as isize,
-            beta,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
 }

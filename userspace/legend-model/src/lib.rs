@@ -13,6 +13,7 @@ mod init;
 mod loss;
 mod permutation;
 pub mod rng;
+mod sgemm;
 mod vmath;
 
 pub use adagrad::AdaGrad;
@@ -21,3 +22,4 @@ pub use decoder::{Comparator, Decoder, Side};
 pub use init::{DEFAULT_NODE_INIT, Distribution, Init, RelationInit, Table, fill_row};
 pub use loss::{DEFAULT_MARGIN, Loss, RowLoss};
 pub use permutation::{PERMUTATION_ROUNDS, Permutation};
+pub use sgemm::sgemm;

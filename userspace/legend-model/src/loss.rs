@@ -58,6 +58,16 @@ impl Loss {
     ///
     /// `excluded[j] == true` removes negative `j` from the loss (its gradient is 0).
     pub fn row_in_place(self, pos: f32, scores: &mut [f32], excluded: Option<&[bool]>) -> RowLoss {
+        vmath::wide(|| self.row_in_place_inline(pos, scores, excluded))
+    }
+
+    #[inline(always)]
+    fn row_in_place_inline(
+        self,
+        pos: f32,
+        scores: &mut [f32],
+        excluded: Option<&[bool]>,
+    ) -> RowLoss {
         if let Some(m) = excluded {
             assert_eq!(
                 m.len(),
@@ -178,6 +188,37 @@ impl FromStr for Loss {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_avx2_build_gives_the_same_floats_as_the_portable_one() {
+        // `row_in_place` runs the AVX2 build where the CPU has it; `row_in_place_inline`, called
+        // here from plain code, the SSE2 one.
+        let mut state = 7u32;
+        let mut next = || {
+            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (state >> 8) as f32 / (1 << 24) as f32 * 20.0 - 10.0
+        };
+        for loss in [
+            Loss::SoftmaxCe,
+            Loss::Logistic,
+            Loss::Ranking { margin: 0.5 },
+        ] {
+            for len in [1usize, 7, 8, 33, 1000] {
+                let scores: Vec<f32> = (0..len).map(|_| next()).collect();
+                let excluded: Vec<bool> = (0..len).map(|j| j % 5 == 3).collect();
+                let pos = next();
+                for mask in [None, Some(&excluded[..])] {
+                    let (mut wide, mut plain) = (scores.clone(), scores.clone());
+                    let a = loss.row_in_place(pos, &mut wide, mask);
+                    let b = loss.row_in_place_inline(pos, &mut plain, mask);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&wide), bits(&plain), "{loss} len {len}");
+                    assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{loss} len {len}");
+                    assert_eq!(a.grad_pos.to_bits(), b.grad_pos.to_bits());
+                }
+            }
+        }
+    }
 
     #[test]
     fn names_round_trip() {

@@ -2,6 +2,26 @@
 //! slices vectorise (std's `exp`/`ln_1p` are scalar library calls, and the softmax and logistic
 //! losses take one per negative score: 2·b·k per chunk).
 
+/// Runs `f` compiled for AVX2 where the CPU has it (the default x86-64 target stops at SSE2).
+/// The floats are the same either way: Rust never contracts `a * b + c` into an FMA and the
+/// reductions here fix their order, so only the vector width changes. `f` must be inlined into
+/// the AVX2 frame to gain: keep it a closure that calls `#[inline(always)]` code.
+#[inline(always)]
+pub(crate) fn wide<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU reported AVX2.
+        return unsafe { avx2(f) };
+    }
+    f()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
 /// Below this, `exp(x)` is under `f32::MIN_POSITIVE` and the result is flushed to 0.
 const EXP_LO: f32 = -87.33;
 /// `ln 2` split so that `n · LN2_HI` is exact for the `|n| ≤ 126` used here (Cody–Waite).

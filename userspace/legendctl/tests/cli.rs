@@ -243,7 +243,9 @@ fn thread_count_does_not_change_results() {
         ]);
         std::fs::read(out.join("checkpoints/epoch-00002/entities.bin")).unwrap()
     };
-    assert!(run("1") == run("2"));
+    // Three threads on fewer cores also interleave the parallel optimizer step differently.
+    let one = run("1");
+    assert!(one == run("2") && one == run("3"));
 }
 
 #[test]

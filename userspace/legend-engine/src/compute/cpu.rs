@@ -2,12 +2,14 @@
 //! the parameters, gradients summed in block order, one AdaGrad step per touched row.
 
 use legend_dataset::Edge;
-use legend_model::{AdaGrad, Chunk, ChunkModel, ChunkWorkspace};
+use std::cell::RefCell;
+
+use legend_model::{AdaGrad, Chunk, ChunkGrads, ChunkModel, ChunkWorkspace};
 use rayon::prelude::*;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::{BucketRef, ComputeBackend, Step};
-use crate::buffer::{PartitionBuffer, SwapHook};
+use crate::buffer::{PartitionBuffer, RowMut, SwapHook};
 use legend_model::rng::key;
 
 use crate::sampler::NegativeSampler;
@@ -19,6 +21,9 @@ pub const BLOCK_ROWS: usize = 256;
 
 /// Fewest edges a parallel task of the batch gather handles.
 const GATHER_MIN: usize = 4096;
+
+/// Fewest rows a parallel task of the optimizer step updates.
+const APPLY_MIN: usize = 64;
 
 /// Small chunks are still split into up to this many tasks (of at least [`MIN_BLOCK_ROWS`]
 /// rows), so that small batches use several cores.
@@ -49,23 +54,105 @@ pub(crate) struct CpuCompute {
     pub(crate) pool: rayon::ThreadPool,
     /// Loss summed since the last `take_loss`.
     pub(crate) loss: f64,
+    /// Each chunk side's gathered negative rows (source then destination), reused.
+    pub(crate) neg_rows: Vec<Vec<f32>>,
+    /// Each block's gradients, reused.
+    pub(crate) block_grads: Vec<ChunkGrads>,
 }
 
-/// One block of a chunk: its rows and the chunk's negatives.
+/// One block of a chunk: its rows and the chunk's negatives (ids and gathered rows).
 struct Block<'a> {
     edges: &'a [Edge],
     neg_src: &'a [u32],
     neg_dst: &'a [u32],
+    neg_src_rows: &'a [f32],
+    neg_dst_rows: &'a [f32],
 }
 
-/// Gradients of one block, with the ids they belong to.
-struct BlockGrads {
-    loss: f64,
-    src: Vec<f32>,
-    rel: Vec<f32>,
-    dst: Vec<f32>,
-    neg_src: Vec<f32>,
-    neg_dst: Vec<f32>,
+thread_local! {
+    /// Each worker thread's chunk buffers, kept between batches so the step does not allocate.
+    static WORKSPACE: RefCell<ChunkWorkspace> = RefCell::new(ChunkWorkspace::new());
+}
+
+/// Row `i` of a row-major matrix of `dim` columns.
+fn row(rows: &[f32], i: usize, dim: usize) -> &[f32] {
+    &rows[i * dim..(i + 1) * dim]
+}
+
+/// `(ids[j], row j of rows)` for every `j`.
+fn rows_of<'a>(
+    ids: &'a [u32],
+    rows: &'a [f32],
+    dim: usize,
+) -> impl Iterator<Item = (u32, &'a [f32])> + 'a {
+    ids.iter()
+        .enumerate()
+        .map(move |(j, &id)| (id, row(rows, j, dim)))
+}
+
+/// The gradient rows of a batch grouped by the parameter row they belong to, in the order they
+/// were produced (block order), so that summing a group gives the same floats on any number of
+/// threads.
+struct RowSums<'a> {
+    /// The distinct parameter rows, in order of first appearance.
+    ids: Vec<u32>,
+    /// Group `s` (for `ids[s]`) is `parts[starts[s]..starts[s + 1]]`.
+    starts: Vec<usize>,
+    parts: Vec<&'a [f32]>,
+}
+
+impl<'a> RowSums<'a> {
+    fn group(rows: impl Iterator<Item = (u32, &'a [f32])>) -> Self {
+        let mut slot_of: FxHashMap<u32, usize> = FxHashMap::default();
+        let mut ids = Vec::new();
+        let mut tagged = Vec::new();
+        for (id, grad) in rows {
+            let slot = *slot_of.entry(id).or_insert_with(|| {
+                ids.push(id);
+                ids.len() - 1
+            });
+            tagged.push((slot, grad));
+        }
+        // A counting sort by slot keeps each group's rows in their original order.
+        let mut starts = vec![0usize; ids.len() + 1];
+        for &(slot, _) in &tagged {
+            starts[slot + 1] += 1;
+        }
+        for s in 1..starts.len() {
+            starts[s] += starts[s - 1];
+        }
+        let mut next = starts.clone();
+        let mut parts: Vec<&[f32]> = vec![&[]; tagged.len()];
+        for (slot, grad) in tagged {
+            parts[next[slot]] = grad;
+            next[slot] += 1;
+        }
+        Self { ids, starts, parts }
+    }
+
+    /// One AdaGrad step on each row of `params` (`params[s]` belongs to `ids[s]`) with its
+    /// summed gradient; rows in parallel on the current pool.
+    fn apply(&self, params: Vec<RowMut<'_>>, optimizer: AdaGrad, dim: usize) {
+        params
+            .into_par_iter()
+            .enumerate()
+            .with_min_len(APPLY_MIN)
+            .for_each_init(
+                || vec![0.0f32; dim],
+                |sum, (s, (emb, state))| {
+                    let (first, rest) = self.parts[self.starts[s]..self.starts[s + 1]]
+                        .split_first()
+                        .expect("every group has a row");
+                    sum.copy_from_slice(first);
+                    for grad in rest {
+                        for (a, b) in sum.iter_mut().zip(*grad) {
+                            *a += b;
+                        }
+                    }
+                    optimizer.apply_row(emb, state, sum);
+                },
+            );
+    }
 }
 
 impl ComputeBackend for CpuCompute {
@@ -129,6 +216,15 @@ impl ComputeBackend for CpuCompute {
                 self.sampler.sample(step.resident, stream, out);
             }
         }
+        // Each chunk's negative rows, gathered once and shared by its blocks.
+        let buffer = &*host;
+        self.neg_rows.resize_with(chunks * 2, Vec::new);
+        self.pool.install(|| {
+            self.neg_rows
+                .par_iter_mut()
+                .zip(negs.par_chunks_exact(k))
+                .for_each(|(rows, ids)| gather(buffer, ids.iter().copied(), dim, rows));
+        });
         let mut blocks = Vec::new();
         for c in 0..chunks {
             let rows = &batch[c * batch.len() / chunks..(c + 1) * batch.len() / chunks];
@@ -138,80 +234,76 @@ impl ComputeBackend for CpuCompute {
                     edges,
                     neg_src: &pair[..k],
                     neg_dst: &pair[k..],
+                    neg_src_rows: &self.neg_rows[2 * c],
+                    neg_dst_rows: &self.neg_rows[2 * c + 1],
                 });
             }
         }
-        let buffer = &*host;
+        self.block_grads
+            .resize_with(blocks.len(), ChunkGrads::default);
         let relations = &*rels;
         let model = &self.model;
         let known = self.known.as_ref();
-        let results: Vec<BlockGrads> = self.pool.install(|| {
+        let losses: Vec<f64> = self.pool.install(|| {
             blocks
                 .par_iter()
-                .map_init(ChunkWorkspace::new, |ws, block| {
-                    run_block(ws, model, buffer, relations, known, block, dim)
+                .zip(self.block_grads.par_iter_mut())
+                .map(|(block, grads)| {
+                    WORKSPACE.with_borrow_mut(|ws| {
+                        let loss = run_block(ws, model, buffer, relations, known, block, dim);
+                        ws.swap_grads(grads);
+                        loss
+                    })
                 })
                 .collect()
         });
-        // Sum gradients per row in block order (deterministic), then take one AdaGrad step per
-        // touched row.
-        let mut index: FxHashMap<u32, usize> = FxHashMap::default();
-        let mut grads: Vec<f32> = Vec::new();
-        let mut rel_index: FxHashMap<u32, usize> = FxHashMap::default();
-        let mut rel_grads: Vec<f32> = Vec::new();
-        let add = |index: &mut FxHashMap<u32, usize>, grads: &mut Vec<f32>, id: u32, g: &[f32]| {
-            let next = index.len();
-            let slot = *index.entry(id).or_insert(next);
-            if slot == next {
-                grads.extend_from_slice(g);
-            } else {
-                for (a, b) in grads[slot * dim..(slot + 1) * dim].iter_mut().zip(g) {
-                    *a += b;
-                }
-            }
-        };
-        let mut loss = 0.0;
-        for (block, r) in blocks.iter().zip(&results) {
-            loss += r.loss;
-            for (i, e) in block.edges.iter().enumerate() {
-                let row = i * dim..(i + 1) * dim;
-                add(&mut index, &mut grads, e[0], &r.src[row.clone()]);
-                add(&mut index, &mut grads, e[2], &r.dst[row.clone()]);
-                if !r.rel.is_empty() {
-                    add(&mut rel_index, &mut rel_grads, e[1], &r.rel[row]);
-                }
-            }
-            for (j, &id) in block.neg_src.iter().enumerate() {
-                add(
-                    &mut index,
-                    &mut grads,
-                    id,
-                    &r.neg_src[j * dim..(j + 1) * dim],
-                );
-            }
-            for (j, &id) in block.neg_dst.iter().enumerate() {
-                add(
-                    &mut index,
-                    &mut grads,
-                    id,
-                    &r.neg_dst[j * dim..(j + 1) * dim],
-                );
-            }
-        }
-        for (&id, &slot) in &index {
-            let (emb, state) = host.rows_mut(id).expect("sampled rows are resident");
-            self.optimizer
-                .apply_row(emb, state, &grads[slot * dim..(slot + 1) * dim]);
-        }
-        for (&r, &slot) in &rel_index {
-            let row = r as usize * dim..(r as usize + 1) * dim;
-            self.optimizer.apply_row(
-                &mut rels.emb[row.clone()],
-                &mut rels.state[row],
-                &rel_grads[slot * dim..(slot + 1) * dim],
-            );
-        }
-        self.loss += loss;
+        let grads = &self.block_grads[..blocks.len()];
+        // Sum the gradients of each row in block order (deterministic, whatever the thread
+        // count), then take one AdaGrad step per touched row, rows in parallel.
+        let nodes = RowSums::group(blocks.iter().zip(grads).flat_map(|(block, g)| {
+            let positives =
+                block.edges.iter().enumerate().flat_map(move |(i, e)| {
+                    [(e[0], row(&g.src, i, dim)), (e[2], row(&g.dst, i, dim))]
+                });
+            positives
+                .chain(rows_of(block.neg_src, &g.neg_src, dim))
+                .chain(rows_of(block.neg_dst, &g.neg_dst, dim))
+        }));
+        let relation_rows = RowSums::group(
+            blocks
+                .iter()
+                .zip(grads)
+                .filter(|(_, g)| !g.rel.is_empty())
+                .flat_map(|(block, g)| {
+                    block
+                        .edges
+                        .iter()
+                        .enumerate()
+                        .map(move |(i, e)| (e[1], row(&g.rel, i, dim)))
+                }),
+        );
+        let optimizer = self.optimizer;
+        let node_rows = host.disjoint_rows_mut(&nodes.ids);
+        let mut rel_rows: Vec<Option<RowMut<'_>>> = rels
+            .emb
+            .chunks_exact_mut(dim)
+            .zip(rels.state.chunks_exact_mut(dim))
+            .map(Some)
+            .collect();
+        let rel_rows: Vec<RowMut<'_>> = relation_rows
+            .ids
+            .iter()
+            .map(|&r| {
+                rel_rows[r as usize]
+                    .take()
+                    .expect("relation ids are distinct")
+            })
+            .collect();
+        self.pool.install(|| {
+            nodes.apply(node_rows, optimizer, dim);
+            relation_rows.apply(rel_rows, optimizer, dim);
+        });
+        self.loss += losses.iter().sum::<f64>();
         Ok(())
     }
 
@@ -256,12 +348,10 @@ fn run_block(
     known: Option<&FxHashSet<Edge>>,
     block: &Block<'_>,
     dim: usize,
-) -> BlockGrads {
-    let (mut src, mut dst, mut ns, mut nd) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+) -> f64 {
+    let (mut src, mut dst) = (Vec::new(), Vec::new());
     gather(buffer, block.edges.iter().map(|e| e[0]), dim, &mut src);
     gather(buffer, block.edges.iter().map(|e| e[2]), dim, &mut dst);
-    gather(buffer, block.neg_src.iter().copied(), dim, &mut ns);
-    gather(buffer, block.neg_dst.iter().copied(), dim, &mut nd);
     let mut rel = Vec::new();
     if !relations.emb.is_empty() {
         for e in block.edges {
@@ -296,21 +386,12 @@ fn run_block(
         src: &src,
         rel: &rel,
         dst: &dst,
-        neg_src: &ns,
-        neg_dst: &nd,
+        neg_src: block.neg_src_rows,
+        neg_dst: block.neg_dst_rows,
         exclude_src: masks.as_ref().map(|m| m.0.as_slice()),
         exclude_dst: masks.as_ref().map(|m| m.1.as_slice()),
     };
-    let loss = ws.forward_backward(model, &chunk);
-    let g = ws.grads();
-    BlockGrads {
-        loss,
-        src: g.src.clone(),
-        rel: g.rel.clone(),
-        dst: g.dst.clone(),
-        neg_src: g.neg_src.clone(),
-        neg_dst: g.neg_dst.clone(),
-    }
+    ws.forward_backward(model, &chunk)
 }
 
 #[cfg(test)]
