@@ -35,6 +35,7 @@
 mod buffer;
 mod device;
 mod error;
+mod extents;
 mod layout;
 mod medium;
 mod nvme;
@@ -45,6 +46,7 @@ mod uring;
 
 pub use buffer::{IO_ALIGN, IoBuffer};
 pub use error::StoreError;
+pub use extents::{EXTENT_ALIGN, ExtentEntry, ExtentTable, Extents};
 pub use layout::{
     BASE_ALIGN, DatasetId, Extent, Layout, MAX_LABEL_BYTES, MAX_PARTITIONS, MAX_PROGRESS_BYTES,
     SUPERBLOCK_SLOT_BYTES, StoreSpec, partition_nodes, rows_per_partition,

@@ -348,6 +348,11 @@ impl Store {
         self.medium.is_direct()
     }
 
+    /// Bytes of the file, device or namespace the store is on, from the store's start.
+    pub fn medium_bytes(&self) -> Result<u64, StoreError> {
+        self.medium.size()
+    }
+
     /// Logical block size the store's I/O is aligned to.
     pub fn block_size(&self) -> u64 {
         self.medium.block_size()

@@ -9,8 +9,8 @@ use std::time::Duration;
 use legend_nvme_protocol::Status;
 use legend_nvme_proxy::{Faults, Proxy, ProxyOptions};
 use legend_storage::{
-    CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, IoRequest, NvmeTarget, Region, Store,
-    StoreError, StoreSpec, Target,
+    CreateOptions, DatasetId, Expect, Extents, IoBuffer, IoConfig, IoRequest, NvmeTarget, Region,
+    Store, StoreError, StoreSpec, Target,
 };
 
 fn spec() -> StoreSpec {
@@ -256,4 +256,67 @@ fn transfers_run_by_the_caller_land_where_io_extent_says_and_commit() {
     assert_eq!(payload(&again, 3, &back), payload(&again, 3, &b));
     // The next write goes to the other (shadow) copy.
     assert_ne!(again.io_extent(Region::Partition(3), true).unwrap().0, at);
+}
+
+#[test]
+fn the_extent_table_persists_gives_disjoint_stores_and_guards_the_namespace_start() {
+    let dir = scratch();
+    let backing = dir.path().join("shared.img");
+    let px = proxy(&backing, 64 << 20, 9);
+    let table_target = target(&px, 0);
+    let (a, b) = {
+        let mut ext = Extents::open_or_create(&Target::Nvme(&table_target)).unwrap();
+        let bytes = legend_storage::Layout::compute(&spec(), ext.block_size())
+            .unwrap()
+            .total_bytes;
+        let a = ext.allocate("/runs/a", 1000, bytes).unwrap();
+        let b = ext.allocate("/runs/b", 1001, bytes).unwrap();
+        assert!(a + bytes / 512 <= b, "disjoint: a at {a}, b at {b}");
+        (a, b)
+    };
+    // Two stores in their extents: filling one leaves the other's bytes alone.
+    let (ta, tb) = (target(&px, a), target(&px, b));
+    let mut sa = Store::create_on(&Target::Nvme(&ta), &spec(), &CreateOptions::default()).unwrap();
+    let mut sb = Store::create_on(&Target::Nvme(&tb), &spec(), &CreateOptions::default()).unwrap();
+    let fill_a = filled(&sa, 1);
+    let fill_b = filled(&sb, 2);
+    for p in 0..4 {
+        sa.write(Region::Partition(p), &fill_a).unwrap();
+        sb.write(Region::Partition(p), &fill_b).unwrap();
+    }
+    sa.commit(b"a").unwrap();
+    sb.commit(b"b").unwrap();
+    let mut back = IoBuffer::new(sa.max_partition_bytes()).unwrap();
+    for p in 0..4 {
+        sa.read(Region::Partition(p), &mut back).unwrap();
+        assert_eq!(payload(&sa, p, &back), payload(&sa, p, &fill_a));
+    }
+    drop((sa, sb));
+    // Reopened (a restarted daemon): the same extents; a freed one is reused first.
+    let mut ext = Extents::open_or_create(&Target::Nvme(&table_target)).unwrap();
+    assert_eq!(ext.table().find("/runs/b").map(|e| e.start_lba), Some(b));
+    assert_eq!(ext.free("/runs/a").unwrap().unwrap().owner, 1000);
+    drop(ext);
+    let mut ext = Extents::open_or_create(&Target::Nvme(&table_target)).unwrap();
+    assert!(
+        ext.table().find("/runs/a").is_none(),
+        "the free was committed"
+    );
+    assert_eq!(ext.allocate("/runs/c", 1002, 4096).unwrap(), a);
+    // A namespace whose start holds a training store is not taken for a table.
+    let other = dir.path().join("trained.img");
+    let px2 = proxy(&other, 16 << 20, 9);
+    Store::create_on(
+        &Target::Nvme(&target(&px2, 0)),
+        &spec(),
+        &CreateOptions::default(),
+    )
+    .unwrap();
+    let refused = Extents::open_or_create(&Target::Nvme(&target(&px2, 0)))
+        .err()
+        .expect("a training store at LBA 0");
+    assert!(
+        matches!(refused, StoreError::DatasetMismatch { .. }),
+        "{refused}"
+    );
 }
