@@ -273,7 +273,8 @@ impl Jobs {
                     "cancel asked: stopping at the next checkpointable point",
                 );
             }
-            _ => {}
+            // Ended: nothing to stop. The table's lock must go before `get` takes it again.
+            _ => drop(t),
         }
         self.get(id)
     }

@@ -371,6 +371,14 @@ fn cancel_is_prompt_and_leaves_a_resumable_run() {
             "{done:?}"
         );
     }
+    // Cancelling a job that has ended changes nothing, and the daemon keeps answering (it
+    // once kept the job table locked here).
+    let again = c.job(Request::Cancel { job: resumed.id });
+    assert_eq!(again.state, done.state);
+    assert_eq!(
+        c.job(Request::Status { job: running.id }).state,
+        JobState::Cancelled
+    );
 }
 
 /// Writes raw bytes and reads one reply, if any comes.
@@ -477,8 +485,9 @@ fn a_thousand_status_requests_a_second_while_a_job_runs() {
     let ds = dataset(dir.path());
     let d = Daemon::start(dir.path());
     let mut c = d.client();
+    // Long enough to be running through the 10 s of requests.
     let job = c.job(Request::Submit {
-        job: train_spec(&ds, &dir.path().join("run"), 100),
+        job: train_spec(&ds, &dir.path().join("run"), 1000),
     });
     let seconds = 10u64;
     let threads = 4u64;
