@@ -68,6 +68,12 @@ pub enum Request {
         /// Its id.
         job: u64,
     },
+    /// Forget an ended job (its record and log). Deleting the last train job of a run on an
+    /// NVMe namespace frees the run's extent there: its store is gone, the run directory stays.
+    Delete {
+        /// Its id.
+        job: u64,
+    },
     /// The daemon's metrics in the Prometheus text format.
     Metrics,
     /// NVMe controllers and the module's devices (read-only).
@@ -342,10 +348,14 @@ pub fn read_frame(r: &mut impl Read, max: usize) -> Result<Option<Vec<u8>>, Fram
     let mut len = [0u8; 4];
     let mut got = 0;
     while got < 4 {
-        match r.read(&mut len[got..])? {
-            0 if got == 0 => return Ok(None),
-            0 => return Err(FrameError::Truncated),
-            n => got += n,
+        match r.read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(FrameError::Truncated),
+            Ok(n) => got += n,
+            // A signal to the process (the proxy controller's threads take some) is no reason
+            // to drop the client; `read_exact` below retries the same way.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
         }
     }
     let len = u32::from_be_bytes(len) as usize;

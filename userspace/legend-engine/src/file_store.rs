@@ -60,15 +60,13 @@ impl FileStore {
     /// so an interrupted creation never leaves a store that cannot be opened; a proxy's backing
     /// file is created (or extended) to the store's size first.
     pub fn create(spec: &FileStoreSpec<'_>) -> Result<FileStore, StoreError> {
-        let store_spec = StoreSpec {
-            dataset: spec.dataset.clone(),
-            num_nodes: spec.num_nodes,
-            dim: spec.dim as u32,
-            num_partitions: spec.num_partitions,
-            aux_bytes: spec.aux_bytes.max(1),
-            progress_capacity: PROGRESS_CAPACITY,
-            shadow: true,
-        };
+        let store_spec = store_spec(
+            spec.dataset.clone(),
+            spec.num_nodes,
+            spec.dim,
+            spec.num_partitions,
+            spec.aux_bytes,
+        );
         let opts = CreateOptions {
             force: spec.force,
             ..CreateOptions::default()
@@ -245,6 +243,51 @@ fn nvme_target(controller: &SharedController, q: QueueLocation) -> NvmeTarget {
         namespace: q.namespace,
         start_lba: q.start_lba,
     }
+}
+
+/// The store of a run: shadowed partitions, the relation tables in its auxiliary region.
+fn store_spec(
+    dataset: DatasetId,
+    num_nodes: u64,
+    dim: usize,
+    num_partitions: u32,
+    aux_bytes: u64,
+) -> StoreSpec {
+    StoreSpec {
+        dataset,
+        num_nodes,
+        dim: dim as u32,
+        num_partitions,
+        aux_bytes: aux_bytes.max(1),
+        progress_capacity: PROGRESS_CAPACITY,
+        shadow: true,
+    }
+}
+
+/// Bytes the store of a run of `config` on `dataset` takes on a medium of `block_size`-byte
+/// blocks (what a shared namespace must set aside for it).
+pub fn run_store_bytes(
+    config: &crate::Config,
+    dataset: &legend_dataset::DatasetMeta,
+    block_size: u64,
+) -> Result<u64, StoreError> {
+    let dim = config.model.dim;
+    let relations = if config.decoder().uses_relations() {
+        dataset.relations
+    } else {
+        0
+    };
+    let spec = store_spec(
+        DatasetId {
+            id: [0; 16],
+            label: String::new(),
+        },
+        dataset.entities,
+        dim,
+        config.storage.num_partitions,
+        relations * dim as u64 * 8,
+    );
+    Ok(Layout::compute(&spec, block_size)?.total_bytes)
 }
 
 /// Creates the proxy's backing file, or extends it, to hold the store after `start_lba`

@@ -52,6 +52,9 @@ enum Command {
     Cancel(cmd::client::JobArgs),
     /// A legendd job's log.
     Logs(cmd::client::JobArgs),
+    /// Forget an ended legendd job; the last train job of a run on an NVMe namespace frees the
+    /// run's extent there (its store is gone).
+    Delete(cmd::client::JobArgs),
 }
 
 fn main() -> ExitCode {
@@ -83,6 +86,7 @@ fn main() -> ExitCode {
         Command::Jobs(args) => cmd::client::jobs(cli.socket.as_deref(), args),
         Command::Watch(args) => cmd::client::watch(cli.socket.as_deref(), args),
         Command::Cancel(args) => cmd::client::cancel(cli.socket.as_deref(), args),
+        Command::Delete(args) => cmd::client::delete(cli.socket.as_deref(), args),
         Command::Logs(args) => cmd::client::logs(cli.socket.as_deref(), args),
     };
     match result {

@@ -93,6 +93,15 @@ pub fn check_may_create_in(peer: &Peer, dir: &Path) -> Result<(), String> {
     }
 }
 
+/// Refuses unless `peer` could read and write the file `path`.
+pub fn check_may_write(peer: &Peer, path: &Path) -> Result<(), String> {
+    match allowed(peer, path, 6) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(format!("{}: you may not read and write it", path.display())),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
 /// Refuses unless `peer` could read the directory `dir` (list and open its files).
 pub fn check_may_read(peer: &Peer, dir: &Path) -> Result<(), String> {
     match allowed(peer, dir, 5) {

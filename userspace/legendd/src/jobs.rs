@@ -279,6 +279,28 @@ impl Jobs {
         self.get(id)
     }
 
+    /// Forgets an ended job: its record and log go.
+    pub fn delete(&self, id: u64) -> Result<JobInfo, JobError> {
+        let mut t = self.lock();
+        let entry = t.jobs.get(&id).ok_or(JobError::NotFound(id))?;
+        let state = entry.record.info.state;
+        if !state.is_final() {
+            return Err(JobError::Refused(format!(
+                "job {id} is {}: cancel it first",
+                state.name()
+            )));
+        }
+        let info = t.jobs.remove(&id).expect("looked up above").record.info;
+        drop(t);
+        for path in [self.record_path(id), self.log_path(id)] {
+            if let Err(e) = std::fs::remove_file(&path) {
+                tracing::warn!("deleting job {id}: {}: {e}", path.display());
+            }
+        }
+        tracing::info!("job {id} deleted");
+        Ok(info)
+    }
+
     /// Subscribes `to` to the job's events; `false` if the job has ended (nothing will come).
     pub fn watch(&self, id: u64, to: SyncSender<Reply>) -> Result<bool, JobError> {
         let mut t = self.lock();
@@ -710,25 +732,35 @@ enum Ended {
     Stopped(String),
 }
 
+/// The configuration a train job runs with: its own for a new run, the run's `config.toml` with
+/// the job's overrides when it resumes.
+pub fn train_config(spec: &JobSpec) -> Result<Config, String> {
+    let JobSpec::Train {
+        out,
+        config,
+        sets,
+        resume,
+        ..
+    } = spec
+    else {
+        return Err("not a train job".into());
+    };
+    if *resume {
+        let path = out.join("config.toml");
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Config::parse(&text, sets)
+    } else {
+        Config::parse(config, sets)
+    }
+    .map_err(|e| e.to_string())
+}
+
 /// The device queue a job runs in: `cpu` or `cuda:N`, from its configuration.
 pub fn queue_of(spec: &JobSpec) -> Result<String, String> {
     let config = match spec {
         JobSpec::Eval { .. } | JobSpec::Export { .. } => return Ok("cpu".into()),
-        JobSpec::Train {
-            out,
-            config,
-            sets,
-            resume,
-            ..
-        } => if *resume {
-            let path = out.join("config.toml");
-            let text =
-                std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-            Config::parse(&text, sets)
-        } else {
-            Config::parse(config, sets)
-        }
-        .map_err(|e| e.to_string())?,
+        JobSpec::Train { .. } => train_config(spec)?,
     };
     Ok(match config.device() {
         DeviceChoice::Cpu => "cpu".into(),

@@ -5,6 +5,7 @@
 
 mod access;
 mod config;
+mod extents;
 mod jobs;
 mod notify;
 mod server;

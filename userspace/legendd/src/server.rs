@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{RecvTimeoutError, sync_channel};
@@ -23,7 +23,9 @@ use legend_daemon_api::{
 
 use crate::access::{self, Peer};
 use crate::config::DaemonConfig;
+use crate::extents;
 use crate::jobs::{self, JobError, Jobs};
+use legend_engine::Config;
 
 /// Binds the socket at `path`, replacing a stale one; another daemon listening there is an
 /// error. Anyone may connect: requests are authorised by the caller's credentials.
@@ -195,13 +197,7 @@ fn answer(request: Request, peer: &Peer, jobs: &Jobs) -> Reply {
             uid: peer.uid,
             admin: peer.admin,
         },
-        Request::Submit { job } => match check_submission(&job, peer, jobs) {
-            Ok(queue) => match jobs.submit(peer.uid, job, queue) {
-                Ok(info) => Reply::Job { job: info },
-                Err(e) => job_error(e),
-            },
-            Err(why) => error(ErrorCode::Refused, why),
-        },
+        Request::Submit { job } => submit(job, peer, jobs),
         Request::List { all } => {
             if all && !peer.admin {
                 return error(
@@ -231,6 +227,10 @@ fn answer(request: Request, peer: &Peer, jobs: &Jobs) -> Reply {
             },
             Some(reply) => reply,
         },
+        Request::Delete { job } => match refusal(job) {
+            None => delete(job, jobs),
+            Some(reply) => reply,
+        },
         Request::Metrics => Reply::Text {
             text: jobs.metrics(),
         },
@@ -249,7 +249,93 @@ fn answer(request: Request, peer: &Peer, jobs: &Jobs) -> Reply {
     }
 }
 
-/// Checks that `run` is a training run its submitter may read.
+/// Queues `job` once it passed the checks; a new run on an NVMe namespace gets its extent.
+fn submit(mut job: JobSpec, peer: &Peer, jobs: &Jobs) -> Reply {
+    let assigned = check_submission(&job, peer, jobs)
+        .and_then(|queue| Ok((queue, assign_extent(&mut job, peer)?)));
+    let (queue, assigned) = match assigned {
+        Ok(a) => a,
+        Err(why) => return error(ErrorCode::Refused, why),
+    };
+    match jobs.submit(peer.uid, job, queue) {
+        Ok(info) => Reply::Job { job: info },
+        Err(e) => {
+            if let Some((place, run)) = assigned
+                && let Err(why) = extents::release(&place, &run)
+            {
+                tracing::warn!(
+                    "{}: freeing the extent of a refused job: {why}",
+                    run.display()
+                );
+            }
+            job_error(e)
+        }
+    }
+}
+
+/// For a new train run whose store is on an NVMe namespace: its extent, written into the job's
+/// settings (`storage.start_lba`).
+fn assign_extent(
+    job: &mut JobSpec,
+    peer: &Peer,
+) -> Result<Option<(extents::Placement, PathBuf)>, String> {
+    let JobSpec::Train {
+        dataset: Some(dataset),
+        out,
+        config,
+        sets,
+        resume: false,
+    } = job
+    else {
+        return Ok(None);
+    };
+    let parsed = Config::parse(config, sets).map_err(|e| e.to_string())?;
+    let Some(place) = extents::placement(&parsed, out) else {
+        return Ok(None);
+    };
+    let lba = extents::assign(&place, &parsed, dataset, out, peer.uid)?;
+    sets.push(format!("storage.start_lba={lba}"));
+    // The extent is this run's now: what a deleted run left in it may be overwritten.
+    sets.push("storage.force=true".into());
+    Ok(Some((place, out.clone())))
+}
+
+/// Deletes an ended job; the last train job of a run on a namespace frees the run's extent.
+fn delete(id: u64, jobs: &Jobs) -> Reply {
+    let info = match jobs.delete(id) {
+        Ok(info) => info,
+        Err(e) => return job_error(e),
+    };
+    let run = info.spec.dir();
+    let last_of_its_run = matches!(info.spec, JobSpec::Train { .. })
+        && !jobs
+            .list(None)
+            .iter()
+            .any(|j| matches!(j.spec, JobSpec::Train { .. }) && j.spec.dir() == run);
+    if last_of_its_run
+        && let Some(place) = train_placement(&info.spec)
+        && let Err(why) = extents::release(&place, run)
+    {
+        return error(
+            ErrorCode::Unavailable,
+            format!("job {id} deleted, but its run's extent was not freed: {why}"),
+        );
+    }
+    Reply::Job { job: info }
+}
+
+/// Where a train job's store is, if on a namespace: as the run recorded it, else as the job's
+/// configuration places it.
+fn train_placement(spec: &JobSpec) -> Option<extents::Placement> {
+    let run = spec.dir();
+    extents::recorded_placement(run).or_else(|| {
+        let config = jobs::train_config(spec).ok()?;
+        extents::placement(&config, run)
+    })
+}
+
+/// Checks that `run` is a training run its submitter may read, and that a store it keeps on a
+/// namespace is still in the run's extent there.
 fn check_run_to_read(peer: &Peer, run: &Path) -> Result<(), String> {
     access::check_may_read(peer, run)?;
     if !legend_engine::run::meta_path(run).exists() {
@@ -258,7 +344,31 @@ fn check_run_to_read(peer: &Peer, run: &Path) -> Result<(), String> {
             run.display()
         ));
     }
-    Ok(())
+    match extents::recorded_placement(run) {
+        Some(place) => extents::check(&place, run, peer),
+        None => Ok(()),
+    }
+}
+
+/// Checks a store path a train job names (`storage.path`): the submitter must be able to write
+/// the file, or create it. Device nodes (`nvme`) are the daemon's; their extents keep users
+/// apart.
+fn check_store_path(peer: &Peer, job: &JobSpec) -> Result<(), String> {
+    let config = jobs::train_config(job)?;
+    let Some(path) = &config.storage.path else {
+        return Ok(());
+    };
+    if config.storage.backend == legend_engine::config::Backend::Nvme {
+        return Ok(());
+    }
+    if path.exists() {
+        access::check_may_write(peer, path)
+    } else {
+        let parent = path
+            .parent()
+            .ok_or_else(|| format!("{}: not a file path", path.display()))?;
+        access::check_may_create_in(peer, parent)
+    }
 }
 
 /// Checks what a submission names against what its submitter may touch, and finds its queue.
@@ -289,6 +399,10 @@ fn check_submission(job: &JobSpec, peer: &Peer, jobs: &Jobs) -> Result<String, S
                     return Err(format!("{}: give an absolute path", d.display()));
                 }
                 access::check_may_read(peer, d)?;
+            }
+            check_store_path(peer, job)?;
+            if *resume && let Some(place) = train_placement(job) {
+                extents::check(&place, out, peer)?;
             }
             let busy = jobs
                 .list(None)

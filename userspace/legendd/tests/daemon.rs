@@ -40,7 +40,11 @@ impl Daemon {
             .arg(&socket)
             .arg("--state-dir")
             .arg(dir.join("state"))
-            .env("LEGEND_LOG", "warn")
+            // `LEGEND_TEST_DAEMON_LOG=debug cargo test ...` shows what the daemon did.
+            .env(
+                "LEGEND_LOG",
+                std::env::var("LEGEND_TEST_DAEMON_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -562,4 +566,102 @@ fn the_shipped_unit_passes_systemd_analyze_where_it_exists() {
         .filter(|l| !l.trim().is_empty() && !l.contains("is not executable"))
         .collect();
     assert!(problems.is_empty(), "{text}");
+}
+
+/// A train job of `spec`'s settings whose store is on the proxy namespace over `device`.
+fn on_namespace(mut spec: JobSpec, device: &Path) -> JobSpec {
+    if let JobSpec::Train { sets, .. } = &mut spec {
+        sets.push("storage.backend=proxy".into());
+        sets.push(format!("storage.path={}", device.display()));
+    }
+    spec
+}
+
+fn start_lba(run: &Path) -> u64 {
+    let meta = legend_engine::run::read_meta(run).unwrap();
+    meta.store_queue.expect("a store on a namespace").start_lba
+}
+
+fn refusal(reply: Reply) -> String {
+    match reply {
+        Reply::Error { message, .. } => message,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn runs_on_one_namespace_get_disjoint_extents_kept_across_restarts_and_freed_on_delete() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    // The shared "device": a 64 MiB namespace of the userspace proxy controller.
+    let device = dir.path().join("namespace.img");
+    std::fs::File::create(&device)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let run = |name: &str| dir.path().join(name);
+    let finish = |c: &mut Client, spec: JobSpec| {
+        let job = c.job(Request::Submit { job: spec });
+        let done = wait_for(c, job.id, Duration::from_secs(120), |j| j.state.is_final());
+        assert_eq!(done.state, JobState::Succeeded, "{done:?}");
+        job.id
+    };
+    let mut d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let a = finish(&mut c, on_namespace(train_spec(&ds, &run("a"), 2), &device));
+    finish(&mut c, on_namespace(train_spec(&ds, &run("b"), 2), &device));
+    let (la, lb) = (start_lba(&run("a")), start_lba(&run("b")));
+    let config = Config::parse("", &SETS.map(String::from)).unwrap();
+    let meta = legend_dataset::DatasetMeta::read(&ds).unwrap();
+    let blocks = legend_engine::file_store::run_store_bytes(&config, &meta, 512).unwrap() / 512;
+    assert!(
+        la.abs_diff(lb) >= blocks,
+        "extents overlap: {la}, {lb} ({blocks} blocks)"
+    );
+    // b trained after a; a's store is intact, and both equal the same run in memory.
+    let want = reference(&ds, &run("in-memory"), 2);
+    assert!(tables(&run("a")) == want, "run a's store was disturbed");
+    assert!(tables(&run("b")) == want);
+    // Users do not pick LBAs on a shared namespace.
+    let mut picked = on_namespace(train_spec(&ds, &run("x"), 1), &device);
+    if let JobSpec::Train { sets, .. } = &mut picked {
+        sets.push(format!("storage.start_lba={la}"));
+    }
+    let why = refusal(c.call(Request::Submit { job: picked }));
+    assert!(why.contains("storage.start_lba"), "{why}");
+    // The table is on the namespace: a restarted daemon places a third run clear of both.
+    drop(c);
+    d.signal(SIGTERM);
+    d.wait();
+    drop(d);
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    finish(&mut c, on_namespace(train_spec(&ds, &run("c"), 1), &device));
+    let lc = start_lba(&run("c"));
+    assert!(
+        lc.abs_diff(la) >= blocks && lc.abs_diff(lb) >= blocks,
+        "{la} {lb} {lc}"
+    );
+    // Deleting a's only train job frees its extent: a's store is gone (evaluating it is
+    // refused), and the next run of the same size takes the hole a left.
+    assert_eq!(c.job(Request::Delete { job: a }).id, a);
+    let why = refusal(c.call(Request::Status { job: a }));
+    assert!(
+        why.contains("no job") || why.contains(&a.to_string()),
+        "{why}"
+    );
+    let why = refusal(c.call(Request::Submit {
+        job: JobSpec::Eval {
+            run: run("a"),
+            protocol: "sampled".into(),
+            split: "test".into(),
+        },
+    }));
+    assert!(why.contains("no longer"), "{why}");
+    finish(&mut c, on_namespace(train_spec(&ds, &run("d"), 1), &device));
+    assert_eq!(
+        start_lba(&run("d")),
+        la,
+        "first fit reuses the freed extent"
+    );
 }

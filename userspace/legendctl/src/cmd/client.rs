@@ -377,6 +377,16 @@ pub fn cancel(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+pub fn delete(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
+    let job = Client::connect(socket)?.job(Request::Delete { job: args.job })?;
+    if args.json {
+        super::print_json(&job)?;
+    } else {
+        println!("job {} deleted", job.id);
+    }
+    Ok(())
+}
+
 pub fn logs(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
     let Reply::Text { text } = Client::connect(socket)?.call(Request::Logs { job: args.job })?
     else {
