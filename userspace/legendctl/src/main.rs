@@ -80,7 +80,7 @@ fn main() -> ExitCode {
         Command::Export(args) => cmd::export::run(args),
         Command::Generate(args) => cmd::generate::run(args),
         Command::Report(args) => cmd::report::run(args),
-        Command::Device(args) => cmd::device::run(args),
+        Command::Device(args) => cmd::device::run(args, cli.socket.as_deref()),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Submit(args) => cmd::client::submit(cli.socket.as_deref(), args),
         Command::Jobs(args) => cmd::client::jobs(cli.socket.as_deref(), args),

@@ -25,7 +25,10 @@ use crate::access::{self, Peer};
 use crate::config::DaemonConfig;
 use crate::extents;
 use crate::jobs::{self, JobError, Jobs};
+use legend_daemon_api::{DeviceHealth, DeviceInfo};
 use legend_engine::Config;
+use legend_engine::controllers::{self, QueueBackend, SharedController};
+use legend_nvme::Controller as _;
 
 /// Binds the socket at `path`, replacing a stale one; another daemon listening there is an
 /// error. Anyone may connect: requests are authorised by the caller's credentials.
@@ -245,6 +248,14 @@ fn answer(request: Request, peer: &Peer, jobs: &Jobs) -> Reply {
             ErrorCode::Forbidden,
             "only the admin group binds and unbinds devices",
         ),
+        Request::DeviceInfo { device } => device_report(&device, |d| {
+            d.info()
+                .map(|info| serde_json::to_value(DeviceInfo::new(&device, &info)))
+        }),
+        Request::DeviceHealth { device } => device_report(&device, |d| {
+            d.health()
+                .map(|h| serde_json::to_value(DeviceHealth::new(&device, &h)))
+        }),
         Request::Watch { .. } => unreachable!("answered by watch()"),
     }
 }
@@ -491,6 +502,34 @@ fn devices() -> Reply {
             data: serde_json::Value::Array(list.iter().map(controller_json).collect()),
         },
         Err(e) => error(ErrorCode::Refused, e.to_string()),
+    }
+}
+
+/// What `read` reports of the module's device `node`, opened as the jobs open it (one writer
+/// per controller: a running job's handle is shared, not fought over).
+fn device_report(
+    node: &str,
+    read: impl FnOnce(
+        &legend_nvme::Device,
+    ) -> legend_nvme::Result<serde_json::Result<serde_json::Value>>,
+) -> Reply {
+    if !legend_daemon_api::is_device_node(node) {
+        return error(
+            ErrorCode::BadRequest,
+            format!("{node}: not a device node of legend_nvme (/dev/legend-nvmeN)"),
+        );
+    }
+    let controller = match controllers::open(QueueBackend::Nvme, Path::new(node)) {
+        Ok(c) => c,
+        Err(e) => return error(ErrorCode::Refused, e.to_string()),
+    };
+    let SharedController::Device(device) = controller else {
+        unreachable!("an nvme controller is a device");
+    };
+    match read(&device) {
+        Ok(Ok(data)) => Reply::Data { data },
+        Ok(Err(e)) => error(ErrorCode::Unavailable, e.to_string()),
+        Err(e) => error(ErrorCode::Unavailable, format!("{node}: {e}")),
     }
 }
 

@@ -590,6 +590,41 @@ fn refusal(reply: Reply) -> String {
 }
 
 #[test]
+fn device_requests_open_only_the_modules_nodes_and_say_what_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    for device in ["/etc/passwd", "/dev/legend-nvme0/../../etc/shadow"] {
+        match c.call(Request::DeviceInfo {
+            device: device.into(),
+        }) {
+            Reply::Error { code, message } => {
+                assert_eq!(code, ErrorCode::BadRequest);
+                assert!(message.contains("not a device node"), "{message}");
+            }
+            other => panic!("{device}: {other:?}"),
+        }
+    }
+    if Path::new("/dev/legend-nvme0").exists() {
+        eprintln!("skipped: this machine has /dev/legend-nvme0 (the QEMU suite covers it)");
+        return;
+    }
+    // No module here: the reply says which setup step is left, and the connection goes on.
+    for request in [
+        Request::DeviceInfo {
+            device: "/dev/legend-nvme0".into(),
+        },
+        Request::DeviceHealth {
+            device: "/dev/legend-nvme0".into(),
+        },
+    ] {
+        let why = refusal(c.call(request));
+        assert!(why.contains("legend_nvme"), "{why}");
+    }
+    assert!(matches!(c.call(Request::Hello), Reply::Hello { .. }));
+}
+
+#[test]
 fn runs_on_one_namespace_get_disjoint_extents_kept_across_restarts_and_freed_on_delete() {
     let dir = tempfile::tempdir().unwrap();
     let ds = dataset(dir.path());

@@ -2,9 +2,12 @@
 
 use std::path::Path;
 
-use anyhow::bail;
+use anyhow::{Context, bail};
+use legend_daemon_api::{DeviceHealth, DeviceInfo, Reply, Request};
 use legend_nvme::{Controller, Device, Sysfs};
 use serde::Serialize;
+
+use super::client::Client;
 
 /// The module's name, as `modprobe` and `/sys/module` know it.
 const MODULE: &str = "legend_nvme";
@@ -24,20 +27,42 @@ fn setup_hint(module_loaded: bool) -> &'static str {
     }
 }
 
-/// Opens a device node read-only; when it is missing, says which setup step is left.
-fn open_read_only(path: &str) -> anyhow::Result<Device> {
-    Device::open_read_only(path).map_err(|err| {
-        let missing = matches!(
-            &err,
-            legend_nvme::Error::Open { source, .. } if source.kind() == std::io::ErrorKind::NotFound
-        );
-        let err = anyhow::Error::new(err);
-        if missing {
-            err.context(setup_hint(module_loaded(Path::new("/sys"))))
-        } else {
-            err
+/// Opens a device node read-only; `None` when this user may not (the service's nodes are its
+/// own: ask legendd instead). When the node is missing, says which setup step is left.
+fn open_read_only(path: &str) -> anyhow::Result<Option<Device>> {
+    match Device::open_read_only(path) {
+        Ok(d) => Ok(Some(d)),
+        Err(legend_nvme::Error::Open { source, .. })
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            Ok(None)
         }
-    })
+        Err(err) => {
+            let missing = matches!(
+                &err,
+                legend_nvme::Error::Open { source, .. } if source.kind() == std::io::ErrorKind::NotFound
+            );
+            let err = anyhow::Error::new(err);
+            Err(if missing {
+                err.context(setup_hint(module_loaded(Path::new("/sys"))))
+            } else {
+                err
+            })
+        }
+    }
+}
+
+/// Asks legendd for what `request` reports of a device this user may not open.
+fn from_daemon<T: serde::de::DeserializeOwned>(
+    socket: Option<&Path>,
+    request: Request,
+) -> anyhow::Result<T> {
+    let mut client = Client::connect(socket)
+        .context("only legendd may open the device nodes, and it cannot be reached")?;
+    match client.call(request)? {
+        Reply::Data { data } => Ok(serde_json::from_value(data)?),
+        other => bail!("unexpected reply from legendd: {other:?}"),
+    }
 }
 
 /// Arguments of `legendctl device`.
@@ -104,50 +129,7 @@ impl From<legend_nvme::PciController> for ControllerView {
     }
 }
 
-#[derive(Serialize)]
-struct NamespaceView {
-    nsid: u32,
-    lba_bytes: u64,
-    lbas: u64,
-}
-
-#[derive(Serialize)]
-struct InfoView {
-    device: String,
-    abi_version: u32,
-    pci_address: String,
-    nvme_version: String,
-    model: String,
-    serial: String,
-    firmware: String,
-    max_queue_entries: u32,
-    doorbell_stride: u32,
-    max_transfer: u32,
-    queue_pairs: u32,
-    namespaces: Vec<NamespaceView>,
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes)
-        .trim_end_matches([' ', '\0'])
-        .to_owned()
-}
-
-#[derive(Serialize)]
-struct HealthView {
-    device: String,
-    critical_warning: u8,
-    temperature_celsius: i32,
-    available_spare_percent: u8,
-    percentage_used: u8,
-    data_units_read: u64,
-    data_units_written: u64,
-    power_on_hours: u64,
-    unsafe_shutdowns: u64,
-    media_errors: u64,
-}
-
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, socket: Option<&Path>) -> anyhow::Result<()> {
     let sysfs = Sysfs::default();
     match args.command {
         DeviceCommand::List => {
@@ -191,34 +173,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             report(args.json, "handed back to nvme", sysfs.unbind(&bdf)?.into())?
         }
         DeviceCommand::Info { device } => {
-            let info = open_read_only(&device)?.info()?;
-            // Never trust the count beyond the array the ABI defines.
-            let count = (info.num_namespaces as usize).min(info.namespaces.len());
-            let namespaces = info.namespaces[..count]
-                .iter()
-                .map(|n| NamespaceView {
-                    nsid: n.nsid,
-                    lba_bytes: 1u64 << n.lba_shift,
-                    lbas: n.blocks,
-                })
-                .collect();
-            let v = info.nvme_version;
-            let view = InfoView {
-                device,
-                abi_version: info.abi_version,
-                pci_address: format!(
-                    "{:04x}:{:02x}:{:02x}.{}",
-                    info.pci_domain, info.pci_bus, info.pci_device, info.pci_function
-                ),
-                nvme_version: format!("{}.{}.{}", v >> 16, (v >> 8) & 0xff, v & 0xff),
-                model: text(&info.model),
-                serial: text(&info.serial),
-                firmware: text(&info.firmware),
-                max_queue_entries: info.max_queue_entries,
-                doorbell_stride: info.doorbell_stride,
-                max_transfer: info.max_transfer,
-                queue_pairs: info.queue_pairs,
-                namespaces,
+            let view: DeviceInfo = match open_read_only(&device)? {
+                Some(d) => DeviceInfo::new(&device, &d.info()?),
+                None => from_daemon(socket, Request::DeviceInfo { device })?,
             };
             if args.json {
                 return super::print_json(&view);
@@ -243,18 +200,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         DeviceCommand::Health { device } => {
-            let h = open_read_only(&device)?.health()?;
-            let view = HealthView {
-                device,
-                critical_warning: h.critical_warning,
-                temperature_celsius: i32::from(h.temperature_kelvin) - 273,
-                available_spare_percent: h.available_spare,
-                percentage_used: h.percentage_used,
-                data_units_read: h.data_units_read,
-                data_units_written: h.data_units_written,
-                power_on_hours: h.power_on_hours,
-                unsafe_shutdowns: h.unsafe_shutdowns,
-                media_errors: h.media_errors,
+            let view: DeviceHealth = match open_read_only(&device)? {
+                Some(d) => DeviceHealth::new(&device, &d.health()?),
+                None => from_daemon(socket, Request::DeviceHealth { device })?,
             };
             if args.json {
                 return super::print_json(&view);
@@ -305,7 +253,7 @@ mod tests {
 
     #[test]
     fn a_missing_device_node_gets_the_hint_once() {
-        let err = open_read_only("/nonexistent/legend-nvme9").unwrap_err();
+        let err = open_read_only("/nonexistent/legend-nvme9").expect_err("a missing node");
         let text = format!("{err:#}");
         assert_eq!(
             text.matches("legendctl device bind BDF").count(),
