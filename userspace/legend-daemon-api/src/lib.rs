@@ -631,3 +631,33 @@ pub fn is_device_node(path: &str) -> bool {
     path.strip_prefix("/dev/legend-nvme")
         .is_some_and(|n| !n.is_empty() && n.len() <= 4 && n.bytes().all(|b| b.is_ascii_digit()))
 }
+
+/// An NVMe controller on the PCI bus and who drives it (`legendctl device list`, `bind`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvmeController {
+    /// PCI address.
+    pub bdf: String,
+    /// The bound driver (`nvme`, `legend_nvme`), if any.
+    pub driver: Option<String>,
+    /// PCI vendor id, hex.
+    pub vendor: String,
+    /// PCI device id, hex.
+    pub device: String,
+    /// Its block devices while `nvme` drives it.
+    pub block_devices: Vec<String>,
+    /// Its `/dev/legend-nvmeN` while `legend_nvme` drives it.
+    pub legend_device: Option<String>,
+}
+
+impl From<legend_nvme::PciController> for NvmeController {
+    fn from(c: legend_nvme::PciController) -> Self {
+        NvmeController {
+            bdf: c.bdf,
+            driver: c.driver,
+            vendor: format!("{:04x}", c.id.0),
+            device: format!("{:04x}", c.id.1),
+            block_devices: c.block_devices,
+            legend_device: c.char_device,
+        }
+    }
+}

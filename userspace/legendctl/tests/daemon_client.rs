@@ -1,7 +1,7 @@
 //! `legendctl submit | jobs | watch | cancel | logs` against a `legendd` started here (it is
 //! built beside legendctl by `cargo test --workspace`), and the daemon's authorisation with
-//! two users: another uid may not see, cancel or read the logs of a job, list everyone's
-//! jobs, or put a run into a directory it does not own. The two-user part needs
+//! two users: another uid may not see, cancel, delete or read the logs of a job, list
+//! everyone's jobs, bind or unbind controllers, or put a run into a directory it does not own. The two-user part needs
 //! root to switch uids and says so when it cannot run.
 
 mod common;
@@ -174,6 +174,16 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
     refused(&as_other(&socket, &["cancel", "1"]), "not yours");
     refused(&as_other(&socket, &["logs", "1"]), "not yours");
     refused(&as_other(&socket, &["watch", "1"]), "not yours");
+    refused(&as_other(&socket, &["delete", "1"]), "not yours");
+    // Not root: bind and unbind go to the daemon, which binds for its admin group only.
+    refused(
+        &as_other(&socket, &["device", "bind", "0000:00:04.0"]),
+        "only the admin group",
+    );
+    refused(
+        &as_other(&socket, &["device", "unbind", "0000:00:04.0"]),
+        "only the admin group",
+    );
     let theirs = as_other(&socket, &["jobs", "--json"]);
     assert!(theirs.status.success());
     assert_eq!(

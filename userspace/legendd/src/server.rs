@@ -25,7 +25,7 @@ use crate::access::{self, Peer};
 use crate::config::DaemonConfig;
 use crate::extents;
 use crate::jobs::{self, JobError, Jobs};
-use legend_daemon_api::{DeviceHealth, DeviceInfo};
+use legend_daemon_api::{DeviceHealth, DeviceInfo, NvmeController};
 use legend_engine::Config;
 use legend_engine::controllers::{self, QueueBackend, SharedController};
 use legend_nvme::Controller as _;
@@ -485,21 +485,14 @@ fn tail(path: &Path, max: usize) -> String {
     }
 }
 
-fn controller_json(c: &legend_nvme::PciController) -> serde_json::Value {
-    serde_json::json!({
-        "bdf": c.bdf,
-        "driver": c.driver,
-        "vendor": format!("{:04x}", c.id.0),
-        "device": format!("{:04x}", c.id.1),
-        "block_devices": c.block_devices,
-        "legend_device": c.char_device,
-    })
+fn controller_json(c: legend_nvme::PciController) -> serde_json::Value {
+    serde_json::to_value(NvmeController::from(c)).expect("plain fields serialise")
 }
 
 fn devices() -> Reply {
     match legend_nvme::Sysfs::default().list() {
         Ok(list) => Reply::Data {
-            data: serde_json::Value::Array(list.iter().map(controller_json).collect()),
+            data: serde_json::Value::Array(list.into_iter().map(controller_json).collect()),
         },
         Err(e) => error(ErrorCode::Refused, e.to_string()),
     }
@@ -536,7 +529,7 @@ fn device_report(
 fn device_change(result: legend_nvme::Result<legend_nvme::PciController>) -> Reply {
     match result {
         Ok(c) => Reply::Data {
-            data: controller_json(&c),
+            data: controller_json(c),
         },
         Err(e) => error(ErrorCode::Refused, e.to_string()),
     }

@@ -3,9 +3,8 @@
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use legend_daemon_api::{DeviceHealth, DeviceInfo, Reply, Request};
+use legend_daemon_api::{DeviceHealth, DeviceInfo, NvmeController, Reply, Request};
 use legend_nvme::{Controller, Device, Sysfs};
-use serde::Serialize;
 
 use super::client::Client;
 
@@ -106,34 +105,11 @@ enum DeviceCommand {
     },
 }
 
-#[derive(Serialize)]
-struct ControllerView {
-    bdf: String,
-    driver: Option<String>,
-    vendor: String,
-    device: String,
-    block_devices: Vec<String>,
-    legend_device: Option<String>,
-}
-
-impl From<legend_nvme::PciController> for ControllerView {
-    fn from(c: legend_nvme::PciController) -> Self {
-        ControllerView {
-            bdf: c.bdf,
-            driver: c.driver,
-            vendor: format!("{:04x}", c.id.0),
-            device: format!("{:04x}", c.id.1),
-            block_devices: c.block_devices,
-            legend_device: c.char_device,
-        }
-    }
-}
-
 pub fn run(args: Args, socket: Option<&Path>) -> anyhow::Result<()> {
     let sysfs = Sysfs::default();
     match args.command {
         DeviceCommand::List => {
-            let list: Vec<ControllerView> = sysfs.list()?.into_iter().map(Into::into).collect();
+            let list: Vec<NvmeController> = sysfs.list()?.into_iter().map(Into::into).collect();
             let loaded = module_loaded(Path::new("/sys"));
             if !loaded || !list.iter().any(|c| c.driver.as_deref() == Some(MODULE)) {
                 tracing::warn!("{}", setup_hint(loaded));
@@ -160,6 +136,17 @@ pub fn run(args: Args, socket: Option<&Path>) -> anyhow::Result<()> {
                 );
             }
         }
+        // Only root writes sysfs; everyone else asks legendd, which binds for its admin group.
+        DeviceCommand::Bind { bdf, force } if !nix::unistd::geteuid().is_root() => report(
+            args.json,
+            "bound",
+            from_daemon(socket, Request::Bind { bdf, force })?,
+        )?,
+        DeviceCommand::Unbind { bdf } if !nix::unistd::geteuid().is_root() => report(
+            args.json,
+            "handed back to nvme",
+            from_daemon(socket, Request::Unbind { bdf })?,
+        )?,
         DeviceCommand::Bind { bdf, force } => {
             // Binding without the module would leave the controller with no driver at all.
             if !module_loaded(Path::new("/sys")) {
@@ -223,7 +210,7 @@ pub fn run(args: Args, socket: Option<&Path>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn report(json: bool, what: &str, c: ControllerView) -> anyhow::Result<()> {
+fn report(json: bool, what: &str, c: NvmeController) -> anyhow::Result<()> {
     if json {
         return super::print_json(&c);
     }
