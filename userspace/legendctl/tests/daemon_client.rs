@@ -205,6 +205,53 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
         ),
         "not your directory",
     );
+    // Their own run, in a directory of theirs: when it ends, everything in it is theirs.
+    let home = dir.path().join("other-home");
+    std::fs::create_dir(&home).unwrap();
+    nix::unistd::chown(
+        &home,
+        Some(nix::unistd::Uid::from_raw(OTHER_UID)),
+        Some(nix::unistd::Gid::from_raw(OTHER_UID)),
+    )
+    .unwrap();
+    let their_run = home.join("run");
+    let done = as_other(
+        &socket,
+        &[
+            "submit",
+            "train",
+            "--dataset",
+            &s(&ds),
+            "--out",
+            &s(&their_run),
+            "--set",
+            "training.num_epochs=1",
+            "--set",
+            "model.dim=8",
+            "--watch",
+        ],
+    );
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    let mut seen = 0;
+    let mut pending = vec![their_run.clone()];
+    while let Some(path) = pending.pop() {
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!(
+            std::os::unix::fs::MetadataExt::uid(&meta),
+            OTHER_UID,
+            "{} is not the submitter's",
+            path.display()
+        );
+        seen += 1;
+        if meta.is_dir() {
+            pending.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
+        }
+    }
+    assert!(seen > 5, "the run holds its files ({seen})");
 }
 
 fn nix_is_root() -> bool {

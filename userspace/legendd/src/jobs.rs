@@ -388,6 +388,7 @@ impl Jobs {
         entry.record.info.error = None;
         entry.stop.store(false, Ordering::Relaxed);
         let spec = entry.record.info.spec.clone();
+        let owner = entry.record.info.owner;
         let stop = entry.stop.clone();
         Self::broadcast(
             entry,
@@ -405,6 +406,7 @@ impl Jobs {
                     JobSpec::Eval { .. } => jobs.run_eval(&spec),
                     JobSpec::Export { run, out, format } => jobs.run_export(id, run, out, format),
                 };
+                jobs.hand_over(id, &spec, owner);
                 jobs.finish(id, result);
             })
             .expect("spawning a job thread")
@@ -584,6 +586,28 @@ impl Jobs {
     }
 
     /// Records how job `id` ended and tells its watchers.
+    /// Makes the submitter the owner of what the job wrote (before its end is announced).
+    fn hand_over(&self, id: u64, spec: &JobSpec, owner: u32) {
+        let out = match spec {
+            JobSpec::Train { out, .. } | JobSpec::Export { out, .. } => out,
+            JobSpec::Eval { .. } => return,
+        };
+        if !out.is_dir() {
+            return;
+        }
+        match crate::handover::hand_over(out, owner) {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!("job {id}: {n} outputs handed to uid {owner}"),
+            Err(e) => self.log(
+                id,
+                &format!(
+                    "{}: the outputs stay the daemon's (handing them to uid {owner}: {e})",
+                    out.display()
+                ),
+            ),
+        }
+    }
+
     fn finish(&self, id: u64, result: Result<Ended, String>) {
         let mut t = self.lock();
         let stopping = t.stopping;

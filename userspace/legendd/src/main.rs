@@ -6,6 +6,7 @@
 mod access;
 mod config;
 mod extents;
+mod handover;
 mod jobs;
 mod notify;
 mod server;
@@ -65,6 +66,9 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> anyhow::Result<()> {
+    // What jobs create is group-writable: handed to their submitters when they end, the files
+    // stay writable by the daemon through the group of the directory they are in, for resumes.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o002));
     let explicit = args.config != std::path::Path::new("/etc/legend/legendd.toml");
     let mut config = DaemonConfig::load(&args.config, explicit)?;
     if let Some(s) = args.socket {

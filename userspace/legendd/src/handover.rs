@@ -1,0 +1,64 @@
+//! Hands a job's outputs to the user who submitted it: the daemon writes them as its own user,
+//! then, when the job ends, makes the submitter their owner (the group, which lets the daemon
+//! in again on a resume, stays). It needs `CAP_CHOWN` (the unit grants it); without it, or when
+//! the submitter is the daemon's own user, the files stay as they are.
+//!
+//! The walk never follows a symbolic link and changes only regular files and directories the
+//! daemon itself owns, each through a descriptor of its parent directory, so a user who
+//! rearranges the tree while it runs cannot point it at anything else.
+
+use std::os::fd::AsFd;
+use std::path::Path;
+
+use nix::dir::Dir;
+use nix::fcntl::{AtFlags, OFlag};
+use nix::sys::stat::{Mode, SFlag, fstat, fstatat};
+use nix::unistd::{Uid, fchown, fchownat, geteuid};
+
+/// How a directory is opened: never through a symbolic link.
+fn dir_flags() -> OFlag {
+    OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC
+}
+
+/// Makes `owner` the owner of `dir` and of every file and directory under it that the daemon
+/// owns; returns how many it changed.
+pub fn hand_over(dir: &Path, owner: u32) -> nix::Result<usize> {
+    let me = geteuid();
+    if owner == me.as_raw() {
+        return Ok(0);
+    }
+    let top = Dir::open(dir, dir_flags(), Mode::empty())?;
+    chown_tree(top, me, Uid::from_raw(owner))
+}
+
+fn chown_tree(mut dir: Dir, me: Uid, to: Uid) -> nix::Result<usize> {
+    let mut changed = 0;
+    if fstat(dir.as_fd())?.st_uid == me.as_raw() {
+        fchown(dir.as_fd(), Some(to), None)?;
+        changed += 1;
+    }
+    let names: Vec<std::ffi::CString> = dir
+        .iter()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_owned())
+        .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
+        .collect();
+    for name in names {
+        let st = fstatat(dir.as_fd(), name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW)?;
+        let kind = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
+        if kind == SFlag::S_IFDIR {
+            let sub = Dir::openat(dir.as_fd(), name.as_c_str(), dir_flags(), Mode::empty())?;
+            changed += chown_tree(sub, me, to)?;
+        } else if kind == SFlag::S_IFREG && st.st_uid == me.as_raw() {
+            fchownat(
+                dir.as_fd(),
+                name.as_c_str(),
+                Some(to),
+                None,
+                AtFlags::AT_SYMLINK_NOFOLLOW,
+            )?;
+            changed += 1;
+        }
+    }
+    Ok(changed)
+}
