@@ -175,5 +175,5 @@ __device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k,
 }
 
 // Decoders and losses are numbered by legend-cuda (`DECODER_CODES`, `LOSS_CODES` in
-// engine.rs), which defines LEGEND_DOT .. LEGEND_TRANSE_L2 and LEGEND_LOSS_SOFTMAX ..
+// engine/mod.rs), which defines LEGEND_DOT .. LEGEND_TRANSE_L2 and LEGEND_LOSS_SOFTMAX ..
 // LEGEND_LOSS_RANKING on the NVRTC command line.

@@ -1,0 +1,145 @@
+//! The fused path: scores, loss and gradients of a group of jobs in kernels that keep the
+//! score matrices on chip (`kernels/fused*.cu*`), on sm_80 and newer.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::args::FusedArgs;
+use super::{GpuBatchEngine, blocks, loss_code};
+use crate::error::DriverContext;
+use crate::gpu::{FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_TILE, fused_dim_pad, fused_k_pad};
+use crate::{Gpu, GpuError};
+
+/// Blocks the fused negatives kernel aims at (about eight per multiprocessor of an H100, so
+/// that the last wave is short): the rows of a job are split into ranges to get there.
+const FUSED_BLOCKS: usize = 1024;
+
+/// Blocks a job of `legend_fused_absmax` (eight warps each, a warp a negative): 16 blocks
+/// of each of a group's 20 jobs give the benchmark batch between two and three per
+/// multiprocessor, about eight negatives a warp.
+const FUSED_ABSMAX_BLOCKS: u32 = 16;
+
+impl GpuBatchEngine {
+    /// The score, loss and gradient products of the group of `gz` jobs from `g0` through
+    /// the fused kernels `which` (`kernels/fused*.cu*`): the score matrices stay on chip.
+    pub(super) fn fused_products(
+        &mut self,
+        gpu: &Gpu,
+        which: usize,
+        emb: &CudaSlice<f32>,
+        g0: usize,
+        gz: u32,
+    ) -> Result<(), GpuError> {
+        let kernels = &gpu.kernels.fused[which];
+        let (loss, margin) = loss_code(self.model.loss);
+        let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
+        let dim_pad = fused_dim_pad(kernels.width);
+        let (g032, k32, d32, pad32) = (g0 as u32, k as u32, d as u32, dim_pad as u32);
+        let (rows, mr32) = (gpu.ptr(&self.rows) + 4 * g0 as u64, max_rows as u32);
+        let mut b = gpu.stream().launch_builder(&gpu.kernels.fused_absmax);
+        b.arg(&self.negs)
+            .arg(&g032)
+            .arg(&k32)
+            .arg(&d32)
+            .arg(emb)
+            .arg(&mut self.absmax);
+        let cfg = LaunchConfig {
+            grid_dim: (FUSED_ABSMAX_BLOCKS, gz, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: negs holds 2·chunks·k ids below the table's rows, absmax two words a job
+        // of the group (the queries' maxima already added by legend_queries).
+        unsafe { b.launch(cfg) }.during("launching legend_fused_absmax")?;
+        let mut b = gpu
+            .stream()
+            .launch_builder(&gpu.kernels.gather_negatives_half);
+        b.arg(&self.negs)
+            .arg(&g032)
+            .arg(&k32)
+            .arg(&d32)
+            .arg(&pad32)
+            .arg(emb)
+            .arg(&self.absmax)
+            .arg(&mut self.neg_half);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(fused_k_pad(k) * dim_pad / 2, 256), gz, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_half holds group ×
+        // fused_k_pad(k) rows of dim_pad / 2 pairs.
+        unsafe { b.launch(cfg) }.during("launching legend_gather_negatives_half")?;
+        self.mark(gpu, "gather_negatives")?;
+        // Row ranges per job for the negatives kernel, so that enough blocks run; ranges
+        // are whole tiles and add up atomically into a cleared buffer.
+        let negative_blocks = k.div_ceil(FUSED_NEG_BLOCK) * gz as usize;
+        let ranges = FUSED_BLOCKS
+            .div_ceil(negative_blocks)
+            .clamp(1, max_rows.div_ceil(FUSED_TILE));
+        let row_split = max_rows.div_ceil(ranges).div_ceil(FUSED_TILE) * FUSED_TILE;
+        let ranges = max_rows.div_ceil(row_split);
+        let args = FusedArgs {
+            query: gpu.ptr(&self.query),
+            query_half: gpu.ptr(&self.query_half),
+            negs: gpu.ptr(&self.neg_half),
+            pos: gpu.ptr(&self.pos),
+            grad_pos: gpu.ptr(&self.grad_pos),
+            grad_query: gpu.ptr(&self.grad_query),
+            grad_negs: gpu.ptr(&self.grad_negs),
+            g: gpu.ptr(&self.g),
+            corr: gpu.ptr(&self.corr),
+            rows,
+            absmax: gpu.ptr(&self.absmax),
+            loss_sum: gpu.ptr(&self.loss_sum),
+            jobs: gz,
+            max_rows: mr32,
+            k: k32,
+            dim: d32,
+            dim_pad: pad32,
+            loss,
+            margin,
+            row_split: row_split as u32,
+            atomic: i32::from(ranges > 1),
+        };
+        let mut b = gpu.stream().launch_builder(&kernels.rows);
+        b.arg(&args);
+        let row_blocks = blocks(max_rows, FUSED_BLOCK_ROWS);
+        let launch = kernels.launch;
+        let grid_dim = if launch.rows_persistent != 0 {
+            // A block a multiprocessor walks the group's blocks of rows.
+            ((row_blocks * gz).min(gpu.multiprocessors() as u32), 1, 1)
+        } else {
+            (row_blocks, gz, 1)
+        };
+        let cfg = LaunchConfig {
+            grid_dim,
+            block_dim: (launch.rows_threads, 1, 1),
+            shared_mem_bytes: launch.rows_smem,
+        };
+        // SAFETY: query/pos hold the group's rows (written by legend_queries; query with 16
+        // bytes to spare for the warp-specialised kernel's whole-piece copies), neg_half its
+        // fused_k_pad(k) negatives; query_half, g and corr hold group × fused_rows_pad rows
+        // (of dim_pad halves, fused_k_pad(k) values, and fused_k_pad(k) / 64 factors), the
+        // kernel writes them for whole blocks of rows and reads and writes the other
+        // buffers at rows below rows[z] only. The FP16 buffers are allocations of their own
+        // (16-byte aligned), with rows of dim_pad values (32-byte multiples).
+        unsafe { b.launch(cfg) }.during("launching the fused rows kernel")?;
+        self.mark(gpu, "fused_rows")?;
+        if ranges > 1 {
+            gpu.clear(&mut self.grad_negs)?;
+        }
+        let mut b = gpu.stream().launch_builder(&kernels.negatives);
+        b.arg(&args);
+        let cfg = LaunchConfig {
+            grid_dim: (k.div_ceil(FUSED_NEG_BLOCK) as u32, ranges as u32, gz),
+            block_dim: (launch.negatives_threads, 1, 1),
+            shared_mem_bytes: launch.negatives_smem,
+        };
+        // SAFETY: as above; grad_negs holds group × k × d floats, and the rows kernel
+        // queued before has written the G, factors and FP16 queries this one reads (whole
+        // 64-row tiles, all inside the blocks of rows the rows kernel ran).
+        unsafe { b.launch(cfg) }.during("launching the fused negatives kernel")?;
+        self.mark(gpu, "fused_negatives")?;
+        Ok(())
+    }
+}
