@@ -401,6 +401,16 @@ impl Jobs {
         std::thread::Builder::new()
             .name(format!("job-{id}"))
             .spawn(move || {
+                let outputs = match &spec {
+                    JobSpec::Train { out, .. } | JobSpec::Export { out, .. } => {
+                        crate::handover::check_outputs(out, owner)
+                    }
+                    JobSpec::Eval { .. } => Ok(()),
+                };
+                if let Err(why) = outputs {
+                    jobs.finish(id, Err(why));
+                    return;
+                }
                 let result = match &spec {
                     JobSpec::Train { .. } => jobs.run_train(id, &spec, &stop),
                     JobSpec::Eval { .. } => jobs.run_eval(&spec),

@@ -700,3 +700,54 @@ fn runs_on_one_namespace_get_disjoint_extents_kept_across_restarts_and_freed_on_
         "first fit reuses the freed extent"
     );
 }
+
+#[test]
+fn a_run_directory_holding_a_symbolic_link_is_not_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let run = dir.path().join("run");
+    let first = c.job(Request::Submit {
+        job: train_spec(&ds, &run, 1),
+    });
+    let done = wait_for(&mut c, first.id, Duration::from_secs(120), |j| {
+        j.state.is_final()
+    });
+    assert_eq!(done.state, JobState::Succeeded, "{done:?}");
+    let resume = |c: &mut Client, out: &Path| {
+        let job = c.job(Request::Submit {
+            job: JobSpec::Train {
+                dataset: None,
+                out: out.to_owned(),
+                config: String::new(),
+                sets: vec!["training.num_epochs=2".into()],
+                resume: true,
+            },
+        });
+        wait_for(c, job.id, Duration::from_secs(120), |j| j.state.is_final())
+    };
+    // A link planted inside the run (here into another directory) stops the job before it
+    // writes anything.
+    let elsewhere = dir.path().join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, run.join("checkpoints").join("planted")).unwrap();
+    let refused = resume(&mut c, &run);
+    assert_eq!(refused.state, JobState::Failed, "{refused:?}");
+    assert!(
+        refused
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("symbolic link")),
+        "{refused:?}"
+    );
+    assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+    // So does a run directory that is itself a link.
+    std::fs::remove_file(run.join("checkpoints").join("planted")).unwrap();
+    let alias = dir.path().join("alias");
+    std::os::unix::fs::symlink(&run, &alias).unwrap();
+    let refused = resume(&mut c, &alias);
+    assert_eq!(refused.state, JobState::Failed, "{refused:?}");
+    // Without links the run resumes.
+    assert_eq!(resume(&mut c, &run).state, JobState::Succeeded);
+}
