@@ -143,6 +143,11 @@ impl<'a> RowSums<'a> {
                     let (first, rest) = self.parts[self.starts[s]..self.starts[s + 1]]
                         .split_first()
                         .expect("every group has a row");
+                    if rest.is_empty() {
+                        // One gradient row (most positives): nothing to sum.
+                        optimizer.apply_row(emb, state, first);
+                        return;
+                    }
                     sum.copy_from_slice(first);
                     for grad in rest {
                         for (a, b) in sum.iter_mut().zip(*grad) {
