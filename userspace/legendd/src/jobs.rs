@@ -790,16 +790,13 @@ pub fn train_config(spec: &JobSpec) -> Result<Config, String> {
     .map_err(|e| e.to_string())
 }
 
-/// The device queue a job runs in: `cpu` or `cuda:N`, from its configuration.
-pub fn queue_of(spec: &JobSpec) -> Result<String, String> {
-    let config = match spec {
-        JobSpec::Eval { .. } | JobSpec::Export { .. } => return Ok("cpu".into()),
-        JobSpec::Train { .. } => train_config(spec)?,
-    };
-    Ok(match config.device() {
+/// The device queue a train job of `config` runs in: `cpu` or `cuda:N` (eval and export jobs
+/// run on the CPU).
+pub fn queue_of(config: &Config) -> String {
+    match config.device() {
         DeviceChoice::Cpu => "cpu".into(),
         DeviceChoice::Cuda(n) => format!("cuda:{n}"),
         DeviceChoice::Auto if legend_cuda::driver_present() => "cuda:0".into(),
         DeviceChoice::Auto => "cpu".into(),
-    })
+    }
 }

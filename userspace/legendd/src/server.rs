@@ -17,18 +17,17 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use legend_daemon_api::{
-    Envelope, ErrorCode, FrameError, JobSpec, MAX_FRAME, PROTOCOL_VERSION, Reply, Request,
-    read_frame, write_message,
+    DeviceHealth, DeviceInfo, Envelope, ErrorCode, FrameError, JobSpec, MAX_FRAME, NvmeController,
+    PROTOCOL_VERSION, Reply, Request, read_frame, write_message,
 };
+use legend_engine::Config;
+use legend_engine::controllers::{self, QueueBackend, SharedController};
+use legend_nvme::Controller as _;
 
 use crate::access::{self, Peer};
 use crate::config::DaemonConfig;
 use crate::extents;
 use crate::jobs::{self, JobError, Jobs};
-use legend_daemon_api::{DeviceHealth, DeviceInfo, NvmeController};
-use legend_engine::Config;
-use legend_engine::controllers::{self, QueueBackend, SharedController};
-use legend_nvme::Controller as _;
 
 /// Binds the socket at `path`, replacing a stale one; another daemon listening there is an
 /// error. Anyone may connect: requests are authorised by the caller's credentials.
@@ -262,8 +261,13 @@ fn answer(request: Request, peer: &Peer, jobs: &Jobs) -> Reply {
 
 /// Queues `job` once it passed the checks; a new run on an NVMe namespace gets its extent.
 fn submit(mut job: JobSpec, peer: &Peer, jobs: &Jobs) -> Reply {
-    let assigned = check_submission(&job, peer, jobs)
-        .and_then(|queue| Ok((queue, assign_extent(&mut job, peer)?)));
+    let assigned = check_submission(&job, peer, jobs).and_then(|(queue, config)| {
+        let extent = match &config {
+            Some(config) => assign_extent(&mut job, config, peer)?,
+            None => None,
+        };
+        Ok((queue, extent))
+    });
     let (queue, assigned) = match assigned {
         Ok(a) => a,
         Err(why) => return error(ErrorCode::Refused, why),
@@ -288,23 +292,23 @@ fn submit(mut job: JobSpec, peer: &Peer, jobs: &Jobs) -> Reply {
 /// settings (`storage.start_lba`).
 fn assign_extent(
     job: &mut JobSpec,
+    config: &Config,
     peer: &Peer,
 ) -> Result<Option<(extents::Placement, PathBuf)>, String> {
     let JobSpec::Train {
         dataset: Some(dataset),
         out,
-        config,
         sets,
         resume: false,
+        ..
     } = job
     else {
         return Ok(None);
     };
-    let parsed = Config::parse(config, sets).map_err(|e| e.to_string())?;
-    let Some(place) = extents::placement(&parsed, out) else {
+    let Some(place) = extents::placement(config, out) else {
         return Ok(None);
     };
-    let lba = extents::assign(&place, &parsed, dataset, out, peer.uid)?;
+    let lba = extents::assign(&place, config, dataset, out, peer.uid)?;
     sets.push(format!("storage.start_lba={lba}"));
     // The extent is this run's now: what a deleted run left in it may be overwritten.
     sets.push("storage.force=true".into());
@@ -324,7 +328,7 @@ fn delete(id: u64, jobs: &Jobs) -> Reply {
             .iter()
             .any(|j| matches!(j.spec, JobSpec::Train { .. }) && j.spec.dir() == run);
     if last_of_its_run
-        && let Some(place) = train_placement(&info.spec)
+        && let Some(place) = train_placement(run, jobs::train_config(&info.spec).ok().as_ref())
         && let Err(why) = extents::release(&place, run)
     {
         return error(
@@ -335,14 +339,10 @@ fn delete(id: u64, jobs: &Jobs) -> Reply {
     Reply::Job { job: info }
 }
 
-/// Where a train job's store is, if on a namespace: as the run recorded it, else as the job's
-/// configuration places it.
-fn train_placement(spec: &JobSpec) -> Option<extents::Placement> {
-    let run = spec.dir();
-    extents::recorded_placement(run).or_else(|| {
-        let config = jobs::train_config(spec).ok()?;
-        extents::placement(&config, run)
-    })
+/// Where the store of a train job on `run` is, if on a namespace: as the run recorded it, else
+/// as the job's configuration places it.
+fn train_placement(run: &Path, config: Option<&Config>) -> Option<extents::Placement> {
+    extents::recorded_placement(run).or_else(|| extents::placement(config?, run))
 }
 
 /// Checks that `run` is a training run its submitter may read, and that a store it keeps on a
@@ -364,8 +364,7 @@ fn check_run_to_read(peer: &Peer, run: &Path) -> Result<(), String> {
 /// Checks a store path a train job names (`storage.path`): the submitter must be able to write
 /// the file, or create it. Device nodes (`nvme`) are the daemon's; their extents keep users
 /// apart.
-fn check_store_path(peer: &Peer, job: &JobSpec) -> Result<(), String> {
-    let config = jobs::train_config(job)?;
+fn check_store_path(peer: &Peer, config: &Config) -> Result<(), String> {
     let Some(path) = &config.storage.path else {
         return Ok(());
     };
@@ -382,8 +381,13 @@ fn check_store_path(peer: &Peer, job: &JobSpec) -> Result<(), String> {
     }
 }
 
-/// Checks what a submission names against what its submitter may touch, and finds its queue.
-fn check_submission(job: &JobSpec, peer: &Peer, jobs: &Jobs) -> Result<String, String> {
+/// Checks what a submission names against what its submitter may touch, and finds its queue;
+/// a train job's configuration comes with it, parsed once.
+fn check_submission(
+    job: &JobSpec,
+    peer: &Peer,
+    jobs: &Jobs,
+) -> Result<(String, Option<Config>), String> {
     let dir = job.dir();
     if !dir.is_absolute() {
         return Err(format!("{}: give an absolute path", dir.display()));
@@ -411,8 +415,9 @@ fn check_submission(job: &JobSpec, peer: &Peer, jobs: &Jobs) -> Result<String, S
                 }
                 access::check_may_read(peer, d)?;
             }
-            check_store_path(peer, job)?;
-            if *resume && let Some(place) = train_placement(job) {
+            let config = jobs::train_config(job)?;
+            check_store_path(peer, &config)?;
+            if *resume && let Some(place) = train_placement(out, Some(&config)) {
                 extents::check(&place, out, peer)?;
             }
             let busy = jobs
@@ -425,6 +430,7 @@ fn check_submission(job: &JobSpec, peer: &Peer, jobs: &Jobs) -> Result<String, S
                     out.display()
                 ));
             }
+            return Ok((jobs::queue_of(&config), Some(config)));
         }
         JobSpec::Eval { run, .. } => check_run_to_read(peer, run)?,
         JobSpec::Export { run, out, format } => {
@@ -439,7 +445,7 @@ fn check_submission(job: &JobSpec, peer: &Peer, jobs: &Jobs) -> Result<String, S
             access::check_may_create_in(peer, parent)?;
         }
     }
-    jobs::queue_of(job)
+    Ok(("cpu".into(), None))
 }
 
 fn watch(writer: &mut UnixStream, peer: &Peer, jobs: &Jobs, id: u64) -> Result<(), FrameError> {

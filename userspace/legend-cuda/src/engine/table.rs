@@ -79,19 +79,9 @@ impl DeviceTable {
         table: Table,
         dist: Distribution,
     ) -> Result<Self, GpuError> {
-        let mut emb = gpu.zeros::<f32>(rows * dim)?;
-        fill(gpu, &mut emb, rows, dim, first_row, seed, table, dist)?;
-        Ok(DeviceTable {
-            rows,
-            dim,
-            emb,
-            state: gpu.zeros(rows * dim)?,
-            grad: gpu.zeros(rows * dim)?,
-            flags: gpu.zeros(rows)?,
-            list: gpu.zeros(rows)?,
-            count: gpu.zeros(1)?,
-            uses: gpu.zeros(rows)?,
-        })
+        let mut t = Self::zeros(gpu, rows, dim)?;
+        fill(gpu, &mut t.emb, rows, dim, first_row, seed, table, dist)?;
+        Ok(t)
     }
 
     /// Rows of the table.
