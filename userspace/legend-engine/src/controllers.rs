@@ -3,7 +3,7 @@
 //! would race, so every store, the trainer's and an evaluation's, shares it.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 
 use legend_nvme::{Controller, Device};
@@ -11,6 +11,7 @@ use legend_nvme_proxy::{Proxy, ProxyOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::buffer::StoreError;
+use crate::file_store::StoreFile;
 
 /// Which kind of controller drives a store's queues.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -61,13 +62,15 @@ enum Held {
 
 static OPEN: Mutex<Option<HashMap<(QueueBackend, PathBuf), Held>>> = Mutex::new(None);
 
-/// The controller of `backend` at `path`, opening it unless this process already has it.
+/// The controller of `backend` at `file`, opening it unless this process already has it.
 ///
 /// # Errors
 ///
 /// A device that cannot be opened (module not loaded, controller not bound, another writer) or
 /// a backing file the proxy cannot serve, with the path and what to do.
-pub fn open(backend: QueueBackend, path: &Path) -> Result<SharedController, StoreError> {
+pub fn open(backend: QueueBackend, file: &StoreFile) -> Result<SharedController, StoreError> {
+    let path = file.path();
+    let path = path.as_path();
     let key_path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
     let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
     let map = open.get_or_insert_with(HashMap::new);
@@ -96,12 +99,13 @@ pub fn open(backend: QueueBackend, path: &Path) -> Result<SharedController, Stor
             SharedController::Device(d)
         }
         QueueBackend::Proxy => {
-            let p = Proxy::open(path, &ProxyOptions::default()).map_err(|e| {
-                StoreError::Controller {
-                    what: format!("starting the proxy controller over {}", path.display()),
-                    source: Box::new(e),
-                }
-            })?;
+            let p =
+                Proxy::open_in(&file.dir, &file.name, &ProxyOptions::default()).map_err(|e| {
+                    StoreError::Controller {
+                        what: format!("starting the proxy controller over {}", path.display()),
+                        source: Box::new(e),
+                    }
+                })?;
             let p = Arc::new(p);
             map.insert(key, Held::Proxy(Arc::downgrade(&p)));
             SharedController::Proxy(p)

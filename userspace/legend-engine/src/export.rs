@@ -11,6 +11,8 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+use legend_fs::{Access, Dir, Guard};
+
 use crate::evaluation::{EvaluationError, open_run_dataset};
 use crate::run::{self, RunError};
 
@@ -97,26 +99,38 @@ pub struct Exported {
     pub dim: usize,
 }
 
-/// Exports the tables of `run` as `format` into `out` (created; it must be new, empty, or hold
-/// an export of the same format, which is overwritten); `dataset` names the run's dataset if it
-/// moved.
+/// Exports the tables of `run` as `format` into `out` (created in its existing parent; it must
+/// be new, empty, or hold an export of the same format, which is overwritten); `dataset` names
+/// the run's dataset if it moved. `guard` admits `out`'s parent and a store outside the run,
+/// and adopts a new `out`; the files are written beneath them (legend-fs).
 pub fn export(
     run: &Path,
     format: Format,
     out: &Path,
     dataset: Option<&Path>,
+    guard: &dyn Guard,
 ) -> Result<Exported, ExportError> {
-    let meta = run::read_meta(run)?;
-    check_out_dir(out, format)?;
+    let run = run::open(run)?;
+    let meta = run::read_meta(&run)?;
+    let (parent, name) = Dir::open_parent(out).map_err(io(out))?;
+    guard.admit(&parent).map_err(io(parent.path()))?;
+    check_out_dir(&parent, name, format)?;
     let dataset = open_run_dataset(&meta, dataset)?;
-    let relations = run::load_relations(run, &meta)?;
+    let relations = run::load_relations(&run, &meta, guard)?;
     let entity_labels = dataset.entity_labels()?;
     let relation_labels = if meta.relations > 0 {
         dataset.relation_labels()?
     } else {
         Vec::new()
     };
-    std::fs::create_dir_all(out).map_err(io(out))?;
+    let out = if parent.exists(name).map_err(io(out))? {
+        parent.dir(name).map_err(io(out))?
+    } else {
+        let made = parent.create_dir(name).map_err(io(out))?;
+        guard.adopt(&made).map_err(io(out))?;
+        made
+    };
+    let out = &out;
     remove_partial_files(out);
     let mut files = Vec::new();
     let result = (|| -> Result<(), ExportError> {
@@ -130,8 +144,8 @@ pub fn export(
                 w.finish()
             };
         table("entities", &entity_labels, &mut |w| {
-            let path = w.files[0].0.clone();
-            Ok(run::stream_entities(run, &meta, |block| {
+            let path = out.join(&w.files[0].0);
+            Ok(run::stream_entities(&run, &meta, guard, |block| {
                 w.rows(block).map_err(|e| RunError::Invalid {
                     path: path.clone(),
                     message: e.to_string(),
@@ -140,7 +154,7 @@ pub fn export(
         })?;
         if !relation_labels.is_empty() {
             table("relations", &relation_labels, &mut |w| {
-                let path = w.files[0].0.clone();
+                let path = out.join(&w.files[0].0);
                 w.rows(&relations).map_err(io(&path))
             })?;
         }
@@ -151,8 +165,9 @@ pub fn export(
         return Err(e);
     }
     for (partial, done) in &files {
-        std::fs::rename(partial, done).map_err(io(done))?;
+        out.rename(partial, done).map_err(io(&out.join(done)))?;
     }
+    out.sync().map_err(io(out.path()))?;
     Ok(Exported {
         entities: entity_labels.len(),
         relations: relation_labels.len(),
@@ -165,8 +180,10 @@ struct TableWriter<'a> {
     format: Format,
     dim: usize,
     out: BufWriter<File>,
-    /// (partial name, final name) of every file written.
-    files: Vec<(PathBuf, PathBuf)>,
+    /// The table file's path, for messages.
+    path: PathBuf,
+    /// (partial name, final name) in the export directory of every file written.
+    files: Vec<(String, String)>,
     /// The row labels, for TSV, which writes them in each row.
     labels: &'a [String],
     row: usize,
@@ -176,7 +193,7 @@ impl<'a> TableWriter<'a> {
     /// Opens `name`'s files in `dir` for `labels.len()` rows of `dim` floats: the table's own
     /// (with the .npy header) and, except for TSV, which carries them per row, the labels'.
     fn create(
-        dir: &Path,
+        dir: &Dir,
         format: Format,
         name: &str,
         labels: &'a [String],
@@ -187,30 +204,30 @@ impl<'a> TableWriter<'a> {
             Format::Tsv => "tsv",
             Format::Bin => "bin",
         };
-        let table = dir.join(format!("{name}.{ext}"));
-        let partial = partial_name(&table);
-        let mut files = vec![(partial.clone(), table)];
+        let table = format!("{name}.{ext}");
+        let mut files = vec![(partial_name(&table), table)];
         if format != Format::Tsv {
-            let path = dir.join(format!("{name}.labels.txt"));
-            let partial = partial_name(&path);
-            write_labels(&partial, labels)?;
-            files.push((partial, path));
+            let labels_file = format!("{name}.labels.txt");
+            write_labels(dir, &partial_name(&labels_file), labels)?;
+            files.push((partial_name(&labels_file), labels_file));
         }
-        let mut out = create(&partial)?;
+        let path = dir.join(&files[0].0);
+        let mut out = create(dir, &files[0].0)?;
         if format == Format::Npy {
-            write_npy_header(&mut out, labels.len(), dim).map_err(io(&partial))?;
+            write_npy_header(&mut out, labels.len(), dim).map_err(io(&path))?;
         }
         Ok(TableWriter {
             format,
             dim,
             out,
+            path,
             files,
             labels,
             row: 0,
         })
     }
 
-    fn partial_files(&self) -> Vec<(PathBuf, PathBuf)> {
+    fn partial_files(&self) -> Vec<(String, String)> {
         self.files.clone()
     }
 
@@ -234,17 +251,16 @@ impl<'a> TableWriter<'a> {
     }
 
     fn finish(mut self) -> Result<(), ExportError> {
-        let path = self.files[0].0.clone();
-        self.out.flush().map_err(io(&path))?;
-        self.out.get_ref().sync_all().map_err(io(&path))
+        self.out.flush().map_err(io(&self.path))?;
+        self.out.get_ref().sync_all().map_err(io(&self.path))
     }
 }
 
 /// Removes what an export that failed (or an earlier one that crashed) left half-written.
-fn remove_partial_files(dir: &Path) {
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        if is_partial(&entry.file_name().to_string_lossy()) {
-            let _ = std::fs::remove_file(entry.path());
+fn remove_partial_files(dir: &Dir) {
+    for name in dir.entries(".").into_iter().flatten() {
+        if is_partial(&name.to_string_lossy()) {
+            let _ = dir.remove_file(&name);
         }
     }
 }
@@ -254,9 +270,8 @@ fn is_partial(name: &str) -> bool {
 }
 
 /// The hidden name a file has while it is written.
-fn partial_name(path: &Path) -> PathBuf {
-    let name = path.file_name().expect("a file name").to_string_lossy();
-    path.with_file_name(format!(".{name}.partial"))
+fn partial_name(name: &str) -> String {
+    format!(".{name}.partial")
 }
 
 impl Format {
@@ -296,20 +311,20 @@ impl Format {
     }
 }
 
-/// Refuses an output directory that is neither absent, empty, nor an export of `format` alone,
-/// naming what it holds: an export never mixes formats or lands among unrelated files.
-fn check_out_dir(out: &Path, format: Format) -> Result<(), ExportError> {
-    let entries = match std::fs::read_dir(out) {
-        Ok(entries) => entries,
+/// Refuses an output directory (`name` in `parent`) that is neither absent, empty, nor an
+/// export of `format` alone, naming what it holds: an export never mixes formats or lands
+/// among unrelated files.
+fn check_out_dir(parent: &Dir, name: &Path, format: Format) -> Result<(), ExportError> {
+    let out = parent.join(name);
+    let mut names: Vec<String> = match parent.entries(name) {
+        Ok(entries) => entries
+            .iter()
+            .map(|n| n.to_string_lossy().into_owned())
+            .collect(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(io(out)(e)),
+        Err(e) => return Err(io(&out)(e)),
     };
-    let mut names = entries
-        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
-        .collect::<std::io::Result<Vec<String>>>()
-        .map_err(io(out))?;
     names.retain(|n| !is_partial(n));
-    names.sort();
     if names.iter().all(|n| format.files().contains(&n.as_str())) {
         return Ok(());
     }
@@ -333,23 +348,23 @@ fn check_out_dir(out: &Path, format: Format) -> Result<(), ExportError> {
             format.a()
         )
     };
-    Err(ExportError::OutDir {
-        dir: out.to_owned(),
-        message,
-    })
+    Err(ExportError::OutDir { dir: out, message })
 }
 
-fn create(path: &Path) -> Result<BufWriter<File>, ExportError> {
-    Ok(BufWriter::new(File::create(path).map_err(io(path))?))
+fn create(dir: &Dir, name: &str) -> Result<BufWriter<File>, ExportError> {
+    let file = dir
+        .open_file(name, Access::CreateNew)
+        .map_err(io(&dir.join(name)))?;
+    Ok(BufWriter::new(file))
 }
 
-fn write_labels(path: &Path, labels: &[String]) -> Result<(), ExportError> {
-    let mut w = create(path)?;
+fn write_labels(dir: &Dir, name: &str, labels: &[String]) -> Result<(), ExportError> {
+    let mut w = create(dir, name)?;
     labels
         .iter()
         .try_for_each(|l| writeln!(w, "{l}"))
         .and_then(|()| w.flush())
-        .map_err(io(path))
+        .map_err(io(&dir.join(name)))
 }
 
 /// NumPy format 1.0's preamble: magic, header length, a Python-literal dict padded to 64 bytes.
@@ -373,14 +388,16 @@ mod tests {
     fn an_export_directory_holds_one_format() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");
-        let err = |f| check_out_dir(&out, f).unwrap_err().to_string();
-        check_out_dir(&out, Format::Tsv).expect("absent is fine");
+        let parent = Dir::open(dir.path()).unwrap();
+        let check = |f| check_out_dir(&parent, Path::new("out"), f);
+        let err = |f| check(f).unwrap_err().to_string();
+        check(Format::Tsv).expect("absent is fine");
         std::fs::create_dir(&out).unwrap();
-        check_out_dir(&out, Format::Tsv).expect("empty is fine");
+        check(Format::Tsv).expect("empty is fine");
         for f in ["entities.npy", "entities.labels.txt"] {
             std::fs::write(out.join(f), "").unwrap();
         }
-        check_out_dir(&out, Format::Npy).expect("the same format is overwritten");
+        check(Format::Npy).expect("the same format is overwritten");
         assert_eq!(
             err(Format::Tsv),
             format!(

@@ -3,8 +3,9 @@
 //! SSD bound to `legend_nvme`, or the userspace proxy controller over a file), with checkpoints
 //! committed by the store's superblock flip.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
+use legend_fs::{Access, Dir, Guard};
 use legend_storage::{
     CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, Layout, NvmeTarget, Region, Store,
     StoreSpec, Target,
@@ -34,10 +35,53 @@ pub struct FileStore {
     direct_writes: Vec<u32>,
 }
 
+/// A store's file, a proxy's backing file or a device node: the directory holding it, opened
+/// once, and its name there. Files are then reached beneath the directory without following
+/// links (legend-fs), so a path swapped after the directory was admitted changes nothing.
+#[derive(Debug)]
+pub struct StoreFile {
+    /// The directory.
+    pub dir: Dir,
+    /// The file's name in it.
+    pub name: PathBuf,
+}
+
+impl StoreFile {
+    /// The file at `path`, its directory opened now and admitted by `guard`.
+    pub fn open(path: &Path, guard: &dyn Guard) -> Result<StoreFile, StoreError> {
+        let (dir, name) = Dir::open_parent(path).map_err(io_error(path))?;
+        guard.admit(&dir).map_err(io_error(dir.path()))?;
+        Ok(StoreFile {
+            name: name.to_owned(),
+            dir,
+        })
+    }
+
+    /// The file `name` in `dir`.
+    pub fn in_dir(dir: &Dir, name: &Path) -> Result<StoreFile, StoreError> {
+        Ok(StoreFile {
+            dir: dir.try_clone().map_err(io_error(dir.path()))?,
+            name: name.to_owned(),
+        })
+    }
+
+    /// Its path (for records and messages).
+    pub fn path(&self) -> PathBuf {
+        self.dir.join(&self.name)
+    }
+
+    fn target(&self) -> Target<'_> {
+        Target::In {
+            dir: &self.dir,
+            name: &self.name,
+        }
+    }
+}
+
 /// What a store-backed run needs to know to create or open its store.
 pub struct FileStoreSpec<'a> {
-    /// The store path.
-    pub path: &'a Path,
+    /// Where the store is (for `nvme`, the device node; for `proxy`, its backing file).
+    pub file: &'a StoreFile,
     /// Dataset identity and label.
     pub dataset: DatasetId,
     /// Entities.
@@ -50,7 +94,7 @@ pub struct FileStoreSpec<'a> {
     pub aux_bytes: u64,
     /// Overwrite a target carrying another signature.
     pub force: bool,
-    /// Reach the store through NVMe queues: `path` is then the device node (`nvme`) or the
+    /// Reach the store through NVMe queues: `file` is then the device node (`nvme`) or the
     /// proxy's backing file (`proxy`).
     pub queue: Option<QueueLocation>,
 }
@@ -75,20 +119,25 @@ impl FileStore {
             if q.backend == QueueBackend::Proxy {
                 size_backing_file(spec, &store_spec, q.start_lba)?;
             }
-            let controller = controllers::open(q.backend, spec.path)?;
+            let controller = controllers::open(q.backend, spec.file)?;
             let target = nvme_target(&controller, q);
             let store = Store::create_on(&Target::Nvme(&target), &store_spec, &opts)?;
             return Self::with_store(store, Some(controller));
         }
-        let is_file = !spec.path.exists() || spec.path.is_file();
-        let store = if is_file && !spec.path.exists() {
-            let tmp = spec.path.with_extension("creating");
-            let _ = std::fs::remove_file(&tmp);
-            Store::create(&tmp, &store_spec, &opts)?;
-            std::fs::rename(&tmp, spec.path).map_err(io_error(spec.path))?;
-            Store::open(spec.path, &Expect::default(), &IoConfig::default())?
+        let f = spec.file;
+        let store = if f.dir.exists(&f.name).map_err(io_error(&f.path()))? {
+            Store::create_on(&f.target(), &store_spec, &opts)?
         } else {
-            Store::create(spec.path, &store_spec, &opts)?
+            let tmp = StoreFile {
+                dir: f.dir.try_clone().map_err(io_error(f.dir.path()))?,
+                name: f.name.with_extension("creating"),
+            };
+            let _ = tmp.dir.remove_file(&tmp.name);
+            Store::create_on(&tmp.target(), &store_spec, &opts)?;
+            f.dir
+                .rename(&tmp.name, &f.name)
+                .map_err(io_error(&f.path()))?;
+            Store::open_on(&f.target(), &Expect::default(), &IoConfig::default())?
         };
         Self::with_store(store, None)
     }
@@ -115,12 +164,12 @@ impl FileStore {
         let io = IoConfig::default();
         match spec.queue {
             Some(q) => {
-                let controller = controllers::open(q.backend, spec.path)?;
+                let controller = controllers::open(q.backend, spec.file)?;
                 let target = nvme_target(&controller, q);
                 let store = Store::open_on(&Target::Nvme(&target), &expect, &io)?;
                 Self::with_store(store, Some(controller))
             }
-            None => Self::with_store(Store::open(spec.path, &expect, &io)?, None),
+            None => Self::with_store(Store::open_on(&spec.file.target(), &expect, &io)?, None),
         }
     }
 
@@ -298,16 +347,15 @@ fn size_backing_file(
     start_lba: u64,
 ) -> Result<(), StoreError> {
     let needed = Layout::compute(store_spec, 512)?.total_bytes + (start_lba << 9);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(spec.path)
-        .map_err(io_error(spec.path))?;
-    let meta = file.metadata().map_err(io_error(spec.path))?;
+    let path = spec.file.path();
+    let file = spec
+        .file
+        .dir
+        .open_file(&spec.file.name, Access::ReadWriteCreate)
+        .map_err(io_error(&path))?;
+    let meta = file.metadata().map_err(io_error(&path))?;
     if meta.is_file() && meta.len() < needed {
-        file.set_len(needed).map_err(io_error(spec.path))?;
+        file.set_len(needed).map_err(io_error(&path))?;
     }
     Ok(())
 }

@@ -11,11 +11,16 @@
 //! A checkpoint is written into `epoch-NNNNN.tmp/`, synced, renamed, and committed by replacing
 //! `run.toml` (temporary file, fsync, rename). A crash at any point leaves the previous
 //! `run.toml` and the checkpoint it names intact.
+//!
+//! Everything in a run directory is reached through its [`Dir`], opened once: beneath it,
+//! never through a symbolic link (legendd writes runs that sit in their submitters'
+//! directories; see legend-fs).
 
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
+use legend_fs::{Access, Dir, Guard};
 use serde::{Deserialize, Serialize};
 
 /// Version of the run directory layout.
@@ -152,21 +157,37 @@ fn not_a_run(dir: &Path) -> RunError {
     }
 }
 
+/// The commit record's file name.
+pub const META_FILE: &str = "run.toml";
+
+/// The resolved configuration's file name.
+pub const CONFIG_FILE: &str = "config.toml";
+
 /// Path of `run.toml` in `run`.
 pub fn meta_path(run: &Path) -> PathBuf {
-    run.join("run.toml")
+    run.join(META_FILE)
+}
+
+/// Opens the run directory `run` (to read it: see [`Dir::open`]); a missing directory is
+/// [`RunError::NotARun`].
+pub fn open(run: &Path) -> Result<Dir, RunError> {
+    Dir::open(run).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => not_a_run(run),
+        _ => io(run)(e),
+    })
 }
 
 /// The resolved configuration of `run` (its `config.toml`).
-pub fn read_config(run: &Path) -> Result<crate::Config, RunError> {
-    let path = run.join("config.toml");
-    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-    crate::Config::parse(&text, &[]).map_err(|e| invalid(&path, e.to_string()))
+pub fn read_config(run: &Dir) -> Result<crate::Config, RunError> {
+    let text = run
+        .read_to_string(CONFIG_FILE)
+        .map_err(io(&run.join(CONFIG_FILE)))?;
+    crate::Config::parse(&text, &[]).map_err(|e| invalid(&run.join(CONFIG_FILE), e.to_string()))
 }
 
 /// The sampled negatives run `run` evaluates with (its `[evaluation]` section): what a later
 /// evaluation of the run uses unless asked otherwise, so that it reproduces the run's figures.
-pub fn evaluation_negatives(run: &Path) -> Result<legend_eval::SampledNegatives, RunError> {
+pub fn evaluation_negatives(run: &Dir) -> Result<legend_eval::SampledNegatives, RunError> {
     let e = read_config(run)?.evaluation;
     Ok(legend_eval::SampledNegatives {
         uniform: e.uniform_negatives,
@@ -176,12 +197,12 @@ pub fn evaluation_negatives(run: &Path) -> Result<legend_eval::SampledNegatives,
 }
 
 /// Reads the commit record of `run`.
-pub fn read_meta(run: &Path) -> Result<RunMeta, RunError> {
-    let path = meta_path(run);
-    if !path.is_file() {
-        return Err(not_a_run(run));
+pub fn read_meta(run: &Dir) -> Result<RunMeta, RunError> {
+    let path = run.join(META_FILE);
+    if !run.is_file(META_FILE).map_err(io(&path))? {
+        return Err(not_a_run(run.path()));
     }
-    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    let text = run.read_to_string(META_FILE).map_err(io(&path))?;
     let meta: RunMeta =
         toml::from_str(&text).map_err(|e| invalid(&path, format!("not a run record: {e}")))?;
     if meta.format_version != RUN_FORMAT_VERSION {
@@ -201,8 +222,9 @@ pub struct TableWriter {
 }
 
 impl TableWriter {
-    fn create(path: PathBuf) -> Result<TableWriter, RunError> {
-        let file = File::create(&path).map_err(io(&path))?;
+    fn create(dir: &Dir, name: &str) -> Result<TableWriter, RunError> {
+        let path = dir.join(name);
+        let file = dir.open_file(name, Access::CreateNew).map_err(io(&path))?;
         Ok(TableWriter {
             out: BufWriter::with_capacity(1 << 20, file),
             crc: crc32fast::Hasher::new(),
@@ -232,20 +254,21 @@ impl TableWriter {
 /// `write_entities` streams the entity embeddings and state into the two writers (partition
 /// by partition, so the whole table never needs to be in memory).
 pub fn commit_checkpoint(
-    run: &Path,
+    run: &Dir,
     mut meta: RunMeta,
     relations: (&[f32], &[f32]),
     write_entities: impl FnOnce(&mut TableWriter, &mut TableWriter) -> Result<(), RunError>,
 ) -> Result<RunMeta, RunError> {
-    let dir = run.join("checkpoints");
-    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    let dir = run
+        .create_dir_all("checkpoints")
+        .map_err(io(&run.join("checkpoints")))?;
     let name = format!("epoch-{:05}", meta.epochs_completed);
-    let tmp = dir.join(format!("{name}.tmp"));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
-    }
-    std::fs::create_dir(&tmp).map_err(io(&tmp))?;
-    let [e, es, r, rs] = TABLE_FILES.map(|f| TableWriter::create(tmp.join(f)));
+    let tmp_name = format!("{name}.tmp");
+    remove_if_present(&dir, &tmp_name)?;
+    let tmp = dir
+        .create_dir(&tmp_name)
+        .map_err(io(&dir.join(&tmp_name)))?;
+    let [e, es, r, rs] = TABLE_FILES.map(|f| TableWriter::create(&tmp, f));
     let (mut e, mut es, mut r, mut rs) = (e?, es?, r?, rs?);
     write_entities(&mut e, &mut es)?;
     r.write(relations.0)?;
@@ -256,49 +279,65 @@ pub fn commit_checkpoint(
         relations: r.finish()?,
         relations_state: rs.finish()?,
     };
-    sync_dir(&tmp)?;
-    let final_dir = dir.join(&name);
-    if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir).map_err(io(&final_dir))?;
-    }
-    std::fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
-    sync_dir(&dir)?;
+    tmp.sync().map_err(io(tmp.path()))?;
+    remove_if_present(&dir, &name)?;
+    dir.rename(&tmp_name, &name).map_err(io(&dir.join(&name)))?;
+    dir.sync().map_err(io(dir.path()))?;
     meta.checkpoint = format!("checkpoints/{name}");
     write_atomically(
-        &meta_path(run),
+        run,
+        META_FILE,
         toml::to_string_pretty(&meta)
             .expect("serializes")
             .as_bytes(),
     )?;
     // Older checkpoints are no longer named by run.toml.
-    for entry in std::fs::read_dir(&dir).map_err(io(&dir))? {
-        let path = entry.map_err(io(&dir))?.path();
-        if path != final_dir {
-            std::fs::remove_dir_all(&path).map_err(io(&path))?;
+    for entry in dir.entries(".").map_err(io(dir.path()))? {
+        if entry != name.as_str() {
+            dir.remove_all(&entry).map_err(io(&dir.join(&entry)))?;
         }
     }
     Ok(meta)
 }
 
-/// Writes `bytes` to `path` through a synced temporary file and a rename.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), RunError> {
-    let tmp = path.with_extension("tmp");
-    let mut f = File::create(&tmp).map_err(io(&tmp))?;
-    f.write_all(bytes)
-        .and_then(|_| f.sync_all())
-        .map_err(io(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io(path))?;
-    sync_dir(path.parent().unwrap_or(Path::new(".")))
+fn remove_if_present(dir: &Dir, name: &str) -> Result<(), RunError> {
+    match dir.remove_all(name) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir.join(name))(e)),
+        _ => Ok(()),
+    }
 }
 
-fn sync_dir(dir: &Path) -> Result<(), RunError> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+/// Writes `bytes` to `name` in `dir` through a synced temporary file and a rename.
+pub fn write_atomically(dir: &Dir, name: &str, bytes: &[u8]) -> Result<(), RunError> {
+    dir.write_atomically(name, bytes)
+        .map_err(io(&dir.join(name)))
 }
 
-/// Opens the store of a run trained with a store backend.
-fn open_run_store(path: &Path, meta: &RunMeta) -> Result<crate::file_store::FileStore, RunError> {
+/// Opens the store of a run trained with a store backend (its directory admitted by `guard`
+/// unless it is the run's own; device nodes are not the caller's to admit).
+fn open_run_store(
+    run: &Dir,
+    path: &Path,
+    meta: &RunMeta,
+    guard: &dyn Guard,
+) -> Result<crate::file_store::FileStore, RunError> {
+    use crate::controllers::QueueBackend;
+    use crate::file_store::StoreFile;
+    let run_dir = std::fs::canonicalize(run.path()).map_err(io(run.path()))?;
+    let file = match path.strip_prefix(&run_dir) {
+        Ok(name) => StoreFile::in_dir(run, name),
+        Err(_)
+            if meta
+                .store_queue
+                .is_some_and(|q| q.backend == QueueBackend::Nvme) =>
+        {
+            StoreFile::open(path, &legend_fs::Unguarded)
+        }
+        Err(_) => StoreFile::open(path, guard),
+    }
+    .map_err(|e| invalid(path, e.to_string()))?;
     let spec = crate::file_store::FileStoreSpec {
-        path,
+        file: &file,
         dataset: dataset_id(&meta.dataset_identity, path)?,
         num_nodes: meta.entities,
         dim: meta.dim,
@@ -320,19 +359,21 @@ const STREAM_FLOATS: usize = 16 << 20;
 /// mismatch this returns an error after `block` has seen everything, and the caller must
 /// discard what it wrote.
 pub fn stream_entities(
-    run: &Path,
+    run: &Dir,
     meta: &RunMeta,
+    guard: &dyn Guard,
     mut block: impl FnMut(&[f32]) -> Result<(), RunError>,
 ) -> Result<(), RunError> {
     if let Some(path) = &meta.store {
-        let mut store = open_run_store(path, meta)?;
+        let mut store = open_run_store(run, path, meta, guard)?;
         return store
             .for_each_partition(meta.dim, |emb| block(emb).map_err(|e| e.to_string()))
             .map_err(|e| invalid(path, e.to_string()));
     }
-    let path = run.join(&meta.checkpoint).join(TABLE_FILES[0]);
+    let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[0]);
+    let path = run.join(&rel);
     let want = meta.entities * meta.dim as u64 * 4;
-    let mut file = File::open(&path).map_err(io(&path))?;
+    let mut file = run.open_file(&rel, Access::Read).map_err(io(&path))?;
     let len = file.metadata().map_err(io(&path))?.len();
     if len != want {
         return Err(invalid(
@@ -361,21 +402,22 @@ pub fn stream_entities(
 }
 
 /// The current checkpoint's relation embeddings (small: the rows of each relation).
-pub fn load_relations(run: &Path, meta: &RunMeta) -> Result<Vec<f32>, RunError> {
+pub fn load_relations(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Vec<f32>, RunError> {
     if meta.relations == 0 {
         return Ok(Vec::new());
     }
     let floats = meta.relations as usize * meta.dim;
     if let Some(path) = &meta.store {
-        let mut store = open_run_store(path, meta)?;
+        let mut store = open_run_store(run, path, meta, guard)?;
         return store
             .relations(floats)
             .map(|(emb, _)| emb)
             .map_err(|e| invalid(path, e.to_string()));
     }
     {
-        let path = run.join(&meta.checkpoint).join(TABLE_FILES[2]);
-        let bytes = std::fs::read(&path).map_err(io(&path))?;
+        let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[2]);
+        let path = run.join(&rel);
+        let bytes = run.read(&rel).map_err(io(&path))?;
         if bytes.len() != floats * 4 {
             return Err(invalid(
                 &path,
@@ -393,15 +435,16 @@ pub fn load_relations(run: &Path, meta: &RunMeta) -> Result<Vec<f32>, RunError> 
 }
 
 /// Loads the current checkpoint of `run`: from its store (file backend) or from its checkpoint
-/// directory, verifying sizes and checksums.
-pub fn load_tables(run: &Path, meta: &RunMeta) -> Result<Tables, RunError> {
+/// directory, verifying sizes and checksums. `guard` admits a store outside the run directory
+/// (a run's record names its store, and records can be edited).
+pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Tables, RunError> {
     if let Some(path) = &meta.store {
-        let mut store = open_run_store(path, meta)?;
+        let mut store = open_run_store(run, path, meta, guard)?;
         return store
             .read_tables(meta.dim, meta.relations as usize * meta.dim)
             .map_err(|e| invalid(path, e.to_string()));
     }
-    let dir = run.join(&meta.checkpoint);
+    let dir = Path::new(&meta.checkpoint);
     let rows = [meta.entities, meta.entities, meta.relations, meta.relations];
     let sums = [
         meta.checksums.entities,
@@ -411,9 +454,12 @@ pub fn load_tables(run: &Path, meta: &RunMeta) -> Result<Tables, RunError> {
     ];
     let mut tables = Vec::with_capacity(4);
     for ((file, rows), crc) in TABLE_FILES.iter().zip(rows).zip(sums) {
-        let path = dir.join(file);
+        let path = run.join(dir.join(file));
+        let table_file = run
+            .open_file(dir.join(file), Access::Read)
+            .map_err(io(&path))?;
         let want = rows as usize * meta.dim * 4;
-        let len = std::fs::metadata(&path).map_err(io(&path))?.len();
+        let len = table_file.metadata().map_err(io(&path))?.len();
         if len != want as u64 {
             return Err(invalid(
                 &path,
@@ -424,8 +470,12 @@ pub fn load_tables(run: &Path, meta: &RunMeta) -> Result<Tables, RunError> {
             ));
         }
         let mut table = vec![0f32; want / 4];
-        let sum = read_checksummed(&path, bytemuck::cast_slice_mut(&mut table), READ_BLOCK)
-            .map_err(io(&path))?;
+        let sum = read_checksummed(
+            &table_file,
+            bytemuck::cast_slice_mut(&mut table),
+            READ_BLOCK,
+        )
+        .map_err(io(&path))?;
         if sum != crc {
             return Err(invalid(
                 &path,
@@ -447,14 +497,13 @@ pub fn load_tables(run: &Path, meta: &RunMeta) -> Result<Tables, RunError> {
 /// Bytes each thread reads and checksums at a time in [`read_checksummed`].
 const READ_BLOCK: usize = 64 << 20;
 
-/// Fills `bytes` from the start of `path` and returns their CRC-32: straight into the caller's
+/// Fills `bytes` from the start of `file` and returns their CRC-32: straight into the caller's
 /// table (a byte buffer first would hold it twice), `block` bytes at a time on every core, the
 /// blocks' checksums combined in order (one thread reads and sums a 17 GB table in tens of
 /// seconds).
-fn read_checksummed(path: &Path, bytes: &mut [u8], block: usize) -> std::io::Result<u32> {
+fn read_checksummed(file: &File, bytes: &mut [u8], block: usize) -> std::io::Result<u32> {
     use rayon::prelude::*;
     use std::os::unix::fs::FileExt;
-    let file = File::open(path)?;
     let sums = bytes
         .par_chunks_mut(block)
         .enumerate()
@@ -494,9 +543,10 @@ mod tests {
             .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
             .collect();
         std::fs::write(&path, &data).unwrap();
+        let file = File::open(&path).unwrap();
         for block in [4096, 7777, 1 << 20] {
             let mut got = vec![0u8; data.len()];
-            let sum = read_checksummed(&path, &mut got, block).unwrap();
+            let sum = read_checksummed(&file, &mut got, block).unwrap();
             assert_eq!(
                 (sum, &got),
                 (crc32fast::hash(&data), &data),
@@ -505,6 +555,6 @@ mod tests {
         }
         // A file shorter than the table is an error, not a short table.
         let mut longer = vec![0u8; data.len() + 1];
-        assert!(read_checksummed(&path, &mut longer, 4096).is_err());
+        assert!(read_checksummed(&file, &mut longer, 4096).is_err());
     }
 }

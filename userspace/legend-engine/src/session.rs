@@ -8,7 +8,7 @@
 //! asked for (SIGINT, a cancelled job) ends at the next buffer-state boundary with a checkpoint
 //! of that point, and resuming from it trains exactly what the uninterrupted run would have.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -16,13 +16,15 @@ use std::time::Instant;
 
 use legend_dataset::{Dataset, DatasetError, Split};
 use legend_eval::{Metrics, SampledNegatives};
+use legend_fs::{Access, Dir, Guard, Unguarded};
 use serde::{Deserialize, Serialize};
 
 use crate::buffer::{MemoryStore, PartitionBuffer, StoreError};
 use crate::config::{Config, ConfigError};
+use crate::controllers::QueueBackend;
 use crate::device::Device;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
-use crate::file_store::{FileStore, FileStoreSpec, SharedFileStore, encode_relations};
+use crate::file_store::{FileStore, FileStoreSpec, SharedFileStore, StoreFile, encode_relations};
 use crate::memory;
 use crate::run::{self, RunError, RunMeta, TableChecksums};
 use crate::trainer::{EpochCut, EpochEnd, EpochReport, Relations, TrainError, Trainer};
@@ -165,7 +167,7 @@ pub enum SessionError {
 
 /// A run being trained.
 pub struct Session {
-    out: PathBuf,
+    run: Dir,
     config: Config,
     dataset: Dataset,
     trainer: Trainer,
@@ -174,10 +176,8 @@ pub struct Session {
     engine: String,
 }
 
-/// The metrics.jsonl of `out`.
-fn metrics_path(out: &Path) -> PathBuf {
-    out.join("metrics.jsonl")
-}
+/// The metrics file of a run.
+const METRICS_FILE: &str = "metrics.jsonl";
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> SessionError + '_ {
     move |source| {
@@ -189,11 +189,18 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> SessionError + '_ {
 }
 
 impl Session {
-    /// Creates the run `out` (which must not exist, or be an empty directory) training
-    /// `config` on the dataset in `dataset`. Everything that can be refused (configuration,
-    /// plan, dataset, device, store target) is checked before the directory appears; after
-    /// that the directory is always resumable.
-    pub fn create(out: &Path, dataset: &Path, config: Config) -> Result<Session, SessionError> {
+    /// Creates the run `out` (which must not exist, or be an empty directory; its parent must
+    /// exist) training `config` on the dataset in `dataset`. Everything that can be refused
+    /// (configuration, plan, dataset, device, store target) is checked before the directory
+    /// appears; after that the directory is always resumable. `guard` admits the directories
+    /// opened by path (`out`'s parent, a store's outside the run) and adopts the new run
+    /// directory; every file is then reached beneath them (legend-fs).
+    pub fn create(
+        out: &Path,
+        dataset: &Path,
+        config: Config,
+        guard: &dyn Guard,
+    ) -> Result<Session, SessionError> {
         if out.exists()
             && std::fs::read_dir(out)
                 .map_err(io_error(out))?
@@ -215,47 +222,67 @@ impl Session {
         let device = Device::open(&config)?;
         check_memory(&config, dataset.meta(), &device, false)?;
         let meta = new_meta(&config, &dataset);
-        assemble_run_dir(out, &config, &meta)?;
+        let (parent, name) = Dir::open_parent(out).map_err(io_error(out))?;
+        guard.admit(&parent).map_err(io_error(parent.path()))?;
+        let run = assemble_run_dir(&parent, name, out, &config, &meta, guard)?;
         // Nothing is trained until the session starts: a refusal on the way (a store target
         // that holds a file system, say) takes the new directory away again.
-        Session::start(out, config, dataset, meta, device).inspect_err(|_| {
-            let _ = std::fs::remove_dir_all(out);
+        Session::start(run, config, dataset, meta, device, guard).inspect_err(|_| {
+            let _ = parent.remove_all(name);
         })
     }
 
     /// Reopens the run `out` where its last checkpoint left it; `sets` change configuration
     /// keys (e.g. `training.num_epochs`), `dataset` names the dataset if it moved.
+    /// `guard` admits the run directory and a store's outside it, as for [`Session::create`].
     pub fn resume(
         out: &Path,
         dataset: Option<&Path>,
         sets: &[String],
+        guard: &dyn Guard,
     ) -> Result<Session, SessionError> {
-        if !run::meta_path(out).exists() {
-            return Err(SessionError::Refused(format!(
+        let not_a_run = || {
+            SessionError::Refused(format!(
                 "{} is not a run directory (no run.toml): nothing to resume",
                 out.display()
-            )));
+            ))
+        };
+        let run = match Dir::open(out) {
+            Ok(run) => run,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(not_a_run()),
+            Err(e) => return Err(io_error(out)(e)),
+        };
+        guard.admit(&run).map_err(io_error(out))?;
+        if !run.is_file(run::META_FILE).map_err(io_error(out))? {
+            return Err(not_a_run());
         }
-        let meta = run::read_meta(out)?;
-        let config_path = out.join("config.toml");
-        let text = std::fs::read_to_string(&config_path).map_err(io_error(&config_path))?;
+        let meta = run::read_meta(&run)?;
+        let config_path = run.join(run::CONFIG_FILE);
+        let text = run
+            .read_to_string(run::CONFIG_FILE)
+            .map_err(io_error(&config_path))?;
         let config = Config::parse(&text, sets)?;
         let dataset = evaluation::open_run_dataset(&meta, dataset)?;
         let device = Device::open(&config)?;
         // Resuming reads the checkpoint's tables into host memory before they go to the GPU.
         check_memory(&config, dataset.meta(), &device, true)?;
-        let session = Session::start(out, config, dataset, meta, device)?;
+        let session = Session::start(run, config, dataset, meta, device, guard)?;
         // The keys changed with `sets` hold from now on.
-        run::write_atomically(&config_path, session.config.to_toml().as_bytes())?;
+        run::write_atomically(
+            &session.run,
+            run::CONFIG_FILE,
+            session.config.to_toml().as_bytes(),
+        )?;
         Ok(session)
     }
 
     fn start(
-        out: &Path,
+        run: Dir,
         config: Config,
         dataset: Dataset,
         mut meta: RunMeta,
         device: Device,
+        guard: &dyn Guard,
     ) -> Result<Session, SessionError> {
         let meta_ds = dataset.meta();
         let decoder = config.decoder();
@@ -284,12 +311,20 @@ impl Session {
         let (buffer, relations, position) = if config.uses_store() {
             let queue = meta.store_queue.or(config.queue_location());
             let recorded = meta.store.clone();
-            let run_dir = std::fs::canonicalize(out).map_err(io_error(out))?;
+            let run_dir = std::fs::canonicalize(run.path()).map_err(io_error(run.path()))?;
             let path = recorded
                 .clone()
                 .unwrap_or_else(|| config.store_path(&run_dir));
+            let file = match path.strip_prefix(&run_dir) {
+                Ok(name) => StoreFile::in_dir(&run, name)?,
+                // Device nodes are the daemon's; namespace extents keep their users apart.
+                Err(_) if queue.is_some_and(|q| q.backend == QueueBackend::Nvme) => {
+                    StoreFile::open(&path, &Unguarded)?
+                }
+                Err(_) => StoreFile::open(&path, guard)?,
+            };
             let spec = FileStoreSpec {
-                path: &path,
+                file: &file,
                 dataset: run::dataset_id(&meta.dataset_identity, &path)?,
                 num_nodes: meta_ds.entities,
                 dim,
@@ -307,7 +342,7 @@ impl Session {
                 // From here on the run's commit record is the store's superblock.
                 meta.store = Some(std::fs::canonicalize(&path).map_err(io_error(&path))?);
                 meta.store_queue = queue;
-                write_meta(out, &meta)?;
+                write_meta(&run, &meta)?;
                 store
             };
             let position = Position::decode(store.progress())?;
@@ -333,7 +368,7 @@ impl Session {
             };
             (buffer, relations, position)
         } else if !meta.checkpoint.is_empty() {
-            let t = run::load_tables(out, &meta)?;
+            let t = run::load_tables(&run, &meta, guard)?;
             let store = MemoryStore::from_tables(scheme, dim, t.entities, t.entities_state);
             let relations = Relations {
                 emb: t.relations,
@@ -368,9 +403,9 @@ impl Session {
             "set-up: the {engine} engine ready (edges and relations placed) in {:.1} s",
             started.elapsed().as_secs_f64()
         );
-        keep_metrics_up_to(out, position.epochs_completed)?;
+        keep_metrics_up_to(&run, position.epochs_completed)?;
         Ok(Session {
-            out: out.to_owned(),
+            run,
             config,
             dataset,
             trainer,
@@ -406,7 +441,7 @@ impl Session {
         let split = self.config.evaluation.split.split();
         Ok(self.position.cut.is_none()
             && self.position.epochs_completed >= self.config.training.num_epochs
-            && (self.dataset.meta().splits.get(split) == 0 || has_final_line(&self.out)?))
+            && (self.dataset.meta().splits.get(split) == 0 || has_final_line(&self.run)?))
     }
 
     /// A one-line summary of what the run trains, for the log.
@@ -438,11 +473,10 @@ impl Session {
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<Outcome, SessionError> {
         let epochs = self.config.training.num_epochs;
-        let mut metrics = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(metrics_path(&self.out))
-            .map_err(io_error(&metrics_path(&self.out)))?;
+        let mut metrics = self
+            .run
+            .open_file(METRICS_FILE, Access::Append)
+            .map_err(io_error(&self.run.join(METRICS_FILE)))?;
         let total = self.dataset.meta().splits.train;
         for epoch in self.position.epochs_completed + 1..=epochs {
             let cut = self.position.cut.take();
@@ -484,7 +518,7 @@ impl Session {
             } else {
                 None
             };
-            append_line(&mut metrics, &self.out, &line)?;
+            append_line(&mut metrics, &self.run, &line)?;
             on_event(Event::EpochFinished {
                 report: &report,
                 valid: valid.as_ref(),
@@ -506,7 +540,7 @@ impl Session {
                 return Ok(Outcome::Stopped(self.position));
             }
         }
-        if has_final_line(&self.out)? {
+        if has_final_line(&self.run)? {
             return Ok(Outcome::Finished(None));
         }
         let split = self.config.evaluation.split.split();
@@ -517,7 +551,7 @@ impl Session {
         on_event(Event::Evaluating { split });
         let m = self.evaluate(split)?;
         let line = serde_json::json!({ "final": true, "split": split.name(), "metrics": m });
-        append_line(&mut metrics, &self.out, &line)?;
+        append_line(&mut metrics, &self.run, &line)?;
         on_event(Event::Evaluated {
             split,
             metrics: &m,
@@ -584,11 +618,11 @@ impl Session {
         let aux = encode_relations(&relations.emb, &relations.state);
         if self.trainer.buffer().checkpoint(position.encode(), aux)? {
             // The store committed; run.toml only mirrors the position for people.
-            return write_meta(&self.out, &self.meta);
+            return write_meta(&self.run, &self.meta);
         }
         let meta = std::mem::replace(&mut self.meta, new_placeholder_meta());
         self.meta = run::commit_checkpoint(
-            &self.out,
+            &self.run,
             meta,
             (&relations.emb, &relations.state),
             |e, s| {
@@ -602,7 +636,7 @@ impl Session {
                         .map_err(|err| match err {
                             TrainError::Run(err) => err,
                             other => RunError::Invalid {
-                                path: self.out.clone(),
+                                path: self.run.path().to_owned(),
                                 message: other.to_string(),
                             },
                         })?;
@@ -682,60 +716,68 @@ fn new_placeholder_meta() -> RunMeta {
     }
 }
 
-fn write_meta(out: &Path, meta: &RunMeta) -> Result<(), SessionError> {
+fn write_meta(run: &Dir, meta: &RunMeta) -> Result<(), SessionError> {
     let text = toml::to_string_pretty(meta).expect("a run record serializes");
-    Ok(run::write_atomically(
-        &run::meta_path(out),
-        text.as_bytes(),
-    )?)
+    Ok(run::write_atomically(run, run::META_FILE, text.as_bytes())?)
 }
 
-/// Makes `out` with config.toml and run.toml in one rename, so that it never exists without
-/// them.
-fn assemble_run_dir(out: &Path, config: &Config, meta: &RunMeta) -> Result<(), SessionError> {
-    let name = out
-        .file_name()
-        .ok_or_else(|| SessionError::Refused(format!("{}: not a directory name", out.display())))?;
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent).map_err(io_error(&parent))?;
-    let tmp = parent.join(format!(
+/// Makes `name` in `parent` (the run `out`) with config.toml and run.toml in one rename, so
+/// that it never exists without them; returns it, opened.
+fn assemble_run_dir(
+    parent: &Dir,
+    name: &Path,
+    out: &Path,
+    config: &Config,
+    meta: &RunMeta,
+    guard: &dyn Guard,
+) -> Result<Dir, SessionError> {
+    let tmp_name = format!(
         ".{}.creating-{}",
         name.to_string_lossy(),
         std::process::id()
-    ));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io_error(&tmp))?;
+    );
+    let tmp_path = parent.join(&tmp_name);
+    match parent.remove_all(&tmp_name) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_error(&tmp_path)(e)),
+        _ => {}
     }
-    std::fs::create_dir(&tmp).map_err(io_error(&tmp))?;
-    let assembled = run::write_atomically(&tmp.join("config.toml"), config.to_toml().as_bytes())
-        .map_err(SessionError::from)
+    let tmp = parent.create_dir(&tmp_name).map_err(io_error(&tmp_path))?;
+    let assembled = guard
+        .adopt(&tmp)
+        .map_err(io_error(&tmp_path))
+        .and_then(|()| {
+            Ok(run::write_atomically(
+                &tmp,
+                run::CONFIG_FILE,
+                config.to_toml().as_bytes(),
+            )?)
+        })
         .and_then(|()| write_meta(&tmp, meta))
         // An empty `out` is replaced; a non-empty one was refused before.
-        .and_then(|()| std::fs::rename(&tmp, out).map_err(io_error(out)));
-    if assembled.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
+        .and_then(|()| parent.rename(&tmp_name, name).map_err(io_error(out)));
+    match assembled {
+        Ok(()) => Ok(tmp.with_path(out.to_owned())),
+        Err(e) => {
+            let _ = parent.remove_all(&tmp_name);
+            Err(e)
+        }
     }
-    assembled
 }
 
 fn append_line(
     metrics: &mut File,
-    out: &Path,
+    run: &Dir,
     line: &serde_json::Value,
 ) -> Result<(), SessionError> {
-    writeln!(metrics, "{line}").map_err(io_error(&metrics_path(out)))
+    writeln!(metrics, "{line}").map_err(io_error(&run.join(METRICS_FILE)))
 }
 
 /// The lines of metrics.jsonl (none if it does not exist yet).
-fn metrics_lines(out: &Path) -> Result<String, SessionError> {
-    let path = metrics_path(out);
-    match std::fs::read_to_string(&path) {
+fn metrics_lines(run: &Dir) -> Result<String, SessionError> {
+    match run.read_to_string(METRICS_FILE) {
         Ok(text) => Ok(text),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
-        Err(e) => Err(io_error(&path)(e)),
+        Err(e) => Err(io_error(&run.join(METRICS_FILE))(e)),
     }
 }
 
@@ -745,8 +787,8 @@ fn is_final(line: &serde_json::Value) -> bool {
 
 /// Whether the last record of metrics.jsonl is a final evaluation: nothing was trained after
 /// the run was last evaluated.
-fn has_final_line(out: &Path) -> Result<bool, SessionError> {
-    Ok(metrics_lines(out)?
+fn has_final_line(run: &Dir) -> Result<bool, SessionError> {
+    Ok(metrics_lines(run)?
         .lines()
         .rev()
         .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
@@ -756,9 +798,8 @@ fn has_final_line(out: &Path) -> Result<bool, SessionError> {
 /// Drops the metrics.jsonl records of epochs after `epochs` (trained after the checkpoint the
 /// run resumes from, so they will be trained again), the final evaluations that followed them,
 /// and lines a crash cut short, so that each epoch is recorded once.
-fn keep_metrics_up_to(out: &Path, epochs: u32) -> Result<(), SessionError> {
-    let path = metrics_path(out);
-    let text = metrics_lines(out)?;
+fn keep_metrics_up_to(run: &Dir, epochs: u32) -> Result<(), SessionError> {
+    let text = metrics_lines(run)?;
     let mut dropped_epoch = false;
     let kept: Vec<&str> = text
         .lines()
@@ -784,5 +825,5 @@ fn keep_metrics_up_to(out: &Path, epochs: u32) -> Result<(), SessionError> {
     if !new.is_empty() {
         new.push('\n');
     }
-    Ok(run::write_atomically(&path, new.as_bytes())?)
+    Ok(run::write_atomically(run, METRICS_FILE, new.as_bytes())?)
 }

@@ -18,10 +18,10 @@
 mod memory;
 mod service;
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::ops::Range;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use legend_fs::{Access, Dir};
 use legend_nvme::{Controller, DeviceMemory, Doorbells, Mapping, QueuePair, uapi};
 use legend_nvme_protocol::{Cqe, MAX_DEPTH, Sqe, Status};
 
@@ -198,6 +199,20 @@ impl Proxy {
     /// shorter than `start_lba` plus one block, an LBA size other than 512 B or 4 KiB, a
     /// transfer size that is not a multiple of the LBA size).
     pub fn open(path: &Path, opts: &ProxyOptions) -> io::Result<Proxy> {
+        let (dir, name) = Dir::open_parent(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        Self::open_in(&dir, name, opts)
+    }
+
+    /// [`Proxy::open`] over the file `name` in `dir`, reached beneath it without following
+    /// links (legend-fs): how a writer on someone else's behalf opens a backing file.
+    ///
+    /// # Errors
+    ///
+    /// As [`Proxy::open`].
+    pub fn open_in(dir: &Dir, name: &Path, opts: &ProxyOptions) -> io::Result<Proxy> {
+        let path = dir.join(name);
+        let path = path.as_path();
         let label = format!("proxy of {}", path.display());
         if opts.lba_shift != 9 && opts.lba_shift != 12 {
             return Err(einval(format!(
@@ -219,11 +234,11 @@ impl Proxy {
             )));
         }
         let open = |direct: bool| {
-            OpenOptions::new()
-                .read(true)
-                .write(true)
-                .custom_flags(if direct { libc::O_DIRECT } else { 0 })
-                .open(path)
+            if direct {
+                dir.open_file_direct(name, Access::ReadWrite)
+            } else {
+                dir.open_file(name, Access::ReadWrite)
+            }
         };
         let file = match open(true) {
             Ok(f) => f,

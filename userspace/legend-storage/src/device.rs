@@ -1,14 +1,17 @@
 //! The opened file or block device: open flags, geometry, synchronous
 //! aligned I/O for superblocks, preallocation and flushes.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
+
+use legend_fs::{Access, Dir};
 
 use crate::buffer::IoBuffer;
 use crate::error::StoreError;
+use crate::medium::Target;
 
 /// `BLKSSZGET` (linux/fs.h): logical sector size of a block device, as int.
 const BLKSSZGET: libc::c_ulong = 0x1268;
@@ -36,20 +39,38 @@ fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> S
 }
 
 impl Device {
-    /// Opens `path` read-write, with `O_DIRECT` when the file system allows
-    /// it. `create` creates a missing regular file.
+    /// Opens the file or block device of `target` read-write, with `O_DIRECT` when the file
+    /// system allows it. `create` creates a missing regular file.
     pub(crate) fn open(
-        path: &Path,
+        target: &Target<'_>,
         create: bool,
         allow_buffered: bool,
     ) -> Result<Self, StoreError> {
+        let (dir, name, path) = match *target {
+            Target::Path(path) => {
+                let (dir, name) = Dir::open_parent(path).map_err(io_err(path, "open"))?;
+                let path = dir.join(name);
+                (dir, name, path)
+            }
+            Target::In { dir, name } => (
+                dir.try_clone().map_err(io_err(&dir.join(name), "open"))?,
+                name,
+                dir.join(name),
+            ),
+            Target::Nvme(_) => unreachable!("NVMe targets have no file"),
+        };
+        let path = path.as_path();
+        let access = if create {
+            Access::ReadWriteCreate
+        } else {
+            Access::ReadWrite
+        };
         let open = |direct: bool| {
-            OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(create)
-                .custom_flags(if direct { libc::O_DIRECT } else { 0 })
-                .open(path)
+            if direct {
+                dir.open_file_direct(name, access)
+            } else {
+                dir.open_file(name, access)
+            }
         };
         let (file, direct) = match open(true) {
             Ok(f) => (f, true),

@@ -6,6 +6,8 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::Arc;
 
+use legend_fs::Dir;
+
 use crate::buffer::RawAlloc;
 use crate::device::Device;
 use crate::error::StoreError;
@@ -16,8 +18,16 @@ use crate::uring::Ring;
 /// Where to create or open a store.
 #[derive(Clone, Debug)]
 pub enum Target<'a> {
-    /// A regular file (created if missing) or a block device.
+    /// A regular file (created if missing) or a block device, by path (links followed).
     Path(&'a Path),
+    /// A regular file (created if missing) or a block device named `name` in `dir`, reached
+    /// beneath it without following links (legend-fs).
+    In {
+        /// The directory.
+        dir: &'a Dir,
+        /// The name in it.
+        name: &'a Path,
+    },
     /// A namespace of an NVMe controller, through its queue pairs.
     Nvme(&'a NvmeTarget),
 }
@@ -51,8 +61,8 @@ impl Medium {
         io: &IoConfig,
     ) -> Result<Self, StoreError> {
         match target {
-            Target::Path(path) => {
-                let dev = Device::open(path, create, io.allow_buffered)?;
+            Target::Path(_) | Target::In { .. } => {
+                let dev = Device::open(target, create, io.allow_buffered)?;
                 let ring = Ring::new(
                     dev.file.as_raw_fd(),
                     io.queue_depth.max(1),

@@ -132,13 +132,18 @@ impl Store {
         opts: &CreateOptions,
     ) -> Result<Self, StoreError> {
         let new_file = match target {
-            Target::Path(path) => (!path.exists()).then_some(*path),
-            Target::Nvme(_) => None,
+            Target::Path(path) => !path.exists(),
+            Target::In { dir, name } => !dir.exists(name).unwrap_or(true),
+            Target::Nvme(_) => false,
         };
         let res = Self::create_in(target, spec, opts);
-        if let (Err(_), Some(path)) = (&res, new_file) {
+        if res.is_err() && new_file {
             // Leave no half-made file behind; the error is what matters.
-            let _ = std::fs::remove_file(path);
+            let _ = match target {
+                Target::Path(path) => std::fs::remove_file(path),
+                Target::In { dir, name } => dir.remove_file(name),
+                Target::Nvme(_) => Ok(()),
+            };
         }
         res
     }

@@ -349,7 +349,7 @@ fn an_export_of_a_damaged_checkpoint_fails_and_leaves_no_files() {
     let ds = graph(dir.path());
     let run = dir.path().join("run");
     ok(&argv(&train_args(&ds, &run, &["training.num_epochs=1"])));
-    let meta = legend_engine::run::read_meta(&run).unwrap();
+    let meta = legend_engine::run::read_meta(&legend_engine::run::open(&run).unwrap()).unwrap();
     let table = run
         .join(&meta.checkpoint)
         .join(legend_engine::run::TABLE_FILES[0]);

@@ -252,6 +252,53 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
         }
     }
     assert!(seen > 5, "the run holds its files ({seen})");
+
+    // Their run moved away and its name made a link to ours: resuming it is refused (the
+    // directory the daemon opens is not theirs), and ours is untouched.
+    let ours_before = std::fs::read(out.join("run.toml")).unwrap();
+    let their_moved = home.join("moved");
+    std::fs::rename(&their_run, &their_moved).unwrap();
+    std::os::unix::fs::symlink(&out, &their_run).unwrap();
+    lchown_to_other(&their_run);
+    let resume_theirs = |extra: &[&str]| {
+        let mut args = vec!["submit", "train", "--resume", "--out"];
+        let run = s(&their_run);
+        args.push(&run);
+        args.extend_from_slice(extra);
+        args.push("--watch");
+        as_other(&socket, &args)
+    };
+    refused(
+        &resume_theirs(&["--set", "training.num_epochs=2"]),
+        "not the submitter's directory",
+    );
+    assert_eq!(std::fs::read(out.join("run.toml")).unwrap(), ours_before);
+    // Their run back, with its metrics.jsonl a link to a file of ours: the job fails on the
+    // link and our file keeps its bytes.
+    std::fs::remove_file(&their_run).unwrap();
+    std::fs::rename(&their_moved, &their_run).unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, b"ours").unwrap();
+    std::fs::remove_file(their_run.join("metrics.jsonl")).unwrap();
+    std::os::unix::fs::symlink(&victim, their_run.join("metrics.jsonl")).unwrap();
+    lchown_to_other(&their_run.join("metrics.jsonl"));
+    refused(
+        &resume_theirs(&["--set", "training.num_epochs=2"]),
+        "symbolic link",
+    );
+    assert_eq!(std::fs::read(&victim).unwrap(), b"ours");
+}
+
+/// Makes the link `path` the other user's, as if they had made it.
+fn lchown_to_other(path: &Path) {
+    nix::unistd::fchownat(
+        nix::fcntl::AT_FDCWD,
+        path,
+        Some(nix::unistd::Uid::from_raw(OTHER_UID)),
+        Some(nix::unistd::Gid::from_raw(OTHER_UID)),
+        nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+    )
+    .unwrap();
 }
 
 fn nix_is_root() -> bool {

@@ -1,10 +1,12 @@
 //! Who is asking, and what they may touch: callers are identified by their socket credentials,
 //! and a job reads and writes only where its submitter could.
 
+use std::io::ErrorKind;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
+use legend_fs::{Dir, Guard};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use nix::unistd::{Gid, Group, Uid, User};
 
@@ -36,6 +38,20 @@ impl Peer {
         Ok(Peer { uid, groups, admin })
     }
 
+    /// A job's submitter known by uid alone (a job outlives its connection, and the daemon):
+    /// groups from the user database, none for a uid it does not know.
+    pub fn of_uid(uid: u32) -> Peer {
+        let groups = match User::from_uid(Uid::from_raw(uid)) {
+            Ok(Some(user)) => groups_of(uid, user.gid.as_raw()),
+            _ => Vec::new(),
+        };
+        Peer {
+            uid,
+            groups,
+            admin: false,
+        }
+    }
+
     /// Whether this peer may see and cancel a job of `owner`.
     pub fn may_manage(&self, owner: u32) -> bool {
         self.admin || self.uid == owner
@@ -58,9 +74,13 @@ fn groups_of(uid: u32, gid: u32) -> Vec<u32> {
 
 /// Whether `peer` has the permission bits `want` (4 read, 2 write, 1 search) on `path`.
 fn allowed(peer: &Peer, path: &Path, want: u32) -> std::io::Result<bool> {
-    let m = std::fs::metadata(path)?;
+    Ok(allows(peer, &std::fs::metadata(path)?, want))
+}
+
+/// Whether `peer` has the permission bits `want` on the file of `m`.
+fn allows(peer: &Peer, m: &std::fs::Metadata, want: u32) -> bool {
     if peer.uid == 0 {
-        return Ok(true);
+        return true;
     }
     let mode = m.mode();
     let bits = if m.uid() == peer.uid {
@@ -70,7 +90,60 @@ fn allowed(peer: &Peer, path: &Path, want: u32) -> std::io::Result<bool> {
     } else {
         mode
     };
-    Ok(bits & want == want)
+    bits & want == want
+}
+
+/// What a job may write: directories it opens by path (its run's parent, its run, a store's or
+/// an export's directory) must be its submitter's, who may create files in them, checked on
+/// the opened directory (legend-fs reaches everything beneath it without following links). A
+/// directory the job makes is given to the submitter at once (`CAP_CHOWN`), so that it is
+/// theirs when a later job, or a resume after a restart, opens it again.
+pub struct JobGuard {
+    submitter: Peer,
+}
+
+impl JobGuard {
+    /// The guard of a job `submitter` sent.
+    pub fn new(submitter: Peer) -> JobGuard {
+        JobGuard { submitter }
+    }
+}
+
+impl Guard for JobGuard {
+    fn admit(&self, dir: &Dir) -> std::io::Result<()> {
+        let m = dir.metadata()?;
+        let peer = &self.submitter;
+        let refuse = |why: String| Err(std::io::Error::new(ErrorKind::PermissionDenied, why));
+        if peer.uid != 0 && m.uid() != peer.uid {
+            return refuse(format!(
+                "not the submitter's directory (owner uid {}, submitter uid {}); the daemon writes \
+                 only into directories its submitter owns",
+                m.uid(),
+                peer.uid
+            ));
+        }
+        if !allows(peer, &m, 3) {
+            return refuse("the submitter may not create files there".into());
+        }
+        Ok(())
+    }
+
+    fn adopt(&self, dir: &Dir) -> std::io::Result<()> {
+        let to = Uid::from_raw(self.submitter.uid);
+        if to == Uid::effective() {
+            return Ok(());
+        }
+        // Without CAP_CHOWN the directory stays the daemon's, like the files handed over at
+        // the job's end; resuming it is then refused (not the submitter's).
+        if let Err(e) = nix::unistd::fchown(dir, Some(to), None) {
+            tracing::warn!(
+                "{}: stays the daemon's (giving it to uid {}: {e})",
+                dir.path().display(),
+                self.submitter.uid
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Refuses unless `dir` belongs to `peer` (or `peer` is root) and `peer` may create entries in

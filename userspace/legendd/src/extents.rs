@@ -9,11 +9,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use legend_engine::Config;
-use legend_engine::controllers::{self, QueueLocation};
-use legend_engine::file_store::run_store_bytes;
+use legend_engine::controllers::{self, QueueBackend, QueueLocation};
+use legend_engine::file_store::{StoreFile, run_store_bytes};
+use legend_fs::Unguarded;
 use legend_storage::{Extents, NvmeTarget, Target};
 
-use crate::access::Peer;
+use crate::access::{JobGuard, Peer};
 
 /// Serialises changes to the tables: each is read, changed and committed under this lock.
 static TABLES: Mutex<()> = Mutex::new(());
@@ -38,9 +39,16 @@ pub fn run_key(run: &Path) -> String {
     resolved.to_string_lossy().into_owned()
 }
 
-fn open_table(place: &Placement) -> Result<Extents, String> {
-    let controller =
-        controllers::open(place.queue.backend, &place.path).map_err(|e| e.to_string())?;
+/// The extent table of `place`'s namespace, for a job of `owner`: a device node is the
+/// daemon's, a proxy's backing file must lie in a directory of the job's owner.
+fn open_table(place: &Placement, owner: u32) -> Result<Extents, String> {
+    let file = match place.queue.backend {
+        QueueBackend::Nvme => StoreFile::open(&place.path, &Unguarded),
+        QueueBackend::Proxy => StoreFile::open(&place.path, &JobGuard::new(Peer::of_uid(owner))),
+    };
+    let controller = file
+        .and_then(|file| controllers::open(place.queue.backend, &file))
+        .map_err(|e| e.to_string())?;
     let target = NvmeTarget {
         controller: controller.controller(),
         namespace: place.queue.namespace,
@@ -82,7 +90,7 @@ pub fn assign(
     }
     let meta = legend_dataset::DatasetMeta::read(dataset).map_err(|e| e.to_string())?;
     let _guard = TABLES.lock().unwrap_or_else(|e| e.into_inner());
-    let mut table = open_table(place)?;
+    let mut table = open_table(place, owner)?;
     let bytes = run_store_bytes(config, &meta, table.block_size()).map_err(|e| e.to_string())?;
     let key = run_key(run);
     let lba = table
@@ -99,7 +107,7 @@ pub fn assign(
 /// Checks that `run`'s store, at `place`, is still in an extent of the run that `peer` may use.
 pub fn check(place: &Placement, run: &Path, peer: &Peer) -> Result<(), String> {
     let _guard = TABLES.lock().unwrap_or_else(|e| e.into_inner());
-    let table = open_table(place)?;
+    let table = open_table(place, peer.uid)?;
     let key = run_key(run);
     match table.table().find(&key) {
         Some(e) if e.start_lba == place.queue.start_lba && peer.may_manage(e.owner) => Ok(()),
@@ -117,9 +125,9 @@ pub fn check(place: &Placement, run: &Path, peer: &Peer) -> Result<(), String> {
 }
 
 /// Frees `run`'s extent, if it has one at `place`.
-pub fn release(place: &Placement, run: &Path) -> Result<bool, String> {
+pub fn release(place: &Placement, run: &Path, owner: u32) -> Result<bool, String> {
     let _guard = TABLES.lock().unwrap_or_else(|e| e.into_inner());
-    let mut table = open_table(place)?;
+    let mut table = open_table(place, owner)?;
     let key = run_key(run);
     let freed = table.free(&key).map_err(|e| e.to_string())?;
     if let Some(e) = &freed {
@@ -134,7 +142,7 @@ pub fn release(place: &Placement, run: &Path) -> Result<bool, String> {
 
 /// Where an existing run's store is, if on a namespace (from its `run.toml`).
 pub fn recorded_placement(run: &Path) -> Option<Placement> {
-    let meta = legend_engine::run::read_meta(run).ok()?;
+    let meta = legend_engine::run::read_meta(&legend_engine::run::open(run).ok()?).ok()?;
     Some(Placement {
         path: meta.store?,
         queue: meta.store_queue?,

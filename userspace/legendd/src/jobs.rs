@@ -21,6 +21,7 @@ use legend_engine::session::{Event, Outcome, Session};
 use legend_engine::{Config, run};
 use serde::{Deserialize, Serialize};
 
+use crate::access::{JobGuard, Peer};
 use crate::config::DaemonConfig;
 
 /// Events kept for a slow watcher before it misses some (progress is sent again soon).
@@ -401,28 +402,28 @@ impl Jobs {
         std::thread::Builder::new()
             .name(format!("job-{id}"))
             .spawn(move || {
-                let outputs = match &spec {
-                    JobSpec::Train { out, .. } | JobSpec::Export { out, .. } => {
-                        crate::handover::check_outputs(out, owner)
-                    }
-                    JobSpec::Eval { .. } => Ok(()),
-                };
-                if let Err(why) = outputs {
-                    jobs.finish(id, Err(why));
-                    return;
-                }
+                // Everything the job writes is beneath directories its submitter owns.
+                let guard = JobGuard::new(Peer::of_uid(owner));
                 let result = match &spec {
-                    JobSpec::Train { .. } => jobs.run_train(id, &spec, &stop),
-                    JobSpec::Eval { .. } => jobs.run_eval(&spec),
-                    JobSpec::Export { run, out, format } => jobs.run_export(id, run, out, format),
+                    JobSpec::Train { .. } => jobs.run_train(id, &spec, &stop, &guard),
+                    JobSpec::Eval { .. } => jobs.run_eval(&spec, &guard),
+                    JobSpec::Export { run, out, format } => {
+                        jobs.run_export(id, run, out, format, &guard)
+                    }
                 };
-                jobs.hand_over(id, &spec, owner);
+                jobs.hand_over(id, &spec, owner, &guard);
                 jobs.finish(id, result);
             })
             .expect("spawning a job thread")
     }
 
-    fn run_train(&self, id: u64, spec: &JobSpec, stop: &AtomicBool) -> Result<Ended, String> {
+    fn run_train(
+        &self,
+        id: u64,
+        spec: &JobSpec,
+        stop: &AtomicBool,
+        guard: &JobGuard,
+    ) -> Result<Ended, String> {
         let JobSpec::Train {
             dataset,
             out,
@@ -434,11 +435,11 @@ impl Jobs {
             unreachable!("a train job");
         };
         let mut session = if *resume {
-            Session::resume(out, dataset.as_deref(), sets).map_err(|e| chain(&e))?
+            Session::resume(out, dataset.as_deref(), sets, guard).map_err(|e| chain(&e))?
         } else {
             let dataset = dataset.as_deref().ok_or("a new run needs a dataset")?;
             let config = Config::parse(config, sets).map_err(|e| chain(&e))?;
-            let session = Session::create(out, dataset, config).map_err(|e| chain(&e))?;
+            let session = Session::create(out, dataset, config, guard).map_err(|e| chain(&e))?;
             // The run exists now: after a restart the job continues it.
             self.update(id, |e| {
                 if let JobSpec::Train { resume, .. } = &mut e.record.info.spec {
@@ -473,7 +474,7 @@ impl Jobs {
         })
     }
 
-    fn run_eval(&self, spec: &JobSpec) -> Result<Ended, String> {
+    fn run_eval(&self, spec: &JobSpec, guard: &JobGuard) -> Result<Ended, String> {
         let JobSpec::Eval {
             run: dir,
             protocol,
@@ -484,14 +485,15 @@ impl Jobs {
         };
         let protocol: Protocol = protocol.parse()?;
         let split: legend_dataset::Split = split.parse()?;
-        let meta = run::read_meta(dir).map_err(|e| chain(&e))?;
+        let dir = run::open(dir).map_err(|e| chain(&e))?;
+        let meta = run::read_meta(&dir).map_err(|e| chain(&e))?;
         let dataset = evaluation::open_run_dataset(&meta, None).map_err(|e| chain(&e))?;
-        let tables = run::load_tables(dir, &meta).map_err(|e| chain(&e))?;
+        let tables = run::load_tables(&dir, &meta, guard).map_err(|e| chain(&e))?;
         let decoder = meta.decoder.parse()?;
         let request = EvalRequest {
             protocol,
             split,
-            negatives: run::evaluation_negatives(dir).map_err(|e| chain(&e))?,
+            negatives: run::evaluation_negatives(&dir).map_err(|e| chain(&e))?,
             threads: 0,
         };
         let m = evaluation::evaluate(
@@ -508,9 +510,16 @@ impl Jobs {
         )))
     }
 
-    fn run_export(&self, id: u64, run: &Path, out: &Path, format: &str) -> Result<Ended, String> {
+    fn run_export(
+        &self,
+        id: u64,
+        run: &Path,
+        out: &Path,
+        format: &str,
+        guard: &JobGuard,
+    ) -> Result<Ended, String> {
         let format = format.parse()?;
-        let done = export::export(run, format, out, None).map_err(|e| chain(&e))?;
+        let done = export::export(run, format, out, None, guard).map_err(|e| chain(&e))?;
         self.log(
             id,
             &format!(
@@ -595,17 +604,19 @@ impl Jobs {
         }
     }
 
-    /// Records how job `id` ended and tells its watchers.
     /// Makes the submitter the owner of what the job wrote (before its end is announced).
-    fn hand_over(&self, id: u64, spec: &JobSpec, owner: u32) {
+    fn hand_over(&self, id: u64, spec: &JobSpec, owner: u32, guard: &JobGuard) {
         let out = match spec {
             JobSpec::Train { out, .. } | JobSpec::Export { out, .. } => out,
             JobSpec::Eval { .. } => return,
         };
-        if !out.is_dir() {
-            return;
-        }
-        match crate::handover::hand_over(out, owner) {
+        let handed = match legend_fs::Dir::open_guarded(out, guard) {
+            Ok(dir) => crate::handover::hand_over(&dir, owner),
+            // A job refused before it made its directory.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) => Err(e),
+        };
+        match handed {
             Ok(0) => {}
             Ok(n) => tracing::debug!("job {id}: {n} outputs handed to uid {owner}"),
             Err(e) => self.log(
@@ -618,6 +629,7 @@ impl Jobs {
         }
     }
 
+    /// Records how job `id` ended and tells its watchers.
     fn finish(&self, id: u64, result: Result<Ended, String>) {
         let mut t = self.lock();
         let stopping = t.stopping;

@@ -22,6 +22,8 @@ use legend_daemon_api::{
 };
 use legend_engine::Config;
 use legend_engine::controllers::{self, QueueBackend, SharedController};
+use legend_engine::file_store::StoreFile;
+use legend_fs::Unguarded;
 use legend_nvme::Controller as _;
 
 use crate::access::{self, Peer};
@@ -276,7 +278,7 @@ fn submit(mut job: JobSpec, peer: &Peer, jobs: &Jobs) -> Reply {
         Ok(info) => Reply::Job { job: info },
         Err(e) => {
             if let Some((place, run)) = assigned
-                && let Err(why) = extents::release(&place, &run)
+                && let Err(why) = extents::release(&place, &run, peer.uid)
             {
                 tracing::warn!(
                     "{}: freeing the extent of a refused job: {why}",
@@ -329,7 +331,7 @@ fn delete(id: u64, jobs: &Jobs) -> Reply {
             .any(|j| matches!(j.spec, JobSpec::Train { .. }) && j.spec.dir() == run);
     if last_of_its_run
         && let Some(place) = train_placement(run, jobs::train_config(&info.spec).ok().as_ref())
-        && let Err(why) = extents::release(&place, run)
+        && let Err(why) = extents::release(&place, run, info.owner)
     {
         return error(
             ErrorCode::Unavailable,
@@ -518,7 +520,8 @@ fn device_report(
             format!("{node}: not a device node of legend_nvme (/dev/legend-nvmeN)"),
         );
     }
-    let controller = match controllers::open(QueueBackend::Nvme, Path::new(node)) {
+    let file = StoreFile::open(Path::new(node), &Unguarded);
+    let controller = match file.and_then(|file| controllers::open(QueueBackend::Nvme, &file)) {
         Ok(c) => c,
         Err(e) => return error(ErrorCode::Refused, e.to_string()),
     };

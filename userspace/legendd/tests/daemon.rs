@@ -141,14 +141,15 @@ fn reference(ds: &Path, out: &Path, epochs: u32) -> Vec<f32> {
     let mut sets: Vec<String> = SETS.iter().map(|s| s.to_string()).collect();
     sets.push(format!("training.num_epochs={epochs}"));
     let config = Config::parse("", &sets).unwrap();
-    let mut s = Session::create(out, ds, config).unwrap();
+    let mut s = Session::create(out, ds, config, &legend_fs::Unguarded).unwrap();
     s.run(&AtomicBool::new(false), &mut |_| {}).unwrap();
     tables(out)
 }
 
 fn tables(run: &Path) -> Vec<f32> {
-    let meta = legend_engine::run::read_meta(run).unwrap();
-    let t = legend_engine::run::load_tables(run, &meta).unwrap();
+    let run = legend_engine::run::open(run).unwrap();
+    let meta = legend_engine::run::read_meta(&run).unwrap();
+    let t = legend_engine::run::load_tables(&run, &meta, &legend_fs::Unguarded).unwrap();
     [t.entities, t.entities_state, t.relations, t.relations_state].concat()
 }
 
@@ -578,7 +579,7 @@ fn on_namespace(mut spec: JobSpec, device: &Path) -> JobSpec {
 }
 
 fn start_lba(run: &Path) -> u64 {
-    let meta = legend_engine::run::read_meta(run).unwrap();
+    let meta = legend_engine::run::read_meta(&legend_engine::run::open(run).unwrap()).unwrap();
     meta.store_queue.expect("a store on a namespace").start_lba
 }
 
@@ -702,7 +703,7 @@ fn runs_on_one_namespace_get_disjoint_extents_kept_across_restarts_and_freed_on_
 }
 
 #[test]
-fn a_run_directory_holding_a_symbolic_link_is_not_written() {
+fn links_planted_in_a_run_directory_are_never_followed() {
     let dir = tempfile::tempdir().unwrap();
     let ds = dataset(dir.path());
     let d = Daemon::start(dir.path());
@@ -715,39 +716,43 @@ fn a_run_directory_holding_a_symbolic_link_is_not_written() {
         j.state.is_final()
     });
     assert_eq!(done.state, JobState::Succeeded, "{done:?}");
-    let resume = |c: &mut Client, out: &Path| {
+    let resume = |c: &mut Client, epochs: u32| {
         let job = c.job(Request::Submit {
             job: JobSpec::Train {
                 dataset: None,
-                out: out.to_owned(),
+                out: run.clone(),
                 config: String::new(),
-                sets: vec!["training.num_epochs=2".into()],
+                sets: vec![format!("training.num_epochs={epochs}")],
                 resume: true,
             },
         });
         wait_for(c, job.id, Duration::from_secs(120), |j| j.state.is_final())
     };
-    // A link planted inside the run (here into another directory) stops the job before it
-    // writes anything.
-    let elsewhere = dir.path().join("elsewhere");
-    std::fs::create_dir(&elsewhere).unwrap();
-    std::os::unix::fs::symlink(&elsewhere, run.join("checkpoints").join("planted")).unwrap();
-    let refused = resume(&mut c, &run);
+    // A link in place of a file the job writes (metrics.jsonl, pointing at a file elsewhere)
+    // fails the job, naming the link; the file it points at keeps its bytes.
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, b"keep").unwrap();
+    std::fs::remove_file(run.join("metrics.jsonl")).unwrap();
+    std::os::unix::fs::symlink(&victim, run.join("metrics.jsonl")).unwrap();
+    let refused = resume(&mut c, 2);
     assert_eq!(refused.state, JobState::Failed, "{refused:?}");
     assert!(
         refused
             .error
             .as_deref()
-            .is_some_and(|e| e.contains("symbolic link")),
+            .is_some_and(|e| e.contains("symbolic link") && e.contains("metrics.jsonl")),
         "{refused:?}"
     );
-    assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
-    // So does a run directory that is itself a link.
-    std::fs::remove_file(run.join("checkpoints").join("planted")).unwrap();
-    let alias = dir.path().join("alias");
-    std::os::unix::fs::symlink(&run, &alias).unwrap();
-    let refused = resume(&mut c, &alias);
-    assert_eq!(refused.state, JobState::Failed, "{refused:?}");
-    // Without links the run resumes.
-    assert_eq!(resume(&mut c, &run).state, JobState::Succeeded);
+    assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+    // A link planted among the checkpoints (into another directory) goes with the old
+    // checkpoints when the next one commits: removed, never followed.
+    std::fs::remove_file(run.join("metrics.jsonl")).unwrap();
+    let elsewhere = dir.path().join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    std::fs::write(elsewhere.join("f"), b"keep").unwrap();
+    std::os::unix::fs::symlink(&elsewhere, run.join("checkpoints").join("planted")).unwrap();
+    let resumed = resume(&mut c, 2);
+    assert_eq!(resumed.state, JobState::Succeeded, "{resumed:?}");
+    assert!(!run.join("checkpoints").join("planted").exists());
+    assert_eq!(std::fs::read(elsewhere.join("f")).unwrap(), b"keep");
 }

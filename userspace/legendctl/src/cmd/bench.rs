@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use legend_engine::controllers::{self, QueueBackend};
+use legend_engine::file_store::StoreFile;
 use serde::Serialize;
 
 mod file;
@@ -278,8 +279,9 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
             } else {
                 QueueBackend::Proxy
             };
-            let ctrl = controllers::open(kind, &args.path)
-                .with_context(|| format!("opening {}", args.path.display()))?;
+            let file = StoreFile::open(&args.path, &legend_fs::Unguarded)
+                .and_then(|file| controllers::open(kind, &file));
+            let ctrl = file.with_context(|| format!("opening {}", args.path.display()))?;
             match s {
                 Submitter::Cpu => queues::run(&args, ctrl.controller(), duration)?,
                 Submitter::Gpu => gpu(&args, &ctrl, duration)?,

@@ -8,6 +8,7 @@ use legend_engine::config::Protocol;
 use legend_engine::evaluation::{EvalRequest, describe, evaluate, open_run_dataset};
 use legend_engine::run;
 use legend_eval::SampledNegatives;
+use legend_fs::Unguarded;
 use legend_model::Decoder;
 
 /// Arguments of `legendctl eval`.
@@ -64,9 +65,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (label, dataset, decoder, dim, entities, relations, negatives) =
         match (&args.run, &args.embeddings) {
             (Some(run_dir), _) => {
-                let meta = run::read_meta(run_dir)?;
+                let run = run::open(run_dir)?;
+                let meta = run::read_meta(&run)?;
                 let dataset = open_run_dataset(&meta, args.dataset.as_deref())?;
-                let tables = run::load_tables(run_dir, &meta)?;
+                let tables = run::load_tables(&run, &meta, &Unguarded)?;
                 let decoder: Decoder = meta.decoder.parse().map_err(anyhow::Error::msg)?;
                 (
                     run_dir.display().to_string(),
@@ -75,7 +77,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     meta.dim,
                     tables.entities,
                     tables.relations,
-                    run::evaluation_negatives(run_dir)?,
+                    run::evaluation_negatives(&run)?,
                 )
             }
             (None, Some(dir)) => {

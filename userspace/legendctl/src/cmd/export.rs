@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use legend_engine::export::{self, Format};
+use legend_fs::Unguarded;
 
 /// Arguments of `legendctl export`.
 #[derive(clap::Args)]
@@ -25,7 +26,14 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let out = args.out.unwrap_or_else(|| args.run.join("export"));
-    let done = export::export(&args.run, args.format, &out, args.dataset.as_deref())?;
+    super::create_parent(&out)?;
+    let done = export::export(
+        &args.run,
+        args.format,
+        &out,
+        args.dataset.as_deref(),
+        &Unguarded,
+    )?;
     println!(
         "exported {} entities and {} relations (d = {}) to {}",
         done.entities,

@@ -28,6 +28,17 @@ pub fn print_json(value: &impl Serialize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Makes the missing directories above `path` (a run or export directory the engine creates in
+/// an existing parent).
+pub fn create_parent(path: &std::path::Path) -> anyhow::Result<()> {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => {
+            std::fs::create_dir_all(p).with_context(|| format!("creating {}", p.display()))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// A flag raised by SIGINT/SIGTERM instead of dying, so that import and generate stop at their
 /// next check and remove their temporary directory (an interrupted command leaves nothing), and
 /// train stops at its next checkpointable point. A second signal ends the process at once.

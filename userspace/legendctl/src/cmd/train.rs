@@ -10,6 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use legend_engine::Config;
 use legend_engine::evaluation::describe;
 use legend_engine::session::{Event, Outcome, Session};
+use legend_fs::Unguarded;
 
 /// Arguments of `legendctl train`.
 #[derive(clap::Args)]
@@ -44,7 +45,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if args.config.is_some() {
             bail!("--resume continues with the run's own config.toml; change keys with --set");
         }
-        let session = Session::resume(out, args.dataset.as_deref(), &args.sets)?;
+        let session = Session::resume(out, args.dataset.as_deref(), &args.sets, &Unguarded)?;
         if session.is_finished()? {
             println!(
                 "{}: all {} epochs are trained and evaluated; nothing to do (raise training.num_epochs with --set to train more)",
@@ -73,7 +74,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             Some(p) => format!("{}", p.display()),
             None => "configuration".into(),
         })?;
-        Session::create(out, dataset, config)?
+        super::create_parent(out)?;
+        Session::create(out, dataset, config, &Unguarded)?
     };
     tracing::info!("device: {}", session.engine());
     tracing::info!("{}", session.describe());

@@ -1,0 +1,584 @@
+//! Files and directories reached beneath an open directory, never through a symbolic link.
+//!
+//! A process that writes on someone else's behalf (legendd writes a job's run directory, which
+//! sits in its submitter's directory) must not let that someone redirect its writes: a path
+//! resolved again at every write can be swapped for a symbolic link between two writes. A
+//! [`Dir`] is resolved once, when it is opened; every name under it is resolved from its
+//! descriptor one component at a time with `O_NOFOLLOW`, and `..` and absolute names are
+//! refused. Renaming or replacing the directory's path then changes nothing about where the
+//! writes land, and no link planted inside it is followed. A file opened for writing must be a
+//! regular file with a single name (a hard link to somebody else's file is refused) or a block
+//! device; FIFOs and other special files are refused before they could block a reader.
+//!
+//! [`Guard`] is the caller's check of a directory it opens by path (legendd admits only its
+//! job's submitter's directories). It runs on the opened descriptor, so it cannot be raced.
+
+use std::ffi::{OsStr, OsString};
+use std::fs::{File, Metadata};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, FcntlArg, OFlag, fcntl, openat, renameat};
+use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat, mkdirat};
+use nix::unistd::{UnlinkatFlags, fsync, unlinkat};
+
+/// An open directory; every name given to its methods is relative to it and resolved beneath
+/// it without following symbolic links. Errors carry no path: callers name the file (see
+/// [`Dir::join`]).
+#[derive(Debug)]
+pub struct Dir {
+    fd: OwnedFd,
+    path: PathBuf,
+}
+
+/// How [`Dir::open_file`] opens a file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Read only.
+    Read,
+    /// Read and write a file that exists.
+    ReadWrite,
+    /// Read and write, creating the file when it is missing.
+    ReadWriteCreate,
+    /// Write a file that must not exist yet.
+    CreateNew,
+    /// Append, creating the file when it is missing.
+    Append,
+}
+
+impl Access {
+    fn flags(self) -> OFlag {
+        match self {
+            Access::Read => OFlag::O_RDONLY,
+            Access::ReadWrite => OFlag::O_RDWR,
+            Access::ReadWriteCreate => OFlag::O_RDWR | OFlag::O_CREAT,
+            Access::CreateNew => OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL,
+            Access::Append => OFlag::O_WRONLY | OFlag::O_APPEND | OFlag::O_CREAT,
+        }
+    }
+
+    fn writes(self) -> bool {
+        self != Access::Read
+    }
+}
+
+/// A check of each directory a writer opens by path, made on the opened directory, and what
+/// it does with a directory it makes there for someone.
+pub trait Guard: Send + Sync {
+    /// Refuses (with `PermissionDenied` and the reason) a directory the writer must not use.
+    fn admit(&self, dir: &Dir) -> io::Result<()>;
+
+    /// Called on a directory the writer has just made at someone's request (a run directory,
+    /// an export's): the daemon hands it to its submitter at once, so that the same directory
+    /// is theirs, and admitted, when a later job opens it again.
+    fn adopt(&self, _dir: &Dir) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Admits every directory: a user's own process writing where the user asked.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Unguarded;
+
+impl Guard for Unguarded {
+    fn admit(&self, _: &Dir) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn dir_flags() -> OFlag {
+    OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC
+}
+
+fn refused(message: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, message.into())
+}
+
+/// The names of `rel`, which must stay beneath its directory.
+fn names(rel: &Path) -> io::Result<Vec<&OsStr>> {
+    let mut names = Vec::new();
+    for c in rel.components() {
+        match c {
+            Component::Normal(n) => names.push(n),
+            Component::CurDir => {}
+            _ => {
+                return Err(refused(format!(
+                    "{}: names outside its directory (absolute or `..`)",
+                    rel.display()
+                )));
+            }
+        }
+    }
+    Ok(names)
+}
+
+/// The error of an `*at` call on `name` in `parent`: a symbolic link there is named as such.
+fn at_error(parent: BorrowedFd<'_>, name: &OsStr, e: Errno) -> io::Error {
+    if matches!(e, Errno::ELOOP | Errno::ENOTDIR)
+        && fstatat(parent, name, AtFlags::AT_SYMLINK_NOFOLLOW)
+            .is_ok_and(|st| kind(&st) == SFlag::S_IFLNK)
+    {
+        return refused(
+            "a symbolic link: not followed (files are reached beneath their directory only)",
+        );
+    }
+    e.into()
+}
+
+fn kind(st: &FileStat) -> SFlag {
+    SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits())
+}
+
+/// Refuses to write anything but a regular file with one name, or a block device.
+fn check_writable(st: &FileStat) -> io::Result<()> {
+    match kind(st) {
+        SFlag::S_IFREG if st.st_nlink > 1 => Err(refused(format!(
+            "has {} names (hard links): a file that may also be someone else's is not written",
+            st.st_nlink
+        ))),
+        SFlag::S_IFREG | SFlag::S_IFBLK => Ok(()),
+        _ => Err(refused("not a regular file or block device")),
+    }
+}
+
+impl AsFd for Dir {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl Dir {
+    /// Opens the directory `path` (symbolic links on the way are followed: the path is the
+    /// caller's choice; what lies beneath is not).
+    pub fn open(path: &Path) -> io::Result<Dir> {
+        let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+        let fd = nix::fcntl::open(path, flags, Mode::empty())?;
+        Ok(Dir {
+            fd,
+            path: path.to_owned(),
+        })
+    }
+
+    /// Opens the directory holding the file `path` (by its path, as [`Dir::open`]) and returns
+    /// it with the file's name in it.
+    pub fn open_parent(path: &Path) -> io::Result<(Dir, &Path)> {
+        let name = path
+            .file_name()
+            .ok_or_else(|| refused(format!("{}: names no file", path.display())))?;
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        Ok((Dir::open(parent)?, Path::new(name)))
+    }
+
+    /// Opens the directory `path` and has `guard` admit it.
+    pub fn open_guarded(path: &Path, guard: &dyn Guard) -> io::Result<Dir> {
+        let dir = Dir::open(path)?;
+        guard.admit(&dir)?;
+        Ok(dir)
+    }
+
+    /// The same directory, named `path` from now on (after a rename).
+    pub fn with_path(self, path: PathBuf) -> Dir {
+        Dir { fd: self.fd, path }
+    }
+
+    /// The path it was opened by (for messages: the directory may have moved since).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `rel` under [`Dir::path`], for messages.
+    pub fn join(&self, rel: impl AsRef<Path>) -> PathBuf {
+        self.path.join(rel)
+    }
+
+    /// The directory's own metadata (owner, mode, inode), from its descriptor.
+    pub fn metadata(&self) -> io::Result<Metadata> {
+        File::from(self.fd.try_clone()?).metadata()
+    }
+
+    /// Another handle on the same directory.
+    pub fn try_clone(&self) -> io::Result<Dir> {
+        Ok(Dir {
+            fd: self.fd.try_clone()?,
+            path: self.path.clone(),
+        })
+    }
+
+    /// Opens the directories `names` one under the other; `None` for none (this one).
+    fn walk(&self, names: &[&OsStr]) -> io::Result<Option<OwnedFd>> {
+        let mut held: Option<OwnedFd> = None;
+        for name in names {
+            let base = held.as_ref().map_or(self.fd.as_fd(), |f| f.as_fd());
+            let next = openat(base, *name, dir_flags(), Mode::empty())
+                .map_err(|e| at_error(base, name, e))?;
+            held = Some(next);
+        }
+        Ok(held)
+    }
+
+    /// The directory holding `rel`'s last name (`None`: this one), and that name.
+    fn parent<'a>(&self, rel: &'a Path) -> io::Result<(Option<OwnedFd>, &'a OsStr)> {
+        let names = names(rel)?;
+        let (last, dirs) = names
+            .split_last()
+            .ok_or_else(|| refused(format!("{}: names no entry", rel.display())))?;
+        Ok((self.walk(dirs)?, last))
+    }
+
+    fn base<'a>(&'a self, held: &'a Option<OwnedFd>) -> BorrowedFd<'a> {
+        held.as_ref().map_or(self.fd.as_fd(), |f| f.as_fd())
+    }
+
+    /// The directory `rel` beneath this one (`.` for another handle on this one).
+    pub fn dir(&self, rel: impl AsRef<Path>) -> io::Result<Dir> {
+        let rel = rel.as_ref();
+        let fd = match self.walk(&names(rel)?)? {
+            Some(fd) => fd,
+            None => self.fd.try_clone()?,
+        };
+        Ok(Dir {
+            fd,
+            path: self.path.join(rel),
+        })
+    }
+
+    /// Makes the directory `rel` (its parent must exist) and opens it.
+    pub fn create_dir(&self, rel: impl AsRef<Path>) -> io::Result<Dir> {
+        let rel = rel.as_ref();
+        let (held, name) = self.parent(rel)?;
+        let base = self.base(&held);
+        mkdirat(base, name, Mode::from_bits_truncate(0o777))
+            .map_err(|e| at_error(base, name, e))?;
+        self.dir(rel)
+    }
+
+    /// Makes the directory `rel` and any missing parent, and opens it.
+    pub fn create_dir_all(&self, rel: impl AsRef<Path>) -> io::Result<Dir> {
+        let rel = rel.as_ref();
+        let mut held: Option<OwnedFd> = None;
+        for name in names(rel)? {
+            let base = self.base(&held);
+            match mkdirat(base, name, Mode::from_bits_truncate(0o777)) {
+                Ok(()) | Err(Errno::EEXIST) => {}
+                Err(e) => return Err(at_error(base, name, e)),
+            }
+            let next = openat(base, name, dir_flags(), Mode::empty())
+                .map_err(|e| at_error(base, name, e))?;
+            held = Some(next);
+        }
+        Ok(Dir {
+            fd: match held {
+                Some(fd) => fd,
+                None => self.fd.try_clone()?,
+            },
+            path: self.path.join(rel),
+        })
+    }
+
+    /// The metadata of the entry `rel` itself (a link is not followed); `None` when absent.
+    pub fn entry(&self, rel: impl AsRef<Path>) -> io::Result<Option<FileStat>> {
+        let (held, name) = match self.parent(rel.as_ref()) {
+            Ok(p) => p,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        match fstatat(self.base(&held), name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => Ok(Some(st)),
+            Err(Errno::ENOENT) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Whether `rel` exists (a link counts, whatever it points at).
+    pub fn exists(&self, rel: impl AsRef<Path>) -> io::Result<bool> {
+        Ok(self.entry(rel)?.is_some())
+    }
+
+    /// Whether `rel` is a regular file (not through a link).
+    pub fn is_file(&self, rel: impl AsRef<Path>) -> io::Result<bool> {
+        Ok(self
+            .entry(rel)?
+            .is_some_and(|st| kind(&st) == SFlag::S_IFREG))
+    }
+
+    /// The names in the directory `rel` (without `.` and `..`), sorted.
+    pub fn entries(&self, rel: impl AsRef<Path>) -> io::Result<Vec<OsString>> {
+        let dir = self.dir(rel)?;
+        let mut stream = nix::dir::Dir::from_fd(dir.fd)?;
+        let mut names = Vec::new();
+        for entry in stream.iter() {
+            let name = entry?.file_name().to_bytes().to_vec();
+            if name != b"." && name != b".." {
+                names.push(OsStr::from_bytes(&name).to_owned());
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+
+    /// Opens the file `rel` as `access` says. A file opened to write must be a regular file
+    /// with one name or a block device; any file must be one of those two.
+    pub fn open_file(&self, rel: impl AsRef<Path>, access: Access) -> io::Result<File> {
+        self.open_with(rel.as_ref(), access, OFlag::empty())
+    }
+
+    /// [`Dir::open_file`] with `O_DIRECT` (the file system may refuse it: `EINVAL`).
+    pub fn open_file_direct(&self, rel: impl AsRef<Path>, access: Access) -> io::Result<File> {
+        self.open_with(rel.as_ref(), access, OFlag::O_DIRECT)
+    }
+
+    fn open_with(&self, rel: &Path, access: Access, extra: OFlag) -> io::Result<File> {
+        let (held, name) = self.parent(rel)?;
+        let base = self.base(&held);
+        // Non-blocking until checked: opening a FIFO to read would wait for a writer.
+        let flags =
+            access.flags() | extra | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK;
+        let fd = openat(base, name, flags, Mode::from_bits_truncate(0o666))
+            .map_err(|e| at_error(base, name, e))?;
+        let st = fstat(&fd)?;
+        check_writable(&st).or_else(|e| {
+            let readable = matches!(kind(&st), SFlag::S_IFREG | SFlag::S_IFBLK);
+            if access.writes() || !readable {
+                Err(e)
+            } else {
+                Ok(())
+            }
+        })?;
+        let without_nonblock =
+            OFlag::from_bits_truncate(fcntl(&fd, FcntlArg::F_GETFL)?).difference(OFlag::O_NONBLOCK);
+        fcntl(&fd, FcntlArg::F_SETFL(without_nonblock))?;
+        Ok(File::from(fd))
+    }
+
+    /// The contents of the file `rel`.
+    pub fn read(&self, rel: impl AsRef<Path>) -> io::Result<Vec<u8>> {
+        let mut bytes = Vec::new();
+        self.open_file(rel, Access::Read)?.read_to_end(&mut bytes)?;
+        Ok(bytes)
+    }
+
+    /// The contents of the text file `rel`.
+    pub fn read_to_string(&self, rel: impl AsRef<Path>) -> io::Result<String> {
+        let mut text = String::new();
+        self.open_file(rel, Access::Read)?
+            .read_to_string(&mut text)?;
+        Ok(text)
+    }
+
+    /// Renames `from` to `to` (both beneath this directory; `to` is replaced if it exists).
+    pub fn rename(&self, from: impl AsRef<Path>, to: impl AsRef<Path>) -> io::Result<()> {
+        let (from_held, from_name) = self.parent(from.as_ref())?;
+        let (to_held, to_name) = self.parent(to.as_ref())?;
+        renameat(
+            self.base(&from_held),
+            from_name,
+            self.base(&to_held),
+            to_name,
+        )?;
+        Ok(())
+    }
+
+    /// Removes the file (or link) `rel`.
+    pub fn remove_file(&self, rel: impl AsRef<Path>) -> io::Result<()> {
+        let (held, name) = self.parent(rel.as_ref())?;
+        unlinkat(self.base(&held), name, UnlinkatFlags::NoRemoveDir)?;
+        Ok(())
+    }
+
+    /// Removes `rel` and, if it is a directory, everything in it; links are removed, never
+    /// followed.
+    pub fn remove_all(&self, rel: impl AsRef<Path>) -> io::Result<()> {
+        let (held, name) = self.parent(rel.as_ref())?;
+        remove_entry(self.base(&held), name)
+    }
+
+    /// Writes `bytes` to `rel` through a synced temporary file (`rel` with `.tmp` added) and a
+    /// rename, then syncs the directory: `rel` holds the old bytes or the new, never a part.
+    pub fn write_atomically(&self, rel: impl AsRef<Path>, bytes: &[u8]) -> io::Result<()> {
+        let rel = rel.as_ref();
+        let mut tmp_name = rel.as_os_str().to_owned();
+        tmp_name.push(".tmp");
+        let tmp = Path::new(&tmp_name);
+        match self.remove_file(tmp) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        let mut f = self.open_file(tmp, Access::CreateNew)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        self.rename(tmp, rel)?;
+        let (held, _) = self.parent(rel)?;
+        fsync(self.base(&held))?;
+        Ok(())
+    }
+
+    /// Flushes the directory's entries (after a rename or a new file in it).
+    pub fn sync(&self) -> io::Result<()> {
+        Ok(fsync(&self.fd)?)
+    }
+}
+
+fn remove_entry(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    let st = match fstatat(parent, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+        Ok(st) => st,
+        Err(Errno::ENOENT) => return Err(io::ErrorKind::NotFound.into()),
+        Err(e) => return Err(e.into()),
+    };
+    if kind(&st) != SFlag::S_IFDIR {
+        unlinkat(parent, name, UnlinkatFlags::NoRemoveDir)?;
+        return Ok(());
+    }
+    let fd = openat(parent, name, dir_flags(), Mode::empty())?;
+    let children: Vec<OsString> = {
+        let mut stream = nix::dir::Dir::from_fd(fd.try_clone()?)?;
+        stream
+            .iter()
+            .filter_map(Result::ok)
+            .map(|e| OsStr::from_bytes(e.file_name().to_bytes()).to_owned())
+            .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
+            .collect()
+    };
+    for child in &children {
+        remove_entry(fd.as_fd(), child)?;
+    }
+    unlinkat(parent, name, UnlinkatFlags::RemoveDir)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::symlink;
+
+    use super::*;
+
+    fn setup() -> (tempfile::TempDir, Dir) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = Dir::open(tmp.path()).unwrap();
+        (tmp, dir)
+    }
+
+    #[test]
+    fn writes_land_in_the_opened_directory_even_after_its_path_is_swapped_for_a_link() {
+        let (tmp, _) = setup();
+        let run = tmp.path().join("run");
+        std::fs::create_dir(&run).unwrap();
+        let dir = Dir::open(&run).unwrap();
+        let elsewhere = tmp.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::fs::rename(&run, tmp.path().join("moved")).unwrap();
+        symlink(&elsewhere, &run).unwrap();
+        dir.write_atomically("run.toml", b"x = 1\n").unwrap();
+        dir.create_dir_all("checkpoints/epoch-1").unwrap();
+        assert_eq!(
+            std::fs::read(tmp.path().join("moved/run.toml")).unwrap(),
+            b"x = 1\n"
+        );
+        assert!(tmp.path().join("moved/checkpoints/epoch-1").is_dir());
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn links_inside_are_never_followed() {
+        let (tmp, dir) = setup();
+        let victim = tmp.path().join("victim");
+        std::fs::create_dir(&victim).unwrap();
+        std::fs::write(victim.join("f"), b"keep").unwrap();
+        symlink(&victim, tmp.path().join("sub")).unwrap();
+        symlink(victim.join("f"), tmp.path().join("metrics.jsonl")).unwrap();
+        for e in [
+            dir.open_file("metrics.jsonl", Access::Append).unwrap_err(),
+            dir.open_file("metrics.jsonl", Access::Read).unwrap_err(),
+            dir.open_file("sub/f", Access::ReadWrite).unwrap_err(),
+            dir.create_dir_all("sub/x").unwrap_err(),
+            dir.write_atomically("sub/f", b"no").unwrap_err(),
+        ] {
+            assert!(e.to_string().contains("symbolic link"), "{e}");
+        }
+        // A link in place of the temporary or the target is replaced, not written through.
+        dir.write_atomically("metrics.jsonl", b"mine").unwrap();
+        assert_eq!(std::fs::read(victim.join("f")).unwrap(), b"keep");
+        assert_eq!(
+            std::fs::read(tmp.path().join("metrics.jsonl")).unwrap(),
+            b"mine"
+        );
+        // Removing a tree removes a link in it, not what it points at.
+        dir.remove_all("sub").unwrap();
+        assert!(victim.join("f").exists());
+    }
+
+    #[test]
+    fn names_outside_the_directory_are_refused() {
+        let (_tmp, dir) = setup();
+        for rel in ["../x", "/etc/passwd", "a/../../x", ""] {
+            assert!(dir.open_file(rel, Access::Read).is_err(), "{rel}");
+        }
+        assert!(dir.dir("..").is_err());
+    }
+
+    #[test]
+    fn hard_links_and_special_files_are_not_written() {
+        let (tmp, dir) = setup();
+        std::fs::write(tmp.path().join("a"), b"keep").unwrap();
+        std::fs::hard_link(tmp.path().join("a"), tmp.path().join("b")).unwrap();
+        let e = dir.open_file("b", Access::Append).unwrap_err();
+        assert!(e.to_string().contains("2 names"), "{e}");
+        // Reading one is fine: it harms nobody.
+        assert_eq!(dir.read("b").unwrap(), b"keep");
+        nix::unistd::mkfifo(&tmp.path().join("fifo"), Mode::from_bits_truncate(0o600)).unwrap();
+        // Opening a FIFO to read would block without O_NONBLOCK; it is refused instead.
+        let e = dir.read("fifo").unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        let e = dir.open_file("", Access::Read).unwrap_err();
+        assert!(e.to_string().contains("names no entry"), "{e}");
+    }
+
+    #[test]
+    fn files_round_trip_and_trees_go() {
+        let (tmp, dir) = setup();
+        let sub = dir.create_dir_all("a/b").unwrap();
+        sub.write_atomically("t", b"1").unwrap();
+        assert_eq!(dir.read_to_string("a/b/t").unwrap(), "1");
+        assert!(dir.is_file("a/b/t").unwrap());
+        assert!(!dir.exists("a/b/nope").unwrap());
+        assert!(!dir.exists("nope/deeper").unwrap());
+        let mut f = dir.open_file("a/new", Access::CreateNew).unwrap();
+        f.write_all(b"n").unwrap();
+        assert!(dir.open_file("a/new", Access::CreateNew).is_err());
+        dir.rename("a/new", "a/b/renamed").unwrap();
+        assert_eq!(
+            dir.entries("a/b").unwrap(),
+            vec![OsString::from("renamed"), OsString::from("t")]
+        );
+        dir.remove_all("a").unwrap();
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+        assert_eq!(
+            dir.remove_all("a").unwrap_err().kind(),
+            io::ErrorKind::NotFound
+        );
+    }
+
+    #[test]
+    fn a_guard_sees_the_opened_directory() {
+        struct OnlyEmpty;
+        impl Guard for OnlyEmpty {
+            fn admit(&self, dir: &Dir) -> io::Result<()> {
+                if dir.entries(".")?.is_empty() {
+                    Ok(())
+                } else {
+                    Err(io::Error::new(io::ErrorKind::PermissionDenied, "not empty"))
+                }
+            }
+        }
+        let (tmp, _) = setup();
+        assert!(Dir::open_guarded(tmp.path(), &OnlyEmpty).is_ok());
+        std::fs::write(tmp.path().join("x"), b"").unwrap();
+        let e = Dir::open_guarded(tmp.path(), &OnlyEmpty).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
+    }
+}
