@@ -288,6 +288,46 @@ extern "C" __global__ void legend_loss(float* __restrict__ scores, const float* 
     }
 }
 
+// Slot of an edge in the known-edge table (legend-cuda's known.rs builds it with the same
+// hash): splitmix64 of the endpoints, keyed by the relation.
+__device__ __forceinline__ u64 legend_edge_hash(u32 src, u32 rel, u32 dst) {
+    return legend_mix((((u64)src << 32) | dst) ^ legend_mix((u64)rel + LEGEND_GOLDEN));
+}
+
+// Whether (src, rel, dst) is in the table: open addressing, linear probing, slots of
+// {src, rel, dst, 1} and {0, 0, 0, 0} for empty; capacity_mask + 1 slots, at most half full.
+__device__ __forceinline__ bool legend_known(const uint4* __restrict__ table, u64 capacity_mask,
+                                             u32 src, u32 rel, u32 dst) {
+    for (u64 i = legend_edge_hash(src, rel, dst) & capacity_mask;; i = (i + 1) & capacity_mask) {
+        uint4 slot = table[i];
+        if (slot.w == 0u) return false;
+        if (slot.x == src && slot.y == rel && slot.z == dst) return true;
+    }
+}
+
+// Filtered negatives (training.negatives.filtered): sets to −∞ the score of every negative
+// that, put in its edge's place, makes a known edge, so the loss leaves it out with a zero
+// gradient, as the CPU engine's exclusion masks do. `edges` and `negs` hold global ids (the
+// engine keeps copies from before the slot remap). One thread a (row, negative) of a job;
+// blockIdx.y is the job in the group, job 2c replacing sources and 2c + 1 destinations.
+extern "C" __global__ void legend_filter_known(const u32* __restrict__ edges,
+                                               const u32* __restrict__ row0,
+                                               const u32* __restrict__ rows, u32 first_job,
+                                               u32 max_rows, const u32* __restrict__ negs, u32 k,
+                                               const uint4* __restrict__ table,
+                                               u64 capacity_mask, float* __restrict__ scores) {
+    u32 z = blockIdx.y;
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 r = t / k, j = t % k;
+    if (r >= rows[z]) return;
+    const u32* e = edges + 3ull * (row0[z] + r);
+    u32 job = first_job + z;
+    u32 n = negs[(u64)job * k + j];
+    u32 src = (job & 1u) ? e[0] : n, dst = (job & 1u) ? n : e[2];
+    if (legend_known(table, capacity_mask, src, e[1], dst))
+        scores[((u64)z * max_rows + r) * k + j] = __int_as_float(0xff800000);
+}
+
 // Marks `id` in `flags`; the first marker appends it to the block's list.
 __device__ __forceinline__ void legend_mark_local(u32* flags, u32 id, u32* list, u32* count) {
     if (atomicExch(&flags[id], 1u) == 0u) list[atomicAdd(count, 1u)] = id;

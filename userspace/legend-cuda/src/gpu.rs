@@ -33,6 +33,7 @@ pub(crate) struct Kernels {
     pub(crate) negatives_backward: CudaFunction,
     pub(crate) adagrad: CudaFunction,
     pub(crate) count_uses: CudaFunction,
+    pub(crate) filter_known: CudaFunction,
     /// The fused kernels' operand scales and FP16 copy of the negatives.
     pub(crate) fused_absmax: CudaFunction,
     pub(crate) gather_negatives_half: CudaFunction,
@@ -206,6 +207,7 @@ impl Gpu {
             negatives_backward: f("legend_negatives_backward")?,
             adagrad: f("legend_adagrad")?,
             count_uses: f("legend_count_uses")?,
+            filter_known: f("legend_filter_known")?,
             fused_absmax: f("legend_fused_absmax")?,
             gather_negatives_half: f("legend_gather_negatives_half")?,
             // The fused programs in order, narrowest first (`nvrtc::PROGRAMS`).

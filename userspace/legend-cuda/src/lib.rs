@@ -24,7 +24,8 @@ mod transfer;
 
 pub use batch::gather_batch;
 pub use engine::{
-    BatchShape, DeviceTable, GpuBatchEngine, SlotMap, init_rows, negative_keys, rng_vectors,
+    BatchShape, DeviceTable, GpuBatchEngine, SlotMap, init_rows, known_edges_bytes, negative_keys,
+    rng_vectors,
 };
 pub use gpu::{Gpu, driver_present};
 pub use transfer::{DEFAULT_CHUNK_BYTES, RowSpan, Transfer};

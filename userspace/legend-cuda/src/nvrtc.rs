@@ -136,6 +136,7 @@ pub const PROGRAMS: [Program; 6] = [
             "legend_negatives_backward",
             "legend_adagrad",
             "legend_count_uses",
+            "legend_filter_known",
             "legend_fused_absmax",
             "legend_gather_negatives_half",
         ],

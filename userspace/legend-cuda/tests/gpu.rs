@@ -3,6 +3,8 @@
 //! Needs a GPU: the tests are `#[ignore]`d, so a plain `cargo test` reports them skipped;
 //! `--include-ignored` runs them (scripts/gpu/run-all.sh).
 
+use std::collections::HashSet;
+
 use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, SlotMap, negative_keys};
 use legend_dataset::PartitionScheme;
 use legend_engine::sampler::NegativeSampler;
@@ -151,6 +153,7 @@ fn cpu_step(
     rel: &[f32],
     edges: &[[u32; 3]],
     negs: &[u32],
+    known: Option<&HashSet<[u32; 3]>>,
 ) -> (f64, Vec<f32>, Vec<f32>) {
     let d = case.dim;
     let model = ChunkModel {
@@ -181,14 +184,26 @@ fn cpu_step(
         };
         let neg_src = rows(emb, &mut ns.iter().copied());
         let neg_dst = rows(emb, &mut nd.iter().copied());
+        // The CPU engine's exclusion masks: a negative that makes a known edge in place of
+        // the positive's source (destination).
+        let mask = |side: &[u32], edge: fn(&[u32; 3], u32) -> [u32; 3]| -> Option<Vec<bool>> {
+            let known = known?;
+            Some(
+                part.iter()
+                    .flat_map(|e| side.iter().map(move |&n| known.contains(&edge(e, n))))
+                    .collect(),
+            )
+        };
+        let exclude_src = mask(ns, |e, n| [n, e[1], e[2]]);
+        let exclude_dst = mask(nd, |e, n| [e[0], e[1], n]);
         let chunk = Chunk {
             src: &src,
             rel: &r,
             dst: &dst,
             neg_src: &neg_src,
             neg_dst: &neg_dst,
-            exclude_src: None,
-            exclude_dst: None,
+            exclude_src: exclude_src.as_deref(),
+            exclude_dst: exclude_dst.as_deref(),
         };
         loss += ws.forward_backward(&model, &chunk);
         let g = ws.grads();
@@ -229,6 +244,12 @@ fn cleared(gpu: &Gpu, t: &DeviceTable) -> bool {
 }
 
 fn check_step(gpu: &Gpu, case: &Case, s: u64) {
+    check_step_with(gpu, case, s, false);
+}
+
+/// `filtered`: the step filters its negatives against a set of known edges that holds the
+/// batch and, for each positive, about a tenth of its chunk's negatives on each side.
+fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
     let mut rng = Rng(s ^ case.dim as u64 ^ ((case.k as u64) << 20));
     let (entities, relations, d) = (4001usize, 37usize, case.dim);
     let mut value = |scale: f32, exact: bool| {
@@ -276,8 +297,26 @@ fn check_step(gpu: &Gpu, case: &Case, s: u64) {
         negatives: case.k,
         group: case.group,
     };
+    let known = filtered.then(|| {
+        let mut known: HashSet<[u32; 3]> = edges.iter().copied().collect();
+        let b = edges.len();
+        for (i, e) in edges.iter().enumerate() {
+            let c = (0..chunks)
+                .find(|&c| i < (c + 1) * b / chunks)
+                .expect("every row is in a chunk");
+            for j in (i % 10..case.k).step_by(10) {
+                known.insert([negs[2 * c * case.k + j], e[1], e[2]]);
+                known.insert([e[0], e[1], negs[(2 * c + 1) * case.k + j]]);
+            }
+        }
+        known
+    });
     let degrees = vec![1u32; entities];
     let mut engine = GpuBatchEngine::new(gpu, model, opt, shape, &degrees, relations).unwrap();
+    if let Some(known) = &known {
+        let list: Vec<[u32; 3]> = known.iter().copied().collect();
+        engine.set_known_edges(gpu, &list).unwrap();
+    }
     let mut nodes = DeviceTable::from_host(gpu, d, &emb, &state).unwrap();
     let mut rels = DeviceTable::from_host(gpu, d, &rel, &rel_state).unwrap();
     engine.set_batch(gpu, &edges).unwrap();
@@ -290,11 +329,26 @@ fn check_step(gpu: &Gpu, case: &Case, s: u64) {
     let gn = nodes.pending_gradients(gpu).unwrap();
     let gr = rels.pending_gradients(gpu).unwrap();
 
-    let (want_loss, want_gn, want_gr) = cpu_step(case, &emb, &rel, &edges, &negs);
+    let (want_loss, want_gn, want_gr) = cpu_step(case, &emb, &rel, &edges, &negs, known.as_ref());
     let what = format!(
-        "{} {} d={} B={} C={} k={} group={} scale={}",
-        case.decoder, case.loss, d, case.batch, case.chunks, case.k, case.group, case.scale
+        "{} {} d={} B={} C={} k={} group={} scale={}{}",
+        case.decoder,
+        case.loss,
+        d,
+        case.batch,
+        case.chunks,
+        case.k,
+        case.group,
+        case.scale,
+        if filtered { " filtered" } else { "" }
     );
+    if filtered {
+        // The filter must matter: the same step unfiltered has another loss.
+        let (unfiltered, _, _) = cpu_step(case, &emb, &rel, &edges, &negs, None);
+        let change = (unfiltered - want_loss).abs() / want_loss.abs().max(1e-30);
+        println!("{what}: filtering changes the CPU loss by {change:.2e}");
+        assert!(change > 1e-2, "{what}: too few negatives filtered to test");
+    }
     let loss_err = (loss - want_loss).abs() / want_loss.abs().max(1e-30);
     let gn_err = rel_err(&gn, &want_gn);
     println!("{what}: loss {loss:.6e} (rel err {loss_err:.2e}), node grad rel err {gn_err:.2e}");
@@ -500,6 +554,58 @@ fn training_step_matches_the_cpu_engine() {
     ];
     for case in &cases {
         check_step(&gpu, case, s);
+    }
+}
+
+/// Filtered negatives (`set_known_edges`): the fused decoders switch to the unfused products,
+/// whose scores the filter reaches; every loss and TransE, against the CPU's exclusion masks.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn filtered_negatives_match_the_cpu_engine() {
+    let gpu = gpu();
+    let s = seed("filtered");
+    let complex = Case {
+        decoder: Decoder::ComplEx,
+        loss: Loss::SoftmaxCe,
+        dim: 100,
+        batch: 3001,
+        chunks: 3,
+        k: 260,
+        group: 2,
+        exact: false,
+        scale: 1.0,
+    };
+    let cases = [
+        complex,
+        Case {
+            decoder: Decoder::Dot,
+            loss: Loss::Logistic,
+            dim: 64,
+            batch: 999,
+            chunks: 4,
+            k: 129,
+            group: 4,
+            ..complex
+        },
+        Case {
+            decoder: Decoder::DistMult,
+            loss: Loss::Ranking { margin: 0.1 },
+            dim: 36,
+            exact: true,
+            ..complex
+        },
+        Case {
+            decoder: Decoder::TransEL2,
+            loss: Loss::SoftmaxCe,
+            dim: 40,
+            batch: 1200,
+            chunks: 2,
+            k: 100,
+            ..complex
+        },
+    ];
+    for case in &cases {
+        check_step_with(&gpu, case, s, true);
     }
 }
 

@@ -484,18 +484,6 @@ impl Config {
         self.training.device
     }
 
-    /// Whether the GPU engine can train this configuration; the error names the key it
-    /// cannot run (filtered negatives train on the CPU only).
-    pub fn cuda_support(&self) -> Result<(), ConfigError> {
-        if self.training.negatives.filtered {
-            return Err(bad(
-                "training.negatives.filtered",
-                "filtered negatives run on the CPU only (training.device = \"cpu\")",
-            ));
-        }
-        Ok(())
-    }
-
     /// Buffer capacity with 0 resolved to N.
     pub fn capacity(&self) -> u32 {
         match self.storage.buffer_capacity {
@@ -526,9 +514,6 @@ impl Config {
         }
         if !(0.0..=1.0).contains(&s.gpu_edge_fraction) {
             return Err(bad("storage.gpu_edge_fraction", "must be between 0 and 1"));
-        }
-        if let DeviceChoice::Cuda(_) = self.training.device {
-            self.cuda_support()?;
         }
         let t = &self.training;
         if t.num_epochs == 0 {
@@ -708,14 +693,6 @@ mod tests {
             ("", &["training.device=\"cuda:x\""], "training.device"),
             (
                 "",
-                &[
-                    "training.device=\"cuda:0\"",
-                    "training.negatives.filtered=true",
-                ],
-                "training.negatives.filtered",
-            ),
-            (
-                "",
                 &["storage.device=cpu", "training.device=cpu"],
                 "set only training.device",
             ),
@@ -739,15 +716,15 @@ mod tests {
     }
 
     #[test]
-    fn every_decoder_runs_on_cuda() {
+    fn every_decoder_and_filtered_negatives_run_on_cuda() {
         for decoder in Decoder::ALL {
             let sets = [
                 "training.device=\"cuda:0\"".to_string(),
                 format!("model.decoder={decoder}"),
+                "training.negatives.filtered=true".to_string(),
             ];
             let c = Config::parse("", &sets).unwrap_or_else(|e| panic!("{decoder}: {e}"));
             assert_eq!(c.decoder(), decoder);
-            assert!(c.cuda_support().is_ok(), "{decoder}");
         }
     }
 

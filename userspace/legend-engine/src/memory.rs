@@ -235,6 +235,8 @@ pub struct GpuEstimate {
     pub all_edges: u64,
     /// Degree prefix sums (degree-based negatives), context, kernels and batch workspace.
     pub workspace: u64,
+    /// The table of known edges of filtered negatives (`training.negatives.filtered`), or 0.
+    pub known_edges: u64,
 }
 
 impl GpuEstimate {
@@ -272,6 +274,11 @@ impl GpuEstimate {
             edges_resident,
             all_edges,
             workspace: (scheme.entities + 1) * 8 + DEVICE_WORKSPACE_BYTES,
+            known_edges: if config.training.negatives.filtered {
+                legend_cuda::known_edges_bytes(bucket_edges.iter().sum())
+            } else {
+                0
+            },
         }
     }
 
@@ -283,7 +290,7 @@ impl GpuEstimate {
 
     /// The whole estimate in bytes.
     pub fn total(&self) -> u64 {
-        self.nodes + self.relations + self.edges + self.workspace
+        self.nodes + self.relations + self.edges + self.workspace + self.known_edges
     }
 
     /// Refuses the run when the estimate exceeds `free` bytes of `device`'s memory, saying
@@ -294,6 +301,12 @@ impl GpuEstimate {
         }
         let short = self.total() - free;
         let mut advice = Vec::new();
+        if self.known_edges >= short {
+            advice.push(format!(
+                "turn training.negatives.filtered off (its table of the known edges takes {:.1} GiB)",
+                gib(self.known_edges)
+            ));
+        }
         if self.edges_resident && self.all_edges >= short {
             advice.push(format!(
                 "keep the edges ({:.1} GiB) in host memory, streamed a bucket at a time, with a lower storage.gpu_edge_fraction (now {})",
@@ -324,12 +337,13 @@ impl GpuEstimate {
             ));
         }
         Err(format!(
-            "training on {device} needs about {:.1} GiB of its memory ({:.1} GiB of node rows with their AdaGrad state and gradients, {:.1} GiB of relation rows, {:.1} GiB of edges, {:.1} GiB of workspace) but {:.1} GiB is free: {}",
+            "training on {device} needs about {:.1} GiB of its memory ({:.1} GiB of node rows with their AdaGrad state and gradients, {:.1} GiB of relation rows, {:.1} GiB of edges, {:.1} GiB of workspace, {:.1} GiB of known edges) but {:.1} GiB is free: {}",
             gib(self.total()),
             gib(self.nodes),
             gib(self.relations),
             gib(self.edges),
             gib(self.workspace),
+            gib(self.known_edges),
             gib(free),
             advice.join("; or ")
         ))

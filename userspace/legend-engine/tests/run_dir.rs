@@ -156,20 +156,14 @@ fn a_directory_the_guard_refuses_is_never_written() {
     )
     .err()
     .expect("the store's directory is refused");
-    assert!(
-        chain(&e).contains("not the submitter's directory"),
-        "{e}"
-    );
+    assert!(chain(&e).contains("not the submitter's directory"), "{e}");
     assert!(!out.exists(), "a refused run leaves no directory");
     assert!(names(&other).is_empty(), "{:?}", names(&other));
     // A run in the refused directory.
     let e = Session::create(&other.join("run"), &ds, config(&[]), &refuse)
         .err()
         .expect("the run's parent is refused");
-    assert!(
-        chain(&e).contains("not the submitter's directory"),
-        "{e}"
-    );
+    assert!(chain(&e).contains("not the submitter's directory"), "{e}");
     assert!(names(&other).is_empty());
     // An export into it, of a run trained elsewhere.
     let mut session =
@@ -184,10 +178,7 @@ fn a_directory_the_guard_refuses_is_never_written() {
         &refuse,
     )
     .expect_err("the export's parent is refused");
-    assert!(
-        chain(&e).contains("not the submitter's directory"),
-        "{e}"
-    );
+    assert!(chain(&e).contains("not the submitter's directory"), "{e}");
     assert!(names(&other).is_empty());
     // The same export where the guard admits it lands there.
     legend_engine::export::export(

@@ -18,8 +18,9 @@
 //!
 //! Laid out by concern: `args` holds the kernels' argument structs, `table` the device tables
 //! and their initialisation, `unfused` the three products as separate kernels (TF32 or
-//! distances), `fused` the kernels that keep the score matrices on chip; this file the engine
-//! itself: batch set-up, negatives, the passes over job groups, and AdaGrad.
+//! distances), `fused` the kernels that keep the score matrices on chip, `known` the table of
+//! known edges of filtered negatives; this file the engine itself: batch set-up, negatives, the
+//! passes over job groups, and AdaGrad.
 
 use std::ops::Range;
 
@@ -33,13 +34,16 @@ use crate::{Gpu, GpuError};
 
 mod args;
 mod fused;
+mod known;
 mod table;
 mod unfused;
 
+pub use known::known_edges_bytes;
 pub(crate) use table::init_params;
 pub use table::{DeviceTable, init_rows, rng_vectors};
 
 use args::{DirectArgs, GemmArgs, JobArgs, Matrices};
+use known::KnownEdges;
 use unfused::{LOSS_ROWS, Product, SLICE, TILE};
 
 /// The keys of the negative lists of one batch as the CPU trainer forms them: list
@@ -159,6 +163,8 @@ pub struct GpuBatchEngine {
     no_rel_u32: CudaSlice<u32>,
     /// Where node rows live, when the node table is slot-indexed, with its device copy.
     slots: Option<(SlotMap, CudaSlice<u32>)>,
+    /// Filtered negatives: the known edges (see [`GpuBatchEngine::set_known_edges`]).
+    known: Option<KnownEdges>,
     /// When profiling: events recorded after each phase, with the phase's name.
     marks: Option<Vec<(&'static str, CudaEvent)>>,
 }
@@ -305,8 +311,39 @@ impl GpuBatchEngine {
             no_rel: gpu.zeros(d)?,
             no_rel_u32: gpu.zeros(1)?,
             slots: None,
+            known: None,
             marks: None,
         })
+    }
+
+    /// Filters the negatives against `edges` (the training edges, global ids): a negative
+    /// that, put in place of its positive's source (or destination), makes one of them drops
+    /// out of that positive's loss, as `training.negatives.filtered` does on the CPU. The
+    /// step then runs the unfused products, whose score matrices the filter can reach (the
+    /// fused kernels keep theirs on chip).
+    pub fn set_known_edges(&mut self, gpu: &Gpu, edges: &[[u32; 3]]) -> Result<(), GpuError> {
+        let lists = 2 * self.shape.num_chunks;
+        let (group, rows, k, d) = (
+            self.shape.group,
+            self.max_rows,
+            self.shape.negatives,
+            self.model.dim,
+        );
+        self.known = Some(KnownEdges::new(
+            gpu,
+            edges,
+            self.shape.max_batch,
+            lists * k,
+        )?);
+        if self.fused.take().is_some() {
+            self.scores = gpu.zeros(group * rows * k)?;
+            self.neg_rows = gpu.zeros(group * k * d)?;
+            self.neg_half = gpu.zeros(1)?;
+            self.query_half = gpu.zeros(1)?;
+            self.g = gpu.zeros(1)?;
+            self.corr = gpu.zeros(1)?;
+        }
+        Ok(())
     }
 
     /// The shapes the engine was made for (its group clamped to the jobs of a batch).
@@ -461,6 +498,14 @@ impl GpuBatchEngine {
     /// After the `b` edges of a batch are in `edges` (global ids): rewrites them into slot rows
     /// and splits the batch into chunks.
     fn finish_batch(&mut self, gpu: &Gpu, b: usize) -> Result<(), GpuError> {
+        if let Some(known) = &mut self.known {
+            gpu.stream()
+                .memcpy_dtod(
+                    &self.edges.slice(..3 * b),
+                    &mut known.edges.slice_mut(..3 * b),
+                )
+                .during("copying the batch's global ids")?;
+        }
         Self::remap(&self.slots, gpu, &mut self.edges, 3 * b, 3, 0b101)?;
         let chunks = self.shape.num_chunks.min(b);
         if (b, chunks) != (self.batch_len, self.chunks) {
@@ -540,6 +585,14 @@ impl GpuBatchEngine {
         // entities + 1 (ranges checked above), and negs lists × k: all the kernel touches.
         unsafe { b.launch(grid_1d((lists * k) as u64)?) }
             .during("launching legend_sample_negatives")?;
+        if let Some(known) = &mut self.known {
+            gpu.stream()
+                .memcpy_dtod(
+                    &self.negs.slice(..lists * k),
+                    &mut known.negs.slice_mut(..lists * k),
+                )
+                .during("copying the negatives' global ids")?;
+        }
         Self::remap(&self.slots, gpu, &mut self.negs, lists * k, 1, 1)?;
         self.mark(gpu, "sample")?;
         Ok(())
@@ -557,6 +610,9 @@ impl GpuBatchEngine {
             )));
         }
         gpu.write(ids, &mut self.negs)?;
+        if let Some(known) = &mut self.known {
+            gpu.write(ids, &mut known.negs)?;
+        }
         Self::remap(&self.slots, gpu, &mut self.negs, want, 1, 1)
     }
 
@@ -742,6 +798,30 @@ impl GpuBatchEngine {
                 .m_rows(rows_ptr);
                 self.product(gpu, Product::Scores, &scores, gz, 1)?;
                 self.mark(gpu, "scores_product")?;
+                if let Some(known) = &self.known {
+                    let (mr32, row0_ptr) = (max_rows as u32, job_args.row0);
+                    let mut b = s.launch_builder(&kern.filter_known);
+                    b.arg(&known.edges)
+                        .arg(&row0_ptr)
+                        .arg(&rows_ptr)
+                        .arg(&g032)
+                        .arg(&mr32)
+                        .arg(&known.negs)
+                        .arg(&k32)
+                        .arg(&known.table)
+                        .arg(&known.capacity_mask)
+                        .arg(&mut self.scores);
+                    let cfg = LaunchConfig {
+                        grid_dim: (blocks(max_rows * k, 256), gz, 1),
+                        ..warps(0)
+                    };
+                    // SAFETY: known.edges holds the batch in global ids (3 a row, rows from
+                    // row0), known.negs its lists × k negatives, the table capacity_mask + 1
+                    // slots of four (at most half full: every probe ends), scores group ×
+                    // max_rows × k floats.
+                    unsafe { b.launch(cfg) }.during("launching legend_filter_known")?;
+                    self.mark(gpu, "filter_known")?;
+                }
 
                 let mut b = s.launch_builder(&kern.loss);
                 let mr32 = max_rows as u32;

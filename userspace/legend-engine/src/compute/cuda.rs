@@ -155,7 +155,6 @@ impl CudaCompute {
         degrees: &[u32],
         relations: &Relations,
     ) -> Result<CudaCompute, TrainError> {
-        config.cuda_support()?;
         let scheme = buckets.scheme();
         let t = &config.training;
         let dim = config.model.dim;
@@ -221,6 +220,9 @@ impl CudaCompute {
         let mut engine =
             GpuBatchEngine::new(&gpu, model, optimizer, shape, degrees, num_relations)?;
         engine.set_loss_accumulation(true);
+        if t.negatives.filtered {
+            engine.set_known_edges(&gpu, buckets.edges())?;
+        }
         let capacity = config.capacity();
         let slotted = capacity < scheme.num_partitions;
         let table_rows = if slotted {
