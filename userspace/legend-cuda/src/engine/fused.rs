@@ -4,9 +4,11 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::args::FusedArgs;
-use super::{GpuBatchEngine, blocks, loss_code};
+use super::{GpuBatchEngine, Path, blocks, loss_code};
 use crate::error::DriverContext;
-use crate::gpu::{FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_TILE, fused_dim_pad, fused_k_pad};
+use crate::gpu::{
+    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_TILE, fused_dim_pad, fused_k_pad, fused_rows_pad,
+};
 use crate::{Gpu, GpuError};
 
 /// Blocks the fused negatives kernel aims at (about eight per multiprocessor of an H100, so
@@ -18,18 +20,68 @@ const FUSED_BLOCKS: usize = 1024;
 /// multiprocessor, about eight negatives a warp.
 const FUSED_ABSMAX_BLOCKS: u32 = 16;
 
+/// What only the fused path holds: the FP16 operands, G, the softmax factors and the
+/// operands' scales (`LegendFused` in `kernels/fused.cuh` has the layouts).
+pub(super) struct FusedBuffers {
+    /// The fused kernels' index in `Kernels::fused` (the narrowest that fit the rows).
+    which: usize,
+    /// The negatives and the queries in FP16 (pairs of values, `dim_pad` values a row, in
+    /// tiles of 64 rows; negatives padded to `fused_k_pad(k)`, rows to `fused_rows_pad`).
+    pub(super) neg_half: CudaSlice<u32>,
+    pub(super) query_half: CudaSlice<u32>,
+    /// G of each row and negative (FP16 pairs in blocks of 16 × 16).
+    pub(super) g: CudaSlice<u32>,
+    /// The softmax factors of each row and 64-negative tile.
+    pub(super) corr: CudaSlice<f32>,
+    /// Each job's largest query and negative magnitudes (float bits), which give the FP16
+    /// operands their power-of-two scales.
+    pub(super) absmax: CudaSlice<u32>,
+}
+
+impl FusedBuffers {
+    /// The buffers of the fused kernels `which` for `group` jobs of up to `max_rows` rows
+    /// and `k` negatives.
+    pub(super) fn new(
+        gpu: &Gpu,
+        which: usize,
+        group: usize,
+        max_rows: usize,
+        k: usize,
+    ) -> Result<FusedBuffers, GpuError> {
+        let half_len = fused_dim_pad(gpu.kernels.fused[which].width) / 2;
+        let (k_pad, rows_pad) = (fused_k_pad(k), fused_rows_pad(max_rows));
+        Ok(FusedBuffers {
+            which,
+            neg_half: gpu.zeros(group * k_pad * half_len)?,
+            query_half: gpu.zeros(group * rows_pad * half_len)?,
+            g: gpu.zeros(group * rows_pad * k_pad / 2)?,
+            corr: gpu.zeros(group * rows_pad * k_pad / FUSED_TILE)?,
+            absmax: gpu.zeros(2 * group)?,
+        })
+    }
+}
+
 impl GpuBatchEngine {
     /// The score, loss and gradient products of the group of `gz` jobs from `g0` through
-    /// the fused kernels `which` (`kernels/fused*.cu*`): the score matrices stay on chip.
+    /// the fused kernels (`kernels/fused*.cu*`): the score matrices stay on chip.
     pub(super) fn fused_products(
         &mut self,
         gpu: &Gpu,
-        which: usize,
         emb: &CudaSlice<f32>,
         g0: usize,
         gz: u32,
     ) -> Result<(), GpuError> {
-        let kernels = &gpu.kernels.fused[which];
+        let Path::Fused(f) = &self.path else {
+            unreachable!("the fused path's products");
+        };
+        let (neg_half, query_half, g, corr, absmax) = (
+            gpu.ptr(&f.neg_half),
+            gpu.ptr(&f.query_half),
+            gpu.ptr(&f.g),
+            gpu.ptr(&f.corr),
+            gpu.ptr(&f.absmax),
+        );
+        let kernels = &gpu.kernels.fused[f.which];
         let (loss, margin) = loss_code(self.model.loss);
         let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
         let dim_pad = fused_dim_pad(kernels.width);
@@ -41,7 +93,7 @@ impl GpuBatchEngine {
             .arg(&k32)
             .arg(&d32)
             .arg(emb)
-            .arg(&mut self.absmax);
+            .arg(&absmax);
         let cfg = LaunchConfig {
             grid_dim: (FUSED_ABSMAX_BLOCKS, gz, 1),
             block_dim: (256, 1, 1),
@@ -59,8 +111,8 @@ impl GpuBatchEngine {
             .arg(&d32)
             .arg(&pad32)
             .arg(emb)
-            .arg(&self.absmax)
-            .arg(&mut self.neg_half);
+            .arg(&absmax)
+            .arg(&neg_half);
         let cfg = LaunchConfig {
             grid_dim: (blocks(fused_k_pad(k) * dim_pad / 2, 256), gz, 1),
             block_dim: (256, 1, 1),
@@ -80,16 +132,16 @@ impl GpuBatchEngine {
         let ranges = max_rows.div_ceil(row_split);
         let args = FusedArgs {
             query: gpu.ptr(&self.query),
-            query_half: gpu.ptr(&self.query_half),
-            negs: gpu.ptr(&self.neg_half),
+            query_half,
+            negs: neg_half,
             pos: gpu.ptr(&self.pos),
             grad_pos: gpu.ptr(&self.grad_pos),
             grad_query: gpu.ptr(&self.grad_query),
             grad_negs: gpu.ptr(&self.grad_negs),
-            g: gpu.ptr(&self.g),
-            corr: gpu.ptr(&self.corr),
+            g,
+            corr,
             rows,
-            absmax: gpu.ptr(&self.absmax),
+            absmax,
             loss_sum: gpu.ptr(&self.loss_sum),
             jobs: gz,
             max_rows: mr32,

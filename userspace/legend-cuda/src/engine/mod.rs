@@ -20,7 +20,8 @@
 //! and their initialisation, `unfused` the three products as separate kernels (TF32 or
 //! distances), `fused` the kernels that keep the score matrices on chip, `known` the table of
 //! known edges of filtered negatives; this file the engine itself: batch set-up, negatives, the
-//! passes over job groups, and AdaGrad.
+//! passes over job groups, and AdaGrad. `Path` is the way an engine's products run, each
+//! way owning the buffers only it uses (`FusedBuffers`, `UnfusedBuffers`).
 
 use std::ops::Range;
 
@@ -29,7 +30,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaView, LaunchConfig, PushKernelArg
 use legend_model::{AdaGrad, ChunkModel, Comparator, Decoder, Loss, Permutation};
 
 use crate::error::DriverContext;
-use crate::gpu::{FUSED_TILE, fused_dim_pad, fused_k_pad, fused_rows_pad, grid_1d};
+use crate::gpu::grid_1d;
 use crate::{Gpu, GpuError};
 
 mod args;
@@ -42,9 +43,10 @@ pub use known::known_edges_bytes;
 pub(crate) use table::init_params;
 pub use table::{DeviceTable, init_rows, rng_vectors};
 
-use args::{DirectArgs, GemmArgs, JobArgs, Matrices};
+use args::{DirectArgs, JobArgs};
+use fused::FusedBuffers;
 use known::KnownEdges;
-use unfused::{LOSS_ROWS, Product, SLICE, TILE};
+use unfused::UnfusedBuffers;
 
 /// The keys of the negative lists of one batch as the CPU trainer forms them: list
 /// `2c + side` uses `key(seed, [2, epoch, batch, c, side])` (side 0 replaces sources).
@@ -132,29 +134,10 @@ pub struct GpuBatchEngine {
     query: CudaSlice<f32>,
     pos: CudaSlice<f32>,
     grad_pos: CudaSlice<f32>,
-    /// The unfused path's dense negatives (FP32, d a row).
-    neg_rows: CudaSlice<f32>,
-    /// The fused kernels' index in `Kernels::fused` when the rows fit them (d ≤ 128); the
-    /// score matrices then stay on chip and `scores` is not used.
-    fused: Option<usize>,
-    /// Fused path: the negatives and the queries in FP16 (pairs of values, `dim_pad` values
-    /// a row, in tiles of 64 rows; negatives padded to `fused_k_pad(k)`, rows to
-    /// `fused_rows_pad`); G of each row and negative (FP16 pairs in blocks of 16 × 16) and
-    /// the softmax factors of each row and 64-negative tile (`LegendFused` in
-    /// `kernels/fused.cuh` has the layouts).
-    neg_half: CudaSlice<u32>,
-    query_half: CudaSlice<u32>,
-    g: CudaSlice<u32>,
-    corr: CudaSlice<f32>,
-    /// Fused path: each job's largest query and negative magnitudes (float bits), which
-    /// give the FP16 operands their power-of-two scales.
-    absmax: CudaSlice<u32>,
-    scores: CudaSlice<f32>,
     grad_query: CudaSlice<f32>,
     grad_negs: CudaSlice<f32>,
-    /// TransE L2's inverse distances (0 at distance 0), the shape of `scores` (one float
-    /// otherwise): the loss overwrites the scores, and the gradients scale G by them.
-    dist: CudaSlice<f32>,
+    /// How the products run, with the buffers that way alone uses.
+    path: Path,
     loss_sum: CudaSlice<f64>,
     /// Whether the loss sum runs on over steps (see `set_loss_accumulation`).
     accumulate_loss: bool,
@@ -167,6 +150,15 @@ pub struct GpuBatchEngine {
     known: Option<KnownEdges>,
     /// When profiling: events recorded after each phase, with the phase's name.
     marks: Option<Vec<(&'static str, CudaEvent)>>,
+}
+
+/// The way a step's three products (scores, dQ, dN) run.
+enum Path {
+    /// The fused kernels (dot comparator, d ≤ 128): the score matrices stay on chip.
+    Fused(FusedBuffers),
+    /// Separate product kernels (d > 128, TransE, filtered negatives): the score matrices
+    /// go through device memory.
+    Unfused(UnfusedBuffers),
 }
 
 /// The kernels' names of the decoders; a decoder's number is its index. The one definition:
@@ -250,17 +242,9 @@ impl GpuBatchEngine {
         } else {
             None
         };
-        // Unfused: one score matrix and the FP32 negatives per job of a group; fused: the
-        // FP16 operands.
-        let (score_len, neg_len, half_len, k_pad, rows_pad) = match fused {
-            Some(i) => (
-                1,
-                1,
-                fused_dim_pad(gpu.kernels.fused[i].width) / 2,
-                fused_k_pad(k),
-                fused_rows_pad(max_rows),
-            ),
-            None => (group * max_rows * k, group * k * d, 0, 0, 0),
+        let path = match fused {
+            Some(which) => Path::Fused(FusedBuffers::new(gpu, which, group, max_rows, k)?),
+            None => Path::Unfused(UnfusedBuffers::new(gpu, &model, group, max_rows, k)?),
         };
         let mut prefix = Vec::with_capacity(degrees.len() + 1);
         prefix.push(0u64);
@@ -291,21 +275,9 @@ impl GpuBatchEngine {
             query: gpu.zeros(group * max_rows * d + 4)?,
             pos: gpu.zeros(group * max_rows)?,
             grad_pos: gpu.zeros(group * max_rows)?,
-            neg_rows: gpu.zeros(neg_len)?,
-            fused,
-            neg_half: gpu.zeros((group * k_pad * half_len).max(1))?,
-            query_half: gpu.zeros((group * rows_pad * half_len).max(1))?,
-            g: gpu.zeros((group * rows_pad * k_pad / 2).max(1))?,
-            corr: gpu.zeros((group * rows_pad * k_pad / FUSED_TILE).max(1))?,
-            absmax: gpu.zeros(2 * group)?,
-            scores: gpu.zeros(score_len)?,
             grad_query: gpu.zeros(group * max_rows * d)?,
             grad_negs: gpu.zeros(group * k * d)?,
-            dist: gpu.zeros(if model.decoder == Decoder::TransEL2 {
-                group * max_rows * k
-            } else {
-                1
-            })?,
+            path,
             loss_sum: gpu.zeros(1)?,
             accumulate_loss: false,
             no_rel: gpu.zeros(d)?,
@@ -322,26 +294,16 @@ impl GpuBatchEngine {
     /// step then runs the unfused products, whose score matrices the filter can reach (the
     /// fused kernels keep theirs on chip).
     pub fn set_known_edges(&mut self, gpu: &Gpu, edges: &[[u32; 3]]) -> Result<(), GpuError> {
+        let (group, rows, k) = (self.shape.group, self.max_rows, self.shape.negatives);
         let lists = 2 * self.shape.num_chunks;
-        let (group, rows, k, d) = (
-            self.shape.group,
-            self.max_rows,
-            self.shape.negatives,
-            self.model.dim,
-        );
         self.known = Some(KnownEdges::new(
             gpu,
             edges,
             self.shape.max_batch,
             lists * k,
         )?);
-        if self.fused.take().is_some() {
-            self.scores = gpu.zeros(group * rows * k)?;
-            self.neg_rows = gpu.zeros(group * k * d)?;
-            self.neg_half = gpu.zeros(1)?;
-            self.query_half = gpu.zeros(1)?;
-            self.g = gpu.zeros(1)?;
-            self.corr = gpu.zeros(1)?;
+        if let Path::Fused(_) = self.path {
+            self.path = Path::Unfused(UnfusedBuffers::new(gpu, &self.model, group, rows, k)?);
         }
         Ok(())
     }
@@ -701,7 +663,6 @@ impl GpuBatchEngine {
         }
         let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
         let decoder = decoder_code(self.model.decoder);
-        let (loss, margin) = loss_code(self.model.loss);
         let jobs = 2 * self.chunks;
         // Every kernel of the step goes on this one stream: the in-place AdaGrad of rows used
         // once (direct) relies on every earlier reader of those rows having finished.
@@ -729,12 +690,12 @@ impl GpuBatchEngine {
             let gz = self.shape.group.min(jobs - g0) as u32;
             // The fused path's operand scales start from zero maxima; legend_queries fills
             // the queries' (null elsewhere: the kernel then skips it).
-            let absmax = match self.fused {
-                Some(_) => {
-                    gpu.clear(&mut self.absmax)?;
-                    gpu.ptr(&self.absmax)
+            let absmax = match &mut self.path {
+                Path::Fused(f) => {
+                    gpu.clear(&mut f.absmax)?;
+                    gpu.ptr(&f.absmax)
                 }
-                None => 0,
+                Path::Unfused(_) => 0,
             };
             let job_args = JobArgs {
                 edges: gpu.ptr(&self.edges),
@@ -766,117 +727,11 @@ impl GpuBatchEngine {
             self.mark(gpu, "queries")?;
 
             let (g032, k32, d32) = (g0 as u32, k as u32, d as u32);
-            if let Some(which) = self.fused {
-                self.fused_products(gpu, which, &nodes.emb, g0, gz)?;
-            } else {
-                let mut b = s.launch_builder(&kern.gather_negatives);
-                b.arg(&self.negs)
-                    .arg(&g032)
-                    .arg(&k32)
-                    .arg(&d32)
-                    .arg(&nodes.emb)
-                    .arg(&mut self.neg_rows);
-                let cfg = LaunchConfig {
-                    grid_dim: (blocks(k * d, 256), gz, 1),
-                    ..warps(0)
-                };
-                // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_rows
-                // group·k·d floats.
-                unsafe { b.launch(cfg) }.during("launching legend_gather_negatives")?;
-                self.mark(gpu, "gather_negatives")?;
-                let q = gpu.ptr(&self.query);
-                let nr = gpu.ptr(&self.neg_rows);
-                let sc = gpu.ptr(&self.scores);
-                let m = |ptr, rows, cols| Matrices { ptr, rows, cols };
-                // S = Q · Nᵀ.
-                let scores = GemmArgs::product(
-                    m(q, max_rows, d),
-                    m(nr, k, d),
-                    m(sc, max_rows, k),
-                    (max_rows, k, d),
-                )
-                .m_rows(rows_ptr);
-                self.product(gpu, Product::Scores, &scores, gz, 1)?;
-                self.mark(gpu, "scores_product")?;
-                if let Some(known) = &self.known {
-                    let (mr32, row0_ptr) = (max_rows as u32, job_args.row0);
-                    let mut b = s.launch_builder(&kern.filter_known);
-                    b.arg(&known.edges)
-                        .arg(&row0_ptr)
-                        .arg(&rows_ptr)
-                        .arg(&g032)
-                        .arg(&mr32)
-                        .arg(&known.negs)
-                        .arg(&k32)
-                        .arg(&known.table)
-                        .arg(&known.capacity_mask)
-                        .arg(&mut self.scores);
-                    let cfg = LaunchConfig {
-                        grid_dim: (blocks(max_rows * k, 256), gz, 1),
-                        ..warps(0)
-                    };
-                    // SAFETY: known.edges holds the batch in global ids (3 a row, rows from
-                    // row0), known.negs its lists × k negatives, the table capacity_mask + 1
-                    // slots of four (at most half full: every probe ends), scores group ×
-                    // max_rows × k floats.
-                    unsafe { b.launch(cfg) }.during("launching legend_filter_known")?;
-                    self.mark(gpu, "filter_known")?;
+            match self.path {
+                Path::Fused(_) => self.fused_products(gpu, &nodes.emb, g0, gz)?,
+                Path::Unfused(_) => {
+                    self.unfused_products(gpu, &nodes.emb, g0, gz, job_args.row0, rows_ptr)?
                 }
-
-                let mut b = s.launch_builder(&kern.loss);
-                let mr32 = max_rows as u32;
-                b.arg(&mut self.scores)
-                    .arg(&self.pos)
-                    .arg(&mut self.grad_pos)
-                    .arg(&rows_ptr)
-                    .arg(&mr32)
-                    .arg(&k32)
-                    .arg(&loss)
-                    .arg(&margin)
-                    .arg(&mut self.loss_sum);
-                let cfg = LaunchConfig {
-                    grid_dim: (blocks(max_rows, LOSS_ROWS), gz, 1),
-                    ..warps(0)
-                };
-                // SAFETY: scores hold group × max_rows × k floats written by the product above;
-                // pos/grad_pos group × max_rows; loss_sum one double.
-                unsafe { b.launch(cfg) }.during("launching legend_loss")?;
-                self.mark(gpu, "loss")?;
-
-                // dQ = G · N.
-                let grad_query = GemmArgs::product(
-                    m(sc, max_rows, k),
-                    m(nr, k, d),
-                    m(gpu.ptr(&self.grad_query), max_rows, d),
-                    (max_rows, d, k),
-                )
-                .m_rows(rows_ptr);
-                self.product(gpu, Product::GradQuery, &grad_query, gz, 1)?;
-                self.mark(gpu, "grad_query_product")?;
-
-                // dN = Gᵀ · Q, split over the rows so that two blocks run per multiprocessor (the
-                // device's count); the splits add up atomically into a cleared buffer.
-                gpu.clear(&mut self.grad_negs)?;
-                let tiles = k.div_ceil(TILE) * d.div_ceil(TILE) * gz as usize;
-                let splits = (2 * gpu.multiprocessors())
-                    .div_ceil(tiles)
-                    .clamp(1, max_rows.div_ceil(SLICE));
-                let k_split = max_rows.div_ceil(splits).div_ceil(SLICE) * SLICE;
-                let grad_negs = GemmArgs::product(
-                    m(sc, max_rows, k),
-                    m(q, max_rows, d),
-                    m(gpu.ptr(&self.grad_negs), k, d),
-                    (k, d, max_rows),
-                )
-                .k_split(rows_ptr, k_split);
-                self.product(
-                    gpu,
-                    Product::GradNegatives,
-                    &grad_negs,
-                    gz,
-                    max_rows.div_ceil(k_split) as u32,
-                )?;
-                self.mark(gpu, "grad_negatives_product")?;
             }
 
             let direct_args = DirectArgs {
@@ -1068,21 +923,26 @@ impl GpuBatchEngine {
     /// Scratch buffers for checks: the score (then gradient) matrices and the queries,
     /// which tests poison before a step so that an unwritten element shows as NaN.
     pub fn poison_scratch(&mut self, gpu: &Gpu) -> Result<(), GpuError> {
-        for buf in [
+        let (floats, halves): (Vec<&mut CudaSlice<f32>>, Vec<&mut CudaSlice<u32>>) =
+            match &mut self.path {
+                Path::Fused(f) => (
+                    vec![&mut f.corr],
+                    vec![&mut f.neg_half, &mut f.query_half, &mut f.g],
+                ),
+                Path::Unfused(u) => (vec![&mut u.neg_rows, &mut u.scores, &mut u.dist], vec![]),
+            };
+        let common = [
             &mut self.query,
             &mut self.pos,
             &mut self.grad_pos,
-            &mut self.neg_rows,
-            &mut self.corr,
-            &mut self.scores,
             &mut self.grad_query,
-            &mut self.dist,
-        ] {
+        ];
+        for buf in common.into_iter().chain(floats) {
             let nan = vec![f32::NAN; buf.len()];
             gpu.write(&nan, buf)?;
         }
         // Two FP16 NaNs a word.
-        for buf in [&mut self.neg_half, &mut self.query_half, &mut self.g] {
+        for buf in halves {
             let nan = vec![0x7e00_7e00u32; buf.len()];
             gpu.write(&nan, buf)?;
         }

@@ -1,11 +1,11 @@
 //! The unfused path: the step's three products as separate kernels, TF32 products on the
 //! tensor cores for the dot comparator, distances on the CUDA cores for TransE.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
-use legend_model::Comparator;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use legend_model::{ChunkModel, Comparator, Decoder};
 
-use super::GpuBatchEngine;
-use super::args::GemmArgs;
+use super::args::{GemmArgs, Matrices};
+use super::{GpuBatchEngine, Path, blocks, loss_code};
 use crate::error::DriverContext;
 use crate::gpu::GEMM_SMEM;
 use crate::{Gpu, GpuError};
@@ -22,6 +22,39 @@ const DIST_ROWS: usize = 128;
 const DIST_SCORE_COLS: usize = 128;
 const DIST_GRAD_COLS: usize = 64;
 
+/// What only the unfused path holds.
+pub(super) struct UnfusedBuffers {
+    /// The group's dense negatives (FP32, d a row).
+    pub(super) neg_rows: CudaSlice<f32>,
+    /// The group's score matrices, which the loss turns into ∂L/∂S in place.
+    pub(super) scores: CudaSlice<f32>,
+    /// TransE L2's inverse distances (0 at distance 0), the shape of `scores` (one float
+    /// otherwise): the loss overwrites the scores, and the gradients scale G by them.
+    pub(super) dist: CudaSlice<f32>,
+}
+
+impl UnfusedBuffers {
+    /// The buffers of `group` jobs of up to `max_rows` rows and `k` negatives.
+    pub(super) fn new(
+        gpu: &Gpu,
+        model: &ChunkModel,
+        group: usize,
+        max_rows: usize,
+        k: usize,
+    ) -> Result<UnfusedBuffers, GpuError> {
+        let scores = group * max_rows * k;
+        Ok(UnfusedBuffers {
+            neg_rows: gpu.zeros(group * k * model.dim)?,
+            scores: gpu.zeros(scores)?,
+            dist: gpu.zeros(if model.decoder == Decoder::TransEL2 {
+                scores
+            } else {
+                1
+            })?,
+        })
+    }
+}
+
 /// The three products of an unfused step, on the tensor cores (dot comparator) or as
 /// distances on the CUDA cores (TransE).
 #[derive(Clone, Copy, Debug)]
@@ -35,6 +68,129 @@ pub(super) enum Product {
 }
 
 impl GpuBatchEngine {
+    /// The products of the group of `gz` jobs from `g0` as separate kernels: gathered
+    /// negatives, `S = Q·Nᵀ`, the known edges filtered out (filtered negatives), the loss
+    /// turning `S` into G in place, `dQ = G·N` and `dN = Gᵀ·Q`. `row0` and `rows` point at
+    /// the group's first job's entries of the engine's tables.
+    pub(super) fn unfused_products(
+        &mut self,
+        gpu: &Gpu,
+        emb: &CudaSlice<f32>,
+        g0: usize,
+        gz: u32,
+        row0: u64,
+        rows: u64,
+    ) -> Result<(), GpuError> {
+        let Path::Unfused(u) = &self.path else {
+            unreachable!("the unfused path's products");
+        };
+        let (nr, sc) = (gpu.ptr(&u.neg_rows), gpu.ptr(&u.scores));
+        let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
+        let (g032, k32, d32, mr32) = (g0 as u32, k as u32, d as u32, max_rows as u32);
+        let (loss, margin) = loss_code(self.model.loss);
+        let s = gpu.stream().clone();
+        let kern = &gpu.kernels;
+        let launch = |grid_dim| LaunchConfig {
+            grid_dim,
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = s.launch_builder(&kern.gather_negatives);
+        b.arg(&self.negs)
+            .arg(&g032)
+            .arg(&k32)
+            .arg(&d32)
+            .arg(emb)
+            .arg(&nr);
+        // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_rows group·k·d
+        // floats.
+        unsafe { b.launch(launch((blocks(k * d, 256), gz, 1))) }
+            .during("launching legend_gather_negatives")?;
+        self.mark(gpu, "gather_negatives")?;
+        let q = gpu.ptr(&self.query);
+        let m = |ptr, rows, cols| Matrices { ptr, rows, cols };
+        // S = Q · Nᵀ.
+        let scores = GemmArgs::product(
+            m(q, max_rows, d),
+            m(nr, k, d),
+            m(sc, max_rows, k),
+            (max_rows, k, d),
+        )
+        .m_rows(rows);
+        self.product(gpu, Product::Scores, &scores, gz, 1)?;
+        self.mark(gpu, "scores_product")?;
+        if let Some(known) = &self.known {
+            let mut b = s.launch_builder(&kern.filter_known);
+            b.arg(&known.edges)
+                .arg(&row0)
+                .arg(&rows)
+                .arg(&g032)
+                .arg(&mr32)
+                .arg(&known.negs)
+                .arg(&k32)
+                .arg(&known.table)
+                .arg(&known.capacity_mask)
+                .arg(&sc);
+            // SAFETY: known.edges holds the batch in global ids (3 a row, rows from row0),
+            // known.negs its lists × k negatives, the table capacity_mask + 1 slots of four
+            // (at most half full: every probe ends), scores group × max_rows × k floats.
+            unsafe { b.launch(launch((blocks(max_rows * k, 256), gz, 1))) }
+                .during("launching legend_filter_known")?;
+            self.mark(gpu, "filter_known")?;
+        }
+
+        let mut b = s.launch_builder(&kern.loss);
+        b.arg(&sc)
+            .arg(&self.pos)
+            .arg(&mut self.grad_pos)
+            .arg(&rows)
+            .arg(&mr32)
+            .arg(&k32)
+            .arg(&loss)
+            .arg(&margin)
+            .arg(&mut self.loss_sum);
+        // SAFETY: scores hold group × max_rows × k floats written by the product above;
+        // pos/grad_pos group × max_rows; loss_sum one double.
+        unsafe { b.launch(launch((blocks(max_rows, LOSS_ROWS), gz, 1))) }
+            .during("launching legend_loss")?;
+        self.mark(gpu, "loss")?;
+
+        // dQ = G · N.
+        let grad_query = GemmArgs::product(
+            m(sc, max_rows, k),
+            m(nr, k, d),
+            m(gpu.ptr(&self.grad_query), max_rows, d),
+            (max_rows, d, k),
+        )
+        .m_rows(rows);
+        self.product(gpu, Product::GradQuery, &grad_query, gz, 1)?;
+        self.mark(gpu, "grad_query_product")?;
+
+        // dN = Gᵀ · Q, split over the rows so that two blocks run per multiprocessor (the
+        // device's count); the splits add up atomically into a cleared buffer.
+        gpu.clear(&mut self.grad_negs)?;
+        let tiles = k.div_ceil(TILE) * d.div_ceil(TILE) * gz as usize;
+        let splits = (2 * gpu.multiprocessors())
+            .div_ceil(tiles)
+            .clamp(1, max_rows.div_ceil(SLICE));
+        let k_split = max_rows.div_ceil(splits).div_ceil(SLICE) * SLICE;
+        let grad_negs = GemmArgs::product(
+            m(sc, max_rows, k),
+            m(q, max_rows, d),
+            m(gpu.ptr(&self.grad_negs), k, d),
+            (k, d, max_rows),
+        )
+        .k_split(rows, k_split);
+        self.product(
+            gpu,
+            Product::GradNegatives,
+            &grad_negs,
+            gz,
+            max_rows.div_ceil(k_split) as u32,
+        )?;
+        self.mark(gpu, "grad_negatives_product")
+    }
+
     /// Runs one of the unfused step's products on the operands `g` describes: the TF32
     /// product kernels for the dot comparator, the distance kernels for TransE (which take
     /// the same operands, plus the queries or negatives the gradients compare against).
@@ -59,14 +215,15 @@ impl GpuBatchEngine {
             Comparator::NegL1 => 0i32,
             Comparator::NegL2 => 1i32,
         };
+        let Path::Unfused(u) = &self.path else {
+            unreachable!("the unfused path's products");
+        };
         let (f, cols, other) = match which {
             Product::Scores => (&kern.dist_scores, DIST_SCORE_COLS, None),
             Product::GradQuery => (&kern.dist_grad_query, DIST_GRAD_COLS, Some(&self.query)),
-            Product::GradNegatives => (
-                &kern.dist_grad_negatives,
-                DIST_GRAD_COLS,
-                Some(&self.neg_rows),
-            ),
+            Product::GradNegatives => {
+                (&kern.dist_grad_negatives, DIST_GRAD_COLS, Some(&u.neg_rows))
+            }
         };
         let tiles = (g.m as usize).div_ceil(DIST_ROWS) * (g.n as usize).div_ceil(cols);
         let cfg = LaunchConfig {
@@ -74,7 +231,7 @@ impl GpuBatchEngine {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let dist = gpu.ptr(&self.dist);
+        let dist = gpu.ptr(&u.dist);
         let mut b = gpu.stream().launch_builder(f);
         b.arg(g).arg(&l2);
         if let Some(x) = other {
