@@ -446,27 +446,29 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
     }
 }
 
+/// The first case of the step tests, which the others vary.
+const COMPLEX: Case = Case {
+    decoder: Decoder::ComplEx,
+    loss: Loss::SoftmaxCe,
+    dim: 100,
+    batch: 3001,
+    chunks: 3,
+    k: 260,
+    group: 2,
+    exact: false,
+    scale: 1.0,
+};
+
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
 fn training_step_matches_the_cpu_engine() {
     let gpu = gpu();
     let s = seed("step");
-    let complex = Case {
-        decoder: Decoder::ComplEx,
-        loss: Loss::SoftmaxCe,
-        dim: 100,
-        batch: 3001,
-        chunks: 3,
-        k: 260,
-        group: 2,
-        exact: false,
-        scale: 1.0,
-    };
     let cases = [
-        complex,
+        COMPLEX,
         Case {
             scale: 4e-3,
-            ..complex
+            ..COMPLEX
         },
         Case {
             decoder: Decoder::Dot,
@@ -564,19 +566,8 @@ fn training_step_matches_the_cpu_engine() {
 fn filtered_negatives_match_the_cpu_engine() {
     let gpu = gpu();
     let s = seed("filtered");
-    let complex = Case {
-        decoder: Decoder::ComplEx,
-        loss: Loss::SoftmaxCe,
-        dim: 100,
-        batch: 3001,
-        chunks: 3,
-        k: 260,
-        group: 2,
-        exact: false,
-        scale: 1.0,
-    };
     let cases = [
-        complex,
+        COMPLEX,
         Case {
             decoder: Decoder::Dot,
             loss: Loss::Logistic,
@@ -585,14 +576,14 @@ fn filtered_negatives_match_the_cpu_engine() {
             chunks: 4,
             k: 129,
             group: 4,
-            ..complex
+            ..COMPLEX
         },
         Case {
             decoder: Decoder::DistMult,
             loss: Loss::Ranking { margin: 0.1 },
             dim: 36,
             exact: true,
-            ..complex
+            ..COMPLEX
         },
         Case {
             decoder: Decoder::TransEL2,
@@ -601,7 +592,7 @@ fn filtered_negatives_match_the_cpu_engine() {
             batch: 1200,
             chunks: 2,
             k: 100,
-            ..complex
+            ..COMPLEX
         },
     ];
     for case in &cases {
@@ -619,14 +610,7 @@ fn transe_l1_step_matches_the_cpu_engine() {
     let cases = [
         Case {
             decoder: Decoder::TransEL1,
-            loss: Loss::SoftmaxCe,
-            dim: 100,
-            batch: 3001,
-            chunks: 3,
-            k: 260,
-            group: 2,
-            exact: false,
-            scale: 1.0,
+            ..COMPLEX
         },
         // Grid inputs: many exact ties between query and negative elements (sign 0), and the
         // ranking hinge decided identically on both engines.
