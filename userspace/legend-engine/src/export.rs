@@ -101,8 +101,8 @@ pub struct Exported {
 
 /// Exports the tables of `run` as `format` into `out` (created in its existing parent; it must
 /// be new, empty, or hold an export of the same format, which is overwritten); `dataset` names
-/// the run's dataset if it moved. `guard` admits `out`'s parent and a store outside the run,
-/// and adopts a new `out`; the files are written beneath them (legend-fs).
+/// the run's dataset if it moved. `guard` admits the run, `out`'s parent and a store outside
+/// the run, and adopts a new `out`; the files are written beneath them (legend-fs).
 pub fn export(
     run: &Path,
     format: Format,
@@ -111,6 +111,7 @@ pub fn export(
     guard: &dyn Guard,
 ) -> Result<Exported, ExportError> {
     let run = run::open(run)?;
+    guard.admit(&run).map_err(io(run.path()))?;
     let meta = run::read_meta(&run)?;
     let (parent, name) = Dir::open_parent(out).map_err(io(out))?;
     guard.admit(&parent).map_err(io(parent.path()))?;

@@ -273,6 +273,25 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
         "not the submitter's directory",
     );
     assert_eq!(std::fs::read(out.join("run.toml")).unwrap(), ours_before);
+    // Nor does the daemon evaluate or export our run for them, by its path or through their
+    // link (the daemon could read what they cannot).
+    for run in [s(&out), s(&their_run)] {
+        refused(
+            &as_other(&socket, &["submit", "eval", &run, "--protocol", "sampled"]),
+            "not your run",
+        );
+        let export_to = s(&home.join("stolen"));
+        refused(
+            &as_other(
+                &socket,
+                &[
+                    "submit", "export", &run, "--format", "npy", "-o", &export_to,
+                ],
+            ),
+            "not your run",
+        );
+    }
+    assert!(!home.join("stolen").exists());
     // Their run back, with its metrics.jsonl a link to a file of ours: the job fails on the
     // link and our file keeps its bytes.
     std::fs::remove_file(&their_run).unwrap();

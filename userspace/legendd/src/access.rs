@@ -166,6 +166,21 @@ pub fn check_may_create_in(peer: &Peer, dir: &Path) -> Result<(), String> {
     }
 }
 
+/// Refuses unless `path` belongs to `peer` (or `peer` is root): the daemon reads runs for
+/// their owners only, since it could read what they cannot.
+pub fn check_owns(peer: &Peer, path: &Path) -> Result<(), String> {
+    let owner = std::fs::metadata(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .uid();
+    if peer.uid != 0 && owner != peer.uid {
+        return Err(format!(
+            "{}: not your run (owner uid {owner}); the daemon evaluates and exports its submitters' own runs",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses unless `peer` could read and write the file `path`.
 pub fn check_may_write(peer: &Peer, path: &Path) -> Result<(), String> {
     match allowed(peer, path, 6) {

@@ -19,6 +19,7 @@ use legend_engine::evaluation::{self, EvalRequest};
 use legend_engine::export;
 use legend_engine::session::{Event, Outcome, Session};
 use legend_engine::{Config, run};
+use legend_fs::Guard;
 use serde::{Deserialize, Serialize};
 
 use crate::access::{JobGuard, Peer};
@@ -486,6 +487,9 @@ impl Jobs {
         let protocol: Protocol = protocol.parse()?;
         let split: legend_dataset::Split = split.parse()?;
         let dir = run::open(dir).map_err(|e| chain(&e))?;
+        guard
+            .admit(&dir)
+            .map_err(|e| format!("{}: {e}", dir.path().display()))?;
         let meta = run::read_meta(&dir).map_err(|e| chain(&e))?;
         let dataset = evaluation::open_run_dataset(&meta, None).map_err(|e| chain(&e))?;
         let tables = run::load_tables(&dir, &meta, guard).map_err(|e| chain(&e))?;

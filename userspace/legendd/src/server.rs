@@ -347,10 +347,12 @@ fn train_placement(run: &Path, config: Option<&Config>) -> Option<extents::Place
     extents::recorded_placement(run).or_else(|| extents::placement(config?, run))
 }
 
-/// Checks that `run` is a training run its submitter may read, and that a store it keeps on a
-/// namespace is still in the run's extent there.
+/// Checks that `run` is a training run of its submitter's own (the job opens it again and
+/// checks the opened directory: access::JobGuard), and that a store it keeps on a namespace is
+/// still in the run's extent there.
 fn check_run_to_read(peer: &Peer, run: &Path) -> Result<(), String> {
     access::check_may_read(peer, run)?;
+    access::check_owns(peer, run)?;
     if !legend_engine::run::meta_path(run).exists() {
         return Err(format!(
             "{} is not a training run directory (no run.toml)",
