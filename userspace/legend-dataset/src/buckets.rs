@@ -2,6 +2,7 @@
 
 use std::ops::Range;
 
+use legend_fs::{Access, Dir};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 
@@ -100,13 +101,15 @@ impl Buckets {
     /// place them, so the edges are held once and never swapped around in memory (a billion
     /// edges in 64 buckets: seconds on the GPU machine, where an in-place sort took a minute).
     pub fn read(
-        path: &Path,
+        dir: &Dir,
+        name: &Path,
         scheme: PartitionScheme,
         edges: u64,
         check: impl Fn(&Edge) -> std::result::Result<(), String> + Sync,
     ) -> Result<Buckets> {
         use std::os::unix::fs::FileExt;
-        let file = std::fs::File::open(path).at(path)?;
+        let path = &dir.join(name);
+        let file = dir.open_file(name, Access::Read).at(path)?;
         let have = file.metadata().at(path)?.len();
         let edge_bytes = size_of::<Edge>() as u64;
         if have != edges * edge_bytes {
@@ -250,17 +253,19 @@ impl Buckets {
     /// `expected_edges` is the dataset's train edge count: files that disagree with it are stale
     /// or damaged and are rejected.
     pub fn load(
-        dir: &Path,
+        dir: &Dir,
         scheme: PartitionScheme,
         expected_edges: u64,
     ) -> Result<Option<Buckets>> {
-        let (edges_path, offsets_path) = Self::paths(dir, scheme.num_partitions);
-        if !edges_path.exists() || !offsets_path.exists() {
+        let (edges_name, offsets_name) = Self::paths(Path::new(""), scheme.num_partitions);
+        let (edges_path, offsets_path) = (dir.join(&edges_name), dir.join(&offsets_name));
+        let present = |name: &Path| dir.exists(name).at(dir.join(name));
+        if !present(&edges_name)? || !present(&offsets_name)? {
             return Ok(None);
         }
         let n2 = scheme.num_partitions as usize * scheme.num_partitions as usize;
-        let offsets: Vec<u64> = read_pod(&offsets_path)?;
-        let edges: Vec<Edge> = read_pod(&edges_path)?;
+        let offsets: Vec<u64> = read_pod(dir, &offsets_name)?;
+        let edges: Vec<Edge> = read_pod(dir, &edges_name)?;
         let monotone = offsets.windows(2).all(|w| w[0] <= w[1]);
         if offsets.len() != n2 + 1
             || offsets[0] != 0
@@ -326,10 +331,11 @@ fn block_edges(total: usize, scheme: PartitionScheme) -> usize {
     BLOCK_EDGES.max(total.div_ceil(max_blocks))
 }
 
-/// Reads a whole file of little-endian plain values.
-pub(crate) fn read_pod<T: bytemuck::Pod>(path: &Path) -> Result<Vec<T>> {
+/// Reads the whole file `name` in `dir` of little-endian plain values.
+pub(crate) fn read_pod<T: bytemuck::Pod>(dir: &Dir, name: &Path) -> Result<Vec<T>> {
     use std::os::unix::fs::FileExt;
-    let file = std::fs::File::open(path).at(path)?;
+    let path = &dir.join(name);
+    let file = dir.open_file(name, Access::Read).at(path)?;
     let len = file.metadata().at(path)?.len();
     let size = std::mem::size_of::<T>() as u64;
     if len % size != 0 {
@@ -433,12 +439,14 @@ mod tests {
         std::fs::write(&path, bytemuck::cast_slice::<Edge, u8>(&edges)).unwrap();
         let scheme = PartitionScheme::new(u64::from(v), 5).unwrap();
         let ok = |_: &Edge| Ok(());
-        let read = Buckets::read(&path, scheme, total as u64, ok).unwrap();
+        let root = Dir::open(dir.path()).unwrap();
+        let name = Path::new("train.bin");
+        let read = Buckets::read(&root, name, scheme, total as u64, ok).unwrap();
         let built = Buckets::build(edges.clone(), scheme);
         assert_eq!(read.edges(), built.edges());
         assert_eq!(read.counts(), built.counts());
 
-        let err = Buckets::read(&path, scheme, total as u64, |e: &Edge| {
+        let err = Buckets::read(&root, name, scheme, total as u64, |e: &Edge| {
             if e[1] == 3 {
                 Err("is wrong".into())
             } else {
@@ -451,7 +459,7 @@ mod tests {
             err.contains(&format!("edge {bad} ")) && err.contains("is wrong"),
             "{err}"
         );
-        let err = Buckets::read(&path, scheme, total as u64 + 1, ok)
+        let err = Buckets::read(&root, name, scheme, total as u64 + 1, ok)
             .unwrap_err()
             .to_string();
         assert!(err.contains("expected"), "{err}");

@@ -1,25 +1,36 @@
 //! Reading a dataset directory.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+
+use legend_fs::{Access, Dir, ReadCheck};
 
 use rayon::prelude::*;
 
 use crate::buckets::{Buckets, PartitionScheme, read_pod};
 use crate::error::{IoContext, Result, invalid};
 use crate::meta::{DatasetMeta, Split};
-use crate::{ENTITIES_FILE, Edge, RELATIONS_FILE, edge_file};
+use crate::{ENTITIES_FILE, Edge, RELATIONS_FILE, edge_file, edge_name};
 
 /// An imported dataset directory.
 #[derive(Clone, Debug)]
 pub struct Dataset {
     dir: PathBuf,
+    /// The directory, opened once: every file is read beneath it (legend-fs).
+    root: Arc<Dir>,
     meta: DatasetMeta,
 }
 
 impl Dataset {
     /// Opens the dataset in `dir`, reading and checking `dataset.toml`.
     pub fn open(dir: impl AsRef<Path>) -> Result<Dataset> {
+        Self::open_checked(dir, None)
+    }
+
+    /// [`Dataset::open`] on someone's behalf: `check` (when given) must allow each directory
+    /// on the way and each file read (legend-fs's [`Dir::open_checked`]).
+    pub fn open_checked(dir: impl AsRef<Path>, check: Option<ReadCheck>) -> Result<Dataset> {
         let dir = dir.as_ref().to_owned();
         if !dir.is_dir() {
             return Err(invalid(
@@ -27,8 +38,17 @@ impl Dataset {
                 "not a dataset directory (run `legendctl import` first)",
             ));
         }
-        let meta = DatasetMeta::read(&dir)?;
-        Ok(Dataset { dir, meta })
+        let root = match check {
+            Some(check) => Dir::open_checked(&dir, check),
+            None => Dir::open(&dir),
+        }
+        .at(&dir)?;
+        let meta = DatasetMeta::read_in(&root)?;
+        Ok(Dataset {
+            dir,
+            root: Arc::new(root),
+            meta,
+        })
     }
 
     /// The directory.
@@ -44,7 +64,7 @@ impl Dataset {
     /// Loads the edges of `split`, checking their count and id ranges.
     pub fn edges(&self, split: Split) -> Result<Vec<Edge>> {
         let path = edge_file(&self.dir, split);
-        let edges: Vec<Edge> = read_pod(&path)?;
+        let edges: Vec<Edge> = read_pod(&self.root, &edge_name(split))?;
         let want = self.meta.splits.get(split);
         if edges.len() as u64 != want {
             return Err(invalid(
@@ -80,7 +100,10 @@ impl Dataset {
         use std::io::Read;
         const BLOCK_EDGES: usize = 1 << 14;
         let path = edge_file(&self.dir, split);
-        let mut file = std::fs::File::open(&path).at(&path)?;
+        let mut file = self
+            .root
+            .open_file(edge_name(split), Access::Read)
+            .at(&path)?;
         let want = self.meta.splits.get(split);
         let have = file.metadata().at(&path)?.len();
         let edge_bytes = std::mem::size_of::<Edge>() as u64;
@@ -119,7 +142,7 @@ impl Dataset {
     /// else sorted now in memory.
     pub fn buckets(&self, num_partitions: u32) -> Result<Buckets> {
         let scheme = self.scheme(num_partitions)?;
-        if let Some(saved) = Buckets::load(&self.dir, scheme, self.meta.splits.train)? {
+        if let Some(saved) = Buckets::load(&self.root, scheme, self.meta.splits.train)? {
             return Ok(saved);
         }
         self.sort_train_edges(scheme)
@@ -131,7 +154,8 @@ impl Dataset {
             return Ok(Buckets::build(self.edges(Split::Train)?, scheme));
         }
         Buckets::read(
-            &edge_file(&self.dir, Split::Train),
+            &self.root,
+            &edge_name(Split::Train),
             scheme,
             self.meta.splits.train,
             |e| self.check_edge(e),
@@ -158,7 +182,7 @@ impl Dataset {
 
     fn labels(&self, file: &str, count: u64) -> Result<Vec<String>> {
         let path = self.dir.join(file);
-        let text = std::fs::read(&path).at(&path)?;
+        let text = self.root.read(file).at(&path)?;
         let labels: Vec<String> = text
             .split(|&b| b == b'\n')
             .filter(|l| !l.is_empty())

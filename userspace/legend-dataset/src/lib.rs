@@ -43,5 +43,10 @@ pub const RELATIONS_FILE: &str = "relations.tsv";
 
 /// Path of a split's edge file.
 pub fn edge_file(dir: &Path, split: Split) -> PathBuf {
-    dir.join(EDGES_DIR).join(format!("{}.bin", split.name()))
+    dir.join(edge_name(split))
+}
+
+/// A split's edge file, relative to the dataset directory.
+fn edge_name(split: Split) -> PathBuf {
+    Path::new(EDGES_DIR).join(format!("{}.bin", split.name()))
 }

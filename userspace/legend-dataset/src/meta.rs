@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use legend_fs::Dir;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{IoContext, Result, invalid};
@@ -110,8 +111,13 @@ pub struct DatasetMeta {
 impl DatasetMeta {
     /// Reads and checks `dataset.toml` in `dir`.
     pub fn read(dir: &Path) -> Result<Self> {
+        Self::read_in(&Dir::open(dir).at(dir)?)
+    }
+
+    /// Reads and checks `dataset.toml` in the opened `dir`.
+    pub fn read_in(dir: &Dir) -> Result<Self> {
         let path = dir.join(META_FILE);
-        let text = std::fs::read_to_string(&path).at(&path)?;
+        let text = dir.read_to_string(META_FILE).at(&path)?;
         let meta: DatasetMeta = toml::from_str(&text)
             .map_err(|e| invalid(&path, format!("not a dataset description: {e}")))?;
         if meta.format_version != FORMAT_VERSION {

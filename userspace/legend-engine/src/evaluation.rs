@@ -3,6 +3,8 @@
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+
+use legend_fs::Guard;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -221,15 +223,18 @@ impl Drop for ProgressLog {
 }
 
 /// Opens the dataset a run was trained on (or `override_dir`, if it moved) and checks that it
-/// is the same data.
+/// is the same data; `guard`'s read check (if any) must allow what is read.
 pub fn open_run_dataset(
     meta: &RunMeta,
     override_dir: Option<&Path>,
+    guard: &dyn Guard,
 ) -> Result<Dataset, EvaluationError> {
     let dir = override_dir.unwrap_or(&meta.dataset);
-    let dataset = Dataset::open(dir).map_err(|source| EvaluationError::RunDataset {
-        dir: dir.to_owned(),
-        source,
+    let dataset = Dataset::open_checked(dir, guard.read_check()).map_err(|source| {
+        EvaluationError::RunDataset {
+            dir: dir.to_owned(),
+            source,
+        }
     })?;
     let found = format!("{:032x}", dataset.meta().identity());
     if found != meta.dataset_identity {

@@ -116,7 +116,7 @@ pub fn export(
     let (parent, name) = Dir::open_parent(out).map_err(io(out))?;
     guard.admit(&parent).map_err(io(parent.path()))?;
     check_out_dir(&parent, name, format)?;
-    let dataset = open_run_dataset(&meta, dataset)?;
+    let dataset = open_run_dataset(&meta, dataset, guard)?;
     let relations = run::load_relations(&run, &meta, guard)?;
     let entity_labels = dataset.entity_labels()?;
     let relation_labels = if meta.relations > 0 {

@@ -218,7 +218,7 @@ impl Session {
             config.order(),
         )
         .map_err(TrainError::from)?;
-        let dataset = Dataset::open(dataset)?;
+        let dataset = Dataset::open_checked(dataset, guard.read_check())?;
         let device = Device::open(&config)?;
         check_memory(&config, dataset.meta(), &device, false)?;
         let meta = new_meta(&config, &dataset);
@@ -262,7 +262,7 @@ impl Session {
             .read_to_string(run::CONFIG_FILE)
             .map_err(io_error(&config_path))?;
         let config = Config::parse(&text, sets)?;
-        let dataset = evaluation::open_run_dataset(&meta, dataset)?;
+        let dataset = evaluation::open_run_dataset(&meta, dataset, guard)?;
         let device = Device::open(&config)?;
         // Resuming reads the checkpoint's tables into host memory before they go to the GPU.
         check_memory(&config, dataset.meta(), &device, true)?;

@@ -12,6 +12,11 @@
 //!
 //! [`Guard`] is the caller's check of a directory it opens by path (legendd admits only its
 //! job's submitter's directories). It runs on the opened descriptor, so it cannot be raced.
+//!
+//! Reading on someone's behalf has the mirror problem: the reader must not reach what that
+//! someone could not. [`Dir::open_checked`] resolves a path one directory at a time from `/`,
+//! asking a [`ReadCheck`] about each (search permission on the way, read at the end), and the
+//! directory it returns asks the same about every directory and file opened beneath it.
 
 use std::ffi::{OsStr, OsString};
 use std::fs::{File, Metadata};
@@ -19,6 +24,7 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, FcntlArg, OFlag, fcntl, openat, renameat};
@@ -28,10 +34,25 @@ use nix::unistd::{UnlinkatFlags, fsync, unlinkat};
 /// An open directory; every name given to its methods is relative to it and resolved beneath
 /// it without following symbolic links. Errors carry no path: callers name the file (see
 /// [`Dir::join`]).
-#[derive(Debug)]
 pub struct Dir {
     fd: OwnedFd,
     path: PathBuf,
+    /// Asked about everything opened beneath, when the directory was opened for a reader.
+    check: Option<ReadCheck>,
+}
+
+/// Whether a reader may use an opened file or directory (its metadata) for `want`: the
+/// permission bits 4 (read), 2 (write), 1 (search), or a sum of them. Returns an error
+/// (`PermissionDenied`) when it may not.
+pub type ReadCheck = Arc<dyn Fn(&FileStat, u32) -> io::Result<()> + Send + Sync>;
+
+impl std::fmt::Debug for Dir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dir")
+            .field("path", &self.path)
+            .field("checked", &self.check.is_some())
+            .finish()
+    }
 }
 
 /// How [`Dir::open_file`] opens a file.
@@ -76,6 +97,12 @@ pub trait Guard: Send + Sync {
     /// is theirs, and admitted, when a later job opens it again.
     fn adopt(&self, _dir: &Dir) -> io::Result<()> {
         Ok(())
+    }
+
+    /// How a reader on someone's behalf checks what it opens (see [`Dir::open_checked`]);
+    /// `None`: it reads with its own permissions.
+    fn read_check(&self) -> Option<ReadCheck> {
+        None
     }
 }
 
@@ -159,6 +186,33 @@ impl Dir {
         Ok(Dir {
             fd,
             path: path.to_owned(),
+            check: None,
+        })
+    }
+
+    /// Opens the directory `path` for a reader `check` speaks for: the path is resolved
+    /// (symbolic links included), then walked again from `/` one directory at a time without
+    /// following links, each directory checked for search and the last for reading and
+    /// search; every directory and file later opened beneath the result is checked too. A
+    /// path changed between the two (a link swapped in) fails rather than leads elsewhere.
+    pub fn open_checked(path: &Path, check: ReadCheck) -> io::Result<Dir> {
+        let resolved = std::fs::canonicalize(path)?;
+        let root = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+        let mut fd = nix::fcntl::open("/", root, Mode::empty())?;
+        for c in resolved.components() {
+            let Component::Normal(name) = c else {
+                continue;
+            };
+            check(&fstat(&fd)?, 1)?;
+            let next = openat(&fd, name, dir_flags(), Mode::empty())
+                .map_err(|e| at_error(fd.as_fd(), name, e))?;
+            fd = next;
+        }
+        check(&fstat(&fd)?, 5)?;
+        Ok(Dir {
+            fd,
+            path: path.to_owned(),
+            check: Some(check),
         })
     }
 
@@ -184,7 +238,7 @@ impl Dir {
 
     /// The same directory, named `path` from now on (after a rename).
     pub fn with_path(self, path: PathBuf) -> Dir {
-        Dir { fd: self.fd, path }
+        Dir { path, ..self }
     }
 
     /// The path it was opened by (for messages: the directory may have moved since).
@@ -207,7 +261,16 @@ impl Dir {
         Ok(Dir {
             fd: self.fd.try_clone()?,
             path: self.path.clone(),
+            check: self.check.clone(),
         })
+    }
+
+    /// Asks the read check (if any) about the opened `fd` for `want`.
+    fn checked(&self, fd: &OwnedFd, want: u32) -> io::Result<()> {
+        match &self.check {
+            Some(check) => check(&fstat(fd)?, want),
+            None => Ok(()),
+        }
     }
 
     /// Opens the directories `names` one under the other; `None` for none (this one).
@@ -217,6 +280,7 @@ impl Dir {
             let base = held.as_ref().map_or(self.fd.as_fd(), |f| f.as_fd());
             let next = openat(base, *name, dir_flags(), Mode::empty())
                 .map_err(|e| at_error(base, name, e))?;
+            self.checked(&next, 1)?;
             held = Some(next);
         }
         Ok(held)
@@ -242,9 +306,11 @@ impl Dir {
             Some(fd) => fd,
             None => self.fd.try_clone()?,
         };
+        self.checked(&fd, 5)?;
         Ok(Dir {
             fd,
             path: self.path.join(rel),
+            check: self.check.clone(),
         })
     }
 
@@ -278,6 +344,7 @@ impl Dir {
                 None => self.fd.try_clone()?,
             },
             path: self.path.join(rel),
+            check: self.check.clone(),
         })
     }
 
@@ -342,6 +409,9 @@ impl Dir {
         let fd = openat(base, name, flags, Mode::from_bits_truncate(0o666))
             .map_err(|e| at_error(base, name, e))?;
         let st = fstat(&fd)?;
+        if let Some(check) = &self.check {
+            check(&st, if access.writes() { 6 } else { 4 })?;
+        }
         check_writable(&st).or_else(|e| {
             let readable = matches!(kind(&st), SFlag::S_IFREG | SFlag::S_IFBLK);
             if access.writes() || !readable {
@@ -453,7 +523,7 @@ fn remove_entry(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::fs::symlink;
+    use std::os::unix::fs::{MetadataExt, symlink};
 
     use super::*;
 
@@ -560,6 +630,75 @@ mod tests {
         assert_eq!(
             dir.remove_all("a").unwrap_err().kind(),
             io::ErrorKind::NotFound
+        );
+    }
+
+    #[test]
+    fn a_checked_directory_asks_about_every_step_and_every_file() {
+        let (tmp, _) = setup();
+        let ds = tmp.path().join("a/ds");
+        std::fs::create_dir_all(ds.join("sub")).unwrap();
+        std::fs::write(ds.join("f"), b"data").unwrap();
+        std::fs::write(ds.join("sub/g"), b"more").unwrap();
+        symlink(&ds, tmp.path().join("link")).unwrap();
+        let ino = |p: &Path| std::fs::metadata(p).unwrap().ino();
+        // A reader who may not search `a`, read `f` or enter `sub`.
+        let refused = [
+            ino(&tmp.path().join("a")),
+            ino(&ds.join("f")),
+            ino(&ds.join("sub")),
+        ];
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let check: ReadCheck = Arc::new(move |st: &FileStat, want: u32| {
+            log.lock().unwrap().push((st.st_ino, want));
+            if refused.contains(&st.st_ino) {
+                Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "not theirs",
+                ))
+            } else {
+                Ok(())
+            }
+        });
+        // Through the link too: the resolved path's directories are the ones checked.
+        for path in [ds.clone(), tmp.path().join("link")] {
+            let e = Dir::open_checked(&path, check.clone()).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
+        }
+        let only_files = [ino(&ds.join("f")), ino(&ds.join("sub"))];
+        let check: ReadCheck = Arc::new(move |st: &FileStat, _| {
+            if only_files.contains(&st.st_ino) {
+                Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "not theirs",
+                ))
+            } else {
+                Ok(())
+            }
+        });
+        let dir = Dir::open_checked(&tmp.path().join("link"), check).unwrap();
+        assert_eq!(
+            dir.read("f").unwrap_err().kind(),
+            io::ErrorKind::PermissionDenied
+        );
+        assert_eq!(
+            dir.read("sub/g").unwrap_err().kind(),
+            io::ErrorKind::PermissionDenied
+        );
+        assert_eq!(
+            dir.dir("sub").unwrap_err().kind(),
+            io::ErrorKind::PermissionDenied
+        );
+        assert_eq!(
+            dir.entries(".").unwrap().len(),
+            2,
+            "the directory itself may be listed"
+        );
+        let asked = seen.lock().unwrap();
+        assert!(
+            asked.contains(&(ino(Path::new("/")), 1)),
+            "the walk starts at /"
         );
     }
 

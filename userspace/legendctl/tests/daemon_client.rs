@@ -292,6 +292,74 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
         );
     }
     assert!(!home.join("stolen").exists());
+
+    // A dataset swapped after submission: their job is queued behind ours with a link to a
+    // dataset they may read; before it starts the link points at one in a directory only we
+    // may enter. The daemon (which may) must not train on it for them.
+    let private = dir.path().join("private");
+    std::fs::create_dir(&private).unwrap();
+    ok(&[
+        "generate",
+        "--nodes",
+        "300",
+        "--edges",
+        "3000",
+        &s(&private.join("ds")),
+    ]);
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let blocker = ok(&[
+        "--socket",
+        &sock,
+        "submit",
+        "train",
+        "--dataset",
+        &s(&ds),
+        "--out",
+        &s(&dir.path().join("blocker")),
+        "--set",
+        "training.num_epochs=1000000",
+    ]);
+    let job_id = |text: &str| -> String {
+        let at = text.find("job ").expect("a job number") + 4;
+        text[at..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect()
+    };
+    let ds_link = home.join("ds-link");
+    std::os::unix::fs::symlink(&ds, &ds_link).unwrap();
+    lchown_to_other(&ds_link);
+    let queued = as_other(
+        &socket,
+        &[
+            "submit",
+            "train",
+            "--dataset",
+            &s(&ds_link),
+            "--out",
+            &s(&home.join("run2")),
+        ],
+    );
+    assert!(queued.status.success(), "{queued:?}");
+    let theirs = job_id(&String::from_utf8_lossy(&queued.stdout));
+    std::fs::remove_file(&ds_link).unwrap();
+    std::os::unix::fs::symlink(private.join("ds"), &ds_link).unwrap();
+    lchown_to_other(&ds_link);
+    ok(&["--socket", &sock, "cancel", &job_id(&blocker)]);
+    let watched = as_other(&socket, &["watch", &theirs]);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&watched.stdout),
+        String::from_utf8_lossy(&watched.stderr)
+    );
+    assert!(
+        !watched.status.success() && said.contains("may not read"),
+        "{said}"
+    );
+    assert!(
+        !home.join("run2").exists(),
+        "nothing made for the refused job"
+    );
     // Their run back, with its metrics.jsonl a link to a file of ours: the job fails on the
     // link and our file keeps its bytes.
     std::fs::remove_file(&their_run).unwrap();

@@ -5,9 +5,11 @@ use std::io::ErrorKind;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::Arc;
 
-use legend_fs::{Dir, Guard};
+use legend_fs::{Dir, Guard, ReadCheck};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+use nix::sys::stat::FileStat;
 use nix::unistd::{Gid, Group, Uid, User};
 
 /// A connected client.
@@ -79,13 +81,18 @@ fn allowed(peer: &Peer, path: &Path, want: u32) -> std::io::Result<bool> {
 
 /// Whether `peer` has the permission bits `want` on the file of `m`.
 fn allows(peer: &Peer, m: &std::fs::Metadata, want: u32) -> bool {
+    allows_bits(peer, m.uid(), m.gid(), m.mode(), want)
+}
+
+/// Whether `peer` has the permission bits `want` on a file of owner `uid`, group `gid` and
+/// `mode`.
+fn allows_bits(peer: &Peer, uid: u32, gid: u32, mode: u32, want: u32) -> bool {
     if peer.uid == 0 {
         return true;
     }
-    let mode = m.mode();
-    let bits = if m.uid() == peer.uid {
+    let bits = if uid == peer.uid {
         mode >> 6
-    } else if peer.groups.contains(&m.gid()) {
+    } else if peer.groups.contains(&gid) {
         mode >> 3
     } else {
         mode
@@ -126,6 +133,27 @@ impl Guard for JobGuard {
             return refuse("the submitter may not create files there".into());
         }
         Ok(())
+    }
+
+    /// Reads as the submitter could: every directory on the way searchable by them, every
+    /// file readable (the daemon itself can read what they cannot).
+    fn read_check(&self) -> Option<ReadCheck> {
+        let peer = self.submitter.clone();
+        Some(Arc::new(move |st: &FileStat, want: u32| {
+            if allows_bits(&peer, st.st_uid, st.st_gid, st.st_mode, want) {
+                Ok(())
+            } else {
+                Err(std::io::Error::new(
+                    ErrorKind::PermissionDenied,
+                    format!(
+                        "the submitter (uid {}) may not read it (owner uid {}, mode {:o})",
+                        peer.uid,
+                        st.st_uid,
+                        st.st_mode & 0o7777
+                    ),
+                ))
+            }
+        }))
     }
 
     fn adopt(&self, dir: &Dir) -> std::io::Result<()> {

@@ -491,7 +491,7 @@ impl Jobs {
             .admit(&dir)
             .map_err(|e| format!("{}: {e}", dir.path().display()))?;
         let meta = run::read_meta(&dir).map_err(|e| chain(&e))?;
-        let dataset = evaluation::open_run_dataset(&meta, None).map_err(|e| chain(&e))?;
+        let dataset = evaluation::open_run_dataset(&meta, None, guard).map_err(|e| chain(&e))?;
         let tables = run::load_tables(&dir, &meta, guard).map_err(|e| chain(&e))?;
         let decoder = meta.decoder.parse()?;
         let request = EvalRequest {

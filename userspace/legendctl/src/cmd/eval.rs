@@ -67,7 +67,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             (Some(run_dir), _) => {
                 let run = run::open(run_dir)?;
                 let meta = run::read_meta(&run)?;
-                let dataset = open_run_dataset(&meta, args.dataset.as_deref())?;
+                let dataset = open_run_dataset(&meta, args.dataset.as_deref(), &Unguarded)?;
                 let tables = run::load_tables(&run, &meta, &Unguarded)?;
                 let decoder: Decoder = meta.decoder.parse().map_err(anyhow::Error::msg)?;
                 (
