@@ -7,6 +7,10 @@
 //! `LEGEND_BENCH_DECODERS` (default `complex,dot`) the models (`model.decoder` names, so
 //! `transe_l1` and `transe_l2` too).
 //!
+//! `LEGEND_BENCH_FILTERED=EDGES` filters the negatives against that many known edges (the
+//! benchmark's batches and random ones: `training.negatives.filtered`, which runs the unfused
+//! products and probes a table of EDGES edges for every score).
+//!
 //! `LEGEND_BENCH_BESIDE_IO=FILE` also times the steps again while the GPU I/O kernels read
 //! FILE without pause through the proxy controller on their own stream (the paper's Fig. 9:
 //! how much the I/O kernels slow training down), and reports the I/O rate they kept;
@@ -196,6 +200,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .collect()
         })
         .collect();
+    let filtered: Option<usize> = match std::env::var("LEGEND_BENCH_FILTERED") {
+        Ok(v) => Some(
+            v.parse()
+                .map_err(|e| format!("LEGEND_BENCH_FILTERED={v}: {e}"))?,
+        ),
+        Err(_) => None,
+    };
+    let known: Vec<[u32; 3]> = match filtered {
+        Some(total) => {
+            let mut known: Vec<[u32; 3]> = batches.iter().flatten().copied().collect();
+            let extra = total.saturating_sub(known.len()) as u64;
+            known.extend((0..extra).map(|i| {
+                let h = mix(0x6b6e_6f77 ^ i);
+                [
+                    (h % ENTITIES as u64) as u32,
+                    ((h >> 20) % RELATIONS as u64) as u32,
+                    ((h >> 40) % ENTITIES as u64) as u32,
+                ]
+            }));
+            known
+        }
+        None => Vec::new(),
+    };
     let degrees = vec![1u32; ENTITIES];
     let mut json = String::new();
     for &decoder in &decoders {
@@ -213,6 +240,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             };
             let mut engine =
                 GpuBatchEngine::new(&gpu, model, AdaGrad::default(), shape, &degrees, RELATIONS)?;
+            if filtered.is_some() {
+                engine.set_known_edges(&gpu, &known)?;
+            }
             let dist = Distribution::Uniform { bound: 0.5 };
             let mut nodes = DeviceTable::init(&gpu, ENTITIES, DIM, 0, 7, Table::Node, dist)?;
             let mut rels = DeviceTable::init(&gpu, RELATIONS, DIM, 0, 7, Table::Relation, dist)?;
@@ -252,8 +282,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // read and written once, plus the edges.
             let bytes = unique_rows as f64 * DIM as f64 * 4.0 * 4.0 + BATCH as f64 * 12.0;
             let line = format!(
-                "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"group\":{group},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"step_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
+                "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"group\":{group},\"filtered_edges\":{},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"step_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
                 gpu.name(),
+                known.len(),
                 median(&mut alone.total),
                 median(&mut alone.sample),
                 median(&mut alone.steps),
