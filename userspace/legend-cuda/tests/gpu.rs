@@ -594,6 +594,13 @@ fn filtered_negatives_match_the_cpu_engine() {
             k: 100,
             ..COMPLEX
         },
+        // 70 known negatives a row: more than a warp holds, so the rows' ranges are searched.
+        Case {
+            batch: 1000,
+            chunks: 2,
+            k: 700,
+            ..COMPLEX
+        },
     ];
     for case in &cases {
         check_step_with(&gpu, case, s, true);

@@ -128,13 +128,14 @@ impl GpuBatchEngine {
                 .arg(&mr32)
                 .arg(&known.negs)
                 .arg(&k32)
-                .arg(&known.table)
-                .arg(&known.capacity_mask)
+                .arg(&known.by_source)
+                .arg(&known.by_destination)
+                .arg(&known.count)
                 .arg(&sc);
             // SAFETY: known.edges holds the batch in global ids (3 a row, rows from row0),
-            // known.negs its lists × k negatives, the table capacity_mask + 1 slots of four
-            // (at most half full: every probe ends), scores group × max_rows × k floats.
-            unsafe { b.launch(launch((blocks(max_rows * k, 256), gz, 1))) }
+            // known.negs its lists × k negatives, the two key arrays `count` sorted triples
+            // each, scores group × max_rows × k floats.
+            unsafe { b.launch(launch((blocks(max_rows, 8), gz, 1))) }
                 .during("launching legend_filter_known")?;
             self.mark(gpu, "filter_known")?;
         }
