@@ -376,15 +376,7 @@ impl Dir {
 
     /// The names in the directory `rel` (without `.` and `..`), sorted.
     pub fn entries(&self, rel: impl AsRef<Path>) -> io::Result<Vec<OsString>> {
-        let dir = self.dir(rel)?;
-        let mut stream = nix::dir::Dir::from_fd(dir.fd)?;
-        let mut names = Vec::new();
-        for entry in stream.iter() {
-            let name = entry?.file_name().to_bytes().to_vec();
-            if name != b"." && name != b".." {
-                names.push(OsStr::from_bytes(&name).to_owned());
-            }
-        }
+        let mut names = names_in(&self.dir(rel)?.fd)?;
         names.sort();
         Ok(names)
     }
@@ -494,30 +486,56 @@ impl Dir {
     }
 }
 
+/// The names in the directory `fd` (without `.` and `..`), unsorted.
+fn names_in(fd: &OwnedFd) -> io::Result<Vec<OsString>> {
+    let mut stream = nix::dir::Dir::from_fd(fd.try_clone()?)?;
+    let mut names = Vec::new();
+    for entry in stream.iter() {
+        let name = entry?.file_name().to_bytes().to_vec();
+        if name != b"." && name != b".." {
+            names.push(OsStr::from_bytes(&name).to_owned());
+        }
+    }
+    Ok(names)
+}
+
+/// Removes `name` in `parent` and, if it is a directory, everything in it, depth first with a
+/// stack of its own rather than recursion: a tree nested deeper than a thread's stack (which
+/// anyone who may write a directory can make) ends in an error (no descriptors left), not in a
+/// crash of the process.
 fn remove_entry(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
-    let st = match fstatat(parent, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
-        Ok(st) => st,
-        Err(Errno::ENOENT) => return Err(io::ErrorKind::NotFound.into()),
-        Err(e) => return Err(e.into()),
-    };
-    if kind(&st) != SFlag::S_IFDIR {
-        unlinkat(parent, name, UnlinkatFlags::NoRemoveDir)?;
-        return Ok(());
+    let is_dir =
+        |at: BorrowedFd<'_>, name: &OsStr| match fstatat(at, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => Ok(Some(kind(&st) == SFlag::S_IFDIR)),
+            Err(Errno::ENOENT) => Ok(None),
+            Err(e) => Err(io::Error::from(e)),
+        };
+    match is_dir(parent, name)? {
+        None => return Err(io::ErrorKind::NotFound.into()),
+        Some(false) => return Ok(unlinkat(parent, name, UnlinkatFlags::NoRemoveDir)?),
+        Some(true) => {}
     }
-    let fd = openat(parent, name, dir_flags(), Mode::empty())?;
-    let children: Vec<OsString> = {
-        let mut stream = nix::dir::Dir::from_fd(fd.try_clone()?)?;
-        stream
-            .iter()
-            .filter_map(Result::ok)
-            .map(|e| OsStr::from_bytes(e.file_name().to_bytes()).to_owned())
-            .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
-            .collect()
-    };
-    for child in &children {
-        remove_entry(fd.as_fd(), child)?;
+    // Each level: the open directory, its name in the level above, the names left in it.
+    let top = openat(parent, name, dir_flags(), Mode::empty())?;
+    let left = names_in(&top)?;
+    let mut stack: Vec<(OwnedFd, OsString, Vec<OsString>)> = vec![(top, name.to_owned(), left)];
+    while let Some((fd, _, left)) = stack.last_mut() {
+        let Some(child) = left.pop() else {
+            let (_, own, _) = stack.pop().expect("a level");
+            let above = stack.last().map_or(parent, |(fd, _, _)| fd.as_fd());
+            unlinkat(above, own.as_os_str(), UnlinkatFlags::RemoveDir)?;
+            continue;
+        };
+        match is_dir(fd.as_fd(), &child)? {
+            None => {}
+            Some(false) => unlinkat(fd.as_fd(), child.as_os_str(), UnlinkatFlags::NoRemoveDir)?,
+            Some(true) => {
+                let sub = openat(fd.as_fd(), child.as_os_str(), dir_flags(), Mode::empty())?;
+                let left = names_in(&sub)?;
+                stack.push((sub, child, left));
+            }
+        }
     }
-    unlinkat(parent, name, UnlinkatFlags::RemoveDir)?;
     Ok(())
 }
 
@@ -700,6 +718,25 @@ mod tests {
             asked.contains(&(ino(Path::new("/")), 1)),
             "the walk starts at /"
         );
+    }
+
+    #[test]
+    fn a_tree_deeper_than_a_small_stack_is_removed_without_recursion() {
+        let (tmp, dir) = setup();
+        let mut at = dir.create_dir("deep").unwrap().fd;
+        for _ in 0..400 {
+            mkdirat(&at, "d", Mode::from_bits_truncate(0o755)).unwrap();
+            let file = OFlag::O_CREAT | OFlag::O_WRONLY | OFlag::O_CLOEXEC;
+            drop(openat(&at, "f", file, Mode::from_bits_truncate(0o644)).unwrap());
+            at = openat(&at, "d", dir_flags(), Mode::empty()).unwrap();
+        }
+        // On a thread with a 64 KiB stack, where a recursion 400 levels deep would not fit.
+        let handle = std::thread::Builder::new()
+            .stack_size(64 << 10)
+            .spawn(move || dir.remove_all("deep"))
+            .unwrap();
+        handle.join().unwrap().unwrap();
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
     }
 
     #[test]

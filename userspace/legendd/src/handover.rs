@@ -32,24 +32,26 @@ pub fn hand_over(dir: &legend_fs::Dir, owner: u32) -> std::io::Result<usize> {
     Ok(chown_tree(top, me, Uid::from_raw(owner))?)
 }
 
-fn chown_tree(mut dir: Dir, me: Uid, to: Uid) -> nix::Result<usize> {
+/// Depth first with a stack of its own rather than recursion: a tree nested deeper than a
+/// thread's stack (which the submitter can make in their run) ends in an error, not in a crash
+/// of the daemon.
+fn chown_tree(top: Dir, me: Uid, to: Uid) -> nix::Result<usize> {
     let mut changed = 0;
-    if fstat(dir.as_fd())?.st_uid == me.as_raw() {
-        fchown(dir.as_fd(), Some(to), None)?;
-        changed += 1;
-    }
-    let names: Vec<std::ffi::CString> = dir
-        .iter()
-        .filter_map(Result::ok)
-        .map(|e| e.file_name().to_owned())
-        .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
-        .collect();
-    for name in names {
-        let st = fstatat(dir.as_fd(), name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW)?;
+    let mut stack = vec![enter(top, me, to, &mut changed)?];
+    while let Some((dir, left)) = stack.last_mut() {
+        let Some(name) = left.pop() else {
+            stack.pop();
+            continue;
+        };
+        let st = match fstatat(dir.as_fd(), name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(nix::errno::Errno::ENOENT) => continue,
+            Err(e) => return Err(e),
+        };
         let kind = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
         if kind == SFlag::S_IFDIR {
             let sub = Dir::openat(dir.as_fd(), name.as_c_str(), dir_flags(), Mode::empty())?;
-            changed += chown_tree(sub, me, to)?;
+            stack.push(enter(sub, me, to, &mut changed)?);
         } else if kind == SFlag::S_IFREG && st.st_uid == me.as_raw() && st.st_nlink == 1 {
             fchownat(
                 dir.as_fd(),
@@ -62,4 +64,24 @@ fn chown_tree(mut dir: Dir, me: Uid, to: Uid) -> nix::Result<usize> {
         }
     }
     Ok(changed)
+}
+
+/// Hands `dir` itself over (when it is the daemon's) and lists the names in it.
+fn enter(
+    mut dir: Dir,
+    me: Uid,
+    to: Uid,
+    changed: &mut usize,
+) -> nix::Result<(Dir, Vec<std::ffi::CString>)> {
+    if fstat(dir.as_fd())?.st_uid == me.as_raw() {
+        fchown(dir.as_fd(), Some(to), None)?;
+        *changed += 1;
+    }
+    let names = dir
+        .iter()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_owned())
+        .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
+        .collect();
+    Ok((dir, names))
 }
