@@ -116,6 +116,9 @@ impl Guard for Unguarded {
     }
 }
 
+/// The largest text file [`Dir::read_to_string`] reads (configuration, run records, metrics).
+pub const TEXT_LIMIT: u64 = 64 << 20;
+
 fn dir_flags() -> OFlag {
     OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC
 }
@@ -425,11 +428,24 @@ impl Dir {
         Ok(bytes)
     }
 
-    /// The contents of the text file `rel`.
+    /// The contents of the text file `rel`: a record, at most [`TEXT_LIMIT`] bytes (a larger
+    /// file, even a sparse one, is refused rather than read into memory).
     pub fn read_to_string(&self, rel: impl AsRef<Path>) -> io::Result<String> {
+        let file = self.open_file(rel, Access::Read)?;
+        let too_big = || {
+            refused(format!(
+                "larger than {} MiB: not a text record",
+                TEXT_LIMIT >> 20
+            ))
+        };
+        if file.metadata()?.len() > TEXT_LIMIT {
+            return Err(too_big());
+        }
         let mut text = String::new();
-        self.open_file(rel, Access::Read)?
-            .read_to_string(&mut text)?;
+        file.take(TEXT_LIMIT + 1).read_to_string(&mut text)?;
+        if text.len() as u64 > TEXT_LIMIT {
+            return Err(too_big());
+        }
         Ok(text)
     }
 
@@ -737,6 +753,17 @@ mod tests {
             .unwrap();
         handle.join().unwrap().unwrap();
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_huge_text_file_is_refused_not_read() {
+        let (tmp, dir) = setup();
+        let f = std::fs::File::create(tmp.path().join("run.toml")).unwrap();
+        f.set_len(TEXT_LIMIT + 1).unwrap();
+        let e = dir.read_to_string("run.toml").unwrap_err();
+        assert!(e.to_string().contains("not a text record"), "{e}");
+        f.set_len(10).unwrap();
+        assert_eq!(dir.read_to_string("run.toml").unwrap().len(), 10);
     }
 
     #[test]

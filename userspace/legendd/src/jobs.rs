@@ -796,9 +796,12 @@ pub fn train_config(spec: &JobSpec) -> Result<Config, String> {
         return Err("not a train job".into());
     };
     if *resume {
-        let path = out.join("config.toml");
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        // Through the run's directory: not through a link, not a FIFO, not a huge file (the
+        // submitter controls what is there, and parse errors quote it back).
+        let path = out.join(run::CONFIG_FILE);
+        let text = legend_fs::Dir::open(out)
+            .and_then(|dir| dir.read_to_string(run::CONFIG_FILE))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
         Config::parse(&text, sets)
     } else {
         Config::parse(config, sets)

@@ -755,4 +755,24 @@ fn links_planted_in_a_run_directory_are_never_followed() {
     assert_eq!(resumed.state, JobState::Succeeded, "{resumed:?}");
     assert!(!run.join("checkpoints").join("planted").exists());
     assert_eq!(std::fs::read(elsewhere.join("f")).unwrap(), b"keep");
+    // config.toml made a link to a file the daemon may read: the resume is refused at
+    // submission without quoting the file (a parse error would).
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, b"the secret words\n").unwrap();
+    let config = run.join("config.toml");
+    std::fs::rename(&config, dir.path().join("config.toml")).unwrap();
+    std::os::unix::fs::symlink(&secret, &config).unwrap();
+    let why = refusal(c.call(Request::Submit {
+        job: JobSpec::Train {
+            dataset: None,
+            out: run.clone(),
+            config: String::new(),
+            sets: vec!["training.num_epochs=3".into()],
+            resume: true,
+        },
+    }));
+    assert!(
+        why.contains("symbolic link") && !why.contains("secret words"),
+        "{why}"
+    );
 }
