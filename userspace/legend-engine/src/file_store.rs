@@ -57,6 +57,25 @@ impl StoreFile {
         })
     }
 
+    /// The store of the run in `run` (canonically `run_dir`) at `path`: beneath the run when it
+    /// is there; a device node (`nvme`) by its path, not the caller's to admit (namespace
+    /// extents keep its users apart); elsewhere in a directory `guard` admits.
+    pub fn of_run(
+        run: &Dir,
+        run_dir: &Path,
+        path: &Path,
+        queue: Option<QueueLocation>,
+        guard: &dyn Guard,
+    ) -> Result<StoreFile, StoreError> {
+        match path.strip_prefix(run_dir) {
+            Ok(name) => Self::in_dir(run, name),
+            Err(_) if queue.is_some_and(|q| q.backend == QueueBackend::Nvme) => {
+                Self::open(path, &legend_fs::Unguarded)
+            }
+            Err(_) => Self::open(path, guard),
+        }
+    }
+
     /// The file `name` in `dir`.
     pub fn in_dir(dir: &Dir, name: &Path) -> Result<StoreFile, StoreError> {
         Ok(StoreFile {

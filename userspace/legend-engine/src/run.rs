@@ -264,7 +264,7 @@ pub fn commit_checkpoint(
         .map_err(io(&run.join("checkpoints")))?;
     let name = format!("epoch-{:05}", meta.epochs_completed);
     let tmp_name = format!("{name}.tmp");
-    remove_if_present(&dir, &tmp_name)?;
+    dir.clear(&tmp_name).map_err(io(&dir.join(&tmp_name)))?;
     let tmp = dir
         .create_dir(&tmp_name)
         .map_err(io(&dir.join(&tmp_name)))?;
@@ -280,7 +280,7 @@ pub fn commit_checkpoint(
         relations_state: rs.finish()?,
     };
     tmp.sync().map_err(io(tmp.path()))?;
-    remove_if_present(&dir, &name)?;
+    dir.clear(&name).map_err(io(&dir.join(&name)))?;
     dir.rename(&tmp_name, &name).map_err(io(&dir.join(&name)))?;
     dir.sync().map_err(io(dir.path()))?;
     meta.checkpoint = format!("checkpoints/{name}");
@@ -300,13 +300,6 @@ pub fn commit_checkpoint(
     Ok(meta)
 }
 
-fn remove_if_present(dir: &Dir, name: &str) -> Result<(), RunError> {
-    match dir.remove_all(name) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir.join(name))(e)),
-        _ => Ok(()),
-    }
-}
-
 /// Writes `bytes` to `name` in `dir` through a synced temporary file and a rename.
 pub fn write_atomically(dir: &Dir, name: &str, bytes: &[u8]) -> Result<(), RunError> {
     dir.write_atomically(name, bytes)
@@ -321,21 +314,10 @@ fn open_run_store(
     meta: &RunMeta,
     guard: &dyn Guard,
 ) -> Result<crate::file_store::FileStore, RunError> {
-    use crate::controllers::QueueBackend;
     use crate::file_store::StoreFile;
     let run_dir = std::fs::canonicalize(run.path()).map_err(io(run.path()))?;
-    let file = match path.strip_prefix(&run_dir) {
-        Ok(name) => StoreFile::in_dir(run, name),
-        Err(_)
-            if meta
-                .store_queue
-                .is_some_and(|q| q.backend == QueueBackend::Nvme) =>
-        {
-            StoreFile::open(path, &legend_fs::Unguarded)
-        }
-        Err(_) => StoreFile::open(path, guard),
-    }
-    .map_err(|e| invalid(path, e.to_string()))?;
+    let file = StoreFile::of_run(run, &run_dir, path, meta.store_queue, guard)
+        .map_err(|e| invalid(path, e.to_string()))?;
     let spec = crate::file_store::FileStoreSpec {
         file: &file,
         dataset: dataset_id(&meta.dataset_identity, path)?,

@@ -16,12 +16,11 @@ use std::time::Instant;
 
 use legend_dataset::{Dataset, DatasetError, Split};
 use legend_eval::{Metrics, SampledNegatives};
-use legend_fs::{Access, Dir, Guard, Unguarded};
+use legend_fs::{Access, Dir, Guard};
 use serde::{Deserialize, Serialize};
 
 use crate::buffer::{MemoryStore, PartitionBuffer, StoreError};
 use crate::config::{Config, ConfigError};
-use crate::controllers::QueueBackend;
 use crate::device::Device;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
 use crate::file_store::{FileStore, FileStoreSpec, SharedFileStore, StoreFile, encode_relations};
@@ -315,14 +314,7 @@ impl Session {
             let path = recorded
                 .clone()
                 .unwrap_or_else(|| config.store_path(&run_dir));
-            let file = match path.strip_prefix(&run_dir) {
-                Ok(name) => StoreFile::in_dir(&run, name)?,
-                // Device nodes are the daemon's; namespace extents keep their users apart.
-                Err(_) if queue.is_some_and(|q| q.backend == QueueBackend::Nvme) => {
-                    StoreFile::open(&path, &Unguarded)?
-                }
-                Err(_) => StoreFile::open(&path, guard)?,
-            };
+            let file = StoreFile::of_run(&run, &run_dir, &path, queue, guard)?;
             let spec = FileStoreSpec {
                 file: &file,
                 dataset: run::dataset_id(&meta.dataset_identity, &path)?,
@@ -737,10 +729,7 @@ fn assemble_run_dir(
         std::process::id()
     );
     let tmp_path = parent.join(&tmp_name);
-    match parent.remove_all(&tmp_name) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_error(&tmp_path)(e)),
-        _ => {}
-    }
+    parent.clear(&tmp_name).map_err(io_error(&tmp_path))?;
     let tmp = parent.create_dir(&tmp_name).map_err(io_error(&tmp_path))?;
     let assembled = guard
         .adopt(&tmp)

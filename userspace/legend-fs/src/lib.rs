@@ -476,6 +476,14 @@ impl Dir {
         remove_entry(self.base(&held), name)
     }
 
+    /// Removes `rel` as [`Dir::remove_all`] does, if it is there (what a crash left behind).
+    pub fn clear(&self, rel: impl AsRef<Path>) -> io::Result<()> {
+        match self.remove_all(rel) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+
     /// Writes `bytes` to `rel` through a synced temporary file (`rel` with `.tmp` added) and a
     /// rename, then syncs the directory: `rel` holds the old bytes or the new, never a part.
     pub fn write_atomically(&self, rel: impl AsRef<Path>, bytes: &[u8]) -> io::Result<()> {
@@ -483,10 +491,7 @@ impl Dir {
         let mut tmp_name = rel.as_os_str().to_owned();
         tmp_name.push(".tmp");
         let tmp = Path::new(&tmp_name);
-        match self.remove_file(tmp) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-            _ => {}
-        }
+        self.clear(tmp)?;
         let mut f = self.open_file(tmp, Access::CreateNew)?;
         f.write_all(bytes)?;
         f.sync_all()?;
