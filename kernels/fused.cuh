@@ -89,6 +89,17 @@ struct LegendFused {
     // (legend_fused_absmax), from which both operands get their FP16 scales.
     const u32* absmax;
     double* loss_sum;
+    // TransE L2 (LEGEND_FUSED_TRANSE; null otherwise): the squared norms of the rows as FP16 rounds
+    // them (legend_fused_sq_norms, unscaled), queries group x max_rows, negatives group x
+    // k_pad; and per job the complement of the float bits of the smallest nearest distance
+    // of its rows (0 before any row), the negatives kernel's common scale of G / dist.
+    const float* query_norm;
+    const float* neg_norm;
+    u32* nearest;
+    // TransE L2: the node table and the group's negative ids (k a job), whose FP32 rows finish
+    // dN (legend_fused_transe_take).
+    const float* emb;
+    const u32* neg_ids;
     u32 jobs;             // jobs of the group (the persistent rows kernel walks them all)
     u32 max_rows;
     u32 k;
@@ -102,6 +113,14 @@ struct LegendFused {
     // Whether the negatives kernel adds into grad_negs (row ranges > 1) or stores.
     int atomic;
 };
+
+// TransE L2's programs (LEGEND_FUSED_TRANSE 1, set by legend-cuda's nvrtc.rs) define the same
+// kernels for scores -||q - n|| = -sqrt(|q|² + |n|² - 2 q·n), the products on the tensor
+// cores as for the dot decoders (see legend_fused_transe_tile): a program of its own, so
+// that the dot decoders' kernels keep their registers.
+#ifndef LEGEND_FUSED_TRANSE
+#define LEGEND_FUSED_TRANSE 0
+#endif
 
 // Negatives a job's G, factors and FP16 negatives hold: k rounded up to a column block.
 __device__ __forceinline__ u32 legend_fused_k_pad(u32 k) {
@@ -192,11 +211,28 @@ __device__ __forceinline__ u32 legend_half2(float lo, float hi) {
     return legend_half2_g(legend_fp16_clamp(lo), legend_fp16_clamp(hi));
 }
 
+// The two FP16 values of a register as floats, the low half first.
+__device__ __forceinline__ float2 legend_half2_unpack(u32 x) {
+    float lo, hi;
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
+        : "=f"(lo), "=f"(hi)
+        : "r"(x));
+    return make_float2(lo, hi);
+}
+
 // A store marked evict-first (st.global.cs): G streams through L2 (0.4 GB a benchmark batch)
 // and should not push out the negatives every block of the job reads (measurement log,
 // version 17).
 __device__ __forceinline__ void legend_store_streaming(u32* p, u32 v) {
     asm volatile("st.global.cs.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// 1/sqrt(x), by the special-function unit (subnormals flushed: TransE L2's squared distances
+// below 2^-126 are taken as 0 before it).
+__device__ __forceinline__ float legend_rsqrt(float x) {
+    float r;
+    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
 }
 
 // 2^x, by the special-function unit (as __expf, whose argument it takes already
@@ -269,4 +305,9 @@ __device__ __forceinline__ float legend_quad_sum(float v) {
 __device__ __forceinline__ float legend_quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+__device__ __forceinline__ float legend_quad_min(float v) {
+    v = fminf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fminf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }

@@ -26,16 +26,22 @@ struct LegendFusedLaunch {
 // (LEGEND_FUSED_WIDTH, set by legend-cuda's nvrtc.rs), compiled in parallel with the others;
 // the program of the other kernels (LEGEND_FUSED_WIDTH 0) holds none of them. On Hopper the
 // rows kernel is the warp-specialised one (one block of LEGEND_WS_THREADS a multiprocessor).
+// TransE L2's programs name theirs legend_fused_transe_{rows,negatives}_dW.
+#if LEGEND_FUSED_TRANSE
+#define LEGEND_FUSED_NAME(KIND, W) legend_fused_transe_##KIND##_d##W
+#else
+#define LEGEND_FUSED_NAME(KIND, W) legend_fused_##KIND##_d##W
+#endif
 #ifdef LEGEND_WGMMA
 #define LEGEND_FUSED_ROWS(W, DK, KS)                                                          \
     extern "C" __global__ void __launch_bounds__(LEGEND_WS_THREADS, 1)                       \
-        legend_fused_rows_d##W(LegendFused f) {                                               \
+        LEGEND_FUSED_NAME(rows, W)(LegendFused f) {                                           \
         legend_fused_rows_ws<DK, KS>(f);                                                      \
     }
 #else
 #define LEGEND_FUSED_ROWS(W, DK, KS)                                                          \
     extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2)                 \
-        legend_fused_rows_d##W(LegendFused f) {                                               \
+        LEGEND_FUSED_NAME(rows, W)(LegendFused f) {                                           \
         legend_fused_rows_body<DK, KS>(f);                                                    \
     }
 #endif
@@ -44,7 +50,7 @@ struct LegendFusedLaunch {
         LEGEND_FUSED_LAUNCH(DK, KS);                                                          \
     LEGEND_FUSED_ROWS(W, DK, KS)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * LEGEND_FUSED_WARPS, 2)                 \
-        legend_fused_negatives_d##W(LegendFused f) {                                          \
+        LEGEND_FUSED_NAME(negatives, W)(LegendFused f) {                                      \
         legend_fused_negatives_body<DK, KS>(f);                                               \
     }
 #if LEGEND_FUSED_WIDTH == 32

@@ -10,20 +10,150 @@ struct LegendRowLoss {
     float la, lb;            // this lane's part of the running sum (softmax, times 2^14) or
                              // of the loss terms (the others)
     float activa, activb;    // ranking: this lane's part of the active negatives
+    // TransE L2: the rows' squared query norms and the job's squared negative norms (ma and
+    // mb are then the running maxima for every loss: minus the nearest distances so far).
+    float qa, qb;
+    const float* nn;
 };
 
-// The loss state of rows a and b before the first tile.
-__device__ __forceinline__ LegendRowLoss legend_row_loss(const LegendFused& f, u64 at_a,
+// The loss state of rows a and b (of job z) before the first tile.
+__device__ __forceinline__ LegendRowLoss legend_row_loss(const LegendFused& f, u32 z, u64 at_a,
                                                          bool va, bool vb, int t) {
     LegendRowLoss r;
     r.pa = va ? f.pos[at_a] : 0.0f;
     r.pb = vb ? f.pos[at_a + 8] : 0.0f;
     r.ma = r.pa;
     r.mb = r.pb;
+    r.qa = LEGEND_FUSED_TRANSE && va ? f.query_norm[at_a] : 0.0f;
+    r.qb = LEGEND_FUSED_TRANSE && vb ? f.query_norm[at_a + 8] : 0.0f;
+    r.nn = LEGEND_FUSED_TRANSE ? f.neg_norm + (u64)z * legend_fused_k_pad(f.k) : nullptr;
     // The positive counted once, by lane t = 0, as exp(0) times the G scale.
     r.la = r.lb = (f.loss == LEGEND_LOSS_SOFTMAX && t == 0) ? LEGEND_FUSED_G_SCALE : 0.0f;
     r.activa = r.activb = 0.0f;
     return r;
+}
+
+// TransE L2: column `dim` of a valid row's FP16 query holds 1 (x[v] is column c0 + v, before
+// the scale q_scale, a power of two), so that the negatives kernel's product sums each
+// negative's weights (legend_fused_transe_take).
+template <int N>
+__device__ __forceinline__ void legend_fused_query_ones(const LegendFused& f, float (&x)[N],
+                                                        u32 c0, bool valid, float q_scale) {
+#if LEGEND_FUSED_TRANSE
+    if (!valid) return;
+#pragma unroll
+    for (int v = 0; v < N; ++v)
+        if (c0 + v == f.dim) x[v] = 1.0f / q_scale;
+#endif
+}
+
+// The logistic or ranking loss of one negative's score x against the positive's p: its term
+// and ∂L/∂x (w = 1/k: logistic averages over the negatives).
+__device__ __forceinline__ void legend_fused_term(const LegendFused& f, float x, float p, float w,
+                                                  float& term, float& grad) {
+    if (f.loss == LEGEND_LOSS_LOGISTIC) {
+        float ex = __expf(-fabsf(x));
+        term = w * (fmaxf(x, 0.0f) + log1pf(ex));
+        grad = w * (x >= 0.0f ? 1.0f : ex) / (1.0f + ex);
+    } else {
+        float v = f.margin - p + x;
+        term = v > 0.0f ? v : 0.0f;
+        grad = v > 0.0f ? 1.0f : 0.0f;
+    }
+}
+
+// The squared distance, relative to |q|² + |n|², below which TransE L2's fused kernels take a
+// pair to be at distance 0 (2^-20: about ten times the expansion's FP32 rounding at d = 128).
+#define LEGEND_TRANSE_ZERO 9.5367431640625e-7f
+
+// TransE L2's version of legend_fused_loss_tile: s holds the scaled products q·n, which
+// become squared distances |q|² + |n|² - 2 q·n (the norms of the FP16-rounded rows, so that
+// this is the distance of the rows the products use, up to FP32 rounding), scores -dist
+// through the loss, and G / dist, the weight of n - q in dQ (of q - n in dN). G / dist is
+// unbounded as a negative nears its query, so it leaves times the row's nearest distance so
+// far (at most G, in FP16's range however near), the accumulators rescaled as that shrinks,
+// as softmax rescales them as its maximum grows: the running maximum of the scores, ma and
+// mb, is minus that distance, for every loss. sca and scb are the accumulators' factors.
+template <int J, bool TAIL>
+__device__ __forceinline__ void legend_fused_transe_tile(const LegendFused& f, float (&s)[J][4],
+                                                         LegendRowLoss& r, float s_unscale,
+                                                         u32 n0, float& sca, float& scb) {
+    u32 k = f.k;
+    const float inf = __int_as_float(0x7f800000);
+    float da = inf, db = inf, two = -2.0f * s_unscale;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        float2 nn = *reinterpret_cast<const float2*>(r.nn + n0 + 8 * j);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            float norms = (q < 2 ? r.qa : r.qb) + (q & 1 ? nn.y : nn.x);
+            float d2 = fmaf(s[j][q], two, norms);
+            // Below the expansion's rounding error (the FP32 sums of the products and the
+            // norms) a pair is at distance 0: no gradient, as the CPU gives a pair at 0.
+            d2 = d2 > LEGEND_TRANSE_ZERO * norms && d2 >= 0x1p-126f ? d2 : 0.0f;
+            if (TAIL && n0 + 8 * j + (q & 1) >= k) d2 = inf;
+            s[j][q] = d2;
+            float nearest = d2 > 0.0f ? d2 : inf;
+            if (q < 2) da = fminf(da, nearest); else db = fminf(db, nearest);
+        }
+    }
+    // The new maxima (minus the nearest distances), and what moves the accumulators: the
+    // ratio of the nearest distances (1 while a row's is 0: its G / dist are all 0), and for
+    // softmax the exponential's shift, which its sum takes alone.
+    float na = fmaxf(r.ma, -sqrtf(legend_quad_min(da)));
+    float nb = fmaxf(r.mb, -sqrtf(legend_quad_min(db)));
+    sca = r.ma < 0.0f ? na / r.ma : 1.0f;
+    scb = r.mb < 0.0f ? nb / r.mb : 1.0f;
+    bool softmax = f.loss == LEGEND_LOSS_SOFTMAX;
+    if (softmax) {
+        float ea = __expf(r.ma - na), eb = __expf(r.mb - nb);
+        r.la *= ea;
+        r.lb *= eb;
+        sca *= ea;
+        scb *= eb;
+    }
+    r.ma = na;
+    r.mb = nb;
+    // Per pair: 1 / dist (0 at distance 0, the CPU's zero subgradient, and past k), the
+    // score -dist through the loss, and G times the nearest distance over dist.
+    if (softmax) {
+        constexpr float LOG2E = 1.4426950408889634f;
+        float ba = LEGEND_FUSED_G_LOG2 - na * LOG2E, bb = LEGEND_FUSED_G_LOG2 - nb * LOG2E;
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                float d2 = s[j][q];
+                float inv = d2 > 0.0f && d2 < inf ? legend_rsqrt(d2) : 0.0f;
+                // exp(-dist - max) with the G scale; 0 past k (d2 = inf).
+                float g = legend_exp2(fmaf(-d2 * inv, LOG2E, q < 2 ? ba : bb));
+                g = d2 < inf ? g : 0.0f;
+                if (q < 2) r.la += g; else r.lb += g;
+                s[j][q] = g * (-(q < 2 ? na : nb) * inv);
+            }
+        return;
+    }
+    float w = 1.0f / (float)k;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            float d2 = s[j][q];
+            bool ok = !TAIL || n0 + 8 * j + (q & 1) < k;
+            float inv = ok && d2 > 0.0f ? legend_rsqrt(d2) : 0.0f;
+            float term, grad;
+            legend_fused_term(f, -d2 * inv, q < 2 ? r.pa : r.pb, w, term, grad);
+            term = ok ? term : 0.0f;
+            grad = ok ? grad : 0.0f;
+            if (q < 2) {
+                r.la += term;
+                r.activa += grad;
+            } else {
+                r.lb += term;
+                r.activb += grad;
+            }
+            s[j][q] = grad * LEGEND_FUSED_G_SCALE * (-(q < 2 ? na : nb) * inv);
+        }
 }
 
 // One tile of J 8-column blocks of scores (s, scaled by the operands' scales, unscaled by
@@ -36,6 +166,10 @@ template <int J, bool TAIL>
 __device__ __forceinline__ void legend_fused_loss_tile(const LegendFused& f, float (&s)[J][4],
                                                        LegendRowLoss& r, float s_unscale,
                                                        u32 n0, float& sca, float& scb) {
+    if (LEGEND_FUSED_TRANSE) {
+        legend_fused_transe_tile<J, TAIL>(f, s, r, s_unscale, n0, sca, scb);
+        return;
+    }
     u32 k = f.k;
     sca = scb = 1.0f;
     if (f.loss == LEGEND_LOSS_SOFTMAX) {
@@ -78,15 +212,7 @@ __device__ __forceinline__ void legend_fused_loss_tile(const LegendFused& f, flo
             float x = s[j][q] * s_unscale;
             bool ok = !TAIL || n0 + 8 * j + (q & 1) < k;
             float term, grad;
-            if (f.loss == LEGEND_LOSS_LOGISTIC) {
-                float ex = __expf(-fabsf(x));
-                term = w * (fmaxf(x, 0.0f) + log1pf(ex));
-                grad = w * (x >= 0.0f ? 1.0f : ex) / (1.0f + ex);
-            } else {
-                float v = f.margin - (q < 2 ? r.pa : r.pb) + x;
-                term = v > 0.0f ? v : 0.0f;
-                grad = v > 0.0f ? 1.0f : 0.0f;
-            }
+            legend_fused_term(f, x, q < 2 ? r.pa : r.pb, w, term, grad);
             term = ok ? term : 0.0f;
             grad = ok ? grad : 0.0f;
             s[j][q] = grad * LEGEND_FUSED_G_SCALE;
@@ -169,24 +295,20 @@ __device__ __forceinline__ float2 legend_fused_rows_finish(const LegendFused& f,
     float lsa = legend_quad_sum(r.la), lsb = legend_quad_sum(r.lb);
     // dQ's unscaling, apart from n_scale: G's scale, which softmax's sums carry.
     float ua = 1.0f / LEGEND_FUSED_G_SCALE, ub = ua, loss_a, loss_b, gpa, gpb;
-    if (f.loss == LEGEND_LOSS_SOFTMAX) {
+    // What turns a tile's G into the final ∂L/∂S: for softmax 1 / sum (fa, fb) times the
+    // exponential's shift from the tile's running maximum.
+    float fa = 1.0f, fb = 1.0f;
+    bool softmax = f.loss == LEGEND_LOSS_SOFTMAX;
+    if (softmax) {
         ua = 1.0f / lsa;
         ub = 1.0f / lsb;
-        float fa = LEGEND_FUSED_G_SCALE * ua, fb = LEGEND_FUSED_G_SCALE * ub;
+        fa = LEGEND_FUSED_G_SCALE * ua;
+        fb = LEGEND_FUSED_G_SCALE * ub;
         constexpr float LOG_G = 9.704060527839234f;  // ln(2^14)
         loss_a = r.ma + logf(lsa) - LOG_G - r.pa;
         loss_b = r.mb + logf(lsb) - LOG_G - r.pb;
         gpa = __expf(r.pa - r.ma) * fa - 1.0f;
         gpb = __expf(r.pb - r.mb) * fb - 1.0f;
-        for (u32 u = t; u < tiles; u += 4) {
-            float2 m = running(u);
-            float ca = __expf(m.x - r.ma) * fa, cb = __expf(m.y - r.mb) * fb;
-            for (u32 h = 0; h < width; ++h) {
-                float* ch = legend_fused_corr(f, z, u * width + h) + ra;
-                ch[0] = ca;
-                ch[8] = cb;
-            }
-        }
     } else if (f.loss == LEGEND_LOSS_LOGISTIC) {
         float ea = __expf(-fabsf(r.pa)), eb = __expf(-fabsf(r.pb));
         loss_a = fmaxf(-r.pa, 0.0f) + log1pf(ea) + lsa;
@@ -199,6 +321,40 @@ __device__ __forceinline__ float2 legend_fused_rows_finish(const LegendFused& f,
         gpa = -legend_quad_sum(r.activa);
         gpb = -legend_quad_sum(r.activb);
     }
+    if (LEGEND_FUSED_TRANSE) {
+        // G / dist went out times the nearest distance -m (0 where that is 0: no gradient).
+        ua = r.ma < 0.0f ? ua / -r.ma : 0.0f;
+        ub = r.mb < 0.0f ? ub / -r.mb : 0.0f;
+        // The job's smallest nearest distance, over its rows with one: the negatives
+        // kernel's common scale (one atomic a warp; the bits' complement orders as the
+        // distances do, reversed).
+        float nearest = __int_as_float(0x7f800000);
+        if (va && r.ma < 0.0f) nearest = -r.ma;
+        if (vb && r.mb < 0.0f) nearest = fminf(nearest, -r.mb);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            nearest = fminf(nearest, __shfl_xor_sync(0xffffffffu, nearest, o));
+        if ((threadIdx.x & 31) == 0 && nearest < __int_as_float(0x7f800000))
+            atomicMax(&f.nearest[z], ~__float_as_uint(nearest));
+    }
+    if (softmax || LEGEND_FUSED_TRANSE) {
+        // The factors of the walked tiles: softmax's shift and sum, and for TransE the
+        // tile's nearest distance divided out (0 where it is 0).
+        for (u32 u = t; u < tiles; u += 4) {
+            float2 m = running(u);
+            float ca = softmax ? __expf(m.x - r.ma) * fa : 1.0f;
+            float cb = softmax ? __expf(m.y - r.mb) * fb : 1.0f;
+            if (LEGEND_FUSED_TRANSE) {
+                ca = m.x < 0.0f ? ca / -m.x : 0.0f;
+                cb = m.y < 0.0f ? cb / -m.y : 0.0f;
+            }
+            for (u32 h = 0; h < width; ++h) {
+                float* ch = legend_fused_corr(f, z, u * width + h) + ra;
+                ch[0] = ca;
+                ch[8] = cb;
+            }
+        }
+    }
     if (t == 0) {
         if (va) {
             f.grad_pos[at_a] = gpa;
@@ -210,6 +366,45 @@ __device__ __forceinline__ float2 legend_fused_rows_finish(const LegendFused& f,
         }
     }
     return make_float2(ua / n_scale, ub / n_scale);
+}
+
+// Column c of row a (h = 0) or b of a warp's accumulators, in every lane of the row's quad.
+template <int DK>
+__device__ __forceinline__ float legend_fused_column(const float (&acc)[DK][4], int h, u32 c,
+                                                     int t) {
+    float v = 0.0f;
+#pragma unroll
+    for (int n = 0; n < DK; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+            if (8 * n + 2 * t + e == c) v = acc[n][2 * h + e];
+    return legend_quad_sum(v);
+}
+
+// TransE L2's products through the distances, finished: with W = G / dist, dQ_i = Σ_j W_ij
+// (n_j - q_i) and dN_j = Σ_i W_ij (q_i - n_j), so the accumulators of the product (Σ W n, or
+// Σ W q) lose their rows' own vectors times their weights' sums. Those sums come with the
+// product: the other operand holds 1 in column `ones` (a padding column, zero in this
+// operand, so the scores are untouched). The vectors are the FP32 rows (`row_a` and
+// `row_b`, d floats, null past the job's rows), not their FP16 copies: a row's rounding
+// would enter every one of its pairs alike, where the operand's average out over the sum.
+// `scale` is the product's scale of the rows (the other operand's).
+template <int DK>
+__device__ __forceinline__ void legend_fused_transe_take(float (&acc)[DK][4], const float* row_a,
+                                                         const float* row_b, u32 dim, u32 ones,
+                                                         float scale, int t) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float w = scale * legend_fused_column<DK>(acc, h, ones, t);
+        const float* x = h ? row_b : row_a;
+        if (!x) continue;
+#pragma unroll
+        for (int n = 0; n < DK; ++n) {
+            u32 c = 8 * n + 2 * t;
+            if (c < dim) acc[n][2 * h] -= w * x[c];
+            if (c + 1 < dim) acc[n][2 * h + 1] -= w * x[c + 1];
+        }
+    }
 }
 
 // The lane's two adjacent columns of row a (h = 0) or b in each 8-column block of its

@@ -4,11 +4,8 @@
 // The FP16 pair x (of G) with its halves multiplied by c.x (low) and c.y (high, both at
 // most 1), in FP32.
 __device__ __forceinline__ u32 legend_half2_times(u32 x, float2 c) {
-    float lo, hi;
-    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
-        : "=f"(lo), "=f"(hi)
-        : "r"(x));
-    return legend_half2_g(lo * c.x, hi * c.y);
+    float2 v = legend_half2_unpack(x);
+    return legend_half2_g(v.x * c.x, v.y * c.y);
 }
 
 // The negatives kernel (see fused.cuh): a block owns 128 negatives (column block
@@ -34,7 +31,11 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u32 k = f.k, dim = f.dim, rows_pad = legend_fused_rows_pad(f);
     u32 column = blockIdx.x;
-    bool softmax = f.loss == LEGEND_LOSS_SOFTMAX;
+    // Softmax and TransE L2 turn each tile's G into ∂L/∂S (or G / dist) by the rows kernel's
+    // factors; TransE's, times the job's smallest nearest distance, stay at most 1.
+    bool factors = f.loss == LEGEND_LOSS_SOFTMAX || LEGEND_FUSED_TRANSE;
+    float nearest = 1.0f;
+    if (LEGEND_FUSED_TRANSE && f.nearest[z] != 0u) nearest = __uint_as_float(~f.nearest[z]);
     constexpr int G_WORDS = T * BN / 2;
     u32* sg0 = legend_fused_smem;
     u32* sq0 = sg0 + ST * G_WORDS;
@@ -57,7 +58,7 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
         legend_fused_tile<KS>(f.query_half + legend_fused_tile_word(z, rows_pad / T, r0 / T,
                                                                     f.dim_pad),
                               T, sq0 + it % ST * T * SW);
-        if (softmax && threadIdx.x < 2 * T / 4) {
+        if (factors && threadIdx.x < 2 * T / 4) {
             u32 h = threadIdx.x / (T / 4), piece = threadIdx.x % (T / 4);
             legend_cp16(&sc0[it % ST * BN + h * T + 4 * piece],
                         legend_fused_corr(f, z, 2 * column + h) + r0 + 4 * piece, 16);
@@ -83,13 +84,17 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
         u32 ga[4][4];
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) legend_ldsm4_trans(a_at + jj * (BN * 32), ga[jj]);
-        if (softmax) {
+        if (factors) {
             // G of each row from its tile's running maximum to the final probabilities.
             const float* c = sc0 + it % ST * BN + row0 / T * T;
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
                 float2 lo = *reinterpret_cast<const float2*>(&c[16 * jj + 2 * t]);
                 float2 hi = *reinterpret_cast<const float2*>(&c[16 * jj + 8 + 2 * t]);
+                lo.x *= nearest;
+                lo.y *= nearest;
+                hi.x *= nearest;
+                hi.y *= nearest;
                 ga[jj][0] = legend_half2_times(ga[jj][0], lo);
                 ga[jj][1] = legend_half2_times(ga[jj][1], lo);
                 ga[jj][2] = legend_half2_times(ga[jj][2], hi);
@@ -104,9 +109,16 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
         legend_fused_accumulate<DK, KS, 4>(ga, sq, lane, acc);
 #endif
     }
-    float* out = f.grad_negs + (u64)z * k * dim;
-    float unscale = 1.0f / (q_scale * LEGEND_FUSED_G_SCALE);
     u32 ja = column * BN + row0 + g, jb = ja + 8;
+    if (LEGEND_FUSED_TRANSE) {
+        // dN_j = Σ_i W_ij q_i - n_j Σ_i W_ij, with the negatives' FP32 rows.
+        const u32* ids = f.neg_ids + (u64)z * k;
+        const float* na = ja < k ? f.emb + (u64)ids[ja] * dim : nullptr;
+        const float* nb = jb < k ? f.emb + (u64)ids[jb] * dim : nullptr;
+        legend_fused_transe_take<DK>(acc, na, nb, dim, dim, q_scale, t);
+    }
+    float* out = f.grad_negs + (u64)z * k * dim;
+    float unscale = 1.0f / (q_scale * LEGEND_FUSED_G_SCALE * nearest);
 #pragma unroll
     for (int n = 0; n < DK; ++n)
 #pragma unroll

@@ -76,10 +76,12 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
             int i = e / (4 * KS), c = 4 * (e % (4 * KS));
             u32 r = r_block + i;
             bool ok = r < nrows && (u32)c < dim;
-            float4 x = ok ? *reinterpret_cast<const float4*>(f.query + (base + r) * dim + c)
+            float4 y = ok ? *reinterpret_cast<const float4*>(f.query + (base + r) * dim + c)
                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            uint2 v = make_uint2(legend_half2(x.x * q_scale, x.y * q_scale),
-                                 legend_half2(x.z * q_scale, x.w * q_scale));
+            float x[4] = {y.x, y.y, y.z, y.w};
+            legend_fused_query_ones(f, x, c, r < nrows, q_scale);
+            uint2 v = make_uint2(legend_half2(x[0] * q_scale, x[1] * q_scale),
+                                 legend_half2(x[2] * q_scale, x[3] * q_scale));
             u32 word = (H::at(i, c / 8) + 2 * (c % 8)) / 4;
             *reinterpret_cast<uint2*>(&legend_fused_smem[word]) = v;
             *reinterpret_cast<uint2*>(&qh[word]) = v;
@@ -90,8 +92,9 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
             u32 r = r_block + i;
             bool ok = r < nrows;
             const float* q = f.query + (base + r) * dim;
-            u32 v = legend_half2(ok && (u32)c < dim ? q[c] * q_scale : 0.0f,
-                                 ok && (u32)c + 1 < dim ? q[c + 1] * q_scale : 0.0f);
+            float x[2] = {ok && (u32)c < dim ? q[c] : 0.0f, ok && (u32)c + 1 < dim ? q[c + 1] : 0.0f};
+            legend_fused_query_ones(f, x, c, ok, q_scale);
+            u32 v = legend_half2(x[0] * q_scale, x[1] * q_scale);
             u32 word = (H::at(i, c / 8) + 2 * (c % 8)) / 4;
             legend_fused_smem[word] = v;
             qh[word] = v;
@@ -101,7 +104,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     // Rows a = r_block + row0 + g and b = a + 8.
     u32 ra = r_block + row0 + g;
     bool va = ra < nrows, vb = ra + 8 < nrows;
-    LegendRowLoss st = legend_row_loss(f, base + ra, va, vb, t);
+    LegendRowLoss st = legend_row_loss(f, z, base + ra, va, vb, t);
     float acc[DK][4];
     legend_fused_clear<DK>(acc);
 
@@ -128,7 +131,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
         legend_fused_rescale<DK>(acc, sca, scb);
         // The running maxima this tile's G is relative to (one lane a tile and row; the same
         // lane turns them into factors at the end).
-        if (f.loss == LEGEND_LOSS_SOFTMAX && t == (it & 3)) {
+        if ((f.loss == LEGEND_LOSS_SOFTMAX || LEGEND_FUSED_TRANSE) && t == (it & 3)) {
             float* c = legend_fused_corr(f, z, it) + ra;
             c[0] = st.ma;
             c[8] = st.mb;
@@ -149,6 +152,11 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     };
     float2 u = legend_fused_rows_finish(f, z, base + ra, ra, va, vb, st, n_scale, tiles, 1, t,
                                         running, loss);
+    if (LEGEND_FUSED_TRANSE) {
+        const float* qa = f.query + (base + ra) * dim;
+        legend_fused_transe_take<DK>(acc, va ? qa : nullptr, vb ? qa + 8 * dim : nullptr, dim,
+                                     dim + 1, n_scale, t);
+    }
     if (va) legend_fused_put_row<DK>(f.grad_query + (base + ra) * dim, acc, 0, u.x, dim, t);
     if (vb) legend_fused_put_row<DK>(f.grad_query + (base + ra + 8) * dim, acc, 1, u.y, dim, t);
     legend_fused_add_loss(f, loss);

@@ -153,6 +153,7 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
 #pragma unroll
                 for (int v = 0; v < 8; ++v) x[v] = i < valid && 8 * c + v < dim ? from[v] : 0.0f;
             }
+            legend_fused_query_ones(f, x, 8 * c, i < valid, q_scale);
             u32 hv[4];
 #pragma unroll
             for (int v = 0; v < 4; ++v)
@@ -170,7 +171,7 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
         // Rows a = r_wg + 16·w4 + g and b = a + 8.
         u32 ra = r_wg + 16 * w4 + g;
         bool va = ra < nrows, vb = ra + 8 < nrows;
-        LegendRowLoss st = legend_row_loss(f, base + ra, va, vb, t);
+        LegendRowLoss st = legend_row_loss(f, z, base + ra, va, vb, t);
         float acc[DK][4];
         legend_fused_clear<DK>(acc);
         u32 sa = sq + H::at(64 * wg, 0);
@@ -204,7 +205,7 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
         float sca, scb;
         auto loss_tile = [&](u32 it) {
             legend_fused_loss<NT / 8>(f, s, st, s_unscale, it * NT, t, sca, scb);
-            if (f.loss == LEGEND_LOSS_SOFTMAX && t == (it & 3)) {
+            if ((f.loss == LEGEND_LOSS_SOFTMAX || LEGEND_FUSED_TRANSE) && t == (it & 3)) {
                 float* c = it < LEGEND_WS_MAXIMA ? maxima + it * 64 : legend_fused_corr(f, z, 2 * it) + ra;
                 c[0] = st.ma;
                 c[8] = st.mb;
@@ -263,6 +264,11 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
         };
         float2 u = legend_fused_rows_finish(f, z, base + ra, ra, va, vb, st, n_scale, tiles, 2,
                                             t, running, loss);
+        if (LEGEND_FUSED_TRANSE) {
+            const float* qa = f.query + (base + ra) * dim;
+            legend_fused_transe_take<DK>(acc, va ? qa : nullptr, vb ? qa + 8 * dim : nullptr,
+                                         dim, dim + 1, n_scale, t);
+        }
         // dQ through the warpgroup's FP16 query tile, free until the next item's queries:
         // eight rows of the warp at a time, written from the fragments, then copied out as
         // the rows lie in device memory, in whole 16-byte pieces where d % 4 == 0 (a store

@@ -34,10 +34,13 @@ pub(crate) struct Kernels {
     pub(crate) adagrad: CudaFunction,
     pub(crate) count_uses: CudaFunction,
     pub(crate) filter_known: CudaFunction,
-    /// The fused kernels' operand scales and FP16 copy of the negatives.
+    /// The fused kernels' operand scales, FP16 copy of the negatives and (TransE L2) the
+    /// operands' squared norms.
     pub(crate) fused_absmax: CudaFunction,
     pub(crate) gather_negatives_half: CudaFunction,
-    /// The fused product kernels, narrowest padded width first.
+    pub(crate) fused_sq_norms: CudaFunction,
+    /// The fused product kernels, the dot decoders' then TransE L2's, narrowest padded width
+    /// first.
     pub(crate) fused: Vec<FusedKernels>,
     /// GPU-initiated NVMe I/O (`kernels/nvme_io.cu`) and its SQE test vectors.
     pub(crate) nvme_io: CudaFunction,
@@ -48,6 +51,8 @@ pub(crate) struct Kernels {
 pub(crate) struct FusedKernels {
     /// Widest rows (d) the pair handles: its fragments span `width` columns.
     pub(crate) width: usize,
+    /// Whether the pair is TransE L2's (`LEGEND_FUSED_TRANSE`), else the dot decoders'.
+    pub(crate) transe: bool,
     /// How they are launched.
     pub(crate) launch: FusedLaunch,
     pub(crate) rows: CudaFunction,
@@ -210,18 +215,25 @@ impl Gpu {
             filter_known: f("legend_filter_known")?,
             fused_absmax: f("legend_fused_absmax")?,
             gather_negatives_half: f("legend_gather_negatives_half")?,
+            fused_sq_norms: f("legend_fused_sq_norms")?,
             // The fused programs in order, narrowest first (`nvrtc::PROGRAMS`).
             fused: nvrtc::PROGRAMS
                 .iter()
                 .filter(|p| p.fused_width > 0)
                 .map(|p| {
                     let width = p.fused_width as usize;
-                    let rows = format!("legend_fused_rows_d{width}");
+                    let kind = if p.transe {
+                        "legend_fused_transe"
+                    } else {
+                        "legend_fused"
+                    };
+                    let rows = format!("{kind}_rows_d{width}");
                     Ok(FusedKernels {
                         width,
+                        transe: p.transe,
                         launch: read_launch(module_of(&rows), &stream)?,
                         rows: f(&rows)?,
-                        negatives: f(&format!("legend_fused_negatives_d{width}"))?,
+                        negatives: f(&format!("{kind}_negatives_d{width}"))?,
                     })
                 })
                 .collect::<Result<_, GpuError>>()?,

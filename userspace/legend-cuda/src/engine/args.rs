@@ -147,6 +147,11 @@ pub(super) struct FusedArgs {
     pub(super) rows: u64,
     pub(super) absmax: u64,
     pub(super) loss_sum: u64,
+    pub(super) query_norm: u64,
+    pub(super) neg_norm: u64,
+    pub(super) nearest: u64,
+    pub(super) emb: u64,
+    pub(super) neg_ids: u64,
     pub(super) jobs: u32,
     pub(super) max_rows: u32,
     pub(super) k: u32,
@@ -158,7 +163,7 @@ pub(super) struct FusedArgs {
     pub(super) atomic: i32,
 }
 
-// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (twelve pointers, then nine
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (seventeen pointers, then nine
 // 4-byte fields: no padding inside; the kernel's struct ends padded to 8 bytes as this one).
 unsafe impl DeviceRepr for FusedArgs {}
 

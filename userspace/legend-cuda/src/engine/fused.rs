@@ -2,12 +2,14 @@
 //! score matrices on chip (`kernels/fused*.cu*`), on sm_80 and newer.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use legend_model::{Comparator, Decoder};
 
 use super::args::FusedArgs;
 use super::{GpuBatchEngine, Path, blocks, loss_code};
 use crate::error::DriverContext;
 use crate::gpu::{
-    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_TILE, fused_dim_pad, fused_k_pad, fused_rows_pad,
+    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_TILE, FusedKernels, fused_dim_pad, fused_k_pad,
+    fused_rows_pad,
 };
 use crate::{Gpu, GpuError};
 
@@ -36,6 +38,30 @@ pub(super) struct FusedBuffers {
     /// Each job's largest query and negative magnitudes (float bits), which give the FP16
     /// operands their power-of-two scales.
     pub(super) absmax: CudaSlice<u32>,
+    /// TransE L2 (one element each otherwise): the squared norms of the FP16 queries
+    /// (`max_rows` a job) and negatives (`fused_k_pad(k)` a job), and each job's smallest
+    /// nearest distance (complemented float bits, cleared before a group).
+    transe: Option<TransENorms>,
+}
+
+/// What the fused kernels need for TransE L2's distances, `|q|² + |n|² − 2 q·n` with the
+/// product on the tensor cores (`legend_fused_transe_tile` in `kernels/fused_loss.cuh`).
+pub(super) struct TransENorms {
+    query_norm: CudaSlice<f32>,
+    neg_norm: CudaSlice<f32>,
+    nearest: CudaSlice<u32>,
+}
+
+/// Whether fused kernels `kernels` take rows of `d` values for `decoder`: the dot decoders'
+/// need `d ≤ width`; TransE L2's two padding columns more (the operands' columns of ones that
+/// sum G / dist per row and per negative, `legend_fused_transe_take`); TransE L1 has no
+/// product form.
+pub(super) fn fused_fits(decoder: Decoder, d: usize, kernels: &FusedKernels) -> bool {
+    match decoder.comparator() {
+        Comparator::Dot => !kernels.transe && d <= kernels.width,
+        Comparator::NegL2 => kernels.transe && d + 2 <= kernels.width,
+        Comparator::NegL1 => false,
+    }
 }
 
 impl FusedBuffers {
@@ -44,13 +70,23 @@ impl FusedBuffers {
     pub(super) fn new(
         gpu: &Gpu,
         which: usize,
+        decoder: Decoder,
         group: usize,
         max_rows: usize,
         k: usize,
     ) -> Result<FusedBuffers, GpuError> {
         let half_len = fused_dim_pad(gpu.kernels.fused[which].width) / 2;
         let (k_pad, rows_pad) = (fused_k_pad(k), fused_rows_pad(max_rows));
+        let transe = match decoder.comparator() {
+            Comparator::NegL2 => Some(TransENorms {
+                query_norm: gpu.zeros(group * max_rows)?,
+                neg_norm: gpu.zeros(group * k_pad)?,
+                nearest: gpu.zeros(group)?,
+            }),
+            _ => None,
+        };
         Ok(FusedBuffers {
+            transe,
             which,
             neg_half: gpu.zeros(group * k_pad * half_len)?,
             query_half: gpu.zeros(group * rows_pad * half_len)?,
@@ -71,6 +107,12 @@ impl GpuBatchEngine {
         g0: usize,
         gz: u32,
     ) -> Result<(), GpuError> {
+        if let Path::Fused(FusedBuffers {
+            transe: Some(t), ..
+        }) = &mut self.path
+        {
+            gpu.clear(&mut t.nearest)?;
+        }
         let Path::Fused(f) = &self.path else {
             unreachable!("the fused path's products");
         };
@@ -102,6 +144,12 @@ impl GpuBatchEngine {
         // SAFETY: negs holds 2·chunks·k ids below the table's rows, absmax two words a job
         // of the group (the queries' maxima already added by legend_queries).
         unsafe { b.launch(cfg) }.during("launching legend_fused_absmax")?;
+        // TransE L2's column of ones in the negatives (none: past every row).
+        let ones = if f.transe.is_some() {
+            d32 + 1
+        } else {
+            u32::MAX
+        };
         let mut b = gpu
             .stream()
             .launch_builder(&gpu.kernels.gather_negatives_half);
@@ -110,6 +158,7 @@ impl GpuBatchEngine {
             .arg(&k32)
             .arg(&d32)
             .arg(&pad32)
+            .arg(&ones)
             .arg(emb)
             .arg(&absmax)
             .arg(&neg_half);
@@ -121,6 +170,17 @@ impl GpuBatchEngine {
         // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_half holds group ×
         // fused_k_pad(k) rows of dim_pad / 2 pairs.
         unsafe { b.launch(cfg) }.during("launching legend_gather_negatives_half")?;
+        let (query_norm, neg_norm, nearest) = match &f.transe {
+            Some(t) => {
+                self.sq_norms(gpu, emb, t, g0, gz)?;
+                (
+                    gpu.ptr(&t.query_norm),
+                    gpu.ptr(&t.neg_norm),
+                    gpu.ptr(&t.nearest),
+                )
+            }
+            None => (0, 0, 0),
+        };
         self.mark(gpu, "gather_negatives")?;
         // Row ranges per job for the negatives kernel, so that enough blocks run; ranges
         // are whole tiles and add up atomically into a cleared buffer.
@@ -143,6 +203,11 @@ impl GpuBatchEngine {
             rows,
             absmax,
             loss_sum: gpu.ptr(&self.loss_sum),
+            query_norm,
+            neg_norm,
+            nearest,
+            emb: gpu.ptr(emb),
+            neg_ids: gpu.ptr(&self.negs) + 4 * (g0 * k) as u64,
             jobs: gz,
             max_rows: mr32,
             k: k32,
@@ -192,6 +257,69 @@ impl GpuBatchEngine {
         // 64-row tiles, all inside the blocks of rows the rows kernel ran).
         unsafe { b.launch(cfg) }.during("launching the fused negatives kernel")?;
         self.mark(gpu, "fused_negatives")?;
+        Ok(())
+    }
+
+    /// TransE L2: the squared norms of the group's queries and negatives as the fused
+    /// kernels round them (`legend_fused_sq_norms`), after their scales are known.
+    fn sq_norms(
+        &self,
+        gpu: &Gpu,
+        emb: &CudaSlice<f32>,
+        t: &TransENorms,
+        g0: usize,
+        gz: u32,
+    ) -> Result<(), GpuError> {
+        let (k, max_rows) = (self.shape.negatives, self.max_rows);
+        let Path::Fused(f) = &self.path else {
+            unreachable!("the fused path's norms");
+        };
+        let (g032, d32, absmax) = (g0 as u32, self.model.dim as u32, gpu.ptr(&f.absmax));
+        let rows = gpu.ptr(&self.rows) + 4 * g0 as u64;
+        // (source, ids, rows a job, rows, count, side, out)
+        let sides = [
+            (
+                gpu.ptr(&self.query),
+                0u64,
+                max_rows,
+                rows,
+                0usize,
+                0u32,
+                &t.query_norm,
+            ),
+            (
+                gpu.ptr(emb),
+                gpu.ptr(&self.negs),
+                fused_k_pad(k),
+                0,
+                k,
+                1,
+                &t.neg_norm,
+            ),
+        ];
+        for (src, ids, per_job, rows, count, side, out) in sides {
+            let (per32, count32) = (per_job as u32, count as u32);
+            let mut b = gpu.stream().launch_builder(&gpu.kernels.fused_sq_norms);
+            b.arg(&src)
+                .arg(&ids)
+                .arg(&g032)
+                .arg(&rows)
+                .arg(&count32)
+                .arg(&per32)
+                .arg(&d32)
+                .arg(&absmax)
+                .arg(&side)
+                .arg(out);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks(per_job, 8), gz, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the queries hold group × max_rows rows of d floats (rows[z] of them
+            // written), negs 2·chunks·k ids below the table's rows (k a job from g0), absmax
+            // two words a job, and `out` group × per_job floats.
+            unsafe { b.launch(cfg) }.during("launching legend_fused_sq_norms")?;
+        }
         Ok(())
     }
 }

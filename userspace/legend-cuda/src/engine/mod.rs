@@ -27,7 +27,7 @@ use std::ops::Range;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-use legend_model::{AdaGrad, ChunkModel, Comparator, Decoder, Loss, Permutation};
+use legend_model::{AdaGrad, ChunkModel, Decoder, Loss, Permutation};
 
 use crate::error::DriverContext;
 use crate::gpu::grid_1d;
@@ -236,14 +236,17 @@ impl GpuBatchEngine {
         let max_rows = shape.max_batch.div_ceil(shape.num_chunks);
         let (d, k) = (model.dim, shape.negatives);
         let lists = 2 * shape.num_chunks;
-        // The fused kernels are dot products on the tensor cores: TransE runs unfused.
-        let fused = if model.decoder.comparator() == Comparator::Dot {
-            gpu.kernels.fused.iter().position(|f| f.width >= d)
-        } else {
-            None
-        };
+        // The narrowest fused kernels that take the rows (see fused_fits), else unfused.
+        let fused = (gpu.kernels.fused.iter()).position(|f| fused::fused_fits(model.decoder, d, f));
         let path = match fused {
-            Some(which) => Path::Fused(FusedBuffers::new(gpu, which, group, max_rows, k)?),
+            Some(which) => Path::Fused(FusedBuffers::new(
+                gpu,
+                which,
+                model.decoder,
+                group,
+                max_rows,
+                k,
+            )?),
             None => Path::Unfused(UnfusedBuffers::new(gpu, &model, group, max_rows, k)?),
         };
         let mut prefix = Vec::with_capacity(degrees.len() + 1);
