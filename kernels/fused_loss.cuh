@@ -386,7 +386,8 @@ __device__ __forceinline__ float legend_fused_column(const float (&acc)[DK][4], 
 // Σ W q) lose their rows' own vectors times their weights' sums. Those sums come with the
 // product: the other operand holds 1 in column `ones` (a padding column, zero in this
 // operand, so the scores are untouched). The vectors are the FP32 rows (`row_a` and
-// `row_b`, d floats, null past the job's rows), not their FP16 copies: a row's rounding
+// `row_b`, d floats; any readable row past the job's rows, whose results nobody reads: a
+// null there was read anyway on sm_80's path), not their FP16 copies: a row's rounding
 // would enter every one of its pairs alike, where the operand's average out over the sum.
 // `scale` is the product's scale of the rows (the other operand's).
 template <int DK>
@@ -397,7 +398,6 @@ __device__ __forceinline__ void legend_fused_transe_take(float (&acc)[DK][4], co
     for (int h = 0; h < 2; ++h) {
         float w = scale * legend_fused_column<DK>(acc, h, ones, t);
         const float* x = h ? row_b : row_a;
-        if (!x) continue;
 #pragma unroll
         for (int n = 0; n < DK; ++n) {
             u32 c = 8 * n + 2 * t;

@@ -113,8 +113,8 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
     if (LEGEND_FUSED_TRANSE) {
         // dN_j = Σ_i W_ij q_i - n_j Σ_i W_ij, with the negatives' FP32 rows.
         const u32* ids = f.neg_ids + (u64)z * k;
-        const float* na = ja < k ? f.emb + (u64)ids[ja] * dim : nullptr;
-        const float* nb = jb < k ? f.emb + (u64)ids[jb] * dim : nullptr;
+        const float* na = f.emb + (ja < k ? (u64)ids[ja] * dim : 0);
+        const float* nb = f.emb + (jb < k ? (u64)ids[jb] * dim : 0);
         legend_fused_transe_take<DK>(acc, na, nb, dim, dim, q_scale, t);
     }
     float* out = f.grad_negs + (u64)z * k * dim;

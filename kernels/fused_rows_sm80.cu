@@ -154,7 +154,7 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
                                         running, loss);
     if (LEGEND_FUSED_TRANSE) {
         const float* qa = f.query + (base + ra) * dim;
-        legend_fused_transe_take<DK>(acc, va ? qa : nullptr, vb ? qa + 8 * dim : nullptr, dim,
+        legend_fused_transe_take<DK>(acc, va ? qa : f.query, vb ? qa + 8 * dim : f.query, dim,
                                      dim + 1, n_scale, t);
     }
     if (va) legend_fused_put_row<DK>(f.grad_query + (base + ra) * dim, acc, 0, u.x, dim, t);

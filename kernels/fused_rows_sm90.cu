@@ -266,7 +266,7 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
                                             t, running, loss);
         if (LEGEND_FUSED_TRANSE) {
             const float* qa = f.query + (base + ra) * dim;
-            legend_fused_transe_take<DK>(acc, va ? qa : nullptr, vb ? qa + 8 * dim : nullptr,
+            legend_fused_transe_take<DK>(acc, va ? qa : f.query, vb ? qa + 8 * dim : f.query,
                                          dim, dim + 1, n_scale, t);
         }
         // dQ through the warpgroup's FP16 query tile, free until the next item's queries:
