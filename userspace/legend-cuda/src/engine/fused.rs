@@ -107,9 +107,8 @@ impl GpuBatchEngine {
         g0: usize,
         gz: u32,
     ) -> Result<(), GpuError> {
-        if let Path::Fused(FusedBuffers {
-            transe: Some(t), ..
-        }) = &mut self.path
+        if let Path::Fused(f) = &mut self.path
+            && let Some(t) = &mut f.transe
         {
             gpu.clear(&mut t.nearest)?;
         }

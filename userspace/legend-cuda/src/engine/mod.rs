@@ -2,7 +2,8 @@
 //!
 //! The step follows legend-model's CPU math exactly (`ChunkWorkspace::forward_backward` per
 //! chunk, gradients of repeated rows summed, one `AdaGrad::apply_row` per touched row), with
-//! the products in TF32 on the tensor cores (TransE: distances in FP32 on the CUDA cores):
+//! the products on the tensor cores (TransE L1, and L2 past d = 126: distances in FP32 on the
+//! CUDA cores):
 //!
 //! 1. negatives: `2 · chunks` lists of `k` ids drawn on the GPU from counter-based streams
 //!    (draw for draw the CPU sampler's), or given by the caller;
@@ -154,9 +155,10 @@ pub struct GpuBatchEngine {
 
 /// The way a step's three products (scores, dQ, dN) run.
 enum Path {
-    /// The fused kernels (dot comparator, d ≤ 128): the score matrices stay on chip.
-    Fused(FusedBuffers),
-    /// Separate product kernels (d > 128, TransE, filtered negatives): the score matrices
+    /// The fused kernels (dot comparator, d ≤ 128; TransE L2, d ≤ 126): the score matrices
+    /// stay on chip.
+    Fused(Box<FusedBuffers>),
+    /// Separate product kernels (wider rows, TransE L1, filtered negatives): the score matrices
     /// go through device memory.
     Unfused(UnfusedBuffers),
 }
@@ -239,14 +241,14 @@ impl GpuBatchEngine {
         // The narrowest fused kernels that take the rows (see fused_fits), else unfused.
         let fused = (gpu.kernels.fused.iter()).position(|f| fused::fused_fits(model.decoder, d, f));
         let path = match fused {
-            Some(which) => Path::Fused(FusedBuffers::new(
+            Some(which) => Path::Fused(Box::new(FusedBuffers::new(
                 gpu,
                 which,
                 model.decoder,
                 group,
                 max_rows,
                 k,
-            )?),
+            )?)),
             None => Path::Unfused(UnfusedBuffers::new(gpu, &model, group, max_rows, k)?),
         };
         let mut prefix = Vec::with_capacity(degrees.len() + 1);
