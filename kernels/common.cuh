@@ -48,6 +48,43 @@ __device__ __forceinline__ void legend_cp16(float* dst, const float* src, int by
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
 }
 
+// A finite value saturated to FP16's range (in the fused kernels only values past the clamped scales get there),
+// so that it does not turn a whole row of products into infinities; an infinity or a NaN
+// stays what it is, so a diverged table still shows in the loss.
+__device__ __forceinline__ float legend_fp16_clamp(float x) {
+    return isfinite(x) ? fminf(fmaxf(x, -65504.0f), 65504.0f) : x;
+}
+
+// Two floats known to lie in FP16's range (G, at most LEGEND_FUSED_G_SCALE) as FP16 in one
+// register, `lo` in the low half (the lower k or column index): no clamp.
+__device__ __forceinline__ u32 legend_half2_g(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Two floats of any size as FP16 in one register (the operands), saturated as above.
+__device__ __forceinline__ u32 legend_half2(float lo, float hi) {
+    return legend_half2_g(legend_fp16_clamp(lo), legend_fp16_clamp(hi));
+}
+
+// The two FP16 values of a register as floats, the low half first.
+__device__ __forceinline__ float2 legend_half2_unpack(u32 x) {
+    float lo, hi;
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
+        : "=f"(lo), "=f"(hi)
+        : "r"(x));
+    return make_float2(lo, hi);
+}
+
+// The square of x as the fused kernels' FP16 operands hold it (saturated, rounded to
+// nearest; exact in FP32): TransE L2's fused kernels expand distances with the squared norms
+// of the rows their products use.
+__device__ __forceinline__ float legend_fp16_square(float x) {
+    float h = legend_half2_unpack(legend_half2(x, 0.0f)).x;
+    return h * h;
+}
+
 // V consecutive floats of a row, moved as one access: the per-row kernels read and write
 // whole float2/float4 pieces where the rows allow (one pass of a warp over a row of
 // d = 100).
@@ -162,16 +199,6 @@ __device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k,
     } else {
         atomicAdd(&row.grad[k], g.v[0]);
     }
-}
-
-// The one-element forms, for rows walked a float at a time.
-__device__ __forceinline__ float legend_sink_state(const LegendRowSink& row, u32 k) {
-    return legend_sink_states<1>(row, k).v[0];
-}
-
-__device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k, float g,
-                                                float param, float state) {
-    legend_sink_add<1>(row, k, LegendVec<1>{{g}}, LegendVec<1>{{param}}, LegendVec<1>{{state}});
 }
 
 // Decoders and losses are numbered by legend-cuda (`DECODER_CODES`, `LOSS_CODES` in

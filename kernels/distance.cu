@@ -51,57 +51,66 @@ __device__ __forceinline__ float legend_dist_phi(float x, float b) {
     return L2 ? x - b : (x > b ? 1.0f : 0.0f) - (x < b ? 1.0f : 0.0f);
 }
 
-// ||q - t||_p of two rows of d floats, summed by one warp (lanes stride over the elements,
-// then a butterfly). The same order everywhere, so the positive scores of legend_queries and
-// the distances legend_rows_backward recomputes agree bit for bit.
-__device__ __forceinline__ float legend_row_distance(const float* q, const float* t, u32 d,
-                                                     u32 lane, bool l2) {
-    float acc = 0.0f;
-    for (u32 k = lane; k < d; k += 32) {
-        float x = q[k] - t[k];
-        acc = l2 ? legend_dist_term<true>(x, acc) : legend_dist_term<false>(x, acc);
-    }
+// The TransE part of legend_query_edge, V elements a lane: q0 = D - w against the true
+// source S (side 0) and q1 = S + w against D (side 1), written out, and each side's
+// distance to its truth into dist (this lane's part of Σ|x| or Σx²). With sq (TransE L2 on
+// the fused path), also this lane's part of the queries' squared norms as the fused kernels
+// round them: FP16 at scale 1, as TransE leaves its queries' maxima at 0.
+template <int V>
+__device__ __forceinline__ void legend_transe_queries(bool l2, u32 d, const float* S,
+                                                      const float* D, const float* w,
+                                                      float* q0, float* q1, u32 lane,
+                                                      float (&dist)[2], float (&sq)[2],
+                                                      bool norms) {
+    for (u32 k = V * lane; k < d; k += 32 * V) {
+        LegendVec<V> s = legend_ld<V>(S + k), t = legend_ld<V>(D + k), r = legend_ld<V>(w + k);
+        LegendVec<V> a, b;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    return l2 ? sqrtf(acc) : acc;
-}
-
-// The TransE part of legend_queries (one warp, one row): q = anchor + relation when the
-// destination is replaced (side 1), anchor - relation when the source is (side 0, the anchor
-// being the destination), and pos = -||q - truth||.
-__device__ __forceinline__ void legend_transe_query(bool l2, u32 side, const float* a,
-                                                    const float* w, const float* t, float* q,
-                                                    u32 d, u32 lane, float* pos) {
-    for (u32 k = lane; k < d; k += 32) q[k] = side ? a[k] + w[k] : a[k] - w[k];
-    // Each lane reads back only the elements it wrote.
-    float dist = legend_row_distance(q, t, d, lane, l2);
-    if (lane == 0) *pos = -dist;
-}
-
-// The TransE part of legend_rows_backward (one warp, one edge, both sides). Side 0 has
-// q0 = D - w against the true source S, side 1 q1 = S + w against the true destination D;
-// dq holds the negatives' part of ∂L/∂q. With u = gp · φ(q - truth) (gp / ||q - truth|| for
-// L2), ∂L/∂q = dq - u and the truth gets +u; the anchor gets ∂L/∂q and the relation ±∂L/∂q.
-__device__ __forceinline__ void legend_transe_edge_backward(
-    bool l2, u32 d, u32 lane, const float* S, const float* D, const float* q0, const float* q1,
-    const float* dq0, const float* dq1, float gp0, float gp1, const LegendRowSink& gs,
-    const LegendRowSink& gd, const LegendRowSink& gw) {
-    float c0 = gp0, c1 = gp1;
-    if (l2) {
-        float d0 = legend_row_distance(q0, S, d, lane, true);
-        float d1 = legend_row_distance(q1, D, d, lane, true);
-        c0 = d0 > 0.0f ? gp0 / d0 : 0.0f;
-        c1 = d1 > 0.0f ? gp1 / d1 : 0.0f;
+        for (int v = 0; v < V; ++v) {
+            a.v[v] = t.v[v] - r.v[v];
+            b.v[v] = s.v[v] + r.v[v];
+            float x0 = a.v[v] - s.v[v], x1 = b.v[v] - t.v[v];
+            dist[0] = l2 ? legend_dist_term<true>(x0, dist[0]) : legend_dist_term<false>(x0, dist[0]);
+            dist[1] = l2 ? legend_dist_term<true>(x1, dist[1]) : legend_dist_term<false>(x1, dist[1]);
+            if (norms) {
+                sq[0] += legend_fp16_square(a.v[v]);
+                sq[1] += legend_fp16_square(b.v[v]);
+            }
+        }
+        legend_st<V>(q0 + k, a);
+        legend_st<V>(q1 + k, b);
     }
-    for (u32 k = lane; k < d; k += 32) {
-        float sk = S[k], dk = D[k];
-        float ss = legend_sink_state(gs, k), sd = legend_sink_state(gd, k);
-        float u0 = c0 * (l2 ? q0[k] - sk : legend_dist_phi<false>(q0[k], sk));
-        float u1 = c1 * (l2 ? q1[k] - dk : legend_dist_phi<false>(q1[k], dk));
-        float g0 = dq0[k] - u0, g1 = dq1[k] - u1;
-        legend_sink_add(gs, k, u0 + g1, sk, ss);
-        legend_sink_add(gd, k, g0 + u1, dk, sd);
-        legend_sink_add(gw, k, g1 - g0, 0.0f, 0.0f);
+}
+
+// The TransE part of legend_rows_backward (one warp, one edge, both sides, V elements a
+// lane). The queries are recomputed as legend_transe_queries formed them (bit for bit):
+// q0 = D - w against the true source S, q1 = S + w against D. dq holds the negatives' part
+// of ∂L/∂q, and c the positive's weight: gp for L1, gp / ||q - truth|| for L2 (0 at distance
+// 0). With u = c · φ(q - truth), ∂L/∂q = dq - u and the truth gets +u; the anchor gets
+// ∂L/∂q and the relation ±∂L/∂q.
+template <int V>
+__device__ __forceinline__ void legend_transe_edge_backward(
+    bool l2, u32 d, u32 lane, const float* S, const float* D, const float* w, const float* dq0,
+    const float* dq1, float c0, float c1, const LegendRowSink& gs, const LegendRowSink& gd,
+    const LegendRowSink& gw) {
+    for (u32 k = V * lane; k < d; k += 32 * V) {
+        LegendVec<V> s = legend_ld<V>(S + k), t = legend_ld<V>(D + k), r = legend_ld<V>(w + k);
+        LegendVec<V> a0 = legend_ld<V>(dq0 + k), a1 = legend_ld<V>(dq1 + k);
+        LegendVec<V> ss = legend_sink_states<V>(gs, k), sd = legend_sink_states<V>(gd, k);
+        LegendVec<V> ps, pd, pw;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            float q0 = t.v[v] - r.v[v], q1 = s.v[v] + r.v[v];
+            float u0 = c0 * (l2 ? q0 - s.v[v] : legend_dist_phi<false>(q0, s.v[v]));
+            float u1 = c1 * (l2 ? q1 - t.v[v] : legend_dist_phi<false>(q1, t.v[v]));
+            float g0 = a0.v[v] - u0, g1 = a1.v[v] - u1;
+            ps.v[v] = u0 + g1;
+            pd.v[v] = g0 + u1;
+            pw.v[v] = g1 - g0;
+        }
+        legend_sink_add<V>(gs, k, ps, s, ss);
+        legend_sink_add<V>(gd, k, pd, t, sd);
+        legend_sink_add<V>(gw, k, pw, LegendVec<V>{}, LegendVec<V>{});
     }
 }
 

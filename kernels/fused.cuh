@@ -191,35 +191,6 @@ __device__ __forceinline__ float* legend_fused_corr(const LegendFused& f, u32 z,
     return f.corr + ((u64)z * tiles + tile) * legend_fused_rows_pad(f);
 }
 
-// A finite value saturated to FP16's range (only values past the clamped scales get there),
-// so that it does not turn a whole row of products into infinities; an infinity or a NaN
-// stays what it is, so a diverged table still shows in the loss.
-__device__ __forceinline__ float legend_fp16_clamp(float x) {
-    return isfinite(x) ? fminf(fmaxf(x, -65504.0f), 65504.0f) : x;
-}
-
-// Two floats known to lie in FP16's range (G, at most LEGEND_FUSED_G_SCALE) as FP16 in one
-// register, `lo` in the low half (the lower k or column index): no clamp.
-__device__ __forceinline__ u32 legend_half2_g(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// Two floats of any size as FP16 in one register (the operands), saturated as above.
-__device__ __forceinline__ u32 legend_half2(float lo, float hi) {
-    return legend_half2_g(legend_fp16_clamp(lo), legend_fp16_clamp(hi));
-}
-
-// The two FP16 values of a register as floats, the low half first.
-__device__ __forceinline__ float2 legend_half2_unpack(u32 x) {
-    float lo, hi;
-    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
-        : "=f"(lo), "=f"(hi)
-        : "r"(x));
-    return make_float2(lo, hi);
-}
-
 // A store marked evict-first (st.global.cs): G streams through L2 (0.4 GB a benchmark batch)
 // and should not push out the negatives every block of the job reads (measurement log,
 // version 17).

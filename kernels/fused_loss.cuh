@@ -74,6 +74,9 @@ __device__ __forceinline__ void legend_fused_term(const LegendFused& f, float x,
 // far (at most G, in FP16's range however near), the accumulators rescaled as that shrinks,
 // as softmax rescales them as its maximum grows: the running maximum of the scores, ma and
 // mb, is minus that distance, for every loss. sca and scb are the accumulators' factors.
+// Per pair this is the loss's instructions and the expansion's: the pairs with no weight
+// (at distance 0, or past k) are carried as an infinite squared distance, whose rsqrt is 0,
+// rather than by selects.
 template <int J, bool TAIL>
 __device__ __forceinline__ void legend_fused_transe_tile(const LegendFused& f, float (&s)[J][4],
                                                          LegendRowLoss& r, float s_unscale,
@@ -88,13 +91,12 @@ __device__ __forceinline__ void legend_fused_transe_tile(const LegendFused& f, f
         for (int q = 0; q < 4; ++q) {
             float norms = (q < 2 ? r.qa : r.qb) + (q & 1 ? nn.y : nn.x);
             float d2 = fmaf(s[j][q], two, norms);
-            // Below the expansion's rounding error (the FP32 sums of the products and the
-            // norms) a pair is at distance 0: no gradient, as the CPU gives a pair at 0.
-            d2 = d2 > LEGEND_TRANSE_ZERO * norms && d2 >= 0x1p-126f ? d2 : 0.0f;
-            if (TAIL && n0 + 8 * j + (q & 1) >= k) d2 = inf;
-            s[j][q] = d2;
-            float nearest = d2 > 0.0f ? d2 : inf;
-            if (q < 2) da = fminf(da, nearest); else db = fminf(db, nearest);
+            // Within the expansion's rounding of 0 (or not a normal float) a pair is at
+            // distance 0: no gradient, as the CPU gives a pair at 0; so is one past k.
+            bool far = d2 > fmaf(LEGEND_TRANSE_ZERO, norms, 0x1p-126f);
+            if (TAIL && n0 + 8 * j + (q & 1) >= k) far = false;
+            s[j][q] = far ? d2 : inf;
+            if (q < 2) da = fminf(da, s[j][q]); else db = fminf(db, s[j][q]);
         }
     }
     // The new maxima (minus the nearest distances), and what moves the accumulators: the
@@ -114,8 +116,10 @@ __device__ __forceinline__ void legend_fused_transe_tile(const LegendFused& f, f
     }
     r.ma = na;
     r.mb = nb;
-    // Per pair: 1 / dist (0 at distance 0, the CPU's zero subgradient, and past k), the
-    // score -dist through the loss, and G times the nearest distance over dist.
+    float ca = -na, cb = -nb;
+    // Per pair: 1 / dist (rsqrt(inf) = 0 for the pairs with no weight), the distance (its
+    // product inf · 0 = NaN there, which max turns into 0), the score -dist through the loss
+    // (only past k is a pair out of it), and G times the nearest distance over dist.
     if (softmax) {
         constexpr float LOG2E = 1.4426950408889634f;
         float ba = LEGEND_FUSED_G_LOG2 - na * LOG2E, bb = LEGEND_FUSED_G_LOG2 - nb * LOG2E;
@@ -123,13 +127,12 @@ __device__ __forceinline__ void legend_fused_transe_tile(const LegendFused& f, f
         for (int j = 0; j < J; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                float d2 = s[j][q];
-                float inv = d2 > 0.0f && d2 < inf ? legend_rsqrt(d2) : 0.0f;
-                // exp(-dist - max) with the G scale; 0 past k (d2 = inf).
-                float g = legend_exp2(fmaf(-d2 * inv, LOG2E, q < 2 ? ba : bb));
-                g = d2 < inf ? g : 0.0f;
+                float inv = legend_rsqrt(s[j][q]), dist = fmaxf(s[j][q] * inv, 0.0f);
+                // exp(-dist - max) with the G scale; 0 past k.
+                float g = legend_exp2(fmaf(dist, -LOG2E, q < 2 ? ba : bb));
+                if (TAIL && n0 + 8 * j + (q & 1) >= k) g = 0.0f;
                 if (q < 2) r.la += g; else r.lb += g;
-                s[j][q] = g * (-(q < 2 ? na : nb) * inv);
+                s[j][q] = (g * inv) * (q < 2 ? ca : cb);
             }
         return;
     }
@@ -138,11 +141,10 @@ __device__ __forceinline__ void legend_fused_transe_tile(const LegendFused& f, f
     for (int j = 0; j < J; ++j)
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-            float d2 = s[j][q];
+            float inv = legend_rsqrt(s[j][q]), dist = fmaxf(s[j][q] * inv, 0.0f);
             bool ok = !TAIL || n0 + 8 * j + (q & 1) < k;
-            float inv = ok && d2 > 0.0f ? legend_rsqrt(d2) : 0.0f;
             float term, grad;
-            legend_fused_term(f, -d2 * inv, q < 2 ? r.pa : r.pb, w, term, grad);
+            legend_fused_term(f, -dist, q < 2 ? r.pa : r.pb, w, term, grad);
             term = ok ? term : 0.0f;
             grad = ok ? grad : 0.0f;
             if (q < 2) {
@@ -152,7 +154,7 @@ __device__ __forceinline__ void legend_fused_transe_tile(const LegendFused& f, f
                 r.lb += term;
                 r.activb += grad;
             }
-            s[j][q] = grad * LEGEND_FUSED_G_SCALE * (-(q < 2 ? na : nb) * inv);
+            s[j][q] = grad * LEGEND_FUSED_G_SCALE * (inv * (q < 2 ? ca : cb));
         }
 }
 

@@ -46,34 +46,26 @@ extern "C" __global__ void legend_gather_negatives_half(const u32* __restrict__ 
         word] = legend_half2(lo, hi);
 }
 
-// TransE L2: the squared norms of rows as the fused kernels' operands hold them (each value
-// times its job's FP16 scale, rounded to FP16, squared and summed in FP32, unscaled), so
-// that |q|² + |n|² - 2 q·n is the squared distance of the rows the products use. Job z's
-// row r (below per_job, the rows a job has in `out`, whose stride it is) is
-// src[ids[(first_job + z)·count + r]] when `ids` is given (the negatives, `count` a job),
-// else row z·per_job + r of src (the queries, rows[z] of them); rows past a job's count
-// get 0. `side` picks the scale: absmax[2z + side]. A warp a row.
-extern "C" __global__ void legend_fused_sq_norms(const float* __restrict__ src,
-                                                 const u32* __restrict__ ids, u32 first_job,
-                                                 const u32* __restrict__ rows, u32 count,
-                                                 u32 per_job, u32 dim,
-                                                 const u32* __restrict__ absmax, u32 side,
-                                                 float* __restrict__ out) {
-    u32 z = blockIdx.y, lane = threadIdx.x & 31;
-    u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= per_job) return;
-    u32 valid = rows ? rows[z] : count;
-    float sum = 0.0f, scale = legend_fp16_scale(absmax[2 * z + side]);
-    if (r < valid) {
-        const float* row = ids ? src + (u64)ids[(u64)(first_job + z) * count + r] * dim
-                               : src + ((u64)z * per_job + r) * dim;
-        for (u32 c = lane; c < dim; c += 32) {
-            float h = legend_half2_unpack(legend_half2(row[c] * scale, 0.0f)).x;
-            sum = fmaf(h, h, sum);
-        }
+// TransE L2: the squared norms of job z's negatives as the fused kernels' operands hold them
+// (each value times the job's FP16 scale, rounded to FP16, squared and summed in FP32,
+// unscaled), so that |q|² + |n|² - 2 q·n is the squared distance of the rows the products
+// use; 0 from k to the padded k (a job's stride in `out`). The queries' norms come from
+// legend_queries (their scale is 1). A warp a row.
+extern "C" __global__ void legend_fused_negative_norms(const u32* __restrict__ negs,
+                                                       u32 first_job, u32 k, u32 dim,
+                                                       const float* __restrict__ emb,
+                                                       const u32* __restrict__ absmax,
+                                                       float* __restrict__ out) {
+    u32 z = blockIdx.y, lane = threadIdx.x & 31, k_pad = legend_fused_k_pad(k);
+    u32 j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (j >= k_pad) return;
+    float sum = 0.0f, scale = legend_fp16_scale(absmax[2 * z + 1]);
+    if (j < k) {
+        const float* row = emb + (u64)negs[(u64)(first_job + z) * k + j] * dim;
+        for (u32 c = lane; c < dim; c += 32) sum += legend_fp16_square(row[c] * scale);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) out[(u64)z * per_job + r] = sum / (scale * scale);
+    if (lane == 0) out[(u64)z * k_pad + j] = sum / (scale * scale);
 }
 #endif

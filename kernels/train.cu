@@ -16,6 +16,9 @@ struct LegendJobs {
     // Fused path: legend_queries adds each job's largest query magnitude (float bits) into
     // absmax[2z] (see kernels/fused_prepare.cu); null otherwise.
     u32* absmax;
+    // TransE L2 on the fused path: legend_queries writes each query's squared norm as the
+    // fused kernels round it (z·max_rows + r, as the queries); null otherwise.
+    float* query_norm;
     u32 first_job;
     u32 max_rows;
     u32 dim;
@@ -104,14 +107,33 @@ __device__ void legend_query_edge(const LegendJobs& jobs, const float* __restric
     u64 row0 = (u64)z0 * jobs.max_rows + r, row1 = row0 + jobs.max_rows;
     float *q0 = query + row0 * d, *q1 = query + row1 * d;
     largest[0] = largest[1] = 0.0f;
-    if (jobs.decoder >= LEGEND_TRANSE_L1) {
-        bool l2 = jobs.decoder == LEGEND_TRANSE_L2;
-        legend_transe_query(l2, 0, D, w, S, q0, d, lane, pos + row0);
-        legend_transe_query(l2, 1, S, w, D, q1, d, lane, pos + row1);
-        return;
-    }
     float dot[2] = {0.0f, 0.0f};
     // Rows start 16-byte aligned; ComplEx's halves 8-byte aligned when h is even.
+    if (jobs.decoder >= LEGEND_TRANSE_L1) {
+        // dot holds the distances, sq the queries' squared norms.
+        bool l2 = jobs.decoder == LEGEND_TRANSE_L2, norms = jobs.query_norm != nullptr;
+        float sq[2] = {0.0f, 0.0f};
+        if (d % 4 == 0)
+            legend_transe_queries<4>(l2, d, S, D, w, q0, q1, lane, dot, sq, norms);
+        else
+            legend_transe_queries<1>(l2, d, S, D, w, q0, q1, lane, dot, sq, norms);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                dot[s] += __shfl_xor_sync(0xffffffffu, dot[s], o);
+                sq[s] += __shfl_xor_sync(0xffffffffu, sq[s], o);
+            }
+        if (lane == 0) {
+            pos[row0] = l2 ? -sqrtf(dot[0]) : -dot[0];
+            pos[row1] = l2 ? -sqrtf(dot[1]) : -dot[1];
+            if (norms) {
+                jobs.query_norm[row0] = sq[0];
+                jobs.query_norm[row1] = sq[1];
+            }
+        }
+        return;
+    }
     if (jobs.decoder == LEGEND_COMPLEX) {
         if (d % 4 == 0) legend_query_pair<2>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
         else legend_query_pair<1>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
@@ -469,7 +491,7 @@ __device__ __forceinline__ void legend_dot_edge_backward(
 
 // The work of one warp in legend_rows_backward: edge `r` of chunk z0 / 2.
 __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* __restrict__ rel,
-                                     const float* __restrict__ query,
+                                     const float* __restrict__ pos,
                                      const float* __restrict__ grad_query,
                                      const float* __restrict__ grad_pos,
                                      float* __restrict__ emb_grad, u32* emb_flags,
@@ -493,9 +515,19 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
     LegendRowSink gw{rel_grad + (u64)relation * d, nullptr, nullptr, false, 0.0f, 0.0f};
     // Rows start 16-byte aligned; ComplEx's halves 8-byte aligned when h is even.
     if (jobs.decoder >= LEGEND_TRANSE_L1) {
-        legend_transe_edge_backward(jobs.decoder == LEGEND_TRANSE_L2, d, lane, S, D,
-                                    query + row0 * d, query + row1 * d, dq0, dq1, gp0, gp1, gs,
-                                    gd, gw);
+        // The positives' weights: gp, over the distance (-pos, as legend_queries left it)
+        // for L2, where the CPU's subgradient at distance 0 is 0.
+        bool l2 = jobs.decoder == LEGEND_TRANSE_L2;
+        float c0 = gp0, c1 = gp1;
+        if (l2) {
+            float d0 = -pos[row0], d1 = -pos[row1];
+            c0 = d0 > 0.0f ? gp0 / d0 : 0.0f;
+            c1 = d1 > 0.0f ? gp1 / d1 : 0.0f;
+        }
+        if (d % 4 == 0)
+            legend_transe_edge_backward<4>(l2, d, lane, S, D, w, dq0, dq1, c0, c1, gs, gd, gw);
+        else
+            legend_transe_edge_backward<1>(l2, d, lane, S, D, w, dq0, dq1, c0, c1, gs, gd, gw);
     } else if (jobs.decoder == LEGEND_COMPLEX) {
         if (d % 4 == 0)
             legend_complex_edge_backward<2>(d / 2, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd, gw);
@@ -534,7 +566,7 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
 // 8 warps an SM (at most 64 registers, a few spilled): more loads in flight, faster than
 // three or two (Documentation/gpu.md, measurement log, version 19).
 extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
-    LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ query,
+    LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
     const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
     float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
     LegendDirect direct, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
@@ -547,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
     u32 z0 = 2 * blockIdx.y, z1 = z0 + 1;
     u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 lane = threadIdx.x & 31;
-    if (r < jobs.rows[z0]) legend_edge_backward(jobs, emb, rel, query, grad_query, grad_pos,
+    if (r < jobs.rows[z0]) legend_edge_backward(jobs, emb, rel, pos, grad_query, grad_pos,
                                                 emb_grad, emb_flags, direct, rel_grad, rel_flags,
                                                 z0, z1, r, lane, new_rows, &n_rows, new_rels,
                                                 &n_rels);

@@ -38,7 +38,7 @@ pub(crate) struct Kernels {
     /// operands' squared norms.
     pub(crate) fused_absmax: CudaFunction,
     pub(crate) gather_negatives_half: CudaFunction,
-    pub(crate) fused_sq_norms: CudaFunction,
+    pub(crate) fused_negative_norms: CudaFunction,
     /// The fused product kernels, the dot decoders' then TransE L2's, narrowest padded width
     /// first.
     pub(crate) fused: Vec<FusedKernels>,
@@ -215,7 +215,7 @@ impl Gpu {
             filter_known: f("legend_filter_known")?,
             fused_absmax: f("legend_fused_absmax")?,
             gather_negatives_half: f("legend_gather_negatives_half")?,
-            fused_sq_norms: f("legend_fused_sq_norms")?,
+            fused_negative_norms: f("legend_fused_negative_norms")?,
             // The fused programs in order, narrowest first (`nvrtc::PROGRAMS`).
             fused: nvrtc::PROGRAMS
                 .iter()

@@ -156,7 +156,7 @@ pub const PROGRAMS: [Program; 10] = [
             "legend_filter_known",
             "legend_fused_absmax",
             "legend_gather_negatives_half",
-            "legend_fused_sq_norms",
+            "legend_fused_negative_norms",
         ],
     },
     fused_program!(32),

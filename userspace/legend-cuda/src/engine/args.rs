@@ -105,13 +105,14 @@ pub(super) struct JobArgs {
     pub(super) row0: u64,
     pub(super) rows: u64,
     pub(super) absmax: u64,
+    pub(super) query_norm: u64,
     pub(super) first_job: u32,
     pub(super) max_rows: u32,
     pub(super) dim: u32,
     pub(super) decoder: i32,
 }
 
-// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (four pointers, then four
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (five pointers, then four
 // 4-byte fields: no padding).
 unsafe impl DeviceRepr for JobArgs {}
 

@@ -65,6 +65,12 @@ pub(super) fn fused_fits(decoder: Decoder, d: usize, kernels: &FusedKernels) -> 
 }
 
 impl FusedBuffers {
+    /// Where `legend_queries` leaves the squared norms of TransE L2's FP16 queries (`max_rows`
+    /// a job); 0 (none) for the other decoders.
+    pub(super) fn query_norms(&self, gpu: &Gpu) -> u64 {
+        self.transe.as_ref().map_or(0, |t| gpu.ptr(&t.query_norm))
+    }
+
     /// The buffers of the fused kernels `which` for `group` jobs of up to `max_rows` rows
     /// and `k` negatives.
     pub(super) fn new(
@@ -171,7 +177,7 @@ impl GpuBatchEngine {
         unsafe { b.launch(cfg) }.during("launching legend_gather_negatives_half")?;
         let (query_norm, neg_norm, nearest) = match &f.transe {
             Some(t) => {
-                self.sq_norms(gpu, emb, t, g0, gz)?;
+                self.negative_norms(gpu, emb, t, g0, gz)?;
                 (
                     gpu.ptr(&t.query_norm),
                     gpu.ptr(&t.neg_norm),
@@ -259,9 +265,10 @@ impl GpuBatchEngine {
         Ok(())
     }
 
-    /// TransE L2: the squared norms of the group's queries and negatives as the fused
-    /// kernels round them (`legend_fused_sq_norms`), after their scales are known.
-    fn sq_norms(
+    /// TransE L2: the squared norms of the group's negatives as the fused kernels round
+    /// them (`legend_fused_negative_norms`), after their scales are known; the queries' come
+    /// from `legend_queries` (`FusedBuffers::query_norms`).
+    fn negative_norms(
         &self,
         gpu: &Gpu,
         emb: &CudaSlice<f32>,
@@ -269,56 +276,29 @@ impl GpuBatchEngine {
         g0: usize,
         gz: u32,
     ) -> Result<(), GpuError> {
-        let (k, max_rows) = (self.shape.negatives, self.max_rows);
+        let k = self.shape.negatives;
         let Path::Fused(f) = &self.path else {
             unreachable!("the fused path's norms");
         };
-        let (g032, d32, absmax) = (g0 as u32, self.model.dim as u32, gpu.ptr(&f.absmax));
-        let rows = gpu.ptr(&self.rows) + 4 * g0 as u64;
-        // (source, ids, rows a job, rows, count, side, out)
-        let sides = [
-            (
-                gpu.ptr(&self.query),
-                0u64,
-                max_rows,
-                rows,
-                0usize,
-                0u32,
-                &t.query_norm,
-            ),
-            (
-                gpu.ptr(emb),
-                gpu.ptr(&self.negs),
-                fused_k_pad(k),
-                0,
-                k,
-                1,
-                &t.neg_norm,
-            ),
-        ];
-        for (src, ids, per_job, rows, count, side, out) in sides {
-            let (per32, count32) = (per_job as u32, count as u32);
-            let mut b = gpu.stream().launch_builder(&gpu.kernels.fused_sq_norms);
-            b.arg(&src)
-                .arg(&ids)
-                .arg(&g032)
-                .arg(&rows)
-                .arg(&count32)
-                .arg(&per32)
-                .arg(&d32)
-                .arg(&absmax)
-                .arg(&side)
-                .arg(out);
-            let cfg = LaunchConfig {
-                grid_dim: (blocks(per_job, 8), gz, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the queries hold group × max_rows rows of d floats (rows[z] of them
-            // written), negs 2·chunks·k ids below the table's rows (k a job from g0), absmax
-            // two words a job, and `out` group × per_job floats.
-            unsafe { b.launch(cfg) }.during("launching legend_fused_sq_norms")?;
-        }
+        let (g032, k32, d32) = (g0 as u32, k as u32, self.model.dim as u32);
+        let mut b = gpu
+            .stream()
+            .launch_builder(&gpu.kernels.fused_negative_norms);
+        b.arg(&self.negs)
+            .arg(&g032)
+            .arg(&k32)
+            .arg(&d32)
+            .arg(emb)
+            .arg(&f.absmax)
+            .arg(&t.neg_norm);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(fused_k_pad(k), 8), gz, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: negs holds 2·chunks·k ids below the table's rows (k a job from g0), absmax
+        // two words a job, and neg_norm group × fused_k_pad(k) floats.
+        unsafe { b.launch(cfg) }.during("launching legend_fused_negative_norms")?;
         Ok(())
     }
 }

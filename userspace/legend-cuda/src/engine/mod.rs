@@ -694,19 +694,21 @@ impl GpuBatchEngine {
         for g0 in (0..jobs).step_by(self.shape.group) {
             let gz = self.shape.group.min(jobs - g0) as u32;
             // The fused path's operand scales start from zero maxima; legend_queries fills
-            // the queries' (null elsewhere: the kernel then skips it).
-            let absmax = match &mut self.path {
+            // the queries' (null elsewhere: the kernel then skips it), and for TransE L2
+            // the queries' squared norms.
+            let (absmax, query_norm) = match &mut self.path {
                 Path::Fused(f) => {
                     gpu.clear(&mut f.absmax)?;
-                    gpu.ptr(&f.absmax)
+                    (gpu.ptr(&f.absmax), f.query_norms(gpu))
                 }
-                Path::Unfused(_) => 0,
+                Path::Unfused(_) => (0, 0),
             };
             let job_args = JobArgs {
                 edges: gpu.ptr(&self.edges),
                 row0: gpu.ptr(&self.row0) + 4 * g0 as u64,
                 rows: gpu.ptr(&self.rows) + 4 * g0 as u64,
                 absmax,
+                query_norm,
                 first_job: g0 as u32,
                 max_rows: max_rows as u32,
                 dim: d as u32,
@@ -727,7 +729,7 @@ impl GpuBatchEngine {
                 .arg(&mut self.pos);
             // SAFETY: edges hold the batch, row0/rows the jobs from g0 on; ids were checked
             // against the tables in set_batch/check_tables; query and pos hold group ×
-            // max_rows rows.
+            // max_rows rows, as does query_norm where it is given (TransE L2, fused).
             unsafe { b.launch(per_edge) }.during("launching legend_queries")?;
             self.mark(gpu, "queries")?;
 
@@ -749,7 +751,7 @@ impl GpuBatchEngine {
             b.arg(&job_args)
                 .arg(&mut nodes.emb)
                 .arg(&rel_emb)
-                .arg(&self.query)
+                .arg(&self.pos)
                 .arg(&self.grad_query)
                 .arg(&self.grad_pos)
                 .arg(&mut nodes.grad)
