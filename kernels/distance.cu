@@ -84,15 +84,16 @@ __device__ __forceinline__ void legend_transe_queries(bool l2, u32 d, const floa
 
 // The TransE part of legend_rows_backward (one warp, one edge, both sides, V elements a
 // lane). The queries are recomputed as legend_transe_queries formed them (bit for bit):
-// q0 = D - w against the true source S, q1 = S + w against D. dq holds the negatives' part
-// of ∂L/∂q, and c the positive's weight: gp for L1, gp / ||q - truth|| for L2 (0 at distance
-// 0). With u = c · φ(q - truth), ∂L/∂q = dq - u and the truth gets +u; the anchor gets
-// ∂L/∂q and the relation ±∂L/∂q.
+// q0 = D - w against the true source S, q1 = S + w against D. The negatives' part of ∂L/∂q
+// is dq - wq · q (wq: what the fused kernels left out, 0 elsewhere), and c is the positive's
+// weight: gp for L1, gp / ||q - truth|| for L2 (0 at distance 0). With u = c · φ(q - truth),
+// ∂L/∂q is that part less u and the truth gets +u; the anchor gets ∂L/∂q and the relation
+// ±∂L/∂q.
 template <int V>
 __device__ __forceinline__ void legend_transe_edge_backward(
     bool l2, u32 d, u32 lane, const float* S, const float* D, const float* w, const float* dq0,
-    const float* dq1, float c0, float c1, const LegendRowSink& gs, const LegendRowSink& gd,
-    const LegendRowSink& gw) {
+    const float* dq1, float2 wq, float c0, float c1, const LegendRowSink& gs,
+    const LegendRowSink& gd, const LegendRowSink& gw) {
     for (u32 k = V * lane; k < d; k += 32 * V) {
         LegendVec<V> s = legend_ld<V>(S + k), t = legend_ld<V>(D + k), r = legend_ld<V>(w + k);
         LegendVec<V> a0 = legend_ld<V>(dq0 + k), a1 = legend_ld<V>(dq1 + k);
@@ -103,7 +104,7 @@ __device__ __forceinline__ void legend_transe_edge_backward(
             float q0 = t.v[v] - r.v[v], q1 = s.v[v] + r.v[v];
             float u0 = c0 * (l2 ? q0 - s.v[v] : legend_dist_phi<false>(q0, s.v[v]));
             float u1 = c1 * (l2 ? q1 - t.v[v] : legend_dist_phi<false>(q1, t.v[v]));
-            float g0 = a0.v[v] - u0, g1 = a1.v[v] - u1;
+            float g0 = fmaf(-wq.x, q0, a0.v[v]) - u0, g1 = fmaf(-wq.y, q1, a1.v[v]) - u1;
             ps.v[v] = u0 + g1;
             pd.v[v] = g0 + u1;
             pw.v[v] = g1 - g0;

@@ -89,17 +89,19 @@ struct LegendFused {
     // (legend_fused_absmax), from which both operands get their FP16 scales.
     const u32* absmax;
     double* loss_sum;
-    // TransE L2 (LEGEND_FUSED_TRANSE; null otherwise): the squared norms of the rows as FP16 rounds
-    // them (legend_fused_sq_norms, unscaled), queries group x max_rows, negatives group x
-    // k_pad; and per job the complement of the float bits of the smallest nearest distance
-    // of its rows (0 before any row), the negatives kernel's common scale of G / dist.
+    // TransE L2 (LEGEND_FUSED_TRANSE; null otherwise): the squared norms of the rows as FP16
+    // rounds them (unscaled; queries group x max_rows from legend_queries, negatives group x
+    // k_pad from legend_fused_negative_norms); and per job the complement of the float bits
+    // of the smallest nearest distance of its rows (0 before any row), the negatives
+    // kernel's common scale of G / dist.
     const float* query_norm;
     const float* neg_norm;
     u32* nearest;
-    // TransE L2: the node table and the group's negative ids (k a job), whose FP32 rows finish
-    // dN (legend_fused_transe_take).
-    const float* emb;
-    const u32* neg_ids;
+    // TransE L2: what dQ and dN lack, per query (group x max_rows) and negative (group x k,
+    // added into where `atomic`): the weight sums that times the FP32 rows they subtract
+    // (legend_fused_transe_weights).
+    float* query_weight;
+    float* neg_weight;
     u32 jobs;             // jobs of the group (the persistent rows kernel walks them all)
     u32 max_rows;
     u32 k;

@@ -35,7 +35,7 @@ __device__ __forceinline__ LegendRowLoss legend_row_loss(const LegendFused& f, u
 
 // TransE L2: column `dim` of a valid row's FP16 query holds 1 (x[v] is column c0 + v, before
 // the scale q_scale, a power of two), so that the negatives kernel's product sums each
-// negative's weights (legend_fused_transe_take).
+// negative's weights (legend_fused_transe_weights).
 template <int N>
 __device__ __forceinline__ void legend_fused_query_ones(const LegendFused& f, float (&x)[N],
                                                         u32 c0, bool valid, float q_scale) {
@@ -383,28 +383,26 @@ __device__ __forceinline__ float legend_fused_column(const float (&acc)[DK][4], 
     return legend_quad_sum(v);
 }
 
-// TransE L2's products through the distances, finished: with W = G / dist, dQ_i = Σ_j W_ij
-// (n_j - q_i) and dN_j = Σ_i W_ij (q_i - n_j), so the accumulators of the product (Σ W n, or
-// Σ W q) lose their rows' own vectors times their weights' sums. Those sums come with the
-// product: the other operand holds 1 in column `ones` (a padding column, zero in this
-// operand, so the scores are untouched). The vectors are the FP32 rows (`row_a` and
-// `row_b`, d floats; any readable row past the job's rows, whose results nobody reads: a
-// null there was read anyway on sm_80's path), not their FP16 copies: a row's rounding
-// would enter every one of its pairs alike, where the operand's average out over the sum.
-// `scale` is the product's scale of the rows (the other operand's).
+// TransE L2's products through the distances: with W = G / dist, dQ_i = Σ_j W_ij (n_j - q_i)
+// and dN_j = Σ_i W_ij (q_i - n_j), so the accumulators of the product (Σ W n, or Σ W q) lack
+// their rows' own vectors times their weights' sums. Those sums come with the product: the
+// other operand holds 1 in column `ones` (a padding column, zero in this operand, so the
+// scores are untouched). The subtraction is left to the per-row kernels after (the rows
+// and negatives backward), which read or recompute the rows' FP32 vectors anyway: a row's
+// FP16 rounding would enter all of its pairs alike. This writes the sums of rows a and b
+// times `scale` (what turns each row's accumulators into its gradient) to out_a and out_b
+// (null: no row), added into them where `add`.
 template <int DK>
-__device__ __forceinline__ void legend_fused_transe_take(float (&acc)[DK][4], const float* row_a,
-                                                         const float* row_b, u32 dim, u32 ones,
-                                                         float scale, int t) {
+__device__ __forceinline__ void legend_fused_transe_weights(const float (&acc)[DK][4], u32 ones,
+                                                            float2 scale, float* out_a,
+                                                            float* out_b, bool add, int t) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float w = scale * legend_fused_column<DK>(acc, h, ones, t);
-        const float* x = h ? row_b : row_a;
-#pragma unroll
-        for (int n = 0; n < DK; ++n) {
-            u32 c = 8 * n + 2 * t;
-            if (c < dim) acc[n][2 * h] -= w * x[c];
-            if (c + 1 < dim) acc[n][2 * h + 1] -= w * x[c + 1];
+        float w = (h ? scale.y : scale.x) * legend_fused_column<DK>(acc, h, ones, t);
+        float* out = h ? out_b : out_a;
+        if (t == 0 && out) {
+            if (add) atomicAdd(out, w);
+            else *out = w;
         }
     }
 }

@@ -110,15 +110,14 @@ __device__ __forceinline__ void legend_fused_negatives_body(const LegendFused& f
 #endif
     }
     u32 ja = column * BN + row0 + g, jb = ja + 8;
+    float unscale = 1.0f / (q_scale * LEGEND_FUSED_G_SCALE * nearest);
     if (LEGEND_FUSED_TRANSE) {
-        // dN_j = Σ_i W_ij q_i - n_j Σ_i W_ij, with the negatives' FP32 rows.
-        const u32* ids = f.neg_ids + (u64)z * k;
-        const float* na = f.emb + (ja < k ? (u64)ids[ja] * dim : 0);
-        const float* nb = f.emb + (jb < k ? (u64)ids[jb] * dim : 0);
-        legend_fused_transe_take<DK>(acc, na, nb, dim, dim, q_scale, t);
+        float* w = f.neg_weight + (u64)z * k;
+        legend_fused_transe_weights<DK>(acc, dim, make_float2(unscale * q_scale, unscale * q_scale),
+                                        ja < k ? w + ja : nullptr, jb < k ? w + jb : nullptr,
+                                        f.atomic, t);
     }
     float* out = f.grad_negs + (u64)z * k * dim;
-    float unscale = 1.0f / (q_scale * LEGEND_FUSED_G_SCALE * nearest);
 #pragma unroll
     for (int n = 0; n < DK; ++n)
 #pragma unroll

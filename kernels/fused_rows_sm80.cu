@@ -153,9 +153,9 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
     float2 u = legend_fused_rows_finish(f, z, base + ra, ra, va, vb, st, n_scale, tiles, 1, t,
                                         running, loss);
     if (LEGEND_FUSED_TRANSE) {
-        const float* qa = f.query + (base + ra) * dim;
-        legend_fused_transe_take<DK>(acc, va ? qa : f.query, vb ? qa + 8 * dim : f.query, dim,
-                                     dim + 1, n_scale, t);
+        float* w = f.query_weight + base + ra;
+        legend_fused_transe_weights<DK>(acc, dim + 1, make_float2(u.x * n_scale, u.y * n_scale),
+                                        va ? w : nullptr, vb ? w + 8 : nullptr, false, t);
     }
     if (va) legend_fused_put_row<DK>(f.grad_query + (base + ra) * dim, acc, 0, u.x, dim, t);
     if (vb) legend_fused_put_row<DK>(f.grad_query + (base + ra + 8) * dim, acc, 1, u.y, dim, t);

@@ -16,9 +16,12 @@ struct LegendJobs {
     // Fused path: legend_queries adds each job's largest query magnitude (float bits) into
     // absmax[2z] (see kernels/fused_prepare.cu); null otherwise.
     u32* absmax;
-    // TransE L2 on the fused path: legend_queries writes each query's squared norm as the
-    // fused kernels round it (z·max_rows + r, as the queries); null otherwise.
+    // TransE L2 on the fused path (null otherwise), per query (z·max_rows + r, as the
+    // queries): legend_queries writes its squared norm as the fused kernels round it, and
+    // legend_rows_backward subtracts its weight sum times the query from dQ (what the rows
+    // kernel left out: legend_fused_transe_weights).
     float* query_norm;
+    const float* query_weight;
     u32 first_job;
     u32 max_rows;
     u32 dim;
@@ -524,10 +527,13 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
             c0 = d0 > 0.0f ? gp0 / d0 : 0.0f;
             c1 = d1 > 0.0f ? gp1 / d1 : 0.0f;
         }
+        float2 wq = jobs.query_weight
+                        ? make_float2(jobs.query_weight[row0], jobs.query_weight[row1])
+                        : make_float2(0.0f, 0.0f);
         if (d % 4 == 0)
-            legend_transe_edge_backward<4>(l2, d, lane, S, D, w, dq0, dq1, c0, c1, gs, gd, gw);
+            legend_transe_edge_backward<4>(l2, d, lane, S, D, w, dq0, dq1, wq, c0, c1, gs, gd, gw);
         else
-            legend_transe_edge_backward<1>(l2, d, lane, S, D, w, dq0, dq1, c0, c1, gs, gd, gw);
+            legend_transe_edge_backward<1>(l2, d, lane, S, D, w, dq0, dq1, wq, c0, c1, gs, gd, gw);
     } else if (jobs.decoder == LEGEND_COMPLEX) {
         if (d % 4 == 0)
             legend_complex_edge_backward<2>(d / 2, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd, gw);
@@ -593,22 +599,28 @@ extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
     if (threadIdx.x < n_rels) rel_list[base_rels + threadIdx.x] = new_rels[threadIdx.x];
 }
 
-// A whole row's gradient g into its sink, V elements a lane: the in-place AdaGrad step of a
-// direct row, otherwise reductions into the gradient table.
+// A whole row's gradient g - w · row into its sink (w: what TransE L2's fused kernels left
+// out, 0 elsewhere), V elements a lane: the in-place AdaGrad step of a direct row,
+// otherwise reductions into the gradient table.
 template <int V>
 __device__ __forceinline__ void legend_sink_row(const LegendRowSink& row, const float* g,
-                                                u32 dim, u32 lane) {
-    for (u32 t = V * lane; t < dim; t += 32 * V)
-        legend_sink_add<V>(row, t, legend_ld<V>(g + t),
-                           row.direct ? legend_ld<V>(row.param + t) : LegendVec<V>{},
-                           legend_sink_states<V>(row, t));
+                                                float w, u32 dim, u32 lane) {
+    for (u32 t = V * lane; t < dim; t += 32 * V) {
+        LegendVec<V> x = legend_ld<V>(g + t);
+        LegendVec<V> p = row.direct || w != 0.0f ? legend_ld<V>(row.param + t) : LegendVec<V>{};
+#pragma unroll
+        for (int v = 0; v < V; ++v) x.v[v] = fmaf(-w, p.v[v], x.v[v]);
+        legend_sink_add<V>(row, t, x, p, legend_sink_states<V>(row, t));
+    }
 }
 
-// Adds the gradients of the negatives (k x d per job) into the entity gradient table; a
-// row the batch uses once (direct.uses) gets its AdaGrad step here instead.
+// Adds the gradients of the negatives (k x d per job, less neg_weight times the row where
+// given: TransE L2 on the fused path) into the entity gradient table; a row the batch uses
+// once (direct.uses) gets its AdaGrad step here instead.
 extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ negs, u32 first_job,
                                                      u32 k, u32 dim,
                                                      const float* __restrict__ grad_negs,
+                                                     const float* __restrict__ neg_weight,
                                                      float* emb, float* __restrict__ emb_grad,
                                                      u32* emb_flags, u32* emb_list,
                                                      u32* emb_count, LegendDirect direct) {
@@ -619,8 +631,9 @@ extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ neg
     u32 id = negs[(u64)(first_job + z) * k + j];
     const float* g = grad_negs + ((u64)z * k + j) * dim;
     LegendRowSink row = legend_node_sink(emb, emb_grad, direct, id, dim);
-    if (dim % 4 == 0) legend_sink_row<4>(row, g, dim, lane);
-    else legend_sink_row<1>(row, g, dim, lane);
+    float w = neg_weight ? neg_weight[(u64)z * k + j] : 0.0f;
+    if (dim % 4 == 0) legend_sink_row<4>(row, g, w, dim, lane);
+    else legend_sink_row<1>(row, g, w, dim, lane);
     if (row.direct) {
         // Every lane has read the use count (legend_node_sink) before it is cleared.
         __syncwarp();

@@ -106,13 +106,14 @@ pub(super) struct JobArgs {
     pub(super) rows: u64,
     pub(super) absmax: u64,
     pub(super) query_norm: u64,
+    pub(super) query_weight: u64,
     pub(super) first_job: u32,
     pub(super) max_rows: u32,
     pub(super) dim: u32,
     pub(super) decoder: i32,
 }
 
-// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (five pointers, then four
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (six pointers, then four
 // 4-byte fields: no padding).
 unsafe impl DeviceRepr for JobArgs {}
 
@@ -151,8 +152,8 @@ pub(super) struct FusedArgs {
     pub(super) query_norm: u64,
     pub(super) neg_norm: u64,
     pub(super) nearest: u64,
-    pub(super) emb: u64,
-    pub(super) neg_ids: u64,
+    pub(super) query_weight: u64,
+    pub(super) neg_weight: u64,
     pub(super) jobs: u32,
     pub(super) max_rows: u32,
     pub(super) k: u32,

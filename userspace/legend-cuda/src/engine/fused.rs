@@ -38,18 +38,23 @@ pub(super) struct FusedBuffers {
     /// Each job's largest query and negative magnitudes (float bits), which give the FP16
     /// operands their power-of-two scales.
     pub(super) absmax: CudaSlice<u32>,
-    /// TransE L2 (one element each otherwise): the squared norms of the FP16 queries
-    /// (`max_rows` a job) and negatives (`fused_k_pad(k)` a job), and each job's smallest
-    /// nearest distance (complemented float bits, cleared before a group).
+    /// TransE L2's norms and weight sums (`TransENorms`); none for the other decoders.
     transe: Option<TransENorms>,
 }
 
 /// What the fused kernels need for TransE L2's distances, `|q|² + |n|² − 2 q·n` with the
 /// product on the tensor cores (`legend_fused_transe_tile` in `kernels/fused_loss.cuh`).
 pub(super) struct TransENorms {
+    /// The squared norms of the FP16 queries (`max_rows` a job) and negatives
+    /// (`fused_k_pad(k)` a job).
     query_norm: CudaSlice<f32>,
     neg_norm: CudaSlice<f32>,
+    /// Each job's smallest nearest distance (complemented float bits, cleared before a group).
     nearest: CudaSlice<u32>,
+    /// The weight sums that the per-row kernels subtract times the FP32 rows from dQ and dN
+    /// (`max_rows` and `k` a job; `legend_fused_transe_weights`).
+    query_weight: CudaSlice<f32>,
+    neg_weight: CudaSlice<f32>,
 }
 
 /// Whether fused kernels `kernels` take rows of `d` values for `decoder`: the dot decoders'
@@ -65,10 +70,19 @@ pub(super) fn fused_fits(decoder: Decoder, d: usize, kernels: &FusedKernels) -> 
 }
 
 impl FusedBuffers {
-    /// Where `legend_queries` leaves the squared norms of TransE L2's FP16 queries (`max_rows`
-    /// a job); 0 (none) for the other decoders.
-    pub(super) fn query_norms(&self, gpu: &Gpu) -> u64 {
-        self.transe.as_ref().map_or(0, |t| gpu.ptr(&t.query_norm))
+    /// TransE L2's buffers per query (`max_rows` a job): where `legend_queries` leaves the
+    /// squared norms of the FP16 queries, and where `legend_rows_backward` finds the weight
+    /// sums it subtracts times the queries from dQ; (0, 0) (none) for the other decoders.
+    pub(super) fn query_norms_and_weights(&self, gpu: &Gpu) -> (u64, u64) {
+        self.transe.as_ref().map_or((0, 0), |t| {
+            (gpu.ptr(&t.query_norm), gpu.ptr(&t.query_weight))
+        })
+    }
+
+    /// TransE L2: where `legend_negatives_backward` finds the weight sums it subtracts times
+    /// the negatives from dN (`k` a job); 0 (none) for the other decoders.
+    pub(super) fn negative_weights(&self, gpu: &Gpu) -> u64 {
+        self.transe.as_ref().map_or(0, |t| gpu.ptr(&t.neg_weight))
     }
 
     /// The buffers of the fused kernels `which` for `group` jobs of up to `max_rows` rows
@@ -88,6 +102,8 @@ impl FusedBuffers {
                 query_norm: gpu.zeros(group * max_rows)?,
                 neg_norm: gpu.zeros(group * k_pad)?,
                 nearest: gpu.zeros(group)?,
+                query_weight: gpu.zeros(group * max_rows)?,
+                neg_weight: gpu.zeros(group * k)?,
             }),
             _ => None,
         };
@@ -175,16 +191,18 @@ impl GpuBatchEngine {
         // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_half holds group ×
         // fused_k_pad(k) rows of dim_pad / 2 pairs.
         unsafe { b.launch(cfg) }.during("launching legend_gather_negatives_half")?;
-        let (query_norm, neg_norm, nearest) = match &f.transe {
+        let (query_norm, neg_norm, nearest, query_weight, neg_weight) = match &f.transe {
             Some(t) => {
                 self.negative_norms(gpu, emb, t, g0, gz)?;
                 (
                     gpu.ptr(&t.query_norm),
                     gpu.ptr(&t.neg_norm),
                     gpu.ptr(&t.nearest),
+                    gpu.ptr(&t.query_weight),
+                    gpu.ptr(&t.neg_weight),
                 )
             }
-            None => (0, 0, 0),
+            None => (0, 0, 0, 0, 0),
         };
         self.mark(gpu, "gather_negatives")?;
         // Row ranges per job for the negatives kernel, so that enough blocks run; ranges
@@ -211,8 +229,8 @@ impl GpuBatchEngine {
             query_norm,
             neg_norm,
             nearest,
-            emb: gpu.ptr(emb),
-            neg_ids: gpu.ptr(&self.negs) + 4 * (g0 * k) as u64,
+            query_weight,
+            neg_weight,
             jobs: gz,
             max_rows: mr32,
             k: k32,
@@ -249,6 +267,11 @@ impl GpuBatchEngine {
         self.mark(gpu, "fused_rows")?;
         if ranges > 1 {
             gpu.clear(&mut self.grad_negs)?;
+            if let Path::Fused(f) = &mut self.path
+                && let Some(t) = &mut f.transe
+            {
+                gpu.clear(&mut t.neg_weight)?;
+            }
         }
         let mut b = gpu.stream().launch_builder(&kernels.negatives);
         b.arg(&args);

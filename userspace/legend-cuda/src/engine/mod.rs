@@ -696,12 +696,12 @@ impl GpuBatchEngine {
             // The fused path's operand scales start from zero maxima; legend_queries fills
             // the queries' (null elsewhere: the kernel then skips it), and for TransE L2
             // the queries' squared norms.
-            let (absmax, query_norm) = match &mut self.path {
+            let (absmax, (query_norm, query_weight)) = match &mut self.path {
                 Path::Fused(f) => {
                     gpu.clear(&mut f.absmax)?;
-                    (gpu.ptr(&f.absmax), f.query_norms(gpu))
+                    (gpu.ptr(&f.absmax), f.query_norms_and_weights(gpu))
                 }
-                Path::Unfused(_) => (0, 0),
+                Path::Unfused(_) => (0, (0, 0)),
             };
             let job_args = JobArgs {
                 edges: gpu.ptr(&self.edges),
@@ -709,6 +709,7 @@ impl GpuBatchEngine {
                 rows: gpu.ptr(&self.rows) + 4 * g0 as u64,
                 absmax,
                 query_norm,
+                query_weight,
                 first_job: g0 as u32,
                 max_rows: max_rows as u32,
                 dim: d as u32,
@@ -769,12 +770,17 @@ impl GpuBatchEngine {
             unsafe { b.launch(per_edge) }.during("launching legend_rows_backward")?;
             self.mark(gpu, "rows_backward")?;
 
+            let neg_weight = match &self.path {
+                Path::Fused(f) => f.negative_weights(gpu),
+                Path::Unfused(_) => 0,
+            };
             let mut b = s.launch_builder(&kern.negatives_backward);
             b.arg(&self.negs)
                 .arg(&g032)
                 .arg(&k32)
                 .arg(&d32)
                 .arg(&self.grad_negs)
+                .arg(&neg_weight)
                 .arg(&mut nodes.emb)
                 .arg(&mut nodes.grad)
                 .arg(&mut nodes.flags)
@@ -785,8 +791,9 @@ impl GpuBatchEngine {
                 grid_dim: (blocks(k, 8), gz, 1),
                 ..warps(0)
             };
-            // SAFETY: negs ids are below the node rows; grad_negs holds group·k·d floats; the
-            // node state and uses as for legend_rows_backward.
+            // SAFETY: negs ids are below the node rows; grad_negs holds group·k·d floats, and
+            // neg_weight (where given) group·k; the node state and uses as for
+            // legend_rows_backward.
             unsafe { b.launch(cfg) }.during("launching legend_negatives_backward")?;
             self.mark(gpu, "negatives_backward")?;
         }
