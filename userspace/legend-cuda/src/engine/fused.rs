@@ -59,7 +59,7 @@ pub(super) struct TransENorms {
 
 /// Whether fused kernels `kernels` take rows of `d` values for `decoder`: the dot decoders'
 /// need `d ≤ width`; TransE L2's two padding columns more (the operands' columns of ones that
-/// sum G / dist per row and per negative, `legend_fused_transe_take`); TransE L1 has no
+/// sum G / dist per row and per negative, `legend_fused_transe_weights`); TransE L1 has no
 /// product form.
 pub(super) fn fused_fits(decoder: Decoder, d: usize, kernels: &FusedKernels) -> bool {
     match decoder.comparator() {
