@@ -144,6 +144,9 @@ struct Case {
     /// usual initialisation (1e-3): the fused kernels' FP16 operands must keep their
     /// digits there (query products near 1e-6 are FP16 subnormals unless scaled).
     scale: f32,
+    /// Relations all zero: TransE's queries are then their anchors, so a negative drawn as
+    /// the anchor (and a self-loop's truth) lies at distance 0, where no gradient flows.
+    zero_relations: bool,
 }
 
 /// The CPU reference of one step: per-chunk forward/backward, gradients summed per row.
@@ -264,6 +267,7 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
         .collect();
     let rel: Vec<f32> = (0..relations * d)
         .map(|_| value(case.scale, case.exact))
+        .map(|v| if case.zero_relations { 0.0 } else { v })
         .collect();
     // A non-zero state keeps the AdaGrad step a smooth function of the gradient.
     let state: Vec<f32> = (0..entities * d).map(|_| rng.uniform(0.1, 1.0)).collect();
@@ -457,6 +461,7 @@ const COMPLEX: Case = Case {
     group: 2,
     exact: false,
     scale: 1.0,
+    zero_relations: false,
 };
 
 #[test]
@@ -480,6 +485,7 @@ fn training_step_matches_the_cpu_engine() {
             group: 4,
             exact: false,
             scale: 1.0,
+            zero_relations: false,
         },
         // d = 50: the per-row kernels move float2 pieces (float4 needs d % 4 == 0).
         Case {
@@ -492,6 +498,7 @@ fn training_step_matches_the_cpu_engine() {
             group: 1,
             exact: false,
             scale: 1.0,
+            zero_relations: false,
         },
         // Many negatives: the logistic loss's G (about 0.5 / k = 1.5e-5) is below FP16's
         // smallest normal, so the fused kernels' G scale must keep its digits.
@@ -505,6 +512,7 @@ fn training_step_matches_the_cpu_engine() {
             group: 2,
             exact: false,
             scale: 1.0,
+            zero_relations: false,
         },
         // h = 17: ComplEx's halves one float at a time.
         Case {
@@ -517,6 +525,7 @@ fn training_step_matches_the_cpu_engine() {
             group: 3,
             exact: true,
             scale: 1.0,
+            zero_relations: false,
         },
         // d = 128: the widest fused kernels.
         Case {
@@ -529,6 +538,7 @@ fn training_step_matches_the_cpu_engine() {
             group: 2,
             exact: false,
             scale: 1.0,
+            zero_relations: false,
         },
         // d > 128: the unfused path (score matrices through device memory).
         Case {
@@ -541,6 +551,7 @@ fn training_step_matches_the_cpu_engine() {
             group: 4,
             exact: false,
             scale: 1.0,
+            zero_relations: false,
         },
         Case {
             decoder: Decoder::Dot,
@@ -552,6 +563,7 @@ fn training_step_matches_the_cpu_engine() {
             group: 2,
             exact: false,
             scale: 1.0,
+            zero_relations: false,
         },
     ];
     for case in &cases {
@@ -631,6 +643,7 @@ fn transe_l1_step_matches_the_cpu_engine() {
             group: 3,
             exact: true,
             scale: 1.0,
+            zero_relations: false,
         },
         // More than 128 columns (two gradient column tiles and a partial one).
         Case {
@@ -643,6 +656,7 @@ fn transe_l1_step_matches_the_cpu_engine() {
             group: 1,
             exact: false,
             scale: 1.0,
+            zero_relations: false,
         },
         // B < C. (At d = 130 the logistic loss saturates: L1 distances near 65 leave the
         // negatives no gradient to check.)
@@ -656,6 +670,7 @@ fn transe_l1_step_matches_the_cpu_engine() {
             group: 2,
             exact: false,
             scale: 1.0,
+            zero_relations: false,
         },
     ];
     for case in &cases {
@@ -679,6 +694,7 @@ fn transe_l2_step_matches_the_cpu_engine() {
             group: 4,
             exact: false,
             scale: 1.0,
+            zero_relations: false,
         },
         Case {
             decoder: Decoder::TransEL2,
@@ -690,6 +706,21 @@ fn transe_l2_step_matches_the_cpu_engine() {
             group: 1,
             exact: false,
             scale: 1.0,
+            zero_relations: false,
+        },
+        // Negatives at distance 0 from their queries (about 1 in 4001 pairs) and
+        // self-loops: the fused path's pairs without a gradient, amid the others.
+        Case {
+            decoder: Decoder::TransEL2,
+            loss: Loss::SoftmaxCe,
+            dim: 62,
+            batch: 2501,
+            chunks: 3,
+            k: 250,
+            group: 2,
+            exact: false,
+            scale: 1.0,
+            zero_relations: true,
         },
         Case {
             decoder: Decoder::TransEL2,
@@ -701,6 +732,7 @@ fn transe_l2_step_matches_the_cpu_engine() {
             group: 4,
             exact: true,
             scale: 1.0,
+            zero_relations: false,
         },
     ];
     for case in &cases {
