@@ -80,9 +80,10 @@ struct LegendFused {
     // These are the rows kernel's A fragments, one fully written 128-byte line a register
     // and warp, and what ldmatrix reads (transposing) in the negatives kernel.
     u32* g;
-    // Softmax: the factor that turns a tile's G into the probabilities (exp(running max -
-    // final max) / sum), by job, 64-negative tile and row (legend_fused_corr). Unused by the
-    // other losses.
+    // Softmax and TransE L2: the factor that turns a tile's G into ∂L/∂S (softmax:
+    // exp(tile's shift - final shift) / sum; TransE also divides by the tile's nearest
+    // distance), by job, 64-negative tile and row (legend_fused_corr), first what the tile's
+    // G is relative to (legend_fused_tile_shift). Unused by the other losses.
     float* corr;
     const u32* rows;      // rows of each job of the group
     // Per job: the largest magnitude of its queries and of its negatives, as float bits
@@ -186,7 +187,7 @@ __device__ __forceinline__ u32* legend_fused_g_block(const LegendFused& f, u32 z
     return f.g + block * 128;
 }
 
-// The softmax factors (first the running maxima) of job z's rows for the 64 negatives of
+// The factors (first what the tiles' G are relative to) of job z's rows for the 64 negatives of
 // tile `tile` (rows_pad floats).
 __device__ __forceinline__ float* legend_fused_corr(const LegendFused& f, u32 z, u32 tile) {
     u32 tiles = legend_fused_k_pad(f.k) / LEGEND_FUSED_TILE;

@@ -10,10 +10,13 @@ struct LegendRowLoss {
     float la, lb;            // this lane's part of the running sum (softmax, times 2^14) or
                              // of the loss terms (the others)
     float activa, activb;    // ranking: this lane's part of the active negatives
-    // TransE L2: the rows' squared query norms and the job's squared negative norms (ma and
-    // mb are then the running maxima for every loss: minus the nearest distances so far).
+    // TransE L2: the rows' squared query norms, the job's squared negative norms, and the
+    // rows' nearest distances so far over the negatives with a gradient (infinite before
+    // one; the scale of their G / dist, apart from the softmax shift ma and mb, which a
+    // positive or a negative at distance 0 raises to 0 where it would carry no gradient).
     float qa, qb;
     const float* nn;
+    float neara, nearb;
 };
 
 // The loss state of rows a and b (of job z) before the first tile.
@@ -22,13 +25,22 @@ __device__ __forceinline__ LegendRowLoss legend_row_loss(const LegendFused& f, u
     LegendRowLoss r;
     r.pa = va ? f.pos[at_a] : 0.0f;
     r.pb = vb ? f.pos[at_a + 8] : 0.0f;
-    r.ma = r.pa;
-    r.mb = r.pb;
-    r.qa = LEGEND_FUSED_TRANSE && va ? f.query_norm[at_a] : 0.0f;
-    r.qb = LEGEND_FUSED_TRANSE && vb ? f.query_norm[at_a + 8] : 0.0f;
+    // Softmax's shift starts at the positive's score (counted below); the other losses
+    // have none.
+    bool softmax = f.loss == LEGEND_LOSS_SOFTMAX;
+    r.ma = softmax ? r.pa : 0.0f;
+    r.mb = softmax ? r.pb : 0.0f;
+    // A row past the job's has an infinite norm: all of its pairs at distance 0 (infinity
+    // is not above its threshold), so it has no nearest distance and its G and factors are
+    // 0. With its zero query alone it would have the nearest negative's norm, and factors
+    // from it that, times the job's nearest distance, overflow FP16 in the negatives kernel.
+    const float inf = __int_as_float(0x7f800000);
+    r.qa = LEGEND_FUSED_TRANSE ? (va ? f.query_norm[at_a] : inf) : 0.0f;
+    r.qb = LEGEND_FUSED_TRANSE ? (vb ? f.query_norm[at_a + 8] : inf) : 0.0f;
     r.nn = LEGEND_FUSED_TRANSE ? f.neg_norm + (u64)z * legend_fused_k_pad(f.k) : nullptr;
+    r.neara = r.nearb = inf;
     // The positive counted once, by lane t = 0, as exp(0) times the G scale.
-    r.la = r.lb = (f.loss == LEGEND_LOSS_SOFTMAX && t == 0) ? LEGEND_FUSED_G_SCALE : 0.0f;
+    r.la = r.lb = (softmax && t == 0) ? LEGEND_FUSED_G_SCALE : 0.0f;
     r.activa = r.activb = 0.0f;
     return r;
 }
@@ -71,19 +83,22 @@ __device__ __forceinline__ void legend_fused_term(const LegendFused& f, float x,
 // this is the distance of the rows the products use, up to FP32 rounding), scores -dist
 // through the loss, and G / dist, the weight of n - q in dQ (of q - n in dN). G / dist is
 // unbounded as a negative nears its query, so it leaves times the row's nearest distance so
-// far (at most G, in FP16's range however near), the accumulators rescaled as that shrinks,
-// as softmax rescales them as its maximum grows: the running maximum of the scores, ma and
-// mb, is minus that distance, for every loss. sca and scb are the accumulators' factors.
-// Per pair this is the loss's instructions and the expansion's: the pairs with no weight
-// (at distance 0, or past k) are carried as an infinite squared distance, whose rsqrt is 0,
-// rather than by selects.
+// far over the pairs with a weight (at most G, in FP16's range however near), the
+// accumulators rescaled as that shrinks, as softmax rescales them as its shift grows.
+// Neither the positive nor a pair at distance 0 enters that distance (either would scale
+// every other pair's weight to 0), but both enter softmax's shift, the largest score, so
+// that no exponential passes 2^14. sca and scb are the accumulators' factors. Per pair this
+// is the loss's instructions and the expansion's: the pairs with no weight are carried as
+// an infinite squared distance (at distance 0), whose rsqrt is 0, or the largest finite
+// float (past k), rather than by selects.
 template <int J, bool TAIL>
 __device__ __forceinline__ void legend_fused_transe_tile(const LegendFused& f, float (&s)[J][4],
                                                          LegendRowLoss& r, float s_unscale,
                                                          u32 n0, float& sca, float& scb) {
     u32 k = f.k;
     const float inf = __int_as_float(0x7f800000);
-    float da = inf, db = inf, two = -2.0f * s_unscale;
+    // The rows' nearest and farthest pairs: infinitely far where a pair lies at distance 0.
+    float da = inf, db = inf, fara = 0.0f, farb = 0.0f, two = -2.0f * s_unscale;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
         float2 nn = *reinterpret_cast<const float2*>(r.nn + n0 + 8 * j);
@@ -92,35 +107,44 @@ __device__ __forceinline__ void legend_fused_transe_tile(const LegendFused& f, f
             float norms = (q < 2 ? r.qa : r.qb) + (q & 1 ? nn.y : nn.x);
             float d2 = fmaf(s[j][q], two, norms);
             // Within the expansion's rounding of 0 (or not a normal float) a pair is at
-            // distance 0: no gradient, as the CPU gives a pair at 0; so is one past k.
+            // distance 0: no gradient, as the CPU gives a pair at 0. One past k has none
+            // either, and the largest finite float, so as not to count as one at 0.
             bool far = d2 > fmaf(LEGEND_TRANSE_ZERO, norms, 0x1p-126f);
-            if (TAIL && n0 + 8 * j + (q & 1) >= k) far = false;
             s[j][q] = far ? d2 : inf;
-            if (q < 2) da = fminf(da, s[j][q]); else db = fminf(db, s[j][q]);
+            if (TAIL && n0 + 8 * j + (q & 1) >= k) s[j][q] = __int_as_float(0x7f7fffff);
+            if (q < 2) {
+                da = fminf(da, s[j][q]);
+                fara = fmaxf(fara, s[j][q]);
+            } else {
+                db = fminf(db, s[j][q]);
+                farb = fmaxf(farb, s[j][q]);
+            }
         }
     }
-    // The new maxima (minus the nearest distances), and what moves the accumulators: the
-    // ratio of the nearest distances (1 while a row's is 0: its G / dist are all 0), and for
-    // softmax the exponential's shift, which its sum takes alone.
-    float na = fmaxf(r.ma, -sqrtf(legend_quad_min(da)));
-    float nb = fmaxf(r.mb, -sqrtf(legend_quad_min(db)));
-    sca = r.ma < 0.0f ? na / r.ma : 1.0f;
-    scb = r.mb < 0.0f ? nb / r.mb : 1.0f;
-    bool softmax = f.loss == LEGEND_LOSS_SOFTMAX;
-    if (softmax) {
+    // The new nearest distances, and what moves the accumulators: their ratio (1 while a
+    // row has none: its accumulators are 0), and for softmax the exponential's shift, which
+    // its sum takes alone.
+    float neara = fminf(r.neara, sqrtf(legend_quad_min(da)));
+    float nearb = fminf(r.nearb, sqrtf(legend_quad_min(db)));
+    sca = r.neara < inf ? neara / r.neara : 1.0f;
+    scb = r.nearb < inf ? nearb / r.nearb : 1.0f;
+    r.neara = neara;
+    r.nearb = nearb;
+    // G / dist leaves times the nearest distance: finite (rsqrt's 0 times it stays 0).
+    float ca = fminf(neara, 0x1p127f), cb = fminf(nearb, 0x1p127f);
+    if (f.loss == LEGEND_LOSS_SOFTMAX) {
+        float na = fmaxf(r.ma, legend_quad_max(fara) == inf ? 0.0f : -neara);
+        float nb = fmaxf(r.mb, legend_quad_max(farb) == inf ? 0.0f : -nearb);
         float ea = __expf(r.ma - na), eb = __expf(r.mb - nb);
         r.la *= ea;
         r.lb *= eb;
         sca *= ea;
         scb *= eb;
-    }
-    r.ma = na;
-    r.mb = nb;
-    float ca = -na, cb = -nb;
-    // Per pair: 1 / dist (rsqrt(inf) = 0 for the pairs with no weight), the distance (its
-    // product inf · 0 = NaN there, which max turns into 0), the score -dist through the loss
-    // (only past k is a pair out of it), and G times the nearest distance over dist.
-    if (softmax) {
+        r.ma = na;
+        r.mb = nb;
+        // Per pair: 1 / dist (rsqrt(inf) = 0 for the pairs with no weight), the distance
+        // (its product inf · 0 = NaN there, which max turns into 0), exp(-dist - shift)
+        // with the G scale (0 past k), and G times the nearest distance over dist.
         constexpr float LOG2E = 1.4426950408889634f;
         float ba = LEGEND_FUSED_G_LOG2 - na * LOG2E, bb = LEGEND_FUSED_G_LOG2 - nb * LOG2E;
 #pragma unroll
@@ -128,7 +152,6 @@ __device__ __forceinline__ void legend_fused_transe_tile(const LegendFused& f, f
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 float inv = legend_rsqrt(s[j][q]), dist = fmaxf(s[j][q] * inv, 0.0f);
-                // exp(-dist - max) with the G scale; 0 past k.
                 float g = legend_exp2(fmaf(dist, -LOG2E, q < 2 ? ba : bb));
                 if (TAIL && n0 + 8 * j + (q & 1) >= k) g = 0.0f;
                 if (q < 2) r.la += g; else r.lb += g;
@@ -156,6 +179,14 @@ __device__ __forceinline__ void legend_fused_transe_tile(const LegendFused& f, f
             }
             s[j][q] = grad * LEGEND_FUSED_G_SCALE * (inv * (q < 2 ? ca : cb));
         }
+}
+
+// What a tile's G of rows a (x) and b is relative to, kept per tile until the rows'
+// finish turns it into the tile's factors: softmax's shift, and for TransE L2 the nearest
+// distance as well, as shift - ln(nearest) (-inf while there is none: the tile's G are 0).
+__device__ __forceinline__ float2 legend_fused_tile_shift(const LegendRowLoss& r) {
+    if (!LEGEND_FUSED_TRANSE) return make_float2(r.ma, r.mb);
+    return make_float2(r.ma - __logf(r.neara), r.mb - __logf(r.nearb));
 }
 
 // One tile of J 8-column blocks of scores (s, scaled by the operands' scales, unscaled by
@@ -324,32 +355,28 @@ __device__ __forceinline__ float2 legend_fused_rows_finish(const LegendFused& f,
         gpb = -legend_quad_sum(r.activb);
     }
     if (LEGEND_FUSED_TRANSE) {
-        // G / dist went out times the nearest distance -m (0 where that is 0: no gradient).
-        ua = r.ma < 0.0f ? ua / -r.ma : 0.0f;
-        ub = r.mb < 0.0f ? ub / -r.mb : 0.0f;
+        // G / dist went out times the nearest distance (none: no gradient).
+        const float inf = __int_as_float(0x7f800000);
+        ua = r.neara < inf ? ua / r.neara : 0.0f;
+        ub = r.nearb < inf ? ub / r.nearb : 0.0f;
         // The job's smallest nearest distance, over its rows with one: the negatives
         // kernel's common scale (one atomic a warp; the bits' complement orders as the
         // distances do, reversed).
-        float nearest = __int_as_float(0x7f800000);
-        if (va && r.ma < 0.0f) nearest = -r.ma;
-        if (vb && r.mb < 0.0f) nearest = fminf(nearest, -r.mb);
+        float nearest = inf;
+        if (va) nearest = r.neara;
+        if (vb) nearest = fminf(nearest, r.nearb);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1)
             nearest = fminf(nearest, __shfl_xor_sync(0xffffffffu, nearest, o));
-        if ((threadIdx.x & 31) == 0 && nearest < __int_as_float(0x7f800000))
+        if ((threadIdx.x & 31) == 0 && nearest < inf)
             atomicMax(&f.nearest[z], ~__float_as_uint(nearest));
     }
     if (softmax || LEGEND_FUSED_TRANSE) {
         // The factors of the walked tiles: softmax's shift and sum, and for TransE the
-        // tile's nearest distance divided out (0 where it is 0).
+        // tile's nearest distance divided out (legend_fused_tile_shift).
         for (u32 u = t; u < tiles; u += 4) {
             float2 m = running(u);
-            float ca = softmax ? __expf(m.x - r.ma) * fa : 1.0f;
-            float cb = softmax ? __expf(m.y - r.mb) * fb : 1.0f;
-            if (LEGEND_FUSED_TRANSE) {
-                ca = m.x < 0.0f ? ca / -m.x : 0.0f;
-                cb = m.y < 0.0f ? cb / -m.y : 0.0f;
-            }
+            float ca = __expf(m.x - r.ma) * fa, cb = __expf(m.y - r.mb) * fb;
             for (u32 h = 0; h < width; ++h) {
                 float* ch = legend_fused_corr(f, z, u * width + h) + ra;
                 ch[0] = ca;

@@ -129,12 +129,13 @@ __device__ __forceinline__ void legend_fused_rows_body(const LegendFused& f) {
         // 196 / 200 bytes a thread against 92 / 108).
         legend_fused_loss_tile<8, true>(f, s, st, s_unscale, it * T + 2 * t, sca, scb);
         legend_fused_rescale<DK>(acc, sca, scb);
-        // The running maxima this tile's G is relative to (one lane a tile and row; the same
-        // lane turns them into factors at the end).
+        // What this tile's G is relative to (legend_fused_tile_shift; one lane a tile and
+        // row, the same lane turns it into factors at the end).
         if ((f.loss == LEGEND_LOSS_SOFTMAX || LEGEND_FUSED_TRANSE) && t == (it & 3)) {
             float* c = legend_fused_corr(f, z, it) + ra;
-            c[0] = st.ma;
-            c[8] = st.mb;
+            float2 shift = legend_fused_tile_shift(st);
+            c[0] = shift.x;
+            c[8] = shift.y;
         }
         u32 ga[4][4];
         legend_fused_g_fragments<8>(s, ga);

@@ -207,8 +207,9 @@ __device__ __forceinline__ void legend_fused_rows_ws(const LegendFused& f) {
             legend_fused_loss<NT / 8>(f, s, st, s_unscale, it * NT, t, sca, scb);
             if ((f.loss == LEGEND_LOSS_SOFTMAX || LEGEND_FUSED_TRANSE) && t == (it & 3)) {
                 float* c = it < LEGEND_WS_MAXIMA ? maxima + it * 64 : legend_fused_corr(f, z, 2 * it) + ra;
-                c[0] = st.ma;
-                c[8] = st.mb;
+                float2 shift = legend_fused_tile_shift(st);
+                c[0] = shift.x;
+                c[8] = shift.y;
             }
         };
         // The tile's G into the fragments ga (once the product that read them is done),

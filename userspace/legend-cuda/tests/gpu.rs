@@ -144,9 +144,13 @@ struct Case {
     /// usual initialisation (1e-3): the fused kernels' FP16 operands must keep their
     /// digits there (query products near 1e-6 are FP16 subnormals unless scaled).
     scale: f32,
-    /// Relations all zero: TransE's queries are then their anchors, so a negative drawn as
-    /// the anchor (and a self-loop's truth) lies at distance 0, where no gradient flows.
+    /// Relations all zero and every 37th edge a self-loop: TransE's queries are then their
+    /// anchors, so a negative drawn as the anchor and a self-loop's truth lie at distance 0,
+    /// where no gradient flows (and the other pairs of their rows keep theirs).
     zero_relations: bool,
+    /// Every 101st node 10⁻⁴ times the others' scale: negatives nearer the origin (a
+    /// padding row's zero query) than any query is to its negatives.
+    tiny_rows: bool,
 }
 
 /// The CPU reference of one step: per-chunk forward/backward, gradients summed per row.
@@ -263,7 +267,10 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
         }
     };
     let emb: Vec<f32> = (0..entities * d)
-        .map(|_| value(0.25 * case.scale, case.exact))
+        .map(|i| {
+            let tiny = case.tiny_rows && (i / d) % 101 == 0;
+            value(0.25 * case.scale, case.exact) * if tiny { 1e-4 } else { 1.0 }
+        })
         .collect();
     let rel: Vec<f32> = (0..relations * d)
         .map(|_| value(case.scale, case.exact))
@@ -273,12 +280,17 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
     let state: Vec<f32> = (0..entities * d).map(|_| rng.uniform(0.1, 1.0)).collect();
     let rel_state: Vec<f32> = (0..relations * d).map(|_| rng.uniform(0.1, 1.0)).collect();
     let edges: Vec<[u32; 3]> = (0..case.batch)
-        .map(|_| {
-            [
+        .map(|i| {
+            let e = [
                 rng.below(entities as u64) as u32,
                 rng.below(relations as u64) as u32,
                 rng.below(entities as u64) as u32,
-            ]
+            ];
+            if case.zero_relations && i % 37 == 0 {
+                [e[0], e[1], e[0]]
+            } else {
+                e
+            }
         })
         .collect();
     let chunks = case.chunks.min(case.batch);
@@ -462,6 +474,7 @@ const COMPLEX: Case = Case {
     exact: false,
     scale: 1.0,
     zero_relations: false,
+    tiny_rows: false,
 };
 
 #[test]
@@ -486,6 +499,7 @@ fn training_step_matches_the_cpu_engine() {
             exact: false,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
         // d = 50: the per-row kernels move float2 pieces (float4 needs d % 4 == 0).
         Case {
@@ -499,6 +513,7 @@ fn training_step_matches_the_cpu_engine() {
             exact: false,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
         // Many negatives: the logistic loss's G (about 0.5 / k = 1.5e-5) is below FP16's
         // smallest normal, so the fused kernels' G scale must keep its digits.
@@ -513,6 +528,7 @@ fn training_step_matches_the_cpu_engine() {
             exact: false,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
         // h = 17: ComplEx's halves one float at a time.
         Case {
@@ -526,6 +542,7 @@ fn training_step_matches_the_cpu_engine() {
             exact: true,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
         // d = 128: the widest fused kernels.
         Case {
@@ -539,6 +556,7 @@ fn training_step_matches_the_cpu_engine() {
             exact: false,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
         // d > 128: the unfused path (score matrices through device memory).
         Case {
@@ -552,6 +570,7 @@ fn training_step_matches_the_cpu_engine() {
             exact: false,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
         Case {
             decoder: Decoder::Dot,
@@ -564,6 +583,7 @@ fn training_step_matches_the_cpu_engine() {
             exact: false,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
     ];
     for case in &cases {
@@ -644,6 +664,7 @@ fn transe_l1_step_matches_the_cpu_engine() {
             exact: true,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
         // More than 128 columns (two gradient column tiles and a partial one).
         Case {
@@ -657,6 +678,7 @@ fn transe_l1_step_matches_the_cpu_engine() {
             exact: false,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
         // B < C. (At d = 130 the logistic loss saturates: L1 distances near 65 leave the
         // negatives no gradient to check.)
@@ -671,6 +693,7 @@ fn transe_l1_step_matches_the_cpu_engine() {
             exact: false,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
     ];
     for case in &cases {
@@ -695,6 +718,7 @@ fn transe_l2_step_matches_the_cpu_engine() {
             exact: false,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
         Case {
             decoder: Decoder::TransEL2,
@@ -707,6 +731,22 @@ fn transe_l2_step_matches_the_cpu_engine() {
             exact: false,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
+        },
+        // The usual initialisation's scale, jobs whose rows end inside a tile (as a
+        // trainer's do), and nodes near the origin.
+        Case {
+            decoder: Decoder::TransEL2,
+            loss: Loss::SoftmaxCe,
+            dim: 32,
+            batch: 700,
+            chunks: 3,
+            k: 50,
+            group: 3,
+            exact: false,
+            scale: 1e-3,
+            zero_relations: false,
+            tiny_rows: true,
         },
         // Negatives at distance 0 from their queries (about 1 in 4001 pairs) and
         // self-loops: the fused path's pairs without a gradient, amid the others.
@@ -721,6 +761,35 @@ fn transe_l2_step_matches_the_cpu_engine() {
             exact: false,
             scale: 1.0,
             zero_relations: true,
+            tiny_rows: false,
+        },
+        Case {
+            decoder: Decoder::TransEL2,
+            loss: Loss::Logistic,
+            dim: 40,
+            batch: 1201,
+            chunks: 2,
+            k: 200,
+            group: 2,
+            exact: false,
+            scale: 1.0,
+            zero_relations: true,
+            tiny_rows: false,
+        },
+        // The same at distances near 100 (exact on the grid): a pair at distance 0 then
+        // outweighs the others by e^100, past FP32 unless softmax's shift counts it.
+        Case {
+            decoder: Decoder::TransEL2,
+            loss: Loss::SoftmaxCe,
+            dim: 100,
+            batch: 1500,
+            chunks: 3,
+            k: 300,
+            group: 2,
+            exact: true,
+            scale: 64.0,
+            zero_relations: true,
+            tiny_rows: false,
         },
         Case {
             decoder: Decoder::TransEL2,
@@ -733,6 +802,7 @@ fn transe_l2_step_matches_the_cpu_engine() {
             exact: true,
             scale: 1.0,
             zero_relations: false,
+            tiny_rows: false,
         },
     ];
     for case in &cases {
