@@ -706,103 +706,78 @@ fn transe_l1_step_matches_the_cpu_engine() {
 fn transe_l2_step_matches_the_cpu_engine() {
     let gpu = gpu();
     let s = seed("transe l2");
+    let softmax = Case {
+        decoder: Decoder::TransEL2,
+        loss: Loss::SoftmaxCe,
+        dim: 100,
+        batch: 2002,
+        chunks: 4,
+        k: 300,
+        group: 4,
+        ..COMPLEX
+    };
     let cases = [
+        softmax,
         Case {
-            decoder: Decoder::TransEL2,
-            loss: Loss::SoftmaxCe,
-            dim: 100,
-            batch: 2002,
-            chunks: 4,
-            k: 300,
-            group: 4,
-            exact: false,
-            scale: 1.0,
-            zero_relations: false,
-            tiny_rows: false,
-        },
-        Case {
-            decoder: Decoder::TransEL2,
             loss: Loss::Logistic,
             dim: 17,
             batch: 999,
-            chunks: 4,
             k: 129,
             group: 1,
-            exact: false,
-            scale: 1.0,
-            zero_relations: false,
-            tiny_rows: false,
+            ..softmax
         },
         // The usual initialisation's scale, jobs whose rows end inside a tile (as a
         // trainer's do), and nodes near the origin.
         Case {
-            decoder: Decoder::TransEL2,
-            loss: Loss::SoftmaxCe,
             dim: 32,
             batch: 700,
             chunks: 3,
             k: 50,
             group: 3,
-            exact: false,
             scale: 1e-3,
-            zero_relations: false,
             tiny_rows: true,
+            ..softmax
         },
         // Negatives at distance 0 from their queries (about 1 in 4001 pairs) and
         // self-loops: the fused path's pairs without a gradient, amid the others.
         Case {
-            decoder: Decoder::TransEL2,
-            loss: Loss::SoftmaxCe,
             dim: 62,
             batch: 2501,
             chunks: 3,
             k: 250,
             group: 2,
-            exact: false,
-            scale: 1.0,
             zero_relations: true,
-            tiny_rows: false,
+            ..softmax
         },
         Case {
-            decoder: Decoder::TransEL2,
             loss: Loss::Logistic,
             dim: 40,
             batch: 1201,
             chunks: 2,
             k: 200,
             group: 2,
-            exact: false,
-            scale: 1.0,
             zero_relations: true,
-            tiny_rows: false,
+            ..softmax
         },
         // The same at distances near 100 (exact on the grid): a pair at distance 0 then
         // outweighs the others by e^100, past FP32 unless softmax's shift counts it.
         Case {
-            decoder: Decoder::TransEL2,
-            loss: Loss::SoftmaxCe,
-            dim: 100,
             batch: 1500,
             chunks: 3,
-            k: 300,
             group: 2,
             exact: true,
             scale: 64.0,
             zero_relations: true,
-            tiny_rows: false,
+            ..softmax
         },
         Case {
-            decoder: Decoder::TransEL2,
             loss: Loss::Ranking { margin: 0.25 },
             dim: 20,
             batch: 803,
             chunks: 2,
             k: 100,
-            group: 4,
             exact: true,
-            scale: 1.0,
-            zero_relations: false,
-            tiny_rows: false,
+            ..softmax
         },
     ];
     for case in &cases {
