@@ -85,6 +85,14 @@ __device__ __forceinline__ float legend_fp16_square(float x) {
     return h * h;
 }
 
+// x rounded to FP16's 11 significant bits (to nearest, ties to even) at any exponent: what
+// FP16 holds of x times a power-of-two scale that keeps it a normal FP16 value, divided
+// back, for callers that round before the scale is known (TransE L2's queries).
+__device__ __forceinline__ float legend_fp16_digits(float x) {
+    u32 b = __float_as_uint(x);
+    return __uint_as_float((b + 0xfffu + ((b >> 13) & 1u)) & ~0x1fffu);
+}
+
 // V consecutive floats of a row, moved as one access: the per-row kernels read and write
 // whole float2/float4 pieces where the rows allow (one pass of a warp over a row of
 // d = 100).

@@ -53,15 +53,16 @@ __device__ __forceinline__ float legend_dist_phi(float x, float b) {
 
 // The TransE part of legend_query_edge, V elements a lane: q0 = D - w against the true
 // source S (side 0) and q1 = S + w against D (side 1), written out, and each side's
-// distance to its truth into dist (this lane's part of Σ|x| or Σx²). With sq (TransE L2 on
-// the fused path), also this lane's part of the queries' squared norms as the fused kernels
-// round them: FP16 at scale 1, as TransE leaves its queries' maxima at 0.
+// distance to its truth into dist (this lane's part of Σ|x| or Σx²). With norms (TransE L2
+// on the fused path), also this lane's parts of the queries' largest magnitudes and of
+// their squared norms as the fused kernels round them: to FP16's digits, since their FP16
+// scale follows from the largest magnitude of the job, which is not known yet.
 template <int V>
 __device__ __forceinline__ void legend_transe_queries(bool l2, u32 d, const float* S,
                                                       const float* D, const float* w,
                                                       float* q0, float* q1, u32 lane,
                                                       float (&dist)[2], float (&sq)[2],
-                                                      bool norms) {
+                                                      float (&largest)[2], bool norms) {
     for (u32 k = V * lane; k < d; k += 32 * V) {
         LegendVec<V> s = legend_ld<V>(S + k), t = legend_ld<V>(D + k), r = legend_ld<V>(w + k);
         LegendVec<V> a, b;
@@ -73,8 +74,11 @@ __device__ __forceinline__ void legend_transe_queries(bool l2, u32 d, const floa
             dist[0] = l2 ? legend_dist_term<true>(x0, dist[0]) : legend_dist_term<false>(x0, dist[0]);
             dist[1] = l2 ? legend_dist_term<true>(x1, dist[1]) : legend_dist_term<false>(x1, dist[1]);
             if (norms) {
-                sq[0] += legend_fp16_square(a.v[v]);
-                sq[1] += legend_fp16_square(b.v[v]);
+                float ra = legend_fp16_digits(a.v[v]), rb = legend_fp16_digits(b.v[v]);
+                sq[0] = fmaf(ra, ra, sq[0]);
+                sq[1] = fmaf(rb, rb, sq[1]);
+                largest[0] = fmaxf(largest[0], fabsf(a.v[v]));
+                largest[1] = fmaxf(largest[1], fabsf(b.v[v]));
             }
         }
         legend_st<V>(q0 + k, a);

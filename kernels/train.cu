@@ -97,7 +97,7 @@ __device__ __forceinline__ void legend_query_pair(int decoder, u32 d, const floa
 
 // Queries and positive scores of edge r of chunk z0 / 2, both sides (rows r of jobs z0 and
 // z0 + 1), by one warp: each row of the edge is read once. Sets each side's largest query
-// magnitude (0 for TransE, whose queries need no FP16 scale).
+// magnitude (0 where the queries take no FP16 copy: TransE off the fused path).
 __device__ void legend_query_edge(const LegendJobs& jobs, const float* __restrict__ emb,
                                   const float* __restrict__ rel, float* __restrict__ query,
                                   float* __restrict__ pos, u32 z0, u32 r, u32 lane,
@@ -117,15 +117,16 @@ __device__ void legend_query_edge(const LegendJobs& jobs, const float* __restric
         bool l2 = jobs.decoder == LEGEND_TRANSE_L2, norms = jobs.query_norm != nullptr;
         float sq[2] = {0.0f, 0.0f};
         if (d % 4 == 0)
-            legend_transe_queries<4>(l2, d, S, D, w, q0, q1, lane, dot, sq, norms);
+            legend_transe_queries<4>(l2, d, S, D, w, q0, q1, lane, dot, sq, largest, norms);
         else
-            legend_transe_queries<1>(l2, d, S, D, w, q0, q1, lane, dot, sq, norms);
+            legend_transe_queries<1>(l2, d, S, D, w, q0, q1, lane, dot, sq, largest, norms);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
                 dot[s] += __shfl_xor_sync(0xffffffffu, dot[s], o);
                 sq[s] += __shfl_xor_sync(0xffffffffu, sq[s], o);
+                largest[s] = fmaxf(largest[s], __shfl_xor_sync(0xffffffffu, largest[s], o));
             }
         if (lane == 0) {
             pos[row0] = l2 ? -sqrtf(dot[0]) : -dot[0];

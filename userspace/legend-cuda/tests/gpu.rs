@@ -151,6 +151,10 @@ struct Case {
     /// Every 101st node 10⁻⁴ times the others' scale: negatives nearer the origin (a
     /// padding row's zero query) than any query is to its negatives.
     tiny_rows: bool,
+    /// Largest relative error of the gradients against the CPU's. 1e-3, but where the scores
+    /// reach ~10^6 FP32 cannot resolve the softmax: both engines' probabilities then carry
+    /// errors of about |score|·2^-24, a few percent, which no FP32 engine avoids.
+    grad_tolerance: f64,
 }
 
 /// The CPU reference of one step: per-chunk forward/backward, gradients summed per row.
@@ -242,6 +246,16 @@ fn cpu_step(
 /// How far each parameter moved from `before` to `after`.
 fn moves(after: &[f32], before: &[f32]) -> Vec<f32> {
     after.iter().zip(before).map(|(a, b)| a - b).collect()
+}
+
+/// Whether every value of `a` lies within `ulps` units in the last place of `b`'s: two
+/// updates of large values that agree up to their rounding (their moves, at 2^18, are
+/// rounded to a good part of themselves).
+fn within_ulps(a: &[f32], b: &[f32], ulps: f32) -> bool {
+    a.iter().zip(b).all(|(x, y)| {
+        let ulp = f32::from_bits(y.abs().to_bits() + 1) - y.abs();
+        (x - y).abs() <= ulps * ulp
+    })
 }
 
 /// Whether a table's gradients and use counts are all back to zero after a step.
@@ -369,7 +383,10 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
     let gn_err = rel_err(&gn, &want_gn);
     println!("{what}: loss {loss:.6e} (rel err {loss_err:.2e}), node grad rel err {gn_err:.2e}");
     assert!(loss_err < 1e-3, "{what}: loss {loss} vs {want_loss}");
-    assert!(gn_err < 1e-3, "{what}: node gradients, rel err {gn_err:e}");
+    assert!(
+        gn_err < case.grad_tolerance,
+        "{what}: node gradients, rel err {gn_err:e}"
+    );
     // Rows nobody touched get no gradient at all.
     for (r, (g, w)) in gn.chunks_exact(d).zip(want_gn.chunks_exact(d)).enumerate() {
         if w.iter().all(|&x| x == 0.0) {
@@ -389,7 +406,7 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
         let gr_err = rel_err(&gr, &want_gr);
         println!("{what}: relation grad rel err {gr_err:.2e}");
         assert!(
-            gr_err < 1e-3,
+            gr_err < case.grad_tolerance,
             "{what}: relation gradients, rel err {gr_err:e}"
         );
     }
@@ -414,7 +431,10 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
     let step_err = rel_err(&moved, &want_moved);
     let state_err = rel_err(&new_state, &want_state);
     println!("{what}: AdaGrad step rel err {step_err:.2e}, state rel err {state_err:.2e}");
-    assert!(step_err < 1e-5 && state_err < 1e-6, "{what}: AdaGrad");
+    assert!(
+        (step_err < 1e-5 || within_ulps(&new_emb, &want_emb, 2.0)) && state_err < 1e-6,
+        "{what}: AdaGrad"
+    );
     assert!(
         cleared(gpu, &nodes),
         "{what}: gradients or use counts not cleared"
@@ -475,6 +495,7 @@ const COMPLEX: Case = Case {
     scale: 1.0,
     zero_relations: false,
     tiny_rows: false,
+    grad_tolerance: 1e-3,
 };
 
 #[test]
@@ -500,6 +521,7 @@ fn training_step_matches_the_cpu_engine() {
             scale: 1.0,
             zero_relations: false,
             tiny_rows: false,
+            grad_tolerance: 1e-3,
         },
         // d = 50: the per-row kernels move float2 pieces (float4 needs d % 4 == 0).
         Case {
@@ -514,6 +536,7 @@ fn training_step_matches_the_cpu_engine() {
             scale: 1.0,
             zero_relations: false,
             tiny_rows: false,
+            grad_tolerance: 1e-3,
         },
         // Many negatives: the logistic loss's G (about 0.5 / k = 1.5e-5) is below FP16's
         // smallest normal, so the fused kernels' G scale must keep its digits.
@@ -529,6 +552,7 @@ fn training_step_matches_the_cpu_engine() {
             scale: 1.0,
             zero_relations: false,
             tiny_rows: false,
+            grad_tolerance: 1e-3,
         },
         // h = 17: ComplEx's halves one float at a time.
         Case {
@@ -543,6 +567,7 @@ fn training_step_matches_the_cpu_engine() {
             scale: 1.0,
             zero_relations: false,
             tiny_rows: false,
+            grad_tolerance: 1e-3,
         },
         // d = 128: the widest fused kernels.
         Case {
@@ -557,6 +582,7 @@ fn training_step_matches_the_cpu_engine() {
             scale: 1.0,
             zero_relations: false,
             tiny_rows: false,
+            grad_tolerance: 1e-3,
         },
         // d > 128: the unfused path (score matrices through device memory).
         Case {
@@ -571,6 +597,7 @@ fn training_step_matches_the_cpu_engine() {
             scale: 1.0,
             zero_relations: false,
             tiny_rows: false,
+            grad_tolerance: 1e-3,
         },
         Case {
             decoder: Decoder::Dot,
@@ -584,6 +611,7 @@ fn training_step_matches_the_cpu_engine() {
             scale: 1.0,
             zero_relations: false,
             tiny_rows: false,
+            grad_tolerance: 1e-3,
         },
     ];
     for case in &cases {
@@ -665,6 +693,7 @@ fn transe_l1_step_matches_the_cpu_engine() {
             scale: 1.0,
             zero_relations: false,
             tiny_rows: false,
+            grad_tolerance: 1e-3,
         },
         // More than 128 columns (two gradient column tiles and a partial one).
         Case {
@@ -679,6 +708,7 @@ fn transe_l1_step_matches_the_cpu_engine() {
             scale: 1.0,
             zero_relations: false,
             tiny_rows: false,
+            grad_tolerance: 1e-3,
         },
         // B < C. (At d = 130 the logistic loss saturates: L1 distances near 65 leave the
         // negatives no gradient to check.)
@@ -694,6 +724,7 @@ fn transe_l1_step_matches_the_cpu_engine() {
             scale: 1.0,
             zero_relations: false,
             tiny_rows: false,
+            grad_tolerance: 1e-3,
         },
     ];
     for case in &cases {
@@ -736,6 +767,7 @@ fn transe_l2_step_matches_the_cpu_engine() {
             group: 3,
             scale: 1e-3,
             tiny_rows: true,
+            grad_tolerance: 1e-3,
             ..softmax
         },
         // Negatives at distance 0 from their queries (about 1 in 4001 pairs) and
@@ -759,6 +791,17 @@ fn transe_l2_step_matches_the_cpu_engine() {
             zero_relations: true,
             ..softmax
         },
+        // At the widest fused kernel's largest d: the expansion's rounding of a pair at
+        // distance 0 against the zero threshold.
+        Case {
+            dim: 126,
+            batch: 1200,
+            chunks: 2,
+            k: 250,
+            group: 2,
+            zero_relations: true,
+            ..softmax
+        },
         // The same at distances near 100 (exact on the grid): a pair at distance 0 then
         // outweighs the others by e^100, past FP32 unless softmax's shift counts it.
         Case {
@@ -768,6 +811,31 @@ fn transe_l2_step_matches_the_cpu_engine() {
             exact: true,
             scale: 64.0,
             zero_relations: true,
+            ..softmax
+        },
+        // Queries far below FP16's normals (they need their own FP16 scale: at scale 1 a
+        // pair at distance 0 would come out well above the zero threshold)...
+        Case {
+            dim: 48,
+            batch: 900,
+            chunks: 2,
+            k: 200,
+            group: 2,
+            scale: 1e-6,
+            zero_relations: true,
+            ..softmax
+        },
+        // ...and far above FP16's largest (2^20: queries up to 2^18), on the grid (distances
+        // near 10^6, too far for FP32 to resolve the softmax to 1e-3).
+        Case {
+            dim: 24,
+            batch: 900,
+            chunks: 2,
+            k: 150,
+            group: 2,
+            exact: true,
+            scale: 1048576.0,
+            grad_tolerance: 0.1,
             ..softmax
         },
         Case {
