@@ -31,9 +31,10 @@ __device__ __forceinline__ LegendRowLoss legend_row_loss(const LegendFused& f, u
     r.ma = softmax ? r.pa : 0.0f;
     r.mb = softmax ? r.pb : 0.0f;
     // A row past the job's has an infinite norm: all of its pairs at distance 0 (infinity
-    // is not above its threshold), so it has no nearest distance and its G and factors are
-    // 0. With its zero query alone it would have the nearest negative's norm, and factors
-    // from it that, times the job's nearest distance, overflow FP16 in the negatives kernel.
+    // is not above its threshold), so its G are 0 and its nearest distance is none, or the
+    // padding's past k (√FLT_MAX: factors far below 1). With its zero query alone it would
+    // have the nearest negative's norm, and factors from it that, times the job's nearest
+    // distance, overflow FP16 in the negatives kernel.
     const float inf = __int_as_float(0x7f800000);
     r.qa = LEGEND_FUSED_TRANSE ? (va ? f.query_norm[at_a] : inf) : 0.0f;
     r.qb = LEGEND_FUSED_TRANSE ? (vb ? f.query_norm[at_a + 8] : inf) : 0.0f;
