@@ -48,9 +48,10 @@ __device__ __forceinline__ void legend_cp16(float* dst, const float* src, int by
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
 }
 
-// A finite value saturated to FP16's range (in the fused kernels only values past the clamped scales get there),
-// so that it does not turn a whole row of products into infinities; an infinity or a NaN
-// stays what it is, so a diverged table still shows in the loss.
+// A finite value saturated to FP16's range (in the fused kernels only values past the
+// clamped scales get there), so that it does not turn a whole row of products into
+// infinities; an infinity or a NaN stays what it is, so a diverged table still shows in
+// the loss.
 __device__ __forceinline__ float legend_fp16_clamp(float x) {
     return isfinite(x) ? fminf(fmaxf(x, -65504.0f), 65504.0f) : x;
 }
