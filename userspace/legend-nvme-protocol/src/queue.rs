@@ -192,8 +192,17 @@ impl QueuePair {
 
     /// Writes `sqe` into the next SQ slot with that slot as its command identifier, without
     /// ringing the doorbell; returns the identifier, or `None` while the queue is full.
-    pub fn push(&mut self, mut sqe: Sqe) -> Option<u16> {
+    pub fn push(&mut self, sqe: Sqe) -> Option<u16> {
+        self.push_with(|_| sqe)
+    }
+
+    /// As [`QueuePair::push`], with the command built by `build(slot)` once the slot is known to
+    /// be free: what a command keeps per slot (its PRP list page) may be written only then, as
+    /// the slot at the tail can still hold a command in flight when completions come out of
+    /// order.
+    pub fn push_with(&mut self, build: impl FnOnce(u16) -> Sqe) -> Option<u16> {
         let slot = self.ring.push()?;
+        let mut sqe = build(slot);
         sqe.set_cid(slot);
         // SAFETY: `slot < depth` (invariants); the controller does not read the slot, whose
         // previous command completed.

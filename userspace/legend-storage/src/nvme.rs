@@ -65,6 +65,49 @@ struct Mapped {
     mapping: Mapping,
 }
 
+/// What a command's PRP entries are built from: the mapped buffers and the queue memory's list
+/// pages (one per SQ slot, at its end). Borrowed apart from the queue pair, which hands out the
+/// slot.
+struct PrpLists<'a> {
+    mapped: &'a [Mapped],
+    rings: &'a IoBuffer,
+    rings_map: &'a Mapping,
+    depth: u16,
+}
+
+impl PrpLists<'_> {
+    /// The PRP entries of `c`, its list in the page of SQ slot `slot`.
+    fn prps(&self, jobs: &[Transfer<'_>], c: &Command, slot: u16) -> prp::Prp {
+        let raw = jobs[c.job].raw;
+        let page = prp::PAGE as usize;
+        let first = c.buf_offset as usize;
+        let piece = first / MAX_MAPPING_BYTES;
+        let m = self
+            .mapped
+            .iter()
+            .find(|m| Arc::ptr_eq(&m.raw, raw) && m.piece == piece)
+            .expect("mapped in transfer");
+        let base = first - piece * MAX_MAPPING_BYTES;
+        let list_offset =
+            self.rings.raw().cap() - (usize::from(self.depth) - usize::from(slot)) * page;
+        // SAFETY: slot `slot`'s own list page in the queue memory, used by its command only.
+        let list = unsafe {
+            std::slice::from_raw_parts_mut(
+                self.rings.raw().addr().add(list_offset).cast::<u64>(),
+                page / 8,
+            )
+        };
+        prp::build(
+            (base % page) as u64,
+            c.bytes,
+            |i| m.mapping.bus_addrs[base / page + i],
+            list,
+            self.rings_map.bus(list_offset),
+        )
+        .expect("commands fit one list page")
+    }
+}
+
 /// A namespace's LBAs behind one I/O queue pair.
 pub(crate) struct NvmeQueues {
     // Field order matters on drop: the queue pair is deleted (in `Drop`) before any memory it
@@ -346,37 +389,6 @@ impl NvmeQueues {
         self.run(jobs, &commands)
     }
 
-    /// The PRP entries of `c`, its list in the page of SQ slot `slot`.
-    fn prps(&self, jobs: &[Transfer<'_>], c: &Command, slot: u16) -> prp::Prp {
-        let raw = jobs[c.job].raw;
-        let page = prp::PAGE as usize;
-        let first = c.buf_offset as usize;
-        let piece = first / MAX_MAPPING_BYTES;
-        let m = self
-            .mapped
-            .iter()
-            .find(|m| Arc::ptr_eq(&m.raw, raw) && m.piece == piece)
-            .expect("mapped in transfer");
-        let base = first - piece * MAX_MAPPING_BYTES;
-        let list_offset =
-            self.rings.raw().cap() - (usize::from(self.depth) - usize::from(slot)) * page;
-        // SAFETY: slot `slot`'s own list page in the queue memory, used by its command only.
-        let list = unsafe {
-            std::slice::from_raw_parts_mut(
-                self.rings.raw().addr().add(list_offset).cast::<u64>(),
-                page / 8,
-            )
-        };
-        prp::build(
-            (base % page) as u64,
-            c.bytes,
-            |i| m.mapping.bus_addrs[base / page + i],
-            list,
-            self.rings_map.bus(list_offset),
-        )
-        .expect("commands fit one list page")
-    }
-
     fn run(&mut self, jobs: &[Transfer<'_>], commands: &[Command]) -> Result<(), StoreError> {
         let mut next = 0;
         let mut in_flight = 0usize;
@@ -386,21 +398,22 @@ impl NvmeQueues {
         while in_flight > 0 || (first_error.is_none() && next < commands.len()) {
             let mut pushed = false;
             while first_error.is_none() && next < commands.len() {
-                // The command id is the slot, which `push` picks: the tail.
-                let slot = self.pair.ring().sq_tail();
                 let c = &commands[next];
-                let p = self.prps(jobs, c, slot);
-                let sqe = Sqe::read_write(
-                    c.op,
-                    self.namespace,
-                    c.lba,
-                    (c.bytes >> self.lba_shift) as u32,
-                    p,
-                );
-                let Some(cid) = self.pair.push(sqe) else {
+                let (namespace, blocks) = (self.namespace, (c.bytes >> self.lba_shift) as u32);
+                let lists = PrpLists {
+                    mapped: &self.mapped,
+                    rings: &self.rings,
+                    rings_map: &self.rings_map,
+                    depth: self.depth,
+                };
+                let prps = |slot| lists.prps(jobs, c, slot);
+                // The PRP list goes into the slot's page only once `push` found the slot free.
+                let Some(cid) = self
+                    .pair
+                    .push_with(|slot| Sqe::read_write(c.op, namespace, c.lba, blocks, prps(slot)))
+                else {
                     break;
                 };
-                debug_assert_eq!(cid, slot);
                 by_slot[usize::from(cid)] = Some(next);
                 next += 1;
                 in_flight += 1;

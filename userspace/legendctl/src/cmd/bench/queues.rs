@@ -114,11 +114,12 @@ fn queue(
 ) -> anyhow::Result<Samples> {
     const PAGE: usize = 4096;
     let d = usize::from(depth);
-    let size = args.size as usize;
+    // Each slot's buffer starts on a page, so its PRP entries are pages from offset 0.
+    let slot_bytes = (args.size as usize).next_multiple_of(PAGE);
     let sq_bytes = (d * 64).next_multiple_of(PAGE);
     let cq_bytes = (d * 16).next_multiple_of(PAGE);
     let data_at = sq_bytes + cq_bytes + d * PAGE;
-    let total = data_at + d * size;
+    let total = data_at + d * slot_bytes;
     let mem = QueueMemory::new(total)?;
     // SAFETY: `mem` outlives the mapping: it is unmapped below after the queue pair is gone
     // (or leaked with it on failure).
@@ -176,6 +177,7 @@ fn drive(
     } else {
         Opcode::Write
     };
+    let slot_bytes = size.next_multiple_of(PAGE);
     let lists_at = data_at - d * PAGE;
     let mut samples = Samples::default();
     let mut started = vec![Instant::now(); d];
@@ -187,29 +189,36 @@ fn drive(
     loop {
         let mut pushed = false;
         while failure.is_none() && Instant::now() < deadline {
-            let slot = usize::from(pair.ring().sq_tail());
-            let data = data_at + slot * size;
-            // SAFETY: slot `slot`'s PRP list page in the queue memory.
-            let list = unsafe {
-                std::slice::from_raw_parts_mut(mem.ptr.add(lists_at + slot * PAGE).cast(), PAGE / 8)
-            };
-            let p = prp::build(
-                0,
-                args.size,
-                |i| map.bus(data + i * PAGE),
-                list,
-                map.bus(lists_at + slot * PAGE),
-            )
-            .map_err(|e| anyhow::anyhow!("PRPs: {e}"))?;
             let offset = span.offset(args, q, n, &mut rng);
-            let sqe = Sqe::read_write(
-                op,
-                args.namespace,
-                offset >> lba_shift,
-                (args.size >> lba_shift) as u32,
-                p,
-            );
-            let Some(cid) = pair.push(sqe) else { break };
+            // The PRP list goes into the slot's page only once `push` found the slot free.
+            let Some(cid) = pair.push_with(|slot| {
+                let slot = usize::from(slot);
+                let data = data_at + slot * slot_bytes;
+                // SAFETY: slot `slot`'s PRP list page in the queue memory.
+                let list = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        mem.ptr.add(lists_at + slot * PAGE).cast(),
+                        PAGE / 8,
+                    )
+                };
+                let p = prp::build(
+                    0,
+                    args.size,
+                    |i| map.bus(data + i * PAGE),
+                    list,
+                    map.bus(lists_at + slot * PAGE),
+                )
+                .expect("a page-aligned buffer of a size checked in `run`");
+                Sqe::read_write(
+                    op,
+                    args.namespace,
+                    offset >> lba_shift,
+                    (args.size >> lba_shift) as u32,
+                    p,
+                )
+            }) else {
+                break;
+            };
             started[usize::from(cid)] = Instant::now();
             n += 1;
             in_flight += 1;
