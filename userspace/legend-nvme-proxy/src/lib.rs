@@ -552,6 +552,12 @@ impl Controller for Proxy {
         }
     }
 
+    fn queue_report(&self, qid: u32) -> Option<String> {
+        let state = lock(&self.shared.state);
+        let q = state.queues.iter().find(|q| u32::from(q.qid) == qid)?;
+        Some(q.report(&self.shared))
+    }
+
     fn doorbells(&self) -> legend_nvme::Result<Doorbells> {
         let keep: Box<dyn Send + Sync> = Box::new(self.memory.clone());
         // SAFETY: the doorbell page is valid for writes while `keep` holds it.

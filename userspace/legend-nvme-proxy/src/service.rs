@@ -20,6 +20,9 @@ use legend_nvme_protocol::{Cqe, Opcode, Sqe, Status, prp};
 use crate::memory::AddressSpace;
 use crate::{Faults, Shared};
 
+/// A backing I/O slower than this is logged: it is what a submitter's timeout would see.
+const SLOW_BACKING_IO: Duration = Duration::from_secs(2);
+
 /// Generic status codes the proxy posts.
 const INVALID_OPCODE: Status = Status::new(0, 0x01);
 const INVALID_FIELD: Status = Status::new(0, 0x02);
@@ -43,6 +46,8 @@ pub(crate) struct Queue {
     ignored_tail: Option<u16>,
     /// Completions waiting for room in the CQ.
     pending: Vec<Cqe>,
+    /// The commands fetched and not yet completed, for [`Queue::report`].
+    held: Vec<Held>,
     /// Set by `delete_queue_pair`: fetch nothing more, drop once idle.
     pub(crate) deleting: bool,
 }
@@ -64,6 +69,7 @@ impl Queue {
             in_flight: 0,
             ignored_tail: None,
             pending: Vec::new(),
+            held: Vec::new(),
             deleting: false,
         }
     }
@@ -71,6 +77,51 @@ impl Queue {
     pub(crate) fn idle(&self) -> bool {
         self.in_flight == 0 && self.pending.is_empty()
     }
+
+    /// Where the queue stands as the controller sees it: the doorbells it last read against its
+    /// own heads, each command it holds with its age, the completions waiting for CQ room.
+    pub(crate) fn report(&self, shared: &Shared) -> String {
+        // SAFETY: aligned dwords of the doorbell page, which the proxy owns.
+        let (tail, head) = unsafe {
+            (
+                ptr::read_volatile(shared.doorbell(2 * self.qid)),
+                ptr::read_volatile(shared.doorbell(2 * self.qid + 1)),
+            )
+        };
+        let now = Instant::now();
+        let held: Vec<String> = self
+            .held
+            .iter()
+            .map(|h| {
+                let op = Opcode::from_u8(h.opcode).map_or("unknown opcode", Opcode::name);
+                format!(
+                    "cid {} {op} of {} blocks at LBA {} fetched {:.1} s ago, its backing I/O not done",
+                    h.cid,
+                    h.blocks,
+                    h.lba,
+                    now.duration_since(h.fetched).as_secs_f64()
+                )
+            })
+            .collect();
+        format!(
+            "proxy: SQ tail doorbell {tail}, fetched up to {}; CQ head doorbell {head}, posted up \
+             to {} (phase {}); {} completions waiting for CQ room; held: [{}]",
+            self.sq_head,
+            self.cq_tail,
+            u8::from(self.phase),
+            self.pending.len(),
+            held.join("; ")
+        )
+    }
+}
+
+/// A command the proxy fetched and has not completed.
+struct Held {
+    cid: u16,
+    opcode: u8,
+    lba: u64,
+    blocks: u32,
+    fetched: Instant,
 }
 
 /// A command between fetch and completion.
@@ -87,6 +138,8 @@ struct Active {
     status: Option<Status>,
     /// When the command may complete (injected delay).
     due: Instant,
+    /// When it was fetched (slow backing I/O is logged).
+    fetched: Instant,
 }
 
 /// One controller thread's executor state.
@@ -193,7 +246,15 @@ impl Service {
                 q.in_flight += 1;
                 let count = shared.commands.fetch_add(1, Ordering::Relaxed) + 1;
                 let status = check(&sqe, &shared, &faults, count);
-                let due = Instant::now() + faults.delay;
+                let fetched = Instant::now();
+                q.held.push(Held {
+                    cid: sqe.cid(),
+                    opcode: sqe.opcode(),
+                    lba: sqe.lba(),
+                    blocks: sqe.blocks(),
+                    fetched,
+                });
+                let due = fetched + faults.delay;
                 self.start(slot, q.qid, q.sq_head, sqe, status, due, &space);
                 progress = true;
             }
@@ -239,6 +300,7 @@ impl Service {
             done: 0,
             status,
             due,
+            fetched: Instant::now(),
         });
         if status.is_some() {
             self.ready.push(slot);
@@ -293,6 +355,15 @@ impl Service {
             progress = true;
             self.in_ring -= 1;
             let a = self.slots[slot].as_mut().expect("active slot");
+            let took = a.fetched.elapsed();
+            if took > SLOW_BACKING_IO {
+                tracing::warn!(
+                    qid = a.qid,
+                    cid = a.sqe.cid(),
+                    seconds = took.as_secs_f64(),
+                    "proxy: the backing file's I/O for a command was slow"
+                );
+            }
             if res < 0 {
                 tracing::warn!(
                     error = %std::io::Error::from_raw_os_error(-res),
@@ -345,6 +416,7 @@ impl Service {
             }
             if let Some(q) = state.queues.iter_mut().find(|q| q.qid == a.qid) {
                 q.in_flight -= 1;
+                q.held.retain(|h| h.cid != a.sqe.cid());
                 q.pending
                     .push(Cqe::new(a.qid, a.sq_head, a.sqe.cid(), status, false));
                 post_pending(q, &shared);

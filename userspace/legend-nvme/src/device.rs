@@ -274,6 +274,14 @@ pub trait Controller: Send + Sync {
     ///
     /// [`Error::Ioctl`].
     fn doorbells(&self) -> Result<Doorbells>;
+
+    /// What the controller itself knows of queue pair `qid`, for a submitter that gave up on
+    /// it: where it stopped fetching, and each command it holds with its age and stage. `None`
+    /// where the controller cannot say (hardware answers only through its queues).
+    fn queue_report(&self, qid: u32) -> Option<String> {
+        let _ = qid;
+        None
+    }
 }
 
 impl Device {

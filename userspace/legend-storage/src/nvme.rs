@@ -491,6 +491,12 @@ impl NvmeQueues {
                 std::ptr::read_volatile(cq.add(usize::from(last)))
             }
         );
+        // The controller's side, where it can tell: a doorbell it never saw, a command still
+        // in its backing I/O, or a completion it posted that was missed here.
+        let state = match self.ctrl.queue_report(self.qid) {
+            Some(report) => format!("{state}; {report}"),
+            None => state,
+        };
         tracing::error!(label = %self.label.display(), "NVMe command timed out: {state}");
         if let Err(e) = self.ctrl.delete_queue_pair(self.qid) {
             tracing::error!(

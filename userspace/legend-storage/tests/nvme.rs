@@ -182,6 +182,19 @@ fn a_controller_that_stops_answering_fails_the_transfer_instead_of_hanging() {
         matches!(e, StoreError::ControllerTimeout { .. }) && msg.contains("SQ tail"),
         "{msg}"
     );
+    // The controller's side names the cause: it never fetched what the lost doorbell covered.
+    let seen = |key: &str| -> u32 {
+        let rest = &msg[msg.find(key).unwrap_or_else(|| panic!("{key} in {msg}")) + key.len()..];
+        rest[..rest.find(|c: char| !c.is_ascii_digit()).unwrap()]
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(
+        seen("SQ tail doorbell "),
+        seen("fetched up to ") + 1,
+        "{msg}"
+    );
+    assert!(msg.contains("held: []"), "{msg}");
     // The queue pair is gone; the store refuses further I/O with the same reason.
     assert!(matches!(
         store.write(Region::Partition(0), &b),
