@@ -16,6 +16,7 @@
 //! before each completion, lost doorbell writes.
 
 mod memory;
+mod model;
 mod service;
 
 use std::fs::File;
@@ -34,6 +35,8 @@ use legend_nvme::{Controller, DeviceMemory, Doorbells, Mapping, QueuePair, uapi}
 use legend_nvme_protocol::{Cqe, MAX_DEPTH, Sqe, Status};
 
 use memory::{AddressSpace, Kind, Region};
+use model::DeviceClock;
+pub use model::{DeviceModel, ModelError};
 use service::{Queue, Service, State, lock};
 
 /// Faults the proxy injects; change them at any time with [`Proxy::set_faults`].
@@ -48,6 +51,9 @@ pub struct Faults {
     /// SQ tail doorbell writes to lose: the proxy acts as if it had not seen them (until the
     /// queue's doorbell is written again).
     pub lose_doorbells: u32,
+    /// Post the completions of commands done together newest first, as a controller whose
+    /// later commands overtake earlier ones does (a lone command waits 2 ms for others).
+    pub reverse_completions: bool,
 }
 
 /// How a proxy presents itself.
@@ -68,6 +74,9 @@ pub struct ProxyOptions {
     pub io_depth: u16,
     /// Controller threads (each polls its share of the queues and runs their commands).
     pub threads: u16,
+    /// Serve commands at a modelled SSD's rates and latency ([`DeviceModel`]) rather than as
+    /// fast as the backing file allows.
+    pub model: Option<DeviceModel>,
 }
 
 impl Default for ProxyOptions {
@@ -83,6 +92,7 @@ impl Default for ProxyOptions {
             // engine busy, while the submitters and the training keep the rest.
             threads: std::thread::available_parallelism()
                 .map_or(1, |n| (n.get() / 4).clamp(1, 4) as u16),
+            model: None,
         }
     }
 }
@@ -99,6 +109,8 @@ pub(crate) struct Shared {
     bounce: (usize, usize),
     /// Commands fetched so far, by all threads (`Faults::fail_every` counts them).
     pub(crate) commands: AtomicU64,
+    /// The modelled device's budgets, shared by all threads.
+    pub(crate) clock: Option<Mutex<DeviceClock>>,
 }
 
 // SAFETY: the doorbell page and bounce buffers are plain memory owned by the proxy, written by
@@ -272,6 +284,7 @@ impl Proxy {
             max_transfer: opts.max_transfer,
             bounce: (bounce.ptr.as_ptr() as usize, bounce.len),
             commands: AtomicU64::new(0),
+            clock: opts.model.map(|m| Mutex::new(DeviceClock::new(m))),
         });
         let info = info(opts, blocks, path);
         let stop = Arc::new(AtomicBool::new(false));

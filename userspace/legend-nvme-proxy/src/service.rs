@@ -23,6 +23,9 @@ use crate::{Faults, Shared};
 /// A backing I/O slower than this is logged: it is what a submitter's timeout would see.
 const SLOW_BACKING_IO: Duration = Duration::from_secs(2);
 
+/// How long a lone ready command waits for others under `Faults::reverse_completions`.
+const REVERSE_WAIT: Duration = Duration::from_millis(2);
+
 /// Generic status codes the proxy posts.
 const INVALID_OPCODE: Status = Status::new(0, 0x01);
 const INVALID_FIELD: Status = Status::new(0, 0x02);
@@ -254,7 +257,20 @@ impl Service {
                     blocks: sqe.blocks(),
                     fetched,
                 });
-                let due = fetched + faults.delay;
+                let mut due = fetched + faults.delay;
+                if let Some(clock) = &shared.clock
+                    && status.is_none()
+                {
+                    let op = Opcode::from_u8(sqe.opcode());
+                    let bytes = match op {
+                        Some(Opcode::Read | Opcode::Write) => {
+                            u64::from(sqe.blocks()) << shared.lba_shift
+                        }
+                        _ => 0,
+                    };
+                    due =
+                        due.max(lock(clock).complete_at(fetched, bytes, op == Some(Opcode::Write)));
+                }
                 self.start(slot, q.qid, q.sq_head, sqe, status, due, &space);
                 progress = true;
             }
@@ -394,16 +410,26 @@ impl Service {
         let shared = self.shared.clone();
         let mut state = lock(&shared.state);
         let space = state.space.clone();
-        let mut progress = false;
-        let mut i = 0;
-        while i < self.ready.len() {
-            let slot = self.ready[i];
-            let a = self.slots[slot].as_ref().expect("ready slot");
-            if a.due > now {
-                i += 1;
-                continue;
+        let reverse = lock(&shared.faults).reverse_completions;
+        let fetched = |slot: usize| self.slots[slot].as_ref().expect("ready slot").fetched;
+        let mut due: Vec<usize> = self
+            .ready
+            .iter()
+            .copied()
+            .filter(|&slot| self.slots[slot].as_ref().expect("ready slot").due <= now)
+            .collect();
+        if reverse {
+            // Newest first; a lone command waits a moment for company, so there is an order
+            // to reverse.
+            let oldest = due.iter().map(|&slot| fetched(slot)).min();
+            if due.len() < 2 && oldest.is_some_and(|t| now.duration_since(t) < REVERSE_WAIT) {
+                return false;
             }
-            self.ready.swap_remove(i);
+            due.sort_by_key(|&slot| std::cmp::Reverse(fetched(slot)));
+        }
+        self.ready.retain(|slot| !due.contains(slot));
+        let progress = !due.is_empty();
+        for slot in due {
             let a = self.slots[slot].take().expect("ready slot");
             let mut status = a.status.unwrap_or(Status::SUCCESS);
             if status.is_success() && Opcode::from_u8(a.sqe.opcode()) == Some(Opcode::Read) {
@@ -421,7 +447,6 @@ impl Service {
                     .push(Cqe::new(a.qid, a.sq_head, a.sqe.cid(), status, false));
                 post_pending(q, &shared);
             }
-            progress = true;
         }
         progress
     }
