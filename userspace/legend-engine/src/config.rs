@@ -7,6 +7,7 @@
 //! an error naming its key), and [`Config::parse`] then checks what spans keys. Nothing
 //! downstream compares strings.
 
+use legend_nvme_proxy::DeviceModel;
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -112,6 +113,10 @@ pub struct StorageConfig {
     /// GPU engine: the largest share of the device's memory the train edges may take to stay
     /// on the device across epochs; above it each bucket is uploaded when it is trained.
     pub gpu_edge_fraction: f64,
+    /// `proxy`: serve the store at a modelled SSD's rates and latency (a preset such as
+    /// `samsung-980`, or `read=GB/s,write=GB/s,shared=true,iops=N,latency_us=N`), not as fast as
+    /// the backing file allows.
+    pub proxy_model: Option<String>,
 }
 
 impl Default for StorageConfig {
@@ -127,6 +132,7 @@ impl Default for StorageConfig {
             order: Order::Auto,
             prefetch: true,
             gpu_edge_fraction: 0.25,
+            proxy_model: None,
         }
     }
 }
@@ -449,6 +455,14 @@ impl Config {
         self.storage.backend != Backend::Memory
     }
 
+    /// The proxy's modelled SSD (`storage.proxy_model`, checked when the configuration was read).
+    pub fn proxy_model(&self) -> Option<DeviceModel> {
+        self.storage
+            .proxy_model
+            .as_deref()
+            .and_then(|m| m.parse().ok())
+    }
+
     /// How the `nvme` and `proxy` backends reach their store (`None` for the others).
     pub fn queue_location(&self) -> Option<crate::controllers::QueueLocation> {
         use crate::controllers::{QueueBackend, QueueLocation};
@@ -514,6 +528,17 @@ impl Config {
         }
         if !(0.0..=1.0).contains(&s.gpu_edge_fraction) {
             return Err(bad("storage.gpu_edge_fraction", "must be between 0 and 1"));
+        }
+        if let Some(model) = &s.proxy_model {
+            if s.backend != Backend::Proxy {
+                return Err(bad(
+                    "storage.proxy_model",
+                    "models the proxy's device: set storage.backend = \"proxy\" or remove it",
+                ));
+            }
+            model
+                .parse::<DeviceModel>()
+                .map_err(|e| bad("storage.proxy_model", e))?;
         }
         let t = &self.training;
         if t.num_epochs == 0 {
@@ -703,6 +728,19 @@ mod tests {
             ("", &["storage.order=random"], "storage.order"),
             ("", &["evaluation.protocol=raw"], "evaluation.protocol"),
             ("", &["training.batch_size"], "section.key=value"),
+            (
+                "",
+                &["storage.proxy_model=\"samsung-980\""],
+                "storage.proxy_model: models the proxy's device",
+            ),
+            (
+                "",
+                &[
+                    "storage.backend=proxy",
+                    "storage.proxy_model=\"read=1,write=fast\"",
+                ],
+                "storage.proxy_model: SSD model \"read=1,write=fast\": write = \"fast\"",
+            ),
             ("[model\n", &[], "invalid configuration"),
         ];
         for (text, sets, needle) in cases {
@@ -726,6 +764,17 @@ mod tests {
             let c = Config::parse("", &sets).unwrap_or_else(|e| panic!("{decoder}: {e}"));
             assert_eq!(c.decoder(), decoder);
         }
+    }
+
+    #[test]
+    fn a_proxy_models_an_ssd() {
+        let sets = [
+            "storage.backend=proxy".into(),
+            "storage.proxy_model=\"samsung-980\"".into(),
+        ];
+        let c = Config::parse("", &sets).unwrap();
+        assert_eq!(c.proxy_model(), Some(DeviceModel::SAMSUNG_980));
+        assert_eq!(Config::default().proxy_model(), None);
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 
 use legend_nvme::{Controller, Device};
+pub use legend_nvme_proxy::DeviceModel;
 use legend_nvme_proxy::{Proxy, ProxyOptions};
 use serde::{Deserialize, Serialize};
 
@@ -62,13 +63,18 @@ enum Held {
 
 static OPEN: Mutex<Option<HashMap<(QueueBackend, PathBuf), Held>>> = Mutex::new(None);
 
-/// The controller of `backend` at `file`, opening it unless this process already has it.
+/// The controller of `backend` at `file`, opening it unless this process already has it; a
+/// proxy it opens serves at `proxy_model`'s rates (one already open keeps its own).
 ///
 /// # Errors
 ///
 /// A device that cannot be opened (module not loaded, controller not bound, another writer) or
 /// a backing file the proxy cannot serve, with the path and what to do.
-pub fn open(backend: QueueBackend, file: &StoreFile) -> Result<SharedController, StoreError> {
+pub fn open(
+    backend: QueueBackend,
+    file: &StoreFile,
+    proxy_model: Option<DeviceModel>,
+) -> Result<SharedController, StoreError> {
     let path = file.path();
     let path = path.as_path();
     let key_path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
@@ -99,13 +105,16 @@ pub fn open(backend: QueueBackend, file: &StoreFile) -> Result<SharedController,
             SharedController::Device(d)
         }
         QueueBackend::Proxy => {
-            let p =
-                Proxy::open_in(&file.dir, &file.name, &ProxyOptions::default()).map_err(|e| {
-                    StoreError::Controller {
-                        what: format!("starting the proxy controller over {}", path.display()),
-                        source: Box::new(e),
-                    }
-                })?;
+            let opts = ProxyOptions {
+                model: proxy_model,
+                ..ProxyOptions::default()
+            };
+            let p = Proxy::open_in(&file.dir, &file.name, &opts).map_err(|e| {
+                StoreError::Controller {
+                    what: format!("starting the proxy controller over {}", path.display()),
+                    source: Box::new(e),
+                }
+            })?;
             let p = Arc::new(p);
             map.insert(key, Held::Proxy(Arc::downgrade(&p)));
             SharedController::Proxy(p)

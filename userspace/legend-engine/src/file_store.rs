@@ -3,6 +3,7 @@
 //! SSD bound to `legend_nvme`, or the userspace proxy controller over a file), with checkpoints
 //! committed by the store's superblock flip.
 
+use legend_nvme_proxy::DeviceModel;
 use std::path::{Path, PathBuf};
 
 use legend_fs::{Access, Dir, Guard};
@@ -116,6 +117,8 @@ pub struct FileStoreSpec<'a> {
     /// Reach the store through NVMe queues: `file` is then the device node (`nvme`) or the
     /// proxy's backing file (`proxy`).
     pub queue: Option<QueueLocation>,
+    /// `proxy`: the SSD it models, if any (a proxy already serving the file keeps its own).
+    pub proxy_model: Option<DeviceModel>,
 }
 
 impl FileStore {
@@ -138,7 +141,7 @@ impl FileStore {
             if q.backend == QueueBackend::Proxy {
                 size_backing_file(spec, &store_spec, q.start_lba)?;
             }
-            let controller = controllers::open(q.backend, spec.file)?;
+            let controller = controllers::open(q.backend, spec.file, spec.proxy_model)?;
             let target = nvme_target(&controller, q);
             let store = Store::create_on(&Target::Nvme(&target), &store_spec, &opts)?;
             return Self::with_store(store, Some(controller));
@@ -183,7 +186,7 @@ impl FileStore {
         let io = IoConfig::default();
         match spec.queue {
             Some(q) => {
-                let controller = controllers::open(q.backend, spec.file)?;
+                let controller = controllers::open(q.backend, spec.file, spec.proxy_model)?;
                 let target = nvme_target(&controller, q);
                 let store = Store::open_on(&Target::Nvme(&target), &expect, &io)?;
                 Self::with_store(store, Some(controller))

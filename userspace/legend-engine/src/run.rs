@@ -327,6 +327,7 @@ fn open_run_store(
         aux_bytes: 0,
         force: false,
         queue: meta.store_queue,
+        proxy_model: None,
     };
     crate::file_store::FileStore::open_any_partitioning(&spec)
         .map_err(|e| invalid(path, e.to_string()))

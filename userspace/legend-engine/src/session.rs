@@ -326,6 +326,7 @@ impl Session {
                 // recorded, is this run's to overwrite.
                 force: config.storage.force || path.starts_with(&run_dir),
                 queue,
+                proxy_model: config.proxy_model(),
             };
             let mut store = if recorded.is_some() {
                 FileStore::open(&spec)?

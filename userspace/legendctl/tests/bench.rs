@@ -144,3 +144,100 @@ fn a_failing_command_means_no_figures() {
         "{stderr}"
     );
 }
+
+/// A proxy modelling an SSD serves at the model's rates, whatever its backing file could do:
+/// read and write bandwidth, the command rate, and the latency, each within 10%.
+#[test]
+fn a_modelled_ssd_serves_at_its_rates() {
+    // In memory where the machine has it, so the backing file outpaces the model.
+    let shm = std::path::Path::new("/dev/shm");
+    let dir = if shm.is_dir() {
+        tempfile::tempdir_in(shm)
+    } else {
+        tempfile::tempdir()
+    }
+    .unwrap();
+    let path = target(&dir, 64 << 20);
+    let run = |model: &str, op: &str, size: &str, queues: &str, depth: &str| {
+        json(
+            ok(&[
+                "bench",
+                "io",
+                "--backend",
+                "proxy",
+                "--path",
+                &path,
+                "--ssd-model",
+                model,
+                "--op",
+                op,
+                "--pattern",
+                "rand",
+                "--size",
+                size,
+                "--queues",
+                queues,
+                "--depth",
+                depth,
+                "--seconds",
+                "2",
+                "--json",
+            ])
+            .trim(),
+        )
+    };
+    let near = |got: f64, want: f64, r: &serde_json::Value| {
+        assert!(
+            (got - want).abs() <= 0.1 * want,
+            "{got} is not within 10% of {want}: {r}"
+        );
+    };
+    // Deep queues of large requests (a third of a second of the device's time queued), so a
+    // busy machine's scheduling delays do not leave the modelled device idle. Bandwidth: 0.1
+    // GB/s of reads; writes share the budget at their own 0.025 GB/s.
+    let bw = "read=0.1,write=0.025,iops=0,latency_us=0";
+    let r = run(bw, "read", "1048576", "2", "16");
+    near(r["gb_per_s"].as_f64().unwrap(), 0.1, &r);
+    assert_eq!(
+        r["ssd_model"],
+        "read=0.1,write=0.025,shared=true,iops=0,latency_us=0"
+    );
+    let r = run(bw, "write", "1048576", "2", "8");
+    near(r["gb_per_s"].as_f64().unwrap(), 0.025, &r);
+    // The command rate caps small requests.
+    let r = run(
+        "read=10,write=10,iops=1000,latency_us=0",
+        "read",
+        "4096",
+        "2",
+        "64",
+    );
+    near(r["ops_per_s"].as_f64().unwrap(), 1000.0, &r);
+    // Latency, one command at a time.
+    let r = run(
+        "read=10,write=10,iops=0,latency_us=3000",
+        "read",
+        "4096",
+        "1",
+        "1",
+    );
+    near(r["latency_us"]["p50"].as_f64().unwrap(), 3000.0, &r);
+    // A model is refused where there is no proxy, and a bad one says what is wrong.
+    fails(
+        &["bench", "io", "--path", &path, "--ssd-model", "samsung-980"],
+        "--backend proxy",
+    );
+    fails(
+        &[
+            "bench",
+            "io",
+            "--backend",
+            "proxy",
+            "--path",
+            &path,
+            "--ssd-model",
+            "samsung-990",
+        ],
+        "\"samsung-990\": \"samsung-990\" is neither a preset",
+    );
+}

@@ -47,7 +47,7 @@ fn open_table(place: &Placement, owner: u32) -> Result<Extents, String> {
         QueueBackend::Proxy => StoreFile::open(&place.path, &JobGuard::new(Peer::of_uid(owner))),
     };
     let controller = file
-        .and_then(|file| controllers::open(place.queue.backend, &file))
+        .and_then(|file| controllers::open(place.queue.backend, &file, None))
         .map_err(|e| e.to_string())?;
     let target = NvmeTarget {
         controller: controller.controller(),

@@ -523,7 +523,8 @@ fn device_report(
         );
     }
     let file = StoreFile::open(Path::new(node), &Unguarded);
-    let controller = match file.and_then(|file| controllers::open(QueueBackend::Nvme, &file)) {
+    let controller = match file.and_then(|file| controllers::open(QueueBackend::Nvme, &file, None))
+    {
         Ok(c) => c,
         Err(e) => return error(ErrorCode::Refused, e.to_string()),
     };

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use legend_engine::controllers::{self, QueueBackend};
+use legend_engine::controllers::{self, DeviceModel, QueueBackend};
 use legend_engine::file_store::StoreFile;
 use serde::Serialize;
 
@@ -113,6 +113,10 @@ pub struct IoArgs {
     /// Namespace (`proxy`, `nvme`).
     #[arg(long, default_value_t = 1)]
     pub namespace: u32,
+    /// `proxy`: serve at a modelled SSD's rates and latency: a preset (`samsung-980`) or
+    /// `read=GB/s,write=GB/s,shared=true,iops=N,latency_us=N`, e.g. `samsung-980,latency_us=0`.
+    #[arg(long, value_name = "MODEL")]
+    pub ssd_model: Option<DeviceModel>,
     /// Allow writes to a device (`nvme`, block devices): they destroy its data in the span.
     #[arg(long)]
     pub force: bool,
@@ -151,6 +155,8 @@ struct Report {
     request_bytes: u64,
     queues: u32,
     depth: u32,
+    /// The modelled SSD the proxy served at, if any.
+    ssd_model: Option<String>,
     elapsed_s: f64,
     ops: u64,
     bytes: u64,
@@ -266,6 +272,9 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
             }
         );
     }
+    if args.ssd_model.is_some() && args.backend != Backend::Proxy {
+        bail!("--ssd-model models the proxy's device: use it with --backend proxy");
+    }
     let duration = Duration::from_secs_f64(args.seconds);
     let started = Instant::now();
     let samples = match (args.backend, args.submitter) {
@@ -280,7 +289,7 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
                 QueueBackend::Proxy
             };
             let file = StoreFile::open(&args.path, &legend_fs::Unguarded)
-                .and_then(|file| controllers::open(kind, &file));
+                .and_then(|file| controllers::open(kind, &file, args.ssd_model));
             let ctrl = file.with_context(|| format!("opening {}", args.path.display()))?;
             match s {
                 Submitter::Cpu => queues::run(&args, ctrl.controller(), duration)?,
@@ -301,6 +310,7 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
         request_bytes: args.size,
         queues: args.queues,
         depth: args.depth,
+        ssd_model: args.ssd_model.map(|m| m.to_string()),
         elapsed_s: secs,
         ops: samples.ops,
         bytes: samples.bytes,
