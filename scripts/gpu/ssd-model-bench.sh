@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Training from a modelled SSD on the GPU machine (issue 29's table): the generated graph of
+# 10^7 nodes and 2*10^8 edges (Dot, d = 100, B = 10^5, 10 chunks x 1000 negatives, half
+# degree-based), EPOCHS epochs (2) each:
+#   memory  all in GPU memory (N = 1);
+#   proxy   N = 8, C = 3, the store through the proxy controller on tmpfs, as fast as it goes;
+#   980     the same, the proxy modelling one Samsung 980 (storage.proxy_model = samsung-980);
+#   980x    the same with reads and writes on separate budgets (shared=false).
+# Every epoch line carries bytes read and written, I/O seconds, compute waited, and the storage
+# bound of the modelled rows (bytes / the model's rates). Builds nothing: expects legendctl in
+# ${LEGEND_GPU_BIN:-target-gpu}. DEVICE=cpu, NODES and EDGES scale it down for a dry run.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+bin=${LEGEND_GPU_BIN:-$root/target-gpu}
+out=${OUT:-$bin/out}
+data=${LEGEND_DATA:-/dev/shm/legend-ssd}
+work=${LEGEND_WORK:-/var/tmp/legend-ssd}
+nodes=${NODES:-10000000}
+edges=${EDGES:-200000000}
+epochs=${EPOCHS:-2}
+device=${DEVICE:-cuda:0}
+layouts=${LAYOUTS:-memory proxy 980 980x}
+mkdir -p "$out"
+rm -rf "$data" "$work" && mkdir -p "$data" "$work"
+[ "$device" = cpu ] || source "$root/scripts/gpu/nvrtc-env.sh" >/dev/null
+ctl=$bin/legendctl
+status=0
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+    lscpu | grep -E '^Model name|^CPU\(s\)'
+} | tee "$out/ssd-hw.txt"
+
+start=$SECONDS
+"$ctl" generate --nodes "$nodes" --edges "$edges" --relations 1 --split 0.9999,0,0.0001 \
+    "$data/g" >"$out/ssd-generate.log" 2>&1 || { tail "$out/ssd-generate.log"; exit 1; }
+echo "== generated $nodes nodes, $edges edges in $((SECONDS - start)) s"
+
+for layout in $layouts; do
+    sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
+        --set storage.backend=proxy --set "storage.path=\"$data/store-$layout.bin\"")
+    model=""
+    case $layout in
+    memory) sets=(--set storage.backend=memory) ;;
+    proxy) ;;
+    980) model=samsung-980 ;;
+    980x) model="samsung-980,shared=false" ;;
+    esac
+    [ -n "$model" ] && sets+=(--set "storage.proxy_model=\"$model\"")
+    run=$work/run-$layout
+    start=$SECONDS
+    "$ctl" train --dataset "$data/g" --out "$run" --json \
+        --set model.decoder=dot --set model.dim=100 --set training.num_epochs="$epochs" \
+        --set training.batch_size=100000 --set training.negatives.num_chunks=10 \
+        --set training.negatives.negatives_per_positive=1000 \
+        --set training.negatives.degree_fraction=0.5 --set evaluation.protocol=sampled \
+        --set "training.device=\"$device\"" "${sets[@]}" \
+        >"$out/ssd-$layout.jsonl" 2>"$out/ssd-$layout.log"
+    code=$?
+    if [ $code -ne 0 ]; then
+        echo "== $layout: FAILED (exit $code) after $((SECONDS - start)) s"
+        tail -5 "$out/ssd-$layout.log"
+        status=1
+        continue
+    fi
+    python3 - "$out/ssd-$layout.jsonl" "$layout" "$model" <<'PY' | tee -a "$out/ssd-summary.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+layout, model = sys.argv[2], sys.argv[3]
+# The model's rates (GB/s) and whether reads and writes share one budget.
+rates = {"samsung-980": (3.19, 2.24, True), "samsung-980,shared=false": (3.19, 2.24, False)}
+for r in rows:
+    if "epoch" not in r:
+        continue
+    read, written = r["bytes_read"], r["bytes_written"]
+    line = (f"{layout:6s} epoch {r['epoch']}: {r['seconds']:.2f} s, {r['edges_per_sec']/1e6:.1f} M edges/s, "
+            f"read {read/1e9:.2f} GB, written {written/1e9:.2f} GB, io {r['io_s']:.2f} s, "
+            f"compute waited {r['io_wait_s']:.2f} s")
+    if model in rates:
+        rd, wr, shared = rates[model]
+        t_r, t_w = read / 1e9 / rd, written / 1e9 / wr
+        bound = t_r + t_w if shared else max(t_r, t_w)
+        line += f", storage bound {bound:.2f} s ({r['seconds']/bound:.2f}x)"
+    print(line)
+PY
+    rm -rf "$data/store-$layout.bin"
+done
+rm -rf "$data" "$work"
+exit $status
