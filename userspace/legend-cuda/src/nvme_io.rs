@@ -20,7 +20,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg, ValidAsZeroBits, result, sys,
 };
 use legend_nvme::{Controller, DeviceMemory, Doorbells, Mapping, uapi};
-use legend_nvme_protocol::{CommandError, MAX_DEPTH, Sqe, Status, prp};
+use legend_nvme_protocol::{CommandError, MAX_DEPTH, QueueLayout, Sqe, Status, max_command_bytes};
 
 use crate::error::DriverContext;
 use crate::{Gpu, GpuError};
@@ -370,18 +370,9 @@ impl GpuIo {
             )));
         }
         let depth = want as u16;
-        let transfer_limit = match info.max_transfer {
-            0 => u64::MAX,
-            m => u64::from(m),
-        };
-        let max_command = transfer_limit
-            .min((prp::MAX_PAGES as u64 - 1) * prp::PAGE)
-            .min(65536 << ns.lba_shift)
-            .min(1 << 20);
-        let page = prp::PAGE as usize;
-        let d = usize::from(depth);
-        let per_queue =
-            (d * 64).next_multiple_of(page) + (d * 16).next_multiple_of(page) + d * page;
+        let max_command = max_command_bytes(info.max_transfer, ns.lba_shift);
+        let layout = QueueLayout::new(depth);
+        let per_queue = layout.bytes();
         let total = (per_queue * opts.queues as usize).next_multiple_of(1 << 16);
         let ctx = gpu.context();
         ctx.bind_to_thread().during("binding the context")?;
@@ -431,10 +422,7 @@ impl GpuIo {
                 )));
             }
             let base = qids.len() * per_queue;
-            let (cq_at, lists_at) = (
-                base + (d * 64).next_multiple_of(page),
-                base + (d * 64).next_multiple_of(page) + (d * 16).next_multiple_of(page),
-            );
+            let (cq_at, lists_at) = (base + layout.cq_offset(), base + layout.list_offset(0));
             let args = uapi::QueuePairArgs {
                 qid,
                 depth: u32::from(depth),

@@ -12,16 +12,20 @@
 //! - [`Status`] and [`CommandError`]: status fields decoded into readable errors.
 //! - [`Ring`]: the tail/head/phase bookkeeping of one queue pair, and [`doorbell`] offsets.
 //! - [`QueuePair`]: a queue pair in memory both sides can reach, driven by volatile accesses.
+//! - [`QueueLayout`] and [`max_command_bytes`]: where a queue pair's rings and PRP list pages
+//!   lie in its memory, and how large one command may be.
 
 #![no_std]
 
 pub mod doorbell;
+mod layout;
 pub mod prp;
 mod queue;
 mod status;
 
 use bytemuck::{Pod, Zeroable};
 
+pub use layout::{QueueLayout, max_command_bytes};
 pub use queue::{MAX_DEPTH, QueuePair, Ring, Unexpected};
 pub use status::{CommandError, Status};
 

@@ -16,9 +16,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use legend_nvme::{Controller, Doorbells, Mapping, uapi};
-use legend_nvme_protocol::{MAX_DEPTH, Opcode, QueuePair, Sqe, prp};
+use legend_nvme_protocol::{
+    MAX_DEPTH, Opcode, QueueLayout, QueuePair, Sqe, max_command_bytes, prp,
+};
 
-use crate::buffer::{IO_ALIGN, IoBuffer, RawAlloc};
+use crate::buffer::{IoBuffer, RawAlloc};
 use crate::error::StoreError;
 use crate::medium::Transfer;
 
@@ -88,8 +90,7 @@ impl PrpLists<'_> {
             .find(|m| Arc::ptr_eq(&m.raw, raw) && m.piece == piece)
             .expect("mapped in transfer");
         let base = first - piece * MAX_MAPPING_BYTES;
-        let list_offset =
-            self.rings.raw().cap() - (usize::from(self.depth) - usize::from(slot)) * page;
+        let list_offset = QueueLayout::new(self.depth).list_offset(slot);
         // SAFETY: slot `slot`'s own list page in the queue memory, used by its command only.
         let list = unsafe {
             std::slice::from_raw_parts_mut(
@@ -206,28 +207,16 @@ impl NvmeQueues {
         let depth = depth
             .clamp(2, info.max_queue_entries.min(u32::from(MAX_DEPTH)))
             .min(64) as u16;
-        // Commands up to the controller's limit, 64 KiB blocks and what one PRP list page
-        // describes.
-        let limit = match info.max_transfer {
-            0 => u64::MAX,
-            m => u64::from(m),
-        };
-        let max_command = limit
-            .min((prp::MAX_PAGES as u64 - 1) * prp::PAGE)
-            .min(65536 << ns.lba_shift)
-            .min(1 << 20);
-        let page = IO_ALIGN as u64;
-        let rings_bytes = (u64::from(depth) * 64).next_multiple_of(page)
-            + (u64::from(depth) * 16).next_multiple_of(page)
-            + u64::from(depth) * page;
-        let rings = IoBuffer::new(rings_bytes as usize)?;
+        let max_command = max_command_bytes(info.max_transfer, ns.lba_shift);
+        let layout = QueueLayout::new(depth);
+        let rings = IoBuffer::new(layout.bytes())?;
         // SAFETY: `rings` lives in `self` until after the queue pair is deleted (`Drop`).
         let rings_map = unsafe { ctrl.map_host(rings.raw().addr(), rings.raw().cap()) }
             .map_err(nvme_err(&label, "MAP of the queue memory"))?;
         let doorbells = ctrl
             .doorbells()
             .map_err(nvme_err(&label, "mmap of the doorbells"))?;
-        let cq_offset = (u64::from(depth) * 64).next_multiple_of(page);
+        let cq_offset = layout.cq_offset() as u64;
         let mut created = None;
         for qid in 1..=info.queue_pairs {
             let args = uapi::QueuePairArgs {
@@ -480,12 +469,12 @@ impl NvmeQueues {
             // SAFETY: the CQ lies in the queue memory; a plain read of what the controller
             // wrote last before the head.
             unsafe {
-                let cq_offset = (u64::from(self.depth) * 64).next_multiple_of(IO_ALIGN as u64);
+                let cq_offset = QueueLayout::new(self.depth).cq_offset();
                 let cq = self
                     .rings
                     .raw()
                     .addr()
-                    .add(cq_offset as usize)
+                    .add(cq_offset)
                     .cast::<[u32; 4]>();
                 let last = (r.cq_head() + self.depth - 1) % self.depth;
                 std::ptr::read_volatile(cq.add(usize::from(last)))

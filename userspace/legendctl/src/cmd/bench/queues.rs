@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use legend_nvme::{Controller, uapi};
-use legend_nvme_protocol::{CommandError, MAX_DEPTH, Opcode, QueuePair, Sqe, prp};
+use legend_nvme_protocol::{CommandError, MAX_DEPTH, Opcode, QueueLayout, QueuePair, Sqe, prp};
 
 use super::{Backend, IoArgs, Op, Samples, Span, check_write};
 
@@ -112,14 +112,9 @@ fn queue(
     lba_shift: u32,
     duration: Duration,
 ) -> anyhow::Result<Samples> {
-    const PAGE: usize = 4096;
-    let d = usize::from(depth);
-    // Each slot's buffer starts on a page, so its PRP entries are pages from offset 0.
-    let slot_bytes = (args.size as usize).next_multiple_of(PAGE);
-    let sq_bytes = (d * 64).next_multiple_of(PAGE);
-    let cq_bytes = (d * 16).next_multiple_of(PAGE);
-    let data_at = sq_bytes + cq_bytes + d * PAGE;
-    let total = data_at + d * slot_bytes;
+    // The rings and PRP list pages, then each slot's data buffer.
+    let layout = QueueLayout::new(depth);
+    let total = layout.bytes() + usize::from(depth) * slot_bytes(args);
     let mem = QueueMemory::new(total)?;
     // SAFETY: `mem` outlives the mapping: it is unmapped below after the queue pair is gone
     // (or leaked with it on failure).
@@ -130,8 +125,8 @@ fn queue(
             depth: u32::from(depth),
             sq_handle: map.handle,
             cq_handle: map.handle,
-            sq_offset: 0,
-            cq_offset: sq_bytes as u64,
+            sq_offset: layout.sq_offset() as u64,
+            cq_offset: layout.cq_offset() as u64,
             ..Default::default()
         })
         .with_context(|| format!("creating queue pair {}", q + 1))?;
@@ -141,14 +136,14 @@ fn queue(
     let mut pair = unsafe {
         QueuePair::new(
             depth,
-            mem.ptr.cast(),
-            mem.ptr.add(sq_bytes).cast(),
+            mem.ptr.add(layout.sq_offset()).cast(),
+            mem.ptr.add(layout.cq_offset()).cast(),
             doorbells.register(qp.sq_doorbell),
             doorbells.register(qp.cq_doorbell),
         )
     };
     let result = drive(
-        args, &mut pair, &mem, &map, span, q, d, data_at, lba_shift, duration,
+        args, &mut pair, &mem, &map, span, q, layout, lba_shift, duration,
     );
     // The queue pair goes first (Delete I/O SQ waits for its commands), then the memory.
     ctrl.delete_queue_pair(q + 1)?;
@@ -165,20 +160,19 @@ fn drive(
     map: &legend_nvme::Mapping,
     span: &Span,
     q: u32,
-    d: usize,
-    data_at: usize,
+    layout: QueueLayout,
     lba_shift: u32,
     duration: Duration,
 ) -> anyhow::Result<Samples> {
-    const PAGE: usize = 4096;
+    const PAGE: usize = prp::PAGE as usize;
     let size = args.size as usize;
+    let d = usize::from(layout.depth());
     let op = if args.op == Op::Read {
         Opcode::Read
     } else {
         Opcode::Write
     };
-    let slot_bytes = size.next_multiple_of(PAGE);
-    let lists_at = data_at - d * PAGE;
+    let slot_bytes = slot_bytes(args);
     let mut samples = Samples::default();
     let mut started = vec![Instant::now(); d];
     let mut rng = 0x9e37_79b9_7f4a_7c15 ^ u64::from(q + 1);
@@ -192,21 +186,18 @@ fn drive(
             let offset = span.offset(args, q, n, &mut rng);
             // The PRP list goes into the slot's page only once `push` found the slot free.
             let Some(cid) = pair.push_with(|slot| {
-                let slot = usize::from(slot);
-                let data = data_at + slot * slot_bytes;
+                let list_at = layout.list_offset(slot);
+                let data = layout.bytes() + usize::from(slot) * slot_bytes;
                 // SAFETY: slot `slot`'s PRP list page in the queue memory.
                 let list = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        mem.ptr.add(lists_at + slot * PAGE).cast(),
-                        PAGE / 8,
-                    )
+                    std::slice::from_raw_parts_mut(mem.ptr.add(list_at).cast(), PAGE / 8)
                 };
                 let p = prp::build(
                     0,
                     args.size,
                     |i| map.bus(data + i * PAGE),
                     list,
-                    map.bus(lists_at + slot * PAGE),
+                    map.bus(list_at),
                 )
                 .expect("a page-aligned buffer of a size checked in `run`");
                 Sqe::read_write(
@@ -272,4 +263,10 @@ fn drive(
         bail!("queue {}: {f}; no figures are reported", q + 1);
     }
     Ok(samples)
+}
+
+/// Bytes of one slot's data buffer: the request, rounded up to a page so each buffer starts on
+/// one and its PRP entries are whole pages from offset 0.
+fn slot_bytes(args: &IoArgs) -> usize {
+    (args.size as usize).next_multiple_of(prp::PAGE as usize)
 }
