@@ -353,7 +353,7 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
         String::from_utf8_lossy(&watched.stderr)
     );
     assert!(
-        !watched.status.success() && said.contains("may not read"),
+        !watched.status.success() && said.contains("may not search a directory on the way"),
         "{said}"
     );
     assert!(
