@@ -507,11 +507,11 @@ fn delete(id: u64, jobs: &Jobs) -> Reply {
             .iter()
             .any(|j| matches!(j.spec, JobSpec::Train { .. }) && j.spec.dir() == run);
     if last_of_its_run
+        && let owner = Peer::of_uid(info.owner)
         && let Some(place) = train_placement(
             run,
-            jobs::train_config(&info.spec, &Peer::of_uid(info.owner))
-                .ok()
-                .as_ref(),
+            &owner,
+            jobs::train_config(&info.spec, &owner).ok().as_ref(),
         )
         && let Err(why) = extents::release(&place, run, info.owner)
     {
@@ -523,10 +523,18 @@ fn delete(id: u64, jobs: &Jobs) -> Reply {
     Reply::Job { job: info }
 }
 
-/// Where the store of a train job on `run` is, if on a namespace: as the run recorded it, else
-/// as the job's configuration places it.
-fn train_placement(run: &Path, config: Option<&Config>) -> Option<extents::Placement> {
-    extents::recorded_placement(run).or_else(|| extents::placement(config?, run))
+/// Where the store of a train job on `run` is, if on a namespace: as the run recorded it (read
+/// as `reader` could), else as the job's configuration places it.
+fn train_placement(
+    run: &Path,
+    reader: &Peer,
+    config: Option<&Config>,
+) -> Option<extents::Placement> {
+    let recorded = reader
+        .open_dir(run)
+        .ok()
+        .and_then(|dir| extents::recorded_placement(&dir));
+    recorded.or_else(|| extents::placement(config?, run))
 }
 
 /// Checks that `run` is a training run of its submitter's own (the job opens it again and
@@ -540,7 +548,7 @@ fn check_run_to_read(peer: &Peer, run: &Path) -> Result<(), String> {
             run.display()
         ));
     }
-    match extents::recorded_placement(run) {
+    match extents::recorded_placement(&dir) {
         Some(place) => extents::check(&place, run, peer),
         None => Ok(()),
     }
@@ -604,7 +612,7 @@ fn check_submission(job: &JobSpec, peer: &Peer) -> Result<(String, Option<Config
             }
             let config = jobs::train_config(job, peer)?;
             check_store_path(peer, &config)?;
-            if *resume && let Some(place) = train_placement(out, Some(&config)) {
+            if *resume && let Some(place) = train_placement(out, peer, Some(&config)) {
                 extents::check(&place, out, peer)?;
             }
             return Ok((jobs::queue_of(&config), Some(config)));

@@ -1252,3 +1252,21 @@ fn a_daemon_without_its_configuration_file_says_so() {
         "{stderr}"
     );
 }
+
+#[test]
+fn an_idle_daemon_answers_a_new_connection_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path());
+    // Each command of legendctl is a new connection: the daemon blocks on its socket and
+    // accepts at once (it once slept 20 ms between looks, ~10 ms a command on average).
+    let mut took: Vec<Duration> = (0..41)
+        .map(|_| {
+            let started = Instant::now();
+            hello(&mut d.client());
+            started.elapsed()
+        })
+        .collect();
+    took.sort();
+    println!("connect + hello: median {:?}, max {:?}", took[20], took[40]);
+    assert!(took[20] < Duration::from_millis(5), "median {:?}", took[20]);
+}
