@@ -1270,3 +1270,54 @@ fn an_idle_daemon_answers_a_new_connection_at_once() {
     println!("connect + hello: median {:?}, max {:?}", took[20], took[40]);
     assert!(took[20] < Duration::from_millis(5), "median {:?}", took[20]);
 }
+
+/// `GET /metrics` on `127.0.0.1:port`: the status line and the body.
+fn http_metrics(port: u16) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut s, &mut text).unwrap();
+    text
+}
+
+#[test]
+fn http_metrics_show_totals_only_and_a_silent_client_holds_no_one_up() {
+    let dir = tempfile::tempdir().unwrap();
+    // A free port (the listener closed just before the daemon binds it).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    std::fs::write(
+        dir.path().join("legendd.toml"),
+        format!("metrics_port = {port}\nrequest_timeout_s = 5\n"),
+    )
+    .unwrap();
+    let run = broken_run(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let job = c.job(Request::Submit {
+        job: export_spec(&run, 0),
+    });
+    wait_for(&mut c, job.id, Duration::from_secs(30), |j| {
+        j.state.is_final()
+    });
+    let _silent: Vec<std::net::TcpStream> = (0..4)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    let started = Instant::now();
+    let text = http_metrics(port);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(text.starts_with("HTTP/1.0 200 OK"), "{text}");
+    assert!(text.contains("legendd_jobs{state=\"failed\"} 1"), "{text}");
+    assert!(
+        !text.contains("job=\""),
+        "jobs shown to an unknown caller:\n{text}"
+    );
+}
