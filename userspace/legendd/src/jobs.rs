@@ -74,6 +74,9 @@ struct Table {
     queued: HashMap<String, BTreeSet<u64>>,
     running: HashMap<String, usize>,
     unfinished: HashMap<u32, usize>,
+    /// Unfinished jobs by the directory they work on (a train job's run, an eval's or an
+    /// export's run).
+    busy_dirs: HashMap<PathBuf, usize>,
     next_id: u64,
     stopping: bool,
     runners: Vec<JoinHandle<()>>,
@@ -92,19 +95,24 @@ impl Table {
         }
     }
 
-    /// Counts a job of `owner` that is not final yet.
-    fn add_unfinished(&mut self, owner: u32) {
+    /// Counts a job of `owner` on directory `dir` that is not final yet.
+    fn add_unfinished(&mut self, owner: u32, dir: &Path) {
         *self.unfinished.entry(owner).or_default() += 1;
+        *self.busy_dirs.entry(dir.to_owned()).or_default() += 1;
     }
 
-    /// Uncounts a job of `owner` that became final.
-    fn remove_unfinished(&mut self, owner: u32) {
-        if let Some(n) = self.unfinished.get_mut(&owner) {
-            *n -= 1;
-            if *n == 0 {
-                self.unfinished.remove(&owner);
+    /// Uncounts a job of `owner` on `dir` that became final.
+    fn remove_unfinished(&mut self, owner: u32, dir: &Path) {
+        fn uncount<K: Eq + std::hash::Hash>(map: &mut HashMap<K, usize>, key: &K) {
+            if let Some(n) = map.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(key);
+                }
             }
         }
+        uncount(&mut self.unfinished, &owner);
+        uncount(&mut self.busy_dirs, &dir.to_owned());
     }
 }
 
@@ -226,6 +234,8 @@ impl Jobs {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => anyhow::bail!("{}: {e}", last_id.display()),
         }
+        // Jobs whose record changes here: only they are written again.
+        let mut requeued = Vec::new();
         for entry in std::fs::read_dir(&dir)? {
             let path = entry?.path();
             if path.extension().is_some_and(|e| e == "log") {
@@ -255,13 +265,14 @@ impl Jobs {
             table.next_id = table.next_id.max(record.info.id);
             if record.info.state == JobState::Running {
                 record.info.state = JobState::Queued;
+                requeued.push(record.info.id);
                 tracing::info!("job {} was running: queued again", record.info.id);
             }
             if record.info.state == JobState::Queued {
                 table.enqueue(&record.queue, record.info.id);
             }
             if !record.info.state.is_final() {
-                table.add_unfinished(record.info.owner);
+                table.add_unfinished(record.info.owner, record.info.spec.dir());
             }
             table.jobs.insert(
                 record.info.id,
@@ -284,8 +295,7 @@ impl Jobs {
             max_per_user: config.max_jobs_per_user,
             requests: AtomicU64::new(0),
         });
-        let ids: Vec<u64> = jobs.lock().jobs.keys().copied().collect();
-        for id in ids {
+        for id in requeued {
             jobs.persist(&jobs.lock(), id)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", jobs.record_path(id).display()))?;
         }
@@ -355,10 +365,7 @@ impl Jobs {
             )));
         }
         if let JobSpec::Train { out, .. } = &spec
-            && t.jobs.values().any(|e| {
-                !e.record.info.state.is_final()
-                    && matches!(&e.record.info.spec, JobSpec::Train { out: o, .. } if o == out)
-            })
+            && t.busy_dirs.contains_key(out)
         {
             return Err(JobError::Refused(format!(
                 "{}: another job is queued or running on this run",
@@ -396,12 +403,13 @@ impl Jobs {
                 train_seconds: 0.0,
             },
         );
-        t.add_unfinished(owner);
+        let dir = info.spec.dir().clone();
+        t.add_unfinished(owner, &dir);
         t.enqueue(&queue, id);
         // Acknowledged only once on disk: a job the daemon said it queued survives a crash.
         if let Err(e) = self.persist(&t, id) {
             t.jobs.remove(&id);
-            t.remove_unfinished(owner);
+            t.remove_unfinished(owner, &dir);
             t.dequeue(&queue, id);
             drop(t);
             let path = self.record_path(id);
@@ -456,8 +464,9 @@ impl Jobs {
                 entry.record.info.ended = Some(now());
                 entry.watchers.clear();
                 let (owner, queue) = (entry.record.info.owner, entry.record.queue.clone());
+                let dir = entry.record.info.spec.dir().clone();
                 t.dequeue(&queue, id);
-                t.remove_unfinished(owner);
+                t.remove_unfinished(owner, &dir);
                 self.save(&t, id);
                 drop(t);
                 self.log(id, "cancelled while queued");
@@ -870,6 +879,7 @@ impl Jobs {
             }
         };
         let (owner, queue, state) = (info.owner, entry.record.queue.clone(), info.state);
+        let dir = info.spec.dir().clone();
         if state.is_final() {
             entry.record.info.ended = Some(now());
         }
@@ -880,7 +890,7 @@ impl Jobs {
             *n = n.saturating_sub(1);
         }
         if state.is_final() {
-            t.remove_unfinished(owner);
+            t.remove_unfinished(owner, &dir);
         } else {
             t.enqueue(&queue, id);
         }
