@@ -164,14 +164,12 @@ fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()
 }
 
-/// Makes `dir` (and its parents) if missing and private to the daemon (0700), whatever the
-/// umask and whatever it was before.
+/// Makes `dir` (and its parents) if missing, private to the daemon (0700) whatever the umask.
 fn private_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
-        .create(dir)?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .create(dir)
 }
 
 fn now() -> u64 {
@@ -219,9 +217,11 @@ impl Jobs {
     /// are queued again; a train job that had begun resumes from its last checkpoint.
     pub fn open(config: &DaemonConfig) -> anyhow::Result<Arc<Jobs>> {
         let dir = config.state_dir.join("jobs");
-        for d in [&config.state_dir, &dir] {
-            private_dir(d).map_err(|e| anyhow::anyhow!("{}: {e}", d.display()))?;
-        }
+        // The state directory may be the admin's choice (`--state-dir`), left as it is when it
+        // exists; `jobs` in it is the daemon's own, private whatever it was before.
+        private_dir(&dir)
+            .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
         let mut table = Table::default();
         let last_id = dir.join(LAST_ID_FILE);
         match std::fs::read_to_string(&last_id) {
