@@ -886,6 +886,33 @@ fn a_set_key_deeper_than_the_schema_is_refused_and_the_daemon_lives() {
         let why = refusal(c.call(Request::Submit { job: spec }));
         assert!(why.contains("a: not a section"), "{parts}: {why}");
     }
+    // The other structures a request shapes: TOML values in its configuration and in a
+    // `--set`, the JSON of the request itself, a path of many components.
+    let deep =
+        |open: &str, close: &str| format!("{}{}", open.repeat(100_000), close.repeat(100_000));
+    let mut spec = train_spec(&ds, &dir.path().join("run"), 1);
+    if let JobSpec::Train { config, sets, .. } = &mut spec {
+        *config = format!("x = {}\n", deep("[", "]"));
+        sets.push(format!("model.dim={}", deep("{a=", "}")));
+    }
+    let why = refusal(c.call(Request::Submit { job: spec }));
+    assert!(why.contains("invalid configuration"), "{why}");
+    let nested = format!(
+        r#"{{"v":1,"request":{{"call":"hello","x":{}}}}}"#,
+        deep("[", "]")
+    );
+    assert!(matches!(
+        raw(&d, &frame(&nested)),
+        Some(Reply::Error {
+            code: ErrorCode::BadRequest,
+            ..
+        })
+    ));
+    let long = PathBuf::from(format!("/{}", vec!["a"; 100_000].join("/")));
+    let why = refusal(c.call(Request::Submit {
+        job: train_spec(&long, &long, 1),
+    }));
+    assert!(!why.is_empty());
     assert!(matches!(c.call(Request::Hello), Reply::Hello { .. }));
 }
 
