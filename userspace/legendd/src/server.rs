@@ -663,13 +663,22 @@ fn watch(writer: &mut UnixStream, peer: &Peer, jobs: &Jobs, id: u64) -> Result<(
     write_message(writer, &Reply::Ended { job })
 }
 
-/// The last `max` bytes of the file at `path` (from a line start), or a note that it is empty.
+/// The last `max` bytes of the file at `path` (from a line start), or nothing: only they are
+/// read, however long the log has grown.
 fn tail(path: &Path, max: usize) -> String {
-    let Ok(bytes) = std::fs::read(path) else {
+    use std::io::{Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else {
         return String::new();
     };
-    let start = bytes.len().saturating_sub(max);
-    let text = String::from_utf8_lossy(&bytes[start..]);
+    let len = file.metadata().map_or(0, |m| m.len());
+    let start = len.saturating_sub(max as u64);
+    let mut bytes = Vec::new();
+    if file.seek(SeekFrom::Start(start)).is_err()
+        || file.take(max as u64).read_to_end(&mut bytes).is_err()
+    {
+        return String::new();
+    }
+    let text = String::from_utf8_lossy(&bytes);
     match (start, text.find('\n')) {
         (0, _) | (_, None) => text.into_owned(),
         (_, Some(nl)) => text[nl + 1..].to_owned(),
@@ -793,4 +802,19 @@ fn answer_http(s: TcpStream, jobs: &Jobs, timeout: Duration) {
     };
     let mut s = s;
     let _ = s.write_all(response.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_log_tail_starts_at_a_line_and_reads_only_the_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("1.log");
+        let lines: String = (0..100_000).map(|i| format!("line {i}\n")).collect();
+        std::fs::write(&path, &lines).unwrap();
+        let text = super::tail(&path, 30);
+        assert_eq!(text, "line 99998\nline 99999\n");
+        assert_eq!(super::tail(&path, 1 << 30), lines);
+        assert_eq!(super::tail(&dir.path().join("none"), 30), "");
+    }
 }
