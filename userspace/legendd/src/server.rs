@@ -352,7 +352,17 @@ fn connection(
             Request::Watch { job } => watch(&mut writer, peer, jobs, job)?,
             request => {
                 let reply = answer(request, peer, jobs);
-                write_message(&mut writer, &reply)?;
+                match write_message(&mut writer, &reply) {
+                    // Nothing was written: the client hears why instead of a closed socket.
+                    Err(FrameError::TooLarge { len, max }) => {
+                        let why = format!(
+                            "the answer is {len} bytes, over the {max}-byte frame limit (delete \
+                             ended jobs to shorten a list)"
+                        );
+                        write_message(&mut writer, &error(ErrorCode::Unavailable, why))?;
+                    }
+                    written => written?,
+                }
             }
         }
     }

@@ -1397,3 +1397,27 @@ fn a_submission_that_cannot_be_saved_is_refused_not_lost() {
     };
     assert!(jobs.is_empty(), "{jobs:?}");
 }
+
+#[test]
+fn an_answer_over_the_frame_limit_is_an_error_not_a_closed_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let not_a_dataset = dir.path().join("empty");
+    std::fs::create_dir(&not_a_dataset).unwrap();
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    // Two jobs whose configurations (a long comment) make a list longer than a frame.
+    let comment = format!("# {}\n", "x".repeat(MAX_FRAME * 6 / 10));
+    for n in 0..2 {
+        let mut spec = train_spec(&not_a_dataset, &dir.path().join(format!("run-{n}")), 1);
+        if let JobSpec::Train { config, .. } = &mut spec {
+            config.clone_from(&comment);
+        }
+        let job = c.job(Request::Submit { job: spec });
+        wait_for(&mut c, job.id, Duration::from_secs(30), |j| {
+            j.state.is_final()
+        });
+    }
+    let why = refusal(c.call(Request::List { all: false }));
+    assert!(why.contains("frame limit"), "{why}");
+    hello(&mut c);
+}
