@@ -1421,3 +1421,60 @@ fn an_answer_over_the_frame_limit_is_an_error_not_a_closed_connection() {
     assert!(why.contains("frame limit"), "{why}");
     hello(&mut c);
 }
+
+#[test]
+fn submitting_and_cancelling_cost_does_not_grow_with_the_queue() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("legendd.toml"),
+        "max_jobs_per_user = 3000\n",
+    )
+    .unwrap();
+    let ds = dataset(dir.path());
+    let run = broken_run(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let long = c.job(Request::Submit {
+        job: train_spec(&ds, &dir.path().join("run"), 1000),
+    });
+    wait_for(&mut c, long.id, Duration::from_secs(60), |j| {
+        j.state == JobState::Running
+    });
+    let timed = |c: &mut Client, request: Request| {
+        let started = Instant::now();
+        let id = c.job(request).id;
+        (id, started.elapsed())
+    };
+    let submitted: Vec<(u64, Duration)> = (0..2000)
+        .map(|n| {
+            timed(
+                &mut c,
+                Request::Submit {
+                    job: export_spec(&run, n),
+                },
+            )
+        })
+        .collect();
+    let cancelled: Vec<Duration> = submitted
+        .iter()
+        .map(|(id, _)| timed(&mut c, Request::Cancel { job: *id }).1)
+        .collect();
+    c.job(Request::Cancel { job: long.id });
+    // Medians of the first and the last hundred, robust to a slow disk now and then: the
+    // daemon once cloned the job list and walked queued × jobs on every request.
+    let median = |times: &[Duration]| {
+        let mut t = times.to_vec();
+        t.sort();
+        t[t.len() / 2]
+    };
+    let submits: Vec<Duration> = submitted.iter().map(|(_, t)| *t).collect();
+    // Submissions go from an empty queue to a full one, cancels the other way.
+    for (what, times) in [("submit", &submits), ("cancel", &cancelled)] {
+        let (first, last) = (median(&times[..100]), median(&times[1900..]));
+        println!("{what}: median of the first 100 {first:?}, of the last 100 {last:?}");
+        assert!(
+            first.max(last) <= first.min(last) * 3 + Duration::from_millis(2),
+            "{what}: {first:?} for the first hundred, {last:?} for the last"
+        );
+    }
+}
