@@ -39,6 +39,9 @@ pub struct Dir {
     path: PathBuf,
     /// Asked about everything opened beneath, when the directory was opened for a reader.
     check: Option<ReadCheck>,
+    /// Whether `check` is asked about files opened to write too ([`Dir::open_checked`]), or
+    /// only about reads and the directories on the way ([`Dir::reading_as`]).
+    check_writes: bool,
 }
 
 /// Whether a reader may use an opened file or directory (its metadata) for `want`: the
@@ -208,6 +211,7 @@ impl Dir {
             fd,
             path: path.to_owned(),
             check: None,
+            check_writes: false,
         })
     }
 
@@ -259,6 +263,7 @@ impl Dir {
             fd,
             path: path.to_owned(),
             check: Some(check),
+            check_writes: true,
         })
     }
 
@@ -280,6 +285,18 @@ impl Dir {
         let dir = Dir::open(path)?;
         guard.admit(&dir)?;
         Ok(dir)
+    }
+
+    /// The same directory, whose reads beneath are checked by `check` from now on (the files
+    /// read and the directories on the way; `None`: none): for a directory a [`Guard`] admitted
+    /// for writing on someone's behalf, where a file (a hard link, say) need still not be one
+    /// they could read. Writes stay the guard's business.
+    pub fn reading_as(self, check: Option<ReadCheck>) -> Dir {
+        Dir {
+            check,
+            check_writes: false,
+            ..self
+        }
     }
 
     /// The same directory, named `path` from now on (after a rename).
@@ -308,6 +325,7 @@ impl Dir {
             fd: self.fd.try_clone()?,
             path: self.path.clone(),
             check: self.check.clone(),
+            check_writes: self.check_writes,
         })
     }
 
@@ -357,6 +375,7 @@ impl Dir {
             fd,
             path: self.path.join(rel),
             check: self.check.clone(),
+            check_writes: self.check_writes,
         })
     }
 
@@ -391,6 +410,7 @@ impl Dir {
             },
             path: self.path.join(rel),
             check: self.check.clone(),
+            check_writes: self.check_writes,
         })
     }
 
@@ -447,8 +467,10 @@ impl Dir {
         let fd = openat(base, name, flags, Mode::from_bits_truncate(0o666))
             .map_err(|e| at_error(base, name, e))?;
         let st = fstat(&fd)?;
-        if let Some(check) = &self.check {
-            check(&st, if access.writes() { 6 } else { 4 })?;
+        match &self.check {
+            Some(check) if !access.writes() => check(&st, 4)?,
+            Some(check) if self.check_writes => check(&st, 6)?,
+            _ => {}
         }
         check_writable(&st).or_else(|e| {
             let readable = matches!(kind(&st), SFlag::S_IFREG | SFlag::S_IFBLK);
@@ -823,6 +845,34 @@ mod tests {
         let e = Dir::open_checked(&tmp.path().join("loop"), check.clone()).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(Errno::ELOOP as i32), "{e}");
         assert!(Dir::open_checked(Path::new("relative"), check).is_err());
+    }
+
+    #[test]
+    fn a_directory_read_as_someone_checks_reads_and_leaves_writes_alone() {
+        let (tmp, dir) = setup();
+        std::fs::write(tmp.path().join("theirs"), b"secret").unwrap();
+        std::fs::write(tmp.path().join("mine"), b"open").unwrap();
+        let theirs = std::fs::metadata(tmp.path().join("theirs")).unwrap().ino();
+        let check: ReadCheck = Arc::new(move |st: &FileStat, _| {
+            if st.st_ino == theirs {
+                Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "not theirs",
+                ))
+            } else {
+                Ok(())
+            }
+        });
+        let dir = dir.reading_as(Some(check));
+        assert_eq!(
+            dir.read("theirs").unwrap_err().kind(),
+            io::ErrorKind::PermissionDenied
+        );
+        assert_eq!(dir.read("mine").unwrap(), b"open");
+        dir.open_file("theirs", Access::Append).unwrap();
+        dir.write_atomically("new", b"n").unwrap();
+        assert_eq!(dir.dir(".").unwrap().read("new").unwrap(), b"n");
+        assert_eq!(dir.reading_as(None).read("theirs").unwrap(), b"secret");
     }
 
     #[test]
