@@ -706,6 +706,8 @@ impl Jobs {
         guard
             .admit(&dir)
             .map_err(|e| format!("{}: {e}", dir.path().display()))?;
+        // The run is the submitter's; what is read in it must be theirs to read too.
+        let dir = dir.reading_as(guard.read_check());
         let meta = run::read_meta(&dir).map_err(|e| chain(&e))?;
         let dataset = evaluation::open_run_dataset(&meta, None, guard).map_err(|e| chain(&e))?;
         let tables = run::load_tables(&dir, &meta, guard).map_err(|e| chain(&e))?;

@@ -1478,3 +1478,57 @@ fn submitting_and_cancelling_cost_does_not_grow_with_the_queue() {
         );
     }
 }
+
+#[test]
+fn a_running_job_reads_in_its_run_only_what_its_submitter_could() {
+    if !may_switch_uids("a_running_job_reads_in_its_run_only_what_its_submitter_could") {
+        return;
+    }
+    let dir = shared_tempdir();
+    let ds = dataset(dir.path());
+    let d = Daemon::start(dir.path());
+    let mine = dir.path().join("mine");
+    own_dir(&mine, OTHER_UID);
+    let run = mine.join("run");
+    let mut other = connect_as(&d, OTHER_UID);
+    let first = other.job(Request::Submit {
+        job: train_spec(&ds, &run, 1),
+    });
+    let done = wait_for(&mut other, first.id, Duration::from_secs(120), |j| {
+        j.state.is_final()
+    });
+    assert_eq!(done.state, JobState::Succeeded, "{done:?}");
+    // Root's long job holds the queue while the resume waits behind it.
+    let mut c = d.client();
+    let blocker = c.job(Request::Submit {
+        job: train_spec(&ds, &dir.path().join("blocker"), 1000),
+    });
+    wait_for(&mut c, blocker.id, Duration::from_secs(60), |j| {
+        j.state == JobState::Running
+    });
+    let resumed = other.job(Request::Submit {
+        job: JobSpec::Train {
+            dataset: None,
+            out: run.clone(),
+            config: String::new(),
+            sets: vec!["training.num_epochs=2".into()],
+            resume: true,
+        },
+    });
+    // Accepted, then the run's configuration becomes a hard link to root's secret.
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "password hunter2\n").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    std::fs::remove_file(run.join("config.toml")).unwrap();
+    std::fs::hard_link(&secret, run.join("config.toml")).unwrap();
+    c.job(Request::Cancel { job: blocker.id });
+    let ended = wait_for(&mut other, resumed.id, Duration::from_secs(120), |j| {
+        j.state.is_final()
+    });
+    let error = ended.error.as_deref().unwrap_or_default();
+    assert_eq!(ended.state, JobState::Failed, "{ended:?}");
+    assert!(
+        error.contains("may not read") && !error.contains("hunter2"),
+        "{error}"
+    );
+}
