@@ -32,17 +32,18 @@ impl Dataset {
     /// on the way and each file read (legend-fs's [`Dir::open_checked`]).
     pub fn open_checked(dir: impl AsRef<Path>, check: Option<ReadCheck>) -> Result<Dataset> {
         let dir = dir.as_ref().to_owned();
-        if !dir.is_dir() {
-            return Err(invalid(
-                &dir,
-                "not a dataset directory (run `legendctl import` first)",
-            ));
-        }
         let root = match check {
-            Some(check) => Dir::open_checked(&dir, check),
-            None => Dir::open(&dir),
-        }
-        .at(&dir)?;
+            // Looked up only as the reader could: nothing is asked with the caller's rights
+            // first, which could tell what lies in a directory the reader may not search.
+            Some(check) => Dir::open_checked(&dir, check).at(&dir)?,
+            None if !dir.is_dir() => {
+                return Err(invalid(
+                    &dir,
+                    "not a dataset directory (run `legendctl import` first)",
+                ));
+            }
+            None => Dir::open(&dir).at(&dir)?,
+        };
         let meta = DatasetMeta::read_in(&root)?;
         Ok(Dataset {
             dir,

@@ -647,12 +647,41 @@ fn parse_value(text: &str) -> toml::Value {
         .unwrap_or_else(|| toml::Value::String(text.to_owned()))
 }
 
+/// Sets `key` (dotted: `section.key`, `training.negatives.num_chunks`) to `value`. Every part but
+/// the last must be a section of the configuration's schema, checked before anything is built:
+/// a key of any length never nests the table deeper than the schema does (a submitted key of
+/// thousands of parts once built a table too deep to serialise or drop on a thread's stack).
 fn set_dotted(table: &mut toml::Table, key: &str, value: toml::Value) -> Result<(), ConfigError> {
     let mut parts: Vec<&str> = key.split('.').collect();
     let last = parts
         .pop()
         .filter(|l| !l.is_empty())
         .ok_or_else(|| ConfigError(format!("--set: empty key in {key:?}")))?;
+    let schema = toml::Table::try_from(Config::default()).expect("the defaults serialise");
+    let mut section = &schema;
+    for (i, p) in parts.iter().enumerate() {
+        section = section
+            .get(*p)
+            .and_then(toml::Value::as_table)
+            .ok_or_else(|| {
+                let known: Vec<&str> = section
+                    .iter()
+                    .filter(|(_, v)| v.is_table())
+                    .map(|(k, _)| k.as_str())
+                    .collect();
+                let path = parts[..=i].join(".");
+                let known = if known.is_empty() {
+                    format!("{} has no sections", parts[..i].join("."))
+                } else {
+                    format!("sections there: {}", known.join(", "))
+                };
+                // Quote at most the unknown part, not the whole (submitted) key.
+                ConfigError(format!(
+                    "--set: {}: not a section of the configuration ({known})",
+                    shorten(&path)
+                ))
+            })?;
+    }
     let mut t = table;
     for p in parts {
         t = t
@@ -663,6 +692,14 @@ fn set_dotted(table: &mut toml::Table, key: &str, value: toml::Value) -> Result<
     }
     t.insert(last.to_owned(), value);
     Ok(())
+}
+
+/// `text`, cut to its first 80 characters with `…` when longer (for messages).
+fn shorten(text: &str) -> String {
+    match text.char_indices().nth(80) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_owned(),
+    }
 }
 
 #[cfg(test)]
@@ -742,6 +779,8 @@ mod tests {
                 "storage.proxy_model: SSD model \"read=1,write=fast\": write = \"fast\"",
             ),
             ("[model\n", &[], "invalid configuration"),
+            ("", &["modle.dim=3"], "modle: not a section"),
+            ("", &["model.dim.x=3"], "model.dim: not a section"),
         ];
         for (text, sets, needle) in cases {
             let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
@@ -784,6 +823,25 @@ mod tests {
         let c = Config::parse("", &["storage.device=cuda:1".into()]).unwrap();
         assert_eq!(c.device(), DeviceChoice::Cuda(1));
         assert!(c.to_toml().contains("[training]") && !c.to_toml().contains("[storage]\ndevice"));
+    }
+
+    #[test]
+    fn set_keys_deeper_than_the_schema_are_refused_before_anything_is_built() {
+        for parts in [3, 2_000, 100_000] {
+            let key = vec!["a"; parts].join(".");
+            let err = Config::parse("", &[format!("{key}.b=1")])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("a: not a section"), "{parts}: {err}");
+            assert!(
+                err.len() < 200,
+                "{parts}: the message quotes the key: {err}"
+            );
+        }
+        let deep = format!("training.negatives.{}=1", vec!["x"; 50_000].join("."));
+        let err = Config::parse("", &[deep]).unwrap_err().to_string();
+        assert!(err.contains("training.negatives.x: not a section"), "{err}");
+        assert!(err.contains("no sections"), "{err}");
     }
 
     #[test]

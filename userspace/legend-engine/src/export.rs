@@ -112,6 +112,8 @@ pub fn export(
 ) -> Result<Exported, ExportError> {
     let run = run::open(run)?;
     guard.admit(&run).map_err(io(run.path()))?;
+    // The directory is the submitter's; what is read in it must be theirs to read too.
+    let run = run.reading_as(guard.read_check());
     let meta = run::read_meta(&run)?;
     let (parent, name) = Dir::open_parent(out).map_err(io(out))?;
     guard.admit(&parent).map_err(io(parent.path()))?;

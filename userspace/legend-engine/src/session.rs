@@ -252,6 +252,8 @@ impl Session {
             Err(e) => return Err(io_error(out)(e)),
         };
         guard.admit(&run).map_err(io_error(out))?;
+        // The directory is the submitter's; what is read in it must be theirs to read too.
+        let run = run.reading_as(guard.read_check());
         if !run.is_file(run::META_FILE).map_err(io_error(out))? {
             return Err(not_a_run());
         }

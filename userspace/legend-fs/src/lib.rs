@@ -39,6 +39,9 @@ pub struct Dir {
     path: PathBuf,
     /// Asked about everything opened beneath, when the directory was opened for a reader.
     check: Option<ReadCheck>,
+    /// Whether `check` is asked about files opened to write too ([`Dir::open_checked`]), or
+    /// only about reads and the directories on the way ([`Dir::reading_as`]).
+    check_writes: bool,
 }
 
 /// Whether a reader may use an opened file or directory (its metadata) for `want`: the
@@ -127,6 +130,24 @@ fn refused(message: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, message.into())
 }
 
+/// Symbolic links [`Dir::open_checked`] follows in one path, as the kernel's limit.
+const MAX_LINKS: usize = 40;
+
+/// Pushes `path`'s names onto `left` so that they pop first to last; an absolute path starts
+/// with an empty name (back to `/`), and `.` is left out (`..` is walked as a name).
+fn push_names(left: &mut Vec<OsString>, path: &Path) {
+    let mut names: Vec<OsString> = Vec::new();
+    for c in path.components() {
+        match c {
+            Component::RootDir => names.push(OsString::new()),
+            Component::Normal(n) => names.push(n.to_owned()),
+            Component::ParentDir => names.push(OsString::from("..")),
+            Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    left.extend(names.into_iter().rev());
+}
+
 /// The names of `rel`, which must stay beneath its directory.
 fn names(rel: &Path) -> io::Result<Vec<&OsStr>> {
     let mut names = Vec::new();
@@ -190,32 +211,59 @@ impl Dir {
             fd,
             path: path.to_owned(),
             check: None,
+            check_writes: false,
         })
     }
 
-    /// Opens the directory `path` for a reader `check` speaks for: the path is resolved
-    /// (symbolic links included), then walked again from `/` one directory at a time without
-    /// following links, each directory checked for search and the last for reading and
-    /// search; every directory and file later opened beneath the result is checked too. A
-    /// path changed between the two (a link swapped in) fails rather than leads elsewhere.
+    /// Opens the directory `path` for a reader `check` speaks for, resolving it as the kernel
+    /// would for that reader: from `/`, one name at a time, each directory checked for search
+    /// before anything in it is looked up, each name opened with `O_NOFOLLOW`; a symbolic link
+    /// met on the way is read (from its checked directory) and its target walked the same way.
+    /// The last directory is checked for reading and search, and every directory and file
+    /// later opened beneath the result is checked too. Nothing is looked up with the caller's
+    /// own rights first, so an error tells the reader only what it could have found out itself
+    /// (a name inside a directory it may not search is "permission denied", present or not),
+    /// and a link swapped in midway leads nowhere the reader could not go.
     pub fn open_checked(path: &Path, check: ReadCheck) -> io::Result<Dir> {
-        let resolved = std::fs::canonicalize(path)?;
-        let root = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
-        let mut fd = nix::fcntl::open("/", root, Mode::empty())?;
-        for c in resolved.components() {
-            let Component::Normal(name) = c else {
+        if !path.is_absolute() {
+            return Err(refused(format!("{}: not an absolute path", path.display())));
+        }
+        let root = || nix::fcntl::open("/", dir_flags(), Mode::empty());
+        let mut fd = root()?;
+        // Names still to walk, the next last; links met push their targets' names.
+        let mut left: Vec<OsString> = Vec::new();
+        push_names(&mut left, path);
+        let mut links = 0;
+        while let Some(name) = left.pop() {
+            if name.is_empty() {
+                // A link's absolute target: from the top again.
+                fd = root()?;
                 continue;
-            };
+            }
             check(&fstat(&fd)?, 1)?;
-            let next = openat(&fd, name, dir_flags(), Mode::empty())
-                .map_err(|e| at_error(fd.as_fd(), name, e))?;
-            fd = next;
+            match openat(&fd, name.as_os_str(), dir_flags(), Mode::empty()) {
+                Ok(next) => fd = next,
+                Err(e @ (Errno::ELOOP | Errno::ENOTDIR)) => {
+                    let st = fstatat(&fd, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW)?;
+                    if kind(&st) != SFlag::S_IFLNK {
+                        return Err(e.into());
+                    }
+                    links += 1;
+                    if links > MAX_LINKS {
+                        return Err(Errno::ELOOP.into());
+                    }
+                    let target = nix::fcntl::readlinkat(&fd, name.as_os_str())?;
+                    push_names(&mut left, Path::new(&target));
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         check(&fstat(&fd)?, 5)?;
         Ok(Dir {
             fd,
             path: path.to_owned(),
             check: Some(check),
+            check_writes: true,
         })
     }
 
@@ -237,6 +285,18 @@ impl Dir {
         let dir = Dir::open(path)?;
         guard.admit(&dir)?;
         Ok(dir)
+    }
+
+    /// The same directory, whose reads beneath are checked by `check` from now on (the files
+    /// read and the directories on the way; `None`: none): for a directory a [`Guard`] admitted
+    /// for writing on someone's behalf, where a file (a hard link, say) need still not be one
+    /// they could read. Writes stay the guard's business.
+    pub fn reading_as(self, check: Option<ReadCheck>) -> Dir {
+        Dir {
+            check,
+            check_writes: false,
+            ..self
+        }
     }
 
     /// The same directory, named `path` from now on (after a rename).
@@ -265,6 +325,7 @@ impl Dir {
             fd: self.fd.try_clone()?,
             path: self.path.clone(),
             check: self.check.clone(),
+            check_writes: self.check_writes,
         })
     }
 
@@ -314,6 +375,7 @@ impl Dir {
             fd,
             path: self.path.join(rel),
             check: self.check.clone(),
+            check_writes: self.check_writes,
         })
     }
 
@@ -348,6 +410,7 @@ impl Dir {
             },
             path: self.path.join(rel),
             check: self.check.clone(),
+            check_writes: self.check_writes,
         })
     }
 
@@ -404,8 +467,10 @@ impl Dir {
         let fd = openat(base, name, flags, Mode::from_bits_truncate(0o666))
             .map_err(|e| at_error(base, name, e))?;
         let st = fstat(&fd)?;
-        if let Some(check) = &self.check {
-            check(&st, if access.writes() { 6 } else { 4 })?;
+        match &self.check {
+            Some(check) if !access.writes() => check(&st, 4)?,
+            Some(check) if self.check_writes => check(&st, 6)?,
+            _ => {}
         }
         check_writable(&st).or_else(|e| {
             let readable = matches!(kind(&st), SFlag::S_IFREG | SFlag::S_IFBLK);
@@ -739,6 +804,75 @@ mod tests {
             asked.contains(&(ino(Path::new("/")), 1)),
             "the walk starts at /"
         );
+    }
+
+    #[test]
+    fn a_checked_walk_tells_nothing_about_what_is_behind_a_closed_directory() {
+        let (tmp, _) = setup();
+        let closed = tmp.path().join("closed");
+        std::fs::create_dir_all(closed.join("there")).unwrap();
+        std::fs::create_dir_all(tmp.path().join("open/ds")).unwrap();
+        let closed_ino = std::fs::metadata(&closed).unwrap().ino();
+        let check: ReadCheck = Arc::new(move |st: &FileStat, _| {
+            if st.st_ino == closed_ino {
+                Err(io::Error::new(io::ErrorKind::PermissionDenied, "closed"))
+            } else {
+                Ok(())
+            }
+        });
+        // Present or absent, behind a link or not: the same answer.
+        symlink(closed.join("there"), tmp.path().join("to-there")).unwrap();
+        symlink("../closed/there", tmp.path().join("open/relative")).unwrap();
+        for path in [
+            closed.join("there"),
+            closed.join("absent"),
+            tmp.path().join("to-there"),
+            tmp.path().join("open/relative"),
+            closed.join("absent/../.."),
+        ] {
+            let e = Dir::open_checked(&path, check.clone()).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{path:?}: {e}");
+        }
+        // Links the reader may follow are followed, relative ones from their directory.
+        symlink("ds", tmp.path().join("open/to-ds")).unwrap();
+        symlink(tmp.path().join("open/to-ds"), tmp.path().join("chain")).unwrap();
+        let dir = Dir::open_checked(&tmp.path().join("chain"), check.clone()).unwrap();
+        assert_eq!(
+            dir.metadata().unwrap().ino(),
+            std::fs::metadata(tmp.path().join("open/ds")).unwrap().ino()
+        );
+        symlink("loop", tmp.path().join("loop")).unwrap();
+        let e = Dir::open_checked(&tmp.path().join("loop"), check.clone()).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(Errno::ELOOP as i32), "{e}");
+        assert!(Dir::open_checked(Path::new("relative"), check).is_err());
+    }
+
+    #[test]
+    fn a_directory_read_as_someone_checks_reads_and_leaves_writes_alone() {
+        let (tmp, dir) = setup();
+        std::fs::write(tmp.path().join("theirs"), b"secret").unwrap();
+        std::fs::write(tmp.path().join("mine"), b"open").unwrap();
+        let theirs = std::fs::metadata(tmp.path().join("theirs")).unwrap().ino();
+        let check: ReadCheck = Arc::new(move |st: &FileStat, _| {
+            if st.st_ino == theirs {
+                Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "not theirs",
+                ))
+            } else {
+                Ok(())
+            }
+        });
+        let dir = dir.reading_as(Some(check));
+        assert_eq!(
+            dir.read("theirs").unwrap_err().kind(),
+            io::ErrorKind::PermissionDenied
+        );
+        assert_eq!(dir.read("mine").unwrap(), b"open");
+        dir.open_file("theirs", Access::Append).unwrap();
+        dir.write_atomically("new", b"n").unwrap();
+        assert_eq!(dir.dir(".").unwrap().read("new").unwrap(), b"n");
+        assert_eq!(dir.reading_as(None).read("theirs").unwrap(), b"secret");
     }
 
     #[test]

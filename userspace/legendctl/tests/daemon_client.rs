@@ -124,6 +124,10 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
         serde_json::from_str(&ok(&["--socket", &sock, "jobs", "--json"])).unwrap();
     assert_eq!(jobs[0]["state"], "succeeded", "{jobs}");
     assert_eq!(jobs[0]["spec"]["out"], s(&out));
+    assert_eq!(
+        jobs[0]["spec"]["resume"], false,
+        "listed as submitted: {jobs}"
+    );
     let logs = ok(&["--socket", &sock, "logs", "1"]);
     assert!(logs.contains("epoch 3:"), "{logs}");
     // The run is the user's: evaluable by the local command like any run.
@@ -155,6 +159,21 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
     // An unknown format is refused before anything is queued, naming it.
     let bad = submit_export("csv", &[]);
     refused(&bad, "csv");
+    // An eval job watched to its end prints its result as `legendctl eval` does.
+    let evaluated = ok(&[
+        "--socket",
+        &sock,
+        "submit",
+        "eval",
+        &s(&out),
+        "--protocol",
+        "sampled",
+        "--watch",
+    ]);
+    assert!(
+        evaluated.contains("sampled (") && evaluated.contains("Hits@10"),
+        "{evaluated}"
+    );
     // No daemon: one line naming the socket.
     let missing = legendctl(&["--socket", "/nonexistent/legendd.sock", "jobs"]);
     refused(
@@ -353,7 +372,7 @@ fn submit_watch_jobs_logs_and_other_users_refused() {
         String::from_utf8_lossy(&watched.stderr)
     );
     assert!(
-        !watched.status.success() && said.contains("may not read"),
+        !watched.status.success() && said.contains("may not search a directory on the way"),
         "{said}"
     );
     assert!(

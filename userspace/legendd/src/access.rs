@@ -54,6 +54,37 @@ impl Peer {
         }
     }
 
+    /// How the daemon checks what it opens for this peer: as the kernel would check the
+    /// peer's own open (search on each directory, read or write at the end).
+    pub fn read_check(&self) -> ReadCheck {
+        let peer = self.clone();
+        Arc::new(move |st: &FileStat, want: u32| {
+            if allows_bits(&peer, st.st_uid, st.st_gid, st.st_mode, want) {
+                return Ok(());
+            }
+            let what = match want {
+                1 => "search a directory on the way",
+                4 | 5 => "read it",
+                _ => "write it",
+            };
+            Err(std::io::Error::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "uid {} may not {what} (owner uid {}, mode {:o})",
+                    peer.uid,
+                    st.st_uid,
+                    st.st_mode & 0o7777
+                ),
+            ))
+        })
+    }
+
+    /// Opens the directory `path` as this peer could (legend-fs's `Dir::open_checked`): an
+    /// error says only what the peer could have found out by looking.
+    pub fn open_dir(&self, path: &Path) -> Result<Dir, String> {
+        Dir::open_checked(path, self.read_check()).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
     /// Whether this peer may see and cancel a job of `owner`.
     pub fn may_manage(&self, owner: u32) -> bool {
         self.admin || self.uid == owner
@@ -72,11 +103,6 @@ fn groups_of(uid: u32, gid: u32) -> Vec<u32> {
     groups.sort_unstable();
     groups.dedup();
     groups
-}
-
-/// Whether `peer` has the permission bits `want` (4 read, 2 write, 1 search) on `path`.
-fn allowed(peer: &Peer, path: &Path, want: u32) -> std::io::Result<bool> {
-    Ok(allows(peer, &std::fs::metadata(path)?, want))
 }
 
 /// Whether `peer` has the permission bits `want` on the file of `m`.
@@ -138,22 +164,7 @@ impl Guard for JobGuard {
     /// Reads as the submitter could: every directory on the way searchable by them, every
     /// file readable (the daemon itself can read what they cannot).
     fn read_check(&self) -> Option<ReadCheck> {
-        let peer = self.submitter.clone();
-        Some(Arc::new(move |st: &FileStat, want: u32| {
-            if allows_bits(&peer, st.st_uid, st.st_gid, st.st_mode, want) {
-                Ok(())
-            } else {
-                Err(std::io::Error::new(
-                    ErrorKind::PermissionDenied,
-                    format!(
-                        "the submitter (uid {}) may not read it (owner uid {}, mode {:o})",
-                        peer.uid,
-                        st.st_uid,
-                        st.st_mode & 0o7777
-                    ),
-                ))
-            }
-        }))
+        Some(self.submitter.read_check())
     }
 
     fn adopt(&self, dir: &Dir) -> std::io::Result<()> {
@@ -174,30 +185,42 @@ impl Guard for JobGuard {
     }
 }
 
-/// Refuses unless `dir` belongs to `peer` (or `peer` is root) and `peer` may create entries in
-/// it: a job writes its run directory only into a directory of its submitter's own, never into
-/// a shared one (`/tmp`) or another user's that happens to be open to the daemon.
-pub fn check_may_create_in(peer: &Peer, dir: &Path) -> Result<(), String> {
-    let owner = std::fs::metadata(dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?
-        .uid();
-    if peer.uid != 0 && owner != peer.uid {
-        return Err(format!(
-            "{}: not your directory (owner uid {owner}); put the run in a directory you own",
-            dir.display()
-        ));
-    }
-    match allowed(peer, dir, 3) {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(format!("{}: you may not create files there", dir.display())),
-        Err(e) => Err(format!("{}: {e}", dir.display())),
-    }
+/// Opens the directory `path` for `peer` to create entries in: it must belong to `peer` (or
+/// `peer` is root) and let `peer` write: a job writes its run directory only into a directory
+/// of its submitter's own, never into a shared one (`/tmp`) or another user's that happens to
+/// be open to the daemon.
+pub fn open_to_create_in(peer: &Peer, path: &Path) -> Result<Dir, String> {
+    let dir = peer.open_dir(path)?;
+    may_create_in(peer, &dir)?;
+    Ok(dir)
 }
 
-/// Refuses unless `path` belongs to `peer` (or `peer` is root): the daemon reads runs for
-/// their owners only, since it could read what they cannot.
-pub fn check_owns(peer: &Peer, path: &Path) -> Result<(), String> {
-    let owner = std::fs::metadata(path)
+fn may_create_in(peer: &Peer, dir: &Dir) -> Result<(), String> {
+    let m = dir
+        .metadata()
+        .map_err(|e| format!("{}: {e}", dir.path().display()))?;
+    if peer.uid != 0 && m.uid() != peer.uid {
+        return Err(format!(
+            "{}: not your directory (owner uid {}); put the run in a directory you own",
+            dir.path().display(),
+            m.uid()
+        ));
+    }
+    if !allows(peer, &m, 3) {
+        return Err(format!(
+            "{}: you may not create files there",
+            dir.path().display()
+        ));
+    }
+    Ok(())
+}
+
+/// Opens the directory `path` if it belongs to `peer` (or `peer` is root): the daemon reads
+/// runs for their owners only.
+pub fn open_own(peer: &Peer, path: &Path) -> Result<Dir, String> {
+    let dir = peer.open_dir(path)?;
+    let owner = dir
+        .metadata()
         .map_err(|e| format!("{}: {e}", path.display()))?
         .uid();
     if peer.uid != 0 && owner != peer.uid {
@@ -206,23 +229,18 @@ pub fn check_owns(peer: &Peer, path: &Path) -> Result<(), String> {
             path.display()
         ));
     }
-    Ok(())
+    Ok(dir)
 }
 
-/// Refuses unless `peer` could read and write the file `path`.
-pub fn check_may_write(peer: &Peer, path: &Path) -> Result<(), String> {
-    match allowed(peer, path, 6) {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(format!("{}: you may not read and write it", path.display())),
+/// Refuses unless `peer` could read and write the file `path`, or create it.
+pub fn check_may_write_or_create(peer: &Peer, path: &Path) -> Result<(), String> {
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(format!("{}: not a file path", path.display()));
+    };
+    let dir = peer.open_dir(parent)?;
+    match dir.entry(name) {
+        Ok(Some(st)) => (peer.read_check())(&st, 6).map_err(|e| format!("{}: {e}", path.display())),
+        Ok(None) => may_create_in(peer, &dir),
         Err(e) => Err(format!("{}: {e}", path.display())),
-    }
-}
-
-/// Refuses unless `peer` could read the directory `dir` (list and open its files).
-pub fn check_may_read(peer: &Peer, dir: &Path) -> Result<(), String> {
-    match allowed(peer, dir, 5) {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(format!("{}: you may not read it", dir.display())),
-        Err(e) => Err(format!("{}: {e}", dir.display())),
     }
 }

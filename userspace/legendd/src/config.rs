@@ -20,8 +20,16 @@ pub struct DaemonConfig {
     pub gpu_jobs: usize,
     /// Connections served at once; more are answered `unavailable` and closed.
     pub max_connections: usize,
-    /// Seconds a client may take to send a request before it is disconnected.
+    /// Of `max_connections`, how many only the admin group (and root) may take: they always
+    /// get in.
+    pub reserved_connections: usize,
+    /// Connections one uid (outside the admin group) may hold at once.
+    pub max_connections_per_uid: usize,
+    /// Seconds a client may take to send a whole request (from connecting, or from its last
+    /// reply) before it is disconnected.
     pub request_timeout_s: u64,
+    /// Jobs one user may have queued or running at once.
+    pub max_jobs_per_user: usize,
     /// Also serve the Prometheus metrics on `127.0.0.1:PORT` (`GET /metrics`).
     pub metrics_port: Option<u16>,
 }
@@ -35,7 +43,10 @@ impl Default for DaemonConfig {
             cpu_jobs: 1,
             gpu_jobs: 1,
             max_connections: 256,
+            reserved_connections: 16,
+            max_connections_per_uid: 32,
             request_timeout_s: 30,
+            max_jobs_per_user: 100,
             metrics_port: None,
         }
     }
@@ -51,10 +62,24 @@ impl DaemonConfig {
         };
         let config: DaemonConfig =
             toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        if config.cpu_jobs == 0 || config.gpu_jobs == 0 || config.max_connections == 0 {
+        if config.cpu_jobs == 0
+            || config.gpu_jobs == 0
+            || config.max_connections_per_uid == 0
+            || config.max_jobs_per_user == 0
+            || config.request_timeout_s == 0
+        {
             anyhow::bail!(
-                "{}: cpu_jobs, gpu_jobs and max_connections must be at least 1",
+                "{}: cpu_jobs, gpu_jobs, max_connections_per_uid, max_jobs_per_user and \
+                 request_timeout_s must be at least 1",
                 path.display()
+            );
+        }
+        if config.reserved_connections >= config.max_connections {
+            anyhow::bail!(
+                "{}: reserved_connections ({}) must be less than max_connections ({})",
+                path.display(),
+                config.reserved_connections,
+                config.max_connections
             );
         }
         Ok(config)
@@ -81,6 +106,8 @@ mod tests {
         for text in [
             "sockett = \"/x\"\n",
             "cpu_jobs = 0\n",
+            "max_connections = 8\nreserved_connections = 8\n",
+            "max_jobs_per_user = 0\n",
             "gpu_jobs = \"one\"\n",
         ] {
             std::fs::write(&path, text).unwrap();

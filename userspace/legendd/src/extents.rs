@@ -140,9 +140,10 @@ pub fn release(place: &Placement, run: &Path, owner: u32) -> Result<bool, String
     Ok(freed.is_some())
 }
 
-/// Where an existing run's store is, if on a namespace (from its `run.toml`).
-pub fn recorded_placement(run: &Path) -> Option<Placement> {
-    let meta = legend_engine::run::read_meta(&legend_engine::run::open(run).ok()?).ok()?;
+/// Where an existing run's store is, if on a namespace (from the `run.toml` of the run opened
+/// as `run`, for its submitter).
+pub fn recorded_placement(run: &legend_fs::Dir) -> Option<Placement> {
+    let meta = legend_engine::run::read_meta(run).ok()?;
     Some(Placement {
         path: meta.store?,
         queue: meta.store_queue?,

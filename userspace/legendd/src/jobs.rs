@@ -3,9 +3,10 @@
 //! has room (one queue per GPU and one for the CPU); and the runners, which drive a
 //! [`Session`] (train) or an evaluation in a thread of their own.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::io::Write as _;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::SyncSender;
@@ -31,12 +32,27 @@ pub const WATCH_BACKLOG: usize = 256;
 /// How often a running job's progress goes to its watchers.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 
+/// The format of the job records this daemon writes. Records without one are of the first
+/// format (the same fields); a record of a later format is refused at start, naming it.
+const RECORD_FORMAT: u32 = 1;
+
+/// Where the highest job id ever given is kept once the newest job is deleted (ids are never
+/// reused: the records alone would give a deleted newest job's id again).
+const LAST_ID_FILE: &str = "last-id";
+
 /// A job as the state directory keeps it.
 #[derive(Serialize, Deserialize)]
 struct Record {
+    /// [`RECORD_FORMAT`] when written.
+    #[serde(default = "first_format")]
+    format: u32,
     info: JobInfo,
     /// `cpu` or `cuda:N`.
     queue: String,
+    /// A train job's run directory has been made: after a restart the job continues it (the
+    /// spec stays as submitted, `resume` included).
+    #[serde(default)]
+    run_made: bool,
 }
 
 struct Entry {
@@ -49,12 +65,55 @@ struct Entry {
     train_seconds: f64,
 }
 
+/// The jobs, with indexes kept alongside so that no request, and no scheduling pass, walks
+/// every job: the queued ones by device queue in submission order, how many run on each, the
+/// unfinished ones by owner.
 #[derive(Default)]
 struct Table {
     jobs: BTreeMap<u64, Entry>,
+    queued: HashMap<String, BTreeSet<u64>>,
+    running: HashMap<String, usize>,
+    unfinished: HashMap<u32, usize>,
+    /// Unfinished jobs by the directory they work on (a train job's run, an eval's or an
+    /// export's run).
+    busy_dirs: HashMap<PathBuf, usize>,
     next_id: u64,
     stopping: bool,
     runners: Vec<JoinHandle<()>>,
+}
+
+impl Table {
+    /// Puts job `id` at its place in `queue`.
+    fn enqueue(&mut self, queue: &str, id: u64) {
+        self.queued.entry(queue.to_owned()).or_default().insert(id);
+    }
+
+    /// Takes job `id` off `queue`.
+    fn dequeue(&mut self, queue: &str, id: u64) {
+        if let Some(q) = self.queued.get_mut(queue) {
+            q.remove(&id);
+        }
+    }
+
+    /// Counts a job of `owner` on directory `dir` that is not final yet.
+    fn add_unfinished(&mut self, owner: u32, dir: &Path) {
+        *self.unfinished.entry(owner).or_default() += 1;
+        *self.busy_dirs.entry(dir.to_owned()).or_default() += 1;
+    }
+
+    /// Uncounts a job of `owner` on `dir` that became final.
+    fn remove_unfinished(&mut self, owner: u32, dir: &Path) {
+        fn uncount<K: Eq + std::hash::Hash>(map: &mut HashMap<K, usize>, key: &K) {
+            if let Some(n) = map.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(key);
+                }
+            }
+        }
+        uncount(&mut self.unfinished, &owner);
+        uncount(&mut self.busy_dirs, &dir.to_owned());
+    }
 }
 
 /// The daemon's jobs.
@@ -64,6 +123,8 @@ pub struct Jobs {
     dir: PathBuf,
     cpu_jobs: usize,
     gpu_jobs: usize,
+    /// `max_jobs_per_user`.
+    max_per_user: usize,
     /// Requests answered, for the metrics.
     pub requests: AtomicU64,
 }
@@ -77,10 +138,67 @@ pub enum JobError {
     Refused(String),
 }
 
+fn first_format() -> u32 {
+    1
+}
+
+/// Creates (or truncates) `path`, private to the daemon whatever the umask, with `bytes` in it,
+/// on disk when this returns.
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
+/// Writes `bytes` to `path` through a synced temporary file and a rename, then syncs the
+/// directory: a crash keeps the old contents or the new, and the new are durable.
+fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    write_private(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)?;
+    std::fs::File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()
+}
+
+/// Makes `dir` (and its parents) if missing, private to the daemon (0700) whatever the umask.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
 fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// Unix time `secs` as `YYYY-MM-DD HH:MM:SS UTC`, for the job logs people read.
+fn utc(secs: u64) -> String {
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    // Days since 1970-01-01 to a civil date, in 400-year eras of 146097 days that start on
+    // 1 March (so the leap day ends a year).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let day_of_era = z.rem_euclid(146_097);
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let mp = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
+    )
 }
 
 /// An error with its causes, on one line.
@@ -99,10 +217,31 @@ impl Jobs {
     /// are queued again; a train job that had begun resumes from its last checkpoint.
     pub fn open(config: &DaemonConfig) -> anyhow::Result<Arc<Jobs>> {
         let dir = config.state_dir.join("jobs");
-        std::fs::create_dir_all(&dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+        // The state directory may be the admin's choice (`--state-dir`), left as it is when it
+        // exists; `jobs` in it is the daemon's own, private whatever it was before.
+        private_dir(&dir)
+            .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
         let mut table = Table::default();
+        let last_id = dir.join(LAST_ID_FILE);
+        match std::fs::read_to_string(&last_id) {
+            Ok(text) => {
+                table.next_id = text
+                    .trim()
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("{}: not a job id ({e})", last_id.display()))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => anyhow::bail!("{}: {e}", last_id.display()),
+        }
+        // Jobs whose record changes here: only they are written again.
+        let mut requeued = Vec::new();
         for entry in std::fs::read_dir(&dir)? {
             let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "log") {
+                // Logs written by a daemon before they were private.
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+            }
             if path.extension().is_none_or(|e| e != "json") {
                 continue;
             }
@@ -114,10 +253,26 @@ impl Jobs {
                     continue;
                 }
             };
+            if record.format > RECORD_FORMAT {
+                anyhow::bail!(
+                    "{}: a job record of format {}, written by a newer legendd; this one reads \
+                     formats up to {RECORD_FORMAT} (run the newer legendd, or move the record away)",
+                    path.display(),
+                    record.format
+                );
+            }
+            record.format = RECORD_FORMAT;
             table.next_id = table.next_id.max(record.info.id);
             if record.info.state == JobState::Running {
                 record.info.state = JobState::Queued;
+                requeued.push(record.info.id);
                 tracing::info!("job {} was running: queued again", record.info.id);
+            }
+            if record.info.state == JobState::Queued {
+                table.enqueue(&record.queue, record.info.id);
+            }
+            if !record.info.state.is_final() {
+                table.add_unfinished(record.info.owner, record.info.spec.dir());
             }
             table.jobs.insert(
                 record.info.id,
@@ -137,11 +292,12 @@ impl Jobs {
             dir,
             cpu_jobs: config.cpu_jobs,
             gpu_jobs: config.gpu_jobs,
+            max_per_user: config.max_jobs_per_user,
             requests: AtomicU64::new(0),
         });
-        let ids: Vec<u64> = jobs.lock().jobs.keys().copied().collect();
-        for id in ids {
-            jobs.persist(&jobs.lock(), id);
+        for id in requeued {
+            jobs.persist(&jobs.lock(), id)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", jobs.record_path(id).display()))?;
         }
         Ok(jobs)
     }
@@ -159,26 +315,34 @@ impl Jobs {
         self.dir.join(format!("{id}.log"))
     }
 
-    /// Writes the job's record (temporary file, rename), so a crash keeps the old or the new.
-    fn persist(&self, table: &Table, id: u64) {
+    /// Writes the job's record durably (synced temporary file, rename, synced directory), so a
+    /// crash keeps the old or the new.
+    fn persist(&self, table: &Table, id: u64) -> std::io::Result<()> {
         let Some(entry) = table.jobs.get(&id) else {
-            return;
+            return Ok(());
         };
-        let path = self.record_path(id);
-        let tmp = path.with_extension("json.tmp");
         let text = serde_json::to_vec_pretty(&entry.record).expect("a job record serializes");
-        let written = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &path));
-        if let Err(e) = written {
-            tracing::error!("job {id}: saving its record {}: {e}", path.display());
+        write_durably(&self.record_path(id), &text)
+    }
+
+    /// [`Jobs::persist`] for a change already made, which stays made in memory when the disk
+    /// fails (the job runs on; the error goes to the daemon's log).
+    fn save(&self, table: &Table, id: u64) {
+        if let Err(e) = self.persist(table, id) {
+            tracing::error!(
+                "job {id}: saving its record {}: {e}",
+                self.record_path(id).display()
+            );
         }
     }
 
-    /// Appends a line to the job's log.
+    /// Appends a line to the job's log (private to the daemon: it may name its paths).
     fn log(&self, id: u64, text: &str) {
-        let line = format!("{} {text}\n", now());
+        let line = format!("{} {text}\n", utc(now()));
         let appended = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(self.log_path(id))
             .and_then(|mut f| f.write_all(line.as_bytes()));
         if let Err(e) = appended {
@@ -191,6 +355,22 @@ impl Jobs {
         let mut t = self.lock();
         if t.stopping {
             return Err(JobError::Refused("the daemon is stopping".into()));
+        }
+        let unfinished = t.unfinished.get(&owner).copied().unwrap_or(0);
+        if unfinished >= self.max_per_user {
+            return Err(JobError::Refused(format!(
+                "uid {owner} has {unfinished} jobs queued or running (max_jobs_per_user = {}): \
+                 wait for some to end, or cancel some",
+                self.max_per_user
+            )));
+        }
+        if let JobSpec::Train { out, .. } = &spec
+            && t.busy_dirs.contains_key(out)
+        {
+            return Err(JobError::Refused(format!(
+                "{}: another job is queued or running on this run",
+                out.display()
+            )));
         }
         t.next_id += 1;
         let id = t.next_id;
@@ -211,8 +391,10 @@ impl Jobs {
             id,
             Entry {
                 record: Record {
+                    format: RECORD_FORMAT,
                     info: info.clone(),
-                    queue,
+                    queue: queue.clone(),
+                    run_made: false,
                 },
                 stop: Arc::default(),
                 watchers: Vec::new(),
@@ -221,7 +403,26 @@ impl Jobs {
                 train_seconds: 0.0,
             },
         );
-        self.persist(&t, id);
+        let dir = info.spec.dir().clone();
+        t.add_unfinished(owner, &dir);
+        t.enqueue(&queue, id);
+        // Acknowledged only once on disk: a job the daemon said it queued survives a crash.
+        if let Err(e) = self.persist(&t, id) {
+            t.jobs.remove(&id);
+            t.remove_unfinished(owner, &dir);
+            t.dequeue(&queue, id);
+            drop(t);
+            let path = self.record_path(id);
+            let _ = std::fs::remove_file(path.with_extension("tmp"));
+            tracing::error!(
+                "job {id} not queued: saving its record {}: {e}",
+                path.display()
+            );
+            return Err(JobError::Refused(format!(
+                "not queued: the daemon could not save the job ({}: {e})",
+                path.display()
+            )));
+        }
         drop(t);
         self.log(
             id,
@@ -262,7 +463,11 @@ impl Jobs {
                 entry.record.info.state = JobState::Cancelled;
                 entry.record.info.ended = Some(now());
                 entry.watchers.clear();
-                self.persist(&t, id);
+                let (owner, queue) = (entry.record.info.owner, entry.record.queue.clone());
+                let dir = entry.record.info.spec.dir().clone();
+                t.dequeue(&queue, id);
+                t.remove_unfinished(owner, &dir);
+                self.save(&t, id);
                 drop(t);
                 self.log(id, "cancelled while queued");
                 self.changed.notify_all();
@@ -291,6 +496,16 @@ impl Jobs {
                 "job {id} is {}: cancel it first",
                 state.name()
             )));
+        }
+        if t.jobs.keys().next_back() == Some(&id) {
+            // The newest job's record goes: its id is kept elsewhere, never to be given again.
+            let last = t.next_id.to_string();
+            write_durably(&self.dir.join(LAST_ID_FILE), last.as_bytes()).map_err(|e| {
+                JobError::Refused(format!(
+                    "job {id} not deleted: saving the last job id in {}: {e}",
+                    self.dir.display()
+                ))
+            })?;
         }
         let info = t.jobs.remove(&id).expect("looked up above").record.info;
         drop(t);
@@ -351,30 +566,16 @@ impl Jobs {
         loop {
             t.runners.retain(|r| !r.is_finished());
             if t.stopping {
-                if t.runners.is_empty() {
-                    return;
+                // Wait for the runners themselves, not a poll: the daemon exits as soon as
+                // the last job has checkpointed.
+                let runners = std::mem::take(&mut t.runners);
+                drop(t);
+                for r in runners {
+                    let _ = r.join();
                 }
-            } else {
-                let queued: Vec<(u64, String)> = t
-                    .jobs
-                    .values()
-                    .filter(|e| e.record.info.state == JobState::Queued)
-                    .map(|e| (e.record.info.id, e.record.queue.clone()))
-                    .collect();
-                for (id, queue) in queued {
-                    let running = t
-                        .jobs
-                        .values()
-                        .filter(|e| {
-                            e.record.info.state == JobState::Running && e.record.queue == queue
-                        })
-                        .count();
-                    if running < self.limit(&queue) {
-                        let runner = self.start(&mut t, id);
-                        t.runners.push(runner);
-                    }
-                }
+                return;
             }
+            self.start_what_fits(&mut t);
             t = self
                 .changed
                 .wait_timeout(t, Duration::from_secs(1))
@@ -383,7 +584,25 @@ impl Jobs {
         }
     }
 
+    /// Starts the first queued jobs of each device queue with room: the work of a pass is the
+    /// number of queues and of jobs started, however many wait.
+    fn start_what_fits(self: &Arc<Self>, t: &mut Table) {
+        let mut starting = Vec::new();
+        for (queue, ids) in &t.queued {
+            let running = t.running.get(queue).copied().unwrap_or(0);
+            let room = self.limit(queue).saturating_sub(running);
+            starting.extend(ids.iter().take(room).copied());
+        }
+        for id in starting {
+            let runner = self.start(t, id);
+            t.runners.push(runner);
+        }
+    }
+
     fn start(self: &Arc<Self>, t: &mut Table, id: u64) -> JoinHandle<()> {
+        let queue = t.jobs[&id].record.queue.clone();
+        t.dequeue(&queue, id);
+        *t.running.entry(queue).or_default() += 1;
         let entry = t.jobs.get_mut(&id).expect("a queued job");
         entry.record.info.state = JobState::Running;
         entry.record.info.started = Some(now());
@@ -396,7 +615,7 @@ impl Jobs {
             entry,
             serde_json::json!({"type": "state", "state": "running"}),
         );
-        self.persist(t, id);
+        self.save(t, id);
         self.log(id, "started");
         tracing::info!("job {id}: started");
         let jobs = self.clone();
@@ -435,18 +654,15 @@ impl Jobs {
         else {
             unreachable!("a train job");
         };
-        let mut session = if *resume {
+        let run_made = self.lock().jobs.get(&id).is_some_and(|e| e.record.run_made);
+        let mut session = if *resume || run_made {
             Session::resume(out, dataset.as_deref(), sets, guard).map_err(|e| chain(&e))?
         } else {
             let dataset = dataset.as_deref().ok_or("a new run needs a dataset")?;
             let config = Config::parse(config, sets).map_err(|e| chain(&e))?;
             let session = Session::create(out, dataset, config, guard).map_err(|e| chain(&e))?;
             // The run exists now: after a restart the job continues it.
-            self.update(id, |e| {
-                if let JobSpec::Train { resume, .. } = &mut e.record.info.spec {
-                    *resume = true;
-                }
-            });
+            self.update(id, |e| e.record.run_made = true);
             session
         };
         if session.is_finished().map_err(|e| chain(&e))? {
@@ -490,6 +706,8 @@ impl Jobs {
         guard
             .admit(&dir)
             .map_err(|e| format!("{}: {e}", dir.path().display()))?;
+        // The run is the submitter's; what is read in it must be theirs to read too.
+        let dir = dir.reading_as(guard.read_check());
         let meta = run::read_meta(&dir).map_err(|e| chain(&e))?;
         let dataset = evaluation::open_run_dataset(&meta, None, guard).map_err(|e| chain(&e))?;
         let tables = run::load_tables(&dir, &meta, guard).map_err(|e| chain(&e))?;
@@ -541,7 +759,7 @@ impl Jobs {
         let mut t = self.lock();
         if let Some(e) = t.jobs.get_mut(&id) {
             f(e);
-            self.persist(&t, id);
+            self.save(&t, id);
         }
     }
 
@@ -588,7 +806,7 @@ impl Jobs {
                 );
                 let event = serde_json::json!({"type": "epoch", "line": line});
                 Self::broadcast(entry, event);
-                self.persist(&t, id);
+                self.save(&t, id);
                 drop(t);
                 self.log(id, &text);
                 return;
@@ -650,9 +868,6 @@ impl Jobs {
             Ok(Ended::Stopped(at)) if stopping => {
                 // The daemon is stopping: the job continues at the next start.
                 info.state = JobState::Queued;
-                if let JobSpec::Train { resume, .. } = &mut info.spec {
-                    *resume = true;
-                }
                 format!("stopped with the daemon at {at}; resumes at the next start")
             }
             Ok(Ended::Stopped(at)) => {
@@ -665,13 +880,23 @@ impl Jobs {
                 format!("failed: {e}")
             }
         };
-        if info.state.is_final() {
-            info.ended = Some(now());
+        let (owner, queue, state) = (info.owner, entry.record.queue.clone(), info.state);
+        let dir = info.spec.dir().clone();
+        if state.is_final() {
+            entry.record.info.ended = Some(now());
         }
         // Dropping the senders ends the watches, each then reporting the final state: only
         // once the log says how the job ended, so a watcher that reads it next finds that.
         let watchers = std::mem::take(&mut entry.watchers);
-        self.persist(&t, id);
+        if let Some(n) = t.running.get_mut(&queue) {
+            *n = n.saturating_sub(1);
+        }
+        if state.is_final() {
+            t.remove_unfinished(owner, &dir);
+        } else {
+            t.enqueue(&queue, id);
+        }
+        self.save(&t, id);
         drop(t);
         self.log(id, &text);
         drop(watchers);
@@ -693,8 +918,10 @@ impl Jobs {
         self.changed.notify_all();
     }
 
-    /// The metrics in the Prometheus text format.
-    pub fn metrics(&self) -> String {
+    /// The metrics in the Prometheus text format: the daemon's totals, and the lines of each
+    /// job whose owner `shows` (a user sees their own jobs, the admin group everyone's, the
+    /// HTTP endpoint, which knows no caller, none).
+    pub fn metrics(&self, shows: impl Fn(u32) -> bool) -> String {
         let t = self.lock();
         let mut s = String::new();
         let _ = writeln!(
@@ -736,11 +963,8 @@ impl Jobs {
             s,
             "# HELP legend_job_edges_per_second Edges per second of the job's last epoch.\n# TYPE legend_job_edges_per_second gauge"
         );
-        for e in t
-            .jobs
-            .values()
-            .filter(|e| e.record.info.state == JobState::Running)
-        {
+        let shown = || t.jobs.values().filter(|e| shows(e.record.info.owner));
+        for e in shown().filter(|e| e.record.info.state == JobState::Running) {
             let i = &e.record.info;
             let _ = writeln!(
                 s,
@@ -752,7 +976,7 @@ impl Jobs {
             s,
             "# HELP legend_job_io_bytes_total Bytes the job's swaps moved.\n# TYPE legend_job_io_bytes_total counter"
         );
-        for e in t.jobs.values() {
+        for e in shown() {
             let _ = writeln!(
                 s,
                 "legend_job_io_bytes_total{{job=\"{}\"}} {}",
@@ -763,7 +987,7 @@ impl Jobs {
             s,
             "# HELP legend_job_train_seconds_total Seconds the job's epochs took (on its GPU or CPU).\n# TYPE legend_job_train_seconds_total counter"
         );
-        for e in t.jobs.values() {
+        for e in shown() {
             let _ = writeln!(
                 s,
                 "legend_job_train_seconds_total{{job=\"{}\"}} {}",
@@ -783,8 +1007,9 @@ enum Ended {
 }
 
 /// The configuration a train job runs with: its own for a new run, the run's `config.toml` with
-/// the job's overrides when it resumes.
-pub fn train_config(spec: &JobSpec) -> Result<Config, String> {
+/// the job's overrides when it resumes, read as `reader` (its submitter) could read it: the
+/// daemon never reads, and so never quotes back in a parse error, what they could not.
+pub fn train_config(spec: &JobSpec, reader: &Peer) -> Result<Config, String> {
     let JobSpec::Train {
         out,
         config,
@@ -796,12 +1021,17 @@ pub fn train_config(spec: &JobSpec) -> Result<Config, String> {
         return Err("not a train job".into());
     };
     if *resume {
-        // Through the run's directory: not through a link, not a FIFO, not a huge file (the
-        // submitter controls what is there, and parse errors quote it back).
-        let path = out.join(run::CONFIG_FILE);
-        let text = legend_fs::Dir::open(out)
-            .and_then(|dir| dir.read_to_string(run::CONFIG_FILE))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+        // Through the run's directory: not through a link, not a FIFO, not a huge file.
+        let dir = reader.open_dir(out)?;
+        if !dir.is_file(run::META_FILE).unwrap_or(false) {
+            return Err(format!(
+                "{}: not a run directory (no run.toml)",
+                out.display()
+            ));
+        }
+        let text = dir
+            .read_to_string(run::CONFIG_FILE)
+            .map_err(|e| format!("{}: {e}", dir.join(run::CONFIG_FILE).display()))?;
         Config::parse(&text, sets)
     } else {
         Config::parse(config, sets)
@@ -817,5 +1047,15 @@ pub fn queue_of(config: &Config) -> String {
         DeviceChoice::Cuda(n) => format!("cuda:{n}"),
         DeviceChoice::Auto if legend_cuda::driver_present() => "cuda:0".into(),
         DeviceChoice::Auto => "cpu".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn log_times_read_as_dates() {
+        assert_eq!(super::utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(super::utc(951_782_400), "2000-02-29 00:00:00 UTC");
+        assert_eq!(super::utc(1_795_737_599), "2026-11-26 23:59:59 UTC");
     }
 }

@@ -11,6 +11,7 @@ mod jobs;
 mod notify;
 mod server;
 
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -71,6 +72,13 @@ fn run(args: Args) -> anyhow::Result<()> {
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o002));
     let explicit = args.config != std::path::Path::new("/etc/legend/legendd.toml");
     let mut config = DaemonConfig::load(&args.config, explicit)?;
+    if !explicit && !args.config.exists() {
+        tracing::warn!(
+            "no configuration file at {}: every setting at its default (systemd/legendd.toml \
+             lists them)",
+            args.config.display()
+        );
+    }
     if let Some(s) = args.socket {
         config.socket = s;
     }
@@ -81,8 +89,13 @@ fn run(args: Args) -> anyhow::Result<()> {
         tracing::info!("running in the foreground (legendd does not fork; systemd supervises it)");
     }
     let shutdown = Arc::new(AtomicBool::new(false));
+    // The flag says a signal came; the byte wakes the accept loop, which blocks until then.
+    let (wake, waker) = UnixStream::pair().context("a socket pair for signals")?;
+    waker.set_nonblocking(true)?;
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(signal, shutdown.clone())
+            .context("installing signal handlers")?;
+        signal_hook::low_level::pipe::register(signal, waker.try_clone()?)
             .context("installing signal handlers")?;
     }
     let jobs = jobs::Jobs::open(&config).context("opening the state directory")?;
@@ -95,10 +108,11 @@ fn run(args: Args) -> anyhow::Result<()> {
     );
     let scheduler = jobs.start_scheduler();
     if let Some(port) = config.metrics_port {
-        server::serve_metrics_http(port, jobs.clone(), shutdown.clone())?;
+        let timeout = std::time::Duration::from_secs(config.request_timeout_s);
+        server::serve_metrics_http(port, jobs.clone(), timeout)?;
     }
     notify::ready();
-    server::serve(listener, &config, jobs.clone(), &shutdown);
+    server::serve(listener, &config, jobs.clone(), &shutdown, &wake);
     notify::stopping();
     tracing::info!("stopping: running jobs checkpoint and will resume at the next start");
     jobs.shut_down();

@@ -1,19 +1,22 @@
-//! The Unix socket: one thread per connection (at most `max_connections`), each identifying
-//! its peer by `SO_PEERCRED` and answering framed requests. A client that sends nothing for
+//! The Unix socket: connections admitted by their peer's `SO_PEERCRED` credentials (at most
+//! `max_connections`, `max_connections_per_uid` a user, a reserve for the admin group), one
+//! thread each, answering framed requests. A client that does not send a whole request within
 //! `request_timeout_s`, sends a frame over the limit or breaks the framing is disconnected;
 //! a malformed request inside a good frame gets an error reply. Nothing a client does can make
 //! the daemon wait on it: watches read events from a bounded queue the job fills without
 //! blocking, and writes to a client time out.
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::TcpListener;
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{RecvTimeoutError, sync_channel};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use legend_daemon_api::{
@@ -50,65 +53,224 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     Ok(listener)
 }
 
-/// Counts a connection while it lives.
-struct Slot(Arc<AtomicUsize>);
+/// Connections open now, in all and by uid.
+#[derive(Default)]
+struct Open {
+    total: usize,
+    by_uid: HashMap<u32, usize>,
+}
 
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+/// Who gets a connection: at most `max_connections` at once, of which the last
+/// `reserved_connections` only for the admin group (root, the admin group, the daemon's own
+/// user always get in), and at most `max_connections_per_uid` for anyone else. Counted after
+/// `SO_PEERCRED`, before the connection has a thread: a user holding connections open cannot
+/// take the others' nor the administrator's.
+struct Admission {
+    open: Mutex<Open>,
+    max: usize,
+    reserved: usize,
+    per_uid: usize,
+}
+
+/// A connection's place, given back when it closes.
+struct Slot {
+    admission: Arc<Admission>,
+    uid: u32,
+}
+
+impl Admission {
+    fn new(config: &DaemonConfig) -> Admission {
+        Admission {
+            open: Mutex::default(),
+            max: config.max_connections,
+            reserved: config.reserved_connections,
+            per_uid: config.max_connections_per_uid,
+        }
+    }
+
+    /// A place for `peer`'s connection, or why there is none (naming the setting).
+    fn admit(self: &Arc<Self>, peer: &Peer) -> Result<Slot, String> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if open.total >= self.max {
+            return Err(format!(
+                "too many connections ({} open, max_connections = {}); try again",
+                open.total, self.max
+            ));
+        }
+        if !peer.admin {
+            let mine = open.by_uid.get(&peer.uid).copied().unwrap_or(0);
+            if mine >= self.per_uid {
+                return Err(format!(
+                    "uid {} has {mine} connections open (max_connections_per_uid = {}); close \
+                     one and try again",
+                    peer.uid, self.per_uid
+                ));
+            }
+            let for_users = self.max.saturating_sub(self.reserved);
+            if open.total >= for_users {
+                return Err(format!(
+                    "too many connections ({} open; max_connections = {}, of which \
+                     reserved_connections = {} are kept for the admin group); try again",
+                    open.total, self.max, self.reserved
+                ));
+            }
+        }
+        open.total += 1;
+        *open.by_uid.entry(peer.uid).or_default() += 1;
+        Ok(Slot {
+            admission: self.clone(),
+            uid: peer.uid,
+        })
     }
 }
 
-/// Serves `listener` until `shutdown` is set.
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut open = self
+            .admission
+            .open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        open.total -= 1;
+        if let Some(n) = open.by_uid.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                open.by_uid.remove(&self.uid);
+            }
+        }
+    }
+}
+
+/// Waits until `listener` has a connection or `wake` a byte (a signal arrived); never spins.
+fn wait_for_either(listener: &UnixListener, wake: &UnixStream) -> std::io::Result<bool> {
+    let mut fds = [
+        libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.kind() == std::io::ErrorKind::Interrupted {
+            Ok(false)
+        } else {
+            Err(e)
+        };
+    }
+    Ok(fds[0].revents != 0)
+}
+
+/// Serves `listener` until `shutdown` is set; `wake` gets a byte when it is (the signal
+/// handlers write one), so the loop blocks instead of polling.
 pub fn serve(
     listener: UnixListener,
     config: &DaemonConfig,
     jobs: Arc<Jobs>,
     shutdown: &AtomicBool,
+    wake: &UnixStream,
 ) {
     listener
         .set_nonblocking(true)
         .expect("a listening socket can be made non-blocking");
-    let active = Arc::new(AtomicUsize::new(0));
+    let admission = Arc::new(Admission::new(config));
+    let timeout = Duration::from_secs(config.request_timeout_s);
     while !shutdown.load(Ordering::Relaxed) {
+        match wait_for_either(&listener, wake) {
+            Ok(true) => {}
+            Ok(false) => continue,
+            Err(e) => {
+                tracing::error!("waiting for connections: {e}");
+                return;
+            }
+        }
         let stream = match listener.accept() {
             Ok((stream, _)) => stream,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20));
-                continue;
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => {
+                // Out of descriptors, say: the connection waits in the backlog meanwhile.
                 tracing::warn!("accepting a connection: {e}");
                 std::thread::sleep(Duration::from_millis(20));
                 continue;
             }
         };
         let _ = stream.set_nonblocking(false);
-        let timeout = Duration::from_secs(config.request_timeout_s);
         let _ = stream.set_write_timeout(Some(timeout));
-        if active.fetch_add(1, Ordering::Relaxed) >= config.max_connections {
-            active.fetch_sub(1, Ordering::Relaxed);
-            let mut s = stream;
-            let _ = write_message(
-                &mut s,
-                &error(ErrorCode::Unavailable, "too many connections; try again"),
-            );
-            continue;
-        }
-        let slot = Slot(active.clone());
+        let peer = match Peer::of(&stream, &config.admin_group) {
+            Ok(peer) => peer,
+            Err(e) => {
+                tracing::debug!("no credentials for a connection: {e}");
+                continue;
+            }
+        };
+        let slot = match admission.admit(&peer) {
+            Ok(slot) => slot,
+            Err(why) => {
+                // A short reply fits the socket's buffer: this never waits on the client.
+                let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+                let mut s = stream;
+                let _ = write_message(&mut s, &error(ErrorCode::Unavailable, why));
+                continue;
+            }
+        };
         let jobs = jobs.clone();
-        let admin_group = config.admin_group.clone();
         let spawned = std::thread::Builder::new()
             .name("client".into())
             .spawn(move || {
                 let _slot = slot;
-                if let Err(e) = connection(stream, &admin_group, timeout, &jobs) {
+                if let Err(e) = connection(stream, &peer, timeout, &jobs) {
                     tracing::debug!(error = &e as &dyn std::error::Error, "client");
                 }
             });
         if let Err(e) = spawned {
             tracing::warn!("no thread for a client: {e}");
         }
+    }
+}
+
+/// Reads a client's request against a deadline for the whole of it, not for each read: a
+/// client trickling a byte at a time is cut off like a silent one.
+struct Deadline<'a, S> {
+    stream: &'a S,
+    at: Instant,
+}
+
+/// A stream whose reads can time out.
+trait TimedRead {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()>;
+}
+
+impl TimedRead for UnixStream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        UnixStream::set_read_timeout(self, timeout)
+    }
+}
+
+impl TimedRead for TcpStream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        TcpStream::set_read_timeout(self, timeout)
+    }
+}
+
+impl<'a, S: TimedRead> Read for Deadline<'a, S>
+where
+    &'a S: Read,
+{
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.at.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        let mut stream = self.stream;
+        stream.read(buf)
     }
 }
 
@@ -128,22 +290,37 @@ fn job_error(e: JobError) -> Reply {
 
 fn connection(
     stream: UnixStream,
-    admin_group: &str,
+    peer: &Peer,
     timeout: Duration,
     jobs: &Jobs,
 ) -> Result<(), FrameError> {
-    stream.set_read_timeout(Some(timeout))?;
-    let peer = Peer::of(&stream, admin_group)?;
-    let mut reader = stream.try_clone()?;
+    let reader = stream.try_clone()?;
     let mut writer = stream;
     loop {
-        let bytes = match read_frame(&mut reader, MAX_FRAME) {
+        let mut deadline = Deadline {
+            stream: &reader,
+            at: Instant::now() + timeout,
+        };
+        let bytes = match read_frame(&mut deadline, MAX_FRAME) {
             Ok(Some(bytes)) => bytes,
             Ok(None) => return Ok(()),
             Err(e @ FrameError::TooLarge { .. }) => {
                 // The rest of the stream cannot be trusted to be framed: answer and close.
                 write_message(&mut writer, &error(ErrorCode::BadRequest, e.to_string()))?;
                 return Err(e);
+            }
+            Err(FrameError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+                ) =>
+            {
+                let why = format!(
+                    "no complete request within {} s (request_timeout_s): disconnected",
+                    timeout.as_secs()
+                );
+                write_message(&mut writer, &error(ErrorCode::BadRequest, why))?;
+                return Err(FrameError::Io(e));
             }
             Err(e) => return Err(e),
         };
@@ -172,10 +349,20 @@ fn connection(
             continue;
         }
         match envelope.request {
-            Request::Watch { job } => watch(&mut writer, &peer, jobs, job)?,
+            Request::Watch { job } => watch(&mut writer, peer, jobs, job)?,
             request => {
-                let reply = answer(request, &peer, jobs);
-                write_message(&mut writer, &reply)?;
+                let reply = answer(request, peer, jobs);
+                match write_message(&mut writer, &reply) {
+                    // Nothing was written: the client hears why instead of a closed socket.
+                    Err(FrameError::TooLarge { len, max }) => {
+                        let why = format!(
+                            "the answer is {len} bytes, over the {max}-byte frame limit (delete \
+                             ended jobs to shorten a list)"
+                        );
+                        write_message(&mut writer, &error(ErrorCode::Unavailable, why))?;
+                    }
+                    written => written?,
+                }
             }
         }
     }
@@ -236,7 +423,7 @@ fn answer(request: Request, peer: &Peer, jobs: &Jobs) -> Reply {
             Some(reply) => reply,
         },
         Request::Metrics => Reply::Text {
-            text: jobs.metrics(),
+            text: jobs.metrics(|owner| peer.may_manage(owner)),
         },
         Request::Devices => devices(),
         Request::Bind { bdf, force } if peer.admin => {
@@ -263,7 +450,7 @@ fn answer(request: Request, peer: &Peer, jobs: &Jobs) -> Reply {
 
 /// Queues `job` once it passed the checks; a new run on an NVMe namespace gets its extent.
 fn submit(mut job: JobSpec, peer: &Peer, jobs: &Jobs) -> Reply {
-    let assigned = check_submission(&job, peer, jobs).and_then(|(queue, config)| {
+    let assigned = check_submission(&job, peer).and_then(|(queue, config)| {
         let extent = match &config {
             Some(config) => assign_extent(&mut job, config, peer)?,
             None => None,
@@ -330,7 +517,12 @@ fn delete(id: u64, jobs: &Jobs) -> Reply {
             .iter()
             .any(|j| matches!(j.spec, JobSpec::Train { .. }) && j.spec.dir() == run);
     if last_of_its_run
-        && let Some(place) = train_placement(run, jobs::train_config(&info.spec).ok().as_ref())
+        && let owner = Peer::of_uid(info.owner)
+        && let Some(place) = train_placement(
+            run,
+            &owner,
+            jobs::train_config(&info.spec, &owner).ok().as_ref(),
+        )
         && let Err(why) = extents::release(&place, run, info.owner)
     {
         return error(
@@ -341,25 +533,32 @@ fn delete(id: u64, jobs: &Jobs) -> Reply {
     Reply::Job { job: info }
 }
 
-/// Where the store of a train job on `run` is, if on a namespace: as the run recorded it, else
-/// as the job's configuration places it.
-fn train_placement(run: &Path, config: Option<&Config>) -> Option<extents::Placement> {
-    extents::recorded_placement(run).or_else(|| extents::placement(config?, run))
+/// Where the store of a train job on `run` is, if on a namespace: as the run recorded it (read
+/// as `reader` could), else as the job's configuration places it.
+fn train_placement(
+    run: &Path,
+    reader: &Peer,
+    config: Option<&Config>,
+) -> Option<extents::Placement> {
+    let recorded = reader
+        .open_dir(run)
+        .ok()
+        .and_then(|dir| extents::recorded_placement(&dir));
+    recorded.or_else(|| extents::placement(config?, run))
 }
 
 /// Checks that `run` is a training run of its submitter's own (the job opens it again and
 /// checks the opened directory: access::JobGuard), and that a store it keeps on a namespace is
 /// still in the run's extent there.
 fn check_run_to_read(peer: &Peer, run: &Path) -> Result<(), String> {
-    access::check_may_read(peer, run)?;
-    access::check_owns(peer, run)?;
-    if !legend_engine::run::meta_path(run).exists() {
+    let dir = access::open_own(peer, run)?;
+    if !dir.is_file(legend_engine::run::META_FILE).unwrap_or(false) {
         return Err(format!(
             "{} is not a training run directory (no run.toml)",
             run.display()
         ));
     }
-    match extents::recorded_placement(run) {
+    match extents::recorded_placement(&dir) {
         Some(place) => extents::check(&place, run, peer),
         None => Ok(()),
     }
@@ -369,29 +568,30 @@ fn check_run_to_read(peer: &Peer, run: &Path) -> Result<(), String> {
 /// the file, or create it. Device nodes (`nvme`) are the daemon's; their extents keep users
 /// apart.
 fn check_store_path(peer: &Peer, config: &Config) -> Result<(), String> {
-    let Some(path) = &config.storage.path else {
-        return Ok(());
-    };
-    if config.storage.backend == legend_engine::config::Backend::Nvme {
-        return Ok(());
+    match &config.storage.path {
+        Some(path) if config.storage.backend != legend_engine::config::Backend::Nvme => {
+            access::check_may_write_or_create(peer, path)
+        }
+        _ => Ok(()),
     }
-    if path.exists() {
-        access::check_may_write(peer, path)
-    } else {
-        let parent = path
-            .parent()
-            .ok_or_else(|| format!("{}: not a file path", path.display()))?;
-        access::check_may_create_in(peer, parent)
+}
+
+/// Whether a new run may be made at `out` in its opened `parent`: nothing there, or an empty
+/// directory.
+fn is_free_for_a_run(parent: &legend_fs::Dir, out: &Path) -> bool {
+    let Some(name) = out.file_name() else {
+        return false;
+    };
+    match parent.entry(name) {
+        Ok(None) => true,
+        Ok(Some(_)) => parent.entries(name).is_ok_and(|e| e.is_empty()),
+        Err(_) => false,
     }
 }
 
 /// Checks what a submission names against what its submitter may touch, and finds its queue;
 /// a train job's configuration comes with it, parsed once.
-fn check_submission(
-    job: &JobSpec,
-    peer: &Peer,
-    jobs: &Jobs,
-) -> Result<(String, Option<Config>), String> {
+fn check_submission(job: &JobSpec, peer: &Peer) -> Result<(String, Option<Config>), String> {
     let dir = job.dir();
     if !dir.is_absolute() {
         return Err(format!("{}: give an absolute path", dir.display()));
@@ -406,10 +606,11 @@ fn check_submission(
             let parent = out
                 .parent()
                 .ok_or_else(|| format!("{}: not a run directory path", out.display()))?;
-            access::check_may_create_in(peer, parent)?;
-            if *resume && !legend_engine::run::meta_path(out).exists() {
+            let parent = access::open_to_create_in(peer, parent)?;
+            if !*resume && !is_free_for_a_run(&parent, out) {
+                // As `legendctl train` says it, up front rather than when the job starts.
                 return Err(format!(
-                    "{}: not a run directory (no run.toml)",
+                    "{} already exists; choose another --out or continue it with --resume",
                     out.display()
                 ));
             }
@@ -417,22 +618,12 @@ fn check_submission(
                 if !d.is_absolute() {
                     return Err(format!("{}: give an absolute path", d.display()));
                 }
-                access::check_may_read(peer, d)?;
+                peer.open_dir(d)?;
             }
-            let config = jobs::train_config(job)?;
+            let config = jobs::train_config(job, peer)?;
             check_store_path(peer, &config)?;
-            if *resume && let Some(place) = train_placement(out, Some(&config)) {
+            if *resume && let Some(place) = train_placement(out, peer, Some(&config)) {
                 extents::check(&place, out, peer)?;
-            }
-            let busy = jobs
-                .list(None)
-                .into_iter()
-                .any(|j| !j.state.is_final() && j.spec.dir() == out);
-            if busy {
-                return Err(format!(
-                    "{}: another job is queued or running on this run",
-                    out.display()
-                ));
             }
             return Ok((jobs::queue_of(&config), Some(config)));
         }
@@ -446,7 +637,7 @@ fn check_submission(
             let parent = out
                 .parent()
                 .ok_or_else(|| format!("{}: not a directory path", out.display()))?;
-            access::check_may_create_in(peer, parent)?;
+            access::open_to_create_in(peer, parent)?;
         }
     }
     Ok(("cpu".into(), None))
@@ -482,13 +673,22 @@ fn watch(writer: &mut UnixStream, peer: &Peer, jobs: &Jobs, id: u64) -> Result<(
     write_message(writer, &Reply::Ended { job })
 }
 
-/// The last `max` bytes of the file at `path` (from a line start), or a note that it is empty.
+/// The last `max` bytes of the file at `path` (from a line start), or nothing: only they are
+/// read, however long the log has grown.
 fn tail(path: &Path, max: usize) -> String {
-    let Ok(bytes) = std::fs::read(path) else {
+    use std::io::{Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else {
         return String::new();
     };
-    let start = bytes.len().saturating_sub(max);
-    let text = String::from_utf8_lossy(&bytes[start..]);
+    let len = file.metadata().map_or(0, |m| m.len());
+    let start = len.saturating_sub(max as u64);
+    let mut bytes = Vec::new();
+    if file.seek(SeekFrom::Start(start)).is_err()
+        || file.take(max as u64).read_to_end(&mut bytes).is_err()
+    {
+        return String::new();
+    }
+    let text = String::from_utf8_lossy(&bytes);
     match (start, text.find('\n')) {
         (0, _) | (_, None) => text.into_owned(),
         (_, Some(nl)) => text[nl + 1..].to_owned(),
@@ -547,39 +747,85 @@ fn device_change(result: legend_nvme::Result<legend_nvme::PciController>) -> Rep
     }
 }
 
-/// Serves `GET /metrics` on `127.0.0.1:port` until `shutdown` is set.
-pub fn serve_metrics_http(
-    port: u16,
-    jobs: Arc<Jobs>,
-    shutdown: Arc<AtomicBool>,
-) -> anyhow::Result<()> {
+/// HTTP connections to the metrics served at once; more are answered 503.
+const HTTP_CONNECTIONS: usize = 8;
+
+/// Serves `GET /metrics` on `127.0.0.1:port`, for the life of the process. Anyone on the machine
+/// may connect and no credentials come with TCP: it shows the daemon's totals only, no job nor
+/// owner (see `Jobs::metrics`). Each request must arrive whole within `timeout`, and at most
+/// [`HTTP_CONNECTIONS`] are served at once, each on its own thread.
+pub fn serve_metrics_http(port: u16, jobs: Arc<Jobs>, timeout: Duration) -> anyhow::Result<()> {
     let listener = TcpListener::bind(("127.0.0.1", port))
         .with_context(|| format!("serving metrics on 127.0.0.1:{port}"))?;
-    listener.set_nonblocking(true)?;
+    let open = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("metrics".into())
         .spawn(move || {
-            while !shutdown.load(Ordering::Relaxed) {
-                let Ok((mut s, _)) = listener.accept() else {
-                    std::thread::sleep(Duration::from_millis(50));
+            for stream in listener.incoming() {
+                let Ok(mut s) = stream else {
                     continue;
                 };
-                let _ = s.set_nonblocking(false);
-                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-                let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
-                let mut head = [0u8; 1024];
-                let n = s.read(&mut head).unwrap_or(0);
-                let response = if head[..n].starts_with(b"GET /metrics ") {
-                    let body = jobs.metrics();
-                    format!(
-                        "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
-                        body.len()
-                    )
-                } else {
-                    "HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n".to_string()
-                };
-                let _ = s.write_all(response.as_bytes());
+                let _ = s.set_write_timeout(Some(timeout));
+                if open.fetch_add(1, Ordering::Relaxed) >= HTTP_CONNECTIONS {
+                    open.fetch_sub(1, Ordering::Relaxed);
+                    let _ = s.write_all(
+                        b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n",
+                    );
+                    continue;
+                }
+                let (jobs, open) = (jobs.clone(), open.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("metrics-client".into())
+                    .spawn(move || {
+                        answer_http(s, &jobs, timeout);
+                        open.fetch_sub(1, Ordering::Relaxed);
+                    });
+                if spawned.is_err() {
+                    tracing::warn!("no thread for a metrics client");
+                }
             }
         })?;
     Ok(())
+}
+
+/// Reads one HTTP request head (at most 1 KiB, whole within `timeout`) and answers it.
+fn answer_http(s: TcpStream, jobs: &Jobs, timeout: Duration) {
+    let mut head = Vec::new();
+    let mut reader = Deadline {
+        stream: &s,
+        at: Instant::now() + timeout,
+    };
+    let mut buf = [0u8; 1024];
+    while head.len() < buf.len() && !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match reader.read(&mut buf[..1024 - head.len()]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    let response = if head.starts_with(b"GET /metrics ") {
+        let body = jobs.metrics(|_| false);
+        format!(
+            "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    } else {
+        "HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n".to_string()
+    };
+    let mut s = s;
+    let _ = s.write_all(response.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_log_tail_starts_at_a_line_and_reads_only_the_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("1.log");
+        let lines: String = (0..100_000).map(|i| format!("line {i}\n")).collect();
+        std::fs::write(&path, &lines).unwrap();
+        let text = super::tail(&path, 30);
+        assert_eq!(text, "line 99998\nline 99999\n");
+        assert_eq!(super::tail(&path, 1 << 30), lines);
+        assert_eq!(super::tail(&dir.path().join("none"), 30), "");
+    }
 }

@@ -28,12 +28,18 @@ struct Daemon {
 
 impl Daemon {
     fn start(dir: &Path) -> Daemon {
+        Self::start_with(dir, |_| {})
+    }
+
+    /// [`Daemon::start`], with `adjust` given the command first.
+    fn start_with(dir: &Path, adjust: impl FnOnce(&mut Command)) -> Daemon {
         let socket = dir.join("sock");
         let config = dir.join("legendd.toml");
         if !config.exists() {
             std::fs::write(&config, "").unwrap();
         }
-        let child = Command::new(env!("CARGO_BIN_EXE_legendd"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_legendd"));
+        command
             .args(["--foreground", "--config"])
             .arg(dir.join("legendd.toml"))
             .arg("--socket")
@@ -46,9 +52,9 @@ impl Daemon {
                 std::env::var("LEGEND_TEST_DAEMON_LOG").unwrap_or_else(|_| "warn".into()),
             )
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("starting legendd");
+            .stderr(Stdio::inherit());
+        adjust(&mut command);
+        let child = command.spawn().expect("starting legendd");
         let started = Instant::now();
         while UnixStream::connect(&socket).is_err() {
             assert!(
@@ -216,9 +222,20 @@ fn a_job_trains_like_an_in_process_run_and_is_watched_to_its_end() {
         panic!();
     };
     assert_eq!(jobs.len(), 1);
+    // The job is listed as it was submitted: not a resume.
+    assert!(
+        matches!(jobs[0].spec, JobSpec::Train { resume: false, .. }),
+        "{:?}",
+        jobs[0].spec
+    );
     let Reply::Text { text } = c.call(Request::Logs { job: job.id }) else {
         panic!();
     };
+    // Each log line starts with a date a person reads.
+    for line in text.lines() {
+        let (date, _) = line.split_once(" UTC ").unwrap_or_else(|| panic!("{line}"));
+        assert!(date.len() == 19 && date.as_bytes()[4] == b'-', "{line}");
+    }
     assert!(
         text.contains("epoch 3:") && text.contains("succeeded"),
         "{text}"
@@ -230,22 +247,11 @@ fn a_job_trains_like_an_in_process_run_and_is_watched_to_its_end() {
         text.contains("legendd_jobs{state=\"succeeded\"} 1"),
         "{text}"
     );
-    // A second job on the same run directory is refused while... the first has ended, so
-    // resubmitting it as new is refused by the session (it exists).
-    let again = c.job(Request::Submit {
+    // Resubmitting it as a new run is refused at submission, as `legendctl train` refuses it.
+    let why = refusal(c.call(Request::Submit {
         job: train_spec(&ds, &out, 3),
-    });
-    let failed = wait_for(&mut c, again.id, Duration::from_secs(60), |j| {
-        j.state.is_final()
-    });
-    assert_eq!(failed.state, JobState::Failed);
-    assert!(
-        failed
-            .error
-            .as_deref()
-            .is_some_and(|e| e.contains("already exists")),
-        "{failed:?}"
-    );
+    }));
+    assert!(why.contains("already exists"), "{why}");
 }
 
 #[test]
@@ -456,8 +462,11 @@ fn malformed_truncated_oversized_and_slow_requests_do_no_harm() {
     silent
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
+    let mut silent = silent;
+    let why = refusal(read_message(&mut silent, MAX_FRAME).unwrap().unwrap());
+    assert!(why.contains("request_timeout_s"), "{why}");
     assert_eq!(
-        std::io::Read::read(&mut &silent, &mut probe).unwrap_or(0),
+        std::io::Read::read(&mut silent, &mut probe).unwrap_or(0),
         0,
         "a silent client was not disconnected"
     );
@@ -774,5 +783,752 @@ fn links_planted_in_a_run_directory_are_never_followed() {
     assert!(
         why.contains("symbolic link") && !why.contains("secret words"),
         "{why}"
+    );
+}
+
+/// The uid (and gid) tests act as: `nobody` on Debian and most distributions.
+const OTHER_UID: u32 = 65534;
+
+/// Whether this process may act as another uid (CI runs as root); a test that needs to says
+/// so when it may not, and stops.
+fn may_switch_uids(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        println!("skip: {test} needs root to act as uid {OTHER_UID}");
+    }
+    root
+}
+
+/// A connection to `d` made by a forked child running as `uid` (the daemon identifies a
+/// connection by the credentials of the process that connected), handed back to this process
+/// over a socket pair.
+fn connect_as(d: &Daemon, uid: u32) -> Client {
+    use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+    use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    // SAFETY: the child switches credentials, connects, sends one message and exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: plain system calls in the child.
+        let switched = unsafe {
+            libc::setgroups(0, std::ptr::null()) == 0
+                && libc::setgid(uid) == 0
+                && libc::setuid(uid) == 0
+        };
+        let sent = switched
+            && UnixStream::connect(&d.socket).is_ok_and(|s| {
+                let fds = [s.as_raw_fd()];
+                sendmsg::<()>(
+                    theirs.as_raw_fd(),
+                    &[std::io::IoSlice::new(b"c")],
+                    &[ControlMessage::ScmRights(&fds)],
+                    MsgFlags::empty(),
+                    None,
+                )
+                .is_ok()
+            });
+        // SAFETY: leaving the child without running the parent's destructors.
+        unsafe { libc::_exit(if sent { 0 } else { 1 }) };
+    }
+    drop(theirs);
+    let mut byte = [0u8; 1];
+    let mut iov = [std::io::IoSliceMut::new(&mut byte)];
+    let mut space = nix::cmsg_space!(RawFd);
+    let msg = recvmsg::<()>(
+        ours.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::empty(),
+    )
+    .unwrap();
+    let fd = msg
+        .cmsgs()
+        .unwrap()
+        .find_map(|c| match c {
+            ControlMessageOwned::ScmRights(fds) => fds.first().copied(),
+            _ => None,
+        })
+        .expect("the child connected as the other uid");
+    let mut status = 0;
+    // SAFETY: reaping our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    // SAFETY: the descriptor just received is ours alone.
+    Client(unsafe { UnixStream::from_raw_fd(fd) })
+}
+
+/// A directory of `uid`'s own, mode 0700, at `path`.
+fn own_dir(path: &Path, uid: u32) {
+    std::fs::create_dir_all(path).unwrap();
+    std::os::unix::fs::chown(path, Some(uid), Some(uid)).unwrap();
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+}
+
+/// A temporary directory others may pass through (to the daemon's socket, to their own
+/// directories in it).
+fn shared_tempdir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn a_set_key_deeper_than_the_schema_is_refused_and_the_daemon_lives() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    // 5,000 parts and more once overflowed a client thread's stack and aborted the daemon.
+    for parts in [5_000, 100_000, 2_000] {
+        let mut spec = train_spec(&ds, &dir.path().join("run"), 1);
+        let JobSpec::Train { sets, .. } = &mut spec else {
+            unreachable!()
+        };
+        sets.push(format!("{}.b=1", vec!["a"; parts].join(".")));
+        let why = refusal(c.call(Request::Submit { job: spec }));
+        assert!(why.contains("a: not a section"), "{parts}: {why}");
+    }
+    // The other structures a request shapes: TOML values in its configuration and in a
+    // `--set`, the JSON of the request itself, a path of many components.
+    let deep =
+        |open: &str, close: &str| format!("{}{}", open.repeat(100_000), close.repeat(100_000));
+    let mut spec = train_spec(&ds, &dir.path().join("run"), 1);
+    if let JobSpec::Train { config, sets, .. } = &mut spec {
+        *config = format!("x = {}\n", deep("[", "]"));
+        sets.push(format!("model.dim={}", deep("{a=", "}")));
+    }
+    let why = refusal(c.call(Request::Submit { job: spec }));
+    assert!(why.contains("invalid configuration"), "{why}");
+    let nested = format!(
+        r#"{{"v":1,"request":{{"call":"hello","x":{}}}}}"#,
+        deep("[", "]")
+    );
+    assert!(matches!(
+        raw(&d, &frame(&nested)),
+        Some(Reply::Error {
+            code: ErrorCode::BadRequest,
+            ..
+        })
+    ));
+    let long = PathBuf::from(format!("/{}", vec!["a"; 100_000].join("/")));
+    let why = refusal(c.call(Request::Submit {
+        job: train_spec(&long, &long, 1),
+    }));
+    assert!(!why.is_empty());
+    assert!(matches!(c.call(Request::Hello), Reply::Hello { .. }));
+}
+
+#[test]
+fn submissions_read_only_what_their_submitter_could_and_answer_as_if_they_had_looked() {
+    if !may_switch_uids("submissions_read_only_what_their_submitter_could") {
+        return;
+    }
+    let dir = shared_tempdir();
+    let d = Daemon::start(dir.path());
+    // Root's closed directory: a run-looking directory whose config would quote its secret.
+    let closed = dir.path().join("closed");
+    own_dir(&closed, 0);
+    let secret_run = closed.join("run");
+    std::fs::create_dir(&secret_run).unwrap();
+    std::fs::write(secret_run.join("run.toml"), "x = 1\n").unwrap();
+    std::fs::write(secret_run.join("config.toml"), "password hunter2\n").unwrap();
+    std::fs::create_dir(closed.join("there")).unwrap();
+    // The other user's own directory, with a link to it.
+    let mine = dir.path().join("mine");
+    own_dir(&mine, OTHER_UID);
+    std::os::unix::fs::symlink(&secret_run, mine.join("run")).unwrap();
+    std::os::unix::fs::symlink(&closed, mine.join("closed")).unwrap();
+    let mut other = connect_as(&d, OTHER_UID);
+    let resume = |out: &Path| JobSpec::Train {
+        dataset: None,
+        out: out.to_owned(),
+        config: String::new(),
+        sets: Vec::new(),
+        resume: true,
+    };
+    for out in [mine.join("run"), secret_run.clone()] {
+        let why = refusal(other.call(Request::Submit { job: resume(&out) }));
+        assert!(
+            !why.contains("hunter2") && why.contains("may not"),
+            "{}: {why}",
+            out.display()
+        );
+    }
+    // Whether a name exists behind a directory the submitter may not search, and whose it
+    // is, is not told: the answers for a present and an absent one are the same.
+    let answers: Vec<String> = ["there", "absent"]
+        .iter()
+        .flat_map(|name| {
+            let new_run = train_spec(Path::new("/nonexistent"), &closed.join(name).join("run"), 1);
+            let eval = JobSpec::Eval {
+                run: closed.join(name),
+                protocol: "sampled".into(),
+                split: "test".into(),
+            };
+            let dataset = train_spec(&closed.join(name), &mine.join("new"), 1);
+            [new_run, eval, dataset]
+        })
+        .map(|job| refusal(other.call(Request::Submit { job })).replace("absent", "there"))
+        .collect();
+    assert_eq!(answers[..3], answers[3..], "{answers:#?}");
+    assert!(
+        answers.iter().all(|a| a.contains("may not search")),
+        "{answers:#?}"
+    );
+}
+
+#[test]
+fn a_new_run_over_an_existing_one_is_refused_at_submission() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let run = dir.path().join("run");
+    std::fs::create_dir(&run).unwrap();
+    std::fs::write(run.join("run.toml"), "").unwrap();
+    let why = refusal(c.call(Request::Submit {
+        job: train_spec(&ds, &run, 1),
+    }));
+    assert!(
+        why.contains("already exists") && why.contains("--resume"),
+        "{why}"
+    );
+}
+
+/// Calls `hello` on `c`, which must be answered.
+fn hello(c: &mut Client) {
+    assert!(matches!(c.call(Request::Hello), Reply::Hello { .. }));
+}
+
+/// The error the daemon sends a connection it refuses, unasked.
+fn turned_away(mut c: Client) -> String {
+    c.0.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    refusal(read_message(&mut c.0, MAX_FRAME).unwrap().unwrap())
+}
+
+#[test]
+fn one_user_cannot_take_the_connections() {
+    if !may_switch_uids("one_user_cannot_take_the_connections") {
+        return;
+    }
+    let dir = shared_tempdir();
+    std::fs::write(
+        dir.path().join("legendd.toml"),
+        "request_timeout_s = 2\nmax_connections = 16\nreserved_connections = 4\n\
+         max_connections_per_uid = 6\n",
+    )
+    .unwrap();
+    let d = Daemon::start(dir.path());
+    let mut held = Vec::new();
+    for uid in [OTHER_UID, OTHER_UID - 1] {
+        for _ in 0..6 {
+            let mut c = connect_as(&d, uid);
+            hello(&mut c);
+            held.push(c);
+        }
+    }
+    let why = turned_away(connect_as(&d, OTHER_UID));
+    assert!(why.contains("max_connections_per_uid = 6"), "{why}");
+    // 12 open: what is left is the admin group's reserve.
+    let why = turned_away(connect_as(&d, OTHER_UID - 2));
+    assert!(why.contains("reserved_connections = 4"), "{why}");
+    for _ in 0..4 {
+        let mut root = d.client();
+        hello(&mut root);
+        held.push(root);
+    }
+    let why = turned_away(d.client());
+    assert!(why.contains("max_connections = 16"), "{why}");
+}
+
+/// A run directory with an unreadable `run.toml`: export jobs on it are accepted and fail at
+/// once (jobs that cost nothing to run).
+fn broken_run(dir: &Path) -> PathBuf {
+    let run = dir.join("broken-run");
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::write(run.join("run.toml"), "").unwrap();
+    run
+}
+
+fn export_spec(run: &Path, n: usize) -> JobSpec {
+    JobSpec::Export {
+        run: run.to_owned(),
+        out: run.parent().unwrap().join(format!("export-{n}")),
+        format: "npy".into(),
+    }
+}
+
+fn mode(path: &Path) -> u32 {
+    std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(path).unwrap().permissions()) & 0o777
+}
+
+#[test]
+fn the_state_is_private_ids_are_never_reused_and_records_carry_a_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = broken_run(dir.path());
+    let mut d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let mut ids = Vec::new();
+    for n in 0..2 {
+        let job = c.job(Request::Submit {
+            job: export_spec(&run, n),
+        });
+        wait_for(&mut c, job.id, Duration::from_secs(30), |j| {
+            j.state.is_final()
+        });
+        ids.push(job.id);
+    }
+    let jobs = dir.path().join("state/jobs");
+    assert_eq!(mode(&dir.path().join("state")), 0o700);
+    assert_eq!(mode(&jobs), 0o700);
+    for id in &ids {
+        assert_eq!(mode(&jobs.join(format!("{id}.json"))), 0o600);
+        assert_eq!(mode(&jobs.join(format!("{id}.log"))), 0o600);
+    }
+    // The newest job deleted, then a restart: its id is not given again.
+    c.job(Request::Delete { job: ids[1] });
+    d.signal(SIGTERM);
+    assert!(d.wait().success());
+    // A record of the first format (no `format` key) is read.
+    let first = jobs.join(format!("{}.json", ids[0]));
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&first).unwrap()).unwrap();
+    assert_eq!(record["format"], 1);
+    record.as_object_mut().unwrap().remove("format");
+    std::fs::write(&first, serde_json::to_vec(&record).unwrap()).unwrap();
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    assert_eq!(c.job(Request::Status { job: ids[0] }).id, ids[0]);
+    let job = c.job(Request::Submit {
+        job: export_spec(&run, 3),
+    });
+    assert!(job.id > ids[1], "id {} given again", job.id);
+    drop(d);
+    // A record of a later format stops the daemon, naming it.
+    record["format"] = 99.into();
+    std::fs::write(&first, serde_json::to_vec(&record).unwrap()).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_legendd"))
+        .args(["--foreground", "--config"])
+        .arg(dir.path().join("legendd.toml"))
+        .arg("--socket")
+        .arg(dir.path().join("sock"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("legendd started over a record of a later format");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("format 99") && stderr.contains(".json"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn jobs_per_user_are_bounded() {
+    let dir = shared_tempdir();
+    std::fs::write(dir.path().join("legendd.toml"), "max_jobs_per_user = 40\n").unwrap();
+    let ds = dataset(dir.path());
+    let run = broken_run(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    // A long job holds the CPU queue; the others wait behind it.
+    let long = c.job(Request::Submit {
+        job: train_spec(&ds, &dir.path().join("run"), 1000),
+    });
+    wait_for(&mut c, long.id, Duration::from_secs(60), |j| {
+        j.state == JobState::Running
+    });
+    let started = Instant::now();
+    let queued: Vec<u64> = (0..39)
+        .map(|n| {
+            c.job(Request::Submit {
+                job: export_spec(&run, n),
+            })
+            .id
+        })
+        .collect();
+    let submitting = started.elapsed();
+    let why = refusal(c.call(Request::Submit {
+        job: export_spec(&run, 99),
+    }));
+    assert!(why.contains("max_jobs_per_user = 40"), "{why}");
+    let started = Instant::now();
+    for id in queued {
+        assert_eq!(
+            c.job(Request::Cancel { job: id }).state,
+            JobState::Cancelled
+        );
+    }
+    println!(
+        "39 submissions behind a running job: {submitting:?}; their cancels: {:?}",
+        started.elapsed()
+    );
+    // Room again.
+    c.job(Request::Submit {
+        job: export_spec(&run, 100),
+    });
+    c.job(Request::Cancel { job: long.id });
+}
+
+#[test]
+fn a_daemon_without_its_configuration_file_says_so() {
+    let default = Path::new("/etc/legend/legendd.toml");
+    if default.exists() {
+        println!("skip: {} exists on this machine", default.display());
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("sock");
+    let child = Command::new(env!("CARGO_BIN_EXE_legendd"))
+        .arg("--foreground")
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .env("LEGEND_LOG", "warn")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while UnixStream::connect(&socket).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "legendd did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, SIGTERM) };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no configuration file at /etc/legend/legendd.toml"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn an_idle_daemon_answers_a_new_connection_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path());
+    // Each command of legendctl is a new connection: the daemon blocks on its socket and
+    // accepts at once (it once slept 20 ms between looks, ~10 ms a command on average).
+    let mut took: Vec<Duration> = (0..41)
+        .map(|_| {
+            let started = Instant::now();
+            hello(&mut d.client());
+            started.elapsed()
+        })
+        .collect();
+    took.sort();
+    println!("connect + hello: median {:?}, max {:?}", took[20], took[40]);
+    assert!(took[20] < Duration::from_millis(5), "median {:?}", took[20]);
+}
+
+/// `GET /metrics` on `127.0.0.1:port`: the status line and the body.
+fn http_metrics(port: u16) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut s, &mut text).unwrap();
+    text
+}
+
+#[test]
+fn http_metrics_show_totals_only_and_a_silent_client_holds_no_one_up() {
+    let dir = tempfile::tempdir().unwrap();
+    // A free port (the listener closed just before the daemon binds it).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    std::fs::write(
+        dir.path().join("legendd.toml"),
+        format!("metrics_port = {port}\nrequest_timeout_s = 5\n"),
+    )
+    .unwrap();
+    let run = broken_run(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let job = c.job(Request::Submit {
+        job: export_spec(&run, 0),
+    });
+    wait_for(&mut c, job.id, Duration::from_secs(30), |j| {
+        j.state.is_final()
+    });
+    let _silent: Vec<std::net::TcpStream> = (0..4)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    let started = Instant::now();
+    let text = http_metrics(port);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(text.starts_with("HTTP/1.0 200 OK"), "{text}");
+    assert!(text.contains("legendd_jobs{state=\"failed\"} 1"), "{text}");
+    assert!(
+        !text.contains("job=\""),
+        "jobs shown to an unknown caller:\n{text}"
+    );
+}
+
+#[test]
+fn a_request_trickled_a_byte_at_a_time_is_cut_off_at_its_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("legendd.toml"), "request_timeout_s = 2\n").unwrap();
+    let d = Daemon::start(dir.path());
+    // Each read comes well within the timeout; the whole request does not.
+    let mut trickler = d.client();
+    let writer = trickler.0.try_clone().unwrap();
+    let started = Instant::now();
+    let trickle = std::thread::spawn(move || {
+        let mut writer = writer;
+        for b in (1u32 << 16)
+            .to_be_bytes()
+            .into_iter()
+            .chain(std::iter::repeat(b' '))
+        {
+            if writer.write_all(&[b]).is_err() || started.elapsed() > Duration::from_secs(20) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+    trickler
+        .0
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let why = refusal(read_message(&mut trickler.0, MAX_FRAME).unwrap().unwrap());
+    assert!(why.contains("request_timeout_s"), "{why}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    trickle.join().unwrap();
+    hello(&mut d.client());
+}
+
+#[test]
+fn metrics_show_each_user_their_own_jobs_only() {
+    if !may_switch_uids("metrics_show_each_user_their_own_jobs_only") {
+        return;
+    }
+    let dir = shared_tempdir();
+    let run = broken_run(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let job = c.job(Request::Submit {
+        job: export_spec(&run, 0),
+    });
+    wait_for(&mut c, job.id, Duration::from_secs(30), |j| {
+        j.state.is_final()
+    });
+    let Reply::Text { text } = connect_as(&d, OTHER_UID).call(Request::Metrics) else {
+        panic!();
+    };
+    assert!(text.contains("legendd_jobs{state=\"failed\"} 1"), "{text}");
+    assert!(
+        !text.contains("job=\""),
+        "another user's jobs shown:\n{text}"
+    );
+    let Reply::Text { text } = c.call(Request::Metrics) else {
+        panic!();
+    };
+    assert!(
+        text.contains(&format!("legend_job_io_bytes_total{{job=\"{}\"}}", job.id)),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_submission_that_cannot_be_saved_is_refused_not_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = broken_run(dir.path());
+    // The daemon may write no file larger than 64 bytes (SIGXFSZ ignored, so writes fail
+    // with EFBIG instead): its job records cannot be saved, as on a full disk.
+    let d = Daemon::start_with(dir.path(), |command| {
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(command, || {
+                let limit = libc::rlimit {
+                    rlim_cur: 64,
+                    rlim_max: 64,
+                };
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            })
+        };
+    });
+    let mut c = d.client();
+    let why = refusal(c.call(Request::Submit {
+        job: export_spec(&run, 0),
+    }));
+    assert!(
+        why.contains("not queued") && why.contains("too large"),
+        "{why}"
+    );
+    let Reply::Jobs { jobs } = c.call(Request::List { all: false }) else {
+        panic!();
+    };
+    assert!(jobs.is_empty(), "{jobs:?}");
+}
+
+#[test]
+fn an_answer_over_the_frame_limit_is_an_error_not_a_closed_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let not_a_dataset = dir.path().join("empty");
+    std::fs::create_dir(&not_a_dataset).unwrap();
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    // Two jobs whose configurations (a long comment) make a list longer than a frame.
+    let comment = format!("# {}\n", "x".repeat(MAX_FRAME * 6 / 10));
+    for n in 0..2 {
+        let mut spec = train_spec(&not_a_dataset, &dir.path().join(format!("run-{n}")), 1);
+        if let JobSpec::Train { config, .. } = &mut spec {
+            config.clone_from(&comment);
+        }
+        let job = c.job(Request::Submit { job: spec });
+        wait_for(&mut c, job.id, Duration::from_secs(30), |j| {
+            j.state.is_final()
+        });
+    }
+    let why = refusal(c.call(Request::List { all: false }));
+    assert!(why.contains("frame limit"), "{why}");
+    hello(&mut c);
+}
+
+#[test]
+fn submitting_and_cancelling_cost_does_not_grow_with_the_queue() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("legendd.toml"),
+        "max_jobs_per_user = 3000\n",
+    )
+    .unwrap();
+    let ds = dataset(dir.path());
+    let run = broken_run(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let long = c.job(Request::Submit {
+        job: train_spec(&ds, &dir.path().join("run"), 1000),
+    });
+    wait_for(&mut c, long.id, Duration::from_secs(60), |j| {
+        j.state == JobState::Running
+    });
+    let timed = |c: &mut Client, request: Request| {
+        let started = Instant::now();
+        let id = c.job(request).id;
+        (id, started.elapsed())
+    };
+    let submitted: Vec<(u64, Duration)> = (0..2000)
+        .map(|n| {
+            timed(
+                &mut c,
+                Request::Submit {
+                    job: export_spec(&run, n),
+                },
+            )
+        })
+        .collect();
+    let cancelled: Vec<Duration> = submitted
+        .iter()
+        .map(|(id, _)| timed(&mut c, Request::Cancel { job: *id }).1)
+        .collect();
+    c.job(Request::Cancel { job: long.id });
+    // Medians of the first and the last hundred, robust to a slow disk now and then: the
+    // daemon once cloned the job list and walked queued × jobs on every request.
+    let median = |times: &[Duration]| {
+        let mut t = times.to_vec();
+        t.sort();
+        t[t.len() / 2]
+    };
+    let submits: Vec<Duration> = submitted.iter().map(|(_, t)| *t).collect();
+    // Submissions go from an empty queue to a full one, cancels the other way.
+    for (what, times) in [("submit", &submits), ("cancel", &cancelled)] {
+        let (first, last) = (median(&times[..100]), median(&times[1900..]));
+        println!("{what}: median of the first 100 {first:?}, of the last 100 {last:?}");
+        assert!(
+            first.max(last) <= first.min(last) * 3 + Duration::from_millis(2),
+            "{what}: {first:?} for the first hundred, {last:?} for the last"
+        );
+    }
+}
+
+#[test]
+fn a_running_job_reads_in_its_run_only_what_its_submitter_could() {
+    if !may_switch_uids("a_running_job_reads_in_its_run_only_what_its_submitter_could") {
+        return;
+    }
+    let dir = shared_tempdir();
+    let ds = dataset(dir.path());
+    let d = Daemon::start(dir.path());
+    let mine = dir.path().join("mine");
+    own_dir(&mine, OTHER_UID);
+    let run = mine.join("run");
+    let mut other = connect_as(&d, OTHER_UID);
+    let first = other.job(Request::Submit {
+        job: train_spec(&ds, &run, 1),
+    });
+    let done = wait_for(&mut other, first.id, Duration::from_secs(120), |j| {
+        j.state.is_final()
+    });
+    assert_eq!(done.state, JobState::Succeeded, "{done:?}");
+    // Root's long job holds the queue while the resume waits behind it.
+    let mut c = d.client();
+    let blocker = c.job(Request::Submit {
+        job: train_spec(&ds, &dir.path().join("blocker"), 1000),
+    });
+    wait_for(&mut c, blocker.id, Duration::from_secs(60), |j| {
+        j.state == JobState::Running
+    });
+    let resumed = other.job(Request::Submit {
+        job: JobSpec::Train {
+            dataset: None,
+            out: run.clone(),
+            config: String::new(),
+            sets: vec!["training.num_epochs=2".into()],
+            resume: true,
+        },
+    });
+    // Accepted, then the run's configuration becomes a hard link to root's secret.
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "password hunter2\n").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    std::fs::remove_file(run.join("config.toml")).unwrap();
+    std::fs::hard_link(&secret, run.join("config.toml")).unwrap();
+    c.job(Request::Cancel { job: blocker.id });
+    let ended = wait_for(&mut other, resumed.id, Duration::from_secs(120), |j| {
+        j.state.is_final()
+    });
+    let error = ended.error.as_deref().unwrap_or_default();
+    assert_eq!(ended.state, JobState::Failed, "{ended:?}");
+    assert!(
+        error.contains("may not read") && !error.contains("hunter2"),
+        "{error}"
     );
 }

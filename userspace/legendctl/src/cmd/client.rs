@@ -283,6 +283,14 @@ pub struct JobArgs {
     json: bool,
 }
 
+/// Metrics as `legendctl eval` prints them: protocol, MRR, Hits@k, mean rank.
+fn metrics_text(value: &serde_json::Value) -> String {
+    match serde_json::from_value::<legend_eval::Metrics>(value.clone()) {
+        Ok(m) => legend_engine::evaluation::describe(&m),
+        Err(_) => format!("{value}"),
+    }
+}
+
 pub fn watch(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
     follow(Client::connect(socket)?, args.job, args.json)
 }
@@ -332,12 +340,8 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
                         );
                     }
                     Some("evaluated") => {
-                        let m = &event["line"]["metrics"];
-                        eprintln!(
-                            "{}: MRR {:.4}",
-                            event["line"]["split"].as_str().unwrap_or("?"),
-                            m["mrr"].as_f64().unwrap_or(f64::NAN)
-                        );
+                        let split = event["line"]["split"].as_str().unwrap_or("?");
+                        eprintln!("{split}: {}", metrics_text(&event["line"]["metrics"]));
                     }
                     _ => {}
                 }
@@ -353,6 +357,10 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
         super::print_json(&ended)?;
     } else {
         println!("job {} {}", ended.id, ended.state.name());
+        // An eval job's result is its metrics (a train job's final ones came as an event).
+        if let (JobSpec::Eval { run, split, .. }, Some(result)) = (&ended.spec, &ended.result) {
+            println!("{} {split}: {}", run.display(), metrics_text(result));
+        }
     }
     match ended.state {
         JobState::Succeeded => Ok(()),
