@@ -492,7 +492,8 @@ impl Config {
         }
     }
 
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks what spans keys (the types and names were checked as they were read).
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         self.model
             .decoder
             .check_dim(self.model.dim)

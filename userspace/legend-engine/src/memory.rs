@@ -152,7 +152,8 @@ pub fn gib(bytes: u64) -> f64 {
 
 /// Refuses `config` on `dataset` (on a CUDA device or not, resuming or not: see
 /// [`HostEstimate::of`]) when its estimated peak exceeds `available` bytes, with a message
-/// that says how much it needs, what there is, and what to change.
+/// that says how much it needs, what there is, and the settings that would fit (found by
+/// [`settings_that_fit`]) or that none does.
 pub fn check_fits(
     config: &Config,
     dataset: &DatasetMeta,
@@ -164,34 +165,29 @@ pub fn check_fits(
     if e.total() <= available {
         return Ok(e);
     }
-    let mut advice = Vec::new();
-    let table_bytes = dataset.entities * config.model.dim as u64 * 8;
-    if config.storage.backend == Backend::Memory {
-        advice.push(format!(
-            "keep the tables ({:.1} GiB) on disk with storage.backend = \"file\" and a \
-             storage.num_partitions of 8 or more",
-            gib(table_bytes)
-        ));
-    } else if config.capacity() > 2 || config.storage.num_partitions < 16 {
-        advice.push(
-            "hold fewer or smaller partitions in RAM: raise storage.num_partitions or lower \
-             storage.buffer_capacity"
-                .into(),
-        );
-    }
-    if config.training.negatives.filtered {
-        advice.push(format!(
-            "turn training.negatives.filtered off ({:.1} GiB)",
-            gib(e.known_edges)
-        ));
-    }
-    if config.evaluation.protocol == Protocol::Filtered {
-        advice.push("evaluate with evaluation.protocol = \"sampled\"".into());
-    }
-    let advice = if advice.is_empty() {
-        "the edges alone exceed it: use a machine with more memory".to_string()
-    } else {
-        advice.join("; or ")
+    let advice = match settings_that_fit(config, dataset, on_cuda, resuming, available) {
+        Some((changes, fitted)) => format!(
+            "set {} (about {:.1} GiB)",
+            changes
+                .iter()
+                .map(Change::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            gib(fitted.total())
+        ),
+        None => {
+            let least = least_estimate(config, dataset, on_cuda, resuming);
+            format!(
+                "no setting of storage.backend, storage.num_partitions, storage.buffer_capacity, \
+                 evaluation.protocol or training.negatives.filtered fits this machine (the \
+                 least is about {:.1} GiB: {:.1} GiB of edges, {:.1} GiB for evaluation, whose \
+                 protocols both rank against every embedding); use a machine with more memory \
+                 or a smaller model.dim",
+                gib(least.total()),
+                gib(least.edges),
+                gib(least.evaluation)
+            )
+        }
     };
     Err(format!(
         "this run needs about {:.1} GiB of host memory ({:.1} GiB of edges, {:.1} GiB of tables, \
@@ -206,6 +202,162 @@ pub fn check_fits(
         gib(e.baseline),
         gib(available),
     ))
+}
+
+/// One configuration change the memory advice may propose; displayed as the `key = value`
+/// that `--set` and a configuration file accept.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Change {
+    /// `storage.backend`.
+    Backend(Backend),
+    /// `storage.num_partitions`.
+    Partitions(u32),
+    /// `storage.buffer_capacity`.
+    Capacity(u32),
+    /// `evaluation.protocol`.
+    Protocol(Protocol),
+    /// `training.negatives.filtered`.
+    FilteredNegatives(bool),
+}
+
+impl Change {
+    /// Applies the change to `config`.
+    pub fn apply(self, config: &mut Config) {
+        match self {
+            Change::Backend(b) => config.storage.backend = b,
+            Change::Partitions(n) => config.storage.num_partitions = n,
+            Change::Capacity(c) => config.storage.buffer_capacity = c,
+            Change::Protocol(p) => config.evaluation.protocol = p,
+            Change::FilteredNegatives(f) => config.training.negatives.filtered = f,
+        }
+    }
+}
+
+impl std::fmt::Display for Change {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Change::Backend(b) => write!(f, "storage.backend = \"{b}\""),
+            Change::Partitions(n) => write!(f, "storage.num_partitions = {n}"),
+            Change::Capacity(c) => write!(f, "storage.buffer_capacity = {c}"),
+            Change::Protocol(p) => write!(f, "evaluation.protocol = \"{}\"", p.name()),
+            Change::FilteredNegatives(v) => write!(f, "training.negatives.filtered = {v}"),
+        }
+    }
+}
+
+/// The most partitions the advice proposes (their plans stay quick to compute).
+const MAX_ADVISED_PARTITIONS: u32 = 1024;
+
+/// The changes to `config` that bring its estimate within `available` bytes, and the estimate
+/// with them; `None` when no candidate fits. Candidates are tried in the order of what they
+/// cost the run, and the first that the estimator, the configuration's checks and the planner
+/// all accept is taken: first the storage layout alone (keeping the current one, else the
+/// `file` backend with the fewest partitions and, for those, the largest buffer), then the same
+/// with sampled evaluation, without filtered negatives, and with both. A resumed run keeps its
+/// backend and partitions: only its buffer may shrink.
+pub fn settings_that_fit(
+    config: &Config,
+    dataset: &DatasetMeta,
+    on_cuda: bool,
+    resuming: bool,
+    available: u64,
+) -> Option<(Vec<Change>, HostEstimate)> {
+    let layouts = layouts(config, dataset, resuming);
+    for tweaks in tweaks(config) {
+        for layout in &layouts {
+            let changes: Vec<Change> = layout.iter().chain(&tweaks).copied().collect();
+            let mut candidate = config.clone();
+            for change in &changes {
+                change.apply(&mut candidate);
+            }
+            let estimate = HostEstimate::of(&candidate, dataset, on_cuda, resuming);
+            if estimate.total() <= available
+                && candidate.validate().is_ok()
+                && legend_planner::plan(
+                    candidate.storage.num_partitions,
+                    candidate.capacity(),
+                    candidate.order(),
+                )
+                .is_ok()
+            {
+                return Some((changes, estimate));
+            }
+        }
+    }
+    None
+}
+
+/// The smallest estimate among the candidates of [`settings_that_fit`] (what a refusal that
+/// finds none cites).
+fn least_estimate(
+    config: &Config,
+    dataset: &DatasetMeta,
+    on_cuda: bool,
+    resuming: bool,
+) -> HostEstimate {
+    let layouts = layouts(config, dataset, resuming);
+    tweaks(config)
+        .iter()
+        .flat_map(|tweaks| {
+            layouts.iter().map(move |layout| {
+                let mut candidate = config.clone();
+                for change in layout.iter().chain(tweaks) {
+                    change.apply(&mut candidate);
+                }
+                HostEstimate::of(&candidate, dataset, on_cuda, resuming)
+            })
+        })
+        .min_by_key(HostEstimate::total)
+        .expect("the current layout is always a candidate")
+}
+
+/// Storage layouts to try, cheapest in I/O first: the current one; then (for a new run) a
+/// store (the `file` backend unless one is configured) with 2, 4, 8, … partitions, and for
+/// each every buffer from all of them down to 2; or (resuming) smaller buffers only.
+fn layouts(config: &Config, dataset: &DatasetMeta, resuming: bool) -> Vec<Vec<Change>> {
+    let mut layouts = vec![Vec::new()];
+    if resuming {
+        if config.storage.num_partitions > 2 {
+            layouts.extend(
+                (2..config.capacity())
+                    .rev()
+                    .map(|c| vec![Change::Capacity(c)]),
+            );
+        }
+        return layouts;
+    }
+    let backend = (!config.uses_store()).then_some(Change::Backend(Backend::File));
+    let most = MAX_ADVISED_PARTITIONS.min(u32::try_from(dataset.entities).unwrap_or(u32::MAX));
+    for n in std::iter::successors(Some(2u32), |n| n.checked_mul(2)).take_while(|&n| n <= most) {
+        for c in (2..=n).rev() {
+            layouts.push(
+                backend
+                    .into_iter()
+                    .chain([Change::Partitions(n), Change::Capacity(c)])
+                    .collect(),
+            );
+        }
+    }
+    layouts
+}
+
+/// Changes beyond the layout, least intrusive first: none, sampled evaluation, no filtered
+/// negatives, both (those already in effect left out).
+fn tweaks(config: &Config) -> Vec<Vec<Change>> {
+    let sampled = (config.evaluation.protocol != Protocol::Sampled)
+        .then_some(Change::Protocol(Protocol::Sampled));
+    let unfiltered = config
+        .training
+        .negatives
+        .filtered
+        .then_some(Change::FilteredNegatives(false));
+    let mut tweaks = vec![Vec::new()];
+    tweaks.extend(sampled.map(|s| vec![s]));
+    tweaks.extend(unfiltered.map(|u| vec![u]));
+    if let (Some(s), Some(u)) = (sampled, unfiltered) {
+        tweaks.push(vec![s, u]);
+    }
+    tweaks
 }
 
 /// Bytes per row of a device table beyond its `dim` floats of embedding, AdaGrad state and
@@ -404,6 +556,123 @@ mod tests {
         );
         let err = e.check(&config, "cuda:0", 10 << 30).unwrap_err();
         assert!(err.contains("raise storage.num_partitions"), "{err}");
+    }
+
+    fn meta(entities: u64, train: u64) -> DatasetMeta {
+        DatasetMeta {
+            format_version: legend_dataset::FORMAT_VERSION,
+            entities,
+            relations: 1,
+            has_relations: true,
+            id_width: 4,
+            splits: legend_dataset::SplitCounts {
+                train,
+                valid: train / 20,
+                test: train / 20,
+            },
+            checksums: Default::default(),
+            seed: 0,
+            sources: Vec::new(),
+            unseen_dropped: 0,
+            unseen_kept: 0,
+        }
+    }
+
+    /// The `key=value` overrides a refusal advises, or `None` where it says none fits.
+    fn advised_sets(message: &str) -> Option<Vec<String>> {
+        let (_, rest) = message.split_once("is available: set ")?;
+        let (list, _) = rest
+            .split_once(" (about ")
+            .expect("the advice ends with its estimate");
+        Some(
+            list.split(", ")
+                .map(|kv| kv.replacen(" = ", "=", 1))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn the_issue_27_case_is_refused_plainly_and_fits_where_memory_allows() {
+        // 100k entities at d = 100000: 74.5 GiB of tables; every evaluation gathers 37.3 GiB.
+        let config = Config::parse("", &["model.dim=100000".into()]).unwrap();
+        let meta = meta(100_000, 1_000_000);
+        let err = check_fits(&config, &meta, false, false, 24 << 30).unwrap_err();
+        assert!(
+            err.contains("no setting of") && err.contains("37.3 GiB for evaluation"),
+            "{err}"
+        );
+        let err = check_fits(&config, &meta, false, false, 64 << 30).unwrap_err();
+        let sets = advised_sets(&err).unwrap_or_else(|| panic!("{err}"));
+        assert_eq!(
+            sets,
+            [
+                "storage.backend=\"file\"",
+                "storage.num_partitions=16",
+                "storage.buffer_capacity=3"
+            ],
+            "{err}"
+        );
+    }
+
+    proptest::proptest! {
+        /// Following the advice of a refusal fits (the estimator accepts the `key = value`
+        /// settings as printed, through the configuration parser); a refusal that finds none
+        /// is right that even the most frugal candidate does not fit.
+        #[test]
+        fn the_advice_fits_or_none_can(
+            entities in 1u64..5_000_000,
+            edges_per_entity in 0u64..60,
+            dim_tenths in 1usize..4000,
+            available_mib in 512u64..(256 << 10),
+            filtered: bool,
+            sampled: bool,
+            file_partitions in proptest::option::of(1u32..64),
+            resuming: bool,
+        ) {
+            let dim = dim_tenths * 10;
+            let mut sets = vec![
+                "model.decoder=dot".to_string(),
+                format!("model.dim={dim}"),
+                format!("training.negatives.filtered={filtered}"),
+                format!("evaluation.protocol={}", if sampled { "sampled" } else { "filtered" }),
+            ];
+            if let Some(n) = file_partitions {
+                let n = n.min(entities as u32);
+                sets.extend(["storage.backend=file".into(), format!("storage.num_partitions={n}")]);
+            }
+            let config = Config::parse("", &sets).unwrap();
+            let meta = meta(entities, entities * edges_per_entity);
+            let available = available_mib << 20;
+            match check_fits(&config, &meta, false, resuming, available) {
+                Ok(e) => proptest::prop_assert!(e.total() <= available),
+                Err(err) => match advised_sets(&err) {
+                    Some(advice) => {
+                        let all: Vec<String> = sets.iter().cloned().chain(advice).collect();
+                        let advised = Config::parse("", &all).map_err(|e| {
+                            proptest::test_runner::TestCaseError::fail(format!("{err}: {e}"))
+                        })?;
+                        let e = check_fits(&advised, &meta, false, resuming, available);
+                        proptest::prop_assert!(e.is_ok(), "{err}\nthen: {e:?}");
+                    }
+                    None => {
+                        proptest::prop_assert!(err.contains("no setting of"), "{err}");
+                        let mut frugal = config.clone();
+                        frugal.evaluation.protocol = Protocol::Sampled;
+                        frugal.training.negatives.filtered = false;
+                        if resuming {
+                            frugal.storage.buffer_capacity = 2;
+                        } else {
+                            let most = MAX_ADVISED_PARTITIONS.min(entities as u32);
+                            frugal.storage.backend = Backend::File;
+                            frugal.storage.num_partitions = 1 << most.ilog2();
+                            frugal.storage.buffer_capacity = 2;
+                        }
+                        let least = HostEstimate::of(&frugal, &meta, false, resuming).total();
+                        proptest::prop_assert!(least > available, "{err}: {least} fits");
+                    }
+                },
+            }
+        }
     }
 
     #[test]
