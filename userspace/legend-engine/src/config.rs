@@ -217,8 +217,12 @@ pub struct TrainingConfig {
     pub seed: u64,
     /// Worker threads (0 = one per core).
     pub threads: usize,
-    /// Write a checkpoint every this many epochs (0 = only at the end).
+    /// Also write a checkpoint every this many epochs (0 = none by count).
     pub checkpoint_every: u32,
+    /// Write a checkpoint at the end of the first epoch this many minutes after the last one
+    /// (0 = none by time); spaced further when checkpoints are slow (see
+    /// [`crate::session::checkpoint_due`]).
+    pub checkpoint_minutes: f64,
     /// The engine: `cpu`, `cuda:N` (the GPU engine on device N) or `auto` (`cuda:0` when a GPU
     /// opens). Was `storage.device`, still accepted with a warning.
     #[serde(with = "by_name")]
@@ -237,6 +241,7 @@ impl Default for TrainingConfig {
             seed: 0,
             threads: 0,
             checkpoint_every: 0,
+            checkpoint_minutes: 30.0,
             device: DeviceChoice::Cpu,
             negatives: NegativesConfig::default(),
         }
@@ -523,6 +528,12 @@ impl Config {
         if t.batch_size == 0 {
             return Err(bad("training.batch_size", "must be at least 1"));
         }
+        if !(t.checkpoint_minutes.is_finite() && t.checkpoint_minutes >= 0.0) {
+            return Err(bad(
+                "training.checkpoint_minutes",
+                format!("must be a finite number ≥ 0, got {}", t.checkpoint_minutes),
+            ));
+        }
         positive_f32("training.learning_rate", t.learning_rate, false)?;
         positive_f32("training.adagrad_eps", t.adagrad_eps, true)?;
         let n = &t.negatives;
@@ -685,6 +696,11 @@ mod tests {
             ("", &["model.decoder=complex", "model.dim=7"], "model.dim"),
             ("", &["model.dim=\"big\""], "dim"),
             ("", &["training.learning_rate=-1"], "training.learning_rate"),
+            (
+                "",
+                &["training.checkpoint_minutes=-5"],
+                "training.checkpoint_minutes: must be a finite number ≥ 0",
+            ),
             (
                 "",
                 &["training.negatives.degree_fraction=2"],
