@@ -584,9 +584,29 @@ fn name_key(text: &str, e: &toml::de::Error) -> String {
         })
     });
     match key {
-        Some(key) => format!("{key}: {}", e.message()),
+        Some(key) => format!("{key}: {}", in_words(&key, e.message())),
         None => format!("invalid configuration: {}", e.message()),
     }
+}
+
+/// Serde's Rust type names in a message about `key` said in words: `expected usize` becomes
+/// `expected a whole number ≥ 1` (or `≥ 0` where the key takes 0, as the checks decide).
+fn in_words(key: &str, message: &str) -> String {
+    let whole = || {
+        let floor = u8::from(Config::parse("", &[format!("{key}=0")]).is_err());
+        format!("expected a whole number ≥ {floor}")
+    };
+    let mut out = message.to_owned();
+    for ty in ["usize", "u64", "u32", "u16", "u8"] {
+        let rust = format!("expected {ty}");
+        if out.contains(&rust) {
+            out = out.replace(&rust, &whole());
+        }
+    }
+    for ty in ["f64", "f32"] {
+        out = out.replace(&format!("expected {ty}"), "expected a number");
+    }
+    out
 }
 
 fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
@@ -695,6 +715,26 @@ mod tests {
             ("", &["model.decoder=rotate"], "model.decoder"),
             ("", &["model.decoder=complex", "model.dim=7"], "model.dim"),
             ("", &["model.dim=\"big\""], "dim"),
+            (
+                "",
+                &["model.dim=\"big\""],
+                "model.dim: invalid type: string \"big\", expected a whole number ≥ 1",
+            ),
+            (
+                "",
+                &["storage.num_partitions=-2"],
+                "storage.num_partitions: invalid value: integer `-2`, expected a whole number ≥ 1",
+            ),
+            (
+                "",
+                &["training.threads=1.5"],
+                "training.threads: invalid type: floating point `1.5`, expected a whole number ≥ 0",
+            ),
+            (
+                "",
+                &["training.learning_rate=\"fast\""],
+                "training.learning_rate: invalid type: string \"fast\", expected a number",
+            ),
             ("", &["training.learning_rate=-1"], "training.learning_rate"),
             (
                 "",
