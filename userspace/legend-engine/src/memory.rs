@@ -389,6 +389,10 @@ pub struct GpuEstimate {
     pub workspace: u64,
     /// The table of known edges of filtered negatives (`training.negatives.filtered`), or 0.
     pub known_edges: u64,
+    /// Entities of the graph (to size the partitions of other layouts).
+    pub entities: u64,
+    /// Bytes of one node row on the device.
+    pub row: u64,
 }
 
 impl GpuEstimate {
@@ -431,6 +435,8 @@ impl GpuEstimate {
             } else {
                 0
             },
+            entities: scheme.entities,
+            row,
         }
     }
 
@@ -443,6 +449,30 @@ impl GpuEstimate {
     /// The whole estimate in bytes.
     pub fn total(&self) -> u64 {
         self.nodes + self.relations + self.edges + self.workspace + self.known_edges
+    }
+
+    /// The first layout with fewer partition slots than partitions whose node rows fit in
+    /// `free` beside the rest of the estimate, as (N, C): the current N first, then 2, 4, 8, …
+    /// (up to 1024) beyond it, and for each the largest C that fits and the planner accepts.
+    /// The rest is kept as it is: streamed edges are then sized by the current largest bucket,
+    /// which finer partitions only make smaller.
+    fn fitting_layout(&self, config: &Config, free: u64) -> Option<(u32, u32)> {
+        let rest = self.total() - self.nodes;
+        let current = config.storage.num_partitions;
+        let most = MAX_ADVISED_PARTITIONS.min(u32::try_from(self.entities).unwrap_or(u32::MAX));
+        let finer = std::iter::successors(Some(2u32), |n| n.checked_mul(2))
+            .skip_while(|&n| n <= current)
+            .take_while(|&n| n <= most);
+        std::iter::once(current).chain(finer).find_map(|n| {
+            let slot = self.entities.div_ceil(u64::from(n)) * self.row;
+            (2..n)
+                .rev()
+                .find(|&c| {
+                    rest + u64::from(c) * slot <= free
+                        && legend_planner::plan(n, c, config.order()).is_ok()
+                })
+                .map(|c| (n, c))
+        })
     }
 
     /// Refuses the run when the estimate exceeds `free` bytes of `device`'s memory, saying
@@ -466,28 +496,27 @@ impl GpuEstimate {
                 config.storage.gpu_edge_fraction
             ));
         }
-        if self.slot > 0 {
-            // What stays whatever the slots: C' slots fit in what is free beside it.
-            let rest = self.total() - self.nodes;
-            let fits = (rest + self.slot * 2 <= free).then(|| (free - rest) / self.slot);
-            advice.push(match fits {
-                Some(c) => format!(
-                    "hold fewer partitions on the GPU: storage.buffer_capacity = {c} (each of the {} slots takes {:.1} GiB)",
-                    config.capacity(),
-                    gib(self.slot)
-                ),
-                None => format!(
-                    "use smaller partitions: raise storage.num_partitions (each of the {} slots takes {:.1} GiB)",
-                    config.capacity(),
-                    gib(self.slot)
-                ),
-            });
-        } else {
-            advice.push(format!(
-                "keep the node table ({:.1} GiB) in host memory and a few partitions on the GPU: storage.num_partitions = 8, storage.buffer_capacity = 3",
-                gib(self.nodes)
-            ));
-        }
+        // What stays whatever the partition slots (edges, relations, workspace).
+        let rest = self.total() - self.nodes;
+        advice.push(match self.fitting_layout(config, free) {
+            Some((n, c)) => {
+                let mut changes = Vec::new();
+                if n != config.storage.num_partitions {
+                    changes.push(Change::Partitions(n));
+                }
+                changes.push(Change::Capacity(c));
+                let changes: Vec<String> = changes.iter().map(Change::to_string).collect();
+                format!(
+                    "hold {c} of {n} partitions on the GPU ({:.1} GiB each) and the others in host memory: {}",
+                    gib(self.entities.div_ceil(u64::from(n)) * self.row),
+                    changes.join(", ")
+                )
+            }
+            None => format!(
+                "no partitioning fits the node rows beside the {:.1} GiB that the edges, relation rows and workspace take",
+                gib(rest)
+            ),
+        });
         Err(format!(
             "training on {device} needs about {:.1} GiB of its memory ({:.1} GiB of node rows with their AdaGrad state and gradients, {:.1} GiB of relation rows, {:.1} GiB of edges, {:.1} GiB of workspace, {:.1} GiB of known edges) but {:.1} GiB is free: {}",
             gib(self.total()),
@@ -544,9 +573,12 @@ mod tests {
         assert!(
             err.contains("needs about 65.")
                 && err.contains("40.0 GiB is free")
-                && err.contains("storage.num_partitions = 8"),
+                && err.contains("storage.num_partitions = 8, storage.buffer_capacity = 3"),
             "{err}"
         );
+        // The advised layout fits by the estimate of that layout.
+        let (config, e) = twitter(8, 3);
+        assert!(e.check(&config, "cuda:0", 40 << 30).is_ok());
         let (config, e) = twitter(8, 3);
         let err = e.check(&config, "cuda:0", 30 << 30).unwrap_err();
         assert!(
@@ -555,7 +587,7 @@ mod tests {
             "{err}"
         );
         let err = e.check(&config, "cuda:0", 10 << 30).unwrap_err();
-        assert!(err.contains("raise storage.num_partitions"), "{err}");
+        assert!(err.contains("no partitioning fits the node rows"), "{err}");
     }
 
     fn meta(entities: u64, train: u64) -> DatasetMeta {
