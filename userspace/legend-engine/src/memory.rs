@@ -262,29 +262,17 @@ pub fn settings_that_fit(
     resuming: bool,
     available: u64,
 ) -> Option<(Vec<Change>, HostEstimate)> {
-    let layouts = layouts(config, dataset, resuming);
-    for tweaks in tweaks(config) {
-        for layout in &layouts {
-            let changes: Vec<Change> = layout.iter().chain(&tweaks).copied().collect();
-            let mut candidate = config.clone();
-            for change in &changes {
-                change.apply(&mut candidate);
-            }
-            let estimate = HostEstimate::of(&candidate, dataset, on_cuda, resuming);
-            if estimate.total() <= available
-                && candidate.validate().is_ok()
-                && legend_planner::plan(
-                    candidate.storage.num_partitions,
-                    candidate.capacity(),
-                    candidate.order(),
-                )
-                .is_ok()
-            {
-                return Some((changes, estimate));
-            }
-        }
-    }
-    None
+    candidates(config, dataset, on_cuda, resuming).find_map(|(changes, candidate, estimate)| {
+        (estimate.total() <= available
+            && candidate.validate().is_ok()
+            && legend_planner::plan(
+                candidate.storage.num_partitions,
+                candidate.capacity(),
+                candidate.order(),
+            )
+            .is_ok())
+        .then_some((changes, estimate))
+    })
 }
 
 /// The smallest estimate among the candidates of [`settings_that_fit`] (what a refusal that
@@ -295,20 +283,35 @@ fn least_estimate(
     on_cuda: bool,
     resuming: bool,
 ) -> HostEstimate {
-    let layouts = layouts(config, dataset, resuming);
-    tweaks(config)
-        .iter()
-        .flat_map(|tweaks| {
-            layouts.iter().map(move |layout| {
-                let mut candidate = config.clone();
-                for change in layout.iter().chain(tweaks) {
-                    change.apply(&mut candidate);
-                }
-                HostEstimate::of(&candidate, dataset, on_cuda, resuming)
-            })
-        })
+    candidates(config, dataset, on_cuda, resuming)
+        .map(|(_, _, estimate)| estimate)
         .min_by_key(HostEstimate::total)
         .expect("the current layout is always a candidate")
+}
+
+/// Every candidate of [`settings_that_fit`] in its order: the changes, the configuration they
+/// make and its estimate.
+fn candidates<'a>(
+    config: &'a Config,
+    dataset: &'a DatasetMeta,
+    on_cuda: bool,
+    resuming: bool,
+) -> impl Iterator<Item = (Vec<Change>, Config, HostEstimate)> + 'a {
+    let layouts = layouts(config, dataset, resuming);
+    tweaks(config).into_iter().flat_map(move |tweaks| {
+        layouts
+            .iter()
+            .map(|layout| {
+                let changes: Vec<Change> = layout.iter().chain(&tweaks).copied().collect();
+                let mut candidate = config.clone();
+                for change in &changes {
+                    change.apply(&mut candidate);
+                }
+                let estimate = HostEstimate::of(&candidate, dataset, on_cuda, resuming);
+                (changes, candidate, estimate)
+            })
+            .collect::<Vec<_>>()
+    })
 }
 
 /// Storage layouts to try, cheapest in I/O first: the current one; then (for a new run) a
