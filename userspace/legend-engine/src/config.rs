@@ -219,8 +219,8 @@ pub struct TrainingConfig {
     pub threads: usize,
     /// Also write a checkpoint every this many epochs (0 = none by count).
     pub checkpoint_every: u32,
-    /// Write a checkpoint at the end of the first epoch this many minutes after the last one
-    /// (0 = none by time); spaced further when checkpoints are slow (see
+    /// Write a checkpoint at the first buffer-state boundary or epoch end this many minutes
+    /// after the last one (0 = none by time); spaced further when checkpoints are slow (see
     /// [`crate::session::checkpoint_due`]).
     pub checkpoint_minutes: f64,
     /// The engine: `cpu`, `cuda:N` (the GPU engine on device N) or `auto` (`cuda:0` when a GPU

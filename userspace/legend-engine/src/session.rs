@@ -11,7 +11,7 @@
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use legend_dataset::{Dataset, DatasetError, Split};
@@ -477,32 +477,52 @@ impl Session {
         let mut last_checkpoint = Instant::now();
         let mut checkpoint_cost = Duration::ZERO;
         for epoch in self.position.epochs_completed + 1..=epochs {
-            let cut = self.position.cut.take();
+            let mut cut = self.position.cut.take();
             on_event(Event::EpochStarted {
                 epoch,
                 epochs,
                 edges: total,
                 edges_done: cut.map_or(0, |c| c.edges),
             });
-            let end = self.trainer.run_epoch_from(epoch, cut, stop, &mut |done| {
-                on_event(Event::Progress {
-                    epoch,
-                    edges_done: done,
-                })
-            })?;
-            let report = match end {
-                EpochEnd::Done(report) => report,
-                EpochEnd::Stopped(cut) => {
-                    self.position = Position {
-                        epochs_completed: epoch - 1,
-                        cut: Some(cut),
-                    };
-                    self.checkpoint()?;
-                    on_event(Event::Checkpoint {
-                        position: self.position,
-                    });
+            let report = loop {
+                // Raised on a stop, or when a timed checkpoint falls due inside a long epoch:
+                // the trainer then ends this part of the epoch at its next buffer-state boundary
+                // (an epoch without swaps runs to its end).
+                let pause = AtomicBool::new(stop.load(Ordering::Relaxed));
+                let since = last_checkpoint;
+                let end = self
+                    .trainer
+                    .run_epoch_from(epoch, cut, &pause, &mut |done| {
+                        if stop.load(Ordering::Relaxed)
+                            || checkpoint_due(since.elapsed(), checkpoint_cost, interval)
+                        {
+                            pause.store(true, Ordering::Relaxed);
+                        }
+                        on_event(Event::Progress {
+                            epoch,
+                            edges_done: done,
+                        })
+                    })?;
+                let part = match end {
+                    EpochEnd::Done(report) => break report,
+                    EpochEnd::Stopped(part) => part,
+                };
+                self.position = Position {
+                    epochs_completed: epoch - 1,
+                    cut: Some(part),
+                };
+                let started = Instant::now();
+                self.checkpoint()?;
+                checkpoint_cost = started.elapsed();
+                last_checkpoint = Instant::now();
+                on_event(Event::Checkpoint {
+                    position: self.position,
+                });
+                if stop.load(Ordering::Relaxed) {
                     return Ok(Outcome::Stopped(self.position));
                 }
+                // Continued in this process exactly as a resume from the checkpoint would.
+                cut = Some(part);
             };
             let mut line = serde_json::to_value(&report).expect("a report serializes");
             let e = &self.config.evaluation;
@@ -527,7 +547,7 @@ impl Session {
                 cut: None,
             };
             let every = self.config.training.checkpoint_every;
-            let stopping = stop.load(std::sync::atomic::Ordering::Relaxed);
+            let stopping = stop.load(Ordering::Relaxed);
             if epoch == epochs
                 || stopping
                 || (every > 0 && epoch % every == 0)
@@ -658,11 +678,12 @@ impl Session {
 /// 1/20 = 5 % of a run's wall time.
 const CHECKPOINT_SPACING: u32 = 20;
 
-/// Whether an epoch end `since_last` after the last checkpoint (or the session's start) is due
-/// for a timed checkpoint (`training.checkpoint_minutes`): once `interval` has passed (zero:
-/// never), and once 20 times the last checkpoint's `cost` has passed, so that slow checkpoints
-/// (a billion-edge table written to a slow disk) are spaced out rather than eating the run. A
-/// crash then loses at most the larger of the two and one epoch.
+/// Whether a timed checkpoint (`training.checkpoint_minutes`) is due `since_last` after the
+/// last checkpoint (or the session's start): once `interval` has passed (zero: never), and once
+/// 20 times the last checkpoint's `cost` has passed, so that slow checkpoints (a billion-edge
+/// table written to a slow disk) are spaced out rather than eating the run. It is taken at the
+/// next buffer-state boundary or epoch end, so a crash loses at most the larger of the two and
+/// the time to that point.
 pub fn checkpoint_due(since_last: Duration, cost: Duration, interval: Duration) -> bool {
     !interval.is_zero() && since_last >= interval.max(cost * CHECKPOINT_SPACING)
 }
