@@ -13,17 +13,19 @@ cache=${LEGEND_CACHE:-$HOME/.cache/legend}
 work=${LEGEND_WORK:-$cache/main-job}
 mkdir -p "$cache/wheels" "$work"
 
-echo "== building legendctl (release)"
-cargo build --release --locked -q -p legendctl --manifest-path "$root/Cargo.toml"
+# Cargo's own progress (a bar on a terminal, a line per crate elsewhere): the first build has
+# 180 steps, 3.5 minutes on an idle 2-core machine (up to 8 on a busy one); later runs, seconds.
+echo "== building legendctl (release; the first build takes 4 to 8 minutes on 2 cores)"
+cargo build --release --locked -p legendctl --manifest-path "$root/Cargo.toml"
 bin=${CARGO_TARGET_DIR:-$root/target}/release/legendctl
 
 wheel=$cache/wheels/pykeen-1.11.1-py3-none-any.whl
-if [ ! -s "$wheel" ]; then
-  echo "== downloading the pykeen 1.11.1 wheel (for its bundled datasets)"
-  python3 -m pip download --quiet --no-deps --dest "$cache/wheels" pykeen==1.11.1
-fi
 raw=$work/raw/$name
 if [ ! -s "$raw/train.txt" ]; then
+  if [ ! -s "$wheel" ]; then
+    echo "== downloading the pykeen 1.11.1 wheel (for its bundled datasets)"
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip download --quiet --no-deps --dest "$cache/wheels" pykeen==1.11.1
+  fi
   mkdir -p "$raw"
   python3 - "$wheel" "$name" "$raw" <<'PY'
 import sys, zipfile

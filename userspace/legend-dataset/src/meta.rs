@@ -140,7 +140,11 @@ impl DatasetMeta {
 
     pub(crate) fn write(&self, dir: &Path) -> Result<()> {
         let path = dir.join(META_FILE);
-        let text = toml::to_string_pretty(self).expect("dataset metadata always serializes");
+        let mut text = toml::to_string_pretty(self).expect("dataset metadata always serializes");
+        // The pretty printer ends on the `sources` array's `]`, without a line end.
+        if !text.ends_with('\n') {
+            text.push('\n');
+        }
         std::fs::write(&path, text).at(&path)
     }
 

@@ -81,6 +81,9 @@ fn separate_files_round_trip_through_labels() {
     );
     assert_eq!(labelled(&ds, Split::Valid), vec![t("a", "hates", "c")]);
     assert_eq!(labelled(&ds, Split::Test), vec![t("b", "hates", "a")]);
+    // A text file that `cat` and editors show whole.
+    let meta = std::fs::read_to_string(out.join(legend_dataset::META_FILE)).unwrap();
+    assert!(meta.ends_with('\n'), "dataset.toml lacks a final newline");
 }
 
 #[test]

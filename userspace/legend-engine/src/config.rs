@@ -223,8 +223,12 @@ pub struct TrainingConfig {
     pub seed: u64,
     /// Worker threads (0 = one per core).
     pub threads: usize,
-    /// Write a checkpoint every this many epochs (0 = only at the end).
+    /// Also write a checkpoint every this many epochs (0 = none by count).
     pub checkpoint_every: u32,
+    /// Write a checkpoint at the first buffer-state boundary or epoch end this many minutes
+    /// after the last one (0 = none by time); spaced further when checkpoints are slow (see
+    /// [`crate::session::checkpoint_due`]).
+    pub checkpoint_minutes: f64,
     /// The engine: `cpu`, `cuda:N` (the GPU engine on device N) or `auto` (`cuda:0` when a GPU
     /// opens). Was `storage.device`, still accepted with a warning.
     #[serde(with = "by_name")]
@@ -243,6 +247,7 @@ impl Default for TrainingConfig {
             seed: 0,
             threads: 0,
             checkpoint_every: 0,
+            checkpoint_minutes: 30.0,
             device: DeviceChoice::Cpu,
             negatives: NegativesConfig::default(),
         }
@@ -506,7 +511,8 @@ impl Config {
         }
     }
 
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks what spans keys (the types and names were checked as they were read).
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         self.model
             .decoder
             .check_dim(self.model.dim)
@@ -546,6 +552,12 @@ impl Config {
         }
         if t.batch_size == 0 {
             return Err(bad("training.batch_size", "must be at least 1"));
+        }
+        if !(t.checkpoint_minutes.is_finite() && t.checkpoint_minutes >= 0.0) {
+            return Err(bad(
+                "training.checkpoint_minutes",
+                format!("must be a finite number ≥ 0, got {}", t.checkpoint_minutes),
+            ));
         }
         positive_f32("training.learning_rate", t.learning_rate, false)?;
         positive_f32("training.adagrad_eps", t.adagrad_eps, true)?;
@@ -597,9 +609,29 @@ fn name_key(text: &str, e: &toml::de::Error) -> String {
         })
     });
     match key {
-        Some(key) => format!("{key}: {}", e.message()),
+        Some(key) => format!("{key}: {}", in_words(&key, e.message())),
         None => format!("invalid configuration: {}", e.message()),
     }
+}
+
+/// Serde's Rust type names in a message about `key` said in words: `expected usize` becomes
+/// `expected a whole number ≥ 1` (or `≥ 0` where the key takes 0, as the checks decide).
+fn in_words(key: &str, message: &str) -> String {
+    let whole = || {
+        let floor = u8::from(Config::parse("", &[format!("{key}=0")]).is_err());
+        format!("expected a whole number ≥ {floor}")
+    };
+    let mut out = message.to_owned();
+    for ty in ["usize", "u64", "u32", "u16", "u8"] {
+        let rust = format!("expected {ty}");
+        if out.contains(&rust) {
+            out = out.replace(&rust, &whole());
+        }
+    }
+    for ty in ["f64", "f32"] {
+        out = out.replace(&format!("expected {ty}"), "expected a number");
+    }
+    out
 }
 
 fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
@@ -745,7 +777,32 @@ mod tests {
             ("", &["model.decoder=rotate"], "model.decoder"),
             ("", &["model.decoder=complex", "model.dim=7"], "model.dim"),
             ("", &["model.dim=\"big\""], "dim"),
+            (
+                "",
+                &["model.dim=\"big\""],
+                "model.dim: invalid type: string \"big\", expected a whole number ≥ 1",
+            ),
+            (
+                "",
+                &["storage.num_partitions=-2"],
+                "storage.num_partitions: invalid value: integer `-2`, expected a whole number ≥ 1",
+            ),
+            (
+                "",
+                &["training.threads=1.5"],
+                "training.threads: invalid type: floating point `1.5`, expected a whole number ≥ 0",
+            ),
+            (
+                "",
+                &["training.learning_rate=\"fast\""],
+                "training.learning_rate: invalid type: string \"fast\", expected a number",
+            ),
             ("", &["training.learning_rate=-1"], "training.learning_rate"),
+            (
+                "",
+                &["training.checkpoint_minutes=-5"],
+                "training.checkpoint_minutes: must be a finite number ≥ 0",
+            ),
             (
                 "",
                 &["training.negatives.degree_fraction=2"],

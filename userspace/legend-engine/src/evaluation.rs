@@ -156,7 +156,7 @@ impl ProgressLog {
             let bar = ProgressBar::new(total);
             bar.set_style(
                 ProgressStyle::with_template(
-                    "{msg} evaluation [{bar:30}] {pos}/{len} queries {per_sec} eta {eta}",
+                    "{msg} evaluation [{wide_bar}] {pos}/{len} queries, eta {eta}",
                 )
                 .expect("static template")
                 .progress_chars("=> "),

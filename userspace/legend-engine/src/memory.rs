@@ -152,7 +152,8 @@ pub fn gib(bytes: u64) -> f64 {
 
 /// Refuses `config` on `dataset` (on a CUDA device or not, resuming or not: see
 /// [`HostEstimate::of`]) when its estimated peak exceeds `available` bytes, with a message
-/// that says how much it needs, what there is, and what to change.
+/// that says how much it needs, what there is, and the settings that would fit (found by
+/// [`settings_that_fit`]) or that none does.
 pub fn check_fits(
     config: &Config,
     dataset: &DatasetMeta,
@@ -164,34 +165,29 @@ pub fn check_fits(
     if e.total() <= available {
         return Ok(e);
     }
-    let mut advice = Vec::new();
-    let table_bytes = dataset.entities * config.model.dim as u64 * 8;
-    if config.storage.backend == Backend::Memory {
-        advice.push(format!(
-            "keep the tables ({:.1} GiB) on disk with storage.backend = \"file\" and a \
-             storage.num_partitions of 8 or more",
-            gib(table_bytes)
-        ));
-    } else if config.capacity() > 2 || config.storage.num_partitions < 16 {
-        advice.push(
-            "hold fewer or smaller partitions in RAM: raise storage.num_partitions or lower \
-             storage.buffer_capacity"
-                .into(),
-        );
-    }
-    if config.training.negatives.filtered {
-        advice.push(format!(
-            "turn training.negatives.filtered off ({:.1} GiB)",
-            gib(e.known_edges)
-        ));
-    }
-    if config.evaluation.protocol == Protocol::Filtered {
-        advice.push("evaluate with evaluation.protocol = \"sampled\"".into());
-    }
-    let advice = if advice.is_empty() {
-        "the edges alone exceed it: use a machine with more memory".to_string()
-    } else {
-        advice.join("; or ")
+    let advice = match settings_that_fit(config, dataset, on_cuda, resuming, available) {
+        Some((changes, fitted)) => format!(
+            "set {} (about {:.1} GiB)",
+            changes
+                .iter()
+                .map(Change::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            gib(fitted.total())
+        ),
+        None => {
+            let least = least_estimate(config, dataset, on_cuda, resuming);
+            format!(
+                "no setting of storage.backend, storage.num_partitions, storage.buffer_capacity, \
+                 evaluation.protocol or training.negatives.filtered fits this machine (the \
+                 least is about {:.1} GiB: {:.1} GiB of edges, {:.1} GiB for evaluation, whose \
+                 protocols both rank against every embedding); use a machine with more memory \
+                 or a smaller model.dim",
+                gib(least.total()),
+                gib(least.edges),
+                gib(least.evaluation)
+            )
+        }
     };
     Err(format!(
         "this run needs about {:.1} GiB of host memory ({:.1} GiB of edges, {:.1} GiB of tables, \
@@ -206,6 +202,165 @@ pub fn check_fits(
         gib(e.baseline),
         gib(available),
     ))
+}
+
+/// One configuration change the memory advice may propose; displayed as the `key = value`
+/// that `--set` and a configuration file accept.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Change {
+    /// `storage.backend`.
+    Backend(Backend),
+    /// `storage.num_partitions`.
+    Partitions(u32),
+    /// `storage.buffer_capacity`.
+    Capacity(u32),
+    /// `evaluation.protocol`.
+    Protocol(Protocol),
+    /// `training.negatives.filtered`.
+    FilteredNegatives(bool),
+}
+
+impl Change {
+    /// Applies the change to `config`.
+    pub fn apply(self, config: &mut Config) {
+        match self {
+            Change::Backend(b) => config.storage.backend = b,
+            Change::Partitions(n) => config.storage.num_partitions = n,
+            Change::Capacity(c) => config.storage.buffer_capacity = c,
+            Change::Protocol(p) => config.evaluation.protocol = p,
+            Change::FilteredNegatives(f) => config.training.negatives.filtered = f,
+        }
+    }
+}
+
+impl std::fmt::Display for Change {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Change::Backend(b) => write!(f, "storage.backend = \"{b}\""),
+            Change::Partitions(n) => write!(f, "storage.num_partitions = {n}"),
+            Change::Capacity(c) => write!(f, "storage.buffer_capacity = {c}"),
+            Change::Protocol(p) => write!(f, "evaluation.protocol = \"{}\"", p.name()),
+            Change::FilteredNegatives(v) => write!(f, "training.negatives.filtered = {v}"),
+        }
+    }
+}
+
+/// The most partitions the advice proposes (their plans stay quick to compute).
+const MAX_ADVISED_PARTITIONS: u32 = 1024;
+
+/// The changes to `config` that bring its estimate within `available` bytes, and the estimate
+/// with them; `None` when no candidate fits. Candidates are tried in the order of what they
+/// cost the run, and the first that the estimator, the configuration's checks and the planner
+/// all accept is taken: first the storage layout alone (keeping the current one, else the
+/// `file` backend with the fewest partitions and, for those, the largest buffer), then the same
+/// with sampled evaluation, without filtered negatives, and with both. A resumed run keeps its
+/// backend and partitions: only its buffer may shrink.
+pub fn settings_that_fit(
+    config: &Config,
+    dataset: &DatasetMeta,
+    on_cuda: bool,
+    resuming: bool,
+    available: u64,
+) -> Option<(Vec<Change>, HostEstimate)> {
+    candidates(config, dataset, on_cuda, resuming).find_map(|(changes, candidate, estimate)| {
+        (estimate.total() <= available
+            && candidate.validate().is_ok()
+            && legend_planner::plan(
+                candidate.storage.num_partitions,
+                candidate.capacity(),
+                candidate.order(),
+            )
+            .is_ok())
+        .then_some((changes, estimate))
+    })
+}
+
+/// The smallest estimate among the candidates of [`settings_that_fit`] (what a refusal that
+/// finds none cites).
+fn least_estimate(
+    config: &Config,
+    dataset: &DatasetMeta,
+    on_cuda: bool,
+    resuming: bool,
+) -> HostEstimate {
+    candidates(config, dataset, on_cuda, resuming)
+        .map(|(_, _, estimate)| estimate)
+        .min_by_key(HostEstimate::total)
+        .expect("the current layout is always a candidate")
+}
+
+/// Every candidate of [`settings_that_fit`] in its order: the changes, the configuration they
+/// make and its estimate.
+fn candidates<'a>(
+    config: &'a Config,
+    dataset: &'a DatasetMeta,
+    on_cuda: bool,
+    resuming: bool,
+) -> impl Iterator<Item = (Vec<Change>, Config, HostEstimate)> + 'a {
+    let layouts = layouts(config, dataset, resuming);
+    tweaks(config).into_iter().flat_map(move |tweaks| {
+        layouts
+            .iter()
+            .map(|layout| {
+                let changes: Vec<Change> = layout.iter().chain(&tweaks).copied().collect();
+                let mut candidate = config.clone();
+                for change in &changes {
+                    change.apply(&mut candidate);
+                }
+                let estimate = HostEstimate::of(&candidate, dataset, on_cuda, resuming);
+                (changes, candidate, estimate)
+            })
+            .collect::<Vec<_>>()
+    })
+}
+
+/// Storage layouts to try, cheapest in I/O first: the current one; then (for a new run) a
+/// store (the `file` backend unless one is configured) with 2, 4, 8, … partitions, and for
+/// each every buffer from all of them down to 2; or (resuming) smaller buffers only.
+fn layouts(config: &Config, dataset: &DatasetMeta, resuming: bool) -> Vec<Vec<Change>> {
+    let mut layouts = vec![Vec::new()];
+    if resuming {
+        if config.storage.num_partitions > 2 {
+            layouts.extend(
+                (2..config.capacity())
+                    .rev()
+                    .map(|c| vec![Change::Capacity(c)]),
+            );
+        }
+        return layouts;
+    }
+    let backend = (!config.uses_store()).then_some(Change::Backend(Backend::File));
+    let most = MAX_ADVISED_PARTITIONS.min(u32::try_from(dataset.entities).unwrap_or(u32::MAX));
+    for n in std::iter::successors(Some(2u32), |n| n.checked_mul(2)).take_while(|&n| n <= most) {
+        for c in (2..=n).rev() {
+            layouts.push(
+                backend
+                    .into_iter()
+                    .chain([Change::Partitions(n), Change::Capacity(c)])
+                    .collect(),
+            );
+        }
+    }
+    layouts
+}
+
+/// Changes beyond the layout, least intrusive first: none, sampled evaluation, no filtered
+/// negatives, both (those already in effect left out).
+fn tweaks(config: &Config) -> Vec<Vec<Change>> {
+    let sampled = (config.evaluation.protocol != Protocol::Sampled)
+        .then_some(Change::Protocol(Protocol::Sampled));
+    let unfiltered = config
+        .training
+        .negatives
+        .filtered
+        .then_some(Change::FilteredNegatives(false));
+    let mut tweaks = vec![Vec::new()];
+    tweaks.extend(sampled.map(|s| vec![s]));
+    tweaks.extend(unfiltered.map(|u| vec![u]));
+    if let (Some(s), Some(u)) = (sampled, unfiltered) {
+        tweaks.push(vec![s, u]);
+    }
+    tweaks
 }
 
 /// Bytes per row of a device table beyond its `dim` floats of embedding, AdaGrad state and
@@ -237,6 +392,10 @@ pub struct GpuEstimate {
     pub workspace: u64,
     /// The table of known edges of filtered negatives (`training.negatives.filtered`), or 0.
     pub known_edges: u64,
+    /// Entities of the graph (to size the partitions of other layouts).
+    pub entities: u64,
+    /// Bytes of one node row on the device.
+    pub row: u64,
 }
 
 impl GpuEstimate {
@@ -279,6 +438,8 @@ impl GpuEstimate {
             } else {
                 0
             },
+            entities: scheme.entities,
+            row,
         }
     }
 
@@ -291,6 +452,30 @@ impl GpuEstimate {
     /// The whole estimate in bytes.
     pub fn total(&self) -> u64 {
         self.nodes + self.relations + self.edges + self.workspace + self.known_edges
+    }
+
+    /// The first layout with fewer partition slots than partitions whose node rows fit in
+    /// `free` beside the rest of the estimate, as (N, C): the current N first, then 2, 4, 8, …
+    /// (up to 1024) beyond it, and for each the largest C that fits and the planner accepts.
+    /// The rest is kept as it is: streamed edges are then sized by the current largest bucket,
+    /// which finer partitions only make smaller.
+    fn fitting_layout(&self, config: &Config, free: u64) -> Option<(u32, u32)> {
+        let rest = self.total() - self.nodes;
+        let current = config.storage.num_partitions;
+        let most = MAX_ADVISED_PARTITIONS.min(u32::try_from(self.entities).unwrap_or(u32::MAX));
+        let finer = std::iter::successors(Some(2u32), |n| n.checked_mul(2))
+            .skip_while(|&n| n <= current)
+            .take_while(|&n| n <= most);
+        std::iter::once(current).chain(finer).find_map(|n| {
+            let slot = self.entities.div_ceil(u64::from(n)) * self.row;
+            (2..n)
+                .rev()
+                .find(|&c| {
+                    rest + u64::from(c) * slot <= free
+                        && legend_planner::plan(n, c, config.order()).is_ok()
+                })
+                .map(|c| (n, c))
+        })
     }
 
     /// Refuses the run when the estimate exceeds `free` bytes of `device`'s memory, saying
@@ -314,28 +499,27 @@ impl GpuEstimate {
                 config.storage.gpu_edge_fraction
             ));
         }
-        if self.slot > 0 {
-            // What stays whatever the slots: C' slots fit in what is free beside it.
-            let rest = self.total() - self.nodes;
-            let fits = (rest + self.slot * 2 <= free).then(|| (free - rest) / self.slot);
-            advice.push(match fits {
-                Some(c) => format!(
-                    "hold fewer partitions on the GPU: storage.buffer_capacity = {c} (each of the {} slots takes {:.1} GiB)",
-                    config.capacity(),
-                    gib(self.slot)
-                ),
-                None => format!(
-                    "use smaller partitions: raise storage.num_partitions (each of the {} slots takes {:.1} GiB)",
-                    config.capacity(),
-                    gib(self.slot)
-                ),
-            });
-        } else {
-            advice.push(format!(
-                "keep the node table ({:.1} GiB) in host memory and a few partitions on the GPU: storage.num_partitions = 8, storage.buffer_capacity = 3",
-                gib(self.nodes)
-            ));
-        }
+        // What stays whatever the partition slots (edges, relations, workspace).
+        let rest = self.total() - self.nodes;
+        advice.push(match self.fitting_layout(config, free) {
+            Some((n, c)) => {
+                let mut changes = Vec::new();
+                if n != config.storage.num_partitions {
+                    changes.push(Change::Partitions(n));
+                }
+                changes.push(Change::Capacity(c));
+                let changes: Vec<String> = changes.iter().map(Change::to_string).collect();
+                format!(
+                    "hold {c} of {n} partitions on the GPU ({:.1} GiB each) and the others in host memory: {}",
+                    gib(self.entities.div_ceil(u64::from(n)) * self.row),
+                    changes.join(", ")
+                )
+            }
+            None => format!(
+                "no partitioning fits the node rows beside the {:.1} GiB that the edges, relation rows and workspace take",
+                gib(rest)
+            ),
+        });
         Err(format!(
             "training on {device} needs about {:.1} GiB of its memory ({:.1} GiB of node rows with their AdaGrad state and gradients, {:.1} GiB of relation rows, {:.1} GiB of edges, {:.1} GiB of workspace, {:.1} GiB of known edges) but {:.1} GiB is free: {}",
             gib(self.total()),
@@ -392,9 +576,12 @@ mod tests {
         assert!(
             err.contains("needs about 65.")
                 && err.contains("40.0 GiB is free")
-                && err.contains("storage.num_partitions = 8"),
+                && err.contains("storage.num_partitions = 8, storage.buffer_capacity = 3"),
             "{err}"
         );
+        // The advised layout fits by the estimate of that layout.
+        let (config, e) = twitter(8, 3);
+        assert!(e.check(&config, "cuda:0", 40 << 30).is_ok());
         let (config, e) = twitter(8, 3);
         let err = e.check(&config, "cuda:0", 30 << 30).unwrap_err();
         assert!(
@@ -403,7 +590,124 @@ mod tests {
             "{err}"
         );
         let err = e.check(&config, "cuda:0", 10 << 30).unwrap_err();
-        assert!(err.contains("raise storage.num_partitions"), "{err}");
+        assert!(err.contains("no partitioning fits the node rows"), "{err}");
+    }
+
+    fn meta(entities: u64, train: u64) -> DatasetMeta {
+        DatasetMeta {
+            format_version: legend_dataset::FORMAT_VERSION,
+            entities,
+            relations: 1,
+            has_relations: true,
+            id_width: 4,
+            splits: legend_dataset::SplitCounts {
+                train,
+                valid: train / 20,
+                test: train / 20,
+            },
+            checksums: Default::default(),
+            seed: 0,
+            sources: Vec::new(),
+            unseen_dropped: 0,
+            unseen_kept: 0,
+        }
+    }
+
+    /// The `key=value` overrides a refusal advises, or `None` where it says none fits.
+    fn advised_sets(message: &str) -> Option<Vec<String>> {
+        let (_, rest) = message.split_once("is available: set ")?;
+        let (list, _) = rest
+            .split_once(" (about ")
+            .expect("the advice ends with its estimate");
+        Some(
+            list.split(", ")
+                .map(|kv| kv.replacen(" = ", "=", 1))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn the_issue_27_case_is_refused_plainly_and_fits_where_memory_allows() {
+        // 100k entities at d = 100000: 74.5 GiB of tables; every evaluation gathers 37.3 GiB.
+        let config = Config::parse("", &["model.dim=100000".into()]).unwrap();
+        let meta = meta(100_000, 1_000_000);
+        let err = check_fits(&config, &meta, false, false, 24 << 30).unwrap_err();
+        assert!(
+            err.contains("no setting of") && err.contains("37.3 GiB for evaluation"),
+            "{err}"
+        );
+        let err = check_fits(&config, &meta, false, false, 64 << 30).unwrap_err();
+        let sets = advised_sets(&err).unwrap_or_else(|| panic!("{err}"));
+        assert_eq!(
+            sets,
+            [
+                "storage.backend=\"file\"",
+                "storage.num_partitions=16",
+                "storage.buffer_capacity=3"
+            ],
+            "{err}"
+        );
+    }
+
+    proptest::proptest! {
+        /// Following the advice of a refusal fits (the estimator accepts the `key = value`
+        /// settings as printed, through the configuration parser); a refusal that finds none
+        /// is right that even the most frugal candidate does not fit.
+        #[test]
+        fn the_advice_fits_or_none_can(
+            entities in 1u64..5_000_000,
+            edges_per_entity in 0u64..60,
+            dim_tenths in 1usize..4000,
+            available_mib in 512u64..(256 << 10),
+            filtered: bool,
+            sampled: bool,
+            file_partitions in proptest::option::of(1u32..64),
+            resuming: bool,
+        ) {
+            let dim = dim_tenths * 10;
+            let mut sets = vec![
+                "model.decoder=dot".to_string(),
+                format!("model.dim={dim}"),
+                format!("training.negatives.filtered={filtered}"),
+                format!("evaluation.protocol={}", if sampled { "sampled" } else { "filtered" }),
+            ];
+            if let Some(n) = file_partitions {
+                let n = n.min(entities as u32);
+                sets.extend(["storage.backend=file".into(), format!("storage.num_partitions={n}")]);
+            }
+            let config = Config::parse("", &sets).unwrap();
+            let meta = meta(entities, entities * edges_per_entity);
+            let available = available_mib << 20;
+            match check_fits(&config, &meta, false, resuming, available) {
+                Ok(e) => proptest::prop_assert!(e.total() <= available),
+                Err(err) => match advised_sets(&err) {
+                    Some(advice) => {
+                        let all: Vec<String> = sets.iter().cloned().chain(advice).collect();
+                        let advised = Config::parse("", &all).map_err(|e| {
+                            proptest::test_runner::TestCaseError::fail(format!("{err}: {e}"))
+                        })?;
+                        let e = check_fits(&advised, &meta, false, resuming, available);
+                        proptest::prop_assert!(e.is_ok(), "{err}\nthen: {e:?}");
+                    }
+                    None => {
+                        proptest::prop_assert!(err.contains("no setting of"), "{err}");
+                        let mut frugal = config.clone();
+                        frugal.evaluation.protocol = Protocol::Sampled;
+                        frugal.training.negatives.filtered = false;
+                        if resuming {
+                            frugal.storage.buffer_capacity = 2;
+                        } else {
+                            let most = MAX_ADVISED_PARTITIONS.min(entities as u32);
+                            frugal.storage.backend = Backend::File;
+                            frugal.storage.num_partitions = 1 << most.ilog2();
+                            frugal.storage.buffer_capacity = 2;
+                        }
+                        let least = HostEstimate::of(&frugal, &meta, false, resuming).total();
+                        proptest::prop_assert!(least > available, "{err}: {least} fits");
+                    }
+                },
+            }
+        }
     }
 
     #[test]

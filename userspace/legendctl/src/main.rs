@@ -42,7 +42,7 @@ enum Command {
     Device(cmd::device::Args),
     /// Benchmarks: `bench io` measures a store target's I/O rate.
     Bench(cmd::bench::Args),
-    /// Submit a job to legendd (train or eval).
+    /// Submit a job to legendd (train, eval or export).
     Submit(cmd::client::SubmitArgs),
     /// Jobs known to legendd.
     Jobs(cmd::client::JobsArgs),

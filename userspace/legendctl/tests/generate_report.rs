@@ -185,6 +185,45 @@ fn report_draws_one_rect_per_swap_and_lane() {
 }
 
 #[test]
+fn report_charts_loss_and_rate_per_epoch_for_a_run_without_swaps() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    std::fs::create_dir(&run).unwrap();
+    // An in-memory run: no swaps, no I/O; epoch 2 was repeated by a resume (its last counts).
+    let lines: Vec<String> = [(1, 0.9, 1e4), (2, 0.7, 2e4), (2, 0.6, 3e4), (3, 0.5, 4e4)]
+        .iter()
+        .map(|&(k, loss, rate)| {
+            let mut e: serde_json::Value = serde_json::from_str(&epoch(k, 0)).unwrap();
+            e["loss"] = loss.into();
+            e["edges_per_sec"] = rate.into();
+            e.to_string()
+        })
+        .collect();
+    std::fs::write(run.join("metrics.jsonl"), lines.join("\n") + "\n").unwrap();
+    ok(&["report", &s(&run)]);
+    let svg = std::fs::read_to_string(run.join("report.svg")).unwrap();
+    assert_balanced(&svg);
+    for class in ["loss", "rate"] {
+        let at = svg
+            .find(&format!("<polyline class=\"line {class}\" points=\""))
+            .unwrap_or_else(|| panic!("no {class} chart"));
+        let points = svg[at..].split('"').nth(3).unwrap();
+        assert_eq!(points.split(' ').count(), 3, "{class}: {points}");
+    }
+    for title in [
+        "<title>epoch 2: 0.6000</title>",
+        "<title>epoch 3: 0.5000</title>",
+        "<title>epoch 2: 30000</title>",
+    ] {
+        assert!(svg.contains(title), "{title}");
+    }
+    assert!(
+        !svg.contains("<title>epoch 2: 0.7000</title>"),
+        "the repeated epoch's first record"
+    );
+}
+
+#[test]
 fn gpu_initiated_swaps_get_a_lane_of_io_kernel_launches() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");

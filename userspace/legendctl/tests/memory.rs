@@ -143,7 +143,15 @@ fn a_run_that_cannot_fit_is_refused_up_front() {
         err.contains("of host memory") && err.contains("is available"),
         "{err}"
     );
-    assert!(err.contains("storage.backend = \"file\""), "{err}");
+    // Every evaluation gathers the 60 GiB of embeddings: on a machine that cannot hold them
+    // the refusal says no setting fits; on a larger one it names the settings that do.
+    assert!(
+        err.contains("no setting of")
+            || err.contains(
+                "is available: set storage.backend = \"file\", storage.num_partitions = "
+            ),
+        "{err}"
+    );
     assert!(
         !Path::new(&out).exists(),
         "a refused run left {}",

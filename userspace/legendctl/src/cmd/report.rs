@@ -4,8 +4,8 @@
 //! paper. The compute lane shows, per swap, the compute overlapped with the swap's I/O, the time
 //! compute waited for it and the compute after it; the I/O lane shows the swap's write-back and
 //! read from its start; for swaps the GPU I/O kernels moved, a third lane shows each of their
-//! launches (commands submitted to the last completion). A table gives every epoch's time, I/O
-//! time, wait and hidden I/O share.
+//! launches (commands submitted to the last completion). A table gives every epoch's loss, time,
+//! I/O time, wait and hidden I/O share, and two charts every epoch's loss and training rate.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -203,7 +203,9 @@ const STYLE: &str = "text{font-family:sans-serif;font-size:13px;fill:#222}\
 .overlap{fill:#4f9d69}.after{fill:#2f6db5}.initial{fill:#a9b7c6}\
 .wait,.fill-wait{fill:#d9453d}.io{fill:#f0a43a}.fill{fill:#f6d19b}\
 .kwrite{fill:#a0522d}.kread{fill:#7b5ea7}\
-.sep{stroke:#fff;stroke-width:1}.grid{stroke:#ddd;stroke-width:1}.axis{stroke:#444;stroke-width:1}";
+.sep{stroke:#fff;stroke-width:1}.grid{stroke:#ddd;stroke-width:1}.axis{stroke:#444;stroke-width:1}\
+.frame{fill:none;stroke:#bbb;stroke-width:1}.line{fill:none;stroke-width:2}\
+.loss{stroke:#2f6db5}.rate{stroke:#4f9d69}.pt{fill:#222}";
 
 /// The timeline of `epoch` and the table of `all`, as a standalone SVG document.
 fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
@@ -225,7 +227,8 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
         legend_y,
         table_y,
     } = Layout::new(kernels);
-    let height = table_y + ROW * (shown.len() as f64 + 1.0) + 16.0;
+    let charts_y = table_y + ROW * (shown.len() as f64 + 1.0) + 36.0;
+    let height = charts_y + CHART_H + 40.0;
     let mut s = String::new();
     writeln!(
         s,
@@ -425,6 +428,7 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
 
     let columns = [
         "epoch",
+        "loss",
         "time (s)",
         "I/O (s)",
         "waited (s)",
@@ -433,7 +437,7 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
         "moved",
         "edges/s",
     ];
-    let col_x = |c: usize| 16.0 + 110.0 * c as f64;
+    let col_x = |c: usize| 16.0 + 104.0 * c as f64;
     for (c, name) in columns.iter().enumerate() {
         writeln!(
             s,
@@ -457,6 +461,7 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
         };
         let cells = [
             e.epoch.to_string(),
+            format!("{:.4}", e.loss),
             format!("{:.3}", e.seconds),
             format!("{:.3}", e.io_s),
             format!("{:.3}", e.io_wait_s),
@@ -475,8 +480,96 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
             )?;
         }
     }
+    epoch_charts(&mut s, all, charts_y)?;
     writeln!(s, "</svg>")?;
     Ok(s)
+}
+
+/// Height of the per-epoch charts below the table.
+const CHART_H: f64 = 150.0;
+
+/// Two charts over every epoch of the run, side by side: the mean loss and the training rate
+/// (what a run without swaps, whose timeline is one bar, is watched for). A resumed run's
+/// repeated epoch counts with its last record.
+fn epoch_charts(s: &mut String, all: &[Epoch], top: f64) -> std::fmt::Result {
+    let mut by_epoch = std::collections::BTreeMap::new();
+    for e in all {
+        by_epoch.insert(e.epoch, (e.loss, e.edges_per_sec));
+    }
+    let points: Vec<(u32, f64, f64)> = by_epoch.into_iter().map(|(k, (l, r))| (k, l, r)).collect();
+    let gap = 70.0;
+    let width = (WIDTH - LEFT - RIGHT - gap) / 2.0;
+    // (title, class, the value, its decimals)
+    let charts: [(&str, &str, Vec<f64>, usize); 2] = [
+        (
+            "mean loss per epoch",
+            "loss",
+            points.iter().map(|p| p.1).collect(),
+            4,
+        ),
+        (
+            "edges/s per epoch",
+            "rate",
+            points.iter().map(|p| p.2).collect(),
+            0,
+        ),
+    ];
+    let (first, last) = (points[0].0, points[points.len() - 1].0);
+    for (i, (title, class, values, decimals)) in charts.into_iter().enumerate() {
+        let show = |v: f64| format!("{v:.decimals$}");
+        let x0 = LEFT + i as f64 * (width + gap);
+        let lo = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let range = if hi > lo { hi - lo } else { 1.0 };
+        let x = |k: u32| {
+            x0 + if last > first {
+                f64::from(k - first) / f64::from(last - first) * width
+            } else {
+                width / 2.0
+            }
+        };
+        let y = |v: f64| top + CHART_H - (v - lo) / range * CHART_H;
+        writeln!(
+            s,
+            r#"<text x="{x0}" y="{}">{title}</text><rect class="frame" x="{x0}" y="{top}" width="{width:.2}" height="{CHART_H}"/>"#,
+            top - 8.0
+        )?;
+        for (v, anchor_y) in [(hi, top + 10.0), (lo, top + CHART_H)] {
+            writeln!(
+                s,
+                r#"<text class="small" x="{}" y="{anchor_y}" text-anchor="end">{}</text>"#,
+                x0 - 4.0,
+                show(v)
+            )?;
+        }
+        let line: Vec<String> = points
+            .iter()
+            .zip(&values)
+            .map(|(p, &v)| format!("{:.2},{:.2}", x(p.0), y(v)))
+            .collect();
+        writeln!(
+            s,
+            r#"<polyline class="line {class}" points="{}"/>"#,
+            line.join(" ")
+        )?;
+        for (p, &v) in points.iter().zip(&values) {
+            writeln!(
+                s,
+                r#"<circle class="pt" cx="{:.2}" cy="{:.2}" r="2"><title>epoch {}: {}</title></circle>"#,
+                x(p.0),
+                y(v),
+                p.0,
+                show(v)
+            )?;
+        }
+        writeln!(
+            s,
+            r#"<text class="small" x="{x0}" y="{0}">epoch {first}</text><text class="small" x="{1:.2}" y="{0}" text-anchor="end">epoch {last}</text>"#,
+            top + CHART_H + 16.0,
+            x0 + width
+        )?;
+    }
+    Ok(())
 }
 
 /// A tick spacing of 1, 2 or 5 × 10^k giving about 10 ticks over `span`.

@@ -103,25 +103,44 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What the terminal shows of a session: a bar per epoch on a terminal, a log line every
-/// [`LOG_EVERY`] otherwise, and the epoch summaries.
+/// What the terminal shows of a session. On a terminal: one bar over the whole run (epochs,
+/// the last epoch's loss and rate, the time left), so that the result is not buried under a
+/// line per epoch; validation results above it. Elsewhere (logs, pipes): a line per epoch and
+/// one every [`LOG_EVERY`] inside long epochs. `--json` lines go to stdout either way.
 struct ProgressView {
     json: bool,
-    terminal: bool,
     bar: Option<ProgressBar>,
+    terminal: bool,
     epoch_edges: u64,
     logged: Instant,
+    started: Instant,
+    last_loss: Option<f64>,
 }
 
 impl ProgressView {
     fn new(json: bool) -> ProgressView {
         ProgressView {
             json,
-            terminal: std::io::stderr().is_terminal(),
             bar: None,
+            terminal: std::io::stderr().is_terminal(),
             epoch_edges: 0,
             logged: Instant::now(),
+            started: Instant::now(),
+            last_loss: None,
         }
+    }
+
+    /// The run's bar: its length is every edge of every epoch, so that its rate and time left
+    /// hold for short and long epochs alike. It fits the terminal's width (a wrapped bar
+    /// redraws as a scrolling mess).
+    fn run_bar(epochs: u32, edges: u64) -> ProgressBar {
+        let style =
+            ProgressStyle::with_template("{prefix} [{wide_bar}] {percent:>3}% {msg}, eta {eta}")
+                .expect("static template")
+                .progress_chars("=> ");
+        ProgressBar::new(u64::from(epochs) * edges.max(1))
+            .with_style(style)
+            .with_message("first epoch")
     }
 
     fn show(&mut self, event: Event<'_>) {
@@ -135,21 +154,22 @@ impl ProgressView {
                 self.epoch_edges = edges;
                 self.logged = Instant::now();
                 if self.terminal {
-                    let bar = ProgressBar::new(edges);
-                    bar.set_style(
-                        ProgressStyle::with_template(
-                            "epoch {prefix:>4} [{bar:30}] {pos}/{len} edges {per_sec} eta {eta}",
-                        )
-                        .expect("static template")
-                        .progress_chars("=> "),
-                    );
-                    bar.set_prefix(format!("{epoch}/{epochs}"));
-                    bar.set_position(edges_done);
-                    self.bar = Some(bar);
+                    let prefix = format!("epoch {epoch}/{epochs}");
+                    match &self.bar {
+                        Some(bar) => bar.set_prefix(prefix),
+                        // Everything set before it is first drawn.
+                        None => {
+                            self.bar = Some(
+                                Self::run_bar(epochs, edges)
+                                    .with_prefix(prefix)
+                                    .with_position(run_position(epoch, edges, edges_done)),
+                            )
+                        }
+                    }
                 }
             }
             Event::Progress { epoch, edges_done } => match &self.bar {
-                Some(bar) => bar.set_position(edges_done),
+                Some(bar) => bar.set_position(run_position(epoch, self.epoch_edges, edges_done)),
                 None if self.logged.elapsed() >= LOG_EVERY => {
                     self.logged = Instant::now();
                     tracing::info!(
@@ -165,34 +185,58 @@ impl ProgressView {
                 valid,
                 line,
             } => {
-                if let Some(bar) = self.bar.take() {
-                    bar.finish_and_clear();
+                self.last_loss = Some(report.loss);
+                match &self.bar {
+                    Some(bar) => {
+                        bar.set_position(run_position(report.epoch + 1, self.epoch_edges, 0));
+                        bar.set_message(bar_message(report));
+                        if let Some(m) = valid {
+                            bar.println(format!("epoch {} valid: {}", report.epoch, describe(m)));
+                        }
+                    }
+                    None => {
+                        if let Some(m) = valid {
+                            tracing::info!("epoch {} valid: {}", report.epoch, describe(m));
+                        }
+                        tracing::info!(
+                            "epoch {}: loss {:.4}, {:.0} edges/s ({} negatives per positive and side), {:.2} s, peak RSS {:.2} GiB{}",
+                            report.epoch,
+                            report.loss,
+                            report.edges_per_sec,
+                            report.negatives_per_positive,
+                            report.seconds,
+                            legend_engine::memory::gib(report.peak_rss_bytes),
+                            report.gpu_memory_bytes.map_or(String::new(), |b| format!(
+                                ", GPU memory in use {:.2} GiB",
+                                legend_engine::memory::gib(b)
+                            ))
+                        );
+                    }
                 }
-                if let Some(m) = valid {
-                    tracing::info!("epoch {} valid: {}", report.epoch, describe(m));
-                }
-                tracing::info!(
-                    "epoch {}: loss {:.4}, {:.0} edges/s ({} negatives per positive and side), {:.2} s, peak RSS {:.2} GiB{}",
-                    report.epoch,
-                    report.loss,
-                    report.edges_per_sec,
-                    report.negatives_per_positive,
-                    report.seconds,
-                    legend_engine::memory::gib(report.peak_rss_bytes),
-                    report.gpu_memory_bytes.map_or(String::new(), |b| format!(
-                        ", GPU memory in use {:.2} GiB",
-                        legend_engine::memory::gib(b)
-                    ))
-                );
                 self.print(line);
             }
             Event::Checkpoint { position } => {
                 tracing::debug!("checkpoint committed at {}", position.describe());
             }
             Event::Evaluating { split } => {
+                self.finish_bar();
                 tracing::info!("evaluating on {}", split.name());
             }
             Event::Evaluated { line, .. } => self.print(line),
+        }
+    }
+
+    /// Replaces the bar by one line saying what the run trained.
+    fn finish_bar(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+            let loss = self
+                .last_loss
+                .map_or(String::new(), |l| format!(", last loss {l:.4}"));
+            eprintln!(
+                "trained in {}{loss}",
+                indicatif::HumanDuration(self.started.elapsed())
+            );
         }
     }
 
@@ -205,10 +249,44 @@ impl ProgressView {
     }
 }
 
+/// Edges trained in the whole run when `epoch` (from 1) has trained `edges_done` of its
+/// `edges`.
+fn run_position(epoch: u32, edges: u64, edges_done: u64) -> u64 {
+    u64::from(epoch.saturating_sub(1)) * edges.max(1) + edges_done
+}
+
+/// The bar's message after an epoch: its loss and rate (shown while the next one trains).
+fn bar_message(report: &legend_engine::trainer::EpochReport) -> String {
+    format!(
+        "loss {:.4}, {} edges/s",
+        report.loss,
+        indicatif::HumanCount(report.edges_per_sec as u64)
+    )
+}
+
 impl Drop for ProgressView {
     fn drop(&mut self) {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_run_bar_counts_every_epoch_s_edges() {
+        assert_eq!(run_position(1, 100, 0), 0);
+        assert_eq!(run_position(1, 100, 40), 40);
+        assert_eq!(run_position(3, 100, 40), 240);
+        // The end of the last epoch is the bar's length.
+        assert_eq!(
+            run_position(201, 100, 0),
+            ProgressView::run_bar(200, 100).length().unwrap()
+        );
+        // A graph without train edges still moves the bar by epochs.
+        assert_eq!(run_position(3, 0, 0), 2);
     }
 }

@@ -1,0 +1,141 @@
+//! When a session commits checkpoints (`training.checkpoint_minutes`, `checkpoint_every`), and
+//! that where it commits them, at an epoch's end or inside it, never changes what is trained.
+
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+
+use legend_dataset::{GenerateOptions, generate};
+use legend_engine::Config;
+use legend_engine::session::{Event, Outcome, Position, Session};
+use legend_fs::Unguarded;
+
+/// What a run of 3 epochs trained: where it checkpointed, each epoch's loss, and the final
+/// evaluation's line.
+struct Trained {
+    checkpoints: Vec<Position>,
+    losses: Vec<f64>,
+    result: serde_json::Value,
+}
+
+fn dataset(dir: &Path) -> std::path::PathBuf {
+    let ds = dir.join("ds");
+    let mut o = GenerateOptions::new(500, 4000);
+    o.relations = 3;
+    generate(&o, &ds).unwrap();
+    ds
+}
+
+fn train(ds: &Path, out: &Path, sets: &[&str]) -> Trained {
+    let mut all: Vec<String> = [
+        "model.dim=8",
+        "training.threads=1",
+        "training.batch_size=50",
+        "training.num_epochs=3",
+        "evaluation.protocol=sampled",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    all.extend(sets.iter().map(|s| s.to_string()));
+    let config = Config::parse("", &all).unwrap();
+    let mut session = Session::create(out, ds, config, &Unguarded).unwrap();
+    let mut checkpoints = Vec::new();
+    let mut losses = Vec::new();
+    let mut result = serde_json::Value::Null;
+    let outcome = session
+        .run(&AtomicBool::new(false), &mut |event| match event {
+            Event::Checkpoint { position } => checkpoints.push(position),
+            Event::EpochFinished { report, .. } => losses.push(report.loss),
+            Event::Evaluated { line, .. } => result = line.clone(),
+            _ => {}
+        })
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Finished(_)), "{outcome:?}");
+    Trained {
+        checkpoints,
+        losses,
+        result,
+    }
+}
+
+fn epochs(checkpoints: &[Position]) -> Vec<u32> {
+    checkpoints
+        .iter()
+        .filter(|p| p.cut.is_none())
+        .map(|p| p.epochs_completed)
+        .collect()
+}
+
+#[test]
+fn timed_checkpoints_are_taken_at_epoch_ends_and_change_nothing_trained() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ds = dataset(tmp.path());
+    let tables = |run: &str| {
+        std::fs::read(
+            tmp.path()
+                .join(run)
+                .join("checkpoints/epoch-00003/entities.bin"),
+        )
+        .unwrap()
+    };
+    // The default, 30 minutes: a short run checkpoints only after its last epoch.
+    let plain = train(&ds, &tmp.path().join("default"), &[]);
+    assert_eq!(epochs(&plain.checkpoints), [3]);
+    assert_eq!(plain.checkpoints.len(), 1);
+    // An interval shorter than an epoch: the first epoch end is due (no checkpoint cost is
+    // known yet); later ones wait for 20 times the last checkpoint's duration. One partition:
+    // no swaps, so no checkpoint inside an epoch.
+    let timed = train(
+        &ds,
+        &tmp.path().join("timed"),
+        &["training.checkpoint_minutes=1e-9"],
+    );
+    let at = epochs(&timed.checkpoints);
+    assert_eq!(timed.checkpoints.len(), at.len(), "{:?}", timed.checkpoints);
+    assert_eq!((at.first(), at.last()), (Some(&1), Some(&3)), "{at:?}");
+    assert!(at.windows(2).all(|w| w[0] < w[1]), "{at:?}");
+    // By count, none by time.
+    let counted = train(
+        &ds,
+        &tmp.path().join("counted"),
+        &[
+            "training.checkpoint_every=2",
+            "training.checkpoint_minutes=0",
+        ],
+    );
+    assert_eq!(epochs(&counted.checkpoints), [2, 3]);
+    for (what, run, trained) in [("timed", "timed", &timed), ("counted", "counted", &counted)] {
+        assert_eq!(trained.losses, plain.losses, "{what}");
+        assert_eq!(trained.result, plain.result, "{what}");
+        assert_eq!(
+            tables(run),
+            tables("default"),
+            "{what} checkpoints changed the training"
+        );
+    }
+}
+
+#[test]
+fn a_checkpoint_due_inside_an_epoch_is_taken_at_a_buffer_state_boundary_and_changes_nothing() {
+    for backend in ["memory", "file"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let ds = dataset(tmp.path());
+        let backend = format!("storage.backend={backend}");
+        let swapping = [
+            backend.as_str(),
+            "storage.num_partitions=4",
+            "storage.buffer_capacity=2",
+        ];
+        let plain = train(&ds, &tmp.path().join("plain"), &swapping);
+        let mut sets = swapping.to_vec();
+        sets.push("training.checkpoint_minutes=1e-9");
+        let timed = train(&ds, &tmp.path().join("timed"), &sets);
+        assert!(
+            timed.checkpoints.iter().any(|p| p.cut.is_some()),
+            "{backend}: no checkpoint inside an epoch: {:?}",
+            timed.checkpoints
+        );
+        assert_eq!(timed.losses, plain.losses, "{backend}");
+        assert_eq!(timed.result, plain.result, "{backend}");
+    }
+}
