@@ -470,12 +470,7 @@ impl NvmeQueues {
             // wrote last before the head.
             unsafe {
                 let cq_offset = QueueLayout::new(self.depth).cq_offset();
-                let cq = self
-                    .rings
-                    .raw()
-                    .addr()
-                    .add(cq_offset)
-                    .cast::<[u32; 4]>();
+                let cq = self.rings.raw().addr().add(cq_offset).cast::<[u32; 4]>();
                 let last = (r.cq_head() + self.depth - 1) % self.depth;
                 std::ptr::read_volatile(cq.add(usize::from(last)))
             }
