@@ -139,3 +139,46 @@ fn a_checkpoint_due_inside_an_epoch_is_taken_at_a_buffer_state_boundary_and_chan
         assert_eq!(timed.result, plain.result, "{backend}");
     }
 }
+
+/// The same on a GPU: the engine's slots, partitions already on the device and the relations
+/// carry on after a checkpoint inside an epoch as a resume would give them. The GPU sums
+/// gradients with atomics, so runs agree to rounding, not bit for bit.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn a_checkpoint_inside_an_epoch_on_the_gpu_changes_nothing() {
+    for backend in ["memory", "file"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let ds = dataset(tmp.path());
+        let backend = format!("storage.backend={backend}");
+        let swapping = [
+            backend.as_str(),
+            "storage.num_partitions=4",
+            "storage.buffer_capacity=2",
+            "training.device=\"cuda:0\"",
+        ];
+        let plain = train(&ds, &tmp.path().join("plain"), &swapping);
+        let mut sets = swapping.to_vec();
+        sets.push("training.checkpoint_minutes=1e-9");
+        let timed = train(&ds, &tmp.path().join("timed"), &sets);
+        assert!(
+            timed.checkpoints.iter().any(|p| p.cut.is_some()),
+            "{backend}: no checkpoint inside an epoch: {:?}",
+            timed.checkpoints
+        );
+        for (a, b) in timed.losses.iter().zip(&plain.losses) {
+            assert!(
+                (a - b).abs() <= 1e-4 * b.abs(),
+                "{backend}: losses {:?} vs {:?}",
+                timed.losses,
+                plain.losses
+            );
+        }
+        let mrr = |r: &serde_json::Value| r["metrics"]["mrr"].as_f64().unwrap();
+        assert!(
+            (mrr(&timed.result) - mrr(&plain.result)).abs() < 0.01,
+            "{backend}: {} vs {}",
+            timed.result,
+            plain.result
+        );
+    }
+}
