@@ -514,13 +514,8 @@ impl Session {
                     epochs_completed: epoch - 1,
                     cut: Some(part),
                 };
-                let started = Instant::now();
-                self.checkpoint()?;
-                checkpoint_cost = started.elapsed();
+                checkpoint_cost = self.committed_checkpoint(on_event)?;
                 last_checkpoint = Instant::now();
-                on_event(Event::Checkpoint {
-                    position: self.position,
-                });
                 if stop.load(Ordering::Relaxed) {
                     return Ok(Outcome::Stopped(self.position));
                 }
@@ -556,13 +551,8 @@ impl Session {
                 || (every > 0 && epoch % every == 0)
                 || checkpoint_due(last_checkpoint.elapsed(), checkpoint_cost, interval)
             {
-                let started = Instant::now();
-                self.checkpoint()?;
-                checkpoint_cost = started.elapsed();
+                checkpoint_cost = self.committed_checkpoint(on_event)?;
                 last_checkpoint = Instant::now();
-                on_event(Event::Checkpoint {
-                    position: self.position,
-                });
             }
             if stopping && epoch < epochs {
                 return Ok(Outcome::Stopped(self.position));
@@ -627,6 +617,21 @@ impl Session {
             evaluate(&emb)?
         };
         Ok(metrics)
+    }
+
+    /// [`Session::checkpoint`], then tells `on_event`; returns what the commit took (the next
+    /// timed checkpoint is spaced by it).
+    fn committed_checkpoint(
+        &mut self,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Duration, SessionError> {
+        let started = Instant::now();
+        self.checkpoint()?;
+        let cost = started.elapsed();
+        on_event(Event::Checkpoint {
+            position: self.position,
+        });
+        Ok(cost)
     }
 
     /// Commits the parameters at `self.position`: in the store (its superblock is the commit

@@ -115,19 +115,24 @@ fn timed_checkpoints_are_taken_at_epoch_ends_and_change_nothing_trained() {
     }
 }
 
-#[test]
-fn a_checkpoint_due_inside_an_epoch_is_taken_at_a_buffer_state_boundary_and_changes_nothing() {
+/// Trains with `extra` on the memory and file backends, N = 4, C = 2, with and without a
+/// checkpoint due at every buffer-state boundary; `same` compares the two runs.
+fn checkpoints_inside_epochs_change_nothing(
+    extra: &[&str],
+    same: impl Fn(&str, &Trained, &Trained),
+) {
     for backend in ["memory", "file"] {
         let tmp = tempfile::tempdir().unwrap();
         let ds = dataset(tmp.path());
         let backend = format!("storage.backend={backend}");
-        let swapping = [
+        let mut swapping = vec![
             backend.as_str(),
             "storage.num_partitions=4",
             "storage.buffer_capacity=2",
         ];
+        swapping.extend(extra);
         let plain = train(&ds, &tmp.path().join("plain"), &swapping);
-        let mut sets = swapping.to_vec();
+        let mut sets = swapping.clone();
         sets.push("training.checkpoint_minutes=1e-9");
         let timed = train(&ds, &tmp.path().join("timed"), &sets);
         assert!(
@@ -135,9 +140,16 @@ fn a_checkpoint_due_inside_an_epoch_is_taken_at_a_buffer_state_boundary_and_chan
             "{backend}: no checkpoint inside an epoch: {:?}",
             timed.checkpoints
         );
+        same(&backend, &timed, &plain);
+    }
+}
+
+#[test]
+fn a_checkpoint_due_inside_an_epoch_is_taken_at_a_buffer_state_boundary_and_changes_nothing() {
+    checkpoints_inside_epochs_change_nothing(&[], |backend, timed, plain| {
         assert_eq!(timed.losses, plain.losses, "{backend}");
         assert_eq!(timed.result, plain.result, "{backend}");
-    }
+    });
 }
 
 /// The same on a GPU: the engine's slots, partitions already on the device and the relations
@@ -146,39 +158,24 @@ fn a_checkpoint_due_inside_an_epoch_is_taken_at_a_buffer_state_boundary_and_chan
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
 fn a_checkpoint_inside_an_epoch_on_the_gpu_changes_nothing() {
-    for backend in ["memory", "file"] {
-        let tmp = tempfile::tempdir().unwrap();
-        let ds = dataset(tmp.path());
-        let backend = format!("storage.backend={backend}");
-        let swapping = [
-            backend.as_str(),
-            "storage.num_partitions=4",
-            "storage.buffer_capacity=2",
-            "training.device=\"cuda:0\"",
-        ];
-        let plain = train(&ds, &tmp.path().join("plain"), &swapping);
-        let mut sets = swapping.to_vec();
-        sets.push("training.checkpoint_minutes=1e-9");
-        let timed = train(&ds, &tmp.path().join("timed"), &sets);
-        assert!(
-            timed.checkpoints.iter().any(|p| p.cut.is_some()),
-            "{backend}: no checkpoint inside an epoch: {:?}",
-            timed.checkpoints
-        );
-        for (a, b) in timed.losses.iter().zip(&plain.losses) {
+    checkpoints_inside_epochs_change_nothing(
+        &["training.device=\"cuda:0\""],
+        |backend, timed, plain| {
+            for (a, b) in timed.losses.iter().zip(&plain.losses) {
+                assert!(
+                    (a - b).abs() <= 1e-4 * b.abs(),
+                    "{backend}: losses {:?} vs {:?}",
+                    timed.losses,
+                    plain.losses
+                );
+            }
+            let mrr = |r: &serde_json::Value| r["metrics"]["mrr"].as_f64().unwrap();
             assert!(
-                (a - b).abs() <= 1e-4 * b.abs(),
-                "{backend}: losses {:?} vs {:?}",
-                timed.losses,
-                plain.losses
+                (mrr(&timed.result) - mrr(&plain.result)).abs() < 0.01,
+                "{backend}: {} vs {}",
+                timed.result,
+                plain.result
             );
-        }
-        let mrr = |r: &serde_json::Value| r["metrics"]["mrr"].as_f64().unwrap();
-        assert!(
-            (mrr(&timed.result) - mrr(&plain.result)).abs() < 0.01,
-            "{backend}: {} vs {}",
-            timed.result,
-            plain.result
-        );
-    }
+        },
+    );
 }

@@ -6,7 +6,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{bin, fails, json, ok, s};
+use common::{bin, fails, json, memory_tempdir, ok, s};
 
 fn target(dir: &tempfile::TempDir, bytes: u64) -> String {
     let path = dir.path().join("target.img");
@@ -146,17 +146,11 @@ fn a_failing_command_means_no_figures() {
 }
 
 /// A proxy modelling an SSD serves at the model's rates, whatever its backing file could do:
-/// read and write bandwidth, the command rate, and the latency, each within 10%.
+/// read and write bandwidth and the command rate within 10%, the latency never below the model's.
 #[test]
 fn a_modelled_ssd_serves_at_its_rates() {
-    // In memory where the machine has it, so the backing file outpaces the model.
-    let shm = std::path::Path::new("/dev/shm");
-    let dir = if shm.is_dir() {
-        tempfile::tempdir_in(shm)
-    } else {
-        tempfile::tempdir()
-    }
-    .unwrap();
+    // In memory, so the backing file outpaces the model.
+    let dir = memory_tempdir();
     let path = target(&dir, 64 << 20);
     let run = |model: &str, op: &str, size: &str, queues: &str, depth: &str| {
         json(
@@ -213,7 +207,8 @@ fn a_modelled_ssd_serves_at_its_rates() {
         "64",
     );
     near(r["ops_per_s"].as_f64().unwrap(), 1000.0, &r);
-    // Latency, one command at a time.
+    // Latency, one command at a time: never below the model's; above it only by how late a
+    // loaded machine wakes the proxy and the submitter (the figures are rates: these are not).
     let r = run(
         "read=10,write=10,iops=0,latency_us=3000",
         "read",
@@ -221,7 +216,11 @@ fn a_modelled_ssd_serves_at_its_rates() {
         "1",
         "1",
     );
-    near(r["latency_us"]["p50"].as_f64().unwrap(), 3000.0, &r);
+    let l = &r["latency_us"];
+    assert!(
+        l["p50"].as_f64().unwrap() >= 3000.0 && l["p50"].as_f64().unwrap() < 6000.0,
+        "{r}"
+    );
     // A model is refused where there is no proxy, and a bad one says what is wrong.
     fails(
         &["bench", "io", "--path", &path, "--ssd-model", "samsung-980"],

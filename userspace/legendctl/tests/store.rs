@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{bin, legendctl as run, ok, s};
+use common::{bin, legendctl as run, memory_tempdir, ok, s};
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -104,16 +104,8 @@ fn file_and_proxy_backends_equal_memory_and_swaps_follow_the_plan() {
         ],
     ));
     // The proxy: the same store through NVMe queues of the userspace controller, its backing
-    // file starting 1 MiB in (storage.start_lba), in memory where the machine has it (what is
-    // tested is the queues; a disk shared with a build can hold one write past the command
-    // timeout).
-    let shm = std::path::Path::new("/dev/shm");
-    let backing = if shm.is_dir() {
-        tempfile::tempdir_in(shm)
-    } else {
-        tempfile::tempdir()
-    }
-    .unwrap();
+    // file starting 1 MiB in (storage.start_lba), in memory (the queues are tested here).
+    let backing = memory_tempdir();
     let c = ok(&train_args(
         &ds,
         &s(&proxy),

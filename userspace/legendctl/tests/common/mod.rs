@@ -106,3 +106,16 @@ pub fn train_args(ds: &Path, out: &Path, sets: &[&str]) -> Vec<String> {
 pub fn argv(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
+
+/// A temporary directory in memory (`/dev/shm`) where the machine has one: for a proxy's
+/// backing file, when what is tested is the queues or a modelled SSD, not a disk's latency (a
+/// disk shared with a build can hold one write past a command's timeout).
+pub fn memory_tempdir() -> tempfile::TempDir {
+    let shm = std::path::Path::new("/dev/shm");
+    if shm.is_dir() {
+        tempfile::tempdir_in(shm)
+    } else {
+        tempfile::tempdir()
+    }
+    .unwrap()
+}
