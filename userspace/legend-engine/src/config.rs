@@ -519,6 +519,22 @@ impl Config {
             .map_err(|e| bad("model.dim", e))?;
         positive_f32("model.margin", self.model.margin, true)?;
         positive_f32("model.init_scale", self.model.init_scale, false)?;
+        // Upper bounds far beyond any useful run, so that no setting makes an allocation or
+        // its size arithmetic overflow before the memory estimate can refuse the run (a daemon
+        // runs its users' jobs in its own process).
+        at_most("model.dim", self.model.dim, MAX_DIM)?;
+        at_most("training.batch_size", self.training.batch_size, MAX_BATCH)?;
+        at_most(
+            "training.negatives.negatives_per_positive",
+            self.training.negatives.negatives_per_positive,
+            MAX_NEGATIVES,
+        )?;
+        at_most("training.threads", self.training.threads, MAX_THREADS)?;
+        at_most(
+            "storage.num_partitions",
+            self.storage.num_partitions as usize,
+            MAX_PARTITIONS,
+        )?;
         let s = &self.storage;
         if s.num_partitions == 0 {
             return Err(bad("storage.num_partitions", "must be at least 1"));
@@ -632,6 +648,28 @@ fn in_words(key: &str, message: &str) -> String {
         out = out.replace(&format!("expected {ty}"), "expected a number");
     }
     out
+}
+
+/// Largest `model.dim`: rows of 2^24 floats (64 MiB a row).
+const MAX_DIM: usize = 1 << 24;
+/// Largest `training.batch_size`.
+const MAX_BATCH: usize = 1 << 26;
+/// Largest `training.negatives.negatives_per_positive` (PyTorch-BigGraph's largest published
+/// settings use thousands).
+const MAX_NEGATIVES: usize = 1 << 20;
+/// Largest `training.threads`.
+const MAX_THREADS: usize = 4096;
+/// Largest `storage.num_partitions`: N² edge buckets (the Legend paper's largest N is 32).
+const MAX_PARTITIONS: usize = 4096;
+
+fn at_most(key: &str, v: usize, max: usize) -> Result<(), ConfigError> {
+    if v > max {
+        return Err(bad(
+            key,
+            format!("{v} is more than the largest allowed, {max}"),
+        ));
+    }
+    Ok(())
 }
 
 fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
@@ -822,6 +860,31 @@ mod tests {
             ("", &["storage.order=random"], "storage.order"),
             ("", &["evaluation.protocol=raw"], "evaluation.protocol"),
             ("", &["training.batch_size"], "section.key=value"),
+            (
+                "",
+                &["training.negatives.negatives_per_positive=1000000000000"],
+                "training.negatives.negatives_per_positive: 1000000000000 is more than the largest",
+            ),
+            (
+                "",
+                &["model.dim=4611686018427387904"],
+                "model.dim: 4611686018427387904 is more",
+            ),
+            (
+                "",
+                &["training.threads=20000"],
+                "training.threads: 20000 is more",
+            ),
+            (
+                "",
+                &["storage.num_partitions=4294967295"],
+                "storage.num_partitions: 4294967295 is more",
+            ),
+            (
+                "",
+                &["training.batch_size=4611686018427387904"],
+                "training.batch_size",
+            ),
             (
                 "",
                 &["storage.proxy_model=\"samsung-980\""],

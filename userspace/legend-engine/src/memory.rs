@@ -33,6 +33,9 @@ pub struct HostEstimate {
     /// The evaluation at the end (its split, the filter or degrees, the gathered entity table
     /// when there is more than one partition).
     pub evaluation: u64,
+    /// A training step's negatives: every chunk's ids, gathered rows and their gradients (the
+    /// CPU engine holds them at once; the GPU engine's are in its device workspace).
+    pub step: u64,
     /// The process, threads and scratch (and the CUDA driver's share where a GPU may train).
     pub baseline: u64,
 }
@@ -82,11 +85,19 @@ impl HostEstimate {
             }
             Protocol::Sampled => split * EDGE_BYTES + dataset.entities * 4,
         };
+        let n = &config.training.negatives;
+        let chunks = n.num_chunks.min(config.training.batch_size) as u64;
+        let step = if on_cuda {
+            0
+        } else {
+            chunks * 2 * n.negatives_per_positive as u64 * (4 + dim * 4 * 2)
+        };
         HostEstimate {
             edges: train * EDGE_BYTES,
             tables,
             known_edges,
             evaluation: gathered + ranking,
+            step,
             baseline: BASELINE_BYTES
                 + match config.device() {
                     DeviceChoice::Cpu => 0,
@@ -97,7 +108,7 @@ impl HostEstimate {
 
     /// The whole estimate in bytes.
     pub fn total(&self) -> u64 {
-        self.edges + self.tables + self.known_edges + self.evaluation + self.baseline
+        self.edges + self.tables + self.known_edges + self.evaluation + self.step + self.baseline
     }
 }
 
@@ -181,24 +192,27 @@ pub fn check_fits(
                 "no setting of storage.backend, storage.num_partitions, storage.buffer_capacity, \
                  evaluation.protocol or training.negatives.filtered fits this machine (the \
                  least is about {:.1} GiB: {:.1} GiB of edges, {:.1} GiB for evaluation, whose \
-                 protocols both rank against every embedding); use a machine with more memory \
-                 or a smaller model.dim",
+                 protocols both rank against every embedding, {:.1} GiB for a step's negatives); \
+                 use a machine with more memory, a smaller model.dim or fewer negatives \
+                 (training.negatives.num_chunks × negatives_per_positive)",
                 gib(least.total()),
                 gib(least.edges),
-                gib(least.evaluation)
+                gib(least.evaluation),
+                gib(least.step)
             )
         }
     };
     Err(format!(
         "this run needs about {:.1} GiB of host memory ({:.1} GiB of edges, {:.1} GiB of tables, \
-         {:.1} GiB of filtered-negative index, {:.1} GiB for evaluation, {:.1} GiB for the process and \
-         drivers) \
+         {:.1} GiB of filtered-negative index, {:.1} GiB for evaluation, {:.1} GiB for a step's \
+         negatives, {:.1} GiB for the process and drivers) \
          but {:.1} GiB is available: {advice}",
         gib(e.total()),
         gib(e.edges),
         gib(e.tables),
         gib(e.known_edges),
         gib(e.evaluation),
+        gib(e.step),
         gib(e.baseline),
         gib(available),
     ))

@@ -42,6 +42,20 @@ pub fn run_key(run: &Path) -> String {
 /// The extent table of `place`'s namespace, for a job of `owner`: a device node is the
 /// daemon's, a proxy's backing file must lie in a directory of the job's owner.
 fn open_table(place: &Placement, owner: u32) -> Result<Extents, String> {
+    // The daemon opens a device node with its own rights: only the module's nodes, never a
+    // path a submitter chose elsewhere (its open would tell them what lies there).
+    if place.queue.backend == QueueBackend::Nvme
+        && !place
+            .path
+            .to_str()
+            .is_some_and(legend_daemon_api::is_device_node)
+    {
+        return Err(format!(
+            "{}: storage.backend = \"nvme\" takes a device node of legend_nvme \
+             (/dev/legend-nvmeN) as storage.path",
+            place.path.display()
+        ));
+    }
     let file = match place.queue.backend {
         QueueBackend::Nvme => StoreFile::open(&place.path, &Unguarded),
         QueueBackend::Proxy => StoreFile::open(&place.path, &JobGuard::new(Peer::of_uid(owner))),

@@ -53,7 +53,15 @@ struct Record {
     /// spec stays as submitted, `resume` included).
     #[serde(default)]
     run_made: bool,
+    /// Daemon starts that found this job running: the daemon died under it (killed, a crash,
+    /// a power cut). After [`MAX_INTERRUPTIONS`] it is failed instead of started again, so a
+    /// job that is itself what kills the daemon cannot keep it down.
+    #[serde(default)]
+    interruptions: u32,
 }
+
+/// How many times a job may be found running at a daemon start before it is failed.
+const MAX_INTERRUPTIONS: u32 = 3;
 
 struct Entry {
     record: Record,
@@ -264,9 +272,22 @@ impl Jobs {
             record.format = RECORD_FORMAT;
             table.next_id = table.next_id.max(record.info.id);
             if record.info.state == JobState::Running {
-                record.info.state = JobState::Queued;
+                record.interruptions += 1;
                 requeued.push(record.info.id);
-                tracing::info!("job {} was running: queued again", record.info.id);
+                if record.interruptions >= MAX_INTERRUPTIONS {
+                    let why = format!(
+                        "the daemon stopped {} times while this job ran (the job may be what \
+                         stopped it); it is not started again",
+                        record.interruptions
+                    );
+                    tracing::warn!("job {}: {why}", record.info.id);
+                    record.info.state = JobState::Failed;
+                    record.info.error = Some(why);
+                    record.info.ended = Some(now());
+                } else {
+                    record.info.state = JobState::Queued;
+                    tracing::info!("job {} was running: queued again", record.info.id);
+                }
             }
             if record.info.state == JobState::Queued {
                 table.enqueue(&record.queue, record.info.id);
@@ -395,6 +416,7 @@ impl Jobs {
                     info: info.clone(),
                     queue: queue.clone(),
                     run_made: false,
+                    interruptions: 0,
                 },
                 stop: Arc::default(),
                 watchers: Vec::new(),
@@ -624,13 +646,23 @@ impl Jobs {
             .spawn(move || {
                 // Everything the job writes is beneath directories its submitter owns.
                 let guard = JobGuard::new(Peer::of_uid(owner));
-                let result = match &spec {
-                    JobSpec::Train { .. } => jobs.run_train(id, &spec, &stop, &guard),
-                    JobSpec::Eval { .. } => jobs.run_eval(&spec, &guard),
-                    JobSpec::Export { run, out, format } => {
-                        jobs.run_export(id, run, out, format, &guard)
-                    }
-                };
+                // A panic ends the job, not its queue: the job fails and its slot is freed.
+                let result =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &spec {
+                        JobSpec::Train { .. } => jobs.run_train(id, &spec, &stop, &guard),
+                        JobSpec::Eval { .. } => jobs.run_eval(&spec, &guard),
+                        JobSpec::Export { run, out, format } => {
+                            jobs.run_export(id, run, out, format, &guard)
+                        }
+                    }))
+                    .unwrap_or_else(|panic| {
+                        let what = panic
+                            .downcast_ref::<String>()
+                            .map(String::as_str)
+                            .or_else(|| panic.downcast_ref::<&str>().copied())
+                            .unwrap_or("a panic");
+                        Err(format!("the job failed inside the daemon: {what}"))
+                    });
                 jobs.hand_over(id, &spec, owner, &guard);
                 jobs.finish(id, result);
             })
@@ -812,7 +844,17 @@ impl Jobs {
                 return;
             }
             Event::Checkpoint { position } => {
-                Some(serde_json::json!({"type": "checkpoint", "position": position.describe()}))
+                // Progress since the daemon last died under the job: it did not kill it.
+                if entry.record.interruptions > 0 {
+                    entry.record.interruptions = 0;
+                    self.save(&t, id);
+                }
+                let entry = t.jobs.get_mut(&id).expect("looked up above");
+                Self::broadcast(
+                    entry,
+                    serde_json::json!({"type": "checkpoint", "position": position.describe()}),
+                );
+                return;
             }
             Event::Evaluating { split } => {
                 Some(serde_json::json!({"type": "evaluating", "split": split.name()}))

@@ -1532,3 +1532,137 @@ fn a_running_job_reads_in_its_run_only_what_its_submitter_could() {
         "{error}"
     );
 }
+
+/// Settings sized to make the daemon's process allocate without bound (jobs run as its
+/// threads) are refused at submission, naming the key; one within the bounds that needs more
+/// memory than the machine has fails its job with the estimate; the daemon lives.
+#[test]
+fn settings_sized_to_exhaust_the_daemon_are_refused_and_it_lives() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let with = |set: &str, run: &str| {
+        let mut spec = train_spec(&ds, &dir.path().join(run), 1);
+        if let JobSpec::Train { sets, .. } = &mut spec {
+            sets.push(set.to_string());
+        }
+        spec
+    };
+    for set in [
+        "training.negatives.negatives_per_positive=1000000000000",
+        "training.negatives.negatives_per_positive=4611686018427387904",
+        "model.dim=4611686018427387904",
+        "training.threads=20000",
+        "storage.num_partitions=4294967295",
+        "training.batch_size=4611686018427387904",
+    ] {
+        let key = set.split('=').next().unwrap();
+        let why = refusal(c.call(Request::Submit {
+            job: with(set, "r"),
+        }));
+        assert!(
+            why.contains(key) && why.contains("largest allowed"),
+            "{set}: {why}"
+        );
+    }
+    // 2 × 100 chunks × 2^20 negatives of 16-float rows: about 27 GiB for one step.
+    let big = with("training.negatives.negatives_per_positive=1048576", "big");
+    let big = match big {
+        JobSpec::Train {
+            mut sets,
+            dataset,
+            out,
+            config,
+            resume,
+        } => {
+            sets.push("training.negatives.num_chunks=100".into());
+            sets.push("training.batch_size=1000".into());
+            JobSpec::Train {
+                dataset,
+                out,
+                config,
+                sets,
+                resume,
+            }
+        }
+        other => other,
+    };
+    let id = c.job(Request::Submit { job: big }).id;
+    let done = wait_for(&mut c, id, Duration::from_secs(60), |j| j.state.is_final());
+    assert_eq!(done.state, JobState::Failed, "{done:?}");
+    let error = done.error.unwrap_or_default();
+    assert!(error.contains("negatives"), "{error}");
+    assert!(matches!(c.call(Request::Hello), Reply::Hello { .. }));
+}
+
+/// A job the daemon keeps dying under is failed at the third start that finds it running,
+/// instead of being started again (a job that kills the daemon would otherwise keep it down);
+/// a checkpoint in between shows it was not the job.
+#[test]
+fn a_job_the_daemon_keeps_dying_under_is_failed_not_restarted() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let out = dir.path().join("run");
+    let id;
+    {
+        let mut d = Daemon::start(dir.path());
+        let mut c = d.client();
+        id = c
+            .job(Request::Submit {
+                job: train_spec(&ds, &out, 50),
+            })
+            .id;
+        wait_for(&mut c, id, Duration::from_secs(120), |j| {
+            j.state == JobState::Running
+        });
+        d.signal(SIGKILL);
+        d.wait();
+    }
+    // As if two earlier starts had found it running already, with no checkpoint since.
+    let record = dir.path().join(format!("state/jobs/{id}.json"));
+    let mut r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&record).unwrap()).unwrap();
+    assert_eq!(r["info"]["state"], "running", "{r}");
+    r["interruptions"] = 2.into();
+    std::fs::write(&record, serde_json::to_vec(&r).unwrap()).unwrap();
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let job = c.job(Request::Status { job: id });
+    assert_eq!(job.state, JobState::Failed, "{job:?}");
+    assert!(
+        job.error.unwrap_or_default().contains("stopped 3 times"),
+        "the reason is given"
+    );
+}
+
+/// A namespace's store path must be one of the module's device nodes: any other path is
+/// refused alike whether something lies there or not (the daemon opens it with its rights).
+#[test]
+fn an_nvme_store_path_that_is_no_device_node_is_refused_unopened() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, b"x").unwrap();
+    let answers: Vec<String> = [secret.clone(), dir.path().join("missing")]
+        .iter()
+        .map(|path| {
+            let mut spec = train_spec(&ds, &dir.path().join("run"), 1);
+            if let JobSpec::Train { sets, .. } = &mut spec {
+                sets.push("storage.backend=\"nvme\"".into());
+                sets.push(format!("storage.path=\"{}\"", path.display()));
+            }
+            refusal(c.call(Request::Submit { job: spec }))
+        })
+        .collect();
+    for a in &answers {
+        assert!(a.contains("takes a device node of legend_nvme"), "{a}");
+    }
+    assert_eq!(
+        answers[0].replace("secret", "X"),
+        answers[1].replace("missing", "X")
+    );
+    assert_eq!(std::fs::read(&secret).unwrap(), b"x");
+}
