@@ -663,6 +663,11 @@ fn watch(writer: &mut UnixStream, peer: &Peer, jobs: &Jobs, id: u64) -> Result<(
                     if jobs.get(id).is_ok_and(|j| j.state.is_final()) {
                         break;
                     }
+                    // A quiet job writes nothing that would find the client gone: ask the
+                    // socket, so a closed watch frees its connection slot.
+                    if hung_up(writer) {
+                        return Ok(());
+                    }
                 }
                 // The job ended, or went back to the queue with a stopping daemon.
                 Err(RecvTimeoutError::Disconnected) => break,
@@ -671,6 +676,19 @@ fn watch(writer: &mut UnixStream, peer: &Peer, jobs: &Jobs, id: u64) -> Result<(
     }
     let job = jobs.get(id).map_err(|_| FrameError::Truncated)?;
     write_message(writer, &Reply::Ended { job })
+}
+
+/// Whether the peer of `stream` closed its end (or the connection failed).
+fn hung_up(stream: &UnixStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut fd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one pollfd of an open socket, no wait.
+    let n = unsafe { libc::poll(&mut fd, 1, 0) };
+    n > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
 
 /// The last `max` bytes of the file at `path` (from a line start), or nothing: only they are

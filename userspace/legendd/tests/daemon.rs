@@ -1666,3 +1666,64 @@ fn an_nvme_store_path_that_is_no_device_node_is_refused_unopened() {
     );
     assert_eq!(std::fs::read(&secret).unwrap(), b"x");
 }
+
+/// A watch on a quiet (queued) job whose client went away gives its connection back within
+/// moments, not when the job next says something.
+#[test]
+fn a_closed_watch_on_a_quiet_job_frees_its_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("legendd.toml"),
+        "cpu_jobs = 1\nmax_connections = 3\nreserved_connections = 0\n",
+    )
+    .unwrap();
+    let ds = dataset(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let running = c.job(Request::Submit {
+        job: train_spec(&ds, &dir.path().join("a"), 500),
+    });
+    let queued = c.job(Request::Submit {
+        job: train_spec(&ds, &dir.path().join("b"), 1),
+    });
+    for _ in 0..2 {
+        let mut w = d.client();
+        write_message(
+            &mut w.0,
+            &Envelope {
+                v: PROTOCOL_VERSION,
+                request: Request::Watch { job: queued.id },
+            },
+        )
+        .unwrap();
+        drop(w);
+    }
+    // Three connections were open (c and two watches); the watches' go back.
+    let started = Instant::now();
+    loop {
+        // A refused connection may be closed before the request is written: any failure is
+        // "not admitted".
+        let mut probe = d.client();
+        let admitted = write_message(
+            &mut probe.0,
+            &Envelope {
+                v: PROTOCOL_VERSION,
+                request: Request::Hello,
+            },
+        )
+        .is_ok()
+            && matches!(
+                read_message::<Reply>(&mut probe.0, MAX_FRAME),
+                Ok(Some(Reply::Hello { .. }))
+            );
+        if admitted {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the closed watches still hold their connections"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    c.job(Request::Cancel { job: running.id });
+}
