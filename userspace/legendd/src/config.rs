@@ -30,6 +30,9 @@ pub struct DaemonConfig {
     pub request_timeout_s: u64,
     /// Jobs one user may have queued or running at once.
     pub max_jobs_per_user: usize,
+    /// Ended jobs one user may keep (their records and logs stay until deleted); past it
+    /// submissions are refused until some are deleted.
+    pub max_ended_jobs_per_user: usize,
     /// Also serve the Prometheus metrics on `127.0.0.1:PORT` (`GET /metrics`).
     pub metrics_port: Option<u16>,
 }
@@ -47,6 +50,7 @@ impl Default for DaemonConfig {
             max_connections_per_uid: 32,
             request_timeout_s: 30,
             max_jobs_per_user: 100,
+            max_ended_jobs_per_user: 1000,
             metrics_port: None,
         }
     }
@@ -66,11 +70,12 @@ impl DaemonConfig {
             || config.gpu_jobs == 0
             || config.max_connections_per_uid == 0
             || config.max_jobs_per_user == 0
+            || config.max_ended_jobs_per_user == 0
             || config.request_timeout_s == 0
         {
             anyhow::bail!(
-                "{}: cpu_jobs, gpu_jobs, max_connections_per_uid, max_jobs_per_user and \
-                 request_timeout_s must be at least 1",
+                "{}: cpu_jobs, gpu_jobs, max_connections_per_uid, max_jobs_per_user, \
+                 max_ended_jobs_per_user and request_timeout_s must be at least 1",
                 path.display()
             );
         }

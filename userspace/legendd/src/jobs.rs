@@ -82,6 +82,8 @@ struct Table {
     queued: HashMap<String, BTreeSet<u64>>,
     running: HashMap<String, usize>,
     unfinished: HashMap<u32, usize>,
+    /// Ended jobs kept, by owner.
+    ended: HashMap<u32, usize>,
     /// Unfinished jobs by the directory they work on (a train job's run, an eval's or an
     /// export's run).
     busy_dirs: HashMap<PathBuf, usize>,
@@ -133,6 +135,8 @@ pub struct Jobs {
     gpu_jobs: usize,
     /// `max_jobs_per_user`.
     max_per_user: usize,
+    /// `max_ended_jobs_per_user`.
+    max_ended_per_user: usize,
     /// Requests answered, for the metrics.
     pub requests: AtomicU64,
 }
@@ -292,7 +296,9 @@ impl Jobs {
             if record.info.state == JobState::Queued {
                 table.enqueue(&record.queue, record.info.id);
             }
-            if !record.info.state.is_final() {
+            if record.info.state.is_final() {
+                *table.ended.entry(record.info.owner).or_default() += 1;
+            } else {
                 table.add_unfinished(record.info.owner, record.info.spec.dir());
             }
             table.jobs.insert(
@@ -314,6 +320,7 @@ impl Jobs {
             cpu_jobs: config.cpu_jobs,
             gpu_jobs: config.gpu_jobs,
             max_per_user: config.max_jobs_per_user,
+            max_ended_per_user: config.max_ended_jobs_per_user,
             requests: AtomicU64::new(0),
         });
         for id in requeued {
@@ -383,6 +390,14 @@ impl Jobs {
                 "uid {owner} has {unfinished} jobs queued or running (max_jobs_per_user = {}): \
                  wait for some to end, or cancel some",
                 self.max_per_user
+            )));
+        }
+        let ended = t.ended.get(&owner).copied().unwrap_or(0);
+        if ended >= self.max_ended_per_user {
+            return Err(JobError::Refused(format!(
+                "uid {owner} keeps {ended} ended jobs (max_ended_jobs_per_user = {}): delete \
+                 some (legendctl delete ID) before submitting more",
+                self.max_ended_per_user
             )));
         }
         if let JobSpec::Train { out, .. } = &spec
@@ -530,6 +545,9 @@ impl Jobs {
             })?;
         }
         let info = t.jobs.remove(&id).expect("looked up above").record.info;
+        if let Some(n) = t.ended.get_mut(&info.owner) {
+            *n = n.saturating_sub(1);
+        }
         drop(t);
         for path in [self.record_path(id), self.log_path(id)] {
             if let Err(e) = std::fs::remove_file(&path) {
@@ -935,6 +953,7 @@ impl Jobs {
         }
         if state.is_final() {
             t.remove_unfinished(owner, &dir);
+            *t.ended.entry(owner).or_default() += 1;
         } else {
             t.enqueue(&queue, id);
         }

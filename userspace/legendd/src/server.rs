@@ -591,6 +591,9 @@ fn is_free_for_a_run(parent: &legend_fs::Dir, out: &Path) -> bool {
 
 /// Checks what a submission names against what its submitter may touch, and finds its queue;
 /// a train job's configuration comes with it, parsed once.
+/// Bytes a train job's configuration text and `--set` values may take together.
+const MAX_CONFIG_BYTES: usize = 64 << 10;
+
 fn check_submission(job: &JobSpec, peer: &Peer) -> Result<(String, Option<Config>), String> {
     let dir = job.dir();
     if !dir.is_absolute() {
@@ -601,8 +604,17 @@ fn check_submission(job: &JobSpec, peer: &Peer) -> Result<(String, Option<Config
             dataset,
             out,
             resume,
-            ..
+            config,
+            sets,
         } => {
+            // A job's record keeps its spec until deleted: its size is bounded like its count.
+            let bytes = config.len() + sets.iter().map(String::len).sum::<usize>();
+            if bytes > MAX_CONFIG_BYTES {
+                return Err(format!(
+                    "the job's configuration and --set values take {bytes} bytes (at most \
+                     {MAX_CONFIG_BYTES})"
+                ));
+            }
             let parent = out
                 .parent()
                 .ok_or_else(|| format!("{}: not a run directory path", out.display()))?;
@@ -627,7 +639,25 @@ fn check_submission(job: &JobSpec, peer: &Peer) -> Result<(String, Option<Config
             }
             return Ok((jobs::queue_of(&config), Some(config)));
         }
-        JobSpec::Eval { run, .. } => check_run_to_read(peer, run)?,
+        JobSpec::Eval {
+            run,
+            protocol,
+            split,
+        } => {
+            // Checked here, not when the job runs: a bad value is refused, never kept in a
+            // record nor quoted back at length.
+            for (what, value) in [("protocol", protocol), ("split", split)] {
+                if value.len() > 32 {
+                    return Err(format!(
+                        "{what}: {} bytes is not a {what} name",
+                        value.len()
+                    ));
+                }
+            }
+            protocol.parse::<legend_engine::config::Protocol>()?;
+            split.parse::<legend_dataset::Split>()?;
+            check_run_to_read(peer, run)?;
+        }
         JobSpec::Export { run, out, format } => {
             check_run_to_read(peer, run)?;
             format.parse::<legend_engine::export::Format>()?;

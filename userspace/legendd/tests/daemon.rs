@@ -1727,3 +1727,54 @@ fn a_closed_watch_on_a_quiet_job_frees_its_connection() {
     }
     c.job(Request::Cancel { job: running.id });
 }
+
+/// What one user can make the daemon keep is bounded: ended jobs (by
+/// `max_ended_jobs_per_user`, until they delete some), a job's configuration, an eval's
+/// protocol and split (refused at submission, not kept in a record nor quoted back).
+#[test]
+fn ended_jobs_and_spec_sizes_kept_for_a_user_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("legendd.toml"),
+        "max_ended_jobs_per_user = 2\n",
+    )
+    .unwrap();
+    let ds = dataset(dir.path());
+    let run = broken_run(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let mut ended = Vec::new();
+    for n in 0..2 {
+        let id = c
+            .job(Request::Submit {
+                job: export_spec(&run, n),
+            })
+            .id;
+        wait_for(&mut c, id, Duration::from_secs(30), |j| j.state.is_final());
+        ended.push(id);
+    }
+    let why = refusal(c.call(Request::Submit {
+        job: export_spec(&run, 2),
+    }));
+    assert!(why.contains("max_ended_jobs_per_user = 2"), "{why}");
+    c.job(Request::Delete { job: ended[0] });
+    c.job(Request::Submit {
+        job: export_spec(&run, 3),
+    });
+    // A 400 KB protocol is refused in a line, a 100 KB configuration by its size.
+    let long = "x".repeat(400_000);
+    let why = refusal(c.call(Request::Submit {
+        job: JobSpec::Eval {
+            run: run.clone(),
+            protocol: long.clone(),
+            split: "test".into(),
+        },
+    }));
+    assert!(why.len() < 200 && why.contains("protocol"), "{why:.200}");
+    let mut spec = train_spec(&ds, &dir.path().join("r"), 1);
+    if let JobSpec::Train { config, .. } = &mut spec {
+        *config = format!("# {}\n", &long[..100_000]);
+    }
+    let why = refusal(c.call(Request::Submit { job: spec }));
+    assert!(why.contains("at most 65536"), "{why:.200}");
+}
