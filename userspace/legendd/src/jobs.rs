@@ -60,6 +60,12 @@ struct Record {
     interruptions: u32,
 }
 
+/// Bytes of a job's log before it moves aside (the `logs` call answers with at most this).
+const MAX_LOG_BYTES: u64 = 512 << 10;
+
+/// How often at most a running job's record is saved for its progress alone.
+const PROGRESS_SAVE_EVERY: Duration = Duration::from_secs(5);
+
 /// How many times a job may be found running at a daemon start before it is failed.
 const MAX_INTERRUPTIONS: u32 = 3;
 
@@ -68,6 +74,8 @@ struct Entry {
     stop: Arc<AtomicBool>,
     watchers: Vec<SyncSender<Reply>>,
     last_progress: Instant,
+    /// When the record was last saved for an epoch's progress.
+    last_saved: Instant,
     /// Totals over the job's finished epochs, for the metrics.
     io_bytes: u64,
     train_seconds: f64,
@@ -308,6 +316,7 @@ impl Jobs {
                     stop: Arc::default(),
                     watchers: Vec::new(),
                     last_progress: Instant::now(),
+                    last_saved: Instant::now(),
                     io_bytes: 0,
                     train_seconds: 0.0,
                 },
@@ -343,6 +352,11 @@ impl Jobs {
         self.dir.join(format!("{id}.log"))
     }
 
+    /// Where the older part of a long log is kept.
+    fn old_log_path(&self, id: u64) -> PathBuf {
+        self.dir.join(format!("{id}.log.1"))
+    }
+
     /// Writes the job's record durably (synced temporary file, rename, synced directory), so a
     /// crash keeps the old or the new.
     fn persist(&self, table: &Table, id: u64) -> std::io::Result<()> {
@@ -367,11 +381,19 @@ impl Jobs {
     /// Appends a line to the job's log (private to the daemon: it may name its paths).
     fn log(&self, id: u64, text: &str) {
         let line = format!("{} {text}\n", utc(now()));
+        let path = self.log_path(id);
+        // A log in the daemon's state takes at most twice MAX_LOG_BYTES, however long its job
+        // runs: past it the log moves to `ID.log.1` (the older part goes) and starts again.
+        let full =
+            std::fs::metadata(&path).is_ok_and(|m| m.len() + line.len() as u64 > MAX_LOG_BYTES);
+        if full && let Err(e) = std::fs::rename(&path, self.old_log_path(id)) {
+            tracing::warn!("job {id}: moving its full log aside: {e}");
+        }
         let appended = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .mode(0o600)
-            .open(self.log_path(id))
+            .open(&path)
             .and_then(|mut f| f.write_all(line.as_bytes()));
         if let Err(e) = appended {
             tracing::warn!("job {id}: writing its log: {e}");
@@ -436,6 +458,7 @@ impl Jobs {
                 stop: Arc::default(),
                 watchers: Vec::new(),
                 last_progress: Instant::now(),
+                last_saved: Instant::now(),
                 io_bytes: 0,
                 train_seconds: 0.0,
             },
@@ -549,6 +572,7 @@ impl Jobs {
             *n = n.saturating_sub(1);
         }
         drop(t);
+        let _ = std::fs::remove_file(self.old_log_path(id));
         for path in [self.record_path(id), self.log_path(id)] {
             if let Err(e) = std::fs::remove_file(&path) {
                 tracing::warn!("deleting job {id}: {}: {e}", path.display());
@@ -856,7 +880,12 @@ impl Jobs {
                 );
                 let event = serde_json::json!({"type": "epoch", "line": line});
                 Self::broadcast(entry, event);
-                self.save(&t, id);
+                // Progress only: saved every few seconds, not at every epoch of a tiny one
+                // (each save is synced under the table's lock).
+                if entry.last_saved.elapsed() >= PROGRESS_SAVE_EVERY {
+                    entry.last_saved = Instant::now();
+                    self.save(&t, id);
+                }
                 drop(t);
                 self.log(id, &text);
                 return;

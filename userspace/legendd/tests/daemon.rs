@@ -1785,3 +1785,54 @@ fn ended_jobs_and_spec_sizes_kept_for_a_user_are_bounded() {
     let why = refusal(c.call(Request::Submit { job: spec }));
     assert!(why.contains("at most 65536"), "{why:.200}");
 }
+
+/// However long a job runs, its log in the daemon's state stays bounded: past 512 KiB it moves
+/// to `ID.log.1` and starts again (a tiny graph trains thousands of epochs a minute).
+#[test]
+fn a_long_jobs_log_in_the_state_directory_stays_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dir.path().join("tiny");
+    let mut o = GenerateOptions::new(50, 200);
+    o.relations = 1;
+    generate(&o, &ds).unwrap();
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let spec = JobSpec::Train {
+        dataset: Some(ds),
+        out: dir.path().join("run"),
+        config: String::new(),
+        sets: [
+            "model.dim=2",
+            "training.threads=1",
+            "training.batch_size=200",
+            "training.num_epochs=4000000000",
+            "evaluation.protocol=sampled",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+        resume: false,
+    };
+    let id = c.job(Request::Submit { job: spec }).id;
+    let jobs = dir.path().join("state/jobs");
+    let (log, old) = (
+        jobs.join(format!("{id}.log")),
+        jobs.join(format!("{id}.log.1")),
+    );
+    let started = Instant::now();
+    while !old.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the log never moved aside"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    c.job(Request::Cancel { job: id });
+    wait_for(&mut c, id, Duration::from_secs(30), |j| j.state.is_final());
+    for path in [&log, &old] {
+        let len = std::fs::metadata(path).unwrap().len();
+        assert!(len <= 512 << 10, "{}: {len} bytes", path.display());
+    }
+    c.job(Request::Delete { job: id });
+    assert!(!old.exists() && !log.exists());
+}
