@@ -1467,18 +1467,16 @@ fn submitting_and_cancelling_cost_does_not_grow_with_the_queue() {
         .map(|(id, _)| timed(&mut c, Request::Cancel { job: *id }).1)
         .collect();
     c.job(Request::Cancel { job: long.id });
-    // Medians of the first and the last hundred, robust to a slow disk now and then: the
-    // daemon once cloned the job list and walked queued × jobs on every request.
-    let median = |times: &[Duration]| {
-        let mut t = times.to_vec();
-        t.sort();
-        t[t.len() / 2]
-    };
+    // The fastest of the first and of the last hundred: what a request costs when nothing else
+    // competes (the suite's other tests and a busy machine inflate medians now and then, never
+    // the fastest). The daemon once cloned the job list and walked queued × jobs on every
+    // request, which every request pays, the fastest too.
+    let fastest = |times: &[Duration]| *times.iter().min().expect("a hundred times");
     let submits: Vec<Duration> = submitted.iter().map(|(_, t)| *t).collect();
     // Submissions go from an empty queue to a full one, cancels the other way.
     for (what, times) in [("submit", &submits), ("cancel", &cancelled)] {
-        let (first, last) = (median(&times[..100]), median(&times[1900..]));
-        println!("{what}: median of the first 100 {first:?}, of the last 100 {last:?}");
+        let (first, last) = (fastest(&times[..100]), fastest(&times[1900..]));
+        println!("{what}: fastest of the first 100 {first:?}, of the last 100 {last:?}");
         assert!(
             first.max(last) <= first.min(last) * 3 + Duration::from_millis(2),
             "{what}: {first:?} for the first hundred, {last:?} for the last"
