@@ -142,6 +142,15 @@ fn train_spec(ds: &Path, out: &Path, epochs: u32) -> JobSpec {
     }
 }
 
+/// [`train_spec`] with `extra` settings after the usual ones.
+fn train_spec_with(ds: &Path, out: &Path, epochs: u32, extra: &[&str]) -> JobSpec {
+    let mut spec = train_spec(ds, out, epochs);
+    if let JobSpec::Train { sets, .. } = &mut spec {
+        sets.extend(extra.iter().map(|s| s.to_string()));
+    }
+    spec
+}
+
 /// The same run in this process.
 fn reference(ds: &Path, out: &Path, epochs: u32) -> Vec<f32> {
     let mut sets: Vec<String> = SETS.iter().map(|s| s.to_string()).collect();
@@ -1547,13 +1556,6 @@ fn settings_sized_to_exhaust_the_daemon_are_refused_and_it_lives() {
     let ds = dataset(dir.path());
     let d = Daemon::start(dir.path());
     let mut c = d.client();
-    let with = |set: &str, run: &str| {
-        let mut spec = train_spec(&ds, &dir.path().join(run), 1);
-        if let JobSpec::Train { sets, .. } = &mut spec {
-            sets.push(set.to_string());
-        }
-        spec
-    };
     for set in [
         "training.negatives.negatives_per_positive=1000000000000",
         "training.negatives.negatives_per_positive=4611686018427387904",
@@ -1564,7 +1566,7 @@ fn settings_sized_to_exhaust_the_daemon_are_refused_and_it_lives() {
     ] {
         let key = set.split('=').next().unwrap();
         let why = refusal(c.call(Request::Submit {
-            job: with(set, "r"),
+            job: train_spec_with(&ds, &dir.path().join("r"), 1, &[set]),
         }));
         assert!(
             why.contains(key) && why.contains("largest allowed"),
@@ -1572,27 +1574,16 @@ fn settings_sized_to_exhaust_the_daemon_are_refused_and_it_lives() {
         );
     }
     // 2 × 100 chunks × 2^20 negatives of 16-float rows: about 27 GiB for one step.
-    let big = with("training.negatives.negatives_per_positive=1048576", "big");
-    let big = match big {
-        JobSpec::Train {
-            mut sets,
-            dataset,
-            out,
-            config,
-            resume,
-        } => {
-            sets.push("training.negatives.num_chunks=100".into());
-            sets.push("training.batch_size=1000".into());
-            JobSpec::Train {
-                dataset,
-                out,
-                config,
-                sets,
-                resume,
-            }
-        }
-        other => other,
-    };
+    let big = train_spec_with(
+        &ds,
+        &dir.path().join("big"),
+        1,
+        &[
+            "training.negatives.negatives_per_positive=1048576",
+            "training.negatives.num_chunks=100",
+            "training.batch_size=1000",
+        ],
+    );
     let id = c.job(Request::Submit { job: big }).id;
     let done = wait_for(&mut c, id, Duration::from_secs(60), |j| j.state.is_final());
     assert_eq!(done.state, JobState::Failed, "{done:?}");
@@ -1654,11 +1645,13 @@ fn an_nvme_store_path_that_is_no_device_node_is_refused_unopened() {
     let answers: Vec<String> = [secret.clone(), dir.path().join("missing")]
         .iter()
         .map(|path| {
-            let mut spec = train_spec(&ds, &dir.path().join("run"), 1);
-            if let JobSpec::Train { sets, .. } = &mut spec {
-                sets.push("storage.backend=\"nvme\"".into());
-                sets.push(format!("storage.path=\"{}\"", path.display()));
-            }
+            let store = format!("storage.path=\"{}\"", path.display());
+            let spec = train_spec_with(
+                &ds,
+                &dir.path().join("run"),
+                1,
+                &["storage.backend=\"nvme\"", &store],
+            );
             refusal(c.call(Request::Submit { job: spec }))
         })
         .collect();
