@@ -5,16 +5,19 @@
 //!
 //! The walk starts from the job's output directory opened and admitted like every directory the
 //! job writes (access::JobGuard), never follows a symbolic link, and changes only directories
-//! and single-named regular files the daemon itself owns, each through a descriptor of its
-//! parent directory, so a user who rearranges the tree while it runs cannot point it at
-//! anything else, nor have a hard link to a daemon file handed over.
+//! and single-named regular files the daemon itself owns that were made after the job was
+//! submitted (their birth time: a file the submitter moves into the run from elsewhere keeps
+//! its own, so a daemon running as root hands over nothing it did not make for the job). Each
+//! is opened once (`O_PATH`, no link followed) and checked and changed through that one
+//! descriptor, so a user who rearranges the tree while it runs cannot swap what is changed for
+//! what was checked, nor have a hard link to a daemon file handed over.
 
 use std::os::fd::AsFd;
 
 use nix::dir::Dir;
 use nix::fcntl::{AtFlags, OFlag};
-use nix::sys::stat::{Mode, SFlag, fstat, fstatat};
-use nix::unistd::{Uid, fchown, fchownat, geteuid};
+use nix::sys::stat::{Mode, SFlag, fstatat};
+use nix::unistd::{Uid, geteuid};
 
 /// How a directory is opened: never through a symbolic link.
 fn dir_flags() -> OFlag {
@@ -22,22 +25,81 @@ fn dir_flags() -> OFlag {
 }
 
 /// Makes `owner` the owner of `dir` and of every file and directory under it that the daemon
-/// owns; returns how many it changed.
-pub fn hand_over(dir: &legend_fs::Dir, owner: u32) -> std::io::Result<usize> {
+/// owns and that was made at or after `since` (seconds since the epoch: the job's submission);
+/// returns how many it changed.
+pub fn hand_over(dir: &legend_fs::Dir, owner: u32, since: u64) -> std::io::Result<usize> {
     let me = geteuid();
     if owner == me.as_raw() {
         return Ok(0);
     }
     let top = Dir::from_fd(dir.as_fd().try_clone_to_owned()?)?;
-    Ok(chown_tree(top, me, Uid::from_raw(owner))?)
+    let rule = Rule {
+        me,
+        to: Uid::from_raw(owner),
+        since,
+    };
+    Ok(chown_tree(top, &rule)?)
+}
+
+/// Which entries are handed over, and to whom.
+struct Rule {
+    me: Uid,
+    to: Uid,
+    since: u64,
+}
+
+impl Rule {
+    /// Hands over what `fd` (an `O_PATH` descriptor, or a directory's) names if the daemon owns
+    /// it, it has one name (directories aside) and it was born for the job; `true` if it did.
+    fn apply(&self, fd: std::os::fd::BorrowedFd<'_>, directory: bool) -> nix::Result<bool> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: an all-zero statx is a valid value to be filled in.
+        let mut st: libc::statx = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is open; the empty path with AT_EMPTY_PATH names it; `st` is writable.
+        let r = unsafe {
+            libc::statx(
+                fd.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+                libc::STATX_BASIC_STATS | libc::STATX_BTIME,
+                &mut st,
+            )
+        };
+        nix::errno::Errno::result(r)?;
+        let kind = u32::from(st.stx_mode) & libc::S_IFMT;
+        let eligible = if directory {
+            kind == libc::S_IFDIR
+        } else {
+            kind == libc::S_IFREG && st.stx_nlink == 1
+        };
+        // A file system that does not record birth times gets nothing handed over: the
+        // outputs stay the daemon's rather than risk giving away what it did not make.
+        let born_for_the_job = st.stx_mask & libc::STATX_BTIME != 0
+            && u64::try_from(st.stx_btime.tv_sec).is_ok_and(|t| t >= self.since);
+        if !(eligible && st.stx_uid == self.me.as_raw() && born_for_the_job) {
+            return Ok(false);
+        }
+        // SAFETY: as above; the same descriptor that was checked is changed.
+        let r = unsafe {
+            libc::fchownat(
+                fd.as_raw_fd(),
+                c"".as_ptr(),
+                self.to.as_raw(),
+                u32::MAX,
+                libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        nix::errno::Errno::result(r)?;
+        Ok(true)
+    }
 }
 
 /// Depth first with a stack of its own rather than recursion: a tree nested deeper than a
 /// thread's stack (which the submitter can make in their run) ends in an error, not in a crash
 /// of the daemon.
-fn chown_tree(top: Dir, me: Uid, to: Uid) -> nix::Result<usize> {
+fn chown_tree(top: Dir, rule: &Rule) -> nix::Result<usize> {
     let mut changed = 0;
-    let mut stack = vec![enter(top, me, to, &mut changed)?];
+    let mut stack = vec![enter(top, rule, &mut changed)?];
     while let Some((dir, left)) = stack.last_mut() {
         let Some(name) = left.pop() else {
             stack.pop();
@@ -51,16 +113,19 @@ fn chown_tree(top: Dir, me: Uid, to: Uid) -> nix::Result<usize> {
         let kind = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
         if kind == SFlag::S_IFDIR {
             let sub = Dir::openat(dir.as_fd(), name.as_c_str(), dir_flags(), Mode::empty())?;
-            stack.push(enter(sub, me, to, &mut changed)?);
-        } else if kind == SFlag::S_IFREG && st.st_uid == me.as_raw() && st.st_nlink == 1 {
-            fchownat(
+            stack.push(enter(sub, rule, &mut changed)?);
+        } else if kind == SFlag::S_IFREG {
+            let file = match nix::fcntl::openat(
                 dir.as_fd(),
                 name.as_c_str(),
-                Some(to),
-                None,
-                AtFlags::AT_SYMLINK_NOFOLLOW,
-            )?;
-            changed += 1;
+                OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            ) {
+                Ok(fd) => fd,
+                Err(nix::errno::Errno::ENOENT) => continue,
+                Err(e) => return Err(e),
+            };
+            changed += usize::from(rule.apply(file.as_fd(), false)?);
         }
     }
     Ok(changed)
@@ -69,14 +134,10 @@ fn chown_tree(top: Dir, me: Uid, to: Uid) -> nix::Result<usize> {
 /// Hands `dir` itself over (when it is the daemon's) and lists the names in it.
 fn enter(
     mut dir: Dir,
-    me: Uid,
-    to: Uid,
+    rule: &Rule,
     changed: &mut usize,
 ) -> nix::Result<(Dir, Vec<std::ffi::CString>)> {
-    if fstat(dir.as_fd())?.st_uid == me.as_raw() {
-        fchown(dir.as_fd(), Some(to), None)?;
-        *changed += 1;
-    }
+    *changed += usize::from(rule.apply(dir.as_fd(), true)?);
     let names = dir
         .iter()
         .filter_map(Result::ok)
@@ -84,4 +145,61 @@ fn enter(
         .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
         .collect();
     Ok((dir, names))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    /// Run as root (CI is): what the daemon made for the job goes to the submitter; a file it
+    /// owns that was born before the job was submitted (a root file the submitter moved into
+    /// their run) stays the daemon's, as does a second name of one of its files.
+    #[test]
+    fn only_what_was_made_for_the_job_is_handed_over() {
+        if !geteuid().is_root() {
+            eprintln!("skipped: hand-over needs root (CAP_CHOWN)");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("run");
+        std::fs::create_dir(&run).unwrap();
+        let old = run.join("moved-in");
+        std::fs::write(&old, b"secret").unwrap();
+        let born = std::fs::metadata(&old).unwrap().created().unwrap();
+        let since = born
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            + 1;
+        // Files made for the job: after `since` (wait for the clock's next second).
+        while std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            < since
+        {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let sub = run.join("checkpoints");
+        std::fs::create_dir(&sub).unwrap();
+        std::fs::write(sub.join("table.bin"), b"x").unwrap();
+        std::fs::write(run.join("linked"), b"y").unwrap();
+        std::fs::hard_link(run.join("linked"), tmp.path().join("elsewhere")).unwrap();
+        let dir = legend_fs::Dir::open(&run).unwrap();
+        // The run directory itself was born before `since` too: only its new contents move.
+        let n = hand_over(&dir, 65534, since).unwrap();
+        let uid = |p: &std::path::Path| std::fs::symlink_metadata(p).unwrap().uid();
+        assert_eq!(n, 2, "the new directory and its file");
+        assert_eq!(uid(&sub), 65534);
+        assert_eq!(uid(&sub.join("table.bin")), 65534);
+        assert_eq!(uid(&old), 0, "a file older than the job is not handed over");
+        assert_eq!(
+            uid(&run.join("linked")),
+            0,
+            "a file with a second name is not"
+        );
+        assert_eq!(uid(&run), 0);
+    }
 }

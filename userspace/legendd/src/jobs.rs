@@ -921,8 +921,13 @@ impl Jobs {
             JobSpec::Train { out, .. } | JobSpec::Export { out, .. } => out,
             JobSpec::Eval { .. } => return,
         };
+        let submitted = self
+            .lock()
+            .jobs
+            .get(&id)
+            .map_or(0, |e| e.record.info.submitted);
         let handed = match legend_fs::Dir::open_guarded(out, guard) {
-            Ok(dir) => crate::handover::hand_over(&dir, owner),
+            Ok(dir) => crate::handover::hand_over(&dir, owner, submitted),
             // A job refused before it made its directory.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
             Err(e) => Err(e),
