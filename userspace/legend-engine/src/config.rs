@@ -650,8 +650,9 @@ fn in_words(key: &str, message: &str) -> String {
     out
 }
 
-/// Largest `model.dim`: rows of 2^24 floats (64 MiB a row).
-const MAX_DIM: usize = 1 << 24;
+/// Largest `model.dim`: rows of 2^28 floats (1 GiB a row); with at most 2^32 entities every
+/// table size stays within a u64.
+const MAX_DIM: usize = 1 << 28;
 /// Largest `training.batch_size`.
 const MAX_BATCH: usize = 1 << 26;
 /// Largest `training.negatives.negatives_per_positive` (PyTorch-BigGraph's largest published

@@ -90,7 +90,11 @@ impl HostEstimate {
         let step = if on_cuda {
             0
         } else {
-            chunks * 2 * n.negatives_per_positive as u64 * (4 + dim * 4 * 2)
+            // Saturating: at the settings' bounds the product passes 2^64, which must read
+            // as "too much", never wrap to little.
+            (chunks * 2)
+                .saturating_mul(n.negatives_per_positive as u64)
+                .saturating_mul(4 + dim * 4 * 2)
         };
         HostEstimate {
             edges: train * EDGE_BYTES,
@@ -108,7 +112,15 @@ impl HostEstimate {
 
     /// The whole estimate in bytes.
     pub fn total(&self) -> u64 {
-        self.edges + self.tables + self.known_edges + self.evaluation + self.step + self.baseline
+        [
+            self.tables,
+            self.known_edges,
+            self.evaluation,
+            self.step,
+            self.baseline,
+        ]
+        .iter()
+        .fold(self.edges, |sum, &b| sum.saturating_add(b))
     }
 }
 
