@@ -49,8 +49,9 @@ pub(crate) struct Queue {
     ignored_tail: Option<u16>,
     /// Completions waiting for room in the CQ.
     pending: Vec<Cqe>,
-    /// The commands fetched and not yet completed, for [`Queue::report`].
-    held: Vec<Held>,
+    /// The commands fetched and not yet completed, by the SQ entry each was fetched from (for
+    /// [`Queue::report`]; indexed so that completing one costs nothing per command held).
+    held: Vec<Option<Held>>,
     /// Set by `delete_queue_pair`: fetch nothing more, drop once idle.
     pub(crate) deleting: bool,
 }
@@ -72,7 +73,7 @@ impl Queue {
             in_flight: 0,
             ignored_tail: None,
             pending: Vec::new(),
-            held: Vec::new(),
+            held: vec![None; usize::from(depth)],
             deleting: false,
         }
     }
@@ -95,6 +96,7 @@ impl Queue {
         let held: Vec<String> = self
             .held
             .iter()
+            .flatten()
             .map(|h| {
                 let op = Opcode::from_u8(h.opcode).map_or("unknown opcode", Opcode::name);
                 format!(
@@ -119,6 +121,7 @@ impl Queue {
 }
 
 /// A command the proxy fetched and has not completed.
+#[derive(Clone, Copy)]
 struct Held {
     cid: u16,
     opcode: u8,
@@ -245,12 +248,13 @@ impl Service {
                 };
                 // SAFETY: `sq_head < depth`, inside the SQ the host mapped.
                 let sqe = unsafe { ptr::read_volatile(q.sq.add(usize::from(q.sq_head))) };
+                let entry = usize::from(q.sq_head);
                 q.sq_head = (q.sq_head + 1) % q.depth;
                 q.in_flight += 1;
                 let count = shared.commands.fetch_add(1, Ordering::Relaxed) + 1;
                 let status = check(&sqe, &shared, &faults, count);
                 let fetched = Instant::now();
-                q.held.push(Held {
+                q.held[entry] = Some(Held {
                     cid: sqe.cid(),
                     opcode: sqe.opcode(),
                     lba: sqe.lba(),
@@ -411,23 +415,21 @@ impl Service {
         let mut state = lock(&shared.state);
         let space = state.space.clone();
         let reverse = lock(&shared.faults).reverse_completions;
-        let fetched = |slot: usize| self.slots[slot].as_ref().expect("ready slot").fetched;
-        let mut due: Vec<usize> = self
+        let active = |slot: usize| self.slots[slot].as_ref().expect("ready slot");
+        let (mut due, waiting): (Vec<usize>, Vec<usize>) = self
             .ready
             .iter()
-            .copied()
-            .filter(|&slot| self.slots[slot].as_ref().expect("ready slot").due <= now)
-            .collect();
+            .partition(|&&slot| active(slot).due <= now);
         if reverse {
             // Newest first; a lone command waits a moment for company, so there is an order
             // to reverse.
-            let oldest = due.iter().map(|&slot| fetched(slot)).min();
+            let oldest = due.iter().map(|&slot| active(slot).fetched).min();
             if due.len() < 2 && oldest.is_some_and(|t| now.duration_since(t) < REVERSE_WAIT) {
                 return false;
             }
-            due.sort_by_key(|&slot| std::cmp::Reverse(fetched(slot)));
+            due.sort_by_key(|&slot| std::cmp::Reverse(active(slot).fetched));
         }
-        self.ready.retain(|slot| !due.contains(slot));
+        self.ready = waiting;
         let progress = !due.is_empty();
         for slot in due {
             let a = self.slots[slot].take().expect("ready slot");
@@ -442,7 +444,8 @@ impl Service {
             }
             if let Some(q) = state.queues.iter_mut().find(|q| q.qid == a.qid) {
                 q.in_flight -= 1;
-                q.held.retain(|h| h.cid != a.sqe.cid());
+                // The entry it was fetched from: its SQ head is the one after it.
+                q.held[usize::from((a.sq_head + q.depth - 1) % q.depth)] = None;
                 q.pending
                     .push(Cqe::new(a.qid, a.sq_head, a.sqe.cid(), status, false));
                 post_pending(q, &shared);
