@@ -154,7 +154,7 @@ def main() -> None:
             f"training.num_epochs={epochs}", f"training.batch_size={args.batch_size}",
             f"training.negatives.num_chunks={num_chunks}",
             f"training.negatives.negatives_per_positive={args.negatives}",
-            "training.negatives.degree_fraction=0", f"training.learning_rate={args.lr}",
+            "training.negatives.degree_fraction=0", f"optimizer.learning_rate={args.lr}",
             f"training.threads={args.threads}", f"training.seed={args.seed}",
         ]
         print(f"== Legend {tag} ({epochs} epochs), load {loadavg()}", file=sys.stderr, flush=True)

@@ -36,7 +36,7 @@ def legend_settings(epochs: int, negatives: int, args) -> list[str]:
         "training.negatives.num_chunks=1",
         f"training.negatives.negatives_per_positive={negatives}",
         "training.negatives.degree_fraction=0",
-        f"training.learning_rate={args.lr}",
+        f"optimizer.learning_rate={args.lr}",
         f"training.threads={args.threads}",
         f"training.seed={args.seed}",
     ]

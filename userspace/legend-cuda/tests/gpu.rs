@@ -320,6 +320,7 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
     let opt = AdaGrad {
         lr: 0.05,
         eps: 1e-9,
+        ..AdaGrad::default()
     };
     let shape = BatchShape {
         max_batch: case.batch + 5,

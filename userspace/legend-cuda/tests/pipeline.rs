@@ -71,6 +71,7 @@ fn engine(gpu: &Gpu, entities: usize, max_batch: usize, k: usize, dim: usize) ->
     let opt = AdaGrad {
         lr: 0.1,
         eps: 1e-10,
+        ..AdaGrad::default()
     };
     GpuBatchEngine::new(gpu, model, opt, shape, &degrees, 5).unwrap()
 }

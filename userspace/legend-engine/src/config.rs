@@ -1,4 +1,5 @@
-//! The training configuration: TOML sections `model`, `storage`, `training`, `evaluation`.
+//! The training configuration: TOML sections `model`, `storage`, `training`, `optimizer`,
+//! `evaluation`.
 //!
 //! Every key has a default, so an empty file (or none) trains a sensible model. Unknown keys and
 //! bad values are errors that name the key. `Documentation/config.md` lists every key.
@@ -12,7 +13,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
-use legend_model::{Decoder, Distribution, Init, Loss, RelationInit};
+use legend_model::{AdaGrad, Decoder, Distribution, Init, Loss, RelationInit, StateLayout};
 use legend_planner::Order;
 use serde::{Deserialize, Serialize};
 
@@ -26,6 +27,8 @@ pub struct Config {
     pub storage: StorageConfig,
     /// The optimisation.
     pub training: TrainingConfig,
+    /// The optimizer (AdaGrad) and its state.
+    pub optimizer: OptimizerConfig,
     /// Evaluation during and after training.
     pub evaluation: EvaluationConfig,
 }
@@ -215,10 +218,6 @@ pub struct TrainingConfig {
     pub num_epochs: u32,
     /// Positive edges per batch; parameters are updated after every batch.
     pub batch_size: usize,
-    /// AdaGrad learning rate.
-    pub learning_rate: f32,
-    /// AdaGrad epsilon.
-    pub adagrad_eps: f32,
     /// Seed of initialisation, shuffling and sampling.
     pub seed: u64,
     /// Worker threads (0 = one per core).
@@ -242,14 +241,38 @@ impl Default for TrainingConfig {
         TrainingConfig {
             num_epochs: 50,
             batch_size: 100,
-            learning_rate: 0.1,
-            adagrad_eps: 1e-9,
             seed: 0,
             threads: 0,
             checkpoint_every: 0,
             checkpoint_minutes: 30.0,
             device: DeviceChoice::Cpu,
             negatives: NegativesConfig::default(),
+        }
+    }
+}
+
+/// `[optimizer]`: AdaGrad's settings and the layout of its state. Was `training.learning_rate`
+/// and `training.adagrad_eps`, still read with a warning.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    /// The learning rate.
+    pub learning_rate: f32,
+    /// Added to the root of the state so that a zero state does not divide by zero.
+    pub eps: f32,
+    /// One accumulator per element (`element`) or per row (`row`, PyTorch-BigGraph's default:
+    /// a row's state is 4 bytes instead of 4 × dim).
+    #[serde(with = "by_name")]
+    pub state: StateLayout,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        let AdaGrad { lr, eps, state } = AdaGrad::default();
+        OptimizerConfig {
+            learning_rate: lr,
+            eps,
+            state,
         }
     }
 }
@@ -409,7 +432,7 @@ impl Config {
                 .ok_or_else(|| ConfigError(format!("--set {o:?}: expected section.key=value")))?;
             set_dotted(&mut table, key.trim(), parse_value(value.trim()))?;
         }
-        move_deprecated_device(&mut table)?;
+        move_deprecated_keys(&mut table)?;
         // Deserialize from text, not from the table, so that an error carries a position from
         // which the offending key can be named.
         let resolved = toml::to_string(&table).expect("a TOML table always serializes");
@@ -437,6 +460,16 @@ impl Config {
             LossKind::Ranking => Loss::Ranking {
                 margin: self.model.margin,
             },
+        }
+    }
+
+    /// The optimizer of `[optimizer]`.
+    pub fn adagrad(&self) -> AdaGrad {
+        let o = &self.optimizer;
+        AdaGrad {
+            lr: o.learning_rate,
+            eps: o.eps,
+            state: o.state,
         }
     }
 
@@ -575,8 +608,18 @@ impl Config {
                 format!("must be a finite number ≥ 0, got {}", t.checkpoint_minutes),
             ));
         }
-        positive_f32("training.learning_rate", t.learning_rate, false)?;
-        positive_f32("training.adagrad_eps", t.adagrad_eps, true)?;
+        positive_f32(
+            "optimizer.learning_rate",
+            self.optimizer.learning_rate,
+            false,
+        )?;
+        positive_f32("optimizer.eps", self.optimizer.eps, true)?;
+        if self.optimizer.state == StateLayout::Row {
+            return Err(bad(
+                "optimizer.state",
+                "row-wise state is not supported yet",
+            ));
+        }
         let n = &t.negatives;
         if n.num_chunks == 0 || n.num_chunks > t.batch_size {
             return Err(bad(
@@ -685,28 +728,39 @@ fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// Moves the old key `storage.device` to `training.device`, with a warning; both set is an error.
-fn move_deprecated_device(table: &mut toml::Table) -> Result<(), ConfigError> {
-    let Some(old) = table
-        .get_mut("storage")
-        .and_then(toml::Value::as_table_mut)
-        .and_then(|s| s.remove("device"))
-    else {
-        return Ok(());
-    };
-    let training = table
-        .entry("training")
-        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
-        .as_table_mut()
-        .ok_or_else(|| bad("training", "must be a section"))?;
-    if training.contains_key("device") {
-        return Err(bad(
-            "storage.device",
-            "the old name of training.device; set only training.device",
-        ));
+/// Keys that moved: (old section, old key, new section, new key).
+const MOVED_KEYS: [(&str, &str, &str, &str); 3] = [
+    ("storage", "device", "training", "device"),
+    ("training", "learning_rate", "optimizer", "learning_rate"),
+    ("training", "adagrad_eps", "optimizer", "eps"),
+];
+
+/// Moves the keys of [`MOVED_KEYS`] to their new names, with a warning; both set is an error.
+fn move_deprecated_keys(table: &mut toml::Table) -> Result<(), ConfigError> {
+    for (old_section, old_key, new_section, new_key) in MOVED_KEYS {
+        let Some(old) = table
+            .get_mut(old_section)
+            .and_then(toml::Value::as_table_mut)
+            .and_then(|s| s.remove(old_key))
+        else {
+            continue;
+        };
+        let section = table
+            .entry(new_section)
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .ok_or_else(|| bad(new_section, "must be a section"))?;
+        if section.contains_key(new_key) {
+            return Err(bad(
+                &format!("{old_section}.{old_key}"),
+                format!(
+                    "the old name of {new_section}.{new_key}; set only {new_section}.{new_key}"
+                ),
+            ));
+        }
+        tracing::warn!("{old_section}.{old_key} is deprecated: it is now {new_section}.{new_key}");
+        section.insert(new_key.into(), old);
     }
-    tracing::warn!("storage.device is deprecated: it is now training.device");
-    training.insert("device".into(), old);
     Ok(())
 }
 
@@ -796,7 +850,7 @@ mod tests {
             &[
                 "model.dim=64".into(),
                 "storage.order=beta".into(),
-                "training.learning_rate=0.05".into(),
+                "optimizer.learning_rate=0.05".into(),
             ],
         )
         .unwrap();
@@ -805,7 +859,7 @@ mod tests {
             (Decoder::DistMult, 64, Order::Beta)
         );
         assert_eq!(c.training.negatives.num_chunks, 2);
-        assert_eq!(c.training.learning_rate, 0.05);
+        assert_eq!(c.optimizer.learning_rate, 0.05);
     }
 
     #[test]
@@ -833,10 +887,25 @@ mod tests {
             ),
             (
                 "",
-                &["training.learning_rate=\"fast\""],
-                "training.learning_rate: invalid type: string \"fast\", expected a number",
+                &["optimizer.learning_rate=\"fast\""],
+                "optimizer.learning_rate: invalid type: string \"fast\", expected a number",
             ),
-            ("", &["training.learning_rate=-1"], "training.learning_rate"),
+            (
+                "",
+                &["optimizer.learning_rate=-1"],
+                "optimizer.learning_rate",
+            ),
+            (
+                "",
+                &["training.learning_rate=-1"],
+                "optimizer.learning_rate",
+            ),
+            ("", &["optimizer.state=column"], "optimizer.state"),
+            (
+                "",
+                &["training.adagrad_eps=0", "optimizer.eps=0"],
+                "set only optimizer.eps",
+            ),
             (
                 "",
                 &["training.checkpoint_minutes=-5"],
@@ -944,6 +1013,22 @@ mod tests {
         let c = Config::parse("", &["storage.device=cuda:1".into()]).unwrap();
         assert_eq!(c.device(), DeviceChoice::Cuda(1));
         assert!(c.to_toml().contains("[training]") && !c.to_toml().contains("[storage]\ndevice"));
+    }
+
+    #[test]
+    fn the_old_optimizer_keys_still_work() {
+        let c =
+            Config::parse("[training]\nlearning_rate = 0.3\nadagrad_eps = 1e-6\n", &[]).unwrap();
+        let opt = c.adagrad();
+        assert_eq!(
+            (opt.lr, opt.eps, opt.state),
+            (0.3, 1e-6, StateLayout::Element)
+        );
+        let toml = c.to_toml();
+        assert!(
+            toml.contains("[optimizer]") && !toml.contains("adagrad_eps"),
+            "{toml}"
+        );
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use legend_dataset::Buckets;
-use legend_model::{AdaGrad, ChunkModel, Decoder, Init, Permutation, Table};
+use legend_model::{ChunkModel, Decoder, Init, Permutation, Table};
 use legend_planner::{Bucket, Plan};
 use serde::{Deserialize, Serialize};
 
@@ -211,7 +211,7 @@ pub enum TrainError {
     #[error("resuming: {0}")]
     Resume(String),
     /// The loss became NaN or infinite.
-    #[error("the loss diverged (not finite) in epoch {epoch}; lower training.learning_rate")]
+    #[error("the loss diverged (not finite) in epoch {epoch}; lower optimizer.learning_rate")]
     Diverged {
         /// The epoch.
         epoch: u32,
@@ -600,10 +600,7 @@ fn cpu_compute(
             loss: config.loss(),
             dim: config.model.dim,
         },
-        optimizer: AdaGrad {
-            lr: t.learning_rate,
-            eps: t.adagrad_eps,
-        },
+        optimizer: config.adagrad(),
         dim: config.model.dim,
         num_chunks: t.negatives.num_chunks,
         negatives: t.negatives.negatives_per_positive,

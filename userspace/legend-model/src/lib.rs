@@ -16,7 +16,7 @@ pub mod rng;
 mod sgemm;
 mod vmath;
 
-pub use adagrad::AdaGrad;
+pub use adagrad::{AdaGrad, StateLayout};
 pub use chunk::{Chunk, ChunkGrads, ChunkModel, ChunkWorkspace};
 pub use decoder::{Comparator, Decoder, Side};
 pub use init::{DEFAULT_NODE_INIT, Distribution, Init, RelationInit, Table, fill_row};

@@ -306,7 +306,7 @@ impl ComputeBackend for CpuCompute {
             .collect();
         self.pool.install(|| {
             nodes.apply(node_rows, optimizer, dim);
-            relation_rows.apply(rel_rows, optimizer, dim);
+            relation_rows.apply(rel_rows, optimizer.for_relations(), dim);
         });
         self.loss += losses.iter().sum::<f64>();
         Ok(())

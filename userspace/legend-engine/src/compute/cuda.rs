@@ -28,7 +28,7 @@ use legend_cuda::{
     GpuError, RowSpan, SlotMap, Transfer, negative_keys,
 };
 use legend_dataset::{Buckets, PartitionScheme};
-use legend_model::{AdaGrad, ChunkModel, Decoder, Init};
+use legend_model::{ChunkModel, Decoder, Init};
 use rayon::prelude::*;
 
 use super::{BucketRef, ComputeBackend, RowSink, Step};
@@ -163,10 +163,7 @@ impl CudaCompute {
             loss: config.loss(),
             dim,
         };
-        let optimizer = AdaGrad {
-            lr: t.learning_rate,
-            eps: t.adagrad_eps,
-        };
+        let optimizer = config.adagrad();
         let (chunks, k) = (t.negatives.num_chunks, t.negatives.negatives_per_positive);
         // Whole batches per launch where the score matrices fit, else fewer chunks. TransE L2
         // keeps its inverse distances next to the scores (legend-cuda's `BatchShape::group`).
