@@ -657,20 +657,33 @@ extern "C" __global__ void legend_count_uses(const u32* __restrict__ edges, u32 
     else if (i < endpoints + n_negs) atomicAdd(&uses[negs[i - endpoints]], 1u);
 }
 
-// Elementwise AdaGrad on every row marked this batch (one warp a row), in place:
-// state += g²; param -= lr · g / (sqrt(state) + eps). Leaves the gradient rows, marks and
-// use counts zeroed for the next batch.
+// AdaGrad on every row marked this batch (one warp a row), in place. Element-wise
+// (row_state 0): state += g²; param -= lr · g / (sqrt(state) + eps) per element. Row-wise
+// (row_state 1, one accumulator a row): state += mean(g²) over the row, then every element
+// steps by lr · g / (sqrt(state) + eps). Leaves the gradient rows, marks and use counts
+// zeroed for the next batch.
 extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __restrict__ state,
                                           float* __restrict__ grad, u32* flags, u32* uses,
                                           const u32* __restrict__ list,
-                                          const u32* __restrict__ count, u32 dim, float lr,
-                                          float eps) {
+                                          const u32* __restrict__ count, u32 dim,
+                                          u32 row_state, float lr, float eps) {
     u32 w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 lane = threadIdx.x & 31;
     if (w >= *count) return;
     u64 id = list[w];
     u64 base = id * dim;
-    if ((dim & 3) == 0) {
+    if (row_state) {
+        float sq = 0.0f;
+        for (u32 t = lane; t < dim; t += 32) sq += grad[base + t] * grad[base + t];
+        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        float s = state[id] + sq / (float)dim;
+        float scale = lr / (sqrtf(s) + eps);
+        for (u32 t = lane; t < dim; t += 32) {
+            param[base + t] -= scale * grad[base + t];
+            grad[base + t] = 0.0f;
+        }
+        if (lane == 0) state[id] = s;
+    } else if ((dim & 3) == 0) {
         // 16-byte accesses where rows allow them: a row of d = 100 is 25 of them, one
         // pass of the warp instead of four dependent ones.
         float4* p4 = reinterpret_cast<float4*>(param + base);

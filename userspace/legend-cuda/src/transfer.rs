@@ -62,23 +62,43 @@ pub struct Transfer {
 pub struct RowSpan {
     emb: CUdeviceptr,
     state: CUdeviceptr,
+    /// Floats of embeddings and of state.
     floats: usize,
+    state_floats: usize,
+    dim: usize,
 }
 
 impl RowSpan {
-    /// The floats `range` of the two same-shaped buffers `emb` and `state`.
-    pub(crate) fn new(emb: &CudaSlice<f32>, state: &CudaSlice<f32>, range: Range<usize>) -> Self {
-        let at = |s: &CudaSlice<f32>| addr(s) + (range.start * size_of::<f32>()) as u64;
+    /// The floats `emb_range` of `emb` and `state_range` of `state`: the same rows of
+    /// embeddings of `dim` floats and of their state.
+    pub(crate) fn new(
+        emb: &CudaSlice<f32>,
+        emb_range: Range<usize>,
+        state: &CudaSlice<f32>,
+        state_range: Range<usize>,
+        dim: usize,
+    ) -> Self {
+        let at = |s: &CudaSlice<f32>, start: usize| addr(s) + (start * size_of::<f32>()) as u64;
         RowSpan {
-            emb: at(emb),
-            state: at(state),
-            floats: range.len(),
+            emb: at(emb, emb_range.start),
+            state: at(state, state_range.start),
+            floats: emb_range.len(),
+            state_floats: state_range.len(),
+            dim,
         }
     }
 
-    /// Device addresses of the embedding and state rows, and the bytes of each.
-    pub fn addrs(&self) -> (u64, u64, usize) {
-        (self.emb, self.state, self.floats * size_of::<f32>())
+    /// Device addresses and bytes of the embedding rows, then of their state.
+    pub fn addrs(&self) -> [(u64, usize); 2] {
+        [
+            (self.emb, self.floats * size_of::<f32>()),
+            (self.state, self.state_floats * size_of::<f32>()),
+        ]
+    }
+
+    /// Rows in the span.
+    pub fn rows(&self) -> usize {
+        self.floats / self.dim.max(1)
     }
 }
 
@@ -329,7 +349,7 @@ impl Transfer {
         emb: &[f32],
         state: &[f32],
     ) -> Result<(), GpuError> {
-        let span = table.row_span(row0, emb.len())?;
+        let span = table.row_span(row0, emb.len() / table.dim())?;
         self.after_compute()?;
         // SAFETY: the table is borrowed mutably for the call and freed stream-ordered on the
         // compute stream, which waits for the copies (below); compute work queued before them
@@ -351,16 +371,15 @@ impl Transfer {
         rows: usize,
         init: &legend_model::Init,
     ) -> Result<(), GpuError> {
-        let dim = table.dim();
-        let span = table.row_span(row0, rows * dim)?;
+        let span = table.row_span(row0, rows)?;
         self.after_compute()?;
         // SAFETY: the table is borrowed mutably for the call and freed stream-ordered after
         // this stream's work (the compute stream waits for it, below).
-        unsafe { self.init_span(&span, dim, first_id, init) }?;
+        unsafe { self.init_span(&span, first_id, init) }?;
         self.before_compute()
     }
 
-    /// Queues the drawing of the node rows `first_id ..` that fill `span` (rows of `dim`), as
+    /// Queues the drawing of the node rows `first_id ..` that fill `span`, as
     /// [`Transfer::init_rows`] does, with no ordering against the compute stream: a swap's
     /// never-written partition, drawn into its slot.
     ///
@@ -370,11 +389,10 @@ impl Transfer {
     pub unsafe fn init_span(
         &mut self,
         span: &RowSpan,
-        dim: usize,
         first_id: u64,
         init: &legend_model::Init,
     ) -> Result<(), GpuError> {
-        let rows = span.floats / dim.max(1);
+        let (rows, dim) = (span.rows(), span.dim);
         let (tag, normal, scale) = crate::engine::init_params(legend_model::Table::Node, init.node);
         let rows32 = u32::try_from(rows)
             .map_err(|_| GpuError::Shape(format!("{rows} rows in one launch")))?;
@@ -398,7 +416,7 @@ impl Transfer {
             result::memset_d8_async(
                 span.state,
                 0,
-                span.floats * size_of::<f32>(),
+                span.state_floats * size_of::<f32>(),
                 self.stream.cu_stream(),
             )
         }
@@ -414,7 +432,7 @@ impl Transfer {
         emb: &mut [f32],
         state: &mut [f32],
     ) -> Result<(), GpuError> {
-        let span = table.row_span(row0, emb.len())?;
+        let span = table.row_span(row0, emb.len() / table.dim())?;
         self.after_compute()?;
         // SAFETY: the table is borrowed for the call, which returns after the copies ran, and
         // the compute work that writes it was queued before them (above).
@@ -446,10 +464,10 @@ fn record_on(stream: &CudaStream) -> Result<CudaEvent, GpuError> {
 }
 
 fn check_span(emb: usize, state: usize, span: &RowSpan) -> Result<(), GpuError> {
-    if emb != span.floats || state != span.floats {
+    if emb != span.floats || state != span.state_floats {
         return Err(GpuError::Shape(format!(
-            "{emb} floats of embeddings and {state} of state for a span of {}",
-            span.floats
+            "{emb} floats of embeddings and {state} of state for a span of {} and {}",
+            span.floats, span.state_floats
         )));
     }
     Ok(())

@@ -9,7 +9,8 @@ use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, SlotMap, negativ
 use legend_dataset::PartitionScheme;
 use legend_engine::sampler::NegativeSampler;
 use legend_model::{
-    AdaGrad, Chunk, ChunkModel, ChunkWorkspace, Decoder, Distribution, Loss, Table, fill_row,
+    AdaGrad, Chunk, ChunkModel, ChunkWorkspace, Decoder, Distribution, Loss, StateLayout, Table,
+    fill_row,
 };
 
 mod common;
@@ -265,12 +266,13 @@ fn cleared(gpu: &Gpu, t: &DeviceTable) -> bool {
 }
 
 fn check_step(gpu: &Gpu, case: &Case, s: u64) {
-    check_step_with(gpu, case, s, false);
+    check_step_with(gpu, case, s, false, StateLayout::Element);
 }
 
 /// `filtered`: the step filters its negatives against a set of known edges that holds the
-/// batch and, for each positive, about a tenth of its chunk's negatives on each side.
-fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
+/// batch and, for each positive, about a tenth of its chunk's negatives on each side;
+/// `layout`: the node table's AdaGrad state.
+fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool, layout: StateLayout) {
     let mut rng = Rng(s ^ case.dim as u64 ^ ((case.k as u64) << 20));
     let (entities, relations, d) = (4001usize, 37usize, case.dim);
     let mut value = |scale: f32, exact: bool| {
@@ -291,7 +293,10 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
         .map(|v| if case.zero_relations { 0.0 } else { v })
         .collect();
     // A non-zero state keeps the AdaGrad step a smooth function of the gradient.
-    let state: Vec<f32> = (0..entities * d).map(|_| rng.uniform(0.1, 1.0)).collect();
+    let width = layout.width(d);
+    let state: Vec<f32> = (0..entities * width)
+        .map(|_| rng.uniform(0.1, 1.0))
+        .collect();
     let rel_state: Vec<f32> = (0..relations * d).map(|_| rng.uniform(0.1, 1.0)).collect();
     let edges: Vec<[u32; 3]> = (0..case.batch)
         .map(|i| {
@@ -320,7 +325,7 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
     let opt = AdaGrad {
         lr: 0.05,
         eps: 1e-9,
-        ..AdaGrad::default()
+        state: layout,
     };
     let shape = BatchShape {
         max_batch: case.batch + 5,
@@ -372,7 +377,7 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
         case.group,
         case.scale,
         if filtered { " filtered" } else { "" }
-    );
+    ) + &format!(" state {layout}");
     if filtered {
         // The filter must matter: the same step unfiltered has another loss.
         let (unfiltered, _, _) = cpu_step(case, &emb, &rel, &edges, &negs, None);
@@ -422,7 +427,7 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool) {
         if g.iter().any(|&x| x != 0.0) {
             opt.apply_row(
                 &mut want_emb[r * d..(r + 1) * d],
-                &mut want_state[r * d..(r + 1) * d],
+                &mut want_state[r * width..(r + 1) * width],
                 g,
             );
         }
@@ -664,7 +669,32 @@ fn filtered_negatives_match_the_cpu_engine() {
         },
     ];
     for case in &cases {
-        check_step_with(&gpu, case, s, true);
+        check_step_with(&gpu, case, s, true, StateLayout::Element);
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn row_wise_adagrad_matches_the_cpu_engine() {
+    let gpu = gpu();
+    let s = seed("row-wise");
+    let dot = Case {
+        decoder: Decoder::Dot,
+        dim: 100,
+        batch: 2000,
+        chunks: 2,
+        k: 300,
+        group: 4,
+        ..COMPLEX
+    };
+    // Fused (ComplEx, Dot at d = 100), unfused (d = 36) and filtered steps.
+    for (case, filtered) in [
+        (COMPLEX, false),
+        (dot, false),
+        (Case { dim: 36, ..dot }, false),
+        (COMPLEX, true),
+    ] {
+        check_step_with(&gpu, &case, s, filtered, StateLayout::Row);
     }
 }
 

@@ -9,7 +9,7 @@ use cudarc::driver::sys::CUevent_flags;
 use legend_cuda::{
     BatchShape, CudaEvent, DeviceTable, Gpu, GpuBatchEngine, Transfer, gather_batch, negative_keys,
 };
-use legend_model::{AdaGrad, ChunkModel, Decoder, Loss, Permutation};
+use legend_model::{AdaGrad, ChunkModel, Decoder, Loss, Permutation, StateLayout};
 
 mod common;
 
@@ -174,7 +174,7 @@ fn staged_copies_round_trip_in_many_chunks() {
     // 4 KiB chunks: a partition of 777 rows of 33 floats takes 26 chunks each way.
     let mut t = Transfer::new(&gpu, 4096).unwrap();
     let (rows, dim) = (777usize, 33usize);
-    let mut table = DeviceTable::zeros(&gpu, 3 * rows, dim).unwrap();
+    let mut table = DeviceTable::zeros(&gpu, 3 * rows, dim, StateLayout::Element).unwrap();
     let emb: Vec<f32> = (0..rows * dim).map(|_| rng.next() as f32).collect();
     let state: Vec<f32> = (0..rows * dim).map(|_| -(rng.next() as f32)).collect();
     t.upload_rows(&mut table, rows, &emb, &state).unwrap();
@@ -206,8 +206,8 @@ fn copies_on_the_transfer_stream_overlap_compute() {
     // Compute: training steps on the compute stream (200 take about 0.1 s on an H100).
     let (entities, dim, k, b) = (100_000usize, 128usize, 1000usize, 20_000usize);
     let mut e = engine(&gpu, entities, b, k, dim);
-    let mut nodes = DeviceTable::zeros(&gpu, entities, dim).unwrap();
-    let mut rels = DeviceTable::zeros(&gpu, 5, dim).unwrap();
+    let mut nodes = DeviceTable::zeros(&gpu, entities, dim, StateLayout::Element).unwrap();
+    let mut rels = DeviceTable::zeros(&gpu, 5, dim, StateLayout::Element).unwrap();
     let batch: Vec<[u32; 3]> = (0..b)
         .map(|_| {
             [

@@ -7,18 +7,42 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use legend_dataset::PartitionScheme;
-use legend_model::Init;
+use legend_model::{Init, StateLayout};
 use rayon::prelude::*;
 use rustc_hash::FxHashMap;
 
-/// Rows of one partition: embeddings and AdaGrad state, `rows × dim` each.
+/// Floats of one row: its embedding and its AdaGrad state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowShape {
+    /// Embedding floats, d.
+    pub dim: usize,
+    /// AdaGrad accumulators: d (element-wise) or 1 (row-wise).
+    pub state: usize,
+}
+
+impl RowShape {
+    /// Rows of dimension `dim` with AdaGrad state of `layout`.
+    pub fn new(dim: usize, layout: StateLayout) -> RowShape {
+        RowShape {
+            dim,
+            state: layout.width(dim),
+        }
+    }
+
+    /// Bytes of one row (embedding and state, f32).
+    pub fn bytes(self) -> u64 {
+        (self.dim + self.state) as u64 * 4
+    }
+}
+
+/// Rows of one partition: embeddings (`rows × dim`) and AdaGrad state (`rows × state`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Partition {
     /// Partition id.
     pub id: u32,
     /// Embeddings, row-major.
     pub emb: Vec<f32>,
-    /// AdaGrad state, same shape.
+    /// AdaGrad state, row-major ([`RowShape::state`] a row).
     pub state: Vec<f32>,
     /// Never written and not drawn yet: the engine that holds the partition initialises its
     /// rows (see [`PartitionBuffer::defer_initialisation`]); `emb` and `state` mean nothing
@@ -140,20 +164,24 @@ impl Partition {
 }
 
 impl MemoryStore {
-    /// A store holding whole tables (`entities × dim` each), split by `scheme`: resuming a run.
+    /// A store holding whole tables (`entities` rows of `shape` each), split by `scheme`:
+    /// resuming a run.
     /// The tables are cut from their ends, each partition copied out and the rest shrunk, and
     /// what remains is partition 0 itself, so that resuming holds the tables once and at most
     /// one partition twice (none with one partition).
     pub fn from_tables(
         scheme: PartitionScheme,
-        dim: usize,
+        shape: RowShape,
         mut emb: Vec<f32>,
         mut state: Vec<f32>,
     ) -> MemoryStore {
         let mut parts = FxHashMap::default();
         for p in (1..scheme.num_partitions).rev() {
-            let start = scheme.range(p).start as usize * dim;
-            let part = (emb.split_off(start), state.split_off(start));
+            let start = scheme.range(p).start as usize;
+            let part = (
+                emb.split_off(start * shape.dim),
+                state.split_off(start * shape.state),
+            );
             emb.shrink_to_fit();
             state.shrink_to_fit();
             parts.insert(p, part);
@@ -279,7 +307,7 @@ pub type RowMut<'a> = (&'a mut [f32], &'a mut [f32]);
 /// holds more than C partitions.
 pub struct PartitionBuffer {
     scheme: PartitionScheme,
-    dim: usize,
+    shape: RowShape,
     resident: Vec<Option<Partition>>,
     requests: Option<mpsc::Sender<Request>>,
     // Behind a mutex only so that the buffer is `Sync` and compute threads can share `&self`.
@@ -296,7 +324,7 @@ impl PartitionBuffer {
     /// partitions, row by global id, so results do not depend on which partitions are resident.
     pub fn new(
         scheme: PartitionScheme,
-        dim: usize,
+        shape: RowShape,
         init: Init,
         mut store: impl PartitionStore,
     ) -> Self {
@@ -308,7 +336,7 @@ impl PartitionBuffer {
             .name("legend-io".into())
             .spawn(move || {
                 for request in req_rx {
-                    let reply = serve(&mut store, scheme, dim, &init, &defer, request);
+                    let reply = serve(&mut store, scheme, shape, &init, &defer, request);
                     if rep_tx.send(reply).is_err() {
                         break;
                     }
@@ -317,7 +345,7 @@ impl PartitionBuffer {
             .expect("spawning the I/O thread");
         PartitionBuffer {
             scheme,
-            dim,
+            shape,
             resident: (0..scheme.num_partitions).map(|_| None).collect(),
             requests: Some(req_tx),
             replies: std::sync::Mutex::new(rep_rx),
@@ -343,7 +371,12 @@ impl PartitionBuffer {
 
     /// Row width.
     pub fn dim(&self) -> usize {
-        self.dim
+        self.shape.dim
+    }
+
+    /// Floats of a row.
+    pub fn shape(&self) -> RowShape {
+        self.shape
     }
 
     /// Resident partitions, ascending.
@@ -526,10 +559,11 @@ impl PartitionBuffer {
     pub fn row(&self, id: u32) -> Option<(&[f32], &[f32])> {
         let p = self.scheme.partition_of(id);
         let part = self.resident[p as usize].as_ref()?;
-        let local = (u64::from(id) - self.scheme.range(p).start) as usize * self.dim;
+        let local = (u64::from(id) - self.scheme.range(p).start) as usize;
+        let RowShape { dim, state } = self.shape;
         Some((
-            &part.emb[local..local + self.dim],
-            &part.state[local..local + self.dim],
+            &part.emb[local * dim..(local + 1) * dim],
+            &part.state[local * state..(local + 1) * state],
         ))
     }
 
@@ -538,10 +572,11 @@ impl PartitionBuffer {
         let p = self.scheme.partition_of(id);
         let start = self.scheme.range(p).start;
         let part = self.resident[p as usize].as_mut()?;
-        let local = (u64::from(id) - start) as usize * self.dim;
+        let local = (u64::from(id) - start) as usize;
+        let RowShape { dim, state } = self.shape;
         Some((
-            &mut part.emb[local..local + self.dim],
-            &mut part.state[local..local + self.dim],
+            &mut part.emb[local * dim..(local + 1) * dim],
+            &mut part.state[local * state..(local + 1) * state],
         ))
     }
 
@@ -550,7 +585,7 @@ impl PartitionBuffer {
     /// # Panics
     /// If an id repeats or its partition is not resident.
     pub fn disjoint_rows_mut(&mut self, ids: &[u32]) -> Vec<RowMut<'_>> {
-        let dim = self.dim;
+        let RowShape { dim, state: width } = self.shape;
         let scheme = self.scheme;
         // What is left of each resident partition past the last row handed out, and the id of
         // its first row: ids are visited in ascending order, each row split off the front.
@@ -576,10 +611,9 @@ impl PartitionBuffer {
                 .unwrap_or_else(|| panic!("row {id}: partition {p} is not resident"));
             let skip =
                 id.checked_sub(first)
-                    .unwrap_or_else(|| panic!("row {id} asked for twice")) as usize
-                    * dim;
-            let (row, emb) = emb[skip..].split_at_mut(dim);
-            let (row_state, state) = state[skip..].split_at_mut(dim);
+                    .unwrap_or_else(|| panic!("row {id} asked for twice")) as usize;
+            let (row, emb) = emb[skip * dim..].split_at_mut(dim);
+            let (row_state, state) = state[skip * width..].split_at_mut(width);
             rows[i] = Some((row, row_state));
             rest[p] = Some(((emb, state), id + 1));
         }
@@ -613,7 +647,7 @@ impl Drop for PartitionBuffer {
 fn serve(
     store: &mut impl PartitionStore,
     scheme: PartitionScheme,
-    dim: usize,
+    shape: RowShape,
     init: &Init,
     defer_init: &AtomicBool,
     request: Request,
@@ -644,7 +678,7 @@ fn serve(
             let mut reply = loaded_reply(
                 store,
                 scheme,
-                dim,
+                shape,
                 init,
                 Partition { id: load, ..part },
                 Access::Take {
@@ -680,7 +714,7 @@ fn serve(
             loaded_reply(
                 store,
                 scheme,
-                dim,
+                shape,
                 init,
                 Partition::empty(p),
                 Access::Peek,
@@ -742,14 +776,14 @@ enum Access {
 fn loaded_reply(
     store: &mut impl PartitionStore,
     scheme: PartitionScheme,
-    dim: usize,
+    shape: RowShape,
     init: &Init,
     mut part: Partition,
     access: Access,
     mut stats: IoStats,
     started: Instant,
 ) -> Result<Reply, StoreError> {
-    load_into(store, scheme, dim, init, &mut part, access, &mut stats)?;
+    load_into(store, scheme, shape, init, &mut part, access, &mut stats)?;
     stats.io_time = started.elapsed();
     Ok(Reply {
         loaded: Some(part),
@@ -762,7 +796,7 @@ fn loaded_reply(
 fn load_into(
     store: &mut impl PartitionStore,
     scheme: PartitionScheme,
-    dim: usize,
+    shape: RowShape,
     init: &Init,
     part: &mut Partition,
     access: Access,
@@ -770,7 +804,8 @@ fn load_into(
 ) -> Result<(), StoreError> {
     let p = part.id;
     let range = scheme.range(p);
-    let len = (range.end - range.start) as usize * dim;
+    let rows = (range.end - range.start) as usize;
+    let dim = shape.dim;
     if let Access::Take { .. } = access
         && let Some((emb, state)) = store.take(p)
     {
@@ -779,13 +814,14 @@ fn load_into(
         stats.bytes_read += (part.emb.len() + part.state.len()) as u64 * 4;
         return Ok(());
     }
-    for rows in [&mut part.emb, &mut part.state] {
-        if rows.is_empty() {
+    for (floats, width) in [(&mut part.emb, dim), (&mut part.state, shape.state)] {
+        let len = rows * width;
+        if floats.is_empty() {
             // Zeroed by the allocator (fresh pages, touched only when written): filling a
             // 17 GB partition explicitly would take seconds before it is even read.
-            *rows = vec![0.0; len];
+            *floats = vec![0.0; len];
         } else {
-            rows.resize(len, 0.0);
+            floats.resize(len, 0.0);
         }
     }
     let found = store.read(p, &mut part.emb, &mut part.state)?;
@@ -851,7 +887,7 @@ mod tests {
             seed: 42,
             ..Init::default()
         };
-        let mut buffer = PartitionBuffer::new(scheme, dim, init, MemoryStore::default());
+        let mut buffer = PartitionBuffer::new(scheme, element(dim), init, MemoryStore::default());
         buffer.fill(&[2, 0]).unwrap();
         let mut want = vec![0.0f32; dim];
         for p in [0, 2] {
@@ -867,14 +903,47 @@ mod tests {
         assert_eq!(buffer.stats().initialised, 2);
     }
 
+    fn element(dim: usize) -> RowShape {
+        RowShape::new(dim, StateLayout::Element)
+    }
+
+    #[test]
+    fn row_wise_state_is_one_float_a_row_in_every_accessor() {
+        let (entities, dim) = (100u64, 3usize);
+        let shape = RowShape::new(dim, StateLayout::Row);
+        let scheme = PartitionScheme::new(entities, 4).unwrap();
+        let emb: Vec<f32> = (0..entities as usize * dim).map(|i| i as f32).collect();
+        let state: Vec<f32> = (0..entities).map(|i| -(i as f32)).collect();
+        let store = MemoryStore::from_tables(scheme, shape, emb, state);
+        let mut buffer = PartitionBuffer::new(scheme, shape, Init::default(), store);
+        buffer.fill(&[2, 0]).unwrap();
+        for (id, (emb, state)) in [60u32, 3, 74]
+            .iter()
+            .zip(buffer.disjoint_rows_mut(&[60, 3, 74]))
+        {
+            let first = (*id as usize * dim) as f32;
+            assert_eq!(*emb, [first, first + 1.0, first + 2.0], "row {id}");
+            assert_eq!(*state, [-(*id as f32)], "row {id}");
+            state[0] = 7.0;
+        }
+        assert_eq!(buffer.row(60).unwrap().1, [7.0]);
+        assert_eq!(buffer.rows_mut(74).unwrap().1, [7.0]);
+        // A never-written partition comes with one zero accumulator a row.
+        let mut fresh =
+            PartitionBuffer::new(scheme, shape, Init::default(), MemoryStore::default());
+        fresh.fill(&[1]).unwrap();
+        let part = fresh.partition(1).unwrap();
+        assert_eq!((part.emb.len(), part.state.len()), (25 * dim, 25));
+    }
+
     #[test]
     fn disjoint_rows_are_the_rows_asked_for_in_their_order() {
         let (entities, dim) = (100u64, 2usize);
         let scheme = PartitionScheme::new(entities, 4).unwrap();
         let emb: Vec<f32> = (0..entities as usize * dim).map(|i| i as f32).collect();
         let state: Vec<f32> = emb.iter().map(|x| -x).collect();
-        let store = MemoryStore::from_tables(scheme, dim, emb, state);
-        let mut buffer = PartitionBuffer::new(scheme, dim, Init::default(), store);
+        let store = MemoryStore::from_tables(scheme, element(dim), emb, state);
+        let mut buffer = PartitionBuffer::new(scheme, element(dim), Init::default(), store);
         buffer.fill(&[3, 1]).unwrap();
         // Unsorted, across both resident partitions, first and last rows of each included.
         let ids = [99u32, 25, 80, 49, 26, 75];
@@ -915,7 +984,8 @@ mod tests {
         let state: Vec<f32> = emb.iter().map(|x| -x).collect();
         for n in [1, 4] {
             let scheme = PartitionScheme::new(entities, n).unwrap();
-            let mut store = MemoryStore::from_tables(scheme, dim, emb.clone(), state.clone());
+            let mut store =
+                MemoryStore::from_tables(scheme, element(dim), emb.clone(), state.clone());
             for p in 0..n {
                 let (e, s) = store.take(p).unwrap();
                 let rows = scheme.range(p);
@@ -929,7 +999,7 @@ mod tests {
         // Moved, not copied: the caller's table is partition 0.
         let scheme = PartitionScheme::new(entities, 1).unwrap();
         let at = emb.as_ptr();
-        let mut store = MemoryStore::from_tables(scheme, dim, emb, state);
+        let mut store = MemoryStore::from_tables(scheme, element(dim), emb, state);
         assert_eq!(store.take(0).unwrap().0.as_ptr(), at);
     }
 
@@ -937,7 +1007,12 @@ mod tests {
     fn the_memory_store_moves_partitions_instead_of_copying_them() {
         let (entities, dim) = (9_000u64, 4usize);
         let scheme = PartitionScheme::new(entities, 3).unwrap();
-        let mut buffer = PartitionBuffer::new(scheme, dim, Init::default(), MemoryStore::default());
+        let mut buffer = PartitionBuffer::new(
+            scheme,
+            element(dim),
+            Init::default(),
+            MemoryStore::default(),
+        );
         buffer.fill(&[0, 1]).unwrap();
         buffer.rows_mut(5).unwrap().0[0] = 42.0;
         let rows = |b: &PartitionBuffer, p| {

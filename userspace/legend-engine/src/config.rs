@@ -473,6 +473,11 @@ impl Config {
         }
     }
 
+    /// Floats of an entity row: `model.dim` and the state of `optimizer.state`.
+    pub fn entity_shape(&self) -> crate::buffer::RowShape {
+        crate::buffer::RowShape::new(self.model.dim, self.optimizer.state)
+    }
+
     /// The initialisation of all tables.
     pub fn init(&self) -> Init {
         let node = Distribution::Normal {
@@ -614,12 +619,6 @@ impl Config {
             false,
         )?;
         positive_f32("optimizer.eps", self.optimizer.eps, true)?;
-        if self.optimizer.state == StateLayout::Row {
-            return Err(bad(
-                "optimizer.state",
-                "row-wise state is not supported yet",
-            ));
-        }
         let n = &t.negatives;
         if n.num_chunks == 0 || n.num_chunks > t.batch_size {
             return Err(bad(
@@ -1017,13 +1016,13 @@ mod tests {
 
     #[test]
     fn the_old_optimizer_keys_still_work() {
-        let c =
-            Config::parse("[training]\nlearning_rate = 0.3\nadagrad_eps = 1e-6\n", &[]).unwrap();
+        let c = Config::parse(
+            "[training]\nlearning_rate = 0.3\nadagrad_eps = 1e-6\n",
+            &["optimizer.state=row".into()],
+        )
+        .unwrap();
         let opt = c.adagrad();
-        assert_eq!(
-            (opt.lr, opt.eps, opt.state),
-            (0.3, 1e-6, StateLayout::Element)
-        );
+        assert_eq!((opt.lr, opt.eps, opt.state), (0.3, 1e-6, StateLayout::Row));
         let toml = c.to_toml();
         assert!(
             toml.contains("[optimizer]") && !toml.contains("adagrad_eps"),

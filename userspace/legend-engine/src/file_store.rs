@@ -12,7 +12,7 @@ use legend_storage::{
     StoreSpec, Target,
 };
 
-use crate::buffer::{PartitionStore, StoreError};
+use crate::buffer::{PartitionStore, RowShape, StoreError};
 use crate::controllers::{self, QueueBackend, QueueLocation, SharedController};
 use crate::run::Tables;
 
@@ -106,8 +106,8 @@ pub struct FileStoreSpec<'a> {
     pub dataset: DatasetId,
     /// Entities.
     pub num_nodes: u64,
-    /// Floats per row.
-    pub dim: usize,
+    /// Floats of an entity row.
+    pub shape: RowShape,
     /// Partitions.
     pub num_partitions: u32,
     /// Bytes of the relation parameters and their state.
@@ -129,7 +129,7 @@ impl FileStore {
         let store_spec = store_spec(
             spec.dataset.clone(),
             spec.num_nodes,
-            spec.dim,
+            spec.shape,
             spec.num_partitions,
             spec.aux_bytes,
         );
@@ -180,7 +180,8 @@ impl FileStore {
     ) -> Result<FileStore, StoreError> {
         let expect = Expect {
             dataset: Some(spec.dataset.clone()),
-            dim: Some(spec.dim as u32),
+            dim: Some(spec.shape.dim as u32),
+            state_width: Some(spec.shape.state as u32),
             num_partitions,
         };
         let io = IoConfig::default();
@@ -320,14 +321,15 @@ fn nvme_target(controller: &SharedController, q: QueueLocation) -> NvmeTarget {
 fn store_spec(
     dataset: DatasetId,
     num_nodes: u64,
-    dim: usize,
+    shape: RowShape,
     num_partitions: u32,
     aux_bytes: u64,
 ) -> StoreSpec {
     StoreSpec {
         dataset,
         num_nodes,
-        dim: dim as u32,
+        dim: shape.dim as u32,
+        state_width: shape.state as u32,
         num_partitions,
         aux_bytes: aux_bytes.max(1),
         progress_capacity: PROGRESS_CAPACITY,
@@ -342,7 +344,7 @@ pub fn run_store_bytes(
     dataset: &legend_dataset::DatasetMeta,
     block_size: u64,
 ) -> Result<u64, StoreError> {
-    let dim = config.model.dim;
+    let shape = config.entity_shape();
     let relations = if config.decoder().uses_relations() {
         dataset.relations
     } else {
@@ -354,9 +356,9 @@ pub fn run_store_bytes(
             label: String::new(),
         },
         dataset.entities,
-        dim,
+        shape,
         config.storage.num_partitions,
-        relations * dim as u64 * 8,
+        relations * shape.dim as u64 * 8,
     );
     Ok(Layout::compute(&spec, block_size)?.total_bytes)
 }
@@ -439,28 +441,26 @@ impl FileStore {
     /// time; an error from `f` ends the walk and is returned as [`StoreError::Invalid`].
     pub fn for_each_partition(
         &mut self,
-        dim: usize,
         mut f: impl FnMut(&[f32]) -> Result<(), String>,
     ) -> Result<(), StoreError> {
         self.require_checkpoint()?;
         let spec = self.store.spec().clone();
         for p in 0..spec.num_partitions {
-            let (emb, _) = self.committed_partition(p, dim)?;
+            let (emb, _) = self.committed_partition(p)?;
             f(&emb).map_err(StoreError::Invalid)?;
         }
         Ok(())
     }
 
     /// Partition `p` of the committed checkpoint: embeddings and state.
-    fn committed_partition(
-        &mut self,
-        p: u32,
-        dim: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>), StoreError> {
+    fn committed_partition(&mut self, p: u32) -> Result<(Vec<f32>, Vec<f32>), StoreError> {
         let spec = self.store.spec();
         let range = legend_storage::partition_nodes(spec.num_nodes, spec.num_partitions, p);
-        let len = (range.end - range.start) as usize * dim;
-        let (mut emb, mut state) = (vec![0.0; len], vec![0.0; len]);
+        let rows = (range.end - range.start) as usize;
+        let (mut emb, mut state) = (
+            vec![0.0; rows * spec.dim as usize],
+            vec![0.0; rows * spec.state_width as usize],
+        );
         if !self.read(p, &mut emb, &mut state)? {
             return Err(StoreError::Invalid(format!(
                 "{}: partition {p} was never written",
@@ -498,17 +498,14 @@ impl FileStore {
     }
 
     /// The whole checkpoint: every partition's rows in order, and the relations.
-    pub fn read_tables(
-        &mut self,
-        dim: usize,
-        relation_floats: usize,
-    ) -> Result<Tables, StoreError> {
+    pub fn read_tables(&mut self, relation_floats: usize) -> Result<Tables, StoreError> {
         self.require_checkpoint()?;
         let spec = self.store.spec().clone();
-        let mut entities = Vec::with_capacity(spec.num_nodes as usize * dim);
-        let mut entities_state = Vec::with_capacity(spec.num_nodes as usize * dim);
+        let rows = spec.num_nodes as usize;
+        let mut entities = Vec::with_capacity(rows * spec.dim as usize);
+        let mut entities_state = Vec::with_capacity(rows * spec.state_width as usize);
         for p in 0..spec.num_partitions {
-            let (emb, state) = self.committed_partition(p, dim)?;
+            let (emb, state) = self.committed_partition(p)?;
             entities.extend_from_slice(&emb);
             entities_state.extend_from_slice(&state);
         }

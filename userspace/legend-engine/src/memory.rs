@@ -57,7 +57,7 @@ impl HostEstimate {
             on_cuda && !config.uses_store() && config.capacity() == config.storage.num_partitions;
         let dim = config.model.dim as u64;
         let n = u64::from(config.storage.num_partitions.max(1));
-        let row_bytes = dim * 4 * 2; // embedding + AdaGrad state
+        let row_bytes = config.entity_shape().bytes(); // embedding + AdaGrad state
         let partition_bytes = dataset.entities.div_ceil(n) * row_bytes;
         let train = dataset.splits.get(Split::Train);
         let tables = match config.storage.backend {
@@ -405,7 +405,7 @@ pub struct GpuEstimate {
     pub nodes: u64,
     /// One partition slot's share of `nodes` (C < N), or 0.
     pub slot: u64,
-    /// Relation rows, as node rows.
+    /// Relation rows, as node rows with element-wise state.
     pub relations: u64,
     /// Train edges: all of them when resident, else two buffers of the largest bucket.
     pub edges: u64,
@@ -435,7 +435,10 @@ impl GpuEstimate {
         relation_rows: u64,
         device_total: u64,
     ) -> GpuEstimate {
-        let row = config.model.dim as u64 * 4 * 3 + DEVICE_ROW_EXTRA_BYTES;
+        // Embedding and gradient, and the state of `optimizer.state` (relations: element-wise).
+        let dim = config.model.dim as u64;
+        let row = config.entity_shape().bytes() + dim * 4 + DEVICE_ROW_EXTRA_BYTES;
+        let relation_row = dim * 4 * 3 + DEVICE_ROW_EXTRA_BYTES;
         let capacity = u64::from(config.capacity());
         let (table_rows, slot) = if capacity < u64::from(scheme.num_partitions) {
             let slot = scheme.rows_per_partition * row;
@@ -454,7 +457,7 @@ impl GpuEstimate {
         GpuEstimate {
             nodes: table_rows * row,
             slot,
-            relations: relation_rows * row,
+            relations: relation_rows * relation_row,
             edges,
             edges_resident,
             all_edges,

@@ -40,6 +40,10 @@ pub struct RunMeta {
     pub decoder: String,
     /// Floats per row.
     pub dim: usize,
+    /// AdaGrad accumulators per entity row: `dim` (element-wise) or 1 (row-wise). Absent in
+    /// runs from before row-wise state, which are element-wise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entity_state_width: Option<usize>,
     /// Rows of the entity tables.
     pub entities: u64,
     /// Rows of the relation tables (0 for Dot).
@@ -84,6 +88,16 @@ pub const TABLE_FILES: [&str; 4] = [
     "relations.bin",
     "relations.state.bin",
 ];
+
+impl RunMeta {
+    /// Floats of an entity row: its embedding and its AdaGrad state.
+    pub fn entity_shape(&self) -> crate::buffer::RowShape {
+        crate::buffer::RowShape {
+            dim: self.dim,
+            state: self.entity_state_width.unwrap_or(self.dim),
+        }
+    }
+}
 
 /// Loaded parameters of a checkpoint.
 #[derive(Clone, Debug, PartialEq)]
@@ -322,7 +336,7 @@ fn open_run_store(
         file: &file,
         dataset: dataset_id(&meta.dataset_identity, path)?,
         num_nodes: meta.entities,
-        dim: meta.dim,
+        shape: meta.entity_shape(),
         num_partitions: 0,
         aux_bytes: 0,
         force: false,
@@ -350,7 +364,7 @@ pub fn stream_entities(
     if let Some(path) = &meta.store {
         let mut store = open_run_store(run, path, meta, guard)?;
         return store
-            .for_each_partition(meta.dim, |emb| block(emb).map_err(|e| e.to_string()))
+            .for_each_partition(|emb| block(emb).map_err(|e| e.to_string()))
             .map_err(|e| invalid(path, e.to_string()));
     }
     let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[0]);
@@ -424,11 +438,12 @@ pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Table
     if let Some(path) = &meta.store {
         let mut store = open_run_store(run, path, meta, guard)?;
         return store
-            .read_tables(meta.dim, meta.relations as usize * meta.dim)
+            .read_tables(meta.relations as usize * meta.dim)
             .map_err(|e| invalid(path, e.to_string()));
     }
     let dir = Path::new(&meta.checkpoint);
     let rows = [meta.entities, meta.entities, meta.relations, meta.relations];
+    let widths = [meta.dim, meta.entity_shape().state, meta.dim, meta.dim];
     let sums = [
         meta.checksums.entities,
         meta.checksums.entities_state,
@@ -436,20 +451,17 @@ pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Table
         meta.checksums.relations_state,
     ];
     let mut tables = Vec::with_capacity(4);
-    for ((file, rows), crc) in TABLE_FILES.iter().zip(rows).zip(sums) {
+    for (((file, rows), width), crc) in TABLE_FILES.iter().zip(rows).zip(widths).zip(sums) {
         let path = run.join(dir.join(file));
         let table_file = run
             .open_file(dir.join(file), Access::Read)
             .map_err(io(&path))?;
-        let want = rows as usize * meta.dim * 4;
+        let want = rows as usize * width * 4;
         let len = table_file.metadata().map_err(io(&path))?.len();
         if len != want as u64 {
             return Err(invalid(
                 &path,
-                format!(
-                    "holds {len} bytes, expected {want} ({rows} rows × {} floats)",
-                    meta.dim
-                ),
+                format!("holds {len} bytes, expected {want} ({rows} rows × {width} floats)"),
             ));
         }
         let mut table = vec![0f32; want / 4];

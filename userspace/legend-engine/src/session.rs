@@ -19,7 +19,7 @@ use legend_eval::{Metrics, SampledNegatives};
 use legend_fs::{Access, Dir, Guard};
 use serde::{Deserialize, Serialize};
 
-use crate::buffer::{MemoryStore, PartitionBuffer, StoreError};
+use crate::buffer::{MemoryStore, PartitionBuffer, RowShape, StoreError};
 use crate::config::{Config, ConfigError};
 use crate::device::Device;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
@@ -288,6 +288,8 @@ impl Session {
         let meta_ds = dataset.meta();
         let decoder = config.decoder();
         let dim = config.model.dim;
+        let shape = config.entity_shape();
+        check_tables_match(&config, &meta)?;
         if !meta_ds.has_relations && decoder.uses_relations() {
             tracing::warn!(
                 "the dataset has no relation types; {decoder} learns one relation for all edges"
@@ -321,7 +323,7 @@ impl Session {
                 file: &file,
                 dataset: run::dataset_id(&meta.dataset_identity, &path)?,
                 num_nodes: meta_ds.entities,
-                dim,
+                shape,
                 num_partitions: scheme.num_partitions,
                 aux_bytes: (relation_floats * 8) as u64,
                 // The run's own default store, left half-made by a crash before it was
@@ -357,26 +359,26 @@ impl Session {
                 Some(controller) if gpu_engine => {
                     let shared = SharedFileStore::new(store);
                     direct = Some((shared.clone(), controller));
-                    PartitionBuffer::new(scheme, dim, init, shared)
+                    PartitionBuffer::new(scheme, shape, init, shared)
                 }
-                _ => PartitionBuffer::new(scheme, dim, init, store),
+                _ => PartitionBuffer::new(scheme, shape, init, store),
             };
             (buffer, relations, position)
         } else if !meta.checkpoint.is_empty() {
             let t = run::load_tables(&run, &meta, guard)?;
-            let store = MemoryStore::from_tables(scheme, dim, t.entities, t.entities_state);
+            let store = MemoryStore::from_tables(scheme, shape, t.entities, t.entities_state);
             let relations = Relations {
                 emb: t.relations,
                 state: t.relations_state,
             };
-            let buffer = PartitionBuffer::new(scheme, dim, init, store);
+            let buffer = PartitionBuffer::new(scheme, shape, init, store);
             let position = Position {
                 epochs_completed: meta.epochs_completed,
                 cut: meta.cut,
             };
             (buffer, relations, position)
         } else {
-            let buffer = PartitionBuffer::new(scheme, dim, init, MemoryStore::default());
+            let buffer = PartitionBuffer::new(scheme, shape, init, MemoryStore::default());
             (buffer, fresh_relations(), Position::default())
         };
         let epochs = config.training.num_epochs;
@@ -445,7 +447,7 @@ impl Session {
         let m = self.dataset.meta();
         let plan = self.trainer.plan();
         let writes = if self.config.uses_store() {
-            let bytes = store_bytes_per_epoch(m.entities, self.config.model.dim, plan) as f64;
+            let bytes = store_bytes_per_epoch(m.entities, self.config.entity_shape(), plan) as f64;
             if bytes >= 1e9 {
                 format!(
                     "; about {:.1} GB written to the store an epoch",
@@ -700,11 +702,11 @@ impl Session {
 }
 
 /// Bytes an epoch of `plan` writes to a store: every swap writes one partition's rows (an
-/// embedding and its AdaGrad state a row, f32) back before the next is read into its slot; the
+/// embedding and its AdaGrad state a row, `shape`, f32) back before the next is read into its slot; the
 /// state the epoch ends in is written at the checkpoint, not counted here.
-pub fn store_bytes_per_epoch(entities: u64, dim: usize, plan: &legend_planner::Plan) -> u64 {
+pub fn store_bytes_per_epoch(entities: u64, shape: RowShape, plan: &legend_planner::Plan) -> u64 {
     let n = u64::from(plan.num_partitions.max(1));
-    let partition = entities.div_ceil(n) * dim as u64 * 4 * 2;
+    let partition = entities.div_ceil(n) * shape.bytes();
     plan.io_count.saturating_sub(1) as u64 * partition
 }
 
@@ -745,6 +747,39 @@ fn check_memory(
     Ok(())
 }
 
+/// Refuses a configuration whose tables differ from the run's (a resume's `--set` of
+/// `model.dim`, `model.decoder` or `optimizer.state`): its checkpoint cannot be read as them.
+fn check_tables_match(config: &Config, meta: &RunMeta) -> Result<(), SessionError> {
+    let recorded = meta.entity_shape();
+    let mismatch = if config.model.dim != meta.dim {
+        Some(format!(
+            "model.dim = {} but the run's tables have {}",
+            config.model.dim, meta.dim
+        ))
+    } else if config.decoder().name() != meta.decoder {
+        Some(format!(
+            "model.decoder = {} but the run trained {}",
+            config.decoder(),
+            meta.decoder
+        ))
+    } else if config.entity_shape() != recorded {
+        let name = |width: usize| if width == meta.dim { "element" } else { "row" };
+        Some(format!(
+            "optimizer.state = {} but the run's state is {}-wise",
+            config.optimizer.state,
+            name(recorded.state)
+        ))
+    } else {
+        None
+    };
+    match mismatch {
+        Some(why) => Err(SessionError::Refused(format!(
+            "{why}: a run keeps the tables it started with (start a new run to change them)"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// The commit record of a new run of `config` on `dataset`.
 fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
     let m = dataset.meta();
@@ -755,6 +790,7 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
         dataset_identity: format!("{:032x}", m.identity()),
         decoder: decoder.name().into(),
         dim: config.model.dim,
+        entity_state_width: Some(config.entity_shape().state),
         entities: m.entities,
         relations: if decoder.uses_relations() {
             m.relations
@@ -778,6 +814,7 @@ fn new_placeholder_meta() -> RunMeta {
         dataset_identity: String::new(),
         decoder: String::new(),
         dim: 0,
+        entity_state_width: None,
         entities: 0,
         relations: 0,
         epochs_completed: 0,
@@ -901,6 +938,7 @@ fn keep_metrics_up_to(run: &Dir, epochs: u32) -> Result<(), SessionError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use legend_model::StateLayout;
 
     #[test]
     fn an_epochs_store_writes_are_its_swaps_partitions() {
@@ -908,12 +946,19 @@ mod tests {
         // order's 16 buffer states; epoch 2 measured 62.48 GB written.
         let plan = legend_planner::plan(8, 3, legend_planner::Order::Legend).unwrap();
         assert_eq!(plan.io_count, 16);
-        let bytes = store_bytes_per_epoch(41_652_230, 100, &plan);
+        let element = RowShape::new(100, StateLayout::Element);
+        let bytes = store_bytes_per_epoch(41_652_230, element, &plan);
         assert_eq!(bytes, 15 * 5_206_529 * 800);
         assert!((bytes as f64 / 1e9 - 62.48).abs() < 0.01);
+        // Row-wise state: 404 bytes a row.
+        let row = RowShape::new(100, StateLayout::Row);
+        assert_eq!(
+            store_bytes_per_epoch(41_652_230, row, &plan),
+            15 * 5_206_529 * 404
+        );
         // One partition: nothing moves.
         let one = legend_planner::plan(1, 1, legend_planner::Order::Auto).unwrap();
-        assert_eq!(store_bytes_per_epoch(1000, 8, &one), 0);
+        assert_eq!(store_bytes_per_epoch(1000, element, &one), 0);
     }
 
     #[test]

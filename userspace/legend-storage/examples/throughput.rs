@@ -43,6 +43,7 @@ fn main() -> Result<(), StoreError> {
         },
         num_nodes: (total_mib << 20) / (u64::from(dim) * 8),
         dim,
+        state_width: dim,
         num_partitions,
         aux_bytes: 0,
         progress_capacity: 0,

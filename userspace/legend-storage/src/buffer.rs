@@ -128,21 +128,29 @@ impl IoBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.raw.addr().cast::<f32>(), self.len / 4) }
     }
 
-    /// Splits a partition image of `rows` rows of dimension `dim` into its
-    /// embeddings and its AdaGrad state (the on-disk order).
+    /// Splits a partition image of `rows` rows of `spec`'s store into its
+    /// embeddings (`rows · dim` floats) and its AdaGrad state (`rows ·
+    /// state_width`), the on-disk order.
     ///
     /// # Panics
-    /// If the buffer is shorter than `2 · rows · dim` floats.
-    pub fn split_partition_mut(&mut self, rows: u64, dim: u32) -> (&mut [f32], &mut [f32]) {
-        let n = usize::try_from(rows * u64::from(dim)).expect("partition fits in memory");
+    /// If the buffer is shorter than the partition.
+    pub fn split_partition_mut(
+        &mut self,
+        rows: u64,
+        spec: &crate::StoreSpec,
+    ) -> (&mut [f32], &mut [f32]) {
+        let floats = |width: u32| {
+            usize::try_from(rows * u64::from(width)).expect("partition fits in memory")
+        };
+        let (emb, state) = (floats(spec.dim), floats(spec.state_width));
         let all = self.as_f32_mut();
         assert!(
-            all.len() >= 2 * n,
-            "buffer of {} floats holds no partition of {n}×2",
+            all.len() >= emb + state,
+            "buffer of {} floats holds no partition of {emb} + {state}",
             all.len()
         );
-        let (emb, rest) = all.split_at_mut(n);
-        (emb, &mut rest[..n])
+        let (e, rest) = all.split_at_mut(emb);
+        (e, &mut rest[..state])
     }
 
     pub(crate) fn raw(&self) -> &Arc<RawAlloc> {

@@ -68,9 +68,23 @@ pub enum StoreError {
         /// A foreign signature found instead, if any.
         found: Option<&'static str>,
     },
+    /// The store's optimizer state has another layout than the caller's.
+    #[error(
+        "{path}: the store keeps {found} optimizer accumulator(s) a row, but the run asks for {expected} (optimizer.state: {} here, {} in the store); start a new store or set optimizer.state to match",
+        state_name(*expected, *found),
+        state_name(*found, *expected)
+    )]
+    StateMismatch {
+        /// Store path.
+        path: PathBuf,
+        /// Accumulators per row in the store.
+        found: u32,
+        /// Accumulators per row the caller asked for.
+        expected: u32,
+    },
     /// The store was written by a format version this build cannot read.
     #[error(
-        "{path}: unsupported store format version {found} (this build reads version {supported})"
+        "{path}: unsupported store format version {found} (this build reads versions 1 to {supported})"
     )]
     UnsupportedVersion {
         /// Store path.
@@ -239,4 +253,14 @@ pub enum StoreError {
         /// Requested size.
         bytes: usize,
     },
+}
+
+/// The `optimizer.state` name of `width` accumulators a row, knowing the other side's width
+/// (of two different widths, 1 is `row` and the other `element`).
+fn state_name(width: u32, other: u32) -> &'static str {
+    if width == 1 && other != 1 {
+        "row"
+    } else {
+        "element"
+    }
 }

@@ -236,6 +236,7 @@ impl Extents {
                     dataset: id,
                     num_nodes: 1,
                     dim: 1,
+                    state_width: 1,
                     num_partitions: 1,
                     aux_bytes: 0,
                     progress_capacity: TABLE_CAPACITY,

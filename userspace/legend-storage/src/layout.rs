@@ -52,6 +52,9 @@ pub struct StoreSpec {
     pub num_nodes: u64,
     /// Embedding dimension d.
     pub dim: u32,
+    /// Optimizer accumulators per row: d (element-wise AdaGrad) or 1 (row-wise). Recorded
+    /// from format version 2; a version-1 store has d.
+    pub state_width: u32,
     /// Number of partitions N.
     pub num_partitions: u32,
     /// Size of the auxiliary region (relation parameters and their optimizer
@@ -66,6 +69,13 @@ pub struct StoreSpec {
     /// partitions are written in place and a crash keeps any write-back done
     /// after the last checkpoint.
     pub shadow: bool,
+}
+
+impl StoreSpec {
+    /// Bytes of one row at rest: its embedding and its optimizer state.
+    pub fn row_bytes(&self) -> u64 {
+        (u64::from(self.dim) + u64::from(self.state_width)) * ELEM_BYTES
+    }
 }
 
 /// Rows per partition: ⌈V/N⌉.
@@ -90,8 +100,8 @@ pub struct Extent {
     pub first_node: u64,
     /// Rows (nodes) it holds (0 for the auxiliary region).
     pub rows: u64,
-    /// Bytes of payload: `2 · rows · d · 4` for a partition (embeddings then
-    /// AdaGrad state), `aux_bytes` for the auxiliary region.
+    /// Bytes of payload: `rows · (d + state_width) · 4` for a partition
+    /// (embeddings, then AdaGrad state), `aux_bytes` for the auxiliary region.
     pub bytes: u64,
 }
 
@@ -140,7 +150,7 @@ impl Layout {
                 bytes,
             }),
         };
-        let row_bytes = u64::from(spec.dim) * ELEM_BYTES * 2;
+        let row_bytes = spec.row_bytes();
         let mut partitions = Vec::with_capacity(spec.num_partitions as usize);
         for p in 0..spec.num_partitions {
             let nodes = partition_nodes(spec.num_nodes, spec.num_partitions, p);
@@ -175,6 +185,12 @@ fn validate(spec: &StoreSpec) -> Result<(), StoreError> {
     }
     if spec.dim == 0 {
         return Err(invalid("embedding dimension must be positive"));
+    }
+    if spec.state_width != 1 && spec.state_width != spec.dim {
+        return Err(invalid(format!(
+            "{} optimizer accumulators a row: must be 1 (row-wise) or the dimension {}",
+            spec.state_width, spec.dim
+        )));
     }
     if spec.num_partitions == 0 || spec.num_partitions > MAX_PARTITIONS {
         return Err(invalid(format!(
@@ -216,6 +232,7 @@ mod tests {
             },
             num_nodes,
             dim,
+            state_width: dim,
             num_partitions,
             aux_bytes,
             progress_capacity: 0,

@@ -15,13 +15,13 @@
 //! # use legend_storage::*;
 //! # fn main() -> Result<(), StoreError> {
 //! let dataset = DatasetId { id: [0; 16], label: "fb15k".into() };
-//! let spec = StoreSpec { dataset, num_nodes: 14_951, dim: 100, num_partitions: 4,
+//! let spec = StoreSpec { dataset, num_nodes: 14_951, dim: 100, state_width: 1, num_partitions: 4,
 //!     aux_bytes: 1 << 20, progress_capacity: 4096, shadow: true };
 //! let mut store = Store::create("store.bin".as_ref(), &spec, &CreateOptions::default())?;
 //! let mut slot = IoBuffer::new(store.max_partition_bytes())?;
 //! if !store.is_initialized(Region::Partition(0))? {
 //!     let rows = store.partition(0)?.rows;
-//!     let (emb, state) = slot.split_partition_mut(rows, 100);
+//!     let (emb, state) = slot.split_partition_mut(rows, &spec);
 //!     emb.fill(0.01); // the engine's initialiser
 //!     state.fill(0.0);
 //! } else {

@@ -60,6 +60,8 @@ pub struct Expect {
     pub dataset: Option<DatasetId>,
     /// The embedding dimension.
     pub dim: Option<u32>,
+    /// Optimizer accumulators per row.
+    pub state_width: Option<u32>,
     /// The number of partitions.
     pub num_partitions: Option<u32>,
 }
@@ -67,7 +69,8 @@ pub struct Expect {
 /// A region of the store that can be read or written as a whole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Region {
-    /// Partition `p`: `[embeddings | AdaGrad state]`, each `rows · d` f32.
+    /// Partition `p`: `[embeddings | AdaGrad state]`, `rows · d` and `rows ·
+    /// state_width` f32.
     Partition(u32),
     /// The auxiliary region (relation parameters and their optimizer state,
     /// in the caller's own encoding), `aux_bytes` long.
@@ -266,6 +269,13 @@ impl Store {
             return Err(StoreError::DimMismatch {
                 path: path.to_owned(),
                 found: sb.spec.dim,
+                expected: want,
+            });
+        }
+        if let Some(want) = expect.state_width.filter(|&w| w != sb.spec.state_width) {
+            return Err(StoreError::StateMismatch {
+                path: path.to_owned(),
+                found: sb.spec.state_width,
                 expected: want,
             });
         }

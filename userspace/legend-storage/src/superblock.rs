@@ -4,8 +4,11 @@ use crate::layout::{DatasetId, Extent, Layout, MAX_LABEL_BYTES, SUPERBLOCK_SLOT_
 
 /// First 8 bytes of every superblock copy.
 pub(crate) const MAGIC: [u8; 8] = *b"LGNDSTOR";
-/// The format version this build reads and writes.
-pub(crate) const FORMAT_VERSION: u32 = 1;
+/// The format version this build writes. Version 2 added the optimizer state's width
+/// (offset 192); version 1, whose state always had the embedding's shape, is still read.
+pub(crate) const FORMAT_VERSION: u32 = 2;
+/// The oldest format version this build reads.
+pub(crate) const OLDEST_VERSION: u32 = 1;
 const DTYPE_F32: u32 = 1;
 const FLAG_SHADOW: u32 = 1;
 const HEADER_BYTES: usize = 256;
@@ -119,6 +122,7 @@ impl Superblock {
         let aux = l.aux.as_ref().map_or([0, 0], |e| e.offsets);
         w.u64(176, aux[0]);
         w.u64(184, aux[1]);
+        w.u32(192, s.state_width);
         for (i, (e, st)) in l.partitions.iter().zip(&self.partition_states).enumerate() {
             let at = HEADER_BYTES + i * ENTRY_BYTES;
             w.u64(at, e.offsets[0]);
@@ -142,7 +146,7 @@ impl Superblock {
         }
         let r = Reader(slot);
         let version = r.u32(8);
-        if version != FORMAT_VERSION {
+        if !(OLDEST_VERSION..=FORMAT_VERSION).contains(&version) {
             return Err(SlotError::Version(version));
         }
         let bad = |m: String| Err(SlotError::Corrupt(m));
@@ -182,6 +186,7 @@ impl Superblock {
             },
             num_nodes: r.u64(112),
             dim: r.u32(120),
+            state_width: if version == 1 { r.u32(120) } else { r.u32(192) },
             num_partitions,
             aux_bytes: r.u64(168),
             progress_capacity: r.u32(132),
@@ -243,6 +248,7 @@ mod tests {
             },
             num_nodes: 14_951,
             dim: 100,
+            state_width: 1,
             num_partitions: 5,
             aux_bytes: 10_000,
             progress_capacity: 64,
@@ -288,5 +294,36 @@ mod tests {
             b[i] ^= 0x10;
             assert!(Superblock::decode(&b).is_err(), "flip at byte {i} accepted");
         }
+    }
+
+    #[test]
+    fn a_version_1_superblock_reads_with_element_wise_state() {
+        let mut sb = sample();
+        sb.spec.state_width = sb.spec.dim;
+        sb.layout = Layout::compute(&sb.spec, sb.layout.align).unwrap();
+        let mut bytes = sb.encode();
+        // What version 1 wrote: no state width (zeros at 192).
+        bytes[8..12].copy_from_slice(&1u32.to_le_bytes());
+        bytes[192..196].fill(0);
+        bytes[CHECKSUM_AT..CHECKSUM_AT + 4].fill(0);
+        let crc = crc32c::crc32c(&bytes);
+        bytes[CHECKSUM_AT..CHECKSUM_AT + 4].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(Superblock::decode(&bytes).unwrap(), sb);
+        // Version 2 with the same bytes is a store with no state: refused.
+        bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+        bytes[CHECKSUM_AT..CHECKSUM_AT + 4].fill(0);
+        let crc = crc32c::crc32c(&bytes);
+        bytes[CHECKSUM_AT..CHECKSUM_AT + 4].copy_from_slice(&crc.to_le_bytes());
+        assert!(matches!(
+            Superblock::decode(&bytes),
+            Err(SlotError::Corrupt(_))
+        ));
+    }
+
+    #[test]
+    fn row_wise_state_takes_4_bytes_a_row() {
+        let sb = sample();
+        let rows = sb.layout.partitions[0].rows;
+        assert_eq!(sb.layout.partitions[0].bytes, rows * (100 + 1) * 4);
     }
 }

@@ -21,6 +21,7 @@ fn spec() -> StoreSpec {
         },
         num_nodes: 2_003,
         dim: 29,
+        state_width: 29,
         num_partitions: 4,
         aux_bytes: 5_000,
         progress_capacity: 256,
@@ -105,6 +106,7 @@ fn a_store_on_a_namespace_holds_what_a_file_store_holds() {
         let expect = Expect {
             dataset: Some(spec().dataset),
             dim: Some(29),
+            state_width: Some(29),
             num_partitions: Some(4),
         };
         let mut again = Store::open_on(&Target::Nvme(&t), &expect, &IoConfig::default()).unwrap();
@@ -377,6 +379,7 @@ fn reads_completing_out_of_order_land_in_their_own_buffers() {
     let spec = StoreSpec {
         num_nodes: 60_000,
         dim: 64,
+        state_width: 64,
         ..spec()
     };
     let t = target(&px, 0);

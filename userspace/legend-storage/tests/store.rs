@@ -36,6 +36,7 @@ fn spec(shadow: bool) -> StoreSpec {
         dataset: dataset(1),
         num_nodes: 1_003,
         dim: 37,
+        state_width: 37,
         num_partitions: 5,
         aux_bytes: 3_000,
         progress_capacity: 256,
@@ -59,7 +60,7 @@ fn store_path(dir: &tempfile::TempDir) -> PathBuf {
 fn filled(store: &Store, p: u32, seed: u64) -> IoBuffer {
     let mut b = IoBuffer::new(store.max_partition_bytes()).unwrap();
     let rows = store.partition(p).unwrap().rows;
-    let (emb, state) = b.split_partition_mut(rows, store.spec().dim);
+    let (emb, state) = b.split_partition_mut(rows, store.spec());
     fill(emb, seed);
     fill(state, seed + 1000);
     b
@@ -83,6 +84,7 @@ fn expect_all() -> Expect {
     Expect {
         dataset: Some(dataset(1)),
         dim: Some(37),
+        state_width: Some(37),
         num_partitions: Some(5),
     }
 }
@@ -170,6 +172,7 @@ fn batch_keeps_many_requests_in_flight() {
     let big = StoreSpec {
         num_nodes: 20_000,
         dim: 16,
+        state_width: 16,
         num_partitions: 4,
         ..spec(true)
     };
@@ -415,6 +418,20 @@ fn other_dataset_dim_or_partition_count_is_refused_naming_both() {
     let err = Store::open(
         &path,
         &Expect {
+            state_width: Some(1),
+            ..Expect::default()
+        },
+        &io,
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("optimizer.state: row here, element in the store"),
+        "{err}"
+    );
+    let err = Store::open(
+        &path,
+        &Expect {
             num_partitions: Some(8),
             ..Expect::default()
         },
@@ -452,6 +469,7 @@ fn device_too_small_is_refused_naming_both_sizes() {
     let huge = StoreSpec {
         num_nodes: 1 << 40,
         dim: 512,
+        state_width: 512,
         num_partitions: 16,
         ..spec(false)
     };

@@ -156,6 +156,113 @@ fn file_and_proxy_backends_equal_memory_and_swaps_follow_the_plan() {
     );
 }
 
+/// Row-wise AdaGrad state (one accumulator a row) trains the same on every backend, resumes
+/// to the uninterrupted run's tables, stores 4 bytes of state a row, and a resume cannot
+/// change the layout under a checkpoint.
+#[test]
+fn row_wise_state_is_the_same_on_every_backend_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = s(&graph(dir.path(), 600, 6, false));
+    let backing = memory_tempdir();
+    let proxy_path = format!("storage.path=\"{}\"", s(&backing.path().join("store.bin")));
+    let backends: [&[&str]; 3] = [
+        &["--set", "storage.backend=memory"],
+        &["--set", "storage.backend=file"],
+        &["--set", "storage.backend=proxy", "--set", &proxy_path],
+    ];
+    let mut all = Vec::new();
+    for (i, backend) in backends.iter().enumerate() {
+        let out = dir.path().join(format!("row{i}"));
+        let mut extra = vec![
+            "--set",
+            "optimizer.state=row",
+            "--set",
+            "training.num_epochs=2",
+        ];
+        extra.extend(*backend);
+        ok(&train_args(&ds, &s(&out), &extra));
+        let meta = std::fs::read_to_string(out.join("run.toml")).unwrap();
+        assert!(meta.contains("entity_state_width = 1"), "{meta}");
+        // A third epoch, resumed.
+        ok(&[
+            "train",
+            "--out",
+            &s(&out),
+            "--resume",
+            "--set",
+            "training.num_epochs=3",
+        ]);
+        all.push(tables(&out));
+    }
+    let straight = dir.path().join("straight");
+    ok(&train_args(
+        &ds,
+        &s(&straight),
+        &[
+            "--set",
+            "optimizer.state=row",
+            "--set",
+            "training.num_epochs=3",
+        ],
+    ));
+    let want = tables(&straight);
+    for (i, t) in all.iter().enumerate() {
+        assert!(
+            *t == want,
+            "backend {i}: row-wise run differs from the uninterrupted one"
+        );
+    }
+    let element = dir.path().join("element");
+    ok(&train_args(
+        &ds,
+        &s(&element),
+        &["--set", "training.num_epochs=3"],
+    ));
+    assert!(tables(&element) != want, "the state layout changed nothing");
+    // A swap writes 16 + 1 floats a row instead of 16 + 16.
+    let written = |state: &str, name: &str| {
+        let out = ok(&train_args(
+            &ds,
+            &s(&dir.path().join(name)),
+            &[
+                "--set",
+                "storage.backend=file",
+                "--set",
+                state,
+                "--set",
+                "training.num_epochs=1",
+                "--json",
+            ],
+        ));
+        let epoch: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+        epoch["bytes_written"].as_u64().unwrap()
+    };
+    let (row, element) = (
+        written("optimizer.state=row", "row_file"),
+        written("optimizer.state=element", "element_file"),
+    );
+    assert!(row > 0 && row * 32 == element * 17, "{row} vs {element}");
+    let r = run(&[
+        "train",
+        "--out",
+        &s(&dir.path().join("row1")),
+        "--resume",
+        "--set",
+        "optimizer.state=element",
+        "--set",
+        "training.num_epochs=4",
+    ]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(
+        !r.status.success(),
+        "changing the state layout on resume was accepted"
+    );
+    assert!(
+        err.contains("optimizer.state = element but the run's state is row-wise"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_store_of_another_dataset_is_refused() {
     let dir = tempfile::tempdir().unwrap();

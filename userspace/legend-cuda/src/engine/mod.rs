@@ -28,7 +28,7 @@ use std::ops::Range;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-use legend_model::{AdaGrad, ChunkModel, Decoder, Loss, Permutation};
+use legend_model::{AdaGrad, ChunkModel, Decoder, Loss, Permutation, StateLayout};
 
 use crate::error::DriverContext;
 use crate::gpu::grid_1d;
@@ -601,14 +601,17 @@ impl GpuBatchEngine {
             Some((map, _)) => map.table_rows() as usize,
             None => self.entities,
         };
-        if nodes.dim != d || nodes.rows < need {
+        let state = self.optimizer.state.width(d);
+        if nodes.dim != d || nodes.rows < need || nodes.state_width != state {
             return Err(GpuError::Shape(format!(
-                "node table {}×{} for {need} rows of dim {d}",
-                nodes.rows, nodes.dim
+                "node table {}×{} ({} of state a row) for {need} rows of dim {d} ({state} of state)",
+                nodes.rows, nodes.dim, nodes.state_width
             )));
         }
         match (self.model.decoder.uses_relations(), rels) {
-            (true, Some(r)) if r.dim == d && r.rows >= self.relations => Ok(()),
+            (true, Some(r)) if r.dim == d && r.rows >= self.relations && r.state_width == d => {
+                Ok(())
+            }
             (true, _) => Err(GpuError::Shape(format!(
                 "{} needs a relation table of {} rows of dim {d}",
                 self.model.decoder, self.relations
@@ -823,6 +826,7 @@ impl GpuBatchEngine {
 
     fn adagrad(&mut self, gpu: &Gpu, t: &mut DeviceTable, capacity: usize) -> Result<(), GpuError> {
         let (d, lr, eps) = (t.dim as u32, self.optimizer.lr, self.optimizer.eps);
+        let row_state = u32::from(t.state_width != t.dim);
         let mut b = gpu.stream().launch_builder(&gpu.kernels.adagrad);
         b.arg(&mut t.emb)
             .arg(&mut t.state)
@@ -832,6 +836,7 @@ impl GpuBatchEngine {
             .arg(&t.list)
             .arg(&t.count)
             .arg(&d)
+            .arg(&row_state)
             .arg(&lr)
             .arg(&eps);
         let cfg = LaunchConfig {
@@ -840,7 +845,8 @@ impl GpuBatchEngine {
             shared_mem_bytes: 0,
         };
         // SAFETY: the kernel reads the count, then only list entries below it (each a row
-        // id of this table) and those rows of the four same-shaped buffers and of uses.
+        // id of this table) and those rows of the table's buffers (state of the width
+        // row_state says) and of uses.
         unsafe { b.launch(cfg) }.during("launching legend_adagrad")?;
         self.mark(gpu, "adagrad")?;
         gpu.clear(&mut t.count)
@@ -849,14 +855,17 @@ impl GpuBatchEngine {
     /// Queues one full step on the current batch and negatives: the result of
     /// [`forward_backward`](Self::forward_backward) then [`apply`](Self::apply), but the node
     /// rows the batch uses once (most of them) take their AdaGrad step in the backward
-    /// kernels, without the gradient table's atomics, clearing and second pass.
+    /// kernels, without the gradient table's atomics, clearing and second pass. With
+    /// row-wise state every row goes through the gradient table: its step needs the whole
+    /// row's gradient first.
     pub fn step(
         &mut self,
         gpu: &Gpu,
         nodes: &mut DeviceTable,
         mut rels: Option<&mut DeviceTable>,
     ) -> Result<(), GpuError> {
-        self.passes(gpu, nodes, rels.as_deref_mut(), true)?;
+        let direct = self.optimizer.state == StateLayout::Element;
+        self.passes(gpu, nodes, rels.as_deref_mut(), direct)?;
         self.apply(gpu, nodes, rels)
     }
 

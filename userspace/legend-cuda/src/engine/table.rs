@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
-use legend_model::{Distribution, Table};
+use legend_model::{Distribution, StateLayout, Table};
 
 use crate::error::DriverContext;
 use crate::{Gpu, GpuError, RowSpan};
@@ -14,6 +14,8 @@ use crate::{Gpu, GpuError, RowSpan};
 pub struct DeviceTable {
     pub(super) rows: usize,
     pub(super) dim: usize,
+    /// AdaGrad accumulators per row: `dim` or 1 (row-wise).
+    pub(super) state_width: usize,
     pub(super) emb: CudaSlice<f32>,
     pub(super) state: CudaSlice<f32>,
     pub(super) grad: CudaSlice<f32>,
@@ -25,19 +27,22 @@ pub struct DeviceTable {
 }
 
 impl DeviceTable {
-    /// A table holding copies of `emb` and `state` (`rows × dim` each).
+    /// A table holding copies of `emb` (`rows × dim`) and `state` (`rows × dim`, or `rows`
+    /// for row-wise AdaGrad).
     pub fn from_host(gpu: &Gpu, dim: usize, emb: &[f32], state: &[f32]) -> Result<Self, GpuError> {
-        if dim == 0 || !emb.len().is_multiple_of(dim) || state.len() != emb.len() {
+        let rows = emb.len().checked_div(dim).unwrap_or(0);
+        let state_width = if state.len() == emb.len() { dim } else { 1 };
+        if dim == 0 || rows * dim != emb.len() || state.len() != rows * state_width {
             return Err(GpuError::Shape(format!(
                 "table of {} floats and state of {} for dim {dim}",
                 emb.len(),
                 state.len()
             )));
         }
-        let rows = emb.len() / dim;
         Ok(DeviceTable {
             rows,
             dim,
+            state_width,
             emb: gpu.upload(emb)?,
             state: gpu.upload(state)?,
             grad: gpu.zeros(rows * dim)?,
@@ -48,17 +53,24 @@ impl DeviceTable {
         })
     }
 
-    /// A table of `rows` zero rows (a partition buffer's slots, filled by
-    /// [`DeviceTable::write_rows`]).
-    pub fn zeros(gpu: &Gpu, rows: usize, dim: usize) -> Result<Self, GpuError> {
+    /// A table of `rows` zero rows with AdaGrad state of `layout` (a partition buffer's
+    /// slots, filled by [`DeviceTable::write_rows`]).
+    pub fn zeros(
+        gpu: &Gpu,
+        rows: usize,
+        dim: usize,
+        layout: StateLayout,
+    ) -> Result<Self, GpuError> {
         if dim == 0 {
             return Err(GpuError::Shape("a table of dim 0".into()));
         }
+        let state_width = layout.width(dim);
         Ok(DeviceTable {
             rows,
             dim,
+            state_width,
             emb: gpu.zeros(rows * dim)?,
-            state: gpu.zeros(rows * dim)?,
+            state: gpu.zeros(rows * state_width)?,
             grad: gpu.zeros(rows * dim)?,
             flags: gpu.zeros(rows)?,
             list: gpu.zeros(rows)?,
@@ -69,7 +81,7 @@ impl DeviceTable {
 
     /// A table of `rows` rows initialised on the device by the counter-based hash of
     /// legend-model's `fill_row` (row `i` is global row `first_row + i` of `table`), with a
-    /// zero AdaGrad state.
+    /// zero element-wise AdaGrad state.
     pub fn init(
         gpu: &Gpu,
         rows: usize,
@@ -79,7 +91,7 @@ impl DeviceTable {
         table: Table,
         dist: Distribution,
     ) -> Result<Self, GpuError> {
-        let mut t = Self::zeros(gpu, rows, dim)?;
+        let mut t = Self::zeros(gpu, rows, dim, StateLayout::Element)?;
         fill(gpu, &mut t.emb, rows, dim, first_row, seed, table, dist)?;
         Ok(t)
     }
@@ -94,6 +106,11 @@ impl DeviceTable {
         self.dim
     }
 
+    /// AdaGrad accumulators per row: [`DeviceTable::dim`] or 1.
+    pub fn state_width(&self) -> usize {
+        self.state_width
+    }
+
     /// The embeddings, `rows × dim` row-major.
     pub fn emb(&self) -> &CudaSlice<f32> {
         &self.emb
@@ -104,7 +121,7 @@ impl DeviceTable {
         &mut self.emb
     }
 
-    /// The AdaGrad state, same shape.
+    /// The AdaGrad state, `rows × state_width`.
     pub fn state(&self) -> &CudaSlice<f32> {
         &self.state
     }
@@ -119,8 +136,8 @@ impl DeviceTable {
         Ok((gpu.download(&self.emb)?, gpu.download(&self.state)?))
     }
 
-    /// Copies `emb` and `state` (the same length, whole rows) into the table from row
-    /// `row0` on, stream-ordered (for loading a partition into a slot).
+    /// Copies `emb` and `state` (whole rows) into the table from row `row0` on,
+    /// stream-ordered (for loading a partition into a slot).
     pub fn write_rows(
         &mut self,
         gpu: &Gpu,
@@ -128,16 +145,16 @@ impl DeviceTable {
         emb: &[f32],
         state: &[f32],
     ) -> Result<(), GpuError> {
-        let span = self.span(row0, emb.len(), state.len())?;
+        let (e, st) = self.spans(row0, emb.len(), state.len())?;
         let s = gpu.stream();
-        s.memcpy_htod(emb, &mut self.emb.slice_mut(span.clone()))
+        s.memcpy_htod(emb, &mut self.emb.slice_mut(e))
             .during("copying rows to the device")?;
-        s.memcpy_htod(state, &mut self.state.slice_mut(span))
+        s.memcpy_htod(state, &mut self.state.slice_mut(st))
             .during("copying rows to the device")
     }
 
-    /// Copies rows from `row0` on into `emb` and `state` (the same length, whole rows),
-    /// after the work queued so far (for writing a slot back to its partition).
+    /// Copies rows from `row0` on into `emb` and `state` (whole rows), after the work queued
+    /// so far (for writing a slot back to its partition).
     pub fn read_rows(
         &self,
         gpu: &Gpu,
@@ -145,32 +162,40 @@ impl DeviceTable {
         emb: &mut [f32],
         state: &mut [f32],
     ) -> Result<(), GpuError> {
-        let span = self.span(row0, emb.len(), state.len())?;
+        let (e, st) = self.spans(row0, emb.len(), state.len())?;
         let s = gpu.stream();
-        s.memcpy_dtoh(&self.emb.slice(span.clone()), emb)
+        s.memcpy_dtoh(&self.emb.slice(e), emb)
             .during("copying rows from the device")?;
-        s.memcpy_dtoh(&self.state.slice(span), state)
+        s.memcpy_dtoh(&self.state.slice(st), state)
             .during("copying rows from the device")?;
         s.synchronize().during("copying rows from the device")
     }
 
-    /// The device addresses of `floats` floats of embeddings and state from row `row0`
-    /// (whole rows), for copies on a [`crate::Transfer`].
-    pub fn row_span(&self, row0: usize, floats: usize) -> Result<RowSpan, GpuError> {
-        let span = self.span(row0, floats, floats)?;
-        Ok(RowSpan::new(&self.emb, &self.state, span))
+    /// The device addresses of `rows` rows of embeddings and state from row `row0`, for
+    /// copies on a [`crate::Transfer`].
+    pub fn row_span(&self, row0: usize, rows: usize) -> Result<RowSpan, GpuError> {
+        let (emb, state) = self.spans(row0, rows * self.dim, rows * self.state_width)?;
+        Ok(RowSpan::new(&self.emb, emb, &self.state, state, self.dim))
     }
 
-    /// The float range of `len` floats (and `state_len` of state) from row `row0`.
-    fn span(&self, row0: usize, len: usize, state_len: usize) -> Result<Range<usize>, GpuError> {
-        let start = row0 * self.dim;
-        if len != state_len || !len.is_multiple_of(self.dim) || start + len > self.rows * self.dim {
+    /// The float ranges of `len` floats of embeddings and `state_len` of state from row
+    /// `row0`: whole rows, the same rows of both.
+    fn spans(
+        &self,
+        row0: usize,
+        len: usize,
+        state_len: usize,
+    ) -> Result<(Range<usize>, Range<usize>), GpuError> {
+        let rows = len / self.dim;
+        if rows * self.dim != len || rows * self.state_width != state_len || row0 + rows > self.rows
+        {
             return Err(GpuError::Shape(format!(
-                "{len} floats ({state_len} of state) from row {row0} of a {}×{} table",
-                self.rows, self.dim
+                "{len} floats ({state_len} of state) from row {row0} of a {}×{} table ({} of state a row)",
+                self.rows, self.dim, self.state_width
             )));
         }
-        Ok(start..start + len)
+        let at = |width: usize| row0 * width..(row0 + rows) * width;
+        Ok((at(self.dim), at(self.state_width)))
     }
 
     /// The gradients summed by [`GpuBatchEngine::forward_backward`] and not yet applied

@@ -227,7 +227,7 @@ impl CudaCompute {
         } else {
             scheme.entities as usize
         };
-        let nodes = DeviceTable::zeros(&gpu, table_rows, dim)?;
+        let nodes = DeviceTable::zeros(&gpu, table_rows, dim, config.optimizer.state)?;
         let rels = if model.decoder.uses_relations() {
             Some(DeviceTable::from_host(
                 &gpu,
@@ -289,8 +289,9 @@ impl CudaCompute {
     /// The device rows partition `p` has (or will have) in `slot`.
     fn span(&self, slot: u32, p: u32) -> Result<RowSpan, TrainError> {
         let r = self.scheme.range(p);
-        let floats = (r.end - r.start) as usize * self.nodes.dim();
-        Ok(self.nodes.row_span(self.row0(slot), floats)?)
+        Ok(self
+            .nodes
+            .row_span(self.row0(slot), (r.end - r.start) as usize)?)
     }
 
     fn copies(&self) -> MutexGuard<'_, SlotCopies> {
@@ -417,9 +418,8 @@ struct SwapCopy {
     /// The evicted partition's rows on the device, and the loaded partition's (the same slot).
     out: RowSpan,
     into: RowSpan,
-    /// How a never-written loaded partition is drawn, and its rows' width and first id.
+    /// How a never-written loaded partition is drawn, and its first row's id.
     init: Init,
-    dim: usize,
     first_id: u64,
 }
 
@@ -477,8 +477,7 @@ impl SwapHook for SwapCopy {
             if part.fresh {
                 // Never written: drawn in the slot (the host's rows stay untouched until the
                 // partition is evicted and downloaded into them).
-                c.transfer
-                    .init_span(&self.into, self.dim, self.first_id, &self.init)
+                c.transfer.init_span(&self.into, self.first_id, &self.init)
             } else {
                 c.transfer.upload_span(&part.emb, &part.state, &self.into)
             }
@@ -527,14 +526,15 @@ impl SwapHook for DirectSwap {
         let mut d = self.lock();
         let fail = |e: GpuError| direct_error("writing", p, e);
         let (at, len) = d.store.lock().io_extent(p, true)?;
-        let (emb, state, bytes) = self.out.addrs();
+        let [(emb, emb_bytes), (state, state_bytes)] = self.out.addrs();
         let base = d.io.region_addr(d.staging).map_err(fail)?;
         d.io.wait(&self.released).map_err(fail)?;
         // SAFETY: after `released` nothing on the compute stream touches the evicted slot; the
         // staging region is this engine's and its I/O stream runs one swap at a time.
         unsafe {
-            d.io.copy(base, emb, bytes).map_err(fail)?;
-            d.io.copy(base + bytes as u64, state, bytes).map_err(fail)?;
+            d.io.copy(base, emb, emb_bytes).map_err(fail)?;
+            d.io.copy(base + emb_bytes as u64, state, state_bytes)
+                .map_err(fail)?;
         }
         d.move_staging(p, at, len, true).map_err(fail)?;
         d.store.lock().mark_written(p)
@@ -560,13 +560,14 @@ impl SwapHook for DirectSwap {
         }
         let (at, len) = d.store.lock().io_extent(p, false)?;
         d.move_staging(p, at, len, false).map_err(fail)?;
-        let (emb, state, bytes) = self.into.addrs();
+        let [(emb, emb_bytes), (state, state_bytes)] = self.into.addrs();
         let base = d.io.region_addr(d.staging).map_err(fail)?;
         // SAFETY: the slot is free (its evicted rows were copied out first on this stream) and
         // compute waits for `uploaded` before it reads the slot.
         unsafe {
-            d.io.copy(emb, base, bytes).map_err(fail)?;
-            d.io.copy(state, base + bytes as u64, bytes).map_err(fail)?;
+            d.io.copy(emb, base, emb_bytes).map_err(fail)?;
+            d.io.copy(state, base + emb_bytes as u64, state_bytes)
+                .map_err(fail)?;
         }
         c.uploaded = Some(d.io.record().map_err(fail)?);
         Ok(())
@@ -669,7 +670,6 @@ impl ComputeBackend for CudaCompute {
             out,
             into,
             init: self.init,
-            dim: self.nodes.dim(),
             first_id: self.scheme.range(loaded).start,
         })))
     }
@@ -807,24 +807,22 @@ impl ComputeBackend for CudaCompute {
         if slot == SlotMap::ABSENT {
             return Ok(false);
         }
-        let dim = self.nodes.dim();
+        let (dim, width) = (self.nodes.dim(), self.nodes.state_width());
         let row0 = self.row0(slot);
         let range = self.scheme.range(p);
         let rows = (range.end - range.start) as usize;
         let piece_rows = (STREAM_PIECE_FLOATS / dim).max(1);
         let mut emb = vec![0.0; piece_rows.min(rows) * dim];
-        let mut state = vec![0.0; emb.len()];
+        let mut state = vec![0.0; piece_rows.min(rows) * width];
         let mut done = 0;
         while done < rows {
-            let n = piece_rows.min(rows - done) * dim;
-            self.copies().transfer.download_rows(
-                &self.nodes,
-                row0 + done,
-                &mut emb[..n],
-                &mut state[..n],
-            )?;
-            f(&emb[..n], &state[..n])?;
-            done += n / dim;
+            let n = piece_rows.min(rows - done);
+            let (emb, state) = (&mut emb[..n * dim], &mut state[..n * width]);
+            self.copies()
+                .transfer
+                .download_rows(&self.nodes, row0 + done, emb, state)?;
+            f(emb, state)?;
+            done += n;
         }
         Ok(true)
     }
