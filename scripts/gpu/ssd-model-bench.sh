@@ -7,8 +7,10 @@
 #   980     the same, the proxy modelling one Samsung 980 (storage.proxy_model = samsung-980);
 #   980x    the same with reads and writes on separate budgets (shared=false).
 # Every epoch line carries bytes read and written, I/O seconds, compute waited, and the storage
-# bound of the modelled rows (bytes / the model's rates). Builds nothing: expects legendctl in
-# ${LEGEND_GPU_BIN:-target-gpu}. DEVICE=cpu, NODES and EDGES scale it down for a dry run.
+# bound of the modelled rows (bytes / the model's rates). STATES lists the AdaGrad state
+# layouts each layout runs with (element row: 800 and 404 bytes a row). Builds nothing: expects
+# legendctl in ${LEGEND_GPU_BIN:-target-gpu}. DEVICE=cpu, NODES and EDGES scale it down for a
+# dry run.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=${LEGEND_GPU_BIN:-$root/target-gpu}
@@ -20,6 +22,7 @@ edges=${EDGES:-200000000}
 epochs=${EPOCHS:-2}
 device=${DEVICE:-cuda:0}
 layouts=${LAYOUTS:-memory proxy 980 980x}
+states=${STATES:-element}
 mkdir -p "$out"
 rm -rf "$data" "$work" && mkdir -p "$data" "$work"
 [ "$device" = cpu ] || source "$root/scripts/gpu/nvrtc-env.sh" >/dev/null
@@ -36,8 +39,10 @@ start=$SECONDS
 echo "== generated $nodes nodes, $edges edges in $((SECONDS - start)) s"
 
 for layout in $layouts; do
+for state in $states; do
+    name=$layout-$state
     sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
-        --set storage.backend=proxy --set "storage.path=\"$data/store-$layout.bin\"")
+        --set storage.backend=proxy --set "storage.path=\"$data/store-$name.bin\"")
     model=""
     case $layout in
     memory) sets=(--set storage.backend=memory) ;;
@@ -46,7 +51,8 @@ for layout in $layouts; do
     980x) model="samsung-980,shared=false" ;;
     esac
     [ -n "$model" ] && sets+=(--set "storage.proxy_model=\"$model\"")
-    run=$work/run-$layout
+    sets+=(--set "optimizer.state=$state")
+    run=$work/run-$name
     start=$SECONDS
     "$ctl" train --dataset "$data/g" --out "$run" --json \
         --set model.decoder=dot --set model.dim=100 --set training.num_epochs="$epochs" \
@@ -54,25 +60,31 @@ for layout in $layouts; do
         --set training.negatives.negatives_per_positive=1000 \
         --set training.negatives.degree_fraction=0.5 --set evaluation.protocol=sampled \
         --set "training.device=\"$device\"" "${sets[@]}" \
-        >"$out/ssd-$layout.jsonl" 2>"$out/ssd-$layout.log"
+        >"$out/ssd-$name.jsonl" 2>"$out/ssd-$name.log"
     code=$?
     if [ $code -ne 0 ]; then
-        echo "== $layout: FAILED (exit $code) after $((SECONDS - start)) s"
-        tail -5 "$out/ssd-$layout.log"
+        echo "== $name: FAILED (exit $code) after $((SECONDS - start)) s"
+        tail -5 "$out/ssd-$name.log"
         status=1
         continue
     fi
-    python3 - "$out/ssd-$layout.jsonl" "$layout" "$model" <<'PY' | tee -a "$out/ssd-summary.txt"
+    python3 - "$out/ssd-$name.jsonl" "$name" "$model" <<'PY' | tee -a "$out/ssd-summary.txt"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 layout, model = sys.argv[2], sys.argv[3]
 # The model's rates (GB/s) and whether reads and writes share one budget.
 rates = {"samsung-980": (3.19, 2.24, True), "samsung-980,shared=false": (3.19, 2.24, False)}
+def mrr(v):
+    if isinstance(v, dict):
+        return v.get("mrr") if "mrr" in v else next((m for m in map(mrr, v.values()) if m is not None), None)
+    return None
 for r in rows:
     if "epoch" not in r:
+        if mrr(r) is not None:
+            print(f"{layout:14s} final sampled MRR {mrr(r):.4f}")
         continue
     read, written = r["bytes_read"], r["bytes_written"]
-    line = (f"{layout:6s} epoch {r['epoch']}: {r['seconds']:.2f} s, {r['edges_per_sec']/1e6:.1f} M edges/s, "
+    line = (f"{layout:14s} epoch {r['epoch']}: {r['seconds']:.2f} s, {r['edges_per_sec']/1e6:.1f} M edges/s, "
             f"read {read/1e9:.2f} GB, written {written/1e9:.2f} GB, io {r['io_s']:.2f} s, "
             f"compute waited {r['io_wait_s']:.2f} s")
     if model in rates:
@@ -82,7 +94,8 @@ for r in rows:
         line += f", storage bound {bound:.2f} s ({r['seconds']/bound:.2f}x)"
     print(line)
 PY
-    rm -rf "$data/store-$layout.bin"
+    rm -rf "$data/store-$name.bin"
+done
 done
 rm -rf "$data" "$work"
 exit $status

@@ -25,6 +25,7 @@ use std::time::Instant;
 use cudarc::driver::sys::CUevent_flags;
 use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions};
 use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, negative_keys};
+use legend_model::rng::mix;
 use legend_model::{AdaGrad, ChunkModel, Decoder, Distribution, Loss, Table};
 use legend_nvme_proxy::{Proxy, ProxyOptions};
 
@@ -38,12 +39,6 @@ const WARMUP: usize = 3;
 const TIMED: usize = 20;
 /// Distinct batches cycled through, so repeated steps do not hit the same rows in L2.
 const BATCHES: u64 = 4;
-
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
