@@ -14,7 +14,9 @@
 //! `LEGEND_BENCH_BESIDE_IO=FILE` also times the steps again while the GPU I/O kernels read
 //! FILE without pause through the proxy controller on their own stream (the paper's Fig. 9:
 //! how much the I/O kernels slow training down), and reports the I/O rate they kept;
-//! `LEGEND_BENCH_IO_QUEUES` (default 8) sets their queue pairs, a thread block each.
+//! `LEGEND_BENCH_IO_QUEUES` (default 8) sets their queue pairs, a thread block each;
+//! `LEGEND_BENCH_IO_MODEL` (e.g. `samsung-980`) has the proxy serve FILE at a modelled SSD's
+//! rates, so the step is timed beside the traffic one such SSD gives.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -27,7 +29,7 @@ use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions};
 use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, negative_keys};
 use legend_model::rng::mix;
 use legend_model::{AdaGrad, ChunkModel, Decoder, Distribution, Loss, Table};
-use legend_nvme_proxy::{Proxy, ProxyOptions};
+use legend_nvme_proxy::{DeviceModel, Proxy, ProxyOptions};
 
 const ENTITIES: usize = 1_000_000;
 const RELATIONS: usize = 1_000;
@@ -115,8 +117,13 @@ impl BackgroundIo {
         gpu: &Gpu,
         path: &Path,
         queues: u32,
+        model: Option<DeviceModel>,
     ) -> Result<BackgroundIo, Box<dyn std::error::Error>> {
-        let proxy = Arc::new(Proxy::open(path, &ProxyOptions::default())?);
+        let options = ProxyOptions {
+            model,
+            ..ProxyOptions::default()
+        };
+        let proxy = Arc::new(Proxy::open(path, &options)?);
         proxy.attach_device(Arc::new(CudaDeviceMemory::new(gpu)?))?;
         let chunks = (proxy.blocks() << 9) / Self::CHUNK as u64;
         if chunks == 0 {
@@ -172,6 +179,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let io_queues: u32 = match std::env::var("LEGEND_BENCH_IO_QUEUES") {
         Ok(q) => q.parse()?,
         Err(_) => 8,
+    };
+    let io_model: Option<DeviceModel> = match std::env::var("LEGEND_BENCH_IO_MODEL") {
+        Ok(m) => Some(m.parse()?),
+        Err(_) => None,
     };
     let t = Instant::now();
     let gpu = Gpu::new(0)?;
@@ -244,7 +255,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut alone = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches)?;
             let beside = match &beside_io {
                 Some(path) => {
-                    let io = BackgroundIo::start(&gpu, path, io_queues)?;
+                    let io = BackgroundIo::start(&gpu, path, io_queues, io_model)?;
                     let with_io = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches);
                     let (bytes, seconds) = io.stop()?;
                     Some((with_io?, bytes as f64 / seconds / 1e9))
