@@ -168,6 +168,8 @@ __device__ __forceinline__ void legend_red2(float* p, float x, float y) {
 // (the row is listed for legend_adagrad), or, for a node row the batch uses only once
 // (`direct`, from legend_count_uses), straight into AdaGrad on its parameters and state:
 // that one contribution is the row's whole gradient, so no table or second pass is needed.
+// With row-wise state (one accumulator a row) a direct row's gradient is stored whole in its
+// gradient row first, and legend_row_wise_step then takes the step.
 struct LegendRowSink {
     float* grad;
     float* param;
@@ -175,6 +177,7 @@ struct LegendRowSink {
     bool direct;
     float lr;
     float eps;
+    bool row_wise;
 };
 
 // Elements k .. k + V of a direct row's AdaGrad state (zeros otherwise), loaded by the
@@ -182,7 +185,7 @@ struct LegendRowSink {
 template <int V>
 __device__ __forceinline__ LegendVec<V> legend_sink_states(const LegendRowSink& row, u32 k) {
     LegendVec<V> s{};
-    if (row.direct) s = legend_ld<V>(row.state + k);
+    if (row.direct && !row.row_wise) s = legend_ld<V>(row.state + k);
     return s;
 }
 
@@ -194,7 +197,9 @@ template <int V>
 __device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k,
                                                 const LegendVec<V>& g, const LegendVec<V>& param,
                                                 LegendVec<V> state) {
-    if (row.direct) {
+    if (row.direct && row.row_wise) {
+        legend_st<V>(row.grad + k, g);
+    } else if (row.direct) {
         LegendVec<V> p;
 #pragma unroll
         for (int v = 0; v < V; ++v)
@@ -208,6 +213,28 @@ __device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k,
     } else {
         atomicAdd(&row.grad[k], g.v[0]);
     }
+}
+
+// The in-place step of a direct row with row-wise state, by the warp that stored its whole
+// gradient (legend_sink_add): mean(g²) over the row first, then every element steps by
+// lr · g / (sqrt(state) + eps) and the gradient row is cleared. The same sums in the same
+// order as legend_adagrad's row mode, so both paths give the same floats.
+__device__ __forceinline__ void legend_row_wise_step(const LegendRowSink& row, u32 dim,
+                                                     u32 lane) {
+    if (!row.direct || !row.row_wise) return;
+    __syncwarp();
+    float sq = 0.0f;
+    for (u32 t = lane; t < dim; t += 32) sq += row.grad[t] * row.grad[t];
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    float s = *row.state + sq / (float)dim;
+    float scale = row.lr / (sqrtf(s) + row.eps);
+    for (u32 t = lane; t < dim; t += 32) {
+        row.param[t] -= scale * row.grad[t];
+        row.grad[t] = 0.0f;
+    }
+    // Every lane has read the state before it is written.
+    __syncwarp();
+    if (lane == 0) *row.state = s;
 }
 
 // Decoders and losses are numbered by legend-cuda (`DECODER_CODES`, `LOSS_CODES` in

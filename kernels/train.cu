@@ -413,6 +413,8 @@ struct LegendDirect {
     u32* uses;
     float lr;
     float eps;
+    u32 row_wise;  // one state float a row (legend_row_wise_step) instead of one an element
+    u32 pad;
 };
 
 // The sink of node row `id` (d floats a row), direct when the batch uses the row once.
@@ -421,7 +423,10 @@ __device__ __forceinline__ LegendRowSink legend_node_sink(float* emb, float* emb
                                                           u32 d) {
     u64 at = (u64)id * d;
     bool once = direct.uses && direct.uses[id] == 1u;
-    return LegendRowSink{emb_grad + at, emb + at, direct.state + at, once, direct.lr, direct.eps};
+    bool row_wise = direct.row_wise != 0u;
+    return LegendRowSink{emb_grad + at,  emb + at,   direct.state + (row_wise ? id : at),
+                         once,          direct.lr,  direct.eps,
+                         row_wise};
 }
 
 // Backward of one ComplEx edge by one warp, V complex pairs a lane (of each half): the
@@ -552,6 +557,8 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
             legend_dot_edge_backward<1>(distmult, d, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd,
                                         gw);
     }
+    legend_row_wise_step(gs, d, lane);
+    legend_row_wise_step(gd, d, lane);
     // Rows updated in place are done: their use counts go back to zero (after every lane
     // has read them), the others are listed for legend_adagrad.
     __syncwarp();
@@ -635,6 +642,7 @@ extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ neg
     float w = neg_weight ? neg_weight[(u64)z * k + j] : 0.0f;
     if (dim % 4 == 0) legend_sink_row<4>(row, g, w, dim, lane);
     else legend_sink_row<1>(row, g, w, dim, lane);
+    legend_row_wise_step(row, dim, lane);
     if (row.direct) {
         // Every lane has read the use count (legend_node_sink) before it is cleared.
         __syncwarp();

@@ -127,10 +127,13 @@ pub(super) struct DirectArgs {
     pub(super) uses: u64,
     pub(super) lr: f32,
     pub(super) eps: f32,
+    /// 1: the node table keeps one AdaGrad float a row.
+    pub(super) row_wise: u32,
+    pub(super) pad: u32,
 }
 
-// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (two pointers, two floats:
-// no padding).
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (two pointers, two floats,
+// two u32s: no padding).
 unsafe impl DeviceRepr for DirectArgs {}
 
 /// Buffers and sizes of the fused kernels (`LegendFused` in `kernels/fused.cuh`).

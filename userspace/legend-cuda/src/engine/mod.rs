@@ -28,7 +28,7 @@ use std::ops::Range;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-use legend_model::{AdaGrad, ChunkModel, Decoder, Loss, Permutation, StateLayout};
+use legend_model::{AdaGrad, ChunkModel, Decoder, Loss, Permutation};
 
 use crate::error::DriverContext;
 use crate::gpu::grid_1d;
@@ -750,6 +750,8 @@ impl GpuBatchEngine {
                 uses: if direct { gpu.ptr(&nodes.uses) } else { 0 },
                 lr: self.optimizer.lr,
                 eps: self.optimizer.eps,
+                row_wise: u32::from(nodes.state_width != nodes.dim),
+                pad: 0,
             };
             let mut b = s.launch_builder(&kern.rows_backward);
             b.arg(&job_args)
@@ -855,17 +857,15 @@ impl GpuBatchEngine {
     /// Queues one full step on the current batch and negatives: the result of
     /// [`forward_backward`](Self::forward_backward) then [`apply`](Self::apply), but the node
     /// rows the batch uses once (most of them) take their AdaGrad step in the backward
-    /// kernels, without the gradient table's atomics, clearing and second pass. With
-    /// row-wise state every row goes through the gradient table: its step needs the whole
-    /// row's gradient first.
+    /// kernels, without the gradient table's atomics, clearing and second pass (with
+    /// row-wise state, after the warp has stored the row's whole gradient).
     pub fn step(
         &mut self,
         gpu: &Gpu,
         nodes: &mut DeviceTable,
         mut rels: Option<&mut DeviceTable>,
     ) -> Result<(), GpuError> {
-        let direct = self.optimizer.state == StateLayout::Element;
-        self.passes(gpu, nodes, rels.as_deref_mut(), direct)?;
+        self.passes(gpu, nodes, rels.as_deref_mut(), true)?;
         self.apply(gpu, nodes, rels)
     }
 
