@@ -173,6 +173,8 @@ pub struct Session {
     meta: RunMeta,
     position: Position,
     engine: String,
+    /// The SMART log of the `nvme` backend's controller, read when the run opened it.
+    device_health: Option<legend_nvme::Health>,
 }
 
 /// The metrics file of a run.
@@ -311,6 +313,7 @@ impl Session {
         let gpu_engine = matches!(device, Device::Cuda { .. });
         let engine = device.describe();
         let mut direct = None;
+        let mut device_health = None;
         let (buffer, relations, position) = if config.uses_store() {
             let queue = meta.store_queue.or(config.queue_location());
             let recorded = meta.store.clone();
@@ -343,6 +346,7 @@ impl Session {
                 store
             };
             let position = Position::decode(store.progress())?;
+            device_health = store.controller().and_then(read_health);
             let relations = match store.aux(relation_floats * 8)? {
                 Some(bytes) if position != Position::default() => {
                     let all: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
@@ -409,6 +413,7 @@ impl Session {
             meta,
             position,
             engine,
+            device_health,
         })
     }
 
@@ -462,8 +467,12 @@ impl Session {
         } else {
             String::new()
         };
+        let wear = self
+            .device_health
+            .as_ref()
+            .map_or_else(String::new, describe_wear);
         format!(
-            "training {} d={} on {} ({} entities, {} relations, {} train edges); engine {}, {} backend, {} partitions, buffer {}, order {} ({} buffer states per epoch){writes}",
+            "training {} d={} on {} ({} entities, {} relations, {} train edges); engine {}, {} backend, {} partitions, buffer {}, order {} ({} buffer states per epoch){writes}{wear}",
             self.config.decoder(),
             self.config.model.dim,
             self.dataset.dir().display(),
@@ -708,6 +717,30 @@ pub fn store_bytes_per_epoch(entities: u64, shape: RowShape, plan: &legend_plann
     let n = u64::from(plan.num_partitions.max(1));
     let partition = entities.div_ceil(n) * shape.bytes();
     plan.io_count.saturating_sub(1) as u64 * partition
+}
+
+/// The SMART log of an `nvme` store's controller (a warning, and nothing, if it cannot be
+/// read: the run does not depend on it).
+fn read_health(controller: &crate::controllers::SharedController) -> Option<legend_nvme::Health> {
+    match controller {
+        crate::controllers::SharedController::Device(d) => d
+            .health()
+            .inspect_err(|e| tracing::warn!("reading the controller's SMART log: {e}"))
+            .ok(),
+        crate::controllers::SharedController::Proxy(_) => None,
+    }
+}
+
+/// What a controller's SMART log says of its wear, for the run's first log line: users weigh
+/// what an epoch writes against it.
+fn describe_wear(h: &legend_nvme::Health) -> String {
+    // A data unit is 1000 blocks of 512 bytes.
+    let written = h.data_units_written as f64 * 512_000.0;
+    format!(
+        "; the device reports {}% of its rated endurance used, {:.2} TB written in its life",
+        h.percentage_used,
+        written / 1e12
+    )
 }
 
 /// Training time per second of checkpoint writing, at the least: checkpoints take at most
@@ -959,6 +992,26 @@ mod tests {
         // One partition: nothing moves.
         let one = legend_planner::plan(1, 1, legend_planner::Order::Auto).unwrap();
         assert_eq!(store_bytes_per_epoch(1000, element, &one), 0);
+    }
+
+    #[test]
+    fn the_wear_line_says_percent_used_and_bytes_written() {
+        let h = legend_nvme::Health {
+            critical_warning: 0,
+            temperature_kelvin: 300,
+            available_spare: 100,
+            percentage_used: 3,
+            data_units_read: 0,
+            // 1.5 TB in 1000 × 512-byte units.
+            data_units_written: 2_929_688,
+            power_on_hours: 0,
+            unsafe_shutdowns: 0,
+            media_errors: 0,
+        };
+        assert_eq!(
+            describe_wear(&h),
+            "; the device reports 3% of its rated endurance used, 1.50 TB written in its life"
+        );
     }
 
     #[test]

@@ -26,9 +26,14 @@ const WORK: &str = "/tmp/train";
 const START_LBA: &str = "storage.start_lba=10240";
 
 fn legendctl(args: &[&str]) -> Result<String, String> {
+    legendctl_logging(args, "warn").map(|(stdout, _)| stdout)
+}
+
+/// `legendctl` with its log at `level`: its standard output and its log.
+fn legendctl_logging(args: &[&str], level: &str) -> Result<(String, String), String> {
     let o = Command::new(LEGENDCTL)
         .args(args)
-        .env("LEGEND_LOG", "warn")
+        .env("LEGEND_LOG", level)
         .output()
         .map_err(|e| format!("run {LEGENDCTL}: {e}"))?;
     if !o.status.success() {
@@ -38,7 +43,10 @@ fn legendctl(args: &[&str]) -> Result<String, String> {
             String::from_utf8_lossy(&o.stderr).trim()
         ));
     }
-    Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+    Ok((
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    ))
 }
 
 /// The dataset every run here trains (made once).
@@ -101,14 +109,14 @@ fn train_args(out: &str, backend: &str, extra: &[&str]) -> Vec<String> {
     a
 }
 
-/// A fresh run (with `--dataset`).
-fn train(out: &str, backend: &str) -> Result<Duration, String> {
+/// A fresh run (with `--dataset`): how long it took, and its log.
+fn train(out: &str, backend: &str) -> Result<(Duration, String), String> {
     let ds = dataset()?;
     let mut a = train_args(out, backend, &[]);
     a.splice(1..1, ["--dataset".to_string(), ds]);
     let start = Instant::now();
-    legendctl(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
-    Ok(start.elapsed())
+    let (_, log) = legendctl_logging(&a.iter().map(String::as_str).collect::<Vec<_>>(), "info")?;
+    Ok((start.elapsed(), log))
 }
 
 /// The exported entity and relation tables of a run.
@@ -135,7 +143,7 @@ fn reference() -> Result<Vec<u8>, String> {
 fn test_train_equals_file() -> TestResult {
     let want = reference()?;
     let run = format!("{WORK}/nvme");
-    let took = train(&run, "nvme")?;
+    let (took, log) = train(&run, "nvme")?;
     let got = tables(&run)?;
     println!(
         "[guest] nvme backend: 3 epochs in {:.1} s",
@@ -147,7 +155,13 @@ fn test_train_equals_file() -> TestResult {
     let meta = std::fs::read_to_string(format!("{run}/run.toml")).map_err(|e| e.to_string())?;
     check(meta.contains("backend = \"nvme\""), || {
         format!("run.toml does not record the nvme store: {meta}")
-    })
+    })?;
+    // The first line says what an epoch writes and how worn the device says it is.
+    check(
+        log.contains("written to the store an epoch")
+            && log.contains("of its rated endurance used"),
+        || format!("the run's log does not report the device's wear: {log}"),
+    )
 }
 
 /// Killed at two moments of training or checkpointing, then resumed: the tables of an
@@ -155,7 +169,7 @@ fn test_train_equals_file() -> TestResult {
 fn test_sigkill_resume() -> TestResult {
     let want = reference()?;
     let ds = dataset()?;
-    let full = train(&format!("{WORK}/nvme-timing"), "nvme")?;
+    let (full, _) = train(&format!("{WORK}/nvme-timing"), "nvme")?;
     for (trial, frac) in [0.35, 0.7].into_iter().enumerate() {
         let out = format!("{WORK}/kill{trial}");
         let mut a = train_args(&out, "nvme", &[]);
@@ -250,6 +264,7 @@ fn test_command_error() -> TestResult {
         },
         num_nodes: 8192,
         dim: 32,
+        state_width: 32,
         num_partitions: 4,
         aux_bytes: 64,
         progress_capacity: 64,
