@@ -70,6 +70,9 @@ fn main() -> ExitCode {
         // Colour codes only on a terminal, not in logs and pipes.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
+        // A log line that cannot be written (a closed pipe, a full disk) is lost, never fatal:
+        // the default reports it with `eprintln!`, which panics when stderr fails, mid-run.
+        .log_internal_errors(false)
         .init();
     let result = match cli.command {
         Command::Import(args) => cmd::import::run(args),

@@ -407,3 +407,29 @@ fn sampled_eval_of_a_run_reproduces_its_own_figure() {
         "--seed overrides the run's"
     );
 }
+
+/// A log that cannot be written (here a pipe nobody reads: every write fails with EPIPE, as
+/// a terminal closed under a long run would) loses its lines and nothing else: training runs
+/// to its end. The logger's default reports a failed write with `eprintln!`, which panicked
+/// on the same stderr at the first line.
+#[test]
+fn training_survives_a_log_it_cannot_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = graph(dir.path());
+    let out = dir.path().join("run");
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let status = std::process::Command::new(common::bin())
+        .args(train_args(
+            &ds,
+            &out,
+            &["training.num_epochs=2", "model.dim=8"],
+        ))
+        .env("LEGEND_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(writer)
+        .status()
+        .unwrap();
+    assert!(status.success(), "{status}");
+    assert!(out.join("run.toml").exists());
+}

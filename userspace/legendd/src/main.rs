@@ -56,6 +56,10 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .with_target(false)
+        // A log line that cannot be written (a full disk, a file over its size limit, a closed
+        // pipe) is lost, never fatal: the default reports it with `eprintln!`, which panics
+        // when stderr fails, and the daemon with it.
+        .log_internal_errors(false)
         .init();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,

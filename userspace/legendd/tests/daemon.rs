@@ -1381,8 +1381,15 @@ fn a_submission_that_cannot_be_saved_is_refused_not_lost() {
     let dir = tempfile::tempdir().unwrap();
     let run = broken_run(dir.path());
     // The daemon may write no file larger than 64 bytes (SIGXFSZ ignored, so writes fail
-    // with EFBIG instead): its job records cannot be saved, as on a full disk.
+    // with EFBIG instead): its job records cannot be saved, as on a full disk. Its log goes to
+    // a file already past the limit, so that no log line can be written either: the daemon
+    // must go on without them (it once panicked on the first, and how the test's own stderr
+    // was connected decided whether the test failed).
+    let log = dir.path().join("legendd.log");
+    std::fs::write(&log, [b'#'; 100]).unwrap();
+    let log = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
     let d = Daemon::start_with(dir.path(), |command| {
+        command.env("LEGEND_LOG", "debug").stderr(log);
         // SAFETY: only async-signal-safe calls between fork and exec.
         unsafe {
             std::os::unix::process::CommandExt::pre_exec(command, || {
