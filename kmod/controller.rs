@@ -88,7 +88,7 @@ extern "C" {
         bus: *mut u8,
         devfn: *mut u8,
     );
-    fn legend_shim_iommu_isolated(dev: *mut bindings::device) -> c_int;
+    fn legend_shim_iommu_isolated(dev: *mut bindings::device, group_id: *mut c_int) -> c_int;
     fn legend_shim_taint_unsafe();
     fn legend_shim_set_master(dev: *mut bindings::device, on: bool);
     fn legend_shim_pci_class(dev: *mut bindings::device) -> u32;
@@ -211,6 +211,27 @@ pub(crate) struct Stats {
     pub(crate) failed: AtomicU32,
     /// Times the controller was enabled again after a failure.
     pub(crate) resets: AtomicU64,
+    /// The admin queue's [`admin::View`], for debugfs: bus addresses of SQ, CQ and the last data
+    /// page, then SQ tail, CQ head, phase and next command identifier.
+    pub(crate) admin_view: [AtomicU64; 7],
+}
+
+impl Stats {
+    fn show_admin(&self, admin: &AdminQueue) {
+        let v = admin.view();
+        let values = [
+            v.sq_bus,
+            v.cq_bus,
+            v.data_bus,
+            u64::from(v.sq_tail),
+            u64::from(v.cq_head),
+            u64::from(v.phase),
+            u64::from(v.next_cid),
+        ];
+        for (slot, value) in self.admin_view.iter().zip(values) {
+            slot.store(value, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Capabilities read from CAP during bring-up.
@@ -293,9 +314,16 @@ fn enable(bar: &Bar0<'_>, admin: &AdminQueue, caps: &Caps) -> Result {
     wait_ready(bar, true, caps.timeout_ms)
 }
 
-/// Runs a bring-up or recovery admin command; any failure is an error.
-fn run_admin(admin: &mut AdminQueue, bar: &Bar0<'_>, cmd: Command) -> Result<u32> {
-    let c = admin.submit(bar, &cmd)?;
+/// Runs a bring-up or recovery admin command, with a data page copied to `data` if given; any
+/// failure is an error.
+fn run_admin(
+    dev: &device::Device<device::Bound>,
+    admin: &mut AdminQueue,
+    bar: &Bar0<'_>,
+    cmd: Command,
+    data: Option<&mut [u8]>,
+) -> Result<u32> {
+    let c = admin.submit(dev, bar, &cmd, data)?;
     if c.status != 0 {
         return Err(EIO);
     }
@@ -303,9 +331,14 @@ fn run_admin(admin: &mut AdminQueue, bar: &Bar0<'_>, cmd: Command) -> Result<u32
 }
 
 /// Set Features, Number of Queues: the I/O queue pairs granted (both counts are zero based).
-fn set_queue_count(admin: &mut AdminQueue, bar: &Bar0<'_>) -> Result<u32> {
+fn set_queue_count(
+    dev: &device::Device<device::Bound>,
+    admin: &mut AdminQueue,
+    bar: &Bar0<'_>,
+) -> Result<u32> {
     let want = WANTED_QUEUE_PAIRS - 1;
     let granted = run_admin(
+        dev,
         admin,
         bar,
         Command {
@@ -313,8 +346,44 @@ fn set_queue_count(admin: &mut AdminQueue, bar: &Bar0<'_>) -> Result<u32> {
             cdw: [FEAT_NUM_QUEUES, (want << 16) | want, 0, 0, 0, 0],
             ..Default::default()
         },
+        None,
     )?;
     Ok((granted & 0xffff).min(granted >> 16).min(want) + 1)
+}
+
+/// The first [`uapi::MAX_NAMESPACES`] IDs of an Active Namespace ID list, zero-terminated. The
+/// list must ascend and stay within `max_nsid` (Identify Controller's NN); it ends at the first
+/// ID that does not.
+fn active_nsids(list: &[u8], max_nsid: u32) -> [u32; uapi::MAX_NAMESPACES] {
+    let mut out = [0u32; uapi::MAX_NAMESPACES];
+    let mut last = 0;
+    for (i, slot) in out.iter_mut().enumerate() {
+        let nsid = le32(list, i * 4);
+        if nsid <= last || nsid > max_nsid {
+            break;
+        }
+        *slot = nsid;
+        last = nsid;
+    }
+    out
+}
+
+/// What Identify Namespace data says about namespace `nsid`, or `None` where its format is not
+/// usable: no blocks, a format index beyond NLBAF, or a block size outside 2^9 to 2^16 bytes.
+fn namespace_info(nsid: u32, id: &[u8]) -> Option<uapi::NamespaceInfo> {
+    let blocks = le64(id, 0);
+    let (nlbaf, lbaf) = (usize::from(id[25]), usize::from(id[26] & 0xf));
+    if blocks == 0 || lbaf > nlbaf {
+        return None;
+    }
+    let lba_shift = (le32(id, 128 + 4 * lbaf) >> 16) & 0xff;
+    (9..=16)
+        .contains(&lba_shift)
+        .then_some(uapi::NamespaceInfo {
+            nsid,
+            lba_shift,
+            blocks,
+        })
 }
 
 fn le32(b: &[u8], off: usize) -> u32 {
@@ -340,11 +409,39 @@ fn stop_dma(pdev: &pci::Device, bar: Option<&Bar0<'_>>, timeout_ms: i64) -> bool
     false
 }
 
-/// Checks that the controller's DMA is confined by a translating IOMMU to its own group.
+/// Checks that the controller's DMA is confined by a translating IOMMU to its own group, in a
+/// domain that invalidates the IOTLB when a mapping is undone (strict), so memory can be unpinned
+/// right after its unmap.
 fn check_isolation(pdev: &pci::Device) -> Result {
+    let mut group = -1;
     // SAFETY: `pdev` is a valid PCI device.
-    let ret = unsafe { legend_shim_iommu_isolated(raw_device(pdev.as_ref())) };
+    let ret = unsafe { legend_shim_iommu_isolated(raw_device(pdev.as_ref()), &mut group) };
     if ret == 0 {
+        return Ok(());
+    }
+    if ret == EAGAIN.to_errno() {
+        if !crate::module_parameters::enable_unsafe_lazy_iotlb.value() {
+            dev_err!(
+                pdev.as_ref(),
+                "refusing to bind: its IOMMU domain invalidates lazily (DMA-FQ), so memory it \
+                 unmapped stays reachable for milliseconds after it is unpinned; make the group \
+                 strict while no driver is bound: echo DMA > /sys/kernel/iommu_groups/{}/type \
+                 (legendctl device bind does), or boot with iommu.strict=1 (or load \
+                 legend_nvme with enable_unsafe_lazy_iotlb=1 to accept that, tainting the \
+                 kernel)\n",
+                group
+            );
+            return Err(EPERM);
+        }
+        // SAFETY: plain C call.
+        unsafe { legend_shim_taint_unsafe() };
+        dev_warn!(
+            pdev.as_ref(),
+            "UNSAFE: bound with lazy IOTLB invalidation (/sys/kernel/iommu_groups/{}/type is \
+             DMA-FQ): the queue writer can reach memory for milliseconds after it was unpinned; \
+             kernel tainted\n",
+            group
+        );
         return Ok(());
     }
     let (why, fix) = if ret == EXDEV.to_errno() {
@@ -443,6 +540,8 @@ impl Controller {
             stop_dma(pdev, None, caps.timeout_ms);
         })?;
         let pdev_ref: &pci::Device = pdev;
+        let stats = Stats::default();
+        stats.show_admin(&admin);
         Arc::pin_init(
             try_pin_init!(Self {
                 pdev: pdev_ref.into(),
@@ -450,7 +549,7 @@ impl Controller {
                 caps,
                 doorbell_base,
                 doorbell_phys,
-                stats: Stats::default(),
+                stats,
                 state <- new_mutex!(State {
                     live: Some(Live { bar, admin, failed: false, epoch: 0 }),
                     maps: KVec::new(),
@@ -484,23 +583,23 @@ impl Controller {
             )
         })?;
         let mut buf = KVec::from_elem(0u8, admin::DATA_LEN, GFP_KERNEL)?;
-        let run = |admin: &mut AdminQueue, cmd: Command, what: &str| -> Result<u32> {
-            run_admin(admin, bar, cmd).inspect_err(|e| dev_err!(pdev, "{} failed: {:?}\n", what, e))
+        let dev: &device::Device<device::Bound> = pdev.as_ref();
+        let run = |admin: &mut AdminQueue, cmd: Command, buf: &mut [u8], what: &str| {
+            run_admin(dev, admin, bar, cmd, Some(buf))
+                .inspect_err(|e| dev_err!(pdev, "{} failed: {:?}\n", what, e))
         };
 
         // Identify Controller (CNS 1).
-        let data = admin.data_dma();
         run(
             admin,
             Command {
                 opcode: uapi::ADMIN_OPC_IDENTIFY,
-                prp1: data,
                 cdw: [1, 0, 0, 0, 0, 0],
                 ..Default::default()
             },
+            &mut buf,
             "Identify Controller",
         )?;
-        admin.data(&mut buf);
         let mut info = uapi::Info {
             abi_version: uapi::ABI_VERSION,
             pci_domain: 0,
@@ -532,52 +631,50 @@ impl Controller {
         info.serial.copy_from_slice(&buf[4..24]);
         info.model.copy_from_slice(&buf[24..64]);
         info.firmware.copy_from_slice(&buf[64..72]);
+        // Number of Namespaces: the largest valid namespace ID.
+        let max_nsid = le32(&buf, 516);
 
         // Active Namespace ID list (CNS 2), then Identify Namespace (CNS 0) for each.
         run(
             admin,
             Command {
                 opcode: uapi::ADMIN_OPC_IDENTIFY,
-                prp1: data,
                 cdw: [2, 0, 0, 0, 0, 0],
                 ..Default::default()
             },
+            &mut buf,
             "Identify active namespaces",
         )?;
-        admin.data(&mut buf);
-        let mut nsids = [0u32; uapi::MAX_NAMESPACES];
+        let nsids = active_nsids(&buf, max_nsid);
         let mut count = 0;
-        for (i, slot) in nsids.iter_mut().enumerate() {
-            let nsid = le32(&buf, i * 4);
-            if nsid == 0 {
-                break;
-            }
-            *slot = nsid;
-            count += 1;
-        }
-        for (i, &nsid) in nsids[..count].iter().enumerate() {
+        for &nsid in nsids.iter().take_while(|&&n| n != 0) {
             run(
                 admin,
                 Command {
                     opcode: uapi::ADMIN_OPC_IDENTIFY,
                     nsid,
-                    prp1: data,
                     ..Default::default()
                 },
+                &mut buf,
                 "Identify Namespace",
             )?;
-            admin.data(&mut buf);
-            let lbaf = usize::from(buf[26] & 0xf);
-            info.namespaces[i] = uapi::NamespaceInfo {
-                nsid,
-                lba_shift: (le32(&buf, 128 + 4 * lbaf) >> 16) & 0xff,
-                blocks: le64(&buf, 0),
-            };
+            match namespace_info(nsid, &buf) {
+                Some(ns) => {
+                    info.namespaces[count] = ns;
+                    count += 1;
+                }
+                None => dev_warn!(
+                    pdev,
+                    "namespace {} has no usable format (size 0, LBA format beyond NLBAF, or \
+                     block size outside 512 B to 64 KiB): skipped\n",
+                    nsid
+                ),
+            }
         }
         // CAST: `count <= MAX_NAMESPACES`.
         info.num_namespaces = count as u32;
 
-        let mut pairs = set_queue_count(admin, bar)
+        let mut pairs = set_queue_count(dev, admin, bar)
             .inspect_err(|e| dev_err!(pdev, "Set Features (number of queues) failed: {:?}\n", e))?;
         // Doorbells of qid 0..=pairs must fit in BAR0.
         let room = bar_len
@@ -675,7 +772,7 @@ impl Controller {
         unsafe { legend_shim_set_master(raw_device(self.dev()), true) };
         let mut admin = AdminQueue::new(dev, self.caps.stride)?;
         let granted = enable(bar, &admin, &self.caps)
-            .and_then(|()| set_queue_count(&mut admin, bar))
+            .and_then(|()| set_queue_count(dev, &mut admin, bar))
             .inspect_err(|_| {
                 stop_dma(&self.pdev, Some(bar), self.caps.timeout_ms);
             })?;
@@ -690,6 +787,7 @@ impl Controller {
             return Err(EIO);
         }
         live.admin = admin;
+        self.stats.show_admin(&live.admin);
         live.failed = false;
         self.stats.failed.store(0, Ordering::Relaxed);
         self.stats.resets.fetch_add(1, Ordering::Relaxed);
@@ -697,9 +795,14 @@ impl Controller {
         Ok(())
     }
 
-    /// Runs an admin command, counting it. A timeout or a completion that does not match quiesces
-    /// the controller.
-    fn admin(&self, live: &mut Live, cmd: &Command) -> Result<admin::Completion> {
+    /// Runs an admin command, counting it, with a data page copied to `data` if given. A timeout
+    /// or a completion that does not match quiesces the controller.
+    fn admin(
+        &self,
+        live: &mut Live,
+        cmd: &Command,
+        data: Option<&mut [u8]>,
+    ) -> Result<admin::Completion> {
         if live.failed {
             return Err(EIO);
         }
@@ -709,9 +812,12 @@ impl Controller {
         let dev = unsafe { self.dev().as_bound() };
         let Live { bar, admin, .. } = &mut *live;
         // `access` rather than `try_access`: polling sleeps, which an RCU read section forbids.
-        let result = admin.submit(bar.access(dev)?, cmd);
+        let result = admin.submit(dev, bar.access(dev)?, cmd, data);
+        self.stats.show_admin(&live.admin);
         result.map_err(|fault| {
-            self.quiesce(live, "admin queue failed");
+            if fault != admin::Fault::NoMemory {
+                self.quiesce(live, "admin queue failed");
+            }
             fault.into()
         })
     }
@@ -923,6 +1029,11 @@ impl Controller {
         let mut guard = self.state.lock();
         let state = &mut *guard;
         self.recover(Self::live(state)?)?;
+        // Commands of a new queue could still name the freed GPU memory's bus addresses: the
+        // owner first acknowledges the revocation by unmapping it.
+        if state.maps.iter().any(|m| m.owner == owner && m.revoked) {
+            return Err(ENXIO);
+        }
         if state.queues.iter().any(|q| q.qid == args.qid) {
             return Err(EBUSY);
         }
@@ -950,6 +1061,7 @@ impl Controller {
                 cdw: [size_qid, 1, 0, 0, 0, 0],
                 ..Default::default()
             },
+            None,
         )?;
         if c.status != 0 {
             dev_err!(
@@ -968,6 +1080,7 @@ impl Controller {
                 cdw: [size_qid, (args.qid << 16) | 1, 0, 0, 0, 0],
                 ..Default::default()
             },
+            None,
         )?;
         if c.status != 0 {
             dev_err!(
@@ -1019,6 +1132,7 @@ impl Controller {
                         cdw: [qid, 0, 0, 0, 0, 0],
                         ..Default::default()
                     },
+                    None,
                 )
                 .map_err(|_| EIO)?;
             if c.status != 0 {
@@ -1107,18 +1221,20 @@ impl Controller {
         let mut guard = self.state.lock();
         let live = Self::live(&mut guard)?;
         self.recover(live)?;
-        let prp1 = live.admin.data_dma();
+        // The command's data lands in a kernel page first: `data` changes only on success.
+        let mut page = KVec::from_elem(0u8, data.len(), GFP_KERNEL)?;
         let c = self.admin(
             live,
             &Command {
                 opcode: args.opcode,
                 nsid: args.nsid,
-                prp1,
+                prp1: 0,
                 cdw,
             },
+            Some(&mut page),
         )?;
         if c.status == 0 {
-            live.admin.data(data);
+            data.copy_from_slice(&page);
         }
         Ok(c)
     }

@@ -1,14 +1,21 @@
 // SPDX-License-Identifier: GPL-2.0-only
 
-//! Pinned host memory and its streaming DMA mappings for one controller.
+//! Pinned host memory and kernel pages, and their streaming DMA mappings for one controller.
 //!
 //! The `unsafe` calls into the C shim are kept here: a [`HostPages`] owns its page pins, their
 //! charge against the pinning process's locked-memory limit, and its DMA mappings, and releases
-//! all three when dropped.
+//! all three when dropped; a [`DmaPage`] owns a kernel page and its mapping.
+//!
+//! Unmapping happens before unpinning or freeing, always: probe admits only strict IOMMU
+//! domains, where `dma_unmap_page` returns after the IOTLB no longer translates the address, so
+//! nothing the controller is told (or a forged completion claims) decides when memory leaves
+//! its reach.
 
 use kernel::{
     bindings,
     device,
+    dma::DataDirection,
+    page::Page,
     prelude::*,
     sync::aref::ARef, //
 };
@@ -35,9 +42,109 @@ extern "C" {
     fn legend_shim_dma_map_page(
         dev: *mut bindings::device,
         page: *mut bindings::page,
+        dir: c_int,
         bus: *mut u64,
     ) -> c_int;
-    fn legend_shim_dma_unmap_page(dev: *mut bindings::device, bus: u64);
+    fn legend_shim_dma_unmap_page(dev: *mut bindings::device, bus: u64, dir: c_int);
+}
+
+/// `dir` as the C enum's value.
+fn raw_dir(dir: DataDirection) -> c_int {
+    // CAST: the enum's values are 0 to 3.
+    dir as u32 as c_int
+}
+
+/// Maps `page` for `dev` in direction `dir`; the bus address.
+///
+/// # Safety
+///
+/// `page` is a valid page that stays allocated (or pinned) until the mapping is undone with
+/// [`unmap_page`], and `dev` is bound until then.
+unsafe fn map_page(
+    dev: &device::Device,
+    page: *mut bindings::page,
+    dir: DataDirection,
+) -> Result<u64> {
+    let mut bus = 0u64;
+    // SAFETY: by the function's contract.
+    let ret = unsafe { legend_shim_dma_map_page(raw_device(dev), page, raw_dir(dir), &mut bus) };
+    if ret == EOPNOTSUPP.to_errno() {
+        dev_err!(
+            dev,
+            "DMA to the pages would need bounce buffers (SWIOTLB) or sync calls: refused\n"
+        );
+    }
+    if ret != 0 {
+        return Err(Error::from_errno(ret));
+    }
+    Ok(bus)
+}
+
+/// Undoes [`map_page`]; in the strict domain probe requires, the controller can no longer reach
+/// the page when this returns.
+///
+/// # Safety
+///
+/// `bus` is a live mapping made by [`map_page`] for `dev` with `dir`; `dev` is bound.
+unsafe fn unmap_page(dev: &device::Device, bus: u64, dir: DataDirection) {
+    // SAFETY: by the function's contract.
+    unsafe { legend_shim_dma_unmap_page(raw_device(dev), bus, raw_dir(dir)) };
+}
+
+/// A zeroed kernel page mapped for one device in one direction (`ToDevice`: the IOMMU lets the
+/// device only read it).
+///
+/// # Invariants
+///
+/// `bus` is a live mapping of `page` for `dev` with `dir`, undone by `Drop` or [`DmaPage::unmap`].
+pub(crate) struct DmaPage {
+    dev: ARef<device::Device>,
+    page: Page,
+    bus: u64,
+    dir: DataDirection,
+}
+
+impl DmaPage {
+    /// Allocates a zeroed page and maps it. `dev` must stay bound until the result is dropped.
+    pub(crate) fn new(dev: &device::Device<device::Bound>, dir: DataDirection) -> Result<Self> {
+        let page = Page::alloc_page(GFP_KERNEL | __GFP_ZERO)?;
+        // SAFETY: `page` is kept in the result until the mapping is undone; `dev` is bound.
+        let bus = unsafe { map_page(dev, page.as_ptr(), dir)? };
+        // INVARIANT: just mapped.
+        Ok(Self {
+            dev: dev.into(),
+            page,
+            bus,
+            dir,
+        })
+    }
+
+    pub(crate) fn bus(&self) -> u64 {
+        self.bus
+    }
+
+    /// The page, for the CPU's reads and writes.
+    pub(crate) fn page(&self) -> &Page {
+        &self.page
+    }
+
+    /// Undoes the mapping and hands the page back.
+    pub(crate) fn unmap(self) -> Page {
+        let this = core::mem::ManuallyDrop::new(self);
+        // SAFETY: by the invariants; the caller's contract of `new` keeps `dev` bound.
+        unsafe { unmap_page(&this.dev, this.bus, this.dir) };
+        // SAFETY: each field is moved out once, and `this` is never dropped.
+        let (page, dev) = unsafe { (core::ptr::read(&this.page), core::ptr::read(&this.dev)) };
+        drop(dev);
+        page
+    }
+}
+
+impl Drop for DmaPage {
+    fn drop(&mut self) {
+        // SAFETY: by the invariants; the caller's contract of `new` keeps `dev` bound.
+        unsafe { unmap_page(&self.dev, self.bus, self.dir) };
+    }
 }
 
 /// The C `struct device` of `dev`.
@@ -109,20 +216,9 @@ impl HostPages {
             mm,
         };
         for i in 0..npages {
-            let mut bus = 0u64;
-            // SAFETY: `pages[i]` is a pinned page and `dev` is a bound device (the caller's
-            // contract).
-            let ret =
-                unsafe { legend_shim_dma_map_page(raw_device(&this.dev), this.pages[i], &mut bus) };
-            if ret != 0 {
-                if ret == EOPNOTSUPP.to_errno() {
-                    dev_err!(
-                        this.dev,
-                        "DMA to user pages would need bounce buffers (SWIOTLB) or sync calls: refused\n"
-                    );
-                }
-                return Err(Error::from_errno(ret));
-            }
+            // SAFETY: `pages[i]` is pinned until `Drop`, which unmaps first; `dev` is a bound
+            // device (the caller's contract).
+            let bus = unsafe { map_page(dev, this.pages[i], DataDirection::Bidirectional)? };
             // Capacity reserved above: cannot fail.
             this.bus.push(bus, GFP_KERNEL)?;
         }
@@ -144,7 +240,7 @@ impl Drop for HostPages {
     fn drop(&mut self) {
         for &bus in self.bus.iter() {
             // SAFETY: by the invariants `bus` is a live mapping for `dev`.
-            unsafe { legend_shim_dma_unmap_page(raw_device(&self.dev), bus) };
+            unsafe { unmap_page(&self.dev, bus, DataDirection::Bidirectional) };
         }
         // SAFETY: by the invariants each page is pinned once by this object and charged to `mm`,
         // whose reference this releases.

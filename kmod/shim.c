@@ -6,6 +6,7 @@
  * ownership rules.
  */
 #include <linux/capability.h>
+#include <linux/debugfs.h>
 #include <linux/dma-mapping.h>
 #include <linux/fs.h>
 #include <linux/iommu.h>
@@ -63,23 +64,31 @@ void legend_shim_unpin_user(struct page **pages, unsigned long npages, struct mm
  * buffers, non-coherent DMA): the device reads and writes these pages for as long as they are
  * mapped, with no point at which a sync could run.
  */
-int legend_shim_dma_map_page(struct device *dev, struct page *page, u64 *bus)
+/*
+ * Streaming mapping of one page. Refused where the DMA API would need sync calls (SWIOTLB bounce
+ * buffers, non-coherent DMA): the device reads and writes these pages for as long as they are
+ * mapped, with no point at which a sync could run. dir is the device's access: DMA_TO_DEVICE
+ * makes the IOMMU mapping read-only for the device, DMA_FROM_DEVICE write-only where the IOMMU
+ * can express it. In the strict domain probe requires, unmapping invalidates the IOTLB before it
+ * returns, so the page may be freed or unpinned right after.
+ */
+int legend_shim_dma_map_page(struct device *dev, struct page *page, int dir, u64 *bus)
 {
-	dma_addr_t addr = dma_map_page(dev, page, 0, PAGE_SIZE, DMA_BIDIRECTIONAL);
+	dma_addr_t addr = dma_map_page(dev, page, 0, PAGE_SIZE, dir);
 
 	if (dma_mapping_error(dev, addr))
 		return -ENOMEM;
 	if (dma_need_sync(dev, addr)) {
-		dma_unmap_page(dev, addr, PAGE_SIZE, DMA_BIDIRECTIONAL);
+		dma_unmap_page(dev, addr, PAGE_SIZE, dir);
 		return -EOPNOTSUPP;
 	}
 	*bus = addr;
 	return 0;
 }
 
-void legend_shim_dma_unmap_page(struct device *dev, u64 bus)
+void legend_shim_dma_unmap_page(struct device *dev, u64 bus, int dir)
 {
-	dma_unmap_page(dev, bus, PAGE_SIZE, DMA_BIDIRECTIONAL);
+	dma_unmap_page(dev, bus, PAGE_SIZE, dir);
 }
 
 /*
@@ -127,7 +136,10 @@ void legend_shim_zap_file(struct file *file)
 /*
  * 0 if dev's DMA goes through a translating IOMMU domain and its IOMMU group holds no other
  * device; -ENODEV without an IOMMU or with an identity (passthrough) domain; -EXDEV if the group
- * is shared (another device in it could reach this one's DMA mappings, or the reverse).
+ * is shared (another device in it could reach this one's DMA mappings, or the reverse);
+ * -EAGAIN if the domain invalidates the IOTLB lazily (DMA-FQ: an unmapped IOVA keeps translating
+ * for up to ~10 ms, so memory unpinned after dma_unmap_page would still be reachable). *group_id
+ * is the group's number wherever there is a group (for the sysfs path in the refusal message).
  */
 static int legend_count_dev(struct device *dev, void *count)
 {
@@ -135,23 +147,27 @@ static int legend_count_dev(struct device *dev, void *count)
 	return 0;
 }
 
-int legend_shim_iommu_isolated(struct device *dev)
+int legend_shim_iommu_isolated(struct device *dev, int *group_id)
 {
 	struct iommu_domain *domain = iommu_get_domain_for_dev(dev);
 	struct iommu_group *group;
 	int count = 0;
 
+	*group_id = -1;
 	if (!domain || !iommu_is_dma_domain(domain))
 		return -ENODEV;
 	group = iommu_group_get(dev);
 	if (!group)
 		return -ENODEV;
+	*group_id = iommu_group_id(group);
 	iommu_group_for_each_dev(group, &count, legend_count_dev);
 	iommu_group_put(group);
-	return count == 1 ? 0 : -EXDEV;
+	if (count != 1)
+		return -EXDEV;
+	return domain->type == IOMMU_DOMAIN_DMA_FQ ? -EAGAIN : 0;
 }
 
-/* The unsafe_noiommu parameter runs the device without isolation: the kernel is no longer sound. */
+/* An unsafe parameter runs the device without full isolation: the kernel is no longer sound. */
 void legend_shim_taint_unsafe(void)
 {
 	add_taint(TAINT_USER, LOCKDEP_STILL_OK);
@@ -247,6 +263,75 @@ void legend_shim_sysfs_remove(struct legend_sysfs *s)
 {
 	sysfs_remove_group(&s->dev->kobj, &s->group);
 	kfree(s);
+}
+
+/*
+ * Read-only files under /sys/kernel/debug/legend_nvme-<BDF>/ with the admin queue's bus
+ * addresses and positions, for root (the selftests aim DMA at them to show that the writer
+ * cannot use them). Each read asks legend_nvme_stat() for one value, numbered after the sysfs
+ * ones.
+ */
+static const char *const legend_debug_names[] = {
+	"admin_sq_bus",
+	"admin_cq_bus",
+	"admin_data_bus",
+	"admin_sq_tail",
+	"admin_cq_head",
+	"admin_cq_phase",
+	"admin_next_cid",
+};
+
+struct legend_debug_file {
+	const void *ctx;
+	unsigned int which;
+};
+
+struct legend_debugfs {
+	struct dentry *dir;
+	struct legend_debug_file files[ARRAY_SIZE(legend_debug_names)];
+};
+
+static int legend_debug_get(void *data, u64 *val)
+{
+	struct legend_debug_file *f = data;
+
+	*val = legend_nvme_stat(f->ctx, f->which);
+	return 0;
+}
+DEFINE_DEBUGFS_ATTRIBUTE(legend_debug_fops, legend_debug_get, NULL, "0x%llx\n");
+
+/* Debugfs is optional: without it, or on failure, *out is NULL and nothing else changes. */
+void legend_shim_debugfs_add(struct device *dev, const void *ctx, struct legend_debugfs **out)
+{
+	struct legend_debugfs *d = kzalloc(sizeof(*d), GFP_KERNEL);
+	char name[64];
+	unsigned int i;
+
+	*out = NULL;
+	if (!d)
+		return;
+	snprintf(name, sizeof(name), "legend_nvme-%s", dev_name(dev));
+	d->dir = debugfs_create_dir(name, NULL);
+	if (IS_ERR(d->dir)) {
+		kfree(d);
+		return;
+	}
+	for (i = 0; i < ARRAY_SIZE(legend_debug_names); i++) {
+		d->files[i].ctx = ctx;
+		d->files[i].which = ARRAY_SIZE(legend_stat_names) + i;
+		debugfs_create_file_unsafe(legend_debug_names[i], 0400, d->dir, &d->files[i],
+					   &legend_debug_fops);
+	}
+	*out = d;
+}
+
+/* Returns once no read runs any more (debugfs_remove drains them). */
+void legend_shim_debugfs_remove(struct legend_debugfs *d)
+{
+	if (!d)
+		return;
+	debugfs_remove(d->dir);
+	kfree(d);
 }
 
 /*

@@ -65,7 +65,9 @@ fn test_admin_tamper() -> TestResult {
 const SCRATCH_LBA: u64 = 9000;
 
 /// Under a translating IOMMU, PRPs that name unmapped addresses (0, the MSI window, a page
-/// unmapped before) fault in the IOMMU and reach no memory; the queue and controller live on.
+/// unmapped just before, with no pause: the domain is strict, so UNMAP returns only after the
+/// IOMMU stopped translating it) fault in the IOMMU and reach no memory; the queue and
+/// controller live on.
 /// QEMU's controller completes such commands successfully (its DMA helpers drop the data),
 /// where hardware reports a Data Transfer Error: the evidence here is the IOMMU's fault in the
 /// kernel log and the unchanged page.
@@ -77,12 +79,18 @@ fn test_wild_prps() -> TestResult {
     let mut data = Buf::new(&dev, 2 * PAGE)?;
     let mut freed = Buf::new(&dev, PAGE)?;
     let freed_bus = freed.bus[0];
-    freed.slice().fill(0x5a);
+    let mut q = Queue::create_in(&dev, 1, 16, db.ptr, qmem)?;
+    // A Read into the page first: a lazily flushed IOTLB would keep its translation for
+    // milliseconds after UNMAP.
+    let st = q.rw(Opcode::Read, 100, 8, &freed, 0)?;
+    check(st.is_success(), || format!("read into the page: {st}"))?;
+    dev.delete_queue_pair(1)
+        .map_err(|e| format!("DELETE: errno {e}"))?;
     dev.unmap(freed.handle)
         .map_err(|e| format!("UNMAP: errno {e}"))?;
-    // Lazy IOMMU domains invalidate unmapped IOVAs within 10 ms.
-    std::thread::sleep(std::time::Duration::from_millis(50));
-    let mut q = Queue::create_in(&dev, 1, 16, db.ptr, qmem)?;
+    freed.slice().fill(0x5a);
+    let Queue { mem, .. } = q;
+    let mut q = Queue::create_in(&dev, 1, 16, db.ptr, mem)?;
     let mut e = Expectations::default();
     for (name, op, prp1) in [
         ("read into bus address 0", Opcode::Read, 0u64),
