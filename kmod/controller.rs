@@ -19,8 +19,10 @@
 //! # Locking
 //!
 //! All mutable state sits in [`Controller::state`], one mutex: admin commands are issued one at a
-//! time under it. Pinning memory runs outside it (a slow fault must not block everyone); unbind
-//! waits for pins in flight ([`State::pins_in_flight`]). The doorbell mapping has its own mutex,
+//! time under it. Pinning memory runs outside it (a slow fault must not block everyone): host
+//! pages are pinned with no device involved and mapped under the lock, so unbind never waits for
+//! a page fault; GPU pins need the device, and unbind waits for those in flight
+//! ([`State::pins_in_flight`]). The doorbell mapping has its own mutex,
 //! taken in the page-fault path (after `mmap_lock`), where nothing may wait for `state`.
 //! Order: `state`, then `doorbells`.
 //!
@@ -62,17 +64,22 @@ use crate::{
         AdminQueue,
         Command, //
     },
-    mapping::{
-        raw_device,
-        HostPages,
-        MAX_HOST_PAGES, //
-    },
-    p2p::{
-        GpuPages,
-        Revoker, //
-    },
+    mapping::raw_device,
+    p2p::Revoker,
     regs,
     uapi, //
+};
+
+#[path = "maps.rs"]
+mod maps;
+#[path = "queues.rs"]
+mod queues;
+
+use maps::Mapping;
+use queues::{
+    QueuePair,
+    OPC_DELETE_CQ,
+    OPC_DELETE_SQ, //
 };
 
 pub(crate) type Bar0<'a> = pci::Bar<'a, { regs::BAR0_MIN }>;
@@ -94,10 +101,6 @@ extern "C" {
     fn legend_shim_pci_class(dev: *mut bindings::device) -> u32;
 }
 
-const OPC_DELETE_SQ: u8 = 0x00;
-const OPC_CREATE_SQ: u8 = 0x01;
-const OPC_DELETE_CQ: u8 = 0x04;
-const OPC_CREATE_CQ: u8 = 0x05;
 const OPC_SET_FEATURES: u8 = 0x09;
 const FEAT_NUM_QUEUES: u32 = 0x07;
 
@@ -109,9 +112,6 @@ const WANTED_QUEUE_PAIRS: u32 = 64;
 
 /// Identifies an open file: a number no other open file of this module gets.
 pub(crate) type Owner = u64;
-
-/// Most 64 KiB pages one GPU mapping may pin (64 GiB).
-const MAX_GPU_PAGES: u64 = 1 << 20;
 
 /// The resources that exist only while the device is bound.
 struct Live {
@@ -125,58 +125,6 @@ struct Live {
     epoch: u64,
 }
 
-/// Memory behind a mapping.
-enum Memory {
-    Host(HostPages),
-    Gpu(GpuPages),
-}
-
-impl Memory {
-    fn bus_addrs(&self) -> &[u64] {
-        match self {
-            Self::Host(p) => p.bus_addrs(),
-            Self::Gpu(p) => p.bus_addrs(),
-        }
-    }
-
-    /// Bytes covered by one entry of [`Memory::bus_addrs`].
-    fn page_size(&self) -> u32 {
-        match self {
-            Self::Host(_) => uapi::HOST_PAGE_SIZE,
-            Self::Gpu(_) => uapi::GPU_PAGE_SIZE,
-        }
-    }
-
-    fn len(&self) -> usize {
-        match self {
-            Self::Host(p) => p.len(),
-            Self::Gpu(p) => p.len(),
-        }
-    }
-}
-
-/// A [`uapi::MapArgs`] mapping.
-///
-/// Dropping one may call into the NVIDIA driver, which may wait for its free callback, which
-/// takes the state lock: mappings are dropped only after the state lock is released.
-struct Mapping {
-    owner: Owner,
-    handle: u32,
-    memory: Memory,
-    /// NVIDIA freed the GPU memory ([`Revoker::revoke`]); no longer counted or usable.
-    revoked: bool,
-}
-
-/// An I/O queue pair created through [`uapi::IOCTL_CREATE_QUEUE_PAIR`].
-struct QueuePair {
-    owner: Owner,
-    qid: u32,
-    /// [`Live::epoch`] when it was created.
-    epoch: u64,
-    /// Bytes `[start, end)` of each ring within its mapping: `(handle, start, end)`.
-    rings: [(u32, u64, u64); 2],
-}
-
 pub(crate) struct State {
     live: Option<Live>,
     maps: KVec<Mapping>,
@@ -184,7 +132,7 @@ pub(crate) struct State {
     next_handle: u32,
     /// The open file that may map memory, create queues and map the doorbells.
     writer: Option<Owner>,
-    /// `MAP` calls pinning memory outside the lock; unbind waits until none is left.
+    /// `MAP` calls pinning GPU memory outside the lock; unbind waits until none is left.
     pins_in_flight: u32,
 }
 
@@ -708,11 +656,6 @@ impl Controller {
         state.live.as_mut().ok_or(ENODEV)
     }
 
-    /// Whether queue pair `q` exists on the controller.
-    fn on_device(live: Option<&Live>, q: &QueuePair) -> bool {
-        live.is_some_and(|l| !l.failed && l.epoch == q.epoch)
-    }
-
     /// Makes `owner` the controller's one writer.
     ///
     /// # Errors
@@ -820,376 +763,6 @@ impl Controller {
             }
             fault.into()
         })
-    }
-
-    /// Pins `args.len` bytes at `args.addr` for `owner`, hands the bus addresses to `publish`
-    /// (which copies them to the caller) and records the mapping; returns its handle and page
-    /// size.
-    ///
-    /// # Errors
-    ///
-    /// `EINVAL` for bad arguments, `E2BIG` above [`MAX_HOST_PAGES`] or [`MAX_GPU_PAGES`],
-    /// `ENOSPC` for a short `bus_addrs` array, `ENODEV` after unbind, `ENXIO` if NVIDIA freed the
-    /// GPU memory while it was being mapped, `publish`'s error, plus [`HostPages::pin`]'s and
-    /// [`GpuPages::pin`]'s.
-    pub(crate) fn map(
-        this: &Arc<Self>,
-        owner: Owner,
-        args: &uapi::MapArgs,
-        publish: impl FnOnce(&[u64]) -> Result,
-    ) -> Result<(u32, u32)> {
-        if args.flags != 0 {
-            return Err(EINVAL);
-        }
-        let (page, max) = match args.kind {
-            uapi::MAP_KIND_HOST => (uapi::HOST_PAGE_SIZE, MAX_HOST_PAGES as u64),
-            uapi::MAP_KIND_GPU => (uapi::GPU_PAGE_SIZE, MAX_GPU_PAGES),
-            _ => return Err(EINVAL),
-        };
-        let page = u64::from(page);
-        if args.len == 0 || args.len % page != 0 || args.addr % page != 0 {
-            return Err(EINVAL);
-        }
-        args.addr.checked_add(args.len).ok_or(EINVAL)?;
-        let npages = args.len / page;
-        if npages > max {
-            return Err(E2BIG);
-        }
-        if u64::from(args.bus_addrs_cap) < npages {
-            return Err(ENOSPC);
-        }
-        let (_ticket, handle) = PinTicket::take(this)?;
-        // SAFETY: the ticket keeps unbind from completing while it lives, so the device stays
-        // bound for the pinning and for dropping the memory on the error paths below.
-        let dev = unsafe { this.dev().as_bound() };
-        let memory = if args.kind == uapi::MAP_KIND_HOST {
-            // CAST: `npages <= MAX_HOST_PAGES`.
-            Memory::Host(HostPages::pin(dev, args.addr, npages as usize)?)
-        } else {
-            let revoker: Arc<dyn Revoker> = this.clone();
-            // Without the state lock: NVIDIA may run a free callback meanwhile, which takes it.
-            Memory::Gpu(GpuPages::pin(
-                &this.pdev, args.addr, args.len, revoker, owner, handle,
-            )?)
-        };
-        // Published before the mapping is recorded: a fault leaves nothing behind.
-        publish(memory.bus_addrs())?;
-        let page_size = memory.page_size();
-        this.insert(owner, handle, memory)?;
-        Ok((handle, page_size))
-    }
-
-    /// Records a new mapping; on failure it is dropped after the state lock is released.
-    fn insert(&self, owner: Owner, handle: u32, memory: Memory) -> Result {
-        let mut guard = self.state.lock();
-        let state = &mut *guard;
-        let refused = if state.live.is_none() {
-            Some(ENODEV)
-        } else if matches!(&memory, Memory::Gpu(g) if g.revoked()) {
-            // Under the state lock, a free callback that has not revoked the memory yet will
-            // find the mapping once it is recorded.
-            Some(ENXIO)
-        } else {
-            state.maps.reserve(1, GFP_KERNEL).err().map(Error::from)
-        };
-        if let Some(e) = refused {
-            drop(guard);
-            drop(memory);
-            return Err(e);
-        }
-        self.stats
-            .bytes_pinned
-            .fetch_add(memory.len() as u64, Ordering::Relaxed);
-        // Capacity reserved above: cannot fail.
-        state.maps.push(
-            Mapping {
-                owner,
-                handle,
-                memory,
-                revoked: false,
-            },
-            GFP_KERNEL,
-        )?;
-        Ok(())
-    }
-
-    /// Releases mapping `handle` of `owner`.
-    ///
-    /// Refused while `owner` has any queue pair on the controller, not only one whose SQ or CQ
-    /// lies in the mapping: commands already submitted may carry PRPs (data buffers, PRP lists)
-    /// that point into any of the owner's mappings, and the driver never sees them, so it cannot
-    /// tell which memory the controller may still write. Deleting the queue pairs is what stops
-    /// that: Delete I/O SQ completes only after the controller has completed or aborted the SQ's
-    /// commands. A mapping NVIDIA already freed ([`Revoker::revoke`], which deleted the owner's
-    /// queues at that time) holds nothing the device could reach, and may always be forgotten.
-    ///
-    /// # Errors
-    ///
-    /// `ENOENT` if `owner` has no such mapping, `EBUSY` while `owner` has a queue pair.
-    pub(crate) fn unmap(&self, owner: Owner, handle: u32) -> Result {
-        let mut guard = self.state.lock();
-        let state = &mut *guard;
-        let i = state
-            .maps
-            .iter()
-            .position(|m| m.owner == owner && m.handle == handle)
-            .ok_or(ENOENT)?;
-        let live = state.live.as_ref();
-        if !state.maps[i].revoked
-            && state
-                .queues
-                .iter()
-                .any(|q| q.owner == owner && Self::on_device(live, q))
-        {
-            return Err(EBUSY);
-        }
-        let m = state.maps.remove(i)?;
-        if !m.revoked {
-            self.stats
-                .bytes_pinned
-                .fetch_sub(m.memory.len() as u64, Ordering::Relaxed);
-        }
-        drop(guard);
-        // Dropped here, after the state lock is released (see `Mapping`).
-        drop(m);
-        Ok(())
-    }
-
-    /// Bus address of `bytes` at `offset` of mapping `handle`, which must be contiguous.
-    ///
-    /// # Errors
-    ///
-    /// `ENOENT` for an unknown handle, `ENXIO` if NVIDIA freed its memory, `EINVAL` otherwise.
-    fn queue_memory(
-        state: &State,
-        owner: Owner,
-        handle: u32,
-        offset: u64,
-        bytes: u64,
-    ) -> Result<u64> {
-        let m = state
-            .maps
-            .iter()
-            .find(|m| m.owner == owner && m.handle == handle)
-            .ok_or(ENOENT)?;
-        if m.revoked {
-            return Err(ENXIO);
-        }
-        let len = m.memory.len() as u64;
-        if offset % u64::from(uapi::HOST_PAGE_SIZE) != 0
-            || offset.checked_add(bytes).ok_or(EINVAL)? > len
-        {
-            return Err(EINVAL);
-        }
-        let page = u64::from(m.memory.page_size());
-        let bus = m.memory.bus_addrs();
-        // CAST: both indices are below the number of pages, which fits in a `usize`.
-        let first = (offset / page) as usize;
-        let last = ((offset + bytes - 1) / page) as usize;
-        // NVMe queues in this driver are physically contiguous (PC = 1).
-        for i in first..last {
-            if bus[i + 1] != bus[i] + page {
-                return Err(EINVAL);
-            }
-        }
-        Ok(bus[first] + offset % page)
-    }
-
-    /// Creates I/O queue pair `args.qid` in memory of `owner`'s mappings; returns the byte offsets
-    /// of its SQ tail and CQ head doorbells in the doorbell mapping.
-    ///
-    /// # Errors
-    ///
-    /// `EINVAL` for a bad qid, depth, offset, overlapping rings or non-contiguous queue memory,
-    /// `EBUSY` if the qid is in use, `ENOENT` for unknown handles, `EIO` if the controller
-    /// refuses the command or failed and cannot be enabled again.
-    pub(crate) fn create_queue_pair(
-        &self,
-        owner: Owner,
-        args: &uapi::QueuePairArgs,
-    ) -> Result<(u32, u32)> {
-        if args.qid == 0
-            || args.qid > self.info.queue_pairs
-            || args.depth < 2
-            || args.depth > self.info.max_queue_entries
-        {
-            return Err(EINVAL);
-        }
-        let depth = u64::from(args.depth);
-        let rings = [
-            (args.sq_handle, args.sq_offset, depth * 64),
-            (args.cq_handle, args.cq_offset, depth * 16),
-        ]
-        .map(|(h, off, len)| (h, off, off.saturating_add(len)));
-        let [(sh, ss, se), (ch, cs, ce)] = rings;
-        // The controller would overwrite commands with completions.
-        if sh == ch && ss < ce && cs < se {
-            return Err(EINVAL);
-        }
-        let mut guard = self.state.lock();
-        let state = &mut *guard;
-        self.recover(Self::live(state)?)?;
-        // Commands of a new queue could still name the freed GPU memory's bus addresses: the
-        // owner first acknowledges the revocation by unmapping it.
-        if state.maps.iter().any(|m| m.owner == owner && m.revoked) {
-            return Err(ENXIO);
-        }
-        if state.queues.iter().any(|q| q.qid == args.qid) {
-            return Err(EBUSY);
-        }
-        // Another queue's rings would be overwritten by this one's.
-        if state.queues.iter().any(|q| {
-            q.rings.iter().any(|&(h, s, e)| {
-                rings
-                    .iter()
-                    .any(|&(h2, s2, e2)| h == h2 && s < e2 && s2 < e)
-            })
-        }) {
-            return Err(EINVAL);
-        }
-        let sq = Self::queue_memory(state, owner, args.sq_handle, args.sq_offset, depth * 64)?;
-        let cq = Self::queue_memory(state, owner, args.cq_handle, args.cq_offset, depth * 16)?;
-        state.queues.reserve(1, GFP_KERNEL)?;
-        let live = Self::live(state)?;
-        let size_qid = ((args.depth - 1) << 16) | args.qid;
-        // Polled queue: physically contiguous, interrupts disabled.
-        let c = self.admin(
-            live,
-            &Command {
-                opcode: OPC_CREATE_CQ,
-                prp1: cq,
-                cdw: [size_qid, 1, 0, 0, 0, 0],
-                ..Default::default()
-            },
-            None,
-        )?;
-        if c.status != 0 {
-            dev_err!(
-                self.dev(),
-                "Create I/O CQ {} failed with status {:#x}\n",
-                args.qid,
-                c.status
-            );
-            return Err(EIO);
-        }
-        let c = self.admin(
-            live,
-            &Command {
-                opcode: OPC_CREATE_SQ,
-                prp1: sq,
-                cdw: [size_qid, (args.qid << 16) | 1, 0, 0, 0, 0],
-                ..Default::default()
-            },
-            None,
-        )?;
-        if c.status != 0 {
-            dev_err!(
-                self.dev(),
-                "Create I/O SQ {} failed with status {:#x}\n",
-                args.qid,
-                c.status
-            );
-            // The CQ must go too; if it cannot, the controller is stopped instead.
-            self.delete_on_device(live, args.qid, &[OPC_DELETE_CQ])?;
-            return Err(EIO);
-        }
-        let epoch = live.epoch;
-        // Capacity reserved above: cannot fail.
-        state.queues.push(
-            QueuePair {
-                owner,
-                qid: args.qid,
-                epoch,
-                rings: [(sh, ss, se), (ch, cs, ce)],
-            },
-            GFP_KERNEL,
-        )?;
-        self.stats.queue_pairs.fetch_add(1, Ordering::Relaxed);
-        let stride = self.info.doorbell_stride as usize;
-        let offset = |i: usize| -> u32 {
-            // CAST: inside the doorbell mapping (`doorbell_len` covers every granted qid).
-            (regs::DOORBELLS + i * stride - self.doorbell_base) as u32
-        };
-        // CAST: `qid <= queue_pairs`.
-        let qid = args.qid as usize;
-        Ok((offset(2 * qid), offset(2 * qid + 1)))
-    }
-
-    /// Deletes queue `qid` on the controller with `opcodes` (SQ before CQ, as the specification
-    /// requires). A refusal or an admin failure quiesces the controller.
-    ///
-    /// # Errors
-    ///
-    /// `EIO`, whatever failed (a refusal, a timeout); the controller is then disabled and holds
-    /// no queue.
-    fn delete_on_device(&self, live: &mut Live, qid: u32, opcodes: &[u8]) -> Result {
-        for &opcode in opcodes {
-            let c = self
-                .admin(
-                    live,
-                    &Command {
-                        opcode,
-                        cdw: [qid, 0, 0, 0, 0, 0],
-                        ..Default::default()
-                    },
-                    None,
-                )
-                .map_err(|_| EIO)?;
-            if c.status != 0 {
-                dev_err!(
-                    self.dev(),
-                    "deleting queue {} failed with status {:#x}\n",
-                    qid,
-                    c.status
-                );
-                self.quiesce(live, "a queue could not be deleted");
-                return Err(EIO);
-            }
-        }
-        Ok(())
-    }
-
-    /// Deletes queue pair `i` of `state` on the controller (if it is there) and forgets it.
-    ///
-    /// # Errors
-    ///
-    /// As [`Controller::delete_on_device`]; the record then stays, no longer on the device, and
-    /// the next call forgets it.
-    fn delete_queue(&self, state: &mut State, i: usize) -> Result {
-        let qid = state.queues[i].qid;
-        if Self::on_device(state.live.as_ref(), &state.queues[i]) {
-            let live = Self::live(state)?;
-            self.delete_on_device(live, qid, &[OPC_DELETE_SQ, OPC_DELETE_CQ])?;
-            self.stats.queue_pairs.fetch_sub(1, Ordering::Relaxed);
-        }
-        state.queues.remove(i)?;
-        Ok(())
-    }
-
-    /// Deletes queue pair `qid` of `owner`.
-    ///
-    /// # Errors
-    ///
-    /// `ENOENT` if `owner` has no such queue pair, else as [`Controller::delete_queue`].
-    pub(crate) fn delete_queue_pair(&self, owner: Owner, qid: u32) -> Result {
-        let mut guard = self.state.lock();
-        let i = guard
-            .queues
-            .iter()
-            .position(|q| q.owner == owner && q.qid == qid)
-            .ok_or(ENOENT)?;
-        self.delete_queue(&mut guard, i)
-    }
-
-    /// Deletes every queue pair of `owner`; a failure quiesces the controller, after which none
-    /// is left on it either.
-    fn delete_queues_of(&self, state: &mut State, owner: Owner) {
-        while let Some(i) = state.queues.iter().position(|q| q.owner == owner) {
-            if self.delete_queue(state, i).is_err() {
-                // Quiesced: nothing is on the device any more.
-                let _ = state.queues.remove(i);
-            }
-        }
     }
 
     /// Runs an allowed admin command with a kernel buffer of `data.len()` bytes, which receives
@@ -1321,8 +894,8 @@ impl Controller {
         let Some(mut live) = guard.live.take() else {
             return;
         };
-        // Memory being pinned is dropped by its `MAP` (which sees `live` gone) while the device
-        // is still bound.
+        // GPU memory being pinned is dropped by its `MAP` (which sees `live` gone) while the device
+        // is still bound; host memory being pinned is not mapped yet and needs no device.
         while guard.pins_in_flight > 0 {
             self.pins_done.wait(&mut guard);
         }
@@ -1371,45 +944,5 @@ impl Revoker for Controller {
             "NVIDIA freed the GPU memory of mapping {}: deleted its owner's queue pairs\n",
             handle
         );
-    }
-}
-
-/// A `MAP` in progress: while it lives, unbind waits (the memory being pinned needs the bound
-/// device until it is recorded or dropped).
-struct PinTicket<'a>(&'a Controller);
-
-impl<'a> PinTicket<'a> {
-    /// Takes a ticket and a fresh mapping handle.
-    ///
-    /// # Errors
-    ///
-    /// `ENODEV` after unbind, `ENOSPC` if every handle is in use.
-    fn take(ctrl: &'a Controller) -> Result<(Self, u32)> {
-        let mut state = ctrl.state.lock();
-        if state.live.is_none() {
-            return Err(ENODEV);
-        }
-        // Handles wrap around, skipping 0 and those still in use.
-        let mut handle = state.next_handle;
-        // At most `maps.len()` handles are taken, plus 0: one of this many candidates is free.
-        for _ in 0..state.maps.len() + 2 {
-            if handle != 0 && !state.maps.iter().any(|m| m.handle == handle) {
-                state.next_handle = handle.wrapping_add(1);
-                state.pins_in_flight += 1;
-                return Ok((Self(ctrl), handle));
-            }
-            handle = handle.wrapping_add(1);
-        }
-        Err(ENOSPC)
-    }
-}
-
-impl Drop for PinTicket<'_> {
-    fn drop(&mut self) {
-        let mut state = self.0.state.lock();
-        state.pins_in_flight -= 1;
-        if state.pins_in_flight == 0 {
-            self.0.pins_done.notify_all();
-        }
     }
 }

@@ -14,6 +14,7 @@
 #include <linux/module.h>
 #include <linux/panic.h>
 #include <linux/pci.h>
+#include <linux/scatterlist.h>
 #include <linux/sched/mm.h>
 #include <linux/sched/signal.h>
 #include <linux/slab.h>
@@ -89,6 +90,59 @@ int legend_shim_dma_map_page(struct device *dev, struct page *page, int dir, u64
 void legend_shim_dma_unmap_page(struct device *dev, u64 bus, int dir)
 {
 	dma_unmap_page(dev, bus, PAGE_SIZE, dir);
+}
+
+/*
+ * Maps npages pinned user pages for dev as one scatter-gather table (*out) and writes each
+ * page's bus address to bus[]. Behind an IOMMU the DMA API allocates one IOVA range for the whole
+ * table, so the addresses are consecutive; without one they are the pages' physical addresses.
+ * Refused (-EOPNOTSUPP) where the mapping would need sync calls, as for single pages.
+ */
+int legend_shim_map_user(struct device *dev, struct page *const *pages, unsigned long npages,
+			 u64 *bus, struct sg_table **out)
+{
+	struct sg_table *sgt = kzalloc(sizeof(*sgt), GFP_KERNEL);
+	struct sg_dma_page_iter iter;
+	unsigned long i = 0;
+	int ret;
+
+	if (!sgt)
+		return -ENOMEM;
+	ret = sg_alloc_table_from_pages(sgt, (struct page **)pages, npages, 0,
+					npages << PAGE_SHIFT, GFP_KERNEL);
+	if (ret)
+		goto free;
+	ret = dma_map_sgtable(dev, sgt, DMA_BIDIRECTIONAL, 0);
+	if (ret)
+		goto table;
+	for_each_sgtable_dma_page(sgt, &iter, 0) {
+		if (i == npages || dma_need_sync(dev, sg_page_iter_dma_address(&iter))) {
+			ret = i == npages ? -EIO : -EOPNOTSUPP;
+			goto unmap;
+		}
+		bus[i++] = sg_page_iter_dma_address(&iter);
+	}
+	if (i != npages) {
+		ret = -EIO;
+		goto unmap;
+	}
+	*out = sgt;
+	return 0;
+unmap:
+	dma_unmap_sgtable(dev, sgt, DMA_BIDIRECTIONAL, 0);
+table:
+	sg_free_table(sgt);
+free:
+	kfree(sgt);
+	return ret == -EINVAL ? -ENOMEM : ret;
+}
+
+/* Undoes legend_shim_map_user(); in a strict domain the IOTLB is flushed when this returns. */
+void legend_shim_unmap_user(struct device *dev, struct sg_table *sgt)
+{
+	dma_unmap_sgtable(dev, sgt, DMA_BIDIRECTIONAL, 0);
+	sg_free_table(sgt);
+	kfree(sgt);
 }
 
 /*
@@ -346,4 +400,18 @@ void *legend_shim_symbol_get(const char *name)
 void legend_shim_symbol_put(const char *name)
 {
 	__symbol_put(name);
+}
+
+/*
+ * A reference to this module, held while another module (NVIDIA's) may call into its code; the
+ * caller holds one already (it runs in an ioctl of an open file).
+ */
+void legend_shim_module_get(void)
+{
+	__module_get(THIS_MODULE);
+}
+
+void legend_shim_module_put(void)
+{
+	module_put(THIS_MODULE);
 }

@@ -236,7 +236,12 @@ fn main() {
             run_all(isolation::TESTS);
             run_all(store::TESTS);
         }
-        "unbind" => report("unbind-rebind-open-fd", || bind::test_unbind(&arg(2))),
+        "unbind" => {
+            report("unbind-rebind-open-fd", || bind::test_unbind(&arg(2)));
+            report("unbind-with-map-stuck-in-userfaultfd", || {
+                bind::test_unbind_stuck_map(&arg(2))
+            });
+        }
         "legendctl" => legendctl::run(&arg(2)),
         "bind" => {
             report("device-list", || bind::test_device_list(&arg(2)));
