@@ -656,6 +656,29 @@ impl Controller {
         state.live.as_mut().ok_or(ENODEV)
     }
 
+    /// Checks, before memory is mapped or a queue created, that the controller is still alone in
+    /// its IOMMU group (probe checked it; a function hot-added to the group later would share its
+    /// domain, and so the writer's mappings).
+    ///
+    /// # Errors
+    ///
+    /// `EXDEV` (logged) if another device joined the group.
+    fn check_group_alone(&self) -> Result {
+        let mut group = -1;
+        // SAFETY: the device is valid while `self` holds a reference to it.
+        let ret = unsafe { legend_shim_iommu_isolated(raw_device(self.dev()), &mut group) };
+        if ret == EXDEV.to_errno() {
+            dev_err!(
+                self.dev(),
+                "another device joined IOMMU group {}: refusing new mappings and queues (unbind \
+                 the controller)\n",
+                group
+            );
+            return Err(EXDEV);
+        }
+        Ok(())
+    }
+
     /// Makes `owner` the controller's one writer.
     ///
     /// # Errors

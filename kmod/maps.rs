@@ -98,6 +98,7 @@ impl Controller {
         if args.flags != 0 {
             return Err(EINVAL);
         }
+        this.check_group_alone()?;
         let (page, max) = match args.kind {
             uapi::MAP_KIND_HOST => (uapi::HOST_PAGE_SIZE, MAX_HOST_PAGES as u64),
             uapi::MAP_KIND_GPU => (uapi::GPU_PAGE_SIZE, MAX_GPU_PAGES),

@@ -103,6 +103,7 @@ impl Controller {
         {
             return Err(EINVAL);
         }
+        self.check_group_alone()?;
         let depth = u64::from(args.depth);
         let rings = [
             (args.sq_handle, args.sq_offset, depth * 64),
