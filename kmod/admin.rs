@@ -139,15 +139,22 @@ pub(crate) struct AdminQueue {
     cq_head: u16,
     phase: bool,
     cid: u16,
+    /// The identifier of the next command, drawn in advance (debugfs shows it to root).
+    next_cid: u16,
     data_bus: u64,
     doorbell_stride: usize,
 }
 
-/// Command identifier 0 is what a cleared slot carries; the driver never uses it.
-fn next_cid(cid: u16) -> u16 {
-    match cid.wrapping_add(1) {
-        0 => 1,
-        c => c,
+/// A command identifier other than `prev` and 0 (what a cleared slot carries), unpredictable: a
+/// writer forging a completion while a command runs must first read the command back from the SQ
+/// (a Write from it, then a Read of what it wrote) to learn it.
+fn random_cid(prev: u16) -> u16 {
+    loop {
+        // SAFETY: plain C call.
+        let c = unsafe { kernel::bindings::get_random_u16() };
+        if c != 0 && c != prev {
+            return c;
+        }
     }
 }
 
@@ -163,6 +170,7 @@ impl AdminQueue {
             cq_head: 0,
             phase: true,
             cid: 0,
+            next_cid: random_cid(0),
             data_bus: 0,
             doorbell_stride,
         })
@@ -184,7 +192,7 @@ impl AdminQueue {
             sq_tail: self.sq_tail,
             cq_head: self.cq_head,
             phase: self.phase,
-            next_cid: next_cid(self.cid),
+            next_cid: self.next_cid,
         }
     }
 
@@ -287,7 +295,8 @@ impl AdminQueue {
             }
             None => None,
         };
-        self.cid = next_cid(self.cid);
+        self.cid = self.next_cid;
+        self.next_cid = random_cid(self.cid);
         let mut sqe = [0u32; 16];
         sqe[0] = u32::from(cmd.opcode) | (u32::from(self.cid) << 16);
         sqe[1] = cmd.nsid;
