@@ -108,8 +108,10 @@ int legend_shim_map_user(struct device *dev, struct page *const *pages, unsigned
 
 	if (!sgt)
 		return -ENOMEM;
-	ret = sg_alloc_table_from_pages(sgt, (struct page **)pages, npages, 0,
-					npages << PAGE_SHIFT, GFP_KERNEL);
+	/* Physically contiguous pages merge into entries no longer than the device takes. */
+	ret = sg_alloc_table_from_pages_segment(sgt, (struct page **)pages, npages, 0,
+						npages << PAGE_SHIFT,
+						dma_get_max_seg_size(dev) & PAGE_MASK, GFP_KERNEL);
 	if (ret)
 		goto free;
 	ret = dma_map_sgtable(dev, sgt, DMA_BIDIRECTIONAL, 0);
