@@ -18,13 +18,14 @@
 //!
 //! # Locking
 //!
-//! All mutable state sits in [`Controller::state`], one mutex: admin commands are issued one at a
-//! time under it. Pinning memory runs outside it (a slow fault must not block everyone): host
+//! Mappings, queue records and the writer sit in [`Controller::state`]; the admin queue and the
+//! BAR in [`Controller::live`], so that an `ADMIN` call waiting on a hung controller holds up no
+//! `MAP` or `UNMAP`. Admin commands are issued one at a time under `live`. Pinning memory runs outside it (a slow fault must not block everyone): host
 //! pages are pinned with no device involved and mapped under the lock, so unbind never waits for
 //! a page fault; GPU pins need the device, and unbind waits for those in flight
 //! ([`State::pins_in_flight`]). The doorbell mapping has its own mutex,
 //! taken in the page-fault path (after `mmap_lock`), where nothing may wait for `state`.
-//! Order: `state`, then `doorbells`.
+//! Order: `state`, then `live`, then `doorbells`.
 //!
 //! # Lifetime
 //!
@@ -33,6 +34,7 @@
 //! memory) is dropped by [`Controller::shutdown`] during unbind.
 
 use core::sync::atomic::{
+    AtomicBool,
     AtomicU32,
     AtomicU64,
     Ordering, //
@@ -125,8 +127,18 @@ struct Live {
     epoch: u64,
 }
 
+/// What [`Live`] says about the queues, for holders of the state lock alone (`UNMAP`): updated
+/// after the controller was stopped, so it may lag (a queue still counts as on the device), never
+/// lead.
+#[derive(Default)]
+struct QueuesSeen {
+    failed: AtomicBool,
+    epoch: AtomicU64,
+}
+
 pub(crate) struct State {
-    live: Option<Live>,
+    /// Cleared by unbind ([`Controller::shutdown`]); nothing may be mapped for the device after.
+    bound: bool,
     maps: KVec<Mapping>,
     queues: KVec<QueuePair>,
     next_handle: u32,
@@ -203,8 +215,14 @@ pub(crate) struct Controller {
     /// Physical address of the doorbell mapping's first page.
     doorbell_phys: u64,
     pub(crate) stats: Stats,
+    seen: QueuesSeen,
     #[pin]
     state: Mutex<State>,
+    /// The admin queue and the BAR, apart from `state` so that an `ADMIN` call (which may wait
+    /// for the admin timeout on a hung controller) does not hold up `MAP` and `UNMAP`. `None`
+    /// after unbind.
+    #[pin]
+    live: Mutex<Option<Live>>,
     /// Signalled when [`State::pins_in_flight`] drops to zero.
     #[pin]
     pins_done: CondVar,
@@ -498,14 +516,16 @@ impl Controller {
                 doorbell_base,
                 doorbell_phys,
                 stats,
+                seen: QueuesSeen::default(),
                 state <- new_mutex!(State {
-                    live: Some(Live { bar, admin, failed: false, epoch: 0 }),
+                    bound: true,
                     maps: KVec::new(),
                     queues: KVec::new(),
                     next_handle: 1,
                     writer: None,
                     pins_in_flight: 0,
                 }),
+                live <- new_mutex!(Some(Live { bar, admin, failed: false, epoch: 0 })),
                 pins_done <- new_condvar!(),
                 doorbells <- new_mutex!(DoorbellState { live: true, file: None }),
             }),
@@ -652,8 +672,8 @@ impl Controller {
         self.pdev.as_ref()
     }
 
-    fn live<'a>(state: &'a mut State) -> Result<&'a mut Live> {
-        state.live.as_mut().ok_or(ENODEV)
+    fn bound_live(live: &mut Option<Live>) -> Result<&mut Live> {
+        live.as_mut().ok_or(ENODEV)
     }
 
     /// Checks, before memory is mapped or a queue created, that the controller is still alone in
@@ -702,8 +722,6 @@ impl Controller {
         }
         live.failed = true;
         live.epoch += 1;
-        self.stats.queue_pairs.store(0, Ordering::Relaxed);
-        self.stats.failed.store(1, Ordering::Relaxed);
         dev_err!(
             self.dev(),
             "{}: controller disabled, its I/O queues are gone\n",
@@ -712,6 +730,11 @@ impl Controller {
         // SAFETY: a `Live` exists only while the device is bound (see `admin`).
         let dev = unsafe { self.dev().as_bound() };
         stop_dma(&self.pdev, live.bar.access(dev).ok(), self.caps.timeout_ms);
+        // Only now, with the controller stopped, may `UNMAP` see the queues gone.
+        self.seen.epoch.store(live.epoch, Ordering::Release);
+        self.seen.failed.store(true, Ordering::Release);
+        self.stats.queue_pairs.store(0, Ordering::Relaxed);
+        self.stats.failed.store(1, Ordering::Relaxed);
     }
 
     /// Enables a controller that [`Controller::quiesce`] stopped, with a fresh admin queue.
@@ -755,6 +778,7 @@ impl Controller {
         live.admin = admin;
         self.stats.show_admin(&live.admin);
         live.failed = false;
+        self.seen.failed.store(false, Ordering::Release);
         self.stats.failed.store(0, Ordering::Relaxed);
         self.stats.resets.fetch_add(1, Ordering::Relaxed);
         dev_info!(self.dev(), "controller enabled again after a failure\n");
@@ -774,7 +798,7 @@ impl Controller {
         }
         self.stats.admin_commands.fetch_add(1, Ordering::Relaxed);
         // SAFETY: a `Live` exists only while the device is bound: `shutdown` takes it, under the
-        // state lock that the caller holds, before unbind completes.
+        // lock that the caller holds, before unbind completes.
         let dev = unsafe { self.dev().as_bound() };
         let Live { bar, admin, .. } = &mut *live;
         // `access` rather than `try_access`: polling sleeps, which an RCU read section forbids.
@@ -814,8 +838,9 @@ impl Controller {
             cdw[0] = (cdw[0] & 0xffff) | ((((data.len() + 3) / 4 - 1) as u32) << 16);
             cdw[1] = 0;
         }
-        let mut guard = self.state.lock();
-        let live = Self::live(&mut guard)?;
+        // The admin lock alone: the writer's `MAP` and `UNMAP` do not wait for this command.
+        let mut guard = self.live.lock();
+        let live = Self::bound_live(&mut guard)?;
         self.recover(live)?;
         // The command's data lands in a kernel page first: `data` changes only on success.
         let mut page = KVec::from_elem(0u8, data.len(), GFP_KERNEL)?;
@@ -914,14 +939,18 @@ impl Controller {
                 unsafe { legend_shim_zap_file(file) };
             }
         }
-        let Some(mut live) = guard.live.take() else {
+        if !guard.bound {
             return;
-        };
-        // GPU memory being pinned is dropped by its `MAP` (which sees `live` gone) while the device
-        // is still bound; host memory being pinned is not mapped yet and needs no device.
+        }
+        guard.bound = false;
+        // GPU memory being pinned is dropped by its `MAP` (which sees `bound` cleared) while the
+        // device is still bound; host memory being pinned is not mapped yet and needs no device.
         while guard.pins_in_flight > 0 {
             self.pins_done.wait(&mut guard);
         }
+        let Some(mut live) = self.live.lock().take() else {
+            return;
+        };
         let state = &mut *guard;
         for q in state.queues.iter() {
             if !live.failed && live.epoch == q.epoch {

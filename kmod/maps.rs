@@ -150,13 +150,13 @@ impl Controller {
     fn record_host(&self, owner: Owner, pinned: PinnedPages) -> Result<(u32, KVVec<u64>)> {
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        if state.live.is_none() {
+        if !state.bound {
             drop(guard);
             drop(pinned);
             return Err(ENODEV);
         }
         let handle = free_handle(state)?;
-        // SAFETY: `live` is present under the state lock, so unbind has not dropped the device's
+        // SAFETY: `bound` is set under the state lock, so unbind has not dropped the device's
         // resources yet, and it drops every mapping (this one too) before it completes.
         let dev = unsafe { self.dev().as_bound() };
         let memory = HostPages::map(dev, pinned)?;
@@ -220,7 +220,7 @@ impl Controller {
     fn insert(&self, owner: Owner, handle: u32, memory: Memory) -> Result {
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        let refused = if state.live.is_none() {
+        let refused = if !state.bound {
             Some(ENODEV)
         } else if matches!(&memory, Memory::Gpu(g) if g.revoked()) {
             // Under the state lock, a free callback that has not revoked the memory yet will
@@ -272,12 +272,11 @@ impl Controller {
             .iter()
             .position(|m| m.owner == owner && m.handle == handle && m.published)
             .ok_or(ENOENT)?;
-        let live = state.live.as_ref();
         if !state.maps[i].revoked
             && state
                 .queues
                 .iter()
-                .any(|q| q.owner == owner && Self::on_device(live, q))
+                .any(|q| q.owner == owner && self.maybe_on_device(q))
         {
             return Err(EBUSY);
         }
@@ -307,7 +306,7 @@ impl<'a> PinTicket<'a> {
     /// `ENODEV` after unbind, `ENOSPC` if every handle is in use.
     fn take(ctrl: &'a Controller) -> Result<(Self, u32)> {
         let mut state = ctrl.state.lock();
-        if state.live.is_none() {
+        if !state.bound {
             return Err(ENODEV);
         }
         let handle = free_handle(&mut state)?;

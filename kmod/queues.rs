@@ -38,9 +38,17 @@ pub(super) struct QueuePair {
 }
 
 impl Controller {
-    /// Whether queue pair `q` exists on the controller.
-    pub(super) fn on_device(live: Option<&Live>, q: &QueuePair) -> bool {
-        live.is_some_and(|l| !l.failed && l.epoch == q.epoch)
+    /// Whether queue pair `q` exists on the controller, by `live` (the admin lock held).
+    pub(super) fn on_device(live: &Live, q: &QueuePair) -> bool {
+        !live.failed && live.epoch == q.epoch
+    }
+
+    /// Whether queue pair `q` may still exist on the controller, for holders of the state lock
+    /// alone: what the last quiesce published ([`Controller::seen`]), which may lag the admin
+    /// queue's view but never leads it.
+    pub(super) fn maybe_on_device(&self, q: &QueuePair) -> bool {
+        !self.seen.failed.load(Ordering::Acquire)
+            && self.seen.epoch.load(Ordering::Acquire) == q.epoch
     }
 
     /// Bus address of `bytes` at `offset` of mapping `handle`, which must be contiguous.
@@ -117,7 +125,9 @@ impl Controller {
         }
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        self.recover(Self::live(state)?)?;
+        let mut live_guard = self.live.lock();
+        let live = Self::bound_live(&mut live_guard)?;
+        self.recover(live)?;
         // Commands of a new queue could still name the freed GPU memory's bus addresses: the
         // owner first acknowledges the revocation by unmapping it.
         if state.maps.iter().any(|m| m.owner == owner && m.revoked) {
@@ -139,7 +149,6 @@ impl Controller {
         let sq = Self::queue_memory(state, owner, args.sq_handle, args.sq_offset, depth * 64)?;
         let cq = Self::queue_memory(state, owner, args.cq_handle, args.cq_offset, depth * 16)?;
         state.queues.reserve(1, GFP_KERNEL)?;
-        let live = Self::live(state)?;
         let size_qid = ((args.depth - 1) << 16) | args.qid;
         // Polled queue: physically contiguous, interrupts disabled.
         let c = self.admin(
@@ -246,11 +255,14 @@ impl Controller {
     /// the next call forgets it.
     fn delete_queue(&self, state: &mut State, i: usize) -> Result {
         let qid = state.queues[i].qid;
-        if Self::on_device(state.live.as_ref(), &state.queues[i]) {
-            let live = Self::live(state)?;
-            self.delete_on_device(live, qid, &[OPC_DELETE_SQ, OPC_DELETE_CQ])?;
-            self.stats.queue_pairs.fetch_sub(1, Ordering::Relaxed);
+        let mut live_guard = self.live.lock();
+        if let Some(live) = (*live_guard).as_mut() {
+            if Self::on_device(live, &state.queues[i]) {
+                self.delete_on_device(live, qid, &[OPC_DELETE_SQ, OPC_DELETE_CQ])?;
+                self.stats.queue_pairs.fetch_sub(1, Ordering::Relaxed);
+            }
         }
+        drop(live_guard);
         state.queues.remove(i)?;
         Ok(())
     }

@@ -1,7 +1,11 @@
 //! When things go wrong: stray admin doorbell writes, commands whose PRPs point anywhere, and a
 //! controller that stops answering (bus mastering cleared under a live queue).
 
-use std::{fs, os::unix::fs::FileExt, time::Instant};
+use std::{
+    fs,
+    os::unix::fs::FileExt,
+    time::{Duration, Instant},
+};
 
 use legend_nvme_protocol::Opcode;
 
@@ -11,6 +15,7 @@ pub const TESTS: &[(&str, Test)] = &[
     ("admin-doorbell-tamper", test_admin_tamper),
     ("wild-prps-fault", test_wild_prps),
     ("failed-delete-quiesces", test_failed_delete),
+    ("admin-wait-holds-up-no-map", test_admin_wait),
 ];
 
 /// The writer can reach the admin queue's doorbells (QEMU's 4-byte stride puts them on the same
@@ -198,5 +203,45 @@ fn test_failed_delete() -> TestResult {
                 attr("failed")
             )
         },
+    )
+}
+
+/// An `ADMIN` call waiting for a controller that cannot answer (bus mastering cleared: it never
+/// fetches the command) holds up neither `MAP` nor `UNMAP` of the writer, since the admin queue
+/// has a lock of its own; the call then fails after the admin timeout, and the controller comes
+/// back for the writer's next queue.
+fn test_admin_wait() -> TestResult {
+    let dev = Dev::open()?;
+    let ro = Dev::open_ro()?;
+    let before = attr("admin_commands")?;
+    set_bus_master(false)?;
+    let waiter = std::thread::spawn(move || identify_serial(&ro));
+    // The driver counts the command as it submits it.
+    let start = Instant::now();
+    while attr("admin_commands")? == before && start.elapsed() < Duration::from_secs(10) {
+        std::thread::yield_now();
+    }
+    let t = Instant::now();
+    let mapped = Buf::new(&dev, 4 * PAGE)
+        .and_then(|b| dev.unmap(b.handle).map_err(|e| format!("UNMAP: errno {e}")));
+    let took = t.elapsed();
+    let answered = waiter
+        .join()
+        .map_err(|_| "the ADMIN thread panicked".to_string())?;
+    set_bus_master(true)?;
+    mapped?;
+    check(took < Duration::from_secs(2), || {
+        format!("MAP and UNMAP took {took:?} while an ADMIN call waited")
+    })?;
+    check(answered.is_err(), || {
+        format!("Identify without bus mastering answered: {answered:?}")
+    })?;
+    let db = dev.doorbells()?;
+    let mut q = Queue::create(&dev, 1, 16, db.ptr)?;
+    let mut data = Buf::new(&dev, PAGE)?;
+    let st = q.rw(Opcode::Read, 100, 8, &data, 0)?;
+    check(
+        st.is_success() && data.slice()[..BLOCK] == pattern(100, 0),
+        || format!("read after recovery: {st}"),
     )
 }
