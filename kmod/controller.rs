@@ -6,26 +6,30 @@
 //! # Isolation
 //!
 //! The writer builds its own NVMe commands, so the controller DMAs wherever their PRPs point.
-//! What keeps that inside the writer's own memory is the IOMMU (probe refuses a controller that
-//! is not alone behind a translating IOMMU domain, unless the administrator opted out), and what
-//! keeps memory the controller may still write from being freed is this module:
+//! What keeps that inside the writer's own memory is the IOMMU: probe refuses a controller that
+//! is not alone behind a translating, strict IOMMU domain (unless the administrator opted out
+//! with a tainting parameter), the admin SQ is read-only for the device and its data pages are
+//! mapped per command ([`crate::admin`]), and every unmap invalidates the IOTLB before memory is
+//! unpinned or freed ([`crate::mapping`]). What keeps the writer's queues consistent with the
+//! memory they use is this module:
 //! - one writer at a time ([`State::writer`]), as VFIO has one container per group: no other
 //!   process can ring the writer's doorbells, and nobody else's memory is mapped;
-//! - the writer's memory is unpinned only when none of its queues exist on the controller, or
+//! - the writer's memory is unmapped only when none of its queues exist on the controller, or
 //!   after the controller was disabled ([`Controller::quiesce`]); any admin command that fails
 //!   where the controller's state matters (a timeout, a completion nobody asked for, a Delete
-//!   that is refused) quiesces it first.
+//!   that is refused) quiesces it first. Completions can be forged by the writer's DMA into the
+//!   admin CQ, so none of this is what keeps memory safe: the strict unmap is.
 //!
 //! # Locking
 //!
 //! Mappings, queue records and the writer sit in [`Controller::state`]; the admin queue and the
 //! BAR in [`Controller::live`], so that an `ADMIN` call waiting on a hung controller holds up no
-//! `MAP` or `UNMAP`. Admin commands are issued one at a time under `live`. Pinning memory runs outside it (a slow fault must not block everyone): host
-//! pages are pinned with no device involved and mapped under the lock, so unbind never waits for
-//! a page fault; GPU pins need the device, and unbind waits for those in flight
-//! ([`State::pins_in_flight`]). The doorbell mapping has its own mutex,
-//! taken in the page-fault path (after `mmap_lock`), where nothing may wait for `state`.
-//! Order: `state`, then `live`, then `doorbells`.
+//! `MAP` or `UNMAP`. Admin commands are issued one at a time under `live`. Pinning runs outside
+//! both (a slow fault must not block everyone): host pages are pinned with no device involved
+//! and mapped under `state`, so unbind never waits for a page fault; GPU pins need the device,
+//! and unbind waits for those in flight ([`State::pins_in_flight`]). The doorbell mapping has its
+//! own mutex, taken in the page-fault path (after `mmap_lock`), where nothing may wait for
+//! `state`. Order: `state`, then `live`, then `doorbells`.
 //!
 //! # Lifetime
 //!
