@@ -20,8 +20,11 @@
 //!
 //! Stray completions (command identifier 0: the controller ran a cleared slot because someone
 //! wrote the admin SQ tail doorbell, which shares a page with the writer's where the doorbell
-//! stride is small) are consumed and the driver continues from the SQ head they report, so a
-//! doorbell poke costs the next admin caller nothing.
+//! stride is small) are consumed and the driver continues from the SQ head they report; a
+//! command whose slot such a write made the controller fetch too early is submitted again if it
+//! may run twice (`Command::idempotent`). So a doorbell poke costs the next admin caller (a
+//! monitor's Identify or SMART read) nothing; the writer's own Create or Delete can still time
+//! out on it, which only hurts the writer.
 
 use core::sync::atomic::{
     fence,
@@ -63,6 +66,9 @@ pub(crate) struct Command {
     pub(crate) prp1: u64,
     /// Command dwords 10 to 15.
     pub(crate) cdw: [u32; 6],
+    /// Running it twice does no harm (Identify, Get Log Page, Set Features): it is submitted
+    /// again if a doorbell write may have made the controller fetch its slot before it was there.
+    pub(crate) idempotent: bool,
 }
 
 /// What a completion queue entry reports.
@@ -103,6 +109,8 @@ impl From<Fault> for Error {
 enum Poll {
     /// Nothing posted yet.
     Pending,
+    /// A stray completion (of a cleared slot, or of a command submitted again), consumed.
+    Stray,
     /// The completion of the command with this identifier.
     Done([u32; 4]),
     /// A completion of no command of the driver's, other than a stray one.
@@ -141,6 +149,9 @@ pub(crate) struct AdminQueue {
     cid: u16,
     /// The identifier of the next command, drawn in advance (debugfs shows it to root).
     next_cid: u16,
+    /// The identifier a command had before it was submitted again: a late completion of it is
+    /// stray.
+    retired: Option<u16>,
     data_bus: u64,
     doorbell_stride: usize,
 }
@@ -171,6 +182,7 @@ impl AdminQueue {
             phase: true,
             cid: 0,
             next_cid: random_cid(0),
+            retired: None,
             data_bus: 0,
             doorbell_stride,
         })
@@ -220,8 +232,8 @@ impl AdminQueue {
         };
     }
 
-    /// Consumes the entry at the CQ head if one is posted: ours (`Done`), a stray one (skipped,
-    /// `Pending`), or anything else (`Unexpected`).
+    /// Consumes the entry at the CQ head if one is posted: ours (`Done`), a stray one (`Stray`),
+    /// or anything else (`Unexpected`).
     fn poll(&mut self, bar: &Bar0<'_>, want: Option<u16>) -> Poll {
         let cqe = self.cq_entry();
         if !self.posted(&cqe) {
@@ -250,9 +262,13 @@ impl AdminQueue {
             // goes there.
             0 if sq_head < DEPTH => {
                 self.sq_tail = sq_head;
-                Poll::Pending
+                Poll::Stray
             }
             c if Some(c) == want => Poll::Done(cqe),
+            c if Some(c) == self.retired => {
+                self.retired = None;
+                Poll::Stray
+            }
             _ => Poll::Unexpected,
         }
     }
@@ -279,8 +295,8 @@ impl AdminQueue {
         // controller's SQ head is), anything else is a fault.
         for _ in 0..DEPTH {
             match self.poll(bar, None) {
-                Poll::Pending if !self.posted(&self.cq_entry()) => break,
-                Poll::Pending => {}
+                Poll::Pending => break,
+                Poll::Stray => {}
                 Poll::Done(_) | Poll::Unexpected => return Err(Fault::Unexpected),
                 Poll::Doorbell => return Err(Fault::Doorbell),
             }
@@ -308,15 +324,10 @@ impl AdminQueue {
         sqe[6] = prp1 as u32;
         sqe[7] = (prp1 >> 32) as u32;
         sqe[10..16].copy_from_slice(&cmd.cdw);
-        let slot = self.sq_tail;
-        self.write_slot(slot, &sqe);
-        // Ensure all command data is visible before ringing the doorbell.
-        fence(Ordering::SeqCst);
-        self.sq_tail = (self.sq_tail + 1) % DEPTH;
-        let result = bar
-            .try_write32(u32::from(self.sq_tail), regs::DOORBELLS)
-            .map_err(|_| Fault::Doorbell)
-            .and_then(|()| self.wait(bar));
+        let mut slot = self.sq_tail;
+        let result = self
+            .ring(bar, slot, &sqe)
+            .and_then(|()| self.wait(bar, &mut sqe, &mut slot, cmd.idempotent));
         // The slot is consumed (or the controller is about to be disabled): clear it so a stray
         // doorbell write cannot make the controller run it again.
         self.write_slot(slot, &[0u32; 16]);
@@ -346,13 +357,53 @@ impl AdminQueue {
         })
     }
 
-    /// Polls for the completion of the command with identifier `self.cid`.
-    fn wait(&mut self, bar: &Bar0<'_>) -> Result<[u32; 4], Fault> {
-        let want = Some(self.cid);
+    /// Writes `sqe` to SQ slot `slot` (the tail) and rings the SQ tail doorbell past it.
+    fn ring(&mut self, bar: &Bar0<'_>, slot: u16, sqe: &[u32; 16]) -> Result<(), Fault> {
+        self.write_slot(slot, sqe);
+        // Ensure all command data is visible before ringing the doorbell.
+        fence(Ordering::SeqCst);
+        self.sq_tail = (slot + 1) % DEPTH;
+        bar.try_write32(u32::from(self.sq_tail), regs::DOORBELLS)
+            .map_err(|_| Fault::Doorbell)
+    }
+
+    /// Polls for the completion of `sqe` (identifier `self.cid`, in SQ slot `*slot`).
+    ///
+    /// A stray completion before it may mean that the controller fetched the slot before the
+    /// command was in it (a doorbell write raced with the submission, and the controller ran the
+    /// cleared slot). With `resubmit`, the command is then submitted once more, under a new
+    /// identifier, at the SQ head the stray reported; should the first one still complete, its
+    /// completion is stray.
+    fn wait(
+        &mut self,
+        bar: &Bar0<'_>,
+        sqe: &mut [u32; 16],
+        slot: &mut u16,
+        resubmit: bool,
+    ) -> Result<[u32; 4], Fault> {
+        let mut resubmit = resubmit;
         // TIMEOUT: admin commands complete in microseconds on hardware; emulated controllers
         // (QEMU TCG in the selftests) can take far longer, so allow a generous 10 s.
         let found = read_poll_timeout(
-            || Ok(self.poll(bar, want)),
+            || {
+                Ok(match self.poll(bar, Some(self.cid)) {
+                    Poll::Stray if resubmit => {
+                        resubmit = false;
+                        self.write_slot(*slot, &[0u32; 16]);
+                        self.retired = Some(self.cid);
+                        self.cid = self.next_cid;
+                        self.next_cid = random_cid(self.cid);
+                        sqe[0] = (sqe[0] & 0xffff) | (u32::from(self.cid) << 16);
+                        *slot = self.sq_tail;
+                        match self.ring(bar, *slot, sqe) {
+                            Ok(()) => Poll::Pending,
+                            Err(_) => Poll::Doorbell,
+                        }
+                    }
+                    Poll::Stray => Poll::Pending,
+                    p => p,
+                })
+            },
             |p: &Poll| !matches!(p, Poll::Pending),
             Delta::from_micros(20),
             Delta::from_secs(10),
@@ -361,7 +412,7 @@ impl AdminQueue {
         match found {
             Poll::Done(cqe) => Ok(cqe),
             Poll::Doorbell => Err(Fault::Doorbell),
-            Poll::Pending | Poll::Unexpected => Err(Fault::Unexpected),
+            Poll::Pending | Poll::Stray | Poll::Unexpected => Err(Fault::Unexpected),
         }
     }
 }

@@ -314,6 +314,7 @@ fn set_queue_count(
         Command {
             opcode: OPC_SET_FEATURES,
             cdw: [FEAT_NUM_QUEUES, (want << 16) | want, 0, 0, 0, 0],
+            idempotent: true,
             ..Default::default()
         },
         None,
@@ -567,6 +568,7 @@ impl Controller {
             Command {
                 opcode: uapi::ADMIN_OPC_IDENTIFY,
                 cdw: [1, 0, 0, 0, 0, 0],
+                idempotent: true,
                 ..Default::default()
             },
             &mut buf,
@@ -612,6 +614,7 @@ impl Controller {
             Command {
                 opcode: uapi::ADMIN_OPC_IDENTIFY,
                 cdw: [2, 0, 0, 0, 0, 0],
+                idempotent: true,
                 ..Default::default()
             },
             &mut buf,
@@ -625,6 +628,7 @@ impl Controller {
                 Command {
                     opcode: uapi::ADMIN_OPC_IDENTIFY,
                     nsid,
+                    idempotent: true,
                     ..Default::default()
                 },
                 &mut buf,
@@ -855,6 +859,7 @@ impl Controller {
                 nsid: args.nsid,
                 prp1: 0,
                 cdw,
+                idempotent: true,
             },
             Some(&mut page),
         )?;

@@ -18,6 +18,10 @@ pub const TESTS: &[(&str, Test)] = &[
     ("admin-data-page-unmapped", test_admin_data),
     ("admin-cq-forgery-not-trusted", test_admin_cq),
     ("admin-doorbell-poke-harmless", test_doorbell_poke),
+    (
+        "admin-doorbell-poke-racing-the-next-call",
+        test_doorbell_race,
+    ),
 ];
 
 /// A block no other test reads or checks (next to the wild-PRP test's).
@@ -199,6 +203,25 @@ fn test_doorbell_poke() -> TestResult {
         st.is_success() && data.slice()[..BLOCK] == pattern(100, 0),
         || format!("the writer's queue after the poke: {st}"),
     )?;
+    check(attr("resets")? == resets && attr("failed")? == 0, || {
+        format!("resets {:?} (was {resets})", attr("resets"))
+    })
+}
+
+/// The admin SQ tail doorbell rung one slot ahead right before a monitor's Identify, with no
+/// pause, many times: whether the controller runs the cleared slot before or after the driver
+/// fills it, every Identify answers, and the controller is never reset.
+fn test_doorbell_race() -> TestResult {
+    let resets = attr("resets")?;
+    let dev = Dev::open()?;
+    let db = dev.doorbells()?;
+    let ro = Dev::open_ro()?;
+    let serial = identify_serial(&ro)?;
+    for i in 0..32 {
+        ring_admin_sq(&db, debug("admin_sq_tail")? + 1);
+        let got = identify_serial(&ro).map_err(|e| format!("Identify {i} after a poke: {e}"))?;
+        check(got == serial, || format!("serial {got:?}"))?;
+    }
     check(attr("resets")? == resets && attr("failed")? == 0, || {
         format!("resets {:?} (was {resets})", attr("resets"))
     })
