@@ -6,23 +6,30 @@
 //! # Isolation
 //!
 //! The writer builds its own NVMe commands, so the controller DMAs wherever their PRPs point.
-//! What keeps that inside the writer's own memory is the IOMMU (probe refuses a controller that
-//! is not alone behind a translating IOMMU domain, unless the administrator opted out), and what
-//! keeps memory the controller may still write from being freed is this module:
+//! What keeps that inside the writer's own memory is the IOMMU: probe refuses a controller that
+//! is not alone behind a translating, strict IOMMU domain (unless the administrator opted out
+//! with a tainting parameter), the admin SQ is read-only for the device and its data pages are
+//! mapped per command ([`crate::admin`]), and every unmap invalidates the IOTLB before memory is
+//! unpinned or freed ([`crate::mapping`]). What keeps the writer's queues consistent with the
+//! memory they use is this module:
 //! - one writer at a time ([`State::writer`]), as VFIO has one container per group: no other
 //!   process can ring the writer's doorbells, and nobody else's memory is mapped;
-//! - the writer's memory is unpinned only when none of its queues exist on the controller, or
+//! - the writer's memory is unmapped only when none of its queues exist on the controller, or
 //!   after the controller was disabled ([`Controller::quiesce`]); any admin command that fails
 //!   where the controller's state matters (a timeout, a completion nobody asked for, a Delete
-//!   that is refused) quiesces it first.
+//!   that is refused) quiesces it first. Completions can be forged by the writer's DMA into the
+//!   admin CQ, so none of this is what keeps memory safe: the strict unmap is.
 //!
 //! # Locking
 //!
-//! All mutable state sits in [`Controller::state`], one mutex: admin commands are issued one at a
-//! time under it. Pinning memory runs outside it (a slow fault must not block everyone); unbind
-//! waits for pins in flight ([`State::pins_in_flight`]). The doorbell mapping has its own mutex,
-//! taken in the page-fault path (after `mmap_lock`), where nothing may wait for `state`.
-//! Order: `state`, then `doorbells`.
+//! Mappings, queue records and the writer sit in [`Controller::state`]; the admin queue and the
+//! BAR in [`Controller::live`], so that an `ADMIN` call waiting on a hung controller holds up no
+//! `MAP` or `UNMAP`. Admin commands are issued one at a time under `live`. Pinning runs outside
+//! both (a slow fault must not block everyone): host pages are pinned with no device involved
+//! and mapped under `state`, so unbind never waits for a page fault; GPU pins need the device,
+//! and unbind waits for those in flight ([`State::pins_in_flight`]). The doorbell mapping has its
+//! own mutex, taken in the page-fault path (after `mmap_lock`), where nothing may wait for
+//! `state`. Order: `state`, then `live`, then `doorbells`.
 //!
 //! # Lifetime
 //!
@@ -31,6 +38,7 @@
 //! memory) is dropped by [`Controller::shutdown`] during unbind.
 
 use core::sync::atomic::{
+    AtomicBool,
     AtomicU32,
     AtomicU64,
     Ordering, //
@@ -62,17 +70,22 @@ use crate::{
         AdminQueue,
         Command, //
     },
-    mapping::{
-        raw_device,
-        HostPages,
-        MAX_HOST_PAGES, //
-    },
-    p2p::{
-        GpuPages,
-        Revoker, //
-    },
+    mapping::raw_device,
+    p2p::Revoker,
     regs,
     uapi, //
+};
+
+#[path = "maps.rs"]
+mod maps;
+#[path = "queues.rs"]
+mod queues;
+
+use maps::Mapping;
+use queues::{
+    QueuePair,
+    OPC_DELETE_CQ,
+    OPC_DELETE_SQ, //
 };
 
 pub(crate) type Bar0<'a> = pci::Bar<'a, { regs::BAR0_MIN }>;
@@ -88,16 +101,12 @@ extern "C" {
         bus: *mut u8,
         devfn: *mut u8,
     );
-    fn legend_shim_iommu_isolated(dev: *mut bindings::device) -> c_int;
+    fn legend_shim_iommu_isolated(dev: *mut bindings::device, group_id: *mut c_int) -> c_int;
     fn legend_shim_taint_unsafe();
     fn legend_shim_set_master(dev: *mut bindings::device, on: bool);
     fn legend_shim_pci_class(dev: *mut bindings::device) -> u32;
 }
 
-const OPC_DELETE_SQ: u8 = 0x00;
-const OPC_CREATE_SQ: u8 = 0x01;
-const OPC_DELETE_CQ: u8 = 0x04;
-const OPC_CREATE_CQ: u8 = 0x05;
 const OPC_SET_FEATURES: u8 = 0x09;
 const FEAT_NUM_QUEUES: u32 = 0x07;
 
@@ -109,9 +118,6 @@ const WANTED_QUEUE_PAIRS: u32 = 64;
 
 /// Identifies an open file: a number no other open file of this module gets.
 pub(crate) type Owner = u64;
-
-/// Most 64 KiB pages one GPU mapping may pin (64 GiB).
-const MAX_GPU_PAGES: u64 = 1 << 20;
 
 /// The resources that exist only while the device is bound.
 struct Live {
@@ -125,66 +131,24 @@ struct Live {
     epoch: u64,
 }
 
-/// Memory behind a mapping.
-enum Memory {
-    Host(HostPages),
-    Gpu(GpuPages),
-}
-
-impl Memory {
-    fn bus_addrs(&self) -> &[u64] {
-        match self {
-            Self::Host(p) => p.bus_addrs(),
-            Self::Gpu(p) => p.bus_addrs(),
-        }
-    }
-
-    /// Bytes covered by one entry of [`Memory::bus_addrs`].
-    fn page_size(&self) -> u32 {
-        match self {
-            Self::Host(_) => uapi::HOST_PAGE_SIZE,
-            Self::Gpu(_) => uapi::GPU_PAGE_SIZE,
-        }
-    }
-
-    fn len(&self) -> usize {
-        match self {
-            Self::Host(p) => p.len(),
-            Self::Gpu(p) => p.len(),
-        }
-    }
-}
-
-/// A [`uapi::MapArgs`] mapping.
-///
-/// Dropping one may call into the NVIDIA driver, which may wait for its free callback, which
-/// takes the state lock: mappings are dropped only after the state lock is released.
-struct Mapping {
-    owner: Owner,
-    handle: u32,
-    memory: Memory,
-    /// NVIDIA freed the GPU memory ([`Revoker::revoke`]); no longer counted or usable.
-    revoked: bool,
-}
-
-/// An I/O queue pair created through [`uapi::IOCTL_CREATE_QUEUE_PAIR`].
-struct QueuePair {
-    owner: Owner,
-    qid: u32,
-    /// [`Live::epoch`] when it was created.
-    epoch: u64,
-    /// Bytes `[start, end)` of each ring within its mapping: `(handle, start, end)`.
-    rings: [(u32, u64, u64); 2],
+/// What [`Live`] says about the queues, for holders of the state lock alone (`UNMAP`): updated
+/// after the controller was stopped, so it may lag (a queue still counts as on the device), never
+/// lead.
+#[derive(Default)]
+struct QueuesSeen {
+    failed: AtomicBool,
+    epoch: AtomicU64,
 }
 
 pub(crate) struct State {
-    live: Option<Live>,
+    /// Cleared by unbind ([`Controller::shutdown`]); nothing may be mapped for the device after.
+    bound: bool,
     maps: KVec<Mapping>,
     queues: KVec<QueuePair>,
     next_handle: u32,
     /// The open file that may map memory, create queues and map the doorbells.
     writer: Option<Owner>,
-    /// `MAP` calls pinning memory outside the lock; unbind waits until none is left.
+    /// `MAP` calls pinning GPU memory outside the lock; unbind waits until none is left.
     pins_in_flight: u32,
 }
 
@@ -211,6 +175,27 @@ pub(crate) struct Stats {
     pub(crate) failed: AtomicU32,
     /// Times the controller was enabled again after a failure.
     pub(crate) resets: AtomicU64,
+    /// The admin queue's [`admin::View`], for debugfs: bus addresses of SQ, CQ and the last data
+    /// page, then SQ tail, CQ head, phase and next command identifier.
+    pub(crate) admin_view: [AtomicU64; 7],
+}
+
+impl Stats {
+    fn show_admin(&self, admin: &AdminQueue) {
+        let v = admin.view();
+        let values = [
+            v.sq_bus,
+            v.cq_bus,
+            v.data_bus,
+            u64::from(v.sq_tail),
+            u64::from(v.cq_head),
+            u64::from(v.phase),
+            u64::from(v.next_cid),
+        ];
+        for (slot, value) in self.admin_view.iter().zip(values) {
+            slot.store(value, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Capabilities read from CAP during bring-up.
@@ -234,8 +219,14 @@ pub(crate) struct Controller {
     /// Physical address of the doorbell mapping's first page.
     doorbell_phys: u64,
     pub(crate) stats: Stats,
+    seen: QueuesSeen,
     #[pin]
     state: Mutex<State>,
+    /// The admin queue and the BAR, apart from `state` so that an `ADMIN` call (which may wait
+    /// for the admin timeout on a hung controller) does not hold up `MAP` and `UNMAP`. `None`
+    /// after unbind.
+    #[pin]
+    live: Mutex<Option<Live>>,
     /// Signalled when [`State::pins_in_flight`] drops to zero.
     #[pin]
     pins_done: CondVar,
@@ -293,9 +284,16 @@ fn enable(bar: &Bar0<'_>, admin: &AdminQueue, caps: &Caps) -> Result {
     wait_ready(bar, true, caps.timeout_ms)
 }
 
-/// Runs a bring-up or recovery admin command; any failure is an error.
-fn run_admin(admin: &mut AdminQueue, bar: &Bar0<'_>, cmd: Command) -> Result<u32> {
-    let c = admin.submit(bar, &cmd)?;
+/// Runs a bring-up or recovery admin command, with a data page copied to `data` if given; any
+/// failure is an error.
+fn run_admin(
+    dev: &device::Device<device::Bound>,
+    admin: &mut AdminQueue,
+    bar: &Bar0<'_>,
+    cmd: Command,
+    data: Option<&mut [u8]>,
+) -> Result<u32> {
+    let c = admin.submit(dev, bar, &cmd, data)?;
     if c.status != 0 {
         return Err(EIO);
     }
@@ -303,18 +301,60 @@ fn run_admin(admin: &mut AdminQueue, bar: &Bar0<'_>, cmd: Command) -> Result<u32
 }
 
 /// Set Features, Number of Queues: the I/O queue pairs granted (both counts are zero based).
-fn set_queue_count(admin: &mut AdminQueue, bar: &Bar0<'_>) -> Result<u32> {
+fn set_queue_count(
+    dev: &device::Device<device::Bound>,
+    admin: &mut AdminQueue,
+    bar: &Bar0<'_>,
+) -> Result<u32> {
     let want = WANTED_QUEUE_PAIRS - 1;
     let granted = run_admin(
+        dev,
         admin,
         bar,
         Command {
             opcode: OPC_SET_FEATURES,
             cdw: [FEAT_NUM_QUEUES, (want << 16) | want, 0, 0, 0, 0],
+            idempotent: true,
             ..Default::default()
         },
+        None,
     )?;
     Ok((granted & 0xffff).min(granted >> 16).min(want) + 1)
+}
+
+/// The first [`uapi::MAX_NAMESPACES`] IDs of an Active Namespace ID list, zero-terminated. The
+/// list must ascend and stay within `max_nsid` (Identify Controller's NN); it ends at the first
+/// ID that does not.
+fn active_nsids(list: &[u8], max_nsid: u32) -> [u32; uapi::MAX_NAMESPACES] {
+    let mut out = [0u32; uapi::MAX_NAMESPACES];
+    let mut last = 0;
+    for (i, slot) in out.iter_mut().enumerate() {
+        let nsid = le32(list, i * 4);
+        if nsid <= last || nsid > max_nsid {
+            break;
+        }
+        *slot = nsid;
+        last = nsid;
+    }
+    out
+}
+
+/// What Identify Namespace data says about namespace `nsid`, or `None` where its format is not
+/// usable: no blocks, a format index beyond NLBAF, or a block size outside 2^9 to 2^16 bytes.
+fn namespace_info(nsid: u32, id: &[u8]) -> Option<uapi::NamespaceInfo> {
+    let blocks = le64(id, 0);
+    let (nlbaf, lbaf) = (usize::from(id[25]), usize::from(id[26] & 0xf));
+    if blocks == 0 || lbaf > nlbaf {
+        return None;
+    }
+    let lba_shift = (le32(id, 128 + 4 * lbaf) >> 16) & 0xff;
+    (9..=16)
+        .contains(&lba_shift)
+        .then_some(uapi::NamespaceInfo {
+            nsid,
+            lba_shift,
+            blocks,
+        })
 }
 
 fn le32(b: &[u8], off: usize) -> u32 {
@@ -340,11 +380,39 @@ fn stop_dma(pdev: &pci::Device, bar: Option<&Bar0<'_>>, timeout_ms: i64) -> bool
     false
 }
 
-/// Checks that the controller's DMA is confined by a translating IOMMU to its own group.
+/// Checks that the controller's DMA is confined by a translating IOMMU to its own group, in a
+/// domain that invalidates the IOTLB when a mapping is undone (strict), so memory can be unpinned
+/// right after its unmap.
 fn check_isolation(pdev: &pci::Device) -> Result {
+    let mut group = -1;
     // SAFETY: `pdev` is a valid PCI device.
-    let ret = unsafe { legend_shim_iommu_isolated(raw_device(pdev.as_ref())) };
+    let ret = unsafe { legend_shim_iommu_isolated(raw_device(pdev.as_ref()), &mut group) };
     if ret == 0 {
+        return Ok(());
+    }
+    if ret == EAGAIN.to_errno() {
+        if !crate::module_parameters::enable_unsafe_lazy_iotlb.value() {
+            dev_err!(
+                pdev.as_ref(),
+                "refusing to bind: its IOMMU domain invalidates lazily (DMA-FQ), so memory it \
+                 unmapped stays reachable for milliseconds after it is unpinned; make the group \
+                 strict while no driver is bound: echo DMA > /sys/kernel/iommu_groups/{}/type \
+                 (legendctl device bind does), or boot with iommu.strict=1 (or load \
+                 legend_nvme with enable_unsafe_lazy_iotlb=1 to accept that, tainting the \
+                 kernel)\n",
+                group
+            );
+            return Err(EPERM);
+        }
+        // SAFETY: plain C call.
+        unsafe { legend_shim_taint_unsafe() };
+        dev_warn!(
+            pdev.as_ref(),
+            "UNSAFE: bound with lazy IOTLB invalidation (/sys/kernel/iommu_groups/{}/type is \
+             DMA-FQ): the queue writer can reach memory for milliseconds after it was unpinned; \
+             kernel tainted\n",
+            group
+        );
         return Ok(());
     }
     let (why, fix) = if ret == EXDEV.to_errno() {
@@ -443,6 +511,8 @@ impl Controller {
             stop_dma(pdev, None, caps.timeout_ms);
         })?;
         let pdev_ref: &pci::Device = pdev;
+        let stats = Stats::default();
+        stats.show_admin(&admin);
         Arc::pin_init(
             try_pin_init!(Self {
                 pdev: pdev_ref.into(),
@@ -450,15 +520,17 @@ impl Controller {
                 caps,
                 doorbell_base,
                 doorbell_phys,
-                stats: Stats::default(),
+                stats,
+                seen: QueuesSeen::default(),
                 state <- new_mutex!(State {
-                    live: Some(Live { bar, admin, failed: false, epoch: 0 }),
+                    bound: true,
                     maps: KVec::new(),
                     queues: KVec::new(),
                     next_handle: 1,
                     writer: None,
                     pins_in_flight: 0,
                 }),
+                live <- new_mutex!(Some(Live { bar, admin, failed: false, epoch: 0 })),
                 pins_done <- new_condvar!(),
                 doorbells <- new_mutex!(DoorbellState { live: true, file: None }),
             }),
@@ -484,23 +556,24 @@ impl Controller {
             )
         })?;
         let mut buf = KVec::from_elem(0u8, admin::DATA_LEN, GFP_KERNEL)?;
-        let run = |admin: &mut AdminQueue, cmd: Command, what: &str| -> Result<u32> {
-            run_admin(admin, bar, cmd).inspect_err(|e| dev_err!(pdev, "{} failed: {:?}\n", what, e))
+        let dev: &device::Device<device::Bound> = pdev.as_ref();
+        let run = |admin: &mut AdminQueue, cmd: Command, buf: &mut [u8], what: &str| {
+            run_admin(dev, admin, bar, cmd, Some(buf))
+                .inspect_err(|e| dev_err!(pdev, "{} failed: {:?}\n", what, e))
         };
 
         // Identify Controller (CNS 1).
-        let data = admin.data_dma();
         run(
             admin,
             Command {
                 opcode: uapi::ADMIN_OPC_IDENTIFY,
-                prp1: data,
                 cdw: [1, 0, 0, 0, 0, 0],
+                idempotent: true,
                 ..Default::default()
             },
+            &mut buf,
             "Identify Controller",
         )?;
-        admin.data(&mut buf);
         let mut info = uapi::Info {
             abi_version: uapi::ABI_VERSION,
             pci_domain: 0,
@@ -532,52 +605,52 @@ impl Controller {
         info.serial.copy_from_slice(&buf[4..24]);
         info.model.copy_from_slice(&buf[24..64]);
         info.firmware.copy_from_slice(&buf[64..72]);
+        // Number of Namespaces: the largest valid namespace ID.
+        let max_nsid = le32(&buf, 516);
 
         // Active Namespace ID list (CNS 2), then Identify Namespace (CNS 0) for each.
         run(
             admin,
             Command {
                 opcode: uapi::ADMIN_OPC_IDENTIFY,
-                prp1: data,
                 cdw: [2, 0, 0, 0, 0, 0],
+                idempotent: true,
                 ..Default::default()
             },
+            &mut buf,
             "Identify active namespaces",
         )?;
-        admin.data(&mut buf);
-        let mut nsids = [0u32; uapi::MAX_NAMESPACES];
+        let nsids = active_nsids(&buf, max_nsid);
         let mut count = 0;
-        for (i, slot) in nsids.iter_mut().enumerate() {
-            let nsid = le32(&buf, i * 4);
-            if nsid == 0 {
-                break;
-            }
-            *slot = nsid;
-            count += 1;
-        }
-        for (i, &nsid) in nsids[..count].iter().enumerate() {
+        for &nsid in nsids.iter().take_while(|&&n| n != 0) {
             run(
                 admin,
                 Command {
                     opcode: uapi::ADMIN_OPC_IDENTIFY,
                     nsid,
-                    prp1: data,
+                    idempotent: true,
                     ..Default::default()
                 },
+                &mut buf,
                 "Identify Namespace",
             )?;
-            admin.data(&mut buf);
-            let lbaf = usize::from(buf[26] & 0xf);
-            info.namespaces[i] = uapi::NamespaceInfo {
-                nsid,
-                lba_shift: (le32(&buf, 128 + 4 * lbaf) >> 16) & 0xff,
-                blocks: le64(&buf, 0),
-            };
+            match namespace_info(nsid, &buf) {
+                Some(ns) => {
+                    info.namespaces[count] = ns;
+                    count += 1;
+                }
+                None => dev_warn!(
+                    pdev,
+                    "namespace {} has no usable format (size 0, LBA format beyond NLBAF, or \
+                     block size outside 512 B to 64 KiB): skipped\n",
+                    nsid
+                ),
+            }
         }
         // CAST: `count <= MAX_NAMESPACES`.
         info.num_namespaces = count as u32;
 
-        let mut pairs = set_queue_count(admin, bar)
+        let mut pairs = set_queue_count(dev, admin, bar)
             .inspect_err(|e| dev_err!(pdev, "Set Features (number of queues) failed: {:?}\n", e))?;
         // Doorbells of qid 0..=pairs must fit in BAR0.
         let room = bar_len
@@ -607,13 +680,31 @@ impl Controller {
         self.pdev.as_ref()
     }
 
-    fn live<'a>(state: &'a mut State) -> Result<&'a mut Live> {
-        state.live.as_mut().ok_or(ENODEV)
+    fn bound_live(live: &mut Option<Live>) -> Result<&mut Live> {
+        live.as_mut().ok_or(ENODEV)
     }
 
-    /// Whether queue pair `q` exists on the controller.
-    fn on_device(live: Option<&Live>, q: &QueuePair) -> bool {
-        live.is_some_and(|l| !l.failed && l.epoch == q.epoch)
+    /// Checks, before memory is mapped or a queue created, that the controller is still alone in
+    /// its IOMMU group (probe checked it; a function hot-added to the group later would share its
+    /// domain, and so the writer's mappings).
+    ///
+    /// # Errors
+    ///
+    /// `EXDEV` (logged) if another device joined the group.
+    fn check_group_alone(&self) -> Result {
+        let mut group = -1;
+        // SAFETY: the device is valid while `self` holds a reference to it.
+        let ret = unsafe { legend_shim_iommu_isolated(raw_device(self.dev()), &mut group) };
+        if ret == EXDEV.to_errno() {
+            dev_err!(
+                self.dev(),
+                "another device joined IOMMU group {}: refusing new mappings and queues (unbind \
+                 the controller)\n",
+                group
+            );
+            return Err(EXDEV);
+        }
+        Ok(())
     }
 
     /// Makes `owner` the controller's one writer.
@@ -639,8 +730,6 @@ impl Controller {
         }
         live.failed = true;
         live.epoch += 1;
-        self.stats.queue_pairs.store(0, Ordering::Relaxed);
-        self.stats.failed.store(1, Ordering::Relaxed);
         dev_err!(
             self.dev(),
             "{}: controller disabled, its I/O queues are gone\n",
@@ -649,6 +738,11 @@ impl Controller {
         // SAFETY: a `Live` exists only while the device is bound (see `admin`).
         let dev = unsafe { self.dev().as_bound() };
         stop_dma(&self.pdev, live.bar.access(dev).ok(), self.caps.timeout_ms);
+        // Only now, with the controller stopped, may `UNMAP` see the queues gone.
+        self.seen.epoch.store(live.epoch, Ordering::Release);
+        self.seen.failed.store(true, Ordering::Release);
+        self.stats.queue_pairs.store(0, Ordering::Relaxed);
+        self.stats.failed.store(1, Ordering::Relaxed);
     }
 
     /// Enables a controller that [`Controller::quiesce`] stopped, with a fresh admin queue.
@@ -675,7 +769,7 @@ impl Controller {
         unsafe { legend_shim_set_master(raw_device(self.dev()), true) };
         let mut admin = AdminQueue::new(dev, self.caps.stride)?;
         let granted = enable(bar, &admin, &self.caps)
-            .and_then(|()| set_queue_count(&mut admin, bar))
+            .and_then(|()| set_queue_count(dev, &mut admin, bar))
             .inspect_err(|_| {
                 stop_dma(&self.pdev, Some(bar), self.caps.timeout_ms);
             })?;
@@ -690,392 +784,40 @@ impl Controller {
             return Err(EIO);
         }
         live.admin = admin;
+        self.stats.show_admin(&live.admin);
         live.failed = false;
+        self.seen.failed.store(false, Ordering::Release);
         self.stats.failed.store(0, Ordering::Relaxed);
         self.stats.resets.fetch_add(1, Ordering::Relaxed);
         dev_info!(self.dev(), "controller enabled again after a failure\n");
         Ok(())
     }
 
-    /// Runs an admin command, counting it. A timeout or a completion that does not match quiesces
-    /// the controller.
-    fn admin(&self, live: &mut Live, cmd: &Command) -> Result<admin::Completion> {
+    /// Runs an admin command, counting it, with a data page copied to `data` if given. A timeout
+    /// or a completion that does not match quiesces the controller.
+    fn admin(
+        &self,
+        live: &mut Live,
+        cmd: &Command,
+        data: Option<&mut [u8]>,
+    ) -> Result<admin::Completion> {
         if live.failed {
             return Err(EIO);
         }
         self.stats.admin_commands.fetch_add(1, Ordering::Relaxed);
         // SAFETY: a `Live` exists only while the device is bound: `shutdown` takes it, under the
-        // state lock that the caller holds, before unbind completes.
+        // lock that the caller holds, before unbind completes.
         let dev = unsafe { self.dev().as_bound() };
         let Live { bar, admin, .. } = &mut *live;
         // `access` rather than `try_access`: polling sleeps, which an RCU read section forbids.
-        let result = admin.submit(bar.access(dev)?, cmd);
+        let result = admin.submit(dev, bar.access(dev)?, cmd, data);
+        self.stats.show_admin(&live.admin);
         result.map_err(|fault| {
-            self.quiesce(live, "admin queue failed");
+            if fault != admin::Fault::NoMemory {
+                self.quiesce(live, "admin queue failed");
+            }
             fault.into()
         })
-    }
-
-    /// Pins `args.len` bytes at `args.addr` for `owner`, hands the bus addresses to `publish`
-    /// (which copies them to the caller) and records the mapping; returns its handle and page
-    /// size.
-    ///
-    /// # Errors
-    ///
-    /// `EINVAL` for bad arguments, `E2BIG` above [`MAX_HOST_PAGES`] or [`MAX_GPU_PAGES`],
-    /// `ENOSPC` for a short `bus_addrs` array, `ENODEV` after unbind, `ENXIO` if NVIDIA freed the
-    /// GPU memory while it was being mapped, `publish`'s error, plus [`HostPages::pin`]'s and
-    /// [`GpuPages::pin`]'s.
-    pub(crate) fn map(
-        this: &Arc<Self>,
-        owner: Owner,
-        args: &uapi::MapArgs,
-        publish: impl FnOnce(&[u64]) -> Result,
-    ) -> Result<(u32, u32)> {
-        if args.flags != 0 {
-            return Err(EINVAL);
-        }
-        let (page, max) = match args.kind {
-            uapi::MAP_KIND_HOST => (uapi::HOST_PAGE_SIZE, MAX_HOST_PAGES as u64),
-            uapi::MAP_KIND_GPU => (uapi::GPU_PAGE_SIZE, MAX_GPU_PAGES),
-            _ => return Err(EINVAL),
-        };
-        let page = u64::from(page);
-        if args.len == 0 || args.len % page != 0 || args.addr % page != 0 {
-            return Err(EINVAL);
-        }
-        args.addr.checked_add(args.len).ok_or(EINVAL)?;
-        let npages = args.len / page;
-        if npages > max {
-            return Err(E2BIG);
-        }
-        if u64::from(args.bus_addrs_cap) < npages {
-            return Err(ENOSPC);
-        }
-        let (_ticket, handle) = PinTicket::take(this)?;
-        // SAFETY: the ticket keeps unbind from completing while it lives, so the device stays
-        // bound for the pinning and for dropping the memory on the error paths below.
-        let dev = unsafe { this.dev().as_bound() };
-        let memory = if args.kind == uapi::MAP_KIND_HOST {
-            // CAST: `npages <= MAX_HOST_PAGES`.
-            Memory::Host(HostPages::pin(dev, args.addr, npages as usize)?)
-        } else {
-            let revoker: Arc<dyn Revoker> = this.clone();
-            // Without the state lock: NVIDIA may run a free callback meanwhile, which takes it.
-            Memory::Gpu(GpuPages::pin(
-                &this.pdev, args.addr, args.len, revoker, owner, handle,
-            )?)
-        };
-        // Published before the mapping is recorded: a fault leaves nothing behind.
-        publish(memory.bus_addrs())?;
-        let page_size = memory.page_size();
-        this.insert(owner, handle, memory)?;
-        Ok((handle, page_size))
-    }
-
-    /// Records a new mapping; on failure it is dropped after the state lock is released.
-    fn insert(&self, owner: Owner, handle: u32, memory: Memory) -> Result {
-        let mut guard = self.state.lock();
-        let state = &mut *guard;
-        let refused = if state.live.is_none() {
-            Some(ENODEV)
-        } else if matches!(&memory, Memory::Gpu(g) if g.revoked()) {
-            // Under the state lock, a free callback that has not revoked the memory yet will
-            // find the mapping once it is recorded.
-            Some(ENXIO)
-        } else {
-            state.maps.reserve(1, GFP_KERNEL).err().map(Error::from)
-        };
-        if let Some(e) = refused {
-            drop(guard);
-            drop(memory);
-            return Err(e);
-        }
-        self.stats
-            .bytes_pinned
-            .fetch_add(memory.len() as u64, Ordering::Relaxed);
-        // Capacity reserved above: cannot fail.
-        state.maps.push(
-            Mapping {
-                owner,
-                handle,
-                memory,
-                revoked: false,
-            },
-            GFP_KERNEL,
-        )?;
-        Ok(())
-    }
-
-    /// Releases mapping `handle` of `owner`.
-    ///
-    /// Refused while `owner` has any queue pair on the controller, not only one whose SQ or CQ
-    /// lies in the mapping: commands already submitted may carry PRPs (data buffers, PRP lists)
-    /// that point into any of the owner's mappings, and the driver never sees them, so it cannot
-    /// tell which memory the controller may still write. Deleting the queue pairs is what stops
-    /// that: Delete I/O SQ completes only after the controller has completed or aborted the SQ's
-    /// commands. A mapping NVIDIA already freed ([`Revoker::revoke`], which deleted the owner's
-    /// queues at that time) holds nothing the device could reach, and may always be forgotten.
-    ///
-    /// # Errors
-    ///
-    /// `ENOENT` if `owner` has no such mapping, `EBUSY` while `owner` has a queue pair.
-    pub(crate) fn unmap(&self, owner: Owner, handle: u32) -> Result {
-        let mut guard = self.state.lock();
-        let state = &mut *guard;
-        let i = state
-            .maps
-            .iter()
-            .position(|m| m.owner == owner && m.handle == handle)
-            .ok_or(ENOENT)?;
-        let live = state.live.as_ref();
-        if !state.maps[i].revoked
-            && state
-                .queues
-                .iter()
-                .any(|q| q.owner == owner && Self::on_device(live, q))
-        {
-            return Err(EBUSY);
-        }
-        let m = state.maps.remove(i)?;
-        if !m.revoked {
-            self.stats
-                .bytes_pinned
-                .fetch_sub(m.memory.len() as u64, Ordering::Relaxed);
-        }
-        drop(guard);
-        // Dropped here, after the state lock is released (see `Mapping`).
-        drop(m);
-        Ok(())
-    }
-
-    /// Bus address of `bytes` at `offset` of mapping `handle`, which must be contiguous.
-    ///
-    /// # Errors
-    ///
-    /// `ENOENT` for an unknown handle, `ENXIO` if NVIDIA freed its memory, `EINVAL` otherwise.
-    fn queue_memory(
-        state: &State,
-        owner: Owner,
-        handle: u32,
-        offset: u64,
-        bytes: u64,
-    ) -> Result<u64> {
-        let m = state
-            .maps
-            .iter()
-            .find(|m| m.owner == owner && m.handle == handle)
-            .ok_or(ENOENT)?;
-        if m.revoked {
-            return Err(ENXIO);
-        }
-        let len = m.memory.len() as u64;
-        if offset % u64::from(uapi::HOST_PAGE_SIZE) != 0
-            || offset.checked_add(bytes).ok_or(EINVAL)? > len
-        {
-            return Err(EINVAL);
-        }
-        let page = u64::from(m.memory.page_size());
-        let bus = m.memory.bus_addrs();
-        // CAST: both indices are below the number of pages, which fits in a `usize`.
-        let first = (offset / page) as usize;
-        let last = ((offset + bytes - 1) / page) as usize;
-        // NVMe queues in this driver are physically contiguous (PC = 1).
-        for i in first..last {
-            if bus[i + 1] != bus[i] + page {
-                return Err(EINVAL);
-            }
-        }
-        Ok(bus[first] + offset % page)
-    }
-
-    /// Creates I/O queue pair `args.qid` in memory of `owner`'s mappings; returns the byte offsets
-    /// of its SQ tail and CQ head doorbells in the doorbell mapping.
-    ///
-    /// # Errors
-    ///
-    /// `EINVAL` for a bad qid, depth, offset, overlapping rings or non-contiguous queue memory,
-    /// `EBUSY` if the qid is in use, `ENOENT` for unknown handles, `EIO` if the controller
-    /// refuses the command or failed and cannot be enabled again.
-    pub(crate) fn create_queue_pair(
-        &self,
-        owner: Owner,
-        args: &uapi::QueuePairArgs,
-    ) -> Result<(u32, u32)> {
-        if args.qid == 0
-            || args.qid > self.info.queue_pairs
-            || args.depth < 2
-            || args.depth > self.info.max_queue_entries
-        {
-            return Err(EINVAL);
-        }
-        let depth = u64::from(args.depth);
-        let rings = [
-            (args.sq_handle, args.sq_offset, depth * 64),
-            (args.cq_handle, args.cq_offset, depth * 16),
-        ]
-        .map(|(h, off, len)| (h, off, off.saturating_add(len)));
-        let [(sh, ss, se), (ch, cs, ce)] = rings;
-        // The controller would overwrite commands with completions.
-        if sh == ch && ss < ce && cs < se {
-            return Err(EINVAL);
-        }
-        let mut guard = self.state.lock();
-        let state = &mut *guard;
-        self.recover(Self::live(state)?)?;
-        if state.queues.iter().any(|q| q.qid == args.qid) {
-            return Err(EBUSY);
-        }
-        // Another queue's rings would be overwritten by this one's.
-        if state.queues.iter().any(|q| {
-            q.rings.iter().any(|&(h, s, e)| {
-                rings
-                    .iter()
-                    .any(|&(h2, s2, e2)| h == h2 && s < e2 && s2 < e)
-            })
-        }) {
-            return Err(EINVAL);
-        }
-        let sq = Self::queue_memory(state, owner, args.sq_handle, args.sq_offset, depth * 64)?;
-        let cq = Self::queue_memory(state, owner, args.cq_handle, args.cq_offset, depth * 16)?;
-        state.queues.reserve(1, GFP_KERNEL)?;
-        let live = Self::live(state)?;
-        let size_qid = ((args.depth - 1) << 16) | args.qid;
-        // Polled queue: physically contiguous, interrupts disabled.
-        let c = self.admin(
-            live,
-            &Command {
-                opcode: OPC_CREATE_CQ,
-                prp1: cq,
-                cdw: [size_qid, 1, 0, 0, 0, 0],
-                ..Default::default()
-            },
-        )?;
-        if c.status != 0 {
-            dev_err!(
-                self.dev(),
-                "Create I/O CQ {} failed with status {:#x}\n",
-                args.qid,
-                c.status
-            );
-            return Err(EIO);
-        }
-        let c = self.admin(
-            live,
-            &Command {
-                opcode: OPC_CREATE_SQ,
-                prp1: sq,
-                cdw: [size_qid, (args.qid << 16) | 1, 0, 0, 0, 0],
-                ..Default::default()
-            },
-        )?;
-        if c.status != 0 {
-            dev_err!(
-                self.dev(),
-                "Create I/O SQ {} failed with status {:#x}\n",
-                args.qid,
-                c.status
-            );
-            // The CQ must go too; if it cannot, the controller is stopped instead.
-            self.delete_on_device(live, args.qid, &[OPC_DELETE_CQ])?;
-            return Err(EIO);
-        }
-        let epoch = live.epoch;
-        // Capacity reserved above: cannot fail.
-        state.queues.push(
-            QueuePair {
-                owner,
-                qid: args.qid,
-                epoch,
-                rings: [(sh, ss, se), (ch, cs, ce)],
-            },
-            GFP_KERNEL,
-        )?;
-        self.stats.queue_pairs.fetch_add(1, Ordering::Relaxed);
-        let stride = self.info.doorbell_stride as usize;
-        let offset = |i: usize| -> u32 {
-            // CAST: inside the doorbell mapping (`doorbell_len` covers every granted qid).
-            (regs::DOORBELLS + i * stride - self.doorbell_base) as u32
-        };
-        // CAST: `qid <= queue_pairs`.
-        let qid = args.qid as usize;
-        Ok((offset(2 * qid), offset(2 * qid + 1)))
-    }
-
-    /// Deletes queue `qid` on the controller with `opcodes` (SQ before CQ, as the specification
-    /// requires). A refusal or an admin failure quiesces the controller.
-    ///
-    /// # Errors
-    ///
-    /// `EIO`, whatever failed (a refusal, a timeout); the controller is then disabled and holds
-    /// no queue.
-    fn delete_on_device(&self, live: &mut Live, qid: u32, opcodes: &[u8]) -> Result {
-        for &opcode in opcodes {
-            let c = self
-                .admin(
-                    live,
-                    &Command {
-                        opcode,
-                        cdw: [qid, 0, 0, 0, 0, 0],
-                        ..Default::default()
-                    },
-                )
-                .map_err(|_| EIO)?;
-            if c.status != 0 {
-                dev_err!(
-                    self.dev(),
-                    "deleting queue {} failed with status {:#x}\n",
-                    qid,
-                    c.status
-                );
-                self.quiesce(live, "a queue could not be deleted");
-                return Err(EIO);
-            }
-        }
-        Ok(())
-    }
-
-    /// Deletes queue pair `i` of `state` on the controller (if it is there) and forgets it.
-    ///
-    /// # Errors
-    ///
-    /// As [`Controller::delete_on_device`]; the record then stays, no longer on the device, and
-    /// the next call forgets it.
-    fn delete_queue(&self, state: &mut State, i: usize) -> Result {
-        let qid = state.queues[i].qid;
-        if Self::on_device(state.live.as_ref(), &state.queues[i]) {
-            let live = Self::live(state)?;
-            self.delete_on_device(live, qid, &[OPC_DELETE_SQ, OPC_DELETE_CQ])?;
-            self.stats.queue_pairs.fetch_sub(1, Ordering::Relaxed);
-        }
-        state.queues.remove(i)?;
-        Ok(())
-    }
-
-    /// Deletes queue pair `qid` of `owner`.
-    ///
-    /// # Errors
-    ///
-    /// `ENOENT` if `owner` has no such queue pair, else as [`Controller::delete_queue`].
-    pub(crate) fn delete_queue_pair(&self, owner: Owner, qid: u32) -> Result {
-        let mut guard = self.state.lock();
-        let i = guard
-            .queues
-            .iter()
-            .position(|q| q.owner == owner && q.qid == qid)
-            .ok_or(ENOENT)?;
-        self.delete_queue(&mut guard, i)
-    }
-
-    /// Deletes every queue pair of `owner`; a failure quiesces the controller, after which none
-    /// is left on it either.
-    fn delete_queues_of(&self, state: &mut State, owner: Owner) {
-        while let Some(i) = state.queues.iter().position(|q| q.owner == owner) {
-            if self.delete_queue(state, i).is_err() {
-                // Quiesced: nothing is on the device any more.
-                let _ = state.queues.remove(i);
-            }
-        }
     }
 
     /// Runs an allowed admin command with a kernel buffer of `data.len()` bytes, which receives
@@ -1104,21 +846,25 @@ impl Controller {
             cdw[0] = (cdw[0] & 0xffff) | ((((data.len() + 3) / 4 - 1) as u32) << 16);
             cdw[1] = 0;
         }
-        let mut guard = self.state.lock();
-        let live = Self::live(&mut guard)?;
+        // The admin lock alone: the writer's `MAP` and `UNMAP` do not wait for this command.
+        let mut guard = self.live.lock();
+        let live = Self::bound_live(&mut guard)?;
         self.recover(live)?;
-        let prp1 = live.admin.data_dma();
+        // The command's data lands in a kernel page first: `data` changes only on success.
+        let mut page = KVec::from_elem(0u8, data.len(), GFP_KERNEL)?;
         let c = self.admin(
             live,
             &Command {
                 opcode: args.opcode,
                 nsid: args.nsid,
-                prp1,
+                prp1: 0,
                 cdw,
+                idempotent: true,
             },
+            Some(&mut page),
         )?;
         if c.status == 0 {
-            live.admin.data(data);
+            data.copy_from_slice(&page);
         }
         Ok(c)
     }
@@ -1202,14 +948,18 @@ impl Controller {
                 unsafe { legend_shim_zap_file(file) };
             }
         }
-        let Some(mut live) = guard.live.take() else {
+        if !guard.bound {
             return;
-        };
-        // Memory being pinned is dropped by its `MAP` (which sees `live` gone) while the device
-        // is still bound.
+        }
+        guard.bound = false;
+        // GPU memory being pinned is dropped by its `MAP` (which sees `bound` cleared) while the
+        // device is still bound; host memory being pinned is not mapped yet and needs no device.
         while guard.pins_in_flight > 0 {
             self.pins_done.wait(&mut guard);
         }
+        let Some(mut live) = self.live.lock().take() else {
+            return;
+        };
         let state = &mut *guard;
         for q in state.queues.iter() {
             if !live.failed && live.epoch == q.epoch {
@@ -1255,45 +1005,5 @@ impl Revoker for Controller {
             "NVIDIA freed the GPU memory of mapping {}: deleted its owner's queue pairs\n",
             handle
         );
-    }
-}
-
-/// A `MAP` in progress: while it lives, unbind waits (the memory being pinned needs the bound
-/// device until it is recorded or dropped).
-struct PinTicket<'a>(&'a Controller);
-
-impl<'a> PinTicket<'a> {
-    /// Takes a ticket and a fresh mapping handle.
-    ///
-    /// # Errors
-    ///
-    /// `ENODEV` after unbind, `ENOSPC` if every handle is in use.
-    fn take(ctrl: &'a Controller) -> Result<(Self, u32)> {
-        let mut state = ctrl.state.lock();
-        if state.live.is_none() {
-            return Err(ENODEV);
-        }
-        // Handles wrap around, skipping 0 and those still in use.
-        let mut handle = state.next_handle;
-        // At most `maps.len()` handles are taken, plus 0: one of this many candidates is free.
-        for _ in 0..state.maps.len() + 2 {
-            if handle != 0 && !state.maps.iter().any(|m| m.handle == handle) {
-                state.next_handle = handle.wrapping_add(1);
-                state.pins_in_flight += 1;
-                return Ok((Self(ctrl), handle));
-            }
-            handle = handle.wrapping_add(1);
-        }
-        Err(ENOSPC)
-    }
-}
-
-impl Drop for PinTicket<'_> {
-    fn drop(&mut self) {
-        let mut state = self.0.state.lock();
-        state.pins_in_flight -= 1;
-        if state.pins_in_flight == 0 {
-            self.0.pins_done.notify_all();
-        }
     }
 }

@@ -27,5 +27,9 @@ kernel::module_pci_driver! {
             default: false,
             description: "Bind controllers that no translating IOMMU isolates (taints the kernel): whoever opens the device can then DMA to any memory",
         },
+        enable_unsafe_lazy_iotlb: bool {
+            default: false,
+            description: "Bind controllers whose IOMMU domain invalidates lazily (DMA-FQ; taints the kernel): unmapped and unpinned memory then stays reachable by the queue writer's DMA for up to ~10 ms",
+        },
     },
 }

@@ -1,14 +1,22 @@
 // SPDX-License-Identifier: GPL-2.0-only
 
-//! Pinned host memory and its streaming DMA mappings for one controller.
+//! Pinned host memory and kernel pages, and their streaming DMA mappings for one controller.
 //!
-//! The `unsafe` calls into the C shim are kept here: a [`HostPages`] owns its page pins, their
-//! charge against the pinning process's locked-memory limit, and its DMA mappings, and releases
-//! all three when dropped.
+//! The `unsafe` calls into the C shim are kept here: a [`PinnedPages`] owns page pins and their
+//! charge against the pinning process's locked-memory limit, a [`HostPages`] those and their DMA
+//! mapping, and a [`DmaPage`] a kernel page and its mapping; each releases what it owns when
+//! dropped.
+//!
+//! Unmapping happens before unpinning or freeing, always: probe admits only strict IOMMU
+//! domains, where `dma_unmap_page` returns after the IOTLB no longer translates the address, so
+//! nothing the controller is told (or a forged completion claims) decides when memory leaves
+//! its reach.
 
 use kernel::{
     bindings,
     device,
+    dma::DataDirection,
+    page::Page,
     prelude::*,
     sync::aref::ARef, //
 };
@@ -35,9 +43,117 @@ extern "C" {
     fn legend_shim_dma_map_page(
         dev: *mut bindings::device,
         page: *mut bindings::page,
+        dir: c_int,
         bus: *mut u64,
     ) -> c_int;
-    fn legend_shim_dma_unmap_page(dev: *mut bindings::device, bus: u64);
+    fn legend_shim_dma_unmap_page(dev: *mut bindings::device, bus: u64, dir: c_int);
+    fn legend_shim_map_user(
+        dev: *mut bindings::device,
+        pages: *const *mut bindings::page,
+        npages: usize,
+        bus: *mut u64,
+        sgt: *mut *mut RawSgTable,
+    ) -> c_int;
+    fn legend_shim_unmap_user(dev: *mut bindings::device, sgt: *mut RawSgTable);
+}
+
+/// `dir` as the C enum's value.
+fn raw_dir(dir: DataDirection) -> c_int {
+    // CAST: the enum's values are 0 to 3.
+    dir as u32 as c_int
+}
+
+/// Maps `page` for `dev` in direction `dir`; the bus address.
+///
+/// # Safety
+///
+/// `page` is a valid page that stays allocated (or pinned) until the mapping is undone with
+/// [`unmap_page`], and `dev` is bound until then.
+unsafe fn map_page(
+    dev: &device::Device,
+    page: *mut bindings::page,
+    dir: DataDirection,
+) -> Result<u64> {
+    let mut bus = 0u64;
+    // SAFETY: by the function's contract.
+    let ret = unsafe { legend_shim_dma_map_page(raw_device(dev), page, raw_dir(dir), &mut bus) };
+    if ret == EOPNOTSUPP.to_errno() {
+        dev_err!(
+            dev,
+            "DMA to the pages would need bounce buffers (SWIOTLB) or sync calls: refused\n"
+        );
+    }
+    if ret != 0 {
+        return Err(Error::from_errno(ret));
+    }
+    Ok(bus)
+}
+
+/// Undoes [`map_page`]; in the strict domain probe requires, the controller can no longer reach
+/// the page when this returns.
+///
+/// # Safety
+///
+/// `bus` is a live mapping made by [`map_page`] for `dev` with `dir`; `dev` is bound.
+unsafe fn unmap_page(dev: &device::Device, bus: u64, dir: DataDirection) {
+    // SAFETY: by the function's contract.
+    unsafe { legend_shim_dma_unmap_page(raw_device(dev), bus, raw_dir(dir)) };
+}
+
+/// A zeroed kernel page mapped for one device in one direction (`ToDevice`: the IOMMU lets the
+/// device only read it).
+///
+/// # Invariants
+///
+/// `bus` is a live mapping of `page` for `dev` with `dir`, undone by `Drop` or [`DmaPage::unmap`].
+pub(crate) struct DmaPage {
+    dev: ARef<device::Device>,
+    page: Page,
+    bus: u64,
+    dir: DataDirection,
+}
+
+impl DmaPage {
+    /// Allocates a zeroed page and maps it. `dev` must stay bound until the result is dropped.
+    pub(crate) fn new(dev: &device::Device<device::Bound>, dir: DataDirection) -> Result<Self> {
+        let page = Page::alloc_page(GFP_KERNEL | __GFP_ZERO)?;
+        // SAFETY: `page` is kept in the result until the mapping is undone; `dev` is bound.
+        let bus = unsafe { map_page(dev, page.as_ptr(), dir)? };
+        // INVARIANT: just mapped.
+        Ok(Self {
+            dev: dev.into(),
+            page,
+            bus,
+            dir,
+        })
+    }
+
+    pub(crate) fn bus(&self) -> u64 {
+        self.bus
+    }
+
+    /// The page, for the CPU's reads and writes.
+    pub(crate) fn page(&self) -> &Page {
+        &self.page
+    }
+
+    /// Undoes the mapping and hands the page back.
+    pub(crate) fn unmap(self) -> Page {
+        let this = core::mem::ManuallyDrop::new(self);
+        // SAFETY: by the invariants; the caller's contract of `new` keeps `dev` bound.
+        unsafe { unmap_page(&this.dev, this.bus, this.dir) };
+        // SAFETY: each field is moved out once, and `this` is never dropped.
+        let (page, dev) = unsafe { (core::ptr::read(&this.page), core::ptr::read(&this.dev)) };
+        drop(dev);
+        page
+    }
+}
+
+impl Drop for DmaPage {
+    fn drop(&mut self) {
+        // SAFETY: by the invariants; the caller's contract of `new` keeps `dev` bound.
+        unsafe { unmap_page(&self.dev, self.bus, self.dir) };
+    }
 }
 
 /// The C `struct device` of `dev`.
@@ -51,46 +167,35 @@ pub(crate) fn raw_device(dev: &device::Device) -> *mut bindings::device {
 /// Most pages one mapping may pin (1 GiB of host memory).
 pub(crate) const MAX_HOST_PAGES: usize = 1 << 18;
 
-/// User pages pinned with `FOLL_LONGTERM`, charged to their process's `RLIMIT_MEMLOCK`, and
-/// mapped for DMA by one device.
+/// User pages pinned with `FOLL_LONGTERM` and charged to their process's `RLIMIT_MEMLOCK`; no
+/// device involved, so pinning (which may wait on a page fault for as long as a userfaultfd
+/// handler likes) needs neither a bound device nor any lock of the controller.
 ///
 /// # Invariants
 ///
-/// - `pages` holds pinned pages, each pinned once by this object and charged to `mm`, of which
-///   this object holds a reference (`mmgrab`).
-/// - `bus[i]` is a live streaming DMA mapping of `pages[i]` for `dev`, for `i < bus.len()`.
-pub(crate) struct HostPages {
-    dev: ARef<device::Device>,
+/// `pages` holds pinned pages, each pinned once by this object and charged to `mm`, of which
+/// this object holds a reference (`mmgrab`).
+pub(crate) struct PinnedPages {
     pages: KVVec<*mut bindings::page>,
-    bus: KVVec<u64>,
     mm: *mut bindings::mm_struct,
 }
 
-// SAFETY: the page and mm pointers are references owned through pins and `mmgrab`; unpinning,
-// uncharging and DMA (un)mapping may happen on any thread.
-unsafe impl Send for HostPages {}
+// SAFETY: the page and mm pointers are references owned through pins and `mmgrab`; unpinning and
+// uncharging may happen on any thread.
+unsafe impl Send for PinnedPages {}
 
-impl HostPages {
-    /// Pins `npages` pages of the calling process from `uaddr` and maps them for `dev`.
-    ///
-    /// `dev` must stay bound until the result is dropped; the controller ensures it by dropping
-    /// every mapping before its unbind completes.
+impl PinnedPages {
+    /// Pins `npages` pages of the calling process from `uaddr`.
     ///
     /// # Errors
     ///
     /// - `EFAULT` if the range is not fully mapped writable memory of the caller.
-    /// - `ENOMEM` beyond the caller's `RLIMIT_MEMLOCK` (without `CAP_IPC_LOCK`), or if memory or a
-    ///   DMA mapping could not be had.
-    /// - `EOPNOTSUPP` if DMA to the pages would need sync calls (SWIOTLB bounce buffering).
-    pub(crate) fn pin(
-        dev: &device::Device<device::Bound>,
-        uaddr: u64,
-        npages: usize,
-    ) -> Result<Self> {
+    /// - `ENOMEM` beyond the caller's `RLIMIT_MEMLOCK` (without `CAP_IPC_LOCK`), or without
+    ///   memory.
+    pub(crate) fn pin(uaddr: u64, npages: usize) -> Result<Self> {
         let uaddr = usize::try_from(uaddr).map_err(|_| EINVAL)?;
-        // Both arrays before pinning: no allocation can fail with pages pinned and not owned.
+        // Before pinning: no allocation can fail with pages pinned and not owned.
         let mut pages = KVVec::with_capacity(npages, GFP_KERNEL)?;
-        let bus = KVVec::with_capacity(npages, GFP_KERNEL)?;
         let mut mm = core::ptr::null_mut();
         // SAFETY: `pages` has room for `npages` entries; the shim pins all of them or none.
         let got = unsafe { legend_shim_pin_user(uaddr, npages, pages.as_mut_ptr(), &mut mm) };
@@ -100,33 +205,86 @@ impl HostPages {
         }
         // SAFETY: the shim pinned and initialised all `npages` entries.
         unsafe { pages.inc_len(npages) };
-        // INVARIANT: the pages are pinned and charged to `mm`, which the shim grabbed; no bus
-        // address yet.
-        let mut this = Self {
-            dev: dev.into(),
-            pages,
-            bus,
-            mm,
+        // INVARIANT: the pages are pinned and charged to `mm`, which the shim grabbed.
+        Ok(Self { pages, mm })
+    }
+}
+
+impl Drop for PinnedPages {
+    fn drop(&mut self) {
+        // SAFETY: by the invariants each page is pinned once by this object and charged to `mm`,
+        // whose reference this releases.
+        unsafe { legend_shim_unpin_user(self.pages.as_mut_ptr(), self.pages.len(), self.mm) };
+    }
+}
+
+/// The C shim's scatter-gather table of a [`HostPages`]; only handled by pointer.
+#[repr(C)]
+struct RawSgTable {
+    _opaque: [u8; 0],
+}
+
+/// Pinned user pages mapped for DMA by one device, as one scatter-gather mapping: under an
+/// IOMMU, the DMA API puts the pages at consecutive bus addresses, so rings of any size fit in
+/// one mapping.
+///
+/// # Invariants
+///
+/// `sgt` is a live DMA mapping of `pinned`'s pages for `dev` (by `legend_shim_map_user`), and
+/// `bus[i]` the bus address of page `i` in it.
+pub(crate) struct HostPages {
+    dev: ARef<device::Device>,
+    sgt: *mut RawSgTable,
+    bus: KVVec<u64>,
+    pinned: PinnedPages,
+}
+
+// SAFETY: as for `PinnedPages`; the scatter-gather table is owned by this object, and DMA
+// unmapping may happen on any thread.
+unsafe impl Send for HostPages {}
+
+impl HostPages {
+    /// Maps `pinned` for `dev`, which must stay bound until the result is dropped; the controller
+    /// ensures it by mapping under its state lock while bound and dropping every mapping before
+    /// its unbind completes.
+    ///
+    /// # Errors
+    ///
+    /// - `ENOMEM` if memory or a DMA mapping could not be had.
+    /// - `EOPNOTSUPP` if DMA to the pages would need sync calls (SWIOTLB bounce buffering).
+    pub(crate) fn map(dev: &device::Device<device::Bound>, pinned: PinnedPages) -> Result<Self> {
+        let npages = pinned.pages.len();
+        let mut bus = KVVec::with_capacity(npages, GFP_KERNEL)?;
+        let mut sgt = core::ptr::null_mut();
+        // SAFETY: `pinned` holds `npages` pinned pages, kept (in the result) until `Drop` unmaps
+        // them; `bus` has room for `npages` addresses; `dev` is bound (the caller's contract).
+        let ret = unsafe {
+            legend_shim_map_user(
+                raw_device(dev),
+                pinned.pages.as_ptr(),
+                npages,
+                bus.as_mut_ptr(),
+                &mut sgt,
+            )
         };
-        for i in 0..npages {
-            let mut bus = 0u64;
-            // SAFETY: `pages[i]` is a pinned page and `dev` is a bound device (the caller's
-            // contract).
-            let ret =
-                unsafe { legend_shim_dma_map_page(raw_device(&this.dev), this.pages[i], &mut bus) };
-            if ret != 0 {
-                if ret == EOPNOTSUPP.to_errno() {
-                    dev_err!(
-                        this.dev,
-                        "DMA to user pages would need bounce buffers (SWIOTLB) or sync calls: refused\n"
-                    );
-                }
-                return Err(Error::from_errno(ret));
-            }
-            // Capacity reserved above: cannot fail.
-            this.bus.push(bus, GFP_KERNEL)?;
+        if ret == EOPNOTSUPP.to_errno() {
+            dev_err!(
+                dev,
+                "DMA to user pages would need bounce buffers (SWIOTLB) or sync calls: refused\n"
+            );
         }
-        Ok(this)
+        if ret != 0 {
+            return Err(Error::from_errno(ret));
+        }
+        // SAFETY: the shim wrote `npages` bus addresses.
+        unsafe { bus.inc_len(npages) };
+        // INVARIANT: the shim mapped the pages into `sgt`.
+        Ok(Self {
+            dev: dev.into(),
+            sgt,
+            bus,
+            pinned,
+        })
     }
 
     /// Bus addresses of the pages, one per [`uapi::HOST_PAGE_SIZE`] bytes.
@@ -136,18 +294,14 @@ impl HostPages {
 
     /// Bytes pinned.
     pub(crate) fn len(&self) -> usize {
-        self.pages.len() * uapi::HOST_PAGE_SIZE as usize
+        self.pinned.pages.len() * uapi::HOST_PAGE_SIZE as usize
     }
 }
 
 impl Drop for HostPages {
     fn drop(&mut self) {
-        for &bus in self.bus.iter() {
-            // SAFETY: by the invariants `bus` is a live mapping for `dev`.
-            unsafe { legend_shim_dma_unmap_page(raw_device(&self.dev), bus) };
-        }
-        // SAFETY: by the invariants each page is pinned once by this object and charged to `mm`,
-        // whose reference this releases.
-        unsafe { legend_shim_unpin_user(self.pages.as_mut_ptr(), self.pages.len(), self.mm) };
+        // SAFETY: by the invariants `sgt` is a live mapping for `dev`, which the caller of `map`
+        // keeps bound; the pages are unpinned only afterwards, when `pinned` is dropped.
+        unsafe { legend_shim_unmap_user(raw_device(&self.dev), self.sgt) };
     }
 }

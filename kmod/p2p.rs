@@ -59,6 +59,8 @@ mod nv {
 extern "C" {
     fn legend_shim_symbol_get(name: *const c_char) -> *mut c_void;
     fn legend_shim_symbol_put(name: *const c_char);
+    fn legend_shim_module_get();
+    fn legend_shim_module_put();
 }
 
 /// `-ENOTSUPP`, which NVIDIA returns where persistent mappings are unsupported (MIG, vGPU).
@@ -192,7 +194,9 @@ enum Life {
 ///
 /// NVIDIA holds one reference (`Arc::into_raw`) from `nvidia_p2p_get_pages` until either the
 /// callback ran or `nvidia_p2p_put_pages` succeeded; `nv_ref_dropped` makes sure only one of the
-/// two releases it.
+/// two releases it. With it goes a reference to this module: while NVIDIA may still call
+/// `free_callback` (also after a `nvidia_p2p_put_pages` that failed), the module cannot be
+/// unloaded.
 #[pin_data]
 pub(crate) struct Revocation {
     #[pin]
@@ -210,6 +214,9 @@ impl Revocation {
             // SAFETY: NVIDIA's reference came from `Arc::into_raw` on this object; the flag
             // guarantees it is turned back into an `Arc` only once.
             drop(unsafe { Arc::from_raw(core::ptr::from_ref::<Self>(&*this)) });
+            // Last: the module reference taken with NVIDIA's (see `GpuPages::pin`).
+            // SAFETY: plain C call.
+            unsafe { legend_shim_module_put() };
         }
     }
 }
@@ -332,15 +339,20 @@ impl GpuPages {
                     }),
                     GFP_KERNEL,
                 )?;
-                let data = rev.clone().into_raw().cast_mut().cast::<c_void>();
                 let get = api.get_pages.ok_or(EOPNOTSUPP)?;
+                let data = rev.clone().into_raw().cast_mut().cast::<c_void>();
+                // With NVIDIA's reference, one to this module (released with it).
+                // SAFETY: plain C call; the module is live (this runs in one of its ioctls).
+                unsafe { legend_shim_module_get() };
                 // SAFETY: `table` is a valid out pointer; `data` carries a reference that
                 // `free_callback` or `Drop` releases. Token and VA space 0 name the caller's
                 // address space.
                 let ret = unsafe { get(0, 0, va, len, &mut table, Some(free_callback), data) };
                 if ret != 0 {
-                    // SAFETY: NVIDIA did not take the reference; reclaim it.
+                    // SAFETY: NVIDIA did not take the references; reclaim them.
                     drop(unsafe { Arc::from_raw(data.cast_const().cast::<Revocation>()) });
+                    // SAFETY: plain C call.
+                    unsafe { legend_shim_module_put() };
                     dev_warn!(pdev.as_ref(), "nvidia_p2p_get_pages failed: {}\n", ret);
                     return Err(Error::from_errno(ret));
                 }
@@ -493,7 +505,9 @@ impl Drop for GpuPages {
         match (&self.mode, ret) {
             (Mode::Callback(rev), 0) => Revocation::drop_nv_ref(rev.as_arc_borrow()),
             (_, 0) => {}
-            // The callback raced with us and owns NVIDIA's reference.
+            // The callback raced with us and owns NVIDIA's reference; or NVIDIA kept the
+            // registration, and with it the module reference (see `Revocation`): the module then
+            // stays loaded until the callback runs.
             (_, r) => dev_warn!(dev, "releasing NVIDIA P2P pages failed: {}\n", r),
         }
     }

@@ -6,6 +6,7 @@
  * ownership rules.
  */
 #include <linux/capability.h>
+#include <linux/debugfs.h>
 #include <linux/dma-mapping.h>
 #include <linux/fs.h>
 #include <linux/iommu.h>
@@ -13,6 +14,7 @@
 #include <linux/module.h>
 #include <linux/panic.h>
 #include <linux/pci.h>
+#include <linux/scatterlist.h>
 #include <linux/sched/mm.h>
 #include <linux/sched/signal.h>
 #include <linux/slab.h>
@@ -63,23 +65,86 @@ void legend_shim_unpin_user(struct page **pages, unsigned long npages, struct mm
  * buffers, non-coherent DMA): the device reads and writes these pages for as long as they are
  * mapped, with no point at which a sync could run.
  */
-int legend_shim_dma_map_page(struct device *dev, struct page *page, u64 *bus)
+/*
+ * Streaming mapping of one page. Refused where the DMA API would need sync calls (SWIOTLB bounce
+ * buffers, non-coherent DMA): the device reads and writes these pages for as long as they are
+ * mapped, with no point at which a sync could run. dir is the device's access: DMA_TO_DEVICE
+ * makes the IOMMU mapping read-only for the device, DMA_FROM_DEVICE write-only where the IOMMU
+ * can express it. In the strict domain probe requires, unmapping invalidates the IOTLB before it
+ * returns, so the page may be freed or unpinned right after.
+ */
+int legend_shim_dma_map_page(struct device *dev, struct page *page, int dir, u64 *bus)
 {
-	dma_addr_t addr = dma_map_page(dev, page, 0, PAGE_SIZE, DMA_BIDIRECTIONAL);
+	dma_addr_t addr = dma_map_page(dev, page, 0, PAGE_SIZE, dir);
 
 	if (dma_mapping_error(dev, addr))
 		return -ENOMEM;
 	if (dma_need_sync(dev, addr)) {
-		dma_unmap_page(dev, addr, PAGE_SIZE, DMA_BIDIRECTIONAL);
+		dma_unmap_page(dev, addr, PAGE_SIZE, dir);
 		return -EOPNOTSUPP;
 	}
 	*bus = addr;
 	return 0;
 }
 
-void legend_shim_dma_unmap_page(struct device *dev, u64 bus)
+void legend_shim_dma_unmap_page(struct device *dev, u64 bus, int dir)
 {
-	dma_unmap_page(dev, bus, PAGE_SIZE, DMA_BIDIRECTIONAL);
+	dma_unmap_page(dev, bus, PAGE_SIZE, dir);
+}
+
+/*
+ * Maps npages pinned user pages for dev as one scatter-gather table (*out) and writes each
+ * page's bus address to bus[]. Behind an IOMMU the DMA API allocates one IOVA range for the whole
+ * table, so the addresses are consecutive; without one they are the pages' physical addresses.
+ * Refused (-EOPNOTSUPP) where the mapping would need sync calls, as for single pages.
+ */
+int legend_shim_map_user(struct device *dev, struct page *const *pages, unsigned long npages,
+			 u64 *bus, struct sg_table **out)
+{
+	struct sg_table *sgt = kzalloc(sizeof(*sgt), GFP_KERNEL);
+	struct sg_dma_page_iter iter;
+	unsigned long i = 0;
+	int ret;
+
+	if (!sgt)
+		return -ENOMEM;
+	/* Physically contiguous pages merge into entries no longer than the device takes. */
+	ret = sg_alloc_table_from_pages_segment(sgt, (struct page **)pages, npages, 0,
+						npages << PAGE_SHIFT,
+						dma_get_max_seg_size(dev) & PAGE_MASK, GFP_KERNEL);
+	if (ret)
+		goto free;
+	ret = dma_map_sgtable(dev, sgt, DMA_BIDIRECTIONAL, 0);
+	if (ret)
+		goto table;
+	for_each_sgtable_dma_page(sgt, &iter, 0) {
+		if (i == npages || dma_need_sync(dev, sg_page_iter_dma_address(&iter))) {
+			ret = i == npages ? -EIO : -EOPNOTSUPP;
+			goto unmap;
+		}
+		bus[i++] = sg_page_iter_dma_address(&iter);
+	}
+	if (i != npages) {
+		ret = -EIO;
+		goto unmap;
+	}
+	*out = sgt;
+	return 0;
+unmap:
+	dma_unmap_sgtable(dev, sgt, DMA_BIDIRECTIONAL, 0);
+table:
+	sg_free_table(sgt);
+free:
+	kfree(sgt);
+	return ret == -EINVAL ? -ENOMEM : ret;
+}
+
+/* Undoes legend_shim_map_user(); in a strict domain the IOTLB is flushed when this returns. */
+void legend_shim_unmap_user(struct device *dev, struct sg_table *sgt)
+{
+	dma_unmap_sgtable(dev, sgt, DMA_BIDIRECTIONAL, 0);
+	sg_free_table(sgt);
+	kfree(sgt);
 }
 
 /*
@@ -127,7 +192,10 @@ void legend_shim_zap_file(struct file *file)
 /*
  * 0 if dev's DMA goes through a translating IOMMU domain and its IOMMU group holds no other
  * device; -ENODEV without an IOMMU or with an identity (passthrough) domain; -EXDEV if the group
- * is shared (another device in it could reach this one's DMA mappings, or the reverse).
+ * is shared (another device in it could reach this one's DMA mappings, or the reverse);
+ * -EAGAIN if the domain invalidates the IOTLB lazily (DMA-FQ: an unmapped IOVA keeps translating
+ * for up to ~10 ms, so memory unpinned after dma_unmap_page would still be reachable). *group_id
+ * is the group's number wherever there is a group (for the sysfs path in the refusal message).
  */
 static int legend_count_dev(struct device *dev, void *count)
 {
@@ -135,23 +203,27 @@ static int legend_count_dev(struct device *dev, void *count)
 	return 0;
 }
 
-int legend_shim_iommu_isolated(struct device *dev)
+int legend_shim_iommu_isolated(struct device *dev, int *group_id)
 {
 	struct iommu_domain *domain = iommu_get_domain_for_dev(dev);
 	struct iommu_group *group;
 	int count = 0;
 
+	*group_id = -1;
 	if (!domain || !iommu_is_dma_domain(domain))
 		return -ENODEV;
 	group = iommu_group_get(dev);
 	if (!group)
 		return -ENODEV;
+	*group_id = iommu_group_id(group);
 	iommu_group_for_each_dev(group, &count, legend_count_dev);
 	iommu_group_put(group);
-	return count == 1 ? 0 : -EXDEV;
+	if (count != 1)
+		return -EXDEV;
+	return domain->type == IOMMU_DOMAIN_DMA_FQ ? -EAGAIN : 0;
 }
 
-/* The unsafe_noiommu parameter runs the device without isolation: the kernel is no longer sound. */
+/* An unsafe parameter runs the device without full isolation: the kernel is no longer sound. */
 void legend_shim_taint_unsafe(void)
 {
 	add_taint(TAINT_USER, LOCKDEP_STILL_OK);
@@ -250,6 +322,75 @@ void legend_shim_sysfs_remove(struct legend_sysfs *s)
 }
 
 /*
+ * Read-only files under /sys/kernel/debug/legend_nvme-<BDF>/ with the admin queue's bus
+ * addresses and positions, for root (the selftests aim DMA at them to show that the writer
+ * cannot use them). Each read asks legend_nvme_stat() for one value, numbered after the sysfs
+ * ones.
+ */
+static const char *const legend_debug_names[] = {
+	"admin_sq_bus",
+	"admin_cq_bus",
+	"admin_data_bus",
+	"admin_sq_tail",
+	"admin_cq_head",
+	"admin_cq_phase",
+	"admin_next_cid",
+};
+
+struct legend_debug_file {
+	const void *ctx;
+	unsigned int which;
+};
+
+struct legend_debugfs {
+	struct dentry *dir;
+	struct legend_debug_file files[ARRAY_SIZE(legend_debug_names)];
+};
+
+static int legend_debug_get(void *data, u64 *val)
+{
+	struct legend_debug_file *f = data;
+
+	*val = legend_nvme_stat(f->ctx, f->which);
+	return 0;
+}
+DEFINE_DEBUGFS_ATTRIBUTE(legend_debug_fops, legend_debug_get, NULL, "0x%llx\n");
+
+/* Debugfs is optional: without it, or on failure, *out is NULL and nothing else changes. */
+void legend_shim_debugfs_add(struct device *dev, const void *ctx, struct legend_debugfs **out)
+{
+	struct legend_debugfs *d = kzalloc(sizeof(*d), GFP_KERNEL);
+	char name[64];
+	unsigned int i;
+
+	*out = NULL;
+	if (!d)
+		return;
+	snprintf(name, sizeof(name), "legend_nvme-%s", dev_name(dev));
+	d->dir = debugfs_create_dir(name, NULL);
+	if (IS_ERR(d->dir)) {
+		kfree(d);
+		return;
+	}
+	for (i = 0; i < ARRAY_SIZE(legend_debug_names); i++) {
+		d->files[i].ctx = ctx;
+		d->files[i].which = ARRAY_SIZE(legend_stat_names) + i;
+		debugfs_create_file_unsafe(legend_debug_names[i], 0400, d->dir, &d->files[i],
+					   &legend_debug_fops);
+	}
+	*out = d;
+}
+
+/* Returns once no read runs any more (debugfs_remove drains them). */
+void legend_shim_debugfs_remove(struct legend_debugfs *d)
+{
+	if (!d)
+		return;
+	debugfs_remove(d->dir);
+	kfree(d);
+}
+
+/*
  * Run-time resolution of another module's GPL exports (NVIDIA's nvidia_p2p_*), so this module
  * loads without it. A successful get pins the exporting module until the matching put.
  */
@@ -261,4 +402,18 @@ void *legend_shim_symbol_get(const char *name)
 void legend_shim_symbol_put(const char *name)
 {
 	__symbol_put(name);
+}
+
+/*
+ * A reference to this module, held while another module (NVIDIA's) may call into its code; the
+ * caller holds one already (it runs in an ioctl of an open file).
+ */
+void legend_shim_module_get(void)
+{
+	__module_get(THIS_MODULE);
+}
+
+void legend_shim_module_put(void)
+{
+	module_put(THIS_MODULE);
 }

@@ -5,6 +5,11 @@
 //! `MAP`), `admin_commands` (admin commands issued since bring-up), `index` (`N` of its
 //! `/dev/legend-nvme<N>`, which has no parent device to link it to the PCI device), `failed` (1
 //! while the controller is disabled after a failure) and `resets` (times it was enabled again).
+//!
+//! For root, `/sys/kernel/debug/legend_nvme-<BDF>/` shows where the admin queue is
+//! (`admin_sq_bus`, `admin_cq_bus`, `admin_data_bus`: bus addresses; `admin_sq_tail`,
+//! `admin_cq_head`, `admin_cq_phase`, `admin_next_cid`): the selftests aim the queue writer's
+//! DMA at them.
 
 use core::{
     ffi::c_void,
@@ -28,6 +33,12 @@ struct RawGroup {
     _opaque: [u8; 0],
 }
 
+/// The C shim's per-device debugfs directory; only handled by pointer.
+#[repr(C)]
+struct RawDebugfs {
+    _opaque: [u8; 0],
+}
+
 // The kernel structs are only passed by pointer, never by value.
 #[expect(improper_ctypes)]
 extern "C" {
@@ -37,6 +48,12 @@ extern "C" {
         out: *mut *mut RawGroup,
     ) -> c_int;
     fn legend_shim_sysfs_remove(group: *mut RawGroup);
+    fn legend_shim_debugfs_add(
+        dev: *mut bindings::device,
+        ctx: *const c_void,
+        out: *mut *mut RawDebugfs,
+    );
+    fn legend_shim_debugfs_remove(dir: *mut RawDebugfs);
 }
 
 /// Indices of the attributes, in the order of `legend_stat_names` in `shim.c`.
@@ -46,6 +63,8 @@ const ADMIN_COMMANDS: c_uint = 2;
 const INDEX: c_uint = 3;
 const FAILED: c_uint = 4;
 const RESETS: c_uint = 5;
+/// The debugfs files follow, in the order of `Stats::admin_view`.
+const ADMIN_VIEW: c_uint = 6;
 
 /// What the attributes show: the controller and the index of its character device.
 struct Context {
@@ -72,6 +91,11 @@ unsafe extern "C" fn legend_nvme_stat(ctx: *const c_void, which: c_uint) -> u64 
         INDEX => ctx.index as u64,
         FAILED => u64::from(stats.failed.load(Ordering::Relaxed)),
         RESETS => stats.resets.load(Ordering::Relaxed),
+        // CAST: a small index.
+        w if w >= ADMIN_VIEW => stats
+            .admin_view
+            .get((w - ADMIN_VIEW) as usize)
+            .map_or(0, |v| v.load(Ordering::Relaxed)),
         _ => 0,
     }
 }
@@ -80,9 +104,11 @@ unsafe extern "C" fn legend_nvme_stat(ctx: *const c_void, which: c_uint) -> u64 
 ///
 /// # Invariants
 ///
-/// `group` was returned by `legend_shim_sysfs_add` for `ctx` and is not yet removed.
+/// `group` was returned by `legend_shim_sysfs_add` for `ctx` and is not yet removed; `debug`
+/// is null or was returned by `legend_shim_debugfs_add` for `ctx` and is not yet removed.
 pub(crate) struct StatsFiles {
     group: *mut RawGroup,
+    debug: *mut RawDebugfs,
     /// The attributes' context; boxed so its address stays fixed.
     _ctx: KBox<Context>,
 }
@@ -109,8 +135,15 @@ impl StatsFiles {
         if ret != 0 {
             return Err(Error::from_errno(ret));
         }
-        // INVARIANT: the shim created `group` for `ctx`.
-        Ok(Self { group, _ctx: ctx })
+        let mut debug = core::ptr::null_mut();
+        // SAFETY: as above.
+        unsafe { legend_shim_debugfs_add(raw_device(ctx.ctrl.dev()), raw, &mut debug) };
+        // INVARIANT: the shim created `group` and `debug` (or nothing) for `ctx`.
+        Ok(Self {
+            group,
+            debug,
+            _ctx: ctx,
+        })
     }
 }
 
@@ -119,5 +152,7 @@ impl Drop for StatsFiles {
         // SAFETY: by the invariants `group` is live; removal waits for running `show()` calls,
         // and `_ctx`, dropped after this, keeps their context valid until then.
         unsafe { legend_shim_sysfs_remove(self.group) };
+        // SAFETY: likewise for the debugfs files (the shim ignores null).
+        unsafe { legend_shim_debugfs_remove(self.debug) };
     }
 }

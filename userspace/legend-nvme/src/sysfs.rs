@@ -210,8 +210,9 @@ impl Sysfs {
         None
     }
 
-    /// Moves controller `bdf` to `legend_nvme` (driver_override, unbind, probe). Refuses while
-    /// its block devices are in use unless `force`.
+    /// Moves controller `bdf` to `legend_nvme` (driver_override, unbind, the IOMMU group's type
+    /// from lazy `DMA-FQ` to strict `DMA`, probe). Refuses while its block devices are in use
+    /// unless `force`.
     ///
     /// # Errors
     ///
@@ -253,6 +254,14 @@ impl Sysfs {
                 &self.sys.join("bus/pci/drivers").join(from).join("unbind"),
                 &c.bdf,
             )?;
+        }
+        if to == LEGEND_DRIVER {
+            // `legend_nvme` refuses a lazily invalidating domain (DMA-FQ); the group's type can
+            // change only now, with no driver bound.
+            let group_type = dir.join("iommu_group/type");
+            if read(&group_type).is_ok_and(|t| t == "DMA-FQ") {
+                write(&group_type, "DMA")?;
+            }
         }
         write(&self.sys.join("bus/pci/drivers_probe"), &c.bdf)?;
         let now = self.describe(&c.bdf)?;
@@ -348,6 +357,26 @@ mod tests {
         assert!(
             matches!(e, Error::InUse { ref reason, .. } if reason.contains("mounted")),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn bind_makes_a_lazy_iommu_group_strict() {
+        let t = tempfile::tempdir().unwrap();
+        fake(t.path(), "0000:00:04.0", "nvme", "nvme0n1");
+        let group = t.path().join("sys/kernel/iommu_groups/7");
+        fs::create_dir_all(&group).unwrap();
+        fs::write(group.join("type"), "DMA-FQ\n").unwrap();
+        let dev = t.path().join("sys/bus/pci/devices/0000:00:04.0");
+        std::os::unix::fs::symlink(&group, dev.join("iommu_group")).unwrap();
+        let s = Sysfs::with_roots(t.path().join("sys"), t.path().join("proc"));
+        // The fake's driver link does not follow the probe, so the bind itself reports NotBound.
+        let e = s.bind("0000:00:04.0", true).unwrap_err();
+        assert!(matches!(e, Error::NotBound { .. }), "{e}");
+        assert_eq!(fs::read_to_string(group.join("type")).unwrap(), "DMA");
+        assert_eq!(
+            fs::read_to_string(dev.join("driver_override")).unwrap(),
+            "legend_nvme"
         );
     }
 }

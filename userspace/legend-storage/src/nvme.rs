@@ -159,12 +159,60 @@ struct Command {
     bytes: u64,
 }
 
+/// Whether the rings of `layout` (its SQ and CQ pages) lie at consecutive bus addresses in
+/// `map`, as the controller takes them (physically contiguous queues).
+fn rings_contiguous(layout: &QueueLayout, map: &Mapping) -> bool {
+    let pages = layout.list_offset(0) / map.page_size as usize;
+    map.bus_addrs[..pages]
+        .windows(2)
+        .all(|w| w[1] == w[0] + u64::from(map.page_size))
+}
+
+/// Deepest queue whose rings fit in one page each, so contiguity never matters.
+const ONE_PAGE_DEPTH: u16 = 64;
+
 fn nvme_err(label: &Path, what: &'static str) -> impl FnOnce(legend_nvme::Error) -> StoreError {
     let path = label.to_owned();
     move |source| StoreError::Controller { path, what, source }
 }
 
 impl NvmeQueues {
+    /// Allocates and maps the memory of a queue pair of `depth` entries (within the controller's
+    /// and the protocol's limits). Behind an IOMMU one mapping's pages get consecutive bus
+    /// addresses, so rings of any depth work; without one (the module's unsafe mode) they are
+    /// physical pages, and a queue deeper than [`ONE_PAGE_DEPTH`] falls back to that depth when
+    /// its rings are not contiguous.
+    fn map_rings(
+        ctrl: &Arc<dyn Controller>,
+        label: &Path,
+        depth: u32,
+        info: &uapi::Info,
+    ) -> Result<(QueueLayout, IoBuffer, Mapping), StoreError> {
+        let mut depth = depth.clamp(2, info.max_queue_entries.min(u32::from(MAX_DEPTH))) as u16;
+        loop {
+            let layout = QueueLayout::new(depth);
+            let rings = IoBuffer::new(layout.bytes())?;
+            // SAFETY: `rings` lives in the queues' object until after the queue pair is deleted
+            // (`Drop`), or is unmapped below before it is dropped.
+            let map = unsafe { ctrl.map_host(rings.raw().addr(), rings.raw().cap()) }
+                .map_err(nvme_err(label, "MAP of the queue memory"))?;
+            if depth <= ONE_PAGE_DEPTH || rings_contiguous(&layout, &map) {
+                return Ok((layout, rings, map));
+            }
+            if let Err(e) = ctrl.unmap(map.handle) {
+                // Still mapped for the controller: the memory must never be reused.
+                std::mem::forget(rings);
+                return Err(nvme_err(label, "UNMAP of non-contiguous queue memory")(e));
+            }
+            tracing::debug!(
+                label = %label.display(),
+                depth,
+                "queue memory is not contiguous for the controller (no IOMMU?): {ONE_PAGE_DEPTH} entries"
+            );
+            depth = ONE_PAGE_DEPTH;
+        }
+    }
+
     /// Opens namespace `target.namespace` of the controller from `target.start_lba`: one queue
     /// pair of `depth` entries (the first free qid).
     pub(crate) fn open(
@@ -204,15 +252,9 @@ impl NvmeQueues {
                 ns.blocks
             )));
         }
-        let depth = depth
-            .clamp(2, info.max_queue_entries.min(u32::from(MAX_DEPTH)))
-            .min(64) as u16;
         let max_command = max_command_bytes(info.max_transfer, ns.lba_shift);
-        let layout = QueueLayout::new(depth);
-        let rings = IoBuffer::new(layout.bytes())?;
-        // SAFETY: `rings` lives in `self` until after the queue pair is deleted (`Drop`).
-        let rings_map = unsafe { ctrl.map_host(rings.raw().addr(), rings.raw().cap()) }
-            .map_err(nvme_err(&label, "MAP of the queue memory"))?;
+        let (layout, rings, rings_map) = Self::map_rings(&ctrl, &label, depth, &info)?;
+        let depth = layout.depth();
         let doorbells = ctrl
             .doorbells()
             .map_err(nvme_err(&label, "mmap of the doorbells"))?;
@@ -596,5 +638,34 @@ impl Drop for NvmeQueues {
         if self.ctrl.unmap(self.rings_map.handle).is_err() {
             std::mem::forget(self.rings.raw().clone());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mapping(bus_addrs: Vec<u64>) -> Mapping {
+        Mapping {
+            handle: 1,
+            page_size: uapi::HOST_PAGE_SIZE,
+            bus_addrs,
+        }
+    }
+
+    #[test]
+    fn deep_rings_need_consecutive_bus_addresses_and_list_pages_do_not() {
+        // 1024 entries: a 16-page SQ and a 4-page CQ, then the PRP list pages.
+        let layout = QueueLayout::new(1024);
+        let rings = layout.list_offset(0) / 4096;
+        let mut bus: Vec<u64> = (0..layout.bytes() as u64 / 4096)
+            .map(|i| 0x10_0000 + i * 4096)
+            .collect();
+        // A list page elsewhere does not matter.
+        bus[rings + 3] = 0x9000;
+        assert!(rings_contiguous(&layout, &mapping(bus.clone())));
+        // A CQ page elsewhere does (physical pages without an IOMMU).
+        bus[rings - 1] = 0x9000;
+        assert!(!rings_contiguous(&layout, &mapping(bus)));
     }
 }

@@ -18,6 +18,7 @@ pub const TESTS: &[(&str, Test)] = &[
     ("io-read-write", test_io),
     ("io-prp-lists", test_prp_lists),
     ("io-concurrent-queues", test_concurrent),
+    ("io-rings-of-1024-entries", test_large_rings),
     ("unmap-refused-with-live-queue", test_unmap_live_queue),
     ("fuzz", test_fuzz),
     ("process-death-cleanup", test_process_death),
@@ -406,4 +407,27 @@ fn test_process_death() -> TestResult {
     Queue::create(&dev, 3, 16, db.ptr)
         .map(|_| ())
         .map_err(|e| format!("qid 3 not released by process death: {e}"))
+}
+
+/// Rings of 1024 entries (64 KiB SQ, 16 KiB CQ) in host memory: one mapping's pages get
+/// consecutive bus addresses, so the controller takes them as physically contiguous queues, and
+/// I/O runs through more than one pass of the rings.
+fn test_large_rings() -> TestResult {
+    let dev = Dev::open()?;
+    let db = dev.doorbells()?;
+    let mut q = Queue::create(&dev, 3, 1024, db.ptr)?;
+    check(
+        q.mem.bus.windows(2).all(|w| w[1] == w[0] + PAGE as u64),
+        || "the ring mapping's bus addresses are not consecutive".into(),
+    )?;
+    let mut data = Buf::new(&dev, PAGE)?;
+    for i in 0..1100u64 {
+        let lba = 100 + i % 8;
+        let st = q.rw(Opcode::Read, lba, 1, &data, 0)?;
+        check(
+            st.is_success() && data.slice()[..BLOCK] == pattern(lba, 0),
+            || format!("read {i} of lba {lba}: {st}"),
+        )?;
+    }
+    Ok(())
 }

@@ -213,3 +213,91 @@ pub fn test_handback(bdf: &str) -> TestResult {
     )?;
     Dev::open_ro()?.info().map(|_| ())
 }
+
+/// `userfaultfd(2)` memory whose first touch waits for a handler that never answers, until the
+/// descriptor is closed (which lets the fault proceed).
+struct StuckRange {
+    uffd: libc::c_int,
+    ptr: *mut u8,
+}
+
+// SAFETY: the range is plain memory; the descriptor is only closed by its owner.
+unsafe impl Send for StuckRange {}
+
+impl StuckRange {
+    fn new(len: usize) -> Result<Self, String> {
+        // SAFETY: plain syscalls; results checked.
+        unsafe {
+            let uffd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) as libc::c_int;
+            if uffd < 0 {
+                return Err(format!("userfaultfd: errno {}", errno()));
+            }
+            // struct uffdio_api { api, features, ioctls }: UFFD_API = 0xaa; UFFDIO_API.
+            let mut api = [0xaau64, 0, 0];
+            if libc::ioctl(uffd, 0xc018_aa3f, api.as_mut_ptr()) < 0 {
+                return Err(format!("UFFDIO_API: errno {}", errno()));
+            }
+            let ptr = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            if ptr == libc::MAP_FAILED {
+                return Err(format!("mmap: errno {}", errno()));
+            }
+            // struct uffdio_register { start, len, mode, ioctls }: MODE_MISSING; UFFDIO_REGISTER.
+            let mut reg = [ptr as u64, len as u64, 1, 0];
+            if libc::ioctl(uffd, 0xc020_aa00, reg.as_mut_ptr()) < 0 {
+                return Err(format!("UFFDIO_REGISTER: errno {}", errno()));
+            }
+            Ok(Self {
+                uffd,
+                ptr: ptr.cast(),
+            })
+        }
+    }
+}
+
+/// Unbind while a `MAP` waits in a userfaultfd fault (the pinning of its first page) completes
+/// within a bound; the `MAP` then fails with `ENODEV` once the fault is let go, and leaves no pin.
+pub fn test_unbind_stuck_map(bdf: &str) -> TestResult {
+    let dev = Dev::open()?;
+    let range = StuckRange::new(4 * PAGE)?;
+    let addr = range.ptr as u64;
+    let map = std::thread::spawn(move || {
+        let mut bus = [0u64; 4];
+        map_host(&dev, addr, 4 * PAGE, &mut bus).map(|_| ())
+    });
+    // The MAP is stuck once the fault is queued on the descriptor: poll says it is readable.
+    let mut pfd = libc::pollfd {
+        fd: range.uffd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let ready = unsafe { libc::poll(&mut pfd, 1, 20_000) };
+    check(ready == 1, || "the MAP did not fault on the range".into())?;
+    let start = Instant::now();
+    let unbound = fs::write("/sys/bus/pci/drivers/legend_nvme/unbind", bdf);
+    let took = start.elapsed();
+    // Closing the descriptor lets the fault proceed (the page is then allocated normally).
+    // SAFETY: our own descriptor, closed once.
+    unsafe { libc::close(range.uffd) };
+    let mapped = map
+        .join()
+        .map_err(|_| "the MAP thread panicked".to_string())?;
+    let rebind =
+        fs::write("/sys/bus/pci/drivers/legend_nvme/bind", bdf).map_err(|e| format!("bind: {e}"));
+    unbound.map_err(|e| format!("unbind: {e}"))?;
+    check(took < Duration::from_secs(20), || {
+        format!("unbind took {took:?} with a MAP stuck in a fault")
+    })?;
+    check(mapped == Err(libc::ENODEV), || {
+        format!("MAP after unbind: {mapped:?}, want ENODEV")
+    })?;
+    rebind?;
+    wait_for(DEV)
+}

@@ -190,12 +190,20 @@ impl Buf {
     }
 }
 
-/// An I/O queue pair driven entirely from userspace: SQ in the first page of its memory, CQ in
-/// the second, a PRP list page in the third.
+/// An I/O queue pair driven entirely from userspace: SQ at the start of its memory, then the CQ,
+/// then a PRP list page, each ring page aligned (one page each up to 64 entries).
 pub struct Queue {
     pub qid: u32,
     pub mem: Buf,
+    /// Byte offset of the PRP list page in `mem`.
+    list: usize,
     pair: QueuePair,
+}
+
+/// Bytes of memory a queue of `depth` entries takes: SQ, CQ, PRP list page.
+pub fn queue_bytes(depth: u16) -> usize {
+    let d = usize::from(depth);
+    (d * 64).next_multiple_of(PAGE) + (d * 16).next_multiple_of(PAGE) + PAGE
 }
 
 // SAFETY: a queue is used by one thread at a time; the doorbell mapping outlives it.
@@ -203,10 +211,16 @@ unsafe impl Send for Queue {}
 
 impl Queue {
     pub fn create(dev: &Dev, qid: u32, depth: u16, doorbells: *mut u8) -> Result<Self, String> {
-        Self::create_in(dev, qid, depth, doorbells, Buf::new(dev, 3 * PAGE)?)
+        Self::create_in(
+            dev,
+            qid,
+            depth,
+            doorbells,
+            Buf::new(dev, queue_bytes(depth))?,
+        )
     }
 
-    /// As [`Queue::create`], in `mem` (at least 3 pages) mapped before.
+    /// As [`Queue::create`], in `mem` (at least [`queue_bytes`]) mapped before.
     pub fn create_in(
         dev: &Dev,
         qid: u32,
@@ -214,17 +228,18 @@ impl Queue {
         doorbells: *mut u8,
         mut mem: Buf,
     ) -> Result<Self, String> {
-        assert!(usize::from(depth) * 64 <= PAGE, "the SQ fits in one page");
-        assert!(mem.len >= 3 * PAGE, "queue memory of 3 pages");
+        assert!(mem.len >= queue_bytes(depth), "queue memory too small");
+        let cq = (usize::from(depth) * 64).next_multiple_of(PAGE);
+        let list = queue_bytes(depth) - PAGE;
         // Entries left from an earlier queue would read as completions of the first pass.
-        mem.slice()[..2 * PAGE].fill(0);
+        mem.slice()[..list].fill(0);
         let mut args = uapi::QueuePairArgs {
             qid,
             depth: u32::from(depth),
             sq_handle: mem.handle,
             cq_handle: mem.handle,
             sq_offset: 0,
-            cq_offset: PAGE as u64,
+            cq_offset: cq as u64,
             ..Default::default()
         };
         dev.ioctl(uapi::IOCTL_CREATE_QUEUE_PAIR, &mut args)
@@ -235,12 +250,17 @@ impl Queue {
             QueuePair::new(
                 depth,
                 mem.ptr.cast(),
-                mem.ptr.add(PAGE).cast(),
+                mem.ptr.add(cq).cast(),
                 doorbells.add(args.sq_doorbell as usize).cast(),
                 doorbells.add(args.cq_doorbell as usize).cast(),
             )
         };
-        Ok(Self { qid, mem, pair })
+        Ok(Self {
+            qid,
+            mem,
+            list,
+            pair,
+        })
     }
 
     /// Submits one command and polls its completion (20 s at most); returns its status.
@@ -281,10 +301,10 @@ impl Queue {
         offset: usize,
     ) -> Result<Status, String> {
         let first = offset / PAGE;
-        let list_bus = self.mem.bus[2];
-        // SAFETY: the third page of the queue's own memory holds the list.
+        let list_bus = self.mem.bus[self.list / PAGE];
+        // SAFETY: the last page of the queue's own memory holds the list.
         let list = unsafe {
-            std::slice::from_raw_parts_mut(self.mem.ptr.add(2 * PAGE).cast::<u64>(), PAGE / 8)
+            std::slice::from_raw_parts_mut(self.mem.ptr.add(self.list).cast::<u64>(), PAGE / 8)
         };
         let p = prp::build(
             (offset % PAGE) as u64,

@@ -1,7 +1,11 @@
 //! When things go wrong: stray admin doorbell writes, commands whose PRPs point anywhere, and a
 //! controller that stops answering (bus mastering cleared under a live queue).
 
-use std::{fs, os::unix::fs::FileExt, time::Instant};
+use std::{
+    fs,
+    os::unix::fs::FileExt,
+    time::{Duration, Instant},
+};
 
 use legend_nvme_protocol::Opcode;
 
@@ -11,6 +15,7 @@ pub const TESTS: &[(&str, Test)] = &[
     ("admin-doorbell-tamper", test_admin_tamper),
     ("wild-prps-fault", test_wild_prps),
     ("failed-delete-quiesces", test_failed_delete),
+    ("admin-wait-holds-up-no-map", test_admin_wait),
 ];
 
 /// The writer can reach the admin queue's doorbells (QEMU's 4-byte stride puts them on the same
@@ -65,7 +70,9 @@ fn test_admin_tamper() -> TestResult {
 const SCRATCH_LBA: u64 = 9000;
 
 /// Under a translating IOMMU, PRPs that name unmapped addresses (0, the MSI window, a page
-/// unmapped before) fault in the IOMMU and reach no memory; the queue and controller live on.
+/// unmapped just before, with no pause: the domain is strict, so UNMAP returns only after the
+/// IOMMU stopped translating it) fault in the IOMMU and reach no memory; the queue and
+/// controller live on.
 /// QEMU's controller completes such commands successfully (its DMA helpers drop the data),
 /// where hardware reports a Data Transfer Error: the evidence here is the IOMMU's fault in the
 /// kernel log and the unchanged page.
@@ -77,12 +84,18 @@ fn test_wild_prps() -> TestResult {
     let mut data = Buf::new(&dev, 2 * PAGE)?;
     let mut freed = Buf::new(&dev, PAGE)?;
     let freed_bus = freed.bus[0];
-    freed.slice().fill(0x5a);
+    let mut q = Queue::create_in(&dev, 1, 16, db.ptr, qmem)?;
+    // A Read into the page first: a lazily flushed IOTLB would keep its translation for
+    // milliseconds after UNMAP.
+    let st = q.rw(Opcode::Read, 100, 8, &freed, 0)?;
+    check(st.is_success(), || format!("read into the page: {st}"))?;
+    dev.delete_queue_pair(1)
+        .map_err(|e| format!("DELETE: errno {e}"))?;
     dev.unmap(freed.handle)
         .map_err(|e| format!("UNMAP: errno {e}"))?;
-    // Lazy IOMMU domains invalidate unmapped IOVAs within 10 ms.
-    std::thread::sleep(std::time::Duration::from_millis(50));
-    let mut q = Queue::create_in(&dev, 1, 16, db.ptr, qmem)?;
+    freed.slice().fill(0x5a);
+    let Queue { mem, .. } = q;
+    let mut q = Queue::create_in(&dev, 1, 16, db.ptr, mem)?;
     let mut e = Expectations::default();
     for (name, op, prp1) in [
         ("read into bus address 0", Opcode::Read, 0u64),
@@ -190,5 +203,47 @@ fn test_failed_delete() -> TestResult {
                 attr("failed")
             )
         },
+    )
+}
+
+/// An `ADMIN` call waiting for a controller that cannot answer (bus mastering cleared: it never
+/// fetches the command) holds up neither `MAP` nor `UNMAP` of the writer, since the admin queue
+/// has a lock of its own; the call then fails after the admin timeout, and the controller comes
+/// back for the writer's next queue.
+fn test_admin_wait() -> TestResult {
+    let dev = Dev::open()?;
+    let ro = Dev::open_ro()?;
+    let before = attr("admin_commands")?;
+    set_bus_master(false)?;
+    let waiter = std::thread::spawn(move || identify_serial(&ro));
+    // The driver counts the command as it submits it.
+    let start = Instant::now();
+    while attr("admin_commands")? == before && start.elapsed() < Duration::from_secs(10) {
+        std::thread::yield_now();
+    }
+    let t = Instant::now();
+    let mapped = Buf::new(&dev, 4 * PAGE)
+        .and_then(|b| dev.unmap(b.handle).map_err(|e| format!("UNMAP: errno {e}")));
+    let took = t.elapsed();
+    let answered = waiter
+        .join()
+        .map_err(|_| "the ADMIN thread panicked".to_string())?;
+    set_bus_master(true)?;
+    mapped?;
+    // Milliseconds normally; the bound leaves room for a loaded host, well below the 10 s the
+    // ADMIN call waits.
+    check(took < Duration::from_secs(5), || {
+        format!("MAP and UNMAP took {took:?} while an ADMIN call waited")
+    })?;
+    check(answered.is_err(), || {
+        format!("Identify without bus mastering answered: {answered:?}")
+    })?;
+    let db = dev.doorbells()?;
+    let mut q = Queue::create(&dev, 1, 16, db.ptr)?;
+    let mut data = Buf::new(&dev, PAGE)?;
+    let st = q.rw(Opcode::Read, 100, 8, &data, 0)?;
+    check(
+        st.is_success() && data.slice()[..BLOCK] == pattern(100, 0),
+        || format!("read after recovery: {st}"),
     )
 }

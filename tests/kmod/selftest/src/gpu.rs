@@ -104,8 +104,8 @@ fn test_gpu_persistent() -> TestResult {
 }
 
 /// Callback mode: NVIDIA frees the memory under a live queue; the driver deletes the owner's
-/// queues before the callback returns, refuses the mapping afterwards, and UNMAP still works
-/// (even with a queue pair created since).
+/// queues before the callback returns, refuses the mapping and any new queue afterwards, and
+/// UNMAP still works, after which queues can be created again.
 fn test_gpu_free_callback() -> TestResult {
     let base = fake_get("va_base")?;
     fake_set("persistent", "0")?;
@@ -139,10 +139,32 @@ fn test_gpu_free_callback() -> TestResult {
     check(dev.delete_queue_pair(1) == Err(libc::ENOENT), || {
         "the revoked queue is still recorded".into()
     })?;
-    // Freed memory holds nothing the device could reach: UNMAP is allowed with a live queue.
-    let _q2 = Queue::create(&dev, 1, 16, db.ptr)?;
+    // No new queue (its commands could name the freed memory's bus addresses) until the owner
+    // unmapped the revoked mapping; queue memory of its own does not change that.
+    let qmem = Buf::new(&dev, 3 * PAGE)?;
+    let mut args = uapi::QueuePairArgs {
+        qid: 1,
+        depth: 16,
+        sq_handle: qmem.handle,
+        cq_handle: qmem.handle,
+        sq_offset: 0,
+        cq_offset: PAGE as u64,
+        ..Default::default()
+    };
+    let got = dev.ioctl(uapi::IOCTL_CREATE_QUEUE_PAIR, &mut args);
+    check(got == Err(libc::ENXIO), || {
+        format!("CREATE after the revoke, before UNMAP: {got:?}, want ENXIO")
+    })?;
+    // Freed memory holds nothing the device could reach: UNMAP is allowed.
     dev.unmap(h)
-        .map_err(|e| format!("UNMAP after revoke, with a live queue: errno {e}"))?;
+        .map_err(|e| format!("UNMAP after revoke: errno {e}"))?;
+    let mut q = Queue::create_in(&dev, 1, 16, db.ptr, qmem)?;
+    let mut host = Buf::new(&dev, PAGE)?;
+    let st = q.rw(Opcode::Read, 100, 8, &host, 0)?;
+    check(
+        st.is_success() && host.slice()[..BLOCK] == pattern(100, 0),
+        || format!("read after UNMAP of the revoked mapping: {st}"),
+    )?;
     fake_set("persistent", "1")
 }
 

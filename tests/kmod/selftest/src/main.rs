@@ -3,7 +3,8 @@
 //! Subcommands:
 //! - `gen-image PATH BLOCKS` (host): writes the NVMe backing image with a known pattern;
 //! - `verify-image PATH` (host, after the guest ran): checks the blocks the guest wrote;
-//! - `guest` (in QEMU): the ioctl, I/O, isolation, bad-input, failure and cleanup tests, and
+//! - `guest` (in QEMU): the ioctl, I/O, isolation (also against the admin queue), bad-input,
+//!   failure and cleanup tests, and
 //!   training runs whose store is on the controller (`storage.backend = "nvme"`);
 //! - `unbind BDF` (in QEMU): unbind and rebind with an open file descriptor and live queue;
 //! - `legendctl BDF` (in QEMU, controller bound to `nvme`): `legendctl device list|bind|info|
@@ -33,6 +34,7 @@ mod bind;
 mod dev;
 mod failure;
 mod gpu;
+mod isolation;
 mod legendctl;
 mod rules;
 mod store;
@@ -231,9 +233,15 @@ fn main() {
             run_all(basic::TESTS);
             run_all(rules::TESTS);
             run_all(failure::TESTS);
+            run_all(isolation::TESTS);
             run_all(store::TESTS);
         }
-        "unbind" => report("unbind-rebind-open-fd", || bind::test_unbind(&arg(2))),
+        "unbind" => {
+            report("unbind-rebind-open-fd", || bind::test_unbind(&arg(2)));
+            report("unbind-with-map-stuck-in-userfaultfd", || {
+                bind::test_unbind_stuck_map(&arg(2))
+            });
+        }
         "legendctl" => legendctl::run(&arg(2)),
         "bind" => {
             report("device-list", || bind::test_device_list(&arg(2)));
