@@ -132,14 +132,14 @@ pub struct Model<'a> {
 }
 
 impl<'a> Model<'a> {
-    /// The tables of `meta`'s run: relations loaded, entities resident (`resident`) or read
-    /// by each scan.
+    /// The tables of `meta`'s run, read through `guard`: relations loaded; entities loaded
+    /// too, or, with `stream_with`, read by each scan through that guard.
     pub fn of_run(
         run: Dir,
         meta: RunMeta,
         num_relations: usize,
-        guard: &'a dyn Guard,
-        resident: bool,
+        guard: &dyn Guard,
+        stream_with: Option<&'a dyn Guard>,
     ) -> Result<Model<'a>, QueryError> {
         let decoder: Decoder = meta
             .decoder
@@ -150,18 +150,19 @@ impl<'a> Model<'a> {
             })?;
         let relations = run::load_relations(&run, &meta, guard)?;
         let (dim, num_entities) = (meta.dim, meta.entities as usize);
-        let entities = if resident {
-            let mut rows = Vec::with_capacity(num_entities * dim);
-            read_pieces(&run, &meta, guard, |piece| {
-                rows.extend_from_slice(piece);
-                Ok(())
-            })?;
-            Entities::Resident(rows)
-        } else {
-            Entities::Stored {
+        let entities = match stream_with {
+            Some(guard) => Entities::Stored {
                 run,
                 meta: Box::new(meta),
                 guard,
+            },
+            None => {
+                let mut rows = Vec::with_capacity(num_entities * dim);
+                read_pieces(&run, &meta, guard, |piece| {
+                    rows.extend_from_slice(piece);
+                    Ok(())
+                })?;
+                Entities::Resident(rows)
             }
         };
         Model::new(

@@ -308,6 +308,18 @@ impl Names {
     }
 }
 
+impl QueryRun<'static> {
+    /// [`QueryRun::open`] with the entity rows loaded into memory, kept beyond `guard` (a
+    /// served run).
+    pub fn open_resident(
+        path: &Path,
+        dataset: Option<&Path>,
+        guard: &dyn Guard,
+    ) -> Result<QueryRun<'static>, QueryError> {
+        Self::open_with(path, dataset, guard, None)
+    }
+}
+
 /// A run opened for queries: its tables, its dataset's labels, and (built on first use) the
 /// index of its known triples.
 pub struct QueryRun<'a> {
@@ -327,6 +339,16 @@ impl<'a> QueryRun<'a> {
         guard: &'a dyn Guard,
         residency: Residency,
     ) -> Result<QueryRun<'a>, QueryError> {
+        let stream_with = (residency == Residency::Streamed).then_some(guard);
+        Self::open_with(path, dataset, guard, stream_with)
+    }
+
+    fn open_with(
+        path: &Path,
+        dataset: Option<&Path>,
+        guard: &dyn Guard,
+        stream_with: Option<&'a dyn Guard>,
+    ) -> Result<QueryRun<'a>, QueryError> {
         let dir = run::open(path)?;
         guard.admit(&dir).map_err(|source| RunError::Io {
             path: path.to_owned(),
@@ -338,13 +360,7 @@ impl<'a> QueryRun<'a> {
         let dataset = open_run_dataset(&meta, dataset, guard)?;
         let entities = Names::new(dataset.entity_labels()?);
         let relations = Names::new(dataset.relation_labels()?);
-        let model = Model::of_run(
-            dir,
-            meta,
-            relations.labels.len(),
-            guard,
-            residency == Residency::Resident,
-        )?;
+        let model = Model::of_run(dir, meta, relations.labels.len(), guard, stream_with)?;
         if model.num_entities() != entities.labels.len() {
             return Err(QueryError::Tables(format!(
                 "{}: the run has {} entity rows, its dataset {} labels",
@@ -400,7 +416,7 @@ impl<'a> QueryRun<'a> {
                 kind,
                 name: name.to_owned(),
                 why: format!(
-                    "neither a {kind} label of the dataset {} nor an id below {}",
+                    "not one of the {kind} labels of the dataset {} nor an id below {}",
                     self.dataset.dir().display(),
                     names.labels.len()
                 ),
