@@ -39,16 +39,37 @@ enum Entities<'a> {
 }
 
 /// The one place that reads a stored run's entity rows for a scan: `piece` gets them in row
-/// order, a piece at a time (a partition of the store, or a block of the checkpoint file),
-/// through the run's existing read path. Whoever reworks how partitions are read changes this
-/// function only.
+/// order, whole rows of `meta.dim` floats a piece at a time (a partition of the store, or a
+/// block of the checkpoint file), through the run's existing read path. Whoever reworks how
+/// partitions are read changes this function only.
 fn read_pieces(
     run: &Dir,
     meta: &RunMeta,
     guard: &dyn Guard,
-    piece: impl FnMut(&[f32]) -> Result<(), RunError>,
+    mut piece: impl FnMut(&[f32]) -> Result<(), RunError>,
 ) -> Result<(), RunError> {
-    run::stream_entities(run, meta, guard, piece)
+    let dim = meta.dim;
+    // A checkpoint file is read in blocks of a fixed size, which may end inside a row: the
+    // row is completed from the next block.
+    let mut split_row: Vec<f32> = Vec::with_capacity(dim);
+    run::stream_entities(run, meta, guard, |mut block| {
+        if !split_row.is_empty() {
+            let take = (dim - split_row.len()).min(block.len());
+            split_row.extend_from_slice(&block[..take]);
+            block = &block[take..];
+            if split_row.len() < dim {
+                return Ok(());
+            }
+            piece(&split_row)?;
+            split_row.clear();
+        }
+        let whole = block.len() / dim * dim;
+        if whole > 0 {
+            piece(&block[..whole])?;
+        }
+        split_row.extend_from_slice(&block[whole..]);
+        Ok(())
+    })
 }
 
 /// How neighbours are compared.

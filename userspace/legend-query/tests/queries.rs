@@ -375,3 +375,76 @@ fn unknown_labels_ids_and_relations_are_named() {
     .to_string();
     assert!(msg.contains("top 101: ask for 1 to 100"), "{msg}");
 }
+
+/// A run of `entities` rows of `dim` floats from [`grid`], DistMult, written as a checkpoint
+/// (no dataset: for the id-level [`Model`]).
+fn grid_run(dir: &Path, entities: usize, dim: usize) -> (legend_fs::Dir, RunMeta) {
+    let out = dir.join("grid-run");
+    std::fs::create_dir(&out).unwrap();
+    let meta = RunMeta {
+        format_version: run::RUN_FORMAT_VERSION,
+        dataset: dir.to_owned(),
+        dataset_identity: "0".repeat(32),
+        decoder: "distmult".into(),
+        dim,
+        entities: entities as u64,
+        relations: 2,
+        epochs_completed: 1,
+        cut: None,
+        checkpoint: String::new(),
+        store: None,
+        store_queue: None,
+        checksums: TableChecksums::default(),
+    };
+    let rows = grid(entities * dim, 3);
+    let meta = run::commit_checkpoint(
+        &legend_fs::Dir::open(&out).unwrap(),
+        meta,
+        (&grid(2 * dim, 4), &vec![0.0; 2 * dim]),
+        |e, es| {
+            e.write(&rows)?;
+            es.write(&rows)
+        },
+    )
+    .unwrap();
+    (legend_fs::Dir::open(&out).unwrap(), meta)
+}
+
+#[test]
+fn a_checkpoint_read_in_blocks_that_split_rows_answers_as_from_memory() {
+    // 64 MiB blocks of 3-float rows: every block ends inside a row.
+    let (entities, dim) = (5_600_000, 3);
+    let dir = tempfile::tempdir().unwrap();
+    let (run_dir, meta) = grid_run(dir.path(), entities, dim);
+    let resident = Model::of_run(run_dir, meta.clone(), 2, &Unguarded, None).unwrap();
+    let run_dir = legend_fs::Dir::open(&dir.path().join("grid-run")).unwrap();
+    let streamed = Model::of_run(run_dir, meta, 2, &Unguarded, Some(&Unguarded)).unwrap();
+    assert!(resident.is_resident() && !streamed.is_resident());
+    // The rows around the first block's end, and the last.
+    let boundary = ((16 << 20) / dim) as u32;
+    let ids = [0, boundary - 1, boundary, boundary + 1, entities as u32 - 1];
+    assert_eq!(resident.rows(&ids).unwrap(), streamed.rows(&ids).unwrap());
+    let asked: Vec<Completion> = ids
+        .iter()
+        .map(|&anchor| Completion {
+            side: Side::Dst,
+            anchor,
+            relation: 1,
+            top: 5,
+            filtered: false,
+        })
+        .collect();
+    assert_eq!(
+        pairs_all(&resident.complete(&asked, None).unwrap()),
+        pairs_all(&streamed.complete(&asked, None).unwrap())
+    );
+    let triples: Vec<[u32; 3]> = ids.iter().map(|&e| [e, 0, boundary]).collect();
+    assert_eq!(
+        resident.score(&triples).unwrap(),
+        streamed.score(&triples).unwrap()
+    );
+}
+
+fn pairs_all(found: &[Vec<Ranked>]) -> Vec<Vec<(u32, f32)>> {
+    found.iter().map(|f| pairs(f)).collect()
+}
