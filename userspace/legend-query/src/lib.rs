@@ -14,7 +14,8 @@
 //! Entities and relations are named by their dataset labels (or by id); an unknown name is an
 //! error naming it. A run is answered either from memory ([`Residency::Resident`], the serve
 //! job) or straight from its checkpoint or store, a piece at a time, for runs larger than
-//! memory ([`Residency::Streamed`]; each batch of queries is one pass over the table).
+//! memory ([`Residency::Streamed`]; a batch of queries reads the table at most twice: once for
+//! the rows of the entities it names, once to score every entity).
 
 mod error;
 mod model;

@@ -60,9 +60,11 @@ pub struct TopK {
 impl TopK {
     /// Keeps the best `k`.
     pub fn new(k: usize) -> TopK {
+        // Grown as candidates come: each thread of a scan keeps one per query, and most of a
+        // large K is never reached by a thread's share of the table.
         TopK {
             k,
-            heap: BinaryHeap::with_capacity(k.min(1 << 16) + 1),
+            heap: BinaryHeap::new(),
         }
     }
 

@@ -10,8 +10,8 @@ use legend_daemon_api::{MAX_QUERIES, Reply, Request};
 use legend_fs::Unguarded;
 use legend_query::{Answer, DEFAULT_TOP, LineKind, Metric, Query, QueryRun, Residency, parse_line};
 
-/// Queries answered in one pass over the run's entities (a batch); a file of more is answered
-/// in several batches.
+/// Queries answered together (a batch: one scan of the run's entities); a file of more is
+/// answered in several batches.
 const BATCH: usize = 1024;
 
 /// What `predict` asks.
@@ -163,9 +163,10 @@ fn print(answers: &[Answer], json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Answers `queries` on the run `run`, a batch of [`BATCH`] at a time, each batch one pass over
-/// the run's entities as its checkpoint or store holds them (never the whole table in memory);
-/// each batch's time goes to stderr.
+/// Answers `queries` on the run `run`, a batch of [`BATCH`] at a time, each batch reading the
+/// run's entities as its checkpoint or store holds them, a piece at a time (never the whole
+/// table in memory): once for the rows the batch names, once to score every entity; each
+/// batch's time goes to stderr.
 fn answer_here(run: &Path, queries: &[Located], out: &Output) -> anyhow::Result<()> {
     if queries.is_empty() {
         bail!("no queries given");
