@@ -870,6 +870,8 @@ impl Jobs {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id, served);
+        // Loaded since the daemon last died under the job: the job did not kill it.
+        self.update(id, |e| e.record.interruptions = 0);
         let mut t = self.lock();
         while !stop.load(Ordering::Relaxed) {
             t = self
