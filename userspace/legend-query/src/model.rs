@@ -178,6 +178,20 @@ impl<'a> Model<'a> {
                 guard,
             },
             None => {
+                // Jobs are threads of the daemon: an allocation that fails would take it down.
+                let bytes = (meta.entities as u128) * (dim as u128) * 4;
+                let available =
+                    legend_engine::memory::available_bytes().map_or(u128::MAX, u128::from);
+                if bytes > available {
+                    return Err(QueryError::Tables(format!(
+                        "{}: the run's entity rows take {:.1} GiB, more than the {:.1} GiB of \
+                         memory available: query it with legendctl predict|score|neighbors \
+                         instead, which reads it a piece at a time",
+                        run.path().display(),
+                        bytes as f64 / f64::from(1u32 << 30),
+                        available as f64 / f64::from(1u32 << 30)
+                    )));
+                }
                 let mut rows = Vec::with_capacity(num_entities * dim);
                 read_pieces(&run, &meta, guard, |piece| {
                     rows.extend_from_slice(piece);

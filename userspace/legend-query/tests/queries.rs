@@ -448,3 +448,21 @@ fn a_checkpoint_read_in_blocks_that_split_rows_answers_as_from_memory() {
 fn pairs_all(found: &[Vec<Ranked>]) -> Vec<Vec<(u32, f32)>> {
     found.iter().map(|f| pairs(f)).collect()
 }
+
+#[test]
+fn a_run_larger_than_memory_is_refused_before_loading_and_can_be_streamed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run_dir, mut meta) = grid_run(dir.path(), 10, 3);
+    // As a record claiming 2^40 rows says: far more than any machine's memory.
+    meta.entities = 1 << 40;
+    let Err(e) = Model::of_run(run_dir, meta.clone(), 2, &Unguarded, None) else {
+        panic!("loaded 12 TiB");
+    };
+    let msg = e.to_string();
+    assert!(
+        msg.contains("12288.0 GiB, more than the") && msg.contains("a piece at a time"),
+        "{msg}"
+    );
+    let run_dir = legend_fs::Dir::open(&dir.path().join("grid-run")).unwrap();
+    assert!(Model::of_run(run_dir, meta, 2, &Unguarded, Some(&Unguarded)).is_ok());
+}
