@@ -15,7 +15,8 @@
 //! error naming it. A run is answered either from memory ([`Residency::Resident`], the serve
 //! job) or straight from its checkpoint or store, a piece at a time, for runs larger than
 //! memory ([`Residency::Streamed`]; a batch of queries reads the table at most twice: once for
-//! the rows of the entities it names, once to score every entity).
+//! the rows of the entities it names, once to score every entity); [`Residency::Fitting`]
+//! picks by the memory available.
 
 mod error;
 mod model;

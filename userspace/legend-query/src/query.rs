@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use legend_dataset::{Dataset, Split};
 use legend_engine::evaluation::open_run_dataset;
-use legend_engine::run::{self, RunError};
+use legend_engine::run::{self, RunError, RunMeta};
 use legend_eval::FilterIndex;
 use legend_fs::Guard;
 use legend_model::Side;
@@ -279,9 +279,18 @@ pub fn parse_line(kind: LineKind, line: &str, at: &str) -> Result<Query, QueryEr
 pub enum Residency {
     /// Loaded once into memory (a served run answers many batches).
     Resident,
-    /// Read from the run's checkpoint or store by each batch, a piece at a time (one batch,
-    /// or a run larger than memory).
+    /// Read from the run's checkpoint or store by each batch, a piece at a time (a run larger
+    /// than memory).
     Streamed,
+    /// Loaded when the entity rows take at most half the memory available (one read of the
+    /// table for every batch that follows), else streamed.
+    Fitting,
+}
+
+/// Whether `meta`'s entity rows take at most half the memory available now.
+fn fits_in_memory(meta: &RunMeta) -> bool {
+    let bytes = u128::from(meta.entities) * meta.dim as u128 * 4;
+    legend_engine::memory::available_bytes().is_some_and(|a| bytes <= u128::from(a) / 2)
 }
 
 /// Labels of one table, with their ids.
@@ -316,7 +325,7 @@ impl QueryRun<'static> {
         dataset: Option<&Path>,
         guard: &dyn Guard,
     ) -> Result<QueryRun<'static>, QueryError> {
-        Self::open_with(path, dataset, guard, None)
+        Self::open_with(path, dataset, guard, |_| None)
     }
 }
 
@@ -339,15 +348,20 @@ impl<'a> QueryRun<'a> {
         guard: &'a dyn Guard,
         residency: Residency,
     ) -> Result<QueryRun<'a>, QueryError> {
-        let stream_with = (residency == Residency::Streamed).then_some(guard);
-        Self::open_with(path, dataset, guard, stream_with)
+        Self::open_with(path, dataset, guard, |meta| match residency {
+            Residency::Resident => None,
+            Residency::Streamed => Some(guard),
+            Residency::Fitting => (!fits_in_memory(meta)).then_some(guard),
+        })
     }
 
+    /// Opens the run, its entity rows streamed through the guard `stream_with` gives for its
+    /// record, or loaded when it gives none.
     fn open_with(
         path: &Path,
         dataset: Option<&Path>,
         guard: &dyn Guard,
-        stream_with: Option<&'a dyn Guard>,
+        stream_with: impl FnOnce(&RunMeta) -> Option<&'a dyn Guard>,
     ) -> Result<QueryRun<'a>, QueryError> {
         let dir = run::open(path)?;
         guard.admit(&dir).map_err(|source| RunError::Io {
@@ -360,6 +374,7 @@ impl<'a> QueryRun<'a> {
         let dataset = open_run_dataset(&meta, dataset, guard)?;
         let entities = Names::new(dataset.entity_labels()?);
         let relations = Names::new(dataset.relation_labels()?);
+        let stream_with = stream_with(&meta);
         let model = Model::of_run(dir, meta, relations.labels.len(), guard, stream_with)?;
         if model.num_entities() != entities.labels.len() {
             return Err(QueryError::Tables(format!(

@@ -459,6 +459,23 @@ fn predict_score_and_neighbors_by_flag_and_by_file_on_memory_and_store_runs() {
         );
         let all = hits(&all);
         assert_eq!(all.len(), 60, "every entity, once");
+        // Read from the checkpoint or store a piece at a time: the same answer.
+        let streamed = json(
+            ok(&[
+                "predict",
+                &run,
+                "--head",
+                "e1",
+                "--relation",
+                "r0",
+                "--top",
+                "100",
+                "--json",
+                "--streamed",
+            ])
+            .trim(),
+        );
+        assert_eq!(hits(&streamed), all);
         // The known tail e2 of (e1, r0) is left out by --filtered, and nothing else.
         let filtered = json(
             ok(&[

@@ -72,6 +72,11 @@ pub struct Output {
     /// The run's dataset, only if it moved since training (labels and known triples).
     #[arg(long)]
     dataset: Option<PathBuf>,
+    /// Read the run's entities from its checkpoint or store a piece at a time for every batch,
+    /// even when they would fit in memory (by default a run whose entity rows take at most
+    /// half the memory available is read once into memory).
+    #[arg(long)]
+    streamed: bool,
 }
 
 /// A query with where it came from (for errors).
@@ -163,15 +168,28 @@ fn print(answers: &[Answer], json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Answers `queries` on the run `run`, a batch of [`BATCH`] at a time, each batch reading the
-/// run's entities as its checkpoint or store holds them, a piece at a time (never the whole
-/// table in memory): once for the rows the batch names, once to score every entity; each
-/// batch's time goes to stderr.
+/// Answers `queries` on the run `run`, a batch of [`BATCH`] at a time: from memory when the
+/// run's entity rows fit in half the memory available (read once), else (or with `--streamed`)
+/// each batch reading them from the checkpoint or store a piece at a time, once for the rows the
+/// batch names and once to score every entity. Each batch's time goes to stderr.
 fn answer_here(run: &Path, queries: &[Located], out: &Output) -> anyhow::Result<()> {
     if queries.is_empty() {
         bail!("no queries given");
     }
-    let q = QueryRun::open(run, out.dataset.as_deref(), &Unguarded, Residency::Streamed)?;
+    let residency = if out.streamed {
+        Residency::Streamed
+    } else {
+        Residency::Fitting
+    };
+    let loading = Instant::now();
+    let q = QueryRun::open(run, out.dataset.as_deref(), &Unguarded, residency)?;
+    if q.model().is_resident() {
+        eprintln!(
+            "{} entity rows read into memory in {:.3} s",
+            q.model().num_entities(),
+            loading.elapsed().as_secs_f64()
+        );
+    }
     for (b, batch) in queries.chunks(BATCH).enumerate() {
         let started = Instant::now();
         let asked: Vec<Query> = batch.iter().map(|(_, q)| q.clone()).collect();
