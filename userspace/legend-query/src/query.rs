@@ -274,6 +274,18 @@ pub fn parse_line(kind: LineKind, line: &str, at: &str) -> Result<Query, QueryEr
     }
 }
 
+/// `name` for a message: at most [`QUOTED_CHARS`] characters of it (a name comes from whoever
+/// asks, and an answer must fit a frame).
+fn quoted(name: &str) -> String {
+    match name.char_indices().nth(QUOTED_CHARS) {
+        Some((cut, _)) => format!("{}…", &name[..cut]),
+        None => name.to_owned(),
+    }
+}
+
+/// Characters of an unknown name quoted back.
+const QUOTED_CHARS: usize = 200;
+
 /// Where a run's entity rows are kept while it answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Residency {
@@ -429,7 +441,7 @@ impl<'a> QueryRun<'a> {
             _ => Err(QueryError::Unknown {
                 at: at(),
                 kind,
-                name: name.to_owned(),
+                name: quoted(name),
                 why: format!(
                     "not one of the {kind} labels of the dataset {} nor an id below {}",
                     self.dataset.dir().display(),

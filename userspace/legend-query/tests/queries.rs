@@ -365,6 +365,13 @@ fn unknown_labels_ids_and_relations_are_named() {
             .to_string())
             .is_ok()
     );
+    let long = "x".repeat(1 << 20);
+    let msg = ask(Query::Lookup { entity: long }).to_string();
+    assert!(
+        msg.len() < 1000 && msg.contains("xxx…\""),
+        "{}",
+        &msg[..1000.min(msg.len())]
+    );
     let msg = ask(Query::Lookup { entity: "7".into() }).to_string();
     assert!(msg.contains("unknown entity \"7\""), "{msg}");
     let msg = ask(Query::Neighbors {
