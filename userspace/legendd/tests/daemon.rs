@@ -1965,6 +1965,22 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
         panic!();
     };
     assert!(!text.contains("legend_serve_queries_total{"), "{text}");
+    // Serving takes no CPU job slot: an eval job (cpu_jobs = 1) runs to its end beside it.
+    let eval = owner.job(Request::Submit {
+        job: JobSpec::Eval {
+            run: run.clone(),
+            protocol: "sampled".into(),
+            split: "test".into(),
+        },
+    });
+    let eval = wait_for(&mut owner, eval.id, Duration::from_secs(60), |j| {
+        j.state.is_final()
+    });
+    assert_eq!(eval.state, JobState::Succeeded, "{eval:?}");
+    assert_eq!(
+        owner.job(Request::Status { job: job.id }).state,
+        JobState::Running
+    );
     // Cancelled, it ends and answers no more.
     owner.job(Request::Cancel { job: job.id });
     let ended = wait_for(&mut owner, job.id, Duration::from_secs(30), |j| {
