@@ -21,6 +21,13 @@ pub const DEFAULT_SOCKET: &str = "/run/legend/legendd.sock";
 /// The largest frame either side accepts, in bytes.
 pub const MAX_FRAME: usize = 1 << 20;
 
+/// The most queries one [`Request::Query`] may carry (a batch: one pass over the run's
+/// entities).
+pub const MAX_QUERIES: usize = 1024;
+
+/// The most entities one query to a served run may ask for (the answers must fit a frame).
+pub const MAX_TOP: usize = 1000;
+
 /// A request with the version it is written in.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -102,6 +109,14 @@ pub enum Request {
         /// The node, `/dev/legend-nvmeN`.
         device: String,
     },
+    /// Ask a running serve job's run: predict, score, neighbors or lookup queries (legend-query's
+    /// `Query` in JSON, at most [`MAX_QUERIES`]), answered in order by [`Reply::Answers`].
+    Query {
+        /// The serve job.
+        job: u64,
+        /// The queries.
+        queries: Vec<serde_json::Value>,
+    },
 }
 
 /// A job to run.
@@ -145,6 +160,15 @@ pub enum JobSpec {
         /// `npy`, `tsv` or `bin`.
         format: String,
     },
+    /// Keep a run's tables in memory and answer queries on it ([`Request::Query`]) until
+    /// cancelled.
+    Serve {
+        /// The run directory (absolute).
+        run: PathBuf,
+        /// Members of this group may query it too (the submitter must be one).
+        #[serde(default)]
+        group: Option<String>,
+    },
 }
 
 fn default_protocol() -> String {
@@ -156,20 +180,23 @@ fn default_split() -> String {
 }
 
 impl JobSpec {
-    /// The run directory the job trains (train) or reads (eval, export).
+    /// The run directory the job trains (train) or reads (eval, export, serve).
     pub fn dir(&self) -> &PathBuf {
         match self {
             JobSpec::Train { out, .. } => out,
-            JobSpec::Eval { run, .. } | JobSpec::Export { run, .. } => run,
+            JobSpec::Eval { run, .. }
+            | JobSpec::Export { run, .. }
+            | JobSpec::Serve { run, .. } => run,
         }
     }
 
-    /// `train`, `eval` or `export`.
+    /// `train`, `eval`, `export` or `serve`.
     pub fn kind(&self) -> &'static str {
         match self {
             JobSpec::Train { .. } => "train",
             JobSpec::Eval { .. } => "eval",
             JobSpec::Export { .. } => "export",
+            JobSpec::Serve { .. } => "serve",
         }
     }
 }
@@ -301,6 +328,13 @@ pub enum Reply {
     Text {
         /// The text.
         text: String,
+    },
+    /// Answers to [`Request::Query`], in the order asked (legend-query's `Answer` in JSON).
+    Answers {
+        /// The answers.
+        answers: Vec<serde_json::Value>,
+        /// Seconds the daemon took to answer them.
+        seconds: f64,
     },
     /// Structured data (devices).
     Data {

@@ -21,8 +21,11 @@ const TILE_Q: usize = 4;
 const TILE_C: usize = 2;
 
 /// A comparator fixed for one evaluation, with the instruction set chosen once.
+///
+/// Public so that other consumers of trained tables (queries on a run: legend-query) score
+/// candidates exactly as the evaluator does, bit for bit.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Kernel {
+pub struct Kernel {
     comparator: Comparator,
     dim: usize,
     /// AVX2 + FMA available; chosen once so every score of a run takes the same path.
@@ -31,7 +34,7 @@ pub(crate) struct Kernel {
 
 impl Kernel {
     /// A kernel for rows of `dim` floats.
-    pub(crate) fn new(comparator: Comparator, dim: usize) -> Self {
+    pub fn new(comparator: Comparator, dim: usize) -> Self {
         #[cfg(target_arch = "x86_64")]
         let wide = std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma");
@@ -46,7 +49,10 @@ impl Kernel {
 
     /// Writes the score of every query row against every candidate row into `out`
     /// (row-major, one row of `candidates.len() / dim` scores per query).
-    pub(crate) fn block(&self, queries: &[f32], candidates: &[f32], out: &mut [f32]) {
+    ///
+    /// `queries` and `candidates` hold whole rows of `dim` floats, and `out` has room for
+    /// every pair.
+    pub fn block(&self, queries: &[f32], candidates: &[f32], out: &mut [f32]) {
         debug_assert_eq!(
             out.len(),
             queries.len() / self.dim * (candidates.len() / self.dim)
@@ -61,7 +67,7 @@ impl Kernel {
     }
 
     /// The score of one pair, bit-identical to the value [`Kernel::block`] gives for it.
-    pub(crate) fn one(&self, query: &[f32], candidate: &[f32]) -> f32 {
+    pub fn one(&self, query: &[f32], candidate: &[f32]) -> f32 {
         let mut out = [0.0];
         self.block(query, candidate, &mut out);
         out[0]

@@ -44,6 +44,7 @@ use serde::{Deserialize, Serialize};
 
 pub use error::EvalError;
 pub use filter::{FilterIndex, entity_degrees};
+pub use kernel::Kernel;
 pub use rank::SAMPLED_CHUNK;
 
 /// Trained embeddings to evaluate.

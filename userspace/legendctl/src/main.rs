@@ -34,6 +34,12 @@ enum Command {
     Eval(cmd::eval::Args),
     /// Export a run's embeddings with labels.
     Export(cmd::export::Args),
+    /// The best entities to complete a triple (link prediction) with a run's embeddings.
+    Predict(cmd::query::Predict),
+    /// Score triples with a run's embeddings.
+    Score(cmd::query::Score),
+    /// The nearest entities of an entity in a run's embeddings.
+    Neighbors(cmd::query::Neighbors),
     /// Generate a synthetic power-law graph as a dataset directory.
     Generate(cmd::generate::Args),
     /// Draw a run's compute-vs-I/O timeline per swap (SVG or HTML).
@@ -42,7 +48,7 @@ enum Command {
     Device(cmd::device::Args),
     /// Benchmarks: `bench io` measures a store target's I/O rate.
     Bench(cmd::bench::Args),
-    /// Submit a job to legendd (train, eval or export).
+    /// Submit a job to legendd (train, eval, export or serve).
     Submit(cmd::client::SubmitArgs),
     /// Jobs known to legendd.
     Jobs(cmd::client::JobsArgs),
@@ -52,6 +58,8 @@ enum Command {
     Cancel(cmd::client::JobArgs),
     /// A legendd job's log.
     Logs(cmd::client::JobArgs),
+    /// Ask a run a legendd serve job holds: predict, score, neighbors, lookup.
+    Query(cmd::query::QueryArgs),
     /// Forget an ended legendd job; the last train job of a run on an NVMe namespace frees the
     /// run's extent there (its store is gone).
     Delete(cmd::client::JobArgs),
@@ -81,6 +89,9 @@ fn main() -> ExitCode {
         Command::Train(args) => cmd::train::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Export(args) => cmd::export::run(args),
+        Command::Predict(args) => cmd::query::predict(args),
+        Command::Score(args) => cmd::query::score(args),
+        Command::Neighbors(args) => cmd::query::neighbors(args),
         Command::Generate(args) => cmd::generate::run(args),
         Command::Report(args) => cmd::report::run(args),
         Command::Device(args) => cmd::device::run(args, cli.socket.as_deref()),
@@ -91,6 +102,7 @@ fn main() -> ExitCode {
         Command::Cancel(args) => cmd::client::cancel(cli.socket.as_deref(), args),
         Command::Delete(args) => cmd::client::delete(cli.socket.as_deref(), args),
         Command::Logs(args) => cmd::client::logs(cli.socket.as_deref(), args),
+        Command::Query(args) => cmd::query::query(cli.socket.as_deref(), args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

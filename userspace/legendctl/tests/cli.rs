@@ -433,3 +433,127 @@ fn training_survives_a_log_it_cannot_write() {
     assert!(status.success(), "{status}");
     assert!(out.join("run.toml").exists());
 }
+
+/// The hits of a `predict` or `neighbors` answer: (label, score).
+fn hits(answer: &serde_json::Value) -> Vec<(String, f64)> {
+    answer["hits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            (
+                h["label"].as_str().unwrap().to_owned(),
+                h["score"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn predict_score_and_neighbors_by_flag_and_by_file_on_memory_and_store_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = graph(dir.path());
+    for backend in ["memory", "file"] {
+        let run = dir.path().join(format!("run-{backend}"));
+        let backend_set = format!("storage.backend=\"{backend}\"");
+        let args = train_args(
+            &ds,
+            &run,
+            &[
+                "model.dim=8",
+                "training.num_epochs=1",
+                "storage.num_partitions=3",
+                "storage.buffer_capacity=2",
+                &backend_set,
+            ],
+        );
+        ok(&argv(&args));
+        let run = s(&run);
+        let all = json(
+            ok(&[
+                "predict",
+                &run,
+                "--head",
+                "e1",
+                "--relation",
+                "r0",
+                "--top",
+                "100",
+                "--json",
+            ])
+            .trim(),
+        );
+        let all = hits(&all);
+        assert_eq!(all.len(), 60, "every entity, once");
+        // Read from the checkpoint or store a piece at a time: the same answer.
+        let streamed = json(
+            ok(&[
+                "predict",
+                &run,
+                "--head",
+                "e1",
+                "--relation",
+                "r0",
+                "--top",
+                "100",
+                "--json",
+                "--streamed",
+            ])
+            .trim(),
+        );
+        assert_eq!(hits(&streamed), all);
+        // The known tail e2 of (e1, r0) is left out by --filtered, and nothing else.
+        let filtered = json(
+            ok(&[
+                "predict",
+                &run,
+                "--head",
+                "e1",
+                "--relation",
+                "r0",
+                "--top",
+                "100",
+                "--filtered",
+                "--json",
+            ])
+            .trim(),
+        );
+        let without: Vec<_> = all.iter().filter(|h| h.0 != "e2").cloned().collect();
+        assert_eq!(hits(&filtered), without);
+        // A score is the score its entity got in the prediction.
+        let triples = dir.path().join("triples.tsv");
+        std::fs::write(&triples, format!("e1\tr0\t{}\n", all[7].0)).unwrap();
+        let scored = json(ok(&["score", &run, &s(&triples), "--json"]).trim());
+        assert_eq!(scored["score"].as_f64().unwrap(), all[7].1);
+        // A file of queries answers each as the flags do, in order, one JSON line each.
+        let queries = dir.path().join("q.tsv");
+        std::fs::write(&queries, "# heads and tails\n?\tr1\te5\ne1\tr0\t?\n").unwrap();
+        let out = ok(&[
+            "predict",
+            &run,
+            "--queries",
+            &s(&queries),
+            "--top",
+            "100",
+            "--json",
+        ]);
+        let lines: Vec<serde_json::Value> = out.lines().map(json).collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0]["tail"]["label"], "e5");
+        assert_eq!(hits(&lines[1]), all);
+        let near = json(ok(&["neighbors", &run, "--entity", "e3", "--top", "5", "--json"]).trim());
+        let near = hits(&near);
+        assert_eq!(near.len(), 5);
+        assert!(near.iter().all(|h| h.0 != "e3"), "{near:?}");
+        // Unknown names are named, with the line they are on.
+        fails(
+            &["predict", &run, "--head", "e99", "--relation", "r0"],
+            "the query: unknown entity \"e99\"",
+        );
+        std::fs::write(&queries, "e1\tr0\t?\ne1\tr7\t?\n").unwrap();
+        fails(
+            &["predict", &run, "--queries", &s(&queries)],
+            "q.tsv:2: unknown relation \"r7\"",
+        );
+    }
+}

@@ -91,6 +91,18 @@ impl Peer {
     }
 }
 
+/// The id of the group `name` (a group name of at most 64 bytes, from the group database).
+pub fn group_id(name: &str) -> Result<u32, String> {
+    if name.is_empty() || name.len() > 64 {
+        return Err(format!("{} bytes is not a group name", name.len()));
+    }
+    match Group::from_name(name) {
+        Ok(Some(g)) => Ok(g.gid.as_raw()),
+        Ok(None) => Err(format!("no group {name:?}")),
+        Err(e) => Err(format!("looking up group {name:?}: {e}")),
+    }
+}
+
 /// `uid`'s groups from the user database, with `gid` (the process's own) always in.
 fn groups_of(uid: u32, gid: u32) -> Vec<u32> {
     let mut groups = vec![gid];

@@ -18,6 +18,8 @@ pub struct DaemonConfig {
     pub cpu_jobs: usize,
     /// Jobs running at once on each GPU.
     pub gpu_jobs: usize,
+    /// Serve jobs holding a run in memory at once (they take no CPU or GPU job slot).
+    pub serve_jobs: usize,
     /// Connections served at once; more are answered `unavailable` and closed.
     pub max_connections: usize,
     /// Of `max_connections`, how many only the admin group (and root) may take: they always
@@ -45,6 +47,7 @@ impl Default for DaemonConfig {
             admin_group: "legend-admin".into(),
             cpu_jobs: 1,
             gpu_jobs: 1,
+            serve_jobs: 4,
             max_connections: 256,
             reserved_connections: 16,
             max_connections_per_uid: 32,
@@ -68,13 +71,14 @@ impl DaemonConfig {
             toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         if config.cpu_jobs == 0
             || config.gpu_jobs == 0
+            || config.serve_jobs == 0
             || config.max_connections_per_uid == 0
             || config.max_jobs_per_user == 0
             || config.max_ended_jobs_per_user == 0
             || config.request_timeout_s == 0
         {
             anyhow::bail!(
-                "{}: cpu_jobs, gpu_jobs, max_connections_per_uid, max_jobs_per_user, \
+                "{}: cpu_jobs, gpu_jobs, serve_jobs, max_connections_per_uid, max_jobs_per_user, \
                  max_ended_jobs_per_user and request_timeout_s must be at least 1",
                 path.display()
             );

@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::access::{JobGuard, Peer};
 use crate::config::DaemonConfig;
+use crate::serve::{MetricLines, Served};
 
 /// Events kept for a slow watcher before it misses some (progress is sent again soon).
 pub const WATCH_BACKLOG: usize = 256;
@@ -141,6 +142,9 @@ pub struct Jobs {
     dir: PathBuf,
     cpu_jobs: usize,
     gpu_jobs: usize,
+    serve_jobs: usize,
+    /// The runs serve jobs hold, by job, once loaded.
+    served: Mutex<HashMap<u64, Arc<Served>>>,
     /// `max_jobs_per_user`.
     max_per_user: usize,
     /// `max_ended_jobs_per_user`.
@@ -328,6 +332,8 @@ impl Jobs {
             dir,
             cpu_jobs: config.cpu_jobs,
             gpu_jobs: config.gpu_jobs,
+            serve_jobs: config.serve_jobs,
+            served: Mutex::default(),
             max_per_user: config.max_jobs_per_user,
             max_ended_per_user: config.max_ended_jobs_per_user,
             requests: AtomicU64::new(0),
@@ -535,6 +541,8 @@ impl Jobs {
             JobState::Running => {
                 entry.stop.store(true, Ordering::Relaxed);
                 drop(t);
+                // A serve job waits for this, not for a checkpointable point.
+                self.changed.notify_all();
                 self.log(
                     id,
                     "cancel asked: stopping at the next checkpointable point",
@@ -618,10 +626,10 @@ impl Jobs {
     }
 
     fn limit(&self, queue: &str) -> usize {
-        if queue == "cpu" {
-            self.cpu_jobs
-        } else {
-            self.gpu_jobs
+        match queue {
+            "cpu" => self.cpu_jobs,
+            SERVE_QUEUE => self.serve_jobs,
+            _ => self.gpu_jobs,
         }
     }
 
@@ -695,6 +703,9 @@ impl Jobs {
                         JobSpec::Eval { .. } => jobs.run_eval(&spec, &guard),
                         JobSpec::Export { run, out, format } => {
                             jobs.run_export(id, run, out, format, &guard)
+                        }
+                        JobSpec::Serve { run, group } => {
+                            jobs.run_serve(id, run, group.as_deref(), owner, &stop, &guard)
                         }
                     }))
                     .unwrap_or_else(|panic| {
@@ -829,6 +840,68 @@ impl Jobs {
         Ok(Ended::Done(None))
     }
 
+    /// Loads `run` into memory and answers queries on it ([`Jobs::served`]) until the job is
+    /// cancelled (it then succeeds) or the daemon stops (it is queued again, to serve after
+    /// the next start).
+    fn run_serve(
+        &self,
+        id: u64,
+        run: &Path,
+        group: Option<&str>,
+        owner: u32,
+        stop: &AtomicBool,
+        guard: &JobGuard,
+    ) -> Result<Ended, String> {
+        let gid = group.map(crate::access::group_id).transpose()?;
+        let started = Instant::now();
+        let loaded =
+            legend_query::QueryRun::open_resident(run, None, guard).map_err(|e| chain(&e))?;
+        let served = Arc::new(Served::new(owner, gid, loaded));
+        self.log(
+            id,
+            &format!(
+                "serving {}: {} MiB of tables in memory, loaded in {:.1} s",
+                run.display(),
+                served.resident_bytes() >> 20,
+                started.elapsed().as_secs_f64()
+            ),
+        );
+        self.served
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, served);
+        // Loaded since the daemon last died under the job: the job did not kill it.
+        self.update(id, |e| e.record.interruptions = 0);
+        let mut t = self.lock();
+        while !stop.load(Ordering::Relaxed) {
+            t = self
+                .changed
+                .wait_timeout(t, Duration::from_secs(1))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        let stopping = t.stopping;
+        drop(t);
+        self.served
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        Ok(if stopping {
+            Ended::Stopped("serving".into())
+        } else {
+            Ended::Done(None)
+        })
+    }
+
+    /// The run serve job `id` holds, once loaded.
+    pub fn served(&self, id: u64) -> Option<Arc<Served>> {
+        self.served
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned()
+    }
+
     fn update(&self, id: u64, f: impl FnOnce(&mut Entry)) {
         let mut t = self.lock();
         if let Some(e) = t.jobs.get_mut(&id) {
@@ -919,7 +992,7 @@ impl Jobs {
     fn hand_over(&self, id: u64, spec: &JobSpec, owner: u32, guard: &JobGuard) {
         let out = match spec {
             JobSpec::Train { out, .. } | JobSpec::Export { out, .. } => out,
-            JobSpec::Eval { .. } => return,
+            JobSpec::Eval { .. } | JobSpec::Serve { .. } => return,
         };
         let submitted = self
             .lock()
@@ -1089,6 +1162,18 @@ impl Jobs {
                 e.record.info.id, e.train_seconds
             );
         }
+        drop(t);
+        let mut lines = MetricLines::default();
+        let served = self.served.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ids: Vec<&u64> = served.keys().collect();
+        ids.sort_unstable();
+        for id in ids {
+            let run = &served[id];
+            if shows(run.owner) {
+                run.write_metrics(*id, &mut lines);
+            }
+        }
+        lines.finish(&mut s);
         s
     }
 }
@@ -1133,6 +1218,9 @@ pub fn train_config(spec: &JobSpec, reader: &Peer) -> Result<Config, String> {
     }
     .map_err(|e| e.to_string())
 }
+
+/// The queue of serve jobs: they take no CPU or GPU job slot (`serve_jobs` at once).
+pub const SERVE_QUEUE: &str = "serve";
 
 /// The device queue a train job of `config` runs in: `cpu` or `cuda:N` (eval and export jobs
 /// run on the CPU).

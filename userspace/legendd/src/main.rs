@@ -1,5 +1,5 @@
 //! `legendd`: Legend's training service. It alone opens `/dev/legend-nvme*` and the GPUs, runs
-//! users' jobs (train, eval) in queues per device, and answers `legendctl` on a Unix socket,
+//! users' jobs (train, eval, export, serve) in queues per device, and answers `legendctl` on a Unix socket,
 //! identifying callers by their credentials (`SO_PEERCRED`). `Documentation/daemon-api.md`
 //! describes the protocol and the service.
 
@@ -9,6 +9,7 @@ mod extents;
 mod handover;
 mod jobs;
 mod notify;
+mod serve;
 mod server;
 
 use std::os::unix::net::UnixStream;

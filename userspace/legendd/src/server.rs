@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use legend_daemon_api::{
-    DeviceHealth, DeviceInfo, Envelope, ErrorCode, FrameError, JobSpec, MAX_FRAME, NvmeController,
-    PROTOCOL_VERSION, Reply, Request, read_frame, write_message,
+    DeviceHealth, DeviceInfo, Envelope, ErrorCode, FrameError, JobSpec, JobState, MAX_FRAME,
+    NvmeController, PROTOCOL_VERSION, Reply, Request, read_frame, write_message,
 };
 use legend_engine::Config;
 use legend_engine::controllers::{self, QueueBackend, SharedController};
@@ -356,8 +356,9 @@ fn connection(
                     // Nothing was written: the client hears why instead of a closed socket.
                     Err(FrameError::TooLarge { len, max }) => {
                         let why = format!(
-                            "the answer is {len} bytes, over the {max}-byte frame limit (delete \
-                             ended jobs to shorten a list)"
+                            "the answer is {len} bytes, over the {max}-byte frame limit (ask \
+                             fewer queries or entities at once; delete ended jobs to shorten a \
+                             list)"
                         );
                         write_message(&mut writer, &error(ErrorCode::Unavailable, why))?;
                     }
@@ -444,7 +445,46 @@ fn answer(request: Request, peer: &Peer, jobs: &Jobs) -> Reply {
             d.health()
                 .map(|h| serde_json::to_value(DeviceHealth::new(&device, &h)))
         }),
+        Request::Query { job, queries } => query(job, queries, peer, jobs),
         Request::Watch { .. } => unreachable!("answered by watch()"),
+    }
+}
+
+/// Answers queries on the run serve job `id` holds, for its submitter, a member of the group it
+/// names, or root.
+fn query(id: u64, queries: Vec<serde_json::Value>, peer: &Peer, jobs: &Jobs) -> Reply {
+    let info = match jobs.get(id) {
+        Ok(info) => info,
+        Err(e) => return job_error(e),
+    };
+    let served = jobs.served(id);
+    let allowed = match &served {
+        Some(s) => s.may_query(peer),
+        None => peer.uid == 0 || peer.uid == info.owner,
+    };
+    if !allowed {
+        return error(
+            ErrorCode::Forbidden,
+            format!("job {id} is not yours, nor served to a group of yours"),
+        );
+    }
+    match (served, &info.spec, info.state) {
+        (Some(served), _, _) => served.answer(queries),
+        (None, JobSpec::Serve { .. }, JobState::Queued | JobState::Running) => error(
+            ErrorCode::Unavailable,
+            format!(
+                "job {id} is {} (loading its run): try again",
+                info.state.name()
+            ),
+        ),
+        (None, JobSpec::Serve { .. }, state) => error(
+            ErrorCode::Refused,
+            format!("job {id} has ended ({}): submit serve again", state.name()),
+        ),
+        (None, spec, _) => error(
+            ErrorCode::Refused,
+            format!("job {id} is a {} job, not a serve job", spec.kind()),
+        ),
     }
 }
 
@@ -657,6 +697,21 @@ fn check_submission(job: &JobSpec, peer: &Peer) -> Result<(String, Option<Config
             protocol.parse::<legend_engine::config::Protocol>()?;
             split.parse::<legend_dataset::Split>()?;
             check_run_to_read(peer, run)?;
+        }
+        JobSpec::Serve { run, group } => {
+            check_run_to_read(peer, run)?;
+            if let Some(name) = group {
+                let gid = access::group_id(name)?;
+                // Like chgrp: a run is shared only with a group its owner is in.
+                if peer.uid != 0 && !peer.groups.contains(&gid) {
+                    return Err(format!(
+                        "uid {} is not in group {name}: a run is served only to a group of \
+                         its submitter's",
+                        peer.uid
+                    ));
+                }
+            }
+            return Ok((jobs::SERVE_QUEUE.into(), None));
         }
         JobSpec::Export { run, out, format } => {
             check_run_to_read(peer, run)?;

@@ -813,6 +813,12 @@ fn may_switch_uids(test: &str) -> bool {
 /// connection by the credentials of the process that connected), handed back to this process
 /// over a socket pair.
 fn connect_as(d: &Daemon, uid: u32) -> Client {
+    connect_as_ids(d, uid, uid)
+}
+
+/// [`connect_as`] with group `gid` (the connecting process's group, which the daemon counts
+/// among the caller's groups).
+fn connect_as_ids(d: &Daemon, uid: u32, gid: u32) -> Client {
     use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
     use std::os::fd::{AsRawFd, FromRawFd, RawFd};
     let (ours, theirs) = UnixStream::pair().unwrap();
@@ -823,7 +829,7 @@ fn connect_as(d: &Daemon, uid: u32) -> Client {
         // SAFETY: plain system calls in the child.
         let switched = unsafe {
             libc::setgroups(0, std::ptr::null()) == 0
-                && libc::setgid(uid) == 0
+                && libc::setgid(gid) == 0
                 && libc::setuid(uid) == 0
         };
         let sent = switched
@@ -1837,4 +1843,156 @@ fn a_long_jobs_log_in_the_state_directory_stays_bounded() {
     let deleted = c.call(Request::Delete { job: id });
     assert!(matches!(deleted, Reply::Job { .. }), "{deleted:?}");
     assert!(!old.exists() && !log.exists());
+}
+
+/// Gives `path` and everything beneath it to `uid`.
+fn chown_tree(path: &Path, uid: u32) {
+    std::os::unix::fs::lchown(path, Some(uid), Some(uid)).unwrap();
+    if path.is_dir() && !path.is_symlink() {
+        for entry in std::fs::read_dir(path).unwrap() {
+            chown_tree(&entry.unwrap().path(), uid);
+        }
+    }
+}
+
+#[test]
+fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
+    if !may_switch_uids("a_served_run_answers_its_owner_and_its_group") {
+        return;
+    }
+    use legend_query::{Answer, Query, QueryRun, Residency};
+    let dir = shared_tempdir();
+    let ds = dir.path().join("ds");
+    let mut o = GenerateOptions::new(400, 3000);
+    o.relations = 3;
+    generate(&o, &ds).unwrap();
+    let run = dir.path().join("run");
+    reference(&ds, &run, 1);
+    chown_tree(&run, OTHER_UID);
+    let d = Daemon::start(dir.path());
+    // The owner's primary group: a second user in it may query, a third may not.
+    let group = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(OTHER_UID))
+        .unwrap()
+        .expect("the other uid's group exists")
+        .name;
+    let mut owner = connect_as(&d, OTHER_UID);
+    let job = owner.job(Request::Submit {
+        job: JobSpec::Serve {
+            run: run.clone(),
+            group: Some(group),
+        },
+    });
+    let queries: Vec<Query> = serde_json::from_str(
+        r#"[
+        {"query": "predict", "head": "e1", "relation": "r0", "top": 5},
+        {"query": "predict", "tail": "e2", "relation": "r2", "top": 7, "filtered": true},
+        {"query": "score", "head": "e3", "relation": "r1", "tail": "e4"},
+        {"query": "neighbors", "entity": "e5", "top": 4, "metric": "cosine"},
+        {"query": "lookup", "entity": "e6"}
+    ]"#,
+    )
+    .unwrap();
+    let wire: Vec<serde_json::Value> = queries
+        .iter()
+        .map(|q| serde_json::to_value(q).unwrap())
+        .collect();
+    let ask = |c: &mut Client| {
+        c.call(Request::Query {
+            job: job.id,
+            queries: wire.clone(),
+        })
+    };
+    // Answered once the run is loaded (`unavailable` until then).
+    let started = Instant::now();
+    let first = loop {
+        match ask(&mut owner) {
+            Reply::Error {
+                code: ErrorCode::Unavailable,
+                message,
+            } => {
+                assert!(started.elapsed() < Duration::from_secs(60), "{message}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            reply => break reply,
+        }
+    };
+    let want = QueryRun::open(&run, None, &legend_fs::Unguarded, Residency::Streamed)
+        .unwrap()
+        .answer(&queries, 1000, &|i| i.to_string())
+        .unwrap();
+    let answers = |reply: Reply| -> Vec<Answer> {
+        let Reply::Answers { answers, seconds } = reply else {
+            panic!("expected answers, got {reply:?}");
+        };
+        assert!(seconds >= 0.0);
+        answers
+            .into_iter()
+            .map(|a| serde_json::from_value(a).unwrap())
+            .collect()
+    };
+    assert_eq!(answers(first), want);
+    // Two clients at once, the owner and a member of the group, get the same answers.
+    let mut member = connect_as_ids(&d, 4242, OTHER_UID);
+    std::thread::scope(|s| {
+        for c in [&mut owner, &mut member] {
+            let (ask, answers, want) = (&ask, &answers, &want);
+            s.spawn(move || {
+                for _ in 0..20 {
+                    assert_eq!(&answers(ask(c)), want);
+                }
+            });
+        }
+    });
+    // A third user is refused, the owner's unknown label is named.
+    let mut stranger = connect_as(&d, 4243);
+    match ask(&mut stranger) {
+        Reply::Error {
+            code: ErrorCode::Forbidden,
+            message,
+        } => assert!(message.contains("not yours"), "{message}"),
+        other => panic!("a stranger was answered: {other:?}"),
+    }
+    let unknown = vec![serde_json::json!({"query": "neighbors", "entity": "e4000"})];
+    let why = refusal(owner.call(Request::Query {
+        job: job.id,
+        queries: unknown,
+    }));
+    assert!(why.contains("query 1: unknown entity \"e4000\""), "{why}");
+    // The metrics count the queries answered, with their latency percentiles.
+    let Reply::Text { text } = owner.call(Request::Metrics) else {
+        panic!();
+    };
+    let line = format!(
+        "legend_serve_queries_total{{job=\"{}\",owner=\"{OTHER_UID}\"}} 205",
+        job.id
+    );
+    assert!(text.contains(&line), "{text}");
+    assert!(text.contains("quantile=\"0.99\"}"), "{text}");
+    let Reply::Text { text } = stranger.call(Request::Metrics) else {
+        panic!();
+    };
+    assert!(!text.contains("legend_serve_queries_total{"), "{text}");
+    // Serving takes no CPU job slot: an eval job (cpu_jobs = 1) runs to its end beside it.
+    let eval = owner.job(Request::Submit {
+        job: JobSpec::Eval {
+            run: run.clone(),
+            protocol: "sampled".into(),
+            split: "test".into(),
+        },
+    });
+    let eval = wait_for(&mut owner, eval.id, Duration::from_secs(60), |j| {
+        j.state.is_final()
+    });
+    assert_eq!(eval.state, JobState::Succeeded, "{eval:?}");
+    assert_eq!(
+        owner.job(Request::Status { job: job.id }).state,
+        JobState::Running
+    );
+    // Cancelled, it ends and answers no more.
+    owner.job(Request::Cancel { job: job.id });
+    let ended = wait_for(&mut owner, job.id, Duration::from_secs(30), |j| {
+        j.state.is_final()
+    });
+    assert_eq!(ended.state, JobState::Succeeded);
+    assert!(refusal(ask(&mut owner)).contains("has ended"));
 }

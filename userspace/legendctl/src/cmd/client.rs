@@ -124,6 +124,18 @@ enum SubmitCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Keep a run's embeddings in the daemon's memory and answer `legendctl query JOB ...` on
+    /// it until cancelled.
+    Serve {
+        /// The run directory (yours).
+        run: PathBuf,
+        /// Members of this group (one of yours) may query it too.
+        #[arg(long)]
+        group: Option<String>,
+        /// Print the job as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Export a run's embeddings, as `legendctl export` does, in the daemon.
     Export {
         /// The run directory.
@@ -193,6 +205,14 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
                 split,
             },
             watch,
+            json,
+        ),
+        SubmitCommand::Serve { run, group, json } => (
+            JobSpec::Serve {
+                run: absolute(&run)?,
+                group,
+            },
+            false,
             json,
         ),
         SubmitCommand::Export {

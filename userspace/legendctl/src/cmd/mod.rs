@@ -9,6 +9,7 @@ pub mod generate;
 pub mod import;
 pub mod partition;
 pub mod plan;
+pub mod query;
 pub mod report;
 pub mod train;
 

@@ -1,0 +1,56 @@
+//! Why a query could not be answered.
+
+use legend_dataset::DatasetError;
+use legend_engine::evaluation::EvaluationError;
+use legend_engine::run::RunError;
+use legend_eval::EvalError;
+
+/// Why a query (or a batch of them) could not be answered; the message names the input.
+#[derive(Debug, thiserror::Error)]
+pub enum QueryError {
+    /// The run could not be read.
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// The run's dataset (labels, known triples) could not be opened.
+    #[error(transparent)]
+    RunDataset(#[from] EvaluationError),
+    /// The dataset's labels or triples could not be read.
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    /// The index of known triples could not be built.
+    #[error(transparent)]
+    Filter(#[from] EvalError),
+    /// The tables do not fit together.
+    #[error("{0}")]
+    Tables(String),
+    /// A name that is neither a label of the dataset nor an id in range.
+    #[error("{at}: unknown {kind} {name:?} ({why})")]
+    Unknown {
+        /// Which query or line.
+        at: String,
+        /// `entity` or `relation`.
+        kind: &'static str,
+        /// The name as given.
+        name: String,
+        /// What was looked for.
+        why: String,
+    },
+    /// An id past the end of its table.
+    #[error("{what}: id {id} is out of range (the table has {limit} rows)")]
+    IdOutOfRange {
+        /// What it names.
+        what: String,
+        /// The id.
+        id: u32,
+        /// The table's rows.
+        limit: usize,
+    },
+    /// A query that is malformed (its position and what is wrong).
+    #[error("{at}: {why}")]
+    Malformed {
+        /// Which query or line.
+        at: String,
+        /// What is wrong.
+        why: String,
+    },
+}

@@ -1,0 +1,31 @@
+//! Queries on a trained Legend run, shared by `legendctl predict | score | neighbors` and
+//! legendd's serve jobs:
+//!
+//! * **predict**: the K entities that best complete `(head, relation, ?)` or
+//!   `(?, relation, tail)`, scored by the run's own decoder exactly as the evaluator scores
+//!   them; with `filtered`, entities forming a known triple (train, valid or test) are left
+//!   out, through legend-eval's [`legend_eval::FilterIndex`];
+//! * **score**: the score of given triples;
+//! * **neighbors**: the K nearest entities of an entity (cosine, dot or L2);
+//! * **lookup**: an entity's row.
+//!
+//! Top-K is exact: every entity is scored, on every core, and ties are broken by the lower id
+//! (NaN scores last), so an answer never depends on the thread count or the partitioning.
+//! Entities and relations are named by their dataset labels (or by id); an unknown name is an
+//! error naming it. A run is answered either from memory ([`Residency::Resident`], the serve
+//! job) or straight from its checkpoint or store, a piece at a time, for runs larger than
+//! memory ([`Residency::Streamed`]; a batch of queries reads the table at most twice: once for
+//! the rows of the entities it names, once to score every entity); [`Residency::Fitting`]
+//! picks by the memory available.
+
+mod error;
+mod model;
+mod query;
+mod topk;
+
+pub use error::QueryError;
+pub use model::{Completion, Metric, Model, Nearest};
+pub use query::{
+    Answer, DEFAULT_TOP, Hit, LineKind, Named, Query, QueryRun, Residency, parse_line,
+};
+pub use topk::{Ranked, TopK};

@@ -1,0 +1,535 @@
+//! A run's tables and the scans that answer queries on entity ids: the K best completions of
+//! `(head, relation, ?)` or `(?, relation, tail)`, the K nearest entities of an entity, triple
+//! scores and rows.
+//!
+//! Scores come from the run's own decoder ([`Decoder::query`]) and legend-eval's [`Kernel`], the
+//! scorer the evaluator ranks with, so a predicted score equals the one evaluation counts, bit
+//! for bit. A scan splits the entity table into blocks scored on every core (rayon); each
+//! thread keeps its own K best per query and the parts are merged in [`Ranked::better_first`]'s
+//! total order, so the answer does not depend on the split.
+
+use legend_engine::run::{self, RunError, RunMeta};
+use legend_eval::{FilterIndex, Kernel};
+use legend_fs::{Dir, Guard};
+use legend_model::{Comparator, Decoder, Side};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::QueryError;
+use crate::topk::{Ranked, TopK};
+
+/// Candidate rows scored at a time by one thread: 256 rows of d = 200 stay in L2 while the
+/// batch's queries sweep them (as the evaluator's filtered ranking does).
+const CANDIDATE_BLOCK: usize = 256;
+
+/// Where the entity rows are.
+enum Entities<'a> {
+    /// In memory, row-major `[entities × dim]` (a served run).
+    Resident(Vec<f32>),
+    /// In the run's checkpoint or store, read a piece at a time by every scan (a run larger
+    /// than memory).
+    Stored {
+        /// The run directory.
+        run: Dir,
+        /// Its commit record.
+        meta: Box<RunMeta>,
+        /// Admits a store outside the run and checks reads (legend-fs).
+        guard: &'a dyn Guard,
+    },
+}
+
+/// The one place that reads a stored run's entity rows for a scan: `piece` gets them in row
+/// order, whole rows of `meta.dim` floats a piece at a time (a partition of the store, or a
+/// block of the checkpoint file), through the run's existing read path. Whoever reworks how
+/// partitions are read changes this function only.
+fn read_pieces(
+    run: &Dir,
+    meta: &RunMeta,
+    guard: &dyn Guard,
+    mut piece: impl FnMut(&[f32]) -> Result<(), RunError>,
+) -> Result<(), RunError> {
+    let dim = meta.dim;
+    // A checkpoint file is read in blocks of a fixed size, which may end inside a row: the
+    // row is completed from the next block.
+    let mut split_row: Vec<f32> = Vec::with_capacity(dim);
+    run::stream_entities(run, meta, guard, |mut block| {
+        if !split_row.is_empty() {
+            let take = (dim - split_row.len()).min(block.len());
+            split_row.extend_from_slice(&block[..take]);
+            block = &block[take..];
+            if split_row.len() < dim {
+                return Ok(());
+            }
+            piece(&split_row)?;
+            split_row.clear();
+        }
+        let whole = block.len() / dim * dim;
+        if whole > 0 {
+            piece(&block[..whole])?;
+        }
+        split_row.extend_from_slice(&block[whole..]);
+        Ok(())
+    })
+}
+
+/// How neighbours are compared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Metric {
+    /// Cosine similarity (rows scaled to unit length; a zero row is 0 to everything).
+    Cosine,
+    /// Inner product.
+    Dot,
+    /// Euclidean distance, scored as its negative (higher is nearer).
+    L2,
+}
+
+impl std::str::FromStr for Metric {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Metric, String> {
+        match s {
+            "cosine" => Ok(Metric::Cosine),
+            "dot" => Ok(Metric::Dot),
+            "l2" => Ok(Metric::L2),
+            _ => Err(format!("unknown metric {s:?}: expected cosine, dot or l2")),
+        }
+    }
+}
+
+impl Metric {
+    /// The name used on the command line and in answers.
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Cosine => "cosine",
+            Metric::Dot => "dot",
+            Metric::L2 => "l2",
+        }
+    }
+
+    fn comparator(self) -> Comparator {
+        match self {
+            Metric::Cosine | Metric::Dot => Comparator::Dot,
+            Metric::L2 => Comparator::NegL2,
+        }
+    }
+}
+
+/// A link-prediction query on ids: the best entities for the missing end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The missing end: [`Side::Dst`] for `(anchor, relation, ?)`, [`Side::Src`] for
+    /// `(?, relation, anchor)`.
+    pub side: Side,
+    /// The known end.
+    pub anchor: u32,
+    /// The relation.
+    pub relation: u32,
+    /// How many entities to return.
+    pub top: usize,
+    /// Leave out entities that form a known triple (train, valid or test).
+    pub filtered: bool,
+}
+
+/// A nearest-neighbour query on ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Nearest {
+    /// The entity (left out of its own answer).
+    pub entity: u32,
+    /// How many entities to return.
+    pub top: usize,
+    /// How rows are compared.
+    pub metric: Metric,
+}
+
+/// A run's trained tables, ready for queries.
+pub struct Model<'a> {
+    decoder: Decoder,
+    dim: usize,
+    num_entities: usize,
+    num_relations: usize,
+    relations: Vec<f32>,
+    entities: Entities<'a>,
+}
+
+impl<'a> Model<'a> {
+    /// The tables of `meta`'s run, read through `guard`: relations loaded; entities loaded
+    /// too, or, with `stream_with`, read by each scan through that guard.
+    pub fn of_run(
+        run: Dir,
+        meta: RunMeta,
+        num_relations: usize,
+        guard: &dyn Guard,
+        stream_with: Option<&'a dyn Guard>,
+    ) -> Result<Model<'a>, QueryError> {
+        let decoder: Decoder = meta
+            .decoder
+            .parse()
+            .map_err(|e: String| RunError::Invalid {
+                path: run.join(run::META_FILE),
+                message: e,
+            })?;
+        let relations = run::load_relations(&run, &meta, guard)?;
+        let (dim, num_entities) = (meta.dim, meta.entities as usize);
+        let entities = match stream_with {
+            Some(guard) => Entities::Stored {
+                run,
+                meta: Box::new(meta),
+                guard,
+            },
+            None => {
+                // Jobs are threads of the daemon: an allocation that fails would take it down.
+                let bytes = (meta.entities as u128) * (dim as u128) * 4;
+                let available =
+                    legend_engine::memory::available_bytes().map_or(u128::MAX, u128::from);
+                if bytes > available {
+                    return Err(QueryError::Tables(format!(
+                        "{}: the run's entity rows take {:.1} GiB, more than the {:.1} GiB of \
+                         memory available: query it with legendctl predict|score|neighbors \
+                         instead, which reads it a piece at a time",
+                        run.path().display(),
+                        bytes as f64 / f64::from(1u32 << 30),
+                        available as f64 / f64::from(1u32 << 30)
+                    )));
+                }
+                let mut rows = Vec::with_capacity(num_entities * dim);
+                read_pieces(&run, &meta, guard, |piece| {
+                    rows.extend_from_slice(piece);
+                    Ok(())
+                })?;
+                Entities::Resident(rows)
+            }
+        };
+        Model::new(
+            decoder,
+            dim,
+            num_relations,
+            relations,
+            entities,
+            num_entities,
+        )
+    }
+
+    /// Tables in memory: `entities` rows of `dim` floats, `relations` rows (none for
+    /// [`Decoder::Dot`]; `num_relations` is then what ids are checked against).
+    pub fn in_memory(
+        decoder: Decoder,
+        dim: usize,
+        entities: Vec<f32>,
+        relations: Vec<f32>,
+        num_relations: usize,
+    ) -> Result<Model<'static>, QueryError> {
+        let num_entities = entities.len() / dim.max(1);
+        Model::new(
+            decoder,
+            dim,
+            num_relations,
+            relations,
+            Entities::Resident(entities),
+            num_entities,
+        )
+    }
+
+    fn new(
+        decoder: Decoder,
+        dim: usize,
+        num_relations: usize,
+        relations: Vec<f32>,
+        entities: Entities<'a>,
+        num_entities: usize,
+    ) -> Result<Model<'a>, QueryError> {
+        decoder.check_dim(dim).map_err(QueryError::Tables)?;
+        if let Entities::Resident(rows) = &entities
+            && rows.len() != num_entities * dim
+        {
+            return Err(QueryError::Tables(format!(
+                "the entity table holds {} floats, not whole rows of {dim}",
+                rows.len()
+            )));
+        }
+        if num_entities == 0 {
+            return Err(QueryError::Tables("the run has no entities".into()));
+        }
+        if decoder.uses_relations() && relations.len() != num_relations * dim {
+            return Err(QueryError::Tables(format!(
+                "the relation table holds {} floats, expected {num_relations} rows of {dim}",
+                relations.len()
+            )));
+        }
+        Ok(Model {
+            decoder,
+            dim,
+            num_entities,
+            num_relations,
+            relations,
+            entities,
+        })
+    }
+
+    /// The score function.
+    pub fn decoder(&self) -> Decoder {
+        self.decoder
+    }
+
+    /// Floats per row.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Entity rows.
+    pub fn num_entities(&self) -> usize {
+        self.num_entities
+    }
+
+    /// Whether the entity rows are in memory.
+    pub fn is_resident(&self) -> bool {
+        matches!(self.entities, Entities::Resident(_))
+    }
+
+    /// Bytes of the resident tables.
+    pub fn resident_bytes(&self) -> usize {
+        let entities = match &self.entities {
+            Entities::Resident(rows) => rows.len(),
+            Entities::Stored { .. } => 0,
+        };
+        (entities + self.relations.len()) * 4
+    }
+
+    fn relation(&self, r: u32) -> &[f32] {
+        if self.decoder.uses_relations() {
+            &self.relations[r as usize * self.dim..][..self.dim]
+        } else {
+            &[]
+        }
+    }
+
+    fn check_entity(&self, id: u32, what: impl FnOnce() -> String) -> Result<(), QueryError> {
+        if id as usize >= self.num_entities {
+            return Err(QueryError::IdOutOfRange {
+                what: what(),
+                id,
+                limit: self.num_entities,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_relation(&self, id: u32, what: impl FnOnce() -> String) -> Result<(), QueryError> {
+        if id as usize >= self.num_relations {
+            return Err(QueryError::IdOutOfRange {
+                what: what(),
+                id,
+                limit: self.num_relations,
+            });
+        }
+        Ok(())
+    }
+
+    /// Calls `piece(first_id, rows)` with every entity row in order, a piece at a time.
+    fn scan(&self, mut piece: impl FnMut(usize, &[f32])) -> Result<(), QueryError> {
+        match &self.entities {
+            Entities::Resident(rows) => piece(0, rows),
+            Entities::Stored { run, meta, guard } => {
+                let mut first = 0;
+                read_pieces(run, meta, *guard, |rows| {
+                    piece(first, rows);
+                    first += rows.len() / self.dim;
+                    Ok(())
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows of `ids`, in their order.
+    pub fn rows(&self, ids: &[u32]) -> Result<Vec<Vec<f32>>, QueryError> {
+        for (i, &id) in ids.iter().enumerate() {
+            self.check_entity(id, || format!("row {i}"))?;
+        }
+        let dim = self.dim;
+        let mut out = vec![Vec::new(); ids.len()];
+        if let Entities::Resident(rows) = &self.entities {
+            for (o, &id) in out.iter_mut().zip(ids) {
+                o.extend_from_slice(&rows[id as usize * dim..][..dim]);
+            }
+            return Ok(out);
+        }
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        order.sort_unstable_by_key(|&i| ids[i]);
+        let mut next = 0;
+        self.scan(|first, rows| {
+            let end = first + rows.len() / dim;
+            while next < order.len() && (ids[order[next]] as usize) < end {
+                let local = ids[order[next]] as usize - first;
+                out[order[next]].extend_from_slice(&rows[local * dim..][..dim]);
+                next += 1;
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// The score of each `[head, relation, tail]` triple: the score the evaluator gives the
+    /// tail when it ranks the triple's destination side.
+    pub fn score(&self, triples: &[[u32; 3]]) -> Result<Vec<f32>, QueryError> {
+        for (i, &[h, r, t]) in triples.iter().enumerate() {
+            self.check_entity(h, || format!("triple {i}, head"))?;
+            self.check_relation(r, || format!("triple {i}, relation"))?;
+            self.check_entity(t, || format!("triple {i}, tail"))?;
+        }
+        let ends: Vec<u32> = triples.iter().flat_map(|t| [t[0], t[2]]).collect();
+        let rows = self.rows(&ends)?;
+        let kernel = Kernel::new(self.decoder.comparator(), self.dim);
+        let mut q = vec![0.0; self.dim];
+        Ok(triples
+            .iter()
+            .zip(rows.chunks_exact(2))
+            .map(|(t, ends)| {
+                self.decoder
+                    .query(Side::Dst, &ends[0], self.relation(t[1]), &mut q);
+                kernel.one(&q, &ends[1])
+            })
+            .collect())
+    }
+
+    /// The `top` best entities for each completion, best first; with `filtered`, entities
+    /// forming a triple of `filter` are left out (`filter` is needed then).
+    pub fn complete(
+        &self,
+        queries: &[Completion],
+        filter: Option<&FilterIndex>,
+    ) -> Result<Vec<Vec<Ranked>>, QueryError> {
+        for (i, c) in queries.iter().enumerate() {
+            self.check_entity(c.anchor, || format!("query {i}, known end"))?;
+            self.check_relation(c.relation, || format!("query {i}, relation"))?;
+        }
+        let anchors: Vec<u32> = queries.iter().map(|c| c.anchor).collect();
+        let rows = self.rows(&anchors)?;
+        let mut vectors = vec![0.0; queries.len() * self.dim];
+        for ((c, row), q) in queries
+            .iter()
+            .zip(&rows)
+            .zip(vectors.chunks_exact_mut(self.dim))
+        {
+            self.decoder
+                .query(c.side, row, self.relation(c.relation), q);
+        }
+        let mut excluded: Vec<&[u32]> = Vec::with_capacity(queries.len());
+        for c in queries {
+            excluded.push(match (c.filtered, filter) {
+                (false, _) => &[],
+                (true, Some(f)) => f.candidates(c.side, c.anchor, c.relation),
+                (true, None) => {
+                    return Err(QueryError::Tables(
+                        "a filtered query needs the index of known triples".into(),
+                    ));
+                }
+            });
+        }
+        let tops: Vec<usize> = queries.iter().map(|c| c.top).collect();
+        let kernel = Kernel::new(self.decoder.comparator(), self.dim);
+        self.top_k(&vectors, &tops, &excluded, kernel, false)
+    }
+
+    /// The `top` nearest entities of each query's entity (itself left out), nearest first.
+    pub fn nearest(&self, queries: &[Nearest]) -> Result<Vec<Vec<Ranked>>, QueryError> {
+        let mut out = vec![Vec::new(); queries.len()];
+        // One scan per metric in the batch: each compares rows its own way.
+        for metric in [Metric::Cosine, Metric::Dot, Metric::L2] {
+            let picked: Vec<usize> = (0..queries.len())
+                .filter(|&i| queries[i].metric == metric)
+                .collect();
+            if picked.is_empty() {
+                continue;
+            }
+            let ids: Vec<u32> = picked.iter().map(|&i| queries[i].entity).collect();
+            let mut vectors = self.rows(&ids)?.concat();
+            if metric == Metric::Cosine {
+                vectors.chunks_exact_mut(self.dim).for_each(unit);
+            }
+            let singles: Vec<[u32; 1]> = ids.iter().map(|&id| [id]).collect();
+            let excluded: Vec<&[u32]> = singles.iter().map(|s| &s[..]).collect();
+            let tops: Vec<usize> = picked.iter().map(|&i| queries[i].top).collect();
+            let kernel = Kernel::new(metric.comparator(), self.dim);
+            let found = self.top_k(&vectors, &tops, &excluded, kernel, metric == Metric::Cosine)?;
+            for (i, hits) in picked.into_iter().zip(found) {
+                out[i] = hits;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The best `tops[q]` entities for each query vector, leaving out the sorted ids
+    /// `excluded[q]`; candidate rows scaled to unit length first with `unit_rows`.
+    fn top_k(
+        &self,
+        vectors: &[f32],
+        tops: &[usize],
+        excluded: &[&[u32]],
+        kernel: Kernel,
+        unit_rows: bool,
+    ) -> Result<Vec<Vec<Ranked>>, QueryError> {
+        let dim = self.dim;
+        let nq = tops.len();
+        let fresh = || tops.iter().map(|&k| TopK::new(k)).collect::<Vec<_>>();
+        let mut kept = fresh();
+        self.scan(|first, rows| {
+            let part = rows
+                .par_chunks(CANDIDATE_BLOCK * dim)
+                .enumerate()
+                .fold(
+                    || (fresh(), Vec::new(), Vec::new()),
+                    |(mut tops, mut scores, mut scaled), (b, block)| {
+                        let width = block.len() / dim;
+                        let base = first + b * CANDIDATE_BLOCK;
+                        let block = if unit_rows {
+                            scaled.clear();
+                            scaled.extend_from_slice(block);
+                            scaled.chunks_exact_mut(dim).for_each(unit);
+                            &scaled[..]
+                        } else {
+                            block
+                        };
+                        scores.resize(nq * width, 0.0);
+                        kernel.block(vectors, block, &mut scores);
+                        for ((top, row), skip) in tops
+                            .iter_mut()
+                            .zip(scores.chunks_exact(width))
+                            .zip(excluded)
+                        {
+                            offer_row(top, row, base, skip);
+                        }
+                        (tops, scores, scaled)
+                    },
+                )
+                .map(|(tops, _, _)| tops)
+                .reduce(fresh, |mut a, b| {
+                    a.iter_mut().zip(b).for_each(|(a, b)| a.merge(b));
+                    a
+                });
+            kept.iter_mut().zip(part).for_each(|(a, b)| a.merge(b));
+        })?;
+        Ok(kept.into_iter().map(TopK::into_sorted).collect())
+    }
+}
+
+/// Offers the scores of candidates `base..base + row.len()` to `top`, except the sorted ids in
+/// `skip`.
+fn offer_row(top: &mut TopK, row: &[f32], base: usize, skip: &[u32]) {
+    let mut skip = &skip[skip.partition_point(|&e| (e as usize) < base)..];
+    for (j, &score) in row.iter().enumerate() {
+        let id = (base + j) as u32;
+        if skip.first() == Some(&id) {
+            skip = &skip[1..];
+            continue;
+        }
+        top.offer(Ranked { id, score });
+    }
+}
+
+/// Scales `row` to unit length (a zero row stays zero).
+fn unit(row: &mut [f32]) {
+    let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt();
+    if norm > 0.0 {
+        row.iter_mut().for_each(|x| *x /= norm);
+    }
+}

@@ -1,0 +1,620 @@
+//! Queries by name on a run: labels resolved through the run's dataset, batches answered in
+//! one scan per kind, answers carrying ids, labels and scores.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use legend_dataset::{Dataset, Split};
+use legend_engine::evaluation::open_run_dataset;
+use legend_engine::run::{self, RunError, RunMeta};
+use legend_eval::FilterIndex;
+use legend_fs::Guard;
+use legend_model::Side;
+use serde::{Deserialize, Serialize};
+
+use crate::QueryError;
+use crate::model::{Completion, Metric, Model, Nearest};
+
+/// Entities a query returns unless told.
+pub const DEFAULT_TOP: usize = 10;
+
+fn default_top() -> usize {
+    DEFAULT_TOP
+}
+
+fn default_metric() -> Metric {
+    Metric::Cosine
+}
+
+/// A query, naming entities and relations by label (or by id): one line of a batch in JSON,
+/// and what a served run is asked over legendd's socket.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "query", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Query {
+    /// The best entities for the missing end: give `head` (tails are predicted) or `tail`
+    /// (heads are predicted).
+    Predict {
+        /// The known head.
+        #[serde(default)]
+        head: Option<String>,
+        /// The relation.
+        relation: String,
+        /// The known tail.
+        #[serde(default)]
+        tail: Option<String>,
+        /// How many entities (default 10).
+        #[serde(default = "default_top")]
+        top: usize,
+        /// Leave out entities forming a known triple.
+        #[serde(default)]
+        filtered: bool,
+    },
+    /// The score of a triple.
+    Score {
+        /// Its head.
+        head: String,
+        /// Its relation.
+        relation: String,
+        /// Its tail.
+        tail: String,
+    },
+    /// The nearest entities of an entity.
+    Neighbors {
+        /// The entity.
+        entity: String,
+        /// How many (default 10).
+        #[serde(default = "default_top")]
+        top: usize,
+        /// How rows are compared (default cosine).
+        #[serde(default = "default_metric")]
+        metric: Metric,
+    },
+    /// An entity's row.
+    Lookup {
+        /// The entity.
+        entity: String,
+    },
+}
+
+/// An entity or relation with its label.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Named {
+    /// Its id.
+    pub id: u32,
+    /// Its label in the dataset.
+    pub label: String,
+}
+
+/// One entity of an answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Hit {
+    /// Its id.
+    pub id: u32,
+    /// Its label.
+    pub label: String,
+    /// Its score (higher is better; for `l2` the negative distance).
+    pub score: f32,
+}
+
+/// The answer to a [`Query`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "answer", rename_all = "snake_case")]
+pub enum Answer {
+    /// To [`Query::Predict`]: the known end, the relation, and the best entities, best first.
+    Predict {
+        /// The head, when it was given.
+        head: Option<Named>,
+        /// The relation.
+        relation: Named,
+        /// The tail, when it was given.
+        tail: Option<Named>,
+        /// Whether known triples were left out.
+        filtered: bool,
+        /// The best entities for the missing end.
+        hits: Vec<Hit>,
+    },
+    /// To [`Query::Score`].
+    Score {
+        /// The head.
+        head: Named,
+        /// The relation.
+        relation: Named,
+        /// The tail.
+        tail: Named,
+        /// The triple's score.
+        score: f32,
+    },
+    /// To [`Query::Neighbors`].
+    Neighbors {
+        /// The entity.
+        entity: Named,
+        /// How rows were compared.
+        metric: Metric,
+        /// The nearest entities, nearest first.
+        hits: Vec<Hit>,
+    },
+    /// To [`Query::Lookup`].
+    Lookup {
+        /// The entity.
+        entity: Named,
+        /// Its row.
+        row: Vec<f32>,
+    },
+}
+
+impl Answer {
+    /// The answer as text lines: a `#` line saying what was asked, then one line per entity
+    /// (`rank<TAB>label<TAB>id<TAB>score`), or one line for a score or a row.
+    pub fn text(&self) -> String {
+        let hits = |head: String, hits: &[Hit]| {
+            let mut s = head;
+            for (rank, h) in hits.iter().enumerate() {
+                s.push_str(&format!(
+                    "\n{}\t{}\t{}\t{}",
+                    rank + 1,
+                    h.label,
+                    h.id,
+                    h.score
+                ));
+            }
+            s
+        };
+        let end = |n: &Option<Named>| n.as_ref().map_or("?", |n| n.label.as_str()).to_owned();
+        match self {
+            Answer::Predict {
+                head,
+                relation,
+                tail,
+                filtered,
+                hits: found,
+            } => hits(
+                format!(
+                    "# {}\t{}\t{}{}",
+                    end(head),
+                    relation.label,
+                    end(tail),
+                    if *filtered { "\t(filtered)" } else { "" }
+                ),
+                found,
+            ),
+            Answer::Score {
+                head,
+                relation,
+                tail,
+                score,
+            } => format!(
+                "{}\t{}\t{}\t{score}",
+                head.label, relation.label, tail.label
+            ),
+            Answer::Neighbors {
+                entity,
+                metric,
+                hits: found,
+            } => hits(format!("# {} ({})", entity.label, metric.name()), found),
+            Answer::Lookup { entity, row } => {
+                let values: Vec<String> = row.iter().map(f32::to_string).collect();
+                format!("{}\t{}", entity.label, values.join("\t"))
+            }
+        }
+    }
+}
+
+/// What a line of a batch file asks (`legendctl predict|score|neighbors --queries FILE`).
+#[derive(Clone, Copy, Debug)]
+pub enum LineKind {
+    /// `HEAD<TAB>RELATION<TAB>?` or `?<TAB>RELATION<TAB>TAIL`.
+    Predict {
+        /// Entities per query.
+        top: usize,
+        /// Leave out known triples.
+        filtered: bool,
+    },
+    /// `HEAD<TAB>RELATION<TAB>TAIL`.
+    Score,
+    /// `ENTITY`.
+    Neighbors {
+        /// Entities per query.
+        top: usize,
+        /// How rows are compared.
+        metric: Metric,
+    },
+}
+
+/// Parses one line of a batch file (`at` names it in errors): fields separated by tabs (by
+/// runs of spaces in a line without a tab), as [`LineKind`] says.
+pub fn parse_line(kind: LineKind, line: &str, at: &str) -> Result<Query, QueryError> {
+    let fields: Vec<&str> = if line.contains('\t') {
+        line.split('\t').map(str::trim).collect()
+    } else {
+        line.split_whitespace().collect()
+    };
+    let malformed = |why: String| QueryError::Malformed {
+        at: at.to_owned(),
+        why,
+    };
+    let owned = |s: &str| s.to_owned();
+    match (kind, fields.as_slice()) {
+        (LineKind::Predict { top, filtered }, [h, r, t]) => {
+            let (head, tail) = match (*h == "?", *t == "?") {
+                (false, true) => (Some(owned(h)), None),
+                (true, false) => (None, Some(owned(t))),
+                _ => {
+                    return Err(malformed(format!(
+                        "expected HEAD RELATION ? or ? RELATION TAIL (one end `?`), got {line:?}"
+                    )));
+                }
+            };
+            Ok(Query::Predict {
+                head,
+                relation: owned(r),
+                tail,
+                top,
+                filtered,
+            })
+        }
+        (LineKind::Score, [h, r, t]) => Ok(Query::Score {
+            head: owned(h),
+            relation: owned(r),
+            tail: owned(t),
+        }),
+        (LineKind::Neighbors { top, metric }, [e]) => Ok(Query::Neighbors {
+            entity: owned(e),
+            top,
+            metric,
+        }),
+        (LineKind::Neighbors { .. }, _) => Err(malformed(format!(
+            "expected one entity, got {} fields",
+            fields.len()
+        ))),
+        _ => Err(malformed(format!(
+            "expected three fields (head, relation, tail), got {}",
+            fields.len()
+        ))),
+    }
+}
+
+/// `name` for a message: at most [`QUOTED_CHARS`] characters of it (a name comes from whoever
+/// asks, and an answer must fit a frame).
+fn quoted(name: &str) -> String {
+    match name.char_indices().nth(QUOTED_CHARS) {
+        Some((cut, _)) => format!("{}…", &name[..cut]),
+        None => name.to_owned(),
+    }
+}
+
+/// Characters of an unknown name quoted back.
+const QUOTED_CHARS: usize = 200;
+
+/// Where a run's entity rows are kept while it answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Residency {
+    /// Loaded once into memory (a served run answers many batches).
+    Resident,
+    /// Read from the run's checkpoint or store by each batch, a piece at a time (a run larger
+    /// than memory).
+    Streamed,
+    /// Loaded when the entity rows take at most half the memory available (one read of the
+    /// table for every batch that follows), else streamed.
+    Fitting,
+}
+
+/// Whether `meta`'s entity rows take at most half the memory available now.
+fn fits_in_memory(meta: &RunMeta) -> bool {
+    let bytes = u128::from(meta.entities) * meta.dim as u128 * 4;
+    legend_engine::memory::available_bytes().is_some_and(|a| bytes <= u128::from(a) / 2)
+}
+
+/// Labels of one table, with their ids.
+struct Names {
+    labels: Vec<String>,
+    ids: HashMap<String, u32>,
+}
+
+impl Names {
+    fn new(labels: Vec<String>) -> Names {
+        let mut ids = HashMap::with_capacity(labels.len());
+        // The first of repeated labels keeps the name; the others answer to their ids.
+        for (id, label) in labels.iter().enumerate().rev() {
+            ids.insert(label.clone(), id as u32);
+        }
+        Names { labels, ids }
+    }
+
+    fn named(&self, id: u32) -> Named {
+        Named {
+            id,
+            label: self.labels[id as usize].clone(),
+        }
+    }
+}
+
+impl QueryRun<'static> {
+    /// [`QueryRun::open`] with the entity rows loaded into memory, kept beyond `guard` (a
+    /// served run).
+    pub fn open_resident(
+        path: &Path,
+        dataset: Option<&Path>,
+        guard: &dyn Guard,
+    ) -> Result<QueryRun<'static>, QueryError> {
+        Self::open_with(path, dataset, guard, |_| None)
+    }
+}
+
+/// A run opened for queries: its tables, its dataset's labels, and (built on first use) the
+/// index of its known triples.
+pub struct QueryRun<'a> {
+    model: Model<'a>,
+    dataset: Dataset,
+    entities: Names,
+    relations: Names,
+    filter: Mutex<Option<Arc<FilterIndex>>>,
+}
+
+impl<'a> QueryRun<'a> {
+    /// Opens the run directory `path` (its dataset from `dataset` if it moved), reading
+    /// through `guard` (admits the run, checks reads as its owner could).
+    pub fn open(
+        path: &Path,
+        dataset: Option<&Path>,
+        guard: &'a dyn Guard,
+        residency: Residency,
+    ) -> Result<QueryRun<'a>, QueryError> {
+        Self::open_with(path, dataset, guard, |meta| match residency {
+            Residency::Resident => None,
+            Residency::Streamed => Some(guard),
+            Residency::Fitting => (!fits_in_memory(meta)).then_some(guard),
+        })
+    }
+
+    /// Opens the run, its entity rows streamed through the guard `stream_with` gives for its
+    /// record, or loaded when it gives none.
+    fn open_with(
+        path: &Path,
+        dataset: Option<&Path>,
+        guard: &dyn Guard,
+        stream_with: impl FnOnce(&RunMeta) -> Option<&'a dyn Guard>,
+    ) -> Result<QueryRun<'a>, QueryError> {
+        let dir = run::open(path)?;
+        guard.admit(&dir).map_err(|source| RunError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        // The directory may be someone else's: what is read in it must be theirs to read.
+        let dir = dir.reading_as(guard.read_check());
+        let meta = run::read_meta(&dir)?;
+        let dataset = open_run_dataset(&meta, dataset, guard)?;
+        let entities = Names::new(dataset.entity_labels()?);
+        let relations = Names::new(dataset.relation_labels()?);
+        let stream_with = stream_with(&meta);
+        let model = Model::of_run(dir, meta, relations.labels.len(), guard, stream_with)?;
+        if model.num_entities() != entities.labels.len() {
+            return Err(QueryError::Tables(format!(
+                "{}: the run has {} entity rows, its dataset {} labels",
+                path.display(),
+                model.num_entities(),
+                entities.labels.len()
+            )));
+        }
+        Ok(QueryRun {
+            model,
+            dataset,
+            entities,
+            relations,
+            filter: Mutex::default(),
+        })
+    }
+
+    /// The tables.
+    pub fn model(&self) -> &Model<'a> {
+        &self.model
+    }
+
+    /// The index of known triples (train, valid, test), built on first use.
+    fn filter(&self) -> Result<Arc<FilterIndex>, QueryError> {
+        let mut slot = self.filter.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = &*slot {
+            return Ok(f.clone());
+        }
+        let parts: Vec<Vec<[u32; 3]>> = Split::ALL
+            .iter()
+            .map(|&s| self.dataset.edges(s))
+            .collect::<Result<_, _>>()?;
+        let refs: Vec<&[[u32; 3]]> = parts.iter().map(Vec::as_slice).collect();
+        let f = Arc::new(FilterIndex::build(self.entities.labels.len(), &refs)?);
+        *slot = Some(f.clone());
+        Ok(f)
+    }
+
+    fn resolve(
+        &self,
+        names: &Names,
+        kind: &'static str,
+        name: &str,
+        at: &dyn Fn() -> String,
+    ) -> Result<u32, QueryError> {
+        if let Some(&id) = names.ids.get(name) {
+            return Ok(id);
+        }
+        match name.parse::<u32>() {
+            Ok(id) if (id as usize) < names.labels.len() => Ok(id),
+            _ => Err(QueryError::Unknown {
+                at: at(),
+                kind,
+                name: quoted(name),
+                why: format!(
+                    "not one of the {kind} labels of the dataset {} nor an id below {}",
+                    self.dataset.dir().display(),
+                    names.labels.len()
+                ),
+            }),
+        }
+    }
+
+    fn entity(&self, name: &str, at: &dyn Fn() -> String) -> Result<u32, QueryError> {
+        self.resolve(&self.entities, "entity", name, at)
+    }
+
+    fn relation(&self, name: &str, at: &dyn Fn() -> String) -> Result<u32, QueryError> {
+        self.resolve(&self.relations, "relation", name, at)
+    }
+
+    fn hits(&self, ranked: Vec<crate::Ranked>) -> Vec<Hit> {
+        ranked
+            .into_iter()
+            .map(|r| Hit {
+                id: r.id,
+                label: self.entities.labels[r.id as usize].clone(),
+                score: r.score,
+            })
+            .collect()
+    }
+
+    /// Answers `queries` in their order, each kind in one batch (one scan of the entities);
+    /// a query asking for more than `max_top` entities, or none, is refused. The first bad
+    /// query fails the batch, named by its position (`query N`, counted from 1) or by
+    /// `at(N)` when given.
+    pub fn answer(
+        &self,
+        queries: &[Query],
+        max_top: usize,
+        at: &dyn Fn(usize) -> String,
+    ) -> Result<Vec<Answer>, QueryError> {
+        let mut completions = Vec::new();
+        let mut triples = Vec::new();
+        let mut nearest = Vec::new();
+        let mut lookups = Vec::new();
+        let entities = self.model.num_entities();
+        for (i, q) in queries.iter().enumerate() {
+            let here = || at(i);
+            let top = |top: usize| {
+                if top == 0 || top > max_top {
+                    return Err(QueryError::Malformed {
+                        at: here(),
+                        why: format!("top {top}: ask for 1 to {max_top} entities"),
+                    });
+                }
+                // Every entity but none twice.
+                Ok(top.min(entities))
+            };
+            match q {
+                Query::Predict {
+                    head,
+                    relation,
+                    tail,
+                    top: k,
+                    filtered,
+                } => {
+                    let (side, anchor) = match (head, tail) {
+                        (Some(h), None) => (Side::Dst, self.entity(h, &here)?),
+                        (None, Some(t)) => (Side::Src, self.entity(t, &here)?),
+                        _ => {
+                            return Err(QueryError::Malformed {
+                                at: here(),
+                                why: "give the head (to predict tails) or the tail (to \
+                                      predict heads), not both"
+                                    .into(),
+                            });
+                        }
+                    };
+                    completions.push((
+                        i,
+                        Completion {
+                            side,
+                            anchor,
+                            relation: self.relation(relation, &here)?,
+                            top: top(*k)?,
+                            filtered: *filtered,
+                        },
+                    ));
+                }
+                Query::Score {
+                    head,
+                    relation,
+                    tail,
+                } => triples.push((
+                    i,
+                    [
+                        self.entity(head, &here)?,
+                        self.relation(relation, &here)?,
+                        self.entity(tail, &here)?,
+                    ],
+                )),
+                Query::Neighbors {
+                    entity,
+                    top: k,
+                    metric,
+                } => nearest.push((
+                    i,
+                    Nearest {
+                        entity: self.entity(entity, &here)?,
+                        top: top(*k)?,
+                        metric: *metric,
+                    },
+                )),
+                Query::Lookup { entity } => lookups.push((i, self.entity(entity, &here)?)),
+            }
+        }
+        let mut answers: Vec<Option<Answer>> = vec![None; queries.len()];
+        if !completions.is_empty() {
+            let filter = if completions.iter().any(|(_, c)| c.filtered) {
+                Some(self.filter()?)
+            } else {
+                None
+            };
+            let asked: Vec<Completion> = completions.iter().map(|&(_, c)| c).collect();
+            let found = self.model.complete(&asked, filter.as_deref())?;
+            for ((i, c), ranked) in completions.into_iter().zip(found) {
+                let known = Some(self.entities.named(c.anchor));
+                let (head, tail) = match c.side {
+                    Side::Dst => (known, None),
+                    Side::Src => (None, known),
+                };
+                answers[i] = Some(Answer::Predict {
+                    head,
+                    relation: self.relations.named(c.relation),
+                    tail,
+                    filtered: c.filtered,
+                    hits: self.hits(ranked),
+                });
+            }
+        }
+        if !triples.is_empty() {
+            let asked: Vec<[u32; 3]> = triples.iter().map(|&(_, t)| t).collect();
+            let scores = self.model.score(&asked)?;
+            for ((i, [h, r, t]), score) in triples.into_iter().zip(scores) {
+                answers[i] = Some(Answer::Score {
+                    head: self.entities.named(h),
+                    relation: self.relations.named(r),
+                    tail: self.entities.named(t),
+                    score,
+                });
+            }
+        }
+        if !nearest.is_empty() {
+            let asked: Vec<Nearest> = nearest.iter().map(|&(_, n)| n).collect();
+            let found = self.model.nearest(&asked)?;
+            for ((i, n), ranked) in nearest.into_iter().zip(found) {
+                answers[i] = Some(Answer::Neighbors {
+                    entity: self.entities.named(n.entity),
+                    metric: n.metric,
+                    hits: self.hits(ranked),
+                });
+            }
+        }
+        if !lookups.is_empty() {
+            let ids: Vec<u32> = lookups.iter().map(|&(_, id)| id).collect();
+            let rows = self.model.rows(&ids)?;
+            for ((i, id), row) in lookups.into_iter().zip(rows) {
+                answers[i] = Some(Answer::Lookup {
+                    entity: self.entities.named(id),
+                    row,
+                });
+            }
+        }
+        Ok(answers
+            .into_iter()
+            .map(|a| a.expect("every query was answered"))
+            .collect())
+    }
+}
