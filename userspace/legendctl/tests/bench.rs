@@ -186,17 +186,19 @@ fn a_modelled_ssd_serves_at_its_rates() {
             "{got} is not within 10% of {want}: {r}"
         );
     };
-    // Deep queues of large requests (a third of a second of the device's time queued), so a
-    // busy machine's scheduling delays do not leave the modelled device idle. Bandwidth: 0.1
-    // GB/s of reads; writes share the budget at their own 0.025 GB/s.
+    // Deep queues of large requests (over a second of the device's time queued: 128 MiB of
+    // reads, 32 MiB of writes), so that a busy machine's scheduling delays of the submitters
+    // do not leave the modelled device idle (a third of a second was once not enough under
+    // four parallel builds). Bandwidth: 0.1 GB/s of reads; writes share the budget at their
+    // own 0.025 GB/s.
     let bw = "read=0.1,write=0.025,iops=0,latency_us=0";
-    let r = run(bw, "read", "1048576", "2", "16");
+    let r = run(bw, "read", "1048576", "2", "64");
     near(r["gb_per_s"].as_f64().unwrap(), 0.1, &r);
     assert_eq!(
         r["ssd_model"],
         "read=0.1,write=0.025,shared=true,iops=0,latency_us=0"
     );
-    let r = run(bw, "write", "1048576", "2", "8");
+    let r = run(bw, "write", "1048576", "2", "16");
     near(r["gb_per_s"].as_f64().unwrap(), 0.025, &r);
     // The command rate caps small requests.
     let r = run(
