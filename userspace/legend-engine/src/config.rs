@@ -13,7 +13,9 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
-use legend_model::{AdaGrad, Decoder, Distribution, Init, Loss, RelationInit, StateLayout};
+use legend_model::{
+    AdaGrad, Decoder, Distribution, Init, Loss, Penalty, Regularizer, RelationInit, StateLayout,
+};
 use legend_planner::Order;
 use serde::{Deserialize, Serialize};
 
@@ -50,6 +52,9 @@ pub struct ModelConfig {
     pub init_scale: f32,
     /// How relation rows start: `identity` (the operator's identity) or `random` (like nodes).
     pub relation_init: RelationStart,
+    /// Learn an inverse relation r⁻¹ for every relation: the relation table has twice the
+    /// rows, source-side corruption of (s, r, d) is trained and evaluated as (d, r⁻¹, ?).
+    pub reciprocal_relations: bool,
 }
 
 /// `model.loss`.
@@ -83,6 +88,7 @@ impl Default for ModelConfig {
             margin: legend_model::DEFAULT_MARGIN,
             init_scale: 1e-3,
             relation_init: RelationStart::Random,
+            reciprocal_relations: false,
         }
     }
 }
@@ -264,6 +270,21 @@ pub struct OptimizerConfig {
     /// a row's state is 4 bytes instead of 4 × dim).
     #[serde(with = "by_name")]
     pub state: StateLayout,
+    /// Weight penalty of the rows a batch's positives use: `none`, `n3` or `l2`.
+    #[serde(with = "by_name")]
+    pub regularizer: Penalty,
+    /// λ of the regularizer, per occurrence of a row among a batch's positives.
+    pub regularization_weight: f32,
+    /// Epochs over which the learning rate climbs linearly to `learning_rate` (0 = none).
+    pub warmup_epochs: u32,
+    /// After the warm-up, the learning rate is multiplied by this every epoch (1 = constant).
+    pub decay: f32,
+    /// Reduce on plateau: the learning rate is multiplied by this after `plateau_patience`
+    /// validation evaluations without a better MRR (1 = off; needs
+    /// `evaluation.epochs_per_eval`).
+    pub plateau_factor: f32,
+    /// Evaluations without improvement before `plateau_factor` applies.
+    pub plateau_patience: u32,
 }
 
 impl Default for OptimizerConfig {
@@ -273,6 +294,12 @@ impl Default for OptimizerConfig {
             learning_rate: lr,
             eps,
             state,
+            regularizer: Penalty::None,
+            regularization_weight: 0.0,
+            warmup_epochs: 0,
+            decay: 1.0,
+            plateau_factor: 1.0,
+            plateau_patience: 2,
         }
     }
 }
@@ -312,6 +339,10 @@ pub struct EvaluationConfig {
     pub split: EvalSplit,
     /// Evaluate on `valid` every this many epochs (0 = never during training).
     pub epochs_per_eval: u32,
+    /// Early stopping: stop after this many validation evaluations without a better MRR
+    /// (0 = train every epoch). With evaluations, the best epoch's tables are kept in `best/`
+    /// and the final evaluation ranks them.
+    pub patience: u32,
     /// Uniform negatives of the sampled protocol.
     pub uniform_negatives: usize,
     /// Degree-based negatives of the sampled protocol.
@@ -326,6 +357,7 @@ impl Default for EvaluationConfig {
             protocol: Protocol::Filtered,
             split: EvalSplit::Test,
             epochs_per_eval: 0,
+            patience: 0,
             uniform_negatives: 1000,
             degree_negatives: 1000,
             // `legendctl eval`'s default, so that it reproduces a run's own sampled figures.
@@ -473,6 +505,49 @@ impl Config {
         }
     }
 
+    /// The regularizer of `[optimizer]`, for rows of `model.decoder`.
+    pub fn regularizer(&self) -> Regularizer {
+        Regularizer::new(
+            self.optimizer.regularizer,
+            self.optimizer.regularization_weight,
+            self.model.decoder,
+        )
+    }
+
+    /// The settings the GPU engine does not train yet, as a refusal naming them (`None`: it
+    /// trains this configuration). Reciprocal relations and the regularisers are CPU-only so far.
+    pub fn gpu_unsupported(&self) -> Option<ConfigError> {
+        if self.model.reciprocal_relations {
+            return Some(bad(
+                "model.reciprocal_relations",
+                "the GPU engine does not train reciprocal relations yet: use training.device = \"cpu\"",
+            ));
+        }
+        if self.regularizer().is_active() {
+            return Some(bad(
+                "optimizer.regularizer",
+                format!(
+                    "the GPU engine does not apply the {} regularizer yet: use training.device = \"cpu\" or optimizer.regularizer = \"none\"",
+                    self.optimizer.regularizer
+                ),
+            ));
+        }
+        None
+    }
+
+    /// Rows of the relation table for a dataset of `relations` relation types: none for Dot,
+    /// twice as many with reciprocal relations (r⁻¹ of relation r is row `relations + r`).
+    pub fn relation_rows(&self, relations: u64) -> u64 {
+        match (
+            self.model.decoder.uses_relations(),
+            self.model.reciprocal_relations,
+        ) {
+            (false, _) => 0,
+            (true, false) => relations,
+            (true, true) => 2 * relations,
+        }
+    }
+
     /// The initialisation of all tables.
     pub fn init(&self) -> Init {
         let node = Distribution::Normal {
@@ -614,6 +689,40 @@ impl Config {
             false,
         )?;
         positive_f32("optimizer.eps", self.optimizer.eps, true)?;
+        let o = &self.optimizer;
+        positive_f32(
+            "optimizer.regularization_weight",
+            o.regularization_weight,
+            true,
+        )?;
+        if !(o.decay.is_finite() && o.decay > 0.0 && o.decay <= 1.0) {
+            return Err(bad("optimizer.decay", "must be in (0, 1]"));
+        }
+        if !(o.plateau_factor.is_finite() && o.plateau_factor > 0.0 && o.plateau_factor <= 1.0) {
+            return Err(bad("optimizer.plateau_factor", "must be in (0, 1]"));
+        }
+        let evaluates = self.evaluation.epochs_per_eval > 0;
+        if o.plateau_factor < 1.0 && !evaluates {
+            return Err(bad(
+                "optimizer.plateau_factor",
+                "reduces on a validation plateau: set evaluation.epochs_per_eval too",
+            ));
+        }
+        if o.plateau_factor < 1.0 && o.plateau_patience == 0 {
+            return Err(bad("optimizer.plateau_patience", "must be at least 1"));
+        }
+        if self.evaluation.patience > 0 && !evaluates {
+            return Err(bad(
+                "evaluation.patience",
+                "stops on validation MRR: set evaluation.epochs_per_eval too",
+            ));
+        }
+        if self.model.reciprocal_relations && !self.model.decoder.uses_relations() {
+            return Err(bad(
+                "model.reciprocal_relations",
+                "dot has no relation parameters to invert",
+            ));
+        }
         if self.optimizer.state == StateLayout::Row {
             return Err(bad(
                 "optimizer.state",

@@ -305,7 +305,7 @@ impl Session {
         );
         let init = config.init();
         let relation_floats = meta.relations as usize * dim;
-        let fresh_relations = || Relations::init(decoder, meta_ds.relations as usize, dim, &init);
+        let fresh_relations = || Relations::init(decoder, meta.relations as usize, dim, &init);
         let gpu_engine = matches!(device, Device::Cuda { .. });
         let engine = device.describe();
         let mut direct = None;
@@ -614,7 +614,15 @@ impl Session {
         let relations = self.trainer.relations().emb.clone();
         let scheme = self.trainer.buffer().scheme();
         let evaluate = |entities: &[f32]| {
-            evaluation::evaluate(&self.dataset, decoder, dim, entities, &relations, &request)
+            evaluation::evaluate(
+                &self.dataset,
+                decoder,
+                dim,
+                entities,
+                &relations,
+                self.meta.reciprocal_relations,
+                &request,
+            )
         };
         let metrics = if scheme.num_partitions == 1 && !self.trainer.holds_on_device(0) {
             // One partition in host memory is the whole table: ranked in place, not copied.
@@ -756,11 +764,8 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
         decoder: decoder.name().into(),
         dim: config.model.dim,
         entities: m.entities,
-        relations: if decoder.uses_relations() {
-            m.relations
-        } else {
-            0
-        },
+        relations: config.relation_rows(m.relations),
+        reciprocal_relations: config.model.reciprocal_relations && decoder.uses_relations(),
         epochs_completed: 0,
         cut: None,
         checkpoint: String::new(),
@@ -780,6 +785,7 @@ fn new_placeholder_meta() -> RunMeta {
         dim: 0,
         entities: 0,
         relations: 0,
+        reciprocal_relations: false,
         epochs_completed: 0,
         cut: None,
         checkpoint: String::new(),

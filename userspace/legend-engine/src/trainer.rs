@@ -601,6 +601,8 @@ fn cpu_compute(
             dim: config.model.dim,
         },
         optimizer: config.adagrad(),
+        regularizer: config.regularizer(),
+        reciprocal: config.model.reciprocal_relations,
         dim: config.model.dim,
         num_chunks: t.negatives.num_chunks,
         negatives: t.negatives.negatives_per_positive,

@@ -177,8 +177,8 @@ fn naive(model: &ChunkModel, data: &Data) -> Naive {
                 for (j, &g) in scores.iter().enumerate() {
                     let mut gn = vec![0.0; dim];
                     score_backward(dec, &d, &r, &row(negs, j), g, &mut gd, &mut gr, &mut gn);
-                    for t in 0..dim {
-                        out.neg_src[j * dim + t] += gn[t];
+                    for (o, x) in out.neg_src[j * dim..(j + 1) * dim].iter_mut().zip(&gn) {
+                        *o += x;
                     }
                 }
                 for t in 0..dim {
