@@ -343,6 +343,9 @@ pub struct EvaluationConfig {
     /// (0 = train every epoch). With evaluations, the best epoch's tables are kept in `best/`
     /// and the final evaluation ranks them.
     pub patience: u32,
+    /// With `epochs_per_eval`, write the best validated epoch's tables into the run's `best/`
+    /// at each improvement and rank them (not the last epoch's) in the final evaluation.
+    pub keep_best: bool,
     /// Uniform negatives of the sampled protocol.
     pub uniform_negatives: usize,
     /// Degree-based negatives of the sampled protocol.
@@ -358,6 +361,7 @@ impl Default for EvaluationConfig {
             split: EvalSplit::Test,
             epochs_per_eval: 0,
             patience: 0,
+            keep_best: true,
             uniform_negatives: 1000,
             degree_negatives: 1000,
             // `legendctl eval`'s default, so that it reproduces a run's own sampled figures.

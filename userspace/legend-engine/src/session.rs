@@ -25,7 +25,8 @@ use crate::device::Device;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
 use crate::file_store::{FileStore, FileStoreSpec, SharedFileStore, StoreFile, encode_relations};
 use crate::memory;
-use crate::run::{self, RunError, RunMeta, TableChecksums};
+use crate::run::{self, RunError, RunMeta, TableChecksums, TableWriter};
+use crate::schedule::ValidHistory;
 use crate::trainer::{EpochCut, EpochEnd, EpochReport, Relations, TrainError, Trainer};
 
 /// How far a run has trained: whole epochs, and where an interrupted epoch stopped.
@@ -173,10 +174,17 @@ pub struct Session {
     meta: RunMeta,
     position: Position,
     engine: String,
+    /// The validation evaluations so far (best epoch, early stopping, learning-rate plateaus).
+    history: ValidHistory,
 }
 
 /// The metrics file of a run.
 const METRICS_FILE: &str = "metrics.jsonl";
+
+/// The directory in a run that holds the best validated epoch's tables
+/// (`evaluation.keep_best`): a run directory of its own, in the memory backend's format, which
+/// `legendctl eval` and `export` read like any run.
+pub const BEST_DIR: &str = "best";
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> SessionError + '_ {
     move |source| {
@@ -399,6 +407,7 @@ impl Session {
             started.elapsed().as_secs_f64()
         );
         keep_metrics_up_to(&run, position.epochs_completed)?;
+        let history = ValidHistory::replay(&metrics_lines(&run)?, &config);
         Ok(Session {
             run,
             config,
@@ -407,6 +416,7 @@ impl Session {
             meta,
             position,
             engine,
+            history,
         })
     }
 
@@ -435,7 +445,8 @@ impl Session {
     pub fn is_finished(&self) -> Result<bool, SessionError> {
         let split = self.config.evaluation.split.split();
         Ok(self.position.cut.is_none()
-            && self.position.epochs_completed >= self.config.training.num_epochs
+            && (self.position.epochs_completed >= self.config.training.num_epochs
+                || self.history.exhausted(&self.config))
             && (self.dataset.meta().splits.get(split) == 0 || has_final_line(&self.run)?))
     }
 
@@ -497,6 +508,11 @@ impl Session {
         let mut last_checkpoint = Instant::now();
         let mut checkpoint_cost = Duration::ZERO;
         for epoch in self.position.epochs_completed + 1..=epochs {
+            if self.history.exhausted(&self.config) {
+                break;
+            }
+            let learning_rate = self.history.learning_rate(epoch, &self.config);
+            self.trainer.set_learning_rate(learning_rate);
             let mut cut = self.position.cut.take();
             on_event(Event::EpochStarted {
                 epoch,
@@ -540,17 +556,36 @@ impl Session {
                 cut = Some(part);
             };
             let mut line = serde_json::to_value(&report).expect("a report serializes");
+            line["learning_rate"] = serde_json::json!(learning_rate);
             let e = &self.config.evaluation;
+            let mut improved = false;
             let valid = if e.epochs_per_eval > 0
                 && epoch % e.epochs_per_eval == 0
                 && self.dataset.meta().splits.valid > 0
             {
                 let m = self.evaluate(Split::Valid)?;
                 line["valid"] = serde_json::to_value(&m).expect("metrics serialize");
+                improved = self.history.record(epoch, m.mrr, &self.config);
                 Some(m)
             } else {
                 None
             };
+            // The best tables are written before the checkpoint that follows (a crash between
+            // the two resumes before this epoch, which then writes them again).
+            if improved && self.config.evaluation.keep_best {
+                self.save_best(epoch)?;
+            }
+            let early_stop = self.history.exhausted(&self.config);
+            if early_stop {
+                let (best, mrr) = self
+                    .history
+                    .best
+                    .expect("patience counts from a best epoch");
+                tracing::info!(
+                    "early stopping after epoch {epoch}: no better validation MRR in {} evaluations since epoch {best} ({mrr:.4})",
+                    self.history.since_best
+                );
+            }
             append_line(&mut metrics, &self.run, &line)?;
             on_event(Event::EpochFinished {
                 report: &report,
@@ -563,8 +598,12 @@ impl Session {
             };
             let every = self.config.training.checkpoint_every;
             let stopping = stop.load(Ordering::Relaxed);
+            // An improvement is checkpointed, so that a resume never starts before the best
+            // epoch (whose tables it could not rebuild from an older checkpoint).
             if epoch == epochs
                 || stopping
+                || early_stop
+                || improved
                 || (every > 0 && epoch % every == 0)
                 || checkpoint_due(last_checkpoint.elapsed(), checkpoint_cost, interval)
             {
@@ -584,8 +623,14 @@ impl Session {
             return Ok(Outcome::Finished(None));
         }
         on_event(Event::Evaluating { split });
-        let m = self.evaluate(split)?;
-        let line = serde_json::json!({ "final": true, "split": split.name(), "metrics": m });
+        let (m, best_epoch) = match self.evaluate_best(split)? {
+            Some((m, epoch)) => (m, Some(epoch)),
+            None => (self.evaluate(split)?, None),
+        };
+        let mut line = serde_json::json!({ "final": true, "split": split.name(), "metrics": m });
+        if let Some(epoch) = best_epoch {
+            line["best_epoch"] = serde_json::json!(epoch);
+        }
         append_line(&mut metrics, &self.run, &line)?;
         on_event(Event::Evaluated {
             split,
@@ -595,11 +640,10 @@ impl Session {
         Ok(Outcome::Finished(Some(m)))
     }
 
-    /// Evaluates the current parameters on `split` as `[evaluation]` says.
-    pub fn evaluate(&mut self, split: Split) -> Result<Metrics, SessionError> {
-        let dim = self.config.model.dim;
+    /// How `[evaluation]` ranks `split`.
+    fn eval_request(&self, split: Split) -> EvalRequest {
         let e = &self.config.evaluation;
-        let request = EvalRequest {
+        EvalRequest {
             protocol: e.protocol,
             split,
             negatives: SampledNegatives {
@@ -608,7 +652,13 @@ impl Session {
                 seed: e.seed,
             },
             threads: self.config.training.threads,
-        };
+        }
+    }
+
+    /// Evaluates the current parameters on `split` as `[evaluation]` says.
+    pub fn evaluate(&mut self, split: Split) -> Result<Metrics, SessionError> {
+        let dim = self.config.model.dim;
+        let request = self.eval_request(split);
         let decoder = self.config.decoder();
         self.trainer.sync_relations()?;
         let relations = self.trainer.relations().emb.clone();
@@ -642,6 +692,77 @@ impl Session {
             evaluate(&emb)?
         };
         Ok(metrics)
+    }
+
+    /// Writes the current tables into [`BEST_DIR`] as the checkpoint of `epoch`.
+    fn save_best(&mut self, epoch: u32) -> Result<(), SessionError> {
+        let path = self.run.join(BEST_DIR);
+        let best = self.run.create_dir_all(BEST_DIR).map_err(io_error(&path))?;
+        run::write_atomically(&best, run::CONFIG_FILE, self.config.to_toml().as_bytes())?;
+        self.trainer.sync_relations()?;
+        let relations = self.trainer.relations().clone();
+        let meta = RunMeta {
+            epochs_completed: epoch,
+            cut: None,
+            checkpoint: String::new(),
+            store: None,
+            store_queue: None,
+            ..self.meta.clone()
+        };
+        let trainer = &mut self.trainer;
+        run::commit_checkpoint(&best, meta, (&relations.emb, &relations.state), |e, s| {
+            write_entity_tables(trainer, &path, e, s)
+        })?;
+        tracing::info!(
+            "epoch {epoch} is the best so far: its tables are in {}",
+            path.display()
+        );
+        Ok(())
+    }
+
+    /// Ranks `split` with the best epoch's tables, when `evaluation.keep_best` kept them;
+    /// `None` without them (no validation evaluations, or `best/` from an epoch the resumed run
+    /// has not reached).
+    fn evaluate_best(&mut self, split: Split) -> Result<Option<(Metrics, u32)>, SessionError> {
+        let Some((epoch, _)) = self.history.best else {
+            return Ok(None);
+        };
+        if !self.config.evaluation.keep_best {
+            return Ok(None);
+        }
+        let path = self.run.join(BEST_DIR);
+        if !self
+            .run
+            .is_file(Path::new(BEST_DIR).join(run::META_FILE))
+            .map_err(io_error(&path))?
+        {
+            tracing::warn!(
+                "{}: no best tables; ranking the last epoch's",
+                path.display()
+            );
+            return Ok(None);
+        }
+        let best = self.run.dir(BEST_DIR).map_err(io_error(&path))?;
+        let meta = run::read_meta(&best)?;
+        if meta.epochs_completed != epoch {
+            tracing::warn!(
+                "{} holds epoch {}, not the best epoch {epoch}; ranking the last epoch's tables",
+                path.display(),
+                meta.epochs_completed
+            );
+            return Ok(None);
+        }
+        let tables = run::load_tables(&best, &meta, &legend_fs::Unguarded)?;
+        let m = evaluation::evaluate(
+            &self.dataset,
+            self.config.decoder(),
+            meta.dim,
+            &tables.entities,
+            &tables.relations,
+            meta.reciprocal_relations,
+            &self.eval_request(split),
+        )?;
+        Ok(Some((m, epoch)))
     }
 
     /// [`Session::checkpoint`], then tells `on_event`; returns what the commit took (the next
@@ -683,24 +804,7 @@ impl Session {
             &self.run,
             meta,
             (&relations.emb, &relations.state),
-            |e, s| {
-                let trainer = &mut self.trainer;
-                for p in 0..trainer.buffer().scheme().num_partitions {
-                    trainer
-                        .stream_partition(p, &mut |emb, state| {
-                            e.write(emb)?;
-                            Ok(s.write(state)?)
-                        })
-                        .map_err(|err| match err {
-                            TrainError::Run(err) => err,
-                            other => RunError::Invalid {
-                                path: self.run.path().to_owned(),
-                                message: other.to_string(),
-                            },
-                        })?;
-                }
-                Ok(())
-            },
+            |e, s| write_entity_tables(&mut self.trainer, self.run.path(), e, s),
         )?;
         tracing::debug!("checkpoint {} committed", self.meta.checkpoint);
         Ok(())
@@ -793,6 +897,31 @@ fn new_placeholder_meta() -> RunMeta {
         store_queue: None,
         checksums: TableChecksums::default(),
     }
+}
+
+/// Streams every partition's embedding and state rows from wherever `trainer` holds them into
+/// a checkpoint's two entity tables (`path` names the directory in errors).
+fn write_entity_tables(
+    trainer: &mut Trainer,
+    path: &Path,
+    e: &mut TableWriter,
+    s: &mut TableWriter,
+) -> Result<(), RunError> {
+    for p in 0..trainer.buffer().scheme().num_partitions {
+        trainer
+            .stream_partition(p, &mut |emb, state| {
+                e.write(emb)?;
+                Ok(s.write(state)?)
+            })
+            .map_err(|err| match err {
+                TrainError::Run(err) => err,
+                other => RunError::Invalid {
+                    path: path.to_owned(),
+                    message: other.to_string(),
+                },
+            })?;
+    }
+    Ok(())
 }
 
 fn write_meta(run: &Dir, meta: &RunMeta) -> Result<(), SessionError> {

@@ -329,6 +329,11 @@ impl Trainer {
         self.compute.holds(p)
     }
 
+    /// Sets the learning rate of the steps from now on (a schedule's, between epochs).
+    pub fn set_learning_rate(&mut self, lr: f32) {
+        self.compute.set_learning_rate(lr);
+    }
+
     /// Makes [`Trainer::relations`] current, leaving the node partitions where they are.
     pub fn sync_relations(&mut self) -> Result<(), TrainError> {
         self.compute.sync_relations(&mut self.relations)

@@ -872,6 +872,12 @@ impl GpuBatchEngine {
         self.accumulate_loss = on;
     }
 
+    /// The learning rate of the steps launched from now on (a schedule changes it between
+    /// epochs; the kernels take it as an argument at every launch).
+    pub fn set_learning_rate(&mut self, lr: f32) {
+        self.optimizer.lr = lr;
+    }
+
     /// The loss summed since the last call (or since accumulation was turned on); waits for
     /// it and restarts the sum.
     pub fn take_loss(&mut self, gpu: &Gpu) -> Result<f64, GpuError> {

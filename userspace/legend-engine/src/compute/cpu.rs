@@ -354,6 +354,10 @@ impl ComputeBackend for CpuCompute {
         Ok(std::mem::take(&mut self.loss))
     }
 
+    fn set_learning_rate(&mut self, lr: f32) {
+        self.optimizer.lr = lr;
+    }
+
     fn sync_host(
         &mut self,
         _host: &mut PartitionBuffer,
