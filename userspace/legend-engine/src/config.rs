@@ -1109,6 +1109,62 @@ mod tests {
     }
 
     #[test]
+    fn quality_keys_are_checked_and_the_gpu_refuses_what_it_lacks_by_name() {
+        let parse = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            Config::parse("", &sets)
+        };
+        let c = parse(&["model.reciprocal_relations=true", "model.decoder=distmult"]).unwrap();
+        assert_eq!(c.relation_rows(5), 10);
+        let why = c.gpu_unsupported().unwrap().to_string();
+        assert!(why.starts_with("model.reciprocal_relations:"), "{why}");
+        let c = parse(&[
+            "optimizer.regularizer=n3",
+            "optimizer.regularization_weight=0.1",
+        ])
+        .unwrap();
+        let why = c.gpu_unsupported().unwrap().to_string();
+        assert!(
+            why.starts_with("optimizer.regularizer:") && why.contains("n3"),
+            "{why}"
+        );
+        assert!(
+            parse(&["optimizer.regularizer=n3"])
+                .unwrap()
+                .gpu_unsupported()
+                .is_none()
+        );
+        for (sets, key) in [
+            (
+                &["model.decoder=dot", "model.reciprocal_relations=true"][..],
+                "model.reciprocal_relations",
+            ),
+            (&["optimizer.regularizer=n1"], "optimizer.regularizer"),
+            (
+                &["optimizer.regularization_weight=-1"],
+                "optimizer.regularization_weight",
+            ),
+            (&["optimizer.decay=1.5"], "optimizer.decay"),
+            (
+                &["optimizer.plateau_factor=0.5"],
+                "optimizer.plateau_factor",
+            ),
+            (&["evaluation.patience=3"], "evaluation.patience"),
+            (
+                &[
+                    "optimizer.plateau_factor=0.5",
+                    "optimizer.plateau_patience=0",
+                    "evaluation.epochs_per_eval=1",
+                ],
+                "optimizer.plateau_patience",
+            ),
+        ] {
+            let err = parse(sets).unwrap_err().to_string();
+            assert!(err.starts_with(key), "{sets:?}: {err}");
+        }
+    }
+
+    #[test]
     fn a_proxy_models_an_ssd() {
         let sets = [
             "storage.backend=proxy".into(),
