@@ -280,6 +280,9 @@ impl Scratch {
             ),
             Comparator::NegL1 => l1_scores(&self.query, rows.negs, dim, &mut self.scores),
             Comparator::NegL2 => self.l2_scores(rows.negs, dim),
+            Comparator::NegModulus => {
+                pair_scores(cmp, &self.query, rows.negs, dim, &mut self.scores)
+            }
         }
 
         // Loss per positive; the score matrix turns into ∂L/∂scores in place.
@@ -338,6 +341,15 @@ impl Scratch {
                 grads.negs,
             ),
             Comparator::NegL2 => self.l2_backward(rows.negs, dim, grads.negs),
+            Comparator::NegModulus => pair_backward(
+                cmp,
+                &self.query,
+                rows.negs,
+                &self.scores,
+                dim,
+                &mut self.grad_query,
+                grads.negs,
+            ),
         }
 
         for i in 0..b {
@@ -504,6 +516,44 @@ fn l1_backward(
                 let s = g * sign(q[t] - n[t]);
                 gq[t] -= s;
                 gn[t] += s;
+            }
+        }
+    }
+}
+
+/// Every query against every negative, one pair at a time through [`Comparator::compare`]
+/// (RotatE's moduli have neither a product form nor a vectorised kernel yet).
+fn pair_scores(cmp: Comparator, query: &[f32], negs: &[f32], dim: usize, scores: &mut [f32]) {
+    let k = negs.len() / dim;
+    if k == 0 {
+        return;
+    }
+    for (q, srow) in query.chunks_exact(dim).zip(scores.chunks_exact_mut(k)) {
+        for (n, s) in negs.chunks_exact(dim).zip(srow) {
+            *s = cmp.compare(q, n);
+        }
+    }
+}
+
+/// The gradients of [`pair_scores`] given ∂L/∂scores, pair by pair through
+/// [`Comparator::backward`].
+fn pair_backward(
+    cmp: Comparator,
+    query: &[f32],
+    negs: &[f32],
+    grad_scores: &[f32],
+    dim: usize,
+    grad_query: &mut [f32],
+    grad_negs: &mut [f32],
+) {
+    let k = negs.len() / dim;
+    grad_negs.fill(0.0);
+    for (i, q) in query.chunks_exact(dim).enumerate() {
+        let gq = &mut grad_query[i * dim..(i + 1) * dim];
+        for (j, n) in negs.chunks_exact(dim).enumerate() {
+            let g = grad_scores[i * k + j];
+            if g != 0.0 {
+                cmp.backward(q, n, g, gq, &mut grad_negs[j * dim..(j + 1) * dim]);
             }
         }
     }

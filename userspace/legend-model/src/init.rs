@@ -110,7 +110,8 @@ impl Init {
             RelationInit::Identity => {
                 use crate::Decoder;
                 let ones = match decoder {
-                    Decoder::Dot | Decoder::TransEL1 | Decoder::TransEL2 => 0,
+                    // RotatE: zero phases, no rotation.
+                    Decoder::Dot | Decoder::TransEL1 | Decoder::TransEL2 | Decoder::RotatE => 0,
                     Decoder::DistMult => out.len(),
                     // Real halves first: 1 + 0i in every complex element.
                     Decoder::ComplEx => out.len() / 2,

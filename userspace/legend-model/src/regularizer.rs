@@ -75,7 +75,7 @@ impl Regularizer {
         Regularizer {
             penalty,
             weight,
-            complex: decoder == Decoder::ComplEx,
+            complex: decoder.is_complex(),
         }
     }
 

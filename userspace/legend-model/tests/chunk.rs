@@ -336,6 +336,17 @@ fn reference_loss(model: &ChunkModel, d: &Data, p: &Params) -> f64 {
                 .map(|k| (s[k] + r[k] - t[k]).powi(2))
                 .sum::<f64>()
                 .sqrt(),
+            Decoder::RotatE => {
+                let h = dim / 2;
+                -(0..h)
+                    .map(|k| {
+                        let (c, n) = (r[k].cos(), r[k].sin());
+                        let re = s[k] * c - s[k + h] * n - t[k];
+                        let im = s[k] * n + s[k + h] * c - t[k + h];
+                        (re * re + im * im).sqrt()
+                    })
+                    .sum::<f64>()
+            }
         }
     };
     let mut total = 0.0;

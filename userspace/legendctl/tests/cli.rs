@@ -267,7 +267,7 @@ fn bad_configurations_are_refused_and_leave_nothing() {
             "--out",
             &s(&out),
             "--set",
-            "model.decoder=rotate",
+            "model.decoder=rescal",
         ],
         "model.decoder",
     );

@@ -226,6 +226,11 @@ impl GpuBatchEngine {
             .decoder
             .check_dim(model.dim)
             .map_err(GpuError::Shape)?;
+        if model.decoder == Decoder::RotatE {
+            return Err(GpuError::Shape(
+                "rotate has no GPU kernels yet (its query operator and modulus distance)".into(),
+            ));
+        }
         if shape.max_batch == 0 || shape.num_chunks == 0 || shape.negatives == 0 || shape.group == 0
         {
             return Err(GpuError::Shape(format!(
