@@ -420,6 +420,13 @@ impl Session {
         })
     }
 
+    /// The best validated epoch so far, when its tables are kept (`evaluation.keep_best`):
+    /// the epoch the final evaluation ranks.
+    pub fn best_epoch(&self) -> Option<u32> {
+        let best = self.history.best?;
+        self.config.evaluation.keep_best.then_some(best.0)
+    }
+
     /// Where training continues from.
     pub fn position(&self) -> Position {
         self.position
