@@ -182,3 +182,26 @@ fn a_resumed_run_continues_from_the_latest_checkpoint_with_the_same_decisions() 
     assert_eq!(losses, whole.losses, "the schedule was not replayed");
     assert_eq!(tail.result, whole.result);
 }
+
+#[test]
+fn the_gpu_engine_refuses_what_it_does_not_train_before_opening_a_device() {
+    for (set, key) in [
+        (
+            "model.reciprocal_relations=true",
+            "model.reciprocal_relations",
+        ),
+        ("model.decoder=rotate", "model.decoder"),
+        ("optimizer.regularizer=l2", "optimizer.regularizer"),
+    ] {
+        let config = config(&[
+            "training.device=\"cuda:0\"",
+            "optimizer.regularization_weight=0.1",
+            set,
+        ]);
+        let Err(err) = legend_engine::Device::open(&config) else {
+            panic!("{set}: the GPU engine accepted it");
+        };
+        let err = err.to_string();
+        assert!(err.starts_with(key) && err.contains("GPU"), "{set}: {err}");
+    }
+}
