@@ -705,6 +705,22 @@ impl Config {
             o.regularization_weight,
             true,
         )?;
+        // Either half of a regulariser alone would silently do nothing.
+        match (o.regularizer, o.regularization_weight > 0.0) {
+            (Penalty::None, true) => {
+                return Err(bad(
+                    "optimizer.regularizer",
+                    "optimizer.regularization_weight is set but no regularizer is: choose n3 or l2",
+                ));
+            }
+            (Penalty::N3 | Penalty::L2, false) => {
+                return Err(bad(
+                    "optimizer.regularization_weight",
+                    format!("must be > 0 with optimizer.regularizer = {}", o.regularizer),
+                ));
+            }
+            _ => {}
+        }
         if !(o.decay.is_finite() && o.decay > 0.0 && o.decay <= 1.0) {
             return Err(bad("optimizer.decay", "must be in (0, 1]"));
         }
@@ -1144,7 +1160,7 @@ mod tests {
             "{why}"
         );
         assert!(
-            parse(&["optimizer.regularizer=n3"])
+            parse(&["model.decoder=distmult"])
                 .unwrap()
                 .gpu_unsupported()
                 .is_none()
@@ -1155,6 +1171,14 @@ mod tests {
                 "model.reciprocal_relations",
             ),
             (&["optimizer.regularizer=n1"], "optimizer.regularizer"),
+            (
+                &["optimizer.regularizer=n3"],
+                "optimizer.regularization_weight",
+            ),
+            (
+                &["optimizer.regularization_weight=0.1"],
+                "optimizer.regularizer",
+            ),
             (
                 &["optimizer.regularization_weight=-1"],
                 "optimizer.regularization_weight",
