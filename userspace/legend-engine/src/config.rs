@@ -339,6 +339,9 @@ pub struct EvaluationConfig {
     pub split: EvalSplit,
     /// Evaluate on `valid` every this many epochs (0 = never during training).
     pub epochs_per_eval: u32,
+    /// The protocol of those evaluations (default: `protocol`): `sampled` keeps them cheap on
+    /// a large graph whose final evaluation is filtered.
+    pub valid_protocol: Option<Protocol>,
     /// Early stopping: stop after this many validation evaluations without a better MRR
     /// (0 = train every epoch). With evaluations, the best epoch's tables are kept in `best/`
     /// and the final evaluation ranks them.
@@ -360,6 +363,7 @@ impl Default for EvaluationConfig {
             protocol: Protocol::Filtered,
             split: EvalSplit::Test,
             epochs_per_eval: 0,
+            valid_protocol: None,
             patience: 0,
             keep_best: true,
             uniform_negatives: 1000,

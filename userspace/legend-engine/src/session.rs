@@ -20,7 +20,7 @@ use legend_fs::{Access, Dir, Guard};
 use serde::{Deserialize, Serialize};
 
 use crate::buffer::{MemoryStore, PartitionBuffer, StoreError};
-use crate::config::{Config, ConfigError};
+use crate::config::{Config, ConfigError, Protocol};
 use crate::device::Device;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
 use crate::file_store::{FileStore, FileStoreSpec, SharedFileStore, StoreFile, encode_relations};
@@ -570,7 +570,8 @@ impl Session {
                 && epoch % e.epochs_per_eval == 0
                 && self.dataset.meta().splits.valid > 0
             {
-                let m = self.evaluate(Split::Valid)?;
+                let protocol = e.valid_protocol.unwrap_or(e.protocol);
+                let m = self.evaluate_with(Split::Valid, protocol)?;
                 line["valid"] = serde_json::to_value(&m).expect("metrics serialize");
                 improved = self.history.record(epoch, m.mrr, &self.config);
                 Some(m)
@@ -648,10 +649,10 @@ impl Session {
     }
 
     /// How `[evaluation]` ranks `split`.
-    fn eval_request(&self, split: Split) -> EvalRequest {
+    fn eval_request(&self, split: Split, protocol: Protocol) -> EvalRequest {
         let e = &self.config.evaluation;
         EvalRequest {
-            protocol: e.protocol,
+            protocol,
             split,
             negatives: SampledNegatives {
                 uniform: e.uniform_negatives,
@@ -664,8 +665,13 @@ impl Session {
 
     /// Evaluates the current parameters on `split` as `[evaluation]` says.
     pub fn evaluate(&mut self, split: Split) -> Result<Metrics, SessionError> {
+        self.evaluate_with(split, self.config.evaluation.protocol)
+    }
+
+    /// Evaluates the current parameters on `split` with `protocol`.
+    fn evaluate_with(&mut self, split: Split, protocol: Protocol) -> Result<Metrics, SessionError> {
         let dim = self.config.model.dim;
-        let request = self.eval_request(split);
+        let request = self.eval_request(split, protocol);
         let decoder = self.config.decoder();
         self.trainer.sync_relations()?;
         let relations = self.trainer.relations().emb.clone();
@@ -767,7 +773,7 @@ impl Session {
             &tables.entities,
             &tables.relations,
             meta.reciprocal_relations,
-            &self.eval_request(split),
+            &self.eval_request(split, self.config.evaluation.protocol),
         )?;
         Ok(Some((m, epoch)))
     }

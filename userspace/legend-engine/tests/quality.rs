@@ -207,3 +207,26 @@ fn the_gpu_engine_refuses_what_it_does_not_train_before_opening_a_device() {
         assert!(err.starts_with(key) && err.contains("GPU"), "{set}: {err}");
     }
 }
+
+#[test]
+fn validation_during_training_can_sample_while_the_final_evaluation_filters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ds = dataset(tmp.path());
+    let out = tmp.path().join("run");
+    let sets = [
+        "evaluation.epochs_per_eval=1",
+        "evaluation.valid_protocol=sampled",
+        "evaluation.uniform_negatives=50",
+        "evaluation.degree_negatives=0",
+    ];
+    let trained = train(&ds, &out, &sets);
+    assert_eq!(trained.result["metrics"]["protocol"], "filtered");
+    let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+    assert_eq!(first["valid"]["protocol"], "sampled", "{first}");
+    let err = Config::parse("", &["evaluation.valid_protocol=ranked".into()]).unwrap_err();
+    assert!(
+        err.to_string().starts_with("evaluation.valid_protocol"),
+        "{err}"
+    );
+}
