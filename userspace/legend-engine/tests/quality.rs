@@ -230,3 +230,26 @@ fn validation_during_training_can_sample_while_the_final_evaluation_filters() {
         "{err}"
     );
 }
+
+/// Every recipe in the repository's configs/ is a valid configuration (a misspelt key would
+/// otherwise surface only when someone trains it).
+#[test]
+fn every_recipe_parses() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let config =
+                Config::parse(&text, &[]).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert!(
+                config.evaluation.patience > 0,
+                "{}: no early stopping",
+                path.display()
+            );
+            seen += 1;
+        }
+    }
+    assert!(seen >= 5, "{seen} recipes in {}", dir.display());
+}
