@@ -606,12 +606,13 @@ impl Session {
             };
             let every = self.config.training.checkpoint_every;
             let stopping = stop.load(Ordering::Relaxed);
-            // An improvement is checkpointed, so that a resume never starts before the best
+            // A kept improvement is checkpointed, so that a resume never starts before the best
             // epoch (whose tables it could not rebuild from an older checkpoint).
+            let kept = improved && self.config.evaluation.keep_best;
             if epoch == epochs
                 || stopping
                 || early_stop
-                || improved
+                || kept
                 || (every > 0 && epoch % every == 0)
                 || checkpoint_due(last_checkpoint.elapsed(), checkpoint_cost, interval)
             {
