@@ -45,6 +45,7 @@ cargo_tests() {
   return "$status"
 }
 stage cargo-test cargo_tests
+stage recipe scripts/recipe-check.sh
 stage kmod-selftests tests/kmod/run
 if [ -x scripts/gpu/nvrtc-check.sh ]; then
   stage nvrtc-compile scripts/gpu/nvrtc-check.sh

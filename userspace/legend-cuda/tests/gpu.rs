@@ -216,6 +216,7 @@ fn cpu_step(
             neg_dst: &neg_dst,
             exclude_src: exclude_src.as_deref(),
             exclude_dst: exclude_dst.as_deref(),
+            rel_src: None,
         };
         loss += ws.forward_backward(&model, &chunk);
         let g = ws.grads();

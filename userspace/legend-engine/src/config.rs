@@ -13,7 +13,9 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
-use legend_model::{AdaGrad, Decoder, Distribution, Init, Loss, RelationInit, StateLayout};
+use legend_model::{
+    AdaGrad, Decoder, Distribution, Init, Loss, Penalty, Regularizer, RelationInit, StateLayout,
+};
 use legend_planner::Order;
 use serde::{Deserialize, Serialize};
 
@@ -37,7 +39,7 @@ pub struct Config {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// `dot | distmult | complex | transe_l1 | transe_l2`.
+    /// `dot | distmult | complex | transe_l1 | transe_l2 | rotate`.
     #[serde(with = "by_name")]
     pub decoder: Decoder,
     /// Embedding dimension (reals; ComplEx uses dim/2 complex numbers).
@@ -50,6 +52,9 @@ pub struct ModelConfig {
     pub init_scale: f32,
     /// How relation rows start: `identity` (the operator's identity) or `random` (like nodes).
     pub relation_init: RelationStart,
+    /// Learn an inverse relation r⁻¹ for every relation: the relation table has twice the
+    /// rows, source-side corruption of (s, r, d) is trained and evaluated as (d, r⁻¹, ?).
+    pub reciprocal_relations: bool,
 }
 
 /// `model.loss`.
@@ -83,6 +88,7 @@ impl Default for ModelConfig {
             margin: legend_model::DEFAULT_MARGIN,
             init_scale: 1e-3,
             relation_init: RelationStart::Random,
+            reciprocal_relations: false,
         }
     }
 }
@@ -264,6 +270,21 @@ pub struct OptimizerConfig {
     /// a row's state is 4 bytes instead of 4 × dim).
     #[serde(with = "by_name")]
     pub state: StateLayout,
+    /// Weight penalty of the rows a batch's positives use: `none`, `n3` or `l2`.
+    #[serde(with = "by_name")]
+    pub regularizer: Penalty,
+    /// λ of the regularizer, per occurrence of a row among a batch's positives.
+    pub regularization_weight: f32,
+    /// Epochs over which the learning rate climbs linearly to `learning_rate` (0 = none).
+    pub warmup_epochs: u32,
+    /// After the warm-up, the learning rate is multiplied by this every epoch (1 = constant).
+    pub decay: f32,
+    /// Reduce on plateau: the learning rate is multiplied by this after `plateau_patience`
+    /// validation evaluations without a better MRR (1 = off; needs
+    /// `evaluation.epochs_per_eval`).
+    pub plateau_factor: f32,
+    /// Evaluations without improvement before `plateau_factor` applies.
+    pub plateau_patience: u32,
 }
 
 impl Default for OptimizerConfig {
@@ -273,6 +294,12 @@ impl Default for OptimizerConfig {
             learning_rate: lr,
             eps,
             state,
+            regularizer: Penalty::None,
+            regularization_weight: 0.0,
+            warmup_epochs: 0,
+            decay: 1.0,
+            plateau_factor: 1.0,
+            plateau_patience: 2,
         }
     }
 }
@@ -312,6 +339,16 @@ pub struct EvaluationConfig {
     pub split: EvalSplit,
     /// Evaluate on `valid` every this many epochs (0 = never during training).
     pub epochs_per_eval: u32,
+    /// The protocol of those evaluations (default: `protocol`): `sampled` keeps them cheap on
+    /// a large graph whose final evaluation is filtered.
+    pub valid_protocol: Option<Protocol>,
+    /// Early stopping: stop after this many validation evaluations without a better MRR
+    /// (0 = train every epoch). With evaluations, the best epoch's tables are kept in `best/`
+    /// and the final evaluation ranks them.
+    pub patience: u32,
+    /// With `epochs_per_eval`, write the best validated epoch's tables into the run's `best/`
+    /// at each improvement and rank them (not the last epoch's) in the final evaluation.
+    pub keep_best: bool,
     /// Uniform negatives of the sampled protocol.
     pub uniform_negatives: usize,
     /// Degree-based negatives of the sampled protocol.
@@ -326,6 +363,9 @@ impl Default for EvaluationConfig {
             protocol: Protocol::Filtered,
             split: EvalSplit::Test,
             epochs_per_eval: 0,
+            valid_protocol: None,
+            patience: 0,
+            keep_best: true,
             uniform_negatives: 1000,
             degree_negatives: 1000,
             // `legendctl eval`'s default, so that it reproduces a run's own sampled figures.
@@ -478,6 +518,55 @@ impl Config {
         crate::buffer::RowShape::new(self.model.dim, self.optimizer.state)
     }
 
+    /// The regularizer of `[optimizer]`, for rows of `model.decoder`.
+    pub fn regularizer(&self) -> Regularizer {
+        Regularizer::new(
+            self.optimizer.regularizer,
+            self.optimizer.regularization_weight,
+            self.model.decoder,
+        )
+    }
+
+    /// The settings the GPU engine does not train yet, as a refusal naming them (`None`: it
+    /// trains this configuration). Reciprocal relations and the regularisers are CPU-only so far.
+    pub fn gpu_unsupported(&self) -> Option<ConfigError> {
+        if self.model.decoder == Decoder::RotatE {
+            return Some(bad(
+                "model.decoder",
+                "the GPU engine has no rotate kernels yet: use training.device = \"cpu\"",
+            ));
+        }
+        if self.model.reciprocal_relations {
+            return Some(bad(
+                "model.reciprocal_relations",
+                "the GPU engine does not train reciprocal relations yet: use training.device = \"cpu\"",
+            ));
+        }
+        if self.regularizer().is_active() {
+            return Some(bad(
+                "optimizer.regularizer",
+                format!(
+                    "the GPU engine does not apply the {} regularizer yet: use training.device = \"cpu\" or optimizer.regularizer = \"none\"",
+                    self.optimizer.regularizer
+                ),
+            ));
+        }
+        None
+    }
+
+    /// Rows of the relation table for a dataset of `relations` relation types: none for Dot,
+    /// twice as many with reciprocal relations (r⁻¹ of relation r is row `relations + r`).
+    pub fn relation_rows(&self, relations: u64) -> u64 {
+        match (
+            self.model.decoder.uses_relations(),
+            self.model.reciprocal_relations,
+        ) {
+            (false, _) => 0,
+            (true, false) => relations,
+            (true, true) => 2 * relations,
+        }
+    }
+
     /// The initialisation of all tables.
     pub fn init(&self) -> Init {
         let node = Distribution::Normal {
@@ -619,6 +708,68 @@ impl Config {
             false,
         )?;
         positive_f32("optimizer.eps", self.optimizer.eps, true)?;
+        let o = &self.optimizer;
+        positive_f32(
+            "optimizer.regularization_weight",
+            o.regularization_weight,
+            true,
+        )?;
+        // Either half of a regulariser alone would silently do nothing.
+        match (o.regularizer, o.regularization_weight > 0.0) {
+            (Penalty::None, true) => {
+                return Err(bad(
+                    "optimizer.regularizer",
+                    "optimizer.regularization_weight is set but no regularizer is: choose n3 or l2",
+                ));
+            }
+            (Penalty::N3 | Penalty::L2, false) => {
+                return Err(bad(
+                    "optimizer.regularization_weight",
+                    format!("must be > 0 with optimizer.regularizer = {}", o.regularizer),
+                ));
+            }
+            _ => {}
+        }
+        if !(o.decay.is_finite() && o.decay > 0.0 && o.decay <= 1.0) {
+            return Err(bad("optimizer.decay", "must be in (0, 1]"));
+        }
+        if !(o.plateau_factor.is_finite() && o.plateau_factor > 0.0 && o.plateau_factor <= 1.0) {
+            return Err(bad("optimizer.plateau_factor", "must be in (0, 1]"));
+        }
+        let evaluates = self.evaluation.epochs_per_eval > 0;
+        if o.plateau_factor < 1.0 && !evaluates {
+            return Err(bad(
+                "optimizer.plateau_factor",
+                "reduces on a validation plateau: set evaluation.epochs_per_eval too",
+            ));
+        }
+        if o.plateau_factor < 1.0 && o.plateau_patience == 0 {
+            return Err(bad("optimizer.plateau_patience", "must be at least 1"));
+        }
+        if self.evaluation.patience > 0 && !evaluates {
+            return Err(bad(
+                "evaluation.patience",
+                "stops on validation MRR: set evaluation.epochs_per_eval too",
+            ));
+        }
+        if self.model.decoder == Decoder::RotatE && self.regularizer().is_active() {
+            return Err(bad(
+                "optimizer.regularizer",
+                "rotate's relation rows are phases, which a norm penalty does not suit: use none",
+            ));
+        }
+        if self.model.reciprocal_relations && !self.model.decoder.uses_relations() {
+            return Err(bad(
+                "model.reciprocal_relations",
+                "dot has no relation parameters to invert",
+            ));
+        }
+        if self.optimizer.state == StateLayout::Row {
+            return Err(bad(
+                "optimizer.state",
+                "row-wise state is not supported yet",
+            ));
+        }
         let n = &t.negatives;
         if n.num_chunks == 0 || n.num_chunks > t.batch_size {
             return Err(bad(
@@ -866,7 +1017,7 @@ mod tests {
         let cases: &[(&str, &[&str], &str)] = &[
             ("[model]\ndimension = 3\n", &[], "dimension"),
             ("[modle]\n", &[], "modle"),
-            ("", &["model.decoder=rotate"], "model.decoder"),
+            ("", &["model.decoder=rescal"], "model.decoder"),
             ("", &["model.decoder=complex", "model.dim=7"], "model.dim"),
             ("", &["model.dim=\"big\""], "dim"),
             (
@@ -982,8 +1133,11 @@ mod tests {
     }
 
     #[test]
-    fn every_decoder_and_filtered_negatives_run_on_cuda() {
+    fn every_decoder_but_rotate_and_filtered_negatives_run_on_cuda() {
         for decoder in Decoder::ALL {
+            if decoder == Decoder::RotatE {
+                continue;
+            }
             let sets = [
                 "training.device=\"cuda:0\"".to_string(),
                 format!("model.decoder={decoder}"),
@@ -991,6 +1145,70 @@ mod tests {
             ];
             let c = Config::parse("", &sets).unwrap_or_else(|e| panic!("{decoder}: {e}"));
             assert_eq!(c.decoder(), decoder);
+        }
+    }
+
+    #[test]
+    fn quality_keys_are_checked_and_the_gpu_refuses_what_it_lacks_by_name() {
+        let parse = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            Config::parse("", &sets)
+        };
+        let c = parse(&["model.reciprocal_relations=true", "model.decoder=distmult"]).unwrap();
+        assert_eq!(c.relation_rows(5), 10);
+        let why = c.gpu_unsupported().unwrap().to_string();
+        assert!(why.starts_with("model.reciprocal_relations:"), "{why}");
+        let c = parse(&[
+            "optimizer.regularizer=n3",
+            "optimizer.regularization_weight=0.1",
+        ])
+        .unwrap();
+        let why = c.gpu_unsupported().unwrap().to_string();
+        assert!(
+            why.starts_with("optimizer.regularizer:") && why.contains("n3"),
+            "{why}"
+        );
+        assert!(
+            parse(&["model.decoder=distmult"])
+                .unwrap()
+                .gpu_unsupported()
+                .is_none()
+        );
+        for (sets, key) in [
+            (
+                &["model.decoder=dot", "model.reciprocal_relations=true"][..],
+                "model.reciprocal_relations",
+            ),
+            (&["optimizer.regularizer=n1"], "optimizer.regularizer"),
+            (
+                &["optimizer.regularizer=n3"],
+                "optimizer.regularization_weight",
+            ),
+            (
+                &["optimizer.regularization_weight=0.1"],
+                "optimizer.regularizer",
+            ),
+            (
+                &["optimizer.regularization_weight=-1"],
+                "optimizer.regularization_weight",
+            ),
+            (&["optimizer.decay=1.5"], "optimizer.decay"),
+            (
+                &["optimizer.plateau_factor=0.5"],
+                "optimizer.plateau_factor",
+            ),
+            (&["evaluation.patience=3"], "evaluation.patience"),
+            (
+                &[
+                    "optimizer.plateau_factor=0.5",
+                    "optimizer.plateau_patience=0",
+                    "evaluation.epochs_per_eval=1",
+                ],
+                "optimizer.plateau_patience",
+            ),
+        ] {
+            let err = parse(sets).unwrap_err().to_string();
+            assert!(err.starts_with(key), "{sets:?}: {err}");
         }
     }
 

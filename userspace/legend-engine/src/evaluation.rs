@@ -69,7 +69,8 @@ pub enum EvaluationError {
     },
 }
 
-/// Ranks `request.split` of `dataset` with `decoder` over the given tables (`dim` floats a row),
+/// Ranks `request.split` of `dataset` with `decoder` over the given tables (`dim` floats a row;
+/// with `reciprocal` relations the relation table holds the inverses in its second half),
 /// showing its progress on stderr (a long evaluation never looks hung, and stdout stays the
 /// caller's): a bar on a terminal, else an `info` line every [`PROGRESS_LOG_EVERY`].
 ///
@@ -81,6 +82,7 @@ pub fn evaluate(
     dim: usize,
     entities: &[f32],
     relations: &[f32],
+    reciprocal: bool,
     request: &EvalRequest,
 ) -> Result<Metrics, EvaluationError> {
     let triples = dataset.edges(request.split)?;
@@ -95,6 +97,7 @@ pub fn evaluate(
         entities,
         relations,
         dim,
+        reciprocal,
     };
     let ne = dataset.meta().entities as usize;
     let metrics = match request.protocol {

@@ -99,6 +99,9 @@ pub struct Exported {
     pub dim: usize,
 }
 
+/// Appended to a relation's label to name its inverse's row (reciprocal relations).
+pub const INVERSE_SUFFIX: &str = "_inverse";
+
 /// Exports the tables of `run` as `format` into `out` (created in its existing parent; it must
 /// be new, empty, or hold an export of the same format, which is overwritten); `dataset` names
 /// the run's dataset if it moved. `guard` admits the run, `out`'s parent and a store outside
@@ -121,10 +124,15 @@ pub fn export(
     let dataset = open_run_dataset(&meta, dataset, guard)?;
     let relations = run::load_relations(&run, &meta, guard)?;
     let entity_labels = dataset.entity_labels()?;
-    let relation_labels = if meta.relations > 0 {
-        dataset.relation_labels()?
-    } else {
-        Vec::new()
+    let relation_labels = match (meta.relations > 0, meta.reciprocal_relations) {
+        (false, _) => Vec::new(),
+        (true, false) => dataset.relation_labels()?,
+        // The inverse rows follow the relations, labelled after them.
+        (true, true) => {
+            let labels = dataset.relation_labels()?;
+            let inverse = labels.iter().map(|l| format!("{l}{INVERSE_SUFFIX}"));
+            labels.iter().cloned().chain(inverse).collect()
+        }
     };
     let out = if parent.exists(name).map_err(io(out))? {
         parent.dir(name).map_err(io(out))?

@@ -12,6 +12,7 @@ pub mod file_store;
 pub mod memory;
 pub mod run;
 pub mod sampler;
+pub mod schedule;
 pub mod session;
 pub mod trainer;
 

@@ -46,8 +46,13 @@ pub struct RunMeta {
     pub entity_state_width: Option<usize>,
     /// Rows of the entity tables.
     pub entities: u64,
-    /// Rows of the relation tables (0 for Dot).
+    /// Rows of the relation tables (0 for Dot; twice the dataset's relations when
+    /// `reciprocal_relations`).
     pub relations: u64,
+    /// The relation tables hold inverse relations in their second half
+    /// (`model.reciprocal_relations`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reciprocal_relations: bool,
     /// Epochs completed in the current checkpoint.
     pub epochs_completed: u32,
     /// Where the checkpoint stopped inside the next epoch, if it was interrupted there.

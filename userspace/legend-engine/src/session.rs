@@ -20,12 +20,13 @@ use legend_fs::{Access, Dir, Guard};
 use serde::{Deserialize, Serialize};
 
 use crate::buffer::{MemoryStore, PartitionBuffer, RowShape, StoreError};
-use crate::config::{Config, ConfigError};
+use crate::config::{Config, ConfigError, Protocol};
 use crate::device::Device;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
 use crate::file_store::{FileStore, FileStoreSpec, SharedFileStore, StoreFile, encode_relations};
 use crate::memory;
-use crate::run::{self, RunError, RunMeta, TableChecksums};
+use crate::run::{self, RunError, RunMeta, TableChecksums, TableWriter};
+use crate::schedule::ValidHistory;
 use crate::trainer::{EpochCut, EpochEnd, EpochReport, Relations, TrainError, Trainer};
 
 /// How far a run has trained: whole epochs, and where an interrupted epoch stopped.
@@ -175,10 +176,17 @@ pub struct Session {
     engine: String,
     /// The SMART log of the `nvme` backend's controller, read when the run opened it.
     device_health: Option<legend_nvme::Health>,
+    /// The validation evaluations so far (best epoch, early stopping, learning-rate plateaus).
+    history: ValidHistory,
 }
 
 /// The metrics file of a run.
 const METRICS_FILE: &str = "metrics.jsonl";
+
+/// The directory in a run that holds the best validated epoch's tables
+/// (`evaluation.keep_best`): a run directory of its own, in the memory backend's format, which
+/// `legendctl eval` and `export` read like any run.
+pub const BEST_DIR: &str = "best";
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> SessionError + '_ {
     move |source| {
@@ -309,7 +317,7 @@ impl Session {
         );
         let init = config.init();
         let relation_floats = meta.relations as usize * dim;
-        let fresh_relations = || Relations::init(decoder, meta_ds.relations as usize, dim, &init);
+        let fresh_relations = || Relations::init(decoder, meta.relations as usize, dim, &init);
         let gpu_engine = matches!(device, Device::Cuda { .. });
         let engine = device.describe();
         let mut direct = None;
@@ -405,6 +413,7 @@ impl Session {
             started.elapsed().as_secs_f64()
         );
         keep_metrics_up_to(&run, position.epochs_completed)?;
+        let history = ValidHistory::replay(&metrics_lines(&run)?, &config);
         Ok(Session {
             run,
             config,
@@ -414,7 +423,15 @@ impl Session {
             position,
             engine,
             device_health,
+            history,
         })
+    }
+
+    /// The best validated epoch so far, when its tables are kept (`evaluation.keep_best`):
+    /// the epoch the final evaluation ranks.
+    pub fn best_epoch(&self) -> Option<u32> {
+        let best = self.history.best?;
+        self.config.evaluation.keep_best.then_some(best.0)
     }
 
     /// Where training continues from.
@@ -442,7 +459,8 @@ impl Session {
     pub fn is_finished(&self) -> Result<bool, SessionError> {
         let split = self.config.evaluation.split.split();
         Ok(self.position.cut.is_none()
-            && self.position.epochs_completed >= self.config.training.num_epochs
+            && (self.position.epochs_completed >= self.config.training.num_epochs
+                || self.history.exhausted(&self.config))
             && (self.dataset.meta().splits.get(split) == 0 || has_final_line(&self.run)?))
     }
 
@@ -508,6 +526,11 @@ impl Session {
         let mut last_checkpoint = Instant::now();
         let mut checkpoint_cost = Duration::ZERO;
         for epoch in self.position.epochs_completed + 1..=epochs {
+            if self.history.exhausted(&self.config) {
+                break;
+            }
+            let learning_rate = self.history.learning_rate(epoch, &self.config);
+            self.trainer.set_learning_rate(learning_rate);
             let mut cut = self.position.cut.take();
             on_event(Event::EpochStarted {
                 epoch,
@@ -551,17 +574,37 @@ impl Session {
                 cut = Some(part);
             };
             let mut line = serde_json::to_value(&report).expect("a report serializes");
+            line["learning_rate"] = serde_json::json!(learning_rate);
             let e = &self.config.evaluation;
+            let mut improved = false;
             let valid = if e.epochs_per_eval > 0
                 && epoch % e.epochs_per_eval == 0
                 && self.dataset.meta().splits.valid > 0
             {
-                let m = self.evaluate(Split::Valid)?;
+                let protocol = e.valid_protocol.unwrap_or(e.protocol);
+                let m = self.evaluate_with(Split::Valid, protocol)?;
                 line["valid"] = serde_json::to_value(&m).expect("metrics serialize");
+                improved = self.history.record(epoch, m.mrr, &self.config);
                 Some(m)
             } else {
                 None
             };
+            // The best tables are written before the checkpoint that follows (a crash between
+            // the two resumes before this epoch, which then writes them again).
+            if improved && self.config.evaluation.keep_best {
+                self.save_best(epoch)?;
+            }
+            let early_stop = self.history.exhausted(&self.config);
+            if early_stop {
+                let (best, mrr) = self
+                    .history
+                    .best
+                    .expect("patience counts from a best epoch");
+                tracing::info!(
+                    "early stopping after epoch {epoch}: no better validation MRR in {} evaluations since epoch {best} ({mrr:.4})",
+                    self.history.since_best
+                );
+            }
             append_line(&mut metrics, &self.run, &line)?;
             on_event(Event::EpochFinished {
                 report: &report,
@@ -574,8 +617,13 @@ impl Session {
             };
             let every = self.config.training.checkpoint_every;
             let stopping = stop.load(Ordering::Relaxed);
+            // A kept improvement is checkpointed, so that a resume never starts before the best
+            // epoch (whose tables it could not rebuild from an older checkpoint).
+            let kept = improved && self.config.evaluation.keep_best;
             if epoch == epochs
                 || stopping
+                || early_stop
+                || kept
                 || (every > 0 && epoch % every == 0)
                 || checkpoint_due(last_checkpoint.elapsed(), checkpoint_cost, interval)
             {
@@ -595,8 +643,14 @@ impl Session {
             return Ok(Outcome::Finished(None));
         }
         on_event(Event::Evaluating { split });
-        let m = self.evaluate(split)?;
-        let line = serde_json::json!({ "final": true, "split": split.name(), "metrics": m });
+        let (m, best_epoch) = match self.evaluate_best(split)? {
+            Some((m, epoch)) => (m, Some(epoch)),
+            None => (self.evaluate(split)?, None),
+        };
+        let mut line = serde_json::json!({ "final": true, "split": split.name(), "metrics": m });
+        if let Some(epoch) = best_epoch {
+            line["best_epoch"] = serde_json::json!(epoch);
+        }
         append_line(&mut metrics, &self.run, &line)?;
         on_event(Event::Evaluated {
             split,
@@ -606,12 +660,11 @@ impl Session {
         Ok(Outcome::Finished(Some(m)))
     }
 
-    /// Evaluates the current parameters on `split` as `[evaluation]` says.
-    pub fn evaluate(&mut self, split: Split) -> Result<Metrics, SessionError> {
-        let dim = self.config.model.dim;
+    /// How `[evaluation]` ranks `split`.
+    fn eval_request(&self, split: Split, protocol: Protocol) -> EvalRequest {
         let e = &self.config.evaluation;
-        let request = EvalRequest {
-            protocol: e.protocol,
+        EvalRequest {
+            protocol,
             split,
             negatives: SampledNegatives {
                 uniform: e.uniform_negatives,
@@ -619,13 +672,32 @@ impl Session {
                 seed: e.seed,
             },
             threads: self.config.training.threads,
-        };
+        }
+    }
+
+    /// Evaluates the current parameters on `split` as `[evaluation]` says.
+    pub fn evaluate(&mut self, split: Split) -> Result<Metrics, SessionError> {
+        self.evaluate_with(split, self.config.evaluation.protocol)
+    }
+
+    /// Evaluates the current parameters on `split` with `protocol`.
+    fn evaluate_with(&mut self, split: Split, protocol: Protocol) -> Result<Metrics, SessionError> {
+        let dim = self.config.model.dim;
+        let request = self.eval_request(split, protocol);
         let decoder = self.config.decoder();
         self.trainer.sync_relations()?;
         let relations = self.trainer.relations().emb.clone();
         let scheme = self.trainer.buffer().scheme();
         let evaluate = |entities: &[f32]| {
-            evaluation::evaluate(&self.dataset, decoder, dim, entities, &relations, &request)
+            evaluation::evaluate(
+                &self.dataset,
+                decoder,
+                dim,
+                entities,
+                &relations,
+                self.meta.reciprocal_relations,
+                &request,
+            )
         };
         let metrics = if scheme.num_partitions == 1 && !self.trainer.holds_on_device(0) {
             // One partition in host memory is the whole table: ranked in place, not copied.
@@ -645,6 +717,77 @@ impl Session {
             evaluate(&emb)?
         };
         Ok(metrics)
+    }
+
+    /// Writes the current tables into [`BEST_DIR`] as the checkpoint of `epoch`.
+    fn save_best(&mut self, epoch: u32) -> Result<(), SessionError> {
+        let path = self.run.join(BEST_DIR);
+        let best = self.run.create_dir_all(BEST_DIR).map_err(io_error(&path))?;
+        run::write_atomically(&best, run::CONFIG_FILE, self.config.to_toml().as_bytes())?;
+        self.trainer.sync_relations()?;
+        let relations = self.trainer.relations().clone();
+        let meta = RunMeta {
+            epochs_completed: epoch,
+            cut: None,
+            checkpoint: String::new(),
+            store: None,
+            store_queue: None,
+            ..self.meta.clone()
+        };
+        let trainer = &mut self.trainer;
+        run::commit_checkpoint(&best, meta, (&relations.emb, &relations.state), |e, s| {
+            write_entity_tables(trainer, &path, e, s)
+        })?;
+        tracing::info!(
+            "epoch {epoch} is the best so far: its tables are in {}",
+            path.display()
+        );
+        Ok(())
+    }
+
+    /// Ranks `split` with the best epoch's tables, when `evaluation.keep_best` kept them;
+    /// `None` without them (no validation evaluations, or `best/` from an epoch the resumed run
+    /// has not reached).
+    fn evaluate_best(&mut self, split: Split) -> Result<Option<(Metrics, u32)>, SessionError> {
+        let Some((epoch, _)) = self.history.best else {
+            return Ok(None);
+        };
+        if !self.config.evaluation.keep_best {
+            return Ok(None);
+        }
+        let path = self.run.join(BEST_DIR);
+        if !self
+            .run
+            .is_file(Path::new(BEST_DIR).join(run::META_FILE))
+            .map_err(io_error(&path))?
+        {
+            tracing::warn!(
+                "{}: no best tables; ranking the last epoch's",
+                path.display()
+            );
+            return Ok(None);
+        }
+        let best = self.run.dir(BEST_DIR).map_err(io_error(&path))?;
+        let meta = run::read_meta(&best)?;
+        if meta.epochs_completed != epoch {
+            tracing::warn!(
+                "{} holds epoch {}, not the best epoch {epoch}; ranking the last epoch's tables",
+                path.display(),
+                meta.epochs_completed
+            );
+            return Ok(None);
+        }
+        let tables = run::load_tables(&best, &meta, &legend_fs::Unguarded)?;
+        let m = evaluation::evaluate(
+            &self.dataset,
+            self.config.decoder(),
+            meta.dim,
+            &tables.entities,
+            &tables.relations,
+            meta.reciprocal_relations,
+            &self.eval_request(split, self.config.evaluation.protocol),
+        )?;
+        Ok(Some((m, epoch)))
     }
 
     /// [`Session::checkpoint`], then tells `on_event`; returns what the commit took (the next
@@ -686,24 +829,7 @@ impl Session {
             &self.run,
             meta,
             (&relations.emb, &relations.state),
-            |e, s| {
-                let trainer = &mut self.trainer;
-                for p in 0..trainer.buffer().scheme().num_partitions {
-                    trainer
-                        .stream_partition(p, &mut |emb, state| {
-                            e.write(emb)?;
-                            Ok(s.write(state)?)
-                        })
-                        .map_err(|err| match err {
-                            TrainError::Run(err) => err,
-                            other => RunError::Invalid {
-                                path: self.run.path().to_owned(),
-                                message: other.to_string(),
-                            },
-                        })?;
-                }
-                Ok(())
-            },
+            |e, s| write_entity_tables(&mut self.trainer, self.run.path(), e, s),
         )?;
         tracing::debug!("checkpoint {} committed", self.meta.checkpoint);
         Ok(())
@@ -825,11 +951,8 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
         dim: config.model.dim,
         entity_state_width: Some(config.entity_shape().state),
         entities: m.entities,
-        relations: if decoder.uses_relations() {
-            m.relations
-        } else {
-            0
-        },
+        relations: config.relation_rows(m.relations),
+        reciprocal_relations: config.model.reciprocal_relations && decoder.uses_relations(),
         epochs_completed: 0,
         cut: None,
         checkpoint: String::new(),
@@ -850,6 +973,7 @@ fn new_placeholder_meta() -> RunMeta {
         entity_state_width: None,
         entities: 0,
         relations: 0,
+        reciprocal_relations: false,
         epochs_completed: 0,
         cut: None,
         checkpoint: String::new(),
@@ -857,6 +981,31 @@ fn new_placeholder_meta() -> RunMeta {
         store_queue: None,
         checksums: TableChecksums::default(),
     }
+}
+
+/// Streams every partition's embedding and state rows from wherever `trainer` holds them into
+/// a checkpoint's two entity tables (`path` names the directory in errors).
+fn write_entity_tables(
+    trainer: &mut Trainer,
+    path: &Path,
+    e: &mut TableWriter,
+    s: &mut TableWriter,
+) -> Result<(), RunError> {
+    for p in 0..trainer.buffer().scheme().num_partitions {
+        trainer
+            .stream_partition(p, &mut |emb, state| {
+                e.write(emb)?;
+                Ok(s.write(state)?)
+            })
+            .map_err(|err| match err {
+                TrainError::Run(err) => err,
+                other => RunError::Invalid {
+                    path: path.to_owned(),
+                    message: other.to_string(),
+                },
+            })?;
+    }
+    Ok(())
 }
 
 fn write_meta(run: &Dir, meta: &RunMeta) -> Result<(), SessionError> {

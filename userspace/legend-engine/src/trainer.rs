@@ -329,6 +329,11 @@ impl Trainer {
         self.compute.holds(p)
     }
 
+    /// Sets the learning rate of the steps from now on (a schedule's, between epochs).
+    pub fn set_learning_rate(&mut self, lr: f32) {
+        self.compute.set_learning_rate(lr);
+    }
+
     /// Makes [`Trainer::relations`] current, leaving the node partitions where they are.
     pub fn sync_relations(&mut self) -> Result<(), TrainError> {
         self.compute.sync_relations(&mut self.relations)
@@ -601,6 +606,8 @@ fn cpu_compute(
             dim: config.model.dim,
         },
         optimizer: config.adagrad(),
+        regularizer: config.regularizer(),
+        reciprocal: config.model.reciprocal_relations,
         dim: config.model.dim,
         num_chunks: t.negatives.num_chunks,
         negatives: t.negatives.negatives_per_positive,

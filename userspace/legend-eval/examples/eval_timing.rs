@@ -55,6 +55,7 @@ fn main() {
         entities: &entities,
         relations: &relations,
         dim,
+        reciprocal: false,
     };
     let start = Instant::now();
     let metrics = evaluate(&embeddings, &test, &protocol, threads).expect("evaluate");

@@ -57,6 +57,17 @@ impl Kernel {
             out.len(),
             queries.len() / self.dim * (candidates.len() / self.dim)
         );
+        if self.comparator == Comparator::NegModulus {
+            // RotatE: no tiled kernel yet; each pair by the comparator itself, which gives
+            // the same floats wherever the pair sits.
+            let pairs = queries
+                .chunks_exact(self.dim)
+                .flat_map(|q| candidates.chunks_exact(self.dim).map(move |c| (q, c)));
+            for (o, (q, c)) in out.iter_mut().zip(pairs) {
+                *o = self.comparator.compare(q, c);
+            }
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if self.wide {
             // SAFETY: `wide` is set only when the CPU reports AVX2 and FMA.
@@ -246,6 +257,7 @@ fn micro_wide<O: Op, const Q: usize, const C: usize>(
                         let d = _mm256_sub_ps(q[a], c[b]);
                         _mm256_fmadd_ps(d, d, acc[a][b])
                     }
+                    Comparator::NegModulus => unreachable!("no Op has this kind"),
                 };
             }
         }
@@ -269,6 +281,7 @@ fn block_wide(cmp: Comparator, dim: usize, queries: &[f32], cands: &[f32], out: 
         Comparator::Dot => tiles::<Wide<DotOp>>(dim, queries, cands, out),
         Comparator::NegL1 => tiles::<Wide<L1Op>>(dim, queries, cands, out),
         Comparator::NegL2 => tiles::<Wide<L2Op>>(dim, queries, cands, out),
+        Comparator::NegModulus => unreachable!("scored pair by pair in Kernel::block"),
     }
 }
 
@@ -277,6 +290,7 @@ fn block_portable(cmp: Comparator, dim: usize, queries: &[f32], cands: &[f32], o
         Comparator::Dot => tiles::<Portable<DotOp>>(dim, queries, cands, out),
         Comparator::NegL1 => tiles::<Portable<L1Op>>(dim, queries, cands, out),
         Comparator::NegL2 => tiles::<Portable<L2Op>>(dim, queries, cands, out),
+        Comparator::NegModulus => unreachable!("scored pair by pair in Kernel::block"),
     }
 }
 
@@ -342,7 +356,9 @@ mod tests {
             let (nq, nc) = (7, 5);
             let q = rows(nq, dim, 3);
             let c = rows(nc, dim, 11);
-            for cmp in [Comparator::Dot, Comparator::NegL1, Comparator::NegL2] {
+            let modulus = dim.is_multiple_of(2).then_some(Comparator::NegModulus);
+            let comparators = [Comparator::Dot, Comparator::NegL1, Comparator::NegL2];
+            for cmp in comparators.into_iter().chain(modulus) {
                 // Both paths: the portable one is what CPUs without AVX2 + FMA run.
                 for wide in [false, Kernel::new(cmp, dim).wide] {
                     let kernel = Kernel {

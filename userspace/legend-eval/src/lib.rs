@@ -59,6 +59,9 @@ pub struct Embeddings<'a> {
     pub relations: &'a [f32],
     /// Floats per row.
     pub dim: usize,
+    /// Reciprocal relations: `relations` holds `2 × R` rows, the inverse of relation `r` at
+    /// row `R + r`, and a source query `(?, r, d)` is answered as `(d, r⁻¹, ?)`.
+    pub reciprocal: bool,
 }
 
 /// The seed of sampled negatives when none is given.
@@ -214,7 +217,7 @@ pub struct Metrics {
 /// // Three entities on a line, one relation "+1" (TransE, dim 1).
 /// let entities = [0.0, 1.0, 2.0];
 /// let relations = [1.0];
-/// let embeddings = Embeddings { decoder: Decoder::TransEL1, entities: &entities, relations: &relations, dim: 1 };
+/// let embeddings = Embeddings { decoder: Decoder::TransEL1, entities: &entities, relations: &relations, dim: 1, reciprocal: false };
 /// let train = [[0, 0, 1]];
 /// let test = [[1, 0, 2]];
 /// let filter = FilterIndex::build(3, &[&train, &test])?;
@@ -242,7 +245,7 @@ pub fn evaluate(
 /// use legend_model::Decoder;
 ///
 /// let entities = [0.0, 1.0, 2.0];
-/// let embeddings = Embeddings { decoder: Decoder::TransEL1, entities: &entities, relations: &[1.0], dim: 1 };
+/// let embeddings = Embeddings { decoder: Decoder::TransEL1, entities: &entities, relations: &[1.0], dim: 1, reciprocal: false };
 /// let test = [[0, 0, 1], [1, 0, 2]];
 /// let filter = FilterIndex::build(3, &[&test])?;
 /// let done = AtomicU64::new(0);
@@ -346,7 +349,15 @@ fn validate<'a>(e: &Embeddings<'a>, triples: &[[u32; 3]]) -> Result<rank::Model<
     let num_entities = rows("entity", e.entities.len())?;
     // Dot has no relation parameters, so relation ids are only labels there.
     let num_relations = if e.decoder.uses_relations() {
-        Some(rows("relation", e.relations.len())?)
+        let rows = rows("relation", e.relations.len())?;
+        if e.reciprocal && !rows.is_multiple_of(2) {
+            return Err(EvalError::TableSize {
+                table: "reciprocal relation",
+                len: e.relations.len(),
+                dim: 2 * e.dim,
+            });
+        }
+        Some(if e.reciprocal { rows / 2 } else { rows })
     } else {
         None
     };
@@ -373,6 +384,7 @@ fn validate<'a>(e: &Embeddings<'a>, triples: &[[u32; 3]]) -> Result<rank::Model<
         relations: e.relations,
         dim: e.dim,
         num_entities,
+        inverse: (e.reciprocal && e.decoder.uses_relations()).then(|| num_relations.unwrap_or(0)),
     })
 }
 

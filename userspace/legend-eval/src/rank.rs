@@ -24,6 +24,8 @@ pub(crate) struct Model<'a> {
     pub(crate) relations: &'a [f32],
     pub(crate) dim: usize,
     pub(crate) num_entities: usize,
+    /// Reciprocal relations: source queries go through r⁻¹, row `inverse + r`.
+    pub(crate) inverse: Option<usize>,
 }
 
 impl Model<'_> {
@@ -38,8 +40,13 @@ impl Model<'_> {
             Side::Dst => (s, d),
             Side::Src => (d, s),
         };
+        // With reciprocal relations (s, r, ?) and (d, r⁻¹, ?) are both destination queries.
+        let (row, side) = match (side, self.inverse) {
+            (Side::Src, Some(inverse)) => (inverse + r as usize, Side::Dst),
+            _ => (r as usize, side),
+        };
         let rel = if self.decoder.uses_relations() {
-            &self.relations[r as usize * self.dim..][..self.dim]
+            &self.relations[row * self.dim..][..self.dim]
         } else {
             &[]
         };

@@ -20,6 +20,7 @@ fn embeddings<'a>(
         entities,
         relations,
         dim,
+        reciprocal: false,
     }
 }
 
@@ -37,6 +38,47 @@ fn filtered_metrics(e: &Embeddings<'_>, triples: &[[u32; 3]], known: &[[u32; 3]]
     let n = e.entities.len() / e.dim;
     let filter = FilterIndex::build(n, &[known, triples]).unwrap();
     evaluate(e, triples, &Protocol::Filtered { filter: &filter }, 1).unwrap()
+}
+
+#[test]
+fn reciprocal_source_queries_rank_like_the_inverse_triples() {
+    // DistMult, 2 relations and their inverses (rows 2 and 3), 6 entities.
+    let dim = 3;
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let mut table =
+        |n: usize| -> Vec<f32> { (0..n * dim).map(|_| rng.random_range(-1.0..1.0)).collect() };
+    let (ent, rel) = (table(6), table(4));
+    let triples = [[0u32, 0, 1], [2, 1, 3], [4, 0, 5], [5, 1, 0]];
+    let mut e = embeddings(Decoder::DistMult, &ent, &rel, dim);
+    e.reciprocal = true;
+    let ranks = filtered_ranks(&e, &triples, &[]);
+    // The same table without the flag: (d, r + 2, s) ranked on its destination side.
+    let plain = embeddings(Decoder::DistMult, &ent, &rel, dim);
+    let inverted: Vec<[u32; 3]> = triples.iter().map(|&[s, r, d]| [d, r + 2, s]).collect();
+    let want = filtered_ranks(&plain, &inverted, &[]);
+    for i in 0..triples.len() {
+        assert_eq!(ranks[2 * i + 1], want[2 * i], "source side of triple {i}");
+    }
+    // Destination queries still use the forward rows.
+    let forward = filtered_ranks(&plain, &triples, &[]);
+    for i in 0..triples.len() {
+        assert_eq!(
+            ranks[2 * i],
+            forward[2 * i],
+            "destination side of triple {i}"
+        );
+    }
+    // An odd relation table cannot hold the inverses; ids index the forward half only.
+    e.relations = &rel[..3 * dim];
+    assert!(matches!(
+        validate(&e, &triples),
+        Err(EvalError::TableSize { .. })
+    ));
+    e.relations = &rel;
+    assert!(matches!(
+        validate(&e, &[[0, 2, 1]]),
+        Err(EvalError::IdOutOfRange { .. })
+    ));
 }
 
 #[test]

@@ -105,6 +105,7 @@ fn main() {
             neg_dst: &neg_dst,
             exclude_src: None,
             exclude_dst: None,
+            rel_src: None,
         };
         let mut ws = ChunkWorkspace::new();
         let mut sink = ws.forward_backward(&model, &chunk);

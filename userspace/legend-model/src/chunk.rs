@@ -8,6 +8,10 @@
 //! matrices for TransE. The loss (summed over positives and both sides) is differentiated back
 //! through `dQ = G·N`, `dN = Gᵀ·Q` (sgemm again) and then through the operator.
 //!
+//! With reciprocal relations ([`Chunk::rel_src`]) the source side is scored as the destination
+//! side of the inverse triple `(dst, r⁻¹, src)`: the same positives and negatives, only the
+//! query of that side is built from the inverse relation's row with the destination operator.
+//!
 //! All rows are dense row-major `f32` slices gathered by the caller, who scatter-adds the
 //! gradients ([`ChunkGrads`]) into the tables. [`ChunkWorkspace`] keeps every buffer between
 //! calls, so the training loop does not allocate once the workspace has seen the largest chunk.
@@ -41,10 +45,15 @@ pub struct Chunk<'a> {
     /// Negatives replacing the destination, k_dst×dim.
     pub neg_dst: &'a [f32],
     /// b×k_src, row-major: `true` excludes negative `j` from positive `i`'s source-side loss
-    /// (filtering a sampled negative equal to the true source).
+    /// (the caller's filtering: `training.negatives.filtered` marks a negative that makes a
+    /// known train triple with the positive's relation and destination).
     pub exclude_src: Option<&'a [bool]>,
     /// b×k_dst, row-major: as `exclude_src` for the destination side.
     pub exclude_dst: Option<&'a [bool]>,
+    /// Reciprocal relations: the inverse relations' rows, b×dim. The source side is then
+    /// scored as `(dst, r⁻¹, ?)` through the destination-side operator instead of through the
+    /// source-side operator of `rel`. `None`: one relation row serves both sides.
+    pub rel_src: Option<&'a [f32]>,
 }
 
 /// Gradients of the chunk loss with respect to every gathered row, same shapes as [`Chunk`].
@@ -56,6 +65,8 @@ pub struct ChunkGrads {
     pub src: Vec<f32>,
     /// ∂L/∂rel, b×dim (empty for [`Decoder::Dot`]).
     pub rel: Vec<f32>,
+    /// ∂L/∂rel_src, b×dim (empty without reciprocal relations).
+    pub rel_src: Vec<f32>,
     /// ∂L/∂dst, b×dim.
     pub dst: Vec<f32>,
     /// ∂L/∂neg_src, k_src×dim.
@@ -151,10 +162,17 @@ impl ChunkWorkspace {
         if let Some(m) = chunk.exclude_dst {
             assert_eq!(m.len(), b * k_dst, "exclude_dst must be b×k_dst");
         }
+        if let Some(r) = chunk.rel_src {
+            assert!(
+                model.decoder.uses_relations() && r.len() == b * dim,
+                "rel_src must be b×dim, for a decoder with relations"
+            );
+        }
 
         let g = &mut self.grads;
         reset(&mut g.src, b * dim);
         reset(&mut g.rel, rel_len);
+        reset(&mut g.rel_src, chunk.rel_src.map_or(0, <[f32]>::len));
         reset(&mut g.dst, b * dim);
         // The negative gradients are written (not accumulated) by their side's pass.
         g.neg_src.resize(k_src * dim, 0.0);
@@ -178,10 +196,14 @@ impl ChunkWorkspace {
                 negs: &mut g.neg_dst,
             },
         );
+        let (side, rel, grad_rel) = match chunk.rel_src {
+            Some(inverse) => (Side::Dst, inverse, &mut g.rel_src),
+            None => (Side::Src, chunk.rel, &mut g.rel),
+        };
         let src_side = SideRows {
-            side: Side::Src,
+            side,
             anchor: chunk.dst,
-            rel: chunk.rel,
+            rel,
             cand: chunk.src,
             negs: chunk.neg_src,
             exclude: chunk.exclude_src,
@@ -191,7 +213,7 @@ impl ChunkWorkspace {
             &src_side,
             SideGrads {
                 anchor: &mut g.dst,
-                rel: &mut g.rel,
+                rel: grad_rel,
                 cand: &mut g.src,
                 negs: &mut g.neg_src,
             },
@@ -258,6 +280,9 @@ impl Scratch {
             ),
             Comparator::NegL1 => l1_scores(&self.query, rows.negs, dim, &mut self.scores),
             Comparator::NegL2 => self.l2_scores(rows.negs, dim),
+            Comparator::NegModulus => {
+                pair_scores(cmp, &self.query, rows.negs, dim, &mut self.scores)
+            }
         }
 
         // Loss per positive; the score matrix turns into ∂L/∂scores in place.
@@ -316,6 +341,15 @@ impl Scratch {
                 grads.negs,
             ),
             Comparator::NegL2 => self.l2_backward(rows.negs, dim, grads.negs),
+            Comparator::NegModulus => pair_backward(
+                cmp,
+                &self.query,
+                rows.negs,
+                &self.scores,
+                dim,
+                &mut self.grad_query,
+                grads.negs,
+            ),
         }
 
         for i in 0..b {
@@ -482,6 +516,44 @@ fn l1_backward(
                 let s = g * sign(q[t] - n[t]);
                 gq[t] -= s;
                 gn[t] += s;
+            }
+        }
+    }
+}
+
+/// Every query against every negative, one pair at a time through [`Comparator::compare`]
+/// (RotatE's moduli have neither a product form nor a vectorised kernel yet).
+fn pair_scores(cmp: Comparator, query: &[f32], negs: &[f32], dim: usize, scores: &mut [f32]) {
+    let k = negs.len() / dim;
+    if k == 0 {
+        return;
+    }
+    for (q, srow) in query.chunks_exact(dim).zip(scores.chunks_exact_mut(k)) {
+        for (n, s) in negs.chunks_exact(dim).zip(srow) {
+            *s = cmp.compare(q, n);
+        }
+    }
+}
+
+/// The gradients of [`pair_scores`] given ∂L/∂scores, pair by pair through
+/// [`Comparator::backward`].
+fn pair_backward(
+    cmp: Comparator,
+    query: &[f32],
+    negs: &[f32],
+    grad_scores: &[f32],
+    dim: usize,
+    grad_query: &mut [f32],
+    grad_negs: &mut [f32],
+) {
+    let k = negs.len() / dim;
+    grad_negs.fill(0.0);
+    for (i, q) in query.chunks_exact(dim).enumerate() {
+        let gq = &mut grad_query[i * dim..(i + 1) * dim];
+        for (j, n) in negs.chunks_exact(dim).enumerate() {
+            let g = grad_scores[i * k + j];
+            if g != 0.0 {
+                cmp.backward(q, n, g, gq, &mut grad_negs[j * dim..(j + 1) * dim]);
             }
         }
     }

@@ -21,6 +21,9 @@ pub enum Comparator {
     NegL1,
     /// Negative L2 distance.
     NegL2,
+    /// Negative sum of the moduli of the complex differences (RotatE's distance): rows are
+    /// complex, real parts in the first half and imaginary parts in the second.
+    NegModulus,
 }
 
 impl Comparator {
@@ -32,6 +35,12 @@ impl Comparator {
             Comparator::Dot => pairs.map(|(q, c)| q * c).sum(),
             Comparator::NegL1 => -pairs.map(|(q, c)| (q - c).abs()).sum::<f32>(),
             Comparator::NegL2 => -pairs.map(|(q, c)| (q - c) * (q - c)).sum::<f32>().sqrt(),
+            Comparator::NegModulus => {
+                let h = query.len() / 2;
+                -(0..h)
+                    .map(|k| modulus(query[k] - candidate[k], query[k + h] - candidate[k + h]))
+                    .sum::<f32>()
+            }
         }
     }
 
@@ -66,6 +75,20 @@ impl Comparator {
                     grad_candidate[t] += g;
                 }
             }
+            Comparator::NegModulus => {
+                let h = dim / 2;
+                for k in 0..h {
+                    let (re, im) = (query[k] - candidate[k], query[k + h] - candidate[k + h]);
+                    let m = modulus(re, im);
+                    if m > 0.0 {
+                        let w = grad_score / m;
+                        grad_query[k] -= w * re;
+                        grad_query[k + h] -= w * im;
+                        grad_candidate[k] += w * re;
+                        grad_candidate[k + h] += w * im;
+                    }
+                }
+            }
             Comparator::NegL2 => {
                 let dist = -Comparator::NegL2.compare(query, candidate);
                 if dist > 0.0 {
@@ -79,6 +102,12 @@ impl Comparator {
             }
         }
     }
+}
+
+/// `|re + i im|`.
+#[inline]
+pub(crate) fn modulus(re: f32, im: f32) -> f32 {
+    (re * re + im * im).sqrt()
 }
 
 /// The sign of `x`, with `sign(0) = 0` (the subgradient of `|x|` that the L1 gradients use).
@@ -107,16 +136,21 @@ pub enum Decoder {
     TransEL1,
     /// `-||s + r - d||_2`.
     TransEL2,
+    /// `-Σ_k |s_k e^(iθ_k) − d_k|` (Sun et al., ICLR 2019): complex rows of `dim / 2` elements
+    /// (real parts first), and a relation rotates by the phases `θ` in the first half of its
+    /// row (the second half is unused and keeps its initial values).
+    RotatE,
 }
 
 impl Decoder {
     /// All decoders, for tests and help texts.
-    pub const ALL: [Decoder; 5] = [
+    pub const ALL: [Decoder; 6] = [
         Decoder::Dot,
         Decoder::DistMult,
         Decoder::ComplEx,
         Decoder::TransEL1,
         Decoder::TransEL2,
+        Decoder::RotatE,
     ];
 
     /// The comparator that follows this model's query operator.
@@ -125,6 +159,7 @@ impl Decoder {
             Decoder::Dot | Decoder::DistMult | Decoder::ComplEx => Comparator::Dot,
             Decoder::TransEL1 => Comparator::NegL1,
             Decoder::TransEL2 => Comparator::NegL2,
+            Decoder::RotatE => Comparator::NegModulus,
         }
     }
 
@@ -133,14 +168,19 @@ impl Decoder {
         self != Decoder::Dot
     }
 
+    /// Whether rows are complex vectors (real parts in the first half).
+    pub fn is_complex(self) -> bool {
+        matches!(self, Decoder::ComplEx | Decoder::RotatE)
+    }
+
     /// Checks that `dim` suits the model (ComplEx needs an even dimension).
     pub fn check_dim(self, dim: usize) -> Result<(), String> {
         if dim == 0 {
             return Err("the embedding dimension must be at least 1".into());
         }
-        if self == Decoder::ComplEx && !dim.is_multiple_of(2) {
+        if self.is_complex() && !dim.is_multiple_of(2) {
             return Err(format!(
-                "complex needs an even dimension (real and imaginary halves), got {dim}"
+                "{self} needs an even dimension (real and imaginary halves), got {dim}"
             ));
         }
         Ok(())
@@ -187,6 +227,21 @@ impl Decoder {
                         Side::Dst => a + r,
                         Side::Src => a - r,
                     };
+                }
+            }
+            Decoder::RotatE => {
+                let h = dim / 2;
+                let (a_re, a_im) = anchor.split_at(h);
+                let (o_re, o_im) = out.split_at_mut(h);
+                for k in 0..h {
+                    let (sin, cos) = rel[k].sin_cos();
+                    // |s e^(iθ) − d| = |s − d e^(−iθ)|: the source side rotates back.
+                    let sin = match side {
+                        Side::Dst => sin,
+                        Side::Src => -sin,
+                    };
+                    o_re[k] = a_re[k] * cos - a_im[k] * sin;
+                    o_im[k] = a_re[k] * sin + a_im[k] * cos;
                 }
             }
         }
@@ -255,6 +310,26 @@ impl Decoder {
                     grad_rel[t] += rel_sign * grad_query[t];
                 }
             }
+            Decoder::RotatE => {
+                let h = dim / 2;
+                let (a_re, a_im) = anchor.split_at(h);
+                let (g_re, g_im) = grad_query.split_at(h);
+                let (ga_re, ga_im) = grad_anchor.split_at_mut(h);
+                let sign = match side {
+                    Side::Dst => 1.0,
+                    Side::Src => -1.0,
+                };
+                for k in 0..h {
+                    let (sin, cos) = rel[k].sin_cos();
+                    let sin = sign * sin;
+                    // The rotation's transpose, and ∂q/∂θ = ±i·q.
+                    ga_re[k] += g_re[k] * cos + g_im[k] * sin;
+                    ga_im[k] += g_im[k] * cos - g_re[k] * sin;
+                    let q_re = a_re[k] * cos - a_im[k] * sin;
+                    let q_im = a_re[k] * sin + a_im[k] * cos;
+                    grad_rel[k] += sign * (g_im[k] * q_re - g_re[k] * q_im);
+                }
+            }
         }
     }
 
@@ -273,6 +348,7 @@ impl Decoder {
             Decoder::ComplEx => "complex",
             Decoder::TransEL1 => "transe_l1",
             Decoder::TransEL2 => "transe_l2",
+            Decoder::RotatE => "rotate",
         }
     }
 }
@@ -291,7 +367,7 @@ impl FromStr for Decoder {
             .into_iter()
             .find(|d| d.name() == s)
             .ok_or_else(|| {
-                format!("unknown decoder {s:?}: expected one of dot, distmult, complex, transe_l1, transe_l2")
+                format!("unknown decoder {s:?}: expected one of dot, distmult, complex, transe_l1, transe_l2, rotate")
             })
     }
 }
@@ -326,6 +402,17 @@ mod tests {
                 .map(|k| (f(s[k]) + f(r[k]) - f(d[k])).powi(2))
                 .sum::<f64>()
                 .sqrt(),
+            Decoder::RotatE => {
+                let h = s.len() / 2;
+                -(0..h)
+                    .map(|k| {
+                        let (c, n) = (f(r[k]).cos(), f(r[k]).sin());
+                        let re = f(s[k]) * c - f(s[k + h]) * n - f(d[k]);
+                        let im = f(s[k]) * n + f(s[k + h]) * c - f(d[k + h]);
+                        (re * re + im * im).sqrt()
+                    })
+                    .sum::<f64>()
+            }
         }
     }
 
@@ -361,6 +448,6 @@ mod tests {
         for d in Decoder::ALL {
             assert_eq!(d.name().parse::<Decoder>().unwrap(), d);
         }
-        assert!("rotate".parse::<Decoder>().unwrap_err().contains("rotate"));
+        assert!("rescal".parse::<Decoder>().unwrap_err().contains("rescal"));
     }
 }

@@ -106,11 +106,26 @@ impl Init {
     /// Writes the initial value of relation row `row` of `table` for `decoder` into `out`.
     pub fn relation_row(&self, decoder: crate::Decoder, table: Table, row: u64, out: &mut [f32]) {
         match self.relation {
+            // RotatE's relations are phases: random ones are uniform over the circle (Sun et
+            // al.'s initialisation); the unused second half stays zero.
+            RelationInit::Random(_) if decoder == crate::Decoder::RotatE => {
+                let half = out.len() / 2;
+                let bound = std::f32::consts::PI;
+                fill_row(
+                    self.seed,
+                    table,
+                    row,
+                    Distribution::Uniform { bound },
+                    &mut out[..half],
+                );
+                out[half..].fill(0.0);
+            }
             RelationInit::Random(dist) => fill_row(self.seed, table, row, dist, out),
             RelationInit::Identity => {
                 use crate::Decoder;
                 let ones = match decoder {
-                    Decoder::Dot | Decoder::TransEL1 | Decoder::TransEL2 => 0,
+                    // RotatE: zero phases, no rotation.
+                    Decoder::Dot | Decoder::TransEL1 | Decoder::TransEL2 | Decoder::RotatE => 0,
                     Decoder::DistMult => out.len(),
                     // Real halves first: 1 + 0i in every complex element.
                     Decoder::ComplEx => out.len() / 2,

@@ -2,8 +2,10 @@
 //!
 //! Every loss is a *sum* over positives (the reduction of PyTorch-BigGraph and of Marius'
 //! default), and each side of a triple (destination and source corruption) contributes one
-//! term, as in both systems. An excluded negative (a sampled row equal to the true candidate,
-//! when filtering) contributes nothing, as if its score were −∞ (PBG's masking).
+//! term, as in both systems. An excluded negative contributes nothing, as if its score were −∞
+//! (PBG's masking). The caller decides what is excluded: `training.negatives.filtered` excludes
+//! every sampled negative that makes a known train triple with the positive's relation and
+//! other end (the true candidate and every other train answer), not only the true candidate.
 
 use std::fmt;
 use std::str::FromStr;

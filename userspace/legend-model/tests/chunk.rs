@@ -23,6 +23,8 @@ struct Data {
     neg_dst: Vec<f32>,
     exclude_src: Option<Vec<bool>>,
     exclude_dst: Option<Vec<bool>>,
+    /// Inverse relation rows (reciprocal relations), b×dim.
+    rel_src: Option<Vec<f32>>,
 }
 
 impl Data {
@@ -66,7 +68,24 @@ impl Data {
             neg_dst,
             exclude_src: Some(mask(b * k_src, 1)),
             exclude_dst: Some(mask(b * k_dst, 2)),
+            rel_src: None,
         }
+    }
+
+    /// The same chunk with reciprocal relations: inverse rows drawn after all the others.
+    fn reciprocal(mut self, seed: u64) -> Data {
+        let mut inverse = self.rel.clone();
+        for (i, r) in inverse.chunks_exact_mut(self.dim).enumerate() {
+            fill_row(
+                seed,
+                Table::Relation,
+                i as u64,
+                Distribution::Uniform { bound: 1.0 },
+                r,
+            );
+        }
+        self.rel_src = Some(inverse);
+        self
     }
 
     fn chunk(&self) -> Chunk<'_> {
@@ -78,6 +97,7 @@ impl Data {
             neg_dst: &self.neg_dst,
             exclude_src: self.exclude_src.as_deref(),
             exclude_dst: self.exclude_dst.as_deref(),
+            rel_src: self.rel_src.as_deref(),
         }
     }
 }
@@ -91,6 +111,7 @@ struct Naive {
     dst: Vec<f32>,
     neg_src: Vec<f32>,
     neg_dst: Vec<f32>,
+    rel_src: Vec<f32>,
 }
 
 /// Adds `g · ∂score(s, r, d)` to the three gradient rows, always through the destination-side
@@ -132,6 +153,7 @@ fn naive(model: &ChunkModel, data: &Data) -> Naive {
         dst: vec![0.0; data.dst.len()],
         neg_src: vec![0.0; data.neg_src.len()],
         neg_dst: vec![0.0; data.neg_dst.len()],
+        rel_src: vec![0.0; data.rel_src.as_ref().map_or(0, Vec::len)],
         ..Naive::default()
     };
     for side in [Side::Dst, Side::Src] {
@@ -140,6 +162,33 @@ fn naive(model: &ChunkModel, data: &Data) -> Naive {
             Side::Src => (&data.neg_src, &data.exclude_src),
         };
         let k = negs.len() / dim;
+        if let (Side::Src, Some(inverse)) = (side, &data.rel_src) {
+            // Reciprocal: the inverse triple (d, r⁻¹, s) with its destination corrupted.
+            for i in 0..b {
+                let (s, r, d) = (row(&data.src, i), row(inverse, i), row(&data.dst, i));
+                let pos = dec.score(&d, &r, &s);
+                let mut scores: Vec<f32> =
+                    (0..k).map(|j| dec.score(&d, &r, &row(negs, j))).collect();
+                let ex = exclude.as_ref().map(|m| &m[i * k..(i + 1) * k]);
+                let rl = model.loss.row_in_place(pos, &mut scores, ex);
+                out.loss += rl.loss as f64;
+                let (mut gs, mut gr, mut gd) = (vec![0.0; dim], vec![0.0; dim], vec![0.0; dim]);
+                score_backward(dec, &d, &r, &s, rl.grad_pos, &mut gd, &mut gr, &mut gs);
+                for (j, &g) in scores.iter().enumerate() {
+                    let mut gn = vec![0.0; dim];
+                    score_backward(dec, &d, &r, &row(negs, j), g, &mut gd, &mut gr, &mut gn);
+                    for (o, x) in out.neg_src[j * dim..(j + 1) * dim].iter_mut().zip(&gn) {
+                        *o += x;
+                    }
+                }
+                for t in 0..dim {
+                    out.src[i * dim + t] += gs[t];
+                    out.dst[i * dim + t] += gd[t];
+                    out.rel_src[i * dim + t] += gr[t];
+                }
+            }
+            continue;
+        }
         for i in 0..b {
             let (s, r, d) = (row(&data.src, i), rel(i), row(&data.dst, i));
             // The triple with negative j in place of the corrupted end.
@@ -222,9 +271,10 @@ fn check_against_naive(model: &ChunkModel, data: &Data, ws: &mut ChunkWorkspace)
         (&g.dst, &want.dst),
         (&g.neg_src, &want.neg_src),
         (&g.neg_dst, &want.neg_dst),
+        (&g.rel_src, &want.rel_src),
     ];
     let mut worst = 0.0f64;
-    for (name, (got, exp)) in ["src", "rel", "dst", "neg_src", "neg_dst"]
+    for (name, (got, exp)) in ["src", "rel", "dst", "neg_src", "neg_dst", "rel_src"]
         .iter()
         .zip(pairs)
     {
@@ -250,6 +300,10 @@ fn chunk_matches_naive_reference_for_every_decoder_and_loss() {
             for (b, ks, kd, seed) in [(5, 7, 6, 1), (3, 0, 4, 2), (4, 3, 0, 3), (1, 1, 1, 4)] {
                 let data = Data::new(decoder, 8, b, ks, kd, seed);
                 worst = worst.max(check_against_naive(&model, &data, &mut ws));
+                if decoder.uses_relations() {
+                    let data = data.reciprocal(seed);
+                    worst = worst.max(check_against_naive(&model, &data, &mut ws));
+                }
             }
         }
     }
@@ -282,6 +336,17 @@ fn reference_loss(model: &ChunkModel, d: &Data, p: &Params) -> f64 {
                 .map(|k| (s[k] + r[k] - t[k]).powi(2))
                 .sum::<f64>()
                 .sqrt(),
+            Decoder::RotatE => {
+                let h = dim / 2;
+                -(0..h)
+                    .map(|k| {
+                        let (c, n) = (r[k].cos(), r[k].sin());
+                        let re = s[k] * c - s[k + h] * n - t[k];
+                        let im = s[k] * n + s[k + h] * c - t[k + h];
+                        (re * re + im * im).sqrt()
+                    })
+                    .sum::<f64>()
+            }
         }
     };
     let mut total = 0.0;
@@ -298,12 +363,17 @@ fn reference_loss(model: &ChunkModel, d: &Data, p: &Params) -> f64 {
             } else {
                 row(&p.rel, i)
             };
-            let pos = score(&s, &r, &t);
+            let inverse = (side == Side::Src && !p.rel_src.is_empty()).then(|| row(&p.rel_src, i));
+            let pos = match &inverse {
+                Some(ri) => score(&t, ri, &s),
+                None => score(&s, &r, &t),
+            };
             let negs: Vec<f64> = (0..k)
                 .filter(|&j| !exclude.as_ref().is_some_and(|m| m[i * k + j]))
-                .map(|j| match side {
-                    Side::Dst => score(&s, &r, &row(negs, j)),
-                    Side::Src => score(&row(negs, j), &r, &t),
+                .map(|j| match (side, &inverse) {
+                    (Side::Dst, _) => score(&s, &r, &row(negs, j)),
+                    (Side::Src, None) => score(&row(negs, j), &r, &t),
+                    (Side::Src, Some(ri)) => score(&t, ri, &row(negs, j)),
                 })
                 .collect();
             let softplus = |x: f64| (1.0 + x.exp()).ln();
@@ -331,6 +401,7 @@ struct Params {
     dst: Vec<f64>,
     neg_src: Vec<f64>,
     neg_dst: Vec<f64>,
+    rel_src: Vec<f64>,
 }
 
 impl Params {
@@ -341,6 +412,7 @@ impl Params {
             &mut self.dst,
             &mut self.neg_src,
             &mut self.neg_dst,
+            &mut self.rel_src,
         ]
         .into_iter()
         .nth(f)
@@ -357,32 +429,40 @@ fn chunk_gradients_match_f64_finite_differences() {
         for loss in LOSSES {
             let dim = 6;
             let model = ChunkModel { decoder, loss, dim };
-            let data = Data::new(decoder, dim, 3, 4, 5, 11);
-            ws.forward_backward(&model, &data.chunk());
-            let g = ws.grads().clone();
-            let analytic = [&g.src, &g.rel, &g.dst, &g.neg_src, &g.neg_dst];
-            let base = Params {
-                src: widen(&data.src),
-                rel: widen(&data.rel),
-                dst: widen(&data.dst),
-                neg_src: widen(&data.neg_src),
-                neg_dst: widen(&data.neg_dst),
+            let plain = Data::new(decoder, dim, 3, 4, 5, 11);
+            let variants = if decoder.uses_relations() {
+                vec![plain.clone(), plain.reciprocal(12)]
+            } else {
+                vec![plain]
             };
-            for (f, grad) in analytic.into_iter().enumerate() {
-                let mut p = base.clone();
-                let mut fd = Vec::new();
-                for x in 0..grad.len() {
-                    let v = p.field(f)[x];
-                    p.field(f)[x] = v + h;
-                    let up = reference_loss(&model, &data, &p);
-                    p.field(f)[x] = v - h;
-                    let down = reference_loss(&model, &data, &p);
-                    p.field(f)[x] = v;
-                    fd.push((up - down) / (2.0 * h));
+            for data in variants {
+                ws.forward_backward(&model, &data.chunk());
+                let g = ws.grads().clone();
+                let analytic = [&g.src, &g.rel, &g.dst, &g.neg_src, &g.neg_dst, &g.rel_src];
+                let base = Params {
+                    src: widen(&data.src),
+                    rel: widen(&data.rel),
+                    dst: widen(&data.dst),
+                    neg_src: widen(&data.neg_src),
+                    neg_dst: widen(&data.neg_dst),
+                    rel_src: widen(data.rel_src.as_deref().unwrap_or(&[])),
+                };
+                for (f, grad) in analytic.into_iter().enumerate() {
+                    let mut p = base.clone();
+                    let mut fd = Vec::new();
+                    for x in 0..grad.len() {
+                        let v = p.field(f)[x];
+                        p.field(f)[x] = v + h;
+                        let up = reference_loss(&model, &data, &p);
+                        p.field(f)[x] = v - h;
+                        let down = reference_loss(&model, &data, &p);
+                        p.field(f)[x] = v;
+                        fd.push((up - down) / (2.0 * h));
+                    }
+                    let e = max_rel_err(grad, &fd);
+                    assert!(e < 2e-4, "{decoder} {loss} field {f}: error {e}");
+                    worst = worst.max(e);
                 }
-                let e = max_rel_err(grad, &fd);
-                assert!(e < 2e-4, "{decoder} {loss} field {f}: error {e}");
-                worst = worst.max(e);
             }
         }
     }
@@ -410,6 +490,7 @@ fn l2_near_pairs_use_the_exact_distance() {
         neg_dst: &neg_dst,
         exclude_src: None,
         exclude_dst: None,
+        rel_src: None,
     };
     let mut ws = ChunkWorkspace::new();
     ws.forward_backward(&model, &chunk);

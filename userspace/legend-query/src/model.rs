@@ -148,6 +148,10 @@ pub struct Model<'a> {
     dim: usize,
     num_entities: usize,
     num_relations: usize,
+    /// The relation table holds each relation's inverse in its second half
+    /// (`model.reciprocal_relations`): a head is predicted as `(tail, r⁻¹, ?)`, as the
+    /// evaluator ranks it.
+    reciprocal: bool,
     relations: Vec<f32>,
     entities: Entities<'a>,
 }
@@ -170,6 +174,7 @@ impl<'a> Model<'a> {
                 message: e,
             })?;
         let relations = run::load_relations(&run, &meta, guard)?;
+        let reciprocal = meta.reciprocal_relations;
         let (dim, num_entities) = (meta.dim, meta.entities as usize);
         let entities = match stream_with {
             Some(guard) => Entities::Stored {
@@ -203,7 +208,7 @@ impl<'a> Model<'a> {
         Model::new(
             decoder,
             dim,
-            num_relations,
+            (num_relations, reciprocal),
             relations,
             entities,
             num_entities,
@@ -211,29 +216,32 @@ impl<'a> Model<'a> {
     }
 
     /// Tables in memory: `entities` rows of `dim` floats, `relations` rows (none for
-    /// [`Decoder::Dot`]; `num_relations` is then what ids are checked against).
+    /// [`Decoder::Dot`]; `num_relations` is then what ids are checked against), twice as many
+    /// when `reciprocal` (the inverses in the second half).
     pub fn in_memory(
         decoder: Decoder,
         dim: usize,
         entities: Vec<f32>,
         relations: Vec<f32>,
-        num_relations: usize,
+        (num_relations, reciprocal): (usize, bool),
     ) -> Result<Model<'static>, QueryError> {
         let num_entities = entities.len() / dim.max(1);
         Model::new(
             decoder,
             dim,
-            num_relations,
+            (num_relations, reciprocal),
             relations,
             Entities::Resident(entities),
             num_entities,
         )
     }
 
+    /// `(num_relations, reciprocal)`: the relations queries name, and whether the table holds
+    /// their inverses too.
     fn new(
         decoder: Decoder,
         dim: usize,
-        num_relations: usize,
+        (num_relations, reciprocal): (usize, bool),
         relations: Vec<f32>,
         entities: Entities<'a>,
         num_entities: usize,
@@ -250,9 +258,10 @@ impl<'a> Model<'a> {
         if num_entities == 0 {
             return Err(QueryError::Tables("the run has no entities".into()));
         }
-        if decoder.uses_relations() && relations.len() != num_relations * dim {
+        let rows = num_relations * if reciprocal { 2 } else { 1 };
+        if decoder.uses_relations() && relations.len() != rows * dim {
             return Err(QueryError::Tables(format!(
-                "the relation table holds {} floats, expected {num_relations} rows of {dim}",
+                "the relation table holds {} floats, expected {rows} rows of {dim}",
                 relations.len()
             )));
         }
@@ -261,6 +270,7 @@ impl<'a> Model<'a> {
             dim,
             num_entities,
             num_relations,
+            reciprocal,
             relations,
             entities,
         })
@@ -410,8 +420,17 @@ impl<'a> Model<'a> {
             .zip(&rows)
             .zip(vectors.chunks_exact_mut(self.dim))
         {
-            self.decoder
-                .query(c.side, row, self.relation(c.relation), q);
+            match (self.reciprocal, c.side) {
+                (true, Side::Src) => self.decoder.query(
+                    Side::Dst,
+                    row,
+                    self.relation(c.relation + self.num_relations as u32),
+                    q,
+                ),
+                _ => self
+                    .decoder
+                    .query(c.side, row, self.relation(c.relation), q),
+            }
         }
         let mut excluded: Vec<&[u32]> = Vec::with_capacity(queries.len());
         for c in queries {

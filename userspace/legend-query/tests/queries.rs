@@ -16,11 +16,46 @@ use legend_query::{
 /// Seven entities on a line (entity k at k) and one relation "+1", TransE L1 in one dimension.
 fn line() -> Model<'static> {
     let entities: Vec<f32> = (0..7).map(|k| k as f32).collect();
-    Model::in_memory(Decoder::TransEL1, 1, entities, vec![1.0], 1).unwrap()
+    Model::in_memory(Decoder::TransEL1, 1, entities, vec![1.0], (1, false)).unwrap()
 }
 
 fn ids(found: &[Ranked]) -> Vec<u32> {
     found.iter().map(|r| r.id).collect()
+}
+
+/// With reciprocal relations a head is predicted as the evaluator ranks it: `(?, r, t)` as
+/// `(t, r⁻¹, ?)` through the inverse's own row, not by inverting r. On the line, r is +1 and
+/// its learned inverse +2 (deliberately not -1): heads of 3 are 5 (3 + 2), not 2 (3 - 1).
+#[test]
+fn a_reciprocal_run_predicts_heads_through_the_inverse_relation() {
+    let entities: Vec<f32> = (0..7).map(|k| k as f32).collect();
+    let m = Model::in_memory(
+        Decoder::TransEL1,
+        1,
+        entities.clone(),
+        vec![1.0, 2.0],
+        (1, true),
+    )
+    .unwrap();
+    let ask = |side, anchor| Completion {
+        side,
+        anchor,
+        relation: 0,
+        top: 1,
+        filtered: false,
+    };
+    let found = m
+        .complete(&[ask(Side::Src, 3), ask(Side::Dst, 3)], None)
+        .unwrap();
+    assert_eq!(ids(&found[0]), [5], "head of (?, r, 3) through r⁻¹");
+    assert_eq!(ids(&found[1]), [4], "tail of (3, r, ?) through r");
+    // Without the inverses the same head query inverts r; a table of the wrong size for
+    // reciprocal relations is refused.
+    assert_eq!(
+        ids(&line().complete(&[ask(Side::Src, 3)], None).unwrap()[0]),
+        [2]
+    );
+    assert!(Model::in_memory(Decoder::TransEL1, 1, entities, vec![1.0], (1, true)).is_err());
 }
 
 #[test]
@@ -122,7 +157,14 @@ fn predictions_and_neighbours_equal_a_brute_force_reference_for_every_decoder() 
         .collect();
     let filter = FilterIndex::build(ne, &[&known]).unwrap();
     for decoder in Decoder::ALL {
-        let m = Model::in_memory(decoder, dim, entities.clone(), relations.clone(), nr).unwrap();
+        let m = Model::in_memory(
+            decoder,
+            dim,
+            entities.clone(),
+            relations.clone(),
+            (nr, false),
+        )
+        .unwrap();
         let kernel = Kernel::new(decoder.comparator(), dim);
         let mut asked = Vec::new();
         for anchor in [0u32, 1, 7, 39, 1499] {
@@ -174,7 +216,7 @@ fn predictions_and_neighbours_equal_a_brute_force_reference_for_every_decoder() 
             assert!((s - want).abs() < 1e-5, "{decoder} {t:?}: {s} vs {want}");
         }
     }
-    let m = Model::in_memory(Decoder::Dot, dim, entities.clone(), Vec::new(), 0).unwrap();
+    let m = Model::in_memory(Decoder::Dot, dim, entities.clone(), Vec::new(), (0, false)).unwrap();
     for metric in [Metric::Cosine, Metric::Dot, Metric::L2] {
         let asked: Vec<Nearest> = [0u32, 5, 1499]
             .iter()
@@ -245,6 +287,8 @@ fn line_run(dir: &Path) -> std::path::PathBuf {
         dim: 1,
         entities: 7,
         relations: 1,
+        entity_state_width: None,
+        reciprocal_relations: false,
         epochs_completed: 1,
         cut: None,
         checkpoint: String::new(),
@@ -396,6 +440,8 @@ fn grid_run(dir: &Path, entities: usize, dim: usize) -> (legend_fs::Dir, RunMeta
         dim,
         entities: entities as u64,
         relations: 2,
+        entity_state_width: None,
+        reciprocal_relations: false,
         epochs_completed: 1,
         cut: None,
         checkpoint: String::new(),

@@ -267,7 +267,7 @@ fn bad_configurations_are_refused_and_leave_nothing() {
             "--out",
             &s(&out),
             "--set",
-            "model.decoder=rotate",
+            "model.decoder=rescal",
         ],
         "model.decoder",
     );
@@ -556,4 +556,62 @@ fn predict_score_and_neighbors_by_flag_and_by_file_on_memory_and_store_runs() {
             "q.tsv:2: unknown relation \"r7\"",
         );
     }
+}
+
+/// A run with reciprocal relations and early stopping: its export labels the inverse rows,
+/// `eval --embeddings --reciprocal` of the export and `eval RUN/best` reproduce the run's final
+/// figure, and `--reciprocal` with the wrong relation table is refused naming its shape.
+#[test]
+fn reciprocal_runs_export_and_evaluate_through_their_best_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = graph(dir.path());
+    let run = dir.path().join("run");
+    let sets = [
+        "model.dim=8",
+        "model.decoder=distmult",
+        "model.reciprocal_relations=true",
+        "training.num_epochs=6",
+        "evaluation.epochs_per_eval=2",
+        "evaluation.patience=1",
+    ];
+    let mut args = train_args(&ds, &run, &sets);
+    args.push("--json".into());
+    let out = ok(&argv(&args));
+    let last = json(out.lines().last().unwrap());
+    let best = last["best_epoch"]
+        .as_u64()
+        .expect("the final line names the best epoch");
+    let best_dir = run.join("best");
+    let eval = json(ok(&["eval", &s(&best_dir), "--json"]).trim());
+    assert_eq!(eval["mrr"], last["metrics"]["mrr"]);
+    let export = dir.path().join("export");
+    ok(&[
+        "export",
+        &s(&best_dir),
+        "--format",
+        "npy",
+        "-o",
+        &s(&export),
+    ]);
+    let labels = std::fs::read_to_string(export.join("relations.labels.txt")).unwrap();
+    let labels: Vec<&str> = labels.lines().collect();
+    assert_eq!(labels.len() % 2, 0);
+    let half = labels.len() / 2;
+    assert_eq!(format!("{}_inverse", labels[0]), labels[half]);
+    let embeddings = |extra: &[&str]| {
+        let mut a = vec![
+            "eval",
+            "--embeddings",
+            export.to_str().unwrap(),
+            "--dataset",
+            ds.to_str().unwrap(),
+            "--decoder",
+            "distmult",
+        ];
+        a.extend(extra);
+        a.iter().map(|x| x.to_string()).collect::<Vec<_>>()
+    };
+    let again = json(ok(&argv(&embeddings(&["--reciprocal", "--json"]))).trim());
+    assert_eq!(again["mrr"], last["metrics"]["mrr"], "best epoch {best}");
+    fails(&argv(&embeddings(&[])), "relations.npy: shape");
 }

@@ -809,6 +809,7 @@ impl Jobs {
             meta.dim,
             &tables.entities,
             &tables.relations,
+            meta.reciprocal_relations,
             &request,
         )
         .map_err(|e| chain(&e))?;

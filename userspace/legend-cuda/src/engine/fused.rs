@@ -65,7 +65,7 @@ pub(super) fn fused_fits(decoder: Decoder, d: usize, kernels: &FusedKernels) -> 
     match decoder.comparator() {
         Comparator::Dot => !kernels.transe && d <= kernels.width,
         Comparator::NegL2 => kernels.transe && d + 2 <= kernels.width,
-        Comparator::NegL1 => false,
+        Comparator::NegL1 | Comparator::NegModulus => false,
     }
 }
 

@@ -226,6 +226,11 @@ impl GpuBatchEngine {
             .decoder
             .check_dim(model.dim)
             .map_err(GpuError::Shape)?;
+        if model.decoder == Decoder::RotatE {
+            return Err(GpuError::Shape(
+                "rotate has no GPU kernels yet (its query operator and modulus distance)".into(),
+            ));
+        }
         if shape.max_batch == 0 || shape.num_chunks == 0 || shape.negatives == 0 || shape.group == 0
         {
             return Err(GpuError::Shape(format!(
@@ -879,6 +884,12 @@ impl GpuBatchEngine {
     /// it once an epoch and never waits for a step.
     pub fn set_loss_accumulation(&mut self, on: bool) {
         self.accumulate_loss = on;
+    }
+
+    /// The learning rate of the steps launched from now on (a schedule changes it between
+    /// epochs; the kernels take it as an argument at every launch).
+    pub fn set_learning_rate(&mut self, lr: f32) {
+        self.optimizer.lr = lr;
     }
 
     /// The loss summed since the last call (or since accumulation was turned on); waits for

@@ -215,6 +215,7 @@ impl GpuBatchEngine {
             }
             Comparator::NegL1 => 0i32,
             Comparator::NegL2 => 1i32,
+            Comparator::NegModulus => unreachable!("refused by GpuBatchEngine::new"),
         };
         let Path::Unfused(u) = &self.path else {
             unreachable!("the unfused path's products");

@@ -1,10 +1,11 @@
 //! The CPU engine's step: chunks split into blocks of rows trained in parallel on a snapshot of
-//! the parameters, gradients summed in block order, one AdaGrad step per touched row.
+//! the parameters, gradients summed in block order, one AdaGrad step per touched row (with the
+//! regulariser's gradient, when there is one, added to the row's sum inside that step).
 
 use legend_dataset::Edge;
 use std::cell::RefCell;
 
-use legend_model::{AdaGrad, Chunk, ChunkGrads, ChunkModel, ChunkWorkspace};
+use legend_model::{AdaGrad, Chunk, ChunkGrads, ChunkModel, ChunkWorkspace, Regularizer};
 use rayon::prelude::*;
 use rustc_hash::{FxHashMap, FxHashSet};
 
@@ -45,6 +46,9 @@ fn block_len(rows: usize) -> usize {
 pub(crate) struct CpuCompute {
     pub(crate) model: ChunkModel,
     pub(crate) optimizer: AdaGrad,
+    pub(crate) regularizer: Regularizer,
+    /// Reciprocal relations: the relation table's second half holds the inverses.
+    pub(crate) reciprocal: bool,
     pub(crate) dim: usize,
     pub(crate) num_chunks: usize,
     pub(crate) negatives: usize,
@@ -79,15 +83,15 @@ fn row(rows: &[f32], i: usize, dim: usize) -> &[f32] {
     &rows[i * dim..(i + 1) * dim]
 }
 
-/// `(ids[j], row j of rows)` for every `j`.
+/// `(ids[j], row j of rows, false)` for every `j`: negatives' gradient rows.
 fn rows_of<'a>(
     ids: &'a [u32],
     rows: &'a [f32],
     dim: usize,
-) -> impl Iterator<Item = (u32, &'a [f32])> + 'a {
+) -> impl Iterator<Item = (u32, &'a [f32], bool)> + 'a {
     ids.iter()
         .enumerate()
-        .map(move |(j, &id)| (id, row(rows, j, dim)))
+        .map(move |(j, &id)| (id, row(rows, j, dim), false))
 }
 
 /// The gradient rows of a batch grouped by the parameter row they belong to, in the order they
@@ -99,18 +103,24 @@ struct RowSums<'a> {
     /// Group `s` (for `ids[s]`) is `parts[starts[s]..starts[s + 1]]`.
     starts: Vec<usize>,
     parts: Vec<&'a [f32]>,
+    /// How often each row occurs among the batch's positives (what the regulariser weighs).
+    positives: Vec<u32>,
 }
 
 impl<'a> RowSums<'a> {
-    fn group(rows: impl Iterator<Item = (u32, &'a [f32])>) -> Self {
+    /// Groups `(row id, gradient row, whether it comes from a positive)`.
+    fn group(rows: impl Iterator<Item = (u32, &'a [f32], bool)>) -> Self {
         let mut slot_of: FxHashMap<u32, usize> = FxHashMap::default();
         let mut ids = Vec::new();
+        let mut positives = Vec::new();
         let mut tagged = Vec::new();
-        for (id, grad) in rows {
+        for (id, grad, positive) in rows {
             let slot = *slot_of.entry(id).or_insert_with(|| {
                 ids.push(id);
+                positives.push(0);
                 ids.len() - 1
             });
+            positives[slot] += u32::from(positive);
             tagged.push((slot, grad));
         }
         // A counting sort by slot keeps each group's rows in their original order.
@@ -127,12 +137,24 @@ impl<'a> RowSums<'a> {
             parts[next[slot]] = grad;
             next[slot] += 1;
         }
-        Self { ids, starts, parts }
+        Self {
+            ids,
+            starts,
+            parts,
+            positives,
+        }
     }
 
     /// One AdaGrad step on each row of `params` (`params[s]` belongs to `ids[s]`) with its
-    /// summed gradient; rows in parallel on the current pool.
-    fn apply(&self, params: Vec<RowMut<'_>>, optimizer: AdaGrad, dim: usize) {
+    /// summed gradient plus `regularizer`'s; rows in parallel on the current pool.
+    fn apply(
+        &self,
+        params: Vec<RowMut<'_>>,
+        optimizer: AdaGrad,
+        regularizer: &Regularizer,
+        dim: usize,
+    ) {
+        let regularized = regularizer.is_active();
         params
             .into_par_iter()
             .enumerate()
@@ -143,7 +165,7 @@ impl<'a> RowSums<'a> {
                     let (first, rest) = self.parts[self.starts[s]..self.starts[s + 1]]
                         .split_first()
                         .expect("every group has a row");
-                    if rest.is_empty() {
+                    if rest.is_empty() && !regularized {
                         // One gradient row (most positives): nothing to sum.
                         optimizer.apply_row(emb, state, first);
                         return;
@@ -154,6 +176,7 @@ impl<'a> RowSums<'a> {
                             *a += b;
                         }
                     }
+                    regularizer.add_gradient(emb, self.positives[s], sum);
                     optimizer.apply_row(emb, state, sum);
                 },
             );
@@ -249,13 +272,16 @@ impl ComputeBackend for CpuCompute {
         let relations = &*rels;
         let model = &self.model;
         let known = self.known.as_ref();
+        // Reciprocal relations: r⁻¹ is row `inverse + r`.
+        let inverse = self.reciprocal.then(|| rels.emb.len() / dim / 2);
         let losses: Vec<f64> = self.pool.install(|| {
             blocks
                 .par_iter()
                 .zip(self.block_grads.par_iter_mut())
                 .map(|(block, grads)| {
                     WORKSPACE.with_borrow_mut(|ws| {
-                        let loss = run_block(ws, model, buffer, relations, known, block, dim);
+                        let loss =
+                            run_block(ws, model, buffer, relations, inverse, known, block, dim);
                         ws.swap_grads(grads);
                         loss
                     })
@@ -266,10 +292,12 @@ impl ComputeBackend for CpuCompute {
         // Sum the gradients of each row in block order (deterministic, whatever the thread
         // count), then take one AdaGrad step per touched row, rows in parallel.
         let nodes = RowSums::group(blocks.iter().zip(grads).flat_map(|(block, g)| {
-            let positives =
-                block.edges.iter().enumerate().flat_map(move |(i, e)| {
-                    [(e[0], row(&g.src, i, dim)), (e[2], row(&g.dst, i, dim))]
-                });
+            let positives = block.edges.iter().enumerate().flat_map(move |(i, e)| {
+                [
+                    (e[0], row(&g.src, i, dim), true),
+                    (e[2], row(&g.dst, i, dim), true),
+                ]
+            });
             positives
                 .chain(rows_of(block.neg_src, &g.neg_src, dim))
                 .chain(rows_of(block.neg_dst, &g.neg_dst, dim))
@@ -280,14 +308,20 @@ impl ComputeBackend for CpuCompute {
                 .zip(grads)
                 .filter(|(_, g)| !g.rel.is_empty())
                 .flat_map(|(block, g)| {
-                    block
+                    let forward = block
                         .edges
                         .iter()
                         .enumerate()
-                        .map(move |(i, e)| (e[1], row(&g.rel, i, dim)))
+                        .map(move |(i, e)| (e[1], row(&g.rel, i, dim), true));
+                    let inverse = inverse.into_iter().flat_map(move |offset| {
+                        block.edges.iter().enumerate().map(move |(i, e)| {
+                            (e[1] + offset as u32, row(&g.rel_src, i, dim), true)
+                        })
+                    });
+                    forward.chain(inverse)
                 }),
         );
-        let optimizer = self.optimizer;
+        let (optimizer, regularizer) = (self.optimizer, self.regularizer);
         let node_rows = host.disjoint_rows_mut(&nodes.ids);
         let mut rel_rows: Vec<Option<RowMut<'_>>> = rels
             .emb
@@ -305,8 +339,8 @@ impl ComputeBackend for CpuCompute {
             })
             .collect();
         self.pool.install(|| {
-            nodes.apply(node_rows, optimizer, dim);
-            relation_rows.apply(rel_rows, optimizer.for_relations(), dim);
+            nodes.apply(node_rows, optimizer, &regularizer, dim);
+            relation_rows.apply(rel_rows, optimizer.for_relations(), &regularizer, dim);
         });
         self.loss += losses.iter().sum::<f64>();
         Ok(())
@@ -318,6 +352,10 @@ impl ComputeBackend for CpuCompute {
 
     fn take_loss(&mut self) -> Result<f64, TrainError> {
         Ok(std::mem::take(&mut self.loss))
+    }
+
+    fn set_learning_rate(&mut self, lr: f32) {
+        self.optimizer.lr = lr;
     }
 
     fn sync_host(
@@ -345,11 +383,15 @@ fn gather(
     }
 }
 
+/// Trains one block; `inverse` is the offset of the inverse relations' rows when relations are
+/// reciprocal.
+#[allow(clippy::too_many_arguments)]
 fn run_block(
     ws: &mut ChunkWorkspace,
     model: &ChunkModel,
     buffer: &PartitionBuffer,
     relations: &Relations,
+    inverse: Option<usize>,
     known: Option<&FxHashSet<Edge>>,
     block: &Block<'_>,
     dim: usize,
@@ -357,13 +399,20 @@ fn run_block(
     let (mut src, mut dst) = (Vec::new(), Vec::new());
     gather(buffer, block.edges.iter().map(|e| e[0]), dim, &mut src);
     gather(buffer, block.edges.iter().map(|e| e[2]), dim, &mut dst);
-    let mut rel = Vec::new();
-    if !relations.emb.is_empty() {
-        for e in block.edges {
-            let r = e[1] as usize;
-            rel.extend_from_slice(&relations.emb[r * dim..(r + 1) * dim]);
-        }
-    }
+    let relation_rows = |offset: usize| -> Vec<f32> {
+        block
+            .edges
+            .iter()
+            .flat_map(|e| row(&relations.emb, offset + e[1] as usize, dim))
+            .copied()
+            .collect()
+    };
+    let rel = if relations.emb.is_empty() {
+        Vec::new()
+    } else {
+        relation_rows(0)
+    };
+    let rel_src = inverse.map(relation_rows);
     let masks = known.map(|known| {
         let src_mask: Vec<bool> = block
             .edges
@@ -395,6 +444,7 @@ fn run_block(
         neg_dst: block.neg_dst_rows,
         exclude_src: masks.as_ref().map(|m| m.0.as_slice()),
         exclude_dst: masks.as_ref().map(|m| m.1.as_slice()),
+        rel_src: rel_src.as_deref(),
     };
     ws.forward_backward(model, &chunk)
 }

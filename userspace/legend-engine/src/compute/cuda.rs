@@ -737,6 +737,10 @@ impl ComputeBackend for CudaCompute {
         Ok(self.engine.take_loss(&self.gpu)?)
     }
 
+    fn set_learning_rate(&mut self, lr: f32) {
+        self.engine.set_learning_rate(lr);
+    }
+
     fn sync_host(
         &mut self,
         host: &mut PartitionBuffer,

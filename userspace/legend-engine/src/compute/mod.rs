@@ -106,6 +106,8 @@ pub(crate) trait ComputeBackend {
     fn synchronize(&mut self) -> Result<(), TrainError>;
     /// The loss summed since the last call (waits for queued steps).
     fn take_loss(&mut self) -> Result<f64, TrainError>;
+    /// The learning rate of the steps from now on (node and relation rows alike).
+    fn set_learning_rate(&mut self, lr: f32);
     /// Makes the host copies current: the resident partitions in `host` and `rels`.
     fn sync_host(
         &mut self,

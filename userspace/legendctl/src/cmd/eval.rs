@@ -24,6 +24,11 @@ pub struct Args {
     /// The score function of --embeddings: dot, distmult, complex, transe_l1, transe_l2.
     #[arg(long)]
     decoder: Option<Decoder>,
+    /// --embeddings were trained with reciprocal relations: `relations.npy` has twice the
+    /// dataset's relations, the inverse of relation r at row R + r, and source queries are
+    /// answered through the inverses.
+    #[arg(long, requires = "embeddings")]
+    reciprocal: bool,
     /// `filtered` (full ranking, known triples removed) or `sampled` (uniform + degree negatives,
     /// unfiltered; for graphs too large to rank fully).
     ///
@@ -62,7 +67,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let (label, dataset, decoder, dim, entities, relations, negatives) =
+    let (label, dataset, decoder, dim, entities, relations, reciprocal, negatives) =
         match (&args.run, &args.embeddings) {
             (Some(run_dir), _) => {
                 let run = run::open(run_dir)?;
@@ -77,6 +82,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     meta.dim,
                     tables.entities,
                     tables.relations,
+                    meta.reciprocal_relations,
                     run::evaluation_negatives(&run)?,
                 )
             }
@@ -94,11 +100,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 let relations = if decoder.uses_relations() {
                     let path = dir.join("relations.npy");
                     let (r, rrows, rdim) = read_npy(&path)?;
-                    if rrows as u64 != dataset.meta().relations || rdim != dim {
+                    let want = dataset.meta().relations * if args.reciprocal { 2 } else { 1 };
+                    if rrows as u64 != want || rdim != dim {
                         bail!(
-                            "{}: shape ({rrows}, {rdim}), expected ({}, {dim})",
+                            "{}: shape ({rrows}, {rdim}), expected ({want}, {dim}){}",
                             path.display(),
-                            dataset.meta().relations
+                            if args.reciprocal {
+                                " (--reciprocal: the relations, then their inverses)"
+                            } else {
+                                ""
+                            }
                         );
                     }
                     r
@@ -112,6 +123,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     dim,
                     entities,
                     relations,
+                    args.reciprocal,
                     SampledNegatives::default(),
                 )
             }
@@ -127,7 +139,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
         threads: args.threads,
     };
-    let m = evaluate(&dataset, decoder, dim, &entities, &relations, &request)?;
+    let m = evaluate(
+        &dataset, decoder, dim, &entities, &relations, reciprocal, &request,
+    )?;
     if args.json {
         super::print_json(&m)?;
     } else {

@@ -85,7 +85,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     match outcome {
         Outcome::Finished(Some(m)) if !args.json => {
             let split = session.config().evaluation.split.split();
-            println!("{} {}: {}", out.display(), split.name(), describe(&m));
+            let best = session.best_epoch().map_or(String::new(), |e| {
+                format!(" (best epoch {e}, {}/best)", out.display())
+            });
+            println!("{} {}{best}: {}", out.display(), split.name(), describe(&m));
         }
         Outcome::Finished(_) => {}
         Outcome::Stopped(position) => {
