@@ -764,12 +764,6 @@ impl Config {
                 "dot has no relation parameters to invert",
             ));
         }
-        if self.optimizer.state == StateLayout::Row {
-            return Err(bad(
-                "optimizer.state",
-                "row-wise state is not supported yet",
-            ));
-        }
         let n = &t.negatives;
         if n.num_chunks == 0 || n.num_chunks > t.batch_size {
             return Err(bad(
