@@ -367,6 +367,14 @@ fn an_export_of_a_damaged_checkpoint_fails_and_leaves_no_files() {
     assert!(left.is_empty(), "a failed export left {left:?}");
 }
 
+/// Trains `run` on `ds` with `sets` and returns its `--json` result line (the last).
+fn train_result(ds: &Path, run: &Path, sets: &[&str]) -> serde_json::Value {
+    let mut args = train_args(ds, run, sets);
+    args.push("--json".into());
+    let out = ok(&argv(&args));
+    json(out.lines().last().unwrap())
+}
+
 /// `legendctl eval RUN --protocol sampled` ranks with the run's own `[evaluation]` negatives
 /// and seed, so it reproduces the run's final figure; flags still override them.
 #[test]
@@ -382,10 +390,7 @@ fn sampled_eval_of_a_run_reproduces_its_own_figure() {
         "evaluation.uniform_negatives=20",
         "evaluation.degree_negatives=10",
     ];
-    let mut args = train_args(&ds, &run, &sets);
-    args.push("--json".into());
-    let out = ok(&argv(&args));
-    let last = json(out.lines().last().unwrap());
+    let last = train_result(&ds, &run, &sets);
     let eval = json(ok(&["eval", &s(&run), "--protocol", "sampled", "--json"]).trim());
     for key in ["mrr", "mean_rank", "hits_at_10"] {
         assert_eq!(eval[key], last["metrics"][key], "{key}: {eval} vs {last}");
@@ -574,10 +579,7 @@ fn reciprocal_runs_export_and_evaluate_through_their_best_epoch() {
         "evaluation.epochs_per_eval=2",
         "evaluation.patience=1",
     ];
-    let mut args = train_args(&ds, &run, &sets);
-    args.push("--json".into());
-    let out = ok(&argv(&args));
-    let last = json(out.lines().last().unwrap());
+    let last = train_result(&ds, &run, &sets);
     let best = last["best_epoch"]
         .as_u64()
         .expect("the final line names the best epoch");
