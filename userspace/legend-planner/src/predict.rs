@@ -5,8 +5,9 @@ use serde::Serialize;
 use crate::error::PredictError;
 use crate::plan::{Bucket, Plan};
 
-/// Bytes per node per dimension in a partition: an f32 embedding plus an f32 AdaGrad state.
-const BYTES_PER_NODE_DIM: f64 = 8.0;
+/// Bytes per node per dimension of the paper's rows (an f32 embedding and an f32 AdaGrad state
+/// an element), the unit Theorem 3's constant is written in.
+const PAPER_BYTES_PER_NODE_DIM: f64 = 8.0;
 
 /// Theorem 3's constant: 2 overlap buckets per exchange, P = M/6 and n = 8·|V|·d·3/M.
 const THEOREM3_CONSTANT: f64 = 96.0;
@@ -18,8 +19,9 @@ pub struct PredictionInput {
     pub edges: u64,
     /// |V|: nodes.
     pub nodes: u64,
-    /// d: embedding dimension.
-    pub dim: u32,
+    /// Bytes of one node's row at rest: its embedding and its optimizer state (8·d for f32
+    /// rows with element-wise AdaGrad, the paper's; 4·(d + 1) with row-wise state).
+    pub row_bytes: f64,
     /// M: GPU buffer bytes (Theorem 3 assumes the C resident partitions fill it).
     pub buffer_bytes: f64,
     /// t: average compute time per edge, in seconds.
@@ -37,7 +39,7 @@ pub struct PredictionInput {
 pub struct Prediction {
     /// |E| / |V|², the left side of Theorem 3.
     pub density: f64,
-    /// 96·d² / (M·t·(w + r)), the right side of Theorem 3.
+    /// 96·d² / (M·t·(w + r)), the right side of Theorem 3 (d: `row_bytes` / 8).
     pub threshold: f64,
     /// Whether Theorem 3's sufficient condition `density ≥ threshold` holds.
     pub theorem3_holds: bool,
@@ -80,7 +82,7 @@ pub fn predict(plan: &Plan, input: &PredictionInput) -> Result<Prediction, Predi
     let n = plan.num_partitions as usize;
     let edges = input.edges as f64;
     let nodes = positive("nodes", input.nodes as f64)?;
-    let dim = positive("dim", f64::from(input.dim))?;
+    let row_bytes = positive("row_bytes", input.row_bytes)?;
     let m = positive("buffer_bytes", input.buffer_bytes)?;
     let t = positive("seconds_per_edge", input.seconds_per_edge)?;
     let w = positive("write_bytes_per_s", input.write_bytes_per_s)?;
@@ -102,7 +104,7 @@ pub fn predict(plan: &Plan, input: &PredictionInput) -> Result<Prediction, Predi
     };
     let group_s = |g: &[Bucket]| g.iter().map(bucket_s).sum::<f64>();
 
-    let partition_bytes = nodes / n as f64 * dim * BYTES_PER_NODE_DIM;
+    let partition_bytes = nodes / n as f64 * row_bytes;
     let swap_io_s = partition_bytes / w + partition_bytes / r;
     let first = plan.states.first().map_or(0, Vec::len) as f64;
     let last = plan.states.last().map_or(0, Vec::len) as f64;
@@ -118,7 +120,9 @@ pub fn predict(plan: &Plan, input: &PredictionInput) -> Result<Prediction, Predi
         exposed_io_s += (swap_io_s - overlap).max(0.0);
     }
     let density = edges / (nodes * nodes);
-    let threshold = THEOREM3_CONSTANT * dim * dim / (m * t * (w + r));
+    // The theorem's d², written for 8·d bytes a row, with the row's real bytes in its place.
+    let d = row_bytes / PAPER_BYTES_PER_NODE_DIM;
+    let threshold = THEOREM3_CONSTANT * d * d / (m * t * (w + r));
     Ok(Prediction {
         density,
         threshold,

@@ -269,7 +269,7 @@ fn twitter() -> legend_planner::PredictionInput {
     legend_planner::PredictionInput {
         edges: 1_460_000_000,
         nodes: 41_600_000,
-        dim: 100,
+        row_bytes: 800.0,
         buffer_bytes: 15e9,
         seconds_per_edge: 1e-7,
         write_bytes_per_s: 2e9,
@@ -299,6 +299,24 @@ fn theorem3_on_the_paper_figures() {
         ..twitter()
     };
     assert!(!legend_planner::predict(&p, &fm).unwrap().theorem3_holds);
+}
+
+#[test]
+fn smaller_rows_predict_less_io_and_a_lower_threshold() {
+    let p = plan(8, 3, Order::Legend).unwrap();
+    let element = legend_planner::predict(&p, &twitter()).unwrap();
+    // Row-wise AdaGrad state: 4·(100 + 1) bytes a row.
+    let row = legend_planner::predict(
+        &p,
+        &legend_planner::PredictionInput {
+            row_bytes: 404.0,
+            ..twitter()
+        },
+    )
+    .unwrap();
+    assert!((row.partition_bytes / element.partition_bytes - 404.0 / 800.0).abs() < 1e-12);
+    assert!((row.swap_io_s / element.swap_io_s - 404.0 / 800.0).abs() < 1e-12);
+    assert!((row.threshold / element.threshold - (404.0f64 / 800.0).powi(2)).abs() < 1e-12);
 }
 
 #[test]

@@ -35,6 +35,10 @@ pub struct Args {
     /// Prediction: embedding dimension.
     #[arg(long, default_value_t = 100)]
     dim: u32,
+    /// Prediction: AdaGrad's state, `element` (d floats a row) or `row` (one), as
+    /// `optimizer.state`.
+    #[arg(long, default_value = "element")]
+    state: legend_model::StateLayout,
     /// Prediction: buffer bytes M (default: C partitions of embeddings + state).
     #[arg(long)]
     buffer_bytes: Option<f64>,
@@ -69,12 +73,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let prediction = match (edges, nodes) {
         (Some(edges), Some(nodes)) => {
-            let partition_bytes =
-                nodes.div_ceil(u64::from(args.partitions)) as f64 * f64::from(args.dim) * 8.0;
+            let dim = args.dim as usize;
+            let row_bytes = ((dim + args.state.width(dim)) * 4) as f64;
+            let partition_bytes = nodes.div_ceil(u64::from(args.partitions)) as f64 * row_bytes;
             let input = PredictionInput {
                 edges,
                 nodes,
-                dim: args.dim,
+                row_bytes,
                 buffer_bytes: args
                     .buffer_bytes
                     .unwrap_or(partition_bytes * f64::from(args.buffer)),
