@@ -10,7 +10,10 @@
  *   persistent (rw)       0: get_pages_persistent fails with -ENOTSUPP, as on MIG or vGPU;
  *   table_version (rw)    version reported in page tables (to test the version check);
  *   revoke (w)            frees every non-persistent page table as cudaFree would: calls its
- *                         free callback, then unmaps and frees it; put_pages on it then fails.
+ *                         free callback, then unmaps and frees it; put_pages on it then fails;
+ *   fail_put (rw)         1: put_pages fails with -EIO and keeps the page table and its free
+ *                         callback, as NVIDIA may for reasons of its own (a later revoke still
+ *                         calls the callback).
  */
 #include <linux/dma-mapping.h>
 #include <linux/list.h>
@@ -36,6 +39,8 @@ static bool persistent = true;
 module_param(persistent, bool, 0644);
 static unsigned int table_version = NVIDIA_P2P_PAGE_TABLE_VERSION;
 module_param(table_version, uint, 0644);
+static bool fail_put;
+module_param(fail_put, bool, 0644);
 
 /* One page table handed out, with its DMA mapping if the caller made one. */
 struct fake_pin {
@@ -203,6 +208,8 @@ static int put(struct nvidia_p2p_page_table *page_table, bool persist)
 {
 	struct fake_pin *p;
 
+	if (READ_ONCE(fail_put))
+		return -EIO;
 	mutex_lock(&pins_lock);
 	p = find_pin(page_table);
 	if (!p || p->persistent != persist) {

@@ -17,6 +17,7 @@ use crate::*;
 pub const TESTS: &[(&str, Test)] = &[
     ("gpu-persistent-dma", test_gpu_persistent),
     ("gpu-free-callback", test_gpu_free_callback),
+    ("gpu-put-failure-keeps-the-module", test_gpu_put_failure),
     ("gpu-callback-race", test_gpu_callback_race),
     ("gpu-bad-mappings", test_gpu_bad),
     ("threaded-fuzz-with-revocations", test_threaded_fuzz),
@@ -106,6 +107,56 @@ fn test_gpu_persistent() -> TestResult {
 /// Callback mode: NVIDIA frees the memory under a live queue; the driver deletes the owner's
 /// queues before the callback returns, refuses the mapping and any new queue afterwards, and
 /// UNMAP still works, after which queues can be created again.
+/// legend_nvme's module references (each open file holds one; so does every callback NVIDIA
+/// may still call).
+fn module_refs() -> Result<u64, String> {
+    let text = std::fs::read_to_string("/sys/module/legend_nvme/refcnt")
+        .map_err(|e| format!("refcnt: {e}"))?;
+    text.trim()
+        .parse()
+        .map_err(|_| format!("refcnt: {text:?} is not a number"))
+}
+
+/// Sets `fail_put` back to 0 however the test ends: the other tests need put_pages.
+struct PutFailure;
+
+impl Drop for PutFailure {
+    fn drop(&mut self) {
+        let _ = fake_set("fail_put", "0");
+    }
+}
+
+/// A put_pages that fails for a reason of NVIDIA's own (not the callback race) leaves NVIDIA
+/// the registration and its free callback: the module must stay referenced until that callback
+/// has run, so that it cannot be unloaded under NVIDIA's pointer (issue 30, item 6). On a module
+/// that dropped its reference with the mapping, refcnt was back at its baseline at once.
+fn test_gpu_put_failure() -> TestResult {
+    let base = fake_get("va_base")?;
+    fake_set("persistent", "0")?;
+    let baseline = module_refs()?;
+    {
+        let dev = Dev::open()?;
+        let (h, _) = map_gpu(&dev, base, GPU_PAGE).map_err(|e| format!("MAP GPU: errno {e}"))?;
+        let _restore = PutFailure;
+        fake_set("fail_put", "1")?;
+        // The mapping goes; NVIDIA keeps its pages and may still call back.
+        let _ = dev.unmap(h);
+    }
+    let held = module_refs()?;
+    check(held == baseline + 1 && fake_get("pinned")? == 1, || {
+        format!(
+            "after a failed put_pages and close: refcnt {held} (baseline {baseline}), {} pins",
+            fake_get("pinned").unwrap_or(u64::MAX)
+        )
+    })?;
+    // NVIDIA frees the pages at last: the callback runs on live state and drops the reference.
+    fake_set("revoke", "1")?;
+    let after = module_refs()?;
+    check(after == baseline && fake_get("pinned")? == 0, || {
+        format!("after the callback: refcnt {after} (baseline {baseline})")
+    })
+}
+
 fn test_gpu_free_callback() -> TestResult {
     let base = fake_get("va_base")?;
     fake_set("persistent", "0")?;
