@@ -24,6 +24,25 @@ fn dir_flags() -> OFlag {
     OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC
 }
 
+/// Seconds since the epoch by the clock the kernel stamps files' times with (the coarse
+/// real-time clock, which trails `SystemTime::now()` by up to a tick): a file made after this
+/// call was born at or after the second it returns. A job's submission is timed with it; timed
+/// with the precise clock, a file the job made within a tick of a second's start was born "in
+/// the second before" and stayed the daemon's.
+pub fn file_clock_secs() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to fill; CLOCK_REALTIME_COARSE exists on Linux.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) };
+    if r == 0 {
+        u64::try_from(ts.tv_sec).unwrap_or(0)
+    } else {
+        0
+    }
+}
+
 /// Makes `owner` the owner of `dir` and of every file and directory under it that the daemon
 /// owns and that was made at or after `since` (seconds since the epoch: the job's submission);
 /// returns how many it changed.
@@ -173,13 +192,9 @@ mod tests {
             .unwrap()
             .as_secs()
             + 1;
-        // Files made for the job: after `since` (wait for the clock's next second).
-        while std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs()
-            < since
-        {
+        // Files made for the job: after `since` (wait for the file clock's next second; the
+        // precise clock can be past it a tick before files are stamped with it).
+        while file_clock_secs() < since {
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
         let sub = run.join("checkpoints");

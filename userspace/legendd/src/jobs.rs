@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use legend_daemon_api::{JobInfo, JobSpec, JobState, Progress, Reply};
 use legend_engine::config::{DeviceChoice, Protocol};
@@ -196,10 +196,11 @@ fn private_dir(dir: &Path) -> std::io::Result<()> {
         .create(dir)
 }
 
+/// Seconds since the epoch, by the clock files are stamped with (see
+/// [`crate::handover::file_clock_secs`]: a job's outputs are handed over by their birth time
+/// against its submission's).
 fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    crate::handover::file_clock_secs()
 }
 
 /// Unix time `secs` as `YYYY-MM-DD HH:MM:SS UTC`, for the job logs people read.
