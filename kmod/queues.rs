@@ -151,42 +151,12 @@ impl Controller {
         state.queues.reserve(1, GFP_KERNEL)?;
         let size_qid = ((args.depth - 1) << 16) | args.qid;
         // Polled queue: physically contiguous, interrupts disabled.
-        let c = self.admin(
-            live,
-            &Command {
-                opcode: OPC_CREATE_CQ,
-                prp1: cq,
-                cdw: [size_qid, 1, 0, 0, 0, 0],
-                ..Default::default()
-            },
-            None,
-        )?;
-        if c.status != 0 {
-            dev_err!(
-                self.dev(),
-                "Create I/O CQ {} failed with status {:#x}\n",
-                args.qid,
-                c.status
-            );
+        let cq_cdw = [size_qid, 1, 0, 0, 0, 0];
+        if !self.create_on_device(live, "CQ", OPC_CREATE_CQ, cq, cq_cdw, args.qid)? {
             return Err(EIO);
         }
-        let c = self.admin(
-            live,
-            &Command {
-                opcode: OPC_CREATE_SQ,
-                prp1: sq,
-                cdw: [size_qid, (args.qid << 16) | 1, 0, 0, 0, 0],
-                ..Default::default()
-            },
-            None,
-        )?;
-        if c.status != 0 {
-            dev_err!(
-                self.dev(),
-                "Create I/O SQ {} failed with status {:#x}\n",
-                args.qid,
-                c.status
-            );
+        let sq_cdw = [size_qid, (args.qid << 16) | 1, 0, 0, 0, 0];
+        if !self.create_on_device(live, "SQ", OPC_CREATE_SQ, sq, sq_cdw, args.qid)? {
             // The CQ must go too; if it cannot, the controller is stopped instead.
             self.delete_on_device(live, args.qid, &[OPC_DELETE_CQ])?;
             return Err(EIO);
@@ -220,6 +190,39 @@ impl Controller {
     ///
     /// `EIO`, whatever failed (a refusal, a timeout); the controller is then disabled and holds
     /// no queue.
+    /// Runs one Create I/O CQ or SQ command (`what`) for `qid`: `false` (logged) when the
+    /// controller refused it.
+    fn create_on_device(
+        &self,
+        live: &mut Live,
+        what: &str,
+        opcode: u8,
+        prp1: u64,
+        cdw: [u32; 6],
+        qid: u32,
+    ) -> Result<bool> {
+        let c = self.admin(
+            live,
+            &Command {
+                opcode,
+                prp1,
+                cdw,
+                ..Default::default()
+            },
+            None,
+        )?;
+        if c.status != 0 {
+            dev_err!(
+                self.dev(),
+                "Create I/O {} {} failed with status {:#x}\n",
+                what,
+                qid,
+                c.status
+            );
+        }
+        Ok(c.status == 0)
+    }
+
     pub(super) fn delete_on_device(&self, live: &mut Live, qid: u32, opcodes: &[u8]) -> Result {
         for &opcode in opcodes {
             let c = self
