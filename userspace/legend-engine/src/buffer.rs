@@ -7,31 +7,51 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use legend_dataset::PartitionScheme;
-use legend_model::{Init, StateLayout};
+use legend_model::{Dtype, Init, StateLayout};
 use rayon::prelude::*;
 use rustc_hash::FxHashMap;
 
-/// Floats of one row: its embedding and its AdaGrad state.
+/// One row: its embedding and its AdaGrad state, and the embedding's format at rest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RowShape {
     /// Embedding floats, d.
     pub dim: usize,
     /// AdaGrad accumulators: d (element-wise) or 1 (row-wise).
     pub state: usize,
+    /// The embedding's number format at rest (`storage.dtype`); in memory rows are f32 whose
+    /// values the format represents exactly.
+    pub dtype: Dtype,
 }
 
 impl RowShape {
-    /// Rows of dimension `dim` with AdaGrad state of `layout`.
+    /// f32 rows of dimension `dim` with AdaGrad state of `layout`.
     pub fn new(dim: usize, layout: StateLayout) -> RowShape {
         RowShape {
             dim,
             state: layout.width(dim),
+            dtype: Dtype::F32,
         }
     }
 
-    /// Bytes of one row (embedding and state, f32).
+    /// The same rows with embeddings of `dtype` at rest.
+    pub fn with_dtype(self, dtype: Dtype) -> RowShape {
+        RowShape { dtype, ..self }
+    }
+
+    /// Bytes of one row at rest (embedding in its format, state f32).
     pub fn bytes(self) -> u64 {
+        (self.dim * self.dtype.bytes() + self.state * 4) as u64
+    }
+
+    /// Bytes of one row in memory (f32 embedding and state): the host buffer, the memory
+    /// store and the GPU table.
+    pub fn memory_bytes(self) -> u64 {
         (self.dim + self.state) as u64 * 4
+    }
+
+    /// Bytes of `part`'s rows at rest (what a swap of it moves).
+    fn bytes_of(self, part: &Partition) -> u64 {
+        (part.emb.len() * self.dtype.bytes() + part.state.len() * 4) as u64
     }
 }
 
@@ -560,7 +580,7 @@ impl PartitionBuffer {
         let p = self.scheme.partition_of(id);
         let part = self.resident[p as usize].as_ref()?;
         let local = (u64::from(id) - self.scheme.range(p).start) as usize;
-        let RowShape { dim, state } = self.shape;
+        let RowShape { dim, state, .. } = self.shape;
         Some((
             &part.emb[local * dim..(local + 1) * dim],
             &part.state[local * state..(local + 1) * state],
@@ -573,7 +593,7 @@ impl PartitionBuffer {
         let start = self.scheme.range(p).start;
         let part = self.resident[p as usize].as_mut()?;
         let local = (u64::from(id) - start) as usize;
-        let RowShape { dim, state } = self.shape;
+        let RowShape { dim, state, .. } = self.shape;
         Some((
             &mut part.emb[local * dim..(local + 1) * dim],
             &mut part.state[local * state..(local + 1) * state],
@@ -585,7 +605,9 @@ impl PartitionBuffer {
     /// # Panics
     /// If an id repeats or its partition is not resident.
     pub fn disjoint_rows_mut(&mut self, ids: &[u32]) -> Vec<RowMut<'_>> {
-        let RowShape { dim, state: width } = self.shape;
+        let RowShape {
+            dim, state: width, ..
+        } = self.shape;
         let scheme = self.scheme;
         // What is left of each resident partition past the last row handed out, and the id of
         // its first row: ids are visited in ascending order, each row split off the front.
@@ -667,7 +689,7 @@ fn serve(
                         h.before_write(&mut old)?;
                         stats.hook_time += t.elapsed();
                     }
-                    match evict_into(store, old, &mut stats)? {
+                    match evict_into(store, old, shape, &mut stats)? {
                         // The file stores' memory is reused for the partition being loaded.
                         Some(old) => old,
                         None => Partition::empty(load),
@@ -727,7 +749,7 @@ fn serve(
             Ok(Reply::stats(stats))
         }
         Request::Flush(parts) => {
-            write_back(store, &parts, &mut stats)?;
+            write_back(store, &parts, shape, &mut stats)?;
             store.sync()?;
             stats.io_time = started.elapsed();
             Ok(Reply {
@@ -737,7 +759,7 @@ fn serve(
         }
         Request::Evict(parts) => {
             for part in parts {
-                evict_into(store, part, &mut stats)?;
+                evict_into(store, part, shape, &mut stats)?;
             }
             store.sync()?;
             stats.io_time = started.elapsed();
@@ -749,7 +771,7 @@ fn serve(
             aux,
         } => {
             if !store.in_memory() {
-                write_back(store, &parts, &mut stats)?;
+                write_back(store, &parts, shape, &mut stats)?;
             }
             let committed = store.commit(&progress, &aux)?;
             stats.io_time = started.elapsed();
@@ -811,7 +833,7 @@ fn load_into(
     {
         (part.emb, part.state, part.fresh) = (emb, state, false);
         stats.reads += 1;
-        stats.bytes_read += (part.emb.len() + part.state.len()) as u64 * 4;
+        stats.bytes_read += shape.bytes_of(part);
         return Ok(());
     }
     for (floats, width) in [(&mut part.emb, dim), (&mut part.state, shape.state)] {
@@ -830,7 +852,7 @@ fn load_into(
         stats.initialised += 1;
     } else if found {
         stats.reads += 1;
-        stats.bytes_read += (part.emb.len() + part.state.len()) as u64 * 4;
+        stats.bytes_read += shape.bytes_of(part);
     } else {
         // Rows are independent draws (a hash of the row id): on every core, since one thread
         // takes 25-30 s for a partition of 5.2 M rows at d = 100 (the Twitter-shaped run's
@@ -850,14 +872,15 @@ fn load_into(
 fn evict_into(
     store: &mut impl PartitionStore,
     part: Partition,
+    shape: RowShape,
     stats: &mut IoStats,
 ) -> Result<Option<Partition>, StoreError> {
     if !store.in_memory() {
-        write_back(store, std::slice::from_ref(&part), stats)?;
+        write_back(store, std::slice::from_ref(&part), shape, stats)?;
         return Ok(Some(part));
     }
     stats.writes += 1;
-    stats.bytes_written += (part.emb.len() + part.state.len()) as u64 * 4;
+    stats.bytes_written += shape.bytes_of(&part);
     store.keep(part.id, part.emb, part.state)?;
     Ok(None)
 }
@@ -865,12 +888,13 @@ fn evict_into(
 fn write_back(
     store: &mut impl PartitionStore,
     parts: &[Partition],
+    shape: RowShape,
     stats: &mut IoStats,
 ) -> Result<(), StoreError> {
     for p in parts {
         store.write(p.id, &p.emb, &p.state)?;
         stats.writes += 1;
-        stats.bytes_written += (p.emb.len() + p.state.len()) as u64 * 4;
+        stats.bytes_written += shape.bytes_of(p);
     }
     Ok(())
 }

@@ -14,7 +14,8 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use legend_model::{
-    AdaGrad, Decoder, Distribution, Init, Loss, Penalty, Regularizer, RelationInit, StateLayout,
+    AdaGrad, Decoder, Distribution, Dtype, Init, Loss, Penalty, Regularizer, RelationInit,
+    StateLayout,
 };
 use legend_planner::Order;
 use serde::{Deserialize, Serialize};
@@ -126,6 +127,10 @@ pub struct StorageConfig {
     /// `samsung-980`, or `read=GB/s,write=GB/s,shared=true,iops=N,latency_us=N`), not as fast as
     /// the backing file allows.
     pub proxy_model: Option<String>,
+    /// The number format of node embeddings at rest and in every copy (`f32`, `bf16`, `f16`):
+    /// the AdaGrad step rounds to it, so the store, checkpoints and transfers narrow exactly.
+    #[serde(with = "by_name")]
+    pub dtype: Dtype,
 }
 
 impl Default for StorageConfig {
@@ -142,6 +147,7 @@ impl Default for StorageConfig {
             prefetch: true,
             gpu_edge_fraction: 0.25,
             proxy_model: None,
+            dtype: Dtype::F32,
         }
     }
 }
@@ -429,7 +435,7 @@ impl EvalSplit {
 }
 
 /// Serde through `FromStr` and `Display`, for the library types the configuration names.
-mod by_name {
+pub(crate) mod by_name {
     use std::fmt::Display;
     use std::str::FromStr;
 
@@ -513,9 +519,10 @@ impl Config {
         }
     }
 
-    /// Floats of an entity row: `model.dim` and the state of `optimizer.state`.
+    /// An entity row: `model.dim` in `storage.dtype` and the state of `optimizer.state`.
     pub fn entity_shape(&self) -> crate::buffer::RowShape {
         crate::buffer::RowShape::new(self.model.dim, self.optimizer.state)
+            .with_dtype(self.storage.dtype)
     }
 
     /// The regularizer of `[optimizer]`, for rows of `model.decoder`.
@@ -530,6 +537,15 @@ impl Config {
     /// The settings the GPU engine does not train yet, as a refusal naming them (`None`: it
     /// trains this configuration). Reciprocal relations and the regularisers are CPU-only so far.
     pub fn gpu_unsupported(&self) -> Option<ConfigError> {
+        if self.storage.dtype.is_narrow() {
+            return Some(bad(
+                "storage.dtype",
+                format!(
+                    "the GPU engine does not round rows to {} yet: use training.device = \"cpu\" or storage.dtype = \"f32\"",
+                    self.storage.dtype
+                ),
+            ));
+        }
         if self.model.decoder == Decoder::RotatE {
             return Some(bad(
                 "model.decoder",
@@ -579,6 +595,7 @@ impl Config {
                 RelationStart::Random => RelationInit::Random(node),
                 RelationStart::Identity => RelationInit::Identity,
             },
+            node_dtype: self.storage.dtype,
         }
     }
 
@@ -677,6 +694,14 @@ impl Config {
         }
         if !(0.0..=1.0).contains(&s.gpu_edge_fraction) {
             return Err(bad("storage.gpu_edge_fraction", "must be between 0 and 1"));
+        }
+        // The initial draw is at most 6.8 standard deviations from 0 (legend-model's
+        // Box-Muller takes u1 ≥ 2^-33), so this keeps every initial f16 row finite.
+        if s.dtype == Dtype::F16 && f64::from(self.model.init_scale) * 6.8 > 65504.0 {
+            return Err(bad(
+                "model.init_scale",
+                "initial rows would overflow storage.dtype = \"f16\" (at most 9600)",
+            ));
         }
         if let Some(model) = &s.proxy_model {
             if s.backend != Backend::Proxy {

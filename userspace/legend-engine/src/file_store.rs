@@ -12,6 +12,7 @@ use legend_storage::{
     StoreSpec, Target,
 };
 
+use crate::at_rest::{narrow, widen};
 use crate::buffer::{PartitionStore, RowShape, StoreError};
 use crate::controllers::{self, QueueBackend, QueueLocation, SharedController};
 use crate::run::Tables;
@@ -182,6 +183,7 @@ impl FileStore {
             dataset: Some(spec.dataset.clone()),
             dim: Some(spec.shape.dim as u32),
             state_width: Some(spec.shape.state as u32),
+            dtype: Some(spec.shape.dtype),
             num_partitions,
         };
         let io = IoConfig::default();
@@ -283,9 +285,11 @@ impl PartitionStore for FileStore {
             return Ok(true);
         }
         self.store.read(Region::Partition(p), &mut self.staging)?;
-        let data = self.staging.as_f32();
-        emb.copy_from_slice(&data[..emb.len()]);
-        state.copy_from_slice(&data[emb.len()..emb.len() + state.len()]);
+        let rows = self.store.partition(p)?.rows;
+        let spec = self.store.spec();
+        let (stored_emb, stored_state) = self.staging.split_partition_mut(rows, spec);
+        widen(spec.dtype, stored_emb, emb);
+        state.copy_from_slice(stored_state);
         Ok(true)
     }
 
@@ -293,9 +297,11 @@ impl PartitionStore for FileStore {
         if take_claim(&mut self.direct_writes, p) {
             return Ok(());
         }
-        let data = self.staging.as_f32_mut();
-        data[..emb.len()].copy_from_slice(emb);
-        data[emb.len()..emb.len() + state.len()].copy_from_slice(state);
+        let rows = self.store.partition(p)?.rows;
+        let spec = self.store.spec();
+        let (stored_emb, stored_state) = self.staging.split_partition_mut(rows, spec);
+        narrow(spec.dtype, emb, stored_emb);
+        stored_state.copy_from_slice(state);
         Ok(self.store.write(Region::Partition(p), &self.staging)?)
     }
 
@@ -329,6 +335,7 @@ fn store_spec(
         dataset,
         num_nodes,
         dim: shape.dim as u32,
+        dtype: shape.dtype,
         state_width: shape.state as u32,
         num_partitions,
         aux_bytes: aux_bytes.max(1),

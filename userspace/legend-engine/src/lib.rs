@@ -1,6 +1,7 @@
 //! Legend's training engine: configuration, the partition buffer, negative sampling and the
 //! trainer that walks the planner's bucket order, stepping on the CPU or on a CUDA GPU.
 
+mod at_rest;
 pub mod buffer;
 mod compute;
 pub mod config;

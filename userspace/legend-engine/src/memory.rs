@@ -57,7 +57,7 @@ impl HostEstimate {
             on_cuda && !config.uses_store() && config.capacity() == config.storage.num_partitions;
         let dim = config.model.dim as u64;
         let n = u64::from(config.storage.num_partitions.max(1));
-        let row_bytes = config.entity_shape().bytes(); // embedding + AdaGrad state
+        let row_bytes = config.entity_shape().memory_bytes(); // embedding + AdaGrad state
         let partition_bytes = dataset.entities.div_ceil(n) * row_bytes;
         let train = dataset.splits.get(Split::Train);
         let tables = match config.storage.backend {
@@ -437,7 +437,7 @@ impl GpuEstimate {
     ) -> GpuEstimate {
         // Embedding and gradient, and the state of `optimizer.state` (relations: element-wise).
         let dim = config.model.dim as u64;
-        let row = config.entity_shape().bytes() + dim * 4 + DEVICE_ROW_EXTRA_BYTES;
+        let row = config.entity_shape().memory_bytes() + dim * 4 + DEVICE_ROW_EXTRA_BYTES;
         let relation_row = dim * 4 * 3 + DEVICE_ROW_EXTRA_BYTES;
         let capacity = u64::from(config.capacity());
         let (table_rows, slot) = if capacity < u64::from(scheme.num_partitions) {

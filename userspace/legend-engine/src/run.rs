@@ -21,6 +21,7 @@ use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use legend_fs::{Access, Dir, Guard};
+use legend_model::Dtype;
 use serde::{Deserialize, Serialize};
 
 /// Version of the run directory layout.
@@ -44,6 +45,14 @@ pub struct RunMeta {
     /// runs from before row-wise state, which are element-wise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub entity_state_width: Option<usize>,
+    /// The entity embeddings' number format at rest (`storage.dtype`): in the store and in
+    /// the checkpoint's `entities.bin`. Absent in f32 runs (and runs from before 16-bit rows).
+    #[serde(
+        default,
+        with = "crate::config::by_name",
+        skip_serializing_if = "is_f32"
+    )]
+    pub entity_dtype: Dtype,
     /// Rows of the entity tables.
     pub entities: u64,
     /// Rows of the relation tables (0 for Dot; twice the dataset's relations when
@@ -100,8 +109,13 @@ impl RunMeta {
         crate::buffer::RowShape {
             dim: self.dim,
             state: self.entity_state_width.unwrap_or(self.dim),
+            dtype: self.entity_dtype,
         }
     }
+}
+
+fn is_f32(dtype: &Dtype) -> bool {
+    *dtype == Dtype::F32
 }
 
 /// Loaded parameters of a checkpoint.
@@ -238,22 +252,34 @@ pub struct TableWriter {
     path: PathBuf,
     out: BufWriter<File>,
     crc: crc32fast::Hasher,
+    /// The file's number format (the entity embeddings': `storage.dtype`; f32 otherwise).
+    dtype: Dtype,
+    /// Narrowed rows on their way out.
+    narrowed: Vec<u8>,
 }
 
 impl TableWriter {
-    fn create(dir: &Dir, name: &str) -> Result<TableWriter, RunError> {
+    fn create(dir: &Dir, name: &str, dtype: Dtype) -> Result<TableWriter, RunError> {
         let path = dir.join(name);
         let file = dir.open_file(name, Access::CreateNew).map_err(io(&path))?;
         Ok(TableWriter {
             out: BufWriter::with_capacity(1 << 20, file),
             crc: crc32fast::Hasher::new(),
             path,
+            dtype,
+            narrowed: Vec::new(),
         })
     }
 
-    /// Appends rows.
+    /// Appends rows (in a 16-bit file, rows the engine rounded: the narrowing is exact).
     pub fn write(&mut self, values: &[f32]) -> Result<(), RunError> {
-        let bytes: &[u8] = bytemuck::cast_slice(values);
+        let bytes: &[u8] = if self.dtype.is_narrow() {
+            self.narrowed.resize(values.len() * self.dtype.bytes(), 0);
+            self.dtype.narrow(values, &mut self.narrowed);
+            &self.narrowed
+        } else {
+            bytemuck::cast_slice(values)
+        };
         self.crc.update(bytes);
         self.out.write_all(bytes).map_err(io(&self.path))
     }
@@ -287,7 +313,8 @@ pub fn commit_checkpoint(
     let tmp = dir
         .create_dir(&tmp_name)
         .map_err(io(&dir.join(&tmp_name)))?;
-    let [e, es, r, rs] = TABLE_FILES.map(|f| TableWriter::create(&tmp, f));
+    let dtypes = [meta.entity_dtype, Dtype::F32, Dtype::F32, Dtype::F32];
+    let [e, es, r, rs] = [0, 1, 2, 3].map(|i| TableWriter::create(&tmp, TABLE_FILES[i], dtypes[i]));
     let (mut e, mut es, mut r, mut rs) = (e?, es?, r?, rs?);
     write_entities(&mut e, &mut es)?;
     r.write(relations.0)?;
@@ -374,23 +401,27 @@ pub fn stream_entities(
     }
     let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[0]);
     let path = run.join(&rel);
-    let want = meta.entities * meta.dim as u64 * 4;
+    let dtype = meta.entity_dtype;
+    let floats = meta.entities * meta.dim as u64;
+    let want = floats * dtype.bytes() as u64;
     let mut file = run.open_file(&rel, Access::Read).map_err(io(&path))?;
     let len = file.metadata().map_err(io(&path))?.len();
     if len != want {
         return Err(invalid(
             &path,
-            format!("holds {len} bytes, expected {want}"),
+            format!("holds {len} bytes, expected {want} ({dtype})"),
         ));
     }
     let mut crc = crc32fast::Hasher::new();
-    let mut buf = vec![0f32; STREAM_FLOATS.min(want as usize / 4)];
-    let mut left = want as usize / 4;
+    let mut buf = vec![0f32; STREAM_FLOATS.min(floats as usize)];
+    let mut stored = vec![0u8; buf.len() * dtype.bytes()];
+    let mut left = floats as usize;
     while left > 0 {
         let piece = &mut buf[..left.min(STREAM_FLOATS)];
-        file.read_exact(bytemuck::cast_slice_mut(piece))
-            .map_err(io(&path))?;
-        crc.update(bytemuck::cast_slice(piece));
+        let bytes = &mut stored[..piece.len() * dtype.bytes()];
+        file.read_exact(bytes).map_err(io(&path))?;
+        crc.update(bytes);
+        dtype.widen(bytes, piece);
         block(piece)?;
         left -= piece.len();
     }
@@ -449,6 +480,7 @@ pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Table
     let dir = Path::new(&meta.checkpoint);
     let rows = [meta.entities, meta.entities, meta.relations, meta.relations];
     let widths = [meta.dim, meta.entity_shape().state, meta.dim, meta.dim];
+    let dtypes = [meta.entity_dtype, Dtype::F32, Dtype::F32, Dtype::F32];
     let sums = [
         meta.checksums.entities,
         meta.checksums.entities_state,
@@ -456,25 +488,36 @@ pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Table
         meta.checksums.relations_state,
     ];
     let mut tables = Vec::with_capacity(4);
-    for (((file, rows), width), crc) in TABLE_FILES.iter().zip(rows).zip(widths).zip(sums) {
+    for (i, file) in TABLE_FILES.iter().enumerate() {
+        let (rows, width, dtype, crc) = (rows[i], widths[i], dtypes[i], sums[i]);
         let path = run.join(dir.join(file));
         let table_file = run
             .open_file(dir.join(file), Access::Read)
             .map_err(io(&path))?;
-        let want = rows as usize * width * 4;
+        let floats = rows as usize * width;
+        let want = floats * dtype.bytes();
         let len = table_file.metadata().map_err(io(&path))?.len();
         if len != want as u64 {
             return Err(invalid(
                 &path,
-                format!("holds {len} bytes, expected {want} ({rows} rows × {width} floats)"),
+                format!(
+                    "holds {len} bytes, expected {want} ({rows} rows × {width} values of {dtype})"
+                ),
             ));
         }
-        let mut table = vec![0f32; want / 4];
-        let sum = read_checksummed(
-            &table_file,
-            bytemuck::cast_slice_mut(&mut table),
-            READ_BLOCK,
-        )
+        let mut table = vec![0f32; floats];
+        let sum = if dtype.is_narrow() {
+            let mut stored = vec![0u8; want];
+            let sum = read_checksummed(&table_file, &mut stored, READ_BLOCK);
+            crate::at_rest::widen(dtype, &stored, &mut table);
+            sum
+        } else {
+            read_checksummed(
+                &table_file,
+                bytemuck::cast_slice_mut(&mut table),
+                READ_BLOCK,
+            )
+        }
         .map_err(io(&path))?;
         if sum != crc {
             return Err(invalid(

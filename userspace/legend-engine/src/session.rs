@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use legend_dataset::{Dataset, DatasetError, Split};
 use legend_eval::{Metrics, SampledNegatives};
 use legend_fs::{Access, Dir, Guard};
+use legend_model::Dtype;
 use serde::{Deserialize, Serialize};
 
 use crate::buffer::{MemoryStore, PartitionBuffer, RowShape, StoreError};
@@ -837,8 +838,8 @@ impl Session {
 }
 
 /// Bytes an epoch of `plan` writes to a store: every swap writes one partition's rows (an
-/// embedding and its AdaGrad state a row, `shape`, f32) back before the next is read into its slot; the
-/// state the epoch ends in is written at the checkpoint, not counted here.
+/// embedding in `shape.dtype` and its AdaGrad state a row) back before the next is read into
+/// its slot; the state the epoch ends in is written at the checkpoint, not counted here.
 pub fn store_bytes_per_epoch(entities: u64, shape: RowShape, plan: &legend_planner::Plan) -> u64 {
     let n = u64::from(plan.num_partitions.max(1));
     let partition = entities.div_ceil(n) * shape.bytes();
@@ -907,7 +908,8 @@ fn check_memory(
 }
 
 /// Refuses a configuration whose tables differ from the run's (a resume's `--set` of
-/// `model.dim`, `model.decoder` or `optimizer.state`): its checkpoint cannot be read as them.
+/// `model.dim`, `model.decoder`, `storage.dtype` or `optimizer.state`): its checkpoint cannot
+/// be read as them.
 fn check_tables_match(config: &Config, meta: &RunMeta) -> Result<(), SessionError> {
     let recorded = meta.entity_shape();
     let mismatch = if config.model.dim != meta.dim {
@@ -920,6 +922,11 @@ fn check_tables_match(config: &Config, meta: &RunMeta) -> Result<(), SessionErro
             "model.decoder = {} but the run trained {}",
             config.decoder(),
             meta.decoder
+        ))
+    } else if config.storage.dtype != recorded.dtype {
+        Some(format!(
+            "storage.dtype = {} but the run's rows are {}",
+            config.storage.dtype, recorded.dtype
         ))
     } else if config.entity_shape() != recorded {
         let name = |width: usize| if width == meta.dim { "element" } else { "row" };
@@ -950,6 +957,7 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
         decoder: decoder.name().into(),
         dim: config.model.dim,
         entity_state_width: Some(config.entity_shape().state),
+        entity_dtype: config.storage.dtype,
         entities: m.entities,
         relations: config.relation_rows(m.relations),
         reciprocal_relations: config.model.reciprocal_relations && decoder.uses_relations(),
@@ -971,6 +979,7 @@ fn new_placeholder_meta() -> RunMeta {
         decoder: String::new(),
         dim: 0,
         entity_state_width: None,
+        entity_dtype: Dtype::F32,
         entities: 0,
         relations: 0,
         reciprocal_relations: false,

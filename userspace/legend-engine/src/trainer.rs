@@ -210,6 +210,20 @@ pub enum TrainError {
     /// A checkpoint's position inside an epoch does not fit the run's plan.
     #[error("resuming: {0}")]
     Resume(String),
+    /// An updated node row left its format's range (`storage.dtype = "f16"`: beyond ±65504).
+    #[error(
+        "node row {row}, element {element}: {value} does not fit storage.dtype = \"{dtype}\"; use bf16 (f32's range) or f32, or lower optimizer.learning_rate"
+    )]
+    OutOfRange {
+        /// The row's global id.
+        row: u32,
+        /// The element.
+        element: usize,
+        /// Its value after the step.
+        value: f32,
+        /// The format.
+        dtype: legend_model::Dtype,
+    },
     /// The loss became NaN or infinite.
     #[error("the loss diverged (not finite) in epoch {epoch}; lower optimizer.learning_rate")]
     Diverged {
@@ -607,6 +621,7 @@ fn cpu_compute(
         },
         optimizer: config.adagrad(),
         regularizer: config.regularizer(),
+        dtype: config.storage.dtype,
         reciprocal: config.model.reciprocal_relations,
         dim: config.model.dim,
         num_chunks: t.negatives.num_chunks,

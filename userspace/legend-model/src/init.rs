@@ -80,6 +80,9 @@ pub struct Init {
     pub node: Distribution,
     /// How relation rows start.
     pub relation: RelationInit,
+    /// The node rows' format at rest: each drawn value is rounded to its nearest (relation
+    /// rows stay f32).
+    pub node_dtype: crate::Dtype,
 }
 
 /// The default node scale: normal with std 0.001, PyTorch-BigGraph's `init_scale = 1e-3` and
@@ -93,6 +96,7 @@ impl Default for Init {
             seed: 0,
             node: DEFAULT_NODE_INIT,
             relation: RelationInit::Identity,
+            node_dtype: crate::Dtype::F32,
         }
     }
 }
@@ -101,6 +105,10 @@ impl Init {
     /// Writes the initial value of node row `row` (global id) into `out`.
     pub fn node_row(&self, row: u64, out: &mut [f32]) {
         fill_row(self.seed, Table::Node, row, self.node, out);
+        if self.node_dtype.is_narrow() {
+            out.iter_mut()
+                .for_each(|x| *x = self.node_dtype.round_nearest(*x));
+        }
     }
 
     /// Writes the initial value of relation row `row` of `table` for `decoder` into `out`.

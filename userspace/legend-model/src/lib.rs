@@ -9,6 +9,7 @@
 mod adagrad;
 mod chunk;
 mod decoder;
+mod dtype;
 mod init;
 mod loss;
 mod permutation;
@@ -20,6 +21,7 @@ mod vmath;
 pub use adagrad::{AdaGrad, StateLayout};
 pub use chunk::{Chunk, ChunkGrads, ChunkModel, ChunkWorkspace};
 pub use decoder::{Comparator, Decoder, Side};
+pub use dtype::{Dtype, OutOfRange, ROUNDING_TAG, StepRounding};
 pub use init::{DEFAULT_NODE_INIT, Distribution, Init, RelationInit, Table, fill_row};
 pub use loss::{DEFAULT_MARGIN, Loss, RowLoss};
 pub use permutation::{PERMUTATION_ROUNDS, Permutation};

@@ -14,7 +14,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use legend_storage::{
-    CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, Region, Store, StoreError, StoreSpec,
+    CreateOptions, DatasetId, Dtype, Expect, IoBuffer, IoConfig, Region, Store, StoreError,
+    StoreSpec,
 };
 
 fn arg<T: std::str::FromStr>(args: &[String], i: usize, default: T) -> T {
@@ -43,6 +44,7 @@ fn main() -> Result<(), StoreError> {
         },
         num_nodes: (total_mib << 20) / (u64::from(dim) * 8),
         dim,
+        dtype: Dtype::F32,
         state_width: dim,
         num_partitions,
         aux_bytes: 0,

@@ -129,8 +129,8 @@ impl IoBuffer {
     }
 
     /// Splits a partition image of `rows` rows of `spec`'s store into its
-    /// embeddings (`rows · dim` floats) and its AdaGrad state (`rows ·
-    /// state_width`), the on-disk order.
+    /// embeddings (`rows · dim` elements of `spec.dtype`, as bytes) and its
+    /// AdaGrad state (`rows · state_width` f32), the on-disk order.
     ///
     /// # Panics
     /// If the buffer is shorter than the partition.
@@ -138,19 +138,23 @@ impl IoBuffer {
         &mut self,
         rows: u64,
         spec: &crate::StoreSpec,
-    ) -> (&mut [f32], &mut [f32]) {
-        let floats = |width: u32| {
-            usize::try_from(rows * u64::from(width)).expect("partition fits in memory")
-        };
-        let (emb, state) = (floats(spec.dim), floats(spec.state_width));
-        let all = self.as_f32_mut();
+    ) -> (&mut [u8], &mut [f32]) {
+        let too_big = "partition fits in memory";
+        let emb = usize::try_from(spec.embedding_bytes(rows).expect(too_big)).expect(too_big);
+        let state = usize::try_from(rows * u64::from(spec.state_width)).expect(too_big);
+        let all = self.as_bytes_mut();
         assert!(
-            all.len() >= emb + state,
-            "buffer of {} floats holds no partition of {emb} + {state}",
-            all.len()
+            all.len() >= emb + 4 * state,
+            "buffer of {} bytes holds no partition of {emb} + {} bytes",
+            all.len(),
+            4 * state
         );
         let (e, rest) = all.split_at_mut(emb);
-        (e, &mut rest[..state])
+        let used = (rows * u64::from(spec.dim)) as usize * spec.dtype.bytes();
+        (
+            &mut e[..used],
+            bytemuck::cast_slice_mut(&mut rest[..4 * state]),
+        )
     }
 
     pub(crate) fn raw(&self) -> &Arc<RawAlloc> {

@@ -82,6 +82,18 @@ pub enum StoreError {
         /// Accumulators per row the caller asked for.
         expected: u32,
     },
+    /// The store's embeddings have another number format than the caller's.
+    #[error(
+        "{path}: the store keeps {found} embeddings, but the run asks for {expected} (storage.dtype); a run keeps the dtype it started with: start a new run (and store) to change it"
+    )]
+    DtypeMismatch {
+        /// Store path.
+        path: PathBuf,
+        /// The store's format.
+        found: legend_model::Dtype,
+        /// The caller's.
+        expected: legend_model::Dtype,
+    },
     /// The store was written by a format version this build cannot read.
     #[error(
         "{path}: unsupported store format version {found} (this build reads versions 1 to {supported})"

@@ -236,6 +236,7 @@ impl Extents {
                     dataset: id,
                     num_nodes: 1,
                     dim: 1,
+                    dtype: crate::Dtype::F32,
                     state_width: 1,
                     num_partitions: 1,
                     aux_bytes: 0,

@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use legend_model::Dtype;
+
 use crate::error::StoreError;
 
 /// Bytes reserved for each of the two superblock copies (slot 0 at byte 0,
@@ -19,8 +21,8 @@ pub const MAX_PROGRESS_BYTES: u32 = 128 << 10;
 /// Longest dataset label, in bytes of UTF-8.
 pub const MAX_LABEL_BYTES: usize = 64;
 
-/// Bytes per stored element (the only dtype is `f32`).
-const ELEM_BYTES: u64 = 4;
+/// Bytes of one optimizer-state element (always `f32`).
+const STATE_ELEM_BYTES: u64 = 4;
 
 /// Identity of the dataset a store belongs to: an opaque 128-bit id chosen
 /// by the caller (e.g. a hash of the dataset manifest) and a human label
@@ -52,6 +54,8 @@ pub struct StoreSpec {
     pub num_nodes: u64,
     /// Embedding dimension d.
     pub dim: u32,
+    /// The embeddings' number format (the optimizer state is always f32).
+    pub dtype: Dtype,
     /// Optimizer accumulators per row: d (element-wise AdaGrad) or 1 (row-wise). Recorded
     /// from format version 2; a version-1 store has d.
     pub state_width: u32,
@@ -74,7 +78,21 @@ pub struct StoreSpec {
 impl StoreSpec {
     /// Bytes of one row at rest: its embedding and its optimizer state.
     pub fn row_bytes(&self) -> u64 {
-        (u64::from(self.dim) + u64::from(self.state_width)) * ELEM_BYTES
+        u64::from(self.dim) * self.dtype.bytes() as u64
+            + u64::from(self.state_width) * STATE_ELEM_BYTES
+    }
+
+    /// Bytes of the embeddings of a partition of `rows` rows, padded to 4 so that the f32
+    /// state after them is aligned (16-bit embeddings of an odd count); `None` on overflow.
+    pub fn embedding_bytes(&self, rows: u64) -> Option<u64> {
+        rows.checked_mul(u64::from(self.dim) * self.dtype.bytes() as u64)?
+            .checked_next_multiple_of(STATE_ELEM_BYTES)
+    }
+
+    /// Payload bytes of a partition of `rows` rows: embeddings (padded), then state.
+    pub fn partition_bytes(&self, rows: u64) -> Option<u64> {
+        self.embedding_bytes(rows)?
+            .checked_add(rows.checked_mul(u64::from(self.state_width) * STATE_ELEM_BYTES)?)
     }
 }
 
@@ -100,7 +118,7 @@ pub struct Extent {
     pub first_node: u64,
     /// Rows (nodes) it holds (0 for the auxiliary region).
     pub rows: u64,
-    /// Bytes of payload: `rows · (d + state_width) · 4` for a partition
+    /// Bytes of payload: [`StoreSpec::partition_bytes`] for a partition
     /// (embeddings, then AdaGrad state), `aux_bytes` for the auxiliary region.
     pub bytes: u64,
 }
@@ -150,12 +168,11 @@ impl Layout {
                 bytes,
             }),
         };
-        let row_bytes = spec.row_bytes();
         let mut partitions = Vec::with_capacity(spec.num_partitions as usize);
         for p in 0..spec.num_partitions {
             let nodes = partition_nodes(spec.num_nodes, spec.num_partitions, p);
             let rows = nodes.end - nodes.start;
-            let bytes = rows.checked_mul(row_bytes).ok_or_else(overflow)?;
+            let bytes = spec.partition_bytes(rows).ok_or_else(overflow)?;
             let first = take(bytes)?;
             let second = if spec.shadow { take(bytes)? } else { first };
             partitions.push(Extent {
@@ -232,6 +249,7 @@ mod tests {
             },
             num_nodes,
             dim,
+            dtype: Dtype::F32,
             state_width: dim,
             num_partitions,
             aux_bytes,

@@ -15,14 +15,15 @@
 //! # use legend_storage::*;
 //! # fn main() -> Result<(), StoreError> {
 //! let dataset = DatasetId { id: [0; 16], label: "fb15k".into() };
-//! let spec = StoreSpec { dataset, num_nodes: 14_951, dim: 100, state_width: 1, num_partitions: 4,
-//!     aux_bytes: 1 << 20, progress_capacity: 4096, shadow: true };
+//! let spec = StoreSpec { dataset, num_nodes: 14_951, dim: 100, dtype: Dtype::Bf16, state_width: 1,
+//!     num_partitions: 4, aux_bytes: 1 << 20, progress_capacity: 4096, shadow: true };
 //! let mut store = Store::create("store.bin".as_ref(), &spec, &CreateOptions::default())?;
 //! let mut slot = IoBuffer::new(store.max_partition_bytes())?;
 //! if !store.is_initialized(Region::Partition(0))? {
 //!     let rows = store.partition(0)?.rows;
 //!     let (emb, state) = slot.split_partition_mut(rows, &spec);
-//!     emb.fill(0.01); // the engine's initialiser
+//!     let rows = vec![0.01f32; state.len() * 100]; // the engine's initialiser
+//!     spec.dtype.narrow(&rows, emb);
 //!     state.fill(0.0);
 //! } else {
 //!     store.read(Region::Partition(0), &mut slot)?;
@@ -51,6 +52,7 @@ pub use layout::{
     BASE_ALIGN, DatasetId, Extent, Layout, MAX_LABEL_BYTES, MAX_PARTITIONS, MAX_PROGRESS_BYTES,
     SUPERBLOCK_SLOT_BYTES, StoreSpec, partition_nodes, rows_per_partition,
 };
+pub use legend_model::Dtype;
 pub use medium::Target;
 pub use nvme::NvmeTarget;
 pub use store::{CreateOptions, Expect, IoConfig, IoRequest, Region, Store};

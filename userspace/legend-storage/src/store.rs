@@ -2,6 +2,8 @@
 
 use std::path::Path;
 
+use legend_model::Dtype;
+
 use crate::buffer::IoBuffer;
 use crate::error::StoreError;
 use crate::layout::{DatasetId, Extent, Layout, SUPERBLOCK_SLOT_BYTES, StoreSpec};
@@ -62,6 +64,8 @@ pub struct Expect {
     pub dim: Option<u32>,
     /// Optimizer accumulators per row.
     pub state_width: Option<u32>,
+    /// The embeddings' number format.
+    pub dtype: Option<Dtype>,
     /// The number of partitions.
     pub num_partitions: Option<u32>,
 }
@@ -69,8 +73,8 @@ pub struct Expect {
 /// A region of the store that can be read or written as a whole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Region {
-    /// Partition `p`: `[embeddings | AdaGrad state]`, `rows · d` and `rows ·
-    /// state_width` f32.
+    /// Partition `p`: `[embeddings | AdaGrad state]`, `rows · d` elements of
+    /// the store's dtype (padded to 4 bytes) and `rows · state_width` f32.
     Partition(u32),
     /// The auxiliary region (relation parameters and their optimizer state,
     /// in the caller's own encoding), `aux_bytes` long.
@@ -276,6 +280,13 @@ impl Store {
             return Err(StoreError::StateMismatch {
                 path: path.to_owned(),
                 found: sb.spec.state_width,
+                expected: want,
+            });
+        }
+        if let Some(want) = expect.dtype.filter(|&d| d != sb.spec.dtype) {
+            return Err(StoreError::DtypeMismatch {
+                path: path.to_owned(),
+                found: sb.spec.dtype,
                 expected: want,
             });
         }

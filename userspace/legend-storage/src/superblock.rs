@@ -1,15 +1,37 @@
 //! Encoding and decoding of the superblock (see `Documentation/store-format.md`).
 
+use legend_model::Dtype;
+
 use crate::layout::{DatasetId, Extent, Layout, MAX_LABEL_BYTES, SUPERBLOCK_SLOT_BYTES, StoreSpec};
 
 /// First 8 bytes of every superblock copy.
 pub(crate) const MAGIC: [u8; 8] = *b"LGNDSTOR";
-/// The format version this build writes. Version 2 added the optimizer state's width
-/// (offset 192); version 1, whose state always had the embedding's shape, is still read.
-pub(crate) const FORMAT_VERSION: u32 = 2;
+/// The newest format version this build writes. Version 3 added 16-bit embeddings (the dtype
+/// at offset 124 may be bf16 or f16); version 2 added the optimizer state's width (offset
+/// 192); version 1, whose state always had the embedding's shape, is still read. A store is
+/// written at the oldest version that can describe it ([`version_for`]), so an f32 store
+/// stays readable by builds from before 16-bit rows, and a 16-bit one is refused by them as a
+/// newer version rather than as damaged.
+pub(crate) const FORMAT_VERSION: u32 = 3;
 /// The oldest format version this build reads.
 pub(crate) const OLDEST_VERSION: u32 = 1;
-const DTYPE_F32: u32 = 1;
+/// The embeddings' number format at offset 124: 1 = f32 (every store before 16-bit rows), 2 =
+/// bf16, 3 = f16.
+fn dtype_code(dtype: Dtype) -> u32 {
+    match dtype {
+        Dtype::F32 => 1,
+        Dtype::Bf16 => 2,
+        Dtype::F16 => 3,
+    }
+}
+
+fn version_for(spec: &StoreSpec) -> u32 {
+    if spec.dtype.is_narrow() { 3 } else { 2 }
+}
+
+fn dtype_of(code: u32) -> Option<Dtype> {
+    Dtype::ALL.into_iter().find(|&d| dtype_code(d) == code)
+}
 const FLAG_SHADOW: u32 = 1;
 const HEADER_BYTES: usize = 256;
 const ENTRY_BYTES: usize = 48;
@@ -99,7 +121,7 @@ impl Superblock {
         debug_assert!(len as u64 <= SUPERBLOCK_SLOT_BYTES);
         let mut w = Writer(vec![0; len]);
         w.put(0, &MAGIC);
-        w.u32(8, FORMAT_VERSION);
+        w.u32(8, version_for(s));
         w.u32(16, len as u32);
         w.u32(20, if s.shadow { FLAG_SHADOW } else { 0 });
         w.u64(24, self.generation);
@@ -107,7 +129,7 @@ impl Superblock {
         w.put(48, s.dataset.label.as_bytes());
         w.u64(112, s.num_nodes);
         w.u32(120, s.dim);
-        w.u32(124, DTYPE_F32);
+        w.u32(124, dtype_code(s.dtype));
         w.u32(128, s.num_partitions);
         w.u32(132, s.progress_capacity);
         w.u32(136, self.progress.len() as u32);
@@ -171,9 +193,9 @@ impl Superblock {
         let Ok(label) = std::str::from_utf8(&label_bytes[..label_end]) else {
             return bad("dataset label is not UTF-8".into());
         };
-        if r.u32(124) != DTYPE_F32 {
+        let Some(dtype) = dtype_of(r.u32(124)) else {
             return bad(format!("unknown dtype {}", r.u32(124)));
-        }
+        };
         let num_partitions = r.u32(128);
         let progress_len = r.u32(136) as usize;
         if flags & !FLAG_SHADOW != 0 || encoded_len(num_partitions as usize, progress_len) != len {
@@ -186,6 +208,7 @@ impl Superblock {
             },
             num_nodes: r.u64(112),
             dim: r.u32(120),
+            dtype,
             state_width: if version == 1 { r.u32(120) } else { r.u32(192) },
             num_partitions,
             aux_bytes: r.u64(168),
@@ -248,6 +271,7 @@ mod tests {
             },
             num_nodes: 14_951,
             dim: 100,
+            dtype: Dtype::F32,
             state_width: 1,
             num_partitions: 5,
             aux_bytes: 10_000,

@@ -9,8 +9,8 @@ use std::time::Duration;
 use legend_nvme_protocol::Status;
 use legend_nvme_proxy::{Faults, Proxy, ProxyOptions};
 use legend_storage::{
-    CreateOptions, DatasetId, Expect, Extents, IoBuffer, IoConfig, IoRequest, NvmeTarget, Region,
-    Store, StoreError, StoreSpec, Target,
+    CreateOptions, DatasetId, Dtype, Expect, Extents, IoBuffer, IoConfig, IoRequest, NvmeTarget,
+    Region, Store, StoreError, StoreSpec, Target,
 };
 
 fn spec() -> StoreSpec {
@@ -21,6 +21,7 @@ fn spec() -> StoreSpec {
         },
         num_nodes: 2_003,
         dim: 29,
+        dtype: Dtype::F32,
         state_width: 29,
         num_partitions: 4,
         aux_bytes: 5_000,
@@ -106,6 +107,7 @@ fn a_store_on_a_namespace_holds_what_a_file_store_holds() {
         let expect = Expect {
             dataset: Some(spec().dataset),
             dim: Some(29),
+            dtype: Some(Dtype::F32),
             state_width: Some(29),
             num_partitions: Some(4),
         };
@@ -379,6 +381,7 @@ fn reads_completing_out_of_order_land_in_their_own_buffers() {
     let spec = StoreSpec {
         num_nodes: 60_000,
         dim: 64,
+        dtype: Dtype::F32,
         state_width: 64,
         ..spec()
     };

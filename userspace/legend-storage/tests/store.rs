@@ -6,8 +6,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use legend_storage::{
-    CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, IoRequest, Region, SUPERBLOCK_SLOT_BYTES,
-    Store, StoreError, StoreSpec,
+    CreateOptions, DatasetId, Dtype, Expect, IoBuffer, IoConfig, IoRequest, Region,
+    SUPERBLOCK_SLOT_BYTES, Store, StoreError, StoreSpec,
 };
 use rand_like::fill;
 
@@ -36,6 +36,7 @@ fn spec(shadow: bool) -> StoreSpec {
         dataset: dataset(1),
         num_nodes: 1_003,
         dim: 37,
+        dtype: Dtype::F32,
         state_width: 37,
         num_partitions: 5,
         aux_bytes: 3_000,
@@ -60,8 +61,14 @@ fn store_path(dir: &tempfile::TempDir) -> PathBuf {
 fn filled(store: &Store, p: u32, seed: u64) -> IoBuffer {
     let mut b = IoBuffer::new(store.max_partition_bytes()).unwrap();
     let rows = store.partition(p).unwrap().rows;
-    let (emb, state) = b.split_partition_mut(rows, store.spec());
-    fill(emb, seed);
+    let spec = store.spec();
+    let (emb, state) = b.split_partition_mut(rows, spec);
+    let mut values = vec![0.0; rows as usize * spec.dim as usize];
+    fill(&mut values, seed);
+    values
+        .iter_mut()
+        .for_each(|v| *v = spec.dtype.round_nearest(*v));
+    spec.dtype.narrow(&values, emb);
     fill(state, seed + 1000);
     b
 }
@@ -84,6 +91,7 @@ fn expect_all() -> Expect {
     Expect {
         dataset: Some(dataset(1)),
         dim: Some(37),
+        dtype: Some(Dtype::F32),
         state_width: Some(37),
         num_partitions: Some(5),
     }
@@ -104,6 +112,63 @@ fn peek(path: &Path, offset: u64, len: usize) -> Vec<u8> {
     let mut b = vec![0; len];
     f.read_exact_at(&mut b, offset).unwrap();
     b
+}
+
+#[test]
+fn a_16_bit_store_keeps_its_rows_and_is_written_as_version_3() {
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let dir = scratch();
+        let path = store_path(&dir);
+        // 1003 rows of 37 over 5 partitions: odd element counts, so the state after the
+        // 16-bit embeddings needs the padding.
+        let spec = StoreSpec {
+            dtype,
+            state_width: 1,
+            ..spec(true)
+        };
+        let mut store = Store::create(&path, &spec, &CreateOptions::default()).unwrap();
+        let extent = store.partition(0).unwrap().clone();
+        assert_eq!(
+            extent.bytes,
+            (201 * 37 * 2_u64).next_multiple_of(4) + 201 * 4
+        );
+        let b = filled(&store, 0, 5);
+        store.write(Region::Partition(0), &b).unwrap();
+        store.commit(b"one").unwrap();
+        drop(store);
+        assert_eq!(
+            peek(&path, 8, 4),
+            3u32.to_le_bytes(),
+            "{dtype}: format version"
+        );
+        let expect = Expect {
+            dtype: Some(dtype),
+            state_width: Some(1),
+            ..expect_all()
+        };
+        let mut store = Store::open(&path, &expect, &IoConfig::default()).unwrap();
+        assert_eq!(store.spec().dtype, dtype);
+        assert_eq!(
+            read(&mut store, Region::Partition(0)),
+            payload(&store, 0, &b)
+        );
+        let f32_expected = Expect {
+            dtype: Some(Dtype::F32),
+            ..Expect::default()
+        };
+        let err = Store::open(&path, &f32_expected, &IoConfig::default()).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!(
+                "the store keeps {dtype} embeddings, but the run asks for f32"
+            )),
+            "{err}"
+        );
+    }
+    // An f32 store stays at version 2, readable by builds from before 16-bit rows.
+    let dir = scratch();
+    let path = store_path(&dir);
+    drop(Store::create(&path, &spec(true), &CreateOptions::default()).unwrap());
+    assert_eq!(peek(&path, 8, 4), 2u32.to_le_bytes());
 }
 
 #[test]
@@ -172,6 +237,7 @@ fn batch_keeps_many_requests_in_flight() {
     let big = StoreSpec {
         num_nodes: 20_000,
         dim: 16,
+        dtype: Dtype::F32,
         state_width: 16,
         num_partitions: 4,
         ..spec(true)
@@ -432,6 +498,20 @@ fn other_dataset_dim_or_partition_count_is_refused_naming_both() {
     let err = Store::open(
         &path,
         &Expect {
+            dtype: Some(Dtype::Bf16),
+            ..Expect::default()
+        },
+        &io,
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("the store keeps f32 embeddings, but the run asks for bf16"),
+        "{err}"
+    );
+    let err = Store::open(
+        &path,
+        &Expect {
             num_partitions: Some(8),
             ..Expect::default()
         },
@@ -469,6 +549,7 @@ fn device_too_small_is_refused_naming_both_sizes() {
     let huge = StoreSpec {
         num_nodes: 1 << 40,
         dim: 512,
+        dtype: Dtype::F32,
         state_width: 512,
         num_partitions: 16,
         ..spec(false)

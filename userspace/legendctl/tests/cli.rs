@@ -44,19 +44,20 @@ fn import_json_summary_and_plan_json_keys() {
     );
     assert_eq!(plan["io_count"], 8);
     // The prediction's partitions hold the rows' real bytes: 4·(100 + 100) element-wise,
-    // 4·(100 + 1) with row-wise state.
-    let predicted = |state: &str| {
+    // 4·(100 + 1) with row-wise state, 2·100 + 4 with bf16 rows and row-wise state.
+    let predicted = |state: &str, dtype: &str| {
         let p = json(
             ok(&[
                 "plan", "-n", "8", "-c", "3", "--nodes", "800", "--edges", "9000", "--state",
-                state, "--json",
+                state, "--dtype", dtype, "--json",
             ])
             .trim(),
         );
         p["prediction"]["partition_bytes"].as_f64().unwrap()
     };
-    assert_eq!(predicted("element"), 100.0 * 800.0);
-    assert_eq!(predicted("row"), 100.0 * 404.0);
+    assert_eq!(predicted("element", "f32"), 100.0 * 800.0);
+    assert_eq!(predicted("row", "f32"), 100.0 * 404.0);
+    assert_eq!(predicted("row", "bf16"), 100.0 * 204.0);
     fails(&["plan", "-n", "6", "-c", "4", "--order", "legend"], "4");
     fails(
         &[

@@ -263,6 +263,169 @@ fn row_wise_state_is_the_same_on_every_backend_and_resumes_exactly() {
     );
 }
 
+/// 16-bit rows (`storage.dtype`): the same tables on every backend and thread count, a
+/// resume repeats the uninterrupted run bit for bit, every exported value is a bf16, a swap
+/// writes 2 bytes an element, and neither the format nor an f16 overflow passes silently.
+#[test]
+fn sixteen_bit_rows_are_the_same_everywhere_and_resume_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = s(&graph(dir.path(), 600, 6, false));
+    let backing = memory_tempdir();
+    let proxy_path = format!("storage.path=\"{}\"", s(&backing.path().join("store.bin")));
+    let bf16 = [
+        "--set",
+        "storage.dtype=bf16",
+        "--set",
+        "optimizer.state=row",
+    ];
+    let straight = dir.path().join("straight");
+    let mut extra = bf16.to_vec();
+    extra.extend([
+        "--set",
+        "training.num_epochs=3",
+        "--set",
+        "training.threads=1",
+    ]);
+    ok(&train_args(&ds, &s(&straight), &extra));
+    let want = tables(&straight);
+    let entities = &want[..600 * 16 * 4];
+    let values: &[f32] = bytemuck::cast_slice(entities);
+    assert!(
+        values.iter().all(|v| v.to_bits() & 0xffff == 0) && values.iter().any(|&v| v != 0.0),
+        "an exported value is not a bf16"
+    );
+    let backends: [&[&str]; 3] = [
+        &["--set", "storage.backend=memory"],
+        &["--set", "storage.backend=file"],
+        &["--set", "storage.backend=proxy", "--set", &proxy_path],
+    ];
+    for (i, backend) in backends.iter().enumerate() {
+        let out = dir.path().join(format!("bf16-{i}"));
+        let mut extra = bf16.to_vec();
+        extra.extend([
+            "--set",
+            "training.num_epochs=2",
+            "--set",
+            "training.threads=3",
+        ]);
+        extra.extend(*backend);
+        ok(&train_args(&ds, &s(&out), &extra));
+        let meta = std::fs::read_to_string(out.join("run.toml")).unwrap();
+        assert!(meta.contains("entity_dtype = \"bf16\""), "{meta}");
+        ok(&[
+            "train",
+            "--out",
+            &s(&out),
+            "--resume",
+            "--set",
+            "training.num_epochs=3",
+        ]);
+        assert!(
+            tables(&out) == want,
+            "backend {i}: the resumed bf16 run differs from the uninterrupted one"
+        );
+    }
+    // The memory backend's checkpoint holds 2 bytes an element.
+    let checkpoint = std::fs::read_dir(dir.path().join("bf16-0/checkpoints"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    assert_eq!(
+        std::fs::metadata(checkpoint.join("entities.bin"))
+            .unwrap()
+            .len(),
+        600 * 16 * 2
+    );
+    let f32_run = dir.path().join("f32");
+    ok(&train_args(
+        &ds,
+        &s(&f32_run),
+        &[
+            "--set",
+            "optimizer.state=row",
+            "--set",
+            "training.num_epochs=3",
+        ],
+    ));
+    assert!(tables(&f32_run) != want, "the dtype changed nothing");
+    // A swap writes 16 × 2 + 4 bytes a row instead of 16 × 4 + 4.
+    let written = |dtype: &str, name: &str| {
+        let out = ok(&train_args(
+            &ds,
+            &s(&dir.path().join(name)),
+            &[
+                "--set",
+                "storage.backend=file",
+                "--set",
+                "optimizer.state=row",
+                "--set",
+                dtype,
+                "--set",
+                "training.num_epochs=1",
+                "--json",
+            ],
+        ));
+        let epoch: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+        epoch["bytes_written"].as_u64().unwrap()
+    };
+    let (narrow, wide) = (
+        written("storage.dtype=bf16", "bf16_file"),
+        written("storage.dtype=f32", "f32_file"),
+    );
+    assert!(narrow > 0 && narrow * 68 == wide * 36, "{narrow} vs {wide}");
+    let refused = |args: &[&str], want: &str| {
+        let r = run(args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(!r.status.success(), "{args:?} was accepted");
+        assert!(err.contains(want), "{err}");
+    };
+    refused(
+        &[
+            "train",
+            "--out",
+            &s(&dir.path().join("bf16-1")),
+            "--resume",
+            "--set",
+            "storage.dtype=f16",
+            "--set",
+            "training.num_epochs=4",
+        ],
+        "storage.dtype = f16 but the run's rows are bf16",
+    );
+    // f16 tops out at 65504: a step past it stops the run naming the row, never an inf.
+    let mut huge = vec![
+        "--set",
+        "storage.dtype=f16",
+        "--set",
+        "model.init_scale=9000",
+    ];
+    huge.extend([
+        "--set",
+        "optimizer.learning_rate=100000",
+        "--set",
+        "training.num_epochs=1",
+    ]);
+    refused(
+        &train_args(&ds, &s(&dir.path().join("overflow")), &huge),
+        "does not fit storage.dtype = \"f16\"",
+    );
+    refused(
+        &train_args(
+            &ds,
+            &s(&dir.path().join("too-wide")),
+            &[
+                "--set",
+                "storage.dtype=f16",
+                "--set",
+                "model.init_scale=10000",
+            ],
+        ),
+        "initial rows would overflow storage.dtype",
+    );
+}
+
 #[test]
 fn a_store_of_another_dataset_is_refused() {
     let dir = tempfile::tempdir().unwrap();

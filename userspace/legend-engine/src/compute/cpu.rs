@@ -5,9 +5,12 @@
 use legend_dataset::Edge;
 use std::cell::RefCell;
 
-use legend_model::{AdaGrad, Chunk, ChunkGrads, ChunkModel, ChunkWorkspace, Regularizer};
+use legend_model::{
+    AdaGrad, Chunk, ChunkGrads, ChunkModel, ChunkWorkspace, Dtype, Regularizer, StepRounding,
+};
 use rayon::prelude::*;
 use rustc_hash::{FxHashMap, FxHashSet};
+use std::sync::Mutex;
 
 use super::{BucketRef, ComputeBackend, Step};
 use crate::buffer::{PartitionBuffer, RowMut, SwapHook};
@@ -47,6 +50,8 @@ pub(crate) struct CpuCompute {
     pub(crate) model: ChunkModel,
     pub(crate) optimizer: AdaGrad,
     pub(crate) regularizer: Regularizer,
+    /// `storage.dtype`: updated node rows are rounded to it.
+    pub(crate) dtype: Dtype,
     /// Reciprocal relations: the relation table's second half holds the inverses.
     pub(crate) reciprocal: bool,
     pub(crate) dim: usize,
@@ -146,15 +151,19 @@ impl<'a> RowSums<'a> {
     }
 
     /// One AdaGrad step on each row of `params` (`params[s]` belongs to `ids[s]`) with its
-    /// summed gradient plus `regularizer`'s; rows in parallel on the current pool.
+    /// summed gradient plus `regularizer`'s, then `rounding` of the updated row (node rows
+    /// stored in 16 bits); rows in parallel on the current pool. A row that leaves the
+    /// format's range is an error naming it.
     fn apply(
         &self,
         params: Vec<RowMut<'_>>,
         optimizer: AdaGrad,
         regularizer: &Regularizer,
+        rounding: Option<StepRounding>,
         dim: usize,
-    ) {
+    ) -> Result<(), TrainError> {
         let regularized = regularizer.is_active();
+        let out_of_range = Mutex::new(None);
         params
             .into_par_iter()
             .enumerate()
@@ -168,18 +177,36 @@ impl<'a> RowSums<'a> {
                     if rest.is_empty() && !regularized {
                         // One gradient row (most positives): nothing to sum.
                         optimizer.apply_row(emb, state, first);
-                        return;
+                    } else {
+                        sum.copy_from_slice(first);
+                        for grad in rest {
+                            for (a, b) in sum.iter_mut().zip(*grad) {
+                                *a += b;
+                            }
+                        }
+                        regularizer.add_gradient(emb, self.positives[s], sum);
+                        optimizer.apply_row(emb, state, sum);
                     }
-                    sum.copy_from_slice(first);
-                    for grad in rest {
-                        for (a, b) in sum.iter_mut().zip(*grad) {
-                            *a += b;
+                    if let Some(rounding) = rounding
+                        && let Err(e) = rounding.round(u64::from(self.ids[s]), emb)
+                    {
+                        let mut first = out_of_range.lock().unwrap_or_else(|p| p.into_inner());
+                        // The smallest row id, so the message is the same on any thread count.
+                        if first.is_none_or(|(id, _)| id > self.ids[s]) {
+                            *first = Some((self.ids[s], e));
                         }
                     }
-                    regularizer.add_gradient(emb, self.positives[s], sum);
-                    optimizer.apply_row(emb, state, sum);
                 },
             );
+        match out_of_range.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            None => Ok(()),
+            Some((row, e)) => Err(TrainError::OutOfRange {
+                row,
+                element: e.element,
+                value: e.value,
+                dtype: rounding.map_or(Dtype::F32, |r| r.dtype),
+            }),
+        }
     }
 }
 
@@ -338,10 +365,16 @@ impl ComputeBackend for CpuCompute {
                     .expect("relation ids are distinct")
             })
             .collect();
-        self.pool.install(|| {
-            nodes.apply(node_rows, optimizer, &regularizer, dim);
-            relation_rows.apply(rel_rows, optimizer.for_relations(), &regularizer, dim);
+        let rounding = self.dtype.is_narrow().then_some(StepRounding {
+            dtype: self.dtype,
+            seed: self.seed,
+            epoch: step.epoch,
+            batch: step.batch_no,
         });
+        self.pool.install(|| {
+            nodes.apply(node_rows, optimizer, &regularizer, rounding, dim)?;
+            relation_rows.apply(rel_rows, optimizer.for_relations(), &regularizer, None, dim)
+        })?;
         self.loss += losses.iter().sum::<f64>();
         Ok(())
     }

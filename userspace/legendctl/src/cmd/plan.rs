@@ -39,6 +39,9 @@ pub struct Args {
     /// `optimizer.state`.
     #[arg(long, default_value = "element")]
     state: legend_model::StateLayout,
+    /// Prediction: the embeddings' format at rest, `f32`, `bf16` or `f16`, as `storage.dtype`.
+    #[arg(long, default_value = "f32")]
+    dtype: legend_model::Dtype,
     /// Prediction: buffer bytes M (default: C partitions of embeddings + state).
     #[arg(long)]
     buffer_bytes: Option<f64>,
@@ -74,7 +77,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let prediction = match (edges, nodes) {
         (Some(edges), Some(nodes)) => {
             let dim = args.dim as usize;
-            let row_bytes = ((dim + args.state.width(dim)) * 4) as f64;
+            let row_bytes = (dim * args.dtype.bytes() + args.state.width(dim) * 4) as f64;
             let partition_bytes = nodes.div_ceil(u64::from(args.partitions)) as f64 * row_bytes;
             let input = PredictionInput {
                 edges,
