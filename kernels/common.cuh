@@ -26,6 +26,102 @@ __device__ __forceinline__ u64 legend_below(u64 bits, u64 n) {
     return __umul64hi(bits, n);
 }
 
+// The key of the stream named by seed and four counters: legend-model's rng::key(seed,
+// [a, b, c, d]).
+__device__ __forceinline__ u64 legend_key4(u64 seed, u64 a, u64 b, u64 c, u64 d) {
+    u64 k = legend_mix(seed + LEGEND_GOLDEN);
+    k = legend_mix(k ^ (a + LEGEND_GOLDEN));
+    k = legend_mix(k ^ (b + LEGEND_GOLDEN));
+    k = legend_mix(k ^ (c + LEGEND_GOLDEN));
+    return legend_mix(k ^ (d + LEGEND_GOLDEN));
+}
+
+// Node rows' formats at rest (legend-model's Dtype, by its index in Dtype::ALL).
+#define LEGEND_DTYPE_F32 0u
+#define LEGEND_DTYPE_BF16 1u
+#define LEGEND_DTYPE_F16 2u
+
+// x with its low `drop` bits cleared after adding the top `drop` bits of `random`: a
+// stochastic rounding of its magnitude to a grid with `drop` fewer significand bits.
+__device__ __forceinline__ float legend_keep_top_bits(float x, u32 drop, u32 random) {
+    if (!isfinite(x)) return x;
+    u32 mask = (1u << drop) - 1u;
+    return __uint_as_float((__float_as_uint(x) + (random >> (32u - drop))) & ~mask);
+}
+
+// legend-model's Dtype::round_stochastic, bit for bit: x to one of its two neighbours in
+// `dtype`, up with probability equal to its distance from the lower one over their gap.
+__device__ __forceinline__ float legend_round_stochastic(float x, u32 dtype, u32 random) {
+    if (dtype == LEGEND_DTYPE_BF16) return legend_keep_top_bits(x, 16u, random);
+    if (dtype != LEGEND_DTYPE_F16) return x;
+    float magnitude = fabsf(x);
+    if (magnitude >= 6.103515625e-5f || !isfinite(magnitude))
+        return legend_keep_top_bits(x, 13u, random);
+    // Subnormal halves: the multiples of 2^-24.
+    float scaled = magnitude * 16777216.0f;
+    float fl = floorf(scaled);
+    bool up = (float)(random >> 8) * (1.0f / 16777216.0f) < scaled - fl;
+    return copysignf((fl + (up ? 1.0f : 0.0f)) / 16777216.0f, x);
+}
+
+// legend-model's Dtype::round_nearest (ties to even): initial rows.
+__device__ __forceinline__ float legend_round_nearest(float x, u32 dtype) {
+    if (dtype == LEGEND_DTYPE_BF16) {
+        if (!isfinite(x)) return x;
+        u32 b = __float_as_uint(x);
+        return __uint_as_float((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);
+    }
+    if (dtype == LEGEND_DTYPE_F16) {
+        unsigned short h;
+        float y;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"(h));
+        return y;
+    }
+    return x;
+}
+
+// Whether the rounded x is representable in `dtype` (f16: at most 65504).
+__device__ __forceinline__ bool legend_fits(float x, u32 dtype) {
+    return dtype == LEGEND_DTYPE_F16 ? fabsf(x) <= 65504.0f : isfinite(x);
+}
+
+// The rounding of a step's updated node rows (legend-model's StepRounding): row r's element
+// i is rounded with the top 32 bits of draw(key(seed, [3, epoch, batch, global row]), i).
+// The table may be slot-indexed: table row t holds global row partition_of_slot[t /
+// rows_per_slot] · rows_per_slot + t % rows_per_slot (identity when partition_of_slot is
+// null). The out-of-range element of smallest (global row, element) lands in out_of_range
+// as row << 32 | element (u64 max: none). dtype LEGEND_DTYPE_F32 rounds nothing.
+struct LegendRounding {
+    u64 seed;
+    u64 batch;
+    const u32* partition_of_slot;
+    u64* out_of_range;
+    u32 epoch;
+    u32 dtype;
+    u32 rows_per_slot;
+    u32 pad;
+};
+
+// The global id of table row `row`.
+__device__ __forceinline__ u64 legend_global_row(const LegendRounding& r, u64 row) {
+    if (!r.partition_of_slot) return row;
+    u64 slot = row / r.rows_per_slot;
+    return (u64)r.partition_of_slot[slot] * r.rows_per_slot + row % r.rows_per_slot;
+}
+
+// Element t of global row `global` after its step, rounded with the row's stream `key`
+// (legend_key4(seed, 3, epoch, batch, global)).
+__device__ __forceinline__ float legend_round_element(const LegendRounding& r, u64 key,
+                                                      u64 global, u32 t, float x) {
+    float y = legend_round_stochastic(x, r.dtype, (u32)(legend_draw(key, t) >> 32));
+    if (!legend_fits(y, r.dtype)) {
+        atomicMin(r.out_of_range, (global << 32) | t);
+        return x;
+    }
+    return y;
+}
+
 // Marks entity (or relation) `id` as touched by this batch; the first marker appends it to
 // the list of rows the optimizer will update, so each row takes exactly one step.
 __device__ __forceinline__ void legend_mark(u32* flags, u32* list, u32* count, u32 id) {

@@ -668,18 +668,24 @@ extern "C" __global__ void legend_count_uses(const u32* __restrict__ edges, u32 
 // AdaGrad on every row marked this batch (one warp a row), in place. Element-wise
 // (row_state 0): state += g²; param -= lr · g / (sqrt(state) + eps) per element. Row-wise
 // (row_state 1, one accumulator a row): state += mean(g²) over the row, then every element
-// steps by lr · g / (sqrt(state) + eps). Leaves the gradient rows, marks and use counts
+// steps by lr · g / (sqrt(state) + eps). Node rows stored in 16 bits are then rounded
+// (`rounding`, LEGEND_DTYPE_F32 for none). Leaves the gradient rows, marks and use counts
 // zeroed for the next batch.
 extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __restrict__ state,
                                           float* __restrict__ grad, u32* flags, u32* uses,
                                           const u32* __restrict__ list,
                                           const u32* __restrict__ count, u32 dim,
-                                          u32 row_state, float lr, float eps) {
+                                          u32 row_state, float lr, float eps,
+                                          LegendRounding rounding) {
     u32 w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 lane = threadIdx.x & 31;
     if (w >= *count) return;
     u64 id = list[w];
     u64 base = id * dim;
+    bool round = rounding.dtype != LEGEND_DTYPE_F32;
+    u64 global = round ? legend_global_row(rounding, id) : id;
+    u64 key = round ? legend_key4(rounding.seed, 3ull, (u64)rounding.epoch, rounding.batch, global)
+                    : 0ull;
     if (row_state) {
         float sq = 0.0f;
         for (u32 t = lane; t < dim; t += 32) sq += grad[base + t] * grad[base + t];
@@ -687,11 +693,13 @@ extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __re
         float s = state[id] + sq / (float)dim;
         float scale = lr / (sqrtf(s) + eps);
         for (u32 t = lane; t < dim; t += 32) {
-            param[base + t] -= scale * grad[base + t];
+            float p = param[base + t] - scale * grad[base + t];
+            if (round) p = legend_round_element(rounding, key, global, t, p);
+            param[base + t] = p;
             grad[base + t] = 0.0f;
         }
         if (lane == 0) state[id] = s;
-    } else if ((dim & 3) == 0) {
+    } else if ((dim & 3) == 0 && !round) {
         // 16-byte accesses where rows allow them: a row of d = 100 is 25 of them, one
         // pass of the warp instead of four dependent ones.
         float4* p4 = reinterpret_cast<float4*>(param + base);
@@ -710,7 +718,9 @@ extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __re
     } else {
         for (u32 t = lane; t < dim; t += 32) {
             float s = state[base + t];
-            param[base + t] = legend_adagrad_step(param[base + t], s, grad[base + t], lr, eps);
+            float p = legend_adagrad_step(param[base + t], s, grad[base + t], lr, eps);
+            if (round) p = legend_round_element(rounding, key, global, t, p);
+            param[base + t] = p;
             state[base + t] = s;
             grad[base + t] = 0.0f;
         }

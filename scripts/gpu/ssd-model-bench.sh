@@ -7,8 +7,9 @@
 #   980     the same, the proxy modelling one Samsung 980 (storage.proxy_model = samsung-980);
 #   980x    the same with reads and writes on separate budgets (shared=false).
 # Every epoch line carries bytes read and written, I/O seconds, compute waited, and the storage
-# bound of the modelled rows (bytes / the model's rates). STATES lists the AdaGrad state
-# layouts each layout runs with (element row: 800 and 404 bytes a row). Builds nothing: expects
+# bound of the modelled rows (bytes / the model's rates). STATES lists the row formats each
+# layout runs with: an AdaGrad state layout, optionally with a storage.dtype after a slash
+# (element row row/bf16: 800, 404 and 204 bytes a row). Builds nothing: expects
 # legendctl in ${LEGEND_GPU_BIN:-target-gpu}. DEVICE=cpu, NODES and EDGES scale it down for a
 # dry run.
 set -uo pipefail
@@ -39,8 +40,12 @@ start=$SECONDS
 echo "== generated $nodes nodes, $edges edges in $((SECONDS - start)) s"
 
 for layout in $layouts; do
-for state in $states; do
+for format in $states; do
+    state=${format%%/*}
+    dtype=f32
+    [ "$format" != "$state" ] && dtype=${format#*/}
     name=$layout-$state
+    [ "$dtype" = f32 ] || name+=-$dtype
     sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
         --set storage.backend=proxy --set "storage.path=\"$data/store-$name.bin\"")
     model=""
@@ -51,7 +56,7 @@ for state in $states; do
     980x) model="samsung-980,shared=false" ;;
     esac
     [ -n "$model" ] && sets+=(--set "storage.proxy_model=\"$model\"")
-    sets+=(--set "optimizer.state=$state")
+    sets+=(--set "optimizer.state=$state" --set "storage.dtype=$dtype")
     run=$work/run-$name
     start=$SECONDS
     "$ctl" train --dataset "$data/g" --out "$run" --json \

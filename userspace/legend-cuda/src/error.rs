@@ -25,6 +25,16 @@ pub enum GpuError {
         /// The devices present.
         count: usize,
     },
+    /// An updated node row left its storage format's range (f16 beyond ±65504).
+    #[error("node row {row}, element {element} left the range of storage.dtype = \"{dtype}\"")]
+    OutOfRange {
+        /// The row's global id.
+        row: u64,
+        /// The element.
+        element: u32,
+        /// The format.
+        dtype: legend_model::Dtype,
+    },
     /// A CUDA driver call failed.
     #[error("CUDA driver call failed ({what})")]
     Driver {

@@ -16,6 +16,9 @@ use crate::{GpuError, nvrtc};
 /// The kernels, each from the module of its program (`nvrtc::PROGRAMS`).
 pub(crate) struct Kernels {
     pub(crate) init_rows: CudaFunction,
+    /// Node rows to and from their 16-bit format at rest (`kernels/init.cu`).
+    pub(crate) narrow_rows: CudaFunction,
+    pub(crate) widen_rows: CudaFunction,
     pub(crate) rng_vectors: CudaFunction,
     pub(crate) sample: CudaFunction,
     pub(crate) remap: CudaFunction,
@@ -195,6 +198,8 @@ impl Gpu {
         let f = |name: &str| load(module_of(name), name);
         let kernels = Kernels {
             init_rows: f("legend_init_rows")?,
+            narrow_rows: f("legend_narrow_rows")?,
+            widen_rows: f("legend_widen_rows")?,
             rng_vectors: f("legend_rng_vectors")?,
             sample: f("legend_sample_negatives")?,
             remap: f("legend_remap_ids")?,
@@ -428,13 +433,17 @@ impl Gpu {
             .arg(&seed)
             .arg(&tag)
             .arg(&normal)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&F32_ROWS);
         // SAFETY: `out` holds at least rows × dim floats (checked by the caller); the
         // kernel writes only below that and reads nothing.
         unsafe { b.launch(grid_1d(n)?) }.during("launching legend_init_rows")?;
         Ok(())
     }
 }
+
+/// `legend_init_rows`' format code of rows kept as drawn (f32).
+const F32_ROWS: u32 = 0;
 
 /// A fused program's launch shapes (`legend_fused_launch` in its module).
 fn read_launch(

@@ -12,9 +12,11 @@
 //! - [`nvme_io`]: GPU-initiated NVMe I/O: thread blocks driving queue pairs of an SSD or of the
 //!   userspace proxy between GPU memory and a namespace.
 
+mod at_rest;
 mod error;
 pub mod nvrtc;
 
+pub use at_rest::RowConverter;
 pub use error::GpuError;
 mod batch;
 mod engine;

@@ -136,6 +136,8 @@ pub const PROGRAMS: [Program; 10] = [
         transe: false,
         kernels: &[
             "legend_init_rows",
+            "legend_narrow_rows",
+            "legend_widen_rows",
             "legend_rng_vectors",
             "legend_sample_negatives",
             "legend_remap_ids",

@@ -399,6 +399,7 @@ impl Transfer {
         let mut b = self.stream.launch_builder(&self.init_kernel);
         let normal = i32::from(normal);
         let dim32 = dim as u32;
+        let dtype = crate::engine::dtype_code(init.node_dtype);
         b.arg(&span.emb)
             .arg(&first_id)
             .arg(&rows32)
@@ -406,7 +407,8 @@ impl Transfer {
             .arg(&init.seed)
             .arg(&tag)
             .arg(&normal)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&dtype);
         // SAFETY: the kernel writes the span's rows × dim floats, which the caller keeps
         // allocated and to itself.
         unsafe { b.launch(crate::gpu::grid_1d(span.floats as u64)?) }

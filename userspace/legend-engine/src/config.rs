@@ -537,15 +537,6 @@ impl Config {
     /// The settings the GPU engine does not train yet, as a refusal naming them (`None`: it
     /// trains this configuration). Reciprocal relations and the regularisers are CPU-only so far.
     pub fn gpu_unsupported(&self) -> Option<ConfigError> {
-        if self.storage.dtype.is_narrow() {
-            return Some(bad(
-                "storage.dtype",
-                format!(
-                    "the GPU engine does not round rows to {} yet: use training.device = \"cpu\" or storage.dtype = \"f32\"",
-                    self.storage.dtype
-                ),
-            ));
-        }
         if self.model.decoder == Decoder::RotatE {
             return Some(bad(
                 "model.decoder",

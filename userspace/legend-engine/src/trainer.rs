@@ -212,15 +212,13 @@ pub enum TrainError {
     Resume(String),
     /// An updated node row left its format's range (`storage.dtype = "f16"`: beyond ±65504).
     #[error(
-        "node row {row}, element {element}: {value} does not fit storage.dtype = \"{dtype}\"; use bf16 (f32's range) or f32, or lower optimizer.learning_rate"
+        "node row {row}, element {element} does not fit storage.dtype = \"{dtype}\" after a step; use bf16 (f32's range) or f32, or lower optimizer.learning_rate"
     )]
     OutOfRange {
         /// The row's global id.
-        row: u32,
+        row: u64,
         /// The element.
         element: usize,
-        /// Its value after the step.
-        value: f32,
         /// The format.
         dtype: legend_model::Dtype,
     },
@@ -247,7 +245,7 @@ pub enum TrainError {
     GpuMemory(String),
     /// The GPU engine failed.
     #[error("GPU engine")]
-    Gpu(#[from] legend_cuda::GpuError),
+    Gpu(legend_cuda::GpuError),
     /// The thread pool could not start.
     #[error("starting {threads} worker threads: {message}")]
     Threads {
@@ -259,6 +257,25 @@ pub enum TrainError {
     /// Writing a checkpoint's tables failed.
     #[error(transparent)]
     Run(#[from] crate::run::RunError),
+}
+
+/// GPU failures, with a row that left its storage format's range reported as the CPU engine
+/// reports it.
+impl From<legend_cuda::GpuError> for TrainError {
+    fn from(e: legend_cuda::GpuError) -> Self {
+        match e {
+            legend_cuda::GpuError::OutOfRange {
+                row,
+                element,
+                dtype,
+            } => TrainError::OutOfRange {
+                row,
+                element: element as usize,
+                dtype,
+            },
+            other => TrainError::Gpu(other),
+        }
+    }
 }
 
 impl Trainer {

@@ -284,6 +284,49 @@ fn row_wise_training_matches_the_cpu_trainer() {
     compare(ROW_WISE, 4, 3, 0.25, Some(&four));
 }
 
+const BF16: &[&str] = &[
+    "model.decoder=complex",
+    "optimizer.state=row",
+    "storage.dtype=bf16",
+];
+const F16: &[&str] = &["model.decoder=dot", "storage.dtype=f16"];
+
+/// Whether every value is representable in 16 bits of `dtype`.
+fn representable(values: &[f32], dtype: legend_model::Dtype) -> bool {
+    values.iter().all(|&v| dtype.round_nearest(v) == v)
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn sixteen_bit_rows_train_on_the_gpu_as_on_the_cpu() {
+    // In GPU memory and slot-indexed out of core (the rounding's global row ids come from the
+    // slot map): the GPU's rows stay representable and train as the CPU's do.
+    for (model, dtype) in [
+        (BF16, legend_model::Dtype::Bf16),
+        (F16, legend_model::Dtype::F16),
+    ] {
+        for (partitions, capacity) in [(1, 1), (4, 3)] {
+            let gpu = train(model, partitions, capacity, 0.25, device(), None);
+            assert!(
+                representable(&gpu.emb, dtype),
+                "{model:?} N={partitions}: a GPU row value is not a {dtype}"
+            );
+            compare(model, partitions, capacity, 0.25, None);
+        }
+    }
+}
+
+#[test]
+fn sixteen_bit_rows_stay_representable_and_train_differently() {
+    let f32_rows = train(ROW_WISE, 4, 3, 0.25, Device::Cpu, None);
+    let bf16 = train(BF16, 4, 3, 0.25, Device::Cpu, None);
+    assert!(representable(&bf16.emb, legend_model::Dtype::Bf16));
+    assert!(!representable(&f32_rows.emb, legend_model::Dtype::Bf16));
+    let change = (f32_rows.losses[3] - bf16.losses[3]).abs() / f32_rows.losses[3];
+    println!("bf16 rows change the fourth epoch's loss by {change:.2e}");
+    assert!(change > 1e-5 && change < 0.05, "{change}");
+}
+
 #[test]
 fn row_wise_state_is_one_float_a_row_and_trains_differently() {
     let element = train(COMPLEX, 4, 3, 0.25, Device::Cpu, None);

@@ -136,6 +136,27 @@ pub(super) struct DirectArgs {
 // two u32s: no padding).
 unsafe impl DeviceRepr for DirectArgs {}
 
+/// The rounding of updated node rows to their format at rest (`LegendRounding` in
+/// `kernels/common.cuh`): legend-model's `StepRounding`, with the slot → partition map of a
+/// slot-indexed table (0: rows are global ids) and the out-of-range report word.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct RoundingArgs {
+    pub(super) seed: u64,
+    pub(super) batch: u64,
+    pub(super) partition_of_slot: u64,
+    pub(super) out_of_range: u64,
+    pub(super) epoch: u32,
+    /// The format's index in `Dtype::ALL` (0, f32: nothing is rounded).
+    pub(super) dtype: u32,
+    pub(super) rows_per_slot: u32,
+    pub(super) pad: u32,
+}
+
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (four 8-byte fields, then four
+// u32s: no padding).
+unsafe impl DeviceRepr for RoundingArgs {}
+
 /// Buffers and sizes of the fused kernels (`LegendFused` in `kernels/fused.cuh`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

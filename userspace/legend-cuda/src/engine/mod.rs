@@ -28,7 +28,7 @@ use std::ops::Range;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-use legend_model::{AdaGrad, ChunkModel, Decoder, Loss, Permutation};
+use legend_model::{AdaGrad, ChunkModel, Decoder, Dtype, Loss, Permutation, StepRounding};
 
 use crate::error::DriverContext;
 use crate::gpu::grid_1d;
@@ -44,7 +44,7 @@ pub use known::known_edges_bytes;
 pub(crate) use table::init_params;
 pub use table::{DeviceTable, init_rows, rng_vectors};
 
-use args::{DirectArgs, JobArgs};
+use args::{DirectArgs, JobArgs, RoundingArgs};
 use fused::FusedBuffers;
 use known::KnownEdges;
 use unfused::UnfusedBuffers;
@@ -147,6 +147,13 @@ pub struct GpuBatchEngine {
     no_rel_u32: CudaSlice<u32>,
     /// Where node rows live, when the node table is slot-indexed, with its device copy.
     slots: Option<(SlotMap, CudaSlice<u32>)>,
+    /// The partition in each slot (for the rounding's global row ids), with `slots`.
+    partition_of_slot: Option<CudaSlice<u32>>,
+    /// Node rows stored in 16 bits: the rounding of the next step's updates (see
+    /// [`GpuBatchEngine::set_rounding`]).
+    rounding: Option<StepRounding>,
+    /// The smallest `row << 32 | element` that left the format's range (u64::MAX: none).
+    out_of_range: CudaSlice<u64>,
     /// Filtered negatives: the known edges (see [`GpuBatchEngine::set_known_edges`]).
     known: Option<KnownEdges>,
     /// When profiling: events recorded after each phase, with the phase's name.
@@ -188,6 +195,14 @@ pub(crate) fn code_defines() -> Vec<String> {
         .chain(losses)
         .map(|(code, name)| format!("-D{name}={code}"))
         .collect()
+}
+
+/// A node-row format's number in the kernels (`LEGEND_DTYPE_*` in `kernels/common.cuh`).
+pub(crate) fn dtype_code(d: Dtype) -> u32 {
+    Dtype::ALL
+        .iter()
+        .position(|&x| x == d)
+        .expect("every dtype is listed") as u32
 }
 
 /// The decoder's number in the kernels.
@@ -293,6 +308,9 @@ impl GpuBatchEngine {
             no_rel: gpu.zeros(d)?,
             no_rel_u32: gpu.zeros(1)?,
             slots: None,
+            partition_of_slot: None,
+            rounding: None,
+            out_of_range: gpu.upload(&[u64::MAX])?,
             known: None,
             marks: None,
         })
@@ -344,10 +362,28 @@ impl GpuBatchEngine {
                     )));
                 }
                 let dev = gpu.upload(&map.slot_of)?;
+                let mut partition_of_slot = vec![0u32; map.slot_of.len()];
+                for (p, &slot) in map.slot_of.iter().enumerate() {
+                    if slot != SlotMap::ABSENT {
+                        partition_of_slot[slot as usize] = p as u32;
+                    }
+                }
+                self.partition_of_slot = Some(gpu.upload(&partition_of_slot)?);
                 Some((map, dev))
             }
         };
+        if self.slots.is_none() {
+            self.partition_of_slot = None;
+        }
         Ok(())
+    }
+
+    /// Rounds the node rows the next steps update to `rounding`'s format (`None`, or f32: no
+    /// rounding), keyed by its epoch and batch: set before every step of a run whose rows are
+    /// stored in 16 bits. Such steps send every node row through the gradient table and
+    /// `legend_adagrad` (no in-place updates), the one kernel that rounds.
+    pub fn set_rounding(&mut self, rounding: Option<StepRounding>) {
+        self.rounding = rounding.filter(|r| r.dtype.is_narrow());
     }
 
     /// Rewrites the global ids of `ids` (every element whose index mod `step` has its bit
@@ -821,17 +857,45 @@ impl GpuBatchEngine {
         let touched_nodes = nodes
             .rows
             .min(2 * self.batch_len + 2 * self.chunks * self.shape.negatives);
-        self.adagrad(gpu, nodes, touched_nodes)?;
+        let rounding = self.node_rounding(gpu, nodes);
+        self.adagrad(gpu, nodes, touched_nodes, rounding)?;
         if let Some(r) = rels
             && self.model.decoder.uses_relations()
         {
             let touched = r.rows.min(self.batch_len);
-            self.adagrad(gpu, r, touched)?;
+            self.adagrad(gpu, r, touched, RoundingArgs::default())?;
         }
         Ok(())
     }
 
-    fn adagrad(&mut self, gpu: &Gpu, t: &mut DeviceTable, capacity: usize) -> Result<(), GpuError> {
+    /// The kernels' arguments of the node rows' rounding this step (all zeros: none).
+    fn node_rounding(&self, gpu: &Gpu, nodes: &DeviceTable) -> RoundingArgs {
+        let Some(r) = self.rounding else {
+            return RoundingArgs::default();
+        };
+        let (partition_of_slot, rows_per_slot) = match (&self.slots, &self.partition_of_slot) {
+            (Some((map, _)), Some(dev)) => (gpu.ptr(dev), map.rows_per_partition as u32),
+            _ => (0, nodes.rows as u32),
+        };
+        RoundingArgs {
+            seed: r.seed,
+            batch: r.batch,
+            partition_of_slot,
+            out_of_range: gpu.ptr(&self.out_of_range),
+            epoch: r.epoch,
+            dtype: dtype_code(r.dtype),
+            rows_per_slot,
+            pad: 0,
+        }
+    }
+
+    fn adagrad(
+        &mut self,
+        gpu: &Gpu,
+        t: &mut DeviceTable,
+        capacity: usize,
+        rounding: RoundingArgs,
+    ) -> Result<(), GpuError> {
         let (d, lr, eps) = (t.dim as u32, self.optimizer.lr, self.optimizer.eps);
         let row_state = u32::from(t.state_width != t.dim);
         let mut b = gpu.stream().launch_builder(&gpu.kernels.adagrad);
@@ -845,7 +909,8 @@ impl GpuBatchEngine {
             .arg(&d)
             .arg(&row_state)
             .arg(&lr)
-            .arg(&eps);
+            .arg(&eps)
+            .arg(&rounding);
         let cfg = LaunchConfig {
             grid_dim: (blocks(capacity, 8), 1, 1),
             block_dim: (256, 1, 1),
@@ -853,7 +918,8 @@ impl GpuBatchEngine {
         };
         // SAFETY: the kernel reads the count, then only list entries below it (each a row
         // id of this table) and those rows of the table's buffers (state of the width
-        // row_state says) and of uses.
+        // row_state says) and of uses; with rounding, partition_of_slot's entry of each
+        // row's slot (rows_per_slot divides the slot-indexed table) and out_of_range.
         unsafe { b.launch(cfg) }.during("launching legend_adagrad")?;
         self.mark(gpu, "adagrad")?;
         gpu.clear(&mut t.count)
@@ -870,7 +936,9 @@ impl GpuBatchEngine {
         nodes: &mut DeviceTable,
         mut rels: Option<&mut DeviceTable>,
     ) -> Result<(), GpuError> {
-        self.passes(gpu, nodes, rels.as_deref_mut(), true)?;
+        // Rounded rows take their step in legend_adagrad alone.
+        let in_place = self.rounding.is_none();
+        self.passes(gpu, nodes, rels.as_deref_mut(), in_place)?;
         self.apply(gpu, nodes, rels)
     }
 
@@ -897,7 +965,21 @@ impl GpuBatchEngine {
     pub fn take_loss(&mut self, gpu: &Gpu) -> Result<f64, GpuError> {
         let sum = gpu.download(&self.loss_sum)?[0];
         gpu.clear(&mut self.loss_sum)?;
+        self.check_range(gpu)?;
         Ok(sum)
+    }
+
+    /// Fails naming the first node row a step took out of its format's range, if any (read
+    /// with the loss, so no step waits for it).
+    pub fn check_range(&self, gpu: &Gpu) -> Result<(), GpuError> {
+        match gpu.download(&self.out_of_range)?[0] {
+            u64::MAX => Ok(()),
+            found => Err(GpuError::OutOfRange {
+                row: found >> 32,
+                element: found as u32,
+                dtype: self.rounding.map_or(Dtype::F32, |r| r.dtype),
+            }),
+        }
     }
 
     /// Score FLOPs of one step on a full batch: three products (scores, dQ, dN) of

@@ -201,9 +201,8 @@ impl<'a> RowSums<'a> {
         match out_of_range.into_inner().unwrap_or_else(|p| p.into_inner()) {
             None => Ok(()),
             Some((row, e)) => Err(TrainError::OutOfRange {
-                row,
+                row: u64::from(row),
                 element: e.element,
-                value: e.value,
                 dtype: rounding.map_or(Dtype::F32, |r| r.dtype),
             }),
         }

@@ -25,10 +25,10 @@ use std::time::Instant;
 use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, RingPlacement};
 use legend_cuda::{
     BatchShape, CudaEvent, CudaSlice, DEFAULT_CHUNK_BYTES, DeviceTable, Gpu, GpuBatchEngine,
-    GpuError, RowSpan, SlotMap, Transfer, negative_keys,
+    GpuError, RowConverter, RowSpan, SlotMap, Transfer, negative_keys,
 };
 use legend_dataset::{Buckets, PartitionScheme};
-use legend_model::{ChunkModel, Decoder, Init};
+use legend_model::{ChunkModel, Decoder, Init, StepRounding};
 use rayon::prelude::*;
 
 use super::{BucketRef, ComputeBackend, RowSink, Step};
@@ -78,12 +78,59 @@ struct DirectIo {
     io: GpuIo,
     staging: usize,
     store: SharedFileStore,
+    /// 16-bit node rows: the conversion between a slot's f32 embeddings and the store's.
+    converter: Option<RowConverter>,
     /// Launches not yet taken into a swap's report: when each began, and its span with
     /// `start_s` still unset.
     launches: Vec<(Instant, IoKernelSpan)>,
 }
 
 impl DirectIo {
+    /// Queues the copy of a slot's embeddings (`bytes` of f32 at `emb`) into the staging
+    /// region at `base`, narrowed to the store's format; returns the bytes they take there
+    /// (padded to 4, as the store lays a partition out: the state follows).
+    ///
+    /// # Safety
+    /// As for [`GpuIo::copy`].
+    unsafe fn embeddings_to_staging(
+        &self,
+        base: u64,
+        emb: u64,
+        bytes: usize,
+    ) -> Result<usize, GpuError> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match &self.converter {
+                None => self.io.copy(base, emb, bytes).map(|()| bytes),
+                Some(c) => c
+                    .narrow(self.io.stream(), emb, base, bytes / 4)
+                    .map(|()| c.bytes(bytes / 4).next_multiple_of(4)),
+            }
+        }
+    }
+
+    /// The inverse of [`DirectIo::embeddings_to_staging`]: the staging region's embeddings
+    /// at `base`, widened into a slot's `bytes` of f32 at `emb`.
+    ///
+    /// # Safety
+    /// As for [`GpuIo::copy`].
+    unsafe fn embeddings_from_staging(
+        &self,
+        emb: u64,
+        base: u64,
+        bytes: usize,
+    ) -> Result<usize, GpuError> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match &self.converter {
+                None => self.io.copy(emb, base, bytes).map(|()| bytes),
+                Some(c) => c
+                    .widen(self.io.stream(), base, emb, bytes / 4)
+                    .map(|()| c.bytes(bytes / 4).next_multiple_of(4)),
+            }
+        }
+    }
+
     /// Moves partition `p` between the staging region and its extent of the store (`at`,
     /// `len` bytes) with one launch of the I/O kernels, and logs the launch.
     fn move_staging(&mut self, p: u32, at: u64, len: u64, write: bool) -> Result<(), GpuError> {
@@ -532,8 +579,10 @@ impl SwapHook for DirectSwap {
         // SAFETY: after `released` nothing on the compute stream touches the evicted slot; the
         // staging region is this engine's and its I/O stream runs one swap at a time.
         unsafe {
-            d.io.copy(base, emb, emb_bytes).map_err(fail)?;
-            d.io.copy(base + emb_bytes as u64, state, state_bytes)
+            let stored_emb = d
+                .embeddings_to_staging(base, emb, emb_bytes)
+                .map_err(fail)?;
+            d.io.copy(base + stored_emb as u64, state, state_bytes)
                 .map_err(fail)?;
         }
         d.move_staging(p, at, len, true).map_err(fail)?;
@@ -565,8 +614,10 @@ impl SwapHook for DirectSwap {
         // SAFETY: the slot is free (its evicted rows were copied out first on this stream) and
         // compute waits for `uploaded` before it reads the slot.
         unsafe {
-            d.io.copy(emb, base, emb_bytes).map_err(fail)?;
-            d.io.copy(state, base + emb_bytes as u64, state_bytes)
+            let stored_emb = d
+                .embeddings_from_staging(emb, base, emb_bytes)
+                .map_err(fail)?;
+            d.io.copy(state, base + stored_emb as u64, state_bytes)
                 .map_err(fail)?;
         }
         c.uploaded = Some(d.io.record().map_err(fail)?);
@@ -725,6 +776,12 @@ impl ComputeBackend for CudaCompute {
             .collect();
         self.engine
             .sample_negatives(gpu, &ranges, &keys, self.degree_fraction)?;
+        self.engine.set_rounding(Some(StepRounding {
+            dtype: self.init.node_dtype,
+            seed: self.seed,
+            epoch: step.epoch,
+            batch: step.batch_no,
+        }));
         self.engine.step(gpu, &mut self.nodes, self.rels.as_mut())?;
         Ok(())
     }
@@ -790,6 +847,7 @@ impl ComputeBackend for CudaCompute {
             io,
             staging,
             store: store.clone(),
+            converter: RowConverter::new(&self.gpu, self.init.node_dtype),
             launches: Vec::new(),
         })));
         Ok(true)
