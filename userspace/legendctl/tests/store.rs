@@ -156,34 +156,35 @@ fn file_and_proxy_backends_equal_memory_and_swaps_follow_the_plan() {
     );
 }
 
-/// Row-wise AdaGrad state (one accumulator a row) trains the same on every backend, resumes
-/// to the uninterrupted run's tables, stores 4 bytes of state a row, and a resume cannot
-/// change the layout under a checkpoint.
-#[test]
-fn row_wise_state_is_the_same_on_every_backend_and_resumes_exactly() {
-    let dir = tempfile::tempdir().unwrap();
-    let ds = s(&graph(dir.path(), 600, 6, false));
+/// Runs `extra` for 2 epochs on the memory, file and proxy backends (runs `DIR/NAME-BACKEND`),
+/// checks each run's record holds `record`, resumes each for a third epoch, and returns the
+/// three runs' tables.
+fn resumed_on_every_backend(
+    ds: &str,
+    dir: &Path,
+    name: &str,
+    extra: &[&str],
+    record: &str,
+) -> Vec<Vec<u8>> {
     let backing = memory_tempdir();
     let proxy_path = format!("storage.path=\"{}\"", s(&backing.path().join("store.bin")));
-    let backends: [&[&str]; 3] = [
-        &["--set", "storage.backend=memory"],
-        &["--set", "storage.backend=file"],
-        &["--set", "storage.backend=proxy", "--set", &proxy_path],
+    let backends: [(&str, &[&str]); 3] = [
+        ("memory", &["--set", "storage.backend=memory"]),
+        ("file", &["--set", "storage.backend=file"]),
+        (
+            "proxy",
+            &["--set", "storage.backend=proxy", "--set", &proxy_path],
+        ),
     ];
     let mut all = Vec::new();
-    for (i, backend) in backends.iter().enumerate() {
-        let out = dir.path().join(format!("row{i}"));
-        let mut extra = vec![
-            "--set",
-            "optimizer.state=row",
-            "--set",
-            "training.num_epochs=2",
-        ];
-        extra.extend(*backend);
-        ok(&train_args(&ds, &s(&out), &extra));
+    for (backend, sets) in backends {
+        let out = dir.join(format!("{name}-{backend}"));
+        let mut args = extra.to_vec();
+        args.extend(["--set", "training.num_epochs=2"]);
+        args.extend(sets);
+        ok(&train_args(ds, &s(&out), &args));
         let meta = std::fs::read_to_string(out.join("run.toml")).unwrap();
-        assert!(meta.contains("entity_state_width = 1"), "{meta}");
-        // A third epoch, resumed.
+        assert!(meta.contains(record), "{meta}");
         ok(&[
             "train",
             "--out",
@@ -194,6 +195,23 @@ fn row_wise_state_is_the_same_on_every_backend_and_resumes_exactly() {
         ]);
         all.push(tables(&out));
     }
+    all
+}
+
+/// Row-wise AdaGrad state (one accumulator a row) trains the same on every backend, resumes
+/// to the uninterrupted run's tables, stores 4 bytes of state a row, and a resume cannot
+/// change the layout under a checkpoint.
+#[test]
+fn row_wise_state_is_the_same_on_every_backend_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = s(&graph(dir.path(), 600, 6, false));
+    let all = resumed_on_every_backend(
+        &ds,
+        dir.path(),
+        "row",
+        &["--set", "optimizer.state=row"],
+        "entity_state_width = 1",
+    );
     let straight = dir.path().join("straight");
     ok(&train_args(
         &ds,
@@ -245,7 +263,7 @@ fn row_wise_state_is_the_same_on_every_backend_and_resumes_exactly() {
     let r = run(&[
         "train",
         "--out",
-        &s(&dir.path().join("row1")),
+        &s(&dir.path().join("row-file")),
         "--resume",
         "--set",
         "optimizer.state=element",
@@ -270,8 +288,6 @@ fn row_wise_state_is_the_same_on_every_backend_and_resumes_exactly() {
 fn sixteen_bit_rows_are_the_same_everywhere_and_resume_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let ds = s(&graph(dir.path(), 600, 6, false));
-    let backing = memory_tempdir();
-    let proxy_path = format!("storage.path=\"{}\"", s(&backing.path().join("store.bin")));
     let bf16 = [
         "--set",
         "storage.dtype=bf16",
@@ -294,39 +310,18 @@ fn sixteen_bit_rows_are_the_same_everywhere_and_resume_exactly() {
         values.iter().all(|v| v.to_bits() & 0xffff == 0) && values.iter().any(|&v| v != 0.0),
         "an exported value is not a bf16"
     );
-    let backends: [&[&str]; 3] = [
-        &["--set", "storage.backend=memory"],
-        &["--set", "storage.backend=file"],
-        &["--set", "storage.backend=proxy", "--set", &proxy_path],
-    ];
-    for (i, backend) in backends.iter().enumerate() {
-        let out = dir.path().join(format!("bf16-{i}"));
-        let mut extra = bf16.to_vec();
-        extra.extend([
-            "--set",
-            "training.num_epochs=2",
-            "--set",
-            "training.threads=3",
-        ]);
-        extra.extend(*backend);
-        ok(&train_args(&ds, &s(&out), &extra));
-        let meta = std::fs::read_to_string(out.join("run.toml")).unwrap();
-        assert!(meta.contains("entity_dtype = \"bf16\""), "{meta}");
-        ok(&[
-            "train",
-            "--out",
-            &s(&out),
-            "--resume",
-            "--set",
-            "training.num_epochs=3",
-        ]);
+    // Resumed on every backend, trained on 3 threads: the uninterrupted 1-thread run's tables.
+    let mut extra = bf16.to_vec();
+    extra.extend(["--set", "training.threads=3"]);
+    let runs = resumed_on_every_backend(&ds, dir.path(), "bf16", &extra, "entity_dtype = \"bf16\"");
+    for (i, t) in runs.iter().enumerate() {
         assert!(
-            tables(&out) == want,
+            *t == want,
             "backend {i}: the resumed bf16 run differs from the uninterrupted one"
         );
     }
     // The memory backend's checkpoint holds 2 bytes an element.
-    let checkpoint = std::fs::read_dir(dir.path().join("bf16-0/checkpoints"))
+    let checkpoint = std::fs::read_dir(dir.path().join("bf16-memory/checkpoints"))
         .unwrap()
         .next()
         .unwrap()
@@ -385,7 +380,7 @@ fn sixteen_bit_rows_are_the_same_everywhere_and_resume_exactly() {
         &[
             "train",
             "--out",
-            &s(&dir.path().join("bf16-1")),
+            &s(&dir.path().join("bf16-file")),
             "--resume",
             "--set",
             "storage.dtype=f16",
