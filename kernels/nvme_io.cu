@@ -9,6 +9,13 @@
 // thread moves the CQ head and rings its doorbell once. A new batch is submitted while the
 // previous one completes, so two batches are in flight.
 //
+// Small commands can go through staging slots in pinned host memory the GPU maps (the proxy
+// controller: it reaches host memory with a memcpy, but GPU memory only with one CUDA copy a
+// command, which caps small random reads at ~80 k commands/s whatever the queue depth). A
+// queue's slot i stages the command with id i: a Write's data is copied in before submission,
+// a Read's is copied out by the whole block after its completion, before the slot (and its id)
+// can be reused, so a staging slot has one owner at a time without any bookkeeping.
+//
 // Beyond the paper: the command id is the SQ slot, and a slot is reused only once the command
 // written there completed (completions come in any order), so an id is never in flight twice;
 // every completion's status is checked, and a failure stops the block's submissions and is
@@ -43,6 +50,11 @@ struct LegendIoQueue {
     u32 cq_head;
     u32 phase;
     u32 pad;
+    u64 staging;        // device address of the queue's staging slots (0: none)
+    u64 staging_pages;  // bus address of each page of the staging memory (u64 array)
+    u64 staging_first;  // byte of the staging memory (as `staging_pages` counts) slot 0 starts at
+    u32 staging_bytes;  // bytes of a slot: commands of at most this many bytes are staged
+    u32 staging_page_shift;  // log2 of the staging memory's page size
 };
 
 // One transfer between a buffer and consecutive LBAs, cut into commands of `command_bytes`.
@@ -53,6 +65,7 @@ struct LegendIoJob {
     u64 lba;            // first LBA
     u64 command_bytes;  // bytes a command moves (the last one fewer)
     u64 first_command;  // index of its first command among the launch's commands
+    u64 device;         // device address of the buffer's byte 0 (staged commands copy there)
     u32 page_shift;     // log2 of the buffer's page size (16: GPU mappings, 12: host memory)
     u32 opcode;         // 1 write, 2 read
     u32 nsid;
@@ -128,10 +141,18 @@ __device__ __forceinline__ LegendSqe legend_io_rw(u32 opcode, u32 nsid, u64 lba,
     return s;
 }
 
+// Where a staged command's data is in GPU memory, and how many bytes (0: not staged).
+struct LegendIoStage {
+    u64 device;
+    u32 bytes;
+};
+
 // The SQE of command `g` of the launch (its job found by `first_command`, which increases with
-// the job), for slot `slot`.
+// the job), for slot `slot`. A command that fits the queue's staging slot names that slot in
+// its PRPs, and `stage` says where its data is in GPU memory.
 __device__ __forceinline__ LegendSqe legend_io_command(const LegendIoJob* jobs, u32 njobs, u64 g,
-                                                       const LegendIoQueue& q, u32 slot) {
+                                                       const LegendIoQueue& q, u32 slot,
+                                                       LegendIoStage* stage) {
     u32 lo = 0, hi = njobs;
     while (hi - lo > 1) {
         u32 mid = (lo + hi) / 2;
@@ -141,10 +162,20 @@ __device__ __forceinline__ LegendSqe legend_io_command(const LegendIoJob* jobs, 
     const LegendIoJob& job = jobs[j];
     u64 done = (g - job.first_command) * job.command_bytes;
     u64 len = min(job.command_bytes, job.bytes - done);
+    u64* list = (u64*)(q.lists + (u64)slot * LEGEND_IO_PAGE);
+    u64 list_bus = q.lists_bus + (u64)slot * LEGEND_IO_PAGE;
     u64 prp1, prp2;
-    legend_io_prps((const u64*)job.pages, job.page_shift, job.offset + done, len,
-                   (u64*)(q.lists + (u64)slot * LEGEND_IO_PAGE),
-                   q.lists_bus + (u64)slot * LEGEND_IO_PAGE, &prp1, &prp2);
+    stage->device = job.device + job.offset + done;
+    stage->bytes = 0;
+    if (q.staging != 0 && len <= q.staging_bytes) {
+        stage->bytes = (u32)len;
+        legend_io_prps((const u64*)q.staging_pages, q.staging_page_shift,
+                       q.staging_first + (u64)slot * q.staging_bytes, len, list, list_bus, &prp1,
+                       &prp2);
+    } else {
+        legend_io_prps((const u64*)job.pages, job.page_shift, job.offset + done, len, list,
+                       list_bus, &prp1, &prp2);
+    }
     return legend_io_rw(job.opcode, job.nsid, job.lba + (done >> job.lba_shift),
                         (u32)(len >> job.lba_shift), prp1, prp2, slot);
 }
@@ -171,6 +202,50 @@ __device__ __forceinline__ uint4 legend_io_ld16(u64 p) {
     return v;
 }
 
+// Staging memory is written by the controller between two reads of the same address: loads
+// of it must not be served from a cache (.cv: fetch again).
+__device__ __forceinline__ uint4 legend_io_ld16_cv(u64 p) {
+    uint4 v;
+    asm volatile("ld.global.cv.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+// 16 bytes to `p`, which may be only 4-byte aligned (a job's offset is a multiple of 4).
+__device__ __forceinline__ void legend_io_put16(u64 p, uint4 v) {
+    if ((p & 15) == 0) {
+        *(uint4*)p = v;
+    } else {
+        u32* w = (u32*)p;
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = v.z;
+        w[3] = v.w;
+    }
+}
+
+__device__ __forceinline__ uint4 legend_io_get16(u64 p) {
+    if ((p & 15) == 0) return *(const uint4*)p;
+    const u32* w = (const u32*)p;
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// One thread copies a staged Write's `bytes` (a multiple of 16: of the LBA size) from GPU
+// memory into its staging slot, with independent loads in flight.
+__device__ __forceinline__ void legend_io_stage_write(u64 staging, u64 device, u32 bytes) {
+    for (u32 at = 0; at < bytes; at += 4 * 16) {
+        uint4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (at + 16 * k < bytes) v[k] = legend_io_get16(device + at + 16 * k);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (at + 16 * k < bytes) legend_io_st16(staging + at + 16 * k, v[k]);
+    }
+}
+
 __device__ __forceinline__ void legend_io_store_sqe(u64 sq, u32 slot, const LegendSqe& s) {
     const uint4* src = (const uint4*)&s;
 #pragma unroll
@@ -184,12 +259,19 @@ __device__ __forceinline__ uint4 legend_io_load_cqe(u64 cq, u32 slot) {
 // The commands [first, end) of this block's share of the launch go through queue pair
 // `queues[blockIdx.x]`; `latencies`, if not null, receives each command's submission-to-
 // completion time in nanoseconds.
-extern "C" __global__ void legend_nvme_io(LegendIoQueue* queues, const LegendIoJob* jobs,
+// At most 511 threads: a queue holds two batches and a free slot (LEGEND_IO_MAX_DEPTH).
+extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* queues, const LegendIoJob* jobs,
                                           u32 njobs, u64 total_commands, LegendIoResult* results,
                                           u64 timeout_ns, u64* latencies) {
     __shared__ unsigned char busy[LEGEND_IO_MAX_DEPTH];
     __shared__ u64 command_of[LEGEND_IO_MAX_DEPTH];
     __shared__ u64 started[LEGEND_IO_MAX_DEPTH];
+    // A staged Read's destination and bytes, by slot; the slots a round's copy moves, by the
+    // completion's place in the round (NO_COPY: nothing to copy).
+    __shared__ u64 stage_device[LEGEND_IO_MAX_DEPTH];
+    __shared__ u32 stage_bytes[LEGEND_IO_MAX_DEPTH];
+    __shared__ u32 copy_slot[LEGEND_IO_MAX_DEPTH];
+    const u32 NO_COPY = 0xffffffffu;
     __shared__ u32 s_tail, s_head, s_phase, s_in_flight, s_first_stop, s_stop;
     __shared__ u64 s_next, s_end, s_completed, s_progress;
     __shared__ LegendIoResult s_result;
@@ -228,7 +310,14 @@ extern "C" __global__ void legend_nvme_io(LegendIoQueue* queues, const LegendIoJ
         n = s_first_stop;
         if (t < n) {
             u64 g = s_next + t;
-            LegendSqe sqe = legend_io_command(jobs, njobs, g, q, slot);
+            LegendIoStage stage;
+            LegendSqe sqe = legend_io_command(jobs, njobs, g, q, slot, &stage);
+            bool read = (sqe.cdw0 & 0xffu) == 2;
+            if (stage.bytes != 0 && !read)
+                legend_io_stage_write(q.staging + (u64)slot * q.staging_bytes, stage.device,
+                                      stage.bytes);
+            stage_device[slot] = stage.device;
+            stage_bytes[slot] = read ? stage.bytes : 0;
             legend_io_store_sqe(q.sq, slot, sqe);
             busy[slot] = 1;
             command_of[slot] = g;
@@ -258,6 +347,7 @@ extern "C" __global__ void legend_nvme_io(LegendIoQueue* queues, const LegendIoJ
         }
         __syncthreads();
         u32 m = s_first_stop;
+        u32 my_slot = NO_COPY;
         if (t < m) {
             // Re-read behind a fence: the phase tag may have been seen before the rest.
             __threadfence_system();
@@ -279,9 +369,43 @@ extern "C" __global__ void legend_nvme_io(LegendIoQueue* queues, const LegendIoJ
                     s_result.lba = (u64)sqe->cdw[0] | ((u64)sqe->cdw[1] << 32);
                     s_result.blocks = (sqe->cdw[2] & 0xffffu) + 1;
                 }
-                if (latencies) latencies[command_of[cid]] = legend_io_now() - started[cid];
-                busy[cid] = 0;
+                my_slot = cid;
+                // A failed Read's slot holds nothing to copy.
+                if ((status & 0x7ffu) != 0) stage_bytes[cid] = 0;
             }
+            copy_slot[t] = my_slot != NO_COPY && stage_bytes[my_slot] != 0 ? my_slot : NO_COPY;
+        }
+        __syncthreads();
+        if (q.staging != 0 && m > 0) {
+            // The round's staged Reads, copied out of their slots by the whole block: chunk c
+            // is 16 bytes of the (c / per)-th completion, eight independent loads a thread in
+            // flight (each crosses the bus to host memory).
+            const u32 per = q.staging_bytes / 16;
+            const u64 chunks = (u64)m * per;
+            for (u64 c0 = t; c0 < chunks; c0 += 8ull * T) {
+                uint4 v[8];
+                u64 to[8];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    to[k] = 0;
+                    u64 c = c0 + (u64)k * T;
+                    if (c >= chunks) continue;
+                    u32 s = copy_slot[c / per];
+                    u32 at = (u32)(c % per) * 16;
+                    if (s == NO_COPY || at >= stage_bytes[s]) continue;
+                    v[k] = legend_io_ld16_cv(q.staging + (u64)s * q.staging_bytes + at);
+                    to[k] = stage_device[s] + at;
+                }
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    if (to[k] != 0) legend_io_put16(to[k], v[k]);
+            }
+            __syncthreads();
+        }
+        if (my_slot != NO_COPY) {
+            // The latency includes the copy out of staging: the data is where it was asked for.
+            if (latencies) latencies[command_of[my_slot]] = legend_io_now() - started[my_slot];
+            busy[my_slot] = 0;
         }
         __syncthreads();
         if (t == 0) {
