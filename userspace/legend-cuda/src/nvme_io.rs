@@ -25,6 +25,10 @@ use legend_nvme_protocol::{CommandError, MAX_DEPTH, QueueLayout, Sqe, Status, ma
 use crate::error::DriverContext;
 use crate::{Gpu, GpuError};
 
+mod row_cache;
+
+pub use row_cache::{CacheStats, CachedTable, RowCache, RowCacheOptions};
+
 /// `LegendIoQueue` of `kernels/nvme_io.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -307,6 +311,8 @@ pub struct GpuIo {
     ctrl: Arc<dyn Controller>,
     stream: Arc<CudaStream>,
     kernel: CudaFunction,
+    /// `legend_row_cache_lookup`, for a [`RowCache`] over these queues.
+    cache_kernel: CudaFunction,
     opts: GpuIoOptions,
     qids: Vec<u32>,
     depth: u16,
@@ -515,6 +521,7 @@ impl GpuIo {
             ctrl,
             stream,
             kernel: gpu.kernels.nvme_io.clone(),
+            cache_kernel: gpu.kernels.row_cache_lookup.clone(),
             opts: opts.clone(),
             qids,
             depth,
