@@ -548,6 +548,7 @@ fn cached_lookups_equal_the_store_byte_for_byte() {
             ways: 8,
             requesters: 128,
             ahead: 4,
+            ..RowCacheOptions::default()
         };
         let mut cache = RowCache::open(&gpu, io, table, &opts).unwrap();
         assert_eq!(cache.line_bytes(), 12_800);
@@ -600,6 +601,7 @@ fn lookups_finish_with_fewer_sq_entries_and_slots_than_requesters() {
         ways: 4,
         requesters: 512,
         ahead: 4,
+        ..RowCacheOptions::default()
     };
     let mut cache = RowCache::open(&gpu, io, table, &opts).unwrap();
     assert!(u32::from(cache.queue_depth()) < opts.requesters);

@@ -366,6 +366,11 @@ impl Proxy {
         self.shared.blocks
     }
 
+    /// The namespace's block (LBA) size in bytes.
+    pub fn block_size(&self) -> u64 {
+        1 << self.shared.lba_shift
+    }
+
     fn map(&self, start: u64, len: usize, kind: Kind) -> legend_nvme::Result<Mapping> {
         let page = u64::from(match kind {
             Kind::Host => uapi::HOST_PAGE_SIZE,

@@ -40,6 +40,8 @@ struct CacheTable {
     lba_shift: u32,
     nsid: u32,
     ahead: u32,
+    flops_per_byte: f32,
+    overlap: u32,
 }
 
 // SAFETY: a plain `repr(C)` struct of integers, laid out as its CUDA twin.
@@ -75,6 +77,12 @@ pub struct RowCacheOptions {
     pub requesters: u32,
     /// Requests a thread issues before it waits for them (1: synchronous; at most 8).
     pub ahead: u32,
+    /// Computation each looked-up row costs its thread, in FLOP a byte of the row (AGILE's
+    /// computation-to-communication ratio; 0 for plain lookups).
+    pub flops_per_byte: f32,
+    /// Whether that computation runs between the issues and the waits (asynchronous), rather
+    /// than after the waits (synchronous).
+    pub overlap: bool,
 }
 
 impl Default for RowCacheOptions {
@@ -85,6 +93,8 @@ impl Default for RowCacheOptions {
             ways: 8,
             requesters: 256,
             ahead: 4,
+            flops_per_byte: 0.0,
+            overlap: true,
         }
     }
 }
@@ -192,11 +202,13 @@ impl RowCache {
             || opts.ahead == 0
             || opts.ahead > MAX_AHEAD
             || opts.requesters * opts.ahead > RING
+            || !(0.0..=1e6).contains(&opts.flops_per_byte)
         {
             return shape(format!(
-                "{} requesters a block issuing {} ahead: requesters a multiple of 32 up to \
-                 992, ahead 1 to {MAX_AHEAD}, their product at most {RING}",
-                opts.requesters, opts.ahead
+                "{} requesters a block issuing {} ahead, {} FLOP a byte: requesters a multiple \
+                 of 32 up to 992, ahead 1 to {MAX_AHEAD}, their product at most {RING}, FLOP \
+                 0 to 10^6",
+                opts.requesters, opts.ahead, opts.flops_per_byte
             ));
         }
         if u32::from(io.depth) > u32::from(MAX_DEPTH) {
@@ -326,6 +338,8 @@ impl RowCache {
             lba_shift: self.io.lba_shift,
             nsid: self.io.opts.namespace,
             ahead: self.opts.ahead,
+            flops_per_byte: self.opts.flops_per_byte,
+            overlap: u32::from(self.opts.overlap),
         };
         let timeout = self.io.opts.timeout.as_nanos() as u64;
         let blocks = self.io.qids.len();

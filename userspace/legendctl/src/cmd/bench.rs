@@ -17,6 +17,7 @@ use legend_engine::file_store::StoreFile;
 use legend_nvme_proxy::{Proxy, ProxyOptions};
 use serde::Serialize;
 
+mod cache;
 mod file;
 mod queues;
 
@@ -31,6 +32,9 @@ pub struct Args {
 enum What {
     /// Read or write a store target and report bandwidth, operations/s and latency.
     Io(IoArgs),
+    /// Look rows of a table up through the GPU row cache (or with pread) and report lookups/s,
+    /// batch latency and hit rate.
+    Cache(cache::CacheArgs),
 }
 
 /// Where the I/O goes.
@@ -271,6 +275,7 @@ impl Span {
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Io(a) => io(a),
+        What::Cache(a) => cache::run(a),
     }
 }
 
