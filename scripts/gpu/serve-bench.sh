@@ -33,7 +33,7 @@ rm -f "$f.chunk"
 echo "table: $rows rows of $row_bytes bytes in $f ($(stat -c %s "$f") bytes)" | tee "$out/serve-bench.txt"
 
 one() {
-    "$ctl" bench cache --path "$f" --rows "$rows" --row-bytes "$row_bytes" --batches "$batches" --json "$@" \
+    "$ctl" bench cache --path "$f" --rows "$rows" --row-bytes "$row_bytes" --json "$@" \
         >>"$out/serve-bench.jsonl" 2>>"$out/serve-bench.err" || { echo "failed: $*" | tee -a "$out/serve-bench.txt"; status=1; return; }
     tail -n 1 "$out/serve-bench.jsonl" | python3 -c '
 import json, sys
@@ -46,10 +46,10 @@ print("%-8s model %-12s ahead %d overlap %-5s flop/B %4.2f  %10.0f lookups/s  ba
 }
 
 echo "== lookups: the row cache (10%) on the modelled SSD, on tmpfs alone, resident, pread" | tee -a "$out/serve-bench.txt"
-one --mode gpu --ssd-model "$model"
-one --mode gpu
-one --mode resident
-one --mode pread --queues 16
+one --mode gpu --ssd-model "$model" --batches "$batches"
+one --mode gpu --batches "$batches"
+one --mode resident --batches "$batches"
+one --mode pread --queues 16 --batches "$batches"
 
 echo "== AGILE's experiment: sync (1 request, compute after the wait) vs async (8 ahead, compute between)" | tee -a "$out/serve-bench.txt"
 for ratio in 0 0.25 0.5 1 1.5 2; do
