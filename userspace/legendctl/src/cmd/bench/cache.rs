@@ -123,7 +123,7 @@ struct PowerLaw {
 
 impl PowerLaw {
     fn new(rows: u64, seed: u64) -> PowerLaw {
-        let mut scatter = 0x9e37_79b9_7f4a_7c15u64 % rows.max(2) | 1;
+        let mut scatter = (0x9e37_79b9_7f4a_7c15u64 % rows.max(2)) | 1;
         while gcd(scatter, rows) != 1 {
             scatter += 2;
         }
