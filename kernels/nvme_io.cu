@@ -650,9 +650,9 @@ __device__ bool legend_cache_wait(const LegendCacheTable& c, u32 s, u64 row, u32
 
 // Looks up rows `ids[0..n)` into `out` (n x row_bytes); one block per queue pair, warp 0 its
 // I/O warp, the other warps requesters over the block's share of the ids.
-extern "C" __global__ void __launch_bounds__(1024)
-    legend_row_cache_lookup(LegendIoQueue* queues, LegendIoResult* results, LegendCacheTable c,
-                            const u64* ids, u64 n, unsigned char* out, u64 timeout_ns) {
+extern "C" __global__ void __launch_bounds__(1024) legend_row_cache_lookup(
+    LegendIoQueue* queues, LegendIoResult* results, LegendCacheTable c, const u64* ids, u64 n,
+    unsigned char* out, u64 timeout_ns) {
     __shared__ unsigned char busy[LEGEND_IO_MAX_DEPTH];
     __shared__ u32 slot_of[LEGEND_IO_MAX_DEPTH];
     __shared__ u32 bytes_of[LEGEND_IO_MAX_DEPTH];
