@@ -9,6 +9,13 @@
 // thread moves the CQ head and rings its doorbell once. A new batch is submitted while the
 // previous one completes, so two batches are in flight.
 //
+// Small commands can go through staging slots in pinned host memory the GPU maps (the proxy
+// controller: it reaches host memory with a memcpy, but GPU memory only with one CUDA copy a
+// command, which caps small random reads at ~80 k commands/s whatever the queue depth). A
+// queue's slot i stages the command with id i: a Write's data is copied in before submission,
+// a Read's is copied out by the whole block after its completion, before the slot (and its id)
+// can be reused, so a staging slot has one owner at a time without any bookkeeping.
+//
 // Beyond the paper: the command id is the SQ slot, and a slot is reused only once the command
 // written there completed (completions come in any order), so an id is never in flight twice;
 // every completion's status is checked, and a failure stops the block's submissions and is
@@ -43,6 +50,11 @@ struct LegendIoQueue {
     u32 cq_head;
     u32 phase;
     u32 pad;
+    u64 staging;        // device address of the queue's staging slots (0: none)
+    u64 staging_pages;  // bus address of each page of the staging memory (u64 array)
+    u64 staging_first;  // byte of the staging memory (as `staging_pages` counts) slot 0 starts at
+    u32 staging_bytes;  // bytes of a slot: commands of at most this many bytes are staged
+    u32 staging_page_shift;  // log2 of the staging memory's page size
 };
 
 // One transfer between a buffer and consecutive LBAs, cut into commands of `command_bytes`.
@@ -53,6 +65,7 @@ struct LegendIoJob {
     u64 lba;            // first LBA
     u64 command_bytes;  // bytes a command moves (the last one fewer)
     u64 first_command;  // index of its first command among the launch's commands
+    u64 device;         // device address of the buffer's byte 0 (staged commands copy there)
     u32 page_shift;     // log2 of the buffer's page size (16: GPU mappings, 12: host memory)
     u32 opcode;         // 1 write, 2 read
     u32 nsid;
@@ -128,10 +141,18 @@ __device__ __forceinline__ LegendSqe legend_io_rw(u32 opcode, u32 nsid, u64 lba,
     return s;
 }
 
+// Where a staged command's data is in GPU memory, and how many bytes (0: not staged).
+struct LegendIoStage {
+    u64 device;
+    u32 bytes;
+};
+
 // The SQE of command `g` of the launch (its job found by `first_command`, which increases with
-// the job), for slot `slot`.
+// the job), for slot `slot`. A command that fits the queue's staging slot names that slot in
+// its PRPs, and `stage` says where its data is in GPU memory.
 __device__ __forceinline__ LegendSqe legend_io_command(const LegendIoJob* jobs, u32 njobs, u64 g,
-                                                       const LegendIoQueue& q, u32 slot) {
+                                                       const LegendIoQueue& q, u32 slot,
+                                                       LegendIoStage* stage) {
     u32 lo = 0, hi = njobs;
     while (hi - lo > 1) {
         u32 mid = (lo + hi) / 2;
@@ -141,10 +162,20 @@ __device__ __forceinline__ LegendSqe legend_io_command(const LegendIoJob* jobs, 
     const LegendIoJob& job = jobs[j];
     u64 done = (g - job.first_command) * job.command_bytes;
     u64 len = min(job.command_bytes, job.bytes - done);
+    u64* list = (u64*)(q.lists + (u64)slot * LEGEND_IO_PAGE);
+    u64 list_bus = q.lists_bus + (u64)slot * LEGEND_IO_PAGE;
     u64 prp1, prp2;
-    legend_io_prps((const u64*)job.pages, job.page_shift, job.offset + done, len,
-                   (u64*)(q.lists + (u64)slot * LEGEND_IO_PAGE),
-                   q.lists_bus + (u64)slot * LEGEND_IO_PAGE, &prp1, &prp2);
+    stage->device = job.device + job.offset + done;
+    stage->bytes = 0;
+    if (q.staging != 0 && len <= q.staging_bytes) {
+        stage->bytes = (u32)len;
+        legend_io_prps((const u64*)q.staging_pages, q.staging_page_shift,
+                       q.staging_first + (u64)slot * q.staging_bytes, len, list, list_bus, &prp1,
+                       &prp2);
+    } else {
+        legend_io_prps((const u64*)job.pages, job.page_shift, job.offset + done, len, list,
+                       list_bus, &prp1, &prp2);
+    }
     return legend_io_rw(job.opcode, job.nsid, job.lba + (done >> job.lba_shift),
                         (u32)(len >> job.lba_shift), prp1, prp2, slot);
 }
@@ -171,6 +202,50 @@ __device__ __forceinline__ uint4 legend_io_ld16(u64 p) {
     return v;
 }
 
+// Staging memory is written by the controller between two reads of the same address: loads
+// of it must not be served from a cache (.cv: fetch again).
+__device__ __forceinline__ uint4 legend_io_ld16_cv(u64 p) {
+    uint4 v;
+    asm volatile("ld.global.cv.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+// 16 bytes to `p`, which may be only 4-byte aligned (a job's offset is a multiple of 4).
+__device__ __forceinline__ void legend_io_put16(u64 p, uint4 v) {
+    if ((p & 15) == 0) {
+        *(uint4*)p = v;
+    } else {
+        u32* w = (u32*)p;
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = v.z;
+        w[3] = v.w;
+    }
+}
+
+__device__ __forceinline__ uint4 legend_io_get16(u64 p) {
+    if ((p & 15) == 0) return *(const uint4*)p;
+    const u32* w = (const u32*)p;
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// One thread copies a staged Write's `bytes` (a multiple of 16: of the LBA size) from GPU
+// memory into its staging slot, with independent loads in flight.
+__device__ __forceinline__ void legend_io_stage_write(u64 staging, u64 device, u32 bytes) {
+    for (u32 at = 0; at < bytes; at += 4 * 16) {
+        uint4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (at + 16 * k < bytes) v[k] = legend_io_get16(device + at + 16 * k);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (at + 16 * k < bytes) legend_io_st16(staging + at + 16 * k, v[k]);
+    }
+}
+
 __device__ __forceinline__ void legend_io_store_sqe(u64 sq, u32 slot, const LegendSqe& s) {
     const uint4* src = (const uint4*)&s;
 #pragma unroll
@@ -184,12 +259,19 @@ __device__ __forceinline__ uint4 legend_io_load_cqe(u64 cq, u32 slot) {
 // The commands [first, end) of this block's share of the launch go through queue pair
 // `queues[blockIdx.x]`; `latencies`, if not null, receives each command's submission-to-
 // completion time in nanoseconds.
-extern "C" __global__ void legend_nvme_io(LegendIoQueue* queues, const LegendIoJob* jobs,
+// At most 511 threads: a queue holds two batches and a free slot (LEGEND_IO_MAX_DEPTH).
+extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* queues, const LegendIoJob* jobs,
                                           u32 njobs, u64 total_commands, LegendIoResult* results,
                                           u64 timeout_ns, u64* latencies) {
     __shared__ unsigned char busy[LEGEND_IO_MAX_DEPTH];
     __shared__ u64 command_of[LEGEND_IO_MAX_DEPTH];
     __shared__ u64 started[LEGEND_IO_MAX_DEPTH];
+    // A staged Read's destination and bytes, by slot; the slots a round's copy moves, by the
+    // completion's place in the round (NO_COPY: nothing to copy).
+    __shared__ u64 stage_device[LEGEND_IO_MAX_DEPTH];
+    __shared__ u32 stage_bytes[LEGEND_IO_MAX_DEPTH];
+    __shared__ u32 copy_slot[LEGEND_IO_MAX_DEPTH];
+    const u32 NO_COPY = 0xffffffffu;
     __shared__ u32 s_tail, s_head, s_phase, s_in_flight, s_first_stop, s_stop;
     __shared__ u64 s_next, s_end, s_completed, s_progress;
     __shared__ LegendIoResult s_result;
@@ -228,7 +310,14 @@ extern "C" __global__ void legend_nvme_io(LegendIoQueue* queues, const LegendIoJ
         n = s_first_stop;
         if (t < n) {
             u64 g = s_next + t;
-            LegendSqe sqe = legend_io_command(jobs, njobs, g, q, slot);
+            LegendIoStage stage;
+            LegendSqe sqe = legend_io_command(jobs, njobs, g, q, slot, &stage);
+            bool read = (sqe.cdw0 & 0xffu) == 2;
+            if (stage.bytes != 0 && !read)
+                legend_io_stage_write(q.staging + (u64)slot * q.staging_bytes, stage.device,
+                                      stage.bytes);
+            stage_device[slot] = stage.device;
+            stage_bytes[slot] = read ? stage.bytes : 0;
             legend_io_store_sqe(q.sq, slot, sqe);
             busy[slot] = 1;
             command_of[slot] = g;
@@ -258,6 +347,7 @@ extern "C" __global__ void legend_nvme_io(LegendIoQueue* queues, const LegendIoJ
         }
         __syncthreads();
         u32 m = s_first_stop;
+        u32 my_slot = NO_COPY;
         if (t < m) {
             // Re-read behind a fence: the phase tag may have been seen before the rest.
             __threadfence_system();
@@ -279,9 +369,43 @@ extern "C" __global__ void legend_nvme_io(LegendIoQueue* queues, const LegendIoJ
                     s_result.lba = (u64)sqe->cdw[0] | ((u64)sqe->cdw[1] << 32);
                     s_result.blocks = (sqe->cdw[2] & 0xffffu) + 1;
                 }
-                if (latencies) latencies[command_of[cid]] = legend_io_now() - started[cid];
-                busy[cid] = 0;
+                my_slot = cid;
+                // A failed Read's slot holds nothing to copy.
+                if ((status & 0x7ffu) != 0) stage_bytes[cid] = 0;
             }
+            copy_slot[t] = my_slot != NO_COPY && stage_bytes[my_slot] != 0 ? my_slot : NO_COPY;
+        }
+        __syncthreads();
+        if (q.staging != 0 && m > 0) {
+            // The round's staged Reads, copied out of their slots by the whole block: chunk c
+            // is 16 bytes of the (c / per)-th completion, eight independent loads a thread in
+            // flight (each crosses the bus to host memory).
+            const u32 per = q.staging_bytes / 16;
+            const u64 chunks = (u64)m * per;
+            for (u64 c0 = t; c0 < chunks; c0 += 8ull * T) {
+                uint4 v[8];
+                u64 to[8];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    to[k] = 0;
+                    u64 c = c0 + (u64)k * T;
+                    if (c >= chunks) continue;
+                    u32 s = copy_slot[c / per];
+                    u32 at = (u32)(c % per) * 16;
+                    if (s == NO_COPY || at >= stage_bytes[s]) continue;
+                    v[k] = legend_io_ld16_cv(q.staging + (u64)s * q.staging_bytes + at);
+                    to[k] = stage_device[s] + at;
+                }
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    if (to[k] != 0) legend_io_put16(to[k], v[k]);
+            }
+            __syncthreads();
+        }
+        if (my_slot != NO_COPY) {
+            // The latency includes the copy out of staging: the data is where it was asked for.
+            if (latencies) latencies[command_of[my_slot]] = legend_io_now() - started[my_slot];
+            busy[my_slot] = 0;
         }
         __syncthreads();
         if (t == 0) {
@@ -356,4 +480,402 @@ extern "C" __global__ void legend_nvme_sqe_vectors(const LegendSqeVector* v, u32
     LegendSqe s = legend_io_rw(x.opcode, x.nsid, x.lba, x.blocks, prp1, prp2, x.cid);
     const u32* w = (const u32*)&s;
     for (int k = 0; k < 16; ++k) out[16 * i + k] = w[k];
+}
+
+// ---------------------------------------------------------------------------------------------
+// The row cache (issue 32): rows of a table on the namespace, looked up by GPU threads through
+// a software cache of fixed-size lines in GPU memory, the lines read through the queue pairs.
+//
+// A line is `line_bytes / row_bytes` consecutive rows (a multiple of the LBA size, so a line
+// is one command and no row straddles two). Set associative: line L lives in set L % sets, in
+// one of `ways` slots, the victim chosen by a clock hand per set (legend_cache_victim: the
+// policy, one function to replace). A set's metadata changes under its spin lock, held for a
+// few instructions and never while anything waits.
+//
+// Requests are asynchronous: issue looks the line up and pins its slot (a hit; a line being
+// loaded: the request waits with the one that loads it, coalesced; a miss: it claims a victim,
+// marks it loading and hands it to its block's I/O warp), wait polls the slot's state, copies
+// the row out and unpins. A thread issues up to `ahead` requests before it waits for them
+// (1: synchronous, BaM's model; more: AGILE's).
+//
+// I/O: warp 0 of each block owns the block's queue pair alone: it takes the claimed lines from
+// the block's miss ring, submits them while the SQ has room, reaps completions (copying staged
+// data into the line) and marks lines valid or failed. The rule that keeps SQ space from
+// deadlocking: only the I/O warp touches the SQ and CQ, and it waits on nothing but the
+// controller; a requester waits only on a line's state, holding no lock and no SQ entry; a
+// requester whose set has no evictable slot (every way pinned or loading) first finishes the
+// rows it holds, whose loads depend on the I/O warps alone, then tries again. Any number of
+// requesters therefore works with any SQ depth of 2 or more.
+
+#define LEGEND_LINE_EMPTY 0u
+#define LEGEND_LINE_LOADING 1u
+#define LEGEND_LINE_VALID 2u
+#define LEGEND_LINE_FAILED 3u
+#define LEGEND_CACHE_NONE 0xffffffffu
+#define LEGEND_CACHE_MAX_AHEAD 8
+// Entries of a block's miss ring: at least its requesters times `ahead` (checked by the host).
+#define LEGEND_CACHE_RING 4096
+
+struct LegendCacheTable {
+    u64 lines;          // device address of the line data (slots x line_bytes)
+    u64 line_pages;     // bus address of each page of the line data (u64 array)
+    u64 tags;           // u64 a slot: line + 1 (0: none)
+    u64 state;          // u32 a slot: LEGEND_LINE_*
+    u64 pins;           // u32 a slot: requests holding it
+    u64 refs;           // u32 a slot: the clock's reference bit
+    u64 locks;          // u32 a set
+    u64 hands;          // u32 a set
+    u64 stats;          // u64 x 4: hits, misses, coalesced, retries
+    u64 abort;          // u32: set by a block that stopped; waiters give up
+    u64 at;             // namespace byte of row 0 (LBA aligned)
+    u64 rows;
+    u64 namespace_bytes;
+    u32 line_page_shift;
+    u32 line_bytes;
+    u32 sets;
+    u32 ways;
+    u32 row_bytes;      // a multiple of 4
+    u32 lba_shift;
+    u32 nsid;
+    u32 ahead;
+    // AGILE's computation-to-communication experiment: each row a thread waits for costs it
+    // this many FLOP a byte, done between the issue and the waits (`overlap`: asynchronous) or
+    // after the waits (synchronous).
+    float flops_per_byte;
+    u32 overlap;
+};
+
+// `flops_per_byte` FLOP (fused multiply-adds, 2 FLOP each) for each of `bytes` bytes.
+__device__ __forceinline__ float legend_cache_work(float x, u64 bytes, float flops_per_byte) {
+    u64 n = (u64)(flops_per_byte * (float)bytes * 0.5f);
+    for (u64 i = 0; i < n; ++i) x = fmaf(x, 0.9999999f, 1e-7f);
+    return x;
+}
+
+__device__ __forceinline__ u32 legend_ld_cg_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The clock: from the set's hand, the first way neither pinned nor loading whose reference bit
+// is clear, clearing the bits it passes; LEGEND_CACHE_NONE after two turns. Under the set lock.
+__device__ u32 legend_cache_victim(const LegendCacheTable& c, u32 set) {
+    volatile u32* hands = (volatile u32*)c.hands;
+    volatile u32* pins = (volatile u32*)c.pins;
+    volatile u32* st = (volatile u32*)c.state;
+    volatile u32* refs = (volatile u32*)c.refs;
+    u32 hand = hands[set];
+    for (u32 k = 0; k < 2 * c.ways; ++k) {
+        u32 w = (hand + k) % c.ways;
+        u32 s = set * c.ways + w;
+        if (pins[s] != 0 || st[s] == LEGEND_LINE_LOADING) continue;
+        if (refs[s] != 0 && st[s] == LEGEND_LINE_VALID) {
+            refs[s] = 0;
+            continue;
+        }
+        hands[set] = (w + 1) % c.ways;
+        return s;
+    }
+    return LEGEND_CACHE_NONE;
+}
+
+// Issues a request for `line`: the slot that holds or will hold it, pinned; LEGEND_CACHE_NONE
+// when its set has nothing to evict. A miss goes to the block's miss ring.
+__device__ u32 legend_cache_issue(const LegendCacheTable& c, u64 line, volatile u32* ring,
+                                  u32* ring_tail) {
+    u32 set = (u32)(line % c.sets);
+    u32* lock = (u32*)c.locks + set;
+    while (atomicCAS(lock, 0u, 1u) != 0u) __nanosleep(64);
+    __threadfence();
+    volatile u64* tags = (volatile u64*)c.tags;
+    volatile u32* st = (volatile u32*)c.state;
+    volatile u32* refs = (volatile u32*)c.refs;
+    u32 found = LEGEND_CACHE_NONE, kind = 0;  // kind: 0 hit, 1 miss, 2 coalesced
+    for (u32 w = 0; w < c.ways; ++w) {
+        u32 s = set * c.ways + w;
+        u32 v = st[s];
+        if (tags[s] == line + 1 && (v == LEGEND_LINE_VALID || v == LEGEND_LINE_LOADING)) {
+            found = s;
+            kind = v == LEGEND_LINE_VALID ? 0 : 2;
+            break;
+        }
+    }
+    if (found == LEGEND_CACHE_NONE) {
+        found = legend_cache_victim(c, set);
+        if (found != LEGEND_CACHE_NONE) {
+            tags[found] = line + 1;
+            st[found] = LEGEND_LINE_LOADING;
+            kind = 1;
+        }
+    }
+    if (found != LEGEND_CACHE_NONE) {
+        atomicAdd((u32*)c.pins + found, 1u);
+        refs[found] = 1;
+    }
+    __threadfence();
+    atomicExch(lock, 0u);
+    u64* stats = (u64*)c.stats;
+    if (found == LEGEND_CACHE_NONE) {
+        atomicAdd(&stats[3], 1ull);
+        return found;
+    }
+    atomicAdd(&stats[kind], 1ull);
+    if (kind == 1) {
+        u32 i = atomicAdd(ring_tail, 1u);
+        ring[i % LEGEND_CACHE_RING] = found + 1;
+    }
+    return found;
+}
+
+// Waits for slot `s` to hold its line, copies row `row` of it to `out` and unpins it; false if
+// the line's read failed or the launch was aborted.
+__device__ bool legend_cache_wait(const LegendCacheTable& c, u32 s, u64 row, u32* out) {
+    volatile u32* st = (volatile u32*)c.state;
+    volatile u32* abort = (volatile u32*)c.abort;
+    u32 v;
+    while ((v = st[s]) == LEGEND_LINE_LOADING && *abort == 0) __nanosleep(128);
+    __threadfence();
+    bool ok = v == LEGEND_LINE_VALID;
+    if (ok) {
+        u32 per_line = c.line_bytes / c.row_bytes;
+        // L2, not L1: the slot held another line when this multiprocessor last read it.
+        const u32* src = (const u32*)(c.lines + (u64)s * c.line_bytes +
+                                      (u64)(row % per_line) * c.row_bytes);
+        for (u32 i = 0; i < c.row_bytes / 4; ++i) out[i] = legend_ld_cg_u32(src + i);
+    }
+    atomicSub((u32*)c.pins + s, 1u);
+    return ok;
+}
+
+// Looks up rows `ids[0..n)` into `out` (n x row_bytes); one block per queue pair, warp 0 its
+// I/O warp, the other warps requesters over the block's share of the ids.
+extern "C" __global__ void __launch_bounds__(1024) legend_row_cache_lookup(
+    LegendIoQueue* queues, LegendIoResult* results, LegendCacheTable c, const u64* ids, u64 n,
+    unsigned char* out, u64 timeout_ns) {
+    __shared__ unsigned char busy[LEGEND_IO_MAX_DEPTH];
+    __shared__ u32 slot_of[LEGEND_IO_MAX_DEPTH];
+    __shared__ u32 bytes_of[LEGEND_IO_MAX_DEPTH];
+    __shared__ u32 ring[LEGEND_CACHE_RING];
+    __shared__ u32 s_ring_tail, s_finished;
+    __shared__ LegendIoResult s_result;
+    const u32 t = threadIdx.x, lane = t & 31;
+    const u32 requesters = blockDim.x - 32;
+    LegendIoQueue q = queues[blockIdx.x];
+    const u32 depth = q.depth;
+    for (u32 i = t; i < depth; i += blockDim.x) busy[i] = 0;
+    for (u32 i = t; i < LEGEND_CACHE_RING; i += blockDim.x) ring[i] = 0;
+    if (t == 0) {
+        s_ring_tail = 0;
+        s_finished = 0;
+        s_result.kind = 0;
+        s_result.status = 0;
+        s_result.lba = 0;
+        s_result.opcode = 0;
+        s_result.blocks = 0;
+        s_result.completed = 0;
+    }
+    __syncthreads();
+    volatile u32* abort = (volatile u32*)c.abort;
+    u64 per = (n + gridDim.x - 1) / gridDim.x;
+    u64 first = min((u64)blockIdx.x * per, n), end = min(first + per, n);
+    if (t >= 32) {
+        // A requester: ids first + r, first + r + R, ..., `ahead` issued before their waits.
+        const u32 r = t - 32;
+        const u32 ahead = max(1u, min(c.ahead, (u32)LEGEND_CACHE_MAX_AHEAD));
+        u32 held[LEGEND_CACHE_MAX_AHEAD];
+        u64 held_id[LEGEND_CACHE_MAX_AHEAD];
+        u32 k = 0;
+        bool failed = false;
+        u32 per_line = c.line_bytes / c.row_bytes;
+        float acc = 1.0f;
+        for (u64 i0 = first + r; i0 < end && *abort == 0; i0 += (u64)requesters * ahead) {
+            for (u32 a = 0; a < ahead; ++a) {
+                u64 i = i0 + (u64)a * requesters;
+                if (i >= end) break;
+                u64 row = ids[i];
+                u32 s;
+                // Doubling pauses: with more requests in flight than the set has ways, retries
+                // that came back at once kept its lock busy (the first GPU run: 351 k retries
+                // for 40 k lookups, 12 k lookups/s).
+                u32 pause = 256;
+                while ((s = legend_cache_issue(c, row / per_line, ring, &s_ring_tail)) ==
+                       LEGEND_CACHE_NONE) {
+                    // Its set is full of pinned lines: finish what this thread holds, then
+                    // try again (the deadlock-free rule).
+                    for (u32 b = 0; b < k; ++b)
+                        failed |= !legend_cache_wait(c, held[b], ids[held_id[b]],
+                                                     (u32*)(out + held_id[b] * c.row_bytes));
+                    k = 0;
+                    if (*abort != 0) break;
+                    __nanosleep(pause);
+                    pause = min(2 * pause, 65536u);
+                }
+                if (s == LEGEND_CACHE_NONE) break;
+                held[k] = s;
+                held_id[k] = i;
+                ++k;
+            }
+            // Issued now, waited for later: a caller's computation goes between.
+            u64 work = (u64)k * c.row_bytes;
+            if (c.overlap) acc = legend_cache_work(acc, work, c.flops_per_byte);
+            for (u32 b = 0; b < k; ++b)
+                failed |= !legend_cache_wait(c, held[b], ids[held_id[b]],
+                                             (u32*)(out + held_id[b] * c.row_bytes));
+            if (!c.overlap) acc = legend_cache_work(acc, work, c.flops_per_byte);
+            k = 0;
+        }
+        // Keeps the computation (never true).
+        if (acc == -1.0f) atomicAdd((u64*)c.stats + 3, 0ull);
+        if (failed && *abort == 0) atomicCAS(&s_result.kind, 0u, 1u);
+        __threadfence_block();
+        atomicAdd(&s_finished, 1u);
+        return;
+    }
+    // The I/O warp.
+    u32 tail = q.sq_tail, head = q.cq_head, phase = q.phase, in_flight = 0, ring_head = 0;
+    u64 completed = 0, progress = legend_io_now();
+    bool timed_out = false;
+    const u64 table_bytes = c.rows * (u64)c.row_bytes;
+    const u64 lba_mask = (1ull << c.lba_shift) - 1;
+    while (true) {
+        // Submit: the leading run of published misses with a free SQ slot each.
+        u32 room = depth - 1 - in_flight;
+        u32 want = min(32u, room);
+        u32 entry = 0;
+        bool ready = false;
+        if (lane < want) {
+            entry = ((volatile u32*)ring)[(ring_head + lane) % LEGEND_CACHE_RING];
+            ready = entry != 0 && !busy[(tail + lane) % depth];
+        }
+        u32 mask = __ballot_sync(0xffffffffu, ready);
+        u32 sub = mask == 0xffffffffu ? 32 : __ffs(~mask) - 1;
+        if (lane < sub) {
+            ((volatile u32*)ring)[(ring_head + lane) % LEGEND_CACHE_RING] = 0;
+            u32 s = entry - 1, cid = (tail + lane) % depth;
+            u64 line = ((volatile u64*)c.tags)[s] - 1;
+            u64 start = line * c.line_bytes;
+            u64 bytes = min((u64)c.line_bytes, table_bytes - start);
+            bytes = (bytes + lba_mask) & ~lba_mask;
+            u64 ns = c.at + start;
+            bytes = min(bytes, c.namespace_bytes - ns);
+            u64* list = (u64*)(q.lists + (u64)cid * LEGEND_IO_PAGE);
+            u64 list_bus = q.lists_bus + (u64)cid * LEGEND_IO_PAGE;
+            u64 prp1, prp2;
+            bool staged = q.staging != 0 && bytes <= q.staging_bytes;
+            if (staged)
+                legend_io_prps((const u64*)q.staging_pages, q.staging_page_shift,
+                               q.staging_first + (u64)cid * q.staging_bytes, bytes, list,
+                               list_bus, &prp1, &prp2);
+            else
+                legend_io_prps((const u64*)c.line_pages, c.line_page_shift,
+                               (u64)s * c.line_bytes, bytes, list, list_bus, &prp1, &prp2);
+            LegendSqe sqe = legend_io_rw(2, c.nsid, ns >> c.lba_shift,
+                                         (u32)(bytes >> c.lba_shift), prp1, prp2, cid);
+            legend_io_store_sqe(q.sq, cid, sqe);
+            busy[cid] = 1;
+            slot_of[cid] = s;
+            bytes_of[cid] = staged ? (u32)bytes : 0;
+        }
+        __threadfence_system();
+        __syncwarp();
+        if (sub > 0) {
+            tail = (tail + sub) % depth;
+            in_flight += sub;
+            ring_head += sub;
+            if (lane == 0) *(volatile u32*)q.sq_doorbell = tail;
+        }
+        // Complete: the leading run of posted entries from the head.
+        u32 look = min(32u, in_flight);
+        bool posted = false;
+        u32 at = head + lane, cslot = at % depth;
+        if (lane < look) {
+            uint4 e = legend_io_load_cqe(q.cq, cslot);
+            posted = ((e.w >> 16) & 1u) == (phase ^ (at >= depth ? 1u : 0u));
+        }
+        mask = __ballot_sync(0xffffffffu, posted);
+        u32 m = mask == 0xffffffffu ? 32 : __ffs(~mask) - 1;
+        u32 cid = LEGEND_CACHE_NONE, status = 0;
+        if (lane < m) {
+            __threadfence_system();
+            uint4 e = legend_io_load_cqe(q.cq, cslot);
+            cid = e.w & 0xffffu;
+            status = (e.w >> 17) & 0x7fffu;
+            if (cid >= depth || !busy[cid]) {
+                if (atomicCAS(&s_result.kind, 0u, 3u) == 0u) {
+                    s_result.last_cqe[0] = e.x;
+                    s_result.last_cqe[1] = e.y;
+                    s_result.last_cqe[2] = e.z;
+                    s_result.last_cqe[3] = e.w;
+                }
+                cid = LEGEND_CACHE_NONE;
+            } else if ((status & 0x7ffu) != 0 && atomicCAS(&s_result.kind, 0u, 1u) == 0u) {
+                volatile LegendSqe* sqe = (volatile LegendSqe*)(q.sq + (u64)cid * 64);
+                s_result.status = status;
+                s_result.opcode = sqe->cdw0 & 0xffu;
+                s_result.lba = (u64)sqe->cdw[0] | ((u64)sqe->cdw[1] << 32);
+                s_result.blocks = (sqe->cdw[2] & 0xffffu) + 1;
+            }
+        }
+        // Staged lines into their slots, the whole warp on each in turn.
+        for (u32 i = 0; i < m; ++i) {
+            u32 ci = __shfl_sync(0xffffffffu, cid, i);
+            u32 si = __shfl_sync(0xffffffffu, status, i);
+            if (ci == LEGEND_CACHE_NONE || (si & 0x7ffu) != 0 || bytes_of[ci] == 0) continue;
+            u64 src = q.staging + (u64)ci * q.staging_bytes;
+            u64 dst = c.lines + (u64)slot_of[ci] * c.line_bytes;
+            u32 bytes = bytes_of[ci];
+            for (u32 o = lane * 64; o < bytes; o += 32 * 64) {
+                uint4 v[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    if (o + 16 * k < bytes) v[k] = legend_io_ld16_cv(src + o + 16 * k);
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    if (o + 16 * k < bytes) legend_io_put16(dst + o + 16 * k, v[k]);
+            }
+        }
+        // The line's bytes before its state.
+        __threadfence();
+        __syncwarp();
+        if (cid != LEGEND_CACHE_NONE) {
+            ((volatile u32*)c.state)[slot_of[cid]] =
+                (status & 0x7ffu) == 0 ? LEGEND_LINE_VALID : LEGEND_LINE_FAILED;
+            busy[cid] = 0;
+        }
+        __syncwarp();
+        u64 now = legend_io_now();
+        if (m > 0) {
+            u32 h = head + m;
+            if (h >= depth) phase ^= 1u;
+            head = h % depth;
+            in_flight -= m;
+            completed += m;
+            progress = now;
+            if (lane == 0) *(volatile u32*)q.cq_doorbell = head;
+        }
+        if (in_flight > 0 && now - progress > timeout_ns) {
+            timed_out = true;
+            if (lane == 0) *abort = 1;
+            break;
+        }
+        u32 finished = ((volatile u32*)&s_finished)[0];
+        if (finished == requesters && in_flight == 0) break;
+        if (sub == 0 && m == 0) __nanosleep(500);
+    }
+    if (lane == 0) {
+        if (timed_out) s_result.kind = 2;
+        s_result.sq_tail = tail;
+        s_result.cq_head = head;
+        s_result.phase = phase;
+        s_result.in_flight = in_flight;
+        s_result.completed = completed;
+        queues[blockIdx.x].sq_tail = tail;
+        queues[blockIdx.x].cq_head = head;
+        queues[blockIdx.x].phase = phase;
+    }
+    // The requesters' reports (a failed row) are in by the time they all finished; after a
+    // timeout some may still run, and the host treats the queues as broken anyway.
+    __syncwarp();
+    if (lane == 0) results[blockIdx.x] = s_result;
 }

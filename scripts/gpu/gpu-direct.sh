@@ -6,6 +6,9 @@
 #  2. `legendctl bench io` side by side on the same file: io_uring (file), the proxy with CPU
 #     submitters, the proxy with the GPU I/O kernels; on tmpfs (the queues' own cost) and on
 #     the machine's disk;
+#  2b. (LEGEND_DIRECT_ONLY=small) 4 KiB random reads into GPU memory on tmpfs: io_uring, the
+#     I/O kernels with a CUDA copy a command, and with their staging slots over proxy threads,
+#     proxy depth and queues;
 #  3. the training step's time alone and beside the I/O kernels reading without pause (Fig. 9);
 #  4. training with storage.backend = "proxy" on cuda:0, against the file backend on cuda:0:
 #     UMLS quality (N = 4, C = 3) and a generated graph's epoch time (N = 8, C = 3).
@@ -58,6 +61,38 @@ print("%-9s %-6s %-4s %-5s %7d B  q%-2d d%-4d %8.3f GB/s %9.0f ops/s  p50 %8.1f 
         done
         rm -f "$f"
     done
+fi
+
+if [[ $only == *" small "* ]]; then
+    # Issue 32: 4 KiB random reads into GPU memory through the proxy on tmpfs, each command's
+    # data through a CUDA copy (staging 0) against the I/O kernels' staging slots, over the
+    # proxy's threads and depth and the kernels' queues.
+    echo "== small random reads: io_uring vs the GPU I/O kernels, with and without staging"
+    f=/dev/shm/legend-small.img
+    dd if=/dev/urandom of="$f" bs=64M count=64 status=none || status=1
+    secs=${LEGEND_BENCH_SECONDS:-3}
+    small() {
+        "$ctl" bench io --path "$f" --pattern rand --op read --size 4096 --seconds "$secs" --json "$@" \
+            >>"$out/small-reads.jsonl" 2>>"$out/small-reads.err" || { echo "bench failed: $*"; status=1; return; }
+        tail -n 1 "$out/small-reads.jsonl" | python3 -c '
+import json, sys
+r = json.loads(sys.stdin.read())
+print("%-5s %-4s q%-3d d%-4d proxy threads %-4s depth %-5s staging %-5s %7.3f GB/s %9.0f ops/s  p50 %8.1f us  p99 %8.1f us" % (
+    r["backend"], r["submitter"], r["queues"], r["depth"], r["proxy_threads"], r["proxy_depth"],
+    r["staging_bytes"], r["gb_per_s"], r["ops_per_s"], r["latency_us"]["p50"], r["latency_us"]["p99"]))
+' | tee -a "$out/small-reads.txt"
+    }
+    small --backend file --queues 8 --depth 32
+    for q in "8 256" "16 256"; do
+        read -r queues depth <<<"$q"
+        small --backend proxy --submitter gpu --queues "$queues" --depth "$depth" --staging 0
+    done
+    for spec in "8 256 4 128" "8 256 8 256" "16 256 8 256" "16 256 8 1024" "32 128 8 1024" "16 256 12 1024"; do
+        read -r queues depth threads pdepth <<<"$spec"
+        small --backend proxy --submitter gpu --queues "$queues" --depth "$depth" \
+            --proxy-threads "$threads" --proxy-depth "$pdepth"
+    done
+    rm -f "$f"
 fi
 
 if [[ $only == *" beside "* ]]; then

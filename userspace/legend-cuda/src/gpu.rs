@@ -48,6 +48,8 @@ pub(crate) struct Kernels {
     /// GPU-initiated NVMe I/O (`kernels/nvme_io.cu`) and its SQE test vectors.
     pub(crate) nvme_io: CudaFunction,
     pub(crate) sqe_vectors: CudaFunction,
+    /// The row cache's lookups through the same queues.
+    pub(crate) row_cache_lookup: CudaFunction,
 }
 
 /// The fused score/loss/gradient kernels of one padded width (`kernels/fused*.cu*`).
@@ -244,6 +246,7 @@ impl Gpu {
                 .collect::<Result<_, GpuError>>()?,
             nvme_io: f("legend_nvme_io")?,
             sqe_vectors: f("legend_nvme_sqe_vectors")?,
+            row_cache_lookup: f("legend_row_cache_lookup")?,
         };
         for f in [&kernels.gemm_nt, &kernels.gemm_nn, &kernels.gemm_tn] {
             f.set_attribute(

@@ -25,6 +25,10 @@ use legend_nvme_protocol::{CommandError, MAX_DEPTH, QueueLayout, Sqe, Status, ma
 use crate::error::DriverContext;
 use crate::{Gpu, GpuError};
 
+mod row_cache;
+
+pub use row_cache::{CacheStats, CachedTable, RowCache, RowCacheOptions};
+
 /// `LegendIoQueue` of `kernels/nvme_io.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -41,6 +45,11 @@ struct IoQueue {
     cq_head: u32,
     phase: u32,
     pad: u32,
+    staging: u64,
+    staging_pages: u64,
+    staging_first: u64,
+    staging_bytes: u32,
+    staging_page_shift: u32,
 }
 
 /// `LegendIoJob`.
@@ -53,6 +62,7 @@ struct IoJob {
     lba: u64,
     command_bytes: u64,
     first_command: u64,
+    device: u64,
     page_shift: u32,
     opcode: u32,
     nsid: u32,
@@ -107,6 +117,13 @@ pub struct GpuIoOptions {
     pub placement: RingPlacement,
     /// How long a block waits for a completion before it stops and reports.
     pub timeout: Duration,
+    /// Bytes of a staging slot, one a queue entry, in pinned host memory the GPU maps (0:
+    /// none; a multiple of the LBA size, at most the largest command). A command of at most
+    /// this many bytes names its slot rather than GPU memory, and the I/O kernels copy its data
+    /// in (a Write) or out (a Read) themselves: for the proxy controller, which reaches host
+    /// memory with a `memcpy` but GPU memory only with one CUDA copy a command (~80 k
+    /// commands/s in all, whatever the queue depth), this is what makes small reads fast.
+    pub staging: u32,
 }
 
 impl Default for GpuIoOptions {
@@ -117,6 +134,7 @@ impl Default for GpuIoOptions {
             namespace: 1,
             placement: RingPlacement::Host,
             timeout: Duration::from_secs(10),
+            staging: 0,
         }
     }
 }
@@ -268,6 +286,15 @@ impl Drop for Rings {
     }
 }
 
+/// The queues' staging slots: pinned host memory, mapped for the controller, with its page
+/// table on the device.
+struct Staging {
+    mapping: Mapping,
+    // Kept while the queues may name them.
+    _memory: Pinned,
+    _pages: CudaSlice<u64>,
+}
+
 /// A region of GPU memory the controller can reach, with its page table on the device.
 struct Region {
     /// Device address of its byte 0.
@@ -284,6 +311,8 @@ pub struct GpuIo {
     ctrl: Arc<dyn Controller>,
     stream: Arc<CudaStream>,
     kernel: CudaFunction,
+    /// `legend_row_cache_lookup`, for a [`RowCache`] over these queues.
+    cache_kernel: CudaFunction,
     opts: GpuIoOptions,
     qids: Vec<u32>,
     depth: u16,
@@ -300,6 +329,7 @@ pub struct GpuIo {
     _doorbells_gpu: Registered,
     _doorbells: Doorbells,
     _rings: Rings,
+    staging: Option<Staging>,
     broken: Option<String>,
 }
 
@@ -371,6 +401,17 @@ impl GpuIo {
         }
         let depth = want as u16;
         let max_command = max_command_bytes(info.max_transfer, ns.lba_shift);
+        if opts.staging != 0
+            && (!u64::from(opts.staging).is_multiple_of(1 << ns.lba_shift)
+                || u64::from(opts.staging) > max_command)
+        {
+            return Err(refuse(format!(
+                "staging slots of {} bytes: not a multiple of the {}-byte LBA, or above the \
+                 largest command ({max_command} bytes)",
+                opts.staging,
+                1u64 << ns.lba_shift
+            )));
+        }
         let layout = QueueLayout::new(depth);
         let per_queue = layout.bytes();
         let total = (per_queue * opts.queues as usize).next_multiple_of(1 << 16);
@@ -412,10 +453,7 @@ impl GpuIo {
         let mut qid = 1;
         while qids.len() < opts.queues as usize {
             if qid > info.queue_pairs {
-                for &q in &qids {
-                    let _ = ctrl.delete_queue_pair(q);
-                }
-                let _ = ctrl.unmap(rings_map.handle);
+                undo_open(ctrl.as_ref(), &qids, &rings_map);
                 return Err(refuse(format!(
                     "not {} free queue pairs among {}",
                     opts.queues, info.queue_pairs
@@ -444,25 +482,36 @@ impl GpuIo {
                         lists_bus: rings_map.bus(lists_at),
                         depth: u32::from(depth),
                         qid,
-                        sq_tail: 0,
-                        cq_head: 0,
                         phase: 1,
-                        pad: 0,
+                        ..IoQueue::default()
                     });
                 }
                 Err(legend_nvme::Error::Ioctl { ref source, .. })
                     if source.raw_os_error() == Some(libc::EBUSY) => {}
                 Err(e) => {
-                    for &q in &qids {
-                        let _ = ctrl.delete_queue_pair(q);
-                    }
-                    let _ = ctrl.unmap(rings_map.handle);
+                    undo_open(ctrl.as_ref(), &qids, &rings_map);
                     return Err(nvme("CREATE_QUEUE_PAIR")(e));
                 }
             }
             qid += 1;
         }
-        let stream = ctx.new_stream().during("creating the I/O stream")?;
+        let stream = ctx.new_stream().during("creating the I/O stream");
+        let staging = stream.and_then(|stream| {
+            let staging = match opts.staging {
+                0 => None,
+                bytes => Some(Staging::new(
+                    ctx,
+                    &stream,
+                    ctrl.as_ref(),
+                    &mut queues,
+                    usize::from(depth),
+                    bytes,
+                )?),
+            };
+            Ok((stream, staging))
+        });
+        let (stream, staging) =
+            staging.inspect_err(|_| undo_open(ctrl.as_ref(), &qids, &rings_map))?;
         let queues_dev = stream.clone_htod(&queues).during("uploading the queues")?;
         let results = stream
             .alloc_zeros::<IoResult>(queues.len())
@@ -472,6 +521,7 @@ impl GpuIo {
             ctrl,
             stream,
             kernel: gpu.kernels.nvme_io.clone(),
+            cache_kernel: gpu.kernels.row_cache_lookup.clone(),
             opts: opts.clone(),
             qids,
             depth,
@@ -486,6 +536,7 @@ impl GpuIo {
             _doorbells_gpu: doorbells_gpu,
             _doorbells: doorbells,
             _rings: rings,
+            staging,
             broken: None,
         })
     }
@@ -616,6 +667,7 @@ impl GpuIo {
             let page_shift = region.mapping.page_size.trailing_zeros();
             kernel_jobs.push(IoJob {
                 pages: self.addr(&region.pages),
+                device: region.start,
                 offset: j.offset,
                 bytes: j.bytes,
                 lba: j.at >> self.lba_shift,
@@ -824,7 +876,8 @@ impl Drop for GpuIo {
                     tracing::error!(
                         "deleting GPU queue pair {q}: {e}; leaking its memory rather than freeing it under the controller"
                     );
-                    // The rings must outlive a queue the controller may still use.
+                    // The rings and staging slots must outlive a queue the controller may still
+                    // use.
                     std::mem::forget(std::mem::replace(
                         &mut self._rings,
                         Rings::Device {
@@ -833,6 +886,7 @@ impl Drop for GpuIo {
                             len: 0,
                         },
                     ));
+                    std::mem::forget(self.staging.take());
                     return;
                 }
             }
@@ -841,6 +895,65 @@ impl Drop for GpuIo {
             let _ = self.ctrl.unmap(r.mapping.handle);
         }
         let _ = self.ctrl.unmap(self.rings_map.handle);
+        if let Some(s) = &self.staging {
+            let _ = self.ctrl.unmap(s.mapping.handle);
+        }
+    }
+}
+
+/// Gives back what [`GpuIo::open`] got from the controller before it failed: the queue pairs
+/// `qids` and the ring memory's mapping.
+fn undo_open(ctrl: &dyn Controller, qids: &[u32], rings_map: &Mapping) {
+    for &q in qids {
+        let _ = ctrl.delete_queue_pair(q);
+    }
+    let _ = ctrl.unmap(rings_map.handle);
+}
+
+impl Staging {
+    /// `bytes`-byte slots for each entry of each of `queues` (`depth` deep), mapped for the
+    /// controller; fills in the queues' staging fields.
+    fn new(
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        ctrl: &dyn Controller,
+        queues: &mut [IoQueue],
+        depth: usize,
+        bytes: u32,
+    ) -> Result<Staging, GpuError> {
+        let per_queue = depth * bytes as usize;
+        let len = (per_queue * queues.len()).next_multiple_of(uapi::HOST_PAGE_SIZE as usize);
+        let memory = Pinned::new(ctx, len)?;
+        // SAFETY: the memory lives in the result, which `GpuIo` drops after deleting its queue
+        // pairs and unmapping it.
+        let mapping =
+            unsafe { ctrl.map_host(memory.host, memory.len) }.map_err(|e| GpuError::Nvme {
+                label: ctrl.label().to_string(),
+                what: format!("MAP of {len} bytes of staging memory: {e}"),
+            })?;
+        let pages = match stream.clone_htod(&mapping.bus_addrs) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = ctrl.unmap(mapping.handle);
+                return Err(e).during("uploading the staging page table");
+            }
+        };
+        let table = {
+            let (p, _guard) = pages.device_ptr(stream);
+            p
+        };
+        for (i, q) in queues.iter_mut().enumerate() {
+            q.staging = memory.device + (i * per_queue) as u64;
+            q.staging_pages = table;
+            q.staging_first = (i * per_queue) as u64;
+            q.staging_bytes = bytes;
+            q.staging_page_shift = mapping.page_size.trailing_zeros();
+        }
+        Ok(Staging {
+            mapping,
+            _memory: memory,
+            _pages: pages,
+        })
     }
 }
 

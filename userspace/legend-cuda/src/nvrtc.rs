@@ -174,7 +174,11 @@ pub const PROGRAMS: [Program; 10] = [
         sources: &[&["nvme_io.cu"]],
         fused_width: 0,
         transe: false,
-        kernels: &["legend_nvme_io", "legend_nvme_sqe_vectors"],
+        kernels: &[
+            "legend_nvme_io",
+            "legend_nvme_sqe_vectors",
+            "legend_row_cache_lookup",
+        ],
     },
 ];
 

@@ -1,7 +1,9 @@
 //! The GPU I/O kernels (`kernels/nvme_io.cu`) against the userspace proxy controller over a
 //! file: the SQE bytes equal legend-nvme-protocol's test vectors, whole partitions move in both
-//! directions byte for byte, injected error statuses come back with their LBA, and a lost
-//! doorbell ends in a timeout report instead of a hang.
+//! directions byte for byte (small commands also through staging slots in host memory),
+//! injected error statuses come back with their LBA, and a lost
+//! doorbell ends in a timeout report instead of a hang; the row cache's lookups equal the store
+//! byte for byte, and finish with fewer SQ entries and cache slots than requesting threads.
 //! Needs a GPU: the tests are `#[ignore]`d, so a plain `cargo test` reports them skipped;
 //! `--include-ignored` runs them (scripts/gpu/run-all.sh).
 
@@ -10,7 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use legend_cuda::nvme_io::{
-    CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, RingPlacement, SqeVector, sqe_vectors,
+    CachedTable, CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, RingPlacement, RowCache,
+    RowCacheOptions, SqeVector, sqe_vectors,
 };
 use legend_cuda::{Gpu, GpuError};
 use legend_nvme_protocol::Status;
@@ -213,6 +216,117 @@ fn whole_partitions_move_through_the_gpu_queues_byte_for_byte() {
     drop(buf);
 }
 
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn staged_small_commands_move_byte_for_byte_beside_direct_ones() {
+    let gpu = gpu();
+    let dir = scratch();
+    let bytes = 64 << 20;
+    let (path, proxy) = proxy(&dir, bytes, &gpu);
+    let opts = GpuIoOptions {
+        queues: 4,
+        threads: 64,
+        staging: 8192,
+        ..GpuIoOptions::default()
+    };
+    let mut io = GpuIo::open(&gpu, proxy.clone(), &opts).unwrap();
+    let len = 16 << 20;
+    let buf = Aligned::new(&gpu, len);
+    // SAFETY: `buf` outlives `io` (dropped first below).
+    let region = unsafe { io.map(buf.ptr, len) }.unwrap();
+    // Many more reads than staging slots, in sizes around the slot (4 KiB and 8 KiB staged,
+    // 12 KiB and 1 MiB direct), to destinations only 4-byte aligned as well as aligned ones.
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut jobs = Vec::new();
+    let mut at_buf = 0u64;
+    while at_buf + (1 << 20) + 4 < len as u64 {
+        let size = match next() % 40 {
+            0 => 1 << 20,
+            1..4 => 12288,
+            4..12 => 8192,
+            _ => 4096,
+        };
+        let at = next() % (bytes as u64 / 4096 - 256) * 4096;
+        let offset = at_buf + if next() % 2 == 0 { 4 } else { 0 };
+        jobs.push(GpuIoJob {
+            region,
+            offset,
+            bytes: size,
+            at,
+            write: false,
+        });
+        at_buf = (offset + size).next_multiple_of(16);
+    }
+    let run = io.run(&jobs, true).unwrap();
+    let got = buf.download(&gpu);
+    let file = std::fs::read(&path).unwrap();
+    for (i, j) in jobs.iter().enumerate() {
+        let (o, a, n) = (j.offset as usize, j.at as usize, j.bytes as usize);
+        assert!(
+            got[o..o + n] == file[a..a + n],
+            "read {i}: {n} bytes from byte {a} into byte {o} differ"
+        );
+    }
+    println!(
+        "{} staged and direct reads byte for byte: {:.2} GB/s",
+        run.commands,
+        run.bytes as f64 / run.seconds / 1e9
+    );
+    // Staged writes: 4 KiB pieces of the buffer to scattered places, read back from the file.
+    let writes: Vec<GpuIoJob> = (0..2000u64)
+        .map(|k| GpuIoJob {
+            region,
+            offset: k * 4100,
+            bytes: 4096,
+            at: (k * 7 + 3) * 4096,
+            write: true,
+        })
+        .collect();
+    io.run(&writes, false).unwrap();
+    let file = std::fs::read(&path).unwrap();
+    for (k, j) in writes.iter().enumerate() {
+        let (o, a) = (j.offset as usize, j.at as usize);
+        assert!(
+            file[a..a + 4096] == got[o..o + 4096],
+            "write {k}: 4096 bytes from byte {o} to byte {a} differ"
+        );
+    }
+    // A staged read that fails copies nothing and reports its LBA.
+    proxy.set_faults(Faults {
+        fail_lbas: Some((800..801, Status::new(2, 0x81))),
+        ..Faults::default()
+    });
+    let before = buf.download(&gpu);
+    let e = io
+        .run(
+            &[GpuIoJob {
+                region,
+                offset: 0,
+                bytes: 4096,
+                at: 800 << 9,
+                write: false,
+            }],
+            false,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(e, GpuError::NvmeCommand { ref error, .. } if error.lba == 800),
+        "{e}"
+    );
+    assert!(
+        buf.download(&gpu) == before,
+        "a failed staged read changed GPU memory"
+    );
+    drop(io);
+    drop(buf);
+}
+
 /// `len` bytes of GPU memory starting at a 64 KiB boundary (what P2P mappings need) inside a
 /// larger allocation.
 struct Aligned {
@@ -373,4 +487,147 @@ fn proxies_come_and_go_in_one_process() {
         let again = proxy.attach_device(Arc::new(CudaDeviceMemory::new(&gpu).unwrap()));
         assert!(again.is_err(), "a second GPU attached to one proxy");
     }
+}
+
+/// Ids over `rows`, most of them from a few hot rows (a power law by construction: id
+/// `rows * u^4` for uniform u), the rest uniform.
+fn skewed_ids(rows: u64, n: usize, seed: u64) -> Vec<u64> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 11) as f64 / (1u64 << 53) as f64;
+            if s.is_multiple_of(4) {
+                s % rows
+            } else {
+                ((rows as f64 * u.powi(4)) as u64).min(rows - 1)
+            }
+        })
+        .collect()
+}
+
+/// Checks each looked-up row against the backing file.
+fn assert_rows(got: &[u8], ids: &[u64], file: &[u8], table: &CachedTable) {
+    let rb = table.row_bytes as usize;
+    for (i, &id) in ids.iter().enumerate() {
+        let at = table.at as usize + id as usize * rb;
+        assert!(
+            got[i * rb..(i + 1) * rb] == file[at..at + rb],
+            "lookup {i}: row {id} differs from the store"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn cached_lookups_equal_the_store_byte_for_byte() {
+    let gpu = gpu();
+    let dir = scratch();
+    let (path, proxy) = proxy(&dir, 16 << 20, &gpu);
+    let file = std::fs::read(&path).unwrap();
+    // 20 000 rows of 400 bytes (d = 100 floats): lines of 32 rows (12 800 bytes, whole
+    // 512-byte LBAs), 625 lines; the cache holds 128 of them, a fifth (and fewer than the
+    // 4 x 64 x 2 requests the blocks keep in flight, so sets fill and requests retry).
+    let table = CachedTable {
+        at: 3 * 4096,
+        rows: 20_000,
+        row_bytes: 400,
+    };
+    for staging in [0, 16384] {
+        let io_opts = GpuIoOptions {
+            queues: 4,
+            threads: 64,
+            staging,
+            ..GpuIoOptions::default()
+        };
+        let io = GpuIo::open(&gpu, proxy.clone(), &io_opts).unwrap();
+        let opts = RowCacheOptions {
+            line_bytes: 4096,
+            lines: 128,
+            ways: 8,
+            requesters: 64,
+            ahead: 2,
+            ..RowCacheOptions::default()
+        };
+        let mut cache = RowCache::open(&gpu, io, table, &opts).unwrap();
+        assert_eq!(cache.line_bytes(), 12_800);
+        let mut asked = 0u64;
+        for round in 0..3u64 {
+            let ids = skewed_ids(table.rows, 40_000, 7 + round);
+            let (got, secs) = cache.lookup(&ids).unwrap();
+            asked += ids.len() as u64;
+            assert_rows(&got, &ids, &file, &table);
+            let s = cache.stats().unwrap();
+            println!(
+                "staging {staging}, round {round}: {} lookups in {:.2} ms; {s:?}, hit rate {:.3}",
+                ids.len(),
+                secs * 1e3,
+                s.hit_rate()
+            );
+            assert_eq!(s.hits + s.misses + s.coalesced, asked, "{s:?}");
+            // Some lookups hit, and more lines were read than the cache holds (it evicts). (The
+            // first GPU run, with a cache of 64 lines: hit rate 0.48.)
+            assert!(s.hits > 0 && s.misses > 128 && s.misses < asked, "{s:?}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn lookups_finish_with_fewer_sq_entries_and_slots_than_requesters() {
+    let gpu = gpu();
+    let dir = scratch();
+    let (path, proxy) = proxy(&dir, 8 << 20, &gpu);
+    let file = std::fs::read(&path).unwrap();
+    let table = CachedTable {
+        at: 0,
+        rows: 16_384,
+        row_bytes: 512,
+    };
+    // Queues of 5 entries (2 threads' batches and a free slot) under 2 x 512 requesters with
+    // 4 requests each in flight, and a cache of 16 one-row lines: sets fill with pinned lines
+    // and requesters must give theirs up to go on.
+    let io_opts = GpuIoOptions {
+        queues: 2,
+        threads: 2,
+        timeout: Duration::from_secs(5),
+        ..GpuIoOptions::default()
+    };
+    let io = GpuIo::open(&gpu, proxy.clone(), &io_opts).unwrap();
+    let opts = RowCacheOptions {
+        line_bytes: 512,
+        lines: 16,
+        ways: 4,
+        requesters: 512,
+        ahead: 4,
+        ..RowCacheOptions::default()
+    };
+    let mut cache = RowCache::open(&gpu, io, table, &opts).unwrap();
+    assert!(u32::from(cache.queue_depth()) < opts.requesters);
+    let ids: Vec<u64> = (0..4_000u64).map(|i| (i * 7919) % table.rows).collect();
+    let start = Instant::now();
+    let (got, _) = cache.lookup(&ids).unwrap();
+    assert!(start.elapsed() < Duration::from_secs(30));
+    assert_rows(&got, &ids, &file, &table);
+    let s = cache.stats().unwrap();
+    println!("depth {}: {s:?}", cache.queue_depth());
+    assert!(s.retries > 0, "no set ever filled: {s:?}");
+    // A line the controller fails: the lookup names it; the cache goes on afterwards. Rows
+    // 100..132 first push every line out (8 new lines a 4-way set), so row 9000 is read.
+    let flush: Vec<u64> = (100..132).collect();
+    cache.lookup(&flush).unwrap();
+    proxy.set_faults(Faults {
+        fail_lbas: Some((9000..9001, Status::new(2, 0x81))),
+        ..Faults::default()
+    });
+    let e = cache.lookup(&[9000, 1, 2]).unwrap_err();
+    assert!(
+        matches!(e, GpuError::NvmeCommand { ref error, .. } if error.lba == 9000),
+        "{e}"
+    );
+    proxy.set_faults(Faults::default());
+    let (got, _) = cache.lookup(&[9000, 1, 2]).unwrap();
+    assert_rows(&got, &[9000, 1, 2], &file, &table);
 }

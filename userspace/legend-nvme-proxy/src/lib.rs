@@ -12,6 +12,11 @@
 //! do, so one busy queue does not hold up the others. The only difference a queue user
 //! sees from a real controller is where the rings and doorbells are.
 //!
+//! Locks: each thread's queues have a lock of their own (a shard), which only the API's queue
+//! calls contend for, and the address space a read-write lock the threads share for reading
+//! while they move data; a shard's lock is taken before the space's, never after, and `unmap`
+//! takes every shard's (in order) before the space's.
+//!
 //! Faults can be injected ([`Faults`]): error statuses by LBA range or command count, a delay
 //! before each completion, lost doorbell writes.
 
@@ -25,8 +30,8 @@ use std::ops::Range;
 use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -37,7 +42,7 @@ use legend_nvme_protocol::{Cqe, MAX_DEPTH, Sqe, Status};
 use memory::{AddressSpace, Kind, Region};
 use model::DeviceClock;
 pub use model::{DeviceModel, ModelError};
-use service::{Queue, Service, State, lock};
+use service::{Queue, Service, lock, read, write};
 
 /// Faults the proxy injects; change them at any time with [`Proxy::set_faults`].
 #[derive(Clone, Debug, Default)]
@@ -99,7 +104,11 @@ impl Default for ProxyOptions {
 
 /// What the API and the controller thread share.
 pub(crate) struct Shared {
-    pub(crate) state: Mutex<State>,
+    /// The queues, by controller thread: queue `q` in shard `q % shards.len()`.
+    pub(crate) shards: Vec<Mutex<Vec<Queue>>>,
+    /// What bus addresses name; written only by `map`, `unmap` and `attach_device`.
+    pub(crate) space: RwLock<AddressSpace>,
+    next_handle: AtomicU32,
     pub(crate) faults: Mutex<Faults>,
     doorbells: NonNull<u32>,
     pub(crate) lba_shift: u32,
@@ -128,6 +137,11 @@ impl Shared {
         // SAFETY: indices stay below 2 (queue_pairs + 1) <= 1024 words of the page (checked
         // at open).
         unsafe { self.doorbells.as_ptr().add(usize::from(index)) }
+    }
+
+    /// The shard queue `qid` belongs to.
+    fn shard(&self, qid: u16) -> &Mutex<Vec<Queue>> {
+        &self.shards[usize::from(qid) % self.shards.len()]
     }
 }
 
@@ -271,11 +285,9 @@ impl Proxy {
         let doorbells = Pages::new(DOORBELL_PAGE)?;
         let bounce = Pages::new(threads * slots * opts.max_transfer as usize)?;
         let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                queues: Vec::new(),
-                space: AddressSpace::default(),
-                next_handle: 1,
-            }),
+            shards: (0..threads).map(|_| Mutex::new(Vec::new())).collect(),
+            space: RwLock::new(AddressSpace::default()),
+            next_handle: AtomicU32::new(1),
             faults: Mutex::new(Faults::default()),
             doorbells: doorbells.ptr.cast(),
             lba_shift: opts.lba_shift,
@@ -298,13 +310,7 @@ impl Proxy {
                     .add(shard * slots * opts.max_transfer as usize)
             };
             let spawned = file.try_clone().and_then(|file| {
-                let service = Service::new(
-                    shared.clone(),
-                    file,
-                    (shard as u16, threads as u16),
-                    slots,
-                    bounce,
-                )?;
+                let service = Service::new(shared.clone(), file, shard as u16, slots, bounce)?;
                 let stop = stop.clone();
                 std::thread::Builder::new()
                     .name(format!("nvme-proxy-{shard}"))
@@ -337,8 +343,8 @@ impl Proxy {
     ///
     /// The device's error when pinning the bounce buffers.
     pub fn attach_device(&self, device: Arc<dyn DeviceMemory>) -> io::Result<()> {
-        let mut state = lock(&self.shared.state);
-        if state.space.device.is_some() {
+        let mut space = write(&self.shared.space);
+        if space.device.is_some() {
             return Err(io::Error::new(
                 io::ErrorKind::AlreadyExists,
                 format!("{}: a GPU is attached already", self.label),
@@ -346,7 +352,7 @@ impl Proxy {
         }
         let (ptr, len) = self.shared.bounce;
         device.pin(ptr as *mut u8, len)?;
-        state.space.device = Some(device);
+        space.device = Some(device);
         Ok(())
     }
 
@@ -360,6 +366,11 @@ impl Proxy {
         self.shared.blocks
     }
 
+    /// The namespace's block (LBA) size in bytes.
+    pub fn block_size(&self) -> u64 {
+        1 << self.shared.lba_shift
+    }
+
     fn map(&self, start: u64, len: usize, kind: Kind) -> legend_nvme::Result<Mapping> {
         let page = u64::from(match kind {
             Kind::Host => uapi::HOST_PAGE_SIZE,
@@ -368,13 +379,12 @@ impl Proxy {
         if len == 0 || !start.is_multiple_of(page) || !(len as u64).is_multiple_of(page) {
             return Err(errno("MAP", libc::EINVAL));
         }
-        let mut state = lock(&self.shared.state);
-        if kind == Kind::Gpu && state.space.device.is_none() {
+        let mut space = write(&self.shared.space);
+        if kind == Kind::Gpu && space.device.is_none() {
             return Err(errno("MAP", libc::EOPNOTSUPP));
         }
         let end = start + len as u64;
-        if state
-            .space
+        if space
             .regions
             .iter()
             .any(|r| start < r.start + r.len && r.start < end)
@@ -382,15 +392,14 @@ impl Proxy {
             // One bus address names one region.
             return Err(errno("MAP", libc::EEXIST));
         }
-        let handle = state.next_handle;
-        state.next_handle += 1;
+        let handle = self.shared.next_handle.fetch_add(1, Ordering::Relaxed);
         let region = Region {
             handle,
             start,
             len: len as u64,
             kind,
         };
-        state.space.regions.push(region);
+        space.regions.push(region);
         Ok(Mapping {
             handle,
             page_size: region.page_size(),
@@ -472,27 +481,28 @@ impl Controller for Proxy {
     }
 
     fn unmap(&self, handle: u32) -> legend_nvme::Result<()> {
-        let mut state = lock(&self.shared.state);
-        let i = state
-            .space
+        // Every shard (no queue may be created on the region meanwhile), then the space.
+        let shards: Vec<_> = self.shared.shards.iter().map(lock).collect();
+        let mut space = write(&self.shared.space);
+        let i = space
             .regions
             .iter()
             .position(|r| r.handle == handle)
             .ok_or(errno("UNMAP", libc::ENOENT))?;
-        // A queue's rings may not go while it exists. Data buffers may: the controller thread
-        // moves data only under the state lock, after looking the address up, so a command in
-        // flight that names an unmapped buffer fails with a Data Transfer Error instead of
-        // reaching freed memory (what an IOMMU does for the kernel module's users).
-        let region = state.space.regions[i];
+        // A queue's rings may not go while it exists. Data buffers may: the controller threads
+        // move data only under the space's read lock, after looking the address up, so a
+        // command in flight that names an unmapped buffer fails with a Data Transfer Error
+        // instead of reaching freed memory (what an IOMMU does for the kernel module's users).
+        let region = space.regions[i];
         let inside = |p: u64| p >= region.start && p < region.start + region.len;
-        if state
-            .queues
+        if shards
             .iter()
+            .flat_map(|s| s.iter())
             .any(|q| inside(q.sq as u64) || inside(q.cq as u64))
         {
             return Err(errno("UNMAP", libc::EBUSY));
         }
-        state.space.regions.remove(i);
+        space.regions.remove(i);
         Ok(())
     }
 
@@ -506,12 +516,13 @@ impl Controller for Proxy {
             Ok(q) if q >= 1 && u32::from(q) <= self.info.queue_pairs => q,
             _ => return fail(libc::EINVAL),
         };
-        let mut state = lock(&self.shared.state);
-        if state.queues.iter().any(|q| q.qid == qid) {
+        let mut queues = lock(self.shared.shard(qid));
+        if queues.iter().any(|q| q.qid == qid) {
             return fail(libc::EBUSY);
         }
+        let space = read(&self.shared.space);
         let ring = |handle: u32, offset: u64, bytes: u64| -> Option<u64> {
-            let r = state.space.regions.iter().find(|r| r.handle == handle)?;
+            let r = space.regions.iter().find(|r| r.handle == handle)?;
             (r.kind == Kind::Host
                 && offset.is_multiple_of(4096)
                 && offset.checked_add(bytes)? <= r.len)
@@ -527,9 +538,7 @@ impl Controller for Proxy {
             // SAFETY: a doorbell word of the proxy's page.
             unsafe { self.shared.doorbell(i).write_volatile(0) };
         }
-        state
-            .queues
-            .push(Queue::new(qid, depth, sq as *const Sqe, cq as *mut Cqe));
+        queues.push(Queue::new(qid, depth, sq as *const Sqe, cq as *mut Cqe));
         let stride = self.info.doorbell_stride;
         Ok(QueuePair {
             qid: u32::from(qid),
@@ -539,35 +548,38 @@ impl Controller for Proxy {
     }
 
     fn delete_queue_pair(&self, qid: u32) -> legend_nvme::Result<()> {
+        let Ok(qid) = u16::try_from(qid) else {
+            return Err(errno("DELETE_QUEUE_PAIR", libc::ENOENT));
+        };
+        let shard = self.shared.shard(qid);
         {
-            let mut state = lock(&self.shared.state);
-            let q = state
-                .queues
+            let mut queues = lock(shard);
+            let q = queues
                 .iter_mut()
-                .find(|q| u32::from(q.qid) == qid)
+                .find(|q| q.qid == qid)
                 .ok_or(errno("DELETE_QUEUE_PAIR", libc::ENOENT))?;
             q.deleting = true;
         }
         // As Delete I/O SQ: returns once the queue's commands completed.
         loop {
-            let mut state = lock(&self.shared.state);
-            let i = state
-                .queues
+            let mut queues = lock(shard);
+            let i = queues
                 .iter()
-                .position(|q| u32::from(q.qid) == qid)
+                .position(|q| q.qid == qid)
                 .expect("marked above");
-            if state.queues[i].idle() {
-                state.queues.remove(i);
+            if queues[i].idle() {
+                queues.remove(i);
                 return Ok(());
             }
-            drop(state);
+            drop(queues);
             std::thread::sleep(Duration::from_micros(100));
         }
     }
 
     fn queue_report(&self, qid: u32) -> Option<String> {
-        let state = lock(&self.shared.state);
-        let q = state.queues.iter().find(|q| u32::from(q.qid) == qid)?;
+        let qid = u16::try_from(qid).ok()?;
+        let queues = lock(self.shared.shard(qid));
+        let q = queues.iter().find(|q| q.qid == qid)?;
         Some(q.report(&self.shared))
     }
 
@@ -586,7 +598,7 @@ impl Drop for Proxy {
         }
         // The bounce buffers are freed once the last doorbell user lets go of them; no copy
         // runs through them any more, so the GPU's lock on them goes now.
-        if let Some(device) = lock(&self.shared.state).space.device.take()
+        if let Some(device) = write(&self.shared.space).device.take()
             && let Err(e) = device.unpin(self.shared.bounce.0 as *mut u8)
         {
             tracing::warn!(label = %self.label, error = &e as &dyn std::error::Error, "proxy: unpinning the bounce buffers");

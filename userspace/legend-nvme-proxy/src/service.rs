@@ -11,7 +11,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use io_uring::{IoUring, opcode, types};
@@ -151,8 +151,8 @@ struct Active {
 /// One controller thread's executor state.
 pub(crate) struct Service {
     shared: Arc<Shared>,
-    /// This thread serves the queues with `qid % shard.1 == shard.0`.
-    shard: (u16, u16),
+    /// This thread's shard of the queues (`Shared::shards`).
+    shard: u16,
     file: File,
     ring: IoUring,
     /// One bounce buffer per command slot, `max_transfer` bytes each, page aligned.
@@ -171,7 +171,7 @@ impl Service {
     pub(crate) fn new(
         shared: Arc<Shared>,
         file: File,
-        shard: (u16, u16),
+        shard: u16,
         slots: usize,
         bounce: *mut u8,
     ) -> std::io::Result<Self> {
@@ -217,11 +217,11 @@ impl Service {
     fn fetch(&mut self) -> bool {
         let mut progress = false;
         let shared = self.shared.clone();
-        let mut state = lock(&shared.state);
-        let space = state.space.clone();
-        let mut faults = lock(&shared.faults);
-        let (shard, shards) = self.shard;
-        for q in state.queues.iter_mut().filter(|q| q.qid % shards == shard) {
+        let mut queues = lock(&shared.shards[usize::from(self.shard)]);
+        // Taken once there is a command (an idle thread's polling touches no shared lock).
+        let mut faults = None;
+        let mut space = None;
+        for q in queues.iter_mut() {
             // Completions waiting for room first.
             progress |= post_pending(q, &shared);
             if q.deleting {
@@ -233,6 +233,8 @@ impl Service {
             if tail == q.sq_head || tail >= q.depth {
                 continue;
             }
+            let faults = faults.get_or_insert_with(|| lock(&shared.faults));
+            let space = &**space.get_or_insert_with(|| read(&shared.space));
             if q.ignored_tail != Some(tail) && faults.lose_doorbells > 0 {
                 faults.lose_doorbells -= 1;
                 q.ignored_tail = Some(tail);
@@ -252,7 +254,7 @@ impl Service {
                 q.sq_head = (q.sq_head + 1) % q.depth;
                 q.in_flight += 1;
                 let count = shared.commands.fetch_add(1, Ordering::Relaxed) + 1;
-                let status = check(&sqe, &shared, &faults, count);
+                let status = check(&sqe, &shared, faults, count);
                 let fetched = Instant::now();
                 q.held[entry] = Some(Held {
                     cid: sqe.cid(),
@@ -275,7 +277,7 @@ impl Service {
                     due =
                         due.max(lock(clock).complete_at(fetched, bytes, op == Some(Opcode::Write)));
                 }
-                self.start(slot, q.qid, q.sq_head, sqe, status, due, &space);
+                self.start(slot, q.qid, q.sq_head, sqe, status, due, space);
                 progress = true;
             }
         }
@@ -412,8 +414,6 @@ impl Service {
         }
         let now = Instant::now();
         let shared = self.shared.clone();
-        let mut state = lock(&shared.state);
-        let space = state.space.clone();
         let reverse = lock(&shared.faults).reverse_completions;
         let active = |slot: usize| self.slots[slot].as_ref().expect("ready slot");
         let (mut due, waiting): (Vec<usize>, Vec<usize>) = self
@@ -430,19 +430,32 @@ impl Service {
             due.sort_by_key(|&slot| std::cmp::Reverse(active(slot).fetched));
         }
         self.ready = waiting;
-        let progress = !due.is_empty();
-        for slot in due {
-            let a = self.slots[slot].take().expect("ready slot");
-            let mut status = a.status.unwrap_or(Status::SUCCESS);
-            if status.is_success() && Opcode::from_u8(a.sqe.opcode()) == Some(Opcode::Read) {
-                // SAFETY: the slot's I/O is done: its bounce buffer holds `len` bytes.
-                let buf =
-                    unsafe { std::slice::from_raw_parts_mut(self.buffer(slot), a.len as usize) };
-                if transfer(&a.sqe, a.len, &space, buf, true).is_err() {
-                    status = DATA_TRANSFER_ERROR;
+        if due.is_empty() {
+            return false;
+        }
+        // The Reads' data first, under the space's read lock only (the threads move data side
+        // by side), then the completions under this thread's shard lock.
+        let mut done = Vec::with_capacity(due.len());
+        {
+            let space = read(&shared.space);
+            for &slot in &due {
+                let a = self.slots[slot].take().expect("ready slot");
+                let mut status = a.status.unwrap_or(Status::SUCCESS);
+                if status.is_success() && Opcode::from_u8(a.sqe.opcode()) == Some(Opcode::Read) {
+                    // SAFETY: the slot's I/O is done: its bounce buffer holds `len` bytes.
+                    let buf = unsafe {
+                        std::slice::from_raw_parts_mut(self.buffer(slot), a.len as usize)
+                    };
+                    if transfer(&a.sqe, a.len, &space, buf, true).is_err() {
+                        status = DATA_TRANSFER_ERROR;
+                    }
                 }
+                done.push((a, status));
             }
-            if let Some(q) = state.queues.iter_mut().find(|q| q.qid == a.qid) {
+        }
+        let mut queues = lock(&shared.shards[usize::from(self.shard)]);
+        for (a, status) in done {
+            if let Some(q) = queues.iter_mut().find(|q| q.qid == a.qid) {
                 q.in_flight -= 1;
                 // The entry it was fetched from: its SQ head is the one after it.
                 q.held[usize::from((a.sq_head + q.depth - 1) % q.depth)] = None;
@@ -451,7 +464,7 @@ impl Service {
                 post_pending(q, &shared);
             }
         }
-        progress
+        true
     }
 }
 
@@ -586,14 +599,17 @@ fn transfer(
     if failed { Err(()) } else { Ok(()) }
 }
 
-/// The proxy's mutable state, shared by the API and the controller thread.
-pub(crate) struct State {
-    pub(crate) queues: Vec<Queue>,
-    pub(crate) space: AddressSpace,
-    pub(crate) next_handle: u32,
-}
-
 /// Locks `m`, ignoring poisoning (the state stays consistent between statements).
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `lock` for reading a `RwLock`.
+pub(crate) fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `lock` for writing a `RwLock`.
+pub(crate) fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(|e| e.into_inner())
 }

@@ -1,5 +1,5 @@
 //! `legendctl bench io`: figures that add up for the file and proxy backends, refusals with a
-//! clear message, and no figures when a command failed.
+//! clear message, and no figures when a command failed; `bench cache` with CPU lookups.
 
 mod common;
 
@@ -98,6 +98,76 @@ fn bad_arguments_and_missing_targets_are_one_line_errors() {
         &["bench", "io", "--path", &path, "--submitter", "gpu"],
         "--submitter gpu drives NVMe queues",
     );
+    fails(
+        &["bench", "io", "--path", &path, "--proxy-threads", "2"],
+        "use them with --backend proxy",
+    );
+    fails(
+        &[
+            "bench",
+            "io",
+            "--backend",
+            "proxy",
+            "--path",
+            &path,
+            "--proxy-depth",
+            "0",
+        ],
+        "--proxy-depth must be positive",
+    );
+    fails(
+        &[
+            "bench",
+            "io",
+            "--backend",
+            "proxy",
+            "--path",
+            &path,
+            "--staging",
+            "4096",
+        ],
+        "use it with --submitter gpu",
+    );
+    fails(
+        &["bench", "cache", "--path", &path, "--row-bytes", "402"],
+        "--row-bytes 402 is not a positive multiple of 4",
+    );
+    fails(
+        &["bench", "cache", "--path", &path, "--rows", "1000000000"],
+        "not 1000000000",
+    );
+}
+
+#[test]
+fn cpu_lookups_report_their_rate_and_batch_times() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = target(&dir, 4 << 20);
+    let out = ok(&[
+        "bench",
+        "cache",
+        "--mode",
+        "pread",
+        "--path",
+        &path,
+        "--row-bytes",
+        "400",
+        "--batch",
+        "1000",
+        "--batches",
+        "3",
+        "--queues",
+        "2",
+        "--json",
+    ]);
+    let r = json(out.trim());
+    assert_eq!(r["rows"].as_u64(), Some((4 << 20) / 400), "{r}");
+    assert!(r["lookups_per_s"].as_f64().unwrap() > 0.0, "{r}");
+    let (p50, p99) = (
+        r["batch_ms_p50"].as_f64().unwrap(),
+        r["batch_ms_p99"].as_f64().unwrap(),
+    );
+    assert!(p50 > 0.0 && p50 <= p99, "{r}");
+    assert!(r["hit_rate"].is_null(), "pread has no cache: {r}");
 }
 
 #[test]

@@ -14,8 +14,10 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use legend_engine::controllers::{self, DeviceModel, QueueBackend};
 use legend_engine::file_store::StoreFile;
+use legend_nvme_proxy::{Proxy, ProxyOptions};
 use serde::Serialize;
 
+mod cache;
 mod file;
 mod queues;
 
@@ -30,6 +32,9 @@ pub struct Args {
 enum What {
     /// Read or write a store target and report bandwidth, operations/s and latency.
     Io(IoArgs),
+    /// Look rows of a table up through the GPU row cache (or with pread) and report lookups/s,
+    /// batch latency and hit rate.
+    Cache(cache::CacheArgs),
 }
 
 /// Where the I/O goes.
@@ -117,6 +122,17 @@ pub struct IoArgs {
     /// `read=GB/s,write=GB/s,shared=true,iops=N,latency_us=N`, e.g. `samsung-980,latency_us=0`.
     #[arg(long, value_name = "MODEL")]
     pub ssd_model: Option<DeviceModel>,
+    /// `proxy`: controller threads (default: a quarter of the cores, 1 to 4).
+    #[arg(long)]
+    pub proxy_threads: Option<u16>,
+    /// `proxy`: commands it runs against the file at once, shared by its threads.
+    #[arg(long, default_value_t = ProxyOptions::default().io_depth)]
+    pub proxy_depth: u16,
+    /// `--submitter gpu`: bytes of the I/O kernels' staging slots in host memory (commands up
+    /// to this size go through them, see GpuIoOptions::staging); 0: none. Default: the request
+    /// size for the proxy when it is at most 64 KiB, else 0.
+    #[arg(long)]
+    pub staging: Option<u32>,
     /// Allow writes to a device (`nvme`, block devices): they destroy its data in the span.
     #[arg(long)]
     pub force: bool,
@@ -157,6 +173,11 @@ struct Report {
     depth: u32,
     /// The modelled SSD the proxy served at, if any.
     ssd_model: Option<String>,
+    /// The proxy's controller threads and the commands it ran at once (`proxy`).
+    proxy_threads: Option<u16>,
+    proxy_depth: Option<u16>,
+    /// The GPU I/O kernels' staging slot bytes (`--submitter gpu`; 0: none).
+    staging_bytes: Option<u32>,
     elapsed_s: f64,
     ops: u64,
     bytes: u64,
@@ -254,6 +275,7 @@ impl Span {
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Io(a) => io(a),
+        What::Cache(a) => cache::run(a),
     }
 }
 
@@ -272,8 +294,15 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
             }
         );
     }
-    if args.ssd_model.is_some() && args.backend != Backend::Proxy {
-        bail!("--ssd-model models the proxy's device: use it with --backend proxy");
+    if (args.ssd_model.is_some() || args.proxy_threads.is_some()) && args.backend != Backend::Proxy
+    {
+        bail!("--ssd-model and --proxy-threads set up the proxy: use them with --backend proxy");
+    }
+    if args.proxy_threads == Some(0) || args.proxy_depth == 0 {
+        bail!("--proxy-threads and --proxy-depth must be positive");
+    }
+    if args.staging.is_some() && args.submitter != Submitter::Gpu {
+        bail!("--staging sets up the GPU I/O kernels: use it with --submitter gpu");
     }
     let duration = Duration::from_secs_f64(args.seconds);
     let started = Instant::now();
@@ -288,9 +317,17 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
             } else {
                 QueueBackend::Proxy
             };
-            let file = StoreFile::open(&args.path, &legend_fs::Unguarded)
-                .and_then(|file| controllers::open(kind, &file, args.ssd_model));
-            let ctrl = file.with_context(|| format!("opening {}", args.path.display()))?;
+            let ctrl = if kind == QueueBackend::Proxy {
+                // Its own proxy, with the asked-for threads and depth (no other user of the
+                // file in this process to share one with).
+                let proxy = Proxy::open(&args.path, &proxy_options(&args))
+                    .with_context(|| format!("starting the proxy over {}", args.path.display()))?;
+                controllers::SharedController::Proxy(Arc::new(proxy))
+            } else {
+                StoreFile::open(&args.path, &legend_fs::Unguarded)
+                    .and_then(|file| controllers::open(kind, &file, None))
+                    .with_context(|| format!("opening {}", args.path.display()))?
+            };
             match s {
                 Submitter::Cpu => queues::run(&args, ctrl.controller(), duration)?,
                 Submitter::Gpu => gpu(&args, &ctrl, duration)?,
@@ -311,6 +348,9 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
         queues: args.queues,
         depth: args.depth,
         ssd_model: args.ssd_model.map(|m| m.to_string()),
+        proxy_threads: (args.backend == Backend::Proxy).then(|| proxy_options(&args).threads),
+        proxy_depth: (args.backend == Backend::Proxy).then_some(args.proxy_depth),
+        staging_bytes: (args.submitter == Submitter::Gpu).then(|| staging(&args)),
         elapsed_s: secs,
         ops: samples.ops,
         bytes: samples.bytes,
@@ -351,6 +391,27 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The proxy `--backend proxy` starts.
+fn proxy_options(args: &IoArgs) -> ProxyOptions {
+    let default = ProxyOptions::default();
+    ProxyOptions {
+        model: args.ssd_model,
+        threads: args.proxy_threads.unwrap_or(default.threads),
+        io_depth: args.proxy_depth,
+        ..default
+    }
+}
+
+/// The staging slot bytes of `--submitter gpu`.
+fn staging(args: &IoArgs) -> u32 {
+    args.staging
+        .unwrap_or(if args.backend == Backend::Proxy && args.size <= 64 << 10 {
+            args.size as u32
+        } else {
+            0
+        })
+}
+
 /// The lower-case name an option value has on the command line.
 fn name(v: &impl std::fmt::Debug) -> String {
     format!("{v:?}").to_lowercase()
@@ -380,6 +441,7 @@ fn gpu(
         namespace: args.namespace,
         placement,
         timeout: Duration::from_secs(10),
+        staging: staging(args),
     };
     let mut io = GpuIo::open(&device, ctrl.controller(), &opts)?;
     let span = Span::of(args, io.namespace_bytes(), io.block_size())?;
