@@ -41,6 +41,7 @@ mod medium;
 mod nvme;
 mod signature;
 mod store;
+mod stripe;
 mod superblock;
 mod uring;
 
@@ -53,4 +54,4 @@ pub use layout::{
 };
 pub use medium::Target;
 pub use nvme::NvmeTarget;
-pub use store::{CreateOptions, Expect, IoConfig, IoRequest, Region, Store};
+pub use store::{CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoConfig, IoRequest, Region, Store};
