@@ -55,3 +55,4 @@ pub use layout::{
 pub use medium::Target;
 pub use nvme::NvmeTarget;
 pub use store::{CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoConfig, IoRequest, Region, Store};
+pub use stripe::member_bytes;

@@ -13,6 +13,16 @@ use crate::layout::SUPERBLOCK_SLOT_BYTES;
 /// The first striped byte of the layout: the superblock slots before it are each member's own.
 const DATA_START: u64 = 2 * SUPERBLOCK_SLOT_BYTES;
 
+/// Bytes each of `members` members needs for a layout of `total_bytes` ([`crate::Layout`])
+/// striped in units of `stripe_bytes`: what a file or namespace must hold for its share.
+pub fn member_bytes(total_bytes: u64, members: usize, stripe_bytes: u64) -> u64 {
+    if members <= 1 {
+        return total_bytes;
+    }
+    let members = u32::try_from(members).unwrap_or(u32::MAX);
+    Stripe::new(members, stripe_bytes).member_bytes(total_bytes)
+}
+
 /// A store's striping: `members` devices, `unit` bytes a stripe unit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Stripe {
