@@ -189,37 +189,38 @@ impl FileStore {
             return Self::with_store(store, controllers);
         }
         // Members that do not exist yet are made under a temporary name.
-        let mut renames = Vec::new();
+        let mut tmps: Vec<Option<StoreFile>> = Vec::with_capacity(spec.members.len());
         for m in spec.members {
             let f = &m.file;
-            if !f.dir.exists(&f.name).map_err(io_error(&f.path()))? {
+            tmps.push(if f.dir.exists(&f.name).map_err(io_error(&f.path()))? {
+                None
+            } else {
                 let tmp = StoreFile {
                     dir: f.dir.try_clone().map_err(io_error(f.dir.path()))?,
                     name: f.name.with_extension("creating"),
                 };
                 let _ = tmp.dir.remove_file(&tmp.name);
-                renames.push((tmp, f));
-            }
+                Some(tmp)
+            });
         }
         let made: Vec<Target<'_>> = spec
             .members
             .iter()
-            .map(|m| {
-                renames
-                    .iter()
-                    .find(|(_, f)| std::ptr::eq(*f, &m.file))
-                    .map_or(m.file.target(), |(tmp, _)| tmp.target())
-            })
+            .zip(&tmps)
+            .map(|(m, tmp)| tmp.as_ref().unwrap_or(&m.file).target())
             .collect();
         let store = Store::create_striped(&made, &store_spec, &opts)?;
-        if renames.is_empty() {
+        if tmps.iter().all(Option::is_none) {
             return Self::with_store(store, Vec::new());
         }
         drop(store);
-        for (tmp, f) in &renames {
-            f.dir
-                .rename(&tmp.name, &f.name)
-                .map_err(io_error(&f.path()))?;
+        for (m, tmp) in spec.members.iter().zip(&tmps) {
+            if let Some(tmp) = tmp {
+                let f = &m.file;
+                f.dir
+                    .rename(&tmp.name, &f.name)
+                    .map_err(io_error(&f.path()))?;
+            }
         }
         let targets: Vec<Target<'_>> = spec.members.iter().map(|m| m.file.target()).collect();
         let store = Store::open_striped(&targets, &Expect::default(), &IoConfig::default())?;

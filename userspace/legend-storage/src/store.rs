@@ -848,9 +848,7 @@ fn agree(members: &mut [Medium], copies: Vec<Vec<Superblock>>) -> Result<Superbl
         };
         let mut same = sb.clone();
         same.membership.index = 0;
-        if let Some(first) = chosen.first()
-            && *first != same
-        {
+        if chosen.first().is_some_and(|member1| *member1 != same) {
             return Err(StoreError::Member {
                 path: medium.path().to_owned(),
                 why: format!(
