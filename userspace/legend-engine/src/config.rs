@@ -131,6 +131,27 @@ pub struct StorageConfig {
     /// the AdaGrad step rounds to it, so the store, checkpoints and transfers narrow exactly.
     #[serde(with = "by_name")]
     pub dtype: Dtype,
+    /// `[[storage.device]]`: the members of a store striped over several devices (files, block
+    /// devices, device nodes or proxy backing files), in stripe order; in place of
+    /// `storage.path`, `storage.namespace` and `storage.start_lba`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub device: Vec<StoreDevice>,
+    /// Bytes of a stripe unit of a store over several devices: a multiple of 64 KiB.
+    pub stripe_bytes: u64,
+}
+
+/// One `[[storage.device]]` table: a member of a striped store.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreDevice {
+    /// The file or block device (`file`), device node (`nvme`) or backing file (`proxy`).
+    pub path: PathBuf,
+    /// `nvme`, `proxy`: the namespace holding this member (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<u32>,
+    /// `nvme`, `proxy`: this member's first LBA (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_lba: Option<u64>,
 }
 
 impl Default for StorageConfig {
@@ -148,6 +169,8 @@ impl Default for StorageConfig {
             gpu_edge_fraction: 0.25,
             proxy_model: None,
             dtype: Dtype::F32,
+            device: Vec::new(),
+            stripe_bytes: legend_storage::DEFAULT_STRIPE_BYTES,
         }
     }
 }
@@ -618,10 +641,37 @@ impl Config {
         })
     }
 
+    /// Where a new run's store goes: one member at [`Config::store_path`], or the members of
+    /// `[[storage.device]]`.
+    pub fn store_members(&self, run_dir: &std::path::Path) -> Vec<crate::file_store::StoreMember> {
+        use crate::file_store::StoreMember;
+        if self.storage.device.is_empty() {
+            return vec![StoreMember {
+                path: self.store_path(run_dir),
+                queue: self.queue_location(),
+            }];
+        }
+        self.storage
+            .device
+            .iter()
+            .map(|d| StoreMember {
+                path: d.path.clone(),
+                queue: self
+                    .queue_location()
+                    .map(|q| crate::controllers::QueueLocation {
+                        namespace: d.namespace.unwrap_or(1),
+                        start_lba: d.start_lba.unwrap_or(0),
+                        ..q
+                    }),
+            })
+            .collect()
+    }
+
     /// The store path: `storage.path`, else the backend's default (`run_dir/store.bin`, or
-    /// `/dev/legend-nvme0` for `nvme`).
+    /// `/dev/legend-nvme0` for `nvme`); the first member of a striped store.
     pub fn store_path(&self, run_dir: &std::path::Path) -> PathBuf {
         match (&self.storage.path, self.storage.backend) {
+            (_, _) if !self.storage.device.is_empty() => self.storage.device[0].path.clone(),
             (Some(p), _) => p.clone(),
             (None, Backend::Nvme) => PathBuf::from("/dev/legend-nvme0"),
             (None, _) => run_dir.join("store.bin"),
@@ -705,6 +755,7 @@ impl Config {
                 .parse::<DeviceModel>()
                 .map_err(|e| bad("storage.proxy_model", e))?;
         }
+        self.validate_devices()?;
         let t = &self.training;
         if t.num_epochs == 0 {
             return Err(bad("training.num_epochs", "must be at least 1"));
@@ -888,6 +939,76 @@ fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
     Ok(())
 }
 
+impl Config {
+    /// Checks `[[storage.device]]` and `storage.stripe_bytes`.
+    fn validate_devices(&self) -> Result<(), ConfigError> {
+        let s = &self.storage;
+        if s.stripe_bytes == 0 || !s.stripe_bytes.is_multiple_of(legend_storage::BASE_ALIGN) {
+            return Err(bad(
+                "storage.stripe_bytes",
+                format!(
+                    "{} bytes: must be a positive multiple of 65536 (64 KiB)",
+                    s.stripe_bytes
+                ),
+            ));
+        }
+        if s.device.is_empty() {
+            return Ok(());
+        }
+        if s.backend == Backend::Memory {
+            return Err(bad(
+                "storage.device",
+                "lists the devices of a store: set storage.backend to file, nvme or proxy",
+            ));
+        }
+        if s.path.is_some() {
+            return Err(bad(
+                "storage.path",
+                "set either storage.path or [[storage.device]] tables, not both",
+            ));
+        }
+        if s.device.len() > MAX_STORE_DEVICES {
+            return Err(bad(
+                "storage.device",
+                format!(
+                    "{} devices: a store is striped over at most {MAX_STORE_DEVICES}",
+                    s.device.len()
+                ),
+            ));
+        }
+        for (i, d) in s.device.iter().enumerate() {
+            let key = |k: &str| format!("storage.device[{i}].{k}");
+            if s.backend == Backend::File && (d.namespace.is_some() || d.start_lba.is_some()) {
+                let k = if d.namespace.is_some() {
+                    "namespace"
+                } else {
+                    "start_lba"
+                };
+                return Err(bad(
+                    &key(k),
+                    "only for the nvme and proxy backends (a file member has no LBAs)",
+                ));
+            }
+            if d.namespace == Some(0) {
+                return Err(bad(&key("namespace"), "namespace ids start at 1"));
+            }
+            if let Some(j) = s.device[..i]
+                .iter()
+                .position(|e| e.path == d.path && e.namespace == d.namespace)
+            {
+                return Err(bad(
+                    &key("path"),
+                    format!("{} is also device {j}", d.path.display()),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Most `[[storage.device]]` tables (the store's limit on members).
+const MAX_STORE_DEVICES: usize = 64;
+
 /// Keys that moved: (old section, old key, new section, new key).
 const MOVED_KEYS: [(&str, &str, &str, &str); 3] = [
     ("storage", "device", "training", "device"),
@@ -898,12 +1019,17 @@ const MOVED_KEYS: [(&str, &str, &str, &str); 3] = [
 /// Moves the keys of [`MOVED_KEYS`] to their new names, with a warning; both set is an error.
 fn move_deprecated_keys(table: &mut toml::Table) -> Result<(), ConfigError> {
     for (old_section, old_key, new_section, new_key) in MOVED_KEYS {
-        let Some(old) = table
+        let Some(section) = table
             .get_mut(old_section)
             .and_then(toml::Value::as_table_mut)
-            .and_then(|s| s.remove(old_key))
         else {
             continue;
+        };
+        // `storage.device` as a string is the old `training.device`; as tables, the devices of
+        // a striped store.
+        let old = match section.get(old_key) {
+            Some(v) if !v.is_array() => section.remove(old_key).expect("present"),
+            _ => continue,
         };
         let section = table
             .entry(new_section)
@@ -1020,6 +1146,69 @@ mod tests {
         );
         assert_eq!(c.training.negatives.num_chunks, 2);
         assert_eq!(c.optimizer.learning_rate, 0.05);
+    }
+
+    #[test]
+    fn storage_devices_list_the_members_of_a_striped_store() {
+        let text = "[storage]\nbackend = \"proxy\"\nstripe_bytes = 131072\n\
+                    [[storage.device]]\npath = \"/a\"\n\
+                    [[storage.device]]\npath = \"/b\"\nnamespace = 2\nstart_lba = 2048\n";
+        let c = Config::parse(text, &[]).unwrap();
+        let members = c.store_members(std::path::Path::new("/run"));
+        let got: Vec<(String, u32, u64)> = members
+            .iter()
+            .map(|m| {
+                let q = m.queue.unwrap();
+                (m.path.display().to_string(), q.namespace, q.start_lba)
+            })
+            .collect();
+        assert_eq!(got, [("/a".into(), 1, 0), ("/b".into(), 2, 2048)]);
+        assert_eq!(c.storage.stripe_bytes, 128 << 10);
+        // It survives the run's record of its configuration.
+        assert_eq!(Config::parse(&c.to_toml(), &[]).unwrap(), c);
+        let file = "[storage]\nbackend = \"file\"\n[[storage.device]]\npath = \"/a\"\n\
+                    [[storage.device]]\npath = \"/b\"\n";
+        let members = Config::parse(file, &[])
+            .unwrap()
+            .store_members("/run".as_ref());
+        assert!(members.iter().all(|m| m.queue.is_none()) && members.len() == 2);
+        // The old `storage.device = "cpu"` still moves to training.device.
+        let old = Config::parse("[storage]\ndevice = \"cpu\"\n", &[]).unwrap();
+        assert!(old.storage.device.is_empty() && old.training.device == DeviceChoice::Cpu);
+        let refused: &[(&str, &str)] = &[
+            (
+                "[storage]\n[[storage.device]]\npath = \"/a\"\n",
+                "storage.device: lists the devices of a store",
+            ),
+            (
+                "[storage]\nbackend = \"file\"\npath = \"/x\"\n[[storage.device]]\npath = \"/a\"\n",
+                "storage.path: set either storage.path or [[storage.device]]",
+            ),
+            (
+                "[storage]\nbackend = \"file\"\n[[storage.device]]\npath = \"/a\"\nstart_lba = 8\n",
+                "storage.device[0].start_lba: only for the nvme and proxy backends",
+            ),
+            (
+                "[storage]\nbackend = \"nvme\"\n[[storage.device]]\npath = \"/a\"\nnamespace = 0\n",
+                "storage.device[0].namespace: namespace ids start at 1",
+            ),
+            (
+                "[storage]\nbackend = \"file\"\n[[storage.device]]\npath = \"/a\"\n[[storage.device]]\npath = \"/a\"\n",
+                "storage.device[1].path: /a is also device 0",
+            ),
+            (
+                "[storage]\nbackend = \"file\"\nstripe_bytes = 1000\n",
+                "storage.stripe_bytes: 1000 bytes: must be a positive multiple of 65536",
+            ),
+            (
+                "[storage]\nbackend = \"file\"\n[[storage.device]]\npat = \"/a\"\n",
+                "pat",
+            ),
+        ];
+        for (text, want) in refused {
+            let err = Config::parse(text, &[]).unwrap_err().to_string();
+            assert!(err.contains(want), "{text:?}: {err}");
+        }
     }
 
     #[test]

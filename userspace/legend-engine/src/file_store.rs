@@ -20,6 +20,43 @@ use crate::run::Tables;
 /// Bytes reserved for the training-progress record in the superblock.
 pub const PROGRESS_CAPACITY: u32 = 4096;
 
+/// One member of a run's store, as its record keeps it: the file, block device, device node
+/// or proxy backing file, and how it is reached when behind NVMe queues.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreMember {
+    /// The path.
+    pub path: PathBuf,
+    /// `nvme`, `proxy`: the controller kind, namespace and start LBA.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<QueueLocation>,
+}
+
+/// A member of a store, its directory opened ([`StoreFile`]).
+#[derive(Debug)]
+pub struct MemberFile {
+    /// The file.
+    pub file: StoreFile,
+    /// How it is reached when behind NVMe queues.
+    pub queue: Option<QueueLocation>,
+}
+
+impl MemberFile {
+    /// Opens the directory of `member` of the run in `run` (canonically `run_dir`), as
+    /// [`StoreFile::of_run`] does.
+    pub fn of_run(
+        run: &Dir,
+        run_dir: &Path,
+        member: &StoreMember,
+        guard: &dyn Guard,
+    ) -> Result<MemberFile, StoreError> {
+        Ok(MemberFile {
+            file: StoreFile::of_run(run, run_dir, &member.path, member.queue, guard)?,
+            queue: member.queue,
+        })
+    }
+}
+
 /// A partition store over an on-disk [`Store`].
 ///
 /// The store is created with shadow copies, so a crash rolls every partition back to exactly
@@ -27,8 +64,9 @@ pub const PROGRESS_CAPACITY: u32 = 4096;
 pub struct FileStore {
     store: Store,
     staging: IoBuffer,
-    /// The controller of a queue-backed store (kept for its users, e.g. the GPU I/O kernels).
-    controller: Option<SharedController>,
+    /// The controllers of a queue-backed store, one per member (kept for their users, e.g. the
+    /// GPU I/O kernels).
+    controllers: Vec<SharedController>,
     /// Partitions whose next read the caller does itself (GPU-initiated): `read` then moves no
     /// data and only says whether the partition was ever written.
     direct_reads: Vec<u32>,
@@ -101,8 +139,11 @@ impl StoreFile {
 
 /// What a store-backed run needs to know to create or open its store.
 pub struct FileStoreSpec<'a> {
-    /// Where the store is (for `nvme`, the device node; for `proxy`, its backing file).
-    pub file: &'a StoreFile,
+    /// Where the store is (for `nvme`, the device node; for `proxy`, its backing file): one
+    /// member, or the members it is striped over, in stripe order, all of one backend.
+    pub members: &'a [MemberFile],
+    /// Bytes of a stripe unit when there are several members.
+    pub stripe_bytes: u64,
     /// Dataset identity and label.
     pub dataset: DatasetId,
     /// Entities.
@@ -115,17 +156,14 @@ pub struct FileStoreSpec<'a> {
     pub aux_bytes: u64,
     /// Overwrite a target carrying another signature.
     pub force: bool,
-    /// Reach the store through NVMe queues: `file` is then the device node (`nvme`) or the
-    /// proxy's backing file (`proxy`).
-    pub queue: Option<QueueLocation>,
     /// `proxy`: the SSD it models, if any (a proxy already serving the file keeps its own).
     pub proxy_model: Option<DeviceModel>,
 }
 
 impl FileStore {
-    /// Creates a new store. On a file it is made under a temporary name and renamed into place,
+    /// Creates a new store. On files it is made under temporary names and renamed into place,
     /// so an interrupted creation never leaves a store that cannot be opened; a proxy's backing
-    /// file is created (or extended) to the store's size first.
+    /// file is created (or extended) to its member's size first.
     pub fn create(spec: &FileStoreSpec<'_>) -> Result<FileStore, StoreError> {
         let store_spec = store_spec(
             spec.dataset.clone(),
@@ -136,33 +174,58 @@ impl FileStore {
         );
         let opts = CreateOptions {
             force: spec.force,
+            stripe_bytes: spec.stripe_bytes,
             ..CreateOptions::default()
         };
-        if let Some(q) = spec.queue {
-            if q.backend == QueueBackend::Proxy {
-                size_backing_file(spec, &store_spec, q.start_lba)?;
-            }
-            let controller = controllers::open(q.backend, spec.file, spec.proxy_model)?;
-            let target = nvme_target(&controller, q);
-            let store = Store::create_on(&Target::Nvme(&target), &store_spec, &opts)?;
-            return Self::with_store(store, Some(controller));
+        if spec.members.iter().any(|m| m.queue.is_some()) {
+            let controllers = open_controllers(spec, |m, q| {
+                if q.backend == QueueBackend::Proxy {
+                    size_backing_file(spec, &store_spec, m, q.start_lba)?;
+                }
+                Ok(())
+            })?;
+            let targets = nvme_targets(&controllers, spec.members);
+            let nvme: Vec<Target<'_>> = targets.iter().map(Target::Nvme).collect();
+            let store = Store::create_striped(&nvme, &store_spec, &opts)?;
+            return Self::with_store(store, controllers);
         }
-        let f = spec.file;
-        let store = if f.dir.exists(&f.name).map_err(io_error(&f.path()))? {
-            Store::create_on(&f.target(), &store_spec, &opts)?
-        } else {
-            let tmp = StoreFile {
-                dir: f.dir.try_clone().map_err(io_error(f.dir.path()))?,
-                name: f.name.with_extension("creating"),
-            };
-            let _ = tmp.dir.remove_file(&tmp.name);
-            Store::create_on(&tmp.target(), &store_spec, &opts)?;
-            f.dir
-                .rename(&tmp.name, &f.name)
-                .map_err(io_error(&f.path()))?;
-            Store::open_on(&f.target(), &Expect::default(), &IoConfig::default())?
-        };
-        Self::with_store(store, None)
+        // Members that do not exist yet are made under a temporary name.
+        let mut tmps: Vec<Option<StoreFile>> = Vec::with_capacity(spec.members.len());
+        for m in spec.members {
+            let f = &m.file;
+            tmps.push(if f.dir.exists(&f.name).map_err(io_error(&f.path()))? {
+                None
+            } else {
+                let tmp = StoreFile {
+                    dir: f.dir.try_clone().map_err(io_error(f.dir.path()))?,
+                    name: f.name.with_extension("creating"),
+                };
+                let _ = tmp.dir.remove_file(&tmp.name);
+                Some(tmp)
+            });
+        }
+        let made: Vec<Target<'_>> = spec
+            .members
+            .iter()
+            .zip(&tmps)
+            .map(|(m, tmp)| tmp.as_ref().unwrap_or(&m.file).target())
+            .collect();
+        let store = Store::create_striped(&made, &store_spec, &opts)?;
+        if tmps.iter().all(Option::is_none) {
+            return Self::with_store(store, Vec::new());
+        }
+        drop(store);
+        for (m, tmp) in spec.members.iter().zip(&tmps) {
+            if let Some(tmp) = tmp {
+                let f = &m.file;
+                f.dir
+                    .rename(&tmp.name, &f.name)
+                    .map_err(io_error(&f.path()))?;
+            }
+        }
+        let targets: Vec<Target<'_>> = spec.members.iter().map(|m| m.file.target()).collect();
+        let store = Store::open_striped(&targets, &Expect::default(), &IoConfig::default())?;
+        Self::with_store(store, Vec::new())
     }
 
     /// Opens an existing store, checking it belongs to this dataset, dimension and partitioning.
@@ -187,20 +250,20 @@ impl FileStore {
             num_partitions,
         };
         let io = IoConfig::default();
-        match spec.queue {
-            Some(q) => {
-                let controller = controllers::open(q.backend, spec.file, spec.proxy_model)?;
-                let target = nvme_target(&controller, q);
-                let store = Store::open_on(&Target::Nvme(&target), &expect, &io)?;
-                Self::with_store(store, Some(controller))
-            }
-            None => Self::with_store(Store::open_on(&spec.file.target(), &expect, &io)?, None),
+        if spec.members.iter().any(|m| m.queue.is_some()) {
+            let controllers = open_controllers(spec, |_, _| Ok(()))?;
+            let targets = nvme_targets(&controllers, spec.members);
+            let nvme: Vec<Target<'_>> = targets.iter().map(Target::Nvme).collect();
+            let store = Store::open_striped(&nvme, &expect, &io)?;
+            return Self::with_store(store, controllers);
         }
+        let targets: Vec<Target<'_>> = spec.members.iter().map(|m| m.file.target()).collect();
+        Self::with_store(Store::open_striped(&targets, &expect, &io)?, Vec::new())
     }
 
     fn with_store(
         store: Store,
-        controller: Option<SharedController>,
+        controllers: Vec<SharedController>,
     ) -> Result<FileStore, StoreError> {
         let staging = IoBuffer::new(
             store
@@ -210,7 +273,7 @@ impl FileStore {
         Ok(FileStore {
             store,
             staging,
-            controller,
+            controllers,
             direct_reads: Vec::new(),
             direct_writes: Vec::new(),
         })
@@ -246,9 +309,18 @@ impl FileStore {
         self.store.max_partition_bytes()
     }
 
-    /// The controller of a queue-backed store.
+    /// The controller of a queue-backed store on one controller (`None` for a store striped
+    /// over several: [`FileStore::controllers`]).
     pub fn controller(&self) -> Option<&SharedController> {
-        self.controller.as_ref()
+        match self.controllers.as_slice() {
+            [one] => Some(one),
+            _ => None,
+        }
+    }
+
+    /// The controllers of a queue-backed store, one per member in stripe order.
+    pub fn controllers(&self) -> &[SharedController] {
+        &self.controllers
     }
 
     /// The progress record of the last commit (empty for a new store).
@@ -315,12 +387,40 @@ impl PartitionStore for FileStore {
     }
 }
 
-fn nvme_target(controller: &SharedController, q: QueueLocation) -> NvmeTarget {
-    NvmeTarget {
-        controller: controller.controller(),
-        namespace: q.namespace,
-        start_lba: q.start_lba,
-    }
+/// Opens the controller of every member (all behind NVMe queues), after `prepare` (which makes
+/// a proxy's backing file big enough) ran for it.
+fn open_controllers(
+    spec: &FileStoreSpec<'_>,
+    prepare: impl Fn(&MemberFile, QueueLocation) -> Result<(), StoreError>,
+) -> Result<Vec<SharedController>, StoreError> {
+    spec.members
+        .iter()
+        .map(|m| {
+            let q = m.queue.ok_or_else(|| {
+                StoreError::Invalid(format!(
+                    "{}: every member of a store behind NVMe queues must be behind them too",
+                    m.file.path().display()
+                ))
+            })?;
+            prepare(m, q)?;
+            controllers::open(q.backend, &m.file, spec.proxy_model)
+        })
+        .collect()
+}
+
+fn nvme_targets(controllers: &[SharedController], members: &[MemberFile]) -> Vec<NvmeTarget> {
+    controllers
+        .iter()
+        .zip(members)
+        .map(|(c, m)| {
+            let q = m.queue.expect("checked when the controllers were opened");
+            NvmeTarget {
+                controller: c.controller(),
+                namespace: q.namespace,
+                start_lba: q.start_lba,
+            }
+        })
+        .collect()
 }
 
 /// The store of a run: shadowed partitions, the relation tables in its auxiliary region.
@@ -345,7 +445,7 @@ fn store_spec(
 }
 
 /// Bytes the store of a run of `config` on `dataset` takes on a medium of `block_size`-byte
-/// blocks (what a shared namespace must set aside for it).
+/// blocks (what a shared namespace must set aside for it; a store of one member).
 pub fn run_store_bytes(
     config: &crate::Config,
     dataset: &legend_dataset::DatasetMeta,
@@ -370,19 +470,22 @@ pub fn run_store_bytes(
     Ok(Layout::compute(&spec, block_size)?.total_bytes)
 }
 
-/// Creates the proxy's backing file, or extends it, to hold the store after `start_lba`
-/// (512-byte blocks, the proxy's LBA size).
+/// Creates the proxy's backing file of `member`, or extends it, to hold its share of the store
+/// after `start_lba` (512-byte blocks, the proxy's LBA size).
 fn size_backing_file(
     spec: &FileStoreSpec<'_>,
     store_spec: &StoreSpec,
+    member: &MemberFile,
     start_lba: u64,
 ) -> Result<(), StoreError> {
-    let needed = Layout::compute(store_spec, 512)?.total_bytes + (start_lba << 9);
-    let path = spec.file.path();
-    let file = spec
+    let total = Layout::compute(store_spec, 512)?.total_bytes;
+    let needed = legend_storage::member_bytes(total, spec.members.len(), spec.stripe_bytes)
+        + (start_lba << 9);
+    let path = member.file.path();
+    let file = member
         .file
         .dir
-        .open_file(&spec.file.name, Access::ReadWriteCreate)
+        .open_file(&member.file.name, Access::ReadWriteCreate)
         .map_err(io_error(&path))?;
     let meta = file.metadata().map_err(io_error(&path))?;
     if meta.is_file() && meta.len() < needed {

@@ -77,6 +77,10 @@ pub struct RunMeta {
     /// then the device node or the proxy's backing file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub store_queue: Option<crate::controllers::QueueLocation>,
+    /// Every member of a store striped over several devices, in stripe order (`store` and
+    /// `store_queue` are then its first); empty for a store on one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub store_members: Vec<crate::file_store::StoreMember>,
     /// CRC-32 of each table file of the checkpoint.
     pub checksums: TableChecksums,
 }
@@ -104,6 +108,19 @@ pub const TABLE_FILES: [&str; 4] = [
 ];
 
 impl RunMeta {
+    /// The members of the run's store, when it has one: `store_members`, or the one member
+    /// `store` and `store_queue` name.
+    pub fn recorded_members(&self) -> Option<Vec<crate::file_store::StoreMember>> {
+        if !self.store_members.is_empty() {
+            return Some(self.store_members.clone());
+        }
+        let path = self.store.clone()?;
+        Some(vec![crate::file_store::StoreMember {
+            path,
+            queue: self.store_queue,
+        }])
+    }
+
     /// Floats of an entity row: its embedding and its AdaGrad state.
     pub fn entity_shape(&self) -> crate::buffer::RowShape {
         crate::buffer::RowShape {
@@ -353,26 +370,33 @@ pub fn write_atomically(dir: &Dir, name: &str, bytes: &[u8]) -> Result<(), RunEr
 }
 
 /// Opens the store of a run trained with a store backend (its directory admitted by `guard`
-/// unless it is the run's own; device nodes are not the caller's to admit).
+/// unless it is the run's own; device nodes are not the caller's to admit); `path`, its first
+/// member, names it in messages.
 fn open_run_store(
     run: &Dir,
     path: &Path,
     meta: &RunMeta,
     guard: &dyn Guard,
 ) -> Result<crate::file_store::FileStore, RunError> {
-    use crate::file_store::StoreFile;
+    use crate::file_store::MemberFile;
     let run_dir = std::fs::canonicalize(run.path()).map_err(io(run.path()))?;
-    let file = StoreFile::of_run(run, &run_dir, path, meta.store_queue, guard)
-        .map_err(|e| invalid(path, e.to_string()))?;
+    let members = meta
+        .recorded_members()
+        .unwrap_or_default()
+        .iter()
+        .map(|m| {
+            MemberFile::of_run(run, &run_dir, m, guard).map_err(|e| invalid(&m.path, e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let spec = crate::file_store::FileStoreSpec {
-        file: &file,
+        members: &members,
+        stripe_bytes: 0,
         dataset: dataset_id(&meta.dataset_identity, path)?,
         num_nodes: meta.entities,
         shape: meta.entity_shape(),
         num_partitions: 0,
         aux_bytes: 0,
         force: false,
-        queue: meta.store_queue,
         proxy_model: None,
     };
     crate::file_store::FileStore::open_any_partitioning(&spec)

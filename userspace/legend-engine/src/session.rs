@@ -24,7 +24,9 @@ use crate::buffer::{MemoryStore, PartitionBuffer, RowShape, StoreError};
 use crate::config::{Config, ConfigError, Protocol};
 use crate::device::Device;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
-use crate::file_store::{FileStore, FileStoreSpec, SharedFileStore, StoreFile, encode_relations};
+use crate::file_store::{
+    FileStore, FileStoreSpec, MemberFile, SharedFileStore, StoreMember, encode_relations,
+};
 use crate::memory;
 use crate::run::{self, RunError, RunMeta, TableChecksums, TableWriter};
 use crate::schedule::ValidHistory;
@@ -324,15 +326,19 @@ impl Session {
         let mut direct = None;
         let mut device_health = None;
         let (buffer, relations, position) = if config.uses_store() {
-            let queue = meta.store_queue.or(config.queue_location());
-            let recorded = meta.store.clone();
+            let recorded = meta.recorded_members();
             let run_dir = std::fs::canonicalize(run.path()).map_err(io_error(run.path()))?;
-            let path = recorded
+            let members = recorded
                 .clone()
-                .unwrap_or_else(|| config.store_path(&run_dir));
-            let file = StoreFile::of_run(&run, &run_dir, &path, queue, guard)?;
+                .unwrap_or_else(|| config.store_members(&run_dir));
+            let path = members[0].path.clone();
+            let files = members
+                .iter()
+                .map(|m| MemberFile::of_run(&run, &run_dir, m, guard))
+                .collect::<Result<Vec<_>, _>>()?;
             let spec = FileStoreSpec {
-                file: &file,
+                members: &files,
+                stripe_bytes: config.storage.stripe_bytes,
                 dataset: run::dataset_id(&meta.dataset_identity, &path)?,
                 num_nodes: meta_ds.entities,
                 shape,
@@ -340,8 +346,7 @@ impl Session {
                 aux_bytes: (relation_floats * 8) as u64,
                 // The run's own default store, left half-made by a crash before it was
                 // recorded, is this run's to overwrite.
-                force: config.storage.force || path.starts_with(&run_dir),
-                queue,
+                force: config.storage.force || members.iter().all(|m| m.path.starts_with(&run_dir)),
                 proxy_model: config.proxy_model(),
             };
             let mut store = if recorded.is_some() {
@@ -349,8 +354,22 @@ impl Session {
             } else {
                 let store = FileStore::create(&spec)?;
                 // From here on the run's commit record is the store's superblock.
-                meta.store = Some(std::fs::canonicalize(&path).map_err(io_error(&path))?);
-                meta.store_queue = queue;
+                let canonical = members
+                    .iter()
+                    .map(|m| {
+                        Ok(StoreMember {
+                            path: std::fs::canonicalize(&m.path).map_err(io_error(&m.path))?,
+                            queue: m.queue,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, SessionError>>()?;
+                meta.store = Some(canonical[0].path.clone());
+                meta.store_queue = canonical[0].queue;
+                meta.store_members = if canonical.len() > 1 {
+                    canonical
+                } else {
+                    Vec::new()
+                };
                 write_meta(&run, &meta)?;
                 store
             };
@@ -367,6 +386,13 @@ impl Session {
                 }
                 _ => fresh_relations(),
             };
+            if gpu_engine && store.controllers().len() > 1 {
+                tracing::warn!(
+                    "the GPU I/O kernels drive one controller: the swaps of this store, striped \
+                     over {} controllers, are submitted from CPU threads",
+                    store.controllers().len()
+                );
+            }
             let buffer = match store.controller().cloned() {
                 // A store behind NVMe queues, trained on a GPU: the GPU I/O kernels move swaps.
                 Some(controller) if gpu_engine => {
@@ -733,6 +759,7 @@ impl Session {
             checkpoint: String::new(),
             store: None,
             store_queue: None,
+            store_members: Vec::new(),
             ..self.meta.clone()
         };
         let trainer = &mut self.trainer;
@@ -966,6 +993,7 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
         checkpoint: String::new(),
         store: None,
         store_queue: None,
+        store_members: Vec::new(),
         checksums: TableChecksums::default(),
     }
 }
@@ -988,6 +1016,7 @@ fn new_placeholder_meta() -> RunMeta {
         checkpoint: String::new(),
         store: None,
         store_queue: None,
+        store_members: Vec::new(),
         checksums: TableChecksums::default(),
     }
 }

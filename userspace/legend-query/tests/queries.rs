@@ -295,6 +295,7 @@ fn line_run(dir: &Path) -> std::path::PathBuf {
         checkpoint: String::new(),
         store: None,
         store_queue: None,
+        store_members: Vec::new(),
         checksums: TableChecksums::default(),
     };
     let state = vec![0.0; 7];
@@ -449,6 +450,7 @@ fn grid_run(dir: &Path, entities: usize, dim: usize) -> (legend_fs::Dir, RunMeta
         checkpoint: String::new(),
         store: None,
         store_queue: None,
+        store_members: Vec::new(),
         checksums: TableChecksums::default(),
     };
     let rows = grid(entities * dim, 3);

@@ -54,7 +54,7 @@ fn main() -> Result<(), StoreError> {
     let opts = CreateOptions {
         io: io.clone(),
         force: true,
-        max_bytes: None,
+        ..CreateOptions::default()
     };
     let mut store = Store::create(&path, &spec, &opts)?;
     let mut buf = IoBuffer::new(store.max_partition_bytes())?;

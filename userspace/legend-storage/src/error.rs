@@ -175,6 +175,14 @@ pub enum StoreError {
         /// Byte offset of the signature.
         offset: u64,
     },
+    /// A member of a striped store is missing, belongs elsewhere or disagrees with the others.
+    #[error("{path}: store member: {why}")]
+    Member {
+        /// The member's path.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
     /// The store parameters are unusable.
     #[error("invalid store specification: {0}")]
     InvalidSpec(String),

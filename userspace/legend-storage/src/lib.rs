@@ -42,6 +42,7 @@ mod medium;
 mod nvme;
 mod signature;
 mod store;
+mod stripe;
 mod superblock;
 mod uring;
 
@@ -55,4 +56,5 @@ pub use layout::{
 pub use legend_model::Dtype;
 pub use medium::Target;
 pub use nvme::NvmeTarget;
-pub use store::{CreateOptions, Expect, IoConfig, IoRequest, Region, Store};
+pub use store::{CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoConfig, IoRequest, Region, Store};
+pub use stripe::member_bytes;

@@ -32,9 +32,10 @@ pub enum Target<'a> {
     Nvme(&'a NvmeTarget),
 }
 
-/// One transfer between the start of a buffer and the store.
+/// One transfer between a buffer, from its byte `buf_offset`, and the medium.
 pub(crate) struct Transfer<'a> {
     pub(crate) raw: &'a Arc<RawAlloc>,
+    pub(crate) buf_offset: u64,
     pub(crate) offset: u64,
     pub(crate) len: u64,
     pub(crate) write: bool,
@@ -184,7 +185,7 @@ impl Medium {
                 let mut chunks = Vec::new();
                 ring.begin_plan();
                 for t in transfers {
-                    ring.plan(t.raw, t.offset, t.len, *request_bytes, t.write, &mut chunks);
+                    ring.plan(t, *request_bytes, &mut chunks);
                 }
                 ring.run(&mut chunks).map_err(|source| StoreError::Uring {
                     path: dev.path.clone(),

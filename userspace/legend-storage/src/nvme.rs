@@ -394,15 +394,18 @@ impl NvmeQueues {
                     limit: "namespace size",
                 });
             }
-            for piece in 0..(job.len as usize).div_ceil(MAX_MAPPING_BYTES) {
+            let buf_end = (job.buf_offset + job.len) as usize;
+            for piece in
+                job.buf_offset as usize / MAX_MAPPING_BYTES..buf_end.div_ceil(MAX_MAPPING_BYTES)
+            {
                 self.mapping(job.raw, piece)?;
             }
             let mut done = 0;
             while done < job.len {
                 // Commands never straddle a 1 GiB mapping piece.
-                let piece_end =
-                    ((done as usize / MAX_MAPPING_BYTES + 1) * MAX_MAPPING_BYTES) as u64;
-                let bytes = (job.len - done).min(self.max_command).min(piece_end - done);
+                let at = job.buf_offset + done;
+                let piece_end = ((at as usize / MAX_MAPPING_BYTES + 1) * MAX_MAPPING_BYTES) as u64;
+                let bytes = (job.len - done).min(self.max_command).min(piece_end - at);
                 commands.push(Command {
                     op: if job.write {
                         Opcode::Write
@@ -410,7 +413,7 @@ impl NvmeQueues {
                         Opcode::Read
                     },
                     job: j,
-                    buf_offset: done,
+                    buf_offset: at,
                     lba: first + done / block,
                     bytes,
                 });
@@ -466,7 +469,8 @@ impl NvmeQueues {
                             let sqe = self.pair.sqe(slot);
                             first_error = Some(StoreError::Command {
                                 path: self.label.clone(),
-                                region_offset: jobs[c.job].offset + c.buf_offset,
+                                region_offset: jobs[c.job].offset + c.buf_offset
+                                    - jobs[c.job].buf_offset,
                                 error: legend_nvme_protocol::CommandError::new(&sqe, status),
                             });
                         }
@@ -545,6 +549,7 @@ impl NvmeQueues {
         let scratch = self.scratch_of(n as usize)?;
         self.transfer(&[Transfer {
             raw: &scratch,
+            buf_offset: 0,
             offset,
             len: n,
             write: false,
@@ -565,6 +570,7 @@ impl NvmeQueues {
         }
         self.transfer(&[Transfer {
             raw: &scratch,
+            buf_offset: 0,
             offset,
             len,
             write: true,

@@ -9,7 +9,10 @@ use crate::error::StoreError;
 use crate::layout::{DatasetId, Extent, Layout, SUPERBLOCK_SLOT_BYTES, StoreSpec};
 use crate::medium::{Medium, Target, Transfer};
 use crate::signature;
-use crate::superblock::{FORMAT_VERSION, RegionState, SlotError, Superblock};
+use crate::stripe::Stripe;
+use crate::superblock::{
+    FORMAT_VERSION, MAX_MEMBERS, Membership, RegionState, SlotError, Superblock,
+};
 
 /// I/O tuning; the defaults suit NVMe SSDs.
 #[derive(Clone, Debug)]
@@ -43,16 +46,34 @@ impl Default for IoConfig {
     }
 }
 
+/// Default stripe unit of a store over several members: large enough that one NVMe command
+/// (at most 1 MiB here) or one `io_uring` request never spans two members.
+pub const DEFAULT_STRIPE_BYTES: u64 = 1 << 20;
+
 /// Options of [`Store::create`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct CreateOptions {
     /// I/O tuning.
     pub io: IoConfig,
     /// Overwrite a target that carries a file-system, partition-table or
     /// store signature.
     pub force: bool,
-    /// Refuse layouts larger than this many bytes (a cap on the file's size).
+    /// Refuse layouts larger than this many bytes on a member (a cap on the file's size).
     pub max_bytes: Option<u64>,
+    /// A store over several members ([`Store::create_striped`]): bytes of one stripe unit, a
+    /// multiple of the store's alignment (64 KiB, or the block size when larger).
+    pub stripe_bytes: u64,
+}
+
+impl Default for CreateOptions {
+    fn default() -> Self {
+        CreateOptions {
+            io: IoConfig::default(),
+            force: false,
+            max_bytes: None,
+            stripe_bytes: DEFAULT_STRIPE_BYTES,
+        }
+    }
 }
 
 /// What the caller expects of a store it opens; `None` accepts anything.
@@ -112,9 +133,21 @@ struct Tracked {
 /// An open store. Single-owner: the I/O thread of the training engine owns
 /// it (or wraps it in a mutex); every method completes its I/O before
 /// returning, and [`Store::submit`] keeps several requests in flight.
+///
+/// A store may be striped over several members (files, block devices, namespaces:
+/// [`Store::create_striped`]); each has its own medium (its own ring or queue pair) and its
+/// own superblock copies, and a batch is issued to all of them at once.
 #[derive(Debug)]
 pub struct Store {
-    medium: Medium,
+    /// One medium per member, in stripe order.
+    members: Vec<Medium>,
+    stripe: Stripe,
+    /// The members' common identity.
+    store_id: [u8; 16],
+    /// How messages name the store: its member's path, or every member's.
+    label: std::path::PathBuf,
+    /// The largest block size of the members.
+    block_size: u64,
     spec: StoreSpec,
     layout: Layout,
     generation: u64,
@@ -138,68 +171,110 @@ impl Store {
         spec: &StoreSpec,
         opts: &CreateOptions,
     ) -> Result<Self, StoreError> {
-        let new_file = match target {
-            Target::Path(path) => !path.exists(),
-            Target::In { dir, name } => !dir.exists(name).unwrap_or(true),
-            Target::Nvme(_) => false,
-        };
-        let res = Self::create_in(target, spec, opts);
-        if res.is_err() && new_file {
+        Self::create_striped(std::slice::from_ref(target), spec, opts)
+    }
+
+    /// Creates a store for `spec` striped over `members` in units of `opts.stripe_bytes`
+    /// (one member: a plain store, as [`Store::create_on`]). Every member is checked as
+    /// [`Store::create`] checks its target and gets its own superblock copies; files created
+    /// here are removed again when creation fails.
+    pub fn create_striped(
+        members: &[Target<'_>],
+        spec: &StoreSpec,
+        opts: &CreateOptions,
+    ) -> Result<Self, StoreError> {
+        let new_files: Vec<bool> = members
+            .iter()
+            .map(|target| match target {
+                Target::Path(path) => !path.exists(),
+                Target::In { dir, name } => !dir.exists(name).unwrap_or(true),
+                Target::Nvme(_) => false,
+            })
+            .collect();
+        let res = Self::create_in(members, spec, opts);
+        if res.is_err() {
             // Leave no half-made file behind; the error is what matters.
-            let _ = match target {
-                Target::Path(path) => std::fs::remove_file(path),
-                Target::In { dir, name } => dir.remove_file(name),
-                Target::Nvme(_) => Ok(()),
-            };
+            for (target, _) in members.iter().zip(new_files).filter(|(_, new)| *new) {
+                let _ = match target {
+                    Target::Path(path) => std::fs::remove_file(path),
+                    Target::In { dir, name } => dir.remove_file(name),
+                    Target::Nvme(_) => Ok(()),
+                };
+            }
         }
         res
     }
 
     fn create_in(
-        target: &Target<'_>,
+        targets: &[Target<'_>],
         spec: &StoreSpec,
         opts: &CreateOptions,
     ) -> Result<Self, StoreError> {
-        let mut medium = Medium::open(target, true, &opts.io)?;
-        let path = medium.path().to_owned();
-        let layout = Layout::compute(spec, medium.block_size())?;
-        let needed = layout.total_bytes;
-        if let Some(cap) = opts.max_bytes.filter(|&cap| needed > cap) {
-            return Err(StoreError::DeviceTooSmall {
-                path,
-                needed,
-                available: cap,
-                limit: "size cap",
-            });
-        }
-        let size = medium.size()?;
-        if size > 0 && !opts.force {
-            let head = medium.read_at(0, signature::SCAN_BYTES)?;
-            if let Some((signature, offset)) = signature::find(&head) {
-                return Err(StoreError::ForeignSignature {
+        let count = member_count(targets.len())?;
+        let mut members = targets
+            .iter()
+            .map(|t| Medium::open(t, true, &opts.io))
+            .collect::<Result<Vec<_>, _>>()?;
+        let block_size = members.iter().map(Medium::block_size).max().unwrap_or(1);
+        let layout = Layout::compute(spec, block_size)?;
+        let stripe = if count == 1 {
+            Stripe::single()
+        } else if opts.stripe_bytes == 0 || !opts.stripe_bytes.is_multiple_of(layout.align) {
+            return Err(StoreError::InvalidSpec(format!(
+                "stripe unit of {} bytes: must be a positive multiple of {} (the store's alignment)",
+                opts.stripe_bytes, layout.align
+            )));
+        } else {
+            Stripe::new(count, opts.stripe_bytes)
+        };
+        let needed = stripe.member_bytes(layout.total_bytes);
+        for medium in &mut members {
+            let path = medium.path().to_owned();
+            if let Some(cap) = opts.max_bytes.filter(|&cap| needed > cap) {
+                return Err(StoreError::DeviceTooSmall {
                     path,
-                    signature,
-                    offset,
+                    needed,
+                    available: cap,
+                    limit: "size cap",
                 });
             }
+            let size = medium.size()?;
+            if size > 0 && !opts.force {
+                let head = medium.read_at(0, signature::SCAN_BYTES)?;
+                if let Some((signature, offset)) = signature::find(&head) {
+                    return Err(StoreError::ForeignSignature {
+                        path,
+                        signature,
+                        offset,
+                    });
+                }
+            }
+            medium.reserve(needed)?;
         }
-        medium.reserve(needed)?;
-        // Wipe both slots before writing generation 0, so a stale copy from
-        // an older store (overwritten with force) can never win at open.
-        medium.write_at(0, &vec![0; 2 * SUPERBLOCK_SLOT_BYTES as usize])?;
-        medium.sync()?;
+        for medium in &mut members {
+            // Wipe both slots before writing generation 0, so a stale copy from
+            // an older store (overwritten with force) can never win at open.
+            medium.write_at(0, &vec![0; 2 * SUPERBLOCK_SLOT_BYTES as usize])?;
+            medium.sync()?;
+        }
         let n = spec.num_partitions as usize;
         let fresh = Superblock {
             generation: 0,
+            membership: Membership {
+                store_id: random_id(),
+                index: 0,
+                count,
+                stripe_bytes: if count == 1 { 0 } else { opts.stripe_bytes },
+            },
             spec: spec.clone(),
             layout,
             aux_state: RegionState::default(),
             partition_states: vec![RegionState::default(); n],
             progress: Vec::new(),
         };
-        let mut store = Self::assemble(medium, fresh);
+        let mut store = Self::assemble(members, fresh);
         store.write_superblock(0)?;
-        tracing::info!(path = %path.display(), bytes = needed, direct = store.medium.is_direct(), "created store");
+        tracing::info!(store = %store.label.display(), bytes = needed, members = count, direct = store.is_direct(), "created store");
         Ok(store)
     }
 
@@ -215,51 +290,41 @@ impl Store {
         expect: &Expect,
         io: &IoConfig,
     ) -> Result<Self, StoreError> {
-        let mut medium = Medium::open(target, false, io)?;
-        let path = medium.path().to_owned();
-        let path = path.as_path();
-        let slot_len = SUPERBLOCK_SLOT_BYTES as usize;
-        let head = medium.read_at(0, 2 * slot_len)?;
-        let slot = |i: usize| {
-            head.get(i * slot_len..((i + 1) * slot_len).min(head.len()))
-                .unwrap_or(&[])
-        };
-        let decoded = [Superblock::decode(slot(0)), Superblock::decode(slot(1))];
-        let sb = match decoded {
-            [Ok(a), Ok(b)] => {
-                if a.generation >= b.generation {
-                    a
-                } else {
-                    b
+        Self::open_striped(std::slice::from_ref(target), expect, io)
+    }
+
+    /// Opens a store over `members`, given in the order they were created (one member: as
+    /// [`Store::open_on`]). Every member must belong to the same store, in the place it is
+    /// given; a missing, extra, foreign or misplaced member is refused by its path. The store
+    /// opens at the highest generation every member holds: a commit that reached only some
+    /// members (a crash between their superblock writes) is rolled back on them here, before
+    /// anything else is written.
+    pub fn open_striped(
+        targets: &[Target<'_>],
+        expect: &Expect,
+        io: &IoConfig,
+    ) -> Result<Self, StoreError> {
+        let count = member_count(targets.len())?;
+        let mut members = Vec::with_capacity(targets.len());
+        let mut copies = Vec::with_capacity(targets.len());
+        for (i, target) in targets.iter().enumerate() {
+            let mut medium = Medium::open(target, false, io).map_err(|e| match e {
+                StoreError::Io { path, source, .. }
+                    if count > 1 && source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    StoreError::Member {
+                        path,
+                        why: format!("member {} of the store's {count} is missing", i + 1),
+                    }
                 }
-            }
-            [Ok(a), Err(_)] | [Err(_), Ok(a)] => a,
-            [Err(SlotError::NoMagic), Err(SlotError::NoMagic)] => {
-                let found = signature::find(&head).map(|s| s.0);
-                return Err(StoreError::WrongMagic {
-                    path: path.to_owned(),
-                    found,
-                });
-            }
-            [Err(SlotError::Version(found)), _] | [_, Err(SlotError::Version(found))] => {
-                return Err(StoreError::UnsupportedVersion {
-                    path: path.to_owned(),
-                    found,
-                    supported: FORMAT_VERSION,
-                });
-            }
-            [Err(a), Err(b)] => {
-                let why = |e: SlotError| match e {
-                    SlotError::Corrupt(m) => m,
-                    other => format!("{other:?}"),
-                };
-                return Err(StoreError::BadChecksum {
-                    path: path.to_owned(),
-                    slot0: why(a),
-                    slot1: why(b),
-                });
-            }
-        };
+                e => e,
+            })?;
+            copies.push(valid_copies(&mut medium)?);
+            members.push(medium);
+        }
+        let sb = agree(&mut members, copies)?;
+        let path = members[0].path().to_owned();
+        let path = path.as_path();
         if let Some(want) = &expect.dataset
             && want.id != sb.spec.dataset.id
         {
@@ -300,33 +365,46 @@ impl Store {
                 expected: want,
             });
         }
-        let actual = medium.size()?;
-        if actual < sb.layout.total_bytes {
-            return Err(StoreError::Truncated {
-                path: path.to_owned(),
-                needed: sb.layout.total_bytes,
-                actual,
-            });
+        let needed = stripe_of(&sb.membership).member_bytes(sb.layout.total_bytes);
+        for medium in &members {
+            let actual = medium.size()?;
+            if actual < needed {
+                return Err(StoreError::Truncated {
+                    path: medium.path().to_owned(),
+                    needed,
+                    actual,
+                });
+            }
+            if sb.layout.align % medium.block_size() != 0 {
+                return Err(StoreError::InvalidSpec(format!(
+                    "{}: store aligned to {} bytes cannot be used on a device with {}-byte blocks",
+                    medium.path().display(),
+                    sb.layout.align,
+                    medium.block_size()
+                )));
+            }
         }
-        if sb.layout.align % medium.block_size() != 0 {
-            return Err(StoreError::InvalidSpec(format!(
-                "{}: store aligned to {} bytes cannot be used on a device with {}-byte blocks",
-                path.display(),
-                sb.layout.align,
-                medium.block_size()
-            )));
-        }
-        tracing::info!(path = %path.display(), generation = sb.generation, direct = medium.is_direct(), "opened store");
-        Ok(Self::assemble(medium, sb))
+        let store = Self::assemble(members, sb);
+        tracing::info!(store = %store.label.display(), generation = store.generation, direct = store.is_direct(), "opened store");
+        Ok(store)
     }
 
-    fn assemble(medium: Medium, sb: Superblock) -> Self {
+    fn assemble(members: Vec<Medium>, sb: Superblock) -> Self {
         let track = |committed| Tracked {
             committed,
             dirty: false,
         };
+        let label = members
+            .iter()
+            .map(|m| m.path().display().to_string())
+            .collect::<Vec<_>>()
+            .join(" + ");
         Self {
-            medium,
+            block_size: members.iter().map(Medium::block_size).max().unwrap_or(1),
+            members,
+            stripe: stripe_of(&sb.membership),
+            store_id: sb.membership.store_id,
+            label: label.into(),
             spec: sb.spec,
             layout: sb.layout,
             generation: sb.generation,
@@ -336,9 +414,15 @@ impl Store {
         }
     }
 
-    /// Path of the store (for an NVMe target: the controller, namespace and start LBA).
+    /// Path of the store (for an NVMe target: the controller, namespace and start LBA); for a
+    /// striped store, every member's, joined by ` + `.
     pub fn path(&self) -> &Path {
-        self.medium.path()
+        &self.label
+    }
+
+    /// Members the store is striped over (1 for a plain store).
+    pub fn members(&self) -> usize {
+        self.members.len()
     }
 
     /// What the store holds.
@@ -369,19 +453,23 @@ impl Store {
         &self.progress
     }
 
-    /// Whether I/O bypasses the page cache (`O_DIRECT`, or NVMe queues).
+    /// Whether I/O bypasses the page cache (`O_DIRECT`, or NVMe queues) on every member.
     pub fn is_direct(&self) -> bool {
-        self.medium.is_direct()
+        self.members.iter().all(Medium::is_direct)
     }
 
-    /// Bytes of the file, device or namespace the store is on, from the store's start.
+    /// Bytes of the file, device or namespace the store is on, from the store's start (of the
+    /// smallest member, for a striped store).
     pub fn medium_bytes(&self) -> Result<u64, StoreError> {
-        self.medium.size()
+        self.members
+            .iter()
+            .map(Medium::size)
+            .try_fold(u64::MAX, |min, size| Ok(min.min(size?)))
     }
 
-    /// Logical block size the store's I/O is aligned to.
+    /// Logical block size the store's I/O is aligned to (the largest of its members').
     pub fn block_size(&self) -> u64 {
-        self.medium.block_size()
+        self.block_size
     }
 
     /// Buffer capacity that fits any partition: allocate partition-buffer
@@ -420,7 +508,8 @@ impl Store {
     /// shadowed and become the committed contents at the next
     /// [`Store::commit`]. A batch must not read and write the same region.
     pub fn submit(&mut self, requests: &mut [IoRequest<'_>]) -> Result<(), StoreError> {
-        let mut transfers = Vec::with_capacity(requests.len());
+        let mut transfers: Vec<Vec<Transfer<'_>>> =
+            (0..self.members.len()).map(|_| Vec::new()).collect();
         let mut written = Vec::new();
         for req in requests.iter_mut() {
             let (region, raw, write) = match req {
@@ -436,17 +525,22 @@ impl Store {
                     got: raw.cap(),
                 });
             }
-            transfers.push(Transfer {
-                raw,
-                offset: base,
-                len: io_len,
-                write,
-            });
+            for piece in self.stripe.pieces(base, io_len) {
+                transfers[piece.member].push(Transfer {
+                    raw,
+                    buf_offset: piece.at,
+                    offset: piece.offset,
+                    len: piece.len,
+                    write,
+                });
+            }
             if write {
                 written.push(region);
             }
         }
-        self.medium.run(&transfers)?;
+        at_once(&mut self.members, transfers, |medium, t| {
+            if t.is_empty() { Ok(()) } else { medium.run(&t) }
+        })?;
         for region in written {
             self.tracked_mut(region).dirty = true;
         }
@@ -486,8 +580,14 @@ impl Store {
     /// [`StoreError::NotInitialized`] for a read of a region never written; as
     /// [`Store::partition`] for a bad partition.
     pub fn io_extent(&self, region: Region, write: bool) -> Result<(u64, u64), StoreError> {
+        if self.members.len() > 1 {
+            return Err(StoreError::InvalidSpec(format!(
+                "{}: a striped store's transfers go through Store::submit, not one extent",
+                self.label.display()
+            )));
+        }
         let (offset, len) = self.target(region, write)?;
-        Ok((self.medium.base() + offset, len))
+        Ok((self.members[0].base() + offset, len))
     }
 
     /// Records that the caller wrote `region` itself at [`Store::io_extent`]`(region, true)`.
@@ -504,9 +604,11 @@ impl Store {
     /// Makes everything written since the last commit durable, together
     /// with `progress` (the caller's training progress, at most
     /// `progress_capacity` bytes), as generation `generation() + 1`:
-    /// `fdatasync`, write the superblock copy of slot `(g+1) % 2`,
-    /// `fdatasync`. A crash at any point leaves generation `g` or `g+1`
-    /// readable. Returns the new generation.
+    /// `fdatasync` every member, then on each member write the superblock copy of slot
+    /// `(g+1) % 2` and `fdatasync`. A crash at any point leaves generation `g` or `g+1`
+    /// readable: `g`'s regions are untouched until every member holds `g+1`, and
+    /// [`Store::open_striped`] opens at the generation all members hold. Returns the new
+    /// generation.
     pub fn commit(&mut self, progress: &[u8]) -> Result<u64, StoreError> {
         if progress.len() > self.spec.progress_capacity as usize {
             return Err(StoreError::ProgressTooLarge {
@@ -515,7 +617,11 @@ impl Store {
                 capacity: self.spec.progress_capacity,
             });
         }
-        self.medium.sync()?;
+        at_once(
+            &mut self.members,
+            vec![(); self.stripe.members()],
+            |m, ()| m.sync(),
+        )?;
         let settle = |t: &Tracked| {
             if t.dirty {
                 RegionState {
@@ -553,23 +659,32 @@ impl Store {
     }
 
     /// Encodes the current committed state as `generation` and writes it to
-    /// its slot, durably.
+    /// its slot on every member in turn, durably.
     fn write_superblock(&mut self, generation: u64) -> Result<(), StoreError> {
-        let sb = Superblock {
+        let mut sb = Superblock {
             generation,
+            membership: Membership {
+                store_id: self.store_id,
+                index: 0,
+                count: self.members.len() as u32,
+                stripe_bytes: self.stripe.unit(),
+            },
             spec: self.spec.clone(),
             layout: self.layout.clone(),
             aux_state: self.aux.committed,
             partition_states: self.partitions.iter().map(|t| t.committed).collect(),
             progress: self.progress.clone(),
         };
-        self.medium
-            .write_at((generation % 2) * SUPERBLOCK_SLOT_BYTES, &sb.encode())?;
-        self.medium.sync()
+        for (i, medium) in self.members.iter_mut().enumerate() {
+            sb.membership.index = i as u32;
+            medium.write_at((generation % 2) * SUPERBLOCK_SLOT_BYTES, &sb.encode())?;
+            medium.sync()?;
+        }
+        Ok(())
     }
 
     fn io_len(&self, bytes: u64) -> u64 {
-        bytes.next_multiple_of(self.medium.block_size())
+        bytes.next_multiple_of(self.block_size)
     }
 
     fn no_such(&self, p: u32) -> StoreError {
@@ -608,4 +723,199 @@ impl Store {
             Region::Aux => &mut self.aux,
         }
     }
+}
+
+/// Checks the number of members a store is given.
+fn member_count(given: usize) -> Result<u32, StoreError> {
+    match u32::try_from(given) {
+        Ok(n @ 1..=MAX_MEMBERS) => Ok(n),
+        _ => Err(StoreError::InvalidSpec(format!(
+            "a store has 1 to {MAX_MEMBERS} members, not {given}"
+        ))),
+    }
+}
+
+/// The striping a superblock records.
+fn stripe_of(m: &Membership) -> Stripe {
+    if m.count == 1 {
+        Stripe::single()
+    } else {
+        Stripe::new(m.count, m.stripe_bytes)
+    }
+}
+
+/// A new store's identity: 16 random bytes from the kernel.
+fn random_id() -> [u8; 16] {
+    let mut id = [0u8; 16];
+    // SAFETY: writes at most 16 bytes into `id`.
+    let n = unsafe { libc::getrandom(id.as_mut_ptr().cast(), id.len(), 0) };
+    if n != 16 {
+        // Never seen on Linux ≥ 3.17; the identity then still differs between stores made at
+        // different times or by different processes.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        id[..8].copy_from_slice(&(t.as_nanos() as u64).to_le_bytes());
+        id[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    id
+}
+
+/// The valid superblock copies of a member, newest first; when it has none, the error that
+/// says why (as for a plain store).
+fn valid_copies(medium: &mut Medium) -> Result<Vec<Superblock>, StoreError> {
+    let path = medium.path().to_owned();
+    let slot_len = SUPERBLOCK_SLOT_BYTES as usize;
+    let head = medium.read_at(0, 2 * slot_len)?;
+    let slot = |i: usize| {
+        head.get(i * slot_len..((i + 1) * slot_len).min(head.len()))
+            .unwrap_or(&[])
+    };
+    match [Superblock::decode(slot(0)), Superblock::decode(slot(1))] {
+        [Ok(a), Ok(b)] if a.generation >= b.generation => Ok(vec![a, b]),
+        [Ok(a), Ok(b)] => Ok(vec![b, a]),
+        [Ok(a), Err(_)] | [Err(_), Ok(a)] => Ok(vec![a]),
+        [Err(SlotError::NoMagic), Err(SlotError::NoMagic)] => Err(StoreError::WrongMagic {
+            path,
+            found: signature::find(&head).map(|s| s.0),
+        }),
+        [Err(SlotError::Version(found)), _] | [_, Err(SlotError::Version(found))] => {
+            Err(StoreError::UnsupportedVersion {
+                path,
+                found,
+                supported: FORMAT_VERSION,
+            })
+        }
+        [Err(a), Err(b)] => {
+            let why = |e: SlotError| match e {
+                SlotError::Corrupt(m) => m,
+                other => format!("{other:?}"),
+            };
+            Err(StoreError::BadChecksum {
+                path,
+                slot0: why(a),
+                slot1: why(b),
+            })
+        }
+    }
+}
+
+/// The commit the members agree on: each member must be the store's member in the place it
+/// was given, and the store opens at the highest generation every member holds. A member
+/// ahead of it (its superblock written by a commit that did not reach every member) gets that
+/// copy overwritten with the agreed one, so that a later commit of the same generation number
+/// can never meet it.
+fn agree(members: &mut [Medium], copies: Vec<Vec<Superblock>>) -> Result<Superblock, StoreError> {
+    let count = members.len() as u32;
+    let first = copies[0][0].membership;
+    let names = |members: &[Medium]| {
+        members
+            .iter()
+            .map(|m| m.path().display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for (i, (medium, newest)) in members.iter().zip(&copies).enumerate() {
+        let m = newest[0].membership;
+        let why = if m.count != count {
+            format!(
+                "belongs to a store striped over {} member(s), but {count} are given ({}): give \
+                 every member, in the order they were created",
+                m.count,
+                names(members)
+            )
+        } else if m.store_id != first.store_id {
+            format!(
+                "belongs to another store than {} (given as member 1)",
+                members[0].path().display()
+            )
+        } else if m.index != i as u32 {
+            format!(
+                "is member {} of its store but is given as member {}: give the members in the \
+                 order they were created",
+                m.index + 1,
+                i + 1
+            )
+        } else {
+            continue;
+        };
+        return Err(StoreError::Member {
+            path: medium.path().to_owned(),
+            why,
+        });
+    }
+    let agreed = copies.iter().map(|c| c[0].generation).min().unwrap_or(0);
+    let mut chosen: Vec<Superblock> = Vec::with_capacity(copies.len());
+    for (medium, member) in members.iter().zip(&copies) {
+        let Some(sb) = member.iter().find(|sb| sb.generation == agreed) else {
+            return Err(StoreError::Member {
+                path: medium.path().to_owned(),
+                why: format!(
+                    "holds no valid superblock of generation {agreed}, the newest every member \
+                     holds (it has {:?})",
+                    member.iter().map(|sb| sb.generation).collect::<Vec<_>>()
+                ),
+            });
+        };
+        let mut same = sb.clone();
+        same.membership.index = 0;
+        if chosen.first().is_some_and(|member1| *member1 != same) {
+            return Err(StoreError::Member {
+                path: medium.path().to_owned(),
+                why: format!(
+                    "its superblock of generation {agreed} differs from the first member's"
+                ),
+            });
+        }
+        chosen.push(same);
+    }
+    for (i, (medium, member)) in members.iter_mut().zip(&copies).enumerate() {
+        for ahead in member.iter().filter(|sb| sb.generation > agreed) {
+            tracing::warn!(
+                member = %medium.path().display(),
+                "generation {} reached this member only: the commit did not complete; back to \
+                 generation {agreed}",
+                ahead.generation
+            );
+            let mut sb = chosen[0].clone();
+            sb.membership.index = i as u32;
+            medium.write_at((ahead.generation % 2) * SUPERBLOCK_SLOT_BYTES, &sb.encode())?;
+            medium.sync()?;
+        }
+    }
+    Ok(chosen.swap_remove(0))
+}
+
+/// Runs `f` on every member with its share of `work` (one item per member), on a thread per
+/// member when there are several, so that their devices work at the same time; returns once
+/// every member is done, with the first error.
+fn at_once<T: Send>(
+    members: &mut [Medium],
+    work: Vec<T>,
+    f: impl Fn(&mut Medium, T) -> Result<(), StoreError> + Sync,
+) -> Result<(), StoreError> {
+    if let [medium] = members {
+        return f(
+            medium,
+            work.into_iter().next().expect("one item per member"),
+        );
+    }
+    std::thread::scope(|scope| {
+        let f = &f;
+        let running: Vec<_> = members
+            .iter_mut()
+            .zip(work)
+            .map(|(medium, w)| scope.spawn(move || f(medium, w)))
+            .collect();
+        let mut first = Ok(());
+        for r in running {
+            let r = r
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    })
 }

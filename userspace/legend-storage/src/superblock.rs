@@ -7,7 +7,7 @@ use crate::layout::{DatasetId, Extent, Layout, MAX_LABEL_BYTES, SUPERBLOCK_SLOT_
 /// First 8 bytes of every superblock copy.
 pub(crate) const MAGIC: [u8; 8] = *b"LGNDSTOR";
 /// The newest format version this build writes. Version 3 added 16-bit embeddings (the dtype
-/// at offset 124 may be bf16 or f16); version 2 added the optimizer state's width (offset
+/// at offset 124 may be bf16 or f16) and striping over several members (bytes 224..256); version 2 added the optimizer state's width (offset
 /// 192); version 1, whose state always had the embedding's shape, is still read. A store is
 /// written at the oldest version that can describe it ([`version_for`]), so an f32 store
 /// stays readable by builds from before 16-bit rows, and a 16-bit one is refused by them as a
@@ -25,8 +25,14 @@ fn dtype_code(dtype: Dtype) -> u32 {
     }
 }
 
-fn version_for(spec: &StoreSpec) -> u32 {
-    if spec.dtype.is_narrow() { 3 } else { 2 }
+/// The oldest version that describes a store: 3 for 16-bit embeddings or several members
+/// (a build that predates them would misread the rows, or take one member for the store).
+fn version_for(spec: &StoreSpec, membership: &Membership) -> u32 {
+    if spec.dtype.is_narrow() || membership.count > 1 {
+        3
+    } else {
+        2
+    }
 }
 
 fn dtype_of(code: u32) -> Option<Dtype> {
@@ -61,10 +67,68 @@ impl RegionState {
     }
 }
 
+// ---- Members of a striped store (bytes 224..256 of the header) ----
+// Kept apart from the fields above (the row encoding, the state layout) so that each concern
+// changes its own bytes. A store written before striping has zeros here: one member.
+
+/// Where the member fields start.
+const MEMBERS_AT: usize = 224;
+/// Most members a store may be striped over.
+pub(crate) const MAX_MEMBERS: u32 = 64;
+
+/// Which member of which store a superblock copy belongs to (`Documentation/store-format.md`,
+/// "Striping over several devices").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Membership {
+    /// Random identity chosen when the store was created; the same on every member.
+    pub(crate) store_id: [u8; 16],
+    /// This member's place in the stripe, from 0.
+    pub(crate) index: u32,
+    /// Members the store is striped over.
+    pub(crate) count: u32,
+    /// Bytes of one stripe unit (0 for a store of one member).
+    pub(crate) stripe_bytes: u64,
+}
+
+impl Membership {
+    fn encode(&self, w: &mut Writer) {
+        w.u32(MEMBERS_AT, self.index);
+        w.u32(MEMBERS_AT + 4, self.count);
+        w.u64(MEMBERS_AT + 8, self.stripe_bytes);
+        w.put(MEMBERS_AT + 16, &self.store_id);
+    }
+
+    fn decode(r: &Reader<'_>, align: u64) -> Result<Self, SlotError> {
+        let m = Membership {
+            index: r.u32(MEMBERS_AT),
+            // Zero: written before striping existed, a store of one member.
+            count: r.u32(MEMBERS_AT + 4).max(1),
+            stripe_bytes: r.u64(MEMBERS_AT + 8),
+            store_id: r.0[MEMBERS_AT + 16..MEMBERS_AT + 32]
+                .try_into()
+                .expect("16 bytes"),
+        };
+        let unit_ok = if m.count == 1 {
+            m.stripe_bytes == 0
+        } else {
+            m.stripe_bytes > 0 && m.stripe_bytes.is_multiple_of(align)
+        };
+        if m.index >= m.count || m.count > MAX_MEMBERS || !unit_ok {
+            return Err(SlotError::Corrupt(format!(
+                "member {} of {} with stripe unit {} bytes",
+                m.index, m.count, m.stripe_bytes
+            )));
+        }
+        Ok(m)
+    }
+}
+// ---- end of the member fields ----
+
 /// Decoded contents of one superblock copy.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Superblock {
     pub(crate) generation: u64,
+    pub(crate) membership: Membership,
     pub(crate) spec: StoreSpec,
     pub(crate) layout: Layout,
     pub(crate) aux_state: RegionState,
@@ -121,7 +185,7 @@ impl Superblock {
         debug_assert!(len as u64 <= SUPERBLOCK_SLOT_BYTES);
         let mut w = Writer(vec![0; len]);
         w.put(0, &MAGIC);
-        w.u32(8, version_for(s));
+        w.u32(8, version_for(s, &self.membership));
         w.u32(16, len as u32);
         w.u32(20, if s.shadow { FLAG_SHADOW } else { 0 });
         w.u64(24, self.generation);
@@ -145,6 +209,7 @@ impl Superblock {
         w.u64(176, aux[0]);
         w.u64(184, aux[1]);
         w.u32(192, s.state_width);
+        self.membership.encode(&mut w);
         for (i, (e, st)) in l.partitions.iter().zip(&self.partition_states).enumerate() {
             let at = HEADER_BYTES + i * ENTRY_BYTES;
             w.u64(at, e.offsets[0]);
@@ -232,6 +297,7 @@ impl Superblock {
         {
             return bad("recorded layout differs from the one its parameters give".into());
         }
+        let membership = Membership::decode(&r, layout.align)?;
         let mut partition_states = Vec::with_capacity(num_partitions as usize);
         for (i, e) in layout.partitions.iter().enumerate() {
             let at = HEADER_BYTES + i * ENTRY_BYTES;
@@ -250,6 +316,7 @@ impl Superblock {
         }
         Ok(Self {
             generation: r.u64(24),
+            membership,
             spec,
             layout,
             aux_state,
@@ -281,6 +348,12 @@ mod tests {
         let layout = Layout::compute(&spec, 4096).unwrap();
         Superblock {
             generation: 9,
+            membership: Membership {
+                store_id: [5; 16],
+                index: 1,
+                count: 2,
+                stripe_bytes: 1 << 20,
+            },
             spec,
             layout,
             aux_state: RegionState {
@@ -342,6 +415,46 @@ mod tests {
             Superblock::decode(&bytes),
             Err(SlotError::Corrupt(_))
         ));
+    }
+
+    /// Recomputes the checksum of hand-edited bytes.
+    fn reseal(bytes: &mut [u8]) {
+        bytes[CHECKSUM_AT..CHECKSUM_AT + 4].fill(0);
+        let crc = crc32c::crc32c(bytes);
+        bytes[CHECKSUM_AT..CHECKSUM_AT + 4].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    #[test]
+    fn a_superblock_from_before_striping_is_a_store_of_one_member() {
+        let mut sb = sample();
+        let mut bytes = sb.encode();
+        bytes[MEMBERS_AT..MEMBERS_AT + 32].fill(0);
+        reseal(&mut bytes);
+        sb.membership = Membership {
+            store_id: [0; 16],
+            index: 0,
+            count: 1,
+            stripe_bytes: 0,
+        };
+        assert_eq!(Superblock::decode(&bytes).unwrap(), sb);
+    }
+
+    #[test]
+    fn a_member_index_past_the_count_or_an_unaligned_stripe_is_refused() {
+        for (index, count, stripe_bytes) in
+            [(2, 2, 1 << 20), (0, 2, 0), (0, 2, 1000), (0, 65, 1 << 20)]
+        {
+            let mut sb = sample();
+            sb.membership.index = index;
+            sb.membership.count = count;
+            sb.membership.stripe_bytes = stripe_bytes;
+            let mut bytes = sb.encode();
+            reseal(&mut bytes);
+            assert!(
+                matches!(Superblock::decode(&bytes), Err(SlotError::Corrupt(_))),
+                "member {index} of {count}, unit {stripe_bytes}"
+            );
+        }
     }
 
     #[test]

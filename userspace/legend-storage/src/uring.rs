@@ -13,6 +13,7 @@ use std::sync::Arc;
 use io_uring::{IoUring, opcode, squeue, types};
 
 use crate::buffer::RawAlloc;
+use crate::medium::Transfer;
 
 /// One request: a contiguous, block-aligned piece of a region.
 #[derive(Debug)]
@@ -97,36 +98,30 @@ impl Ring {
         })
     }
 
-    /// Appends to `chunks` the requests of one transfer of `len` bytes
-    /// between the start of `raw` and the file at `offset`: at most
-    /// `request_bytes` each, none straddling two registered pieces of `raw`,
+    /// Appends to `chunks` the requests of transfer `t` (between its buffer from byte
+    /// `t.buf_offset` and the file at `t.offset`): at most
+    /// `request_bytes` each, none straddling two registered pieces of the buffer,
     /// each with its piece's registered index where it has one. The chunks
     /// of one [`run`](Self::run) must be planned after
     /// [`begin_plan`](Self::begin_plan), so that planning one does not
     /// replace a registration another refers to.
-    pub(crate) fn plan(
-        &mut self,
-        raw: &Arc<RawAlloc>,
-        offset: u64,
-        len: u64,
-        request_bytes: u64,
-        write: bool,
-        chunks: &mut Vec<Chunk>,
-    ) {
+    pub(crate) fn plan(&mut self, t: &Transfer<'_>, request_bytes: u64, chunks: &mut Vec<Chunk>) {
+        let (raw, buf_offset, offset, len) = (t.raw, t.buf_offset, t.offset, t.len);
         let mut done = 0;
         while done < len {
-            let piece = done as usize / self.piece_bytes;
+            let at = buf_offset + done;
+            let piece = at as usize / self.piece_bytes;
             let piece_end = ((piece + 1) * self.piece_bytes) as u64;
-            let n = (len - done).min(request_bytes).min(piece_end - done);
+            let n = (len - done).min(request_bytes).min(piece_end - at);
             let buf_index = self.buffer_index(raw, piece);
             chunks.push(Chunk {
                 offset: offset + done,
-                // SAFETY: `done < len <= cap` (the caller's check), inside
-                // the allocation.
-                addr: unsafe { raw.addr().add(done as usize) },
+                // SAFETY: `buf_offset + done < buf_offset + len <= cap` (the
+                // caller's check), inside the allocation.
+                addr: unsafe { raw.addr().add(at as usize) },
                 len: n as u32,
                 buf_index,
-                write,
+                write: t.write,
             });
             done += n;
         }
@@ -326,7 +321,17 @@ mod tests {
         }
         ring.begin_plan();
         let mut chunks = Vec::new();
-        ring.plan(out.raw(), 0, BYTES as u64, 12 << 10, true, &mut chunks);
+        ring.plan(
+            &Transfer {
+                raw: out.raw(),
+                buf_offset: 0,
+                offset: 0,
+                len: BYTES as u64,
+                write: true,
+            },
+            12 << 10,
+            &mut chunks,
+        );
         // 12 KiB requests cut at each 16 KiB piece: 12 + 4 KiB a piece.
         let lens: Vec<u32> = chunks.iter().map(|c| c.len).collect();
         assert_eq!(lens, [12 << 10, 4 << 10].repeat(4));
@@ -349,7 +354,17 @@ mod tests {
         let back = IoBuffer::new(BYTES).unwrap();
         ring.begin_plan();
         let mut chunks = Vec::new();
-        ring.plan(back.raw(), 0, BYTES as u64, 12 << 10, false, &mut chunks);
+        ring.plan(
+            &Transfer {
+                raw: back.raw(),
+                buf_offset: 0,
+                offset: 0,
+                len: BYTES as u64,
+                write: false,
+            },
+            12 << 10,
+            &mut chunks,
+        );
         ring.run(&mut chunks).unwrap();
         assert_eq!(back.as_bytes(), out.as_bytes());
     }
@@ -368,7 +383,17 @@ mod tests {
         let buf = IoBuffer::new(64 << 10).unwrap();
         ring.begin_plan();
         let mut chunks = Vec::new();
-        ring.plan(buf.raw(), 0, 64 << 10, 16 << 10, false, &mut chunks);
+        ring.plan(
+            &Transfer {
+                raw: buf.raw(),
+                buf_offset: 0,
+                offset: 0,
+                len: 64 << 10,
+                write: false,
+            },
+            16 << 10,
+            &mut chunks,
+        );
         let got: Vec<Option<u16>> = chunks.iter().map(|c| c.buf_index).collect();
         assert_eq!(got, [Some(0), Some(1), None, None]);
         ring.run(&mut chunks).unwrap();
@@ -376,7 +401,17 @@ mod tests {
         let other = IoBuffer::new(32 << 10).unwrap();
         ring.begin_plan();
         let mut chunks = Vec::new();
-        ring.plan(other.raw(), 0, 32 << 10, 16 << 10, false, &mut chunks);
+        ring.plan(
+            &Transfer {
+                raw: other.raw(),
+                buf_offset: 0,
+                offset: 0,
+                len: 32 << 10,
+                write: false,
+            },
+            16 << 10,
+            &mut chunks,
+        );
         let got: Vec<Option<u16>> = chunks.iter().map(|c| c.buf_index).collect();
         assert_eq!(got, [Some(0), Some(1)]);
         ring.run(&mut chunks).unwrap();

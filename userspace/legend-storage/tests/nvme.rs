@@ -451,3 +451,69 @@ fn reads_completing_out_of_order_land_in_their_own_buffers() {
     spinners.into_iter().for_each(|s| s.join().unwrap());
     assert!(checked > 0);
 }
+
+#[test]
+fn a_store_striped_over_two_controllers_holds_what_a_file_store_holds() {
+    let dir = scratch();
+    // Two controllers of different LBA sizes, each with its own queue pair; one starts after a
+    // head of its namespace.
+    let (a, b) = (
+        proxy(&dir.path().join("a.img"), 32 << 20, 9),
+        proxy(&dir.path().join("b.img"), 32 << 20, 12),
+    );
+    let (ta, tb) = (target(&a, 0), target(&b, 256));
+    let members = [Target::Nvme(&ta), Target::Nvme(&tb)];
+    let opts = CreateOptions {
+        stripe_bytes: 64 << 10,
+        ..CreateOptions::default()
+    };
+    let mut striped = Store::create_striped(&members, &spec(), &opts).unwrap();
+    let file = dir.path().join("file.bin");
+    let mut on_file = Store::create(&file, &spec(), &CreateOptions::default()).unwrap();
+    let bufs: Vec<IoBuffer> = (0..4).map(|p| filled(&striped, p * 5 + 2)).collect();
+    let mut batch: Vec<IoRequest<'_>> = bufs
+        .iter()
+        .enumerate()
+        .map(|(p, b)| IoRequest::Write(Region::Partition(p as u32), b))
+        .collect();
+    striped.submit(&mut batch).unwrap();
+    on_file.submit(&mut batch).unwrap();
+    striped.commit(b"one").unwrap();
+    on_file.commit(b"one").unwrap();
+    drop(striped);
+    let mut again =
+        Store::open_striped(&members, &Expect::default(), &IoConfig::default()).unwrap();
+    assert_eq!((again.generation(), again.progress()), (1, &b"one"[..]));
+    for p in 0..4 {
+        let (mut x, mut y) = (
+            IoBuffer::new(again.max_partition_bytes()).unwrap(),
+            IoBuffer::new(again.max_partition_bytes()).unwrap(),
+        );
+        again.read(Region::Partition(p), &mut x).unwrap();
+        on_file.read(Region::Partition(p), &mut y).unwrap();
+        assert_eq!(
+            payload(&again, p, &x),
+            payload(&on_file, p, &y),
+            "partition {p}"
+        );
+    }
+    // Both namespaces carry a share: neither holds the partitions alone.
+    // Blocks written past the superblock slots (and b's head before its start LBA).
+    let used = |path: &Path, head: usize| {
+        std::fs::read(path)
+            .unwrap()
+            .chunks(4096)
+            .skip(head + 512)
+            .filter(|c| c.iter().any(|&v| v != 0))
+            .count()
+    };
+    let (ua, ub) = (
+        used(&dir.path().join("a.img"), 0),
+        used(&dir.path().join("b.img"), 256),
+    );
+    let bytes: u64 = (0..4).map(|p| again.partition(p).unwrap().bytes).sum();
+    assert!(
+        ua > 0 && ub > 0 && (ua + ub) as u64 * 4096 >= bytes && ua.abs_diff(ub) <= 64,
+        "{ua} and {ub} blocks used"
+    );
+}

@@ -312,3 +312,100 @@ fn a_modelled_ssd_serves_at_its_rates() {
         "\"samsung-990\": \"samsung-990\" is neither a preset",
     );
 }
+
+/// Several targets at once, as a striped store drives its members: each target's figures add
+/// up to the total, and two modelled SSDs serve twice one's rate.
+#[test]
+fn several_targets_run_at_once_and_two_modelled_ssds_give_twice_the_rate() {
+    let dir = memory_tempdir();
+    let paths: Vec<String> = ["a.img", "b.img"]
+        .iter()
+        .map(|name| {
+            let path = dir.path().join(name);
+            std::fs::File::create(&path)
+                .unwrap()
+                .set_len(64 << 20)
+                .unwrap();
+            s(&path)
+        })
+        .collect();
+    let run = |backend: &str, extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "io",
+            "--backend",
+            backend,
+            "--path",
+            &paths[0],
+            "--path",
+            &paths[1],
+        ];
+        args.extend(extra);
+        args.extend(["--json"]);
+        json(ok(&args).trim())
+    };
+    for backend in ["file", "proxy"] {
+        let r = run(
+            backend,
+            &["--size", "65536", "--depth", "8", "--seconds", "0.5"],
+        );
+        let targets = r["targets"].as_array().unwrap();
+        assert_eq!(targets.len(), 2, "{r}");
+        let mut sum = 0;
+        for (t, path) in targets.iter().zip(&paths) {
+            assert_eq!(t["path"], path.as_str(), "{r}");
+            assert!(t["ops"].as_u64().unwrap() > 0, "{backend}: {r}");
+            sum += t["bytes"].as_u64().unwrap();
+        }
+        assert_eq!(sum, r["bytes"].as_u64().unwrap(), "{r}");
+    }
+    // Deep queues of large requests, as in `a_modelled_ssd_serves_at_its_rates`.
+    let r = run(
+        "proxy",
+        &[
+            "--ssd-model",
+            "read=0.1,write=0.025,iops=0,latency_us=0",
+            "--pattern",
+            "rand",
+            "--size",
+            "1048576",
+            "--queues",
+            "2",
+            "--depth",
+            "64",
+            "--seconds",
+            "2",
+        ],
+    );
+    // Each over its own time (the two proxies start one after the other on a loaded machine).
+    let rates: Vec<f64> = r["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["gb_per_s"].as_f64().unwrap())
+        .collect();
+    let sum: f64 = rates.iter().sum();
+    assert!(
+        rates.iter().all(|g| (g - 0.1).abs() <= 0.01) && (sum - 0.2).abs() <= 0.02,
+        "two 0.1 GB/s SSDs gave {rates:?} GB/s: {r}"
+    );
+    fails(
+        &["bench", "io", "--path", &paths[0], "--path", &paths[0]],
+        "is given twice",
+    );
+    fails(
+        &[
+            "bench",
+            "io",
+            "--backend",
+            "proxy",
+            "--submitter",
+            "gpu",
+            "--path",
+            &paths[0],
+            "--path",
+            &paths[1],
+        ],
+        "one controller a launch",
+    );
+}

@@ -421,6 +421,97 @@ fn sixteen_bit_rows_are_the_same_everywhere_and_resume_exactly() {
     );
 }
 
+/// A `[[storage.device]]` configuration of `backend` over `members` (with `start_lba`s on the
+/// proxy), 64 KiB stripe units.
+fn striped_config(dir: &Path, name: &str, backend: &str, members: &[PathBuf]) -> PathBuf {
+    let mut text = format!("[storage]\nbackend = \"{backend}\"\nstripe_bytes = 65536\n");
+    for (i, m) in members.iter().enumerate() {
+        text.push_str(&format!("[[storage.device]]\npath = \"{}\"\n", s(m)));
+        if backend == "proxy" {
+            text.push_str(&format!("start_lba = {}\n", i * 2048));
+        }
+    }
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// A store striped over two files, and over two proxies' backing files, trains exactly as the
+/// in-memory run, resumes from its members, and a missing or swapped member is refused by its
+/// path.
+#[test]
+fn a_store_striped_over_two_files_or_two_proxies_trains_like_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = s(&graph(dir.path(), 600, 6, false));
+    let mem = dir.path().join("mem");
+    ok(&train_args(
+        &ds,
+        &s(&mem),
+        &["--set", "training.num_epochs=3"],
+    ));
+    let want = tables(&mem);
+    let backing = memory_tempdir();
+    for backend in ["file", "proxy"] {
+        let base = if backend == "proxy" {
+            backing.path()
+        } else {
+            dir.path()
+        };
+        let members: Vec<PathBuf> = ["a", "b"]
+            .iter()
+            .map(|m| {
+                let d = base.join(format!("{backend}-{m}"));
+                std::fs::create_dir_all(&d).unwrap();
+                d.join("store.bin")
+            })
+            .collect();
+        let config = striped_config(dir.path(), &format!("{backend}.toml"), backend, &members);
+        let out = dir.path().join(format!("striped-{backend}"));
+        let (out_s, config) = (s(&out), s(&config));
+        let mut args = train_args(&ds, &out_s, &["--set", "training.num_epochs=2"]);
+        args.push(&config);
+        ok(&args);
+        let meta = std::fs::read_to_string(out.join("run.toml")).unwrap();
+        assert!(meta.contains("[[store_members]]"), "{meta}");
+        // Each member holds a share of the rows.
+        for m in &members {
+            let len = std::fs::metadata(m).unwrap().len();
+            assert!(len > 2 << 20, "{}: {len} bytes", m.display());
+        }
+        ok(&[
+            "train",
+            "--out",
+            &s(&out),
+            "--resume",
+            "--set",
+            "training.num_epochs=3",
+        ]);
+        assert!(
+            tables(&out) == want,
+            "{backend}: the striped run differs from the in-memory run"
+        );
+        // The second member gone, then back in the first one's place.
+        let moved = members[1].with_extension("moved");
+        std::fs::rename(&members[1], &moved).unwrap();
+        let r = run(&["eval", &s(&out)]);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            !r.status.success() && err.contains(&s(&members[1])),
+            "{backend}: {err}"
+        );
+        std::fs::rename(&members[0], &members[1]).unwrap();
+        std::fs::rename(&moved, &members[0]).unwrap();
+        let r = run(&["eval", &s(&out)]);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            !r.status.success()
+                && err.contains(&s(&members[0]))
+                && err.contains("is member 2 of its store but is given as member 1"),
+            "{backend}: {err}"
+        );
+    }
+}
+
 #[test]
 fn a_store_of_another_dataset_is_refused() {
     let dir = tempfile::tempdir().unwrap();

@@ -604,16 +604,25 @@ fn check_run_to_read(peer: &Peer, run: &Path) -> Result<(), String> {
     }
 }
 
-/// Checks a store path a train job names (`storage.path`): the submitter must be able to write
-/// the file, or create it. Device nodes (`nvme`) are the daemon's; their extents keep users
-/// apart.
+/// Checks the store paths a train job names (`storage.path`, `[[storage.device]]`): the
+/// submitter must be able to write each file, or create it. Device nodes (`nvme`) are the
+/// daemon's; their extents keep users apart, on one namespace a job.
 fn check_store_path(peer: &Peer, config: &Config) -> Result<(), String> {
-    match &config.storage.path {
-        Some(path) if config.storage.backend != legend_engine::config::Backend::Nvme => {
-            access::check_may_write_or_create(peer, path)
+    let s = &config.storage;
+    if s.backend == legend_engine::config::Backend::Nvme {
+        if !s.device.is_empty() {
+            return Err(
+                "storage.device: legendd gives a job an extent of one namespace; a store \
+                 striped over several devices ([[storage.device]]) runs with legendctl train"
+                    .into(),
+            );
         }
-        _ => Ok(()),
+        return Ok(());
     }
+    s.path
+        .iter()
+        .chain(s.device.iter().map(|d| &d.path))
+        .try_for_each(|path| access::check_may_write_or_create(peer, path))
 }
 
 /// Whether a new run may be made at `out` in its opened `parent`: nothing there, or an empty

@@ -1678,6 +1678,46 @@ fn an_nvme_store_path_that_is_no_device_node_is_refused_unopened() {
     assert_eq!(std::fs::read(&secret).unwrap(), b"x");
 }
 
+/// A store striped over namespaces is refused up front (the daemon's extents are of one
+/// namespace a job); over files, every member's path is checked like `storage.path`.
+#[test]
+fn a_job_striped_over_namespaces_is_refused_and_file_members_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let nvme = train_spec_with(
+        &ds,
+        &dir.path().join("run"),
+        1,
+        &[
+            "storage.backend=\"nvme\"",
+            "storage.device=[{path=\"/dev/legend-nvme0\"},{path=\"/dev/legend-nvme1\"}]",
+        ],
+    );
+    let a = refusal(c.call(Request::Submit { job: nvme }));
+    assert!(
+        a.contains("storage.device: legendd gives a job an extent"),
+        "{a}"
+    );
+    let blocked = dir.path().join("not-a-dir");
+    std::fs::write(&blocked, b"x").unwrap();
+    let member = blocked.join("store.bin");
+    let devices = format!(
+        "storage.device=[{{path=\"{}\"}},{{path=\"{}\"}}]",
+        dir.path().join("a.bin").display(),
+        member.display()
+    );
+    let file = train_spec_with(
+        &ds,
+        &dir.path().join("run"),
+        1,
+        &["storage.backend=\"file\"", &devices],
+    );
+    let a = refusal(c.call(Request::Submit { job: file }));
+    assert!(a.contains(&blocked.display().to_string()), "{a}");
+}
+
 /// A watch on a quiet (queued) job whose client went away gives its connection back within
 /// moments, not when the job next says something.
 #[test]

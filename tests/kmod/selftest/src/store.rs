@@ -1,6 +1,7 @@
 //! Training runs that keep their partitions on the controller through the `nvme` backend:
 //! `/bin/legendctl train` with `storage.backend = "nvme"` against the same run on the `file`
-//! backend, SIGKILL and `--resume`, and the store's handling of a command the controller fails.
+//! backend, SIGKILL and `--resume`, the store's handling of a command the controller fails, and
+//! a store striped over two controllers (`[[storage.device]]`).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -19,6 +20,10 @@ pub const TESTS: &[(&str, Test)] = &[
     ("nvme-backend-trains-like-file", test_train_equals_file),
     ("nvme-backend-sigkill-resume", test_sigkill_resume),
     ("nvme-store-command-error", test_command_error),
+    (
+        "nvme-backend-striped-over-two-controllers-trains-like-file",
+        test_striped_equals_file,
+    ),
 ];
 
 const WORK: &str = "/tmp/train";
@@ -314,4 +319,60 @@ fn test_command_error() -> TestResult {
         store.generation() == 0 && !store.is_initialized(Region::Partition(0)).unwrap_or(true),
         || format!("generation {} after a failed write", store.generation()),
     )
+}
+
+/// A store striped over the test controller and a second one (`$LEGEND_STRIPE_BDF`, kept from
+/// every driver until here): the second is bound to legend_nvme, a run over both gives the
+/// `file` backend's tables, each controller holds a share, and the second is unbound again
+/// (left to no driver) so the tests after this one see the controllers as before.
+fn test_striped_equals_file() -> TestResult {
+    let want = reference()?;
+    let bdf = expect_env("LEGEND_STRIPE_BDF");
+    let bound = legend_nvme::Sysfs::default()
+        .bind(&bdf, false)
+        .map_err(|e| format!("binding {bdf}: {e}"))?;
+    let result = (|| {
+        let second = bound
+            .char_device
+            .clone()
+            .ok_or_else(|| format!("{bdf} bound without a device node: {bound:?}"))?;
+        let devices = format!(
+            "storage.device=[{{path=\"{DEV}\",start_lba=10240}},{{path=\"{second}\",start_lba=2048}}]"
+        );
+        let ds = dataset()?;
+        let run = format!("{WORK}/striped");
+        let mut a = train_args(&run, "file", &[]);
+        a.splice(1..1, ["--dataset".to_string(), ds]);
+        a.extend(
+            [
+                "--set",
+                "storage.backend=nvme",
+                "--set",
+                &devices,
+                "--set",
+                "storage.stripe_bytes=65536",
+                "--set",
+                "storage.force=true",
+            ]
+            .map(String::from),
+        );
+        let start = Instant::now();
+        legendctl(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
+        println!(
+            "[guest] nvme backend striped over two controllers: 3 epochs in {:.1} s",
+            start.elapsed().as_secs_f64()
+        );
+        check(tables(&run)? == want, || {
+            "the striped nvme store's tables differ from the file backend's".into()
+        })?;
+        let meta = std::fs::read_to_string(format!("{run}/run.toml")).map_err(|e| e.to_string())?;
+        check(
+            meta.contains(&second) && meta.contains("[[store_members]]"),
+            || format!("run.toml does not record both members: {meta}"),
+        )
+    })();
+    // Off legend_nvme, to no driver (its override stays legend_nvme): nothing else takes it.
+    let unbound = std::fs::write("/sys/bus/pci/drivers/legend_nvme/unbind", &bdf)
+        .map_err(|e| format!("unbinding {bdf}: {e}"));
+    result.and(unbound)
 }

@@ -1,12 +1,13 @@
 //! `legendctl bench io`: raw I/O rate of a store target the way the backends drive it: a file
 //! or block device through `io_uring` (`file`), or a namespace through NVMe I/O queue pairs of
 //! the `legend_nvme` device (`nvme`) or the userspace proxy (`proxy`), submitted by CPU threads
-//! or by the GPU I/O kernels (`--submitter gpu`).
+//! or by the GPU I/O kernels (`--submitter gpu`). Several `--path`s are driven at once, as a
+//! striped store drives its members: each with `--queues` of its own.
 //!
 //! Every command is checked: if any failed, or a queue stopped answering, the run reports that
 //! and prints no figures.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -85,9 +86,10 @@ pub struct IoArgs {
     /// The target's kind.
     #[arg(long, value_enum, default_value = "file")]
     pub backend: Backend,
-    /// A file or block device (`file`, `proxy`), or the device node (`nvme`).
-    #[arg(long)]
-    pub path: PathBuf,
+    /// A file or block device (`file`, `proxy`), or the device node (`nvme`); repeated, the
+    /// targets are driven at once (CPU submitters), as the members of a striped store are.
+    #[arg(long = "path", required = true)]
+    pub paths: Vec<PathBuf>,
     /// CPU threads or GPU thread blocks submitting.
     #[arg(long, value_enum, default_value = "cpu")]
     pub submitter: Submitter,
@@ -100,7 +102,7 @@ pub struct IoArgs {
     /// Bytes per request (a multiple of the block size).
     #[arg(long, default_value_t = 1 << 20)]
     pub size: u64,
-    /// Queues (CPU threads or GPU blocks), each with its own queue pair or ring.
+    /// Queues (CPU threads or GPU blocks) a target, each with its own queue pair or ring.
     #[arg(long, default_value_t = 1)]
     pub queues: u32,
     /// Requests in flight per queue.
@@ -144,6 +146,9 @@ pub struct IoArgs {
 /// What one queue measured.
 #[derive(Default)]
 pub struct Samples {
+    /// When its first request was submitted (its set-up done): the figures' clock starts at the
+    /// earliest queue's, so that opening targets and allocating buffers is not counted as I/O.
+    pub started: Option<Instant>,
     /// Requests completed.
     pub ops: u64,
     /// Bytes moved.
@@ -153,7 +158,19 @@ pub struct Samples {
 }
 
 impl Samples {
+    /// Samples whose I/O starts now.
+    pub fn starting_now() -> Samples {
+        Samples {
+            started: Some(Instant::now()),
+            ..Samples::default()
+        }
+    }
+
     fn merge(&mut self, other: Samples) {
+        self.started = match (self.started, other.started) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         self.ops += other.ops;
         self.bytes += other.bytes;
         self.latencies_ns.extend(other.latencies_ns);
@@ -167,7 +184,7 @@ struct Report {
     submitter: Submitter,
     pattern: Pattern,
     op: Op,
-    path: PathBuf,
+    paths: Vec<PathBuf>,
     request_bytes: u64,
     queues: u32,
     depth: u32,
@@ -187,6 +204,20 @@ struct Report {
     /// Binary units: 2^30 bytes per second.
     gib_per_s: f64,
     latency_us: Percentiles,
+    /// What each target moved, in `paths` order.
+    targets: Vec<TargetFigures>,
+}
+
+/// One target's share of a run over several.
+#[derive(Serialize)]
+struct TargetFigures {
+    path: PathBuf,
+    ops: u64,
+    bytes: u64,
+    /// Over the target's own time, from its first request to its last completion: targets
+    /// set up one after the other still report their device's rate.
+    elapsed_s: f64,
+    gb_per_s: f64,
 }
 
 #[derive(Serialize)]
@@ -225,20 +256,20 @@ pub struct Span {
 }
 
 impl Span {
-    /// `args`' span of a target of `size` bytes with `block`-byte blocks.
-    fn of(args: &IoArgs, size: u64, block: u64) -> anyhow::Result<Span> {
+    /// `args`' span of the target `path` of `size` bytes with `block`-byte blocks.
+    fn of(args: &IoArgs, path: &Path, size: u64, block: u64) -> anyhow::Result<Span> {
         if args.size == 0 || !args.size.is_multiple_of(block) {
             bail!(
                 "--size {} is not a positive multiple of the {block}-byte block of {}",
                 args.size,
-                args.path.display()
+                path.display()
             );
         }
         if !args.offset.is_multiple_of(block) || args.offset >= size {
             bail!(
                 "--offset {} is not a block-aligned offset inside {} ({size} bytes)",
                 args.offset,
-                args.path.display()
+                path.display()
             );
         }
         let len = args.span.unwrap_or(size - args.offset);
@@ -246,7 +277,7 @@ impl Span {
             bail!(
                 "the span of {len} bytes from {} does not fit {} ({size} bytes) or is smaller than one request",
                 args.offset,
-                args.path.display()
+                path.display()
             );
         }
         Ok(Span {
@@ -283,16 +314,21 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
     if args.queues == 0 || args.depth == 0 || args.seconds.is_nan() || args.seconds <= 0.0 {
         bail!("--queues, --depth and --seconds must be positive");
     }
-    if !args.path.exists() {
-        bail!(
-            "{}: no such file or device{}",
-            args.path.display(),
-            if args.backend == Backend::Nvme {
-                " (is the controller bound to legend_nvme? `legendctl device list`)"
-            } else {
-                ""
-            }
-        );
+    for path in &args.paths {
+        if !path.exists() {
+            bail!(
+                "{}: no such file or device{}",
+                path.display(),
+                if args.backend == Backend::Nvme {
+                    " (is the controller bound to legend_nvme? `legendctl device list`)"
+                } else {
+                    ""
+                }
+            );
+        }
+        if let Some(other) = args.paths.iter().filter(|p| *p == path).nth(1) {
+            bail!("--path {} is given twice", other.display());
+        }
     }
     if (args.ssd_model.is_some() || args.proxy_threads.is_some()) && args.backend != Backend::Proxy
     {
@@ -304,37 +340,52 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
     if args.staging.is_some() && args.submitter != Submitter::Gpu {
         bail!("--staging sets up the GPU I/O kernels: use it with --submitter gpu");
     }
+    if args.submitter == Submitter::Gpu && args.paths.len() > 1 {
+        bail!(
+            "--submitter gpu: the I/O kernels drive one controller a launch; give one --path \
+             (several targets run with --submitter cpu)"
+        );
+    }
     let duration = Duration::from_secs_f64(args.seconds);
     let started = Instant::now();
-    let samples = match (args.backend, args.submitter) {
-        (Backend::File, Submitter::Cpu) => file::run(&args, duration)?,
-        (Backend::File, Submitter::Gpu) => {
-            bail!("--submitter gpu drives NVMe queues: use --backend proxy or nvme")
-        }
-        (b, s) => {
-            let kind = if b == Backend::Nvme {
-                QueueBackend::Nvme
-            } else {
-                QueueBackend::Proxy
-            };
-            let ctrl = if kind == QueueBackend::Proxy {
-                // Its own proxy, with the asked-for threads and depth (no other user of the
-                // file in this process to share one with).
-                let proxy = Proxy::open(&args.path, &proxy_options(&args))
-                    .with_context(|| format!("starting the proxy over {}", args.path.display()))?;
-                controllers::SharedController::Proxy(Arc::new(proxy))
-            } else {
-                StoreFile::open(&args.path, &legend_fs::Unguarded)
-                    .and_then(|file| controllers::open(kind, &file, None))
-                    .with_context(|| format!("opening {}", args.path.display()))?
-            };
-            match s {
-                Submitter::Cpu => queues::run(&args, ctrl.controller(), duration)?,
-                Submitter::Gpu => gpu(&args, &ctrl, duration)?,
-            }
-        }
-    };
-    let elapsed = started
+    let per_target: Vec<anyhow::Result<(Samples, Instant)>> = std::thread::scope(|s| {
+        let running: Vec<_> = args
+            .paths
+            .iter()
+            .map(|path| {
+                let args = &args;
+                s.spawn(move || {
+                    one_target(args, path, duration).map(|samples| (samples, Instant::now()))
+                })
+            })
+            .collect();
+        running
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| bail!("a target's thread panicked"))
+            })
+            .collect()
+    });
+    let mut samples = Samples::default();
+    let mut targets = Vec::with_capacity(args.paths.len());
+    for (path, r) in args.paths.iter().zip(per_target) {
+        let (r, ended) = r?;
+        let secs = ended
+            .duration_since(r.started.unwrap_or(started))
+            .as_secs_f64();
+        targets.push(TargetFigures {
+            path: path.clone(),
+            ops: r.ops,
+            bytes: r.bytes,
+            elapsed_s: secs,
+            gb_per_s: r.bytes as f64 / secs / 1e9,
+        });
+        samples.merge(r);
+    }
+    let elapsed = samples
+        .started
+        .unwrap_or(started)
         .elapsed()
         .min(duration.max(Duration::from_millis(1)) * 2);
     let secs = elapsed.as_secs_f64();
@@ -343,7 +394,7 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
         submitter: args.submitter,
         pattern: args.pattern,
         op: args.op,
-        path: args.path.clone(),
+        paths: args.paths.clone(),
         request_bytes: args.size,
         queues: args.queues,
         depth: args.depth,
@@ -358,6 +409,7 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
         gb_per_s: samples.bytes as f64 / secs / 1e9,
         gib_per_s: samples.bytes as f64 / secs / f64::from(1u32 << 30),
         latency_us: percentiles(samples.latencies_ns),
+        targets,
     };
     if args.json {
         super::print_json(&serde_json::to_value(&report)?)?;
@@ -371,7 +423,12 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
             name(&report.pattern),
             name(&report.op),
             report.request_bytes,
-            report.path.display(),
+            report
+                .paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(" + "),
             name(&report.submitter),
             report.queues,
             report.depth,
@@ -412,6 +469,38 @@ fn staging(args: &IoArgs) -> u32 {
         })
 }
 
+/// Runs the benchmark on one target.
+fn one_target(args: &IoArgs, path: &Path, duration: Duration) -> anyhow::Result<Samples> {
+    match (args.backend, args.submitter) {
+        (Backend::File, Submitter::Cpu) => file::run(args, path, duration),
+        (Backend::File, Submitter::Gpu) => {
+            bail!("--submitter gpu drives NVMe queues: use --backend proxy or nvme")
+        }
+        (b, s) => {
+            let kind = if b == Backend::Nvme {
+                QueueBackend::Nvme
+            } else {
+                QueueBackend::Proxy
+            };
+            let ctrl = if kind == QueueBackend::Proxy {
+                // Its own proxy, with the asked-for threads and depth (no other user of the
+                // file in this process to share one with).
+                let proxy = Proxy::open(path, &proxy_options(args))
+                    .with_context(|| format!("starting the proxy over {}", path.display()))?;
+                controllers::SharedController::Proxy(Arc::new(proxy))
+            } else {
+                StoreFile::open(path, &legend_fs::Unguarded)
+                    .and_then(|file| controllers::open(kind, &file, None))
+                    .with_context(|| format!("opening {}", path.display()))?
+            };
+            match s {
+                Submitter::Cpu => queues::run(args, path, ctrl.controller(), duration),
+                Submitter::Gpu => gpu(args, path, &ctrl, duration),
+            }
+        }
+    }
+}
+
 /// The lower-case name an option value has on the command line.
 fn name(v: &impl std::fmt::Debug) -> String {
     format!("{v:?}").to_lowercase()
@@ -422,6 +511,7 @@ fn name(v: &impl std::fmt::Debug) -> String {
 /// a few batches a block, until the time is up.
 fn gpu(
     args: &IoArgs,
+    path: &Path,
     ctrl: &controllers::SharedController,
     duration: Duration,
 ) -> anyhow::Result<Samples> {
@@ -434,7 +524,7 @@ fn gpu(
         }
         controllers::SharedController::Device(_) => RingPlacement::Device,
     };
-    check_write(args, placement == RingPlacement::Device)?;
+    check_write(args, path, placement == RingPlacement::Device)?;
     let opts = GpuIoOptions {
         queues: args.queues,
         threads: args.depth,
@@ -444,7 +534,7 @@ fn gpu(
         staging: staging(args),
     };
     let mut io = GpuIo::open(&device, ctrl.controller(), &opts)?;
-    let span = Span::of(args, io.namespace_bytes(), io.block_size())?;
+    let span = Span::of(args, path, io.namespace_bytes(), io.block_size())?;
     // Four batches a block a launch, within 1 GiB of GPU memory.
     let per_launch = (u64::from(args.queues) * u64::from(args.depth) * 4)
         .min((1 << 30) / args.size)
@@ -452,7 +542,7 @@ fn gpu(
         .max(1);
     let region = io.alloc(&device, (per_launch * args.size) as usize)?;
     let deadline = Instant::now() + duration;
-    let mut samples = Samples::default();
+    let mut samples = Samples::starting_now();
     let (mut n, mut rng) = (0u64, 0x9e37_79b9_7f4a_7c15u64);
     while Instant::now() < deadline {
         // One job a request (`--size` bytes), at the pattern's next offsets.
@@ -474,13 +564,13 @@ fn gpu(
     Ok(samples)
 }
 
-/// Refuses writes to a device unless forced.
-pub fn check_write(args: &IoArgs, is_device: bool) -> anyhow::Result<()> {
+/// Refuses writes to the device `path` unless forced.
+pub fn check_write(args: &IoArgs, path: &Path, is_device: bool) -> anyhow::Result<()> {
     if args.op == Op::Write && is_device && !args.force {
         bail!(
             "--op write would overwrite {} bytes of {} from byte {}: pass --force to allow it",
             args.span.map_or_else(|| "all".into(), |s| s.to_string()),
-            args.path.display(),
+            path.display(),
             args.offset
         );
     }

@@ -3,6 +3,7 @@
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -35,27 +36,27 @@ impl Drop for Buffers {
     }
 }
 
-pub fn run(args: &IoArgs, duration: Duration) -> anyhow::Result<Samples> {
+pub fn run(args: &IoArgs, path: &Path, duration: Duration) -> anyhow::Result<Samples> {
     let open = |direct: bool| {
         OpenOptions::new()
             .read(true)
             .write(args.op == Op::Write)
             .custom_flags(if direct { libc::O_DIRECT } else { 0 })
-            .open(&args.path)
+            .open(path)
     };
     let file = open(true)
         .or_else(|_| open(false))
-        .with_context(|| format!("opening {}", args.path.display()))?;
+        .with_context(|| format!("opening {}", path.display()))?;
     let meta = file.metadata()?;
     let is_block = meta.file_type().is_block_device();
-    check_write(args, is_block)?;
+    check_write(args, path, is_block)?;
     let size = if is_block {
         use std::io::Seek;
         file.try_clone()?.seek(std::io::SeekFrom::End(0))?
     } else {
         meta.len()
     };
-    let span = Span::of(args, size, 512)?;
+    let span = Span::of(args, path, size, 512)?;
     let results: Vec<anyhow::Result<Samples>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..args.queues)
             .map(|q| {
@@ -89,11 +90,11 @@ fn queue(
     let size = args.size as usize;
     let bufs = Buffers::new(depth * size)?;
     let mut ring = IoUring::new(args.depth.next_power_of_two())?;
-    let mut samples = Samples::default();
     let mut started = vec![Instant::now(); depth];
     let mut rng = 0x9e37_79b9_7f4a_7c15 ^ u64::from(q + 1);
     let (mut n, mut in_flight) = (0u64, 0usize);
     let deadline = Instant::now() + duration;
+    let mut samples = Samples::starting_now();
     let mut free: Vec<usize> = (0..depth).collect();
     loop {
         while Instant::now() < deadline

@@ -1,6 +1,7 @@
 //! `--backend proxy | nvme` with CPU submitters: one I/O queue pair per thread, `--depth`
 //! commands in flight, built and completed with `legend-nvme-protocol`.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,6 +41,7 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 
 pub fn run(
     args: &IoArgs,
+    path: &Path,
     ctrl: Arc<dyn Controller>,
     duration: Duration,
 ) -> anyhow::Result<Samples> {
@@ -48,9 +50,9 @@ pub fn run(
         .iter()
         .find(|n| n.nsid == args.namespace)
         .with_context(|| format!("{}: no namespace {}", ctrl.label(), args.namespace))?;
-    check_write(args, args.backend == Backend::Nvme)?;
+    check_write(args, path, args.backend == Backend::Nvme)?;
     let block = 1u64 << ns.lba_shift;
-    let span = Span::of(args, ns.blocks << ns.lba_shift, block)?;
+    let span = Span::of(args, path, ns.blocks << ns.lba_shift, block)?;
     if info.max_transfer != 0 && args.size > u64::from(info.max_transfer) {
         bail!(
             "--size {} exceeds the controller's transfer limit of {} bytes",
@@ -173,11 +175,11 @@ fn drive(
         Opcode::Write
     };
     let slot_bytes = slot_bytes(args);
-    let mut samples = Samples::default();
     let mut started = vec![Instant::now(); d];
     let mut rng = 0x9e37_79b9_7f4a_7c15 ^ u64::from(q + 1);
     let (mut n, mut in_flight) = (0u64, 0usize);
     let deadline = Instant::now() + duration;
+    let mut samples = Samples::starting_now();
     let mut last = Instant::now();
     let mut failure: Option<String> = None;
     loop {
