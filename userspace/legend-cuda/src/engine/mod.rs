@@ -338,7 +338,10 @@ impl GpuBatchEngine {
             self.inverse = None;
             return Ok(());
         }
-        if !self.model.decoder.uses_relations() || self.relations == 0 || self.relations % 2 != 0 {
+        if !self.model.decoder.uses_relations()
+            || self.relations == 0
+            || !self.relations.is_multiple_of(2)
+        {
             return Err(GpuError::Shape(format!(
                 "reciprocal relations need a decoder with relations and an even, non-zero \
                  relation count ({}: {} rows)",
