@@ -44,10 +44,12 @@ pub struct ModelConfig {
     pub decoder: Decoder,
     /// Embedding dimension (reals; ComplEx uses dim/2 complex numbers).
     pub dim: usize,
-    /// `softmax_ce | logistic | ranking`.
+    /// `softmax_ce | logistic | ranking | self_adversarial`.
     pub loss: LossKind,
-    /// Margin of the ranking loss.
+    /// Margin of the ranking loss; γ of the self-adversarial one.
     pub margin: f32,
+    /// α of the self-adversarial loss: how sharply its negatives are weighted by score.
+    pub adversarial_temperature: f32,
     /// Standard deviation of the normal initialisation of node rows.
     pub init_scale: f32,
     /// How relation rows start: `identity` (the operator's identity) or `random` (like nodes).
@@ -67,6 +69,9 @@ pub enum LossKind {
     Logistic,
     /// Margin ranking loss (`model.margin`).
     Ranking,
+    /// Self-adversarial negative sampling (Sun et al. 2019; `model.margin` is γ,
+    /// `model.adversarial_temperature` α).
+    SelfAdversarial,
 }
 
 /// `model.relation_init`.
@@ -86,6 +91,7 @@ impl Default for ModelConfig {
             dim: 200,
             loss: LossKind::SoftmaxCe,
             margin: legend_model::DEFAULT_MARGIN,
+            adversarial_temperature: 1.0,
             init_scale: 1e-3,
             relation_init: RelationStart::Random,
             reciprocal_relations: false,
@@ -500,6 +506,10 @@ impl Config {
             LossKind::Ranking => Loss::Ranking {
                 margin: self.model.margin,
             },
+            LossKind::SelfAdversarial => Loss::SelfAdversarial {
+                margin: self.model.margin,
+                temperature: self.model.adversarial_temperature,
+            },
         }
     }
 
@@ -528,8 +538,14 @@ impl Config {
     }
 
     /// The settings the GPU engine does not train yet, as a refusal naming them (`None`: it
-    /// trains this configuration). RotatE is CPU-only so far.
+    /// trains this configuration). RotatE and the self-adversarial loss are CPU-only so far.
     pub fn gpu_unsupported(&self) -> Option<ConfigError> {
+        if self.model.loss == LossKind::SelfAdversarial {
+            return Some(bad(
+                "model.loss",
+                "the GPU engine has no self_adversarial loss kernels yet: use training.device = \"cpu\"",
+            ));
+        }
         if self.model.decoder == Decoder::RotatE {
             return Some(bad(
                 "model.decoder",
@@ -630,6 +646,11 @@ impl Config {
             .check_dim(self.model.dim)
             .map_err(|e| bad("model.dim", e))?;
         positive_f32("model.margin", self.model.margin, true)?;
+        positive_f32(
+            "model.adversarial_temperature",
+            self.model.adversarial_temperature,
+            true,
+        )?;
         positive_f32("model.init_scale", self.model.init_scale, false)?;
         // Upper bounds far beyond any useful run, so that no setting makes an allocation or
         // its size arithmetic overflow before the memory estimate can refuse the run (a daemon

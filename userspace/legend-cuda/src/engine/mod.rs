@@ -226,12 +226,14 @@ fn decoder_code(d: Decoder) -> i32 {
         .expect("every decoder has a code") as i32
 }
 
-/// The loss's number in the kernels (an index of [`LOSS_CODES`]) and its margin.
+/// The loss's number in the kernels (an index of [`LOSS_CODES`]) and its margin;
+/// [`GpuBatchEngine::new`] refuses the losses without kernels.
 fn loss_code(l: Loss) -> (i32, f32) {
     match l {
         Loss::SoftmaxCe => (0, 0.0),
         Loss::Logistic => (1, 0.0),
         Loss::Ranking { margin } => (2, margin),
+        Loss::SelfAdversarial { .. } => unreachable!("refused by GpuBatchEngine::new"),
     }
 }
 
@@ -257,6 +259,12 @@ impl GpuBatchEngine {
         if model.decoder == Decoder::RotatE {
             return Err(GpuError::Shape(
                 "rotate has no GPU kernels yet (its query operator and modulus distance)".into(),
+            ));
+        }
+        if let Loss::SelfAdversarial { .. } = model.loss {
+            return Err(GpuError::Shape(
+                "the self_adversarial loss has no GPU kernels yet (its score-weighted negatives)"
+                    .into(),
             ));
         }
         if shape.max_batch == 0 || shape.num_chunks == 0 || shape.negatives == 0 || shape.group == 0
