@@ -333,6 +333,30 @@ __device__ __forceinline__ void legend_row_wise_step(const LegendRowSink& row, u
     if (lane == 0) *row.state = s;
 }
 
+// The regulariser of the rows of a batch's positives (optimizer.regularizer: LEGEND_PENALTY_*
+// as numbered by legend-cuda's PENALTY_CODES) with its weight λ.
+struct LegendPenalty {
+    int kind;
+    float weight;
+};
+
+// Its gradient for one occurrence of a real element x: 3λ|x|x for N3, 2λx for L2
+// (legend-model's Regularizer::add_gradient).
+__device__ __forceinline__ float legend_penalty_grad(LegendPenalty pen, float x) {
+    if (pen.kind == LEGEND_PENALTY_N3) return 3.0f * pen.weight * fabsf(x) * x;
+    if (pen.kind == LEGEND_PENALTY_L2) return 2.0f * pen.weight * x;
+    return 0.0f;
+}
+
+// The same for a complex element (re, im): N3 penalises its modulus m, d m³/d re = 3 m re.
+__device__ __forceinline__ float2 legend_penalty_grad2(LegendPenalty pen, float re, float im) {
+    if (pen.kind == LEGEND_PENALTY_N3) {
+        float c = 3.0f * pen.weight * sqrtf(re * re + im * im);
+        return make_float2(c * re, c * im);
+    }
+    return make_float2(legend_penalty_grad(pen, re), legend_penalty_grad(pen, im));
+}
+
 // Decoders and losses are numbered by legend-cuda (`DECODER_CODES`, `LOSS_CODES` in
 // engine/mod.rs), which defines LEGEND_DOT .. LEGEND_TRANSE_L2 and LEGEND_LOSS_SOFTMAX ..
 // LEGEND_LOSS_RANKING on the NVRTC command line.

@@ -52,7 +52,8 @@ __device__ __forceinline__ float legend_dist_phi(float x, float b) {
 }
 
 // The TransE part of legend_query_edge, V elements a lane: q0 = D - w against the true
-// source S (side 0) and q1 = S + w against D (side 1), written out, and each side's
+// source S (side 0; with reciprocal relations, `recip`, q0 = D + w0, the destination-side
+// operator of (D, r⁻¹)) and q1 = S + w against D (side 1), written out, and each side's
 // distance to its truth into dist (this lane's part of Σ|x| or Σx²). With norms (TransE L2
 // on the fused path), also this lane's parts of the queries' largest magnitudes and of
 // their squared norms as the fused kernels round them: to FP16's digits, since their FP16
@@ -60,15 +61,17 @@ __device__ __forceinline__ float legend_dist_phi(float x, float b) {
 template <int V>
 __device__ __forceinline__ void legend_transe_queries(bool l2, u32 d, const float* S,
                                                       const float* D, const float* w,
-                                                      float* q0, float* q1, u32 lane,
-                                                      float (&dist)[2], float (&sq)[2],
-                                                      float (&largest)[2], bool norms) {
+                                                      const float* w0, bool recip, float* q0,
+                                                      float* q1, u32 lane, float (&dist)[2],
+                                                      float (&sq)[2], float (&largest)[2],
+                                                      bool norms) {
     for (u32 k = V * lane; k < d; k += 32 * V) {
         LegendVec<V> s = legend_ld<V>(S + k), t = legend_ld<V>(D + k), r = legend_ld<V>(w + k);
+        LegendVec<V> r0 = recip ? legend_ld<V>(w0 + k) : r;
         LegendVec<V> a, b;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-            a.v[v] = t.v[v] - r.v[v];
+            a.v[v] = recip ? t.v[v] + r0.v[v] : t.v[v] - r.v[v];
             b.v[v] = s.v[v] + r.v[v];
             float x0 = a.v[v] - s.v[v], x1 = b.v[v] - t.v[v];
             dist[0] = l2 ? legend_dist_term<true>(x0, dist[0]) : legend_dist_term<false>(x0, dist[0]);
@@ -88,34 +91,48 @@ __device__ __forceinline__ void legend_transe_queries(bool l2, u32 d, const floa
 
 // The TransE part of legend_rows_backward (one warp, one edge, both sides, V elements a
 // lane). The queries are recomputed as legend_transe_queries formed them (bit for bit):
-// q0 = D - w against the true source S, q1 = S + w against D. The negatives' part of ∂L/∂q
-// is dq - wq · q (wq: what the fused kernels left out, 0 elsewhere), and c is the positive's
-// weight: gp for L1, gp / ||q - truth|| for L2 (0 at distance 0). With u = c · φ(q - truth),
-// ∂L/∂q is that part less u and the truth gets +u; the anchor gets ∂L/∂q and the relation
-// ±∂L/∂q.
-template <int V>
+// q0 = D - w (reciprocal: D + w0) against the true source S, q1 = S + w against D. The
+// negatives' part of ∂L/∂q is dq - wq · q (wq: what the fused kernels left out, 0
+// elsewhere), and c is the positive's weight: gp for L1, gp / ||q - truth|| for L2 (0 at
+// distance 0). With u = c · φ(q - truth), ∂L/∂q is that part less u and the truth gets +u;
+// the anchor gets ∂L/∂q and the relation ±∂L/∂q (reciprocal: w gets side 1's, the inverse
+// row w0 side 0's). Every row also gets the regulariser's gradient of its occurrence. X:
+// whether either may be on (false compiles the plain step, whose registers they would crowd).
+template <int V, bool X>
 __device__ __forceinline__ void legend_transe_edge_backward(
-    bool l2, u32 d, u32 lane, const float* S, const float* D, const float* w, const float* dq0,
-    const float* dq1, float2 wq, float c0, float c1, const LegendRowSink& gs,
-    const LegendRowSink& gd, const LegendRowSink& gw) {
+    LegendPenalty pen, bool recip, bool l2, u32 d, u32 lane, const float* S, const float* D,
+    const float* w, const float* w0, const float* dq0, const float* dq1, float2 wq, float c0,
+    float c1, const LegendRowSink& gs, const LegendRowSink& gd, const LegendRowSink& gw,
+    const LegendRowSink& gw0) {
+    recip = X && recip;
+    bool penalised = X && pen.kind != LEGEND_PENALTY_NONE;
     for (u32 k = V * lane; k < d; k += 32 * V) {
         LegendVec<V> s = legend_ld<V>(S + k), t = legend_ld<V>(D + k), r = legend_ld<V>(w + k);
+        LegendVec<V> r0 = recip ? legend_ld<V>(w0 + k) : r;
         LegendVec<V> a0 = legend_ld<V>(dq0 + k), a1 = legend_ld<V>(dq1 + k);
         LegendVec<V> ss = legend_sink_states<V>(gs, k), sd = legend_sink_states<V>(gd, k);
-        LegendVec<V> ps, pd, pw;
+        LegendVec<V> ps, pd, pw, pw0;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-            float q0 = t.v[v] - r.v[v], q1 = s.v[v] + r.v[v];
+            float q0 = recip ? t.v[v] + r0.v[v] : t.v[v] - r.v[v], q1 = s.v[v] + r.v[v];
             float u0 = c0 * (l2 ? q0 - s.v[v] : legend_dist_phi<false>(q0, s.v[v]));
             float u1 = c1 * (l2 ? q1 - t.v[v] : legend_dist_phi<false>(q1, t.v[v]));
             float g0 = fmaf(-wq.x, q0, a0.v[v]) - u0, g1 = fmaf(-wq.y, q1, a1.v[v]) - u1;
             ps.v[v] = u0 + g1;
             pd.v[v] = g0 + u1;
-            pw.v[v] = g1 - g0;
+            pw.v[v] = recip ? g1 : g1 - g0;
+            pw0.v[v] = g0;
+            if (penalised) {
+                ps.v[v] += legend_penalty_grad(pen, s.v[v]);
+                pd.v[v] += legend_penalty_grad(pen, t.v[v]);
+                pw.v[v] += legend_penalty_grad(pen, r.v[v]);
+                pw0.v[v] += legend_penalty_grad(pen, r0.v[v]);
+            }
         }
         legend_sink_add<V>(gs, k, ps, s, ss);
         legend_sink_add<V>(gd, k, pd, t, sd);
         legend_sink_add<V>(gw, k, pw, LegendVec<V>{}, LegendVec<V>{});
+        if (recip) legend_sink_add<V>(gw0, k, pw0, LegendVec<V>{}, LegendVec<V>{});
     }
 }
 

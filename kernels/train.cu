@@ -26,6 +26,14 @@ struct LegendJobs {
     u32 max_rows;
     u32 dim;
     int decoder;
+    // Reciprocal relations: the first inverse row (relation r's inverse is row inverse + r),
+    // through which side 0 is scored as (destination, r⁻¹, ?) with the destination-side
+    // operator; 0 without them.
+    u32 inverse;
+    // The regulariser, added by legend_rows_backward into the gradient of every row of a
+    // positive, once per occurrence.
+    LegendPenalty penalty;
+    u32 pad;
 };
 
 // ComplEx's queries of both sides of an edge from one complex element of S, D and the
@@ -40,12 +48,21 @@ __device__ __forceinline__ void legend_complex_queries(float sre, float sim, flo
     q[3] = sre * rim + sim * rre;
 }
 
+// Reciprocal relations: side 0's query is the destination-side operator of (d, r⁻¹),
+// q0 = d·w⁻¹, in place of legend_complex_queries' q[0], q[1].
+__device__ __forceinline__ void legend_complex_inverse_query(float dre, float dim_, float r0re,
+                                                             float r0im, float (&q)[4]) {
+    q[0] = dre * r0re - dim_ * r0im;
+    q[1] = dre * r0im + dim_ * r0re;
+}
+
 // The queries of both sides of an edge (side 0: q0 = op(D, relation) against the true S;
 // side 1: q1 = op(S, relation) against D), V elements of each lane (of each half for
 // ComplEx), with their positive scores and largest magnitudes added into dot and largest.
 template <int V>
 __device__ __forceinline__ void legend_query_pair(int decoder, u32 d, const float* S,
-                                                  const float* D, const float* w, float* q0,
+                                                  const float* D, const float* w,
+                                                  const float* w0, bool recip, float* q0,
                                                   float* q1, u32 lane, float (&dot)[2],
                                                   float (&largest)[2]) {
     if (decoder == LEGEND_COMPLEX) {
@@ -54,12 +71,16 @@ __device__ __forceinline__ void legend_query_pair(int decoder, u32 d, const floa
             LegendVec<V> sre = legend_ld<V>(S + k), sim = legend_ld<V>(S + k + h);
             LegendVec<V> dre = legend_ld<V>(D + k), dim_ = legend_ld<V>(D + k + h);
             LegendVec<V> rre = legend_ld<V>(w + k), rim = legend_ld<V>(w + k + h);
+            LegendVec<V> r0re = recip ? legend_ld<V>(w0 + k) : rre;
+            LegendVec<V> r0im = recip ? legend_ld<V>(w0 + k + h) : rim;
             LegendVec<V> q0re, q0im, q1re, q1im;
 #pragma unroll
             for (int v = 0; v < V; ++v) {
                 float q[4];
                 legend_complex_queries(sre.v[v], sim.v[v], dre.v[v], dim_.v[v], rre.v[v],
                                        rim.v[v], q);
+                if (recip) legend_complex_inverse_query(dre.v[v], dim_.v[v], r0re.v[v],
+                                                        r0im.v[v], q);
                 q0re.v[v] = q[0];
                 q0im.v[v] = q[1];
                 q1re.v[v] = q[2];
@@ -79,10 +100,11 @@ __device__ __forceinline__ void legend_query_pair(int decoder, u32 d, const floa
         for (u32 k = V * lane; k < d; k += 32 * V) {
             LegendVec<V> s = legend_ld<V>(S + k), t = legend_ld<V>(D + k);
             LegendVec<V> r = distmult ? legend_ld<V>(w + k) : LegendVec<V>{};
+            LegendVec<V> r0 = distmult && recip ? legend_ld<V>(w0 + k) : r;
             LegendVec<V> a, b;
 #pragma unroll
             for (int v = 0; v < V; ++v) {
-                a.v[v] = distmult ? t.v[v] * r.v[v] : t.v[v];
+                a.v[v] = distmult ? t.v[v] * r0.v[v] : t.v[v];
                 b.v[v] = distmult ? s.v[v] * r.v[v] : s.v[v];
                 dot[0] += a.v[v] * s.v[v];
                 dot[1] += b.v[v] * t.v[v];
@@ -107,6 +129,8 @@ __device__ void legend_query_edge(const LegendJobs& jobs, const float* __restric
     const float* S = emb + (u64)e[0] * d;
     const float* D = emb + (u64)e[2] * d;
     const float* w = rel + (u64)e[1] * d;
+    bool recip = jobs.inverse != 0u;
+    const float* w0 = recip ? rel + (u64)(jobs.inverse + e[1]) * d : w;
     u64 row0 = (u64)z0 * jobs.max_rows + r, row1 = row0 + jobs.max_rows;
     float *q0 = query + row0 * d, *q1 = query + row1 * d;
     largest[0] = largest[1] = 0.0f;
@@ -117,9 +141,11 @@ __device__ void legend_query_edge(const LegendJobs& jobs, const float* __restric
         bool l2 = jobs.decoder == LEGEND_TRANSE_L2, norms = jobs.query_norm != nullptr;
         float sq[2] = {0.0f, 0.0f};
         if (d % 4 == 0)
-            legend_transe_queries<4>(l2, d, S, D, w, q0, q1, lane, dot, sq, largest, norms);
+            legend_transe_queries<4>(l2, d, S, D, w, w0, recip, q0, q1, lane, dot, sq, largest,
+                                     norms);
         else
-            legend_transe_queries<1>(l2, d, S, D, w, q0, q1, lane, dot, sq, largest, norms);
+            legend_transe_queries<1>(l2, d, S, D, w, w0, recip, q0, q1, lane, dot, sq, largest,
+                                     norms);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
@@ -138,15 +164,16 @@ __device__ void legend_query_edge(const LegendJobs& jobs, const float* __restric
         }
         return;
     }
-    if (jobs.decoder == LEGEND_COMPLEX) {
-        if (d % 4 == 0) legend_query_pair<2>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
-        else legend_query_pair<1>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
+    int dec = jobs.decoder;
+    if (dec == LEGEND_COMPLEX) {
+        if (d % 4 == 0) legend_query_pair<2>(dec, d, S, D, w, w0, recip, q0, q1, lane, dot, largest);
+        else legend_query_pair<1>(dec, d, S, D, w, w0, recip, q0, q1, lane, dot, largest);
     } else if (d % 4 == 0) {
-        legend_query_pair<4>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
+        legend_query_pair<4>(dec, d, S, D, w, w0, recip, q0, q1, lane, dot, largest);
     } else if (d % 2 == 0) {
-        legend_query_pair<2>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
+        legend_query_pair<2>(dec, d, S, D, w, w0, recip, q0, q1, lane, dot, largest);
     } else {
-        legend_query_pair<1>(jobs.decoder, d, S, D, w, q0, q1, lane, dot, largest);
+        legend_query_pair<1>(dec, d, S, D, w, w0, recip, q0, q1, lane, dot, largest);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
@@ -431,36 +458,69 @@ __device__ __forceinline__ LegendRowSink legend_node_sink(float* emb, float* emb
 
 // Backward of one ComplEx edge by one warp, V complex pairs a lane (of each half): the
 // queries are recomputed (legend_complex_queries), a few products instead of two more rows
-// to load.
-template <int V>
+// to load. With reciprocal relations (`recip`), side 0's query is d·w0 (w0 the inverse row,
+// which takes side 0's relation gradient; w then side 1's alone). Every row also gets the
+// regulariser's gradient of its occurrence. X: whether either may be on (false compiles the
+// plain step, whose registers they would crowd).
+template <int V, bool X>
 __device__ __forceinline__ void legend_complex_edge_backward(
-    u32 h, u32 lane, const float* S, const float* D, const float* w, const float* dq0,
-    const float* dq1, float gp0, float gp1, const LegendRowSink& gs, const LegendRowSink& gd,
-    const LegendRowSink& gw) {
+    LegendPenalty pen, bool recip, u32 h, u32 lane, const float* S, const float* D,
+    const float* w, const float* w0, const float* dq0, const float* dq1, float gp0, float gp1,
+    const LegendRowSink& gs, const LegendRowSink& gd, const LegendRowSink& gw,
+    const LegendRowSink& gw0) {
+    recip = X && recip;
     for (u32 k = V * lane; k < h; k += 32 * V) {
         LegendVec<V> sre = legend_ld<V>(S + k), sim = legend_ld<V>(S + k + h);
         LegendVec<V> dre = legend_ld<V>(D + k), dim_ = legend_ld<V>(D + k + h);
         LegendVec<V> rre = legend_ld<V>(w + k), rim = legend_ld<V>(w + k + h);
+        LegendVec<V> r0re = recip ? legend_ld<V>(w0 + k) : rre;
+        LegendVec<V> r0im = recip ? legend_ld<V>(w0 + k + h) : rim;
         LegendVec<V> a0re = legend_ld<V>(dq0 + k), a0im = legend_ld<V>(dq0 + k + h);
         LegendVec<V> a1re = legend_ld<V>(dq1 + k), a1im = legend_ld<V>(dq1 + k + h);
         LegendVec<V> ssre = legend_sink_states<V>(gs, k), ssim = legend_sink_states<V>(gs, k + h);
         LegendVec<V> sdre = legend_sink_states<V>(gd, k), sdim = legend_sink_states<V>(gd, k + h);
-        LegendVec<V> gsre, gsim, gdre, gdim, gwre, gwim;
+        LegendVec<V> gsre, gsim, gdre, gdim, gwre, gwim, gw0re, gw0im;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
             float q[4];
             legend_complex_queries(sre.v[v], sim.v[v], dre.v[v], dim_.v[v], rre.v[v], rim.v[v],
                                    q);
+            if (recip)
+                legend_complex_inverse_query(dre.v[v], dim_.v[v], r0re.v[v], r0im.v[v], q);
             float g0re = a0re.v[v] + gp0 * sre.v[v], g0im = a0im.v[v] + gp0 * sim.v[v];
             float g1re = a1re.v[v] + gp1 * dre.v[v], g1im = a1im.v[v] + gp1 * dim_.v[v];
             // Transposes of the 2x2 real Jacobians of the complex products, plus the
             // positive-score gradients of the true candidates.
             gsre.v[v] = gp0 * q[0] + g1re * rre.v[v] + g1im * rim.v[v];
             gsim.v[v] = gp0 * q[1] + g1im * rre.v[v] - g1re * rim.v[v];
-            gdre.v[v] = gp1 * q[2] + g0re * rre.v[v] - g0im * rim.v[v];
-            gdim.v[v] = gp1 * q[3] + g0re * rim.v[v] + g0im * rre.v[v];
-            gwre.v[v] = g0re * dre.v[v] + g0im * dim_.v[v] + g1re * sre.v[v] + g1im * sim.v[v];
-            gwim.v[v] = g0re * dim_.v[v] - g0im * dre.v[v] + g1im * sre.v[v] - g1re * sim.v[v];
+            gwre.v[v] = g1re * sre.v[v] + g1im * sim.v[v];
+            gwim.v[v] = g1im * sre.v[v] - g1re * sim.v[v];
+            if (recip) {
+                // Side 0 through q0 = d·w0, the destination-side operator.
+                gdre.v[v] = gp1 * q[2] + g0re * r0re.v[v] + g0im * r0im.v[v];
+                gdim.v[v] = gp1 * q[3] + g0im * r0re.v[v] - g0re * r0im.v[v];
+                gw0re.v[v] = g0re * dre.v[v] + g0im * dim_.v[v];
+                gw0im.v[v] = g0im * dre.v[v] - g0re * dim_.v[v];
+            } else {
+                gdre.v[v] = gp1 * q[2] + g0re * rre.v[v] - g0im * rim.v[v];
+                gdim.v[v] = gp1 * q[3] + g0re * rim.v[v] + g0im * rre.v[v];
+                gwre.v[v] += g0re * dre.v[v] + g0im * dim_.v[v];
+                gwim.v[v] += g0re * dim_.v[v] - g0im * dre.v[v];
+            }
+            if (X && pen.kind != LEGEND_PENALTY_NONE) {
+                float2 ps = legend_penalty_grad2(pen, sre.v[v], sim.v[v]);
+                float2 pd = legend_penalty_grad2(pen, dre.v[v], dim_.v[v]);
+                float2 pw = legend_penalty_grad2(pen, rre.v[v], rim.v[v]);
+                float2 pw0 = legend_penalty_grad2(pen, r0re.v[v], r0im.v[v]);
+                gsre.v[v] += ps.x;
+                gsim.v[v] += ps.y;
+                gdre.v[v] += pd.x;
+                gdim.v[v] += pd.y;
+                gwre.v[v] += pw.x;
+                gwim.v[v] += pw.y;
+                gw0re.v[v] += pw0.x;
+                gw0im.v[v] += pw0.y;
+            }
         }
         legend_sink_add<V>(gs, k, gsre, sre, ssre);
         legend_sink_add<V>(gs, k + h, gsim, sim, ssim);
@@ -468,37 +528,55 @@ __device__ __forceinline__ void legend_complex_edge_backward(
         legend_sink_add<V>(gd, k + h, gdim, dim_, sdim);
         legend_sink_add<V>(gw, k, gwre, LegendVec<V>{}, LegendVec<V>{});
         legend_sink_add<V>(gw, k + h, gwim, LegendVec<V>{}, LegendVec<V>{});
+        if (recip) {
+            legend_sink_add<V>(gw0, k, gw0re, LegendVec<V>{}, LegendVec<V>{});
+            legend_sink_add<V>(gw0, k + h, gw0im, LegendVec<V>{}, LegendVec<V>{});
+        }
     }
 }
 
 // Backward of one Dot (queries S and D themselves) or DistMult edge by one warp, V elements
-// a lane.
-template <int V>
+// a lane; reciprocal relations (`recip`) and X as for ComplEx: side 0's query is D ⊙ w0.
+template <int V, bool X>
 __device__ __forceinline__ void legend_dot_edge_backward(
-    bool distmult, u32 d, u32 lane, const float* S, const float* D, const float* w,
-    const float* dq0, const float* dq1, float gp0, float gp1, const LegendRowSink& gs,
-    const LegendRowSink& gd, const LegendRowSink& gw) {
+    LegendPenalty pen, bool recip, bool distmult, u32 d, u32 lane, const float* S,
+    const float* D, const float* w, const float* w0, const float* dq0, const float* dq1,
+    float gp0, float gp1, const LegendRowSink& gs, const LegendRowSink& gd,
+    const LegendRowSink& gw, const LegendRowSink& gw0) {
+    recip = X && recip;
+    bool penalised = X && pen.kind != LEGEND_PENALTY_NONE;
     for (u32 k = V * lane; k < d; k += 32 * V) {
         LegendVec<V> s = legend_ld<V>(S + k), t = legend_ld<V>(D + k);
         LegendVec<V> r = distmult ? legend_ld<V>(w + k) : LegendVec<V>{};
+        LegendVec<V> r0 = distmult && recip ? legend_ld<V>(w0 + k) : r;
         LegendVec<V> a0 = legend_ld<V>(dq0 + k), a1 = legend_ld<V>(dq1 + k);
         LegendVec<V> ss = legend_sink_states<V>(gs, k), sd = legend_sink_states<V>(gd, k);
-        LegendVec<V> ps, pd, pw;
+        LegendVec<V> ps, pd, pw, pw0;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-            float wk = distmult ? r.v[v] : 1.0f;
+            float wk = distmult ? r.v[v] : 1.0f, w0k = distmult ? r0.v[v] : 1.0f;
             float g0 = a0.v[v] + gp0 * s.v[v], g1 = a1.v[v] + gp1 * t.v[v];
-            ps.v[v] = gp0 * t.v[v] * wk + g1 * wk;
-            pd.v[v] = gp1 * s.v[v] * wk + g0 * wk;
-            pw.v[v] = g0 * t.v[v] + g1 * s.v[v];
+            ps.v[v] = gp0 * t.v[v] * w0k + g1 * wk;
+            pd.v[v] = gp1 * s.v[v] * wk + g0 * w0k;
+            pw.v[v] = (recip ? 0.0f : g0 * t.v[v]) + g1 * s.v[v];
+            pw0.v[v] = g0 * t.v[v];
+            if (penalised) {
+                ps.v[v] += legend_penalty_grad(pen, s.v[v]);
+                pd.v[v] += legend_penalty_grad(pen, t.v[v]);
+                pw.v[v] += legend_penalty_grad(pen, wk);
+                pw0.v[v] += legend_penalty_grad(pen, w0k);
+            }
         }
         legend_sink_add<V>(gs, k, ps, s, ss);
         legend_sink_add<V>(gd, k, pd, t, sd);
         if (distmult) legend_sink_add<V>(gw, k, pw, LegendVec<V>{}, LegendVec<V>{});
+        if (distmult && recip) legend_sink_add<V>(gw0, k, pw0, LegendVec<V>{}, LegendVec<V>{});
     }
 }
 
-// The work of one warp in legend_rows_backward: edge `r` of chunk z0 / 2.
+// The work of one warp in legend_rows_backward: edge `r` of chunk z0 / 2. X: whether
+// reciprocal relations (jobs.inverse) or a regulariser (jobs.penalty) may be on.
+template <bool X>
 __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* __restrict__ rel,
                                      const float* __restrict__ pos,
                                      const float* __restrict__ grad_query,
@@ -517,11 +595,17 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
     const float* S = emb + (u64)src * d;
     const float* D = emb + (u64)dst * d;
     const float* w = rel + (u64)relation * d;
+    // Reciprocal relations: side 0 goes through the inverse row (jobs.inverse + relation).
+    bool recip = X && jobs.inverse != 0u;
+    u32 inverse = jobs.inverse + relation;
+    const float* w0 = recip ? rel + (u64)inverse * d : w;
     const float *dq0 = grad_query + row0 * d, *dq1 = grad_query + row1 * d;
     float gp0 = grad_pos[row0], gp1 = grad_pos[row1];
     LegendRowSink gs = legend_node_sink(emb, emb_grad, direct, src, d);
     LegendRowSink gd = legend_node_sink(emb, emb_grad, direct, dst, d);
     LegendRowSink gw{rel_grad + (u64)relation * d, nullptr, nullptr, false, 0.0f, 0.0f};
+    LegendRowSink gw0{rel_grad + (u64)inverse * d, nullptr, nullptr, false, 0.0f, 0.0f};
+    LegendPenalty pen = jobs.penalty;
     // Rows start 16-byte aligned; ComplEx's halves 8-byte aligned when h is even.
     if (jobs.decoder >= LEGEND_TRANSE_L1) {
         // The positives' weights: gp, over the distance (-pos, as legend_queries left it)
@@ -537,25 +621,29 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
                         ? make_float2(jobs.query_weight[row0], jobs.query_weight[row1])
                         : make_float2(0.0f, 0.0f);
         if (d % 4 == 0)
-            legend_transe_edge_backward<4>(l2, d, lane, S, D, w, dq0, dq1, wq, c0, c1, gs, gd, gw);
+            legend_transe_edge_backward<4, X>(pen, recip, l2, d, lane, S, D, w, w0, dq0, dq1, wq,
+                                              c0, c1, gs, gd, gw, gw0);
         else
-            legend_transe_edge_backward<1>(l2, d, lane, S, D, w, dq0, dq1, wq, c0, c1, gs, gd, gw);
+            legend_transe_edge_backward<1, X>(pen, recip, l2, d, lane, S, D, w, w0, dq0, dq1, wq,
+                                              c0, c1, gs, gd, gw, gw0);
     } else if (jobs.decoder == LEGEND_COMPLEX) {
         if (d % 4 == 0)
-            legend_complex_edge_backward<2>(d / 2, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd, gw);
+            legend_complex_edge_backward<2, X>(pen, recip, d / 2, lane, S, D, w, w0, dq0, dq1,
+                                               gp0, gp1, gs, gd, gw, gw0);
         else
-            legend_complex_edge_backward<1>(d / 2, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd, gw);
+            legend_complex_edge_backward<1, X>(pen, recip, d / 2, lane, S, D, w, w0, dq0, dq1,
+                                               gp0, gp1, gs, gd, gw, gw0);
     } else {
         bool distmult = jobs.decoder == LEGEND_DISTMULT;
         if (d % 4 == 0)
-            legend_dot_edge_backward<4>(distmult, d, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd,
-                                        gw);
+            legend_dot_edge_backward<4, X>(pen, recip, distmult, d, lane, S, D, w, w0, dq0, dq1,
+                                           gp0, gp1, gs, gd, gw, gw0);
         else if (d % 2 == 0)
-            legend_dot_edge_backward<2>(distmult, d, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd,
-                                        gw);
+            legend_dot_edge_backward<2, X>(pen, recip, distmult, d, lane, S, D, w, w0, dq0, dq1,
+                                           gp0, gp1, gs, gd, gw, gw0);
         else
-            legend_dot_edge_backward<1>(distmult, d, lane, S, D, w, dq0, dq1, gp0, gp1, gs, gd,
-                                        gw);
+            legend_dot_edge_backward<1, X>(pen, recip, distmult, d, lane, S, D, w, w0, dq0, dq1,
+                                           gp0, gp1, gs, gd, gw, gw0);
     }
     legend_row_wise_step(gs, d, lane);
     legend_row_wise_step(gd, d, lane);
@@ -568,6 +656,7 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
         if (gd.direct) direct.uses[dst] = 0u;
         else legend_mark_local(emb_flags, dst, new_rows, n_rows);
         if (jobs.decoder != LEGEND_DOT) legend_mark_local(rel_flags, relation, new_rels, n_rels);
+        if (recip) legend_mark_local(rel_flags, inverse, new_rels, n_rels);
     }
 }
 
@@ -578,8 +667,11 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
 // element and table, and marks the rows for the optimizer; a node row the batch uses once
 // (direct.uses) gets its AdaGrad step here instead. blockIdx.y is the chunk. Four blocks of
 // 8 warps an SM (at most 64 registers, a few spilled): more loads in flight, faster than
-// three or two (Documentation/gpu.md, measurement log, version 19).
-extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
+// three or two (Documentation/gpu.md, measurement log, version 19). X as for
+// legend_edge_backward: legend_rows_backward is the plain step, legend_rows_backward_extra the
+// one with reciprocal relations or a regulariser (their registers would crowd the plain one's).
+template <bool X>
+__device__ __forceinline__ void legend_rows_backward_body(
     LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
     const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
     float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
@@ -587,16 +679,16 @@ extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
     u32* rel_count) {
     // Rows newly marked by this block, appended to the global lists with one atomic per
     // block: a per-row atomic on the shared counters serialised the whole kernel.
-    __shared__ u32 new_rows[16], new_rels[8], n_rows, n_rels, base_rows, base_rels;
+    __shared__ u32 new_rows[16], new_rels[16], n_rows, n_rels, base_rows, base_rels;
     if (threadIdx.x == 0) n_rows = n_rels = 0;
     __syncthreads();
     u32 z0 = 2 * blockIdx.y, z1 = z0 + 1;
     u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 lane = threadIdx.x & 31;
-    if (r < jobs.rows[z0]) legend_edge_backward(jobs, emb, rel, pos, grad_query, grad_pos,
-                                                emb_grad, emb_flags, direct, rel_grad, rel_flags,
-                                                z0, z1, r, lane, new_rows, &n_rows, new_rels,
-                                                &n_rels);
+    if (r < jobs.rows[z0])
+        legend_edge_backward<X>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad, emb_flags,
+                                direct, rel_grad, rel_flags, z0, z1, r, lane, new_rows, &n_rows,
+                                new_rels, &n_rels);
     __syncthreads();
     if (threadIdx.x == 0) {
         if (n_rows) base_rows = atomicAdd(emb_count, n_rows);
@@ -605,6 +697,28 @@ extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
     __syncthreads();
     if (threadIdx.x < n_rows) emb_list[base_rows + threadIdx.x] = new_rows[threadIdx.x];
     if (threadIdx.x < n_rels) rel_list[base_rels + threadIdx.x] = new_rels[threadIdx.x];
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
+    LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
+    const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
+    float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
+    LegendDirect direct, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
+    u32* rel_count) {
+    legend_rows_backward_body<false>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad,
+                                     emb_flags, emb_list, emb_count, direct, rel_grad, rel_flags,
+                                     rel_list, rel_count);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward_extra(
+    LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
+    const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
+    float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
+    LegendDirect direct, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
+    u32* rel_count) {
+    legend_rows_backward_body<true>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad,
+                                    emb_flags, emb_list, emb_count, direct, rel_grad, rel_flags,
+                                    rel_list, rel_count);
 }
 
 // A whole row's gradient g - w · row into its sink (w: what TransE L2's fused kernels left

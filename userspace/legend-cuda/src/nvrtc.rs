@@ -152,6 +152,7 @@ pub const PROGRAMS: [Program; 10] = [
             "legend_gather_negatives",
             "legend_loss",
             "legend_rows_backward",
+            "legend_rows_backward_extra",
             "legend_negatives_backward",
             "legend_adagrad",
             "legend_count_uses",

@@ -9,8 +9,8 @@ use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, SlotMap, negativ
 use legend_dataset::PartitionScheme;
 use legend_engine::sampler::NegativeSampler;
 use legend_model::{
-    AdaGrad, Chunk, ChunkModel, ChunkWorkspace, Decoder, Distribution, Loss, StateLayout, Table,
-    fill_row,
+    AdaGrad, Chunk, ChunkModel, ChunkWorkspace, Decoder, Distribution, Loss, Penalty, Regularizer,
+    StateLayout, Table, fill_row,
 };
 
 mod common;
@@ -158,9 +158,34 @@ struct Case {
     grad_tolerance: f64,
 }
 
-/// The CPU reference of one step: per-chunk forward/backward, gradients summed per row.
+/// What a step test varies beyond its [`Case`].
+#[derive(Clone, Copy, Default)]
+struct Variant {
+    /// The step filters its negatives against a set of known edges that holds the batch and,
+    /// for each positive, about a tenth of its chunk's negatives on each side.
+    filtered: bool,
+    /// The node table's AdaGrad state.
+    layout: StateLayout,
+    /// Reciprocal relations: the relation table doubled, side 0 through the inverse rows.
+    reciprocal: bool,
+    /// A regulariser (penalty and weight) of the positives' rows.
+    penalty: Option<(Penalty, f32)>,
+}
+
+impl Variant {
+    fn regularizer(&self, decoder: Decoder) -> Option<Regularizer> {
+        self.penalty
+            .map(|(penalty, weight)| Regularizer::new(penalty, weight, decoder))
+    }
+}
+
+/// The CPU reference of one step: per-chunk forward/backward, gradients summed per row, and
+/// the regulariser's gradient added once per occurrence of a row among the positives (the
+/// CPU engine's `RowSums::apply`). With reciprocal relations, `rel` holds `2R` rows and the
+/// edges' relations lie below `R`.
 fn cpu_step(
     case: &Case,
+    variant: &Variant,
     emb: &[f32],
     rel: &[f32],
     edges: &[[u32; 3]],
@@ -208,6 +233,10 @@ fn cpu_step(
         };
         let exclude_src = mask(ns, |e, n| [n, e[1], e[2]]);
         let exclude_dst = mask(nd, |e, n| [e[0], e[1], n]);
+        let inverse = rel.len() / d / 2;
+        let rel_src = variant
+            .reciprocal
+            .then(|| rows(rel, &mut part.iter().map(|e| e[1] + inverse as u32)));
         let chunk = Chunk {
             src: &src,
             rel: &r,
@@ -216,7 +245,7 @@ fn cpu_step(
             neg_dst: &neg_dst,
             exclude_src: exclude_src.as_deref(),
             exclude_dst: exclude_dst.as_deref(),
-            rel_src: None,
+            rel_src: rel_src.as_deref(),
         };
         loss += ws.forward_backward(&model, &chunk);
         let g = ws.grads();
@@ -234,12 +263,40 @@ fn cpu_step(
             if case.decoder.uses_relations() {
                 add(&mut gr, e[1], &g.rel[i * d..(i + 1) * d]);
             }
+            if variant.reciprocal {
+                add(
+                    &mut gr,
+                    e[1] + inverse as u32,
+                    &g.rel_src[i * d..(i + 1) * d],
+                );
+            }
         }
         for (j, &id) in ns.iter().enumerate() {
             add(&mut gn, id, &g.neg_src[j * d..(j + 1) * d]);
         }
         for (j, &id) in nd.iter().enumerate() {
             add(&mut gn, id, &g.neg_dst[j * d..(j + 1) * d]);
+        }
+    }
+    if let Some(reg) = variant.regularizer(case.decoder) {
+        let inverse = rel.len() / d / 2;
+        let mut node_uses = vec![0u32; emb.len() / d];
+        let mut rel_uses = vec![0u32; rel.len() / d];
+        for e in edges {
+            node_uses[e[0] as usize] += 1;
+            node_uses[e[2] as usize] += 1;
+            if case.decoder.uses_relations() {
+                rel_uses[e[1] as usize] += 1;
+            }
+            if variant.reciprocal {
+                rel_uses[e[1] as usize + inverse] += 1;
+            }
+        }
+        for (table, grad, uses) in [(emb, &mut gn, node_uses), (rel, &mut gr, rel_uses)] {
+            for (r, &n) in uses.iter().enumerate() {
+                let at = r * d..(r + 1) * d;
+                reg.add_gradient(&table[at.clone()], n, &mut grad[at]);
+            }
         }
     }
     (loss, gn, gr)
@@ -267,15 +324,30 @@ fn cleared(gpu: &Gpu, t: &DeviceTable) -> bool {
 }
 
 fn check_step(gpu: &Gpu, case: &Case, s: u64) {
-    check_step_with(gpu, case, s, false, StateLayout::Element);
+    check_variant(gpu, case, s, &Variant::default());
 }
 
-/// `filtered`: the step filters its negatives against a set of known edges that holds the
-/// batch and, for each positive, about a tenth of its chunk's negatives on each side;
-/// `layout`: the node table's AdaGrad state.
 fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool, layout: StateLayout) {
+    let variant = Variant {
+        filtered,
+        layout,
+        ..Variant::default()
+    };
+    check_variant(gpu, case, s, &variant);
+}
+
+fn check_variant(gpu: &Gpu, case: &Case, s: u64, variant: &Variant) {
+    let Variant {
+        filtered, layout, ..
+    } = *variant;
     let mut rng = Rng(s ^ case.dim as u64 ^ ((case.k as u64) << 20));
     let (entities, relations, d) = (4001usize, 37usize, case.dim);
+    // The relation table's rows: the inverses follow the relations when reciprocal.
+    let relation_rows = if variant.reciprocal {
+        2 * relations
+    } else {
+        relations
+    };
     let mut value = |scale: f32, exact: bool| {
         if exact {
             (rng.below(17) as f32 - 8.0) * scale / 8.0
@@ -289,7 +361,7 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool, layout: State
             value(0.25 * case.scale, case.exact) * if tiny { 1e-4 } else { 1.0 }
         })
         .collect();
-    let rel: Vec<f32> = (0..relations * d)
+    let rel: Vec<f32> = (0..relation_rows * d)
         .map(|_| value(case.scale, case.exact))
         .map(|v| if case.zero_relations { 0.0 } else { v })
         .collect();
@@ -298,7 +370,9 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool, layout: State
     let state: Vec<f32> = (0..entities * width)
         .map(|_| rng.uniform(0.1, 1.0))
         .collect();
-    let rel_state: Vec<f32> = (0..relations * d).map(|_| rng.uniform(0.1, 1.0)).collect();
+    let rel_state: Vec<f32> = (0..relation_rows * d)
+        .map(|_| rng.uniform(0.1, 1.0))
+        .collect();
     let edges: Vec<[u32; 3]> = (0..case.batch)
         .map(|i| {
             let e = [
@@ -349,7 +423,9 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool, layout: State
         known
     });
     let degrees = vec![1u32; entities];
-    let mut engine = GpuBatchEngine::new(gpu, model, opt, shape, &degrees, relations).unwrap();
+    let mut engine = GpuBatchEngine::new(gpu, model, opt, shape, &degrees, relation_rows).unwrap();
+    engine.set_reciprocal_relations(variant.reciprocal).unwrap();
+    engine.set_regularizer(variant.regularizer(case.decoder));
     if let Some(known) = &known {
         let list: Vec<[u32; 3]> = known.iter().copied().collect();
         engine.set_known_edges(gpu, &list).unwrap();
@@ -366,7 +442,8 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool, layout: State
     let gn = nodes.pending_gradients(gpu).unwrap();
     let gr = rels.pending_gradients(gpu).unwrap();
 
-    let (want_loss, want_gn, want_gr) = cpu_step(case, &emb, &rel, &edges, &negs, known.as_ref());
+    let (want_loss, want_gn, want_gr) =
+        cpu_step(case, variant, &emb, &rel, &edges, &negs, known.as_ref());
     let what = format!(
         "{} {} d={} B={} C={} k={} group={} scale={}{}",
         case.decoder,
@@ -378,13 +455,33 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool, layout: State
         case.group,
         case.scale,
         if filtered { " filtered" } else { "" }
-    ) + &format!(" state {layout}");
+    ) + &format!(" state {layout}")
+        + if variant.reciprocal {
+            " reciprocal"
+        } else {
+            ""
+        }
+        + &variant
+            .penalty
+            .map_or(String::new(), |(p, w)| format!(" {p} {w}"));
     if filtered {
         // The filter must matter: the same step unfiltered has another loss.
-        let (unfiltered, _, _) = cpu_step(case, &emb, &rel, &edges, &negs, None);
+        let (unfiltered, _, _) = cpu_step(case, variant, &emb, &rel, &edges, &negs, None);
         let change = (unfiltered - want_loss).abs() / want_loss.abs().max(1e-30);
         println!("{what}: filtering changes the CPU loss by {change:.2e}");
         assert!(change > 1e-2, "{what}: too few negatives filtered to test");
+    }
+    if variant.penalty.is_some() {
+        // The regulariser must matter: without it the CPU's gradients are others.
+        let plain = Variant {
+            penalty: None,
+            ..*variant
+        };
+        let (_, gn_plain, gr_plain) =
+            cpu_step(case, &plain, &emb, &rel, &edges, &negs, known.as_ref());
+        let change = rel_err(&gn_plain, &want_gn).max(rel_err(&gr_plain, &want_gr));
+        println!("{what}: the regulariser changes the CPU gradients by {change:.2e}");
+        assert!(change > 1e-2, "{what}: the regulariser too weak to test");
     }
     let loss_err = (loss - want_loss).abs() / want_loss.abs().max(1e-30);
     let gn_err = rel_err(&gn, &want_gn);
@@ -701,6 +798,132 @@ fn row_wise_adagrad_matches_the_cpu_engine() {
 
 /// TransE on the CUDA cores: distances summed elementwise, so no TF32 rounding, and the zero
 /// subgradients (L1 ties, L2 at distance 0) as the CPU takes them.
+/// Reciprocal relations (side 0 through the inverse rows) and the N3 / L2 regularisers (their
+/// gradient once per occurrence of a row among the positives, in the rows backward: the
+/// gradient table and the in-place step alike), on the fused and unfused paths, every
+/// decoder with its own backward, both state layouts, filtered negatives.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn reciprocal_relations_and_regularisers_match_the_cpu_engine() {
+    let gpu = gpu();
+    let s = seed("reciprocal-regularised");
+    let recip = |penalty: Option<(Penalty, f32)>| Variant {
+        reciprocal: true,
+        penalty,
+        ..Variant::default()
+    };
+    let n3 = Some((Penalty::N3, 0.1));
+    let l2 = Some((Penalty::L2, 0.1));
+    let distmult = Case {
+        decoder: Decoder::DistMult,
+        loss: Loss::Logistic,
+        dim: 50,
+        batch: 999,
+        chunks: 4,
+        k: 129,
+        group: 1,
+        ..COMPLEX
+    };
+    let transe = Case {
+        decoder: Decoder::TransEL2,
+        dim: 40,
+        batch: 1200,
+        chunks: 2,
+        k: 100,
+        ..COMPLEX
+    };
+    let cases = [
+        // Fused ComplEx (d = 100), with and without a regulariser.
+        (COMPLEX, recip(None)),
+        (COMPLEX, recip(n3)),
+        (
+            COMPLEX,
+            Variant {
+                penalty: n3,
+                ..Variant::default()
+            },
+        ),
+        // h = 17 (one float at a time) and d > 128 (unfused).
+        (
+            Case {
+                dim: 34,
+                loss: Loss::Ranking { margin: 0.1 },
+                exact: true,
+                ..COMPLEX
+            },
+            recip(n3),
+        ),
+        (
+            Case {
+                dim: 160,
+                batch: 800,
+                chunks: 2,
+                k: 100,
+                ..COMPLEX
+            },
+            recip(l2),
+        ),
+        (distmult, recip(l2)),
+        (
+            Case {
+                dim: 128,
+                ..distmult
+            },
+            recip(n3),
+        ),
+        // Dot: the nodes' regulariser alone.
+        (
+            Case {
+                decoder: Decoder::Dot,
+                dim: 64,
+                ..distmult
+            },
+            Variant {
+                penalty: l2,
+                ..Variant::default()
+            },
+        ),
+        // TransE L2 fused (d = 40), L1 unfused.
+        (transe, recip(n3)),
+        (
+            Case {
+                decoder: Decoder::TransEL1,
+                dim: 36,
+                ..transe
+            },
+            recip(l2),
+        ),
+        // Row-wise state (the in-place row step) and filtered negatives.
+        (
+            COMPLEX,
+            Variant {
+                layout: StateLayout::Row,
+                ..recip(n3)
+            },
+        ),
+        (
+            Case {
+                dim: 36,
+                ..distmult
+            },
+            Variant {
+                layout: StateLayout::Row,
+                ..recip(l2)
+            },
+        ),
+        (
+            COMPLEX,
+            Variant {
+                filtered: true,
+                ..recip(n3)
+            },
+        ),
+    ];
+    for (case, variant) in &cases {
+        check_variant(&gpu, case, s, variant);
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
 fn transe_l1_step_matches_the_cpu_engine() {

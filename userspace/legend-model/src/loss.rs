@@ -33,6 +33,18 @@ pub enum Loss {
         /// The margin by which a positive should beat each negative.
         margin: f32,
     },
+    /// Self-adversarial negative sampling (Sun et al., ICLR 2019, RotatE's loss):
+    /// `softplus(−(γ + pos)) + Σ_j p_j softplus(γ + neg_j)` with `p = softmax(α · neg)` over
+    /// the row's negatives, held constant in the gradient (as the paper detaches it): the
+    /// negatives the model scores highest weigh most. For distance scores (−‖·‖) `γ + score`
+    /// is the paper's `γ − d`. `α = 0` weighs every negative `1/k`: the logistic loss shifted
+    /// by γ.
+    SelfAdversarial {
+        /// γ, added to every score.
+        margin: f32,
+        /// α, the sharpness of the weights.
+        temperature: f32,
+    },
 }
 
 /// The loss of one positive and the gradient with respect to its score.
@@ -45,12 +57,13 @@ pub struct RowLoss {
 }
 
 impl Loss {
-    /// The configuration name: `softmax_ce`, `logistic` or `ranking`.
+    /// The configuration name: `softmax_ce`, `logistic`, `ranking` or `self_adversarial`.
     pub fn name(self) -> &'static str {
         match self {
             Loss::SoftmaxCe => "softmax_ce",
             Loss::Logistic => "logistic",
             Loss::Ranking { .. } => "ranking",
+            Loss::SelfAdversarial { .. } => "self_adversarial",
         }
     }
 
@@ -143,6 +156,35 @@ impl Loss {
                     grad_pos: -active,
                 }
             }
+            Loss::SelfAdversarial {
+                margin,
+                temperature,
+            } => {
+                // The weights p = softmax(α · neg), shifted by the largest score; an excluded
+                // (−∞) negative weighs 0, and a row of excluded negatives has none.
+                let max = vmath::max(f32::MIN, scores);
+                let weight = |x: f32| {
+                    if x == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        vmath::exp_nonpositive(temperature * (x - max))
+                    }
+                };
+                let total: f32 = scores.iter().map(|&x| weight(x)).sum();
+                let inv = if total > 0.0 { 1.0 / total } else { 0.0 };
+                let mut neg_loss = 0.0f32;
+                for x in scores.iter_mut() {
+                    let p = weight(*x) * inv;
+                    let (softplus, sigmoid) = softplus_sigmoid(margin + *x);
+                    neg_loss += p * softplus;
+                    *x = p * sigmoid;
+                }
+                let (pos_loss, pos_sig) = softplus_sigmoid(-(margin + pos));
+                RowLoss {
+                    loss: pos_loss + neg_loss,
+                    grad_pos: -pos_sig,
+                }
+            }
         }
     }
 }
@@ -164,6 +206,13 @@ impl fmt::Display for Loss {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Loss::Ranking { margin } => write!(f, "ranking(margin {margin})"),
+            Loss::SelfAdversarial {
+                margin,
+                temperature,
+            } => write!(
+                f,
+                "self_adversarial(margin {margin}, temperature {temperature})"
+            ),
             other => f.write_str(other.name()),
         }
     }
@@ -172,7 +221,8 @@ impl fmt::Display for Loss {
 impl FromStr for Loss {
     type Err = String;
 
-    /// Parses a configuration name; `ranking` takes [`DEFAULT_MARGIN`].
+    /// Parses a configuration name; `ranking` takes [`DEFAULT_MARGIN`], `self_adversarial`
+    /// that margin and temperature 1.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "softmax_ce" => Ok(Loss::SoftmaxCe),
@@ -180,8 +230,12 @@ impl FromStr for Loss {
             "ranking" => Ok(Loss::Ranking {
                 margin: DEFAULT_MARGIN,
             }),
+            "self_adversarial" => Ok(Loss::SelfAdversarial {
+                margin: DEFAULT_MARGIN,
+                temperature: 1.0,
+            }),
             _ => Err(format!(
-                "unknown loss {s:?}: expected one of softmax_ce, logistic, ranking"
+                "unknown loss {s:?}: expected one of softmax_ce, logistic, ranking, self_adversarial"
             )),
         }
     }
@@ -190,6 +244,95 @@ impl FromStr for Loss {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The self-adversarial loss of `pos` and `neg` with the weights `p` given (the gradient
+    /// holds them constant), in f64.
+    fn self_adversarial_with(margin: f64, pos: f64, neg: &[f64], p: &[f64]) -> f64 {
+        let softplus = |x: f64| x.max(0.0) + (-x.abs()).exp().ln_1p();
+        softplus(-(margin + pos))
+            + neg
+                .iter()
+                .zip(p)
+                .map(|(x, w)| w * softplus(margin + x))
+                .sum::<f64>()
+    }
+
+    #[test]
+    fn self_adversarial_gradients_match_central_differences_with_the_weights_held() {
+        let (margin, temperature) = (2.0f32, 1.5f32);
+        let loss = Loss::SelfAdversarial {
+            margin,
+            temperature,
+        };
+        let pos = -1.3f32;
+        let neg = [-4.0f32, -0.5, -2.2, 1.1, -3.0];
+        let mut grads = neg;
+        let row = loss.row_in_place(pos, &mut grads, None);
+        // The weights: softmax(α · neg).
+        let e: Vec<f64> = neg
+            .iter()
+            .map(|&x| (f64::from(temperature) * f64::from(x)).exp())
+            .collect();
+        let p: Vec<f64> = e.iter().map(|v| v / e.iter().sum::<f64>()).collect();
+        let negs: Vec<f64> = neg.iter().map(|&x| f64::from(x)).collect();
+        let (m, pos64) = (f64::from(margin), f64::from(pos));
+        let want = self_adversarial_with(m, pos64, &negs, &p);
+        assert!(
+            (f64::from(row.loss) - want).abs() < 1e-5,
+            "{} vs {want}",
+            row.loss
+        );
+        let h = 1e-4;
+        let fd_pos = (self_adversarial_with(m, pos64 + h, &negs, &p)
+            - self_adversarial_with(m, pos64 - h, &negs, &p))
+            / (2.0 * h);
+        assert!((f64::from(row.grad_pos) - fd_pos).abs() < 1e-5);
+        for j in 0..neg.len() {
+            let (mut up, mut down) = (negs.clone(), negs.clone());
+            up[j] += h;
+            down[j] -= h;
+            let fd = (self_adversarial_with(m, pos64, &up, &p)
+                - self_adversarial_with(m, pos64, &down, &p))
+                / (2.0 * h);
+            assert!((f64::from(grads[j]) - fd).abs() < 1e-5, "negative {j}");
+        }
+        // The highest-scored negative weighs most.
+        assert!(grads[3] > grads[1] && grads[1] > grads[0]);
+    }
+
+    #[test]
+    fn self_adversarial_at_temperature_zero_is_the_logistic_loss_shifted_by_the_margin() {
+        let neg = [-4.0f32, -0.5, 2.2, 1.1];
+        let (mut a, mut b) = (neg, neg.map(|x| x + 0.7));
+        let adv = Loss::SelfAdversarial {
+            margin: 0.7,
+            temperature: 0.0,
+        }
+        .row_in_place(0.3, &mut a, None);
+        let logistic = Loss::Logistic.row_in_place(1.0, &mut b, None);
+        assert!((adv.loss - logistic.loss).abs() < 1e-6);
+        assert!((adv.grad_pos - logistic.grad_pos).abs() < 1e-6);
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() < 1e-7);
+        }
+    }
+
+    #[test]
+    fn self_adversarial_excluded_negatives_weigh_nothing() {
+        let loss = Loss::SelfAdversarial {
+            margin: 1.0,
+            temperature: 1.0,
+        };
+        let mut masked = [0.5f32, 3.0, -1.0];
+        let a = loss.row_in_place(0.2, &mut masked, Some(&[false, true, false]));
+        let mut kept = [0.5f32, -1.0];
+        let b = loss.row_in_place(0.2, &mut kept, None);
+        assert_eq!(masked[1], 0.0);
+        assert!((a.loss - b.loss).abs() < 1e-6 && masked[0] == kept[0]);
+        let mut none = [1.0f32];
+        let c = loss.row_in_place(0.2, &mut none, Some(&[true]));
+        assert!(c.loss.is_finite() && none[0] == 0.0);
+    }
 
     #[test]
     fn the_avx2_build_gives_the_same_floats_as_the_portable_one() {

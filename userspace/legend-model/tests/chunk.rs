@@ -6,10 +6,16 @@ use legend_model::{
 };
 use proptest::prelude::*;
 
-const LOSSES: [Loss; 3] = [
+/// The self-adversarial loss at temperature 0 (uniform weights, which the chunk's gradient
+/// holds constant, as the reference's finite differences then do too).
+const LOSSES: [Loss; 4] = [
     Loss::SoftmaxCe,
     Loss::Logistic,
     Loss::Ranking { margin: 0.5 },
+    Loss::SelfAdversarial {
+        margin: 0.3,
+        temperature: 0.0,
+    },
 ];
 
 /// Owned rows of a chunk, filled from the crate's own counter-based generator.
@@ -388,6 +394,22 @@ fn reference_loss(model: &ChunkModel, d: &Data, p: &Params) -> f64 {
                     .iter()
                     .map(|n| (margin as f64 - pos + n).max(0.0))
                     .sum(),
+                // The weights softmax(α · neg) enter as constants: only at α = 0 (LOSSES) is
+                // this loss's derivative the gradient the chunk computes.
+                Loss::SelfAdversarial {
+                    margin,
+                    temperature,
+                } => {
+                    let (m, a) = (f64::from(margin), f64::from(temperature));
+                    let e: Vec<f64> = negs.iter().map(|&n| (a * n).exp()).collect();
+                    let total: f64 = e.iter().sum();
+                    softplus(-(m + pos))
+                        + negs
+                            .iter()
+                            .zip(&e)
+                            .map(|(&n, w)| w / total * softplus(m + n))
+                            .sum::<f64>()
+                }
             };
         }
     }

@@ -111,9 +111,15 @@ pub(super) struct JobArgs {
     pub(super) max_rows: u32,
     pub(super) dim: u32,
     pub(super) decoder: i32,
+    /// The first inverse relation row (reciprocal relations), 0 without them.
+    pub(super) inverse: u32,
+    /// The regulariser's number (`PENALTY_CODES`) and weight (`LegendPenalty`).
+    pub(super) penalty: i32,
+    pub(super) penalty_weight: f32,
+    pub(super) pad: u32,
 }
 
-// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (six pointers, then four
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (six pointers, then eight
 // 4-byte fields: no padding).
 unsafe impl DeviceRepr for JobArgs {}
 

@@ -28,7 +28,9 @@ use std::ops::Range;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-use legend_model::{AdaGrad, ChunkModel, Decoder, Dtype, Loss, Permutation, StepRounding};
+use legend_model::{
+    AdaGrad, ChunkModel, Decoder, Dtype, Loss, Penalty, Permutation, Regularizer, StepRounding,
+};
 
 use crate::error::DriverContext;
 use crate::gpu::grid_1d;
@@ -121,6 +123,11 @@ pub struct GpuBatchEngine {
     max_rows: usize,
     entities: usize,
     relations: usize,
+    /// Reciprocal relations: the first inverse row (relation `r`'s inverse is row
+    /// `inverse + r`; the edges' relations are below it). `None` without them.
+    inverse: Option<usize>,
+    /// The regulariser of the rows of the positives (`None`: none).
+    regularizer: Option<Regularizer>,
     degree_prefix_host: Vec<u64>,
     degree_prefix: CudaSlice<u64>,
     keys: CudaSlice<u64>,
@@ -187,12 +194,21 @@ const LOSS_CODES: [&str; 3] = [
     "LEGEND_LOSS_RANKING",
 ];
 
-/// The `-D` options that define the decoder and loss numbers in the kernels.
+/// The kernels' names of the regularisers, numbered by index as [`DECODER_CODES`].
+const PENALTY_CODES: [(Penalty, &str); 3] = [
+    (Penalty::None, "LEGEND_PENALTY_NONE"),
+    (Penalty::N3, "LEGEND_PENALTY_N3"),
+    (Penalty::L2, "LEGEND_PENALTY_L2"),
+];
+
+/// The `-D` options that define the decoder, loss and regulariser numbers in the kernels.
 pub(crate) fn code_defines() -> Vec<String> {
     let decoders = DECODER_CODES.iter().map(|(_, name)| *name).enumerate();
     let losses = LOSS_CODES.iter().copied().enumerate();
+    let penalties = PENALTY_CODES.iter().map(|(_, name)| *name).enumerate();
     decoders
         .chain(losses)
+        .chain(penalties)
         .map(|(code, name)| format!("-D{name}={code}"))
         .collect()
 }
@@ -205,6 +221,20 @@ pub(crate) fn dtype_code(d: Dtype) -> u32 {
         .expect("every dtype is listed") as u32
 }
 
+/// The regulariser's number in the kernels and its weight (none when inactive).
+fn penalty_code(r: Option<Regularizer>) -> (i32, f32) {
+    match r {
+        Some(r) if r.is_active() => (
+            PENALTY_CODES
+                .iter()
+                .position(|(p, _)| *p == r.penalty)
+                .expect("every penalty has a code") as i32,
+            r.weight,
+        ),
+        _ => (0, 0.0),
+    }
+}
+
 /// The decoder's number in the kernels.
 fn decoder_code(d: Decoder) -> i32 {
     DECODER_CODES
@@ -213,12 +243,14 @@ fn decoder_code(d: Decoder) -> i32 {
         .expect("every decoder has a code") as i32
 }
 
-/// The loss's number in the kernels (an index of [`LOSS_CODES`]) and its margin.
+/// The loss's number in the kernels (an index of [`LOSS_CODES`]) and its margin;
+/// [`GpuBatchEngine::new`] refuses the losses without kernels.
 fn loss_code(l: Loss) -> (i32, f32) {
     match l {
         Loss::SoftmaxCe => (0, 0.0),
         Loss::Logistic => (1, 0.0),
         Loss::Ranking { margin } => (2, margin),
+        Loss::SelfAdversarial { .. } => unreachable!("refused by GpuBatchEngine::new"),
     }
 }
 
@@ -244,6 +276,12 @@ impl GpuBatchEngine {
         if model.decoder == Decoder::RotatE {
             return Err(GpuError::Shape(
                 "rotate has no GPU kernels yet (its query operator and modulus distance)".into(),
+            ));
+        }
+        if let Loss::SelfAdversarial { .. } = model.loss {
+            return Err(GpuError::Shape(
+                "the self_adversarial loss has no GPU kernels yet (its score-weighted negatives)"
+                    .into(),
             ));
         }
         if shape.max_batch == 0 || shape.num_chunks == 0 || shape.negatives == 0 || shape.group == 0
@@ -285,6 +323,8 @@ impl GpuBatchEngine {
             max_rows,
             entities: degrees.len(),
             relations,
+            inverse: None,
+            regularizer: None,
             degree_prefix: gpu.upload(&prefix)?,
             degree_prefix_host: prefix,
             keys: gpu.zeros(lists)?,
@@ -314,6 +354,45 @@ impl GpuBatchEngine {
             known: None,
             marks: None,
         })
+    }
+
+    /// Trains reciprocal relations (or stops): the relation table's second half holds the
+    /// inverses (relation `r`'s is row `R/2 + r` of the engine's `R` relation rows, and the
+    /// edges' relations lie below `R/2`), and side 0 of every edge (sources replaced) is
+    /// scored as `(destination, r⁻¹, ?)` with the destination-side operator, as the CPU
+    /// engine's `Chunk::rel_src` does. Both product paths, fused or not, only see the queries.
+    pub fn set_reciprocal_relations(&mut self, on: bool) -> Result<(), GpuError> {
+        if !on {
+            self.inverse = None;
+            return Ok(());
+        }
+        if !self.model.decoder.uses_relations()
+            || self.relations == 0
+            || !self.relations.is_multiple_of(2)
+        {
+            return Err(GpuError::Shape(format!(
+                "reciprocal relations need a decoder with relations and an even, non-zero \
+                 relation count ({}: {} rows)",
+                self.model.decoder, self.relations
+            )));
+        }
+        self.inverse = Some(self.relations / 2);
+        Ok(())
+    }
+
+    /// Regularises the rows of every positive (source, destination, relation and, with
+    /// reciprocal relations, the inverse relation's row): the penalty's gradient at the row,
+    /// once per occurrence, joins the row's gradient in the rows backward, and so its AdaGrad
+    /// step (in place for rows used once, `legend_adagrad` for the others), as the CPU engine
+    /// adds it to a row's sum before its step. `None` (or an inactive one) turns it off.
+    pub fn set_regularizer(&mut self, regularizer: Option<Regularizer>) {
+        self.regularizer = regularizer.filter(Regularizer::is_active);
+    }
+
+    /// How many relations the edges may name: the relation rows, or the first half of them
+    /// with reciprocal relations.
+    fn edge_relations(&self) -> usize {
+        self.inverse.unwrap_or(self.relations)
     }
 
     /// Filters the negatives against `edges` (the training edges, global ids): a negative
@@ -451,7 +530,7 @@ impl GpuBatchEngine {
             )));
         }
         let rel_limit = if self.model.decoder.uses_relations() {
-            self.relations
+            self.edge_relations()
         } else {
             usize::MAX
         };
@@ -462,7 +541,8 @@ impl GpuBatchEngine {
         }) {
             return Err(GpuError::Shape(format!(
                 "edge {e:?} outside {} entities / {} relations, or in a partition not resident",
-                self.entities, self.relations
+                self.entities,
+                self.edge_relations()
             )));
         }
         let flat: Vec<u32> = edges.iter().flatten().copied().collect();
@@ -477,8 +557,9 @@ impl GpuBatchEngine {
     ///
     /// # Safety
     /// Every edge of `bucket` must have its source in `src_rows`, its destination in
-    /// `dst_rows` and (for decoders with relations) a relation below the engine's relation
-    /// count: the kernels index the tables with them unchecked.
+    /// `dst_rows` and (for decoders with relations) a relation below the relation count
+    /// (half the relation rows with reciprocal relations): the kernels index the tables with
+    /// them unchecked.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn set_batch_from_device(
         &mut self,
@@ -712,6 +793,7 @@ impl GpuBatchEngine {
         }
         let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
         let decoder = decoder_code(self.model.decoder);
+        let (penalty, penalty_weight) = penalty_code(self.regularizer);
         let jobs = 2 * self.chunks;
         // Every kernel of the step goes on this one stream: the in-place AdaGrad of rows used
         // once (direct) relies on every earlier reader of those rows having finished.
@@ -758,6 +840,10 @@ impl GpuBatchEngine {
                 max_rows: max_rows as u32,
                 dim: d as u32,
                 decoder,
+                inverse: self.inverse.unwrap_or(0) as u32,
+                penalty,
+                penalty_weight,
+                pad: 0,
             };
             let rows_ptr = job_args.rows;
             // Both sides of an edge at once (gz is even: whole chunks).
@@ -794,7 +880,14 @@ impl GpuBatchEngine {
                 row_wise: u32::from(nodes.state_width != nodes.dim),
                 pad: 0,
             };
-            let mut b = s.launch_builder(&kern.rows_backward);
+            // Reciprocal relations and regularisers have a kernel of their own, so that the
+            // plain step keeps its registers.
+            let rows_backward = if job_args.inverse != 0 || penalty != 0 {
+                &kern.rows_backward_extra
+            } else {
+                &kern.rows_backward
+            };
+            let mut b = s.launch_builder(rows_backward);
             b.arg(&job_args)
                 .arg(&mut nodes.emb)
                 .arg(&rel_emb)
@@ -862,7 +955,9 @@ impl GpuBatchEngine {
         if let Some(r) = rels
             && self.model.decoder.uses_relations()
         {
-            let touched = r.rows.min(self.batch_len);
+            // With reciprocal relations an edge touches its relation's row and its inverse's.
+            let per_edge = if self.inverse.is_some() { 2 } else { 1 };
+            let touched = r.rows.min(per_edge * self.batch_len);
             self.adagrad(gpu, r, touched, RoundingArgs::default())?;
         }
         Ok(())

@@ -231,9 +231,17 @@ impl CudaCompute {
             group,
         };
         let num_relations = relations.emb.len().checked_div(dim).unwrap_or(0);
+        // With reciprocal relations the table's second half holds the inverses, which no
+        // edge names.
+        let reciprocal = config.model.reciprocal_relations;
+        let edge_relations = if reciprocal {
+            num_relations / 2
+        } else {
+            num_relations
+        };
         check_edges(
             buckets,
-            model.decoder.uses_relations().then_some(num_relations),
+            model.decoder.uses_relations().then_some(edge_relations),
         )?;
         // Refused before anything is allocated, with what to change, rather than failing on
         // whichever allocation runs out.
@@ -264,6 +272,8 @@ impl CudaCompute {
         let mut engine =
             GpuBatchEngine::new(&gpu, model, optimizer, shape, degrees, num_relations)?;
         engine.set_loss_accumulation(true);
+        engine.set_reciprocal_relations(reciprocal)?;
+        engine.set_regularizer(Some(config.regularizer()));
         if t.negatives.filtered {
             engine.set_known_edges(&gpu, buckets.edges())?;
         }
