@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use legend_nvme::{Controller, Doorbells, Mapping, QueuePair, uapi};
 use legend_storage::{
-    CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, NvmeTarget, Region, Store, StoreError,
-    StoreSpec, Target,
+    CreateOptions, DatasetId, Dtype, Expect, IoBuffer, IoConfig, NvmeTarget, Region, Store,
+    StoreError, StoreSpec, Target,
 };
 
 use crate::*;
@@ -269,6 +269,7 @@ fn test_command_error() -> TestResult {
         },
         num_nodes: 8192,
         dim: 32,
+        dtype: Dtype::F32,
         state_width: 32,
         num_partitions: 4,
         aux_bytes: 64,
