@@ -1279,6 +1279,16 @@ mod tests {
                 "set only training.device",
             ),
             ("", &["storage.backend=tape"], "storage.backend"),
+            (
+                "",
+                &["storage.dtype=fp16"],
+                "storage.dtype: unknown dtype \"fp16\": one of f32, bf16, f16",
+            ),
+            (
+                "",
+                &["storage.dtype=f16", "model.init_scale=10000"],
+                "initial rows would overflow storage.dtype",
+            ),
             ("", &["model.loss=hinge"], "model.loss"),
             ("", &["model.relation_init=zero"], "model.relation_init"),
             ("", &["evaluation.split=train"], "evaluation.split"),

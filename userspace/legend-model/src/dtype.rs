@@ -236,7 +236,7 @@ impl FromStr for Dtype {
         Dtype::ALL
             .into_iter()
             .find(|d| d.name() == s)
-            .ok_or_else(|| format!("unknown dtype {s:?}: expected f32, bf16 or f16"))
+            .ok_or_else(|| format!("unknown dtype {s:?}: one of f32, bf16, f16"))
     }
 }
 
@@ -332,6 +332,11 @@ mod tests {
         for d in Dtype::ALL {
             assert_eq!(d.name().parse::<Dtype>(), Ok(d));
         }
-        assert!("fp16".parse::<Dtype>().unwrap_err().contains("bf16"));
+        assert!(
+            "fp16"
+                .parse::<Dtype>()
+                .unwrap_err()
+                .contains("one of f32, bf16, f16")
+        );
     }
 }
