@@ -156,6 +156,21 @@ fn file_and_proxy_backends_equal_memory_and_swaps_follow_the_plan() {
     );
 }
 
+/// Bytes the one epoch of a `file`-backend run of `sets` into `out` wrote to its store.
+fn bytes_written_in_one_file_epoch(ds: &str, out: &Path, sets: &[&str]) -> u64 {
+    let mut args = vec![
+        "--set",
+        "storage.backend=file",
+        "--set",
+        "training.num_epochs=1",
+    ];
+    args.extend(sets);
+    args.push("--json");
+    let printed = ok(&train_args(ds, &s(out), &args));
+    let epoch: serde_json::Value = serde_json::from_str(printed.lines().next().unwrap()).unwrap();
+    epoch["bytes_written"].as_u64().unwrap()
+}
+
 /// Runs `extra` for 2 epochs on the memory, file and proxy backends (runs `DIR/NAME-BACKEND`),
 /// checks each run's record holds `record`, resumes each for a third epoch, and returns the
 /// three runs' tables.
@@ -239,21 +254,7 @@ fn row_wise_state_is_the_same_on_every_backend_and_resumes_exactly() {
     assert!(tables(&element) != want, "the state layout changed nothing");
     // A swap writes 16 + 1 floats a row instead of 16 + 16.
     let written = |state: &str, name: &str| {
-        let out = ok(&train_args(
-            &ds,
-            &s(&dir.path().join(name)),
-            &[
-                "--set",
-                "storage.backend=file",
-                "--set",
-                state,
-                "--set",
-                "training.num_epochs=1",
-                "--json",
-            ],
-        ));
-        let epoch: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
-        epoch["bytes_written"].as_u64().unwrap()
+        bytes_written_in_one_file_epoch(&ds, &dir.path().join(name), &["--set", state])
     };
     let (row, element) = (
         written("optimizer.state=row", "row_file"),
@@ -347,23 +348,8 @@ fn sixteen_bit_rows_are_the_same_everywhere_and_resume_exactly() {
     assert!(tables(&f32_run) != want, "the dtype changed nothing");
     // A swap writes 16 × 2 + 4 bytes a row instead of 16 × 4 + 4.
     let written = |dtype: &str, name: &str| {
-        let out = ok(&train_args(
-            &ds,
-            &s(&dir.path().join(name)),
-            &[
-                "--set",
-                "storage.backend=file",
-                "--set",
-                "optimizer.state=row",
-                "--set",
-                dtype,
-                "--set",
-                "training.num_epochs=1",
-                "--json",
-            ],
-        ));
-        let epoch: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
-        epoch["bytes_written"].as_u64().unwrap()
+        let sets = ["--set", "optimizer.state=row", "--set", dtype];
+        bytes_written_in_one_file_epoch(&ds, &dir.path().join(name), &sets)
     };
     let (narrow, wide) = (
         written("storage.dtype=bf16", "bf16_file"),
