@@ -94,6 +94,54 @@ struct LegendSqe {
     u32 cdw[6];
 };
 
+// A block's result before its first command.
+__device__ __forceinline__ void legend_io_result_start(LegendIoResult& r) {
+    r.kind = 0;
+    r.status = 0;
+    r.lba = 0;
+    r.opcode = 0;
+    r.blocks = 0;
+    r.completed = 0;
+}
+
+// Keeps completion entry `e` in the result (the stray one, or the last seen on a timeout).
+__device__ __forceinline__ void legend_io_keep_cqe(LegendIoResult& r, uint4 e) {
+    r.last_cqe[0] = e.x;
+    r.last_cqe[1] = e.y;
+    r.last_cqe[2] = e.z;
+    r.last_cqe[3] = e.w;
+}
+
+// Notes a completion in the block's result, the first failure only: an entry naming no
+// command in flight (`stray`: kind 3, the entry kept), or a command that failed (kind 1: its
+// status, and its opcode, LBA and blocks from its SQE in `sq`).
+__device__ __forceinline__ void legend_io_note_completion(LegendIoResult& r, u64 sq, uint4 e,
+                                                          bool stray, u32 cid, u32 status) {
+    if (stray) {
+        if (atomicCAS(&r.kind, 0u, 3u) == 0u) legend_io_keep_cqe(r, e);
+    } else if ((status & 0x7ffu) != 0 && atomicCAS(&r.kind, 0u, 1u) == 0u) {
+        volatile LegendSqe* sqe = (volatile LegendSqe*)(sq + (u64)cid * 64);
+        r.status = status;
+        r.opcode = sqe->cdw0 & 0xffu;
+        r.lba = (u64)sqe->cdw[0] | ((u64)sqe->cdw[1] << 32);
+        r.blocks = (sqe->cdw[2] & 0xffffu) + 1;
+    }
+}
+
+// Consumes `m` completions of a queue of `depth` entries: the CQ head moves on (the phase
+// flips when it wraps), the commands leave `in_flight`, and `progress` is now. The caller
+// rings the CQ doorbell with the new head.
+__device__ __forceinline__ void legend_io_consume(u32& head, u32& phase, u32& in_flight,
+                                                  u64& completed, u64& progress, u32 m,
+                                                  u32 depth, u64 now) {
+    u32 h = head + m;
+    if (h >= depth) phase ^= 1u;
+    head = h % depth;
+    in_flight -= m;
+    completed += m;
+    progress = now;
+}
+
 // Bus address of byte `at` of a buffer whose `1 << page_shift`-byte pages are at `pages`.
 __device__ __forceinline__ u64 legend_io_bus(const u64* pages, u32 page_shift, u64 at) {
     return pages[at >> page_shift] + (at & ((1ULL << page_shift) - 1));
@@ -291,11 +339,7 @@ extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* 
         s_completed = 0;
         s_stop = 0;
         s_progress = legend_io_now();
-        s_result.kind = 0;
-        s_result.status = 0;
-        s_result.lba = 0;
-        s_result.opcode = 0;
-        s_result.blocks = 0;
+        legend_io_result_start(s_result);
     }
     __syncthreads();
     while (true) {
@@ -354,21 +398,9 @@ extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* 
             uint4 e = legend_io_load_cqe(q.cq, cslot);
             u32 cid = e.w & 0xffffu;
             u32 status = (e.w >> 17) & 0x7fffu;
-            if (cid >= depth || !busy[cid]) {
-                if (atomicCAS(&s_result.kind, 0u, 3u) == 0u) {
-                    s_result.last_cqe[0] = e.x;
-                    s_result.last_cqe[1] = e.y;
-                    s_result.last_cqe[2] = e.z;
-                    s_result.last_cqe[3] = e.w;
-                }
-            } else {
-                if ((status & 0x7ffu) != 0 && atomicCAS(&s_result.kind, 0u, 1u) == 0u) {
-                    volatile LegendSqe* sqe = (volatile LegendSqe*)(q.sq + (u64)cid * 64);
-                    s_result.status = status;
-                    s_result.opcode = sqe->cdw0 & 0xffu;
-                    s_result.lba = (u64)sqe->cdw[0] | ((u64)sqe->cdw[1] << 32);
-                    s_result.blocks = (sqe->cdw[2] & 0xffffu) + 1;
-                }
+            bool stray = cid >= depth || !busy[cid];
+            legend_io_note_completion(s_result, q.sq, e, stray, cid, status);
+            if (!stray) {
                 my_slot = cid;
                 // A failed Read's slot holds nothing to copy.
                 if ((status & 0x7ffu) != 0) stage_bytes[cid] = 0;
@@ -411,12 +443,8 @@ extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* 
         if (t == 0) {
             u64 now = legend_io_now();
             if (m > 0) {
-                u32 h = s_head + m;
-                if (h >= depth) s_phase ^= 1u;
-                s_head = h % depth;
-                s_in_flight -= m;
-                s_completed += m;
-                s_progress = now;
+                legend_io_consume(s_head, s_phase, s_in_flight, s_completed, s_progress, m,
+                                  depth, now);
                 *(volatile u32*)q.cq_doorbell = s_head;
             }
             // A failure stops further submissions; what is in flight still completes.
@@ -438,13 +466,8 @@ extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* 
         s_result.phase = s_phase;
         s_result.in_flight = s_in_flight;
         s_result.completed = s_completed;
-        if (s_result.kind == 2) {
-            uint4 e = legend_io_load_cqe(q.cq, (s_head + depth - 1) % depth);
-            s_result.last_cqe[0] = e.x;
-            s_result.last_cqe[1] = e.y;
-            s_result.last_cqe[2] = e.z;
-            s_result.last_cqe[3] = e.w;
-        }
+        if (s_result.kind == 2)
+            legend_io_keep_cqe(s_result, legend_io_load_cqe(q.cq, (s_head + depth - 1) % depth));
         results[blockIdx.x] = s_result;
         queues[blockIdx.x].sq_tail = s_tail;
         queues[blockIdx.x].cq_head = s_head;
@@ -668,12 +691,7 @@ extern "C" __global__ void __launch_bounds__(1024) legend_row_cache_lookup(
     if (t == 0) {
         s_ring_tail = 0;
         s_finished = 0;
-        s_result.kind = 0;
-        s_result.status = 0;
-        s_result.lba = 0;
-        s_result.opcode = 0;
-        s_result.blocks = 0;
-        s_result.completed = 0;
+        legend_io_result_start(s_result);
     }
     __syncthreads();
     volatile u32* abort = (volatile u32*)c.abort;
@@ -801,21 +819,9 @@ extern "C" __global__ void __launch_bounds__(1024) legend_row_cache_lookup(
             uint4 e = legend_io_load_cqe(q.cq, cslot);
             cid = e.w & 0xffffu;
             status = (e.w >> 17) & 0x7fffu;
-            if (cid >= depth || !busy[cid]) {
-                if (atomicCAS(&s_result.kind, 0u, 3u) == 0u) {
-                    s_result.last_cqe[0] = e.x;
-                    s_result.last_cqe[1] = e.y;
-                    s_result.last_cqe[2] = e.z;
-                    s_result.last_cqe[3] = e.w;
-                }
-                cid = LEGEND_CACHE_NONE;
-            } else if ((status & 0x7ffu) != 0 && atomicCAS(&s_result.kind, 0u, 1u) == 0u) {
-                volatile LegendSqe* sqe = (volatile LegendSqe*)(q.sq + (u64)cid * 64);
-                s_result.status = status;
-                s_result.opcode = sqe->cdw0 & 0xffu;
-                s_result.lba = (u64)sqe->cdw[0] | ((u64)sqe->cdw[1] << 32);
-                s_result.blocks = (sqe->cdw[2] & 0xffffu) + 1;
-            }
+            bool stray = cid >= depth || !busy[cid];
+            legend_io_note_completion(s_result, q.sq, e, stray, cid, status);
+            if (stray) cid = LEGEND_CACHE_NONE;
         }
         // Staged lines into their slots, the whole warp on each in turn.
         for (u32 i = 0; i < m; ++i) {
@@ -846,12 +852,7 @@ extern "C" __global__ void __launch_bounds__(1024) legend_row_cache_lookup(
         __syncwarp();
         u64 now = legend_io_now();
         if (m > 0) {
-            u32 h = head + m;
-            if (h >= depth) phase ^= 1u;
-            head = h % depth;
-            in_flight -= m;
-            completed += m;
-            progress = now;
+            legend_io_consume(head, phase, in_flight, completed, progress, m, depth, now);
             if (lane == 0) *(volatile u32*)q.cq_doorbell = head;
         }
         if (in_flight > 0 && now - progress > timeout_ns) {
