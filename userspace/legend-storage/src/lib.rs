@@ -34,7 +34,6 @@
 //! ```
 
 mod buffer;
-mod device;
 mod error;
 mod extents;
 mod layout;
@@ -44,6 +43,7 @@ mod signature;
 mod store;
 mod stripe;
 mod superblock;
+mod target_file;
 mod uring;
 
 pub use buffer::{IO_ALIGN, IoBuffer};

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use legend_fs::Dir;
 
 use crate::buffer::RawAlloc;
-use crate::device::Device;
 use crate::error::StoreError;
 use crate::nvme::{NvmeQueues, NvmeTarget};
 use crate::store::IoConfig;
+use crate::target_file::TargetFile;
 use crate::uring::Ring;
 
 /// Where to create or open a store.
@@ -33,7 +33,7 @@ pub enum Target<'a> {
 }
 
 /// One transfer between a buffer, from its byte `buf_offset`, and the medium.
-pub(crate) struct Transfer<'a> {
+pub(crate) struct MediumIo<'a> {
     pub(crate) raw: &'a Arc<RawAlloc>,
     pub(crate) buf_offset: u64,
     pub(crate) offset: u64,
@@ -48,7 +48,7 @@ pub(crate) enum Medium {
         // Field order matters on drop: the ring (and its pins on registered memory) goes
         // before the device it refers to.
         ring: Ring,
-        dev: Device,
+        dev: TargetFile,
         request_bytes: u64,
     },
     Nvme(NvmeQueues),
@@ -63,7 +63,7 @@ impl Medium {
     ) -> Result<Self, StoreError> {
         match target {
             Target::Path(_) | Target::In { .. } => {
-                let dev = Device::open(target, create, io.allow_buffered)?;
+                let dev = TargetFile::open(target, create, io.allow_buffered)?;
                 let ring = Ring::new(
                     dev.file.as_raw_fd(),
                     io.queue_depth.max(1),
@@ -175,7 +175,7 @@ impl Medium {
     }
 
     /// Runs the transfers with several requests in flight; returns when all completed.
-    pub(crate) fn run(&mut self, transfers: &[Transfer<'_>]) -> Result<(), StoreError> {
+    pub(crate) fn run(&mut self, transfers: &[MediumIo<'_>]) -> Result<(), StoreError> {
         match self {
             Medium::File {
                 ring,

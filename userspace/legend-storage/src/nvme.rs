@@ -22,7 +22,7 @@ use legend_nvme_protocol::{
 
 use crate::buffer::{IoBuffer, RawAlloc};
 use crate::error::StoreError;
-use crate::medium::Transfer;
+use crate::medium::MediumIo;
 
 /// Where a store lives on an NVMe controller.
 #[derive(Clone)]
@@ -79,7 +79,7 @@ struct PrpLists<'a> {
 
 impl PrpLists<'_> {
     /// The PRP entries of `c`, its list in the page of SQ slot `slot`.
-    fn prps(&self, jobs: &[Transfer<'_>], c: &Command, slot: u16) -> prp::Prp {
+    fn prps(&self, jobs: &[MediumIo<'_>], c: &Command, slot: u16) -> prp::Prp {
         let raw = jobs[c.job].raw;
         let page = prp::PAGE as usize;
         let first = c.buf_offset as usize;
@@ -367,7 +367,7 @@ impl NvmeQueues {
     }
 
     /// Runs the transfers with up to the queue depth of commands in flight.
-    pub(crate) fn transfer(&mut self, jobs: &[Transfer<'_>]) -> Result<(), StoreError> {
+    pub(crate) fn transfer(&mut self, jobs: &[MediumIo<'_>]) -> Result<(), StoreError> {
         if let Some(why) = &self.broken {
             return Err(StoreError::ControllerTimeout {
                 path: self.label.clone(),
@@ -423,7 +423,7 @@ impl NvmeQueues {
         self.run(jobs, &commands)
     }
 
-    fn run(&mut self, jobs: &[Transfer<'_>], commands: &[Command]) -> Result<(), StoreError> {
+    fn run(&mut self, jobs: &[MediumIo<'_>], commands: &[Command]) -> Result<(), StoreError> {
         let mut next = 0;
         let mut in_flight = 0usize;
         let mut by_slot: Vec<Option<usize>> = vec![None; usize::from(self.depth)];
@@ -547,7 +547,7 @@ impl NvmeQueues {
         let end = (offset + io_len).min(self.size());
         let n = end.saturating_sub(offset);
         let scratch = self.scratch_of(n as usize)?;
-        self.transfer(&[Transfer {
+        self.transfer(&[MediumIo {
             raw: &scratch,
             buf_offset: 0,
             offset,
@@ -568,7 +568,7 @@ impl NvmeQueues {
             b[..bytes.len()].copy_from_slice(bytes);
             b[bytes.len()..len as usize].fill(0);
         }
-        self.transfer(&[Transfer {
+        self.transfer(&[MediumIo {
             raw: &scratch,
             buf_offset: 0,
             offset,

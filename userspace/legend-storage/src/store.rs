@@ -7,7 +7,7 @@ use legend_model::Dtype;
 use crate::buffer::IoBuffer;
 use crate::error::StoreError;
 use crate::layout::{DatasetId, Extent, Layout, SUPERBLOCK_SLOT_BYTES, StoreSpec};
-use crate::medium::{Medium, Target, Transfer};
+use crate::medium::{Medium, MediumIo, Target};
 use crate::signature;
 use crate::stripe::Stripe;
 use crate::superblock::{
@@ -508,7 +508,7 @@ impl Store {
     /// shadowed and become the committed contents at the next
     /// [`Store::commit`]. A batch must not read and write the same region.
     pub fn submit(&mut self, requests: &mut [IoRequest<'_>]) -> Result<(), StoreError> {
-        let mut transfers: Vec<Vec<Transfer<'_>>> =
+        let mut transfers: Vec<Vec<MediumIo<'_>>> =
             (0..self.members.len()).map(|_| Vec::new()).collect();
         let mut written = Vec::new();
         for req in requests.iter_mut() {
@@ -526,7 +526,7 @@ impl Store {
                 });
             }
             for piece in self.stripe.pieces(base, io_len) {
-                transfers[piece.member].push(Transfer {
+                transfers[piece.member].push(MediumIo {
                     raw,
                     buf_offset: piece.at,
                     offset: piece.offset,

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use io_uring::{IoUring, opcode, squeue, types};
 
 use crate::buffer::RawAlloc;
-use crate::medium::Transfer;
+use crate::medium::MediumIo;
 
 /// One request: a contiguous, block-aligned piece of a region.
 #[derive(Debug)]
@@ -105,7 +105,7 @@ impl Ring {
     /// of one [`run`](Self::run) must be planned after
     /// [`begin_plan`](Self::begin_plan), so that planning one does not
     /// replace a registration another refers to.
-    pub(crate) fn plan(&mut self, t: &Transfer<'_>, request_bytes: u64, chunks: &mut Vec<Chunk>) {
+    pub(crate) fn plan(&mut self, t: &MediumIo<'_>, request_bytes: u64, chunks: &mut Vec<Chunk>) {
         let (raw, buf_offset, offset, len) = (t.raw, t.buf_offset, t.offset, t.len);
         let mut done = 0;
         while done < len {
@@ -322,7 +322,7 @@ mod tests {
         ring.begin_plan();
         let mut chunks = Vec::new();
         ring.plan(
-            &Transfer {
+            &MediumIo {
                 raw: out.raw(),
                 buf_offset: 0,
                 offset: 0,
@@ -355,7 +355,7 @@ mod tests {
         ring.begin_plan();
         let mut chunks = Vec::new();
         ring.plan(
-            &Transfer {
+            &MediumIo {
                 raw: back.raw(),
                 buf_offset: 0,
                 offset: 0,
@@ -384,7 +384,7 @@ mod tests {
         ring.begin_plan();
         let mut chunks = Vec::new();
         ring.plan(
-            &Transfer {
+            &MediumIo {
                 raw: buf.raw(),
                 buf_offset: 0,
                 offset: 0,
@@ -402,7 +402,7 @@ mod tests {
         ring.begin_plan();
         let mut chunks = Vec::new();
         ring.plan(
-            &Transfer {
+            &MediumIo {
                 raw: other.raw(),
                 buf_offset: 0,
                 offset: 0,

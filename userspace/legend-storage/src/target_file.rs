@@ -18,9 +18,9 @@ const BLKSSZGET: libc::c_ulong = 0x1268;
 /// `BLKGETSIZE64` (linux/fs.h): size of a block device in bytes, as u64.
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 
-/// An open store target.
+/// An open store target: a file or a block device.
 #[derive(Debug)]
-pub(crate) struct Device {
+pub(crate) struct TargetFile {
     pub(crate) file: File,
     pub(crate) path: PathBuf,
     pub(crate) is_block: bool,
@@ -38,7 +38,7 @@ fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> S
     }
 }
 
-impl Device {
+impl TargetFile {
     /// Opens the file or block device of `target` read-write, with `O_DIRECT` when the file
     /// system allows it. `create` creates a missing regular file.
     pub(crate) fn open(
