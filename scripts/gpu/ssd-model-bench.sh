@@ -9,7 +9,9 @@
 # Every epoch line carries bytes read and written, I/O seconds, compute waited, and the storage
 # bound of the modelled rows (bytes / the model's rates). STATES lists the row formats each
 # layout runs with: an AdaGrad state layout, optionally with a storage.dtype after a slash
-# (element row row/bf16: 800, 404 and 204 bytes a row). Builds nothing: expects
+# (element row row/bf16: 800, 404 and 204 bytes a row). A layout with "-noahead" appended (e.g.
+# 980-noahead) runs with storage.read_ahead = false: each swap writes, then reads into the same
+# slot. Builds nothing: expects
 # legendctl in ${LEGEND_GPU_BIN:-target-gpu}. DEVICE=cpu, NODES and EDGES scale it down for a
 # dry run.
 set -uo pipefail
@@ -49,12 +51,13 @@ for format in $states; do
     sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
         --set storage.backend=proxy --set "storage.path=\"$data/store-$name.bin\"")
     model=""
-    case $layout in
+    case ${layout%-noahead} in
     memory) sets=(--set storage.backend=memory) ;;
     proxy) ;;
     980) model=samsung-980 ;;
     980x) model="samsung-980,shared=false" ;;
     esac
+    [ "$layout" != "${layout%-noahead}" ] && sets+=(--set storage.read_ahead=false)
     [ -n "$model" ] && sets+=(--set "storage.proxy_model=\"$model\"")
     sets+=(--set "optimizer.state=$state" --set "storage.dtype=$dtype")
     run=$work/run-$name

@@ -100,6 +100,22 @@ impl RowSpan {
     pub fn rows(&self) -> usize {
         self.floats / self.dim.max(1)
     }
+
+    /// The span's first `rows` rows (a partition smaller than the slot that holds it).
+    ///
+    /// # Errors
+    /// [`GpuError::Shape`] when the span has fewer rows.
+    pub fn first_rows(&self, rows: usize) -> Result<RowSpan, GpuError> {
+        let all = self.rows();
+        if rows > all {
+            return Err(GpuError::Shape(format!("{rows} rows of a span of {all}")));
+        }
+        Ok(RowSpan {
+            floats: rows * self.dim,
+            state_floats: self.state_floats / all.max(1) * rows,
+            ..*self
+        })
+    }
 }
 
 /// The device address of a buffer (event tracking is off, see `Gpu::new`: the guard records

@@ -20,6 +20,8 @@ use legend_model::{
 use legend_planner::Order;
 use serde::{Deserialize, Serialize};
 
+use crate::store::location::{QueueBackend, QueueLocation, StoreMember};
+
 /// The whole configuration of a training run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -126,6 +128,11 @@ pub struct StorageConfig {
     pub order: Order,
     /// Overlap each swap with the compute of the buckets that do not need it.
     pub prefetch: bool,
+    /// Read each swap's partition ahead, into a spare slot (one more partition of memory on
+    /// the engine: host RAM for the CPU, GPU memory for the GPU), while the buffer state before
+    /// the swap trains; the evicted partition's write follows at once. Off: a swap reads into
+    /// the slot its evicted partition frees, after writing it.
+    pub read_ahead: bool,
     /// GPU engine: the largest share of the device's memory the train edges may take to stay
     /// on the device across epochs; above it each bucket is uploaded when it is trained.
     pub gpu_edge_fraction: f64,
@@ -172,6 +179,7 @@ impl Default for StorageConfig {
             force: false,
             order: Order::Auto,
             prefetch: true,
+            read_ahead: true,
             gpu_edge_fraction: 0.25,
             proxy_model: None,
             dtype: Dtype::F32,
@@ -553,8 +561,8 @@ impl Config {
     }
 
     /// An entity row: `model.dim` in `storage.dtype` and the state of `optimizer.state`.
-    pub fn entity_shape(&self) -> crate::buffer::RowShape {
-        crate::buffer::RowShape::new(self.model.dim, self.optimizer.state)
+    pub fn entity_shape(&self) -> crate::rows::RowShape {
+        crate::rows::RowShape::new(self.model.dim, self.optimizer.state)
             .with_dtype(self.storage.dtype)
     }
 
@@ -628,8 +636,7 @@ impl Config {
     }
 
     /// How the `nvme` and `proxy` backends reach their store (`None` for the others).
-    pub fn queue_location(&self) -> Option<crate::controllers::QueueLocation> {
-        use crate::controllers::{QueueBackend, QueueLocation};
+    pub fn queue_location(&self) -> Option<QueueLocation> {
         let backend = match self.storage.backend {
             Backend::Nvme => QueueBackend::Nvme,
             Backend::Proxy => QueueBackend::Proxy,
@@ -644,8 +651,7 @@ impl Config {
 
     /// Where a new run's store goes: one member at [`Config::store_path`], or the members of
     /// `[[storage.device]]`.
-    pub fn store_members(&self, run_dir: &std::path::Path) -> Vec<crate::file_store::StoreMember> {
-        use crate::file_store::StoreMember;
+    pub fn store_members(&self, run_dir: &std::path::Path) -> Vec<StoreMember> {
         if self.storage.device.is_empty() {
             return vec![StoreMember {
                 path: self.store_path(run_dir),
@@ -657,13 +663,11 @@ impl Config {
             .iter()
             .map(|d| StoreMember {
                 path: d.path.clone(),
-                queue: self
-                    .queue_location()
-                    .map(|q| crate::controllers::QueueLocation {
-                        namespace: d.namespace.unwrap_or(1),
-                        start_lba: d.start_lba.unwrap_or(0),
-                        ..q
-                    }),
+                queue: self.queue_location().map(|q| QueueLocation {
+                    namespace: d.namespace.unwrap_or(1),
+                    start_lba: d.start_lba.unwrap_or(0),
+                    ..q
+                }),
             })
             .collect()
     }
@@ -694,6 +698,23 @@ impl Config {
         match self.storage.buffer_capacity {
             0 => self.storage.num_partitions,
             c => c.min(self.storage.num_partitions),
+        }
+    }
+
+    /// Whether each swap's partition is read ahead, into a spare slot, while the buffer state
+    /// before it trains (`storage.read_ahead`, which needs `storage.prefetch`'s overlap).
+    pub fn read_ahead(&self) -> bool {
+        self.storage.read_ahead && self.storage.prefetch
+    }
+
+    /// Slots the engine holds partitions in: the C resident ones, and a spare one for the
+    /// partition read ahead when there are swaps ([`Config::read_ahead`]).
+    pub fn slots(&self) -> u32 {
+        let c = self.capacity();
+        if c < self.storage.num_partitions && self.read_ahead() {
+            c + 1
+        } else {
+            c
         }
     }
 

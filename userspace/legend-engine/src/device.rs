@@ -3,10 +3,10 @@
 use legend_cuda::{Gpu, driver_present};
 
 use crate::config::{Config, DeviceChoice};
-use crate::trainer::TrainError;
+use crate::error::TrainError;
 
 /// The engine a run trains on.
-pub enum Device {
+pub enum Engine {
     /// The CPU engine.
     Cpu,
     /// The GPU engine on an opened CUDA device (kernels loaded).
@@ -43,14 +43,14 @@ fn open_gpu(ordinal: usize) -> Result<Gpu, legend_cuda::GpuError> {
     Ok(gpu)
 }
 
-impl Device {
+impl Engine {
     /// Resolves `training.device`: `cpu`; `cuda:N`, which opens device N or fails with the
     /// reason (no driver, no NVRTC, no such device); `auto`, which opens device 0 when a
     /// driver is present, the device opens and the GPU engine has every setting asked for
     /// ([`Config::gpu_unsupported`]), and otherwise trains on the CPU (saying why in the log).
-    pub fn open(config: &Config) -> Result<Device, TrainError> {
+    pub fn open(config: &Config) -> Result<Engine, TrainError> {
         match config.device() {
-            DeviceChoice::Cpu => Ok(Device::Cpu),
+            DeviceChoice::Cpu => Ok(Engine::Cpu),
             DeviceChoice::Cuda(ordinal) => {
                 if let Some(why) = config.gpu_unsupported() {
                     return Err(TrainError::Config(why));
@@ -59,7 +59,7 @@ impl Device {
                     device: config.device().to_string(),
                     error,
                 })?;
-                Ok(Device::Cuda {
+                Ok(Engine::Cuda {
                     ordinal,
                     gpu: Box::new(gpu),
                 })
@@ -67,22 +67,22 @@ impl Device {
             DeviceChoice::Auto => {
                 if let Some(why) = config.gpu_unsupported() {
                     tracing::info!("training.device = \"auto\": training on the CPU ({why})");
-                    return Ok(Device::Cpu);
+                    return Ok(Engine::Cpu);
                 }
                 if !driver_present() {
                     tracing::info!(
                         "training.device = \"auto\": no CUDA driver, training on the CPU"
                     );
-                    return Ok(Device::Cpu);
+                    return Ok(Engine::Cpu);
                 }
                 match open_gpu(0) {
-                    Ok(gpu) => Ok(Device::Cuda {
+                    Ok(gpu) => Ok(Engine::Cuda {
                         ordinal: 0,
                         gpu: Box::new(gpu),
                     }),
                     Err(e) => {
                         tracing::info!("training.device = \"auto\": training on the CPU ({e})");
-                        Ok(Device::Cpu)
+                        Ok(Engine::Cpu)
                     }
                 }
             }
@@ -92,8 +92,8 @@ impl Device {
     /// The engine in words: `cpu`, or `cuda:N (name, sm_XY)`.
     pub fn describe(&self) -> String {
         match self {
-            Device::Cpu => "cpu".into(),
-            Device::Cuda { ordinal, gpu } => {
+            Engine::Cpu => "cpu".into(),
+            Engine::Cuda { ordinal, gpu } => {
                 format!("cuda:{ordinal} ({}, {})", gpu.name(), gpu.arch())
             }
         }

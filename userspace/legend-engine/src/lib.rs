@@ -1,26 +1,31 @@
-//! Legend's training engine: configuration, the partition buffer, negative sampling and the
-//! trainer that walks the planner's bucket order, stepping on the CPU or on a CUDA GPU.
+//! Legend's training engine: configuration, the swap path between the engine's slots and the
+//! partition stores, negative sampling and the trainer that walks the planner's bucket order,
+//! stepping on the CPU or on a CUDA GPU.
 
-mod at_rest;
-pub mod buffer;
 mod compute;
 pub mod config;
-pub mod controllers;
 pub mod device;
+pub mod error;
 pub mod evaluation;
 pub mod export;
-pub mod file_store;
 pub mod memory;
+pub mod progress;
+pub mod relations;
+pub mod rows;
 pub mod run;
 pub mod sampler;
 pub mod schedule;
 pub mod session;
+pub mod store;
+pub mod swap;
 pub mod trainer;
 
-pub use buffer::{IoStats, MemoryStore, Partition, PartitionBuffer, PartitionStore, StoreError};
 pub use config::{Config, ConfigError, DeviceChoice};
-pub use device::Device;
-pub use trainer::{
-    EpochCut, EpochEnd, EpochReport, IoDirection, IoKernelSpan, Relations, SwapReport, TrainError,
-    Trainer,
-};
+pub use device::Engine;
+pub use error::TrainError;
+pub use progress::EpochCut;
+pub use relations::Relations;
+pub use rows::{Partition, RowShape};
+pub use store::{MemoryStore, PartitionHome, PartitionStore, PartitionStoreError};
+pub use swap::{IoDirection, IoKernelSpan, IoStats};
+pub use trainer::{EpochEnd, EpochReport, SwapReport, Trainer};

@@ -63,7 +63,8 @@ impl HostEstimate {
         let tables = match config.storage.backend {
             Backend::Memory if all_on_gpu && !resuming => 0,
             Backend::Memory => dataset.entities * row_bytes,
-            // The buffer's partitions, the store's staging buffer and one partition in flight.
+            // The resident partitions, the one read ahead (or in flight), and the store's
+            // staging buffer.
             _ => (u64::from(config.capacity()) + 2) * partition_bytes,
         };
         let known_edges = if config.training.negatives.filtered {
@@ -439,10 +440,10 @@ impl GpuEstimate {
         let dim = config.model.dim as u64;
         let row = config.entity_shape().memory_bytes() + dim * 4 + DEVICE_ROW_EXTRA_BYTES;
         let relation_row = dim * 4 * 3 + DEVICE_ROW_EXTRA_BYTES;
-        let capacity = u64::from(config.capacity());
-        let (table_rows, slot) = if capacity < u64::from(scheme.num_partitions) {
+        let slots = u64::from(config.slots());
+        let (table_rows, slot) = if slots < u64::from(scheme.num_partitions) {
             let slot = scheme.rows_per_partition * row;
-            (capacity * scheme.rows_per_partition, slot)
+            (slots * scheme.rows_per_partition, slot)
         } else {
             (scheme.entities, 0)
         };
@@ -485,7 +486,8 @@ impl GpuEstimate {
 
     /// The first layout with fewer partition slots than partitions whose node rows fit in
     /// `free` beside the rest of the estimate, as (N, C): the current N first, then 2, 4, 8, …
-    /// (up to 1024) beyond it, and for each the largest C that fits and the planner accepts.
+    /// (up to 1024) beyond it, and for each the largest C that fits (with the spare slot of
+    /// `storage.read_ahead`) and the planner accepts.
     /// The rest is kept as it is: streamed edges are then sized by the current largest bucket,
     /// which finer partitions only make smaller.
     fn fitting_layout(&self, config: &Config, free: u64) -> Option<(u32, u32)> {
@@ -495,12 +497,13 @@ impl GpuEstimate {
         let finer = std::iter::successors(Some(2u32), |n| n.checked_mul(2))
             .skip_while(|&n| n <= current)
             .take_while(|&n| n <= most);
+        let spare = u64::from(config.read_ahead());
         std::iter::once(current).chain(finer).find_map(|n| {
             let slot = self.entities.div_ceil(u64::from(n)) * self.row;
             (2..n)
                 .rev()
                 .find(|&c| {
-                    rest + u64::from(c) * slot <= free
+                    rest + (u64::from(c) + spare) * slot <= free
                         && legend_planner::plan(n, c, config.order()).is_ok()
                 })
                 .map(|c| (n, c))
@@ -526,6 +529,12 @@ impl GpuEstimate {
                 "keep the edges ({:.1} GiB) in host memory, streamed a bucket at a time, with a lower storage.gpu_edge_fraction (now {})",
                 gib(self.all_edges),
                 config.storage.gpu_edge_fraction
+            ));
+        }
+        if config.read_ahead() && self.slot >= short {
+            advice.push(format!(
+                "turn storage.read_ahead off (its spare partition slot takes {:.1} GiB; each swap then reads after its write)",
+                gib(self.slot)
             ));
         }
         // What stays whatever the partition slots (edges, relations, workspace).
@@ -567,7 +576,7 @@ impl GpuEstimate {
 mod tests {
     use super::*;
 
-    fn twitter(partitions: u32, capacity: u32) -> (Config, GpuEstimate) {
+    fn twitter(partitions: u32, capacity: u32, read_ahead: bool) -> (Config, GpuEstimate) {
         let config = Config::parse(
             "",
             &[
@@ -575,6 +584,7 @@ mod tests {
                 "model.dim=100".into(),
                 format!("storage.num_partitions={partitions}"),
                 format!("storage.buffer_capacity={capacity}"),
+                format!("storage.read_ahead={read_ahead}"),
             ],
         )
         .unwrap();
@@ -589,9 +599,9 @@ mod tests {
     #[test]
     fn the_gpu_estimate_matches_the_h100_runs_and_refuses_with_advice() {
         // In use on the H100 (total minus free, after set-up): 64.86 GiB for N = 1, 35.49 GiB
-        // for N = 8, C = 3 (scripts/gpu/billion-edge.sh).
+        // for N = 8, C = 3 (scripts/gpu/billion-edge.sh, before read-ahead's spare slot).
         for ((n, c), used) in [((1, 1), 64.86), ((8, 3), 35.49)] {
-            let (config, e) = twitter(n, c);
+            let (config, e) = twitter(n, c, false);
             assert!(e.edges_resident);
             let got = gib(e.total());
             assert!(
@@ -600,7 +610,7 @@ mod tests {
             );
             assert!(e.check(&config, "cuda:0", 70 << 30).is_ok());
         }
-        let (config, e) = twitter(1, 1);
+        let (config, e) = twitter(1, 1, false);
         let err = e.check(&config, "cuda:0", 40 << 30).unwrap_err();
         assert!(
             err.contains("needs about 65.")
@@ -609,9 +619,18 @@ mod tests {
             "{err}"
         );
         // The advised layout fits by the estimate of that layout.
-        let (config, e) = twitter(8, 3);
+        let (config, e) = twitter(8, 3, false);
         assert!(e.check(&config, "cuda:0", 40 << 30).is_ok());
-        let (config, e) = twitter(8, 3);
+        // Read-ahead's spare slot is one partition more: 5.9 GiB at d = 100, element-wise.
+        let (ahead_config, ahead) = twitter(8, 3, true);
+        assert_eq!(ahead.total() - e.total(), e.slot);
+        assert!((gib(e.slot) - 5.88).abs() < 0.01, "{:.2} GiB", gib(e.slot));
+        let err = ahead.check(&ahead_config, "cuda:0", 40 << 30).unwrap_err();
+        assert!(
+            err.contains("turn storage.read_ahead off")
+                && err.contains("storage.buffer_capacity = 2"),
+            "{err}"
+        );
         let err = e.check(&config, "cuda:0", 30 << 30).unwrap_err();
         assert!(
             err.contains("storage.gpu_edge_fraction")

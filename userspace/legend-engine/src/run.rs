@@ -24,6 +24,8 @@ use legend_fs::{Access, Dir, Guard};
 use legend_model::Dtype;
 use serde::{Deserialize, Serialize};
 
+pub use crate::rows::Tables;
+
 /// Version of the run directory layout.
 pub const RUN_FORMAT_VERSION: u32 = 1;
 
@@ -66,7 +68,7 @@ pub struct RunMeta {
     pub epochs_completed: u32,
     /// Where the checkpoint stopped inside the next epoch, if it was interrupted there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cut: Option<crate::trainer::EpochCut>,
+    pub cut: Option<crate::progress::EpochCut>,
     /// The current checkpoint directory, relative to the run directory (memory backend).
     pub checkpoint: String,
     /// The store holding the checkpoint (file backend): its superblock is the commit record,
@@ -76,11 +78,11 @@ pub struct RunMeta {
     /// How the store is reached when it is behind NVMe queues (`nvme`, `proxy`): `store` is
     /// then the device node or the proxy's backing file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub store_queue: Option<crate::controllers::QueueLocation>,
+    pub store_queue: Option<crate::store::location::QueueLocation>,
     /// Every member of a store striped over several devices, in stripe order (`store` and
     /// `store_queue` are then its first); empty for a store on one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub store_members: Vec<crate::file_store::StoreMember>,
+    pub store_members: Vec<crate::store::location::StoreMember>,
     /// CRC-32 of each table file of the checkpoint.
     pub checksums: TableChecksums,
 }
@@ -110,20 +112,20 @@ pub const TABLE_FILES: [&str; 4] = [
 impl RunMeta {
     /// The members of the run's store, when it has one: `store_members`, or the one member
     /// `store` and `store_queue` name.
-    pub fn recorded_members(&self) -> Option<Vec<crate::file_store::StoreMember>> {
+    pub fn recorded_members(&self) -> Option<Vec<crate::store::location::StoreMember>> {
         if !self.store_members.is_empty() {
             return Some(self.store_members.clone());
         }
         let path = self.store.clone()?;
-        Some(vec![crate::file_store::StoreMember {
+        Some(vec![crate::store::location::StoreMember {
             path,
             queue: self.store_queue,
         }])
     }
 
     /// Floats of an entity row: its embedding and its AdaGrad state.
-    pub fn entity_shape(&self) -> crate::buffer::RowShape {
-        crate::buffer::RowShape {
+    pub fn entity_shape(&self) -> crate::rows::RowShape {
+        crate::rows::RowShape {
             dim: self.dim,
             state: self.entity_state_width.unwrap_or(self.dim),
             dtype: self.entity_dtype,
@@ -133,19 +135,6 @@ impl RunMeta {
 
 fn is_f32(dtype: &Dtype) -> bool {
     *dtype == Dtype::F32
-}
-
-/// Loaded parameters of a checkpoint.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Tables {
-    /// Entity embeddings.
-    pub entities: Vec<f32>,
-    /// Entity AdaGrad state.
-    pub entities_state: Vec<f32>,
-    /// Relation embeddings.
-    pub relations: Vec<f32>,
-    /// Relation AdaGrad state.
-    pub relations_state: Vec<f32>,
 }
 
 /// A run-directory error, naming the path.
@@ -377,8 +366,8 @@ fn open_run_store(
     path: &Path,
     meta: &RunMeta,
     guard: &dyn Guard,
-) -> Result<crate::file_store::FileStore, RunError> {
-    use crate::file_store::MemberFile;
+) -> Result<crate::store::FileStore, RunError> {
+    use crate::store::MemberFile;
     let run_dir = std::fs::canonicalize(run.path()).map_err(io(run.path()))?;
     let members = meta
         .recorded_members()
@@ -388,7 +377,7 @@ fn open_run_store(
             MemberFile::of_run(run, &run_dir, m, guard).map_err(|e| invalid(&m.path, e.to_string()))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let spec = crate::file_store::FileStoreSpec {
+    let spec = crate::store::FileStoreSpec {
         members: &members,
         stripe_bytes: 0,
         dataset: dataset_id(&meta.dataset_identity, path)?,
@@ -399,8 +388,7 @@ fn open_run_store(
         force: false,
         proxy_model: None,
     };
-    crate::file_store::FileStore::open_any_partitioning(&spec)
-        .map_err(|e| invalid(path, e.to_string()))
+    crate::store::FileStore::open_any_partitioning(&spec).map_err(|e| invalid(path, e.to_string()))
 }
 
 /// Floats of the checkpoint file [`stream_entities`] reads at a time.
@@ -533,7 +521,7 @@ pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Table
         let sum = if dtype.is_narrow() {
             let mut stored = vec![0u8; want];
             let sum = read_checksummed(&table_file, &mut stored, READ_BLOCK);
-            crate::at_rest::widen(dtype, &stored, &mut table);
+            crate::store::at_rest::widen(dtype, &stored, &mut table);
             sum
         } else {
             read_checksummed(

@@ -20,17 +20,23 @@ use legend_fs::{Access, Dir, Guard};
 use legend_model::Dtype;
 use serde::{Deserialize, Serialize};
 
-use crate::buffer::{MemoryStore, PartitionBuffer, RowShape, StoreError};
 use crate::config::{Config, ConfigError, Protocol};
-use crate::device::Device;
+use crate::device::Engine;
+use crate::error::TrainError;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
-use crate::file_store::{
-    FileStore, FileStoreSpec, MemberFile, SharedFileStore, StoreMember, encode_relations,
-};
 use crate::memory;
+use crate::progress::EpochCut;
+use crate::relations::Relations;
+use crate::rows::RowShape;
 use crate::run::{self, RunError, RunMeta, TableChecksums, TableWriter};
 use crate::schedule::ValidHistory;
-use crate::trainer::{EpochCut, EpochEnd, EpochReport, Relations, TrainError, Trainer};
+use crate::store::controllers::SharedController;
+use crate::store::file::encode_relations;
+use crate::store::{
+    FileStore, FileStoreSpec, MemberFile, MemoryStore, PartitionHome, PartitionStoreError,
+    StoreMember,
+};
+use crate::trainer::{EpochEnd, EpochReport, Trainer};
 
 /// How far a run has trained: whole epochs, and where an interrupted epoch stopped.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -53,7 +59,7 @@ impl Position {
     }
 
     /// Decodes [`Position::encode`]; an empty record (a new store) is the start.
-    pub fn decode(bytes: &[u8]) -> Result<Position, StoreError> {
+    pub fn decode(bytes: &[u8]) -> Result<Position, PartitionStoreError> {
         if bytes.is_empty() {
             return Ok(Position::default());
         }
@@ -61,7 +67,7 @@ impl Position {
             .ok()
             .and_then(|t| toml::from_str(t).ok())
             .ok_or_else(|| {
-                StoreError::Invalid(format!(
+                PartitionStoreError::Invalid(format!(
                     "unreadable progress record {:?}",
                     String::from_utf8_lossy(bytes)
                 ))
@@ -159,7 +165,7 @@ pub enum SessionError {
     Train(#[from] TrainError),
     /// The store failed.
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Store(#[from] PartitionStoreError),
     /// An evaluation failed.
     #[error(transparent)]
     Evaluation(#[from] EvaluationError),
@@ -231,7 +237,7 @@ impl Session {
         )
         .map_err(TrainError::from)?;
         let dataset = Dataset::open_checked(dataset, guard.read_check())?;
-        let device = Device::open(&config)?;
+        let device = Engine::open(&config)?;
         check_memory(&config, dataset.meta(), &device, false)?;
         let meta = new_meta(&config, &dataset);
         let (parent, name) = Dir::open_parent(out).map_err(io_error(out))?;
@@ -277,7 +283,7 @@ impl Session {
             .map_err(io_error(&config_path))?;
         let config = Config::parse(&text, sets)?;
         let dataset = evaluation::open_run_dataset(&meta, dataset, guard)?;
-        let device = Device::open(&config)?;
+        let device = Engine::open(&config)?;
         // Resuming reads the checkpoint's tables into host memory before they go to the GPU.
         check_memory(&config, dataset.meta(), &device, true)?;
         let session = Session::start(run, config, dataset, meta, device, guard)?;
@@ -295,7 +301,7 @@ impl Session {
         config: Config,
         dataset: Dataset,
         mut meta: RunMeta,
-        device: Device,
+        device: Engine,
         guard: &dyn Guard,
     ) -> Result<Session, SessionError> {
         let meta_ds = dataset.meta();
@@ -321,11 +327,9 @@ impl Session {
         let init = config.init();
         let relation_floats = meta.relations as usize * dim;
         let fresh_relations = || Relations::init(decoder, meta.relations as usize, dim, &init);
-        let gpu_engine = matches!(device, Device::Cuda { .. });
         let engine = device.describe();
-        let mut direct = None;
         let mut device_health = None;
-        let (buffer, relations, position) = if config.uses_store() {
+        let (home, relations, position) = if config.uses_store() {
             let recorded = meta.recorded_members();
             let run_dir = std::fs::canonicalize(run.path()).map_err(io_error(run.path()))?;
             let members = recorded
@@ -386,23 +390,7 @@ impl Session {
                 }
                 _ => fresh_relations(),
             };
-            if gpu_engine && store.controllers().len() > 1 {
-                tracing::warn!(
-                    "the GPU I/O kernels drive one controller: the swaps of this store, striped \
-                     over {} controllers, are submitted from CPU threads",
-                    store.controllers().len()
-                );
-            }
-            let buffer = match store.controller().cloned() {
-                // A store behind NVMe queues, trained on a GPU: the GPU I/O kernels move swaps.
-                Some(controller) if gpu_engine => {
-                    let shared = SharedFileStore::new(store);
-                    direct = Some((shared.clone(), controller));
-                    PartitionBuffer::new(scheme, shape, init, shared)
-                }
-                _ => PartitionBuffer::new(scheme, shape, init, store),
-            };
-            (buffer, relations, position)
+            (PartitionHome::File(Box::new(store)), relations, position)
         } else if !meta.checkpoint.is_empty() {
             let t = run::load_tables(&run, &meta, guard)?;
             let store = MemoryStore::from_tables(scheme, shape, t.entities, t.entities_state);
@@ -410,15 +398,14 @@ impl Session {
                 emb: t.relations,
                 state: t.relations_state,
             };
-            let buffer = PartitionBuffer::new(scheme, shape, init, store);
             let position = Position {
                 epochs_completed: meta.epochs_completed,
                 cut: meta.cut,
             };
-            (buffer, relations, position)
+            (PartitionHome::Memory(store), relations, position)
         } else {
-            let buffer = PartitionBuffer::new(scheme, shape, init, MemoryStore::default());
-            (buffer, fresh_relations(), Position::default())
+            let home = PartitionHome::Memory(MemoryStore::default());
+            (home, fresh_relations(), Position::default())
         };
         let epochs = config.training.num_epochs;
         if position.epochs_completed > epochs
@@ -430,11 +417,7 @@ impl Session {
                 position.epochs_completed + u32::from(position.cut.is_some())
             )));
         }
-        let mut trainer =
-            Trainer::on_device(&config, buckets, &degrees, buffer, relations, device)?;
-        if let Some((store, controller)) = &direct {
-            trainer.use_direct_io(store, controller)?;
-        }
+        let trainer = Trainer::on_device(&config, buckets, &degrees, home, relations, device)?;
         tracing::info!(
             "set-up: the {engine} engine ready (edges and relations placed) in {:.1} s",
             started.elapsed().as_secs_f64()
@@ -714,7 +697,7 @@ impl Session {
         let decoder = self.config.decoder();
         self.trainer.sync_relations()?;
         let relations = self.trainer.relations().emb.clone();
-        let scheme = self.trainer.buffer().scheme();
+        let scheme = self.trainer.scheme();
         let evaluate = |entities: &[f32]| {
             evaluation::evaluate(
                 &self.dataset,
@@ -726,11 +709,16 @@ impl Session {
                 &request,
             )
         };
-        let metrics = if scheme.num_partitions == 1 && !self.trainer.holds_on_device(0) {
+        let in_place = if scheme.num_partitions == 1 {
             // One partition in host memory is the whole table: ranked in place, not copied.
             self.trainer
-                .buffer()
-                .with_partition(0, |part| evaluate(&part.emb))??
+                .host_partition(0)
+                .map(|part| evaluate(&part.emb))
+        } else {
+            None
+        };
+        let metrics = if let Some(metrics) = in_place {
+            metrics?
         } else {
             // The embeddings alone, gathered from wherever each partition is (from the GPU
             // a piece at a time: its optimizer state never comes to the host).
@@ -836,19 +824,13 @@ impl Session {
     /// Commits the parameters at `self.position`: in the store (its superblock is the commit
     /// record) or as a checkpoint directory named by run.toml (memory backend).
     fn checkpoint(&mut self) -> Result<(), SessionError> {
-        if self.config.uses_store() {
-            // The store is written from the host rows.
-            self.trainer.sync_host()?;
-        } else {
-            // The tables stream from wherever they are into the checkpoint files (below).
-            self.trainer.sync_relations()?;
-        }
+        self.trainer.sync_relations()?;
         let relations = self.trainer.relations().clone();
         let position = self.position;
         self.meta.epochs_completed = position.epochs_completed;
         self.meta.cut = position.cut;
         let aux = encode_relations(&relations.emb, &relations.state);
-        if self.trainer.buffer().checkpoint(position.encode(), aux)? {
+        if self.trainer.checkpoint(position.encode(), aux)? {
             // The store committed; run.toml only mirrors the position for people.
             return write_meta(&self.run, &self.meta);
         }
@@ -875,13 +857,13 @@ pub fn store_bytes_per_epoch(entities: u64, shape: RowShape, plan: &legend_plann
 
 /// The SMART log of an `nvme` store's controller (a warning, and nothing, if it cannot be
 /// read: the run does not depend on it).
-fn read_health(controller: &crate::controllers::SharedController) -> Option<legend_nvme::Health> {
+fn read_health(controller: &SharedController) -> Option<legend_nvme::Health> {
     match controller {
-        crate::controllers::SharedController::Device(d) => d
+        SharedController::Device(d) => d
             .health()
             .inspect_err(|e| tracing::warn!("reading the controller's SMART log: {e}"))
             .ok(),
-        crate::controllers::SharedController::Proxy(_) => None,
+        SharedController::Proxy(_) => None,
     }
 }
 
@@ -916,14 +898,14 @@ pub fn checkpoint_due(since_last: Duration, cost: Duration, interval: Duration) 
 fn check_memory(
     config: &Config,
     dataset: &legend_dataset::DatasetMeta,
-    device: &Device,
+    device: &Engine,
     resuming: bool,
 ) -> Result<(), SessionError> {
     let Some(available) = memory::available_bytes() else {
         tracing::warn!("cannot read the available memory; the run's memory is not checked");
         return Ok(());
     };
-    let on_cuda = matches!(device, Device::Cuda { .. });
+    let on_cuda = matches!(device, Engine::Cuda { .. });
     let estimate = memory::check_fits(config, dataset, on_cuda, resuming, available)
         .map_err(SessionError::Refused)?;
     tracing::info!(
@@ -1029,7 +1011,7 @@ fn write_entity_tables(
     e: &mut TableWriter,
     s: &mut TableWriter,
 ) -> Result<(), RunError> {
-    for p in 0..trainer.buffer().scheme().num_partitions {
+    for p in 0..trainer.scheme().num_partitions {
         trainer
             .stream_partition(p, &mut |emb, state| {
                 e.write(emb)?;

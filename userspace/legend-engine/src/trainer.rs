@@ -1,5 +1,6 @@
-//! The trainer: walks the planner's bucket order over the partition buffer and trains with
-//! synchronous sparse AdaGrad, on the CPU or on a CUDA GPU (the compute backends).
+//! The trainer: walks the planner's bucket order, moving partitions through the swap path
+//! ([`crate::swap`]), and trains with synchronous sparse AdaGrad on the CPU or on a CUDA GPU
+//! (the compute backends).
 //!
 //! A bucket's edges are trained in the order of a counter-based permutation (legend-model's
 //! [`Permutation`], keyed by the seed, the epoch and the bucket): batch `b` holds positions
@@ -15,49 +16,27 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use legend_dataset::Buckets;
-use legend_model::{ChunkModel, Decoder, Init, Permutation, Table};
+use legend_model::rng::key;
+use legend_model::{ChunkModel, Permutation};
 use legend_planner::{Bucket, Plan};
 use serde::{Deserialize, Serialize};
 
-use crate::buffer::{IoStats, PartitionBuffer, StoreError};
 use crate::compute::cpu::CpuCompute;
 use crate::compute::cuda::CudaCompute;
 use crate::compute::{BucketRef, ComputeBackend, RowSink, Step};
-use crate::config::{Config, ConfigError};
-use crate::device::Device;
+use crate::config::Config;
+use crate::device::Engine;
+use crate::error::TrainError;
+use crate::progress::EpochCut;
+use crate::relations::Relations;
+use crate::rows::Partition;
 use crate::sampler::NegativeSampler;
-use legend_model::rng::key;
+use crate::store::PartitionHome;
+use crate::swap::gpu::{GpuCopyMover, GpuDirectMover};
+use crate::swap::host::{HostMover, HostStore};
+use crate::swap::{IoKernelSpan, Mover, Swapper};
 
 pub use crate::compute::cpu::BLOCK_ROWS;
-
-/// Relation parameters and their AdaGrad state, always resident.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Relations {
-    /// `relations × dim` embeddings (empty for Dot).
-    pub emb: Vec<f32>,
-    /// AdaGrad state of the same shape.
-    pub state: Vec<f32>,
-}
-
-impl Relations {
-    /// Initial relation parameters.
-    pub fn init(decoder: Decoder, count: usize, dim: usize, init: &Init) -> Relations {
-        if !decoder.uses_relations() {
-            return Relations {
-                emb: Vec::new(),
-                state: Vec::new(),
-            };
-        }
-        let mut emb = vec![0.0; count * dim];
-        for (r, row) in emb.chunks_exact_mut(dim).enumerate() {
-            init.relation_row(decoder, Table::Relation, r as u64, row);
-        }
-        Relations {
-            state: vec![0.0; emb.len()],
-            emb,
-        }
-    }
-}
 
 /// Timing of one swap of an epoch (for the compute-vs-I/O timeline).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -68,8 +47,12 @@ pub struct SwapReport {
     pub loaded: u32,
     /// Seconds from the epoch start to the start of the swap.
     pub start_s: f64,
-    /// Seconds of I/O the swap took on the I/O thread.
+    /// Seconds of I/O the swap took on the I/O thread (its write and its read).
     pub io_s: f64,
+    /// Seconds from the epoch start to the start of the swap's first I/O: before `start_s`
+    /// when its read ran ahead (`storage.read_ahead`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub io_start_s: Option<f64>,
     /// Part of `io_s` spent copying the partitions between the host and the GPU (the GPU
     /// engine's copies run on the I/O thread; 0 on the CPU).
     #[serde(default)]
@@ -86,34 +69,6 @@ pub struct SwapReport {
     /// (storage.backend = proxy | nvme on a GPU); empty otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub io_kernels: Vec<IoKernelSpan>,
-}
-
-/// Which way an I/O kernel launch moved data.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum IoDirection {
-    /// From GPU memory to the store.
-    #[default]
-    Write,
-    /// From the store to GPU memory.
-    Read,
-}
-
-/// One launch of the GPU I/O kernels: a partition written to the store or read from it.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct IoKernelSpan {
-    /// Which way the launch moved the partition.
-    pub op: IoDirection,
-    /// Partition moved.
-    pub partition: u32,
-    /// Seconds from the epoch start to the launch.
-    pub start_s: f64,
-    /// Launch to the last completion.
-    pub seconds: f64,
-    /// NVMe commands submitted (and completed).
-    pub commands: u64,
-    /// Bytes moved.
-    pub bytes: u64,
 }
 
 /// What one epoch did.
@@ -160,22 +115,6 @@ pub struct EpochReport {
     pub resumed: bool,
 }
 
-/// Where an interrupted epoch stopped: after its initial buckets and `swaps` swaps (each with
-/// its buckets), with what it had counted so far.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct EpochCut {
-    /// The epoch (from 1).
-    pub epoch: u32,
-    /// Swaps finished.
-    pub swaps: u32,
-    /// Batches trained (negative samples are keyed by the batch number).
-    pub batches: u64,
-    /// Positive edges trained.
-    pub edges: u64,
-    /// Loss summed over them.
-    pub loss: f64,
-}
-
 /// How [`Trainer::run_epoch_from`] ended.
 #[derive(Debug)]
 pub enum EpochEnd {
@@ -185,146 +124,115 @@ pub enum EpochEnd {
     Stopped(EpochCut),
 }
 
-/// Training state: parameters, buffer, plan and data.
+/// Training state: parameters, slots, plan and data.
 pub struct Trainer {
     batch_size: usize,
     negatives: usize,
     prefetch: bool,
+    read_ahead: bool,
     seed: u64,
     buckets: Buckets,
     plan: Plan,
-    buffer: PartitionBuffer,
     relations: Relations,
+    // Declared before `compute`, so dropped first: its I/O thread's movers address the GPU
+    // engine's node table, which `compute` owns.
+    swapper: Swapper,
     compute: Box<dyn ComputeBackend>,
 }
 
-/// A training error.
-#[derive(Debug, thiserror::Error)]
-pub enum TrainError {
-    /// The store failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    /// The plan could not be made.
-    #[error("planning")]
-    Plan(#[from] legend_planner::PlanError),
-    /// A checkpoint's position inside an epoch does not fit the run's plan.
-    #[error("resuming: {0}")]
-    Resume(String),
-    /// An updated node row left its format's range (`storage.dtype = "f16"`: beyond ±65504).
-    #[error(
-        "node row {row}, element {element} does not fit storage.dtype = \"{dtype}\" after a step; use bf16 (f32's range) or f32, or lower optimizer.learning_rate"
-    )]
-    OutOfRange {
-        /// The row's global id.
-        row: u64,
-        /// The element.
-        element: usize,
-        /// The format.
-        dtype: legend_model::Dtype,
-    },
-    /// The loss became NaN or infinite.
-    #[error("the loss diverged (not finite) in epoch {epoch}; lower optimizer.learning_rate")]
-    Diverged {
-        /// The epoch.
-        epoch: u32,
-    },
-    /// The configuration cannot train on the chosen device.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// The CUDA device asked for could not be opened.
-    #[error("training.device = {device:?}")]
-    Device {
-        /// `training.device`.
-        device: String,
-        /// Why.
-        #[source]
-        error: legend_cuda::GpuError,
-    },
-    /// The run does not fit in the GPU's memory (the message says what to change).
-    #[error("{0}")]
-    GpuMemory(String),
-    /// The GPU engine failed.
-    #[error("GPU engine")]
-    Gpu(legend_cuda::GpuError),
-    /// The thread pool could not start.
-    #[error("starting {threads} worker threads: {message}")]
-    Threads {
-        /// Requested threads.
-        threads: usize,
-        /// The error.
-        message: String,
-    },
-    /// Writing a checkpoint's tables failed.
-    #[error(transparent)]
-    Run(#[from] crate::run::RunError),
-}
-
-/// GPU failures, with a row that left its storage format's range reported as the CPU engine
-/// reports it.
-impl From<legend_cuda::GpuError> for TrainError {
-    fn from(e: legend_cuda::GpuError) -> Self {
-        match e {
-            legend_cuda::GpuError::OutOfRange {
-                row,
-                element,
-                dtype,
-            } => TrainError::OutOfRange {
-                row,
-                element: element as usize,
-                dtype,
-            },
-            other => TrainError::Gpu(other),
-        }
-    }
-}
-
 impl Trainer {
-    /// A CPU trainer over `buckets` with `buffer` (nothing resident yet) and starting
-    /// `relations`.
+    /// A CPU trainer over `buckets`, its partitions at rest in `home` (nothing resident yet),
+    /// starting from `relations`.
     pub fn new(
         config: &Config,
         buckets: Buckets,
         degrees: &[u32],
-        buffer: PartitionBuffer,
+        home: PartitionHome,
         relations: Relations,
     ) -> Result<Trainer, TrainError> {
-        Trainer::on_device(config, buckets, degrees, buffer, relations, Device::Cpu)
+        Trainer::on_device(config, buckets, degrees, home, relations, Engine::Cpu)
     }
 
-    /// A trainer like [`Trainer::new`] that steps on `device` (see [`Device::open`]).
+    /// A trainer like [`Trainer::new`] that steps on `engine` (see [`Engine::open`]). The
+    /// path its partitions take between the slots and `home` is chosen here, once.
     pub fn on_device(
         config: &Config,
         buckets: Buckets,
         degrees: &[u32],
-        buffer: PartitionBuffer,
+        home: PartitionHome,
         relations: Relations,
-        device: Device,
+        engine: Engine,
     ) -> Result<Trainer, TrainError> {
         let scheme = buckets.scheme();
         let plan = legend_planner::plan(scheme.num_partitions, config.capacity(), config.order())?;
         let t = &config.training;
-        let compute: Box<dyn ComputeBackend> = match device {
-            Device::Cpu => Box::new(cpu_compute(config, &buckets, degrees)?),
-            Device::Cuda { gpu, .. } => {
-                let compute = CudaCompute::new(*gpu, config, &buckets, degrees, &relations)?;
-                // The GPU draws never-written partitions itself, where the host's cores
-                // would take most of the first epoch at billion-edge scale. In RAM-backed runs:
-                // a store's swaps may go through the GPU I/O kernels, which move only what the
-                // store holds.
-                if !config.uses_store() {
-                    buffer.defer_initialisation();
+        let slots = config.slots();
+        let in_memory = matches!(home, PartitionHome::Memory(_));
+        let (compute, mover, host_rows): (Box<dyn ComputeBackend>, Box<dyn Mover>, bool) =
+            match engine {
+                Engine::Cpu => {
+                    let compute = cpu_compute(config, &buckets, degrees)?;
+                    let mover: Box<dyn Mover> = match home {
+                        PartitionHome::Memory(s) => {
+                            Box::new(HostMover::new(at_rest(s, scheme, config)))
+                        }
+                        PartitionHome::File(s) => {
+                            Box::new(HostMover::new(at_rest(*s, scheme, config)))
+                        }
+                    };
+                    (Box::new(compute), mover, true)
                 }
-                Box::new(compute)
-            }
-        };
+                Engine::Cuda { gpu, .. } => {
+                    let compute = CudaCompute::new(*gpu, config, &buckets, degrees, &relations)?;
+                    let device_slots = compute.device_slots()?;
+                    let gpu = compute.gpu();
+                    let for_good = slots == scheme.num_partitions;
+                    let mover: Box<dyn Mover> = match home {
+                        PartitionHome::Memory(s) => Box::new(GpuCopyMover::new(
+                            gpu,
+                            at_rest(s, scheme, config),
+                            device_slots,
+                            for_good,
+                        )?),
+                        // A store behind one controller's NVMe queues: the GPU I/O kernels.
+                        PartitionHome::File(s) if s.controller().is_some() => {
+                            let controller = s.controller().cloned().expect("checked");
+                            Box::new(GpuDirectMover::new(
+                                gpu,
+                                at_rest(*s, scheme, config),
+                                device_slots,
+                                &controller,
+                            )?)
+                        }
+                        PartitionHome::File(s) => {
+                            if s.controllers().len() > 1 {
+                                tracing::warn!(
+                                    "the GPU I/O kernels drive one controller: the swaps of \
+                                     this store, striped over {} controllers, go through host \
+                                     memory and CPU submitters",
+                                    s.controllers().len()
+                                );
+                            }
+                            Box::new(GpuCopyMover::new(
+                                gpu,
+                                at_rest(*s, scheme, config),
+                                device_slots,
+                                for_good,
+                            )?)
+                        }
+                    };
+                    (Box::new(compute), mover, false)
+                }
+            };
         Ok(Trainer {
             batch_size: t.batch_size,
             negatives: t.negatives.negatives_per_positive,
             prefetch: config.storage.prefetch,
+            read_ahead: config.read_ahead(),
             seed: t.seed,
             buckets,
+            swapper: Swapper::new(scheme, slots, mover, in_memory, host_rows),
             plan,
-            buffer,
             relations,
             compute,
         })
@@ -335,29 +243,20 @@ impl Trainer {
         &self.plan
     }
 
-    /// The partition buffer. On the GPU its resident partitions are current only after
-    /// [`Trainer::sync_host`].
-    pub fn buffer(&mut self) -> &mut PartitionBuffer {
-        &mut self.buffer
+    /// The partitioning.
+    pub fn scheme(&self) -> legend_dataset::PartitionScheme {
+        self.swapper.scheme()
     }
 
-    /// The relation parameters (on the GPU, as of the last [`Trainer::sync_host`]).
+    /// The relation parameters (on the GPU, as of the last [`Trainer::sync_relations`]).
     pub fn relations(&self) -> &Relations {
         &self.relations
     }
 
-    /// Copies the parameters the compute engine holds (GPU: resident partitions and
-    /// relations) into the host buffer and [`Trainer::relations`]; call it before a
-    /// checkpoint, an evaluation or an export. A no-op on the CPU.
-    pub fn sync_host(&mut self) -> Result<(), TrainError> {
-        self.compute
-            .sync_host(&mut self.buffer, &mut self.relations)
-    }
-
-    /// Whether the compute engine holds partition `p` itself (on the GPU): its host rows are
-    /// then current only after [`Trainer::sync_host`].
-    pub fn holds_on_device(&self, p: u32) -> bool {
-        self.compute.holds(p)
+    /// Resident partition `p`'s rows when they are in host memory (the CPU engine's), for
+    /// reading them in place.
+    pub fn host_partition(&mut self, p: u32) -> Option<&Partition> {
+        self.swapper.host().partition(p)
     }
 
     /// Sets the learning rate of the steps from now on (a schedule's, between epochs).
@@ -371,26 +270,37 @@ impl Trainer {
     }
 
     /// Calls `f` with partition `p`'s embedding and state rows in order, a bounded piece at a
-    /// time: from the device when the engine holds `p` (nothing is gathered on the host),
-    /// else the host buffer's (or the store's) rows in one piece.
+    /// time: from the device when the GPU engine holds `p` (nothing is gathered on the host),
+    /// else the host rows (resident, or the store's) in one piece.
     pub fn stream_partition(&mut self, p: u32, f: &mut RowSink<'_>) -> Result<(), TrainError> {
         if self.compute.stream_partition(p, f)? {
             return Ok(());
         }
-        self.buffer
-            .with_partition(p, |part| f(&part.emb, &part.state))?
+        if let Some(part) = self.swapper.host().partition(p) {
+            return f(&part.emb, &part.state);
+        }
+        self.swapper
+            .with_stored(p, |part| f(&part.emb, &part.state))?
     }
 
-    /// Moves the swaps' partitions between the device and `store` with the engine's own I/O
-    /// (the GPU I/O kernels over `controller`'s NVMe queues) instead of the buffer's I/O
-    /// thread; `store` must be the buffer's store. Returns whether the engine does that (the
-    /// CPU engine's store I/O is already its own).
-    pub fn use_direct_io(
-        &mut self,
-        store: &crate::file_store::SharedFileStore,
-        controller: &crate::controllers::SharedController,
-    ) -> Result<bool, TrainError> {
-        self.compute.use_direct_io(store, controller)
+    /// A copy of partition `p`'s rows, wherever they are.
+    pub fn read_partition(&mut self, p: u32) -> Result<Partition, TrainError> {
+        let mut part = Partition::empty(p);
+        self.stream_partition(p, &mut |emb, state| {
+            part.emb.extend_from_slice(emb);
+            part.state.extend_from_slice(state);
+            Ok(())
+        })?;
+        Ok(part)
+    }
+
+    /// Commits a checkpoint at the current buffer-state boundary: the resident partitions
+    /// written to the store once the queued steps have run, with `progress` and `aux` (the
+    /// relation parameters). Returns whether the store keeps checkpoints itself; if not
+    /// (memory backend), the caller saves the tables ([`Trainer::stream_partition`]).
+    pub fn checkpoint(&mut self, progress: Vec<u8>, aux: Vec<u8>) -> Result<bool, TrainError> {
+        let after = self.compute.settled()?;
+        Ok(self.swapper.checkpoint(after, progress, aux)?)
     }
 
     /// The partition relabeling used in epoch `epoch` (from 1): epoch e+1 starts in the buffer
@@ -441,7 +351,7 @@ impl Trainer {
         progress: &mut dyn FnMut(u64),
     ) -> Result<EpochEnd, TrainError> {
         let started = Instant::now();
-        let io_before = self.buffer.stats();
+        let io_before = self.swapper.stats();
         let pi = self.epoch_relabeling(epoch);
         let relabel = |b: &Bucket| [pi[b[0] as usize], pi[b[1] as usize]];
         let from = from.filter(|c| c.epoch == epoch).unwrap_or(EpochCut {
@@ -461,6 +371,7 @@ impl Trainer {
             .iter()
             .map(|&p| pi[p as usize])
             .collect();
+        let loaded_by = |i: usize| pi[plan.swaps[i].loaded as usize];
         let mut report = EpochReport {
             epoch,
             negatives_per_positive: self.negatives,
@@ -469,16 +380,13 @@ impl Trainer {
             ..EpochReport::default()
         };
         let mut batch_counter = from.batches;
-        for p in self.buffer.resident() {
-            if !first.contains(&p) {
-                self.compute.evicting(&mut self.buffer, p)?;
-            }
-        }
-        self.buffer.fill(&first)?;
-        for &p in &first {
-            self.compute.loaded(&mut self.buffer, p)?;
-        }
+        self.fill(&first)?;
         let mut resident = first.clone();
+        // With read-ahead, each swap's partition is read into the spare slot while the state
+        // before it trains: the first swap's now, the next one's as soon as a swap is done.
+        if self.read_ahead && done_swaps < plan.swaps.len() {
+            self.swapper.load(loaded_by(done_swaps), Some(done_swaps))?;
+        }
         let mut ctx = EpochCtx {
             epoch,
             edges: &mut report.edges,
@@ -491,7 +399,10 @@ impl Trainer {
         }
         for (i, swap) in plan.swaps.iter().enumerate().skip(done_swaps) {
             if stop.load(Ordering::Relaxed) {
+                // The partition read ahead was not modified: its slot is freed unwritten.
+                self.swapper.cancel_loads()?;
                 self.compute.synchronize()?;
+                self.swapper.drain()?;
                 let cut = EpochCut {
                     epoch,
                     swaps: i as u32,
@@ -499,12 +410,12 @@ impl Trainer {
                     edges: *ctx.edges,
                     loss: from.loss + self.compute.take_loss()?,
                 };
+                self.swapper.take_log();
                 return Ok(EpochEnd::Stopped(cut));
             }
-            let (evicted, loaded) = (pi[swap.evicted as usize], pi[swap.loaded as usize]);
+            let (evicted, loaded) = (pi[swap.evicted as usize], loaded_by(i));
             let overlap: Vec<Bucket> = swap.overlap.iter().map(relabel).collect();
             let after: Vec<Bucket> = swap.after.iter().map(relabel).collect();
-            let stats_before = self.buffer.stats();
             let mut sr = SwapReport {
                 evicted,
                 loaded,
@@ -512,18 +423,25 @@ impl Trainer {
                 ..SwapReport::default()
             };
             resident.retain(|&p| p != evicted);
-            let hook = self.compute.begin_swap(&mut self.buffer, evicted, loaded)?;
-            self.buffer.begin_swap_with(evicted, loaded, hook)?;
+            let released = self.compute.release(evicted)?;
+            self.swapper.evict(evicted, released, Some(i))?;
+            if !self.read_ahead {
+                self.swapper.load(loaded, Some(i))?;
+            }
             let t = Instant::now();
             if self.prefetch {
                 self.run_buckets(&overlap, &resident, &mut ctx)?;
                 self.compute.synchronize()?;
             }
             sr.overlap_compute_s = t.elapsed().as_secs_f64();
-            self.buffer.finish_swap()?;
-            sr.io_kernels = self.compute.take_io_kernels(started);
-            self.compute.finish_swap(&self.buffer, loaded)?;
+            let t = Instant::now();
+            let (slot, ready) = self.swapper.arrive(loaded)?;
+            sr.wait_s = t.elapsed().as_secs_f64();
+            self.compute.arrive(loaded, slot, &ready)?;
             resident.push(loaded);
+            if self.read_ahead && i + 1 < plan.swaps.len() {
+                self.swapper.load(loaded_by(i + 1), Some(i + 1))?;
+            }
             let t = Instant::now();
             if !self.prefetch {
                 self.run_buckets(&overlap, &resident, &mut ctx)?;
@@ -531,20 +449,17 @@ impl Trainer {
             self.run_buckets(&after, &resident, &mut ctx)?;
             self.compute.synchronize()?;
             sr.after_compute_s = t.elapsed().as_secs_f64();
-            let s = self.buffer.stats();
-            sr.io_s = (s.io_time - stats_before.io_time).as_secs_f64();
-            sr.wait_s = (s.wait_time - stats_before.wait_time).as_secs_f64();
-            sr.copy_s = (s.hook_time - stats_before.hook_time).as_secs_f64();
-            sr.bytes = (s.bytes_read + s.bytes_written)
-                - (stats_before.bytes_read + stats_before.bytes_written);
             report.swaps.push(sr);
             report.buffer_states += 1;
         }
+        // The last swap's write may still run: the epoch's I/O ends with it.
+        self.swapper.drain()?;
+        self.take_swap_io(&mut report, done_swaps, started);
         let loss = from.loss + self.compute.take_loss()?;
         if !loss.is_finite() {
             return Err(TrainError::Diverged { epoch });
         }
-        let io = diff(self.buffer.stats(), io_before);
+        let io = self.swapper.stats().since(&io_before);
         report.loss = loss / report.edges.max(1) as f64;
         report.seconds = started.elapsed().as_secs_f64();
         let trained_now = report.edges - from.edges;
@@ -559,6 +474,57 @@ impl Trainer {
         report.peak_rss_bytes = crate::memory::peak_rss_bytes().unwrap_or(0);
         report.gpu_memory_bytes = self.compute.device_memory_in_use();
         Ok(EpochEnd::Done(report))
+    }
+
+    /// Makes exactly `state` resident: the partitions outside it are written back, the
+    /// missing ones read (the epoch's first state; between epochs nothing moves, see
+    /// [`Trainer::epoch_relabeling`]).
+    fn fill(&mut self, state: &[u32]) -> Result<(), TrainError> {
+        for p in self.swapper.resident() {
+            if !state.contains(&p) {
+                let released = self.compute.release(p)?;
+                self.swapper.evict(p, released, None)?;
+            }
+        }
+        let missing: Vec<u32> = state
+            .iter()
+            .copied()
+            .filter(|&p| self.swapper.slot(p).is_none())
+            .collect();
+        for &p in &missing {
+            self.swapper.load(p, None)?;
+        }
+        for &p in &missing {
+            let (slot, ready) = self.swapper.arrive(p)?;
+            self.compute.arrive(p, slot, &ready)?;
+        }
+        Ok(())
+    }
+
+    /// Adds each swap's I/O, from the swap path's log of the epoch's moves (swap `i` of the
+    /// plan is `report.swaps[i - first_swap]`), to `report`.
+    fn take_swap_io(&mut self, report: &mut EpochReport, first_swap: usize, started: Instant) {
+        let since = |t: Instant| t.saturating_duration_since(started).as_secs_f64();
+        for record in self.swapper.take_log() {
+            let Some(sr) = record
+                .tag
+                .and_then(|i| i.checked_sub(first_swap))
+                .and_then(|i| report.swaps.get_mut(i))
+            else {
+                continue;
+            };
+            let s = record.stats;
+            sr.io_s += s.io_time.as_secs_f64();
+            sr.copy_s += s.copy_time.as_secs_f64();
+            sr.bytes += s.bytes_read + s.bytes_written;
+            let start = since(record.started);
+            sr.io_start_s = Some(sr.io_start_s.map_or(start, |t: f64| t.min(start)));
+            sr.io_kernels
+                .extend(record.kernels.into_iter().map(|(at, mut span)| {
+                    span.start_s = since(at);
+                    span
+                }));
+        }
     }
 
     fn run_buckets(
@@ -594,7 +560,7 @@ impl Trainer {
                     batch_no: *ctx.batch,
                 };
                 self.compute
-                    .train_batch(&step, &mut self.buffer, &mut self.relations)?;
+                    .train_batch(&step, self.swapper.host(), &mut self.relations)?;
                 *ctx.batch += 1;
                 *ctx.edges += step.len as u64;
                 (ctx.progress)(*ctx.edges);
@@ -609,6 +575,17 @@ struct EpochCtx<'a> {
     edges: &'a mut u64,
     batch: &'a mut u64,
     progress: &'a mut dyn FnMut(u64),
+}
+
+/// `store` with what moving its rows to and from host memory takes, for `config`'s runs over
+/// `scheme`.
+fn at_rest<S>(store: S, scheme: legend_dataset::PartitionScheme, config: &Config) -> HostStore<S> {
+    HostStore {
+        store,
+        scheme,
+        shape: config.entity_shape(),
+        init: config.init(),
+    }
 }
 
 /// The CPU engine for `config`.
@@ -654,18 +631,4 @@ fn cpu_compute(
         neg_rows: Vec::new(),
         block_grads: Vec::new(),
     })
-}
-
-fn diff(a: IoStats, b: IoStats) -> IoStats {
-    IoStats {
-        reads: a.reads - b.reads,
-        initialised: a.initialised - b.initialised,
-        writes: a.writes - b.writes,
-        bytes_read: a.bytes_read - b.bytes_read,
-        bytes_written: a.bytes_written - b.bytes_written,
-        io_time: a.io_time.saturating_sub(b.io_time),
-        wait_time: a.wait_time.saturating_sub(b.wait_time),
-        hook_time: a.hook_time.saturating_sub(b.hook_time),
-        swaps: a.swaps - b.swaps,
-    }
 }

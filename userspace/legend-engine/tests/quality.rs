@@ -190,7 +190,7 @@ fn the_gpu_engine_refuses_what_it_does_not_train_before_opening_a_device() {
         ("model.loss=self_adversarial", "model.loss"),
     ] {
         let config = config(&["training.device=\"cuda:0\"", set]);
-        let Err(err) = legend_engine::Device::open(&config) else {
+        let Err(err) = legend_engine::Engine::open(&config) else {
             panic!("{set}: the GPU engine accepted it");
         };
         let err = err.to_string();

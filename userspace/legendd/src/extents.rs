@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use legend_engine::Config;
-use legend_engine::controllers::{self, QueueBackend, QueueLocation};
-use legend_engine::file_store::{StoreFile, run_store_bytes};
+use legend_engine::store::controllers::{self};
+use legend_engine::store::{QueueBackend, QueueLocation};
+use legend_engine::store::{StoreFile, file::run_store_bytes};
 use legend_fs::Unguarded;
 use legend_storage::{Extents, NvmeTarget, Target};
 

@@ -24,8 +24,9 @@ use legend_daemon_api::{
     NvmeController, PROTOCOL_VERSION, Reply, Request, read_frame, write_message,
 };
 use legend_engine::Config;
-use legend_engine::controllers::{self, QueueBackend, SharedController};
-use legend_engine::file_store::StoreFile;
+use legend_engine::store::QueueBackend;
+use legend_engine::store::StoreFile;
+use legend_engine::store::controllers::{self, SharedController};
 use legend_fs::Unguarded;
 use legend_nvme::Controller as _;
 

@@ -667,7 +667,7 @@ fn runs_on_one_namespace_get_disjoint_extents_kept_across_restarts_and_freed_on_
     let (la, lb) = (start_lba(&run("a")), start_lba(&run("b")));
     let config = Config::parse("", &SETS.map(String::from)).unwrap();
     let meta = legend_dataset::DatasetMeta::read(&ds).unwrap();
-    let blocks = legend_engine::file_store::run_store_bytes(&config, &meta, 512).unwrap() / 512;
+    let blocks = legend_engine::store::file::run_store_bytes(&config, &meta, 512).unwrap() / 512;
     assert!(
         la.abs_diff(lb) >= blocks,
         "extents overlap: {la}, {lb} ({blocks} blocks)"

@@ -13,11 +13,13 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::Mutex;
 
 use super::{BucketRef, ComputeBackend, Step};
-use crate::buffer::{PartitionBuffer, RowMut, SwapHook};
 use legend_model::rng::key;
 
+use crate::error::TrainError;
+use crate::relations::Relations;
+use crate::rows::RowMut;
 use crate::sampler::NegativeSampler;
-use crate::trainer::{Relations, TrainError};
+use crate::swap::{Fence, HostRows};
 
 /// Most rows of a chunk handled by one parallel task. Every task packs the chunk's negatives
 /// for its matrix products, a cost proportional to the negatives, so tasks should be large.
@@ -210,25 +212,16 @@ impl<'a> RowSums<'a> {
 }
 
 impl ComputeBackend for CpuCompute {
-    fn loaded(&mut self, _host: &mut PartitionBuffer, _p: u32) -> Result<(), TrainError> {
+    fn arrive(&mut self, _p: u32, _slot: u32, _ready: &Fence) -> Result<(), TrainError> {
         Ok(())
     }
 
-    fn evicting(&mut self, _host: &mut PartitionBuffer, _p: u32) -> Result<(), TrainError> {
-        Ok(())
+    fn release(&mut self, _p: u32) -> Result<Fence, TrainError> {
+        Ok(Fence::passed())
     }
 
-    fn begin_swap(
-        &mut self,
-        _host: &mut PartitionBuffer,
-        _evicted: u32,
-        _loaded: u32,
-    ) -> Result<Option<Box<dyn SwapHook>>, TrainError> {
-        Ok(None)
-    }
-
-    fn finish_swap(&mut self, _host: &PartitionBuffer, _loaded: u32) -> Result<(), TrainError> {
-        Ok(())
+    fn settled(&mut self) -> Result<Fence, TrainError> {
+        Ok(Fence::passed())
     }
 
     fn begin_bucket(&mut self, _bucket: &BucketRef<'_>) -> Result<(), TrainError> {
@@ -238,7 +231,7 @@ impl ComputeBackend for CpuCompute {
     fn train_batch(
         &mut self,
         step: &Step<'_>,
-        host: &mut PartitionBuffer,
+        host: &mut HostRows,
         rels: &mut Relations,
     ) -> Result<(), TrainError> {
         let dim = self.dim;
@@ -271,7 +264,13 @@ impl ComputeBackend for CpuCompute {
             }
         }
         // Each chunk's negative rows, gathered once and shared by its blocks.
-        let buffer = &*host;
+        let width = self.optimizer.state.width(dim);
+        let buffer = Resident {
+            rows: &*host,
+            dim,
+            width,
+        };
+        let buffer = &buffer;
         self.neg_rows.resize_with(chunks * 2, Vec::new);
         self.pool.install(|| {
             self.neg_rows
@@ -348,7 +347,7 @@ impl ComputeBackend for CpuCompute {
                 }),
         );
         let (optimizer, regularizer) = (self.optimizer, self.regularizer);
-        let node_rows = host.disjoint_rows_mut(&nodes.ids);
+        let node_rows = host.disjoint_rows_mut(&nodes.ids, dim, width);
         let mut rel_rows: Vec<Option<RowMut<'_>>> = rels
             .emb
             .chunks_exact_mut(dim)
@@ -389,26 +388,21 @@ impl ComputeBackend for CpuCompute {
     fn set_learning_rate(&mut self, lr: f32) {
         self.optimizer.lr = lr;
     }
-
-    fn sync_host(
-        &mut self,
-        _host: &mut PartitionBuffer,
-        _rels: &mut Relations,
-    ) -> Result<(), TrainError> {
-        Ok(())
-    }
 }
 
-fn gather(
-    buffer: &PartitionBuffer,
-    ids: impl Iterator<Item = u32>,
+/// The resident rows a step reads, with their shape.
+struct Resident<'a> {
+    rows: &'a HostRows,
     dim: usize,
-    out: &mut Vec<f32>,
-) {
+    width: usize,
+}
+
+fn gather(buffer: &Resident<'_>, ids: impl Iterator<Item = u32>, dim: usize, out: &mut Vec<f32>) {
     out.clear();
     for id in ids {
         let (emb, _) = buffer
-            .row(id)
+            .rows
+            .row(id, buffer.dim, buffer.width)
             .expect("rows of a running bucket are resident");
         debug_assert_eq!(emb.len(), dim);
         out.extend_from_slice(emb);
@@ -421,7 +415,7 @@ fn gather(
 fn run_block(
     ws: &mut ChunkWorkspace,
     model: &ChunkModel,
-    buffer: &PartitionBuffer,
+    buffer: &Resident<'_>,
     relations: &Relations,
     inverse: Option<usize>,
     known: Option<&FxHashSet<Edge>>,

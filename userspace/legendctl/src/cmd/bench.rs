@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use legend_engine::controllers::{self, DeviceModel, QueueBackend};
-use legend_engine::file_store::StoreFile;
+use legend_engine::store::QueueBackend;
+use legend_engine::store::StoreFile;
+use legend_engine::store::controllers::{self, DeviceModel};
 use legend_nvme_proxy::{Proxy, ProxyOptions};
 use serde::Serialize;
 

@@ -207,13 +207,19 @@ const STYLE: &str = "text{font-family:sans-serif;font-size:13px;fill:#222}\
 .frame{fill:none;stroke:#bbb;stroke-width:1}.line{fill:none;stroke-width:2}\
 .loss{stroke:#2f6db5}.rate{stroke:#4f9d69}.pt{fill:#222}";
 
+/// Where a swap's I/O began on the timeline: its read ran ahead of the swap with
+/// `storage.read_ahead` (runs recorded before it have no such field: the swap's start).
+fn io_start(sw: &legend_engine::SwapReport) -> f64 {
+    sw.io_start_s.unwrap_or(sw.start_s)
+}
+
 /// The timeline of `epoch` and the table of `all`, as a standalone SVG document.
 fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
     let span = epoch.swaps.iter().fold(epoch.seconds, |m, s| {
         let kernels = s.io_kernels.iter().map(|k| k.start_s + k.seconds);
         kernels
             .fold(m, f64::max)
-            .max(s.start_s + s.io_s)
+            .max(io_start(s) + s.io_s)
             .max(s.start_s + s.overlap_compute_s + s.wait_s + s.after_compute_s)
     });
     let span = if span > 0.0 { span } else { 1.0 };
@@ -331,7 +337,7 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
             rect(&mut s, class, t, dt, COMPUTE_Y)?;
             t += dt;
         }
-        rect(&mut s, "io", sw.start_s, sw.io_s, IO_Y)?;
+        rect(&mut s, "io", io_start(sw), sw.io_s, IO_Y)?;
         if let Some(y) = kernels_y {
             for k in &sw.io_kernels {
                 let (class, op) = match k.op {

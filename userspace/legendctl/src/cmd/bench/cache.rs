@@ -15,7 +15,7 @@ use clap::{Parser, ValueEnum};
 use legend_cuda::nvme_io::{
     CachedTable, CudaDeviceMemory, GpuIo, GpuIoOptions, RingPlacement, RowCache, RowCacheOptions,
 };
-use legend_engine::controllers::DeviceModel;
+use legend_engine::store::controllers::DeviceModel;
 use legend_nvme_proxy::{Proxy, ProxyOptions};
 use serde::Serialize;
 

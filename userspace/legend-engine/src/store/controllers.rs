@@ -9,33 +9,8 @@ use std::sync::{Arc, Mutex, Weak};
 use legend_nvme::{Controller, Device};
 pub use legend_nvme_proxy::DeviceModel;
 use legend_nvme_proxy::{Proxy, ProxyOptions};
-use serde::{Deserialize, Serialize};
 
-use crate::buffer::StoreError;
-use crate::file_store::StoreFile;
-
-/// Which kind of controller drives a store's queues.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum QueueBackend {
-    /// `/dev/legend-nvmeN`: an SSD bound to the `legend_nvme` module.
-    Nvme,
-    /// The userspace proxy controller over a file or block device.
-    Proxy,
-}
-
-/// Where a store lives behind NVMe queues: with the path (the device node, or the proxy's
-/// backing file), enough to open it again.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QueueLocation {
-    /// The controller kind.
-    pub backend: QueueBackend,
-    /// Namespace identifier.
-    pub namespace: u32,
-    /// The store's first LBA.
-    pub start_lba: u64,
-}
+use super::{PartitionStoreError, QueueBackend, StoreFile};
 
 /// An open controller of either kind.
 #[derive(Clone)]
@@ -74,7 +49,7 @@ pub fn open(
     backend: QueueBackend,
     file: &StoreFile,
     proxy_model: Option<DeviceModel>,
-) -> Result<SharedController, StoreError> {
+) -> Result<SharedController, PartitionStoreError> {
     let path = file.path();
     let path = path.as_path();
     let key_path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
@@ -91,7 +66,7 @@ pub fn open(
     }
     let opened = match backend {
         QueueBackend::Nvme => {
-            let d = Device::open(&path.to_string_lossy()).map_err(|e| StoreError::Controller {
+            let d = Device::open(&path.to_string_lossy()).map_err(|e| PartitionStoreError::Controller {
                 what: format!(
                     "opening {} (is the controller bound to legend_nvme: `modprobe legend_nvme`, \
                      `legendctl device bind BDF`; and is no other process, such as legendd, its \
@@ -110,7 +85,7 @@ pub fn open(
                 ..ProxyOptions::default()
             };
             let p = Proxy::open_in(&file.dir, &file.name, &opts).map_err(|e| {
-                StoreError::Controller {
+                PartitionStoreError::Controller {
                     what: format!("starting the proxy controller over {}", path.display()),
                     source: Box::new(e),
                 }

@@ -3,34 +3,22 @@
 //! SSD bound to `legend_nvme`, or the userspace proxy controller over a file), with checkpoints
 //! committed by the store's superblock flip.
 
-use legend_nvme_proxy::DeviceModel;
 use std::path::{Path, PathBuf};
 
 use legend_fs::{Access, Dir, Guard};
+use legend_nvme_proxy::DeviceModel;
 use legend_storage::{
     CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, Layout, NvmeTarget, Region, Store,
     StoreSpec, Target,
 };
 
-use crate::at_rest::{narrow, widen};
-use crate::buffer::{PartitionStore, RowShape, StoreError};
-use crate::controllers::{self, QueueBackend, QueueLocation, SharedController};
-use crate::run::Tables;
+use super::at_rest::{narrow, widen};
+use super::controllers::{self, SharedController};
+use super::{PartitionStore, PartitionStoreError, QueueBackend, QueueLocation, StoreMember};
+use crate::rows::{RowShape, Tables};
 
 /// Bytes reserved for the training-progress record in the superblock.
 pub const PROGRESS_CAPACITY: u32 = 4096;
-
-/// One member of a run's store, as its record keeps it: the file, block device, device node
-/// or proxy backing file, and how it is reached when behind NVMe queues.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StoreMember {
-    /// The path.
-    pub path: PathBuf,
-    /// `nvme`, `proxy`: the controller kind, namespace and start LBA.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub queue: Option<QueueLocation>,
-}
 
 /// A member of a store, its directory opened ([`StoreFile`]).
 #[derive(Debug)]
@@ -49,7 +37,7 @@ impl MemberFile {
         run_dir: &Path,
         member: &StoreMember,
         guard: &dyn Guard,
-    ) -> Result<MemberFile, StoreError> {
+    ) -> Result<MemberFile, PartitionStoreError> {
         Ok(MemberFile {
             file: StoreFile::of_run(run, run_dir, &member.path, member.queue, guard)?,
             queue: member.queue,
@@ -67,12 +55,6 @@ pub struct FileStore {
     /// The controllers of a queue-backed store, one per member (kept for their users, e.g. the
     /// GPU I/O kernels).
     controllers: Vec<SharedController>,
-    /// Partitions whose next read the caller does itself (GPU-initiated): `read` then moves no
-    /// data and only says whether the partition was ever written.
-    direct_reads: Vec<u32>,
-    /// Partitions the caller wrote itself since the buffer last wrote them back: the next
-    /// `write` of each moves no data.
-    direct_writes: Vec<u32>,
 }
 
 /// A store's file, a proxy's backing file or a device node: the directory holding it, opened
@@ -88,7 +70,7 @@ pub struct StoreFile {
 
 impl StoreFile {
     /// The file at `path`, its directory opened now and admitted by `guard`.
-    pub fn open(path: &Path, guard: &dyn Guard) -> Result<StoreFile, StoreError> {
+    pub fn open(path: &Path, guard: &dyn Guard) -> Result<StoreFile, PartitionStoreError> {
         let (dir, name) = Dir::open_parent(path).map_err(io_error(path))?;
         guard.admit(&dir).map_err(io_error(dir.path()))?;
         Ok(StoreFile {
@@ -106,7 +88,7 @@ impl StoreFile {
         path: &Path,
         queue: Option<QueueLocation>,
         guard: &dyn Guard,
-    ) -> Result<StoreFile, StoreError> {
+    ) -> Result<StoreFile, PartitionStoreError> {
         match path.strip_prefix(run_dir) {
             Ok(name) => Self::in_dir(run, name),
             Err(_) if queue.is_some_and(|q| q.backend == QueueBackend::Nvme) => {
@@ -117,7 +99,7 @@ impl StoreFile {
     }
 
     /// The file `name` in `dir`.
-    pub fn in_dir(dir: &Dir, name: &Path) -> Result<StoreFile, StoreError> {
+    pub fn in_dir(dir: &Dir, name: &Path) -> Result<StoreFile, PartitionStoreError> {
         Ok(StoreFile {
             dir: dir.try_clone().map_err(io_error(dir.path()))?,
             name: name.to_owned(),
@@ -164,7 +146,7 @@ impl FileStore {
     /// Creates a new store. On files it is made under temporary names and renamed into place,
     /// so an interrupted creation never leaves a store that cannot be opened; a proxy's backing
     /// file is created (or extended) to its member's size first.
-    pub fn create(spec: &FileStoreSpec<'_>) -> Result<FileStore, StoreError> {
+    pub fn create(spec: &FileStoreSpec<'_>) -> Result<FileStore, PartitionStoreError> {
         let store_spec = store_spec(
             spec.dataset.clone(),
             spec.num_nodes,
@@ -229,19 +211,21 @@ impl FileStore {
     }
 
     /// Opens an existing store, checking it belongs to this dataset, dimension and partitioning.
-    pub fn open(spec: &FileStoreSpec<'_>) -> Result<FileStore, StoreError> {
+    pub fn open(spec: &FileStoreSpec<'_>) -> Result<FileStore, PartitionStoreError> {
         Self::open_expecting(spec, Some(spec.num_partitions))
     }
 
     /// Opens an existing store of this dataset and dimension, whatever its partitioning.
-    pub fn open_any_partitioning(spec: &FileStoreSpec<'_>) -> Result<FileStore, StoreError> {
+    pub fn open_any_partitioning(
+        spec: &FileStoreSpec<'_>,
+    ) -> Result<FileStore, PartitionStoreError> {
         Self::open_expecting(spec, None)
     }
 
     fn open_expecting(
         spec: &FileStoreSpec<'_>,
         num_partitions: Option<u32>,
-    ) -> Result<FileStore, StoreError> {
+    ) -> Result<FileStore, PartitionStoreError> {
         let expect = Expect {
             dataset: Some(spec.dataset.clone()),
             dim: Some(spec.shape.dim as u32),
@@ -264,7 +248,7 @@ impl FileStore {
     fn with_store(
         store: Store,
         controllers: Vec<SharedController>,
-    ) -> Result<FileStore, StoreError> {
+    ) -> Result<FileStore, PartitionStoreError> {
         let staging = IoBuffer::new(
             store
                 .max_partition_bytes()
@@ -274,34 +258,24 @@ impl FileStore {
             store,
             staging,
             controllers,
-            direct_reads: Vec::new(),
-            direct_writes: Vec::new(),
         })
     }
 
-    /// The next [`PartitionStore::read`] of `p` is run by the caller (the GPU I/O kernels):
-    /// it moves nothing and returns whether `p` was ever written.
-    pub fn claim_read(&mut self, p: u32) {
-        self.direct_reads.push(p);
-    }
-
     /// Whether partition `p` holds data (committed or written since).
-    pub fn is_initialized(&self, p: u32) -> Result<bool, StoreError> {
+    pub fn is_initialized(&self, p: u32) -> Result<bool, PartitionStoreError> {
         Ok(self.store.is_initialized(Region::Partition(p))?)
     }
 
     /// Where the caller's own transfer of partition `p` goes: the byte in the namespace and
     /// the length (see [`Store::io_extent`]).
-    pub fn io_extent(&self, p: u32, write: bool) -> Result<(u64, u64), StoreError> {
+    pub fn io_extent(&self, p: u32, write: bool) -> Result<(u64, u64), PartitionStoreError> {
         Ok(self.store.io_extent(Region::Partition(p), write)?)
     }
 
-    /// Records that the caller wrote partition `p` itself; the buffer's next write of it moves
-    /// nothing.
-    pub fn mark_written(&mut self, p: u32) -> Result<(), StoreError> {
-        self.store.mark_written(Region::Partition(p))?;
-        self.direct_writes.push(p);
-        Ok(())
+    /// Records that the caller wrote partition `p` itself, at [`FileStore::io_extent`] (the GPU
+    /// I/O kernels): the next commit includes it.
+    pub fn mark_written(&mut self, p: u32) -> Result<(), PartitionStoreError> {
+        Ok(self.store.mark_written(Region::Partition(p))?)
     }
 
     /// Bytes the largest partition takes on the medium (a staging buffer for it).
@@ -329,7 +303,7 @@ impl FileStore {
     }
 
     /// The relation parameters of the last commit, if any was made.
-    pub fn aux(&mut self, len: usize) -> Result<Option<Vec<u8>>, StoreError> {
+    pub fn aux(&mut self, len: usize) -> Result<Option<Vec<u8>>, PartitionStoreError> {
         if !self.store.is_initialized(Region::Aux)? {
             return Ok(None);
         }
@@ -338,23 +312,15 @@ impl FileStore {
     }
 }
 
-/// Takes `p` out of `claims`, saying whether it was there.
-fn take_claim(claims: &mut Vec<u32>, p: u32) -> bool {
-    claims
-        .iter()
-        .position(|&c| c == p)
-        .map(|i| claims.swap_remove(i))
-        .is_some()
-}
-
 impl PartitionStore for FileStore {
-    fn read(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError> {
+    fn read(
+        &mut self,
+        p: u32,
+        emb: &mut [f32],
+        state: &mut [f32],
+    ) -> Result<bool, PartitionStoreError> {
         if !self.store.is_initialized(Region::Partition(p))? {
-            take_claim(&mut self.direct_reads, p);
             return Ok(false);
-        }
-        if take_claim(&mut self.direct_reads, p) {
-            return Ok(true);
         }
         self.store.read(Region::Partition(p), &mut self.staging)?;
         let rows = self.store.partition(p)?.rows;
@@ -365,10 +331,7 @@ impl PartitionStore for FileStore {
         Ok(true)
     }
 
-    fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), StoreError> {
-        if take_claim(&mut self.direct_writes, p) {
-            return Ok(());
-        }
+    fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), PartitionStoreError> {
         let rows = self.store.partition(p)?.rows;
         let spec = self.store.spec();
         let (stored_emb, stored_state) = self.staging.split_partition_mut(rows, spec);
@@ -377,7 +340,7 @@ impl PartitionStore for FileStore {
         Ok(self.store.write(Region::Partition(p), &self.staging)?)
     }
 
-    fn commit(&mut self, progress: &[u8], aux: &[u8]) -> Result<bool, StoreError> {
+    fn commit(&mut self, progress: &[u8], aux: &[u8]) -> Result<bool, PartitionStoreError> {
         let bytes = self.staging.as_bytes_mut();
         bytes[..aux.len()].copy_from_slice(aux);
         bytes[aux.len()..self.store.spec().aux_bytes as usize].fill(0);
@@ -391,13 +354,13 @@ impl PartitionStore for FileStore {
 /// a proxy's backing file big enough) ran for it.
 fn open_controllers(
     spec: &FileStoreSpec<'_>,
-    prepare: impl Fn(&MemberFile, QueueLocation) -> Result<(), StoreError>,
-) -> Result<Vec<SharedController>, StoreError> {
+    prepare: impl Fn(&MemberFile, QueueLocation) -> Result<(), PartitionStoreError>,
+) -> Result<Vec<SharedController>, PartitionStoreError> {
     spec.members
         .iter()
         .map(|m| {
             let q = m.queue.ok_or_else(|| {
-                StoreError::Invalid(format!(
+                PartitionStoreError::Invalid(format!(
                     "{}: every member of a store behind NVMe queues must be behind them too",
                     m.file.path().display()
                 ))
@@ -450,7 +413,7 @@ pub fn run_store_bytes(
     config: &crate::Config,
     dataset: &legend_dataset::DatasetMeta,
     block_size: u64,
-) -> Result<u64, StoreError> {
+) -> Result<u64, PartitionStoreError> {
     let shape = config.entity_shape();
     let relations = if config.decoder().uses_relations() {
         dataset.relations
@@ -477,7 +440,7 @@ fn size_backing_file(
     store_spec: &StoreSpec,
     member: &MemberFile,
     start_lba: u64,
-) -> Result<(), StoreError> {
+) -> Result<(), PartitionStoreError> {
     let total = Layout::compute(store_spec, 512)?.total_bytes;
     let needed = legend_storage::member_bytes(total, spec.members.len(), spec.stripe_bytes)
         + (start_lba << 9);
@@ -494,47 +457,10 @@ fn size_backing_file(
     Ok(())
 }
 
-fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
-    move |source| StoreError::Io {
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> PartitionStoreError + '_ {
+    move |source| PartitionStoreError::Io {
         path: path.to_owned(),
         source,
-    }
-}
-
-/// A [`FileStore`] shared by the partition buffer's I/O thread and the GPU engine's swap
-/// hooks, which move partitions themselves with the GPU I/O kernels (`claim_read`,
-/// `io_extent`, `mark_written`). Both run on the I/O thread, one after the other.
-#[derive(Clone)]
-pub struct SharedFileStore(std::sync::Arc<std::sync::Mutex<FileStore>>);
-
-impl SharedFileStore {
-    /// Shares `store`.
-    pub fn new(store: FileStore) -> SharedFileStore {
-        SharedFileStore(std::sync::Arc::new(std::sync::Mutex::new(store)))
-    }
-
-    /// The store.
-    pub fn lock(&self) -> std::sync::MutexGuard<'_, FileStore> {
-        // A panic under the lock leaves nothing half-done that matters: the run failed.
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-impl PartitionStore for SharedFileStore {
-    fn read(&mut self, p: u32, emb: &mut [f32], state: &mut [f32]) -> Result<bool, StoreError> {
-        self.lock().read(p, emb, state)
-    }
-
-    fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), StoreError> {
-        self.lock().write(p, emb, state)
-    }
-
-    fn sync(&mut self) -> Result<(), StoreError> {
-        self.lock().sync()
-    }
-
-    fn commit(&mut self, progress: &[u8], aux: &[u8]) -> Result<bool, StoreError> {
-        self.lock().commit(progress, aux)
     }
 }
 
@@ -548,22 +474,22 @@ pub fn encode_relations(emb: &[f32], state: &[f32]) -> Vec<u8> {
 
 impl FileStore {
     /// Calls `f` with each partition's embeddings in order, one partition in memory at a
-    /// time; an error from `f` ends the walk and is returned as [`StoreError::Invalid`].
+    /// time; an error from `f` ends the walk and is returned as [`PartitionStoreError::Invalid`].
     pub fn for_each_partition(
         &mut self,
         mut f: impl FnMut(&[f32]) -> Result<(), String>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), PartitionStoreError> {
         self.require_checkpoint()?;
         let spec = self.store.spec().clone();
         for p in 0..spec.num_partitions {
             let (emb, _) = self.committed_partition(p)?;
-            f(&emb).map_err(StoreError::Invalid)?;
+            f(&emb).map_err(PartitionStoreError::Invalid)?;
         }
         Ok(())
     }
 
     /// Partition `p` of the committed checkpoint: embeddings and state.
-    fn committed_partition(&mut self, p: u32) -> Result<(Vec<f32>, Vec<f32>), StoreError> {
+    fn committed_partition(&mut self, p: u32) -> Result<(Vec<f32>, Vec<f32>), PartitionStoreError> {
         let spec = self.store.spec();
         let range = legend_storage::partition_nodes(spec.num_nodes, spec.num_partitions, p);
         let rows = (range.end - range.start) as usize;
@@ -572,7 +498,7 @@ impl FileStore {
             vec![0.0; rows * spec.state_width as usize],
         );
         if !self.read(p, &mut emb, &mut state)? {
-            return Err(StoreError::Invalid(format!(
+            return Err(PartitionStoreError::Invalid(format!(
                 "{}: partition {p} was never written",
                 self.store.path().display()
             )));
@@ -585,7 +511,7 @@ impl FileStore {
     pub fn relations(
         &mut self,
         relation_floats: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>), StoreError> {
+    ) -> Result<(Vec<f32>, Vec<f32>), PartitionStoreError> {
         self.require_checkpoint()?;
         Ok(match self.aux(relation_floats * 8)? {
             Some(bytes) => {
@@ -597,9 +523,9 @@ impl FileStore {
         })
     }
 
-    fn require_checkpoint(&self) -> Result<(), StoreError> {
+    fn require_checkpoint(&self) -> Result<(), PartitionStoreError> {
         if self.store.progress().is_empty() {
-            return Err(StoreError::Invalid(format!(
+            return Err(PartitionStoreError::Invalid(format!(
                 "{}: the run has no checkpoint yet",
                 self.store.path().display()
             )));
@@ -608,7 +534,7 @@ impl FileStore {
     }
 
     /// The whole checkpoint: every partition's rows in order, and the relations.
-    pub fn read_tables(&mut self, relation_floats: usize) -> Result<Tables, StoreError> {
+    pub fn read_tables(&mut self, relation_floats: usize) -> Result<Tables, PartitionStoreError> {
         self.require_checkpoint()?;
         let spec = self.store.spec().clone();
         let rows = spec.num_nodes as usize;

@@ -1,0 +1,111 @@
+//! Where partitions live while they are not resident: in RAM ([`MemoryStore`]) or in an
+//! on-disk store ([`FileStore`]: a file or block device, or an NVMe namespace behind I/O queue
+//! pairs of `legend_nvme` or the userspace proxy controller). The swap path
+//! ([`crate::swap`]) moves partitions between these and the engine's slots.
+
+pub(crate) mod at_rest;
+pub mod controllers;
+pub mod file;
+pub mod location;
+mod memory;
+
+pub use file::{FileStore, FileStoreSpec, MemberFile, PROGRESS_CAPACITY, StoreFile};
+pub use location::{QueueBackend, QueueLocation, StoreMember};
+pub use memory::MemoryStore;
+
+/// The store a run's partitions live in while they are not resident, as the session opened
+/// it: the trainer picks the path between it and the engine's slots from it.
+pub enum PartitionHome {
+    /// In RAM (the `memory` backend).
+    Memory(MemoryStore),
+    /// On disk, or on a namespace behind NVMe queues.
+    File(Box<FileStore>),
+}
+
+/// Where partitions live while they are not resident.
+///
+/// Implemented by the in-RAM store and the on-disk stores.
+pub trait PartitionStore: Send + 'static {
+    /// Reads partition `p` into `emb`/`state` (already sized). Returns `false`, leaving the
+    /// buffers untouched, if the partition was never written: the caller initialises it.
+    fn read(
+        &mut self,
+        p: u32,
+        emb: &mut [f32],
+        state: &mut [f32],
+    ) -> Result<bool, PartitionStoreError>;
+    /// Writes partition `p`.
+    fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), PartitionStoreError>;
+    /// Makes every write so far durable.
+    fn sync(&mut self) -> Result<(), PartitionStoreError> {
+        Ok(())
+    }
+    /// Commits a checkpoint: every partition written so far, `aux` (the relation parameters)
+    /// and `progress`, atomically. Stores without their own checkpoints (RAM) do nothing and
+    /// return `false`; the caller then saves the checkpoint elsewhere.
+    fn commit(&mut self, _progress: &[u8], _aux: &[u8]) -> Result<bool, PartitionStoreError> {
+        Ok(false)
+    }
+    /// Whether the store is process memory: partitions then move in and out of it
+    /// ([`PartitionStore::take`], [`PartitionStore::keep`]) instead of being copied, and a
+    /// checkpoint leaves the resident partitions where they are (with every partition
+    /// resident, a copy would be a second whole table in RAM).
+    fn in_memory(&self) -> bool {
+        false
+    }
+    /// For a store in memory: gives partition `p`'s rows (embeddings, state) away; `None` when
+    /// the store does not hold `p` (never written, or another store kind).
+    fn take(&mut self, _p: u32) -> Option<(Vec<f32>, Vec<f32>)> {
+        None
+    }
+    /// For a store in memory: takes partition `p`'s rows over, as a move (a copy of a 4 GB
+    /// partition, into memory touched for the first time, costs seconds per swap).
+    fn keep(&mut self, p: u32, emb: Vec<f32>, state: Vec<f32>) -> Result<(), PartitionStoreError> {
+        self.write(p, &emb, &state)
+    }
+}
+
+/// A partition store failure, with its cause.
+#[derive(Debug, thiserror::Error)]
+pub enum PartitionStoreError {
+    /// The on-disk store failed.
+    #[error(transparent)]
+    Storage(#[from] legend_storage::StoreError),
+    /// A file of the store could not be created, opened or sized.
+    #[error("{}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The NVMe controller behind the store could not be opened or attached.
+    #[error("{what}")]
+    Controller {
+        /// What was being done, and what to check.
+        what: String,
+        /// Why it failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Moving a partition between the GPU and the store failed.
+    #[error("{what} partition {partition} {path}")]
+    Gpu {
+        /// `writing`, `reading`, `uploading`, `downloading`.
+        what: &'static str,
+        /// The partition.
+        partition: u32,
+        /// `on the GPU` or `through the GPU I/O kernels`.
+        path: &'static str,
+        /// Why.
+        #[source]
+        source: legend_cuda::GpuError,
+    },
+    /// The swap path's I/O thread has stopped (after an earlier failure).
+    #[error("the swap's I/O thread has stopped")]
+    IoThreadStopped,
+    /// The store does not hold what was asked of it (the message says what).
+    #[error("{0}")]
+    Invalid(String),
+}

@@ -1,0 +1,376 @@
+//! The GPU engine's movers: partitions between slots of its node table and the store, through
+//! pinned host memory ([`GpuCopyMover`]) or straight to the SSD with the GPU I/O kernels
+//! ([`GpuDirectMover`]). Both run on the swap's I/O thread with CUDA streams of their own,
+//! ordered against the compute stream by the jobs' fences.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, RingPlacement};
+use legend_cuda::{DEFAULT_CHUNK_BYTES, Gpu, GpuError, RowConverter, RowSpan, Transfer};
+
+use super::host::HostStore;
+use super::{Fence, IoDirection, IoKernelSpan, Moved, Mover, WriteJob};
+use crate::rows::Partition;
+use crate::store::controllers::SharedController;
+use crate::store::{FileStore, PartitionStore, PartitionStoreError};
+
+/// The slots of the GPU engine's node table as its movers reach them: raw device addresses.
+///
+/// The addresses stay valid while the engine lives: the trainer drops its swapper, whose I/O
+/// thread runs every mover, before its engine, which owns the table.
+pub(crate) struct DeviceSlots {
+    /// Each slot's rows (a whole partition's worth; the last partition's may be fewer).
+    pub(crate) spans: Vec<RowSpan>,
+}
+
+impl DeviceSlots {
+    /// The rows partition `p`, of `rows` rows, takes in `slot`.
+    fn span(&self, slot: u32, p: u32, rows: usize) -> Result<RowSpan, PartitionStoreError> {
+        self.spans[slot as usize]
+            .first_rows(rows)
+            .map_err(|e| gpu_error("placing", p, ON_THE_GPU, e))
+    }
+}
+
+const ON_THE_GPU: &str = "on the GPU";
+const THROUGH_THE_KERNELS: &str = "through the GPU I/O kernels";
+
+fn gpu_error(
+    what: &'static str,
+    partition: u32,
+    path: &'static str,
+    source: GpuError,
+) -> PartitionStoreError {
+    PartitionStoreError::Gpu {
+        what,
+        partition,
+        path,
+        source,
+    }
+}
+
+/// Rows of partition `p` in `rest`'s partitioning.
+fn rows_of<S>(rest: &HostStore<S>, p: u32) -> usize {
+    let r = rest.scheme.range(p);
+    (r.end - r.start) as usize
+}
+
+/// Draws never-written partition `p` in `span` on `transfer`'s stream; returns the fence compute
+/// waits for.
+fn draw_on_gpu<S>(
+    transfer: &mut Transfer,
+    rest: &HostStore<S>,
+    p: u32,
+    span: &RowSpan,
+    moved: &mut Moved,
+) -> Result<Fence, PartitionStoreError> {
+    let fail = |e| gpu_error("drawing", p, ON_THE_GPU, e);
+    // SAFETY: the slot's rows are this job's: compute released them (the write that freed the
+    // slot waited for that) and uses them only after the fence returned here.
+    unsafe { transfer.init_span(span, rest.scheme.range(p).start, &rest.init) }.map_err(fail)?;
+    moved.stats.initialised += 1;
+    Ok(Fence::at(transfer.record().map_err(fail)?))
+}
+
+/// Slots to and from the store through pinned host memory: the memory store, the `file`
+/// backend, and stores striped over several queue-backed devices.
+pub(crate) struct GpuCopyMover<S> {
+    rest: HostStore<S>,
+    slots: DeviceSlots,
+    transfer: Transfer,
+    /// Host rows that downloads land in and reads pass through, their memory reused.
+    spare: Vec<Partition>,
+    /// Every partition keeps its slot for the run: a host copy is dropped once uploaded.
+    resident_for_good: bool,
+}
+
+impl<S: PartitionStore> GpuCopyMover<S> {
+    /// A mover for `gpu`'s `slots` over `rest`; `resident_for_good`: no partition ever leaves
+    /// its slot (C = N).
+    pub(crate) fn new(
+        gpu: &Gpu,
+        rest: HostStore<S>,
+        slots: DeviceSlots,
+        resident_for_good: bool,
+    ) -> Result<GpuCopyMover<S>, GpuError> {
+        Ok(GpuCopyMover {
+            rest,
+            slots,
+            transfer: Transfer::new(gpu, DEFAULT_CHUNK_BYTES)?,
+            spare: Vec::new(),
+            resident_for_good,
+        })
+    }
+}
+
+impl<S: PartitionStore> Mover for GpuCopyMover<S> {
+    fn write(
+        &mut self,
+        job: WriteJob,
+        moved: &mut Moved,
+    ) -> Result<Option<Partition>, PartitionStoreError> {
+        let p = job.p;
+        let fail = |e| gpu_error("downloading", p, ON_THE_GPU, e);
+        let span = self.slots.span(job.slot, p, rows_of(&self.rest, p))?;
+        if let Some(ev) = job.after.event() {
+            self.transfer.wait(ev).map_err(fail)?;
+        }
+        // A memory store's stale copy of `p` (kept when it was uploaded) takes the rows back:
+        // no memory is touched for the first time.
+        let host = match self.rest.store.take(p) {
+            Some((emb, state)) => Partition { id: p, emb, state },
+            None => self.spare.pop().unwrap_or_else(|| Partition::empty(p)),
+        };
+        let mut host = self.rest.sized(p, host);
+        let t = Instant::now();
+        // SAFETY: the table outlives the swapper (see `DeviceSlots`); after `job.after` nothing
+        // on the compute stream touches the slot, and a read into it is queued after this job.
+        unsafe {
+            self.transfer
+                .download_span(&span, &mut host.emb, &mut host.state)
+        }
+        .map_err(fail)?;
+        moved.stats.copy_time += t.elapsed();
+        self.spare.extend(self.rest.write(host, moved)?);
+        Ok(None)
+    }
+
+    fn read(
+        &mut self,
+        p: u32,
+        slot: u32,
+        moved: &mut Moved,
+    ) -> Result<(Option<Partition>, Fence), PartitionStoreError> {
+        let fail = |e| gpu_error("uploading", p, ON_THE_GPU, e);
+        let span = self.slots.span(slot, p, rows_of(&self.rest, p))?;
+        let spare = self.spare.pop().unwrap_or_else(|| Partition::empty(p));
+        let (host, found) = self.rest.read(p, spare, moved)?;
+        if !found {
+            self.spare.push(host);
+            let ready = draw_on_gpu(&mut self.transfer, &self.rest, p, &span, moved)?;
+            return Ok((None, ready));
+        }
+        let t = Instant::now();
+        // SAFETY: as in `write`; the slot's previous partition was copied out first on this
+        // stream, and compute waits for the fence before it uses the slot. The host rows are
+        // staged when the call returns.
+        unsafe { self.transfer.upload_span(&host.emb, &host.state, &span) }.map_err(fail)?;
+        moved.stats.copy_time += t.elapsed();
+        let ready = Fence::at(self.transfer.record().map_err(fail)?);
+        if self.resident_for_good {
+            // The slot holds the rows for the whole run: the host copy's memory goes back (a
+            // whole table, resuming a run in GPU memory).
+            drop(host);
+        } else if self.rest.store.in_memory() {
+            // Stale from the first step, but its memory takes the rows back at the write.
+            self.rest.store.keep(p, host.emb, host.state)?;
+        } else {
+            self.spare.push(host);
+        }
+        Ok((None, ready))
+    }
+
+    fn lend(&mut self, p: u32) -> Result<(Partition, bool), PartitionStoreError> {
+        self.rest.lend(p)
+    }
+
+    fn store(&mut self) -> &mut dyn PartitionStore {
+        &mut self.rest.store
+    }
+}
+
+/// Slots straight to and from an SSD (or the proxy controller) with the GPU I/O kernels: the
+/// evicted slot is copied (narrowed, for 16-bit rows) into a staging region the controller can
+/// reach, the kernels write it to the partition's extent, and a read runs the other way.
+pub(crate) struct GpuDirectMover {
+    rest: HostStore<FileStore>,
+    slots: DeviceSlots,
+    io: GpuIo,
+    /// The staging region: a partition as the store lays it out ([embeddings | state], padded
+    /// to the LBA size).
+    staging: usize,
+    /// 16-bit node rows: the conversion between a slot's f32 embeddings and the store's.
+    converter: Option<RowConverter>,
+    /// Draws never-written partitions in their slots.
+    transfer: Transfer,
+}
+
+impl GpuDirectMover {
+    /// A mover for `gpu`'s `slots` over `rest`, whose store is behind the NVMe queues of
+    /// `controller`.
+    pub(crate) fn new(
+        gpu: &Gpu,
+        rest: HostStore<FileStore>,
+        slots: DeviceSlots,
+        controller: &SharedController,
+    ) -> Result<GpuDirectMover, PartitionStoreError> {
+        let setup = |e| PartitionStoreError::Controller {
+            what: "setting up the GPU I/O kernels' queues".into(),
+            source: Box::new(e),
+        };
+        let placement = match controller {
+            SharedController::Proxy(p) => {
+                // The proxy moves the kernels' data with this GPU's copy engine.
+                let memory = CudaDeviceMemory::new(gpu).map_err(setup)?;
+                p.attach_device(Arc::new(memory))
+                    .map_err(|e| PartitionStoreError::Controller {
+                        what: "attaching the GPU to the proxy controller".into(),
+                        source: Box::new(e),
+                    })?;
+                RingPlacement::Host
+            }
+            SharedController::Device(_) => RingPlacement::Device,
+        };
+        let opts = GpuIoOptions {
+            placement,
+            ..GpuIoOptions::default()
+        };
+        let mut io = GpuIo::open(gpu, controller.controller(), &opts).map_err(setup)?;
+        let staging = io
+            .alloc(gpu, rest.store.max_partition_bytes())
+            .map_err(setup)?;
+        tracing::info!(
+            "partition swaps through the GPU I/O kernels: {} queue pairs of depth {} on {}",
+            opts.queues,
+            io.depth(),
+            match placement {
+                RingPlacement::Host => "pinned host memory (the proxy controller)",
+                RingPlacement::Device => "GPU memory",
+            }
+        );
+        Ok(GpuDirectMover {
+            converter: RowConverter::new(gpu, rest.init.node_dtype),
+            transfer: Transfer::new(gpu, DEFAULT_CHUNK_BYTES).map_err(setup)?,
+            rest,
+            slots,
+            io,
+            staging,
+        })
+    }
+
+    /// Moves partition `p` between the staging region and its extent of the store with one
+    /// launch of the I/O kernels, recorded in `moved`.
+    fn move_staging(
+        &mut self,
+        p: u32,
+        write: bool,
+        moved: &mut Moved,
+    ) -> Result<(), PartitionStoreError> {
+        let (at, len) = self.rest.store.io_extent(p, write)?;
+        let job = GpuIoJob {
+            region: self.staging,
+            offset: 0,
+            bytes: len,
+            at,
+            write,
+        };
+        let started = Instant::now();
+        let (what, op) = if write {
+            ("writing", IoDirection::Write)
+        } else {
+            ("reading", IoDirection::Read)
+        };
+        let run = self
+            .io
+            .run(&[job], false)
+            .map_err(|e| gpu_error(what, p, THROUGH_THE_KERNELS, e))?;
+        moved.kernels.push((
+            started,
+            IoKernelSpan {
+                op,
+                partition: p,
+                start_s: 0.0,
+                seconds: run.seconds,
+                commands: run.commands,
+                bytes: run.bytes,
+            },
+        ));
+        Ok(())
+    }
+
+    /// Bytes partition `p` takes at rest.
+    fn bytes(&self, p: u32) -> u64 {
+        rows_of(&self.rest, p) as u64 * self.rest.shape.bytes()
+    }
+}
+
+impl Mover for GpuDirectMover {
+    fn write(
+        &mut self,
+        job: WriteJob,
+        moved: &mut Moved,
+    ) -> Result<Option<Partition>, PartitionStoreError> {
+        let p = job.p;
+        let fail = |e| gpu_error("writing", p, THROUGH_THE_KERNELS, e);
+        let span = self.slots.span(job.slot, p, rows_of(&self.rest, p))?;
+        let [(emb, emb_bytes), (state, state_bytes)] = span.addrs();
+        let base = self.io.region_addr(self.staging).map_err(fail)?;
+        if let Some(ev) = job.after.event() {
+            self.io.wait(ev).map_err(fail)?;
+        }
+        // SAFETY: the table outlives the swapper (see `DeviceSlots`); after `job.after` nothing
+        // on the compute stream touches the slot; the staging region is this mover's, and its
+        // stream runs one job at a time.
+        unsafe {
+            let stored = match &self.converter {
+                None => self.io.copy(base, emb, emb_bytes).map(|()| emb_bytes),
+                Some(c) => c
+                    .narrow(self.io.stream(), emb, base, emb_bytes / 4)
+                    .map(|()| c.bytes(emb_bytes / 4).next_multiple_of(4)),
+            }
+            .map_err(fail)?;
+            self.io
+                .copy(base + stored as u64, state, state_bytes)
+                .map_err(fail)?;
+        }
+        self.move_staging(p, true, moved)?;
+        self.rest.store.mark_written(p)?;
+        moved.stats.writes += 1;
+        moved.stats.bytes_written += self.bytes(p);
+        Ok(None)
+    }
+
+    fn read(
+        &mut self,
+        p: u32,
+        slot: u32,
+        moved: &mut Moved,
+    ) -> Result<(Option<Partition>, Fence), PartitionStoreError> {
+        let fail = |e| gpu_error("reading", p, THROUGH_THE_KERNELS, e);
+        let span = self.slots.span(slot, p, rows_of(&self.rest, p))?;
+        if !self.rest.store.is_initialized(p)? {
+            let ready = draw_on_gpu(&mut self.transfer, &self.rest, p, &span, moved)?;
+            return Ok((None, ready));
+        }
+        self.move_staging(p, false, moved)?;
+        let [(emb, emb_bytes), (state, state_bytes)] = span.addrs();
+        let base = self.io.region_addr(self.staging).map_err(fail)?;
+        // SAFETY: as in `write`: the slot's previous partition was copied out first on this
+        // stream (or drawn by a launch `run` waited behind), and compute waits for the fence
+        // before it uses the slot.
+        unsafe {
+            let stored = match &self.converter {
+                None => self.io.copy(emb, base, emb_bytes).map(|()| emb_bytes),
+                Some(c) => c
+                    .widen(self.io.stream(), base, emb, emb_bytes / 4)
+                    .map(|()| c.bytes(emb_bytes / 4).next_multiple_of(4)),
+            }
+            .map_err(fail)?;
+            self.io
+                .copy(state, base + stored as u64, state_bytes)
+                .map_err(fail)?;
+        }
+        moved.stats.reads += 1;
+        moved.stats.bytes_read += self.bytes(p);
+        Ok((None, Fence::at(self.io.record().map_err(fail)?)))
+    }
+
+    fn lend(&mut self, p: u32) -> Result<(Partition, bool), PartitionStoreError> {
+        self.rest.lend(p)
+    }
+
+    fn store(&mut self) -> &mut dyn PartitionStore {
+        &mut self.rest.store
+    }
+}
