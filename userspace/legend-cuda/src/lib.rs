@@ -30,7 +30,7 @@ pub use engine::{
     rng_vectors,
 };
 pub use gpu::{Gpu, driver_present};
-pub use transfer::{DEFAULT_CHUNK_BYTES, RowSpan, Transfer};
+pub use transfer::{DEFAULT_CHUNK_BYTES, RowSpan, Transfer, addr};
 
 /// cudarc's types that the engine's API hands out (events ordering streams, device buffers).
 pub use cudarc::driver::{CudaEvent, CudaSlice, CudaView};

@@ -118,9 +118,9 @@ impl RowSpan {
     }
 }
 
-/// The device address of a buffer (event tracking is off, see `Gpu::new`: the guard records
-/// nothing).
-fn addr<T>(s: &CudaSlice<T>) -> CUdeviceptr {
+/// The device address of a buffer, for the raw copies ([`Transfer::upload_raw`]). Event
+/// tracking is off (see `Gpu::new`): the guard records nothing.
+pub fn addr<T>(s: &CudaSlice<T>) -> CUdeviceptr {
     let (p, _guard) = s.device_ptr(s.stream());
     p
 }

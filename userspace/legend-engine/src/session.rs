@@ -404,7 +404,7 @@ impl Session {
             };
             (PartitionHome::Memory(store), relations, position)
         } else {
-            let home = PartitionHome::Memory(MemoryStore::default());
+            let home = PartitionHome::Memory(MemoryStore::new(config.storage.dtype));
             (home, fresh_relations(), Position::default())
         };
         let epochs = config.training.num_epochs;

@@ -167,6 +167,13 @@ impl Trainer {
         let plan = legend_planner::plan(scheme.num_partitions, config.capacity(), config.order())?;
         let t = &config.training;
         let slots = config.slots();
+        if let PartitionHome::Memory(s) = &home {
+            assert_eq!(
+                s.dtype(),
+                config.storage.dtype,
+                "a memory store keeps the run's storage.dtype"
+            );
+        }
         let in_memory = matches!(home, PartitionHome::Memory(_));
         let (compute, mover, host_rows): (Box<dyn ComputeBackend>, Box<dyn Mover>, bool) =
             match engine {

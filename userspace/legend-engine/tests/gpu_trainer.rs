@@ -80,7 +80,7 @@ fn train(
     let init = config.init();
     let (store, relations, epochs) = match resumed {
         None => (
-            MemoryStore::default(),
+            MemoryStore::new(config.storage.dtype),
             Relations::init(
                 config.decoder(),
                 config.relation_rows(u64::from(RELATIONS)) as usize,

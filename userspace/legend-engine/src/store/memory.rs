@@ -1,42 +1,117 @@
-//! The `memory` backend's store: partitions kept in RAM outside the resident set.
+//! The `memory` backend's store: partitions kept in RAM outside the resident set, their
+//! embeddings in `storage.dtype` (16-bit rows take half the RAM of f32 ones).
 
 use legend_dataset::PartitionScheme;
+use legend_model::Dtype;
 use rustc_hash::FxHashMap;
 
+use super::at_rest::{narrow, widen};
 use super::{PartitionStore, PartitionStoreError};
 use crate::rows::RowShape;
 
-/// Partitions kept in RAM while they are not resident: the `memory` backend when C < N.
+/// A partition's embeddings as a memory store keeps them.
+#[derive(Debug)]
+pub enum Embeddings {
+    /// f32 values (`storage.dtype = "f32"`): moved in and out of the store, never copied.
+    F32(Vec<f32>),
+    /// The bits of 16-bit values (`bf16`, `f16`): converted on the way in and out.
+    Bits16(Vec<u16>),
+}
+
+impl Embeddings {
+    /// Values in the store.
+    pub fn len(&self) -> usize {
+        match self {
+            Embeddings::F32(v) => v.len(),
+            Embeddings::Bits16(v) => v.len(),
+        }
+    }
+
+    /// Whether it holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Partitions kept in RAM while they are not resident: the `memory` backend when C < N (and
+/// the checkpoint a resumed run starts from).
 #[derive(Default)]
 pub struct MemoryStore {
-    parts: FxHashMap<u32, (Vec<f32>, Vec<f32>)>,
+    dtype: Dtype,
+    parts: FxHashMap<u32, (Embeddings, Vec<f32>)>,
 }
 
 impl MemoryStore {
-    /// A store holding whole tables (`entities` rows of `shape` each), split by `scheme`:
-    /// resuming a run.
-    /// The tables are cut from their ends, each partition copied out and the rest shrunk, and
-    /// what remains is partition 0 itself, so that resuming holds the tables once and at most
-    /// one partition twice (none with one partition).
+    /// An empty store keeping embeddings in `dtype`.
+    pub fn new(dtype: Dtype) -> MemoryStore {
+        MemoryStore {
+            dtype,
+            parts: FxHashMap::default(),
+        }
+    }
+
+    /// A store holding whole tables (`entities` rows of `shape` each, f32 values `shape.dtype`
+    /// represents), split by `scheme`: resuming a run.
+    /// The tables are cut from their ends, each partition copied out (narrowed, in a 16-bit
+    /// format) and the rest shrunk, and what remains is partition 0 itself, so that resuming
+    /// holds the tables once and at most one partition twice (none with one partition).
     pub fn from_tables(
         scheme: PartitionScheme,
         shape: RowShape,
         mut emb: Vec<f32>,
         mut state: Vec<f32>,
     ) -> MemoryStore {
-        let mut parts = FxHashMap::default();
+        let mut store = MemoryStore::new(shape.dtype);
         for p in (1..scheme.num_partitions).rev() {
             let start = scheme.range(p).start as usize;
             let part = (
-                emb.split_off(start * shape.dim),
+                store.at_rest(emb.split_off(start * shape.dim)),
                 state.split_off(start * shape.state),
             );
             emb.shrink_to_fit();
             state.shrink_to_fit();
-            parts.insert(p, part);
+            store.parts.insert(p, part);
         }
-        parts.insert(0, (emb, state));
-        MemoryStore { parts }
+        let first = (store.at_rest(emb), state);
+        store.parts.insert(0, first);
+        store
+    }
+
+    /// The store's form of `values`.
+    fn at_rest(&self, values: Vec<f32>) -> Embeddings {
+        if !self.dtype.is_narrow() {
+            return Embeddings::F32(values);
+        }
+        let mut bits = vec![0u16; values.len()];
+        narrow(self.dtype, &values, bytemuck::cast_slice_mut(&mut bits));
+        Embeddings::Bits16(bits)
+    }
+
+    /// The format it keeps embeddings in.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Bytes the store holds (embeddings at rest and AdaGrad state).
+    pub fn bytes(&self) -> u64 {
+        self.parts
+            .values()
+            .map(|(e, s)| (e.len() * self.dtype.bytes() + s.len() * 4) as u64)
+            .sum()
+    }
+}
+
+/// `emb` widened into `out` (resized).
+pub(crate) fn widen_into(dtype: Dtype, emb: &Embeddings, out: &mut Vec<f32>) {
+    match emb {
+        Embeddings::F32(v) => {
+            out.clear();
+            out.extend_from_slice(v);
+        }
+        Embeddings::Bits16(bits) => {
+            out.resize(bits.len(), 0.0);
+            widen(dtype, bytemuck::cast_slice(bits), out);
+        }
     }
 }
 
@@ -48,8 +123,13 @@ impl PartitionStore for MemoryStore {
         state: &mut [f32],
     ) -> Result<bool, PartitionStoreError> {
         match self.parts.get(&p) {
-            Some((e, s)) => {
+            Some((Embeddings::F32(e), s)) => {
                 emb.copy_from_slice(e);
+                state.copy_from_slice(s);
+                Ok(true)
+            }
+            Some((Embeddings::Bits16(bits), s)) => {
+                widen(self.dtype, bytemuck::cast_slice(bits), emb);
                 state.copy_from_slice(s);
                 Ok(true)
             }
@@ -61,19 +141,46 @@ impl PartitionStore for MemoryStore {
         true
     }
 
-    fn take(&mut self, p: u32) -> Option<(Vec<f32>, Vec<f32>)> {
+    fn take_stored(&mut self, p: u32) -> Option<(Embeddings, Vec<f32>)> {
         self.parts.remove(&p)
     }
 
-    fn keep(&mut self, p: u32, emb: Vec<f32>, state: Vec<f32>) -> Result<(), PartitionStoreError> {
+    fn keep_stored(
+        &mut self,
+        p: u32,
+        emb: Embeddings,
+        state: Vec<f32>,
+    ) -> Result<(), PartitionStoreError> {
+        let emb = match emb {
+            Embeddings::F32(v) if self.dtype.is_narrow() => self.at_rest(v),
+            other => other,
+        };
         self.parts.insert(p, (emb, state));
         Ok(())
     }
 
     fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), PartitionStoreError> {
-        let entry = self.parts.entry(p).or_default();
-        entry.0.clear();
-        entry.0.extend_from_slice(emb);
+        let dtype = self.dtype;
+        let entry = self
+            .parts
+            .entry(p)
+            .or_insert_with(|| (Embeddings::F32(Vec::new()), Vec::new()));
+        match (&mut entry.0, dtype.is_narrow()) {
+            (Embeddings::Bits16(bits), true) => {
+                bits.resize(emb.len(), 0);
+                narrow(dtype, emb, bytemuck::cast_slice_mut(bits));
+            }
+            (_, true) => {
+                let mut bits = vec![0u16; emb.len()];
+                narrow(dtype, emb, bytemuck::cast_slice_mut(&mut bits));
+                entry.0 = Embeddings::Bits16(bits);
+            }
+            (Embeddings::F32(v), false) => {
+                v.clear();
+                v.extend_from_slice(emb);
+            }
+            (_, false) => entry.0 = Embeddings::F32(emb.to_vec()),
+        }
         entry.1.clear();
         entry.1.extend_from_slice(state);
         Ok(())
@@ -95,7 +202,9 @@ mod tests {
             let scheme = PartitionScheme::new(entities, n).unwrap();
             let mut store = MemoryStore::from_tables(scheme, shape, emb.clone(), state.clone());
             for p in 0..n {
-                let (e, s) = store.take(p).unwrap();
+                let Some((Embeddings::F32(e), s)) = store.take_stored(p) else {
+                    panic!("partition {p} kept as f32");
+                };
                 let rows = scheme.range(p);
                 let floats = rows.start as usize * dim..rows.end as usize * dim;
                 assert!(
@@ -108,6 +217,37 @@ mod tests {
         let scheme = PartitionScheme::new(entities, 1).unwrap();
         let at = emb.as_ptr();
         let mut store = MemoryStore::from_tables(scheme, shape, emb, state);
-        assert_eq!(store.take(0).unwrap().0.as_ptr(), at);
+        let Some((Embeddings::F32(e), _)) = store.take_stored(0) else {
+            panic!("kept as f32")
+        };
+        assert_eq!(e.as_ptr(), at);
+    }
+
+    #[test]
+    fn sixteen_bit_rows_take_half_the_embeddings_memory_and_read_back_exactly() {
+        let (entities, dim) = (1_000u64, 8usize);
+        let shape = RowShape::new(dim, StateLayout::Row).with_dtype(Dtype::Bf16);
+        let scheme = PartitionScheme::new(entities, 4).unwrap();
+        // Values bf16 represents (the engine rounds every row it writes).
+        let emb: Vec<f32> = (0..entities as usize * dim)
+            .map(|i| Dtype::Bf16.round_nearest(i as f32 * 0.37 - 900.0))
+            .collect();
+        let state: Vec<f32> = (0..entities).map(|i| i as f32).collect();
+        let mut store = MemoryStore::from_tables(scheme, shape, emb.clone(), state.clone());
+        assert_eq!(store.bytes(), entities * (dim as u64 * 2 + 4));
+        let rows = scheme.range(2);
+        let (mut got, mut got_state) = (vec![0.0; 250 * dim], vec![0.0; 250]);
+        assert!(store.read(2, &mut got, &mut got_state).unwrap());
+        assert_eq!(got, emb[rows.start as usize * dim..rows.end as usize * dim]);
+        assert_eq!(got_state, state[rows.start as usize..rows.end as usize]);
+        // Written back as f32 values, kept as 16 bits.
+        store.write(2, &got, &got_state).unwrap();
+        assert_eq!(store.bytes(), entities * (dim as u64 * 2 + 4));
+        let Some((Embeddings::Bits16(bits), _)) = store.take_stored(2) else {
+            panic!("kept as bits")
+        };
+        let mut back = Vec::new();
+        widen_into(Dtype::Bf16, &Embeddings::Bits16(bits), &mut back);
+        assert_eq!(back, got);
     }
 }

@@ -7,11 +7,11 @@ pub(crate) mod at_rest;
 pub mod controllers;
 pub mod file;
 pub mod location;
-mod memory;
+pub(crate) mod memory;
 
 pub use file::{FileStore, FileStoreSpec, MemberFile, PROGRESS_CAPACITY, StoreFile};
 pub use location::{QueueBackend, QueueLocation, StoreMember};
-pub use memory::MemoryStore;
+pub use memory::{Embeddings, MemoryStore};
 
 /// The store a run's partitions live in while they are not resident, as the session opened
 /// it: the trainer picks the path between it and the engine's slots from it.
@@ -47,21 +47,33 @@ pub trait PartitionStore: Send + 'static {
         Ok(false)
     }
     /// Whether the store is process memory: partitions then move in and out of it
-    /// ([`PartitionStore::take`], [`PartitionStore::keep`]) instead of being copied, and a
-    /// checkpoint leaves the resident partitions where they are (with every partition
-    /// resident, a copy would be a second whole table in RAM).
+    /// ([`PartitionStore::take_stored`], [`PartitionStore::keep_stored`]) instead of being
+    /// copied, and a checkpoint leaves the resident partitions where they are (with every
+    /// partition resident, a copy would be a second whole table in RAM).
     fn in_memory(&self) -> bool {
         false
     }
-    /// For a store in memory: gives partition `p`'s rows (embeddings, state) away; `None` when
-    /// the store does not hold `p` (never written, or another store kind).
-    fn take(&mut self, _p: u32) -> Option<(Vec<f32>, Vec<f32>)> {
+    /// For a store in memory: gives partition `p`'s rows away as it keeps them (embeddings in
+    /// its format, state); `None` when the store does not hold `p` (never written, or another
+    /// store kind).
+    fn take_stored(&mut self, _p: u32) -> Option<(Embeddings, Vec<f32>)> {
         None
     }
-    /// For a store in memory: takes partition `p`'s rows over, as a move (a copy of a 4 GB
-    /// partition, into memory touched for the first time, costs seconds per swap).
-    fn keep(&mut self, p: u32, emb: Vec<f32>, state: Vec<f32>) -> Result<(), PartitionStoreError> {
-        self.write(p, &emb, &state)
+    /// For a store in memory: takes partition `p`'s rows over, as a move when they are in its
+    /// format (a copy of a 4 GB partition, into memory touched for the first time, costs
+    /// seconds per swap); f32 embeddings are narrowed to a 16-bit store's format.
+    fn keep_stored(
+        &mut self,
+        p: u32,
+        emb: Embeddings,
+        state: Vec<f32>,
+    ) -> Result<(), PartitionStoreError> {
+        match emb {
+            Embeddings::F32(values) => self.write(p, &values, &state),
+            Embeddings::Bits16(_) => Err(PartitionStoreError::Invalid(format!(
+                "partition {p}: only a memory store keeps rows as 16-bit bits"
+            ))),
+        }
     }
 }
 

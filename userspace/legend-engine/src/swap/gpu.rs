@@ -7,13 +7,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, RingPlacement};
-use legend_cuda::{DEFAULT_CHUNK_BYTES, Gpu, GpuError, RowConverter, RowSpan, Transfer};
+use legend_cuda::{
+    CudaSlice, DEFAULT_CHUNK_BYTES, Gpu, GpuError, RowConverter, RowSpan, Transfer, addr,
+};
 
 use super::host::HostStore;
 use super::{Fence, IoDirection, IoKernelSpan, Moved, Mover, WriteJob};
 use crate::rows::Partition;
 use crate::store::controllers::SharedController;
-use crate::store::{FileStore, PartitionStore, PartitionStoreError};
+use crate::store::{Embeddings, FileStore, PartitionStore, PartitionStoreError};
 
 /// The slots of the GPU engine's node table as its movers reach them: raw device addresses.
 ///
@@ -79,7 +81,11 @@ pub(crate) struct GpuCopyMover<S> {
     rest: HostStore<S>,
     slots: DeviceSlots,
     transfer: Transfer,
-    /// Host rows that downloads land in and reads pass through, their memory reused.
+    /// 16-bit rows in a memory store: a slot's embeddings are narrowed here on the GPU before
+    /// their download and widened from here after their upload, so that host RAM and the
+    /// copies hold 2 bytes an element.
+    narrow: Option<(RowConverter, CudaSlice<u16>)>,
+    /// Host rows that a file store's partitions pass through, their memory reused.
     spare: Vec<Partition>,
     /// Every partition keeps its slot for the run: a host copy is dropped once uploaded.
     resident_for_good: bool,
@@ -94,13 +100,97 @@ impl<S: PartitionStore> GpuCopyMover<S> {
         slots: DeviceSlots,
         resident_for_good: bool,
     ) -> Result<GpuCopyMover<S>, GpuError> {
+        let dtype = rest.shape.dtype;
+        let narrow = match RowConverter::new(gpu, dtype) {
+            Some(c) if rest.store.in_memory() => {
+                let values = rest.scheme.rows_per_partition as usize * rest.shape.dim;
+                Some((c, gpu.zeros::<u16>(values)?))
+            }
+            _ => None,
+        };
         Ok(GpuCopyMover {
             rest,
             slots,
             transfer: Transfer::new(gpu, DEFAULT_CHUNK_BYTES)?,
+            narrow,
             spare: Vec::new(),
             resident_for_good,
         })
+    }
+
+    /// Copies `span`'s rows into a memory store's form, reusing `stale`'s memory (the copy
+    /// the store kept when the partition was uploaded).
+    ///
+    /// # Safety
+    /// Nothing else may touch the slot's rows until the call returns.
+    unsafe fn download_stored(
+        &mut self,
+        span: &RowSpan,
+        stale: Option<(Embeddings, Vec<f32>)>,
+    ) -> Result<(Embeddings, Vec<f32>), GpuError> {
+        let (emb, mut state) = stale.unwrap_or((Embeddings::F32(Vec::new()), Vec::new()));
+        let [(emb_at, emb_bytes), (state_at, state_bytes)] = span.addrs();
+        state.resize(state_bytes / 4, 0.0);
+        let values = emb_bytes / 4;
+        let emb = match &self.narrow {
+            None => {
+                let mut v = match emb {
+                    Embeddings::F32(v) => v,
+                    Embeddings::Bits16(_) => Vec::new(),
+                };
+                v.resize(values, 0.0);
+                // SAFETY: the caller's contract; the span is the slot's.
+                unsafe { self.transfer.download_raw(emb_at, &mut v) }?;
+                Embeddings::F32(v)
+            }
+            Some((converter, staging)) => {
+                let mut bits = match emb {
+                    Embeddings::Bits16(b) => b,
+                    Embeddings::F32(_) => Vec::new(),
+                };
+                bits.resize(values, 0);
+                // SAFETY: as above; the staging buffer is this mover's, and its stream runs one
+                // job at a time (the narrowing runs before the download on it).
+                unsafe {
+                    converter.narrow(self.transfer.stream(), emb_at, addr(staging), values)?;
+                    self.transfer.download_raw(addr(staging), &mut bits)?;
+                }
+                Embeddings::Bits16(bits)
+            }
+        };
+        // SAFETY: as above.
+        unsafe { self.transfer.download_raw(state_at, &mut state) }?;
+        Ok((emb, state))
+    }
+
+    /// Queues the copy of a memory store's rows into `span`'s.
+    ///
+    /// # Safety
+    /// Nothing else may touch the slot's rows until the transfer stream has run the copies.
+    unsafe fn upload_stored(
+        &mut self,
+        span: &RowSpan,
+        emb: &Embeddings,
+        state: &[f32],
+    ) -> Result<(), GpuError> {
+        let [(emb_at, _), (state_at, _)] = span.addrs();
+        // SAFETY: the caller's contract; the staging buffer is this mover's, and the widening
+        // runs after the upload on its stream.
+        unsafe {
+            match (emb, &self.narrow) {
+                (Embeddings::F32(v), _) => self.transfer.upload_raw(v, emb_at)?,
+                (Embeddings::Bits16(bits), Some((converter, staging))) => {
+                    self.transfer.upload_raw(bits, addr(staging))?;
+                    converter.widen(self.transfer.stream(), addr(staging), emb_at, bits.len())?;
+                }
+                (Embeddings::Bits16(_), None) => {
+                    return Err(GpuError::Shape(
+                        "16-bit rows without their conversion kernels".into(),
+                    ));
+                }
+            }
+            self.transfer.upload_raw(state, state_at)
+        }
     }
 }
 
@@ -116,16 +206,22 @@ impl<S: PartitionStore> Mover for GpuCopyMover<S> {
         if let Some(ev) = job.after.event() {
             self.transfer.wait(ev).map_err(fail)?;
         }
-        // A memory store's stale copy of `p` (kept when it was uploaded) takes the rows back:
-        // no memory is touched for the first time.
-        let host = match self.rest.store.take(p) {
-            Some((emb, state)) => Partition { id: p, emb, state },
-            None => self.spare.pop().unwrap_or_else(|| Partition::empty(p)),
-        };
-        let mut host = self.rest.sized(p, host);
         let t = Instant::now();
-        // SAFETY: the table outlives the swapper (see `DeviceSlots`); after `job.after` nothing
-        // on the compute stream touches the slot, and a read into it is queued after this job.
+        if self.rest.store.in_memory() {
+            let stale = self.rest.store.take_stored(p);
+            // SAFETY: the table outlives the swapper (see `DeviceSlots`); after `job.after`
+            // nothing on the compute stream touches the slot, and a read into it is queued
+            // after this job.
+            let (emb, state) = unsafe { self.download_stored(&span, stale) }.map_err(fail)?;
+            moved.stats.copy_time += t.elapsed();
+            self.rest.store.keep_stored(p, emb, state)?;
+            moved.stats.writes += 1;
+            moved.stats.bytes_written += rows_of(&self.rest, p) as u64 * self.rest.shape.bytes();
+            return Ok(None);
+        }
+        let host = self.spare.pop().unwrap_or_else(|| Partition::empty(p));
+        let mut host = self.rest.sized(p, host);
+        // SAFETY: as above.
         unsafe {
             self.transfer
                 .download_span(&span, &mut host.emb, &mut host.state)
@@ -144,6 +240,28 @@ impl<S: PartitionStore> Mover for GpuCopyMover<S> {
     ) -> Result<(Option<Partition>, Fence), PartitionStoreError> {
         let fail = |e| gpu_error("uploading", p, ON_THE_GPU, e);
         let span = self.slots.span(slot, p, rows_of(&self.rest, p))?;
+        let t = Instant::now();
+        if self.rest.store.in_memory() {
+            let Some((emb, state)) = self.rest.store.take_stored(p) else {
+                let ready = draw_on_gpu(&mut self.transfer, &self.rest, p, &span, moved)?;
+                return Ok((None, ready));
+            };
+            // SAFETY: as in `write`; the slot's previous partition was copied out first on this
+            // stream, and compute waits for the fence before it uses the slot. The host rows are
+            // staged when the call returns.
+            unsafe { self.upload_stored(&span, &emb, &state) }.map_err(fail)?;
+            moved.stats.copy_time += t.elapsed();
+            moved.stats.reads += 1;
+            moved.stats.bytes_read += rows_of(&self.rest, p) as u64 * self.rest.shape.bytes();
+            if !self.resident_for_good {
+                // Stale from the first step, but its memory takes the rows back at the write.
+                self.rest.store.keep_stored(p, emb, state)?;
+            }
+            // Else the slot holds the rows for the whole run: the host copy's memory goes back
+            // (a whole table, resuming a run in GPU memory).
+            let ready = Fence::at(self.transfer.record().map_err(fail)?);
+            return Ok((None, ready));
+        }
         let spare = self.spare.pop().unwrap_or_else(|| Partition::empty(p));
         let (host, found) = self.rest.read(p, spare, moved)?;
         if !found {
@@ -151,24 +269,11 @@ impl<S: PartitionStore> Mover for GpuCopyMover<S> {
             let ready = draw_on_gpu(&mut self.transfer, &self.rest, p, &span, moved)?;
             return Ok((None, ready));
         }
-        let t = Instant::now();
-        // SAFETY: as in `write`; the slot's previous partition was copied out first on this
-        // stream, and compute waits for the fence before it uses the slot. The host rows are
-        // staged when the call returns.
+        // SAFETY: as above.
         unsafe { self.transfer.upload_span(&host.emb, &host.state, &span) }.map_err(fail)?;
         moved.stats.copy_time += t.elapsed();
-        let ready = Fence::at(self.transfer.record().map_err(fail)?);
-        if self.resident_for_good {
-            // The slot holds the rows for the whole run: the host copy's memory goes back (a
-            // whole table, resuming a run in GPU memory).
-            drop(host);
-        } else if self.rest.store.in_memory() {
-            // Stale from the first step, but its memory takes the rows back at the write.
-            self.rest.store.keep(p, host.emb, host.state)?;
-        } else {
-            self.spare.push(host);
-        }
-        Ok((None, ready))
+        self.spare.push(host);
+        Ok((None, Fence::at(self.transfer.record().map_err(fail)?)))
     }
 
     fn lend(&mut self, p: u32) -> Result<(Partition, bool), PartitionStoreError> {

@@ -8,7 +8,9 @@ use rayon::prelude::*;
 
 use super::{Fence, Moved, Mover, WriteJob};
 use crate::rows::{Partition, RowMut, RowShape};
-use crate::store::{PartitionStore, PartitionStoreError};
+use crate::store::at_rest::narrow;
+use crate::store::memory::widen_into;
+use crate::store::{Embeddings, PartitionStore, PartitionStoreError};
 
 /// The CPU engine's resident partitions, by partition: compute reads and updates their rows
 /// in place; a partition's memory travels to the I/O thread with its write and comes back
@@ -146,8 +148,17 @@ impl<S: PartitionStore> HostStore<S> {
         spare: Partition,
         moved: &mut Moved,
     ) -> Result<(Partition, bool), PartitionStoreError> {
-        let part = match self.store.take(p) {
-            Some((emb, state)) => Partition { id: p, emb, state },
+        let part = match self.store.take_stored(p) {
+            Some((Embeddings::F32(emb), state)) => Partition { id: p, emb, state },
+            Some((bits, state)) => {
+                // 16-bit rows widened into `spare`'s memory; the bits go (the partition is
+                // resident now, and its next write narrows it again).
+                let mut part = spare;
+                part.id = p;
+                widen_into(self.shape.dtype, &bits, &mut part.emb);
+                part.state = state;
+                part
+            }
             None => {
                 let mut part = self.sized(p, spare);
                 if !self.store.read(p, &mut part.emb, &mut part.state)? {
@@ -161,8 +172,9 @@ impl<S: PartitionStore> HostStore<S> {
         Ok((part, true))
     }
 
-    /// Writes `part` to the store, counted in `moved`: a memory store takes the rows over
-    /// (`None` back), others copy them and hand the memory back.
+    /// Writes `part` to the store, counted in `moved`: a memory store takes f32 rows over
+    /// (`None` back), a 16-bit one their narrowed bits; others copy them. The memory not taken
+    /// over comes back.
     pub(crate) fn write(
         &mut self,
         part: Partition,
@@ -171,8 +183,20 @@ impl<S: PartitionStore> HostStore<S> {
         moved.stats.writes += 1;
         moved.stats.bytes_written += self.shape.bytes_of(&part);
         if self.store.in_memory() {
-            self.store.keep(part.id, part.emb, part.state)?;
-            return Ok(None);
+            let Partition { id, emb, state } = part;
+            if !self.shape.dtype.is_narrow() {
+                self.store.keep_stored(id, Embeddings::F32(emb), state)?;
+                return Ok(None);
+            }
+            let mut bits = vec![0u16; emb.len()];
+            narrow(self.shape.dtype, &emb, bytemuck::cast_slice_mut(&mut bits));
+            self.store
+                .keep_stored(id, Embeddings::Bits16(bits), state)?;
+            return Ok(Some(Partition {
+                id,
+                emb,
+                state: Vec::new(),
+            }));
         }
         self.store.write(part.id, &part.emb, &part.state)?;
         Ok(Some(part))
@@ -194,10 +218,21 @@ impl<S: PartitionStore> HostStore<S> {
 
     /// [`Mover::lend`] for a mover over this store.
     pub(crate) fn lend(&mut self, p: u32) -> Result<(Partition, bool), PartitionStoreError> {
-        if let Some((emb, state)) = self.store.take(p) {
+        match self.store.take_stored(p) {
             // Lent, not copied: a checkpoint or an evaluation reads every partition, and a copy
             // of each would raise the run's peak by a partition.
-            return Ok((Partition { id: p, emb, state }, true));
+            Some((Embeddings::F32(emb), state)) => {
+                return Ok((Partition { id: p, emb, state }, true));
+            }
+            // 16-bit rows: a widened copy; the store keeps its bits.
+            Some((bits, state)) => {
+                let mut part = Partition::empty(p);
+                widen_into(self.shape.dtype, &bits, &mut part.emb);
+                part.state.clone_from(&state);
+                self.store.keep_stored(p, bits, state)?;
+                return Ok((part, false));
+            }
+            None => {}
         }
         let (mut part, found) = self.read(p, Partition::empty(p), &mut Moved::default())?;
         if !found {

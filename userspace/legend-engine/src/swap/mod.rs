@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 pub use host::HostRows;
 
 use crate::rows::Partition;
-use crate::store::{PartitionStore, PartitionStoreError};
+use crate::store::{Embeddings, PartitionStore, PartitionStoreError};
 
 /// A point in a device's queued work: a slot may be written out once the work before it has
 /// run ([`Swapper::evict`]), and compute may use an arrived partition once its copy has run
@@ -184,8 +184,9 @@ pub(crate) trait Mover: Send {
         slot: u32,
         moved: &mut Moved,
     ) -> Result<(Option<Partition>, Fence), PartitionStoreError>;
-    /// Partition `p`'s rows (not resident) in host memory: a memory store's own, to come back
-    /// through [`PartitionStore::keep`] (`true`), else read from the store or drawn (`false`).
+    /// Partition `p`'s rows (not resident) in host memory: a memory store's own f32 rows, to
+    /// come back through [`PartitionStore::keep_stored`] (`true`), else a copy read from the
+    /// store or drawn (`false`).
     fn lend(&mut self, p: u32) -> Result<(Partition, bool), PartitionStoreError>;
     /// The store, for what every path does alike: commits and lent rows coming back.
     fn store(&mut self) -> &mut dyn PartitionStore;
@@ -578,7 +579,7 @@ fn serve(mover: &mut dyn Mover, job: Job) -> Reply {
         Job::Return(part) => (
             mover
                 .store()
-                .keep(part.id, part.emb, part.state)
+                .keep_stored(part.id, Embeddings::F32(part.emb), part.state)
                 .map(|()| Done::Returned),
             None,
         ),
