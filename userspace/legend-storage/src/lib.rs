@@ -56,5 +56,7 @@ pub use layout::{
 pub use legend_model::Dtype;
 pub use medium::Target;
 pub use nvme::NvmeTarget;
-pub use store::{CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoConfig, IoRequest, Region, Store};
+pub use store::{
+    CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoConfig, IoPiece, IoRequest, Region, Store,
+};
 pub use stripe::member_bytes;

@@ -130,6 +130,19 @@ struct Tracked {
     dirty: bool,
 }
 
+/// One member's part of a transfer the caller runs itself ([`Store::io_pieces`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IoPiece {
+    /// The member, in stripe order.
+    pub member: usize,
+    /// Byte on the member's medium (in its namespace, the start LBA counted in).
+    pub at: u64,
+    /// Offset in the caller's buffer.
+    pub buf_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
 /// An open store. Single-owner: the I/O thread of the training engine owns
 /// it (or wraps it in a mutex); every method completes its I/O before
 /// returning, and [`Store::submit`] keeps several requests in flight.
@@ -582,12 +595,36 @@ impl Store {
     pub fn io_extent(&self, region: Region, write: bool) -> Result<(u64, u64), StoreError> {
         if self.members.len() > 1 {
             return Err(StoreError::InvalidSpec(format!(
-                "{}: a striped store's transfers go through Store::submit, not one extent",
+                "{}: a striped store's transfers go through Store::submit or Store::io_pieces, \
+                 not one extent",
                 self.label.display()
             )));
         }
         let (offset, len) = self.target(region, write)?;
         Ok((self.members[0].base() + offset, len))
+    }
+
+    /// [`Store::io_extent`] for a store on any number of members: the pieces of the transfer of
+    /// `region`, one a stripe unit (one in all on a single member), each with its member, its
+    /// byte on that member's medium (for an NVMe target, in the namespace) and its offset in
+    /// the caller's buffer, in buffer order. After a write, report it with
+    /// [`Store::mark_written`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Store::io_extent`].
+    pub fn io_pieces(&self, region: Region, write: bool) -> Result<Vec<IoPiece>, StoreError> {
+        let (offset, len) = self.target(region, write)?;
+        Ok(self
+            .stripe
+            .pieces(offset, len)
+            .map(|p| IoPiece {
+                member: p.member,
+                at: self.members[p.member].base() + p.offset,
+                buf_offset: p.at,
+                len: p.len,
+            })
+            .collect())
     }
 
     /// Records that the caller wrote `region` itself at [`Store::io_extent`]`(region, true)`.

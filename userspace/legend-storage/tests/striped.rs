@@ -160,6 +160,52 @@ fn units_are_dealt_round_robin_over_the_members_and_read_back() {
     }
 }
 
+#[test]
+fn a_striped_transfer_run_by_the_caller_lands_where_io_pieces_say_and_commits() {
+    for members in [1, 3] {
+        let dir = scratch();
+        let paths = paths(&dir, members);
+        let mut store = create(&paths);
+        // The caller (standing in for the GPU I/O kernels) writes partition 1 itself, a piece
+        // at a time, to the members' media, and tells the store.
+        let b = filled(&store, 1, 9);
+        let pieces = store.io_pieces(Region::Partition(1), true).unwrap();
+        let total: u64 = pieces.iter().map(|p| p.len).sum();
+        assert_eq!(total % 4096, 0);
+        assert!(total >= store.partition(1).unwrap().bytes);
+        let mut expect_at = 0;
+        for p in &pieces {
+            assert_eq!(p.buf_offset, expect_at, "pieces in buffer order");
+            expect_at += p.len;
+            let bytes = &b.as_bytes()[p.buf_offset as usize..(p.buf_offset + p.len) as usize];
+            poke(&paths[p.member], p.at, bytes);
+        }
+        if members > 1 {
+            assert!(
+                (0..members).all(|m| pieces.iter().any(|p| p.member == m)),
+                "every member holds a piece"
+            );
+        }
+        assert!(matches!(
+            store.io_pieces(Region::Partition(1), false),
+            Err(StoreError::NotInitialized { .. })
+        ));
+        store.mark_written(Region::Partition(1)).unwrap();
+        assert_eq!(
+            store.io_pieces(Region::Partition(1), false).unwrap(),
+            pieces
+        );
+        store.commit(b"caller").unwrap();
+        drop(store);
+        let mut store = open(&paths).unwrap();
+        assert_eq!(
+            read(&mut store, 1),
+            payload(&store, 1, &b),
+            "{members} members"
+        );
+    }
+}
+
 /// Simulates a crash between two members' superblock writes: `behind` keeps the slots it had
 /// before the commit, the other members have the new generation.
 fn crash_between_flips(behind: usize) {
