@@ -3,6 +3,7 @@
 # 10^7 nodes and 2*10^8 edges (Dot, d = 100, B = 10^5, 10 chunks x 1000 negatives, half
 # degree-based), EPOCHS epochs (2) each:
 #   memory  all in GPU memory (N = 1);
+#   ram     N = 8, C = 3, the other partitions in host RAM (the memory backend's host tier);
 #   proxy   N = 8, C = 3, the store through the proxy controller on tmpfs, as fast as it goes;
 #   980     the same, the proxy modelling one Samsung 980 (storage.proxy_model = samsung-980);
 #   980x    the same with reads and writes on separate budgets (shared=false).
@@ -53,6 +54,7 @@ for format in $states; do
     model=""
     case ${layout%-noahead} in
     memory) sets=(--set storage.backend=memory) ;;
+    ram) sets=(--set storage.backend=memory --set storage.num_partitions=8 --set storage.buffer_capacity=3) ;;
     proxy) ;;
     980) model=samsung-980 ;;
     980x) model="samsung-980,shared=false" ;;
