@@ -406,9 +406,11 @@ pub fn stream_entities(
     mut block: impl FnMut(&[f32]) -> Result<(), RunError>,
 ) -> Result<(), RunError> {
     if let Some(path) = &meta.store {
-        let mut store = open_run_store(run, path, meta, guard)?;
+        let store = open_run_store(run, path, meta, guard)?;
         return store
-            .for_each_partition(|emb| block(emb).map_err(|e| e.to_string()))
+            .for_each_partition(read_config(run)?.init(), |part| {
+                block(&part.emb).map_err(|e| e.to_string())
+            })
             .map_err(|e| invalid(path, e.to_string()));
     }
     let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[0]);
@@ -484,9 +486,9 @@ pub fn load_relations(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Ve
 /// (a run's record names its store, and records can be edited).
 pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Tables, RunError> {
     if let Some(path) = &meta.store {
-        let mut store = open_run_store(run, path, meta, guard)?;
+        let store = open_run_store(run, path, meta, guard)?;
         return store
-            .read_tables(meta.relations as usize * meta.dim)
+            .read_tables(read_config(run)?.init(), meta.relations as usize * meta.dim)
             .map_err(|e| invalid(path, e.to_string()));
     }
     let dir = Path::new(&meta.checkpoint);

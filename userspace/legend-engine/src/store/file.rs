@@ -473,37 +473,31 @@ pub fn encode_relations(emb: &[f32], state: &[f32]) -> Vec<u8> {
 }
 
 impl FileStore {
-    /// Calls `f` with each partition's embeddings in order, one partition in memory at a
-    /// time; an error from `f` ends the walk and is returned as [`PartitionStoreError::Invalid`].
+    /// Calls `f` with each partition's rows in order, through the swap path (the next one
+    /// read while `f` has the last; at most two in memory); never-written partitions hold their
+    /// initial rows, drawn by `init`. An error from `f` ends the walk and is returned as
+    /// [`PartitionStoreError::Invalid`].
     pub fn for_each_partition(
-        &mut self,
-        mut f: impl FnMut(&[f32]) -> Result<(), String>,
+        self,
+        init: legend_model::Init,
+        f: impl FnMut(&crate::rows::Partition) -> Result<(), String>,
     ) -> Result<(), PartitionStoreError> {
         self.require_checkpoint()?;
-        let spec = self.store.spec().clone();
-        for p in 0..spec.num_partitions {
-            let (emb, _) = self.committed_partition(p)?;
-            f(&emb).map_err(PartitionStoreError::Invalid)?;
-        }
-        Ok(())
-    }
-
-    /// Partition `p` of the committed checkpoint: embeddings and state.
-    fn committed_partition(&mut self, p: u32) -> Result<(Vec<f32>, Vec<f32>), PartitionStoreError> {
         let spec = self.store.spec();
-        let range = legend_storage::partition_nodes(spec.num_nodes, spec.num_partitions, p);
-        let rows = (range.end - range.start) as usize;
-        let (mut emb, mut state) = (
-            vec![0.0; rows * spec.dim as usize],
-            vec![0.0; rows * spec.state_width as usize],
-        );
-        if !self.read(p, &mut emb, &mut state)? {
-            return Err(PartitionStoreError::Invalid(format!(
-                "{}: partition {p} was never written",
-                self.store.path().display()
-            )));
-        }
-        Ok((emb, state))
+        let shape = RowShape {
+            dim: spec.dim as usize,
+            state: spec.state_width as usize,
+            dtype: spec.dtype,
+        };
+        let scheme = legend_dataset::PartitionScheme::new(spec.num_nodes, spec.num_partitions)
+            .map_err(|e| PartitionStoreError::Invalid(e.to_string()))?;
+        let rest = crate::swap::host::HostStore {
+            store: self,
+            scheme,
+            shape,
+            init,
+        };
+        crate::swap::stream_partitions(rest, f)
     }
 
     /// The checkpoint's relation embeddings and their AdaGrad state (`relation_floats` each;
@@ -533,19 +527,23 @@ impl FileStore {
         Ok(())
     }
 
-    /// The whole checkpoint: every partition's rows in order, and the relations.
-    pub fn read_tables(&mut self, relation_floats: usize) -> Result<Tables, PartitionStoreError> {
-        self.require_checkpoint()?;
-        let spec = self.store.spec().clone();
+    /// The whole checkpoint: every partition's rows in order (see
+    /// [`FileStore::for_each_partition`]), and the relations.
+    pub fn read_tables(
+        mut self,
+        init: legend_model::Init,
+        relation_floats: usize,
+    ) -> Result<Tables, PartitionStoreError> {
+        let (relations, relations_state) = self.relations(relation_floats)?;
+        let spec = self.store.spec();
         let rows = spec.num_nodes as usize;
         let mut entities = Vec::with_capacity(rows * spec.dim as usize);
         let mut entities_state = Vec::with_capacity(rows * spec.state_width as usize);
-        for p in 0..spec.num_partitions {
-            let (emb, state) = self.committed_partition(p)?;
-            entities.extend_from_slice(&emb);
-            entities_state.extend_from_slice(&state);
-        }
-        let (relations, relations_state) = self.relations(relation_floats)?;
+        self.for_each_partition(init, |part| {
+            entities.extend_from_slice(&part.emb);
+            entities_state.extend_from_slice(&part.state);
+            Ok(())
+        })?;
         Ok(Tables {
             entities,
             entities_state,

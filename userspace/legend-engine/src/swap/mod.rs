@@ -451,21 +451,30 @@ impl Swapper {
     }
 
     /// Waits for every read queued and frees their slots unused: the partitions were not
-    /// modified, so nothing is written, but host rows a memory store gave away go back to it
-    /// (a stop between two buffer states).
+    /// modified, so nothing is written (a stop between two buffer states).
     pub(crate) fn cancel_loads(&mut self) -> Result<(), PartitionStoreError> {
         while let Some(&p) = self.pending.front() {
-            let (slot, _) = self.arrive(p)?;
-            if let Some(rows) = self.host.remove(p)
-                && self.in_memory
-            {
-                self.send(Job::Return(rows))?;
-                self.receive()?;
-            }
-            self.slot_of[p as usize] = None;
-            self.arrived[p as usize] = false;
-            self.free.push(slot);
+            self.arrive(p)?;
+            self.discard(p)?;
         }
+        Ok(())
+    }
+
+    /// Resident partition `p` leaves unwritten, its rows only read: its slot is free for the
+    /// reads queued from now on, and host rows a memory store gave away go back to it.
+    pub(crate) fn discard(&mut self, p: u32) -> Result<(), PartitionStoreError> {
+        let slot = self.slot(p).unwrap_or_else(|| {
+            panic!("discarding partition {p}, which is not resident");
+        });
+        if let Some(rows) = self.host.remove(p)
+            && self.in_memory
+        {
+            // Its reply is taken in turn with the others' (a read may be queued before it).
+            self.send(Job::Return(rows))?;
+        }
+        self.slot_of[p as usize] = None;
+        self.arrived[p as usize] = false;
+        self.free.push(slot);
         Ok(())
     }
 
@@ -536,6 +545,31 @@ impl Swapper {
         }
         Ok(r)
     }
+}
+
+/// Calls `f` with every partition of `rest`'s store in order, through the swap path: a read
+/// ahead into a second slot while `f` has the partition before (a checkpoint's export, a query
+/// scan: no reader of its own). A partition never written holds its initial rows.
+pub(crate) fn stream_partitions<S: PartitionStore>(
+    rest: host::HostStore<S>,
+    mut f: impl FnMut(&Partition) -> Result<(), String>,
+) -> Result<(), PartitionStoreError> {
+    let scheme = rest.scheme;
+    let in_memory = rest.store.in_memory();
+    let mover = Box::new(host::HostMover::new(rest));
+    let mut swapper = Swapper::new(scheme, 2, mover, in_memory, true);
+    let n = scheme.num_partitions;
+    swapper.load(0, None)?;
+    for p in 0..n {
+        swapper.arrive(p)?;
+        if p + 1 < n {
+            swapper.load(p + 1, None)?;
+        }
+        let part = swapper.host().partition(p).expect("arrived");
+        f(part).map_err(PartitionStoreError::Invalid)?;
+        swapper.discard(p)?;
+    }
+    swapper.drain()
 }
 
 impl Drop for Swapper {
@@ -789,5 +823,43 @@ mod tests {
         s.drain().unwrap();
         let tags: Vec<_> = s.take_log().iter().map(|r| r.tag).collect();
         assert_eq!(tags[..5], [None, None, Some(0), Some(0), Some(1)]);
+    }
+
+    #[test]
+    fn streaming_reads_every_partition_in_order_and_draws_the_unwritten() {
+        let (entities, dim) = (50u64, 3usize);
+        let shape = RowShape::new(dim, StateLayout::Element);
+        let scheme = PartitionScheme::new(entities, 5).unwrap();
+        let mut store = numbered(scheme, shape);
+        store.take_stored(3);
+        let init = Init {
+            seed: 42,
+            ..Init::default()
+        };
+        let rest = HostStore {
+            store,
+            scheme,
+            shape,
+            init,
+        };
+        let mut seen = Vec::new();
+        stream_partitions(rest, |part| {
+            seen.push(part.id);
+            for (i, row) in part.emb.chunks_exact(dim).enumerate() {
+                let id = scheme.range(part.id).start + i as u64;
+                let mut want = vec![id as f32 * dim as f32, 0.0, 0.0];
+                want[1] = want[0] + 1.0;
+                want[2] = want[0] + 2.0;
+                if part.id == 3 {
+                    init.node_row(id, &mut want);
+                }
+                if row != want {
+                    return Err(format!("row {id}: {row:?}, not {want:?}"));
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, [0, 1, 2, 3, 4]);
     }
 }
