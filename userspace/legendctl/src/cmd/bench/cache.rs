@@ -205,11 +205,7 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
             .with_context(|| format!("starting the proxy over {}", args.path.display()))?;
             proxy.attach_device(Arc::new(CudaDeviceMemory::new(&gpu)?))?;
             let proxy = Arc::new(proxy);
-            let table = CachedTable {
-                at: 0,
-                rows,
-                row_bytes: args.row_bytes,
-            };
+            let table = CachedTable::contiguous(0, rows, args.row_bytes);
             let mut opts = RowCacheOptions {
                 line_bytes: args.line_bytes,
                 lines: 0,
@@ -220,7 +216,8 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
                 overlap: !args.no_overlap,
             };
             // The line size the cache will use, to size it in lines.
-            let line = line_size(args.row_bytes, args.line_bytes, proxy.block_size());
+            let line =
+                RowCache::line_bytes_for(args.row_bytes, args.line_bytes, proxy.block_size());
             let table_lines = table_bytes.div_ceil(line);
             let lines = match args.mode {
                 CacheMode::Resident => table_lines.next_multiple_of(u64::from(args.ways)),
@@ -316,12 +313,6 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The cache's line size for these rows (as `RowCache::open` computes it).
-fn line_size(row_bytes: u32, min_bytes: u32, lba: u64) -> u64 {
-    let unit = u64::from(row_bytes) / gcd(u64::from(row_bytes), lba) * lba;
-    u64::from(min_bytes.max(1)).div_ceil(unit) * unit
-}
-
 /// One batch by `threads` CPU threads, one `pread` a row.
 fn pread_batch(
     file: &std::fs::File,
@@ -374,12 +365,5 @@ mod tests {
         // Zipf(1): the top 1% of rows take far more than 1% of the lookups.
         let top: u32 = c.iter().take(1000).sum();
         assert!(top > 200_000 / 3, "top 1% drew {top}");
-    }
-
-    #[test]
-    fn lines_are_whole_rows_and_whole_lbas() {
-        assert_eq!(line_size(400, 4096, 512), 12_800);
-        assert_eq!(line_size(512, 4096, 512), 4096);
-        assert_eq!(line_size(400, 1, 4096), 102_400);
     }
 }
