@@ -509,8 +509,12 @@ extern "C" __global__ void legend_nvme_sqe_vectors(const LegendSqeVector* v, u32
 // The row cache (issue 32): rows of a table on the namespace, looked up by GPU threads through
 // a software cache of fixed-size lines in GPU memory, the lines read through the queue pairs.
 //
-// A line is `line_bytes / row_bytes` consecutive rows (a multiple of the LBA size, so a line
-// is one command and no row straddles two). Set associative: line L lives in set L % sets, in
+// The table may be cut into partitions (a run's store: `rows_per_part` rows each, the last
+// holding the rest, each partition's rows from its own namespace byte, `part_at`). A line is
+// `line_bytes / row_bytes` consecutive rows of one partition (a multiple of the LBA size, so a
+// line is one command and no row straddles two); line L is line L % lines_per_part of partition
+// L / lines_per_part, the partition's last line holding what is left of it. Rows are whole
+// 16-bit values or floats (a multiple of 2 bytes), copied out as they are. Set associative: line L lives in set L % sets, in
 // one of `ways` slots, the victim chosen by a clock hand per set (legend_cache_victim: the
 // policy, one function to replace). A set's metadata changes under its spin lock, held for a
 // few instructions and never while anything waits.
@@ -550,14 +554,16 @@ struct LegendCacheTable {
     u64 hands;          // u32 a set
     u64 stats;          // u64 x 4: hits, misses, coalesced, retries
     u64 abort;          // u32: set by a block that stopped; waiters give up
-    u64 at;             // namespace byte of row 0 (LBA aligned)
+    u64 part_at;        // u64 a partition: namespace byte of its row 0 (LBA aligned)
+    u64 rows_per_part;
+    u64 lines_per_part;
     u64 rows;
     u64 namespace_bytes;
     u32 line_page_shift;
     u32 line_bytes;
     u32 sets;
     u32 ways;
-    u32 row_bytes;      // a multiple of 4
+    u32 row_bytes;      // a multiple of 2
     u32 lba_shift;
     u32 nsid;
     u32 ahead;
@@ -579,6 +585,21 @@ __device__ __forceinline__ u32 legend_ld_cg_u32(const u32* p) {
     u32 v;
     asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
+}
+
+__device__ __forceinline__ unsigned short legend_ld_cg_u16(const unsigned short* p) {
+    unsigned short v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The line of `row` and the row's place in it.
+__device__ __forceinline__ u64 legend_cache_line_of(const LegendCacheTable& c, u64 row,
+                                                    u32* in_line) {
+    const u64 per_line = c.line_bytes / c.row_bytes;
+    const u64 part = row / c.rows_per_part, local = row - part * c.rows_per_part;
+    *in_line = (u32)(local % per_line);
+    return part * c.lines_per_part + local / per_line;
 }
 
 // The clock: from the set's hand, the first way neither pinned nor loading whose reference bit
@@ -651,9 +672,10 @@ __device__ u32 legend_cache_issue(const LegendCacheTable& c, u64 line, volatile 
     return found;
 }
 
-// Waits for slot `s` to hold its line, copies row `row` of it to `out` and unpins it; false if
-// the line's read failed or the launch was aborted.
-__device__ bool legend_cache_wait(const LegendCacheTable& c, u32 s, u64 row, u32* out) {
+// Waits for slot `s` to hold its line, copies row `in_line` of it to `out` and unpins it; false
+// if the line's read failed or the launch was aborted.
+__device__ bool legend_cache_wait(const LegendCacheTable& c, u32 s, u32 in_line,
+                                  unsigned char* out) {
     volatile u32* st = (volatile u32*)c.state;
     volatile u32* abort = (volatile u32*)c.abort;
     u32 v;
@@ -661,11 +683,17 @@ __device__ bool legend_cache_wait(const LegendCacheTable& c, u32 s, u64 row, u32
     __threadfence();
     bool ok = v == LEGEND_LINE_VALID;
     if (ok) {
-        u32 per_line = c.line_bytes / c.row_bytes;
         // L2, not L1: the slot held another line when this multiprocessor last read it.
-        const u32* src = (const u32*)(c.lines + (u64)s * c.line_bytes +
-                                      (u64)(row % per_line) * c.row_bytes);
-        for (u32 i = 0; i < c.row_bytes / 4; ++i) out[i] = legend_ld_cg_u32(src + i);
+        const unsigned char* src =
+            (const unsigned char*)(c.lines + (u64)s * c.line_bytes + (u64)in_line * c.row_bytes);
+        if ((c.row_bytes & 3) == 0) {
+            for (u32 i = 0; i < c.row_bytes / 4; ++i)
+                ((u32*)out)[i] = legend_ld_cg_u32((const u32*)src + i);
+        } else {
+            // 16-bit rows of an odd width: rows (and `out`'s) are 2-byte aligned only.
+            for (u32 i = 0; i < c.row_bytes / 2; ++i)
+                ((unsigned short*)out)[i] = legend_ld_cg_u16((const unsigned short*)src + i);
+        }
     }
     atomicSub((u32*)c.pins + s, 1u);
     return ok;
@@ -701,29 +729,28 @@ extern "C" __global__ void __launch_bounds__(1024) legend_row_cache_lookup(
         // A requester: ids first + r, first + r + R, ..., `ahead` issued before their waits.
         const u32 r = t - 32;
         const u32 ahead = max(1u, min(c.ahead, (u32)LEGEND_CACHE_MAX_AHEAD));
-        u32 held[LEGEND_CACHE_MAX_AHEAD];
+        u32 held[LEGEND_CACHE_MAX_AHEAD], held_in_line[LEGEND_CACHE_MAX_AHEAD];
         u64 held_id[LEGEND_CACHE_MAX_AHEAD];
         u32 k = 0;
         bool failed = false;
-        u32 per_line = c.line_bytes / c.row_bytes;
         float acc = 1.0f;
         for (u64 i0 = first + r; i0 < end && *abort == 0; i0 += (u64)requesters * ahead) {
             for (u32 a = 0; a < ahead; ++a) {
                 u64 i = i0 + (u64)a * requesters;
                 if (i >= end) break;
-                u64 row = ids[i];
-                u32 s;
+                u32 in_line, s;
+                const u64 line = legend_cache_line_of(c, ids[i], &in_line);
                 // Doubling pauses: with more requests in flight than the set has ways, retries
                 // that came back at once kept its lock busy (the first GPU run: 351 k retries
                 // for 40 k lookups, 12 k lookups/s).
                 u32 pause = 256;
-                while ((s = legend_cache_issue(c, row / per_line, ring, &s_ring_tail)) ==
+                while ((s = legend_cache_issue(c, line, ring, &s_ring_tail)) ==
                        LEGEND_CACHE_NONE) {
                     // Its set is full of pinned lines: finish what this thread holds, then
                     // try again (the deadlock-free rule).
                     for (u32 b = 0; b < k; ++b)
-                        failed |= !legend_cache_wait(c, held[b], ids[held_id[b]],
-                                                     (u32*)(out + held_id[b] * c.row_bytes));
+                        failed |= !legend_cache_wait(c, held[b], held_in_line[b],
+                                                     out + held_id[b] * c.row_bytes);
                     k = 0;
                     if (*abort != 0) break;
                     __nanosleep(pause);
@@ -731,6 +758,7 @@ extern "C" __global__ void __launch_bounds__(1024) legend_row_cache_lookup(
                 }
                 if (s == LEGEND_CACHE_NONE) break;
                 held[k] = s;
+                held_in_line[k] = in_line;
                 held_id[k] = i;
                 ++k;
             }
@@ -738,8 +766,8 @@ extern "C" __global__ void __launch_bounds__(1024) legend_row_cache_lookup(
             u64 work = (u64)k * c.row_bytes;
             if (c.overlap) acc = legend_cache_work(acc, work, c.flops_per_byte);
             for (u32 b = 0; b < k; ++b)
-                failed |= !legend_cache_wait(c, held[b], ids[held_id[b]],
-                                             (u32*)(out + held_id[b] * c.row_bytes));
+                failed |= !legend_cache_wait(c, held[b], held_in_line[b],
+                                             out + held_id[b] * c.row_bytes);
             if (!c.overlap) acc = legend_cache_work(acc, work, c.flops_per_byte);
             k = 0;
         }
@@ -754,7 +782,6 @@ extern "C" __global__ void __launch_bounds__(1024) legend_row_cache_lookup(
     u32 tail = q.sq_tail, head = q.cq_head, phase = q.phase, in_flight = 0, ring_head = 0;
     u64 completed = 0, progress = legend_io_now();
     bool timed_out = false;
-    const u64 table_bytes = c.rows * (u64)c.row_bytes;
     const u64 lba_mask = (1ull << c.lba_shift) - 1;
     while (true) {
         // Submit: the leading run of published misses with a free SQ slot each.
@@ -772,10 +799,13 @@ extern "C" __global__ void __launch_bounds__(1024) legend_row_cache_lookup(
             ((volatile u32*)ring)[(ring_head + lane) % LEGEND_CACHE_RING] = 0;
             u32 s = entry - 1, cid = (tail + lane) % depth;
             u64 line = ((volatile u64*)c.tags)[s] - 1;
-            u64 start = line * c.line_bytes;
-            u64 bytes = min((u64)c.line_bytes, table_bytes - start);
+            u64 part = line / c.lines_per_part;
+            u64 start = (line - part * c.lines_per_part) * c.line_bytes;
+            u64 part_rows = min(c.rows_per_part, c.rows - part * c.rows_per_part);
+            // The partition's last line reads the whole LBAs that hold its rows.
+            u64 bytes = min((u64)c.line_bytes, part_rows * c.row_bytes - start);
             bytes = (bytes + lba_mask) & ~lba_mask;
-            u64 ns = c.at + start;
+            u64 ns = ((const u64*)c.part_at)[part] + start;
             bytes = min(bytes, c.namespace_bytes - ns);
             u64* list = (u64*)(q.lists + (u64)cid * LEGEND_IO_PAGE);
             u64 list_bus = q.lists_bus + (u64)cid * LEGEND_IO_PAGE;

@@ -51,6 +51,12 @@ pub(crate) struct Kernels {
     pub(crate) sqe_vectors: CudaFunction,
     /// The row cache's lookups through the same queues.
     pub(crate) row_cache_lookup: CudaFunction,
+    /// Exact top-K scans of an entity table for queries (`kernels/scan.cu`).
+    pub(crate) scan_score: CudaFunction,
+    pub(crate) scan_select: CudaFunction,
+    pub(crate) scan_reset: CudaFunction,
+    pub(crate) scan_norms: CudaFunction,
+    pub(crate) scan_gather: CudaFunction,
 }
 
 /// The fused score/loss/gradient kernels of one padded width (`kernels/fused*.cu*`).
@@ -148,6 +154,33 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// Bytes of memory of CUDA device `ordinal`, read without loading the kernels (what a service
+/// shares between its jobs).
+///
+/// # Errors
+///
+/// No driver, no such device, driver errors.
+pub fn device_memory(ordinal: usize) -> Result<usize, GpuError> {
+    if !driver_present() {
+        return Err(GpuError::NoDriver);
+    }
+    context(ordinal)?
+        .total_mem()
+        .during("reading the device memory size")
+}
+
+/// The context of device `ordinal`, once the driver reports that it exists (the driver must be
+/// present: cudarc panics otherwise).
+fn context(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {
+    let count = CudaContext::device_count()
+        .during("counting devices")?
+        .max(0) as usize;
+    if ordinal >= count {
+        return Err(GpuError::NoDevice { ordinal, count });
+    }
+    CudaContext::new(ordinal).during("creating the context")
+}
+
 impl Gpu {
     /// Opens device `ordinal`: checks that the driver and NVRTC load and that the device
     /// exists, then compiles (or takes from the kernel cache) and loads the kernels.
@@ -158,13 +191,7 @@ impl Gpu {
         if !nvrtc::nvrtc_present() {
             return Err(GpuError::NoNvrtc);
         }
-        let count = CudaContext::device_count()
-            .during("counting devices")?
-            .max(0) as usize;
-        if ordinal >= count {
-            return Err(GpuError::NoDevice { ordinal, count });
-        }
-        let ctx = CudaContext::new(ordinal).during("creating the context")?;
+        let ctx = context(ordinal)?;
         // SAFETY: the engine runs all its work on one stream, in order, and frees nothing
         // while work that uses it is queued (buffers live in the engine until it drops,
         // and dropping a CudaSlice frees it stream-ordered), so cudarc's per-buffer events
@@ -249,6 +276,11 @@ impl Gpu {
             nvme_io: f("legend_nvme_io")?,
             sqe_vectors: f("legend_nvme_sqe_vectors")?,
             row_cache_lookup: f("legend_row_cache_lookup")?,
+            scan_score: f("legend_scan_score")?,
+            scan_select: f("legend_scan_select")?,
+            scan_reset: f("legend_scan_reset")?,
+            scan_norms: f("legend_scan_norms")?,
+            scan_gather: f("legend_scan_gather")?,
         };
         for f in [&kernels.gemm_nt, &kernels.gemm_nn, &kernels.gemm_tn] {
             f.set_attribute(
@@ -257,6 +289,13 @@ impl Gpu {
             )
             .during("raising the shared-memory limit of the product kernels")?;
         }
+        kernels
+            .scan_select
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                crate::scan::SELECT_SMEM as i32,
+            )
+            .during("raising the shared-memory limit of the scan's selection")?;
         for k in &kernels.fused {
             for (f, smem) in [
                 (&k.rows, k.launch.rows_smem),

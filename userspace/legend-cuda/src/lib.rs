@@ -9,6 +9,8 @@
 //!   uploaded or gathered on the device from a resident bucket.
 //! - [`Transfer`]: copies between host memory and the device through pinned staging on a
 //!   stream of their own.
+//! - [`scan`]: exact top-K scans of an entity table for queries on a run, bit-identical to the
+//!   CPU's scores and order.
 //! - [`nvme_io`]: GPU-initiated NVMe I/O: thread blocks driving queue pairs of an SSD or of the
 //!   userspace proxy between GPU memory and a namespace.
 
@@ -22,6 +24,7 @@ mod batch;
 mod engine;
 mod gpu;
 pub mod nvme_io;
+pub mod scan;
 mod transfer;
 
 pub use batch::gather_batch;
@@ -29,7 +32,7 @@ pub use engine::{
     BatchShape, DeviceTable, GpuBatchEngine, SlotMap, init_rows, known_edges_bytes, negative_keys,
     rng_vectors,
 };
-pub use gpu::{Gpu, driver_present};
+pub use gpu::{Gpu, device_memory, driver_present};
 pub use transfer::{DEFAULT_CHUNK_BYTES, RowSpan, Transfer, addr};
 
 /// cudarc's types that the engine's API hands out (events ordering streams, device buffers).

@@ -1,8 +1,8 @@
 //! Run-time compilation of the kernels with NVRTC, and the per-architecture cache of the
 //! machine code.
 //!
-//! The kernels are six programs: the fused kernels of each padded width (most of the
-//! compile time), the NVMe I/O kernels, and everything else. They compile in parallel, each to the device's own
+//! The kernels are eleven programs: the fused kernels of each padded width and decoder family
+//! (most of the compile time), the NVMe I/O kernels, the query scans, and everything else. They compile in parallel, each to the device's own
 //! machine code (CUBIN), so a first start waits for the slowest program rather than for all
 //! of them and then for the driver to translate PTX.
 
@@ -15,7 +15,7 @@ use crate::GpuError;
 
 /// The kernel sources, in the order a program concatenates them. `common.cuh` goes first,
 /// so the programs need no include path.
-pub const KERNEL_SOURCES: [(&str, &str); 16] = [
+pub const KERNEL_SOURCES: [(&str, &str); 17] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("init.cu", include_str!("../../../kernels/init.cu")),
     ("sample.cu", include_str!("../../../kernels/sample.cu")),
@@ -53,6 +53,7 @@ pub const KERNEL_SOURCES: [(&str, &str); 16] = [
         include_str!("../../../kernels/fused_launch.cu"),
     ),
     ("nvme_io.cu", include_str!("../../../kernels/nvme_io.cu")),
+    ("scan.cu", include_str!("../../../kernels/scan.cu")),
 ];
 
 /// One NVRTC program: the sources it concatenates (groups of file names), the fused width it defines
@@ -115,9 +116,9 @@ macro_rules! fused_program {
 }
 
 /// Every program, the one with the most kernels first, then the fused ones narrowest first
-/// (the dot decoders', then TransE L2's), then the NVMe I/O kernels (self-contained: they
-/// share nothing with the training kernels).
-pub const PROGRAMS: [Program; 10] = [
+/// (the dot decoders', then TransE L2's), then the NVMe I/O kernels and the query scans
+/// (self-contained: they share nothing with the training kernels).
+pub const PROGRAMS: [Program; 11] = [
     Program {
         name: "kernels",
         sources: &[
@@ -179,6 +180,19 @@ pub const PROGRAMS: [Program; 10] = [
             "legend_nvme_io",
             "legend_nvme_sqe_vectors",
             "legend_row_cache_lookup",
+        ],
+    },
+    Program {
+        name: "scan",
+        sources: &[&["scan.cu"]],
+        fused_width: 0,
+        transe: false,
+        kernels: &[
+            "legend_scan_score",
+            "legend_scan_select",
+            "legend_scan_reset",
+            "legend_scan_norms",
+            "legend_scan_gather",
         ],
     },
 ];

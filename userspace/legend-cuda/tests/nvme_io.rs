@@ -512,7 +512,7 @@ fn skewed_ids(rows: u64, n: usize, seed: u64) -> Vec<u64> {
 fn assert_rows(got: &[u8], ids: &[u64], file: &[u8], table: &CachedTable) {
     let rb = table.row_bytes as usize;
     for (i, &id) in ids.iter().enumerate() {
-        let at = table.at as usize + id as usize * rb;
+        let at = table.byte_of(id) as usize;
         assert!(
             got[i * rb..(i + 1) * rb] == file[at..at + rb],
             "lookup {i}: row {id} differs from the store"
@@ -530,11 +530,7 @@ fn cached_lookups_equal_the_store_byte_for_byte() {
     // 20 000 rows of 400 bytes (d = 100 floats): lines of 32 rows (12 800 bytes, whole
     // 512-byte LBAs), 625 lines; the cache holds 128 of them, a fifth (and fewer than the
     // 4 x 64 x 2 requests the blocks keep in flight, so sets fill and requests retry).
-    let table = CachedTable {
-        at: 3 * 4096,
-        rows: 20_000,
-        row_bytes: 400,
-    };
+    let table = CachedTable::contiguous(3 * 4096, 20_000, 400);
     for staging in [0, 16384] {
         let io_opts = GpuIoOptions {
             queues: 4,
@@ -551,7 +547,7 @@ fn cached_lookups_equal_the_store_byte_for_byte() {
             ahead: 2,
             ..RowCacheOptions::default()
         };
-        let mut cache = RowCache::open(&gpu, io, table, &opts).unwrap();
+        let mut cache = RowCache::open(&gpu, io, table.clone(), &opts).unwrap();
         assert_eq!(cache.line_bytes(), 12_800);
         let mut asked = 0u64;
         for round in 0..3u64 {
@@ -581,11 +577,7 @@ fn lookups_finish_with_fewer_sq_entries_and_slots_than_requesters() {
     let dir = scratch();
     let (path, proxy) = proxy(&dir, 8 << 20, &gpu);
     let file = std::fs::read(&path).unwrap();
-    let table = CachedTable {
-        at: 0,
-        rows: 16_384,
-        row_bytes: 512,
-    };
+    let table = CachedTable::contiguous(0, 16_384, 512);
     // Queues of 5 entries (2 threads' batches and a free slot) under 2 x 512 requesters with
     // 4 requests each in flight, and a cache of 16 one-row lines: sets fill with pinned lines
     // and requesters must give theirs up to go on.
@@ -604,7 +596,7 @@ fn lookups_finish_with_fewer_sq_entries_and_slots_than_requesters() {
         ahead: 4,
         ..RowCacheOptions::default()
     };
-    let mut cache = RowCache::open(&gpu, io, table, &opts).unwrap();
+    let mut cache = RowCache::open(&gpu, io, table.clone(), &opts).unwrap();
     assert!(u32::from(cache.queue_depth()) < opts.requesters);
     let ids: Vec<u64> = (0..4_000u64).map(|i| (i * 7919) % table.rows).collect();
     let start = Instant::now();

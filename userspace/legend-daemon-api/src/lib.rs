@@ -168,6 +168,9 @@ pub enum JobSpec {
         /// Members of this group may query it too (the submitter must be one).
         #[serde(default)]
         group: Option<String>,
+        /// Where to answer: `cpu`, `cuda:N` or `auto`; absent: the daemon's `serve_device`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        device: Option<String>,
     },
 }
 

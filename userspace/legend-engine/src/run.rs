@@ -367,6 +367,36 @@ fn open_run_store(
     meta: &RunMeta,
     guard: &dyn Guard,
 ) -> Result<crate::store::FileStore, RunError> {
+    Ok(open_members(run, path, meta, guard, None)?.0)
+}
+
+/// The store of a run trained with a store backend, with its members' files (`None` for a run
+/// whose checkpoint is in files), opened as [`load_tables`] opens it: for a reader that moves
+/// the committed partitions itself (legend-query's GPU row cache, which finds each with
+/// [`crate::store::FileStore::io_extent`]). A proxy controller it starts serves at
+/// `proxy_model`'s rates (`storage.proxy_model`).
+pub fn open_store(
+    run: &Dir,
+    meta: &RunMeta,
+    guard: &dyn Guard,
+    proxy_model: Option<crate::store::controllers::DeviceModel>,
+) -> Result<Option<StoreAndMembers>, RunError> {
+    match &meta.store {
+        Some(path) => open_members(run, path, meta, guard, proxy_model).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// A run's store and the files of its members, in stripe order.
+pub type StoreAndMembers = (crate::store::FileStore, Vec<crate::store::MemberFile>);
+
+fn open_members(
+    run: &Dir,
+    path: &Path,
+    meta: &RunMeta,
+    guard: &dyn Guard,
+    proxy_model: Option<crate::store::controllers::DeviceModel>,
+) -> Result<StoreAndMembers, RunError> {
     use crate::store::MemberFile;
     let run_dir = std::fs::canonicalize(run.path()).map_err(io(run.path()))?;
     let members = meta
@@ -386,9 +416,11 @@ fn open_run_store(
         num_partitions: 0,
         aux_bytes: 0,
         force: false,
-        proxy_model: None,
+        proxy_model,
     };
-    crate::store::FileStore::open_any_partitioning(&spec).map_err(|e| invalid(path, e.to_string()))
+    let store = crate::store::FileStore::open_any_partitioning(&spec)
+        .map_err(|e| invalid(path, e.to_string()))?;
+    Ok((store, members))
 }
 
 /// Floats of the checkpoint file [`stream_entities`] reads at a time.

@@ -77,6 +77,18 @@ impl Kernel {
         block_portable(self.comparator, self.dim, queries, candidates, out);
     }
 
+    /// The comparator it scores with.
+    pub fn comparator(&self) -> Comparator {
+        self.comparator
+    }
+
+    /// Whether each element's step is a fused multiply-add (the AVX2 + FMA path) rather than a
+    /// rounded multiply and a rounded add: what another implementation must do to give the
+    /// same scores bit for bit (legend-cuda's query scan).
+    pub fn fused(&self) -> bool {
+        self.wide
+    }
+
     /// The score of one pair, bit-identical to the value [`Kernel::block`] gives for it.
     pub fn one(&self, query: &[f32], candidate: &[f32]) -> f32 {
         let mut out = [0.0];

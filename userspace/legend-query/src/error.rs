@@ -45,6 +45,14 @@ pub enum QueryError {
         /// The table's rows.
         limit: usize,
     },
+    /// The GPU asked for could not be opened or failed (the device and the driver's words).
+    #[error("{device}: {source}")]
+    Gpu {
+        /// `cuda:N`, with its name once opened.
+        device: String,
+        /// What failed.
+        source: legend_cuda::GpuError,
+    },
     /// A query that is malformed (its position and what is wrong).
     #[error("{at}: {why}")]
     Malformed {

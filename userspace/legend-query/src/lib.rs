@@ -17,13 +17,20 @@
 //! memory ([`Residency::Streamed`]; a batch of queries reads the table at most twice: once for
 //! the rows of the entities it names, once to score every entity); [`Residency::Fitting`]
 //! picks by the memory available.
+//!
+//! On a GPU ([`GpuOptions`], [`QueryRun::open_on`]) the entity rows go into GPU memory when they
+//! fit, and legend-cuda's scan answers `predict` and `neighbors` with the CPU's answers, bit for
+//! bit; a larger table is streamed to the GPU's scans, and its rows are looked up through
+//! legend-cuda's row cache over the run's own store ([`store_row_cache`]).
 
 mod error;
+mod gpu;
 mod model;
 mod query;
 mod topk;
 
 pub use error::QueryError;
+pub use gpu::{DEFAULT_CACHE_FRACTION, GpuOptions, store_row_cache, store_table};
 pub use model::{Completion, Metric, Model, Nearest};
 pub use query::{
     Answer, DEFAULT_TOP, Hit, LineKind, Named, Query, QueryRun, Residency, parse_line,

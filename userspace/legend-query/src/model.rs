@@ -6,8 +6,11 @@
 //! scorer the evaluator ranks with, so a predicted score equals the one evaluation counts, bit
 //! for bit. A scan splits the entity table into blocks scored on every core (rayon); each
 //! thread keeps its own K best per query and the parts are merged in [`Ranked::better_first`]'s
-//! total order, so the answer does not depend on the split.
+//! total order, so the answer does not depend on the split. On a GPU (`crate::gpu`) the same
+//! scan runs as legend-cuda's, which gives the same scores and order; the query vectors are
+//! made here either way.
 
+use legend_cuda::scan::{EntityRows, SCAN_MAX_QUERIES, Scan, ScanScoring};
 use legend_engine::run::{self, RunError, RunMeta};
 use legend_eval::{FilterIndex, Kernel};
 use legend_fs::{Dir, Guard};
@@ -16,11 +19,15 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::QueryError;
+use crate::gpu::{GpuScans, OpenedGpu, StoreRows};
 use crate::topk::{Ranked, TopK};
 
 /// Candidate rows scored at a time by one thread: 256 rows of d = 200 stay in L2 while the
 /// batch's queries sweep them (as the evaluator's filtered ranking does).
 const CANDIDATE_BLOCK: usize = 256;
+
+/// Bytes of entity rows copied from GPU memory at a time for a scan on the CPU.
+const DOWNLOAD_BYTES: usize = 64 << 20;
 
 /// Where the entity rows are.
 enum Entities<'a> {
@@ -36,6 +43,16 @@ enum Entities<'a> {
         /// Admits a store outside the run and checks reads (legend-fs).
         guard: &'a dyn Guard,
     },
+    /// In GPU memory only (the rows of [`Model::gpu`]).
+    OnGpu,
+}
+
+/// What a run's GPU will hold: the GPU, whether the entity rows go into its memory, and else
+/// a row cache over the run's store.
+pub(crate) struct GpuPlan {
+    pub(crate) opened: OpenedGpu,
+    pub(crate) resident: bool,
+    pub(crate) store_rows: Option<StoreRows>,
 }
 
 /// The one place that reads a stored run's entity rows for a scan: `piece` gets them in row
@@ -154,6 +171,11 @@ pub struct Model<'a> {
     reciprocal: bool,
     relations: Vec<f32>,
     entities: Entities<'a>,
+    /// The GPU that scans, holding the entity rows when [`Entities::OnGpu`].
+    gpu: Option<GpuScans>,
+    /// Rows looked up through the GPU row cache over the run's store (a table out of GPU
+    /// memory).
+    store_rows: Option<StoreRows>,
 }
 
 impl<'a> Model<'a> {
@@ -166,6 +188,19 @@ impl<'a> Model<'a> {
         guard: &dyn Guard,
         stream_with: Option<&'a dyn Guard>,
     ) -> Result<Model<'a>, QueryError> {
+        Self::of_run_on(run, meta, num_relations, guard, stream_with, None)
+    }
+
+    /// [`Model::of_run`], scanning on the GPU of `plan`: the entity rows read into its memory
+    /// (not the host's) when the plan says they fit.
+    pub(crate) fn of_run_on(
+        run: Dir,
+        meta: RunMeta,
+        num_relations: usize,
+        guard: &dyn Guard,
+        stream_with: Option<&'a dyn Guard>,
+        plan: Option<GpuPlan>,
+    ) -> Result<Model<'a>, QueryError> {
         let decoder: Decoder = meta
             .decoder
             .parse()
@@ -176,6 +211,38 @@ impl<'a> Model<'a> {
         let relations = run::load_relations(&run, &meta, guard)?;
         let reciprocal = meta.reciprocal_relations;
         let (dim, num_entities) = (meta.dim, meta.entities as usize);
+        let (mut gpu, mut store_rows) = (None, None);
+        if let Some(plan) = plan {
+            if plan.resident {
+                let mut rows = EntityRows::new(&plan.opened.gpu, num_entities, dim)
+                    .map_err(|e| plan.opened.error(e))?;
+                let mut first = 0;
+                let mut failed = None;
+                read_pieces(&run, &meta, guard, |piece| {
+                    if failed.is_none() {
+                        failed = rows.write(&plan.opened.gpu, first, piece).err();
+                        first += piece.len() / dim;
+                    }
+                    Ok(())
+                })?;
+                if let Some(e) = failed {
+                    return Err(plan.opened.error(e));
+                }
+                let gpu = GpuScans::new(plan.opened, Some(rows));
+                let mut model = Model::new(
+                    decoder,
+                    dim,
+                    (num_relations, reciprocal),
+                    relations,
+                    Entities::OnGpu,
+                    num_entities,
+                )?;
+                model.gpu = Some(gpu);
+                return Ok(model);
+            }
+            gpu = Some(GpuScans::new(plan.opened, None));
+            store_rows = plan.store_rows;
+        }
         let entities = match stream_with {
             Some(guard) => Entities::Stored {
                 run,
@@ -205,14 +272,17 @@ impl<'a> Model<'a> {
                 Entities::Resident(rows)
             }
         };
-        Model::new(
+        let mut model = Model::new(
             decoder,
             dim,
             (num_relations, reciprocal),
             relations,
             entities,
             num_entities,
-        )
+        )?;
+        model.gpu = gpu;
+        model.store_rows = store_rows;
+        Ok(model)
     }
 
     /// Tables in memory: `entities` rows of `dim` floats, `relations` rows (none for
@@ -273,7 +343,86 @@ impl<'a> Model<'a> {
             reciprocal,
             relations,
             entities,
+            gpu: None,
+            store_rows: None,
         })
+    }
+
+    /// Moves the scans to `gpu` and, when they fit in `budget` bytes of its memory with a
+    /// scan's buffers, the entity rows too (out of host memory); else the scans stream them
+    /// from where they are. Tables in memory only ([`Model::in_memory`]): a run opened from
+    /// its directory gets its GPU when opened.
+    ///
+    /// # Errors
+    ///
+    /// [`QueryError::Gpu`] when the device cannot be opened or the rows not copied;
+    /// [`QueryError::Tables`] for a model whose rows are not in memory.
+    pub fn use_gpu(&mut self, ordinal: usize, budget: u64) -> Result<(), QueryError> {
+        let opened = crate::gpu::open_device(legend_engine::config::DeviceChoice::Cuda(ordinal))?
+            .0
+            .expect("a CUDA device opens or fails");
+        let Entities::Resident(rows) = &self.entities else {
+            return Err(QueryError::Tables(
+                "only a model whose rows are in memory moves to a GPU".into(),
+            ));
+        };
+        if !OpenedGpu::fits(self.num_entities as u64, self.dim, budget) {
+            self.gpu = Some(GpuScans::new(opened, None));
+            return Ok(());
+        }
+        let mut table = EntityRows::new(&opened.gpu, self.num_entities, self.dim)
+            .map_err(|e| opened.error(e))?;
+        table
+            .write(&opened.gpu, 0, rows)
+            .map_err(|e| opened.error(e))?;
+        self.entities = Entities::OnGpu;
+        self.gpu = Some(GpuScans::new(opened, Some(table)));
+        Ok(())
+    }
+
+    /// Where the model answers: `cpu`, or the GPU, where the entity rows are and how rows are
+    /// looked up.
+    pub fn placement(&self) -> String {
+        let Some(gpu) = &self.gpu else {
+            return "cpu".into();
+        };
+        let rows = match &self.entities {
+            Entities::OnGpu => format!(
+                "entity rows in GPU memory ({:.2} GiB)",
+                EntityRows::bytes(self.num_entities, self.dim) as f64 / f64::from(1u32 << 30)
+            ),
+            Entities::Resident(_) => "entity rows in host memory, streamed by each scan".into(),
+            Entities::Stored { .. } => "entity rows read from the run by each scan".into(),
+        };
+        let lookups = match &self.store_rows {
+            Some(cache) => format!(
+                "; rows looked up through a {:.0} MiB row cache over the store",
+                cache.capacity_bytes() as f64 / f64::from(1u32 << 20)
+            ),
+            None => String::new(),
+        };
+        format!("{}: {rows}{lookups}", gpu.name())
+    }
+
+    /// Bytes of GPU memory the model holds: entity rows, row cache and a scan's buffers.
+    pub fn gpu_bytes(&self) -> u64 {
+        if self.gpu.is_none() {
+            return 0;
+        }
+        let rows = match &self.entities {
+            Entities::OnGpu => EntityRows::bytes(self.num_entities, self.dim),
+            _ => 0,
+        };
+        let cache = self
+            .store_rows
+            .as_ref()
+            .map_or(0, StoreRows::capacity_bytes);
+        rows + cache + legend_cuda::scan::SCAN_WORKING_BYTES
+    }
+
+    /// The row cache's counters, when rows are looked up through it.
+    pub fn cache_stats(&self) -> Option<legend_cuda::nvme_io::CacheStats> {
+        self.store_rows.as_ref().and_then(StoreRows::stats)
     }
 
     /// The score function.
@@ -291,16 +440,16 @@ impl<'a> Model<'a> {
         self.num_entities
     }
 
-    /// Whether the entity rows are in memory.
+    /// Whether the entity rows are in memory (the host's, or the GPU's).
     pub fn is_resident(&self) -> bool {
-        matches!(self.entities, Entities::Resident(_))
+        matches!(self.entities, Entities::Resident(_) | Entities::OnGpu)
     }
 
-    /// Bytes of the resident tables.
+    /// Bytes of the tables in host memory.
     pub fn resident_bytes(&self) -> usize {
         let entities = match &self.entities {
             Entities::Resident(rows) => rows.len(),
-            Entities::Stored { .. } => 0,
+            Entities::Stored { .. } | Entities::OnGpu => 0,
         };
         (entities + self.relations.len()) * 4
     }
@@ -347,6 +496,17 @@ impl<'a> Model<'a> {
                     Ok(())
                 })?;
             }
+            Entities::OnGpu => {
+                let gpu = self.gpu.as_ref().expect("rows on a GPU have one");
+                let state = gpu.lock();
+                let table = state.rows.as_ref().expect("rows on a GPU are there");
+                let per = (DOWNLOAD_BYTES / (self.dim * 4)).max(1);
+                for first in (0..self.num_entities).step_by(per) {
+                    let n = per.min(self.num_entities - first);
+                    let rows = table.read(&state.gpu, first, n).map_err(|e| gpu.error(e))?;
+                    piece(first, &rows);
+                }
+            }
         }
         Ok(())
     }
@@ -357,6 +517,18 @@ impl<'a> Model<'a> {
             self.check_entity(id, || format!("row {i}"))?;
         }
         let dim = self.dim;
+        if let (Entities::OnGpu, Some(gpu)) = (&self.entities, &self.gpu) {
+            let state = gpu.lock();
+            let table = state.rows.as_ref().expect("rows on a GPU are there");
+            let rows = table.gather(&state.gpu, ids).map_err(|e| gpu.error(e))?;
+            return Ok(rows.chunks_exact(dim).map(<[f32]>::to_vec).collect());
+        }
+        // A table out of GPU memory is looked up through the row cache over its store, even
+        // when its rows are in host memory too (for the scans): the path that scales past host
+        // memory, whose hit rate the serve job reports.
+        if let Some(cache) = &self.store_rows {
+            return cache.rows(ids);
+        }
         let mut out = vec![Vec::new(); ids.len()];
         if let Entities::Resident(rows) = &self.entities {
             for (o, &id) in out.iter_mut().zip(ids) {
@@ -487,6 +659,16 @@ impl<'a> Model<'a> {
         kernel: Kernel,
         unit_rows: bool,
     ) -> Result<Vec<Vec<Ranked>>, QueryError> {
+        if let Some(gpu) = &self.gpu
+            && GpuScans::can_rank(&kernel, tops, self.num_entities)
+        {
+            let scoring = ScanScoring {
+                comparator: kernel.comparator(),
+                fused: kernel.fused(),
+                unit_rows,
+            };
+            return self.top_k_gpu(gpu, scoring, vectors, (tops, excluded));
+        }
         let dim = self.dim;
         let nq = tops.len();
         let fresh = || tops.iter().map(|&k| TopK::new(k)).collect::<Vec<_>>();
@@ -528,6 +710,50 @@ impl<'a> Model<'a> {
             kept.iter_mut().zip(part).for_each(|(a, b)| a.merge(b));
         })?;
         Ok(kept.into_iter().map(TopK::into_sorted).collect())
+    }
+}
+
+impl Model<'_> {
+    /// [`Model::top_k`] on the GPU: the resident table scanned there, or the rows streamed to
+    /// it from where they are; at most [`SCAN_MAX_QUERIES`] queries a scan.
+    fn top_k_gpu(
+        &self,
+        gpu: &GpuScans,
+        scoring: ScanScoring,
+        vectors: &[f32],
+        (tops, excluded): (&[usize], &[&[u32]]),
+    ) -> Result<Vec<Vec<Ranked>>, QueryError> {
+        let dim = self.dim;
+        let mut state = gpu.lock();
+        let state = &mut *state;
+        let mut out = Vec::with_capacity(tops.len());
+        for (g, group) in tops.chunks(SCAN_MAX_QUERIES).enumerate() {
+            let q = g * SCAN_MAX_QUERIES..g * SCAN_MAX_QUERIES + group.len();
+            let queries = &vectors[q.start * dim..q.end * dim];
+            let mut scan = Scan::new(&state.gpu, scoring, queries, dim, group, &excluded[q])
+                .map_err(|e| gpu.error(e))?;
+            match state.rows.as_mut() {
+                Some(table) => scan.resident(table).map_err(|e| gpu.error(e))?,
+                None => {
+                    let mut failed = None;
+                    self.scan(|_, rows| {
+                        if failed.is_none() {
+                            failed = scan.host_rows(rows).err();
+                        }
+                    })?;
+                    if let Some(e) = failed {
+                        return Err(gpu.error(e));
+                    }
+                }
+            }
+            let found = scan.finish().map_err(|e| gpu.error(e))?;
+            out.extend(found.into_iter().map(|hits| {
+                hits.into_iter()
+                    .map(|(id, score)| Ranked { id, score })
+                    .collect::<Vec<_>>()
+            }));
+        }
+        Ok(out)
     }
 }
 

@@ -14,7 +14,8 @@ use legend_model::Side;
 use serde::{Deserialize, Serialize};
 
 use crate::QueryError;
-use crate::model::{Completion, Metric, Model, Nearest};
+use crate::gpu::{GpuOptions, OpenedGpu, StoreRows};
+use crate::model::{Completion, GpuPlan, Metric, Model, Nearest};
 
 /// Entities a query returns unless told.
 pub const DEFAULT_TOP: usize = 10;
@@ -337,7 +338,19 @@ impl QueryRun<'static> {
         dataset: Option<&Path>,
         guard: &dyn Guard,
     ) -> Result<QueryRun<'static>, QueryError> {
-        Self::open_with(path, dataset, guard, |_| None)
+        Self::open_resident_on(path, dataset, guard, &GpuOptions::cpu())
+    }
+
+    /// [`QueryRun::open_resident`] answering on the GPU `gpu` asks for: the entity rows in its
+    /// memory when they fit its budget, else in host memory (the scans stream them) and
+    /// looked up through a row cache over the run's store.
+    pub fn open_resident_on(
+        path: &Path,
+        dataset: Option<&Path>,
+        guard: &dyn Guard,
+        gpu: &GpuOptions,
+    ) -> Result<QueryRun<'static>, QueryError> {
+        Self::open_with(path, dataset, guard, gpu, |_| None)
     }
 }
 
@@ -349,6 +362,63 @@ pub struct QueryRun<'a> {
     entities: Names,
     relations: Names,
     filter: Mutex<Option<Arc<FilterIndex>>>,
+    placement: String,
+}
+
+/// What `gpu` asks of the run `meta` describes: the GPU opened, whether the entity rows fit its
+/// budget, else a row cache over the run's store; and, when there is no GPU, or a row cache was
+/// wanted but none could be had, why (in words, for the placement).
+fn gpu_plan(
+    dir: &legend_fs::Dir,
+    meta: &RunMeta,
+    guard: &dyn Guard,
+    gpu: &GpuOptions,
+) -> Result<(Option<GpuPlan>, String), QueryError> {
+    let (opened, note) = crate::gpu::open_device(gpu.device)?;
+    let Some(opened) = opened else {
+        return Ok((None, note));
+    };
+    let budget = opened.budget(gpu.budget)?;
+    let working = legend_cuda::scan::SCAN_WORKING_BYTES;
+    if budget < working {
+        let why = format!(
+            "{}: {} MiB of its memory may be taken, less than a scan's {} MiB",
+            opened.name,
+            budget >> 20,
+            working >> 20
+        );
+        if gpu.device == legend_engine::config::DeviceChoice::Auto {
+            return Ok((None, format!("cpu (auto: {why})")));
+        }
+        return Err(QueryError::Tables(why));
+    }
+    if OpenedGpu::fits(meta.entities, meta.dim, budget) {
+        let plan = GpuPlan {
+            opened,
+            resident: true,
+            store_rows: None,
+        };
+        return Ok((Some(plan), String::new()));
+    }
+    let mut why_not = String::new();
+    let mut store_rows = None;
+    if gpu.cache_fraction > 0.0 && meta.store.is_some() {
+        let at_rest = meta.entities * meta.dim as u64 * meta.entity_dtype.bytes() as u64;
+        let bytes = ((at_rest as f64 * gpu.cache_fraction) as u64).min(budget - working);
+        let proxy_model = run::read_config(dir)?.proxy_model();
+        if let Some((store, members)) = run::open_store(dir, meta, guard, proxy_model)? {
+            match StoreRows::open(&opened, &store, &members, proxy_model, bytes) {
+                Ok(rows) => store_rows = Some(rows),
+                Err(e) => why_not = format!(" (rows looked up on the CPU: {e})"),
+            }
+        }
+    }
+    let plan = GpuPlan {
+        opened,
+        resident: false,
+        store_rows,
+    };
+    Ok((Some(plan), why_not))
 }
 
 impl<'a> QueryRun<'a> {
@@ -360,19 +430,35 @@ impl<'a> QueryRun<'a> {
         guard: &'a dyn Guard,
         residency: Residency,
     ) -> Result<QueryRun<'a>, QueryError> {
-        Self::open_with(path, dataset, guard, |meta| match residency {
+        Self::open_on(path, dataset, guard, residency, &GpuOptions::cpu())
+    }
+
+    /// [`QueryRun::open`] answering on the GPU `gpu` asks for (none for `cpu`): the entity
+    /// rows go into its memory when they fit its budget, else stay where `residency` puts them
+    /// and the scans stream them; lookups then go through a row cache over the run's store
+    /// when it has one.
+    pub fn open_on(
+        path: &Path,
+        dataset: Option<&Path>,
+        guard: &'a dyn Guard,
+        residency: Residency,
+        gpu: &GpuOptions,
+    ) -> Result<QueryRun<'a>, QueryError> {
+        Self::open_with(path, dataset, guard, gpu, |meta| match residency {
             Residency::Resident => None,
             Residency::Streamed => Some(guard),
             Residency::Fitting => (!fits_in_memory(meta)).then_some(guard),
         })
     }
 
-    /// Opens the run, its entity rows streamed through the guard `stream_with` gives for its
-    /// record, or loaded when it gives none.
+    /// Opens the run, its entity rows on the GPU `gpu` names when they fit there, else
+    /// streamed through the guard `stream_with` gives for its record, or loaded when it gives
+    /// none.
     fn open_with(
         path: &Path,
         dataset: Option<&Path>,
         guard: &dyn Guard,
+        gpu: &GpuOptions,
         stream_with: impl FnOnce(&RunMeta) -> Option<&'a dyn Guard>,
     ) -> Result<QueryRun<'a>, QueryError> {
         let dir = run::open(path)?;
@@ -387,7 +473,14 @@ impl<'a> QueryRun<'a> {
         let entities = Names::new(dataset.entity_labels()?);
         let relations = Names::new(dataset.relation_labels()?);
         let stream_with = stream_with(&meta);
-        let model = Model::of_run(dir, meta, relations.labels.len(), guard, stream_with)?;
+        let (plan, note) = gpu_plan(&dir, &meta, guard, gpu)?;
+        let on_gpu = plan.is_some();
+        let model = Model::of_run_on(dir, meta, relations.labels.len(), guard, stream_with, plan)?;
+        let placement = if on_gpu {
+            format!("{}{note}", model.placement())
+        } else {
+            note
+        };
         if model.num_entities() != entities.labels.len() {
             return Err(QueryError::Tables(format!(
                 "{}: the run has {} entity rows, its dataset {} labels",
@@ -402,7 +495,15 @@ impl<'a> QueryRun<'a> {
             entities,
             relations,
             filter: Mutex::default(),
+            placement,
         })
+    }
+
+    /// Where the run answers, in words: `cpu` (with why, when `auto` found no GPU), or the GPU
+    /// with where the entity rows are and how rows are looked up (and why not through a row
+    /// cache, when one was wanted and could not be had).
+    pub fn placement(&self) -> &str {
+        &self.placement
     }
 
     /// The tables.

@@ -2,15 +2,20 @@
 //! entity scored alone by the evaluator's kernel, all sorted by (score, id), known triples
 //! removed. Tables with values on a coarse grid make exact ties common.
 
+mod common;
+
 use std::path::Path;
 
+use common::grid;
 use legend_dataset::{ImportInput, ImportOptions, Split, import};
+use legend_engine::config::DeviceChoice;
 use legend_engine::run::{self, RunMeta, TableChecksums};
 use legend_eval::{FilterIndex, Kernel};
 use legend_fs::Unguarded;
 use legend_model::{Decoder, Side};
 use legend_query::{
-    Answer, Completion, Metric, Model, Nearest, Query, QueryError, QueryRun, Ranked, Residency,
+    Answer, Completion, GpuOptions, Metric, Model, Nearest, Query, QueryError, QueryRun, Ranked,
+    Residency,
 };
 
 /// Seven entities on a line (entity k at k) and one relation "+1", TransE L1 in one dimension.
@@ -104,19 +109,6 @@ fn a_line_predicts_its_next_point_then_the_ties_by_id() {
         }])
         .unwrap();
     assert_eq!(ids(&near[0]), [2, 4, 1, 5]);
-}
-
-/// Values on a grid of 0.5 in [-1, 1]: dot products and L1 sums are exact, so ties abound.
-fn grid(n: usize, salt: u64) -> Vec<f32> {
-    let mut x = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 5) as f32 * 0.5 - 1.0
-        })
-        .collect()
 }
 
 /// Every entity scored alone, best first by (score, id), `skip` left out, the first `top`.
@@ -312,11 +304,9 @@ fn line_run(dir: &Path) -> std::path::PathBuf {
     out
 }
 
-#[test]
-fn a_run_answers_by_label_from_memory_and_from_its_checkpoint_alike() {
-    let dir = tempfile::tempdir().unwrap();
-    let run = line_run(dir.path());
-    let queries: Vec<Query> = serde_json::from_str(
+/// One query of each kind on the line run, by label.
+fn line_queries() -> Vec<Query> {
+    serde_json::from_str(
         r#"[
         {"query": "predict", "head": "p2", "relation": "next", "top": 3},
         {"query": "predict", "head": "p2", "relation": "next", "top": 3, "filtered": true},
@@ -326,7 +316,14 @@ fn a_run_answers_by_label_from_memory_and_from_its_checkpoint_alike() {
         {"query": "lookup", "entity": "p5"}
     ]"#,
     )
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn a_run_answers_by_label_from_memory_and_from_its_checkpoint_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = line_run(dir.path());
+    let queries = line_queries();
     let mut answers = Vec::new();
     for residency in [Residency::Resident, Residency::Streamed] {
         let q = QueryRun::open(&run, None, &Unguarded, residency).unwrap();
@@ -374,6 +371,38 @@ fn a_run_answers_by_label_from_memory_and_from_its_checkpoint_alike() {
         "[5.0]".into(),
     ];
     assert_eq!(got, want, "{:#?}", answers[0]);
+}
+
+/// `auto` answers where it can: on a machine without a GPU, on the CPU (the GPU path's
+/// fallback), saying why, with the CPU path's answers; a GPU named but missing is an error
+/// naming it.
+#[test]
+fn auto_falls_back_to_the_cpu_with_its_answers_and_a_missing_gpu_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = line_run(dir.path());
+    let queries = line_queries();
+    let at = |i: usize| format!("query {}", i + 1);
+    let cpu = QueryRun::open(&run, None, &Unguarded, Residency::Resident).unwrap();
+    assert_eq!(cpu.placement(), "cpu");
+    let want = cpu.answer(&queries, 100, &at).unwrap();
+    for residency in [Residency::Resident, Residency::Streamed] {
+        let auto = GpuOptions::on(DeviceChoice::Auto);
+        let q = QueryRun::open_on(&run, None, &Unguarded, residency, &auto).unwrap();
+        assert_eq!(q.answer(&queries, 100, &at).unwrap(), want, "{residency:?}");
+        if !legend_cuda::driver_present() {
+            assert_eq!(q.placement(), "cpu (auto: no CUDA driver)");
+            assert_eq!(q.model().gpu_bytes(), 0);
+        }
+    }
+    if legend_cuda::driver_present() {
+        return;
+    }
+    let named = GpuOptions::on(DeviceChoice::Cuda(0));
+    let e = QueryRun::open_on(&run, None, &Unguarded, Residency::Resident, &named)
+        .err()
+        .expect("no GPU here");
+    assert!(matches!(&e, QueryError::Gpu { device, .. } if device == "cuda:0"));
+    assert!(e.to_string().starts_with("cuda:0: no CUDA driver"), "{e}");
 }
 
 #[test]

@@ -20,6 +20,15 @@ pub struct DaemonConfig {
     pub gpu_jobs: usize,
     /// Serve jobs holding a run in memory at once (they take no CPU or GPU job slot).
     pub serve_jobs: usize,
+    /// Where a serve job answers unless it names a device: `cpu`, `cuda:N` or `auto` (device 0
+    /// when a CUDA driver is present and it opens, else the CPU).
+    pub serve_device: String,
+    /// The share of each GPU's memory that serve jobs together may hold (entity rows, row
+    /// caches, scan buffers); training jobs keep the rest. 0: serve jobs never use a GPU.
+    pub serve_gpu_memory: f64,
+    /// A served run whose entity rows do not fit its GPU share looks rows up through a row
+    /// cache over its store of this share of its table (0: through host memory).
+    pub serve_cache_fraction: f64,
     /// Connections served at once; more are answered `unavailable` and closed.
     pub max_connections: usize,
     /// Of `max_connections`, how many only the admin group (and root) may take: they always
@@ -48,6 +57,9 @@ impl Default for DaemonConfig {
             cpu_jobs: 1,
             gpu_jobs: 1,
             serve_jobs: 4,
+            serve_device: "auto".into(),
+            serve_gpu_memory: 0.25,
+            serve_cache_fraction: legend_query::DEFAULT_CACHE_FRACTION,
             max_connections: 256,
             reserved_connections: 16,
             max_connections_per_uid: 32,
@@ -82,6 +94,18 @@ impl DaemonConfig {
                  max_ended_jobs_per_user and request_timeout_s must be at least 1",
                 path.display()
             );
+        }
+        config
+            .serve_device
+            .parse::<legend_engine::config::DeviceChoice>()
+            .map_err(|e| anyhow::anyhow!("{}: serve_device: {e}", path.display()))?;
+        for (key, share) in [
+            ("serve_gpu_memory", config.serve_gpu_memory),
+            ("serve_cache_fraction", config.serve_cache_fraction),
+        ] {
+            if !(0.0..=1.0).contains(&share) {
+                anyhow::bail!("{}: {key} = {share} is not between 0 and 1", path.display());
+            }
         }
         if config.reserved_connections >= config.max_connections {
             anyhow::bail!(
@@ -118,6 +142,9 @@ mod tests {
             "max_connections = 8\nreserved_connections = 8\n",
             "max_jobs_per_user = 0\n",
             "gpu_jobs = \"one\"\n",
+            "serve_device = \"gpu\"\n",
+            "serve_gpu_memory = 1.5\n",
+            "serve_cache_fraction = -0.1\n",
         ] {
             std::fs::write(&path, text).unwrap();
             let e = DaemonConfig::load(&path, true).unwrap_err().to_string();

@@ -145,6 +145,13 @@ pub struct Jobs {
     serve_jobs: usize,
     /// The runs serve jobs hold, by job, once loaded.
     served: Mutex<HashMap<u64, Arc<Served>>>,
+    /// `serve_device`, `serve_gpu_memory`, `serve_cache_fraction`.
+    serve_device: DeviceChoice,
+    serve_gpu_memory: f64,
+    serve_cache_fraction: f64,
+    /// Bytes of each GPU's memory the serve jobs hold, by device ordinal; held while a serve
+    /// job loads onto a GPU, so that each load sees what the ones before it took.
+    serve_gpu: Mutex<HashMap<usize, u64>>,
     /// `max_jobs_per_user`.
     max_per_user: usize,
     /// `max_ended_jobs_per_user`.
@@ -335,6 +342,13 @@ impl Jobs {
             gpu_jobs: config.gpu_jobs,
             serve_jobs: config.serve_jobs,
             served: Mutex::default(),
+            serve_device: config
+                .serve_device
+                .parse()
+                .map_err(|e| anyhow::anyhow!("serve_device: {e}"))?,
+            serve_gpu_memory: config.serve_gpu_memory,
+            serve_cache_fraction: config.serve_cache_fraction,
+            serve_gpu: Mutex::default(),
             max_per_user: config.max_jobs_per_user,
             max_ended_per_user: config.max_ended_jobs_per_user,
             requests: AtomicU64::new(0),
@@ -502,22 +516,38 @@ impl Jobs {
 
     /// One job.
     pub fn get(&self, id: u64) -> Result<JobInfo, JobError> {
-        self.lock()
+        let info = self
+            .lock()
             .jobs
             .get(&id)
             .map(|e| e.record.info.clone())
-            .ok_or(JobError::NotFound(id))
+            .ok_or(JobError::NotFound(id))?;
+        Ok(self.with_serving(info))
     }
 
     /// Every job, or those of `owner`.
     pub fn list(&self, owner: Option<u32>) -> Vec<JobInfo> {
-        self.lock()
+        let infos: Vec<JobInfo> = self
+            .lock()
             .jobs
             .values()
             .map(|e| &e.record.info)
             .filter(|i| owner.is_none_or(|o| i.owner == o))
             .cloned()
-            .collect()
+            .collect();
+        infos.into_iter().map(|i| self.with_serving(i)).collect()
+    }
+
+    /// `info` with, for a serve job that is serving, its live status as its result (where it
+    /// answers, queries, rate, latency, the row cache's hit rate).
+    fn with_serving(&self, mut info: JobInfo) -> JobInfo {
+        if matches!(info.spec, JobSpec::Serve { .. })
+            && info.state == JobState::Running
+            && let Some(served) = self.served(info.id)
+        {
+            info.result = Some(served.status());
+        }
+        info
     }
 
     /// Cancels a job: a queued one at once, a running one at its next checkpointable point
@@ -705,8 +735,9 @@ impl Jobs {
                         JobSpec::Export { run, out, format } => {
                             jobs.run_export(id, run, out, format, &guard)
                         }
-                        JobSpec::Serve { run, group } => {
-                            jobs.run_serve(id, run, group.as_deref(), owner, &stop, &guard)
+                        JobSpec::Serve { run, group, device } => {
+                            let asked = (group.as_deref(), device.as_deref());
+                            jobs.run_serve(id, run, asked, owner, &stop, &guard)
                         }
                     }))
                     .unwrap_or_else(|panic| {
@@ -842,29 +873,52 @@ impl Jobs {
         Ok(Ended::Done(None))
     }
 
-    /// Loads `run` into memory and answers queries on it ([`Jobs::served`]) until the job is
-    /// cancelled (it then succeeds) or the daemon stops (it is queued again, to serve after
-    /// the next start).
+    /// Loads `run` into memory (a GPU's, as [`Jobs::serve_gpu`] allows) and answers queries on
+    /// it ([`Jobs::served`]) until the job is cancelled (it then succeeds) or the daemon stops
+    /// (it is queued again, to serve after the next start). `(group, device)` as submitted.
     fn run_serve(
         &self,
         id: u64,
         run: &Path,
-        group: Option<&str>,
+        (group, device): (Option<&str>, Option<&str>),
         owner: u32,
         stop: &AtomicBool,
         guard: &JobGuard,
     ) -> Result<Ended, String> {
         let gid = group.map(crate::access::group_id).transpose()?;
         let started = Instant::now();
-        let loaded =
-            legend_query::QueryRun::open_resident(run, None, guard).map_err(|e| chain(&e))?;
+        let (options, ordinal) = self.serve_gpu(device)?;
+        // Loads onto a GPU one at a time: each sees what the ones before it hold.
+        let mut held = ordinal.map(|_| self.serve_gpu.lock().unwrap_or_else(|e| e.into_inner()));
+        let budget = match (&held, ordinal) {
+            (Some(held), Some(o)) => {
+                Some(self.serve_budget(o, held.get(&o).copied().unwrap_or(0))?)
+            }
+            _ => None,
+        };
+        let options = legend_query::GpuOptions { budget, ..options };
+        let loaded = legend_query::QueryRun::open_resident_on(run, None, guard, &options)
+            .map_err(|e| chain(&e))?;
         let served = Arc::new(Served::new(owner, gid, loaded));
+        let gpu_bytes = served.gpu_bytes();
+        let on = match (held.as_mut(), ordinal) {
+            (Some(held), Some(o)) if gpu_bytes > 0 => {
+                *held.entry(o).or_default() += gpu_bytes;
+                format!("cuda:{o}")
+            }
+            _ => "cpu".into(),
+        };
+        drop(held);
+        self.update(id, |e| e.record.info.device = Some(on.clone()));
         self.log(
             id,
             &format!(
-                "serving {}: {} MiB of tables in memory, loaded in {:.1} s",
+                "serving {}: {} MiB of tables in host memory, {} MiB on the GPU; answering on \
+                 {}; loaded in {:.1} s",
                 run.display(),
                 served.resident_bytes() >> 20,
+                gpu_bytes >> 20,
+                served.placement(),
                 started.elapsed().as_secs_f64()
             ),
         );
@@ -888,11 +942,65 @@ impl Jobs {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&id);
+        if let Some(o) = ordinal.filter(|_| gpu_bytes > 0) {
+            let mut held = self.serve_gpu.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(b) = held.get_mut(&o) {
+                *b = b.saturating_sub(gpu_bytes);
+            }
+        }
         Ok(if stopping {
             Ended::Stopped("serving".into())
         } else {
             Ended::Done(None)
         })
+    }
+
+    /// Where a serve job that asked for `device` (none: `serve_device`) answers: the GPU
+    /// options and the device whose memory it takes, or the CPU. A GPU is used only where
+    /// `serve_gpu_memory` allows; `auto` falls back to the CPU, a named `cuda:N` is refused.
+    fn serve_gpu(
+        &self,
+        device: Option<&str>,
+    ) -> Result<(legend_query::GpuOptions, Option<usize>), String> {
+        let choice = match device {
+            Some(d) => d.parse::<DeviceChoice>()?,
+            None => self.serve_device,
+        };
+        let cpu = Ok((legend_query::GpuOptions::cpu(), None));
+        let ordinal = match choice {
+            DeviceChoice::Cpu => return cpu,
+            DeviceChoice::Cuda(n) => n,
+            DeviceChoice::Auto => 0,
+        };
+        if self.serve_gpu_memory == 0.0 {
+            return match choice {
+                DeviceChoice::Auto => cpu,
+                _ => Err(format!(
+                    "serving on {choice}: this daemon serves runs on the CPU only \
+                     (serve_gpu_memory = 0)"
+                )),
+            };
+        }
+        if let Err(e) = legend_cuda::device_memory(ordinal) {
+            return match choice {
+                // No GPU to share: the query side finds the same and says why it is on the CPU.
+                DeviceChoice::Auto => Ok((legend_query::GpuOptions::on(choice), None)),
+                _ => Err(format!("serving on {choice}: {e}")),
+            };
+        }
+        let options = legend_query::GpuOptions {
+            cache_fraction: self.serve_cache_fraction,
+            ..legend_query::GpuOptions::on(choice)
+        };
+        Ok((options, Some(ordinal)))
+    }
+
+    /// Bytes of device `ordinal`'s memory a serve job may take when the serve jobs already
+    /// hold `held`: the `serve_gpu_memory` share, less that.
+    fn serve_budget(&self, ordinal: usize, held: u64) -> Result<u64, String> {
+        let total =
+            legend_cuda::device_memory(ordinal).map_err(|e| format!("cuda:{ordinal}: {e}"))?;
+        Ok(((total as f64 * self.serve_gpu_memory) as u64).saturating_sub(held))
     }
 
     /// The run serve job `id` holds, once loaded.

@@ -1,10 +1,13 @@
-//! Serve jobs: a run's tables held in the daemon's memory, answering queries (legend-query) from
-//! its submitter, members of a group the submitter named, and root, with the latencies kept for
-//! the metrics.
+//! Serve jobs: a run's tables held in the daemon's memory (the host's, or a GPU's), answering
+//! queries (legend-query) from its submitter, members of a group the submitter named, and root,
+//! with the latencies kept for the metrics and the job's status.
 //!
 //! A serve job runs in a queue of its own (`serve`, `serve_jobs` at once): it takes no CPU or
-//! GPU job slot, and its queries run on the daemon's rayon pool, beside whatever trains. At most
-//! [`MAX_IN_FLIGHT`] batches of one served run are answered at once; more are `unavailable`.
+//! GPU job slot. On the CPU its queries run on the daemon's rayon pool, beside whatever trains;
+//! on a GPU they hold at most the daemon's `serve_gpu_memory` share of it, all serve jobs
+//! together (the rest is training's), and their kernels share the GPU's time with training's.
+//! At most [`MAX_IN_FLIGHT`] batches of one served run are answered at once; more are
+//! `unavailable`.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
@@ -33,6 +36,17 @@ pub struct Served {
     run: QueryRun<'static>,
     in_flight: AtomicUsize,
     stats: Mutex<Stats>,
+}
+
+/// A served run's figures over its last [`WINDOW`] requests.
+struct Summary {
+    queries: u64,
+    requests: u64,
+    /// Queries a second, from the first request's end to now.
+    rate: f64,
+    /// Latency quantiles (seconds), when a request was answered.
+    p50: Option<f64>,
+    p99: Option<f64>,
 }
 
 /// What the metrics report of a served run.
@@ -72,9 +86,59 @@ impl Served {
         }
     }
 
-    /// Bytes of the run's tables in memory.
+    /// Bytes of the run's tables in host memory.
     pub fn resident_bytes(&self) -> usize {
         self.run.model().resident_bytes()
+    }
+
+    /// Bytes of GPU memory the run holds (0 on the CPU).
+    pub fn gpu_bytes(&self) -> u64 {
+        self.run.model().gpu_bytes()
+    }
+
+    /// Where the run answers, in words.
+    pub fn placement(&self) -> &str {
+        self.run.placement()
+    }
+
+    /// The job's live status: where it answers, queries, rate, latency and the row cache's hit
+    /// rate (what a running serve job's `result` shows).
+    pub fn status(&self) -> serde_json::Value {
+        let s = self.summary();
+        let cache = self.run.model().cache_stats();
+        serde_json::json!({
+            "placement": self.placement(),
+            "host_bytes": self.resident_bytes(),
+            "gpu_bytes": self.gpu_bytes(),
+            "queries": s.queries,
+            "requests": s.requests,
+            "queries_per_second": s.rate,
+            "latency_p50_s": s.p50,
+            "latency_p99_s": s.p99,
+            "cache_hit_rate": cache.map(|c| c.hit_rate()),
+            "cache_misses": cache.map(|c| c.misses),
+        })
+    }
+
+    fn summary(&self) -> Summary {
+        let s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let rate = match s.recent.front() {
+            Some((first, _, _)) => {
+                let span = first.elapsed().as_secs_f64();
+                let n: usize = s.recent.iter().map(|r| r.2).sum();
+                if span > 0.0 { n as f64 / span } else { 0.0 }
+            }
+            None => 0.0,
+        };
+        let mut latencies: Vec<f64> = s.recent.iter().map(|r| r.1.as_secs_f64()).collect();
+        latencies.sort_by(f64::total_cmp);
+        Summary {
+            queries: s.queries,
+            requests: s.requests,
+            rate,
+            p50: percentile(&latencies, 0.5),
+            p99: percentile(&latencies, 0.99),
+        }
     }
 
     /// Whether `peer` may query this run: its submitter, a member of the group it named, root.
@@ -146,7 +210,7 @@ impl Served {
     /// The metrics lines of job `id` (Prometheus text, after the HELP/TYPE lines
     /// [`write_help`] writes once).
     pub fn write_metrics(&self, id: u64, out: &mut MetricLines) {
-        let s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let s = self.summary();
         let job = format!("job=\"{id}\",owner=\"{}\"", self.owner);
         let _ = writeln!(
             out.queries,
@@ -158,20 +222,13 @@ impl Served {
             "legend_serve_requests_total{{{job}}} {}",
             s.requests
         );
-        // Over the window: from the first request's end to now.
-        let rate = match s.recent.front() {
-            Some((first, _, _)) => {
-                let span = first.elapsed().as_secs_f64();
-                let n: usize = s.recent.iter().map(|r| r.2).sum();
-                if span > 0.0 { n as f64 / span } else { 0.0 }
-            }
-            None => 0.0,
-        };
-        let _ = writeln!(out.rate, "legend_serve_queries_per_second{{{job}}} {rate}");
-        let mut latencies: Vec<f64> = s.recent.iter().map(|r| r.1.as_secs_f64()).collect();
-        latencies.sort_by(f64::total_cmp);
-        for (name, q) in [("0.5", 0.5), ("0.99", 0.99)] {
-            if let Some(v) = percentile(&latencies, q) {
+        let _ = writeln!(
+            out.rate,
+            "legend_serve_queries_per_second{{{job}}} {}",
+            s.rate
+        );
+        for (name, v) in [("0.5", s.p50), ("0.99", s.p99)] {
+            if let Some(v) = v {
                 let _ = writeln!(
                     out.latency,
                     "legend_serve_latency_seconds{{{job},quantile=\"{name}\"}} {v}"
@@ -183,6 +240,18 @@ impl Served {
             "legend_serve_resident_bytes{{{job}}} {}",
             self.resident_bytes()
         );
+        let _ = writeln!(
+            out.gpu,
+            "legend_serve_gpu_bytes{{{job}}} {}",
+            self.gpu_bytes()
+        );
+        if let Some(c) = self.run.model().cache_stats() {
+            let _ = writeln!(
+                out.hit_rate,
+                "legend_serve_cache_hit_ratio{{{job}}} {}",
+                c.hit_rate()
+            );
+        }
     }
 }
 
@@ -204,6 +273,8 @@ pub struct MetricLines {
     rate: String,
     latency: String,
     resident: String,
+    gpu: String,
+    hit_rate: String,
 }
 
 impl MetricLines {
@@ -237,8 +308,20 @@ impl MetricLines {
             (
                 "legend_serve_resident_bytes",
                 "gauge",
-                "Bytes of a served run's tables in memory.",
+                "Bytes of a served run's tables in host memory.",
                 self.resident,
+            ),
+            (
+                "legend_serve_gpu_bytes",
+                "gauge",
+                "Bytes of GPU memory a served run holds (rows, row cache, scan buffers).",
+                self.gpu,
+            ),
+            (
+                "legend_serve_cache_hit_ratio",
+                "gauge",
+                "Hit rate of a served run's GPU row cache since it loaded (coalesced requests count as hits).",
+                self.hit_rate,
             ),
         ] {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}");

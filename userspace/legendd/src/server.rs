@@ -24,6 +24,7 @@ use legend_daemon_api::{
     NvmeController, PROTOCOL_VERSION, Reply, Request, read_frame, write_message,
 };
 use legend_engine::Config;
+use legend_engine::config::DeviceChoice;
 use legend_engine::store::QueueBackend;
 use legend_engine::store::StoreFile;
 use legend_engine::store::controllers::{self, SharedController};
@@ -708,8 +709,15 @@ fn check_submission(job: &JobSpec, peer: &Peer) -> Result<(String, Option<Config
             split.parse::<legend_dataset::Split>()?;
             check_run_to_read(peer, run)?;
         }
-        JobSpec::Serve { run, group } => {
+        JobSpec::Serve { run, group, device } => {
             check_run_to_read(peer, run)?;
+            if let Some(d) = device {
+                // Checked here, not when the job runs, as an eval's protocol is.
+                if d.len() > 32 {
+                    return Err(format!("device: {} bytes is not a device name", d.len()));
+                }
+                d.parse::<DeviceChoice>()?;
+            }
             if let Some(name) = group {
                 let gid = access::group_id(name)?;
                 // Like chgrp: a run is shared only with a group its owner is in.

@@ -1920,6 +1920,7 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
         job: JobSpec::Serve {
             run: run.clone(),
             group: Some(group),
+            device: None,
         },
     });
     let queries: Vec<Query> = serde_json::from_str(
@@ -2012,6 +2013,29 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
         panic!();
     };
     assert!(!text.contains("legend_serve_queries_total{"), "{text}");
+    // The job's status says where it answers (the daemon's `serve_device`, auto: the CPU
+    // without a GPU, the answers above the same as the CPU's) and its figures.
+    let status = owner.job(Request::Status { job: job.id });
+    let serving = status.result.expect("a serving job shows its figures");
+    assert_eq!(serving["queries"], 205, "{serving}");
+    assert!(
+        serving["latency_p99_s"].as_f64().unwrap() > 0.0,
+        "{serving}"
+    );
+    let placement = serving["placement"].as_str().unwrap();
+    if !legend_cuda::driver_present() {
+        assert_eq!(placement, "cpu (auto: no CUDA driver)");
+        assert_eq!(status.device.as_deref(), Some("cpu"));
+    }
+    // A device that is not one is refused when submitted, naming it.
+    let why = refusal(owner.call(Request::Submit {
+        job: JobSpec::Serve {
+            run: run.clone(),
+            group: None,
+            device: Some("gpu".into()),
+        },
+    }));
+    assert!(why.contains("unknown device \"gpu\""), "{why}");
     // Serving takes no CPU job slot: an eval job (cpu_jobs = 1) runs to its end beside it.
     let eval = owner.job(Request::Submit {
         job: JobSpec::Eval {
@@ -2035,4 +2059,18 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
     });
     assert_eq!(ended.state, JobState::Succeeded);
     assert!(refusal(ask(&mut owner)).contains("has ended"));
+    // A GPU the machine does not have fails the job, naming it.
+    let missing = owner.job(Request::Submit {
+        job: JobSpec::Serve {
+            run: run.clone(),
+            group: None,
+            device: Some("cuda:7".into()),
+        },
+    });
+    let failed = wait_for(&mut owner, missing.id, Duration::from_secs(30), |j| {
+        j.state.is_final()
+    });
+    assert_eq!(failed.state, JobState::Failed, "{failed:?}");
+    let error = failed.error.unwrap_or_default();
+    assert!(error.contains("serving on cuda:7"), "{error}");
 }

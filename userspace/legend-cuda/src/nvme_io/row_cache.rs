@@ -6,7 +6,10 @@
 //! A [`RowCache`] owns a [`GpuIo`] (its queue pairs: one thread block each, whose first warp
 //! is the queue's only submitter) and the cache: `lines` slots of `line_bytes` in GPU memory,
 //! set associative with a clock per set, hit/miss/coalesced counters. It lives across calls:
-//! what one lookup read, the next finds.
+//! what one lookup read, the next finds. Its table is a [`CachedTable`]: rows in one piece, or
+//! cut into partitions each at its own place on the namespace (a run's store: legend-query
+//! gives the partitions' committed copies); rows of f32 or of a 16-bit format, returned as
+//! they are stored.
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use legend_nvme_protocol::MAX_DEPTH;
@@ -29,7 +32,9 @@ struct CacheTable {
     hands: u64,
     stats: u64,
     abort: u64,
-    at: u64,
+    part_at: u64,
+    rows_per_part: u64,
+    lines_per_part: u64,
     rows: u64,
     namespace_bytes: u64,
     line_page_shift: u32,
@@ -53,14 +58,36 @@ const RING: u32 = 4096;
 const MAX_AHEAD: u32 = 8;
 
 /// Where the table lies on the namespace.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CachedTable {
-    /// Byte of the namespace row 0 starts at (a multiple of the LBA size).
-    pub at: u64,
+    /// The byte of the namespace each partition's first row starts at (multiples of the LBA
+    /// size); one for a table in one piece.
+    pub partitions: Vec<u64>,
+    /// Rows of each partition but the last, which holds the rest (at least one).
+    pub rows_per_partition: u64,
     /// Rows.
     pub rows: u64,
-    /// Bytes a row (a multiple of 4).
+    /// Bytes a row (a multiple of 2: f32 or 16-bit values).
     pub row_bytes: u32,
+}
+
+impl CachedTable {
+    /// `rows` rows of `row_bytes` in one piece from namespace byte `at`.
+    pub fn contiguous(at: u64, rows: u64, row_bytes: u32) -> CachedTable {
+        CachedTable {
+            partitions: vec![at],
+            rows_per_partition: rows,
+            rows,
+            row_bytes,
+        }
+    }
+
+    /// The namespace byte row `row` (below `rows`) starts at.
+    pub fn byte_of(&self, row: u64) -> u64 {
+        let p = row / self.rows_per_partition;
+        self.partitions[p as usize]
+            + (row - p * self.rows_per_partition) * u64::from(self.row_bytes)
+    }
 }
 
 /// How a [`RowCache`] is laid out and driven.
@@ -130,8 +157,11 @@ pub struct RowCache {
     table: CachedTable,
     opts: RowCacheOptions,
     line_bytes: u32,
+    lines_per_partition: u64,
     sets: u32,
     region: usize,
+    /// Each partition's namespace byte (`CachedTable::partitions`), for the kernel.
+    partitions: CudaSlice<u64>,
     tags: CudaSlice<u64>,
     /// State, pins and reference bits of each slot, then each set's lock and hand, then the
     /// abort flag (u32 words).
@@ -154,32 +184,38 @@ impl RowCache {
     ) -> Result<RowCache, GpuError> {
         let shape = |what: String| Err(GpuError::Shape(format!("row cache: {what}")));
         let lba = io.block_size();
-        if table.row_bytes == 0 || !table.row_bytes.is_multiple_of(4) {
+        if table.row_bytes == 0 || !table.row_bytes.is_multiple_of(2) {
             return shape(format!(
-                "rows of {} bytes (a positive multiple of 4)",
+                "rows of {} bytes (a positive multiple of 2)",
                 table.row_bytes
             ));
         }
-        let table_end = table
-            .rows
-            .checked_mul(u64::from(table.row_bytes))
-            .and_then(|b| b.checked_add(table.at));
+        let per_part = table.rows_per_partition;
         if table.rows == 0
-            || !table.at.is_multiple_of(lba)
-            || table_end.is_none_or(|e| e > io.namespace_bytes())
+            || per_part == 0
+            || table.partitions.len() as u64 != table.rows.div_ceil(per_part)
         {
             return shape(format!(
-                "{} rows of {} bytes from byte {} do not lie in the {}-byte namespace at an \
-                 LBA boundary",
+                "{} rows in {} partitions of {per_part} rows",
                 table.rows,
-                table.row_bytes,
-                table.at,
-                io.namespace_bytes()
+                table.partitions.len()
             ));
         }
-        // The fewest rows whose bytes are a multiple of the LBA size, times enough of them.
-        let unit = lcm(u64::from(table.row_bytes), lba);
-        let line_bytes = u64::from(opts.line_bytes.max(1)).div_ceil(unit) * unit;
+        for (p, &at) in table.partitions.iter().enumerate() {
+            let rows = per_part.min(table.rows - p as u64 * per_part);
+            let end = rows
+                .checked_mul(u64::from(table.row_bytes))
+                .and_then(|b| b.checked_add(at));
+            if !at.is_multiple_of(lba) || end.is_none_or(|e| e > io.namespace_bytes()) {
+                return shape(format!(
+                    "partition {p}: {rows} rows of {} bytes from byte {at} do not lie in the \
+                     {}-byte namespace at an LBA boundary",
+                    table.row_bytes,
+                    io.namespace_bytes()
+                ));
+            }
+        }
+        let line_bytes = Self::line_bytes_for(table.row_bytes, opts.line_bytes, lba);
         if line_bytes > io.max_command || line_bytes > u64::from(u32::MAX) {
             return shape(format!(
                 "lines of {line_bytes} bytes (whole rows of {} bytes, a multiple of the \
@@ -188,6 +224,7 @@ impl RowCache {
             ));
         }
         let line_bytes = line_bytes as u32;
+        let lines_per_partition = per_part.div_ceil(u64::from(line_bytes / table.row_bytes));
         if opts.ways == 0 || opts.lines < opts.ways {
             return shape(format!(
                 "{} lines of {} ways: at least one set",
@@ -216,6 +253,9 @@ impl RowCache {
         }
         let region = io.alloc(gpu, slots * line_bytes as usize)?;
         let stream = io.stream.clone();
+        let partitions = stream
+            .clone_htod(&table.partitions)
+            .during("uploading the table's partitions")?;
         let tags = stream
             .alloc_zeros::<u64>(slots)
             .during("allocating the cache's tags")?;
@@ -230,12 +270,22 @@ impl RowCache {
             table,
             opts: opts.clone(),
             line_bytes,
+            lines_per_partition,
             sets,
             region,
+            partitions,
             tags,
             words,
             stats,
         })
+    }
+
+    /// The bytes of a line of rows of `row_bytes` on LBAs of `lba` bytes when at least
+    /// `min_bytes` are asked for ([`RowCacheOptions::line_bytes`]): the fewest rows whose bytes
+    /// are a multiple of the LBA size, times enough of them.
+    pub fn line_bytes_for(row_bytes: u32, min_bytes: u32, lba: u64) -> u64 {
+        let unit = lcm(u64::from(row_bytes), lba);
+        u64::from(min_bytes.max(1)).div_ceil(unit) * unit
     }
 
     /// Bytes of a line.
@@ -253,8 +303,13 @@ impl RowCache {
         self.io.depth
     }
 
-    /// Rows `ids` (each below the table's row count), in order, `row_bytes` each; and the
-    /// launch's seconds.
+    /// The table.
+    pub fn table(&self) -> &CachedTable {
+        &self.table
+    }
+
+    /// Rows `ids` (each below the table's row count), in order, `row_bytes` each, as stored;
+    /// and the launch's seconds.
     ///
     /// # Errors
     ///
@@ -327,7 +382,9 @@ impl RowCache {
             hands: words + 12 * slots + 4 * u64::from(self.sets),
             abort: words + 12 * slots + 8 * u64::from(self.sets),
             stats: self.io.addr(&self.stats),
-            at: self.table.at,
+            part_at: self.io.addr(&self.partitions),
+            rows_per_part: self.table.rows_per_partition,
+            lines_per_part: self.lines_per_partition,
             rows: self.table.rows,
             namespace_bytes: self.io.namespace_bytes(),
             line_page_shift: region.mapping.page_size.trailing_zeros(),
@@ -359,8 +416,9 @@ impl RowCache {
             .arg(&n)
             .arg(out)
             .arg(&timeout);
-        // SAFETY: the queues, reports, cache arrays (sized above for `slots` and `sets`), ids
-        // (`n`, each checked below the row count) and `out` (`n` rows) are live device memory;
+        // SAFETY: the queues, reports, cache arrays (sized above for `slots` and `sets`), the
+        // partitions' bytes (one each, checked against the row count), ids (`n`, each checked
+        // below the row count) and `out` (`n` rows) are live device memory;
         // the controller's rings, doorbells and the line region stay mapped while `io` lives.
         unsafe { b.launch(cfg) }.during("launching legend_row_cache_lookup")?;
         stream
@@ -387,6 +445,15 @@ fn lcm(a: u64, b: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lines_are_whole_rows_and_whole_lbas() {
+        assert_eq!(RowCache::line_bytes_for(400, 4096, 512), 12_800);
+        assert_eq!(RowCache::line_bytes_for(512, 4096, 512), 4096);
+        assert_eq!(RowCache::line_bytes_for(400, 1, 4096), 102_400);
+        // 16-bit rows of an odd width (d = 101, bf16).
+        assert_eq!(RowCache::line_bytes_for(202, 4096, 512), 51_712);
+    }
 
     #[test]
     fn a_line_is_whole_rows_and_whole_lbas() {

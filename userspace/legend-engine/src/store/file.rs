@@ -278,6 +278,12 @@ impl FileStore {
         Ok(self.store.mark_written(Region::Partition(p))?)
     }
 
+    /// The store's layout parameters (nodes, dimension, dtype, partitions), read-only: for a
+    /// reader that moves the partitions itself (legend-query's GPU row cache).
+    pub fn spec(&self) -> &StoreSpec {
+        self.store.spec()
+    }
+
     /// Bytes the largest partition takes on the medium (a staging buffer for it).
     pub fn max_partition_bytes(&self) -> usize {
         self.store.max_partition_bytes()

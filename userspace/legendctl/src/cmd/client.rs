@@ -132,6 +132,11 @@ enum SubmitCommand {
         /// Members of this group (one of yours) may query it too.
         #[arg(long)]
         group: Option<String>,
+        /// Where to answer: `cpu`, `cuda:N` or `auto` (default: the daemon's `serve_device`);
+        /// on a GPU the run's entity rows go into its memory when they fit the daemon's share
+        /// for serving (`serve_gpu_memory`).
+        #[arg(long)]
+        device: Option<legend_engine::config::DeviceChoice>,
         /// Print the job as JSON.
         #[arg(long)]
         json: bool,
@@ -207,10 +212,16 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
             watch,
             json,
         ),
-        SubmitCommand::Serve { run, group, json } => (
+        SubmitCommand::Serve {
+            run,
+            group,
+            device,
+            json,
+        } => (
             JobSpec::Serve {
                 run: absolute(&run)?,
                 group,
+                device: device.map(|d| d.to_string()),
             },
             false,
             json,

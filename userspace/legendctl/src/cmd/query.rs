@@ -7,8 +7,12 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use legend_daemon_api::{MAX_QUERIES, Reply, Request};
+use legend_engine::config::DeviceChoice;
 use legend_fs::Unguarded;
-use legend_query::{Answer, DEFAULT_TOP, LineKind, Metric, Query, QueryRun, Residency, parse_line};
+use legend_query::{
+    Answer, DEFAULT_CACHE_FRACTION, DEFAULT_TOP, GpuOptions, LineKind, Metric, Query, QueryRun,
+    Residency, parse_line,
+};
 
 /// Queries answered together (a batch: one scan of the run's entities); a file of more is
 /// answered in several batches.
@@ -77,6 +81,15 @@ pub struct Output {
     /// half the memory available is read once into memory).
     #[arg(long)]
     streamed: bool,
+    /// Where to answer: `cpu`, `cuda:N`, or `auto` (device 0 when a CUDA driver is present and
+    /// it opens, else the CPU), as `training.device`. On a GPU the entity rows go into its
+    /// memory when they fit; `predict` and `neighbors` scan there, giving the CPU's answers.
+    #[arg(long, default_value = "auto")]
+    device: DeviceChoice,
+    /// On a GPU, for a run whose entity rows do not fit its memory: the row cache over the
+    /// run's store that `score` reads rows through, as a fraction of the table (0: none).
+    #[arg(long, default_value_t = DEFAULT_CACHE_FRACTION)]
+    cache_fraction: f64,
 }
 
 /// A query with where it came from (for errors).
@@ -181,8 +194,18 @@ fn answer_here(run: &Path, queries: &[Located], out: &Output) -> anyhow::Result<
     } else {
         Residency::Fitting
     };
+    if !(0.0..=1.0).contains(&out.cache_fraction) {
+        bail!(
+            "--cache-fraction {} is not between 0 and 1",
+            out.cache_fraction
+        );
+    }
+    let gpu = GpuOptions {
+        cache_fraction: out.cache_fraction,
+        ..GpuOptions::on(out.device)
+    };
     let loading = Instant::now();
-    let q = QueryRun::open(run, out.dataset.as_deref(), &Unguarded, residency)?;
+    let q = QueryRun::open_on(run, out.dataset.as_deref(), &Unguarded, residency, &gpu)?;
     if q.model().is_resident() {
         eprintln!(
             "{} entity rows read into memory in {:.3} s",
@@ -190,6 +213,7 @@ fn answer_here(run: &Path, queries: &[Located], out: &Output) -> anyhow::Result<
             loading.elapsed().as_secs_f64()
         );
     }
+    eprintln!("answering on {}", q.placement());
     for (b, batch) in queries.chunks(BATCH).enumerate() {
         let started = Instant::now();
         let asked: Vec<Query> = batch.iter().map(|(_, q)| q.clone()).collect();

@@ -1,9 +1,11 @@
-//! `legendctl bench cache`: rows of a table in a file looked up in batches, the ids drawn from a
-//! power law (Zipf with exponent 1: id rank k has weight 1/k, the ranks scattered over the
-//! table), three ways: `gpu`, GPU threads through the row cache in GPU memory whose misses
-//! they read through the proxy's queues (legend-cuda's `RowCache`); `resident`, the same with a
-//! cache that holds the whole table, filled before the timing; `pread`, CPU threads reading
-//! each row with `pread`. Reports lookups/s, each batch's time (p50, p99) and the hit rate.
+//! `legendctl bench cache`: rows of a table looked up in batches, the ids drawn from a power law
+//! (Zipf with exponent 1: id rank k has weight 1/k, the ranks scattered over the table), three
+//! ways: `gpu`, GPU threads through the row cache in GPU memory whose misses they read through
+//! the proxy's queues (legend-cuda's `RowCache`); `resident`, the same with a cache that holds
+//! the whole table, filled before the timing; `pread`, CPU threads reading each row with
+//! `pread`. The table is a file of rows from byte 0 (`--path`), or a trained run's entity rows
+//! in its store (`--run`: its partitions and dtype, through the store's own proxy, as a served
+//! run reads them). Reports lookups/s, each batch's time (p50, p99) and the hit rate.
 
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
@@ -15,7 +17,9 @@ use clap::{Parser, ValueEnum};
 use legend_cuda::nvme_io::{
     CachedTable, CudaDeviceMemory, GpuIo, GpuIoOptions, RingPlacement, RowCache, RowCacheOptions,
 };
+use legend_engine::run;
 use legend_engine::store::controllers::DeviceModel;
+use legend_engine::store::{FileStore, MemberFile};
 use legend_nvme_proxy::{Proxy, ProxyOptions};
 use serde::Serialize;
 
@@ -35,8 +39,13 @@ pub enum CacheMode {
 #[derive(Parser, Clone)]
 pub struct CacheArgs {
     /// The table's file: rows from byte 0.
+    #[arg(long, required_unless_present = "run", conflicts_with = "run")]
+    pub path: Option<PathBuf>,
+    /// A trained run whose store holds the table (storage.backend file or proxy): its entity
+    /// rows as stored; `--row-bytes` and `--rows` come from it, the modelled SSD from its
+    /// `storage.proxy_model` unless `--ssd-model` names one.
     #[arg(long)]
-    pub path: PathBuf,
+    pub run: Option<PathBuf>,
     /// How rows are looked up.
     #[arg(long, value_enum, default_value = "gpu")]
     pub mode: CacheMode,
@@ -91,6 +100,7 @@ pub struct CacheArgs {
 struct Report {
     mode: CacheMode,
     path: PathBuf,
+    run: Option<PathBuf>,
     rows: u64,
     row_bytes: u32,
     table_bytes: u64,
@@ -148,43 +158,87 @@ fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
-pub fn run(args: CacheArgs) -> anyhow::Result<()> {
+/// The table a run looks rows up in: the file, where its rows lie, and a run's store.
+struct Source {
+    file: PathBuf,
+    table: CachedTable,
+    /// `--run`'s store and its members, and the modelled SSD its proxy serves at.
+    store: Option<(FileStore, Vec<MemberFile>)>,
+    ssd_model: Option<DeviceModel>,
+}
+
+/// `--path` (rows of `--row-bytes` from byte 0) or `--run` (its store's committed rows).
+fn source(args: &CacheArgs) -> anyhow::Result<Source> {
+    if let Some(path) = &args.run {
+        let dir = run::open(path)?;
+        let meta = run::read_meta(&dir)?;
+        let ssd_model = args.ssd_model.or(run::read_config(&dir)?.proxy_model());
+        let Some((store, members)) =
+            run::open_store(&dir, &meta, &legend_fs::Unguarded, ssd_model)?
+        else {
+            bail!(
+                "{}: the run keeps its checkpoint in files, not in a store (storage.backend = \
+                 \"memory\"): look rows up in its entities.bin with --path",
+                path.display()
+            );
+        };
+        let table = legend_query::store_table(&store)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        return Ok(Source {
+            file: members[0].file.path(),
+            table,
+            store: Some((store, members)),
+            ssd_model,
+        });
+    }
+    let path = args.path.clone().expect("clap: --path or --run");
     if args.row_bytes == 0 || !args.row_bytes.is_multiple_of(4) {
         bail!(
             "--row-bytes {} is not a positive multiple of 4",
             args.row_bytes
         );
     }
-    if args.batch == 0 || args.batches == 0 || args.queues == 0 {
-        bail!("--batch, --batches and --queues must be positive");
-    }
-    if !(args.cache_fraction > 0.0 && args.cache_fraction <= 1.0) {
-        bail!("--cache-fraction {} is not in (0, 1]", args.cache_fraction);
-    }
-    let file_bytes = std::fs::metadata(&args.path)
-        .with_context(|| format!("{}", args.path.display()))?
+    let file_bytes = std::fs::metadata(&path)
+        .with_context(|| format!("{}", path.display()))?
         .len();
     let fits = file_bytes / u64::from(args.row_bytes);
     let rows = args.rows.unwrap_or(fits);
     if rows == 0 || rows > fits {
         bail!(
             "{} holds {fits} rows of {} bytes, not {rows}",
-            args.path.display(),
+            path.display(),
             args.row_bytes
         );
     }
+    Ok(Source {
+        table: CachedTable::contiguous(0, rows, args.row_bytes),
+        file: path,
+        store: None,
+        ssd_model: args.ssd_model,
+    })
+}
+
+pub fn run(args: CacheArgs) -> anyhow::Result<()> {
+    if args.batch == 0 || args.batches == 0 || args.queues == 0 {
+        bail!("--batch, --batches and --queues must be positive");
+    }
+    if !(args.cache_fraction > 0.0 && args.cache_fraction <= 1.0) {
+        bail!("--cache-fraction {} is not in (0, 1]", args.cache_fraction);
+    }
+    let src = source(&args)?;
+    let (rows, row_bytes) = (src.table.rows, src.table.row_bytes);
     let mut law = PowerLaw::new(rows, 0x2545_f491_4f6c_dd1d);
     let batches: Vec<Vec<u64>> = (0..=args.batches)
         .map(|_| (0..args.batch).map(|_| law.next()).collect())
         .collect();
-    let table_bytes = rows * u64::from(args.row_bytes);
+    let table_bytes = rows * u64::from(row_bytes);
     let mut times = Vec::with_capacity(args.batches);
     let (cache_bytes, line_bytes, stats) = match args.mode {
         CacheMode::Pread => {
-            let file = std::fs::File::open(&args.path)
-                .with_context(|| format!("opening {}", args.path.display()))?;
+            let file = std::fs::File::open(&src.file)
+                .with_context(|| format!("opening {}", src.file.display()))?;
             for (i, ids) in batches.iter().enumerate() {
-                let t = pread_batch(&file, ids, args.row_bytes, args.queues)?;
+                let t = pread_batch(&file, ids, &src.table, args.queues)?;
                 if i > 0 {
                     times.push(t);
                 }
@@ -193,23 +247,6 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
         }
         CacheMode::Gpu | CacheMode::Resident => {
             let gpu = legend_cuda::Gpu::new(0).context("opening cuda:0")?;
-            let default = ProxyOptions::default();
-            let proxy = Proxy::open(
-                &args.path,
-                &ProxyOptions {
-                    model: args.ssd_model,
-                    threads: args.proxy_threads.unwrap_or(default.threads),
-                    ..default
-                },
-            )
-            .with_context(|| format!("starting the proxy over {}", args.path.display()))?;
-            proxy.attach_device(Arc::new(CudaDeviceMemory::new(&gpu)?))?;
-            let proxy = Arc::new(proxy);
-            let table = CachedTable {
-                at: 0,
-                rows,
-                row_bytes: args.row_bytes,
-            };
             let mut opts = RowCacheOptions {
                 line_bytes: args.line_bytes,
                 lines: 0,
@@ -219,28 +256,68 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
                 flops_per_byte: args.flops_per_byte,
                 overlap: !args.no_overlap,
             };
-            // The line size the cache will use, to size it in lines.
-            let line = line_size(args.row_bytes, args.line_bytes, proxy.block_size());
-            let table_lines = table_bytes.div_ceil(line);
-            let lines = match args.mode {
-                CacheMode::Resident => table_lines.next_multiple_of(u64::from(args.ways)),
-                _ => ((table_lines as f64 * args.cache_fraction) as u64).max(u64::from(args.ways)),
+            let fraction = match args.mode {
+                CacheMode::Resident => 1.0,
+                _ => args.cache_fraction,
             };
-            opts.lines = u32::try_from(lines).context("too many cache lines")?;
-            let io_opts = GpuIoOptions {
-                queues: args.queues,
-                threads: 64,
-                placement: RingPlacement::Host,
-                staging: if line <= 64 << 10 { line as u32 } else { 0 },
-                timeout: Duration::from_secs(10),
-                ..GpuIoOptions::default()
+            let mut cache = match &src.store {
+                Some((store, members)) => {
+                    let mut bytes = (table_bytes as f64 * fraction) as u64;
+                    if args.mode == CacheMode::Resident {
+                        // A partition's last line may be partly past its rows: room for one
+                        // more line (at most 1 MiB) a partition.
+                        bytes += src.table.partitions.len() as u64 * (1 << 20);
+                    }
+                    legend_query::store_row_cache(
+                        &gpu,
+                        (store, members),
+                        src.ssd_model,
+                        bytes,
+                        (args.queues, &opts),
+                    )
+                    .map_err(|e| anyhow::anyhow!(e))?
+                }
+                None => {
+                    let default = ProxyOptions::default();
+                    let proxy = Proxy::open(
+                        &src.file,
+                        &ProxyOptions {
+                            model: src.ssd_model,
+                            threads: args.proxy_threads.unwrap_or(default.threads),
+                            ..default
+                        },
+                    )
+                    .with_context(|| format!("starting the proxy over {}", src.file.display()))?;
+                    proxy.attach_device(Arc::new(CudaDeviceMemory::new(&gpu)?))?;
+                    let proxy = Arc::new(proxy);
+                    // The line size the cache will use, to size it in lines.
+                    let line =
+                        RowCache::line_bytes_for(row_bytes, args.line_bytes, proxy.block_size());
+                    let table_lines = table_bytes.div_ceil(line);
+                    let lines = match args.mode {
+                        CacheMode::Resident => table_lines.next_multiple_of(u64::from(args.ways)),
+                        _ => ((table_lines as f64 * fraction) as u64).max(u64::from(args.ways)),
+                    };
+                    opts.lines = u32::try_from(lines).context("too many cache lines")?;
+                    let io_opts = GpuIoOptions {
+                        queues: args.queues,
+                        threads: 64,
+                        placement: RingPlacement::Host,
+                        staging: if line <= 64 << 10 { line as u32 } else { 0 },
+                        timeout: Duration::from_secs(10),
+                        ..GpuIoOptions::default()
+                    };
+                    let io = GpuIo::open(&gpu, proxy.clone(), &io_opts)?;
+                    RowCache::open(&gpu, io, src.table.clone(), &opts)?
+                }
             };
-            let io = GpuIo::open(&gpu, proxy.clone(), &io_opts)?;
-            let mut cache = RowCache::open(&gpu, io, table, &opts)?;
             if args.mode == CacheMode::Resident {
                 // Every line once, untimed: all later lookups hit.
-                let per_line = u64::from(cache.line_bytes() / args.row_bytes);
-                let all: Vec<u64> = (0..rows).step_by(per_line as usize).collect();
+                let per_line = u64::from(cache.line_bytes() / row_bytes);
+                let table = &src.table;
+                let all: Vec<u64> = (0..rows)
+                    .filter(|&r| (r % table.rows_per_partition).is_multiple_of(per_line))
+                    .collect();
                 for chunk in all.chunks(1 << 20) {
                     cache.lookup(chunk)?;
                 }
@@ -271,9 +348,10 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
     };
     let report = Report {
         mode: args.mode,
-        path: args.path.clone(),
+        path: src.file.clone(),
+        run: args.run.clone(),
         rows,
-        row_bytes: args.row_bytes,
+        row_bytes,
         table_bytes,
         cache_bytes,
         line_bytes,
@@ -282,7 +360,7 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
         ahead: args.ahead,
         flops_per_byte: args.flops_per_byte,
         overlap: !args.no_overlap,
-        ssd_model: args.ssd_model.map(|m| m.to_string()),
+        ssd_model: src.ssd_model.map(|m| m.to_string()),
         batch: args.batch,
         batches: args.batches,
         lookups_per_s: (args.batch * args.batches) as f64 / total.as_secs_f64(),
@@ -316,17 +394,11 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The cache's line size for these rows (as `RowCache::open` computes it).
-fn line_size(row_bytes: u32, min_bytes: u32, lba: u64) -> u64 {
-    let unit = u64::from(row_bytes) / gcd(u64::from(row_bytes), lba) * lba;
-    u64::from(min_bytes.max(1)).div_ceil(unit) * unit
-}
-
-/// One batch by `threads` CPU threads, one `pread` a row.
+/// One batch by `threads` CPU threads, one `pread` a row of `table`.
 fn pread_batch(
     file: &std::fs::File,
     ids: &[u64],
-    row_bytes: u32,
+    table: &CachedTable,
     threads: u32,
 ) -> anyhow::Result<Duration> {
     let start = Instant::now();
@@ -336,10 +408,10 @@ fn pread_batch(
             .chunks(per)
             .map(|chunk| {
                 s.spawn(move || -> std::io::Result<u64> {
-                    let mut buf = vec![0u8; row_bytes as usize];
+                    let mut buf = vec![0u8; table.row_bytes as usize];
                     let mut sum = 0u64;
                     for &id in chunk {
-                        file.read_exact_at(&mut buf, id * u64::from(row_bytes))?;
+                        file.read_exact_at(&mut buf, table.byte_of(id))?;
                         sum = sum.wrapping_add(u64::from(buf[0]));
                     }
                     Ok(sum)
@@ -374,12 +446,5 @@ mod tests {
         // Zipf(1): the top 1% of rows take far more than 1% of the lookups.
         let top: u32 = c.iter().take(1000).sum();
         assert!(top > 200_000 / 3, "top 1% drew {top}");
-    }
-
-    #[test]
-    fn lines_are_whole_rows_and_whole_lbas() {
-        assert_eq!(line_size(400, 4096, 512), 12_800);
-        assert_eq!(line_size(512, 4096, 512), 4096);
-        assert_eq!(line_size(400, 1, 4096), 102_400);
     }
 }

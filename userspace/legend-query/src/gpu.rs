@@ -1,0 +1,333 @@
+//! The GPU side of queries on a run (issue 32): a run's entity rows kept in GPU memory when
+//! they fit, `predict` and `neighbors` answered by legend-cuda's exact scan (bit-identical to
+//! the CPU's scores and order), and, for a table that stays out of GPU memory, rows looked up
+//! through legend-cuda's row cache reading the run's own store.
+//!
+//! Which device: `cpu`, `cuda:N` (an error when it cannot be opened) or `auto` (device 0 when a
+//! driver is present and it opens, else the CPU, saying why), as `training.device`. What the
+//! GPU cannot do falls back to the CPU path, answer for answer the same: RotatE's modulus, a K
+//! above [`SCAN_MAX_TOP`], more than [`SCAN_MAX_ROWS`] entities.
+
+use std::sync::{Mutex, MutexGuard};
+
+use legend_cuda::nvme_io::{
+    CacheStats, CachedTable, CudaDeviceMemory, GpuIo, GpuIoOptions, RingPlacement, RowCache,
+    RowCacheOptions,
+};
+use legend_cuda::scan::{EntityRows, SCAN_MAX_ROWS, SCAN_MAX_TOP, SCAN_WORKING_BYTES};
+use legend_cuda::{Gpu, GpuError};
+use legend_engine::config::DeviceChoice;
+use legend_engine::store::QueueBackend;
+use legend_engine::store::controllers::{self, DeviceModel, SharedController};
+use legend_engine::store::{FileStore, MemberFile};
+use legend_eval::Kernel;
+use legend_model::{Comparator, Dtype};
+
+use crate::QueryError;
+
+/// The row cache's share of the entity table unless told (the size AGILE's experiment and the
+/// benchmarks use).
+pub const DEFAULT_CACHE_FRACTION: f64 = 0.1;
+
+/// GPU memory left free beside what queries take: the driver's own, and room for another
+/// process's small allocations.
+const GPU_RESERVE_BYTES: u64 = 1 << 30;
+
+/// How queries on a run use a GPU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuOptions {
+    /// `cpu`, `cuda:N` or `auto`.
+    pub device: DeviceChoice,
+    /// Bytes of the GPU's memory the run may take (entity rows, row cache, scan buffers);
+    /// `None`: what is free, less a reserve of 1 GiB.
+    pub budget: Option<u64>,
+    /// The row cache's size as a fraction of the entity table (0: no cache), when the table
+    /// stays out of GPU memory and the run has a store.
+    pub cache_fraction: f64,
+}
+
+impl GpuOptions {
+    /// Queries on the CPU only.
+    pub fn cpu() -> GpuOptions {
+        GpuOptions::on(DeviceChoice::Cpu)
+    }
+
+    /// Queries on `device`, the rest by default.
+    pub fn on(device: DeviceChoice) -> GpuOptions {
+        GpuOptions {
+            device,
+            budget: None,
+            cache_fraction: DEFAULT_CACHE_FRACTION,
+        }
+    }
+}
+
+/// The device `choice` names, opened; `None` for the CPU, with why when `auto` found no GPU.
+pub(crate) fn open_device(choice: DeviceChoice) -> Result<(Option<OpenedGpu>, String), QueryError> {
+    let open = |ordinal: usize| {
+        Gpu::new(ordinal).map(|gpu| OpenedGpu {
+            name: format!("cuda:{ordinal} ({}, {})", gpu.name(), gpu.arch()),
+            gpu,
+        })
+    };
+    match choice {
+        DeviceChoice::Cpu => Ok((None, "cpu".into())),
+        DeviceChoice::Cuda(ordinal) => match open(ordinal) {
+            Ok(g) => Ok((Some(g), String::new())),
+            Err(source) => Err(QueryError::Gpu {
+                device: format!("cuda:{ordinal}"),
+                source,
+            }),
+        },
+        DeviceChoice::Auto if !legend_cuda::driver_present() => {
+            Ok((None, "cpu (auto: no CUDA driver)".into()))
+        }
+        DeviceChoice::Auto => match open(0) {
+            Ok(g) => Ok((Some(g), String::new())),
+            Err(e) => Ok((None, format!("cpu (auto: {e})"))),
+        },
+    }
+}
+
+/// A GPU opened for a run's queries, with its name for messages.
+pub(crate) struct OpenedGpu {
+    pub(crate) gpu: Gpu,
+    pub(crate) name: String,
+}
+
+impl OpenedGpu {
+    /// Bytes of its memory a run may take: `budget`, at most what is free less the reserve.
+    pub(crate) fn budget(&self, budget: Option<u64>) -> Result<u64, QueryError> {
+        let total = self.gpu.total_memory().map_err(|e| self.error(e))? as u64;
+        let used = self.gpu.memory_in_use().map_err(|e| self.error(e))? as u64;
+        let free = total.saturating_sub(used).saturating_sub(GPU_RESERVE_BYTES);
+        Ok(budget.map_or(free, |b| b.min(free)))
+    }
+
+    /// Whether a table of `rows` rows of `dim` floats fits `budget` with a scan's buffers.
+    pub(crate) fn fits(rows: u64, dim: usize, budget: u64) -> bool {
+        EntityRows::bytes(rows as usize, dim).saturating_add(SCAN_WORKING_BYTES) <= budget
+    }
+
+    pub(crate) fn error(&self, source: GpuError) -> QueryError {
+        QueryError::Gpu {
+            device: self.name.clone(),
+            source,
+        }
+    }
+}
+
+/// The scans of a run on a GPU, and its entity rows when they are in GPU memory.
+pub(crate) struct GpuScans {
+    name: String,
+    state: Mutex<GpuState>,
+}
+
+/// What a batch holds while it uses the GPU (one batch at a time: one stream).
+pub(crate) struct GpuState {
+    pub(crate) gpu: Gpu,
+    /// The entity rows, when they are in GPU memory.
+    pub(crate) rows: Option<EntityRows>,
+}
+
+impl GpuScans {
+    pub(crate) fn new(opened: OpenedGpu, rows: Option<EntityRows>) -> GpuScans {
+        GpuScans {
+            name: opened.name,
+            state: Mutex::new(GpuState {
+                gpu: opened.gpu,
+                rows,
+            }),
+        }
+    }
+
+    /// `cuda:N (name, arch)`.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The GPU, for one batch.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, GpuState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the scan can rank these queries on the GPU: a comparator it has, every K in
+    /// 1..=[`SCAN_MAX_TOP`], ids below [`SCAN_MAX_ROWS`].
+    pub(crate) fn can_rank(kernel: &Kernel, tops: &[usize], entities: usize) -> bool {
+        kernel.comparator() != Comparator::NegModulus
+            && tops.iter().all(|&k| (1..=SCAN_MAX_TOP).contains(&k))
+            && (entities as u64) <= SCAN_MAX_ROWS
+    }
+
+    pub(crate) fn error(&self, source: GpuError) -> QueryError {
+        QueryError::Gpu {
+            device: self.name.clone(),
+            source,
+        }
+    }
+}
+
+/// A GPU row cache of at most `bytes` over the committed partitions of a run's `store` (one
+/// member: `members[0]`; [`legend_engine::run::open_store`]), its rows as stored (the store's
+/// dtype), read through the store's own controller (the proxy or `legend_nvme` of a
+/// queue-backed store), or through a proxy over the store's file started here at
+/// `proxy_model`'s rates (a `file` store); `queues` queue pairs, `opts` but for its lines.
+/// A refusal says why the rows must be read on the CPU instead.
+pub fn store_row_cache(
+    gpu: &Gpu,
+    (store, members): (&FileStore, &[MemberFile]),
+    proxy_model: Option<DeviceModel>,
+    bytes: u64,
+    (queues, opts): (u32, &RowCacheOptions),
+) -> Result<RowCache, String> {
+    let [member] = members else {
+        return Err(format!(
+            "a store striped over {} devices (the GPU I/O kernels drive one controller a launch)",
+            members.len()
+        ));
+    };
+    let label = store_label(members);
+    let fail = |what: &str, e: &dyn std::fmt::Display| format!("{label}: {what}: {e}");
+    let ctrl = match store.controller() {
+        Some(c) => c.clone(),
+        None => controllers::open(QueueBackend::Proxy, &member.file, proxy_model)
+            .map_err(|e| fail("starting a proxy controller over the store", &e))?,
+    };
+    let placement = match &ctrl {
+        SharedController::Proxy(p) => {
+            let memory =
+                CudaDeviceMemory::new(gpu).map_err(|e| fail("the proxy's copy engine", &e))?;
+            p.attach_device(std::sync::Arc::new(memory))
+                .map_err(|e| fail("attaching the GPU to the proxy", &e))?;
+            RingPlacement::Host
+        }
+        SharedController::Device(_) => RingPlacement::Device,
+    };
+    let table = store_table(store).map_err(|e| format!("{label}: {e}"))?;
+    let namespace = member.queue.map_or(1, |q| q.namespace);
+    let info = ctrl
+        .controller()
+        .info()
+        .map_err(|e| fail("reading the controller", &e))?;
+    let lba = info.namespaces[..(info.num_namespaces as usize).min(info.namespaces.len())]
+        .iter()
+        .find(|n| n.nsid == namespace)
+        .map(|n| 1u64 << n.lba_shift)
+        .ok_or_else(|| format!("{label}: the controller has no namespace {namespace}"))?;
+    let line = RowCache::line_bytes_for(table.row_bytes, opts.line_bytes, lba);
+    let io_opts = GpuIoOptions {
+        queues,
+        threads: 64,
+        namespace,
+        placement,
+        // The proxy reaches pinned host memory with a memcpy: a line of at most 64 KiB is
+        // staged there rather than copied into GPU memory by a CUDA copy a command.
+        staging: if placement == RingPlacement::Host && line <= 64 << 10 {
+            line as u32
+        } else {
+            0
+        },
+        ..GpuIoOptions::default()
+    };
+    let io = GpuIo::open(gpu, ctrl.controller(), &io_opts)
+        .map_err(|e| fail("opening the GPU I/O queues", &e))?;
+    let lines = (bytes / line).min(u64::from(u32::MAX)) as u32;
+    let lines = (lines / opts.ways * opts.ways).max(opts.ways);
+    let opts = RowCacheOptions {
+        lines,
+        ..opts.clone()
+    };
+    RowCache::open(gpu, io, table, &opts).map_err(|e| fail("opening the row cache", &e))
+}
+
+/// Where the committed entity rows of a run's `store` lie on its (first) member: each
+/// partition's embeddings at the byte of its committed copy, rows as stored. A store striped
+/// over several members has no such single table.
+pub fn store_table(store: &FileStore) -> Result<CachedTable, String> {
+    let spec = store.spec();
+    let row_bytes = u32::try_from(spec.dim as usize * spec.dtype.bytes())
+        .map_err(|_| format!("rows of {} values", spec.dim))?;
+    let per_part = legend_storage::rows_per_partition(spec.num_nodes, spec.num_partitions);
+    // Trailing partitions may hold no rows: the table ends with the last that does.
+    let parts = spec.num_nodes.div_ceil(per_part) as u32;
+    let partitions = (0..parts)
+        .map(|p| store.io_extent(p, false).map(|(at, _)| at))
+        .collect::<Result<Vec<u64>, _>>()
+        .map_err(|e| format!("finding the committed partitions: {e}"))?;
+    Ok(CachedTable {
+        partitions,
+        rows_per_partition: per_part,
+        rows: spec.num_nodes,
+        row_bytes,
+    })
+}
+
+/// The store's first member's path, for messages.
+fn store_label(members: &[MemberFile]) -> String {
+    members
+        .first()
+        .map_or_else(String::new, |m| m.file.path().display().to_string())
+}
+
+/// A run's entity rows looked up through the GPU row cache over its store.
+pub(crate) struct StoreRows {
+    cache: Mutex<RowCache>,
+    dtype: Dtype,
+    dim: usize,
+    /// The GPU and the store, for messages.
+    label: String,
+}
+
+impl StoreRows {
+    /// [`store_row_cache`] on the opened GPU, its rows widened to f32 by [`StoreRows::rows`].
+    pub(crate) fn open(
+        opened: &OpenedGpu,
+        store: &FileStore,
+        members: &[MemberFile],
+        proxy_model: Option<DeviceModel>,
+        bytes: u64,
+    ) -> Result<StoreRows, String> {
+        let spec = store.spec();
+        let defaults = (GpuIoOptions::default().queues, &RowCacheOptions::default());
+        let cache = store_row_cache(&opened.gpu, (store, members), proxy_model, bytes, defaults)
+            .map_err(|e| format!("{}: {e}", opened.name))?;
+        Ok(StoreRows {
+            label: format!("{}, row cache over {}", opened.name, store_label(members)),
+            cache: Mutex::new(cache),
+            dtype: spec.dtype,
+            dim: spec.dim as usize,
+        })
+    }
+
+    /// The rows `ids` (checked below the row count by the caller), widened to f32.
+    pub(crate) fn rows(&self, ids: &[u32]) -> Result<Vec<Vec<f32>>, QueryError> {
+        let wide: Vec<u64> = ids.iter().map(|&id| u64::from(id)).collect();
+        let (bytes, _) = self
+            .lock()
+            .lookup(&wide)
+            .map_err(|e| QueryError::Tables(format!("{}: {e}", self.label)))?;
+        let row_bytes = self.dim * self.dtype.bytes();
+        Ok(bytes
+            .chunks_exact(row_bytes)
+            .map(|stored| {
+                let mut row = vec![0.0; self.dim];
+                self.dtype.widen(stored, &mut row);
+                row
+            })
+            .collect())
+    }
+
+    /// The cache's counters so far.
+    pub(crate) fn stats(&self) -> Option<CacheStats> {
+        self.lock().stats().ok()
+    }
+
+    /// Bytes of GPU memory its lines take.
+    pub(crate) fn capacity_bytes(&self) -> u64 {
+        self.lock().capacity_bytes()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, RowCache> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
