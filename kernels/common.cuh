@@ -110,13 +110,19 @@ __device__ __forceinline__ u64 legend_global_row(const LegendRounding& r, u64 ro
     return (u64)r.partition_of_slot[slot] * r.rows_per_slot + row % r.rows_per_slot;
 }
 
-// Element t of global row `global` after its step, rounded with the row's stream `key`
-// (legend_key4(seed, 3, epoch, batch, global)).
-__device__ __forceinline__ float legend_round_element(const LegendRounding& r, u64 key,
-                                                      u64 global, u32 t, float x) {
+// The stream that rounds table row `row`'s elements this step: legend_key4(seed, 3, epoch,
+// batch, global row).
+__device__ __forceinline__ u64 legend_round_key(const LegendRounding& r, u64 row) {
+    return legend_key4(r.seed, 3ull, (u64)r.epoch, r.batch, legend_global_row(r, row));
+}
+
+// Element t of table row `row` after its step, rounded with the row's stream `key`
+// (legend_round_key). The global row of an out-of-range report is found only then.
+__device__ __forceinline__ float legend_round_element(const LegendRounding& r, u64 key, u64 row,
+                                                      u32 t, float x) {
     float y = legend_round_stochastic(x, r.dtype, (u32)(legend_draw(key, t) >> 32));
     if (!legend_fits(y, r.dtype)) {
-        atomicMin(r.out_of_range, (global << 32) | t);
+        atomicMin(r.out_of_range, (legend_global_row(r, row) << 32) | t);
         return x;
     }
     return y;
@@ -265,7 +271,7 @@ __device__ __forceinline__ void legend_red2(float* p, float x, float y) {
 // (`direct`, from legend_count_uses), straight into AdaGrad on its parameters and state:
 // that one contribution is the row's whole gradient, so no table or second pass is needed.
 // With row-wise state (one accumulator a row) a direct row's gradient is stored whole in its
-// gradient row first, and legend_row_wise_step then takes the step.
+// gradient row first, and legend_finish_direct_row then takes the step.
 struct LegendRowSink {
     float* grad;
     float* param;
@@ -311,21 +317,37 @@ __device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k,
     }
 }
 
-// The in-place step of a direct row with row-wise state, by the warp that stored its whole
-// gradient (legend_sink_add): mean(g²) over the row first, then every element steps by
-// lr · g / (sqrt(state) + eps) and the gradient row is cleared. The same sums in the same
-// order as legend_adagrad's row mode, so both paths give the same floats.
-__device__ __forceinline__ void legend_row_wise_step(const LegendRowSink& row, u32 dim,
-                                                     u32 lane) {
-    if (!row.direct || !row.row_wise) return;
+// The end of a direct row's in-place step (table row `id`), by the warp that gave it its
+// gradient (legend_sink_add), after every lane's part. With row-wise state, the step itself:
+// mean(g²) over the row first, then every element steps by lr · g / (sqrt(state) + eps) and
+// the gradient row is cleared (the same sums in the same order as legend_adagrad's row mode,
+// so both paths give the same floats). Where node rows are rounded (R and a 16-bit
+// `rounding`), the row's new values then get legend_adagrad's rounding: the same stream, the
+// same bits. Rounding here rather than in legend_sink_add keeps it out of the backward loops,
+// whose registers are spoken for (Documentation/gpu.md, "16-bit rows").
+template <bool R>
+__device__ __forceinline__ void legend_finish_direct_row(const LegendRowSink& row,
+                                                         const LegendRounding& rounding, u32 id,
+                                                         u32 dim, u32 lane) {
+    bool round = R && rounding.dtype != LEGEND_DTYPE_F32;
+    if (!row.direct || (!row.row_wise && !round)) return;
+    // Every lane's part of the row is in memory.
     __syncwarp();
+    u64 key = round ? legend_round_key(rounding, id) : 0ull;
+    if (!row.row_wise) {
+        for (u32 t = lane; t < dim; t += 32)
+            row.param[t] = legend_round_element(rounding, key, id, t, row.param[t]);
+        return;
+    }
     float sq = 0.0f;
     for (u32 t = lane; t < dim; t += 32) sq += row.grad[t] * row.grad[t];
     for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
     float s = *row.state + sq / (float)dim;
     float scale = row.lr / (sqrtf(s) + row.eps);
     for (u32 t = lane; t < dim; t += 32) {
-        row.param[t] -= scale * row.grad[t];
+        float p = row.param[t] - scale * row.grad[t];
+        if (round) p = legend_round_element(rounding, key, id, t, p);
+        row.param[t] = p;
         row.grad[t] = 0.0f;
     }
     // Every lane has read the state before it is written.

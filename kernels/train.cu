@@ -433,15 +433,17 @@ __device__ __forceinline__ void legend_mark_local(u32* flags, u32 id, u32* list,
 }
 
 // What the backward kernels need to update a node row used once by the batch in place
-// (legend_count_uses, LegendRowSink): the AdaGrad state and settings, and the use counts,
-// null when every row goes through the gradient table (GpuBatchEngine::forward_backward).
+// (legend_count_uses, LegendRowSink): the AdaGrad state and settings, the use counts (null
+// when every row goes through the gradient table: GpuBatchEngine::forward_backward), and the
+// rounding legend_adagrad applies to the rows it updates (dtype LEGEND_DTYPE_F32: none).
 struct LegendDirect {
     float* state;
     u32* uses;
     float lr;
     float eps;
-    u32 row_wise;  // one state float a row (legend_row_wise_step) instead of one an element
+    u32 row_wise;  // one state float a row (legend_finish_direct_row) instead of one an element
     u32 pad;
+    LegendRounding rounding;
 };
 
 // The sink of node row `id` (d floats a row), direct when the batch uses the row once.
@@ -575,8 +577,9 @@ __device__ __forceinline__ void legend_dot_edge_backward(
 }
 
 // The work of one warp in legend_rows_backward: edge `r` of chunk z0 / 2. X: whether
-// reciprocal relations (jobs.inverse) or a regulariser (jobs.penalty) may be on.
-template <bool X>
+// reciprocal relations (jobs.inverse) or a regulariser (jobs.penalty) may be on; R: whether
+// the in-place steps may be rounded (legend_node_sink).
+template <bool X, bool R>
 __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* __restrict__ rel,
                                      const float* __restrict__ pos,
                                      const float* __restrict__ grad_query,
@@ -645,8 +648,8 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
             legend_dot_edge_backward<1, X>(pen, recip, distmult, d, lane, S, D, w, w0, dq0, dq1,
                                            gp0, gp1, gs, gd, gw, gw0);
     }
-    legend_row_wise_step(gs, d, lane);
-    legend_row_wise_step(gd, d, lane);
+    legend_finish_direct_row<R>(gs, direct.rounding, src, d, lane);
+    legend_finish_direct_row<R>(gd, direct.rounding, dst, d, lane);
     // Rows updated in place are done: their use counts go back to zero (after every lane
     // has read them), the others are listed for legend_adagrad.
     __syncwarp();
@@ -670,7 +673,7 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
 // three or two (Documentation/gpu.md, measurement log, version 19). X as for
 // legend_edge_backward: legend_rows_backward is the plain step, legend_rows_backward_extra the
 // one with reciprocal relations or a regulariser (their registers would crowd the plain one's).
-template <bool X>
+template <bool X, bool R>
 __device__ __forceinline__ void legend_rows_backward_body(
     LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
     const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
@@ -686,7 +689,7 @@ __device__ __forceinline__ void legend_rows_backward_body(
     u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 lane = threadIdx.x & 31;
     if (r < jobs.rows[z0])
-        legend_edge_backward<X>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad, emb_flags,
+        legend_edge_backward<X, R>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad, emb_flags,
                                 direct, rel_grad, rel_flags, z0, z1, r, lane, new_rows, &n_rows,
                                 new_rels, &n_rels);
     __syncthreads();
@@ -699,27 +702,22 @@ __device__ __forceinline__ void legend_rows_backward_body(
     if (threadIdx.x < n_rels) rel_list[base_rels + threadIdx.x] = new_rels[threadIdx.x];
 }
 
-extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
-    LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
-    const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
-    float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
-    LegendDirect direct, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
-    u32* rel_count) {
-    legend_rows_backward_body<false>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad,
-                                     emb_flags, emb_list, emb_count, direct, rel_grad, rel_flags,
-                                     rel_list, rel_count);
-}
+// The kernels of legend_rows_backward_body: `name` compiled with X and R.
+#define LEGEND_ROWS_BACKWARD(name, X, R)                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 4) name(                                 \
+        LegendJobs jobs, float* emb, const float* __restrict__ rel,                             \
+        const float* __restrict__ pos, const float* __restrict__ grad_query,                    \
+        const float* __restrict__ grad_pos, float* __restrict__ emb_grad, u32* emb_flags,       \
+        u32* emb_list, u32* emb_count, LegendDirect direct, float* __restrict__ rel_grad,       \
+        u32* rel_flags, u32* rel_list, u32* rel_count) {                                        \
+        legend_rows_backward_body<X, R>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad,    \
+                                        emb_flags, emb_list, emb_count, direct, rel_grad,       \
+                                        rel_flags, rel_list, rel_count);                        \
+    }
 
-extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward_extra(
-    LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
-    const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
-    float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
-    LegendDirect direct, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
-    u32* rel_count) {
-    legend_rows_backward_body<true>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad,
-                                    emb_flags, emb_list, emb_count, direct, rel_grad, rel_flags,
-                                    rel_list, rel_count);
-}
+LEGEND_ROWS_BACKWARD(legend_rows_backward, false, false)
+LEGEND_ROWS_BACKWARD(legend_rows_backward_rounded, false, true)
+LEGEND_ROWS_BACKWARD(legend_rows_backward_extra, true, true)
 
 // A whole row's gradient g - w · row into its sink (w: what TransE L2's fused kernels left
 // out, 0 elsewhere), V elements a lane: the in-place AdaGrad step of a direct row,
@@ -756,7 +754,7 @@ extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ neg
     float w = neg_weight ? neg_weight[(u64)z * k + j] : 0.0f;
     if (dim % 4 == 0) legend_sink_row<4>(row, g, w, dim, lane);
     else legend_sink_row<1>(row, g, w, dim, lane);
-    legend_row_wise_step(row, dim, lane);
+    legend_finish_direct_row<true>(row, direct.rounding, id, dim, lane);
     if (row.direct) {
         // Every lane has read the use count (legend_node_sink) before it is cleared.
         __syncwarp();
@@ -797,9 +795,7 @@ extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __re
     u64 id = list[w];
     u64 base = id * dim;
     bool round = rounding.dtype != LEGEND_DTYPE_F32;
-    u64 global = round ? legend_global_row(rounding, id) : id;
-    u64 key = round ? legend_key4(rounding.seed, 3ull, (u64)rounding.epoch, rounding.batch, global)
-                    : 0ull;
+    u64 key = round ? legend_round_key(rounding, id) : 0ull;
     if (row_state) {
         float sq = 0.0f;
         for (u32 t = lane; t < dim; t += 32) sq += grad[base + t] * grad[base + t];
@@ -808,7 +804,7 @@ extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __re
         float scale = lr / (sqrtf(s) + eps);
         for (u32 t = lane; t < dim; t += 32) {
             float p = param[base + t] - scale * grad[base + t];
-            if (round) p = legend_round_element(rounding, key, global, t, p);
+            if (round) p = legend_round_element(rounding, key, id, t, p);
             param[base + t] = p;
             grad[base + t] = 0.0f;
         }
@@ -833,7 +829,7 @@ extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __re
         for (u32 t = lane; t < dim; t += 32) {
             float s = state[base + t];
             float p = legend_adagrad_step(param[base + t], s, grad[base + t], lr, eps);
-            if (round) p = legend_round_element(rounding, key, global, t, p);
+            if (round) p = legend_round_element(rounding, key, id, t, p);
             param[base + t] = p;
             state[base + t] = s;
             grad[base + t] = 0.0f;

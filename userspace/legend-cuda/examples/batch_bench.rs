@@ -5,7 +5,9 @@
 //!
 //! `LEGEND_BENCH_GROUPS` (default `2,4,20`) lists the jobs per launch to try,
 //! `LEGEND_BENCH_DECODERS` (default `complex,dot`) the models (`model.decoder` names, so
-//! `transe_l1` and `transe_l2` too).
+//! `transe_l1` and `transe_l2` too), `LEGEND_BENCH_ROWS` (default `element`) the node rows'
+//! layouts as `state[/dtype]` (`optimizer.state` and `storage.dtype` values, e.g. `row/bf16`:
+//! one AdaGrad float a row, every updated row rounded to bfloat16 by the step).
 //!
 //! `LEGEND_BENCH_FILTERED=EDGES` filters the negatives against that many known edges (the
 //! benchmark's batches and random ones: `training.negatives.filtered`, which runs the unfused
@@ -26,9 +28,11 @@ use std::time::Instant;
 
 use cudarc::driver::sys::CUevent_flags;
 use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions};
-use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, negative_keys};
+use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, init_rows, negative_keys};
 use legend_model::rng::mix;
-use legend_model::{AdaGrad, ChunkModel, Decoder, Distribution, Loss, Table};
+use legend_model::{
+    AdaGrad, ChunkModel, Decoder, Distribution, Dtype, Loss, StateLayout, StepRounding, Table,
+};
 use legend_nvme_proxy::{DeviceModel, Proxy, ProxyOptions};
 
 const ENTITIES: usize = 1_000_000;
@@ -41,6 +45,32 @@ const WARMUP: usize = 3;
 const TIMED: usize = 20;
 /// Distinct batches cycled through, so repeated steps do not hit the same rows in L2.
 const BATCHES: u64 = 4;
+
+/// Node rows of one configuration: their AdaGrad state and their format at rest.
+#[derive(Clone, Copy)]
+struct Rows {
+    state: StateLayout,
+    dtype: Dtype,
+}
+
+impl std::str::FromStr for Rows {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (state, dtype) = s.split_once('/').unwrap_or((s, "f32"));
+        let bad = |e: &dyn std::fmt::Display| format!("LEGEND_BENCH_ROWS entry {s:?}: {e}");
+        Ok(Rows {
+            state: state.parse().map_err(|e| bad(&e))?,
+            dtype: dtype.parse().map_err(|e| bad(&e))?,
+        })
+    }
+}
+
+impl std::fmt::Display for Rows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.state, self.dtype)
+    }
+}
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -62,6 +92,7 @@ fn timed_steps(
     nodes: &mut DeviceTable,
     rels: &mut DeviceTable,
     batches: &[Vec<[u32; 3]>],
+    dtype: Dtype,
 ) -> Result<Timing, Box<dyn std::error::Error>> {
     let ctx = gpu.context().clone();
     let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
@@ -83,6 +114,12 @@ fn timed_steps(
         ev[0].record(gpu.stream())?;
         engine.sample_negatives(gpu, std::slice::from_ref(&all), &keys, 0.0)?;
         ev[1].record(gpu.stream())?;
+        engine.set_rounding(Some(StepRounding {
+            dtype,
+            seed: 11,
+            epoch: 1,
+            batch: it as u64,
+        }));
         engine.step(gpu, nodes, Some(rels))?;
         ev[2].record(gpu.stream())?;
         t.loss = engine.loss(gpu)?;
@@ -175,6 +212,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .split(',')
         .map(|d| d.trim().parse())
         .collect::<Result<_, _>>()?;
+    let row_layouts: Vec<Rows> = std::env::var("LEGEND_BENCH_ROWS")
+        .unwrap_or_else(|_| "element".into())
+        .split(',')
+        .map(|r| r.trim().parse())
+        .collect::<Result<_, _>>()?;
     let beside_io = std::env::var_os("LEGEND_BENCH_BESIDE_IO").map(PathBuf::from);
     let io_queues: u32 = match std::env::var("LEGEND_BENCH_IO_QUEUES") {
         Ok(q) => q.parse()?,
@@ -232,7 +274,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let degrees = vec![1u32; ENTITIES];
     let mut json = String::new();
     for &decoder in &decoders {
-        for &group in &groups {
+        for (&group, &rows) in groups
+            .iter()
+            .flat_map(|g| row_layouts.iter().map(move |r| (g, r)))
+        {
             let model = ChunkModel {
                 decoder,
                 loss: Loss::SoftmaxCe,
@@ -244,19 +289,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 negatives: NEGATIVES,
                 group,
             };
+            let optimizer = AdaGrad {
+                state: rows.state,
+                ..AdaGrad::default()
+            };
             let mut engine =
-                GpuBatchEngine::new(&gpu, model, AdaGrad::default(), shape, &degrees, RELATIONS)?;
+                GpuBatchEngine::new(&gpu, model, optimizer, shape, &degrees, RELATIONS)?;
             if filtered.is_some() {
                 engine.set_known_edges(&gpu, &known)?;
             }
             let dist = Distribution::Uniform { bound: 0.5 };
-            let mut nodes = DeviceTable::init(&gpu, ENTITIES, DIM, 0, 7, Table::Node, dist)?;
+            let mut nodes = DeviceTable::zeros(&gpu, ENTITIES, DIM, rows.state)?;
+            init_rows(
+                &gpu,
+                nodes.emb_mut(),
+                DIM,
+                0,
+                ENTITIES,
+                7,
+                Table::Node,
+                dist,
+            )?;
             let mut rels = DeviceTable::init(&gpu, RELATIONS, DIM, 0, 7, Table::Relation, dist)?;
-            let mut alone = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches)?;
+            let dtype = rows.dtype;
+            let mut alone = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches, dtype)?;
             let beside = match &beside_io {
                 Some(path) => {
                     let io = BackgroundIo::start(&gpu, path, io_queues, io_model)?;
-                    let with_io = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches);
+                    let with_io =
+                        timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches, dtype);
                     let (bytes, seconds) = io.stop()?;
                     Some((with_io?, bytes as f64 / seconds / 1e9))
                 }
@@ -272,6 +333,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 &keys,
                 0.0,
             )?;
+            engine.set_rounding(Some(StepRounding {
+                dtype,
+                seed: 11,
+                epoch: 2,
+                batch: 0,
+            }));
             engine.step(&gpu, &mut nodes, Some(&mut rels))?;
             let phases = engine.take_profile(&gpu)?;
             engine.set_profiling(false);
@@ -288,7 +355,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // read and written once, plus the edges.
             let bytes = unique_rows as f64 * DIM as f64 * 4.0 * 4.0 + BATCH as f64 * 12.0;
             let line = format!(
-                "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"group\":{group},\"filtered_edges\":{},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"step_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
+                "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"rows\":\"{rows}\",\"group\":{group},\"filtered_edges\":{},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"step_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
                 gpu.name(),
                 known.len(),
                 median(&mut alone.total),
