@@ -16,7 +16,8 @@
 //! `LEGEND_BENCH_BESIDE_IO=FILE` also times the steps again while the GPU I/O kernels read
 //! FILE without pause through the proxy controller on their own stream (the paper's Fig. 9:
 //! how much the I/O kernels slow training down), and reports the I/O rate they kept;
-//! `LEGEND_BENCH_IO_QUEUES` (default 8) sets their queue pairs, a thread block each;
+//! `LEGEND_BENCH_IO_QUEUES` (default 8) sets their queue pairs, a thread block each, and
+//! `LEGEND_BENCH_IO_THREADS` (default `GpuIoOptions`'s) the blocks' threads;
 //! `LEGEND_BENCH_IO_MODEL` (e.g. `samsung-980`) has the proxy serve FILE at a modelled SSD's
 //! rates, so the step is timed beside the traffic one such SSD gives.
 
@@ -153,7 +154,7 @@ impl BackgroundIo {
     fn start(
         gpu: &Gpu,
         path: &Path,
-        queues: u32,
+        opts: &GpuIoOptions,
         model: Option<DeviceModel>,
     ) -> Result<BackgroundIo, Box<dyn std::error::Error>> {
         let options = ProxyOptions {
@@ -166,11 +167,7 @@ impl BackgroundIo {
         if chunks == 0 {
             return Err(format!("{}: smaller than 256 MiB", path.display()).into());
         }
-        let opts = GpuIoOptions {
-            queues,
-            ..GpuIoOptions::default()
-        };
-        let mut io = GpuIo::open(gpu, proxy, &opts)?;
+        let mut io = GpuIo::open(gpu, proxy, opts)?;
         let region = io.alloc(gpu, Self::CHUNK)?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
@@ -221,6 +218,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let io_queues: u32 = match std::env::var("LEGEND_BENCH_IO_QUEUES") {
         Ok(q) => q.parse()?,
         Err(_) => 8,
+    };
+    let io_opts = GpuIoOptions {
+        queues: io_queues,
+        threads: match std::env::var("LEGEND_BENCH_IO_THREADS") {
+            Ok(t) => t.parse()?,
+            Err(_) => GpuIoOptions::default().threads,
+        },
+        ..GpuIoOptions::default()
     };
     let io_model: Option<DeviceModel> = match std::env::var("LEGEND_BENCH_IO_MODEL") {
         Ok(m) => Some(m.parse()?),
@@ -315,7 +320,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut alone = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches, dtype)?;
             let beside = match &beside_io {
                 Some(path) => {
-                    let io = BackgroundIo::start(&gpu, path, io_queues, io_model)?;
+                    let io = BackgroundIo::start(&gpu, path, &io_opts, io_model)?;
                     let with_io =
                         timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches, dtype);
                     let (bytes, seconds) = io.stop()?;
@@ -368,9 +373,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
             let line = match beside {
                 Some((mut with_io, gb_per_s)) => format!(
-                    "{},\"median_ms_beside_io\":{:.4},\"io_queues\":{io_queues},\"io_gb_per_s_beside\":{gb_per_s:.3}}}",
+                    "{},\"median_ms_beside_io\":{:.4},\"io_queues\":{io_queues},\"io_threads\":{},\"io_gb_per_s_beside\":{gb_per_s:.3}}}",
                     line.strip_suffix('}').unwrap_or(&line),
-                    median(&mut with_io.total)
+                    median(&mut with_io.total),
+                    io_opts.threads
                 ),
                 None => line,
             };
