@@ -441,7 +441,7 @@ struct LegendDirect {
     u32* uses;
     float lr;
     float eps;
-    u32 row_wise;  // one state float a row (legend_finish_direct_row) instead of one an element
+    u32 row_wise;  // one state float a row (legend_finish_direct_rows) instead of one an element
     u32 pad;
     LegendRounding rounding;
 };
@@ -648,8 +648,9 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
             legend_dot_edge_backward<1, X>(pen, recip, distmult, d, lane, S, D, w, w0, dq0, dq1,
                                            gp0, gp1, gs, gd, gw, gw0);
     }
-    legend_finish_direct_row<R>(gs, direct.rounding, src, d, lane);
-    legend_finish_direct_row<R>(gd, direct.rounding, dst, d, lane);
+    const LegendRowSink* const ends[2] = {&gs, &gd};
+    const u32 end_ids[2] = {src, dst};
+    legend_finish_direct_rows<R, 2>(ends, end_ids, direct.rounding, d, lane);
     // Rows updated in place are done: their use counts go back to zero (after every lane
     // has read them), the others are listed for legend_adagrad.
     __syncwarp();
@@ -702,9 +703,10 @@ __device__ __forceinline__ void legend_rows_backward_body(
     if (threadIdx.x < n_rels) rel_list[base_rels + threadIdx.x] = new_rels[threadIdx.x];
 }
 
-// The kernels of legend_rows_backward_body: `name` compiled with X and R.
-#define LEGEND_ROWS_BACKWARD(name, X, R)                                                        \
-    extern "C" __global__ void __launch_bounds__(256, 4) name(                                 \
+// The kernels of legend_rows_backward_body: `name` compiled with X and R, BLOCKS blocks of 8
+// warps a multiprocessor.
+#define LEGEND_ROWS_BACKWARD(name, X, R, BLOCKS)                                                \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS) name(                            \
         LegendJobs jobs, float* emb, const float* __restrict__ rel,                             \
         const float* __restrict__ pos, const float* __restrict__ grad_query,                    \
         const float* __restrict__ grad_pos, float* __restrict__ emb_grad, u32* emb_flags,       \
@@ -715,9 +717,9 @@ __device__ __forceinline__ void legend_rows_backward_body(
                                         rel_flags, rel_list, rel_count);                        \
     }
 
-LEGEND_ROWS_BACKWARD(legend_rows_backward, false, false)
-LEGEND_ROWS_BACKWARD(legend_rows_backward_rounded, false, true)
-LEGEND_ROWS_BACKWARD(legend_rows_backward_extra, true, true)
+LEGEND_ROWS_BACKWARD(legend_rows_backward, false, false, 4)
+LEGEND_ROWS_BACKWARD(legend_rows_backward_rounded, false, true, 3)
+LEGEND_ROWS_BACKWARD(legend_rows_backward_extra, true, true, 3)
 
 // A whole row's gradient g - w · row into its sink (w: what TransE L2's fused kernels left
 // out, 0 elsewhere), V elements a lane: the in-place AdaGrad step of a direct row,
@@ -754,7 +756,9 @@ extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ neg
     float w = neg_weight ? neg_weight[(u64)z * k + j] : 0.0f;
     if (dim % 4 == 0) legend_sink_row<4>(row, g, w, dim, lane);
     else legend_sink_row<1>(row, g, w, dim, lane);
-    legend_finish_direct_row<true>(row, direct.rounding, id, dim, lane);
+    const LegendRowSink* const rows[1] = {&row};
+    const u32 ids[1] = {id};
+    legend_finish_direct_rows<true, 1>(rows, ids, direct.rounding, dim, lane);
     if (row.direct) {
         // Every lane has read the use count (legend_node_sink) before it is cleared.
         __syncwarp();
@@ -783,6 +787,26 @@ extern "C" __global__ void legend_count_uses(const u32* __restrict__ edges, u32 
 // steps by lr · g / (sqrt(state) + eps). Node rows stored in 16 bits are then rounded
 // (`rounding`, LEGEND_DTYPE_F32 for none). Leaves the gradient rows, marks and use counts
 // zeroed for the next batch.
+template <int V>
+__device__ __forceinline__ void legend_adagrad_row(float* param, float* state, float* grad,
+                                                   u64 id, u32 dim, bool row_state, float scale,
+                                                   float lr, float eps,
+                                                   const LegendRounding& rounding, bool round,
+                                                   u64 key, u32 lane) {
+    // V floats at a time where rows allow (16-byte accesses: a row of d = 100 is 25 of them,
+    // one pass of the warp instead of four dependent ones).
+    u64 base = id * dim;
+    for (u32 t = V * lane; t < dim; t += 32 * V) {
+        LegendVec<V> p = legend_ld<V>(param + base + t), g = legend_ld<V>(grad + base + t);
+        LegendVec<V> s = row_state ? LegendVec<V>{} : legend_ld<V>(state + base + t);
+        legend_update_piece<V>(p, g, s, row_state, true, scale, lr, eps, rounding, round, key,
+                               id, t);
+        legend_st<V>(param + base + t, p);
+        if (!row_state) legend_st<V>(state + base + t, s);
+        legend_st<V>(grad + base + t, LegendVec<V>{});
+    }
+}
+
 extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __restrict__ state,
                                           float* __restrict__ grad, u32* flags, u32* uses,
                                           const u32* __restrict__ list,
@@ -793,49 +817,23 @@ extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __re
     u32 lane = threadIdx.x & 31;
     if (w >= *count) return;
     u64 id = list[w];
-    u64 base = id * dim;
     bool round = rounding.dtype != LEGEND_DTYPE_F32;
     u64 key = round ? legend_round_key(rounding, id) : 0ull;
+    float s = 0.0f, scale = 0.0f;
     if (row_state) {
-        float sq = 0.0f;
-        for (u32 t = lane; t < dim; t += 32) sq += grad[base + t] * grad[base + t];
-        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        float s = state[id] + sq / (float)dim;
-        float scale = lr / (sqrtf(s) + eps);
-        for (u32 t = lane; t < dim; t += 32) {
-            float p = param[base + t] - scale * grad[base + t];
-            if (round) p = legend_round_element(rounding, key, id, t, p);
-            param[base + t] = p;
-            grad[base + t] = 0.0f;
-        }
-        if (lane == 0) state[id] = s;
-    } else if ((dim & 3) == 0 && !round) {
-        // 16-byte accesses where rows allow them: a row of d = 100 is 25 of them, one
-        // pass of the warp instead of four dependent ones.
-        float4* p4 = reinterpret_cast<float4*>(param + base);
-        float4* s4 = reinterpret_cast<float4*>(state + base);
-        float4* g4 = reinterpret_cast<float4*>(grad + base);
-        for (u32 t = lane; t < dim / 4; t += 32) {
-            float4 g = g4[t], s = s4[t], p = p4[t];
-            p.x = legend_adagrad_step(p.x, s.x, g.x, lr, eps);
-            p.y = legend_adagrad_step(p.y, s.y, g.y, lr, eps);
-            p.z = legend_adagrad_step(p.z, s.z, g.z, lr, eps);
-            p.w = legend_adagrad_step(p.w, s.w, g.w, lr, eps);
-            s4[t] = s;
-            p4[t] = p;
-            g4[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-    } else {
-        for (u32 t = lane; t < dim; t += 32) {
-            float s = state[base + t];
-            float p = legend_adagrad_step(param[base + t], s, grad[base + t], lr, eps);
-            if (round) p = legend_round_element(rounding, key, id, t, p);
-            param[base + t] = p;
-            state[base + t] = s;
-            grad[base + t] = 0.0f;
-        }
+        s = state[id] + legend_row_sq(grad + id * dim, dim, lane) / (float)dim;
+        scale = lr / (sqrtf(s) + eps);
     }
+    if ((dim & 3) == 0)
+        legend_adagrad_row<4>(param, state, grad, id, dim, row_state, scale, lr, eps, rounding,
+                              round, key, lane);
+    else
+        legend_adagrad_row<1>(param, state, grad, id, dim, row_state, scale, lr, eps, rounding,
+                              round, key, lane);
+    // Every lane has read the row's state before it is written.
+    __syncwarp();
     if (lane == 0) {
+        if (row_state) state[id] = s;
         flags[id] = 0u;
         uses[id] = 0u;
     }

@@ -8,6 +8,8 @@
 //! `transe_l1` and `transe_l2` too), `LEGEND_BENCH_ROWS` (default `element`) the node rows'
 //! layouts as `state[/dtype]` (`optimizer.state` and `storage.dtype` values, e.g. `row/bf16`:
 //! one AdaGrad float a row, every updated row rounded to bfloat16 by the step).
+//! `LEGEND_BENCH_EXTRA=1` trains reciprocal relations with an N3 regulariser (weight 10⁻³) on
+//! the decoders with relations (the rows backward's `legend_rows_backward_extra`).
 //!
 //! `LEGEND_BENCH_FILTERED=EDGES` filters the negatives against that many known edges (the
 //! benchmark's batches and random ones: `training.negatives.filtered`, which runs the unfused
@@ -32,7 +34,8 @@ use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions};
 use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, init_rows, negative_keys};
 use legend_model::rng::mix;
 use legend_model::{
-    AdaGrad, ChunkModel, Decoder, Distribution, Dtype, Loss, StateLayout, StepRounding, Table,
+    AdaGrad, ChunkModel, Decoder, Distribution, Dtype, Loss, Penalty, Regularizer, StateLayout,
+    StepRounding, Table,
 };
 use legend_nvme_proxy::{DeviceModel, Proxy, ProxyOptions};
 
@@ -209,6 +212,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .split(',')
         .map(|d| d.trim().parse())
         .collect::<Result<_, _>>()?;
+    let extra = std::env::var_os("LEGEND_BENCH_EXTRA").is_some_and(|v| v == "1");
     let row_layouts: Vec<Rows> = std::env::var("LEGEND_BENCH_ROWS")
         .unwrap_or_else(|_| "element".into())
         .split(',')
@@ -298,8 +302,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 state: rows.state,
                 ..AdaGrad::default()
             };
+            // Reciprocal relations double the relation rows (the inverses follow).
+            let extra = extra && decoder.uses_relations();
+            let relation_rows = if extra { 2 * RELATIONS } else { RELATIONS };
             let mut engine =
-                GpuBatchEngine::new(&gpu, model, optimizer, shape, &degrees, RELATIONS)?;
+                GpuBatchEngine::new(&gpu, model, optimizer, shape, &degrees, relation_rows)?;
+            if extra {
+                engine.set_reciprocal_relations(true)?;
+                engine.set_regularizer(Some(Regularizer::new(Penalty::N3, 1e-3, decoder)));
+            }
             if filtered.is_some() {
                 engine.set_known_edges(&gpu, &known)?;
             }
@@ -315,7 +326,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 Table::Node,
                 dist,
             )?;
-            let mut rels = DeviceTable::init(&gpu, RELATIONS, DIM, 0, 7, Table::Relation, dist)?;
+            let mut rels =
+                DeviceTable::init(&gpu, relation_rows, DIM, 0, 7, Table::Relation, dist)?;
             let dtype = rows.dtype;
             let mut alone = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches, dtype)?;
             let beside = match &beside_io {
@@ -360,8 +372,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // read and written once, plus the edges.
             let bytes = unique_rows as f64 * DIM as f64 * 4.0 * 4.0 + BATCH as f64 * 12.0;
             let line = format!(
-                "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"rows\":\"{rows}\",\"group\":{group},\"filtered_edges\":{},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"step_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
+                "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"rows\":\"{rows}{}\",\"group\":{group},\"filtered_edges\":{},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"step_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
                 gpu.name(),
+                if extra { "+reciprocal+n3" } else { "" },
                 known.len(),
                 median(&mut alone.total),
                 median(&mut alone.sample),
