@@ -671,9 +671,12 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
 // element and table, and marks the rows for the optimizer; a node row the batch uses once
 // (direct.uses) gets its AdaGrad step here instead. blockIdx.y is the chunk. Four blocks of
 // 8 warps an SM (at most 64 registers, a few spilled): more loads in flight, faster than
-// three or two (Documentation/gpu.md, measurement log, version 19). X as for
-// legend_edge_backward: legend_rows_backward is the plain step, legend_rows_backward_extra the
-// one with reciprocal relations or a regulariser (their registers would crowd the plain one's).
+// three or two (Documentation/gpu.md, measurement log, version 19). X and R as for
+// legend_edge_backward: legend_rows_backward is the plain step, legend_rows_backward_rounded
+// the one whose in-place steps round (16-bit rows), legend_rows_backward_extra the one with
+// reciprocal relations or a regulariser, rounded or not (their registers would crowd the plain
+// one's; it runs three blocks a multiprocessor, where it spills far less: "16-bit rows" in
+// Documentation/gpu.md).
 template <bool X, bool R>
 __device__ __forceinline__ void legend_rows_backward_body(
     LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
@@ -718,7 +721,7 @@ __device__ __forceinline__ void legend_rows_backward_body(
     }
 
 LEGEND_ROWS_BACKWARD(legend_rows_backward, false, false, 4)
-LEGEND_ROWS_BACKWARD(legend_rows_backward_rounded, false, true, 3)
+LEGEND_ROWS_BACKWARD(legend_rows_backward_rounded, false, true, 4)
 LEGEND_ROWS_BACKWARD(legend_rows_backward_extra, true, true, 3)
 
 // A whole row's gradient g - w · row into its sink (w: what TransE L2's fused kernels left

@@ -17,7 +17,9 @@
 #   striped `legendctl bench io --submitter gpu` over one and two modelled Samsung 980s (one
 #           GpuIo member a proxy), reads and writes;
 #   epoch   legendctl train in GPU memory, ROWS_EPOCH formats (scripts/gpu/ssd-model-bench.sh).
-# Binaries in ${LEGEND_GPU_BIN:-target-gpu} (scripts/gpu/build-binaries.sh); logs under
+# KERNELS, if set, is the LEGEND_KERNELS_DIR of the tests and epoch phases (kernel sources newer
+# than some of the binaries). Binaries in ${LEGEND_GPU_BIN:-target-gpu}
+# (scripts/gpu/build-binaries.sh); logs under
 # ${OUT:-$bin/out}, all of them in kern-logs.tar.gz, and a summary printed last.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -42,8 +44,8 @@ if has tests; then
     for t in ${TESTS:-gpu nvme_io pipeline legend_cuda gpu_trainer}; do
         [ -x "$bin/test-$t" ] || continue
         start=$SECONDS
-        timeout "${TEST_TIMEOUT:-300}" "$bin/test-$t" --include-ignored --test-threads=1 \
-            --nocapture >"$logs/test-$t.log" 2>&1
+        LEGEND_KERNELS_DIR=${KERNELS:-} timeout "${TEST_TIMEOUT:-300}" "$bin/test-$t" \
+            --include-ignored --test-threads=1 --nocapture >"$logs/test-$t.log" 2>&1
         code=$?
         [ $code -eq 0 ] || status=1
         note "test-$t: exit $code in $((SECONDS - start)) s; $(grep -E '^test result' "$logs/test-$t.log" | tail -1)"
@@ -139,6 +141,7 @@ fi
 if has epoch; then
     start=$SECONDS
     OUT=$logs LEGEND_GPU_BIN=$bin LAYOUTS=memory STATES=${ROWS_EPOCH:-row row/bf16} \
+        LEGEND_KERNELS_DIR=${KERNELS:-} \
         timeout "${EPOCH_TIMEOUT:-300}" bash "$root/scripts/gpu/ssd-model-bench.sh" \
         >"$logs/epoch.txt" 2>&1 || status=1
     note "== epoch in $((SECONDS - start)) s"

@@ -907,17 +907,24 @@ fn rounded_rows_take_their_step_in_place() {
         let (table_emb, table_state) = nodes.download(&gpu).unwrap();
         engine.check_range(&gpu).unwrap();
 
-        // The CPU: its own gradients, AdaGrad, then StepRounding on every updated row.
-        let (_, want_gn, _) = cpu_step(&case, &Variant::default(), &emb, &rel, &edges, &negs, None);
-        let (mut want_emb, mut want_state) = (emb.clone(), state.clone());
-        for r in 0..entities {
-            let g = &want_gn[r * d..(r + 1) * d];
-            if g.iter().any(|&x| x != 0.0) {
-                let row = &mut want_emb[r * d..(r + 1) * d];
-                opt.apply_row(row, &mut want_state[r * width..(r + 1) * width], g);
-                rounding.round(r as u64, row).unwrap();
+        // The CPU's step: AdaGrad, then StepRounding on every updated row, from the given
+        // gradients.
+        let cpu_rows = |grads: &[f32]| {
+            let (mut emb_out, mut state_out) = (emb.clone(), state.clone());
+            for r in 0..entities {
+                let g = &grads[r * d..(r + 1) * d];
+                if g.iter().any(|&x| x != 0.0) {
+                    let row = &mut emb_out[r * d..(r + 1) * d];
+                    opt.apply_row(row, &mut state_out[r * width..(r + 1) * width], g);
+                    rounding.round(r as u64, row).unwrap();
+                }
             }
-        }
+            (emb_out, state_out)
+        };
+        let (_, want_gn, _) = cpu_step(&case, &Variant::default(), &emb, &rel, &edges, &negs, None);
+        let (want_emb, want_state) = cpu_rows(&want_gn);
+        // The same step from the GPU's gradients: only the two AdaGrads' last bits differ.
+        let (same_emb, _) = cpu_rows(&gn);
         let touched = (0..entities)
             .filter(|&r| gn[r * d..(r + 1) * d].iter().any(|&x| x != 0.0))
             .count();
@@ -934,27 +941,31 @@ fn rounded_rows_take_their_step_in_place() {
             differ(&step_emb, &table_emb),
             differ(&step_state, &table_state),
         );
-        // Against the CPU: the rounding of a value within its gradient's error of the CPU's,
-        // so equal but for the few a rounding boundary separates, which are one step apart;
-        // near 0, where the steps are finer than that error (1e-7 here), a few steps.
-        let cpu_differ = differ(&step_emb, &want_emb);
+        // Against the CPU's step from the same gradients: equal but for the few values whose
+        // AdaGrad results (a last bit apart) a rounding boundary separates, one step apart.
+        let same_differ = differ(&step_emb, &same_emb);
         let beyond_one = step_emb
             .iter()
-            .zip(&want_emb)
+            .zip(&same_emb)
             .filter(|(x, y)| (*x - *y).abs() > gap16(x.abs().max(y.abs()), dtype) + 1e-7)
             .count();
+        // Against the CPU's own gradients (the fused kernels' FP16 products give the GPU's an
+        // error near 1e-5): more values a step or more apart, near 0 several steps (H200,
+        // 2026-11-27: 159 and 171 of 90 000 differed, 16 and 9 by more than a step).
+        let cpu_differ = differ(&step_emb, &want_emb);
         let move_err = rel_err(&moves(&step_emb, &emb), &moves(&want_emb, &emb));
         let state_err = rel_err(&step_state, &want_state);
         println!(
-            "{what}: {used} rows in place; step vs legend_adagrad: {paths} values and {paths_state} \
-             states differ; vs the CPU: {cpu_differ} of {} values differ ({beyond_one} by more \
-             than a {dtype} step), moves rel err {move_err:.2e}, state {state_err:.2e}",
+            "{what}: {used} rows in place; step vs legend_adagrad: {paths} values and \
+             {paths_state} states differ; vs the CPU's step from the GPU's gradients: \
+             {same_differ} values differ ({beyond_one} by more than a {dtype} step); vs the CPU: \
+             {cpu_differ} of {} values differ, moves rel err {move_err:.2e}, state {state_err:.2e}",
             step_emb.len()
         );
         assert_eq!((paths, paths_state), (0, 0), "{what}: the two GPU paths");
-        assert_eq!(
-            beyond_one, 0,
-            "{what}: values beyond one {dtype} step of the CPU's"
+        assert!(
+            beyond_one == 0 && same_differ * 1000 < used * d,
+            "{what}: against the CPU's step from the GPU's gradients"
         );
         // The moves are mostly the rounding's (a step is smaller than the format's gap), so a
         // value one step off moves a whole gap: the moves' error is printed, not bounded.
