@@ -336,6 +336,32 @@ fn check_step_with(gpu: &Gpu, case: &Case, s: u64, filtered: bool, layout: State
     check_variant(gpu, case, s, &variant);
 }
 
+/// The model, optimizer (lr 0.05, eps 1e-9, `layout`) and shapes of a step test's engine, for
+/// batches of up to `max_batch` positives.
+fn step_engine(
+    case: &Case,
+    layout: StateLayout,
+    max_batch: usize,
+) -> (ChunkModel, AdaGrad, BatchShape) {
+    let model = ChunkModel {
+        decoder: case.decoder,
+        loss: case.loss,
+        dim: case.dim,
+    };
+    let opt = AdaGrad {
+        lr: 0.05,
+        eps: 1e-9,
+        state: layout,
+    };
+    let shape = BatchShape {
+        max_batch,
+        num_chunks: case.chunks,
+        negatives: case.k,
+        group: case.group,
+    };
+    (model, opt, shape)
+}
+
 fn check_variant(gpu: &Gpu, case: &Case, s: u64, variant: &Variant) {
     let Variant {
         filtered, layout, ..
@@ -392,22 +418,7 @@ fn check_variant(gpu: &Gpu, case: &Case, s: u64, variant: &Variant) {
         .map(|_| rng.below(entities as u64) as u32)
         .collect();
 
-    let model = ChunkModel {
-        decoder: case.decoder,
-        loss: case.loss,
-        dim: d,
-    };
-    let opt = AdaGrad {
-        lr: 0.05,
-        eps: 1e-9,
-        state: layout,
-    };
-    let shape = BatchShape {
-        max_batch: case.batch + 5,
-        num_chunks: case.chunks,
-        negatives: case.k,
-        group: case.group,
-    };
+    let (model, opt, shape) = step_engine(case, layout, case.batch + 5);
     let known = filtered.then(|| {
         let mut known: HashSet<[u32; 3]> = edges.iter().copied().collect();
         let b = edges.len();
@@ -859,22 +870,7 @@ fn rounded_rows_take_their_step_in_place() {
             })
             .collect();
         let negs = ids[2 * case.batch..used].to_vec();
-        let model = ChunkModel {
-            decoder: case.decoder,
-            loss: case.loss,
-            dim: d,
-        };
-        let opt = AdaGrad {
-            lr: 0.05,
-            eps: 1e-9,
-            state: layout,
-        };
-        let shape = BatchShape {
-            max_batch: case.batch,
-            num_chunks: case.chunks,
-            negatives: case.k,
-            group: case.group,
-        };
+        let (model, opt, shape) = step_engine(&case, layout, case.batch);
         let rounding = StepRounding {
             dtype,
             seed: s,
