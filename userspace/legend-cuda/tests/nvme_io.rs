@@ -452,7 +452,7 @@ fn one_launch_stripes_a_transfer_over_two_controllers() {
     );
     // Write other bytes back, striped from another first byte, and compare whole files: every
     // unit where it belongs, nothing else touched.
-    let pattern: Vec<u8> = (0..len).map(|i| (i as u64 * 40_503 >> 7) as u8).collect();
+    let pattern: Vec<u8> = (0..len).map(|i| ((i as u64 * 40_503) >> 7) as u8).collect();
     let staged = gpu.upload(&pattern).unwrap();
     let src = {
         use cudarc::driver::DevicePtr;
