@@ -1029,7 +1029,8 @@ impl GpuBatchEngine {
     /// [`forward_backward`](Self::forward_backward) then [`apply`](Self::apply), but the node
     /// rows the batch uses once (most of them) take their AdaGrad step in the backward
     /// kernels, without the gradient table's atomics, clearing and second pass (with
-    /// row-wise state, after the warp has stored the row's whole gradient).
+    /// row-wise state, after the warp has stored the row's whole gradient), rounded as
+    /// `legend_adagrad` rounds where [`GpuBatchEngine::set_rounding`] asks for it.
     pub fn step(
         &mut self,
         gpu: &Gpu,
