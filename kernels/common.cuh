@@ -110,13 +110,19 @@ __device__ __forceinline__ u64 legend_global_row(const LegendRounding& r, u64 ro
     return (u64)r.partition_of_slot[slot] * r.rows_per_slot + row % r.rows_per_slot;
 }
 
-// Element t of global row `global` after its step, rounded with the row's stream `key`
-// (legend_key4(seed, 3, epoch, batch, global)).
-__device__ __forceinline__ float legend_round_element(const LegendRounding& r, u64 key,
-                                                      u64 global, u32 t, float x) {
+// The stream that rounds table row `row`'s elements this step: legend_key4(seed, 3, epoch,
+// batch, global row).
+__device__ __forceinline__ u64 legend_round_key(const LegendRounding& r, u64 row) {
+    return legend_key4(r.seed, 3ull, (u64)r.epoch, r.batch, legend_global_row(r, row));
+}
+
+// Element t of table row `row` after its step, rounded with the row's stream `key`
+// (legend_round_key). The global row of an out-of-range report is found only then.
+__device__ __forceinline__ float legend_round_element(const LegendRounding& r, u64 key, u64 row,
+                                                      u32 t, float x) {
     float y = legend_round_stochastic(x, r.dtype, (u32)(legend_draw(key, t) >> 32));
     if (!legend_fits(y, r.dtype)) {
-        atomicMin(r.out_of_range, (global << 32) | t);
+        atomicMin(r.out_of_range, (legend_global_row(r, row) << 32) | t);
         return x;
     }
     return y;
@@ -265,7 +271,7 @@ __device__ __forceinline__ void legend_red2(float* p, float x, float y) {
 // (`direct`, from legend_count_uses), straight into AdaGrad on its parameters and state:
 // that one contribution is the row's whole gradient, so no table or second pass is needed.
 // With row-wise state (one accumulator a row) a direct row's gradient is stored whole in its
-// gradient row first, and legend_row_wise_step then takes the step.
+// gradient row first, and legend_finish_direct_rows then takes the step.
 struct LegendRowSink {
     float* grad;
     float* param;
@@ -311,26 +317,125 @@ __device__ __forceinline__ void legend_sink_add(const LegendRowSink& row, u32 k,
     }
 }
 
-// The in-place step of a direct row with row-wise state, by the warp that stored its whole
-// gradient (legend_sink_add): mean(g²) over the row first, then every element steps by
-// lr · g / (sqrt(state) + eps) and the gradient row is cleared. The same sums in the same
-// order as legend_adagrad's row mode, so both paths give the same floats.
-__device__ __forceinline__ void legend_row_wise_step(const LegendRowSink& row, u32 dim,
-                                                     u32 lane) {
-    if (!row.direct || !row.row_wise) return;
-    __syncwarp();
-    float sq = 0.0f;
-    for (u32 t = lane; t < dim; t += 32) sq += row.grad[t] * row.grad[t];
-    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-    float s = *row.state + sq / (float)dim;
-    float scale = row.lr / (sqrtf(s) + row.eps);
-    for (u32 t = lane; t < dim; t += 32) {
-        row.param[t] -= scale * row.grad[t];
-        row.grad[t] = 0.0f;
+// New values of elements t .. t + V of a row (table row `id`), in registers: `p` its
+// parameters, `g` its gradient, `s` its AdaGrad state (element-wise). `scale`: the row-wise
+// step's lr / (sqrt(state) + eps), which `p` takes with its gradient; 0 with element-wise
+// `step`, which takes legend_adagrad_step; neither when `p` is already stepped. Then rounded
+// where `round`, with the row's stream `key`. The one formula of legend_adagrad and of the end
+// of the in-place steps (legend_finish_direct_rows), so both paths give the same bits.
+template <int V>
+__device__ __forceinline__ void legend_update_piece(LegendVec<V>& p, const LegendVec<V>& g,
+                                                    LegendVec<V>& s, bool row_wise, bool step,
+                                                    float scale, float lr, float eps,
+                                                    const LegendRounding& rounding, bool round,
+                                                    u64 key, u64 id, u32 t) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        if (row_wise) p.v[v] = p.v[v] - scale * g.v[v];
+        else if (step) p.v[v] = legend_adagrad_step(p.v[v], s.v[v], g.v[v], lr, eps);
+        if (round) p.v[v] = legend_round_element(rounding, key, id, t + v, p.v[v]);
     }
-    // Every lane has read the state before it is written.
+}
+
+// A row's sum of g² for its row-wise step, each lane over elements lane, lane + 32, ... and then
+// across the warp: the one order of legend_adagrad and the in-place steps.
+__device__ __forceinline__ float legend_row_sq(const float* g, u32 dim, u32 lane) {
+    float sq = 0.0f;
+#pragma unroll 4
+    for (u32 t = lane; t < dim; t += 32) sq += g[t] * g[t];
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    return sq;
+}
+
+// The end of the in-place step of the direct rows among `rows` (table rows `ids`), by the warp
+// that gave them their gradients (legend_sink_add), after every lane's part. With row-wise
+// state, the step itself: mean(g²) over the row first, then every element steps by
+// lr · g / (sqrt(state) + eps) and the gradient row is cleared. Where node rows are rounded (R
+// and a 16-bit `rounding`), the rows' new values then get legend_adagrad's rounding.
+// legend_update_piece and legend_row_sq make both paths give the same bits. Here rather than
+// in legend_sink_add, whose loops' registers are spoken for; the rows side by side and V
+// elements a lane, so that their loads are in flight together (Documentation/gpu.md, "16-bit
+// rows").
+template <bool R, int N, int V>
+__device__ __forceinline__ void legend_finish_rows_v(const LegendRowSink* const (&rows)[N],
+                                                     const u32 (&ids)[N],
+                                                     const LegendRounding& rounding, u32 dim,
+                                                     u32 lane) {
+    const bool round = R && rounding.dtype != LEGEND_DTYPE_F32;
+    bool active[N], row_wise = false, any = false;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        active[n] = rows[n]->direct && (rows[n]->row_wise || round);
+        row_wise |= rows[n]->direct && rows[n]->row_wise;
+        any |= active[n];
+    }
+    if (!any) return;
+    // Every lane's part of the rows is in memory.
     __syncwarp();
-    if (lane == 0) *row.state = s;
+    // Each row's stream: lane n finds row n's, one key computation for all of them.
+    u64 key[N];
+    u64 mine = round ? legend_round_key(rounding, ids[lane < N ? lane : 0]) : 0ull;
+#pragma unroll
+    for (int n = 0; n < N; ++n) key[n] = __shfl_sync(0xffffffffu, mine, n);
+    float state[N], scale[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        state[n] = 0.0f;
+        scale[n] = 0.0f;
+        if (rows[n]->direct && rows[n]->row_wise) {
+            state[n] = *rows[n]->state + legend_row_sq(rows[n]->grad, dim, lane) / (float)dim;
+            scale[n] = rows[n]->lr / (sqrtf(state[n]) + rows[n]->eps);
+        }
+    }
+    for (u32 t = V * lane; t < dim; t += 32 * V) {
+        LegendVec<V> p[N], g[N];
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            if (!active[n]) continue;
+            p[n] = legend_ld<V>(rows[n]->param + t);
+            g[n] = rows[n]->row_wise ? legend_ld<V>(rows[n]->grad + t) : LegendVec<V>{};
+        }
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            if (!active[n]) continue;
+            LegendVec<V> unused{};
+            legend_update_piece<V>(p[n], g[n], unused, rows[n]->row_wise, false, scale[n], 0.0f,
+                                   0.0f, rounding, round, key[n], ids[n], t);
+            legend_st<V>(rows[n]->param + t, p[n]);
+            if (rows[n]->row_wise) legend_st<V>(rows[n]->grad + t, LegendVec<V>{});
+        }
+    }
+    if (row_wise) {
+        // Every lane has read the states before they are written.
+        __syncwarp();
+        if (lane == 0) {
+#pragma unroll
+            for (int n = 0; n < N; ++n)
+                if (rows[n]->direct && rows[n]->row_wise) *rows[n]->state = state[n];
+        }
+    }
+}
+
+template <bool R, int N>
+__device__ __forceinline__ void legend_finish_direct_rows(const LegendRowSink* const (&rows)[N],
+                                                          const u32 (&ids)[N],
+                                                          const LegendRounding& rounding,
+                                                          u32 dim, u32 lane) {
+    if constexpr (!R) {
+        // Unrounded: the rows one after another, an element a lane, in the fewest registers
+        // (the plain rows backward's are spoken for).
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            const LegendRowSink* const one[1] = {rows[n]};
+            const u32 one_id[1] = {ids[n]};
+            legend_finish_rows_v<false, 1, 1>(one, one_id, rounding, dim, lane);
+        }
+    } else if (dim % 4 == 0) {
+        // Rows start 16-byte aligned when d is a multiple of 4.
+        legend_finish_rows_v<R, N, 4>(rows, ids, rounding, dim, lane);
+    } else {
+        legend_finish_rows_v<R, N, 1>(rows, ids, rounding, dim, lane);
+    }
 }
 
 // The regulariser of the rows of a batch's positives (optimizer.regularizer: LEGEND_PENALTY_*

@@ -2,12 +2,20 @@
 // pair's submission queue, ring the doorbell and poll completions, so a partition swap needs no
 // CPU on its data path (the paper's Section 5, "Legend's batched protocol").
 //
-// One queue pair per thread block. In each round thread i writes the SQE of its command at
-// slot tail + i (no atomics), the block fences (system scope: the controller reads the SQ over
-// PCIe) and one thread rings the SQ doorbell once for the whole batch; thread i then looks at
-// CQ slot head + i by phase tag, the leading run of posted completions is consumed and one
-// thread moves the CQ head and rings its doorbell once. A new batch is submitted while the
-// previous one completes, so two batches are in flight.
+// One queue pair per thread block; the queue pairs of a launch may belong to several
+// controllers (a striped store's members), each block serving the commands of its own
+// controller's jobs (`ranges`). In each round thread i writes the SQE of its command at slot
+// tail + i (no atomics), the block fences (system scope: the controller reads the SQ over
+// PCIe) and one thread rings the SQ doorbell once for the whole batch; one thread then polls the
+// CQ slot at the head by phase tag, and once it is posted thread i looks at slot head + i, the
+// leading run of posted completions is consumed and one thread moves the CQ head and rings its
+// doorbell once. A new batch is submitted while the previous one completes, so two batches are
+// in flight.
+//
+// Beside training (the I/O kernels share the GPU with the step): a block that moved nothing
+// sleeps, longer each idle round up to LEGEND_IO_MAX_PAUSE_NS; it fences only after writing
+// entries, and polls one CQ entry, not one a command in flight, until the head's is posted
+// (for rings in host memory each poll is a read across PCIe).
 //
 // Small commands can go through staging slots in pinned host memory the GPU maps (the proxy
 // controller: it reaches host memory with a memcpy, but GPU memory only with one CUDA copy a
@@ -34,6 +42,11 @@ typedef unsigned long long u64;
 #define LEGEND_IO_MAX_DEPTH 1024
 // NVMe memory page (CC.MPS = 0).
 #define LEGEND_IO_PAGE 4096ULL
+// The shortest and longest pause of an idle block between two polls (it doubles while nothing
+// moves): a completion is microseconds away at best, and a 1 MiB command at an SSD's rate
+// hundreds of them.
+#define LEGEND_IO_MIN_PAUSE_NS 500u
+#define LEGEND_IO_MAX_PAUSE_NS 8000u
 
 // One queue pair, driven by one block. The ring state is carried from launch to launch: the
 // block reads it at the start and writes it back at the end.
@@ -304,12 +317,13 @@ __device__ __forceinline__ uint4 legend_io_load_cqe(u64 cq, u32 slot) {
     return legend_io_ld16(cq + (u64)slot * 16);
 }
 
-// The commands [first, end) of this block's share of the launch go through queue pair
-// `queues[blockIdx.x]`; `latencies`, if not null, receives each command's submission-to-
-// completion time in nanoseconds.
+// The commands [ranges[2b], ranges[2b + 1]) of the launch (numbered job after job, each
+// job's `first_command` on) go through queue pair `queues[b]`, b = blockIdx.x; they must be
+// commands of jobs of that queue's controller. `latencies`, if not null, receives each
+// command's submission-to-completion time in nanoseconds.
 // At most 511 threads: a queue holds two batches and a free slot (LEGEND_IO_MAX_DEPTH).
 extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* queues, const LegendIoJob* jobs,
-                                          u32 njobs, u64 total_commands, LegendIoResult* results,
+                                          u32 njobs, const u64* ranges, LegendIoResult* results,
                                           u64 timeout_ns, u64* latencies) {
     __shared__ unsigned char busy[LEGEND_IO_MAX_DEPTH];
     __shared__ u64 command_of[LEGEND_IO_MAX_DEPTH];
@@ -320,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* 
     __shared__ u32 stage_bytes[LEGEND_IO_MAX_DEPTH];
     __shared__ u32 copy_slot[LEGEND_IO_MAX_DEPTH];
     const u32 NO_COPY = 0xffffffffu;
-    __shared__ u32 s_tail, s_head, s_phase, s_in_flight, s_first_stop, s_stop;
+    __shared__ u32 s_tail, s_head, s_phase, s_in_flight, s_first_stop, s_look, s_stop;
     __shared__ u64 s_next, s_end, s_completed, s_progress;
     __shared__ LegendIoResult s_result;
 
@@ -329,9 +343,8 @@ extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* 
     const u32 depth = q.depth;
     for (u32 i = t; i < depth; i += T) busy[i] = 0;
     if (t == 0) {
-        u64 per = (total_commands + gridDim.x - 1) / gridDim.x;
-        s_next = min((u64)blockIdx.x * per, total_commands);
-        s_end = min(s_next + per, total_commands);
+        s_next = ranges[2 * blockIdx.x];
+        s_end = ranges[2 * blockIdx.x + 1];
         s_tail = q.sq_tail;
         s_head = q.cq_head;
         s_phase = q.phase;
@@ -342,6 +355,7 @@ extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* 
         legend_io_result_start(s_result);
     }
     __syncthreads();
+    u32 pause = LEGEND_IO_MIN_PAUSE_NS;
     while (true) {
         // Submit: up to T commands into the slots from the tail whose last command completed.
         u64 left = s_stop ? 0 : s_end - s_next;
@@ -368,7 +382,7 @@ extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* 
             started[slot] = legend_io_now();
         }
         // The entries (and PRP lists) must reach the controller before the doorbell does.
-        __threadfence_system();
+        if (n > 0) __threadfence_system();
         __syncthreads();
         if (t == 0 && n > 0) {
             s_tail = (s_tail + n) % depth;
@@ -378,13 +392,19 @@ extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* 
         }
         __syncthreads();
 
-        // Complete: the leading run of posted entries from the head, up to T of them.
+        // Complete: the leading run of posted entries from the head, up to T of them; none
+        // while the head's entry is not posted, which one thread polls.
         u32 look = min(T, s_in_flight);
-        if (t == 0) s_first_stop = look;
-        __syncthreads();
         u32 at = s_head + t;
         u32 cslot = at % depth;
         u32 want = s_phase ^ (at >= depth ? 1u : 0u);
+        if (t == 0) {
+            bool posted = look > 0 && ((legend_io_load_cqe(q.cq, cslot).w >> 16) & 1u) == want;
+            s_look = posted ? look : 0;
+            s_first_stop = s_look;
+        }
+        __syncthreads();
+        look = s_look;
         if (t < look) {
             uint4 e = legend_io_load_cqe(q.cq, cslot);
             if (((e.w >> 16) & 1u) != want) atomicMin(&s_first_stop, t);
@@ -457,8 +477,13 @@ extern "C" __global__ void __launch_bounds__(512) legend_nvme_io(LegendIoQueue* 
         __syncthreads();
         if (s_stop == 2 || (s_in_flight == 0 && (s_stop || s_next == s_end))) break;
         // Nothing moved: let the training kernels sharing this multiprocessor have its issue
-        // slots for a moment (a completion is microseconds away at best).
-        if (n == 0 && m == 0) __nanosleep(500);
+        // slots for a while, longer each idle round (n and m are the same on every thread).
+        if (n == 0 && m == 0) {
+            __nanosleep(pause);
+            pause = min(2 * pause, LEGEND_IO_MAX_PAUSE_NS);
+        } else {
+            pause = LEGEND_IO_MIN_PAUSE_NS;
+        }
     }
     if (t == 0) {
         s_result.sq_tail = s_tail;

@@ -433,15 +433,17 @@ __device__ __forceinline__ void legend_mark_local(u32* flags, u32 id, u32* list,
 }
 
 // What the backward kernels need to update a node row used once by the batch in place
-// (legend_count_uses, LegendRowSink): the AdaGrad state and settings, and the use counts,
-// null when every row goes through the gradient table (GpuBatchEngine::forward_backward).
+// (legend_count_uses, LegendRowSink): the AdaGrad state and settings, the use counts (null
+// when every row goes through the gradient table: GpuBatchEngine::forward_backward), and the
+// rounding legend_adagrad applies to the rows it updates (dtype LEGEND_DTYPE_F32: none).
 struct LegendDirect {
     float* state;
     u32* uses;
     float lr;
     float eps;
-    u32 row_wise;  // one state float a row (legend_row_wise_step) instead of one an element
+    u32 row_wise;  // one state float a row (legend_finish_direct_rows) instead of one an element
     u32 pad;
+    LegendRounding rounding;
 };
 
 // The sink of node row `id` (d floats a row), direct when the batch uses the row once.
@@ -575,8 +577,9 @@ __device__ __forceinline__ void legend_dot_edge_backward(
 }
 
 // The work of one warp in legend_rows_backward: edge `r` of chunk z0 / 2. X: whether
-// reciprocal relations (jobs.inverse) or a regulariser (jobs.penalty) may be on.
-template <bool X>
+// reciprocal relations (jobs.inverse) or a regulariser (jobs.penalty) may be on; R: whether
+// the in-place steps may be rounded (legend_node_sink).
+template <bool X, bool R>
 __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* __restrict__ rel,
                                      const float* __restrict__ pos,
                                      const float* __restrict__ grad_query,
@@ -645,8 +648,9 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
             legend_dot_edge_backward<1, X>(pen, recip, distmult, d, lane, S, D, w, w0, dq0, dq1,
                                            gp0, gp1, gs, gd, gw, gw0);
     }
-    legend_row_wise_step(gs, d, lane);
-    legend_row_wise_step(gd, d, lane);
+    const LegendRowSink* const ends[2] = {&gs, &gd};
+    const u32 end_ids[2] = {src, dst};
+    legend_finish_direct_rows<R, 2>(ends, end_ids, direct.rounding, d, lane);
     // Rows updated in place are done: their use counts go back to zero (after every lane
     // has read them), the others are listed for legend_adagrad.
     __syncwarp();
@@ -667,10 +671,13 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
 // element and table, and marks the rows for the optimizer; a node row the batch uses once
 // (direct.uses) gets its AdaGrad step here instead. blockIdx.y is the chunk. Four blocks of
 // 8 warps an SM (at most 64 registers, a few spilled): more loads in flight, faster than
-// three or two (Documentation/gpu.md, measurement log, version 19). X as for
-// legend_edge_backward: legend_rows_backward is the plain step, legend_rows_backward_extra the
-// one with reciprocal relations or a regulariser (their registers would crowd the plain one's).
-template <bool X>
+// three or two (Documentation/gpu.md, measurement log, version 19). X and R as for
+// legend_edge_backward: legend_rows_backward is the plain step, legend_rows_backward_rounded
+// the one whose in-place steps round (16-bit rows), legend_rows_backward_extra the one with
+// reciprocal relations or a regulariser, rounded or not (their registers would crowd the plain
+// one's; it runs three blocks a multiprocessor, where it spills far less: "16-bit rows" in
+// Documentation/gpu.md).
+template <bool X, bool R>
 __device__ __forceinline__ void legend_rows_backward_body(
     LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
     const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
@@ -686,7 +693,7 @@ __device__ __forceinline__ void legend_rows_backward_body(
     u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 lane = threadIdx.x & 31;
     if (r < jobs.rows[z0])
-        legend_edge_backward<X>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad, emb_flags,
+        legend_edge_backward<X, R>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad, emb_flags,
                                 direct, rel_grad, rel_flags, z0, z1, r, lane, new_rows, &n_rows,
                                 new_rels, &n_rels);
     __syncthreads();
@@ -699,27 +706,23 @@ __device__ __forceinline__ void legend_rows_backward_body(
     if (threadIdx.x < n_rels) rel_list[base_rels + threadIdx.x] = new_rels[threadIdx.x];
 }
 
-extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward(
-    LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
-    const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
-    float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
-    LegendDirect direct, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
-    u32* rel_count) {
-    legend_rows_backward_body<false>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad,
-                                     emb_flags, emb_list, emb_count, direct, rel_grad, rel_flags,
-                                     rel_list, rel_count);
-}
+// The kernels of legend_rows_backward_body: `name` compiled with X and R, BLOCKS blocks of 8
+// warps a multiprocessor.
+#define LEGEND_ROWS_BACKWARD(name, X, R, BLOCKS)                                                \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS) name(                            \
+        LegendJobs jobs, float* emb, const float* __restrict__ rel,                             \
+        const float* __restrict__ pos, const float* __restrict__ grad_query,                    \
+        const float* __restrict__ grad_pos, float* __restrict__ emb_grad, u32* emb_flags,       \
+        u32* emb_list, u32* emb_count, LegendDirect direct, float* __restrict__ rel_grad,       \
+        u32* rel_flags, u32* rel_list, u32* rel_count) {                                        \
+        legend_rows_backward_body<X, R>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad,    \
+                                        emb_flags, emb_list, emb_count, direct, rel_grad,       \
+                                        rel_flags, rel_list, rel_count);                        \
+    }
 
-extern "C" __global__ void __launch_bounds__(256, 4) legend_rows_backward_extra(
-    LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
-    const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
-    float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
-    LegendDirect direct, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
-    u32* rel_count) {
-    legend_rows_backward_body<true>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad,
-                                    emb_flags, emb_list, emb_count, direct, rel_grad, rel_flags,
-                                    rel_list, rel_count);
-}
+LEGEND_ROWS_BACKWARD(legend_rows_backward, false, false, 4)
+LEGEND_ROWS_BACKWARD(legend_rows_backward_rounded, false, true, 4)
+LEGEND_ROWS_BACKWARD(legend_rows_backward_extra, true, true, 3)
 
 // A whole row's gradient g - w · row into its sink (w: what TransE L2's fused kernels left
 // out, 0 elsewhere), V elements a lane: the in-place AdaGrad step of a direct row,
@@ -756,7 +759,9 @@ extern "C" __global__ void legend_negatives_backward(const u32* __restrict__ neg
     float w = neg_weight ? neg_weight[(u64)z * k + j] : 0.0f;
     if (dim % 4 == 0) legend_sink_row<4>(row, g, w, dim, lane);
     else legend_sink_row<1>(row, g, w, dim, lane);
-    legend_row_wise_step(row, dim, lane);
+    const LegendRowSink* const rows[1] = {&row};
+    const u32 ids[1] = {id};
+    legend_finish_direct_rows<true, 1>(rows, ids, direct.rounding, dim, lane);
     if (row.direct) {
         // Every lane has read the use count (legend_node_sink) before it is cleared.
         __syncwarp();
@@ -785,6 +790,26 @@ extern "C" __global__ void legend_count_uses(const u32* __restrict__ edges, u32 
 // steps by lr · g / (sqrt(state) + eps). Node rows stored in 16 bits are then rounded
 // (`rounding`, LEGEND_DTYPE_F32 for none). Leaves the gradient rows, marks and use counts
 // zeroed for the next batch.
+template <int V>
+__device__ __forceinline__ void legend_adagrad_row(float* param, float* state, float* grad,
+                                                   u64 id, u32 dim, bool row_state, float scale,
+                                                   float lr, float eps,
+                                                   const LegendRounding& rounding, bool round,
+                                                   u64 key, u32 lane) {
+    // V floats at a time where rows allow (16-byte accesses: a row of d = 100 is 25 of them,
+    // one pass of the warp instead of four dependent ones).
+    u64 base = id * dim;
+    for (u32 t = V * lane; t < dim; t += 32 * V) {
+        LegendVec<V> p = legend_ld<V>(param + base + t), g = legend_ld<V>(grad + base + t);
+        LegendVec<V> s = row_state ? LegendVec<V>{} : legend_ld<V>(state + base + t);
+        legend_update_piece<V>(p, g, s, row_state, true, scale, lr, eps, rounding, round, key,
+                               id, t);
+        legend_st<V>(param + base + t, p);
+        if (!row_state) legend_st<V>(state + base + t, s);
+        legend_st<V>(grad + base + t, LegendVec<V>{});
+    }
+}
+
 extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __restrict__ state,
                                           float* __restrict__ grad, u32* flags, u32* uses,
                                           const u32* __restrict__ list,
@@ -795,51 +820,23 @@ extern "C" __global__ void legend_adagrad(float* __restrict__ param, float* __re
     u32 lane = threadIdx.x & 31;
     if (w >= *count) return;
     u64 id = list[w];
-    u64 base = id * dim;
     bool round = rounding.dtype != LEGEND_DTYPE_F32;
-    u64 global = round ? legend_global_row(rounding, id) : id;
-    u64 key = round ? legend_key4(rounding.seed, 3ull, (u64)rounding.epoch, rounding.batch, global)
-                    : 0ull;
+    u64 key = round ? legend_round_key(rounding, id) : 0ull;
+    float s = 0.0f, scale = 0.0f;
     if (row_state) {
-        float sq = 0.0f;
-        for (u32 t = lane; t < dim; t += 32) sq += grad[base + t] * grad[base + t];
-        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        float s = state[id] + sq / (float)dim;
-        float scale = lr / (sqrtf(s) + eps);
-        for (u32 t = lane; t < dim; t += 32) {
-            float p = param[base + t] - scale * grad[base + t];
-            if (round) p = legend_round_element(rounding, key, global, t, p);
-            param[base + t] = p;
-            grad[base + t] = 0.0f;
-        }
-        if (lane == 0) state[id] = s;
-    } else if ((dim & 3) == 0 && !round) {
-        // 16-byte accesses where rows allow them: a row of d = 100 is 25 of them, one
-        // pass of the warp instead of four dependent ones.
-        float4* p4 = reinterpret_cast<float4*>(param + base);
-        float4* s4 = reinterpret_cast<float4*>(state + base);
-        float4* g4 = reinterpret_cast<float4*>(grad + base);
-        for (u32 t = lane; t < dim / 4; t += 32) {
-            float4 g = g4[t], s = s4[t], p = p4[t];
-            p.x = legend_adagrad_step(p.x, s.x, g.x, lr, eps);
-            p.y = legend_adagrad_step(p.y, s.y, g.y, lr, eps);
-            p.z = legend_adagrad_step(p.z, s.z, g.z, lr, eps);
-            p.w = legend_adagrad_step(p.w, s.w, g.w, lr, eps);
-            s4[t] = s;
-            p4[t] = p;
-            g4[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-    } else {
-        for (u32 t = lane; t < dim; t += 32) {
-            float s = state[base + t];
-            float p = legend_adagrad_step(param[base + t], s, grad[base + t], lr, eps);
-            if (round) p = legend_round_element(rounding, key, global, t, p);
-            param[base + t] = p;
-            state[base + t] = s;
-            grad[base + t] = 0.0f;
-        }
+        s = state[id] + legend_row_sq(grad + id * dim, dim, lane) / (float)dim;
+        scale = lr / (sqrtf(s) + eps);
     }
+    if ((dim & 3) == 0)
+        legend_adagrad_row<4>(param, state, grad, id, dim, row_state, scale, lr, eps, rounding,
+                              round, key, lane);
+    else
+        legend_adagrad_row<1>(param, state, grad, id, dim, row_state, scale, lr, eps, rounding,
+                              round, key, lane);
+    // Every lane has read the row's state before it is written.
+    __syncwarp();
     if (lane == 0) {
+        if (row_state) state[id] = s;
         flags[id] = 0u;
         uses[id] = 0u;
     }

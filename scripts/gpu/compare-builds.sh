@@ -4,9 +4,10 @@
 # prints the median step and phase times of each. Each argument is a folder made by
 # scripts/gpu/build-binaries.sh (carry them all), or BUILD@KERNELS: that build with the kernel
 # sources of the folder KERNELS (a copy of kernels/, through LEGEND_KERNELS_DIR), to time kernel
-# variants without a Rust toolchain. LEGEND_BENCH_GROUPS and
-# LEGEND_BENCH_DECODERS pass through (default here: group 20, complex and dot); ROUNDS (2)
-# sets the alternations. Logs and JSON lines under ${OUT:-/tmp/legend-compare}.
+# variants without a Rust toolchain. LEGEND_BENCH_GROUPS, LEGEND_BENCH_DECODERS and
+# LEGEND_BENCH_ROWS pass through (default here: group 20, complex and dot; builds from before
+# LEGEND_BENCH_ROWS time element-wise f32 rows alone); ROUNDS (2) sets the alternations. Logs
+# and JSON lines under ${OUT:-/tmp/legend-compare}.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-/tmp/legend-compare}
@@ -36,12 +37,13 @@ for d in dirs:
         if f.startswith(name + ".") and f.endswith(".jsonl"):
             for line in open(os.path.join(out, f)):
                 r = json.loads(line)
-                rows.setdefault((r["decoder"], r["group"], name), []).append(r)
-print(f"{'decoder':8} {'group':>5} {'build':24} {'batch ms':>9} {'step ms':>8}  phases (ms)")
-for (dec, group, name), rs in sorted(rows.items()):
+                layout = r.get("rows", "element/f32")
+                rows.setdefault((r["decoder"], layout, r["group"], name), []).append(r)
+print(f"{'decoder':8} {'rows':12} {'group':>5} {'build':24} {'batch ms':>9} {'step ms':>8}  phases (ms)")
+for (dec, layout, group, name), rs in sorted(rows.items()):
     med = statistics.median(r["median_ms"] for r in rs)
     step = statistics.median(r["step_ms"] for r in rs)
     phases = {k: statistics.median(r["phases_ms"][k] for r in rs) for k in rs[0]["phases_ms"]}
     ph = " ".join(f"{k}={v:.3f}" for k, v in phases.items())
-    print(f"{dec:8} {group:>5} {name:24} {med:9.4f} {step:8.4f}  {ph}")
+    print(f"{dec:8} {layout:12} {group:>5} {name:24} {med:9.4f} {step:8.4f}  {ph}")
 EOF

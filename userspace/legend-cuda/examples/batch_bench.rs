@@ -5,7 +5,11 @@
 //!
 //! `LEGEND_BENCH_GROUPS` (default `2,4,20`) lists the jobs per launch to try,
 //! `LEGEND_BENCH_DECODERS` (default `complex,dot`) the models (`model.decoder` names, so
-//! `transe_l1` and `transe_l2` too).
+//! `transe_l1` and `transe_l2` too), `LEGEND_BENCH_ROWS` (default `element`) the node rows'
+//! layouts as `state[/dtype]` (`optimizer.state` and `storage.dtype` values, e.g. `row/bf16`:
+//! one AdaGrad float a row, every updated row rounded to bfloat16 by the step).
+//! `LEGEND_BENCH_EXTRA=1` trains reciprocal relations with an N3 regulariser (weight 10⁻³) on
+//! the decoders with relations (the rows backward's `legend_rows_backward_extra`).
 //!
 //! `LEGEND_BENCH_FILTERED=EDGES` filters the negatives against that many known edges (the
 //! benchmark's batches and random ones: `training.negatives.filtered`, which runs the unfused
@@ -14,7 +18,8 @@
 //! `LEGEND_BENCH_BESIDE_IO=FILE` also times the steps again while the GPU I/O kernels read
 //! FILE without pause through the proxy controller on their own stream (the paper's Fig. 9:
 //! how much the I/O kernels slow training down), and reports the I/O rate they kept;
-//! `LEGEND_BENCH_IO_QUEUES` (default 8) sets their queue pairs, a thread block each;
+//! `LEGEND_BENCH_IO_QUEUES` (default 8) sets their queue pairs, a thread block each, and
+//! `LEGEND_BENCH_IO_THREADS` (default `GpuIoOptions`'s) the blocks' threads;
 //! `LEGEND_BENCH_IO_MODEL` (e.g. `samsung-980`) has the proxy serve FILE at a modelled SSD's
 //! rates, so the step is timed beside the traffic one such SSD gives.
 
@@ -26,9 +31,12 @@ use std::time::Instant;
 
 use cudarc::driver::sys::CUevent_flags;
 use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions};
-use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, negative_keys};
+use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, init_rows, negative_keys};
 use legend_model::rng::mix;
-use legend_model::{AdaGrad, ChunkModel, Decoder, Distribution, Loss, Table};
+use legend_model::{
+    AdaGrad, ChunkModel, Decoder, Distribution, Dtype, Loss, Penalty, Regularizer, StateLayout,
+    StepRounding, Table,
+};
 use legend_nvme_proxy::{DeviceModel, Proxy, ProxyOptions};
 
 const ENTITIES: usize = 1_000_000;
@@ -41,6 +49,32 @@ const WARMUP: usize = 3;
 const TIMED: usize = 20;
 /// Distinct batches cycled through, so repeated steps do not hit the same rows in L2.
 const BATCHES: u64 = 4;
+
+/// Node rows of one configuration: their AdaGrad state and their format at rest.
+#[derive(Clone, Copy)]
+struct Rows {
+    state: StateLayout,
+    dtype: Dtype,
+}
+
+impl std::str::FromStr for Rows {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (state, dtype) = s.split_once('/').unwrap_or((s, "f32"));
+        let bad = |e: &dyn std::fmt::Display| format!("LEGEND_BENCH_ROWS entry {s:?}: {e}");
+        Ok(Rows {
+            state: state.parse().map_err(|e| bad(&e))?,
+            dtype: dtype.parse().map_err(|e| bad(&e))?,
+        })
+    }
+}
+
+impl std::fmt::Display for Rows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.state, self.dtype)
+    }
+}
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -62,6 +96,7 @@ fn timed_steps(
     nodes: &mut DeviceTable,
     rels: &mut DeviceTable,
     batches: &[Vec<[u32; 3]>],
+    dtype: Dtype,
 ) -> Result<Timing, Box<dyn std::error::Error>> {
     let ctx = gpu.context().clone();
     let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
@@ -83,6 +118,12 @@ fn timed_steps(
         ev[0].record(gpu.stream())?;
         engine.sample_negatives(gpu, std::slice::from_ref(&all), &keys, 0.0)?;
         ev[1].record(gpu.stream())?;
+        engine.set_rounding(Some(StepRounding {
+            dtype,
+            seed: 11,
+            epoch: 1,
+            batch: it as u64,
+        }));
         engine.step(gpu, nodes, Some(rels))?;
         ev[2].record(gpu.stream())?;
         t.loss = engine.loss(gpu)?;
@@ -116,7 +157,7 @@ impl BackgroundIo {
     fn start(
         gpu: &Gpu,
         path: &Path,
-        queues: u32,
+        opts: &GpuIoOptions,
         model: Option<DeviceModel>,
     ) -> Result<BackgroundIo, Box<dyn std::error::Error>> {
         let options = ProxyOptions {
@@ -129,11 +170,7 @@ impl BackgroundIo {
         if chunks == 0 {
             return Err(format!("{}: smaller than 256 MiB", path.display()).into());
         }
-        let opts = GpuIoOptions {
-            queues,
-            ..GpuIoOptions::default()
-        };
-        let mut io = GpuIo::open(gpu, proxy, &opts)?;
+        let mut io = GpuIo::open(gpu, proxy, opts)?;
         let region = io.alloc(gpu, Self::CHUNK)?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
@@ -175,10 +212,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .split(',')
         .map(|d| d.trim().parse())
         .collect::<Result<_, _>>()?;
+    let extra = std::env::var_os("LEGEND_BENCH_EXTRA").is_some_and(|v| v == "1");
+    let row_layouts: Vec<Rows> = std::env::var("LEGEND_BENCH_ROWS")
+        .unwrap_or_else(|_| "element".into())
+        .split(',')
+        .map(|r| r.trim().parse())
+        .collect::<Result<_, _>>()?;
     let beside_io = std::env::var_os("LEGEND_BENCH_BESIDE_IO").map(PathBuf::from);
     let io_queues: u32 = match std::env::var("LEGEND_BENCH_IO_QUEUES") {
         Ok(q) => q.parse()?,
         Err(_) => 8,
+    };
+    let io_opts = GpuIoOptions {
+        queues: io_queues,
+        threads: match std::env::var("LEGEND_BENCH_IO_THREADS") {
+            Ok(t) => t.parse()?,
+            Err(_) => GpuIoOptions::default().threads,
+        },
+        ..GpuIoOptions::default()
     };
     let io_model: Option<DeviceModel> = match std::env::var("LEGEND_BENCH_IO_MODEL") {
         Ok(m) => Some(m.parse()?),
@@ -232,7 +283,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let degrees = vec![1u32; ENTITIES];
     let mut json = String::new();
     for &decoder in &decoders {
-        for &group in &groups {
+        for (&group, &rows) in groups
+            .iter()
+            .flat_map(|g| row_layouts.iter().map(move |r| (g, r)))
+        {
             let model = ChunkModel {
                 decoder,
                 loss: Loss::SoftmaxCe,
@@ -244,19 +298,43 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 negatives: NEGATIVES,
                 group,
             };
+            let optimizer = AdaGrad {
+                state: rows.state,
+                ..AdaGrad::default()
+            };
+            // Reciprocal relations double the relation rows (the inverses follow).
+            let extra = extra && decoder.uses_relations();
+            let relation_rows = if extra { 2 * RELATIONS } else { RELATIONS };
             let mut engine =
-                GpuBatchEngine::new(&gpu, model, AdaGrad::default(), shape, &degrees, RELATIONS)?;
+                GpuBatchEngine::new(&gpu, model, optimizer, shape, &degrees, relation_rows)?;
+            if extra {
+                engine.set_reciprocal_relations(true)?;
+                engine.set_regularizer(Some(Regularizer::new(Penalty::N3, 1e-3, decoder)));
+            }
             if filtered.is_some() {
                 engine.set_known_edges(&gpu, &known)?;
             }
             let dist = Distribution::Uniform { bound: 0.5 };
-            let mut nodes = DeviceTable::init(&gpu, ENTITIES, DIM, 0, 7, Table::Node, dist)?;
-            let mut rels = DeviceTable::init(&gpu, RELATIONS, DIM, 0, 7, Table::Relation, dist)?;
-            let mut alone = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches)?;
+            let mut nodes = DeviceTable::zeros(&gpu, ENTITIES, DIM, rows.state)?;
+            init_rows(
+                &gpu,
+                nodes.emb_mut(),
+                DIM,
+                0,
+                ENTITIES,
+                7,
+                Table::Node,
+                dist,
+            )?;
+            let mut rels =
+                DeviceTable::init(&gpu, relation_rows, DIM, 0, 7, Table::Relation, dist)?;
+            let dtype = rows.dtype;
+            let mut alone = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches, dtype)?;
             let beside = match &beside_io {
                 Some(path) => {
-                    let io = BackgroundIo::start(&gpu, path, io_queues, io_model)?;
-                    let with_io = timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches);
+                    let io = BackgroundIo::start(&gpu, path, &io_opts, io_model)?;
+                    let with_io =
+                        timed_steps(&gpu, &mut engine, &mut nodes, &mut rels, &batches, dtype);
                     let (bytes, seconds) = io.stop()?;
                     Some((with_io?, bytes as f64 / seconds / 1e9))
                 }
@@ -272,6 +350,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 &keys,
                 0.0,
             )?;
+            engine.set_rounding(Some(StepRounding {
+                dtype,
+                seed: 11,
+                epoch: 2,
+                batch: 0,
+            }));
             engine.step(&gpu, &mut nodes, Some(&mut rels))?;
             let phases = engine.take_profile(&gpu)?;
             engine.set_profiling(false);
@@ -288,8 +372,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // read and written once, plus the edges.
             let bytes = unique_rows as f64 * DIM as f64 * 4.0 * 4.0 + BATCH as f64 * 12.0;
             let line = format!(
-                "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"group\":{group},\"filtered_edges\":{},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"step_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
+                "{{\"engine\":\"legend-cuda\",\"device\":\"{}\",\"decoder\":\"{decoder}\",\"rows\":\"{rows}{}\",\"group\":{group},\"filtered_edges\":{},\"batch\":{BATCH},\"chunks\":{CHUNKS},\"negatives\":{NEGATIVES},\"dim\":{DIM},\"median_ms\":{:.4},\"sample_ms\":{:.4},\"step_ms\":{:.4},\"flops\":{:.4e},\"min_bytes\":{:.4e},\"unique_rows\":{unique_rows},\"loss_per_edge\":{:.6},\"phases_ms\":{{{}}}}}",
                 gpu.name(),
+                if extra { "+reciprocal+n3" } else { "" },
                 known.len(),
                 median(&mut alone.total),
                 median(&mut alone.sample),
@@ -301,9 +386,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
             let line = match beside {
                 Some((mut with_io, gb_per_s)) => format!(
-                    "{},\"median_ms_beside_io\":{:.4},\"io_queues\":{io_queues},\"io_gb_per_s_beside\":{gb_per_s:.3}}}",
+                    "{},\"median_ms_beside_io\":{:.4},\"io_queues\":{io_queues},\"io_threads\":{},\"io_gb_per_s_beside\":{gb_per_s:.3}}}",
                     line.strip_suffix('}').unwrap_or(&line),
-                    median(&mut with_io.total)
+                    median(&mut with_io.total),
+                    io_opts.threads
                 ),
                 None => line,
             };

@@ -33,6 +33,8 @@ pub(crate) struct Kernels {
     pub(crate) gather_negatives: CudaFunction,
     pub(crate) loss: CudaFunction,
     pub(crate) rows_backward: CudaFunction,
+    /// The rows backward whose in-place steps round (16-bit node rows).
+    pub(crate) rows_backward_rounded: CudaFunction,
     pub(crate) rows_backward_extra: CudaFunction,
     pub(crate) negatives_backward: CudaFunction,
     pub(crate) adagrad: CudaFunction,
@@ -244,6 +246,7 @@ impl Gpu {
             gather_negatives: f("legend_gather_negatives")?,
             loss: f("legend_loss")?,
             rows_backward: f("legend_rows_backward")?,
+            rows_backward_rounded: f("legend_rows_backward_rounded")?,
             rows_backward_extra: f("legend_rows_backward_extra")?,
             negatives_backward: f("legend_negatives_backward")?,
             adagrad: f("legend_adagrad")?,

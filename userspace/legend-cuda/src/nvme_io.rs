@@ -1,15 +1,23 @@
-//! GPU-initiated NVMe I/O: the I/O kernels of `kernels/nvme_io.cu` driving queue pairs of a
-//! [`Controller`] (an SSD bound to `legend_nvme`, or the userspace proxy) between GPU memory and
-//! a namespace, on a stream of their own so that they run beside training.
+//! GPU-initiated NVMe I/O: the I/O kernels of `kernels/nvme_io.cu` driving queue pairs of one
+//! or several [`Controller`]s (SSDs bound to `legend_nvme`, or userspace proxies) between GPU
+//! memory and their namespaces, on a stream of their own so that they run beside training.
 //!
-//! [`GpuIo::open`] creates one queue pair per thread block. Its rings and PRP list pages live
-//! in GPU memory for a real controller (which reads and writes them peer to peer) or in pinned
-//! host memory mapped into the GPU for the proxy (whose thread reads them); the doorbells are
-//! registered with CUDA so the blocks can ring them. [`GpuIo::map`] makes GPU memory reachable
-//! by the controller; [`GpuIo::run`] moves transfers with one launch and checks every block's
-//! report: a failed command comes back with its LBA and decoded status, a controller that stops
-//! answering with the queue's state, after the queue pairs were deleted (which waits for or
-//! aborts what they held), so no command can outlive the call.
+//! [`GpuIo::open`] creates one queue pair per thread block on one controller;
+//! [`GpuIo::open_members`] does so on each of several (the members of a striped store), each
+//! with its own options. A member's rings and PRP list pages live in GPU memory for a real
+//! controller (which reads and writes them peer to peer) or in pinned host memory mapped into
+//! the GPU for the proxy (whose thread reads them); the doorbells are registered with CUDA so
+//! the blocks can ring them. [`GpuIo::map`] makes GPU memory reachable by every member;
+//! [`GpuIo::run`] moves transfers of member 0 with one launch, [`GpuIo::run_members`]
+//! transfers of any members with one launch (every member's queue pairs at once, each block
+//! on its own controller's jobs). Both check every block's report: a failed command comes
+//! back with its controller, LBA and decoded status, a controller that stops answering with
+//! the queue's state, after every queue pair was deleted (which waits for or aborts what they
+//! held), so no command can outlive the call.
+//!
+//! A striped store's swap (`legend_storage`'s stripe units dealt round-robin over the members)
+//! is one [`GpuIo::run_members`]: a [`MemberJob`] for each piece of the partition, naming its
+//! member, the piece's offset in the staging region and its offset on that member.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -139,8 +147,34 @@ impl Default for GpuIoOptions {
     }
 }
 
-/// One transfer of a [`GpuIo::run`]: `bytes` between byte `offset` of mapped region `region`
-/// and the namespace from byte `at` (both multiples of the LBA size).
+/// One controller of a [`GpuIo`] ([`GpuIo::open_members`]) and how its queue pairs are set up.
+/// Every member of one `GpuIo` has the same `threads` (one launch drives them all).
+#[derive(Clone)]
+pub struct IoMember {
+    /// The controller.
+    pub controller: Arc<dyn Controller>,
+    /// Its queue pairs, namespace, ring placement and staging.
+    pub options: GpuIoOptions,
+}
+
+/// What one member of a [`GpuIo`] offers ([`GpuIo::member`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemberInfo {
+    /// The controller's label.
+    pub label: String,
+    /// Its namespace's LBA size.
+    pub block_size: u64,
+    /// Its namespace's size in bytes.
+    pub namespace_bytes: u64,
+    /// Queue pairs (thread blocks of a launch).
+    pub queues: usize,
+    /// Entries a queue.
+    pub depth: u16,
+}
+
+/// One transfer of a [`GpuIo::run`] (or, in a [`MemberJob`], of [`GpuIo::run_members`]):
+/// `bytes` between byte `offset` of mapped region `region` and the namespace from byte `at`
+/// (both multiples of the LBA size).
 #[derive(Clone, Copy, Debug)]
 pub struct GpuIoJob {
     /// The region, as [`GpuIo::map`] returned it.
@@ -155,7 +189,17 @@ pub struct GpuIoJob {
     pub write: bool,
 }
 
-/// What a [`GpuIo::run`] did.
+/// A transfer of [`GpuIo::run_members`] on the namespace of member `member` (an index of the
+/// members [`GpuIo::open_members`] was given).
+#[derive(Clone, Copy, Debug)]
+pub struct MemberJob {
+    /// The member.
+    pub member: usize,
+    /// The transfer, `at` on that member's namespace.
+    pub job: GpuIoJob,
+}
+
+/// What a [`GpuIo::run`] or [`GpuIo::run_members`] did.
 #[derive(Clone, Debug, Default)]
 pub struct IoRun {
     /// Commands completed.
@@ -164,8 +208,13 @@ pub struct IoRun {
     pub bytes: u64,
     /// Launch to completion.
     pub seconds: f64,
-    /// Each command's submission-to-completion time (when asked for).
+    /// Each command's submission-to-completion time (when asked for), the jobs taken member by
+    /// member (member 0's in their order, then member 1's, ...).
     pub latencies_ns: Vec<u64>,
+    /// Commands completed on each member, in member order.
+    pub member_commands: Vec<u64>,
+    /// Bytes moved on each member.
+    pub member_bytes: Vec<u64>,
 }
 
 /// Pinned host memory mapped into the GPU, freed on drop.
@@ -295,42 +344,62 @@ struct Staging {
     _pages: CudaSlice<u64>,
 }
 
-/// A region of GPU memory the controller can reach, with its page table on the device.
+/// One member's mapping of a region, with its page table on the device.
+struct RegionMap {
+    mapping: Mapping,
+    pages: CudaSlice<u64>,
+}
+
+/// A region of GPU memory every member can reach.
 struct Region {
     /// Device address of its byte 0.
     start: u64,
     len: u64,
-    mapping: Mapping,
-    pages: CudaSlice<u64>,
+    /// Each member's mapping, in member order.
+    maps: Vec<RegionMap>,
     /// The memory, when this object allocated it ([`GpuIo::alloc`]): freed after the unmap.
     owned: Option<(CudaSlice<u8>, usize)>,
 }
 
-/// Queue pairs driven by GPU thread blocks.
-pub struct GpuIo {
+/// One controller's queue pairs: blocks `first_block ..` of a launch.
+struct Member {
     ctrl: Arc<dyn Controller>,
-    stream: Arc<CudaStream>,
-    kernel: CudaFunction,
-    /// `legend_row_cache_lookup`, for a [`RowCache`] over these queues.
-    cache_kernel: CudaFunction,
     opts: GpuIoOptions,
     qids: Vec<u32>,
     depth: u16,
     lba_shift: u32,
     blocks: u64,
     max_command: u64,
+    first_block: usize,
+    rings_map: Mapping,
+    /// Whether its queue pairs were deleted (after a timeout, or on drop), and all of them
+    /// (false: the controller kept one, whose memory must outlive this object).
+    deleted: Option<bool>,
+    // Dropped after the queue pairs are deleted: registrations, then memory.
+    _doorbells_gpu: Registered,
+    _doorbells: Doorbells,
+    rings: Rings,
+    staging: Option<Staging>,
+}
+
+/// Queue pairs of one or several controllers, driven by GPU thread blocks.
+pub struct GpuIo {
+    /// Dropped after the regions are unmapped (`Drop`): each deletes its queue pairs first.
+    members: Vec<Member>,
+    stream: Arc<CudaStream>,
+    kernel: CudaFunction,
+    /// `legend_row_cache_lookup`, for a [`RowCache`] over these queues.
+    cache_kernel: CudaFunction,
+    /// Threads a block, every member's.
+    threads: u32,
+    /// Every member's queues, member after member.
     queues: CudaSlice<IoQueue>,
     results: CudaSlice<IoResult>,
     regions: Vec<Region>,
-    rings_map: Mapping,
     /// The GPU's count of I/O blocks running (its persistent kernels leave them room).
     io_blocks: Arc<AtomicUsize>,
-    // Dropped after the queue pairs are deleted (in `Drop`): registrations, then memory.
-    _doorbells_gpu: Registered,
-    _doorbells: Doorbells,
-    _rings: Rings,
-    staging: Option<Staging>,
-    broken: Option<String>,
+    /// Once a queue stopped answering: its controller's label and the queue's state.
+    broken: Option<(String, String)>,
 }
 
 /// Counts a launch's blocks in the GPU's I/O block count while it lives.
@@ -355,18 +424,17 @@ impl Drop for BlocksRunning {
     }
 }
 
-impl GpuIo {
-    /// Opens `opts.queues` queue pairs of the controller for I/O kernels on `gpu`.
-    ///
-    /// # Errors
-    ///
-    /// [`GpuError::Nvme`] when the controller refuses (no such namespace, not enough queue
-    /// pairs, a queue too deep for its limit); driver errors.
-    pub fn open(
-        gpu: &Gpu,
+impl Member {
+    /// Opens `opts.queues` queue pairs of `ctrl` for blocks `first_block ..`; their queues'
+    /// descriptions go to `queues`.
+    fn open(
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
         ctrl: Arc<dyn Controller>,
         opts: &GpuIoOptions,
-    ) -> Result<GpuIo, GpuError> {
+        first_block: usize,
+        queues: &mut Vec<IoQueue>,
+    ) -> Result<Member, GpuError> {
         let label = ctrl.label().to_string();
         let nvme = |what: &'static str| {
             let label = label.clone();
@@ -415,7 +483,6 @@ impl GpuIo {
         let layout = QueueLayout::new(depth);
         let per_queue = layout.bytes();
         let total = (per_queue * opts.queues as usize).next_multiple_of(1 << 16);
-        let ctx = gpu.context();
         ctx.bind_to_thread().during("binding the context")?;
         let rings = match opts.placement {
             RingPlacement::Host => Rings::Host(Pinned::new(ctx, total)?),
@@ -442,14 +509,21 @@ impl GpuIo {
             }
         }
         .map_err(nvme("MAP of the queue memory"))?;
-        let doorbells = ctrl.doorbells().map_err(nvme("doorbells"))?;
-        let doorbells_gpu = Registered::new(
-            doorbells.as_ptr(),
-            doorbells.len(),
-            opts.placement == RingPlacement::Device,
-        )?;
+        let registered = ctrl
+            .doorbells()
+            .map_err(nvme("doorbells"))
+            .and_then(|doorbells| {
+                let gpu = Registered::new(
+                    doorbells.as_ptr(),
+                    doorbells.len(),
+                    opts.placement == RingPlacement::Device,
+                )?;
+                Ok((doorbells, gpu))
+            });
+        let (doorbells, doorbells_gpu) =
+            registered.inspect_err(|_| undo_open(ctrl.as_ref(), &[], &rings_map))?;
+        let first_queue = queues.len();
         let mut qids = Vec::new();
-        let mut queues = Vec::new();
         let mut qid = 1;
         while qids.len() < opts.queues as usize {
             if qid > info.queue_pairs {
@@ -495,65 +569,203 @@ impl GpuIo {
             }
             qid += 1;
         }
-        let stream = ctx.new_stream().during("creating the I/O stream");
-        let staging = stream.and_then(|stream| {
-            let staging = match opts.staging {
-                0 => None,
-                bytes => Some(Staging::new(
+        let staging = match opts.staging {
+            0 => None,
+            bytes => Some(
+                Staging::new(
                     ctx,
-                    &stream,
+                    stream,
                     ctrl.as_ref(),
-                    &mut queues,
+                    &mut queues[first_queue..],
                     usize::from(depth),
                     bytes,
-                )?),
-            };
-            Ok((stream, staging))
-        });
-        let (stream, staging) =
-            staging.inspect_err(|_| undo_open(ctrl.as_ref(), &qids, &rings_map))?;
-        let queues_dev = stream.clone_htod(&queues).during("uploading the queues")?;
-        let results = stream
-            .alloc_zeros::<IoResult>(queues.len())
-            .during("allocating the I/O reports")?;
+                )
+                .inspect_err(|_| undo_open(ctrl.as_ref(), &qids, &rings_map))?,
+            ),
+        };
         tracing::debug!(label = %label, queues = qids.len(), depth, "GPU I/O queues open");
-        Ok(GpuIo {
+        Ok(Member {
             ctrl,
-            stream,
-            kernel: gpu.kernels.nvme_io.clone(),
-            cache_kernel: gpu.kernels.row_cache_lookup.clone(),
             opts: opts.clone(),
             qids,
             depth,
             lba_shift: ns.lba_shift,
             blocks: ns.blocks,
             max_command,
+            first_block,
+            rings_map,
+            deleted: None,
+            _doorbells_gpu: doorbells_gpu,
+            _doorbells: doorbells,
+            rings,
+            staging,
+        })
+    }
+
+    /// The namespace's size in bytes.
+    fn namespace_bytes(&self) -> u64 {
+        self.blocks << self.lba_shift
+    }
+
+    /// Deletes its queue pairs (which waits for or aborts what they hold), once; false if the
+    /// controller refused one, whose memory must then outlive this object.
+    fn delete_queue_pairs(&mut self) -> bool {
+        if let Some(all) = self.deleted {
+            return all;
+        }
+        let mut all = true;
+        for &q in &self.qids {
+            if let Err(e) = self.ctrl.delete_queue_pair(q) {
+                tracing::error!(
+                    error = &e as &dyn std::error::Error,
+                    "deleting GPU queue pair {q} of {}",
+                    self.ctrl.label()
+                );
+                all = false;
+            }
+        }
+        self.deleted = Some(all);
+        all
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        if !self.delete_queue_pairs() {
+            tracing::error!(
+                "leaking the queue memory of {} rather than freeing it under the controller",
+                self.ctrl.label()
+            );
+            // The rings and staging slots must outlive a queue the controller may still use.
+            std::mem::forget(std::mem::replace(
+                &mut self.rings,
+                Rings::Device {
+                    base: 0,
+                    aligned: 0,
+                    len: 0,
+                },
+            ));
+            std::mem::forget(self.staging.take());
+            return;
+        }
+        let _ = self.ctrl.unmap(self.rings_map.handle);
+        if let Some(s) = &self.staging {
+            let _ = self.ctrl.unmap(s.mapping.handle);
+        }
+    }
+}
+
+impl GpuIo {
+    /// Opens `opts.queues` queue pairs of the controller for I/O kernels on `gpu`: a `GpuIo`
+    /// of one member, whose transfers [`GpuIo::run`] moves.
+    ///
+    /// # Errors
+    ///
+    /// [`GpuError::Nvme`] when the controller refuses (no such namespace, not enough queue
+    /// pairs, a queue too deep for its limit); driver errors.
+    pub fn open(
+        gpu: &Gpu,
+        ctrl: Arc<dyn Controller>,
+        opts: &GpuIoOptions,
+    ) -> Result<GpuIo, GpuError> {
+        Self::open_members(
+            gpu,
+            &[IoMember {
+                controller: ctrl,
+                options: opts.clone(),
+            }],
+        )
+    }
+
+    /// Opens the queue pairs of several controllers for I/O kernels on `gpu`, each member with
+    /// its own options (queue pairs, namespace, ring placement: pinned host rings for the
+    /// proxy, GPU memory for `legend_nvme`; staging), so that one launch
+    /// ([`GpuIo::run_members`]) keeps all of them busy. Member `i` is `members[i]`; its queue
+    /// pairs are blocks of every launch. Every member must use the same `threads` (one launch,
+    /// one block size); a block gives up on its queue after the longest of the members'
+    /// timeouts.
+    ///
+    /// # Errors
+    ///
+    /// [`GpuError::Shape`] for no member, or members of different `threads`;
+    /// [`GpuError::Nvme`] naming the controller that refuses (as [`GpuIo::open`]); driver
+    /// errors. The members opened before a failure are closed again.
+    pub fn open_members(gpu: &Gpu, members: &[IoMember]) -> Result<GpuIo, GpuError> {
+        let first = members
+            .first()
+            .ok_or_else(|| GpuError::Shape("GPU I/O over no controller".into()))?;
+        let threads = first.options.threads;
+        if let Some(m) = members.iter().find(|m| m.options.threads != threads) {
+            return Err(GpuError::Shape(format!(
+                "GPU I/O members of {threads} and {} threads a block ({}): one launch drives \
+                 them all, with one block size",
+                m.options.threads,
+                m.controller.label()
+            )));
+        }
+        let ctx = gpu.context();
+        ctx.bind_to_thread().during("binding the context")?;
+        let stream = ctx.new_stream().during("creating the I/O stream")?;
+        let mut queues = Vec::new();
+        let mut opened = Vec::with_capacity(members.len());
+        for m in members {
+            // A failure drops the members opened so far, which closes them.
+            opened.push(Member::open(
+                ctx,
+                &stream,
+                m.controller.clone(),
+                &m.options,
+                queues.len(),
+                &mut queues,
+            )?);
+        }
+        let queues_dev = stream.clone_htod(&queues).during("uploading the queues")?;
+        let results = stream
+            .alloc_zeros::<IoResult>(queues.len())
+            .during("allocating the I/O reports")?;
+        Ok(GpuIo {
+            members: opened,
+            stream,
+            kernel: gpu.kernels.nvme_io.clone(),
+            cache_kernel: gpu.kernels.row_cache_lookup.clone(),
+            threads,
             queues: queues_dev,
             results,
             regions: Vec::new(),
-            rings_map,
             io_blocks: gpu.io_blocks().clone(),
-            _doorbells_gpu: doorbells_gpu,
-            _doorbells: doorbells,
-            _rings: rings,
-            staging,
             broken: None,
         })
     }
 
-    /// The namespace's LBA size.
+    /// Member 0's namespace's LBA size (see [`GpuIo::member`] for the others).
     pub fn block_size(&self) -> u64 {
-        1 << self.lba_shift
+        1 << self.members[0].lba_shift
     }
 
-    /// The namespace's size in bytes.
+    /// Member 0's namespace's size in bytes.
     pub fn namespace_bytes(&self) -> u64 {
-        self.blocks << self.lba_shift
+        self.members[0].namespace_bytes()
     }
 
-    /// Queue depth.
+    /// Member 0's queue depth.
     pub fn depth(&self) -> u16 {
-        self.depth
+        self.members[0].depth
+    }
+
+    /// The number of members (controllers).
+    pub fn members(&self) -> usize {
+        self.members.len()
+    }
+
+    /// What member `member` offers, if there is one.
+    pub fn member(&self, member: usize) -> Option<MemberInfo> {
+        self.members.get(member).map(|m| MemberInfo {
+            label: m.ctrl.label().to_string(),
+            block_size: 1 << m.lba_shift,
+            namespace_bytes: m.namespace_bytes(),
+            queues: m.qids.len(),
+            depth: m.depth,
+        })
     }
 
     /// The I/O stream.
@@ -561,7 +773,12 @@ impl GpuIo {
         &self.stream
     }
 
-    /// Makes `len` bytes of GPU memory at `ptr` (64 KiB aligned) reachable by the controller;
+    /// Thread blocks of a launch: every member's queue pairs.
+    fn blocks(&self) -> usize {
+        self.members.iter().map(|m| m.qids.len()).sum()
+    }
+
+    /// Makes `len` bytes of GPU memory at `ptr` (64 KiB aligned) reachable by every member;
     /// returns the region's index for [`GpuIoJob::region`].
     ///
     /// # Safety
@@ -570,33 +787,48 @@ impl GpuIo {
     ///
     /// # Errors
     ///
-    /// [`GpuError::Nvme`] when the controller refuses the mapping.
+    /// [`GpuError::Nvme`] when a controller refuses the mapping (the others' are undone).
     pub unsafe fn map(&mut self, ptr: u64, len: usize) -> Result<usize, GpuError> {
-        // SAFETY: the caller's contract.
-        let mapping = unsafe { self.ctrl.map_gpu(ptr, len) }.map_err(|e| GpuError::Nvme {
-            label: self.ctrl.label().to_string(),
-            what: format!("MAP of {len} bytes of GPU memory: {e}"),
-        })?;
-        let pages = self
-            .stream
-            .clone_htod(&mapping.bus_addrs)
-            .during("uploading a page table")?;
+        let mut maps: Vec<RegionMap> = Vec::with_capacity(self.members.len());
+        for m in &self.members {
+            // SAFETY: the caller's contract.
+            let mapped = unsafe { m.ctrl.map_gpu(ptr, len) }
+                .map_err(|e| GpuError::Nvme {
+                    label: m.ctrl.label().to_string(),
+                    what: format!("MAP of {len} bytes of GPU memory: {e}"),
+                })
+                .and_then(|mapping| match self.stream.clone_htod(&mapping.bus_addrs) {
+                    Ok(pages) => Ok(RegionMap { mapping, pages }),
+                    Err(e) => {
+                        let _ = m.ctrl.unmap(mapping.handle);
+                        Err(e).during("uploading a page table")
+                    }
+                });
+            match mapped {
+                Ok(map) => maps.push(map),
+                Err(e) => {
+                    for (m, map) in self.members.iter().zip(&maps) {
+                        let _ = m.ctrl.unmap(map.mapping.handle);
+                    }
+                    return Err(e);
+                }
+            }
+        }
         self.regions.push(Region {
             start: ptr,
             len: len as u64,
-            mapping,
-            pages,
+            maps,
             owned: None,
         });
         Ok(self.regions.len() - 1)
     }
 
-    /// Allocates `len` bytes of GPU memory (64 KiB aligned) that the controller can reach;
+    /// Allocates `len` bytes of GPU memory (64 KiB aligned) that every member can reach;
     /// returns the region's index. The memory lives as long as this object.
     ///
     /// # Errors
     ///
-    /// Driver errors, or the controller refusing the mapping.
+    /// Driver errors, or a controller refusing the mapping.
     pub fn alloc(&mut self, gpu: &Gpu, len: usize) -> Result<usize, GpuError> {
         let align = uapi::GPU_PAGE_SIZE as usize;
         let len = len.next_multiple_of(align);
@@ -626,68 +858,119 @@ impl GpuIo {
         Ok(all[*skip..*skip + r.len as usize].to_vec())
     }
 
-    /// Moves `jobs` with one launch of the I/O kernels and waits for it; `latencies` also
-    /// returns each command's submission-to-completion time.
+    /// Moves `jobs`, all on member 0's namespace (the controller of [`GpuIo::open`]), with one
+    /// launch of the I/O kernels and waits for it; `latencies` also returns each command's
+    /// submission-to-completion time. [`GpuIo::run_members`] with every job on member 0.
     ///
     /// # Errors
     ///
-    /// [`GpuError::Shape`] for a job outside its region or the namespace, or not aligned to
-    /// the LBA size; [`GpuError::NvmeCommand`] for a command the controller failed (its LBA
-    /// and decoded status); [`GpuError::NvmeTimeout`] when a queue stopped answering (the queue
-    /// pairs are then deleted, and every later call fails the same way).
+    /// As [`GpuIo::run_members`].
     pub fn run(&mut self, jobs: &[GpuIoJob], latencies: bool) -> Result<IoRun, GpuError> {
-        if let Some(why) = &self.broken {
+        let jobs: Vec<MemberJob> = jobs
+            .iter()
+            .map(|&job| MemberJob { member: 0, job })
+            .collect();
+        self.run_members(&jobs, latencies)
+    }
+
+    /// Moves `jobs`, each on its member's namespace, with one launch of the I/O kernels and
+    /// waits for it: every member's queue pairs take part at once, each block serving its own
+    /// controller's jobs (a member's commands split evenly over its queue pairs, its jobs in
+    /// their order). `latencies` also returns each command's submission-to-completion time
+    /// (the jobs taken member by member).
+    ///
+    /// # Errors
+    ///
+    /// [`GpuError::Shape`] for a job naming no member or region, outside its region or its
+    /// member's namespace, or not aligned to that namespace's LBA size;
+    /// [`GpuError::NvmeCommand`] for a command a controller failed (its LBA and decoded
+    /// status); [`GpuError::NvmeTimeout`] when a queue stopped answering (every queue pair is
+    /// then deleted, and every later call fails the same way); both name the controller.
+    pub fn run_members(&mut self, jobs: &[MemberJob], latencies: bool) -> Result<IoRun, GpuError> {
+        if let Some((label, state)) = &self.broken {
             return Err(GpuError::NvmeTimeout {
-                label: self.ctrl.label().to_string(),
-                state: why.clone(),
+                label: label.clone(),
+                state: state.clone(),
             });
         }
-        let block = self.block_size();
+        // A member's commands must be consecutive: its queue pairs split them.
+        let mut ordered: Vec<&MemberJob> = jobs.iter().collect();
+        ordered.sort_by_key(|j| j.member);
         let mut kernel_jobs = Vec::with_capacity(jobs.len());
+        // Each member's first command and command count, and its bytes.
+        let mut spans = vec![(0u64, 0u64); self.members.len()];
+        let mut member_bytes = vec![0u64; self.members.len()];
         let mut commands = 0u64;
         let mut bytes = 0u64;
-        for j in jobs {
+        for MemberJob { member, job: j } in ordered {
+            let m = self.members.get(*member).ok_or_else(|| {
+                GpuError::Shape(format!(
+                    "a transfer on member {member} of {}",
+                    self.members.len()
+                ))
+            })?;
             let region = self
                 .regions
                 .get(j.region)
                 .ok_or_else(|| GpuError::Shape(format!("no mapped region {}", j.region)))?;
+            let block = 1u64 << m.lba_shift;
             if j.bytes == 0
                 || j.bytes % block != 0
                 || j.at % block != 0
                 || j.offset % 4 != 0
                 || j.offset + j.bytes > region.len
-                || j.at + j.bytes > self.namespace_bytes()
+                || j.at + j.bytes > m.namespace_bytes()
             {
                 return Err(GpuError::Shape(format!(
                     "transfer of {} bytes from byte {} of region {} to byte {} of the \
-                     namespace: outside either, or not aligned to the {block}-byte LBA",
-                    j.bytes, j.offset, j.region, j.at
+                     namespace of {}: outside either, or not aligned to the {block}-byte LBA",
+                    j.bytes,
+                    j.offset,
+                    j.region,
+                    j.at,
+                    m.ctrl.label()
                 )));
             }
-            let page_shift = region.mapping.page_size.trailing_zeros();
+            let map = &region.maps[*member];
+            let n = j.bytes.div_ceil(m.max_command);
+            if spans[*member].1 == 0 {
+                spans[*member].0 = commands;
+            }
+            spans[*member].1 += n;
+            member_bytes[*member] += j.bytes;
             kernel_jobs.push(IoJob {
-                pages: self.addr(&region.pages),
+                pages: self.addr(&map.pages),
                 device: region.start,
                 offset: j.offset,
                 bytes: j.bytes,
-                lba: j.at >> self.lba_shift,
-                command_bytes: self.max_command,
+                lba: j.at >> m.lba_shift,
+                command_bytes: m.max_command,
                 first_command: commands,
-                page_shift,
+                page_shift: map.mapping.page_size.trailing_zeros(),
                 opcode: if j.write { 1 } else { 2 },
-                nsid: self.opts.namespace,
-                lba_shift: self.lba_shift,
+                nsid: m.opts.namespace,
+                lba_shift: m.lba_shift,
             });
-            commands += j.bytes.div_ceil(self.max_command);
+            commands += n;
             bytes += j.bytes;
         }
         if commands == 0 {
             return Ok(IoRun::default());
         }
+        let ranges: Vec<u64> = self
+            .members
+            .iter()
+            .zip(&spans)
+            .flat_map(|(m, &(first, n))| block_ranges(first, n, m.qids.len()))
+            .collect();
         let jobs_dev = self
             .stream
             .clone_htod(&kernel_jobs)
             .during("uploading the I/O jobs")?;
+        let ranges_dev = self
+            .stream
+            .clone_htod(&ranges)
+            .during("uploading the blocks' commands")?;
         let lat = if latencies {
             Some(
                 self.stream
@@ -698,19 +981,20 @@ impl GpuIo {
             None
         };
         let njobs = kernel_jobs.len() as u32;
-        let timeout = self.opts.timeout.as_nanos() as u64;
+        let timeout = self.timeout().as_nanos() as u64;
+        let blocks = self.blocks();
         let cfg = LaunchConfig {
-            grid_dim: (self.qids.len() as u32, 1, 1),
-            block_dim: (self.opts.threads, 1, 1),
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (self.threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let start = Instant::now();
-        let running = BlocksRunning::new(&self.io_blocks, self.qids.len());
+        let running = BlocksRunning::new(&self.io_blocks, blocks);
         let mut b = self.stream.launch_builder(&self.kernel);
         b.arg(&mut self.queues)
             .arg(&jobs_dev)
             .arg(&njobs)
-            .arg(&commands)
+            .arg(&ranges_dev)
             .arg(&mut self.results)
             .arg(&timeout);
         let null = 0u64;
@@ -718,9 +1002,10 @@ impl GpuIo {
             Some(l) => b.arg(l),
             None => b.arg(&null),
         };
-        // SAFETY: the queues, jobs, page tables and regions are live device memory of the
-        // sizes the kernel indexes (checked above), and the controller's rings and doorbells
-        // stay mapped while this object lives.
+        // SAFETY: the queues (one a block), jobs, ranges (two a block, each block's commands
+        // those of its own controller's jobs), page tables and regions are live device memory
+        // of the sizes the kernel indexes (checked above), and the controllers' rings and
+        // doorbells stay mapped while this object lives.
         unsafe { b.launch(cfg) }.during("launching legend_nvme_io")?;
         self.stream
             .synchronize()
@@ -741,7 +1026,16 @@ impl GpuIo {
             bytes,
             seconds,
             latencies_ns,
+            member_commands: spans.iter().map(|&(_, n)| n).collect(),
+            member_bytes,
         })
+    }
+
+    /// How long a block waits for a completion: the longest of the members' timeouts.
+    fn timeout(&self) -> Duration {
+        (self.members.iter().map(|m| m.opts.timeout))
+            .max()
+            .unwrap_or_default()
     }
 
     /// The device address of `s` (the engine runs with cudarc's event tracking off).
@@ -810,15 +1104,24 @@ impl GpuIo {
             .during("waiting for the I/O stream")
     }
 
+    /// The member whose queue pair block `b` of a launch drives.
+    fn member_of_block(&self, b: usize) -> &Member {
+        let i = self
+            .members
+            .partition_point(|m| m.first_block + m.qids.len() <= b);
+        &self.members[i.min(self.members.len() - 1)]
+    }
+
     /// Turns the blocks' reports into the first failure, if any.
     fn check(&mut self, reports: &[IoResult]) -> Result<(), GpuError> {
-        let label = self.ctrl.label().to_string();
         if let Some((b, r)) = reports.iter().enumerate().find(|(_, r)| r.kind == 2) {
+            let m = self.member_of_block(b);
+            let label = m.ctrl.label().to_string();
             let state = format!(
                 "block {b} (qid {}) saw no completion for {:.1} s: SQ tail {}, CQ head {} \
                  (phase {}), {} commands in flight, {} completed; last CQE {:08x?}",
-                self.qids[b],
-                self.opts.timeout.as_secs_f64(),
+                m.qids[b - m.first_block],
+                m.opts.timeout.as_secs_f64(),
                 r.sq_tail,
                 r.cq_head,
                 r.phase,
@@ -827,18 +1130,13 @@ impl GpuIo {
                 r.last_cqe
             );
             // Nothing the queues still hold may reach memory after this returns.
-            for &q in &self.qids {
-                if let Err(e) = self.ctrl.delete_queue_pair(q) {
-                    tracing::error!(
-                        error = &e as &dyn std::error::Error,
-                        "deleting stuck GPU queue pair {q}"
-                    );
-                }
+            for m in &mut self.members {
+                m.delete_queue_pairs();
             }
-            self.broken = Some(state.clone());
+            self.broken = Some((label.clone(), state.clone()));
             return Err(GpuError::NvmeTimeout { label, state });
         }
-        if let Some(r) = reports.iter().find(|r| r.kind == 1) {
+        if let Some((b, r)) = reports.iter().enumerate().find(|(_, r)| r.kind == 1) {
             // The failed command as the block read it back from its SQ slot.
             let sqe = Sqe {
                 cdw0: r.opcode,
@@ -854,13 +1152,13 @@ impl GpuIo {
             };
             let status = Status::from_raw(r.status as u16);
             return Err(GpuError::NvmeCommand {
-                label,
+                label: self.member_of_block(b).ctrl.label().to_string(),
                 error: CommandError::new(&sqe, status),
             });
         }
-        if let Some(r) = reports.iter().find(|r| r.kind == 3) {
+        if let Some((b, r)) = reports.iter().enumerate().find(|(_, r)| r.kind == 3) {
             return Err(GpuError::Nvme {
-                label,
+                label: self.member_of_block(b).ctrl.label().to_string(),
                 what: format!("a completion for no command in flight: {:08x?}", r.last_cqe),
             });
         }
@@ -868,40 +1166,39 @@ impl GpuIo {
     }
 }
 
+/// The commands `[first, first + n)` of one member split over its `blocks` queue pairs: each
+/// block's `[start, end)`, as the kernel's `ranges` take them.
+fn block_ranges(first: u64, n: u64, blocks: usize) -> Vec<u64> {
+    let per = n.div_ceil(blocks.max(1) as u64);
+    (0..blocks as u64)
+        .flat_map(|i| [first + (i * per).min(n), first + ((i + 1) * per).min(n)])
+        .collect()
+}
+
 impl Drop for GpuIo {
     fn drop(&mut self) {
-        if self.broken.is_none() {
-            for &q in &self.qids {
-                if let Err(e) = self.ctrl.delete_queue_pair(q) {
-                    tracing::error!(
-                        "deleting GPU queue pair {q}: {e}; leaking its memory rather than freeing it under the controller"
-                    );
-                    // The rings and staging slots must outlive a queue the controller may still
-                    // use.
-                    std::mem::forget(std::mem::replace(
-                        &mut self._rings,
-                        Rings::Device {
-                            base: 0,
-                            aligned: 0,
-                            len: 0,
-                        },
-                    ));
-                    std::mem::forget(self.staging.take());
-                    return;
-                }
+        // The queue pairs first, so that nothing reaches a region after its unmap; a member
+        // whose queue pair the controller kept leaks its memory, and the regions stay mapped.
+        let mut all = true;
+        for m in &mut self.members {
+            all &= m.delete_queue_pairs();
+        }
+        if !all {
+            for (buf, _) in self.regions.drain(..).filter_map(|r| r.owned) {
+                std::mem::forget(buf);
             }
+            return;
         }
         for r in self.regions.drain(..) {
-            let _ = self.ctrl.unmap(r.mapping.handle);
+            for (m, map) in self.members.iter().zip(&r.maps) {
+                let _ = m.ctrl.unmap(map.mapping.handle);
+            }
         }
-        let _ = self.ctrl.unmap(self.rings_map.handle);
-        if let Some(s) = &self.staging {
-            let _ = self.ctrl.unmap(s.mapping.handle);
-        }
+        // The members then unmap their rings and staging slots as they drop.
     }
 }
 
-/// Gives back what [`GpuIo::open`] got from the controller before it failed: the queue pairs
+/// Gives back what [`Member::open`] got from the controller before it failed: the queue pairs
 /// `qids` and the ring memory's mapping.
 fn undo_open(ctrl: &dyn Controller, qids: &[u32], rings_map: &Mapping) {
     for &q in qids {

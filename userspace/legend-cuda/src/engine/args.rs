@@ -125,7 +125,7 @@ unsafe impl DeviceRepr for JobArgs {}
 
 /// In-place AdaGrad for node rows used once (`LegendDirect` in `kernels/train.cu`): the
 /// node table's state and use counts (a null `uses` sends every row through the gradient
-/// table), and the optimizer's settings.
+/// table), the optimizer's settings, and the rounding of the rows it updates.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(super) struct DirectArgs {
@@ -136,10 +136,12 @@ pub(super) struct DirectArgs {
     /// 1: the node table keeps one AdaGrad float a row.
     pub(super) row_wise: u32,
     pub(super) pad: u32,
+    /// What `legend_adagrad` would round the rows to (all zeros: nothing).
+    pub(super) rounding: RoundingArgs,
 }
 
 // SAFETY: plain #[repr(C)] data laid out as the kernel's struct (two pointers, two floats,
-// two u32s: no padding).
+// two u32s, then the 8-byte aligned rounding struct: no padding).
 unsafe impl DeviceRepr for DirectArgs {}
 
 /// The rounding of updated node rows to their format at rest (`LegendRounding` in

@@ -459,8 +459,8 @@ impl GpuBatchEngine {
 
     /// Rounds the node rows the next steps update to `rounding`'s format (`None`, or f32: no
     /// rounding), keyed by its epoch and batch: set before every step of a run whose rows are
-    /// stored in 16 bits. Such steps send every node row through the gradient table and
-    /// `legend_adagrad` (no in-place updates), the one kernel that rounds.
+    /// stored in 16 bits. The in-place steps of rows used once (`step`) and `legend_adagrad`
+    /// round alike: the same stream for a row, the same bits.
     pub fn set_rounding(&mut self, rounding: Option<StepRounding>) {
         self.rounding = rounding.filter(|r| r.dtype.is_narrow());
     }
@@ -795,6 +795,8 @@ impl GpuBatchEngine {
         let decoder = decoder_code(self.model.decoder);
         let (penalty, penalty_weight) = penalty_code(self.regularizer);
         let jobs = 2 * self.chunks;
+        // The in-place steps round as legend_adagrad does.
+        let rounding = self.node_rounding(gpu, nodes);
         // Every kernel of the step goes on this one stream: the in-place AdaGrad of rows used
         // once (direct) relies on every earlier reader of those rows having finished.
         let s = gpu.stream().clone();
@@ -879,11 +881,14 @@ impl GpuBatchEngine {
                 eps: self.optimizer.eps,
                 row_wise: u32::from(nodes.state_width != nodes.dim),
                 pad: 0,
+                rounding,
             };
-            // Reciprocal relations and regularisers have a kernel of their own, so that the
-            // plain step keeps its registers.
+            // Reciprocal relations and regularisers, and rounded in-place steps, have kernels
+            // of their own, so that the plain step keeps its registers.
             let rows_backward = if job_args.inverse != 0 || penalty != 0 {
                 &kern.rows_backward_extra
+            } else if direct && rounding.dtype != 0 {
+                &kern.rows_backward_rounded
             } else {
                 &kern.rows_backward
             };
@@ -1024,16 +1029,15 @@ impl GpuBatchEngine {
     /// [`forward_backward`](Self::forward_backward) then [`apply`](Self::apply), but the node
     /// rows the batch uses once (most of them) take their AdaGrad step in the backward
     /// kernels, without the gradient table's atomics, clearing and second pass (with
-    /// row-wise state, after the warp has stored the row's whole gradient).
+    /// row-wise state, after the warp has stored the row's whole gradient), rounded as
+    /// `legend_adagrad` rounds where [`GpuBatchEngine::set_rounding`] asks for it.
     pub fn step(
         &mut self,
         gpu: &Gpu,
         nodes: &mut DeviceTable,
         mut rels: Option<&mut DeviceTable>,
     ) -> Result<(), GpuError> {
-        // Rounded rows take their step in legend_adagrad alone.
-        let in_place = self.rounding.is_none();
-        self.passes(gpu, nodes, rels.as_deref_mut(), in_place)?;
+        self.passes(gpu, nodes, rels.as_deref_mut(), true)?;
         self.apply(gpu, nodes, rels)
     }
 

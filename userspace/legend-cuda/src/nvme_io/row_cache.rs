@@ -183,6 +183,12 @@ impl RowCache {
         opts: &RowCacheOptions,
     ) -> Result<RowCache, GpuError> {
         let shape = |what: String| Err(GpuError::Shape(format!("row cache: {what}")));
+        if io.members() != 1 {
+            return shape(format!(
+                "over a GPU I/O of {} controllers (one drives a cache)",
+                io.members()
+            ));
+        }
         let lba = io.block_size();
         if table.row_bytes == 0 || !table.row_bytes.is_multiple_of(2) {
             return shape(format!(
@@ -216,11 +222,11 @@ impl RowCache {
             }
         }
         let line_bytes = Self::line_bytes_for(table.row_bytes, opts.line_bytes, lba);
-        if line_bytes > io.max_command || line_bytes > u64::from(u32::MAX) {
+        if line_bytes > io.members[0].max_command || line_bytes > u64::from(u32::MAX) {
             return shape(format!(
                 "lines of {line_bytes} bytes (whole rows of {} bytes, a multiple of the \
                  {lba}-byte LBA) exceed the largest command ({} bytes)",
-                table.row_bytes, io.max_command
+                table.row_bytes, io.members[0].max_command
             ));
         }
         let line_bytes = line_bytes as u32;
@@ -248,8 +254,8 @@ impl RowCache {
                 opts.requesters, opts.ahead, opts.flops_per_byte
             ));
         }
-        if u32::from(io.depth) > u32::from(MAX_DEPTH) {
-            return shape(format!("queues of {} entries", io.depth));
+        if u32::from(io.depth()) > u32::from(MAX_DEPTH) {
+            return shape(format!("queues of {} entries", io.depth()));
         }
         let region = io.alloc(gpu, slots * line_bytes as usize)?;
         let stream = io.stream.clone();
@@ -300,7 +306,7 @@ impl RowCache {
 
     /// The queue pairs' depth.
     pub fn queue_depth(&self) -> u16 {
-        self.io.depth
+        self.io.depth()
     }
 
     /// The table.
@@ -362,18 +368,20 @@ impl RowCache {
         n: u64,
         out: &mut CudaSlice<u8>,
     ) -> Result<f64, GpuError> {
-        if let Some(why) = &self.io.broken {
+        if let Some((label, state)) = &self.io.broken {
             return Err(GpuError::NvmeTimeout {
-                label: self.io.ctrl.label().to_string(),
-                state: why.clone(),
+                label: label.clone(),
+                state: state.clone(),
             });
         }
+        // One member (checked by `open`).
+        let member = &self.io.members[0];
         let slots = (self.sets * self.opts.ways) as u64;
         let region = &self.io.regions[self.region];
         let words = self.io.addr(&self.words);
         let table = CacheTable {
             lines: region.start,
-            line_pages: self.io.addr(&region.pages),
+            line_pages: self.io.addr(&region.maps[0].pages),
             tags: self.io.addr(&self.tags),
             state: words,
             pins: words + 4 * slots,
@@ -387,19 +395,19 @@ impl RowCache {
             lines_per_part: self.lines_per_partition,
             rows: self.table.rows,
             namespace_bytes: self.io.namespace_bytes(),
-            line_page_shift: region.mapping.page_size.trailing_zeros(),
+            line_page_shift: region.maps[0].mapping.page_size.trailing_zeros(),
             line_bytes: self.line_bytes,
             sets: self.sets,
             ways: self.opts.ways,
             row_bytes: self.table.row_bytes,
-            lba_shift: self.io.lba_shift,
-            nsid: self.io.opts.namespace,
+            lba_shift: member.lba_shift,
+            nsid: member.opts.namespace,
             ahead: self.opts.ahead,
             flops_per_byte: self.opts.flops_per_byte,
             overlap: u32::from(self.opts.overlap),
         };
-        let timeout = self.io.opts.timeout.as_nanos() as u64;
-        let blocks = self.io.qids.len();
+        let timeout = member.opts.timeout.as_nanos() as u64;
+        let blocks = member.qids.len();
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (self.opts.requesters + 32, 1, 1),

@@ -2,7 +2,8 @@
 //! or block device through `io_uring` (`file`), or a namespace through NVMe I/O queue pairs of
 //! the `legend_nvme` device (`nvme`) or the userspace proxy (`proxy`), submitted by CPU threads
 //! or by the GPU I/O kernels (`--submitter gpu`). Several `--path`s are driven at once, as a
-//! striped store drives its members: each with `--queues` of its own.
+//! striped store drives its members: each with `--queues` of its own (the GPU I/O kernels
+//! drive them all in one launch).
 //!
 //! Every command is checked: if any failed, or a queue stopped answering, the run reports that
 //! and prints no figures.
@@ -341,37 +342,40 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
     if args.staging.is_some() && args.submitter != Submitter::Gpu {
         bail!("--staging sets up the GPU I/O kernels: use it with --submitter gpu");
     }
-    if args.submitter == Submitter::Gpu && args.paths.len() > 1 {
-        bail!(
-            "--submitter gpu: the I/O kernels drive one controller a launch; give one --path \
-             (several targets run with --submitter cpu)"
-        );
+    if args.submitter == Submitter::Gpu && args.backend == Backend::File {
+        bail!("--submitter gpu drives NVMe queues: use --backend proxy or nvme");
     }
     let duration = Duration::from_secs_f64(args.seconds);
     let started = Instant::now();
-    let per_target: Vec<anyhow::Result<(Samples, Instant)>> = std::thread::scope(|s| {
-        let running: Vec<_> = args
-            .paths
-            .iter()
-            .map(|path| {
-                let args = &args;
-                s.spawn(move || {
-                    one_target(args, path, duration).map(|samples| (samples, Instant::now()))
+    let per_target: Vec<(Samples, Instant)> = if args.submitter == Submitter::Gpu {
+        // Every target's queue pairs in each launch: they end together.
+        let samples = gpu(&args, duration)?;
+        let ended = Instant::now();
+        samples.into_iter().map(|s| (s, ended)).collect()
+    } else {
+        std::thread::scope(|s| {
+            let running: Vec<_> = args
+                .paths
+                .iter()
+                .map(|path| {
+                    let args = &args;
+                    s.spawn(move || {
+                        one_target(args, path, duration).map(|samples| (samples, Instant::now()))
+                    })
                 })
-            })
-            .collect();
-        running
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| bail!("a target's thread panicked"))
-            })
-            .collect()
-    });
+                .collect();
+            running
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| bail!("a target's thread panicked"))
+                })
+                .collect::<anyhow::Result<_>>()
+        })?
+    };
     let mut samples = Samples::default();
     let mut targets = Vec::with_capacity(args.paths.len());
-    for (path, r) in args.paths.iter().zip(per_target) {
-        let (r, ended) = r?;
+    for (path, (r, ended)) in args.paths.iter().zip(per_target) {
         let secs = ended
             .duration_since(r.started.unwrap_or(started))
             .as_secs_f64();
@@ -470,35 +474,29 @@ fn staging(args: &IoArgs) -> u32 {
         })
 }
 
-/// Runs the benchmark on one target.
+/// Runs the benchmark on one target with CPU submitters.
 fn one_target(args: &IoArgs, path: &Path, duration: Duration) -> anyhow::Result<Samples> {
-    match (args.backend, args.submitter) {
-        (Backend::File, Submitter::Cpu) => file::run(args, path, duration),
-        (Backend::File, Submitter::Gpu) => {
-            bail!("--submitter gpu drives NVMe queues: use --backend proxy or nvme")
+    match args.backend {
+        Backend::File => file::run(args, path, duration),
+        Backend::Proxy | Backend::Nvme => {
+            let ctrl = controller(args, path)?;
+            queues::run(args, path, ctrl.controller(), duration)
         }
-        (b, s) => {
-            let kind = if b == Backend::Nvme {
-                QueueBackend::Nvme
-            } else {
-                QueueBackend::Proxy
-            };
-            let ctrl = if kind == QueueBackend::Proxy {
-                // Its own proxy, with the asked-for threads and depth (no other user of the
-                // file in this process to share one with).
-                let proxy = Proxy::open(path, &proxy_options(args))
-                    .with_context(|| format!("starting the proxy over {}", path.display()))?;
-                controllers::SharedController::Proxy(Arc::new(proxy))
-            } else {
-                StoreFile::open(path, &legend_fs::Unguarded)
-                    .and_then(|file| controllers::open(kind, &file, None))
-                    .with_context(|| format!("opening {}", path.display()))?
-            };
-            match s {
-                Submitter::Cpu => queues::run(args, path, ctrl.controller(), duration),
-                Submitter::Gpu => gpu(args, path, &ctrl, duration),
-            }
-        }
+    }
+}
+
+/// The controller of target `path` (`--backend proxy` or `nvme`).
+fn controller(args: &IoArgs, path: &Path) -> anyhow::Result<controllers::SharedController> {
+    if args.backend == Backend::Proxy {
+        // Its own proxy, with the asked-for threads and depth (no other user of the file in
+        // this process to share one with).
+        let proxy = Proxy::open(path, &proxy_options(args))
+            .with_context(|| format!("starting the proxy over {}", path.display()))?;
+        Ok(controllers::SharedController::Proxy(Arc::new(proxy)))
+    } else {
+        StoreFile::open(path, &legend_fs::Unguarded)
+            .and_then(|file| controllers::open(QueueBackend::Nvme, &file, None))
+            .with_context(|| format!("opening {}", path.display()))
     }
 }
 
@@ -507,61 +505,94 @@ fn name(v: &impl std::fmt::Debug) -> String {
     format!("{v:?}").to_lowercase()
 }
 
-/// The GPU I/O kernels against the controller (`legend-cuda`): `--queues` thread blocks of
-/// `--depth` threads, each block a queue pair with two batches in flight; each launch moves
-/// a few batches a block, until the time is up.
-fn gpu(
-    args: &IoArgs,
-    path: &Path,
-    ctrl: &controllers::SharedController,
-    duration: Duration,
-) -> anyhow::Result<Samples> {
-    use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, RingPlacement};
+/// The GPU I/O kernels against every target's controller (`legend-cuda`; one member of a
+/// `GpuIo` each): `--queues` thread blocks of `--depth` threads a target, each block a queue
+/// pair with two batches in flight; each launch moves a few batches a block on every target at
+/// once, until the time is up. What each target moved, in `paths` order.
+fn gpu(args: &IoArgs, duration: Duration) -> anyhow::Result<Vec<Samples>> {
+    use legend_cuda::nvme_io::{
+        CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, IoMember, MemberJob, RingPlacement,
+    };
     let device = legend_cuda::Gpu::new(0).context("opening cuda:0")?;
-    let placement = match ctrl {
-        controllers::SharedController::Proxy(p) => {
-            p.attach_device(Arc::new(CudaDeviceMemory::new(&device)?))?;
-            RingPlacement::Host
-        }
-        controllers::SharedController::Device(_) => RingPlacement::Device,
-    };
-    check_write(args, path, placement == RingPlacement::Device)?;
-    let opts = GpuIoOptions {
-        queues: args.queues,
-        threads: args.depth,
-        namespace: args.namespace,
-        placement,
-        timeout: Duration::from_secs(10),
-        staging: staging(args),
-    };
-    let mut io = GpuIo::open(&device, ctrl.controller(), &opts)?;
-    let span = Span::of(args, path, io.namespace_bytes(), io.block_size())?;
-    // Four batches a block a launch, within 1 GiB of GPU memory.
-    let per_launch = (u64::from(args.queues) * u64::from(args.depth) * 4)
-        .min((1 << 30) / args.size)
-        .min(span.len / args.size)
-        .max(1);
-    let region = io.alloc(&device, (per_launch * args.size) as usize)?;
-    let deadline = Instant::now() + duration;
-    let mut samples = Samples::starting_now();
-    let (mut n, mut rng) = (0u64, 0x9e37_79b9_7f4a_7c15u64);
-    while Instant::now() < deadline {
-        // One job a request (`--size` bytes), at the pattern's next offsets.
-        let jobs: Vec<GpuIoJob> = (0..per_launch)
-            .map(|i| GpuIoJob {
-                region,
-                offset: i * args.size,
-                bytes: args.size,
-                at: span.offset(args, 0, n + i, &mut rng),
-                write: args.op == Op::Write,
-            })
-            .collect();
-        n += per_launch;
-        let run = io.run(&jobs, true)?;
-        samples.ops += run.commands;
-        samples.bytes += run.bytes;
-        samples.latencies_ns.extend(run.latencies_ns);
+    // Kept open while the queues use them.
+    let mut ctrls = Vec::with_capacity(args.paths.len());
+    let mut members = Vec::with_capacity(args.paths.len());
+    for path in &args.paths {
+        let ctrl = controller(args, path)?;
+        let placement = match &ctrl {
+            controllers::SharedController::Proxy(p) => {
+                p.attach_device(Arc::new(CudaDeviceMemory::new(&device)?))?;
+                RingPlacement::Host
+            }
+            controllers::SharedController::Device(_) => RingPlacement::Device,
+        };
+        check_write(args, path, placement == RingPlacement::Device)?;
+        members.push(IoMember {
+            controller: ctrl.controller(),
+            options: GpuIoOptions {
+                queues: args.queues,
+                threads: args.depth,
+                namespace: args.namespace,
+                placement,
+                timeout: Duration::from_secs(10),
+                staging: staging(args),
+            },
+        });
+        ctrls.push(ctrl);
     }
+    let mut io = GpuIo::open_members(&device, &members)?;
+    let spans = (args.paths.iter().enumerate())
+        .map(|(m, path)| {
+            let info = io.member(m).context("a member of the GPU I/O")?;
+            Span::of(args, path, info.namespace_bytes, info.block_size)
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Four batches a block a launch on every target, within 1 GiB of GPU memory.
+    let targets = args.paths.len() as u64;
+    let per_launch = spans
+        .iter()
+        .map(|span| span.len / args.size)
+        .min()
+        .unwrap_or(0)
+        .min(u64::from(args.queues) * u64::from(args.depth) * 4)
+        .min((1 << 30) / args.size / targets)
+        .max(1);
+    let region = io.alloc(&device, (per_launch * targets * args.size) as usize)?;
+    let deadline = Instant::now() + duration;
+    let mut samples: Vec<Samples> = args.paths.iter().map(|_| Samples::starting_now()).collect();
+    let (mut n, mut rngs) = (0u64, vec![0x9e37_79b9_7f4a_7c15u64; args.paths.len()]);
+    while Instant::now() < deadline {
+        // One job a request (`--size` bytes), at each target's pattern's next offsets.
+        let mut jobs = Vec::with_capacity((per_launch * targets) as usize);
+        for (m, (span, rng)) in spans.iter().zip(&mut rngs).enumerate() {
+            for i in 0..per_launch {
+                jobs.push(MemberJob {
+                    member: m,
+                    job: GpuIoJob {
+                        region,
+                        offset: (m as u64 * per_launch + i) * args.size,
+                        bytes: args.size,
+                        at: span.offset(args, 0, n + i, rng),
+                        write: args.op == Op::Write,
+                    },
+                });
+            }
+        }
+        n += per_launch;
+        let run = io.run_members(&jobs, true)?;
+        // The latencies come member by member.
+        let mut latencies = run.latencies_ns.into_iter();
+        for (s, (&ops, &bytes)) in samples
+            .iter_mut()
+            .zip(run.member_commands.iter().zip(&run.member_bytes))
+        {
+            s.ops += ops;
+            s.bytes += bytes;
+            s.latencies_ns.extend(latencies.by_ref().take(ops as usize));
+        }
+    }
+    drop(io);
+    drop(ctrls);
     Ok(samples)
 }
 
