@@ -128,6 +128,25 @@ pub(crate) fn l1_distance(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `Σ_t a_t b_t` in interleaved partial sums.
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// `Σ_t x_t²` in interleaved partial sums.
 #[inline]
 pub(crate) fn squared_norm(xs: &[f32]) -> f32 {
@@ -186,5 +205,7 @@ mod tests {
         let l1: f32 = xs.iter().zip(&ys).map(|(a, b)| (a - b).abs()).sum();
         assert_eq!(l1_distance(&xs, &ys), l1);
         assert_eq!(squared_norm(&xs), xs.iter().map(|x| x * x).sum::<f32>());
+        let dot_plain: f32 = xs.iter().zip(&ys).map(|(a, b)| a * b).sum();
+        assert_eq!(dot(&xs, &ys), dot_plain);
     }
 }
