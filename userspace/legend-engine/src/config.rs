@@ -598,6 +598,13 @@ impl Config {
         }
     }
 
+    /// Floats of the relation table for a dataset of `relations` relation types: its
+    /// [`Config::relation_rows`] times the decoder's relation row width (RESCAL's `dim²`
+    /// matrices, `dim` for the others).
+    pub fn relation_floats(&self, relations: u64) -> u64 {
+        self.relation_rows(relations) * self.model.decoder.relation_width(self.model.dim) as u64
+    }
+
     /// The initialisation of all tables.
     pub fn init(&self) -> Init {
         let node = Distribution::Normal {

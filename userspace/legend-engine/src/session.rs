@@ -319,7 +319,7 @@ impl Session {
             started.elapsed().as_secs_f64()
         );
         let init = config.init();
-        let relation_floats = meta.relations as usize * dim;
+        let relation_floats = meta.relation_floats();
         let fresh_relations = || Relations::init(decoder, meta.relations as usize, dim, &init);
         let gpu_engine = matches!(device, Device::Cuda { .. });
         let engine = device.describe();
