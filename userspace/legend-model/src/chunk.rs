@@ -279,9 +279,7 @@ impl Scratch {
             ),
             Comparator::NegL1 => l1_scores(&self.query, rows.negs, dim, &mut self.scores),
             Comparator::NegL2 => self.l2_scores(rows.negs, dim),
-            Comparator::NegModulus => {
-                pair_scores(cmp, &self.query, rows.negs, dim, &mut self.scores)
-            }
+            Comparator::NegModulus => modulus_scores(&self.query, rows.negs, dim, &mut self.scores),
         }
 
         // Loss per positive; the score matrix turns into ∂L/∂scores in place.
@@ -340,8 +338,7 @@ impl Scratch {
                 grads.negs,
             ),
             Comparator::NegL2 => self.l2_backward(rows.negs, dim, grads.negs),
-            Comparator::NegModulus => pair_backward(
-                cmp,
+            Comparator::NegModulus => modulus_backward(
                 &self.query,
                 rows.negs,
                 &self.scores,
@@ -515,24 +512,25 @@ fn l1_backward(
     }
 }
 
-/// Every query against every negative, one pair at a time through [`Comparator::compare`]
-/// (RotatE's moduli have neither a product form nor a vectorised kernel yet).
-fn pair_scores(cmp: Comparator, query: &[f32], negs: &[f32], dim: usize, scores: &mut [f32]) {
+/// RotatE's negative distances between every query and every negative (no product form),
+/// pair by pair, the inner loop over the complex elements in vector lanes.
+fn modulus_scores(query: &[f32], negs: &[f32], dim: usize, scores: &mut [f32]) {
     let k = negs.len() / dim;
     if k == 0 {
         return;
     }
-    for (q, srow) in query.chunks_exact(dim).zip(scores.chunks_exact_mut(k)) {
-        for (n, s) in negs.chunks_exact(dim).zip(srow) {
-            *s = cmp.compare(q, n);
+    vmath::wide(|| {
+        for (q, srow) in query.chunks_exact(dim).zip(scores.chunks_exact_mut(k)) {
+            let q = q.split_at(dim / 2);
+            for (n, s) in negs.chunks_exact(dim).zip(srow) {
+                *s = -vmath::modulus_distance(q, n.split_at(dim / 2));
+            }
         }
-    }
+    })
 }
 
-/// The gradients of [`pair_scores`] given ∂L/∂scores, pair by pair through
-/// [`Comparator::backward`].
-fn pair_backward(
-    cmp: Comparator,
+/// The gradients of [`modulus_scores`] given ∂L/∂scores, pair by pair.
+fn modulus_backward(
     query: &[f32],
     negs: &[f32],
     grad_scores: &[f32],
@@ -540,17 +538,29 @@ fn pair_backward(
     grad_query: &mut [f32],
     grad_negs: &mut [f32],
 ) {
-    let k = negs.len() / dim;
+    let (k, h) = (negs.len() / dim, dim / 2);
     grad_negs.fill(0.0);
-    for (i, q) in query.chunks_exact(dim).enumerate() {
-        let gq = &mut grad_query[i * dim..(i + 1) * dim];
-        for (j, n) in negs.chunks_exact(dim).enumerate() {
-            let g = grad_scores[i * k + j];
-            if g != 0.0 {
-                cmp.backward(q, n, g, gq, &mut grad_negs[j * dim..(j + 1) * dim]);
+    vmath::wide(|| {
+        for (i, q) in query.chunks_exact(dim).enumerate() {
+            let gq = &mut grad_query[i * dim..(i + 1) * dim];
+            for (j, n) in negs.chunks_exact(dim).enumerate() {
+                let g = grad_scores[i * k + j];
+                // Softmax makes G dense, but masking leaves exact zeros.
+                if g == 0.0 {
+                    continue;
+                }
+                let (gq_re, gq_im) = gq.split_at_mut(h);
+                let (gn_re, gn_im) = grad_negs[j * dim..(j + 1) * dim].split_at_mut(h);
+                vmath::modulus_backward(
+                    g,
+                    q.split_at(h),
+                    n.split_at(h),
+                    (gq_re, gq_im),
+                    (gn_re, gn_im),
+                );
             }
         }
-    }
+    })
 }
 
 fn squared_norms(rows: &[f32], dim: usize, out: &mut Vec<f32>) {

@@ -39,9 +39,7 @@ impl Comparator {
             Comparator::NegL2 => -pairs.map(|(q, c)| (q - c) * (q - c)).sum::<f32>().sqrt(),
             Comparator::NegModulus => {
                 let h = query.len() / 2;
-                -(0..h)
-                    .map(|k| modulus(query[k] - candidate[k], query[k + h] - candidate[k + h]))
-                    .sum::<f32>()
+                -vmath::modulus_distance(query.split_at(h), candidate.split_at(h))
             }
         }
     }
@@ -79,17 +77,15 @@ impl Comparator {
             }
             Comparator::NegModulus => {
                 let h = dim / 2;
-                for k in 0..h {
-                    let (re, im) = (query[k] - candidate[k], query[k + h] - candidate[k + h]);
-                    let m = modulus(re, im);
-                    if m > 0.0 {
-                        let w = grad_score / m;
-                        grad_query[k] -= w * re;
-                        grad_query[k + h] -= w * im;
-                        grad_candidate[k] += w * re;
-                        grad_candidate[k + h] += w * im;
-                    }
-                }
+                let (gq_re, gq_im) = grad_query.split_at_mut(h);
+                let (gc_re, gc_im) = grad_candidate.split_at_mut(h);
+                vmath::modulus_backward(
+                    grad_score,
+                    query.split_at(h),
+                    candidate.split_at(h),
+                    (gq_re, gq_im),
+                    (gc_re, gc_im),
+                );
             }
             Comparator::NegL2 => {
                 let dist = -Comparator::NegL2.compare(query, candidate);
@@ -104,12 +100,6 @@ impl Comparator {
             }
         }
     }
-}
-
-/// `|re + i im|`.
-#[inline]
-pub(crate) fn modulus(re: f32, im: f32) -> f32 {
-    (re * re + im * im).sqrt()
 }
 
 /// The sign of `x`, with `sign(0) = 0` (the subgradient of `|x|` that the L1 gradients use).
