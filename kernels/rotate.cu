@@ -26,6 +26,20 @@ __device__ __forceinline__ float2 legend_rotate(float re, float im, float c, flo
     return make_float2(re * c - im * s, re * s + im * c);
 }
 
+// The rotations of pair p of an edge: (c1, s1) = e^(iθ) for side 1; for side 0 e^(-iθ), or
+// with reciprocal relations e^(iθ⁻¹) (θ⁻¹ from the inverse row w0).
+__device__ __forceinline__ void legend_rotate_phases(const float* w, const float* w0, bool recip,
+                                                     u32 p, float& c1, float& s1, float& c0,
+                                                     float& s0) {
+    sincosf(w[p], &s1, &c1);
+    if (recip) {
+        sincosf(w0[p], &s0, &c0);
+    } else {
+        c0 = c1;
+        s0 = -s1;
+    }
+}
+
 // |a - b| of two complex numbers, and a - b.
 __device__ __forceinline__ float legend_modulus(float2 a, float2 b, float2& diff) {
     diff = make_float2(a.x - b.x, a.y - b.y);
@@ -55,13 +69,7 @@ extern "C" __global__ void legend_rotate_queries(LegendJobs jobs, const float* _
     for (u32 p = lane; p < h; p += 32) {
         float2 s = make_float2(S[p], S[p + h]), t = make_float2(D[p], D[p + h]), diff;
         float c1, s1, c0, s0;
-        sincosf(w[p], &s1, &c1);
-        if (recip) {
-            sincosf(w0[p], &s0, &c0);
-        } else {
-            c0 = c1;
-            s0 = -s1;
-        }
+        legend_rotate_phases(w, w0, recip, p, c1, s1, c0, s0);
         float2 a = legend_rotate(t.x, t.y, c0, s0), b = legend_rotate(s.x, s.y, c1, s1);
         dist[0] += legend_modulus(a, s, diff);
         dist[1] += legend_modulus(b, t, diff);
@@ -117,13 +125,7 @@ __device__ void legend_rotate_edge_backward(const LegendJobs& jobs, float* emb,
         LegendVec<1> ss_re = legend_sink_states<1>(gs, p), ss_im = legend_sink_states<1>(gs, p + h);
         LegendVec<1> sd_re = legend_sink_states<1>(gd, p), sd_im = legend_sink_states<1>(gd, p + h);
         float c1, s1, c0, s0;
-        sincosf(w[p], &s1, &c1);
-        if (recip) {
-            sincosf(w0[p], &s0, &c0);
-        } else {
-            c0 = c1;
-            s0 = -s1;
-        }
+        legend_rotate_phases(w, w0, recip, p, c1, s1, c0, s0);
         float2 q0 = legend_rotate(t.x, t.y, c0, s0), q1 = legend_rotate(s.x, s.y, c1, s1);
         float2 x0, x1;
         float m0 = legend_modulus(q0, s, x0), m1 = legend_modulus(q1, t, x1);

@@ -276,24 +276,7 @@ fn sigkill_of_the_daemon_mid_job_then_restart_resumes_to_the_same_tables() {
     let ds = dataset(dir.path());
     let want = reference(&ds, &dir.path().join("reference"), 6);
     let out = dir.path().join("run");
-    let id;
-    {
-        let mut d = Daemon::start(dir.path());
-        let mut c = d.client();
-        id = c
-            .job(Request::Submit {
-                job: train_spec(&ds, &out, 6),
-            })
-            .id;
-        wait_for(&mut c, id, Duration::from_secs(120), |j| {
-            j.progress.epoch >= 2
-        });
-        d.signal(SIGKILL);
-        d.wait();
-    }
-    let d = Daemon::start(dir.path());
-    let mut c = d.client();
-    let done = wait_for(&mut c, id, Duration::from_secs(300), |j| j.state.is_final());
+    let (_d, _c, done) = killed_mid_job_then_restarted(dir.path(), train_spec(&ds, &out, 6), 2);
     assert_eq!(done.state, JobState::Succeeded, "{done:?}");
     assert!(
         tables(&out) == want,
@@ -330,30 +313,9 @@ fn early_stopping_through_the_daemon_keeps_reports_and_exports_the_best_epoch() 
     );
 
     let out = dir.path().join("run");
-    let id;
-    {
-        let mut d = Daemon::start(dir.path());
-        let mut c = d.client();
-        id = c
-            .job(Request::Submit {
-                job: train_spec_with(&ds, &out, 40, &stopping),
-            })
-            .id;
-        // Killed after the first best epoch was kept, before the run ends.
-        wait_for(&mut c, id, Duration::from_secs(120), |j| {
-            j.progress.epoch > best_epoch.min(2)
-        });
-        d.signal(SIGKILL);
-        d.wait();
-    }
-    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    assert!(
-        !metrics.contains("\"final\""),
-        "the job ended before the daemon was killed: nothing was resumed"
-    );
-    let d = Daemon::start(dir.path());
-    let mut c = d.client();
-    let done = wait_for(&mut c, id, Duration::from_secs(300), |j| j.state.is_final());
+    // Killed after the first best epoch was kept, before the run ends.
+    let spec = train_spec_with(&ds, &out, 40, &stopping);
+    let (_d, mut c, done) = killed_mid_job_then_restarted(dir.path(), spec, best_epoch.min(2) + 1);
     assert_eq!(done.state, JobState::Succeeded, "{done:?}");
     assert!(
         tables(&out) == want,
@@ -395,6 +357,37 @@ fn early_stopping_through_the_daemon_keeps_reports_and_exports_the_best_epoch() 
         exported == t.entities,
         "the export is not the best epoch's entity table"
     );
+}
+
+/// Submits `job` to a daemon on `dir`, SIGKILLs the daemon once the job has started epoch
+/// `epoch` (and checks that the run had not ended), starts it again and waits for the job to
+/// end: the new daemon, a client of it and the job's final state.
+fn killed_mid_job_then_restarted(
+    dir: &Path,
+    job: JobSpec,
+    epoch: u32,
+) -> (Daemon, Client, JobInfo) {
+    let out = job.dir().clone();
+    let id;
+    {
+        let mut d = Daemon::start(dir);
+        let mut c = d.client();
+        id = c.job(Request::Submit { job }).id;
+        wait_for(&mut c, id, Duration::from_secs(120), |j| {
+            j.progress.epoch >= epoch
+        });
+        d.signal(SIGKILL);
+        d.wait();
+    }
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap_or_default();
+    assert!(
+        !metrics.contains("\"final\""),
+        "the job ended before the daemon was killed: nothing was resumed"
+    );
+    let d = Daemon::start(dir);
+    let mut c = d.client();
+    let done = wait_for(&mut c, id, Duration::from_secs(300), |j| j.state.is_final());
+    (d, c, done)
 }
 
 /// The final line of a run's `metrics.jsonl`.
