@@ -1211,7 +1211,7 @@ mod tests {
         let cases: &[(&str, &[&str], &str)] = &[
             ("[model]\ndimension = 3\n", &[], "dimension"),
             ("[modle]\n", &[], "modle"),
-            ("", &["model.decoder=rescal"], "model.decoder"),
+            ("", &["model.decoder=linear"], "model.decoder"),
             ("", &["model.decoder=complex", "model.dim=7"], "model.dim"),
             ("", &["model.dim=\"big\""], "dim"),
             (
