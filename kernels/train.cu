@@ -232,12 +232,51 @@ extern "C" __global__ void legend_gather_negatives(const u32* __restrict__ negs,
 // Scores per lane kept in registers by the softmax loss (rows of up to 32 x this many).
 #define LEGEND_LOSS_REGS 32
 
+// (softplus(x), sigmoid(x)) from one exp(-|x|), stable on both tails; (0, 0) at x = -∞
+// (legend-model's softplus_sigmoid).
+__device__ __forceinline__ float2 legend_softplus_sigmoid(float x) {
+    float ex = expf(-fabsf(x));
+    return make_float2(fmaxf(x, 0.0f) + log1pf(ex), (x >= 0.0f ? 1.0f : ex) / (1.0f + ex));
+}
+
+// The self-adversarial loss of one row (legend-model's Loss::SelfAdversarial): weights p =
+// softmax(α · neg) over the row's negatives (an excluded, -∞, one weighs 0), held constant
+// in the gradient; softplus(-(γ + pos)) + Σ_j p_j softplus(γ + neg_j). Overwrites the scores
+// with p_j sigmoid(γ + neg_j) and returns (loss, ∂L/∂pos), the same on every lane.
+__device__ float2 legend_self_adversarial_row(float* s, float p, u32 k, float margin,
+                                              float temperature, u32 lane) {
+    const float minus_inf = __int_as_float(0xff800000);
+    float mx = minus_inf;
+    for (u32 j = lane; j < k; j += 32) mx = fmaxf(mx, s[j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float total = 0.0f;
+    for (u32 j = lane; j < k; j += 32)
+        total += s[j] == minus_inf ? 0.0f : expf(temperature * (s[j] - mx));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    float neg = 0.0f;
+    for (u32 j = lane; j < k; j += 32) {
+        float x = s[j];
+        float w = x == minus_inf ? 0.0f : expf(temperature * (x - mx)) * inv;
+        float2 sp = legend_softplus_sigmoid(margin + x);
+        neg += w * sp.x;
+        s[j] = w * sp.y;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) neg += __shfl_xor_sync(0xffffffffu, neg, o);
+    float2 sp = legend_softplus_sigmoid(-(margin + p));
+    return make_float2(sp.x + neg, -sp.y);
+}
+
 // Loss of each row against its k negative scores; overwrites the scores with ∂L/∂score
-// and writes ∂L/∂pos. Adds the group's loss into *loss_sum.
+// and writes ∂L/∂pos. Adds the group's loss into *loss_sum. `margin` is the ranking
+// loss's margin and the self-adversarial loss's γ, `temperature` the latter's α.
 extern "C" __global__ void legend_loss(float* __restrict__ scores, const float* __restrict__ pos,
                                        float* __restrict__ grad_pos, const u32* __restrict__ rows,
                                        u32 max_rows, u32 k, int loss, float margin,
-                                       double* __restrict__ loss_sum) {
+                                       float temperature, double* __restrict__ loss_sum) {
     __shared__ float partial[8];
     u32 z = blockIdx.y;
     u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -312,6 +351,10 @@ extern "C" __global__ void legend_loss(float* __restrict__ scores, const float* 
             float ex = expf(-fabsf(p));
             row_loss = fmaxf(-p, 0.0f) + log1pf(ex) + w * neg;
             gpos = -((-p >= 0.0f ? 1.0f : ex) / (1.0f + ex));
+        } else if (loss == LEGEND_LOSS_SELF_ADVERSARIAL) {
+            float2 lg = legend_self_adversarial_row(s, p, k, margin, temperature, lane);
+            row_loss = lg.x;
+            gpos = lg.y;
         } else {
             float hinge = 0.0f, active = 0.0f;
             for (u32 j = lane; j < k; j += 32) {
@@ -671,19 +714,15 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
 // element and table, and marks the rows for the optimizer; a node row the batch uses once
 // (direct.uses) gets its AdaGrad step here instead. blockIdx.y is the chunk. Four blocks of
 // 8 warps an SM (at most 64 registers, a few spilled): more loads in flight, faster than
-// three or two (Documentation/gpu.md, measurement log, version 19). X and R as for
-// legend_edge_backward: legend_rows_backward is the plain step, legend_rows_backward_rounded
-// the one whose in-place steps round (16-bit rows), legend_rows_backward_extra the one with
-// reciprocal relations or a regulariser, rounded or not (their registers would crowd the plain
-// one's; it runs three blocks a multiprocessor, where it spills far less: "16-bit rows" in
-// Documentation/gpu.md).
-template <bool X, bool R>
-__device__ __forceinline__ void legend_rows_backward_body(
-    LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
-    const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
-    float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
-    LegendDirect direct, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
-    u32* rel_count) {
+// three or two (Documentation/gpu.md, measurement log, version 19). The body runs `edge(z0,
+// z1, r, lane, new_rows, n_rows, new_rels, n_rels)` for edge r of the chunk, one warp an
+// edge, which lists the rows it newly marks in the block's arrays: legend_edge_backward<X, R>
+// for LEGEND_ROWS_BACKWARD's kernels, the RotatE and RESCAL edges for their own kernels
+// (kernels/rotate.cu, kernels/rescal.cu).
+template <typename Edge>
+__device__ __forceinline__ void legend_rows_backward_body(const LegendJobs& jobs, u32* emb_list,
+                                                          u32* emb_count, u32* rel_list,
+                                                          u32* rel_count, Edge edge) {
     // Rows newly marked by this block, appended to the global lists with one atomic per
     // block: a per-row atomic on the shared counters serialised the whole kernel.
     __shared__ u32 new_rows[16], new_rels[16], n_rows, n_rels, base_rows, base_rels;
@@ -692,10 +731,7 @@ __device__ __forceinline__ void legend_rows_backward_body(
     u32 z0 = 2 * blockIdx.y, z1 = z0 + 1;
     u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 lane = threadIdx.x & 31;
-    if (r < jobs.rows[z0])
-        legend_edge_backward<X, R>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad, emb_flags,
-                                direct, rel_grad, rel_flags, z0, z1, r, lane, new_rows, &n_rows,
-                                new_rels, &n_rels);
+    if (r < jobs.rows[z0]) edge(z0, z1, r, lane, new_rows, &n_rows, new_rels, &n_rels);
     __syncthreads();
     if (threadIdx.x == 0) {
         if (n_rows) base_rows = atomicAdd(emb_count, n_rows);
@@ -706,8 +742,12 @@ __device__ __forceinline__ void legend_rows_backward_body(
     if (threadIdx.x < n_rels) rel_list[base_rels + threadIdx.x] = new_rels[threadIdx.x];
 }
 
-// The kernels of legend_rows_backward_body: `name` compiled with X and R, BLOCKS blocks of 8
-// warps a multiprocessor.
+// The kernels of legend_rows_backward_body over legend_edge_backward<X, R> (X and R as there),
+// BLOCKS blocks of 8 warps a multiprocessor: legend_rows_backward is the plain step,
+// legend_rows_backward_rounded the one whose in-place steps round (16-bit rows),
+// legend_rows_backward_extra the one with reciprocal relations or a regulariser, rounded or not
+// (their registers would crowd the plain one's; it runs three blocks a multiprocessor, where it
+// spills far less: "16-bit rows" in Documentation/gpu.md).
 #define LEGEND_ROWS_BACKWARD(name, X, R, BLOCKS)                                                \
     extern "C" __global__ void __launch_bounds__(256, BLOCKS) name(                            \
         LegendJobs jobs, float* emb, const float* __restrict__ rel,                             \
@@ -715,9 +755,14 @@ __device__ __forceinline__ void legend_rows_backward_body(
         const float* __restrict__ grad_pos, float* __restrict__ emb_grad, u32* emb_flags,       \
         u32* emb_list, u32* emb_count, LegendDirect direct, float* __restrict__ rel_grad,       \
         u32* rel_flags, u32* rel_list, u32* rel_count) {                                        \
-        legend_rows_backward_body<X, R>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad,    \
-                                        emb_flags, emb_list, emb_count, direct, rel_grad,       \
-                                        rel_flags, rel_list, rel_count);                        \
+        legend_rows_backward_body(                                                              \
+            jobs, emb_list, emb_count, rel_list, rel_count,                                     \
+            [&](u32 z0, u32 z1, u32 r, u32 lane, u32* new_rows, u32* n_rows, u32* new_rels,     \
+                u32* n_rels) {                                                                  \
+                legend_edge_backward<X, R>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad, \
+                                           emb_flags, direct, rel_grad, rel_flags, z0, z1, r,   \
+                                           lane, new_rows, n_rows, new_rels, n_rels);           \
+            });                                                                                 \
     }
 
 LEGEND_ROWS_BACKWARD(legend_rows_backward, false, false, 4)

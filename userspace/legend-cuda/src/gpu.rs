@@ -40,6 +40,16 @@ pub(crate) struct Kernels {
     pub(crate) adagrad: CudaFunction,
     pub(crate) count_uses: CudaFunction,
     pub(crate) filter_known: CudaFunction,
+    /// RotatE's queries and rows backward, and its modulus-distance products
+    /// (`kernels/rotate.cu`).
+    pub(crate) rotate_queries: CudaFunction,
+    pub(crate) rotate_rows_backward: CudaFunction,
+    pub(crate) modulus_scores: CudaFunction,
+    pub(crate) modulus_grad_query: CudaFunction,
+    pub(crate) modulus_grad_negatives: CudaFunction,
+    /// RESCAL's queries and rows backward (`kernels/rescal.cu`).
+    pub(crate) rescal_queries: CudaFunction,
+    pub(crate) rescal_rows_backward: CudaFunction,
     /// The fused kernels' operand scales, FP16 copy of the negatives and (TransE L2) the
     /// operands' squared norms.
     pub(crate) fused_absmax: CudaFunction,
@@ -252,6 +262,13 @@ impl Gpu {
             adagrad: f("legend_adagrad")?,
             count_uses: f("legend_count_uses")?,
             filter_known: f("legend_filter_known")?,
+            rotate_queries: f("legend_rotate_queries")?,
+            rotate_rows_backward: f("legend_rotate_rows_backward")?,
+            modulus_scores: f("legend_modulus_scores")?,
+            modulus_grad_query: f("legend_modulus_grad_query")?,
+            modulus_grad_negatives: f("legend_modulus_grad_negatives")?,
+            rescal_queries: f("legend_rescal_queries")?,
+            rescal_rows_backward: f("legend_rescal_rows_backward")?,
             fused_absmax: f("legend_fused_absmax")?,
             gather_negatives_half: f("legend_gather_negatives_half")?,
             fused_negative_norms: f("legend_fused_negative_norms")?,

@@ -15,7 +15,7 @@ use crate::GpuError;
 
 /// The kernel sources, in the order a program concatenates them. `common.cuh` goes first,
 /// so the programs need no include path.
-pub const KERNEL_SOURCES: [(&str, &str); 17] = [
+pub const KERNEL_SOURCES: [(&str, &str); 19] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("init.cu", include_str!("../../../kernels/init.cu")),
     ("sample.cu", include_str!("../../../kernels/sample.cu")),
@@ -23,6 +23,8 @@ pub const KERNEL_SOURCES: [(&str, &str); 17] = [
     ("gemm.cu", include_str!("../../../kernels/gemm.cu")),
     ("distance.cu", include_str!("../../../kernels/distance.cu")),
     ("train.cu", include_str!("../../../kernels/train.cu")),
+    ("rotate.cu", include_str!("../../../kernels/rotate.cu")),
+    ("rescal.cu", include_str!("../../../kernels/rescal.cu")),
     ("fused.cuh", include_str!("../../../kernels/fused.cuh")),
     (
         "fused_loss.cuh",
@@ -130,6 +132,8 @@ pub const PROGRAMS: [Program; 11] = [
                 "gemm.cu",
                 "distance.cu",
                 "train.cu",
+                "rotate.cu",
+                "rescal.cu",
             ],
             FUSED_FILES,
         ],
@@ -159,6 +163,13 @@ pub const PROGRAMS: [Program; 11] = [
             "legend_adagrad",
             "legend_count_uses",
             "legend_filter_known",
+            "legend_rotate_queries",
+            "legend_rotate_rows_backward",
+            "legend_modulus_scores",
+            "legend_modulus_grad_query",
+            "legend_modulus_grad_negatives",
+            "legend_rescal_queries",
+            "legend_rescal_rows_backward",
             "legend_fused_absmax",
             "legend_gather_negatives_half",
             "legend_fused_negative_norms",

@@ -179,6 +179,16 @@ impl Variant {
     }
 }
 
+/// Floats of the relation table's rows in the step tests: the decoder's relation width (RESCAL's
+/// d²), or d for Dot, whose table the kernels never read.
+fn relation_width(case: &Case) -> usize {
+    if case.decoder.uses_relations() {
+        case.decoder.relation_width(case.dim)
+    } else {
+        case.dim
+    }
+}
+
 /// The CPU reference of one step: per-chunk forward/backward, gradients summed per row, and
 /// the regulariser's gradient added once per occurrence of a row among the positives (the
 /// CPU engine's `RowSums::apply`). With reciprocal relations, `rel` holds `2R` rows and the
@@ -192,7 +202,7 @@ fn cpu_step(
     negs: &[u32],
     known: Option<&HashSet<[u32; 3]>>,
 ) -> (f64, Vec<f32>, Vec<f32>) {
-    let d = case.dim;
+    let (d, rw) = (case.dim, relation_width(case));
     let model = ChunkModel {
         decoder: case.decoder,
         loss: case.loss,
@@ -204,10 +214,11 @@ fn cpu_step(
     let mut loss = 0.0;
     let b = edges.len();
     let chunks = case.chunks.min(b);
-    let rows = |table: &[f32], ids: &mut dyn Iterator<Item = u32>| -> Vec<f32> {
-        ids.flat_map(|i| table[i as usize * d..(i as usize + 1) * d].iter().copied())
+    let rows_of = |table: &[f32], w: usize, ids: &mut dyn Iterator<Item = u32>| -> Vec<f32> {
+        ids.flat_map(|i| table[i as usize * w..(i as usize + 1) * w].iter().copied())
             .collect()
     };
+    let rows = |table: &[f32], ids: &mut dyn Iterator<Item = u32>| rows_of(table, d, ids);
     for c in 0..chunks {
         let part = &edges[c * b / chunks..(c + 1) * b / chunks];
         let ns = &negs[2 * c * case.k..(2 * c + 1) * case.k];
@@ -215,7 +226,7 @@ fn cpu_step(
         let src = rows(emb, &mut part.iter().map(|e| e[0]));
         let dst = rows(emb, &mut part.iter().map(|e| e[2]));
         let r = if case.decoder.uses_relations() {
-            rows(rel, &mut part.iter().map(|e| e[1]))
+            rows_of(rel, rw, &mut part.iter().map(|e| e[1]))
         } else {
             Vec::new()
         };
@@ -233,10 +244,10 @@ fn cpu_step(
         };
         let exclude_src = mask(ns, |e, n| [n, e[1], e[2]]);
         let exclude_dst = mask(nd, |e, n| [e[0], e[1], n]);
-        let inverse = rel.len() / d / 2;
+        let inverse = rel.len() / rw / 2;
         let rel_src = variant
             .reciprocal
-            .then(|| rows(rel, &mut part.iter().map(|e| e[1] + inverse as u32)));
+            .then(|| rows_of(rel, rw, &mut part.iter().map(|e| e[1] + inverse as u32)));
         let chunk = Chunk {
             src: &src,
             rel: &r,
@@ -250,7 +261,8 @@ fn cpu_step(
         loss += ws.forward_backward(&model, &chunk);
         let g = ws.grads();
         let add = |table: &mut [f32], id: u32, grad: &[f32]| {
-            for (a, b) in table[id as usize * d..(id as usize + 1) * d]
+            let w = grad.len();
+            for (a, b) in table[id as usize * w..(id as usize + 1) * w]
                 .iter_mut()
                 .zip(grad)
             {
@@ -261,13 +273,13 @@ fn cpu_step(
             add(&mut gn, e[0], &g.src[i * d..(i + 1) * d]);
             add(&mut gn, e[2], &g.dst[i * d..(i + 1) * d]);
             if case.decoder.uses_relations() {
-                add(&mut gr, e[1], &g.rel[i * d..(i + 1) * d]);
+                add(&mut gr, e[1], &g.rel[i * rw..(i + 1) * rw]);
             }
             if variant.reciprocal {
                 add(
                     &mut gr,
                     e[1] + inverse as u32,
-                    &g.rel_src[i * d..(i + 1) * d],
+                    &g.rel_src[i * rw..(i + 1) * rw],
                 );
             }
         }
@@ -279,9 +291,9 @@ fn cpu_step(
         }
     }
     if let Some(reg) = variant.regularizer(case.decoder) {
-        let inverse = rel.len() / d / 2;
+        let inverse = rel.len() / rw / 2;
         let mut node_uses = vec![0u32; emb.len() / d];
-        let mut rel_uses = vec![0u32; rel.len() / d];
+        let mut rel_uses = vec![0u32; rel.len() / rw];
         for e in edges {
             node_uses[e[0] as usize] += 1;
             node_uses[e[2] as usize] += 1;
@@ -292,9 +304,9 @@ fn cpu_step(
                 rel_uses[e[1] as usize + inverse] += 1;
             }
         }
-        for (table, grad, uses) in [(emb, &mut gn, node_uses), (rel, &mut gr, rel_uses)] {
+        for (table, grad, uses, w) in [(emb, &mut gn, node_uses, d), (rel, &mut gr, rel_uses, rw)] {
             for (r, &n) in uses.iter().enumerate() {
-                let at = r * d..(r + 1) * d;
+                let at = r * w..(r + 1) * w;
                 reg.add_gradient(&table[at.clone()], n, &mut grad[at]);
             }
         }
@@ -368,6 +380,7 @@ fn check_variant(gpu: &Gpu, case: &Case, s: u64, variant: &Variant) {
     } = *variant;
     let mut rng = Rng(s ^ case.dim as u64 ^ ((case.k as u64) << 20));
     let (entities, relations, d) = (4001usize, 37usize, case.dim);
+    let rw = relation_width(case);
     // The relation table's rows: the inverses follow the relations when reciprocal.
     let relation_rows = if variant.reciprocal {
         2 * relations
@@ -387,7 +400,7 @@ fn check_variant(gpu: &Gpu, case: &Case, s: u64, variant: &Variant) {
             value(0.25 * case.scale, case.exact) * if tiny { 1e-4 } else { 1.0 }
         })
         .collect();
-    let rel: Vec<f32> = (0..relation_rows * d)
+    let rel: Vec<f32> = (0..relation_rows * rw)
         .map(|_| value(case.scale, case.exact))
         .map(|v| if case.zero_relations { 0.0 } else { v })
         .collect();
@@ -396,7 +409,7 @@ fn check_variant(gpu: &Gpu, case: &Case, s: u64, variant: &Variant) {
     let state: Vec<f32> = (0..entities * width)
         .map(|_| rng.uniform(0.1, 1.0))
         .collect();
-    let rel_state: Vec<f32> = (0..relation_rows * d)
+    let rel_state: Vec<f32> = (0..relation_rows * rw)
         .map(|_| rng.uniform(0.1, 1.0))
         .collect();
     let edges: Vec<[u32; 3]> = (0..case.batch)
@@ -442,7 +455,7 @@ fn check_variant(gpu: &Gpu, case: &Case, s: u64, variant: &Variant) {
         engine.set_known_edges(gpu, &list).unwrap();
     }
     let mut nodes = DeviceTable::from_host(gpu, d, &emb, &state).unwrap();
-    let mut rels = DeviceTable::from_host(gpu, d, &rel, &rel_state).unwrap();
+    let mut rels = DeviceTable::from_host(gpu, rw, &rel, &rel_state).unwrap();
     engine.set_batch(gpu, &edges).unwrap();
     engine.set_negatives(gpu, &negs).unwrap();
     engine.poison_scratch(gpu).unwrap();
@@ -569,7 +582,7 @@ fn check_variant(gpu: &Gpu, case: &Case, s: u64, variant: &Variant) {
     // AdaGrad step in the backward kernels; it must end where forward_backward then apply
     // ended, with the gradients and use counts cleared.
     let mut nodes = DeviceTable::from_host(gpu, d, &emb, &state).unwrap();
-    let mut rels = DeviceTable::from_host(gpu, d, &rel, &rel_state).unwrap();
+    let mut rels = DeviceTable::from_host(gpu, rw, &rel, &rel_state).unwrap();
     engine.step(gpu, &mut nodes, Some(&mut rels)).unwrap();
     let (step_emb, step_state) = nodes.download(gpu).unwrap();
     let step_moved = moves(&step_emb, &emb);
@@ -1093,6 +1106,130 @@ fn reciprocal_relations_and_regularisers_match_the_cpu_engine() {
                 filtered: true,
                 ..recip(n3)
             },
+        ),
+    ];
+    for (case, variant) in &cases {
+        check_variant(&gpu, case, s, variant);
+    }
+}
+
+/// RotatE (its own queries and rows backward, the modulus-distance products) and RESCAL (its
+/// own queries and rows backward over d × d relation matrices, the gemm products), and the
+/// self-adversarial loss (on the unfused path, whatever the decoder), against the CPU engine:
+/// reciprocal relations, N3 and L2 (RESCAL), both state layouts and filtered negatives.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn rotate_rescal_and_the_self_adversarial_loss_match_the_cpu_engine() {
+    let gpu = gpu();
+    let s = seed("rotate-rescal-adversarial");
+    let adversarial = Loss::SelfAdversarial {
+        margin: 6.0,
+        temperature: 1.0,
+    };
+    let rotate = Case {
+        decoder: Decoder::RotatE,
+        dim: 100,
+        batch: 1000,
+        chunks: 2,
+        k: 100,
+        group: 2,
+        ..COMPLEX
+    };
+    let rescal = Case {
+        decoder: Decoder::Rescal,
+        dim: 16,
+        batch: 999,
+        chunks: 3,
+        k: 129,
+        group: 2,
+        ..COMPLEX
+    };
+    let plain = Variant::default();
+    let recip = Variant {
+        reciprocal: true,
+        ..plain
+    };
+    let cases = [
+        (rotate, plain),
+        (rotate, recip),
+        // h = 35: a partial pair tile; the self-adversarial loss with its weights.
+        (
+            Case {
+                dim: 70,
+                loss: adversarial,
+                ..rotate
+            },
+            recip,
+        ),
+        (
+            Case {
+                loss: adversarial,
+                ..rotate
+            },
+            Variant {
+                layout: StateLayout::Row,
+                ..plain
+            },
+        ),
+        // Filtered negatives (−∞ scores, zero weights in the modulus gradients). Not with the
+        // self-adversarial loss: its weights renormalise over the negatives left, so filtering
+        // a tenth of them hardly changes its loss, which the test asks of a filtered case.
+        (
+            rotate,
+            Variant {
+                filtered: true,
+                ..plain
+            },
+        ),
+        // Zero phases and self-loops: queries at distance 0 from their truths, where no
+        // gradient flows.
+        (
+            Case {
+                zero_relations: true,
+                ..rotate
+            },
+            plain,
+        ),
+        (rescal, plain),
+        (
+            Case {
+                dim: 24,
+                loss: Loss::Logistic,
+                ..rescal
+            },
+            Variant {
+                penalty: Some((Penalty::N3, 0.1)),
+                ..recip
+            },
+        ),
+        (
+            rescal,
+            Variant {
+                layout: StateLayout::Row,
+                filtered: true,
+                penalty: Some((Penalty::L2, 0.1)),
+                ..plain
+            },
+        ),
+        // The self-adversarial loss on decoders the fused kernels would otherwise take.
+        (
+            Case {
+                loss: adversarial,
+                ..COMPLEX
+            },
+            plain,
+        ),
+        (
+            Case {
+                decoder: Decoder::DistMult,
+                loss: Loss::SelfAdversarial {
+                    margin: 1.0,
+                    temperature: 0.5,
+                },
+                dim: 64,
+                ..COMPLEX
+            },
+            recip,
         ),
     ];
     for (case, variant) in &cases {

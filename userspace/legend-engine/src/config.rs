@@ -575,24 +575,6 @@ impl Config {
         )
     }
 
-    /// The settings the GPU engine does not train yet, as a refusal naming them (`None`: it
-    /// trains this configuration). RotatE and the self-adversarial loss are CPU-only so far.
-    pub fn gpu_unsupported(&self) -> Option<ConfigError> {
-        if self.model.loss == LossKind::SelfAdversarial {
-            return Some(bad(
-                "model.loss",
-                "the GPU engine has no self_adversarial loss kernels yet: use training.device = \"cpu\"",
-            ));
-        }
-        if self.model.decoder == Decoder::RotatE {
-            return Some(bad(
-                "model.decoder",
-                "the GPU engine has no rotate kernels yet: use training.device = \"cpu\"",
-            ));
-        }
-        None
-    }
-
     /// Rows of the relation table for a dataset of `relations` relation types: none for Dot,
     /// twice as many with reciprocal relations (r⁻¹ of relation r is row `relations + r`).
     pub fn relation_rows(&self, relations: u64) -> u64 {
@@ -604,6 +586,13 @@ impl Config {
             (true, false) => relations,
             (true, true) => 2 * relations,
         }
+    }
+
+    /// Floats of the relation table for a dataset of `relations` relation types: its
+    /// [`Config::relation_rows`] times the decoder's relation row width (RESCAL's `dim²`
+    /// matrices, `dim` for the others).
+    pub fn relation_floats(&self, relations: u64) -> u64 {
+        self.relation_rows(relations) * self.model.decoder.relation_width(self.model.dim) as u64
     }
 
     /// The initialisation of all tables.
@@ -1243,7 +1232,7 @@ mod tests {
         let cases: &[(&str, &[&str], &str)] = &[
             ("[model]\ndimension = 3\n", &[], "dimension"),
             ("[modle]\n", &[], "modle"),
-            ("", &["model.decoder=rescal"], "model.decoder"),
+            ("", &["model.decoder=linear"], "model.decoder"),
             ("", &["model.decoder=complex", "model.dim=7"], "model.dim"),
             ("", &["model.dim=\"big\""], "dim"),
             (
@@ -1385,27 +1374,13 @@ mod tests {
     }
 
     #[test]
-    fn quality_keys_are_checked_and_the_gpu_refuses_what_it_lacks_by_name() {
+    fn quality_keys_are_checked() {
         let parse = |sets: &[&str]| {
             let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
             Config::parse("", &sets)
         };
         let c = parse(&["model.reciprocal_relations=true", "model.decoder=distmult"]).unwrap();
         assert_eq!(c.relation_rows(5), 10);
-        // Reciprocal relations and the regularisers run on the GPU; rotate does not yet.
-        assert!(c.gpu_unsupported().is_none());
-        let c = parse(&[
-            "optimizer.regularizer=n3",
-            "optimizer.regularization_weight=0.1",
-        ])
-        .unwrap();
-        assert!(c.gpu_unsupported().is_none());
-        let why = parse(&["model.decoder=rotate"])
-            .unwrap()
-            .gpu_unsupported()
-            .unwrap()
-            .to_string();
-        assert!(why.starts_with("model.decoder:"), "{why}");
         for (sets, key) in [
             (
                 &["model.decoder=dot", "model.reciprocal_relations=true"][..],

@@ -46,15 +46,12 @@ fn open_gpu(ordinal: usize) -> Result<Gpu, legend_cuda::GpuError> {
 impl Engine {
     /// Resolves `training.device`: `cpu`; `cuda:N`, which opens device N or fails with the
     /// reason (no driver, no NVRTC, no such device); `auto`, which opens device 0 when a
-    /// driver is present, the device opens and the GPU engine has every setting asked for
-    /// ([`Config::gpu_unsupported`]), and otherwise trains on the CPU (saying why in the log).
+    /// driver is present and the device opens, and otherwise trains on the CPU (saying why
+    /// in the log).
     pub fn open(config: &Config) -> Result<Engine, TrainError> {
         match config.device() {
             DeviceChoice::Cpu => Ok(Engine::Cpu),
             DeviceChoice::Cuda(ordinal) => {
-                if let Some(why) = config.gpu_unsupported() {
-                    return Err(TrainError::Config(why));
-                }
                 let gpu = open_gpu(ordinal).map_err(|error| TrainError::Device {
                     device: config.device().to_string(),
                     error,
@@ -65,10 +62,6 @@ impl Engine {
                 })
             }
             DeviceChoice::Auto => {
-                if let Some(why) = config.gpu_unsupported() {
-                    tracing::info!("training.device = \"auto\": training on the CPU ({why})");
-                    return Ok(Engine::Cpu);
-                }
                 if !driver_present() {
                     tracing::info!(
                         "training.device = \"auto\": no CUDA driver, training on the CPU"

@@ -95,7 +95,8 @@ pub struct Exported {
     pub entities: usize,
     /// Relation rows.
     pub relations: usize,
-    /// Floats a row.
+    /// Floats an entity row (a relation row has the decoder's relation width: RESCAL's
+    /// `dim²`).
     pub dim: usize,
 }
 
@@ -145,16 +146,19 @@ pub fn export(
     remove_partial_files(out);
     let mut files = Vec::new();
     let result = (|| -> Result<(), ExportError> {
+        // Rows of `width` floats: the dimension, or for relations the decoder's relation
+        // width (RESCAL's row-major dim × dim matrices, one a row).
         let mut table =
             |name: &str,
              labels: &[String],
+             width: usize,
              write: &mut dyn FnMut(&mut TableWriter) -> Result<(), ExportError>| {
-                let mut w = TableWriter::create(out, format, name, labels, meta.dim)?;
+                let mut w = TableWriter::create(out, format, name, labels, width)?;
                 files.extend(w.partial_files());
                 write(&mut w)?;
                 w.finish()
             };
-        table("entities", &entity_labels, &mut |w| {
+        table("entities", &entity_labels, meta.dim, &mut |w| {
             let path = out.join(&w.files[0].0);
             Ok(run::stream_entities(&run, &meta, guard, |block| {
                 w.rows(block).map_err(|e| RunError::Invalid {
@@ -164,10 +168,15 @@ pub fn export(
             })?)
         })?;
         if !relation_labels.is_empty() {
-            table("relations", &relation_labels, &mut |w| {
-                let path = out.join(&w.files[0].0);
-                w.rows(&relations).map_err(io(&path))
-            })?;
+            table(
+                "relations",
+                &relation_labels,
+                meta.relation_width(),
+                &mut |w| {
+                    let path = out.join(&w.files[0].0);
+                    w.rows(&relations).map_err(io(&path))
+                },
+            )?;
         }
         Ok(())
     })();

@@ -26,15 +26,18 @@ pub struct HostEstimate {
     /// Train edges in their buckets.
     pub edges: u64,
     /// Embedding and optimizer rows held in RAM (every partition with the memory backend; the
-    /// buffer's partitions and the store's staging with the others).
+    /// buffer's partitions and the store's staging with the others), and the relation
+    /// table with its state (RESCAL's: `dim²` floats a relation).
     pub tables: u64,
     /// The filtered-negatives set, when `training.negatives.filtered` is on.
     pub known_edges: u64,
     /// The evaluation at the end (its split, the filter or degrees, the gathered entity table
     /// when there is more than one partition).
     pub evaluation: u64,
-    /// A training step's negatives: every chunk's ids, gathered rows and their gradients (the
-    /// CPU engine holds them at once; the GPU engine's are in its device workspace).
+    /// A training step's negatives: every chunk's ids, gathered rows and their gradients, and
+    /// the batch's gathered relation rows and their gradients, one of each a positive (the
+    /// CPU engine holds them at once: RESCAL's `dim²` floats a positive dominate; the GPU
+    /// engine's are in its device workspace).
     pub step: u64,
     /// The process, threads and scratch (and the CUDA driver's share where a GPU may train).
     pub baseline: u64,
@@ -60,13 +63,15 @@ impl HostEstimate {
         let row_bytes = config.entity_shape().memory_bytes(); // embedding + AdaGrad state
         let partition_bytes = dataset.entities.div_ceil(n) * row_bytes;
         let train = dataset.splits.get(Split::Train);
-        let tables = match config.storage.backend {
+        let node_tables = match config.storage.backend {
             Backend::Memory if all_on_gpu && !resuming => 0,
             Backend::Memory => dataset.entities * row_bytes,
             // The resident partitions, the one read ahead (or in flight), and the store's
             // staging buffer.
             _ => (u64::from(config.capacity()) + 2) * partition_bytes,
         };
+        // Embeddings and AdaGrad state of every relation row.
+        let relation_tables = config.relation_floats(dataset.relations).saturating_mul(8);
         let known_edges = if config.training.negatives.filtered {
             train * KNOWN_EDGE_BYTES
         } else {
@@ -91,15 +96,26 @@ impl HostEstimate {
         let step = if on_cuda {
             0
         } else {
+            // A positive's relation rows (with reciprocal relations, its inverse's too),
+            // gathered and their gradients.
+            let rel_rows = if config.model.reciprocal_relations {
+                2
+            } else {
+                1
+            };
+            let rw = config.model.decoder.relation_width(config.model.dim) as u64;
+            let relations =
+                (config.training.batch_size as u64).saturating_mul(rel_rows * rw * 4 * 2);
             // Saturating: at the settings' bounds the product passes 2^64, which must read
             // as "too much", never wrap to little.
             (chunks * 2)
                 .saturating_mul(n.negatives_per_positive as u64)
                 .saturating_mul(4 + dim * 4 * 2)
+                .saturating_add(relations)
         };
         HostEstimate {
             edges: train * EDGE_BYTES,
-            tables,
+            tables: node_tables.saturating_add(relation_tables),
             known_edges,
             evaluation: gathered + ranking,
             step,
@@ -436,10 +452,12 @@ impl GpuEstimate {
         relation_rows: u64,
         device_total: u64,
     ) -> GpuEstimate {
-        // Embedding and gradient, and the state of `optimizer.state` (relations: element-wise).
+        // Embedding and gradient, and the state of `optimizer.state` (relations: element-wise,
+        // rows of the decoder's relation width).
         let dim = config.model.dim as u64;
         let row = config.entity_shape().memory_bytes() + dim * 4 + DEVICE_ROW_EXTRA_BYTES;
-        let relation_row = dim * 4 * 3 + DEVICE_ROW_EXTRA_BYTES;
+        let rw = config.model.decoder.relation_width(config.model.dim) as u64;
+        let relation_row = rw * 4 * 3 + DEVICE_ROW_EXTRA_BYTES;
         let slots = u64::from(config.slots());
         let (table_rows, slot) = if slots < u64::from(scheme.num_partitions) {
             let slot = scheme.rows_per_partition * row;

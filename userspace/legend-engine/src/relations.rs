@@ -5,14 +5,15 @@ use legend_model::{Decoder, Init, Table};
 /// Relation parameters and their AdaGrad state, always resident.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Relations {
-    /// `relations × dim` embeddings (empty for Dot).
+    /// `relations × width` embeddings, `width` the decoder's
+    /// [`Decoder::relation_width`] (empty for Dot).
     pub emb: Vec<f32>,
     /// AdaGrad state of the same shape.
     pub state: Vec<f32>,
 }
 
 impl Relations {
-    /// Initial relation parameters.
+    /// Initial relation parameters: `count` rows for node rows of `dim`.
     pub fn init(decoder: Decoder, count: usize, dim: usize, init: &Init) -> Relations {
         if !decoder.uses_relations() {
             return Relations {
@@ -20,8 +21,9 @@ impl Relations {
                 state: Vec::new(),
             };
         }
-        let mut emb = vec![0.0; count * dim];
-        for (r, row) in emb.chunks_exact_mut(dim).enumerate() {
+        let width = decoder.relation_width(dim);
+        let mut emb = vec![0.0; count * width];
+        for (r, row) in emb.chunks_exact_mut(width).enumerate() {
             init.relation_row(decoder, Table::Relation, r as u64, row);
         }
         Relations {

@@ -21,7 +21,7 @@ use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use legend_fs::{Access, Dir, Guard};
-use legend_model::Dtype;
+use legend_model::{Decoder, Dtype};
 use serde::{Deserialize, Serialize};
 
 pub use crate::rows::Tables;
@@ -121,6 +121,20 @@ impl RunMeta {
             path,
             queue: self.store_queue,
         }])
+    }
+
+    /// Floats of a relation row: the decoder's [`Decoder::relation_width`] (RESCAL's
+    /// `dim²`), or `dim` for a decoder this build does not know (its tables then fail their
+    /// size check, naming the file).
+    pub fn relation_width(&self) -> usize {
+        self.decoder
+            .parse::<Decoder>()
+            .map_or(self.dim, |d| d.relation_width(self.dim))
+    }
+
+    /// Floats of the relation table: [`RunMeta::relation_width`] times its rows.
+    pub fn relation_floats(&self) -> usize {
+        self.relations as usize * self.relation_width()
     }
 
     /// Floats of an entity row: its embedding and its AdaGrad state.
@@ -485,7 +499,7 @@ pub fn load_relations(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Ve
     if meta.relations == 0 {
         return Ok(Vec::new());
     }
-    let floats = meta.relations as usize * meta.dim;
+    let floats = meta.relation_floats();
     if let Some(path) = &meta.store {
         let mut store = open_run_store(run, path, meta, guard)?;
         return store
@@ -520,12 +534,13 @@ pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Table
     if let Some(path) = &meta.store {
         let store = open_run_store(run, path, meta, guard)?;
         return store
-            .read_tables(read_config(run)?.init(), meta.relations as usize * meta.dim)
+            .read_tables(read_config(run)?.init(), meta.relation_floats())
             .map_err(|e| invalid(path, e.to_string()));
     }
     let dir = Path::new(&meta.checkpoint);
     let rows = [meta.entities, meta.entities, meta.relations, meta.relations];
-    let widths = [meta.dim, meta.entity_shape().state, meta.dim, meta.dim];
+    let rw = meta.relation_width();
+    let widths = [meta.dim, meta.entity_shape().state, rw, rw];
     let dtypes = [meta.entity_dtype, Dtype::F32, Dtype::F32, Dtype::F32];
     let sums = [
         meta.checksums.entities,

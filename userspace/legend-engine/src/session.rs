@@ -325,7 +325,7 @@ impl Session {
             started.elapsed().as_secs_f64()
         );
         let init = config.init();
-        let relation_floats = meta.relations as usize * dim;
+        let relation_floats = meta.relation_floats();
         let fresh_relations = || Relations::init(decoder, meta.relations as usize, dim, &init);
         let engine = device.describe();
         let mut device_health = None;

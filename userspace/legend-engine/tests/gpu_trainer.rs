@@ -374,3 +374,43 @@ fn reciprocal_relations_and_n3_change_the_cpu_trainer_enough_to_test() {
     println!("reciprocal relations and N3 change the fourth epoch's loss by {change:.2e}");
     assert!(change > 1e-2, "{change}");
 }
+
+const ROTATE_SELF_ADVERSARIAL: &[&str] = &[
+    "model.decoder=rotate",
+    "model.reciprocal_relations=true",
+    "model.loss=self_adversarial",
+    "model.margin=6",
+];
+const RESCAL_N3: &[&str] = &[
+    "model.decoder=rescal",
+    "model.reciprocal_relations=true",
+    "optimizer.regularizer=n3",
+    "optimizer.regularization_weight=0.05",
+];
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn rotate_and_rescal_training_matches_the_cpu_trainer() {
+    // RotatE's kernels with the self-adversarial loss in GPU memory and out of core, and
+    // RESCAL's 32 × 32 relation matrices in GPU memory. RESCAL over several partitions is not
+    // compared: on an H200 it ends 0.2 away from the CPU trainer (N = 4, C = 3 or C = 4, from
+    // the first epoch's loss, 2.7e-4 relative, repeatable to 4e-4 on the GPU), a difference
+    // not yet explained (Documentation/gpu.md).
+    compare(ROTATE_SELF_ADVERSARIAL, 1, 1, 0.25, None);
+    compare(ROTATE_SELF_ADVERSARIAL, 4, 3, 0.0, None);
+    compare(RESCAL_N3, 1, 1, 0.25, None);
+}
+
+#[test]
+fn rotate_and_rescal_train_something_on_the_cpu() {
+    for model in [ROTATE_SELF_ADVERSARIAL, RESCAL_N3] {
+        let run = train(model, 1, 1, 0.25, Engine::Cpu, None);
+        assert!(
+            run.losses[3] < run.losses[0],
+            "{model:?} learns: {:?}",
+            run.losses
+        );
+    }
+    let rescal = train(RESCAL_N3, 1, 1, 0.25, Engine::Cpu, None);
+    assert_eq!(rescal.rel.emb.len(), 2 * RELATIONS as usize * 32 * 32);
+}

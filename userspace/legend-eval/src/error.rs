@@ -9,14 +9,17 @@ pub enum EvalError {
     /// The embedding dimension does not suit the decoder (zero, or odd for ComplEx).
     #[error("bad embedding dimension: {0}")]
     Dim(String),
-    /// A table's length is not a multiple of the dimension, or it has no rows.
-    #[error("{table} table has {len} floats, which is not a positive multiple of dim {dim}")]
+    /// A table's length is not a multiple of its row width, or it has no rows.
+    #[error(
+        "{table} table has {len} floats, which is not a positive multiple of its row width {dim}"
+    )]
     TableSize {
         /// "entity" or "relation".
         table: &'static str,
         /// Its length in floats.
         len: usize,
-        /// The embedding dimension.
+        /// Floats of its rows: the embedding dimension, or the decoder's relation width
+        /// (RESCAL's `dim²`).
         dim: usize,
     },
     /// An entity or relation id is not below the number of rows it indexes.

@@ -54,8 +54,9 @@ pub struct Embeddings<'a> {
     pub decoder: Decoder,
     /// Entity rows, row-major `[num_entities × dim]`.
     pub entities: &'a [f32],
-    /// Relation rows, row-major `[num_relations × dim]`; ignored (may be empty) for
-    /// [`Decoder::Dot`].
+    /// Relation rows, row-major `[num_relations × width]` with `width` the decoder's
+    /// [`Decoder::relation_width`] (`dim`; RESCAL's `dim²` matrices); ignored (may be empty)
+    /// for [`Decoder::Dot`].
     pub relations: &'a [f32],
     /// Floats per row.
     pub dim: usize,
@@ -335,26 +336,27 @@ pub fn evaluate_with_progress(
 
 fn validate<'a>(e: &Embeddings<'a>, triples: &[[u32; 3]]) -> Result<rank::Model<'a>, EvalError> {
     e.decoder.check_dim(e.dim).map_err(EvalError::Dim)?;
-    let rows = |table: &'static str, len: usize| {
-        if len == 0 || !len.is_multiple_of(e.dim) {
+    let rows = |table: &'static str, len: usize, width: usize| {
+        if len == 0 || !len.is_multiple_of(width) {
             Err(EvalError::TableSize {
                 table,
                 len,
-                dim: e.dim,
+                dim: width,
             })
         } else {
-            Ok(len / e.dim)
+            Ok(len / width)
         }
     };
-    let num_entities = rows("entity", e.entities.len())?;
+    let num_entities = rows("entity", e.entities.len(), e.dim)?;
     // Dot has no relation parameters, so relation ids are only labels there.
     let num_relations = if e.decoder.uses_relations() {
-        let rows = rows("relation", e.relations.len())?;
+        let rw = e.decoder.relation_width(e.dim);
+        let rows = rows("relation", e.relations.len(), rw)?;
         if e.reciprocal && !rows.is_multiple_of(2) {
             return Err(EvalError::TableSize {
                 table: "reciprocal relation",
                 len: e.relations.len(),
-                dim: 2 * e.dim,
+                dim: 2 * rw,
             });
         }
         Some(if e.reciprocal { rows / 2 } else { rows })

@@ -45,11 +45,8 @@ impl Model<'_> {
             (Side::Src, Some(inverse)) => (inverse + r as usize, Side::Dst),
             _ => (r as usize, side),
         };
-        let rel = if self.decoder.uses_relations() {
-            &self.relations[row * self.dim..][..self.dim]
-        } else {
-            &[]
-        };
+        let rw = self.decoder.relation_width(self.dim);
+        let rel = &self.relations[row * rw..][..rw];
         self.decoder.query(side, self.entity(anchor), rel, out);
         (anchor, r, truth)
     }

@@ -178,17 +178,13 @@ fn random_triples(rng: &mut ChaCha8Rng, n: usize, entities: u32, relations: u32)
 
 /// Scores every entity with `Decoder::score` and counts by definition.
 fn naive_ranks(e: &Embeddings<'_>, triples: &[[u32; 3]], known: &[[u32; 3]]) -> Vec<f64> {
-    let dim = e.dim;
+    let (dim, rw) = (e.dim, e.decoder.relation_width(e.dim));
     let row = |t: &[f32], i: u32| t[i as usize * dim..][..dim].to_vec();
     let n = (e.entities.len() / dim) as u32;
     let truths: HashSet<[u32; 3]> = known.iter().chain(triples).copied().collect();
     let mut ranks = Vec::new();
     for &[s, r, d] in triples {
-        let rel = if e.decoder.uses_relations() {
-            row(e.relations, r)
-        } else {
-            Vec::new()
-        };
+        let rel = e.relations[r as usize * rw..][..rw].to_vec();
         let score = |s: u32, d: u32| {
             e.decoder
                 .score(&row(e.entities, s), &rel, &row(e.entities, d))
@@ -223,11 +219,7 @@ fn filtered_equals_the_naive_reference_for_every_decoder() {
     let (n, nr, dim) = (300u32, 4u32, 10);
     for decoder in Decoder::ALL {
         let ent = random_table(&mut rng, n as usize, dim);
-        let rel = if decoder.uses_relations() {
-            random_table(&mut rng, nr as usize, dim)
-        } else {
-            Vec::new()
-        };
+        let rel = random_table(&mut rng, nr as usize, decoder.relation_width(dim));
         let e = embeddings(decoder, &ent, &rel, dim);
         // Dense known triples so that filtering matters on most queries.
         let known = random_triples(&mut rng, 4000, n, nr);
@@ -475,6 +467,16 @@ fn bad_inputs_are_errors_that_name_the_problem() {
         &filtered,
     );
     assert!(m.contains("relation table has 0 floats"), "{m}");
+    // RESCAL's relation rows are dim² floats: 8 is no whole number of 4×4 matrices.
+    let m = msg(
+        embeddings(Decoder::Rescal, &ent, &rel, 4),
+        &[[0, 0, 0]],
+        &filtered,
+    );
+    assert!(
+        m.contains("relation table has 8 floats") && m.contains("16"),
+        "{m}"
+    );
     let m = msg(
         embeddings(Decoder::ComplEx, &ent, &rel, 3),
         &[[0, 0, 0]],

@@ -31,6 +31,8 @@ fn main() {
         (Decoder::DistMult, 100, Loss::SoftmaxCe),
         (Decoder::TransEL2, 100, Loss::SoftmaxCe),
         (Decoder::TransEL1, 100, Loss::SoftmaxCe),
+        (Decoder::RotatE, 100, Loss::SoftmaxCe),
+        (Decoder::Rescal, 100, Loss::SoftmaxCe),
     ];
     let peak = fma_peak();
     match peak {
@@ -88,12 +90,11 @@ fn main() {
             }
             v
         };
-        let mut rel = vec![0.0f32; CHUNK * dim];
-        for (i, r) in rel.chunks_exact_mut(dim).enumerate() {
+        // Relation rows of the decoder's width (RESCAL: dim², none for Dot).
+        let width = decoder.relation_width(dim);
+        let mut rel = vec![0.0f32; CHUNK * width];
+        for (i, r) in rel.chunks_exact_mut(width.max(1)).enumerate() {
             init.relation_row(decoder, Table::Relation, i as u64, r);
-        }
-        if !decoder.uses_relations() {
-            rel.clear();
         }
         let (src, dst) = (rows(0, CHUNK), rows(1 << 20, CHUNK));
         let (neg_src, neg_dst) = (rows(2 << 20, NEGS), rows(3 << 20, NEGS));

@@ -27,16 +27,25 @@ pub struct ChunkModel {
     pub decoder: Decoder,
     /// The loss of each positive against its side's negatives.
     pub loss: Loss,
-    /// The embedding dimension (row length) of node and relation rows.
+    /// The embedding dimension (row length) of node rows; relation rows are
+    /// [`ChunkModel::relation_width`] floats.
     pub dim: usize,
 }
 
-/// The gathered rows of one chunk. `b` positives, `k_src`/`k_dst` negatives, `dim` floats a row.
+impl ChunkModel {
+    /// Floats of one relation row ([`Decoder::relation_width`] of the dimension).
+    pub fn relation_width(&self) -> usize {
+        self.decoder.relation_width(self.dim)
+    }
+}
+
+/// The gathered rows of one chunk. `b` positives, `k_src`/`k_dst` negatives, `dim` floats a node
+/// row and `rw` ([`ChunkModel::relation_width`]) a relation row.
 #[derive(Clone, Copy, Debug)]
 pub struct Chunk<'a> {
     /// Source rows, b×dim.
     pub src: &'a [f32],
-    /// Relation rows, b×dim; empty for [`Decoder::Dot`].
+    /// Relation rows, b×rw; empty for [`Decoder::Dot`].
     pub rel: &'a [f32],
     /// Destination rows, b×dim.
     pub dst: &'a [f32],
@@ -50,7 +59,7 @@ pub struct Chunk<'a> {
     pub exclude_src: Option<&'a [bool]>,
     /// b×k_dst, row-major: as `exclude_src` for the destination side.
     pub exclude_dst: Option<&'a [bool]>,
-    /// Reciprocal relations: the inverse relations' rows, b×dim. The source side is then
+    /// Reciprocal relations: the inverse relations' rows, b×rw. The source side is then
     /// scored as `(dst, r⁻¹, ?)` through the destination-side operator instead of through the
     /// source-side operator of `rel`. `None`: one relation row serves both sides.
     pub rel_src: Option<&'a [f32]>,
@@ -63,9 +72,9 @@ pub struct Chunk<'a> {
 pub struct ChunkGrads {
     /// ∂L/∂src, b×dim.
     pub src: Vec<f32>,
-    /// ∂L/∂rel, b×dim (empty for [`Decoder::Dot`]).
+    /// ∂L/∂rel, b×rw (empty for [`Decoder::Dot`]).
     pub rel: Vec<f32>,
-    /// ∂L/∂rel_src, b×dim (empty without reciprocal relations).
+    /// ∂L/∂rel_src, b×rw (empty without reciprocal relations).
     pub rel_src: Vec<f32>,
     /// ∂L/∂dst, b×dim.
     pub dst: Vec<f32>,
@@ -146,15 +155,11 @@ impl ChunkWorkspace {
         let k_src = whole(chunk.neg_src.len(), "neg_src");
         let k_dst = whole(chunk.neg_dst.len(), "neg_dst");
         assert_eq!(chunk.dst.len(), b * dim, "dst and src differ in rows");
-        let rel_len = if model.decoder.uses_relations() {
-            b * dim
-        } else {
-            0
-        };
+        let rel_len = b * model.relation_width();
         assert_eq!(
             chunk.rel.len(),
             rel_len,
-            "rel must be b×dim (empty for dot)"
+            "rel must be b × the relation width (empty for dot)"
         );
         if let Some(m) = chunk.exclude_src {
             assert_eq!(m.len(), b * k_src, "exclude_src must be b×k_src");
@@ -164,8 +169,8 @@ impl ChunkWorkspace {
         }
         if let Some(r) = chunk.rel_src {
             assert!(
-                model.decoder.uses_relations() && r.len() == b * dim,
-                "rel_src must be b×dim, for a decoder with relations"
+                model.decoder.uses_relations() && r.len() == rel_len,
+                "rel_src must be b × the relation width, for a decoder with relations"
             );
         }
 
@@ -242,17 +247,11 @@ struct SideGrads<'a> {
 
 impl Scratch {
     fn side_pass(&mut self, model: &ChunkModel, rows: &SideRows<'_>, grads: SideGrads<'_>) -> f64 {
-        let dim = model.dim;
+        let (dim, rw) = (model.dim, model.relation_width());
         let b = rows.anchor.len() / dim;
         let k = rows.negs.len() / dim;
         let cmp = model.decoder.comparator();
-        let rel_row = |i: usize| {
-            if rows.rel.is_empty() {
-                &[][..]
-            } else {
-                &rows.rel[i * dim..(i + 1) * dim]
-            }
-        };
+        let rel_row = |i: usize| &rows.rel[i * rw..(i + 1) * rw];
 
         reset(&mut self.query, b * dim);
         for i in 0..b {
@@ -280,9 +279,7 @@ impl Scratch {
             ),
             Comparator::NegL1 => l1_scores(&self.query, rows.negs, dim, &mut self.scores),
             Comparator::NegL2 => self.l2_scores(rows.negs, dim),
-            Comparator::NegModulus => {
-                pair_scores(cmp, &self.query, rows.negs, dim, &mut self.scores)
-            }
+            Comparator::NegModulus => modulus_scores(&self.query, rows.negs, dim, &mut self.scores),
         }
 
         // Loss per positive; the score matrix turns into ∂L/∂scores in place.
@@ -341,8 +338,7 @@ impl Scratch {
                 grads.negs,
             ),
             Comparator::NegL2 => self.l2_backward(rows.negs, dim, grads.negs),
-            Comparator::NegModulus => pair_backward(
-                cmp,
+            Comparator::NegModulus => modulus_backward(
                 &self.query,
                 rows.negs,
                 &self.scores,
@@ -354,18 +350,13 @@ impl Scratch {
 
         for i in 0..b {
             let span = i * dim..(i + 1) * dim;
-            let grad_rel = if grads.rel.is_empty() {
-                &mut [][..]
-            } else {
-                &mut grads.rel[span.clone()]
-            };
             model.decoder.query_backward(
                 rows.side,
                 &rows.anchor[span.clone()],
                 rel_row(i),
                 &self.grad_query[span.clone()],
                 &mut grads.anchor[span],
-                grad_rel,
+                &mut grads.rel[i * rw..(i + 1) * rw],
             );
         }
         total
@@ -521,24 +512,25 @@ fn l1_backward(
     }
 }
 
-/// Every query against every negative, one pair at a time through [`Comparator::compare`]
-/// (RotatE's moduli have neither a product form nor a vectorised kernel yet).
-fn pair_scores(cmp: Comparator, query: &[f32], negs: &[f32], dim: usize, scores: &mut [f32]) {
+/// RotatE's negative distances between every query and every negative (no product form),
+/// pair by pair, the inner loop over the complex elements in vector lanes.
+fn modulus_scores(query: &[f32], negs: &[f32], dim: usize, scores: &mut [f32]) {
     let k = negs.len() / dim;
     if k == 0 {
         return;
     }
-    for (q, srow) in query.chunks_exact(dim).zip(scores.chunks_exact_mut(k)) {
-        for (n, s) in negs.chunks_exact(dim).zip(srow) {
-            *s = cmp.compare(q, n);
+    vmath::wide(|| {
+        for (q, srow) in query.chunks_exact(dim).zip(scores.chunks_exact_mut(k)) {
+            let q = q.split_at(dim / 2);
+            for (n, s) in negs.chunks_exact(dim).zip(srow) {
+                *s = -vmath::modulus_distance(q, n.split_at(dim / 2));
+            }
         }
-    }
+    })
 }
 
-/// The gradients of [`pair_scores`] given ∂L/∂scores, pair by pair through
-/// [`Comparator::backward`].
-fn pair_backward(
-    cmp: Comparator,
+/// The gradients of [`modulus_scores`] given ∂L/∂scores, pair by pair.
+fn modulus_backward(
     query: &[f32],
     negs: &[f32],
     grad_scores: &[f32],
@@ -546,17 +538,29 @@ fn pair_backward(
     grad_query: &mut [f32],
     grad_negs: &mut [f32],
 ) {
-    let k = negs.len() / dim;
+    let (k, h) = (negs.len() / dim, dim / 2);
     grad_negs.fill(0.0);
-    for (i, q) in query.chunks_exact(dim).enumerate() {
-        let gq = &mut grad_query[i * dim..(i + 1) * dim];
-        for (j, n) in negs.chunks_exact(dim).enumerate() {
-            let g = grad_scores[i * k + j];
-            if g != 0.0 {
-                cmp.backward(q, n, g, gq, &mut grad_negs[j * dim..(j + 1) * dim]);
+    vmath::wide(|| {
+        for (i, q) in query.chunks_exact(dim).enumerate() {
+            let gq = &mut grad_query[i * dim..(i + 1) * dim];
+            for (j, n) in negs.chunks_exact(dim).enumerate() {
+                let g = grad_scores[i * k + j];
+                // Softmax makes G dense, but masking leaves exact zeros.
+                if g == 0.0 {
+                    continue;
+                }
+                let (gq_re, gq_im) = gq.split_at_mut(h);
+                let (gn_re, gn_im) = grad_negs[j * dim..(j + 1) * dim].split_at_mut(h);
+                vmath::modulus_backward(
+                    g,
+                    q.split_at(h),
+                    n.split_at(h),
+                    (gq_re, gq_im),
+                    (gn_re, gn_im),
+                );
             }
         }
-    }
+    })
 }
 
 fn squared_norms(rows: &[f32], dim: usize, out: &mut Vec<f32>) {

@@ -3,6 +3,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::vmath;
+
 /// Which end of a triple is being scored against candidates (the corrupted side).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Side {
@@ -37,9 +39,7 @@ impl Comparator {
             Comparator::NegL2 => -pairs.map(|(q, c)| (q - c) * (q - c)).sum::<f32>().sqrt(),
             Comparator::NegModulus => {
                 let h = query.len() / 2;
-                -(0..h)
-                    .map(|k| modulus(query[k] - candidate[k], query[k + h] - candidate[k + h]))
-                    .sum::<f32>()
+                -vmath::modulus_distance(query.split_at(h), candidate.split_at(h))
             }
         }
     }
@@ -77,17 +77,15 @@ impl Comparator {
             }
             Comparator::NegModulus => {
                 let h = dim / 2;
-                for k in 0..h {
-                    let (re, im) = (query[k] - candidate[k], query[k + h] - candidate[k + h]);
-                    let m = modulus(re, im);
-                    if m > 0.0 {
-                        let w = grad_score / m;
-                        grad_query[k] -= w * re;
-                        grad_query[k + h] -= w * im;
-                        grad_candidate[k] += w * re;
-                        grad_candidate[k + h] += w * im;
-                    }
-                }
+                let (gq_re, gq_im) = grad_query.split_at_mut(h);
+                let (gc_re, gc_im) = grad_candidate.split_at_mut(h);
+                vmath::modulus_backward(
+                    grad_score,
+                    query.split_at(h),
+                    candidate.split_at(h),
+                    (gq_re, gq_im),
+                    (gc_re, gc_im),
+                );
             }
             Comparator::NegL2 => {
                 let dist = -Comparator::NegL2.compare(query, candidate);
@@ -104,12 +102,6 @@ impl Comparator {
     }
 }
 
-/// `|re + i im|`.
-#[inline]
-pub(crate) fn modulus(re: f32, im: f32) -> f32 {
-    (re * re + im * im).sqrt()
-}
-
 /// The sign of `x`, with `sign(0) = 0` (the subgradient of `|x|` that the L1 gradients use).
 #[inline]
 pub(crate) fn sign(x: f32) -> f32 {
@@ -121,9 +113,10 @@ pub(crate) fn sign(x: f32) -> f32 {
 
 /// A knowledge-graph embedding model.
 ///
-/// Rows are `dim` floats. ComplEx stores the real parts in the first half of a row and the
+/// Node rows are `dim` floats. ComplEx stores the real parts in the first half of a row and the
 /// imaginary parts in the second half, so one thread (or SIMD lane) can read an element's real
-/// and imaginary part at the same offset of two half-rows.
+/// and imaginary part at the same offset of two half-rows. Relation rows are
+/// [`Decoder::relation_width`] floats: `dim`, except RESCAL's `dim × dim` matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Decoder {
     /// `<s, d>`: graphs without relation types; relation rows are ignored.
@@ -140,23 +133,30 @@ pub enum Decoder {
     /// (real parts first), and a relation rotates by the phases `θ` in the first half of its
     /// row (the second half is unused and keeps its initial values).
     RotatE,
+    /// `sᵀ R d` with a full `dim × dim` matrix `R` a relation (Nickel et al., ICML 2011;
+    /// PyTorch-BigGraph's `linear` operator), stored row-major: `R[i·dim + j]` multiplies
+    /// `s_i d_j`.
+    Rescal,
 }
 
 impl Decoder {
     /// All decoders, for tests and help texts.
-    pub const ALL: [Decoder; 6] = [
+    pub const ALL: [Decoder; 7] = [
         Decoder::Dot,
         Decoder::DistMult,
         Decoder::ComplEx,
         Decoder::TransEL1,
         Decoder::TransEL2,
         Decoder::RotatE,
+        Decoder::Rescal,
     ];
 
     /// The comparator that follows this model's query operator.
     pub fn comparator(self) -> Comparator {
         match self {
-            Decoder::Dot | Decoder::DistMult | Decoder::ComplEx => Comparator::Dot,
+            Decoder::Dot | Decoder::DistMult | Decoder::ComplEx | Decoder::Rescal => {
+                Comparator::Dot
+            }
             Decoder::TransEL1 => Comparator::NegL1,
             Decoder::TransEL2 => Comparator::NegL2,
             Decoder::RotatE => Comparator::NegModulus,
@@ -166,6 +166,17 @@ impl Decoder {
     /// Whether the model has relation parameters.
     pub fn uses_relations(self) -> bool {
         self != Decoder::Dot
+    }
+
+    /// Floats of one relation row for node rows of `dim`: `dim²` for RESCAL's matrices, 0 for
+    /// Dot (no relation parameters), `dim` otherwise. Every relation table (the trainer's,
+    /// the store's auxiliary region, checkpoints, the GPU's) is rows of this width.
+    pub fn relation_width(self, dim: usize) -> usize {
+        match self {
+            Decoder::Dot => 0,
+            Decoder::Rescal => dim * dim,
+            _ => dim,
+        }
     }
 
     /// Whether rows are complex vectors (real parts in the first half).
@@ -189,11 +200,13 @@ impl Decoder {
     /// Writes into `out` the query for scoring candidates on `side`.
     ///
     /// `anchor` is the source row for [`Side::Dst`] and the destination row for [`Side::Src`];
-    /// `rel` is the relation row (ignored, and may be empty, for [`Decoder::Dot`]). The score of
-    /// a candidate `c` is then `self.comparator().compare(out, c)`.
+    /// `rel` is the relation row of [`Decoder::relation_width`] floats (empty for
+    /// [`Decoder::Dot`]). The score of a candidate `c` is then
+    /// `self.comparator().compare(out, c)`.
     pub fn query(self, side: Side, anchor: &[f32], rel: &[f32], out: &mut [f32]) {
         let dim = anchor.len();
         debug_assert_eq!(out.len(), dim);
+        debug_assert_eq!(rel.len(), self.relation_width(dim));
         match self {
             Decoder::Dot => out.copy_from_slice(anchor),
             Decoder::DistMult => {
@@ -244,6 +257,7 @@ impl Decoder {
                     o_im[k] = a_re[k] * sin + a_im[k] * cos;
                 }
             }
+            Decoder::Rescal => vmath::wide(|| rescal_query(side, anchor, rel, out)),
         }
     }
 
@@ -330,6 +344,9 @@ impl Decoder {
                     grad_rel[k] += sign * (g_im[k] * q_re - g_re[k] * q_im);
                 }
             }
+            Decoder::Rescal => vmath::wide(|| {
+                rescal_query_backward(side, anchor, rel, grad_query, grad_anchor, grad_rel)
+            }),
         }
     }
 
@@ -349,6 +366,72 @@ impl Decoder {
             Decoder::TransEL1 => "transe_l1",
             Decoder::TransEL2 => "transe_l2",
             Decoder::RotatE => "rotate",
+            Decoder::Rescal => "rescal",
+        }
+    }
+}
+
+/// RESCAL's query: `q = sᵀR` (row `i` of `R` scaled by `s_i`, summed) for [`Side::Dst`], and
+/// `q = R d` (a dot product of each row of `R` with `d`) for [`Side::Src`]; both loops run
+/// along rows of `R`, which vectorise.
+#[inline(always)]
+fn rescal_query(side: Side, anchor: &[f32], rel: &[f32], out: &mut [f32]) {
+    let dim = anchor.len();
+    match side {
+        Side::Dst => {
+            out.fill(0.0);
+            for (&a, row) in anchor.iter().zip(rel.chunks_exact(dim)) {
+                for (o, &r) in out.iter_mut().zip(row) {
+                    *o += a * r;
+                }
+            }
+        }
+        Side::Src => {
+            for (o, row) in out.iter_mut().zip(rel.chunks_exact(dim)) {
+                *o = vmath::dot(row, anchor);
+            }
+        }
+    }
+}
+
+/// The transpose of [`rescal_query`]: for `q = sᵀR`, `∂s_i += R_i·g` and `∂R_ij += s_i g_j`;
+/// for `q = R d`, `∂d += Σ_i g_i R_i` and `∂R_ij += g_i d_j`.
+#[inline(always)]
+fn rescal_query_backward(
+    side: Side,
+    anchor: &[f32],
+    rel: &[f32],
+    grad_query: &[f32],
+    grad_anchor: &mut [f32],
+    grad_rel: &mut [f32],
+) {
+    let dim = anchor.len();
+    match side {
+        Side::Dst => {
+            for (((ga, &a), row), grow) in grad_anchor
+                .iter_mut()
+                .zip(anchor)
+                .zip(rel.chunks_exact(dim))
+                .zip(grad_rel.chunks_exact_mut(dim))
+            {
+                *ga += vmath::dot(row, grad_query);
+                for (gr, &g) in grow.iter_mut().zip(grad_query) {
+                    *gr += a * g;
+                }
+            }
+        }
+        Side::Src => {
+            let rows = rel.chunks_exact(dim).zip(grad_rel.chunks_exact_mut(dim));
+            for ((row, grow), &g) in rows.zip(grad_query) {
+                for ((ga, gr), (&r, &a)) in grad_anchor
+                    .iter_mut()
+                    .zip(grow.iter_mut())
+                    .zip(row.iter().zip(anchor))
+                {
+                    *ga += g * r;
+                    *gr += g * a;
+                }
+            }
         }
     }
 }
@@ -367,7 +450,7 @@ impl FromStr for Decoder {
             .into_iter()
             .find(|d| d.name() == s)
             .ok_or_else(|| {
-                format!("unknown decoder {s:?}: expected one of dot, distmult, complex, transe_l1, transe_l2, rotate")
+                format!("unknown decoder {s:?}: expected one of dot, distmult, complex, transe_l1, transe_l2, rotate, rescal")
             })
     }
 }
@@ -413,19 +496,27 @@ mod tests {
                     })
                     .sum::<f64>()
             }
+            Decoder::Rescal => {
+                let n = s.len();
+                (0..n)
+                    .flat_map(|i| (0..n).map(move |j| (i, j)))
+                    .map(|(i, j)| f(s[i]) * f(r[i * n + j]) * f(d[j]))
+                    .sum()
+            }
         }
     }
 
     #[test]
     fn both_sides_agree_with_the_direct_formula() {
         let dim = 6;
-        let row = |seed: u32| -> Vec<f32> {
-            (0..dim)
+        let row = |seed: u32, len: usize| -> Vec<f32> {
+            (0..len)
                 .map(|k| ((seed * 7 + k as u32 * 13) % 11) as f32 / 5.0 - 1.0)
                 .collect()
         };
-        let (s, r, d) = (row(1), row(2), row(3));
+        let (s, d) = (row(1, dim), row(3, dim));
         for decoder in Decoder::ALL {
+            let r = row(2, decoder.relation_width(dim));
             let want = reference(decoder, &s, &r, &d);
             let mut q = vec![0.0; dim];
             decoder.query(Side::Dst, &s, &r, &mut q);
@@ -448,6 +539,6 @@ mod tests {
         for d in Decoder::ALL {
             assert_eq!(d.name().parse::<Decoder>().unwrap(), d);
         }
-        assert!("rescal".parse::<Decoder>().unwrap_err().contains("rescal"));
+        assert!("linear".parse::<Decoder>().unwrap_err().contains("rescal"));
     }
 }

@@ -58,8 +58,8 @@ pub enum Distribution {
 /// How relation rows start.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RelationInit {
-    /// The identity of the model's operator: ones for DistMult, `1 + 0i` for ComplEx, zeros
-    /// for TransE (and nothing to do for Dot).
+    /// The identity of the model's operator: ones for DistMult, `1 + 0i` for ComplEx, the
+    /// identity matrix for RESCAL, zeros for TransE and RotatE (and nothing to do for Dot).
     ///
     /// This is what PyTorch-BigGraph's `diagonal`, `complex_diagonal` and `translation`
     /// operators start from, and what the GPU anchor system does ("real part = 1"). With node
@@ -111,7 +111,8 @@ impl Init {
         }
     }
 
-    /// Writes the initial value of relation row `row` of `table` for `decoder` into `out`.
+    /// Writes the initial value of relation row `row` of `table` for `decoder` into `out`
+    /// ([`crate::Decoder::relation_width`] floats).
     pub fn relation_row(&self, decoder: crate::Decoder, table: Table, row: u64, out: &mut [f32]) {
         match self.relation {
             // RotatE's relations are phases: random ones are uniform over the circle (Sun et
@@ -129,11 +130,18 @@ impl Init {
                 out[half..].fill(0.0);
             }
             RelationInit::Random(dist) => fill_row(self.seed, table, row, dist, out),
+            // RESCAL: the identity matrix, under which sᵀRd is the plain dot model.
+            RelationInit::Identity if decoder == crate::Decoder::Rescal => {
+                out.fill(0.0);
+                let dim = out.len().isqrt();
+                out.iter_mut().step_by(dim + 1).for_each(|x| *x = 1.0);
+            }
             RelationInit::Identity => {
                 use crate::Decoder;
                 let ones = match decoder {
                     // RotatE: zero phases, no rotation.
                     Decoder::Dot | Decoder::TransEL1 | Decoder::TransEL2 | Decoder::RotatE => 0,
+                    Decoder::Rescal => unreachable!("the identity matrix, above"),
                     Decoder::DistMult => out.len(),
                     // Real halves first: 1 + 0i in every complex element.
                     Decoder::ComplEx => out.len() / 2,
@@ -254,7 +262,7 @@ mod tests {
         let init = Init::default();
         let (s, d) = ([0.3f32, -0.2, 0.5, 0.1], [0.7f32, 0.4, -0.6, 0.2]);
         for decoder in Decoder::ALL {
-            let mut r = vec![9.0; 4];
+            let mut r = vec![9.0; decoder.relation_width(4)];
             init.relation_row(decoder, Table::Relation, 3, &mut r);
             let want = match decoder.comparator() {
                 crate::Comparator::Dot => Decoder::Dot.score(&s, &[], &d),

@@ -8,6 +8,12 @@
 //! gradient of its penalty, added to its summed loss gradient just before its AdaGrad step: no
 //! pass over rows beyond the one the step makes. Rows touched only as negatives are not
 //! penalised (the published N3 regularises the factors of the training triples only).
+//!
+//! A RESCAL relation is a `dim × dim` matrix `R`, penalised entry by entry as the real rows
+//! are: L2 is its squared Frobenius norm `Σ_ij R_ij²`, and N3 the entry-wise cubed 3-norm
+//! `Σ_ij |R_ij|³`. The latter is not the Schatten 3-norm of `R` (the sum of its cubed
+//! singular values, which would need a decomposition of `R` at every step): it is what N3
+//! means for a factor that is a plain array of reals, as for DistMult's relation rows.
 
 use std::fmt;
 use std::str::FromStr;
@@ -176,6 +182,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_rescal_matrix_is_penalised_entry_by_entry() {
+        // [[1, -2], [0, 3]]: Frobenius² 14, entry-wise cubes 1 + 8 + 27 = 36.
+        let matrix = [1.0f32, -2.0, 0.0, 3.0];
+        let l2 = Regularizer::new(Penalty::L2, 1.0, Decoder::Rescal);
+        let n3 = Regularizer::new(Penalty::N3, 1.0, Decoder::Rescal);
+        assert_eq!(l2.penalty_of(&matrix), 14.0);
+        assert_eq!(n3.penalty_of(&matrix), 36.0);
+        let mut grad = [0.0f32; 4];
+        n3.add_gradient(&matrix, 1, &mut grad);
+        assert_eq!(grad, [3.0, -12.0, 0.0, 27.0]);
     }
 
     #[test]

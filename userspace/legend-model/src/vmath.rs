@@ -128,6 +128,73 @@ pub(crate) fn l1_distance(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `Σ_t a_t b_t` in interleaved partial sums.
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `Σ_p |(a_re,p − b_re,p) + i (a_im,p − b_im,p)|` (RotatE's distance between two complex
+/// rows given as their halves) in interleaved partial sums.
+#[inline(always)]
+pub(crate) fn modulus_distance(a: (&[f32], &[f32]), b: (&[f32], &[f32])) -> f32 {
+    let modulus = |ar: f32, ai: f32, br: f32, bi: f32| {
+        let (x, y) = (ar - br, ai - bi);
+        (x * x + y * y).sqrt()
+    };
+    let mut acc = [0.0f32; LANES];
+    let (ar, ai) = (a.0.chunks_exact(LANES), a.1.chunks_exact(LANES));
+    let (br, bi) = (b.0.chunks_exact(LANES), b.1.chunks_exact(LANES));
+    let tail: f32 = (ar.remainder().iter().zip(ai.remainder()))
+        .zip(br.remainder().iter().zip(bi.remainder()))
+        .map(|((&w, &x), (&y, &z))| modulus(w, x, y, z))
+        .sum();
+    for ((w, x), (y, z)) in ar.zip(ai).zip(br.zip(bi)) {
+        for l in 0..LANES {
+            acc[l] += modulus(w[l], x[l], y[l], z[l]);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// The gradients of `g · (−modulus_distance(q, n))`: with `u = g (q − n) / |q − n|` per
+/// complex element (0 where `q = n`, the zero subgradient), `∂q −= u`, `∂n += u`.
+#[inline(always)]
+pub(crate) fn modulus_backward(
+    g: f32,
+    q: (&[f32], &[f32]),
+    n: (&[f32], &[f32]),
+    grad_q: (&mut [f32], &mut [f32]),
+    grad_n: (&mut [f32], &mut [f32]),
+) {
+    let pairs = (q.0.iter().zip(q.1))
+        .zip(n.0.iter().zip(n.1))
+        .zip(grad_q.0.iter_mut().zip(grad_q.1.iter_mut()))
+        .zip(grad_n.0.iter_mut().zip(grad_n.1.iter_mut()));
+    for ((((&qr, &qi), (&nr, &ni)), (gqr, gqi)), (gnr, gni)) in pairs {
+        let (x, y) = (qr - nr, qi - ni);
+        let m = (x * x + y * y).sqrt();
+        let w = if m > 0.0 { g / m } else { 0.0 };
+        *gqr -= w * x;
+        *gqi -= w * y;
+        *gnr += w * x;
+        *gni += w * y;
+    }
+}
+
 /// `Σ_t x_t²` in interleaved partial sums.
 #[inline]
 pub(crate) fn squared_norm(xs: &[f32]) -> f32 {
@@ -186,5 +253,7 @@ mod tests {
         let l1: f32 = xs.iter().zip(&ys).map(|(a, b)| (a - b).abs()).sum();
         assert_eq!(l1_distance(&xs, &ys), l1);
         assert_eq!(squared_norm(&xs), xs.iter().map(|x| x * x).sum::<f32>());
+        let dot_plain: f32 = xs.iter().zip(&ys).map(|(a, b)| a * b).sum();
+        assert_eq!(dot(&xs, &ys), dot_plain);
     }
 }

@@ -22,6 +22,8 @@ const LOSSES: [Loss; 4] = [
 #[derive(Clone, Debug)]
 struct Data {
     dim: usize,
+    /// Floats of a relation row (`Decoder::relation_width`).
+    rw: usize,
     src: Vec<f32>,
     rel: Vec<f32>,
     dst: Vec<f32>,
@@ -29,16 +31,17 @@ struct Data {
     neg_dst: Vec<f32>,
     exclude_src: Option<Vec<bool>>,
     exclude_dst: Option<Vec<bool>>,
-    /// Inverse relation rows (reciprocal relations), b×dim.
+    /// Inverse relation rows (reciprocal relations), b×rw.
     rel_src: Option<Vec<f32>>,
 }
 
 impl Data {
     fn new(decoder: Decoder, dim: usize, b: usize, k_src: usize, k_dst: usize, seed: u64) -> Data {
         let mut id = 0u64;
-        let mut rows = |n: usize| {
-            let mut v = vec![0.0f32; n * dim];
-            for r in v.chunks_exact_mut(dim) {
+        let rw = decoder.relation_width(dim);
+        let mut rows = |n: usize, width: usize| {
+            let mut v = vec![0.0f32; n * width];
+            for r in v.chunks_exact_mut(width.max(1)) {
                 fill_row(
                     seed,
                     Table::Node,
@@ -50,15 +53,11 @@ impl Data {
             }
             v
         };
-        let src = rows(b);
-        let rel = if decoder.uses_relations() {
-            rows(b)
-        } else {
-            Vec::new()
-        };
-        let dst = rows(b);
-        let neg_src = rows(k_src);
-        let neg_dst = rows(k_dst);
+        let src = rows(b, dim);
+        let rel = rows(b, rw);
+        let dst = rows(b, dim);
+        let neg_src = rows(k_src, dim);
+        let neg_dst = rows(k_dst, dim);
         // Exclude roughly one pair in five, deterministically from the seed.
         let mask = |n: usize, salt: u64| {
             (0..n)
@@ -67,6 +66,7 @@ impl Data {
         };
         Data {
             dim,
+            rw,
             src,
             rel,
             dst,
@@ -81,7 +81,7 @@ impl Data {
     /// The same chunk with reciprocal relations: inverse rows drawn after all the others.
     fn reciprocal(mut self, seed: u64) -> Data {
         let mut inverse = self.rel.clone();
-        for (i, r) in inverse.chunks_exact_mut(self.dim).enumerate() {
+        for (i, r) in inverse.chunks_exact_mut(self.rw).enumerate() {
             fill_row(
                 seed,
                 Table::Relation,
@@ -142,17 +142,12 @@ fn score_backward(
 
 /// One positive and one negative at a time, with `Decoder::score` for every score.
 fn naive(model: &ChunkModel, data: &Data) -> Naive {
-    let dim = data.dim;
+    let (dim, rw) = (data.dim, data.rw);
     let dec = model.decoder;
     let b = data.src.len() / dim;
     let row = |v: &[f32], i: usize| v[i * dim..(i + 1) * dim].to_vec();
-    let rel = |i: usize| {
-        if data.rel.is_empty() {
-            Vec::new()
-        } else {
-            row(&data.rel, i)
-        }
-    };
+    let rel_row = |v: &[f32], i: usize| v[i * rw..(i + 1) * rw].to_vec();
+    let rel = |i: usize| rel_row(&data.rel, i);
     let mut out = Naive {
         src: vec![0.0; data.src.len()],
         rel: vec![0.0; data.rel.len()],
@@ -171,14 +166,14 @@ fn naive(model: &ChunkModel, data: &Data) -> Naive {
         if let (Side::Src, Some(inverse)) = (side, &data.rel_src) {
             // Reciprocal: the inverse triple (d, r⁻¹, s) with its destination corrupted.
             for i in 0..b {
-                let (s, r, d) = (row(&data.src, i), row(inverse, i), row(&data.dst, i));
+                let (s, r, d) = (row(&data.src, i), rel_row(inverse, i), row(&data.dst, i));
                 let pos = dec.score(&d, &r, &s);
                 let mut scores: Vec<f32> =
                     (0..k).map(|j| dec.score(&d, &r, &row(negs, j))).collect();
                 let ex = exclude.as_ref().map(|m| &m[i * k..(i + 1) * k]);
                 let rl = model.loss.row_in_place(pos, &mut scores, ex);
                 out.loss += rl.loss as f64;
-                let (mut gs, mut gr, mut gd) = (vec![0.0; dim], vec![0.0; dim], vec![0.0; dim]);
+                let (mut gs, mut gr, mut gd) = (vec![0.0; dim], vec![0.0; rw], vec![0.0; dim]);
                 score_backward(dec, &d, &r, &s, rl.grad_pos, &mut gd, &mut gr, &mut gs);
                 for (j, &g) in scores.iter().enumerate() {
                     let mut gn = vec![0.0; dim];
@@ -190,7 +185,9 @@ fn naive(model: &ChunkModel, data: &Data) -> Naive {
                 for t in 0..dim {
                     out.src[i * dim + t] += gs[t];
                     out.dst[i * dim + t] += gd[t];
-                    out.rel_src[i * dim + t] += gr[t];
+                }
+                for (t, g) in gr.iter().enumerate() {
+                    out.rel_src[i * rw + t] += g;
                 }
             }
             continue;
@@ -241,7 +238,7 @@ fn naive(model: &ChunkModel, data: &Data) -> Naive {
                 out.dst[i * dim + t] += gd[t];
             }
             for (t, g) in gr.iter().enumerate() {
-                out.rel[i * dim + t] += g;
+                out.rel[i * rw + t] += g;
             }
         }
     }
@@ -318,9 +315,10 @@ fn chunk_matches_naive_reference_for_every_decoder_and_loss() {
 
 /// The chunk loss in f64, written from the formulas (no query/comparator split).
 fn reference_loss(model: &ChunkModel, d: &Data, p: &Params) -> f64 {
-    let dim = d.dim;
+    let (dim, rw) = (d.dim, d.rw);
     let b = p.src.len() / dim;
     let row = |v: &[f64], i: usize| v[i * dim..(i + 1) * dim].to_vec();
+    let rel_row = |v: &[f64], i: usize| v[i * rw..(i + 1) * rw].to_vec();
     let score = |s: &[f64], r: &[f64], t: &[f64]| -> f64 {
         match model.decoder {
             Decoder::Dot => (0..dim).map(|k| s[k] * t[k]).sum(),
@@ -353,6 +351,9 @@ fn reference_loss(model: &ChunkModel, d: &Data, p: &Params) -> f64 {
                     })
                     .sum::<f64>()
             }
+            Decoder::Rescal => (0..dim)
+                .map(|i| (0..dim).map(|j| s[i] * r[i * dim + j] * t[j]).sum::<f64>())
+                .sum(),
         }
     };
     let mut total = 0.0;
@@ -367,9 +368,10 @@ fn reference_loss(model: &ChunkModel, d: &Data, p: &Params) -> f64 {
             let r = if p.rel.is_empty() {
                 vec![0.0; dim]
             } else {
-                row(&p.rel, i)
+                rel_row(&p.rel, i)
             };
-            let inverse = (side == Side::Src && !p.rel_src.is_empty()).then(|| row(&p.rel_src, i));
+            let inverse =
+                (side == Side::Src && !p.rel_src.is_empty()).then(|| rel_row(&p.rel_src, i));
             let pos = match &inverse {
                 Some(ri) => score(&t, ri, &s),
                 None => score(&s, &r, &t),

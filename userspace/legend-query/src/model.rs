@@ -329,9 +329,10 @@ impl<'a> Model<'a> {
             return Err(QueryError::Tables("the run has no entities".into()));
         }
         let rows = num_relations * if reciprocal { 2 } else { 1 };
-        if decoder.uses_relations() && relations.len() != rows * dim {
+        let rw = decoder.relation_width(dim);
+        if decoder.uses_relations() && relations.len() != rows * rw {
             return Err(QueryError::Tables(format!(
-                "the relation table holds {} floats, expected {rows} rows of {dim}",
+                "the relation table holds {} floats, expected {rows} rows of {rw}",
                 relations.len()
             )));
         }
@@ -454,12 +455,11 @@ impl<'a> Model<'a> {
         (entities + self.relations.len()) * 4
     }
 
+    /// Relation `r`'s row: the decoder's relation width (RESCAL's `dim²` matrix), empty for
+    /// Dot.
     fn relation(&self, r: u32) -> &[f32] {
-        if self.decoder.uses_relations() {
-            &self.relations[r as usize * self.dim..][..self.dim]
-        } else {
-            &[]
-        }
+        let rw = self.decoder.relation_width(self.dim);
+        &self.relations[r as usize * rw..][..rw]
     }
 
     fn check_entity(&self, id: u32, what: impl FnOnce() -> String) -> Result<(), QueryError> {

@@ -142,13 +142,15 @@ fn pairs(found: &[Ranked]) -> Vec<(u32, f32)> {
 fn predictions_and_neighbours_equal_a_brute_force_reference_for_every_decoder() {
     let (ne, nr, dim) = (1500usize, 3usize, 4usize);
     let entities = grid(ne * dim, 1);
-    let relations = grid(nr * dim, 2);
     // Known triples: several per (anchor, relation), so filtering removes some of the best.
     let known: Vec<[u32; 3]> = (0..3000u32)
         .map(|i| [i % 40, i % nr as u32, (i * 7919) % ne as u32])
         .collect();
     let filter = FilterIndex::build(ne, &[&known]).unwrap();
     for decoder in Decoder::ALL {
+        // RESCAL's relations are dim × dim matrices; Dot has none.
+        let rw = decoder.relation_width(dim);
+        let relations = grid(nr * rw, 2);
         let m = Model::in_memory(
             decoder,
             dim,
@@ -178,11 +180,7 @@ fn predictions_and_neighbours_equal_a_brute_force_reference_for_every_decoder() 
         let mut ties = 0;
         for (c, got) in asked.iter().zip(&found) {
             let anchor = &entities[c.anchor as usize * dim..][..dim];
-            let rel = if decoder.uses_relations() {
-                &relations[c.relation as usize * dim..][..dim]
-            } else {
-                &[][..]
-            };
+            let rel = &relations[c.relation as usize * rw..][..rw];
             let mut q = vec![0.0; dim];
             decoder.query(c.side, anchor, rel, &mut q);
             let skip = if c.filtered {
@@ -199,11 +197,7 @@ fn predictions_and_neighbours_equal_a_brute_force_reference_for_every_decoder() 
         let triples: Vec<[u32; 3]> = (0..50u32).map(|i| [i, i % 3, (i * 31) % 1500]).collect();
         for (t, s) in triples.iter().zip(m.score(&triples).unwrap()) {
             let row = |e: u32| &entities[e as usize * dim..][..dim];
-            let r = if decoder.uses_relations() {
-                &relations[t[1] as usize * dim..][..dim]
-            } else {
-                &[][..]
-            };
+            let r = &relations[t[1] as usize * rw..][..rw];
             let want = decoder.score(row(t[0]), r, row(t[2]));
             assert!((s - want).abs() < 1e-5, "{decoder} {t:?}: {s} vs {want}");
         }

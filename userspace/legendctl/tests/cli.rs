@@ -282,7 +282,7 @@ fn bad_configurations_are_refused_and_leave_nothing() {
             "--out",
             &s(&out),
             "--set",
-            "model.decoder=rescal",
+            "model.decoder=linear",
         ],
         "model.decoder",
     );
@@ -580,55 +580,68 @@ fn predict_score_and_neighbors_by_flag_and_by_file_on_memory_and_store_runs() {
 
 /// A run with reciprocal relations and early stopping: its export labels the inverse rows,
 /// `eval --embeddings --reciprocal` of the export and `eval RUN/best` reproduce the run's final
-/// figure, and `--reciprocal` with the wrong relation table is refused naming its shape.
+/// figure, and `--reciprocal` with the wrong relation table is refused naming its shape. DistMult,
+/// and RESCAL, whose relation rows export as dim² floats (8 × 8 matrices, row-major).
 #[test]
 fn reciprocal_runs_export_and_evaluate_through_their_best_epoch() {
     let dir = tempfile::tempdir().unwrap();
     let ds = graph(dir.path());
-    let run = dir.path().join("run");
-    let sets = [
-        "model.dim=8",
-        "model.decoder=distmult",
-        "model.reciprocal_relations=true",
-        "training.num_epochs=6",
-        "evaluation.epochs_per_eval=2",
-        "evaluation.patience=1",
-    ];
-    let last = train_result(&ds, &run, &sets);
-    let best = last["best_epoch"]
-        .as_u64()
-        .expect("the final line names the best epoch");
-    let best_dir = run.join("best");
-    let eval = json(ok(&["eval", &s(&best_dir), "--json"]).trim());
-    assert_eq!(eval["mrr"], last["metrics"]["mrr"]);
-    let export = dir.path().join("export");
-    ok(&[
-        "export",
-        &s(&best_dir),
-        "--format",
-        "npy",
-        "-o",
-        &s(&export),
-    ]);
-    let labels = std::fs::read_to_string(export.join("relations.labels.txt")).unwrap();
-    let labels: Vec<&str> = labels.lines().collect();
-    assert_eq!(labels.len() % 2, 0);
-    let half = labels.len() / 2;
-    assert_eq!(format!("{}_inverse", labels[0]), labels[half]);
-    let embeddings = |extra: &[&str]| {
-        let mut a = vec![
-            "eval",
-            "--embeddings",
-            export.to_str().unwrap(),
-            "--dataset",
-            ds.to_str().unwrap(),
-            "--decoder",
-            "distmult",
+    for (decoder, width) in [("distmult", 8), ("rescal", 64)] {
+        let run = dir.path().join(format!("run-{decoder}"));
+        let decoder_set = format!("model.decoder={decoder}");
+        let sets = [
+            "model.dim=8",
+            &decoder_set,
+            "model.reciprocal_relations=true",
+            "training.num_epochs=6",
+            "evaluation.epochs_per_eval=2",
+            "evaluation.patience=1",
         ];
-        a.extend(extra);
-        a.iter().map(|x| x.to_string()).collect::<Vec<_>>()
-    };
-    let again = json(ok(&argv(&embeddings(&["--reciprocal", "--json"]))).trim());
-    assert_eq!(again["mrr"], last["metrics"]["mrr"], "best epoch {best}");
-    fails(&argv(&embeddings(&[])), "relations.npy: shape");
+        let last = train_result(&ds, &run, &sets);
+        let best = last["best_epoch"]
+            .as_u64()
+            .expect("the final line names the best epoch");
+        let best_dir = run.join("best");
+        let eval = json(ok(&["eval", &s(&best_dir), "--json"]).trim());
+        assert_eq!(eval["mrr"], last["metrics"]["mrr"], "{decoder}");
+        let export = dir.path().join(format!("export-{decoder}"));
+        ok(&[
+            "export",
+            &s(&best_dir),
+            "--format",
+            "npy",
+            "-o",
+            &s(&export),
+        ]);
+        let labels = std::fs::read_to_string(export.join("relations.labels.txt")).unwrap();
+        let labels: Vec<&str> = labels.lines().collect();
+        assert_eq!(labels.len() % 2, 0);
+        let half = labels.len() / 2;
+        assert_eq!(format!("{}_inverse", labels[0]), labels[half]);
+        let npy = std::fs::read(export.join("relations.npy")).unwrap();
+        let header = String::from_utf8_lossy(&npy[..128]).into_owned();
+        assert!(
+            header.contains(&format!("'shape': ({}, {width})", labels.len())),
+            "{decoder}: {header}"
+        );
+        let embeddings = |extra: &[&str]| {
+            let mut a = vec![
+                "eval",
+                "--embeddings",
+                export.to_str().unwrap(),
+                "--dataset",
+                ds.to_str().unwrap(),
+                "--decoder",
+                decoder,
+            ];
+            a.extend(extra);
+            a.iter().map(|x| x.to_string()).collect::<Vec<_>>()
+        };
+        let again = json(ok(&argv(&embeddings(&["--reciprocal", "--json"]))).trim());
+        assert_eq!(
+            again["mrr"], last["metrics"]["mrr"],
+            "{decoder} best epoch {best}"
+        );
+        fails(&argv(&embeddings(&[])), "relations.npy: shape");
+    }
 }

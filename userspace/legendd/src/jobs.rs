@@ -797,13 +797,24 @@ impl Jobs {
         self.update(id, |e| {
             e.record.info.device = Some(session.engine().to_string())
         });
+        // The epoch whose kept tables (RUN/best) the final evaluation ranked, if any.
+        let mut best_epoch = None;
         let outcome = session
-            .run(stop, &mut |event| self.on_event(id, event))
+            .run(stop, &mut |event| {
+                if let Event::Evaluated { line, .. } = &event {
+                    best_epoch = line.get("best_epoch").cloned();
+                }
+                self.on_event(id, event)
+            })
             .map_err(|e| chain(&e))?;
         Ok(match outcome {
-            Outcome::Finished(metrics) => {
-                Ended::Done(metrics.map(|m| serde_json::to_value(m).expect("metrics serialize")))
-            }
+            Outcome::Finished(metrics) => Ended::Done(metrics.map(|m| {
+                let mut result = serde_json::to_value(m).expect("metrics serialize");
+                if let Some(epoch) = best_epoch {
+                    result["best_epoch"] = epoch;
+                }
+                result
+            })),
             Outcome::Stopped(position) => Ended::Stopped(position.describe()),
         })
     }

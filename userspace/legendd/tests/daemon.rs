@@ -153,12 +153,19 @@ fn train_spec_with(ds: &Path, out: &Path, epochs: u32, extra: &[&str]) -> JobSpe
 
 /// The same run in this process.
 fn reference(ds: &Path, out: &Path, epochs: u32) -> Vec<f32> {
-    let mut sets: Vec<String> = SETS.iter().map(|s| s.to_string()).collect();
-    sets.push(format!("training.num_epochs={epochs}"));
+    reference_with(ds, out, epochs, &[]);
+    tables(out)
+}
+
+/// [`reference`] with `extra` settings after the usual ones; the session, once run.
+fn reference_with(ds: &Path, out: &Path, epochs: u32, extra: &[&str]) -> Session {
+    let JobSpec::Train { sets, .. } = train_spec_with(ds, out, epochs, extra) else {
+        unreachable!("a train spec");
+    };
     let config = Config::parse("", &sets).unwrap();
     let mut s = Session::create(out, ds, config, &legend_fs::Unguarded).unwrap();
     s.run(&AtomicBool::new(false), &mut |_| {}).unwrap();
-    tables(out)
+    s
 }
 
 fn tables(run: &Path) -> Vec<f32> {
@@ -269,29 +276,124 @@ fn sigkill_of_the_daemon_mid_job_then_restart_resumes_to_the_same_tables() {
     let ds = dataset(dir.path());
     let want = reference(&ds, &dir.path().join("reference"), 6);
     let out = dir.path().join("run");
-    let id;
-    {
-        let mut d = Daemon::start(dir.path());
-        let mut c = d.client();
-        id = c
-            .job(Request::Submit {
-                job: train_spec(&ds, &out, 6),
-            })
-            .id;
-        wait_for(&mut c, id, Duration::from_secs(120), |j| {
-            j.progress.epoch >= 2
-        });
-        d.signal(SIGKILL);
-        d.wait();
-    }
-    let d = Daemon::start(dir.path());
-    let mut c = d.client();
-    let done = wait_for(&mut c, id, Duration::from_secs(300), |j| j.state.is_final());
+    let (_d, _c, done) = killed_mid_job_then_restarted(dir.path(), train_spec(&ds, &out, 6), 2);
     assert_eq!(done.state, JobState::Succeeded, "{done:?}");
     assert!(
         tables(&out) == want,
         "the resumed job differs from the uninterrupted run"
     );
+}
+
+/// Early stopping with `evaluation.keep_best` through the daemon: the job keeps `best/`, its
+/// result names the best epoch whose tables ranked the test split, an export job exports
+/// those tables, and a SIGKILL of the daemon after the best epoch resumes the job from the
+/// latest checkpoint (not from `best/`) to the uninterrupted run's tables.
+#[test]
+fn early_stopping_through_the_daemon_keeps_reports_and_exports_the_best_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    // A large learning rate on a random graph: the valid MRR stalls within a few epochs.
+    let stopping = [
+        "optimizer.learning_rate=0.5",
+        "evaluation.epochs_per_eval=1",
+        "evaluation.patience=3",
+    ];
+    let reference_dir = dir.path().join("reference");
+    let session = reference_with(&ds, &reference_dir, 40, &stopping);
+    let best_epoch = session.best_epoch().expect("a best epoch was kept");
+    let epochs = session.position().epochs_completed;
+    assert!(
+        epochs < 40 && epochs > best_epoch,
+        "epoch {epochs}, best {best_epoch}: early stopping should end the run"
+    );
+    let (want, want_best) = (tables(&reference_dir), tables(&reference_dir.join("best")));
+    assert_ne!(
+        want, want_best,
+        "the last epoch's tables are not the best's"
+    );
+
+    let out = dir.path().join("run");
+    // Killed after the first best epoch was kept, before the run ends.
+    let spec = train_spec_with(&ds, &out, 40, &stopping);
+    let (_d, mut c, done) = killed_mid_job_then_restarted(dir.path(), spec, best_epoch.min(2) + 1);
+    assert_eq!(done.state, JobState::Succeeded, "{done:?}");
+    assert!(
+        tables(&out) == want,
+        "the resumed job differs from the uninterrupted run"
+    );
+    assert!(
+        tables(&out.join("best")) == want_best,
+        "the job's best/ differs from the uninterrupted run's"
+    );
+    let result = done.result.expect("a train job's result");
+    assert_eq!(result["best_epoch"], best_epoch, "{result}");
+    let final_line = metrics_final_line(&reference_dir);
+    assert_eq!(result["mrr"], final_line["metrics"]["mrr"], "{result}");
+
+    // The best epoch exported by an export job of RUN/best: its entity rows as trained.
+    let export = dir.path().join("export");
+    let job = c.job(Request::Submit {
+        job: JobSpec::Export {
+            run: out.join("best"),
+            out: export.clone(),
+            format: "npy".into(),
+        },
+    });
+    let ended = wait_for(&mut c, job.id, Duration::from_secs(60), |j| {
+        j.state.is_final()
+    });
+    assert_eq!(ended.state, JobState::Succeeded, "{ended:?}");
+    let npy = std::fs::read(export.join("entities.npy")).unwrap();
+    let header = 10 + usize::from(u16::from_le_bytes([npy[8], npy[9]]));
+    let best = legend_engine::run::open(&out.join("best")).unwrap();
+    let meta = legend_engine::run::read_meta(&best).unwrap();
+    let t = legend_engine::run::load_tables(&best, &meta, &legend_fs::Unguarded).unwrap();
+    assert_eq!(meta.epochs_completed, best_epoch);
+    let exported: Vec<f32> = npy[header..]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert!(
+        exported == t.entities,
+        "the export is not the best epoch's entity table"
+    );
+}
+
+/// Submits `job` to a daemon on `dir`, SIGKILLs the daemon once the job has started epoch
+/// `epoch` (and checks that the run had not ended), starts it again and waits for the job to
+/// end: the new daemon, a client of it and the job's final state.
+fn killed_mid_job_then_restarted(
+    dir: &Path,
+    job: JobSpec,
+    epoch: u32,
+) -> (Daemon, Client, JobInfo) {
+    let out = job.dir().clone();
+    let id;
+    {
+        let mut d = Daemon::start(dir);
+        let mut c = d.client();
+        id = c.job(Request::Submit { job }).id;
+        wait_for(&mut c, id, Duration::from_secs(120), |j| {
+            j.progress.epoch >= epoch
+        });
+        d.signal(SIGKILL);
+        d.wait();
+    }
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap_or_default();
+    assert!(
+        !metrics.contains("\"final\""),
+        "the job ended before the daemon was killed: nothing was resumed"
+    );
+    let d = Daemon::start(dir);
+    let mut c = d.client();
+    let done = wait_for(&mut c, id, Duration::from_secs(300), |j| j.state.is_final());
+    (d, c, done)
+}
+
+/// The final line of a run's `metrics.jsonl`.
+fn metrics_final_line(run: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    serde_json::from_str(text.lines().last().unwrap()).unwrap()
 }
 
 #[test]

@@ -62,6 +62,11 @@ pub(super) struct TransENorms {
 /// sum G / dist per row and per negative, `legend_fused_transe_weights`); TransE L1 has no
 /// product form.
 pub(super) fn fused_fits(decoder: Decoder, d: usize, kernels: &FusedKernels) -> bool {
+    // RESCAL's queries kernel does not report the FP16 operand scale (absmax) the fused
+    // products need (Documentation/gpu.md).
+    if decoder == Decoder::Rescal {
+        return false;
+    }
     match decoder.comparator() {
         Comparator::Dot => !kernels.transe && d <= kernels.width,
         Comparator::NegL2 => kernels.transe && d + 2 <= kernels.width,
@@ -145,7 +150,8 @@ impl GpuBatchEngine {
             gpu.ptr(&f.absmax),
         );
         let kernels = &gpu.kernels.fused[f.which];
-        let (loss, margin) = loss_code(self.model.loss);
+        // The temperature is the self-adversarial loss's, which never runs fused.
+        let (loss, margin, _) = loss_code(self.model.loss);
         let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
         let dim_pad = fused_dim_pad(kernels.width);
         let (g032, k32, d32, pad32) = (g0 as u32, k as u32, d as u32, dim_pad as u32);

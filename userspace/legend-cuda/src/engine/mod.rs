@@ -178,20 +178,25 @@ enum Path {
 }
 
 /// The kernels' names of the decoders; a decoder's number is its index. The one definition:
-/// every program is compiled with `-D<name>=<index>` ([`code_defines`]).
-const DECODER_CODES: [(Decoder, &str); 5] = [
+/// every program is compiled with `-D<name>=<index>` ([`code_defines`]). RotatE and RESCAL
+/// have queries and rows-backward kernels of their own (`kernels/rotate.cu`,
+/// `kernels/rescal.cu`); the shared ones never see their numbers.
+const DECODER_CODES: [(Decoder, &str); 7] = [
     (Decoder::Dot, "LEGEND_DOT"),
     (Decoder::DistMult, "LEGEND_DISTMULT"),
     (Decoder::ComplEx, "LEGEND_COMPLEX"),
     (Decoder::TransEL1, "LEGEND_TRANSE_L1"),
     (Decoder::TransEL2, "LEGEND_TRANSE_L2"),
+    (Decoder::RotatE, "LEGEND_ROTATE"),
+    (Decoder::Rescal, "LEGEND_RESCAL"),
 ];
 
 /// The kernels' names of the losses, numbered by index as [`DECODER_CODES`].
-const LOSS_CODES: [&str; 3] = [
+const LOSS_CODES: [&str; 4] = [
     "LEGEND_LOSS_SOFTMAX",
     "LEGEND_LOSS_LOGISTIC",
     "LEGEND_LOSS_RANKING",
+    "LEGEND_LOSS_SELF_ADVERSARIAL",
 ];
 
 /// The kernels' names of the regularisers, numbered by index as [`DECODER_CODES`].
@@ -243,14 +248,17 @@ fn decoder_code(d: Decoder) -> i32 {
         .expect("every decoder has a code") as i32
 }
 
-/// The loss's number in the kernels (an index of [`LOSS_CODES`]) and its margin;
-/// [`GpuBatchEngine::new`] refuses the losses without kernels.
-fn loss_code(l: Loss) -> (i32, f32) {
+/// The loss's number in the kernels (an index of [`LOSS_CODES`]), its margin (the ranking
+/// loss's, the self-adversarial loss's γ) and its temperature (the self-adversarial α).
+fn loss_code(l: Loss) -> (i32, f32, f32) {
     match l {
-        Loss::SoftmaxCe => (0, 0.0),
-        Loss::Logistic => (1, 0.0),
-        Loss::Ranking { margin } => (2, margin),
-        Loss::SelfAdversarial { .. } => unreachable!("refused by GpuBatchEngine::new"),
+        Loss::SoftmaxCe => (0, 0.0, 0.0),
+        Loss::Logistic => (1, 0.0, 0.0),
+        Loss::Ranking { margin } => (2, margin, 0.0),
+        Loss::SelfAdversarial {
+            margin,
+            temperature,
+        } => (3, margin, temperature),
     }
 }
 
@@ -273,17 +281,6 @@ impl GpuBatchEngine {
             .decoder
             .check_dim(model.dim)
             .map_err(GpuError::Shape)?;
-        if model.decoder == Decoder::RotatE {
-            return Err(GpuError::Shape(
-                "rotate has no GPU kernels yet (its query operator and modulus distance)".into(),
-            ));
-        }
-        if let Loss::SelfAdversarial { .. } = model.loss {
-            return Err(GpuError::Shape(
-                "the self_adversarial loss has no GPU kernels yet (its score-weighted negatives)"
-                    .into(),
-            ));
-        }
         if shape.max_batch == 0 || shape.num_chunks == 0 || shape.negatives == 0 || shape.group == 0
         {
             return Err(GpuError::Shape(format!(
@@ -296,8 +293,12 @@ impl GpuBatchEngine {
         let max_rows = shape.max_batch.div_ceil(shape.num_chunks);
         let (d, k) = (model.dim, shape.negatives);
         let lists = 2 * shape.num_chunks;
-        // The narrowest fused kernels that take the rows (see fused_fits), else unfused.
-        let fused = (gpu.kernels.fused.iter()).position(|f| fused::fused_fits(model.decoder, d, f));
+        // The narrowest fused kernels that take the rows (see fused_fits), else unfused. The
+        // self-adversarial loss runs on the unfused path alone (legend_loss; the fused
+        // kernels' losses do not weigh negatives by their scores).
+        let self_adversarial = matches!(model.loss, Loss::SelfAdversarial { .. });
+        let fused = (gpu.kernels.fused.iter())
+            .position(|f| !self_adversarial && fused::fused_fits(model.decoder, d, f));
         let path = match fused {
             Some(which) => Path::Fused(Box::new(FusedBuffers::new(
                 gpu,
@@ -730,12 +731,14 @@ impl GpuBatchEngine {
                 nodes.rows, nodes.dim, nodes.state_width
             )));
         }
+        // Relation rows of the decoder's width (RESCAL: d², a matrix), element-wise state.
+        let rw = self.model.relation_width();
         match (self.model.decoder.uses_relations(), rels) {
-            (true, Some(r)) if r.dim == d && r.rows >= self.relations && r.state_width == d => {
+            (true, Some(r)) if r.dim == rw && r.rows >= self.relations && r.state_width == rw => {
                 Ok(())
             }
             (true, _) => Err(GpuError::Shape(format!(
-                "{} needs a relation table of {} rows of dim {d}",
+                "{} needs a relation table of {} rows of {rw} floats",
                 self.model.decoder, self.relations
             ))),
             (false, _) => Ok(()),
@@ -785,6 +788,9 @@ impl GpuBatchEngine {
         }
         self.check_tables(nodes, rels.as_deref())?;
         self.mark(gpu, "(between steps)")?;
+        // RESCAL's row gradients need every element of the other rows of the edge, which an
+        // in-place step would change under the warp: its rows take the gradient table.
+        let direct = direct && self.model.decoder != Decoder::Rescal;
         if direct {
             self.count_uses(gpu, nodes)?;
         }
@@ -854,7 +860,20 @@ impl GpuBatchEngine {
                 ..warps(0)
             };
 
-            let mut b = s.launch_builder(&kern.queries);
+            // RotatE and RESCAL have their own queries and rows backward, with the same
+            // arguments as the shared ones.
+            let (queries, rows_backward) = match self.model.decoder {
+                Decoder::RotatE => (&kern.rotate_queries, &kern.rotate_rows_backward),
+                Decoder::Rescal => (&kern.rescal_queries, &kern.rescal_rows_backward),
+                // Reciprocal relations and regularisers, and rounded in-place steps, have
+                // kernels of their own, so that the plain step keeps its registers.
+                _ if job_args.inverse != 0 || penalty != 0 => {
+                    (&kern.queries, &kern.rows_backward_extra)
+                }
+                _ if direct && rounding.dtype != 0 => (&kern.queries, &kern.rows_backward_rounded),
+                _ => (&kern.queries, &kern.rows_backward),
+            };
+            let mut b = s.launch_builder(queries);
             b.arg(&job_args)
                 .arg(&nodes.emb)
                 .arg(&rel_emb)
@@ -882,15 +901,6 @@ impl GpuBatchEngine {
                 row_wise: u32::from(nodes.state_width != nodes.dim),
                 pad: 0,
                 rounding,
-            };
-            // Reciprocal relations and regularisers, and rounded in-place steps, have kernels
-            // of their own, so that the plain step keeps its registers.
-            let rows_backward = if job_args.inverse != 0 || penalty != 0 {
-                &kern.rows_backward_extra
-            } else if direct && rounding.dtype != 0 {
-                &kern.rows_backward_rounded
-            } else {
-                &kern.rows_backward
             };
             let mut b = s.launch_builder(rows_backward);
             b.arg(&job_args)

@@ -21,6 +21,11 @@ pub(super) const LOSS_ROWS: usize = 32;
 const DIST_ROWS: usize = 128;
 const DIST_SCORE_COLS: usize = 128;
 const DIST_GRAD_COLS: usize = 64;
+/// Output tiles of RotatE's modulus kernels (`kernels/rotate.cu`): 32 rows by 32 negatives
+/// for the scores, by 16 complex pairs for the gradients.
+const MOD_ROWS: usize = 32;
+const MOD_COLS: usize = 32;
+const MOD_PAIRS: usize = 16;
 
 /// What only the unfused path holds.
 pub(super) struct UnfusedBuffers {
@@ -87,7 +92,7 @@ impl GpuBatchEngine {
         let (nr, sc) = (gpu.ptr(&u.neg_rows), gpu.ptr(&u.scores));
         let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
         let (g032, k32, d32, mr32) = (g0 as u32, k as u32, d as u32, max_rows as u32);
-        let (loss, margin) = loss_code(self.model.loss);
+        let (loss, margin, temperature) = loss_code(self.model.loss);
         let s = gpu.stream().clone();
         let kern = &gpu.kernels;
         let launch = |grid_dim| LaunchConfig {
@@ -149,6 +154,7 @@ impl GpuBatchEngine {
             .arg(&k32)
             .arg(&loss)
             .arg(&margin)
+            .arg(&temperature)
             .arg(&mut self.loss_sum);
         // SAFETY: scores hold group × max_rows × k floats written by the product above;
         // pos/grad_pos group × max_rows; loss_sum one double.
@@ -213,9 +219,9 @@ impl GpuBatchEngine {
                 };
                 return self.gemm(gpu, f, g, batch, splits);
             }
+            Comparator::NegModulus => return self.modulus(gpu, which, g, batch, splits),
             Comparator::NegL1 => 0i32,
             Comparator::NegL2 => 1i32,
-            Comparator::NegModulus => unreachable!("refused by GpuBatchEngine::new"),
         };
         let Path::Unfused(u) = &self.path else {
             unreachable!("the unfused path's products");
@@ -244,6 +250,53 @@ impl GpuBatchEngine {
         // products, and for L2 `dist` holds group × max_rows × k floats, the scores' shape
         // (the scores kernel writes it, the gradient kernels read it); L1 never touches it.
         unsafe { b.launch(cfg) }.during("launching a distance kernel")?;
+        Ok(())
+    }
+
+    /// RotatE's products on the operands `g` describes (`kernels/rotate.cu`): the modulus
+    /// distances and their gradients, which also take the queries or negatives they compare
+    /// against.
+    fn modulus(
+        &self,
+        gpu: &Gpu,
+        which: Product,
+        g: &GemmArgs,
+        batch: u32,
+        splits: u32,
+    ) -> Result<(), GpuError> {
+        let Path::Unfused(u) = &self.path else {
+            unreachable!("the unfused path's products");
+        };
+        let kern = &gpu.kernels;
+        // Tiles of 32 rows by 32 negatives (scores) or by 16 complex pairs (gradients).
+        let (f, cols, other) = match which {
+            Product::Scores => (&kern.modulus_scores, g.n as usize, None),
+            Product::GradQuery => (
+                &kern.modulus_grad_query,
+                g.n as usize / 2,
+                Some(&self.query),
+            ),
+            Product::GradNegatives => (
+                &kern.modulus_grad_negatives,
+                g.n as usize / 2,
+                Some(&u.neg_rows),
+            ),
+        };
+        let col_tile = if other.is_some() { MOD_PAIRS } else { MOD_COLS };
+        let tiles = (g.m as usize).div_ceil(MOD_ROWS) * cols.div_ceil(col_tile);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles as u32, splits, batch),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(g);
+        if let Some(x) = other {
+            b.arg(x);
+        }
+        // SAFETY: as for `gemm`; in the gradient products the queries (dQ) or the gathered
+        // negatives (dN) have C's shape, group × max_rows × d or group × k × d floats.
+        unsafe { b.launch(cfg) }.during("launching a modulus kernel")?;
         Ok(())
     }
 

@@ -298,7 +298,9 @@ impl ComputeBackend for CpuCompute {
         let model = &self.model;
         let known = self.known.as_ref();
         // Reciprocal relations: r⁻¹ is row `inverse + r`.
-        let inverse = self.reciprocal.then(|| rels.emb.len() / dim / 2);
+        // Relation rows are `rw` floats (RESCAL: dim², a matrix).
+        let rw = self.model.relation_width();
+        let inverse = self.reciprocal.then(|| rels.emb.len() / rw / 2);
         let losses: Vec<f64> = self.pool.install(|| {
             blocks
                 .par_iter()
@@ -337,12 +339,13 @@ impl ComputeBackend for CpuCompute {
                         .edges
                         .iter()
                         .enumerate()
-                        .map(move |(i, e)| (e[1], row(&g.rel, i, dim), true));
-                    let inverse = inverse.into_iter().flat_map(move |offset| {
-                        block.edges.iter().enumerate().map(move |(i, e)| {
-                            (e[1] + offset as u32, row(&g.rel_src, i, dim), true)
-                        })
-                    });
+                        .map(move |(i, e)| (e[1], row(&g.rel, i, rw), true));
+                    let inverse =
+                        inverse.into_iter().flat_map(move |offset| {
+                            block.edges.iter().enumerate().map(move |(i, e)| {
+                                (e[1] + offset as u32, row(&g.rel_src, i, rw), true)
+                            })
+                        });
                     forward.chain(inverse)
                 }),
         );
@@ -350,8 +353,8 @@ impl ComputeBackend for CpuCompute {
         let node_rows = host.disjoint_rows_mut(&nodes.ids, dim, width);
         let mut rel_rows: Vec<Option<RowMut<'_>>> = rels
             .emb
-            .chunks_exact_mut(dim)
-            .zip(rels.state.chunks_exact_mut(dim))
+            .chunks_exact_mut(rw.max(1))
+            .zip(rels.state.chunks_exact_mut(rw.max(1)))
             .map(Some)
             .collect();
         let rel_rows: Vec<RowMut<'_>> = relation_rows
@@ -371,7 +374,7 @@ impl ComputeBackend for CpuCompute {
         });
         self.pool.install(|| {
             nodes.apply(node_rows, optimizer, &regularizer, rounding, dim)?;
-            relation_rows.apply(rel_rows, optimizer.for_relations(), &regularizer, None, dim)
+            relation_rows.apply(rel_rows, optimizer.for_relations(), &regularizer, None, rw)
         })?;
         self.loss += losses.iter().sum::<f64>();
         Ok(())
@@ -425,11 +428,12 @@ fn run_block(
     let (mut src, mut dst) = (Vec::new(), Vec::new());
     gather(buffer, block.edges.iter().map(|e| e[0]), dim, &mut src);
     gather(buffer, block.edges.iter().map(|e| e[2]), dim, &mut dst);
+    let rw = model.relation_width();
     let relation_rows = |offset: usize| -> Vec<f32> {
         block
             .edges
             .iter()
-            .flat_map(|e| row(&relations.emb, offset + e[1] as usize, dim))
+            .flat_map(|e| row(&relations.emb, offset + e[1] as usize, rw))
             .copied()
             .collect()
     };

@@ -119,7 +119,9 @@ impl CudaCompute {
             negatives: k,
             group,
         };
-        let num_relations = relations.emb.len().checked_div(dim).unwrap_or(0);
+        // Relation rows are the decoder's width (RESCAL: dim², a matrix).
+        let rw = model.relation_width();
+        let num_relations = relations.emb.len().checked_div(rw).unwrap_or(0);
         // With reciprocal relations the table's second half holds the inverses, which no
         // edge names.
         let reciprocal = config.model.reciprocal_relations;
@@ -177,7 +179,7 @@ impl CudaCompute {
         let rels = if model.decoder.uses_relations() {
             Some(DeviceTable::from_host(
                 &gpu,
-                dim,
+                rw,
                 &relations.emb,
                 &relations.state,
             )?)

@@ -421,11 +421,6 @@ pub fn run_store_bytes(
     block_size: u64,
 ) -> Result<u64, PartitionStoreError> {
     let shape = config.entity_shape();
-    let relations = if config.decoder().uses_relations() {
-        dataset.relations
-    } else {
-        0
-    };
     let spec = store_spec(
         DatasetId {
             id: [0; 16],
@@ -434,7 +429,8 @@ pub fn run_store_bytes(
         dataset.entities,
         shape,
         config.storage.num_partitions,
-        relations * shape.dim as u64 * 8,
+        // The relation rows (reciprocal ones included) and their AdaGrad state.
+        config.relation_floats(dataset.relations) * 8,
     );
     Ok(Layout::compute(&spec, block_size)?.total_bytes)
 }

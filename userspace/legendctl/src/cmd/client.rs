@@ -371,8 +371,13 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
                         );
                     }
                     Some("evaluated") => {
-                        let split = event["line"]["split"].as_str().unwrap_or("?");
-                        eprintln!("{split}: {}", metrics_text(&event["line"]["metrics"]));
+                        let line = &event["line"];
+                        let split = line["split"].as_str().unwrap_or("?");
+                        // Ranked with the best epoch's tables (RUN/best) when they were kept.
+                        let best = line["best_epoch"]
+                            .as_u64()
+                            .map_or(String::new(), |e| format!(" (best epoch {e})"));
+                        eprintln!("{split}{best}: {}", metrics_text(&line["metrics"]));
                     }
                     _ => {}
                 }

@@ -101,9 +101,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     let path = dir.join("relations.npy");
                     let (r, rrows, rdim) = read_npy(&path)?;
                     let want = dataset.meta().relations * if args.reciprocal { 2 } else { 1 };
-                    if rrows as u64 != want || rdim != dim {
+                    // A row of the decoder's width: RESCAL's dim × dim matrices, row-major.
+                    let width = decoder.relation_width(dim);
+                    if rrows as u64 != want || rdim != width {
                         bail!(
-                            "{}: shape ({rrows}, {rdim}), expected ({want}, {dim}){}",
+                            "{}: shape ({rrows}, {rdim}), expected ({want}, {width}){}",
                             path.display(),
                             if args.reciprocal {
                                 " (--reciprocal: the relations, then their inverses)"
