@@ -183,8 +183,9 @@ pub struct Session {
     meta: RunMeta,
     position: Position,
     engine: String,
-    /// The SMART log of the `nvme` backend's controller, read when the run opened it.
-    device_health: Option<legend_nvme::Health>,
+    /// The SMART logs of the `nvme` backend's controllers (one a member of a striped store),
+    /// read when the run opened them.
+    device_health: Vec<legend_nvme::Health>,
     /// The validation evaluations so far (best epoch, early stopping, learning-rate plateaus).
     history: ValidHistory,
 }
@@ -328,7 +329,7 @@ impl Session {
         let relation_floats = meta.relation_floats();
         let fresh_relations = || Relations::init(decoder, meta.relations as usize, dim, &init);
         let engine = device.describe();
-        let mut device_health = None;
+        let mut device_health = Vec::new();
         let (home, relations, position) = if config.uses_store() {
             let recorded = meta.recorded_members();
             let run_dir = std::fs::canonicalize(run.path()).map_err(io_error(run.path()))?;
@@ -378,7 +379,11 @@ impl Session {
                 store
             };
             let position = Position::decode(store.progress())?;
-            device_health = store.controller().and_then(read_health);
+            device_health = store
+                .queued_members()
+                .iter()
+                .filter_map(|m| read_health(&m.controller))
+                .collect();
             let relations = match store.aux(relation_floats * 8)? {
                 Some(bytes) if position != Position::default() => {
                     let all: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
@@ -495,10 +500,7 @@ impl Session {
         } else {
             String::new()
         };
-        let wear = self
-            .device_health
-            .as_ref()
-            .map_or_else(String::new, describe_wear);
+        let wear: String = self.device_health.iter().map(describe_wear).collect();
         format!(
             "training {} d={} on {} ({} entities, {} relations, {} train edges); engine {}, {} backend, {} partitions, buffer {}, order {} ({} buffer states per epoch){writes}{wear}",
             self.config.decoder(),

@@ -201,32 +201,17 @@ impl Trainer {
                             device_slots,
                             for_good,
                         )?),
-                        // A store behind one controller's NVMe queues: the GPU I/O kernels.
-                        PartitionHome::File(s) if s.controller().is_some() => {
-                            let controller = s.controller().cloned().expect("checked");
-                            Box::new(GpuDirectMover::new(
-                                gpu,
-                                at_rest(*s, scheme, config),
-                                device_slots,
-                                &controller,
-                            )?)
-                        }
-                        PartitionHome::File(s) => {
-                            if s.controllers().len() > 1 {
-                                tracing::warn!(
-                                    "the GPU I/O kernels drive one controller: the swaps of \
-                                     this store, striped over {} controllers, go through host \
-                                     memory and CPU submitters",
-                                    s.controllers().len()
-                                );
-                            }
-                            Box::new(GpuCopyMover::new(
-                                gpu,
-                                at_rest(*s, scheme, config),
-                                device_slots,
-                                for_good,
-                            )?)
-                        }
+                        // A store behind NVMe queues (one controller or several): the GPU I/O
+                        // kernels.
+                        PartitionHome::File(s) if !s.queued_members().is_empty() => Box::new(
+                            GpuDirectMover::new(gpu, at_rest(*s, scheme, config), device_slots)?,
+                        ),
+                        PartitionHome::File(s) => Box::new(GpuCopyMover::new(
+                            gpu,
+                            at_rest(*s, scheme, config),
+                            device_slots,
+                            for_good,
+                        )?),
                     };
                     (Box::new(compute), mover, false)
                 }

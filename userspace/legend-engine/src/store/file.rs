@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use legend_fs::{Access, Dir, Guard};
 use legend_nvme_proxy::DeviceModel;
 use legend_storage::{
-    CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, Layout, NvmeTarget, Region, Store,
-    StoreSpec, Target,
+    CreateOptions, DatasetId, Expect, IoBuffer, IoConfig, IoPiece, Layout, NvmeTarget, Region,
+    Store, StoreSpec, Target,
 };
 
 use super::at_rest::{narrow, widen};
@@ -52,9 +52,18 @@ impl MemberFile {
 pub struct FileStore {
     store: Store,
     staging: IoBuffer,
-    /// The controllers of a queue-backed store, one per member (kept for their users, e.g. the
+    /// The members of a queue-backed store, in stripe order (kept for their users, e.g. the
     /// GPU I/O kernels).
-    controllers: Vec<SharedController>,
+    queued: Vec<QueuedMember>,
+}
+
+/// A member of a store behind NVMe queues: its controller and the namespace it is on.
+#[derive(Clone)]
+pub struct QueuedMember {
+    /// The controller.
+    pub controller: SharedController,
+    /// The namespace holding the member.
+    pub namespace: u32,
 }
 
 /// A store's file, a proxy's backing file or a device node: the directory holding it, opened
@@ -169,7 +178,7 @@ impl FileStore {
             let targets = nvme_targets(&controllers, spec.members);
             let nvme: Vec<Target<'_>> = targets.iter().map(Target::Nvme).collect();
             let store = Store::create_striped(&nvme, &store_spec, &opts)?;
-            return Self::with_store(store, controllers);
+            return Self::with_store(store, queued(controllers, spec.members));
         }
         // Members that do not exist yet are made under a temporary name.
         let mut tmps: Vec<Option<StoreFile>> = Vec::with_capacity(spec.members.len());
@@ -239,7 +248,7 @@ impl FileStore {
             let targets = nvme_targets(&controllers, spec.members);
             let nvme: Vec<Target<'_>> = targets.iter().map(Target::Nvme).collect();
             let store = Store::open_striped(&nvme, &expect, &io)?;
-            return Self::with_store(store, controllers);
+            return Self::with_store(store, queued(controllers, spec.members));
         }
         let targets: Vec<Target<'_>> = spec.members.iter().map(|m| m.file.target()).collect();
         Self::with_store(Store::open_striped(&targets, &expect, &io)?, Vec::new())
@@ -247,7 +256,7 @@ impl FileStore {
 
     fn with_store(
         store: Store,
-        controllers: Vec<SharedController>,
+        queued: Vec<QueuedMember>,
     ) -> Result<FileStore, PartitionStoreError> {
         let staging = IoBuffer::new(
             store
@@ -257,7 +266,7 @@ impl FileStore {
         Ok(FileStore {
             store,
             staging,
-            controllers,
+            queued,
         })
     }
 
@@ -270,6 +279,12 @@ impl FileStore {
     /// the length (see [`Store::io_extent`]).
     pub fn io_extent(&self, p: u32, write: bool) -> Result<(u64, u64), PartitionStoreError> {
         Ok(self.store.io_extent(Region::Partition(p), write)?)
+    }
+
+    /// [`FileStore::io_extent`] for a store on any number of members: the transfer's pieces
+    /// (see [`Store::io_pieces`]).
+    pub fn io_pieces(&self, p: u32, write: bool) -> Result<Vec<IoPiece>, PartitionStoreError> {
+        Ok(self.store.io_pieces(Region::Partition(p), write)?)
     }
 
     /// Records that the caller wrote partition `p` itself, at [`FileStore::io_extent`] (the GPU
@@ -290,17 +305,17 @@ impl FileStore {
     }
 
     /// The controller of a queue-backed store on one controller (`None` for a store striped
-    /// over several: [`FileStore::controllers`]).
+    /// over several: [`FileStore::queued_members`]).
     pub fn controller(&self) -> Option<&SharedController> {
-        match self.controllers.as_slice() {
-            [one] => Some(one),
+        match self.queued.as_slice() {
+            [one] => Some(&one.controller),
             _ => None,
         }
     }
 
-    /// The controllers of a queue-backed store, one per member in stripe order.
-    pub fn controllers(&self) -> &[SharedController] {
-        &self.controllers
+    /// The members of a queue-backed store, in stripe order (none for a store on files).
+    pub fn queued_members(&self) -> &[QueuedMember] {
+        &self.queued
     }
 
     /// The progress record of the last commit (empty for a new store).
@@ -373,6 +388,21 @@ fn open_controllers(
             })?;
             prepare(m, q)?;
             controllers::open(q.backend, &m.file, spec.proxy_model)
+        })
+        .collect()
+}
+
+/// The members behind `controllers`, with their namespaces.
+fn queued(controllers: Vec<SharedController>, members: &[MemberFile]) -> Vec<QueuedMember> {
+    controllers
+        .into_iter()
+        .zip(members)
+        .map(|(controller, m)| QueuedMember {
+            controller,
+            namespace: m
+                .queue
+                .expect("checked when the controllers were opened")
+                .namespace,
         })
         .collect()
 }

@@ -9,7 +9,7 @@ pub mod file;
 pub mod location;
 pub(crate) mod memory;
 
-pub use file::{FileStore, FileStoreSpec, MemberFile, PROGRESS_CAPACITY, StoreFile};
+pub use file::{FileStore, FileStoreSpec, MemberFile, PROGRESS_CAPACITY, QueuedMember, StoreFile};
 pub use location::{QueueBackend, QueueLocation, StoreMember};
 pub use memory::{Embeddings, MemoryStore};
 

@@ -6,7 +6,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, RingPlacement};
+use legend_cuda::nvme_io::{
+    CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, IoMember, MemberJob, RingPlacement,
+};
 use legend_cuda::{
     CudaSlice, DEFAULT_CHUNK_BYTES, Gpu, GpuError, RowConverter, RowSpan, Transfer, addr,
 };
@@ -15,7 +17,7 @@ use super::host::HostStore;
 use super::{Fence, IoDirection, IoKernelSpan, Moved, Mover, WriteJob};
 use crate::rows::Partition;
 use crate::store::controllers::SharedController;
-use crate::store::{Embeddings, FileStore, PartitionStore, PartitionStoreError};
+use crate::store::{Embeddings, FileStore, PartitionStore, PartitionStoreError, QueuedMember};
 
 /// The slots of the GPU engine's node table as its movers reach them: raw device addresses.
 ///
@@ -285,9 +287,11 @@ impl<S: PartitionStore> Mover for GpuCopyMover<S> {
     }
 }
 
-/// Slots straight to and from an SSD (or the proxy controller) with the GPU I/O kernels: the
-/// evicted slot is copied (narrowed, for 16-bit rows) into a staging region the controller can
-/// reach, the kernels write it to the partition's extent, and a read runs the other way.
+/// Slots straight to and from SSDs (or proxy controllers) with the GPU I/O kernels: the evicted
+/// slot is copied (narrowed, for 16-bit rows) into a staging region every member's controller
+/// can reach, one launch of the kernels writes it to the partition's extent (its stripe units
+/// to every member of a striped store at once, each on its own controller's queues), and a read
+/// runs the other way.
 pub(crate) struct GpuDirectMover {
     rest: HostStore<FileStore>,
     slots: DeviceSlots,
@@ -302,44 +306,35 @@ pub(crate) struct GpuDirectMover {
 }
 
 impl GpuDirectMover {
-    /// A mover for `gpu`'s `slots` over `rest`, whose store is behind the NVMe queues of
-    /// `controller`.
+    /// A mover for `gpu`'s `slots` over `rest`, whose store is behind NVMe queues: queue pairs
+    /// of every member's controller, on the member's namespace.
     pub(crate) fn new(
         gpu: &Gpu,
         rest: HostStore<FileStore>,
         slots: DeviceSlots,
-        controller: &SharedController,
     ) -> Result<GpuDirectMover, PartitionStoreError> {
         let setup = |e| PartitionStoreError::Controller {
             what: "setting up the GPU I/O kernels' queues".into(),
             source: Box::new(e),
         };
-        let placement = match controller {
-            SharedController::Proxy(p) => {
-                // The proxy moves the kernels' data with this GPU's copy engine.
-                let memory = CudaDeviceMemory::new(gpu).map_err(setup)?;
-                p.attach_device(Arc::new(memory))
-                    .map_err(|e| PartitionStoreError::Controller {
-                        what: "attaching the GPU to the proxy controller".into(),
-                        source: Box::new(e),
-                    })?;
-                RingPlacement::Host
-            }
-            SharedController::Device(_) => RingPlacement::Device,
-        };
-        let opts = GpuIoOptions {
-            placement,
-            ..GpuIoOptions::default()
-        };
-        let mut io = GpuIo::open(gpu, controller.controller(), &opts).map_err(setup)?;
+        let members = rest
+            .store
+            .queued_members()
+            .iter()
+            .map(|m| io_member(gpu, m))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut io = GpuIo::open_members(gpu, &members).map_err(setup)?;
         let staging = io
             .alloc(gpu, rest.store.max_partition_bytes())
             .map_err(setup)?;
+        let opts = &members[0].options;
         tracing::info!(
-            "partition swaps through the GPU I/O kernels: {} queue pairs of depth {} on {}",
+            "partition swaps through the GPU I/O kernels: {} controller(s), {} queue pairs of \
+             depth {} each, on {}",
+            members.len(),
             opts.queues,
             io.depth(),
-            match placement {
+            match opts.placement {
                 RingPlacement::Host => "pinned host memory (the proxy controller)",
                 RingPlacement::Device => "GPU memory",
             }
@@ -354,22 +349,31 @@ impl GpuDirectMover {
         })
     }
 
-    /// Moves partition `p` between the staging region and its extent of the store with one
-    /// launch of the I/O kernels, recorded in `moved`.
+    /// Moves partition `p` between the staging region and its extent of the store (one piece
+    /// a stripe unit, each on its member's queues) with one launch of the I/O kernels,
+    /// recorded in `moved`.
     fn move_staging(
         &mut self,
         p: u32,
         write: bool,
         moved: &mut Moved,
     ) -> Result<(), PartitionStoreError> {
-        let (at, len) = self.rest.store.io_extent(p, write)?;
-        let job = GpuIoJob {
-            region: self.staging,
-            offset: 0,
-            bytes: len,
-            at,
-            write,
-        };
+        let jobs: Vec<MemberJob> = self
+            .rest
+            .store
+            .io_pieces(p, write)?
+            .into_iter()
+            .map(|piece| MemberJob {
+                member: piece.member,
+                job: GpuIoJob {
+                    region: self.staging,
+                    offset: piece.buf_offset,
+                    bytes: piece.len,
+                    at: piece.at,
+                    write,
+                },
+            })
+            .collect();
         let started = Instant::now();
         let (what, op) = if write {
             ("writing", IoDirection::Write)
@@ -378,7 +382,7 @@ impl GpuDirectMover {
         };
         let run = self
             .io
-            .run(&[job], false)
+            .run_members(&jobs, false)
             .map_err(|e| gpu_error(what, p, THROUGH_THE_KERNELS, e))?;
         moved.kernels.push((
             started,
@@ -398,6 +402,35 @@ impl GpuDirectMover {
     fn bytes(&self, p: u32) -> u64 {
         rows_of(&self.rest, p) as u64 * self.rest.shape.bytes()
     }
+}
+
+/// The GPU I/O kernels' queues on store member `m`: a proxy's in pinned host memory (it moves
+/// the kernels' data with this GPU's copy engine), a real controller's in GPU memory.
+fn io_member(gpu: &Gpu, m: &QueuedMember) -> Result<IoMember, PartitionStoreError> {
+    let placement = match &m.controller {
+        SharedController::Proxy(p) => {
+            let memory =
+                CudaDeviceMemory::new(gpu).map_err(|e| PartitionStoreError::Controller {
+                    what: "setting up the proxy controller's copies".into(),
+                    source: Box::new(e),
+                })?;
+            p.attach_device(Arc::new(memory))
+                .map_err(|e| PartitionStoreError::Controller {
+                    what: "attaching the GPU to the proxy controller".into(),
+                    source: Box::new(e),
+                })?;
+            RingPlacement::Host
+        }
+        SharedController::Device(_) => RingPlacement::Device,
+    };
+    Ok(IoMember {
+        controller: m.controller.controller(),
+        options: GpuIoOptions {
+            placement,
+            namespace: m.namespace,
+            ..GpuIoOptions::default()
+        },
+    })
 }
 
 impl Mover for GpuDirectMover {
