@@ -6,7 +6,9 @@
 #   ram     N = 8, C = 3, the other partitions in host RAM (the memory backend's host tier);
 #   proxy   N = 8, C = 3, the store through the proxy controller on tmpfs, as fast as it goes;
 #   980     the same, the proxy modelling one Samsung 980 (storage.proxy_model = samsung-980);
-#   980x    the same with reads and writes on separate budgets (shared=false).
+#   980x    the same with reads and writes on separate budgets (shared=false);
+#   980x2   the store striped over two proxies, each modelling one 980 (two SSDs, 1 MiB units,
+#           both in each launch of the GPU I/O kernels).
 # Every epoch line carries bytes read and written, I/O seconds, compute waited, and the storage
 # bound of the modelled rows (bytes / the model's rates). STATES lists the row formats each
 # layout runs with: an AdaGrad state layout, optionally with a storage.dtype after a slash
@@ -52,12 +54,20 @@ for format in $states; do
     sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
         --set storage.backend=proxy --set "storage.path=\"$data/store-$name.bin\"")
     model=""
+    devices=1
     case ${layout%-noahead} in
     memory) sets=(--set storage.backend=memory) ;;
     ram) sets=(--set storage.backend=memory --set storage.num_partitions=8 --set storage.buffer_capacity=3) ;;
     proxy) ;;
     980) model=samsung-980 ;;
     980x) model="samsung-980,shared=false" ;;
+    980x2)
+        model=samsung-980
+        devices=2
+        sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
+            --set storage.backend=proxy
+            --set "storage.device=[{path=\"$data/store-$name-a.bin\"}, {path=\"$data/store-$name-b.bin\"}]")
+        ;;
     esac
     [ "$layout" != "${layout%-noahead}" ] && sets+=(--set storage.read_ahead=false)
     [ -n "$model" ] && sets+=(--set "storage.proxy_model=\"$model\"")
@@ -78,10 +88,10 @@ for format in $states; do
         status=1
         continue
     fi
-    python3 - "$out/ssd-$name.jsonl" "$name" "$model" <<'PY' | tee -a "$out/ssd-summary.txt"
+    python3 - "$out/ssd-$name.jsonl" "$name" "$model" "$devices" <<'PY' | tee -a "$out/ssd-summary.txt"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-layout, model = sys.argv[2], sys.argv[3]
+layout, model, devices = sys.argv[2], sys.argv[3], int(sys.argv[4])
 # The model's rates (GB/s) and whether reads and writes share one budget.
 rates = {"samsung-980": (3.19, 2.24, True), "samsung-980,shared=false": (3.19, 2.24, False)}
 def mrr(v):
@@ -100,11 +110,12 @@ for r in rows:
     if model in rates:
         rd, wr, shared = rates[model]
         t_r, t_w = read / 1e9 / rd, written / 1e9 / wr
-        bound = t_r + t_w if shared else max(t_r, t_w)
+        # Striped: every device serves its share at once.
+        bound = (t_r + t_w if shared else max(t_r, t_w)) / devices
         line += f", storage bound {bound:.2f} s ({r['seconds']/bound:.2f}x)"
     print(line)
 PY
-    rm -rf "$data/store-$name.bin"
+    rm -rf "$data/store-$name"*.bin
 done
 done
 rm -rf "$data" "$work"
