@@ -977,9 +977,13 @@ fn rounded_rows_take_their_step_in_place() {
             "{what}: against the CPU's step from the GPU's gradients"
         );
         // The moves are mostly the rounding's (a step is smaller than the format's gap), so a
-        // value one step off moves a whole gap: the moves' error is printed, not bounded.
+        // value one step off moves a whole gap: the moves' error is printed, not bounded. A
+        // gradient error flips a rounding in proportion to error / gap, and f16's gap is 8 times
+        // narrower than bf16's (H200, 2026-11-27: bf16 180 and 185 of 90 000 values apart, f16
+        // 1035), hence 1 % of the values for bf16 and 4 % for f16.
+        let percent = if dtype == Dtype::F16 { 4 } else { 1 };
         assert!(
-            cpu_differ * 100 < used * d && state_err < 1e-5,
+            cpu_differ * 100 < percent * used * d && state_err < 1e-5,
             "{what}: against the CPU"
         );
     }

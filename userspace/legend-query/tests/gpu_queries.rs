@@ -50,7 +50,8 @@ fn the_gpu_scan_answers_as_the_cpu_scan_resident_and_streamed() {
         (3000, 100, 60),
     ] {
         let entities = grid(ne * dim, 1);
-        let relations = grid(2 * nr * dim, 2);
+        // Rows of the widest decoder's relations (RESCAL's dim x dim), each taking its prefix.
+        let relations = grid(2 * nr * dim * dim, 2);
         let known: Vec<[u32; 3]> = (0..3000u32)
             .map(|i| [i % 40, i % nr as u32, (i * 7919) % ne as u32])
             .collect();
@@ -69,7 +70,8 @@ fn the_gpu_scan_answers_as_the_cpu_scan_resident_and_streamed() {
                 continue;
             }
             for reciprocal in [false, true] {
-                let rel = relations[..if reciprocal { 2 } else { 1 } * nr * dim].to_vec();
+                let rows = if reciprocal { 2 } else { 1 } * nr;
+                let rel = relations[..rows * decoder.relation_width(dim)].to_vec();
                 let model = || {
                     Model::in_memory(
                         decoder,
