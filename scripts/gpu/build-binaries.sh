@@ -16,7 +16,7 @@ cargo build --release -p legend-cuda --examples
 cp "$CARGO_TARGET_DIR/release/examples/batch_bench" "$out/"
 cargo build --release -p legendctl
 cp "$CARGO_TARGET_DIR/release/legendctl" "$out/"
-cargo test --release -p legend-cuda -p legend-engine -p legend-query --no-run --message-format=json 2>/dev/null |
+cargo test --release -p legend-cuda -p legend-engine -p legend-query --no-run --message-format=json |
     python3 -c '
 import json, shutil, sys
 for line in sys.stdin:

@@ -8,7 +8,11 @@
 #   980     the same, the proxy modelling one Samsung 980 (storage.proxy_model = samsung-980);
 #   980x    the same with reads and writes on separate budgets (shared=false);
 #   980x2   the store striped over two proxies, each modelling one 980 (two SSDs, 1 MiB units,
-#           both in each launch of the GPU I/O kernels).
+#           both in each launch of the GPU I/O kernels);
+#   file-disk, proxy-disk
+#           the store on the machine's disk (LEGEND_WORK), page cache bypassed: the `file`
+#           backend (io_uring, O_DIRECT) and the proxy (GPU I/O kernels); their storage bound
+#           uses the disk's O_DIRECT rates, measured first with `legendctl bench io`.
 # Every epoch line carries bytes read and written, I/O seconds, compute waited, and the storage
 # bound of the modelled rows (bytes / the model's rates). STATES lists the row formats each
 # layout runs with: an AdaGrad state layout, optionally with a storage.dtype after a slash
@@ -44,6 +48,21 @@ start=$SECONDS
     "$data/g" >"$out/ssd-generate.log" 2>&1 || { tail "$out/ssd-generate.log"; exit 1; }
 echo "== generated $nodes nodes, $edges edges in $((SECONDS - start)) s"
 
+# The disk's O_DIRECT rates (GB/s), for the disk layouts' storage bound: 1 MiB requests, 4
+# rings of 16, over a 4 GiB file, as a swap moves partitions.
+disk_rates=""
+if [[ " $layouts " == *-disk* ]]; then
+    probe=$work/probe.bin
+    rate() {
+        "$ctl" bench io --path "$probe" --op "$1" --queues 4 --depth 16 --span 4294967296 \
+            --seconds 3 --json 2>/dev/null | python3 -c 'import json,sys; print(round(json.loads(sys.stdin.read())["gb_per_s"], 3))'
+    }
+    head -c 4294967296 /dev/urandom >"$probe"
+    disk_rates="$(rate read) $(rate write)"
+    rm -f "$probe"
+    echo "== disk O_DIRECT read / write GB/s: $disk_rates" | tee -a "$out/ssd-hw.txt"
+fi
+
 for layout in $layouts; do
 for format in $states; do
     state=${format%%/*}
@@ -54,6 +73,7 @@ for format in $states; do
     sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
         --set storage.backend=proxy --set "storage.path=\"$data/store-$name.bin\"")
     model=""
+    rates=""
     devices=1
     case ${layout%-noahead} in
     memory) sets=(--set storage.backend=memory) ;;
@@ -68,9 +88,14 @@ for format in $states; do
             --set storage.backend=proxy
             --set "storage.device=[{path=\"$data/store-$name-a.bin\"}, {path=\"$data/store-$name-b.bin\"}]")
         ;;
+    file-disk | proxy-disk)
+        sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
+            --set "storage.backend=${layout%-disk}" --set "storage.path=\"$work/store-$name.bin\"")
+        rates="disk $disk_rates"
+        ;;
     esac
     [ "$layout" != "${layout%-noahead}" ] && sets+=(--set storage.read_ahead=false)
-    [ -n "$model" ] && sets+=(--set "storage.proxy_model=\"$model\"")
+    [ -n "$model" ] && sets+=(--set "storage.proxy_model=\"$model\"") && rates=$model
     sets+=(--set "optimizer.state=$state" --set "storage.dtype=$dtype")
     run=$work/run-$name
     start=$SECONDS
@@ -88,12 +113,15 @@ for format in $states; do
         status=1
         continue
     fi
-    python3 - "$out/ssd-$name.jsonl" "$name" "$model" "$devices" <<'PY' | tee -a "$out/ssd-summary.txt"
+    python3 - "$out/ssd-$name.jsonl" "$name" "$rates" "$devices" <<'PY' | tee -a "$out/ssd-summary.txt"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 layout, model, devices = sys.argv[2], sys.argv[3], int(sys.argv[4])
 # The model's rates (GB/s) and whether reads and writes share one budget.
 rates = {"samsung-980": (3.19, 2.24, True), "samsung-980,shared=false": (3.19, 2.24, False)}
+if model.startswith("disk ") and len(model.split()) == 3:
+    # Measured O_DIRECT rates; one disk serves reads and writes from one budget.
+    rates[model] = (float(model.split()[1]), float(model.split()[2]), True)
 def mrr(v):
     if isinstance(v, dict):
         return v.get("mrr") if "mrr" in v else next((m for m in map(mrr, v.values()) if m is not None), None)
@@ -115,7 +143,7 @@ for r in rows:
         line += f", storage bound {bound:.2f} s ({r['seconds']/bound:.2f}x)"
     print(line)
 PY
-    rm -rf "$data/store-$name"*.bin
+    rm -rf "$data/store-$name"*.bin "$work/store-$name"*.bin
 done
 done
 rm -rf "$data" "$work"
