@@ -195,6 +195,11 @@ fn invalid(path: &Path, message: impl Into<String>) -> RunError {
     }
 }
 
+/// A store's error `e` as the run's, naming the store `path`, with the error's sources.
+fn store_error(path: &Path, e: &dyn std::error::Error) -> RunError {
+    invalid(path, crate::error::with_sources(e))
+}
+
 /// The error for a directory without `run.toml`, saying what it is instead where that is clear.
 fn not_a_run(dir: &Path) -> RunError {
     let why = if !dir.exists() {
@@ -418,7 +423,7 @@ fn open_members(
         .unwrap_or_default()
         .iter()
         .map(|m| {
-            MemberFile::of_run(run, &run_dir, m, guard).map_err(|e| invalid(&m.path, e.to_string()))
+            MemberFile::of_run(run, &run_dir, m, guard).map_err(|e| store_error(&m.path, &e))
         })
         .collect::<Result<Vec<_>, _>>()?;
     let spec = crate::store::FileStoreSpec {
@@ -433,7 +438,7 @@ fn open_members(
         proxy_model,
     };
     let store = crate::store::FileStore::open_any_partitioning(&spec)
-        .map_err(|e| invalid(path, e.to_string()))?;
+        .map_err(|e| store_error(path, &e))?;
     Ok((store, members))
 }
 
@@ -457,7 +462,7 @@ pub fn stream_entities(
             .for_each_partition(read_config(run)?.init(), |part| {
                 block(&part.emb).map_err(|e| e.to_string())
             })
-            .map_err(|e| invalid(path, e.to_string()));
+            .map_err(|e| store_error(path, &e));
     }
     let (mut file, path) = open_entity_file(run, meta)?;
     let dtype = meta.entity_dtype;
@@ -557,7 +562,7 @@ impl RowReader {
         match &mut self.source {
             RowSource::Store(store, init) => store
                 .read_rows(init, ids, out)
-                .map_err(|e| invalid(path, e.to_string())),
+                .map_err(|e| store_error(path, &e)),
             RowSource::File {
                 file,
                 dtype,
@@ -622,7 +627,7 @@ pub fn load_relations(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Ve
         return store
             .relations(floats)
             .map(|(emb, _)| emb)
-            .map_err(|e| invalid(path, e.to_string()));
+            .map_err(|e| store_error(path, &e));
     }
     {
         let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[2]);
@@ -652,7 +657,7 @@ pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Table
         let store = open_run_store(run, path, meta, guard)?;
         return store
             .read_tables(read_config(run)?.init(), meta.relation_floats())
-            .map_err(|e| invalid(path, e.to_string()));
+            .map_err(|e| store_error(path, &e));
     }
     let dir = Path::new(&meta.checkpoint);
     let rows = [meta.entities, meta.entities, meta.relations, meta.relations];

@@ -306,9 +306,14 @@ fn entity_bytes(meta: &RunMeta) -> u64 {
     meta.entities.saturating_mul(meta.dim as u64).saturating_mul(4)
 }
 
-/// GiB, for messages.
-fn gib(bytes: u64) -> f64 {
-    bytes as f64 / f64::from(1u32 << 30)
+/// `bytes` in GiB, MiB or KiB, whichever is at least 1, for messages.
+fn size(bytes: u64) -> String {
+    let b = bytes as f64;
+    match bytes {
+        0..0x10_0000 => format!("{:.1} KiB", b / 1024.0),
+        0x10_0000..0x4000_0000 => format!("{:.1} MiB", b / f64::from(1u32 << 20)),
+        _ => format!("{:.2} GiB", b / f64::from(1u32 << 30)),
+    }
 }
 
 /// Why `meta`'s entity rows are streamed rather than read into memory, when they take more
@@ -318,9 +323,9 @@ fn too_big_for_memory(meta: &RunMeta) -> Option<String> {
     let available = legend_engine::memory::available_bytes()?;
     (bytes > available / 2).then(|| {
         format!(
-            "{:.2} GiB of entity rows, more than half the {:.2} GiB of memory available",
-            gib(bytes),
-            gib(available)
+            "{} of entity rows, more than half the {} of memory available",
+            size(bytes),
+            size(available)
         )
     })
 }
@@ -375,9 +380,9 @@ impl QueryRun<'static> {
             };
             (bytes > limit).then(|| {
                 let why = format!(
-                    "{:.2} GiB of entity rows, more than the {:.2} GiB {what}",
-                    gib(bytes),
-                    gib(limit)
+                    "{} of entity rows, more than the {} {what}",
+                    size(bytes),
+                    size(limit)
                 );
                 (StreamGuard::Shared(shared), why)
             })

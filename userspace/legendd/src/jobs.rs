@@ -237,13 +237,7 @@ fn utc(secs: u64) -> String {
 
 /// An error with its causes, on one line.
 fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(c) = source {
-        let _ = write!(s, ": {c}");
-        source = c.source();
-    }
-    s
+    legend_engine::error::with_sources(e)
 }
 
 impl Jobs {
