@@ -150,6 +150,7 @@ mod tests {
             "serve_device = \"gpu\"\n",
             "serve_gpu_memory = 1.5\n",
             "serve_cache_fraction = -0.1\n",
+            "serve_host_memory_mib = -1\n",
         ] {
             std::fs::write(&path, text).unwrap();
             let e = DaemonConfig::load(&path, true).unwrap_err().to_string();
