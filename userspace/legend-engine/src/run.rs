@@ -422,9 +422,7 @@ fn open_members(
         .recorded_members()
         .unwrap_or_default()
         .iter()
-        .map(|m| {
-            MemberFile::of_run(run, &run_dir, m, guard).map_err(|e| store_error(&m.path, &e))
-        })
+        .map(|m| MemberFile::of_run(run, &run_dir, m, guard).map_err(|e| store_error(&m.path, &e)))
         .collect::<Result<Vec<_>, _>>()?;
     let spec = crate::store::FileStoreSpec {
         members: &members,
@@ -437,8 +435,8 @@ fn open_members(
         force: false,
         proxy_model,
     };
-    let store = crate::store::FileStore::open_any_partitioning(&spec)
-        .map_err(|e| store_error(path, &e))?;
+    let store =
+        crate::store::FileStore::open_any_partitioning(&spec).map_err(|e| store_error(path, &e))?;
     Ok((store, members))
 }
 
@@ -608,7 +606,9 @@ impl RowReader {
                 let floats = rows * u64::from(spec.dim + spec.state_width);
                 2 * floats * 4 + store.max_partition_bytes() as u64
             }
-            RowSource::File { dtype, dim, rows, .. } => {
+            RowSource::File {
+                dtype, dim, rows, ..
+            } => {
                 let floats = (STREAM_FLOATS as u64).min(*rows * *dim as u64);
                 floats * (4 + dtype.bytes() as u64)
             }

@@ -303,7 +303,9 @@ pub enum Residency {
 
 /// Bytes of `meta`'s entity rows in f32 (in host memory).
 fn entity_bytes(meta: &RunMeta) -> u64 {
-    meta.entities.saturating_mul(meta.dim as u64).saturating_mul(4)
+    meta.entities
+        .saturating_mul(meta.dim as u64)
+        .saturating_mul(4)
 }
 
 /// `bytes` in GiB, MiB or KiB, whichever is at least 1, for messages.

@@ -571,7 +571,13 @@ impl Store {
         let len = range.end.next_multiple_of(bs).min(io_len) - start;
         let mut transfers: Vec<Vec<MediumIo<'_>>> =
             (0..self.members.len()).map(|_| Vec::new()).collect();
-        self.add_transfer(&mut transfers, region, buf.raw(), (base + start, len), false)?;
+        self.add_transfer(
+            &mut transfers,
+            region,
+            buf.raw(),
+            (base + start, len),
+            false,
+        )?;
         self.run_transfers(transfers)?;
         Ok((range.start - start) as usize)
     }

@@ -344,7 +344,9 @@ impl Jobs {
                 .map_err(|e| anyhow::anyhow!("serve_device: {e}"))?,
             serve_gpu_memory: config.serve_gpu_memory,
             serve_cache_fraction: config.serve_cache_fraction,
-            serve_host_memory: config.serve_host_memory_mib.map(|m| m.saturating_mul(1 << 20)),
+            serve_host_memory: config
+                .serve_host_memory_mib
+                .map(|m| m.saturating_mul(1 << 20)),
             serve_gpu: Mutex::default(),
             max_per_user: config.max_jobs_per_user,
             max_ended_per_user: config.max_ended_jobs_per_user,
@@ -907,14 +909,9 @@ impl Jobs {
         let options = legend_query::GpuOptions { budget, ..options };
         // The run keeps the guard: a streamed run reads through it for as long as it serves.
         let reads: Arc<dyn legend_fs::Guard> = Arc::new(guard.clone());
-        let loaded = legend_query::QueryRun::open_served(
-            run,
-            None,
-            reads,
-            &options,
-            self.serve_host_memory,
-        )
-        .map_err(|e| chain(&e))?;
+        let loaded =
+            legend_query::QueryRun::open_served(run, None, reads, &options, self.serve_host_memory)
+                .map_err(|e| chain(&e))?;
         let served = Arc::new(Served::new(owner, gid, loaded));
         let gpu_bytes = served.gpu_bytes();
         let on = match (held.as_mut(), ordinal) {

@@ -2271,7 +2271,10 @@ fn a_run_over_the_serve_jobs_host_memory_is_served_streamed_with_the_resident_an
             "file-f32",
             &["storage.backend=file", "model.reciprocal_relations=true"][..],
         ),
-        ("file-bf16", &["storage.backend=file", "storage.dtype=bf16"][..]),
+        (
+            "file-bf16",
+            &["storage.backend=file", "storage.dtype=bf16"][..],
+        ),
         ("memory", &[][..]),
     ] {
         let run = dir.path().join(name);
@@ -2355,12 +2358,8 @@ fn a_run_over_the_serve_jobs_host_memory_is_served_streamed_with_the_resident_an
 /// The id of the known end of a predict answer.
 fn served_label_id(answer: &legend_query::Answer) -> u32 {
     match answer {
-        legend_query::Answer::Predict {
-            head: Some(n), ..
-        }
-        | legend_query::Answer::Predict {
-            tail: Some(n), ..
-        } => n.id,
+        legend_query::Answer::Predict { head: Some(n), .. }
+        | legend_query::Answer::Predict { tail: Some(n), .. } => n.id,
         other => panic!("{other:?}"),
     }
 }
@@ -2434,10 +2433,9 @@ fn a_streamed_run_with_a_missing_or_damaged_store_fails_naming_it() {
         .unwrap()
         .set_len(len / 2)
         .unwrap();
-    let predict: Vec<Query> = serde_json::from_str(
-        r#"[{"query": "predict", "head": "e1", "relation": "r0", "top": 3}]"#,
-    )
-    .unwrap();
+    let predict: Vec<Query> =
+        serde_json::from_str(r#"[{"query": "predict", "head": "e1", "relation": "r0", "top": 3}]"#)
+            .unwrap();
     for queries in [&predict, &lookup] {
         match ask_served(&mut c, job, queries) {
             Reply::Error {
