@@ -2051,19 +2051,7 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
         })
     };
     // Answered once the run is loaded (`unavailable` until then).
-    let started = Instant::now();
-    let first = loop {
-        match ask(&mut owner) {
-            Reply::Error {
-                code: ErrorCode::Unavailable,
-                message,
-            } => {
-                assert!(started.elapsed() < Duration::from_secs(60), "{message}");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            reply => break reply,
-        }
-    };
+    let first = ask_served(&mut owner, job.id, &queries);
     let want = QueryRun::open(&run, None, &legend_fs::Unguarded, Residency::Streamed)
         .unwrap()
         .answer(&queries, 1000, &|i| i.to_string())
@@ -2229,6 +2217,17 @@ fn serve(c: &mut Client, run: &Path) -> u64 {
     .id
 }
 
+/// A graph of 400 entities and 3 relations in `dir/ds` (returned), and a daemon configuration
+/// in `dir` whose serve jobs may hold no entity rows in host memory: every served run streams.
+fn streaming_daemon_setup(dir: &Path) -> PathBuf {
+    let ds = dir.join("ds");
+    let mut o = GenerateOptions::new(400, 3000);
+    o.relations = 3;
+    generate(&o, &ds).unwrap();
+    std::fs::write(dir.join("legendd.toml"), "serve_host_memory_mib = 0\n").unwrap();
+    ds
+}
+
 /// A daemon whose serve jobs may hold no entity rows in host memory (`serve_host_memory_mib =
 /// 0`) serves every run streamed, answering exactly as the same run in memory: a file store of
 /// 4 partitions in f32 (with reciprocal relations: heads predicted through r⁻¹'s rows) and in
@@ -2238,15 +2237,7 @@ fn serve(c: &mut Client, run: &Path) -> u64 {
 fn a_run_over_the_serve_jobs_host_memory_is_served_streamed_with_the_resident_answers() {
     use legend_query::{Answer, Completion, Model, Query, QueryRun, Residency};
     let dir = tempfile::tempdir().unwrap();
-    let ds = dir.path().join("ds");
-    let mut o = GenerateOptions::new(400, 3000);
-    o.relations = 3;
-    generate(&o, &ds).unwrap();
-    std::fs::write(
-        dir.path().join("legendd.toml"),
-        "serve_host_memory_mib = 0\n",
-    )
-    .unwrap();
+    let ds = streaming_daemon_setup(dir.path());
     let d = Daemon::start(dir.path());
     let mut c = d.client();
     let queries: Vec<Query> = serde_json::from_str(
@@ -2371,15 +2362,7 @@ fn served_label_id(answer: &legend_query::Answer) -> u32 {
 fn a_streamed_run_with_a_missing_or_damaged_store_fails_naming_it() {
     use legend_query::Query;
     let dir = tempfile::tempdir().unwrap();
-    let ds = dir.path().join("ds");
-    let mut o = GenerateOptions::new(400, 3000);
-    o.relations = 3;
-    generate(&o, &ds).unwrap();
-    std::fs::write(
-        dir.path().join("legendd.toml"),
-        "serve_host_memory_mib = 0\n",
-    )
-    .unwrap();
+    let ds = streaming_daemon_setup(dir.path());
     let store_run = |name: &str| {
         let run = dir.path().join(name);
         let sets = ["training.device=cpu", "storage.backend=file"];
