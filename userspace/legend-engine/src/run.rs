@@ -195,6 +195,11 @@ fn invalid(path: &Path, message: impl Into<String>) -> RunError {
     }
 }
 
+/// A store's error `e` as the run's, naming the store `path`, with the error's sources.
+fn store_error(path: &Path, e: &dyn std::error::Error) -> RunError {
+    invalid(path, crate::error::with_sources(e))
+}
+
 /// The error for a directory without `run.toml`, saying what it is instead where that is clear.
 fn not_a_run(dir: &Path) -> RunError {
     let why = if !dir.exists() {
@@ -417,9 +422,7 @@ fn open_members(
         .recorded_members()
         .unwrap_or_default()
         .iter()
-        .map(|m| {
-            MemberFile::of_run(run, &run_dir, m, guard).map_err(|e| invalid(&m.path, e.to_string()))
-        })
+        .map(|m| MemberFile::of_run(run, &run_dir, m, guard).map_err(|e| store_error(&m.path, &e)))
         .collect::<Result<Vec<_>, _>>()?;
     let spec = crate::store::FileStoreSpec {
         members: &members,
@@ -432,8 +435,8 @@ fn open_members(
         force: false,
         proxy_model,
     };
-    let store = crate::store::FileStore::open_any_partitioning(&spec)
-        .map_err(|e| invalid(path, e.to_string()))?;
+    let store =
+        crate::store::FileStore::open_any_partitioning(&spec).map_err(|e| store_error(path, &e))?;
     Ok((store, members))
 }
 
@@ -457,21 +460,11 @@ pub fn stream_entities(
             .for_each_partition(read_config(run)?.init(), |part| {
                 block(&part.emb).map_err(|e| e.to_string())
             })
-            .map_err(|e| invalid(path, e.to_string()));
+            .map_err(|e| store_error(path, &e));
     }
-    let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[0]);
-    let path = run.join(&rel);
+    let (mut file, path) = open_entity_file(run, meta)?;
     let dtype = meta.entity_dtype;
     let floats = meta.entities * meta.dim as u64;
-    let want = floats * dtype.bytes() as u64;
-    let mut file = run.open_file(&rel, Access::Read).map_err(io(&path))?;
-    let len = file.metadata().map_err(io(&path))?.len();
-    if len != want {
-        return Err(invalid(
-            &path,
-            format!("holds {len} bytes, expected {want} ({dtype})"),
-        ));
-    }
     let mut crc = crc32fast::Hasher::new();
     let mut buf = vec![0f32; STREAM_FLOATS.min(floats as usize)];
     let mut stored = vec![0u8; buf.len() * dtype.bytes()];
@@ -494,6 +487,135 @@ pub fn stream_entities(
     Ok(())
 }
 
+/// The current checkpoint's entity file (a run without a store), opened and its size checked
+/// against the run's record; with its path, for messages.
+fn open_entity_file(run: &Dir, meta: &RunMeta) -> Result<(File, PathBuf), RunError> {
+    let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[0]);
+    let path = run.join(&rel);
+    let dtype = meta.entity_dtype;
+    let want = meta.entities * meta.dim as u64 * dtype.bytes() as u64;
+    let file = run.open_file(&rel, Access::Read).map_err(io(&path))?;
+    let len = file.metadata().map_err(io(&path))?.len();
+    if len != want {
+        return Err(invalid(
+            &path,
+            format!("holds {len} bytes, expected {want} ({dtype})"),
+        ));
+    }
+    Ok((file, path))
+}
+
+/// A run's current entity rows opened for reads of a few rows at a time (a query's lookups):
+/// its store kept open, or its checkpoint file.
+pub struct RowReader {
+    source: RowSource,
+    /// The store or file, for messages.
+    path: PathBuf,
+}
+
+enum RowSource {
+    /// Rows read alone from the store ([`crate::store::FileStore::read_rows`]).
+    Store(Box<crate::store::FileStore>, legend_model::Init),
+    /// Rows read at their offsets in the checkpoint file.
+    File {
+        file: File,
+        dtype: Dtype,
+        dim: usize,
+        rows: u64,
+    },
+}
+
+impl RowReader {
+    /// Opens `meta`'s rows in `run`, through `guard`: the store, or the checkpoint's entity file
+    /// (its size checked).
+    pub fn open(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<RowReader, RunError> {
+        if let Some(path) = &meta.store {
+            let store = open_run_store(run, path, meta, guard)?;
+            return Ok(RowReader {
+                source: RowSource::Store(Box::new(store), read_config(run)?.init()),
+                path: path.clone(),
+            });
+        }
+        let (file, path) = open_entity_file(run, meta)?;
+        Ok(RowReader {
+            source: RowSource::File {
+                file,
+                dtype: meta.entity_dtype,
+                dim: meta.dim,
+                rows: meta.entities,
+            },
+            path,
+        })
+    }
+
+    /// The rows `ids` (any order), widened to f32 into `out` (one row per id, in `ids`' order),
+    /// each read alone: from the store only the blocks that hold them (never the AdaGrad state;
+    /// a never-written partition's rows drawn as training draws them), from a checkpoint file
+    /// at their offsets. A checkpoint file's checksum covers the whole table and is checked by
+    /// [`stream_entities`] only: a reader of a few rows relies on the size check at
+    /// [`RowReader::open`] and on a whole pass having checked it (a serve job makes one when it
+    /// loads).
+    pub fn read(&mut self, ids: &[u64], out: &mut [f32]) -> Result<(), RunError> {
+        let path = &self.path;
+        match &mut self.source {
+            RowSource::Store(store, init) => store
+                .read_rows(init, ids, out)
+                .map_err(|e| store_error(path, &e)),
+            RowSource::File {
+                file,
+                dtype,
+                dim,
+                rows,
+            } => {
+                use std::os::unix::fs::FileExt;
+                let row_bytes = *dim * dtype.bytes();
+                let mut stored = vec![0u8; row_bytes];
+                for (&id, row) in ids.iter().zip(out.chunks_exact_mut(*dim)) {
+                    if id >= *rows {
+                        return Err(invalid(
+                            path,
+                            format!("row {id} asked of a table of {rows} rows"),
+                        ));
+                    }
+                    file.read_exact_at(&mut stored, id * row_bytes as u64)
+                        .map_err(io(path))?;
+                    dtype.widen(&stored, row);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Bytes of host memory the reader holds: a store's staging buffer (a partition at rest).
+    pub fn held_bytes(&self) -> u64 {
+        match &self.source {
+            RowSource::Store(store, _) => store.max_partition_bytes() as u64,
+            RowSource::File { .. } => 0,
+        }
+    }
+
+    /// Bytes of host memory a [`stream_entities`] pass over the same run holds at most: from a
+    /// store, two partitions in f32 (the one being used and the one read ahead, embeddings
+    /// and AdaGrad state, as the swap path holds them) and the store's staging buffer; from a
+    /// checkpoint file, one block in f32 and as stored.
+    pub fn stream_bytes(&self) -> u64 {
+        match &self.source {
+            RowSource::Store(store, _) => {
+                let spec = store.spec();
+                let rows = legend_storage::rows_per_partition(spec.num_nodes, spec.num_partitions);
+                let floats = rows * u64::from(spec.dim + spec.state_width);
+                2 * floats * 4 + store.max_partition_bytes() as u64
+            }
+            RowSource::File {
+                dtype, dim, rows, ..
+            } => {
+                let floats = (STREAM_FLOATS as u64).min(*rows * *dim as u64);
+                floats * (4 + dtype.bytes() as u64)
+            }
+        }
+    }
+}
+
 /// The current checkpoint's relation embeddings (small: the rows of each relation).
 pub fn load_relations(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Vec<f32>, RunError> {
     if meta.relations == 0 {
@@ -505,7 +627,7 @@ pub fn load_relations(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Ve
         return store
             .relations(floats)
             .map(|(emb, _)| emb)
-            .map_err(|e| invalid(path, e.to_string()));
+            .map_err(|e| store_error(path, &e));
     }
     {
         let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[2]);
@@ -535,7 +657,7 @@ pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Table
         let store = open_run_store(run, path, meta, guard)?;
         return store
             .read_tables(read_config(run)?.init(), meta.relation_floats())
-            .map_err(|e| invalid(path, e.to_string()));
+            .map_err(|e| store_error(path, &e));
     }
     let dir = Path::new(&meta.checkpoint);
     let rows = [meta.entities, meta.entities, meta.relations, meta.relations];

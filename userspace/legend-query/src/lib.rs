@@ -12,11 +12,11 @@
 //! Top-K is exact: every entity is scored, on every core, and ties are broken by the lower id
 //! (NaN scores last), so an answer never depends on the thread count or the partitioning.
 //! Entities and relations are named by their dataset labels (or by id); an unknown name is an
-//! error naming it. A run is answered either from memory ([`Residency::Resident`], the serve
-//! job) or straight from its checkpoint or store, a piece at a time, for runs larger than
-//! memory ([`Residency::Streamed`]; a batch of queries reads the table at most twice: once for
-//! the rows of the entities it names, once to score every entity); [`Residency::Fitting`]
-//! picks by the memory available.
+//! error naming it. A run is answered either from memory ([`Residency::Resident`]) or straight
+//! from its checkpoint or store, for runs larger than memory ([`Residency::Streamed`]: the rows
+//! of the entities a batch names read alone, and the table read once, a piece at a time
+//! through the training swap path, to score every entity); [`Residency::Fitting`] picks by the
+//! memory available, and a served run ([`QueryRun::open_served`]) by the memory it may take.
 //!
 //! On a GPU ([`GpuOptions`], [`QueryRun::open_on`]) the entity rows go into GPU memory when they
 //! fit, and legend-cuda's scan answers `predict` and `neighbors` with the CPU's answers, bit for

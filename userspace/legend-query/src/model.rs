@@ -10,8 +10,10 @@
 //! scan runs as legend-cuda's, which gives the same scores and order; the query vectors are
 //! made here either way.
 
+use std::sync::{Arc, Mutex, MutexGuard};
+
 use legend_cuda::scan::{EntityRows, SCAN_MAX_QUERIES, Scan, ScanScoring};
-use legend_engine::run::{self, RunError, RunMeta};
+use legend_engine::run::{self, RowReader, RunError, RunMeta};
 use legend_eval::{FilterIndex, Kernel};
 use legend_fs::{Dir, Guard};
 use legend_model::{Comparator, Decoder, Side};
@@ -34,17 +36,43 @@ enum Entities<'a> {
     /// In memory, row-major `[entities × dim]` (a served run).
     Resident(Vec<f32>),
     /// In the run's checkpoint or store, read a piece at a time by every scan (a run larger
-    /// than memory).
+    /// than memory), and row by row by lookups.
     Stored {
         /// The run directory.
         run: Dir,
         /// Its commit record.
         meta: Box<RunMeta>,
         /// Admits a store outside the run and checks reads (legend-fs).
-        guard: &'a dyn Guard,
+        guard: StreamGuard<'a>,
+        /// The rows lookups read, kept open (one lookup at a time).
+        reader: Mutex<RowReader>,
+        /// Held by a scan: one at a time holds its partitions, so that a run's host memory
+        /// stays within [`Model::stream_bytes`] however many batches come at once.
+        scanning: Mutex<()>,
     },
     /// In GPU memory only (the rows of [`Model::gpu`]).
     OnGpu,
+}
+
+/// The guard a stored run's reads go through: the caller's, or one the model shares (a served
+/// run, which outlives the job that opened it).
+pub(crate) enum StreamGuard<'a> {
+    Borrowed(&'a dyn Guard),
+    Shared(Arc<dyn Guard>),
+}
+
+impl StreamGuard<'_> {
+    fn get(&self) -> &dyn Guard {
+        match self {
+            StreamGuard::Borrowed(g) => *g,
+            StreamGuard::Shared(g) => g.as_ref(),
+        }
+    }
+}
+
+/// `m` locked, whether or not a holder panicked (what it guards stays consistent).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// What a run's GPU will hold: the GPU, whether the entity rows go into its memory, and else
@@ -188,6 +216,7 @@ impl<'a> Model<'a> {
         guard: &dyn Guard,
         stream_with: Option<&'a dyn Guard>,
     ) -> Result<Model<'a>, QueryError> {
+        let stream_with = stream_with.map(StreamGuard::Borrowed);
         Self::of_run_on(run, meta, num_relations, guard, stream_with, None)
     }
 
@@ -198,7 +227,7 @@ impl<'a> Model<'a> {
         meta: RunMeta,
         num_relations: usize,
         guard: &dyn Guard,
-        stream_with: Option<&'a dyn Guard>,
+        stream_with: Option<StreamGuard<'a>>,
         plan: Option<GpuPlan>,
     ) -> Result<Model<'a>, QueryError> {
         let decoder: Decoder = meta
@@ -245,9 +274,11 @@ impl<'a> Model<'a> {
         }
         let entities = match stream_with {
             Some(guard) => Entities::Stored {
+                reader: Mutex::new(RowReader::open(&run, &meta, guard.get())?),
                 run,
                 meta: Box::new(meta),
                 guard,
+                scanning: Mutex::new(()),
             },
             None => {
                 // Jobs are threads of the daemon: an allocation that fails would take it down.
@@ -393,7 +424,7 @@ impl<'a> Model<'a> {
                 EntityRows::bytes(self.num_entities, self.dim) as f64 / f64::from(1u32 << 30)
             ),
             Entities::Resident(_) => "entity rows in host memory, streamed by each scan".into(),
-            Entities::Stored { .. } => "entity rows read from the run by each scan".into(),
+            Entities::Stored { .. } => "entity rows streamed from the run by each scan".into(),
         };
         let lookups = match &self.store_rows {
             Some(cache) => format!(
@@ -446,6 +477,32 @@ impl<'a> Model<'a> {
         matches!(self.entities, Entities::Resident(_) | Entities::OnGpu)
     }
 
+    /// Whether the entity rows are read from the run by each scan and lookup.
+    pub fn is_streamed(&self) -> bool {
+        matches!(self.entities, Entities::Stored { .. })
+    }
+
+    /// Bytes of host memory a streamed run's reads hold at most beside its tables (none for
+    /// rows in memory): the lookups' open store (a partition's staging buffer) and one scan's
+    /// pieces (two partitions and a staging buffer, or a block of a checkpoint file); scans
+    /// take turns.
+    pub fn stream_bytes(&self) -> u64 {
+        match &self.entities {
+            Entities::Stored { reader, .. } => {
+                let reader = lock(reader);
+                reader.held_bytes() + reader.stream_bytes()
+            }
+            Entities::Resident(_) | Entities::OnGpu => 0,
+        }
+    }
+
+    /// Reads every entity row once, as a scan does, and drops them: a streamed run's check
+    /// when it is served (a damaged checkpoint or an unreadable partition fails then, not at
+    /// the first query).
+    pub(crate) fn check_rows(&self) -> Result<(), QueryError> {
+        self.scan(|_, _| {})
+    }
+
     /// Bytes of the tables in host memory.
     pub fn resident_bytes(&self) -> usize {
         let entities = match &self.entities {
@@ -488,9 +545,16 @@ impl<'a> Model<'a> {
     fn scan(&self, mut piece: impl FnMut(usize, &[f32])) -> Result<(), QueryError> {
         match &self.entities {
             Entities::Resident(rows) => piece(0, rows),
-            Entities::Stored { run, meta, guard } => {
+            Entities::Stored {
+                run,
+                meta,
+                guard,
+                scanning,
+                ..
+            } => {
+                let _turn = lock(scanning);
                 let mut first = 0;
-                read_pieces(run, meta, *guard, |rows| {
+                read_pieces(run, meta, guard.get(), |rows| {
                     piece(first, rows);
                     first += rows.len() / self.dim;
                     Ok(())
@@ -529,25 +593,20 @@ impl<'a> Model<'a> {
         if let Some(cache) = &self.store_rows {
             return cache.rows(ids);
         }
-        let mut out = vec![Vec::new(); ids.len()];
-        if let Entities::Resident(rows) = &self.entities {
-            for (o, &id) in out.iter_mut().zip(ids) {
-                o.extend_from_slice(&rows[id as usize * dim..][..dim]);
+        match &self.entities {
+            Entities::Resident(rows) => Ok(ids
+                .iter()
+                .map(|&id| rows[id as usize * dim..][..dim].to_vec())
+                .collect()),
+            // Only the rows asked for are read, not the table.
+            Entities::Stored { reader, .. } => {
+                let wide: Vec<u64> = ids.iter().map(|&id| u64::from(id)).collect();
+                let mut flat = vec![0.0; ids.len() * dim];
+                lock(reader).read(&wide, &mut flat)?;
+                Ok(flat.chunks_exact(dim).map(<[f32]>::to_vec).collect())
             }
-            return Ok(out);
+            Entities::OnGpu => unreachable!("rows on a GPU are gathered there"),
         }
-        let mut order: Vec<usize> = (0..ids.len()).collect();
-        order.sort_unstable_by_key(|&i| ids[i]);
-        let mut next = 0;
-        self.scan(|first, rows| {
-            let end = first + rows.len() / dim;
-            while next < order.len() && (ids[order[next]] as usize) < end {
-                let local = ids[order[next]] as usize - first;
-                out[order[next]].extend_from_slice(&rows[local * dim..][..dim]);
-                next += 1;
-            }
-        })?;
-        Ok(out)
     }
 
     /// The score of each `[head, relation, tail]` triple: the score the evaluator gives the

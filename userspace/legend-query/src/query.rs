@@ -2,6 +2,7 @@
 //! one scan per kind, answers carrying ids, labels and scores.
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -15,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::QueryError;
 use crate::gpu::{GpuOptions, OpenedGpu, StoreRows};
-use crate::model::{Completion, GpuPlan, Metric, Model, Nearest};
+use crate::model::{Completion, GpuPlan, Metric, Model, Nearest, StreamGuard};
 
 /// Entities a query returns unless told.
 pub const DEFAULT_TOP: usize = 10;
@@ -300,10 +301,35 @@ pub enum Residency {
     Fitting,
 }
 
-/// Whether `meta`'s entity rows take at most half the memory available now.
-fn fits_in_memory(meta: &RunMeta) -> bool {
-    let bytes = u128::from(meta.entities) * meta.dim as u128 * 4;
-    legend_engine::memory::available_bytes().is_some_and(|a| bytes <= u128::from(a) / 2)
+/// Bytes of `meta`'s entity rows in f32 (in host memory).
+fn entity_bytes(meta: &RunMeta) -> u64 {
+    meta.entities
+        .saturating_mul(meta.dim as u64)
+        .saturating_mul(4)
+}
+
+/// `bytes` in GiB, MiB or KiB, whichever is at least 1, for messages.
+fn size(bytes: u64) -> String {
+    let b = bytes as f64;
+    match bytes {
+        0..0x10_0000 => format!("{:.1} KiB", b / 1024.0),
+        0x10_0000..0x4000_0000 => format!("{:.1} MiB", b / f64::from(1u32 << 20)),
+        _ => format!("{:.2} GiB", b / f64::from(1u32 << 30)),
+    }
+}
+
+/// Why `meta`'s entity rows are streamed rather than read into memory, when they take more
+/// than half the memory available now.
+fn too_big_for_memory(meta: &RunMeta) -> Option<String> {
+    let bytes = entity_bytes(meta);
+    let available = legend_engine::memory::available_bytes()?;
+    (bytes > available / 2).then(|| {
+        format!(
+            "{} of entity rows, more than half the {} of memory available",
+            size(bytes),
+            size(available)
+        )
+    })
 }
 
 /// Labels of one table, with their ids.
@@ -331,26 +357,42 @@ impl Names {
 }
 
 impl QueryRun<'static> {
-    /// [`QueryRun::open`] with the entity rows loaded into memory, kept beyond `guard` (a
-    /// served run).
-    pub fn open_resident(
+    /// Opens the run at `path` to be served (its reads through `guard`, which the run keeps),
+    /// answering on the GPU `gpu` asks for. The entity rows go into the GPU's memory when they
+    /// fit its budget; else into host memory when they take at most the memory available
+    /// (`MemAvailable`, or the cgroup's limit) and at most `host_limit` bytes; else they are
+    /// streamed from the run (scans through the swap path, lookups row by row or through the
+    /// GPU row cache), and read once now, so that a damaged checkpoint or store fails here.
+    pub fn open_served(
         path: &Path,
         dataset: Option<&Path>,
-        guard: &dyn Guard,
-    ) -> Result<QueryRun<'static>, QueryError> {
-        Self::open_resident_on(path, dataset, guard, &GpuOptions::cpu())
-    }
-
-    /// [`QueryRun::open_resident`] answering on the GPU `gpu` asks for: the entity rows in its
-    /// memory when they fit its budget, else in host memory (the scans stream them) and
-    /// looked up through a row cache over the run's store.
-    pub fn open_resident_on(
-        path: &Path,
-        dataset: Option<&Path>,
-        guard: &dyn Guard,
+        guard: Arc<dyn Guard>,
         gpu: &GpuOptions,
+        host_limit: Option<u64>,
     ) -> Result<QueryRun<'static>, QueryError> {
-        Self::open_with(path, dataset, guard, gpu, |_| None)
+        let shared = guard.clone();
+        let run = Self::open_with(path, dataset, guard.as_ref(), gpu, move |meta| {
+            let bytes = entity_bytes(meta);
+            let available = legend_engine::memory::available_bytes();
+            let (limit, what) = match (available, host_limit) {
+                (Some(a), Some(l)) if l < a => (l, "a serve job may hold (serve_host_memory)"),
+                (Some(a), _) => (a, "of memory available"),
+                (None, Some(l)) => (l, "a serve job may hold (serve_host_memory)"),
+                (None, None) => return None,
+            };
+            (bytes > limit).then(|| {
+                let why = format!(
+                    "{} of entity rows, more than the {} {what}",
+                    size(bytes),
+                    size(limit)
+                );
+                (StreamGuard::Shared(shared), why)
+            })
+        })?;
+        if run.model.is_streamed() {
+            run.model.check_rows()?;
+        }
+        Ok(run)
     }
 }
 
@@ -363,6 +405,8 @@ pub struct QueryRun<'a> {
     relations: Names,
     filter: Mutex<Option<Arc<FilterIndex>>>,
     placement: String,
+    /// Why the entity rows are streamed from the run, when they are.
+    streamed: Option<String>,
 }
 
 /// What `gpu` asks of the run `meta` describes: the GPU opened, whether the entity rows fit its
@@ -444,22 +488,25 @@ impl<'a> QueryRun<'a> {
         residency: Residency,
         gpu: &GpuOptions,
     ) -> Result<QueryRun<'a>, QueryError> {
-        Self::open_with(path, dataset, guard, gpu, |meta| match residency {
-            Residency::Resident => None,
-            Residency::Streamed => Some(guard),
-            Residency::Fitting => (!fits_in_memory(meta)).then_some(guard),
+        Self::open_with(path, dataset, guard, gpu, |meta| {
+            let why = match residency {
+                Residency::Resident => None,
+                Residency::Streamed => Some("asked".to_owned()),
+                Residency::Fitting => too_big_for_memory(meta),
+            };
+            why.map(|why| (StreamGuard::Borrowed(guard), why))
         })
     }
 
     /// Opens the run, its entity rows on the GPU `gpu` names when they fit there, else
-    /// streamed through the guard `stream_with` gives for its record, or loaded when it gives
-    /// none.
+    /// streamed through the guard `stream_with` gives for its record (with why), or loaded
+    /// when it gives none.
     fn open_with(
         path: &Path,
         dataset: Option<&Path>,
         guard: &dyn Guard,
         gpu: &GpuOptions,
-        stream_with: impl FnOnce(&RunMeta) -> Option<&'a dyn Guard>,
+        stream_with: impl FnOnce(&RunMeta) -> Option<(StreamGuard<'a>, String)>,
     ) -> Result<QueryRun<'a>, QueryError> {
         let dir = run::open(path)?;
         guard.admit(&dir).map_err(|source| RunError::Io {
@@ -472,15 +519,23 @@ impl<'a> QueryRun<'a> {
         let dataset = open_run_dataset(&meta, dataset, guard)?;
         let entities = Names::new(dataset.entity_labels()?);
         let relations = Names::new(dataset.relation_labels()?);
-        let stream_with = stream_with(&meta);
+        let (stream_with, why) = stream_with(&meta).unzip();
         let (plan, note) = gpu_plan(&dir, &meta, guard, gpu)?;
         let on_gpu = plan.is_some();
         let model = Model::of_run_on(dir, meta, relations.labels.len(), guard, stream_with, plan)?;
-        let placement = if on_gpu {
+        // Rows that went into GPU memory are not streamed, whatever the host's memory.
+        let streamed = why.filter(|_| model.is_streamed());
+        let mut placement = if on_gpu {
             format!("{}{note}", model.placement())
         } else {
             note
         };
+        if let Some(why) = &streamed {
+            if !on_gpu {
+                placement.push_str("; entity rows streamed from the run by each scan");
+            }
+            let _ = write!(placement, " (streamed: {why})");
+        }
         if model.num_entities() != entities.labels.len() {
             return Err(QueryError::Tables(format!(
                 "{}: the run has {} entity rows, its dataset {} labels",
@@ -496,6 +551,7 @@ impl<'a> QueryRun<'a> {
             relations,
             filter: Mutex::default(),
             placement,
+            streamed,
         })
     }
 
@@ -504,6 +560,12 @@ impl<'a> QueryRun<'a> {
     /// cache, when one was wanted and could not be had).
     pub fn placement(&self) -> &str {
         &self.placement
+    }
+
+    /// Why the entity rows are streamed from the run (read by each scan and lookup, not held),
+    /// when they are: `asked`, or their size against the memory they may take.
+    pub fn streamed(&self) -> Option<&str> {
+        self.streamed.as_deref()
     }
 
     /// The tables.

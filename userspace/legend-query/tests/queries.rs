@@ -239,6 +239,12 @@ fn predictions_and_neighbours_equal_a_brute_force_reference_for_every_decoder() 
 /// A dataset of the line graph with labels `p0`..`p6` and relation `next`, and a run whose
 /// tables put `pk` at k: the answers are known by construction.
 fn line_run(dir: &Path) -> std::path::PathBuf {
+    line_run_with(dir, false)
+}
+
+/// [`line_run`], with reciprocal relations when `reciprocal`: `next` is +1, its learned inverse
+/// +2 (not -1, so that a head predicted through it tells the two apart).
+fn line_run_with(dir: &Path, reciprocal: bool) -> std::path::PathBuf {
     let text = dir.join("train.tsv");
     let lines: String = (0..6)
         .map(|k| format!("p{k}\tnext\tp{}\n", k + 1))
@@ -272,10 +278,10 @@ fn line_run(dir: &Path) -> std::path::PathBuf {
         decoder: "transe_l1".into(),
         dim: 1,
         entities: 7,
-        relations: 1,
+        relations: if reciprocal { 2 } else { 1 },
         entity_state_width: None,
         entity_dtype: legend_model::Dtype::F32,
-        reciprocal_relations: false,
+        reciprocal_relations: reciprocal,
         epochs_completed: 1,
         cut: None,
         checkpoint: String::new(),
@@ -285,10 +291,11 @@ fn line_run(dir: &Path) -> std::path::PathBuf {
         checksums: TableChecksums::default(),
     };
     let state = vec![0.0; 7];
+    let relations = if reciprocal { &[1.0, 2.0][..] } else { &[1.0] };
     run::commit_checkpoint(
         &legend_fs::Dir::open(&out).unwrap(),
         meta,
-        (&[1.0], &[0.0]),
+        (relations, &[0.0; 2][..relations.len()]),
         |e, es| {
             e.write(&rows)?;
             es.write(&state)
@@ -384,7 +391,14 @@ fn auto_falls_back_to_the_cpu_with_its_answers_and_a_missing_gpu_is_named() {
         let q = QueryRun::open_on(&run, None, &Unguarded, residency, &auto).unwrap();
         assert_eq!(q.answer(&queries, 100, &at).unwrap(), want, "{residency:?}");
         if !legend_cuda::driver_present() {
-            assert_eq!(q.placement(), "cpu (auto: no CUDA driver)");
+            let placement = match residency {
+                Residency::Streamed => {
+                    "cpu (auto: no CUDA driver); entity rows streamed from the run by each \
+                     scan (streamed: asked)"
+                }
+                _ => "cpu (auto: no CUDA driver)",
+            };
+            assert_eq!(q.placement(), placement);
             assert_eq!(q.model().gpu_bytes(), 0);
         }
     }
@@ -397,6 +411,34 @@ fn auto_falls_back_to_the_cpu_with_its_answers_and_a_missing_gpu_is_named() {
         .expect("no GPU here");
     assert!(matches!(&e, QueryError::Gpu { device, .. } if device == "cuda:0"));
     assert!(e.to_string().starts_with("cuda:0: no CUDA driver"), "{e}");
+}
+
+/// A run trained with reciprocal relations, opened from its directory (its record says so),
+/// predicts heads through r⁻¹'s own row whether its rows are in memory or streamed: heads of
+/// `p3` are `p5` (3 + 2, the inverse's learned offset), not `p2`; tails through r.
+#[test]
+fn a_reciprocal_run_from_its_directory_predicts_heads_through_the_inverse() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = line_run_with(dir.path(), true);
+    let queries: Vec<Query> = serde_json::from_str(
+        r#"[
+        {"query": "predict", "tail": "p3", "relation": "next", "top": 1},
+        {"query": "predict", "head": "p3", "relation": "next", "top": 1}
+    ]"#,
+    )
+    .unwrap();
+    for residency in [Residency::Resident, Residency::Streamed] {
+        let q = QueryRun::open(&run, None, &Unguarded, residency).unwrap();
+        let answers = q.answer(&queries, 100, &|i| i.to_string()).unwrap();
+        let top: Vec<&str> = answers
+            .iter()
+            .map(|a| match a {
+                Answer::Predict { hits, .. } => hits[0].label.as_str(),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(top, ["p5", "p4"], "{residency:?}");
+    }
 }
 
 #[test]
@@ -530,7 +572,7 @@ fn pairs_all(found: &[Vec<Ranked>]) -> Vec<Vec<(u32, f32)>> {
 }
 
 #[test]
-fn a_run_larger_than_memory_is_refused_before_loading_and_can_be_streamed() {
+fn a_run_larger_than_memory_is_refused_before_loading_and_checked_when_streamed() {
     let dir = tempfile::tempdir().unwrap();
     let (run_dir, mut meta) = grid_run(dir.path(), 10, 3);
     // As a record claiming 2^40 rows says: far more than any machine's memory.
@@ -543,6 +585,15 @@ fn a_run_larger_than_memory_is_refused_before_loading_and_can_be_streamed() {
         msg.contains("12288.0 GiB, more than the") && msg.contains("a piece at a time"),
         "{msg}"
     );
+    // Streamed, nothing is loaded: the checkpoint is checked against the record instead, and
+    // this one's entity file is far too short for it.
     let run_dir = legend_fs::Dir::open(&dir.path().join("grid-run")).unwrap();
-    assert!(Model::of_run(run_dir, meta, 2, &Unguarded, Some(&Unguarded)).is_ok());
+    let Err(e) = Model::of_run(run_dir, meta, 2, &Unguarded, Some(&Unguarded)) else {
+        panic!("streamed a checkpoint shorter than its record");
+    };
+    let msg = e.to_string();
+    assert!(
+        msg.contains("entities.bin") && msg.contains("holds 120 bytes, expected 13194139533312"),
+        "{msg}"
+    );
 }

@@ -530,34 +530,93 @@ impl Store {
                 IoRequest::Write(r, b) => (*r, b.raw(), true),
             };
             let (base, io_len) = self.target(region, write)?;
-            if (raw.cap() as u64) < io_len {
-                return Err(StoreError::BufferTooSmall {
-                    path: self.path().to_owned(),
-                    region: region.to_string(),
-                    needed: io_len as usize,
-                    got: raw.cap(),
-                });
-            }
-            for piece in self.stripe.pieces(base, io_len) {
-                transfers[piece.member].push(MediumIo {
-                    raw,
-                    buf_offset: piece.at,
-                    offset: piece.offset,
-                    len: piece.len,
-                    write,
-                });
-            }
+            self.add_transfer(&mut transfers, region, raw, (base, io_len), write)?;
             if write {
                 written.push(region);
             }
         }
-        at_once(&mut self.members, transfers, |medium, t| {
-            if t.is_empty() { Ok(()) } else { medium.run(&t) }
-        })?;
+        self.run_transfers(transfers)?;
         for region in written {
             self.tracked_mut(region).dirty = true;
         }
         Ok(())
+    }
+
+    /// Reads the blocks of `region` that hold its bytes `range` (of the copy [`Store::read`]
+    /// reads) into `buf`, from the buffer's start; returns where in `buf` byte `range.start`
+    /// is. A reader of a few rows of a partition (a query's lookups) reads them, not the
+    /// partition: `buf` needs the range's bytes rounded out to whole blocks.
+    ///
+    /// # Errors
+    ///
+    /// As [`Store::submit`]; [`StoreError::InvalidSpec`] for a range past the region's end.
+    pub fn read_range(
+        &mut self,
+        region: Region,
+        range: std::ops::Range<u64>,
+        buf: &mut IoBuffer,
+    ) -> Result<usize, StoreError> {
+        let (base, io_len) = self.target(region, false)?;
+        let bytes = self.extent(region)?.bytes;
+        if range.start > range.end || range.end > bytes {
+            return Err(StoreError::InvalidSpec(format!(
+                "{}: bytes {}..{} of {region}, which holds {bytes}",
+                self.path().display(),
+                range.start,
+                range.end
+            )));
+        }
+        let bs = self.block_size;
+        let start = range.start / bs * bs;
+        let len = range.end.next_multiple_of(bs).min(io_len) - start;
+        let mut transfers: Vec<Vec<MediumIo<'_>>> =
+            (0..self.members.len()).map(|_| Vec::new()).collect();
+        self.add_transfer(
+            &mut transfers,
+            region,
+            buf.raw(),
+            (base + start, len),
+            false,
+        )?;
+        self.run_transfers(transfers)?;
+        Ok((range.start - start) as usize)
+    }
+
+    /// Adds the transfer of `len` store bytes at `at` to or from `raw` to each member's list
+    /// (`transfers`, by member), its pieces as the stripe places them.
+    fn add_transfer<'b>(
+        &self,
+        transfers: &mut [Vec<MediumIo<'b>>],
+        region: Region,
+        raw: &'b std::sync::Arc<crate::buffer::RawAlloc>,
+        (at, len): (u64, u64),
+        write: bool,
+    ) -> Result<(), StoreError> {
+        if (raw.cap() as u64) < len {
+            return Err(StoreError::BufferTooSmall {
+                path: self.path().to_owned(),
+                region: region.to_string(),
+                needed: len as usize,
+                got: raw.cap(),
+            });
+        }
+        for piece in self.stripe.pieces(at, len) {
+            transfers[piece.member].push(MediumIo {
+                raw,
+                buf_offset: piece.at,
+                offset: piece.offset,
+                len: piece.len,
+                write,
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs each member's transfers, the members at once.
+    fn run_transfers(&mut self, transfers: Vec<Vec<MediumIo<'_>>>) -> Result<(), StoreError> {
+        at_once(&mut self.members, transfers, |medium, t| {
+            if t.is_empty() { Ok(()) } else { medium.run(&t) }
+        })
     }
 
     /// The store byte offset and length (rounded to the block size) of the copy of `region` a

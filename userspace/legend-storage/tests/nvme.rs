@@ -130,6 +130,12 @@ fn a_store_on_a_namespace_holds_what_a_file_store_holds() {
                 payload(&again, p, &a),
                 payload(&again, p, &filled(&again, p * 3 + 1))
             );
+            // A few bytes through the queues (a row a query looks up), unaligned at both ends.
+            let whole = payload(&again, p, &a);
+            let at = again
+                .read_range(Region::Partition(p), 700..1_333, &mut b)
+                .unwrap();
+            assert_eq!(&b.as_bytes()[at..at + 633], &whole[700..1_333]);
         }
     }
 }

@@ -352,3 +352,40 @@ fn a_stripe_unit_off_the_alignment_is_refused() {
         "files made for the store are removed"
     );
 }
+
+/// `read_range` reads a few bytes of a partition (a query's rows) as `read` reads the whole:
+/// the committed copy, or the one written since, across stripe units; a range past the
+/// partition's end is refused, naming it.
+#[test]
+fn a_range_of_a_partition_reads_what_the_whole_read_holds() {
+    let dir = scratch();
+    let paths = paths(&dir, 2);
+    let mut store = create(&paths);
+    write_all(&mut store, 1);
+    store.commit(b"one").unwrap();
+    // Partition 1 written again, not committed: both reads take the new copy.
+    let again = filled(&store, 1, 9);
+    store.write(Region::Partition(1), &again).unwrap();
+    let mut buf = IoBuffer::new(store.max_partition_bytes()).unwrap();
+    for p in 0..3 {
+        let whole = read(&mut store, p);
+        let len = whole.len() as u64;
+        // Within a block, across the 64 KiB stripe unit, unaligned at both ends, the end.
+        for range in [0..7, 100..300, UNIT - 10..UNIT + 900, 5..len, len - 1..len] {
+            let at = store
+                .read_range(Region::Partition(p), range.clone(), &mut buf)
+                .unwrap();
+            let got = &buf.as_bytes()[at..at + (range.end - range.start) as usize];
+            assert_eq!(
+                got,
+                &whole[range.start as usize..range.end as usize],
+                "partition {p}, bytes {range:?}"
+            );
+        }
+        let past = store
+            .read_range(Region::Partition(p), len - 1..len + 1, &mut buf)
+            .unwrap_err()
+            .to_string();
+        assert!(past.contains(&format!("partition {p}")), "{past}");
+    }
+}

@@ -143,6 +143,7 @@ fn allows_bits(peer: &Peer, uid: u32, gid: u32, mode: u32, want: u32) -> bool {
 /// the opened directory (legend-fs reaches everything beneath it without following links). A
 /// directory the job makes is given to the submitter at once (`CAP_CHOWN`), so that it is
 /// theirs when a later job, or a resume after a restart, opens it again.
+#[derive(Clone)]
 pub struct JobGuard {
     submitter: Peer,
 }

@@ -29,6 +29,10 @@ pub struct DaemonConfig {
     /// A served run whose entity rows do not fit its GPU share looks rows up through a row
     /// cache over its store of this share of its table (0: through host memory).
     pub serve_cache_fraction: f64,
+    /// MiB of host memory a serve job may hold its run's entity rows in; a run whose rows take
+    /// more (or more than the memory available, `MemAvailable` or the cgroup's limit) is
+    /// served streamed from its store or checkpoint. None: only the memory available bounds it.
+    pub serve_host_memory_mib: Option<u64>,
     /// Connections served at once; more are answered `unavailable` and closed.
     pub max_connections: usize,
     /// Of `max_connections`, how many only the admin group (and root) may take: they always
@@ -60,6 +64,7 @@ impl Default for DaemonConfig {
             serve_device: "auto".into(),
             serve_gpu_memory: 0.25,
             serve_cache_fraction: legend_query::DEFAULT_CACHE_FRACTION,
+            serve_host_memory_mib: None,
             max_connections: 256,
             reserved_connections: 16,
             max_connections_per_uid: 32,
@@ -145,6 +150,7 @@ mod tests {
             "serve_device = \"gpu\"\n",
             "serve_gpu_memory = 1.5\n",
             "serve_cache_fraction = -0.1\n",
+            "serve_host_memory_mib = -1\n",
         ] {
             std::fs::write(&path, text).unwrap();
             let e = DaemonConfig::load(&path, true).unwrap_err().to_string();

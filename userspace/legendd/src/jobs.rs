@@ -149,6 +149,8 @@ pub struct Jobs {
     serve_device: DeviceChoice,
     serve_gpu_memory: f64,
     serve_cache_fraction: f64,
+    /// `serve_host_memory_mib`, in bytes.
+    serve_host_memory: Option<u64>,
     /// Bytes of each GPU's memory the serve jobs hold, by device ordinal; held while a serve
     /// job loads onto a GPU, so that each load sees what the ones before it took.
     serve_gpu: Mutex<HashMap<usize, u64>>,
@@ -235,13 +237,7 @@ fn utc(secs: u64) -> String {
 
 /// An error with its causes, on one line.
 fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(c) = source {
-        let _ = write!(s, ": {c}");
-        source = c.source();
-    }
-    s
+    legend_engine::error::with_sources(e)
 }
 
 impl Jobs {
@@ -348,6 +344,9 @@ impl Jobs {
                 .map_err(|e| anyhow::anyhow!("serve_device: {e}"))?,
             serve_gpu_memory: config.serve_gpu_memory,
             serve_cache_fraction: config.serve_cache_fraction,
+            serve_host_memory: config
+                .serve_host_memory_mib
+                .map(|m| m.saturating_mul(1 << 20)),
             serve_gpu: Mutex::default(),
             max_per_user: config.max_jobs_per_user,
             max_ended_per_user: config.max_ended_jobs_per_user,
@@ -884,8 +883,8 @@ impl Jobs {
         Ok(Ended::Done(None))
     }
 
-    /// Loads `run` into memory (a GPU's, as [`Jobs::serve_gpu`] allows) and answers queries on
-    /// it ([`Jobs::served`]) until the job is cancelled (it then succeeds) or the daemon stops
+    /// Loads `run` into memory (a GPU's, as [`Jobs::serve_gpu`] allows; else the host's, up to
+    /// `serve_host_memory_mib`; else streamed from the run) and answers queries on it ([`Jobs::served`]) until the job is cancelled (it then succeeds) or the daemon stops
     /// (it is queued again, to serve after the next start). `(group, device)` as submitted.
     fn run_serve(
         &self,
@@ -908,8 +907,11 @@ impl Jobs {
             _ => None,
         };
         let options = legend_query::GpuOptions { budget, ..options };
-        let loaded = legend_query::QueryRun::open_resident_on(run, None, guard, &options)
-            .map_err(|e| chain(&e))?;
+        // The run keeps the guard: a streamed run reads through it for as long as it serves.
+        let reads: Arc<dyn legend_fs::Guard> = Arc::new(guard.clone());
+        let loaded =
+            legend_query::QueryRun::open_served(run, None, reads, &options, self.serve_host_memory)
+                .map_err(|e| chain(&e))?;
         let served = Arc::new(Served::new(owner, gid, loaded));
         let gpu_bytes = served.gpu_bytes();
         let on = match (held.as_mut(), ordinal) {
@@ -924,10 +926,11 @@ impl Jobs {
         self.log(
             id,
             &format!(
-                "serving {}: {} MiB of tables in host memory, {} MiB on the GPU; answering on \
-                 {}; loaded in {:.1} s",
+                "serving {}: {} MiB of tables in host memory (and at most {} MiB while \
+                 streaming), {} MiB on the GPU; answering on {}; loaded in {:.1} s",
                 run.display(),
                 served.resident_bytes() >> 20,
+                served.stream_bytes() >> 20,
                 gpu_bytes >> 20,
                 served.placement(),
                 started.elapsed().as_secs_f64()

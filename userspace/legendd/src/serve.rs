@@ -91,6 +91,12 @@ impl Served {
         self.run.model().resident_bytes()
     }
 
+    /// Bytes of host memory a streamed run's reads hold at most beside its tables (0 for rows
+    /// in memory).
+    pub fn stream_bytes(&self) -> u64 {
+        self.run.model().stream_bytes()
+    }
+
     /// Bytes of GPU memory the run holds (0 on the CPU).
     pub fn gpu_bytes(&self) -> u64 {
         self.run.model().gpu_bytes()
@@ -108,7 +114,9 @@ impl Served {
         let cache = self.run.model().cache_stats();
         serde_json::json!({
             "placement": self.placement(),
+            "streamed": self.run.streamed(),
             "host_bytes": self.resident_bytes(),
+            "stream_bytes": self.stream_bytes(),
             "gpu_bytes": self.gpu_bytes(),
             "queries": s.queries,
             "requests": s.requests,
@@ -241,6 +249,11 @@ impl Served {
             self.resident_bytes()
         );
         let _ = writeln!(
+            out.stream,
+            "legend_serve_stream_bytes{{{job}}} {}",
+            self.stream_bytes()
+        );
+        let _ = writeln!(
             out.gpu,
             "legend_serve_gpu_bytes{{{job}}} {}",
             self.gpu_bytes()
@@ -273,6 +286,7 @@ pub struct MetricLines {
     rate: String,
     latency: String,
     resident: String,
+    stream: String,
     gpu: String,
     hit_rate: String,
 }
@@ -310,6 +324,12 @@ impl MetricLines {
                 "gauge",
                 "Bytes of a served run's tables in host memory.",
                 self.resident,
+            ),
+            (
+                "legend_serve_stream_bytes",
+                "gauge",
+                "Bytes of host memory a streamed run's reads hold at most beside its tables (0: rows in memory).",
+                self.stream,
             ),
             (
                 "legend_serve_gpu_bytes",

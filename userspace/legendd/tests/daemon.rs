@@ -2051,19 +2051,7 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
         })
     };
     // Answered once the run is loaded (`unavailable` until then).
-    let started = Instant::now();
-    let first = loop {
-        match ask(&mut owner) {
-            Reply::Error {
-                code: ErrorCode::Unavailable,
-                message,
-            } => {
-                assert!(started.elapsed() < Duration::from_secs(60), "{message}");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            reply => break reply,
-        }
-    };
+    let first = ask_served(&mut owner, job.id, &queries);
     let want = QueryRun::open(&run, None, &legend_fs::Unguarded, Residency::Streamed)
         .unwrap()
         .answer(&queries, 1000, &|i| i.to_string())
@@ -2180,4 +2168,272 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
     assert_eq!(failed.state, JobState::Failed, "{failed:?}");
     let error = failed.error.unwrap_or_default();
     assert!(error.contains("serving on cuda:7"), "{error}");
+}
+
+/// Asks serve job `job` `queries` until the run is loaded (`unavailable` until then).
+fn ask_served(c: &mut Client, job: u64, queries: &[legend_query::Query]) -> Reply {
+    let wire: Vec<serde_json::Value> = queries
+        .iter()
+        .map(|q| serde_json::to_value(q).unwrap())
+        .collect();
+    let started = Instant::now();
+    loop {
+        match c.call(Request::Query {
+            job,
+            queries: wire.clone(),
+        }) {
+            Reply::Error {
+                code: ErrorCode::Unavailable,
+                message,
+            } => {
+                assert!(started.elapsed() < Duration::from_secs(60), "{message}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            reply => return reply,
+        }
+    }
+}
+
+/// The answers of a reply.
+fn served_answers(reply: Reply) -> Vec<legend_query::Answer> {
+    let Reply::Answers { answers, .. } = reply else {
+        panic!("expected answers, got {reply:?}");
+    };
+    answers
+        .into_iter()
+        .map(|a| serde_json::from_value(a).unwrap())
+        .collect()
+}
+
+/// Submits a serve job of `run` on the CPU; its id.
+fn serve(c: &mut Client, run: &Path) -> u64 {
+    c.job(Request::Submit {
+        job: JobSpec::Serve {
+            run: run.to_owned(),
+            group: None,
+            device: Some("cpu".into()),
+        },
+    })
+    .id
+}
+
+/// A graph of 400 entities and 3 relations in `dir/ds` (returned), and a daemon configuration
+/// in `dir` whose serve jobs may hold no entity rows in host memory: every served run streams.
+fn streaming_daemon_setup(dir: &Path) -> PathBuf {
+    let ds = dir.join("ds");
+    let mut o = GenerateOptions::new(400, 3000);
+    o.relations = 3;
+    generate(&o, &ds).unwrap();
+    std::fs::write(dir.join("legendd.toml"), "serve_host_memory_mib = 0\n").unwrap();
+    ds
+}
+
+/// A daemon whose serve jobs may hold no entity rows in host memory (`serve_host_memory_mib =
+/// 0`) serves every run streamed, answering exactly as the same run in memory: a file store of
+/// 4 partitions in f32 (with reciprocal relations: heads predicted through r⁻¹'s rows) and in
+/// bf16, and a run whose checkpoint is in files. Its status and metrics say so and count the
+/// relations only as held.
+#[test]
+fn a_run_over_the_serve_jobs_host_memory_is_served_streamed_with_the_resident_answers() {
+    use legend_query::{Answer, Completion, Model, Query, QueryRun, Residency};
+    let dir = tempfile::tempdir().unwrap();
+    let ds = streaming_daemon_setup(dir.path());
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let queries: Vec<Query> = serde_json::from_str(
+        r#"[
+        {"query": "predict", "head": "e1", "relation": "r0", "top": 10},
+        {"query": "predict", "tail": "e2", "relation": "r2", "top": 10},
+        {"query": "predict", "tail": "e350", "relation": "r1", "top": 7, "filtered": true},
+        {"query": "score", "head": "e3", "relation": "r1", "tail": "e399"},
+        {"query": "score", "head": "e250", "relation": "r0", "tail": "e3"},
+        {"query": "neighbors", "entity": "e5", "top": 4, "metric": "cosine"},
+        {"query": "neighbors", "entity": "e305", "top": 4, "metric": "dot"},
+        {"query": "neighbors", "entity": "e105", "top": 4, "metric": "l2"},
+        {"query": "lookup", "entity": "e0"},
+        {"query": "lookup", "entity": "e99"},
+        {"query": "lookup", "entity": "e100"},
+        {"query": "lookup", "entity": "e399"}
+    ]"#,
+    )
+    .unwrap();
+    for (name, extra) in [
+        (
+            "file-f32",
+            &["storage.backend=file", "model.reciprocal_relations=true"][..],
+        ),
+        (
+            "file-bf16",
+            &["storage.backend=file", "storage.dtype=bf16"][..],
+        ),
+        ("memory", &[][..]),
+    ] {
+        let run = dir.path().join(name);
+        let mut sets = vec!["training.device=cpu"];
+        sets.extend_from_slice(extra);
+        reference_with(&ds, &run, 2, &sets);
+        let job = serve(&mut c, &run);
+        let got = served_answers(ask_served(&mut c, job, &queries));
+        let resident = QueryRun::open(&run, None, &legend_fs::Unguarded, Residency::Resident)
+            .unwrap()
+            .answer(&queries, 1000, &|i| i.to_string())
+            .unwrap();
+        assert_eq!(got, resident, "{name}");
+        let status = c.job(Request::Status { job });
+        let serving = status.result.expect("a serving job shows its figures");
+        let placement = serving["placement"].as_str().unwrap();
+        assert_eq!(
+            placement,
+            "cpu; entity rows streamed from the run by each scan (streamed: 25.0 KiB of entity \
+             rows, more than the 0.0 KiB a serve job may hold (serve_host_memory))",
+            "{name}"
+        );
+        assert!(
+            serving["streamed"]
+                .as_str()
+                .unwrap()
+                .contains("serve_host_memory"),
+            "{serving}"
+        );
+        // Held: the relation rows only (3 relations, twice with their inverses, of 16 floats);
+        // a scan's partitions (or blocks) come and go within stream_bytes.
+        let relations = if name == "file-f32" { 6 } else { 3 } * 16 * 4;
+        assert_eq!(serving["host_bytes"], relations, "{serving}");
+        assert!(serving["stream_bytes"].as_u64().unwrap() > 0, "{serving}");
+        let Reply::Text { text } = c.call(Request::Metrics) else {
+            panic!();
+        };
+        let line = format!("legend_serve_resident_bytes{{job=\"{job}\",owner=\"0\"}} {relations}");
+        assert!(text.contains(&line), "{text}");
+        assert!(text.contains("legend_serve_stream_bytes{"), "{text}");
+        if name == "file-f32" {
+            // The head of (?, r2, e2) through r⁻¹: the tail side of (e2, r2⁻¹, ?), computed
+            // here on the same rows with r2⁻¹ named as a relation of its own (row 3 + 2).
+            let dir = legend_engine::run::open(&run).unwrap();
+            let mut meta = legend_engine::run::read_meta(&dir).unwrap();
+            meta.reciprocal_relations = false;
+            let plain = Model::of_run(dir, meta, 6, &legend_fs::Unguarded, None).unwrap();
+            let e2 = served_label_id(&got[1]);
+            let ask = |side, relation| Completion {
+                side,
+                anchor: e2,
+                relation,
+                top: 10,
+                filtered: false,
+            };
+            let found = plain
+                .complete(
+                    &[
+                        ask(legend_model::Side::Dst, 5),
+                        ask(legend_model::Side::Src, 2),
+                    ],
+                    None,
+                )
+                .unwrap();
+            let Answer::Predict { hits, .. } = &got[1] else {
+                panic!("{:?}", got[1]);
+            };
+            let served: Vec<(u32, u32)> = hits.iter().map(|h| (h.id, h.score.to_bits())).collect();
+            let pairs = |f: &[legend_query::Ranked]| -> Vec<(u32, u32)> {
+                f.iter().map(|r| (r.id, r.score.to_bits())).collect()
+            };
+            assert_eq!(served, pairs(&found[0]), "heads through r⁻¹");
+            assert_ne!(served, pairs(&found[1]), "not through r's source side");
+        }
+        c.job(Request::Cancel { job });
+        let ended = wait_for(&mut c, job, Duration::from_secs(30), |j| j.state.is_final());
+        assert_eq!(ended.state, JobState::Succeeded, "{ended:?}");
+    }
+}
+
+/// The id of the known end of a predict answer.
+fn served_label_id(answer: &legend_query::Answer) -> u32 {
+    match answer {
+        legend_query::Answer::Predict { head: Some(n), .. }
+        | legend_query::Answer::Predict { tail: Some(n), .. } => n.id,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A streamed run whose store or checkpoint is missing or damaged fails its serve job when it
+/// loads, naming the file; a store damaged while it serves fails the requests that read it,
+/// naming it, and the daemon lives on.
+#[test]
+fn a_streamed_run_with_a_missing_or_damaged_store_fails_naming_it() {
+    use legend_query::Query;
+    let dir = tempfile::tempdir().unwrap();
+    let ds = streaming_daemon_setup(dir.path());
+    let store_run = |name: &str| {
+        let run = dir.path().join(name);
+        let sets = ["training.device=cpu", "storage.backend=file"];
+        reference_with(&ds, &run, 1, &sets);
+        run
+    };
+    let (gone, damaged) = (store_run("gone"), store_run("damaged"));
+    let memory = dir.path().join("memory");
+    reference_with(&ds, &memory, 1, &["training.device=cpu"]);
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let failed = |c: &mut Client, run: &Path| {
+        let job = serve(c, run);
+        let ended = wait_for(c, job, Duration::from_secs(30), |j| j.state.is_final());
+        assert_eq!(ended.state, JobState::Failed, "{ended:?}");
+        ended.error.unwrap_or_default()
+    };
+    // A store that is not there.
+    let store = gone.join("store.bin");
+    std::fs::remove_file(&store).unwrap();
+    let error = failed(&mut c, &gone);
+    assert!(
+        error.contains(&store.display().to_string()) && error.contains("No such file"),
+        "{error}"
+    );
+    // A checkpoint file with a flipped byte: its checksum, checked by the load's pass.
+    let checkpoint = memory.join(
+        legend_engine::run::read_meta(&legend_engine::run::open(&memory).unwrap())
+            .unwrap()
+            .checkpoint,
+    );
+    let entities = checkpoint.join("entities.bin");
+    let mut bytes = std::fs::read(&entities).unwrap();
+    bytes[100] ^= 0x40;
+    std::fs::write(&entities, bytes).unwrap();
+    let error = failed(&mut c, &memory);
+    assert!(
+        error.contains("entities.bin") && error.contains("checksum mismatch"),
+        "{error}"
+    );
+    // A store cut short while it serves: scans and lookups of its last rows fail, naming it.
+    let job = serve(&mut c, &damaged);
+    let lookup: Vec<Query> =
+        serde_json::from_str(r#"[{"query": "lookup", "entity": "e399"}]"#).unwrap();
+    served_answers(ask_served(&mut c, job, &lookup));
+    let store = damaged.join("store.bin");
+    let len = std::fs::metadata(&store).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&store)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let predict: Vec<Query> =
+        serde_json::from_str(r#"[{"query": "predict", "head": "e1", "relation": "r0", "top": 3}]"#)
+            .unwrap();
+    for queries in [&predict, &lookup] {
+        match ask_served(&mut c, job, queries) {
+            Reply::Error {
+                code: ErrorCode::Refused,
+                message,
+            } => assert!(
+                message.contains(&store.display().to_string()) && message.contains("end of file"),
+                "{message}"
+            ),
+            other => panic!("a cut store answered: {other:?}"),
+        }
+    }
+    assert_eq!(
+        c.job(Request::Status { job }).state,
+        JobState::Running,
+        "the job keeps serving"
+    );
 }

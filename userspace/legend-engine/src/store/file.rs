@@ -17,6 +17,10 @@ use super::controllers::{self, SharedController};
 use super::{PartitionStore, PartitionStoreError, QueueBackend, QueueLocation, StoreMember};
 use crate::rows::{RowShape, Tables};
 
+/// Bytes between two rows of a partition below which [`FileStore::read_rows`] reads both in one
+/// transfer (the bytes between them come along): a few blocks cost less than another request.
+pub const ROW_READ_GAP: u64 = 64 << 10;
+
 /// Bytes reserved for the training-progress record in the superblock.
 pub const PROGRESS_CAPACITY: u32 = 4096;
 
@@ -530,6 +534,70 @@ impl FileStore {
             init,
         };
         crate::swap::stream_partitions(rest, f)
+    }
+
+    /// The committed entity rows `ids` (any order, repeats allowed), widened to f32 into
+    /// `out` (`ids.len()` rows of the store's dimension, in `ids`' order): only the blocks
+    /// holding them are read ([`Store::read_range`]; rows of one partition less than
+    /// [`ROW_READ_GAP`] apart in one read), never the AdaGrad state; a row of a partition never
+    /// written is drawn by `init`, as the swap path draws it.
+    pub fn read_rows(
+        &mut self,
+        init: &legend_model::Init,
+        ids: &[u64],
+        out: &mut [f32],
+    ) -> Result<(), PartitionStoreError> {
+        self.require_checkpoint()?;
+        let spec = self.store.spec();
+        let (dim, dtype, nodes) = (spec.dim as usize, spec.dtype, spec.num_nodes);
+        let row_bytes = (dim * dtype.bytes()) as u64;
+        let per_part = legend_storage::rows_per_partition(nodes, spec.num_partitions);
+        assert_eq!(out.len(), ids.len() * dim, "one row of out per id");
+        if let Some(&bad) = ids.iter().find(|&&id| id >= nodes) {
+            return Err(PartitionStoreError::Invalid(format!(
+                "{}: row {bad} asked of a store of {nodes} rows",
+                self.store.path().display()
+            )));
+        }
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        order.sort_unstable_by_key(|&i| ids[i]);
+        let mut rest = &order[..];
+        while let Some(&first) = rest.first() {
+            let p = (ids[first] / per_part) as u32;
+            let base = u64::from(p) * per_part;
+            let byte = |i: usize| (ids[i] - base) * row_bytes;
+            // The rows of one read: this partition's, each less than the gap after the last.
+            let n = rest
+                .windows(2)
+                .take_while(|w| {
+                    ids[w[1]] / per_part == u64::from(p)
+                        && byte(w[1]) < byte(w[0]) + row_bytes + ROW_READ_GAP
+                })
+                .count()
+                + 1;
+            let (group, after) = rest.split_at(n);
+            rest = after;
+            if !self.store.is_initialized(Region::Partition(p))? {
+                for &i in group {
+                    init.node_row(ids[i], &mut out[i * dim..][..dim]);
+                }
+                continue;
+            }
+            let start = byte(group[0]);
+            let end = byte(group[n - 1]) + row_bytes;
+            let at = self
+                .store
+                .read_range(Region::Partition(p), start..end, &mut self.staging)?;
+            let bytes = &self.staging.as_bytes()[at..];
+            for &i in group {
+                let from = (byte(i) - start) as usize;
+                dtype.widen(
+                    &bytes[from..][..row_bytes as usize],
+                    &mut out[i * dim..][..dim],
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The checkpoint's relation embeddings and their AdaGrad state (`relation_floats` each;
