@@ -18,7 +18,7 @@
 # layout runs with: an AdaGrad state layout, optionally with a storage.dtype after a slash
 # (element row row/bf16: 800, 404 and 204 bytes a row). A layout with "-noahead" appended (e.g.
 # 980-noahead) runs with storage.read_ahead = false: each swap writes, then reads into the same
-# slot. Builds nothing: expects
+# slot. CAPACITY (3) sets the buffer's C for the out-of-core layouts. Builds nothing: expects
 # legendctl in ${LEGEND_GPU_BIN:-target-gpu}. DEVICE=cpu, NODES and EDGES scale it down for a
 # dry run.
 set -uo pipefail
@@ -33,6 +33,7 @@ epochs=${EPOCHS:-2}
 device=${DEVICE:-cuda:0}
 layouts=${LAYOUTS:-memory proxy 980 980x}
 states=${STATES:-element}
+capacity=${CAPACITY:-3}
 mkdir -p "$out"
 rm -rf "$data" "$work" && mkdir -p "$data" "$work"
 [ "$device" = cpu ] || source "$root/scripts/gpu/nvrtc-env.sh" >/dev/null
@@ -70,26 +71,27 @@ for format in $states; do
     [ "$format" != "$state" ] && dtype=${format#*/}
     name=$layout-$state
     [ "$dtype" = f32 ] || name+=-$dtype
-    sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
+    [ "$capacity" = 3 ] || name+=-c$capacity
+    sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=$capacity
         --set storage.backend=proxy --set "storage.path=\"$data/store-$name.bin\"")
     model=""
     rates=""
     devices=1
     case ${layout%-noahead} in
     memory) sets=(--set storage.backend=memory) ;;
-    ram) sets=(--set storage.backend=memory --set storage.num_partitions=8 --set storage.buffer_capacity=3) ;;
+    ram) sets=(--set storage.backend=memory --set storage.num_partitions=8 --set storage.buffer_capacity=$capacity) ;;
     proxy) ;;
     980) model=samsung-980 ;;
     980x) model="samsung-980,shared=false" ;;
     980x2)
         model=samsung-980
         devices=2
-        sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
+        sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=$capacity
             --set storage.backend=proxy
             --set "storage.device=[{path=\"$data/store-$name-a.bin\"}, {path=\"$data/store-$name-b.bin\"}]")
         ;;
     file-disk | proxy-disk)
-        sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=3
+        sets=(--set storage.num_partitions=8 --set storage.buffer_capacity=$capacity
             --set "storage.backend=${layout%-disk}" --set "storage.path=\"$work/store-$name.bin\"")
         rates="disk $disk_rates"
         ;;
@@ -120,8 +122,10 @@ layout, model, devices = sys.argv[2], sys.argv[3], int(sys.argv[4])
 # The model's rates (GB/s) and whether reads and writes share one budget.
 rates = {"samsung-980": (3.19, 2.24, True), "samsung-980,shared=false": (3.19, 2.24, False)}
 if model.startswith("disk ") and len(model.split()) == 3:
-    # Measured O_DIRECT rates; one disk serves reads and writes from one budget.
-    rates[model] = (float(model.split()[1]), float(model.split()[2]), True)
+    # Measured O_DIRECT rates. The GPU machine's (virtual) disk serves a swap's reads and
+    # writes at once, each near its own rate (2026-11-27: an epoch moved 15 + 15 GB faster
+    # than reads then writes at the probe's rates), so two budgets.
+    rates[model] = (float(model.split()[1]), float(model.split()[2]), False)
 def mrr(v):
     if isinstance(v, dict):
         return v.get("mrr") if "mrr" in v else next((m for m in map(mrr, v.values()) if m is not None), None)
