@@ -123,28 +123,15 @@ __device__ void legend_rescal_edge_backward(const LegendJobs& jobs, const float*
         }
     }
     __syncwarp();
-    if (lane == 0) {
-        legend_mark_local(emb_flags, src, new_rows, n_rows);
-        legend_mark_local(emb_flags, dst, new_rows, n_rows);
-        legend_mark_local(rel_flags, relation, new_rels, n_rels);
-        if (recip) legend_mark_local(rel_flags, inverse, new_rels, n_rels);
-    }
+    if (lane == 0)
+        legend_list_edge_rows(LegendDirect{}, emb_flags, src, false, dst, false, rel_flags, true,
+                              relation, recip, inverse, new_rows, n_rows, new_rels, n_rels);
 }
 
 // legend_rows_backward for RESCAL (same arguments; the node rows go through the gradient
 // table whatever `direct` says, see the top of the file).
-extern "C" __global__ void __launch_bounds__(256) legend_rescal_rows_backward(
-    LegendJobs jobs, float* emb, const float* __restrict__ rel, const float* __restrict__ pos,
-    const float* __restrict__ grad_query, const float* __restrict__ grad_pos,
-    float* __restrict__ emb_grad, u32* emb_flags, u32* emb_list, u32* emb_count,
-    LegendDirect direct, float* __restrict__ rel_grad, u32* rel_flags, u32* rel_list,
-    u32* rel_count) {
-    legend_rows_backward_body(
-        jobs, emb_list, emb_count, rel_list, rel_count,
-        [&](u32 z0, u32 z1, u32 r, u32 lane, u32* new_rows, u32* n_rows, u32* new_rels,
-            u32* n_rels) {
-            legend_rescal_edge_backward(jobs, emb, rel, grad_query, grad_pos, emb_grad,
-                                        emb_flags, rel_grad, rel_flags, z0, z1, r, lane,
-                                        new_rows, n_rows, new_rels, n_rels);
-        });
-}
+LEGEND_ROWS_BACKWARD_KERNEL(legend_rescal_rows_backward, 1,
+                            legend_rescal_edge_backward(jobs, emb, rel, grad_query, grad_pos,
+                                                        emb_grad, emb_flags, rel_grad, rel_flags,
+                                                        z0, z1, r, lane, new_rows, n_rows,
+                                                        new_rels, n_rels))

@@ -489,6 +489,24 @@ struct LegendDirect {
     LegendRounding rounding;
 };
 
+// After an edge's backward, once every lane has read its rows (lane 0 calls it): a node row
+// updated in place is done, its use count back to zero; the others, the edge's relation row
+// (`relation_row`: the decoder has one) and its inverse's (`recip`) are marked for
+// legend_adagrad in the block's lists.
+__device__ __forceinline__ void legend_list_edge_rows(const LegendDirect& direct, u32* emb_flags,
+                                                      u32 src, bool src_direct, u32 dst,
+                                                      bool dst_direct, u32* rel_flags,
+                                                      bool relation_row, u32 relation, bool recip,
+                                                      u32 inverse, u32* new_rows, u32* n_rows,
+                                                      u32* new_rels, u32* n_rels) {
+    if (src_direct) direct.uses[src] = 0u;
+    else legend_mark_local(emb_flags, src, new_rows, n_rows);
+    if (dst_direct) direct.uses[dst] = 0u;
+    else legend_mark_local(emb_flags, dst, new_rows, n_rows);
+    if (relation_row) legend_mark_local(rel_flags, relation, new_rels, n_rels);
+    if (recip) legend_mark_local(rel_flags, inverse, new_rels, n_rels);
+}
+
 // The sink of node row `id` (d floats a row), direct when the batch uses the row once.
 __device__ __forceinline__ LegendRowSink legend_node_sink(float* emb, float* emb_grad,
                                                           const LegendDirect& direct, u32 id,
@@ -694,17 +712,11 @@ __device__ void legend_edge_backward(LegendJobs jobs, float* emb, const float* _
     const LegendRowSink* const ends[2] = {&gs, &gd};
     const u32 end_ids[2] = {src, dst};
     legend_finish_direct_rows<R, 2>(ends, end_ids, direct.rounding, d, lane);
-    // Rows updated in place are done: their use counts go back to zero (after every lane
-    // has read them), the others are listed for legend_adagrad.
     __syncwarp();
-    if (lane == 0) {
-        if (gs.direct) direct.uses[src] = 0u;
-        else legend_mark_local(emb_flags, src, new_rows, n_rows);
-        if (gd.direct) direct.uses[dst] = 0u;
-        else legend_mark_local(emb_flags, dst, new_rows, n_rows);
-        if (jobs.decoder != LEGEND_DOT) legend_mark_local(rel_flags, relation, new_rels, n_rels);
-        if (recip) legend_mark_local(rel_flags, inverse, new_rels, n_rels);
-    }
+    if (lane == 0)
+        legend_list_edge_rows(direct, emb_flags, src, gs.direct, dst, gd.direct, rel_flags,
+                              jobs.decoder != LEGEND_DOT, relation, recip, inverse, new_rows,
+                              n_rows, new_rels, n_rels);
 }
 
 // Backward through the positive scores and the query operators of every edge, both sides
@@ -742,28 +754,33 @@ __device__ __forceinline__ void legend_rows_backward_body(const LegendJobs& jobs
     if (threadIdx.x < n_rels) rel_list[base_rels + threadIdx.x] = new_rels[threadIdx.x];
 }
 
-// The kernels of legend_rows_backward_body over legend_edge_backward<X, R> (X and R as there),
-// BLOCKS blocks of 8 warps a multiprocessor: legend_rows_backward is the plain step,
-// legend_rows_backward_rounded the one whose in-place steps round (16-bit rows),
-// legend_rows_backward_extra the one with reciprocal relations or a regulariser, rounded or not
-// (their registers would crowd the plain one's; it runs three blocks a multiprocessor, where it
-// spills far less: "16-bit rows" in Documentation/gpu.md).
-#define LEGEND_ROWS_BACKWARD(name, X, R, BLOCKS)                                                \
+// A rows-backward kernel `name`, BLOCKS blocks of 8 warps a multiprocessor: the arguments
+// every rows backward takes (GpuBatchEngine::passes launches them alike), and
+// legend_rows_backward_body running the edge call that follows BLOCKS, which may name those
+// arguments and the body's (z0, z1, r, lane, new_rows, n_rows, new_rels, n_rels).
+#define LEGEND_ROWS_BACKWARD_KERNEL(name, BLOCKS, ...)                                          \
     extern "C" __global__ void __launch_bounds__(256, BLOCKS) name(                            \
         LegendJobs jobs, float* emb, const float* __restrict__ rel,                             \
         const float* __restrict__ pos, const float* __restrict__ grad_query,                    \
         const float* __restrict__ grad_pos, float* __restrict__ emb_grad, u32* emb_flags,       \
         u32* emb_list, u32* emb_count, LegendDirect direct, float* __restrict__ rel_grad,       \
         u32* rel_flags, u32* rel_list, u32* rel_count) {                                        \
-        legend_rows_backward_body(                                                              \
-            jobs, emb_list, emb_count, rel_list, rel_count,                                     \
-            [&](u32 z0, u32 z1, u32 r, u32 lane, u32* new_rows, u32* n_rows, u32* new_rels,     \
-                u32* n_rels) {                                                                  \
-                legend_edge_backward<X, R>(jobs, emb, rel, pos, grad_query, grad_pos, emb_grad, \
-                                           emb_flags, direct, rel_grad, rel_flags, z0, z1, r,   \
-                                           lane, new_rows, n_rows, new_rels, n_rels);           \
-            });                                                                                 \
+        legend_rows_backward_body(jobs, emb_list, emb_count, rel_list, rel_count,               \
+                                  [&](u32 z0, u32 z1, u32 r, u32 lane, u32* new_rows,           \
+                                      u32* n_rows, u32* new_rels, u32* n_rels) { __VA_ARGS__; }); \
     }
+
+// The kernels over legend_edge_backward<X, R> (X and R as there): legend_rows_backward is the
+// plain step, legend_rows_backward_rounded the one whose in-place steps round (16-bit rows),
+// legend_rows_backward_extra the one with reciprocal relations or a regulariser, rounded or not
+// (their registers would crowd the plain one's; it runs three blocks a multiprocessor, where it
+// spills far less: "16-bit rows" in Documentation/gpu.md).
+#define LEGEND_ROWS_BACKWARD(name, X, R, BLOCKS)                                                \
+    LEGEND_ROWS_BACKWARD_KERNEL(name, BLOCKS,                                                   \
+                                legend_edge_backward<X, R>(                                     \
+                                    jobs, emb, rel, pos, grad_query, grad_pos, emb_grad,        \
+                                    emb_flags, direct, rel_grad, rel_flags, z0, z1, r, lane,    \
+                                    new_rows, n_rows, new_rels, n_rels))
 
 LEGEND_ROWS_BACKWARD(legend_rows_backward, false, false, 4)
 LEGEND_ROWS_BACKWARD(legend_rows_backward_rounded, false, true, 4)

@@ -109,42 +109,35 @@ pub(crate) fn max(init: f32, xs: &[f32]) -> f32 {
     acc.iter().fold(tail, |m, &x| m.max(x))
 }
 
-/// `Σ_t |a_t − b_t|` in interleaved partial sums.
-#[inline]
-pub(crate) fn l1_distance(a: &[f32], b: &[f32]) -> f32 {
+/// `Σ_t term(a_t, b_t)` in interleaved partial sums (the tail's terms summed alone).
+#[inline(always)]
+fn pairwise_sum(a: &[f32], b: &[f32], term: impl Fn(f32, f32) -> f32) -> f32 {
     let mut acc = [0.0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let tail: f32 = ca
         .remainder()
         .iter()
         .zip(cb.remainder())
-        .map(|(x, y)| (x - y).abs())
+        .map(|(&x, &y)| term(x, y))
         .sum();
     for (x, y) in ca.zip(cb) {
         for l in 0..LANES {
-            acc[l] += (x[l] - y[l]).abs();
+            acc[l] += term(x[l], y[l]);
         }
     }
     acc.iter().sum::<f32>() + tail
 }
 
+/// `Σ_t |a_t − b_t|` in interleaved partial sums.
+#[inline]
+pub(crate) fn l1_distance(a: &[f32], b: &[f32]) -> f32 {
+    pairwise_sum(a, b, |x, y| (x - y).abs())
+}
+
 /// `Σ_t a_t b_t` in interleaved partial sums.
 #[inline]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
+    pairwise_sum(a, b, |x, y| x * y)
 }
 
 /// `Σ_p |(a_re,p − b_re,p) + i (a_im,p − b_im,p)|` (RotatE's distance between two complex

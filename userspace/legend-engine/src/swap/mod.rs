@@ -638,6 +638,28 @@ mod tests {
     use crate::store::MemoryStore;
     use legend_model::{Init, StateLayout};
 
+    /// The initialisation of the tests' never-written partitions.
+    fn init() -> Init {
+        Init {
+            seed: 42,
+            ..Init::default()
+        }
+    }
+
+    /// `store` as the rest of the tests' swappers and streams see it.
+    fn host_store(
+        scheme: PartitionScheme,
+        shape: RowShape,
+        store: MemoryStore,
+    ) -> HostStore<MemoryStore> {
+        HostStore {
+            store,
+            scheme,
+            shape,
+            init: init(),
+        }
+    }
+
     /// A CPU swapper of `slots` slots over `store`.
     fn swapper(
         scheme: PartitionScheme,
@@ -645,16 +667,7 @@ mod tests {
         slots: u32,
         store: MemoryStore,
     ) -> Swapper {
-        let init = Init {
-            seed: 42,
-            ..Init::default()
-        };
-        let rest = HostStore {
-            store,
-            scheme,
-            shape,
-            init,
-        };
+        let rest = host_store(scheme, shape, store);
         Swapper::new(scheme, slots, Box::new(HostMover::new(rest)), true, true)
     }
 
@@ -685,10 +698,7 @@ mod tests {
         let shape = RowShape::new(dim, StateLayout::Element);
         let mut s = swapper(scheme, shape, 3, MemoryStore::default());
         load_all(&mut s, &[2, 0]);
-        let init = Init {
-            seed: 42,
-            ..Init::default()
-        };
+        let init = init();
         let mut want = vec![0.0f32; dim];
         for p in [0, 2] {
             let part = s.host().partition(p).expect("resident");
@@ -832,16 +842,7 @@ mod tests {
         let scheme = PartitionScheme::new(entities, 5).unwrap();
         let mut store = numbered(scheme, shape);
         store.take_stored(3);
-        let init = Init {
-            seed: 42,
-            ..Init::default()
-        };
-        let rest = HostStore {
-            store,
-            scheme,
-            shape,
-            init,
-        };
+        let rest = host_store(scheme, shape, store);
         let mut seen = Vec::new();
         stream_partitions(rest, |part| {
             seen.push(part.id);
@@ -851,7 +852,7 @@ mod tests {
                 want[1] = want[0] + 1.0;
                 want[2] = want[0] + 2.0;
                 if part.id == 3 {
-                    init.node_row(id, &mut want);
+                    init().node_row(id, &mut want);
                 }
                 if row != want {
                     return Err(format!("row {id}: {row:?}, not {want:?}"));
