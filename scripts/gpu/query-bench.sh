@@ -9,7 +9,8 @@
 #   predict, neighbors   BATCHES batches of 1024 queries each (`legendctl predict|neighbors
 #                        --queries`), --device cuda:0 (the rows in GPU memory, the exact scan
 #                        there) against --device cpu (every core); each batch's time from
-#                        legendctl's stderr; the answers of both compared line for line;
+#                        legendctl's stderr; the answers of both compared line for line
+#                        (DEVICES, "cuda:0 cpu", names the devices: one alone compares nothing);
 #   lookups              `legendctl bench cache --run`: the row cache at 10 % of the table,
 #                        reading the run's store through its proxy (the modelled 980); the whole
 #                        table cached (resident); CPU threads with pread on the store's file.
@@ -23,6 +24,7 @@ work=${LEGEND_WORK:-/dev/shm/legend-query}
 nodes=${NODES:-2000000}
 edges=${EDGES:-20000000}
 batches=${BATCHES:-4}
+devices=${DEVICES:-cuda:0 cpu}
 mkdir -p "$out"
 rm -rf "$work" && mkdir -p "$work"
 source "$root/scripts/gpu/nvrtc-env.sh"
@@ -84,7 +86,8 @@ echo "== predict (DistMult, top 10) and neighbors (cosine, top 10): GPU against 
 for what in predict neighbors; do
     extra=()
     [ "$what" = neighbors ] && extra=(--metric cosine)
-    for device in cuda:0 cpu; do ask "$what" "$device" "${extra[@]}"; done
+    for device in $devices; do ask "$what" "$device" "${extra[@]}"; done
+    [ "$devices" = "cuda:0 cpu" ] || continue
     if cmp -s "$work/$what-cuda:0.jsonl" "$work/$what-cpu.jsonl"; then
         echo "$what: GPU and CPU answers identical ($(wc -l <"$work/$what-cpu.jsonl") answers)" | tee -a "$txt"
     else
