@@ -5,8 +5,9 @@ num_uniform_negs=K, so its chunk size is K = B), both sides corrupted, lr 0.1, i
 relations 1 + 0i, 2 threads (PBG: 2 Hogwild worker processes of one thread each).
 Both embeddings are scored by Legend's filtered evaluator. Run through run-pbg.sh.
 
-PBG is driven through its own CLIs (torchbiggraph_import_from_tsv, torchbiggraph_train) and
-its checkpoint files (entity_names_all_0.json, embeddings_all_0.vN.h5, model.vN.h5).
+PBG is driven through pbg_common: its input files as torchbiggraph_import_from_tsv writes them,
+its training CLI (torchbiggraph_train) and its checkpoint files (entity_names_all_0.json,
+embeddings_all_0.vN.h5, model.vN.h5).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def main() -> None:
 
     if not args.skip_pbg and not (pbg / "data" / "train_partitioned").exists():
         shutil.rmtree(pbg, ignore_errors=True)
-        pbg_common.import_edges(bindir, dataset, pbg, pbg_config("import", 1), env)
+        pbg_common.import_edges(dataset, pbg, 1)
 
     # Quality run (also timed): Legend then PBG, args.epochs each; MRR of both by Legend's evaluator.
     if not args.skip_legend:

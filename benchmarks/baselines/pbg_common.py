@@ -1,6 +1,6 @@
 """PyTorch-BigGraph 1.0.0 through its own CLIs, for the baseline drivers (compare_pbg.py: one
 partition in memory; compare_pbg_disk.py: N partitions swapped through the checkpoint directory):
-its config, the import of a Legend dataset's train edges (torchbiggraph_import_from_tsv), a
+its config, the import of a Legend dataset's train edges (the files torchbiggraph_import_from_tsv writes), a
 training run (torchbiggraph_train) measured by legend_common.run_monitored and split into epochs
 from PBG's own log, and the export of a checkpoint (entity_names_all_P.json,
 embeddings_all_P.vN.h5, model.vN.h5) into Legend's id order and layout.
@@ -12,7 +12,9 @@ back without a table of its own.
 from __future__ import annotations
 
 import json
+import math
 import re
+import shutil
 import subprocess
 import sys
 from datetime import datetime
@@ -73,20 +75,67 @@ def write_config(path: Path, *, pbg: Path, checkpoint: Path, num_relations: int,
     return path
 
 
-def import_edges(bindir: Path, dataset: Path, pbg: Path, config: Path, env: dict) -> None:
-    """Writes the dataset's train edges as `pbg/train.tsv` (names: Legend ids, `r<id>`) and
-    imports them with torchbiggraph_import_from_tsv (entity lists and edge buckets per the
-    config's partitions) into `pbg/data`."""
-    (pbg / "data").mkdir(parents=True, exist_ok=True)
-    tsv = pbg / "train.tsv"
-    with open(tsv, "w") as f:
-        for s_, r_, d_ in read_edges(dataset, "train"):
-            f.write(f"{s_}\tr{r_}\t{d_}\n")
-    cmd = [str(bindir / "torchbiggraph_import_from_tsv"), "--lhs-col", "0", "--rel-col", "1", "--rhs-col", "2",
-           str(config), str(tsv)]
-    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True, stdout=sys.stderr, stderr=sys.stderr, env=env)
-    tsv.unlink()
+def import_edges(dataset: Path, pbg: Path, partitions: int, seed: int = 0) -> None:
+    """Imports the dataset's train edges into `pbg/data` (entity counts and names) and
+    `pbg/data/train_partitioned` (one edge file a bucket) as torchbiggraph_import_from_tsv would
+    for an entity type "all" in `partitions` partitions and relations `r<id>`: the entities that
+    occur in the train edges, shuffled, partition p holding positions [ceil(p/N·n), ceil((p+1)/N·n))
+    of that order (PBG's `Dictionary`), each edge in bucket (lhs partition, rhs partition) as
+    offsets within them. Written through PBG's own storage classes, but vectorised: PBG's CLI
+    appends one edge at a time (about 3,300 edges/s on the 2-core dev machine, 45 minutes for 9 M
+    edges). Reads every bucket back and exits unless they hold exactly the train edges."""
+    import torch
+    from torchbiggraph.edgelist import EdgeList
+    from torchbiggraph.entitylist import EntityList
+    from torchbiggraph.graph_storages import EDGE_STORAGES, ENTITY_STORAGES
+
+    train = read_edges(dataset, "train")
+    names = np.random.default_rng(seed).permutation(np.unique(train[:, [0, 2]]))
+    starts = np.array([math.ceil(p / partitions * len(names)) for p in range(partitions + 1)], dtype=np.int64)
+    position = np.full(int(train[:, [0, 2]].max()) + 1, -1, dtype=np.int64)
+    position[names] = np.arange(len(names))
+    part = np.searchsorted(starts, position, side="right") - 1
+    offset = position - starts[part]
+    entities = ENTITY_STORAGES.make_instance(str(pbg / "data"))
+    entities.prepare()
+    for p in range(partitions):
+        entities.save_count("all", p, int(starts[p + 1] - starts[p]))
+        entities.save_names("all", p, [str(i) for i in names[starts[p]:starts[p + 1]]])
+    # Written beside its final name and renamed once checked: a bucket directory means a finished import.
+    final = pbg / "data" / "train_partitioned"
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    edges = EDGE_STORAGES.make_instance(str(partial))
+    edges.prepare()
+    bucket = part[train[:, 0]] * partitions + part[train[:, 2]]
+    order = np.argsort(bucket, kind="stable")
+    bounds = np.searchsorted(bucket[order], np.arange(partitions * partitions + 1))
+    back = []
+    for b in range(partitions * partitions):
+        rows = train[order[bounds[b]:bounds[b + 1]]]
+        lhs_p, rhs_p = divmod(b, partitions)
+        if len(rows) == 0:  # PBG's importer writes no file for an empty bucket either
+            continue
+        edges.save_edges(lhs_p, rhs_p, EdgeList(
+            EntityList.from_tensor(torch.from_numpy(offset[rows[:, 0]])),
+            EntityList.from_tensor(torch.from_numpy(offset[rows[:, 2]])),
+            torch.from_numpy(rows[:, 1].copy()),
+        ))
+        got = edges.load_edges(lhs_p, rhs_p)
+        back.append(np.stack([names[starts[lhs_p] + got.lhs.to_tensor().numpy()], got.rel.numpy(),
+                              names[starts[rhs_p] + got.rhs.to_tensor().numpy()]], axis=1))
+    if not np.array_equal(np.sort(_keys(np.concatenate(back))), np.sort(_keys(train))):
+        sys.exit(f"{partial}: the imported buckets do not hold {dataset}'s train edges")
+    partial.rename(final)
+    print(f"imported {len(train)} train edges of {len(names)} entities into {partitions}x{partitions} PBG buckets",
+          file=sys.stderr)
+
+
+def _keys(edges: np.ndarray) -> np.ndarray:
+    """One int64 per (src, rel, dst) row with src, dst < 2^28 and rel < 2^7, for comparing edge multisets."""
+    if edges.size and (edges[:, [0, 2]].max() >= 1 << 28 or edges[:, 1].max() >= 1 << 7):
+        sys.exit("the import check packs ids into 28 bits and relations into 7")
+    return (edges[:, 0] << 35) | (edges[:, 1] << 28) | edges[:, 2]
 
 
 # PBG's log lines start with logging's asctime; the ones that delimit an epoch and a bucket.
