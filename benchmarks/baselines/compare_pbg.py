@@ -5,8 +5,9 @@ num_uniform_negs=K, so its chunk size is K = B), both sides corrupted, lr 0.1, i
 relations 1 + 0i, 2 threads (PBG: 2 Hogwild worker processes of one thread each).
 Both embeddings are scored by Legend's filtered evaluator. Run through run-pbg.sh.
 
-PBG is driven through its own CLIs (torchbiggraph_import_from_tsv, torchbiggraph_train) and
-its checkpoint files (entity_names_all_0.json, embeddings_all_0.vN.h5, model.vN.h5).
+PBG is driven through pbg_common: its input files as torchbiggraph_import_from_tsv writes them,
+its training CLI (torchbiggraph_train) and its checkpoint files (entity_names_all_0.json,
+embeddings_all_0.vN.h5, model.vN.h5).
 """
 
 from __future__ import annotations
@@ -14,101 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from legend_common import (  # noqa: E402
-    cpu_model, legend_eval, loadavg, read_edges, read_tsv_ids, run_legend_train, write_embeddings,
-)
-
-PBG_CONFIG = """\
-# Written by benchmarks/baselines/compare_pbg.py
-def get_torchbiggraph_config():
-    return dict(
-        entity_path={entity_path!r},
-        edge_paths=[{edge_path!r}],
-        checkpoint_path={checkpoint_path!r},
-        entities={{"all": {{"num_partitions": 1}}}},
-        relations=[
-            dict(name=name, lhs="all", rhs="all", operator="complex_diagonal") for name in {relations!r}
-        ],
-        dynamic_relations=False,
-        dimension={dim},
-        init_scale=1e-3,
-        global_emb=False,
-        comparator="dot",
-        loss_fn="softmax",
-        lr={lr},
-        num_epochs={epochs},
-        batch_size={batch_size},
-        num_batch_negs=0,
-        num_uniform_negs={negatives},
-        eval_fraction=0,
-        workers={threads},
-        hogwild_delay=0,
-    )
-"""
-
-
-def export_pbg(
-    ckpt: Path, pbg_data: Path, dataset: Path, num_entities: int, num_relations: int, dim: int, out: Path
-) -> None:
-    """PBG checkpoint -> Legend layout (rows in Legend id order, [re | im])."""
-    import h5py
-    import torch
-    from torchbiggraph.model import ComplexDiagonalOperator
-
-    version = int((ckpt / "checkpoint_version.txt").read_text().strip())
-    names = json.loads((pbg_data / "entity_names_all_0.json").read_text())
-    with h5py.File(ckpt / f"embeddings_all_0.v{version}.h5", "r") as hf:
-        emb = hf["embeddings"][...]
-    rng = np.random.default_rng(0)
-    ent = (rng.standard_normal((num_entities, dim)) * 1e-3).astype(np.float32)  # never seen by PBG
-    ids = np.array([int(n) for n in names], dtype=np.int64)
-    ent[ids] = emb
-    params = {}
-    with h5py.File(ckpt / f"model.v{version}.h5", "r") as hf:
-        hf["model"].visititems(lambda k, d: params.__setitem__(k, d[...]) if isinstance(d, h5py.Dataset) else None)
-    half = dim // 2
-    rel = np.zeros((num_relations, dim), dtype=np.float32)
-    ops = []
-    for i in range(num_relations):
-        real = next(v for k, v in params.items() if re.search(rf"^relations/{i}/operator/rhs/real$", k))
-        imag = next(v for k, v in params.items() if re.search(rf"^relations/{i}/operator/rhs/imag$", k))
-        # PBG scores (s, r, d) as dot(s, r*d) = Re(sum s conj(r) conj(d)); Legend as
-        # Re(sum s r conj(d)): Legend's relation is PBG's conjugated.
-        rel[i, :half] = real
-        rel[i, half:] = -imag
-        ops.append((real, imag))
-    # Self-check with PBG's own operator on a few edges.
-    train = read_edges(dataset, "train")
-    checked = 0
-    if True:
-        for i in range(num_relations):
-            sel = train[train[:, 1] == i][:8]
-            if len(sel) == 0:
-                continue
-            op = ComplexDiagonalOperator(dim)
-            op.real.data = torch.from_numpy(ops[i][0])
-            op.imag.data = torch.from_numpy(ops[i][1])
-            with torch.no_grad():
-                theirs = (torch.from_numpy(ent[sel[:, 0]]) * op(torch.from_numpy(ent[sel[:, 2]]))).sum(-1).numpy()
-            s = ent[sel[:, 0], :half] + 1j * ent[sel[:, 0], half:]
-            d = ent[sel[:, 2], :half] + 1j * ent[sel[:, 2], half:]
-            r = rel[i, :half] + 1j * rel[i, half:]
-            ours = np.real((s * r * np.conj(d)).sum(-1))
-            if not np.allclose(theirs, ours, rtol=1e-3, atol=1e-6):
-                sys.exit(f"PBG export check failed for relation {i}: {theirs[:3]} vs {ours[:3]}")
-            checked += len(sel)
-    print(f"export check: PBG's operator and Legend's formula agree on {checked} edges", file=sys.stderr)
-    write_embeddings(out, ent, rel)
+import pbg_common  # noqa: E402
+from legend_common import cpu_model, legend_eval, loadavg, read_tsv_ids, run_legend_train  # noqa: E402
 
 
 def main() -> None:
@@ -174,35 +90,23 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
     def pbg_config(tag: str, epochs: int) -> Path:
-        config = pbg / f"config-{tag}.py"
-        config.write_text(PBG_CONFIG.format(
-            entity_path=str(pbg / "data"), edge_path=str(pbg / "data" / "train_partitioned"),
-            checkpoint_path=str(pbg / f"model-{tag}"), relations=[f"r{i}" for i in range(num_relations)],
-            dim=args.dim, lr=args.lr, epochs=epochs, batch_size=args.batch_size, negatives=args.negatives,
-            threads=args.threads,
-        ))
-        return config
+        return pbg_common.write_config(
+            pbg / f"config-{tag}.py", pbg=pbg, checkpoint=pbg / f"model-{tag}", num_relations=num_relations,
+            decoder="complex", partitions=1, dim=args.dim, lr=args.lr, epochs=epochs,
+            batch_size=args.batch_size, negatives=args.negatives, threads=args.threads,
+        )
 
     def pbg_train(tag: str, epochs: int) -> dict:
         config = pbg_config(tag, epochs)
         shutil.rmtree(pbg / f"model-{tag}", ignore_errors=True)
-        cmd = [str(bindir / "torchbiggraph_train"), str(config)]
-        print(f"== PBG {tag} ({epochs} epochs), load {loadavg()}\n+ {' '.join(cmd)}", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        wall = time.perf_counter() - t0
-        log = pbg / f"train-{tag}.log"
-        log.write_text(p.stdout)
-        if p.returncode != 0:
-            sys.exit(f"torchbiggraph_train failed ({p.returncode}); log {log}:\n{p.stdout[-4000:]}")
-        # "Processed N edges in T s ( R M/sec )": once per bucket per epoch (one bucket here). The
-        # first epoch's time includes starting the Hogwild worker processes.
-        per = [(int(n), float(t)) for n, t in re.findall(r"Processed (\d+) edges in ([0-9.]+) s", p.stdout)]
-        if len(per) != epochs:
-            print(f"warning: {len(per)} 'Processed' lines for {epochs} epochs", file=sys.stderr)
+        print(f"== PBG {tag} ({epochs} epochs), load {loadavg()}", file=sys.stderr, flush=True)
+        r = pbg_common.train(bindir, config, pbg / f"train-{tag}.log", env)
         rec = {
-            "system": "PyTorch-BigGraph 1.0.0", "tag": tag, "epochs": epochs, "command": " ".join(cmd),
-            "epoch_rates": [n / t for n, t in per], "train_s": sum(t for _, t in per), "wall_s": wall,
+            "system": "PyTorch-BigGraph 1.0.0", "tag": tag, "epochs": epochs, "command": r["command"],
+            # Training time only ("Processed N edges in T s"); the first epoch's includes starting
+            # the Hogwild worker processes.
+            "epoch_rates": [e["edges"] / e["compute_s"] for e in r["epochs"]],
+            "train_s": sum(e["compute_s"] for e in r["epochs"]), "wall_s": r["wall_s"],
             "ckpt": str(pbg / f"model-{tag}"), "config": config.read_text(), "load_after": loadavg(),
         }
         runs.append(rec)
@@ -210,15 +114,7 @@ def main() -> None:
 
     if not args.skip_pbg and not (pbg / "data" / "train_partitioned").exists():
         shutil.rmtree(pbg, ignore_errors=True)
-        (pbg / "data").mkdir(parents=True)
-        tsv = pbg / "train.tsv"
-        with open(tsv, "w") as f:
-            for s_, r_, d_ in read_edges(dataset, "train"):
-                f.write(f"{s_}\tr{r_}\t{d_}\n")
-        imp = [str(bindir / "torchbiggraph_import_from_tsv"), "--lhs-col", "0", "--rel-col", "1", "--rhs-col", "2",
-               str(pbg_config("import", 1)), str(tsv)]
-        print("+ " + " ".join(imp), file=sys.stderr, flush=True)
-        subprocess.run(imp, check=True, stdout=sys.stderr, stderr=sys.stderr, env=env)
+        pbg_common.import_edges(dataset, pbg, 1)
 
     # Quality run (also timed): Legend then PBG, args.epochs each; MRR of both by Legend's evaluator.
     if not args.skip_legend:
@@ -226,7 +122,8 @@ def main() -> None:
     if not args.skip_pbg:
         q = pbg_train("quality", args.epochs)
         emb_dir = pbg / "export-quality"
-        export_pbg(Path(q["ckpt"]), pbg / "data", dataset, num_entities, num_relations, args.dim, emb_dir)
+        pbg_common.export(Path(q["ckpt"]), pbg / "data", dataset, num_entities, num_relations, args.dim,
+                          "complex", 1, emb_dir)
         m = legend_eval(args.legendctl, dataset, emb_dir, "complex", reference_run=work / "legend-quality")
         q["mrr"], q["hits_at_10"] = m["mrr"], m["hits_at_10"]
     # Throughput rounds, alternating which system goes first (the machine is shared; load drifts).
