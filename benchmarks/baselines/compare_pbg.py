@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--skip-legend", action="store_true")
     ap.add_argument("--skip-pbg", action="store_true")
     args = ap.parse_args()
+    if args.epochs < 2:
+        # Each run's first epoch is left out of the rates (it starts PBG's workers).
+        ap.error(f"--epochs {args.epochs}: at least 2, the first epoch of each run is not timed")
     if args.batch_size != args.negatives:
         print("note: PBG's chunk size is num_uniform_negs; Legend runs num_chunks = batch/negatives", file=sys.stderr)
     num_chunks = max(1, args.batch_size // args.negatives)
