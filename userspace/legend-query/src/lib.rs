@@ -26,6 +26,7 @@
 mod error;
 mod gpu;
 mod model;
+mod names;
 mod query;
 mod topk;
 

@@ -1,7 +1,6 @@
 //! Queries by name on a run: labels resolved through the run's dataset, batches answered in
 //! one scan per kind, answers carrying ids, labels and scores.
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -17,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::QueryError;
 use crate::gpu::{GpuOptions, OpenedGpu, StoreRows};
 use crate::model::{Completion, GpuPlan, Metric, Model, Nearest, StreamGuard};
+use crate::names::Names;
 
 /// Entities a query returns unless told.
 pub const DEFAULT_TOP: usize = 10;
@@ -332,22 +332,7 @@ fn too_big_for_memory(meta: &RunMeta) -> Option<String> {
     })
 }
 
-/// Labels of one table, with their ids.
-struct Names {
-    labels: Vec<String>,
-    ids: HashMap<String, u32>,
-}
-
 impl Names {
-    fn new(labels: Vec<String>) -> Names {
-        let mut ids = HashMap::with_capacity(labels.len());
-        // The first of repeated labels keeps the name; the others answer to their ids.
-        for (id, label) in labels.iter().enumerate().rev() {
-            ids.insert(label.clone(), id as u32);
-        }
-        Names { labels, ids }
-    }
-
     fn named(&self, id: u32) -> Named {
         Named {
             id,
@@ -596,7 +581,7 @@ impl<'a> QueryRun<'a> {
         name: &str,
         at: &dyn Fn() -> String,
     ) -> Result<u32, QueryError> {
-        if let Some(&id) = names.ids.get(name) {
+        if let Some(id) = names.id(name) {
             return Ok(id);
         }
         match name.parse::<u32>() {
