@@ -29,8 +29,7 @@ rm -rf "$data" "$work" && mkdir -p "$work"
 source "$root/scripts/gpu/nvrtc-env.sh" >/dev/null
 ctl=$bin/legendctl
 {
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
-    lscpu | grep -E '^Model name|^CPU\(s\)'
+    "$root/scripts/gpu/hardware.sh"
     free -g | head -2
 } | tee "$out/billion-hw.txt"
 

@@ -24,8 +24,7 @@ source "$root/scripts/gpu/nvrtc-env.sh"
 ctl=$bin/legendctl
 status=0
 only=" ${LEGEND_DIRECT_ONLY:-tests bench beside train} "
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/hw.txt"
-lscpu | grep -E '^Model name|^CPU\(s\)' | tee -a "$out/hw.txt"
+"$root/scripts/gpu/hardware.sh" | tee "$out/hw.txt"
 
 if [[ $only == *" tests "* ]]; then
     echo "== GPU I/O kernel tests"

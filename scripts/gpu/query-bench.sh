@@ -32,8 +32,7 @@ ctl=$bin/legendctl
 txt=$out/query-bench.txt
 status=0
 {
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
-    lscpu | grep -E '^Model name|^CPU\(s\)'
+    "$root/scripts/gpu/hardware.sh"
 } | tee "$txt"
 
 start=$SECONDS

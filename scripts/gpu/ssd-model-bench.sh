@@ -40,8 +40,7 @@ rm -rf "$data" "$work" && mkdir -p "$data" "$work"
 ctl=$bin/legendctl
 status=0
 {
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
-    lscpu | grep -E '^Model name|^CPU\(s\)'
+    "$root/scripts/gpu/hardware.sh"
 } | tee "$out/ssd-hw.txt"
 
 start=$SECONDS

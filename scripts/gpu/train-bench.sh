@@ -23,8 +23,7 @@ rm -rf "$work" && mkdir -p "$work"
 source "$root/scripts/gpu/nvrtc-env.sh"
 ctl=$bin/legendctl
 status=0
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/hw.txt"
-lscpu | grep -E '^Model name|^CPU\(s\)' | tee -a "$out/hw.txt"
+"$root/scripts/gpu/hardware.sh" | tee "$out/hw.txt"
 df -h "$work" | tail -1 | tee -a "$out/hw.txt"
 
 only=" ${LEGEND_BENCH_ONLY:-tests umls epochs} "
