@@ -6,6 +6,7 @@ mod compute;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod error_chain;
 pub mod evaluation;
 pub mod export;
 pub mod memory;

@@ -197,7 +197,7 @@ fn invalid(path: &Path, message: impl Into<String>) -> RunError {
 
 /// A store's error `e` as the run's, naming the store `path`, with the error's sources.
 fn store_error(path: &Path, e: &dyn std::error::Error) -> RunError {
-    invalid(path, crate::error::with_sources(e))
+    invalid(path, crate::error_chain::with_sources(e))
 }
 
 /// The error for a directory without `run.toml`, saying what it is instead where that is clear.

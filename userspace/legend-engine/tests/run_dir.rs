@@ -43,13 +43,7 @@ fn train(session: &mut Session) {
 
 /// An error with its causes, as the CLI and the daemon print it.
 fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(&format!(": {cause}"));
-        source = cause.source();
-    }
-    text
+    legend_engine::error_chain::with_sources(e)
 }
 
 fn names(dir: &Path) -> Vec<String> {

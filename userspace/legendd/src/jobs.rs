@@ -237,7 +237,7 @@ fn utc(secs: u64) -> String {
 
 /// An error with its causes, on one line.
 fn chain(e: &dyn std::error::Error) -> String {
-    legend_engine::error::with_sources(e)
+    legend_engine::error_chain::with_sources(e)
 }
 
 impl Jobs {
