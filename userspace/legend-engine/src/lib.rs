@@ -12,6 +12,7 @@ pub mod export;
 pub mod memory;
 pub mod progress;
 pub mod relations;
+pub mod restore;
 pub mod rows;
 pub mod run;
 pub mod sampler;

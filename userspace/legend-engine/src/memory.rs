@@ -46,16 +46,11 @@ pub struct HostEstimate {
 impl HostEstimate {
     /// What `config` on `dataset` will hold at its peak (the final evaluation runs while the
     /// trainer still holds its edges and tables), training on a CUDA device or not
-    /// (`on_cuda`), from its start or `resuming` from a checkpoint. When every partition stays
-    /// on the GPU (memory backend, C = N), a new run's host holds none of their rows, only the
-    /// embeddings evaluation gathers from the device; a resumed one reads the checkpoint's
-    /// tables first.
-    pub fn of(
-        config: &Config,
-        dataset: &DatasetMeta,
-        on_cuda: bool,
-        resuming: bool,
-    ) -> HostEstimate {
+    /// (`on_cuda`). When every partition stays on the GPU (memory backend, C = N), the host
+    /// holds none of their rows, only the embeddings evaluation gathers from the device. A run
+    /// resumed from a checkpoint holds the same: its rows go from the checkpoint straight to
+    /// where a new run keeps them (`crate::Trainer::restore`), to the GPU a piece at a time.
+    pub fn of(config: &Config, dataset: &DatasetMeta, on_cuda: bool) -> HostEstimate {
         let all_on_gpu =
             on_cuda && !config.uses_store() && config.capacity() == config.storage.num_partitions;
         let dim = config.model.dim as u64;
@@ -64,7 +59,7 @@ impl HostEstimate {
         let partition_bytes = dataset.entities.div_ceil(n) * row_bytes;
         let train = dataset.splits.get(Split::Train);
         let node_tables = match config.storage.backend {
-            Backend::Memory if all_on_gpu && !resuming => 0,
+            Backend::Memory if all_on_gpu => 0,
             Backend::Memory => dataset.entities * row_bytes,
             // The resident partitions, the one read ahead (or in flight), and the store's
             // staging buffer.
@@ -190,10 +185,10 @@ pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / f64::from(1u32 << 30)
 }
 
-/// Refuses `config` on `dataset` (on a CUDA device or not, resuming or not: see
-/// [`HostEstimate::of`]) when its estimated peak exceeds `available` bytes, with a message
-/// that says how much it needs, what there is, and the settings that would fit (found by
-/// [`settings_that_fit`]) or that none does.
+/// Refuses `config` on `dataset` (on a CUDA device or not: see [`HostEstimate::of`]) when its
+/// estimated peak exceeds `available` bytes, with a message that says how much it needs, what
+/// there is, and the settings that would fit (found by [`settings_that_fit`]; a run `resuming`
+/// keeps its backend and partitions) or that none does.
 pub fn check_fits(
     config: &Config,
     dataset: &DatasetMeta,
@@ -201,7 +196,7 @@ pub fn check_fits(
     resuming: bool,
     available: u64,
 ) -> Result<HostEstimate, String> {
-    let e = HostEstimate::of(config, dataset, on_cuda, resuming);
+    let e = HostEstimate::of(config, dataset, on_cuda);
     if e.total() <= available {
         return Ok(e);
     }
@@ -217,12 +212,24 @@ pub fn check_fits(
         ),
         None => {
             let least = least_estimate(config, dataset, on_cuda, resuming);
+            let (settings, instead) = if resuming {
+                (
+                    "storage.buffer_capacity, evaluation.protocol or \
+                     training.negatives.filtered (what a resumed run may change: it keeps the \
+                     tables and partitions it started with)",
+                    "resume it where that much is available, or with fewer negatives",
+                )
+            } else {
+                (
+                    "storage.backend, storage.num_partitions, storage.buffer_capacity, \
+                     evaluation.protocol or training.negatives.filtered",
+                    "use a machine with more memory, a smaller model.dim or fewer negatives",
+                )
+            };
             format!(
-                "no setting of storage.backend, storage.num_partitions, storage.buffer_capacity, \
-                 evaluation.protocol or training.negatives.filtered fits this machine (the \
-                 least is about {:.1} GiB: {:.1} GiB of edges, {:.1} GiB for evaluation, whose \
-                 protocols both rank against every embedding, {:.1} GiB for a step's negatives); \
-                 use a machine with more memory, a smaller model.dim or fewer negatives \
+                "no setting of {settings} fits this machine (the least is about {:.1} GiB: \
+                 {:.1} GiB of edges, {:.1} GiB for evaluation, whose protocols both rank \
+                 against every embedding, {:.1} GiB for a step's negatives); {instead} \
                  (training.negatives.num_chunks × negatives_per_positive)",
                 gib(least.total()),
                 gib(least.edges),
@@ -350,7 +357,7 @@ fn candidates<'a>(
                 for change in &changes {
                     change.apply(&mut candidate);
                 }
-                let estimate = HostEstimate::of(&candidate, dataset, on_cuda, resuming);
+                let estimate = HostEstimate::of(&candidate, dataset, on_cuda);
                 (changes, candidate, estimate)
             })
             .collect::<Vec<_>>()
@@ -693,6 +700,53 @@ mod tests {
     }
 
     #[test]
+    fn a_resumed_run_in_gpu_memory_is_estimated_as_the_run_it_continues() {
+        // The Twitter-shaped run of scripts/gpu/billion-edge.sh: Dot, d = 100, memory backend,
+        // N = 1, on a GPU. Its host holds the edges and the embeddings its evaluation gathers
+        // (training peaked at 33.4 GiB on the H200); the resume read the checkpoint whole
+        // before the GPU had it, and peaked at 48.2 GiB.
+        let config = Config::parse(
+            "",
+            &[
+                "model.decoder=dot".into(),
+                "model.dim=100".into(),
+                "evaluation.protocol=sampled".into(),
+                "training.device=\"cuda:0\"".into(),
+            ],
+        )
+        .unwrap();
+        let mut twitter = meta(41_652_230, 1_468_218_346);
+        twitter.splits.valid = 0;
+        twitter.splits.test = 146_836;
+        let e = HostEstimate::of(&config, &twitter, true);
+        assert!(
+            (gib(e.total()) - 33.6).abs() < 0.1,
+            "{:.2} GiB",
+            gib(e.total())
+        );
+        assert_eq!(e.tables, 0, "no node rows on the host");
+        let available = 40 << 30;
+        for resuming in [false, true] {
+            assert_eq!(
+                check_fits(&config, &twitter, true, resuming, available),
+                Ok(e),
+                "resuming: {resuming}"
+            );
+        }
+        // Where it does not fit, a resume is told what it may change: not its partitions.
+        let err = check_fits(&config, &twitter, true, true, 30 << 30).unwrap_err();
+        assert!(
+            err.contains("what a resumed run may change") && err.contains("resume it where"),
+            "{err}"
+        );
+        assert!(!err.contains("storage.num_partitions"), "{err}");
+        // A new run may change its layout too (here no layout fits either: the edges and the
+        // gathered embeddings stay).
+        let err = check_fits(&config, &twitter, true, false, 30 << 30).unwrap_err();
+        assert!(err.contains("storage.num_partitions"), "{err}");
+    }
+
+    #[test]
     fn the_issue_27_case_is_refused_plainly_and_fits_where_memory_allows() {
         // 100k entities at d = 100000: 74.5 GiB of tables; every evaluation gathers 37.3 GiB.
         let config = Config::parse("", &["model.dim=100000".into()]).unwrap();
@@ -768,7 +822,7 @@ mod tests {
                             frugal.storage.num_partitions = 1 << most.ilog2();
                             frugal.storage.buffer_capacity = 2;
                         }
-                        let least = HostEstimate::of(&frugal, &meta, false, resuming).total();
+                        let least = HostEstimate::of(&frugal, &meta, false).total();
                         proptest::prop_assert!(least > available, "{err}: {least} fits");
                     }
                 },

@@ -17,13 +17,14 @@
 //! directories; see legend-fs).
 
 use std::fs::File;
-use std::io::{BufWriter, Read, Write};
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use legend_fs::{Access, Dir, Guard};
 use legend_model::{Decoder, Dtype};
 use serde::{Deserialize, Serialize};
 
+use crate::restore::TableReader;
 pub use crate::rows::Tables;
 
 /// Version of the run directory layout.
@@ -462,29 +463,14 @@ pub fn stream_entities(
             })
             .map_err(|e| store_error(path, &e));
     }
-    let (mut file, path) = open_entity_file(run, meta)?;
-    let dtype = meta.entity_dtype;
-    let floats = meta.entities * meta.dim as u64;
-    let mut crc = crc32fast::Hasher::new();
-    let mut buf = vec![0f32; STREAM_FLOATS.min(floats as usize)];
-    let mut stored = vec![0u8; buf.len() * dtype.bytes()];
-    let mut left = floats as usize;
-    while left > 0 {
-        let piece = &mut buf[..left.min(STREAM_FLOATS)];
-        let bytes = &mut stored[..piece.len() * dtype.bytes()];
-        file.read_exact(bytes).map_err(io(&path))?;
-        crc.update(bytes);
-        dtype.widen(bytes, piece);
+    let mut table = TableReader::open(run, meta, 0)?;
+    let mut buf = vec![0f32; STREAM_FLOATS.min(table.values_left())];
+    while table.values_left() > 0 {
+        let piece = &mut buf[..table.values_left().min(STREAM_FLOATS)];
+        table.read(piece)?;
         block(piece)?;
-        left -= piece.len();
     }
-    if crc.finalize() != meta.checksums.entities {
-        return Err(invalid(
-            &path,
-            "checksum mismatch: the checkpoint is damaged",
-        ));
-    }
-    Ok(())
+    table.finish()
 }
 
 /// The current checkpoint's entity file (a run without a store), opened and its size checked
@@ -609,8 +595,14 @@ impl RowReader {
             RowSource::File {
                 dtype, dim, rows, ..
             } => {
+                // A 16-bit file's values are widened from a buffer as stored.
                 let floats = (STREAM_FLOATS as u64).min(*rows * *dim as u64);
-                floats * (4 + dtype.bytes() as u64)
+                let stored = if dtype.is_narrow() {
+                    floats * dtype.bytes() as u64
+                } else {
+                    0
+                };
+                floats * 4 + stored
             }
         }
     }
@@ -629,24 +621,7 @@ pub fn load_relations(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Ve
             .map(|(emb, _)| emb)
             .map_err(|e| store_error(path, &e));
     }
-    {
-        let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[2]);
-        let path = run.join(&rel);
-        let bytes = run.read(&rel).map_err(io(&path))?;
-        if bytes.len() != floats * 4 {
-            return Err(invalid(
-                &path,
-                format!("holds {} bytes, expected {}", bytes.len(), floats * 4),
-            ));
-        }
-        if crc32fast::hash(&bytes) != meta.checksums.relations {
-            return Err(invalid(
-                &path,
-                "checksum mismatch: the checkpoint is damaged",
-            ));
-        }
-        Ok(bytemuck::pod_collect_to_vec(&bytes))
-    }
+    TableReader::open(run, meta, 2)?.read_all()
 }
 
 /// Loads the current checkpoint of `run`: from its store (file backend) or from its checkpoint
@@ -659,92 +634,33 @@ pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Table
             .read_tables(read_config(run)?.init(), meta.relation_floats())
             .map_err(|e| store_error(path, &e));
     }
-    let dir = Path::new(&meta.checkpoint);
-    let rows = [meta.entities, meta.entities, meta.relations, meta.relations];
-    let rw = meta.relation_width();
-    let widths = [meta.dim, meta.entity_shape().state, rw, rw];
-    let dtypes = [meta.entity_dtype, Dtype::F32, Dtype::F32, Dtype::F32];
-    let sums = [
-        meta.checksums.entities,
-        meta.checksums.entities_state,
-        meta.checksums.relations,
-        meta.checksums.relations_state,
-    ];
-    let mut tables = Vec::with_capacity(4);
-    for (i, file) in TABLE_FILES.iter().enumerate() {
-        let (rows, width, dtype, crc) = (rows[i], widths[i], dtypes[i], sums[i]);
-        let path = run.join(dir.join(file));
-        let table_file = run
-            .open_file(dir.join(file), Access::Read)
-            .map_err(io(&path))?;
-        let floats = rows as usize * width;
-        let want = floats * dtype.bytes();
-        let len = table_file.metadata().map_err(io(&path))?.len();
-        if len != want as u64 {
-            return Err(invalid(
-                &path,
-                format!(
-                    "holds {len} bytes, expected {want} ({rows} rows × {width} values of {dtype})"
-                ),
-            ));
-        }
-        let mut table = vec![0f32; floats];
-        let sum = if dtype.is_narrow() {
-            let mut stored = vec![0u8; want];
-            let sum = read_checksummed(&table_file, &mut stored, READ_BLOCK);
-            crate::store::at_rest::widen(dtype, &stored, &mut table);
-            sum
-        } else {
-            read_checksummed(
-                &table_file,
-                bytemuck::cast_slice_mut(&mut table),
-                READ_BLOCK,
-            )
-        }
-        .map_err(io(&path))?;
-        if sum != crc {
-            return Err(invalid(
-                &path,
-                "checksum mismatch: the checkpoint is damaged",
-            ));
-        }
-        tables.push(table);
-    }
-    let mut it = tables.into_iter();
-    let mut next = || it.next().expect("four tables");
+    let table = |i| TableReader::open(run, meta, i)?.read_all();
     Ok(Tables {
-        entities: next(),
-        entities_state: next(),
-        relations: next(),
-        relations_state: next(),
+        entities: table(0)?,
+        entities_state: table(1)?,
+        relations: table(2)?,
+        relations_state: table(3)?,
     })
 }
 
-/// Bytes each thread reads and checksums at a time in [`read_checksummed`].
-const READ_BLOCK: usize = 64 << 20;
-
-/// Fills `bytes` from the start of `file` and returns their CRC-32: straight into the caller's
-/// table (a byte buffer first would hold it twice), `block` bytes at a time on every core, the
-/// blocks' checksums combined in order (one thread reads and sums a 17 GB table in tens of
-/// seconds).
-fn read_checksummed(file: &File, bytes: &mut [u8], block: usize) -> std::io::Result<u32> {
-    use rayon::prelude::*;
-    use std::os::unix::fs::FileExt;
-    let sums = bytes
-        .par_chunks_mut(block)
-        .enumerate()
-        .map(|(i, piece)| {
-            file.read_exact_at(piece, (i * block) as u64)?;
-            let mut h = crc32fast::Hasher::new();
-            h.update(piece);
-            Ok(h)
-        })
-        .collect::<std::io::Result<Vec<_>>>()?;
-    let mut total = crc32fast::Hasher::new();
-    for h in sums {
-        total.combine(&h);
-    }
-    Ok(total.finalize())
+/// The current checkpoint's entity and relation embeddings, without their AdaGrad state: what
+/// ranking them needs (half the memory of [`load_tables`]), checked as it checks them.
+pub fn load_embeddings(
+    run: &Dir,
+    meta: &RunMeta,
+    guard: &dyn Guard,
+) -> Result<(Vec<f32>, Vec<f32>), RunError> {
+    let entities = if meta.store.is_some() {
+        let mut all = Vec::with_capacity(meta.entities as usize * meta.dim);
+        stream_entities(run, meta, guard, |piece| {
+            all.extend_from_slice(piece);
+            Ok(())
+        })?;
+        all
+    } else {
+        TableReader::open(run, meta, 0)?.read_all()?
+    };
+    Ok((entities, load_relations(run, meta, guard)?))
 }
 
 /// The store identity of a dataset identity in hex.
@@ -755,32 +671,4 @@ pub fn dataset_id(hex: &str, context: &Path) -> Result<legend_storage::DatasetId
         id: id.to_le_bytes(),
         label: hex.chars().take(12).collect(),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_file_read_in_blocks_has_the_checksum_of_the_whole() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("table.f32");
-        let data: Vec<u8> = (0..100_003u32)
-            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-            .collect();
-        std::fs::write(&path, &data).unwrap();
-        let file = File::open(&path).unwrap();
-        for block in [4096, 7777, 1 << 20] {
-            let mut got = vec![0u8; data.len()];
-            let sum = read_checksummed(&file, &mut got, block).unwrap();
-            assert_eq!(
-                (sum, &got),
-                (crc32fast::hash(&data), &data),
-                "block {block}"
-            );
-        }
-        // A file shorter than the table is an error, not a short table.
-        let mut longer = vec![0u8; data.len() + 1];
-        assert!(read_checksummed(&file, &mut longer, 4096).is_err());
-    }
 }

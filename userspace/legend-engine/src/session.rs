@@ -27,6 +27,7 @@ use crate::evaluation::{self, EvalRequest, EvaluationError};
 use crate::memory;
 use crate::progress::EpochCut;
 use crate::relations::Relations;
+use crate::restore::{CheckpointRows, TableReader};
 use crate::rows::RowShape;
 use crate::run::{self, RunError, RunMeta, TableChecksums, TableWriter};
 use crate::schedule::ValidHistory;
@@ -285,7 +286,6 @@ impl Session {
         let config = Config::parse(&text, sets)?;
         let dataset = evaluation::open_run_dataset(&meta, dataset, guard)?;
         let device = Engine::open(&config)?;
-        // Resuming reads the checkpoint's tables into host memory before they go to the GPU.
         check_memory(&config, dataset.meta(), &device, true)?;
         let session = Session::start(run, config, dataset, meta, device, guard)?;
         // The keys changed with `sets` hold from now on.
@@ -330,6 +330,8 @@ impl Session {
         let fresh_relations = || Relations::init(decoder, meta.relations as usize, dim, &init);
         let engine = device.describe();
         let mut device_health = Vec::new();
+        // A memory-backend checkpoint to restore once the trainer's slots exist.
+        let mut checkpoint = None;
         let (home, relations, position) = if config.uses_store() {
             let recorded = meta.recorded_members();
             let run_dir = std::fs::canonicalize(run.path()).map_err(io_error(run.path()))?;
@@ -397,17 +399,17 @@ impl Session {
             };
             (PartitionHome::File(Box::new(store)), relations, position)
         } else if !meta.checkpoint.is_empty() {
-            let t = run::load_tables(&run, &meta, guard)?;
-            let store = MemoryStore::from_tables(scheme, shape, t.entities, t.entities_state);
+            checkpoint = Some(CheckpointRows::open(&run, &meta)?);
             let relations = Relations {
-                emb: t.relations,
-                state: t.relations_state,
+                emb: TableReader::open(&run, &meta, 2)?.read_all()?,
+                state: TableReader::open(&run, &meta, 3)?.read_all()?,
             };
             let position = Position {
                 epochs_completed: meta.epochs_completed,
                 cut: meta.cut,
             };
-            (PartitionHome::Memory(store), relations, position)
+            let home = PartitionHome::Memory(MemoryStore::new(config.storage.dtype));
+            (home, relations, position)
         } else {
             let home = PartitionHome::Memory(MemoryStore::new(config.storage.dtype));
             (home, fresh_relations(), Position::default())
@@ -422,9 +424,18 @@ impl Session {
                 position.epochs_completed + u32::from(position.cut.is_some())
             )));
         }
-        let trainer = Trainer::on_device(&config, buckets, &degrees, home, relations, device)?;
+        let mut trainer = Trainer::on_device(&config, buckets, &degrees, home, relations, device)?;
+        let restored = checkpoint.is_some();
+        if let Some(rows) = checkpoint {
+            trainer.restore(rows)?;
+        }
         tracing::info!(
-            "set-up: the {engine} engine ready (edges and relations placed) in {:.1} s",
+            "set-up: the {engine} engine ready (edges and relations placed{}) in {:.1} s",
+            if restored {
+                ", the checkpoint's rows restored"
+            } else {
+                ""
+            },
             started.elapsed().as_secs_f64()
         );
         keep_metrics_up_to(&run, position.epochs_completed)?;
@@ -795,13 +806,13 @@ impl Session {
             );
             return Ok(None);
         }
-        let tables = run::load_tables(&best, &meta, &legend_fs::Unguarded)?;
+        let (entities, relations) = run::load_embeddings(&best, &meta, &legend_fs::Unguarded)?;
         let m = evaluation::evaluate(
             &self.dataset,
             self.config.decoder(),
             meta.dim,
-            &tables.entities,
-            &tables.relations,
+            &entities,
+            &relations,
             meta.reciprocal_relations,
             &self.eval_request(split, self.config.evaluation.protocol),
         )?;

@@ -29,12 +29,13 @@ use crate::device::Engine;
 use crate::error::TrainError;
 use crate::progress::EpochCut;
 use crate::relations::Relations;
-use crate::rows::Partition;
+use crate::restore::CheckpointRows;
+use crate::rows::{Partition, RowShape};
 use crate::sampler::NegativeSampler;
 use crate::store::PartitionHome;
 use crate::swap::gpu::{GpuCopyMover, GpuDirectMover};
 use crate::swap::host::{HostMover, HostStore};
-use crate::swap::{IoKernelSpan, Mover, Swapper};
+use crate::swap::{Fence, IoKernelSpan, Mover, Swapper};
 
 pub use crate::compute::cpu::BLOCK_ROWS;
 
@@ -134,6 +135,8 @@ pub struct Trainer {
     buckets: Buckets,
     plan: Plan,
     relations: Relations,
+    /// The node rows' shape (a resumed run's rows are read back in it).
+    shape: RowShape,
     // Declared before `compute`, so dropped first: its I/O thread's movers address the GPU
     // engine's node table, which `compute` owns.
     swapper: Swapper,
@@ -226,8 +229,48 @@ impl Trainer {
             swapper: Swapper::new(scheme, slots, mover, in_memory, host_rows),
             plan,
             relations,
+            shape: config.entity_shape(),
             compute,
         })
+    }
+
+    /// Fills every partition from `rows`, a checkpoint read front to back (a resumed run of
+    /// the memory backend, before its first epoch), then checks the checkpoint's checksums:
+    /// straight into the slots when every partition keeps its own for the run (C = N: the
+    /// GPU's table a piece at a time, the CPU's host rows), else into the memory store in its
+    /// own format. So the rows are never in host memory twice, nor whole where they go to the
+    /// GPU. A checksum that fails leaves the trainer unusable: the caller drops it.
+    pub fn restore(&mut self, mut rows: CheckpointRows) -> Result<(), TrainError> {
+        let scheme = self.scheme();
+        let (dim, width) = (self.shape.dim, self.shape.state);
+        for p in 0..scheme.num_partitions {
+            let range = scheme.range(p);
+            let n = (range.end - range.start) as usize;
+            if self.swapper.slots_for_good() {
+                let slot = p;
+                let filled = self
+                    .compute
+                    .fill_partition(p, slot, &mut |emb, state| Ok(rows.read(emb, state)?))?;
+                let host = if filled {
+                    None
+                } else {
+                    let mut part = Partition {
+                        id: p,
+                        emb: vec![0.0; n * dim],
+                        state: vec![0.0; n * width],
+                    };
+                    rows.read(&mut part.emb, &mut part.state)?;
+                    Some(part)
+                };
+                self.swapper.place(p, host);
+                self.compute.arrive(p, slot, &Fence::passed())?;
+            } else {
+                let (emb, state) = rows.read_at_rest(self.shape.dtype, n * dim, n * width)?;
+                self.swapper.keep(p, emb, state)?;
+            }
+        }
+        self.swapper.drain()?;
+        Ok(rows.finish()?)
     }
 
     /// The plan of epoch 1 (later epochs relabel partitions, see [`Trainer::epoch_relabeling`]).

@@ -90,8 +90,7 @@ fn peak_memory_stays_within_edges_and_resident_tables() {
         let set_refs: Vec<&str> = sets.iter().map(String::as_str).collect();
         let peak = peak_rss_of(&argv(&train_args(&ds, &out, &set_refs)));
         let bound = ((edge_bytes + resident_tables) as f64 * 1.1) as u64 + (2 << 30);
-        let estimate =
-            HostEstimate::of(&Config::parse("", &sets).unwrap(), &meta, false, false).total();
+        let estimate = HostEstimate::of(&Config::parse("", &sets).unwrap(), &meta, false).total();
         eprintln!(
             "{what}: peak {:.0} MiB, estimate {:.0} MiB, bound {:.0} MiB",
             peak as f64 / 1048576.0,

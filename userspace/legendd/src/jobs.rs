@@ -837,7 +837,8 @@ impl Jobs {
         let dir = dir.reading_as(guard.read_check());
         let meta = run::read_meta(&dir).map_err(|e| chain(&e))?;
         let dataset = evaluation::open_run_dataset(&meta, None, guard).map_err(|e| chain(&e))?;
-        let tables = run::load_tables(&dir, &meta, guard).map_err(|e| chain(&e))?;
+        let (entities, relations) =
+            run::load_embeddings(&dir, &meta, guard).map_err(|e| chain(&e))?;
         let decoder = meta.decoder.parse()?;
         let request = EvalRequest {
             protocol,
@@ -849,8 +850,8 @@ impl Jobs {
             &dataset,
             decoder,
             meta.dim,
-            &tables.entities,
-            &tables.relations,
+            &entities,
+            &relations,
             meta.reciprocal_relations,
             &request,
         )

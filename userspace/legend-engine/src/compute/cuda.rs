@@ -26,7 +26,7 @@ use legend_dataset::{Buckets, PartitionScheme};
 use legend_model::{ChunkModel, Decoder, StepRounding};
 use rayon::prelude::*;
 
-use super::{BucketRef, ComputeBackend, RowSink, Step};
+use super::{BucketRef, ComputeBackend, RowFill, RowSink, Step};
 use crate::config::Config;
 use crate::error::TrainError;
 use crate::memory::{GpuEstimate, gib};
@@ -36,8 +36,8 @@ use crate::swap::{Fence, HostRows};
 
 /// Score-matrix memory the engine may use for one launch group.
 const SCORE_BYTES: usize = 1 << 30;
-/// Floats of each of embeddings and state [`ComputeBackend::stream_partition`] stages at a
-/// time (64 MiB each).
+/// Floats of each of embeddings and state [`ComputeBackend::stream_partition`] and
+/// [`ComputeBackend::fill_partition`] stage at a time (64 MiB each).
 const STREAM_PIECE_FLOATS: usize = 16 << 20;
 
 /// The GPU engine over a device partition buffer.
@@ -56,8 +56,9 @@ pub(crate) struct CudaCompute {
     node_dtype: legend_model::Dtype,
     degree_fraction: f64,
     edges: DeviceEdges,
-    /// Downloads of resident rows ([`ComputeBackend::stream_partition`]).
-    downloads: Transfer,
+    /// Copies of resident rows to and from host memory ([`ComputeBackend::stream_partition`],
+    /// [`ComputeBackend::fill_partition`]).
+    rows_transfer: Transfer,
 }
 
 /// The train edges on the device.
@@ -187,7 +188,7 @@ impl CudaCompute {
             None
         };
         let edges = DeviceEdges::new(&gpu, buckets, config.storage.gpu_edge_fraction)?;
-        let downloads = Transfer::new(&gpu, DEFAULT_CHUNK_BYTES)?;
+        let rows_transfer = Transfer::new(&gpu, DEFAULT_CHUNK_BYTES)?;
         let mut compute = CudaCompute {
             gpu,
             engine,
@@ -200,7 +201,7 @@ impl CudaCompute {
             node_dtype: config.storage.dtype,
             degree_fraction: t.negatives.degree_fraction,
             edges,
-            downloads,
+            rows_transfer,
         };
         compute.publish_slots()?;
         Ok(compute)
@@ -439,9 +440,36 @@ impl ComputeBackend for CudaCompute {
         while done < rows {
             let n = piece_rows.min(rows - done);
             let (emb, state) = (&mut emb[..n * dim], &mut state[..n * width]);
-            self.downloads
+            self.rows_transfer
                 .download_rows(&self.nodes, row0 + done, emb, state)?;
             f(emb, state)?;
+            done += n;
+        }
+        Ok(true)
+    }
+
+    fn fill_partition(
+        &mut self,
+        p: u32,
+        slot: u32,
+        f: &mut RowFill<'_>,
+    ) -> Result<bool, TrainError> {
+        let (dim, width) = (self.nodes.dim(), self.nodes.state_width());
+        let row0 = self.row0(slot);
+        let range = self.scheme.range(p);
+        let rows = (range.end - range.start) as usize;
+        let piece_rows = (STREAM_PIECE_FLOATS / dim).max(1);
+        let mut emb = vec![0.0; piece_rows.min(rows) * dim];
+        let mut state = vec![0.0; piece_rows.min(rows) * width];
+        let mut done = 0;
+        while done < rows {
+            let n = piece_rows.min(rows - done);
+            let (emb, state) = (&mut emb[..n * dim], &mut state[..n * width]);
+            f(emb, state)?;
+            // Returns once the piece is staged: the next one is read while its last chunk
+            // crosses to the device.
+            self.rows_transfer
+                .upload_rows(&mut self.nodes, row0 + done, emb, state)?;
             done += n;
         }
         Ok(true)

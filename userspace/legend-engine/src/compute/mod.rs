@@ -62,6 +62,10 @@ impl Step<'_> {
 /// Receives a partition's rows a piece at a time: embeddings, then the same rows' state.
 pub type RowSink<'a> = dyn FnMut(&[f32], &[f32]) -> Result<(), TrainError> + 'a;
 
+/// Gives a partition's rows a piece at a time: fills the embeddings and the same rows' state
+/// with the next rows.
+pub type RowFill<'a> = dyn FnMut(&mut [f32], &mut [f32]) -> Result<(), TrainError> + 'a;
+
 /// A compute engine driven by the trainer's epoch loop (see the module docs for the order of
 /// the calls).
 pub(crate) trait ComputeBackend {
@@ -96,6 +100,18 @@ pub(crate) trait ComputeBackend {
     /// straight from where the engine holds them; `false` when its rows are not the engine's
     /// own (the CPU engine's are in [`HostRows`]).
     fn stream_partition(&mut self, _p: u32, _f: &mut RowSink<'_>) -> Result<bool, TrainError> {
+        Ok(false)
+    }
+    /// Fills partition `p`'s rows in `slot` from `f`, a bounded piece at a time, straight into
+    /// where the engine holds them (a resumed run's checkpoint, never whole in host memory);
+    /// compute may use them once [`ComputeBackend::arrive`] is told. `false` when its rows are
+    /// not the engine's own (the CPU engine's are in [`HostRows`]).
+    fn fill_partition(
+        &mut self,
+        _p: u32,
+        _slot: u32,
+        _f: &mut RowFill<'_>,
+    ) -> Result<bool, TrainError> {
         Ok(false)
     }
     /// Device memory in use (bytes), for engines with a device.

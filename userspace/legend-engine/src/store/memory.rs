@@ -34,7 +34,7 @@ impl Embeddings {
 }
 
 /// Partitions kept in RAM while they are not resident: the `memory` backend when C < N (and
-/// the checkpoint a resumed run starts from).
+/// the partitions a resumed run restores there).
 #[derive(Default)]
 pub struct MemoryStore {
     dtype: Dtype,
@@ -50,11 +50,12 @@ impl MemoryStore {
         }
     }
 
-    /// A store holding whole tables (`entities` rows of `shape` each, f32 values `shape.dtype`
-    /// represents), split by `scheme`: resuming a run.
-    /// The tables are cut from their ends, each partition copied out (narrowed, in a 16-bit
-    /// format) and the rest shrunk, and what remains is partition 0 itself, so that resuming
-    /// holds the tables once and at most one partition twice (none with one partition).
+    /// A store holding whole tables already in memory (`entities` rows of `shape` each, f32
+    /// values `shape.dtype` represents), split by `scheme`. The tables are cut from their ends,
+    /// each partition copied out (narrowed, in a 16-bit format) and the rest shrunk, and what
+    /// remains is partition 0 itself: the tables once and at most one partition twice. (A
+    /// resumed run reads its checkpoint into the store a partition at a time instead:
+    /// [`crate::Trainer::restore`].)
     pub fn from_tables(
         scheme: PartitionScheme,
         shape: RowShape,

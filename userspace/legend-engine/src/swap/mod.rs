@@ -209,8 +209,9 @@ enum Job {
     },
     /// Lends partition `p`'s rows (not resident): a memory store's own, else read or drawn.
     Lend(u32),
-    /// A lent partition of a memory store, back.
-    Return(Partition),
+    /// Rows of partition `p` for a memory store to keep: a lent partition back, or a restored
+    /// one ([`Swapper::keep`]).
+    Keep(u32, Embeddings, Vec<f32>),
 }
 
 /// What a job did.
@@ -470,7 +471,7 @@ impl Swapper {
             && self.in_memory
         {
             // Its reply is taken in turn with the others' (a read may be queued before it).
-            self.send(Job::Return(rows))?;
+            self.send(Job::Keep(rows.id, Embeddings::F32(rows.emb), rows.state))?;
         }
         self.slot_of[p as usize] = None;
         self.arrived[p as usize] = false;
@@ -540,10 +541,49 @@ impl Swapper {
         };
         let r = f(&part);
         if returnable {
-            self.send(Job::Return(part))?;
+            self.send(Job::Keep(part.id, Embeddings::F32(part.emb), part.state))?;
             self.receive()?;
         }
         Ok(r)
+    }
+
+    /// Whether every partition has a slot of its own for the run (C = N): nothing is ever
+    /// swapped, and a resumed run's rows go straight into the slots ([`Swapper::place`]).
+    pub(crate) fn slots_for_good(&self) -> bool {
+        self.identity
+    }
+
+    /// Makes partition `p` resident in its own slot (see [`Swapper::slots_for_good`]) without
+    /// a read: the caller has filled the slot, or gives its host rows (the CPU engine's).
+    /// Returns the slot.
+    pub(crate) fn place(&mut self, p: u32, rows: Option<Partition>) -> u32 {
+        assert!(
+            self.identity && self.slot_of[p as usize].is_none(),
+            "placing partition {p} outside a slot of its own"
+        );
+        self.free.retain(|&s| s != p);
+        self.slot_of[p as usize] = Some(p);
+        self.arrived[p as usize] = true;
+        if let Some(rows) = rows {
+            self.host.insert(rows);
+        }
+        p
+    }
+
+    /// Gives partition `p`'s rows (not resident), in the store's own format, to a memory
+    /// store to keep: a resumed run's partitions outside the slots. Queued: a failure is
+    /// reported by a later call ([`Swapper::drain`]).
+    pub(crate) fn keep(
+        &mut self,
+        p: u32,
+        emb: Embeddings,
+        state: Vec<f32>,
+    ) -> Result<(), PartitionStoreError> {
+        assert!(
+            self.in_memory && self.slot_of[p as usize].is_none(),
+            "keeping partition {p} in a store that is not memory, or that is resident"
+        );
+        self.send(Job::Keep(p, emb, state))
     }
 }
 
@@ -610,10 +650,10 @@ fn serve(mover: &mut dyn Mover, job: Job) -> Reply {
                 .map(|(part, returnable)| Done::Lent { part, returnable }),
             None,
         ),
-        Job::Return(part) => (
+        Job::Keep(p, emb, state) => (
             mover
                 .store()
-                .keep_stored(part.id, Embeddings::F32(part.emb), part.state)
+                .keep_stored(p, emb, state)
                 .map(|()| Done::Returned),
             None,
         ),

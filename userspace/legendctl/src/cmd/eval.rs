@@ -73,15 +73,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 let run = run::open(run_dir)?;
                 let meta = run::read_meta(&run)?;
                 let dataset = open_run_dataset(&meta, args.dataset.as_deref(), &Unguarded)?;
-                let tables = run::load_tables(&run, &meta, &Unguarded)?;
+                let (entities, relations) = run::load_embeddings(&run, &meta, &Unguarded)?;
                 let decoder: Decoder = meta.decoder.parse().map_err(anyhow::Error::msg)?;
                 (
                     run_dir.display().to_string(),
                     dataset,
                     decoder,
                     meta.dim,
-                    tables.entities,
-                    tables.relations,
+                    entities,
+                    relations,
                     meta.reciprocal_relations,
                     run::evaluation_negatives(&run)?,
                 )
