@@ -76,7 +76,7 @@ log, what, device = sys.argv[1:]
 lines = open(log).read().splitlines()
 times = [float(m.group(1)) for l in lines if (m := re.search(r"queries in ([0-9.]+) s", l))]
 where = next((l[len("answering on "):] for l in lines if l.startswith("answering on ")), "?")
-load = next((l for l in lines if "read into memory" in l), "")
+load = next((l for l in lines if "(the run opened)" in l), "")
 print(f"{what:9s} {device:7s} batches of 1024: median {statistics.median(times)*1e3:9.1f} ms "
       f"(all: {' '.join('%.1f' % (t*1e3) for t in times)} ms); {where}; {load}")
 PY

@@ -12,7 +12,7 @@ use legend_model::Comparator;
 
 use crate::error::DriverContext;
 use crate::gpu::grid_1d;
-use crate::{Gpu, GpuError};
+use crate::{Gpu, GpuError, Transfer};
 
 /// The largest K a scan keeps on the GPU: the kept keys and a piece of candidates share the
 /// selection's shared array ([`SELECT_SORT`] entries).
@@ -157,6 +157,35 @@ impl EntityRows {
     /// Floats a row.
     pub fn dim(&self) -> usize {
         self.dim
+    }
+
+    /// Copies a whole table (`len × dim` floats, row-major) in through `transfer`'s pinned
+    /// staging, whose host side runs on every core: for gigabytes of rows (a run's table mapped
+    /// from its checkpoint), where [`EntityRows::write`]'s copy through the driver's staging
+    /// runs on one thread. `visit` sees every piece of `rows` as it is staged (see
+    /// [`Transfer::upload_visited`]). Work queued on the compute stream later waits for it.
+    ///
+    /// # Errors
+    ///
+    /// [`GpuError::Shape`] when `rows` is not the table's size; driver errors.
+    pub fn write_all(
+        &mut self,
+        transfer: &mut Transfer,
+        rows: &[f32],
+        visit: crate::transfer::Visit<'_>,
+    ) -> Result<(), GpuError> {
+        if rows.len() != self.len * self.dim {
+            return Err(GpuError::Shape(format!(
+                "{} floats into a table of {} rows of {}",
+                rows.len(),
+                self.len,
+                self.dim
+            )));
+        }
+        transfer.upload_visited(rows, &mut self.rows, visit)?;
+        // Rows changed: their norms are stale.
+        self.norms = None;
+        Ok(())
     }
 
     /// Copies `rows` (whole rows) into the table from row `first`.

@@ -37,11 +37,22 @@ pub const DEFAULT_CHUNK_BYTES: usize = 16 << 20;
 /// host side of a chunk is split over rayon's threads.
 const PIECE: usize = 1 << 20;
 
-/// `dst.copy_from_slice(src)` on several threads.
-fn copy(dst: &mut [u8], src: &[u8]) {
+/// Sees each piece of an upload's source as it is staged, with its offset in bytes: on the
+/// thread that copies it, while the piece is in that core's cache.
+pub type Visit<'a> = &'a (dyn Fn(usize, &[u8]) + Sync);
+
+/// `dst.copy_from_slice(src)` on several threads, each piece shown to `visit` (its offset
+/// counted from `base`).
+fn copy(dst: &mut [u8], src: &[u8], base: usize, visit: Option<Visit<'_>>) {
     dst.par_chunks_mut(PIECE)
         .zip(src.par_chunks(PIECE))
-        .for_each(|(d, s)| d.copy_from_slice(s));
+        .enumerate()
+        .for_each(|(i, (d, s))| {
+            d.copy_from_slice(s);
+            if let Some(visit) = visit {
+                visit(base + i * PIECE, s);
+            }
+        });
 }
 
 /// A stream for copies with its pinned staging (see the module docs).
@@ -191,6 +202,20 @@ impl Transfer {
         src: &[T],
         dst: CUdeviceptr,
     ) -> Result<(), GpuError> {
+        // SAFETY: this function's contract.
+        unsafe { self.upload_visited_raw(src, dst, None) }
+    }
+
+    /// [`Transfer::upload_raw`], each piece of `src` shown to `visit` as it is staged.
+    ///
+    /// # Safety
+    /// As [`Transfer::upload_raw`].
+    unsafe fn upload_visited_raw<T: bytemuck::Pod>(
+        &mut self,
+        src: &[T],
+        dst: CUdeviceptr,
+        visit: Option<Visit<'_>>,
+    ) -> Result<(), GpuError> {
         let src: &[u8] = bytemuck::cast_slice(src);
         self.bind()?;
         let chunk = self.stage[0].len();
@@ -203,7 +228,7 @@ impl Transfer {
             let stage = self.stage[i]
                 .as_mut_slice()
                 .during("mapping a staging chunk")?;
-            copy(&mut stage[..part.len()], part);
+            copy(&mut stage[..part.len()], part, c * chunk, visit);
             let at = dst + (c * chunk) as u64;
             // SAFETY: the staged bytes stay untouched until `done[i]` completes (waited for
             // above before every reuse); the destination is valid by the caller's contract.
@@ -242,7 +267,12 @@ impl Transfer {
                 .synchronize()
                 .during("waiting for a staging chunk")?;
             let stage = self.stage[i].as_slice().during("mapping a staging chunk")?;
-            copy(&mut dst[c * chunk..c * chunk + len(c)], &stage[..len(c)]);
+            copy(
+                &mut dst[c * chunk..c * chunk + len(c)],
+                &stage[..len(c)],
+                c * chunk,
+                None,
+            );
             if c + 2 < chunks {
                 // SAFETY: as this function's contract.
                 unsafe { self.queue_download(src, c + 2, len(c + 2)) }?;
@@ -336,12 +366,35 @@ impl Transfer {
         self.upload_unordered(src, dst)
     }
 
+    /// [`Transfer::upload`], each piece of `src` shown to `visit` (with its offset in bytes)
+    /// as it is staged: what reads every byte of an upload anyway (a checksum of a table read
+    /// from a file) costs no pass of its own over it.
+    pub fn upload_visited<T: bytemuck::Pod>(
+        &mut self,
+        src: &[T],
+        dst: &mut CudaSlice<T>,
+        visit: Visit<'_>,
+    ) -> Result<(), GpuError> {
+        self.after_compute()?;
+        self.upload_unordered_visited(src, dst, Some(visit))
+    }
+
     /// Like [`Transfer::upload`], but not after the compute work queued so far: only after the
     /// events passed to [`Transfer::wait`] (for a buffer the caller knows compute is done with).
     pub fn upload_unordered<T: bytemuck::Pod>(
         &mut self,
         src: &[T],
         dst: &mut CudaSlice<T>,
+    ) -> Result<(), GpuError> {
+        self.upload_unordered_visited(src, dst, None)
+    }
+
+    /// [`Transfer::upload_unordered`], each piece of `src` shown to `visit` when given.
+    fn upload_unordered_visited<T: bytemuck::Pod>(
+        &mut self,
+        src: &[T],
+        dst: &mut CudaSlice<T>,
+        visit: Option<Visit<'_>>,
     ) -> Result<(), GpuError> {
         if src.len() > dst.len() {
             return Err(GpuError::Shape(format!(
@@ -352,7 +405,7 @@ impl Transfer {
         }
         // SAFETY: `dst` is at least as long as `src`; it is freed stream-ordered on the compute
         // stream, which waits for these copies (below) before anything queued later.
-        unsafe { self.upload_raw(src, addr(dst)) }?;
+        unsafe { self.upload_visited_raw(src, addr(dst), visit) }?;
         self.before_compute()
     }
 

@@ -173,33 +173,77 @@ impl Dataset {
 
     /// Entity labels indexed by id.
     pub fn entity_labels(&self) -> Result<Vec<String>> {
-        self.labels(ENTITIES_FILE, self.meta.entities)
+        self.labels(LabelTable::Entities)
     }
 
     /// Relation labels indexed by id.
     pub fn relation_labels(&self) -> Result<Vec<String>> {
-        self.labels(RELATIONS_FILE, self.meta.relations)
+        self.labels(LabelTable::Relations)
     }
 
-    fn labels(&self, file: &str, count: u64) -> Result<Vec<String>> {
-        let path = self.dir.join(file);
-        let text = self.root.read(file).at(&path)?;
+    fn labels(&self, table: LabelTable) -> Result<Vec<String>> {
+        let path = self.dir.join(table.file());
+        let text = self.root.read(table.file()).at(&path)?;
         let labels: Vec<String> = text
             .split(|&b| b == b'\n')
             .filter(|l| !l.is_empty())
-            .map(|l| {
-                let label = l.splitn(2, |&b| b == b'\t').nth(1).unwrap_or_default();
-                String::from_utf8_lossy(label).into_owned()
-            })
+            .map(|l| String::from_utf8_lossy(label_in_line(l)).into_owned())
             .collect();
-        if labels.len() as u64 != count {
-            return Err(invalid(
-                &path,
-                format!("holds {} labels, dataset.toml says {count}", labels.len()),
-            ));
-        }
+        self.check_label_count(table, labels.len() as u64)?;
         Ok(labels)
     }
+
+    /// The label file of `table` opened to read, for a reader that maps or indexes it itself
+    /// (lines as [`label_in_line`] reads them; [`Dataset::check_label_count`] checks their
+    /// count), with its path.
+    pub fn open_labels(&self, table: LabelTable) -> Result<(std::fs::File, PathBuf)> {
+        let path = self.dir.join(table.file());
+        let file = self.root.open_file(table.file(), Access::Read).at(&path)?;
+        Ok((file, path))
+    }
+
+    /// Refuses a label file of `table` that holds `found` labels (non-empty lines), not the
+    /// count dataset.toml gives.
+    pub fn check_label_count(&self, table: LabelTable, found: u64) -> Result<()> {
+        let want = match table {
+            LabelTable::Entities => self.meta.entities,
+            LabelTable::Relations => self.meta.relations,
+        };
+        if found != want {
+            return Err(invalid(
+                self.dir.join(table.file()),
+                format!("holds {found} labels, dataset.toml says {want}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One of a dataset's label files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LabelTable {
+    /// `entities.tsv`.
+    Entities,
+    /// `relations.tsv`.
+    Relations,
+}
+
+impl LabelTable {
+    /// The file, relative to the dataset directory.
+    pub fn file(self) -> &'static str {
+        match self {
+            LabelTable::Entities => ENTITIES_FILE,
+            LabelTable::Relations => RELATIONS_FILE,
+        }
+    }
+}
+
+/// The label a line of a label file holds (`id<TAB>label`): what follows its first tab, nothing
+/// in a line without one. Empty lines hold no label: they are skipped, and ids count the others.
+pub fn label_in_line(line: &[u8]) -> &[u8] {
+    line.iter()
+        .position(|&b| b == b'\t')
+        .map_or(&[], |tab| &line[tab + 1..])
 }
 
 /// Degree (in + out) of every entity over `edges`, counted on every core.

@@ -24,7 +24,7 @@ mod text;
 use std::path::{Path, PathBuf};
 
 pub use buckets::{Buckets, PartitionScheme};
-pub use dataset::{Dataset, degrees};
+pub use dataset::{Dataset, LabelTable, degrees, label_in_line};
 pub use error::{DatasetError, Result};
 pub use generate::{GenerateOptions, GenerateSummary, generate};
 pub use import::{ImportInput, ImportOptions, ImportSummary, UNTYPED_RELATION, import};

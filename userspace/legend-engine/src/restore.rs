@@ -149,6 +149,36 @@ impl TableReader {
         Ok(values)
     }
 
+    /// The whole file of f32 values mapped into memory in place (the page cache's pages, no
+    /// copy), to be checked ([`MappedTable::check`]) before it is trusted.
+    pub fn map(self) -> Result<MappedTable, RunError> {
+        assert!(
+            self.offset == 0 && self.dtype == Dtype::F32,
+            "{} mapped after a read, or holds {} values",
+            self.path.display(),
+            self.dtype
+        );
+        let map = if self.len == 0 {
+            None
+        } else {
+            // SAFETY: a checkpoint's files are written once, into a directory that is synced
+            // and then renamed into place, and never written again: a later checkpoint is a new
+            // directory, and removing the old one keeps a mapping's pages. Nothing in Legend
+            // truncates or rewrites them; someone who does makes reads of the mapping fault, as
+            // with any mapped file.
+            let map = unsafe { memmap2::Mmap::map(&self.file) };
+            Some(map.map_err(|source| RunError::Io {
+                path: self.path.clone(),
+                source,
+            })?)
+        };
+        Ok(MappedTable {
+            map,
+            path: self.path,
+            want: self.want,
+        })
+    }
+
     /// Checks that every byte was read and that they have the record's checksum: what was read
     /// is to be trusted only after this returns.
     pub fn finish(self) -> Result<(), RunError> {
@@ -166,6 +196,73 @@ impl TableReader {
         }
         Ok(())
     }
+}
+
+/// A table file of f32 values of a checkpoint mapped into memory ([`TableReader::map`]): its
+/// values are to be trusted once [`MappedTable::check`] or [`MappedTable::check_sum`] said so.
+pub struct MappedTable {
+    map: Option<memmap2::Mmap>,
+    path: PathBuf,
+    /// The checksum the run's record gives.
+    want: u32,
+}
+
+impl MappedTable {
+    /// The values in place.
+    pub fn values(&self) -> &[f32] {
+        // A mapping starts on a page: aligned for f32.
+        bytemuck::cast_slice(self.map.as_deref().unwrap_or_default())
+    }
+
+    /// Checks the values against the record's checksum, summed on every core.
+    pub fn check(&self) -> Result<(), RunError> {
+        self.check_sum(crc32(bytemuck::cast_slice(self.values())).finalize())
+    }
+
+    /// Checks `crc`, the CRC-32 of the values' bytes that whoever read them all summed (a copy
+    /// that sums what passes through it reads the table once, not twice), against the record's.
+    pub fn check_sum(&self, crc: u32) -> Result<(), RunError> {
+        if crc != self.want {
+            return Err(RunError::Invalid {
+                path: self.path.clone(),
+                message: "checksum mismatch: the checkpoint is damaged".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// `meta`'s entity embeddings in place, when its checkpoint holds them as queries read them:
+/// the memory backend's `entities.bin` in f32, mapped, to be checked (the rows of a
+/// billion-edge run are then the page cache's, read by whoever scans them, never copied);
+/// `None` for rows in a store or in a 16-bit format.
+pub fn map_entities(run: &Dir, meta: &RunMeta) -> Result<Option<MappedTable>, RunError> {
+    if !entities_map(meta) {
+        return Ok(None);
+    }
+    TableReader::open(run, meta, 0)?.map().map(Some)
+}
+
+/// Whether [`map_entities`] maps `meta`'s entity embeddings.
+pub fn entities_map(meta: &RunMeta) -> bool {
+    meta.store.is_none() && !meta.checkpoint.is_empty() && meta.entity_dtype == Dtype::F32
+}
+
+/// The CRC-32 state of `bytes`, summed in blocks on every core and combined in order.
+pub fn crc32(bytes: &[u8]) -> crc32fast::Hasher {
+    let sums: Vec<crc32fast::Hasher> = bytes
+        .par_chunks(READ_BLOCK)
+        .map(|piece| {
+            let mut h = crc32fast::Hasher::new();
+            h.update(piece);
+            h
+        })
+        .collect();
+    let mut crc = crc32fast::Hasher::new();
+    for h in &sums {
+        crc.combine(h);
+    }
+    crc
 }
 
 /// A checkpoint's entity rows, embeddings and AdaGrad state, read front to back a run of rows
@@ -313,6 +410,35 @@ mod tests {
                 "{dtype}"
             );
         }
+    }
+
+    #[test]
+    fn an_f32_table_maps_in_place_and_a_damaged_one_fails_its_check() {
+        let dir = tempfile::tempdir().unwrap();
+        let emb: Vec<f32> = (0..3_000_003).map(|i| i as f32 * 0.5).collect();
+        let meta = write(dir.path(), &emb, &emb, 3, Dtype::F32);
+        let run = Dir::open(dir.path()).unwrap();
+        let mapped = map_entities(&run, &meta).unwrap().expect("f32 rows map");
+        mapped.check().unwrap();
+        assert_eq!(mapped.values(), &emb[..]);
+        // Its files are rewritten below: a mapping must not outlive them (see `map`).
+        drop(mapped);
+        // 16-bit rows are widened by whoever reads them: not mapped.
+        let narrow = write(dir.path(), &emb, &emb, 3, Dtype::Bf16);
+        assert!(map_entities(&run, &narrow).unwrap().is_none());
+        // One bit flipped in the last block: refused, naming the file.
+        let meta = write(dir.path(), &emb, &emb, 3, Dtype::F32);
+        let path = dir.path().join("c").join("entities.bin");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        let mapped = map_entities(&run, &meta).unwrap().expect("f32 rows map");
+        let err = mapped.check().unwrap_err().to_string();
+        assert!(
+            err.contains("entities.bin") && err.contains("checksum mismatch"),
+            "{err}"
+        );
     }
 
     #[test]

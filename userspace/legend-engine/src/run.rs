@@ -650,17 +650,24 @@ pub fn load_embeddings(
     meta: &RunMeta,
     guard: &dyn Guard,
 ) -> Result<(Vec<f32>, Vec<f32>), RunError> {
-    let entities = if meta.store.is_some() {
-        let mut all = Vec::with_capacity(meta.entities as usize * meta.dim);
-        stream_entities(run, meta, guard, |piece| {
-            all.extend_from_slice(piece);
-            Ok(())
-        })?;
-        all
-    } else {
-        TableReader::open(run, meta, 0)?.read_all()?
-    };
-    Ok((entities, load_relations(run, meta, guard)?))
+    Ok((
+        load_entities(run, meta, guard)?,
+        load_relations(run, meta, guard)?,
+    ))
+}
+
+/// The current checkpoint's entity embeddings (widened to f32), checked: a checkpoint file read
+/// straight into the table on every core, or a store's partitions one after the other.
+pub fn load_entities(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Vec<f32>, RunError> {
+    if meta.store.is_none() {
+        return TableReader::open(run, meta, 0)?.read_all();
+    }
+    let mut all = Vec::with_capacity(meta.entities as usize * meta.dim);
+    stream_entities(run, meta, guard, |piece| {
+        all.extend_from_slice(piece);
+        Ok(())
+    })?;
+    Ok(all)
 }
 
 /// The store identity of a dataset identity in hex.

@@ -13,6 +13,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use legend_cuda::scan::{EntityRows, SCAN_MAX_QUERIES, Scan, ScanScoring};
+use legend_engine::restore::{MappedTable, map_entities};
 use legend_engine::run::{self, RowReader, RunError, RunMeta};
 use legend_eval::{FilterIndex, Kernel};
 use legend_fs::{Dir, Guard};
@@ -22,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::QueryError;
 use crate::gpu::{GpuScans, OpenedGpu, StoreRows};
+use crate::names::FileAccess;
 use crate::topk::{Ranked, TopK};
 
 /// Candidate rows scored at a time by one thread: 256 rows of d = 200 stay in L2 while the
@@ -35,6 +37,9 @@ const DOWNLOAD_BYTES: usize = 64 << 20;
 enum Entities<'a> {
     /// In memory, row-major `[entities × dim]` (a served run).
     Resident(Vec<f32>),
+    /// The run's checkpoint file mapped in place, its checksum checked: the page cache's
+    /// pages, row-major (a query command on a run of the memory backend in f32).
+    Mapped(MappedTable),
     /// In the run's checkpoint or store, read a piece at a time by every scan (a run larger
     /// than memory), and row by row by lookups.
     Stored {
@@ -115,6 +120,35 @@ fn read_pieces(
         split_row.extend_from_slice(&block[whole..]);
         Ok(())
     })
+}
+
+/// Bytes of each staging chunk of a table's upload to the GPU: 64 pieces, copied on every core.
+const UPLOAD_CHUNK_BYTES: usize = 64 << 20;
+
+/// Copies `mapped` (a checkpoint's rows, mapped) into `rows` on `gpu`'s device, summing the
+/// bytes as they are staged, and checks the sum against the run's record: the table is read
+/// once, not once to check it and once to copy it.
+fn upload_checked(
+    gpu: &OpenedGpu,
+    rows: &mut EntityRows,
+    mapped: &MappedTable,
+) -> Result<(), QueryError> {
+    let mut transfer =
+        legend_cuda::Transfer::new(&gpu.gpu, UPLOAD_CHUNK_BYTES).map_err(|e| gpu.error(e))?;
+    let sums = Mutex::new(Vec::new());
+    rows.write_all(&mut transfer, mapped.values(), &|at, piece| {
+        let mut h = crc32fast::Hasher::new();
+        h.update(piece);
+        lock(&sums).push((at, h));
+    })
+    .map_err(|e| gpu.error(e))?;
+    let mut sums = sums.into_inner().unwrap_or_else(|e| e.into_inner());
+    sums.sort_unstable_by_key(|&(at, _)| at);
+    let mut crc = crc32fast::Hasher::new();
+    for (_, h) in &sums {
+        crc.combine(h);
+    }
+    Ok(mapped.check_sum(crc.finalize())?)
 }
 
 /// How neighbours are compared.
@@ -217,11 +251,20 @@ impl<'a> Model<'a> {
         stream_with: Option<&'a dyn Guard>,
     ) -> Result<Model<'a>, QueryError> {
         let stream_with = stream_with.map(StreamGuard::Borrowed);
-        Self::of_run_on(run, meta, num_relations, guard, stream_with, None)
+        Self::of_run_on(
+            run,
+            meta,
+            num_relations,
+            guard,
+            stream_with,
+            None,
+            FileAccess::Copy,
+        )
     }
 
     /// [`Model::of_run`], scanning on the GPU of `plan`: the entity rows read into its memory
-    /// (not the host's) when the plan says they fit.
+    /// (not the host's) when the plan says they fit. With [`FileAccess::MapAndKeep`], rows
+    /// not streamed come from the checkpoint file mapped in place when its layout is theirs.
     pub(crate) fn of_run_on(
         run: Dir,
         meta: RunMeta,
@@ -229,6 +272,7 @@ impl<'a> Model<'a> {
         guard: &dyn Guard,
         stream_with: Option<StreamGuard<'a>>,
         plan: Option<GpuPlan>,
+        access: FileAccess,
     ) -> Result<Model<'a>, QueryError> {
         let decoder: Decoder = meta
             .decoder
@@ -241,21 +285,29 @@ impl<'a> Model<'a> {
         let reciprocal = meta.reciprocal_relations;
         let (dim, num_entities) = (meta.dim, meta.entities as usize);
         let (mut gpu, mut store_rows) = (None, None);
+        let mapped = match access {
+            FileAccess::MapAndKeep if stream_with.is_none() => map_entities(&run, &meta)?,
+            _ => None,
+        };
         if let Some(plan) = plan {
             if plan.resident {
                 let mut rows = EntityRows::new(&plan.opened.gpu, num_entities, dim)
                     .map_err(|e| plan.opened.error(e))?;
-                let mut first = 0;
-                let mut failed = None;
-                read_pieces(&run, &meta, guard, |piece| {
-                    if failed.is_none() {
-                        failed = rows.write(&plan.opened.gpu, first, piece).err();
-                        first += piece.len() / dim;
+                if let Some(mapped) = &mapped {
+                    upload_checked(&plan.opened, &mut rows, mapped)?;
+                } else {
+                    let mut first = 0;
+                    let mut failed = None;
+                    read_pieces(&run, &meta, guard, |piece| {
+                        if failed.is_none() {
+                            failed = rows.write(&plan.opened.gpu, first, piece).err();
+                            first += piece.len() / dim;
+                        }
+                        Ok(())
+                    })?;
+                    if let Some(e) = failed {
+                        return Err(plan.opened.error(e));
                     }
-                    Ok(())
-                })?;
-                if let Some(e) = failed {
-                    return Err(plan.opened.error(e));
                 }
                 let gpu = GpuScans::new(plan.opened, Some(rows));
                 let mut model = Model::new(
@@ -272,15 +324,19 @@ impl<'a> Model<'a> {
             gpu = Some(GpuScans::new(plan.opened, None));
             store_rows = plan.store_rows;
         }
-        let entities = match stream_with {
-            Some(guard) => Entities::Stored {
+        let entities = match (stream_with, mapped) {
+            (None, Some(mapped)) => {
+                mapped.check()?;
+                Entities::Mapped(mapped)
+            }
+            (Some(guard), _) => Entities::Stored {
                 reader: Mutex::new(RowReader::open(&run, &meta, guard.get())?),
                 run,
                 meta: Box::new(meta),
                 guard,
                 scanning: Mutex::new(()),
             },
-            None => {
+            (None, None) => {
                 // Jobs are threads of the daemon: an allocation that fails would take it down.
                 let bytes = (meta.entities as u128) * (dim as u128) * 4;
                 let available =
@@ -295,12 +351,7 @@ impl<'a> Model<'a> {
                         available as f64 / f64::from(1u32 << 30)
                     )));
                 }
-                let mut rows = Vec::with_capacity(num_entities * dim);
-                read_pieces(&run, &meta, guard, |piece| {
-                    rows.extend_from_slice(piece);
-                    Ok(())
-                })?;
-                Entities::Resident(rows)
+                Entities::Resident(run::load_entities(&run, &meta, guard)?)
             }
         };
         let mut model = Model::new(
@@ -393,7 +444,7 @@ impl<'a> Model<'a> {
         let opened = crate::gpu::open_device(legend_engine::config::DeviceChoice::Cuda(ordinal))?
             .0
             .expect("a CUDA device opens or fails");
-        let Entities::Resident(rows) = &self.entities else {
+        let Some(rows) = self.host_rows() else {
             return Err(QueryError::Tables(
                 "only a model whose rows are in memory moves to a GPU".into(),
             ));
@@ -424,6 +475,9 @@ impl<'a> Model<'a> {
                 EntityRows::bytes(self.num_entities, self.dim) as f64 / f64::from(1u32 << 30)
             ),
             Entities::Resident(_) => "entity rows in host memory, streamed by each scan".into(),
+            Entities::Mapped(_) => {
+                "entity rows mapped from the checkpoint, streamed by each scan".into()
+            }
             Entities::Stored { .. } => "entity rows streamed from the run by each scan".into(),
         };
         let lookups = match &self.store_rows {
@@ -472,9 +526,26 @@ impl<'a> Model<'a> {
         self.num_entities
     }
 
-    /// Whether the entity rows are in memory (the host's, or the GPU's).
+    /// Whether the entity rows are in memory (the host's, mapped, or the GPU's).
     pub fn is_resident(&self) -> bool {
-        matches!(self.entities, Entities::Resident(_) | Entities::OnGpu)
+        matches!(
+            self.entities,
+            Entities::Resident(_) | Entities::Mapped(_) | Entities::OnGpu
+        )
+    }
+
+    /// Whether the entity rows are the checkpoint file's pages, mapped in place.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.entities, Entities::Mapped(_))
+    }
+
+    /// The entity rows in host memory (held, or mapped), row-major.
+    fn host_rows(&self) -> Option<&[f32]> {
+        match &self.entities {
+            Entities::Resident(rows) => Some(rows),
+            Entities::Mapped(mapped) => Some(mapped.values()),
+            Entities::Stored { .. } | Entities::OnGpu => None,
+        }
     }
 
     /// Whether the entity rows are read from the run by each scan and lookup.
@@ -492,7 +563,7 @@ impl<'a> Model<'a> {
                 let reader = lock(reader);
                 reader.held_bytes() + reader.stream_bytes()
             }
-            Entities::Resident(_) | Entities::OnGpu => 0,
+            Entities::Resident(_) | Entities::Mapped(_) | Entities::OnGpu => 0,
         }
     }
 
@@ -503,11 +574,11 @@ impl<'a> Model<'a> {
         self.scan(|_, _| {})
     }
 
-    /// Bytes of the tables in host memory.
+    /// Bytes of the tables in host memory (mapped rows are the page cache's: not counted).
     pub fn resident_bytes(&self) -> usize {
         let entities = match &self.entities {
             Entities::Resident(rows) => rows.len(),
-            Entities::Stored { .. } | Entities::OnGpu => 0,
+            Entities::Mapped(_) | Entities::Stored { .. } | Entities::OnGpu => 0,
         };
         (entities + self.relations.len()) * 4
     }
@@ -545,6 +616,7 @@ impl<'a> Model<'a> {
     fn scan(&self, mut piece: impl FnMut(usize, &[f32])) -> Result<(), QueryError> {
         match &self.entities {
             Entities::Resident(rows) => piece(0, rows),
+            Entities::Mapped(mapped) => piece(0, mapped.values()),
             Entities::Stored {
                 run,
                 meta,
@@ -594,10 +666,13 @@ impl<'a> Model<'a> {
             return cache.rows(ids);
         }
         match &self.entities {
-            Entities::Resident(rows) => Ok(ids
-                .iter()
-                .map(|&id| rows[id as usize * dim..][..dim].to_vec())
-                .collect()),
+            Entities::Resident(_) | Entities::Mapped(_) => {
+                let rows = self.host_rows().expect("rows in host memory");
+                Ok(ids
+                    .iter()
+                    .map(|&id| rows[id as usize * dim..][..dim].to_vec())
+                    .collect())
+            }
             // Only the rows asked for are read, not the table.
             Entities::Stored { reader, .. } => {
                 let wide: Vec<u64> = ids.iter().map(|&id| u64::from(id)).collect();

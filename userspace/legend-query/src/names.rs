@@ -1,153 +1,488 @@
-//! A table's labels and the index that finds a label's id. The index keeps each label's 64-bit
-//! hash, not a copy of the label: a map of cloned strings took 25 s and 1.3 GB more to build for
-//! the 41.65 M labels of a Twitter-sized run, most of the time a query command spent loading.
-//! A hash only says where to look: a hit is confirmed against the label itself, and the rare
-//! labels whose hash another label already holds keep their own entry.
+//! A table's labels and the index that finds a label's id, built once and kept beside the run,
+//! so that a query on a billion-edge run does not spend its time on 41.65 M labels (a map of
+//! cloned labels took 25 s to build there; hashed, 3.5 s on 2 cores, every time).
+//!
+//! The labels are the dataset's file itself, `id<TAB>label` a line, with where every
+//! [`BLOCK`]th label's line starts. The index is every label's 64-bit hash ([`label_hash`],
+//! fixed for all builds) sorted with its id, ties by id: a lookup finds the hash's run by a
+//! binary search and confirms the first id whose label is the name, so a repeated label answers
+//! to its first id and a hash another label shares costs one more comparison.
+//!
+//! Kept as `RUN/index/<file>.index` for tables of at least [`KEPT_FROM_LABELS`] labels, keyed by
+//! the label file's length and CRC-32 (read on every core each time: 0.8 GB for 41.65 M labels):
+//! a label file changed since (rewritten, replaced, another dataset given) makes a new index,
+//! and one whose own checksum fails (damaged) is rebuilt, never trusted. A process that may not
+//! write the run (a daemon serving someone's run) uses a kept index and builds one in memory
+//! otherwise.
 
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
-use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+use std::borrow::Cow;
+use std::path::Path;
 
+use legend_dataset::{Dataset, LabelTable, label_in_line};
+use legend_engine::restore::crc32;
+use legend_fs::{Access, Dir};
 use rayon::prelude::*;
 
-/// Labels of one table, with their ids.
+use crate::QueryError;
+
+/// Labels between two recorded line starts.
+const BLOCK: usize = 64;
+
+/// Tables with fewer labels are indexed in memory each time (milliseconds), not kept.
+pub(crate) const KEPT_FROM_LABELS: u64 = 1 << 16;
+
+/// The run's folder of kept indexes.
+pub(crate) const INDEX_DIR: &str = "index";
+
+/// First word of an index file: `LGNDLBL1`.
+const MAGIC: u64 = u64::from_le_bytes(*b"LGNDLBL1");
+
+/// The index layout and [`label_hash`]'s version: an index of another is rebuilt.
+const FORMAT: u64 = 1;
+
+/// Words of the header: magic, format, labels, the label file's key (its length and CRC-32),
+/// the index's checksum.
+const HEADER_WORDS: usize = 6;
+
+/// How a query process reads the files of a run and of its dataset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FileAccess {
+    /// Mapped in place, and an index kept in the run when it is missing or stale: a process of
+    /// the run's owner (a file changed under a mapping can end only that process).
+    MapAndKeep,
+    /// Read into memory, the run left as it is: a daemon serving other users' runs (their
+    /// edits to a mapped file would end the daemon; its jobs may not write their runs).
+    Copy,
+}
+
+/// Bytes held as a file's pages or as a copy (in whole words, for an index's sake; the
+/// length says how many bytes of them).
+enum Bytes {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u64>, usize),
+    Empty,
+}
+
+impl Bytes {
+    fn get(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Owned(words, len) => &bytemuck::cast_slice(words)[..*len],
+            Bytes::Empty => &[],
+        }
+    }
+
+    /// An index's words.
+    fn words(words: Vec<u64>) -> Bytes {
+        let len = words.len() * 8;
+        Bytes::Owned(words, len)
+    }
+
+    /// `file`'s `len` bytes, mapped or read (into whole words, the tail zeroed).
+    fn of_file(file: &std::fs::File, len: u64, access: FileAccess) -> std::io::Result<Bytes> {
+        if len == 0 {
+            return Ok(Bytes::Empty);
+        }
+        match access {
+            // SAFETY: the mapping is read only, and checked when opened (the label file's CRC,
+            // the index's checksum). A file changed under it later is read as it is then, and
+            // truncated, ends this process only (see `FileAccess::MapAndKeep`).
+            FileAccess::MapAndKeep => Ok(Bytes::Mapped(unsafe { memmap2::Mmap::map(file) }?)),
+            FileAccess::Copy => {
+                use std::os::unix::fs::FileExt;
+                let mut words = vec![0u64; (len as usize).div_ceil(8)];
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
+                file.read_exact_at(&mut bytes[..len as usize], 0)?;
+                Ok(Bytes::Owned(words, len as usize))
+            }
+        }
+    }
+}
+
+/// What identifies a label file's contents: its length and CRC-32. An index built from a file
+/// with another key is stale.
+fn text_key(text: &[u8]) -> [u64; 2] {
+    [text.len() as u64, u64::from(crc32(text).finalize())]
+}
+
+/// The hash labels are indexed by: 64-bit FNV-1a of the label's bytes (as the label reads in
+/// UTF-8, invalid bytes replaced), finished by a 64-bit mix so that the high bits vary. Fixed:
+/// kept indexes are read by later builds.
+pub(crate) fn label_hash(label: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in label.as_bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
+}
+
+/// Labels of one table, with the index that finds their ids.
 pub(crate) struct Names {
-    /// The labels by id.
-    pub(crate) labels: Vec<String>,
-    /// The index in [`SHARDS`] parts by the hash's top bits, built in parallel.
-    shards: Vec<Shard>,
-    hash: fn(&str) -> u64,
+    /// The label file.
+    text: Bytes,
+    /// The index: header, line starts, hashes, ids (see [`Names::build`]).
+    index: Bytes,
+    count: usize,
 }
 
-/// The index's parts: 64, so that every core has several to build.
-const SHARDS: usize = 64;
-
-/// The shard of a label's hash.
-fn shard_of(hash: u64) -> usize {
-    (hash >> (64 - SHARDS.trailing_zeros())) as usize
+/// Where the sections of an index of `count` labels start, in words: line starts, hashes,
+/// ids; and its length.
+fn sections(count: usize) -> [usize; 4] {
+    let starts = HEADER_WORDS;
+    let hashes = starts + count.div_ceil(BLOCK) + 1;
+    let ids = hashes + count;
+    [starts, hashes, ids, ids + count.div_ceil(2)]
 }
 
-/// One part of the index.
-#[derive(Default)]
-struct Shard {
-    /// A label's hash → the first id with that label (or with another of the same hash).
-    by_hash: HashMap<u64, u32>,
-    /// The labels whose hash `by_hash` gives to a different label: the first id of each.
-    collided: HashMap<String, u32>,
+/// CRC-32 of an index's words, its checksum word counted as zero, on every core.
+fn checksum(words: &[u64]) -> u32 {
+    let (head, body) = words.split_at(HEADER_WORDS);
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(bytemuck::cast_slice(&head[..HEADER_WORDS - 1]));
+    crc.update(&[0; 8]);
+    crc.combine(&crc32(bytemuck::cast_slice(body)));
+    crc.finalize()
 }
 
-/// SipHash with fixed keys: the same hash in every process.
-fn label_hash(label: &str) -> u64 {
-    BuildHasherDefault::<DefaultHasher>::default().hash_one(label)
+/// `bytes` as a label: borrowed when it is UTF-8.
+fn lossy(bytes: &[u8]) -> Cow<'_, str> {
+    String::from_utf8_lossy(bytes)
 }
 
 impl Names {
-    /// The index of `labels`; the first of repeated labels keeps the name, the others answer
-    /// to their ids only.
-    pub(crate) fn new(labels: Vec<String>) -> Names {
-        Names::with_hash(labels, label_hash)
+    /// The labels of `table` in `dataset`, and their index: kept in `run`'s [`INDEX_DIR`] when
+    /// the table is large, reused while the label file is the one it was built from, else built
+    /// (and kept, when `access` allows).
+    pub(crate) fn open(
+        dataset: &Dataset,
+        table: LabelTable,
+        run: &Dir,
+        access: FileAccess,
+    ) -> Result<Names, QueryError> {
+        let (file, path) = dataset.open_labels(table)?;
+        let io = |source| legend_dataset::DatasetError::Io {
+            path: path.clone(),
+            source,
+        };
+        let len = file.metadata().map_err(io)?.len();
+        let text = Bytes::of_file(&file, len, access).map_err(io)?;
+        let key = text_key(text.get());
+        let want = match table {
+            LabelTable::Entities => dataset.meta().entities,
+            LabelTable::Relations => dataset.meta().relations,
+        };
+        let name = format!("{}.index", table.file());
+        let kept = Path::new(INDEX_DIR).join(&name);
+        if want >= KEPT_FROM_LABELS
+            && let Some(index) = Names::reuse(run, &kept, key, want as usize, access)
+        {
+            return Ok(Names {
+                text,
+                index,
+                count: want as usize,
+            });
+        }
+        let started = std::time::Instant::now();
+        let words = Names::build(text.get(), key);
+        let names = Names {
+            count: words[2] as usize,
+            text,
+            index: Bytes::words(words),
+        };
+        dataset.check_label_count(table, names.count as u64)?;
+        if want >= KEPT_FROM_LABELS {
+            tracing::info!(
+                "{}: {} labels indexed in {:.2} s",
+                path.display(),
+                names.count,
+                started.elapsed().as_secs_f64()
+            );
+            if access == FileAccess::MapAndKeep {
+                names.keep(run, &name);
+            }
+        }
+        Ok(names)
     }
 
-    fn with_hash(labels: Vec<String>, hash: fn(&str) -> u64) -> Names {
-        let hashes: Vec<u64> = labels.par_iter().map(|l| hash(l)).collect();
-        let mut members = vec![Vec::new(); SHARDS];
-        for (id, &h) in hashes.iter().enumerate() {
-            members[shard_of(h)].push(id as u32);
+    /// The index kept at `kept` in `run`, when it is whole (its checksum) and built from the
+    /// label file of `key` with `count` labels; `None` otherwise, saying why when it is there.
+    fn reuse(
+        run: &Dir,
+        kept: &Path,
+        key: [u64; 2],
+        count: usize,
+        access: FileAccess,
+    ) -> Option<Bytes> {
+        let path = run.join(kept);
+        let again = |why: &dyn std::fmt::Display| -> Option<Bytes> {
+            tracing::warn!("{}: {why}; indexing the labels again", path.display());
+            None
+        };
+        let file = match run.open_file(kept, Access::Read) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+            Err(e) => return again(&e),
+        };
+        let index = match file
+            .metadata()
+            .and_then(|m| Bytes::of_file(&file, m.len(), access))
+        {
+            Ok(index) => index,
+            Err(e) => return again(&e),
+        };
+        let bytes = index.get();
+        if bytes.len() % 8 != 0 || bytes.len() < HEADER_WORDS * 8 {
+            return again(&format_args!("{} bytes, not an index", bytes.len()));
         }
-        let shards = members
-            .into_par_iter()
-            .map(|ids| {
-                let mut shard = Shard {
-                    by_hash: HashMap::with_capacity(ids.len()),
-                    collided: HashMap::new(),
-                };
-                // From the last id down, so that the first id of a label is the one kept.
-                for &id in ids.iter().rev() {
-                    let label = &labels[id as usize];
-                    match shard.by_hash.entry(hashes[id as usize]) {
-                        Entry::Vacant(slot) => {
-                            slot.insert(id);
-                        }
-                        Entry::Occupied(mut slot) if labels[*slot.get() as usize] == *label => {
-                            slot.insert(id);
-                        }
-                        // Another label has this hash: it keeps the slot, this one goes aside.
-                        Entry::Occupied(_) => {
-                            shard.collided.insert(label.clone(), id);
-                        }
-                    }
-                }
-                shard
+        let words: &[u64] = bytemuck::cast_slice(bytes);
+        if words[0] != MAGIC || words[1] != FORMAT {
+            return again(&"not an index of this format");
+        }
+        if words[3..5] != key || words[2] != count as u64 {
+            tracing::info!(
+                "{}: built from another label file; indexing the labels again",
+                path.display()
+            );
+            return None;
+        }
+        if words.len() != sections(count)[3] || u64::from(checksum(words)) != words[5] {
+            return again(&"checksum mismatch (the index is damaged)");
+        }
+        Some(index)
+    }
+
+    /// The index of the labels in `text` (the label file of `key`), as kept: the header, where
+    /// every [`BLOCK`]th label's line starts (and the text's end), the labels' hashes in
+    /// ascending order, and the id of each (ties in ascending ids).
+    fn build(text: &[u8], key: [u64; 2]) -> Vec<u64> {
+        let starts = line_starts(text);
+        let count = starts.len();
+        let mut keyed: Vec<(u64, u32)> = starts
+            .par_iter()
+            .enumerate()
+            .map(|(id, &at)| {
+                let label = lossy(label_in_line(line_at(text, at as usize)));
+                (label_hash(&label), id as u32)
             })
             .collect();
-        Names {
-            labels,
-            shards,
-            hash,
+        keyed.par_sort_unstable();
+        let [at_starts, at_hashes, at_ids, end] = sections(count);
+        let mut words = vec![0u64; end];
+        words[..3].copy_from_slice(&[MAGIC, FORMAT, count as u64]);
+        words[3..5].copy_from_slice(&key);
+        let (head, rest) = words.split_at_mut(at_hashes);
+        for (word, &at) in head[at_starts..]
+            .iter_mut()
+            .zip(starts.iter().step_by(BLOCK))
+        {
+            *word = at;
         }
+        head[at_hashes - 1] = text.len() as u64;
+        let (hashes, ids) = rest.split_at_mut(at_ids - at_hashes);
+        hashes
+            .par_iter_mut()
+            .zip(&keyed)
+            .for_each(|(h, &(hash, _))| *h = hash);
+        let ids: &mut [u32] = bytemuck::cast_slice_mut(ids);
+        ids.par_iter_mut()
+            .zip(&keyed)
+            .for_each(|(slot, &(_, id))| *slot = id);
+        words[HEADER_WORDS - 1] = u64::from(checksum(&words));
+        words
+    }
+
+    /// Writes the index into `run`'s [`INDEX_DIR`] as `name` (a failure is logged: the next
+    /// query builds it again).
+    fn keep(&self, run: &Dir, name: &str) {
+        let path = run.join(INDEX_DIR).join(name);
+        let kept = run
+            .create_dir_all(INDEX_DIR)
+            .and_then(|dir| dir.write_atomically(name, self.index.get()));
+        match kept {
+            Ok(()) => tracing::info!("{}: the label index kept for later queries", path.display()),
+            Err(e) => tracing::warn!(
+                "{}: {e}; the label index is not kept (the next query builds it again)",
+                path.display()
+            ),
+        }
+    }
+
+    fn words(&self) -> &[u64] {
+        bytemuck::cast_slice(self.index.get())
+    }
+
+    /// Labels.
+    pub(crate) fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Where id `id`'s line starts in the label file.
+    fn line_start(&self, id: u32) -> usize {
+        debug_assert!((id as usize) < self.count, "label {id} of {}", self.count);
+        let [at_starts, ..] = sections(self.count);
+        let text = self.text.get();
+        let mut at = self.words()[at_starts + id as usize / BLOCK] as usize;
+        for _ in 0..id as usize % BLOCK {
+            at += line_at(text, at).len() + 1;
+            // Empty lines hold no label.
+            while text.get(at) == Some(&b'\n') {
+                at += 1;
+            }
+        }
+        at
+    }
+
+    /// Label `id` (below [`Names::len`]).
+    pub(crate) fn label(&self, id: u32) -> Cow<'_, str> {
+        lossy(label_in_line(line_at(self.text.get(), self.line_start(id))))
     }
 
     /// The first id labelled `name`.
     pub(crate) fn id(&self, name: &str) -> Option<u32> {
-        let h = (self.hash)(name);
-        let shard = &self.shards[shard_of(h)];
-        match shard.by_hash.get(&h) {
-            Some(&id) if self.labels[id as usize] == name => Some(id),
-            Some(_) => shard.collided.get(name).copied(),
-            None => None,
-        }
+        let [_, at_hashes, at_ids, end] = sections(self.count);
+        let words = self.words();
+        let hashes = &words[at_hashes..at_ids];
+        let ids = &bytemuck::cast_slice::<u64, u32>(&words[at_ids..end])[..self.count];
+        let h = label_hash(name);
+        let first = hashes.partition_point(|&x| x < h);
+        hashes[first..]
+            .iter()
+            .zip(&ids[first..])
+            .take_while(|&(&x, _)| x == h)
+            .map(|(_, &id)| id)
+            .find(|&id| self.label(id) == name)
     }
+}
+
+/// The line of `text` that starts at `at`, without its newline.
+fn line_at(text: &[u8], at: usize) -> &[u8] {
+    let rest = &text[at..];
+    &rest[..rest.iter().position(|&b| b == b'\n').unwrap_or(rest.len())]
+}
+
+/// Where each non-empty line of `text` starts, found on every core.
+fn line_starts(text: &[u8]) -> Vec<u64> {
+    const PIECE: usize = 8 << 20;
+    // Pieces end after a newline (or at the end), so that no line spans two.
+    let mut cuts = vec![0];
+    while let Some(&last) = cuts.last().filter(|&&c| c < text.len()) {
+        let mut cut = (last + PIECE).min(text.len());
+        cut += text[cut..]
+            .iter()
+            .position(|&b| b == b'\n')
+            .map_or(text.len() - cut, |i| i + 1);
+        cuts.push(cut);
+    }
+    cuts.par_windows(2)
+        .map(|w| {
+            let mut starts = Vec::new();
+            let mut at = w[0];
+            while at < w[1] {
+                let len = line_at(&text[..w[1]], at).len();
+                if len > 0 {
+                    starts.push(at as u64);
+                }
+                at += len + 1;
+            }
+            starts
+        })
+        .collect::<Vec<_>>()
+        .concat()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn labels(names: &[&str]) -> Vec<String> {
-        names.iter().map(|s| s.to_string()).collect()
+    /// Labels indexed in memory from the text of a label file.
+    fn of_text(text: &str) -> Names {
+        let words = Names::build(text.as_bytes(), [0; 2]);
+        let mut owned = vec![0u64; text.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut owned)[..text.len()]
+            .copy_from_slice(text.as_bytes());
+        Names {
+            count: words[2] as usize,
+            text: Bytes::Owned(owned, text.len()),
+            index: Bytes::words(words),
+        }
+    }
+
+    fn file(labels: &[&str]) -> String {
+        labels
+            .iter()
+            .enumerate()
+            .map(|(i, l)| format!("{i}\t{l}\n"))
+            .collect()
     }
 
     #[test]
-    fn finds_the_first_id_of_each_label() {
-        let names = Names::new(labels(&["a", "b", "a", "c", "b"]));
-        assert_eq!(names.id("a"), Some(0));
-        assert_eq!(names.id("b"), Some(1));
-        assert_eq!(names.id("c"), Some(3));
+    fn finds_the_first_id_of_each_label_and_each_ids_label() {
+        let all = ["a", "b", "a", "c", "b", "", "é"];
+        let names = of_text(&file(&all));
+        assert_eq!(names.len(), all.len());
+        for (label, first) in [("a", 0), ("b", 1), ("c", 3), ("", 5), ("é", 6)] {
+            assert_eq!(names.id(label), Some(first), "{label:?}");
+        }
         assert_eq!(names.id("d"), None);
-        assert_eq!(names.id(""), None);
-    }
-
-    #[test]
-    fn labels_sharing_a_hash_are_told_apart() {
-        // Every label hashes alike, the worst case: each still finds its first id.
-        let all = labels(&["x", "y", "x", "z", "y", "w"]);
-        let names = Names::with_hash(all.clone(), |_| 7);
-        for (label, first) in [("x", 0), ("y", 1), ("z", 3), ("w", 5)] {
-            assert_eq!(names.id(label), Some(first), "{label}");
-        }
-        assert_eq!(names.id("v"), None);
-        // Two hashes, in two shards (the top bits) and colliding within each.
-        let names = Names::with_hash(all, |l| u64::from(l.as_bytes()[0] % 2) << 63);
-        for (label, first) in [("x", 0), ("y", 1), ("z", 3), ("w", 5)] {
-            assert_eq!(names.id(label), Some(first), "{label}");
+        for (id, label) in all.iter().enumerate() {
+            assert_eq!(names.label(id as u32), *label);
         }
     }
 
     #[test]
-    fn agrees_with_a_map_of_every_label_over_all_shards() {
+    fn lines_read_as_the_dataset_reads_them() {
+        // Empty lines hold no label; a line without a tab has an empty one; a CR stays; bytes
+        // that are not UTF-8 read replaced, and the label answers to its replaced form.
+        let text = b"\n0\tx\n\n\n1\ty\r\nz\n3\t\xff\xfeq\n4\tlast";
+        let words = Names::build(text, [0; 2]);
+        let mut owned = vec![0u64; text.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut owned)[..text.len()].copy_from_slice(text);
+        let names = Names {
+            count: words[2] as usize,
+            text: Bytes::Owned(owned, text.len()),
+            index: Bytes::words(words),
+        };
+        let labels: Vec<String> = (0..names.len() as u32)
+            .map(|id| names.label(id).into_owned())
+            .collect();
+        assert_eq!(labels, ["x", "y\r", "", "\u{fffd}\u{fffd}q", "last"]);
+        for (id, label) in labels.iter().enumerate() {
+            assert_eq!(names.id(label), Some(id as u32), "{label:?}");
+        }
+        assert_eq!(of_text("").len(), 0);
+        assert_eq!(of_text("").id("x"), None);
+    }
+
+    #[test]
+    fn agrees_with_a_map_of_every_label_across_blocks_and_pieces() {
         // 200 000 labels, a third of them repeats, against the map they replace.
         let all: Vec<String> = (0..200_000u32)
             .map(|i| format!("e{}", if i % 3 == 0 { i / 7 } else { i }))
             .collect();
-        let mut want = HashMap::new();
+        let mut want = std::collections::HashMap::new();
         for (id, label) in all.iter().enumerate().rev() {
             want.insert(label.clone(), id as u32);
         }
-        let names = Names::new(all);
+        let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+        let names = of_text(&file(&refs));
         for (label, &id) in &want {
             assert_eq!(names.id(label), Some(id), "{label}");
         }
-        assert!(names.shards.iter().all(|s| !s.by_hash.is_empty()));
+        for (id, label) in all.iter().enumerate().step_by(997) {
+            assert_eq!(names.label(id as u32), *label);
+        }
         assert_eq!(names.id("e200000"), None);
+    }
+
+    #[test]
+    fn the_hash_is_the_one_kept_indexes_were_built_with() {
+        // Kept indexes outlive builds: a change here must come with a new FORMAT.
+        // 64-bit FNV-1a, then MurmurHash3's 64-bit finalizer (computed apart from this code).
+        assert_eq!(label_hash(""), 0xefd0_1f60_ba99_2926);
+        assert_eq!(label_hash("/m/02mjmr"), 0x48d9_6d7d_b730_be4a);
     }
 }

@@ -5,8 +5,9 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use legend_dataset::{Dataset, Split};
+use legend_dataset::{Dataset, LabelTable, Split};
 use legend_engine::evaluation::open_run_dataset;
+use legend_engine::restore::entities_map;
 use legend_engine::run::{self, RunError, RunMeta};
 use legend_eval::FilterIndex;
 use legend_fs::Guard;
@@ -16,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::QueryError;
 use crate::gpu::{GpuOptions, OpenedGpu, StoreRows};
 use crate::model::{Completion, GpuPlan, Metric, Model, Nearest, StreamGuard};
-use crate::names::Names;
+use crate::names::{FileAccess, Names};
 
 /// Entities a query returns unless told.
 pub const DEFAULT_TOP: usize = 10;
@@ -336,7 +337,7 @@ impl Names {
     fn named(&self, id: u32) -> Named {
         Named {
             id,
-            label: self.labels[id as usize].clone(),
+            label: self.label(id).into_owned(),
         }
     }
 }
@@ -356,7 +357,8 @@ impl QueryRun<'static> {
         host_limit: Option<u64>,
     ) -> Result<QueryRun<'static>, QueryError> {
         let shared = guard.clone();
-        let run = Self::open_with(path, dataset, guard.as_ref(), gpu, move |meta| {
+        let access = FileAccess::Copy;
+        let run = Self::open_with(path, dataset, guard.as_ref(), gpu, access, move |meta| {
             let bytes = entity_bytes(meta);
             let available = legend_engine::memory::available_bytes();
             let (limit, what) = match (available, host_limit) {
@@ -473,10 +475,12 @@ impl<'a> QueryRun<'a> {
         residency: Residency,
         gpu: &GpuOptions,
     ) -> Result<QueryRun<'a>, QueryError> {
-        Self::open_with(path, dataset, guard, gpu, |meta| {
+        Self::open_with(path, dataset, guard, gpu, FileAccess::MapAndKeep, |meta| {
             let why = match residency {
                 Residency::Resident => None,
                 Residency::Streamed => Some("asked".to_owned()),
+                // Rows mapped from the checkpoint are the page cache's, whatever their size.
+                Residency::Fitting if entities_map(meta) => None,
                 Residency::Fitting => too_big_for_memory(meta),
             };
             why.map(|why| (StreamGuard::Borrowed(guard), why))
@@ -485,12 +489,13 @@ impl<'a> QueryRun<'a> {
 
     /// Opens the run, its entity rows on the GPU `gpu` names when they fit there, else
     /// streamed through the guard `stream_with` gives for its record (with why), or loaded
-    /// when it gives none.
+    /// (mapped, when `access` allows) when it gives none; its files read as `access` says.
     fn open_with(
         path: &Path,
         dataset: Option<&Path>,
         guard: &dyn Guard,
         gpu: &GpuOptions,
+        access: FileAccess,
         stream_with: impl FnOnce(&RunMeta) -> Option<(StreamGuard<'a>, String)>,
     ) -> Result<QueryRun<'a>, QueryError> {
         let dir = run::open(path)?;
@@ -502,12 +507,12 @@ impl<'a> QueryRun<'a> {
         let dir = dir.reading_as(guard.read_check());
         let meta = run::read_meta(&dir)?;
         let dataset = open_run_dataset(&meta, dataset, guard)?;
-        let entities = Names::new(dataset.entity_labels()?);
-        let relations = Names::new(dataset.relation_labels()?);
+        let entities = Names::open(&dataset, LabelTable::Entities, &dir, access)?;
+        let relations = Names::open(&dataset, LabelTable::Relations, &dir, access)?;
         let (stream_with, why) = stream_with(&meta).unzip();
         let (plan, note) = gpu_plan(&dir, &meta, guard, gpu)?;
         let on_gpu = plan.is_some();
-        let model = Model::of_run_on(dir, meta, relations.labels.len(), guard, stream_with, plan)?;
+        let model = Model::of_run_on(dir, meta, relations.len(), guard, stream_with, plan, access)?;
         // Rows that went into GPU memory are not streamed, whatever the host's memory.
         let streamed = why.filter(|_| model.is_streamed());
         let mut placement = if on_gpu {
@@ -521,12 +526,12 @@ impl<'a> QueryRun<'a> {
             }
             let _ = write!(placement, " (streamed: {why})");
         }
-        if model.num_entities() != entities.labels.len() {
+        if model.num_entities() != entities.len() {
             return Err(QueryError::Tables(format!(
                 "{}: the run has {} entity rows, its dataset {} labels",
                 path.display(),
                 model.num_entities(),
-                entities.labels.len()
+                entities.len()
             )));
         }
         Ok(QueryRun {
@@ -569,7 +574,7 @@ impl<'a> QueryRun<'a> {
             .map(|&s| self.dataset.edges(s))
             .collect::<Result<_, _>>()?;
         let refs: Vec<&[[u32; 3]]> = parts.iter().map(Vec::as_slice).collect();
-        let f = Arc::new(FilterIndex::build(self.entities.labels.len(), &refs)?);
+        let f = Arc::new(FilterIndex::build(self.entities.len(), &refs)?);
         *slot = Some(f.clone());
         Ok(f)
     }
@@ -585,7 +590,7 @@ impl<'a> QueryRun<'a> {
             return Ok(id);
         }
         match name.parse::<u32>() {
-            Ok(id) if (id as usize) < names.labels.len() => Ok(id),
+            Ok(id) if (id as usize) < names.len() => Ok(id),
             _ => Err(QueryError::Unknown {
                 at: at(),
                 kind,
@@ -593,7 +598,7 @@ impl<'a> QueryRun<'a> {
                 why: format!(
                     "not one of the {kind} labels of the dataset {} nor an id below {}",
                     self.dataset.dir().display(),
-                    names.labels.len()
+                    names.len()
                 ),
             }),
         }
@@ -612,7 +617,7 @@ impl<'a> QueryRun<'a> {
             .into_iter()
             .map(|r| Hit {
                 id: r.id,
-                label: self.entities.labels[r.id as usize].clone(),
+                label: self.entities.label(r.id).into_owned(),
                 score: r.score,
             })
             .collect()

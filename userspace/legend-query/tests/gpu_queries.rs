@@ -316,3 +316,71 @@ fn the_row_cache_over_a_runs_store_returns_its_rows_byte_for_byte() {
         assert!(stats.misses > 8 && stats.hits > 0, "{stats:?}");
     }
 }
+
+/// Issue 50: a query command on a memory-backend run in f32 maps the checkpoint's rows and
+/// copies them to the GPU once, summing them on the way (no pass of its own to check them):
+/// the answers are the CPU's over the same mapped rows, and a checkpoint damaged since it was
+/// written is refused on the GPU as on the CPU.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn a_mapped_checkpoint_goes_to_the_gpu_checked_and_answers_as_on_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    // 20 000 rows of 100 floats: 8 MB, more than one 64 MiB upload chunk's 16 MiB pieces.
+    let path = store_run(dir.path(), "memory", 100, &["storage.backend=memory"]);
+    let gpu = GpuOptions {
+        budget: Some(ROOMY),
+        ..GpuOptions::on(DeviceChoice::Cuda(0))
+    };
+    let on_gpu = QueryRun::open_on(&path, None, &Unguarded, Residency::Fitting, &gpu).unwrap();
+    assert!(
+        on_gpu.placement().contains("entity rows in GPU memory"),
+        "{}",
+        on_gpu.placement()
+    );
+    let cpu = QueryRun::open(&path, None, &Unguarded, Residency::Fitting).unwrap();
+    assert!(cpu.model().is_mapped());
+    let asked: Vec<Query> = (0..300u32)
+        .map(|i| {
+            let e = (i * 7919 % 20_000).to_string();
+            if i % 2 == 0 {
+                Query::Predict {
+                    head: Some(e),
+                    relation: (i % 3).to_string(),
+                    tail: None,
+                    top: 10,
+                    filtered: i % 4 == 0,
+                }
+            } else {
+                Query::Neighbors {
+                    entity: e,
+                    top: 10,
+                    metric: Metric::Cosine,
+                }
+            }
+        })
+        .collect();
+    let at = |i: usize| format!("query {}", i + 1);
+    assert_eq!(
+        on_gpu.answer(&asked, 10, &at).unwrap(),
+        cpu.answer(&asked, 10, &at).unwrap()
+    );
+    drop((on_gpu, cpu));
+    // One bit of the last row flipped: the upload's sum says so.
+    let meta = run::read_meta(&run::open(&path).unwrap()).unwrap();
+    let file = path.join(&meta.checkpoint).join("entities.bin");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 2;
+    bytes[last] ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+    for options in [gpu, GpuOptions::cpu()] {
+        let Err(e) = QueryRun::open_on(&path, None, &Unguarded, Residency::Fitting, &options)
+        else {
+            panic!("{:?}: answered from a damaged checkpoint", options.device);
+        };
+        let msg = e.to_string();
+        assert!(
+            msg.contains("entities.bin") && msg.contains("checksum mismatch"),
+            "{msg}"
+        );
+    }
+}

@@ -208,8 +208,13 @@ fn answer_here(run: &Path, queries: &[Located], out: &Output) -> anyhow::Result<
     let q = QueryRun::open_on(run, out.dataset.as_deref(), &Unguarded, residency, &gpu)?;
     if q.model().is_resident() {
         eprintln!(
-            "{} entity rows read into memory in {:.3} s",
+            "{} entity rows {} in {:.3} s (the run opened)",
             q.model().num_entities(),
+            if q.model().is_mapped() {
+                "mapped from the checkpoint"
+            } else {
+                "read into memory"
+            },
             loading.elapsed().as_secs_f64()
         );
     }

@@ -1,0 +1,217 @@
+//! The label index a query command keeps in the run (`RUN/index/`): reused while the dataset's
+//! label file is the one it was built from (its length and CRC-32), rebuilt when that file
+//! changed or the index is damaged, never trusted then; answers the same whether the index was built, reused, mapped
+//! or read, and whether the rows were mapped from the checkpoint or read.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use legend_dataset::{Dataset, GenerateOptions, generate};
+use legend_engine::run::{self, RunMeta, TableChecksums};
+use legend_fs::Unguarded;
+use legend_query::{Answer, GpuOptions, Query, QueryRun, Residency};
+
+/// Entities: enough for the index to be kept (tables of 2^16 labels or more).
+const ENTITIES: u64 = 70_000;
+const DIM: usize = 4;
+
+/// A generated dataset of [`ENTITIES`] (labels `e<id>`) and a DistMult run on it, its rows on
+/// a grid (ties abound) in a committed checkpoint; returns the run and the dataset.
+fn run_and_dataset(dir: &Path) -> (PathBuf, PathBuf) {
+    let ds = dir.join("ds");
+    let mut o = GenerateOptions::new(ENTITIES, 200_000);
+    o.relations = 3;
+    generate(&o, &ds).unwrap();
+    let dataset = Dataset::open(&ds).unwrap();
+    let out = dir.join("run");
+    std::fs::create_dir(&out).unwrap();
+    let meta = RunMeta {
+        format_version: run::RUN_FORMAT_VERSION,
+        dataset: ds.clone(),
+        dataset_identity: format!("{:032x}", dataset.meta().identity()),
+        decoder: "distmult".into(),
+        dim: DIM,
+        entities: ENTITIES,
+        relations: 3,
+        entity_state_width: None,
+        entity_dtype: legend_model::Dtype::F32,
+        reciprocal_relations: false,
+        epochs_completed: 1,
+        cut: None,
+        checkpoint: String::new(),
+        store: None,
+        store_queue: None,
+        store_members: Vec::new(),
+        checksums: TableChecksums::default(),
+    };
+    let rows = common::grid(ENTITIES as usize * DIM, 7);
+    run::commit_checkpoint(
+        &legend_fs::Dir::open(&out).unwrap(),
+        meta,
+        (&common::grid(3 * DIM, 8), &[0.0; 3 * DIM]),
+        |e, es| {
+            e.write(&rows)?;
+            es.write(&rows)
+        },
+    )
+    .unwrap();
+    (out, ds)
+}
+
+/// Queries by label over the whole table: the first, a middle and the last entity.
+fn queries() -> Vec<Query> {
+    let mut q = Vec::new();
+    for e in ["e0", "e34567", "e69999"] {
+        q.push(Query::Predict {
+            head: Some(e.into()),
+            relation: "r1".into(),
+            tail: None,
+            top: 5,
+            filtered: true,
+        });
+        q.push(Query::Neighbors {
+            entity: e.into(),
+            top: 5,
+            metric: legend_query::Metric::Cosine,
+        });
+        q.push(Query::Lookup { entity: e.into() });
+    }
+    q
+}
+
+fn answer(q: &QueryRun<'_>) -> Vec<Answer> {
+    q.answer(&queries(), 100, &|i| format!("query {}", i + 1))
+        .unwrap()
+}
+
+/// The kept index's inode (a rebuilt index is a new file) and size.
+fn index_file(run: &Path) -> (u64, u64) {
+    let m = std::fs::metadata(run.join("index/entities.tsv.index")).unwrap();
+    (m.ino(), m.len())
+}
+
+/// Opens `run` as a query command does (files mapped, the index kept).
+fn command(run: &Path) -> QueryRun<'static> {
+    QueryRun::open(run, None, &Unguarded, Residency::Fitting).unwrap()
+}
+
+/// Opens `run` as a daemon's serve job does (files read, the run not written).
+fn served(run: &Path) -> QueryRun<'static> {
+    QueryRun::open_served(run, None, Arc::new(Unguarded), &GpuOptions::cpu(), None).unwrap()
+}
+
+#[test]
+fn a_kept_index_is_reused_and_rebuilt_when_damaged_never_trusted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, _) = run_and_dataset(dir.path());
+    // Read whole, from the checkpoint, built in memory: what every later open must answer.
+    let want = answer(&served(&run));
+    assert!(!run.join("index").exists(), "a served run is not written");
+    let first = command(&run);
+    assert!(first.model().is_mapped());
+    assert_eq!(answer(&first), want, "built, rows mapped");
+    drop(first);
+    let kept = index_file(&run);
+    assert_eq!(answer(&command(&run)), want, "reused");
+    assert_eq!(index_file(&run), kept, "reused, not rebuilt");
+    assert_eq!(answer(&served(&run)), want, "reused by a served run");
+    // Damaged: one bit of a hash, of an id, of a line start, the header; cut short; emptied.
+    let path = run.join("index/entities.tsv.index");
+    let whole = std::fs::read(&path).unwrap();
+    let n = whole.len();
+    let flips = [n / 2, n - 3, 6 * 8 + 5, 4 * 8, 5 * 8];
+    for at in flips {
+        let mut bytes = whole.clone();
+        bytes[at] ^= 0x10;
+        std::fs::write(&path, &bytes).unwrap();
+        // A served run neither trusts it nor writes the run.
+        let before = index_file(&run);
+        assert_eq!(answer(&served(&run)), want, "byte {at} flipped, served");
+        assert_eq!(index_file(&run), before, "a served run left it");
+        assert_eq!(answer(&command(&run)), want, "byte {at} flipped");
+        assert_ne!(index_file(&run).0, before.0, "byte {at} flipped: rebuilt");
+        assert_eq!(std::fs::read(&path).unwrap(), whole, "rebuilt as it was");
+    }
+    for len in [n - 8, 40, 0] {
+        std::fs::write(&path, &whole[..len]).unwrap();
+        assert_eq!(answer(&command(&run)), want, "cut to {len} bytes");
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            whole,
+            "cut to {len} bytes: rebuilt"
+        );
+    }
+}
+
+#[test]
+fn a_changed_label_file_is_indexed_again_never_answered_from_the_old_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, ds) = run_and_dataset(dir.path());
+    let want = answer(&command(&run));
+    let kept = index_file(&run);
+    // The same labels with two swapped (as long as before, in place): e0 is now entity 1, e1
+    // entity 0.
+    let labels = ds.join("entities.tsv");
+    let text = std::fs::read_to_string(&labels).unwrap();
+    let swapped = text.replacen("0\te0\n1\te1\n", "0\te1\n1\te0\n", 1);
+    assert_ne!(swapped, text);
+    std::fs::write(&labels, &swapped).unwrap();
+    let q = command(&run);
+    let id = |label: &str| match &q
+        .answer(
+            &[Query::Lookup {
+                entity: label.into(),
+            }],
+            1,
+            &|i| i.to_string(),
+        )
+        .unwrap()[0]
+    {
+        Answer::Lookup { entity, .. } => entity.id,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!((id("e0"), id("e1"), id("e2")), (1, 0, 2));
+    assert_ne!(index_file(&run).0, kept.0, "indexed again");
+    // The other answers name the same entities as before, e0's now those of row 1.
+    let now = answer(&q);
+    assert_eq!(now[3..], want[3..]);
+    assert_ne!(now[..3], want[..3]);
+    drop(q);
+    // Back as it was: answered as at first (and indexed again: the file is another one now).
+    std::fs::write(&labels, &text).unwrap();
+    assert_eq!(answer(&command(&run)), want);
+    // A label file of another length (a label more) is refused as before, whatever is kept.
+    std::fs::write(&labels, format!("{text}70000\te70000\n")).unwrap();
+    let Err(e) = QueryRun::open(&run, None, &Unguarded, Residency::Fitting) else {
+        panic!("opened with a label too many");
+    };
+    assert!(
+        e.to_string()
+            .contains("holds 70001 labels, dataset.toml says 70000"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_checkpoint_damaged_since_it_was_written_is_refused_mapped_or_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, _) = run_and_dataset(dir.path());
+    let meta = run::read_meta(&run::open(&run).unwrap()).unwrap();
+    let file = run.join(&meta.checkpoint).join("entities.bin");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[12345] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    let mapped = QueryRun::open(&run, None, &Unguarded, Residency::Fitting).err();
+    let read =
+        QueryRun::open_served(&run, None, Arc::new(Unguarded), &GpuOptions::cpu(), None).err();
+    for (how, e) in [("mapped", mapped), ("read", read)] {
+        let msg = e.unwrap_or_else(|| panic!("{how}: answered")).to_string();
+        assert!(
+            msg.contains("entities.bin") && msg.contains("checksum mismatch"),
+            "{how}: {msg}"
+        );
+    }
+}
