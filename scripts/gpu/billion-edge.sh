@@ -5,14 +5,18 @@
 # chunks x 1000 negatives, half degree-based), commit the final checkpoint, rank the test split
 # against sampled negatives, export the embeddings as npy. Prints each phase's time, the set-up
 # log lines, every epoch's time and edges/s, the peak host RSS (getrusage of the children) and
-# GPU memory, and the MRR; resumes the run for one more epoch; checks that the exported
+# GPU memory, and the MRR; resumes the run for one more epoch (its peak RSS beside the
+# training run's: issue 50); asks the resumed run a first `predict` and `neighbors` on the GPU
+# and the CPU, with the run's files in the page cache and, where the page cache can be dropped,
+# without, beside the disk's read rate (the cold-cache bound); checks that the exported
 # checkpoint ranks as the run did. Then the
 # host-RAM swap tier: the same graph with N = 8 partitions in host memory, C = 3 of them on the
 # GPU, for TIER_EPOCHS epochs (2), with its swap timeline (`legendctl report`).
 #
 # Builds nothing: expects legendctl in ${BIN_DIR:-target-gpu} (scripts/gpu/build-binaries.sh).
 # Edges on tmpfs (LEGEND_DATA), the run and the export on disk (LEGEND_WORK). NODES, EDGES and
-# EPOCHS scale it down for a dry run (DEVICE=cpu runs it without a GPU).
+# EPOCHS scale it down for a dry run (DEVICE=cpu runs it without a GPU; COLD=0 leaves the page
+# cache alone, on a machine others share).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=${BIN_DIR:-$root/target-gpu}
@@ -24,8 +28,10 @@ edges=${EDGES:-1468365182}
 epochs=${EPOCHS:-3}
 tier_epochs=${TIER_EPOCHS:-2}
 device=${DEVICE:-cuda:0}
+cold=${COLD:-1}
 mkdir -p "$out"
 rm -rf "$data" "$work" && mkdir -p "$work"
+rm -f "$out/billion-phases.tsv"
 source "$root/scripts/gpu/nvrtc-env.sh" >/dev/null
 ctl=$bin/legendctl
 {
@@ -38,9 +44,9 @@ ctl=$bin/legendctl
 phase() {
     local name=$1
     shift
-    python3 - "$name" "$out/billion-$name.log" "$@" <<'EOF'
+    python3 - "$name" "$out/billion-$name.log" "$out/billion-phases.tsv" "$@" <<'EOF'
 import os, subprocess, sys, time
-name, log, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
+name, log, table, cmd = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 start = time.time()
 with open(log, "w") as f:
     child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
@@ -53,7 +59,9 @@ if code != 0:
     print(f"== {name}: FAILED (exit {code}) after {wall:.1f} s; log tail:")
     print("".join(open(log).readlines()[-15:]))
     sys.exit(1)
-print(f"== {name}: {wall:.1f} s, peak RSS {peak:.2f} GiB")
+print(f"== {name}: {wall:.2f} s, peak RSS {peak:.2f} GiB")
+with open(table, "a") as t:
+    t.write(f"{name}\t{wall:.3f}\t{peak:.3f}\n")
 EOF
 }
 
@@ -90,6 +98,85 @@ train train --out "$run" --set training.num_epochs="$epochs" --set storage.num_p
 phase resume "$ctl" train --out "$run" --resume --set training.num_epochs=$((epochs + 1)) || exit 1
 grep -E "host memory|GPU memory|set-up|epoch [0-9]+:|test:" "$out/billion-resume.log" |
     sed 's/^[^ ]* *INFO //'
+# Issue 50: the resume within the training run's own memory.
+python3 - "$out/billion-phases.tsv" <<'EOF'
+import sys
+peak = {l.split("\t")[0]: float(l.split("\t")[2]) for l in open(sys.argv[1])}
+t, r = peak["train"], peak["resume"]
+verdict = "within the training run's" if r <= t else "ABOVE the training run's"
+print(f"peak RSS: train {t:.3f} GiB, resume {r:.3f} GiB: {verdict} ({r - t:+.3f} GiB)")
+EOF
+
+# Issue 50: a first query in seconds. One command a phase (its wall time is the figure), on
+# the resumed run: the first builds the label index (kept in the run), the others reuse it.
+qdevs=$device
+[ "$device" = cpu ] || qdevs="$device cpu"
+query() {
+    local name=$1 what=$2 dev=$3
+    local ask=(predict "$run" --head e12345 --relation "(untyped)")
+    [ "$what" = neighbors ] && ask=(neighbors "$run" --entity e12345 --metric cosine)
+    phase "$name" "$ctl" "${ask[@]}" --top 10 --device "$dev" --json || return 1
+    grep -E "labels indexed|index kept|the run opened|answering on|queries in" \
+        "$out/billion-$name.log" | sed 's/^[^ ]* *INFO //'
+    grep '^{' "$out/billion-$name.log" >"$work/answer-$name.json"
+}
+# The page cache dropped (root only; a VM may refuse): the next command reads from the disk.
+drop_caches() {
+    if [ "$cold" = 0 ]; then
+        echo "page cache left alone (COLD=0): no cold figures"
+        return 1
+    fi
+    sync
+    if ! (echo 3 >/proc/sys/vm/drop_caches) 2>/dev/null; then
+        echo "page cache NOT dropped (/proc/sys/vm/drop_caches not writable by $(id -un)): no cold figures"
+        return 1
+    fi
+}
+first=1
+for dev in $qdevs; do
+    tag=${dev%%:*}
+    if [ -n "$first" ]; then
+        query "predict-$tag-first" predict "$dev" || exit 1
+        first=
+    fi
+    query "predict-$tag-warm" predict "$dev" || exit 1
+    query "neighbors-$tag-warm" neighbors "$dev" || exit 1
+done
+for dev in $qdevs; do
+    tag=${dev%%:*}
+    drop_caches || break
+    query "predict-$tag-cold" predict "$dev" || exit 1
+    cmp -s "$work/answer-predict-$tag-cold.json" "$work/answer-predict-$tag-warm.json" ||
+        echo "predict on $dev: cold and warm answers DIFFER"
+done
+if [ "$qdevs" != cpu ]; then
+    for what in predict neighbors; do
+        if cmp -s "$work/answer-$what-${device%%:*}-warm.json" "$work/answer-$what-cpu-warm.json"; then
+            echo "$what: GPU and CPU answers identical"
+        else
+            echo "$what: GPU and CPU answers DIFFER"
+        fi
+    done
+fi
+# What a cold query reads from the disk (the labels are on tmpfs with the dataset), and the
+# disk's rate read directly (O_DIRECT: no page cache) from a file of the same size.
+ckpt=$run/$(sed -n 's/^checkpoint = "\(.*\)"$/\1/p' "$run/run.toml")
+cold_bytes=$(($(stat -c %s "$ckpt/entities.bin") + $(du -cb "$run/index" | tail -1 | cut -f1)))
+rate=$(dd if="$ckpt/entities.state.bin" of=/dev/null bs=64M iflag=direct 2>&1 | tail -1)
+echo "disk read (dd, O_DIRECT, $ckpt/entities.state.bin): $rate"
+python3 - "$cold_bytes" "$rate" <<'EOF'
+import re, sys
+cold, line = int(sys.argv[1]), sys.argv[2]
+m = re.search(r"copied, ([0-9.]+) s, ([0-9.]+) ([kMG]?B)/s", line)
+if not m:
+    sys.exit(f"no read rate in {line!r}")
+rate = float(m.group(2)) * {"kB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}[m.group(3)]
+print(f"a cold query reads {cold / 1e9:.2f} GB (entities.bin and the label index): "
+      f"{cold / rate:.2f} s at {rate / 1e9:.2f} GB/s, 1.2x = {1.2 * cold / rate:.2f} s")
+EOF
+grep -E "^(predict|neighbors)" "$out/billion-phases.tsv" |
+    awk -F'\t' '{printf "query %-20s %7.2f s wall, peak RSS %.2f GiB (mapped rows count)\n", $1, $2, $3}'
+
 phase export "$ctl" export "$run" --format npy -o "$work/export" || exit 1
 ls -la "$work/export" | tail -4
 du -sh "$run"
