@@ -306,14 +306,11 @@ fn spread_diagonals(
     // cheap while leaving at most a piece of imbalance.
     let step = (total / pieces).max(1);
     let mut left: Vec<u64> = (0..n).map(|p| batches[(p * n + p) as usize]).collect();
-    loop {
-        // The partition with the most diagonal work left.
-        let Some(p) = (0..n)
-            .filter(|&p| left[p as usize] > 0)
-            .max_by_key(|&p| left[p as usize])
-        else {
-            break;
-        };
+    // The partition with the most diagonal work left, a piece at a time.
+    while let Some(p) = (0..n)
+        .filter(|&p| left[p as usize] > 0)
+        .max_by_key(|&p| left[p as usize])
+    {
         let take = step.min(left[p as usize]);
         // The round where adding `take` raises the slowest load least; then the lightest.
         let (r, g) = (0..pairs.len())
