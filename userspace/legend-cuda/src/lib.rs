@@ -23,6 +23,7 @@ pub use error::GpuError;
 mod batch;
 mod engine;
 mod gpu;
+pub mod nccl;
 pub mod nvme_io;
 pub mod scan;
 mod transfer;
