@@ -89,6 +89,22 @@ fn call(
     })
 }
 
+/// NCCL's switch for NVLink multicast (NVLS).
+const MULTICAST: &str = "NCCL_NVLS_ENABLE";
+
+/// Turns NVLink multicast off for NCCL in this process (`NCCL_NVLS_ENABLE=0`) unless the user
+/// set the variable: multicast can take a shared host's GPUs out of service. Every binary that
+/// may start NCCL calls it first thing in `main`.
+///
+/// # Safety
+/// Changes the environment: call before the process starts any thread.
+pub unsafe fn keep_multicast_off() {
+    if std::env::var_os(MULTICAST).is_none() {
+        // SAFETY: the caller's contract: no other thread reads the environment yet.
+        unsafe { std::env::set_var(MULTICAST, "0") };
+    }
+}
+
 /// The NCCL version (e.g. 22809 for 2.28.9) when the library loads, else why not.
 pub fn nccl_version() -> Result<i32, NcclError> {
     // SAFETY: only tries to dlopen the library by its candidate names.
@@ -147,7 +163,7 @@ unsafe impl Send for Communicator {}
 /// Communicators for `gpus` (one process, one rank a GPU, in order).
 pub fn communicators(gpus: &[&Gpu]) -> Result<Vec<Communicator>, NcclError> {
     nccl_version()?;
-    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+    if std::env::var_os(MULTICAST).is_none() {
         return Err(NcclError::MulticastUnset);
     }
     let ordinals: Vec<i32> = gpus.iter().map(|g| g.context().ordinal() as i32).collect();
@@ -273,6 +289,10 @@ impl Communicator {
     /// peers' transfers end too, on an asynchronous NCCL error or once `give_up` is set (another
     /// rank failed, or the job ends): no rank waits for ever for a peer that is gone.
     pub fn wait(&mut self, give_up: &AtomicBool) -> Result<(), NcclError> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .during("binding the NCCL GPU")?;
         loop {
             self.check()?;
             if give_up.load(Ordering::Acquire) {
