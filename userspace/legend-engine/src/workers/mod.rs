@@ -77,6 +77,36 @@ pub struct WorkersReport {
     pub predicted_imbalance: f64,
 }
 
+impl WorkersReport {
+    /// The epoch's figures in words: efficiency, balance, hand-overs, then each GPU's time.
+    pub fn describe(&self) -> String {
+        let per_gpu: Vec<String> = (0..self.gpus as usize)
+            .map(|g| {
+                let sum = |f: fn(&RoundReport) -> f64| -> f64 {
+                    self.rounds.iter().filter_map(|r| r.get(g)).map(f).sum()
+                };
+                format!(
+                    "{} trained {:.2} s, waited {:.2} s, handed over {:.2} s",
+                    self.devices.get(g).map_or("?", String::as_str),
+                    sum(|r| r.compute_s),
+                    sum(|r| r.wait_s),
+                    sum(|r| r.handover_s)
+                )
+            })
+            .collect();
+        format!(
+            "{} workers: parallel efficiency {:.1} %, imbalance {:.3} (predicted {:.3}), {} hand-overs ({:.2} GB); {}",
+            self.gpus,
+            100.0 * self.parallel_efficiency,
+            self.imbalance,
+            self.predicted_imbalance,
+            self.handovers,
+            self.handover_bytes as f64 / 1e9,
+            per_gpu.join("; ")
+        )
+    }
+}
+
 struct Worker {
     trainer: Trainer,
     link: Box<dyn Link>,

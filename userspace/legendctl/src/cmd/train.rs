@@ -203,6 +203,9 @@ impl ProgressView {
                         if let Some(m) = valid {
                             bar.println(format!("epoch {} valid: {}", report.epoch, describe(m)));
                         }
+                        if let Some(w) = &report.workers {
+                            bar.println(format!("epoch {}: {}", report.epoch, w.describe()));
+                        }
                     }
                     None => {
                         if let Some(m) = valid {
@@ -221,6 +224,9 @@ impl ProgressView {
                                 legend_engine::memory::gib(b)
                             ))
                         );
+                        if let Some(w) = &report.workers {
+                            tracing::info!("epoch {}: {}", report.epoch, w.describe());
+                        }
                     }
                 }
                 self.print(line);
