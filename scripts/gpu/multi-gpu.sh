@@ -19,7 +19,7 @@ work=${LEGEND_WORK:-/dev/shm/legend-multi/runs}
 nodes=${NODES:-41652230}
 edges=${EDGES:-1468365182}
 epochs=${EPOCHS:-3}
-gpus_list=${GPUS:-2 4}
+gpus_list=${GPUS-2 4}
 mkdir -p "$out"
 rm -rf "$data" "$work" && mkdir -p "$work"
 source "$root/scripts/gpu/nvrtc-env.sh"
