@@ -57,7 +57,7 @@ EOF
 }
 
 phase generate "$ctl" generate --nodes "$nodes" --edges "$edges" --relations 1 \
-    --split 0.9999,0,0.0001 "$data" || exit 1
+    --split 0.99999,0,0.00001 "$data" || exit 1
 
 # train NAME DEVICES N [legendctl flags]: the billion-edge settings on CUDA_VISIBLE_DEVICES =
 # DEVICES with N partitions, every one resident; the run is deleted after its figures are read.

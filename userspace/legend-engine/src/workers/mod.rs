@@ -113,6 +113,17 @@ struct Worker {
     device: String,
 }
 
+impl Worker {
+    /// `e`, as worker `g`'s failure (naming its device).
+    fn failed(&self, g: usize, e: TrainError) -> TrainError {
+        TrainError::Worker {
+            worker: g,
+            device: self.device.clone(),
+            source: Box::new(e),
+        }
+    }
+}
+
 /// K workers training one run (see the module docs).
 pub struct Workers {
     workers: Vec<Worker>,
@@ -255,11 +266,11 @@ impl Workers {
     /// Moves the partitions so that worker `g` holds `held[g]`: what a worker gives up goes
     /// back to the shared store first, then each reads what it lacks.
     fn lay_out(&mut self, held: &[[u32; 2]]) -> Result<(), TrainError> {
-        for (w, keep) in self.workers.iter_mut().zip(held) {
-            w.trainer.release_except(keep)?;
+        for (g, (w, keep)) in self.workers.iter_mut().zip(held).enumerate() {
+            w.trainer.release_except(keep).map_err(|e| w.failed(g, e))?;
         }
-        for (w, keep) in self.workers.iter_mut().zip(held) {
-            w.trainer.make_resident(keep)?;
+        for (g, (w, keep)) in self.workers.iter_mut().zip(held).enumerate() {
+            w.trainer.make_resident(keep).map_err(|e| w.failed(g, e))?;
         }
         Ok(())
     }
@@ -340,11 +351,7 @@ impl Workers {
                 // The first worker's own failure, not the others' stopping because of it.
                 Err(TrainError::WorkerStopped) => {}
                 Err(e) => {
-                    failure.get_or_insert(TrainError::Worker {
-                        worker: g,
-                        device: self.workers[g].device.clone(),
-                        source: Box::new(e),
-                    });
+                    failure.get_or_insert(self.workers[g].failed(g, e));
                 }
             }
         }
@@ -354,11 +361,7 @@ impl Workers {
         if done.len() < k {
             return Err(TrainError::WorkerStopped);
         }
-        let loss_before = from.map_or(0.0, |c| c.loss);
-        let mut loss = loss_before;
-        for w in &mut self.workers {
-            loss += w.trainer.take_loss()?;
-        }
+        let loss = from.map_or(0.0, |c| c.loss) + done.iter().map(|d| d.loss).sum::<f64>();
         let edges = shared.edges.load(Ordering::Relaxed);
         let trained_rounds = done[0].rounds.len();
         if done[0].stopped {
@@ -422,6 +425,9 @@ struct WorkerEpoch {
     rounds: Vec<RoundReport>,
     /// It stopped at a gate, as asked.
     stopped: bool,
+    /// Its loss summed over what it trained (read in its thread: a GPU reports a step's
+    /// failure, a row past f16's range, when the loss is read, and it is this worker's).
+    loss: f64,
 }
 
 /// What the workers of an epoch share.
@@ -454,6 +460,7 @@ fn run_rounds(
             return Ok(WorkerEpoch {
                 rounds: reports,
                 stopped: true,
+                loss: w.trainer.take_loss()?,
             });
         }
         if i > 0 {
@@ -488,6 +495,7 @@ fn run_rounds(
     Ok(WorkerEpoch {
         rounds: reports,
         stopped: false,
+        loss: w.trainer.take_loss()?,
     })
 }
 
