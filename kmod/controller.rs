@@ -1,24 +1,29 @@
 // SPDX-License-Identifier: GPL-2.0-only
 
-//! One NVMe controller: bring-up, identification, and the resources (mappings, I/O queue pairs,
-//! the doorbell mapping) that its one writer creates through the character device.
+//! One NVMe controller: the resources (mappings, I/O queue pairs, the doorbell mapping) that its
+//! one writer creates through the character device; bring-up is in `bringup.rs`.
 //!
 //! # Isolation
 //!
 //! The writer builds its own NVMe commands, so the controller DMAs wherever their PRPs point.
-//! What keeps that inside the writer's own memory is the IOMMU: probe refuses a controller that
-//! is not alone behind a translating, strict IOMMU domain (unless the administrator opted out
-//! with a tainting parameter), the admin SQ is read-only for the device and its data pages are
-//! mapped per command ([`crate::admin`]), and every unmap invalidates the IOTLB before memory is
-//! unpinned or freed ([`crate::mapping`]). What keeps the writer's queues consistent with the
-//! memory they use is this module:
+//! What keeps that inside the writer's own memory is the platform and the IOMMU: probe refuses a
+//! controller that is not alone behind a translating, strict IOMMU domain with isolated
+//! interrupt messages, no ATS and no 1:1 firmware region ([`crate::isolation`]; the
+//! administrator may accept some of these gaps with tainting parameters), the doorbell mapping
+//! never reaches the MSI-X table ([`crate::rules::doorbell_window`]), the admin SQ is read-only
+//! for the device and its data pages are mapped per command ([`crate::admin`]), and every unmap
+//! invalidates the IOTLB before memory is unpinned or freed ([`crate::mapping`]). What keeps the
+//! writer's queues consistent with the memory they use is this module:
 //! - one writer at a time ([`State::writer`]), as VFIO has one container per group: no other
 //!   process can ring the writer's doorbells, and nobody else's memory is mapped;
 //! - the writer's memory is unmapped only when none of its queues exist on the controller, or
 //!   after the controller was disabled ([`Controller::quiesce`]); any admin command that fails
 //!   where the controller's state matters (a timeout, a completion nobody asked for, a Delete
 //!   that is refused) quiesces it first. Completions can be forged by the writer's DMA into the
-//!   admin CQ, so none of this is what keeps memory safe: the strict unmap is.
+//!   admin CQ, so none of this is what keeps memory safe: the strict unmap is;
+//! - every ioctl that creates something undoes all of it when a later step fails, the copy of
+//!   its result to the caller included (`MAP` publishes a mapping only once that copy is done;
+//!   [`Controller::undo_create_queue_pair`]).
 //!
 //! # Locking
 //!

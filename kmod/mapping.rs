@@ -3,7 +3,7 @@
 //! Pinned host memory and kernel pages, and their streaming DMA mappings for one controller.
 //!
 //! The `unsafe` calls into the C shim are kept here: a [`PinnedPages`] owns page pins and their
-//! charge against the pinning process's locked-memory limit, a [`HostPages`] those and their DMA
+//! charge to the pinning user's locked memory, a [`HostPages`] those and their DMA
 //! mapping, and a [`DmaPage`] a kernel page and its mapping; each releases what it owns when
 //! dropped.
 //!
