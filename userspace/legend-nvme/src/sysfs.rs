@@ -337,6 +337,9 @@ impl Sysfs {
         self.switch(&c, STOCK_DRIVER)
     }
 
+    /// Moves controller `c` to driver `to`. If any step after it left its driver fails, or
+    /// `to` does not take it, the controller goes back to the driver it had (with its
+    /// `driver_override`), rather than stay with none.
     fn switch(&self, c: &PciController, to: &str) -> Result<PciController> {
         let dir = self.device_dir(&c.bdf);
         // "(null)" where none is set; written back as an empty line, which clears it.
@@ -346,6 +349,24 @@ impl Sysfs {
             .unwrap_or_default();
         // The override makes the probe below pick `to` and keeps other drivers off the device.
         write(&dir.join("driver_override"), to)?;
+        let moved = self.move_to(c, to);
+        if let Ok(now) = &moved
+            && now.driver.as_deref() == Some(to)
+        {
+            return moved;
+        }
+        let restored = self.hand_back(c, &override_before);
+        moved.and(Err(Error::NotBound {
+            bdf: c.bdf.clone(),
+            driver: to.to_owned(),
+            restored,
+        }))
+    }
+
+    /// The steps of [`Sysfs::switch`] once `driver_override` names `to`: unbind, make a lazy
+    /// IOMMU group strict (for `legend_nvme`), probe; where the controller is then.
+    fn move_to(&self, c: &PciController, to: &str) -> Result<PciController> {
+        let dir = self.device_dir(&c.bdf);
         if let Some(from) = &c.driver {
             write(
                 &self.sys.join("bus/pci/drivers").join(from).join("unbind"),
@@ -361,12 +382,14 @@ impl Sysfs {
             }
         }
         write(&self.sys.join("bus/pci/drivers_probe"), &c.bdf)?;
-        let now = self.describe(&c.bdf)?;
-        if now.driver.as_deref() == Some(to) {
-            return Ok(now);
-        }
-        // Refused: the controller goes back to the driver it had, rather than stay with none.
-        let restored = write(
+        self.describe(&c.bdf)
+    }
+
+    /// Gives controller `c` back to the driver it had, with `driver_override` as it was;
+    /// says where it is now.
+    fn hand_back(&self, c: &PciController, override_before: &str) -> String {
+        let dir = self.device_dir(&c.bdf);
+        let back = write(
             &dir.join("driver_override"),
             &format!("{override_before}\n"),
         )
@@ -375,22 +398,17 @@ impl Sysfs {
             None => Ok(()),
         })
         .and_then(|()| self.describe(&c.bdf));
-        let restored = match (restored, &c.driver) {
-            (Ok(back), Some(had)) if back.driver.as_ref() == Some(had) => {
+        match (back, &c.driver) {
+            (Ok(now), Some(had)) if now.driver.as_ref() == Some(had) => {
                 format!("it is back on {had}")
             }
-            (Ok(back), None) if back.driver.is_none() => "it has no driver, as before".into(),
-            (Ok(back), _) => format!(
+            (Ok(now), None) if now.driver.is_none() => "it has no driver, as before".into(),
+            (Ok(now), _) => format!(
                 "it is now on {}",
-                back.driver.as_deref().unwrap_or("no driver")
+                now.driver.as_deref().unwrap_or("no driver")
             ),
             (Err(e), _) => format!("giving it back failed: {e}"),
-        };
-        Err(Error::NotBound {
-            bdf: c.bdf.clone(),
-            driver: to.to_owned(),
-            restored,
-        })
+        }
     }
 }
 
@@ -664,6 +682,25 @@ mod tests {
         assert_eq!(
             fs::read_to_string(t.path().join("sys/bus/pci/drivers_probe")).unwrap(),
             "0000:00:04.0"
+        );
+    }
+
+    #[test]
+    fn a_step_that_fails_midway_hands_the_controller_back() {
+        let t = tempfile::tempdir().unwrap();
+        fake(t.path(), "0000:00:04.0", "nvme", "nvme0n1");
+        fake_group(t.path(), "0000:00:04.0", "DMA");
+        // The unbind cannot be written.
+        fs::create_dir_all(t.path().join("sys/bus/pci/drivers/nvme/unbind")).unwrap();
+        let e = bind_error(t.path());
+        assert!(
+            matches!(e, Error::Sysfs { ref path, .. } if path.ends_with("unbind")),
+            "{e}"
+        );
+        let dev = t.path().join("sys/bus/pci/devices/0000:00:04.0");
+        assert_eq!(
+            fs::read_to_string(dev.join("driver_override")).unwrap(),
+            "\n"
         );
     }
 
