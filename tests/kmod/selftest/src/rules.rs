@@ -568,10 +568,13 @@ fn pins_per_user_in_child() -> TestResult {
         unsafe { libc::_exit(code) };
     }
     let mut status = 0;
-    // SAFETY: our own child; the pipe's read end.
+    // SAFETY: our own child; the pipe's ends. With the write end closed here, the read ends at
+    // once if the second process wrote nothing.
     unsafe {
+        libc::close(fds[1]);
         libc::waitpid(pid, &mut status, 0);
         libc::read(fds[0], handle.as_mut_ptr().cast(), 4);
+        libc::close(fds[0]);
     }
     if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
         e.fail(format!(
@@ -579,6 +582,7 @@ fn pins_per_user_in_child() -> TestResult {
              user's 16, 3: MAP of the 8 left refused)",
             libc::WEXITSTATUS(status)
         ));
+        return e.result();
     }
     // The second process's pages stay mapped (its mapping is the file's) and charged.
     e.errno(
