@@ -316,6 +316,24 @@ impl CheckpointRows {
         Ok((emb, state))
     }
 
+    /// Reads every partition of `scheme` in order as a memory store of `shape` keeps it (see
+    /// [`CheckpointRows::read_at_rest`]), handing each to `keep`.
+    pub(crate) fn partitions_at_rest<E: From<RunError>>(
+        &mut self,
+        scheme: legend_dataset::PartitionScheme,
+        shape: crate::rows::RowShape,
+        mut keep: impl FnMut(u32, Embeddings, Vec<f32>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        for p in 0..scheme.num_partitions {
+            let range = scheme.range(p);
+            let rows = (range.end - range.start) as usize;
+            let (emb, state) =
+                self.read_at_rest(shape.dtype, rows * shape.dim, rows * shape.state)?;
+            keep(p, emb, state)?;
+        }
+        Ok(())
+    }
+
     /// Checks both tables' checksums once every row was read.
     pub fn finish(self) -> Result<(), RunError> {
         self.emb.finish()?;
@@ -341,6 +359,7 @@ mod tests {
             entities,
             relations: 0,
             reciprocal_relations: false,
+            batch_keys: crate::progress::BATCH_KEYS_VERSION,
             epochs_completed: 1,
             cut: None,
             checkpoint: "c".into(),

@@ -39,6 +39,7 @@ fn run_and_dataset(dir: &Path) -> (PathBuf, PathBuf) {
         entity_state_width: None,
         entity_dtype: legend_model::Dtype::F32,
         reciprocal_relations: false,
+        batch_keys: legend_engine::progress::BATCH_KEYS_VERSION,
         epochs_completed: 1,
         cut: None,
         checkpoint: String::new(),

@@ -1,6 +1,8 @@
 //! The `memory` backend's store: partitions kept in RAM outside the resident set, their
 //! embeddings in `storage.dtype` (16-bit rows take half the RAM of f32 ones).
 
+use std::sync::{Arc, Mutex};
+
 use legend_dataset::PartitionScheme;
 use legend_model::Dtype;
 use rustc_hash::FxHashMap;
@@ -76,6 +78,22 @@ impl MemoryStore {
         let first = (store.at_rest(emb), state);
         store.parts.insert(0, first);
         store
+    }
+
+    /// Takes every partition of `scheme` (rows of `shape`) from a checkpoint, read a partition
+    /// at a time as the store keeps it (a resumed run whose partitions all wait here: K workers),
+    /// and checks its checksums.
+    pub fn restore(
+        &mut self,
+        scheme: PartitionScheme,
+        shape: RowShape,
+        mut rows: crate::restore::CheckpointRows,
+    ) -> Result<(), crate::run::RunError> {
+        rows.partitions_at_rest(scheme, shape, |p, emb, state| {
+            self.parts.insert(p, (emb, state));
+            Ok::<(), crate::run::RunError>(())
+        })?;
+        rows.finish()
     }
 
     /// The store's form of `values`.
@@ -185,6 +203,64 @@ impl PartitionStore for MemoryStore {
         entry.1.clear();
         entry.1.extend_from_slice(state);
         Ok(())
+    }
+}
+
+/// One memory store shared by the workers of a K-GPU run ([`crate::workers`]): each worker's
+/// swap path reads the partitions it starts an epoch with from it and writes back those it
+/// leaves; in between, partitions travel from worker to worker.
+#[derive(Clone)]
+pub struct SharedMemoryStore(Arc<Mutex<MemoryStore>>);
+
+impl SharedMemoryStore {
+    /// `store`, shared.
+    pub fn new(store: MemoryStore) -> SharedMemoryStore {
+        SharedMemoryStore(Arc::new(Mutex::new(store)))
+    }
+
+    /// The embeddings' format at rest.
+    pub fn dtype(&self) -> Dtype {
+        self.lock().dtype()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemoryStore> {
+        // A worker that panicked holding the lock left whole partitions (each operation moves
+        // one partition in or out at once): the store is still consistent.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl PartitionStore for SharedMemoryStore {
+    fn read(
+        &mut self,
+        p: u32,
+        emb: &mut [f32],
+        state: &mut [f32],
+    ) -> Result<bool, PartitionStoreError> {
+        self.lock().read(p, emb, state)
+    }
+
+    fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), PartitionStoreError> {
+        self.lock().write(p, emb, state)
+    }
+
+    fn in_memory(&self) -> bool {
+        true
+    }
+
+    fn take_stored(&mut self, p: u32) -> Option<(Embeddings, Vec<f32>)> {
+        self.lock().take_stored(p)
+    }
+
+    fn keep_stored(
+        &mut self,
+        p: u32,
+        emb: Embeddings,
+        state: Vec<f32>,
+    ) -> Result<(), PartitionStoreError> {
+        self.lock().keep_stored(p, emb, state)
     }
 }
 
