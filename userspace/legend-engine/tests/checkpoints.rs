@@ -188,25 +188,27 @@ fn a_checkpoint_due_inside_an_epoch_is_taken_before_a_batch_and_changes_nothing(
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
 fn a_checkpoint_inside_an_epoch_on_the_gpu_changes_nothing() {
-    checkpoints_inside_epochs_change_nothing(
-        &["training.device=\"cuda:0\""],
-        |backend, timed, plain| {
-            for (a, b) in timed.losses.iter().zip(&plain.losses) {
-                assert!(
-                    (a - b).abs() <= 1e-4 * b.abs(),
-                    "{backend}: losses {:?} vs {:?}",
-                    timed.losses,
-                    plain.losses
-                );
-            }
-            let mrr = |r: &serde_json::Value| r["metrics"]["mrr"].as_f64().unwrap();
-            assert!(
-                (mrr(&timed.result) - mrr(&plain.result)).abs() < 0.01,
-                "{backend}: {} vs {}",
-                timed.result,
-                plain.result
-            );
-        },
+    checkpoints_inside_epochs_change_nothing(&["training.device=\"cuda:0\""], agree_on_a_gpu);
+}
+
+/// Two GPU runs of the same training agree to rounding (the GPU sums gradients with atomics):
+/// each epoch's loss within 10^-4, the final MRR within 0.01.
+fn agree_on_a_gpu(what: &str, a: &Trained, b: &Trained) {
+    assert_eq!(a.losses.len(), b.losses.len(), "{what}");
+    for (x, y) in a.losses.iter().zip(&b.losses) {
+        assert!(
+            (x - y).abs() <= 1e-4 * y.abs(),
+            "{what}: losses {:?} vs {:?}",
+            a.losses,
+            b.losses
+        );
+    }
+    let mrr = |r: &serde_json::Value| r["metrics"]["mrr"].as_f64().unwrap();
+    assert!(
+        (mrr(&a.result) - mrr(&b.result)).abs() < 0.01,
+        "{what}: {} vs {}",
+        a.result,
+        b.result
     );
 }
 
@@ -269,27 +271,7 @@ fn a_resumed_run_trains_as_the_uninterrupted_one() {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
 fn a_resumed_run_on_the_gpu_trains_as_the_uninterrupted_one() {
-    resumed_runs_train_as_uninterrupted_ones(
-        &["training.device=\"cuda:0\""],
-        |what, resumed, plain| {
-            assert_eq!(resumed.losses.len(), plain.losses.len(), "{what}");
-            for (a, b) in resumed.losses.iter().zip(&plain.losses) {
-                assert!(
-                    (a - b).abs() <= 1e-4 * b.abs(),
-                    "{what}: losses {:?} vs {:?}",
-                    resumed.losses,
-                    plain.losses
-                );
-            }
-            let mrr = |r: &serde_json::Value| r["metrics"]["mrr"].as_f64().unwrap();
-            assert!(
-                (mrr(&resumed.result) - mrr(&plain.result)).abs() < 0.01,
-                "{what}: {} vs {}",
-                resumed.result,
-                plain.result
-            );
-        },
-    );
+    resumed_runs_train_as_uninterrupted_ones(&["training.device=\"cuda:0\""], agree_on_a_gpu);
 }
 
 /// `VmRSS` or `VmHWM` of this process, in bytes.

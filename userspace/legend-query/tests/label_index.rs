@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use legend_dataset::{Dataset, GenerateOptions, generate};
-use legend_engine::run::{self, RunMeta, TableChecksums};
+use legend_engine::run;
 use legend_fs::Unguarded;
 use legend_query::{Answer, GpuOptions, Query, QueryRun, Residency};
 
@@ -28,26 +28,13 @@ fn run_and_dataset(dir: &Path) -> (PathBuf, PathBuf) {
     let dataset = Dataset::open(&ds).unwrap();
     let out = dir.join("run");
     std::fs::create_dir(&out).unwrap();
-    let meta = RunMeta {
-        format_version: run::RUN_FORMAT_VERSION,
-        dataset: ds.clone(),
-        dataset_identity: format!("{:032x}", dataset.meta().identity()),
-        decoder: "distmult".into(),
-        dim: DIM,
-        entities: ENTITIES,
-        relations: 3,
-        entity_state_width: None,
-        entity_dtype: legend_model::Dtype::F32,
-        reciprocal_relations: false,
-        batch_keys: legend_engine::progress::BATCH_KEYS_VERSION,
-        epochs_completed: 1,
-        cut: None,
-        checkpoint: String::new(),
-        store: None,
-        store_queue: None,
-        store_members: Vec::new(),
-        checksums: TableChecksums::default(),
-    };
+    let identity = format!("{:032x}", dataset.meta().identity());
+    let meta = common::run_meta(
+        (ds.clone(), identity),
+        "distmult",
+        (ENTITIES, DIM),
+        (3, false),
+    );
     let rows = common::grid(ENTITIES as usize * DIM, 7);
     run::commit_checkpoint(
         &legend_fs::Dir::open(&out).unwrap(),
@@ -161,19 +148,7 @@ fn a_changed_label_file_is_indexed_again_never_answered_from_the_old_index() {
     assert_ne!(swapped, text);
     std::fs::write(&labels, &swapped).unwrap();
     let q = command(&run);
-    let id = |label: &str| match &q
-        .answer(
-            &[Query::Lookup {
-                entity: label.into(),
-            }],
-            1,
-            &|i| i.to_string(),
-        )
-        .unwrap()[0]
-    {
-        Answer::Lookup { entity, .. } => entity.id,
-        other => panic!("{other:?}"),
-    };
+    let id = |label: &str| common::id_of(&q, label);
     assert_eq!((id("e0"), id("e1"), id("e2")), (1, 0, 2));
     assert_ne!(index_file(&run).0, kept.0, "indexed again");
     // The other answers name the same entities as before, e0's now those of row 1.

@@ -9,7 +9,7 @@ use std::path::Path;
 use common::grid;
 use legend_dataset::{ImportInput, ImportOptions, Split, import};
 use legend_engine::config::DeviceChoice;
-use legend_engine::run::{self, RunMeta, TableChecksums};
+use legend_engine::run::{self, RunMeta};
 use legend_eval::{FilterIndex, Kernel};
 use legend_fs::Unguarded;
 use legend_model::{Decoder, Side};
@@ -271,26 +271,13 @@ fn line_run_with(dir: &Path, reciprocal: bool) -> std::path::PathBuf {
     assert_eq!(dataset.edges(Split::Train).unwrap().len(), 6);
     let out = dir.join("run");
     std::fs::create_dir(&out).unwrap();
-    let meta = RunMeta {
-        format_version: run::RUN_FORMAT_VERSION,
-        dataset: ds,
-        dataset_identity: format!("{:032x}", dataset.meta().identity()),
-        decoder: "transe_l1".into(),
-        dim: 1,
-        entities: 7,
-        relations: if reciprocal { 2 } else { 1 },
-        entity_state_width: None,
-        entity_dtype: legend_model::Dtype::F32,
-        reciprocal_relations: reciprocal,
-        batch_keys: legend_engine::progress::BATCH_KEYS_VERSION,
-        epochs_completed: 1,
-        cut: None,
-        checkpoint: String::new(),
-        store: None,
-        store_queue: None,
-        store_members: Vec::new(),
-        checksums: TableChecksums::default(),
-    };
+    let identity = format!("{:032x}", dataset.meta().identity());
+    let meta = common::run_meta(
+        (ds, identity),
+        "transe_l1",
+        (7, 1),
+        (if reciprocal { 2 } else { 1 }, reciprocal),
+    );
     let state = vec![0.0; 7];
     let relations = if reciprocal { &[1.0, 2.0][..] } else { &[1.0] };
     run::commit_checkpoint(
@@ -348,19 +335,7 @@ fn a_run_answers_by_label_from_memory_and_from_its_checkpoint_alike() {
     let got: Vec<String> = answers[0].iter().map(labels).collect();
     // Ties go to the lower id, and import numbers the labels in an order of its own.
     let q = QueryRun::open(&run, None, &Unguarded, Residency::Streamed).unwrap();
-    let id = |label: &str| match &q
-        .answer(
-            &[Query::Lookup {
-                entity: label.into(),
-            }],
-            1,
-            &|i| i.to_string(),
-        )
-        .unwrap()[0]
-    {
-        Answer::Lookup { entity, .. } => entity.id,
-        other => panic!("{other:?}"),
-    };
+    let id = |label: &str| common::id_of(&q, label);
     let tie = |a: &'static str, b: &'static str| {
         if id(a) < id(b) { [a, b] } else { [b, a] }
     };
@@ -500,26 +475,12 @@ fn unknown_labels_ids_and_relations_are_named() {
 fn grid_run(dir: &Path, entities: usize, dim: usize) -> (legend_fs::Dir, RunMeta) {
     let out = dir.join("grid-run");
     std::fs::create_dir(&out).unwrap();
-    let meta = RunMeta {
-        format_version: run::RUN_FORMAT_VERSION,
-        dataset: dir.to_owned(),
-        dataset_identity: "0".repeat(32),
-        decoder: "distmult".into(),
-        dim,
-        entities: entities as u64,
-        relations: 2,
-        entity_state_width: None,
-        entity_dtype: legend_model::Dtype::F32,
-        reciprocal_relations: false,
-        batch_keys: legend_engine::progress::BATCH_KEYS_VERSION,
-        epochs_completed: 1,
-        cut: None,
-        checkpoint: String::new(),
-        store: None,
-        store_queue: None,
-        store_members: Vec::new(),
-        checksums: TableChecksums::default(),
-    };
+    let meta = common::run_meta(
+        (dir.to_owned(), "0".repeat(32)),
+        "distmult",
+        (entities as u64, dim),
+        (2, false),
+    );
     let rows = grid(entities * dim, 3);
     let meta = run::commit_checkpoint(
         &legend_fs::Dir::open(&out).unwrap(),

@@ -238,6 +238,35 @@ impl CudaCompute {
     pub(crate) fn gpu(&self) -> &Gpu {
         &self.gpu
     }
+
+    /// Calls `each` with partition `p`'s rows in `slot` a piece of [`STREAM_PIECE_FLOATS`] at
+    /// a time: the piece's first table row, and host buffers of its embeddings and state.
+    fn by_pieces(
+        &mut self,
+        p: u32,
+        slot: u32,
+        mut each: impl FnMut(&mut CudaCompute, usize, &mut [f32], &mut [f32]) -> Result<(), TrainError>,
+    ) -> Result<(), TrainError> {
+        let (dim, width) = (self.nodes.dim(), self.nodes.state_width());
+        let row0 = self.row0(slot);
+        let range = self.scheme.range(p);
+        let rows = (range.end - range.start) as usize;
+        let piece_rows = (STREAM_PIECE_FLOATS / dim).max(1);
+        let mut emb = vec![0.0; piece_rows.min(rows) * dim];
+        let mut state = vec![0.0; piece_rows.min(rows) * width];
+        let mut done = 0;
+        while done < rows {
+            let n = piece_rows.min(rows - done);
+            each(
+                self,
+                row0 + done,
+                &mut emb[..n * dim],
+                &mut state[..n * width],
+            )?;
+            done += n;
+        }
+        Ok(())
+    }
 }
 
 /// Checks that every edge of bucket (i, j) has its source in partition i, its destination in
@@ -425,22 +454,10 @@ impl ComputeBackend for CudaCompute {
         if slot == SlotMap::ABSENT {
             return Ok(false);
         }
-        let (dim, width) = (self.nodes.dim(), self.nodes.state_width());
-        let row0 = self.row0(slot);
-        let range = self.scheme.range(p);
-        let rows = (range.end - range.start) as usize;
-        let piece_rows = (STREAM_PIECE_FLOATS / dim).max(1);
-        let mut emb = vec![0.0; piece_rows.min(rows) * dim];
-        let mut state = vec![0.0; piece_rows.min(rows) * width];
-        let mut done = 0;
-        while done < rows {
-            let n = piece_rows.min(rows - done);
-            let (emb, state) = (&mut emb[..n * dim], &mut state[..n * width]);
-            self.rows_transfer
-                .download_rows(&self.nodes, row0 + done, emb, state)?;
-            f(emb, state)?;
-            done += n;
-        }
+        self.by_pieces(p, slot, |c, row, emb, state| {
+            c.rows_transfer.download_rows(&c.nodes, row, emb, state)?;
+            f(emb, state)
+        })?;
         Ok(true)
     }
 
@@ -450,24 +467,12 @@ impl ComputeBackend for CudaCompute {
         slot: u32,
         f: &mut RowFill<'_>,
     ) -> Result<bool, TrainError> {
-        let (dim, width) = (self.nodes.dim(), self.nodes.state_width());
-        let row0 = self.row0(slot);
-        let range = self.scheme.range(p);
-        let rows = (range.end - range.start) as usize;
-        let piece_rows = (STREAM_PIECE_FLOATS / dim).max(1);
-        let mut emb = vec![0.0; piece_rows.min(rows) * dim];
-        let mut state = vec![0.0; piece_rows.min(rows) * width];
-        let mut done = 0;
-        while done < rows {
-            let n = piece_rows.min(rows - done);
-            let (emb, state) = (&mut emb[..n * dim], &mut state[..n * width]);
+        self.by_pieces(p, slot, |c, row, emb, state| {
             f(emb, state)?;
             // Returns once the piece is staged: the next one is read while its last chunk
             // crosses to the device.
-            self.rows_transfer
-                .upload_rows(&mut self.nodes, row0 + done, emb, state)?;
-            done += n;
-        }
+            Ok(c.rows_transfer.upload_rows(&mut c.nodes, row, emb, state)?)
+        })?;
         Ok(true)
     }
 
