@@ -58,5 +58,6 @@ pub use medium::Target;
 pub use nvme::NvmeTarget;
 pub use store::{
     CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoConfig, IoPiece, IoRequest, Region, Store,
+    new_store_id, store_id_hex,
 };
 pub use stripe::member_bytes;

@@ -149,6 +149,11 @@ pub struct FileStoreSpec<'a> {
     pub num_partitions: u32,
     /// Bytes of the relation parameters and their state.
     pub aux_bytes: u64,
+    /// The store's identity as the run records it. A new store gets it, and a target that is
+    /// this store as an interrupted creation left it is made again (the run recorded the id
+    /// before creating); an opened store must carry it. `None`: a new random one, or any when
+    /// opening (runs recorded before store identities were).
+    pub store_id: Option<[u8; 16]>,
     /// Overwrite a target carrying another signature.
     pub force: bool,
     /// `proxy`: the SSD it models, if any (a proxy already serving the file keeps its own).
@@ -170,6 +175,7 @@ impl FileStore {
         let opts = CreateOptions {
             force: spec.force,
             stripe_bytes: spec.stripe_bytes,
+            store_id: spec.store_id,
             ..CreateOptions::default()
         };
         if spec.members.iter().any(|m| m.queue.is_some()) {
@@ -219,7 +225,11 @@ impl FileStore {
             }
         }
         let targets: Vec<Target<'_>> = spec.members.iter().map(|m| m.file.target()).collect();
-        let store = Store::open_striped(&targets, &Expect::default(), &IoConfig::default())?;
+        let expect = Expect {
+            store_id: spec.store_id,
+            ..Expect::default()
+        };
+        let store = Store::open_striped(&targets, &expect, &IoConfig::default())?;
         Self::with_store(store, Vec::new())
     }
 
@@ -245,6 +255,7 @@ impl FileStore {
             state_width: Some(spec.shape.state as u32),
             dtype: Some(spec.shape.dtype),
             num_partitions,
+            store_id: spec.store_id,
         };
         let io = IoConfig::default();
         if spec.members.iter().any(|m| m.queue.is_some()) {
