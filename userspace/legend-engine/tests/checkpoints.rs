@@ -336,3 +336,72 @@ fn a_run_from_before_batch_keys_resumes_with_them_and_a_newer_one_is_refused() {
         .to_string();
     assert!(err.contains("batch keys version 9"), "{err}");
 }
+
+/// A checkpoint of the epoch count run.toml's already has (a run stopped again right after its
+/// resume, before a batch; or one cut inside the next epoch) goes to a directory of another
+/// name: the one run.toml names is never removed or replaced before run.toml names the new one,
+/// so a crash in between leaves it intact. The run still ends as the uninterrupted one.
+#[test]
+fn a_checkpoint_never_replaces_the_directory_run_toml_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ds = dataset(tmp.path());
+    let plain = train(&ds, &tmp.path().join("plain"), &[]);
+    let out = tmp.path().join("stopped");
+    let sets: Vec<String> = [
+        "model.dim=8",
+        "training.threads=1",
+        "training.batch_size=50",
+        "training.num_epochs=3",
+        "evaluation.protocol=sampled",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let config = Config::parse("", &sets).unwrap();
+    let mut session = Session::create(&out, &ds, config, &Unguarded).unwrap();
+    let stop = AtomicBool::new(false);
+    let outcome = session
+        .run(&stop, &mut |event| {
+            if let Event::EpochFinished { .. } = event {
+                stop.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
+        })
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Stopped(_)), "{outcome:?}");
+    drop(session);
+    let recorded = || {
+        let dir = legend_fs::Dir::open(&out).unwrap();
+        let name = legend_engine::run::read_meta(&dir).unwrap().checkpoint;
+        let on_disk: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
+            .unwrap()
+            .map(|e| format!("checkpoints/{}", e.unwrap().file_name().to_string_lossy()))
+            .collect();
+        assert_eq!(
+            on_disk,
+            [name.clone()],
+            "the others are removed once committed"
+        );
+        name
+    };
+    assert_eq!(recorded(), "checkpoints/epoch-00001");
+    for next in ["checkpoints/epoch-00001-2", "checkpoints/epoch-00001"] {
+        let mut session = Session::resume(&out, None, &[], &Unguarded).unwrap();
+        let outcome = session.run(&AtomicBool::new(true), &mut |_| {}).unwrap();
+        assert!(matches!(outcome, Outcome::Stopped(_)), "{outcome:?}");
+        assert_eq!(recorded(), next);
+    }
+    let mut session = Session::resume(&out, None, &[], &Unguarded).unwrap();
+    let mut result = serde_json::Value::Null;
+    let outcome = session
+        .run(&AtomicBool::new(false), &mut |event| {
+            if let Event::Evaluated { line, .. } = event {
+                result = line.clone()
+            }
+        })
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Finished(_)), "{outcome:?}");
+    assert_eq!(result, plain.result);
+    assert_eq!(recorded(), "checkpoints/epoch-00003");
+    let entities = |run: &Path| std::fs::read(run.join("checkpoints/epoch-00003/entities.bin"));
+    assert!(entities(&out).unwrap() == entities(&tmp.path().join("plain")).unwrap());
+}
