@@ -27,7 +27,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use nix::errno::Errno;
-use nix::fcntl::{AtFlags, FcntlArg, OFlag, fcntl, openat, renameat};
+use nix::fcntl::{AtFlags, FcntlArg, OFlag, RenameFlags, fcntl, openat, renameat, renameat2};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat, mkdirat};
 use nix::unistd::{UnlinkatFlags, fsync, unlinkat};
 
@@ -527,6 +527,23 @@ impl Dir {
         Ok(())
     }
 
+    /// Swaps `a` and `b` (both beneath this directory, both existing, of any kind) in one step
+    /// (`renameat2` with `RENAME_EXCHANGE`): each name always names one of the two, so a
+    /// directory assembled under a temporary name replaces a whole one at once, and the old one
+    /// is then at the temporary name.
+    pub fn exchange(&self, a: impl AsRef<Path>, b: impl AsRef<Path>) -> io::Result<()> {
+        let (a_held, a_name) = self.parent(a.as_ref())?;
+        let (b_held, b_name) = self.parent(b.as_ref())?;
+        renameat2(
+            self.base(&a_held),
+            a_name,
+            self.base(&b_held),
+            b_name,
+            RenameFlags::RENAME_EXCHANGE,
+        )?;
+        Ok(())
+    }
+
     /// Removes the file (or link) `rel`.
     pub fn remove_file(&self, rel: impl AsRef<Path>) -> io::Result<()> {
         let (held, name) = self.parent(rel.as_ref())?;
@@ -684,6 +701,24 @@ mod tests {
         // Removing a tree removes a link in it, not what it points at.
         dir.remove_all("sub").unwrap();
         assert!(victim.join("f").exists());
+    }
+
+    #[test]
+    fn an_exchange_swaps_two_directories_at_once() {
+        let (tmp, dir) = setup();
+        dir.create_dir("old")
+            .unwrap()
+            .write_atomically("f", b"old")
+            .unwrap();
+        dir.create_dir("new")
+            .unwrap()
+            .write_atomically("f", b"new")
+            .unwrap();
+        dir.exchange("new", "old").unwrap();
+        assert_eq!(std::fs::read(tmp.path().join("old/f")).unwrap(), b"new");
+        assert_eq!(std::fs::read(tmp.path().join("new/f")).unwrap(), b"old");
+        let e = dir.exchange("new", "missing").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
     }
 
     #[test]
