@@ -11,7 +11,7 @@ use crate::medium::{Medium, MediumIo, Target};
 use crate::signature;
 use crate::stripe::Stripe;
 use crate::superblock::{
-    self, FORMAT_VERSION, MAX_MEMBERS, Membership, RegionState, SlotError, Superblock,
+    FORMAT_VERSION, MAX_MEMBERS, Membership, RegionState, SlotError, Superblock,
 };
 
 /// I/O tuning; the defaults suit NVMe SSDs.
@@ -263,15 +263,10 @@ impl Store {
             }
             let size = medium.size()?;
             if size > 0 && !opts.force {
-                // Both slots, to tell this very store's interrupted creation (made again) by
-                // its id and its generation; its creation wiped them before writing, so nothing
-                // of an older content is left in them.
-                let head_bytes = signature::SCAN_BYTES.max(2 * SUPERBLOCK_SLOT_BYTES as usize);
-                let head = medium.read_at(0, head_bytes)?;
-                let again = opts
-                    .store_id
-                    .is_some_and(|id| superblock::is_creation_of(&head, id));
-                if let Some((signature, offset)) = signature::find(&head).filter(|_| !again) {
+                let head = medium.read_at(0, signature::HEAD_BYTES)?;
+                if let Some((signature, offset)) =
+                    signature::foreign_signature(&head, opts.store_id)
+                {
                     return Err(StoreError::ForeignSignature {
                         path,
                         signature,

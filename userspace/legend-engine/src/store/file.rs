@@ -498,10 +498,33 @@ fn size_backing_file(
         .open_file(&member.file.name, Access::ReadWriteCreate)
         .map_err(io_error(&path))?;
     let meta = file.metadata().map_err(io_error(&path))?;
-    if meta.is_file() && meta.len() < needed {
+    if meta.is_file()
+        && meta.len() < needed
+        && (spec.force || !foreign(&file, &path, start_lba, spec.store_id)?)
+    {
         file.set_len(needed).map_err(io_error(&path))?;
     }
     Ok(())
+}
+
+/// Whether the head of the proxy's backing file `file` (from `start_lba`) carries what the
+/// store's creation refuses (another store, a file system): such a file is not grown first,
+/// and the creation refuses it as it is.
+fn foreign(
+    mut file: &std::fs::File,
+    path: &Path,
+    start_lba: u64,
+    store_id: Option<[u8; 16]>,
+) -> Result<bool, PartitionStoreError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut head = Vec::with_capacity(legend_storage::HEAD_BYTES);
+    file.seek(SeekFrom::Start(start_lba << 9))
+        .and_then(|_| {
+            file.take(legend_storage::HEAD_BYTES as u64)
+                .read_to_end(&mut head)
+        })
+        .map_err(io_error(path))?;
+    Ok(legend_storage::foreign_signature(&head, store_id).is_some())
 }
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> PartitionStoreError + '_ {
