@@ -378,7 +378,7 @@ fn a_checkpoint_never_replaces_the_directory_run_toml_names() {
             .collect();
         assert_eq!(
             on_disk,
-            [name.clone()],
+            std::slice::from_ref(&name),
             "the others are removed once committed"
         );
         name
