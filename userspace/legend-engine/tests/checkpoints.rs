@@ -25,7 +25,8 @@ fn dataset(dir: &Path) -> std::path::PathBuf {
     ds
 }
 
-fn train(ds: &Path, out: &Path, sets: &[&str]) -> Trained {
+/// The configuration of these runs (3 epochs, d = 8, one thread) with `sets`.
+fn config(sets: &[&str]) -> Config {
     let mut all: Vec<String> = [
         "model.dim=8",
         "training.threads=1",
@@ -37,8 +38,11 @@ fn train(ds: &Path, out: &Path, sets: &[&str]) -> Trained {
     .map(|s| s.to_string())
     .collect();
     all.extend(sets.iter().map(|s| s.to_string()));
-    let config = Config::parse("", &all).unwrap();
-    let mut session = Session::create(out, ds, config, &Unguarded).unwrap();
+    Config::parse("", &all).unwrap()
+}
+
+fn train(ds: &Path, out: &Path, sets: &[&str]) -> Trained {
+    let mut session = Session::create(out, ds, config(sets), &Unguarded).unwrap();
     let mut checkpoints = Vec::new();
     let mut losses = Vec::new();
     let mut result = serde_json::Value::Null;
@@ -210,19 +214,7 @@ fn a_checkpoint_inside_an_epoch_on_the_gpu_changes_nothing() {
 /// are trained, then resumed from the checkpoint in a new session: what it trained, with the
 /// cut the stop made.
 fn stopped_and_resumed(ds: &Path, out: &Path, sets: &[&str], at: u64) -> (Trained, Position) {
-    let mut all: Vec<String> = [
-        "model.dim=8",
-        "training.threads=1",
-        "training.batch_size=50",
-        "training.num_epochs=3",
-        "evaluation.protocol=sampled",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    all.extend(sets.iter().map(|s| s.to_string()));
-    let config = Config::parse("", &all).unwrap();
-    let mut session = Session::create(out, ds, config, &Unguarded).unwrap();
+    let mut session = Session::create(out, ds, config(sets), &Unguarded).unwrap();
     let stop = AtomicBool::new(false);
     let mut losses = Vec::new();
     let outcome = session
@@ -347,18 +339,7 @@ fn a_checkpoint_never_replaces_the_directory_run_toml_names() {
     let ds = dataset(tmp.path());
     let plain = train(&ds, &tmp.path().join("plain"), &[]);
     let out = tmp.path().join("stopped");
-    let sets: Vec<String> = [
-        "model.dim=8",
-        "training.threads=1",
-        "training.batch_size=50",
-        "training.num_epochs=3",
-        "evaluation.protocol=sampled",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let config = Config::parse("", &sets).unwrap();
-    let mut session = Session::create(&out, &ds, config, &Unguarded).unwrap();
+    let mut session = Session::create(&out, &ds, config(&[]), &Unguarded).unwrap();
     let stop = AtomicBool::new(false);
     let outcome = session
         .run(&stop, &mut |event| {

@@ -27,7 +27,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use nix::errno::Errno;
-use nix::fcntl::{AtFlags, FcntlArg, OFlag, RenameFlags, fcntl, openat, renameat, renameat2};
+use nix::fcntl::{AtFlags, FcntlArg, OFlag, RenameFlags, fcntl, openat, renameat2};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat, mkdirat};
 use nix::unistd::{UnlinkatFlags, fsync, unlinkat};
 
@@ -516,15 +516,7 @@ impl Dir {
 
     /// Renames `from` to `to` (both beneath this directory; `to` is replaced if it exists).
     pub fn rename(&self, from: impl AsRef<Path>, to: impl AsRef<Path>) -> io::Result<()> {
-        let (from_held, from_name) = self.parent(from.as_ref())?;
-        let (to_held, to_name) = self.parent(to.as_ref())?;
-        renameat(
-            self.base(&from_held),
-            from_name,
-            self.base(&to_held),
-            to_name,
-        )?;
-        Ok(())
+        self.rename_with(from.as_ref(), to.as_ref(), RenameFlags::empty())
     }
 
     /// Swaps `a` and `b` (both beneath this directory, both existing, of any kind) in one step
@@ -532,14 +524,18 @@ impl Dir {
     /// directory assembled under a temporary name replaces a whole one at once, and the old one
     /// is then at the temporary name.
     pub fn exchange(&self, a: impl AsRef<Path>, b: impl AsRef<Path>) -> io::Result<()> {
-        let (a_held, a_name) = self.parent(a.as_ref())?;
-        let (b_held, b_name) = self.parent(b.as_ref())?;
+        self.rename_with(a.as_ref(), b.as_ref(), RenameFlags::RENAME_EXCHANGE)
+    }
+
+    fn rename_with(&self, from: &Path, to: &Path, flags: RenameFlags) -> io::Result<()> {
+        let (from_held, from_name) = self.parent(from)?;
+        let (to_held, to_name) = self.parent(to)?;
         renameat2(
-            self.base(&a_held),
-            a_name,
-            self.base(&b_held),
-            b_name,
-            RenameFlags::RENAME_EXCHANGE,
+            self.base(&from_held),
+            from_name,
+            self.base(&to_held),
+            to_name,
+            flags,
         )?;
         Ok(())
     }
