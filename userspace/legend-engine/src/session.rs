@@ -36,6 +36,8 @@ use crate::store::{
     FileStore, FileStoreSpec, MemberFile, MemoryStore, PartitionHome, PartitionStoreError,
 };
 use crate::trainer::{EpochEnd, EpochReport, Trainer};
+use crate::training::Training;
+use crate::workers::Workers;
 
 /// How far a run has trained: whole epochs, and where an interrupted epoch stopped.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -180,7 +182,7 @@ pub struct Session {
     run: Dir,
     config: Config,
     dataset: Dataset,
-    trainer: Trainer,
+    trainer: Training,
     meta: RunMeta,
     position: Position,
     engine: String,
@@ -239,8 +241,8 @@ impl Session {
         )
         .map_err(TrainError::from)?;
         let dataset = Dataset::open_checked(dataset, guard.read_check())?;
-        let device = Engine::open(&config)?;
-        check_memory(&config, dataset.meta(), &device, false)?;
+        let device = Engine::open_all(&config)?;
+        check_memory(&config, dataset.meta(), &device[0], false)?;
         let meta = new_meta(&config, &dataset);
         let (parent, name) = Dir::open_parent(out).map_err(io_error(out))?;
         guard.admit(&parent).map_err(io_error(parent.path()))?;
@@ -285,9 +287,9 @@ impl Session {
             .map_err(io_error(&config_path))?;
         let config = Config::parse(&text, sets)?;
         let dataset = evaluation::open_run_dataset(&meta, dataset, guard)?;
-        let device = Engine::open(&config)?;
+        let device = Engine::open_all(&config)?;
         // Resuming reads the checkpoint's tables into host memory before they go to the GPU.
-        check_memory(&config, dataset.meta(), &device, true)?;
+        check_memory(&config, dataset.meta(), &device[0], true)?;
         let session = Session::start(run, config, dataset, meta, device, guard)?;
         // The keys changed with `sets` hold from now on.
         run::write_atomically(
@@ -303,7 +305,7 @@ impl Session {
         config: Config,
         dataset: Dataset,
         mut meta: RunMeta,
-        device: Engine,
+        mut device: Vec<Engine>,
         guard: &dyn Guard,
     ) -> Result<Session, SessionError> {
         let meta_ds = dataset.meta();
@@ -330,7 +332,10 @@ impl Session {
         let relation_floats = meta.relation_floats();
         let relation_rows = meta.relations as usize;
         let fresh_relations = || Relations::init(decoder, relation_rows, dim, &init);
-        let engine = device.describe();
+        let engine = match device.as_slice() {
+            [one] => one.describe(),
+            all => format!("{} × {}", all.len(), all[0].describe()),
+        };
         let mut device_health = Vec::new();
         let (home, relations, position) = if config.uses_store() {
             let record = meta.store_record(run.path())?;
@@ -414,7 +419,20 @@ impl Session {
             )));
         }
         adopt_batch_keys(&mut meta, &position)?;
-        let trainer = Trainer::on_device(&config, buckets, &degrees, home, relations, device)?;
+        let trainer = match (device.len(), home) {
+            (1, home) => {
+                let engine = device.pop().expect("one engine");
+                Training::One(Box::new(Trainer::on_device(
+                    &config, buckets, &degrees, home, relations, engine,
+                )?))
+            }
+            (_, PartitionHome::Memory(store)) => Training::Workers(Workers::new(
+                &config, buckets, &degrees, store, relations, device,
+            )?),
+            _ => unreachable!(
+                "training.gpus > 1 keeps partitions in memory (its configuration says)"
+            ),
+        };
         tracing::info!(
             "set-up: the {engine} engine ready (edges and relations placed) in {:.1} s",
             started.elapsed().as_secs_f64()
@@ -475,7 +493,28 @@ impl Session {
     /// writes to it (users weigh SSD wear).
     pub fn describe(&self) -> String {
         let m = self.dataset.meta();
-        let plan = self.trainer.plan();
+        let what = format!(
+            "training {} d={} on {} ({} entities, {} relations, {} train edges); engine {}, {} backend",
+            self.config.decoder(),
+            self.config.model.dim,
+            self.dataset.dir().display(),
+            m.entities,
+            m.relations,
+            m.splits.train,
+            self.engine,
+            self.config.storage.backend,
+        );
+        let Some(plan) = self.trainer.plan() else {
+            let schedule = self.trainer.schedule().expect("workers have a schedule");
+            return format!(
+                "{what}, {} partitions on {} workers, {} rounds per epoch ({} hand-overs; predicted imbalance {:.3})",
+                schedule.num_partitions,
+                schedule.gpus,
+                schedule.rounds.len(),
+                schedule.moves_per_epoch(),
+                schedule.predicted_imbalance
+            );
+        };
         let writes = if self.config.uses_store() {
             let bytes = store_bytes_per_epoch(m.entities, self.config.entity_shape(), plan) as f64;
             if bytes >= 1e9 {
@@ -494,15 +533,7 @@ impl Session {
         };
         let wear: String = self.device_health.iter().map(describe_wear).collect();
         format!(
-            "training {} d={} on {} ({} entities, {} relations, {} train edges); engine {}, {} backend, {} partitions, buffer {}, order {} ({} buffer states per epoch){writes}{wear}",
-            self.config.decoder(),
-            self.config.model.dim,
-            self.dataset.dir().display(),
-            m.entities,
-            m.relations,
-            m.splits.train,
-            self.engine,
-            self.config.storage.backend,
+            "{what}, {} partitions, buffer {}, order {} ({} buffer states per epoch){writes}{wear}",
             plan.num_partitions,
             self.config.capacity(),
             plan.kind,
@@ -1026,7 +1057,7 @@ fn new_placeholder_meta() -> RunMeta {
 /// Streams every partition's embedding and state rows from wherever `trainer` holds them into
 /// a checkpoint's two entity tables (`path` names the directory in errors).
 fn write_entity_tables(
-    trainer: &mut Trainer,
+    trainer: &mut Training,
     path: &Path,
     e: &mut TableWriter,
     s: &mut TableWriter,

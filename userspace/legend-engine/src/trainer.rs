@@ -21,7 +21,7 @@ use std::time::Instant;
 use legend_dataset::Buckets;
 use legend_model::rng::bucket_order_key;
 use legend_model::{BatchKey, ChunkModel, Permutation};
-use legend_planner::{Bucket, Plan};
+use legend_planner::{Bucket, Piece, Plan};
 use serde::{Deserialize, Serialize};
 
 use crate::compute::cpu::CpuCompute;
@@ -37,7 +37,7 @@ use crate::sampler::NegativeSampler;
 use crate::store::PartitionHome;
 use crate::swap::gpu::{GpuCopyMover, GpuDirectMover};
 use crate::swap::host::{HostMover, HostStore};
-use crate::swap::{IoKernelSpan, Mover, Swapper};
+use crate::swap::{Fence, IoKernelSpan, Mover, Swapper};
 
 pub use crate::compute::cpu::BLOCK_ROWS;
 
@@ -116,6 +116,19 @@ pub struct EpochReport {
     /// after the resume (its loss and edges cover the whole epoch).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub resumed: bool,
+    /// What the workers did, when K of them trained the epoch (`training.gpus`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers: Option<crate::workers::WorkersReport>,
+}
+
+/// A partition on its way to another worker (see [`Trainer::hand_out`]).
+pub(crate) struct Outgoing {
+    /// Its host rows (the CPU engine's).
+    pub(crate) rows: Option<Partition>,
+    /// Its rows in the GPU slot it leaves.
+    pub(crate) span: Option<legend_cuda::RowSpan>,
+    /// The point after which compute no longer touches the slot.
+    pub(crate) after: Fence,
 }
 
 /// How [`Trainer::run_epoch_from`] ended.
@@ -170,14 +183,18 @@ impl Trainer {
         let plan = legend_planner::plan(scheme.num_partitions, config.capacity(), config.order())?;
         let t = &config.training;
         let slots = config.slots();
-        if let PartitionHome::Memory(s) = &home {
+        let memory_dtype = match &home {
+            PartitionHome::Memory(s) => Some(s.dtype()),
+            PartitionHome::Shared(s) => Some(s.dtype()),
+            PartitionHome::File(_) => None,
+        };
+        if let Some(dtype) = memory_dtype {
             assert_eq!(
-                s.dtype(),
-                config.storage.dtype,
+                dtype, config.storage.dtype,
                 "a memory store keeps the run's storage.dtype"
             );
         }
-        let in_memory = matches!(home, PartitionHome::Memory(_));
+        let in_memory = memory_dtype.is_some();
         let (compute, mover, host_rows): (Box<dyn ComputeBackend>, Box<dyn Mover>, bool) =
             match engine {
                 Engine::Cpu => {
@@ -188,6 +205,9 @@ impl Trainer {
                         }
                         PartitionHome::File(s) => {
                             Box::new(HostMover::new(at_rest(*s, scheme, config)))
+                        }
+                        PartitionHome::Shared(s) => {
+                            Box::new(HostMover::new(at_rest(s, scheme, config)))
                         }
                     };
                     (Box::new(compute), mover, true)
@@ -214,6 +234,13 @@ impl Trainer {
                             at_rest(*s, scheme, config),
                             device_slots,
                             for_good,
+                        )?),
+                        // Partitions leave for other GPUs and come back: the store keeps them.
+                        PartitionHome::Shared(s) => Box::new(GpuCopyMover::new(
+                            gpu,
+                            at_rest(s, scheme, config),
+                            device_slots,
+                            false,
                         )?),
                     };
                     (Box::new(compute), mover, false)
@@ -350,6 +377,102 @@ impl Trainer {
         Ok(edges)
     }
 
+    /// Trains `pieces` of epoch `epoch` in order (runs of batches of buckets whose partitions
+    /// are resident), drawing negatives from the partitions `resident`; returns the positive
+    /// edges trained. A K-GPU worker's share of a round ([`crate::workers`]).
+    pub fn train_pieces(
+        &mut self,
+        epoch: u32,
+        pieces: &[Piece],
+        resident: &[u32],
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<u64, TrainError> {
+        let mut sorted_resident = resident.to_vec();
+        sorted_resident.sort_unstable();
+        let mut edges = 0;
+        let mut ctx = EpochCtx {
+            epoch,
+            edges: &mut edges,
+            progress,
+            stop: &AtomicBool::new(false),
+        };
+        for piece in pieces {
+            self.run_bucket(
+                piece.bucket,
+                piece.batches.clone(),
+                &sorted_resident,
+                &mut ctx,
+            )?;
+        }
+        self.compute.synchronize()?;
+        Ok(edges)
+    }
+
+    /// Partition `p` (resident) leaves for another worker: compute lets it go and its slot is
+    /// free, nothing written. Returns how its rows travel: the CPU engine's host rows, or the
+    /// GPU slot's rows once the fence has passed (valid until the next partition arrives).
+    pub(crate) fn hand_out(&mut self, p: u32) -> Result<Outgoing, TrainError> {
+        let after = self.compute.release(p)?;
+        let slot = self
+            .swapper
+            .slot(p)
+            .expect("handing out a resident partition");
+        let span = self.compute.slot_span(slot, p)?;
+        let (_, rows) = self.swapper.give(p);
+        Ok(Outgoing { rows, span, after })
+    }
+
+    /// A slot for partition `p`, which another worker sends: its device rows (GPU engines)
+    /// for the transfer to fill.
+    pub(crate) fn hand_in(&mut self, p: u32) -> Result<Option<legend_cuda::RowSpan>, TrainError> {
+        let slot = self.swapper.reserve(p);
+        self.compute.slot_span(slot, p)
+    }
+
+    /// Partition `p` arrived from another worker: its host rows (CPU engine), or its slot
+    /// filled once `ready` has passed.
+    pub(crate) fn handed_in(
+        &mut self,
+        p: u32,
+        rows: Option<Partition>,
+        ready: Fence,
+    ) -> Result<(), TrainError> {
+        self.swapper.received(p, rows);
+        let slot = self.swapper.slot(p).expect("received");
+        self.compute.arrive(p, slot, &ready)
+    }
+
+    /// Partitions resident, ascending.
+    pub fn resident(&self) -> Vec<u32> {
+        self.swapper.resident()
+    }
+
+    /// Writes back every resident partition outside `keep` (waiting for the writes).
+    pub(crate) fn release_except(&mut self, keep: &[u32]) -> Result<(), TrainError> {
+        for p in self.swapper.resident() {
+            if !keep.contains(&p) {
+                let released = self.compute.release(p)?;
+                self.swapper.evict(p, released, None)?;
+            }
+        }
+        Ok(self.swapper.drain()?)
+    }
+
+    /// Waits until the steps queued so far have run.
+    pub(crate) fn synchronize(&mut self) -> Result<(), TrainError> {
+        self.compute.synchronize()
+    }
+
+    /// The loss summed since the last call (waits for queued steps).
+    pub(crate) fn take_loss(&mut self) -> Result<f64, TrainError> {
+        self.compute.take_loss()
+    }
+
+    /// Device memory in use (GPU engines).
+    pub(crate) fn device_memory_in_use(&self) -> Option<u64> {
+        self.compute.device_memory_in_use()
+    }
+
     /// Trains one epoch (numbered from 1). `progress` is called with the positives done so far.
     pub fn run_epoch(
         &mut self,
@@ -384,6 +507,14 @@ impl Trainer {
                 .collect()
         };
         let from = from.filter(|c| c.epoch == epoch);
+        if let Some(cut) = from
+            && let Some(k) = cut.workers
+        {
+            return Err(TrainError::Resume(format!(
+                "epoch {epoch} stopped {} on {k} GPUs: resume with training.gpus = {k} to finish that epoch (a new number of GPUs takes over at an epoch boundary)",
+                cut.describe()
+            )));
+        }
         let done_swaps = from.map_or(0, |c| c.swaps as usize);
         let plan = self.plan.clone();
         if done_swaps > plan.swaps.len() {
@@ -607,6 +738,7 @@ impl Trainer {
             next,
             edges: report.edges,
             loss: loss_before + self.compute.take_loss()?,
+            workers: None,
         }))
     }
 
@@ -635,51 +767,77 @@ impl Trainer {
                 ))
             })?,
         };
-        let scheme = self.buckets.scheme();
         for (i, b) in group.iter().enumerate().skip(skip) {
-            let edges = self.buckets.bucket(b[0], b[1]);
-            let batches = edges.len().div_ceil(self.batch_size) as u64;
             let first_batch = match start {
                 Some(c) if i == skip => c.batch,
                 _ => 0,
             };
+            let batches = self.batches_of(*b);
             if first_batch > batches {
                 return Err(TrainError::Resume(format!(
                     "epoch {} stopped at batch {first_batch} of bucket ({}, {}), which has {batches}",
                     ctx.epoch, b[0], b[1]
                 )));
             }
-            if first_batch == batches {
-                continue;
+            if let Some(cursor) =
+                self.run_bucket(*b, first_batch..batches, &sorted_resident, ctx)?
+            {
+                return Ok(Some(cursor));
             }
-            let index = scheme.bucket_index(b[0], b[1]);
-            let bucket = BucketRef {
-                parts: *b,
-                index,
-                edges,
-                order: Permutation::new(
-                    edges.len() as u64,
-                    bucket_order_key(self.seed, ctx.epoch, index as u64),
-                ),
+        }
+        Ok(None)
+    }
+
+    /// Batches of bucket `b` (the last may be short).
+    fn batches_of(&self, b: Bucket) -> u64 {
+        self.buckets
+            .bucket(b[0], b[1])
+            .len()
+            .div_ceil(self.batch_size) as u64
+    }
+
+    /// Trains batches `batches` of bucket `b` (as many as it has), negatives drawn from
+    /// `resident` (ascending), checking `ctx.stop` before each; returns where it stopped.
+    fn run_bucket(
+        &mut self,
+        b: Bucket,
+        batches: std::ops::Range<u64>,
+        resident: &[u32],
+        ctx: &mut EpochCtx<'_>,
+    ) -> Result<Option<BatchCursor>, TrainError> {
+        let batches = batches.start..batches.end.min(self.batches_of(b));
+        if batches.is_empty() {
+            return Ok(None);
+        }
+        let scheme = self.buckets.scheme();
+        let edges = self.buckets.bucket(b[0], b[1]);
+        let index = scheme.bucket_index(b[0], b[1]);
+        let bucket = BucketRef {
+            parts: b,
+            index,
+            edges,
+            order: Permutation::new(
+                edges.len() as u64,
+                bucket_order_key(self.seed, ctx.epoch, index as u64),
+            ),
+        };
+        self.compute.begin_bucket(&bucket)?;
+        for batch in batches {
+            if ctx.stop.load(Ordering::Relaxed) {
+                return Ok(Some(BatchCursor { bucket: b, batch }));
+            }
+            let first = batch * self.batch_size as u64;
+            let step = Step {
+                bucket: &bucket,
+                first,
+                len: self.batch_size.min(edges.len() - first as usize),
+                resident,
+                key: BatchKey::new(self.seed, ctx.epoch, index as u64, batch),
             };
-            self.compute.begin_bucket(&bucket)?;
-            for batch in first_batch..batches {
-                if ctx.stop.load(Ordering::Relaxed) {
-                    return Ok(Some(BatchCursor { bucket: *b, batch }));
-                }
-                let first = batch * self.batch_size as u64;
-                let step = Step {
-                    bucket: &bucket,
-                    first,
-                    len: self.batch_size.min(edges.len() - first as usize),
-                    resident: &sorted_resident,
-                    key: BatchKey::new(self.seed, ctx.epoch, index as u64, batch),
-                };
-                self.compute
-                    .train_batch(&step, self.swapper.host(), &mut self.relations)?;
-                *ctx.edges += step.len as u64;
-                (ctx.progress)(*ctx.edges);
-            }
+            self.compute
+                .train_batch(&step, self.swapper.host(), &mut self.relations)?;
+            *ctx.edges += step.len as u64;
+            (ctx.progress)(*ctx.edges);
         }
         Ok(None)
     }

@@ -20,7 +20,7 @@ use std::ops::Range;
 
 use legend_cuda::{
     BatchShape, CudaEvent, CudaSlice, DEFAULT_CHUNK_BYTES, DeviceTable, Gpu, GpuBatchEngine,
-    GpuError, SlotMap, Transfer, negative_keys,
+    GpuError, RowSpan, SlotMap, Transfer, negative_keys,
 };
 use legend_dataset::{Buckets, PartitionScheme};
 use legend_model::{ChunkModel, Decoder, StepRounding};
@@ -445,5 +445,12 @@ impl ComputeBackend for CudaCompute {
 
     fn device_memory_in_use(&self) -> Option<u64> {
         self.gpu.memory_in_use().ok().map(|b| b as u64)
+    }
+
+    fn slot_span(&self, slot: u32, p: u32) -> Result<Option<RowSpan>, TrainError> {
+        let range = self.scheme.range(p);
+        let rows = (range.end - range.start) as usize;
+        let span = self.nodes.row_span(self.row0(slot), rows)?;
+        Ok(Some(span))
     }
 }

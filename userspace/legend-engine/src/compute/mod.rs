@@ -17,6 +17,7 @@
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 
+use legend_cuda::RowSpan;
 use legend_dataset::Edge;
 use legend_model::{BatchKey, Permutation};
 
@@ -62,7 +63,7 @@ pub type RowSink<'a> = dyn FnMut(&[f32], &[f32]) -> Result<(), TrainError> + 'a;
 
 /// A compute engine driven by the trainer's epoch loop (see the module docs for the order of
 /// the calls).
-pub(crate) trait ComputeBackend {
+pub(crate) trait ComputeBackend: Send {
     /// Partition `p` is in `slot` once `ready` has passed: compute queued from now on may use it.
     fn arrive(&mut self, p: u32, slot: u32, ready: &Fence) -> Result<(), TrainError>;
     /// Partition `p` leaves compute: work queued from now on does not touch it. Returns the
@@ -99,5 +100,10 @@ pub(crate) trait ComputeBackend {
     /// Device memory in use (bytes), for engines with a device.
     fn device_memory_in_use(&self) -> Option<u64> {
         None
+    }
+    /// The device rows partition `p` takes in `slot`, for moving them between GPUs (GPU
+    /// engines; `None` for the CPU engine, whose rows are host rows).
+    fn slot_span(&self, _slot: u32, _p: u32) -> Result<Option<RowSpan>, TrainError> {
+        Ok(None)
     }
 }
