@@ -163,13 +163,12 @@ impl RunMeta {
     }
 
     /// Records `members` (canonical paths: their directories resolved, the names as given,
-    /// which are never followed as links) as the run's store of identity `id`, `creating` it
-    /// (the intent record) or made.
-    pub fn record_store(
+    /// which are never followed as links) as the run's store of identity `id`, being created
+    /// (the intent record: `store_creating` is cleared once it is made).
+    pub fn record_store_intent(
         &mut self,
         members: &[crate::store::location::StoreMember],
         id: [u8; 16],
-        creating: bool,
     ) -> Result<(), RunError> {
         let canonical = members
             .iter()
@@ -197,7 +196,7 @@ impl RunMeta {
             Vec::new()
         };
         self.store_id = Some(legend_storage::store_id_hex(id));
-        self.store_creating = creating;
+        self.store_creating = true;
         Ok(())
     }
 
@@ -529,7 +528,10 @@ fn open_members(
     let StoreRecord::Made(store_id) = meta.store_record(run.path())? else {
         return Err(invalid(
             &meta_path(run.path()),
-            "the run stopped while it created its store: it has no checkpoint yet (continue it with `legendctl train --out RUN --resume`)",
+            format!(
+                "the run stopped while it created its store: it has no checkpoint yet (continue it with `legendctl train --out {} --resume`)",
+                run.path().display()
+            ),
         ));
     };
     let run_dir = std::fs::canonicalize(run.path()).map_err(io(run.path()))?;

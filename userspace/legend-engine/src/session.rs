@@ -365,7 +365,7 @@ impl Session {
                 run::StoreRecord::ToCreate(id) => {
                     // The intent first: after a crash from here on, the resume makes the store
                     // again, knowing its half-made members by `id` and nothing else by it.
-                    meta.record_store(&members, id, true)?;
+                    meta.record_store_intent(&members, id)?;
                     write_meta(&run, &meta)?;
                     let store = FileStore::create(&spec)?;
                     // From here on the run's commit record is the store's superblock.

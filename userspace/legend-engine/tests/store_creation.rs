@@ -381,24 +381,31 @@ fn a_store_the_record_does_not_name_is_refused_even_in_the_run_directory() {
 }
 
 /// A proxy's backing file that holds something else (here a small file with an ext4 superblock)
-/// is refused as it is: not grown to the store's size first.
+/// is refused as it is: not grown to the store's size first; and a backing file the refused
+/// creation made for another member is removed again.
 #[test]
 fn a_proxy_backing_file_of_something_else_is_not_grown() {
     let tmp = tempfile::tempdir().unwrap();
     let ds = dataset(tmp.path());
-    let members = Layout::Proxy.members(tmp.path(), "fs");
     let mut image = vec![0u8; 8192];
     image[1080..1082].copy_from_slice(&[0x53, 0xef]);
-    std::fs::write(&members[0], &image).unwrap();
-    let out = tmp.path().join("run");
-    let err = Session::create(&out, &ds, Layout::Proxy.config(&members, &[]), &Unguarded)
-        .err()
-        .expect("refused");
-    assert!(
-        chain(&err).contains("ext2/3/4 signature"),
-        "{}",
-        chain(&err)
-    );
-    assert!(std::fs::read(&members[0]).unwrap() == image);
-    assert!(!out.exists());
+    for layout in [Layout::Proxy, Layout::ProxyStriped] {
+        let members = layout.members(tmp.path(), &format!("{layout:?}"));
+        let fs = members.last().unwrap();
+        std::fs::write(fs, &image).unwrap();
+        let out = tmp.path().join(format!("{layout:?}-run"));
+        let err = Session::create(&out, &ds, layout.config(&members, &[]), &Unguarded)
+            .err()
+            .expect("refused");
+        assert!(
+            chain(&err).contains("ext2/3/4 signature"),
+            "{layout:?}: {}",
+            chain(&err)
+        );
+        assert!(std::fs::read(fs).unwrap() == image, "{layout:?}");
+        for m in &members[..members.len() - 1] {
+            assert!(!m.exists(), "{layout:?}: {} left", m.display());
+        }
+        assert!(!out.exists(), "{layout:?}");
+    }
 }

@@ -163,7 +163,8 @@ pub struct FileStoreSpec<'a> {
 impl FileStore {
     /// Creates a new store. On files it is made under temporary names and renamed into place,
     /// so an interrupted creation never leaves a store that cannot be opened; a proxy's backing
-    /// file is created (or extended) to its member's size first.
+    /// file is created (or extended) to its member's size first, and removed again if it was
+    /// created and the creation fails.
     pub fn create(spec: &FileStoreSpec<'_>) -> Result<FileStore, PartitionStoreError> {
         let store_spec = store_spec(
             spec.dataset.clone(),
@@ -179,16 +180,22 @@ impl FileStore {
             ..CreateOptions::default()
         };
         if spec.members.iter().any(|m| m.queue.is_some()) {
-            let controllers = open_controllers(spec, |m, q| {
-                if q.backend == QueueBackend::Proxy {
-                    size_backing_file(spec, &store_spec, m, q.start_lba)?;
+            let mut new_files = Vec::new();
+            for m in spec.members {
+                let f = &m.file;
+                let proxy = m.queue.is_some_and(|q| q.backend == QueueBackend::Proxy);
+                if proxy && !f.dir.exists(&f.name).map_err(io_error(&f.path()))? {
+                    new_files.push(f);
                 }
-                Ok(())
-            })?;
-            let targets = nvme_targets(&controllers, spec.members);
-            let nvme: Vec<Target<'_>> = targets.iter().map(Target::Nvme).collect();
-            let store = Store::create_striped(&nvme, &store_spec, &opts)?;
-            return Self::with_store(store, queued(controllers, spec.members));
+            }
+            let created = Self::create_queued(spec, &store_spec, &opts);
+            if created.is_err() {
+                // Leave no backing file this creation made (its proxy has stopped with it).
+                for f in new_files {
+                    let _ = f.dir.remove_file(&f.name);
+                }
+            }
+            return created;
         }
         // Members that do not exist yet are made under a temporary name.
         let mut tmps: Vec<Option<StoreFile>> = Vec::with_capacity(spec.members.len());
@@ -231,6 +238,25 @@ impl FileStore {
         };
         let store = Store::open_striped(&targets, &expect, &IoConfig::default())?;
         Self::with_store(store, Vec::new())
+    }
+
+    /// [`FileStore::create`] behind NVMe queues: each member's controller opened (a proxy's
+    /// backing file sized first), then the store created through them.
+    fn create_queued(
+        spec: &FileStoreSpec<'_>,
+        store_spec: &StoreSpec,
+        opts: &CreateOptions,
+    ) -> Result<FileStore, PartitionStoreError> {
+        let controllers = open_controllers(spec, |m, q| {
+            if q.backend == QueueBackend::Proxy {
+                size_backing_file(spec, store_spec, m, q.start_lba)?;
+            }
+            Ok(())
+        })?;
+        let targets = nvme_targets(&controllers, spec.members);
+        let nvme: Vec<Target<'_>> = targets.iter().map(Target::Nvme).collect();
+        let store = Store::create_striped(&nvme, store_spec, opts)?;
+        Self::with_store(store, queued(controllers, spec.members))
     }
 
     /// Opens an existing store, checking it belongs to this dataset, dimension and partitioning.
