@@ -65,7 +65,11 @@ impl RelationGradients {
     /// Adds `other`'s gradients and counts (workers' sums are taken in worker order, so every
     /// worker computes the same floats).
     pub fn add(&mut self, other: &RelationGradients) {
-        assert_eq!(self.grads.len(), other.grads.len(), "relation tables differ");
+        assert_eq!(
+            self.grads.len(),
+            other.grads.len(),
+            "relation tables differ"
+        );
         for (a, b) in self.grads.iter_mut().zip(&other.grads) {
             *a += b;
         }

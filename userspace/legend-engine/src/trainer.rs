@@ -434,8 +434,14 @@ impl Trainer {
             self.compute.begin_bucket(&bucket)?;
             let end = piece.batches.end.min(self.batches_of(piece.bucket));
             for batch in piece.batches.start..end {
-                let step =
-                    batch_step(&bucket, batch, self.batch_size, &sorted_resident, self.seed, epoch);
+                let step = batch_step(
+                    &bucket,
+                    batch,
+                    self.batch_size,
+                    &sorted_resident,
+                    self.seed,
+                    epoch,
+                );
                 self.compute
                     .train_batch(&step, self.swapper.host(), &mut self.relations)?;
                 edges += step.len as u64;
@@ -946,7 +952,14 @@ impl Trainer {
             if ctx.stop.load(Ordering::Relaxed) {
                 return Ok(Some(BatchCursor { bucket: b, batch }));
             }
-            let step = batch_step(&bucket, batch, self.batch_size, resident, self.seed, ctx.epoch);
+            let step = batch_step(
+                &bucket,
+                batch,
+                self.batch_size,
+                resident,
+                self.seed,
+                ctx.epoch,
+            );
             self.compute
                 .train_batch(&step, self.swapper.host(), &mut self.relations)?;
             *ctx.edges += step.len as u64;
@@ -964,7 +977,10 @@ fn bucket_ref(buckets: &Buckets, b: Bucket, seed: u64, epoch: u32) -> BucketRef<
         parts: b,
         index,
         edges,
-        order: Permutation::new(edges.len() as u64, bucket_order_key(seed, epoch, index as u64)),
+        order: Permutation::new(
+            edges.len() as u64,
+            bucket_order_key(seed, epoch, index as u64),
+        ),
     }
 }
 
