@@ -13,8 +13,8 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use legend_daemon_api::{
-    Envelope, ErrorCode, JobInfo, JobSpec, JobState, MAX_FRAME, PROTOCOL_VERSION, Reply, Request,
-    read_message, write_message,
+    Envelope, ErrorCode, JobInfo, JobSpec, JobState, MAX_FRAME, PROTOCOL_VERSION, Queries, Reply,
+    Request, read_message, write_message,
 };
 use legend_dataset::{GenerateOptions, generate};
 use legend_engine::Config;
@@ -1226,7 +1226,7 @@ fn the_state_is_private_ids_are_never_reused_and_records_carry_a_format() {
     let first = jobs.join(format!("{}.json", ids[0]));
     let mut record: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&first).unwrap()).unwrap();
-    assert_eq!(record["format"], 1);
+    assert_eq!(record["format"], 2);
     record.as_object_mut().unwrap().remove("format");
     std::fs::write(&first, serde_json::to_vec(&record).unwrap()).unwrap();
     let d = Daemon::start(dir.path());
@@ -1659,10 +1659,11 @@ fn a_running_job_reads_in_its_run_only_what_its_submitter_could() {
     let ended = wait_for(&mut other, resumed.id, Duration::from_secs(120), |j| {
         j.state.is_final()
     });
+    // The job's process runs as its submitter: the kernel refuses the file.
     let error = ended.error.as_deref().unwrap_or_default();
     assert_eq!(ended.state, JobState::Failed, "{ended:?}");
     assert!(
-        error.contains("may not read") && !error.contains("hunter2"),
+        error.contains("config.toml: Permission denied") && !error.contains("hunter2"),
         "{error}"
     );
 }
@@ -2040,10 +2041,7 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
     ]"#,
     )
     .unwrap();
-    let wire: Vec<serde_json::Value> = queries
-        .iter()
-        .map(|q| serde_json::to_value(q).unwrap())
-        .collect();
+    let wire = Queries::of(&queries).unwrap();
     let ask = |c: &mut Client| {
         c.call(Request::Query {
             job: job.id,
@@ -2088,7 +2086,8 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
         } => assert!(message.contains("not yours"), "{message}"),
         other => panic!("a stranger was answered: {other:?}"),
     }
-    let unknown = vec![serde_json::json!({"query": "neighbors", "entity": "e4000"})];
+    let unknown =
+        Queries::of(&[serde_json::json!({"query": "neighbors", "entity": "e4000"})]).unwrap();
     let why = refusal(owner.call(Request::Query {
         job: job.id,
         queries: unknown,
@@ -2172,10 +2171,7 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
 
 /// Asks serve job `job` `queries` until the run is loaded (`unavailable` until then).
 fn ask_served(c: &mut Client, job: u64, queries: &[legend_query::Query]) -> Reply {
-    let wire: Vec<serde_json::Value> = queries
-        .iter()
-        .map(|q| serde_json::to_value(q).unwrap())
-        .collect();
+    let wire = Queries::of(queries).unwrap();
     let started = Instant::now();
     loop {
         match c.call(Request::Query {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use legend_daemon_api::{MAX_QUERIES, Reply, Request};
+use legend_daemon_api::{MAX_QUERIES, Queries, Reply, Request};
 use legend_engine::config::DeviceChoice;
 use legend_fs::Unguarded;
 use legend_query::{
@@ -320,10 +320,8 @@ pub fn query(socket: Option<&Path>, args: QueryArgs) -> anyhow::Result<()> {
     }
     let mut client = super::client::Client::connect(socket)?;
     for (b, batch) in queries.chunks(MAX_QUERIES).enumerate() {
-        let asked = batch
-            .iter()
-            .map(|(_, q)| serde_json::to_value(q))
-            .collect::<Result<_, _>>()?;
+        let asked: Vec<&Query> = batch.iter().map(|(_, q)| q).collect();
+        let asked = Queries::of(&asked)?;
         let started = Instant::now();
         let reply = client.call(Request::Query {
             job: args.job,
