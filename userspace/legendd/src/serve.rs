@@ -22,6 +22,10 @@ use crate::channel::Serving;
 /// Requests whose latency the metrics' percentiles and rate are taken over.
 const WINDOW: usize = 1024;
 
+/// Requests forwarded and not answered yet, by id: where their answer (queries answered, the
+/// reply's bytes) goes.
+type Pending = HashMap<u64, SyncSender<(u32, Vec<u8>)>>;
+
 /// A serve job's state in the daemon.
 pub struct ServeState {
     /// The submitter.
@@ -31,8 +35,7 @@ pub struct ServeState {
     /// The run as its process loaded it, once it has.
     serving: Mutex<Option<Serving>>,
     stats: Mutex<Stats>,
-    /// Requests forwarded and not answered yet, by id: where their answer goes.
-    pending: Mutex<HashMap<u64, SyncSender<(u32, Vec<u8>)>>>,
+    pending: Mutex<Pending>,
     next: AtomicU64,
 }
 
@@ -138,7 +141,7 @@ impl ServeState {
         }
     }
 
-    fn pending_lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, SyncSender<(u32, Vec<u8>)>>> {
+    fn pending_lock(&self) -> std::sync::MutexGuard<'_, Pending> {
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 

@@ -28,7 +28,7 @@ struct State {
 /// What a watcher's wait found.
 pub enum Next {
     /// An event.
-    Event(Reply),
+    Event(Box<Reply>),
     /// Nothing within the wait.
     Quiet,
     /// The job ended: nothing more comes.
@@ -59,7 +59,7 @@ impl Watcher {
             .wait_timeout_while(s, wait, |s| s.events.is_empty() && !s.closed)
             .unwrap_or_else(|e| e.into_inner());
         match s.events.pop_front() {
-            Some(event) => Next::Event(event),
+            Some(event) => Next::Event(Box::new(event)),
             None if s.closed => Next::Closed,
             None => Next::Quiet,
         }

@@ -165,8 +165,8 @@ fn check(r: libc::c_int) -> std::io::Result<()> {
 }
 
 fn child_setup(s: &ChildSetup<'_>) -> std::io::Result<()> {
-    // SAFETY (the whole function): plain system calls on descriptors and values the parent
-    // prepared; no allocation, no lock.
+    // SAFETY: plain system calls on descriptors and values the parent prepared; no allocation,
+    // no lock (this runs between fork and exec).
     unsafe {
         for &fd in s.procs {
             if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
@@ -250,4 +250,93 @@ pub fn job_env() -> Vec<(&'static str, String)> {
         }
     }
     env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a process running as `uid` gets from `kill(pid, 0)` and `ptrace(PTRACE_ATTACH)`:
+    /// their errno values (0 for success).
+    fn probe_as(uid: u32, pid: i32) -> (i32, i32) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        // SAFETY: the child switches uid, makes two system calls, writes and exits.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0);
+        if child == 0 {
+            // SAFETY: plain system calls in the forked child.
+            unsafe {
+                let mut out = [-1i32; 2];
+                if libc::setgroups(0, std::ptr::null()) == 0
+                    && libc::setgid(uid) == 0
+                    && libc::setuid(uid) == 0
+                {
+                    let errno = |r: libc::c_long| {
+                        if r == 0 { 0 } else { *libc::__errno_location() }
+                    };
+                    out[0] = errno(libc::kill(pid, 0).into());
+                    out[1] = errno(libc::ptrace(libc::PTRACE_ATTACH, pid, 0, 0));
+                }
+                libc::write(theirs.as_raw_fd(), out.as_ptr().cast(), 8);
+                libc::_exit(0);
+            }
+        }
+        drop(theirs);
+        let mut buf = [0u8; 8];
+        std::io::Read::read_exact(&mut &ours, &mut buf).unwrap();
+        // SAFETY: reaping our child.
+        unsafe { libc::waitpid(child, std::ptr::null_mut(), 0) };
+        (
+            i32::from_ne_bytes(buf[..4].try_into().unwrap()),
+            i32::from_ne_bytes(buf[4..].try_into().unwrap()),
+        )
+    }
+
+    /// A process started as a device job's identity (a uid of `device_job_uids`, not the
+    /// submitter's) cannot be signalled nor traced by the submitter; started as the submitter,
+    /// it can be signalled by them (the probe sees the difference).
+    #[test]
+    fn a_device_identity_is_out_of_its_submitters_reach() {
+        if !nix::unistd::geteuid().is_root() {
+            println!("skip: starting processes as other uids needs root");
+            return;
+        }
+        let submitter = 65534;
+        let cache = tempfile::tempdir().unwrap();
+        let cache_fd = OwnedFd::from(std::fs::File::open(cache.path()).unwrap());
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit fills the struct.
+        let read = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
+        assert_eq!(read, 0);
+        let start = |uid: u32| {
+            let identity = Identity {
+                uid,
+                gid: uid,
+                groups: Vec::new(),
+            };
+            launch(&Launch {
+                program: Path::new("/bin/sleep"),
+                args: &["30"],
+                identity: &identity,
+                cgroup_procs: &[],
+                memlock: limit.rlim_max,
+                cache_dir: &cache_fd,
+                env: &job_env(),
+            })
+            .unwrap()
+        };
+        let mut device = start(3_999_999_000);
+        let (kill, trace) = probe_as(submitter, device.child.id() as i32);
+        assert_eq!((kill, trace), (libc::EPERM, libc::EPERM));
+        let mut own = start(submitter);
+        let (kill, _) = probe_as(submitter, own.child.id() as i32);
+        assert_eq!(kill, 0, "the submitter could not signal their own process");
+        for launched in [&mut device, &mut own] {
+            let _ = launched.child.kill();
+            let _ = launched.child.wait();
+        }
+    }
 }

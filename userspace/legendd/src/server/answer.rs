@@ -22,14 +22,14 @@ const ANSWER_WAIT: Duration = Duration::from_secs(600);
 /// What goes back to a client.
 pub enum Outgoing {
     /// A reply to serialise.
-    Reply(Reply),
+    Reply(Box<Reply>),
     /// A reply a serve job's process serialised (at most a frame), sent as it is.
     Raw(Vec<u8>),
 }
 
 impl From<Reply> for Outgoing {
     fn from(r: Reply) -> Outgoing {
-        Outgoing::Reply(r)
+        Outgoing::Reply(Box::new(r))
     }
 }
 
@@ -45,7 +45,7 @@ impl Outgoing {
             }
             Outgoing::Reply(reply) => reply,
         };
-        match write_message(w, &reply) {
+        match write_message(w, &*reply) {
             // Nothing was written: the client hears why instead of a closed socket.
             Err(FrameError::TooLarge { len, max }) => {
                 let why = format!(
@@ -73,11 +73,34 @@ fn too_large(bytes: usize, what: &str) -> Option<Reply> {
 }
 
 impl Client {
-    /// Reserves `bytes` more for the answer; the refusal to send when there is no room.
-    fn room(&self, bytes: usize) -> Result<Reserved, Reply> {
-        self.budget
-            .reserve(&self.peer, bytes)
-            .map_err(|why| error(ErrorCode::Unavailable, why))
+    /// Reserves `bytes` more for the answer; why not when there is no room.
+    fn room(&self, bytes: usize) -> Result<Reserved, String> {
+        self.budget.reserve(&self.peer, bytes)
+    }
+
+    /// `answer()` for job `id` when the caller may manage it and `room` was had; the refusal
+    /// otherwise.
+    fn managed(
+        &self,
+        id: u64,
+        room: Result<Reserved, String>,
+        answer: impl FnOnce() -> Reply,
+    ) -> Reply {
+        if let Some(refused) = self.refusal(id) {
+            return refused;
+        }
+        match room {
+            Ok(_room) => answer(),
+            Err(why) => error(ErrorCode::Unavailable, why),
+        }
+    }
+
+    /// `answer()` when `room` was had; why not otherwise.
+    fn within(room: Result<Reserved, String>, answer: impl FnOnce() -> Reply) -> Reply {
+        match room {
+            Ok(_room) => answer(),
+            Err(why) => error(ErrorCode::Unavailable, why),
+        }
     }
 
     /// Why the caller may not manage job `id`, as the reply to send; `None` when it may.
@@ -104,10 +127,9 @@ impl Client {
                 uid: peer.uid,
                 admin: peer.admin,
             },
-            Request::Submit { job } => match one_job() {
-                Ok(_room) => super::submit::submit(job, peer, jobs),
-                Err(reply) => reply,
-            },
+            Request::Submit { job } => {
+                Self::within(one_job(), || super::submit::submit(job, peer, jobs))
+            }
             Request::List { all } => {
                 if all && !peer.admin {
                     return error(
@@ -121,47 +143,31 @@ impl Client {
                 if let Some(refused) = too_large(bytes, "delete ended jobs to shorten the list") {
                     return refused.into();
                 }
-                match self.room(2 * bytes) {
-                    Ok(_room) => Reply::Jobs {
-                        jobs: jobs.list(owner),
-                    },
-                    Err(reply) => reply,
-                }
+                Self::within(self.room(2 * bytes), || Reply::Jobs {
+                    jobs: jobs.list(owner),
+                })
             }
-            Request::Status { job } => match (self.refusal(job), one_job()) {
-                (Some(reply), _) | (None, Err(reply)) => reply,
-                (None, Ok(_room)) => jobs
-                    .get(job)
-                    .map_or_else(job_error, |job| Reply::Job { job }),
-            },
-            Request::Cancel { job } => match (self.refusal(job), one_job()) {
-                (Some(reply), _) | (None, Err(reply)) => reply,
-                (None, Ok(_room)) => jobs
-                    .cancel(job)
-                    .map_or_else(job_error, |job| Reply::Job { job }),
-            },
-            Request::Logs { job } => match (self.refusal(job), self.room(MAX_FRAME)) {
-                (Some(reply), _) | (None, Err(reply)) => reply,
-                (None, Ok(_room)) => Reply::Text {
-                    text: crate::jobs::log::tail(&jobs.log_path(job), MAX_FRAME / 2),
-                },
-            },
-            Request::Delete { job } => match (self.refusal(job), one_job()) {
-                (Some(reply), _) | (None, Err(reply)) => reply,
-                (None, Ok(_room)) => delete(job, jobs),
-            },
+            Request::Status { job } => self.managed(job, one_job(), || {
+                jobs.get(job)
+                    .map_or_else(job_error, |job| Reply::Job { job })
+            }),
+            Request::Cancel { job } => self.managed(job, one_job(), || {
+                jobs.cancel(job)
+                    .map_or_else(job_error, |job| Reply::Job { job })
+            }),
+            Request::Logs { job } => self.managed(job, self.room(MAX_FRAME), || Reply::Text {
+                text: crate::jobs::log::tail(&jobs.log_path(job), MAX_FRAME / 2),
+            }),
+            Request::Delete { job } => self.managed(job, one_job(), || delete(job, jobs)),
             Request::Metrics => {
                 let shows = |owner| peer.may_manage(owner);
                 let bytes = jobs.metrics_size(shows);
                 if let Some(refused) = too_large(bytes, "too many jobs to show") {
                     return refused.into();
                 }
-                match self.room(2 * bytes) {
-                    Ok(_room) => Reply::Text {
-                        text: jobs.metrics(shows),
-                    },
-                    Err(reply) => reply,
-                }
+                Self::within(self.room(2 * bytes), || Reply::Text {
+                    text: jobs.metrics(shows),
+                })
             }
             Request::Devices => devices::devices(),
             Request::Bind { bdf, force } if peer.admin => {
@@ -187,7 +193,7 @@ impl Client {
                 // at most a frame long.
                 return match self.room(MAX_FRAME) {
                     Ok(_room) => self.query(job, queries),
-                    Err(reply) => reply.into(),
+                    Err(why) => error(ErrorCode::Unavailable, why).into(),
                 };
             }
             Request::Watch { .. } => unreachable!("answered by watch()"),

@@ -298,6 +298,22 @@ fn job_error(e: JobError) -> Reply {
     }
 }
 
+/// Reads past `len` bytes of a frame, 64 KiB at a time.
+fn skip(r: &mut impl Read, len: usize) -> Result<(), FrameError> {
+    let mut scratch = [0u8; 64 << 10];
+    let mut left = len;
+    while left > 0 {
+        let n = scratch.len().min(left);
+        r.read_exact(&mut scratch[..n])
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => FrameError::Truncated,
+                _ => FrameError::Io(e),
+            })?;
+        left -= n;
+    }
+    Ok(())
+}
+
 /// A connected client, served on its own thread.
 struct Client {
     peer: Peer,
@@ -325,9 +341,12 @@ impl Client {
             let held = match self.budget.reserve(&self.peer, 2 * len) {
                 Ok(held) => held,
                 Err(why) => {
-                    // The body is left unread: the stream cannot be trusted to be framed.
+                    // Read past, a piece at a time, never held: the connection stays framed.
+                    if let Err(e) = skip(&mut deadline, len) {
+                        return self.broken(&mut writer, e);
+                    }
                     write_message(&mut writer, &error(ErrorCode::Unavailable, why))?;
-                    return Ok(());
+                    continue;
                 }
             };
             let bytes = match read_frame_body(&mut deadline, len) {
