@@ -163,6 +163,18 @@ fn early_stopping_through_the_daemon_keeps_reports_and_exports_the_best_epoch() 
     assert_eq!(result["best_epoch"], best_epoch, "{result}");
     let final_line = metrics_final_line(&reference_dir);
     assert_eq!(result["mrr"], final_line["metrics"]["mrr"], "{result}");
+    // The job says how it went and ended: its validations, the early stop and why, the test
+    // line of the best epoch.
+    let Reply::Text { text: log } = c.call(Request::Logs { job: done.id }) else {
+        panic!("no log");
+    };
+    for said in [
+        "valid: ",
+        "early stopping after epoch",
+        &format!("test (best epoch {best_epoch}): "),
+    ] {
+        assert!(log.contains(said), "{said:?} not in the log:\n{log}");
+    }
 
     // The best epoch exported by an export job of RUN/best: its entity rows as trained.
     let export = dir.path().join("export");

@@ -264,6 +264,16 @@ impl Jobs {
         log::append(&self.dir, id, text);
     }
 
+    /// A line job `id`'s process says (its messages, its standard error): to its log and its
+    /// watchers (`log` events), so that a job says how it went and ended.
+    fn job_says(&self, id: u64, text: &str) {
+        let text = crate::paths::clipped(text.trim_end(), log::MAX_LINE_BYTES);
+        self.log(id, &text);
+        if let Some(e) = self.lock().jobs.get(&id) {
+            Self::broadcast(e, serde_json::json!({"type": "log", "text": text}));
+        }
+    }
+
     /// Writes job `id`'s record durably (synced temporary file, rename, synced directory), so
     /// a crash keeps the old or the new.
     fn persist(&self, table: &Table, id: u64) -> std::io::Result<()> {

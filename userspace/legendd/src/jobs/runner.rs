@@ -337,7 +337,7 @@ impl Jobs {
                                 // Cut: the rest of the line goes.
                                 let _ = r.skip_until(b'\n');
                             }
-                            jobs.log(id, &String::from_utf8_lossy(&line));
+                            jobs.job_says(id, &String::from_utf8_lossy(&line));
                         }
                     }
                 }
@@ -474,7 +474,7 @@ impl Jobs {
             }
             FromJob::Log(text) => {
                 drop(t);
-                self.log(id, &text);
+                self.job_says(id, &text);
             }
             FromJob::Serving(serving) => {
                 let Some(state) = &live.serve else {
