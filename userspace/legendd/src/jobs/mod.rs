@@ -575,12 +575,17 @@ impl Jobs {
         }
     }
 
-    /// Sends `event` to job `id`'s watchers.
+    /// Sends `event` to job `id`'s watchers (serialised once, if anyone watches).
     fn broadcast(entry: &Entry, event: serde_json::Value) {
-        entry.watchers.broadcast(&Reply::Event {
+        if entry.watchers.is_empty() {
+            return;
+        }
+        let reply = Reply::Event {
             job: entry.record.info.id,
             event,
-        });
+        };
+        let bytes: watch::Event = serde_json::to_vec(&reply).expect("events serialise").into();
+        entry.watchers.broadcast(&bytes);
     }
 
     /// Starts the scheduler thread.

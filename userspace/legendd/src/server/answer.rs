@@ -37,12 +37,7 @@ impl Outgoing {
     /// Writes it; one too large for a frame becomes an error saying so.
     pub fn write(self, w: &mut UnixStream) -> Result<(), FrameError> {
         let reply = match self {
-            Outgoing::Raw(bytes) => {
-                use std::io::Write;
-                w.write_all(&(bytes.len() as u32).to_be_bytes())?;
-                w.write_all(&bytes)?;
-                return Ok(w.flush()?);
-            }
+            Outgoing::Raw(bytes) => return super::write_frame(w, &bytes),
             Outgoing::Reply(reply) => reply,
         };
         match write_message(w, &*reply) {

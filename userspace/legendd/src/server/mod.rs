@@ -298,6 +298,14 @@ fn job_error(e: JobError) -> Reply {
     }
 }
 
+/// Writes a message already serialised (an event, a serve job's answer) as a frame.
+pub fn write_frame(w: &mut UnixStream, bytes: &[u8]) -> Result<(), FrameError> {
+    use std::io::Write;
+    w.write_all(&(bytes.len() as u32).to_be_bytes())?;
+    w.write_all(bytes)?;
+    Ok(w.flush()?)
+}
+
 /// Reads past `len` bytes of a frame, 64 KiB at a time.
 fn skip(r: &mut impl Read, len: usize) -> Result<(), FrameError> {
     let mut scratch = [0u8; 64 << 10];

@@ -47,7 +47,7 @@ pub fn watch(writer: &mut UnixStream, peer: &Peer, jobs: &Jobs, id: u64) -> Resu
         };
         loop {
             match queue.next(HANGUP_EVERY) {
-                Next::Event(reply) => write_message(writer, &*reply)?,
+                Next::Event(bytes) => super::write_frame(writer, &bytes)?,
                 // The job ended, or went back to the queue with a stopping daemon.
                 Next::Closed => break,
                 // A quiet job writes nothing that would find the client gone: ask the socket,
