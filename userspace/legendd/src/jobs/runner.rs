@@ -40,7 +40,7 @@ struct Running {
     /// The process's identity.
     identity: Identity,
     /// The device uid it holds (a device job).
-    _device_uid: Option<crate::process::DeviceUid>,
+    device_uid: Option<crate::process::DeviceUid>,
     /// The GPU a serve job loads into, and its budget there, until it says what it took.
     gpu_hold: Option<(usize, u64)>,
     /// The GPU bytes a serve job holds, released at its end.
@@ -135,7 +135,7 @@ impl Jobs {
         let mut running = Running {
             submitter,
             identity,
-            _device_uid: device_uid,
+            device_uid,
             gpu_hold: None,
             gpu_held: None,
             ended: None,
@@ -177,6 +177,13 @@ impl Jobs {
             memlock: needs.memlock(memlock_ceiling()),
             cache_dir: cache,
             env: &env,
+            // A device job's files stay writable by the daemon's group (its next job on the
+            // run has it); a submitter's job makes files as their own processes would.
+            umask: if running.device_uid.is_some() {
+                0o002
+            } else {
+                0o022
+            },
         })
         .map_err(|e| format!("starting the job's process: {e}"))?;
         drop(procs);
@@ -218,7 +225,7 @@ impl Jobs {
                 gid: running.submitter.gid,
                 groups: running.submitter.groups.clone(),
             },
-            device_identity: running._device_uid.is_some(),
+            device_identity: running.device_uid.is_some(),
             run_made: record.run_made,
             expect: record.expect.clone(),
             serve,
@@ -252,7 +259,7 @@ impl Jobs {
                 p.peak_memory = peak;
             }
         });
-        if running._device_uid.is_some() {
+        if running.device_uid.is_some() {
             let uid = running.identity.uid;
             self.hand_over(record, &running.submitter, |u| u == uid);
         }

@@ -131,18 +131,22 @@ fn find() -> Result<Hierarchy, String> {
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(format!("{}: {e} (systemd: Delegate=yes)", leaf.display())),
     }
-    let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
-    for pid in procs.split_whitespace() {
-        std::fs::write(leaf.join("cgroup.procs"), pid)
-            .map_err(|e| format!("moving process {pid} into {}: {e}", leaf.display()))?;
-    }
+    // This process only (all its threads): another process in the directory (a shell the
+    // daemon was started from by hand) is not the daemon's to move, and then the directory
+    // cannot give its children controllers: jobs run without cgroups, as said below.
+    std::fs::write(leaf.join("cgroup.procs"), std::process::id().to_string())
+        .map_err(|e| format!("moving the daemon into {}: {e}", leaf.display()))?;
     let wanted: Vec<&str> = ["memory", "cpu", "pids"]
         .into_iter()
         .filter(|c| controllers.split_whitespace().any(|have| have == *c))
         .collect();
     let enable: String = wanted.iter().map(|c| format!("+{c} ")).collect();
-    std::fs::write(dir.join("cgroup.subtree_control"), enable.trim_end())
-        .map_err(|e| format!("{}/cgroup.subtree_control: {e}", dir.display()))?;
+    std::fs::write(dir.join("cgroup.subtree_control"), enable.trim_end()).map_err(|e| {
+        format!(
+            "{}/cgroup.subtree_control: {e} (processes other than the daemon in it?)",
+            dir.display()
+        )
+    })?;
     Ok(Hierarchy::V2(dir))
 }
 

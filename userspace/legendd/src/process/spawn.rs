@@ -53,6 +53,8 @@ pub struct Launch<'a> {
     pub cache_dir: &'a OwnedFd,
     /// Its environment, and nothing else.
     pub env: &'a [(&'a str, String)],
+    /// Its umask.
+    pub umask: libc::mode_t,
 }
 
 /// A started job process.
@@ -108,7 +110,7 @@ pub fn launch(l: &Launch<'_>) -> std::io::Result<Launched> {
     let procs: Vec<RawFd> = l.cgroup_procs.iter().map(AsRawFd::as_raw_fd).collect();
     let (channel, cache) = (theirs.as_raw_fd(), l.cache_dir.as_raw_fd());
     let identity = l.identity.clone();
-    let memlock = l.memlock;
+    let (memlock, umask) = (l.memlock, l.umask);
     let mut command = Command::new(l.program);
     command
         .args(l.args)
@@ -130,6 +132,7 @@ pub fn launch(l: &Launch<'_>) -> std::io::Result<Launched> {
                 drop_bounding,
                 last_cap: last,
                 identity: &identity,
+                umask,
             })
         });
     }
@@ -154,6 +157,7 @@ struct ChildSetup<'a> {
     drop_bounding: bool,
     last_cap: i32,
     identity: &'a Identity,
+    umask: libc::mode_t,
 }
 
 fn check(r: libc::c_int) -> std::io::Result<()> {
@@ -225,6 +229,7 @@ fn child_setup(s: &ChildSetup<'_>) -> std::io::Result<()> {
             0,
         ))?;
         check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
+        libc::umask(s.umask);
     }
     Ok(())
 }
@@ -325,6 +330,7 @@ mod tests {
                 memlock: limit.rlim_max,
                 cache_dir: &cache_fd,
                 env: &job_env(),
+                umask: 0o022,
             })
             .unwrap()
         };
