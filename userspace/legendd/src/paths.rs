@@ -42,6 +42,29 @@ pub fn normalise(path: &Path) -> Result<PathBuf, String> {
     Ok(out)
 }
 
+/// Normalises every path of `spec` ([`normalise`]).
+pub fn normalise_spec(spec: &mut legend_daemon_api::JobSpec) -> Result<(), String> {
+    use legend_daemon_api::JobSpec;
+    let one = |p: &mut PathBuf| -> Result<(), String> {
+        *p = normalise(p)?;
+        Ok(())
+    };
+    match spec {
+        JobSpec::Train { dataset, out, .. } => {
+            one(out)?;
+            if let Some(d) = dataset {
+                one(d)?;
+            }
+        }
+        JobSpec::Export { run, out, .. } => {
+            one(run)?;
+            one(out)?;
+        }
+        JobSpec::Eval { run, .. } | JobSpec::Serve { run, .. } => one(run)?,
+    }
+    Ok(())
+}
+
 /// `path` for a message: at most 256 bytes of it.
 pub fn shown(path: &Path) -> String {
     let text = path.to_string_lossy();

@@ -1012,14 +1012,7 @@ fn a_daemon_without_its_configuration_file_says_so() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let started = Instant::now();
-    while UnixStream::connect(&socket).is_err() {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "legendd did not listen"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_listening(&socket);
     // SAFETY: signalling our own child.
     unsafe { libc::kill(child.id() as i32, SIGTERM) };
     let out = child.wait_with_output().unwrap();

@@ -24,6 +24,17 @@ const CAGE_BYTES: u64 = 1536 << 20;
 /// requests in flight over what an idle daemon holds, about 20 MiB).
 const DAEMON_PEAK: u64 = 160 << 20;
 
+/// Checks (and prints) the daemon's peak resident memory against [`DAEMON_PEAK`].
+fn within_its_bound(d: &Daemon) {
+    let peak = memory_of(d.child.id(), "VmHWM:");
+    println!("the daemon's peak resident memory: {} MiB", peak >> 20);
+    assert!(
+        peak < DAEMON_PEAK,
+        "the daemon peaked at {} MiB",
+        peak >> 20
+    );
+}
+
 fn caged(test: &str) -> Option<Cage> {
     match Cage::new(CAGE_BYTES) {
         Ok(cage) => Some(cage),
@@ -117,22 +128,16 @@ fn a_flood_of_tiny_json_objects_leaves_the_daemon_within_its_bound() {
         }
     }
     hello(&mut d.client());
-    let peak = memory_of(d.child.id(), "VmHWM:");
     println!(
         "32 frames of {} tiny objects in {:?}: {} answered (no such job), {} refused \
-         (request_memory_mib); the daemon's peak resident memory {} MiB",
+         (request_memory_mib)",
         n,
         started.elapsed(),
         counts.0,
         counts.1,
-        peak >> 20
     );
     assert!(counts.0 > 0, "no request was answered");
-    assert!(
-        peak < DAEMON_PEAK,
-        "the daemon peaked at {} MiB",
-        peak >> 20
-    );
+    within_its_bound(&d);
 }
 
 /// Item 2: requests at the documented limits (1024 `neighbors` queries × top 1000) to a
@@ -177,17 +182,9 @@ fn requests_at_the_limits_to_a_serve_job_are_refused_before_they_are_computed() 
         }),
         Reply::Answers { .. }
     ));
-    let peak = memory_of(d.child.id(), "VmHWM:");
-    println!(
-        "4 requests of 1024 × top 1000 refused in {took:?}; the daemon's peak {} MiB",
-        peak >> 20
-    );
+    println!("4 requests of 1024 × top 1000 refused in {took:?}");
     assert!(took < Duration::from_secs(10), "{took:?}");
-    assert!(
-        peak < DAEMON_PEAK,
-        "the daemon peaked at {} MiB",
-        peak >> 20
-    );
+    within_its_bound(&d);
 }
 
 /// Item 3: a sparse 3 GiB `relations.bin` in a run (export, serve) and `entities.tsv` in a
@@ -246,13 +243,7 @@ fn a_sparse_3_gib_file_fails_its_job_not_the_daemon() {
             );
         }
         hello(&mut c);
-        let peak = memory_of(d.child.id(), "VmHWM:");
-        println!("the daemon's peak {} MiB", peak >> 20);
-        assert!(
-            peak < DAEMON_PEAK,
-            "the daemon peaked at {} MiB",
-            peak >> 20
-        );
+        within_its_bound(&d);
     }
     let d = cage.daemon(dir.path());
     let mut c = d.client();

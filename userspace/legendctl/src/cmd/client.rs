@@ -427,10 +427,10 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
                     }
                     // What the job's process says (why it stopped early, say).
                     Some("log") => {
-                        if let Some(b) = &bar {
-                            b.suspend(|| eprintln!("{}", event["text"].as_str().unwrap_or("")));
-                        } else {
-                            eprintln!("{}", event["text"].as_str().unwrap_or(""));
+                        let line = || eprintln!("{}", event["text"].as_str().unwrap_or(""));
+                        match &bar {
+                            Some(b) => b.suspend(line),
+                            None => line(),
                         }
                     }
                     Some("evaluated") => {

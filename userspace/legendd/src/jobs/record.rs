@@ -4,13 +4,13 @@
 
 use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use legend_daemon_api::{JobInfo, JobSpec};
+use legend_daemon_api::JobInfo;
 use serde::{Deserialize, Serialize};
 
 use crate::extents::RecordedStore;
-use crate::paths::{DirId, clipped, normalise};
+use crate::paths::{DirId, clipped, normalise_spec};
 
 /// The format of the job records this daemon writes: 2 added the submitter's gid and group
 /// standing, the run's identity, the store recorded at submission, the job's process. Records
@@ -76,24 +76,7 @@ impl Record {
     /// normalises the paths of the spec (a record written before paths were normalised).
     pub fn bound(&mut self) -> Result<(), String> {
         let info = &mut self.info;
-        let spec = &mut info.spec;
-        let normalised = |p: &mut PathBuf| -> Result<(), String> {
-            *p = normalise(p)?;
-            Ok(())
-        };
-        match spec {
-            JobSpec::Train { dataset, out, .. } => {
-                normalised(out)?;
-                if let Some(d) = dataset {
-                    normalised(d)?;
-                }
-            }
-            JobSpec::Export { run, out, .. } => {
-                normalised(run)?;
-                normalised(out)?;
-            }
-            JobSpec::Eval { run, .. } | JobSpec::Serve { run, .. } => normalised(run)?,
-        }
+        normalise_spec(&mut info.spec)?;
         if let Some(e) = &mut info.error {
             *e = clipped(e, MAX_ERROR_BYTES);
         }

@@ -14,7 +14,7 @@ use crate::access::{self, Peer};
 use crate::extents::{self, RecordedStore};
 use crate::jobs::estimate::{self, queue_of, train_config};
 use crate::jobs::{Jobs, SERVE_QUEUE, Submission};
-use crate::paths::{DirId, normalise};
+use crate::paths::{DirId, normalise_spec};
 
 /// Queues `job` once it passed the checks; a new run on an NVMe namespace gets its extent.
 pub fn submit(job: JobSpec, peer: &Peer, jobs: &Jobs) -> Reply {
@@ -76,28 +76,6 @@ fn assign_extent(
     place.queue.start_lba = lba;
     s.expect = Some(place.recorded());
     Ok(Some((place, out.clone())))
-}
-
-/// Normalises every path of `spec` (`..` refused, `.` and repeated separators gone).
-fn normalise_spec(spec: &mut JobSpec) -> Result<(), String> {
-    let one = |p: &mut std::path::PathBuf| -> Result<(), String> {
-        *p = normalise(p)?;
-        Ok(())
-    };
-    match spec {
-        JobSpec::Train { dataset, out, .. } => {
-            one(out)?;
-            if let Some(d) = dataset {
-                one(d)?;
-            }
-        }
-        JobSpec::Export { run, out, .. } => {
-            one(run)?;
-            one(out)?;
-        }
-        JobSpec::Eval { run, .. } | JobSpec::Serve { run, .. } => one(run)?,
-    }
-    Ok(())
 }
 
 /// An existing run of the submitter's, opened as they could: its identity, and the store it

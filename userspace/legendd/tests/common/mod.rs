@@ -57,14 +57,7 @@ impl Daemon {
             .stderr(Stdio::inherit());
         adjust(&mut command);
         let child = command.spawn().expect("starting legendd");
-        let started = Instant::now();
-        while UnixStream::connect(&socket).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "legendd did not listen"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_listening(&socket);
         Daemon { child, socket }
     }
 
@@ -90,6 +83,18 @@ impl Drop for Daemon {
 }
 
 pub struct Client(pub UnixStream);
+
+/// Waits (up to 30 s) until a daemon listens on `socket`.
+pub fn wait_listening(socket: &Path) {
+    let started = Instant::now();
+    while UnixStream::connect(socket).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "legendd did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
 
 impl Client {
     pub fn call(&mut self, request: Request) -> Reply {
