@@ -44,6 +44,42 @@ pub fn file_clock_secs() -> u64 {
     }
 }
 
+/// The output directory `path` of a job of `submitter`'s whose process ran as a uid `made_by`
+/// accepts, opened (without following a link in its place) if it is the submitter's or that
+/// identity's, and what that identity made in it handed to the submitter (see [`hand_over`]);
+/// `Ok(0)` when there is no such directory (the job made none).
+pub fn hand_over_outputs(
+    path: &std::path::Path,
+    submitter: u32,
+    since: u64,
+    made_by: &(dyn Fn(u32) -> bool + Sync),
+) -> std::io::Result<usize> {
+    /// Admits the submitter's directories and the job identity's.
+    struct Theirs<'a> {
+        submitter: u32,
+        made_by: &'a (dyn Fn(u32) -> bool + Sync),
+    }
+    impl legend_fs::Guard for Theirs<'_> {
+        fn admit(&self, dir: &legend_fs::Dir) -> std::io::Result<()> {
+            let owner = std::os::unix::fs::MetadataExt::uid(&dir.metadata()?);
+            if owner == self.submitter || (self.made_by)(owner) {
+                Ok(())
+            } else {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("owner uid {owner}: neither the submitter's nor the job's"),
+                ))
+            }
+        }
+    }
+    let guard = Theirs { submitter, made_by };
+    match legend_fs::Dir::open_guarded(path, &guard) {
+        Ok(dir) => hand_over(&dir, submitter, since, made_by),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
 /// Makes `owner` the owner of `dir` and of every file and directory under it owned by a uid
 /// `made_by` accepts (the job's identity) and made at or after `since` (seconds since the
 /// epoch: the job's submission); returns how many it changed.

@@ -517,21 +517,14 @@ impl Jobs {
 
     /// Makes the submitter the owner of what a device job's process made in the job's output
     /// directory (entries owned by a uid `made_by` accepts, born since the job's submission).
-    fn hand_over(&self, record: &Record, submitter: &Peer, made_by: impl Fn(u32) -> bool) {
+    fn hand_over(&self, record: &Record, submitter: &Peer, made_by: impl Fn(u32) -> bool + Sync) {
         let out = match &record.info.spec {
             JobSpec::Train { out, .. } | JobSpec::Export { out, .. } => out,
             JobSpec::Eval { .. } | JobSpec::Serve { .. } => return,
         };
         let id = record.info.id;
-        let guard = crate::access::JobGuard::new(submitter.clone(), true);
-        let handed = match legend_fs::Dir::open_guarded(out, &guard) {
-            Ok(dir) => {
-                crate::handover::hand_over(&dir, submitter.uid, record.info.submitted, &made_by)
-            }
-            // A job refused before it made its directory.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
-            Err(e) => Err(e),
-        };
+        let handed =
+            crate::handover::hand_over_outputs(out, submitter.uid, record.info.submitted, &made_by);
         match handed {
             Ok(0) => {}
             Ok(n) => tracing::debug!("job {id}: {n} outputs handed to uid {}", submitter.uid),

@@ -231,8 +231,9 @@ pub fn serve(
         };
         let spawned = std::thread::Builder::new()
             .name("client".into())
-            // Small: a request is parsed into bounded structures, nothing deep.
-            .stack_size(256 << 10)
+            // Small: a request is parsed into bounded structures (JSON and TOML nesting bounded
+            // by their parsers, 128 and 80 levels).
+            .stack_size(512 << 10)
             .spawn(move || {
                 let _slot = slot;
                 if let Err(e) = client.serve(stream) {
