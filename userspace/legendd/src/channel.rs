@@ -118,8 +118,13 @@ pub enum FromJob {
     Checkpoint(String),
     /// An evaluation of this split began.
     Evaluating(String),
-    /// An evaluation ended: its `metrics.jsonl` line.
-    Evaluated(serde_json::Value),
+    /// An evaluation ended: its `metrics.jsonl` line, and its line for the job's log.
+    Evaluated {
+        /// The `metrics.jsonl` line.
+        line: serde_json::Value,
+        /// In words.
+        text: String,
+    },
     /// A line for the job's log.
     Log(String),
     /// A serve job holds its run and answers.

@@ -800,3 +800,42 @@ fn a_job_killed_or_out_of_memory_costs_only_itself() {
     );
     hello(&mut root);
 }
+
+/// The class: a job's process running as another user does not outlive a daemon killed under
+/// it (its parent-death signal, armed after its change of identity, which would clear it; and
+/// its channel's end), so a restarted daemon never finds it still training the run.
+#[test]
+fn a_jobs_process_dies_with_its_daemon() {
+    if !may_switch_uids("a_jobs_process_dies_with_its_daemon") {
+        return;
+    }
+    let dir = shared_tempdir();
+    let ds = dataset(dir.path());
+    let mine = dir.path().join("mine");
+    own_dir(&mine, OTHER_UID);
+    let mut d = Daemon::start(dir.path());
+    let mut other = connect_as(&d, OTHER_UID);
+    let job = other.job(Request::Submit {
+        job: train_spec(&ds, &mine.join("run"), 1000),
+    });
+    let running = wait_for(&mut other, job.id, Duration::from_secs(60), |j| {
+        j.progress.edges_done > 0
+    });
+    let pid = running.process.expect("its process").pid;
+    d.signal(libc::SIGKILL);
+    d.wait();
+    let gone = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/status")).map_or(true, |s| {
+            s.lines()
+                .any(|l| l.starts_with("State:") && l.contains('Z'))
+        })
+    };
+    let started = Instant::now();
+    while !gone(pid) {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the job's process {pid} outlived its daemon"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

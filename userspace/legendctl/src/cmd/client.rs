@@ -247,15 +247,15 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
     if json {
         super::print_json(&job)?;
     } else {
+        let queue = match job.device.as_deref() {
+            Some(d) if d != job.spec.kind() => format!("{} on {d}", job.spec.kind()),
+            _ => job.spec.kind().to_owned(),
+        };
         println!(
-            "job {} queued ({} on {}): it runs in a process and a memory cgroup of its own, as \
+            "job {} queued ({queue}): it runs in a process and a memory cgroup of its own, as \
              uid {} (a job that holds an NVMe controller: as a uid of the daemon's); `legendctl \
              status {}` shows its pid, uid, cgroup and memory",
-            job.id,
-            job.spec.kind(),
-            job.device.as_deref().unwrap_or("?"),
-            job.owner,
-            job.id
+            job.id, job.owner, job.id
         );
     }
     if watch_it {

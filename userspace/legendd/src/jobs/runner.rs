@@ -473,11 +473,14 @@ impl Jobs {
                     serde_json::json!({"type": "evaluating", "split": split}),
                 );
             }
-            FromJob::Evaluated(line) => {
+            FromJob::Evaluated { line, text } => {
+                // Watchers get the line (and print it as the job's result); the log the text.
                 Self::broadcast(
                     entry,
                     serde_json::json!({"type": "evaluated", "line": line}),
                 );
+                drop(t);
+                self.log(id, &text);
             }
             FromJob::Log(text) => {
                 drop(t);

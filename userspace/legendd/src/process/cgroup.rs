@@ -158,6 +158,26 @@ fn probe(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// Empties the cgroup `dir` a killed daemon left (killing what is left in it) and makes it
+/// again; where it does not empty within a few seconds, it is used as it is.
+fn take_over(dir: &Path) {
+    for _ in 0..300 {
+        let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            // SAFETY: signalling a process left in one of this daemon's job cgroups.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        if std::fs::remove_dir(dir).is_ok() && std::fs::create_dir(dir).is_ok() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    tracing::warn!("{}: left by an earlier daemon, taken over", dir.display());
+}
+
 /// What a job's cgroup bounds.
 #[derive(Clone, Copy, Debug)]
 pub struct Bounds {
@@ -193,9 +213,14 @@ impl JobCgroup {
             }
         };
         for dir in &dirs {
-            // Left by a daemon killed while the job ran: its processes died with it.
-            let _ = std::fs::remove_dir(dir);
-            std::fs::create_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            match std::fs::create_dir(dir) {
+                Ok(()) => {}
+                // Left by a daemon killed while the job ran: its process dies with it (its
+                // parent-death signal), and may still be going. Killed, then the cgroup is
+                // made again once empty, or taken over as it is.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => take_over(dir),
+                Err(e) => return Err(format!("{}: {e}", dir.display())),
+            }
         }
         let cgroup = JobCgroup {
             shown: dirs[0].to_string_lossy().into_owned(),

@@ -6,11 +6,11 @@
 //! Everything between `fork` and `exec` is done in the child by plain system calls on values
 //! prepared before (no allocation there): enter the cgroup (so that all it allocates counts),
 //! a session of its own (a terminal's Ctrl-C goes to the daemon, which stops its jobs in
-//! order), `PR_SET_PDEATHSIG` (checked against a parent that died first), `oom_score_adj`,
-//! `RLIMIT_MEMLOCK`, the channel and cache directory moved to descriptors 3 and 4 and every
-//! other descriptor marked close-on-exec, the capability bounding set emptied (where the daemon
-//! may: `CAP_SETPCAP`), the identity's groups, gid and uid, ambient capabilities cleared and
-//! `no_new_privs` set. The process then checks, as its first act, that it holds no
+//! order), `oom_score_adj`, `RLIMIT_MEMLOCK`, the channel and cache directory moved to
+//! descriptors 3 and 4 and every other descriptor marked close-on-exec, the capability
+//! bounding set emptied (where the daemon may: `CAP_SETPCAP`), the identity's groups, gid and
+//! uid, ambient capabilities cleared, `no_new_privs` set, and last `PR_SET_PDEATHSIG` (a change
+//! of identity clears it; checked against a parent that died first). The process then checks, as its first act, that it holds no
 //! capability (see `worker`).
 
 use std::ffi::CString;
@@ -178,11 +178,6 @@ fn child_setup(s: &ChildSetup<'_>) -> std::io::Result<()> {
             }
         }
         check(libc::setsid())?;
-        check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0))?;
-        if libc::getppid() != s.parent {
-            // The daemon died before the signal was armed.
-            libc::_exit(1);
-        }
         let fd = libc::open(s.oom.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
         check(fd)?;
         let wrote = libc::write(fd, OOM_SCORE_ADJ.as_ptr().cast(), OOM_SCORE_ADJ.len());
@@ -230,6 +225,12 @@ fn child_setup(s: &ChildSetup<'_>) -> std::io::Result<()> {
         ))?;
         check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
         libc::umask(s.umask);
+        // Armed after the identity changed: a change of uid or gid clears it.
+        check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0))?;
+        if libc::getppid() != s.parent {
+            // The daemon died before the signal was armed.
+            libc::_exit(1);
+        }
     }
     Ok(())
 }

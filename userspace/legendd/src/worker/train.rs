@@ -179,8 +179,10 @@ pub fn train(
                 let best = best_epoch
                     .as_ref()
                     .map_or(String::new(), |e| format!(" (best epoch {e})"));
-                out.log(format!("{}{best}: {}", split.name(), describe(metrics)));
-                out.send(&FromJob::Evaluated(line.clone()));
+                out.send(&FromJob::Evaluated {
+                    line: line.clone(),
+                    text: format!("{}{best}: {}", split.name(), describe(metrics)),
+                });
             }
         })
         .map_err(|e| chain(&e))?;
