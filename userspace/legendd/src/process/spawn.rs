@@ -9,8 +9,8 @@
 //! order), `oom_score_adj`, `RLIMIT_MEMLOCK`, the channel and cache directory moved to
 //! descriptors 3 and 4 and every other descriptor marked close-on-exec, the capability
 //! bounding set emptied (where the daemon may: `CAP_SETPCAP`), the identity's groups, gid and
-//! uid, ambient capabilities cleared, `no_new_privs` set, and last `PR_SET_PDEATHSIG` (a change
-//! of identity clears it; checked against a parent that died first). The process then checks, as its first act, that it holds no
+//! uid, ambient capabilities cleared, `no_new_privs` set; `PR_SET_PDEATHSIG` is armed first and
+//! again last (a change of identity clears it), checked against a parent that died first. The process then checks, as its first act, that it holds no
 //! capability (see `worker`).
 
 use std::ffi::CString;
@@ -177,6 +177,9 @@ fn child_setup(s: &ChildSetup<'_>) -> std::io::Result<()> {
                 return Err(std::io::Error::last_os_error());
             }
         }
+        // Armed at once (a daemon killed now takes this child with it), and again below once
+        // the identity is set (a change of uid or gid clears it).
+        check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0))?;
         check(libc::setsid())?;
         let fd = libc::open(s.oom.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
         check(fd)?;
@@ -225,7 +228,6 @@ fn child_setup(s: &ChildSetup<'_>) -> std::io::Result<()> {
         ))?;
         check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
         libc::umask(s.umask);
-        // Armed after the identity changed: a change of uid or gid clears it.
         check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0))?;
         if libc::getppid() != s.parent {
             // The daemon died before the signal was armed.

@@ -39,7 +39,7 @@ use crate::jobs::{JobError, Jobs};
 /// Binds the socket at `path`, replacing a stale one; another daemon listening there is an
 /// error. Anyone may connect: requests are authorised by the caller's credentials.
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
-    if UnixStream::connect(path).is_ok() {
+    if answers(path) {
         bail!("{}: another legendd is listening there", path.display());
     }
     if path.exists() {
@@ -53,6 +53,28 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
         .with_context(|| format!("opening {} to clients", path.display()))?;
     Ok(listener)
+}
+
+/// Whether a daemon answers `hello` on `path` within a second. A socket that accepts
+/// connections but never answers is not a daemon's: a killed daemon's listening socket lives on
+/// in a job's process caught between fork and exec until that process dies.
+fn answers(path: &Path) -> bool {
+    let Ok(mut s) = UnixStream::connect(path) else {
+        return false;
+    };
+    let second = Some(Duration::from_secs(1));
+    if s.set_read_timeout(second).is_err() || s.set_write_timeout(second).is_err() {
+        return false;
+    }
+    let hello = Envelope {
+        v: PROTOCOL_VERSION,
+        request: Request::Hello,
+    };
+    write_message(&mut s, &hello).is_ok()
+        && matches!(
+            legend_daemon_api::read_message::<Reply>(&mut s, MAX_FRAME),
+            Ok(Some(Reply::Hello { .. }))
+        )
 }
 
 /// Connections open now, in all and by uid.

@@ -84,10 +84,31 @@ impl Drop for Daemon {
 
 pub struct Client(pub UnixStream);
 
-/// Waits (up to 30 s) until a daemon listens on `socket`.
+/// Waits (up to 30 s) until a daemon answers on `socket`: one that merely accepts may be the
+/// listening socket of a daemon just killed, alive a moment in a job's process between fork
+/// and exec.
 pub fn wait_listening(socket: &Path) {
     let started = Instant::now();
-    while UnixStream::connect(socket).is_err() {
+    let answers = || {
+        let Ok(s) = UnixStream::connect(socket) else {
+            return false;
+        };
+        s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        let mut c = Client(s);
+        write_message(
+            &mut c.0,
+            &Envelope {
+                v: PROTOCOL_VERSION,
+                request: Request::Hello,
+            },
+        )
+        .is_ok()
+            && matches!(
+                read_message::<Reply>(&mut c.0, MAX_FRAME),
+                Ok(Some(Reply::Hello { .. }))
+            )
+    };
+    while !answers() {
         assert!(
             started.elapsed() < Duration::from_secs(30),
             "legendd did not listen"
