@@ -685,13 +685,26 @@ fn why_it_died(
     peak: Option<u64>,
 ) -> String {
     match status.signal() {
-        Some(libc::SIGKILL) if oom_kills > 0 => format!(
-            "ran out of memory: the kernel killed its process when its cgroup reached its \
-             limit of {} MiB (its estimate, {} MiB, × 1.25 + 512 MiB); peak {} MiB",
-            p.memory_limit.unwrap_or(0) >> 20,
-            needs.estimate >> 20,
-            peak.unwrap_or(0) >> 20
-        ),
+        Some(libc::SIGKILL) if oom_kills > 0 => {
+            let (limit, peak) = (p.memory_limit.unwrap_or(0), peak.unwrap_or(0));
+            let why = if peak >= limit / 100 * 95 {
+                format!("when its cgroup reached its limit of {} MiB", limit >> 20)
+            } else {
+                // Its own limit was not reached: the daemon's cgroup (the service's MemoryMax),
+                // or the machine, ran out, and the kernel took a job first.
+                format!(
+                    "when the memory around it ran out (the daemon's cgroup, or the machine's; \
+                     its own limit is {} MiB)",
+                    limit >> 20
+                )
+            };
+            format!(
+                "ran out of memory: the kernel killed its process {why}; its estimate was {} MiB \
+                 (its limit: × 1.25 + 512 MiB), its peak {} MiB",
+                needs.estimate >> 20,
+                peak >> 20
+            )
+        }
         Some(signal) => format!(
             "its process {} was killed by signal {signal} ({}){}",
             p.pid,
