@@ -821,7 +821,7 @@ fn a_jobs_process_dies_with_its_daemon() {
     let running = wait_for(&mut other, job.id, Duration::from_secs(60), |j| {
         j.progress.edges_done > 0
     });
-    let pid = running.process.expect("its process").pid;
+    let pid = running.process.as_ref().expect("its process").pid;
     d.signal(libc::SIGKILL);
     d.wait();
     let gone = |pid: u32| {
@@ -838,4 +838,12 @@ fn a_jobs_process_dies_with_its_daemon() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // The next daemon of the state directory removes the cgroups the killed one left, and runs
+    // the job again in a process of its own.
+    let next = Daemon::start(dir.path());
+    let mut other = connect_as(&next, OTHER_UID);
+    let again = wait_for(&mut other, job.id, Duration::from_secs(60), |j| {
+        j.process.as_ref().is_some_and(|p| p.pid != pid)
+    });
+    assert_eq!(again.state, JobState::Running, "{again:?}");
 }

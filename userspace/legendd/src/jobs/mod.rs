@@ -243,7 +243,15 @@ impl Jobs {
             jobs.persist(&jobs.lock(), id)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", jobs.record_path(id).display()))?;
         }
+        if let Some(h) = crate::process::cgroup::hierarchy() {
+            crate::process::cgroup::remove_left(h, &jobs.cgroup_name(""));
+        }
         Ok(jobs)
+    }
+
+    /// The cgroup of job `id` (`id` empty: the prefix of this daemon's jobs' cgroups).
+    fn cgroup_name(&self, id: &str) -> String {
+        format!("legend-{}-job-{id}", self.cgroup_tag)
     }
 
     fn lock(&self) -> MutexGuard<'_, Table> {

@@ -123,7 +123,7 @@ impl Jobs {
                     memory: needs.memory_limit(),
                     cpus: needs.cpus,
                 };
-                let name = format!("legend-{}-job-{id}", self.cgroup_tag);
+                let name = self.cgroup_name(&id.to_string());
                 Some(Arc::new(
                     JobCgroup::create(h, &name, bounds)
                         .map_err(|e| format!("making the job's cgroup: {e}"))?,

@@ -158,9 +158,9 @@ fn probe(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// Empties the cgroup `dir` a killed daemon left (killing what is left in it) and makes it
-/// again; where it does not empty within a few seconds, it is used as it is.
-fn take_over(dir: &Path) {
+/// Kills what is left in the cgroup `dir` (a killed daemon's job's processes, dying with it)
+/// and removes it: whether it could within a few seconds.
+fn empty_and_remove(dir: &Path) -> bool {
     for _ in 0..300 {
         let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
         for pid in procs
@@ -170,12 +170,44 @@ fn take_over(dir: &Path) {
             // SAFETY: signalling a process left in one of this daemon's job cgroups.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
-        if std::fs::remove_dir(dir).is_ok() && std::fs::create_dir(dir).is_ok() {
-            return;
+        if std::fs::remove_dir(dir).is_ok() {
+            return true;
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    tracing::warn!("{}: left by an earlier daemon, taken over", dir.display());
+    false
+}
+
+/// Makes again the cgroup `dir` a killed daemon left, or takes it over as it is when it does
+/// not empty.
+fn take_over(dir: &Path) {
+    if !(empty_and_remove(dir) && std::fs::create_dir(dir).is_ok()) {
+        tracing::warn!("{}: left by an earlier daemon, taken over", dir.display());
+    }
+}
+
+/// Removes the job cgroups named `prefix…` a daemon of the same state directory left (killed
+/// while its jobs ran): their processes died with it.
+pub fn remove_left(h: &Hierarchy, prefix: &str) {
+    let dirs: Vec<&PathBuf> = match h {
+        Hierarchy::V2(dir) => vec![dir],
+        Hierarchy::V1 { memory, cpu, pids } => {
+            std::iter::once(memory).chain(cpu).chain(pids).collect()
+        }
+    };
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(prefix) && !empty_and_remove(&e.path()) {
+                tracing::warn!(
+                    "{}: left by an earlier daemon, not removed",
+                    e.path().display()
+                );
+            }
+        }
+    }
 }
 
 /// What a job's cgroup bounds.
@@ -328,18 +360,9 @@ impl Drop for JobCgroup {
     fn drop(&mut self) {
         self.kill_all();
         for dir in &self.dirs {
-            // The kernel frees a cgroup once its last process is reaped: retry a moment.
-            for _ in 0..50 {
-                match std::fs::remove_dir(dir) {
-                    Ok(()) => break,
-                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                        std::thread::sleep(std::time::Duration::from_millis(10));
-                    }
-                    Err(e) => {
-                        tracing::debug!("{}: {e}", dir.display());
-                        break;
-                    }
-                }
+            // The kernel frees a cgroup once its last process is reaped: retried a moment.
+            if !empty_and_remove(dir) {
+                tracing::warn!("{}: could not be removed", dir.display());
             }
         }
     }

@@ -76,7 +76,20 @@ impl Daemon {
 }
 
 impl Drop for Daemon {
+    /// Stops the daemon as systemd would (SIGTERM: its jobs stop, their processes end and
+    /// their cgroups go), killing it after a few seconds.
     fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: signalling our own child, not reaped yet.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let started = Instant::now();
+            while started.elapsed() < Duration::from_secs(5) {
+                if !matches!(self.child.try_wait(), Ok(None)) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
