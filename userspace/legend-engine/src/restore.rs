@@ -366,6 +366,8 @@ mod tests {
             store: None,
             store_queue: None,
             store_members: Vec::new(),
+            store_id: None,
+            store_creating: false,
             checksums,
         }
     }

@@ -55,8 +55,7 @@ impl Training {
     pub(crate) fn sync_relations(&mut self) -> Result<(), TrainError> {
         match self {
             Training::One(t) => t.sync_relations(),
-            // Workers train decoders without relations.
-            Training::Workers(_) => Ok(()),
+            Training::Workers(w) => w.sync_relations(),
         }
     }
 

@@ -50,8 +50,9 @@ pub(crate) enum FileAccess {
     /// Mapped in place, and an index kept in the run when it is missing or stale: a process of
     /// the run's owner (a file changed under a mapping can end only that process).
     MapAndKeep,
-    /// Read into memory, the run left as it is: a daemon serving other users' runs (their
-    /// edits to a mapped file would end the daemon; its jobs may not write their runs).
+    /// Read into memory, the run left as it is: a daemon's serve job (an edit of a file it had
+    /// mapped, by the run's owner, would end the job that serves the run to others too; the
+    /// daemon's jobs do not write their runs).
     Copy,
 }
 

@@ -46,6 +46,8 @@ pub fn run_meta(
         store: None,
         store_queue: None,
         store_members: Vec::new(),
+        store_id: None,
+        store_creating: false,
         checksums: TableChecksums::default(),
     }
 }
