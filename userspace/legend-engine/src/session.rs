@@ -443,9 +443,9 @@ impl Session {
                     &config, buckets, &degrees, home, relations, engine,
                 )?))
             }
-            (_, PartitionHome::Memory(store)) => Training::Workers(Workers::new(
+            (_, PartitionHome::Memory(store)) => Training::Workers(Box::new(Workers::new(
                 &config, buckets, &degrees, store, relations, device,
-            )?),
+            )?)),
             _ => unreachable!(
                 "training.gpus > 1 keeps partitions in memory (its configuration says)"
             ),
