@@ -454,9 +454,9 @@ impl Session {
                 if let Some(rows) = checkpoint {
                     store.restore(scheme, shape, rows)?;
                 }
-                Training::Workers(Workers::new(
+                Training::Workers(Box::new(Workers::new(
                     &config, buckets, &degrees, store, relations, device,
-                )?)
+                )?))
             }
             _ => unreachable!(
                 "training.gpus > 1 keeps partitions in memory (its configuration says)"

@@ -15,10 +15,10 @@ use crate::workers::Workers;
 
 /// One trainer, or K workers.
 pub(crate) enum Training {
-    /// One engine (boxed: a trainer is large beside the workers' handles).
+    /// One engine.
     One(Box<Trainer>),
     /// K engines, one a GPU.
-    Workers(Workers),
+    Workers(Box<Workers>),
 }
 
 impl Training {
