@@ -34,6 +34,7 @@ pub use error::QueryError;
 pub use gpu::{DEFAULT_CACHE_FRACTION, GpuOptions, store_row_cache, store_table};
 pub use model::{Completion, Metric, Model, Nearest};
 pub use query::{
-    Answer, DEFAULT_TOP, Hit, LineKind, Named, Query, QueryRun, Residency, parse_line,
+    Answer, DEFAULT_TOP, Hit, LineKind, Named, Query, QueryRun, Residency, keep_label_indexes,
+    parse_line,
 };
 pub use topk::{Ranked, TopK};

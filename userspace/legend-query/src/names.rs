@@ -342,6 +342,16 @@ impl Names {
         lossy(label_in_line(line_at(self.text.get(), self.line_start(id))))
     }
 
+    /// Bytes of the longest label, as it reads (invalid UTF-8 replaced), found on every core.
+    pub(crate) fn longest(&self) -> usize {
+        self.text
+            .get()
+            .par_split(|&b| b == b'\n')
+            .map(|line| lossy(label_in_line(line)).len())
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The first id labelled `name`.
     pub(crate) fn id(&self, name: &str) -> Option<u32> {
         let [_, at_hashes, at_ids, end] = sections(self.count);
@@ -454,7 +464,9 @@ mod tests {
         for (id, label) in labels.iter().enumerate() {
             assert_eq!(names.id(label), Some(id as u32), "{label:?}");
         }
+        assert_eq!(names.longest(), "\u{fffd}\u{fffd}q".len());
         assert_eq!(of_text("").len(), 0);
+        assert_eq!(of_text("").longest(), 0);
         assert_eq!(of_text("").id("x"), None);
     }
 

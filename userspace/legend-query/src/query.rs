@@ -10,7 +10,7 @@ use legend_engine::evaluation::open_run_dataset;
 use legend_engine::restore::entities_map;
 use legend_engine::run::{self, RunError, RunMeta};
 use legend_eval::FilterIndex;
-use legend_fs::Guard;
+use legend_fs::{Dir, Guard};
 use legend_model::Side;
 use serde::{Deserialize, Serialize};
 
@@ -342,6 +342,42 @@ impl Names {
     }
 }
 
+/// The run at `path` as `guard` admits it, its record, and its dataset (from `dataset` if it
+/// moved, checked to be the run's).
+fn open_run_files(
+    path: &Path,
+    dataset: Option<&Path>,
+    guard: &dyn Guard,
+) -> Result<(Dir, RunMeta, Dataset), QueryError> {
+    let dir = run::open(path)?;
+    guard.admit(&dir).map_err(|source| RunError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    // The directory may be someone else's: what is read in it must be theirs to read.
+    let dir = dir.reading_as(guard.read_check());
+    let meta = run::read_meta(&dir)?;
+    let dataset = open_run_dataset(&meta, dataset, guard)?;
+    Ok((dir, meta, dataset))
+}
+
+/// Indexes the labels of the run at `path` (its dataset from `dataset` if it moved) as a query
+/// command would, and keeps the indexes in the run (`RUN/index/`, tables of 2^16 labels or
+/// more; an index kept for the same label file is checked and left as it is): `legendctl
+/// train` does so when a run ends, so that its first query finds the labels indexed (41.65 M
+/// labels take seconds to index).
+pub fn keep_label_indexes(
+    path: &Path,
+    dataset: Option<&Path>,
+    guard: &dyn Guard,
+) -> Result<(), QueryError> {
+    let (dir, _, dataset) = open_run_files(path, dataset, guard)?;
+    for table in [LabelTable::Entities, LabelTable::Relations] {
+        Names::open(&dataset, table, &dir, FileAccess::MapAndKeep)?;
+    }
+    Ok(())
+}
+
 impl QueryRun<'static> {
     /// Opens the run at `path` to be served (its reads through `guard`, which the run keeps),
     /// answering on the GPU `gpu` asks for. The entity rows go into the GPU's memory when they
@@ -498,15 +534,7 @@ impl<'a> QueryRun<'a> {
         access: FileAccess,
         stream_with: impl FnOnce(&RunMeta) -> Option<(StreamGuard<'a>, String)>,
     ) -> Result<QueryRun<'a>, QueryError> {
-        let dir = run::open(path)?;
-        guard.admit(&dir).map_err(|source| RunError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
-        // The directory may be someone else's: what is read in it must be theirs to read.
-        let dir = dir.reading_as(guard.read_check());
-        let meta = run::read_meta(&dir)?;
-        let dataset = open_run_dataset(&meta, dataset, guard)?;
+        let (dir, meta, dataset) = open_run_files(path, dataset, guard)?;
         let entities = Names::open(&dataset, LabelTable::Entities, &dir, access)?;
         let relations = Names::open(&dataset, LabelTable::Relations, &dir, access)?;
         let (stream_with, why) = stream_with(&meta).unzip();
@@ -566,13 +594,7 @@ impl<'a> QueryRun<'a> {
     /// Bytes of the longest entity or relation label: what bounds the size of an answer
     /// before it is computed (a pass over the labels: call it once).
     pub fn longest_label(&self) -> usize {
-        self.entities
-            .labels
-            .iter()
-            .chain(&self.relations.labels)
-            .map(String::len)
-            .max()
-            .unwrap_or(0)
+        self.entities.longest().max(self.relations.longest())
     }
 
     /// The index of known triples (train, valid, test), built on first use.

@@ -454,6 +454,59 @@ fn training_survives_a_log_it_cannot_write() {
     assert!(out.join("run.toml").exists());
 }
 
+/// A trained run's labels are indexed when it ends, kept in the run for its queries: the
+/// first `predict` reuses the index (the same file) rather than indexing the labels itself.
+#[test]
+fn a_finished_run_keeps_its_label_index_for_its_first_query() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dir.path().join("ds");
+    // Enough entities for the index to be kept (2^16 labels or more).
+    ok(&[
+        "generate",
+        "--nodes",
+        "70000",
+        "--edges",
+        "100000",
+        "--relations",
+        "2",
+        &s(&ds),
+    ]);
+    let run = dir.path().join("run");
+    let args = train_args(
+        &ds,
+        &run,
+        &[
+            "model.dim=4",
+            "training.num_epochs=1",
+            "evaluation.protocol=sampled",
+        ],
+    );
+    ok(&argv(&args));
+    let index = run.join("index/entities.tsv.index");
+    let kept = std::fs::metadata(&index)
+        .expect("the run's label index")
+        .ino();
+    let answer = json(
+        ok(&[
+            "predict",
+            &s(&run),
+            "--head",
+            "e69999",
+            "--relation",
+            "r1",
+            "--top",
+            "3",
+            "--device",
+            "cpu",
+            "--json",
+        ])
+        .trim(),
+    );
+    assert_eq!(hits(&answer).len(), 3, "{answer}");
+    assert_eq!(std::fs::metadata(&index).unwrap().ino(), kept, "reused");
+}
+
 /// The hits of a `predict` or `neighbors` answer: (label, score).
 fn hits(answer: &serde_json::Value) -> Vec<(String, f64)> {
     answer["hits"]
