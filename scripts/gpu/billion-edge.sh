@@ -5,21 +5,23 @@
 # chunks x 1000 negatives, half degree-based), commit the final checkpoint, rank the test split
 # against sampled negatives, export the embeddings as npy. Prints each phase's time, the set-up
 # log lines, every epoch's time and edges/s, the peak host RSS (getrusage of the children) and
-# GPU memory, and the MRR; resumes the run for one more epoch (its peak RSS beside the
-# training run's: issue 50); asks the resumed run a first `predict` and `neighbors` on the GPU
-# and the CPU, with the run's files in the page cache and, where the page cache can be dropped,
-# without, beside the disk's read rate (the cold-cache bound); checks that the exported
-# checkpoint ranks as the run did. Then the
-# host-RAM swap tier: the same graph with N = 8 partitions in host memory, C = 3 of them on the
-# GPU, for TIER_EPOCHS epochs (2), with its swap timeline (`legendctl report`).
+# GPU memory, and the MRR. Issue 50: resumes the run for one more epoch (its peak RSS beside
+# the training run's); asks the resumed run a first `predict` and `neighbors` on the GPU and
+# the CPU (the labels indexed when training ended), with the run's files in the page cache and,
+# where the page cache can be dropped, without, beside the disk's read rate (the cold-cache
+# bound); times a legendd serve job from its submission to its first answer; and compares every
+# entry point's peak RSS (resume, queries, serve, eval, export) with the training run's. Checks
+# that the exported checkpoint ranks as the run did. Then the host-RAM swap tier: the same graph
+# with N = 8 partitions in host memory, C = 3 of them on the GPU, for TIER_EPOCHS epochs (2;
+# 0 leaves it out), with its swap timeline (`legendctl report`).
 #
-# Builds nothing: expects legendctl in ${BIN_DIR:-target-gpu} (scripts/gpu/build-binaries.sh).
-# Edges on tmpfs (LEGEND_DATA), the run and the export on disk (LEGEND_WORK). NODES, EDGES and
-# EPOCHS scale it down for a dry run (DEVICE=cpu runs it without a GPU; COLD=0 leaves the page
-# cache alone, on a machine others share).
+# Builds nothing: expects legendctl and legendd in ${LEGEND_GPU_BIN:-target-gpu}
+# (scripts/gpu/build-binaries.sh). Edges on tmpfs (LEGEND_DATA), the run and the export on disk
+# (LEGEND_WORK). NODES, EDGES and EPOCHS scale it down for a dry run (DEVICE=cpu runs it
+# without a GPU; COLD=0 leaves the page cache alone, on a machine others share).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-bin=${BIN_DIR:-$root/target-gpu}
+bin=${LEGEND_GPU_BIN:-$root/target-gpu}
 out=${OUT:-$bin/out}
 data=${LEGEND_DATA:-/dev/shm/legend-billion}
 work=${LEGEND_WORK:-/var/tmp/legend-billion}
@@ -85,7 +87,8 @@ train() {
     status=$?
     kill "$smi" 2>/dev/null
     wait "$smi" 2>/dev/null
-    grep -E "host memory|GPU memory|set-up|epoch [0-9]+:|test:" "$out/billion-$name.log" |
+    grep -E "host memory|GPU memory|set-up|epoch [0-9]+:|test:|labels indexed|index kept" \
+        "$out/billion-$name.log" |
         sed 's/^[^ ]* *INFO //'
     [ "$status" = 0 ] || exit 1
     echo "GPU memory used, peak over the run:" \
@@ -96,7 +99,7 @@ train train --out "$run" --set training.num_epochs="$epochs" --set storage.num_p
 # One epoch more from the checkpoint: the tables come back from disk, go to the GPU, and their
 # host copies are given back.
 phase resume "$ctl" train --out "$run" --resume --set training.num_epochs=$((epochs + 1)) || exit 1
-grep -E "host memory|GPU memory|set-up|epoch [0-9]+:|test:" "$out/billion-resume.log" |
+grep -E "host memory|GPU memory|set-up|epoch [0-9]+:|test:|labels indexed" "$out/billion-resume.log" |
     sed 's/^[^ ]* *INFO //'
 # Issue 50: the resume within the training run's own memory.
 python3 - "$out/billion-phases.tsv" <<'EOF'
@@ -108,7 +111,8 @@ print(f"peak RSS: train {t:.3f} GiB, resume {r:.3f} GiB: {verdict} ({r - t:+.3f}
 EOF
 
 # Issue 50: a first query in seconds. One command a phase (its wall time is the figure), on
-# the resumed run: the first builds the label index (kept in the run), the others reuse it.
+# the resumed run: the label index was kept when training ended (a query that found none would
+# build it: "labels indexed" in its lines).
 qdevs=$device
 [ "$device" = cpu ] || qdevs="$device cpu"
 query() {
@@ -177,6 +181,54 @@ EOF
 grep -E "^(predict|neighbors)" "$out/billion-phases.tsv" |
     awk -F'\t' '{printf "query %-20s %7.2f s wall, peak RSS %.2f GiB (mapped rows count)\n", $1, $2, $3}'
 
+# Issue 50: the daemon's serve start on the same run (its files in the page cache again, after
+# the cold queries), from the submission to the first answer, and the job's peak memory. A
+# failure is told and the figures after it still come.
+serve_start() {
+    local sock=$work/legendd.sock job state= t0 t1 pid peak wall
+    : >"$work/legendd.toml"
+    "$bin/legendd" --foreground --config "$work/legendd.toml" --socket "$sock" \
+        --state-dir "$work/legendd" 2>"$out/billion-legendd.err" &
+    local daemon=$!
+    for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+    local d=("$ctl" --socket "$sock")
+    t0=$(date +%s.%N)
+    job=$("${d[@]}" submit serve "$run" --device "$device" | sed -n 's/^job \([0-9]*\) queued.*/\1/p')
+    if [ -n "$job" ]; then
+        # At most 10 minutes (0.2 s between tries), or until the job ends.
+        for _ in $(seq 3000); do
+            "${d[@]}" query "$job" predict --head e12345 --relation "(untyped)" --top 10 --json \
+                >"$work/answer-serve.json" 2>>"$out/billion-serve.log" && break
+            : >"$work/answer-serve.json"
+            state=$("${d[@]}" status "$job" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])')
+            case $state in running | queued) sleep 0.2 ;; *) break ;; esac
+        done
+    fi
+    t1=$(date +%s.%N)
+    if [ -s "$work/answer-serve.json" ]; then
+        "${d[@]}" logs "$job" 2>&1 | grep -E "serving" | sed 's/^[^ ]* *//'
+        pid=$("${d[@]}" status "$job" --json |
+            python3 -c 'import json,sys; print(json.load(sys.stdin)["process"]["pid"])')
+        peak=$(awk '/^VmHWM/ {printf "%.3f", $2 / 2^20}' "/proc/$pid/status")
+        wall=$(python3 -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.3f}")' "$t0" "$t1")
+        echo "serve start: $wall s from the submission to the first answer, the job's peak RSS $peak GiB"
+        printf 'serve	%s	%s
+' "$wall" "$peak" >>"$out/billion-phases.tsv"
+        if cmp -s "$work/answer-serve.json" "$work/answer-predict-cpu-warm.json"; then
+            echo "serve: the CLI's answer"
+        else
+            echo "serve: answer DIFFERS from the CLI's"
+        fi
+        "${d[@]}" cancel "$job" >/dev/null
+    else
+        echo "serve: FAILED (job '$job', ${state:-not submitted}); legendd's log: $out/billion-legendd.err"
+        [ -n "$job" ] && "${d[@]}" logs "$job" 2>&1 | tail -15
+    fi
+    kill "$daemon"
+    wait "$daemon" 2>/dev/null
+}
+serve_start
+
 phase export "$ctl" export "$run" --format npy -o "$work/export" || exit 1
 ls -la "$work/export" | tail -4
 du -sh "$run"
@@ -185,7 +237,22 @@ phase verify "$ctl" eval --embeddings "$work/export" --decoder dot --dataset "$d
     --protocol sampled || exit 1
 grep -E "MRR" "$out/billion-verify.log"
 rm -rf "$work/export"
+# The run's own evaluation again (the embeddings read without their AdaGrad state).
+phase eval "$ctl" eval "$run" --protocol sampled || exit 1
+# Issue 50: no entry point's peak above the training run's.
+python3 - "$out/billion-phases.tsv" <<'EOF'
+import sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])]
+peak = {name: float(p) for name, _, p in rows}
+train = peak["train"]
+for name, p in peak.items():
+    if name in ("generate", "train"):
+        continue
+    verdict = "within" if p <= train else "ABOVE"
+    print(f"peak RSS {name:<22} {p:7.3f} GiB: {verdict} the training run's {train:.3f} ({p - train:+.3f})")
+EOF
 
+[ "$tier_epochs" -gt 0 ] || exit 0
 tier=$work/tier
 train tier --out "$tier" --set training.num_epochs="$tier_epochs" \
     --set storage.num_partitions=8 --set storage.buffer_capacity=3

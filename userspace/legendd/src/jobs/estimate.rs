@@ -132,7 +132,7 @@ pub fn needs(
                 return unknown;
             };
             let on_cuda = queue.starts_with("cuda");
-            let e = HostEstimate::of(&config, &meta, on_cuda, resuming);
+            let e = HostEstimate::of(&config, &meta, on_cuda);
             Needs {
                 estimate: e.total(),
                 cpus: u32::try_from(config.training.threads)
