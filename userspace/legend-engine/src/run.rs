@@ -6,7 +6,7 @@
 //! RUN/run.toml                    the commit record: which checkpoint is current, shapes, CRCs
 //! RUN/checkpoints/epoch-NNNNN/    entities.bin, entities.state.bin, relations.bin,
 //!                                 relations.state.bin: raw little-endian f32, row-major
-//! RUN/index/                      what queries keep (legend-query: the label index)
+//! RUN/index/                      the label index (legend-query: kept when `legendctl train` ends, or by a query)
 //! ```
 //!
 //! A checkpoint is written into `epoch-NNNNN.tmp/`, synced, renamed to a name no directory has
