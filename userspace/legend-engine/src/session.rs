@@ -411,6 +411,20 @@ impl Session {
                 _ => fresh_relations(),
             };
             (PartitionHome::File(Box::new(store)), relations, position)
+        } else if meta.store.is_some() && !meta.checkpoint.is_empty() {
+            // The record names a store: the tables are read from it (through the guard, as
+            // its owner would), whole, as a file-backend run's.
+            let t = run::load_tables(&run, &meta, guard)?;
+            let store = MemoryStore::from_tables(scheme, shape, t.entities, t.entities_state);
+            let relations = Relations {
+                emb: t.relations,
+                state: t.relations_state,
+            };
+            let position = Position {
+                epochs_completed: meta.epochs_completed,
+                cut: meta.cut,
+            };
+            (PartitionHome::Memory(store), relations, position)
         } else if !meta.checkpoint.is_empty() {
             checkpoint = Some(CheckpointRows::open(&run, &meta)?);
             let relations = Relations {
