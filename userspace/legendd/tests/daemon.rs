@@ -817,6 +817,29 @@ fn submissions_read_only_what_their_submitter_could_and_answer_as_if_they_had_lo
     );
 }
 
+/// A train job that ends indexes the run's labels, as `legendctl train` does, so that the
+/// run's first query finds the index kept in it.
+#[test]
+fn a_finished_train_job_keeps_the_label_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dir.path().join("ds");
+    // Enough entities for the index to be kept (2^16 labels or more).
+    let mut o = GenerateOptions::new(70_000, 100_000);
+    o.relations = 2;
+    generate(&o, &ds).unwrap();
+    let d = Daemon::start(dir.path());
+    let mut c = d.client();
+    let run = dir.path().join("run");
+    let job = c.job(Request::Submit {
+        job: train_spec_with(&ds, &run, 1, &["model.dim=4", "training.batch_size=10000"]),
+    });
+    let ended = wait_for(&mut c, job.id, Duration::from_secs(120), |j| {
+        j.state.is_final()
+    });
+    assert_eq!(ended.state, JobState::Succeeded, "{ended:?}");
+    assert!(run.join("index/entities.tsv.index").is_file());
+}
+
 #[test]
 fn a_new_run_over_an_existing_one_is_refused_at_submission() {
     let dir = tempfile::tempdir().unwrap();

@@ -186,6 +186,17 @@ pub fn train(
             }
         })
         .map_err(|e| chain(&e))?;
+    if matches!(outcome, Outcome::Finished(_)) {
+        // As `legendctl train`: the labels indexed for the run's first query, the tables let
+        // go first; a failure costs that query the time, not the run.
+        drop(session);
+        if let Err(e) = legend_query::keep_label_indexes(run, dataset.as_deref(), guard) {
+            out.log(format!(
+                "the labels are not indexed ({}); the first query indexes them",
+                chain(&e)
+            ));
+        }
+    }
     Ok(match outcome {
         Outcome::Finished(metrics) => Ended::Done(metrics.map(|m| {
             let mut result = serde_json::to_value(m).expect("metrics serialize");
