@@ -488,6 +488,11 @@ impl Table {
         users < s.total - s.reserved && self.owner_running(pass, queue, r.info.owner) < s.per_user
     }
 
+    /// Job slots taken, by queue (a job on several GPUs in each of theirs), for the metrics.
+    pub fn running_slots(&self) -> BTreeMap<&str, usize> {
+        self.running.iter().map(|(q, &n)| (q.as_str(), n)).collect()
+    }
+
     /// Queued jobs by queue, for the metrics.
     pub fn queue_depths(&self) -> BTreeMap<&str, usize> {
         self.queued
@@ -595,6 +600,16 @@ mod tests {
         assert_eq!(started(&passes), [1, 2]);
         assert_eq!(t.jobs[&2].record.devices, [0, 2]);
         assert_eq!(t.jobs[&2].record.info.device.as_deref(), Some("cuda:0,2"));
+        let slots = t.running_slots();
+        assert_eq!(
+            [
+                slots.get("cuda:0"),
+                slots.get("cuda:1"),
+                slots.get("cuda:2")
+            ],
+            [Some(&1), Some(&1), Some(&1)]
+        );
+        assert_eq!(slots.get("cuda:3"), None);
         assert!(t.jobs[&3].record.devices.is_empty());
         assert_eq!(t.jobs[&3].record.info.device.as_deref(), Some("2 GPUs"));
         // Two sets each waiting for the other's GPU cannot happen: job 3 starts once job 1
