@@ -19,7 +19,7 @@ use super::Jobs;
 use super::estimate::{self, Needs};
 use super::live::LiveJob;
 use super::record::Record;
-use super::table::Table;
+use super::table::{Start, Table};
 use crate::access::Peer;
 use crate::channel::{self, Ended, Frame, FromJob, JobStart, ServeStart, Submitter, ToJob};
 use crate::paths::{DirId, clipped};
@@ -51,8 +51,9 @@ struct Running {
 
 impl Jobs {
     /// Marks job `id` running and starts its runner.
-    pub(super) fn start(self: &Arc<Self>, t: &mut Table, id: u64) -> JoinHandle<()> {
-        t.set_running(id);
+    pub(super) fn start(self: &Arc<Self>, t: &mut Table, start: Start) -> JoinHandle<()> {
+        let id = start.id;
+        t.set_running(start);
         let entry = t.jobs.get_mut(&id).expect("a queued job");
         let info = &mut entry.record.info;
         info.started = Some(crate::handover::file_clock_secs());
@@ -168,7 +169,7 @@ impl Jobs {
             Some(c) => c.procs_files()?,
             None => Vec::new(),
         };
-        let env = spawn::job_env();
+        let env = spawn::job_env(&record.devices);
         let launched = spawn::launch(&Launch {
             program: Path::new("/proc/self/exe"),
             args: &["job"],
