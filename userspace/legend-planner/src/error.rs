@@ -2,8 +2,8 @@
 
 use thiserror::Error;
 
+use crate::bucket::Bucket;
 use crate::order::Order;
-use crate::plan::Bucket;
 
 /// Why no plan was produced.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -33,9 +33,6 @@ pub enum PlanError {
         /// The capacity the ordering supports.
         supported: u32,
     },
-    /// A name that is not `legend`, `beta` or `sequential`.
-    #[error("unknown order `{0}` (expected auto, legend, beta or sequential)")]
-    UnknownOrder(String),
     /// The planner produced a plan that fails validation: a planner bug.
     #[error(
         "internal planner bug, {order} plan for N={num_partitions}, C={capacity} is invalid: {source}"

@@ -7,6 +7,7 @@
 //! Theorem 3 to a plan. See `Documentation/planner.md`.
 
 mod beta;
+mod bucket;
 mod cover;
 mod error;
 mod legend;
@@ -17,8 +18,9 @@ mod search;
 mod sequential;
 
 pub use error::{PlanError, PredictError, ValidationError};
-pub use order::Order;
-pub use plan::{Bucket, Plan, Swap, validate};
+pub use bucket::Bucket;
+pub use order::{Order, UnknownOrder};
+pub use plan::{Plan, Swap, validate};
 pub use predict::{Prediction, PredictionInput, predict};
 
 /// The only capacity Legend's Algorithm 1 is defined for.

@@ -3,7 +3,8 @@
 use serde::Serialize;
 
 use crate::error::PredictError;
-use crate::plan::{Bucket, Plan};
+use crate::bucket::Bucket;
+use crate::plan::Plan;
 
 /// Bytes per node per dimension of the paper's rows (an f32 embedding and an f32 AdaGrad state
 /// an element), the unit Theorem 3's constant is written in.
