@@ -22,12 +22,10 @@ use serde::Serialize;
 use crate::error::{DatasetError, IoContext, Result, invalid};
 use crate::marius;
 use crate::meta::{DatasetMeta, FORMAT_VERSION, Split, SplitCounts};
+use crate::raw::{RawGraph, UNTYPED_RELATION};
 use crate::staging::{Staging, check_new_output};
 use crate::text::{Columns, Delimiter, LineReader, parse_fields};
 use crate::{EDGES_DIR, ENTITIES_FILE, Edge, RELATIONS_FILE, edge_file};
-
-/// Label of the single relation of graphs without relation types.
-pub const UNTYPED_RELATION: &str = "(untyped)";
 
 /// Where the edges come from.
 #[derive(Clone, Debug)]
@@ -139,14 +137,6 @@ impl Interner {
         }
         labels
     }
-}
-
-/// Edges with provisional ids and the labels behind those ids.
-pub(crate) struct RawGraph {
-    pub entity_labels: Vec<Box<[u8]>>,
-    pub relation_labels: Vec<Box<[u8]>>,
-    pub has_relations: bool,
-    pub splits: [Vec<Edge>; 3],
 }
 
 /// Imports `options.input` into a new dataset directory `out`.

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use crate::Edge;
 use crate::error::{IoContext, Result, invalid};
-use crate::import::{RawGraph, UNTYPED_RELATION};
+use crate::raw::{RawGraph, UNTYPED_RELATION};
 use crate::meta::Split;
 
 fn split_file(split: Split) -> &'static str {
