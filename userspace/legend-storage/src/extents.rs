@@ -7,7 +7,8 @@
 use crate::error::StoreError;
 use crate::layout::{DatasetId, StoreSpec};
 use crate::medium::Target;
-use crate::store::{CreateOptions, Expect, IoConfig, Store};
+use crate::io::IoConfig;
+use crate::store::{CreateOptions, Expect, Store};
 
 /// The identity of the table's own store: a device whose first store has another identity
 /// holds a training store there, and is refused.

@@ -36,6 +36,7 @@
 mod buffer;
 mod error;
 mod extents;
+mod io;
 mod layout;
 mod medium;
 mod nvme;
@@ -56,7 +57,6 @@ pub use layout::{
 pub use legend_model::Dtype;
 pub use medium::Target;
 pub use nvme::NvmeTarget;
-pub use store::{
-    CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoConfig, IoPiece, IoRequest, Region, Store,
-};
+pub use io::IoConfig;
+pub use store::{CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoPiece, IoRequest, Region, Store};
 pub use stripe::member_bytes;

@@ -22,7 +22,7 @@ use legend_nvme_protocol::{
 
 use crate::buffer::{IoBuffer, RawAlloc};
 use crate::error::StoreError;
-use crate::medium::MediumIo;
+use crate::io::MediumIo;
 
 /// Where a store lives on an NVMe controller.
 #[derive(Clone)]

@@ -7,44 +7,13 @@ use legend_model::Dtype;
 use crate::buffer::IoBuffer;
 use crate::error::StoreError;
 use crate::layout::{DatasetId, Extent, Layout, SUPERBLOCK_SLOT_BYTES, StoreSpec};
-use crate::medium::{Medium, MediumIo, Target};
+use crate::io::{IoConfig, MediumIo};
+use crate::medium::{Medium, Target};
 use crate::signature;
 use crate::stripe::Stripe;
 use crate::superblock::{
     FORMAT_VERSION, MAX_MEMBERS, Membership, RegionState, SlotError, Superblock,
 };
-
-/// I/O tuning; the defaults suit NVMe SSDs.
-#[derive(Clone, Debug)]
-pub struct IoConfig {
-    /// Requests in flight at once (the ring depth).
-    pub queue_depth: u32,
-    /// Size of one request; a partition is split into requests of this size
-    /// (rounded to the block size).
-    pub request_bytes: u32,
-    /// Registered-buffer entries of the ring (least recently used ones are
-    /// replaced); a buffer takes one for each GiB (the kernel's limit for
-    /// one entry).
-    pub registered_buffers: u16,
-    /// Fall back to buffered I/O (with a warning) where the file system
-    /// refuses `O_DIRECT`; when false that is an error.
-    pub allow_buffered: bool,
-    /// NVMe targets: how long a command may go unanswered before the
-    /// transfer fails (and the queue pair is deleted).
-    pub command_timeout: std::time::Duration,
-}
-
-impl Default for IoConfig {
-    fn default() -> Self {
-        Self {
-            queue_depth: 32,
-            request_bytes: 1 << 20,
-            registered_buffers: 64,
-            allow_buffered: true,
-            command_timeout: std::time::Duration::from_secs(30),
-        }
-    }
-}
 
 /// Default stripe unit of a store over several members: large enough that one NVMe command
 /// (at most 1 MiB here) or one `io_uring` request never spans two members.
