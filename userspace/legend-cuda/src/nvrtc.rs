@@ -242,7 +242,8 @@ impl Program {
     }
 
     /// NVRTC options: warnings on, standard C++17, line info for the profilers, the fused
-    /// width, the decoder and loss numbers (defined in Rust only). No fast math: the kernels are checked against the CPU to 1e-3 and the losses
+    /// width, the decoder, loss and regulariser numbers and the fused tile sizes (defined in
+    /// Rust only, [`crate::kernel_abi`]). No fast math: the kernels are checked against the CPU to 1e-3 and the losses
     /// need accurate exp/log.
     fn options(&self, arch: &str) -> Vec<String> {
         let mut options = vec![
@@ -254,7 +255,7 @@ impl Program {
             format!("-DLEGEND_FUSED_WIDTH={}", self.fused_width),
             format!("-DLEGEND_FUSED_TRANSE={}", u8::from(self.transe)),
         ];
-        options.extend(crate::engine::code_defines());
+        options.extend(crate::kernel_abi::defines());
         options
     }
 }

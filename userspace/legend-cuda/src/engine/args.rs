@@ -113,7 +113,7 @@ pub(super) struct JobArgs {
     pub(super) decoder: i32,
     /// The first inverse relation row (reciprocal relations), 0 without them.
     pub(super) inverse: u32,
-    /// The regulariser's number (`PENALTY_CODES`) and weight (`LegendPenalty`).
+    /// The regulariser's number (`kernel_abi::PENALTY_CODES`) and weight (`LegendPenalty`).
     pub(super) penalty: i32,
     pub(super) penalty_weight: f32,
     pub(super) pad: u32,

@@ -5,11 +5,12 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use legend_model::{Comparator, Decoder};
 
 use super::args::FusedArgs;
-use super::{GpuBatchEngine, Path, blocks, loss_code};
+use super::{GpuBatchEngine, Path, blocks};
 use crate::error::DriverContext;
-use crate::gpu::{
-    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_TILE, FusedKernels, fused_dim_pad, fused_k_pad,
-    fused_rows_pad,
+use crate::gpu::FusedKernels;
+use crate::kernel_abi::{
+    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_TILE, fused_dim_pad, fused_k_pad, fused_rows_pad,
+    loss_code,
 };
 use crate::{Gpu, GpuError};
 

@@ -29,11 +29,12 @@ use std::ops::Range;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use legend_model::{
-    AdaGrad, ChunkModel, Decoder, Dtype, Loss, Penalty, Permutation, Regularizer, StepRounding,
+    AdaGrad, ChunkModel, Decoder, Dtype, Loss, Permutation, Regularizer, StepRounding,
 };
 
 use crate::error::DriverContext;
 use crate::gpu::grid_1d;
+use crate::kernel_abi::{decoder_code, dtype_code, penalty_code};
 use crate::{Gpu, GpuError};
 
 mod args;
@@ -175,91 +176,6 @@ enum Path {
     /// Separate product kernels (wider rows, TransE L1, filtered negatives): the score matrices
     /// go through device memory.
     Unfused(UnfusedBuffers),
-}
-
-/// The kernels' names of the decoders; a decoder's number is its index. The one definition:
-/// every program is compiled with `-D<name>=<index>` ([`code_defines`]). RotatE and RESCAL
-/// have queries and rows-backward kernels of their own (`kernels/rotate.cu`,
-/// `kernels/rescal.cu`); the shared ones never see their numbers.
-const DECODER_CODES: [(Decoder, &str); 7] = [
-    (Decoder::Dot, "LEGEND_DOT"),
-    (Decoder::DistMult, "LEGEND_DISTMULT"),
-    (Decoder::ComplEx, "LEGEND_COMPLEX"),
-    (Decoder::TransEL1, "LEGEND_TRANSE_L1"),
-    (Decoder::TransEL2, "LEGEND_TRANSE_L2"),
-    (Decoder::RotatE, "LEGEND_ROTATE"),
-    (Decoder::Rescal, "LEGEND_RESCAL"),
-];
-
-/// The kernels' names of the losses, numbered by index as [`DECODER_CODES`].
-const LOSS_CODES: [&str; 4] = [
-    "LEGEND_LOSS_SOFTMAX",
-    "LEGEND_LOSS_LOGISTIC",
-    "LEGEND_LOSS_RANKING",
-    "LEGEND_LOSS_SELF_ADVERSARIAL",
-];
-
-/// The kernels' names of the regularisers, numbered by index as [`DECODER_CODES`].
-const PENALTY_CODES: [(Penalty, &str); 3] = [
-    (Penalty::None, "LEGEND_PENALTY_NONE"),
-    (Penalty::N3, "LEGEND_PENALTY_N3"),
-    (Penalty::L2, "LEGEND_PENALTY_L2"),
-];
-
-/// The `-D` options that define the decoder, loss and regulariser numbers in the kernels.
-pub(crate) fn code_defines() -> Vec<String> {
-    let decoders = DECODER_CODES.iter().map(|(_, name)| *name).enumerate();
-    let losses = LOSS_CODES.iter().copied().enumerate();
-    let penalties = PENALTY_CODES.iter().map(|(_, name)| *name).enumerate();
-    decoders
-        .chain(losses)
-        .chain(penalties)
-        .map(|(code, name)| format!("-D{name}={code}"))
-        .collect()
-}
-
-/// A node-row format's number in the kernels (`LEGEND_DTYPE_*` in `kernels/common.cuh`).
-pub(crate) fn dtype_code(d: Dtype) -> u32 {
-    Dtype::ALL
-        .iter()
-        .position(|&x| x == d)
-        .expect("every dtype is listed") as u32
-}
-
-/// The regulariser's number in the kernels and its weight (none when inactive).
-fn penalty_code(r: Option<Regularizer>) -> (i32, f32) {
-    match r {
-        Some(r) if r.is_active() => (
-            PENALTY_CODES
-                .iter()
-                .position(|(p, _)| *p == r.penalty)
-                .expect("every penalty has a code") as i32,
-            r.weight,
-        ),
-        _ => (0, 0.0),
-    }
-}
-
-/// The decoder's number in the kernels.
-fn decoder_code(d: Decoder) -> i32 {
-    DECODER_CODES
-        .iter()
-        .position(|(x, _)| *x == d)
-        .expect("every decoder has a code") as i32
-}
-
-/// The loss's number in the kernels (an index of [`LOSS_CODES`]), its margin (the ranking
-/// loss's, the self-adversarial loss's γ) and its temperature (the self-adversarial α).
-fn loss_code(l: Loss) -> (i32, f32, f32) {
-    match l {
-        Loss::SoftmaxCe => (0, 0.0, 0.0),
-        Loss::Logistic => (1, 0.0, 0.0),
-        Loss::Ranking { margin } => (2, margin, 0.0),
-        Loss::SelfAdversarial {
-            margin,
-            temperature,
-        } => (3, margin, temperature),
-    }
 }
 
 fn blocks(n: usize, per: usize) -> u32 {
