@@ -50,7 +50,7 @@ pub enum TrainError {
     GpuMemory(String),
     /// The GPU engine failed.
     #[error("GPU engine")]
-    Gpu(legend_cuda::GpuError),
+    Gpu(#[source] legend_cuda::GpuError),
     /// The thread pool could not start.
     #[error("starting {threads} worker threads: {message}")]
     Threads {
@@ -59,9 +59,9 @@ pub enum TrainError {
         /// The error.
         message: String,
     },
-    /// Writing a checkpoint's tables failed.
-    #[error(transparent)]
-    Run(#[from] crate::run::RunError),
+    /// The receiver of a partition's streamed rows (a checkpoint's writer) failed.
+    #[error("receiving a partition's rows")]
+    Sink(#[from] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// GPU failures, with a row that left its storage format's range reported as the CPU engine

@@ -171,6 +171,15 @@ pub enum RunError {
         /// What it is instead, and what to give.
         why: &'static str,
     },
+    /// The run's store failed.
+    #[error("{}", path.display())]
+    Store {
+        /// The store (its first member).
+        path: PathBuf,
+        /// Why (boxed: a store's errors are large, and rare).
+        #[source]
+        source: Box<crate::store::PartitionStoreError>,
+    },
     /// A damaged or foreign run directory.
     #[error("{path}: {message}")]
     Invalid {
@@ -195,9 +204,12 @@ fn invalid(path: &Path, message: impl Into<String>) -> RunError {
     }
 }
 
-/// A store's error `e` as the run's, naming the store `path`, with the error's sources.
-fn store_error(path: &Path, e: &dyn std::error::Error) -> RunError {
-    invalid(path, crate::error_chain::with_sources(e))
+/// A store's error as the run's, naming the store `path`.
+fn store_error(path: &Path) -> impl FnOnce(crate::store::PartitionStoreError) -> RunError + '_ {
+    move |source| RunError::Store {
+        path: path.to_owned(),
+        source: Box::new(source),
+    }
 }
 
 /// The error for a directory without `run.toml`, saying what it is instead where that is clear.
@@ -323,12 +335,12 @@ impl TableWriter {
 ///
 /// `write_entities` streams the entity embeddings and state into the two writers (partition
 /// by partition, so the whole table never needs to be in memory).
-pub fn commit_checkpoint(
+pub fn commit_checkpoint<E: From<RunError>>(
     run: &Dir,
     mut meta: RunMeta,
     relations: (&[f32], &[f32]),
-    write_entities: impl FnOnce(&mut TableWriter, &mut TableWriter) -> Result<(), RunError>,
-) -> Result<RunMeta, RunError> {
+    write_entities: impl FnOnce(&mut TableWriter, &mut TableWriter) -> Result<(), E>,
+) -> Result<RunMeta, E> {
     let dir = run
         .create_dir_all("checkpoints")
         .map_err(io(&run.join("checkpoints")))?;
@@ -422,7 +434,7 @@ fn open_members(
         .recorded_members()
         .unwrap_or_default()
         .iter()
-        .map(|m| MemberFile::of_run(run, &run_dir, m, guard).map_err(|e| store_error(&m.path, &e)))
+        .map(|m| MemberFile::of_run(run, &run_dir, m, guard).map_err(store_error(&m.path)))
         .collect::<Result<Vec<_>, _>>()?;
     let spec = crate::store::FileStoreSpec {
         members: &members,
@@ -436,8 +448,20 @@ fn open_members(
         proxy_model,
     };
     let store =
-        crate::store::FileStore::open_any_partitioning(&spec).map_err(|e| store_error(path, &e))?;
+        crate::store::FileStore::open_any_partitioning(&spec).map_err(store_error(path))?;
     Ok((store, members))
+}
+
+/// Why a walk over a store's partitions ended early: the store failed, or the caller's block.
+enum WalkError {
+    Store(crate::store::PartitionStoreError),
+    Block(RunError),
+}
+
+impl From<crate::store::PartitionStoreError> for WalkError {
+    fn from(e: crate::store::PartitionStoreError) -> Self {
+        WalkError::Store(e)
+    }
 }
 
 /// Floats of the checkpoint file [`stream_entities`] reads at a time.
@@ -456,11 +480,13 @@ pub fn stream_entities(
 ) -> Result<(), RunError> {
     if let Some(path) = &meta.store {
         let store = open_run_store(run, path, meta, guard)?;
+        let init = read_config(run)?.init();
         return store
-            .for_each_partition(read_config(run)?.init(), |part| {
-                block(&part.emb).map_err(|e| e.to_string())
-            })
-            .map_err(|e| store_error(path, &e));
+            .for_each_partition(init, |part| block(&part.emb).map_err(WalkError::Block))
+            .map_err(|e| match e {
+                WalkError::Store(source) => store_error(path)(source),
+                WalkError::Block(e) => e,
+            });
     }
     let (mut file, path) = open_entity_file(run, meta)?;
     let dtype = meta.entity_dtype;
@@ -560,7 +586,7 @@ impl RowReader {
         match &mut self.source {
             RowSource::Store(store, init) => store
                 .read_rows(init, ids, out)
-                .map_err(|e| store_error(path, &e)),
+                .map_err(store_error(path)),
             RowSource::File {
                 file,
                 dtype,
@@ -627,7 +653,7 @@ pub fn load_relations(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Ve
         return store
             .relations(floats)
             .map(|(emb, _)| emb)
-            .map_err(|e| store_error(path, &e));
+            .map_err(store_error(path));
     }
     {
         let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[2]);
@@ -657,7 +683,7 @@ pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Table
         let store = open_run_store(run, path, meta, guard)?;
         return store
             .read_tables(read_config(run)?.init(), meta.relation_floats())
-            .map_err(|e| store_error(path, &e));
+            .map_err(store_error(path));
     }
     let dir = Path::new(&meta.checkpoint);
     let rows = [meta.entities, meta.entities, meta.relations, meta.relations];

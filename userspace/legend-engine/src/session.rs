@@ -754,7 +754,7 @@ impl Session {
         };
         let trainer = &mut self.trainer;
         run::commit_checkpoint(&best, meta, (&relations.emb, &relations.state), |e, s| {
-            write_entity_tables(trainer, &path, e, s)
+            write_entity_tables(trainer, e, s)
         })?;
         tracing::info!(
             "epoch {epoch} is the best so far: its tables are in {}",
@@ -841,7 +841,7 @@ impl Session {
             &self.run,
             meta,
             (&relations.emb, &relations.state),
-            |e, s| write_entity_tables(&mut self.trainer, self.run.path(), e, s),
+            |e, s| write_entity_tables(&mut self.trainer, e, s),
         )?;
         tracing::debug!("checkpoint {} committed", self.meta.checkpoint);
         Ok(())
@@ -1006,26 +1006,17 @@ fn new_placeholder_meta() -> RunMeta {
 }
 
 /// Streams every partition's embedding and state rows from wherever `trainer` holds them into
-/// a checkpoint's two entity tables (`path` names the directory in errors).
+/// a checkpoint's two entity tables.
 fn write_entity_tables(
     trainer: &mut Trainer,
-    path: &Path,
     e: &mut TableWriter,
     s: &mut TableWriter,
-) -> Result<(), RunError> {
+) -> Result<(), SessionError> {
     for p in 0..trainer.scheme().num_partitions {
-        trainer
-            .stream_partition(p, &mut |emb, state| {
-                e.write(emb)?;
-                Ok(s.write(state)?)
-            })
-            .map_err(|err| match err {
-                TrainError::Run(err) => err,
-                other => RunError::Invalid {
-                    path: path.to_owned(),
-                    message: other.to_string(),
-                },
-            })?;
+        trainer.stream_partition(p, &mut |emb, state| {
+            e.write(emb)?;
+            Ok(s.write(state)?)
+        })?;
     }
     Ok(())
 }

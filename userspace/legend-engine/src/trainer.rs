@@ -269,21 +269,11 @@ impl Trainer {
             return Ok(());
         }
         if let Some(part) = self.swapper.host().partition(p) {
-            return f(&part.emb, &part.state);
+            return Ok(f(&part.emb, &part.state)?);
         }
-        self.swapper
-            .with_stored(p, |part| f(&part.emb, &part.state))?
-    }
-
-    /// A copy of partition `p`'s rows, wherever they are.
-    pub fn read_partition(&mut self, p: u32) -> Result<Partition, TrainError> {
-        let mut part = Partition::empty(p);
-        self.stream_partition(p, &mut |emb, state| {
-            part.emb.extend_from_slice(emb);
-            part.state.extend_from_slice(state);
-            Ok(())
-        })?;
-        Ok(part)
+        Ok(self
+            .swapper
+            .with_stored(p, |part| f(&part.emb, &part.state))??)
     }
 
     /// Commits a checkpoint at the current buffer-state boundary: the resident partitions

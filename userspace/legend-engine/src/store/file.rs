@@ -511,13 +511,13 @@ pub fn encode_relations(emb: &[f32], state: &[f32]) -> Vec<u8> {
 impl FileStore {
     /// Calls `f` with each partition's rows in order, through the swap path (the next one
     /// read while `f` has the last; at most two in memory); never-written partitions hold their
-    /// initial rows, drawn by `init`. An error from `f` ends the walk and is returned as
-    /// [`PartitionStoreError::Invalid`].
-    pub fn for_each_partition(
+    /// initial rows, drawn by `init`. An error from `f` ends the walk and is returned as it
+    /// is; the store's own become `E`.
+    pub fn for_each_partition<E: From<PartitionStoreError>>(
         self,
         init: legend_model::Init,
-        f: impl FnMut(&crate::rows::Partition) -> Result<(), String>,
-    ) -> Result<(), PartitionStoreError> {
+        f: impl FnMut(&crate::rows::Partition) -> Result<(), E>,
+    ) -> Result<(), E> {
         self.require_checkpoint()?;
         let spec = self.store.spec();
         let shape = RowShape {
@@ -642,7 +642,7 @@ impl FileStore {
         self.for_each_partition(init, |part| {
             entities.extend_from_slice(&part.emb);
             entities_state.extend_from_slice(&part.state);
-            Ok(())
+            Ok::<_, PartitionStoreError>(())
         })?;
         Ok(Tables {
             entities,
