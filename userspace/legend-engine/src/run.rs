@@ -447,8 +447,7 @@ fn open_members(
         force: false,
         proxy_model,
     };
-    let store =
-        crate::store::FileStore::open_any_partitioning(&spec).map_err(store_error(path))?;
+    let store = crate::store::FileStore::open_any_partitioning(&spec).map_err(store_error(path))?;
     Ok((store, members))
 }
 
@@ -584,9 +583,9 @@ impl RowReader {
     pub fn read(&mut self, ids: &[u64], out: &mut [f32]) -> Result<(), RunError> {
         let path = &self.path;
         match &mut self.source {
-            RowSource::Store(store, init) => store
-                .read_rows(init, ids, out)
-                .map_err(store_error(path)),
+            RowSource::Store(store, init) => {
+                store.read_rows(init, ids, out).map_err(store_error(path))
+            }
             RowSource::File {
                 file,
                 dtype,
