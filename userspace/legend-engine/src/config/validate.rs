@@ -8,6 +8,19 @@ use super::{Backend, Config, ConfigError, bad};
 impl Config {
     /// Checks what spans keys (the types and names were checked as they were read).
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_model()?;
+        self.validate_limits()?;
+        self.validate_storage()?;
+        self.validate_devices()?;
+        self.validate_training()?;
+        self.validate_optimizer()?;
+        self.validate_schedule()?;
+        self.validate_relations()?;
+        self.validate_negatives()
+    }
+
+    /// `[model]`'s numbers.
+    fn validate_model(&self) -> Result<(), ConfigError> {
         self.model
             .decoder
             .check_dim(self.model.dim)
@@ -18,7 +31,11 @@ impl Config {
             self.model.adversarial_temperature,
             true,
         )?;
-        positive_f32("model.init_scale", self.model.init_scale, false)?;
+        positive_f32("model.init_scale", self.model.init_scale, false)
+    }
+
+    /// Upper bounds of the sizes.
+    fn validate_limits(&self) -> Result<(), ConfigError> {
         // Upper bounds far beyond any useful run, so that no setting makes an allocation or
         // its size arithmetic overflow before the memory estimate can refuse the run (a daemon
         // runs its users' jobs in its own process).
@@ -34,7 +51,11 @@ impl Config {
             "storage.num_partitions",
             self.storage.num_partitions as usize,
             MAX_PARTITIONS,
-        )?;
+        )
+    }
+
+    /// `[storage]` but its devices ([`Config::validate_devices`]).
+    fn validate_storage(&self) -> Result<(), ConfigError> {
         let s = &self.storage;
         if s.num_partitions == 0 {
             return Err(bad("storage.num_partitions", "must be at least 1"));
@@ -70,7 +91,11 @@ impl Config {
                 .parse::<DeviceModel>()
                 .map_err(|e| bad("storage.proxy_model", e))?;
         }
-        self.validate_devices()?;
+        Ok(())
+    }
+
+    /// `[training]` but its negatives.
+    fn validate_training(&self) -> Result<(), ConfigError> {
         let t = &self.training;
         if t.num_epochs == 0 {
             return Err(bad("training.num_epochs", "must be at least 1"));
@@ -84,6 +109,11 @@ impl Config {
                 format!("must be a finite number ≥ 0, got {}", t.checkpoint_minutes),
             ));
         }
+        Ok(())
+    }
+
+    /// `[optimizer]`'s numbers, and a regulariser set by both of its keys.
+    fn validate_optimizer(&self) -> Result<(), ConfigError> {
         positive_f32(
             "optimizer.learning_rate",
             self.optimizer.learning_rate,
@@ -118,6 +148,12 @@ impl Config {
         if !(o.plateau_factor.is_finite() && o.plateau_factor > 0.0 && o.plateau_factor <= 1.0) {
             return Err(bad("optimizer.plateau_factor", "must be in (0, 1]"));
         }
+        Ok(())
+    }
+
+    /// What happens on validation evaluations (a plateau, early stopping) needs them.
+    fn validate_schedule(&self) -> Result<(), ConfigError> {
+        let o = &self.optimizer;
         let evaluates = self.evaluation.epochs_per_eval > 0;
         if o.plateau_factor < 1.0 && !evaluates {
             return Err(bad(
@@ -134,6 +170,11 @@ impl Config {
                 "stops on validation MRR: set evaluation.epochs_per_eval too",
             ));
         }
+        Ok(())
+    }
+
+    /// What the decoder's relation rows allow.
+    fn validate_relations(&self) -> Result<(), ConfigError> {
         if self.model.decoder == Decoder::RotatE && self.regularizer().is_active() {
             return Err(bad(
                 "optimizer.regularizer",
@@ -146,6 +187,12 @@ impl Config {
                 "dot has no relation parameters to invert",
             ));
         }
+        Ok(())
+    }
+
+    /// `[training.negatives]`.
+    fn validate_negatives(&self) -> Result<(), ConfigError> {
+        let t = &self.training;
         let n = &t.negatives;
         if n.num_chunks == 0 || n.num_chunks > t.batch_size {
             return Err(bad(
