@@ -139,4 +139,3 @@ pub(crate) const SELECT_SORT: u32 = 8192;
 
 /// Dynamic shared memory of `legend_scan_select` (its keys are 8 bytes).
 pub(crate) const SELECT_SMEM: u32 = SELECT_SORT * 8;
-

@@ -16,7 +16,7 @@ use crate::kernel_abi::{SELECT_SMEM, SELECT_SORT};
 use crate::{Gpu, GpuError};
 
 /// The largest K a scan keeps on the GPU: the kept keys and a piece of candidates share the
-/// selection's shared array ([`SELECT_SORT`](crate::kernel_abi::SELECT_SORT) entries).
+/// selection's shared array (`kernel_abi::SELECT_SORT` entries).
 pub const SCAN_MAX_TOP: usize = 2048;
 
 /// The most query vectors one [`Scan`] takes (its candidate lists grow with them).

@@ -14,7 +14,9 @@
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use legend_nvme_protocol::MAX_DEPTH;
 
-use super::{BlocksRunning, GpuIo, IoResult};
+use super::GpuIo;
+use super::abi::IoResult;
+use super::run::BlocksRunning;
 use crate::error::DriverContext;
 use crate::{Gpu, GpuError};
 
