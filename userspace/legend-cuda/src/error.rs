@@ -67,7 +67,18 @@ pub enum GpuError {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// The NVMe controller of the GPU I/O queues refused something.
+    /// A call to the NVMe controller of the GPU I/O queues failed.
+    #[error("{label}: {what}")]
+    Controller {
+        /// The controller.
+        label: String,
+        /// The call, and what it was for.
+        what: String,
+        /// Why it failed (boxed: it is large, and rare).
+        #[source]
+        source: Box<legend_nvme::Error>,
+    },
+    /// The NVMe controller of the GPU I/O queues cannot serve what was asked.
     #[error("{label}: {what}")]
     Nvme {
         /// The controller.

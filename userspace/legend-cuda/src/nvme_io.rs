@@ -340,9 +340,10 @@ impl GpuIo {
         for m in &self.members {
             // SAFETY: the caller's contract.
             let mapped = unsafe { m.ctrl.map_gpu(ptr, len) }
-                .map_err(|e| GpuError::Nvme {
+                .map_err(|source| GpuError::Controller {
                     label: m.ctrl.label().to_string(),
-                    what: format!("MAP of {len} bytes of GPU memory: {e}"),
+                    what: format!("MAP of {len} bytes of GPU memory"),
+                    source: Box::new(source),
                 })
                 .and_then(|mapping| match self.stream.clone_htod(&mapping.bus_addrs) {
                     Ok(pages) => Ok(RegionMap { mapping, pages }),

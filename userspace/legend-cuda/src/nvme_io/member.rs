@@ -84,72 +84,10 @@ impl Member {
         first_block: usize,
         queues: &mut Vec<IoQueue>,
     ) -> Result<Member, GpuError> {
-        let label = ctrl.label().to_string();
-        let nvme = |what: &'static str| {
-            let label = label.clone();
-            move |source: legend_nvme::Error| GpuError::Nvme {
-                label: label.clone(),
-                what: format!("{what}: {source}"),
-            }
-        };
-        let refuse = |what: String| GpuError::Nvme {
-            label: label.clone(),
-            what,
-        };
-        let info = ctrl.info().map_err(nvme("INFO"))?;
-        let ns = info.namespaces[..info.num_namespaces as usize]
-            .iter()
-            .find(|n| n.nsid == opts.namespace)
-            .ok_or_else(|| refuse(format!("no namespace {}", opts.namespace)))?;
-        // Two batches of `threads` in flight, and the slot the tail may not catch up with.
-        let want = 2 * opts.threads + 1;
-        let limit = info.max_queue_entries.min(u32::from(MAX_DEPTH));
-        if opts.threads == 0 || opts.threads > 1024 || want > limit {
-            return Err(refuse(format!(
-                "{} threads a block need queues of {want} entries; the controller allows {limit}",
-                opts.threads
-            )));
-        }
-        if opts.queues == 0 || opts.queues > info.queue_pairs {
-            return Err(refuse(format!(
-                "{} queue pairs asked for; the controller offers {}",
-                opts.queues, info.queue_pairs
-            )));
-        }
-        let depth = want as u16;
-        let max_command = max_command_bytes(info.max_transfer, ns.lba_shift);
-        if opts.staging != 0
-            && (!u64::from(opts.staging).is_multiple_of(1 << ns.lba_shift)
-                || u64::from(opts.staging) > max_command)
-        {
-            return Err(refuse(format!(
-                "staging slots of {} bytes: not a multiple of the {}-byte LBA, or above the \
-                 largest command ({max_command} bytes)",
-                opts.staging,
-                1u64 << ns.lba_shift
-            )));
-        }
-        let layout = QueueLayout::new(depth);
-        let per_queue = layout.bytes();
-        let total = (per_queue * opts.queues as usize).next_multiple_of(1 << 16);
-        ctx.bind_to_thread().during("binding the context")?;
-        let rings = match opts.placement {
-            RingPlacement::Host => Rings::Host(Pinned::new(ctx, total)?),
-            RingPlacement::Device => {
-                // SAFETY: raw device memory, zeroed below.
-                let base = unsafe { result::malloc_sync(total + (1 << 16)) }
-                    .during("allocating queue memory on the GPU")?;
-                let aligned = base.next_multiple_of(1 << 16);
-                // SAFETY: inside the allocation.
-                unsafe { result::memset_d8_sync(aligned, 0, total) }
-                    .during("clearing queue memory")?;
-                Rings::Device {
-                    base,
-                    aligned,
-                    len: total,
-                }
-            }
-        };
+        let geometry = Geometry::of(ctrl.as_ref(), opts)?;
+        let layout = QueueLayout::new(geometry.depth);
+        let total = (layout.bytes() * opts.queues as usize).next_multiple_of(1 << 16);
+        let rings = Rings::new(ctx, opts.placement, total)?;
         // SAFETY: the ring memory lives in the result until after the queue pairs are deleted.
         let rings_map = unsafe {
             match &rings {
@@ -157,10 +95,10 @@ impl Member {
                 Rings::Device { aligned, len, .. } => ctrl.map_gpu(*aligned, *len),
             }
         }
-        .map_err(nvme("MAP of the queue memory"))?;
+        .map_err(controller_error(ctrl.as_ref(), "MAP of the queue memory"))?;
         let registered = ctrl
             .doorbells()
-            .map_err(nvme("doorbells"))
+            .map_err(controller_error(ctrl.as_ref(), "doorbells"))
             .and_then(|doorbells| {
                 let gpu = Registered::new(
                     doorbells.as_ptr(),
@@ -172,52 +110,13 @@ impl Member {
         let (doorbells, doorbells_gpu) =
             registered.inspect_err(|_| undo_open(ctrl.as_ref(), &[], &rings_map))?;
         let first_queue = queues.len();
-        let mut qids = Vec::new();
-        let mut qid = 1;
-        while qids.len() < opts.queues as usize {
-            if qid > info.queue_pairs {
-                undo_open(ctrl.as_ref(), &qids, &rings_map);
-                return Err(refuse(format!(
-                    "not {} free queue pairs among {}",
-                    opts.queues, info.queue_pairs
-                )));
-            }
-            let base = qids.len() * per_queue;
-            let (cq_at, lists_at) = (base + layout.cq_offset(), base + layout.list_offset(0));
-            let args = uapi::QueuePairArgs {
-                qid,
-                depth: u32::from(depth),
-                sq_handle: rings_map.handle,
-                cq_handle: rings_map.handle,
-                sq_offset: base as u64,
-                cq_offset: cq_at as u64,
-                ..Default::default()
-            };
-            match ctrl.create_queue_pair(args) {
-                Ok(q) => {
-                    qids.push(qid);
-                    queues.push(IoQueue {
-                        sq: rings.device(base),
-                        cq: rings.device(cq_at),
-                        sq_doorbell: doorbells_gpu.device + u64::from(q.sq_doorbell),
-                        cq_doorbell: doorbells_gpu.device + u64::from(q.cq_doorbell),
-                        lists: rings.device(lists_at),
-                        lists_bus: rings_map.bus(lists_at),
-                        depth: u32::from(depth),
-                        qid,
-                        phase: 1,
-                        ..IoQueue::default()
-                    });
-                }
-                Err(legend_nvme::Error::Ioctl { ref source, .. })
-                    if source.raw_os_error() == Some(libc::EBUSY) => {}
-                Err(e) => {
-                    undo_open(ctrl.as_ref(), &qids, &rings_map);
-                    return Err(nvme("CREATE_QUEUE_PAIR")(e));
-                }
-            }
-            qid += 1;
-        }
+        let mapped = MappedRings {
+            rings: &rings,
+            map: &rings_map,
+            doorbells: &doorbells_gpu,
+            layout,
+        };
+        let qids = create_queue_pairs(ctrl.as_ref(), &geometry, opts.queues, &mapped, queues)?;
         let staging = match opts.staging {
             0 => None,
             bytes => Some(
@@ -226,21 +125,21 @@ impl Member {
                     stream,
                     ctrl.as_ref(),
                     &mut queues[first_queue..],
-                    usize::from(depth),
+                    usize::from(geometry.depth),
                     bytes,
                 )
                 .inspect_err(|_| undo_open(ctrl.as_ref(), &qids, &rings_map))?,
             ),
         };
-        tracing::debug!(label = %label, queues = qids.len(), depth, "GPU I/O queues open");
+        tracing::debug!(label = %ctrl.label(), queues = qids.len(), depth = geometry.depth, "GPU I/O queues open");
         Ok(Member {
             ctrl,
             opts: opts.clone(),
             qids,
-            depth,
-            lba_shift: ns.lba_shift,
-            blocks: ns.blocks,
-            max_command,
+            depth: geometry.depth,
+            lba_shift: geometry.lba_shift,
+            blocks: geometry.blocks,
+            max_command: geometry.max_command,
             first_block,
             rings_map,
             deleted: None,
@@ -304,6 +203,183 @@ impl Drop for Member {
     }
 }
 
+/// A member's namespace and queues, checked against what its controller allows.
+struct Geometry {
+    /// Entries a queue.
+    depth: u16,
+    /// Bytes of the largest command.
+    max_command: u64,
+    lba_shift: u32,
+    /// The namespace's LBAs.
+    blocks: u64,
+    /// Queue pairs the controller offers.
+    queue_pairs: u32,
+}
+
+impl Geometry {
+    /// The geometry of `opts` on `ctrl`, or why the controller cannot serve it.
+    fn of(ctrl: &dyn Controller, opts: &GpuIoOptions) -> Result<Geometry, GpuError> {
+        let refuse = |what: String| GpuError::Nvme {
+            label: ctrl.label().to_string(),
+            what,
+        };
+        let info = ctrl.info().map_err(controller_error(ctrl, "INFO"))?;
+        let ns = info.namespaces[..info.num_namespaces as usize]
+            .iter()
+            .find(|n| n.nsid == opts.namespace)
+            .ok_or_else(|| refuse(format!("no namespace {}", opts.namespace)))?;
+        // Two batches of `threads` in flight, and the slot the tail may not catch up with.
+        let want = 2 * opts.threads + 1;
+        let limit = info.max_queue_entries.min(u32::from(MAX_DEPTH));
+        if opts.threads == 0 || opts.threads > 1024 || want > limit {
+            return Err(refuse(format!(
+                "{} threads a block need queues of {want} entries; the controller allows {limit}",
+                opts.threads
+            )));
+        }
+        if opts.queues == 0 || opts.queues > info.queue_pairs {
+            return Err(refuse(format!(
+                "{} queue pairs asked for; the controller offers {}",
+                opts.queues, info.queue_pairs
+            )));
+        }
+        let max_command = max_command_bytes(info.max_transfer, ns.lba_shift);
+        if opts.staging != 0
+            && (!u64::from(opts.staging).is_multiple_of(1 << ns.lba_shift)
+                || u64::from(opts.staging) > max_command)
+        {
+            return Err(refuse(format!(
+                "staging slots of {} bytes: not a multiple of the {}-byte LBA, or above the \
+                 largest command ({max_command} bytes)",
+                opts.staging,
+                1u64 << ns.lba_shift
+            )));
+        }
+        Ok(Geometry {
+            depth: want as u16,
+            max_command,
+            lba_shift: ns.lba_shift,
+            blocks: ns.blocks,
+            queue_pairs: info.queue_pairs,
+        })
+    }
+}
+
+/// The error of controller call `what` on `ctrl`.
+fn controller_error(
+    ctrl: &dyn Controller,
+    what: &'static str,
+) -> impl FnOnce(legend_nvme::Error) -> GpuError {
+    let label = ctrl.label().to_string();
+    move |source| GpuError::Controller {
+        label,
+        what: what.to_string(),
+        source: Box::new(source),
+    }
+}
+
+impl Rings {
+    /// `total` bytes of zeroed queue memory where `placement` puts it.
+    fn new(
+        ctx: &Arc<CudaContext>,
+        placement: RingPlacement,
+        total: usize,
+    ) -> Result<Rings, GpuError> {
+        ctx.bind_to_thread().during("binding the context")?;
+        Ok(match placement {
+            RingPlacement::Host => Rings::Host(Pinned::new(ctx, total)?),
+            RingPlacement::Device => {
+                // SAFETY: raw device memory, zeroed below.
+                let base = unsafe { result::malloc_sync(total + (1 << 16)) }
+                    .during("allocating queue memory on the GPU")?;
+                let aligned = base.next_multiple_of(1 << 16);
+                // SAFETY: inside the allocation.
+                unsafe { result::memset_d8_sync(aligned, 0, total) }
+                    .during("clearing queue memory")?;
+                Rings::Device {
+                    base,
+                    aligned,
+                    len: total,
+                }
+            }
+        })
+    }
+}
+
+/// A member's queue memory as its controller and the GPU reach it.
+struct MappedRings<'a> {
+    rings: &'a Rings,
+    map: &'a Mapping,
+    doorbells: &'a Registered,
+    layout: QueueLayout,
+}
+
+/// Creates `wanted` queue pairs of `ctrl` in `mem` (skipping the queue ids another owner holds)
+/// and describes them in `queues`; returns their ids. On failure, gives back what it and the
+/// caller got from the controller ([`undo_open`]).
+fn create_queue_pairs(
+    ctrl: &dyn Controller,
+    geometry: &Geometry,
+    wanted: u32,
+    mem: &MappedRings<'_>,
+    queues: &mut Vec<IoQueue>,
+) -> Result<Vec<u32>, GpuError> {
+    let depth = geometry.depth;
+    let mut qids = Vec::new();
+    let mut qid = 1;
+    while qids.len() < wanted as usize {
+        if qid > geometry.queue_pairs {
+            undo_open(ctrl, &qids, mem.map);
+            return Err(GpuError::Nvme {
+                label: ctrl.label().to_string(),
+                what: format!(
+                    "not {wanted} free queue pairs among {}",
+                    geometry.queue_pairs
+                ),
+            });
+        }
+        let base = qids.len() * mem.layout.bytes();
+        let (cq_at, lists_at) = (
+            base + mem.layout.cq_offset(),
+            base + mem.layout.list_offset(0),
+        );
+        let args = uapi::QueuePairArgs {
+            qid,
+            depth: u32::from(depth),
+            sq_handle: mem.map.handle,
+            cq_handle: mem.map.handle,
+            sq_offset: base as u64,
+            cq_offset: cq_at as u64,
+            ..Default::default()
+        };
+        match ctrl.create_queue_pair(args) {
+            Ok(q) => {
+                qids.push(qid);
+                queues.push(IoQueue {
+                    sq: mem.rings.device(base),
+                    cq: mem.rings.device(cq_at),
+                    sq_doorbell: mem.doorbells.device + u64::from(q.sq_doorbell),
+                    cq_doorbell: mem.doorbells.device + u64::from(q.cq_doorbell),
+                    lists: mem.rings.device(lists_at),
+                    lists_bus: mem.map.bus(lists_at),
+                    depth: u32::from(depth),
+                    qid,
+                    phase: 1,
+                    ..IoQueue::default()
+                });
+            }
+            Err(legend_nvme::Error::Ioctl { ref source, .. })
+                if source.raw_os_error() == Some(libc::EBUSY) => {}
+            Err(e) => {
+                undo_open(ctrl, &qids, mem.map);
+                return Err(controller_error(ctrl, "CREATE_QUEUE_PAIR")(e));
+            }
+        }
+        qid += 1;
+    }
+    Ok(qids)
+}
+
 /// Gives back what [`Member::open`] got from the controller before it failed: the queue pairs
 /// `qids` and the ring memory's mapping.
 fn undo_open(ctrl: &dyn Controller, qids: &[u32], rings_map: &Mapping) {
@@ -329,11 +405,13 @@ impl Staging {
         let memory = Pinned::new(ctx, len)?;
         // SAFETY: the memory lives in the result, which `GpuIo` drops after deleting its queue
         // pairs and unmapping it.
-        let mapping =
-            unsafe { ctrl.map_host(memory.host, memory.len) }.map_err(|e| GpuError::Nvme {
+        let mapping = unsafe { ctrl.map_host(memory.host, memory.len) }.map_err(|source| {
+            GpuError::Controller {
                 label: ctrl.label().to_string(),
-                what: format!("MAP of {len} bytes of staging memory: {e}"),
-            })?;
+                what: format!("MAP of {len} bytes of staging memory"),
+                source: Box::new(source),
+            }
+        })?;
         let pages = match stream.clone_htod(&mapping.bus_addrs) {
             Ok(p) => p,
             Err(e) => {
