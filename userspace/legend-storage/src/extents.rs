@@ -5,9 +5,9 @@
 //! the previous table or the new one, never a torn one.
 
 use crate::error::StoreError;
+use crate::io::IoConfig;
 use crate::layout::{DatasetId, StoreSpec};
 use crate::medium::Target;
-use crate::io::IoConfig;
 use crate::store::{CreateOptions, Expect, Store};
 
 /// The identity of the table's own store: a device whose first store has another identity

@@ -50,6 +50,7 @@ mod uring;
 pub use buffer::{IO_ALIGN, IoBuffer};
 pub use error::StoreError;
 pub use extents::{EXTENT_ALIGN, ExtentEntry, ExtentTable, Extents};
+pub use io::IoConfig;
 pub use layout::{
     BASE_ALIGN, DatasetId, Extent, Layout, MAX_LABEL_BYTES, MAX_PARTITIONS, MAX_PROGRESS_BYTES,
     SUPERBLOCK_SLOT_BYTES, StoreSpec, partition_nodes, rows_per_partition,
@@ -57,6 +58,5 @@ pub use layout::{
 pub use legend_model::Dtype;
 pub use medium::Target;
 pub use nvme::NvmeTarget;
-pub use io::IoConfig;
 pub use store::{CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoPiece, IoRequest, Region, Store};
 pub use stripe::member_bytes;
