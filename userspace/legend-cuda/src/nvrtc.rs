@@ -15,7 +15,7 @@ use crate::GpuError;
 
 /// The kernel sources, in the order a program concatenates them. `common.cuh` goes first,
 /// so the programs need no include path.
-pub const KERNEL_SOURCES: [(&str, &str); 19] = [
+pub const KERNEL_SOURCES: [(&str, &str); 21] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("init.cu", include_str!("../../../kernels/init.cu")),
     ("sample.cu", include_str!("../../../kernels/sample.cu")),
@@ -54,7 +54,9 @@ pub const KERNEL_SOURCES: [(&str, &str); 19] = [
         "fused_launch.cu",
         include_str!("../../../kernels/fused_launch.cu"),
     ),
+    ("nvme_io.cuh", include_str!("../../../kernels/nvme_io.cuh")),
     ("nvme_io.cu", include_str!("../../../kernels/nvme_io.cu")),
+    ("row_cache.cu", include_str!("../../../kernels/row_cache.cu")),
     ("scan.cu", include_str!("../../../kernels/scan.cu")),
 ];
 
@@ -185,7 +187,7 @@ pub const PROGRAMS: [Program; 11] = [
     fused_program!(128, transe),
     Program {
         name: "nvme_io",
-        sources: &[&["nvme_io.cu"]],
+        sources: &[&["nvme_io.cuh", "nvme_io.cu", "row_cache.cu"]],
         fused_width: 0,
         transe: false,
         kernels: &[

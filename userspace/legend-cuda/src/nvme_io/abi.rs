@@ -1,8 +1,8 @@
-//! The I/O kernels' structs (`kernels/nvme_io.cu`), laid out as their CUDA twins.
+//! The I/O kernels' structs (`kernels/nvme_io.cuh`), laid out as their CUDA twins.
 
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 
-/// `LegendIoQueue` of `kernels/nvme_io.cu`.
+/// `LegendIoQueue` of `kernels/nvme_io.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct IoQueue {
