@@ -9,7 +9,7 @@ pub mod error;
 pub mod error_chain;
 pub mod evaluation;
 pub mod export;
-pub mod memory;
+pub mod footprint;
 pub mod progress;
 pub mod relations;
 pub mod rows;

@@ -24,7 +24,7 @@ use crate::config::{Config, ConfigError, Protocol};
 use crate::device::Engine;
 use crate::error::TrainError;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
-use crate::memory;
+use crate::footprint;
 use crate::progress::EpochCut;
 use crate::relations::Relations;
 use crate::rows::RowShape;
@@ -896,24 +896,24 @@ pub fn checkpoint_due(since_last: Duration, cost: Duration, interval: Duration) 
 }
 
 /// Refuses a run whose estimated peak host memory exceeds what the machine has (see
-/// [`memory::check_fits`]), before anything is allocated or written.
+/// [`footprint::check_fits`]), before anything is allocated or written.
 fn check_memory(
     config: &Config,
     dataset: &legend_dataset::DatasetMeta,
     device: &Engine,
     resuming: bool,
 ) -> Result<(), SessionError> {
-    let Some(available) = memory::available_bytes() else {
+    let Some(available) = footprint::available_bytes() else {
         tracing::warn!("cannot read the available memory; the run's memory is not checked");
         return Ok(());
     };
     let on_cuda = matches!(device, Engine::Cuda { .. });
-    let estimate = memory::check_fits(config, dataset, on_cuda, resuming, available)
+    let estimate = footprint::check_fits(config, dataset, on_cuda, resuming, available)
         .map_err(SessionError::Refused)?;
     tracing::info!(
         "host memory: about {:.1} GiB at the peak, {:.1} GiB available",
-        memory::gib(estimate.total()),
-        memory::gib(available)
+        footprint::gib(estimate.total()),
+        footprint::gib(available)
     );
     Ok(())
 }

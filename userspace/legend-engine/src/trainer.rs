@@ -453,7 +453,7 @@ impl Trainer {
         report.io_s = io.io_time.as_secs_f64();
         report.io_wait_s = io.wait_time.as_secs_f64();
         report.resumed = from.swaps > 0 || from.batches > 0;
-        report.peak_rss_bytes = crate::memory::peak_rss_bytes().unwrap_or(0);
+        report.peak_rss_bytes = crate::footprint::peak_rss_bytes().unwrap_or(0);
         report.gpu_memory_bytes = self.compute.device_memory_in_use();
         Ok(EpochEnd::Done(report))
     }

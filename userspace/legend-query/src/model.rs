@@ -284,7 +284,7 @@ impl<'a> Model<'a> {
                 // Jobs are threads of the daemon: an allocation that fails would take it down.
                 let bytes = (meta.entities as u128) * (dim as u128) * 4;
                 let available =
-                    legend_engine::memory::available_bytes().map_or(u128::MAX, u128::from);
+                    legend_engine::footprint::available_bytes().map_or(u128::MAX, u128::from);
                 if bytes > available {
                     return Err(QueryError::Tables(format!(
                         "{}: the run's entity rows take {:.1} GiB, more than the {:.1} GiB of \

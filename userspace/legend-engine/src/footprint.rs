@@ -1,4 +1,5 @@
-//! Host memory: what a run will need, what the machine has, and what a run used.
+//! A run's memory footprint, on the host and on the GPU: what it will need, what the machine
+//! has, what it used, and which settings would make it fit.
 //!
 //! A billion-edge run that the OOM killer ends while it saves has lost all its work, so a
 //! session estimates its peak before it allocates anything and refuses, saying which setting
