@@ -4,7 +4,7 @@
 
 mod compute;
 pub mod config;
-pub mod device;
+pub mod engine;
 pub mod error;
 pub mod error_chain;
 pub mod evaluation;
@@ -22,7 +22,7 @@ pub mod swap;
 pub mod trainer;
 
 pub use config::{Config, ConfigError, DeviceChoice};
-pub use device::Engine;
+pub use engine::Engine;
 pub use error::TrainError;
 pub use progress::EpochCut;
 pub use relations::Relations;

@@ -21,7 +21,7 @@ use legend_model::Dtype;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, ConfigError, Protocol};
-use crate::device::Engine;
+use crate::engine::Engine;
 use crate::error::TrainError;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
 use crate::footprint;

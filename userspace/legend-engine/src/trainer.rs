@@ -25,7 +25,7 @@ use crate::compute::cpu::CpuCompute;
 use crate::compute::cuda::CudaCompute;
 use crate::compute::{BucketRef, ComputeBackend, RowSink, Step};
 use crate::config::Config;
-use crate::device::Engine;
+use crate::engine::Engine;
 use crate::error::TrainError;
 use crate::progress::EpochCut;
 use crate::relations::Relations;
