@@ -17,6 +17,7 @@ use legend_cuda::nvme_io::{
 use legend_cuda::scan::{EntityRows, SCAN_MAX_ROWS, SCAN_MAX_TOP, SCAN_WORKING_BYTES};
 use legend_cuda::{Gpu, GpuError};
 use legend_engine::config::DeviceChoice;
+use legend_engine::engine::Resolved;
 use legend_engine::store::QueueBackend;
 use legend_engine::store::controllers::{self, DeviceModel, SharedController};
 use legend_engine::store::{FileStore, MemberFile};
@@ -62,30 +63,23 @@ impl GpuOptions {
     }
 }
 
-/// The device `choice` names, opened; `None` for the CPU, with why when `auto` found no GPU.
+/// The device `choice` names, opened ([`DeviceChoice::resolve`]); `None` for the CPU, with why
+/// when `auto` found no GPU.
 pub(crate) fn open_device(choice: DeviceChoice) -> Result<(Option<OpenedGpu>, String), QueryError> {
-    let open = |ordinal: usize| {
-        Gpu::new(ordinal).map(|gpu| OpenedGpu {
-            name: format!("cuda:{ordinal} ({}, {})", gpu.name(), gpu.arch()),
-            gpu,
-        })
-    };
-    match choice {
-        DeviceChoice::Cpu => Ok((None, "cpu".into())),
-        DeviceChoice::Cuda(ordinal) => match open(ordinal) {
-            Ok(g) => Ok((Some(g), String::new())),
-            Err(source) => Err(QueryError::Gpu {
-                device: format!("cuda:{ordinal}"),
-                source,
+    match choice.resolve() {
+        Ok(Resolved::Gpu { ordinal, gpu }) => Ok((
+            Some(OpenedGpu {
+                name: format!("cuda:{ordinal} ({}, {})", gpu.name(), gpu.arch()),
+                gpu: *gpu,
             }),
-        },
-        DeviceChoice::Auto if !legend_cuda::driver_present() => {
-            Ok((None, "cpu (auto: no CUDA driver)".into()))
-        }
-        DeviceChoice::Auto => match open(0) {
-            Ok(g) => Ok((Some(g), String::new())),
-            Err(e) => Ok((None, format!("cpu (auto: {e})"))),
-        },
+            String::new(),
+        )),
+        Ok(Resolved::Cpu { why: None }) => Ok((None, "cpu".into())),
+        Ok(Resolved::Cpu { why: Some(why) }) => Ok((None, format!("cpu (auto: {why})"))),
+        Err(source) => Err(QueryError::Gpu {
+            device: choice.to_string(),
+            source,
+        }),
     }
 }
 
