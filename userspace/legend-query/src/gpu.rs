@@ -11,15 +11,14 @@
 use std::sync::{Mutex, MutexGuard};
 
 use legend_cuda::nvme_io::{
-    CacheStats, CachedTable, CudaDeviceMemory, GpuIo, GpuIoOptions, RingPlacement, RowCache,
-    RowCacheOptions,
+    CacheStats, CachedTable, GpuIo, GpuIoOptions, RingPlacement, RowCache, RowCacheOptions,
 };
 use legend_cuda::scan::{EntityRows, SCAN_MAX_ROWS, SCAN_MAX_TOP, SCAN_WORKING_BYTES};
 use legend_cuda::{Gpu, GpuError};
 use legend_engine::config::DeviceChoice;
 use legend_engine::engine::Resolved;
 use legend_engine::store::QueueBackend;
-use legend_engine::store::controllers::{self, DeviceModel, SharedController};
+use legend_engine::store::controllers::{self, DeviceModel};
 use legend_engine::store::{FileStore, MemberFile};
 use legend_eval::Kernel;
 use legend_model::{Comparator, Dtype};
@@ -187,16 +186,9 @@ pub fn store_row_cache(
         None => controllers::open(QueueBackend::Proxy, &member.file, proxy_model)
             .map_err(|e| fail("starting a proxy controller over the store", &e))?,
     };
-    let placement = match &ctrl {
-        SharedController::Proxy(p) => {
-            let memory =
-                CudaDeviceMemory::new(gpu).map_err(|e| fail("the proxy's copy engine", &e))?;
-            p.attach_device(std::sync::Arc::new(memory))
-                .map_err(|e| fail("attaching the GPU to the proxy", &e))?;
-            RingPlacement::Host
-        }
-        SharedController::Device(_) => RingPlacement::Device,
-    };
+    let placement = ctrl
+        .gpu_placement(gpu)
+        .map_err(|e| fail("reaching the controller from the GPU", &e))?;
     let table = store_table(store).map_err(|e| format!("{label}: {e}"))?;
     let namespace = member.queue.map_or(1, |q| q.namespace);
     let info = ctrl

@@ -3,12 +3,9 @@
 //! ([`GpuDirectMover`]). Both run on the swap's I/O thread with CUDA streams of their own,
 //! ordered against the compute stream by the jobs' fences.
 
-use std::sync::Arc;
 use std::time::Instant;
 
-use legend_cuda::nvme_io::{
-    CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, IoMember, MemberJob, RingPlacement,
-};
+use legend_cuda::nvme_io::{GpuIo, GpuIoJob, GpuIoOptions, IoMember, MemberJob, RingPlacement};
 use legend_cuda::{
     CudaSlice, DEFAULT_CHUNK_BYTES, Gpu, GpuError, RowConverter, RowSpan, Transfer, addr,
 };
@@ -16,7 +13,6 @@ use legend_cuda::{
 use super::host::HostStore;
 use super::{Fence, IoDirection, IoKernelSpan, Moved, Mover, WriteJob};
 use crate::rows::Partition;
-use crate::store::controllers::SharedController;
 use crate::store::{Embeddings, FileStore, PartitionStore, PartitionStoreError, QueuedMember};
 
 /// The slots of the GPU engine's node table as its movers reach them: raw device addresses.
@@ -407,22 +403,7 @@ impl GpuDirectMover {
 /// The GPU I/O kernels' queues on store member `m`: a proxy's in pinned host memory (it moves
 /// the kernels' data with this GPU's copy engine), a real controller's in GPU memory.
 fn io_member(gpu: &Gpu, m: &QueuedMember) -> Result<IoMember, PartitionStoreError> {
-    let placement = match &m.controller {
-        SharedController::Proxy(p) => {
-            let memory =
-                CudaDeviceMemory::new(gpu).map_err(|e| PartitionStoreError::Controller {
-                    what: "setting up the proxy controller's copies".into(),
-                    source: Box::new(e),
-                })?;
-            p.attach_device(Arc::new(memory))
-                .map_err(|e| PartitionStoreError::Controller {
-                    what: "attaching the GPU to the proxy controller".into(),
-                    source: Box::new(e),
-                })?;
-            RingPlacement::Host
-        }
-        SharedController::Device(_) => RingPlacement::Device,
-    };
+    let placement = m.controller.gpu_placement(gpu)?;
     Ok(IoMember {
         controller: m.controller.controller(),
         options: GpuIoOptions {

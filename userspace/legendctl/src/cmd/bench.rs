@@ -510,22 +510,14 @@ fn name(v: &impl std::fmt::Debug) -> String {
 /// pair with two batches in flight; each launch moves a few batches a block on every target at
 /// once, until the time is up. What each target moved, in `paths` order.
 fn gpu(args: &IoArgs, duration: Duration) -> anyhow::Result<Vec<Samples>> {
-    use legend_cuda::nvme_io::{
-        CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, IoMember, MemberJob, RingPlacement,
-    };
+    use legend_cuda::nvme_io::{GpuIo, GpuIoJob, GpuIoOptions, IoMember, MemberJob, RingPlacement};
     let device = legend_cuda::Gpu::new(0).context("opening cuda:0")?;
     // Kept open while the queues use them.
     let mut ctrls = Vec::with_capacity(args.paths.len());
     let mut members = Vec::with_capacity(args.paths.len());
     for path in &args.paths {
         let ctrl = controller(args, path)?;
-        let placement = match &ctrl {
-            controllers::SharedController::Proxy(p) => {
-                p.attach_device(Arc::new(CudaDeviceMemory::new(&device)?))?;
-                RingPlacement::Host
-            }
-            controllers::SharedController::Device(_) => RingPlacement::Device,
-        };
+        let placement = ctrl.gpu_placement(&device)?;
         check_write(args, path, placement == RingPlacement::Device)?;
         members.push(IoMember {
             controller: ctrl.controller(),

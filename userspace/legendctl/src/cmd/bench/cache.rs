@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
 use legend_cuda::nvme_io::{
-    CachedTable, CudaDeviceMemory, GpuIo, GpuIoOptions, RingPlacement, RowCache, RowCacheOptions,
+    CachedTable, GpuIo, GpuIoOptions, RingPlacement, RowCache, RowCacheOptions,
 };
 use legend_engine::run;
-use legend_engine::store::controllers::DeviceModel;
+use legend_engine::store::controllers::{DeviceModel, SharedController};
 use legend_engine::store::{FileStore, MemberFile};
 use legend_nvme_proxy::{Proxy, ProxyOptions};
 use serde::Serialize;
@@ -288,8 +288,8 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
                         },
                     )
                     .with_context(|| format!("starting the proxy over {}", src.file.display()))?;
-                    proxy.attach_device(Arc::new(CudaDeviceMemory::new(&gpu)?))?;
                     let proxy = Arc::new(proxy);
+                    SharedController::Proxy(proxy.clone()).gpu_placement(&gpu)?;
                     // The line size the cache will use, to size it in lines.
                     let line =
                         RowCache::line_bytes_for(row_bytes, args.line_bytes, proxy.block_size());
