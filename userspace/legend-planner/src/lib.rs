@@ -17,8 +17,8 @@ mod predict;
 mod search;
 mod sequential;
 
-pub use error::{PlanError, PredictError, ValidationError};
 pub use bucket::Bucket;
+pub use error::{PlanError, PredictError, ValidationError};
 pub use order::{Order, UnknownOrder};
 pub use plan::{Plan, Swap, validate};
 pub use predict::{Prediction, PredictionInput, predict};

@@ -2,8 +2,8 @@
 
 use serde::Serialize;
 
-use crate::error::PredictError;
 use crate::bucket::Bucket;
+use crate::error::PredictError;
 use crate::plan::Plan;
 
 /// Bytes per node per dimension of the paper's rows (an f32 embedding and an f32 AdaGrad state
