@@ -56,7 +56,10 @@ pub const KERNEL_SOURCES: [(&str, &str); 21] = [
     ),
     ("nvme_io.cuh", include_str!("../../../kernels/nvme_io.cuh")),
     ("nvme_io.cu", include_str!("../../../kernels/nvme_io.cu")),
-    ("row_cache.cu", include_str!("../../../kernels/row_cache.cu")),
+    (
+        "row_cache.cu",
+        include_str!("../../../kernels/row_cache.cu"),
+    ),
     ("scan.cu", include_str!("../../../kernels/scan.cu")),
 ];
 

@@ -14,6 +14,17 @@ pub use device::{Controller, Device, DeviceMemory, Doorbells, Health, Mapping, Q
 pub use legend_uapi as uapi;
 pub use sysfs::{PciController, Sysfs};
 
+/// The namespaces a controller's `info` lists: its count, never beyond the array the ABI
+/// defines.
+pub fn namespaces(info: &uapi::Info) -> &[uapi::NamespaceInfo] {
+    &info.namespaces[..(info.num_namespaces as usize).min(info.namespaces.len())]
+}
+
+/// Namespace `nsid` of the controller whose `info` this is, if it has one.
+pub fn namespace(info: &uapi::Info, nsid: u32) -> Option<&uapi::NamespaceInfo> {
+    namespaces(info).iter().find(|n| n.nsid == nsid)
+}
+
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

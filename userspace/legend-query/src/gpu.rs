@@ -195,9 +195,7 @@ pub fn store_row_cache(
         .controller()
         .info()
         .map_err(|e| fail("reading the controller", &e))?;
-    let lba = info.namespaces[..(info.num_namespaces as usize).min(info.namespaces.len())]
-        .iter()
-        .find(|n| n.nsid == namespace)
+    let lba = legend_nvme::namespace(&info, namespace)
         .map(|n| 1u64 << n.lba_shift)
         .ok_or_else(|| format!("{label}: the controller has no namespace {namespace}"))?;
     let line = RowCache::line_bytes_for(table.row_bytes, opts.line_bytes, lba);

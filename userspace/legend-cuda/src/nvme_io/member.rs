@@ -224,9 +224,7 @@ impl Geometry {
             what,
         };
         let info = ctrl.info().map_err(controller_error(ctrl, "INFO"))?;
-        let ns = info.namespaces[..info.num_namespaces as usize]
-            .iter()
-            .find(|n| n.nsid == opts.namespace)
+        let ns = legend_nvme::namespace(&info, opts.namespace)
             .ok_or_else(|| refuse(format!("no namespace {}", opts.namespace)))?;
         // Two batches of `threads` in flight, and the slot the tail may not catch up with.
         let want = 2 * opts.threads + 1;

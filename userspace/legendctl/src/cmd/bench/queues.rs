@@ -46,9 +46,7 @@ pub fn run(
     duration: Duration,
 ) -> anyhow::Result<Samples> {
     let info = ctrl.info()?;
-    let ns = info.namespaces[..info.num_namespaces as usize]
-        .iter()
-        .find(|n| n.nsid == args.namespace)
+    let ns = legend_nvme::namespace(&info, args.namespace)
         .with_context(|| format!("{}: no namespace {}", ctrl.label(), args.namespace))?;
     check_write(args, path, args.backend == Backend::Nvme)?;
     let block = 1u64 << ns.lba_shift;
