@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 pub use host::HostRows;
 
 use crate::rows::Partition;
-use crate::store::{Embeddings, PartitionStore, PartitionStoreError};
+use crate::store::{PartitionStore, PartitionStoreError, StoredEmbeddings};
 
 /// A point in a device's queued work: a slot may be written out once the work before it has
 /// run ([`Swapper::evict`]), and compute may use an arrived partition once its copy has run
@@ -613,7 +613,7 @@ fn serve(mover: &mut dyn Mover, job: Job) -> Reply {
         Job::Return(part) => (
             mover
                 .store()
-                .keep_stored(part.id, Embeddings::F32(part.emb), part.state)
+                .keep_stored(part.id, StoredEmbeddings::F32(part.emb), part.state)
                 .map(|()| Done::Returned),
             None,
         ),
