@@ -10,7 +10,9 @@
 mod device;
 mod sysfs;
 
-pub use device::{Controller, Device, DeviceMemory, Doorbells, Health, Mapping, QueuePair};
+pub use device::{
+    Controller, Device, DeviceMemory, Doorbells, Health, Mapping, QueuePairDoorbells,
+};
 pub use legend_uapi as uapi;
 pub use sysfs::{PciController, Sysfs};
 
