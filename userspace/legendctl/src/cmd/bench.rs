@@ -43,7 +43,7 @@ enum What {
 /// Where the I/O goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Backend {
+pub enum BenchBackend {
     /// A file or block device through io_uring (O_DIRECT where the file system allows it).
     File,
     /// The userspace proxy controller over a file or block device, through NVMe queues.
@@ -87,7 +87,7 @@ pub enum Op {
 pub struct IoArgs {
     /// The target's kind.
     #[arg(long, value_enum, default_value = "file")]
-    pub backend: Backend,
+    pub backend: BenchBackend,
     /// A file or block device (`file`, `proxy`), or the device node (`nvme`); repeated, the
     /// targets are driven at once (CPU submitters), as the members of a striped store are.
     #[arg(long = "path", required = true)]
@@ -182,7 +182,7 @@ impl Samples {
 /// The report.
 #[derive(Serialize)]
 struct Report {
-    backend: Backend,
+    backend: BenchBackend,
     submitter: Submitter,
     pattern: Pattern,
     op: Op,
@@ -321,7 +321,7 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
             bail!(
                 "{}: no such file or device{}",
                 path.display(),
-                if args.backend == Backend::Nvme {
+                if args.backend == BenchBackend::Nvme {
                     " (is the controller bound to legend_nvme? `legendctl device list`)"
                 } else {
                     ""
@@ -332,7 +332,8 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
             bail!("--path {} is given twice", other.display());
         }
     }
-    if (args.ssd_model.is_some() || args.proxy_threads.is_some()) && args.backend != Backend::Proxy
+    if (args.ssd_model.is_some() || args.proxy_threads.is_some())
+        && args.backend != BenchBackend::Proxy
     {
         bail!("--ssd-model and --proxy-threads set up the proxy: use them with --backend proxy");
     }
@@ -342,7 +343,7 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
     if args.staging.is_some() && args.submitter != Submitter::Gpu {
         bail!("--staging sets up the GPU I/O kernels: use it with --submitter gpu");
     }
-    if args.submitter == Submitter::Gpu && args.backend == Backend::File {
+    if args.submitter == Submitter::Gpu && args.backend == BenchBackend::File {
         bail!("--submitter gpu drives NVMe queues: use --backend proxy or nvme");
     }
     let duration = Duration::from_secs_f64(args.seconds);
@@ -404,8 +405,8 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
         queues: args.queues,
         depth: args.depth,
         ssd_model: args.ssd_model.map(|m| m.to_string()),
-        proxy_threads: (args.backend == Backend::Proxy).then(|| proxy_options(&args).threads),
-        proxy_depth: (args.backend == Backend::Proxy).then_some(args.proxy_depth),
+        proxy_threads: (args.backend == BenchBackend::Proxy).then(|| proxy_options(&args).threads),
+        proxy_depth: (args.backend == BenchBackend::Proxy).then_some(args.proxy_depth),
         staging_bytes: (args.submitter == Submitter::Gpu).then(|| staging(&args)),
         elapsed_s: secs,
         ops: samples.ops,
@@ -466,19 +467,20 @@ fn proxy_options(args: &IoArgs) -> ProxyOptions {
 
 /// The staging slot bytes of `--submitter gpu`.
 fn staging(args: &IoArgs) -> u32 {
-    args.staging
-        .unwrap_or(if args.backend == Backend::Proxy && args.size <= 64 << 10 {
+    args.staging.unwrap_or(
+        if args.backend == BenchBackend::Proxy && args.size <= 64 << 10 {
             args.size as u32
         } else {
             0
-        })
+        },
+    )
 }
 
 /// Runs the benchmark on one target with CPU submitters.
 fn one_target(args: &IoArgs, path: &Path, duration: Duration) -> anyhow::Result<Samples> {
     match args.backend {
-        Backend::File => file::run(args, path, duration),
-        Backend::Proxy | Backend::Nvme => {
+        BenchBackend::File => file::run(args, path, duration),
+        BenchBackend::Proxy | BenchBackend::Nvme => {
             let ctrl = controller(args, path)?;
             queues::run(args, path, ctrl.controller(), duration)
         }
@@ -487,7 +489,7 @@ fn one_target(args: &IoArgs, path: &Path, duration: Duration) -> anyhow::Result<
 
 /// The controller of target `path` (`--backend proxy` or `nvme`).
 fn controller(args: &IoArgs, path: &Path) -> anyhow::Result<controllers::SharedController> {
-    if args.backend == Backend::Proxy {
+    if args.backend == BenchBackend::Proxy {
         // Its own proxy, with the asked-for threads and depth (no other user of the file in
         // this process to share one with).
         let proxy = Proxy::open(path, &proxy_options(args))

@@ -9,7 +9,7 @@ use anyhow::{Context, bail};
 use legend_nvme::{Controller, uapi};
 use legend_nvme_protocol::{CommandError, MAX_DEPTH, Opcode, QueueLayout, QueuePair, Sqe, prp};
 
-use super::{Backend, IoArgs, Op, Samples, Span, check_write};
+use super::{BenchBackend, IoArgs, Op, Samples, Span, check_write};
 
 /// Page-aligned memory of one queue: SQ, CQ, one PRP list page per slot, then the data.
 struct QueueMemory {
@@ -48,7 +48,7 @@ pub fn run(
     let info = ctrl.info()?;
     let ns = legend_nvme::namespace(&info, args.namespace)
         .with_context(|| format!("{}: no namespace {}", ctrl.label(), args.namespace))?;
-    check_write(args, path, args.backend == Backend::Nvme)?;
+    check_write(args, path, args.backend == BenchBackend::Nvme)?;
     let block = 1u64 << ns.lba_shift;
     let span = Span::of(args, path, ns.blocks << ns.lba_shift, block)?;
     if info.max_transfer != 0 && args.size > u64::from(info.max_transfer) {
