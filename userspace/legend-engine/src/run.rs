@@ -233,11 +233,6 @@ pub const META_FILE: &str = "run.toml";
 /// The resolved configuration's file name.
 pub const CONFIG_FILE: &str = "config.toml";
 
-/// Path of `run.toml` in `run`.
-pub fn meta_path(run: &Path) -> PathBuf {
-    run.join(META_FILE)
-}
-
 /// Opens the run directory `run` (to read it: see [`Dir::open`]); a missing directory is
 /// [`RunError::NotARun`].
 pub fn open(run: &Path) -> Result<Dir, RunError> {
