@@ -10,8 +10,8 @@ use crate::error::{IoContext, Result, invalid};
 use crate::import::write_synced;
 use crate::{EDGES_DIR, Edge};
 
-/// How entity ids are split into partitions: partition `p` covers ids
-/// `[p·⌈V/N⌉, min(V, (p+1)·⌈V/N⌉))`.
+/// How entity ids are split into partitions ([`legend_model::partition`]): partition `p` covers
+/// ids `[p·⌈V/N⌉, min(V, (p+1)·⌈V/N⌉))`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PartitionScheme {
     /// Number of partitions N.
@@ -39,7 +39,10 @@ impl PartitionScheme {
         Ok(PartitionScheme {
             num_partitions,
             entities,
-            rows_per_partition: entities.div_ceil(u64::from(num_partitions)),
+            rows_per_partition: legend_model::partition::rows_per_partition(
+                entities,
+                num_partitions,
+            ),
         })
     }
 
@@ -50,8 +53,7 @@ impl PartitionScheme {
 
     /// The entity ids of partition `p`.
     pub fn range(&self, p: u32) -> Range<u64> {
-        let start = (u64::from(p) * self.rows_per_partition).min(self.entities);
-        start..(start + self.rows_per_partition).min(self.entities)
+        legend_model::partition::partition_range(self.entities, self.num_partitions, p)
     }
 
     /// Index of bucket (src_part, dst_part) in row-major order.

@@ -622,7 +622,10 @@ impl RowReader {
         match &self.source {
             RowSource::Store(store, _) => {
                 let spec = store.spec();
-                let rows = legend_storage::rows_per_partition(spec.num_nodes, spec.num_partitions);
+                let rows = legend_model::partition::rows_per_partition(
+                    spec.num_nodes,
+                    spec.num_partitions,
+                );
                 let floats = rows * u64::from(spec.dim + spec.state_width);
                 2 * floats * 4 + store.max_partition_bytes() as u64
             }

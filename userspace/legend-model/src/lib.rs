@@ -12,6 +12,7 @@ mod decoder;
 mod dtype;
 mod init;
 mod loss;
+pub mod partition;
 mod permutation;
 mod regularizer;
 pub mod rng;

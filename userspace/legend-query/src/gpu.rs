@@ -231,7 +231,7 @@ pub fn store_table(store: &FileStore) -> Result<CachedTable, String> {
     let spec = store.spec();
     let row_bytes = u32::try_from(spec.dim as usize * spec.dtype.bytes())
         .map_err(|_| format!("rows of {} values", spec.dim))?;
-    let per_part = legend_storage::rows_per_partition(spec.num_nodes, spec.num_partitions);
+    let per_part = legend_model::partition::rows_per_partition(spec.num_nodes, spec.num_partitions);
     // Trailing partitions may hold no rows: the table ends with the last that does.
     let parts = spec.num_nodes.div_ceil(per_part) as u32;
     let partitions = (0..parts)

@@ -53,7 +53,7 @@ pub use extents::{EXTENT_ALIGN, ExtentEntry, ExtentTable, Extents};
 pub use io::IoConfig;
 pub use layout::{
     BASE_ALIGN, DatasetId, Extent, Layout, MAX_LABEL_BYTES, MAX_PARTITIONS, MAX_PROGRESS_BYTES,
-    SUPERBLOCK_SLOT_BYTES, StoreSpec, partition_nodes, rows_per_partition,
+    SUPERBLOCK_SLOT_BYTES, StoreSpec,
 };
 pub use legend_model::Dtype;
 pub use medium::Target;

@@ -551,7 +551,7 @@ impl FileStore {
         let spec = self.store.spec();
         let (dim, dtype, nodes) = (spec.dim as usize, spec.dtype, spec.num_nodes);
         let row_bytes = (dim * dtype.bytes()) as u64;
-        let per_part = legend_storage::rows_per_partition(nodes, spec.num_partitions);
+        let per_part = legend_model::partition::rows_per_partition(nodes, spec.num_partitions);
         assert_eq!(out.len(), ids.len() * dim, "one row of out per id");
         if let Some(&bad) = ids.iter().find(|&&id| id >= nodes) {
             return Err(PartitionStoreError::Invalid(format!(
