@@ -247,7 +247,8 @@ pub fn read_config(run: &Dir) -> Result<crate::Config, RunError> {
     let text = run
         .read_to_string(CONFIG_FILE)
         .map_err(io(&run.join(CONFIG_FILE)))?;
-    crate::Config::parse(&text, &[]).map_err(|e| invalid(&run.join(CONFIG_FILE), e.to_string()))
+    crate::Config::parse_recorded(&text, &[])
+        .map_err(|e| invalid(&run.join(CONFIG_FILE), e.to_string()))
 }
 
 /// The sampled negatives run `run` evaluates with (its `[evaluation]` section): what a later

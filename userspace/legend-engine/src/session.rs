@@ -282,7 +282,7 @@ impl Session {
         let text = run
             .read_to_string(run::CONFIG_FILE)
             .map_err(io_error(&config_path))?;
-        let config = Config::parse(&text, sets)?;
+        let config = Config::parse_recorded(&text, sets)?;
         let dataset = evaluation::open_run_dataset(&meta, dataset, guard)?;
         let device = Engine::open(&config)?;
         // Resuming reads the checkpoint's tables into host memory before they go to the GPU.

@@ -26,7 +26,7 @@ pub use schema::{
     Backend, DeviceChoice, EvalSplit, EvaluationConfig, LossKind, ModelConfig, NegativesConfig,
     OptimizerConfig, Protocol, RelationStart, StorageConfig, StoreDevice, TrainingConfig,
 };
-use text::{move_deprecated_keys, name_key, parse_value, set_dotted};
+use text::{Written, move_deprecated_keys, name_key, parse_value, refuse_retired_keys, set_dotted};
 
 /// The whole configuration of a training run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -54,15 +54,34 @@ fn bad(key: &str, why: impl std::fmt::Display) -> ConfigError {
 }
 
 impl Config {
-    /// Parses a TOML configuration and applies `key=value` overrides (dotted keys, TOML values;
-    /// a value that is not valid TOML is taken as a string).
+    /// Parses a new TOML configuration and applies `key=value` overrides (dotted keys, TOML
+    /// values; a value that is not valid TOML is taken as a string). The retired string form
+    /// of `storage.device` (now `training.device`) is refused, naming the key to use.
     pub fn parse(text: &str, overrides: &[String]) -> Result<Config, ConfigError> {
+        Self::parse_as(text, overrides, Written::Now)
+    }
+
+    /// Parses a run's recorded configuration (its `config.toml`) with new `overrides`: as
+    /// [`Config::parse`], but a configuration recorded before `storage.device` moved to
+    /// `training.device` still reads (with a warning), so that its run resumes; the overrides
+    /// are new, and held to [`Config::parse`]'s rules.
+    pub fn parse_recorded(text: &str, overrides: &[String]) -> Result<Config, ConfigError> {
+        Self::parse_as(text, overrides, Written::Recorded)
+    }
+
+    fn parse_as(text: &str, overrides: &[String], written: Written) -> Result<Config, ConfigError> {
         let mut table: toml::Table =
             toml::from_str(text).map_err(|e| ConfigError(format!("invalid configuration: {e}")))?;
+        if written == Written::Now {
+            refuse_retired_keys(&table)?;
+        }
         for o in overrides {
             let (key, value) = o
                 .split_once('=')
                 .ok_or_else(|| ConfigError(format!("--set {o:?}: expected section.key=value")))?;
+            let mut set = toml::Table::new();
+            set_dotted(&mut set, key.trim(), parse_value(value.trim()))?;
+            refuse_retired_keys(&set)?;
             set_dotted(&mut table, key.trim(), parse_value(value.trim()))?;
         }
         move_deprecated_keys(&mut table)?;

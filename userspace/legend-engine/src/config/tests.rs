@@ -56,8 +56,8 @@ fn storage_devices_list_the_members_of_a_striped_store() {
         .unwrap()
         .store_members("/run".as_ref());
     assert!(members.iter().all(|m| m.queue.is_none()) && members.len() == 2);
-    // The old `storage.device = "cpu"` still moves to training.device.
-    let old = Config::parse("[storage]\ndevice = \"cpu\"\n", &[]).unwrap();
+    // A recorded `storage.device = "cpu"` still moves to training.device.
+    let old = Config::parse_recorded("[storage]\ndevice = \"cpu\"\n", &[]).unwrap();
     assert!(old.storage.device.is_empty() && old.training.device == DeviceChoice::Cpu);
     let refused: &[(&str, &str)] = &[
         (
@@ -154,7 +154,7 @@ fn errors_name_the_key() {
         (
             "",
             &["storage.device=cpu", "training.device=cpu"],
-            "set only training.device",
+            "set training.device = \"cpu\"",
         ),
         ("", &["storage.backend=tape"], "storage.backend"),
         (
@@ -299,12 +299,27 @@ fn a_proxy_models_an_ssd() {
 }
 
 #[test]
-fn the_old_device_key_still_works() {
-    let c = Config::parse("[storage]\ndevice = \"auto\"\n", &[]).unwrap();
+fn the_old_device_key_is_refused_in_new_configurations_and_read_in_recorded_ones() {
+    let old = "[storage]\ndevice = \"auto\"\n";
+    for e in [
+        Config::parse(old, &[]).unwrap_err(),
+        Config::parse("", &["storage.device=cuda:1".into()]).unwrap_err(),
+        Config::parse_recorded("", &["storage.device=cuda:1".into()]).unwrap_err(),
+    ] {
+        let e = e.to_string();
+        assert!(
+            e.starts_with("storage.device: ") && e.contains("set training.device = "),
+            "{e}"
+        );
+    }
+    let e = Config::parse("[storage]\ndevice = 3\n", &[]).unwrap_err();
+    assert!(e.to_string().contains("training.device"), "{e}");
+    // A run recorded before the move still resumes, with the engine it recorded.
+    let c = Config::parse_recorded(old, &[]).unwrap();
     assert_eq!(c.device(), DeviceChoice::Auto);
-    let c = Config::parse("", &["storage.device=cuda:1".into()]).unwrap();
-    assert_eq!(c.device(), DeviceChoice::Cuda(1));
     assert!(c.to_toml().contains("[training]") && !c.to_toml().contains("[storage]\ndevice"));
+    let both = "[storage]\ndevice = \"auto\"\n[training]\ndevice = \"cpu\"\n";
+    assert!(Config::parse_recorded(both, &[]).is_err());
 }
 
 #[test]

@@ -50,6 +50,41 @@ fn in_words(key: &str, message: &str) -> String {
     out
 }
 
+/// When a configuration's text was written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Written {
+    /// Now: a new run's, or a new override.
+    Now,
+    /// By a run, which may predate a key's move.
+    Recorded,
+}
+
+/// Refuses what only a recorded configuration may still say: `storage.device` as a string,
+/// which named the engine before `training.device` did (`[[storage.device]]` tables list the
+/// members of a striped store).
+pub(super) fn refuse_retired_keys(table: &toml::Table) -> Result<(), ConfigError> {
+    let device = table
+        .get("storage")
+        .and_then(toml::Value::as_table)
+        .and_then(|s| s.get("device"));
+    match device {
+        Some(toml::Value::String(engine)) => Err(bad(
+            "storage.device",
+            format!(
+                "{engine:?} names the engine, which training.device does now: set \
+                 training.device = {engine:?} (storage.device lists the [[storage.device]] \
+                 members of a striped store)"
+            ),
+        )),
+        Some(v) if !v.is_array() => Err(bad(
+            "storage.device",
+            "lists the [[storage.device]] members of a striped store (the engine is \
+             training.device)",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Keys that moved: (old section, old key, new section, new key).
 const MOVED_KEYS: [(&str, &str, &str, &str); 3] = [
     ("storage", "device", "training", "device"),
@@ -66,8 +101,8 @@ pub(super) fn move_deprecated_keys(table: &mut toml::Table) -> Result<(), Config
         else {
             continue;
         };
-        // `storage.device` as a string is the old `training.device`; as tables, the devices of
-        // a striped store.
+        // `storage.device` as a string is the old `training.device` (read only from a recorded
+        // configuration, `refuse_retired_keys`); as tables, the devices of a striped store.
         let old = match section.get(old_key) {
             Some(v) if !v.is_array() => section.remove(old_key).expect("present"),
             _ => continue,
