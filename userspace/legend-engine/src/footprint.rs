@@ -147,13 +147,36 @@ impl HostEstimate {
 /// can be read.
 pub fn available_bytes() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
-    let available = meminfo
-        .as_deref()
-        .and_then(|m| kib_field(m, "MemAvailable:"));
+    let available = match declared_memory() {
+        Some(declared) => Some(declared),
+        None => meminfo
+            .as_deref()
+            .and_then(|m| kib_field(m, "MemAvailable:")),
+    };
     let cgroup = cgroup_headroom(Path::new("/sys/fs/cgroup"));
     match (available, cgroup) {
         (Some(a), Some(c)) => Some(a.min(c)),
         (a, c) => a.or(c),
+    }
+}
+
+/// The environment variable that states the host memory a run may use, in GiB, where the
+/// kernel's `MemAvailable` under-reports it: virtual machines whose memory grows as it is
+/// touched (the lent multi-GPU machines start at 31 GiB of 256 or 512).
+pub const DECLARED_MEMORY_VAR: &str = "LEGEND_HOST_MEMORY_GIB";
+
+/// [`DECLARED_MEMORY_VAR`] in bytes, when set to a positive number (anything else is ignored
+/// with a warning: the check then reads the kernel's figure).
+fn declared_memory() -> Option<u64> {
+    let text = std::env::var(DECLARED_MEMORY_VAR).ok()?;
+    match text.trim().parse::<f64>() {
+        Ok(gib) if gib.is_finite() && gib > 0.0 => Some((gib * (1u64 << 30) as f64) as u64),
+        _ => {
+            tracing::warn!(
+                "{DECLARED_MEMORY_VAR} = {text:?} is not a positive number of GiB; ignored"
+            );
+            None
+        }
     }
 }
 

@@ -20,6 +20,8 @@ pub mod session;
 pub mod store;
 pub mod swap;
 pub mod trainer;
+mod training;
+pub mod workers;
 
 pub use config::{Config, ConfigError, DeviceChoice};
 pub use engine::Engine;

@@ -5,8 +5,8 @@
 //!
 //! A run directory is either absent or resumable: it is assembled under a temporary name
 //! (configuration and commit record) and renamed into place before anything is trained. A stop
-//! asked for (SIGINT, a cancelled job) ends at the next buffer-state boundary with a checkpoint
-//! of that point, and resuming from it trains exactly what the uninterrupted run would have.
+//! asked for (SIGINT, a cancelled job) ends before the next batch with a checkpoint of that
+//! point, and resuming from it trains exactly what the uninterrupted run would have.
 
 use std::fs::File;
 use std::io::Write;
@@ -25,7 +25,7 @@ use crate::engine::Engine;
 use crate::error::TrainError;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
 use crate::footprint;
-use crate::progress::EpochCut;
+use crate::progress::{BATCH_KEYS_VERSION, EpochCut};
 use crate::relations::Relations;
 use crate::rows::RowShape;
 use crate::run::{self, RunError, RunMeta, TableChecksums, TableWriter};
@@ -37,6 +37,8 @@ use crate::store::{
     StoreMember,
 };
 use crate::trainer::{EpochEnd, EpochReport, Trainer};
+use crate::training::Training;
+use crate::workers::Workers;
 
 /// How far a run has trained: whole epochs, and where an interrupted epoch stopped.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -78,8 +80,10 @@ impl Position {
     pub fn describe(&self) -> String {
         match (self.epochs_completed, self.cut) {
             (_, Some(cut)) => format!(
-                "epoch {} stopped after {} swaps ({} edges trained)",
-                cut.epoch, cut.swaps, cut.edges
+                "epoch {} stopped {} ({} edges trained)",
+                cut.epoch,
+                cut.describe(),
+                cut.edges
             ),
             (0, None) => "the start".into(),
             (n, None) => format!("the end of epoch {n}"),
@@ -179,7 +183,7 @@ pub struct Session {
     run: Dir,
     config: Config,
     dataset: Dataset,
-    trainer: Trainer,
+    trainer: Training,
     meta: RunMeta,
     position: Position,
     engine: String,
@@ -238,8 +242,8 @@ impl Session {
         )
         .map_err(TrainError::from)?;
         let dataset = Dataset::open_checked(dataset, guard.read_check())?;
-        let device = Engine::open(&config)?;
-        check_memory(&config, dataset.meta(), &device, false)?;
+        let device = Engine::open_all(&config)?;
+        check_memory(&config, dataset.meta(), &device[0], false)?;
         let meta = new_meta(&config, &dataset);
         let (parent, name) = Dir::open_parent(out).map_err(io_error(out))?;
         guard.admit(&parent).map_err(io_error(parent.path()))?;
@@ -284,9 +288,9 @@ impl Session {
             .map_err(io_error(&config_path))?;
         let config = Config::parse_recorded(&text, sets)?;
         let dataset = evaluation::open_run_dataset(&meta, dataset, guard)?;
-        let device = Engine::open(&config)?;
+        let device = Engine::open_all(&config)?;
         // Resuming reads the checkpoint's tables into host memory before they go to the GPU.
-        check_memory(&config, dataset.meta(), &device, true)?;
+        check_memory(&config, dataset.meta(), &device[0], true)?;
         let session = Session::start(run, config, dataset, meta, device, guard)?;
         // The keys changed with `sets` hold from now on.
         run::write_atomically(
@@ -302,7 +306,7 @@ impl Session {
         config: Config,
         dataset: Dataset,
         mut meta: RunMeta,
-        device: Engine,
+        mut device: Vec<Engine>,
         guard: &dyn Guard,
     ) -> Result<Session, SessionError> {
         let meta_ds = dataset.meta();
@@ -328,7 +332,10 @@ impl Session {
         let init = config.init();
         let relation_floats = meta.relation_floats();
         let fresh_relations = || Relations::init(decoder, meta.relations as usize, dim, &init);
-        let engine = device.describe();
+        let engine = match device.as_slice() {
+            [one] => one.describe(),
+            all => format!("{} × {}", all.len(), all[0].describe()),
+        };
         let mut device_health = Vec::new();
         let (home, relations, position) = if config.uses_store() {
             let recorded = meta.recorded_members();
@@ -422,7 +429,21 @@ impl Session {
                 position.epochs_completed + u32::from(position.cut.is_some())
             )));
         }
-        let trainer = Trainer::on_device(&config, buckets, &degrees, home, relations, device)?;
+        adopt_batch_keys(&mut meta, &position)?;
+        let trainer = match (device.len(), home) {
+            (1, home) => {
+                let engine = device.pop().expect("one engine");
+                Training::One(Box::new(Trainer::on_device(
+                    &config, buckets, &degrees, home, relations, engine,
+                )?))
+            }
+            (_, PartitionHome::Memory(store)) => Training::Workers(Workers::new(
+                &config, buckets, &degrees, store, relations, device,
+            )?),
+            _ => unreachable!(
+                "training.gpus > 1 keeps partitions in memory (its configuration says)"
+            ),
+        };
         tracing::info!(
             "set-up: the {engine} engine ready (edges and relations placed) in {:.1} s",
             started.elapsed().as_secs_f64()
@@ -483,7 +504,28 @@ impl Session {
     /// writes to it (users weigh SSD wear).
     pub fn describe(&self) -> String {
         let m = self.dataset.meta();
-        let plan = self.trainer.plan();
+        let what = format!(
+            "training {} d={} on {} ({} entities, {} relations, {} train edges); engine {}, {} backend",
+            self.config.decoder(),
+            self.config.model.dim,
+            self.dataset.dir().display(),
+            m.entities,
+            m.relations,
+            m.splits.train,
+            self.engine,
+            self.config.storage.backend,
+        );
+        let Some(plan) = self.trainer.plan() else {
+            let schedule = self.trainer.schedule().expect("workers have a schedule");
+            return format!(
+                "{what}, {} partitions on {} workers, {} rounds per epoch ({} hand-overs; predicted imbalance {:.3})",
+                schedule.num_partitions,
+                schedule.gpus,
+                schedule.rounds.len(),
+                schedule.moves_per_epoch(),
+                schedule.predicted_imbalance
+            );
+        };
         let writes = if self.config.uses_store() {
             let bytes = store_bytes_per_epoch(m.entities, self.config.entity_shape(), plan) as f64;
             if bytes >= 1e9 {
@@ -502,15 +544,7 @@ impl Session {
         };
         let wear: String = self.device_health.iter().map(describe_wear).collect();
         format!(
-            "training {} d={} on {} ({} entities, {} relations, {} train edges); engine {}, {} backend, {} partitions, buffer {}, order {} ({} buffer states per epoch){writes}{wear}",
-            self.config.decoder(),
-            self.config.model.dim,
-            self.dataset.dir().display(),
-            m.entities,
-            m.relations,
-            m.splits.train,
-            self.engine,
-            self.config.storage.backend,
+            "{what}, {} partitions, buffer {}, order {} ({} buffer states per epoch){writes}{wear}",
             plan.num_partitions,
             self.config.capacity(),
             plan.kind,
@@ -519,7 +553,7 @@ impl Session {
     }
 
     /// Trains the remaining epochs, checkpointing as configured, then evaluates. When `stop`
-    /// is set it ends at the next buffer-state boundary with a checkpoint of that point.
+    /// is set it ends before the next batch with a checkpoint of that point.
     pub fn run(
         &mut self,
         stop: &AtomicBool,
@@ -552,8 +586,7 @@ impl Session {
             });
             let report = loop {
                 // Raised on a stop, or when a timed checkpoint falls due inside a long epoch:
-                // the trainer then ends this part of the epoch at its next buffer-state boundary
-                // (an epoch without swaps runs to its end).
+                // the trainer then ends this part of the epoch before its next batch.
                 let pause = AtomicBool::new(stop.load(Ordering::Relaxed));
                 let since = last_checkpoint;
                 let end = self
@@ -888,9 +921,8 @@ const CHECKPOINT_SPACING: u32 = 20;
 /// Whether a timed checkpoint (`training.checkpoint_minutes`) is due `since_last` after the
 /// last checkpoint (or the session's start): once `interval` has passed (zero: never), and once
 /// 20 times the last checkpoint's `cost` has passed, so that slow checkpoints (a billion-edge
-/// table written to a slow disk) are spaced out rather than eating the run. It is taken at the
-/// next buffer-state boundary or epoch end, so a crash loses at most the larger of the two and
-/// the time to that point.
+/// table written to a slow disk) are spaced out rather than eating the run. It is taken before
+/// the next batch, so a crash loses at most about `interval`.
 pub fn checkpoint_due(since_last: Duration, cost: Duration, interval: Duration) -> bool {
     !interval.is_zero() && since_last >= interval.max(cost * CHECKPOINT_SPACING)
 }
@@ -957,6 +989,26 @@ fn check_tables_match(config: &Config, meta: &RunMeta) -> Result<(), SessionErro
     }
 }
 
+/// Moves a run recorded with older batch keys to [`BATCH_KEYS_VERSION`] (a run from a newer
+/// version is refused): it continues from `position` exactly where it stopped, cuts inside an
+/// epoch included (they were all taken between buffer states), drawing with today's keys.
+fn adopt_batch_keys(meta: &mut RunMeta, position: &Position) -> Result<(), SessionError> {
+    if meta.batch_keys > BATCH_KEYS_VERSION {
+        return Err(SessionError::Refused(format!(
+            "the run was written with batch keys version {} and this build knows {BATCH_KEYS_VERSION}: resume it with the Legend that wrote it",
+            meta.batch_keys
+        )));
+    }
+    if meta.batch_keys < BATCH_KEYS_VERSION && *position != Position::default() {
+        tracing::warn!(
+            "the run was written before training keyed its random draws by bucket (run.toml has no batch_keys): it continues from {} with the new keys, so what it trains from here differs from what the version that started it would have trained (its checkpoints, evaluations and exports are unaffected)",
+            position.describe()
+        );
+    }
+    meta.batch_keys = BATCH_KEYS_VERSION;
+    Ok(())
+}
+
 /// The commit record of a new run of `config` on `dataset`.
 fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
     let m = dataset.meta();
@@ -972,6 +1024,7 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
         entities: m.entities,
         relations: config.relation_rows(m.relations),
         reciprocal_relations: config.model.reciprocal_relations && decoder.uses_relations(),
+        batch_keys: BATCH_KEYS_VERSION,
         epochs_completed: 0,
         cut: None,
         checkpoint: String::new(),
@@ -995,6 +1048,7 @@ fn new_placeholder_meta() -> RunMeta {
         entities: 0,
         relations: 0,
         reciprocal_relations: false,
+        batch_keys: BATCH_KEYS_VERSION,
         epochs_completed: 0,
         cut: None,
         checkpoint: String::new(),
@@ -1008,7 +1062,7 @@ fn new_placeholder_meta() -> RunMeta {
 /// Streams every partition's embedding and state rows from wherever `trainer` holds them into
 /// a checkpoint's two entity tables.
 fn write_entity_tables(
-    trainer: &mut Trainer,
+    trainer: &mut Training,
     e: &mut TableWriter,
     s: &mut TableWriter,
 ) -> Result<(), SessionError> {

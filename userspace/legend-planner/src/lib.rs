@@ -10,6 +10,7 @@ mod beta;
 mod bucket;
 mod cover;
 mod error;
+mod gpus;
 mod legend;
 mod order;
 mod plan;
@@ -19,6 +20,7 @@ mod sequential;
 
 pub use bucket::Bucket;
 pub use error::{PlanError, PredictError, ValidationError};
+pub use gpus::{GpuPlanError, GpuRound, GpuSchedule, HandOver, Piece, plan_gpus, validate_gpus};
 pub use order::{Order, UnknownOrder};
 pub use plan::{Plan, Swap, validate};
 pub use predict::{Prediction, PredictionInput, predict};

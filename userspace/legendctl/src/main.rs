@@ -66,6 +66,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // SAFETY: first thing in main, before any thread starts.
+    unsafe { legend_cuda::nccl::keep_multicast_off() };
     let cli = Cli::parse();
     let filter = cli
         .log

@@ -45,6 +45,8 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    // SAFETY: first thing in main, before any thread starts.
+    unsafe { legend_cuda::nccl::keep_multicast_off() };
     let args = Args::parse();
     let filter = args
         .log

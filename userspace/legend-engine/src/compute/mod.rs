@@ -17,8 +17,9 @@
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 
+use legend_cuda::RowSpan;
 use legend_dataset::Edge;
-use legend_model::Permutation;
+use legend_model::{BatchKey, Permutation};
 
 use crate::error::TrainError;
 use crate::relations::Relations;
@@ -46,10 +47,8 @@ pub(crate) struct Step<'a> {
     pub(crate) len: usize,
     /// The resident partitions, ascending: negatives are drawn from them.
     pub(crate) resident: &'a [u32],
-    /// The epoch, from 1.
-    pub(crate) epoch: u32,
-    /// The batch's number within the epoch (keys the negatives' streams).
-    pub(crate) batch_no: u64,
+    /// The key of every random draw the step makes (negatives, rounding).
+    pub(crate) key: BatchKey,
 }
 
 impl Step<'_> {
@@ -66,7 +65,7 @@ pub type RowSink<'a> =
 
 /// A compute engine driven by the trainer's epoch loop (see the module docs for the order of
 /// the calls).
-pub(crate) trait ComputeBackend {
+pub(crate) trait ComputeBackend: Send {
     /// Partition `p` is in `slot` once `ready` has passed: compute queued from now on may use it.
     fn arrive(&mut self, p: u32, slot: u32, ready: &Fence) -> Result<(), TrainError>;
     /// Partition `p` leaves compute: work queued from now on does not touch it. Returns the
@@ -103,5 +102,10 @@ pub(crate) trait ComputeBackend {
     /// Device memory in use (bytes), for engines with a device.
     fn device_memory_in_use(&self) -> Option<u64> {
         None
+    }
+    /// The device rows partition `p` takes in `slot`, for moving them between GPUs (GPU
+    /// engines; `None` for the CPU engine, whose rows are host rows).
+    fn slot_span(&self, _slot: u32, _p: u32) -> Result<Option<RowSpan>, TrainError> {
+        Ok(None)
     }
 }

@@ -88,8 +88,9 @@ impl Config {
         // Deserialize from text, not from the table, so that an error carries a position from
         // which the offending key can be named.
         let resolved = toml::to_string(&table).expect("a TOML table always serializes");
-        let config: Config =
+        let mut config: Config =
             toml::from_str(&resolved).map_err(|e| ConfigError(name_key(&resolved, &e)))?;
+        config.resolve_workers()?;
         config.validate()?;
         Ok(config)
     }

@@ -243,7 +243,7 @@ pub struct TrainingConfig {
     pub threads: usize,
     /// Also write a checkpoint every this many epochs (0 = none by count).
     pub checkpoint_every: u32,
-    /// Write a checkpoint at the first buffer-state boundary or epoch end this many minutes
+    /// Write a checkpoint before the first batch (or at the epoch end) this many minutes
     /// after the last one (0 = none by time); spaced further when checkpoints are slow (see
     /// [`crate::session::checkpoint_due`]).
     pub checkpoint_minutes: f64,
@@ -251,6 +251,12 @@ pub struct TrainingConfig {
     /// opens). Was `storage.device`, still accepted with a warning.
     #[serde(with = "by_name")]
     pub device: DeviceChoice,
+    /// GPUs trained on at once, one worker each (`training.device` then names the first: the
+    /// workers take `cuda:0 .. cuda:K-1` of the devices `CUDA_VISIBLE_DEVICES` shows). With
+    /// `training.device = "cpu"`, K workers of the CPU engine run the same schedule (the
+    /// coordinator's reference, tested without GPUs). More than one sets
+    /// `storage.num_partitions` to 2K (see `crate::workers`).
+    pub gpus: u32,
     /// Negative sampling.
     pub negatives: NegativesConfig,
 }
@@ -265,6 +271,7 @@ impl Default for TrainingConfig {
             checkpoint_every: 0,
             checkpoint_minutes: 30.0,
             device: DeviceChoice::Cpu,
+            gpus: 1,
             negatives: NegativesConfig::default(),
         }
     }

@@ -3,7 +3,7 @@
 use legend_model::{Decoder, Dtype, Penalty};
 use legend_nvme_proxy::DeviceModel;
 
-use super::{Backend, Config, ConfigError, bad};
+use super::{Backend, Config, ConfigError, DeviceChoice, bad};
 
 impl Config {
     /// Checks what spans keys (the types and names were checked as they were read).
@@ -229,6 +229,9 @@ const MAX_BATCH: usize = 1 << 26;
 const MAX_NEGATIVES: usize = 1 << 20;
 /// Largest `training.threads`.
 const MAX_THREADS: usize = 4096;
+/// Largest `training.gpus`: one host's GPUs.
+const MAX_GPUS: u32 = 64;
+
 /// Largest `storage.num_partitions`: N² edge buckets (the Legend paper's largest N is 32).
 const MAX_PARTITIONS: usize = 4096;
 
@@ -255,6 +258,67 @@ fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
 }
 
 impl Config {
+    /// With `training.gpus` = K > 1: N = 2K partitions (each GPU holds two, handed between
+    /// GPUs; a configuration recorded with another K follows the new one), in host memory
+    /// between epochs, for a decoder without relations; refused otherwise, naming the key.
+    pub(super) fn resolve_workers(&mut self) -> Result<(), ConfigError> {
+        let k = self.training.gpus;
+        if k == 0 {
+            return Err(bad("training.gpus", "must be at least 1"));
+        }
+        if k == 1 {
+            return Ok(());
+        }
+        if k > MAX_GPUS {
+            return Err(bad(
+                "training.gpus",
+                format!("{k}: at most {MAX_GPUS} GPUs train one run"),
+            ));
+        }
+        let n = 2 * k;
+        let s = &mut self.storage;
+        if s.num_partitions != n {
+            if s.num_partitions != 1 {
+                tracing::info!(
+                    "training.gpus = {k}: storage.num_partitions = {n} (two partitions a GPU) instead of {}",
+                    s.num_partitions
+                );
+            }
+            s.num_partitions = n;
+        }
+        s.buffer_capacity = 0;
+        if s.backend != Backend::Memory {
+            return Err(bad(
+                "training.gpus",
+                format!(
+                    "{k} GPUs train a table held in their memory together, with storage.backend = \"memory\" (not {}): stores on disk or an SSD per GPU are not supported on several GPUs yet",
+                    s.backend
+                ),
+            ));
+        }
+        if self.model.decoder.uses_relations() {
+            return Err(bad(
+                "training.gpus",
+                format!(
+                    "{k} GPUs train decoders without relations (dot) in this version: model.decoder = {} needs its relation rows kept in step across GPUs, which is not built yet",
+                    self.model.decoder
+                ),
+            ));
+        }
+        if let DeviceChoice::Cuda(d) = self.training.device
+            && d != 0
+        {
+            return Err(bad(
+                "training.gpus",
+                format!(
+                    "the workers take the first {k} devices (cuda:0 .. cuda:{}): set training.device = \"cuda:0\" (or auto) and choose the GPUs with CUDA_VISIBLE_DEVICES, not cuda:{d}",
+                    k - 1
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks `[[storage.device]]` and `storage.stripe_bytes`.
     fn validate_devices(&self) -> Result<(), ConfigError> {
         let s = &self.storage;
