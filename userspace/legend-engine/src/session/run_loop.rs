@@ -1,6 +1,7 @@
 //! The epochs of a session: training, timed and counted checkpoints, validation, early
 //! stopping, and the final evaluation.
 
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -15,7 +16,7 @@ use crate::evaluation::EvalRequest;
 use crate::progress::BATCH_KEYS_VERSION;
 use crate::run::{RunMeta, TableChecksums, TableWriter};
 use crate::store::file::encode_relations;
-use crate::trainer::EpochEnd;
+use crate::trainer::{EpochEnd, EpochReport};
 use crate::training::Training;
 use crate::{evaluation, run};
 
@@ -35,79 +36,23 @@ impl Session {
             .run
             .open_file(METRICS_FILE, Access::Append)
             .map_err(io_error(&self.run.join(METRICS_FILE)))?;
-        let total = self.dataset.meta().splits.train;
-        // Finite and ≥ 0 (checked); beyond what a Duration holds means never.
-        let interval = Duration::try_from_secs_f64(self.config.training.checkpoint_minutes * 60.0)
-            .unwrap_or(Duration::MAX);
-        // The session's start counts as a checkpoint: a resumed run has just read one.
-        let mut last_checkpoint = Instant::now();
-        let mut checkpoint_cost = Duration::ZERO;
+        let mut clock = CheckpointClock::new(self.config.training.checkpoint_minutes);
         for epoch in self.position.epochs_completed + 1..=epochs {
             if self.history.exhausted(&self.config) {
                 break;
             }
             let learning_rate = self.history.learning_rate(epoch, &self.config);
             self.trainer.set_learning_rate(learning_rate);
-            let mut cut = self.position.cut.take();
-            on_event(Event::EpochStarted {
-                epoch,
-                epochs,
-                edges: total,
-                edges_done: cut.map_or(0, |c| c.edges),
-            });
-            let report = loop {
-                // Raised on a stop, or when a timed checkpoint falls due inside a long epoch:
-                // the trainer then ends this part of the epoch before its next batch.
-                let pause = AtomicBool::new(stop.load(Ordering::Relaxed));
-                let since = last_checkpoint;
-                let end = self
-                    .trainer
-                    .run_epoch_from(epoch, cut, &pause, &mut |done| {
-                        if stop.load(Ordering::Relaxed)
-                            || checkpoint_due(since.elapsed(), checkpoint_cost, interval)
-                        {
-                            pause.store(true, Ordering::Relaxed);
-                        }
-                        on_event(Event::Progress {
-                            epoch,
-                            edges_done: done,
-                        })
-                    })?;
-                let part = match end {
-                    EpochEnd::Done(report) => break report,
-                    EpochEnd::Stopped(part) => part,
-                };
-                self.position = Position {
-                    epochs_completed: epoch - 1,
-                    cut: Some(part),
-                };
-                checkpoint_cost = self.committed_checkpoint(on_event)?;
-                last_checkpoint = Instant::now();
-                if stop.load(Ordering::Relaxed) {
-                    return Ok(Outcome::Stopped(self.position));
-                }
-                // Continued in this process exactly as a resume from the checkpoint would.
-                cut = Some(part);
+            let Some(report) = self.train_epoch(epoch, stop, &mut clock, on_event)? else {
+                return Ok(Outcome::Stopped(self.position));
             };
             let mut line = serde_json::to_value(&report).expect("a report serializes");
             line["learning_rate"] = serde_json::json!(learning_rate);
-            let e = &self.config.evaluation;
-            let mut improved = false;
-            let valid = if e.epochs_per_eval > 0
-                && epoch % e.epochs_per_eval == 0
-                && self.dataset.meta().splits.valid > 0
-            {
-                let protocol = e.valid_protocol.unwrap_or(e.protocol);
-                let m = self.evaluate_with(Split::Valid, protocol)?;
-                line["valid"] = serde_json::to_value(&m).expect("metrics serialize");
-                improved = self.history.record(epoch, m.mrr, &self.config);
-                Some(m)
-            } else {
-                None
-            };
+            let (valid, improved) = self.validate_epoch(epoch, &mut line)?;
             // The best tables are written before the checkpoint that follows (a crash between
             // the two resumes before this epoch, which then writes them again).
-            if improved && self.config.evaluation.keep_best {
+            let kept = improved && self.config.evaluation.keep_best;
+            if kept {
                 self.save_best(epoch)?;
             }
             let early_stop = self.history.exhausted(&self.config);
@@ -135,21 +80,102 @@ impl Session {
             let stopping = stop.load(Ordering::Relaxed);
             // A kept improvement is checkpointed, so that a resume never starts before the best
             // epoch (whose tables it could not rebuild from an older checkpoint).
-            let kept = improved && self.config.evaluation.keep_best;
             if epoch == epochs
                 || stopping
                 || early_stop
                 || kept
                 || (every > 0 && epoch % every == 0)
-                || checkpoint_due(last_checkpoint.elapsed(), checkpoint_cost, interval)
+                || clock.due()
             {
-                checkpoint_cost = self.committed_checkpoint(on_event)?;
-                last_checkpoint = Instant::now();
+                clock.cost = self.committed_checkpoint(on_event)?;
+                clock.last = Instant::now();
             }
             if stopping && epoch < epochs {
                 return Ok(Outcome::Stopped(self.position));
             }
         }
+        self.final_evaluation(&mut metrics, on_event)
+    }
+
+    /// Trains `epoch` from where the position says, committing a checkpoint wherever the
+    /// trainer paused (a stop, or a timed checkpoint due inside a long epoch) and going on from
+    /// it as a resume would; `None` once a stop's checkpoint is committed.
+    fn train_epoch(
+        &mut self,
+        epoch: u32,
+        stop: &AtomicBool,
+        clock: &mut CheckpointClock,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Option<EpochReport>, SessionError> {
+        let mut cut = self.position.cut.take();
+        on_event(Event::EpochStarted {
+            epoch,
+            epochs: self.config.training.num_epochs,
+            edges: self.dataset.meta().splits.train,
+            edges_done: cut.map_or(0, |c| c.edges),
+        });
+        loop {
+            // Raised on a stop, or when a timed checkpoint falls due inside a long epoch:
+            // the trainer then ends this part of the epoch before its next batch.
+            let pause = AtomicBool::new(stop.load(Ordering::Relaxed));
+            let at = *clock;
+            let end = self
+                .trainer
+                .run_epoch_from(epoch, cut, &pause, &mut |done| {
+                    if stop.load(Ordering::Relaxed) || at.due() {
+                        pause.store(true, Ordering::Relaxed);
+                    }
+                    on_event(Event::Progress {
+                        epoch,
+                        edges_done: done,
+                    })
+                })?;
+            let part = match end {
+                EpochEnd::Done(report) => return Ok(Some(report)),
+                EpochEnd::Stopped(part) => part,
+            };
+            self.position = Position {
+                epochs_completed: epoch - 1,
+                cut: Some(part),
+            };
+            clock.cost = self.committed_checkpoint(on_event)?;
+            clock.last = Instant::now();
+            if stop.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
+            // Continued in this process exactly as a resume from the checkpoint would.
+            cut = Some(part);
+        }
+    }
+
+    /// The validation evaluation after `epoch`, when `[evaluation]` asks for one (its metrics
+    /// go into the epoch's `line`), and whether it improved on the best so far.
+    fn validate_epoch(
+        &mut self,
+        epoch: u32,
+        line: &mut serde_json::Value,
+    ) -> Result<(Option<Metrics>, bool), SessionError> {
+        let e = &self.config.evaluation;
+        if !(e.epochs_per_eval > 0
+            && epoch.is_multiple_of(e.epochs_per_eval)
+            && self.dataset.meta().splits.valid > 0)
+        {
+            return Ok((None, false));
+        }
+        let protocol = e.valid_protocol.unwrap_or(e.protocol);
+        let m = self.evaluate_with(Split::Valid, protocol)?;
+        line["valid"] = serde_json::to_value(&m).expect("metrics serialize");
+        let improved = self.history.record(epoch, m.mrr, &self.config);
+        Ok((Some(m), improved))
+    }
+
+    /// The final evaluation of `evaluation.split` (of the best epoch's tables, when kept),
+    /// unless the run has one already or the split is empty.
+    fn final_evaluation(
+        &mut self,
+        metrics: &mut File,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Outcome, SessionError> {
         if has_final_line(&self.run)? {
             return Ok(Outcome::Finished(None));
         }
@@ -167,7 +193,7 @@ impl Session {
         if let Some(epoch) = best_epoch {
             line["best_epoch"] = serde_json::json!(epoch);
         }
-        append_line(&mut metrics, &self.run, &line)?;
+        append_line(metrics, &self.run, &line)?;
         on_event(Event::Evaluated {
             split,
             metrics: &m,
@@ -349,6 +375,34 @@ impl Session {
         )?;
         tracing::debug!("checkpoint {} committed", self.meta.checkpoint);
         Ok(())
+    }
+}
+
+/// When the last checkpoint was committed and what it cost, against `training.checkpoint_minutes`.
+#[derive(Clone, Copy)]
+struct CheckpointClock {
+    /// When the last checkpoint was committed; the session's start counts as one (a resumed
+    /// run has just read one).
+    last: Instant,
+    /// How long it took.
+    cost: Duration,
+    /// `training.checkpoint_minutes`.
+    interval: Duration,
+}
+
+impl CheckpointClock {
+    fn new(minutes: f64) -> CheckpointClock {
+        CheckpointClock {
+            last: Instant::now(),
+            cost: Duration::ZERO,
+            // Finite and ≥ 0 (checked); beyond what a Duration holds means never.
+            interval: Duration::try_from_secs_f64(minutes * 60.0).unwrap_or(Duration::MAX),
+        }
+    }
+
+    /// Whether a timed checkpoint is due now ([`checkpoint_due`]).
+    fn due(&self) -> bool {
+        checkpoint_due(self.last.elapsed(), self.cost, self.interval)
     }
 }
 

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use legend_dataset::Dataset;
+use legend_dataset::{Dataset, PartitionScheme};
 use legend_fs::{Dir, Guard};
 
 use crate::config::Config;
@@ -124,8 +124,6 @@ impl Session {
     ) -> Result<Session, SessionError> {
         let meta_ds = dataset.meta();
         let decoder = config.decoder();
-        let dim = config.model.dim;
-        let shape = config.entity_shape();
         check_tables_match(&config, &meta)?;
         if !meta_ds.has_relations && decoder.uses_relations() {
             tracing::warn!(
@@ -142,95 +140,19 @@ impl Session {
             buckets.counts().len(),
             started.elapsed().as_secs_f64()
         );
-        let init = config.init();
-        let relation_floats = meta.relation_floats();
-        let fresh_relations = || Relations::init(decoder, meta.relations as usize, dim, &init);
         let engine = match device.as_slice() {
             [one] => one.describe(),
             all => format!("{} × {}", all.len(), all[0].describe()),
         };
-        let mut device_health = Vec::new();
-        let (home, relations, position) = if config.uses_store() {
-            let recorded = meta.recorded_members();
-            let run_dir = std::fs::canonicalize(run.path()).map_err(io_error(run.path()))?;
-            let members = recorded
-                .clone()
-                .unwrap_or_else(|| config.store_members(&run_dir));
-            let path = members[0].path.clone();
-            let files = members
-                .iter()
-                .map(|m| MemberFile::of_run(&run, &run_dir, m, guard))
-                .collect::<Result<Vec<_>, _>>()?;
-            let spec = FileStoreSpec {
-                members: &files,
-                stripe_bytes: config.storage.stripe_bytes,
-                dataset: run::dataset_id(&meta.dataset_identity, &path)?,
-                num_nodes: meta_ds.entities,
-                shape,
-                num_partitions: scheme.num_partitions,
-                aux_bytes: (relation_floats * 8) as u64,
-                // The run's own default store, left half-made by a crash before it was
-                // recorded, is this run's to overwrite.
-                force: config.storage.force || members.iter().all(|m| m.path.starts_with(&run_dir)),
-                proxy_model: config.proxy_model(),
-            };
-            let mut store = if recorded.is_some() {
-                FileStore::open(&spec)?
-            } else {
-                let store = FileStore::create(&spec)?;
-                // From here on the run's commit record is the store's superblock.
-                let canonical = members
-                    .iter()
-                    .map(|m| {
-                        Ok(StoreMember {
-                            path: std::fs::canonicalize(&m.path).map_err(io_error(&m.path))?,
-                            queue: m.queue,
-                        })
-                    })
-                    .collect::<Result<Vec<_>, SessionError>>()?;
-                meta.store = Some(canonical[0].path.clone());
-                meta.store_queue = canonical[0].queue;
-                meta.store_members = if canonical.len() > 1 {
-                    canonical
-                } else {
-                    Vec::new()
-                };
-                write_meta(&run, &meta)?;
-                store
-            };
-            let position = Position::decode(store.progress())?;
-            device_health = store
-                .queued_members()
-                .iter()
-                .filter_map(|m| read_health(&m.controller))
-                .collect();
-            let relations = match store.aux(relation_floats * 8)? {
-                Some(bytes) if position != Position::default() => {
-                    let all: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
-                    let (emb, state) = all.split_at(relation_floats);
-                    Relations {
-                        emb: emb.to_vec(),
-                        state: state.to_vec(),
-                    }
-                }
-                _ => fresh_relations(),
-            };
-            (PartitionHome::File(Box::new(store)), relations, position)
-        } else if !meta.checkpoint.is_empty() {
-            let t = run::load_tables(&run, &meta, guard)?;
-            let store = MemoryStore::from_tables(scheme, shape, t.entities, t.entities_state);
-            let relations = Relations {
-                emb: t.relations,
-                state: t.relations_state,
-            };
-            let position = Position {
-                epochs_completed: meta.epochs_completed,
-                cut: meta.cut,
-            };
-            (PartitionHome::Memory(store), relations, position)
+        let Home {
+            home,
+            relations,
+            position,
+            device_health,
+        } = if config.uses_store() {
+            Home::in_store(&run, &config, &mut meta, scheme, guard)?
         } else {
-            let home = PartitionHome::Memory(MemoryStore::new(config.storage.dtype));
-            (home, fresh_relations(), Position::default())
+            Home::in_memory(&run, &config, &meta, scheme, guard)?
         };
         let epochs = config.training.num_epochs;
         if position.epochs_completed > epochs
@@ -275,6 +197,156 @@ impl Session {
             history,
         })
     }
+}
+
+/// Where a run's partitions live between swaps, with the relations and the position it
+/// starts from.
+struct Home {
+    home: PartitionHome,
+    relations: Relations,
+    position: Position,
+    /// The SMART logs of the `nvme` backend's controllers.
+    device_health: Vec<legend_nvme::Health>,
+}
+
+impl Home {
+    /// The run's store: opened where the run recorded it, else created where `config` says
+    /// (and recorded in `meta` from then on).
+    fn in_store(
+        run: &Dir,
+        config: &Config,
+        meta: &mut RunMeta,
+        scheme: PartitionScheme,
+        guard: &dyn Guard,
+    ) -> Result<Home, SessionError> {
+        let relation_floats = meta.relation_floats();
+        let recorded = meta.recorded_members();
+        let run_dir = std::fs::canonicalize(run.path()).map_err(io_error(run.path()))?;
+        let members = recorded
+            .clone()
+            .unwrap_or_else(|| config.store_members(&run_dir));
+        let path = members[0].path.clone();
+        let files = members
+            .iter()
+            .map(|m| MemberFile::of_run(run, &run_dir, m, guard))
+            .collect::<Result<Vec<_>, _>>()?;
+        let spec = FileStoreSpec {
+            members: &files,
+            stripe_bytes: config.storage.stripe_bytes,
+            dataset: run::dataset_id(&meta.dataset_identity, &path)?,
+            num_nodes: scheme.entities,
+            shape: config.entity_shape(),
+            num_partitions: scheme.num_partitions,
+            aux_bytes: (relation_floats * 8) as u64,
+            // The run's own default store, left half-made by a crash before it was
+            // recorded, is this run's to overwrite.
+            force: config.storage.force || members.iter().all(|m| m.path.starts_with(&run_dir)),
+            proxy_model: config.proxy_model(),
+        };
+        let mut store = if recorded.is_some() {
+            FileStore::open(&spec)?
+        } else {
+            let store = FileStore::create(&spec)?;
+            // From here on the run's commit record is the store's superblock.
+            record_members(run, meta, &members)?;
+            store
+        };
+        let position = Position::decode(store.progress())?;
+        let device_health = store
+            .queued_members()
+            .iter()
+            .filter_map(|m| read_health(&m.controller))
+            .collect();
+        let relations = match store.aux(relation_floats * 8)? {
+            Some(bytes) if position != Position::default() => {
+                let all: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+                let (emb, state) = all.split_at(relation_floats);
+                Relations {
+                    emb: emb.to_vec(),
+                    state: state.to_vec(),
+                }
+            }
+            _ => fresh_relations(config, meta),
+        };
+        Ok(Home {
+            home: PartitionHome::File(Box::new(store)),
+            relations,
+            position,
+            device_health,
+        })
+    }
+
+    /// Host memory: the run's checkpoint when it has one, else fresh rows.
+    fn in_memory(
+        run: &Dir,
+        config: &Config,
+        meta: &RunMeta,
+        scheme: PartitionScheme,
+        guard: &dyn Guard,
+    ) -> Result<Home, SessionError> {
+        if meta.checkpoint.is_empty() {
+            return Ok(Home {
+                home: PartitionHome::Memory(MemoryStore::new(config.storage.dtype)),
+                relations: fresh_relations(config, meta),
+                position: Position::default(),
+                device_health: Vec::new(),
+            });
+        }
+        let t = run::load_tables(run, meta, guard)?;
+        let shape = config.entity_shape();
+        Ok(Home {
+            home: PartitionHome::Memory(MemoryStore::from_tables(
+                scheme,
+                shape,
+                t.entities,
+                t.entities_state,
+            )),
+            relations: Relations {
+                emb: t.relations,
+                state: t.relations_state,
+            },
+            position: Position {
+                epochs_completed: meta.epochs_completed,
+                cut: meta.cut,
+            },
+            device_health: Vec::new(),
+        })
+    }
+}
+
+/// A new run's relation rows, drawn by `config`'s initialisation.
+fn fresh_relations(config: &Config, meta: &RunMeta) -> Relations {
+    Relations::init(
+        config.decoder(),
+        meta.relations as usize,
+        config.model.dim,
+        &config.init(),
+    )
+}
+
+/// Records a new store's `members` in the run's record, by their canonical paths.
+fn record_members(
+    run: &Dir,
+    meta: &mut RunMeta,
+    members: &[StoreMember],
+) -> Result<(), SessionError> {
+    let canonical = members
+        .iter()
+        .map(|m| {
+            Ok(StoreMember {
+                path: std::fs::canonicalize(&m.path).map_err(io_error(&m.path))?,
+                queue: m.queue,
+            })
+        })
+        .collect::<Result<Vec<_>, SessionError>>()?;
+    meta.store = Some(canonical[0].path.clone());
+    meta.store_queue = canonical[0].queue;
+    meta.store_members = if canonical.len() > 1 {
+        canonical
+    } else {
+        Vec::new()
+    };
+    write_meta(run, meta)
 }
 
 /// The SMART log of an `nvme` store's controller (a warning, and nothing, if it cannot be
