@@ -552,27 +552,9 @@ impl Trainer {
                 self.run_group(&relabel(&plan.initial), &resident, start, &mut ctx)?
             } else {
                 let swap = &plan.swaps[done_swaps - 1];
+                let (overlap, after) = (relabel(&swap.overlap), relabel(&swap.after));
                 let loaded = loaded_by(done_swaps - 1);
-                let before_arrival: Vec<u32> = if self.prefetch {
-                    resident.iter().copied().filter(|&p| p != loaded).collect()
-                } else {
-                    resident.clone()
-                };
-                let overlap = relabel(&swap.overlap);
-                let after = relabel(&swap.after);
-                let in_overlap = start.is_none_or(|c| overlap.contains(&c.bucket));
-                let stopped = if in_overlap {
-                    self.run_group(&overlap, &before_arrival, start, &mut ctx)?
-                } else {
-                    None
-                };
-                match stopped {
-                    Some(cursor) => Some(cursor),
-                    None => {
-                        let start = start.filter(|_| !in_overlap);
-                        self.run_group(&after, &resident, start, &mut ctx)?
-                    }
-                }
+                self.finish_swap_groups([&overlap, &after], loaded, &resident, start, &mut ctx)?
             };
             if let Some(cursor) = stopped {
                 return self.stopped(epoch, done_swaps, Some(cursor), &mut report, loss_before);
@@ -639,8 +621,44 @@ impl Trainer {
         if !loss.is_finite() {
             return Err(TrainError::Diverged { epoch });
         }
-        let io = self.swapper.stats().since(&io_before);
         report.loss = loss / report.edges.max(1) as f64;
+        self.close_report(&mut report, from, started, &io_before);
+        Ok(EpochEnd::Done(report))
+    }
+
+    /// The rest of a resumed swap's bucket groups (`[overlap, after]`) from `start`: the
+    /// overlap buckets with the partitions they drew negatives from before `loaded` arrived.
+    fn finish_swap_groups(
+        &mut self,
+        [overlap, after]: [&[Bucket]; 2],
+        loaded: u32,
+        resident: &[u32],
+        start: Option<BatchCursor>,
+        ctx: &mut EpochCtx<'_>,
+    ) -> Result<Option<BatchCursor>, TrainError> {
+        let before_arrival: Vec<u32> = if self.prefetch {
+            resident.iter().copied().filter(|&p| p != loaded).collect()
+        } else {
+            resident.to_vec()
+        };
+        let in_overlap = start.is_none_or(|c| overlap.contains(&c.bucket));
+        if in_overlap && let Some(cursor) = self.run_group(overlap, &before_arrival, start, ctx)? {
+            return Ok(Some(cursor));
+        }
+        let start = start.filter(|_| !in_overlap);
+        self.run_group(after, resident, start, ctx)
+    }
+
+    /// An epoch's closing figures: its time and rate (of what it trained now, `from` a cut or
+    /// its start), its I/O since `io_before`, the memory it peaked at.
+    fn close_report(
+        &self,
+        report: &mut EpochReport,
+        from: Option<EpochCut>,
+        started: Instant,
+        io_before: &crate::swap::IoStats,
+    ) {
+        let io = self.swapper.stats().since(io_before);
         report.seconds = started.elapsed().as_secs_f64();
         let trained_now = report.edges - from.map_or(0, |c| c.edges);
         report.edges_per_sec = trained_now as f64 / report.seconds.max(1e-9);
@@ -653,7 +671,6 @@ impl Trainer {
         report.resumed = from.is_some();
         report.peak_rss_bytes = crate::footprint::peak_rss_bytes().unwrap_or(0);
         report.gpu_memory_bytes = self.compute.device_memory_in_use();
-        Ok(EpochEnd::Done(report))
     }
 
     /// Makes exactly `state` resident: the partitions outside it are written back, the
