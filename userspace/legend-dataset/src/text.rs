@@ -47,15 +47,17 @@ impl Columns {
 }
 
 impl FromStr for Columns {
-    type Err = String;
+    type Err = legend_model::UnknownName;
 
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         match s {
             "hrt" | "srd" => Ok(Columns::Hrt),
             "htr" => Ok(Columns::Htr),
             "sd" => Ok(Columns::Sd),
-            _ => Err(format!(
-                "unknown column order {s:?}: expected hrt, htr, srd or sd"
+            _ => Err(legend_model::UnknownName::new(
+                "column order",
+                s,
+                "expected hrt, htr, srd or sd",
             )),
         }
     }
@@ -84,7 +86,7 @@ impl Delimiter {
 }
 
 impl FromStr for Delimiter {
-    type Err = String;
+    type Err = legend_model::UnknownName;
 
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         match s {
@@ -92,8 +94,10 @@ impl FromStr for Delimiter {
             "comma" | "," => Ok(Delimiter::Byte(b',')),
             "space" | "whitespace" => Ok(Delimiter::Whitespace),
             _ if s.len() == 1 && s.is_ascii() => Ok(Delimiter::Byte(s.as_bytes()[0])),
-            _ => Err(format!(
-                "unknown delimiter {s:?}: expected tab, comma, whitespace or a single ASCII character"
+            _ => Err(legend_model::UnknownName::new(
+                "delimiter",
+                s,
+                "expected tab, comma, whitespace or a single ASCII character",
             )),
         }
     }

@@ -443,14 +443,18 @@ impl fmt::Display for Decoder {
 }
 
 impl FromStr for Decoder {
-    type Err = String;
+    type Err = crate::UnknownName;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Decoder::ALL
             .into_iter()
             .find(|d| d.name() == s)
             .ok_or_else(|| {
-                format!("unknown decoder {s:?}: expected one of dot, distmult, complex, transe_l1, transe_l2, rotate, rescal")
+                crate::UnknownName::new(
+                    "decoder",
+                    s,
+                    "expected one of dot, distmult, complex, transe_l1, transe_l2, rotate, rescal",
+                )
             })
     }
 }
@@ -539,6 +543,12 @@ mod tests {
         for d in Decoder::ALL {
             assert_eq!(d.name().parse::<Decoder>().unwrap(), d);
         }
-        assert!("linear".parse::<Decoder>().unwrap_err().contains("rescal"));
+        assert!(
+            "linear"
+                .parse::<Decoder>()
+                .unwrap_err()
+                .to_string()
+                .contains("rescal")
+        );
     }
 }

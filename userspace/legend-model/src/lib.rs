@@ -17,6 +17,7 @@ mod permutation;
 mod regularizer;
 pub mod rng;
 mod sgemm;
+mod unknown;
 mod vmath;
 
 pub use adagrad::{AdaGrad, StateLayout};
@@ -29,3 +30,4 @@ pub use permutation::{PERMUTATION_ROUNDS, Permutation};
 pub use regularizer::{Penalty, Regularizer};
 pub use rng::BatchKey;
 pub use sgemm::sgemm;
+pub use unknown::UnknownName;

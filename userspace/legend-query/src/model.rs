@@ -130,14 +130,18 @@ pub enum Metric {
 }
 
 impl std::str::FromStr for Metric {
-    type Err = String;
+    type Err = legend_model::UnknownName;
 
-    fn from_str(s: &str) -> Result<Metric, String> {
+    fn from_str(s: &str) -> Result<Metric, Self::Err> {
         match s {
             "cosine" => Ok(Metric::Cosine),
             "dot" => Ok(Metric::Dot),
             "l2" => Ok(Metric::L2),
-            _ => Err(format!("unknown metric {s:?}: expected cosine, dot or l2")),
+            _ => Err(legend_model::UnknownName::new(
+                "metric",
+                s,
+                "expected cosine, dot or l2",
+            )),
         }
     }
 }
@@ -233,9 +237,9 @@ impl<'a> Model<'a> {
         let decoder: Decoder = meta
             .decoder
             .parse()
-            .map_err(|e: String| RunError::Invalid {
+            .map_err(|e: legend_model::UnknownName| RunError::Invalid {
                 path: run.join(run::META_FILE),
-                message: e,
+                message: e.to_string(),
             })?;
         let relations = run::load_relations(&run, &meta, guard)?;
         let reciprocal = meta.reciprocal_relations;

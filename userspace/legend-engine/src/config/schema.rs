@@ -4,7 +4,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
-use legend_model::{AdaGrad, Decoder, Dtype, Penalty, StateLayout};
+use legend_model::{AdaGrad, Decoder, Dtype, Penalty, StateLayout, UnknownName};
 use legend_planner::Order;
 use serde::{Deserialize, Serialize};
 
@@ -214,7 +214,7 @@ impl fmt::Display for DeviceChoice {
 }
 
 impl FromStr for DeviceChoice {
-    type Err = String;
+    type Err = UnknownName;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
@@ -224,7 +224,7 @@ impl FromStr for DeviceChoice {
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .map(DeviceChoice::Cuda)
-                .ok_or_else(|| format!("unknown device {s:?}: expected cpu, cuda:N or auto")),
+                .ok_or_else(|| UnknownName::new("device", s, "expected cpu, cuda:N or auto")),
         }
     }
 }
@@ -415,14 +415,16 @@ impl Protocol {
 }
 
 impl FromStr for Protocol {
-    type Err = String;
+    type Err = UnknownName;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "filtered" => Ok(Protocol::Filtered),
             "sampled" => Ok(Protocol::Sampled),
-            _ => Err(format!(
-                "unknown protocol {s:?}: expected filtered or sampled"
+            _ => Err(UnknownName::new(
+                "protocol",
+                s,
+                "expected filtered or sampled",
             )),
         }
     }
