@@ -15,14 +15,33 @@ use crate::GpuError;
 
 /// The kernel sources, in the order a program concatenates them. `common.cuh` goes first,
 /// so the programs need no include path.
-pub const KERNEL_SOURCES: [(&str, &str); 21] = [
+pub const KERNEL_SOURCES: [(&str, &str); 25] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("init.cu", include_str!("../../../kernels/init.cu")),
     ("sample.cu", include_str!("../../../kernels/sample.cu")),
     ("batch.cu", include_str!("../../../kernels/batch.cu")),
     ("gemm.cu", include_str!("../../../kernels/gemm.cu")),
     ("distance.cu", include_str!("../../../kernels/distance.cu")),
-    ("train.cu", include_str!("../../../kernels/train.cu")),
+    (
+        "train_queries.cu",
+        include_str!("../../../kernels/train_queries.cu"),
+    ),
+    (
+        "train_loss.cu",
+        include_str!("../../../kernels/train_loss.cu"),
+    ),
+    (
+        "train_filter.cu",
+        include_str!("../../../kernels/train_filter.cu"),
+    ),
+    (
+        "train_backward.cu",
+        include_str!("../../../kernels/train_backward.cu"),
+    ),
+    (
+        "train_adagrad.cu",
+        include_str!("../../../kernels/train_adagrad.cu"),
+    ),
     ("rotate.cu", include_str!("../../../kernels/rotate.cu")),
     ("rescal.cu", include_str!("../../../kernels/rescal.cu")),
     ("fused.cuh", include_str!("../../../kernels/fused.cuh")),
@@ -136,7 +155,11 @@ pub const PROGRAMS: [Program; 11] = [
                 "batch.cu",
                 "gemm.cu",
                 "distance.cu",
-                "train.cu",
+                "train_queries.cu",
+                "train_loss.cu",
+                "train_filter.cu",
+                "train_backward.cu",
+                "train_adagrad.cu",
                 "rotate.cu",
                 "rescal.cu",
             ],

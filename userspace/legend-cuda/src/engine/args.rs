@@ -97,7 +97,7 @@ impl GemmArgs {
     }
 }
 
-/// The rows of a launch group (`LegendJobs` in `kernels/train.cu`).
+/// The rows of a launch group (`LegendJobs` in `kernels/train_queries.cu`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(super) struct JobArgs {
@@ -123,7 +123,7 @@ pub(super) struct JobArgs {
 // 4-byte fields: no padding).
 unsafe impl DeviceRepr for JobArgs {}
 
-/// In-place AdaGrad for node rows used once (`LegendDirect` in `kernels/train.cu`): the
+/// In-place AdaGrad for node rows used once (`LegendDirect` in `kernels/train_backward.cu`): the
 /// node table's state and use counts (a null `uses` sends every row through the gradient
 /// table), the optimizer's settings, and the rounding of the rows it updates.
 #[repr(C)]
