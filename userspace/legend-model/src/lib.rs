@@ -22,7 +22,7 @@ mod vmath;
 
 pub use adagrad::{AdaGrad, StateLayout};
 pub use chunk::{Chunk, ChunkGrads, ChunkModel, ChunkWorkspace};
-pub use decoder::{Comparator, Decoder, Side};
+pub use decoder::{Comparator, Decoder, DimError, Side};
 pub use dtype::{Dtype, OutOfRange, StepRounding};
 pub use init::{DEFAULT_NODE_INIT, Distribution, Init, RelationInit, Table, fill_row};
 pub use loss::{DEFAULT_MARGIN, Loss, RowLoss};

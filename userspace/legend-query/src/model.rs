@@ -351,7 +351,9 @@ impl<'a> Model<'a> {
         entities: Entities<'a>,
         num_entities: usize,
     ) -> Result<Model<'a>, QueryError> {
-        decoder.check_dim(dim).map_err(QueryError::Tables)?;
+        decoder
+            .check_dim(dim)
+            .map_err(|e| QueryError::Tables(e.to_string()))?;
         if let Entities::Resident(rows) = &entities
             && rows.len() != num_entities * dim
         {

@@ -187,7 +187,7 @@ impl GpuBatchEngine {
         model
             .decoder
             .check_dim(model.dim)
-            .map_err(GpuError::Shape)?;
+            .map_err(|e| GpuError::Shape(e.to_string()))?;
         if shape.max_batch == 0 || shape.num_chunks == 0 || shape.negatives == 0 || shape.group == 0
         {
             return Err(GpuError::Shape(format!(
