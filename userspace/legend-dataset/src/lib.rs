@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 
 pub use buckets::{Buckets, PartitionScheme};
 pub use dataset::{Dataset, degrees};
-pub use error::{DatasetError, Result};
+pub use error::{DatasetError, PartitionSchemeError, Result};
 pub use generate::{GenerateOptions, GenerateSummary, generate};
 pub use import::{ImportInput, ImportOptions, ImportSummary, import};
 pub use meta::{DatasetMeta, FORMAT_VERSION, META_FILE, Split, SplitCounts};
