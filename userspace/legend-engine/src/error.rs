@@ -46,8 +46,8 @@ pub enum TrainError {
         error: legend_cuda::GpuError,
     },
     /// The run does not fit in the GPU's memory (the message says what to change).
-    #[error("{0}")]
-    GpuMemory(String),
+    #[error(transparent)]
+    GpuMemory(crate::footprint::DoesNotFit),
     /// The GPU engine failed.
     #[error("GPU engine")]
     Gpu(#[source] legend_cuda::GpuError),

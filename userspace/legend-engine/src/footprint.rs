@@ -209,6 +209,12 @@ fn cgroup_headroom(root: &Path) -> Option<u64> {
     Some(max.saturating_sub(current))
 }
 
+/// A run that does not fit in memory: what it needs, what there is, and the settings that
+/// would make it fit (or that none does), in words.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct DoesNotFit(pub String);
+
 /// Bytes in GiB, for messages.
 pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / f64::from(1u32 << 30)
@@ -224,7 +230,7 @@ pub fn check_fits(
     on_cuda: bool,
     resuming: bool,
     available: u64,
-) -> Result<HostEstimate, String> {
+) -> Result<HostEstimate, DoesNotFit> {
     let e = HostEstimate::of(config, dataset, on_cuda, resuming);
     if e.total() <= available {
         return Ok(e);
@@ -255,7 +261,7 @@ pub fn check_fits(
             )
         }
     };
-    Err(format!(
+    Err(DoesNotFit(format!(
         "this run needs about {:.1} GiB of host memory ({:.1} GiB of edges, {:.1} GiB of tables, \
          {:.1} GiB of filtered-negative index, {:.1} GiB for evaluation, {:.1} GiB for a step's \
          negatives, {:.1} GiB for the process and drivers) \
@@ -268,7 +274,7 @@ pub fn check_fits(
         gib(e.step),
         gib(e.baseline),
         gib(available),
-    ))
+    )))
 }
 
 /// One configuration change the memory advice may propose; displayed as the `key = value`
@@ -554,7 +560,7 @@ impl GpuEstimate {
 
     /// Refuses the run when the estimate exceeds `free` bytes of `device`'s memory, saying
     /// what would make it fit.
-    pub fn check(&self, config: &Config, device: &str, free: u64) -> Result<(), String> {
+    pub fn check(&self, config: &Config, device: &str, free: u64) -> Result<(), DoesNotFit> {
         if self.total() <= free {
             return Ok(());
         }
@@ -600,7 +606,7 @@ impl GpuEstimate {
                 gib(rest)
             ),
         });
-        Err(format!(
+        Err(DoesNotFit(format!(
             "training on {device} needs about {:.1} GiB of its memory ({:.1} GiB of node rows with their AdaGrad state and gradients, {:.1} GiB of relation rows, {:.1} GiB of edges, {:.1} GiB of workspace, {:.1} GiB of known edges) but {:.1} GiB is free: {}",
             gib(self.total()),
             gib(self.nodes),
@@ -610,7 +616,7 @@ impl GpuEstimate {
             gib(self.known_edges),
             gib(free),
             advice.join("; or ")
-        ))
+        )))
     }
 }
 
@@ -653,7 +659,7 @@ mod tests {
             assert!(e.check(&config, "cuda:0", 70 << 30).is_ok());
         }
         let (config, e) = twitter(1, 1, false);
-        let err = e.check(&config, "cuda:0", 40 << 30).unwrap_err();
+        let err = e.check(&config, "cuda:0", 40 << 30).unwrap_err().0;
         assert!(
             err.contains("needs about 65.")
                 && err.contains("40.0 GiB is free")
@@ -667,19 +673,22 @@ mod tests {
         let (ahead_config, ahead) = twitter(8, 3, true);
         assert_eq!(ahead.total() - e.total(), e.slot);
         assert!((gib(e.slot) - 5.88).abs() < 0.01, "{:.2} GiB", gib(e.slot));
-        let err = ahead.check(&ahead_config, "cuda:0", 40 << 30).unwrap_err();
+        let err = ahead
+            .check(&ahead_config, "cuda:0", 40 << 30)
+            .unwrap_err()
+            .0;
         assert!(
             err.contains("turn storage.read_ahead off")
                 && err.contains("storage.buffer_capacity = 2"),
             "{err}"
         );
-        let err = e.check(&config, "cuda:0", 30 << 30).unwrap_err();
+        let err = e.check(&config, "cuda:0", 30 << 30).unwrap_err().0;
         assert!(
             err.contains("storage.gpu_edge_fraction")
                 && err.contains("storage.buffer_capacity = 2"),
             "{err}"
         );
-        let err = e.check(&config, "cuda:0", 10 << 30).unwrap_err();
+        let err = e.check(&config, "cuda:0", 10 << 30).unwrap_err().0;
         assert!(err.contains("no partitioning fits the node rows"), "{err}");
     }
 
@@ -721,12 +730,16 @@ mod tests {
         // 100k entities at d = 100000: 74.5 GiB of tables; every evaluation gathers 37.3 GiB.
         let config = Config::parse("", &["model.dim=100000".into()]).unwrap();
         let meta = meta(100_000, 1_000_000);
-        let err = check_fits(&config, &meta, false, false, 24 << 30).unwrap_err();
+        let err = check_fits(&config, &meta, false, false, 24 << 30)
+            .unwrap_err()
+            .0;
         assert!(
             err.contains("no setting of") && err.contains("37.3 GiB for evaluation"),
             "{err}"
         );
-        let err = check_fits(&config, &meta, false, false, 64 << 30).unwrap_err();
+        let err = check_fits(&config, &meta, false, false, 64 << 30)
+            .unwrap_err()
+            .0;
         let sets = advised_sets(&err).unwrap_or_else(|| panic!("{err}"));
         assert_eq!(
             sets,
@@ -770,7 +783,7 @@ mod tests {
             let available = available_mib << 20;
             match check_fits(&config, &meta, false, resuming, available) {
                 Ok(e) => proptest::prop_assert!(e.total() <= available),
-                Err(err) => match advised_sets(&err) {
+                Err(DoesNotFit(err)) => match advised_sets(&err) {
                     Some(advice) => {
                         let all: Vec<String> = sets.iter().cloned().chain(advice).collect();
                         let advised = Config::parse("", &all).map_err(|e| {

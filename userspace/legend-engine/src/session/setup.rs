@@ -375,7 +375,7 @@ fn check_memory(
     };
     let on_cuda = matches!(device, Engine::Cuda { .. });
     let estimate = footprint::check_fits(config, dataset, on_cuda, resuming, available)
-        .map_err(SessionError::Refused)?;
+        .map_err(|e| SessionError::Refused(e.0))?;
     tracing::info!(
         "host memory: about {:.1} GiB at the peak, {:.1} GiB available",
         footprint::gib(estimate.total()),
