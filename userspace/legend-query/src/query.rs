@@ -438,7 +438,10 @@ fn gpu_plan(
         if let Some((store, members)) = run::open_store(dir, meta, guard, proxy_model)? {
             match StoreRows::open(&opened, &store, &members, proxy_model, bytes) {
                 Ok(rows) => store_rows = Some(rows),
-                Err(e) => why_not = format!(" (rows looked up on the CPU: {e})"),
+                Err(e) => {
+                    let e = legend_engine::error_chain::with_sources(&e);
+                    why_not = format!(" (rows looked up on the CPU: {}: {e})", opened.name);
+                }
             }
         }
     }

@@ -297,6 +297,11 @@ impl FileStore {
         Ok(self.store.mark_written(Region::Partition(p))?)
     }
 
+    /// How messages name the store: its member's path, or every member's.
+    pub fn path(&self) -> &Path {
+        self.store.path()
+    }
+
     /// The store's layout parameters (nodes, dimension, dtype, partitions), read-only: for a
     /// reader that moves the partitions itself (legend-query's GPU row cache).
     pub fn spec(&self) -> &StoreSpec {

@@ -182,8 +182,7 @@ fn source(args: &CacheArgs) -> anyhow::Result<Source> {
                 path.display()
             );
         };
-        let table = legend_query::store_table(&store)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let table = legend_query::store_table(&store)?;
         return Ok(Source {
             file: members[0].file.path(),
             table,
@@ -274,8 +273,7 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
                         src.ssd_model,
                         bytes,
                         (args.queues, &opts),
-                    )
-                    .map_err(|e| anyhow::anyhow!(e))?
+                    )?
                 }
                 None => {
                     let default = ProxyOptions::default();
