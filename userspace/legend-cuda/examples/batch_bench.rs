@@ -58,9 +58,9 @@ struct Rows {
 }
 
 impl std::str::FromStr for Rows {
-    type Err = String;
+    type Err = Box<dyn std::error::Error>;
 
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (state, dtype) = s.split_once('/').unwrap_or((s, "f32"));
         let bad = |e: &dyn std::fmt::Display| format!("LEGEND_BENCH_ROWS entry {s:?}: {e}");
         Ok(Rows {
@@ -146,7 +146,7 @@ fn timed_steps(
 /// own: 256 MiB a launch into GPU memory.
 struct BackgroundIo {
     stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<Result<(u64, f64), String>>,
+    thread: std::thread::JoinHandle<Result<(u64, f64), legend_cuda::GpuError>>,
 }
 
 impl BackgroundIo {
@@ -182,7 +182,7 @@ impl BackgroundIo {
                     at: (k % chunks) * Self::CHUNK as u64,
                     write: false,
                 };
-                bytes += io.run(&[job], false).map_err(|e| e.to_string())?.bytes;
+                bytes += io.run(&[job], false)?.bytes;
                 k += 1;
             }
             Ok((bytes, start.elapsed().as_secs_f64()))

@@ -450,8 +450,11 @@ fn compile_source(
         Ok(()) => unsafe { result::get_ptx(prog) }
             .map(|raw| c_chars_to_string(&raw))
             .map_err(|e| fail(format!("nvrtcGetPTX: {e:?}")))
-            // SAFETY: as above.
-            .and_then(|ptx| Ok((ptx, unsafe { cubin(prog) }.map_err(fail)?))),
+            .and_then(|ptx| {
+                // SAFETY: as above.
+                let cubin = unsafe { cubin(prog) };
+                Ok((ptx, cubin.map_err(|e| fail(e.to_string()))?))
+            }),
         Err(e) => Err(fail(format!("{e:?}\n{log}"))),
     };
     // SAFETY: `prog` is live and not used after this.
@@ -470,21 +473,32 @@ fn compile_source(
 ///
 /// # Safety
 /// `prog` must be a live, successfully compiled program.
-unsafe fn cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>, String> {
+unsafe fn cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>, CubinError> {
     let mut size = 0usize;
     // SAFETY: the caller's contract; `size` is a live local.
     unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
         .result()
-        .map_err(|e| format!("nvrtcGetCUBINSize: {e:?}"))?;
+        .map_err(|e| CubinError::Call("nvrtcGetCUBINSize", e))?;
     if size == 0 {
-        return Err("no machine code (not a real architecture?)".into());
+        return Err(CubinError::Empty);
     }
     let mut out = vec![0u8; size];
     // SAFETY: `out` holds the `size` bytes NVRTC reported.
     unsafe { sys::nvrtcGetCUBIN(prog, out.as_mut_ptr().cast()) }
         .result()
-        .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))?;
+        .map_err(|e| CubinError::Call("nvrtcGetCUBIN", e))?;
     Ok(out)
+}
+
+/// Why a compiled program gave no machine code.
+#[derive(Debug, thiserror::Error)]
+enum CubinError {
+    /// An NVRTC call failed: its name and status.
+    #[error("{0}: {1:?}")]
+    Call(&'static str, cudarc::nvrtc::result::NvrtcError),
+    /// The program has none (compiled for a virtual architecture?).
+    #[error("no machine code (not a real architecture?)")]
+    Empty,
 }
 
 fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {
