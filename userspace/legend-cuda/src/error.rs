@@ -4,6 +4,7 @@ use cudarc::driver::DriverError;
 
 /// Why a GPU operation failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum GpuError {
     /// The CUDA driver library (`libcuda.so`) could not be loaded.
     #[error(

@@ -12,6 +12,7 @@ use std::path::PathBuf;
 /// [`io::Error`] from [`std::error::Error::source`], so a report that walks the chain (such as
 /// `anyhow`'s `{:#}`) prints each part once: `nope.tsv: No such file or directory (os error 2)`.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DatasetError {
     /// An I/O error on a named file; the message is the path, the cause is the source.
     #[error("{path}")]

@@ -5,6 +5,7 @@ use crate::store::PartitionStoreError;
 
 /// A training error.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TrainError {
     /// The store failed.
     #[error(transparent)]

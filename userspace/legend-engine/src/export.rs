@@ -56,6 +56,7 @@ impl fmt::Display for Format {
 
 /// Why an export failed (it left the output directory as it was).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ExportError {
     /// The run could not be read.
     #[error(transparent)]

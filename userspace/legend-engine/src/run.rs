@@ -157,6 +157,7 @@ fn is_f32(dtype: &Dtype) -> bool {
 
 /// A run-directory error, naming the path.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RunError {
     /// An I/O error.
     #[error("{path}")]

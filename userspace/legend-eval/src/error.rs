@@ -5,6 +5,7 @@
 /// A message never repeats its cause: where there is one, it is returned by
 /// [`std::error::Error::source`] only, so a report that walks the chain prints it once.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EvalError {
     /// The embedding dimension does not suit the decoder (zero, or odd for ComplEx).
     #[error("bad embedding dimension: {0}")]

@@ -29,6 +29,7 @@ pub fn namespace(info: &uapi::Info, nsid: u32) -> Option<&uapi::NamespaceInfo> {
 
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// No PCI device with this address, or it is not an NVMe controller.
     #[error("No NVMe controller at {0}")]

@@ -7,6 +7,7 @@ use crate::order::Order;
 
 /// Why no plan was produced.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum PlanError {
     /// `num_partitions` was 0.
     #[error("num_partitions must be at least 1, got 0")]
@@ -52,6 +53,7 @@ pub enum PlanError {
 
 /// The first rule a plan breaks; see [`crate::validate`].
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum ValidationError {
     /// The plan has no buffer state at all.
     #[error("plan has no buffer states")]
@@ -155,6 +157,7 @@ pub enum ValidationError {
 
 /// Why a prediction could not be made.
 #[derive(Debug, Clone, PartialEq, Error)]
+#[non_exhaustive]
 pub enum PredictError {
     /// Per-bucket edge counts were given, but not N² of them.
     #[error("expected {expected} per-bucket edge counts (N²), got {got}")]

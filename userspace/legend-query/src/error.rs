@@ -7,6 +7,7 @@ use legend_eval::EvalError;
 
 /// Why a query (or a batch of them) could not be answered; the message names the input.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum QueryError {
     /// The run could not be read.
     #[error(transparent)]

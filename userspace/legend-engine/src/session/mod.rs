@@ -37,6 +37,7 @@ pub use run_loop::checkpoint_due;
 
 /// A session error.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum SessionError {
     /// The configuration is invalid.
     #[error(transparent)]

@@ -81,6 +81,7 @@ pub trait PartitionStore: Send + 'static {
 
 /// A partition store failure, with its cause.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PartitionStoreError {
     /// The on-disk store failed.
     #[error(transparent)]
