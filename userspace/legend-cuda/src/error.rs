@@ -121,3 +121,40 @@ impl<T> DriverContext<T> for Result<T, DriverError> {
         self.map_err(|source| GpuError::Driver { what, source })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `e` and its sources, each after a `: `, as the CLI and the daemon print errors.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut s = e.to_string();
+        let mut source = e.source();
+        while let Some(c) = source {
+            s = format!("{s}: {c}");
+            source = c.source();
+        }
+        s
+    }
+
+    #[test]
+    fn a_controller_failure_ends_at_the_os_words() {
+        let e = GpuError::Controller {
+            label: "/dev/legend-nvme0".into(),
+            what: "MAP of 4096 bytes of GPU memory".into(),
+            source: Box::new(legend_nvme::Error::Ioctl {
+                op: "MAP",
+                source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+            }),
+        };
+        let text = chain(&e);
+        assert!(
+            text.starts_with("/dev/legend-nvme0: MAP of 4096 bytes of GPU memory: MAP"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("Cannot allocate memory (os error 12)"),
+            "{text}"
+        );
+    }
+}

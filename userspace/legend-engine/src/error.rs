@@ -100,3 +100,43 @@ impl From<legend_cuda::GpuError> for TrainError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error_chain::with_sources;
+
+    #[test]
+    fn a_gpu_failure_in_training_ends_at_the_os_words() {
+        let gpu = legend_cuda::GpuError::Controller {
+            label: "/dev/legend-nvme0".into(),
+            what: "CREATE_QUEUE_PAIR".into(),
+            source: Box::new(legend_nvme::Error::Ioctl {
+                op: "CREATE_QUEUE_PAIR",
+                // EBUSY: the queue pair is another owner's.
+                source: std::io::Error::from_raw_os_error(16),
+            }),
+        };
+        let text = with_sources(&TrainError::from(gpu));
+        assert!(text.starts_with("GPU engine: /dev/legend-nvme0"), "{text}");
+        assert!(text.contains("Device or resource busy"), "{text}");
+    }
+
+    #[test]
+    fn a_store_failure_reading_a_run_ends_at_the_os_words() {
+        let store = PartitionStoreError::Io {
+            path: "/runs/r/store.bin".into(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        };
+        let run = crate::run::RunError::Store {
+            path: "/runs/r/store.bin".into(),
+            source: Box::new(store),
+        };
+        let text = with_sources(&run);
+        assert!(
+            text.starts_with("/runs/r/store.bin: /runs/r/store.bin"),
+            "{text}"
+        );
+        assert!(text.ends_with("entity not found"), "{text}");
+    }
+}

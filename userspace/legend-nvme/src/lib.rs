@@ -89,3 +89,30 @@ pub enum Error {
 
 /// Result of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `e` and its sources, each after a `: `, as the CLI and the daemon print errors.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut s = e.to_string();
+        let mut source = e.source();
+        while let Some(c) = source {
+            s = format!("{s}: {c}");
+            source = c.source();
+        }
+        s
+    }
+
+    #[test]
+    fn a_failed_call_ends_at_the_os_words() {
+        let e = Error::Ioctl {
+            op: "CREATE_QUEUE_PAIR",
+            source: std::io::Error::from_raw_os_error(libc::EBUSY),
+        };
+        let text = chain(&e);
+        assert!(text.starts_with("CREATE_QUEUE_PAIR"), "{text}");
+        assert!(text.contains("Device or resource busy"), "{text}");
+    }
+}
