@@ -19,7 +19,7 @@ work=${LEGEND_WORK:-/dev/shm/legend-multi/runs}
 nodes=${NODES:-41652230}
 edges=${EDGES:-1468365182}
 epochs=${EPOCHS:-3}
-gpus_list=${GPUS:-2 4}
+gpus_list=${GPUS-2 4}
 mkdir -p "$out"
 rm -rf "$data" "$work" && mkdir -p "$work"
 source "$root/scripts/gpu/nvrtc-env.sh"
@@ -57,7 +57,7 @@ EOF
 }
 
 phase generate "$ctl" generate --nodes "$nodes" --edges "$edges" --relations 1 \
-    --split 0.9999,0,0.0001 "$data" || exit 1
+    --split 0.99999,0,0.00001 "$data" || exit 1
 
 # train NAME DEVICES N [legendctl flags]: the billion-edge settings on CUDA_VISIBLE_DEVICES =
 # DEVICES with N partitions, every one resident; the run is deleted after its figures are read.

@@ -27,7 +27,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use nix::errno::Errno;
-use nix::fcntl::{AtFlags, FcntlArg, OFlag, fcntl, openat, renameat};
+use nix::fcntl::{AtFlags, FcntlArg, OFlag, RenameFlags, fcntl, openat, renameat2};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat, mkdirat};
 use nix::unistd::{UnlinkatFlags, fsync, unlinkat};
 
@@ -516,13 +516,26 @@ impl Dir {
 
     /// Renames `from` to `to` (both beneath this directory; `to` is replaced if it exists).
     pub fn rename(&self, from: impl AsRef<Path>, to: impl AsRef<Path>) -> io::Result<()> {
-        let (from_held, from_name) = self.parent(from.as_ref())?;
-        let (to_held, to_name) = self.parent(to.as_ref())?;
-        renameat(
+        self.rename_with(from.as_ref(), to.as_ref(), RenameFlags::empty())
+    }
+
+    /// Swaps `a` and `b` (both beneath this directory, both existing, of any kind) in one step
+    /// (`renameat2` with `RENAME_EXCHANGE`): each name always names one of the two, so a
+    /// directory assembled under a temporary name replaces a whole one at once, and the old one
+    /// is then at the temporary name.
+    pub fn exchange(&self, a: impl AsRef<Path>, b: impl AsRef<Path>) -> io::Result<()> {
+        self.rename_with(a.as_ref(), b.as_ref(), RenameFlags::RENAME_EXCHANGE)
+    }
+
+    fn rename_with(&self, from: &Path, to: &Path, flags: RenameFlags) -> io::Result<()> {
+        let (from_held, from_name) = self.parent(from)?;
+        let (to_held, to_name) = self.parent(to)?;
+        renameat2(
             self.base(&from_held),
             from_name,
             self.base(&to_held),
             to_name,
+            flags,
         )?;
         Ok(())
     }
@@ -684,6 +697,24 @@ mod tests {
         // Removing a tree removes a link in it, not what it points at.
         dir.remove_all("sub").unwrap();
         assert!(victim.join("f").exists());
+    }
+
+    #[test]
+    fn an_exchange_swaps_two_directories_at_once() {
+        let (tmp, dir) = setup();
+        dir.create_dir("old")
+            .unwrap()
+            .write_atomically("f", b"old")
+            .unwrap();
+        dir.create_dir("new")
+            .unwrap()
+            .write_atomically("f", b"new")
+            .unwrap();
+        dir.exchange("new", "old").unwrap();
+        assert_eq!(std::fs::read(tmp.path().join("old/f")).unwrap(), b"new");
+        assert_eq!(std::fs::read(tmp.path().join("new/f")).unwrap(), b"old");
+        let e = dir.exchange("new", "missing").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::superblock::{Membership, RegionState, Superblock};
 
 mod open;
 
-pub use open::{CreateOptions, DEFAULT_STRIPE_BYTES, Expect};
+pub use open::{CreateOptions, DEFAULT_STRIPE_BYTES, Expect, new_store_id, store_id_hex};
 
 /// A region of the store that can be read or written as a whole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,6 +98,12 @@ impl Store {
     /// striped store, every member's, joined by ` + `.
     pub fn path(&self) -> &Path {
         &self.label
+    }
+
+    /// The store's identity, chosen at creation and the same on every member (zeros for a
+    /// store written before striping).
+    pub fn store_id(&self) -> [u8; 16] {
+        self.store_id
     }
 
     /// Members the store is striped over (1 for a plain store).

@@ -157,6 +157,9 @@ pub struct GpuBatchEngine {
     known: Option<KnownEdges>,
     /// When profiling: events recorded after each phase, with the phase's name.
     marks: Option<Vec<(&'static str, CudaEvent)>>,
+    /// Every relation row's id (`0 .. rows`) and the row count, copied into the relation
+    /// table's row list when its gradients, summed over several GPUs, step every row.
+    all_relation_rows: Option<(CudaSlice<u32>, CudaSlice<u32>)>,
 }
 
 /// The way a step's three products (scores, dQ, dN) run.
@@ -261,6 +264,7 @@ impl GpuBatchEngine {
             out_of_range: gpu.upload(&[u64::MAX])?,
             known: None,
             marks: None,
+            all_relation_rows: None,
         })
     }
 

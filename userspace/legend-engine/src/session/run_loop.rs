@@ -280,6 +280,8 @@ impl Session {
             store: None,
             store_queue: None,
             store_members: Vec::new(),
+            store_id: None,
+            store_creating: false,
             ..self.meta.clone()
         };
         let trainer = &mut self.trainer;
@@ -439,6 +441,8 @@ fn new_placeholder_meta() -> RunMeta {
         store: None,
         store_queue: None,
         store_members: Vec::new(),
+        store_id: None,
+        store_creating: false,
         checksums: TableChecksums::default(),
     }
 }

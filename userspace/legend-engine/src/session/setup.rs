@@ -15,7 +15,7 @@ use crate::relations::Relations;
 use crate::run::{RunMeta, TableChecksums};
 use crate::schedule::ValidHistory;
 use crate::store::controllers::SharedController;
-use crate::store::{FileStore, FileStoreSpec, MemberFile, MemoryStore, PartitionHome, StoreMember};
+use crate::store::{FileStore, FileStoreSpec, MemberFile, MemoryStore, PartitionHome};
 use crate::trainer::Trainer;
 use crate::training::Training;
 use crate::workers::Workers;
@@ -172,9 +172,9 @@ impl Session {
                     &config, buckets, &degrees, home, relations, engine,
                 )?))
             }
-            (_, PartitionHome::Memory(store)) => Training::Workers(Workers::new(
+            (_, PartitionHome::Memory(store)) => Training::Workers(Box::new(Workers::new(
                 &config, buckets, &degrees, store, relations, device,
-            )?),
+            )?)),
             _ => unreachable!(
                 "training.gpus > 1 keeps partitions in memory (its configuration says)"
             ),
@@ -220,10 +220,10 @@ impl Home {
         guard: &dyn Guard,
     ) -> Result<Home, SessionError> {
         let relation_floats = meta.relation_floats();
-        let recorded = meta.recorded_members();
+        let record = meta.store_record(run.path())?;
         let run_dir = std::fs::canonicalize(run.path()).map_err(io_error(run.path()))?;
-        let members = recorded
-            .clone()
+        let members = meta
+            .recorded_members()
             .unwrap_or_else(|| config.store_members(&run_dir));
         let path = members[0].path.clone();
         let files = members
@@ -238,18 +238,23 @@ impl Home {
             shape: config.entity_shape(),
             num_partitions: scheme.num_partitions,
             aux_bytes: (relation_floats * 8) as u64,
-            // The run's own default store, left half-made by a crash before it was
-            // recorded, is this run's to overwrite.
-            force: config.storage.force || members.iter().all(|m| m.path.starts_with(&run_dir)),
+            store_id: record.store_id(),
+            force: config.storage.force,
             proxy_model: config.proxy_model(),
         };
-        let mut store = if recorded.is_some() {
-            FileStore::open(&spec)?
-        } else {
-            let store = FileStore::create(&spec)?;
-            // From here on the run's commit record is the store's superblock.
-            record_members(run, meta, &members)?;
-            store
+        let mut store = match record {
+            run::StoreRecord::Made(_) => FileStore::open(&spec)?,
+            run::StoreRecord::ToCreate(id) => {
+                // The intent first: after a crash from here on, the resume makes the store
+                // again, knowing its half-made members by `id` and nothing else by it.
+                meta.record_store_intent(&members, id)?;
+                write_meta(run, meta)?;
+                let store = FileStore::create(&spec)?;
+                // From here on the run's commit record is the store's superblock.
+                meta.store_creating = false;
+                write_meta(run, meta)?;
+                store
+            }
         };
         let position = Position::decode(store.progress())?;
         let device_health = store
@@ -322,31 +327,6 @@ fn fresh_relations(config: &Config, meta: &RunMeta) -> Relations {
         config.model.dim,
         &config.init(),
     )
-}
-
-/// Records a new store's `members` in the run's record, by their canonical paths.
-fn record_members(
-    run: &Dir,
-    meta: &mut RunMeta,
-    members: &[StoreMember],
-) -> Result<(), SessionError> {
-    let canonical = members
-        .iter()
-        .map(|m| {
-            Ok(StoreMember {
-                path: std::fs::canonicalize(&m.path).map_err(io_error(&m.path))?,
-                queue: m.queue,
-            })
-        })
-        .collect::<Result<Vec<_>, SessionError>>()?;
-    meta.store = Some(canonical[0].path.clone());
-    meta.store_queue = canonical[0].queue;
-    meta.store_members = if canonical.len() > 1 {
-        canonical
-    } else {
-        Vec::new()
-    };
-    write_meta(run, meta)
 }
 
 /// The SMART log of an `nvme` store's controller (a warning, and nothing, if it cannot be
@@ -465,6 +445,8 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
         store: None,
         store_queue: None,
         store_members: Vec::new(),
+        store_id: None,
+        store_creating: false,
         checksums: TableChecksums::default(),
     }
 }

@@ -49,10 +49,26 @@ struct Worker {
     device: String,
 }
 
+impl Worker {
+    /// `e`, as worker `g`'s failure (naming its device).
+    fn failed(&self, g: usize, e: TrainError) -> TrainError {
+        TrainError::Worker {
+            worker: g,
+            device: self.device.clone(),
+            source: Box::new(e),
+        }
+    }
+}
+
 /// K workers training one run (see the module docs).
 pub struct Workers {
     workers: Vec<Worker>,
     schedule: GpuSchedule,
+    /// Per round, the most batches any worker trains in it: the steps every worker takes
+    /// when relation gradients are summed after each (decoders with relations).
+    round_steps: Vec<u64>,
+    /// The decoder has relations: workers step in lockstep, summing their gradients.
+    lockstep: bool,
     scheme: PartitionScheme,
     relations: Relations,
     negatives: usize,
@@ -129,6 +145,26 @@ impl Workers {
                 device,
             });
         }
+        // Relations: one AdaGrad step a step from the gradients summed over the workers'
+        // batches (Documentation/gpu.md, "Relations on several GPUs").
+        let lockstep = config.decoder().uses_relations();
+        if lockstep {
+            for (g, w) in workers.iter_mut().enumerate() {
+                w.trainer.defer_relations().map_err(|e| w.failed(g, e))?;
+            }
+        }
+        let round_steps = schedule
+            .rounds
+            .iter()
+            .map(|round| {
+                round
+                    .work
+                    .iter()
+                    .map(|pieces| pieces.iter().map(|p| p.batches.end - p.batches.start).sum())
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
         tracing::info!(
             "{k} workers, {} rounds an epoch, {} hand-overs of {:.2} GB each; predicted imbalance {:.3}",
             schedule.rounds.len(),
@@ -139,6 +175,8 @@ impl Workers {
         Ok(Workers {
             workers,
             schedule,
+            round_steps,
+            lockstep,
             scheme,
             relations,
             negatives: config.training.negatives.negatives_per_positive,
@@ -156,9 +194,18 @@ impl Workers {
         self.scheme
     }
 
-    /// The relation parameters (none: several workers train decoders without relations).
+    /// The relation parameters, as of the last [`Workers::sync_relations`] (every worker
+    /// holds the same).
     pub fn relations(&self) -> &Relations {
         &self.relations
+    }
+
+    /// Makes [`Workers::relations`] current: worker 0's (all workers' are equal).
+    pub fn sync_relations(&mut self) -> Result<(), TrainError> {
+        let w = &mut self.workers[0];
+        w.trainer.sync_relations().map_err(|e| w.failed(0, e))?;
+        self.relations = w.trainer.relations().clone();
+        Ok(())
     }
 
     /// Sets every worker's learning rate.
@@ -191,11 +238,11 @@ impl Workers {
     /// Moves the partitions so that worker `g` holds `held[g]`: what a worker gives up goes
     /// back to the shared store first, then each reads what it lacks.
     fn lay_out(&mut self, held: &[[u32; 2]]) -> Result<(), TrainError> {
-        for (w, keep) in self.workers.iter_mut().zip(held) {
-            w.trainer.release_except(keep)?;
+        for (g, (w, keep)) in self.workers.iter_mut().zip(held).enumerate() {
+            w.trainer.release_except(keep).map_err(|e| w.failed(g, e))?;
         }
-        for (w, keep) in self.workers.iter_mut().zip(held) {
-            w.trainer.make_resident(keep)?;
+        for (g, (w, keep)) in self.workers.iter_mut().zip(held).enumerate() {
+            w.trainer.make_resident(keep).map_err(|e| w.failed(g, e))?;
         }
         Ok(())
     }
@@ -236,6 +283,7 @@ impl Workers {
         // Before the first gate: the caller may raise `stop` (a checkpoint that is due).
         progress(shared.edges.load(Ordering::Relaxed));
         let schedule = &self.schedule;
+        let steps = self.lockstep.then_some(self.round_steps.as_slice());
         let rounds = &order[first..];
         let outcomes: Vec<Result<WorkerEpoch, TrainError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
@@ -247,7 +295,7 @@ impl Workers {
                     std::thread::Builder::new()
                         .name(format!("legend-worker-{g}"))
                         .spawn_scoped(s, move || {
-                            let r = run_rounds(g, w, schedule, epoch, rounds, shared);
+                            let r = run_rounds(g, w, schedule, steps, epoch, rounds, shared);
                             if r.is_err() {
                                 shared.give_up.store(true, Ordering::Release);
                                 shared.gate.fail();
@@ -276,11 +324,7 @@ impl Workers {
                 // The first worker's own failure, not the others' stopping because of it.
                 Err(TrainError::WorkerStopped) => {}
                 Err(e) => {
-                    failure.get_or_insert(TrainError::Worker {
-                        worker: g,
-                        device: self.workers[g].device.clone(),
-                        source: Box::new(e),
-                    });
+                    failure.get_or_insert(self.workers[g].failed(g, e));
                 }
             }
         }
@@ -290,11 +334,7 @@ impl Workers {
         if done.len() < k {
             return Err(TrainError::WorkerStopped);
         }
-        let loss_before = from.map_or(0.0, |c| c.loss);
-        let mut loss = loss_before;
-        for w in &mut self.workers {
-            loss += w.trainer.take_loss()?;
-        }
+        let loss = from.map_or(0.0, |c| c.loss) + done.iter().map(|d| d.loss).sum::<f64>();
         let edges = shared.edges.load(Ordering::Relaxed);
         let trained_rounds = done[0].rounds.len();
         if done[0].stopped {
@@ -358,6 +398,9 @@ struct WorkerEpoch {
     rounds: Vec<RoundReport>,
     /// It stopped at a gate, as asked.
     stopped: bool,
+    /// Its loss summed over what it trained (read in its thread: a GPU reports a step's
+    /// failure, a row past f16's range, when the loss is read, and it is this worker's).
+    loss: f64,
 }
 
 /// What the workers of an epoch share.
@@ -371,11 +414,13 @@ struct Shared<'a> {
     stop: &'a AtomicBool,
 }
 
-/// Worker `g`'s rounds `rounds` of epoch `epoch`, the partitions laid out for the first.
+/// Worker `g`'s rounds `rounds` of epoch `epoch`, the partitions laid out for the first; with
+/// `steps` (each round's), in lockstep with the other workers, summing relation gradients.
 fn run_rounds(
     g: usize,
     w: &mut Worker,
     schedule: &GpuSchedule,
+    steps: Option<&[u64]>,
     epoch: u32,
     rounds: &[usize],
     shared: &Shared<'_>,
@@ -390,6 +435,7 @@ fn run_rounds(
             return Ok(WorkerEpoch {
                 rounds: reports,
                 stopped: true,
+                loss: w.trainer.take_loss()?,
             });
         }
         if i > 0 {
@@ -412,18 +458,31 @@ fn run_rounds(
         let round = &schedule.rounds[r];
         let t = Instant::now();
         let mut counted = 0;
-        report.edges =
-            w.trainer
-                .train_pieces(epoch, &round.work[g], &round.held[g], &mut |done| {
-                    shared.edges.fetch_add(done - counted, Ordering::Relaxed);
-                    counted = done;
-                })?;
+        let mut progress = |done| {
+            shared.edges.fetch_add(done - counted, Ordering::Relaxed);
+            counted = done;
+        };
+        report.edges = match steps {
+            None => w
+                .trainer
+                .train_pieces(epoch, &round.work[g], &round.held[g], &mut progress)?,
+            Some(steps) => w.trainer.train_pieces_synced(
+                epoch,
+                &round.work[g],
+                &round.held[g],
+                steps[r],
+                &mut *w.link,
+                &shared.give_up,
+                &mut progress,
+            )?,
+        };
         report.compute_s = t.elapsed().as_secs_f64();
         reports.push(report);
     }
     Ok(WorkerEpoch {
         rounds: reports,
         stopped: false,
+        loss: w.trainer.take_loss()?,
     })
 }
 
