@@ -198,49 +198,79 @@ impl BackgroundIo {
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let out_path = std::env::args().nth(1);
-    let groups: Vec<usize> = std::env::var("LEGEND_BENCH_GROUPS")
-        .unwrap_or_else(|_| "2,4,20".into())
-        .split(',')
-        .map(|g| g.trim().parse())
-        .collect::<Result<_, _>>()?;
-    let decoders: Vec<Decoder> = std::env::var("LEGEND_BENCH_DECODERS")
-        .unwrap_or_else(|_| "complex,dot".into())
-        .split(',')
-        .map(|d| d.trim().parse())
-        .collect::<Result<_, _>>()?;
-    let extra = std::env::var_os("LEGEND_BENCH_EXTRA").is_some_and(|v| v == "1");
-    let row_layouts: Vec<Rows> = std::env::var("LEGEND_BENCH_ROWS")
-        .unwrap_or_else(|_| "element".into())
-        .split(',')
-        .map(|r| r.trim().parse())
-        .collect::<Result<_, _>>()?;
-    let beside_io = std::env::var_os("LEGEND_BENCH_BESIDE_IO").map(PathBuf::from);
-    let io_queues: u32 = match std::env::var("LEGEND_BENCH_IO_QUEUES") {
-        Ok(q) => q.parse()?,
-        Err(_) => 8,
-    };
-    let io_opts = GpuIoOptions {
-        queues: io_queues,
-        threads: match std::env::var("LEGEND_BENCH_IO_THREADS") {
-            Ok(t) => t.parse()?,
-            Err(_) => GpuIoOptions::default().threads,
-        },
-        ..GpuIoOptions::default()
-    };
-    let io_model: Option<DeviceModel> = match std::env::var("LEGEND_BENCH_IO_MODEL") {
-        Ok(m) => Some(m.parse()?),
-        Err(_) => None,
-    };
-    let t = Instant::now();
-    let gpu = Gpu::new(0)?;
-    eprintln!(
-        "device {} ({}), kernels ready in {:.2} s",
-        gpu.name(),
-        gpu.arch(),
-        t.elapsed().as_secs_f64()
-    );
+/// The benchmark's settings, from its arguments and `LEGEND_BENCH_*` variables.
+struct Settings {
+    out_path: Option<String>,
+    groups: Vec<usize>,
+    decoders: Vec<Decoder>,
+    extra: bool,
+    row_layouts: Vec<Rows>,
+    beside_io: Option<PathBuf>,
+    io_opts: GpuIoOptions,
+    io_model: Option<DeviceModel>,
+    filtered: Option<usize>,
+}
+
+impl Settings {
+    fn from_env() -> Result<Settings, Box<dyn std::error::Error>> {
+        let out_path = std::env::args().nth(1);
+        let groups: Vec<usize> = std::env::var("LEGEND_BENCH_GROUPS")
+            .unwrap_or_else(|_| "2,4,20".into())
+            .split(',')
+            .map(|g| g.trim().parse())
+            .collect::<Result<_, _>>()?;
+        let decoders: Vec<Decoder> = std::env::var("LEGEND_BENCH_DECODERS")
+            .unwrap_or_else(|_| "complex,dot".into())
+            .split(',')
+            .map(|d| d.trim().parse())
+            .collect::<Result<_, _>>()?;
+        let extra = std::env::var_os("LEGEND_BENCH_EXTRA").is_some_and(|v| v == "1");
+        let row_layouts: Vec<Rows> = std::env::var("LEGEND_BENCH_ROWS")
+            .unwrap_or_else(|_| "element".into())
+            .split(',')
+            .map(|r| r.trim().parse())
+            .collect::<Result<_, _>>()?;
+        let beside_io = std::env::var_os("LEGEND_BENCH_BESIDE_IO").map(PathBuf::from);
+        let io_queues: u32 = match std::env::var("LEGEND_BENCH_IO_QUEUES") {
+            Ok(q) => q.parse()?,
+            Err(_) => 8,
+        };
+        let io_opts = GpuIoOptions {
+            queues: io_queues,
+            threads: match std::env::var("LEGEND_BENCH_IO_THREADS") {
+                Ok(t) => t.parse()?,
+                Err(_) => GpuIoOptions::default().threads,
+            },
+            ..GpuIoOptions::default()
+        };
+        let io_model: Option<DeviceModel> = match std::env::var("LEGEND_BENCH_IO_MODEL") {
+            Ok(m) => Some(m.parse()?),
+            Err(_) => None,
+        };
+        let filtered: Option<usize> = match std::env::var("LEGEND_BENCH_FILTERED") {
+            Ok(v) => Some(
+                v.parse()
+                    .map_err(|e| format!("LEGEND_BENCH_FILTERED={v}: {e}"))?,
+            ),
+            Err(_) => None,
+        };
+        Ok(Settings {
+            out_path,
+            groups,
+            decoders,
+            extra,
+            row_layouts,
+            beside_io,
+            io_opts,
+            io_model,
+            filtered,
+        })
+    }
+}
+
+/// The benchmark's batches (fixed, from their indices) and, with `filtered`, that many known
+/// edges: the batches' own and more.
+fn batches_and_known(filtered: Option<usize>) -> (Vec<Vec<[u32; 3]>>, Vec<[u32; 3]>) {
     let batches: Vec<Vec<[u32; 3]>> = (0..BATCHES)
         .map(|b| {
             (0..BATCH as u64)
@@ -255,13 +285,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .collect()
         })
         .collect();
-    let filtered: Option<usize> = match std::env::var("LEGEND_BENCH_FILTERED") {
-        Ok(v) => Some(
-            v.parse()
-                .map_err(|e| format!("LEGEND_BENCH_FILTERED={v}: {e}"))?,
-        ),
-        Err(_) => None,
-    };
     let known: Vec<[u32; 3]> = match filtered {
         Some(total) => {
             let mut known: Vec<[u32; 3]> = batches.iter().flatten().copied().collect();
@@ -278,6 +301,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         None => Vec::new(),
     };
+    (batches, known)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let Settings {
+        out_path,
+        groups,
+        decoders,
+        extra,
+        row_layouts,
+        beside_io,
+        io_opts,
+        io_model,
+        filtered,
+    } = Settings::from_env()?;
+    let t = Instant::now();
+    let gpu = Gpu::new(0)?;
+    eprintln!(
+        "device {} ({}), kernels ready in {:.2} s",
+        gpu.name(),
+        gpu.arch(),
+        t.elapsed().as_secs_f64()
+    );
+    let (batches, known) = batches_and_known(filtered);
     let degrees = vec![1u32; ENTITIES];
     let mut json = String::new();
     for &decoder in &decoders {
@@ -382,9 +429,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
             let line = match beside {
                 Some((mut with_io, gb_per_s)) => format!(
-                    "{},\"median_ms_beside_io\":{:.4},\"io_queues\":{io_queues},\"io_threads\":{},\"io_gb_per_s_beside\":{gb_per_s:.3}}}",
+                    "{},\"median_ms_beside_io\":{:.4},\"io_queues\":{},\"io_threads\":{},\"io_gb_per_s_beside\":{gb_per_s:.3}}}",
                     line.strip_suffix('}').unwrap_or(&line),
                     median(&mut with_io.total),
+                    io_opts.queues,
                     io_opts.threads
                 ),
                 None => line,
