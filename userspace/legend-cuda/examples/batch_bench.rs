@@ -268,20 +268,22 @@ impl Settings {
     }
 }
 
+/// The edge a hash names: source, relation and destination from its bits.
+fn edge_of(h: u64) -> [u32; 3] {
+    [
+        (h % ENTITIES as u64) as u32,
+        ((h >> 20) % RELATIONS as u64) as u32,
+        ((h >> 40) % ENTITIES as u64) as u32,
+    ]
+}
+
 /// The benchmark's batches (fixed, from their indices) and, with `filtered`, that many known
 /// edges: the batches' own and more.
 fn batches_and_known(filtered: Option<usize>) -> (Vec<Vec<[u32; 3]>>, Vec<[u32; 3]>) {
     let batches: Vec<Vec<[u32; 3]>> = (0..BATCHES)
         .map(|b| {
             (0..BATCH as u64)
-                .map(|i| {
-                    let h = mix(b << 40 ^ i);
-                    [
-                        (h % ENTITIES as u64) as u32,
-                        ((h >> 20) % RELATIONS as u64) as u32,
-                        ((h >> 40) % ENTITIES as u64) as u32,
-                    ]
-                })
+                .map(|i| edge_of(mix(b << 40 ^ i)))
                 .collect()
         })
         .collect();
@@ -289,14 +291,7 @@ fn batches_and_known(filtered: Option<usize>) -> (Vec<Vec<[u32; 3]>>, Vec<[u32; 
         Some(total) => {
             let mut known: Vec<[u32; 3]> = batches.iter().flatten().copied().collect();
             let extra = total.saturating_sub(known.len()) as u64;
-            known.extend((0..extra).map(|i| {
-                let h = mix(0x6b6e_6f77 ^ i);
-                [
-                    (h % ENTITIES as u64) as u32,
-                    ((h >> 20) % RELATIONS as u64) as u32,
-                    ((h >> 40) % ENTITIES as u64) as u32,
-                ]
-            }));
+            known.extend((0..extra).map(|i| edge_of(mix(0x6b6e_6f77 ^ i))));
             known
         }
         None => Vec::new(),

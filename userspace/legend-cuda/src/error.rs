@@ -128,13 +128,11 @@ mod tests {
 
     /// `e` and its sources, each after a `: `, as the CLI and the daemon print errors.
     fn chain(e: &dyn std::error::Error) -> String {
-        let mut s = e.to_string();
-        let mut source = e.source();
-        while let Some(c) = source {
-            s = format!("{s}: {c}");
-            source = c.source();
-        }
-        s
+        let sources = std::iter::successors(Some(e), |e| e.source());
+        sources
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join(": ")
     }
 
     #[test]
