@@ -15,7 +15,7 @@ use crate::workers::Workers;
 
 /// One trainer, or K workers.
 pub(crate) enum Training {
-    /// One engine (boxed, as the workers are: both are large).
+    /// One engine.
     One(Box<Trainer>),
     /// K engines, one a GPU.
     Workers(Box<Workers>),

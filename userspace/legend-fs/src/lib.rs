@@ -42,6 +42,8 @@ pub struct Dir {
     /// Whether `check` is asked about files opened to write too ([`Dir::open_checked`]), or
     /// only about reads and the directories on the way ([`Dir::reading_as`]).
     check_writes: bool,
+    /// The largest text file [`Dir::read_to_string`] reads beneath ([`Dir::with_text_limit`]).
+    text_limit: u64,
 }
 
 /// Whether a reader may use an opened file or directory (its metadata) for `want`: the
@@ -212,6 +214,7 @@ impl Dir {
             path: path.to_owned(),
             check: None,
             check_writes: false,
+            text_limit: TEXT_LIMIT,
         })
     }
 
@@ -264,6 +267,7 @@ impl Dir {
             path: path.to_owned(),
             check: Some(check),
             check_writes: true,
+            text_limit: TEXT_LIMIT,
         })
     }
 
@@ -299,6 +303,16 @@ impl Dir {
         }
     }
 
+    /// The same directory, whose text files (and those of the directories opened beneath it)
+    /// are read by [`Dir::read_to_string`] only up to `max` bytes: a reader holding many at
+    /// once (a service, for its requests) bounds what each costs it.
+    pub fn with_text_limit(self, max: u64) -> Dir {
+        Dir {
+            text_limit: max.min(TEXT_LIMIT),
+            ..self
+        }
+    }
+
     /// The same directory, named `path` from now on (after a rename).
     pub fn with_path(self, path: PathBuf) -> Dir {
         Dir { path, ..self }
@@ -326,6 +340,7 @@ impl Dir {
             path: self.path.clone(),
             check: self.check.clone(),
             check_writes: self.check_writes,
+            text_limit: self.text_limit,
         })
     }
 
@@ -376,6 +391,7 @@ impl Dir {
             path: self.path.join(rel),
             check: self.check.clone(),
             check_writes: self.check_writes,
+            text_limit: self.text_limit,
         })
     }
 
@@ -411,6 +427,7 @@ impl Dir {
             path: self.path.join(rel),
             check: self.check.clone(),
             check_writes: self.check_writes,
+            text_limit: self.text_limit,
         })
     }
 
@@ -493,22 +510,29 @@ impl Dir {
         Ok(bytes)
     }
 
-    /// The contents of the text file `rel`: a record, at most [`TEXT_LIMIT`] bytes (a larger
-    /// file, even a sparse one, is refused rather than read into memory).
+    /// The contents of the text file `rel`: a record, at most [`TEXT_LIMIT`] bytes, or the
+    /// directory's own limit ([`Dir::with_text_limit`]). A larger file, even a sparse one, is
+    /// refused rather than read into memory, and so is anything but a regular file.
     pub fn read_to_string(&self, rel: impl AsRef<Path>) -> io::Result<String> {
         let file = self.open_file(rel, Access::Read)?;
+        let limit = self.text_limit;
         let too_big = || {
-            refused(format!(
-                "larger than {} MiB: not a text record",
-                TEXT_LIMIT >> 20
-            ))
+            refused(if limit >= 1 << 20 {
+                format!("larger than {} MiB: not a text record", limit >> 20)
+            } else {
+                format!("larger than {} KiB: not a text record", limit >> 10)
+            })
         };
-        if file.metadata()?.len() > TEXT_LIMIT {
+        let m = file.metadata()?;
+        if !m.is_file() {
+            return Err(refused("not a regular file"));
+        }
+        if m.len() > limit {
             return Err(too_big());
         }
         let mut text = String::new();
-        file.take(TEXT_LIMIT + 1).read_to_string(&mut text)?;
-        if text.len() as u64 > TEXT_LIMIT {
+        file.take(limit + 1).read_to_string(&mut text)?;
+        if text.len() as u64 > limit {
             return Err(too_big());
         }
         Ok(text)

@@ -77,6 +77,20 @@ impl Session {
         sets: &[String],
         guard: &dyn Guard,
     ) -> Result<Session, SessionError> {
+        Self::resume_expecting(out, dataset, sets, guard, &|_| Ok(()))
+    }
+
+    /// [`Session::resume`], refusing the run when `expect` refuses its record `run.toml`, read
+    /// once: the store it names is opened only after `expect` accepted it (a service checks
+    /// it against what it recorded when the job was submitted, so that an edit of the record
+    /// in between cannot point the job at another store or extent).
+    pub fn resume_expecting(
+        out: &Path,
+        dataset: Option<&Path>,
+        sets: &[String],
+        guard: &dyn Guard,
+        expect: &dyn Fn(&RunMeta) -> Result<(), String>,
+    ) -> Result<Session, SessionError> {
         let not_a_run = || {
             SessionError::Refused(format!(
                 "{} is not a run directory (no run.toml): nothing to resume",
@@ -95,6 +109,9 @@ impl Session {
             return Err(not_a_run());
         }
         let meta = run::read_meta(&run)?;
+        expect(&meta).map_err(|why| {
+            SessionError::Refused(format!("{}: {why}", run.join(run::META_FILE).display()))
+        })?;
         let config_path = run.join(run::CONFIG_FILE);
         let text = run
             .read_to_string(run::CONFIG_FILE)
