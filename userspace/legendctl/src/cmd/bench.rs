@@ -305,6 +305,32 @@ impl Span {
     }
 }
 
+/// Zeroed, page-aligned memory a submitter's requests or queues live in, freed on drop.
+struct PageMemory {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl PageMemory {
+    /// `bytes` (non-zero) of memory for `what`, which a failure names.
+    fn new(bytes: usize, what: &str) -> anyhow::Result<PageMemory> {
+        let layout = std::alloc::Layout::from_size_align(bytes, 4096)?;
+        // SAFETY: a non-zero size (checked by the caller's arguments).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            bail!("cannot allocate {bytes} bytes of {what}");
+        }
+        Ok(PageMemory { ptr, layout })
+    }
+}
+
+impl Drop for PageMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Io(a) => io(a),
