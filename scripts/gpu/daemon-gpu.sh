@@ -29,8 +29,29 @@ work=$(mktemp -d)
 trap 'kill "$daemon" 2>/dev/null; wait "$daemon" 2>/dev/null; rm -rf "$work"' EXIT
 "$bin/legendctl" generate --nodes 20000 --edges 200000 --relations 4 "$work/ds" >/dev/null
 : >"$work/legendd.toml"
-"$bin/legendd" --foreground --config "$work/legendd.toml" --socket "$work/sock" \
-    --state-dir "$work/state" 2>"$out/daemon-gpu.err" &
+# cgroup v2 (the GPU machines): the daemon alone in a cgroup given the memory controller, as
+# systemd's Delegate=yes gives it, so that its jobs run in cgroups of their own (CI tests v1).
+# This script's processes move to a sibling leaf first (v2 gives controllers to children only
+# of a cgroup without processes). NO_OWN_CGROUP=1 leaves the daemon where it starts.
+own_cgroup=0
+if [ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" = cgroup2fs ] && [ -z "${NO_OWN_CGROUP:-}" ]; then
+    cg=/sys/fs/cgroup$(sed -n 's/^0:://p' /proc/self/cgroup)
+    if mkdir -p "$cg/shell" "$cg/legendd" 2>/dev/null; then
+        for pid in $(cat "$cg/cgroup.procs"); do
+            echo "$pid" >"$cg/shell/cgroup.procs" 2>/dev/null
+        done
+        echo +memory >"$cg/cgroup.subtree_control" 2>/dev/null && own_cgroup=1
+    fi
+    say "cgroup v2: the daemon in a cgroup of its own: $own_cgroup ($cg/legendd)"
+fi
+daemon_args=(--foreground --config "$work/legendd.toml" --socket "$work/sock" --state-dir "$work/state")
+if [ $own_cgroup = 1 ]; then
+    # shellcheck disable=SC2016
+    sh -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' sh "$cg/legendd" \
+        "$bin/legendd" "${daemon_args[@]}" 2>"$out/daemon-gpu.err" &
+else
+    "$bin/legendd" "${daemon_args[@]}" 2>"$out/daemon-gpu.err" &
+fi
 daemon=$!
 for _ in $(seq 100); do [ -S "$work/sock" ] && break; sleep 0.1; done
 ctl=("$bin/legendctl" --socket "$work/sock")
@@ -46,6 +67,14 @@ inspect() {
         fail "job $job: no NCCL_NVLS_ENABLE=0 in its environment"
     [ "$(cat "/proc/$pid/oom_score_adj")" = 500 ] || fail "job $job: oom_score_adj"
     grep -q '^CapEff:\s*0*$' "/proc/$pid/status" || fail "job $job: holds capabilities"
+    if [ $own_cgroup = 1 ]; then
+        local bounds
+        bounds=$("${ctl[@]}" status "$job" --json | python3 -c 'import json,sys; p=json.load(sys.stdin)["process"]; print(p.get("cgroup"), p.get("memory_limit"))')
+        say "job $job: cgroup and memory limit: $bounds"
+        case $bounds in None* | *None) fail "job $job: no cgroup of its own under cgroup v2" ;; esac
+        grep -q "$(cut -d' ' -f1 <<<"$bounds")" "/proc/$pid/cgroup" ||
+            fail "job $job: its process is not in the cgroup its status names"
+    fi
 }
 
 say "== train on $device"

@@ -16,7 +16,7 @@ use legend_model::Dtype;
 use rayon::prelude::*;
 
 use crate::run::{RunError, RunMeta, TABLE_FILES};
-use crate::store::Embeddings;
+use crate::store::StoredEmbeddings;
 
 /// Bytes each thread reads and checksums at a time: small enough that a piece of a few tens of
 /// MiB keeps every core busy, large enough that a read is one long request.
@@ -295,15 +295,15 @@ impl CheckpointRows {
         dtype: Dtype,
         emb_values: usize,
         state_values: usize,
-    ) -> Result<(Embeddings, Vec<f32>), RunError> {
+    ) -> Result<(StoredEmbeddings, Vec<f32>), RunError> {
         let emb = if dtype.is_narrow() && dtype == self.emb.dtype() {
             let mut bits = vec![0u16; emb_values];
             self.emb.read_stored(bytemuck::cast_slice_mut(&mut bits))?;
-            Embeddings::Bits16(bits)
+            StoredEmbeddings::Bits16(bits)
         } else if dtype == self.emb.dtype() {
             let mut values = vec![0.0; emb_values];
             self.emb.read(&mut values)?;
-            Embeddings::F32(values)
+            StoredEmbeddings::F32(values)
         } else {
             // The session refuses a resume whose storage.dtype differs from the run's.
             return Err(RunError::Invalid {
@@ -322,7 +322,7 @@ impl CheckpointRows {
         &mut self,
         scheme: legend_dataset::PartitionScheme,
         shape: crate::rows::RowShape,
-        mut keep: impl FnMut(u32, Embeddings, Vec<f32>) -> Result<(), E>,
+        mut keep: impl FnMut(u32, StoredEmbeddings, Vec<f32>) -> Result<(), E>,
     ) -> Result<(), E> {
         for p in 0..scheme.num_partitions {
             let range = scheme.range(p);
@@ -426,7 +426,7 @@ mod tests {
             crate::store::memory::widen_into(dtype, &at_rest, &mut widened);
             assert!(widened == emb && s == state, "{dtype} at rest");
             assert_eq!(
-                matches!(at_rest, Embeddings::Bits16(_)),
+                matches!(at_rest, StoredEmbeddings::Bits16(_)),
                 dtype.is_narrow(),
                 "{dtype}"
             );

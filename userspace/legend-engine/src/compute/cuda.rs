@@ -29,7 +29,7 @@ use rayon::prelude::*;
 use super::{BucketRef, ComputeBackend, PendingRelations, RowFill, RowSink, Step};
 use crate::config::Config;
 use crate::error::TrainError;
-use crate::memory::{GpuEstimate, gib};
+use crate::footprint::{GpuEstimate, gib};
 use crate::relations::Relations;
 use crate::swap::gpu::DeviceSlots;
 use crate::swap::{Fence, HostRows};
@@ -464,7 +464,7 @@ impl ComputeBackend for CudaCompute {
         }
         self.by_pieces(p, slot, |c, row, emb, state| {
             c.rows_transfer.download_rows(&c.nodes, row, emb, state)?;
-            f(emb, state)
+            Ok(f(emb, state)?)
         })?;
         Ok(true)
     }

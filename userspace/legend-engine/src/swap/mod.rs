@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 pub use host::HostRows;
 
 use crate::rows::Partition;
-use crate::store::{Embeddings, PartitionStore, PartitionStoreError};
+use crate::store::{PartitionStore, PartitionStoreError, StoredEmbeddings};
 
 /// A point in a device's queued work: a slot may be written out once the work before it has
 /// run ([`Swapper::evict`]), and compute may use an arrived partition once its copy has run
@@ -211,7 +211,7 @@ enum Job {
     Lend(u32),
     /// Rows of partition `p` for a memory store to keep: a lent partition back, or a restored
     /// one ([`Swapper::keep`]).
-    Keep(u32, Embeddings, Vec<f32>),
+    Keep(u32, StoredEmbeddings, Vec<f32>),
 }
 
 /// What a job did.
@@ -471,7 +471,11 @@ impl Swapper {
             && self.in_memory
         {
             // Its reply is taken in turn with the others' (a read may be queued before it).
-            self.send(Job::Keep(rows.id, Embeddings::F32(rows.emb), rows.state))?;
+            self.send(Job::Keep(
+                rows.id,
+                StoredEmbeddings::F32(rows.emb),
+                rows.state,
+            ))?;
         }
         self.slot_of[p as usize] = None;
         self.arrived[p as usize] = false;
@@ -583,7 +587,11 @@ impl Swapper {
         };
         let r = f(&part);
         if returnable {
-            self.send(Job::Keep(part.id, Embeddings::F32(part.emb), part.state))?;
+            self.send(Job::Keep(
+                part.id,
+                StoredEmbeddings::F32(part.emb),
+                part.state,
+            ))?;
             self.receive()?;
         }
         Ok(r)
@@ -618,7 +626,7 @@ impl Swapper {
     pub(crate) fn keep(
         &mut self,
         p: u32,
-        emb: Embeddings,
+        emb: StoredEmbeddings,
         state: Vec<f32>,
     ) -> Result<(), PartitionStoreError> {
         assert!(
@@ -632,10 +640,10 @@ impl Swapper {
 /// Calls `f` with every partition of `rest`'s store in order, through the swap path: a read
 /// ahead into a second slot while `f` has the partition before (a checkpoint's export, a query
 /// scan: no reader of its own). A partition never written holds its initial rows.
-pub(crate) fn stream_partitions<S: PartitionStore>(
+pub(crate) fn stream_partitions<S: PartitionStore, E: From<PartitionStoreError>>(
     rest: host::HostStore<S>,
-    mut f: impl FnMut(&Partition) -> Result<(), String>,
-) -> Result<(), PartitionStoreError> {
+    mut f: impl FnMut(&Partition) -> Result<(), E>,
+) -> Result<(), E> {
     let scheme = rest.scheme;
     let in_memory = rest.store.in_memory();
     let mover = Box::new(host::HostMover::new(rest));
@@ -648,10 +656,10 @@ pub(crate) fn stream_partitions<S: PartitionStore>(
             swapper.load(p + 1, None)?;
         }
         let part = swapper.host().partition(p).expect("arrived");
-        f(part).map_err(PartitionStoreError::Invalid)?;
+        f(part)?;
         swapper.discard(p)?;
     }
-    swapper.drain()
+    Ok(swapper.drain()?)
 }
 
 impl Drop for Swapper {
@@ -936,11 +944,9 @@ mod tests {
                 if part.id == 3 {
                     init().node_row(id, &mut want);
                 }
-                if row != want {
-                    return Err(format!("row {id}: {row:?}, not {want:?}"));
-                }
+                assert_eq!(row, want, "row {id}");
             }
-            Ok(())
+            Ok::<_, PartitionStoreError>(())
         })
         .unwrap();
         assert_eq!(seen, [0, 1, 2, 3, 4]);

@@ -5,7 +5,7 @@
 use legend_daemon_api::JobSpec;
 use legend_dataset::{DatasetMeta, Split};
 use legend_engine::config::DeviceChoice;
-use legend_engine::memory::HostEstimate;
+use legend_engine::footprint::HostEstimate;
 use legend_engine::run::{self, RunMeta};
 use legend_engine::{Config, run::CONFIG_FILE};
 

@@ -399,7 +399,15 @@ impl Jobs {
         let p = &mut entry.record.info.progress;
         match message {
             FromJob::Engine(engine) => {
-                entry.record.info.device = Some(clipped(&engine, 128));
+                // A job on several GPUs numbers them from cuda:0; the daemon's numbers are
+                // the ones its users know: keep those, with the engine's model.
+                let shown = match (entry.record.devices.is_empty(), engine.find(" (")) {
+                    (false, Some(model)) => {
+                        format!("{}{}", entry.record.device_label(), &engine[model..])
+                    }
+                    _ => engine,
+                };
+                entry.record.info.device = Some(clipped(&shown, 128));
                 self.save(&mut t, id);
             }
             FromJob::RunMade => {

@@ -246,6 +246,6 @@ fn answer(run: &QueryRun<'_>, bound: &AnswerBound, text: &str) -> (u32, Reply) {
                 seconds: started.elapsed().as_secs_f64(),
             },
         ),
-        Err(e) => (0, error(ErrorCode::Refused, e.to_string())),
+        Err(e) => (0, error(ErrorCode::Refused, chain(&e))),
     }
 }
