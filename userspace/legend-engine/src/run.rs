@@ -493,7 +493,7 @@ pub fn stream_entities(
 
 /// The current checkpoint's entity file (a run without a store), opened and its size checked
 /// against the run's record; with its path, for messages.
-fn open_entity_file(run: &Dir, meta: &RunMeta) -> Result<(File, PathBuf), RunError> {
+pub fn open_entity_file(run: &Dir, meta: &RunMeta) -> Result<(File, PathBuf), RunError> {
     let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[0]);
     let path = run.join(&rel);
     let dtype = meta.entity_dtype;
