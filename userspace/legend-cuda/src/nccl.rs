@@ -285,6 +285,56 @@ impl Communicator {
         Ok(ev)
     }
 
+    /// Sums `floats` f32 at `at` over every rank, in place, on this GPU's transfer stream after
+    /// `after` (the step that wrote them): every rank ends with the same sum. Returns the event
+    /// after which the sum is there.
+    ///
+    /// # Safety
+    /// `at` must hold `floats` f32 of device memory of this communicator's GPU that nothing
+    /// else touches until the event has passed; every rank must make the same call.
+    pub unsafe fn all_reduce_sum(
+        &mut self,
+        at: u64,
+        floats: usize,
+        after: &[&CudaEvent],
+    ) -> Result<CudaEvent, NcclError> {
+        if self.aborted {
+            return Err(NcclError::Aborted("before a sum".into()));
+        }
+        self.stream
+            .context()
+            .bind_to_thread()
+            .during("binding the NCCL GPU")?;
+        for ev in after {
+            self.stream
+                .wait(ev)
+                .during("ordering the NCCL stream after compute")?;
+        }
+        let buffer = at as *mut std::ffi::c_void;
+        // SAFETY: the caller's contract; in place (send and receive buffers the same) is
+        // NCCL's documented in-place all-reduce.
+        let r = unsafe {
+            result::all_reduce(
+                buffer,
+                buffer,
+                floats,
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        };
+        call("ncclAllReduce", Some(self.comm), r)?;
+        let ev = self
+            .stream
+            .context()
+            .new_event(None)
+            .during("creating the sum's event")?;
+        ev.record(&self.stream)
+            .during("recording the sum's event")?;
+        Ok(ev)
+    }
+
     /// Waits for the exchanges queued so far. Fails, aborting the communicator so that its
     /// peers' transfers end too, on an asynchronous NCCL error or once `give_up` is set (another
     /// rank failed, or the job ends): no rank waits for ever for a peer that is gone.

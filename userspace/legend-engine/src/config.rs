@@ -969,7 +969,7 @@ fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
 impl Config {
     /// With `training.gpus` = K > 1: N = 2K partitions (each GPU holds two, handed between
     /// GPUs; a configuration recorded with another K follows the new one), in host memory
-    /// between epochs, for a decoder without relations; refused otherwise, naming the key.
+    /// between epochs; refused otherwise, naming the key.
     fn resolve_workers(&mut self) -> Result<(), ConfigError> {
         let k = self.training.gpus;
         if k == 0 {
@@ -1002,15 +1002,6 @@ impl Config {
                 format!(
                     "{k} GPUs train a table held in their memory together, with storage.backend = \"memory\" (not {}): stores on disk or an SSD per GPU are not supported on several GPUs yet",
                     s.backend
-                ),
-            ));
-        }
-        if self.model.decoder.uses_relations() {
-            return Err(bad(
-                "training.gpus",
-                format!(
-                    "{k} GPUs train decoders without relations (dot) in this version: model.decoder = {} needs its relation rows kept in step across GPUs, which is not built yet",
-                    self.model.decoder
                 ),
             ));
         }

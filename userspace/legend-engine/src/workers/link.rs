@@ -2,12 +2,14 @@
 //! the CPU engine's workers ([`ChannelLink`]: the same coordinator, tested without GPUs).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use legend_cuda::nccl::Communicator;
 
+use crate::compute::PendingRelations;
 use crate::error::TrainError;
+use crate::relations::RelationGradients;
 use crate::rows::Partition;
 use crate::swap::Fence;
 use crate::trainer::Trainer;
@@ -28,18 +30,50 @@ pub(crate) trait Link: Send {
         into: &[(u32, usize)],
         give_up: &AtomicBool,
     ) -> Result<(), TrainError>;
+
+    /// Replaces this worker's `pending` relation gradients by their sum over all workers,
+    /// the same floats on every worker (every worker makes the call once a step); returns
+    /// the point after which the sum is there.
+    fn sum_relations(
+        &mut self,
+        pending: PendingRelations<'_>,
+        give_up: &AtomicBool,
+    ) -> Result<Fence, TrainError>;
 }
 
-/// Channels between CPU workers: a partition's host rows move from one worker to the other.
+/// What CPU workers send each other.
+enum Message {
+    /// A partition's host rows.
+    Partition(Partition),
+    /// A step's relation gradients.
+    Relations(Arc<RelationGradients>),
+}
+
+/// Channels between CPU workers: a partition's host rows move from one worker to the other,
+/// and each step's relation gradients go to every other worker.
 pub(crate) struct ChannelLink {
-    to: Vec<mpsc::Sender<Partition>>,
-    from: Vec<mpsc::Receiver<Partition>>,
+    me: usize,
+    to: Vec<mpsc::Sender<Message>>,
+    from: Vec<mpsc::Receiver<Message>>,
+}
+
+impl ChannelLink {
+    /// The next message from `peer`, unless the others gave up.
+    fn receive(&self, peer: usize, give_up: &AtomicBool) -> Result<Message, TrainError> {
+        loop {
+            match self.from[peer].recv_timeout(POLL) {
+                Ok(m) => return Ok(m),
+                Err(mpsc::RecvTimeoutError::Timeout) if !give_up.load(Ordering::Acquire) => {}
+                Err(_) => return Err(TrainError::WorkerStopped),
+            }
+        }
+    }
 }
 
 /// The links of `k` CPU workers, each with a channel to and from every other.
 pub(crate) fn channel_links(k: usize) -> Vec<ChannelLink> {
-    let mut senders: Vec<Vec<Option<mpsc::Sender<Partition>>>> = vec![vec![None; k]; k];
-    let mut receivers: Vec<Vec<Option<mpsc::Receiver<Partition>>>> =
+    let mut senders: Vec<Vec<Option<mpsc::Sender<Message>>>> = vec![vec![None; k]; k];
+    let mut receivers: Vec<Vec<Option<mpsc::Receiver<Message>>>> =
         (0..k).map(|_| (0..k).map(|_| None).collect()).collect();
     for a in 0..k {
         for b in 0..k {
@@ -51,7 +85,9 @@ pub(crate) fn channel_links(k: usize) -> Vec<ChannelLink> {
     senders
         .into_iter()
         .zip(receivers)
-        .map(|(to, from)| ChannelLink {
+        .enumerate()
+        .map(|(me, (to, from))| ChannelLink {
+            me,
             to: to.into_iter().map(|s| s.expect("made above")).collect(),
             from: from.into_iter().map(|r| r.expect("made above")).collect(),
         })
@@ -75,20 +111,45 @@ impl Link for ChannelLink {
                 .rows
                 .expect("a CPU worker's partitions are host rows");
             // A peer that has gone (failed) no longer listens: the give-up flag says so.
-            let _ = self.to[peer].send(rows);
+            let _ = self.to[peer].send(Message::Partition(rows));
         }
         for &(p, peer) in into {
-            let rows = loop {
-                match self.from[peer].recv_timeout(POLL) {
-                    Ok(rows) => break rows,
-                    Err(mpsc::RecvTimeoutError::Timeout) if !give_up.load(Ordering::Acquire) => {}
-                    Err(_) => return Err(TrainError::WorkerStopped),
-                }
+            let Message::Partition(rows) = self.receive(peer, give_up)? else {
+                unreachable!("worker {peer} sent relation gradients during a hand-over");
             };
             assert_eq!(rows.id, p, "worker {peer} sent another partition");
             trainer.handed_in(p, Some(rows), Fence::passed())?;
         }
         Ok(())
+    }
+
+    fn sum_relations(
+        &mut self,
+        pending: PendingRelations<'_>,
+        give_up: &AtomicBool,
+    ) -> Result<Fence, TrainError> {
+        let PendingRelations::Host(mine) = pending else {
+            unreachable!("CPU workers' relation gradients are host rows");
+        };
+        let shared = Arc::new(mine.clone());
+        for (peer, to) in self.to.iter().enumerate() {
+            if peer != self.me {
+                let _ = to.send(Message::Relations(Arc::clone(&shared)));
+            }
+        }
+        // Summed in worker order on every worker: the same floats everywhere.
+        mine.clear();
+        for peer in 0..self.to.len() {
+            if peer == self.me {
+                mine.add(&shared);
+                continue;
+            }
+            let Message::Relations(theirs) = self.receive(peer, give_up)? else {
+                unreachable!("worker {peer} sent a partition during a step");
+            };
+            mine.add(&theirs);
+        }
+        Ok(Fence::passed())
     }
 }
 
@@ -141,5 +202,21 @@ impl Link for NcclLink {
             trainer.handed_in(p, None, Fence::passed())?;
         }
         Ok(())
+    }
+
+    fn sum_relations(
+        &mut self,
+        pending: PendingRelations<'_>,
+        _give_up: &AtomicBool,
+    ) -> Result<Fence, TrainError> {
+        let PendingRelations::Device { at, floats, after } = pending else {
+            unreachable!("GPU workers' relation gradients are device rows");
+        };
+        let after: Vec<_> = after.event().into_iter().collect();
+        // SAFETY: the relation gradient table is this GPU's; compute writes it only in the
+        // next step, which waits for the returned fence (the apply waits for it first), and
+        // every worker makes this call once a step (the rounds' step counts are aligned).
+        let ev = unsafe { self.comm.all_reduce_sum(at, floats, &after) }?;
+        Ok(Fence::at(ev))
     }
 }
