@@ -14,6 +14,7 @@
 Documentation/python.md is the reference: the zero-copy rule for arrays, threads, errors.
 """
 
+from . import interop
 from ._legend import __version__
 from .client import Client
 from .dataset import Dataset, import_marius, import_triples
@@ -41,6 +42,7 @@ __all__ = [
     "train",
     "import_triples",
     "import_marius",
+    "interop",
     "LegendError",
     "ConfigError",
     "DatasetError",

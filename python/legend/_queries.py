@@ -38,10 +38,15 @@ def broadcast(**fields: Any) -> tuple[list[dict[str, Any]], bool]:
     return rows, True
 
 
+# A k past every table's size asks for all the entities; larger ones are sent as this (the
+# queries' `top` is an unsigned 64-bit count, and JSON would carry a larger one as a float).
+_ALL = 2**63 - 1
+
+
 def check_top(k: int) -> int:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k = {k!r}: ask for at least one entity")
-    return int(k)
+    return min(int(k), _ALL)
 
 
 def predict_queries(

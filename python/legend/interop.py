@@ -3,7 +3,7 @@ installed) and PyKEEN's labelled triples (``TriplesFactory.from_path``'s TSV).""
 
 from __future__ import annotations
 
-import csv
+import contextlib
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -39,21 +39,19 @@ def read_triples(path: str | os.PathLike[str]) -> pd.DataFrame:
     """Reads labelled triples as PyKEEN writes and reads them (``TriplesFactory.from_path``):
     ``head<TAB>relation<TAB>tail`` a line, no header, labels taken as text exactly. A DataFrame
     with ``head``, ``relation``, ``tail`` columns (what :func:`legend.import_triples` takes)."""
-    frame = pd.read_csv(
-        path,
-        sep="\t",
-        header=None,
-        names=["head", "relation", "tail"],
-        dtype=str,
-        keep_default_na=False,
-        quoting=csv.QUOTE_NONE,
-        comment=None,
-        encoding="utf-8",
-    )
-    if frame.isna().any().any():
-        row = int(frame.isna().any(axis=1).to_numpy().argmax())
-        raise ValueError(f"{os.fspath(path)}: line {row + 1} does not have three tab-separated fields")
-    return frame
+    rows = []
+    with open(path, encoding="utf-8", newline="") as f:
+        for number, line in enumerate(f, start=1):
+            line = line.removesuffix("\n").removesuffix("\r")
+            if not line:
+                continue  # blank lines are skipped, as PyKEEN's reader skips them
+            fields = line.split("\t")
+            if len(fields) != 3:
+                raise ValueError(
+                    f"{os.fspath(path)}: line {number} has {len(fields)} tab-separated fields, not 3: {line!r}"
+                )
+            rows.append(fields)
+    return pd.DataFrame(rows, columns=["head", "relation", "tail"], dtype=object)
 
 
 def write_triples(triples: Any, path: str | os.PathLike[str]) -> None:
@@ -62,13 +60,24 @@ def write_triples(triples: Any, path: str | os.PathLike[str]) -> None:
     :meth:`legend.Run.triples`) or a list of triples. A label with a tab or a line break
     cannot be written and is refused."""
     frame = triples if isinstance(triples, pd.DataFrame) else pd.DataFrame(list(triples), columns=["head", "relation", "tail"])
-    cols = [frame[c].astype(str) for c in ("head", "relation", "tail")]
-    for col in cols:
-        bad = col.str.contains(r"[\t\r\n]", regex=True)
+    cols = []
+    for name in ("head", "relation", "tail"):
+        missing = frame[name].isna()
+        if missing.any():
+            raise ValueError(f"{name}: missing value in row {missing.idxmax()!r}")
+        col = frame[name].astype(str)
+        bad = col.str.contains(r"[\t\r\n]", regex=True) | (col == "")
         if bad.any():
             row = bad.idxmax()
-            raise ValueError(f"{col.name} in row {row!r} holds a tab or a line break: {col[row]!r}")
+            raise ValueError(f"{name} in row {row!r} is empty or holds a tab or a line break: {col[row]!r}")
+        cols.append(col)
+    # Written beside the file and renamed over it: a failure leaves the old file or none.
     tmp = f"{os.fspath(path)}.partial"
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        f.writelines("\t".join(row) + "\n" for row in zip(*cols))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            f.writelines("\t".join(row) + "\n" for row in zip(*cols))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import warnings
@@ -11,9 +12,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Union
 
+import numpy as np
+
 from . import _legend
 from .dataset import Dataset
-from .errors import Interrupted
+from .errors import ConfigError, Interrupted
 from .run import Run
 
 __all__ = ["train", "ProgressView"]
@@ -103,13 +106,44 @@ class ProgressView:
             self._write(f"{line.get('split', 'test')}{best}: {_metrics_text(line['metrics'])}")
 
 
+def _plain(value: Any, key: str) -> Any:
+    """``value`` as what JSON (and then TOML) carries: NumPy scalars and arrays become Python
+    numbers and lists; anything else that is not a number, string, boolean, list or dict, and a
+    float that is not finite, is a ``ConfigError`` naming ``key`` (the setting's dotted name)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    elif isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"{key}: the key {k!r} is not a string")
+            out[k] = _plain(v, f"{key}.{k}" if key else k)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} = {value}: a setting must be a finite number")
+    if value is None or not isinstance(value, (bool, int, float, str)):
+        raise ConfigError(
+            f"{key} = {value!r}: a setting is a number, string, boolean, list or dict, "
+            f"not {type(value).__name__}"
+        )
+    return value
+
+
 def _settings(overrides: Mapping[str, Any] | None, **keys: Any) -> list[str]:
-    merged: dict[str, Any] = dict(overrides or {})
+    merged: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        if not isinstance(key, str):
+            raise ConfigError(f"overrides: the key {key!r} is not a dotted name (a string)")
+        merged[key] = _plain(value, key)
     for key, value in keys.items():
         if value is not None:
             if key in merged:
                 raise ValueError(f"{key} is given twice: as an argument and in overrides")
-            merged[key] = value
+            merged[key] = _plain(value, key)
     return _legend.override_settings(json.dumps(merged)) if merged else []
 
 
@@ -118,7 +152,7 @@ def _config_text(config: Config | None) -> tuple[str | None, str | None]:
     if config is None:
         return None, None
     if isinstance(config, Mapping):
-        return _legend.config_toml(json.dumps(config)), "config"
+        return _legend.config_toml(json.dumps(_plain(config, ""))), "config"
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         return path.read_text(encoding="utf-8"), os.fspath(path)

@@ -89,6 +89,7 @@ def test_bad_files_are_dataset_errors_naming_file_and_line(tmp_path):
 
 
 def test_pykeen_labelled_triples_are_read_and_written(umls, tmp_path):
+    assert legend.interop.read_triples is read_triples  # `import legend` is enough
     path = tmp_path / "train.tsv"
     write_triples(umls.triples("train"), path)
     back = read_triples(path)
@@ -101,3 +102,23 @@ def test_pykeen_labelled_triples_are_read_and_written(umls, tmp_path):
     with pytest.raises(ValueError, match="tab or a line break"):
         write_triples([("a\tb", "r", "c")], tmp_path / "x.tsv")
     assert not (tmp_path / "x.tsv").exists()
+
+
+def test_labelled_triples_of_the_wrong_shape_are_refused_naming_the_line(tmp_path):
+    # pandas would take a fourth field for an index and shift the columns: read_triples does not.
+    for text, fields in (("a\tr\tb\nc\tr\td\te\n", 4), ("a\tr\tb\nc\tr\n", 2)):
+        path = tmp_path / "odd.tsv"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"odd.tsv: line 2 has {fields} tab-separated fields, not 3"):
+            read_triples(path)
+    path.write_text("a\tr\tb\r\n\nNA\tr\t \n")
+    assert read_triples(path).values.tolist() == [["a", "r", "b"], ["NA", "r", " "]]
+    old = tmp_path / "old.tsv"
+    old.write_text("kept\tr\tb\n")
+    with pytest.raises(ValueError, match="head: missing value in row 1"):
+        write_triples(pd.DataFrame({"head": ["a", None], "relation": ["r", "r"], "tail": ["b", "c"]}), old)
+    with pytest.raises(ValueError, match="tail in row 0 is empty"):
+        write_triples([("a", "r", "")], old)
+    # The file that was there is untouched, and no partial file is left.
+    assert old.read_text() == "kept\tr\tb\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.tsv", "old.tsv"]

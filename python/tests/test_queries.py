@@ -122,3 +122,11 @@ def test_a_closed_run_answers_nothing_but_its_arrays_stay(trained):
     with pytest.raises(ValueError, match="closed"):
         r.embeddings()
     assert float(np.abs(vectors).sum()) > 0
+
+
+def test_a_k_past_the_entities_asks_for_all_of_them(run):
+    everyone = len(run.entities)
+    for k in (everyone + 1, 2**70):
+        got = run.predict(head=0, relation=0, k=k, filtered=False)
+        assert list(got["rank"]) == list(range(1, everyone + 1))
+    assert len(run.neighbors(0, k=2**64)) == everyone - 1

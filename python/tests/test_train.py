@@ -95,8 +95,6 @@ def test_bad_settings_are_refused_by_name_before_anything_is_made(umls, tmp_path
     assert isinstance(e.value, ValueError) and e.value.chain
     with pytest.raises(legend.ConfigError, match="training.batch_size"):
         legend.train(umls, out, overrides={"training.batch_size": "many"}, progress=False)
-    with pytest.raises(legend.ConfigError, match="TOML"):
-        legend.train(umls, out, {"model": {"dim": None}}, progress=False)
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\n")
     with pytest.raises(legend.ConfigError, match=str(bad)):
@@ -143,3 +141,25 @@ def test_an_exception_in_the_callback_stops_at_a_checkpoint_and_is_raised(umls, 
     assert 2 <= record["epochs_completed"] < 50
     resumed = legend.train(out=out, resume=True, overrides={"training.num_epochs": record["epochs_completed"] + 1}, progress=False)
     assert resumed.result is not None
+
+
+def test_numpy_values_are_settings_and_values_toml_cannot_carry_are_refused_by_key(umls, tmp_path):
+    import numpy as np
+
+    run = legend.train(
+        umls,
+        tmp_path / "run",
+        {"model": {"decoder": "distmult", "dim": np.int32(8)}},
+        {"training.num_epochs": np.int64(1), "optimizer.learning_rate": np.float32(0.25)},
+        progress=False,
+    )
+    assert (run.info["dim"], run.info["epochs_completed"]) == (8, 1)
+    assert run.config["optimizer"]["learning_rate"] == 0.25
+    out = tmp_path / "refused"
+    with pytest.raises(legend.ConfigError, match=r"optimizer.learning_rate = nan: a setting must be a finite number"):
+        legend.train(umls, out, overrides={"optimizer.learning_rate": float("nan")}, progress=False)
+    with pytest.raises(legend.ConfigError, match=r"model.dim = None: .* not NoneType"):
+        legend.train(umls, out, {"model": {"dim": None}}, progress=False)
+    with pytest.raises(legend.ConfigError, match=r"training.device = .*not object"):
+        legend.train(umls, out, overrides={"training.device": object()}, progress=False)
+    assert not out.exists()
