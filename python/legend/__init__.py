@@ -14,21 +14,11 @@
 Documentation/python.md is the reference: the zero-copy rule for arrays, threads, errors.
 """
 
-from . import interop
+from . import errors, interop
 from ._legend import __version__
 from .client import Client
 from .dataset import Dataset, import_marius, import_triples
-from .errors import (
-    ConfigError,
-    DaemonError,
-    DatasetError,
-    Interrupted,
-    LegendError,
-    QueryError,
-    RunError,
-    TrainingError,
-    UnknownNameError,
-)
+from .errors import *  # noqa: F403 (the exception classes, listed in errors.__all__)
 from .run import Run, open
 from .training import ProgressView, train
 
@@ -43,13 +33,5 @@ __all__ = [
     "import_triples",
     "import_marius",
     "interop",
-    "LegendError",
-    "ConfigError",
-    "DatasetError",
-    "RunError",
-    "QueryError",
-    "UnknownNameError",
-    "TrainingError",
-    "DaemonError",
-    "Interrupted",
 ]
+__all__ += errors.__all__

@@ -12,9 +12,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from . import _legend, _queries
+from ._closing import Closing
 from .errors import DaemonError
 from .training import Config, Event, ProgressView, _config_text, _settings
 
@@ -33,7 +35,7 @@ def _absolute(path: str | os.PathLike[str]) -> str:
     return os.fspath(p.parent.resolve() / p.name)
 
 
-class Client:
+class Client(Closing):
     """A connection to ``legendd`` on ``socket`` (default: ``$LEGEND_SOCKET``, else
     ``/run/legend/legendd.sock``), as ``legendctl submit|jobs|watch|query`` use it.
 
@@ -48,12 +50,6 @@ class Client:
 
     def __repr__(self) -> str:
         return f"<legend.Client {self._conn.path!r}>"
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         """Closes the connection (a later call opens another)."""
@@ -205,7 +201,9 @@ class Client:
         # The daemon resolves a name as a label first, then as an id (as `legendctl query`).
         if isinstance(name, str):
             return name
-        return str(int(name))
+        if isinstance(name, (int, np.integer)) and not isinstance(name, bool):
+            return str(int(name))
+        raise TypeError(f"an {kind} is a label (str) or an id (int), not {type(name).__name__}")
 
     def predict(
         self,

@@ -27,6 +27,12 @@ Source = Union[str, "os.PathLike[str]", pd.DataFrame]
 _ASCII_SPACE = " \t\n\x0c\r"
 
 
+def label_indexes(entities: list[str], relations: list[str]) -> tuple[pd.Index, pd.Index]:
+    """Entity and relation labels as the Indexes ``entities`` and ``relations`` answer (an id
+    is a position)."""
+    return pd.Index(entities, name="entity", dtype=object), pd.Index(relations, name="relation", dtype=object)
+
+
 class Dataset:
     """A dataset directory (``legend.import_triples`` or ``legendctl import`` made it)."""
 
@@ -53,11 +59,7 @@ class Dataset:
 
     def _load_labels(self) -> tuple[pd.Index, pd.Index]:
         if self._labels is None:
-            entities, relations = _legend.dataset_labels(os.fspath(self.path))
-            self._labels = (
-                pd.Index(entities, name="entity", dtype=object),
-                pd.Index(relations, name="relation", dtype=object),
-            )
+            self._labels = label_indexes(*_legend.dataset_labels(os.fspath(self.path)))
         return self._labels
 
     @property

@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 
 from . import _legend, _queries
-from .dataset import Dataset
+from ._closing import Closing
+from .dataset import Dataset, label_indexes
 from .errors import UnknownNameError
 
 __all__ = ["Run", "open"]
@@ -19,7 +20,7 @@ __all__ = ["Run", "open"]
 _open = open  # the builtin, which `open` below shadows
 
 
-class Run:
+class Run(Closing):
     """A training run directory opened for reading: ``legend.open(path)``.
 
     The run is read as it is on disk now: a run still training elsewhere shows its latest
@@ -52,12 +53,6 @@ class Run:
         state = "closed" if self.closed else "open"
         return f"<legend.Run {str(self.path)!r} ({state})>"
 
-    def __enter__(self) -> Run:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def close(self) -> None:
         """Releases what queries hold (rows in memory, a store, GPU memory). Arrays already
         returned stay valid; anything else asked of the run afterwards raises ``ValueError``."""
@@ -87,11 +82,7 @@ class Run:
 
     def _load_labels(self) -> tuple[pd.Index, pd.Index]:
         if self._labels is None:
-            entities, relations = self._handle.labels()
-            self._labels = (
-                pd.Index(entities, name="entity", dtype=object),
-                pd.Index(relations, name="relation", dtype=object),
-            )
+            self._labels = label_indexes(*self._handle.labels())
         return self._labels
 
     @property

@@ -15,6 +15,7 @@ from typing import Any, Union
 import numpy as np
 
 from . import _legend
+from ._closing import Closing
 from .dataset import Dataset
 from .errors import ConfigError, Interrupted
 from .run import Run
@@ -37,7 +38,7 @@ def _metrics_text(m: Mapping[str, Any]) -> str:
     )
 
 
-class ProgressView:
+class ProgressView(Closing):
     """Shows training events as ``legendctl train`` does: on a terminal (or in Jupyter, where
     ``tqdm.auto`` draws a widget) one bar over the whole run (epochs, the last epoch's loss and
     rate, the time left) with validation results above it; elsewhere (a log, a pipe) a line per
@@ -51,12 +52,6 @@ class ProgressView:
         self._bar: Any = None
         self._edges = 0
         self._drawn = sys.stderr.isatty() or "ipykernel" in sys.modules
-
-    def __enter__(self) -> ProgressView:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         """Removes the bar."""

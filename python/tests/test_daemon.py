@@ -93,5 +93,8 @@ def test_daemon_errors_carry_its_code_and_words(daemon, tmp_path):
     assert e.value.code is not None, e.value
     with pytest.raises(ValueError, match="protocol"):
         daemon.call({"call": "format_disk"})
+    # Names are checked before anything is sent (a float is not an id, as for a local run).
+    with pytest.raises(TypeError, match="not float"):
+        daemon.predict(1, head=1.5, relation=0)
     with pytest.raises(legend.DaemonError, match="cannot reach legendd"):
         legend.Client(tmp_path / "no-socket")
