@@ -11,7 +11,7 @@ use legend_dataset::{
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::errors::OrRaise;
+use crate::errors::{OrRaise, bad_argument};
 use crate::interrupt::{self, panic_message};
 use crate::table::{Rows, Table};
 
@@ -56,8 +56,8 @@ pub fn import_dataset(
         delimiter: delimiter
             .map(str::parse::<Delimiter>)
             .transpose()
-            .map_err(PyValueError::new_err)?,
-        columns: columns.parse::<Columns>().map_err(PyValueError::new_err)?,
+            .map_err(bad_argument)?,
+        columns: columns.parse::<Columns>().map_err(bad_argument)?,
         seed,
         keep_unseen,
         progress: false,
@@ -106,7 +106,7 @@ pub fn dataset_labels(py: Python<'_>, path: PathBuf) -> PyResult<(Vec<String>, V
 /// The edges of `split` of the dataset in `path`: `[head, relation, tail]` ids, one a row.
 #[pyfunction]
 pub fn dataset_edges(py: Python<'_>, path: PathBuf, split: &str) -> PyResult<Table> {
-    let split: Split = split.parse().map_err(PyValueError::new_err)?;
+    let split: Split = split.parse().map_err(bad_argument)?;
     let edges = py
         .detach(|| Dataset::open(&path).and_then(|d| d.edges(split)))
         .or_raise(py)?;

@@ -8,7 +8,7 @@ use legend_dataset::DatasetError;
 use legend_engine::run::RunError;
 use legend_engine::session::SessionError;
 use legend_query::QueryError;
-use pyo3::exceptions::{PyKeyboardInterrupt, PyRuntimeError};
+use pyo3::exceptions::{PyKeyboardInterrupt, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 /// The classes of `legend.errors` a Rust error is raised as.
@@ -78,6 +78,12 @@ fn with_chain(py: Python<'_>, kind: Kind, message: String, chain: Vec<String>) -
     made.unwrap_or_else(|e| {
         PyRuntimeError::new_err(format!("{message} (and legend.errors failed to load: {e})"))
     })
+}
+
+/// A `ValueError` for an argument the crates refuse (an unknown device, split, delimiter...),
+/// in their words.
+pub fn bad_argument(e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(e.to_string())
 }
 
 /// How each crate's errors are raised.

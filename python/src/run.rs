@@ -13,7 +13,7 @@ use legend_query::{GpuOptions, Query, QueryRun, Residency};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::errors::{Kind, OrRaise, ToPy, raise, raise_message};
+use crate::errors::{Kind, OrRaise, ToPy, bad_argument, raise, raise_message};
 use crate::table::{Rows, Table};
 
 /// Queries answered in one scan of the run's entities (as `legendctl` batches a file of them).
@@ -47,7 +47,7 @@ fn too_large(meta: &RunMeta, path: &Path) -> Option<String> {
         .entities
         .saturating_mul(meta.dim as u64)
         .saturating_mul(4);
-    let available = legend_engine::memory::available_bytes()?;
+    let available = legend_engine::footprint::available_bytes()?;
     let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
     (bytes > available).then(|| {
         format!(
@@ -248,7 +248,7 @@ impl RunHandle {
         streamed: bool,
         cache_fraction: f64,
     ) -> PyResult<RunHandle> {
-        let device: DeviceChoice = device.parse().map_err(PyValueError::new_err)?;
+        let device: DeviceChoice = device.parse().map_err(bad_argument)?;
         if !(0.0..=1.0).contains(&cache_fraction) {
             return Err(PyValueError::new_err(format!(
                 "cache_fraction {cache_fraction} is not between 0 and 1"
