@@ -363,7 +363,7 @@ fn report_draws_a_lane_a_worker_with_each_round() {
         "training.batch_size=256",
     ]);
     let out = ok(&["report", &s(&run)]);
-    assert!(out.contains("wrote"), "{out}");
+    assert!(out.contains("2 workers: parallel efficiency"), "{out}");
     let svg = std::fs::read_to_string(run.join("report.svg")).unwrap();
     assert_balanced(&svg);
     assert!(svg.contains("2 GPUs per round"), "the K-GPU title");

@@ -126,7 +126,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         svg
     };
     std::fs::write(&out, text).with_context(|| format!("writing {}", out.display()))?;
-    println!("{}", chosen.summary());
+    println!("{}", headline(chosen));
     println!("wrote {}", out.display());
     Ok(())
 }
@@ -269,18 +269,11 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
     )?;
     writeln!(s, "<style>{STYLE}</style>")?;
     writeln!(s, r##"<rect width="100%" height="100%" fill="#fff"/>"##)?;
-    let (what, summary) = match workers {
-        Some(w) => (
-            format!("{} GPUs per round", w.gpus),
-            format!(
-                "epoch {}: {:.3} s; {}",
-                epoch.epoch,
-                epoch.seconds,
-                w.describe()
-            ),
-        ),
-        None => ("compute vs I/O per swap".to_owned(), epoch.summary()),
+    let what = match workers {
+        Some(w) => format!("{} GPUs per round", w.gpus),
+        None => "compute vs I/O per swap".to_owned(),
     };
+    let summary = headline(epoch);
     writeln!(
         s,
         r#"<text class="title" x="16" y="26">{}: {what}</text>"#,
@@ -303,6 +296,19 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
     epoch_charts(&mut s, all, charts_y)?;
     writeln!(s, "</svg>")?;
     Ok(s)
+}
+
+/// The epoch in a line: its workers' figures when K GPUs trained it, its swaps' otherwise.
+fn headline(epoch: &Epoch) -> String {
+    match epoch.workers.as_ref().filter(|w| w.gpus > 1) {
+        Some(w) => format!(
+            "epoch {}: {:.3} s; {}",
+            epoch.epoch,
+            epoch.seconds,
+            w.describe()
+        ),
+        None => epoch.summary(),
+    }
 }
 
 /// Seconds of the workers' rounds end to end: each round ends when its last GPU passes the
