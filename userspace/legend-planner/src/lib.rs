@@ -10,6 +10,7 @@ mod beta;
 mod cover;
 mod error;
 mod gpus;
+mod hosts;
 mod legend;
 mod order;
 mod plan;
@@ -19,6 +20,7 @@ mod sequential;
 
 pub use error::{PlanError, PredictError, ValidationError};
 pub use gpus::{GpuPlanError, GpuRound, GpuSchedule, HandOver, Piece, plan_gpus, validate_gpus};
+pub use hosts::{HostTraffic, plan_hosts, validate_hosts};
 pub use order::Order;
 pub use plan::{Bucket, Plan, Swap, validate};
 pub use predict::{Prediction, PredictionInput, predict};
