@@ -700,6 +700,8 @@ impl Cluster {
     pub fn finish(&self, stopped: bool) {
         let inner = &self.inner;
         inner.ending.store(true, Ordering::Release);
+        // Waits here end too.
+        lock(&inner.finished).get_or_insert(stopped);
         if inner.rank != 0 {
             return;
         }
@@ -848,6 +850,10 @@ impl Cluster {
                 .0;
         };
         drop(g);
+        if wanted && let Some(flag) = lock(&inner.stop).as_ref() {
+            // Another host was asked to stop: so is the job.
+            flag.store(true, Ordering::Relaxed);
+        }
         let go = !stop && !wanted;
         let bytes = serde_json::to_vec(&Decide { seq, go }).expect("serializes");
         for r in 1..self.hosts() {

@@ -739,6 +739,7 @@ impl Trainer {
             edges: report.edges,
             loss: loss_before + self.compute.take_loss()?,
             workers: None,
+            hosts: None,
         }))
     }
 

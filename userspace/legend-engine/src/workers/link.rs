@@ -30,10 +30,28 @@ pub(crate) trait Link: Send {
     ) -> Result<(), TrainError>;
 }
 
-/// Channels between CPU workers: a partition's host rows move from one worker to the other.
+/// Channels between CPU workers: a partition's host rows move from one worker to the other
+/// (to a worker on another host over the job's connections, see `hosts`).
 pub(crate) struct ChannelLink {
-    to: Vec<mpsc::Sender<Partition>>,
+    to: Vec<PeerSender>,
     from: Vec<mpsc::Receiver<Partition>>,
+}
+
+/// How a CPU worker's partitions reach one peer.
+pub(crate) enum PeerSender {
+    /// A worker of this process.
+    Local(mpsc::Sender<Partition>),
+    /// A worker on another host: the rows go over the job's connections, and a failure to
+    /// send fails the job (every host's waits then end).
+    Remote(Box<dyn Fn(Partition) + Send>),
+}
+
+impl ChannelLink {
+    /// The link sending to each worker through `to` and receiving from each on `from`
+    /// (indexed by worker).
+    pub(crate) fn new(to: Vec<PeerSender>, from: Vec<mpsc::Receiver<Partition>>) -> ChannelLink {
+        ChannelLink { to, from }
+    }
 }
 
 /// The links of `k` CPU workers, each with a channel to and from every other.
@@ -52,7 +70,10 @@ pub(crate) fn channel_links(k: usize) -> Vec<ChannelLink> {
         .into_iter()
         .zip(receivers)
         .map(|(to, from)| ChannelLink {
-            to: to.into_iter().map(|s| s.expect("made above")).collect(),
+            to: to
+                .into_iter()
+                .map(|s| PeerSender::Local(s.expect("made above")))
+                .collect(),
             from: from.into_iter().map(|r| r.expect("made above")).collect(),
         })
         .collect()
@@ -74,8 +95,13 @@ impl Link for ChannelLink {
                 .hand_out(p)?
                 .rows
                 .expect("a CPU worker's partitions are host rows");
-            // A peer that has gone (failed) no longer listens: the give-up flag says so.
-            let _ = self.to[peer].send(rows);
+            match &self.to[peer] {
+                // A peer that has gone (failed) no longer listens: the give-up flag says so.
+                PeerSender::Local(to) => {
+                    let _ = to.send(rows);
+                }
+                PeerSender::Remote(send) => send(rows),
+            }
         }
         for &(p, peer) in into {
             let rows = loop {
@@ -133,7 +159,7 @@ impl Link for NcclLink {
         // waits for those events) and that no partition takes before this exchange is waited
         // for (a slot freed here is reserved again only at the next hand-over). The peers post
         // the matching halves: the schedule's moves, the same on every worker.
-        unsafe { self.comm.exchange(&sends, &recvs, &released) }?;
+        unsafe { self.comm.exchange(&sends, &recvs, &released, give_up) }?;
         // Waited for here: the next round starts with its partitions in place (the time is
         // the round's hand-over time).
         self.comm.wait(give_up)?;
