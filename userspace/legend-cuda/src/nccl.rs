@@ -320,8 +320,8 @@ pub fn job_communicators(
             let mut state = sys::ncclResult_t::ncclSuccess;
             // SAFETY: a query of a communicator being initialised, writing one result code.
             let code = unsafe { sys::ncclCommGetAsyncError(c, &mut state) };
-            let checked = call("ncclCommGetAsyncError", Some(c), code.result()).and_then(|()| {
-                match state {
+            let checked =
+                call("ncclCommGetAsyncError", Some(c), code.result()).and_then(|()| match state {
                     sys::ncclResult_t::ncclSuccess => Ok(()),
                     sys::ncclResult_t::ncclInProgress => {
                         pending = true;
@@ -331,8 +331,7 @@ pub fn job_communicators(
                         what: "ncclCommInitRankConfig (asynchronous)",
                         message: describe(e, Some(c)),
                     }),
-                }
-            });
+                });
             if let Err(e) = checked {
                 abort_all(&comms);
                 return Err(e);
@@ -474,6 +473,62 @@ impl Communicator {
             .during("creating the exchange's event")?;
         ev.record(&self.stream)
             .during("recording the exchange's event")?;
+        Ok(ev)
+    }
+
+    /// Sums `floats` f32 at `at` over every rank, in place, on this GPU's transfer stream after
+    /// `after` (the step that wrote them): every rank ends with the same sum. Returns the event
+    /// after which the sum is there. A non-blocking communicator's call is polled until
+    /// queued, given up (aborted) once `give_up` is raised.
+    ///
+    /// # Safety
+    /// `at` must hold `floats` f32 of device memory of this communicator's GPU that nothing
+    /// else touches until the event has passed; every rank must make the same call.
+    pub unsafe fn all_reduce_sum(
+        &mut self,
+        at: u64,
+        floats: usize,
+        after: &[&CudaEvent],
+        give_up: &AtomicBool,
+    ) -> Result<CudaEvent, NcclError> {
+        if self.aborted {
+            return Err(NcclError::Aborted("before a sum".into()));
+        }
+        self.stream
+            .context()
+            .bind_to_thread()
+            .during("binding the NCCL GPU")?;
+        for ev in after {
+            self.stream
+                .wait(ev)
+                .during("ordering the NCCL stream after compute")?;
+        }
+        let buffer = at as *mut std::ffi::c_void;
+        // SAFETY: the caller's contract; in place (send and receive buffers the same) is
+        // NCCL's documented in-place all-reduce.
+        let r = unsafe {
+            result::all_reduce(
+                buffer,
+                buffer,
+                floats,
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        };
+        call("ncclAllReduce", Some(self.comm), r)?;
+        if self.nonblocking {
+            // Queued on the stream only once NCCL says so.
+            self.settle(give_up)?;
+        }
+        let ev = self
+            .stream
+            .context()
+            .new_event(None)
+            .during("creating the sum's event")?;
+        ev.record(&self.stream)
+            .during("recording the sum's event")?;
         Ok(ev)
     }
 

@@ -319,7 +319,10 @@ impl Buckets {
             offsets,
         };
         for &b in &kept {
-            let (i, j) = (b as u32 / scheme.num_partitions, b as u32 % scheme.num_partitions);
+            let (i, j) = (
+                b as u32 / scheme.num_partitions,
+                b as u32 % scheme.num_partitions,
+            );
             let misplaced = buckets.bucket(i, j).iter().any(|e| {
                 scheme.partition_of(e[0]) != i
                     || scheme.partition_of(e[2]) != j
@@ -584,7 +587,11 @@ mod tests {
             .collect();
         std::fs::create_dir(dir.path().join(EDGES_DIR)).unwrap();
         let name = Path::new(EDGES_DIR).join("train.bin");
-        std::fs::write(dir.path().join(&name), bytemuck::cast_slice::<Edge, u8>(&edges)).unwrap();
+        std::fs::write(
+            dir.path().join(&name),
+            bytemuck::cast_slice::<Edge, u8>(&edges),
+        )
+        .unwrap();
         let scheme = PartitionScheme::new(u64::from(v), 4).unwrap();
         let root = Dir::open(dir.path()).unwrap();
         let all = Buckets::build(edges.clone(), scheme);
@@ -593,10 +600,16 @@ mod tests {
         assert_eq!(counts, all.counts());
         let from_file =
             Buckets::read_selected(&root, &name, scheme, total as u64, |_| Ok(()), &keep).unwrap();
-        assert!(Buckets::load_counts(&root, scheme, total as u64).unwrap().is_none());
+        assert!(
+            Buckets::load_counts(&root, scheme, total as u64)
+                .unwrap()
+                .is_none()
+        );
         all.save(dir.path()).unwrap();
         assert_eq!(
-            Buckets::load_counts(&root, scheme, total as u64).unwrap().unwrap(),
+            Buckets::load_counts(&root, scheme, total as u64)
+                .unwrap()
+                .unwrap(),
             counts
         );
         let saved = Buckets::load_selected(&root, scheme, total as u64, &keep)

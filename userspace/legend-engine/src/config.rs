@@ -975,9 +975,8 @@ fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
 impl Config {
     /// With `training.gpus` = K and `training.hosts` = H, K·H > 1: N = 2·K·H partitions (each
     /// GPU holds two, handed between GPUs; a configuration recorded with another layout follows
-    /// the new one), in host memory between epochs, for a decoder without relations (and, on
-    /// several hosts, negatives drawn unfiltered: a host holds only its buckets); refused
-    /// otherwise, naming the key.
+    /// the new one), in host memory between epochs (and, on several hosts, negatives drawn
+    /// unfiltered: a host holds only its buckets); refused otherwise, naming the key.
     fn resolve_workers(&mut self) -> Result<(), ConfigError> {
         let (k, hosts) = (self.training.gpus, self.training.hosts);
         if k == 0 {
@@ -1038,15 +1037,6 @@ impl Config {
                 format!(
                     "{k} GPUs train a table held in their memory together, with storage.backend = \"memory\" (not {}): stores on disk or an SSD per GPU are not supported on several GPUs yet",
                     s.backend
-                ),
-            ));
-        }
-        if self.model.decoder.uses_relations() {
-            return Err(bad(
-                "training.gpus",
-                format!(
-                    "{k} GPUs train decoders without relations (dot) in this version: model.decoder = {} needs its relation rows kept in step across GPUs, which is not built yet",
-                    self.model.decoder
                 ),
             ));
         }

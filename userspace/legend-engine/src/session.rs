@@ -34,7 +34,6 @@ use crate::store::controllers::SharedController;
 use crate::store::file::encode_relations;
 use crate::store::{
     FileStore, FileStoreSpec, MemberFile, MemoryStore, PartitionHome, PartitionStoreError,
-    StoreMember,
 };
 use crate::trainer::{EpochEnd, EpochReport, Trainer};
 use crate::training::Training;
@@ -283,7 +282,7 @@ impl Session {
         sets: &[String],
         guard: &dyn Guard,
     ) -> Result<Session, SessionError> {
-        Session::resume_on(out, dataset, sets, guard, None)
+        Self::resume_expecting(out, dataset, sets, guard, &|_| Ok(()))
     }
 
     /// [`Session::resume`] as host 0 of a job on several hosts (see [`Session::create_on`]).
@@ -292,6 +291,31 @@ impl Session {
         dataset: Option<&Path>,
         sets: &[String],
         guard: &dyn Guard,
+        hosts: Option<legend_cluster::Cluster>,
+    ) -> Result<Session, SessionError> {
+        Self::resume_with(out, dataset, sets, guard, &|_| Ok(()), hosts)
+    }
+
+    /// [`Session::resume`], refusing the run when `expect` refuses its record `run.toml`, read
+    /// once: the store it names is opened only after `expect` accepted it (a service checks
+    /// it against what it recorded when the job was submitted, so that an edit of the record
+    /// in between cannot point the job at another store or extent).
+    pub fn resume_expecting(
+        out: &Path,
+        dataset: Option<&Path>,
+        sets: &[String],
+        guard: &dyn Guard,
+        expect: &dyn Fn(&RunMeta) -> Result<(), String>,
+    ) -> Result<Session, SessionError> {
+        Self::resume_with(out, dataset, sets, guard, expect, None)
+    }
+
+    fn resume_with(
+        out: &Path,
+        dataset: Option<&Path>,
+        sets: &[String],
+        guard: &dyn Guard,
+        expect: &dyn Fn(&RunMeta) -> Result<(), String>,
         hosts: Option<legend_cluster::Cluster>,
     ) -> Result<Session, SessionError> {
         let not_a_run = || {
@@ -312,6 +336,9 @@ impl Session {
             return Err(not_a_run());
         }
         let meta = run::read_meta(&run)?;
+        expect(&meta).map_err(|why| {
+            SessionError::Refused(format!("{}: {why}", run.join(run::META_FILE).display()))
+        })?;
         let config_path = run.join(run::CONFIG_FILE);
         let text = run
             .read_to_string(run::CONFIG_FILE)
@@ -373,17 +400,18 @@ impl Session {
         };
         let init = config.init();
         let relation_floats = meta.relation_floats();
-        let fresh_relations = || Relations::init(decoder, meta.relations as usize, dim, &init);
+        let relation_rows = meta.relations as usize;
+        let fresh_relations = || Relations::init(decoder, relation_rows, dim, &init);
         let engine = match device.as_slice() {
             [one] => one.describe(),
             all => format!("{} × {}", all.len(), all[0].describe()),
         };
         let mut device_health = Vec::new();
         let (home, relations, position) = if config.uses_store() {
-            let recorded = meta.recorded_members();
+            let record = meta.store_record(run.path())?;
             let run_dir = std::fs::canonicalize(run.path()).map_err(io_error(run.path()))?;
-            let members = recorded
-                .clone()
+            let members = meta
+                .recorded_members()
                 .unwrap_or_else(|| config.store_members(&run_dir));
             let path = members[0].path.clone();
             let files = members
@@ -398,34 +426,23 @@ impl Session {
                 shape,
                 num_partitions: scheme.num_partitions,
                 aux_bytes: (relation_floats * 8) as u64,
-                // The run's own default store, left half-made by a crash before it was
-                // recorded, is this run's to overwrite.
-                force: config.storage.force || members.iter().all(|m| m.path.starts_with(&run_dir)),
+                store_id: record.store_id(),
+                force: config.storage.force,
                 proxy_model: config.proxy_model(),
             };
-            let mut store = if recorded.is_some() {
-                FileStore::open(&spec)?
-            } else {
-                let store = FileStore::create(&spec)?;
-                // From here on the run's commit record is the store's superblock.
-                let canonical = members
-                    .iter()
-                    .map(|m| {
-                        Ok(StoreMember {
-                            path: std::fs::canonicalize(&m.path).map_err(io_error(&m.path))?,
-                            queue: m.queue,
-                        })
-                    })
-                    .collect::<Result<Vec<_>, SessionError>>()?;
-                meta.store = Some(canonical[0].path.clone());
-                meta.store_queue = canonical[0].queue;
-                meta.store_members = if canonical.len() > 1 {
-                    canonical
-                } else {
-                    Vec::new()
-                };
-                write_meta(&run, &meta)?;
-                store
+            let mut store = match record {
+                run::StoreRecord::Made(_) => FileStore::open(&spec)?,
+                run::StoreRecord::ToCreate(id) => {
+                    // The intent first: after a crash from here on, the resume makes the store
+                    // again, knowing its half-made members by `id` and nothing else by it.
+                    meta.record_store_intent(&members, id)?;
+                    write_meta(&run, &meta)?;
+                    let store = FileStore::create(&spec)?;
+                    // From here on the run's commit record is the store's superblock.
+                    meta.store_creating = false;
+                    write_meta(&run, &meta)?;
+                    store
+                }
             };
             let position = Position::decode(store.progress())?;
             device_health = store
@@ -473,18 +490,20 @@ impl Session {
         }
         adopt_batch_keys(&mut meta, &position)?;
         let trainer = match (hosts, edges, home) {
-            (Some(cluster), _, PartitionHome::Memory(store)) => Training::Workers(
+            (Some(cluster), _, PartitionHome::Memory(store)) => Training::Workers(Box::new(
                 Workers::on_hosts(&config, &dataset, store, relations, device, cluster)?,
-            ),
+            )),
             (None, Some((buckets, degrees)), home) if device.len() == 1 => {
                 let engine = device.pop().expect("one engine");
                 Training::One(Box::new(Trainer::on_device(
                     &config, buckets, &degrees, home, relations, engine,
                 )?))
             }
-            (None, Some((buckets, degrees)), PartitionHome::Memory(store)) => Training::Workers(
-                Workers::new(&config, buckets, &degrees, store, relations, device)?,
-            ),
+            (None, Some((buckets, degrees)), PartitionHome::Memory(store)) => {
+                Training::Workers(Box::new(Workers::new(
+                    &config, buckets, &degrees, store, relations, device,
+                )?))
+            }
             _ => unreachable!(
                 "training.gpus or training.hosts > 1 keeps partitions in memory (its configuration says)"
             ),
@@ -828,6 +847,8 @@ impl Session {
             store: None,
             store_queue: None,
             store_members: Vec::new(),
+            store_id: None,
+            store_creating: false,
             ..self.meta.clone()
         };
         let trainer = &mut self.trainer;
@@ -1076,6 +1097,8 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
         store: None,
         store_queue: None,
         store_members: Vec::new(),
+        store_id: None,
+        store_creating: false,
         checksums: TableChecksums::default(),
     }
 }
@@ -1100,6 +1123,8 @@ fn new_placeholder_meta() -> RunMeta {
         store: None,
         store_queue: None,
         store_members: Vec::new(),
+        store_id: None,
+        store_creating: false,
         checksums: TableChecksums::default(),
     }
 }

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::compute::cpu::CpuCompute;
 use crate::compute::cuda::CudaCompute;
-use crate::compute::{BucketRef, ComputeBackend, RowSink, Step};
+use crate::compute::{BucketRef, ComputeBackend, PendingRelations, RowSink, Step};
 use crate::config::Config;
 use crate::device::Engine;
 use crate::error::TrainError;
@@ -406,6 +406,143 @@ impl Trainer {
         }
         self.compute.synchronize()?;
         Ok(edges)
+    }
+
+    /// Trains `pieces` like [`Trainer::train_pieces`] in lockstep with the other workers of a
+    /// run with relations: after every batch the relation gradients are summed over the
+    /// workers by `link` and every worker steps the relation rows alike; a worker whose
+    /// pieces end first takes empty steps (its share of the sum is zero) until `steps`, the
+    /// round's most batches on any worker, so every sum has every worker.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn train_pieces_synced(
+        &mut self,
+        epoch: u32,
+        pieces: &[Piece],
+        resident: &[u32],
+        steps: u64,
+        link: &mut dyn crate::workers::Link,
+        give_up: &AtomicBool,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<u64, TrainError> {
+        let mut sorted_resident = resident.to_vec();
+        sorted_resident.sort_unstable();
+        // The edges are shared (a clone is a handle): the bucket borrows this copy, not self.
+        let buckets = self.buckets.clone();
+        let (mut edges, mut taken) = (0u64, 0u64);
+        for piece in pieces {
+            let bucket = bucket_ref(&buckets, piece.bucket, self.seed, epoch);
+            self.compute.begin_bucket(&bucket)?;
+            let end = piece.batches.end.min(self.batches_of(piece.bucket));
+            for batch in piece.batches.start..end {
+                let step = batch_step(
+                    &bucket,
+                    batch,
+                    self.batch_size,
+                    &sorted_resident,
+                    self.seed,
+                    epoch,
+                );
+                self.compute
+                    .train_batch(&step, self.swapper.host(), &mut self.relations)?;
+                edges += step.len as u64;
+                progress(edges);
+                self.sum_relations(link, give_up)?;
+                taken += 1;
+            }
+        }
+        for _ in taken..steps {
+            self.sum_relations(link, give_up)?;
+        }
+        self.compute.synchronize()?;
+        Ok(edges)
+    }
+
+    /// The K workers' rule for relations run on this one trainer, the CPU reference of
+    /// [`Trainer::train_pieces_synced`]: worker `g`'s `shares[g]` (its pieces and the
+    /// partitions it holds) step in lockstep, `steps` steps, each step's relation gradients
+    /// kept per worker and summed in worker order before the relation rows take one step.
+    /// Node rows of different workers never meet (their partitions differ), so this trains
+    /// exactly what the workers train. CPU engine only.
+    pub fn train_lockstep(
+        &mut self,
+        epoch: u32,
+        shares: &[(&[Piece], [u32; 2])],
+        steps: u64,
+    ) -> Result<u64, TrainError> {
+        self.defer_relations()?;
+        let template = match self.compute.pending_relations()? {
+            PendingRelations::Host(p) => p.clone(),
+            PendingRelations::Device { .. } => {
+                return Err(TrainError::Resume(
+                    "the lockstep reference runs on the CPU engine".into(),
+                ));
+            }
+        };
+        let mut pending = vec![template.clone(); shares.len()];
+        let mut batches: Vec<Vec<(Bucket, u64)>> = shares
+            .iter()
+            .map(|(pieces, _)| {
+                pieces
+                    .iter()
+                    .flat_map(|p| {
+                        let end = p.batches.end.min(self.batches_of(p.bucket));
+                        (p.batches.start..end).map(move |b| (p.bucket, b))
+                    })
+                    .rev()
+                    .collect()
+            })
+            .collect();
+        let mut edges = 0;
+        let mut ctx = EpochCtx {
+            epoch,
+            edges: &mut edges,
+            progress: &mut |_| {},
+            stop: &AtomicBool::new(false),
+        };
+        for _ in 0..steps {
+            let mut total = template.clone();
+            for (g, (_, held)) in shares.iter().enumerate() {
+                let PendingRelations::Host(slot) = self.compute.pending_relations()? else {
+                    unreachable!("checked above");
+                };
+                std::mem::swap(slot, &mut pending[g]);
+                if let Some((bucket, batch)) = batches[g].pop() {
+                    let mut held = held.to_vec();
+                    held.sort_unstable();
+                    self.run_bucket(bucket, batch..batch + 1, &held, &mut ctx)?;
+                }
+                let PendingRelations::Host(slot) = self.compute.pending_relations()? else {
+                    unreachable!("checked above");
+                };
+                std::mem::swap(slot, &mut pending[g]);
+                total.add(&pending[g]);
+                pending[g].clear();
+            }
+            let PendingRelations::Host(slot) = self.compute.pending_relations()? else {
+                unreachable!("checked above");
+            };
+            *slot = total;
+            self.compute
+                .apply_relations(&mut self.relations, &Fence::passed())?;
+        }
+        Ok(edges)
+    }
+
+    /// This step's relation gradients summed over the workers by `link`, then applied.
+    fn sum_relations(
+        &mut self,
+        link: &mut dyn crate::workers::Link,
+        give_up: &AtomicBool,
+    ) -> Result<(), TrainError> {
+        let pending = self.compute.pending_relations()?;
+        let ready = link.sum_relations(pending, give_up)?;
+        self.compute.apply_relations(&mut self.relations, &ready)
+    }
+
+    /// From now on the relation rows step only with the workers' summed gradients
+    /// ([`Trainer::train_pieces_synced`]).
+    pub(crate) fn defer_relations(&mut self) -> Result<(), TrainError> {
+        self.compute.defer_relations(&self.relations)
     }
 
     /// Partition `p` (resident) leaves for another worker: compute lets it go and its slot is
@@ -810,37 +947,60 @@ impl Trainer {
         if batches.is_empty() {
             return Ok(None);
         }
-        let scheme = self.buckets.scheme();
-        let edges = self.buckets.bucket(b[0], b[1]);
-        let index = scheme.bucket_index(b[0], b[1]);
-        let bucket = BucketRef {
-            parts: b,
-            index,
-            edges,
-            order: Permutation::new(
-                edges.len() as u64,
-                bucket_order_key(self.seed, ctx.epoch, index as u64),
-            ),
-        };
+        let bucket = bucket_ref(&self.buckets, b, self.seed, ctx.epoch);
         self.compute.begin_bucket(&bucket)?;
         for batch in batches {
             if ctx.stop.load(Ordering::Relaxed) {
                 return Ok(Some(BatchCursor { bucket: b, batch }));
             }
-            let first = batch * self.batch_size as u64;
-            let step = Step {
-                bucket: &bucket,
-                first,
-                len: self.batch_size.min(edges.len() - first as usize),
+            let step = batch_step(
+                &bucket,
+                batch,
+                self.batch_size,
                 resident,
-                key: BatchKey::new(self.seed, ctx.epoch, index as u64, batch),
-            };
+                self.seed,
+                ctx.epoch,
+            );
             self.compute
                 .train_batch(&step, self.swapper.host(), &mut self.relations)?;
             *ctx.edges += step.len as u64;
             (ctx.progress)(*ctx.edges);
         }
         Ok(None)
+    }
+}
+
+/// Bucket `b` of epoch `epoch` as the engines train it: its edges and their order.
+fn bucket_ref(buckets: &Buckets, b: Bucket, seed: u64, epoch: u32) -> BucketRef<'_> {
+    let edges = buckets.bucket(b[0], b[1]);
+    let index = buckets.scheme().bucket_index(b[0], b[1]);
+    BucketRef {
+        parts: b,
+        index,
+        edges,
+        order: Permutation::new(
+            edges.len() as u64,
+            bucket_order_key(seed, epoch, index as u64),
+        ),
+    }
+}
+
+/// Batch `batch` of `bucket` (batches of `batch_size` edges), negatives from `resident`.
+fn batch_step<'a>(
+    bucket: &'a BucketRef<'a>,
+    batch: u64,
+    batch_size: usize,
+    resident: &'a [u32],
+    seed: u64,
+    epoch: u32,
+) -> Step<'a> {
+    let first = batch * batch_size as u64;
+    Step {
+        bucket,
+        first,
+        len: batch_size.min(bucket.edges.len() - first as usize),
+        resident,
+        key: BatchKey::new(seed, epoch, bucket.index as u64, batch),
     }
 }
 
@@ -904,5 +1064,6 @@ fn cpu_compute(
         loss: 0.0,
         neg_rows: Vec::new(),
         block_grads: Vec::new(),
+        pending_relations: None,
     })
 }

@@ -15,10 +15,10 @@ use crate::workers::Workers;
 
 /// One trainer, or K workers.
 pub(crate) enum Training {
-    /// One engine (boxed: a trainer is large beside the workers' handles).
+    /// One engine.
     One(Box<Trainer>),
     /// K engines, one a GPU.
-    Workers(Workers),
+    Workers(Box<Workers>),
 }
 
 impl Training {
@@ -55,8 +55,7 @@ impl Training {
     pub(crate) fn sync_relations(&mut self) -> Result<(), TrainError> {
         match self {
             Training::One(t) => t.sync_relations(),
-            // Workers train decoders without relations.
-            Training::Workers(_) => Ok(()),
+            Training::Workers(w) => w.sync_relations(),
         }
     }
 

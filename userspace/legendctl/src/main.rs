@@ -52,9 +52,12 @@ enum Command {
     Submit(cmd::client::SubmitArgs),
     /// Jobs known to legendd.
     Jobs(cmd::client::JobsArgs),
+    /// One legendd job: its state, progress, and its process (pid, uid, cgroup, memory).
+    Status(cmd::client::JobArgs),
     /// Follow a legendd job until it ends.
     Watch(cmd::client::JobArgs),
-    /// Cancel a legendd job (a running one stops at its next checkpoint).
+    /// Cancel a legendd job (a running train job stops at its next checkpoint, a serve job at
+    /// once).
     Cancel(cmd::client::JobArgs),
     /// A legendd job's log.
     Logs(cmd::client::JobArgs),
@@ -100,6 +103,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => cmd::bench::run(args),
         Command::Submit(args) => cmd::client::submit(cli.socket.as_deref(), args),
         Command::Jobs(args) => cmd::client::jobs(cli.socket.as_deref(), args),
+        Command::Status(args) => cmd::client::status(cli.socket.as_deref(), args),
         Command::Watch(args) => cmd::client::watch(cli.socket.as_deref(), args),
         Command::Cancel(args) => cmd::client::cancel(cli.socket.as_deref(), args),
         Command::Delete(args) => cmd::client::delete(cli.socket.as_deref(), args),

@@ -117,7 +117,11 @@ impl Running {
             }
             std::thread::sleep(Duration::from_millis(20));
         };
-        (status, self.stdout.join().unwrap(), self.stderr.join().unwrap())
+        (
+            status,
+            self.stdout.join().unwrap(),
+            self.stderr.join().unwrap(),
+        )
     }
 }
 
@@ -147,11 +151,7 @@ fn host(
 }
 
 /// Two hosts of `extra` arguments each (both `extra_both`), to their end.
-fn two_hosts(
-    ds: &Path,
-    run: &Path,
-    extra_both: &[&str],
-) -> [(ExitStatus, String, String); 2] {
+fn two_hosts(ds: &Path, run: &Path, extra_both: &[&str]) -> [(ExitStatus, String, String); 2] {
     let port = free_port();
     let other = run.with_extension("host1");
     let zero = host(0, 2, port, ds, run, extra_both, TOKEN);
@@ -293,7 +293,11 @@ fn a_stopped_or_killed_host_stops_the_other_naming_it() {
         log.contains("host 1 (") && log.contains("sent nothing for 3 s"),
         "{log}"
     );
-    assert!(stopped_at.elapsed() < Duration::from_secs(20), "{:?}", stopped_at.elapsed());
+    assert!(
+        stopped_at.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        stopped_at.elapsed()
+    );
     one.signal(libc::SIGKILL);
     let _ = one.finish(Duration::from_secs(10));
     // Host 0 killed: host 1 sees its connection close at once.
@@ -307,7 +311,11 @@ fn a_stopped_or_killed_host_stops_the_other_naming_it() {
         log.contains("host 0 (") && log.contains("closed its connection"),
         "{log}"
     );
-    assert!(killed_at.elapsed() < Duration::from_secs(10), "{:?}", killed_at.elapsed());
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        killed_at.elapsed()
+    );
     let _ = zero.finish(Duration::from_secs(10));
 }
 
@@ -322,7 +330,10 @@ fn a_stop_asked_on_host_one_checkpoints_and_the_run_resumes_on_one_host_or_two()
     let (s0, _, log0) = zero.finish(Duration::from_secs(60));
     assert_eq!(s1.code(), Some(130), "{log1}");
     assert_eq!(s0.code(), Some(130), "{log0}");
-    assert!(log0.contains("interrupted") && log0.contains("checkpointed"), "{log0}");
+    assert!(
+        log0.contains("interrupted") && log0.contains("checkpointed"),
+        "{log0}"
+    );
     let dir = Dir::open(&run).unwrap();
     let meta = legend_engine::run::read_meta(&dir).unwrap();
     let trained = meta.epochs_completed + u32::from(meta.cut.is_some());
@@ -330,14 +341,26 @@ fn a_stop_asked_on_host_one_checkpoints_and_the_run_resumes_on_one_host_or_two()
     // finishes on 2 hosts only.
     let resume_one = |epochs: u32| {
         let mut cmd = Command::new(bin());
-        cmd.args(["train", "--out", &s(&run), "--resume", "--gpus", "2", "--json"])
-            .args(["--set", &format!("training.num_epochs={epochs}")])
-            .env("LEGEND_LAUNCH", "none");
+        cmd.args([
+            "train",
+            "--out",
+            &s(&run),
+            "--resume",
+            "--gpus",
+            "2",
+            "--json",
+        ])
+        .args(["--set", &format!("training.num_epochs={epochs}")])
+        .env("LEGEND_LAUNCH", "none");
         cmd.output().unwrap()
     };
     let two_hosts_resume = |epochs: u32| {
         let port = free_port();
-        let sets = ["--resume", "--set", &format!("training.num_epochs={epochs}")];
+        let sets = [
+            "--resume",
+            "--set",
+            &format!("training.num_epochs={epochs}"),
+        ];
         let zero = host(0, 2, port, &ds, &run, &sets, TOKEN);
         let one = host(1, 2, port, &ds, &tmp.path().join("other"), &sets, TOKEN);
         let (s1, _, log1) = one.finish(Duration::from_secs(120));
@@ -354,10 +377,16 @@ fn a_stop_asked_on_host_one_checkpoints_and_the_run_resumes_on_one_host_or_two()
         two_hosts_resume(trained);
     }
     let done = resume_one(trained + 1);
-    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
     // And back on two hosts: the one host's tables scattered over both.
     let out0 = two_hosts_resume(trained + 2);
-    let last = epoch_lines(&out0).pop().expect("an epoch trained on 2 hosts");
+    let last = epoch_lines(&out0)
+        .pop()
+        .expect("an epoch trained on 2 hosts");
     assert_eq!(last["workers"]["hosts"], 2);
     assert!(last["loss"].as_f64().unwrap().is_finite());
 }
@@ -367,7 +396,12 @@ fn the_rendezvous_refuses_another_configuration_or_token_naming_why() {
     let tmp = tempfile::tempdir().unwrap();
     let ds = dataset(tmp.path());
     let port = free_port();
-    let base = ["--set", "training.num_epochs=1", "--rendezvous-timeout", "20"];
+    let base = [
+        "--set",
+        "training.num_epochs=1",
+        "--rendezvous-timeout",
+        "20",
+    ];
     let zero = host(0, 2, port, &ds, &tmp.path().join("a"), &base, TOKEN);
     let mut other = base.to_vec();
     other.extend(["--set", "model.dim=32"]);
@@ -377,19 +411,39 @@ fn the_rendezvous_refuses_another_configuration_or_token_naming_why() {
     assert!(!s0.success() && !s1.success());
     for log in [&log0, &log1] {
         assert!(
-            log.contains("host 1 (") && log.contains("config model.dim is 32 there and 16 on host 0"),
+            log.contains("host 1 (")
+                && log.contains("config model.dim is 32 there and 16 on host 0"),
             "{log}"
         );
     }
-    assert!(!tmp.path().join("a").exists(), "a refused job writes nothing");
+    assert!(
+        !tmp.path().join("a").exists(),
+        "a refused job writes nothing"
+    );
     // A wrong token is refused; host 0 waits on for the real host 1, then names it.
     let port = free_port();
-    let short = ["--set", "training.num_epochs=1", "--rendezvous-timeout", "3"];
+    let short = [
+        "--set",
+        "training.num_epochs=1",
+        "--rendezvous-timeout",
+        "3",
+    ];
     let zero = host(0, 2, port, &ds, &tmp.path().join("c"), &short, TOKEN);
-    let one = host(1, 2, port, &ds, &tmp.path().join("d"), &short, "another-token-entirely");
+    let one = host(
+        1,
+        2,
+        port,
+        &ds,
+        &tmp.path().join("d"),
+        &short,
+        "another-token-entirely",
+    );
     let (s1, _, log1) = one.finish(Duration::from_secs(60));
     let (s0, _, log0) = zero.finish(Duration::from_secs(60));
-    assert!(!s1.success() && log1.contains("does not hold this job's token"), "{log1}");
+    assert!(
+        !s1.success() && log1.contains("does not hold this job's token"),
+        "{log1}"
+    );
     assert!(
         !s0.success()
             && log0.contains(&format!("rendezvous at 127.0.0.1:{port}"))
@@ -398,11 +452,27 @@ fn the_rendezvous_refuses_another_configuration_or_token_naming_why() {
     );
     // No token at all: refused before anything, saying how to set one.
     let mut cmd = Command::new(bin());
-    cmd.args(["train", "--dataset", &s(&ds), "--out", &s(&tmp.path().join("e"))])
-        .args(["--hosts", "2", "--host-rank", "1", "--rendezvous", "127.0.0.1:9"])
-        .env_remove("LEGEND_JOB_TOKEN")
-        .env("LEGEND_LAUNCH", "none");
+    cmd.args([
+        "train",
+        "--dataset",
+        &s(&ds),
+        "--out",
+        &s(&tmp.path().join("e")),
+    ])
+    .args([
+        "--hosts",
+        "2",
+        "--host-rank",
+        "1",
+        "--rendezvous",
+        "127.0.0.1:9",
+    ])
+    .env_remove("LEGEND_JOB_TOKEN")
+    .env("LEGEND_LAUNCH", "none");
     let out = cmd.output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("LEGEND_JOB_TOKEN"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("LEGEND_JOB_TOKEN"),
+        "{err}"
+    );
 }

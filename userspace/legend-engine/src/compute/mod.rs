@@ -22,7 +22,7 @@ use legend_dataset::Edge;
 use legend_model::{BatchKey, Permutation};
 
 use crate::error::TrainError;
-use crate::relations::Relations;
+use crate::relations::{RelationGradients, Relations};
 use crate::swap::{Fence, HostRows};
 
 /// A bucket about to be trained.
@@ -106,4 +106,28 @@ pub(crate) trait ComputeBackend: Send {
     fn slot_span(&self, _slot: u32, _p: u32) -> Result<Option<RowSpan>, TrainError> {
         Ok(None)
     }
+    /// Several workers: from now on a step leaves its relation rows' gradients pending
+    /// ([`ComputeBackend::pending_relations`]) until [`ComputeBackend::apply_relations`].
+    fn defer_relations(&mut self, rels: &Relations) -> Result<(), TrainError>;
+    /// The relation gradients pending since the last apply, for the workers to sum.
+    fn pending_relations(&mut self) -> Result<PendingRelations<'_>, TrainError>;
+    /// Steps the relation rows with the pending gradients (summed over the workers once
+    /// `ready` has passed) and clears them.
+    fn apply_relations(&mut self, rels: &mut Relations, ready: &Fence) -> Result<(), TrainError>;
+}
+
+/// One step's relation gradients, waiting for the other workers' (see
+/// [`ComputeBackend::defer_relations`]): summed in place by the workers' link.
+pub(crate) enum PendingRelations<'a> {
+    /// The CPU engine's, in host memory.
+    Host(&'a mut RelationGradients),
+    /// A GPU's relation gradient table: `floats` f32 at `at`, complete once `after` has passed.
+    Device {
+        /// Its address.
+        at: u64,
+        /// Its floats (every row's).
+        floats: usize,
+        /// The step that wrote them.
+        after: Fence,
+    },
 }

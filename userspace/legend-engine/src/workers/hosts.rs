@@ -24,8 +24,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use legend_cluster::{Cluster, ClusterError};
@@ -34,14 +33,14 @@ use legend_planner::GpuSchedule;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::link::{ChannelLink, PeerSender};
+use super::link::{ChannelLink, Message, PeerSender};
 use super::{Agree, HostEpoch, Link, NcclLink, Workers, batch_counts, gpus_of};
 use crate::compute::RowSink;
 use crate::config::Config;
 use crate::device::Engine;
 use crate::error::TrainError;
 use crate::progress::EpochCut;
-use crate::relations::Relations;
+use crate::relations::{RelationGradients, Relations};
 use crate::rows::Partition;
 use crate::store::{Embeddings, MemoryStore, PartitionStore, SharedMemoryStore};
 
@@ -85,6 +84,9 @@ struct Job {
     dataset_identity: String,
     /// NCCL's unique id, for GPU workers.
     nccl_id: Option<Vec<u8>>,
+    /// Floats of the relation embeddings that follow the message (then their state): host
+    /// 0's, a resumed run's included, so that every worker starts from the same rows.
+    relation_floats: usize,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -138,12 +140,21 @@ struct Piece {
     last: bool,
 }
 
-/// A partition handed to a worker of another host (CPU workers): its rows follow.
+/// What a CPU worker sends a worker of another host; the raw bytes follow.
 #[derive(Serialize, Deserialize)]
-struct HandedOver {
-    from: usize,
-    partition: u32,
-    emb: usize,
+enum HandedOver {
+    /// A partition's rows: `emb` embedding floats, then the state.
+    Partition {
+        from: usize,
+        partition: u32,
+        emb: usize,
+    },
+    /// A step's relation gradients: `grads` floats of rows `width` wide, then a count a row.
+    Relations {
+        from: usize,
+        width: usize,
+        grads: usize,
+    },
 }
 
 /// Sends `head` (JSON) and `raw` as one message.
@@ -345,7 +356,16 @@ fn give(
     p: u32,
 ) -> Result<(), TrainError> {
     let Some((emb, state)) = store.take_stored(p) else {
-        return send(cluster, to, LAYOUT, &LayOut::Give { partition: p, rows: None }, &[]);
+        return send(
+            cluster,
+            to,
+            LAYOUT,
+            &LayOut::Give {
+                partition: p,
+                rows: None,
+            },
+            &[],
+        );
     };
     let (bits16, len, bytes): (bool, usize, &[u8]) = match &emb {
         Embeddings::F32(v) => (false, v.len(), bytemuck::cast_slice(v)),
@@ -359,7 +379,13 @@ fn give(
             state: state.len(),
         }),
     };
-    send(cluster, to, LAYOUT, &head, &[bytes, bytemuck::cast_slice(&state)])
+    send(
+        cluster,
+        to,
+        LAYOUT,
+        &head,
+        &[bytes, bytemuck::cast_slice(&state)],
+    )
 }
 
 /// Keeps a partition [`give`] sent in `store`.
@@ -405,9 +431,14 @@ impl Workers {
             dataset: std::fs::canonicalize(dataset.dir()).unwrap_or_else(|_| dataset.dir().into()),
             dataset_identity: format!("{:032x}", dataset.meta().identity()),
             nccl_id: nccl_id.clone(),
+            relation_floats: relations.emb.len(),
         };
+        let tables = [
+            bytemuck::cast_slice(&relations.emb),
+            bytemuck::cast_slice(&relations.state),
+        ];
         for r in 1..cluster.hosts() {
-            send(&cluster, r, COMMANDS, &job, &[])?;
+            send(&cluster, r, COMMANDS, &job, &tables)?;
         }
         Workers::join_hosts(config, dataset, home, relations, engines, cluster, nccl_id)
     }
@@ -444,8 +475,7 @@ impl Workers {
             traffic.within,
             traffic.across
         );
-        let per_host: Vec<Vec<[u32; 2]>> =
-            (0..h).map(|x| schedule.host_buckets(x, l)).collect();
+        let per_host: Vec<Vec<[u32; 2]>> = (0..h).map(|x| schedule.host_buckets(x, l)).collect();
         let scheme = dataset.scheme(n)?;
         let index = |b: [u32; 2]| scheme.bucket_index(b[0], b[1]);
         let mine: HashSet<usize> = per_host[rank as usize].iter().map(|&b| index(b)).collect();
@@ -542,7 +572,9 @@ impl Workers {
             for r in 1..hosts.count() {
                 loop {
                     match recv::<LayOut>(cluster, LAYOUT, r, "lay-out")? {
-                        (LayOut::Give { partition, rows }, raw) => keep(home, partition, rows, &raw)?,
+                        (LayOut::Give { partition, rows }, raw) => {
+                            keep(home, partition, rows, &raw)?
+                        }
                         (LayOut::Need { partitions }, _) => {
                             needs.push((r, partitions));
                             break;
@@ -559,7 +591,11 @@ impl Workers {
             return Ok(());
         }
         let l = hosts.gpus_per_host as usize;
-        let mine: Vec<u32> = held[self.first..self.first + l].iter().flatten().copied().collect();
+        let mine: Vec<u32> = held[self.first..self.first + l]
+            .iter()
+            .flatten()
+            .copied()
+            .collect();
         for p in home.stored() {
             if !mine.contains(&p) {
                 give(cluster, 0, home, p)?;
@@ -575,7 +611,15 @@ impl Workers {
             .into_iter()
             .filter(|p| !resident.contains(p) && !stored.contains(p))
             .collect();
-        send(cluster, 0, LAYOUT, &LayOut::Need { partitions: need.clone() }, &[])?;
+        send(
+            cluster,
+            0,
+            LAYOUT,
+            &LayOut::Need {
+                partitions: need.clone(),
+            },
+            &[],
+        )?;
         for _ in &need {
             match recv::<LayOut>(cluster, LAYOUT, 0, "lay-out")? {
                 (LayOut::Give { partition, rows }, raw) => keep(home, partition, rows, &raw)?,
@@ -594,7 +638,13 @@ impl Workers {
     ) -> Result<(), TrainError> {
         let hosts = self.hosts.as_ref().expect("on hosts");
         let host = (g / hosts.gpus_per_host as usize) as u32;
-        send(&hosts.cluster, host, COMMANDS, &Command::Stream { partition: p }, &[])?;
+        send(
+            &hosts.cluster,
+            host,
+            COMMANDS,
+            &Command::Stream { partition: p },
+            &[],
+        )?;
         // Every piece is read, even after `f` failed, so that the next stream starts clean.
         let mut result = Ok(());
         loop {
@@ -603,7 +653,10 @@ impl Workers {
                 return result;
             }
             if result.is_ok() {
-                result = f(&floats(&raw, 0, piece.emb), &floats(&raw, 4 * piece.emb, piece.state));
+                result = f(
+                    &floats(&raw, 0, piece.emb),
+                    &floats(&raw, 4 * piece.emb, piece.state),
+                );
             }
         }
     }
@@ -680,8 +733,8 @@ fn sum_degrees(cluster: &Cluster, mut degrees: Vec<u32>) -> Result<Vec<u32>, Tra
 /// remote host puts what arrives on the channel the link reads).
 fn cpu_links(cluster: &Cluster, k: usize, first: usize, local: usize) -> Vec<Box<dyn Link>> {
     let per_host = local;
-    let mut senders: Vec<Vec<mpsc::Sender<Partition>>> = Vec::with_capacity(local);
-    let mut receivers: Vec<Vec<mpsc::Receiver<Partition>>> = Vec::with_capacity(local);
+    let mut senders: Vec<Vec<mpsc::Sender<Message>>> = Vec::with_capacity(local);
+    let mut receivers: Vec<Vec<mpsc::Receiver<Message>>> = Vec::with_capacity(local);
     for _ in 0..local {
         let (tx, rx): (Vec<_>, Vec<_>) = (0..k).map(|_| mpsc::channel()).unzip();
         senders.push(tx);
@@ -693,22 +746,7 @@ fn cpu_links(cluster: &Cluster, k: usize, first: usize, local: usize) -> Vec<Box
             let (cluster, to_me) = (cluster.clone(), to_me.clone());
             std::thread::Builder::new()
                 .name(format!("legend-recv-{g}-{host}"))
-                .spawn(move || {
-                    // Ends with the job (finished or failed).
-                    while let Ok((head, raw)) =
-                        recv::<HandedOver>(&cluster, PARTITIONS + g as u32, host, "partition")
-                    {
-                        let state = (raw.len() - 4 * head.emb) / 4;
-                        let rows = Partition {
-                            id: head.partition,
-                            emb: floats(&raw, 0, head.emb),
-                            state: floats(&raw, 4 * head.emb, state),
-                        };
-                        if head.from / per_host != host as usize || to_me[head.from].send(rows).is_err() {
-                            return;
-                        }
-                    }
-                })
+                .spawn(move || receive_handed(&cluster, g, host, per_host, &to_me))
                 .expect("spawning a receiving thread");
         }
     }
@@ -723,27 +761,112 @@ fn cpu_links(cluster: &Cluster, k: usize, first: usize, local: usize) -> Vec<Box
                     } else {
                         let cluster = cluster.clone();
                         let host = (peer / per_host) as u32;
-                        PeerSender::Remote(Box::new(move |rows: Partition| {
-                            let head = HandedOver {
-                                from: me,
-                                partition: rows.id,
-                                emb: rows.emb.len(),
-                            };
+                        PeerSender::Remote(Box::new(move |m: &Message| {
                             // A failure fails the job: every host's waits end.
-                            let _ = send(
-                                &cluster,
-                                host,
-                                PARTITIONS + peer as u32,
-                                &head,
-                                &[bytemuck::cast_slice(&rows.emb), bytemuck::cast_slice(&rows.state)],
-                            );
+                            let _ = send_handed(&cluster, host, me, peer, m);
                         }))
                     }
                 })
                 .collect();
-            Box::new(ChannelLink::new(to, from)) as Box<dyn Link>
+            Box::new(ChannelLink::new(me, to, from)) as Box<dyn Link>
         })
         .collect()
+}
+
+/// Sends CPU worker `me`'s message `m` to worker `peer` on `host`.
+fn send_handed(
+    cluster: &Cluster,
+    host: u32,
+    me: usize,
+    peer: usize,
+    m: &Message,
+) -> Result<(), TrainError> {
+    let channel = PARTITIONS + peer as u32;
+    match m {
+        Message::Partition(rows) => {
+            let head = HandedOver::Partition {
+                from: me,
+                partition: rows.id,
+                emb: rows.emb.len(),
+            };
+            let raw = [
+                bytemuck::cast_slice(&rows.emb),
+                bytemuck::cast_slice(&rows.state),
+            ];
+            send(cluster, host, channel, &head, &raw)
+        }
+        Message::Relations(sums) => {
+            let head = HandedOver::Relations {
+                from: me,
+                width: sums.width,
+                grads: sums.grads.len(),
+            };
+            let raw = [
+                bytemuck::cast_slice(&sums.grads),
+                bytemuck::cast_slice(&sums.positives),
+            ];
+            send(cluster, host, channel, &head, &raw)
+        }
+    }
+}
+
+/// Puts what CPU workers of `host` send local worker `g` on its channels (`to_me`, by
+/// sending worker), until the job ends; a message that does not fit fails the job.
+fn receive_handed(
+    cluster: &Cluster,
+    g: usize,
+    host: u32,
+    per_host: usize,
+    to_me: &[mpsc::Sender<Message>],
+) {
+    // Ends with the job (finished or failed).
+    while let Ok((head, raw)) =
+        recv::<HandedOver>(cluster, PARTITIONS + g as u32, host, "hand-over")
+    {
+        let (from, message) = match head {
+            HandedOver::Partition {
+                from,
+                partition,
+                emb,
+            } if 4 * emb <= raw.len() && raw.len() % 4 == 0 => {
+                let state = (raw.len() - 4 * emb) / 4;
+                let rows = Partition {
+                    id: partition,
+                    emb: floats(&raw, 0, emb),
+                    state: floats(&raw, 4 * emb, state),
+                };
+                (from, Message::Partition(rows))
+            }
+            HandedOver::Relations { from, width, grads }
+                if width > 0 && grads % width == 0 && raw.len() == 4 * (grads + grads / width) =>
+            {
+                let sums = RelationGradients {
+                    width,
+                    grads: floats(&raw, 0, grads),
+                    positives: bytemuck::pod_collect_to_vec(&raw[4 * grads..]),
+                };
+                (from, Message::Relations(Arc::new(sums)))
+            }
+            _ => {
+                cluster.fail(format!(
+                    "{} sent worker {g} a hand-over of the wrong size",
+                    cluster.host(host)
+                ));
+                return;
+            }
+        };
+        if from / per_host != host as usize || from >= to_me.len() {
+            cluster.fail(format!(
+                "{} sent worker {g} a hand-over from worker {from}, not one of its own",
+                cluster.host(host)
+            ));
+            return;
+        }
+        if to_me[from].send(message).is_err() {
+            // The worker is gone (its epoch failed): the job fails with its error.
+            return;
+        }
+    }
 }
 
 /// A host other than host 0 for the whole job: receives the job from host 0, sets its workers
@@ -772,7 +895,7 @@ pub fn follow(
 }
 
 fn serve(cluster: &Cluster, dataset: Option<&Path>, stop: &AtomicBool) -> Result<bool, TrainError> {
-    let (job, _) = recv::<Job>(cluster, COMMANDS, 0, "job")?;
+    let (job, raw) = recv::<Job>(cluster, COMMANDS, 0, "job")?;
     let config = Config::parse(&job.config, &[])?;
     let path = dataset.unwrap_or(&job.dataset);
     let mismatch = |why: String| TrainError::Hosts(ClusterError::Mismatch(why));
@@ -792,12 +915,18 @@ fn serve(cluster: &Cluster, dataset: Option<&Path>, stop: &AtomicBool) -> Result
         path.display()
     );
     let engines = Engine::open_all(&config)?;
-    let relations = Relations::init(
-        config.decoder(),
-        config.relation_rows(dataset.meta().relations) as usize,
-        config.model.dim,
-        &config.init(),
-    );
+    let n = job.relation_floats;
+    if raw.len() != 8 * n {
+        return Err(TrainError::Hosts(ClusterError::Failed(format!(
+            "host 0 sent {} bytes of relation tables, not the {} of {n} floats and their state",
+            raw.len(),
+            8 * n
+        ))));
+    }
+    let relations = Relations {
+        emb: floats(&raw, 0, n),
+        state: floats(&raw, 4 * n, n),
+    };
     let home = MemoryStore::new(config.storage.dtype);
     let mut workers = Workers::join_hosts(
         &config,

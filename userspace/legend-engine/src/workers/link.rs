@@ -2,12 +2,14 @@
 //! the CPU engine's workers ([`ChannelLink`]: the same coordinator, tested without GPUs).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use legend_cuda::nccl::Communicator;
 
+use crate::compute::PendingRelations;
 use crate::error::TrainError;
+use crate::relations::RelationGradients;
 use crate::rows::Partition;
 use crate::swap::Fence;
 use crate::trainer::Trainer;
@@ -28,36 +30,82 @@ pub(crate) trait Link: Send {
         into: &[(u32, usize)],
         give_up: &AtomicBool,
     ) -> Result<(), TrainError>;
+
+    /// Replaces this worker's `pending` relation gradients by their sum over all workers,
+    /// the same floats on every worker (every worker makes the call once a step); returns
+    /// the point after which the sum is there.
+    fn sum_relations(
+        &mut self,
+        pending: PendingRelations<'_>,
+        give_up: &AtomicBool,
+    ) -> Result<Fence, TrainError>;
 }
 
-/// Channels between CPU workers: a partition's host rows move from one worker to the other
-/// (to a worker on another host over the job's connections, see `hosts`).
+/// What CPU workers send each other.
+pub(crate) enum Message {
+    /// A partition's host rows.
+    Partition(Partition),
+    /// A step's relation gradients.
+    Relations(Arc<RelationGradients>),
+}
+
+/// Channels between CPU workers: a partition's host rows move from one worker to the other,
+/// and each step's relation gradients go to every other worker (to a worker on another host
+/// over the job's connections, see `hosts`).
 pub(crate) struct ChannelLink {
+    me: usize,
     to: Vec<PeerSender>,
-    from: Vec<mpsc::Receiver<Partition>>,
+    from: Vec<mpsc::Receiver<Message>>,
 }
 
-/// How a CPU worker's partitions reach one peer.
+/// How a CPU worker's messages reach one peer.
 pub(crate) enum PeerSender {
     /// A worker of this process.
-    Local(mpsc::Sender<Partition>),
-    /// A worker on another host: the rows go over the job's connections, and a failure to
-    /// send fails the job (every host's waits then end).
-    Remote(Box<dyn Fn(Partition) + Send>),
+    Local(mpsc::Sender<Message>),
+    /// A worker on another host: the message goes over the job's connections, and a failure
+    /// to send fails the job (every host's waits then end).
+    Remote(Box<dyn Fn(&Message) + Send>),
+}
+
+impl PeerSender {
+    fn send(&self, m: Message) {
+        match self {
+            // A peer that has gone (failed) no longer listens: the give-up flag says so.
+            PeerSender::Local(to) => {
+                let _ = to.send(m);
+            }
+            PeerSender::Remote(send) => send(&m),
+        }
+    }
 }
 
 impl ChannelLink {
-    /// The link sending to each worker through `to` and receiving from each on `from`
-    /// (indexed by worker).
-    pub(crate) fn new(to: Vec<PeerSender>, from: Vec<mpsc::Receiver<Partition>>) -> ChannelLink {
-        ChannelLink { to, from }
+    /// Worker `me`'s link, sending to each worker through `to` and receiving from each on
+    /// `from` (indexed by worker).
+    pub(crate) fn new(
+        me: usize,
+        to: Vec<PeerSender>,
+        from: Vec<mpsc::Receiver<Message>>,
+    ) -> ChannelLink {
+        ChannelLink { me, to, from }
+    }
+
+    /// The next message from `peer`, unless the others gave up.
+    fn receive(&self, peer: usize, give_up: &AtomicBool) -> Result<Message, TrainError> {
+        loop {
+            match self.from[peer].recv_timeout(POLL) {
+                Ok(m) => return Ok(m),
+                Err(mpsc::RecvTimeoutError::Timeout) if !give_up.load(Ordering::Acquire) => {}
+                Err(_) => return Err(TrainError::WorkerStopped),
+            }
+        }
     }
 }
 
 /// The links of `k` CPU workers, each with a channel to and from every other.
 pub(crate) fn channel_links(k: usize) -> Vec<ChannelLink> {
-    let mut senders: Vec<Vec<Option<mpsc::Sender<Partition>>>> = vec![vec![None; k]; k];
-    let mut receivers: Vec<Vec<Option<mpsc::Receiver<Partition>>>> =
+    let mut senders: Vec<Vec<Option<mpsc::Sender<Message>>>> = vec![vec![None; k]; k];
+    let mut receivers: Vec<Vec<Option<mpsc::Receiver<Message>>>> =
         (0..k).map(|_| (0..k).map(|_| None).collect()).collect();
     for a in 0..k {
         for b in 0..k {
@@ -69,7 +117,9 @@ pub(crate) fn channel_links(k: usize) -> Vec<ChannelLink> {
     senders
         .into_iter()
         .zip(receivers)
-        .map(|(to, from)| ChannelLink {
+        .enumerate()
+        .map(|(me, (to, from))| ChannelLink {
+            me,
             to: to
                 .into_iter()
                 .map(|s| PeerSender::Local(s.expect("made above")))
@@ -95,26 +145,45 @@ impl Link for ChannelLink {
                 .hand_out(p)?
                 .rows
                 .expect("a CPU worker's partitions are host rows");
-            match &self.to[peer] {
-                // A peer that has gone (failed) no longer listens: the give-up flag says so.
-                PeerSender::Local(to) => {
-                    let _ = to.send(rows);
-                }
-                PeerSender::Remote(send) => send(rows),
-            }
+            self.to[peer].send(Message::Partition(rows));
         }
         for &(p, peer) in into {
-            let rows = loop {
-                match self.from[peer].recv_timeout(POLL) {
-                    Ok(rows) => break rows,
-                    Err(mpsc::RecvTimeoutError::Timeout) if !give_up.load(Ordering::Acquire) => {}
-                    Err(_) => return Err(TrainError::WorkerStopped),
-                }
+            let Message::Partition(rows) = self.receive(peer, give_up)? else {
+                unreachable!("worker {peer} sent relation gradients during a hand-over");
             };
             assert_eq!(rows.id, p, "worker {peer} sent another partition");
             trainer.handed_in(p, Some(rows), Fence::passed())?;
         }
         Ok(())
+    }
+
+    fn sum_relations(
+        &mut self,
+        pending: PendingRelations<'_>,
+        give_up: &AtomicBool,
+    ) -> Result<Fence, TrainError> {
+        let PendingRelations::Host(mine) = pending else {
+            unreachable!("CPU workers' relation gradients are host rows");
+        };
+        let shared = Arc::new(mine.clone());
+        for (peer, to) in self.to.iter().enumerate() {
+            if peer != self.me {
+                to.send(Message::Relations(Arc::clone(&shared)));
+            }
+        }
+        // Summed in worker order on every worker: the same floats everywhere.
+        mine.clear();
+        for peer in 0..self.to.len() {
+            if peer == self.me {
+                mine.add(&shared);
+                continue;
+            }
+            let Message::Relations(theirs) = self.receive(peer, give_up)? else {
+                unreachable!("worker {peer} sent a partition during a step");
+            };
+            mine.add(&theirs);
+        }
+        Ok(Fence::passed())
     }
 }
 
@@ -167,5 +236,21 @@ impl Link for NcclLink {
             trainer.handed_in(p, None, Fence::passed())?;
         }
         Ok(())
+    }
+
+    fn sum_relations(
+        &mut self,
+        pending: PendingRelations<'_>,
+        give_up: &AtomicBool,
+    ) -> Result<Fence, TrainError> {
+        let PendingRelations::Device { at, floats, after } = pending else {
+            unreachable!("GPU workers' relation gradients are device rows");
+        };
+        let after: Vec<_> = after.event().into_iter().collect();
+        // SAFETY: the relation gradient table is this GPU's; compute writes it only in the
+        // next step, which waits for the returned fence (the apply waits for it first), and
+        // every worker makes this call once a step (the rounds' step counts are aligned).
+        let ev = unsafe { self.comm.all_reduce_sum(at, floats, &after, give_up) }?;
+        Ok(Fence::at(ev))
     }
 }

@@ -171,6 +171,11 @@ pub struct Workers {
     /// Workers of the run, on every host.
     gpus: usize,
     schedule: GpuSchedule,
+    /// Per round, the most batches any worker trains in it: the steps every worker takes
+    /// when relation gradients are summed after each (decoders with relations).
+    round_steps: Vec<u64>,
+    /// The decoder has relations: workers step in lockstep, summing their gradients.
+    lockstep: bool,
     scheme: PartitionScheme,
     relations: Relations,
     negatives: usize,
@@ -293,6 +298,28 @@ impl Workers {
                 device,
             });
         }
+        // Relations: one AdaGrad step a step from the gradients summed over the workers'
+        // batches (Documentation/gpu.md, "Relations on several GPUs").
+        let lockstep = config.decoder().uses_relations();
+        if lockstep {
+            for (i, w) in workers.iter_mut().enumerate() {
+                w.trainer
+                    .defer_relations()
+                    .map_err(|e| w.failed(first + i, e))?;
+            }
+        }
+        let round_steps = schedule
+            .rounds
+            .iter()
+            .map(|round| {
+                round
+                    .work
+                    .iter()
+                    .map(|pieces| pieces.iter().map(|p| p.batches.end - p.batches.start).sum())
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
         tracing::info!(
             "{k} workers, {} rounds an epoch, {} hand-overs of {:.2} GB each; predicted imbalance {:.3}",
             schedule.rounds.len(),
@@ -306,6 +333,8 @@ impl Workers {
             first,
             gpus: k,
             schedule,
+            round_steps,
+            lockstep,
             scheme,
             relations,
             negatives: config.training.negatives.negatives_per_positive,
@@ -328,9 +357,21 @@ impl Workers {
         self.scheme
     }
 
-    /// The relation parameters (none: several workers train decoders without relations).
+    /// The relation parameters, as of the last [`Workers::sync_relations`] (every worker
+    /// holds the same).
     pub fn relations(&self) -> &Relations {
         &self.relations
+    }
+
+    /// Makes [`Workers::relations`] current: worker 0's (all workers' are equal, on every
+    /// host).
+    pub fn sync_relations(&mut self) -> Result<(), TrainError> {
+        let w = &mut self.workers[0];
+        w.trainer
+            .sync_relations()
+            .map_err(|e| w.failed(self.first, e))?;
+        self.relations = w.trainer.relations().clone();
+        Ok(())
     }
 
     /// Sets every worker's learning rate (on every host: host 0 passes it on with the next
@@ -561,6 +602,7 @@ impl Workers {
         // Before the first gate: the caller may raise `stop` (a checkpoint that is due).
         progress(0);
         let schedule = &self.schedule;
+        let steps = self.lockstep.then_some(self.round_steps.as_slice());
         let rounds = &order[first..];
         let hosts = self.hosts.as_ref();
         let offset = self.first;
@@ -575,7 +617,7 @@ impl Workers {
                     std::thread::Builder::new()
                         .name(format!("legend-worker-{g}"))
                         .spawn_scoped(s, move || {
-                            let r = run_rounds(g, w, schedule, epoch, rounds, shared);
+                            let r = run_rounds(g, w, schedule, steps, epoch, rounds, shared);
                             if r.is_err() {
                                 shared.give_up.store(true, Ordering::Release);
                                 shared.gate.fail();
@@ -633,7 +675,11 @@ impl Workers {
         }
         let trained = done[0].rounds.len();
         if trained > 0 {
-            self.layout = Some(self.schedule.rounds[order[first + trained - 1]].held.clone());
+            self.layout = Some(
+                self.schedule.rounds[order[first + trained - 1]]
+                    .held
+                    .clone(),
+            );
         }
         Ok(HostEpoch {
             rounds: (0..trained)
@@ -689,11 +735,13 @@ struct Shared<'a> {
     batch_ns: std::sync::Arc<AtomicU64>,
 }
 
-/// Worker `g`'s rounds `rounds` of epoch `epoch`, the partitions laid out for the first.
+/// Worker `g`'s rounds `rounds` of epoch `epoch`, the partitions laid out for the first; with
+/// `steps` (each round's), in lockstep with the other workers, summing relation gradients.
 fn run_rounds(
     g: usize,
     w: &mut Worker,
     schedule: &GpuSchedule,
+    steps: Option<&[u64]>,
     epoch: u32,
     rounds: &[usize],
     shared: &Shared<'_>,
@@ -731,12 +779,24 @@ fn run_rounds(
         let round = &schedule.rounds[r];
         let t = Instant::now();
         let mut counted = 0;
-        report.edges =
-            w.trainer
-                .train_pieces(epoch, &round.work[g], &round.held[g], &mut |done| {
-                    shared.edges.fetch_add(done - counted, Ordering::Relaxed);
-                    counted = done;
-                })?;
+        let mut progress = |done| {
+            shared.edges.fetch_add(done - counted, Ordering::Relaxed);
+            counted = done;
+        };
+        report.edges = match steps {
+            None => w
+                .trainer
+                .train_pieces(epoch, &round.work[g], &round.held[g], &mut progress)?,
+            Some(steps) => w.trainer.train_pieces_synced(
+                epoch,
+                &round.work[g],
+                &round.held[g],
+                steps[r],
+                &mut *w.link,
+                &shared.give_up,
+                &mut progress,
+            )?,
+        };
         report.compute_s = t.elapsed().as_secs_f64();
         let planned = schedule.round_batches[r].max(1);
         shared

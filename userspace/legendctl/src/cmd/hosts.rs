@@ -68,7 +68,8 @@ pub fn identity(
             let value: toml::Value = toml::from_str(&config.to_toml())?;
             flatten("config ", &value, &mut id);
             if let Some(dir) = dataset {
-                let ds = Dataset::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+                let ds =
+                    Dataset::open(dir).with_context(|| format!("opening {}", dir.display()))?;
                 id.insert(
                     "dataset (identity of dataset.toml's counts and checksums)".into(),
                     format!("{:032x}", ds.meta().identity()),
@@ -132,11 +133,17 @@ pub fn join(
 
 /// A host other than host 0: its part of the job, until host 0 ends it. Ends the process with
 /// 130 when the job stopped as asked (as host 0 does).
-pub fn follow(cluster: Cluster, dataset: Option<&Path>, stop: Arc<AtomicBool>) -> anyhow::Result<()> {
+pub fn follow(
+    cluster: Cluster,
+    dataset: Option<&Path>,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
     let me = cluster.host(cluster.rank());
     let stopped = legend_engine::workers::hosts::follow(cluster, dataset, stop)?;
     if stopped {
-        eprintln!("{me}: host 0 stopped the job with a checkpoint; continue it with --resume on host 0's run, every host started again");
+        eprintln!(
+            "{me}: host 0 stopped the job with a checkpoint; continue it with --resume on host 0's run, every host started again"
+        );
         std::process::exit(130);
     }
     eprintln!("{me}: the job completed; host 0's run holds its results");

@@ -81,7 +81,9 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
 /// The configuration of a new run: the file, then the `--set`s.
 fn read_config(args: &Args) -> anyhow::Result<Config> {
     let text = match &args.config {
-        Some(p) => std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+        Some(p) => {
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?
+        }
         None => String::new(),
     };
     Config::parse(&text, &args.sets).with_context(|| match &args.config {
