@@ -23,7 +23,9 @@ const TOKEN: &str = "a-token-for-the-tests-0123";
 
 fn dataset(dir: &Path) -> PathBuf {
     let ds = dir.join("ds");
-    generate(&GenerateOptions::new(2000, 30_000), &ds).unwrap();
+    let mut options = GenerateOptions::new(2000, 30_000);
+    options.relations = 5;
+    generate(&options, &ds).unwrap();
     ds
 }
 
@@ -163,16 +165,18 @@ fn two_hosts(ds: &Path, run: &Path, extra_both: &[&str]) -> [(ExitStatus, String
     [zero, one]
 }
 
-fn tables(run: &Path) -> (Vec<f32>, Vec<f32>) {
+fn tables(run: &Path) -> Vec<f32> {
     let dir = Dir::open(run).unwrap();
     let meta = legend_engine::run::read_meta(&dir).unwrap();
     let t = legend_engine::run::load_tables(&dir, &meta, &Unguarded).unwrap();
-    (t.entities, t.entities_state)
+    [t.entities, t.entities_state, t.relations, t.relations_state].concat()
 }
 
 /// What one trainer holding every partition trains running the 2-host × 2-GPU schedule of
-/// the run `run` serially for `epochs` epochs (round after round, GPU after GPU).
-fn serial(ds: &Path, run: &Path, epochs: u32) -> (Vec<f32>, Vec<f32>) {
+/// the run `run` serially for `epochs` epochs (round after round, GPU after GPU; with
+/// relations, the GPUs' shares of a round in lockstep, their relation gradients summed): the
+/// entity rows and state, then the relations'.
+fn serial(ds: &Path, run: &Path, epochs: u32) -> Vec<f32> {
     let text = std::fs::read_to_string(run.join("config.toml")).unwrap();
     let workers = Config::parse(&text, &[]).unwrap();
     let n = workers.storage.num_partitions;
@@ -193,7 +197,8 @@ fn serial(ds: &Path, run: &Path, epochs: u32) -> (Vec<f32>, Vec<f32>) {
     let batches: Vec<u64> = buckets.counts().iter().map(|c| c.div_ceil(batch)).collect();
     let schedule = legend_planner::plan_hosts(n, 2, 2, &batches).unwrap();
     let degrees = legend_dataset::degrees(dataset.meta().entities as usize, buckets.edges());
-    let relations = Relations::init(config.decoder(), 1, config.model.dim, &config.init());
+    let rows = config.relation_rows(dataset.meta().relations) as usize;
+    let relations = Relations::init(config.decoder(), rows, config.model.dim, &config.init());
     let home = PartitionHome::Memory(MemoryStore::new(config.storage.dtype));
     let engine = Engine::open(&config).unwrap();
     let mut t = Trainer::on_device(&config, buckets, &degrees, home, relations, engine).unwrap();
@@ -201,6 +206,19 @@ fn serial(ds: &Path, run: &Path, epochs: u32) -> (Vec<f32>, Vec<f32>) {
     for epoch in 1..=epochs {
         for r in schedule.round_order(epoch) {
             let round = &schedule.rounds[r];
+            if config.decoder().uses_relations() {
+                let shares: Vec<(&[legend_planner::Piece], [u32; 2])> = (0..4)
+                    .map(|g| (round.work[g].as_slice(), round.held[g]))
+                    .collect();
+                let steps = round
+                    .work
+                    .iter()
+                    .map(|w| w.iter().map(|p| p.batches.end - p.batches.start).sum::<u64>())
+                    .max()
+                    .unwrap();
+                t.train_lockstep(epoch, &shares, steps).unwrap();
+                continue;
+            }
             for g in 0..4 {
                 t.train_pieces(epoch, &round.work[g], &round.held[g], &mut |_| {})
                     .unwrap();
@@ -216,7 +234,9 @@ fn serial(ds: &Path, run: &Path, epochs: u32) -> (Vec<f32>, Vec<f32>) {
         })
         .unwrap();
     }
-    (emb, state)
+    t.sync_relations().unwrap();
+    let r = t.relations();
+    [emb, state, r.emb.clone(), r.state.clone()].concat()
 }
 
 fn epoch_lines(stdout: &str) -> Vec<serde_json::Value> {
@@ -231,39 +251,43 @@ fn epoch_lines(stdout: &str) -> Vec<serde_json::Value> {
 fn two_hosts_train_exactly_the_serialised_schedule_and_only_host_zero_writes() {
     let tmp = tempfile::tempdir().unwrap();
     let ds = dataset(tmp.path());
-    let run = tmp.path().join("run");
-    let [(zero, out, log0), (one, out1, log1)] =
-        two_hosts(&ds, &run, &["--set", "training.num_epochs=2"]);
-    assert!(zero.success(), "host 0: {log0}");
-    assert!(one.success(), "host 1: {log1}");
-    assert!(out1.is_empty(), "host 1 prints no results: {out1}");
-    assert!(log1.contains("the job completed"), "{log1}");
-    let epochs = epoch_lines(&out);
-    assert_eq!(epochs.len(), 2, "{out}");
-    let train = Dataset::open(&ds).unwrap().meta().splits.train;
-    for e in &epochs {
-        assert_eq!(e["edges"], train, "every train edge once an epoch: {e}");
-        let w = &e["workers"];
-        assert_eq!(w["gpus"], 4);
-        assert_eq!(w["hosts"], 2);
-        // 2 hosts × 2 GPUs: 7 rounds, 6 transitions of 4 hand-overs, 2 of them between
-        // host-rounds (K·(2H − 2) = 8 cross hosts).
-        assert_eq!(w["handovers"], 24);
-        assert_eq!(w["cross_host_handovers"], 8);
-        assert_eq!(w["host_peak_rss_bytes"].as_array().unwrap().len(), 2);
-        assert_eq!(w["devices"].as_array().unwrap().len(), 4);
+    // Dot; DistMult's relation gradients summed over the 4 workers of both hosts every step.
+    for decoder in ["dot", "distmult"] {
+        let run = tmp.path().join(decoder);
+        let decoder_set = format!("model.decoder={decoder}");
+        let sets = ["--set", "training.num_epochs=2", "--set", &decoder_set];
+        let [(zero, out, log0), (one, out1, log1)] = two_hosts(&ds, &run, &sets);
+        assert!(zero.success(), "host 0: {log0}");
+        assert!(one.success(), "host 1: {log1}");
+        assert!(out1.is_empty(), "host 1 prints no results: {out1}");
+        assert!(log1.contains("the job completed"), "{log1}");
+        let epochs = epoch_lines(&out);
+        assert_eq!(epochs.len(), 2, "{out}");
+        let train = Dataset::open(&ds).unwrap().meta().splits.train;
+        for e in &epochs {
+            assert_eq!(e["edges"], train, "every train edge once an epoch: {e}");
+            let w = &e["workers"];
+            assert_eq!(w["gpus"], 4);
+            assert_eq!(w["hosts"], 2);
+            // 2 hosts × 2 GPUs: 7 rounds, 6 transitions of 4 hand-overs, 2 of them between
+            // host-rounds (K·(2H − 2) = 8 cross hosts).
+            assert_eq!(w["handovers"], 24);
+            assert_eq!(w["cross_host_handovers"], 8);
+            assert_eq!(w["host_peak_rss_bytes"].as_array().unwrap().len(), 2);
+            assert_eq!(w["devices"].as_array().unwrap().len(), 4);
+        }
+        assert!(
+            log0.contains("holds the") && log1.contains("holds the"),
+            "each host says which buckets it holds"
+        );
+        let trained = tables(&run);
+        let want = serial(&ds, &run, 2);
+        assert_eq!(trained.len(), want.len());
+        assert!(
+            trained == want,
+            "{decoder}: the two hosts trained differently from the serialised schedule"
+        );
     }
-    assert!(
-        log0.contains("holds the") && log1.contains("holds the"),
-        "each host says which buckets it holds"
-    );
-    let (emb, state) = tables(&run);
-    let (want_emb, want_state) = serial(&ds, &run, 2);
-    assert_eq!(emb.len(), want_emb.len());
-    assert!(
-        emb == want_emb && state == want_state,
-        "the two hosts trained differently from the serialised schedule"
-    );
 }
 
 /// Starts two hosts on a long run and waits until host 0 reported an epoch: the job runs.
