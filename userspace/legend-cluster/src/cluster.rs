@@ -30,6 +30,9 @@ const HANDSHAKE_IO: Duration = Duration::from_secs(5);
 /// What a host waiting for host 0's verdict allows beyond the rendezvous timeout (host 0
 /// tells everyone why when its own wait ends).
 const VERDICT_GRACE: Duration = Duration::from_secs(10);
+/// How long a failing host waits for a connection's writer to tell that host why (a message
+/// to a live host ends within it; one to a stopped host never does).
+const ABORT_WAIT: Duration = Duration::from_secs(2);
 
 /// What every host of a job must agree on, key by key (`config model.dim`, `dataset`,
 /// `binary`, ...): a mismatch is refused naming the host and the key.
@@ -535,6 +538,8 @@ struct Inner {
     started: Instant,
     peers: Vec<Option<Peer>>,
     failure: Mutex<Option<String>>,
+    /// Held while a failure is told to the other hosts.
+    aborting: Mutex<()>,
     failed: AtomicBool,
     /// The job is ending (host 0 finished it): connections closing are expected.
     ending: AtomicBool,
@@ -617,6 +622,7 @@ impl Cluster {
             started: Instant::now(),
             peers,
             failure: Mutex::new(None),
+            aborting: Mutex::new(()),
             failed: AtomicBool::new(false),
             ending: AtomicBool::new(false),
             finished: Mutex::new(None),
@@ -685,6 +691,8 @@ impl Cluster {
 
     /// Why the job failed, if it did.
     pub fn failure(&self) -> Option<ClusterError> {
+        // Once the other hosts were told (a caller may end the process on the answer).
+        let _told = lock(&self.inner.aborting);
         lock(&self.inner.failure).clone().map(ClusterError::Failed)
     }
 
@@ -952,6 +960,10 @@ impl Inner {
     }
 
     fn fail(&self, reason: String) {
+        // Held while the abort goes out: a second failure (this process ending on the first,
+        // a send that failed meanwhile) waits for it, and waits see the flag only once it is
+        // out, so that no host learns of a failure only from a closed connection.
+        let _aborting = lock(&self.aborting);
         {
             let mut f = lock(&self.failure);
             if f.is_some() {
@@ -959,23 +971,32 @@ impl Inner {
             }
             *f = Some(reason.clone());
         }
-        self.failed.store(true, Ordering::Release);
-        self.gate_changed.notify_all();
         let abort = serde_json::to_vec(&Abort { reason }).expect("serializes");
+        let deadline = Instant::now() + ABORT_WAIT;
         for (r, p) in self.peers.iter().enumerate() {
             let Some(p) = p else { continue };
-            // A writer busy with a large message to a stopped host would hold the lock: that
-            // connection is cut instead (the peer then sees it close).
-            match p.writer.try_lock() {
-                Ok(mut w) => {
+            // A writer busy with a message to a live host ends soon; one blocked on a stopped
+            // host would hold the lock for ever: past the deadline that connection is cut
+            // instead (the peer then sees it close).
+            let writer = loop {
+                match p.writer.try_lock() {
+                    Ok(w) => break Some(w),
+                    Err(_) if Instant::now() < deadline => std::thread::sleep(TICK),
+                    Err(_) => break None,
+                }
+            };
+            match writer {
+                Some(mut w) => {
                     let _ = write_frame(&mut *w, Kind::Abort, self.rank, r as u32, 0, &[&abort]);
                     let _ = w.shutdown(Shutdown::Write);
                 }
-                Err(_) => {
+                None => {
                     let _ = p.handle.shutdown(Shutdown::Both);
                 }
             }
         }
+        self.failed.store(true, Ordering::Release);
+        self.gate_changed.notify_all();
     }
 
     /// Reads host `from`'s frames until its connection ends.

@@ -142,7 +142,10 @@ fn host(
     for set in SETS {
         cmd.args(["--set", set]);
     }
-    cmd.args(["--gpus", "2", "--hosts", &hosts.to_string()])
+    if !extra.contains(&"--gpus") {
+        cmd.args(["--gpus", "2"]);
+    }
+    cmd.args(["--hosts", &hosts.to_string()])
         .args(["--host-rank", &rank.to_string()])
         .args(["--rendezvous", &format!("127.0.0.1:{port}")])
         .args(extra)
@@ -172,15 +175,17 @@ fn tables(run: &Path) -> Vec<f32> {
     [t.entities, t.entities_state, t.relations, t.relations_state].concat()
 }
 
-/// What one trainer holding every partition trains running the 2-host × 2-GPU schedule of
+/// What one trainer holding every partition trains running the hosts × GPUs schedule of
 /// the run `run` serially for `epochs` epochs (round after round, GPU after GPU; with
 /// relations, the GPUs' shares of a round in lockstep, their relation gradients summed): the
 /// entity rows and state, then the relations'.
 fn serial(ds: &Path, run: &Path, epochs: u32) -> Vec<f32> {
     let text = std::fs::read_to_string(run.join("config.toml")).unwrap();
     let workers = Config::parse(&text, &[]).unwrap();
+    let (hosts, gpus) = (workers.training.hosts, workers.training.gpus);
+    let k = (hosts * gpus) as usize;
     let n = workers.storage.num_partitions;
-    assert_eq!(n, 8, "2 hosts of 2 GPUs: N = 8");
+    assert_eq!(n as usize, 2 * k, "{hosts} hosts of {gpus} GPUs: N = 2HK");
     let config = Config::parse(
         &text,
         &[
@@ -195,7 +200,7 @@ fn serial(ds: &Path, run: &Path, epochs: u32) -> Vec<f32> {
     let buckets = dataset.buckets(n).unwrap();
     let batch = config.training.batch_size as u64;
     let batches: Vec<u64> = buckets.counts().iter().map(|c| c.div_ceil(batch)).collect();
-    let schedule = legend_planner::plan_hosts(n, 2, 2, &batches).unwrap();
+    let schedule = legend_planner::plan_hosts(n, hosts, gpus, &batches).unwrap();
     let degrees = legend_dataset::degrees(dataset.meta().entities as usize, buckets.edges());
     let rows = config.relation_rows(dataset.meta().relations) as usize;
     let relations = Relations::init(config.decoder(), rows, config.model.dim, &config.init());
@@ -207,19 +212,23 @@ fn serial(ds: &Path, run: &Path, epochs: u32) -> Vec<f32> {
         for r in schedule.round_order(epoch) {
             let round = &schedule.rounds[r];
             if config.decoder().uses_relations() {
-                let shares: Vec<(&[legend_planner::Piece], [u32; 2])> = (0..4)
+                let shares: Vec<(&[legend_planner::Piece], [u32; 2])> = (0..k)
                     .map(|g| (round.work[g].as_slice(), round.held[g]))
                     .collect();
                 let steps = round
                     .work
                     .iter()
-                    .map(|w| w.iter().map(|p| p.batches.end - p.batches.start).sum::<u64>())
+                    .map(|w| {
+                        w.iter()
+                            .map(|p| p.batches.end - p.batches.start)
+                            .sum::<u64>()
+                    })
                     .max()
                     .unwrap();
                 t.train_lockstep(epoch, &shares, steps).unwrap();
                 continue;
             }
-            for g in 0..4 {
+            for g in 0..k {
                 t.train_pieces(epoch, &round.work[g], &round.held[g], &mut |_| {})
                     .unwrap();
             }
@@ -288,6 +297,66 @@ fn two_hosts_train_exactly_the_serialised_schedule_and_only_host_zero_writes() {
             "{decoder}: the two hosts trained differently from the serialised schedule"
         );
     }
+}
+
+#[test]
+fn three_hosts_of_one_worker_train_the_serialised_schedule_and_a_lost_host_is_named_on_every_other()
+{
+    let tmp = tempfile::tempdir().unwrap();
+    let ds = dataset(tmp.path());
+    let start = |name: &str, epochs: &str, extra: &[&str]| -> Vec<Running> {
+        let port = free_port();
+        let mut args = vec!["--gpus", "1", "--set", epochs, "--host-timeout", "3"];
+        args.extend_from_slice(extra);
+        (0..3)
+            .map(|r| {
+                let out = tmp.path().join(format!("{name}-{r}"));
+                host(r, 3, port, &ds, &out, &args, TOKEN)
+            })
+            .collect()
+    };
+    // K = 3 workers on 3 hosts, N = 6: what one trainer trains running the schedule serially.
+    let hosts = start(
+        "three",
+        "training.num_epochs=1",
+        &["--set", "model.decoder=distmult"],
+    );
+    let ended: Vec<_> = hosts
+        .into_iter()
+        .map(|h| h.finish(Duration::from_secs(120)))
+        .collect();
+    for (r, (status, _, log)) in ended.iter().enumerate() {
+        assert!(status.success(), "host {r}: {log}");
+    }
+    let epoch = epoch_lines(&ended[0].1).pop().expect("an epoch on 3 hosts");
+    assert_eq!(epoch["workers"]["hosts"], 3);
+    let run = tmp.path().join("three-0");
+    assert!(!tmp.path().join("three-1").exists() && !tmp.path().join("three-2").exists());
+    assert!(
+        tables(&run) == serial(&ds, &run, 1),
+        "3 hosts trained differently"
+    );
+    // Host 2 killed mid-run: hosts 0 and 1 both fail, naming it, within seconds.
+    let mut hosts = start("lost", "training.num_epochs=100000", &[]);
+    let line = hosts[0].first_line();
+    assert!(line.contains("\"epoch\""), "host 0 trains: {line:?}");
+    let two = hosts.pop().unwrap();
+    two.signal(libc::SIGKILL);
+    let killed_at = Instant::now();
+    for (r, h) in hosts.into_iter().enumerate() {
+        let (status, _, log) = h.finish(Duration::from_secs(60));
+        assert!(!status.success(), "host {r} went on without host 2");
+        assert!(
+            log.contains("host 2 ("),
+            "host {r} does not name host 2: {log}"
+        );
+    }
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        killed_at.elapsed()
+    );
+    let _ = two.finish(Duration::from_secs(10));
 }
 
 /// Starts two hosts on a long run and waits until host 0 reported an epoch: the job runs.
