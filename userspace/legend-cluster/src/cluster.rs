@@ -1187,14 +1187,11 @@ mod tests {
 
     const LONG: Duration = Duration::from_secs(30);
 
+    /// A host's end of the rendezvous.
+    type Joined = Result<Cluster, ClusterError>;
+
     /// Hosts 1 .. H−1 joining in threads with `identity(dims[r])`, host 0 in this thread.
-    fn start(
-        hosts: u32,
-        dims: &[&str],
-    ) -> (
-        Result<Cluster, ClusterError>,
-        Vec<std::thread::JoinHandle<Result<Cluster, ClusterError>>>,
-    ) {
+    fn start(hosts: u32, dims: &[&str]) -> (Joined, Vec<std::thread::JoinHandle<Joined>>) {
         let port = free_port();
         let others: Vec<_> = (1..hosts)
             .map(|r| {

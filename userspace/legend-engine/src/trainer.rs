@@ -118,7 +118,7 @@ pub struct EpochReport {
     pub resumed: bool,
     /// What the workers did, when K of them trained the epoch (`training.gpus`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub workers: Option<crate::workers::WorkersReport>,
+    pub workers: Option<Box<crate::workers::WorkersReport>>,
 }
 
 /// A partition on its way to another worker (see [`Trainer::hand_out`]).

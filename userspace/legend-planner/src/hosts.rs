@@ -221,14 +221,14 @@ fn push_cross(rounds: &mut Vec<Vec<[u32; 2]>>, alpha: &[u32], beta: &[u32], l: u
 /// crosses hosts, once per GPU.
 pub fn validate_hosts(schedule: &GpuSchedule, gpus_per_host: u32) -> Result<(), String> {
     let l = gpus_per_host;
-    if l == 0 || schedule.gpus % l != 0 {
+    if l == 0 || !schedule.gpus.is_multiple_of(l) {
         return Err(format!("{} GPUs are not hosts of {l}", schedule.gpus));
     }
     let h = schedule.gpus / l;
     // Round L − 1 + t·L starts host-round t: its hand-overs (t ≥ 1) all cross hosts, no other.
     let first_cross = l as usize - 1;
     for (r, moves) in (1..).zip(&schedule.handovers) {
-        let starts = r > first_cross && (r - first_cross) % l as usize == 0;
+        let starts = r > first_cross && (r - first_cross).is_multiple_of(l as usize);
         for m in moves {
             if GpuSchedule::crosses_hosts(m.from, m.to, l) != starts {
                 return Err(format!(
@@ -373,8 +373,7 @@ mod tests {
             prop_assert!(s.predicted_imbalance >= 1.0 - 1e-9);
             // Reversed (even epochs), the same hand-overs cross.
             let back: usize = (1..s.rounds.len())
-                .map(|r| s.handovers_between(r, r - 1))
-                .flatten()
+                .flat_map(|r| s.handovers_between(r, r - 1))
                 .filter(|m| GpuSchedule::crosses_hosts(m.from, m.to, l))
                 .count();
             prop_assert_eq!(back as u64, s.host_traffic(l).across);

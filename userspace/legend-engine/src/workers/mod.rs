@@ -541,7 +541,7 @@ impl Workers {
             resumed: from.is_some(),
             peak_rss_bytes: crate::memory::peak_rss_bytes().unwrap_or(0),
             gpu_memory_bytes: self.workers[0].trainer.device_memory_in_use(),
-            workers: Some(WorkersReport {
+            workers: Some(Box::new(WorkersReport {
                 gpus: k as u32,
                 devices: self.devices.clone(),
                 rounds,
@@ -562,7 +562,7 @@ impl Workers {
                 } else {
                     Vec::new()
                 },
-            }),
+            })),
             ..EpochReport::default()
         };
         Ok(EpochEnd::Done(report))
