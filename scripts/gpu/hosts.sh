@@ -5,7 +5,9 @@
 # them (NCCL_NET=Socket, NCCL_IB_DISABLE=1, NCCL_SOCKET_IFNAME=lo: the network is sockets on
 # loopback, say so beside every figure) — against the same graph on 4 GPUs in one process:
 #   1. epoch times, cross-host hand-overs and bytes, each host's peak RSS, the losses side by
-#      side (2 x 2 against 1 x 4: the GPU run-to-run spread, not bit-exact);
+#      side (2 x 2 follows plan_hosts' schedule, 1 x 4 plan_gpus': the losses agree within the
+#      spread between schedules, not bit for bit; the CPU tests check the same schedule's
+#      equality, tests/hosts.rs);
 #   2. host 1 killed (SIGKILL) and, in another run, stopped (SIGSTOP: its sockets stay open):
 #      host 0 must end within the bound (--host-timeout 10 here), naming host 1;
 #   3. a stop asked on host 1 (SIGINT) checkpoints on host 0, and the run resumes on 2 hosts
