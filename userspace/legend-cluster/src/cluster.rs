@@ -1190,6 +1190,16 @@ mod tests {
     /// A host's end of the rendezvous.
     type Joined = Result<Cluster, ClusterError>;
 
+    /// Three hosts of the same identity, joined: host 0, then hosts 1 and 2.
+    fn three_joined() -> (Cluster, Vec<Cluster>) {
+        let (leader, others) = start(3, &["8", "8", "8"]);
+        let others = others
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect();
+        (leader.unwrap(), others)
+    }
+
     /// Hosts 1 .. H−1 joining in threads with `identity(dims[r])`, host 0 in this thread.
     fn start(hosts: u32, dims: &[&str]) -> (Joined, Vec<std::thread::JoinHandle<Joined>>) {
         let port = free_port();
@@ -1215,12 +1225,7 @@ mod tests {
 
     #[test]
     fn hosts_meet_pass_data_between_any_two_agree_and_finish() {
-        let (leader, others) = start(3, &["8", "8", "8"]);
-        let leader = leader.unwrap();
-        let others: Vec<Cluster> = others
-            .into_iter()
-            .map(|h| h.join().unwrap().unwrap())
-            .collect();
+        let (leader, others) = three_joined();
         assert_eq!(leader.host(2), "host 2 (n2)");
         assert_eq!(others[1].host(0), "host 0 (n0)");
         // Host 1 to host 2, through host 0; host 0 to host 1.
@@ -1442,12 +1447,7 @@ mod tests {
 
     #[test]
     fn a_failure_anywhere_reaches_every_host_with_its_reason() {
-        let (leader, others) = start(3, &["8", "8", "8"]);
-        let leader = leader.unwrap();
-        let others: Vec<Cluster> = others
-            .into_iter()
-            .map(|h| h.join().unwrap().unwrap())
-            .collect();
+        let (leader, others) = three_joined();
         others[0].fail("host 1 (n1) failed: worker 0 diverged".into());
         for c in [&leader, &others[1]] {
             let e = c.recv(9, 0, None, "data").err().unwrap().to_string();
@@ -1463,12 +1463,7 @@ mod tests {
 
     #[test]
     fn a_host_that_does_not_reach_a_gate_in_time_is_named_and_stops_every_host() {
-        let (leader, others) = start(3, &["8", "8", "8"]);
-        let leader = leader.unwrap();
-        let others: Vec<Cluster> = others
-            .into_iter()
-            .map(|h| h.join().unwrap().unwrap())
-            .collect();
+        let (leader, others) = three_joined();
         // Host 1 arrives; host 2 is alive but never does.
         let one = others[0].clone();
         let waiting =

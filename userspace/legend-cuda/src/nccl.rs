@@ -181,9 +181,21 @@ pub fn communicators(gpus: &[&Gpu]) -> Result<Vec<Communicator>, NcclError> {
     call("ncclCommInitAll", None, unsafe {
         result::comm_init_all(comms.as_mut_ptr(), gpus.len() as i32, ordinals.as_ptr())
     })?;
-    // Made before any stream, so that a failure below tears the communicators down too.
+    wrap(&comms, gpus, 0, gpus.len(), false)
+}
+
+/// `comms` (made for `gpus`, ranks `first ..` of `size`) as [`Communicator`]s, each with a
+/// transfer stream of its GPU's. Wrapped before any stream of the next is made, so that a
+/// failure tears every one down: the wrapped as they drop, the others aborted here.
+fn wrap(
+    comms: &[sys::ncclComm_t],
+    gpus: &[&Gpu],
+    first: usize,
+    size: usize,
+    nonblocking: bool,
+) -> Result<Vec<Communicator>, NcclError> {
     let mut made: Vec<Communicator> = Vec::with_capacity(gpus.len());
-    for (rank, (comm, gpu)) in comms.into_iter().zip(gpus).enumerate() {
+    for (i, (&comm, gpu)) in comms.iter().zip(gpus).enumerate() {
         let stream = match gpu
             .context()
             .new_stream()
@@ -191,18 +203,20 @@ pub fn communicators(gpus: &[&Gpu]) -> Result<Vec<Communicator>, NcclError> {
         {
             Ok(s) => s,
             Err(e) => {
-                // SAFETY: `comm` is a live communicator nothing else holds.
-                let _ = unsafe { result::comm_abort(comm) };
+                for &c in &comms[i..] {
+                    // SAFETY: a live communicator nothing else holds.
+                    let _ = unsafe { result::comm_abort(c) };
+                }
                 return Err(e.into());
             }
         };
         made.push(Communicator {
             comm,
-            rank,
-            size: gpus.len(),
+            rank: first + i,
+            size,
             stream,
             aborted: false,
-            nonblocking: false,
+            nonblocking,
         });
     }
     Ok(made)
@@ -358,29 +372,7 @@ pub fn job_communicators(
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    let mut made: Vec<Communicator> = Vec::with_capacity(gpus.len());
-    for (i, (comm, gpu)) in comms.iter().zip(gpus).enumerate() {
-        let stream = match gpu
-            .context()
-            .new_stream()
-            .during("creating the NCCL stream")
-        {
-            Ok(s) => s,
-            Err(e) => {
-                abort_all(&comms[i..]);
-                return Err(e.into());
-            }
-        };
-        made.push(Communicator {
-            comm: *comm,
-            rank: first + i,
-            size: ranks,
-            stream,
-            aborted: false,
-            nonblocking: true,
-        });
-    }
-    Ok(made)
+    wrap(&comms, gpus, first, ranks, true)
 }
 
 impl Communicator {

@@ -46,6 +46,18 @@ pub struct GpuRound {
     pub work: Vec<Vec<Piece>>,
 }
 
+impl GpuRound {
+    /// The most batches a GPU trains in the round: the steps every GPU takes when they step in
+    /// lockstep (relation gradients summed after each).
+    pub fn lockstep_steps(&self) -> u64 {
+        self.work
+            .iter()
+            .map(|pieces| pieces.iter().map(|p| p.batches.end - p.batches.start).sum())
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 /// A partition moving from one GPU to another between two rounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct HandOver {
@@ -591,11 +603,12 @@ pub fn validate_gpus(schedule: &GpuSchedule, batches: &[u64]) -> Result<(), Stri
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn uniform(n: u32, b: u64) -> Vec<u64> {
+    /// `b` batches in each of the N×N buckets.
+    pub(crate) fn uniform(n: u32, b: u64) -> Vec<u64> {
         vec![b; (n * n) as usize]
     }
 

@@ -254,11 +254,8 @@ pub fn validate_hosts(schedule: &GpuSchedule, gpus_per_host: u32) -> Result<(), 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpus::tests::uniform;
     use proptest::prelude::*;
-
-    fn uniform(n: u32, b: u64) -> Vec<u64> {
-        vec![b; (n * n) as usize]
-    }
 
     #[test]
     fn hosts_take_two_k_minus_one_rounds_and_cross_only_between_host_rounds() {

@@ -781,33 +781,31 @@ fn send_handed(
     peer: usize,
     m: &Message,
 ) -> Result<(), TrainError> {
-    let channel = PARTITIONS + peer as u32;
-    match m {
-        Message::Partition(rows) => {
-            let head = HandedOver::Partition {
+    let (head, raw): (HandedOver, [&[u8]; 2]) = match m {
+        Message::Partition(rows) => (
+            HandedOver::Partition {
                 from: me,
                 partition: rows.id,
                 emb: rows.emb.len(),
-            };
-            let raw = [
+            },
+            [
                 bytemuck::cast_slice(&rows.emb),
                 bytemuck::cast_slice(&rows.state),
-            ];
-            send(cluster, host, channel, &head, &raw)
-        }
-        Message::Relations(sums) => {
-            let head = HandedOver::Relations {
+            ],
+        ),
+        Message::Relations(sums) => (
+            HandedOver::Relations {
                 from: me,
                 width: sums.width,
                 grads: sums.grads.len(),
-            };
-            let raw = [
+            },
+            [
                 bytemuck::cast_slice(&sums.grads),
                 bytemuck::cast_slice(&sums.positives),
-            ];
-            send(cluster, host, channel, &head, &raw)
-        }
-    }
+            ],
+        ),
+    };
+    send(cluster, host, PARTITIONS + peer as u32, &head, &raw)
 }
 
 /// Puts what CPU workers of `host` send local worker `g` on its channels (`to_me`, by

@@ -311,14 +311,7 @@ impl Workers {
         let round_steps = schedule
             .rounds
             .iter()
-            .map(|round| {
-                round
-                    .work
-                    .iter()
-                    .map(|pieces| pieces.iter().map(|p| p.batches.end - p.batches.start).sum())
-                    .max()
-                    .unwrap_or(0)
-            })
+            .map(legend_planner::GpuRound::lockstep_steps)
             .collect();
         tracing::info!(
             "{k} workers, {} rounds an epoch, {} hand-overs of {:.2} GB each; predicted imbalance {:.3}",
