@@ -7,12 +7,12 @@ use legend_fs::{Access, Dir};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 
-use crate::error::{IoContext, Result, invalid};
+use crate::error::{IoContext, PartitionSchemeError, RecordError, Result, invalid};
 use crate::import::write_synced;
 use crate::{EDGES_DIR, Edge};
 
-/// How entity ids are split into partitions: partition `p` covers ids
-/// `[p·⌈V/N⌉, min(V, (p+1)·⌈V/N⌉))`.
+/// How entity ids are split into partitions ([`legend_model::partition`]): partition `p` covers
+/// ids `[p·⌈V/N⌉, min(V, (p+1)·⌈V/N⌉))`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PartitionScheme {
     /// Number of partitions N.
@@ -25,22 +25,29 @@ pub struct PartitionScheme {
 
 impl PartitionScheme {
     /// The scheme for `entities` ids in `num_partitions` partitions.
-    pub fn new(entities: u64, num_partitions: u32) -> std::result::Result<Self, String> {
+    pub fn new(
+        entities: u64,
+        num_partitions: u32,
+    ) -> std::result::Result<Self, PartitionSchemeError> {
         if num_partitions == 0 {
-            return Err("the number of partitions must be at least 1".into());
+            return Err(PartitionSchemeError::NoPartitions);
         }
         if entities == 0 {
-            return Err("the dataset has no entities".into());
+            return Err(PartitionSchemeError::NoEntities);
         }
         if u64::from(num_partitions) > entities {
-            return Err(format!(
-                "{num_partitions} partitions for {entities} entities: every partition needs at least one entity"
-            ));
+            return Err(PartitionSchemeError::MorePartitionsThanEntities {
+                partitions: num_partitions,
+                entities,
+            });
         }
         Ok(PartitionScheme {
             num_partitions,
             entities,
-            rows_per_partition: entities.div_ceil(u64::from(num_partitions)),
+            rows_per_partition: legend_model::partition::rows_per_partition(
+                entities,
+                num_partitions,
+            ),
         })
     }
 
@@ -51,8 +58,7 @@ impl PartitionScheme {
 
     /// The entity ids of partition `p`.
     pub fn range(&self, p: u32) -> Range<u64> {
-        let start = (u64::from(p) * self.rows_per_partition).min(self.entities);
-        start..(start + self.rows_per_partition).min(self.entities)
+        legend_model::partition::partition_range(self.entities, self.num_partitions, p)
     }
 
     /// Index of bucket (src_part, dst_part) in row-major order.
@@ -103,12 +109,12 @@ impl Buckets {
     /// two parallel passes over the file, one to count each block's edges per bucket, one to
     /// place them, so the edges are held once and never swapped around in memory (a billion
     /// edges in 64 buckets: seconds on the GPU machine, where an in-place sort took a minute).
-    pub fn read(
+    pub(crate) fn read(
         dir: &Dir,
         name: &Path,
         scheme: PartitionScheme,
         edges: u64,
-        check: impl Fn(&Edge) -> std::result::Result<(), String> + Sync,
+        check: impl Fn(&Edge) -> std::result::Result<(), RecordError> + Sync,
     ) -> Result<Buckets> {
         Self::read_selected(dir, name, scheme, edges, check, &|_| true)
     }
@@ -116,12 +122,12 @@ impl Buckets {
     /// [`Buckets::read`] keeping only the buckets `keep` selects (by row-major index): the
     /// others are empty here, and the edges are still checked and counted in one pass, placed
     /// in a second (one host of several holds the buckets its GPUs train).
-    pub fn read_selected(
+    pub(crate) fn read_selected(
         dir: &Dir,
         name: &Path,
         scheme: PartitionScheme,
         edges: u64,
-        check: impl Fn(&Edge) -> std::result::Result<(), String> + Sync,
+        check: impl Fn(&Edge) -> std::result::Result<(), RecordError> + Sync,
         keep: &(dyn Fn(usize) -> bool + Sync),
     ) -> Result<Buckets> {
         let file = EdgeFile::open(dir, name, scheme, edges)?;
@@ -131,12 +137,12 @@ impl Buckets {
 
     /// The edge counts of `scheme`'s buckets (row-major) of the edge file `name`, in one
     /// checked pass that keeps no edge.
-    pub fn count(
+    pub(crate) fn count(
         dir: &Dir,
         name: &Path,
         scheme: PartitionScheme,
         edges: u64,
-        check: impl Fn(&Edge) -> std::result::Result<(), String> + Sync,
+        check: impl Fn(&Edge) -> std::result::Result<(), RecordError> + Sync,
     ) -> Result<Vec<u64>> {
         let file = EdgeFile::open(dir, name, scheme, edges)?;
         let block = |i: usize, out: &mut Vec<Edge>| file.block(i, out, &check);
@@ -446,7 +452,7 @@ impl EdgeFile {
         &self,
         i: usize,
         out: &mut Vec<Edge>,
-        check: &(impl Fn(&Edge) -> std::result::Result<(), String> + Sync),
+        check: &(impl Fn(&Edge) -> std::result::Result<(), RecordError> + Sync),
     ) -> Result<()> {
         use std::os::unix::fs::FileExt;
         let first = i * self.block_edges;
@@ -530,6 +536,7 @@ mod tests {
         assert!(
             PartitionScheme::new(3, 4)
                 .unwrap_err()
+                .to_string()
                 .contains("4 partitions for 3 entities")
         );
         assert!(PartitionScheme::new(3, 0).is_err());
@@ -660,7 +667,10 @@ mod tests {
 
         let err = Buckets::read(&root, name, scheme, total as u64, |e: &Edge| {
             if e[1] == 3 {
-                Err("is wrong".into())
+                Err(RecordError::OutOfRange {
+                    entities: 7,
+                    relations: 3,
+                })
             } else {
                 Ok(())
             }
@@ -668,7 +678,8 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(
-            err.contains(&format!("edge {bad} ")) && err.contains("is wrong"),
+            err.contains(&format!("edge {bad} "))
+                && err.contains("is outside 7 entities / 3 relations"),
             "{err}"
         );
         let err = Buckets::read(&root, name, scheme, total as u64 + 1, ok)

@@ -25,11 +25,11 @@
 
 use serde::Serialize;
 
+use crate::bucket::Bucket;
 use crate::gpus::{
     GpuPlanError, GpuSchedule, assemble, circle_rounds, labelled, match_pairs, plan_gpus,
     search_labelling, validate_gpus,
 };
-use crate::plan::Bucket;
 
 /// How a schedule's hand-overs fall between hosts of `gpus_per_host` GPUs (GPUs host-major).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -117,13 +117,8 @@ pub fn plan_hosts(
     let factors = grouped_rounds(h, l);
     let label = search_labelling(&factors, batches, n);
     let schedule = assemble(&labelled(&factors, &label), batches, n, k);
-    let invalid = |rule| GpuPlanError::Invalid {
-        num_partitions: n,
-        gpus: k,
-        rule,
-    };
-    validate_gpus(&schedule, batches).map_err(invalid)?;
-    validate_hosts(&schedule, l).map_err(invalid)?;
+    validate_gpus(&schedule, batches)?;
+    validate_hosts(&schedule, l)?;
     Ok(schedule)
 }
 
@@ -219,10 +214,22 @@ fn push_cross(rounds: &mut Vec<Vec<[u32; 2]>>, alpha: &[u32], beta: &[u32], l: u
 /// the module docs say: in every round each host's GPUs hold 2L partitions of two groups, and
 /// only the first hand-over of a host-round (every L-th transition after the first host-round)
 /// crosses hosts, once per GPU.
-pub fn validate_hosts(schedule: &GpuSchedule, gpus_per_host: u32) -> Result<(), String> {
+pub fn validate_hosts(schedule: &GpuSchedule, gpus_per_host: u32) -> Result<(), GpuPlanError> {
+    match broken_host_rule(schedule, gpus_per_host) {
+        None => Ok(()),
+        Some(rule) => Err(GpuPlanError::Invalid {
+            num_partitions: schedule.num_partitions,
+            gpus: schedule.gpus,
+            rule,
+        }),
+    }
+}
+
+/// The first rule of [`validate_hosts`] that `schedule` breaks, in words.
+fn broken_host_rule(schedule: &GpuSchedule, gpus_per_host: u32) -> Option<String> {
     let l = gpus_per_host;
     if l == 0 || !schedule.gpus.is_multiple_of(l) {
-        return Err(format!("{} GPUs are not hosts of {l}", schedule.gpus));
+        return Some(format!("{} GPUs are not hosts of {l}", schedule.gpus));
     }
     let h = schedule.gpus / l;
     // Round L − 1 + t·L starts host-round t: its hand-overs (t ≥ 1) all cross hosts, no other.
@@ -231,7 +238,7 @@ pub fn validate_hosts(schedule: &GpuSchedule, gpus_per_host: u32) -> Result<(), 
         let starts = r > first_cross && (r - first_cross).is_multiple_of(l as usize);
         for m in moves {
             if GpuSchedule::crosses_hosts(m.from, m.to, l) != starts {
-                return Err(format!(
+                return Some(format!(
                     "round {r}: the hand-over of partition {} from GPU {} to GPU {} {} hosts",
                     m.partition,
                     m.from,
@@ -244,11 +251,11 @@ pub fn validate_hosts(schedule: &GpuSchedule, gpus_per_host: u32) -> Result<(), 
     let across = schedule.host_traffic(l).across;
     let expected = u64::from(schedule.gpus) * u64::from(2 * h - 2);
     if across != expected {
-        return Err(format!(
+        return Some(format!(
             "{across} hand-overs cross hosts, expected K·(2H − 2) = {expected}"
         ));
     }
-    Ok(())
+    None
 }
 
 #[cfg(test)]
@@ -337,13 +344,10 @@ mod tests {
         validate_hosts(&s, 2).unwrap();
         // The flat schedule's hand-overs cross hosts inside host-rounds.
         let flat = plan_gpus(n, 4, &uniform(n, 3)).unwrap();
-        let e = validate_hosts(&flat, 2).unwrap_err();
-        assert!(e.contains("hosts"), "{e}");
-        assert!(
-            validate_hosts(&s, 3)
-                .unwrap_err()
-                .contains("not hosts of 3")
-        );
+        let e = validate_hosts(&flat, 2).unwrap_err().to_string();
+        assert!(e.contains("crosses hosts"), "{e}");
+        let e = validate_hosts(&s, 3).unwrap_err().to_string();
+        assert!(e.contains("not hosts of 3"), "{e}");
     }
 
     proptest! {

@@ -37,12 +37,12 @@ use super::link::{ChannelLink, Message, PeerSender};
 use super::{Agree, HostEpoch, Link, NcclLink, Workers, batch_counts, gpus_of};
 use crate::compute::RowSink;
 use crate::config::Config;
-use crate::device::Engine;
+use crate::engine::Engine;
 use crate::error::TrainError;
 use crate::progress::EpochCut;
 use crate::relations::{RelationGradients, Relations};
 use crate::rows::Partition;
-use crate::store::{Embeddings, MemoryStore, PartitionStore, SharedMemoryStore};
+use crate::store::{MemoryStore, PartitionStore, SharedMemoryStore, StoredEmbeddings};
 
 /// Host 0's commands, and the other hosts' replies.
 const COMMANDS: u32 = 0;
@@ -368,8 +368,8 @@ fn give(
         );
     };
     let (bits16, len, bytes): (bool, usize, &[u8]) = match &emb {
-        Embeddings::F32(v) => (false, v.len(), bytemuck::cast_slice(v)),
-        Embeddings::Bits16(v) => (true, v.len(), bytemuck::cast_slice(v)),
+        StoredEmbeddings::F32(v) => (false, v.len(), bytemuck::cast_slice(v)),
+        StoredEmbeddings::Bits16(v) => (true, v.len(), bytemuck::cast_slice(v)),
     };
     let head = LayOut::Give {
         partition: p,
@@ -400,9 +400,12 @@ fn keep(
     };
     let (emb, at) = if rows.bits16 {
         let bits: Vec<u16> = bytemuck::pod_collect_to_vec(&raw[..2 * rows.emb]);
-        (Embeddings::Bits16(bits), 2 * rows.emb)
+        (StoredEmbeddings::Bits16(bits), 2 * rows.emb)
     } else {
-        (Embeddings::F32(floats(raw, 0, rows.emb)), 4 * rows.emb)
+        (
+            StoredEmbeddings::F32(floats(raw, 0, rows.emb)),
+            4 * rows.emb,
+        )
     };
     Ok(store.keep_stored(p, emb, floats(raw, at, rows.state))?)
 }
@@ -656,7 +659,8 @@ impl Workers {
                 result = f(
                     &floats(&raw, 0, piece.emb),
                     &floats(&raw, 4 * piece.emb, piece.state),
-                );
+                )
+                .map_err(TrainError::Sink);
             }
         }
     }
@@ -687,6 +691,7 @@ impl Workers {
                 &piece,
                 &[bytemuck::cast_slice(emb), bytemuck::cast_slice(state)],
             )
+            .map_err(Into::into)
         })?;
         let end = Piece {
             emb: 0,
