@@ -72,7 +72,8 @@ inspect() {
         bounds=$("${ctl[@]}" status "$job" --json | python3 -c 'import json,sys; p=json.load(sys.stdin)["process"]; print(p.get("cgroup"), p.get("memory_limit"))')
         say "job $job: cgroup and memory limit: $bounds"
         case $bounds in None* | *None) fail "job $job: no cgroup of its own under cgroup v2" ;; esac
-        grep -q "$(cut -d' ' -f1 <<<"$bounds")" "/proc/$pid/cgroup" ||
+        # Its status names the cgroup's directory; /proc names the path below the mount.
+        grep -qx "0::${bounds%% *}" <(sed 's|^0::|0::/sys/fs/cgroup|' "/proc/$pid/cgroup") ||
             fail "job $job: its process is not in the cgroup its status names"
     fi
 }

@@ -271,13 +271,17 @@ fn line_run_with(dir: &Path, reciprocal: bool) -> std::path::PathBuf {
     assert_eq!(dataset.edges(Split::Train).unwrap().len(), 6);
     let out = dir.join("run");
     std::fs::create_dir(&out).unwrap();
-    let identity = format!("{:032x}", dataset.meta().identity());
-    let meta = common::run_meta(
-        (ds, identity),
-        "transe_l1",
-        (7, 1),
-        (if reciprocal { 2 } else { 1 }, reciprocal),
-    );
+    let meta = RunMeta {
+        dataset: ds,
+        dataset_identity: format!("{:032x}", dataset.meta().identity()),
+        decoder: "transe_l1".into(),
+        dim: 1,
+        entities: 7,
+        relations: if reciprocal { 2 } else { 1 },
+        reciprocal_relations: reciprocal,
+        epochs_completed: 1,
+        ..RunMeta::blank()
+    };
     let state = vec![0.0; 7];
     let relations = if reciprocal { &[1.0, 2.0][..] } else { &[1.0] };
     run::commit_checkpoint(
@@ -475,12 +479,16 @@ fn unknown_labels_ids_and_relations_are_named() {
 fn grid_run(dir: &Path, entities: usize, dim: usize) -> (legend_fs::Dir, RunMeta) {
     let out = dir.join("grid-run");
     std::fs::create_dir(&out).unwrap();
-    let meta = common::run_meta(
-        (dir.to_owned(), "0".repeat(32)),
-        "distmult",
-        (entities as u64, dim),
-        (2, false),
-    );
+    let meta = RunMeta {
+        dataset: dir.to_owned(),
+        dataset_identity: "0".repeat(32),
+        decoder: "distmult".into(),
+        dim,
+        entities: entities as u64,
+        relations: 2,
+        epochs_completed: 1,
+        ..RunMeta::blank()
+    };
     let rows = grid(entities * dim, 3);
     let meta = run::commit_checkpoint(
         &legend_fs::Dir::open(&out).unwrap(),

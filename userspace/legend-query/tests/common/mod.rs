@@ -2,7 +2,7 @@
 
 #![allow(dead_code)] // Each test binary uses its own subset.
 
-use legend_engine::run::{self, RunMeta, TableChecksums};
+use legend_engine::run::RunMeta;
 use legend_query::{Answer, Query, QueryRun};
 
 /// Values on a grid of 0.5 in [-1, 1]: dot products and L1 sums are exact, so ties abound (and
@@ -29,26 +29,15 @@ pub fn run_meta(
     (relations, reciprocal): (u64, bool),
 ) -> RunMeta {
     RunMeta {
-        format_version: run::RUN_FORMAT_VERSION,
         dataset,
         dataset_identity,
         decoder: decoder.into(),
         dim,
         entities,
         relations,
-        entity_state_width: None,
-        entity_dtype: legend_model::Dtype::F32,
         reciprocal_relations: reciprocal,
-        batch_keys: legend_engine::progress::BATCH_KEYS_VERSION,
         epochs_completed: 1,
-        cut: None,
-        checkpoint: String::new(),
-        store: None,
-        store_queue: None,
-        store_members: Vec::new(),
-        store_id: None,
-        store_creating: false,
-        checksums: TableChecksums::default(),
+        ..RunMeta::blank()
     }
 }
 
