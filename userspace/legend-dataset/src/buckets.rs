@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{IoContext, Result, invalid};
 use crate::import::write_synced;
+use crate::read_progress::ReadProgress;
 use crate::{EDGES_DIR, Edge};
 
 /// How entity ids are split into partitions: partition `p` covers ids
@@ -120,11 +121,21 @@ impl Buckets {
         }
         let total = edges as usize;
         let block_edges = block_edges(total, scheme);
+        // Each block is read twice: to count its buckets' edges, then to place them.
+        let progress = ReadProgress::new(
+            format!(
+                "sorting {} into {n}×{n} buckets (two reads)",
+                path.display(),
+                n = scheme.num_partitions
+            ),
+            2 * have,
+        );
         let block = |i: usize, out: &mut Vec<Edge>| -> Result<()> {
             let first = i * block_edges;
             out.resize(block_edges.min(total - first), [0; 3]);
             file.read_exact_at(bytemuck::cast_slice_mut(out), first as u64 * edge_bytes)
                 .at(path)?;
+            progress.add((out.len() * size_of::<Edge>()) as u64);
             if let Some((k, message)) = out
                 .iter()
                 .enumerate()
@@ -348,10 +359,15 @@ pub(crate) fn read_pod<T: bytemuck::Pod>(dir: &Dir, name: &Path) -> Result<Vec<T
     // blocks on every core: one thread reads tmpfs at a few GB/s, a billion-edge file is 18 GB.
     let mut items = vec![T::zeroed(); (len / size) as usize];
     let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut items);
+    let progress = ReadProgress::new(format!("reading {}", path.display()), len);
     bytes
         .par_chunks_mut(READ_BLOCK)
         .enumerate()
-        .try_for_each(|(i, block)| file.read_exact_at(block, (i * READ_BLOCK) as u64))
+        .try_for_each(|(i, block)| {
+            file.read_exact_at(block, (i * READ_BLOCK) as u64)?;
+            progress.add(block.len() as u64);
+            Ok(())
+        })
         .at(path)?;
     Ok(items)
 }

@@ -18,6 +18,7 @@ mod generate;
 mod import;
 mod marius;
 mod meta;
+mod read_progress;
 mod staging;
 mod text;
 
