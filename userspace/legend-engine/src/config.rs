@@ -707,6 +707,23 @@ impl Config {
         }
     }
 
+    /// Refuses what a new run may not set but a run made before the check may hold in its
+    /// `config.toml`, which must stay readable (resume, eval): a buffer larger than the
+    /// partitions (it holds them all, as 0 does, so the setting misleads).
+    pub fn check_new_run(&self) -> Result<(), ConfigError> {
+        let s = &self.storage;
+        if s.buffer_capacity > s.num_partitions {
+            return Err(bad(
+                "storage.buffer_capacity",
+                format!(
+                    "{} is more than storage.num_partitions = {}: the buffer holds at most every partition (0 = all of them); to keep only some in memory, raise storage.num_partitions",
+                    s.buffer_capacity, s.num_partitions
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks what spans keys (the types and names were checked as they were read).
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         self.model

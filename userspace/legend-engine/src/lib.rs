@@ -20,6 +20,7 @@ pub mod session;
 pub mod store;
 pub mod swap;
 pub mod trainer;
+pub mod which_tables;
 
 pub use config::{Config, ConfigError, DeviceChoice};
 pub use device::Engine;

@@ -586,16 +586,25 @@ impl<'a> QueryRun<'a> {
         }
         match name.parse::<u32>() {
             Ok(id) if (id as usize) < names.labels.len() => Ok(id),
-            _ => Err(QueryError::Unknown {
-                at: at(),
-                kind,
-                name: quoted(name),
-                why: format!(
-                    "not one of the {kind} labels of the dataset {} nor an id below {}",
-                    self.dataset.dir().display(),
-                    names.labels.len()
-                ),
-            }),
+            _ => {
+                let near = names.near(name);
+                let hint = if near.is_empty() {
+                    String::new()
+                } else {
+                    let quoted: Vec<String> = near.iter().map(|l| format!("{l:?}")).collect();
+                    format!("; did you mean {}?", quoted.join(" or "))
+                };
+                Err(QueryError::Unknown {
+                    at: at(),
+                    kind,
+                    name: quoted(name),
+                    why: format!(
+                        "not one of the {kind} labels of the dataset {} nor an id below {}{hint}",
+                        self.dataset.dir().display(),
+                        names.labels.len()
+                    ),
+                })
+            }
         }
     }
 
@@ -637,9 +646,13 @@ impl<'a> QueryRun<'a> {
             let here = || at(i);
             let top = |top: usize| {
                 if top == 0 || top > max_top {
+                    // The run's entities bound a sane request, and `max_top` (a daemon's).
                     return Err(QueryError::Malformed {
                         at: here(),
-                        why: format!("top {top}: ask for 1 to {max_top} entities"),
+                        why: format!(
+                            "top {top}: ask for 1 to {} entities",
+                            max_top.min(entities).max(1)
+                        ),
                     });
                 }
                 // Every entity but none twice.

@@ -1,5 +1,6 @@
 //! `legendctl`: import graphs, partition them, plan swap orders, train and evaluate embeddings.
 
+#[macro_use]
 mod cmd;
 
 use std::process::ExitCode;
@@ -54,7 +55,9 @@ enum Command {
     Jobs(cmd::client::JobsArgs),
     /// Follow a legendd job until it ends.
     Watch(cmd::client::JobArgs),
-    /// Cancel a legendd job (a running one stops at its next checkpoint).
+    /// Cancel a legendd job: a queued one at once; a running train job at its next
+    /// checkpointable point (with a checkpoint); a serve job within a second; eval and export
+    /// jobs run to their end.
     Cancel(cmd::client::JobArgs),
     /// A legendd job's log.
     Logs(cmd::client::JobArgs),
@@ -108,7 +111,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) if is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            errln!("error: {err:#}");
             ExitCode::FAILURE
         }
     }

@@ -10,6 +10,7 @@ use legend_daemon_api::{
     DEFAULT_SOCKET, Envelope, JobInfo, JobSpec, JobState, MAX_FRAME, PROTOCOL_VERSION, Reply,
     Request, read_message, write_message,
 };
+use legend_engine::which_tables::{self, Pick};
 
 /// A connection to `legendd`.
 pub struct Client {
@@ -109,8 +110,12 @@ enum SubmitCommand {
     },
     /// Evaluate a run, as `legendctl eval` does, in the daemon.
     Eval {
-        /// The run directory.
+        /// The run directory: its best validated epoch's tables when it kept them (the job is
+        /// then on `RUN/best`), else its last checkpoint's.
         run: PathBuf,
+        /// Rank the run's last checkpoint even when it kept a best epoch in `RUN/best`.
+        #[arg(long)]
+        last: bool,
         /// `filtered` or `sampled`.
         #[arg(long, default_value = "filtered")]
         protocol: String,
@@ -127,8 +132,12 @@ enum SubmitCommand {
     /// Keep a run's embeddings in the daemon's memory and answer `legendctl query JOB ...` on
     /// it until cancelled.
     Serve {
-        /// The run directory (yours).
+        /// The run directory (yours): its best validated epoch's tables when it kept them (the
+        /// job is then on `RUN/best`), else its last checkpoint's.
         run: PathBuf,
+        /// Serve the run's last checkpoint even when it kept a best epoch in `RUN/best`.
+        #[arg(long)]
+        last: bool,
         /// Members of this group (one of yours) may query it too.
         #[arg(long)]
         group: Option<String>,
@@ -143,8 +152,12 @@ enum SubmitCommand {
     },
     /// Export a run's embeddings, as `legendctl export` does, in the daemon.
     Export {
-        /// The run directory.
+        /// The run directory: its best validated epoch's tables when it kept them (the job is
+        /// then on `RUN/best`), else its last checkpoint's.
         run: PathBuf,
+        /// Export the run's last checkpoint even when it kept a best epoch in `RUN/best`.
+        #[arg(long)]
+        last: bool,
         /// `npy`, `tsv` or `bin`.
         #[arg(long)]
         format: legend_engine::export::Format,
@@ -170,6 +183,13 @@ fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
             .join(name)),
         _ => Ok(abs),
     }
+}
+
+/// The tables of `run` that `last` picks, said on stderr: the directory a job on them names.
+fn chosen_tables(run: &Path, last: bool) -> anyhow::Result<PathBuf> {
+    let tables = which_tables::choose(run, super::pick(last))?;
+    errln!("{}: the job reads {}", run.display(), tables.describe());
+    absolute(&tables.dir)
 }
 
 pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
@@ -199,13 +219,14 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
         }
         SubmitCommand::Eval {
             run,
+            last,
             protocol,
             split,
             watch,
             json,
         } => (
             JobSpec::Eval {
-                run: absolute(&run)?,
+                run: chosen_tables(&run, last)?,
                 protocol,
                 split,
             },
@@ -214,12 +235,13 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
         ),
         SubmitCommand::Serve {
             run,
+            last,
             group,
             device,
             json,
         } => (
             JobSpec::Serve {
-                run: absolute(&run)?,
+                run: chosen_tables(&run, last)?,
                 group,
                 device: device.map(|d| d.to_string()),
             },
@@ -228,6 +250,7 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
         ),
         SubmitCommand::Export {
             run,
+            last,
             format,
             out,
             watch,
@@ -235,7 +258,7 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
         } => (
             JobSpec::Export {
                 out: absolute(&out.unwrap_or_else(|| run.join("export")))?,
-                run: absolute(&run)?,
+                run: chosen_tables(&run, last)?,
                 format: format.to_string(),
             },
             watch,
@@ -247,12 +270,12 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
     if json {
         super::print_json(&job)?;
     } else {
-        println!(
+        outln!(
             "job {} queued ({} on {})",
             job.id,
             job.spec.kind(),
             job.device.as_deref().unwrap_or("?")
-        );
+        )?;
     }
     if watch_it {
         return follow(client, job.id, json);
@@ -279,10 +302,15 @@ pub fn jobs(socket: Option<&Path>, args: JobsArgs) -> anyhow::Result<()> {
     if args.json {
         return super::print_json(&jobs);
     }
-    println!(
+    outln!(
         "{:>5}  {:<10} {:<6} {:>6}  {:<8} {:<14} dir",
-        "id", "state", "kind", "owner", "device", "progress"
-    );
+        "id",
+        "state",
+        "kind",
+        "owner",
+        "device",
+        "progress"
+    )?;
     for j in &jobs {
         let p = &j.progress;
         let progress = if p.epochs > 0 {
@@ -290,7 +318,7 @@ pub fn jobs(socket: Option<&Path>, args: JobsArgs) -> anyhow::Result<()> {
         } else {
             "-".into()
         };
-        println!(
+        outln!(
             "{:>5}  {:<10} {:<6} {:>6}  {:<8} {:<14} {}",
             j.id,
             j.state.name(),
@@ -299,7 +327,7 @@ pub fn jobs(socket: Option<&Path>, args: JobsArgs) -> anyhow::Result<()> {
             j.device.as_deref().unwrap_or("-"),
             progress,
             j.spec.dir().display()
-        );
+        )?;
     }
     Ok(())
 }
@@ -362,7 +390,7 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
                             b.finish_and_clear();
                         }
                         let l = &event["line"];
-                        eprintln!(
+                        errln!(
                             "epoch {}: loss {:.4}, {:.0} edges/s, {:.2} s",
                             l["epoch"],
                             l["loss"].as_f64().unwrap_or(f64::NAN),
@@ -377,7 +405,7 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
                         let best = line["best_epoch"]
                             .as_u64()
                             .map_or(String::new(), |e| format!(" (best epoch {e})"));
-                        eprintln!("{split}{best}: {}", metrics_text(&line["metrics"]));
+                        errln!("{split}{best}: {}", metrics_text(&line["metrics"]));
                     }
                     _ => {}
                 }
@@ -392,10 +420,13 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
     if json {
         super::print_json(&ended)?;
     } else {
-        println!("job {} {}", ended.id, ended.state.name());
-        // An eval job's result is its metrics (a train job's final ones came as an event).
+        outln!("job {} {}", ended.id, ended.state.name())?;
+        // An eval job's result is its metrics (a train job's final ones came as an event),
+        // with the epoch its tables hold when they can still be read here.
         if let (JobSpec::Eval { run, split, .. }, Some(result)) = (&ended.spec, &ended.result) {
-            println!("{} {split}: {}", run.display(), metrics_text(result));
+            let epoch = which_tables::choose(run, Pick::Last)
+                .map_or(String::new(), |t| format!(", {}", t.describe()));
+            outln!("{} {split}{epoch}: {}", run.display(), metrics_text(result))?;
         }
     }
     match ended.state {
@@ -414,9 +445,22 @@ pub fn cancel(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
     if args.json {
         super::print_json(&job)?;
     } else if job.state == JobState::Running {
-        println!("job {}: stopping at its next checkpoint", job.id);
+        // What each kind does with the stop it was just asked for (legendd's jobs.rs).
+        let what = match &job.spec {
+            JobSpec::Train { .. } => {
+                "stopping at its next checkpointable point, where it commits a checkpoint \
+                 (`legendctl submit train --out RUN --resume` continues from there)"
+            }
+            JobSpec::Serve { .. } => {
+                "stops serving within a second: queries are refused from then on, and it ends"
+            }
+            JobSpec::Eval { .. } | JobSpec::Export { .. } => {
+                "cannot stop midway: it runs to its end (an export's files appear only complete)"
+            }
+        };
+        outln!("job {} ({}): {what}", job.id, job.spec.kind())?;
     } else {
-        println!("job {} {}", job.id, job.state.name());
+        outln!("job {} {}", job.id, job.state.name())?;
     }
     Ok(())
 }
@@ -426,7 +470,7 @@ pub fn delete(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
     if args.json {
         super::print_json(&job)?;
     } else {
-        println!("job {} deleted", job.id);
+        outln!("job {} deleted", job.id)?;
     }
     Ok(())
 }
@@ -436,6 +480,7 @@ pub fn logs(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
     else {
         bail!("unexpected reply from legendd");
     };
-    print!("{text}");
+    use std::io::Write as _;
+    std::io::stdout().lock().write_all(text.as_bytes())?;
     Ok(())
 }

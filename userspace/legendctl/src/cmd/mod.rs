@@ -1,5 +1,26 @@
 //! One module per subcommand: its clap arguments and its `run`.
 
+/// `println!` that returns the write's error (an `anyhow::Result<()>`) instead of panicking,
+/// so that a reader going away (`legendctl plan | head -1`: a broken pipe) ends the command at
+/// its next line; `main` takes a broken pipe for success. `println!` itself is refused by
+/// clippy here (`clippy.toml`).
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let written = writeln!(std::io::stdout().lock(), $($arg)*);
+        written.map_err(anyhow::Error::from)
+    }};
+}
+
+/// `eprintln!` for notes to the user on stderr, which are lost, not fatal, when stderr is gone
+/// (`legendctl ... 2>&1 | head -1`), as log lines are.
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
 pub mod bench;
 pub mod client;
 pub mod device;
@@ -18,26 +39,34 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use anyhow::Context;
+use legend_engine::which_tables::Pick;
 
 use serde::Serialize;
 
 /// Prints `value` as one line of JSON on stdout.
 pub fn print_json(value: &impl Serialize) -> anyhow::Result<()> {
-    let mut out = std::io::stdout().lock();
-    serde_json::to_writer(&mut out, value)?;
-    writeln!(out)?;
+    // Written whole, so that a closed pipe is an `io::Error` that `main` recognises (serde's
+    // writer would wrap it in an error whose chain skips it).
+    let mut line = serde_json::to_vec(value)?;
+    line.push(b'\n');
+    std::io::stdout().lock().write_all(&line)?;
     Ok(())
 }
 
+/// `--last` as a [`Pick`]: which of a run's tables a command reads.
+pub fn pick(last: bool) -> Pick {
+    if last { Pick::Last } else { Pick::Best }
+}
+
 /// Makes the missing directories above `path` (a run or export directory the engine creates in
-/// an existing parent).
-pub fn create_parent(path: &std::path::Path) -> anyhow::Result<()> {
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => {
-            std::fs::create_dir_all(p).with_context(|| format!("creating {}", p.display()))
-        }
-        _ => Ok(()),
-    }
+/// an existing parent); they go again unless the caller keeps them once its output exists, so
+/// that a refused command leaves nothing.
+pub fn create_parent(path: &std::path::Path) -> anyhow::Result<legend_fs::MadeDirs> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    legend_fs::MadeDirs::create(parent).with_context(|| format!("creating {}", parent.display()))
 }
 
 /// A flag raised by SIGINT/SIGTERM instead of dying, so that import and generate stop at their

@@ -105,25 +105,32 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    println!(
+    outln!(
         "order {} with N = {}, C = {}:",
-        plan.kind, args.partitions, args.buffer
-    );
+        plan.kind,
+        args.partitions,
+        args.buffer
+    )?;
     for (i, s) in plan.states.iter().enumerate() {
-        println!("  state {i:>3}: {s:?}");
+        outln!("  state {i:>3}: {s:?}")?;
     }
     for (i, s) in plan.swaps.iter().enumerate() {
-        println!(
+        outln!(
             "  swap {i:>3}: evict {:>3} load {:>3}  overlap {:?}  after {:?}",
-            s.evicted, s.loaded, s.overlap, s.after
-        );
+            s.evicted,
+            s.loaded,
+            s.overlap,
+            s.after
+        )?;
     }
-    println!(
+    outln!(
         "io_count {}  volume {:.3}× the store  swaps_without_overlap {}",
-        plan.io_count, plan.volume, plan.swaps_without_overlap
-    );
+        plan.io_count,
+        plan.volume,
+        plan.swaps_without_overlap
+    )?;
     if let Some(p) = prediction {
-        println!(
+        outln!(
             "Theorem 3: density {:.3e} vs threshold {:.3e}: I/O {} hidden; predicted epoch {:.2} s with overlap, {:.2} s without",
             p.density,
             p.threshold,
@@ -134,7 +141,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             },
             p.epoch_s_with_overlap,
             p.epoch_s_without_overlap
-        );
+        )?;
     }
     Ok(())
 }

@@ -123,8 +123,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         svg
     };
     std::fs::write(&out, text).with_context(|| format!("writing {}", out.display()))?;
-    println!("{}", chosen.summary());
-    println!("wrote {}", out.display());
+    outln!("{}", chosen.summary())?;
+    outln!("wrote {}", out.display())?;
     Ok(())
 }
 

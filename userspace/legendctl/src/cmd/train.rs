@@ -47,11 +47,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         let session = Session::resume(out, args.dataset.as_deref(), &args.sets, &Unguarded)?;
         if session.is_finished()? {
-            println!(
+            outln!(
                 "{}: all {} epochs are trained and evaluated; nothing to do (raise training.num_epochs with --set to train more)",
                 out.display(),
                 session.config().training.num_epochs
-            );
+            )?;
             return Ok(());
         }
         tracing::info!(
@@ -74,8 +74,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             Some(p) => format!("{}", p.display()),
             None => "configuration".into(),
         })?;
-        super::create_parent(out)?;
-        Session::create(out, dataset, config, &Unguarded)?
+        let made = super::create_parent(out)?;
+        let session = Session::create(out, dataset, config, &Unguarded)?;
+        made.keep();
+        session
     };
     tracing::info!("device: {}", session.engine());
     tracing::info!("{}", session.describe());
@@ -85,15 +87,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     match outcome {
         Outcome::Finished(Some(m)) if !args.json => {
             let split = session.config().evaluation.split.split();
-            let best = session.best_epoch().map_or(String::new(), |e| {
-                format!(" (best epoch {e}, {}/best)", out.display())
-            });
-            println!("{} {}{best}: {}", out.display(), split.name(), describe(&m));
+            // The epoch ranked, in the words of `legendctl eval RUN`, which ranks the same.
+            let epoch = match session.best_epoch() {
+                Some(e) => format!("epoch {e} (the best validated, in {}/best)", out.display()),
+                None => format!("epoch {}", session.position().epochs_completed),
+            };
+            outln!(
+                "{} {}, {epoch}: {}",
+                out.display(),
+                split.name(),
+                describe(&m)
+            )?;
         }
         Outcome::Finished(_) => {}
         Outcome::Stopped(position) => {
             // The checkpoint is committed; the process ends as an interrupted one does.
-            eprintln!(
+            errln!(
                 "interrupted: {} is checkpointed at {}; continue with `legendctl train --out {} --resume`",
                 out.display(),
                 position.describe(),
@@ -236,18 +245,24 @@ impl ProgressView {
             let loss = self
                 .last_loss
                 .map_or(String::new(), |l| format!(", last loss {l:.4}"));
-            eprintln!(
+            errln!(
                 "trained in {}{loss}",
                 indicatif::HumanDuration(self.started.elapsed())
             );
         }
     }
 
-    fn print(&self, line: &serde_json::Value) {
-        if self.json
-            && let Err(e) = super::print_json(line)
-        {
-            tracing::warn!("writing to stdout: {e}");
+    /// Writes a `--json` line. When stdout's reader has gone (`| head -1`), training goes on,
+    /// since the run directory is what it makes, and the lines stop, said once.
+    fn print(&mut self, line: &serde_json::Value) {
+        if !self.json {
+            return;
+        }
+        if let Err(e) = super::print_json(line) {
+            self.json = false;
+            tracing::warn!(
+                "writing to stdout: {e}; training goes on (every epoch's line is in the run's metrics.jsonl)"
+            );
         }
     }
 }
