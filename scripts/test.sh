@@ -3,10 +3,13 @@
 # module's selftests in QEMU, and (when present) the NVRTC compile check of the CUDA kernels.
 # Every stage runs even if an earlier one failed; the last line is `test-suites: N passed, M failed`.
 # Tests that need a GPU are reported as ignored (skipped) without one; scripts/gpu/run-all.sh runs
-# them on a GPU machine.
+# them on a GPU machine. A stage that prints nothing for 10 s says so (`... NAME: working, N s`),
+# so that a log never stalls silently (a long compile, QEMU booting). About 18 minutes on a busy
+# 2-core machine once the kernel-module toolchain is cached (README.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+source scripts/lib/heartbeat.sh
 
 passed=0
 failed=0
@@ -16,7 +19,7 @@ stage() {
   shift
   echo "=== $name: $*"
   local start=$SECONDS
-  if "$@"; then
+  if HEARTBEAT=always heartbeat "$name" "$@"; then
     passed=$((passed + 1))
     echo "=== $name: ok ($((SECONDS - start)) s)"
   else
