@@ -26,14 +26,11 @@ __device__ __forceinline__ u64 legend_below(u64 bits, u64 n) {
     return __umul64hi(bits, n);
 }
 
-// The key of the stream named by seed and four counters: legend-model's rng::key(seed,
-// [a, b, c, d]).
-__device__ __forceinline__ u64 legend_key4(u64 seed, u64 a, u64 b, u64 c, u64 d) {
+// The key of the stream named by seed and two counters: legend-model's rng::key(seed, [a, b]).
+__device__ __forceinline__ u64 legend_key2(u64 seed, u64 a, u64 b) {
     u64 k = legend_mix(seed + LEGEND_GOLDEN);
     k = legend_mix(k ^ (a + LEGEND_GOLDEN));
-    k = legend_mix(k ^ (b + LEGEND_GOLDEN));
-    k = legend_mix(k ^ (c + LEGEND_GOLDEN));
-    return legend_mix(k ^ (d + LEGEND_GOLDEN));
+    return legend_mix(k ^ (b + LEGEND_GOLDEN));
 }
 
 // Node rows' formats at rest (legend-model's Dtype, by its index in Dtype::ALL).
@@ -87,20 +84,18 @@ __device__ __forceinline__ bool legend_fits(float x, u32 dtype) {
 }
 
 // The rounding of a step's updated node rows (legend-model's StepRounding): row r's element
-// i is rounded with the top 32 bits of draw(key(seed, [3, epoch, batch, global row]), i).
+// i is rounded with the top 32 bits of draw(key(batch key, [3, global row]), i), the batch key
+// being legend-model's BatchKey (seed, epoch, bucket, batch within the bucket).
 // The table may be slot-indexed: table row t holds global row partition_of_slot[t /
 // rows_per_slot] · rows_per_slot + t % rows_per_slot (identity when partition_of_slot is
 // null). The out-of-range element of smallest (global row, element) lands in out_of_range
 // as row << 32 | element (u64 max: none). dtype LEGEND_DTYPE_F32 rounds nothing.
 struct LegendRounding {
-    u64 seed;
-    u64 batch;
+    u64 batch_key;
     const u32* partition_of_slot;
     u64* out_of_range;
-    u32 epoch;
     u32 dtype;
     u32 rows_per_slot;
-    u32 pad;
 };
 
 // The global id of table row `row`.
@@ -110,10 +105,10 @@ __device__ __forceinline__ u64 legend_global_row(const LegendRounding& r, u64 ro
     return (u64)r.partition_of_slot[slot] * r.rows_per_slot + row % r.rows_per_slot;
 }
 
-// The stream that rounds table row `row`'s elements this step: legend_key4(seed, 3, epoch,
-// batch, global row).
+// The stream that rounds table row `row`'s elements this step: legend_key2(batch key, 3,
+// global row) (legend-model's BatchKey::rounding).
 __device__ __forceinline__ u64 legend_round_key(const LegendRounding& r, u64 row) {
-    return legend_key4(r.seed, 3ull, (u64)r.epoch, r.batch, legend_global_row(r, row));
+    return legend_key2(r.batch_key, 3ull, legend_global_row(r, row));
 }
 
 // Element t of table row `row` after its step, rounded with the row's stream `key`

@@ -1,15 +1,16 @@
 // Counter-based initialisation of embedding rows (the hash spec of legend-model's init.rs):
 // element t of row `row` is a pure function of (seed, table, row, t).
 
-// The shared RNG test vectors: for each input (a, b, c), out holds mix(a), draw(a, b) and
-// below(a, c) (kernels/testdata/rng_vectors.txt).
+// The shared RNG test vectors: for each input (a, b, c), out holds mix(a), draw(a, b),
+// below(a, c) and key(a, [b, c]) (kernels/testdata/rng_vectors.txt).
 extern "C" __global__ void legend_rng_vectors(const u64* in, u32 n, u64* out) {
     u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     u64 a = in[3 * i], b = in[3 * i + 1], c = in[3 * i + 2];
-    out[3 * i] = legend_mix(a);
-    out[3 * i + 1] = legend_draw(a, b);
-    out[3 * i + 2] = legend_below(a, c);
+    out[4 * i] = legend_mix(a);
+    out[4 * i + 1] = legend_draw(a, b);
+    out[4 * i + 2] = legend_below(a, c);
+    out[4 * i + 3] = legend_key2(a, b, c);
 }
 
 // One thread per element of `rows` consecutive rows starting at global row `first_row`.

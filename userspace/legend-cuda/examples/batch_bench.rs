@@ -34,8 +34,8 @@ use legend_cuda::nvme_io::{CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions};
 use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, init_rows, negative_keys};
 use legend_model::rng::mix;
 use legend_model::{
-    AdaGrad, ChunkModel, Decoder, Distribution, Dtype, Loss, Penalty, Regularizer, StateLayout,
-    StepRounding, Table,
+    AdaGrad, BatchKey, ChunkModel, Decoder, Distribution, Dtype, Loss, Penalty, Regularizer,
+    StateLayout, StepRounding, Table,
 };
 use legend_nvme_proxy::{DeviceModel, Proxy, ProxyOptions};
 
@@ -111,7 +111,7 @@ fn timed_steps(
     for it in 0..WARMUP + TIMED {
         let b = it as u64 % BATCHES;
         engine.set_batch(gpu, &batches[b as usize])?;
-        let keys = negative_keys(11, 1, it as u64, engine.chunks());
+        let keys = negative_keys(BatchKey::new(11, 1, 0, it as u64), engine.chunks());
         let ev: Vec<_> = (0..3)
             .map(|_| ctx.new_event(timing))
             .collect::<Result<_, _>>()?;
@@ -120,9 +120,7 @@ fn timed_steps(
         ev[1].record(gpu.stream())?;
         engine.set_rounding(Some(StepRounding {
             dtype,
-            seed: 11,
-            epoch: 1,
-            batch: it as u64,
+            batch: BatchKey::new(11, 1, 0, it as u64),
         }));
         engine.step(gpu, nodes, Some(rels))?;
         ev[2].record(gpu.stream())?;
@@ -343,7 +341,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // One more step with an event after every kernel, for the breakdown.
             engine.set_profiling(true);
             engine.set_batch(&gpu, &batches[0])?;
-            let keys = negative_keys(11, 2, 0, engine.chunks());
+            let keys = negative_keys(BatchKey::new(11, 2, 0, 0), engine.chunks());
             engine.sample_negatives(
                 &gpu,
                 std::slice::from_ref(&(0..ENTITIES as u64)),
@@ -352,9 +350,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             )?;
             engine.set_rounding(Some(StepRounding {
                 dtype,
-                seed: 11,
-                epoch: 2,
-                batch: 0,
+                batch: BatchKey::new(11, 2, 0, 0),
             }));
             engine.step(&gpu, &mut nodes, Some(&mut rels))?;
             let phases = engine.take_profile(&gpu)?;

@@ -9,8 +9,8 @@ use legend_cuda::{BatchShape, DeviceTable, Gpu, GpuBatchEngine, SlotMap, negativ
 use legend_dataset::PartitionScheme;
 use legend_engine::sampler::NegativeSampler;
 use legend_model::{
-    AdaGrad, Chunk, ChunkModel, ChunkWorkspace, Decoder, Distribution, Dtype, Loss, Penalty,
-    Regularizer, StateLayout, StepRounding, Table, fill_row,
+    AdaGrad, BatchKey, Chunk, ChunkModel, ChunkWorkspace, Decoder, Distribution, Dtype, Loss,
+    Penalty, Regularizer, StateLayout, StepRounding, Table, fill_row,
 };
 
 mod common;
@@ -37,9 +37,20 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 fn the_kernels_compute_the_shared_rng_vectors() {
     let vectors = legend_model::rng::test_vectors();
     let inputs: Vec<[u64; 3]> = vectors.iter().map(|v| [v[0], v[1], v[2]]).collect();
-    let got = legend_cuda::rng_vectors(&gpu(), &inputs).unwrap();
+    let gpu = gpu();
+    let got = legend_cuda::rng_vectors(&gpu, &inputs).unwrap();
     for (v, g) in vectors.iter().zip(&got) {
-        assert_eq!(g, &[v[3], v[4], v[5]], "inputs {:x?}", &v[..3]);
+        assert_eq!(g, &[v[3], v[4], v[5], v[6]], "inputs {:x?}", &v[..3]);
+    }
+    // A batch's rounding streams as the kernels derive them from its key (legend_round_key).
+    let batches = legend_model::rng::batch_key_vectors();
+    let inputs: Vec<[u64; 3]> = batches
+        .iter()
+        .map(|b| [b[4], legend_model::rng::ROUNDING_TAG, 41_652_229])
+        .collect();
+    let got = legend_cuda::rng_vectors(&gpu, &inputs).unwrap();
+    for (b, g) in batches.iter().zip(&got) {
+        assert_eq!(g[3], b[8], "the rounding stream of batch key {:#x}", b[4]);
     }
 }
 
@@ -110,7 +121,7 @@ fn sampling_matches_the_cpu_sampler() {
         (vec![0, 1, 2, 3], 0.0),
         (vec![2], 1.0),
     ] {
-        let keys = negative_keys(s, 3, rng.below(1000), chunks);
+        let keys = negative_keys(BatchKey::new(s, 3, 0, rng.below(1000)), chunks);
         let ranges: Vec<_> = parts.iter().map(|&p| scheme.range(p)).collect();
         engine
             .sample_negatives(&gpu, &ranges, &keys, fraction)
@@ -886,9 +897,7 @@ fn rounded_rows_take_their_step_in_place() {
         let (model, opt, shape) = step_engine(&case, layout, case.batch);
         let rounding = StepRounding {
             dtype,
-            seed: s,
-            epoch: 3,
-            batch: rng.below(1000),
+            batch: BatchKey::new(s, 3, 0, rng.below(1000)),
         };
         let degrees = vec![1u32; entities];
         let mut engine = GpuBatchEngine::new(&gpu, model, opt, shape, &degrees, relations).unwrap();
@@ -1460,7 +1469,7 @@ fn slot_indexed_table_matches_the_global_table() {
         })
         .collect();
     let ranges: Vec<_> = resident.iter().map(|&p| scheme.range(p)).collect();
-    let keys = negative_keys(s, 1, 0, 2);
+    let keys = negative_keys(BatchKey::new(s, 1, 0, 0), 2);
     let model = ChunkModel {
         decoder: Decoder::ComplEx,
         loss: Loss::SoftmaxCe,

@@ -9,7 +9,7 @@ use cudarc::driver::sys::CUevent_flags;
 use legend_cuda::{
     BatchShape, CudaEvent, DeviceTable, Gpu, GpuBatchEngine, Transfer, gather_batch, negative_keys,
 };
-use legend_model::{AdaGrad, ChunkModel, Decoder, Loss, Permutation, StateLayout};
+use legend_model::{AdaGrad, BatchKey, ChunkModel, Decoder, Loss, Permutation, StateLayout};
 
 mod common;
 
@@ -132,7 +132,7 @@ fn a_batch_gathered_on_the_device_trains_like_one_uploaded() {
                     .collect();
                 e.set_batch(&gpu, &batch).unwrap();
             }
-            let keys = negative_keys(7, 1, b as u64, e.chunks());
+            let keys = negative_keys(BatchKey::new(7, 1, 0, b as u64), e.chunks());
             let all = 0..4000u64;
             e.sample_negatives(&gpu, std::slice::from_ref(&all), &keys, 0.0)
                 .unwrap();
@@ -243,7 +243,7 @@ fn copies_on_the_transfer_stream_overlap_compute() {
                 });
             }
             for s in 0..steps {
-                let keys = negative_keys(1, 1, s, e.chunks());
+                let keys = negative_keys(BatchKey::new(1, 1, 0, s), e.chunks());
                 e.sample_negatives(&gpu, std::slice::from_ref(&all), &keys, 0.0)
                     .unwrap();
                 e.step(&gpu, &mut nodes, Some(&mut rels)).unwrap();

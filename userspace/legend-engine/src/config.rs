@@ -273,7 +273,7 @@ pub struct TrainingConfig {
     pub threads: usize,
     /// Also write a checkpoint every this many epochs (0 = none by count).
     pub checkpoint_every: u32,
-    /// Write a checkpoint at the first buffer-state boundary or epoch end this many minutes
+    /// Write a checkpoint before the first batch (or at the epoch end) this many minutes
     /// after the last one (0 = none by time); spaced further when checkpoints are slow (see
     /// [`crate::session::checkpoint_due`]).
     pub checkpoint_minutes: f64,

@@ -64,6 +64,10 @@ pub struct RunMeta {
     /// (`model.reciprocal_relations`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub reciprocal_relations: bool,
+    /// The version of the keys training draws its random streams from
+    /// ([`crate::progress::BATCH_KEYS_VERSION`]); absent (0) in runs written before batch keys.
+    #[serde(default)]
+    pub batch_keys: u32,
     /// Epochs completed in the current checkpoint.
     pub epochs_completed: u32,
     /// Where the checkpoint stopped inside the next epoch, if it was interrupted there.

@@ -1,7 +1,7 @@
 //! Negative sampling from the partitions a bucket group may touch.
 //!
 //! Draws come from legend-model's counter-based [`rng`](legend_model::rng): stream keys name the
-//! epoch, batch, chunk and side, so draws depend neither on thread count nor on the order work
+//! batch (its epoch, bucket and place in the bucket: a `BatchKey`), chunk and side, so draws depend neither on thread count nor on the order work
 //! is done in.
 
 use legend_dataset::PartitionScheme;

@@ -5,8 +5,8 @@
 //!
 //! A run directory is either absent or resumable: it is assembled under a temporary name
 //! (configuration and commit record) and renamed into place before anything is trained. A stop
-//! asked for (SIGINT, a cancelled job) ends at the next buffer-state boundary with a checkpoint
-//! of that point, and resuming from it trains exactly what the uninterrupted run would have.
+//! asked for (SIGINT, a cancelled job) ends before the next batch with a checkpoint of that
+//! point, and resuming from it trains exactly what the uninterrupted run would have.
 
 use std::fs::File;
 use std::io::Write;
@@ -25,7 +25,7 @@ use crate::device::Engine;
 use crate::error::TrainError;
 use crate::evaluation::{self, EvalRequest, EvaluationError};
 use crate::memory;
-use crate::progress::EpochCut;
+use crate::progress::{BATCH_KEYS_VERSION, EpochCut};
 use crate::relations::Relations;
 use crate::rows::RowShape;
 use crate::run::{self, RunError, RunMeta, TableChecksums, TableWriter};
@@ -78,8 +78,10 @@ impl Position {
     pub fn describe(&self) -> String {
         match (self.epochs_completed, self.cut) {
             (_, Some(cut)) => format!(
-                "epoch {} stopped after {} swaps ({} edges trained)",
-                cut.epoch, cut.swaps, cut.edges
+                "epoch {} stopped {} ({} edges trained)",
+                cut.epoch,
+                cut.describe(),
+                cut.edges
             ),
             (0, None) => "the start".into(),
             (n, None) => format!("the end of epoch {n}"),
@@ -423,6 +425,7 @@ impl Session {
                 position.epochs_completed + u32::from(position.cut.is_some())
             )));
         }
+        adopt_batch_keys(&mut meta, &position)?;
         let trainer = Trainer::on_device(&config, buckets, &degrees, home, relations, device)?;
         tracing::info!(
             "set-up: the {engine} engine ready (edges and relations placed) in {:.1} s",
@@ -520,7 +523,7 @@ impl Session {
     }
 
     /// Trains the remaining epochs, checkpointing as configured, then evaluates. When `stop`
-    /// is set it ends at the next buffer-state boundary with a checkpoint of that point.
+    /// is set it ends before the next batch with a checkpoint of that point.
     pub fn run(
         &mut self,
         stop: &AtomicBool,
@@ -553,8 +556,7 @@ impl Session {
             });
             let report = loop {
                 // Raised on a stop, or when a timed checkpoint falls due inside a long epoch:
-                // the trainer then ends this part of the epoch at its next buffer-state boundary
-                // (an epoch without swaps runs to its end).
+                // the trainer then ends this part of the epoch before its next batch.
                 let pause = AtomicBool::new(stop.load(Ordering::Relaxed));
                 let since = last_checkpoint;
                 let end = self
@@ -889,9 +891,8 @@ const CHECKPOINT_SPACING: u32 = 20;
 /// Whether a timed checkpoint (`training.checkpoint_minutes`) is due `since_last` after the
 /// last checkpoint (or the session's start): once `interval` has passed (zero: never), and once
 /// 20 times the last checkpoint's `cost` has passed, so that slow checkpoints (a billion-edge
-/// table written to a slow disk) are spaced out rather than eating the run. It is taken at the
-/// next buffer-state boundary or epoch end, so a crash loses at most the larger of the two and
-/// the time to that point.
+/// table written to a slow disk) are spaced out rather than eating the run. It is taken before
+/// the next batch, so a crash loses at most about `interval`.
 pub fn checkpoint_due(since_last: Duration, cost: Duration, interval: Duration) -> bool {
     !interval.is_zero() && since_last >= interval.max(cost * CHECKPOINT_SPACING)
 }
@@ -958,6 +959,26 @@ fn check_tables_match(config: &Config, meta: &RunMeta) -> Result<(), SessionErro
     }
 }
 
+/// Moves a run recorded with older batch keys to [`BATCH_KEYS_VERSION`] (a run from a newer
+/// version is refused): it continues from `position` exactly where it stopped, cuts inside an
+/// epoch included (they were all taken between buffer states), drawing with today's keys.
+fn adopt_batch_keys(meta: &mut RunMeta, position: &Position) -> Result<(), SessionError> {
+    if meta.batch_keys > BATCH_KEYS_VERSION {
+        return Err(SessionError::Refused(format!(
+            "the run was written with batch keys version {} and this build knows {BATCH_KEYS_VERSION}: resume it with the Legend that wrote it",
+            meta.batch_keys
+        )));
+    }
+    if meta.batch_keys < BATCH_KEYS_VERSION && *position != Position::default() {
+        tracing::warn!(
+            "the run was written before training keyed its random draws by bucket (run.toml has no batch_keys): it continues from {} with the new keys, so what it trains from here differs from what the version that started it would have trained (its checkpoints, evaluations and exports are unaffected)",
+            position.describe()
+        );
+    }
+    meta.batch_keys = BATCH_KEYS_VERSION;
+    Ok(())
+}
+
 /// The commit record of a new run of `config` on `dataset`.
 fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
     let m = dataset.meta();
@@ -973,6 +994,7 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
         entities: m.entities,
         relations: config.relation_rows(m.relations),
         reciprocal_relations: config.model.reciprocal_relations && decoder.uses_relations(),
+        batch_keys: BATCH_KEYS_VERSION,
         epochs_completed: 0,
         cut: None,
         checkpoint: String::new(),
@@ -996,6 +1018,7 @@ fn new_placeholder_meta() -> RunMeta {
         entities: 0,
         relations: 0,
         reciprocal_relations: false,
+        batch_keys: BATCH_KEYS_VERSION,
         epochs_completed: 0,
         cut: None,
         checkpoint: String::new(),

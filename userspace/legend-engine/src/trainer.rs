@@ -5,6 +5,9 @@
 //! A bucket's edges are trained in the order of a counter-based permutation (legend-model's
 //! [`Permutation`], keyed by the seed, the epoch and the bucket): batch `b` holds positions
 //! `b·B ..` of it, which the GPU gathers on the device and the CPU in parallel on the host.
+//! Every random draw of batch `b` (its negatives, the rounding of the rows it updates) comes
+//! from its [`BatchKey`] (seed, epoch, bucket, `b`): a bucket trains the same way whatever ran
+//! before it, and an epoch can stop before any batch and resume there exactly.
 //! A batch is split into chunks that share negatives. On the CPU each chunk is split further
 //! into fixed blocks of rows ([`BLOCK_ROWS`]), the unit of parallel work. Blocks read a
 //! snapshot of the parameters; their gradients are summed in block order and applied before
@@ -16,8 +19,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use legend_dataset::Buckets;
-use legend_model::rng::key;
-use legend_model::{ChunkModel, Permutation};
+use legend_model::rng::bucket_order_key;
+use legend_model::{BatchKey, ChunkModel, Permutation};
 use legend_planner::{Bucket, Plan};
 use serde::{Deserialize, Serialize};
 
@@ -27,7 +30,7 @@ use crate::compute::{BucketRef, ComputeBackend, RowSink, Step};
 use crate::config::Config;
 use crate::device::Engine;
 use crate::error::TrainError;
-use crate::progress::EpochCut;
+use crate::progress::{BatchCursor, EpochCut};
 use crate::relations::Relations;
 use crate::rows::Partition;
 use crate::sampler::NegativeSampler;
@@ -319,6 +322,34 @@ impl Trainer {
         pi
     }
 
+    /// Makes exactly the partitions `state` resident (what is not in it written back first).
+    pub fn make_resident(&mut self, state: &[u32]) -> Result<(), TrainError> {
+        self.fill(state)?;
+        self.compute.synchronize()
+    }
+
+    /// Trains `buckets` of epoch `epoch` in order, their partitions resident, drawing
+    /// negatives from the partitions `resident`; returns the positive edges trained. What a
+    /// bucket does depends on the parameters, `epoch` and `resident` alone, not on what was
+    /// trained before it (the work of one worker of several, or a test's).
+    pub fn train_buckets(
+        &mut self,
+        epoch: u32,
+        buckets: &[Bucket],
+        resident: &[u32],
+    ) -> Result<u64, TrainError> {
+        let mut edges = 0;
+        let mut ctx = EpochCtx {
+            epoch,
+            edges: &mut edges,
+            progress: &mut |_| {},
+            stop: &AtomicBool::new(false),
+        };
+        self.run_group(buckets, resident, None, &mut ctx)?;
+        self.compute.synchronize()?;
+        Ok(edges)
+    }
+
     /// Trains one epoch (numbered from 1). `progress` is called with the positives done so far.
     pub fn run_epoch(
         &mut self,
@@ -332,9 +363,10 @@ impl Trainer {
     }
 
     /// Trains epoch `epoch` from where `from` stopped (or from its start), until it ends or
-    /// `stop` is seen set between two buffer states. Stopping there leaves every parameter
-    /// consistent (nothing is half-trained), and an epoch resumed from the returned cut after
-    /// a checkpoint trains exactly what the uninterrupted epoch would have.
+    /// `stop` is seen set before a batch. Stopping leaves every parameter consistent (nothing
+    /// is half-trained: the swap under way, if any, is completed or cancelled), and an epoch
+    /// resumed from the returned cut after a checkpoint trains exactly what the uninterrupted
+    /// epoch would have.
     pub fn run_epoch_from(
         &mut self,
         epoch: u32,
@@ -345,12 +377,14 @@ impl Trainer {
         let started = Instant::now();
         let io_before = self.swapper.stats();
         let pi = self.epoch_relabeling(epoch);
-        let relabel = |b: &Bucket| [pi[b[0] as usize], pi[b[1] as usize]];
-        let from = from.filter(|c| c.epoch == epoch).unwrap_or(EpochCut {
-            epoch,
-            ..EpochCut::default()
-        });
-        let done_swaps = from.swaps as usize;
+        let relabel = |buckets: &[Bucket]| -> Vec<Bucket> {
+            buckets
+                .iter()
+                .map(|b| [pi[b[0] as usize], pi[b[1] as usize]])
+                .collect()
+        };
+        let from = from.filter(|c| c.epoch == epoch);
+        let done_swaps = from.map_or(0, |c| c.swaps as usize);
         let plan = self.plan.clone();
         if done_swaps > plan.swaps.len() {
             return Err(TrainError::Resume(format!(
@@ -368,10 +402,10 @@ impl Trainer {
             epoch,
             negatives_per_positive: self.negatives,
             buffer_states: 1,
-            edges: from.edges,
+            edges: from.map_or(0, |c| c.edges),
             ..EpochReport::default()
         };
-        let mut batch_counter = from.batches;
+        let loss_before = from.map_or(0.0, |c| c.loss);
         self.fill(&first)?;
         let mut resident = first.clone();
         // With read-ahead, each swap's partition is read into the spare slot while the state
@@ -382,32 +416,54 @@ impl Trainer {
         let mut ctx = EpochCtx {
             epoch,
             edges: &mut report.edges,
-            batch: &mut batch_counter,
             progress,
+            stop,
         };
-        if done_swaps == 0 && from.batches == 0 {
-            let initial: Vec<Bucket> = plan.initial.iter().map(relabel).collect();
-            self.run_buckets(&initial, &resident, &mut ctx)?;
+        // The rest of the bucket group of the state the epoch (re)starts in, unless the cut
+        // says it is complete: a fresh epoch's initial buckets, or a resumed swap's overlap and
+        // after buckets, the overlap ones with the partitions they drew negatives from then.
+        let start = match from {
+            None => Some(None),
+            Some(cut) => cut.next.map(Some),
+        };
+        if let Some(start) = start {
+            let stopped = if done_swaps == 0 {
+                self.run_group(&relabel(&plan.initial), &resident, start, &mut ctx)?
+            } else {
+                let swap = &plan.swaps[done_swaps - 1];
+                let loaded = loaded_by(done_swaps - 1);
+                let before_arrival: Vec<u32> = if self.prefetch {
+                    resident.iter().copied().filter(|&p| p != loaded).collect()
+                } else {
+                    resident.clone()
+                };
+                let overlap = relabel(&swap.overlap);
+                let after = relabel(&swap.after);
+                let in_overlap = start.is_none_or(|c| overlap.contains(&c.bucket));
+                let stopped = if in_overlap {
+                    self.run_group(&overlap, &before_arrival, start, &mut ctx)?
+                } else {
+                    None
+                };
+                match stopped {
+                    Some(cursor) => Some(cursor),
+                    None => {
+                        let start = start.filter(|_| !in_overlap);
+                        self.run_group(&after, &resident, start, &mut ctx)?
+                    }
+                }
+            };
+            if let Some(cursor) = stopped {
+                return self.stopped(epoch, done_swaps, Some(cursor), &mut report, loss_before);
+            }
         }
         for (i, swap) in plan.swaps.iter().enumerate().skip(done_swaps) {
             if stop.load(Ordering::Relaxed) {
-                // The partition read ahead was not modified: its slot is freed unwritten.
-                self.swapper.cancel_loads()?;
-                self.compute.synchronize()?;
-                self.swapper.drain()?;
-                let cut = EpochCut {
-                    epoch,
-                    swaps: i as u32,
-                    batches: *ctx.batch,
-                    edges: *ctx.edges,
-                    loss: from.loss + self.compute.take_loss()?,
-                };
-                self.swapper.take_log();
-                return Ok(EpochEnd::Stopped(cut));
+                return self.stopped(epoch, i, None, &mut report, loss_before);
             }
             let (evicted, loaded) = (pi[swap.evicted as usize], loaded_by(i));
-            let overlap: Vec<Bucket> = swap.overlap.iter().map(relabel).collect();
-            let after: Vec<Bucket> = swap.after.iter().map(relabel).collect();
+            let overlap = relabel(&swap.overlap);
+            let after = relabel(&swap.after);
             let mut sr = SwapReport {
                 evicted,
                 loaded,
@@ -421,8 +477,9 @@ impl Trainer {
                 self.swapper.load(loaded, Some(i))?;
             }
             let t = Instant::now();
+            let mut stopped = None;
             if self.prefetch {
-                self.run_buckets(&overlap, &resident, &mut ctx)?;
+                stopped = self.run_group(&overlap, &resident, None, &mut ctx)?;
                 self.compute.synchronize()?;
             }
             sr.overlap_compute_s = t.elapsed().as_secs_f64();
@@ -431,30 +488,40 @@ impl Trainer {
             sr.wait_s = t.elapsed().as_secs_f64();
             self.compute.arrive(loaded, slot, &ready)?;
             resident.push(loaded);
+            report.buffer_states += 1;
+            if let Some(cursor) = stopped {
+                // Stopped in the overlap buckets: the swap is complete, the rest follows it.
+                report.swaps.push(sr);
+                return self.stopped(epoch, i + 1, Some(cursor), &mut report, loss_before);
+            }
             if self.read_ahead && i + 1 < plan.swaps.len() {
                 self.swapper.load(loaded_by(i + 1), Some(i + 1))?;
             }
             let t = Instant::now();
             if !self.prefetch {
-                self.run_buckets(&overlap, &resident, &mut ctx)?;
+                stopped = self.run_group(&overlap, &resident, None, &mut ctx)?;
             }
-            self.run_buckets(&after, &resident, &mut ctx)?;
+            if stopped.is_none() {
+                stopped = self.run_group(&after, &resident, None, &mut ctx)?;
+            }
             self.compute.synchronize()?;
             sr.after_compute_s = t.elapsed().as_secs_f64();
             report.swaps.push(sr);
-            report.buffer_states += 1;
+            if let Some(cursor) = stopped {
+                return self.stopped(epoch, i + 1, Some(cursor), &mut report, loss_before);
+            }
         }
         // The last swap's write may still run: the epoch's I/O ends with it.
         self.swapper.drain()?;
         self.take_swap_io(&mut report, done_swaps, started);
-        let loss = from.loss + self.compute.take_loss()?;
+        let loss = loss_before + self.compute.take_loss()?;
         if !loss.is_finite() {
             return Err(TrainError::Diverged { epoch });
         }
         let io = self.swapper.stats().since(&io_before);
         report.loss = loss / report.edges.max(1) as f64;
         report.seconds = started.elapsed().as_secs_f64();
-        let trained_now = report.edges - from.edges;
+        let trained_now = report.edges - from.map_or(0, |c| c.edges);
         report.edges_per_sec = trained_now as f64 / report.seconds.max(1e-9);
         report.partitions_read = io.reads;
         report.partitions_written = io.writes;
@@ -462,7 +529,7 @@ impl Trainer {
         report.bytes_written = io.bytes_written;
         report.io_s = io.io_time.as_secs_f64();
         report.io_wait_s = io.wait_time.as_secs_f64();
-        report.resumed = from.swaps > 0 || from.batches > 0;
+        report.resumed = from.is_some();
         report.peak_rss_bytes = crate::memory::peak_rss_bytes().unwrap_or(0);
         report.gpu_memory_bytes = self.compute.device_memory_in_use();
         Ok(EpochEnd::Done(report))
@@ -519,54 +586,111 @@ impl Trainer {
         }
     }
 
-    fn run_buckets(
+    /// Ends the epoch early in buffer state `swaps`, `next` naming where its group continues:
+    /// the partition read ahead (unmodified) is dropped, queued steps finish and the swap
+    /// path's writes drain, so the resident partitions are what a checkpoint must write.
+    fn stopped(
         &mut self,
-        buckets: &[Bucket],
+        epoch: u32,
+        swaps: usize,
+        next: Option<BatchCursor>,
+        report: &mut EpochReport,
+        loss_before: f64,
+    ) -> Result<EpochEnd, TrainError> {
+        self.swapper.cancel_loads()?;
+        self.compute.synchronize()?;
+        self.swapper.drain()?;
+        self.swapper.take_log();
+        Ok(EpochEnd::Stopped(EpochCut {
+            epoch,
+            swaps: swaps as u32,
+            next,
+            edges: report.edges,
+            loss: loss_before + self.compute.take_loss()?,
+        }))
+    }
+
+    /// Trains `group`'s buckets in order, from `start` (`None`: its first bucket's first
+    /// batch), each batch keyed by its bucket and its place in it (legend-model's
+    /// [`BatchKey`]) and drawing negatives from `resident`. Returns where it stopped when
+    /// `ctx.stop` was seen set before a batch, `None` once every bucket is trained.
+    fn run_group(
+        &mut self,
+        group: &[Bucket],
         resident: &[u32],
+        start: Option<BatchCursor>,
         ctx: &mut EpochCtx<'_>,
-    ) -> Result<(), TrainError> {
+    ) -> Result<Option<BatchCursor>, TrainError> {
         let mut sorted_resident = resident.to_vec();
         sorted_resident.sort_unstable();
-        for b in buckets {
-            let scheme = self.buckets.scheme();
+        let skip = match start {
+            None => 0,
+            Some(c) => group.iter().position(|b| *b == c.bucket).ok_or_else(|| {
+                TrainError::Resume(format!(
+                    "epoch {} stopped in bucket ({}, {}), which its buffer state's group of {} buckets does not hold",
+                    ctx.epoch,
+                    c.bucket[0],
+                    c.bucket[1],
+                    group.len()
+                ))
+            })?,
+        };
+        let scheme = self.buckets.scheme();
+        for (i, b) in group.iter().enumerate().skip(skip) {
             let edges = self.buckets.bucket(b[0], b[1]);
-            if edges.is_empty() {
+            let batches = edges.len().div_ceil(self.batch_size) as u64;
+            let first_batch = match start {
+                Some(c) if i == skip => c.batch,
+                _ => 0,
+            };
+            if first_batch > batches {
+                return Err(TrainError::Resume(format!(
+                    "epoch {} stopped at batch {first_batch} of bucket ({}, {}), which has {batches}",
+                    ctx.epoch, b[0], b[1]
+                )));
+            }
+            if first_batch == batches {
                 continue;
             }
             let index = scheme.bucket_index(b[0], b[1]);
-            let order = key(self.seed, &[1, u64::from(ctx.epoch), index as u64]);
             let bucket = BucketRef {
                 parts: *b,
                 index,
                 edges,
-                order: Permutation::new(edges.len() as u64, order),
+                order: Permutation::new(
+                    edges.len() as u64,
+                    bucket_order_key(self.seed, ctx.epoch, index as u64),
+                ),
             };
             self.compute.begin_bucket(&bucket)?;
-            for first in (0..edges.len()).step_by(self.batch_size) {
+            for batch in first_batch..batches {
+                if ctx.stop.load(Ordering::Relaxed) {
+                    return Ok(Some(BatchCursor { bucket: *b, batch }));
+                }
+                let first = batch * self.batch_size as u64;
                 let step = Step {
                     bucket: &bucket,
-                    first: first as u64,
-                    len: self.batch_size.min(edges.len() - first),
+                    first,
+                    len: self.batch_size.min(edges.len() - first as usize),
                     resident: &sorted_resident,
-                    epoch: ctx.epoch,
-                    batch_no: *ctx.batch,
+                    key: BatchKey::new(self.seed, ctx.epoch, index as u64, batch),
                 };
                 self.compute
                     .train_batch(&step, self.swapper.host(), &mut self.relations)?;
-                *ctx.batch += 1;
                 *ctx.edges += step.len as u64;
                 (ctx.progress)(*ctx.edges);
             }
         }
-        Ok(())
+        Ok(None)
     }
 }
 
 struct EpochCtx<'a> {
     epoch: u32,
     edges: &'a mut u64,
-    batch: &'a mut u64,
     progress: &'a mut dyn FnMut(u64),
+    /// Raised to stop before the next batch.
+    stop: &'a AtomicBool,
 }
 
 /// `store` with what moving its rows to and from host memory takes, for `config`'s runs over
@@ -612,7 +736,6 @@ fn cpu_compute(
         dim: config.model.dim,
         num_chunks: t.negatives.num_chunks,
         negatives: t.negatives.negatives_per_positive,
-        seed: t.seed,
         sampler: NegativeSampler::new(buckets.scheme(), degrees, t.negatives.degree_fraction),
         known: t
             .negatives

@@ -67,7 +67,7 @@ fn epochs(checkpoints: &[Position]) -> Vec<u32> {
 }
 
 #[test]
-fn timed_checkpoints_are_taken_at_epoch_ends_and_change_nothing_trained() {
+fn timed_checkpoints_are_taken_at_the_next_batch_and_change_nothing_trained() {
     let tmp = tempfile::tempdir().unwrap();
     let ds = dataset(tmp.path());
     let tables = |run: &str| {
@@ -82,18 +82,19 @@ fn timed_checkpoints_are_taken_at_epoch_ends_and_change_nothing_trained() {
     let plain = train(&ds, &tmp.path().join("default"), &[]);
     assert_eq!(epochs(&plain.checkpoints), [3]);
     assert_eq!(plain.checkpoints.len(), 1);
-    // An interval shorter than an epoch: the first epoch end is due (no checkpoint cost is
-    // known yet); later ones wait for 20 times the last checkpoint's duration. One partition:
-    // no swaps, so no checkpoint inside an epoch.
+    // An interval shorter than a batch: the first batch's end is due (no checkpoint cost is
+    // known yet), inside epoch 1 although the run has one partition and no swaps; later ones
+    // wait for 20 times the last checkpoint's duration, and the last epoch's end commits.
     let timed = train(
         &ds,
         &tmp.path().join("timed"),
         &["training.checkpoint_minutes=1e-9"],
     );
-    let at = epochs(&timed.checkpoints);
-    assert_eq!(timed.checkpoints.len(), at.len(), "{:?}", timed.checkpoints);
-    assert_eq!((at.first(), at.last()), (Some(&1), Some(&3)), "{at:?}");
-    assert!(at.windows(2).all(|w| w[0] < w[1]), "{at:?}");
+    let first = timed.checkpoints[0]
+        .cut
+        .expect("the first is inside epoch 1");
+    assert_eq!((first.epoch, first.edges), (1, 50), "{first:?}");
+    assert_eq!(epochs(&timed.checkpoints).last(), Some(&3));
     // By count, none by time.
     let counted = train(
         &ds,
@@ -116,8 +117,7 @@ fn timed_checkpoints_are_taken_at_epoch_ends_and_change_nothing_trained() {
 }
 
 /// Trains with `extra` on the memory, file and proxy backends (the proxy's store also striped
-/// over two backing files), N = 4, C = 2, with and without a checkpoint due at every
-/// buffer-state boundary; `same` compares the two runs. On a GPU the proxy's swaps go through
+/// over two backing files), N = 4, C = 2, with and without a checkpoint due before batches; `same` compares the two runs. On a GPU the proxy's swaps go through
 /// the GPU I/O kernels, over both controllers at once when striped.
 fn checkpoints_inside_epochs_change_nothing(
     extra: &[&str],
@@ -171,7 +171,7 @@ fn checkpoints_inside_epochs_change_nothing(
 }
 
 #[test]
-fn a_checkpoint_due_inside_an_epoch_is_taken_at_a_buffer_state_boundary_and_changes_nothing() {
+fn a_checkpoint_due_inside_an_epoch_is_taken_before_a_batch_and_changes_nothing() {
     checkpoints_inside_epochs_change_nothing(&[], |backend, timed, plain| {
         assert_eq!(timed.losses, plain.losses, "{backend}");
         assert_eq!(timed.result, plain.result, "{backend}");
@@ -204,4 +204,135 @@ fn a_checkpoint_inside_an_epoch_on_the_gpu_changes_nothing() {
             );
         },
     );
+}
+
+/// Trains 3 epochs with `sets`, stopped (as Ctrl-C stops a run) once `at` positives of epoch 2
+/// are trained, then resumed from the checkpoint in a new session: what it trained, with the
+/// cut the stop made.
+fn stopped_and_resumed(ds: &Path, out: &Path, sets: &[&str], at: u64) -> (Trained, Position) {
+    let mut all: Vec<String> = [
+        "model.dim=8",
+        "training.threads=1",
+        "training.batch_size=50",
+        "training.num_epochs=3",
+        "evaluation.protocol=sampled",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    all.extend(sets.iter().map(|s| s.to_string()));
+    let config = Config::parse("", &all).unwrap();
+    let mut session = Session::create(out, ds, config, &Unguarded).unwrap();
+    let stop = AtomicBool::new(false);
+    let mut losses = Vec::new();
+    let outcome = session
+        .run(&stop, &mut |event| match event {
+            Event::Progress { epoch, edges_done } if epoch == 2 && edges_done >= at => {
+                stop.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
+            Event::EpochFinished { report, .. } => losses.push(report.loss),
+            _ => {}
+        })
+        .unwrap();
+    let Outcome::Stopped(cut) = outcome else {
+        panic!("{sets:?}: not stopped: {outcome:?}");
+    };
+    drop(session);
+    let mut session = Session::resume(out, None, &[], &Unguarded).unwrap();
+    let mut result = serde_json::Value::Null;
+    let outcome = session
+        .run(&AtomicBool::new(false), &mut |event| match event {
+            Event::EpochFinished { report, .. } => losses.push(report.loss),
+            Event::Evaluated { line, .. } => result = line.clone(),
+            _ => {}
+        })
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Finished(_)), "{outcome:?}");
+    let trained = Trained {
+        checkpoints: Vec::new(),
+        losses,
+        result,
+    };
+    (trained, cut)
+}
+
+/// A run stopped before any batch of an epoch — inside a bucket, in a buffer state's overlap
+/// or after buckets, with or without prefetching — and resumed from its checkpoint trains
+/// exactly what the uninterrupted run trains, in memory (one partition) and out of core.
+#[test]
+fn a_run_stopped_inside_a_bucket_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ds = dataset(tmp.path());
+    let layouts: [&[&str]; 4] = [
+        &[],
+        &[
+            "storage.backend=file",
+            "storage.num_partitions=4",
+            "storage.buffer_capacity=2",
+        ],
+        &[
+            "storage.backend=file",
+            "storage.num_partitions=4",
+            "storage.buffer_capacity=3",
+        ],
+        &[
+            "storage.backend=file",
+            "storage.num_partitions=4",
+            "storage.buffer_capacity=3",
+            "storage.prefetch=false",
+        ],
+    ];
+    for (i, sets) in layouts.into_iter().enumerate() {
+        let plain = train(&ds, &tmp.path().join(format!("plain-{i}")), sets);
+        let mut inside_groups = 0;
+        for at in [1, 620, 1100, 1730, 2400, 3100] {
+            let out = tmp.path().join(format!("stopped-{i}-{at}"));
+            let (resumed, cut) = stopped_and_resumed(&ds, &out, sets, at);
+            let cut = cut.cut.expect("stopped inside epoch 2");
+            inside_groups += usize::from(cut.next.is_some());
+            // The session sees the stop at the next progress event: a batch or two later.
+            assert!(cut.edges >= at && cut.edges < at + 100, "{sets:?}: {cut:?}");
+            assert_eq!(
+                resumed.losses, plain.losses,
+                "{sets:?} stopped at {at}: {cut:?}"
+            );
+            assert_eq!(
+                resumed.result, plain.result,
+                "{sets:?} stopped at {at}: {cut:?}"
+            );
+        }
+        // Stops between two buffer states are tested too, but most land inside a group.
+        assert!(
+            inside_groups >= 4,
+            "{sets:?}: {inside_groups} cuts inside a group"
+        );
+    }
+}
+
+/// A run written before batch keys (run.toml without `batch_keys`) resumes where it stopped
+/// with today's keys and is recorded with them; one from a newer version is refused.
+#[test]
+fn a_run_from_before_batch_keys_resumes_with_them_and_a_newer_one_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ds = dataset(tmp.path());
+    let out = tmp.path().join("old");
+    train(&ds, &out, &["training.num_epochs=1"]);
+    let meta = out.join("run.toml");
+    let text = std::fs::read_to_string(&meta).unwrap();
+    assert!(text.contains("batch_keys = 1\n"), "{text}");
+    std::fs::write(&meta, text.replace("batch_keys = 1\n", "")).unwrap();
+    let sets = ["training.num_epochs=2".to_string()];
+    let mut session = Session::resume(&out, None, &sets, &Unguarded).unwrap();
+    let outcome = session.run(&AtomicBool::new(false), &mut |_| {}).unwrap();
+    assert!(matches!(outcome, Outcome::Finished(_)), "{outcome:?}");
+    drop(session);
+    let text = std::fs::read_to_string(&meta).unwrap();
+    assert!(text.contains("batch_keys = 1\n"), "{text}");
+    std::fs::write(&meta, text.replace("batch_keys = 1\n", "batch_keys = 9\n")).unwrap();
+    let sets = ["training.num_epochs=3".to_string()];
+    let err = Session::resume(&out, None, &sets, &Unguarded)
+        .err()
+        .expect("a newer run is refused")
+        .to_string();
+    assert!(err.contains("batch keys version 9"), "{err}");
 }

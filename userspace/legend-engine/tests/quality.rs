@@ -99,7 +99,7 @@ fn reciprocal_regularised_training_is_the_same_in_memory_and_out_of_core() {
             memory, file,
             "{decoder}: the store changed what was trained"
         );
-        // A checkpoint at every buffer-state boundary (the relations, twice as many, travel in
+        // A checkpoint before batches, as often as the spacing allows (the relations, twice as many, travel in
         // the store's auxiliary area) changes nothing either.
         let timed = with("file", &["training.checkpoint_minutes=1e-9"]);
         assert_eq!(timed, file, "{decoder}");

@@ -12,6 +12,8 @@ use std::str::FromStr;
 
 use half::{bf16, f16};
 
+use crate::rng::BatchKey;
+
 /// The format of node embeddings at rest.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Dtype {
@@ -174,23 +176,16 @@ impl Dtype {
 }
 
 /// The stochastic rounding of one training step's updated node rows: row `r`'s element `i` is
-/// rounded with the bits of `draw(key(seed, [ROUNDING_TAG, epoch, batch, r]), i)` — a counter
-/// (the step and the global row), so the result depends neither on the thread count nor on
-/// which engine or slot holds the row, and a resume repeats it exactly.
+/// rounded with the bits of `draw(batch.rounding(r), i)` — a stream named by the batch's key
+/// and the global row, so the result depends neither on the thread count nor on which engine,
+/// worker or slot holds the row, and a resume repeats it exactly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepRounding {
     /// The node rows' format.
     pub dtype: Dtype,
-    /// `training.seed`.
-    pub seed: u64,
-    /// The epoch.
-    pub epoch: u32,
-    /// The batch within the epoch.
-    pub batch: u64,
+    /// The step's batch.
+    pub batch: BatchKey,
 }
-
-/// The first counter of the rounding streams (1: bucket orders, 2: negatives).
-pub const ROUNDING_TAG: u64 = 3;
 
 impl StepRounding {
     /// Rounds the updated node row `row` (global id) in place.
@@ -198,11 +193,7 @@ impl StepRounding {
         if !self.dtype.is_narrow() {
             return Ok(());
         }
-        let stream = crate::rng::key(
-            self.seed,
-            &[ROUNDING_TAG, u64::from(self.epoch), self.batch, row],
-        );
-        self.dtype.round_row(values, stream)
+        self.dtype.round_row(values, self.batch.rounding(row))
     }
 }
 

@@ -9,6 +9,7 @@
 mod beta;
 mod cover;
 mod error;
+mod gpus;
 mod legend;
 mod order;
 mod plan;
@@ -17,6 +18,7 @@ mod search;
 mod sequential;
 
 pub use error::{PlanError, PredictError, ValidationError};
+pub use gpus::{GpuPlanError, GpuRound, GpuSchedule, HandOver, Piece, plan_gpus, validate_gpus};
 pub use order::Order;
 pub use plan::{Bucket, Plan, Swap, validate};
 pub use predict::{Prediction, PredictionInput, predict};

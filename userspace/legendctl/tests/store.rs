@@ -648,7 +648,7 @@ fn kill_and_resume(backend: &str, default_trials: u64) {
     );
 }
 
-/// SIGINT stops training at the next buffer-state boundary with a checkpoint of that point
+/// SIGINT stops training before the next batch with a checkpoint of that point
 /// (checkpoint_every = 0: no other checkpoint exists), exit status 130 and a message saying how
 /// to continue; resuming trains exactly the rest, so the tables equal the uninterrupted run's,
 /// and a second resume has nothing to do. A signal before the handler is in place kills the

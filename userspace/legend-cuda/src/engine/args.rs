@@ -150,18 +150,16 @@ unsafe impl DeviceRepr for DirectArgs {}
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct RoundingArgs {
-    pub(super) seed: u64,
-    pub(super) batch: u64,
+    /// legend-model's `BatchKey` of the step.
+    pub(super) batch_key: u64,
     pub(super) partition_of_slot: u64,
     pub(super) out_of_range: u64,
-    pub(super) epoch: u32,
     /// The format's index in `Dtype::ALL` (0, f32: nothing is rounded).
     pub(super) dtype: u32,
     pub(super) rows_per_slot: u32,
-    pub(super) pad: u32,
 }
 
-// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (four 8-byte fields, then four
+// SAFETY: plain #[repr(C)] data laid out as the kernel's struct (three 8-byte fields, then two
 // u32s: no padding).
 unsafe impl DeviceRepr for RoundingArgs {}
 

@@ -29,7 +29,8 @@ use std::ops::Range;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use legend_model::{
-    AdaGrad, ChunkModel, Decoder, Dtype, Loss, Penalty, Permutation, Regularizer, StepRounding,
+    AdaGrad, BatchKey, ChunkModel, Decoder, Dtype, Loss, Penalty, Permutation, Regularizer,
+    StepRounding,
 };
 
 use crate::error::DriverContext;
@@ -52,10 +53,10 @@ use known::KnownEdges;
 use unfused::UnfusedBuffers;
 
 /// The keys of the negative lists of one batch as the CPU trainer forms them: list
-/// `2c + side` uses `key(seed, [2, epoch, batch, c, side])` (side 0 replaces sources).
-pub fn negative_keys(seed: u64, epoch: u32, batch: u64, chunks: usize) -> Vec<u64> {
+/// `2c + side` uses `batch.negatives(c, side)` (side 0 replaces sources).
+pub fn negative_keys(batch: BatchKey, chunks: usize) -> Vec<u64> {
     (0..2 * chunks as u64)
-        .map(|l| legend_model::rng::key(seed, &[2, u64::from(epoch), batch, l / 2, l % 2]))
+        .map(|l| batch.negatives(l / 2, l % 2))
         .collect()
 }
 
@@ -988,14 +989,11 @@ impl GpuBatchEngine {
             _ => (0, nodes.rows as u32),
         };
         RoundingArgs {
-            seed: r.seed,
-            batch: r.batch,
+            batch_key: r.batch.0,
             partition_of_slot,
             out_of_range: gpu.ptr(&self.out_of_range),
-            epoch: r.epoch,
             dtype: dtype_code(r.dtype),
             rows_per_slot,
-            pad: 0,
         }
     }
 

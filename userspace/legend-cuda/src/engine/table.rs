@@ -259,18 +259,21 @@ pub fn init_rows(
     fill(gpu, out, rows, dim, first_row, seed, table, dist)
 }
 
-/// `(mix(a), draw(a, b), below(a, c))` of each input `(a, b, c)`, by the kernels' own RNG
-/// functions (`legend_rng_vectors`): the GPU side of the shared test vectors.
-pub fn rng_vectors(gpu: &Gpu, inputs: &[[u64; 3]]) -> Result<Vec<[u64; 3]>, GpuError> {
+/// `(mix(a), draw(a, b), below(a, c), key(a, [b, c]))` of each input `(a, b, c)`, by the
+/// kernels' own RNG functions (`legend_rng_vectors`): the GPU side of the shared test vectors.
+pub fn rng_vectors(gpu: &Gpu, inputs: &[[u64; 3]]) -> Result<Vec<[u64; 4]>, GpuError> {
     let flat: Vec<u64> = inputs.iter().flatten().copied().collect();
     let n = inputs.len() as u32;
     let input = gpu.upload(&flat)?;
-    let mut out = gpu.zeros::<u64>(flat.len())?;
+    let mut out = gpu.zeros::<u64>(4 * inputs.len())?;
     let mut b = gpu.stream().launch_builder(&gpu.kernels.rng_vectors);
     b.arg(&input).arg(&n).arg(&mut out);
-    // SAFETY: `input` and `out` hold 3 values per input; the kernel touches no more.
+    // SAFETY: `input` holds 3 values per input and `out` 4; the kernel touches no more.
     unsafe { b.launch(crate::gpu::grid_1d(u64::from(n))?) }
         .during("launching legend_rng_vectors")?;
     let out = gpu.download(&out)?;
-    Ok(out.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect())
+    Ok(out
+        .chunks_exact(4)
+        .map(|c| [c[0], c[1], c[2], c[3]])
+        .collect())
 }

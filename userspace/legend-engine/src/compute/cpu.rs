@@ -13,7 +13,6 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::Mutex;
 
 use super::{BucketRef, ComputeBackend, Step};
-use legend_model::rng::key;
 
 use crate::error::TrainError;
 use crate::relations::Relations;
@@ -59,7 +58,6 @@ pub(crate) struct CpuCompute {
     pub(crate) dim: usize,
     pub(crate) num_chunks: usize,
     pub(crate) negatives: usize,
-    pub(crate) seed: u64,
     pub(crate) sampler: NegativeSampler,
     pub(crate) known: Option<FxHashSet<Edge>>,
     pub(crate) pool: rayon::ThreadPool,
@@ -250,16 +248,7 @@ impl ComputeBackend for CpuCompute {
         let mut negs = vec![0u32; chunks * 2 * k];
         for (c, pair) in negs.chunks_exact_mut(2 * k).enumerate() {
             for (side, out) in pair.chunks_exact_mut(k).enumerate() {
-                let stream = key(
-                    self.seed,
-                    &[
-                        2,
-                        u64::from(step.epoch),
-                        step.batch_no,
-                        c as u64,
-                        side as u64,
-                    ],
-                );
+                let stream = step.key.negatives(c as u64, side as u64);
                 self.sampler.sample(step.resident, stream, out);
             }
         }
@@ -368,9 +357,7 @@ impl ComputeBackend for CpuCompute {
             .collect();
         let rounding = self.dtype.is_narrow().then_some(StepRounding {
             dtype: self.dtype,
-            seed: self.seed,
-            epoch: step.epoch,
-            batch: step.batch_no,
+            batch: step.key,
         });
         self.pool.install(|| {
             nodes.apply(node_rows, optimizer, &regularizer, rounding, dim)?;

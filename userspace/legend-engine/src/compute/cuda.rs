@@ -51,7 +51,6 @@ pub(crate) struct CudaCompute {
     slotted: bool,
     /// The slot of each partition, [`SlotMap::ABSENT`] when it is not on the device.
     slot_of: Vec<u32>,
-    seed: u64,
     /// `storage.dtype`: the step rounds updated node rows to it.
     node_dtype: legend_model::Dtype,
     degree_fraction: f64,
@@ -196,7 +195,6 @@ impl CudaCompute {
             scheme,
             slotted,
             slot_of: vec![SlotMap::ABSENT; scheme.num_partitions as usize],
-            seed: t.seed,
             node_dtype: config.storage.dtype,
             degree_fraction: t.negatives.degree_fraction,
             edges,
@@ -386,7 +384,7 @@ impl ComputeBackend for CudaCompute {
                 self.scheme.range(dst),
             )
         }?;
-        let keys = negative_keys(self.seed, step.epoch, step.batch_no, self.engine.chunks());
+        let keys = negative_keys(step.key, self.engine.chunks());
         let ranges: Vec<_> = step
             .resident
             .iter()
@@ -396,9 +394,7 @@ impl ComputeBackend for CudaCompute {
             .sample_negatives(gpu, &ranges, &keys, self.degree_fraction)?;
         self.engine.set_rounding(Some(StepRounding {
             dtype: self.node_dtype,
-            seed: self.seed,
-            epoch: step.epoch,
-            batch: step.batch_no,
+            batch: step.key,
         }));
         self.engine.step(gpu, &mut self.nodes, self.rels.as_mut())?;
         Ok(())

@@ -18,7 +18,7 @@ pub(crate) mod cpu;
 pub(crate) mod cuda;
 
 use legend_dataset::Edge;
-use legend_model::Permutation;
+use legend_model::{BatchKey, Permutation};
 
 use crate::error::TrainError;
 use crate::relations::Relations;
@@ -46,10 +46,8 @@ pub(crate) struct Step<'a> {
     pub(crate) len: usize,
     /// The resident partitions, ascending: negatives are drawn from them.
     pub(crate) resident: &'a [u32],
-    /// The epoch, from 1.
-    pub(crate) epoch: u32,
-    /// The batch's number within the epoch (keys the negatives' streams).
-    pub(crate) batch_no: u64,
+    /// The key of every random draw the step makes (negatives, rounding).
+    pub(crate) key: BatchKey,
 }
 
 impl Step<'_> {

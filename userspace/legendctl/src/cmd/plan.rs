@@ -14,8 +14,15 @@ pub struct Args {
     #[arg(long, short = 'n')]
     partitions: u32,
     /// Buffer capacity C (partitions resident at once).
-    #[arg(long, short = 'c')]
-    buffer: u32,
+    #[arg(long, short = 'c', required_unless_present = "gpus")]
+    buffer: Option<u32>,
+    /// Plan rounds for K GPUs instead (N = 2K: each GPU holds two partitions, handed from GPU to
+    /// GPU between rounds), balanced by the dataset's bucket sizes with `--dataset`.
+    #[arg(long, conflicts_with_all = ["buffer", "order"])]
+    gpus: Option<u32>,
+    /// With `--gpus`: edges a batch (`training.batch_size`), the unit the rounds balance.
+    #[arg(long, default_value_t = 100_000)]
+    batch_size: u64,
     /// `auto` (legend at C = 3, else beta), `legend` (Algorithms 1+2, C = 3), `beta` (Marius)
     /// or `sequential`.
     #[arg(long, default_value = "auto")]
@@ -64,7 +71,10 @@ struct WithPrediction<'a> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let plan = plan(args.partitions, args.buffer, args.order)?;
+    let Some(buffer) = args.buffer else {
+        return run_gpus(&args);
+    };
+    let plan = plan(args.partitions, buffer, args.order)?;
     let mut bucket_edges = None;
     let (mut edges, mut nodes) = (args.edges, args.nodes);
     if let Some(dir) = &args.dataset {
@@ -85,7 +95,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 row_bytes,
                 buffer_bytes: args
                     .buffer_bytes
-                    .unwrap_or(partition_bytes * f64::from(args.buffer)),
+                    .unwrap_or(partition_bytes * f64::from(buffer)),
                 seconds_per_edge: args.seconds_per_edge,
                 write_bytes_per_s: args.write_bw,
                 read_bytes_per_s: args.read_bw,
@@ -106,10 +116,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     outln!(
-        "order {} with N = {}, C = {}:",
+        "order {} with N = {}, C = {buffer}:",
         plan.kind,
-        args.partitions,
-        args.buffer
+        args.partitions
     )?;
     for (i, s) in plan.states.iter().enumerate() {
         outln!("  state {i:>3}: {s:?}")?;
@@ -143,5 +152,96 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             p.epoch_s_without_overlap
         )?;
     }
+    Ok(())
+}
+
+/// What `legendctl plan --gpus K --json` prints: the schedule and its figures.
+#[derive(Serialize)]
+struct GpuPlanReport<'a> {
+    #[serde(flatten)]
+    schedule: &'a legend_planner::GpuSchedule,
+    /// Partitions handed from GPU to GPU an epoch, and the fewest any schedule of 2K − 1
+    /// rounds can do (every GPU's pair changes at every transition).
+    moves_per_epoch: usize,
+    fewest_moves: usize,
+    /// Bytes those moves carry (resident f32 rows and their state), with `--dataset`.
+    bytes_per_epoch: Option<f64>,
+    /// The fewest rounds: 2K − 1 (a partition meets one other a round).
+    fewest_rounds: u32,
+}
+
+/// `legendctl plan --gpus K`: the rounds, hand-overs and predicted balance of K GPUs.
+fn run_gpus(args: &Args) -> anyhow::Result<()> {
+    let k = args.gpus.expect("clap requires --gpus without --buffer");
+    let n = args.partitions;
+    let (batches, nodes) = match &args.dataset {
+        Some(dir) => {
+            let ds = Dataset::open(dir)?;
+            let counts = ds.buckets(n)?.counts();
+            let b = args.batch_size.max(1);
+            let batches: Vec<u64> = counts.iter().map(|c| c.div_ceil(b)).collect();
+            (batches, args.nodes.or(Some(ds.meta().entities)))
+        }
+        // Equal buckets of one batch each: the schedule's shape alone.
+        None => (vec![1; (n * n) as usize], args.nodes),
+    };
+    let schedule = legend_planner::plan_gpus(n, k, &batches)?;
+    let dim = args.dim as usize;
+    let row_bytes = (dim + args.state.width(dim)) as f64 * 4.0;
+    let moves = schedule.moves_per_epoch();
+    let report = GpuPlanReport {
+        schedule: &schedule,
+        moves_per_epoch: moves,
+        fewest_moves: (k * (2 * k).saturating_sub(2)) as usize,
+        bytes_per_epoch: nodes
+            .map(|nodes| moves as f64 * nodes.div_ceil(u64::from(n)) as f64 * row_bytes),
+        fewest_rounds: (2 * k).saturating_sub(1),
+    };
+    if args.json {
+        return super::print_json(&report);
+    }
+    outln!(
+        "{k} GPUs over N = {n} partitions: {} rounds (fewest possible {})",
+        schedule.rounds.len(),
+        report.fewest_rounds
+    )?;
+    for (r, round) in schedule.rounds.iter().enumerate() {
+        for (g, held) in round.held.iter().enumerate() {
+            let pieces: Vec<String> = round.work[g]
+                .iter()
+                .map(|p| {
+                    format!(
+                        "({}, {})[{}..{}]",
+                        p.bucket[0], p.bucket[1], p.batches.start, p.batches.end
+                    )
+                })
+                .collect();
+            outln!(
+                "  round {r:>3} GPU {g}: holds {held:?}  trains {}",
+                pieces.join(" ")
+            )?;
+        }
+        if let Some(moves) = schedule.handovers.get(r) {
+            let moves: Vec<String> = moves
+                .iter()
+                .map(|m| format!("{} GPU {}→{}", m.partition, m.from, m.to))
+                .collect();
+            outln!("  then hand over: {}", moves.join(", "))?;
+        }
+    }
+    outln!(
+        "hand-overs {moves} an epoch (fewest possible {}){}; predicted imbalance {:.3} (slowest GPU's batches over a perfect split{})",
+        report.fewest_moves,
+        report
+            .bytes_per_epoch
+            .map(|b| format!(", {:.2} GB", b / 1e9))
+            .unwrap_or_default(),
+        schedule.predicted_imbalance,
+        if args.dataset.is_some() {
+            ", from the dataset's buckets"
+        } else {
+            "; give --dataset for its buckets"
+        }
+    )?;
     Ok(())
 }

@@ -1,0 +1,699 @@
+//! Schedules for K GPUs: rounds in which each GPU trains buckets of the two partitions it alone
+//! holds, with partitions handed from GPU to GPU between rounds.
+//!
+//! With N = 2K partitions every GPU holds two, and the table is the K GPUs' memory together.
+//! The rounds are a 1-factorisation of the complete graph on the N partitions (the circle
+//! method): 2K − 1 rounds of K disjoint pairs, every pair once — the fewest rounds possible,
+//! since a partition meets one other a round and must meet all 2K − 1. Bucket (a, b) and
+//! (b, a) are trained in the round that pairs a with b, by the GPU holding the pair. Between
+//! two rounds every GPU keeps one of its partitions and receives one (the GPUs and the next
+//! round's pairs form a 2-regular bipartite graph, which has a perfect matching): K hand-overs
+//! a transition, the fewest possible, since every GPU's pair changes.
+//!
+//! Balance. A round lasts as long as its slowest GPU, and power-law graphs make buckets
+//! unequal. The diagonal buckets (a, a) may be trained in any round, by whichever GPU holds a:
+//! they are cut into pieces (runs of batches) that fill the rounds' lighter GPUs first. Which
+//! data partition plays which part of the factorisation decides which pairs share a round: the
+//! labelling with the smallest predicted epoch is kept (every labelling for N ≤ 6, a seeded
+//! search above). A hub partition whose pairs outweigh whole rounds cannot be balanced this
+//! way (a pair's buckets are one GPU's): the generator and importers spread hubs over the ids.
+//!
+//! Epochs alternate direction: odd epochs run the rounds forwards, even ones backwards, so an
+//! epoch starts in the layout the one before ended in and no partition moves between epochs.
+
+use std::ops::Range;
+
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::plan::Bucket;
+
+/// Batches `batches` (in the bucket's edge order) of bucket `bucket`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Piece {
+    /// The bucket.
+    pub bucket: Bucket,
+    /// Its batches trained here.
+    pub batches: Range<u64>,
+}
+
+/// One round: what each GPU holds and trains.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GpuRound {
+    /// Per GPU, the two partitions it holds (the one it keeps from the round before first).
+    pub held: Vec<[u32; 2]>,
+    /// Per GPU, the pieces it trains, in order.
+    pub work: Vec<Vec<Piece>>,
+}
+
+/// A partition moving from one GPU to another between two rounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct HandOver {
+    /// The partition.
+    pub partition: u32,
+    /// The GPU that held it.
+    pub from: u32,
+    /// The GPU that holds it next.
+    pub to: u32,
+}
+
+/// An epoch's schedule for K GPUs (see the module docs).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuSchedule {
+    /// Partitions N (2K).
+    pub num_partitions: u32,
+    /// GPUs K.
+    pub gpus: u32,
+    /// The rounds, in forward order.
+    pub rounds: Vec<GpuRound>,
+    /// `handovers[r]`: the moves from round `r` to round `r + 1` (forwards).
+    pub handovers: Vec<Vec<HandOver>>,
+    /// Batches of the slowest GPU summed over the rounds, over the batches of a perfectly
+    /// balanced split (≥ 1): the predicted epoch time over the ideal.
+    pub predicted_imbalance: f64,
+    /// Batches of the slowest GPU of each round.
+    pub round_batches: Vec<u64>,
+}
+
+impl GpuSchedule {
+    /// The rounds epoch `epoch` (from 1) trains, in its order: forwards in odd epochs,
+    /// backwards in even ones, so that an epoch starts in the layout the one before ended in.
+    pub fn round_order(&self, epoch: u32) -> Vec<usize> {
+        let forward = 0..self.rounds.len();
+        if epoch % 2 == 1 {
+            forward.collect()
+        } else {
+            forward.rev().collect()
+        }
+    }
+
+    /// The hand-overs between adjacent rounds `from` and `to`, in either direction.
+    pub fn handovers_between(&self, from: usize, to: usize) -> Vec<HandOver> {
+        if to == from + 1 {
+            self.handovers[from].clone()
+        } else {
+            assert_eq!(from, to + 1, "rounds {from} and {to} are not adjacent");
+            self.handovers[to]
+                .iter()
+                .map(|m| HandOver {
+                    partition: m.partition,
+                    from: m.to,
+                    to: m.from,
+                })
+                .collect()
+        }
+    }
+
+    /// Partitions handed from GPU to GPU in an epoch.
+    pub fn moves_per_epoch(&self) -> usize {
+        self.handovers.iter().map(Vec::len).sum()
+    }
+}
+
+/// Why no K-GPU schedule was produced.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum GpuPlanError {
+    /// No GPUs.
+    #[error("a schedule needs at least one GPU")]
+    NoGpus,
+    /// N is not 2K.
+    #[error(
+        "{gpus} GPUs need storage.num_partitions = {} (two partitions a GPU, the table in their memory together), not {num_partitions}; schedules that park partitions in host RAM or a store between rounds (N ≥ 3K) are not planned yet",
+        2 * gpus
+    )]
+    Partitions {
+        /// N asked for.
+        num_partitions: u32,
+        /// K.
+        gpus: u32,
+    },
+    /// The batch counts do not cover the N × N buckets.
+    #[error("{got} bucket batch counts for {num_partitions} partitions (expected {})", num_partitions * num_partitions)]
+    BatchCounts {
+        /// Counts given.
+        got: usize,
+        /// N.
+        num_partitions: u32,
+    },
+    /// The schedule broke a rule: a planner bug.
+    #[error("internal planner bug, K-GPU schedule for N = {num_partitions}, K = {gpus}: {rule}")]
+    Invalid {
+        /// N.
+        num_partitions: u32,
+        /// K.
+        gpus: u32,
+        /// The rule broken.
+        rule: String,
+    },
+}
+
+/// Labellings searched above N = 6 (seeded, so the schedule is a function of its inputs);
+/// every one at N ≤ 6.
+const LABELLING_TRIALS: usize = 500;
+/// The diagonal work is spread in about this many pieces when comparing labellings ...
+const SEARCH_PIECES: u64 = 32;
+/// ... and in this many in the schedule.
+const PIECES: u64 = 1000;
+
+/// The schedule of `gpus` GPUs over `num_partitions` = 2K partitions whose buckets have
+/// `batches[i · N + j]` batches (bucket (i, j), row-major). It has passed [`validate_gpus`].
+pub fn plan_gpus(
+    num_partitions: u32,
+    gpus: u32,
+    batches: &[u64],
+) -> Result<GpuSchedule, GpuPlanError> {
+    let (n, k) = (num_partitions, gpus);
+    if k == 0 {
+        return Err(GpuPlanError::NoGpus);
+    }
+    if n != 2 * k {
+        return Err(GpuPlanError::Partitions {
+            num_partitions: n,
+            gpus: k,
+        });
+    }
+    if batches.len() != (n * n) as usize {
+        return Err(GpuPlanError::BatchCounts {
+            got: batches.len(),
+            num_partitions: n,
+        });
+    }
+    let factors = circle_rounds(n);
+    let mut best: Option<(u64, Vec<u32>)> = None;
+    let mut consider = |label: &[u32]| {
+        let cost = epoch_cost(&factors, label, batches, n);
+        if best.as_ref().is_none_or(|(c, _)| cost < *c) {
+            best = Some((cost, label.to_vec()));
+        }
+    };
+    let mut label: Vec<u32> = (0..n).collect();
+    if n <= 6 {
+        permutations(&mut label, 0, &mut consider);
+    } else {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ u64::from(n);
+        consider(&label);
+        for _ in 0..LABELLING_TRIALS {
+            for i in (1..label.len()).rev() {
+                state = next(state);
+                label.swap(i, (state % (i as u64 + 1)) as usize);
+            }
+            consider(&label);
+        }
+    }
+    let (_, label) = best.expect("at least one labelling");
+    let schedule = build(&factors, &label, batches, n, k);
+    validate_gpus(&schedule, batches).map_err(|rule| GpuPlanError::Invalid {
+        num_partitions: n,
+        gpus: k,
+        rule,
+    })?;
+    Ok(schedule)
+}
+
+/// splitmix64's step: the labelling search's random numbers.
+fn next(state: u64) -> u64 {
+    let z = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    let z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Calls `f` with every permutation of `v[at..]` (Heap's order does not matter here).
+fn permutations(v: &mut Vec<u32>, at: usize, f: &mut impl FnMut(&[u32])) {
+    if at == v.len() {
+        f(v);
+        return;
+    }
+    for i in at..v.len() {
+        v.swap(at, i);
+        permutations(v, at + 1, f);
+        v.swap(at, i);
+    }
+}
+
+/// The circle method's 1-factorisation of the complete graph on `n` (even) vertices: `n − 1`
+/// rounds of `n / 2` disjoint pairs, every pair once.
+fn circle_rounds(n: u32) -> Vec<Vec<[u32; 2]>> {
+    let m = n - 1;
+    (0..m)
+        .map(|r| {
+            let mut pairs = vec![[r, m]];
+            for i in 1..n / 2 {
+                pairs.push([(r + i) % m, (r + m - i) % m]);
+            }
+            pairs
+        })
+        .collect()
+}
+
+/// Batches of the off-diagonal buckets of the pair {a, b}.
+fn pair_batches(batches: &[u64], n: u32, [a, b]: [u32; 2]) -> u64 {
+    batches[(a * n + b) as usize] + batches[(b * n + a) as usize]
+}
+
+/// The predicted epoch (the slowest GPU's batches summed over the rounds) with partition `i`
+/// of the factorisation played by data partition `label[i]`, the diagonals spread as
+/// [`spread_diagonals`] spreads them.
+fn epoch_cost(factors: &[Vec<[u32; 2]>], label: &[u32], batches: &[u64], n: u32) -> u64 {
+    let pairs = labelled(factors, label);
+    let loads: Vec<Vec<u64>> = pairs
+        .iter()
+        .map(|round| round.iter().map(|&p| pair_batches(batches, n, p)).collect())
+        .collect();
+    let (loads, _) = spread_diagonals(&pairs, loads, batches, n, SEARCH_PIECES);
+    loads.iter().map(|l| *l.iter().max().unwrap_or(&0)).sum()
+}
+
+/// The factorisation's pairs in data partitions.
+fn labelled(factors: &[Vec<[u32; 2]>], label: &[u32]) -> Vec<Vec<[u32; 2]>> {
+    factors
+        .iter()
+        .map(|round| {
+            round
+                .iter()
+                .map(|&[a, b]| [label[a as usize], label[b as usize]])
+                .collect()
+        })
+        .collect()
+}
+
+/// Adds the diagonal buckets' batches to `loads` (per round, per pair), each to the rounds
+/// whose pairs hold its partition, lightest first: a batch at a time goes where it raises the
+/// round's slowest load least (a round below its slowest has room for free). Returns the new
+/// loads and, per round and pair, the diagonal batches added (partition, count).
+#[allow(clippy::type_complexity)]
+fn spread_diagonals(
+    pairs: &[Vec<[u32; 2]>],
+    mut loads: Vec<Vec<u64>>,
+    batches: &[u64],
+    n: u32,
+    pieces: u64,
+) -> (Vec<Vec<u64>>, Vec<Vec<Vec<(u32, u64)>>>) {
+    let mut added: Vec<Vec<Vec<(u32, u64)>>> = pairs
+        .iter()
+        .map(|round| vec![Vec::new(); round.len()])
+        .collect();
+    // Where each partition sits: per round, its pair.
+    let seat = |p: u32, r: usize| {
+        pairs[r]
+            .iter()
+            .position(|pair| pair.contains(&p))
+            .expect("every partition is in every round's pairs")
+    };
+    let total: u64 = (0..n).map(|p| batches[(p * n + p) as usize]).sum();
+    // Pieces of about 1/`pieces` of the diagonal work (at least a batch) keep the search
+    // cheap while leaving at most a piece of imbalance.
+    let step = (total / pieces).max(1);
+    let mut left: Vec<u64> = (0..n).map(|p| batches[(p * n + p) as usize]).collect();
+    // The partition with the most diagonal work left, a piece at a time.
+    while let Some(p) = (0..n)
+        .filter(|&p| left[p as usize] > 0)
+        .max_by_key(|&p| left[p as usize])
+    {
+        let take = step.min(left[p as usize]);
+        // The round where adding `take` raises the slowest load least; then the lightest.
+        let (r, g) = (0..pairs.len())
+            .map(|r| (r, seat(p, r)))
+            .min_by_key(|&(r, g)| {
+                let max = *loads[r].iter().max().expect("a round has pairs");
+                let raised = (loads[r][g] + take).saturating_sub(max);
+                (raised, loads[r][g], r)
+            })
+            .expect("a round");
+        loads[r][g] += take;
+        match added[r][g].last_mut() {
+            Some((q, c)) if *q == p => *c += take,
+            _ => added[r][g].push((p, take)),
+        }
+        left[p as usize] -= take;
+    }
+    (loads, added)
+}
+
+/// The schedule of labelling `label`.
+fn build(factors: &[Vec<[u32; 2]>], label: &[u32], batches: &[u64], n: u32, k: u32) -> GpuSchedule {
+    let pairs = labelled(factors, label);
+    let loads: Vec<Vec<u64>> = pairs
+        .iter()
+        .map(|round| round.iter().map(|&p| pair_batches(batches, n, p)).collect())
+        .collect();
+    let (loads, diagonals) = spread_diagonals(&pairs, loads, batches, n, PIECES);
+    // GPUs follow pairs: round 0's pair g is GPU g's; each later round's pairs are matched to
+    // the GPUs so that every GPU keeps one partition.
+    let mut gpu_of_pair: Vec<Vec<usize>> = vec![(0..k as usize).collect()];
+    for r in 1..pairs.len() {
+        let before: Vec<[u32; 2]> = {
+            let mut held = vec![[0, 0]; k as usize];
+            for (i, &g) in gpu_of_pair[r - 1].iter().enumerate() {
+                held[g] = pairs[r - 1][i];
+            }
+            held
+        };
+        gpu_of_pair.push(match_pairs(&before, &pairs[r]));
+    }
+    // Diagonal batches go to the GPUs in round order, each bucket's batches consecutively.
+    let mut next_batch = vec![0u64; n as usize];
+    let mut rounds = Vec::with_capacity(pairs.len());
+    for (r, round) in pairs.iter().enumerate() {
+        let mut held = vec![[0u32; 2]; k as usize];
+        let mut work = vec![Vec::new(); k as usize];
+        for (i, &[a, b]) in round.iter().enumerate() {
+            let g = gpu_of_pair[r][i];
+            // The partition kept from the round before comes first, and the work that uses
+            // it alone (its diagonal) before the work that needs the arriving one.
+            let kept = if r == 0 {
+                a
+            } else {
+                let before: &GpuRound = &rounds[r - 1];
+                if before.held[g].contains(&a) { a } else { b }
+            };
+            let other = if kept == a { b } else { a };
+            held[g] = [kept, other];
+            let mut pieces: Vec<Piece> = Vec::new();
+            let mut diagonal = |p: u32, pieces: &mut Vec<Piece>| {
+                for &(q, count) in &diagonals[r][i] {
+                    if q == p && count > 0 {
+                        let from = next_batch[p as usize];
+                        next_batch[p as usize] += count;
+                        pieces.push(Piece {
+                            bucket: [p, p],
+                            batches: from..from + count,
+                        });
+                    }
+                }
+            };
+            diagonal(kept, &mut pieces);
+            for bucket in [[kept, other], [other, kept]] {
+                let count = batches[(bucket[0] * n + bucket[1]) as usize];
+                if count > 0 {
+                    pieces.push(Piece {
+                        bucket,
+                        batches: 0..count,
+                    });
+                }
+            }
+            diagonal(other, &mut pieces);
+            work[g] = pieces;
+        }
+        rounds.push(GpuRound { held, work });
+    }
+    let handovers = (1..rounds.len())
+        .map(|r| {
+            let mut moves = Vec::new();
+            for (g, pair) in rounds[r].held.iter().enumerate() {
+                let arriving = pair[1];
+                let from = rounds[r - 1]
+                    .held
+                    .iter()
+                    .position(|h| h.contains(&arriving))
+                    .expect("every partition is held every round");
+                moves.push(HandOver {
+                    partition: arriving,
+                    from: from as u32,
+                    to: g as u32,
+                });
+            }
+            moves
+        })
+        .collect();
+    let round_batches: Vec<u64> = loads
+        .iter()
+        .map(|l| *l.iter().max().unwrap_or(&0))
+        .collect();
+    let all: u64 = batches.iter().sum();
+    let ideal = all as f64 / k as f64;
+    GpuSchedule {
+        num_partitions: n,
+        gpus: k,
+        rounds,
+        handovers,
+        predicted_imbalance: if all == 0 {
+            1.0
+        } else {
+            round_batches.iter().sum::<u64>() as f64 / ideal
+        },
+        round_batches,
+    }
+}
+
+/// A GPU for each pair of `next` such that each GPU keeps one of the partitions it holds in
+/// `held`: pair `i` goes to GPU `result[i]`. The GPUs and pairs sharing a partition form a
+/// 2-regular bipartite graph (every GPU's two partitions sit in two different pairs), a union
+/// of even cycles: walking each cycle and taking every other edge matches all.
+fn match_pairs(held: &[[u32; 2]], next: &[[u32; 2]]) -> Vec<usize> {
+    let pair_of = |p: u32| {
+        next.iter()
+            .position(|q| q.contains(&p))
+            .expect("every partition is in the next round")
+    };
+    let gpu_of = |p: u32| {
+        held.iter()
+            .position(|h| h.contains(&p))
+            .expect("every partition is held")
+    };
+    let mut result = vec![usize::MAX; next.len()];
+    let mut gpu_done = vec![false; held.len()];
+    for start in 0..held.len() {
+        if gpu_done[start] {
+            continue;
+        }
+        // Walk the cycle: GPU g gives its first-unvisited partition's pair to itself, then
+        // that pair's other partition leads to the next GPU.
+        let mut g = start;
+        let mut via = held[g][0];
+        loop {
+            gpu_done[g] = true;
+            let i = pair_of(via);
+            result[i] = g;
+            let other = next[i][0] + next[i][1] - via;
+            let h = gpu_of(other);
+            if gpu_done[h] {
+                break;
+            }
+            // GPU h keeps its other partition: it leads to h's pair.
+            via = held[h][0] + held[h][1] - other;
+            g = h;
+        }
+    }
+    result
+}
+
+/// Checks `schedule` against the rules of the module docs for buckets of `batches` batches:
+/// every batch of every bucket once; each GPU's pieces within the two partitions it holds,
+/// which no other GPU holds that round; every partition held every round; hand-overs that
+/// bring each GPU exactly the partition it did not keep, from the GPU that held it.
+pub fn validate_gpus(schedule: &GpuSchedule, batches: &[u64]) -> Result<(), String> {
+    let n = schedule.num_partitions;
+    let k = schedule.gpus as usize;
+    let mut covered: Vec<Vec<Range<u64>>> = vec![Vec::new(); (n * n) as usize];
+    for (r, round) in schedule.rounds.iter().enumerate() {
+        if round.held.len() != k || round.work.len() != k {
+            return Err(format!("round {r} is not for {k} GPUs"));
+        }
+        let mut seen = vec![false; n as usize];
+        for (g, pair) in round.held.iter().enumerate() {
+            for &p in pair {
+                if p >= n || std::mem::replace(&mut seen[p as usize], true) {
+                    return Err(format!("round {r}: partition {p} held twice or unknown"));
+                }
+            }
+            for piece in &round.work[g] {
+                let [s, d] = piece.bucket;
+                if !pair.contains(&s) || !pair.contains(&d) {
+                    return Err(format!(
+                        "round {r}: GPU {g} trains bucket ({s}, {d}) holding {pair:?}"
+                    ));
+                }
+                if piece.batches.start >= piece.batches.end {
+                    return Err(format!("round {r}: GPU {g}: an empty piece of ({s}, {d})"));
+                }
+                covered[(s * n + d) as usize].push(piece.batches.clone());
+            }
+        }
+        if seen.iter().any(|s| !s) {
+            return Err(format!("round {r} leaves a partition unheld"));
+        }
+        if r > 0 {
+            let before = &schedule.rounds[r - 1].held;
+            let moves = &schedule.handovers[r - 1];
+            for (g, pair) in round.held.iter().enumerate() {
+                if !before[g].contains(&pair[0]) {
+                    return Err(format!(
+                        "round {r}: GPU {g} keeps nothing of {:?}",
+                        before[g]
+                    ));
+                }
+                let m = moves
+                    .iter()
+                    .filter(|m| m.to == g as u32)
+                    .collect::<Vec<_>>();
+                let ok = match m.as_slice() {
+                    [m] => {
+                        m.partition == pair[1]
+                            && before[m.from as usize].contains(&m.partition)
+                            && !before[g].contains(&pair[1])
+                    }
+                    _ => false,
+                };
+                if !ok {
+                    return Err(format!(
+                        "round {r}: GPU {g}'s hand-over of {} is wrong",
+                        pair[1]
+                    ));
+                }
+            }
+        }
+    }
+    if schedule.handovers.len() + 1 != schedule.rounds.len().max(1) {
+        return Err("one hand-over list between each two rounds".into());
+    }
+    for (i, ranges) in covered.iter_mut().enumerate() {
+        ranges.sort_by_key(|r| r.start);
+        let mut at = 0;
+        for r in ranges.iter() {
+            if r.start != at {
+                return Err(format!(
+                    "bucket ({}, {}): batches from {at} trained {} times",
+                    i as u32 / n,
+                    i as u32 % n,
+                    if r.start > at { "0" } else { "2" }
+                ));
+            }
+            at = r.end;
+        }
+        if at != batches[i] {
+            return Err(format!(
+                "bucket ({}, {}): {at} of its {} batches trained",
+                i as u32 / n,
+                i as u32 % n,
+                batches[i]
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn uniform(n: u32, b: u64) -> Vec<u64> {
+        vec![b; (n * n) as usize]
+    }
+
+    #[test]
+    fn two_k_partitions_take_two_k_minus_one_rounds_and_k_moves_a_transition() {
+        for k in 1..=6u32 {
+            let s = plan_gpus(2 * k, k, &uniform(2 * k, 10)).unwrap();
+            assert_eq!(s.rounds.len() as u32, 2 * k - 1, "K = {k}");
+            assert!(s.handovers.iter().all(|m| m.len() == k as usize), "K = {k}");
+            assert_eq!(s.moves_per_epoch() as u32, k * (2 * k - 2));
+            // Equal buckets: the diagonals fill every round evenly, to a piece.
+            assert!(
+                s.predicted_imbalance < 1.02,
+                "K = {k}: {}",
+                s.predicted_imbalance
+            );
+        }
+    }
+
+    #[test]
+    fn other_partition_counts_and_bad_inputs_are_refused_naming_why() {
+        let e = plan_gpus(6, 2, &uniform(6, 1)).unwrap_err();
+        assert!(e.to_string().contains("storage.num_partitions = 4"), "{e}");
+        assert_eq!(plan_gpus(2, 0, &[]).unwrap_err(), GpuPlanError::NoGpus);
+        assert!(matches!(
+            plan_gpus(4, 2, &[1; 15]),
+            Err(GpuPlanError::BatchCounts { got: 15, .. })
+        ));
+    }
+
+    #[test]
+    fn epochs_alternate_so_none_starts_with_a_move() {
+        let s = plan_gpus(8, 4, &uniform(8, 3)).unwrap();
+        let odd = s.round_order(1);
+        let even = s.round_order(2);
+        assert_eq!(odd.last(), even.first());
+        assert_eq!(even.last(), s.round_order(3).first());
+        let back = s.handovers_between(3, 2);
+        for m in &back {
+            assert!(s.rounds[3].held[m.from as usize].contains(&m.partition));
+            assert!(s.rounds[2].held[m.to as usize].contains(&m.partition));
+        }
+    }
+
+    #[test]
+    fn unequal_buckets_are_balanced_by_labelling_and_diagonal_pieces() {
+        // Partitions of unequal weight w (bucket (i, j) ∝ w_i · w_j): the labelling pairs
+        // heavy with light partitions in each round.
+        let n = 6;
+        let w = [9u64, 8, 7, 2, 2, 1];
+        let batches: Vec<u64> = (0..n * n).map(|i| w[i / n] * w[i % n]).collect();
+        let s = plan_gpus(n as u32, 3, &batches).unwrap();
+        validate_gpus(&s, &batches).unwrap();
+        let (mut best, mut worst) = (u64::MAX, 0);
+        permutations(&mut (0..n as u32).collect(), 0, &mut |label| {
+            let cost = epoch_cost(&circle_rounds(n as u32), label, &batches, n as u32);
+            (best, worst) = (best.min(cost), worst.max(cost));
+        });
+        assert!(
+            best < worst,
+            "the labelling matters here: {best} vs {worst}"
+        );
+        // The schedule's pieces are finer than the search's: at most its cost.
+        let chosen: u64 = s.round_batches.iter().sum();
+        assert!(chosen <= best, "{chosen} vs the best labelling's {best}");
+        // A hub (partition 0, its buckets ten times the rest) bounds every round by its pair:
+        // 7 rounds of 200, plus its diagonal (the other diagonals fit the other GPUs' room).
+        let n = 8;
+        let batches: Vec<u64> = (0..n * n)
+            .map(|i| if i / n == 0 || i % n == 0 { 100 } else { 10 })
+            .collect();
+        let s = plan_gpus(n, 4, &batches).unwrap();
+        assert_eq!(s.round_batches.iter().sum::<u64>(), 7 * 200 + 100);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn schedules_validate_for_any_bucket_sizes(
+            k in 1u32..=5,
+            seed in any::<u64>(),
+        ) {
+            let n = 2 * k;
+            let mut state = seed;
+            let batches: Vec<u64> = (0..n * n)
+                .map(|_| { state = next(state); state % 50 })
+                .collect();
+            let s = plan_gpus(n, k, &batches).unwrap();
+            prop_assert!(validate_gpus(&s, &batches).is_ok());
+            prop_assert!(s.predicted_imbalance >= 1.0 - 1e-9);
+            let ideal = batches.iter().sum::<u64>() as f64 / f64::from(k);
+            // Never worse than the slowest pair each round plus all the diagonal work.
+            let diag: u64 = (0..n).map(|p| batches[(p * n + p) as usize]).sum();
+            let bound: u64 = s.rounds.iter().map(|r| {
+                r.held.iter().map(|&[a, b]| pair_batches(&batches, n, [a, b])).max().unwrap()
+            }).sum::<u64>() + diag;
+            prop_assert!(s.round_batches.iter().sum::<u64>() <= bound);
+            prop_assert!(ideal == 0.0 || s.predicted_imbalance * ideal <= bound as f64 + 1e-6);
+        }
+    }
+
+    #[test]
+    fn a_broken_schedule_fails_validation_naming_the_rule() {
+        let batches = uniform(4, 2);
+        let mut s = plan_gpus(4, 2, &batches).unwrap();
+        s.rounds[1].work[0].pop();
+        let e = validate_gpus(&s, &batches).unwrap_err();
+        assert!(e.contains("trained"), "{e}");
+        let mut s = plan_gpus(4, 2, &batches).unwrap();
+        s.rounds[0].held[1] = s.rounds[0].held[0];
+        assert!(
+            validate_gpus(&s, &batches)
+                .unwrap_err()
+                .contains("held twice")
+        );
+    }
+}
