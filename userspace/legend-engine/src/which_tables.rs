@@ -152,7 +152,7 @@ mod tests {
             cut: Some(EpochCut {
                 epoch: 13,
                 swaps: 2,
-                batches: 7,
+                next: None,
                 edges: 700,
                 loss: 1.0,
             }),

@@ -34,7 +34,14 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let cancel = super::cancel_on_signals()?;
+    let cancel = super::stop_on_signals(
+        |signal| {
+            errln!(
+                "{signal}: stopping the generation; its temporary directory is removed and nothing is written (press it again to quit at once, which may leave a hidden .NAME.generating-* directory beside the output)"
+            )
+        },
+        |signal| errln!("{signal} again: quitting at once"),
+    )?;
     let options = GenerateOptions {
         nodes: args.nodes,
         edges: args.edges,

@@ -36,7 +36,7 @@ pub mod train;
 
 use std::io::Write;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use legend_engine::which_tables::Pick;
@@ -69,19 +69,40 @@ pub fn create_parent(path: &std::path::Path) -> anyhow::Result<legend_fs::MadeDi
     legend_fs::MadeDirs::create(parent).with_context(|| format!("creating {}", parent.display()))
 }
 
-/// A flag raised by SIGINT/SIGTERM instead of dying, so that import and generate stop at their
-/// next check and remove their temporary directory (an interrupted command leaves nothing), and
-/// train stops at its next checkpointable point. A second signal ends the process at once.
-pub fn cancel_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
-    let cancel = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        // Registered first, so it sees the flag as the previous signal left it.
-        signal_hook::flag::register_conditional_shutdown(signal, 130, cancel.clone())
-            .context("installing a signal handler")?;
-        signal_hook::flag::register(signal, cancel.clone())
-            .context("installing a signal handler")?;
-    }
-    Ok(cancel)
+/// Makes SIGINT (Ctrl-C) and SIGTERM ask the command to stop instead of killing it: the first
+/// raises the returned flag, which the command checks (import and generate then remove their
+/// temporary directory; train stops at its next batch with a checkpoint), and `first` says at
+/// once what will happen; a second ends the process at once, with status 130, after `second`
+/// has said what that leaves. Both are told the signal's name (`Ctrl-C`, `SIGTERM`).
+pub fn stop_on_signals(
+    first: impl Fn(&str) + Send + 'static,
+    second: impl Fn(&str) + Send + 'static,
+) -> anyhow::Result<Arc<AtomicBool>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+        .context("installing a signal handler")?;
+    let raised = stop.clone();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            for (n, signal) in signals.forever().enumerate() {
+                let name = if signal == SIGINT {
+                    "Ctrl-C"
+                } else {
+                    "SIGTERM"
+                };
+                if n == 0 {
+                    raised.store(true, Ordering::SeqCst);
+                    first(name);
+                } else {
+                    second(name);
+                    std::process::exit(130);
+                }
+            }
+        })
+        .context("starting the signal thread")?;
+    Ok(stop)
 }
 
 /// Parses `train,valid,test` fractions such as `0.9,0.05,0.05` (checked further by the library).

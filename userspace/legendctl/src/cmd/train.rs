@@ -1,5 +1,8 @@
 //! `legendctl train`: a [`Session`] driven from the terminal (a progress bar, log lines,
-//! `--json` lines), stopped by SIGINT/SIGTERM at its next checkpointable point.
+//! `--json` lines), stopped by SIGINT/SIGTERM before its next batch, with a checkpoint there
+//! (`stopping`: what it says when asked).
+
+mod stopping;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -11,6 +14,7 @@ use legend_engine::Config;
 use legend_engine::evaluation::describe;
 use legend_engine::session::{Event, Outcome, Session};
 use legend_fs::Unguarded;
+use stopping::{Phase, StopNotes};
 
 /// Arguments of `legendctl train`.
 #[derive(clap::Args)]
@@ -39,8 +43,20 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let out = &args.out;
-    // From the start: a signal while the run is being set up stops it at its first boundary.
-    let stop = super::cancel_on_signals()?;
+    // From the start: a signal while the run is being set up stops it before its first batch.
+    // A resumed run starts from its checkpoint (corrected once it is read), a new one from
+    // nothing.
+    let notes = StopNotes::new(out, "scratch (no checkpoint yet)".into());
+    let stop = super::stop_on_signals(
+        {
+            let notes = notes.clone();
+            move |signal| notes.first(signal)
+        },
+        {
+            let notes = notes.clone();
+            move |signal| notes.second(signal)
+        },
+    )?;
     let mut session = if args.resume {
         if args.config.is_some() {
             bail!("--resume continues with the run's own config.toml; change keys with --set");
@@ -54,11 +70,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             )?;
             return Ok(());
         }
-        tracing::info!(
-            "resuming {} from {}",
-            out.display(),
-            session.position().describe()
-        );
+        let from = session.position().describe();
+        tracing::info!("resuming {} from {from}", out.display());
+        notes.set_checkpoint(from);
         session
     } else {
         let Some(dataset) = &args.dataset else {
@@ -81,7 +95,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     tracing::info!("device: {}", session.engine());
     tracing::info!("{}", session.describe());
-    let mut view = ProgressView::new(args.json);
+    let mut view = ProgressView::new(args.json, notes);
     let outcome = session.run(&stop, &mut |event| view.show(event))?;
     drop(view);
     match outcome {
@@ -121,21 +135,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// one every [`LOG_EVERY`] inside long epochs. `--json` lines go to stdout either way.
 struct ProgressView {
     json: bool,
+    /// Where the run is, for what a stop says.
+    notes: StopNotes,
     bar: Option<ProgressBar>,
     terminal: bool,
     epoch_edges: u64,
+    epochs: u32,
     logged: Instant,
     started: Instant,
     last_loss: Option<f64>,
 }
 
 impl ProgressView {
-    fn new(json: bool) -> ProgressView {
+    fn new(json: bool, notes: StopNotes) -> ProgressView {
         ProgressView {
             json,
+            notes,
             bar: None,
             terminal: std::io::stderr().is_terminal(),
             epoch_edges: 0,
+            epochs: 0,
             logged: Instant::now(),
             started: Instant::now(),
             last_loss: None,
@@ -164,34 +183,31 @@ impl ProgressView {
                 edges_done,
             } => {
                 self.epoch_edges = edges;
+                self.epochs = epochs;
                 self.logged = Instant::now();
+                self.notes.set_phase(Phase::Training { epoch, epochs });
                 if self.terminal {
                     let prefix = format!("epoch {epoch}/{epochs}");
                     match &self.bar {
                         Some(bar) => bar.set_prefix(prefix),
                         // Everything set before it is first drawn.
                         None => {
-                            self.bar = Some(
-                                Self::run_bar(epochs, edges)
-                                    .with_prefix(prefix)
-                                    .with_position(run_position(epoch, edges, edges_done)),
-                            )
+                            let bar = Self::run_bar(epochs, edges)
+                                .with_prefix(prefix)
+                                .with_position(run_position(epoch, edges, edges_done));
+                            self.notes.set_bar(Some(bar.clone()));
+                            self.bar = Some(bar);
                         }
                     }
                 }
             }
-            Event::Progress { epoch, edges_done } => match &self.bar {
-                Some(bar) => bar.set_position(run_position(epoch, self.epoch_edges, edges_done)),
-                None if self.logged.elapsed() >= LOG_EVERY => {
-                    self.logged = Instant::now();
-                    tracing::info!(
-                        "epoch {epoch}: {edges_done}/{} edges ({:.0}%)",
-                        self.epoch_edges,
-                        100.0 * edges_done as f64 / self.epoch_edges.max(1) as f64
-                    );
+            Event::Progress { epoch, edges_done } => {
+                if edges_done >= self.epoch_edges {
+                    let epochs = self.epochs;
+                    self.notes.set_phase(Phase::EndingEpoch { epoch, epochs });
                 }
-                None => {}
-            },
+                self.show_progress(epoch, edges_done);
+            }
             Event::EpochFinished {
                 report,
                 valid,
@@ -228,9 +244,11 @@ impl ProgressView {
                 self.print(line);
             }
             Event::Checkpoint { position } => {
+                self.notes.set_checkpoint(position.describe());
                 tracing::debug!("checkpoint committed at {}", position.describe());
             }
             Event::Evaluating { split } => {
+                self.notes.set_phase(Phase::Evaluating);
                 self.finish_bar();
                 tracing::info!("evaluating on {}", split.name());
             }
@@ -238,9 +256,26 @@ impl ProgressView {
         }
     }
 
+    /// Moves the bar, or logs how far the epoch is every [`LOG_EVERY`].
+    fn show_progress(&mut self, epoch: u32, edges_done: u64) {
+        match &self.bar {
+            Some(bar) => bar.set_position(run_position(epoch, self.epoch_edges, edges_done)),
+            None if self.logged.elapsed() >= LOG_EVERY => {
+                self.logged = Instant::now();
+                tracing::info!(
+                    "epoch {epoch}: {edges_done}/{} edges ({:.0}%)",
+                    self.epoch_edges,
+                    100.0 * edges_done as f64 / self.epoch_edges.max(1) as f64
+                );
+            }
+            None => {}
+        }
+    }
+
     /// Replaces the bar by one line saying what the run trained.
     fn finish_bar(&mut self) {
         if let Some(bar) = self.bar.take() {
+            self.notes.set_bar(None);
             bar.finish_and_clear();
             let loss = self
                 .last_loss
@@ -285,6 +320,7 @@ fn bar_message(report: &legend_engine::trainer::EpochReport) -> String {
 impl Drop for ProgressView {
     fn drop(&mut self) {
         if let Some(bar) = self.bar.take() {
+            self.notes.set_bar(None);
             bar.finish_and_clear();
         }
     }
