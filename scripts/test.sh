@@ -3,7 +3,7 @@
 # module's selftests in QEMU, and (when present) the NVRTC compile check of the CUDA kernels.
 # Every stage runs even if an earlier one failed; the last line is `test-suites: N passed, M failed`.
 # Tests that need a GPU are reported as ignored (skipped) without one; scripts/gpu/run-all.sh runs
-# them on a GPU machine. A stage that prints nothing for 10 s says so (`... NAME: working, N s`),
+# them on a GPU machine. A stage that prints nothing for 9 s says so (`... NAME: working, N s`),
 # so that a log never stalls silently (a long compile, QEMU booting). About 18 minutes on a busy
 # 2-core machine once the kernel-module toolchain is cached (README.md).
 set -uo pipefail
