@@ -646,13 +646,16 @@ impl<'a> QueryRun<'a> {
             let here = || at(i);
             let top = |top: usize| {
                 if top == 0 || top > max_top {
-                    // The run's entities bound a sane request, and `max_top` (a daemon's).
+                    // Past `max_top` (a daemon's limit), that limit; for none, a sane range:
+                    // up to the run's entities (more return them all), not `usize::MAX`.
+                    let most = if top == 0 {
+                        max_top.min(entities).max(1)
+                    } else {
+                        max_top
+                    };
                     return Err(QueryError::Malformed {
                         at: here(),
-                        why: format!(
-                            "top {top}: ask for 1 to {} entities",
-                            max_top.min(entities).max(1)
-                        ),
+                        why: format!("top {top}: ask for 1 to {most} entities"),
                     });
                 }
                 // Every entity but none twice.
