@@ -5,18 +5,23 @@
 # "Recipes"); the floor leaves room for float differences between machines, not for a
 # regression of the recipe's options (without them the same run gives 0.70). It says how the
 # run goes every 5 s (epoch, loss, the last valid MRR); the run's log is printed if it fails.
-# About 20 s on a busy 2-core machine (early stopping ends it near epoch 30), after the build:
-# `cargo build` recompiles the crates that `cargo test` built with its dev-dependencies'
-# features (seconds to 2 minutes, cargo's lines show it).
+# About 20 s on a busy 2-core machine (early stopping ends it near epoch 30), plus the build of
+# the debug legendctl when it is not given (below).
 # Usage: scripts/recipe-check.sh [FLOOR]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 floor=${1:-0.88}
 cache=${LEGEND_CACHE:-$HOME/.cache/legend}
 work=$cache/recipe-check
-echo "== building legendctl (debug; seconds after the test stage)"
-cargo build --locked -p legendctl --manifest-path "$root/Cargo.toml"
-bin=${CARGO_TARGET_DIR:-$root/target}/debug/legendctl
+# scripts/test.sh passes the binary its test stage built (LEGENDCTL): a `cargo build` here
+# resolves features for legendctl alone, not for the workspace's tests, and rebuilds 24 crates
+# (6.5 minutes on a busy 2-core machine).
+bin=${LEGENDCTL:-}
+if [ -z "$bin" ] || [ ! -x "$bin" ]; then
+  echo "== building legendctl (debug)"
+  cargo build --locked -p legendctl --manifest-path "$root/Cargo.toml"
+  bin=${CARGO_TARGET_DIR:-$root/target}/debug/legendctl
+fi
 "$root/scripts/pykeen-graph.sh" umls "$work/raw/umls"
 dataset=$work/datasets/umls
 if [ ! -f "$dataset/dataset.toml" ]; then

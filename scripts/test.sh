@@ -26,6 +26,7 @@ stage() {
     failed=$((failed + 1))
     failures+=("$name")
     echo "=== $name: FAILED ($((SECONDS - start)) s)"
+    return 1
   fi
 }
 
@@ -47,7 +48,13 @@ cargo_tests() {
   rm -f "$log"
   return "$status"
 }
-stage cargo-test cargo_tests
+# The binaries the recipe and NVRTC stages run were built by cargo-test with the workspace's
+# test features: given to them, they are not built again for other features (minutes). After a
+# failed test stage they build their own (a failed compile would leave stale binaries here).
+if stage cargo-test cargo_tests; then
+  debug=${CARGO_TARGET_DIR:-$PWD/target}/debug
+  export LEGENDCTL=$debug/legendctl LEGEND_NVRTC_CHECK=$debug/legend-nvrtc-check
+fi
 stage recipe scripts/recipe-check.sh
 stage kmod-selftests tests/kmod/run
 if [ -x scripts/gpu/nvrtc-check.sh ]; then
