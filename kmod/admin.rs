@@ -46,9 +46,11 @@ use kernel::{
 };
 
 use crate::{
-    controller::Bar0,
     mapping::DmaPage,
-    regs, //
+    regs::{
+        self,
+        Bar0, //
+    },
 };
 
 /// Entries in each admin queue; small because the driver issues one command at a time.

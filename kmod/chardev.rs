@@ -7,13 +7,7 @@
 //! `ADMIN` passthrough (Identify, SMART), so monitoring works beside the service that owns the
 //! queues.
 
-use core::{
-    ffi::c_void,
-    sync::atomic::{
-        AtomicU64,
-        Ordering, //
-    },
-};
+use core::ffi::c_void;
 
 use kernel::{
     bindings,
@@ -24,6 +18,7 @@ use kernel::{
     ioctl::_IOC_SIZE,
     miscdevice::{
         MiscDevice,
+        MiscDeviceOptions,
         MiscDeviceRegistration, //
     },
     mm::virt::VmaNew,
@@ -41,11 +36,8 @@ use kernel::{
 
 use crate::{
     admin,
-    controller::{
-        Controller,
-        Owner, //
-    },
-    driver::Registered,
+    controller::Controller,
+    owner::Owner,
     uapi, //
 };
 
@@ -75,11 +67,41 @@ impl_bytes!(
     uapi::AdminArgs
 );
 
-/// Source of [`OpenFile::owner`] numbers.
-static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
+/// The character device of one controller; deregistered when dropped, after which no `open`
+/// reaches the controller through it.
+#[pin_data]
+pub(crate) struct CharDevice {
+    #[pin]
+    misc: MiscDeviceRegistration<OpenFile>,
+    ctrl: Arc<Controller>,
+}
+
+impl CharDevice {
+    /// Registers `/dev/<name>` for `ctrl`.
+    pub(crate) fn register(
+        ctrl: Arc<Controller>,
+        name: &'static CStr,
+    ) -> impl PinInit<Self, Error> {
+        // `ctrl` first: an `open` may run as soon as the device is registered.
+        try_pin_init!(Self {
+            ctrl,
+            misc <- MiscDeviceRegistration::register(MiscDeviceOptions { name }),
+        })
+    }
+
+    /// The controller behind the character device `misc`.
+    fn controller_of(misc: &MiscDeviceRegistration<OpenFile>) -> Arc<Controller> {
+        let misc = core::ptr::from_ref(misc).cast_mut();
+        // SAFETY: every `MiscDeviceRegistration<OpenFile>` is the `misc` field of a `CharDevice`
+        // (only `register` makes one), and `open` (the only caller) runs under the misc core's
+        // lock, which deregistration also takes, so the `CharDevice` is alive.
+        let this = unsafe { &*kernel::container_of!(misc, CharDevice, misc) };
+        this.ctrl.clone()
+    }
+}
 
 /// State of one open file: the controller, and the number that owns what it creates.
-pub(crate) struct OpenFile {
+struct OpenFile {
     ctrl: Arc<Controller>,
     owner: Owner,
     /// Opened for writing: the controller's one writer.
@@ -109,8 +131,8 @@ impl MiscDevice for OpenFile {
     type Ptr = Pin<KBox<Self>>;
 
     fn open(file: &File, misc: &MiscDeviceRegistration<Self>) -> Result<Pin<KBox<Self>>> {
-        let ctrl = Registered::controller_of(misc);
-        let owner = NEXT_OWNER.fetch_add(1, Ordering::Relaxed);
+        let ctrl = CharDevice::controller_of(misc);
+        let owner = Owner::new_unique();
         let writer = file.flags() & file::flags::O_ACCMODE != file::flags::O_RDONLY;
         if writer {
             ctrl.claim_writer(owner)?;
@@ -135,22 +157,13 @@ impl MiscDevice for OpenFile {
             uapi::IOCTL_MAP => {
                 me.writer()?;
                 let (mut r, mut w) = user.reader_writer();
-                let mut args: uapi::MapArgs = r.read()?;
-                let (handle, page_size) = Controller::map(ctrl, owner, &args, |bus| {
+                let args: uapi::MapArgs = r.read()?;
+                Controller::map(ctrl, owner, &args, |out, bus| {
                     UserSlice::new(UserPtr::from_addr(args.bus_addrs as usize), bus.len() * 8)
                         .writer()
-                        .write_slice(<[u64] as AsBytes>::as_bytes(bus))
+                        .write_slice(<[u64] as AsBytes>::as_bytes(bus))?;
+                    w.write(out)
                 })?;
-                args.handle = handle;
-                args.page_size = page_size;
-                // CAST: at most `MAX_GPU_PAGES` pages of the validated length.
-                args.pages = (args.len / u64::from(page_size)) as u32;
-                if let Err(e) = w.write(&args) {
-                    // Nothing is in flight with this mapping yet, and nothing could have used
-                    // its handle: undone like an UNMAP of a mapping no queue refers to.
-                    let _ = ctrl.unmap(owner, handle);
-                    return Err(e);
-                }
             }
             uapi::IOCTL_UNMAP => {
                 me.writer()?;
@@ -167,10 +180,10 @@ impl MiscDevice for OpenFile {
                 let (sq, cq) = ctrl.create_queue_pair(owner, &args)?;
                 args.sq_doorbell = sq;
                 args.cq_doorbell = cq;
-                if let Err(e) = w.write(&args) {
-                    let _ = ctrl.delete_queue_pair(owner, args.qid);
-                    return Err(e);
-                }
+                // Copied without a lock held (it may fault); if it cannot be, the queue pair
+                // goes again, on the controller and from the records.
+                w.write(&args)
+                    .inspect_err(|_| ctrl.undo_create_queue_pair(owner, args.qid))?;
             }
             uapi::IOCTL_DELETE_QUEUE_PAIR => {
                 me.writer()?;
@@ -213,7 +226,6 @@ impl MiscDevice for OpenFile {
         if pgoff != 0 || len > doorbell_len {
             return Err(EINVAL);
         }
-        me.ctrl.add_mmap(file.as_ptr())?;
         let ctx = core::ptr::from_ref::<OpenFile>(&me).cast::<c_void>();
         // SAFETY: `vma` is being set up; `ctx` stays valid while the VMA exists, since the VMA
         // holds a reference to the file that owns this `OpenFile`. Pages are inserted on fault
@@ -222,7 +234,8 @@ impl MiscDevice for OpenFile {
         if ret != 0 {
             return Err(Error::from_errno(ret));
         }
-        Ok(())
+        // Recorded last, once nothing else can fail: a refused `mmap` leaves nothing behind.
+        me.ctrl.add_mmap(file.as_ptr())
     }
 }
 

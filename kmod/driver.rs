@@ -10,17 +10,13 @@ use core::sync::atomic::{
 use kernel::{
     device::Core,
     device_id::IdArray,
-    miscdevice::{
-        MiscDeviceOptions,
-        MiscDeviceRegistration, //
-    },
     pci,
     prelude::*,
     sync::Arc, //
 };
 
 use crate::{
-    chardev::OpenFile,
+    chardev::CharDevice,
     controller::Controller,
     sysfs::StatsFiles, //
 };
@@ -83,27 +79,15 @@ impl Drop for Quiesced {
 /// Driver data of a bound controller.
 ///
 /// Fields drop in declaration order: the sysfs counters go first, then the character device is
-/// deregistered (so no `open` can look at `ctrl` any more), then the controller reference and the
-/// name are released.
+/// deregistered (so no `open` can reach the controller any more), then the controller reference
+/// and the name are released.
 #[pin_data]
 pub(crate) struct Registered {
     _stats: StatsFiles,
     #[pin]
-    misc: MiscDeviceRegistration<OpenFile>,
+    _chardev: CharDevice,
     ctrl: Quiesced,
     _name: NameSlot,
-}
-
-impl Registered {
-    /// The controller behind the character device `misc`.
-    pub(crate) fn controller_of(misc: &MiscDeviceRegistration<OpenFile>) -> Arc<Controller> {
-        let misc = core::ptr::from_ref(misc).cast_mut();
-        // SAFETY: every `MiscDeviceRegistration<OpenFile>` is the `misc` field of a `Registered`,
-        // and `open` (the only caller) runs under the misc core's lock, which deregistration also
-        // takes, so the `Registered` is alive.
-        let this = unsafe { &*kernel::container_of!(misc, Registered, misc) };
-        this.ctrl.0.clone()
-    }
 }
 
 pub(crate) struct LegendNvme;
@@ -127,14 +111,12 @@ impl pci::Driver for LegendNvme {
             let name = NameSlot::claim()?;
             let ctrl = Quiesced(Controller::probe(pdev)?);
             let stats = StatsFiles::new(ctrl.0.clone(), name.0)?;
-            let options = MiscDeviceOptions {
-                name: NAMES[name.0],
-            };
+            let chardev = CharDevice::register(ctrl.0.clone(), NAMES[name.0]);
             Ok(try_pin_init!(Registered {
                 _stats: stats,
                 ctrl,
                 _name: name,
-                misc <- MiscDeviceRegistration::register(options),
+                _chardev <- chardev,
             }))
         })
     }

@@ -7,9 +7,12 @@ mod admin;
 mod chardev;
 mod controller;
 mod driver;
+mod isolation;
 mod mapping;
+mod owner;
 mod p2p;
 mod regs;
+mod rules;
 mod sysfs;
 // The ABI file is shared with userspace: some items are used only there, and `pub` is its API.
 #[allow(dead_code, unreachable_pub)]
@@ -22,14 +25,5 @@ kernel::module_pci_driver! {
     authors: ["The Legend authors"],
     description: "NVMe queue pairs in caller-supplied memory for GPU-direct I/O",
     license: "GPL",
-    params: {
-        enable_unsafe_noiommu_mode: bool {
-            default: false,
-            description: "Bind controllers that no translating IOMMU isolates (taints the kernel): whoever opens the device can then DMA to any memory",
-        },
-        enable_unsafe_lazy_iotlb: bool {
-            default: false,
-            description: "Bind controllers whose IOMMU domain invalidates lazily (DMA-FQ; taints the kernel): unmapped and unpinned memory then stays reachable by the queue writer's DMA for up to ~10 ms",
-        },
-    },
+    // The `enable_unsafe_*` parameters are declared in shim.c, where they can be shown in sysfs.
 }

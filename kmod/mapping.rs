@@ -3,7 +3,7 @@
 //! Pinned host memory and kernel pages, and their streaming DMA mappings for one controller.
 //!
 //! The `unsafe` calls into the C shim are kept here: a [`PinnedPages`] owns page pins and their
-//! charge against the pinning process's locked-memory limit, a [`HostPages`] those and their DMA
+//! charge to the pinning user's locked memory, a [`HostPages`] those and their DMA
 //! mapping, and a [`DmaPage`] a kernel page and its mapping; each releases what it owns when
 //! dropped.
 //!
@@ -34,12 +34,15 @@ extern "C" {
         npages: usize,
         pages: *mut *mut bindings::page,
         mm: *mut *mut bindings::mm_struct,
+        user: *mut *mut RawUser,
     ) -> isize;
     fn legend_shim_unpin_user(
         pages: *mut *mut bindings::page,
         npages: usize,
         mm: *mut bindings::mm_struct,
+        user: *mut RawUser,
     );
+    fn legend_shim_page_phys(page: *mut bindings::page) -> u64;
     fn legend_shim_dma_map_page(
         dev: *mut bindings::device,
         page: *mut bindings::page,
@@ -167,21 +170,34 @@ pub(crate) fn raw_device(dev: &device::Device) -> *mut bindings::device {
 /// Most pages one mapping may pin (1 GiB of host memory).
 pub(crate) const MAX_HOST_PAGES: usize = 1 << 18;
 
-/// User pages pinned with `FOLL_LONGTERM` and charged to their process's `RLIMIT_MEMLOCK`; no
-/// device involved, so pinning (which may wait on a page fault for as long as a userfaultfd
-/// handler likes) needs neither a bound device nor any lock of the controller.
+/// The kernel's `struct user_struct` (a user's resource counters); only handled by pointer.
+#[repr(C)]
+struct RawUser {
+    _opaque: [u8; 0],
+}
+
+/// User pages pinned with `FOLL_LONGTERM`; no device involved, so pinning (which may wait on a
+/// page fault for as long as a userfaultfd handler likes) needs neither a bound device nor any
+/// lock of the controller.
+///
+/// The pages are charged to the pinning user's locked memory (`user->locked_vm`, the counter
+/// io_uring's registered buffers and iommufd use too), against the pinning process's
+/// `RLIMIT_MEMLOCK` unless it has `CAP_IPC_LOCK`, and counted in its `VmPin`: one limit bounds
+/// what a user pins in all its processes, whoever releases the pages later.
 ///
 /// # Invariants
 ///
-/// `pages` holds pinned pages, each pinned once by this object and charged to `mm`, of which
-/// this object holds a reference (`mmgrab`).
+/// `pages` holds pinned pages, each pinned once by this object, counted in `mm`'s `pinned_vm`
+/// and charged to `user` (unless null), of which this object holds references (`mmgrab`,
+/// `get_uid`).
 pub(crate) struct PinnedPages {
     pages: KVVec<*mut bindings::page>,
     mm: *mut bindings::mm_struct,
+    user: *mut RawUser,
 }
 
-// SAFETY: the page and mm pointers are references owned through pins and `mmgrab`; unpinning and
-// uncharging may happen on any thread.
+// SAFETY: the page, mm and user pointers are references owned through pins, `mmgrab` and
+// `get_uid`; unpinning and uncharging may happen on any thread.
 unsafe impl Send for PinnedPages {}
 
 impl PinnedPages {
@@ -190,31 +206,40 @@ impl PinnedPages {
     /// # Errors
     ///
     /// - `EFAULT` if the range is not fully mapped writable memory of the caller.
-    /// - `ENOMEM` beyond the caller's `RLIMIT_MEMLOCK` (without `CAP_IPC_LOCK`), or without
-    ///   memory.
+    /// - `ENOMEM` if the caller's user would have more locked memory than the caller's
+    ///   `RLIMIT_MEMLOCK` (without `CAP_IPC_LOCK`), or without memory.
     pub(crate) fn pin(uaddr: u64, npages: usize) -> Result<Self> {
         let uaddr = usize::try_from(uaddr).map_err(|_| EINVAL)?;
         // Before pinning: no allocation can fail with pages pinned and not owned.
         let mut pages = KVVec::with_capacity(npages, GFP_KERNEL)?;
-        let mut mm = core::ptr::null_mut();
+        let (mut mm, mut user) = (core::ptr::null_mut(), core::ptr::null_mut());
         // SAFETY: `pages` has room for `npages` entries; the shim pins all of them or none.
-        let got = unsafe { legend_shim_pin_user(uaddr, npages, pages.as_mut_ptr(), &mut mm) };
+        let got =
+            unsafe { legend_shim_pin_user(uaddr, npages, pages.as_mut_ptr(), &mut mm, &mut user) };
         if got < 0 {
             // CAST: a negative errno fits in an i32.
             return Err(Error::from_errno(got as i32));
         }
         // SAFETY: the shim pinned and initialised all `npages` entries.
         unsafe { pages.inc_len(npages) };
-        // INVARIANT: the pages are pinned and charged to `mm`, which the shim grabbed.
-        Ok(Self { pages, mm })
+        // INVARIANT: the pages are pinned, counted in `mm` and charged to `user`, both of which
+        // the shim took references to.
+        Ok(Self { pages, mm, user })
     }
 }
 
 impl Drop for PinnedPages {
     fn drop(&mut self) {
-        // SAFETY: by the invariants each page is pinned once by this object and charged to `mm`,
-        // whose reference this releases.
-        unsafe { legend_shim_unpin_user(self.pages.as_mut_ptr(), self.pages.len(), self.mm) };
+        // SAFETY: by the invariants each page is pinned once by this object, counted in `mm` and
+        // charged to `user`, whose references this releases.
+        unsafe {
+            legend_shim_unpin_user(
+                self.pages.as_mut_ptr(),
+                self.pages.len(),
+                self.mm,
+                self.user,
+            )
+        };
     }
 }
 
@@ -295,6 +320,12 @@ impl HostPages {
     /// Bytes pinned.
     pub(crate) fn len(&self) -> usize {
         self.pinned.pages.len() * uapi::HOST_PAGE_SIZE as usize
+    }
+
+    /// Physical address of page `i` (`i` below the number of pages).
+    pub(crate) fn frame(&self, i: usize) -> u64 {
+        // SAFETY: the page is pinned by `self.pinned` (its invariants).
+        unsafe { legend_shim_page_phys(self.pinned.pages[i]) }
     }
 }
 

@@ -13,7 +13,6 @@ use kernel::{
 
 use super::{
     Controller,
-    Owner,
     State, //
 };
 use crate::{
@@ -22,6 +21,7 @@ use crate::{
         PinnedPages,
         MAX_HOST_PAGES, //
     },
+    owner::Owner,
     p2p::{
         GpuPages,
         Revoker, //
@@ -60,6 +60,15 @@ impl Memory {
             Self::Gpu(p) => p.len(),
         }
     }
+
+    /// Physical address of the [`Memory::page_size`] page `i` (below the number of pages): the
+    /// memory's identity, whatever bus address a mapping gives it.
+    pub(super) fn frame(&self, i: usize) -> u64 {
+        match self {
+            Self::Host(p) => p.frame(i),
+            Self::Gpu(p) => p.frame(i),
+        }
+    }
 }
 
 /// A [`uapi::MapArgs`] mapping.
@@ -78,9 +87,16 @@ pub(super) struct Mapping {
 }
 
 impl Controller {
-    /// Pins `args.len` bytes at `args.addr` for `owner`, hands the bus addresses to `publish`
-    /// (which copies them to the caller) and records the mapping; returns its handle and page
-    /// size.
+    /// Pins `args.len` bytes at `args.addr` for `owner` and records the mapping; `publish` hands
+    /// the caller its result (`args` with `handle`, `page_size` and `pages` filled in) and the bus
+    /// addresses.
+    ///
+    /// Nothing of the mapping is left if any step fails, `publish` included (the caller's output
+    /// that cannot be written): until `publish` returned, the mapping is recorded (so unbind
+    /// drops it) but no call can use its handle, and undoing it needs no other check. The caller
+    /// may have learnt its bus addresses by then, and a command of one of its live queues may
+    /// name them: in the strict domain bind requires, the unmap makes such a command fault in the
+    /// IOMMU before the memory is unpinned.
     ///
     /// # Errors
     ///
@@ -93,8 +109,8 @@ impl Controller {
         this: &Arc<Self>,
         owner: Owner,
         args: &uapi::MapArgs,
-        publish: impl FnOnce(&[u64]) -> Result,
-    ) -> Result<(u32, u32)> {
+        publish: impl FnOnce(&uapi::MapArgs, &[u64]) -> Result,
+    ) -> Result {
         if args.flags != 0 {
             return Err(EINVAL);
         }
@@ -104,28 +120,34 @@ impl Controller {
             uapi::MAP_KIND_GPU => (uapi::GPU_PAGE_SIZE, MAX_GPU_PAGES),
             _ => return Err(EINVAL),
         };
-        let page = u64::from(page);
-        if args.len == 0 || args.len % page != 0 || args.addr % page != 0 {
+        let page_size = u64::from(page);
+        if args.len == 0 || args.len % page_size != 0 || args.addr % page_size != 0 {
             return Err(EINVAL);
         }
         args.addr.checked_add(args.len).ok_or(EINVAL)?;
-        let npages = args.len / page;
+        let npages = args.len / page_size;
         if npages > max {
             return Err(E2BIG);
         }
         if u64::from(args.bus_addrs_cap) < npages {
             return Err(ENOSPC);
         }
+        let out = |handle| uapi::MapArgs {
+            handle,
+            page_size: page,
+            // CAST: at most `MAX_GPU_PAGES`.
+            pages: npages as u32,
+            ..*args
+        };
         if args.kind == uapi::MAP_KIND_HOST {
             // Pinning may wait on page faults (a userfaultfd range) for as long as the process
             // likes: it holds no lock and nothing that unbind waits for.
             // CAST: `npages <= MAX_HOST_PAGES`.
             let pinned = PinnedPages::pin(args.addr, npages as usize)?;
             let (handle, bus) = this.record_host(owner, pinned)?;
-            // Published outside the lock (the copy may fault too); a fault forgets the mapping.
-            publish(&bus).inspect_err(|_| this.forget_unpublished(owner, handle))?;
-            this.mark_published(owner, handle)?;
-            return Ok((handle, uapi::HOST_PAGE_SIZE));
+            // Published outside the lock (the copies may fault too); a fault forgets the mapping.
+            publish(&out(handle), &bus).inspect_err(|_| this.forget_unpublished(owner, handle))?;
+            return this.mark_published(owner, handle);
         }
         let (_ticket, handle) = PinTicket::take(this)?;
         let revoker: Arc<dyn Revoker> = this.clone();
@@ -134,11 +156,9 @@ impl Controller {
         let memory = Memory::Gpu(GpuPages::pin(
             &this.pdev, args.addr, args.len, revoker, owner, handle,
         )?);
-        // Published before the mapping is recorded: a fault leaves nothing behind.
-        publish(memory.bus_addrs())?;
-        let page_size = memory.page_size();
-        this.insert(owner, handle, memory)?;
-        Ok((handle, page_size))
+        // Published before the mapping is recorded: a fault drops the memory.
+        publish(&out(handle), memory.bus_addrs())?;
+        this.insert(owner, handle, memory)
     }
 
     /// Maps `pinned` for the controller under the state lock (so the device is bound) and

@@ -39,7 +39,7 @@ use kernel::{
 };
 
 use crate::{
-    controller::Owner,
+    owner::Owner,
     uapi, //
 };
 
@@ -258,7 +258,8 @@ enum Mode {
 /// - `table` and `dma` come from `nvidia_p2p_get_pages[_persistent]` and
 ///   `nvidia_p2p_dma_map_pages` for `pdev`, and are released only by `Drop` (or by NVIDIA after
 ///   the free callback revoked a [`Mode::Callback`] mapping).
-/// - `bus` holds `table.entries` bus addresses of 64 KiB pages.
+/// - `bus` holds `table.entries` bus addresses of 64 KiB pages, and `frames` their physical
+///   addresses (in the GPU's BAR).
 pub(crate) struct GpuPages {
     api: Api,
     pdev: ARef<pci::Device>,
@@ -266,6 +267,7 @@ pub(crate) struct GpuPages {
     table: *mut nv::nvidia_p2p_page_table,
     dma: *mut nv::nvidia_p2p_dma_mapping,
     bus: KVVec<u64>,
+    frames: KVVec<u64>,
     mode: Mode,
 }
 
@@ -366,6 +368,7 @@ impl GpuPages {
             table,
             dma: core::ptr::null_mut(),
             bus: KVVec::new(),
+            frames: KVVec::new(),
             mode,
         };
         // From here on, `this` releases the pages on every error path.
@@ -442,6 +445,15 @@ impl GpuPages {
         // SAFETY: a compatible mapping holds `entries` addresses at `dma_addresses`.
         let addrs = unsafe { core::slice::from_raw_parts(dma.dma_addresses, n) };
         self.bus.extend_from_slice(addrs, GFP_KERNEL)?;
+        // Copied while the table is valid (`life` held): later readers need no lock.
+        self.frames.reserve(n, GFP_KERNEL)?;
+        // SAFETY: a compatible table holds `entries` pointers to pages at `pages`.
+        let pages = unsafe { core::slice::from_raw_parts(table.pages, n) };
+        for &p in pages {
+            // SAFETY: each entry of a live table points to a page description.
+            let phys = unsafe { (*p).physical_address };
+            self.frames.push(phys, GFP_KERNEL)?;
+        }
         drop(life);
         Ok(())
     }
@@ -462,6 +474,11 @@ impl GpuPages {
     /// Bytes pinned.
     pub(crate) fn len(&self) -> usize {
         self.bus.len() * uapi::GPU_PAGE_SIZE as usize
+    }
+
+    /// Physical address of page `i` (`i` below the number of pages).
+    pub(crate) fn frame(&self, i: usize) -> u64 {
+        self.frames[i]
     }
 }
 

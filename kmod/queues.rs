@@ -10,12 +10,16 @@ use kernel::prelude::*;
 use super::{
     Controller,
     Live,
-    Owner,
     State, //
 };
 use crate::{
     admin::Command,
+    owner::Owner,
     regs,
+    rules::{
+        self,
+        Span, //
+    },
     uapi, //
 };
 
@@ -33,8 +37,9 @@ pub(super) struct QueuePair {
     pub(super) qid: u32,
     /// [`Live::epoch`] when it was created.
     pub(super) epoch: u64,
-    /// Bytes `[start, end)` of each ring within its mapping: `(handle, start, end)`.
-    pub(super) rings: [(u32, u64, u64); 2],
+    /// The physical memory of its SQ and CQ, sorted and merged ([`rules::normalize`]): no other
+    /// ring may share a byte of it, whatever mapping (or handle) that ring came through.
+    footprint: KVec<Span>,
 }
 
 impl Controller {
@@ -51,18 +56,20 @@ impl Controller {
             && self.seen.epoch.load(Ordering::Acquire) == q.epoch
     }
 
-    /// Bus address of `bytes` at `offset` of mapping `handle`, which must be contiguous.
+    /// Bus address and physical footprint (sorted and merged) of `bytes` at `offset` of mapping
+    /// `handle`, which must be contiguous in bus address space.
     ///
     /// # Errors
     ///
-    /// `ENOENT` for an unknown handle, `ENXIO` if NVIDIA freed its memory, `EINVAL` otherwise.
-    fn queue_memory(
+    /// `ENOENT` for an unknown handle, `ENXIO` if NVIDIA freed its memory, `ENOMEM`, `EINVAL`
+    /// otherwise.
+    fn ring_memory(
         state: &State,
         owner: Owner,
         handle: u32,
         offset: u64,
         bytes: u64,
-    ) -> Result<u64> {
+    ) -> Result<(u64, KVec<Span>)> {
         let m = state
             .maps
             .iter()
@@ -88,7 +95,13 @@ impl Controller {
                 return Err(EINVAL);
             }
         }
-        Ok(bus[first] + offset % page)
+        let mut footprint = KVec::with_capacity(last - first + 1, GFP_KERNEL)?;
+        for span in rules::ring_spans(offset, bytes, page, |i| m.memory.frame(i)) {
+            footprint.push(span, GFP_KERNEL)?;
+        }
+        let n = rules::normalize(&mut footprint);
+        footprint.truncate(n);
+        Ok((bus[first] + offset % page, footprint))
     }
 
     /// Creates I/O queue pair `args.qid` in memory of `owner`'s mappings; returns the byte offsets
@@ -113,16 +126,6 @@ impl Controller {
         }
         self.check_group_alone()?;
         let depth = u64::from(args.depth);
-        let rings = [
-            (args.sq_handle, args.sq_offset, depth * 64),
-            (args.cq_handle, args.cq_offset, depth * 16),
-        ]
-        .map(|(h, off, len)| (h, off, off.saturating_add(len)));
-        let [(sh, ss, se), (ch, cs, ce)] = rings;
-        // The controller would overwrite commands with completions.
-        if sh == ch && ss < ce && cs < se {
-            return Err(EINVAL);
-        }
         let mut guard = self.state.lock();
         let state = &mut *guard;
         let mut live_guard = self.live.lock();
@@ -136,18 +139,23 @@ impl Controller {
         if state.queues.iter().any(|q| q.qid == args.qid) {
             return Err(EBUSY);
         }
-        // Another queue's rings would be overwritten by this one's.
-        if state.queues.iter().any(|q| {
-            q.rings.iter().any(|&(h, s, e)| {
-                rings
-                    .iter()
-                    .any(|&(h2, s2, e2)| h == h2 && s < e2 && s2 < e)
+        let (sq, mut footprint) =
+            Self::ring_memory(state, owner, args.sq_handle, args.sq_offset, depth * 64)?;
+        let (cq, cq_footprint) =
+            Self::ring_memory(state, owner, args.cq_handle, args.cq_offset, depth * 16)?;
+        // Compared by memory, not by handle: the same pages mapped twice have two handles. The
+        // controller would overwrite commands with completions, or another queue's entries.
+        if rules::overlap(&footprint, &cq_footprint)
+            || state.queues.iter().any(|q| {
+                rules::overlap(&q.footprint, &footprint)
+                    || rules::overlap(&q.footprint, &cq_footprint)
             })
-        }) {
+        {
             return Err(EINVAL);
         }
-        let sq = Self::queue_memory(state, owner, args.sq_handle, args.sq_offset, depth * 64)?;
-        let cq = Self::queue_memory(state, owner, args.cq_handle, args.cq_offset, depth * 16)?;
+        footprint.extend_from_slice(&cq_footprint, GFP_KERNEL)?;
+        let n = rules::normalize(&mut footprint);
+        footprint.truncate(n);
         state.queues.reserve(1, GFP_KERNEL)?;
         let size_qid = ((args.depth - 1) << 16) | args.qid;
         // Polled queue: physically contiguous, interrupts disabled.
@@ -156,10 +164,14 @@ impl Controller {
             return Err(EIO);
         }
         let sq_cdw = [size_qid, (args.qid << 16) | 1, 0, 0, 0, 0];
-        if !self.create_on_device(live, "SQ", OPC_CREATE_SQ, sq, sq_cdw, args.qid)? {
-            // The CQ must go too; if it cannot, the controller is stopped instead.
-            self.delete_on_device(live, args.qid, &[OPC_DELETE_CQ])?;
-            return Err(EIO);
+        let sq_created = self.create_on_device(live, "SQ", OPC_CREATE_SQ, sq, sq_cdw, args.qid);
+        if !matches!(sq_created, Ok(true)) {
+            // The CQ must go too, however the SQ failed (a refusal, no memory for the command);
+            // if it cannot, the controller is stopped instead. A failed controller has no queue.
+            if !live.failed {
+                self.delete_on_device(live, args.qid, &[OPC_DELETE_CQ])?;
+            }
+            return Err(sq_created.err().unwrap_or(EIO));
         }
         let epoch = live.epoch;
         // Capacity reserved above: cannot fail.
@@ -168,7 +180,7 @@ impl Controller {
                 owner,
                 qid: args.qid,
                 epoch,
-                rings: [(sh, ss, se), (ch, cs, ce)],
+                footprint,
             },
             GFP_KERNEL,
         )?;
@@ -183,13 +195,6 @@ impl Controller {
         Ok((offset(2 * qid), offset(2 * qid + 1)))
     }
 
-    /// Deletes queue `qid` on the controller with `opcodes` (SQ before CQ, as the specification
-    /// requires). A refusal or an admin failure quiesces the controller.
-    ///
-    /// # Errors
-    ///
-    /// `EIO`, whatever failed (a refusal, a timeout); the controller is then disabled and holds
-    /// no queue.
     /// Runs one Create I/O CQ or SQ command (`what`) for `qid`: `false` (logged) when the
     /// controller refused it.
     fn create_on_device(
@@ -223,9 +228,16 @@ impl Controller {
         Ok(c.status == 0)
     }
 
+    /// Deletes queue `qid` on the controller with `opcodes` (SQ before CQ, as the specification
+    /// requires). Any failure (a refusal, a timeout, no memory for the command) quiesces the
+    /// controller: either way the queue is gone from it when this returns.
+    ///
+    /// # Errors
+    ///
+    /// `EIO`, whatever failed; the controller is then disabled and holds no queue.
     pub(super) fn delete_on_device(&self, live: &mut Live, qid: u32, opcodes: &[u8]) -> Result {
         for &opcode in opcodes {
-            let c = self
+            let status = self
                 .admin(
                     live,
                     &Command {
@@ -235,14 +247,16 @@ impl Controller {
                     },
                     None,
                 )
-                .map_err(|_| EIO)?;
-            if c.status != 0 {
-                dev_err!(
-                    self.dev(),
-                    "deleting queue {} failed with status {:#x}\n",
-                    qid,
-                    c.status
-                );
+                .map(|c| c.status);
+            if status != Ok(0) {
+                if let Ok(status) = status {
+                    dev_err!(
+                        self.dev(),
+                        "deleting queue {} failed with status {:#x}\n",
+                        qid,
+                        status
+                    );
+                }
                 self.quiesce(live, "a queue could not be deleted");
                 return Err(EIO);
             }
@@ -285,14 +299,32 @@ impl Controller {
         self.delete_queue(&mut guard, i)
     }
 
+    /// Deletes queue pair `i` of `state` and forgets it, whatever the deletion reports: a
+    /// failure quiesced the controller, so it is not on the device either.
+    fn delete_and_forget(&self, state: &mut State, i: usize) {
+        if self.delete_queue(state, i).is_err() {
+            let _ = state.queues.remove(i);
+        }
+    }
+
+    /// Undoes [`Controller::create_queue_pair`] of `qid` for `owner`, whose result could not be
+    /// handed to the caller: the queue pair leaves the controller and the records.
+    pub(crate) fn undo_create_queue_pair(&self, owner: Owner, qid: u32) {
+        let mut guard = self.state.lock();
+        if let Some(i) = guard
+            .queues
+            .iter()
+            .position(|q| q.owner == owner && q.qid == qid)
+        {
+            self.delete_and_forget(&mut guard, i);
+        }
+    }
+
     /// Deletes every queue pair of `owner`; a failure quiesces the controller, after which none
     /// is left on it either.
     pub(super) fn delete_queues_of(&self, state: &mut State, owner: Owner) {
         while let Some(i) = state.queues.iter().position(|q| q.owner == owner) {
-            if self.delete_queue(state, i).is_err() {
-                // Quiesced: nothing is on the device any more.
-                let _ = state.queues.remove(i);
-            }
+            self.delete_and_forget(state, i);
         }
     }
 }

@@ -2,7 +2,10 @@
 
 //! NVMe controller registers (NVMe Base Specification 2.0, section 3.1.4).
 
-use kernel::io::register;
+use kernel::{
+    io::register,
+    pci, //
+};
 
 register! {
     // The 64-bit registers are accessed as two dwords: `Mmio` regions guarantee 4-byte
@@ -83,8 +86,15 @@ register! {
 }
 
 /// Offset of the first doorbell (admin SQ tail).
-pub(crate) const DOORBELLS: usize = 0x1000;
+// CAST: 0x1000.
+pub(crate) const DOORBELLS: usize = crate::rules::DOORBELL_OFFSET as usize;
 
 /// Size of BAR0 the driver requires: the registers plus a page of doorbells. A power of two, so
 /// the region is aligned for 64-bit register access; controllers implement at least 8 KiB.
 pub(crate) const BAR0_MIN: usize = 0x2000;
+
+/// BAR0 as the driver maps it: at least [`BAR0_MIN`] bytes.
+pub(crate) type Bar0<'a> = pci::Bar<'a, BAR0_MIN>;
+
+/// [`Bar0`] held for as long as the device is bound.
+pub(crate) type DevresBar0 = pci::DevresBar<BAR0_MIN>;

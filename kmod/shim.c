@@ -2,7 +2,8 @@
 /*
  * Kernel facilities that are macros or static inlines in C and have no Rust abstraction in 7.3
  * (pinning and accounting user pages, streaming DMA mapping of pages, fault-time PFN mappings,
- * zapping a file's mappings, IOMMU isolation checks, bus mastering, sysfs attribute groups). Each wrapper is a thin call; the Rust side keeps the
+ * zapping a file's mappings, IOMMU and interrupt isolation checks, bus mastering, sysfs attribute
+ * groups) and the module's parameters. Each wrapper is a thin call; the Rust side keeps the
  * ownership rules.
  */
 #include <linux/capability.h>
@@ -12,59 +13,87 @@
 #include <linux/iommu.h>
 #include <linux/mm.h>
 #include <linux/module.h>
+#include <linux/moduleparam.h>
 #include <linux/panic.h>
 #include <linux/pci.h>
 #include <linux/scatterlist.h>
 #include <linux/sched/mm.h>
 #include <linux/sched/signal.h>
+#include <linux/sched/user.h>
 #include <linux/slab.h>
 #include <linux/sysfs.h>
 
 #include "shim.h"
 
+/* Gives back a charge of npages to user's locked memory (none where user is NULL). */
+static void legend_uncharge(struct user_struct *user, unsigned long npages)
+{
+	if (!user)
+		return;
+	atomic_long_sub(npages, &user->locked_vm);
+	free_uid(user);
+}
+
 /*
- * Pins npages user pages at uaddr for long-term DMA and charges them to the caller's locked-memory
- * limit (mm->pinned_vm against RLIMIT_MEMLOCK, unless CAP_IPC_LOCK), as RDMA's umem does. On
- * success *mm holds a reference (mmgrab) that legend_shim_unpin_user() drops with the charge.
+ * Pins npages user pages at uaddr for long-term DMA. They are charged, as io_uring's registered
+ * buffers and iommufd's pins are, to the calling user's locked memory (user->locked_vm, limited
+ * by the caller's RLIMIT_MEMLOCK unless it has CAP_IPC_LOCK): one limit bounds all the pins of a
+ * user, in every process and of both kinds. They also count in the caller's VmPin
+ * (mm->pinned_vm), as they do for io_uring. On success *mm and *user (NULL with CAP_IPC_LOCK:
+ * nothing charged) hold references that legend_shim_unpin_user() drops with the charge.
  */
 long legend_shim_pin_user(unsigned long uaddr, unsigned long npages, struct page **pages,
-			  struct mm_struct **mm)
+			  struct mm_struct **mm, struct user_struct **user)
 {
 	struct mm_struct *me = current->mm;
-	unsigned long limit = rlimit(RLIMIT_MEMLOCK) >> PAGE_SHIFT;
+	struct user_struct *who = NULL;
 	long got;
 
 	if (!me)
 		return -EFAULT;
-	if (atomic64_add_return(npages, &me->pinned_vm) > limit && !capable(CAP_IPC_LOCK)) {
-		atomic64_sub(npages, &me->pinned_vm);
-		return -ENOMEM;
+	if (!capable(CAP_IPC_LOCK)) {
+		unsigned long limit = rlimit(RLIMIT_MEMLOCK) >> PAGE_SHIFT;
+		long cur;
+
+		who = get_uid(current_user());
+		cur = atomic_long_read(&who->locked_vm);
+		do {
+			if (npages > limit || cur > limit - npages) {
+				free_uid(who);
+				return -ENOMEM;
+			}
+		} while (!atomic_long_try_cmpxchg(&who->locked_vm, &cur, cur + npages));
 	}
 	/* LONGTERM: the device may access these pages for as long as the mapping lives. */
 	got = pin_user_pages_fast(uaddr, npages, FOLL_WRITE | FOLL_LONGTERM, pages);
 	if (got != (long)npages) {
 		if (got > 0)
 			unpin_user_pages(pages, got);
-		atomic64_sub(npages, &me->pinned_vm);
+		legend_uncharge(who, npages);
 		return got < 0 ? got : -EFAULT;
 	}
+	atomic64_add(npages, &me->pinned_vm);
 	mmgrab(me);
 	*mm = me;
+	*user = who;
 	return got;
 }
 
-void legend_shim_unpin_user(struct page **pages, unsigned long npages, struct mm_struct *mm)
+void legend_shim_unpin_user(struct page **pages, unsigned long npages, struct mm_struct *mm,
+			    struct user_struct *user)
 {
 	unpin_user_pages_dirty_lock(pages, npages, true);
 	atomic64_sub(npages, &mm->pinned_vm);
 	mmdrop(mm);
+	legend_uncharge(user, npages);
 }
 
-/*
- * Streaming mapping of one page. Refused where the DMA API would need sync calls (SWIOTLB bounce
- * buffers, non-coherent DMA): the device reads and writes these pages for as long as they are
- * mapped, with no point at which a sync could run.
- */
+/* The physical address of page, which the caller keeps pinned or allocated. */
+u64 legend_shim_page_phys(struct page *page)
+{
+	return page_to_phys(page);
+}
+
 /*
  * Streaming mapping of one page. Refused where the DMA API would need sync calls (SWIOTLB bounce
  * buffers, non-coherent DMA): the device reads and writes these pages for as long as they are
@@ -190,37 +219,97 @@ void legend_shim_zap_file(struct file *file)
 }
 
 /*
- * 0 if dev's DMA goes through a translating IOMMU domain and its IOMMU group holds no other
- * device; -ENODEV without an IOMMU or with an identity (passthrough) domain; -EXDEV if the group
- * is shared (another device in it could reach this one's DMA mappings, or the reverse);
- * -EAGAIN if the domain invalidates the IOTLB lazily (DMA-FQ: an unmapped IOVA keeps translating
- * for up to ~10 ms, so memory unpinned after dma_unmap_page would still be reachable). *group_id
- * is the group's number wherever there is a group (for the sysfs path in the refusal message).
+ * What the platform provides dev, for the bind-time isolation rules (isolation.rs): whether its
+ * DMA goes through a translating IOMMU domain (DMA or DMA-FQ, not none or identity) and the
+ * domain's flush mode, the devices of its IOMMU group, whether the group's interrupt messages
+ * are isolated (interrupt remapping, the check VFIO makes), whether ATS is enabled on it, and
+ * the regions the firmware maps 1:1 in its domain (RMRR, IVMD: IOMMU_RESV_DIRECT*).
  */
 static int legend_count_dev(struct device *dev, void *count)
 {
-	(*(int *)count)++;
+	(*(u32 *)count)++;
 	return 0;
 }
 
-int legend_shim_iommu_isolated(struct device *dev, int *group_id)
+void legend_shim_isolation(struct device *dev, struct legend_isolation *out)
 {
 	struct iommu_domain *domain = iommu_get_domain_for_dev(dev);
+	struct pci_dev *pdev = to_pci_dev(dev);
+	struct iommu_resv_region *region;
 	struct iommu_group *group;
-	int count = 0;
+	LIST_HEAD(regions);
+	int ats;
 
-	*group_id = -1;
-	if (!domain || !iommu_is_dma_domain(domain))
-		return -ENODEV;
+	memset(out, 0, sizeof(*out));
+	out->group_id = -1;
+	ats = pci_find_ext_capability(pdev, PCI_EXT_CAP_ID_ATS);
+	if (ats) {
+		u16 ctrl = 0;
+
+		pci_read_config_word(pdev, ats + PCI_ATS_CTRL, &ctrl);
+		out->ats_enabled = !!(ctrl & PCI_ATS_CTRL_ENABLE);
+	}
 	group = iommu_group_get(dev);
 	if (!group)
-		return -ENODEV;
-	*group_id = iommu_group_id(group);
-	iommu_group_for_each_dev(group, &count, legend_count_dev);
+		return;
+	out->group_id = iommu_group_id(group);
+	iommu_group_for_each_dev(group, &out->group_devices, legend_count_dev);
+	out->isolated_msi = iommu_group_has_isolated_msi(group);
 	iommu_group_put(group);
-	if (count != 1)
-		return -EXDEV;
-	return domain->type == IOMMU_DOMAIN_DMA_FQ ? -EAGAIN : 0;
+	out->translated = domain && iommu_is_dma_domain(domain);
+	out->lazy = domain && domain->type == IOMMU_DOMAIN_DMA_FQ;
+	iommu_get_resv_regions(dev, &regions);
+	list_for_each_entry(region, &regions, list) {
+		if (region->type != IOMMU_RESV_DIRECT && region->type != IOMMU_RESV_DIRECT_RELAXABLE)
+			continue;
+		if (out->direct_count < LEGEND_MAX_DIRECT) {
+			out->direct[out->direct_count][0] = region->start;
+			out->direct[out->direct_count][1] = region->length;
+		}
+		out->direct_count++;
+	}
+	iommu_put_resv_regions(dev, &regions);
+}
+
+/* The MSI-X capability's Message Control, Table and PBA registers; false without MSI-X. */
+bool legend_shim_msix(struct device *dev, u16 *control, u32 *table, u32 *pba)
+{
+	struct pci_dev *pdev = to_pci_dev(dev);
+	int cap = pci_find_capability(pdev, PCI_CAP_ID_MSIX);
+
+	if (!cap)
+		return false;
+	pci_read_config_word(pdev, cap + PCI_MSIX_FLAGS, control);
+	pci_read_config_dword(pdev, cap + PCI_MSIX_TABLE, table);
+	pci_read_config_dword(pdev, cap + PCI_MSIX_PBA, pba);
+	return true;
+}
+
+/*
+ * The administrator's overrides of the isolation rules. Declared here rather than through the
+ * Rust module macro, whose parameters do not appear in sysfs: `legendctl device bind` reads
+ * /sys/module/legend_nvme/parameters/ to apply the same rules before it unbinds nvme.
+ */
+static bool enable_unsafe_noiommu_mode;
+module_param(enable_unsafe_noiommu_mode, bool, 0444);
+MODULE_PARM_DESC(enable_unsafe_noiommu_mode,
+		 "Bind controllers that no translating IOMMU isolates (taints the kernel): whoever opens the device can then DMA to any memory");
+
+static bool enable_unsafe_lazy_iotlb;
+module_param(enable_unsafe_lazy_iotlb, bool, 0444);
+MODULE_PARM_DESC(enable_unsafe_lazy_iotlb,
+		 "Bind controllers whose IOMMU domain invalidates lazily (DMA-FQ; taints the kernel): unmapped and unpinned memory then stays reachable by the queue writer's DMA for up to ~10 ms");
+
+static bool enable_unsafe_interrupts;
+module_param(enable_unsafe_interrupts, bool, 0444);
+MODULE_PARM_DESC(enable_unsafe_interrupts,
+		 "Bind controllers whose interrupt messages are not isolated (no interrupt remapping; taints the kernel): the queue writer's DMA can then send the host any interrupt");
+
+u32 legend_shim_unsafe_params(void)
+{
+	return (enable_unsafe_noiommu_mode ? LEGEND_UNSAFE_NOIOMMU : 0) |
+	       (enable_unsafe_lazy_iotlb ? LEGEND_UNSAFE_LAZY_IOTLB : 0) |
+	       (enable_unsafe_interrupts ? LEGEND_UNSAFE_INTERRUPTS : 0);
 }
 
 /* An unsafe parameter runs the device without full isolation: the kernel is no longer sound. */

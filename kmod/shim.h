@@ -14,14 +14,17 @@ struct file;
 struct mm_struct;
 struct page;
 struct sg_table;
+struct user_struct;
 struct vm_area_struct;
 struct vm_fault;
 struct legend_sysfs;
 struct legend_debugfs;
 
 long legend_shim_pin_user(unsigned long uaddr, unsigned long npages, struct page **pages,
-			  struct mm_struct **mm);
-void legend_shim_unpin_user(struct page **pages, unsigned long npages, struct mm_struct *mm);
+			  struct mm_struct **mm, struct user_struct **user);
+void legend_shim_unpin_user(struct page **pages, unsigned long npages, struct mm_struct *mm,
+			    struct user_struct *user);
+u64 legend_shim_page_phys(struct page *page);
 int legend_shim_dma_map_page(struct device *dev, struct page *page, int dir, u64 *bus);
 void legend_shim_dma_unmap_page(struct device *dev, u64 bus, int dir);
 int legend_shim_map_user(struct device *dev, struct page *const *pages, unsigned long npages,
@@ -31,7 +34,29 @@ int legend_shim_doorbell_vma(struct vm_area_struct *vma, const void *ctx);
 void legend_shim_insert_pfn(struct vm_fault *vmf, u64 phys, vm_fault_t *ret);
 unsigned long legend_shim_vma_pgoff(struct vm_area_struct *vma);
 void legend_shim_zap_file(struct file *file);
-int legend_shim_iommu_isolated(struct device *dev, int *group_id);
+/* Most direct-mapped regions legend_shim_isolation() describes (it counts them all). */
+#define LEGEND_MAX_DIRECT 8
+
+/* Filled by legend_shim_isolation(); mirrored by `RawIsolation` in isolation.rs. */
+struct legend_isolation {
+	int group_id; /* -1 without an IOMMU group */
+	u32 group_devices;
+	u8 translated;
+	u8 lazy;
+	u8 isolated_msi;
+	u8 ats_enabled;
+	u32 direct_count;
+	u64 direct[LEGEND_MAX_DIRECT][2]; /* start, length */
+};
+
+/* Bits of legend_shim_unsafe_params(); mirrored in isolation.rs. */
+#define LEGEND_UNSAFE_NOIOMMU 1
+#define LEGEND_UNSAFE_LAZY_IOTLB 2
+#define LEGEND_UNSAFE_INTERRUPTS 4
+
+void legend_shim_isolation(struct device *dev, struct legend_isolation *out);
+bool legend_shim_msix(struct device *dev, u16 *control, u32 *table, u32 *pba);
+u32 legend_shim_unsafe_params(void);
 void legend_shim_taint_unsafe(void);
 void legend_shim_set_master(struct device *dev, bool on);
 u32 legend_shim_pci_class(struct device *dev);

@@ -181,6 +181,14 @@ pub fn device_memory(ordinal: usize) -> Result<usize, GpuError> {
         .during("reading the device memory size")
 }
 
+/// CUDA devices this process sees (0 without a driver).
+pub fn device_count() -> usize {
+    if !driver_present() {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
 /// The context of device `ordinal`, once the driver reports that it exists (the driver must be
 /// present: cudarc panics otherwise).
 fn context(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {

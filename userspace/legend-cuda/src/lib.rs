@@ -23,6 +23,7 @@ pub use error::GpuError;
 mod batch;
 mod engine;
 mod gpu;
+pub mod nccl;
 pub mod nvme_io;
 pub mod scan;
 mod transfer;
@@ -32,7 +33,7 @@ pub use engine::{
     BatchShape, DeviceTable, GpuBatchEngine, SlotMap, init_rows, known_edges_bytes, negative_keys,
     rng_vectors,
 };
-pub use gpu::{Gpu, device_memory, driver_present};
+pub use gpu::{Gpu, device_count, device_memory, driver_present};
 pub use transfer::{DEFAULT_CHUNK_BYTES, RowSpan, Transfer, addr};
 
 /// cudarc's types that the engine's API hands out (events ordering streams, device buffers).

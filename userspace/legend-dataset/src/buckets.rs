@@ -1,6 +1,7 @@
 //! Partitioned edge buckets: train edges grouped by (source partition, destination partition).
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use legend_fs::{Access, Dir};
 use rayon::prelude::*;
@@ -62,11 +63,12 @@ impl PartitionScheme {
 }
 
 /// Train edges sorted into N×N buckets; bucket `(i, j)` holds edges with source in partition `i`
-/// and destination in partition `j`, in an order fixed by the input order alone.
+/// and destination in partition `j`, in an order fixed by the input order alone. A clone
+/// shares the edges (the workers of a K-GPU run read one copy).
 #[derive(Clone, Debug)]
 pub struct Buckets {
     scheme: PartitionScheme,
-    edges: Vec<Edge>,
+    edges: Arc<Vec<Edge>>,
     offsets: Vec<u64>,
 }
 
@@ -79,7 +81,7 @@ impl Buckets {
             let offsets = vec![0, edges.len() as u64];
             return Buckets {
                 scheme,
-                edges,
+                edges: Arc::new(edges),
                 offsets,
             };
         }
@@ -208,7 +210,7 @@ impl Buckets {
             })?;
         Ok(Buckets {
             scheme,
-            edges,
+            edges: Arc::new(edges),
             offsets,
         })
     }
@@ -302,7 +304,7 @@ impl Buckets {
         }
         let buckets = Buckets {
             scheme,
-            edges,
+            edges: Arc::new(edges),
             offsets,
         };
         for i in 0..scheme.num_partitions {

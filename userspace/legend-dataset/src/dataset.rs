@@ -36,13 +36,18 @@ impl Dataset {
             // Looked up only as the reader could: nothing is asked with the caller's rights
             // first, which could tell what lies in a directory the reader may not search.
             Some(check) => Dir::open_checked(&dir, check).at(&dir)?,
-            None if !dir.is_dir() => {
-                return Err(invalid(
-                    &dir,
-                    "not a dataset directory (run `legendctl import` first)",
-                ));
-            }
-            None => Dir::open(&dir).at(&dir)?,
+            // A directory the caller may not reach says so (a permission error is not "no
+            // dataset there").
+            None => match std::fs::metadata(&dir) {
+                Ok(m) if m.is_dir() => Dir::open(&dir).at(&dir)?,
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).at(&dir),
+                _ => {
+                    return Err(invalid(
+                        &dir,
+                        "not a dataset directory (run `legendctl import` first)",
+                    ));
+                }
+            },
         };
         let meta = DatasetMeta::read_in(&root)?;
         Ok(Dataset {

@@ -281,6 +281,12 @@ pub struct TrainingConfig {
     /// opens). Was `storage.device`, still accepted with a warning.
     #[serde(with = "by_name")]
     pub device: DeviceChoice,
+    /// GPUs trained on at once, one worker each (`training.device` then names the first: the
+    /// workers take `cuda:0 .. cuda:K-1` of the devices `CUDA_VISIBLE_DEVICES` shows). With
+    /// `training.device = "cpu"`, K workers of the CPU engine run the same schedule (the
+    /// coordinator's reference, tested without GPUs). More than one sets
+    /// `storage.num_partitions` to 2K (see `crate::workers`).
+    pub gpus: u32,
     /// Negative sampling.
     pub negatives: NegativesConfig,
 }
@@ -295,6 +301,7 @@ impl Default for TrainingConfig {
             checkpoint_every: 0,
             checkpoint_minutes: 30.0,
             device: DeviceChoice::Cpu,
+            gpus: 1,
             negatives: NegativesConfig::default(),
         }
     }
@@ -519,8 +526,9 @@ impl Config {
         // Deserialize from text, not from the table, so that an error carries a position from
         // which the offending key can be named.
         let resolved = toml::to_string(&table).expect("a TOML table always serializes");
-        let config: Config =
+        let mut config: Config =
             toml::from_str(&resolved).map_err(|e| ConfigError(name_key(&resolved, &e)))?;
+        config.resolve_workers()?;
         config.validate()?;
         Ok(config)
     }
@@ -947,6 +955,9 @@ const MAX_BATCH: usize = 1 << 26;
 const MAX_NEGATIVES: usize = 1 << 20;
 /// Largest `training.threads`.
 const MAX_THREADS: usize = 4096;
+/// Largest `training.gpus`: one host's GPUs.
+const MAX_GPUS: u32 = 64;
+
 /// Largest `storage.num_partitions`: N² edge buckets (the Legend paper's largest N is 32).
 const MAX_PARTITIONS: usize = 4096;
 
@@ -973,6 +984,58 @@ fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
 }
 
 impl Config {
+    /// With `training.gpus` = K > 1: N = 2K partitions (each GPU holds two, handed between
+    /// GPUs; a configuration recorded with another K follows the new one), in host memory
+    /// between epochs; refused otherwise, naming the key.
+    fn resolve_workers(&mut self) -> Result<(), ConfigError> {
+        let k = self.training.gpus;
+        if k == 0 {
+            return Err(bad("training.gpus", "must be at least 1"));
+        }
+        if k == 1 {
+            return Ok(());
+        }
+        if k > MAX_GPUS {
+            return Err(bad(
+                "training.gpus",
+                format!("{k}: at most {MAX_GPUS} GPUs train one run"),
+            ));
+        }
+        let n = 2 * k;
+        let s = &mut self.storage;
+        if s.num_partitions != n {
+            if s.num_partitions != 1 {
+                tracing::info!(
+                    "training.gpus = {k}: storage.num_partitions = {n} (two partitions a GPU) instead of {}",
+                    s.num_partitions
+                );
+            }
+            s.num_partitions = n;
+        }
+        s.buffer_capacity = 0;
+        if s.backend != Backend::Memory {
+            return Err(bad(
+                "training.gpus",
+                format!(
+                    "{k} GPUs train a table held in their memory together, with storage.backend = \"memory\" (not {}): stores on disk or an SSD per GPU are not supported on several GPUs yet",
+                    s.backend
+                ),
+            ));
+        }
+        if let DeviceChoice::Cuda(d) = self.training.device
+            && d != 0
+        {
+            return Err(bad(
+                "training.gpus",
+                format!(
+                    "the workers take the first {k} devices (cuda:0 .. cuda:{}): set training.device = \"cuda:0\" (or auto) and choose the GPUs with CUDA_VISIBLE_DEVICES, not cuda:{d}",
+                    k - 1
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks `[[storage.device]]` and `storage.stripe_bytes`.
     fn validate_devices(&self) -> Result<(), ConfigError> {
         let s = &self.storage;

@@ -82,6 +82,41 @@ impl Engine {
         }
     }
 
+    /// The engines of `training.gpus` workers: `cuda:0 .. cuda:K-1` (with NCCL present, one
+    /// GPU model), or K CPU engines with `training.device = "cpu"` (or `auto` without a
+    /// driver). One engine, as [`Engine::open`], when K = 1.
+    pub fn open_all(config: &Config) -> Result<Vec<Engine>, TrainError> {
+        let k = config.training.gpus as usize;
+        let first = Engine::open(config)?;
+        if k == 1 {
+            return Ok(vec![first]);
+        }
+        let Engine::Cuda { gpu, .. } = &first else {
+            return Ok((0..k).map(|_| Engine::Cpu).collect());
+        };
+        // Before opening more devices: a missing NCCL is said first, with how to get it.
+        legend_cuda::nccl::nccl_version()?;
+        let model = gpu.name().to_string();
+        let mut engines = vec![first];
+        for ordinal in 1..k {
+            let gpu = open_gpu(ordinal).map_err(|error| TrainError::Device {
+                device: format!("cuda:{ordinal} (training.gpus = {k})"),
+                error,
+            })?;
+            if gpu.name() != model {
+                return Err(TrainError::Config(crate::config::ConfigError(format!(
+                    "training.gpus = {k}: cuda:{ordinal} is a {} and cuda:0 a {model}; the workers share one schedule and need one GPU model (choose them with CUDA_VISIBLE_DEVICES)",
+                    gpu.name()
+                ))));
+            }
+            engines.push(Engine::Cuda {
+                ordinal,
+                gpu: Box::new(gpu),
+            });
+        }
+        Ok(engines)
+    }
+
     /// The engine in words: `cpu`, or `cuda:N (name, sm_XY)`.
     pub fn describe(&self) -> String {
         match self {

@@ -62,6 +62,23 @@ pub enum TrainError {
     /// Writing a checkpoint's tables failed.
     #[error(transparent)]
     Run(#[from] crate::run::RunError),
+    /// GPU-to-GPU traffic failed, or cannot start (NCCL missing).
+    #[error("between GPUs")]
+    Exchange(#[from] legend_cuda::nccl::NcclError),
+    /// A worker of a run on several GPUs (or CPU workers) failed; the others stopped.
+    #[error("worker {worker} ({device})")]
+    Worker {
+        /// The worker.
+        worker: usize,
+        /// Its device.
+        device: String,
+        /// Why it failed.
+        #[source]
+        source: Box<TrainError>,
+    },
+    /// A worker stopped because another failed (its own error is the other's).
+    #[error("stopped because another worker failed")]
+    WorkerStopped,
 }
 
 /// GPU failures, with a row that left its storage format's range reported as the CPU engine

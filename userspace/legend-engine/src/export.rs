@@ -1,13 +1,16 @@
 //! Exports a run's embeddings with their labels, as NumPy `.npy`, TSV or raw float32, for
 //! `legendctl export` and the daemon's export jobs.
 //!
-//! The entity rows stream from the checkpoint (or the store) a block at a time; every file is
-//! written under a hidden partial name and renamed once all are complete, so a failed export
-//! leaves the directory as it was, and a directory never mixes formats.
+//! The entity rows stream from the checkpoint (or the store) a block at a time into a hidden
+//! directory beside the output directory, which then takes the output's place in one step (an
+//! exchange with an existing one, whose old export is then removed): a failed or interrupted
+//! export leaves the output as it was, or whole, never new tables beside old ones; and a
+//! directory never mixes formats.
 
 use std::fmt;
 use std::fs::File;
 use std::io::{BufWriter, Write};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -103,10 +106,11 @@ pub struct Exported {
 /// Appended to a relation's label to name its inverse's row (reciprocal relations).
 pub const INVERSE_SUFFIX: &str = "_inverse";
 
-/// Exports the tables of `run` as `format` into `out` (created in its existing parent; it must
-/// be new, empty, or hold an export of the same format, which is overwritten); `dataset` names
-/// the run's dataset if it moved. `guard` admits the run, `out`'s parent and a store outside
-/// the run, and adopts a new `out`; the files are written beneath them (legend-fs).
+/// Exports the tables of `run` as `format` into `out` (in its existing parent; it must be new,
+/// empty, or hold an export of the same format, which is replaced, and not a mount point);
+/// `dataset` names the run's dataset if it moved. `guard` admits the run, `out`'s parent and a
+/// store outside the run, and adopts the new `out`; the files are written beneath them
+/// (legend-fs).
 pub fn export(
     run: &Path,
     format: Format,
@@ -135,31 +139,28 @@ pub fn export(
             labels.iter().cloned().chain(inverse).collect()
         }
     };
-    let out = if parent.exists(name).map_err(io(out))? {
-        parent.dir(name).map_err(io(out))?
-    } else {
-        let made = parent.create_dir(name).map_err(io(out))?;
-        guard.adopt(&made).map_err(io(out))?;
-        made
-    };
-    let out = &out;
-    remove_partial_files(out);
-    let mut files = Vec::new();
+    let staging_name = staging_name(name);
+    let staging_path = parent.join(&staging_name);
+    // What an interrupted export left.
+    parent.clear(&staging_name).map_err(io(&staging_path))?;
+    let staging = parent
+        .create_dir(&staging_name)
+        .map_err(io(&staging_path))?;
+    guard.adopt(&staging).map_err(io(&staging_path))?;
     let result = (|| -> Result<(), ExportError> {
         // Rows of `width` floats: the dimension, or for relations the decoder's relation
         // width (RESCAL's row-major dim × dim matrices, one a row).
-        let mut table =
+        let table =
             |name: &str,
              labels: &[String],
              width: usize,
              write: &mut dyn FnMut(&mut TableWriter) -> Result<(), ExportError>| {
-                let mut w = TableWriter::create(out, format, name, labels, width)?;
-                files.extend(w.partial_files());
+                let mut w = TableWriter::create(&staging, format, name, labels, width)?;
                 write(&mut w)?;
                 w.finish()
             };
         table("entities", &entity_labels, meta.dim, &mut |w| {
-            let path = out.join(&w.files[0].0);
+            let path = w.path.clone();
             Ok(run::stream_entities(&run, &meta, guard, |block| {
                 w.rows(block).map_err(|e| RunError::Invalid {
                     path: path.clone(),
@@ -173,21 +174,18 @@ pub fn export(
                 &relation_labels,
                 meta.relation_width(),
                 &mut |w| {
-                    let path = out.join(&w.files[0].0);
+                    let path = w.path.clone();
                     w.rows(&relations).map_err(io(&path))
                 },
             )?;
         }
-        Ok(())
+        staging.sync().map_err(io(&staging_path))
     })();
     if let Err(e) = result {
-        remove_partial_files(out);
+        let _ = parent.remove_all(&staging_name);
         return Err(e);
     }
-    for (partial, done) in &files {
-        out.rename(partial, done).map_err(io(&out.join(done)))?;
-    }
-    out.sync().map_err(io(out.path()))?;
+    switch_into_place(&parent, &staging_name, name, out)?;
     Ok(Exported {
         entities: entity_labels.len(),
         relations: relation_labels.len(),
@@ -202,8 +200,6 @@ struct TableWriter<'a> {
     out: BufWriter<File>,
     /// The table file's path, for messages.
     path: PathBuf,
-    /// (partial name, final name) in the export directory of every file written.
-    files: Vec<(String, String)>,
     /// The row labels, for TSV, which writes them in each row.
     labels: &'a [String],
     row: usize,
@@ -225,14 +221,11 @@ impl<'a> TableWriter<'a> {
             Format::Bin => "bin",
         };
         let table = format!("{name}.{ext}");
-        let mut files = vec![(partial_name(&table), table)];
         if format != Format::Tsv {
-            let labels_file = format!("{name}.labels.txt");
-            write_labels(dir, &partial_name(&labels_file), labels)?;
-            files.push((partial_name(&labels_file), labels_file));
+            write_labels(dir, &format!("{name}.labels.txt"), labels)?;
         }
-        let path = dir.join(&files[0].0);
-        let mut out = create(dir, &files[0].0)?;
+        let path = dir.join(&table);
+        let mut out = create(dir, &table)?;
         if format == Format::Npy {
             write_npy_header(&mut out, labels.len(), dim).map_err(io(&path))?;
         }
@@ -241,14 +234,9 @@ impl<'a> TableWriter<'a> {
             dim,
             out,
             path,
-            files,
             labels,
             row: 0,
         })
-    }
-
-    fn partial_files(&self) -> Vec<(String, String)> {
-        self.files.clone()
     }
 
     /// Appends whole rows.
@@ -276,22 +264,37 @@ impl<'a> TableWriter<'a> {
     }
 }
 
-/// Removes what an export that failed (or an earlier one that crashed) left half-written.
-fn remove_partial_files(dir: &Dir) {
-    for name in dir.entries(".").into_iter().flatten() {
-        if is_partial(&name.to_string_lossy()) {
-            let _ = dir.remove_file(&name);
-        }
-    }
+/// The hidden directory beside the output `name` an export is assembled in.
+fn staging_name(name: &Path) -> String {
+    format!(".{}.exporting", name.to_string_lossy())
 }
 
+/// Puts the assembled export `staging` (in `parent`) in the place of `name` (`out`) in one
+/// step, then removes what `name` held before (a warning if that fails: the export is done).
+fn switch_into_place(
+    parent: &Dir,
+    staging: &str,
+    name: &Path,
+    out: &Path,
+) -> Result<(), ExportError> {
+    if parent.exists(name).map_err(io(out))? {
+        parent.exchange(staging, name).map_err(io(out))?;
+        if let Err(e) = parent.remove_all(staging) {
+            tracing::warn!(
+                "{}: removing the export it replaced: {e}",
+                parent.join(staging).display()
+            );
+        }
+    } else {
+        parent.rename(staging, name).map_err(io(out))?;
+    }
+    parent.sync().map_err(io(parent.path()))
+}
+
+/// A hidden file an export of an older build left while it wrote (it then wrote into the
+/// output directory itself): replaced with the directory.
 fn is_partial(name: &str) -> bool {
     name.starts_with('.') && name.ends_with(".partial")
-}
-
-/// The hidden name a file has while it is written.
-fn partial_name(name: &str) -> String {
-    format!(".{name}.partial")
 }
 
 impl Format {
@@ -336,6 +339,15 @@ impl Format {
 /// among unrelated files.
 fn check_out_dir(parent: &Dir, name: &Path, format: Format) -> Result<(), ExportError> {
     let out = parent.join(name);
+    // The export replaces the directory whole, from beside it: not across file systems.
+    if let Some(st) = parent.entry(name).map_err(io(&out))?
+        && st.st_dev != parent.metadata().map_err(io(&out))?.dev()
+    {
+        return Err(ExportError::OutDir {
+            dir: out,
+            message: "is a mount point: an export replaces its directory whole; export into a directory inside it".into(),
+        });
+    }
     let mut names: Vec<String> = match parent.entries(name) {
         Ok(entries) => entries
             .iter()
@@ -384,6 +396,7 @@ fn write_labels(dir: &Dir, name: &str, labels: &[String]) -> Result<(), ExportEr
         .iter()
         .try_for_each(|l| writeln!(w, "{l}"))
         .and_then(|()| w.flush())
+        .and_then(|()| w.get_ref().sync_all())
         .map_err(io(&dir.join(name)))
 }
 

@@ -21,6 +21,8 @@ pub mod store;
 pub mod swap;
 pub mod trainer;
 pub mod which_tables;
+mod training;
+pub mod workers;
 
 pub use config::{Config, ConfigError, DeviceChoice};
 pub use device::Engine;

@@ -146,13 +146,37 @@ impl HostEstimate {
 /// can be read.
 pub fn available_bytes() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
-    let available = meminfo
-        .as_deref()
-        .and_then(|m| kib_field(m, "MemAvailable:"));
-    let cgroup = cgroup_headroom(Path::new("/sys/fs/cgroup"));
+    let available = match declared_memory() {
+        Some(declared) => Some(declared),
+        None => meminfo
+            .as_deref()
+            .and_then(|m| kib_field(m, "MemAvailable:")),
+    };
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let cgroup = cgroup_headroom(Path::new("/sys/fs/cgroup"), &own);
     match (available, cgroup) {
         (Some(a), Some(c)) => Some(a.min(c)),
         (a, c) => a.or(c),
+    }
+}
+
+/// The environment variable that states the host memory a run may use, in GiB, where the
+/// kernel's `MemAvailable` under-reports it: virtual machines whose memory grows as it is
+/// touched (the lent multi-GPU machines start at 31 GiB of 256 or 512).
+pub const DECLARED_MEMORY_VAR: &str = "LEGEND_HOST_MEMORY_GIB";
+
+/// [`DECLARED_MEMORY_VAR`] in bytes, when set to a positive number (anything else is ignored
+/// with a warning: the check then reads the kernel's figure).
+fn declared_memory() -> Option<u64> {
+    let text = std::env::var(DECLARED_MEMORY_VAR).ok()?;
+    match text.trim().parse::<f64>() {
+        Ok(gib) if gib.is_finite() && gib > 0.0 => Some((gib * (1u64 << 30) as f64) as u64),
+        _ => {
+            tracing::warn!(
+                "{DECLARED_MEMORY_VAR} = {text:?} is not a positive number of GiB; ignored"
+            );
+            None
+        }
     }
 }
 
@@ -174,15 +198,53 @@ fn kib_field(text: &str, name: &str) -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// `memory.max − memory.current` of this process's cgroup (v2) under `root`, if it has a limit.
-fn cgroup_headroom(root: &Path) -> Option<u64> {
-    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let path = own.lines().find_map(|l| l.strip_prefix("0::"))?;
-    let dir = root.join(path.trim_start_matches('/'));
-    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
-    let max: u64 = read("memory.max")?.trim().parse().ok()?; // "max" (no limit) fails here
-    let current: u64 = read("memory.current")?.trim().parse().ok()?;
-    Some(max.saturating_sub(current))
+/// What this process's memory cgroup (as `own`, the text of `/proc/self/cgroup`, places it
+/// under `root`) and its ancestors leave it: the least of their limits less their usage, if
+/// any has a limit. cgroup v1 (`memory/…/memory.limit_in_bytes − memory.usage_in_bytes`, where
+/// the memory controller has a v1 hierarchy) or v2 (`memory.max − memory.current`).
+fn cgroup_headroom(root: &Path, own: &str) -> Option<u64> {
+    let v1 = own.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then_some(path)
+    });
+    let (base, path, limit, usage) = match v1 {
+        Some(path) => (
+            root.join("memory"),
+            path,
+            "memory.limit_in_bytes",
+            "memory.usage_in_bytes",
+        ),
+        None => (
+            root.to_owned(),
+            own.lines().find_map(|l| l.strip_prefix("0::"))?,
+            "memory.max",
+            "memory.current",
+        ),
+    };
+    let read = |dir: &Path, f: &str| -> Option<u64> {
+        // v2's "max" (no limit) fails to parse; v1 says no limit with a number near 2^63.
+        let n: u64 = std::fs::read_to_string(dir.join(f))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        (n < 1 << 60).then_some(n)
+    };
+    let mut dir = base.join(path.trim_start_matches('/'));
+    let mut least: Option<u64> = None;
+    loop {
+        if let (Some(max), Some(current)) = (read(&dir, limit), read(&dir, usage)) {
+            let left = max.saturating_sub(current);
+            least = Some(least.map_or(left, |l| l.min(left)));
+        }
+        if dir == base || !dir.pop() {
+            return least;
+        }
+    }
 }
 
 /// Bytes in GiB, for messages.
@@ -788,17 +850,28 @@ mod tests {
     #[test]
     fn a_cgroup_limit_is_headroom_and_no_limit_is_none() {
         let root = tempfile::tempdir().unwrap();
-        let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-        let Some(path) = own.lines().find_map(|l| l.strip_prefix("0::")) else {
-            eprintln!("SKIPPED: no cgroup v2 path for this process");
-            return;
-        };
-        let dir = root.path().join(path.trim_start_matches('/'));
+        // v2: the process's cgroup, then an ancestor's tighter limit.
+        let own = "0::/a/b\n";
+        let dir = root.path().join("a/b");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("memory.max"), "1000\n").unwrap();
         std::fs::write(dir.join("memory.current"), "400\n").unwrap();
-        assert_eq!(cgroup_headroom(root.path()), Some(600));
+        assert_eq!(cgroup_headroom(root.path(), own), Some(600));
         std::fs::write(dir.join("memory.max"), "max\n").unwrap();
-        assert_eq!(cgroup_headroom(root.path()), None);
+        assert_eq!(cgroup_headroom(root.path(), own), None);
+        std::fs::write(root.path().join("a/memory.max"), "500\n").unwrap();
+        std::fs::write(root.path().join("a/memory.current"), "450\n").unwrap();
+        assert_eq!(cgroup_headroom(root.path(), own), Some(50));
+        // v1: the memory hierarchy's line wins, "no limit" is a number near 2^63.
+        let own = "4:memory:/x/y\n0::/\n";
+        let dir = root.path().join("memory/x/y");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("memory.limit_in_bytes"), "9223372036854771712\n").unwrap();
+        std::fs::write(dir.join("memory.usage_in_bytes"), "100\n").unwrap();
+        assert_eq!(cgroup_headroom(root.path(), own), None);
+        let parent = root.path().join("memory/x");
+        std::fs::write(parent.join("memory.limit_in_bytes"), "2000\n").unwrap();
+        std::fs::write(parent.join("memory.usage_in_bytes"), "1500\n").unwrap();
+        assert_eq!(cgroup_headroom(root.path(), own), Some(500));
     }
 }

@@ -29,6 +29,10 @@ pub struct EpochCut {
     pub edges: u64,
     /// Loss summed over them.
     pub loss: f64,
+    /// The epoch ran on K workers (`training.gpus`): `swaps` counts the rounds of their
+    /// schedule trained (`next` is none: they stop between rounds). None: one trainer's plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers: Option<u32>,
 }
 
 /// A batch of a bucket: the group's buckets before it are trained, and so are
@@ -42,8 +46,12 @@ pub struct BatchCursor {
 }
 
 impl EpochCut {
-    /// In words, for logs: `after 5 of its swaps`, `in bucket (2, 3) at batch 7 after 5 swaps`.
+    /// In words, for logs: `after 5 of its swaps`, `in bucket (2, 3) at batch 7 after 5 swaps`,
+    /// `after 3 of its rounds` (K workers).
     pub fn describe(&self) -> String {
+        if self.workers.is_some() {
+            return format!("after {} of its rounds", self.swaps);
+        }
         match self.next {
             None => format!("after {} of its swaps", self.swaps),
             Some(c) => format!(
@@ -70,7 +78,8 @@ mod tests {
                 swaps: 5,
                 next: None,
                 edges: 81200,
-                loss: 12.5
+                loss: 12.5,
+                workers: None,
             }
         );
         let new = EpochCut {

@@ -8,9 +8,16 @@
 //!                                 relations.state.bin: raw little-endian f32, row-major
 //! ```
 //!
-//! A checkpoint is written into `epoch-NNNNN.tmp/`, synced, renamed, and committed by replacing
-//! `run.toml` (temporary file, fsync, rename). A crash at any point leaves the previous
-//! `run.toml` and the checkpoint it names intact.
+//! A checkpoint is written into `epoch-NNNNN.tmp/`, synced, renamed to a name no directory has
+//! (`epoch-NNNNN`, else `epoch-NNNNN-2`, … when one of that epoch count is there: a cut inside
+//! the next epoch, or a checkpoint taken again), and committed by replacing `run.toml`
+//! (temporary file, fsync, rename); then the others are removed. A crash at any point leaves
+//! the previous `run.toml` and the checkpoint it names intact.
+//!
+//! A store-backed run records its store in `run.toml` before making it (the members and the
+//! store's identity, `store_creating = true`: the intent record) and clears the flag once it is
+//! made, so that a crash in between leaves a run whose resume makes the store again, knowing
+//! its half-made members by the identity and refusing anything else at those paths.
 //!
 //! Everything in a run directory is reached through its [`Dir`], opened once: beneath it,
 //! never through a symbolic link (legendd writes runs that sit in their submitters'
@@ -87,6 +94,16 @@ pub struct RunMeta {
     /// `store_queue` are then its first); empty for a store on one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub store_members: Vec<crate::store::location::StoreMember>,
+    /// The store's identity (32 hex digits), chosen by the run before it creates the store
+    /// and written into every member's superblock: the store the run opens must carry it, and
+    /// a creation the run did not finish is recognised by it. Absent in runs recorded before
+    /// store identities were (their store opens whatever its identity).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_id: Option<String>,
+    /// The store named here is being created: the intent record, written before the store is
+    /// made and cleared once it is. A resume makes it again (see [`RunMeta::store_record`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub store_creating: bool,
     /// CRC-32 of each table file of the checkpoint.
     pub checksums: TableChecksums,
 }
@@ -127,6 +144,62 @@ impl RunMeta {
         }])
     }
 
+    /// What the record says of the run's store (`run` names run.toml in errors): made (open
+    /// it, expecting its identity if recorded), or not yet made, or its creation interrupted
+    /// (make it, with the recorded identity, else a new one).
+    pub fn store_record(&self, run: &Path) -> Result<StoreRecord, RunError> {
+        let id = match &self.store_id {
+            Some(hex) => Some(
+                u128::from_str_radix(hex, 16)
+                    .map_err(|_| invalid(&meta_path(run), format!("bad store_id {hex:?}")))?
+                    .to_le_bytes(),
+            ),
+            None => None,
+        };
+        Ok(match (&self.store, self.store_creating) {
+            (Some(_), false) => StoreRecord::Made(id),
+            _ => StoreRecord::ToCreate(id.unwrap_or_else(legend_storage::new_store_id)),
+        })
+    }
+
+    /// Records `members` (canonical paths: their directories resolved, the names as given,
+    /// which are never followed as links) as the run's store of identity `id`, being created
+    /// (the intent record: `store_creating` is cleared once it is made).
+    pub fn record_store_intent(
+        &mut self,
+        members: &[crate::store::location::StoreMember],
+        id: [u8; 16],
+    ) -> Result<(), RunError> {
+        let canonical = members
+            .iter()
+            .map(|m| {
+                let (dir, name) = match (m.path.parent(), m.path.file_name()) {
+                    (Some(dir), Some(name)) => (dir, name),
+                    _ => return Err(invalid(&m.path, "names no file")),
+                };
+                let dir = if dir.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    dir
+                };
+                Ok(crate::store::location::StoreMember {
+                    path: std::fs::canonicalize(dir).map_err(io(dir))?.join(name),
+                    queue: m.queue,
+                })
+            })
+            .collect::<Result<Vec<_>, RunError>>()?;
+        self.store = Some(canonical[0].path.clone());
+        self.store_queue = canonical[0].queue;
+        self.store_members = if canonical.len() > 1 {
+            canonical
+        } else {
+            Vec::new()
+        };
+        self.store_id = Some(legend_storage::store_id_hex(id));
+        self.store_creating = true;
+        Ok(())
+    }
+
     /// Floats of a relation row: the decoder's [`Decoder::relation_width`] (RESCAL's
     /// `dim²`), or `dim` for a decoder this build does not know (its tables then fail their
     /// size check, naming the file).
@@ -147,6 +220,27 @@ impl RunMeta {
             dim: self.dim,
             state: self.entity_state_width.unwrap_or(self.dim),
             dtype: self.entity_dtype,
+        }
+    }
+}
+
+/// What a run's record says of its store ([`RunMeta::store_record`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreRecord {
+    /// Made and recorded: open it, expecting this identity (`None`: recorded before store
+    /// identities were).
+    Made(Option<[u8; 16]>),
+    /// Not made, or its creation was interrupted: make it with this identity, recording the
+    /// intent first.
+    ToCreate([u8; 16]),
+}
+
+impl StoreRecord {
+    /// The identity the store has or gets.
+    pub fn store_id(self) -> Option<[u8; 16]> {
+        match self {
+            StoreRecord::Made(id) => id,
+            StoreRecord::ToCreate(id) => Some(id),
         }
     }
 }
@@ -336,7 +430,18 @@ pub fn commit_checkpoint(
     let dir = run
         .create_dir_all("checkpoints")
         .map_err(io(&run.join("checkpoints")))?;
-    let name = format!("epoch-{:05}", meta.epochs_completed);
+    // A name no directory has, so that the checkpoint run.toml names is never removed or
+    // replaced before run.toml names the new one (a crash there would leave a record naming
+    // nothing, or tables its checksums do not match): a checkpoint cut inside the next epoch,
+    // or one taken again at the same point after a resume, has the same epoch count.
+    let base = format!("epoch-{:05}", meta.epochs_completed);
+    let mut name = base.clone();
+    for n in 2.. {
+        if !dir.exists(&name).map_err(io(&dir.join(&name)))? {
+            break;
+        }
+        name = format!("{base}-{n}");
+    }
     let tmp_name = format!("{name}.tmp");
     dir.clear(&tmp_name).map_err(io(&dir.join(&tmp_name)))?;
     let tmp = dir
@@ -355,7 +460,6 @@ pub fn commit_checkpoint(
         relations_state: rs.finish()?,
     };
     tmp.sync().map_err(io(tmp.path()))?;
-    dir.clear(&name).map_err(io(&dir.join(&name)))?;
     dir.rename(&tmp_name, &name).map_err(io(&dir.join(&name)))?;
     dir.sync().map_err(io(dir.path()))?;
     meta.checkpoint = format!("checkpoints/{name}");
@@ -421,6 +525,15 @@ fn open_members(
     proxy_model: Option<crate::store::controllers::DeviceModel>,
 ) -> Result<StoreAndMembers, RunError> {
     use crate::store::MemberFile;
+    let StoreRecord::Made(store_id) = meta.store_record(run.path())? else {
+        return Err(invalid(
+            &meta_path(run.path()),
+            format!(
+                "the run stopped while it created its store: it has no checkpoint yet (continue it with `legendctl train --out {} --resume`)",
+                run.path().display()
+            ),
+        ));
+    };
     let run_dir = std::fs::canonicalize(run.path()).map_err(io(run.path()))?;
     let members = meta
         .recorded_members()
@@ -436,6 +549,7 @@ fn open_members(
         shape: meta.entity_shape(),
         num_partitions: 0,
         aux_bytes: 0,
+        store_id,
         force: false,
         proxy_model,
     };

@@ -34,9 +34,10 @@ use crate::store::controllers::SharedController;
 use crate::store::file::encode_relations;
 use crate::store::{
     FileStore, FileStoreSpec, MemberFile, MemoryStore, PartitionHome, PartitionStoreError,
-    StoreMember,
 };
 use crate::trainer::{EpochEnd, EpochReport, Trainer};
+use crate::training::Training;
+use crate::workers::Workers;
 
 /// How far a run has trained: whole epochs, and where an interrupted epoch stopped.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -181,7 +182,7 @@ pub struct Session {
     run: Dir,
     config: Config,
     dataset: Dataset,
-    trainer: Trainer,
+    trainer: Training,
     meta: RunMeta,
     position: Position,
     engine: String,
@@ -241,8 +242,8 @@ impl Session {
         )
         .map_err(TrainError::from)?;
         let dataset = Dataset::open_checked(dataset, guard.read_check())?;
-        let device = Engine::open(&config)?;
-        check_memory(&config, dataset.meta(), &device, false)?;
+        let device = Engine::open_all(&config)?;
+        check_memory(&config, dataset.meta(), &device[0], false)?;
         let meta = new_meta(&config, &dataset);
         let (parent, name) = Dir::open_parent(out).map_err(io_error(out))?;
         guard.admit(&parent).map_err(io_error(parent.path()))?;
@@ -263,6 +264,20 @@ impl Session {
         sets: &[String],
         guard: &dyn Guard,
     ) -> Result<Session, SessionError> {
+        Self::resume_expecting(out, dataset, sets, guard, &|_| Ok(()))
+    }
+
+    /// [`Session::resume`], refusing the run when `expect` refuses its record `run.toml`, read
+    /// once: the store it names is opened only after `expect` accepted it (a service checks
+    /// it against what it recorded when the job was submitted, so that an edit of the record
+    /// in between cannot point the job at another store or extent).
+    pub fn resume_expecting(
+        out: &Path,
+        dataset: Option<&Path>,
+        sets: &[String],
+        guard: &dyn Guard,
+        expect: &dyn Fn(&RunMeta) -> Result<(), String>,
+    ) -> Result<Session, SessionError> {
         let not_a_run = || {
             SessionError::Refused(format!(
                 "{} is not a run directory (no run.toml): nothing to resume",
@@ -281,15 +296,18 @@ impl Session {
             return Err(not_a_run());
         }
         let meta = run::read_meta(&run)?;
+        expect(&meta).map_err(|why| {
+            SessionError::Refused(format!("{}: {why}", run.join(run::META_FILE).display()))
+        })?;
         let config_path = run.join(run::CONFIG_FILE);
         let text = run
             .read_to_string(run::CONFIG_FILE)
             .map_err(io_error(&config_path))?;
         let config = Config::parse(&text, sets)?;
         let dataset = evaluation::open_run_dataset(&meta, dataset, guard)?;
-        let device = Engine::open(&config)?;
+        let device = Engine::open_all(&config)?;
         // Resuming reads the checkpoint's tables into host memory before they go to the GPU.
-        check_memory(&config, dataset.meta(), &device, true)?;
+        check_memory(&config, dataset.meta(), &device[0], true)?;
         let session = Session::start(run, config, dataset, meta, device, guard)?;
         // The keys changed with `sets` hold from now on.
         run::write_atomically(
@@ -305,7 +323,7 @@ impl Session {
         config: Config,
         dataset: Dataset,
         mut meta: RunMeta,
-        device: Engine,
+        mut device: Vec<Engine>,
         guard: &dyn Guard,
     ) -> Result<Session, SessionError> {
         let meta_ds = dataset.meta();
@@ -330,14 +348,18 @@ impl Session {
         );
         let init = config.init();
         let relation_floats = meta.relation_floats();
-        let fresh_relations = || Relations::init(decoder, meta.relations as usize, dim, &init);
-        let engine = device.describe();
+        let relation_rows = meta.relations as usize;
+        let fresh_relations = || Relations::init(decoder, relation_rows, dim, &init);
+        let engine = match device.as_slice() {
+            [one] => one.describe(),
+            all => format!("{} × {}", all.len(), all[0].describe()),
+        };
         let mut device_health = Vec::new();
         let (home, relations, position) = if config.uses_store() {
-            let recorded = meta.recorded_members();
+            let record = meta.store_record(run.path())?;
             let run_dir = std::fs::canonicalize(run.path()).map_err(io_error(run.path()))?;
-            let members = recorded
-                .clone()
+            let members = meta
+                .recorded_members()
                 .unwrap_or_else(|| config.store_members(&run_dir));
             let path = members[0].path.clone();
             let files = members
@@ -352,34 +374,23 @@ impl Session {
                 shape,
                 num_partitions: scheme.num_partitions,
                 aux_bytes: (relation_floats * 8) as u64,
-                // The run's own default store, left half-made by a crash before it was
-                // recorded, is this run's to overwrite.
-                force: config.storage.force || members.iter().all(|m| m.path.starts_with(&run_dir)),
+                store_id: record.store_id(),
+                force: config.storage.force,
                 proxy_model: config.proxy_model(),
             };
-            let mut store = if recorded.is_some() {
-                FileStore::open(&spec)?
-            } else {
-                let store = FileStore::create(&spec)?;
-                // From here on the run's commit record is the store's superblock.
-                let canonical = members
-                    .iter()
-                    .map(|m| {
-                        Ok(StoreMember {
-                            path: std::fs::canonicalize(&m.path).map_err(io_error(&m.path))?,
-                            queue: m.queue,
-                        })
-                    })
-                    .collect::<Result<Vec<_>, SessionError>>()?;
-                meta.store = Some(canonical[0].path.clone());
-                meta.store_queue = canonical[0].queue;
-                meta.store_members = if canonical.len() > 1 {
-                    canonical
-                } else {
-                    Vec::new()
-                };
-                write_meta(&run, &meta)?;
-                store
+            let mut store = match record {
+                run::StoreRecord::Made(_) => FileStore::open(&spec)?,
+                run::StoreRecord::ToCreate(id) => {
+                    // The intent first: after a crash from here on, the resume makes the store
+                    // again, knowing its half-made members by `id` and nothing else by it.
+                    meta.record_store_intent(&members, id)?;
+                    write_meta(&run, &meta)?;
+                    let store = FileStore::create(&spec)?;
+                    // From here on the run's commit record is the store's superblock.
+                    meta.store_creating = false;
+                    write_meta(&run, &meta)?;
+                    store
+                }
             };
             let position = Position::decode(store.progress())?;
             device_health = store
@@ -426,7 +437,20 @@ impl Session {
             )));
         }
         adopt_batch_keys(&mut meta, &position)?;
-        let trainer = Trainer::on_device(&config, buckets, &degrees, home, relations, device)?;
+        let trainer = match (device.len(), home) {
+            (1, home) => {
+                let engine = device.pop().expect("one engine");
+                Training::One(Box::new(Trainer::on_device(
+                    &config, buckets, &degrees, home, relations, engine,
+                )?))
+            }
+            (_, PartitionHome::Memory(store)) => Training::Workers(Box::new(Workers::new(
+                &config, buckets, &degrees, store, relations, device,
+            )?)),
+            _ => unreachable!(
+                "training.gpus > 1 keeps partitions in memory (its configuration says)"
+            ),
+        };
         tracing::info!(
             "set-up: the {engine} engine ready (edges and relations placed) in {:.1} s",
             started.elapsed().as_secs_f64()
@@ -487,7 +511,28 @@ impl Session {
     /// writes to it (users weigh SSD wear).
     pub fn describe(&self) -> String {
         let m = self.dataset.meta();
-        let plan = self.trainer.plan();
+        let what = format!(
+            "training {} d={} on {} ({} entities, {} relations, {} train edges); engine {}, {} backend",
+            self.config.decoder(),
+            self.config.model.dim,
+            self.dataset.dir().display(),
+            m.entities,
+            m.relations,
+            m.splits.train,
+            self.engine,
+            self.config.storage.backend,
+        );
+        let Some(plan) = self.trainer.plan() else {
+            let schedule = self.trainer.schedule().expect("workers have a schedule");
+            return format!(
+                "{what}, {} partitions on {} workers, {} rounds per epoch ({} hand-overs; predicted imbalance {:.3})",
+                schedule.num_partitions,
+                schedule.gpus,
+                schedule.rounds.len(),
+                schedule.moves_per_epoch(),
+                schedule.predicted_imbalance
+            );
+        };
         let writes = if self.config.uses_store() {
             let bytes = store_bytes_per_epoch(m.entities, self.config.entity_shape(), plan) as f64;
             if bytes >= 1e9 {
@@ -506,15 +551,7 @@ impl Session {
         };
         let wear: String = self.device_health.iter().map(describe_wear).collect();
         format!(
-            "training {} d={} on {} ({} entities, {} relations, {} train edges); engine {}, {} backend, {} partitions, buffer {}, order {} ({} buffer states per epoch){writes}{wear}",
-            self.config.decoder(),
-            self.config.model.dim,
-            self.dataset.dir().display(),
-            m.entities,
-            m.relations,
-            m.splits.train,
-            self.engine,
-            self.config.storage.backend,
+            "{what}, {} partitions, buffer {}, order {} ({} buffer states per epoch){writes}{wear}",
             plan.num_partitions,
             self.config.capacity(),
             plan.kind,
@@ -753,6 +790,8 @@ impl Session {
             store: None,
             store_queue: None,
             store_members: Vec::new(),
+            store_id: None,
+            store_creating: false,
             ..self.meta.clone()
         };
         let trainer = &mut self.trainer;
@@ -1001,6 +1040,8 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
         store: None,
         store_queue: None,
         store_members: Vec::new(),
+        store_id: None,
+        store_creating: false,
         checksums: TableChecksums::default(),
     }
 }
@@ -1025,6 +1066,8 @@ fn new_placeholder_meta() -> RunMeta {
         store: None,
         store_queue: None,
         store_members: Vec::new(),
+        store_id: None,
+        store_creating: false,
         checksums: TableChecksums::default(),
     }
 }
@@ -1032,7 +1075,7 @@ fn new_placeholder_meta() -> RunMeta {
 /// Streams every partition's embedding and state rows from wherever `trainer` holds them into
 /// a checkpoint's two entity tables (`path` names the directory in errors).
 fn write_entity_tables(
-    trainer: &mut Trainer,
+    trainer: &mut Training,
     path: &Path,
     e: &mut TableWriter,
     s: &mut TableWriter,

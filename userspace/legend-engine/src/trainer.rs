@@ -21,12 +21,12 @@ use std::time::Instant;
 use legend_dataset::Buckets;
 use legend_model::rng::bucket_order_key;
 use legend_model::{BatchKey, ChunkModel, Permutation};
-use legend_planner::{Bucket, Plan};
+use legend_planner::{Bucket, Piece, Plan};
 use serde::{Deserialize, Serialize};
 
 use crate::compute::cpu::CpuCompute;
 use crate::compute::cuda::CudaCompute;
-use crate::compute::{BucketRef, ComputeBackend, RowSink, Step};
+use crate::compute::{BucketRef, ComputeBackend, PendingRelations, RowSink, Step};
 use crate::config::Config;
 use crate::device::Engine;
 use crate::error::TrainError;
@@ -37,7 +37,7 @@ use crate::sampler::NegativeSampler;
 use crate::store::PartitionHome;
 use crate::swap::gpu::{GpuCopyMover, GpuDirectMover};
 use crate::swap::host::{HostMover, HostStore};
-use crate::swap::{IoKernelSpan, Mover, Swapper};
+use crate::swap::{Fence, IoKernelSpan, Mover, Swapper};
 
 pub use crate::compute::cpu::BLOCK_ROWS;
 
@@ -116,6 +116,19 @@ pub struct EpochReport {
     /// after the resume (its loss and edges cover the whole epoch).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub resumed: bool,
+    /// What the workers did, when K of them trained the epoch (`training.gpus`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers: Option<crate::workers::WorkersReport>,
+}
+
+/// A partition on its way to another worker (see [`Trainer::hand_out`]).
+pub(crate) struct Outgoing {
+    /// Its host rows (the CPU engine's).
+    pub(crate) rows: Option<Partition>,
+    /// Its rows in the GPU slot it leaves.
+    pub(crate) span: Option<legend_cuda::RowSpan>,
+    /// The point after which compute no longer touches the slot.
+    pub(crate) after: Fence,
 }
 
 /// How [`Trainer::run_epoch_from`] ended.
@@ -170,14 +183,18 @@ impl Trainer {
         let plan = legend_planner::plan(scheme.num_partitions, config.capacity(), config.order())?;
         let t = &config.training;
         let slots = config.slots();
-        if let PartitionHome::Memory(s) = &home {
+        let memory_dtype = match &home {
+            PartitionHome::Memory(s) => Some(s.dtype()),
+            PartitionHome::Shared(s) => Some(s.dtype()),
+            PartitionHome::File(_) => None,
+        };
+        if let Some(dtype) = memory_dtype {
             assert_eq!(
-                s.dtype(),
-                config.storage.dtype,
+                dtype, config.storage.dtype,
                 "a memory store keeps the run's storage.dtype"
             );
         }
-        let in_memory = matches!(home, PartitionHome::Memory(_));
+        let in_memory = memory_dtype.is_some();
         let (compute, mover, host_rows): (Box<dyn ComputeBackend>, Box<dyn Mover>, bool) =
             match engine {
                 Engine::Cpu => {
@@ -188,6 +205,9 @@ impl Trainer {
                         }
                         PartitionHome::File(s) => {
                             Box::new(HostMover::new(at_rest(*s, scheme, config)))
+                        }
+                        PartitionHome::Shared(s) => {
+                            Box::new(HostMover::new(at_rest(s, scheme, config)))
                         }
                     };
                     (Box::new(compute), mover, true)
@@ -214,6 +234,13 @@ impl Trainer {
                             at_rest(*s, scheme, config),
                             device_slots,
                             for_good,
+                        )?),
+                        // Partitions leave for other GPUs and come back: the store keeps them.
+                        PartitionHome::Shared(s) => Box::new(GpuCopyMover::new(
+                            gpu,
+                            at_rest(s, scheme, config),
+                            device_slots,
+                            false,
                         )?),
                     };
                     (Box::new(compute), mover, false)
@@ -350,6 +377,239 @@ impl Trainer {
         Ok(edges)
     }
 
+    /// Trains `pieces` of epoch `epoch` in order (runs of batches of buckets whose partitions
+    /// are resident), drawing negatives from the partitions `resident`; returns the positive
+    /// edges trained. A K-GPU worker's share of a round ([`crate::workers`]).
+    pub fn train_pieces(
+        &mut self,
+        epoch: u32,
+        pieces: &[Piece],
+        resident: &[u32],
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<u64, TrainError> {
+        let mut sorted_resident = resident.to_vec();
+        sorted_resident.sort_unstable();
+        let mut edges = 0;
+        let mut ctx = EpochCtx {
+            epoch,
+            edges: &mut edges,
+            progress,
+            stop: &AtomicBool::new(false),
+        };
+        for piece in pieces {
+            self.run_bucket(
+                piece.bucket,
+                piece.batches.clone(),
+                &sorted_resident,
+                &mut ctx,
+            )?;
+        }
+        self.compute.synchronize()?;
+        Ok(edges)
+    }
+
+    /// Trains `pieces` like [`Trainer::train_pieces`] in lockstep with the other workers of a
+    /// run with relations: after every batch the relation gradients are summed over the
+    /// workers by `link` and every worker steps the relation rows alike; a worker whose
+    /// pieces end first takes empty steps (its share of the sum is zero) until `steps`, the
+    /// round's most batches on any worker, so every sum has every worker.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn train_pieces_synced(
+        &mut self,
+        epoch: u32,
+        pieces: &[Piece],
+        resident: &[u32],
+        steps: u64,
+        link: &mut dyn crate::workers::Link,
+        give_up: &AtomicBool,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<u64, TrainError> {
+        let mut sorted_resident = resident.to_vec();
+        sorted_resident.sort_unstable();
+        // The edges are shared (a clone is a handle): the bucket borrows this copy, not self.
+        let buckets = self.buckets.clone();
+        let (mut edges, mut taken) = (0u64, 0u64);
+        for piece in pieces {
+            let bucket = bucket_ref(&buckets, piece.bucket, self.seed, epoch);
+            self.compute.begin_bucket(&bucket)?;
+            let end = piece.batches.end.min(self.batches_of(piece.bucket));
+            for batch in piece.batches.start..end {
+                let step = batch_step(
+                    &bucket,
+                    batch,
+                    self.batch_size,
+                    &sorted_resident,
+                    self.seed,
+                    epoch,
+                );
+                self.compute
+                    .train_batch(&step, self.swapper.host(), &mut self.relations)?;
+                edges += step.len as u64;
+                progress(edges);
+                self.sum_relations(link, give_up)?;
+                taken += 1;
+            }
+        }
+        for _ in taken..steps {
+            self.sum_relations(link, give_up)?;
+        }
+        self.compute.synchronize()?;
+        Ok(edges)
+    }
+
+    /// The K workers' rule for relations run on this one trainer, the CPU reference of
+    /// [`Trainer::train_pieces_synced`]: worker `g`'s `shares[g]` (its pieces and the
+    /// partitions it holds) step in lockstep, `steps` steps, each step's relation gradients
+    /// kept per worker and summed in worker order before the relation rows take one step.
+    /// Node rows of different workers never meet (their partitions differ), so this trains
+    /// exactly what the workers train. CPU engine only.
+    pub fn train_lockstep(
+        &mut self,
+        epoch: u32,
+        shares: &[(&[Piece], [u32; 2])],
+        steps: u64,
+    ) -> Result<u64, TrainError> {
+        self.defer_relations()?;
+        let template = match self.compute.pending_relations()? {
+            PendingRelations::Host(p) => p.clone(),
+            PendingRelations::Device { .. } => {
+                return Err(TrainError::Resume(
+                    "the lockstep reference runs on the CPU engine".into(),
+                ));
+            }
+        };
+        let mut pending = vec![template.clone(); shares.len()];
+        let mut batches: Vec<Vec<(Bucket, u64)>> = shares
+            .iter()
+            .map(|(pieces, _)| {
+                pieces
+                    .iter()
+                    .flat_map(|p| {
+                        let end = p.batches.end.min(self.batches_of(p.bucket));
+                        (p.batches.start..end).map(move |b| (p.bucket, b))
+                    })
+                    .rev()
+                    .collect()
+            })
+            .collect();
+        let mut edges = 0;
+        let mut ctx = EpochCtx {
+            epoch,
+            edges: &mut edges,
+            progress: &mut |_| {},
+            stop: &AtomicBool::new(false),
+        };
+        for _ in 0..steps {
+            let mut total = template.clone();
+            for (g, (_, held)) in shares.iter().enumerate() {
+                let PendingRelations::Host(slot) = self.compute.pending_relations()? else {
+                    unreachable!("checked above");
+                };
+                std::mem::swap(slot, &mut pending[g]);
+                if let Some((bucket, batch)) = batches[g].pop() {
+                    let mut held = held.to_vec();
+                    held.sort_unstable();
+                    self.run_bucket(bucket, batch..batch + 1, &held, &mut ctx)?;
+                }
+                let PendingRelations::Host(slot) = self.compute.pending_relations()? else {
+                    unreachable!("checked above");
+                };
+                std::mem::swap(slot, &mut pending[g]);
+                total.add(&pending[g]);
+                pending[g].clear();
+            }
+            let PendingRelations::Host(slot) = self.compute.pending_relations()? else {
+                unreachable!("checked above");
+            };
+            *slot = total;
+            self.compute
+                .apply_relations(&mut self.relations, &Fence::passed())?;
+        }
+        Ok(edges)
+    }
+
+    /// This step's relation gradients summed over the workers by `link`, then applied.
+    fn sum_relations(
+        &mut self,
+        link: &mut dyn crate::workers::Link,
+        give_up: &AtomicBool,
+    ) -> Result<(), TrainError> {
+        let pending = self.compute.pending_relations()?;
+        let ready = link.sum_relations(pending, give_up)?;
+        self.compute.apply_relations(&mut self.relations, &ready)
+    }
+
+    /// From now on the relation rows step only with the workers' summed gradients
+    /// ([`Trainer::train_pieces_synced`]).
+    pub(crate) fn defer_relations(&mut self) -> Result<(), TrainError> {
+        self.compute.defer_relations(&self.relations)
+    }
+
+    /// Partition `p` (resident) leaves for another worker: compute lets it go and its slot is
+    /// free, nothing written. Returns how its rows travel: the CPU engine's host rows, or the
+    /// GPU slot's rows once the fence has passed (valid until the next partition arrives).
+    pub(crate) fn hand_out(&mut self, p: u32) -> Result<Outgoing, TrainError> {
+        let after = self.compute.release(p)?;
+        let slot = self
+            .swapper
+            .slot(p)
+            .expect("handing out a resident partition");
+        let span = self.compute.slot_span(slot, p)?;
+        let (_, rows) = self.swapper.give(p);
+        Ok(Outgoing { rows, span, after })
+    }
+
+    /// A slot for partition `p`, which another worker sends: its device rows (GPU engines)
+    /// for the transfer to fill.
+    pub(crate) fn hand_in(&mut self, p: u32) -> Result<Option<legend_cuda::RowSpan>, TrainError> {
+        let slot = self.swapper.reserve(p);
+        self.compute.slot_span(slot, p)
+    }
+
+    /// Partition `p` arrived from another worker: its host rows (CPU engine), or its slot
+    /// filled once `ready` has passed.
+    pub(crate) fn handed_in(
+        &mut self,
+        p: u32,
+        rows: Option<Partition>,
+        ready: Fence,
+    ) -> Result<(), TrainError> {
+        self.swapper.received(p, rows);
+        let slot = self.swapper.slot(p).expect("received");
+        self.compute.arrive(p, slot, &ready)
+    }
+
+    /// Partitions resident, ascending.
+    pub fn resident(&self) -> Vec<u32> {
+        self.swapper.resident()
+    }
+
+    /// Writes back every resident partition outside `keep` (waiting for the writes).
+    pub(crate) fn release_except(&mut self, keep: &[u32]) -> Result<(), TrainError> {
+        for p in self.swapper.resident() {
+            if !keep.contains(&p) {
+                let released = self.compute.release(p)?;
+                self.swapper.evict(p, released, None)?;
+            }
+        }
+        Ok(self.swapper.drain()?)
+    }
+
+    /// Waits until the steps queued so far have run.
+    pub(crate) fn synchronize(&mut self) -> Result<(), TrainError> {
+        self.compute.synchronize()
+    }
+
+    /// The loss summed since the last call (waits for queued steps).
+    pub(crate) fn take_loss(&mut self) -> Result<f64, TrainError> {
+        self.compute.take_loss()
+    }
+
+    /// Device memory in use (GPU engines).
+    pub(crate) fn device_memory_in_use(&self) -> Option<u64> {
+        self.compute.device_memory_in_use()
+    }
+
     /// Trains one epoch (numbered from 1). `progress` is called with the positives done so far.
     pub fn run_epoch(
         &mut self,
@@ -384,6 +644,14 @@ impl Trainer {
                 .collect()
         };
         let from = from.filter(|c| c.epoch == epoch);
+        if let Some(cut) = from
+            && let Some(k) = cut.workers
+        {
+            return Err(TrainError::Resume(format!(
+                "epoch {epoch} stopped {} on {k} GPUs: resume with training.gpus = {k} to finish that epoch (a new number of GPUs takes over at an epoch boundary)",
+                cut.describe()
+            )));
+        }
         let done_swaps = from.map_or(0, |c| c.swaps as usize);
         let plan = self.plan.clone();
         if done_swaps > plan.swaps.len() {
@@ -607,6 +875,7 @@ impl Trainer {
             next,
             edges: report.edges,
             loss: loss_before + self.compute.take_loss()?,
+            workers: None,
         }))
     }
 
@@ -635,53 +904,102 @@ impl Trainer {
                 ))
             })?,
         };
-        let scheme = self.buckets.scheme();
         for (i, b) in group.iter().enumerate().skip(skip) {
-            let edges = self.buckets.bucket(b[0], b[1]);
-            let batches = edges.len().div_ceil(self.batch_size) as u64;
             let first_batch = match start {
                 Some(c) if i == skip => c.batch,
                 _ => 0,
             };
+            let batches = self.batches_of(*b);
             if first_batch > batches {
                 return Err(TrainError::Resume(format!(
                     "epoch {} stopped at batch {first_batch} of bucket ({}, {}), which has {batches}",
                     ctx.epoch, b[0], b[1]
                 )));
             }
-            if first_batch == batches {
-                continue;
-            }
-            let index = scheme.bucket_index(b[0], b[1]);
-            let bucket = BucketRef {
-                parts: *b,
-                index,
-                edges,
-                order: Permutation::new(
-                    edges.len() as u64,
-                    bucket_order_key(self.seed, ctx.epoch, index as u64),
-                ),
-            };
-            self.compute.begin_bucket(&bucket)?;
-            for batch in first_batch..batches {
-                if ctx.stop.load(Ordering::Relaxed) {
-                    return Ok(Some(BatchCursor { bucket: *b, batch }));
-                }
-                let first = batch * self.batch_size as u64;
-                let step = Step {
-                    bucket: &bucket,
-                    first,
-                    len: self.batch_size.min(edges.len() - first as usize),
-                    resident: &sorted_resident,
-                    key: BatchKey::new(self.seed, ctx.epoch, index as u64, batch),
-                };
-                self.compute
-                    .train_batch(&step, self.swapper.host(), &mut self.relations)?;
-                *ctx.edges += step.len as u64;
-                (ctx.progress)(*ctx.edges);
+            if let Some(cursor) =
+                self.run_bucket(*b, first_batch..batches, &sorted_resident, ctx)?
+            {
+                return Ok(Some(cursor));
             }
         }
         Ok(None)
+    }
+
+    /// Batches of bucket `b` (the last may be short).
+    fn batches_of(&self, b: Bucket) -> u64 {
+        self.buckets
+            .bucket(b[0], b[1])
+            .len()
+            .div_ceil(self.batch_size) as u64
+    }
+
+    /// Trains batches `batches` of bucket `b` (as many as it has), negatives drawn from
+    /// `resident` (ascending), checking `ctx.stop` before each; returns where it stopped.
+    fn run_bucket(
+        &mut self,
+        b: Bucket,
+        batches: std::ops::Range<u64>,
+        resident: &[u32],
+        ctx: &mut EpochCtx<'_>,
+    ) -> Result<Option<BatchCursor>, TrainError> {
+        let batches = batches.start..batches.end.min(self.batches_of(b));
+        if batches.is_empty() {
+            return Ok(None);
+        }
+        let bucket = bucket_ref(&self.buckets, b, self.seed, ctx.epoch);
+        self.compute.begin_bucket(&bucket)?;
+        for batch in batches {
+            if ctx.stop.load(Ordering::Relaxed) {
+                return Ok(Some(BatchCursor { bucket: b, batch }));
+            }
+            let step = batch_step(
+                &bucket,
+                batch,
+                self.batch_size,
+                resident,
+                self.seed,
+                ctx.epoch,
+            );
+            self.compute
+                .train_batch(&step, self.swapper.host(), &mut self.relations)?;
+            *ctx.edges += step.len as u64;
+            (ctx.progress)(*ctx.edges);
+        }
+        Ok(None)
+    }
+}
+
+/// Bucket `b` of epoch `epoch` as the engines train it: its edges and their order.
+fn bucket_ref(buckets: &Buckets, b: Bucket, seed: u64, epoch: u32) -> BucketRef<'_> {
+    let edges = buckets.bucket(b[0], b[1]);
+    let index = buckets.scheme().bucket_index(b[0], b[1]);
+    BucketRef {
+        parts: b,
+        index,
+        edges,
+        order: Permutation::new(
+            edges.len() as u64,
+            bucket_order_key(seed, epoch, index as u64),
+        ),
+    }
+}
+
+/// Batch `batch` of `bucket` (batches of `batch_size` edges), negatives from `resident`.
+fn batch_step<'a>(
+    bucket: &'a BucketRef<'a>,
+    batch: u64,
+    batch_size: usize,
+    resident: &'a [u32],
+    seed: u64,
+    epoch: u32,
+) -> Step<'a> {
+    let first = batch * batch_size as u64;
+    Step {
+        bucket,
+        first,
+        len: batch_size.min(bucket.edges.len() - first as usize),
+        resident,
+        key: BatchKey::new(seed, epoch, bucket.index as u64, batch),
     }
 }
 
@@ -745,5 +1063,6 @@ fn cpu_compute(
         loss: 0.0,
         neg_rows: Vec::new(),
         block_grads: Vec::new(),
+        pending_relations: None,
     })
 }

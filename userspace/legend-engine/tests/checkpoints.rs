@@ -25,7 +25,8 @@ fn dataset(dir: &Path) -> std::path::PathBuf {
     ds
 }
 
-fn train(ds: &Path, out: &Path, sets: &[&str]) -> Trained {
+/// The configuration of these runs (3 epochs, d = 8, one thread) with `sets`.
+fn config(sets: &[&str]) -> Config {
     let mut all: Vec<String> = [
         "model.dim=8",
         "training.threads=1",
@@ -37,8 +38,11 @@ fn train(ds: &Path, out: &Path, sets: &[&str]) -> Trained {
     .map(|s| s.to_string())
     .collect();
     all.extend(sets.iter().map(|s| s.to_string()));
-    let config = Config::parse("", &all).unwrap();
-    let mut session = Session::create(out, ds, config, &Unguarded).unwrap();
+    Config::parse("", &all).unwrap()
+}
+
+fn train(ds: &Path, out: &Path, sets: &[&str]) -> Trained {
+    let mut session = Session::create(out, ds, config(sets), &Unguarded).unwrap();
     let mut checkpoints = Vec::new();
     let mut losses = Vec::new();
     let mut result = serde_json::Value::Null;
@@ -210,19 +214,7 @@ fn a_checkpoint_inside_an_epoch_on_the_gpu_changes_nothing() {
 /// are trained, then resumed from the checkpoint in a new session: what it trained, with the
 /// cut the stop made.
 fn stopped_and_resumed(ds: &Path, out: &Path, sets: &[&str], at: u64) -> (Trained, Position) {
-    let mut all: Vec<String> = [
-        "model.dim=8",
-        "training.threads=1",
-        "training.batch_size=50",
-        "training.num_epochs=3",
-        "evaluation.protocol=sampled",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    all.extend(sets.iter().map(|s| s.to_string()));
-    let config = Config::parse("", &all).unwrap();
-    let mut session = Session::create(out, ds, config, &Unguarded).unwrap();
+    let mut session = Session::create(out, ds, config(sets), &Unguarded).unwrap();
     let stop = AtomicBool::new(false);
     let mut losses = Vec::new();
     let outcome = session
@@ -335,4 +327,62 @@ fn a_run_from_before_batch_keys_resumes_with_them_and_a_newer_one_is_refused() {
         .expect("a newer run is refused")
         .to_string();
     assert!(err.contains("batch keys version 9"), "{err}");
+}
+
+/// A checkpoint of the epoch count run.toml's already has (a run stopped again right after its
+/// resume, before a batch; or one cut inside the next epoch) goes to a directory of another
+/// name: the one run.toml names is never removed or replaced before run.toml names the new one,
+/// so a crash in between leaves it intact. The run still ends as the uninterrupted one.
+#[test]
+fn a_checkpoint_never_replaces_the_directory_run_toml_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ds = dataset(tmp.path());
+    let plain = train(&ds, &tmp.path().join("plain"), &[]);
+    let out = tmp.path().join("stopped");
+    let mut session = Session::create(&out, &ds, config(&[]), &Unguarded).unwrap();
+    let stop = AtomicBool::new(false);
+    let outcome = session
+        .run(&stop, &mut |event| {
+            if let Event::EpochFinished { .. } = event {
+                stop.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
+        })
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Stopped(_)), "{outcome:?}");
+    drop(session);
+    let recorded = || {
+        let dir = legend_fs::Dir::open(&out).unwrap();
+        let name = legend_engine::run::read_meta(&dir).unwrap().checkpoint;
+        let on_disk: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
+            .unwrap()
+            .map(|e| format!("checkpoints/{}", e.unwrap().file_name().to_string_lossy()))
+            .collect();
+        assert_eq!(
+            on_disk,
+            std::slice::from_ref(&name),
+            "the others are removed once committed"
+        );
+        name
+    };
+    assert_eq!(recorded(), "checkpoints/epoch-00001");
+    for next in ["checkpoints/epoch-00001-2", "checkpoints/epoch-00001"] {
+        let mut session = Session::resume(&out, None, &[], &Unguarded).unwrap();
+        let outcome = session.run(&AtomicBool::new(true), &mut |_| {}).unwrap();
+        assert!(matches!(outcome, Outcome::Stopped(_)), "{outcome:?}");
+        assert_eq!(recorded(), next);
+    }
+    let mut session = Session::resume(&out, None, &[], &Unguarded).unwrap();
+    let mut result = serde_json::Value::Null;
+    let outcome = session
+        .run(&AtomicBool::new(false), &mut |event| {
+            if let Event::Evaluated { line, .. } = event {
+                result = line.clone()
+            }
+        })
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Finished(_)), "{outcome:?}");
+    assert_eq!(result, plain.result);
+    assert_eq!(recorded(), "checkpoints/epoch-00003");
+    let entities = |run: &Path| std::fs::read(run.join("checkpoints/epoch-00003/entities.bin"));
+    assert!(entities(&out).unwrap() == entities(&tmp.path().join("plain")).unwrap());
 }

@@ -347,6 +347,13 @@ const RECIPROCAL_N3: &[&str] = &[
     "optimizer.regularizer=n3",
     "optimizer.regularization_weight=0.05",
 ];
+const RECIPROCAL_N3_ROW: &[&str] = &[
+    "model.decoder=complex",
+    "model.reciprocal_relations=true",
+    "optimizer.regularizer=n3",
+    "optimizer.regularization_weight=0.05",
+    "optimizer.state=row",
+];
 const RECIPROCAL_L2_ROW_WISE: &[&str] = &[
     "model.decoder=distmult",
     "model.reciprocal_relations=true",
@@ -361,7 +368,11 @@ fn reciprocal_regularised_training_matches_the_cpu_trainer() {
     // The inverse edges read from the originals' buckets in GPU memory and out of core (where
     // the transposed bucket is never loaded for them), the regulariser in the rows backward.
     compare(RECIPROCAL_N3, 1, 1, 0.25, None);
-    compare(RECIPROCAL_N3, 4, 3, 0.0, None);
+    // Out of core with row-wise state: with element-wise AdaGrad the TF32 products' sign
+    // errors on near-zero gradients become whole ±lr steps there (0.08 and 0.10 of the
+    // parameters after four epochs with two draws of the negatives; Documentation/gpu.md,
+    // "RESCAL against the CPU engine"), which says nothing about the reciprocal edges.
+    compare(RECIPROCAL_N3_ROW, 4, 3, 0.0, None);
     compare(RECIPROCAL_L2_ROW_WISE, 1, 1, 0.25, None);
     compare(RECIPROCAL_L2_ROW_WISE, 4, 3, 0.25, None);
 }

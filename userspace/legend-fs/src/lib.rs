@@ -31,7 +31,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use nix::errno::Errno;
-use nix::fcntl::{AtFlags, FcntlArg, OFlag, fcntl, openat, renameat};
+use nix::fcntl::{AtFlags, FcntlArg, OFlag, RenameFlags, fcntl, openat, renameat2};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat, mkdirat};
 use nix::unistd::{UnlinkatFlags, fsync, unlinkat};
 
@@ -46,6 +46,8 @@ pub struct Dir {
     /// Whether `check` is asked about files opened to write too ([`Dir::open_checked`]), or
     /// only about reads and the directories on the way ([`Dir::reading_as`]).
     check_writes: bool,
+    /// The largest text file [`Dir::read_to_string`] reads beneath ([`Dir::with_text_limit`]).
+    text_limit: u64,
 }
 
 /// Whether a reader may use an opened file or directory (its metadata) for `want`: the
@@ -216,6 +218,7 @@ impl Dir {
             path: path.to_owned(),
             check: None,
             check_writes: false,
+            text_limit: TEXT_LIMIT,
         })
     }
 
@@ -268,6 +271,7 @@ impl Dir {
             path: path.to_owned(),
             check: Some(check),
             check_writes: true,
+            text_limit: TEXT_LIMIT,
         })
     }
 
@@ -303,6 +307,16 @@ impl Dir {
         }
     }
 
+    /// The same directory, whose text files (and those of the directories opened beneath it)
+    /// are read by [`Dir::read_to_string`] only up to `max` bytes: a reader holding many at
+    /// once (a service, for its requests) bounds what each costs it.
+    pub fn with_text_limit(self, max: u64) -> Dir {
+        Dir {
+            text_limit: max.min(TEXT_LIMIT),
+            ..self
+        }
+    }
+
     /// The same directory, named `path` from now on (after a rename).
     pub fn with_path(self, path: PathBuf) -> Dir {
         Dir { path, ..self }
@@ -330,6 +344,7 @@ impl Dir {
             path: self.path.clone(),
             check: self.check.clone(),
             check_writes: self.check_writes,
+            text_limit: self.text_limit,
         })
     }
 
@@ -380,6 +395,7 @@ impl Dir {
             path: self.path.join(rel),
             check: self.check.clone(),
             check_writes: self.check_writes,
+            text_limit: self.text_limit,
         })
     }
 
@@ -415,6 +431,7 @@ impl Dir {
             path: self.path.join(rel),
             check: self.check.clone(),
             check_writes: self.check_writes,
+            text_limit: self.text_limit,
         })
     }
 
@@ -497,22 +514,29 @@ impl Dir {
         Ok(bytes)
     }
 
-    /// The contents of the text file `rel`: a record, at most [`TEXT_LIMIT`] bytes (a larger
-    /// file, even a sparse one, is refused rather than read into memory).
+    /// The contents of the text file `rel`: a record, at most [`TEXT_LIMIT`] bytes, or the
+    /// directory's own limit ([`Dir::with_text_limit`]). A larger file, even a sparse one, is
+    /// refused rather than read into memory, and so is anything but a regular file.
     pub fn read_to_string(&self, rel: impl AsRef<Path>) -> io::Result<String> {
         let file = self.open_file(rel, Access::Read)?;
+        let limit = self.text_limit;
         let too_big = || {
-            refused(format!(
-                "larger than {} MiB: not a text record",
-                TEXT_LIMIT >> 20
-            ))
+            refused(if limit >= 1 << 20 {
+                format!("larger than {} MiB: not a text record", limit >> 20)
+            } else {
+                format!("larger than {} KiB: not a text record", limit >> 10)
+            })
         };
-        if file.metadata()?.len() > TEXT_LIMIT {
+        let m = file.metadata()?;
+        if !m.is_file() {
+            return Err(refused("not a regular file"));
+        }
+        if m.len() > limit {
             return Err(too_big());
         }
         let mut text = String::new();
-        file.take(TEXT_LIMIT + 1).read_to_string(&mut text)?;
-        if text.len() as u64 > TEXT_LIMIT {
+        file.take(limit + 1).read_to_string(&mut text)?;
+        if text.len() as u64 > limit {
             return Err(too_big());
         }
         Ok(text)
@@ -520,13 +544,26 @@ impl Dir {
 
     /// Renames `from` to `to` (both beneath this directory; `to` is replaced if it exists).
     pub fn rename(&self, from: impl AsRef<Path>, to: impl AsRef<Path>) -> io::Result<()> {
-        let (from_held, from_name) = self.parent(from.as_ref())?;
-        let (to_held, to_name) = self.parent(to.as_ref())?;
-        renameat(
+        self.rename_with(from.as_ref(), to.as_ref(), RenameFlags::empty())
+    }
+
+    /// Swaps `a` and `b` (both beneath this directory, both existing, of any kind) in one step
+    /// (`renameat2` with `RENAME_EXCHANGE`): each name always names one of the two, so a
+    /// directory assembled under a temporary name replaces a whole one at once, and the old one
+    /// is then at the temporary name.
+    pub fn exchange(&self, a: impl AsRef<Path>, b: impl AsRef<Path>) -> io::Result<()> {
+        self.rename_with(a.as_ref(), b.as_ref(), RenameFlags::RENAME_EXCHANGE)
+    }
+
+    fn rename_with(&self, from: &Path, to: &Path, flags: RenameFlags) -> io::Result<()> {
+        let (from_held, from_name) = self.parent(from)?;
+        let (to_held, to_name) = self.parent(to)?;
+        renameat2(
             self.base(&from_held),
             from_name,
             self.base(&to_held),
             to_name,
+            flags,
         )?;
         Ok(())
     }
@@ -688,6 +725,24 @@ mod tests {
         // Removing a tree removes a link in it, not what it points at.
         dir.remove_all("sub").unwrap();
         assert!(victim.join("f").exists());
+    }
+
+    #[test]
+    fn an_exchange_swaps_two_directories_at_once() {
+        let (tmp, dir) = setup();
+        dir.create_dir("old")
+            .unwrap()
+            .write_atomically("f", b"old")
+            .unwrap();
+        dir.create_dir("new")
+            .unwrap()
+            .write_atomically("f", b"new")
+            .unwrap();
+        dir.exchange("new", "old").unwrap();
+        assert_eq!(std::fs::read(tmp.path().join("old/f")).unwrap(), b"new");
+        assert_eq!(std::fs::read(tmp.path().join("new/f")).unwrap(), b"old");
+        let e = dir.exchange("new", "missing").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
     }
 
     #[test]

@@ -10,6 +10,13 @@
 mod device;
 mod sysfs;
 
+/// The kernel module's isolation rules (`kmod/rules.rs`, which the module compiles too):
+/// [`Sysfs::bind`] applies the module's decision before it moves a controller. Its range
+/// arithmetic serves the module alone; its unit tests run here, on the host.
+#[allow(dead_code)]
+#[path = "../../../kmod/rules.rs"]
+mod kmod_rules;
+
 pub use device::{Controller, Device, DeviceMemory, Doorbells, Health, Mapping, QueuePair};
 pub use legend_uapi as uapi;
 pub use sysfs::{PciController, Sysfs};
@@ -29,12 +36,25 @@ pub enum Error {
         reason: String,
     },
     /// The controller did not appear under the expected driver.
-    #[error("{bdf} did not bind to {driver}; is the module loaded? (see dmesg)")]
+    #[error(
+        "{bdf} did not bind to {driver} (the kernel log says why: dmesg | grep {bdf}); {restored}"
+    )]
     NotBound {
         /// PCI address.
         bdf: String,
         /// Driver expected.
         driver: String,
+        /// Where the controller is now: back with the driver it had, or without one.
+        restored: String,
+    },
+    /// The platform lacks what `legend_nvme` requires to isolate the controller's DMA and
+    /// interrupts; nothing was changed.
+    #[error("{bdf} cannot be given to legend_nvme: {reasons}")]
+    Isolation {
+        /// PCI address.
+        bdf: String,
+        /// Each missing requirement, with its fix (and the module parameter that accepts it).
+        reasons: String,
     },
     /// A sysfs or procfs access failed.
     #[error("Cannot access {path}")]

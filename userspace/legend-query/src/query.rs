@@ -558,6 +558,18 @@ impl<'a> QueryRun<'a> {
         &self.model
     }
 
+    /// Bytes of the longest entity or relation label: what bounds the size of an answer
+    /// before it is computed (a pass over the labels: call it once).
+    pub fn longest_label(&self) -> usize {
+        self.entities
+            .labels
+            .iter()
+            .chain(&self.relations.labels)
+            .map(String::len)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The index of known triples (train, valid, test), built on first use.
     fn filter(&self) -> Result<Arc<FilterIndex>, QueryError> {
         let mut slot = self.filter.lock().unwrap_or_else(|e| e.into_inner());

@@ -289,6 +289,8 @@ fn line_run_with(dir: &Path, reciprocal: bool) -> std::path::PathBuf {
         store: None,
         store_queue: None,
         store_members: Vec::new(),
+        store_id: None,
+        store_creating: false,
         checksums: TableChecksums::default(),
     };
     let state = vec![0.0; 7];
@@ -526,6 +528,8 @@ fn grid_run(dir: &Path, entities: usize, dim: usize) -> (legend_fs::Dir, RunMeta
         store: None,
         store_queue: None,
         store_members: Vec::new(),
+        store_id: None,
+        store_creating: false,
         checksums: TableChecksums::default(),
     };
     let rows = grid(entities * dim, 3);

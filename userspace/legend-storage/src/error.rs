@@ -175,6 +175,19 @@ pub enum StoreError {
         /// Byte offset of the signature.
         offset: u64,
     },
+    /// The store is another one than the caller's record names (another store was put in its
+    /// place since).
+    #[error(
+        "{path}: is store {found}, not the store {expected} its creator recorded: another store was put in its place; refusing to use it"
+    )]
+    OtherStore {
+        /// Store path.
+        path: PathBuf,
+        /// The store's identity (hex).
+        found: String,
+        /// The identity the caller expected (hex).
+        expected: String,
+    },
     /// A member of a striped store is missing, belongs elsewhere or disagrees with the others.
     #[error("{path}: store member: {why}")]
     Member {

@@ -56,7 +56,9 @@ pub use layout::{
 pub use legend_model::Dtype;
 pub use medium::Target;
 pub use nvme::NvmeTarget;
+pub use signature::{HEAD_BYTES, foreign_signature};
 pub use store::{
     CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoConfig, IoPiece, IoRequest, Region, Store,
+    new_store_id, store_id_hex,
 };
 pub use stripe::member_bytes;

@@ -3,10 +3,6 @@
 
 use crate::superblock::MAGIC;
 
-/// Bytes from the start of a device that [`find`] inspects (covers both
-/// Legend superblock slots and the btrfs superblock at 64 KiB).
-pub(crate) const SCAN_BYTES: usize = crate::layout::SUPERBLOCK_SLOT_BYTES as usize + 4096;
-
 /// (name, byte offset, magic bytes). The offsets are the documented
 /// on-disk locations of each format's primary magic.
 const SIGNATURES: &[(&str, u64, &[u8])] = &[
@@ -27,6 +23,23 @@ const SIGNATURES: &[(&str, u64, &[u8])] = &[
     ("btrfs", 65536 + 64, b"_BHRfS_M"),
     ("MBR partition table or boot sector", 510, &[0x55, 0xaa]),
 ];
+
+/// Bytes from the start of a target that [`foreign_signature`] inspects: both Legend superblock
+/// slots (which cover every other signature's offset, the btrfs superblock at 64 KiB the
+/// farthest).
+pub const HEAD_BYTES: usize = 2 * crate::layout::SUPERBLOCK_SLOT_BYTES as usize;
+
+/// What keeps a store from being created on a target whose first bytes are `head` (at least
+/// [`HEAD_BYTES`] of them, or the whole target when shorter) without `force`: the first
+/// signature found in it, with its offset; `None` when there is none, or when `head` is the
+/// store `store_id` as its interrupted creation left it (the creator recorded the id first).
+/// That creation wiped both slots before it wrote, so nothing of an older content is left.
+pub fn foreign_signature(head: &[u8], store_id: Option<[u8; 16]>) -> Option<(&'static str, u64)> {
+    if store_id.is_some_and(|id| crate::superblock::is_creation_of(head, id)) {
+        return None;
+    }
+    find(head)
+}
 
 /// Returns the first signature found in `head` (the first bytes of the
 /// target) with its offset. Legend's own magic comes first in the table so
@@ -49,6 +62,6 @@ mod tests {
             head[at as usize..at as usize + magic.len()].copy_from_slice(magic);
             assert_eq!(find(&head).map(|f| f.0), Some(name));
         }
-        assert_eq!(find(&vec![0u8; SCAN_BYTES]), None);
+        assert_eq!(find(&vec![0u8; HEAD_BYTES]), None);
     }
 }

@@ -63,6 +63,12 @@ pub struct CreateOptions {
     /// A store over several members ([`Store::create_striped`]): bytes of one stripe unit, a
     /// multiple of the store's alignment (64 KiB, or the block size when larger).
     pub stripe_bytes: u64,
+    /// The new store's identity ([`new_store_id`] when `None`). A caller that records it
+    /// before creating (an intent record) can create again after a crash: a target that
+    /// already is a copy of this store (every superblock copy on it carries this identity) is
+    /// its own creation interrupted (never committed), and is made again without `force`. Any
+    /// other signature, another store's or a committed one's included, is still refused.
+    pub store_id: Option<[u8; 16]>,
 }
 
 impl Default for CreateOptions {
@@ -72,6 +78,7 @@ impl Default for CreateOptions {
             force: false,
             max_bytes: None,
             stripe_bytes: DEFAULT_STRIPE_BYTES,
+            store_id: None,
         }
     }
 }
@@ -89,6 +96,9 @@ pub struct Expect {
     pub dtype: Option<Dtype>,
     /// The number of partitions.
     pub num_partitions: Option<u32>,
+    /// The store's identity ([`Store::store_id`]): what its creator recorded, so that another
+    /// store put in its place is refused.
+    pub store_id: Option<[u8; 16]>,
 }
 
 /// A region of the store that can be read or written as a whole.
@@ -253,8 +263,10 @@ impl Store {
             }
             let size = medium.size()?;
             if size > 0 && !opts.force {
-                let head = medium.read_at(0, signature::SCAN_BYTES)?;
-                if let Some((signature, offset)) = signature::find(&head) {
+                let head = medium.read_at(0, signature::HEAD_BYTES)?;
+                if let Some((signature, offset)) =
+                    signature::foreign_signature(&head, opts.store_id)
+                {
                     return Err(StoreError::ForeignSignature {
                         path,
                         signature,
@@ -274,7 +286,7 @@ impl Store {
         let fresh = Superblock {
             generation: 0,
             membership: Membership {
-                store_id: random_id(),
+                store_id: opts.store_id.unwrap_or_else(new_store_id),
                 index: 0,
                 count,
                 stripe_bytes: if count == 1 { 0 } else { opts.stripe_bytes },
@@ -378,6 +390,13 @@ impl Store {
                 expected: want,
             });
         }
+        if let Some(want) = expect.store_id.filter(|&id| id != sb.membership.store_id) {
+            return Err(StoreError::OtherStore {
+                path: path.to_owned(),
+                found: store_id_hex(sb.membership.store_id),
+                expected: store_id_hex(want),
+            });
+        }
         let needed = stripe_of(&sb.membership).member_bytes(sb.layout.total_bytes);
         for medium in &members {
             let actual = medium.size()?;
@@ -431,6 +450,12 @@ impl Store {
     /// striped store, every member's, joined by ` + `.
     pub fn path(&self) -> &Path {
         &self.label
+    }
+
+    /// The store's identity, chosen at creation and the same on every member (zeros for a
+    /// store written before striping).
+    pub fn store_id(&self) -> [u8; 16] {
+        self.store_id
     }
 
     /// Members the store is striped over (1 for a plain store).
@@ -840,8 +865,14 @@ fn stripe_of(m: &Membership) -> Stripe {
     }
 }
 
-/// A new store's identity: 16 random bytes from the kernel.
-fn random_id() -> [u8; 16] {
+/// A store identity in messages: 32 hex digits, as records keep it.
+pub fn store_id_hex(id: [u8; 16]) -> String {
+    format!("{:032x}", u128::from_le_bytes(id))
+}
+
+/// A new store's identity: 16 random bytes from the kernel. A caller chooses it before
+/// creating ([`CreateOptions::store_id`]) when it records it first.
+pub fn new_store_id() -> [u8; 16] {
     let mut id = [0u8; 16];
     // SAFETY: writes at most 16 bytes into `id`.
     let n = unsafe { libc::getrandom(id.as_mut_ptr().cast(), id.len(), 0) };

@@ -75,6 +75,29 @@ impl RegionState {
 const MEMBERS_AT: usize = 224;
 /// Most members a store may be striped over.
 pub(crate) const MAX_MEMBERS: u32 = 64;
+/// Where the store id starts.
+const STORE_ID_AT: usize = MEMBERS_AT + 16;
+
+/// Whether `head` (a target's first bytes, both superblock slots) is the store `store_id`
+/// as its creation left it: a slot carries the magic, every slot that does carries that id,
+/// and none holds a valid commit after generation 0 (a creation interrupted after it wrote
+/// generation 0, or while it wrote it, leaves exactly that). Its creator, which keeps the id in
+/// its own record, may make it again; a store that was ever committed is nobody's to remake.
+/// An id of zeros (stores written before striping) is nobody's.
+pub(crate) fn is_creation_of(head: &[u8], store_id: [u8; 16]) -> bool {
+    let slot_len = SUPERBLOCK_SLOT_BYTES as usize;
+    let slots: Vec<&[u8]> = [0, slot_len]
+        .iter()
+        .filter_map(|&at| head.get(at..(at + slot_len).min(head.len())))
+        .filter(|slot| slot.len() >= HEADER_BYTES && slot[..MAGIC.len()] == MAGIC)
+        .collect();
+    store_id != [0; 16]
+        && !slots.is_empty()
+        && slots.iter().all(|slot| {
+            slot[STORE_ID_AT..STORE_ID_AT + 16] == store_id
+                && Superblock::decode(slot).map_or(true, |sb| sb.generation == 0)
+        })
+}
 
 /// Which member of which store a superblock copy belongs to (`Documentation/store-format.md`,
 /// "Striping over several devices").
@@ -95,7 +118,7 @@ impl Membership {
         w.u32(MEMBERS_AT, self.index);
         w.u32(MEMBERS_AT + 4, self.count);
         w.u64(MEMBERS_AT + 8, self.stripe_bytes);
-        w.put(MEMBERS_AT + 16, &self.store_id);
+        w.put(STORE_ID_AT, &self.store_id);
     }
 
     fn decode(r: &Reader<'_>, align: u64) -> Result<Self, SlotError> {
@@ -104,7 +127,7 @@ impl Membership {
             // Zero: written before striping existed, a store of one member.
             count: r.u32(MEMBERS_AT + 4).max(1),
             stripe_bytes: r.u64(MEMBERS_AT + 8),
-            store_id: r.0[MEMBERS_AT + 16..MEMBERS_AT + 32]
+            store_id: r.0[STORE_ID_AT..STORE_ID_AT + 16]
                 .try_into()
                 .expect("16 bytes"),
         };
@@ -437,6 +460,40 @@ mod tests {
             stripe_bytes: 0,
         };
         assert_eq!(Superblock::decode(&bytes).unwrap(), sb);
+    }
+
+    #[test]
+    fn a_creation_is_known_by_its_id_in_every_slot_with_the_magic_and_no_commit() {
+        let slot = SUPERBLOCK_SLOT_BYTES as usize;
+        let mut head = vec![0u8; 2 * slot];
+        assert!(!is_creation_of(&head, [5; 16]), "nothing there");
+        let mut sb = sample();
+        sb.generation = 0;
+        let copy = sb.encode();
+        head[..copy.len()].copy_from_slice(&copy);
+        assert!(is_creation_of(&head, [5; 16]));
+        assert!(!is_creation_of(&head, [6; 16]), "another store's id");
+        // A torn copy (no valid checksum) still carries its id.
+        head[100] ^= 1;
+        assert!(is_creation_of(&head, [5; 16]));
+        // A commit after generation 0: a store that lived.
+        let mut committed = sb.clone();
+        committed.generation = 1;
+        let committed = committed.encode();
+        head[slot..slot + committed.len()].copy_from_slice(&committed);
+        assert!(!is_creation_of(&head, [5; 16]));
+        // Slot 1 of another store: not ours either.
+        let mut other = sb.clone();
+        other.membership.store_id = [6; 16];
+        let other = other.encode();
+        head[slot..slot + other.len()].copy_from_slice(&other);
+        assert!(!is_creation_of(&head, [5; 16]));
+        // Ids of zeros (written before striping) are nobody's.
+        sb.membership.store_id = [0; 16];
+        let old = sb.encode();
+        let mut head = vec![0u8; 2 * slot];
+        head[..old.len()].copy_from_slice(&old);
+        assert!(!is_creation_of(&head, [0; 16]));
     }
 
     #[test]

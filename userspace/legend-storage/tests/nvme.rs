@@ -110,6 +110,7 @@ fn a_store_on_a_namespace_holds_what_a_file_store_holds() {
             dtype: Some(Dtype::F32),
             state_width: Some(29),
             num_partitions: Some(4),
+            store_id: None,
         };
         let mut again = Store::open_on(&Target::Nvme(&t), &expect, &IoConfig::default()).unwrap();
         assert_eq!(again.generation(), 1);

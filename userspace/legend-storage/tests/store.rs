@@ -94,6 +94,7 @@ fn expect_all() -> Expect {
         dtype: Some(Dtype::F32),
         state_width: Some(37),
         num_partitions: Some(5),
+        store_id: None,
     }
 }
 
@@ -602,6 +603,72 @@ fn foreign_signature_is_refused_unless_forced() {
     );
     let store = open(&path).unwrap();
     assert_eq!((store.generation(), store.progress()), (0, &[][..]));
+}
+
+/// A creation whose creator recorded the store's id first is made again after a crash (its
+/// generation 0 written, or torn while written), without force; another store, or the same
+/// creator asking with another id, is refused; and an opener expecting the id refuses a store
+/// put in its place.
+#[test]
+fn a_store_is_made_again_by_its_recorded_id_and_no_other_is() {
+    let dir = scratch();
+    let path = store_path(&dir);
+    let id = legend_storage::new_store_id();
+    let with_id = |id| CreateOptions {
+        store_id: Some(id),
+        ..CreateOptions::default()
+    };
+    drop(Store::create(&path, &spec(false), &with_id(id)).unwrap());
+    let copy = peek(&path, 0, 4096);
+    for torn in [false, true] {
+        if torn {
+            // Generation 0 cut short: the magic and the id are there, the checksum fails.
+            let mut bytes = copy.clone();
+            bytes[300..].fill(0);
+            poke(&path, 0, &bytes);
+            assert!(matches!(open(&path), Err(StoreError::BadChecksum { .. })));
+        }
+        let again = Store::create(&path, &spec(false), &with_id(id)).unwrap();
+        assert_eq!((again.store_id(), again.generation()), (id, 0));
+    }
+    // Another creator (another id, or none) is refused by the signature.
+    for opts in [
+        with_id(legend_storage::new_store_id()),
+        CreateOptions::default(),
+    ] {
+        let err = Store::create(&path, &spec(false), &opts).unwrap_err();
+        assert!(
+            err.to_string().contains("Legend store signature at byte 0"),
+            "{err}"
+        );
+    }
+    // A store that lived (committed) is no creation to redo, even for its creator; its id
+    // still names it: opening expects it.
+    let mut store = Store::open(&path, &expect_all(), &IoConfig::default()).unwrap();
+    store.commit(b"x").unwrap();
+    drop(store);
+    let err = Store::create(&path, &spec(false), &with_id(id)).unwrap_err();
+    assert!(matches!(err, StoreError::ForeignSignature { .. }), "{err}");
+    let expecting = |id| Expect {
+        store_id: Some(id),
+        ..expect_all()
+    };
+    Store::open(&path, &expecting(id), &IoConfig::default()).unwrap();
+    let other = legend_storage::new_store_id();
+    let err = Store::open(&path, &expecting(other), &IoConfig::default()).unwrap_err();
+    assert!(
+        matches!(err, StoreError::OtherStore { .. })
+            && err
+                .to_string()
+                .contains(&legend_storage::store_id_hex(other)),
+        "{err}"
+    );
+    // Another signature is never taken for a copy, whatever the id.
+    let mut img = vec![0u8; 1 << 20];
+    img[512..520].copy_from_slice(b"EFI PART");
+    std::fs::write(&path, &img).unwrap();
+    let err = Store::create(&path, &spec(false), &with_id(id)).unwrap_err();
+    assert!(matches!(err, StoreError::ForeignSignature { .. }), "{err}");
 }
 
 #[test]

@@ -53,6 +53,8 @@ enum Command {
     Submit(cmd::client::SubmitArgs),
     /// Jobs known to legendd.
     Jobs(cmd::client::JobsArgs),
+    /// One legendd job: its state, progress, and its process (pid, uid, cgroup, memory).
+    Status(cmd::client::JobArgs),
     /// Follow a legendd job until it ends.
     Watch(cmd::client::JobArgs),
     /// Cancel a legendd job: a queued one at once; a running train job at its next
@@ -69,6 +71,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // SAFETY: first thing in main, before any thread starts.
+    unsafe { legend_cuda::nccl::keep_multicast_off() };
     let cli = Cli::parse();
     let filter = cli
         .log
@@ -101,6 +105,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => cmd::bench::run(args),
         Command::Submit(args) => cmd::client::submit(cli.socket.as_deref(), args),
         Command::Jobs(args) => cmd::client::jobs(cli.socket.as_deref(), args),
+        Command::Status(args) => cmd::client::status(cli.socket.as_deref(), args),
         Command::Watch(args) => cmd::client::watch(cli.socket.as_deref(), args),
         Command::Cancel(args) => cmd::client::cancel(cli.socket.as_deref(), args),
         Command::Delete(args) => cmd::client::delete(cli.socket.as_deref(), args),

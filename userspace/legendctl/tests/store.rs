@@ -559,24 +559,31 @@ fn a_store_of_another_dataset_is_refused() {
 /// complete checkpoint and finish with exactly the tables of an uninterrupted run.
 #[test]
 fn sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run() {
-    kill_and_resume("file", 50);
+    kill_and_resume("file", &[], 50);
 }
 
 /// The same with the memory backend, whose checkpoints stream the tables into a directory of
 /// their own: one killed while it is written leaves the one before usable.
 #[test]
 fn sigkill_then_resume_in_memory() {
-    kill_and_resume("memory", 16);
+    kill_and_resume("memory", &[], 16);
 }
 
 /// The same through the proxy controller's queues: a process killed with commands in flight
 /// leaves the backing file with the last commit readable.
 #[test]
 fn sigkill_then_resume_through_the_proxy() {
-    kill_and_resume("proxy", 12);
+    kill_and_resume("proxy", &[], 12);
 }
 
-fn kill_and_resume(backend: &str, default_trials: u64) {
+/// The same on two workers (CPU engines: the coordinator several GPUs run), whose checkpoints
+/// are the memory backend's: a run killed anywhere resumes to the uninterrupted one's tables.
+#[test]
+fn sigkill_then_resume_on_two_workers() {
+    kill_and_resume("memory", &["training.gpus=2", "training.threads=1"], 10);
+}
+
+fn kill_and_resume(backend: &str, extra: &[&str], default_trials: u64) {
     let trials: u64 = std::env::var("LEGEND_KILL_TRIALS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -601,6 +608,9 @@ fn kill_and_resume(backend: &str, default_trials: u64) {
         ];
         if let Some(path) = store_at(run) {
             a.extend(["--set".into(), path]);
+        }
+        for set in extra {
+            a.extend(["--set".into(), set.to_string()]);
         }
         a
     };

@@ -17,6 +17,8 @@ use nix::unistd::{Gid, Group, Uid, User};
 pub struct Peer {
     /// Its uid.
     pub uid: u32,
+    /// Its gid (the connecting process's; for a job, what its process runs with).
+    pub gid: u32,
     /// Its groups (primary and supplementary, from the user database).
     pub groups: Vec<u32>,
     /// Whether it may administer the daemon.
@@ -37,19 +39,31 @@ impl Peer {
         let admin = uid == 0
             || uid == Uid::effective().as_raw()
             || admin_gid.is_some_and(|g| groups.contains(&g));
-        Ok(Peer { uid, groups, admin })
+        Ok(Peer {
+            uid,
+            gid: cred.gid(),
+            groups,
+            admin,
+        })
     }
 
-    /// A job's submitter known by uid alone (a job outlives its connection, and the daemon):
-    /// groups from the user database, none for a uid it does not know.
+    /// A user known by uid alone: their primary group from the user database (their uid
+    /// where it has none).
     pub fn of_uid(uid: u32) -> Peer {
-        let groups = match User::from_uid(Uid::from_raw(uid)) {
-            Ok(Some(user)) => groups_of(uid, user.gid.as_raw()),
-            _ => Vec::new(),
-        };
+        let gid = User::from_uid(Uid::from_raw(uid))
+            .ok()
+            .flatten()
+            .map_or(uid, |u| u.gid.as_raw());
+        Peer::of_ids(uid, gid)
+    }
+
+    /// A job's submitter known by uid and the gid they submitted with (a job outlives its
+    /// connection, and the daemon): groups from the user database as they are now.
+    pub fn of_ids(uid: u32, gid: u32) -> Peer {
         Peer {
             uid,
-            groups,
+            gid,
+            groups: groups_of(uid, gid),
             admin: false,
         }
     }
@@ -81,8 +95,11 @@ impl Peer {
 
     /// Opens the directory `path` as this peer could (legend-fs's `Dir::open_checked`): an
     /// error says only what the peer could have found out by looking.
+    /// What the daemon reads through it is read only up to [`crate::paths::USER_TEXT_LIMIT`].
     pub fn open_dir(&self, path: &Path) -> Result<Dir, String> {
-        Dir::open_checked(path, self.read_check()).map_err(|e| format!("{}: {e}", path.display()))
+        Dir::open_checked(path, self.read_check())
+            .map(|d| d.with_text_limit(crate::paths::USER_TEXT_LIMIT))
+            .map_err(|e| format!("{}: {e}", crate::paths::shown(path)))
     }
 
     /// Whether this peer may see and cancel a job of `owner`.
@@ -138,20 +155,30 @@ fn allows_bits(peer: &Peer, uid: u32, gid: u32, mode: u32, want: u32) -> bool {
     bits & want == want
 }
 
-/// What a job may write: directories it opens by path (its run's parent, its run, a store's or
-/// an export's directory) must be its submitter's, who may create files in them, checked on
-/// the opened directory (legend-fs reaches everything beneath it without following links). A
-/// directory the job makes is given to the submitter at once (`CAP_CHOWN`), so that it is
-/// theirs when a later job, or a resume after a restart, opens it again.
+/// What a job's process may write: directories it opens by path (its run's parent, its run, a
+/// store's or an export's directory) must be its submitter's (or, for a job under a device
+/// identity, made by that job's process), who may create files in them, checked on the opened
+/// directory (legend-fs reaches everything beneath it without following links).
+///
+/// A job running as its submitter reads with the kernel's checks, which are theirs. A job under
+/// a device identity reads as its submitter could (every directory on the way searchable by
+/// them, every file readable), checked on what it opens: its own rights (the daemon's group)
+/// are not its submitter's.
 #[derive(Clone)]
 pub struct JobGuard {
     submitter: Peer,
+    /// Reads are checked as the submitter's (the process is not them).
+    check_reads: bool,
 }
 
 impl JobGuard {
-    /// The guard of a job `submitter` sent.
-    pub fn new(submitter: Peer) -> JobGuard {
-        JobGuard { submitter }
+    /// The guard of a job `submitter` sent, whose process runs as them (`as_submitter`) or
+    /// under a device identity.
+    pub fn new(submitter: Peer, as_submitter: bool) -> JobGuard {
+        JobGuard {
+            submitter,
+            check_reads: !as_submitter,
+        }
     }
 }
 
@@ -160,41 +187,23 @@ impl Guard for JobGuard {
         let m = dir.metadata()?;
         let peer = &self.submitter;
         let refuse = |why: String| Err(std::io::Error::new(ErrorKind::PermissionDenied, why));
-        if peer.uid != 0 && m.uid() != peer.uid {
+        let own = m.uid() == Uid::effective().as_raw();
+        if peer.uid != 0 && m.uid() != peer.uid && !own {
             return refuse(format!(
-                "not the submitter's directory (owner uid {}, submitter uid {}); the daemon writes \
+                "not the submitter's directory (owner uid {}, submitter uid {}); a job writes \
                  only into directories its submitter owns",
                 m.uid(),
                 peer.uid
             ));
         }
-        if !allows(peer, &m, 3) {
+        if !own && !allows(peer, &m, 3) {
             return refuse("the submitter may not create files there".into());
         }
         Ok(())
     }
 
-    /// Reads as the submitter could: every directory on the way searchable by them, every
-    /// file readable (the daemon itself can read what they cannot).
     fn read_check(&self) -> Option<ReadCheck> {
-        Some(self.submitter.read_check())
-    }
-
-    fn adopt(&self, dir: &Dir) -> std::io::Result<()> {
-        let to = Uid::from_raw(self.submitter.uid);
-        if to == Uid::effective() {
-            return Ok(());
-        }
-        // Without CAP_CHOWN the directory stays the daemon's, like the files handed over at
-        // the job's end; resuming it is then refused (not the submitter's).
-        if let Err(e) = nix::unistd::fchown(dir, Some(to), None) {
-            tracing::warn!(
-                "{}: stays the daemon's (giving it to uid {}: {e})",
-                dir.path().display(),
-                self.submitter.uid
-            );
-        }
-        Ok(())
+        self.check_reads.then(|| self.submitter.read_check())
     }
 }
 

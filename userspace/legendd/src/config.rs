@@ -20,6 +20,15 @@ pub struct DaemonConfig {
     pub gpu_jobs: usize,
     /// Serve jobs holding a run in memory at once (they take no CPU or GPU job slot).
     pub serve_jobs: usize,
+    /// Serve jobs one user outside the admin group may have queued or running.
+    pub serve_jobs_per_user: usize,
+    /// Of `serve_jobs`, how many only the admin group's (and root's) jobs may take.
+    pub reserved_serve_jobs: usize,
+    /// Jobs one user outside the admin group may run at once on one CPU or GPU queue.
+    pub running_jobs_per_user: usize,
+    /// Of each CPU or GPU queue's slots (`cpu_jobs`, `gpu_jobs`), how many only the admin
+    /// group's (and root's) jobs may take.
+    pub reserved_job_slots: usize,
     /// Where a serve job answers unless it names a device: `cpu`, `cuda:N` or `auto` (device 0
     /// when a CUDA driver is present and it opens, else the CPU).
     pub serve_device: String,
@@ -43,6 +52,9 @@ pub struct DaemonConfig {
     /// Seconds a client may take to send a whole request (from connecting, or from its last
     /// reply) before it is disconnected.
     pub request_timeout_s: u64,
+    /// MiB of memory the daemon holds for requests in flight (their frames, what they parse
+    /// into, their answers): a user may hold a quarter, users together all but an eighth.
+    pub request_memory_mib: u64,
     /// Jobs one user may have queued or running at once.
     pub max_jobs_per_user: usize,
     /// Ended jobs one user may keep (their records and logs stay until deleted); past it
@@ -50,6 +62,9 @@ pub struct DaemonConfig {
     pub max_ended_jobs_per_user: usize,
     /// Also serve the Prometheus metrics on `127.0.0.1:PORT` (`GET /metrics`).
     pub metrics_port: Option<u16>,
+    /// The uids jobs on a shared NVMe namespace run under, `"FIRST-LAST"`: unused by any
+    /// account, one per running job. None: such jobs are refused.
+    pub device_job_uids: Option<String>,
 }
 
 impl Default for DaemonConfig {
@@ -61,6 +76,10 @@ impl Default for DaemonConfig {
             cpu_jobs: 1,
             gpu_jobs: 1,
             serve_jobs: 4,
+            serve_jobs_per_user: 2,
+            reserved_serve_jobs: 1,
+            running_jobs_per_user: 1,
+            reserved_job_slots: 0,
             serve_device: "auto".into(),
             serve_gpu_memory: 0.25,
             serve_cache_fraction: legend_query::DEFAULT_CACHE_FRACTION,
@@ -69,9 +88,11 @@ impl Default for DaemonConfig {
             reserved_connections: 16,
             max_connections_per_uid: 32,
             request_timeout_s: 30,
+            request_memory_mib: 64,
             max_jobs_per_user: 100,
             max_ended_jobs_per_user: 1000,
             metrics_port: None,
+            device_job_uids: None,
         }
     }
 }
@@ -89,17 +110,57 @@ impl DaemonConfig {
         if config.cpu_jobs == 0
             || config.gpu_jobs == 0
             || config.serve_jobs == 0
+            || config.serve_jobs_per_user == 0
+            || config.running_jobs_per_user == 0
             || config.max_connections_per_uid == 0
             || config.max_jobs_per_user == 0
             || config.max_ended_jobs_per_user == 0
             || config.request_timeout_s == 0
         {
             anyhow::bail!(
-                "{}: cpu_jobs, gpu_jobs, serve_jobs, max_connections_per_uid, max_jobs_per_user, \
-                 max_ended_jobs_per_user and request_timeout_s must be at least 1",
+                "{}: cpu_jobs, gpu_jobs, serve_jobs, serve_jobs_per_user, running_jobs_per_user, \
+                 max_connections_per_uid, max_jobs_per_user, max_ended_jobs_per_user and \
+                 request_timeout_s must be at least 1",
                 path.display()
             );
         }
+        for (key, reserved, of, total) in [
+            (
+                "reserved_serve_jobs",
+                config.reserved_serve_jobs,
+                "serve_jobs",
+                config.serve_jobs,
+            ),
+            (
+                "reserved_job_slots",
+                config.reserved_job_slots,
+                "cpu_jobs",
+                config.cpu_jobs,
+            ),
+            (
+                "reserved_job_slots",
+                config.reserved_job_slots,
+                "gpu_jobs",
+                config.gpu_jobs,
+            ),
+        ] {
+            if reserved >= total {
+                anyhow::bail!(
+                    "{}: {key} ({reserved}) must be less than {of} ({total}): users would get none",
+                    path.display()
+                );
+            }
+        }
+        if config.request_memory_mib < 8 {
+            anyhow::bail!(
+                "{}: request_memory_mib = {} is under 8 (a request may take 2 MiB)",
+                path.display(),
+                config.request_memory_mib
+            );
+        }
+        config
+            .device_uid_range()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         config
             .serve_device
             .parse::<legend_engine::config::DeviceChoice>()
@@ -121,6 +182,25 @@ impl DaemonConfig {
             );
         }
         Ok(config)
+    }
+}
+
+impl DaemonConfig {
+    /// `device_job_uids` as its first and last uid.
+    pub fn device_uid_range(&self) -> Result<Option<(u32, u32)>, String> {
+        let Some(text) = &self.device_job_uids else {
+            return Ok(None);
+        };
+        let bad = || format!("device_job_uids = {text:?}: give \"FIRST-LAST\", uids above 0");
+        let (a, b) = text.split_once('-').ok_or_else(bad)?;
+        let (a, b): (u32, u32) = (
+            a.trim().parse().map_err(|_| bad())?,
+            b.trim().parse().map_err(|_| bad())?,
+        );
+        if a == 0 || b < a {
+            return Err(bad());
+        }
+        Ok(Some((a, b)))
     }
 }
 
@@ -151,6 +231,11 @@ mod tests {
             "serve_gpu_memory = 1.5\n",
             "serve_cache_fraction = -0.1\n",
             "serve_host_memory_mib = -1\n",
+            "reserved_serve_jobs = 4\n",
+            "gpu_jobs = 2\nreserved_job_slots = 1\n",
+            "request_memory_mib = 1\n",
+            "device_job_uids = \"9-3\"\n",
+            "device_job_uids = \"0-10\"\n",
         ] {
             std::fs::write(&path, text).unwrap();
             let e = DaemonConfig::load(&path, true).unwrap_err().to_string();

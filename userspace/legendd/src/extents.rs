@@ -8,6 +8,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use serde::{Deserialize, Serialize};
+
 use legend_engine::Config;
 use legend_engine::store::controllers::{self};
 use legend_engine::store::{QueueBackend, QueueLocation};
@@ -19,6 +21,17 @@ use crate::access::{JobGuard, Peer};
 
 /// Serialises changes to the tables: each is read, changed and committed under this lock.
 static TABLES: Mutex<()> = Mutex::new(());
+
+/// A run's store on a namespace as the daemon recorded it when the job was submitted: what the
+/// run's `run.toml` must still name when the job starts (an edit in between cannot point the
+/// job at another store or extent).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordedStore {
+    /// The device node or the proxy's backing file.
+    pub path: PathBuf,
+    /// Controller kind, namespace, first LBA.
+    pub queue: QueueLocation,
+}
 
 /// How a run's store is placed: the namespace behind `path` and the run's key in its table.
 pub struct Placement {
@@ -40,26 +53,31 @@ pub fn run_key(run: &Path) -> String {
     resolved.to_string_lossy().into_owned()
 }
 
+/// Refuses a path given as an NVMe store that is not one of the module's device nodes: the
+/// daemon opens those with its own rights, never a path a submitter chose elsewhere (its open
+/// would tell them what lies there).
+pub fn check_device_node(path: &Path) -> Result<(), String> {
+    if path.to_str().is_some_and(legend_daemon_api::is_device_node) {
+        return Ok(());
+    }
+    Err(format!(
+        "{}: storage.backend = \"nvme\" takes a device node of legend_nvme \
+         (/dev/legend-nvmeN) as storage.path",
+        crate::paths::shown(path)
+    ))
+}
+
 /// The extent table of `place`'s namespace, for a job of `owner`: a device node is the
 /// daemon's, a proxy's backing file must lie in a directory of the job's owner.
 fn open_table(place: &Placement, owner: u32) -> Result<Extents, String> {
-    // The daemon opens a device node with its own rights: only the module's nodes, never a
-    // path a submitter chose elsewhere (its open would tell them what lies there).
-    if place.queue.backend == QueueBackend::Nvme
-        && !place
-            .path
-            .to_str()
-            .is_some_and(legend_daemon_api::is_device_node)
-    {
-        return Err(format!(
-            "{}: storage.backend = \"nvme\" takes a device node of legend_nvme \
-             (/dev/legend-nvmeN) as storage.path",
-            place.path.display()
-        ));
+    if place.queue.backend == QueueBackend::Nvme {
+        check_device_node(&place.path)?;
     }
     let file = match place.queue.backend {
         QueueBackend::Nvme => StoreFile::open(&place.path, &Unguarded),
-        QueueBackend::Proxy => StoreFile::open(&place.path, &JobGuard::new(Peer::of_uid(owner))),
+        QueueBackend::Proxy => {
+            StoreFile::open(&place.path, &JobGuard::new(Peer::of_uid(owner), false))
+        }
     };
     let controller = file
         .and_then(|file| controllers::open(place.queue.backend, &file, None))
@@ -87,6 +105,25 @@ pub fn placement(config: &Config, run: &Path) -> Option<Placement> {
     })
 }
 
+impl From<RecordedStore> for Placement {
+    fn from(r: RecordedStore) -> Placement {
+        Placement {
+            path: r.path,
+            queue: r.queue,
+        }
+    }
+}
+
+impl Placement {
+    /// What the job's record keeps of it.
+    pub fn recorded(&self) -> RecordedStore {
+        RecordedStore {
+            path: self.path.clone(),
+            queue: self.queue,
+        }
+    }
+}
+
 /// Gives the new run `run` of `owner` an extent large enough for its store and returns its
 /// first LBA, the `storage.start_lba` the job must use.
 pub fn assign(
@@ -94,7 +131,7 @@ pub fn assign(
     config: &Config,
     dataset: &Path,
     run: &Path,
-    owner: u32,
+    owner: &Peer,
 ) -> Result<u64, String> {
     if config.storage.start_lba != 0 {
         return Err(
@@ -103,7 +140,8 @@ pub fn assign(
             .into(),
         );
     }
-    let meta = legend_dataset::DatasetMeta::read(dataset).map_err(|e| e.to_string())?;
+    let meta = crate::jobs::estimate::dataset_meta(owner, dataset)?;
+    let owner = owner.uid;
     let _guard = TABLES.lock().unwrap_or_else(|e| e.into_inner());
     let mut table = open_table(place, owner)?;
     let bytes = run_store_bytes(config, &meta, table.block_size()).map_err(|e| e.to_string())?;

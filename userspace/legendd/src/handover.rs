@@ -1,23 +1,24 @@
-//! Hands a job's outputs to the user who submitted it: the daemon writes them as its own user,
-//! then, when the job ends, makes the submitter their owner (the group, which lets the daemon
-//! in again on a resume, stays). It needs `CAP_CHOWN` (the unit grants it); without it, or when
-//! the submitter is the daemon's own user, the files stay as they are.
+//! Hands what a job made to the user who submitted it, where it was made under another
+//! identity: a job on a shared NVMe namespace runs under a uid of the daemon's (see
+//! `process`), and when it ends the daemon makes the submitter the owner of what that uid made
+//! in the job's output directory (the group stays). It needs `CAP_CHOWN` (the unit grants it).
+//! A job that runs as its submitter makes its outputs theirs already: nothing is handed over.
 //!
 //! The walk starts from the job's output directory opened and admitted like every directory the
 //! job writes (access::JobGuard), never follows a symbolic link, and changes only directories
-//! and single-named regular files the daemon itself owns that were made after the job was
-//! submitted (their birth time: a file the submitter moves into the run from elsewhere keeps
-//! its own, so a daemon running as root hands over nothing it did not make for the job). Each
-//! is opened once (`O_PATH`, no link followed) and checked and changed through that one
-//! descriptor, so a user who rearranges the tree while it runs cannot swap what is changed for
-//! what was checked, nor have a hard link to a daemon file handed over.
+//! and single-named regular files owned by the job's identity (a uid no account and no other
+//! running job has) that were made after the job was submitted (their birth time). A file moved
+//! or linked into the run from elsewhere keeps its owner, whoever that is: root's, the
+//! daemon's, another user's, the submitter's own are never changed. Each entry is opened once
+//! (`O_PATH`, no link followed) and checked and changed through that one descriptor, so a user
+//! who rearranges the tree while it runs cannot swap what is changed for what was checked.
 
 use std::os::fd::AsFd;
 
 use nix::dir::Dir;
 use nix::fcntl::{AtFlags, OFlag};
 use nix::sys::stat::{Mode, SFlag, fstatat};
-use nix::unistd::{Uid, geteuid};
+use nix::unistd::Uid;
 
 /// How a directory is opened: never through a symbolic link.
 fn dir_flags() -> OFlag {
@@ -43,17 +44,54 @@ pub fn file_clock_secs() -> u64 {
     }
 }
 
-/// Makes `owner` the owner of `dir` and of every file and directory under it that the daemon
-/// owns and that was made at or after `since` (seconds since the epoch: the job's submission);
-/// returns how many it changed.
-pub fn hand_over(dir: &legend_fs::Dir, owner: u32, since: u64) -> std::io::Result<usize> {
-    let me = geteuid();
-    if owner == me.as_raw() {
-        return Ok(0);
+/// The output directory `path` of a job of `submitter`'s whose process ran as a uid `made_by`
+/// accepts, opened (without following a link in its place) if it is the submitter's or that
+/// identity's, and what that identity made in it handed to the submitter (see [`hand_over`]);
+/// `Ok(0)` when there is no such directory (the job made none).
+pub fn hand_over_outputs(
+    path: &std::path::Path,
+    submitter: u32,
+    since: u64,
+    made_by: &(dyn Fn(u32) -> bool + Sync),
+) -> std::io::Result<usize> {
+    /// Admits the submitter's directories and the job identity's.
+    struct Theirs<'a> {
+        submitter: u32,
+        made_by: &'a (dyn Fn(u32) -> bool + Sync),
     }
+    impl legend_fs::Guard for Theirs<'_> {
+        fn admit(&self, dir: &legend_fs::Dir) -> std::io::Result<()> {
+            let owner = std::os::unix::fs::MetadataExt::uid(&dir.metadata()?);
+            if owner == self.submitter || (self.made_by)(owner) {
+                Ok(())
+            } else {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("owner uid {owner}: neither the submitter's nor the job's"),
+                ))
+            }
+        }
+    }
+    let guard = Theirs { submitter, made_by };
+    match legend_fs::Dir::open_guarded(path, &guard) {
+        Ok(dir) => hand_over(&dir, submitter, since, made_by),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+/// Makes `owner` the owner of `dir` and of every file and directory under it owned by a uid
+/// `made_by` accepts (the job's identity) and made at or after `since` (seconds since the
+/// epoch: the job's submission); returns how many it changed.
+pub fn hand_over(
+    dir: &legend_fs::Dir,
+    owner: u32,
+    since: u64,
+    made_by: &dyn Fn(u32) -> bool,
+) -> std::io::Result<usize> {
     let top = Dir::from_fd(dir.as_fd().try_clone_to_owned()?)?;
     let rule = Rule {
-        me,
+        made_by,
         to: Uid::from_raw(owner),
         since,
     };
@@ -61,15 +99,16 @@ pub fn hand_over(dir: &legend_fs::Dir, owner: u32, since: u64) -> std::io::Resul
 }
 
 /// Which entries are handed over, and to whom.
-struct Rule {
-    me: Uid,
+struct Rule<'a> {
+    made_by: &'a dyn Fn(u32) -> bool,
     to: Uid,
     since: u64,
 }
 
-impl Rule {
-    /// Hands over what `fd` (an `O_PATH` descriptor, or a directory's) names if the daemon owns
-    /// it, it has one name (directories aside) and it was born for the job; `true` if it did.
+impl Rule<'_> {
+    /// Hands over what `fd` (an `O_PATH` descriptor, or a directory's) names if the job's
+    /// identity owns it, it has one name (directories aside) and it was born for the job;
+    /// `true` if it did.
     fn apply(&self, fd: std::os::fd::BorrowedFd<'_>, directory: bool) -> nix::Result<bool> {
         use std::os::fd::AsRawFd;
         // SAFETY: an all-zero statx is a valid value to be filled in.
@@ -95,7 +134,7 @@ impl Rule {
         // outputs stay the daemon's rather than risk giving away what it did not make.
         let born_for_the_job = st.stx_mask & libc::STATX_BTIME != 0
             && u64::try_from(st.stx_btime.tv_sec).is_ok_and(|t| t >= self.since);
-        if !(eligible && st.stx_uid == self.me.as_raw() && born_for_the_job) {
+        if !(eligible && (self.made_by)(st.stx_uid) && born_for_the_job) {
             return Ok(false);
         }
         // SAFETY: as above; the same descriptor that was checked is changed.
@@ -172,12 +211,13 @@ mod tests {
 
     use super::*;
 
-    /// Run as root (CI is): what the daemon made for the job goes to the submitter; a file it
-    /// owns that was born before the job was submitted (a root file the submitter moved into
-    /// their run) stays the daemon's, as does a second name of one of its files.
+    /// Run as root (CI is), the test plays the job's identity (root here): what it made for
+    /// the job goes to the submitter; a file it owns that was born before the job was
+    /// submitted, a file of another owner's, and a second name of one of its files stay as
+    /// they are.
     #[test]
     fn only_what_was_made_for_the_job_is_handed_over() {
-        if !geteuid().is_root() {
+        if !nix::unistd::geteuid().is_root() {
             eprintln!("skipped: hand-over needs root (CAP_CHOWN)");
             return;
         }
@@ -202,9 +242,13 @@ mod tests {
         std::fs::write(sub.join("table.bin"), b"x").unwrap();
         std::fs::write(run.join("linked"), b"y").unwrap();
         std::fs::hard_link(run.join("linked"), tmp.path().join("elsewhere")).unwrap();
+        // Made now, but by another owner: moved in by someone, it stays theirs.
+        let others = run.join("others");
+        std::fs::write(&others, b"z").unwrap();
+        std::os::unix::fs::chown(&others, Some(4242), None).unwrap();
         let dir = legend_fs::Dir::open(&run).unwrap();
         // The run directory itself was born before `since` too: only its new contents move.
-        let n = hand_over(&dir, 65534, since).unwrap();
+        let n = hand_over(&dir, 65534, since, &|uid| uid == 0).unwrap();
         let uid = |p: &std::path::Path| std::fs::symlink_metadata(p).unwrap().uid();
         assert_eq!(n, 2, "the new directory and its file");
         assert_eq!(uid(&sub), 65534);
@@ -216,5 +260,10 @@ mod tests {
             "a file with a second name is not"
         );
         assert_eq!(uid(&run), 0);
+        assert_eq!(
+            uid(&others),
+            4242,
+            "another owner's file is not handed over"
+        );
     }
 }

@@ -1,16 +1,22 @@
-//! `legendd`: Legend's training service. It alone opens `/dev/legend-nvme*` and the GPUs, runs
-//! users' jobs (train, eval, export, serve) in queues per device, and answers `legendctl` on a Unix socket,
+//! `legendd`: Legend's training service. It owns `/dev/legend-nvme*` and the GPUs, runs users'
+//! jobs (train, eval, export, serve) in queues per device, each in a process of its own
+//! (`legendd job`, see `worker` and `process`), and answers `legendctl` on a Unix socket,
 //! identifying callers by their credentials (`SO_PEERCRED`). `Documentation/daemon-api.md`
-//! describes the protocol and the service.
+//! describes the protocol, the service and its threat model.
 
 mod access;
+mod budget;
+mod channel;
 mod config;
 mod extents;
 mod handover;
 mod jobs;
 mod notify;
+mod paths;
+mod process;
 mod serve;
 mod server;
+mod worker;
 
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -45,6 +51,13 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    // SAFETY: first thing in main, before any thread starts (a job's process keeps it too).
+    unsafe { legend_cuda::nccl::keep_multicast_off() };
+    // A job's process: the daemon's own binary, started by the daemon with its job on
+    // descriptor 3 (never by hand).
+    if std::env::args_os().nth(1).is_some_and(|a| a == "job") {
+        return worker::main();
+    }
     let args = Args::parse();
     let filter = args
         .log
@@ -103,6 +116,9 @@ fn run(args: Args) -> anyhow::Result<()> {
         signal_hook::low_level::pipe::register(signal, waker.try_clone()?)
             .context("installing signal handlers")?;
     }
+    // Jobs' cgroups: found (and, under cgroup v2, the daemon moved into its leaf) before any
+    // thread starts.
+    process::cgroup::hierarchy();
     let jobs = jobs::Jobs::open(&config).context("opening the state directory")?;
     let listener = server::bind(&config.socket)?;
     tracing::info!(
@@ -114,7 +130,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     let scheduler = jobs.start_scheduler();
     if let Some(port) = config.metrics_port {
         let timeout = std::time::Duration::from_secs(config.request_timeout_s);
-        server::serve_metrics_http(port, jobs.clone(), timeout)?;
+        server::http::serve_metrics_http(port, jobs.clone(), timeout)?;
     }
     notify::ready();
     server::serve(listener, &config, jobs.clone(), &shutdown, &wake);

@@ -1,41 +1,87 @@
-//! Serve jobs: a run's tables held in the daemon's memory (the host's, or a GPU's), answering
-//! queries (legend-query) from its submitter, members of a group the submitter named, and root,
-//! with the latencies kept for the metrics and the job's status.
+//! Serve jobs, the daemon's side: a serve job holds its run in its own process (see
+//! `worker::serve`); the daemon forwards queries to it from its submitter, members of a group
+//! the submitter named, and root, with the same bounds as any request (the queries pass
+//! unparsed, the answer comes back at most a frame long and goes to the client as it is),
+//! and keeps the latencies for the metrics and the job's status.
 //!
-//! A serve job runs in a queue of its own (`serve`, `serve_jobs` at once): it takes no CPU or
-//! GPU job slot. On the CPU its queries run on the daemon's rayon pool, beside whatever trains;
-//! on a GPU they hold at most the daemon's `serve_gpu_memory` share of it, all serve jobs
-//! together (the rest is training's), and their kernels share the GPU's time with training's.
-//! At most [`MAX_IN_FLIGHT`] batches of one served run are answered at once; more are
-//! `unavailable`.
+//! A serve job runs in a queue of its own (`serve`, `serve_jobs` at once, `serve_jobs_per_user`
+//! of one user, `reserved_serve_jobs` for the admin group): it takes no CPU or GPU job slot. On
+//! a GPU it holds at most the daemon's `serve_gpu_memory` share of it, all serve jobs together
+//! (the rest is training's).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use legend_daemon_api::{ErrorCode, MAX_QUERIES, MAX_TOP, Reply};
-use legend_query::{Query, QueryRun};
-
 use crate::access::Peer;
-
-/// Batches of one served run answered at once; more are `unavailable` (each batch already uses
-/// every core).
-pub const MAX_IN_FLIGHT: usize = 8;
+use crate::channel::Serving;
 
 /// Requests whose latency the metrics' percentiles and rate are taken over.
 const WINDOW: usize = 1024;
 
-/// A run being served.
-pub struct Served {
+/// Requests forwarded and not answered yet, by id: where their answer (queries answered, the
+/// reply's bytes) goes.
+type Pending = HashMap<u64, SyncSender<(u32, Vec<u8>)>>;
+
+/// A serve job's state in the daemon.
+pub struct ServeState {
     /// The submitter.
     pub owner: u32,
     /// The group whose members may query too.
     pub group: Option<u32>,
-    run: QueryRun<'static>,
-    in_flight: AtomicUsize,
+    /// The run as its process loaded it, once it has.
+    serving: Mutex<Option<Serving>>,
     stats: Mutex<Stats>,
+    pending: Mutex<Pending>,
+    next: AtomicU64,
+}
+
+/// The GPU memory serve jobs hold, by device ordinal, within the `serve_gpu_memory` share: one
+/// job loads onto a GPU at a time, so that each load sees what the ones before it took.
+#[derive(Default)]
+pub struct GpuShares {
+    state: Mutex<HashMap<usize, Share>>,
+    idle: Condvar,
+}
+
+#[derive(Default)]
+struct Share {
+    held: u64,
+    loading: bool,
+}
+
+impl GpuShares {
+    /// Waits until no serve job loads onto GPU `ordinal`, then begins a load: what is left of
+    /// `share` bytes ([`GpuShares::loaded`] ends it).
+    pub fn begin_load(&self, ordinal: usize, share: u64) -> u64 {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = self
+            .idle
+            .wait_while(state, |s| s.get(&ordinal).is_some_and(|s| s.loading))
+            .unwrap_or_else(|e| e.into_inner());
+        let s = state.entry(ordinal).or_default();
+        s.loading = true;
+        share.saturating_sub(s.held)
+    }
+
+    /// A load onto GPU `ordinal` ended, holding `took` bytes.
+    pub fn loaded(&self, ordinal: usize, took: u64) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let s = state.entry(ordinal).or_default();
+        s.loading = false;
+        s.held += took;
+        self.idle.notify_all();
+    }
+
+    /// A serve job gave back `bytes` of GPU `ordinal`.
+    pub fn release(&self, ordinal: usize, bytes: u64) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let s = state.entry(ordinal).or_default();
+        s.held = s.held.saturating_sub(bytes);
+    }
 }
 
 /// A served run's figures over its last [`WINDOW`] requests.
@@ -58,74 +104,122 @@ struct Stats {
     recent: VecDeque<(Instant, Duration, usize)>,
 }
 
-/// Takes a place among the batches in flight; gives it back when dropped.
-struct InFlight<'a>(&'a AtomicUsize);
+/// A request on its way to the serve job's process: its answer comes on `answer`.
+pub struct Forwarded<'a> {
+    state: &'a ServeState,
+    /// The request's id on the job's channel.
+    pub id: u64,
+    answer: Receiver<(u32, Vec<u8>)>,
+    sent: Instant,
+}
 
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+impl Forwarded<'_> {
+    /// The answer (a reply, serialised), waiting up to `wait`; `None` when the job's process
+    /// ended first or took longer. An answer with answers counts for the metrics.
+    pub fn answer(self, wait: Duration) -> Option<Vec<u8>> {
+        let Ok((queries, reply)) = self.answer.recv_timeout(wait) else {
+            self.state.pending_lock().remove(&self.id);
+            return None;
+        };
+        if queries > 0 {
+            self.state.record(self.sent.elapsed(), queries as usize);
+        }
+        Some(reply)
     }
 }
 
-fn error(code: ErrorCode, message: impl Into<String>) -> Reply {
-    Reply::Error {
-        code,
-        message: message.into(),
-    }
-}
-
-impl Served {
-    /// `run`, served for `owner` (and `group`).
-    pub fn new(owner: u32, group: Option<u32>, run: QueryRun<'static>) -> Served {
-        Served {
+impl ServeState {
+    /// The state of a serve job of `owner` (and `group`).
+    pub fn new(owner: u32, group: Option<u32>) -> ServeState {
+        ServeState {
             owner,
             group,
-            run,
-            in_flight: AtomicUsize::new(0),
+            serving: Mutex::default(),
             stats: Mutex::default(),
+            pending: Mutex::default(),
+            next: AtomicU64::new(0),
         }
     }
 
-    /// Bytes of the run's tables in host memory.
-    pub fn resident_bytes(&self) -> usize {
-        self.run.model().resident_bytes()
+    fn pending_lock(&self) -> std::sync::MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Bytes of host memory a streamed run's reads hold at most beside its tables (0 for rows
-    /// in memory).
-    pub fn stream_bytes(&self) -> u64 {
-        self.run.model().stream_bytes()
+    /// Whether the run is loaded and answers.
+    pub fn is_serving(&self) -> bool {
+        self.serving
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
-    /// Bytes of GPU memory the run holds (0 on the CPU).
-    pub fn gpu_bytes(&self) -> u64 {
-        self.run.model().gpu_bytes()
+    /// The run as loaded (or its figures updated).
+    pub fn set_serving(&self, serving: Serving) {
+        *self.serving.lock().unwrap_or_else(|e| e.into_inner()) = Some(serving);
     }
 
-    /// Where the run answers, in words.
-    pub fn placement(&self) -> &str {
-        self.run.placement()
+    /// Registers a request: its id to send with it, and where its answer comes.
+    pub fn forward(&self) -> Forwarded<'_> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = sync_channel(1);
+        self.pending_lock().insert(id, tx);
+        Forwarded {
+            state: self,
+            id,
+            answer: rx,
+            sent: Instant::now(),
+        }
+    }
+
+    /// The job's process answered request `id` (`queries` queries): to its waiting client.
+    pub fn deliver(&self, id: u64, queries: u32, reply: Vec<u8>) {
+        if let Some(to) = self.pending_lock().remove(&id) {
+            let _ = to.try_send((queries, reply));
+        }
+    }
+
+    fn record(&self, took: Duration, queries: usize) {
+        let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        s.queries += queries as u64;
+        s.requests += 1;
+        if s.recent.len() == WINDOW {
+            s.recent.pop_front();
+        }
+        s.recent.push_back((Instant::now(), took, queries));
+    }
+
+    /// Forgets every request waiting (the job's process ended): their clients hear so.
+    pub fn fail_pending(&self) {
+        self.pending_lock().clear();
+    }
+
+    /// Whether `peer` may query this run: its submitter, a member of the group it named, root.
+    pub fn may_query(&self, peer: &Peer) -> bool {
+        peer.uid == 0
+            || peer.uid == self.owner
+            || self.group.is_some_and(|g| peer.groups.contains(&g))
     }
 
     /// The job's live status: where it answers, queries, rate, latency and the row cache's hit
     /// rate (what a running serve job's `result` shows).
-    pub fn status(&self) -> serde_json::Value {
+    pub fn status(&self) -> Option<serde_json::Value> {
+        let serving = self.serving.lock().unwrap_or_else(|e| e.into_inner());
+        let v = serving.as_ref()?;
         let s = self.summary();
-        let cache = self.run.model().cache_stats();
-        serde_json::json!({
-            "placement": self.placement(),
-            "streamed": self.run.streamed(),
-            "host_bytes": self.resident_bytes(),
-            "stream_bytes": self.stream_bytes(),
-            "gpu_bytes": self.gpu_bytes(),
+        Some(serde_json::json!({
+            "placement": v.placement,
+            "streamed": v.streamed,
+            "host_bytes": v.host_bytes,
+            "stream_bytes": v.stream_bytes,
+            "gpu_bytes": v.gpu_bytes,
             "queries": s.queries,
             "requests": s.requests,
             "queries_per_second": s.rate,
             "latency_p50_s": s.p50,
             "latency_p99_s": s.p99,
-            "cache_hit_rate": cache.map(|c| c.hit_rate()),
-            "cache_misses": cache.map(|c| c.misses),
-        })
+            "cache_hit_rate": v.cache.map(|c| c.0),
+            "cache_misses": v.cache.map(|c| c.1),
+        }))
     }
 
     fn summary(&self) -> Summary {
@@ -149,74 +243,7 @@ impl Served {
         }
     }
 
-    /// Whether `peer` may query this run: its submitter, a member of the group it named, root.
-    pub fn may_query(&self, peer: &Peer) -> bool {
-        peer.uid == 0
-            || peer.uid == self.owner
-            || self.group.is_some_and(|g| peer.groups.contains(&g))
-    }
-
-    /// Answers `queries` (JSON of legend-query's `Query`), at most [`MAX_QUERIES`], each asking
-    /// for at most [`MAX_TOP`] entities.
-    pub fn answer(&self, queries: Vec<serde_json::Value>) -> Reply {
-        if queries.is_empty() || queries.len() > MAX_QUERIES {
-            return error(
-                ErrorCode::BadRequest,
-                format!(
-                    "{} queries: send 1 to {MAX_QUERIES} in a request",
-                    queries.len()
-                ),
-            );
-        }
-        let mut asked = Vec::with_capacity(queries.len());
-        for (i, q) in queries.into_iter().enumerate() {
-            match serde_json::from_value::<Query>(q) {
-                Ok(q) => asked.push(q),
-                Err(e) => {
-                    return error(ErrorCode::BadRequest, format!("query {}: {e}", i + 1));
-                }
-            }
-        }
-        if self.in_flight.fetch_add(1, Ordering::Relaxed) >= MAX_IN_FLIGHT {
-            self.in_flight.fetch_sub(1, Ordering::Relaxed);
-            return error(
-                ErrorCode::Unavailable,
-                format!("the run answers {MAX_IN_FLIGHT} batches at once; try again"),
-            );
-        }
-        let _place = InFlight(&self.in_flight);
-        let started = Instant::now();
-        let answered = self
-            .run
-            .answer(&asked, MAX_TOP, &|i| format!("query {}", i + 1));
-        let took = started.elapsed();
-        match answered {
-            Ok(answers) => {
-                self.record(took, answers.len());
-                Reply::Answers {
-                    answers: answers
-                        .iter()
-                        .map(|a| serde_json::to_value(a).expect("answers serialise"))
-                        .collect(),
-                    seconds: took.as_secs_f64(),
-                }
-            }
-            Err(e) => error(ErrorCode::Refused, e.to_string()),
-        }
-    }
-
-    fn record(&self, took: Duration, queries: usize) {
-        let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        s.queries += queries as u64;
-        s.requests += 1;
-        if s.recent.len() == WINDOW {
-            s.recent.pop_front();
-        }
-        s.recent.push_back((Instant::now(), took, queries));
-    }
-
-    /// The metrics lines of job `id` (Prometheus text, after the HELP/TYPE lines
-    /// [`write_help`] writes once).
+    /// The metrics lines of job `id`.
     pub fn write_metrics(&self, id: u64, out: &mut MetricLines) {
         let s = self.summary();
         let job = format!("job=\"{id}\",owner=\"{}\"", self.owner);
@@ -243,27 +270,23 @@ impl Served {
                 );
             }
         }
+        let serving = self.serving.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(v) = serving.as_ref() else {
+            return;
+        };
         let _ = writeln!(
             out.resident,
             "legend_serve_resident_bytes{{{job}}} {}",
-            self.resident_bytes()
+            v.host_bytes
         );
         let _ = writeln!(
             out.stream,
             "legend_serve_stream_bytes{{{job}}} {}",
-            self.stream_bytes()
+            v.stream_bytes
         );
-        let _ = writeln!(
-            out.gpu,
-            "legend_serve_gpu_bytes{{{job}}} {}",
-            self.gpu_bytes()
-        );
-        if let Some(c) = self.run.model().cache_stats() {
-            let _ = writeln!(
-                out.hit_rate,
-                "legend_serve_cache_hit_ratio{{{job}}} {}",
-                c.hit_rate()
-            );
+        let _ = writeln!(out.gpu, "legend_serve_gpu_bytes{{{job}}} {}", v.gpu_bytes);
+        if let Some((rate, _)) = v.cache {
+            let _ = writeln!(out.hit_rate, "legend_serve_cache_hit_ratio{{{job}}} {rate}");
         }
     }
 }

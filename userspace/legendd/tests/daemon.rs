@@ -5,188 +5,22 @@
 //! leaves a resumable run; malformed, truncated, oversized and slow requests get errors or
 //! disconnects, never a crash or a hang; a bounded load test prints its latency percentiles.
 
+mod common;
+
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::AtomicBool;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::*;
 use legend_daemon_api::{
-    Envelope, ErrorCode, JobInfo, JobSpec, JobState, MAX_FRAME, PROTOCOL_VERSION, Reply, Request,
-    read_message, write_message,
+    Envelope, ErrorCode, JobInfo, JobSpec, JobState, MAX_FRAME, PROTOCOL_VERSION, Queries, Reply,
+    Request, read_message, write_message,
 };
 use legend_dataset::{GenerateOptions, generate};
 use legend_engine::Config;
-use legend_engine::session::Session;
-
-/// A daemon process on `dir/sock` with its state in `dir/state`; killed on drop.
-struct Daemon {
-    child: Child,
-    socket: PathBuf,
-}
-
-impl Daemon {
-    fn start(dir: &Path) -> Daemon {
-        Self::start_with(dir, |_| {})
-    }
-
-    /// [`Daemon::start`], with `adjust` given the command first.
-    fn start_with(dir: &Path, adjust: impl FnOnce(&mut Command)) -> Daemon {
-        let socket = dir.join("sock");
-        let config = dir.join("legendd.toml");
-        if !config.exists() {
-            std::fs::write(&config, "").unwrap();
-        }
-        let mut command = Command::new(env!("CARGO_BIN_EXE_legendd"));
-        command
-            .args(["--foreground", "--config"])
-            .arg(dir.join("legendd.toml"))
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--state-dir")
-            .arg(dir.join("state"))
-            // `LEGEND_TEST_DAEMON_LOG=debug cargo test ...` shows what the daemon did.
-            .env(
-                "LEGEND_LOG",
-                std::env::var("LEGEND_TEST_DAEMON_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
-        adjust(&mut command);
-        let child = command.spawn().expect("starting legendd");
-        let started = Instant::now();
-        while UnixStream::connect(&socket).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "legendd did not listen"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Daemon { child, socket }
-    }
-
-    fn client(&self) -> Client {
-        Client(UnixStream::connect(&self.socket).unwrap())
-    }
-
-    fn signal(&mut self, signal: i32) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, signal) };
-    }
-
-    fn wait(&mut self) -> std::process::ExitStatus {
-        self.child.wait().unwrap()
-    }
-}
-
 use libc::{SIGKILL, SIGTERM};
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-struct Client(UnixStream);
-
-impl Client {
-    fn call(&mut self, request: Request) -> Reply {
-        write_message(
-            &mut self.0,
-            &Envelope {
-                v: PROTOCOL_VERSION,
-                request,
-            },
-        )
-        .unwrap();
-        read_message(&mut self.0, MAX_FRAME).unwrap().unwrap()
-    }
-
-    fn job(&mut self, request: Request) -> JobInfo {
-        match self.call(request) {
-            Reply::Job { job } => job,
-            other => panic!("expected a job, got {other:?}"),
-        }
-    }
-}
-
-fn dataset(dir: &Path) -> PathBuf {
-    let out = dir.join("ds");
-    let mut o = GenerateOptions::new(3000, 30_000);
-    o.relations = 4;
-    generate(&o, &out).unwrap();
-    out
-}
-
-const SETS: [&str; 7] = [
-    "model.dim=16",
-    "storage.num_partitions=4",
-    "storage.buffer_capacity=3",
-    "training.threads=1",
-    "training.batch_size=100",
-    "training.checkpoint_every=1",
-    "evaluation.protocol=sampled",
-];
-
-fn train_spec(ds: &Path, out: &Path, epochs: u32) -> JobSpec {
-    let mut sets: Vec<String> = SETS.iter().map(|s| s.to_string()).collect();
-    sets.push(format!("training.num_epochs={epochs}"));
-    JobSpec::Train {
-        dataset: Some(ds.to_owned()),
-        out: out.to_owned(),
-        config: String::new(),
-        sets,
-        resume: false,
-    }
-}
-
-/// [`train_spec`] with `extra` settings after the usual ones.
-fn train_spec_with(ds: &Path, out: &Path, epochs: u32, extra: &[&str]) -> JobSpec {
-    let mut spec = train_spec(ds, out, epochs);
-    if let JobSpec::Train { sets, .. } = &mut spec {
-        sets.extend(extra.iter().map(|s| s.to_string()));
-    }
-    spec
-}
-
-/// The same run in this process.
-fn reference(ds: &Path, out: &Path, epochs: u32) -> Vec<f32> {
-    reference_with(ds, out, epochs, &[]);
-    tables(out)
-}
-
-/// [`reference`] with `extra` settings after the usual ones; the session, once run.
-fn reference_with(ds: &Path, out: &Path, epochs: u32, extra: &[&str]) -> Session {
-    let JobSpec::Train { sets, .. } = train_spec_with(ds, out, epochs, extra) else {
-        unreachable!("a train spec");
-    };
-    let config = Config::parse("", &sets).unwrap();
-    let mut s = Session::create(out, ds, config, &legend_fs::Unguarded).unwrap();
-    s.run(&AtomicBool::new(false), &mut |_| {}).unwrap();
-    s
-}
-
-fn tables(run: &Path) -> Vec<f32> {
-    let run = legend_engine::run::open(run).unwrap();
-    let meta = legend_engine::run::read_meta(&run).unwrap();
-    let t = legend_engine::run::load_tables(&run, &meta, &legend_fs::Unguarded).unwrap();
-    [t.entities, t.entities_state, t.relations, t.relations_state].concat()
-}
-
-/// Polls job `id` until `done` says so (at most `limit`).
-fn wait_for(c: &mut Client, id: u64, limit: Duration, done: impl Fn(&JobInfo) -> bool) -> JobInfo {
-    let started = Instant::now();
-    loop {
-        let j = c.job(Request::Status { job: id });
-        if done(&j) {
-            return j;
-        }
-        assert!(started.elapsed() < limit, "job {id} stuck: {j:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 #[test]
 fn a_job_trains_like_an_in_process_run_and_is_watched_to_its_end() {
@@ -329,6 +163,18 @@ fn early_stopping_through_the_daemon_keeps_reports_and_exports_the_best_epoch() 
     assert_eq!(result["best_epoch"], best_epoch, "{result}");
     let final_line = metrics_final_line(&reference_dir);
     assert_eq!(result["mrr"], final_line["metrics"]["mrr"], "{result}");
+    // The job says how it went and ended: its validations, the early stop and why, the test
+    // line of the best epoch.
+    let Reply::Text { text: log } = c.call(Request::Logs { job: done.id }) else {
+        panic!("no log");
+    };
+    for said in [
+        "valid: ",
+        "early stopping after epoch",
+        &format!("test (best epoch {best_epoch}): "),
+    ] {
+        assert!(log.contains(said), "{said:?} not in the log:\n{log}");
+    }
 
     // The best epoch exported by an export job of RUN/best: its entity rows as trained.
     let export = dir.path().join("export");
@@ -503,20 +349,6 @@ fn cancel_is_prompt_and_leaves_a_resumable_run() {
     );
 }
 
-/// Writes raw bytes and reads one reply, if any comes.
-fn raw(d: &Daemon, bytes: &[u8]) -> Option<Reply> {
-    let mut s = UnixStream::connect(&d.socket).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(bytes).unwrap();
-    read_message(&mut s, MAX_FRAME).ok().flatten()
-}
-
-fn frame(text: &str) -> Vec<u8> {
-    let mut v = (text.len() as u32).to_be_bytes().to_vec();
-    v.extend(text.as_bytes());
-    v
-}
-
 #[test]
 fn malformed_truncated_oversized_and_slow_requests_do_no_harm() {
     let dir = tempfile::tempdir().unwrap();
@@ -595,13 +427,6 @@ fn malformed_truncated_oversized_and_slow_requests_do_no_harm() {
         },
     });
     assert_eq!(bad(Some(refused)), ErrorCode::Refused);
-}
-
-fn raw_no_reply(d: &Daemon, bytes: &[u8]) -> UnixStream {
-    let mut s = UnixStream::connect(&d.socket).unwrap();
-    let _ = s.write_all(bytes);
-    let _ = s.shutdown(std::net::Shutdown::Write);
-    s
 }
 
 #[test]
@@ -687,27 +512,6 @@ fn the_shipped_unit_passes_systemd_analyze_where_it_exists() {
         .filter(|l| !l.trim().is_empty() && !l.contains("is not executable"))
         .collect();
     assert!(problems.is_empty(), "{text}");
-}
-
-/// A train job of `spec`'s settings whose store is on the proxy namespace over `device`.
-fn on_namespace(mut spec: JobSpec, device: &Path) -> JobSpec {
-    if let JobSpec::Train { sets, .. } = &mut spec {
-        sets.push("storage.backend=proxy".into());
-        sets.push(format!("storage.path={}", device.display()));
-    }
-    spec
-}
-
-fn start_lba(run: &Path) -> u64 {
-    let meta = legend_engine::run::read_meta(&legend_engine::run::open(run).unwrap()).unwrap();
-    meta.store_queue.expect("a store on a namespace").start_lba
-}
-
-fn refusal(reply: Reply) -> String {
-    match reply {
-        Reply::Error { message, .. } => message,
-        other => panic!("expected a refusal, got {other:?}"),
-    }
 }
 
 #[test]
@@ -902,103 +706,6 @@ fn links_planted_in_a_run_directory_are_never_followed() {
     );
 }
 
-/// The uid (and gid) tests act as: `nobody` on Debian and most distributions.
-const OTHER_UID: u32 = 65534;
-
-/// Whether this process may act as another uid (CI runs as root); a test that needs to says
-/// so when it may not, and stops.
-fn may_switch_uids(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    if !root {
-        println!("skip: {test} needs root to act as uid {OTHER_UID}");
-    }
-    root
-}
-
-/// A connection to `d` made by a forked child running as `uid` (the daemon identifies a
-/// connection by the credentials of the process that connected), handed back to this process
-/// over a socket pair.
-fn connect_as(d: &Daemon, uid: u32) -> Client {
-    connect_as_ids(d, uid, uid)
-}
-
-/// [`connect_as`] with group `gid` (the connecting process's group, which the daemon counts
-/// among the caller's groups).
-fn connect_as_ids(d: &Daemon, uid: u32, gid: u32) -> Client {
-    use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
-    use std::os::fd::{AsRawFd, FromRawFd, RawFd};
-    let (ours, theirs) = UnixStream::pair().unwrap();
-    // SAFETY: the child switches credentials, connects, sends one message and exits.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed");
-    if pid == 0 {
-        // SAFETY: plain system calls in the child.
-        let switched = unsafe {
-            libc::setgroups(0, std::ptr::null()) == 0
-                && libc::setgid(gid) == 0
-                && libc::setuid(uid) == 0
-        };
-        let sent = switched
-            && UnixStream::connect(&d.socket).is_ok_and(|s| {
-                let fds = [s.as_raw_fd()];
-                sendmsg::<()>(
-                    theirs.as_raw_fd(),
-                    &[std::io::IoSlice::new(b"c")],
-                    &[ControlMessage::ScmRights(&fds)],
-                    MsgFlags::empty(),
-                    None,
-                )
-                .is_ok()
-            });
-        // SAFETY: leaving the child without running the parent's destructors.
-        unsafe { libc::_exit(if sent { 0 } else { 1 }) };
-    }
-    drop(theirs);
-    let mut byte = [0u8; 1];
-    let mut iov = [std::io::IoSliceMut::new(&mut byte)];
-    let mut space = nix::cmsg_space!(RawFd);
-    let msg = recvmsg::<()>(
-        ours.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        MsgFlags::empty(),
-    )
-    .unwrap();
-    let fd = msg
-        .cmsgs()
-        .unwrap()
-        .find_map(|c| match c {
-            ControlMessageOwned::ScmRights(fds) => fds.first().copied(),
-            _ => None,
-        })
-        .expect("the child connected as the other uid");
-    let mut status = 0;
-    // SAFETY: reaping our own child.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
-    // SAFETY: the descriptor just received is ours alone.
-    Client(unsafe { UnixStream::from_raw_fd(fd) })
-}
-
-/// A directory of `uid`'s own, mode 0700, at `path`.
-fn own_dir(path: &Path, uid: u32) {
-    std::fs::create_dir_all(path).unwrap();
-    std::os::unix::fs::chown(path, Some(uid), Some(uid)).unwrap();
-    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
-}
-
-/// A temporary directory others may pass through (to the daemon's socket, to their own
-/// directories in it).
-fn shared_tempdir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    dir
-}
-
 #[test]
 fn a_set_key_deeper_than_the_schema_is_refused_and_the_daemon_lives() {
     let dir = tempfile::tempdir().unwrap();
@@ -1128,17 +835,6 @@ fn a_new_run_over_an_existing_one_is_refused_at_submission() {
     );
 }
 
-/// Calls `hello` on `c`, which must be answered.
-fn hello(c: &mut Client) {
-    assert!(matches!(c.call(Request::Hello), Reply::Hello { .. }));
-}
-
-/// The error the daemon sends a connection it refuses, unasked.
-fn turned_away(mut c: Client) -> String {
-    c.0.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    refusal(read_message(&mut c.0, MAX_FRAME).unwrap().unwrap())
-}
-
 #[test]
 fn one_user_cannot_take_the_connections() {
     if !may_switch_uids("one_user_cannot_take_the_connections") {
@@ -1172,23 +868,6 @@ fn one_user_cannot_take_the_connections() {
     }
     let why = turned_away(d.client());
     assert!(why.contains("max_connections = 16"), "{why}");
-}
-
-/// A run directory with an unreadable `run.toml`: export jobs on it are accepted and fail at
-/// once (jobs that cost nothing to run).
-fn broken_run(dir: &Path) -> PathBuf {
-    let run = dir.join("broken-run");
-    std::fs::create_dir_all(&run).unwrap();
-    std::fs::write(run.join("run.toml"), "").unwrap();
-    run
-}
-
-fn export_spec(run: &Path, n: usize) -> JobSpec {
-    JobSpec::Export {
-        run: run.to_owned(),
-        out: run.parent().unwrap().join(format!("export-{n}")),
-        format: "npy".into(),
-    }
 }
 
 fn mode(path: &Path) -> u32 {
@@ -1226,7 +905,7 @@ fn the_state_is_private_ids_are_never_reused_and_records_carry_a_format() {
     let first = jobs.join(format!("{}.json", ids[0]));
     let mut record: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&first).unwrap()).unwrap();
-    assert_eq!(record["format"], 1);
+    assert_eq!(record["format"], 2);
     record.as_object_mut().unwrap().remove("format");
     std::fs::write(&first, serde_json::to_vec(&record).unwrap()).unwrap();
     let d = Daemon::start(dir.path());
@@ -1333,14 +1012,7 @@ fn a_daemon_without_its_configuration_file_says_so() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let started = Instant::now();
-    while UnixStream::connect(&socket).is_err() {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "legendd did not listen"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_listening(&socket);
     // SAFETY: signalling our own child.
     unsafe { libc::kill(child.id() as i32, SIGTERM) };
     let out = child.wait_with_output().unwrap();
@@ -1659,10 +1331,11 @@ fn a_running_job_reads_in_its_run_only_what_its_submitter_could() {
     let ended = wait_for(&mut other, resumed.id, Duration::from_secs(120), |j| {
         j.state.is_final()
     });
+    // The job's process runs as its submitter: the kernel refuses the file.
     let error = ended.error.as_deref().unwrap_or_default();
     assert_eq!(ended.state, JobState::Failed, "{ended:?}");
     assert!(
-        error.contains("may not read") && !error.contains("hunter2"),
+        error.contains("config.toml: Permission denied") && !error.contains("hunter2"),
         "{error}"
     );
 }
@@ -1992,16 +1665,6 @@ fn a_long_jobs_log_in_the_state_directory_stays_bounded() {
     assert!(!old.exists() && !log.exists());
 }
 
-/// Gives `path` and everything beneath it to `uid`.
-fn chown_tree(path: &Path, uid: u32) {
-    std::os::unix::fs::lchown(path, Some(uid), Some(uid)).unwrap();
-    if path.is_dir() && !path.is_symlink() {
-        for entry in std::fs::read_dir(path).unwrap() {
-            chown_tree(&entry.unwrap().path(), uid);
-        }
-    }
-}
-
 #[test]
 fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
     if !may_switch_uids("a_served_run_answers_its_owner_and_its_group") {
@@ -2040,10 +1703,7 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
     ]"#,
     )
     .unwrap();
-    let wire: Vec<serde_json::Value> = queries
-        .iter()
-        .map(|q| serde_json::to_value(q).unwrap())
-        .collect();
+    let wire = Queries::of(&queries).unwrap();
     let ask = |c: &mut Client| {
         c.call(Request::Query {
             job: job.id,
@@ -2088,7 +1748,8 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
         } => assert!(message.contains("not yours"), "{message}"),
         other => panic!("a stranger was answered: {other:?}"),
     }
-    let unknown = vec![serde_json::json!({"query": "neighbors", "entity": "e4000"})];
+    let unknown =
+        Queries::of(&[serde_json::json!({"query": "neighbors", "entity": "e4000"})]).unwrap();
     let why = refusal(owner.call(Request::Query {
         job: job.id,
         queries: unknown,
@@ -2168,64 +1829,6 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
     assert_eq!(failed.state, JobState::Failed, "{failed:?}");
     let error = failed.error.unwrap_or_default();
     assert!(error.contains("serving on cuda:7"), "{error}");
-}
-
-/// Asks serve job `job` `queries` until the run is loaded (`unavailable` until then).
-fn ask_served(c: &mut Client, job: u64, queries: &[legend_query::Query]) -> Reply {
-    let wire: Vec<serde_json::Value> = queries
-        .iter()
-        .map(|q| serde_json::to_value(q).unwrap())
-        .collect();
-    let started = Instant::now();
-    loop {
-        match c.call(Request::Query {
-            job,
-            queries: wire.clone(),
-        }) {
-            Reply::Error {
-                code: ErrorCode::Unavailable,
-                message,
-            } => {
-                assert!(started.elapsed() < Duration::from_secs(60), "{message}");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            reply => return reply,
-        }
-    }
-}
-
-/// The answers of a reply.
-fn served_answers(reply: Reply) -> Vec<legend_query::Answer> {
-    let Reply::Answers { answers, .. } = reply else {
-        panic!("expected answers, got {reply:?}");
-    };
-    answers
-        .into_iter()
-        .map(|a| serde_json::from_value(a).unwrap())
-        .collect()
-}
-
-/// Submits a serve job of `run` on the CPU; its id.
-fn serve(c: &mut Client, run: &Path) -> u64 {
-    c.job(Request::Submit {
-        job: JobSpec::Serve {
-            run: run.to_owned(),
-            group: None,
-            device: Some("cpu".into()),
-        },
-    })
-    .id
-}
-
-/// A graph of 400 entities and 3 relations in `dir/ds` (returned), and a daemon configuration
-/// in `dir` whose serve jobs may hold no entity rows in host memory: every served run streams.
-fn streaming_daemon_setup(dir: &Path) -> PathBuf {
-    let ds = dir.join("ds");
-    let mut o = GenerateOptions::new(400, 3000);
-    o.relations = 3;
-    generate(&o, &ds).unwrap();
-    std::fs::write(dir.join("legendd.toml"), "serve_host_memory_mib = 0\n").unwrap();
-    ds
 }
 
 /// A daemon whose serve jobs may hold no entity rows in host memory (`serve_host_memory_mib =

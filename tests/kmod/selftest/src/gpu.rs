@@ -20,6 +20,10 @@ pub const TESTS: &[(&str, Test)] = &[
     ("gpu-put-failure-keeps-the-module", test_gpu_put_failure),
     ("gpu-callback-race", test_gpu_callback_race),
     ("gpu-bad-mappings", test_gpu_bad),
+    (
+        "gpu-map-output-fault-with-live-queue-leaves-nothing",
+        test_gpu_output_fault,
+    ),
     ("threaded-fuzz-with-revocations", test_threaded_fuzz),
 ];
 
@@ -315,6 +319,49 @@ fn test_gpu_bad() -> TestResult {
     check(fake_get("pinned")? == 0, || {
         "a refused MAP leaked a pin".into()
     })?;
+    e.result()
+}
+
+/// `MAP` of GPU memory whose result cannot be written back (a read-only argument), while a
+/// queue pair of the file lives: `EFAULT`, and the GPU pages are released (persistent and
+/// callback pinning alike).
+fn test_gpu_output_fault() -> TestResult {
+    let base = fake_get("va_base")?;
+    let dev = Dev::open()?;
+    let db = dev.doorbells()?;
+    let _q = Queue::create(&dev, 1, 16, db.ptr)?;
+    let bytes = attr("bytes_pinned")?;
+    let mut e = Expectations::default();
+    for persistent in ["1", "0"] {
+        fake_set("persistent", persistent)?;
+        let mut bus = vec![0u64; 2];
+        let args = crate::undo::read_only(uapi::MapArgs {
+            addr: base,
+            len: 2 * GPU_PAGE,
+            bus_addrs: bus.as_mut_ptr() as u64,
+            bus_addrs_cap: 2,
+            kind: uapi::MAP_KIND_GPU,
+            ..Default::default()
+        });
+        e.errno(
+            &format!("MAP GPU (persistent {persistent}) with a read-only argument"),
+            dev.ioctl_raw(uapi::IOCTL_MAP, args as usize),
+            libc::EFAULT,
+        );
+        if bus.contains(&0) {
+            e.fail(format!(
+                "bus addresses {bus:x?}: the MAP did not get as far as its last step"
+            ));
+        }
+        let (pins, now) = (fake_get("pinned")?, attr("bytes_pinned")?);
+        if pins != 0 || now != bytes {
+            e.fail(format!(
+                "persistent {persistent}: {pins} GPU pins and {now} bytes pinned (was {bytes}) \
+                 after the failed MAP, while the queue pair lives"
+            ));
+        }
+    }
+    fake_set("persistent", "1")?;
     e.result()
 }
 

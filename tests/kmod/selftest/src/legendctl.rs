@@ -254,6 +254,48 @@ fn test_unbind(bdf: &str) -> TestResult {
     )
 }
 
+/// The controller's driver and `driver_override`, as sysfs shows them.
+fn binding(bdf: &str) -> Result<(Option<String>, String), String> {
+    let c = Sysfs::default()
+        .controller(bdf)
+        .map_err(|e| e.to_string())?;
+    let path = format!("/sys/bus/pci/devices/{bdf}/driver_override");
+    let over = fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+    Ok((c.driver, over.trim().to_owned()))
+}
+
+/// `device bind BDF` where the platform lacks what the module requires: refused, naming `fix`,
+/// before anything changed (the controller keeps its driver and `driver_override`).
+pub fn test_refused_by_platform(bdf: &str, fix: &str) -> TestResult {
+    let before = binding(bdf)?;
+    let o = legendctl(&["device", "bind", bdf])?;
+    check(
+        o.code.is_some_and(|c| c != 0) && o.stderr.contains(fix),
+        || {
+            format!(
+                "bind: exit {:?}, stderr {:?} (want the fix `{fix}`)",
+                o.code, o.stderr
+            )
+        },
+    )?;
+    let after = binding(bdf)?;
+    check(after == before, || {
+        format!("the refused bind changed (driver, driver_override) from {before:?} to {after:?}")
+    })
+}
+
+/// `device unbind BDF` and `device bind BDF` of a controller that the module bound with an
+/// `enable_unsafe_*` parameter: legendctl applies the parameters (shown in
+/// `/sys/module/legend_nvme/parameters/`) as the module does, so both succeed.
+pub fn test_roundtrip(bdf: &str) -> TestResult {
+    let v = legendctl_json(&["device", "unbind", bdf, "--json"])?;
+    has_fields("unbind", &v, &json!({"bdf": bdf, "driver": "nvme"}))?;
+    wait_for(NAMESPACE)?;
+    let v = legendctl_json(&["device", "bind", bdf, "--json"])?;
+    has_fields("bind", &v, &json!({"bdf": bdf, "driver": "legend_nvme"}))?;
+    Dev::open_ro()?.info().map(|_| ())
+}
+
 /// The `legendctl-*` tests, in order; the controller starts and ends on `nvme`.
 pub fn run(bdf: &str) {
     report("legendctl-list", || test_list(bdf));

@@ -4,7 +4,7 @@
 //! - `gen-image PATH BLOCKS` (host): writes the NVMe backing image with a known pattern;
 //! - `verify-image PATH` (host, after the guest ran): checks the blocks the guest wrote;
 //! - `guest` (in QEMU): the ioctl, I/O, isolation (also against the admin queue), bad-input,
-//!   failure and cleanup tests, and
+//!   failure, undo (output faults after pinning or creating) and cleanup tests, and
 //!   training runs whose store is on the controller (`storage.backend = "nvme"`);
 //! - `unbind BDF` (in QEMU): unbind and rebind with an open file descriptor and live queue;
 //! - `legendctl BDF` (in QEMU, controller bound to `nvme`): `legendctl device list|bind|info|
@@ -12,6 +12,10 @@
 //! - `bind BDF` (in QEMU, controller bound to `nvme`): `legend-nvme`'s `Sysfs::list` and
 //!   `Sysfs::bind`, refused while the namespace is open, then forced;
 //! - `bind-refused BDF NAME WHY` (in QEMU): binding `BDF` fails, and the kernel log says `WHY`;
+//! - `legendctl-refused BDF NAME FIX` (in QEMU): `legendctl device bind BDF` refuses before it
+//!   changes anything, naming `FIX` (the platform lacks what the module requires);
+//! - `legendctl-roundtrip BDF` (in QEMU, controller bound with an unsafe parameter):
+//!   `legendctl device unbind` and `bind`, which applies the module's parameters;
 //! - `io` (in QEMU): identification and I/O only (the boot without an IOMMU);
 //! - `gpu` (in QEMU, with the `nv_p2p_fake` test double of NVIDIA's P2P API loaded): GPU
 //!   mappings, DMA through them, the free callback and its races, the threaded fuzz loop;
@@ -38,6 +42,7 @@ mod isolation;
 mod legendctl;
 mod rules;
 mod store;
+mod undo;
 
 use dev::*;
 
@@ -233,6 +238,7 @@ fn main() {
             run_all(basic::TESTS);
             run_all(rules::TESTS);
             run_all(failure::TESTS);
+            run_all(undo::TESTS);
             run_all(isolation::TESTS);
             run_all(store::TESTS);
         }
@@ -243,6 +249,12 @@ fn main() {
             });
         }
         "legendctl" => legendctl::run(&arg(2)),
+        "legendctl-refused" => report(&format!("legendctl-bind-refused-{}", arg(3)), || {
+            legendctl::test_refused_by_platform(&arg(2), &arg(4))
+        }),
+        "legendctl-roundtrip" => report("legendctl-roundtrip-with-override", || {
+            legendctl::test_roundtrip(&arg(2))
+        }),
         "bind" => {
             report("device-list", || bind::test_device_list(&arg(2)));
             report("bind-refused-in-use-then-forced", || {
@@ -257,7 +269,7 @@ fn main() {
         "handback" => report("unbind-to-nvme-and-rebind", || bind::test_handback(&arg(2))),
         _ => {
             eprintln!(
-                "usage: legend-kmod-selftest gen-image PATH BLOCKS | verify-image PATH | guest | io | unbind BDF | legendctl BDF | bind BDF | bind-refused BDF NAME LOG | handback BDF | gpu"
+                "usage: legend-kmod-selftest gen-image PATH BLOCKS | verify-image PATH | guest | io | unbind BDF | legendctl BDF | legendctl-refused BDF NAME FIX | legendctl-roundtrip BDF | bind BDF | bind-refused BDF NAME LOG | handback BDF | gpu"
             );
             std::process::exit(2);
         }

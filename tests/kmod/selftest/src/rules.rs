@@ -1,6 +1,7 @@
 //! What the module refuses: bad arguments, a second writer, read-only files that try to change
-//! anything, private or oversized doorbell mappings, overlapping rings, pins beyond
-//! `RLIMIT_MEMLOCK`.
+//! anything, private or oversized doorbell mappings, overlapping rings (also through two
+//! mappings of the same memory), pins beyond `RLIMIT_MEMLOCK` (charged to the user, in all its
+//! processes, together with io_uring's registered buffers).
 
 use std::ptr;
 
@@ -11,7 +12,12 @@ pub const TESTS: &[(&str, Test)] = &[
     ("one-writer", test_one_writer),
     ("doorbell-mmap-rules", test_mmap_rules),
     ("overlapping-rings-refused", test_overlap),
+    (
+        "overlapping-rings-through-two-mappings-refused",
+        test_overlap_two_mappings,
+    ),
     ("memlock-limit", test_memlock),
+    ("pins-charged-to-the-user", test_pins_per_user),
 ];
 
 fn test_bad_inputs() -> TestResult {
@@ -314,19 +320,25 @@ fn test_mmap_rules() -> TestResult {
     e.result()
 }
 
+/// Arguments of a 64-entry queue pair `qid` whose SQ is on page `sq.1` of mapping `sq.0` and
+/// whose CQ is on page `cq.1` of mapping `cq.0`.
+fn pair_args(qid: u32, sq: (&Buf, usize), cq: (&Buf, usize)) -> uapi::QueuePairArgs {
+    uapi::QueuePairArgs {
+        qid,
+        depth: 64,
+        sq_handle: sq.0.handle,
+        cq_handle: cq.0.handle,
+        sq_offset: (sq.1 * PAGE) as u64,
+        cq_offset: (cq.1 * PAGE) as u64,
+        ..Default::default()
+    }
+}
+
 /// SQ and CQ overlapping each other, or another queue's rings, are refused.
 fn test_overlap() -> TestResult {
     let dev = Dev::open()?;
     let mem = Buf::new(&dev, 4 * PAGE)?;
-    let args = |qid: u32, sq: usize, cq: usize| uapi::QueuePairArgs {
-        qid,
-        depth: 64,
-        sq_handle: mem.handle,
-        cq_handle: mem.handle,
-        sq_offset: (sq * PAGE) as u64,
-        cq_offset: (cq * PAGE) as u64,
-        ..Default::default()
-    };
+    let args = |qid: u32, sq: usize, cq: usize| pair_args(qid, (&mem, sq), (&mem, cq));
     let mut e = Expectations::default();
     e.errno(
         "SQ and CQ on the same page",
@@ -350,45 +362,83 @@ fn test_overlap() -> TestResult {
     e.result()
 }
 
-#[repr(C)]
-struct CapHeader {
-    version: u32,
-    pid: i32,
+/// The same memory mapped twice (two handles, other bus addresses): rings are compared by the
+/// memory they are in, so a second queue's rings cannot sit on the first's through the other
+/// mapping, nor a queue's SQ on its own CQ.
+fn test_overlap_two_mappings() -> TestResult {
+    let dev = Dev::open()?;
+    let mem = anon(4 * PAGE);
+    let a = Buf::at(&dev, mem, 4 * PAGE)?;
+    let b = Buf::at(&dev, mem, 4 * PAGE)?;
+    check(a.handle != b.handle && a.bus[0] != b.bus[0], || {
+        format!(
+            "two mappings of one buffer: handles {} {}, bus {:#x} {:#x}",
+            a.handle, b.handle, a.bus[0], b.bus[0]
+        )
+    })?;
+    let args = pair_args;
+    let mut e = Expectations::default();
+    e.errno(
+        "SQ and CQ on one page through two mappings",
+        dev.ioctl(
+            uapi::IOCTL_CREATE_QUEUE_PAIR,
+            &mut args(1, (&a, 0), (&b, 0)),
+        ),
+        libc::EINVAL,
+    );
+    dev.ioctl(
+        uapi::IOCTL_CREATE_QUEUE_PAIR,
+        &mut args(1, (&a, 0), (&a, 1)),
+    )
+    .map_err(|e| format!("valid queue pair: errno {e}"))?;
+    e.errno(
+        "a second queue's SQ on the first's SQ, through the other mapping",
+        dev.ioctl(
+            uapi::IOCTL_CREATE_QUEUE_PAIR,
+            &mut args(2, (&b, 0), (&b, 2)),
+        ),
+        libc::EINVAL,
+    );
+    e.errno(
+        "a second queue's CQ on the first's CQ, through the other mapping",
+        dev.ioctl(
+            uapi::IOCTL_CREATE_QUEUE_PAIR,
+            &mut args(2, (&b, 2), (&b, 1)),
+        ),
+        libc::EINVAL,
+    );
+    dev.ioctl(
+        uapi::IOCTL_CREATE_QUEUE_PAIR,
+        &mut args(2, (&b, 2), (&a, 3)),
+    )
+    .map_err(|e| format!("disjoint second queue pair across the mappings: errno {e}"))?;
+    e.result()
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct CapData {
-    effective: u32,
-    permitted: u32,
-    inheritable: u32,
-}
-
-/// Drops `CAP_IPC_LOCK` from this process, so `RLIMIT_MEMLOCK` applies to it.
-fn drop_ipc_lock() -> TestResult {
-    const VERSION_3: u32 = 0x2008_0522;
-    const CAP_IPC_LOCK: u32 = 14;
-    let mut hdr = CapHeader {
-        version: VERSION_3,
-        pid: 0,
+/// Makes this process user and group `uid` with no supplementary groups, which drops every
+/// capability (`CAP_IPC_LOCK` too, so `RLIMIT_MEMLOCK` applies), and sets that limit to `pages`
+/// pages first. A user of its own: no other process's pins are charged to it.
+fn become_user(uid: u32, pages: usize) -> TestResult {
+    let limit = (pages * PAGE) as u64;
+    let rl = libc::rlimit {
+        rlim_cur: limit,
+        rlim_max: limit,
     };
-    let mut data = [CapData::default(); 2];
-    // SAFETY: header and two data structs, as capget/capset take them for version 3.
+    // SAFETY: plain syscalls with valid arguments.
     unsafe {
-        if libc::syscall(libc::SYS_capget, &mut hdr, data.as_mut_ptr()) != 0 {
-            return Err(format!("capget: errno {}", errno()));
-        }
-        data[0].effective &= !(1 << CAP_IPC_LOCK);
-        data[0].permitted &= !(1 << CAP_IPC_LOCK);
-        if libc::syscall(libc::SYS_capset, &mut hdr, data.as_ptr()) != 0 {
-            return Err(format!("capset: errno {}", errno()));
+        if libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl) != 0
+            || libc::setgroups(0, std::ptr::null()) != 0
+            || libc::setgid(uid) != 0
+            || libc::setuid(uid) != 0
+        {
+            return Err(format!("becoming user {uid}: errno {}", errno()));
         }
     }
     Ok(())
 }
 
 /// This process's `VmPin` (pinned memory) in KiB.
-fn vm_pin_kib() -> Result<u64, String> {
+pub fn vm_pin_kib() -> Result<u64, String> {
     let s = std::fs::read_to_string("/proc/self/status").map_err(|e| e.to_string())?;
     s.lines()
         .find_map(|l| {
@@ -402,19 +452,11 @@ fn vm_pin_kib() -> Result<u64, String> {
         .ok_or_else(|| "no VmPin in /proc/self/status".into())
 }
 
-/// Pins count against the caller's `RLIMIT_MEMLOCK` (as `VmPin`) without `CAP_IPC_LOCK`.
+/// Pins count against the caller's `RLIMIT_MEMLOCK` (and show as `VmPin`) without
+/// `CAP_IPC_LOCK`.
 fn memlock_in_child() -> TestResult {
-    drop_ipc_lock()?;
-    let limit = 16 * PAGE as u64;
-    let rl = libc::rlimit {
-        rlim_cur: limit,
-        rlim_max: limit,
-    };
-    // SAFETY: a valid rlimit.
-    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl) } != 0 {
-        return Err(format!("setrlimit: errno {}", errno()));
-    }
     let dev = Dev::open()?;
+    become_user(4241, 16)?;
     let mut bus = vec![0u64; 64];
     let mut e = Expectations::default();
     e.errno(
@@ -442,14 +484,14 @@ fn memlock_in_child() -> TestResult {
     e.result()
 }
 
-fn test_memlock() -> TestResult {
+/// Runs `test` in a child process (it changes its identity and limits); its result.
+fn in_child(name: &str, test: fn() -> TestResult) -> TestResult {
     // SAFETY: the child runs the test and exits without returning into the parent's state.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
-        let r = memlock_in_child();
+        let r = test();
         if let Err(e) = &r {
-            eprintln!("memlock child: {e}");
-            println!("[guest] memlock child: {e}");
+            println!("[guest] {name} child: {e}");
         }
         // SAFETY: terminating the child.
         unsafe { libc::_exit(i32::from(r.is_err())) };
@@ -459,6 +501,120 @@ fn test_memlock() -> TestResult {
     unsafe { libc::waitpid(pid, &mut status, 0) };
     check(
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        || "the child's checks failed (see its [guest] line)".into(),
+        || format!("the child's checks failed (see its [guest] {name} line)"),
     )
+}
+
+fn test_memlock() -> TestResult {
+    in_child("memlock", memlock_in_child)
+}
+
+/// `MAP` of `pages` pages of fresh memory through `dev`: the handle, or the errno.
+fn map_pages(dev: &Dev, pages: usize) -> Result<u32, i32> {
+    let mut bus = vec![0u64; pages];
+    crate::dev::map_host(dev, anon(pages * PAGE) as u64, pages * PAGE, &mut bus).map(|a| a.handle)
+}
+
+/// io_uring registered buffers of `pages` pages (raw syscalls: `io_uring_setup`,
+/// `IORING_REGISTER_BUFFERS`); the ring's descriptor.
+fn register_uring_buffers(pages: usize) -> Result<i32, String> {
+    let mut params = [0u8; 120];
+    // SAFETY: `params` is a zeroed `struct io_uring_params` (120 bytes).
+    let ring = unsafe { libc::syscall(libc::SYS_io_uring_setup, 1, params.as_mut_ptr()) };
+    if ring < 0 {
+        return Err(format!("io_uring_setup: errno {}", errno()));
+    }
+    let iov = libc::iovec {
+        iov_base: anon(pages * PAGE).cast(),
+        iov_len: pages * PAGE,
+    };
+    // SAFETY: one valid iovec; IORING_REGISTER_BUFFERS is 0.
+    let r = unsafe { libc::syscall(libc::SYS_io_uring_register, ring, 0, &iov, 1) };
+    if r < 0 {
+        return Err(format!("IORING_REGISTER_BUFFERS: errno {}", errno()));
+    }
+    Ok(ring as i32)
+}
+
+/// Pins are charged to the user (as io_uring's registered buffers and iommufd's pins are), not
+/// to one process: under a 16-page `RLIMIT_MEMLOCK`, a second process of the user (the writer's
+/// descriptor inherited) gets only what the first left, and io_uring's registered buffers count
+/// in the same budget.
+fn pins_per_user_in_child() -> TestResult {
+    let dev = Dev::open()?;
+    become_user(4242, 16)?;
+    let mut e = Expectations::default();
+    let first = map_pages(&dev, 8).map_err(|e| format!("MAP of 8 pages: errno {e}"))?;
+    let pinned = vm_pin_kib()?;
+    if pinned != 32 {
+        e.fail(format!("VmPin {pinned} kB after pinning 32 KiB"));
+    }
+    let (mut fds, mut handle) = ([0 as libc::c_int; 2], [0u8; 4]);
+    // SAFETY: a pipe for the second process's handle.
+    unsafe { libc::pipe(fds.as_mut_ptr()) };
+    // SAFETY: the second process only maps, reports and exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let code = match (map_pages(&dev, 9), map_pages(&dev, 8)) {
+            (Err(libc::ENOMEM), Ok(h)) => {
+                // SAFETY: the pipe's write end.
+                unsafe { libc::write(fds[1], h.to_ne_bytes().as_ptr().cast(), 4) };
+                0
+            }
+            (Ok(_), _) => 2,
+            _ => 3,
+        };
+        // SAFETY: terminating the second process.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: our own child; the pipe's ends. With the write end closed here, the read ends at
+    // once if the second process wrote nothing.
+    unsafe {
+        libc::close(fds[1]);
+        libc::waitpid(pid, &mut status, 0);
+        libc::read(fds[0], handle.as_mut_ptr().cast(), 4);
+        libc::close(fds[0]);
+    }
+    if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
+        e.fail(format!(
+            "a second process of the user (exit {}; 2: MAP of 9 more pages accepted beyond the \
+             user's 16, 3: MAP of the 8 left refused)",
+            libc::WEXITSTATUS(status)
+        ));
+        return e.result();
+    }
+    // The second process's pages stay mapped (its mapping is the file's) and charged.
+    e.errno(
+        "MAP of a 17th page of the user",
+        map_pages(&dev, 1).map(|_| ()),
+        libc::ENOMEM,
+    );
+    for h in [first, u32::from_ne_bytes(handle)] {
+        dev.unmap(h).map_err(|e| format!("UNMAP {h}: errno {e}"))?;
+    }
+    let ring = register_uring_buffers(12)?;
+    e.errno(
+        "MAP of 5 pages beside 12 pages of io_uring buffers",
+        map_pages(&dev, 5).map(|_| ()),
+        libc::ENOMEM,
+    );
+    let last = map_pages(&dev, 4).map_err(|e| format!("MAP of the 4 pages left: errno {e}"))?;
+    dev.unmap(last).map_err(|e| format!("UNMAP: errno {e}"))?;
+    // SAFETY: IORING_UNREGISTER_BUFFERS (1) on our ring, which unpins them now, then closed.
+    unsafe {
+        libc::syscall(
+            libc::SYS_io_uring_register,
+            ring,
+            1,
+            std::ptr::null::<u8>(),
+            0,
+        );
+        libc::close(ring);
+    }
+    e.result()
+}
+
+fn test_pins_per_user() -> TestResult {
+    in_child("pins-per-user", pins_per_user_in_child)
 }

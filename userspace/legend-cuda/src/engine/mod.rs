@@ -166,6 +166,9 @@ pub struct GpuBatchEngine {
     known: Option<KnownEdges>,
     /// When profiling: events recorded after each phase, with the phase's name.
     marks: Option<Vec<(&'static str, CudaEvent)>>,
+    /// Every relation row's id (`0 .. rows`) and the row count, copied into the relation
+    /// table's row list when its gradients, summed over several GPUs, step every row.
+    all_relation_rows: Option<(CudaSlice<u32>, CudaSlice<u32>)>,
 }
 
 /// The way a step's three products (scores, dQ, dN) run.
@@ -355,6 +358,7 @@ impl GpuBatchEngine {
             out_of_range: gpu.upload(&[u64::MAX])?,
             known: None,
             marks: None,
+            all_relation_rows: None,
         })
     }
 
@@ -1047,6 +1051,52 @@ impl GpuBatchEngine {
     ) -> Result<(), GpuError> {
         self.passes(gpu, nodes, rels.as_deref_mut(), true)?;
         self.apply(gpu, nodes, rels)
+    }
+
+    /// Like [`GpuBatchEngine::step`], but only the node rows step: the relation table keeps
+    /// the batch's summed gradients, for a caller that adds them up over several GPUs (the
+    /// table's [`DeviceTable::gradient_span`]) and then steps them with
+    /// [`GpuBatchEngine::apply_relations_everywhere`].
+    pub fn step_nodes(
+        &mut self,
+        gpu: &Gpu,
+        nodes: &mut DeviceTable,
+        rels: Option<&mut DeviceTable>,
+    ) -> Result<(), GpuError> {
+        self.passes(gpu, nodes, rels, true)?;
+        let touched_nodes = nodes
+            .rows
+            .min(2 * self.batch_len + 2 * self.chunks * self.shape.negatives);
+        let rounding = self.node_rounding(gpu, nodes);
+        self.adagrad(gpu, nodes, touched_nodes, rounding)
+    }
+
+    /// AdaGrad on every row of the relation table with the gradients it holds (summed over
+    /// the GPUs by the caller), then cleared. A row no GPU touched has a zero gradient and
+    /// keeps its values and state (a step of zero), so the rows every GPU steps are the union
+    /// of the rows each touched, and the tables stay equal on all of them.
+    pub fn apply_relations_everywhere(
+        &mut self,
+        gpu: &Gpu,
+        rels: &mut DeviceTable,
+    ) -> Result<(), GpuError> {
+        let rows = rels.rows;
+        if self
+            .all_relation_rows
+            .as_ref()
+            .is_none_or(|(ids, _)| ids.len() != rows)
+        {
+            let ids: Vec<u32> = (0..rows as u32).collect();
+            self.all_relation_rows = Some((gpu.upload(&ids)?, gpu.upload(&[rows as u32])?));
+        }
+        let (ids, count) = self.all_relation_rows.as_ref().expect("made above");
+        gpu.stream()
+            .memcpy_dtod(ids, &mut rels.list.slice_mut(..rows))
+            .during("listing every relation row")?;
+        gpu.stream()
+            .memcpy_dtod(count, &mut rels.count)
+            .during("counting every relation row")?;
+        self.adagrad(gpu, rels, rows, RoundingArgs::default())
     }
 
     /// The summed loss of the last forward pass (both sides, all positives); waits for it.

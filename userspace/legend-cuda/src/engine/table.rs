@@ -27,6 +27,12 @@ pub struct DeviceTable {
 }
 
 impl DeviceTable {
+    /// The gradient accumulator's address and floats (rows × dim): what a step of several
+    /// GPUs sums over them between the passes and AdaGrad.
+    pub fn gradient_span(&self) -> (u64, usize) {
+        (crate::addr(&self.grad), self.rows * self.dim)
+    }
+
     /// A table holding copies of `emb` (`rows × dim`) and `state` (`rows × dim`, or `rows`
     /// for row-wise AdaGrad).
     pub fn from_host(gpu: &Gpu, dim: usize, emb: &[f32], state: &[f32]) -> Result<Self, GpuError> {

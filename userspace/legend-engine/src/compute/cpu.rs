@@ -12,10 +12,10 @@ use rayon::prelude::*;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::Mutex;
 
-use super::{BucketRef, ComputeBackend, Step};
+use super::{BucketRef, ComputeBackend, PendingRelations, Step};
 
 use crate::error::TrainError;
-use crate::relations::Relations;
+use crate::relations::{RelationGradients, Relations};
 use crate::rows::RowMut;
 use crate::sampler::NegativeSampler;
 use crate::swap::{Fence, HostRows};
@@ -67,6 +67,8 @@ pub(crate) struct CpuCompute {
     pub(crate) neg_rows: Vec<Vec<f32>>,
     /// Each block's gradients, reused.
     pub(crate) block_grads: Vec<ChunkGrads>,
+    /// Several workers: each step's relation gradients, held back for their sum.
+    pub(crate) pending_relations: Option<RelationGradients>,
 }
 
 /// One block of a chunk: its rows and the chunk's negatives (ids and gathered rows).
@@ -147,6 +149,20 @@ impl<'a> RowSums<'a> {
             starts,
             parts,
             positives,
+        }
+    }
+
+    /// Adds each row's gradients, in their order, and its count of positives to `pending`.
+    fn add_into(&self, pending: &mut RelationGradients) {
+        let w = pending.width;
+        for (s, &id) in self.ids.iter().enumerate() {
+            let row = &mut pending.grads[id as usize * w..(id as usize + 1) * w];
+            for grad in &self.parts[self.starts[s]..self.starts[s + 1]] {
+                for (a, b) in row.iter_mut().zip(*grad) {
+                    *a += b;
+                }
+            }
+            pending.positives[id as usize] += self.positives[s];
         }
     }
 
@@ -339,35 +355,64 @@ impl ComputeBackend for CpuCompute {
                 }),
         );
         let (optimizer, regularizer) = (self.optimizer, self.regularizer);
-        let node_rows = host.disjoint_rows_mut(&nodes.ids, dim, width);
-        let mut rel_rows: Vec<Option<RowMut<'_>>> = rels
-            .emb
-            .chunks_exact_mut(rw.max(1))
-            .zip(rels.state.chunks_exact_mut(rw.max(1)))
-            .map(Some)
-            .collect();
-        let rel_rows: Vec<RowMut<'_>> = relation_rows
-            .ids
-            .iter()
-            .map(|&r| {
-                rel_rows[r as usize]
-                    .take()
-                    .expect("relation ids are distinct")
-            })
-            .collect();
         let rounding = self.dtype.is_narrow().then_some(StepRounding {
             dtype: self.dtype,
             batch: step.key,
         });
-        self.pool.install(|| {
-            nodes.apply(node_rows, optimizer, &regularizer, rounding, dim)?;
-            relation_rows.apply(rel_rows, optimizer.for_relations(), &regularizer, None, rw)
-        })?;
+        let node_rows = host.disjoint_rows_mut(&nodes.ids, dim, width);
+        if let Some(pending) = &mut self.pending_relations {
+            // Several workers: the relation rows step once every worker's sums are in.
+            relation_rows.add_into(pending);
+            self.pool
+                .install(|| nodes.apply(node_rows, optimizer, &regularizer, rounding, dim))?;
+        } else {
+            let mut rel_rows: Vec<Option<RowMut<'_>>> = rels
+                .emb
+                .chunks_exact_mut(rw.max(1))
+                .zip(rels.state.chunks_exact_mut(rw.max(1)))
+                .map(Some)
+                .collect();
+            let rel_rows: Vec<RowMut<'_>> = relation_rows
+                .ids
+                .iter()
+                .map(|&r| {
+                    rel_rows[r as usize]
+                        .take()
+                        .expect("relation ids are distinct")
+                })
+                .collect();
+            self.pool.install(|| {
+                nodes.apply(node_rows, optimizer, &regularizer, rounding, dim)?;
+                relation_rows.apply(rel_rows, optimizer.for_relations(), &regularizer, None, rw)
+            })?;
+        }
         self.loss += losses.iter().sum::<f64>();
         Ok(())
     }
 
     fn synchronize(&mut self) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    fn defer_relations(&mut self, rels: &Relations) -> Result<(), TrainError> {
+        let width = self.model.relation_width();
+        let rows = rels.emb.len().checked_div(width).unwrap_or(0);
+        self.pending_relations = Some(RelationGradients::zeros(rows, width));
+        Ok(())
+    }
+
+    fn pending_relations(&mut self) -> Result<PendingRelations<'_>, TrainError> {
+        let pending = self
+            .pending_relations
+            .as_mut()
+            .expect("relations are deferred before their gradients are asked for");
+        Ok(PendingRelations::Host(pending))
+    }
+
+    fn apply_relations(&mut self, rels: &mut Relations, _ready: &Fence) -> Result<(), TrainError> {
+        if let Some(pending) = &mut self.pending_relations {
+            pending.apply(rels, self.optimizer.for_relations(), &self.regularizer);
+        }
         Ok(())
     }
 

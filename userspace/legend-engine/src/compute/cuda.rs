@@ -20,13 +20,13 @@ use std::ops::Range;
 
 use legend_cuda::{
     BatchShape, CudaEvent, CudaSlice, DEFAULT_CHUNK_BYTES, DeviceTable, Gpu, GpuBatchEngine,
-    GpuError, SlotMap, Transfer, negative_keys,
+    GpuError, RowSpan, SlotMap, Transfer, negative_keys,
 };
 use legend_dataset::{Buckets, PartitionScheme};
 use legend_model::{ChunkModel, Decoder, StepRounding};
 use rayon::prelude::*;
 
-use super::{BucketRef, ComputeBackend, RowSink, Step};
+use super::{BucketRef, ComputeBackend, PendingRelations, RowSink, Step};
 use crate::config::Config;
 use crate::error::TrainError;
 use crate::memory::{GpuEstimate, gib};
@@ -57,6 +57,8 @@ pub(crate) struct CudaCompute {
     edges: DeviceEdges,
     /// Downloads of resident rows ([`ComputeBackend::stream_partition`]).
     downloads: Transfer,
+    /// Several workers: steps leave the relation gradients for their sum over the GPUs.
+    defer_relations: bool,
 }
 
 /// The train edges on the device.
@@ -199,6 +201,7 @@ impl CudaCompute {
             degree_fraction: t.negatives.degree_fraction,
             edges,
             downloads,
+            defer_relations: false,
         };
         compute.publish_slots()?;
         Ok(compute)
@@ -396,7 +399,12 @@ impl ComputeBackend for CudaCompute {
             dtype: self.node_dtype,
             batch: step.key,
         }));
-        self.engine.step(gpu, &mut self.nodes, self.rels.as_mut())?;
+        if self.defer_relations {
+            self.engine
+                .step_nodes(gpu, &mut self.nodes, self.rels.as_mut())?;
+        } else {
+            self.engine.step(gpu, &mut self.nodes, self.rels.as_mut())?;
+        }
         Ok(())
     }
 
@@ -445,5 +453,39 @@ impl ComputeBackend for CudaCompute {
 
     fn device_memory_in_use(&self) -> Option<u64> {
         self.gpu.memory_in_use().ok().map(|b| b as u64)
+    }
+
+    fn defer_relations(&mut self, _rels: &Relations) -> Result<(), TrainError> {
+        self.defer_relations = true;
+        Ok(())
+    }
+
+    fn pending_relations(&mut self) -> Result<PendingRelations<'_>, TrainError> {
+        let table = self
+            .rels
+            .as_ref()
+            .expect("deferred relations belong to a decoder with relations");
+        let (at, floats) = table.gradient_span();
+        let after = Fence::at(self.gpu.record()?);
+        Ok(PendingRelations::Device { at, floats, after })
+    }
+
+    fn apply_relations(&mut self, _rels: &mut Relations, ready: &Fence) -> Result<(), TrainError> {
+        let table = self
+            .rels
+            .as_mut()
+            .expect("deferred relations belong to a decoder with relations");
+        if let Some(ev) = ready.event() {
+            self.gpu.wait_for(ev)?;
+        }
+        self.engine.apply_relations_everywhere(&self.gpu, table)?;
+        Ok(())
+    }
+
+    fn slot_span(&self, slot: u32, p: u32) -> Result<Option<RowSpan>, TrainError> {
+        let range = self.scheme.range(p);
+        let rows = (range.end - range.start) as usize;
+        let span = self.nodes.row_span(self.row0(slot), rows)?;
+        Ok(Some(span))
     }
 }

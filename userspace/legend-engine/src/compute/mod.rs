@@ -17,11 +17,12 @@
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 
+use legend_cuda::RowSpan;
 use legend_dataset::Edge;
 use legend_model::{BatchKey, Permutation};
 
 use crate::error::TrainError;
-use crate::relations::Relations;
+use crate::relations::{RelationGradients, Relations};
 use crate::swap::{Fence, HostRows};
 
 /// A bucket about to be trained.
@@ -62,7 +63,7 @@ pub type RowSink<'a> = dyn FnMut(&[f32], &[f32]) -> Result<(), TrainError> + 'a;
 
 /// A compute engine driven by the trainer's epoch loop (see the module docs for the order of
 /// the calls).
-pub(crate) trait ComputeBackend {
+pub(crate) trait ComputeBackend: Send {
     /// Partition `p` is in `slot` once `ready` has passed: compute queued from now on may use it.
     fn arrive(&mut self, p: u32, slot: u32, ready: &Fence) -> Result<(), TrainError>;
     /// Partition `p` leaves compute: work queued from now on does not touch it. Returns the
@@ -100,4 +101,33 @@ pub(crate) trait ComputeBackend {
     fn device_memory_in_use(&self) -> Option<u64> {
         None
     }
+    /// The device rows partition `p` takes in `slot`, for moving them between GPUs (GPU
+    /// engines; `None` for the CPU engine, whose rows are host rows).
+    fn slot_span(&self, _slot: u32, _p: u32) -> Result<Option<RowSpan>, TrainError> {
+        Ok(None)
+    }
+    /// Several workers: from now on a step leaves its relation rows' gradients pending
+    /// ([`ComputeBackend::pending_relations`]) until [`ComputeBackend::apply_relations`].
+    fn defer_relations(&mut self, rels: &Relations) -> Result<(), TrainError>;
+    /// The relation gradients pending since the last apply, for the workers to sum.
+    fn pending_relations(&mut self) -> Result<PendingRelations<'_>, TrainError>;
+    /// Steps the relation rows with the pending gradients (summed over the workers once
+    /// `ready` has passed) and clears them.
+    fn apply_relations(&mut self, rels: &mut Relations, ready: &Fence) -> Result<(), TrainError>;
+}
+
+/// One step's relation gradients, waiting for the other workers' (see
+/// [`ComputeBackend::defer_relations`]): summed in place by the workers' link.
+pub(crate) enum PendingRelations<'a> {
+    /// The CPU engine's, in host memory.
+    Host(&'a mut RelationGradients),
+    /// A GPU's relation gradient table: `floats` f32 at `at`, complete once `after` has passed.
+    Device {
+        /// Its address.
+        at: u64,
+        /// Its floats (every row's).
+        floats: usize,
+        /// The step that wrote them.
+        after: Fence,
+    },
 }

@@ -149,6 +149,11 @@ pub struct FileStoreSpec<'a> {
     pub num_partitions: u32,
     /// Bytes of the relation parameters and their state.
     pub aux_bytes: u64,
+    /// The store's identity as the run records it. A new store gets it, and a target that is
+    /// this store as an interrupted creation left it is made again (the run recorded the id
+    /// before creating); an opened store must carry it. `None`: a new random one, or any when
+    /// opening (runs recorded before store identities were).
+    pub store_id: Option<[u8; 16]>,
     /// Overwrite a target carrying another signature.
     pub force: bool,
     /// `proxy`: the SSD it models, if any (a proxy already serving the file keeps its own).
@@ -158,7 +163,8 @@ pub struct FileStoreSpec<'a> {
 impl FileStore {
     /// Creates a new store. On files it is made under temporary names and renamed into place,
     /// so an interrupted creation never leaves a store that cannot be opened; a proxy's backing
-    /// file is created (or extended) to its member's size first.
+    /// file is created (or extended) to its member's size first, and removed again if it was
+    /// created and the creation fails.
     pub fn create(spec: &FileStoreSpec<'_>) -> Result<FileStore, PartitionStoreError> {
         let store_spec = store_spec(
             spec.dataset.clone(),
@@ -170,19 +176,26 @@ impl FileStore {
         let opts = CreateOptions {
             force: spec.force,
             stripe_bytes: spec.stripe_bytes,
+            store_id: spec.store_id,
             ..CreateOptions::default()
         };
         if spec.members.iter().any(|m| m.queue.is_some()) {
-            let controllers = open_controllers(spec, |m, q| {
-                if q.backend == QueueBackend::Proxy {
-                    size_backing_file(spec, &store_spec, m, q.start_lba)?;
+            let mut new_files = Vec::new();
+            for m in spec.members {
+                let f = &m.file;
+                let proxy = m.queue.is_some_and(|q| q.backend == QueueBackend::Proxy);
+                if proxy && !f.dir.exists(&f.name).map_err(io_error(&f.path()))? {
+                    new_files.push(f);
                 }
-                Ok(())
-            })?;
-            let targets = nvme_targets(&controllers, spec.members);
-            let nvme: Vec<Target<'_>> = targets.iter().map(Target::Nvme).collect();
-            let store = Store::create_striped(&nvme, &store_spec, &opts)?;
-            return Self::with_store(store, queued(controllers, spec.members));
+            }
+            let created = Self::create_queued(spec, &store_spec, &opts);
+            if created.is_err() {
+                // Leave no backing file this creation made (its proxy has stopped with it).
+                for f in new_files {
+                    let _ = f.dir.remove_file(&f.name);
+                }
+            }
+            return created;
         }
         // Members that do not exist yet are made under a temporary name.
         let mut tmps: Vec<Option<StoreFile>> = Vec::with_capacity(spec.members.len());
@@ -219,8 +232,31 @@ impl FileStore {
             }
         }
         let targets: Vec<Target<'_>> = spec.members.iter().map(|m| m.file.target()).collect();
-        let store = Store::open_striped(&targets, &Expect::default(), &IoConfig::default())?;
+        let expect = Expect {
+            store_id: spec.store_id,
+            ..Expect::default()
+        };
+        let store = Store::open_striped(&targets, &expect, &IoConfig::default())?;
         Self::with_store(store, Vec::new())
+    }
+
+    /// [`FileStore::create`] behind NVMe queues: each member's controller opened (a proxy's
+    /// backing file sized first), then the store created through them.
+    fn create_queued(
+        spec: &FileStoreSpec<'_>,
+        store_spec: &StoreSpec,
+        opts: &CreateOptions,
+    ) -> Result<FileStore, PartitionStoreError> {
+        let controllers = open_controllers(spec, |m, q| {
+            if q.backend == QueueBackend::Proxy {
+                size_backing_file(spec, store_spec, m, q.start_lba)?;
+            }
+            Ok(())
+        })?;
+        let targets = nvme_targets(&controllers, spec.members);
+        let nvme: Vec<Target<'_>> = targets.iter().map(Target::Nvme).collect();
+        let store = Store::create_striped(&nvme, store_spec, opts)?;
+        Self::with_store(store, queued(controllers, spec.members))
     }
 
     /// Opens an existing store, checking it belongs to this dataset, dimension and partitioning.
@@ -245,6 +281,7 @@ impl FileStore {
             state_width: Some(spec.shape.state as u32),
             dtype: Some(spec.shape.dtype),
             num_partitions,
+            store_id: spec.store_id,
         };
         let io = IoConfig::default();
         if spec.members.iter().any(|m| m.queue.is_some()) {
@@ -487,10 +524,33 @@ fn size_backing_file(
         .open_file(&member.file.name, Access::ReadWriteCreate)
         .map_err(io_error(&path))?;
     let meta = file.metadata().map_err(io_error(&path))?;
-    if meta.is_file() && meta.len() < needed {
+    if meta.is_file()
+        && meta.len() < needed
+        && (spec.force || !foreign(&file, &path, start_lba, spec.store_id)?)
+    {
         file.set_len(needed).map_err(io_error(&path))?;
     }
     Ok(())
+}
+
+/// Whether the head of the proxy's backing file `file` (from `start_lba`) carries what the
+/// store's creation refuses (another store, a file system): such a file is not grown first,
+/// and the creation refuses it as it is.
+fn foreign(
+    mut file: &std::fs::File,
+    path: &Path,
+    start_lba: u64,
+    store_id: Option<[u8; 16]>,
+) -> Result<bool, PartitionStoreError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut head = Vec::with_capacity(legend_storage::HEAD_BYTES);
+    file.seek(SeekFrom::Start(start_lba << 9))
+        .and_then(|_| {
+            file.take(legend_storage::HEAD_BYTES as u64)
+                .read_to_end(&mut head)
+        })
+        .map_err(io_error(path))?;
+    Ok(legend_storage::foreign_signature(&head, store_id).is_some())
 }
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> PartitionStoreError + '_ {

@@ -1,6 +1,8 @@
 //! The `memory` backend's store: partitions kept in RAM outside the resident set, their
 //! embeddings in `storage.dtype` (16-bit rows take half the RAM of f32 ones).
 
+use std::sync::{Arc, Mutex};
+
 use legend_dataset::PartitionScheme;
 use legend_model::Dtype;
 use rustc_hash::FxHashMap;
@@ -184,6 +186,64 @@ impl PartitionStore for MemoryStore {
         entry.1.clear();
         entry.1.extend_from_slice(state);
         Ok(())
+    }
+}
+
+/// One memory store shared by the workers of a K-GPU run ([`crate::workers`]): each worker's
+/// swap path reads the partitions it starts an epoch with from it and writes back those it
+/// leaves; in between, partitions travel from worker to worker.
+#[derive(Clone)]
+pub struct SharedMemoryStore(Arc<Mutex<MemoryStore>>);
+
+impl SharedMemoryStore {
+    /// `store`, shared.
+    pub fn new(store: MemoryStore) -> SharedMemoryStore {
+        SharedMemoryStore(Arc::new(Mutex::new(store)))
+    }
+
+    /// The embeddings' format at rest.
+    pub fn dtype(&self) -> Dtype {
+        self.lock().dtype()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemoryStore> {
+        // A worker that panicked holding the lock left whole partitions (each operation moves
+        // one partition in or out at once): the store is still consistent.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl PartitionStore for SharedMemoryStore {
+    fn read(
+        &mut self,
+        p: u32,
+        emb: &mut [f32],
+        state: &mut [f32],
+    ) -> Result<bool, PartitionStoreError> {
+        self.lock().read(p, emb, state)
+    }
+
+    fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), PartitionStoreError> {
+        self.lock().write(p, emb, state)
+    }
+
+    fn in_memory(&self) -> bool {
+        true
+    }
+
+    fn take_stored(&mut self, p: u32) -> Option<(Embeddings, Vec<f32>)> {
+        self.lock().take_stored(p)
+    }
+
+    fn keep_stored(
+        &mut self,
+        p: u32,
+        emb: Embeddings,
+        state: Vec<f32>,
+    ) -> Result<(), PartitionStoreError> {
+        self.lock().keep_stored(p, emb, state)
     }
 }
 

@@ -11,7 +11,7 @@ pub(crate) mod memory;
 
 pub use file::{FileStore, FileStoreSpec, MemberFile, PROGRESS_CAPACITY, QueuedMember, StoreFile};
 pub use location::{QueueBackend, QueueLocation, StoreMember};
-pub use memory::{Embeddings, MemoryStore};
+pub use memory::{Embeddings, MemoryStore, SharedMemoryStore};
 
 /// The store a run's partitions live in while they are not resident, as the session opened
 /// it: the trainer picks the path between it and the engine's slots from it.
@@ -20,6 +20,8 @@ pub enum PartitionHome {
     Memory(MemoryStore),
     /// On disk, or on a namespace behind NVMe queues.
     File(Box<FileStore>),
+    /// In RAM, shared by the workers of a K-GPU run.
+    Shared(SharedMemoryStore),
 }
 
 /// Where partitions live while they are not resident.

@@ -478,6 +478,48 @@ impl Swapper {
         Ok(())
     }
 
+    /// Resident partition `p` goes to another worker (see `crate::workers`): nothing is
+    /// written, its host rows (the CPU engine's) go with it, and its slot is free for what
+    /// arrives from now on. Returns the slot.
+    pub(crate) fn give(&mut self, p: u32) -> (u32, Option<Partition>) {
+        let slot = self.slot(p).unwrap_or_else(|| {
+            panic!("giving partition {p}, which is not resident");
+        });
+        let rows = self.host.remove(p);
+        self.slot_of[p as usize] = None;
+        self.arrived[p as usize] = false;
+        self.free.push(slot);
+        (slot, rows)
+    }
+
+    /// A free slot for partition `p`, which another worker sends; it is resident once
+    /// [`Swapper::received`].
+    pub(crate) fn reserve(&mut self, p: u32) -> u32 {
+        assert!(
+            self.slot_of[p as usize].is_none(),
+            "receiving partition {p}, which has a slot"
+        );
+        let slot = self
+            .free
+            .pop()
+            .unwrap_or_else(|| panic!("receiving partition {p} with no free slot"));
+        self.slot_of[p as usize] = Some(slot);
+        slot
+    }
+
+    /// Partition `p`, reserved, has arrived from another worker (with its host rows, on the
+    /// CPU engine).
+    pub(crate) fn received(&mut self, p: u32, rows: Option<Partition>) {
+        assert!(
+            self.slot_of[p as usize].is_some(),
+            "partition {p} was not reserved"
+        );
+        self.arrived[p as usize] = true;
+        if let Some(rows) = rows {
+            self.host.insert(rows);
+        }
+    }
+
     /// Waits until every queued job has run, reporting the first failure.
     pub(crate) fn drain(&mut self) -> Result<(), PartitionStoreError> {
         assert!(self.pending.is_empty(), "draining with reads in flight");

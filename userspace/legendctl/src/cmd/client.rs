@@ -1,5 +1,5 @@
-//! The daemon's client: `legendctl submit`, `jobs`, `watch`, `cancel`, `logs` talk to
-//! `legendd` on its socket (`--socket`, `LEGEND_SOCKET`, else `/run/legend/legendd.sock`).
+//! The daemon's client: `legendctl submit`, `jobs`, `status`, `watch`, `cancel`, `logs` talk
+//! to `legendd` on its socket (`--socket`, `LEGEND_SOCKET`, else `/run/legend/legendd.sock`).
 
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -270,11 +270,15 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
     if json {
         super::print_json(&job)?;
     } else {
+        let queue = match job.device.as_deref() {
+            Some(d) if d != job.spec.kind() => format!("{} on {d}", job.spec.kind()),
+            _ => job.spec.kind().to_owned(),
+        };
         outln!(
-            "job {} queued ({} on {})",
-            job.id,
-            job.spec.kind(),
-            job.device.as_deref().unwrap_or("?")
+            "job {} queued ({queue}): it runs in a process and a memory cgroup of its own, as \
+             uid {} (a job that holds an NVMe controller: as a uid of the daemon's); `legendctl \
+             status {}` shows its pid, uid, cgroup and memory",
+            job.id, job.owner, job.id
         )?;
     }
     if watch_it {
@@ -303,13 +307,8 @@ pub fn jobs(socket: Option<&Path>, args: JobsArgs) -> anyhow::Result<()> {
         return super::print_json(&jobs);
     }
     outln!(
-        "{:>5}  {:<10} {:<6} {:>6}  {:<8} {:<14} dir",
-        "id",
-        "state",
-        "kind",
-        "owner",
-        "device",
-        "progress"
+        "{:>5}  {:<10} {:<6} {:>6}  {:<8} {:<14} {:>8} dir",
+        "id", "state", "kind", "owner", "device", "progress", "memory"
     )?;
     for j in &jobs {
         let p = &j.progress;
@@ -318,21 +317,69 @@ pub fn jobs(socket: Option<&Path>, args: JobsArgs) -> anyhow::Result<()> {
         } else {
             "-".into()
         };
+        // The job's process's peak memory (in its cgroup), while it runs and after.
+        let memory = j
+            .process
+            .as_ref()
+            .and_then(|p| p.peak_memory)
+            .map_or("-".to_string(), |b| format!("{}M", b >> 20));
         outln!(
-            "{:>5}  {:<10} {:<6} {:>6}  {:<8} {:<14} {}",
+            "{:>5}  {:<10} {:<6} {:>6}  {:<8} {:<14} {:>8} {}",
             j.id,
             j.state.name(),
             j.spec.kind(),
             j.owner,
             j.device.as_deref().unwrap_or("-"),
             progress,
+            memory,
             j.spec.dir().display()
         )?;
     }
     Ok(())
 }
 
-/// Arguments of `legendctl watch`, `cancel` and `logs`.
+/// `legendctl status`: one job, its process included.
+pub fn status(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
+    let job = Client::connect(socket)?.job(Request::Status { job: args.job })?;
+    if args.json {
+        return super::print_json(&job);
+    }
+    outln!(
+        "job {}: {} {} of uid {}, {}",
+        job.id,
+        job.state.name(),
+        job.spec.kind(),
+        job.owner,
+        job.spec.dir().display()
+    )?;
+    let p = &job.progress;
+    if p.epochs > 0 {
+        outln!(
+            "  epoch {}/{}, {}/{} edges, {:.0} edges/s",
+            p.epoch, p.epochs, p.edges_done, p.edges, p.edges_per_sec
+        )?;
+    }
+    if let Some(p) = &job.process {
+        let mib = |b: Option<u64>| b.map_or("-".to_string(), |b| format!("{} MiB", b >> 20));
+        outln!(
+            "  process {} as uid {}, cgroup {}, memory limit {}, peak {}",
+            p.pid,
+            p.uid,
+            p.cgroup.as_deref().unwrap_or("none"),
+            mib(p.memory_limit),
+            mib(p.peak_memory)
+        )?;
+    }
+    if let Some(e) = &job.error {
+        outln!("  error: {e}")?;
+    }
+    if let Some(r) = &job.result {
+        outln!("  result: {r}")?;
+    }
+    Ok(())
+}
+
+/// Arguments of `legendctl watch`, `status`, `cancel` and `logs`.
 #[derive(clap::Args)]
 pub struct JobArgs {
     /// The job id.
@@ -397,15 +444,30 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
                             l["edges_per_sec"].as_f64().unwrap_or(0.0),
                             l["seconds"].as_f64().unwrap_or(0.0)
                         );
+                        if l["valid"].is_object() {
+                            errln!("epoch {} valid: {}", l["epoch"], metrics_text(&l["valid"]));
+                        }
+                    }
+                    // What the job's process says (why it stopped early, say).
+                    Some("log") => {
+                        let line = || errln!("{}", event["text"].as_str().unwrap_or(""));
+                        match &bar {
+                            Some(b) => b.suspend(line),
+                            None => line(),
+                        }
                     }
                     Some("evaluated") => {
+                        if let Some(b) = bar.take() {
+                            b.finish_and_clear();
+                        }
                         let line = &event["line"];
                         let split = line["split"].as_str().unwrap_or("?");
                         // Ranked with the best epoch's tables (RUN/best) when they were kept.
                         let best = line["best_epoch"]
                             .as_u64()
                             .map_or(String::new(), |e| format!(" (best epoch {e})"));
-                        errln!("{split}{best}: {}", metrics_text(&line["metrics"]));
+                        // The job's result: on stdout, like `legendctl train`'s.
+                        outln!("{split}{best}: {}", metrics_text(&line["metrics"]))?;
                     }
                     _ => {}
                 }

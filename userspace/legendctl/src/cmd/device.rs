@@ -78,7 +78,9 @@ pub struct Args {
 enum DeviceCommand {
     /// NVMe controllers, their driver, block devices and legend device node.
     List,
-    /// Move a controller from `nvme` to `legend_nvme` (refused while its namespaces are in use).
+    /// Move a controller from `nvme` to `legend_nvme`: refused while its namespaces are in use, and,
+    /// before anything changes, where the platform cannot isolate it (no translating IOMMU, a
+    /// shared IOMMU group, no interrupt remapping, ATS, firmware 1:1 regions), naming the fix.
     Bind {
         /// PCI address, e.g. 0000:01:00.0.
         bdf: String,

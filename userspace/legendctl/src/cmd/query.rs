@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use legend_daemon_api::{MAX_QUERIES, Reply, Request};
+use legend_daemon_api::{MAX_ANSWER_HITS, MAX_QUERIES, Queries, Reply, Request};
 use legend_engine::config::DeviceChoice;
 use legend_engine::which_tables::{self, Tables};
 use legend_fs::Unguarded;
@@ -324,8 +324,34 @@ enum Asked {
     },
 }
 
-/// Asks the serve job `args.job` the queries, [`MAX_QUERIES`] to a request; each request's
-/// time in the daemon goes to stderr.
+/// `queries` in requests of at most [`MAX_QUERIES`] queries asking for at most
+/// [`MAX_ANSWER_HITS`] entities together (what the daemon answers in a frame).
+fn batches<T>(queries: &[(T, Query)]) -> impl Iterator<Item = &[(T, Query)]> {
+    let mut rest = queries;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let (mut n, mut hits) = (0, 0);
+        while n < rest.len() && n < MAX_QUERIES {
+            let top = match &rest[n].1 {
+                Query::Predict { top, .. } | Query::Neighbors { top, .. } => *top,
+                _ => 0,
+            };
+            if n > 0 && hits + top > MAX_ANSWER_HITS {
+                break;
+            }
+            hits += top;
+            n += 1;
+        }
+        let (batch, left) = rest.split_at(n);
+        rest = left;
+        Some(batch)
+    })
+}
+
+/// Asks the serve job `args.job` the queries, in requests the daemon answers in a frame (see
+/// `batches`); each request's time in the daemon goes to stderr.
 pub fn query(socket: Option<&Path>, args: QueryArgs) -> anyhow::Result<()> {
     let queries = match &args.ask {
         Asked::Predict(a) => a.queries()?,
@@ -340,11 +366,9 @@ pub fn query(socket: Option<&Path>, args: QueryArgs) -> anyhow::Result<()> {
         bail!("no queries given");
     }
     let mut client = super::client::Client::connect(socket)?;
-    for (b, batch) in queries.chunks(MAX_QUERIES).enumerate() {
-        let asked = batch
-            .iter()
-            .map(|(_, q)| serde_json::to_value(q))
-            .collect::<Result<_, _>>()?;
+    for (b, batch) in batches(&queries).enumerate() {
+        let asked: Vec<&Query> = batch.iter().map(|(_, q)| q).collect();
+        let asked = Queries::of(&asked)?;
         let started = Instant::now();
         let reply = client.call(Request::Query {
             job: args.job,

@@ -36,12 +36,19 @@ pub struct Args {
     /// Print one JSON object per epoch, and the final evaluation, on stdout.
     #[arg(long)]
     json: bool,
+    /// Train on the first K GPUs that CUDA_VISIBLE_DEVICES shows, one worker each (the same
+    /// as `--set training.gpus=K`; the table is then in the K GPUs' memory together).
+    #[arg(long, value_name = "K")]
+    gpus: Option<u32>,
 }
 
 /// How often progress is logged inside an epoch when stderr is not a terminal.
 const LOG_EVERY: Duration = Duration::from_secs(10);
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(mut args: Args) -> anyhow::Result<()> {
+    if let Some(k) = args.gpus {
+        args.sets.push(format!("training.gpus={k}"));
+    }
     let out = &args.out;
     // From the start: a signal while the run is being set up stops it before its first batch.
     // A resumed run starts from its checkpoint (corrected once it is read), a new one from
@@ -221,6 +228,9 @@ impl ProgressView {
                         if let Some(m) = valid {
                             bar.println(format!("epoch {} valid: {}", report.epoch, describe(m)));
                         }
+                        if let Some(w) = &report.workers {
+                            bar.println(format!("epoch {}: {}", report.epoch, w.describe()));
+                        }
                     }
                     None => {
                         if let Some(m) = valid {
@@ -239,6 +249,9 @@ impl ProgressView {
                                 legend_engine::memory::gib(b)
                             ))
                         );
+                        if let Some(w) = &report.workers {
+                            tracing::info!("epoch {}: {}", report.epoch, w.describe());
+                        }
                     }
                 }
                 self.print(line);
