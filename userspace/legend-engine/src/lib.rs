@@ -20,8 +20,8 @@ pub mod session;
 pub mod store;
 pub mod swap;
 pub mod trainer;
-pub mod which_tables;
 mod training;
+pub mod which_tables;
 pub mod workers;
 
 pub use config::{Config, ConfigError, DeviceChoice};

@@ -27,6 +27,10 @@ fn commands(dir: &Path) -> Vec<Vec<String>> {
     assert!(run.join("best/run.toml").is_file());
     let triples = dir.join("triples.tsv");
     std::fs::write(&triples, "e0\tr0\te1\ne1\tr1\te3\n").unwrap();
+    // A target for the I/O and row-cache benchmarks (file backend, CPU submitters).
+    let target = dir.join("bench.bin");
+    std::fs::write(&target, vec![0u8; 4 << 20]).unwrap();
+    let target = s(&target);
     let tsv = |name: &str| s(&dir.join(name));
     let (ds, run) = (s(&ds), s(&run));
     let lines: &[&[&str]] = &[
@@ -95,6 +99,21 @@ fn commands(dir: &Path) -> Vec<Vec<String>> {
         &["neighbors", &run, "--entity", "e0", "--top", "20", "--json"],
         &["report", &run, "-o", "{fresh}.svg"],
         &["device", "list"],
+        &["bench", "io", "--path", &target, "--seconds", "0.2"],
+        &[
+            "bench",
+            "cache",
+            "--mode",
+            "pread",
+            "--path",
+            &target,
+            "--row-bytes",
+            "400",
+            "--batch",
+            "100",
+            "--batches",
+            "2",
+        ],
     ];
     lines
         .iter()

@@ -465,6 +465,7 @@ fn client_commands_end_quietly_when_their_reader_goes_away() {
     let commands: Vec<Box<dyn FnMut() -> Vec<String>>> = vec![
         Box::new(|| vec!["jobs".into()]),
         Box::new(|| vec!["jobs".into(), "--json".into()]),
+        Box::new(|| vec!["status".into(), "1".into()]),
         Box::new(|| vec!["watch".into(), "1".into()]),
         Box::new(|| vec!["logs".into(), "1".into()]),
         Box::new(|| {

@@ -278,7 +278,9 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
             "job {} queued ({queue}): it runs in a process and a memory cgroup of its own, as \
              uid {} (a job that holds an NVMe controller: as a uid of the daemon's); `legendctl \
              status {}` shows its pid, uid, cgroup and memory",
-            job.id, job.owner, job.id
+            job.id,
+            job.owner,
+            job.id
         )?;
     }
     if watch_it {
@@ -308,7 +310,13 @@ pub fn jobs(socket: Option<&Path>, args: JobsArgs) -> anyhow::Result<()> {
     }
     outln!(
         "{:>5}  {:<10} {:<6} {:>6}  {:<8} {:<14} {:>8} dir",
-        "id", "state", "kind", "owner", "device", "progress", "memory"
+        "id",
+        "state",
+        "kind",
+        "owner",
+        "device",
+        "progress",
+        "memory"
     )?;
     for j in &jobs {
         let p = &j.progress;
@@ -356,7 +364,11 @@ pub fn status(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
     if p.epochs > 0 {
         outln!(
             "  epoch {}/{}, {}/{} edges, {:.0} edges/s",
-            p.epoch, p.epochs, p.edges_done, p.edges, p.edges_per_sec
+            p.epoch,
+            p.epochs,
+            p.edges_done,
+            p.edges,
+            p.edges_per_sec
         )?;
     }
     if let Some(p) = &job.process {
