@@ -155,6 +155,7 @@ mod tests {
                 next: None,
                 edges: 700,
                 loss: 1.0,
+                workers: None,
             }),
             ..tables("last", None)
         };
