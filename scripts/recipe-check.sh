@@ -5,8 +5,8 @@
 # "Recipes"); the floor leaves room for float differences between machines, not for a
 # regression of the recipe's options (without them the same run gives 0.70). It says how the
 # run goes every 5 s (epoch, loss, the last valid MRR); the run's log is printed if it fails.
-# About 20 s on a busy 2-core machine (early stopping ends it near epoch 30), plus the build of
-# the debug legendctl when it is not given (below).
+# 6 s on a busy 2-core machine (load 10; early stopping ends it at epoch 30, its best 10), plus
+# the build of the debug legendctl when it is not given (below).
 # Usage: scripts/recipe-check.sh [FLOOR]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -4,8 +4,9 @@
 # Every stage runs even if an earlier one failed; the last line is `test-suites: N passed, M failed`.
 # Tests that need a GPU are reported as ignored (skipped) without one; scripts/gpu/run-all.sh runs
 # them on a GPU machine. A stage that prints nothing for 9 s says so (`... NAME: working, N s`),
-# so that a log never stalls silently (a long compile, QEMU booting). About 18 minutes on a busy
-# 2-core machine once the kernel-module toolchain is cached (README.md).
+# so that a log never stalls silently (a long compile, QEMU booting). 41 minutes on a 2-core
+# machine shared with other builds, from a nearly empty target/, the kmod toolchain cached
+# (README.md says what each stage took).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
