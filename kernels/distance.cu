@@ -1,6 +1,6 @@
 // TransE on CUDA cores: the chunk score matrices S = -||q_i - n_j||_p (p = 1, 2) and their
 // gradients, on the operands that the products of kernels/gemm.cu take (LegendGemm), plus
-// the per-row parts that legend_queries and legend_rows_backward (kernels/train.cu) call for
+// the per-row parts that legend_queries and legend_rows_backward (kernels/train_queries.cu, train_backward.cu) call for
 // the TransE decoders.
 //
 // Distances are summed elementwise, Σ|q - n| or Σ(q - n)², never through the expansion

@@ -55,16 +55,19 @@
 // kernel copies whole 64-row tiles without masks: rows past rows[z] add zero.
 
 #define LEGEND_FUSED_WARPS 8
-// Rows of the tiles of the FP16 operands in device memory, and of the walked tile of the
-// mma.sync kernels (the eight 8-column blocks of a warp's score accumulators).
-#define LEGEND_FUSED_TILE 64
 // Shared-memory stages of the walked tiles: the copy of tile it + 2 is queued while tile it
 // is used, into the stage tile it - 1 used, so one barrier an iteration orders both.
 #define LEGEND_FUSED_STAGES 3
-// Negatives a block of the negatives kernel owns, and a column block of G: k is padded to it.
-#define LEGEND_FUSED_NEG_BLOCK 128
-// Rows a block of the rows kernel owns: the rows are padded to it.
-#define LEGEND_FUSED_BLOCK_ROWS 128
+// The tile sizes the host sizes the buffers by come from legend-cuda's kernel_abi.rs, their
+// one definition, as -D options: LEGEND_FUSED_TILE (rows of the tiles of the FP16 operands in
+// device memory, and of the walked tile of the mma.sync kernels), LEGEND_FUSED_NEG_BLOCK
+// (negatives a block of the negatives kernel owns, and a column block of G: k is padded to
+// it), LEGEND_FUSED_BLOCK_ROWS (rows a block of the rows kernel owns: the rows are padded to
+// it).
+#if !defined(LEGEND_FUSED_TILE) || !defined(LEGEND_FUSED_NEG_BLOCK) || \
+    !defined(LEGEND_FUSED_BLOCK_ROWS)
+#error "the fused tile sizes are defined by legend-cuda (kernel_abi.rs), as -D options"
+#endif
 
 struct LegendFused {
     const float* query;   // group x max_rows x dim (read 16 bytes past the end: allocated so)

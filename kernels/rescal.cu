@@ -3,7 +3,7 @@
 // and the score is sᵀ R d. Side 1 (destinations replaced) queries with q1 = sᵀR against d,
 // side 0 with q0 = R d against s, or with reciprocal relations q0 = dᵀR⁻¹ (the destination-
 // side operator of the inverse matrix). The products are the dot decoders' (TF32 gemm); only
-// the queries and their backward differ, here, one warp an edge as in kernels/train.cu.
+// the queries and their backward differ, here, one warp an edge as in kernels/train_queries.cu.
 //
 // Node rows take their gradients through the gradient table (GpuBatchEngine keeps the
 // in-place step off for RESCAL): an element's gradient needs every element of the other

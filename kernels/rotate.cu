@@ -1,5 +1,5 @@
 // RotatE on the GPU (legend-model's Decoder::RotatE), the unfused path: the queries of both
-// sides of an edge and their backward (one warp an edge, as kernels/train.cu's), and the
+// sides of an edge and their backward (one warp an edge, as kernels/train_queries.cu's), and the
 // three products of the modulus distance S_ij = -Σ_p |q_ip - n_jp| between complex rows
 // (real parts in the first half of a row, imaginary parts in the second), on CUDA cores.
 //

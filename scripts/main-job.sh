@@ -37,8 +37,9 @@ work=${LEGEND_WORK:-$cache/main-job}
 mkdir -p "$work"
 
 # Cargo's own progress (a bar on a terminal, a line per crate elsewhere): the first build has
-# 180 steps, 3.5 minutes on an idle 2-core machine (up to 8 on a busy one); later runs, seconds.
-echo "== building legendctl (release; the first build takes 4 to 8 minutes on 2 cores)"
+# 180 steps, 3.5 minutes on an idle 2-core machine (15 on one loaded by other builds); later
+# runs, seconds.
+echo "== building legendctl (release; the first build takes 4 to 15 minutes on 2 cores)"
 heartbeat "building legendctl" cargo build --release --locked -p legendctl --manifest-path "$root/Cargo.toml"
 bin=${CARGO_TARGET_DIR:-$root/target}/release/legendctl
 

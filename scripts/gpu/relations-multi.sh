@@ -5,6 +5,7 @@
 # generated graph with 1,000 relations (10^6 nodes, 2*10^7 edges), ComplEx d = 100, B = 10^4,
 # 10 chunks x 100 negatives, on one GPU at N = 4 and on 2 GPUs (N = 4, summing the relation
 # gradients over both after every batch), epoch times side by side.
+# K (default 2) sets the GPUs of (1) on a larger machine; SUMS=0 skips (2).
 # Builds nothing: legendctl in ${BIN_DIR:-target-gpu}, wordnet-rr imported in ${DATA:-gpu-data}.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -25,15 +26,17 @@ print(f"test MRR {f['metrics']['mrr']:.4f} best epoch {f.get('best_epoch', '-')}
       f"{sum(x['seconds'] for x in e) / len(e):.3f} s/epoch over {len(e)} epochs")
 PY
 }
+k_gpus=${K:-2}
 for seed in ${SEEDS:-0 1 2}; do
-    run=$work/wordnet-2gpus-$seed
+    run=$work/wordnet-${k_gpus}gpus-$seed
     if "$ctl" train --dataset "$data/wordnet-rr" --out "$run" "$root/configs/wordnet-rr-complex.toml" \
-        --set training.device='"cuda:0"' --gpus 2 --set training.seed="$seed" >"$out/wn2-$seed.log" 2>&1; then
-        echo "wordnet-rr ComplEx, 2 GPUs, seed $seed: $(final "$run/metrics.jsonl")"
+        --set training.device='"cuda:0"' --gpus "$k_gpus" --set training.seed="$seed" >"$out/wn$k_gpus-$seed.log" 2>&1; then
+        echo "wordnet-rr ComplEx, $k_gpus GPUs, seed $seed: $(final "$run/metrics.jsonl")"
     else
-        echo "wordnet-rr 2 GPUs seed $seed FAILED:"; tail -5 "$out/wn2-$seed.log"
+        echo "wordnet-rr $k_gpus GPUs seed $seed FAILED:"; tail -5 "$out/wn$k_gpus-$seed.log"
     fi
 done
+[ "${SUMS:-1}" = 1 ] || exit 0
 "$ctl" generate --nodes 1000000 --edges 20000000 --relations 1000 --split 0.999,0.0005,0.0005 \
     "$work/g1000" >/dev/null 2>&1 || { echo "generate FAILED"; exit 1; }
 for k in 1 2; do

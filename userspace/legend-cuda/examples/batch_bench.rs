@@ -58,9 +58,9 @@ struct Rows {
 }
 
 impl std::str::FromStr for Rows {
-    type Err = String;
+    type Err = Box<dyn std::error::Error>;
 
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (state, dtype) = s.split_once('/').unwrap_or((s, "f32"));
         let bad = |e: &dyn std::fmt::Display| format!("LEGEND_BENCH_ROWS entry {s:?}: {e}");
         Ok(Rows {
@@ -146,7 +146,7 @@ fn timed_steps(
 /// own: 256 MiB a launch into GPU memory.
 struct BackgroundIo {
     stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<Result<(u64, f64), String>>,
+    thread: std::thread::JoinHandle<Result<(u64, f64), legend_cuda::GpuError>>,
 }
 
 impl BackgroundIo {
@@ -182,7 +182,7 @@ impl BackgroundIo {
                     at: (k % chunks) * Self::CHUNK as u64,
                     write: false,
                 };
-                bytes += io.run(&[job], false).map_err(|e| e.to_string())?.bytes;
+                bytes += io.run(&[job], false)?.bytes;
                 k += 1;
             }
             Ok((bytes, start.elapsed().as_secs_f64()))
@@ -198,41 +198,119 @@ impl BackgroundIo {
     }
 }
 
+/// The benchmark's settings, from its arguments and `LEGEND_BENCH_*` variables.
+struct Settings {
+    out_path: Option<String>,
+    groups: Vec<usize>,
+    decoders: Vec<Decoder>,
+    extra: bool,
+    row_layouts: Vec<Rows>,
+    beside_io: Option<PathBuf>,
+    io_opts: GpuIoOptions,
+    io_model: Option<DeviceModel>,
+    filtered: Option<usize>,
+}
+
+impl Settings {
+    fn from_env() -> Result<Settings, Box<dyn std::error::Error>> {
+        let out_path = std::env::args().nth(1);
+        let groups: Vec<usize> = std::env::var("LEGEND_BENCH_GROUPS")
+            .unwrap_or_else(|_| "2,4,20".into())
+            .split(',')
+            .map(|g| g.trim().parse())
+            .collect::<Result<_, _>>()?;
+        let decoders: Vec<Decoder> = std::env::var("LEGEND_BENCH_DECODERS")
+            .unwrap_or_else(|_| "complex,dot".into())
+            .split(',')
+            .map(|d| d.trim().parse())
+            .collect::<Result<_, _>>()?;
+        let extra = std::env::var_os("LEGEND_BENCH_EXTRA").is_some_and(|v| v == "1");
+        let row_layouts: Vec<Rows> = std::env::var("LEGEND_BENCH_ROWS")
+            .unwrap_or_else(|_| "element".into())
+            .split(',')
+            .map(|r| r.trim().parse())
+            .collect::<Result<_, _>>()?;
+        let beside_io = std::env::var_os("LEGEND_BENCH_BESIDE_IO").map(PathBuf::from);
+        let io_queues: u32 = match std::env::var("LEGEND_BENCH_IO_QUEUES") {
+            Ok(q) => q.parse()?,
+            Err(_) => 8,
+        };
+        let io_opts = GpuIoOptions {
+            queues: io_queues,
+            threads: match std::env::var("LEGEND_BENCH_IO_THREADS") {
+                Ok(t) => t.parse()?,
+                Err(_) => GpuIoOptions::default().threads,
+            },
+            ..GpuIoOptions::default()
+        };
+        let io_model: Option<DeviceModel> = match std::env::var("LEGEND_BENCH_IO_MODEL") {
+            Ok(m) => Some(m.parse()?),
+            Err(_) => None,
+        };
+        let filtered: Option<usize> = match std::env::var("LEGEND_BENCH_FILTERED") {
+            Ok(v) => Some(
+                v.parse()
+                    .map_err(|e| format!("LEGEND_BENCH_FILTERED={v}: {e}"))?,
+            ),
+            Err(_) => None,
+        };
+        Ok(Settings {
+            out_path,
+            groups,
+            decoders,
+            extra,
+            row_layouts,
+            beside_io,
+            io_opts,
+            io_model,
+            filtered,
+        })
+    }
+}
+
+/// The edge a hash names: source, relation and destination from its bits.
+fn edge_of(h: u64) -> [u32; 3] {
+    [
+        (h % ENTITIES as u64) as u32,
+        ((h >> 20) % RELATIONS as u64) as u32,
+        ((h >> 40) % ENTITIES as u64) as u32,
+    ]
+}
+
+/// The benchmark's batches (fixed, from their indices) and, with `filtered`, that many known
+/// edges: the batches' own and more.
+fn batches_and_known(filtered: Option<usize>) -> (Vec<Vec<[u32; 3]>>, Vec<[u32; 3]>) {
+    let batches: Vec<Vec<[u32; 3]>> = (0..BATCHES)
+        .map(|b| {
+            (0..BATCH as u64)
+                .map(|i| edge_of(mix(b << 40 ^ i)))
+                .collect()
+        })
+        .collect();
+    let known: Vec<[u32; 3]> = match filtered {
+        Some(total) => {
+            let mut known: Vec<[u32; 3]> = batches.iter().flatten().copied().collect();
+            let extra = total.saturating_sub(known.len()) as u64;
+            known.extend((0..extra).map(|i| edge_of(mix(0x6b6e_6f77 ^ i))));
+            known
+        }
+        None => Vec::new(),
+    };
+    (batches, known)
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let out_path = std::env::args().nth(1);
-    let groups: Vec<usize> = std::env::var("LEGEND_BENCH_GROUPS")
-        .unwrap_or_else(|_| "2,4,20".into())
-        .split(',')
-        .map(|g| g.trim().parse())
-        .collect::<Result<_, _>>()?;
-    let decoders: Vec<Decoder> = std::env::var("LEGEND_BENCH_DECODERS")
-        .unwrap_or_else(|_| "complex,dot".into())
-        .split(',')
-        .map(|d| d.trim().parse())
-        .collect::<Result<_, _>>()?;
-    let extra = std::env::var_os("LEGEND_BENCH_EXTRA").is_some_and(|v| v == "1");
-    let row_layouts: Vec<Rows> = std::env::var("LEGEND_BENCH_ROWS")
-        .unwrap_or_else(|_| "element".into())
-        .split(',')
-        .map(|r| r.trim().parse())
-        .collect::<Result<_, _>>()?;
-    let beside_io = std::env::var_os("LEGEND_BENCH_BESIDE_IO").map(PathBuf::from);
-    let io_queues: u32 = match std::env::var("LEGEND_BENCH_IO_QUEUES") {
-        Ok(q) => q.parse()?,
-        Err(_) => 8,
-    };
-    let io_opts = GpuIoOptions {
-        queues: io_queues,
-        threads: match std::env::var("LEGEND_BENCH_IO_THREADS") {
-            Ok(t) => t.parse()?,
-            Err(_) => GpuIoOptions::default().threads,
-        },
-        ..GpuIoOptions::default()
-    };
-    let io_model: Option<DeviceModel> = match std::env::var("LEGEND_BENCH_IO_MODEL") {
-        Ok(m) => Some(m.parse()?),
-        Err(_) => None,
-    };
+    let Settings {
+        out_path,
+        groups,
+        decoders,
+        extra,
+        row_layouts,
+        beside_io,
+        io_opts,
+        io_model,
+        filtered,
+    } = Settings::from_env()?;
     let t = Instant::now();
     let gpu = Gpu::new(0)?;
     eprintln!(
@@ -241,43 +319,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         gpu.arch(),
         t.elapsed().as_secs_f64()
     );
-    let batches: Vec<Vec<[u32; 3]>> = (0..BATCHES)
-        .map(|b| {
-            (0..BATCH as u64)
-                .map(|i| {
-                    let h = mix(b << 40 ^ i);
-                    [
-                        (h % ENTITIES as u64) as u32,
-                        ((h >> 20) % RELATIONS as u64) as u32,
-                        ((h >> 40) % ENTITIES as u64) as u32,
-                    ]
-                })
-                .collect()
-        })
-        .collect();
-    let filtered: Option<usize> = match std::env::var("LEGEND_BENCH_FILTERED") {
-        Ok(v) => Some(
-            v.parse()
-                .map_err(|e| format!("LEGEND_BENCH_FILTERED={v}: {e}"))?,
-        ),
-        Err(_) => None,
-    };
-    let known: Vec<[u32; 3]> = match filtered {
-        Some(total) => {
-            let mut known: Vec<[u32; 3]> = batches.iter().flatten().copied().collect();
-            let extra = total.saturating_sub(known.len()) as u64;
-            known.extend((0..extra).map(|i| {
-                let h = mix(0x6b6e_6f77 ^ i);
-                [
-                    (h % ENTITIES as u64) as u32,
-                    ((h >> 20) % RELATIONS as u64) as u32,
-                    ((h >> 40) % ENTITIES as u64) as u32,
-                ]
-            }));
-            known
-        }
-        None => Vec::new(),
-    };
+    let (batches, known) = batches_and_known(filtered);
     let degrees = vec![1u32; ENTITIES];
     let mut json = String::new();
     for &decoder in &decoders {
@@ -382,9 +424,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
             let line = match beside {
                 Some((mut with_io, gb_per_s)) => format!(
-                    "{},\"median_ms_beside_io\":{:.4},\"io_queues\":{io_queues},\"io_threads\":{},\"io_gb_per_s_beside\":{gb_per_s:.3}}}",
+                    "{},\"median_ms_beside_io\":{:.4},\"io_queues\":{},\"io_threads\":{},\"io_gb_per_s_beside\":{gb_per_s:.3}}}",
                     line.strip_suffix('}').unwrap_or(&line),
                     median(&mut with_io.total),
+                    io_opts.queues,
                     io_opts.threads
                 ),
                 None => line,

@@ -73,7 +73,7 @@ impl RowConverter {
         values: usize,
     ) -> Result<(), GpuError> {
         let n = values as u64;
-        let code = crate::engine::dtype_code(self.dtype);
+        let code = crate::kernel_abi::dtype_code(self.dtype);
         let mut b = stream.launch_builder(kernel);
         b.arg(&src).arg(&dst).arg(&n).arg(&code);
         // SAFETY: the kernel reads `values` elements at src and writes as many at dst, one

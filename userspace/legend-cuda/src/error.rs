@@ -4,6 +4,7 @@ use cudarc::driver::DriverError;
 
 /// Why a GPU operation failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum GpuError {
     /// The CUDA driver library (`libcuda.so`) could not be loaded.
     #[error(
@@ -67,7 +68,18 @@ pub enum GpuError {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// The NVMe controller of the GPU I/O queues refused something.
+    /// A call to the NVMe controller of the GPU I/O queues failed.
+    #[error("{label}: {what}")]
+    Controller {
+        /// The controller.
+        label: String,
+        /// The call, and what it was for.
+        what: String,
+        /// Why it failed (boxed: it is large, and rare).
+        #[source]
+        source: Box<legend_nvme::Error>,
+    },
+    /// The NVMe controller of the GPU I/O queues cannot serve what was asked.
     #[error("{label}: {what}")]
     Nvme {
         /// The controller.
@@ -107,5 +119,40 @@ pub(crate) trait DriverContext<T> {
 impl<T> DriverContext<T> for Result<T, DriverError> {
     fn during(self, what: &'static str) -> Result<T, GpuError> {
         self.map_err(|source| GpuError::Driver { what, source })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `e` and its sources, each after a `: `, as the CLI and the daemon print errors.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let sources = std::iter::successors(Some(e), |e| e.source());
+        sources
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join(": ")
+    }
+
+    #[test]
+    fn a_controller_failure_ends_at_the_os_words() {
+        let e = GpuError::Controller {
+            label: "/dev/legend-nvme0".into(),
+            what: "MAP of 4096 bytes of GPU memory".into(),
+            source: Box::new(legend_nvme::Error::Ioctl {
+                op: "MAP",
+                source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+            }),
+        };
+        let text = chain(&e);
+        assert!(
+            text.starts_with("/dev/legend-nvme0: MAP of 4096 bytes of GPU memory: MAP"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("Cannot allocate memory (os error 12)"),
+            "{text}"
+        );
     }
 }

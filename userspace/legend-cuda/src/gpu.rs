@@ -11,6 +11,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use crate::error::DriverContext;
+use crate::kernel_abi::{GEMM_SMEM, SELECT_SMEM};
 use crate::{GpuError, nvrtc};
 
 /// The kernels, each from the module of its program (`nvrtc::PROGRAMS`).
@@ -83,22 +84,6 @@ pub(crate) struct FusedKernels {
     pub(crate) negatives: CudaFunction,
 }
 
-/// Rows of the tiles of the fused kernels' FP16 operands (`LEGEND_FUSED_TILE`).
-pub(crate) const FUSED_TILE: usize = 64;
-
-/// Rows a block of the fused rows kernel owns (`LEGEND_FUSED_BLOCK_ROWS`): the FP16 queries,
-/// G and the softmax factors hold each job's rows rounded up to it.
-pub(crate) const FUSED_BLOCK_ROWS: usize = 128;
-
-/// Negatives a block of the fused negatives kernel owns (`LEGEND_FUSED_NEG_BLOCK`).
-pub(crate) const FUSED_NEG_BLOCK: usize = 128;
-
-/// FP16 values a row of the fused kernels' operands of width `width` holds: the width
-/// rounded up to the 16 of an mma's k step (the `dim_pad` of `LegendFused`).
-pub(crate) fn fused_dim_pad(width: usize) -> usize {
-    width.div_ceil(16) * 16
-}
-
 /// How a program's fused kernels are launched, as the program itself says
 /// (`legend_fused_launch`, a `LegendFusedLaunch` in `kernels/fused_launch.cu`): the kernels' shapes
 /// and shared memory differ by architecture and live with their code only.
@@ -129,23 +114,6 @@ fn kernel_arch(major: i32, minor: i32) -> String {
         _ => format!("sm_{major}{minor}"),
     }
 }
-
-/// Negatives the fused kernels' G, factors and FP16 negatives hold for `k`: whole blocks of
-/// the negatives kernel (`legend_fused_k_pad`).
-pub(crate) fn fused_k_pad(k: usize) -> usize {
-    k.div_ceil(FUSED_NEG_BLOCK) * FUSED_NEG_BLOCK
-}
-
-/// Rows the fused kernels' FP16 queries, G and factors hold for a job of `rows` rows: whole
-/// blocks of the rows kernel (`legend_fused_rows_pad`).
-pub(crate) fn fused_rows_pad(rows: usize) -> usize {
-    rows.div_ceil(FUSED_BLOCK_ROWS) * FUSED_BLOCK_ROWS
-}
-
-/// Dynamic shared memory of the product kernels: `LEGEND_STAGES` (4) stages of a 128-row A
-/// tile and a 128-column B tile, 16 + 4 floats a row (`kernels/gemm.cu`); the 128 × 132
-/// output tile staged for the stores fits in the same space.
-pub(crate) const GEMM_SMEM: u32 = 4 * (128 + 128) * 20 * 4;
 
 /// One CUDA device with a stream and the Legend kernels loaded on it.
 pub struct Gpu {
@@ -321,7 +289,7 @@ impl Gpu {
             .scan_select
             .set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                crate::scan::SELECT_SMEM as i32,
+                SELECT_SMEM as i32,
             )
             .during("raising the shared-memory limit of the scan's selection")?;
         for k in &kernels.fused {

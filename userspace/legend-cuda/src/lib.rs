@@ -1,7 +1,7 @@
 //! The GPU engine of Legend: CUDA kernels compiled at run time with NVRTC and run through
 //! cudarc's driver API (loaded dynamically, so building needs no CUDA).
 //!
-//! - [`nvrtc`]: the kernel sources (`kernels/*.cu`), their compilation (five programs, in parallel, to machine code) and its cache.
+//! - [`nvrtc`]: the kernel sources (`kernels/*.cu`), their compilation (eleven programs, in parallel, to machine code) and its cache.
 //! - [`Gpu`]: a device context, a stream and the loaded kernels; a missing driver, NVRTC or
 //!   device is an error ([`GpuError`]), never a panic.
 //! - [`GpuBatchEngine`]: one synchronous training step on device-resident tables: negative
@@ -23,6 +23,7 @@ pub use error::GpuError;
 mod batch;
 mod engine;
 mod gpu;
+mod kernel_abi;
 pub mod nccl;
 pub mod nvme_io;
 pub mod scan;

@@ -15,14 +15,33 @@ use crate::GpuError;
 
 /// The kernel sources, in the order a program concatenates them. `common.cuh` goes first,
 /// so the programs need no include path.
-pub const KERNEL_SOURCES: [(&str, &str); 19] = [
+pub const KERNEL_SOURCES: [(&str, &str); 25] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("init.cu", include_str!("../../../kernels/init.cu")),
     ("sample.cu", include_str!("../../../kernels/sample.cu")),
     ("batch.cu", include_str!("../../../kernels/batch.cu")),
     ("gemm.cu", include_str!("../../../kernels/gemm.cu")),
     ("distance.cu", include_str!("../../../kernels/distance.cu")),
-    ("train.cu", include_str!("../../../kernels/train.cu")),
+    (
+        "train_queries.cu",
+        include_str!("../../../kernels/train_queries.cu"),
+    ),
+    (
+        "train_loss.cu",
+        include_str!("../../../kernels/train_loss.cu"),
+    ),
+    (
+        "train_filter.cu",
+        include_str!("../../../kernels/train_filter.cu"),
+    ),
+    (
+        "train_backward.cu",
+        include_str!("../../../kernels/train_backward.cu"),
+    ),
+    (
+        "train_adagrad.cu",
+        include_str!("../../../kernels/train_adagrad.cu"),
+    ),
     ("rotate.cu", include_str!("../../../kernels/rotate.cu")),
     ("rescal.cu", include_str!("../../../kernels/rescal.cu")),
     ("fused.cuh", include_str!("../../../kernels/fused.cuh")),
@@ -54,7 +73,12 @@ pub const KERNEL_SOURCES: [(&str, &str); 19] = [
         "fused_launch.cu",
         include_str!("../../../kernels/fused_launch.cu"),
     ),
+    ("nvme_io.cuh", include_str!("../../../kernels/nvme_io.cuh")),
     ("nvme_io.cu", include_str!("../../../kernels/nvme_io.cu")),
+    (
+        "row_cache.cu",
+        include_str!("../../../kernels/row_cache.cu"),
+    ),
     ("scan.cu", include_str!("../../../kernels/scan.cu")),
 ];
 
@@ -131,7 +155,11 @@ pub const PROGRAMS: [Program; 11] = [
                 "batch.cu",
                 "gemm.cu",
                 "distance.cu",
-                "train.cu",
+                "train_queries.cu",
+                "train_loss.cu",
+                "train_filter.cu",
+                "train_backward.cu",
+                "train_adagrad.cu",
                 "rotate.cu",
                 "rescal.cu",
             ],
@@ -185,7 +213,7 @@ pub const PROGRAMS: [Program; 11] = [
     fused_program!(128, transe),
     Program {
         name: "nvme_io",
-        sources: &[&["nvme_io.cu"]],
+        sources: &[&["nvme_io.cuh", "nvme_io.cu", "row_cache.cu"]],
         fused_width: 0,
         transe: false,
         kernels: &[
@@ -242,7 +270,8 @@ impl Program {
     }
 
     /// NVRTC options: warnings on, standard C++17, line info for the profilers, the fused
-    /// width, the decoder and loss numbers (defined in Rust only). No fast math: the kernels are checked against the CPU to 1e-3 and the losses
+    /// width, the decoder, loss and regulariser numbers and the fused tile sizes (defined in
+    /// Rust only, [`crate::kernel_abi`]). No fast math: the kernels are checked against the CPU to 1e-3 and the losses
     /// need accurate exp/log.
     fn options(&self, arch: &str) -> Vec<String> {
         let mut options = vec![
@@ -254,7 +283,7 @@ impl Program {
             format!("-DLEGEND_FUSED_WIDTH={}", self.fused_width),
             format!("-DLEGEND_FUSED_TRANSE={}", u8::from(self.transe)),
         ];
-        options.extend(crate::engine::code_defines());
+        options.extend(crate::kernel_abi::defines());
         options
     }
 }
@@ -421,8 +450,11 @@ fn compile_source(
         Ok(()) => unsafe { result::get_ptx(prog) }
             .map(|raw| c_chars_to_string(&raw))
             .map_err(|e| fail(format!("nvrtcGetPTX: {e:?}")))
-            // SAFETY: as above.
-            .and_then(|ptx| Ok((ptx, unsafe { cubin(prog) }.map_err(fail)?))),
+            .and_then(|ptx| {
+                // SAFETY: as above.
+                let cubin = unsafe { cubin(prog) };
+                Ok((ptx, cubin.map_err(|e| fail(e.to_string()))?))
+            }),
         Err(e) => Err(fail(format!("{e:?}\n{log}"))),
     };
     // SAFETY: `prog` is live and not used after this.
@@ -441,21 +473,32 @@ fn compile_source(
 ///
 /// # Safety
 /// `prog` must be a live, successfully compiled program.
-unsafe fn cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>, String> {
+unsafe fn cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>, CubinError> {
     let mut size = 0usize;
     // SAFETY: the caller's contract; `size` is a live local.
     unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
         .result()
-        .map_err(|e| format!("nvrtcGetCUBINSize: {e:?}"))?;
+        .map_err(|e| CubinError::Call("nvrtcGetCUBINSize", e))?;
     if size == 0 {
-        return Err("no machine code (not a real architecture?)".into());
+        return Err(CubinError::Empty);
     }
     let mut out = vec![0u8; size];
     // SAFETY: `out` holds the `size` bytes NVRTC reported.
     unsafe { sys::nvrtcGetCUBIN(prog, out.as_mut_ptr().cast()) }
         .result()
-        .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))?;
+        .map_err(|e| CubinError::Call("nvrtcGetCUBIN", e))?;
     Ok(out)
+}
+
+/// Why a compiled program gave no machine code.
+#[derive(Debug, thiserror::Error)]
+enum CubinError {
+    /// An NVRTC call failed: its name and status.
+    #[error("{0}: {1:?}")]
+    Call(&'static str, cudarc::nvrtc::result::NvrtcError),
+    /// The program has none (compiled for a virtual architecture?).
+    #[error("no machine code (not a real architecture?)")]
+    Empty,
 }
 
 fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {

@@ -12,10 +12,11 @@ use legend_model::Comparator;
 
 use crate::error::DriverContext;
 use crate::gpu::grid_1d;
+use crate::kernel_abi::{SELECT_SMEM, SELECT_SORT};
 use crate::{Gpu, GpuError};
 
 /// The largest K a scan keeps on the GPU: the kept keys and a piece of candidates share the
-/// selection's shared array ([`SELECT_SORT`] entries).
+/// selection's shared array (`kernel_abi::SELECT_SORT` entries).
 pub const SCAN_MAX_TOP: usize = 2048;
 
 /// The most query vectors one [`Scan`] takes (its candidate lists grow with them).
@@ -23,13 +24,6 @@ pub const SCAN_MAX_QUERIES: usize = 1024;
 
 /// Ids a scan can rank: a key holds the id in 31 bits (`legend_scan_key`).
 pub const SCAN_MAX_ROWS: u64 = 1 << 31;
-
-/// Entries of `legend_scan_select`'s shared array: a power of two, the kept keys plus a piece
-/// of at least 6144 candidates.
-const SELECT_SORT: u32 = 8192;
-
-/// Dynamic shared memory of `legend_scan_select` (its keys are 8 bytes).
-pub(crate) const SELECT_SMEM: u32 = SELECT_SORT * 8;
 
 /// Keys the candidate lists of a scan hold in all (128 MiB): a query's list holds a chunk's
 /// rows, so fewer queries scan larger chunks (fewer launches).

@@ -415,7 +415,7 @@ impl Transfer {
         let mut b = self.stream.launch_builder(&self.init_kernel);
         let normal = i32::from(normal);
         let dim32 = dim as u32;
-        let dtype = crate::engine::dtype_code(init.node_dtype);
+        let dtype = crate::kernel_abi::dtype_code(init.node_dtype);
         b.arg(&span.emb)
             .arg(&first_id)
             .arg(&rows32)

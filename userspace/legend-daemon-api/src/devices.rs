@@ -52,8 +52,6 @@ fn identity_text(bytes: &[u8]) -> String {
 impl DeviceInfo {
     /// The view of `info`, read from `device`.
     pub fn new(device: &str, info: &legend_nvme::uapi::Info) -> Self {
-        // Never trust the count beyond the array the ABI defines.
-        let count = (info.num_namespaces as usize).min(info.namespaces.len());
         let v = info.nvme_version;
         DeviceInfo {
             device: device.to_owned(),
@@ -70,7 +68,7 @@ impl DeviceInfo {
             doorbell_stride: info.doorbell_stride,
             max_transfer: info.max_transfer,
             queue_pairs: info.queue_pairs,
-            namespaces: info.namespaces[..count]
+            namespaces: legend_nvme::namespaces(info)
                 .iter()
                 .map(|n| NamespaceInfo {
                     nsid: n.nsid,

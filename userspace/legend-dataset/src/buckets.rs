@@ -7,13 +7,13 @@ use legend_fs::{Access, Dir};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 
-use crate::error::{IoContext, Result, invalid};
+use crate::error::{IoContext, PartitionSchemeError, RecordError, Result, invalid};
 use crate::import::write_synced;
 use crate::read_progress::ReadProgress;
 use crate::{EDGES_DIR, Edge};
 
-/// How entity ids are split into partitions: partition `p` covers ids
-/// `[p·⌈V/N⌉, min(V, (p+1)·⌈V/N⌉))`.
+/// How entity ids are split into partitions ([`legend_model::partition`]): partition `p` covers
+/// ids `[p·⌈V/N⌉, min(V, (p+1)·⌈V/N⌉))`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PartitionScheme {
     /// Number of partitions N.
@@ -26,22 +26,29 @@ pub struct PartitionScheme {
 
 impl PartitionScheme {
     /// The scheme for `entities` ids in `num_partitions` partitions.
-    pub fn new(entities: u64, num_partitions: u32) -> std::result::Result<Self, String> {
+    pub fn new(
+        entities: u64,
+        num_partitions: u32,
+    ) -> std::result::Result<Self, PartitionSchemeError> {
         if num_partitions == 0 {
-            return Err("the number of partitions must be at least 1".into());
+            return Err(PartitionSchemeError::NoPartitions);
         }
         if entities == 0 {
-            return Err("the dataset has no entities".into());
+            return Err(PartitionSchemeError::NoEntities);
         }
         if u64::from(num_partitions) > entities {
-            return Err(format!(
-                "{num_partitions} partitions for {entities} entities: every partition needs at least one entity"
-            ));
+            return Err(PartitionSchemeError::MorePartitionsThanEntities {
+                partitions: num_partitions,
+                entities,
+            });
         }
         Ok(PartitionScheme {
             num_partitions,
             entities,
-            rows_per_partition: entities.div_ceil(u64::from(num_partitions)),
+            rows_per_partition: legend_model::partition::rows_per_partition(
+                entities,
+                num_partitions,
+            ),
         })
     }
 
@@ -52,8 +59,7 @@ impl PartitionScheme {
 
     /// The entity ids of partition `p`.
     pub fn range(&self, p: u32) -> Range<u64> {
-        let start = (u64::from(p) * self.rows_per_partition).min(self.entities);
-        start..(start + self.rows_per_partition).min(self.entities)
+        legend_model::partition::partition_range(self.entities, self.num_partitions, p)
     }
 
     /// Index of bucket (src_part, dst_part) in row-major order.
@@ -103,12 +109,12 @@ impl Buckets {
     /// two parallel passes over the file, one to count each block's edges per bucket, one to
     /// place them, so the edges are held once and never swapped around in memory (a billion
     /// edges in 64 buckets: seconds on the GPU machine, where an in-place sort took a minute).
-    pub fn read(
+    pub(crate) fn read(
         dir: &Dir,
         name: &Path,
         scheme: PartitionScheme,
         edges: u64,
-        check: impl Fn(&Edge) -> std::result::Result<(), String> + Sync,
+        check: impl Fn(&Edge) -> std::result::Result<(), RecordError> + Sync,
     ) -> Result<Buckets> {
         use std::os::unix::fs::FileExt;
         let path = &dir.join(name);
@@ -391,6 +397,7 @@ mod tests {
         assert!(
             PartitionScheme::new(3, 4)
                 .unwrap_err()
+                .to_string()
                 .contains("4 partitions for 3 entities")
         );
         assert!(PartitionScheme::new(3, 0).is_err());
@@ -466,7 +473,10 @@ mod tests {
 
         let err = Buckets::read(&root, name, scheme, total as u64, |e: &Edge| {
             if e[1] == 3 {
-                Err("is wrong".into())
+                Err(RecordError::OutOfRange {
+                    entities: 7,
+                    relations: 3,
+                })
             } else {
                 Ok(())
             }
@@ -474,7 +484,8 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(
-            err.contains(&format!("edge {bad} ")) && err.contains("is wrong"),
+            err.contains(&format!("edge {bad} "))
+                && err.contains("is outside 7 entities / 3 relations"),
             "{err}"
         );
         let err = Buckets::read(&root, name, scheme, total as u64 + 1, ok)

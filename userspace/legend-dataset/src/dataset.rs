@@ -9,7 +9,7 @@ use legend_fs::{Access, Dir, ReadCheck};
 use rayon::prelude::*;
 
 use crate::buckets::{Buckets, PartitionScheme, read_pod};
-use crate::error::{IoContext, Result, invalid};
+use crate::error::{IoContext, RecordError, Result, invalid};
 use crate::meta::{DatasetMeta, Split};
 use crate::{ENTITIES_FILE, Edge, RELATIONS_FILE, edge_file, edge_name};
 
@@ -91,10 +91,13 @@ impl Dataset {
 
     /// Whether `e`'s ids lie within the dataset's entities and relations (the engines index
     /// their tables with them unchecked); the error says what is wrong.
-    fn check_edge(&self, e: &Edge) -> std::result::Result<(), String> {
+    fn check_edge(&self, e: &Edge) -> std::result::Result<(), RecordError> {
         let (ne, nr) = (self.meta.entities, self.meta.relations);
         if u64::from(e[0]) >= ne || u64::from(e[2]) >= ne || u64::from(e[1]) >= nr {
-            return Err(format!("is outside {ne} entities / {nr} relations"));
+            return Err(RecordError::OutOfRange {
+                entities: ne,
+                relations: nr,
+            });
         }
         Ok(())
     }
@@ -141,7 +144,8 @@ impl Dataset {
 
     /// The partition scheme for `num_partitions`.
     pub fn scheme(&self, num_partitions: u32) -> Result<PartitionScheme> {
-        PartitionScheme::new(self.meta.entities, num_partitions).map_err(|m| invalid(&self.dir, m))
+        PartitionScheme::new(self.meta.entities, num_partitions)
+            .map_err(|e| invalid(&self.dir, e.to_string()))
     }
 
     /// Train edges in N×N buckets: the saved ones if `legendctl partition` wrote them for this N,

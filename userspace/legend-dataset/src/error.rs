@@ -12,6 +12,7 @@ use std::path::PathBuf;
 /// [`io::Error`] from [`std::error::Error::source`], so a report that walks the chain (such as
 /// `anyhow`'s `{:#}`) prints each part once: `nope.tsv: No such file or directory (os error 2)`.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DatasetError {
     /// An I/O error on a named file; the message is the path, the cause is the source.
     #[error("{path}")]
@@ -46,6 +47,60 @@ pub enum DatasetError {
     /// The import was interrupted (SIGINT/SIGTERM); nothing was written.
     #[error("interrupted; nothing was written")]
     Interrupted,
+}
+
+/// What is wrong with one record of an input, a line or an edge (the caller says which, and
+/// in which file).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RecordError {
+    /// A line with too few or too many columns.
+    #[error("{what}: expected {width} columns ({columns}), found {count}")]
+    Columns {
+        /// `missing column` or `wrong column count`.
+        what: &'static str,
+        /// Columns expected.
+        width: usize,
+        /// Their order's name.
+        columns: &'static str,
+        /// Columns found.
+        count: usize,
+    },
+    /// A column with nothing in it (1-based).
+    #[error("empty field in column {0}")]
+    EmptyField(usize),
+    /// A label beyond the 32-bit ids.
+    #[error("more than 4,294,967,294 distinct labels")]
+    TooManyLabels,
+    /// An edge whose ids lie outside the dataset's tables.
+    #[error("is outside {entities} entities / {relations} relations")]
+    OutOfRange {
+        /// The dataset's entities.
+        entities: u64,
+        /// Its relations.
+        relations: u64,
+    },
+}
+
+/// Why entity ids cannot be split into partitions as asked ([`crate::PartitionScheme::new`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PartitionSchemeError {
+    /// No partitions.
+    #[error("the number of partitions must be at least 1")]
+    NoPartitions,
+    /// No entities.
+    #[error("the dataset has no entities")]
+    NoEntities,
+    /// More partitions than entities.
+    #[error(
+        "{partitions} partitions for {entities} entities: every partition needs at least one entity"
+    )]
+    MorePartitionsThanEntities {
+        /// Partitions asked for.
+        partitions: u32,
+        /// Entities.
+        entities: u64,
+    },
 }
 
 /// Result alias for this crate.

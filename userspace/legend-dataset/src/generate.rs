@@ -23,8 +23,9 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::error::{DatasetError, IoContext, Result};
-use crate::import::{UNTYPED_RELATION, write_synced};
+use crate::import::write_synced;
 use crate::meta::{DatasetMeta, FORMAT_VERSION, Split, SplitCounts};
+use crate::raw::UNTYPED_RELATION;
 use crate::staging::{Staging, check_new_output};
 use crate::{EDGES_DIR, ENTITIES_FILE, Edge, RELATIONS_FILE, edge_file};
 

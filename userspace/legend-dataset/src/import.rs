@@ -19,16 +19,14 @@ use rand::seq::SliceRandom;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::error::{DatasetError, IoContext, Result, invalid};
+use crate::error::{DatasetError, IoContext, RecordError, Result, invalid};
 use crate::header::{self, Header};
 use crate::marius;
 use crate::meta::{DatasetMeta, FORMAT_VERSION, Split, SplitCounts};
+use crate::raw::{RawGraph, UNTYPED_RELATION};
 use crate::staging::{Staging, check_new_output};
 use crate::text::{Columns, Delimiter, LineReader, parse_fields};
 use crate::{EDGES_DIR, ENTITIES_FILE, Edge, RELATIONS_FILE, edge_file};
-
-/// Label of the single relation of graphs without relation types.
-pub const UNTYPED_RELATION: &str = "(untyped)";
 
 /// Where the edges come from.
 #[derive(Clone, Debug)]
@@ -125,14 +123,14 @@ pub(crate) struct Interner {
 }
 
 impl Interner {
-    fn intern(&mut self, label: &[u8]) -> std::result::Result<u32, String> {
+    fn intern(&mut self, label: &[u8]) -> std::result::Result<u32, RecordError> {
         if let Some(&id) = self.ids.get(label) {
             return Ok(id);
         }
         let id = u32::try_from(self.ids.len())
             .ok()
             .filter(|&id| id < u32::MAX)
-            .ok_or("more than 4,294,967,294 distinct labels")?;
+            .ok_or(RecordError::TooManyLabels)?;
         self.ids.insert(label.into(), id);
         Ok(id)
     }
@@ -145,14 +143,6 @@ impl Interner {
         }
         labels
     }
-}
-
-/// Edges with provisional ids and the labels behind those ids.
-pub(crate) struct RawGraph {
-    pub entity_labels: Vec<Box<[u8]>>,
-    pub relation_labels: Vec<Box<[u8]>>,
-    pub has_relations: bool,
-    pub splits: [Vec<Edge>; 3],
 }
 
 /// Imports `options.input` into a new dataset directory `out`.
@@ -279,10 +269,10 @@ fn read_text(
         let mut first = true;
         while let Some(line_no) = reader.next_data_line(&mut line)? {
             let delim = *delimiter.get_or_insert_with(|| Delimiter::detect(&line));
-            let parse_error = |message: String| DatasetError::Parse {
+            let parse_error = |e: RecordError| DatasetError::Parse {
                 path: reader.path().to_owned(),
                 line: line_no,
-                message,
+                message: e.to_string(),
             };
             let f = parse_fields(&line, delim, options.columns).map_err(parse_error)?;
             if std::mem::take(&mut first) {

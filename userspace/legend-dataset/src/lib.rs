@@ -19,6 +19,7 @@ mod header;
 mod import;
 mod marius;
 mod meta;
+mod raw;
 mod read_progress;
 mod staging;
 mod text;
@@ -27,11 +28,12 @@ use std::path::{Path, PathBuf};
 
 pub use buckets::{Buckets, PartitionScheme};
 pub use dataset::{Dataset, degrees};
-pub use error::{DatasetError, Result};
+pub use error::{DatasetError, PartitionSchemeError, Result};
 pub use generate::{GenerateOptions, GenerateSummary, generate};
 pub use header::Header;
-pub use import::{ImportInput, ImportOptions, ImportSummary, UNTYPED_RELATION, import};
+pub use import::{ImportInput, ImportOptions, ImportSummary, import};
 pub use meta::{DatasetMeta, FORMAT_VERSION, META_FILE, Split, SplitCounts};
+pub use raw::UNTYPED_RELATION;
 pub use text::{Columns, Delimiter};
 
 /// One edge: `[source, relation, destination]` ids.

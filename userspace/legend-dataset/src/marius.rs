@@ -10,8 +10,8 @@ use std::path::Path;
 
 use crate::Edge;
 use crate::error::{IoContext, Result, invalid};
-use crate::import::{RawGraph, UNTYPED_RELATION};
 use crate::meta::Split;
+use crate::raw::{RawGraph, UNTYPED_RELATION};
 
 fn split_file(split: Split) -> &'static str {
     match split {

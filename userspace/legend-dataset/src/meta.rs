@@ -40,13 +40,15 @@ impl Split {
 }
 
 impl std::str::FromStr for Split {
-    type Err = String;
+    type Err = legend_model::UnknownName;
 
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         Split::ALL
             .into_iter()
             .find(|x| x.name() == s)
-            .ok_or_else(|| format!("unknown split {s:?}: expected train, valid or test"))
+            .ok_or_else(|| {
+                legend_model::UnknownName::new("split", s, "expected train, valid or test")
+            })
     }
 }
 

@@ -1,5 +1,6 @@
 //! Delimited edge lists: delimiter detection, column orders, gzip.
 
+use crate::error::RecordError;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -47,15 +48,17 @@ impl Columns {
 }
 
 impl FromStr for Columns {
-    type Err = String;
+    type Err = legend_model::UnknownName;
 
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         match s {
             "hrt" | "srd" => Ok(Columns::Hrt),
             "htr" => Ok(Columns::Htr),
             "sd" => Ok(Columns::Sd),
-            _ => Err(format!(
-                "unknown column order {s:?}: expected hrt, htr, srd or sd"
+            _ => Err(legend_model::UnknownName::new(
+                "column order",
+                s,
+                "expected hrt, htr, srd or sd",
             )),
         }
     }
@@ -84,7 +87,7 @@ impl Delimiter {
 }
 
 impl FromStr for Delimiter {
-    type Err = String;
+    type Err = legend_model::UnknownName;
 
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         match s {
@@ -92,8 +95,10 @@ impl FromStr for Delimiter {
             "comma" | "," => Ok(Delimiter::Byte(b',')),
             "space" | "whitespace" => Ok(Delimiter::Whitespace),
             _ if s.len() == 1 && s.is_ascii() => Ok(Delimiter::Byte(s.as_bytes()[0])),
-            _ => Err(format!(
-                "unknown delimiter {s:?}: expected tab, comma, whitespace or a single ASCII character"
+            _ => Err(legend_model::UnknownName::new(
+                "delimiter",
+                s,
+                "expected tab, comma, whitespace or a single ASCII character",
             )),
         }
     }
@@ -111,7 +116,7 @@ pub(crate) fn parse_fields(
     line: &[u8],
     delimiter: Delimiter,
     columns: Columns,
-) -> std::result::Result<Fields<'_>, String> {
+) -> std::result::Result<Fields<'_>, RecordError> {
     let width = columns.width();
     let mut fields: [&[u8]; 3] = [&[]; 3];
     let mut count = 0usize;
@@ -134,13 +139,15 @@ pub(crate) fn parse_fields(
         } else {
             "wrong column count"
         };
-        return Err(format!(
-            "{what}: expected {width} columns ({}), found {count}",
-            columns.name()
-        ));
+        return Err(RecordError::Columns {
+            what,
+            width,
+            columns: columns.name(),
+            count,
+        });
     }
     if let Some(i) = fields[..width].iter().position(|f| f.is_empty()) {
-        return Err(format!("empty field in column {}", i + 1));
+        return Err(RecordError::EmptyField(i + 1));
     }
     let (h, r, t) = columns.positions();
     Ok(Fields {
@@ -267,7 +274,7 @@ mod tests {
         d: Delimiter,
         c: Columns,
     ) -> std::result::Result<(String, Option<String>, String), String> {
-        let f = parse_fields(line.as_bytes(), d, c)?;
+        let f = parse_fields(line.as_bytes(), d, c).map_err(|e| e.to_string())?;
         let s = |b: &[u8]| String::from_utf8(b.to_vec()).unwrap();
         Ok((s(f.head), f.rel.map(s), s(f.tail)))
     }

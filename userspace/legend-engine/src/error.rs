@@ -5,6 +5,7 @@ use crate::store::PartitionStoreError;
 
 /// A training error.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TrainError {
     /// The store failed.
     #[error(transparent)]
@@ -46,11 +47,11 @@ pub enum TrainError {
         error: legend_cuda::GpuError,
     },
     /// The run does not fit in the GPU's memory (the message says what to change).
-    #[error("{0}")]
-    GpuMemory(String),
+    #[error(transparent)]
+    GpuMemory(crate::footprint::DoesNotFit),
     /// The GPU engine failed.
     #[error("GPU engine")]
-    Gpu(legend_cuda::GpuError),
+    Gpu(#[source] legend_cuda::GpuError),
     /// The thread pool could not start.
     #[error("starting {threads} worker threads: {message}")]
     Threads {
@@ -59,9 +60,9 @@ pub enum TrainError {
         /// The error.
         message: String,
     },
-    /// Writing a checkpoint's tables failed.
-    #[error(transparent)]
-    Run(#[from] crate::run::RunError),
+    /// The receiver of a partition's streamed rows (a checkpoint's writer) failed.
+    #[error("receiving a partition's rows")]
+    Sink(#[from] Box<dyn std::error::Error + Send + Sync>),
     /// GPU-to-GPU traffic failed, or cannot start (NCCL missing).
     #[error("between GPUs")]
     Exchange(#[from] legend_cuda::nccl::NcclError),
@@ -97,5 +98,45 @@ impl From<legend_cuda::GpuError> for TrainError {
             },
             other => TrainError::Gpu(other),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error_chain::with_sources;
+
+    #[test]
+    fn a_gpu_failure_in_training_ends_at_the_os_words() {
+        let gpu = legend_cuda::GpuError::Controller {
+            label: "/dev/legend-nvme0".into(),
+            what: "CREATE_QUEUE_PAIR".into(),
+            source: Box::new(legend_nvme::Error::Ioctl {
+                op: "CREATE_QUEUE_PAIR",
+                // EBUSY: the queue pair is another owner's.
+                source: std::io::Error::from_raw_os_error(16),
+            }),
+        };
+        let text = with_sources(&TrainError::from(gpu));
+        assert!(text.starts_with("GPU engine: /dev/legend-nvme0"), "{text}");
+        assert!(text.contains("Device or resource busy"), "{text}");
+    }
+
+    #[test]
+    fn a_store_failure_reading_a_run_ends_at_the_os_words() {
+        let store = PartitionStoreError::Io {
+            path: "/runs/r/store.bin".into(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        };
+        let run = crate::run::RunError::Store {
+            path: "/runs/r/store.bin".into(),
+            source: Box::new(store),
+        };
+        let text = with_sources(&run);
+        assert!(
+            text.starts_with("/runs/r/store.bin: /runs/r/store.bin"),
+            "{text}"
+        );
+        assert!(text.ends_with("entity not found"), "{text}");
     }
 }

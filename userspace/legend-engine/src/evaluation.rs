@@ -33,6 +33,7 @@ pub struct EvalRequest {
 
 /// Why an evaluation could not run.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EvaluationError {
     /// The dataset could not be read.
     #[error(transparent)]

@@ -31,14 +31,18 @@ pub enum Format {
 }
 
 impl FromStr for Format {
-    type Err = String;
+    type Err = legend_model::UnknownName;
 
-    fn from_str(s: &str) -> Result<Format, String> {
+    fn from_str(s: &str) -> Result<Format, Self::Err> {
         match s {
             "npy" => Ok(Format::Npy),
             "tsv" => Ok(Format::Tsv),
             "bin" => Ok(Format::Bin),
-            _ => Err(format!("unknown export format {s:?} (npy, tsv or bin)")),
+            _ => Err(legend_model::UnknownName::new(
+                "export format",
+                s,
+                "expected npy, tsv or bin",
+            )),
         }
     }
 }
@@ -55,6 +59,7 @@ impl fmt::Display for Format {
 
 /// Why an export failed (it left the output directory as it was).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ExportError {
     /// The run could not be read.
     #[error(transparent)]

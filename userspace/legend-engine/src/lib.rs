@@ -4,12 +4,12 @@
 
 mod compute;
 pub mod config;
-pub mod device;
+pub mod engine;
 pub mod error;
 pub mod error_chain;
 pub mod evaluation;
 pub mod export;
-pub mod memory;
+pub mod footprint;
 pub mod progress;
 pub mod relations;
 pub mod rows;
@@ -25,7 +25,7 @@ pub mod which_tables;
 pub mod workers;
 
 pub use config::{Config, ConfigError, DeviceChoice};
-pub use device::Engine;
+pub use engine::Engine;
 pub use error::TrainError;
 pub use progress::EpochCut;
 pub use relations::Relations;

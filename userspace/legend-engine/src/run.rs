@@ -251,6 +251,7 @@ fn is_f32(dtype: &Dtype) -> bool {
 
 /// A run-directory error, naming the path.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RunError {
     /// An I/O error.
     #[error("{path}")]
@@ -268,6 +269,15 @@ pub enum RunError {
         dir: PathBuf,
         /// What it is instead, and what to give.
         why: &'static str,
+    },
+    /// The run's store failed.
+    #[error("{}", path.display())]
+    Store {
+        /// The store (its first member).
+        path: PathBuf,
+        /// Why (boxed: a store's errors are large, and rare).
+        #[source]
+        source: Box<crate::store::PartitionStoreError>,
     },
     /// A damaged or foreign run directory.
     #[error("{path}: {message}")]
@@ -293,9 +303,12 @@ fn invalid(path: &Path, message: impl Into<String>) -> RunError {
     }
 }
 
-/// A store's error `e` as the run's, naming the store `path`, with the error's sources.
-fn store_error(path: &Path, e: &dyn std::error::Error) -> RunError {
-    invalid(path, crate::error_chain::with_sources(e))
+/// A store's error as the run's, naming the store `path`.
+fn store_error(path: &Path) -> impl FnOnce(crate::store::PartitionStoreError) -> RunError + '_ {
+    move |source| RunError::Store {
+        path: path.to_owned(),
+        source: Box::new(source),
+    }
 }
 
 /// The error for a directory without `run.toml`, saying what it is instead where that is clear.
@@ -319,8 +332,8 @@ pub const META_FILE: &str = "run.toml";
 /// The resolved configuration's file name.
 pub const CONFIG_FILE: &str = "config.toml";
 
-/// Path of `run.toml` in `run`.
-pub fn meta_path(run: &Path) -> PathBuf {
+/// Path of `run.toml` in `run`, for messages.
+fn meta_path(run: &Path) -> PathBuf {
     run.join(META_FILE)
 }
 
@@ -338,7 +351,8 @@ pub fn read_config(run: &Dir) -> Result<crate::Config, RunError> {
     let text = run
         .read_to_string(CONFIG_FILE)
         .map_err(io(&run.join(CONFIG_FILE)))?;
-    crate::Config::parse(&text, &[]).map_err(|e| invalid(&run.join(CONFIG_FILE), e.to_string()))
+    crate::Config::parse_recorded(&text, &[])
+        .map_err(|e| invalid(&run.join(CONFIG_FILE), e.to_string()))
 }
 
 /// The sampled negatives run `run` evaluates with (its `[evaluation]` section): what a later
@@ -421,12 +435,12 @@ impl TableWriter {
 ///
 /// `write_entities` streams the entity embeddings and state into the two writers (partition
 /// by partition, so the whole table never needs to be in memory).
-pub fn commit_checkpoint(
+pub fn commit_checkpoint<E: From<RunError>>(
     run: &Dir,
     mut meta: RunMeta,
     relations: (&[f32], &[f32]),
-    write_entities: impl FnOnce(&mut TableWriter, &mut TableWriter) -> Result<(), RunError>,
-) -> Result<RunMeta, RunError> {
+    write_entities: impl FnOnce(&mut TableWriter, &mut TableWriter) -> Result<(), E>,
+) -> Result<RunMeta, E> {
     let dir = run
         .create_dir_all("checkpoints")
         .map_err(io(&run.join("checkpoints")))?;
@@ -539,7 +553,7 @@ fn open_members(
         .recorded_members()
         .unwrap_or_default()
         .iter()
-        .map(|m| MemberFile::of_run(run, &run_dir, m, guard).map_err(|e| store_error(&m.path, &e)))
+        .map(|m| MemberFile::of_run(run, &run_dir, m, guard).map_err(store_error(&m.path)))
         .collect::<Result<Vec<_>, _>>()?;
     let spec = crate::store::FileStoreSpec {
         members: &members,
@@ -553,9 +567,20 @@ fn open_members(
         force: false,
         proxy_model,
     };
-    let store =
-        crate::store::FileStore::open_any_partitioning(&spec).map_err(|e| store_error(path, &e))?;
+    let store = crate::store::FileStore::open_any_partitioning(&spec).map_err(store_error(path))?;
     Ok((store, members))
+}
+
+/// Why a walk over a store's partitions ended early: the store failed, or the caller's block.
+enum WalkError {
+    Store(crate::store::PartitionStoreError),
+    Block(RunError),
+}
+
+impl From<crate::store::PartitionStoreError> for WalkError {
+    fn from(e: crate::store::PartitionStoreError) -> Self {
+        WalkError::Store(e)
+    }
 }
 
 /// Floats of the checkpoint file [`stream_entities`] reads at a time.
@@ -574,11 +599,13 @@ pub fn stream_entities(
 ) -> Result<(), RunError> {
     if let Some(path) = &meta.store {
         let store = open_run_store(run, path, meta, guard)?;
+        let init = read_config(run)?.init();
         return store
-            .for_each_partition(read_config(run)?.init(), |part| {
-                block(&part.emb).map_err(|e| e.to_string())
-            })
-            .map_err(|e| store_error(path, &e));
+            .for_each_partition(init, |part| block(&part.emb).map_err(WalkError::Block))
+            .map_err(|e| match e {
+                WalkError::Store(source) => store_error(path)(source),
+                WalkError::Block(e) => e,
+            });
     }
     let (mut file, path) = open_entity_file(run, meta)?;
     let dtype = meta.entity_dtype;
@@ -676,9 +703,9 @@ impl RowReader {
     pub fn read(&mut self, ids: &[u64], out: &mut [f32]) -> Result<(), RunError> {
         let path = &self.path;
         match &mut self.source {
-            RowSource::Store(store, init) => store
-                .read_rows(init, ids, out)
-                .map_err(|e| store_error(path, &e)),
+            RowSource::Store(store, init) => {
+                store.read_rows(init, ids, out).map_err(store_error(path))
+            }
             RowSource::File {
                 file,
                 dtype,
@@ -720,7 +747,10 @@ impl RowReader {
         match &self.source {
             RowSource::Store(store, _) => {
                 let spec = store.spec();
-                let rows = legend_storage::rows_per_partition(spec.num_nodes, spec.num_partitions);
+                let rows = legend_model::partition::rows_per_partition(
+                    spec.num_nodes,
+                    spec.num_partitions,
+                );
                 let floats = rows * u64::from(spec.dim + spec.state_width);
                 2 * floats * 4 + store.max_partition_bytes() as u64
             }
@@ -745,7 +775,7 @@ pub fn load_relations(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Ve
         return store
             .relations(floats)
             .map(|(emb, _)| emb)
-            .map_err(|e| store_error(path, &e));
+            .map_err(store_error(path));
     }
     {
         let rel = Path::new(&meta.checkpoint).join(TABLE_FILES[2]);
@@ -775,7 +805,7 @@ pub fn load_tables(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Table
         let store = open_run_store(run, path, meta, guard)?;
         return store
             .read_tables(read_config(run)?.init(), meta.relation_floats())
-            .map_err(|e| store_error(path, &e));
+            .map_err(store_error(path));
     }
     let dir = Path::new(&meta.checkpoint);
     let rows = [meta.entities, meta.entities, meta.relations, meta.relations];

@@ -80,7 +80,9 @@ pub fn choose(run: &Path, pick: Pick) -> Result<Tables, RunError> {
 /// `dir` is a run's `best/` (a run directory named so inside another).
 fn is_a_best_dir(dir: &Path) -> bool {
     dir.file_name().is_some_and(|n| n == BEST_DIR)
-        && dir.parent().is_some_and(|p| run::meta_path(p).is_file())
+        && dir
+            .parent()
+            .is_some_and(|p| p.join(run::META_FILE).is_file())
 }
 
 impl Tables {

@@ -1,13 +1,16 @@
 //! When a session commits checkpoints (`training.checkpoint_minutes`, `checkpoint_every`), and
 //! that where it commits them, at an epoch's end or inside it, never changes what is trained.
 
+mod common;
+
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 
-use legend_dataset::{GenerateOptions, generate};
 use legend_engine::Config;
 use legend_engine::session::{Event, Outcome, Position, Session};
 use legend_fs::Unguarded;
+
+use common::small_graph;
 
 /// What a run of 3 epochs trained: where it checkpointed, each epoch's loss, and the final
 /// evaluation's line.
@@ -15,14 +18,6 @@ struct Trained {
     checkpoints: Vec<Position>,
     losses: Vec<f64>,
     result: serde_json::Value,
-}
-
-fn dataset(dir: &Path) -> std::path::PathBuf {
-    let ds = dir.join("ds");
-    let mut o = GenerateOptions::new(500, 4000);
-    o.relations = 3;
-    generate(&o, &ds).unwrap();
-    ds
 }
 
 /// The configuration of these runs (3 epochs, d = 8, one thread) with `sets`.
@@ -73,7 +68,7 @@ fn epochs(checkpoints: &[Position]) -> Vec<u32> {
 #[test]
 fn timed_checkpoints_are_taken_at_the_next_batch_and_change_nothing_trained() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 500, 4000);
     let tables = |run: &str| {
         std::fs::read(
             tmp.path()
@@ -129,7 +124,7 @@ fn checkpoints_inside_epochs_change_nothing(
 ) {
     for backend in ["memory", "file", "proxy", "proxy-striped"] {
         let tmp = tempfile::tempdir().unwrap();
-        let ds = dataset(tmp.path());
+        let ds = small_graph(tmp.path(), 500, 4000);
         // The proxy's backing files in memory where the machine has it: what is tested is the
         // queues, not a disk's latency under a loaded machine (past the queues' 30 s timeout).
         let backing = tempfile::tempdir_in("/dev/shm")
@@ -254,7 +249,7 @@ fn stopped_and_resumed(ds: &Path, out: &Path, sets: &[&str], at: u64) -> (Traine
 #[test]
 fn a_run_stopped_inside_a_bucket_resumes_exactly() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 500, 4000);
     let layouts: [&[&str]; 4] = [
         &[],
         &[
@@ -306,7 +301,7 @@ fn a_run_stopped_inside_a_bucket_resumes_exactly() {
 #[test]
 fn a_run_from_before_batch_keys_resumes_with_them_and_a_newer_one_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 500, 4000);
     let out = tmp.path().join("old");
     train(&ds, &out, &["training.num_epochs=1"]);
     let meta = out.join("run.toml");
@@ -336,7 +331,7 @@ fn a_run_from_before_batch_keys_resumes_with_them_and_a_newer_one_is_refused() {
 #[test]
 fn a_checkpoint_never_replaces_the_directory_run_toml_names() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 500, 4000);
     let plain = train(&ds, &tmp.path().join("plain"), &[]);
     let out = tmp.path().join("stopped");
     let mut session = Session::create(&out, &ds, config(&[]), &Unguarded).unwrap();

@@ -1,22 +1,17 @@
 //! The quality options through whole sessions: reciprocal relations and regularisation in
 //! memory and out of core, early stopping on the best checkpoint, and resuming such runs.
 
+mod common;
+
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 
-use legend_dataset::{GenerateOptions, generate};
 use legend_engine::Config;
 use legend_engine::run;
 use legend_engine::session::{BEST_DIR, Event, Outcome, Session};
 use legend_fs::Unguarded;
 
-fn dataset(dir: &Path) -> std::path::PathBuf {
-    let ds = dir.join("ds");
-    let mut o = GenerateOptions::new(400, 3000);
-    o.relations = 3;
-    generate(&o, &ds).unwrap();
-    ds
-}
+use common::small_graph;
 
 fn config(sets: &[&str]) -> Config {
     let mut all: Vec<String> = [
@@ -68,7 +63,7 @@ fn train(ds: &Path, out: &Path, sets: &[&str]) -> Trained {
 #[test]
 fn reciprocal_regularised_training_is_the_same_in_memory_and_out_of_core() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 400, 3000);
     // ComplEx, and RESCAL, whose relation rows are 8 × 8 matrices: 64 floats a row in the
     // trainer, the store's auxiliary region, the checkpoints and the evaluation.
     for (decoder, width) in [("complex", 8), ("rescal", 64)] {
@@ -135,7 +130,7 @@ fn reciprocal_regularised_training_is_the_same_in_memory_and_out_of_core() {
 #[test]
 fn early_stopping_keeps_and_ranks_the_best_epoch() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 400, 3000);
     let sets = [
         "training.num_epochs=40",
         "optimizer.learning_rate=0.5",
@@ -188,7 +183,7 @@ fn early_stopping_keeps_and_ranks_the_best_epoch() {
 #[test]
 fn a_resumed_run_continues_from_the_latest_checkpoint_with_the_same_decisions() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 400, 3000);
     let sets = [
         "training.num_epochs=8",
         "evaluation.epochs_per_eval=1",
@@ -215,7 +210,7 @@ fn a_resumed_run_continues_from_the_latest_checkpoint_with_the_same_decisions() 
 #[test]
 fn validation_during_training_can_sample_while_the_final_evaluation_filters() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 400, 3000);
     let out = tmp.path().join("run");
     let sets = [
         "evaluation.epochs_per_eval=1",

@@ -2,22 +2,16 @@
 //! a run moved away and replaced by a link mid-session, or links planted in it, redirect
 //! nothing, and a guard that refuses a directory stops the run before anything is written there.
 
-use std::os::unix::fs::{MetadataExt, symlink};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
+mod common;
 
-use legend_dataset::{GenerateOptions, generate};
+use std::os::unix::fs::{MetadataExt, symlink};
+use std::path::Path;
+
 use legend_engine::Config;
-use legend_engine::session::{Outcome, Session};
+use legend_engine::session::Session;
 use legend_fs::{Dir, Guard, Unguarded};
 
-fn dataset(dir: &Path) -> PathBuf {
-    let out = dir.join("ds");
-    let mut o = GenerateOptions::new(500, 4000);
-    o.relations = 3;
-    generate(&o, &out).unwrap();
-    out
-}
+use common::{chain, small_graph, train_to_the_end};
 
 fn config(extra: &[&str]) -> Config {
     let mut sets: Vec<String> = [
@@ -36,16 +30,6 @@ fn config(extra: &[&str]) -> Config {
     Config::parse("", &sets).unwrap()
 }
 
-fn train(session: &mut Session) {
-    let outcome = session.run(&AtomicBool::new(false), &mut |_| {}).unwrap();
-    assert!(matches!(outcome, Outcome::Finished(_)), "{outcome:?}");
-}
-
-/// An error with its causes, as the CLI and the daemon print it.
-fn chain(e: &dyn std::error::Error) -> String {
-    legend_engine::error_chain::with_sources(e)
-}
-
 fn names(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
@@ -59,7 +43,7 @@ fn names(dir: &Path) -> Vec<String> {
 fn a_run_moved_away_and_replaced_by_a_link_is_still_written_where_it_went() {
     for backend in ["memory", "file"] {
         let tmp = tempfile::tempdir().unwrap();
-        let ds = dataset(tmp.path());
+        let ds = small_graph(tmp.path(), 500, 4000);
         let out = tmp.path().join("run");
         let decoy = tmp.path().join("decoy");
         std::fs::create_dir(&decoy).unwrap();
@@ -70,7 +54,7 @@ fn a_run_moved_away_and_replaced_by_a_link_is_still_written_where_it_went() {
         let moved = tmp.path().join("moved");
         std::fs::rename(&out, &moved).unwrap();
         symlink(&decoy, &out).unwrap();
-        train(&mut session);
+        train_to_the_end(&mut session);
         drop(session);
         assert!(names(&decoy).is_empty(), "{backend}: {:?}", names(&decoy));
         let meta =
@@ -89,11 +73,11 @@ fn a_run_moved_away_and_replaced_by_a_link_is_still_written_where_it_went() {
 #[test]
 fn links_planted_in_a_run_are_not_followed() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 500, 4000);
     let out = tmp.path().join("run");
     let mut session =
         Session::create(&out, &ds, config(&["training.num_epochs=1"]), &Unguarded).unwrap();
-    train(&mut session);
+    train_to_the_end(&mut session);
     drop(session);
     let victim = tmp.path().join("victim");
     std::fs::write(&victim, b"keep me").unwrap();
@@ -135,7 +119,7 @@ impl Guard for Refuse {
 #[test]
 fn a_directory_the_guard_refuses_is_never_written() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 500, 4000);
     let other = tmp.path().join("other");
     std::fs::create_dir(&other).unwrap();
     let refuse = Refuse(std::fs::metadata(&other).unwrap().ino());
@@ -162,7 +146,7 @@ fn a_directory_the_guard_refuses_is_never_written() {
     // An export into it, of a run trained elsewhere.
     let mut session =
         Session::create(&out, &ds, config(&["training.num_epochs=1"]), &Unguarded).unwrap();
-    train(&mut session);
+    train_to_the_end(&mut session);
     drop(session);
     let e = legend_engine::export::export(
         &out,

@@ -5,22 +5,16 @@
 //! the tables of an uninterrupted run; a store that is not the run's own, at the same paths, is
 //! refused and left as it was.
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
+mod common;
 
-use legend_dataset::{GenerateOptions, generate};
+use std::path::{Path, PathBuf};
+
 use legend_engine::Config;
 use legend_engine::run::{self, RunMeta, Tables};
-use legend_engine::session::{Outcome, Session};
+use legend_engine::session::Session;
 use legend_fs::{Dir, Unguarded};
 
-fn dataset(dir: &Path) -> PathBuf {
-    let out = dir.join("ds");
-    let mut o = GenerateOptions::new(400, 3000);
-    o.relations = 3;
-    generate(&o, &out).unwrap();
-    out
-}
+use common::{chain, small_graph, train_to_the_end};
 
 /// A store backend and where its members go.
 #[derive(Clone, Copy, Debug)]
@@ -95,11 +89,6 @@ impl Layout {
     }
 }
 
-fn train(session: &mut Session) {
-    let outcome = session.run(&AtomicBool::new(false), &mut |_| {}).unwrap();
-    assert!(matches!(outcome, Outcome::Finished(_)), "{outcome:?}");
-}
-
 fn meta(out: &Path) -> RunMeta {
     run::read_meta(&Dir::open(out).unwrap()).unwrap()
 }
@@ -112,11 +101,6 @@ fn write_meta(out: &Path, meta: &RunMeta) {
 fn tables(out: &Path) -> Tables {
     let dir = Dir::open(out).unwrap();
     run::load_tables(&dir, &run::read_meta(&dir).unwrap(), &Unguarded).unwrap()
-}
-
-/// An error with its causes, as the CLI and the daemon print it.
-fn chain(e: &dyn std::error::Error) -> String {
-    legend_engine::error_chain::with_sources(e)
 }
 
 fn zero(path: &Path, range: std::ops::Range<u64>) {
@@ -198,7 +182,7 @@ fn crashed_while_creating(
 #[test]
 fn a_run_stopped_while_it_created_its_store_resumes_from_the_start() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 400, 3000);
     // The proxy's backing files in memory where the machine has it (as the other proxy tests).
     let stores = tempfile::tempdir_in("/dev/shm")
         .or_else(|_| tempfile::tempdir())
@@ -208,7 +192,7 @@ fn a_run_stopped_while_it_created_its_store_resumes_from_the_start() {
         let members = layout.members(stores.path(), &format!("{layout:?}-reference"));
         let mut session =
             Session::create(&reference, &ds, layout.config(&members, &[]), &Unguarded).unwrap();
-        train(&mut session);
+        train_to_the_end(&mut session);
         drop(session);
         let want = tables(&reference);
         for crash in Crash::ALL {
@@ -229,7 +213,7 @@ fn a_run_stopped_while_it_created_its_store_resumes_from_the_start() {
             );
             let mut session = Session::resume(&out, None, &[], &Unguarded)
                 .unwrap_or_else(|e| panic!("{what}: {}", chain(&e)));
-            train(&mut session);
+            train_to_the_end(&mut session);
             drop(session);
             let done = meta(&out);
             assert!(!done.store_creating, "{what}: {done:?}");
@@ -254,7 +238,7 @@ fn a_run_stopped_while_it_created_its_store_resumes_from_the_start() {
 #[test]
 fn a_run_stopped_before_its_store_was_recorded_makes_it_on_resume() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 400, 3000);
     let layout = Layout::Proxy;
     let members = layout.members(tmp.path(), "store");
     let out = tmp.path().join("run");
@@ -264,7 +248,7 @@ fn a_run_stopped_before_its_store_was_recorded_makes_it_on_resume() {
     write_meta(&out, &m);
     std::fs::remove_file(&members[0]).unwrap();
     let mut session = Session::resume(&out, None, &[], &Unguarded).unwrap();
-    train(&mut session);
+    train_to_the_end(&mut session);
     let done = meta(&out);
     assert!(done.store.is_some() && done.store_id.is_some() && !done.store_creating);
 }
@@ -275,7 +259,7 @@ fn a_run_stopped_before_its_store_was_recorded_makes_it_on_resume() {
 #[test]
 fn another_runs_store_at_the_same_paths_is_refused_and_left_as_it_is() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 400, 3000);
     let stores = tempfile::tempdir_in("/dev/shm")
         .or_else(|_| tempfile::tempdir())
         .unwrap();
@@ -298,7 +282,7 @@ fn another_runs_store_at_the_same_paths_is_refused_and_left_as_it_is() {
         // b's store back.
         let forced = layout.config(&members, &["storage.force=true"]);
         let mut session = Session::create(&b, &ds, forced, &Unguarded).unwrap();
-        train(&mut session);
+        train_to_the_end(&mut session);
         drop(session);
         let bytes = |ms: &[PathBuf]| {
             ms.iter()
@@ -334,10 +318,10 @@ fn another_runs_store_at_the_same_paths_is_refused_and_left_as_it_is() {
                 && err.contains(made.store_id.as_deref().unwrap()),
             "{layout:?}: {err}"
         );
-        let err = run::load_tables(&Dir::open(&a).unwrap(), &made, &Unguarded).unwrap_err();
+        // The run's error names the store; the store's own words follow as its source.
+        let err = chain(&run::load_tables(&Dir::open(&a).unwrap(), &made, &Unguarded).unwrap_err());
         assert!(
-            err.to_string()
-                .contains("another store was put in its place"),
+            err.contains("another store was put in its place"),
             "{layout:?}: {err}"
         );
         assert!(
@@ -354,7 +338,7 @@ fn another_runs_store_at_the_same_paths_is_refused_and_left_as_it_is() {
 #[test]
 fn a_store_the_record_does_not_name_is_refused_even_in_the_run_directory() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 400, 3000);
     let out = tmp.path().join("run");
     let config = Config::parse(
         "",
@@ -386,7 +370,7 @@ fn a_store_the_record_does_not_name_is_refused_even_in_the_run_directory() {
 #[test]
 fn a_proxy_backing_file_of_something_else_is_not_grown() {
     let tmp = tempfile::tempdir().unwrap();
-    let ds = dataset(tmp.path());
+    let ds = small_graph(tmp.path(), 400, 3000);
     let mut image = vec![0u8; 8192];
     image[1080..1082].copy_from_slice(&[0x53, 0xef]);
     for layout in [Layout::Proxy, Layout::ProxyStriped] {

@@ -5,10 +5,11 @@
 /// A message never repeats its cause: where there is one, it is returned by
 /// [`std::error::Error::source`] only, so a report that walks the chain prints it once.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EvalError {
     /// The embedding dimension does not suit the decoder (zero, or odd for ComplEx).
     #[error("bad embedding dimension: {0}")]
-    Dim(String),
+    Dim(legend_model::DimError),
     /// A table's length is not a multiple of its row width, or it has no rows.
     #[error(
         "{table} table has {len} floats, which is not a positive multiple of its row width {dim}"

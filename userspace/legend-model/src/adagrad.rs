@@ -46,14 +46,16 @@ impl fmt::Display for StateLayout {
 }
 
 impl FromStr for StateLayout {
-    type Err = String;
+    type Err = crate::UnknownName;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "element" => Ok(StateLayout::Element),
             "row" => Ok(StateLayout::Row),
-            _ => Err(format!(
-                "unknown state layout {s:?}: expected element or row"
+            _ => Err(crate::UnknownName::new(
+                "state layout",
+                s,
+                "expected element or row",
             )),
         }
     }
@@ -233,6 +235,7 @@ mod tests {
             "col"
                 .parse::<StateLayout>()
                 .unwrap_err()
+                .to_string()
                 .contains("element or row")
         );
     }

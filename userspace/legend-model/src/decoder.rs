@@ -185,14 +185,12 @@ impl Decoder {
     }
 
     /// Checks that `dim` suits the model (ComplEx needs an even dimension).
-    pub fn check_dim(self, dim: usize) -> Result<(), String> {
+    pub fn check_dim(self, dim: usize) -> Result<(), DimError> {
         if dim == 0 {
-            return Err("the embedding dimension must be at least 1".into());
+            return Err(DimError::Zero);
         }
         if self.is_complex() && !dim.is_multiple_of(2) {
-            return Err(format!(
-                "{self} needs an even dimension (real and imaginary halves), got {dim}"
-            ));
+            return Err(DimError::Odd { decoder: self, dim });
         }
         Ok(())
     }
@@ -442,15 +440,47 @@ impl fmt::Display for Decoder {
     }
 }
 
+/// An embedding dimension that a decoder cannot use ([`Decoder::check_dim`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DimError {
+    /// No dimension at all.
+    Zero,
+    /// An odd dimension for a decoder of complex rows.
+    Odd {
+        /// The decoder.
+        decoder: Decoder,
+        /// The dimension.
+        dim: usize,
+    },
+}
+
+impl fmt::Display for DimError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DimError::Zero => f.write_str("the embedding dimension must be at least 1"),
+            DimError::Odd { decoder, dim } => write!(
+                f,
+                "{decoder} needs an even dimension (real and imaginary halves), got {dim}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for DimError {}
+
 impl FromStr for Decoder {
-    type Err = String;
+    type Err = crate::UnknownName;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Decoder::ALL
             .into_iter()
             .find(|d| d.name() == s)
             .ok_or_else(|| {
-                format!("unknown decoder {s:?}: expected one of dot, distmult, complex, transe_l1, transe_l2, rotate, rescal")
+                crate::UnknownName::new(
+                    "decoder",
+                    s,
+                    "expected one of dot, distmult, complex, transe_l1, transe_l2, rotate, rescal",
+                )
             })
     }
 }
@@ -539,6 +569,12 @@ mod tests {
         for d in Decoder::ALL {
             assert_eq!(d.name().parse::<Decoder>().unwrap(), d);
         }
-        assert!("linear".parse::<Decoder>().unwrap_err().contains("rescal"));
+        assert!(
+            "linear"
+                .parse::<Decoder>()
+                .unwrap_err()
+                .to_string()
+                .contains("rescal")
+        );
     }
 }

@@ -221,13 +221,13 @@ impl fmt::Display for Dtype {
 }
 
 impl FromStr for Dtype {
-    type Err = String;
+    type Err = crate::UnknownName;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Dtype::ALL
             .into_iter()
             .find(|d| d.name() == s)
-            .ok_or_else(|| format!("unknown dtype {s:?}: one of f32, bf16, f16"))
+            .ok_or_else(|| crate::UnknownName::new("dtype", s, "one of f32, bf16, f16"))
     }
 }
 
@@ -327,6 +327,7 @@ mod tests {
             "fp16"
                 .parse::<Dtype>()
                 .unwrap_err()
+                .to_string()
                 .contains("one of f32, bf16, f16")
         );
     }

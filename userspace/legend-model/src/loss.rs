@@ -219,7 +219,7 @@ impl fmt::Display for Loss {
 }
 
 impl FromStr for Loss {
-    type Err = String;
+    type Err = crate::UnknownName;
 
     /// Parses a configuration name; `ranking` takes [`DEFAULT_MARGIN`], `self_adversarial`
     /// that margin and temperature 1.
@@ -234,8 +234,10 @@ impl FromStr for Loss {
                 margin: DEFAULT_MARGIN,
                 temperature: 1.0,
             }),
-            _ => Err(format!(
-                "unknown loss {s:?}: expected one of softmax_ce, logistic, ranking, self_adversarial"
+            _ => Err(crate::UnknownName::new(
+                "loss",
+                s,
+                "expected one of softmax_ce, logistic, ranking, self_adversarial",
             )),
         }
     }
@@ -376,7 +378,13 @@ mod tests {
         ] {
             assert_eq!(l.name().parse::<Loss>().unwrap(), l);
         }
-        assert!("hinge".parse::<Loss>().unwrap_err().contains("hinge"));
+        assert!(
+            "hinge"
+                .parse::<Loss>()
+                .unwrap_err()
+                .to_string()
+                .contains("hinge")
+        );
     }
 
     #[test]

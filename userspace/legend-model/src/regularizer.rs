@@ -50,15 +50,17 @@ impl fmt::Display for Penalty {
 }
 
 impl FromStr for Penalty {
-    type Err = String;
+    type Err = crate::UnknownName;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "none" => Ok(Penalty::None),
             "n3" => Ok(Penalty::N3),
             "l2" => Ok(Penalty::L2),
-            _ => Err(format!(
-                "unknown regularizer {s:?}: expected none, n3 or l2"
+            _ => Err(crate::UnknownName::new(
+                "regularizer",
+                s,
+                "expected none, n3 or l2",
             )),
         }
     }
@@ -228,6 +230,11 @@ mod tests {
         for p in [Penalty::None, Penalty::N3, Penalty::L2] {
             assert_eq!(p.name().parse::<Penalty>(), Ok(p));
         }
-        assert!("l1".parse::<Penalty>().unwrap_err().contains("n3 or l2"));
+        assert!(
+            "l1".parse::<Penalty>()
+                .unwrap_err()
+                .to_string()
+                .contains("n3 or l2")
+        );
     }
 }

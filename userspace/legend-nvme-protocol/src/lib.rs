@@ -2,7 +2,7 @@
 //!
 //! Everything that builds or reads queue entries uses this crate: the CPU submitter of the `nvme`
 //! and `proxy` stores, the proxy controller, and the kernel module's QEMU selftests. The CUDA
-//! side (`kernels/nvme_io.cu`) mirrors [`Sqe`]'s builders, and the test vectors in
+//! side (`kernels/nvme_io.cuh`) mirrors [`Sqe`]'s builders, and the test vectors in
 //! `kernels/testdata/sqe_vectors.txt` (checked against this crate in its tests, and against the
 //! CUDA code on a GPU) pin both to the same bytes.
 //!

@@ -36,7 +36,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use legend_fs::{Access, Dir};
-use legend_nvme::{Controller, DeviceMemory, Doorbells, Mapping, QueuePair, uapi};
+use legend_nvme::{Controller, DeviceMemory, Doorbells, Mapping, QueuePairDoorbells, uapi};
 use legend_nvme_protocol::{Cqe, MAX_DEPTH, Sqe, Status};
 
 use memory::{AddressSpace, Kind, Region};
@@ -506,7 +506,10 @@ impl Controller for Proxy {
         Ok(())
     }
 
-    fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> legend_nvme::Result<QueuePair> {
+    fn create_queue_pair(
+        &self,
+        args: uapi::QueuePairArgs,
+    ) -> legend_nvme::Result<QueuePairDoorbells> {
         let fail = |code| Err(errno("CREATE_QUEUE_PAIR", code));
         let depth = match u16::try_from(args.depth) {
             Ok(d) if (2..=MAX_DEPTH).contains(&d) => d,
@@ -540,7 +543,7 @@ impl Controller for Proxy {
         }
         queues.push(Queue::new(qid, depth, sq as *const Sqe, cq as *mut Cqe));
         let stride = self.info.doorbell_stride;
-        Ok(QueuePair {
+        Ok(QueuePairDoorbells {
             qid: u32::from(qid),
             sq_doorbell: 2 * u32::from(qid) * stride,
             cq_doorbell: (2 * u32::from(qid) + 1) * stride,

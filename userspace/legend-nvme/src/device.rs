@@ -69,7 +69,7 @@ impl Mapping {
 
 /// Doorbell offsets of a created queue pair, relative to [`Doorbells`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct QueuePair {
+pub struct QueuePairDoorbells {
     /// Queue identifier.
     pub qid: u32,
     /// Byte offset of the SQ tail doorbell.
@@ -139,7 +139,7 @@ impl Doorbells {
         self.len == 0
     }
 
-    /// The doorbell at byte `offset` (from [`QueuePair`]).
+    /// The doorbell at byte `offset` (from [`QueuePairDoorbells`]).
     ///
     /// # Panics
     ///
@@ -154,7 +154,7 @@ impl Doorbells {
         unsafe { self.ptr.as_ptr().add(offset).cast::<u32>() }
     }
 
-    /// Writes `value` to the doorbell at byte `offset` (from [`QueuePair`]).
+    /// Writes `value` to the doorbell at byte `offset` (from [`QueuePairDoorbells`]).
     ///
     /// # Panics
     ///
@@ -259,7 +259,7 @@ pub trait Controller: Send + Sync {
     /// # Errors
     ///
     /// [`Error::Ioctl`] with the errno `Documentation/uapi.md` lists for `CREATE_QUEUE_PAIR`.
-    fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> Result<QueuePair>;
+    fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> Result<QueuePairDoorbells>;
 
     /// Deletes queue pair `qid`.
     ///
@@ -459,10 +459,10 @@ impl Controller for Device {
         )
     }
 
-    fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> Result<QueuePair> {
+    fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> Result<QueuePairDoorbells> {
         let mut a = args;
         self.ioctl("CREATE_QUEUE_PAIR", uapi::IOCTL_CREATE_QUEUE_PAIR, &mut a)?;
-        Ok(QueuePair {
+        Ok(QueuePairDoorbells {
             qid: a.qid,
             sq_doorbell: a.sq_doorbell,
             cq_doorbell: a.cq_doorbell,

@@ -17,12 +17,26 @@ mod sysfs;
 #[path = "../../../kmod/rules.rs"]
 mod kmod_rules;
 
-pub use device::{Controller, Device, DeviceMemory, Doorbells, Health, Mapping, QueuePair};
+pub use device::{
+    Controller, Device, DeviceMemory, Doorbells, Health, Mapping, QueuePairDoorbells,
+};
 pub use legend_uapi as uapi;
 pub use sysfs::{PciController, Sysfs};
 
+/// The namespaces a controller's `info` lists: its count, never beyond the array the ABI
+/// defines.
+pub fn namespaces(info: &uapi::Info) -> &[uapi::NamespaceInfo] {
+    &info.namespaces[..(info.num_namespaces as usize).min(info.namespaces.len())]
+}
+
+/// Namespace `nsid` of the controller whose `info` this is, if it has one.
+pub fn namespace(info: &uapi::Info, nsid: u32) -> Option<&uapi::NamespaceInfo> {
+    namespaces(info).iter().find(|n| n.nsid == nsid)
+}
+
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// No PCI device with this address, or it is not an NVMe controller.
     #[error("No NVMe controller at {0}")]
@@ -95,3 +109,28 @@ pub enum Error {
 
 /// Result of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `e` and its sources, each after a `: `, as the CLI and the daemon print errors.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let sources = std::iter::successors(Some(e), |e| e.source());
+        sources
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join(": ")
+    }
+
+    #[test]
+    fn a_failed_call_ends_at_the_os_words() {
+        let e = Error::Ioctl {
+            op: "CREATE_QUEUE_PAIR",
+            source: std::io::Error::from_raw_os_error(libc::EBUSY),
+        };
+        let text = chain(&e);
+        assert!(text.starts_with("CREATE_QUEUE_PAIR"), "{text}");
+        assert!(text.contains("Device or resource busy"), "{text}");
+    }
+}

@@ -2,11 +2,12 @@
 
 use thiserror::Error;
 
+use crate::bucket::Bucket;
 use crate::order::Order;
-use crate::plan::Bucket;
 
 /// Why no plan was produced.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum PlanError {
     /// `num_partitions` was 0.
     #[error("num_partitions must be at least 1, got 0")]
@@ -33,9 +34,6 @@ pub enum PlanError {
         /// The capacity the ordering supports.
         supported: u32,
     },
-    /// A name that is not `legend`, `beta` or `sequential`.
-    #[error("unknown order `{0}` (expected auto, legend, beta or sequential)")]
-    UnknownOrder(String),
     /// The planner produced a plan that fails validation: a planner bug.
     #[error(
         "internal planner bug, {order} plan for N={num_partitions}, C={capacity} is invalid: {source}"
@@ -55,6 +53,7 @@ pub enum PlanError {
 
 /// The first rule a plan breaks; see [`crate::validate`].
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum ValidationError {
     /// The plan has no buffer state at all.
     #[error("plan has no buffer states")]
@@ -158,6 +157,7 @@ pub enum ValidationError {
 
 /// Why a prediction could not be made.
 #[derive(Debug, Clone, PartialEq, Error)]
+#[non_exhaustive]
 pub enum PredictError {
     /// Per-bucket edge counts were given, but not N² of them.
     #[error("expected {expected} per-bucket edge counts (N²), got {got}")]

@@ -26,7 +26,7 @@ use std::ops::Range;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::plan::Bucket;
+use crate::bucket::Bucket;
 
 /// Batches `batches` (in the bucket's edge order) of bucket `bucket`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -203,11 +203,7 @@ pub fn plan_gpus(
     }
     let (_, label) = best.expect("at least one labelling");
     let schedule = build(&factors, &label, batches, n, k);
-    validate_gpus(&schedule, batches).map_err(|rule| GpuPlanError::Invalid {
-        num_partitions: n,
-        gpus: k,
-        rule,
-    })?;
+    validate_gpus(&schedule, batches)?;
     Ok(schedule)
 }
 
@@ -483,43 +479,55 @@ fn match_pairs(held: &[[u32; 2]], next: &[[u32; 2]]) -> Vec<usize> {
 /// every batch of every bucket once; each GPU's pieces within the two partitions it holds,
 /// which no other GPU holds that round; every partition held every round; hand-overs that
 /// bring each GPU exactly the partition it did not keep, from the GPU that held it.
-pub fn validate_gpus(schedule: &GpuSchedule, batches: &[u64]) -> Result<(), String> {
+pub fn validate_gpus(schedule: &GpuSchedule, batches: &[u64]) -> Result<(), GpuPlanError> {
+    match broken_rule(schedule, batches) {
+        None => Ok(()),
+        Some(rule) => Err(GpuPlanError::Invalid {
+            num_partitions: schedule.num_partitions,
+            gpus: schedule.gpus,
+            rule,
+        }),
+    }
+}
+
+/// The first rule of [`validate_gpus`] that `schedule` breaks, in words.
+fn broken_rule(schedule: &GpuSchedule, batches: &[u64]) -> Option<String> {
     let n = schedule.num_partitions;
     let k = schedule.gpus as usize;
     let mut covered: Vec<Vec<Range<u64>>> = vec![Vec::new(); (n * n) as usize];
     for (r, round) in schedule.rounds.iter().enumerate() {
         if round.held.len() != k || round.work.len() != k {
-            return Err(format!("round {r} is not for {k} GPUs"));
+            return Some(format!("round {r} is not for {k} GPUs"));
         }
         let mut seen = vec![false; n as usize];
         for (g, pair) in round.held.iter().enumerate() {
             for &p in pair {
                 if p >= n || std::mem::replace(&mut seen[p as usize], true) {
-                    return Err(format!("round {r}: partition {p} held twice or unknown"));
+                    return Some(format!("round {r}: partition {p} held twice or unknown"));
                 }
             }
             for piece in &round.work[g] {
                 let [s, d] = piece.bucket;
                 if !pair.contains(&s) || !pair.contains(&d) {
-                    return Err(format!(
+                    return Some(format!(
                         "round {r}: GPU {g} trains bucket ({s}, {d}) holding {pair:?}"
                     ));
                 }
                 if piece.batches.start >= piece.batches.end {
-                    return Err(format!("round {r}: GPU {g}: an empty piece of ({s}, {d})"));
+                    return Some(format!("round {r}: GPU {g}: an empty piece of ({s}, {d})"));
                 }
                 covered[(s * n + d) as usize].push(piece.batches.clone());
             }
         }
         if seen.iter().any(|s| !s) {
-            return Err(format!("round {r} leaves a partition unheld"));
+            return Some(format!("round {r} leaves a partition unheld"));
         }
         if r > 0 {
             let before = &schedule.rounds[r - 1].held;
             let moves = &schedule.handovers[r - 1];
             for (g, pair) in round.held.iter().enumerate() {
                 if !before[g].contains(&pair[0]) {
-                    return Err(format!(
+                    return Some(format!(
                         "round {r}: GPU {g} keeps nothing of {:?}",
                         before[g]
                     ));
@@ -537,7 +545,7 @@ pub fn validate_gpus(schedule: &GpuSchedule, batches: &[u64]) -> Result<(), Stri
                     _ => false,
                 };
                 if !ok {
-                    return Err(format!(
+                    return Some(format!(
                         "round {r}: GPU {g}'s hand-over of {} is wrong",
                         pair[1]
                     ));
@@ -546,14 +554,14 @@ pub fn validate_gpus(schedule: &GpuSchedule, batches: &[u64]) -> Result<(), Stri
         }
     }
     if schedule.handovers.len() + 1 != schedule.rounds.len().max(1) {
-        return Err("one hand-over list between each two rounds".into());
+        return Some("one hand-over list between each two rounds".into());
     }
     for (i, ranges) in covered.iter_mut().enumerate() {
         ranges.sort_by_key(|r| r.start);
         let mut at = 0;
         for r in ranges.iter() {
             if r.start != at {
-                return Err(format!(
+                return Some(format!(
                     "bucket ({}, {}): batches from {at} trained {} times",
                     i as u32 / n,
                     i as u32 % n,
@@ -563,7 +571,7 @@ pub fn validate_gpus(schedule: &GpuSchedule, batches: &[u64]) -> Result<(), Stri
             at = r.end;
         }
         if at != batches[i] {
-            return Err(format!(
+            return Some(format!(
                 "bucket ({}, {}): {at} of its {} batches trained",
                 i as u32 / n,
                 i as u32 % n,
@@ -571,7 +579,7 @@ pub fn validate_gpus(schedule: &GpuSchedule, batches: &[u64]) -> Result<(), Stri
             ));
         }
     }
-    Ok(())
+    None
 }
 
 #[cfg(test)]
@@ -686,13 +694,14 @@ mod tests {
         let batches = uniform(4, 2);
         let mut s = plan_gpus(4, 2, &batches).unwrap();
         s.rounds[1].work[0].pop();
-        let e = validate_gpus(&s, &batches).unwrap_err();
+        let e = validate_gpus(&s, &batches).unwrap_err().to_string();
         assert!(e.contains("trained"), "{e}");
         let mut s = plan_gpus(4, 2, &batches).unwrap();
         s.rounds[0].held[1] = s.rounds[0].held[0];
         assert!(
             validate_gpus(&s, &batches)
                 .unwrap_err()
+                .to_string()
                 .contains("held twice")
         );
     }

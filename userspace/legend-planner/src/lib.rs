@@ -7,6 +7,7 @@
 //! Theorem 3 to a plan. See `Documentation/planner.md`.
 
 mod beta;
+mod bucket;
 mod cover;
 mod error;
 mod gpus;
@@ -17,10 +18,11 @@ mod predict;
 mod search;
 mod sequential;
 
+pub use bucket::Bucket;
 pub use error::{PlanError, PredictError, ValidationError};
 pub use gpus::{GpuPlanError, GpuRound, GpuSchedule, HandOver, Piece, plan_gpus, validate_gpus};
-pub use order::Order;
-pub use plan::{Bucket, Plan, Swap, validate};
+pub use order::{Order, UnknownOrder};
+pub use plan::{Plan, Swap, validate};
 pub use predict::{Prediction, PredictionInput, predict};
 
 /// The only capacity Legend's Algorithm 1 is defined for.

@@ -5,8 +5,6 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
-use crate::error::PlanError;
-
 /// Which partition-swap ordering to plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -54,13 +52,18 @@ impl fmt::Display for Order {
     }
 }
 
+/// A name that is none of [`Order::ALL`]'s.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown order `{0}` (expected auto, legend, beta or sequential)")]
+pub struct UnknownOrder(pub String);
+
 impl FromStr for Order {
-    type Err = PlanError;
+    type Err = UnknownOrder;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Order::ALL
             .into_iter()
             .find(|o| o.name() == s)
-            .ok_or_else(|| PlanError::UnknownOrder(s.to_owned()))
+            .ok_or_else(|| UnknownOrder(s.to_owned()))
     }
 }

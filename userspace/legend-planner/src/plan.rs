@@ -2,11 +2,9 @@
 
 use serde::Serialize;
 
+use crate::bucket::Bucket;
 use crate::error::ValidationError;
 use crate::order::Order;
-
-/// An edge bucket `[source partition, destination partition]`.
-pub type Bucket = [u32; 2];
 
 /// One buffer-state change: exactly one partition leaves and one arrives, in the same slot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -2,8 +2,9 @@
 
 use serde::Serialize;
 
+use crate::bucket::Bucket;
 use crate::error::PredictError;
-use crate::plan::{Bucket, Plan};
+use crate::plan::Plan;
 
 /// Bytes per node per dimension of the paper's rows (an f32 embedding and an f32 AdaGrad state
 /// an element), the unit Theorem 3's constant is written in.

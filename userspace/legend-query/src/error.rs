@@ -7,6 +7,7 @@ use legend_eval::EvalError;
 
 /// Why a query (or a batch of them) could not be answered; the message names the input.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum QueryError {
     /// The run could not be read.
     #[error(transparent)]
@@ -61,4 +62,19 @@ pub enum QueryError {
         /// What is wrong.
         why: String,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_read_failure_ends_at_the_os_words() {
+        let e = QueryError::Run(RunError::Io {
+            path: "/runs/r/run.toml".into(),
+            source: std::io::Error::from_raw_os_error(13),
+        });
+        let text = legend_engine::error_chain::with_sources(&e);
+        assert_eq!(text, "/runs/r/run.toml: Permission denied (os error 13)");
+    }
 }

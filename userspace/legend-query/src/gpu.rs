@@ -11,14 +11,14 @@
 use std::sync::{Mutex, MutexGuard};
 
 use legend_cuda::nvme_io::{
-    CacheStats, CachedTable, CudaDeviceMemory, GpuIo, GpuIoOptions, RingPlacement, RowCache,
-    RowCacheOptions,
+    CacheStats, CachedTable, GpuIo, GpuIoOptions, RingPlacement, RowCache, RowCacheOptions,
 };
 use legend_cuda::scan::{EntityRows, SCAN_MAX_ROWS, SCAN_MAX_TOP, SCAN_WORKING_BYTES};
 use legend_cuda::{Gpu, GpuError};
 use legend_engine::config::DeviceChoice;
+use legend_engine::engine::Resolved;
 use legend_engine::store::QueueBackend;
-use legend_engine::store::controllers::{self, DeviceModel, SharedController};
+use legend_engine::store::controllers::{self, DeviceModel};
 use legend_engine::store::{FileStore, MemberFile};
 use legend_eval::Kernel;
 use legend_model::{Comparator, Dtype};
@@ -62,30 +62,23 @@ impl GpuOptions {
     }
 }
 
-/// The device `choice` names, opened; `None` for the CPU, with why when `auto` found no GPU.
+/// The device `choice` names, opened ([`DeviceChoice::resolve`]); `None` for the CPU, with why
+/// when `auto` found no GPU.
 pub(crate) fn open_device(choice: DeviceChoice) -> Result<(Option<OpenedGpu>, String), QueryError> {
-    let open = |ordinal: usize| {
-        Gpu::new(ordinal).map(|gpu| OpenedGpu {
-            name: format!("cuda:{ordinal} ({}, {})", gpu.name(), gpu.arch()),
-            gpu,
-        })
-    };
-    match choice {
-        DeviceChoice::Cpu => Ok((None, "cpu".into())),
-        DeviceChoice::Cuda(ordinal) => match open(ordinal) {
-            Ok(g) => Ok((Some(g), String::new())),
-            Err(source) => Err(QueryError::Gpu {
-                device: format!("cuda:{ordinal}"),
-                source,
+    match choice.resolve() {
+        Ok(Resolved::Gpu { ordinal, gpu }) => Ok((
+            Some(OpenedGpu {
+                name: format!("cuda:{ordinal} ({}, {})", gpu.name(), gpu.arch()),
+                gpu: *gpu,
             }),
-        },
-        DeviceChoice::Auto if !legend_cuda::driver_present() => {
-            Ok((None, "cpu (auto: no CUDA driver)".into()))
-        }
-        DeviceChoice::Auto => match open(0) {
-            Ok(g) => Ok((Some(g), String::new())),
-            Err(e) => Ok((None, format!("cpu (auto: {e})"))),
-        },
+            String::new(),
+        )),
+        Ok(Resolved::Cpu { why: None }) => Ok((None, "cpu".into())),
+        Ok(Resolved::Cpu { why: Some(why) }) => Ok((None, format!("cpu (auto: {why})"))),
+        Err(source) => Err(QueryError::Gpu {
+            device: choice.to_string(),
+            source,
+        }),
     }
 }
 
@@ -179,41 +172,43 @@ pub fn store_row_cache(
     proxy_model: Option<DeviceModel>,
     bytes: u64,
     (queues, opts): (u32, &RowCacheOptions),
-) -> Result<RowCache, String> {
+) -> Result<RowCache, RowCacheError> {
     let [member] = members else {
-        return Err(format!(
+        return Err(RowCacheError::Unsupported(format!(
             "a store striped over {} devices (the GPU I/O kernels drive one controller a launch)",
             members.len()
-        ));
+        )));
     };
     let label = store_label(members);
-    let fail = |what: &str, e: &dyn std::fmt::Display| format!("{label}: {what}: {e}");
+    let fail = |what: &'static str| {
+        let label = label.clone();
+        move |e: Box<dyn std::error::Error + Send + Sync>| RowCacheError::Failed {
+            label,
+            what,
+            source: e,
+        }
+    };
     let ctrl = match store.controller() {
         Some(c) => c.clone(),
         None => controllers::open(QueueBackend::Proxy, &member.file, proxy_model)
-            .map_err(|e| fail("starting a proxy controller over the store", &e))?,
+            .map_err(|e| fail("starting a proxy controller over the store")(e.into()))?,
     };
-    let placement = match &ctrl {
-        SharedController::Proxy(p) => {
-            let memory =
-                CudaDeviceMemory::new(gpu).map_err(|e| fail("the proxy's copy engine", &e))?;
-            p.attach_device(std::sync::Arc::new(memory))
-                .map_err(|e| fail("attaching the GPU to the proxy", &e))?;
-            RingPlacement::Host
-        }
-        SharedController::Device(_) => RingPlacement::Device,
-    };
-    let table = store_table(store).map_err(|e| format!("{label}: {e}"))?;
+    let placement = ctrl
+        .gpu_placement(gpu)
+        .map_err(|e| fail("reaching the controller from the GPU")(e.into()))?;
+    let table = store_table(store)?;
     let namespace = member.queue.map_or(1, |q| q.namespace);
     let info = ctrl
         .controller()
         .info()
-        .map_err(|e| fail("reading the controller", &e))?;
-    let lba = info.namespaces[..(info.num_namespaces as usize).min(info.namespaces.len())]
-        .iter()
-        .find(|n| n.nsid == namespace)
+        .map_err(|e| fail("reading the controller")(e.into()))?;
+    let lba = legend_nvme::namespace(&info, namespace)
         .map(|n| 1u64 << n.lba_shift)
-        .ok_or_else(|| format!("{label}: the controller has no namespace {namespace}"))?;
+        .ok_or_else(|| {
+            RowCacheError::Unsupported(format!(
+                "{label}: the controller has no namespace {namespace}"
+            ))
+        })?;
     let line = RowCache::line_bytes_for(table.row_bytes, opts.line_bytes, lba);
     let io_opts = GpuIoOptions {
         queues,
@@ -230,36 +225,62 @@ pub fn store_row_cache(
         ..GpuIoOptions::default()
     };
     let io = GpuIo::open(gpu, ctrl.controller(), &io_opts)
-        .map_err(|e| fail("opening the GPU I/O queues", &e))?;
+        .map_err(|e| fail("opening the GPU I/O queues")(e.into()))?;
     let lines = (bytes / line).min(u64::from(u32::MAX)) as u32;
     let lines = (lines / opts.ways * opts.ways).max(opts.ways);
     let opts = RowCacheOptions {
         lines,
         ..opts.clone()
     };
-    RowCache::open(gpu, io, table, &opts).map_err(|e| fail("opening the row cache", &e))
+    RowCache::open(gpu, io, table, &opts).map_err(|e| fail("opening the row cache")(e.into()))
 }
 
 /// Where the committed entity rows of a run's `store` lie on its (first) member: each
 /// partition's embeddings at the byte of its committed copy, rows as stored. A store striped
 /// over several members has no such single table.
-pub fn store_table(store: &FileStore) -> Result<CachedTable, String> {
+pub fn store_table(store: &FileStore) -> Result<CachedTable, RowCacheError> {
     let spec = store.spec();
+    let label = store.path().display().to_string();
     let row_bytes = u32::try_from(spec.dim as usize * spec.dtype.bytes())
-        .map_err(|_| format!("rows of {} values", spec.dim))?;
-    let per_part = legend_storage::rows_per_partition(spec.num_nodes, spec.num_partitions);
+        .map_err(|_| RowCacheError::Unsupported(format!("{label}: rows of {} values", spec.dim)))?;
+    let per_part = legend_model::partition::rows_per_partition(spec.num_nodes, spec.num_partitions);
     // Trailing partitions may hold no rows: the table ends with the last that does.
     let parts = spec.num_nodes.div_ceil(per_part) as u32;
     let partitions = (0..parts)
         .map(|p| store.io_extent(p, false).map(|(at, _)| at))
         .collect::<Result<Vec<u64>, _>>()
-        .map_err(|e| format!("finding the committed partitions: {e}"))?;
+        .map_err(|e| RowCacheError::Failed {
+            label,
+            what: "finding the committed partitions",
+            source: e.into(),
+        })?;
     Ok(CachedTable {
         partitions,
         rows_per_partition: per_part,
         rows: spec.num_nodes,
         row_bytes,
     })
+}
+
+/// Why a run's rows cannot be looked up through the GPU row cache over its store (a caller
+/// then reads them on the CPU).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RowCacheError {
+    /// The store cannot be cached as one table of rows.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A step of setting the cache up failed.
+    #[error("{label}: {what}")]
+    Failed {
+        /// The store.
+        label: String,
+        /// The step.
+        what: &'static str,
+        /// Why it failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 /// The store's first member's path, for messages.
@@ -286,11 +307,10 @@ impl StoreRows {
         members: &[MemberFile],
         proxy_model: Option<DeviceModel>,
         bytes: u64,
-    ) -> Result<StoreRows, String> {
+    ) -> Result<StoreRows, RowCacheError> {
         let spec = store.spec();
         let defaults = (GpuIoOptions::default().queues, &RowCacheOptions::default());
-        let cache = store_row_cache(&opened.gpu, (store, members), proxy_model, bytes, defaults)
-            .map_err(|e| format!("{}: {e}", opened.name))?;
+        let cache = store_row_cache(&opened.gpu, (store, members), proxy_model, bytes, defaults)?;
         Ok(StoreRows {
             label: format!("{}, row cache over {}", opened.name, store_label(members)),
             cache: Mutex::new(cache),

@@ -31,7 +31,7 @@ mod query;
 mod topk;
 
 pub use error::QueryError;
-pub use gpu::{DEFAULT_CACHE_FRACTION, GpuOptions, store_row_cache, store_table};
+pub use gpu::{DEFAULT_CACHE_FRACTION, GpuOptions, RowCacheError, store_row_cache, store_table};
 pub use model::{Completion, Metric, Model, Nearest};
 pub use query::{
     Answer, DEFAULT_TOP, Hit, LineKind, Named, Query, QueryRun, Residency, parse_line,

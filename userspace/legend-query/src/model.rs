@@ -130,14 +130,18 @@ pub enum Metric {
 }
 
 impl std::str::FromStr for Metric {
-    type Err = String;
+    type Err = legend_model::UnknownName;
 
-    fn from_str(s: &str) -> Result<Metric, String> {
+    fn from_str(s: &str) -> Result<Metric, Self::Err> {
         match s {
             "cosine" => Ok(Metric::Cosine),
             "dot" => Ok(Metric::Dot),
             "l2" => Ok(Metric::L2),
-            _ => Err(format!("unknown metric {s:?}: expected cosine, dot or l2")),
+            _ => Err(legend_model::UnknownName::new(
+                "metric",
+                s,
+                "expected cosine, dot or l2",
+            )),
         }
     }
 }
@@ -233,9 +237,9 @@ impl<'a> Model<'a> {
         let decoder: Decoder = meta
             .decoder
             .parse()
-            .map_err(|e: String| RunError::Invalid {
+            .map_err(|e: legend_model::UnknownName| RunError::Invalid {
                 path: run.join(run::META_FILE),
-                message: e,
+                message: e.to_string(),
             })?;
         let relations = run::load_relations(&run, &meta, guard)?;
         let reciprocal = meta.reciprocal_relations;
@@ -284,7 +288,7 @@ impl<'a> Model<'a> {
                 // Jobs are threads of the daemon: an allocation that fails would take it down.
                 let bytes = (meta.entities as u128) * (dim as u128) * 4;
                 let available =
-                    legend_engine::memory::available_bytes().map_or(u128::MAX, u128::from);
+                    legend_engine::footprint::available_bytes().map_or(u128::MAX, u128::from);
                 if bytes > available {
                     return Err(QueryError::Tables(format!(
                         "{}: the run's entity rows take {:.1} GiB, more than the {:.1} GiB of \
@@ -347,7 +351,9 @@ impl<'a> Model<'a> {
         entities: Entities<'a>,
         num_entities: usize,
     ) -> Result<Model<'a>, QueryError> {
-        decoder.check_dim(dim).map_err(QueryError::Tables)?;
+        decoder
+            .check_dim(dim)
+            .map_err(|e| QueryError::Tables(e.to_string()))?;
         if let Entities::Resident(rows) = &entities
             && rows.len() != num_entities * dim
         {

@@ -322,7 +322,7 @@ fn size(bytes: u64) -> String {
 /// than half the memory available now.
 fn too_big_for_memory(meta: &RunMeta) -> Option<String> {
     let bytes = entity_bytes(meta);
-    let available = legend_engine::memory::available_bytes()?;
+    let available = legend_engine::footprint::available_bytes()?;
     (bytes > available / 2).then(|| {
         format!(
             "{} of entity rows, more than half the {} of memory available",
@@ -358,7 +358,7 @@ impl QueryRun<'static> {
         let shared = guard.clone();
         let run = Self::open_with(path, dataset, guard.as_ref(), gpu, move |meta| {
             let bytes = entity_bytes(meta);
-            let available = legend_engine::memory::available_bytes();
+            let available = legend_engine::footprint::available_bytes();
             let (limit, what) = match (available, host_limit) {
                 (Some(a), Some(l)) if l < a => (l, "a serve job may hold (serve_host_memory)"),
                 (Some(a), _) => (a, "of memory available"),
@@ -438,7 +438,10 @@ fn gpu_plan(
         if let Some((store, members)) = run::open_store(dir, meta, guard, proxy_model)? {
             match StoreRows::open(&opened, &store, &members, proxy_model, bytes) {
                 Ok(rows) => store_rows = Some(rows),
-                Err(e) => why_not = format!(" (rows looked up on the CPU: {e})"),
+                Err(e) => {
+                    let e = legend_engine::error_chain::with_sources(&e);
+                    why_not = format!(" (rows looked up on the CPU: {}: {e})", opened.name);
+                }
             }
         }
     }

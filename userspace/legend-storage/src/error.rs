@@ -8,6 +8,7 @@ use std::path::PathBuf;
 /// Every variant that concerns a store names its path, and mismatches name
 /// both what the store holds and what the caller expected.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// A system call failed.
     #[error("{path}: {what}")]

@@ -5,9 +5,10 @@
 //! the previous table or the new one, never a torn one.
 
 use crate::error::StoreError;
+use crate::io::IoConfig;
 use crate::layout::{DatasetId, StoreSpec};
 use crate::medium::Target;
-use crate::store::{CreateOptions, Expect, IoConfig, Store};
+use crate::store::{CreateOptions, Expect, Store};
 
 /// The identity of the table's own store: a device whose first store has another identity
 /// holds a training store there, and is refused.
@@ -151,17 +152,20 @@ impl ExtentTable {
 
     /// Reads `bytes` back into a table over `[first_lba, end_lba)`, checking that its extents
     /// lie there, in order, without overlap.
-    fn decode(bytes: &[u8], first_lba: u64, end_lba: u64, block_size: u64) -> Result<Self, String> {
+    fn decode(
+        bytes: &[u8],
+        first_lba: u64,
+        end_lba: u64,
+        block_size: u64,
+    ) -> Result<Self, BadTable> {
         let mut table = ExtentTable::new(first_lba, end_lba, block_size);
         if bytes.is_empty() {
             return Ok(table);
         }
-        let mut rest = bytes
-            .strip_prefix(&MAGIC[..])
-            .ok_or("not an extent table (wrong magic)")?;
-        let mut take = |n: usize| -> Result<&[u8], String> {
+        let mut rest = bytes.strip_prefix(&MAGIC[..]).ok_or(BadTable::Magic)?;
+        let mut take = |n: usize| -> Result<&[u8], BadTable> {
             if rest.len() < n {
-                return Err("truncated".into());
+                return Err(BadTable::Truncated);
             }
             let (head, tail) = rest.split_at(n);
             rest = tail;
@@ -177,18 +181,20 @@ impl ExtentTable {
             let owner = u32_at(take(4)?);
             let len = u32_at(take(4)?) as usize;
             if len == 0 || len > MAX_RUN_BYTES {
-                return Err(format!("entry {i}: name of {len} bytes"));
+                return Err(BadTable::NameLength { entry: i, len });
             }
             let run = String::from_utf8(take(len)?.to_vec())
-                .map_err(|_| format!("entry {i}: name is not UTF-8"))?;
+                .map_err(|_| BadTable::NameNotUtf8 { entry: i })?;
             let end = start_lba
                 .checked_add(blocks)
                 .filter(|&end| blocks > 0 && start_lba >= previous_end && end <= end_lba)
-                .ok_or_else(|| {
-                    format!(
-                        "entry {i} ({run}): blocks {start_lba}+{blocks} overlap another or leave \
-                         [{first_lba}, {end_lba})"
-                    )
+                .ok_or_else(|| BadTable::Outside {
+                    entry: i,
+                    run: run.clone(),
+                    start_lba,
+                    blocks,
+                    first_lba,
+                    end_lba,
                 })?;
             previous_end = end;
             table.entries.push(ExtentEntry {
@@ -199,10 +205,37 @@ impl ExtentTable {
             });
         }
         if !rest.is_empty() {
-            return Err(format!("{} bytes after the last entry", rest.len()));
+            return Err(BadTable::Trailing(rest.len()));
         }
         Ok(table)
     }
+}
+
+/// Why bytes are not an extent table.
+#[derive(Debug, thiserror::Error)]
+enum BadTable {
+    #[error("not an extent table (wrong magic)")]
+    Magic,
+    #[error("truncated")]
+    Truncated,
+    #[error("entry {entry}: name of {len} bytes")]
+    NameLength { entry: u32, len: usize },
+    #[error("entry {entry}: name is not UTF-8")]
+    NameNotUtf8 { entry: u32 },
+    #[error(
+        "entry {entry} ({run}): blocks {start_lba}+{blocks} overlap another or leave \
+         [{first_lba}, {end_lba})"
+    )]
+    Outside {
+        entry: u32,
+        run: String,
+        start_lba: u64,
+        blocks: u64,
+        first_lba: u64,
+        end_lba: u64,
+    },
+    #[error("{0} bytes after the last entry")]
+    Trailing(usize),
 }
 
 /// The table on its namespace: read at open, written back (committed) by every change.
@@ -367,7 +400,9 @@ mod tests {
         longer.push(0);
         assert!(ExtentTable::decode(&longer, 2048, 1 << 20, 4096).is_err());
         // An extent past the namespace's end (a smaller device) is refused, not trusted.
-        let small = ExtentTable::decode(&bytes, 2048, 4096, 4096).unwrap_err();
+        let small = ExtentTable::decode(&bytes, 2048, 4096, 4096)
+            .unwrap_err()
+            .to_string();
         assert!(small.contains("/home/ann/runs/r1"), "{small}");
     }
 }

@@ -4,6 +4,7 @@
 use std::fmt;
 
 use legend_model::Dtype;
+use legend_model::partition::partition_range;
 
 use crate::error::StoreError;
 
@@ -96,18 +97,6 @@ impl StoreSpec {
     }
 }
 
-/// Rows per partition: ⌈V/N⌉.
-pub fn rows_per_partition(num_nodes: u64, num_partitions: u32) -> u64 {
-    num_nodes.div_ceil(u64::from(num_partitions))
-}
-
-/// The node ids of partition `p`: `[p·⌈V/N⌉, min(V, (p+1)·⌈V/N⌉))`.
-pub fn partition_nodes(num_nodes: u64, num_partitions: u32, p: u32) -> std::ops::Range<u64> {
-    let q = rows_per_partition(num_nodes, num_partitions);
-    let start = (u64::from(p) * q).min(num_nodes);
-    start..(start + q).min(num_nodes)
-}
-
 /// One region of the store: a partition or the auxiliary region.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Extent {
@@ -170,7 +159,7 @@ impl Layout {
         };
         let mut partitions = Vec::with_capacity(spec.num_partitions as usize);
         for p in 0..spec.num_partitions {
-            let nodes = partition_nodes(spec.num_nodes, spec.num_partitions, p);
+            let nodes = partition_range(spec.num_nodes, spec.num_partitions, p);
             let rows = nodes.end - nodes.start;
             let bytes = spec.partition_bytes(rows).ok_or_else(overflow)?;
             let first = take(bytes)?;
@@ -256,14 +245,6 @@ mod tests {
             progress_capacity: 0,
             shadow,
         }
-    }
-
-    #[test]
-    fn rows_follow_ceiling_split() {
-        assert_eq!(partition_nodes(10, 4, 0), 0..3);
-        assert_eq!(partition_nodes(10, 4, 3), 9..10);
-        // More partitions than ⌈V/N⌉ can fill: the tail ones are empty.
-        assert_eq!(partition_nodes(9, 4, 3), 9..9);
     }
 
     proptest! {

@@ -36,6 +36,7 @@
 mod buffer;
 mod error;
 mod extents;
+mod io;
 mod layout;
 mod medium;
 mod nvme;
@@ -49,16 +50,17 @@ mod uring;
 pub use buffer::{IO_ALIGN, IoBuffer};
 pub use error::StoreError;
 pub use extents::{EXTENT_ALIGN, ExtentEntry, ExtentTable, Extents};
+pub use io::IoConfig;
 pub use layout::{
     BASE_ALIGN, DatasetId, Extent, Layout, MAX_LABEL_BYTES, MAX_PARTITIONS, MAX_PROGRESS_BYTES,
-    SUPERBLOCK_SLOT_BYTES, StoreSpec, partition_nodes, rows_per_partition,
+    SUPERBLOCK_SLOT_BYTES, StoreSpec,
 };
 pub use legend_model::Dtype;
 pub use medium::Target;
 pub use nvme::NvmeTarget;
 pub use signature::{HEAD_BYTES, foreign_signature};
 pub use store::{
-    CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoConfig, IoPiece, IoRequest, Region, Store,
-    new_store_id, store_id_hex,
+    CreateOptions, DEFAULT_STRIPE_BYTES, Expect, IoPiece, IoRequest, Region, Store, new_store_id,
+    store_id_hex,
 };
 pub use stripe::member_bytes;

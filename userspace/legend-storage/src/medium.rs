@@ -4,14 +4,12 @@
 
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::Arc;
 
 use legend_fs::Dir;
 
-use crate::buffer::RawAlloc;
 use crate::error::StoreError;
+use crate::io::{IoConfig, MediumIo};
 use crate::nvme::{NvmeQueues, NvmeTarget};
-use crate::store::IoConfig;
 use crate::target_file::TargetFile;
 use crate::uring::Ring;
 
@@ -30,15 +28,6 @@ pub enum Target<'a> {
     },
     /// A namespace of an NVMe controller, through its queue pairs.
     Nvme(&'a NvmeTarget),
-}
-
-/// One transfer between a buffer, from its byte `buf_offset`, and the medium.
-pub(crate) struct MediumIo<'a> {
-    pub(crate) raw: &'a Arc<RawAlloc>,
-    pub(crate) buf_offset: u64,
-    pub(crate) offset: u64,
-    pub(crate) len: u64,
-    pub(crate) write: bool,
 }
 
 /// The opened target.
@@ -61,34 +50,39 @@ impl Medium {
         create: bool,
         io: &IoConfig,
     ) -> Result<Self, StoreError> {
-        match target {
-            Target::Path(_) | Target::In { .. } => {
-                let dev = TargetFile::open(target, create, io.allow_buffered)?;
-                let ring = Ring::new(
-                    dev.file.as_raw_fd(),
-                    io.queue_depth.max(1),
-                    io.registered_buffers,
-                )
-                .map_err(|(what, source)| StoreError::Uring {
-                    path: dev.path.clone(),
-                    what,
+        let dev = match target {
+            Target::Path(path) => {
+                let (dir, name) = Dir::open_parent(path).map_err(|source| StoreError::Io {
+                    path: path.to_path_buf(),
+                    what: "open",
                     source,
                 })?;
-                let request_bytes = u64::from(io.request_bytes)
-                    .max(dev.block_size)
-                    .next_multiple_of(dev.block_size);
-                Ok(Medium::File {
-                    ring,
-                    dev,
-                    request_bytes,
-                })
+                TargetFile::open(&dir, name, create, io.allow_buffered)?
             }
-            Target::Nvme(t) => Ok(Medium::Nvme(NvmeQueues::open(
-                t,
-                io.queue_depth,
-                io.command_timeout,
-            )?)),
-        }
+            Target::In { dir, name } => TargetFile::open(dir, name, create, io.allow_buffered)?,
+            Target::Nvme(t) => {
+                let queues = NvmeQueues::open(t, io.queue_depth, io.command_timeout)?;
+                return Ok(Medium::Nvme(queues));
+            }
+        };
+        let ring = Ring::new(
+            dev.file.as_raw_fd(),
+            io.queue_depth.max(1),
+            io.registered_buffers,
+        )
+        .map_err(|(what, source)| StoreError::Uring {
+            path: dev.path.clone(),
+            what,
+            source,
+        })?;
+        let request_bytes = u64::from(io.request_bytes)
+            .max(dev.block_size)
+            .next_multiple_of(dev.block_size);
+        Ok(Medium::File {
+            ring,
+            dev,
+            request_bytes,
+        })
     }
 
     /// How messages name the target.

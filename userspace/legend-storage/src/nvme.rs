@@ -22,7 +22,7 @@ use legend_nvme_protocol::{
 
 use crate::buffer::{IoBuffer, RawAlloc};
 use crate::error::StoreError;
-use crate::medium::MediumIo;
+use crate::io::MediumIo;
 
 /// Where a store lives on an NVMe controller.
 #[derive(Clone)]
@@ -223,20 +223,17 @@ impl NvmeQueues {
         let label = target.label();
         let ctrl = target.controller.clone();
         let info = ctrl.info().map_err(nvme_err(&label, "INFO"))?;
-        let ns = info.namespaces[..info.num_namespaces as usize]
-            .iter()
-            .find(|n| n.nsid == target.namespace)
-            .ok_or_else(|| {
-                StoreError::InvalidSpec(format!(
-                    "{}: the controller has no namespace {} (it has {:?})",
-                    label.display(),
-                    target.namespace,
-                    info.namespaces[..info.num_namespaces as usize]
-                        .iter()
-                        .map(|n| n.nsid)
-                        .collect::<Vec<_>>()
-                ))
-            })?;
+        let ns = legend_nvme::namespace(&info, target.namespace).ok_or_else(|| {
+            StoreError::InvalidSpec(format!(
+                "{}: the controller has no namespace {} (it has {:?})",
+                label.display(),
+                target.namespace,
+                legend_nvme::namespaces(&info)
+                    .iter()
+                    .map(|n| n.nsid)
+                    .collect::<Vec<_>>()
+            ))
+        })?;
         if ns.lba_shift < 9 || ns.lba_shift > 12 {
             return Err(StoreError::InvalidSpec(format!(
                 "{}: LBA size 2^{} B is not supported (512 B to 4 KiB)",

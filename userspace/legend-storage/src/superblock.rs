@@ -223,7 +223,7 @@ impl Superblock {
         w.u32(140, self.aux_state.bits());
         w.u64(
             144,
-            crate::layout::rows_per_partition(s.num_nodes, s.num_partitions),
+            legend_model::partition::rows_per_partition(s.num_nodes, s.num_partitions),
         );
         w.u64(152, l.align);
         w.u64(160, l.total_bytes);

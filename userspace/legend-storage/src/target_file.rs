@@ -11,7 +11,6 @@ use legend_fs::{Access, Dir};
 
 use crate::buffer::IoBuffer;
 use crate::error::StoreError;
-use crate::medium::Target;
 
 /// `BLKSSZGET` (linux/fs.h): logical sector size of a block device, as int.
 const BLKSSZGET: libc::c_ulong = 0x1268;
@@ -39,26 +38,15 @@ fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> S
 }
 
 impl TargetFile {
-    /// Opens the file or block device of `target` read-write, with `O_DIRECT` when the file
-    /// system allows it. `create` creates a missing regular file.
+    /// Opens the file or block device `name` beneath `dir` read-write, with `O_DIRECT` when
+    /// the file system allows it. `create` creates a missing regular file.
     pub(crate) fn open(
-        target: &Target<'_>,
+        dir: &Dir,
+        name: &Path,
         create: bool,
         allow_buffered: bool,
     ) -> Result<Self, StoreError> {
-        let (dir, name, path) = match *target {
-            Target::Path(path) => {
-                let (dir, name) = Dir::open_parent(path).map_err(io_err(path, "open"))?;
-                let path = dir.join(name);
-                (dir, name, path)
-            }
-            Target::In { dir, name } => (
-                dir.try_clone().map_err(io_err(&dir.join(name), "open"))?,
-                name,
-                dir.join(name),
-            ),
-            Target::Nvme(_) => unreachable!("NVMe targets have no file"),
-        };
+        let path = dir.join(name);
         let path = path.as_path();
         let access = if create {
             Access::ReadWriteCreate

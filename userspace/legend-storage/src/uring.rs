@@ -13,7 +13,7 @@ use std::sync::Arc;
 use io_uring::{IoUring, opcode, squeue, types};
 
 use crate::buffer::RawAlloc;
-use crate::medium::MediumIo;
+use crate::io::MediumIo;
 
 /// One request: a contiguous, block-aligned piece of a region.
 #[derive(Debug)]

@@ -15,7 +15,7 @@ use std::process::Command;
 use common::{argv, bin, s, train_args};
 use legend_dataset::{Dataset, Split};
 use legend_engine::config::Config;
-use legend_engine::memory::HostEstimate;
+use legend_engine::footprint::HostEstimate;
 
 const DIM: u64 = 64;
 

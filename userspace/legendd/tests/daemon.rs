@@ -836,6 +836,32 @@ fn a_new_run_over_an_existing_one_is_refused_at_submission() {
 }
 
 #[test]
+fn a_job_on_more_gpus_than_the_daemon_schedules_is_refused_at_submission() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    // No GPU for this daemon, whatever the machine has.
+    let d = Daemon::start_with(dir.path(), |c| {
+        c.env("CUDA_VISIBLE_DEVICES", "");
+    });
+    let mut c = d.client();
+    let spec = train_spec_with(
+        &ds,
+        &dir.path().join("run"),
+        1,
+        &[
+            "training.gpus=4",
+            "training.device=\"cuda:0\"",
+            "storage.backend=\"memory\"",
+        ],
+    );
+    let why = refusal(c.call(Request::Submit { job: spec }));
+    assert!(
+        why.contains("training.gpus = 4") && why.contains("schedules 0 GPUs"),
+        "{why}"
+    );
+}
+
+#[test]
 fn one_user_cannot_take_the_connections() {
     if !may_switch_uids("one_user_cannot_take_the_connections") {
         return;

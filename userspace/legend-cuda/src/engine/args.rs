@@ -97,7 +97,7 @@ impl GemmArgs {
     }
 }
 
-/// The rows of a launch group (`LegendJobs` in `kernels/train.cu`).
+/// The rows of a launch group (`LegendJobs` in `kernels/train_queries.cu`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(super) struct JobArgs {
@@ -113,7 +113,7 @@ pub(super) struct JobArgs {
     pub(super) decoder: i32,
     /// The first inverse relation row (reciprocal relations), 0 without them.
     pub(super) inverse: u32,
-    /// The regulariser's number (`PENALTY_CODES`) and weight (`LegendPenalty`).
+    /// The regulariser's number (`kernel_abi::PENALTY_CODES`) and weight (`LegendPenalty`).
     pub(super) penalty: i32,
     pub(super) penalty_weight: f32,
     pub(super) pad: u32,
@@ -123,7 +123,7 @@ pub(super) struct JobArgs {
 // 4-byte fields: no padding).
 unsafe impl DeviceRepr for JobArgs {}
 
-/// In-place AdaGrad for node rows used once (`LegendDirect` in `kernels/train.cu`): the
+/// In-place AdaGrad for node rows used once (`LegendDirect` in `kernels/train_backward.cu`): the
 /// node table's state and use counts (a null `uses` sends every row through the gradient
 /// table), the optimizer's settings, and the rounding of the rows it updates.
 #[repr(C)]

@@ -5,11 +5,12 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use legend_model::{Comparator, Decoder};
 
 use super::args::FusedArgs;
-use super::{GpuBatchEngine, Path, blocks, loss_code};
+use super::{GpuBatchEngine, Path, blocks};
 use crate::error::DriverContext;
-use crate::gpu::{
-    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_TILE, FusedKernels, fused_dim_pad, fused_k_pad,
-    fused_rows_pad,
+use crate::gpu::FusedKernels;
+use crate::kernel_abi::{
+    FUSED_BLOCK_ROWS, FUSED_NEG_BLOCK, FUSED_TILE, fused_dim_pad, fused_k_pad, fused_rows_pad,
+    loss_code,
 };
 use crate::{Gpu, GpuError};
 
@@ -154,49 +155,9 @@ impl GpuBatchEngine {
         let (loss, margin, _) = loss_code(self.model.loss);
         let (d, k, max_rows) = (self.model.dim, self.shape.negatives, self.max_rows);
         let dim_pad = fused_dim_pad(kernels.width);
-        let (g032, k32, d32, pad32) = (g0 as u32, k as u32, d as u32, dim_pad as u32);
+        let (k32, d32, pad32) = (k as u32, d as u32, dim_pad as u32);
         let (rows, mr32) = (gpu.ptr(&self.rows) + 4 * g0 as u64, max_rows as u32);
-        let mut b = gpu.stream().launch_builder(&gpu.kernels.fused_absmax);
-        b.arg(&self.negs)
-            .arg(&g032)
-            .arg(&k32)
-            .arg(&d32)
-            .arg(emb)
-            .arg(&absmax);
-        let cfg = LaunchConfig {
-            grid_dim: (FUSED_ABSMAX_BLOCKS, gz, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: negs holds 2·chunks·k ids below the table's rows, absmax two words a job
-        // of the group (the queries' maxima already added by legend_queries).
-        unsafe { b.launch(cfg) }.during("launching legend_fused_absmax")?;
-        // TransE L2's column of ones in the negatives (none: past every row).
-        let ones = if f.transe.is_some() {
-            d32 + 1
-        } else {
-            u32::MAX
-        };
-        let mut b = gpu
-            .stream()
-            .launch_builder(&gpu.kernels.gather_negatives_half);
-        b.arg(&self.negs)
-            .arg(&g032)
-            .arg(&k32)
-            .arg(&d32)
-            .arg(&pad32)
-            .arg(&ones)
-            .arg(emb)
-            .arg(&absmax)
-            .arg(&neg_half);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks(fused_k_pad(k) * dim_pad / 2, 256), gz, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_half holds group ×
-        // fused_k_pad(k) rows of dim_pad / 2 pairs.
-        unsafe { b.launch(cfg) }.during("launching legend_gather_negatives_half")?;
+        self.half_negatives(gpu, emb, f, g0, gz)?;
         let (query_norm, neg_norm, nearest, query_weight, neg_weight) = match &f.transe {
             Some(t) => {
                 self.negative_norms(gpu, emb, t, g0, gz)?;
@@ -291,6 +252,64 @@ impl GpuBatchEngine {
         // 64-row tiles, all inside the blocks of rows the rows kernel ran).
         unsafe { b.launch(cfg) }.during("launching the fused negatives kernel")?;
         self.mark(gpu, "fused_negatives")?;
+        Ok(())
+    }
+
+    /// The group's negatives in FP16 for the fused kernels: their scales (the largest
+    /// magnitudes, beside the queries' that legend_queries added), then the scaled rows.
+    fn half_negatives(
+        &self,
+        gpu: &Gpu,
+        emb: &CudaSlice<f32>,
+        f: &FusedBuffers,
+        g0: usize,
+        gz: u32,
+    ) -> Result<(), GpuError> {
+        let (neg_half, absmax) = (gpu.ptr(&f.neg_half), gpu.ptr(&f.absmax));
+        let (d, k) = (self.model.dim, self.shape.negatives);
+        let dim_pad = fused_dim_pad(gpu.kernels.fused[f.which].width);
+        let (g032, k32, d32, pad32) = (g0 as u32, k as u32, d as u32, dim_pad as u32);
+        let mut b = gpu.stream().launch_builder(&gpu.kernels.fused_absmax);
+        b.arg(&self.negs)
+            .arg(&g032)
+            .arg(&k32)
+            .arg(&d32)
+            .arg(emb)
+            .arg(&absmax);
+        let cfg = LaunchConfig {
+            grid_dim: (FUSED_ABSMAX_BLOCKS, gz, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: negs holds 2·chunks·k ids below the table's rows, absmax two words a job
+        // of the group (the queries' maxima already added by legend_queries).
+        unsafe { b.launch(cfg) }.during("launching legend_fused_absmax")?;
+        // TransE L2's column of ones in the negatives (none: past every row).
+        let ones = if f.transe.is_some() {
+            d32 + 1
+        } else {
+            u32::MAX
+        };
+        let mut b = gpu
+            .stream()
+            .launch_builder(&gpu.kernels.gather_negatives_half);
+        b.arg(&self.negs)
+            .arg(&g032)
+            .arg(&k32)
+            .arg(&d32)
+            .arg(&pad32)
+            .arg(&ones)
+            .arg(emb)
+            .arg(&absmax)
+            .arg(&neg_half);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(fused_k_pad(k) * dim_pad / 2, 256), gz, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: negs holds 2·chunks·k ids below the table's rows; neg_half holds group ×
+        // fused_k_pad(k) rows of dim_pad / 2 pairs.
+        unsafe { b.launch(cfg) }.during("launching legend_gather_negatives_half")?;
         Ok(())
     }
 

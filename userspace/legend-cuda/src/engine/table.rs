@@ -132,11 +132,6 @@ impl DeviceTable {
         &self.state
     }
 
-    /// The AdaGrad state, writable.
-    pub fn state_mut(&mut self) -> &mut CudaSlice<f32> {
-        &mut self.state
-    }
-
     /// Host copies of the embeddings and the state (waits for the device).
     pub fn download(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
         Ok((gpu.download(&self.emb)?, gpu.download(&self.state)?))

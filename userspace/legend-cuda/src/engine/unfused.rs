@@ -5,9 +5,9 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use legend_model::{ChunkModel, Comparator, Decoder};
 
 use super::args::{GemmArgs, Matrices};
-use super::{GpuBatchEngine, Path, blocks, loss_code};
+use super::{GpuBatchEngine, Path, blocks};
 use crate::error::DriverContext;
-use crate::gpu::GEMM_SMEM;
+use crate::kernel_abi::{GEMM_SMEM, loss_code};
 use crate::{Gpu, GpuError};
 
 /// Output tile edge of the product kernels.

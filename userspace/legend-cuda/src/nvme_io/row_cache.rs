@@ -1,6 +1,6 @@
 //! Rows of a table on the namespace, looked up by GPU threads through a software cache in GPU
 //! memory whose misses the threads read through the queue pairs themselves (issue 32, the
-//! AGILE row): `kernels/nvme_io.cu`'s `legend_row_cache_lookup`, which says how it works and
+//! AGILE row): `kernels/row_cache.cu`'s `legend_row_cache_lookup`, which says how it works and
 //! why it cannot deadlock on SQ space.
 //!
 //! A [`RowCache`] owns a [`GpuIo`] (its queue pairs: one thread block each, whose first warp
@@ -14,11 +14,13 @@
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use legend_nvme_protocol::MAX_DEPTH;
 
-use super::{BlocksRunning, GpuIo, IoResult};
+use super::GpuIo;
+use super::abi::IoResult;
+use super::run::BlocksRunning;
 use crate::error::DriverContext;
 use crate::{Gpu, GpuError};
 
-/// `LegendCacheTable` of `kernels/nvme_io.cu`.
+/// `LegendCacheTable` of `kernels/row_cache.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct CacheTable {

@@ -29,7 +29,7 @@ use rayon::prelude::*;
 use super::{BucketRef, ComputeBackend, PendingRelations, RowSink, Step};
 use crate::config::Config;
 use crate::error::TrainError;
-use crate::memory::{GpuEstimate, gib};
+use crate::footprint::{GpuEstimate, gib};
 use crate::relations::Relations;
 use crate::swap::gpu::DeviceSlots;
 use crate::swap::{Fence, HostRows};

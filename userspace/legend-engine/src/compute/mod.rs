@@ -58,8 +58,10 @@ impl Step<'_> {
     }
 }
 
-/// Receives a partition's rows a piece at a time: embeddings, then the same rows' state.
-pub type RowSink<'a> = dyn FnMut(&[f32], &[f32]) -> Result<(), TrainError> + 'a;
+/// Receives a partition's rows a piece at a time: embeddings, then the same rows' state. Its
+/// error, whatever the receiver's concern, ends the stream as [`TrainError::Sink`].
+pub type RowSink<'a> =
+    dyn FnMut(&[f32], &[f32]) -> Result<(), Box<dyn std::error::Error + Send + Sync>> + 'a;
 
 /// A compute engine driven by the trainer's epoch loop (see the module docs for the order of
 /// the calls).

@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 
+use legend_cuda::Gpu;
+use legend_cuda::nvme_io::{CudaDeviceMemory, RingPlacement};
 use legend_nvme::{Controller, Device};
 pub use legend_nvme_proxy::DeviceModel;
 use legend_nvme_proxy::{Proxy, ProxyOptions};
@@ -27,6 +29,33 @@ impl SharedController {
         match self {
             SharedController::Device(d) => d.clone(),
             SharedController::Proxy(p) => p.clone(),
+        }
+    }
+
+    /// How the GPU I/O kernels on `gpu` reach this controller, the one way every user of them
+    /// sets it up: a proxy's queues live in pinned host memory, and it moves the kernels' data
+    /// with `gpu`'s copy engine (attached here); a real controller's queues live in GPU memory,
+    /// which it reads and writes peer to peer.
+    ///
+    /// # Errors
+    ///
+    /// The copy engine cannot be made, or the proxy refuses it.
+    pub fn gpu_placement(&self, gpu: &Gpu) -> Result<RingPlacement, PartitionStoreError> {
+        match self {
+            SharedController::Proxy(p) => {
+                let memory =
+                    CudaDeviceMemory::new(gpu).map_err(|e| PartitionStoreError::Controller {
+                        what: "setting up the proxy controller's copies".into(),
+                        source: Box::new(e),
+                    })?;
+                p.attach_device(Arc::new(memory))
+                    .map_err(|e| PartitionStoreError::Controller {
+                        what: "attaching the GPU to the proxy controller".into(),
+                        source: Box::new(e),
+                    })?;
+                Ok(RingPlacement::Host)
+            }
+            SharedController::Device(_) => Ok(RingPlacement::Device),
         }
     }
 }

@@ -334,6 +334,11 @@ impl FileStore {
         Ok(self.store.mark_written(Region::Partition(p))?)
     }
 
+    /// How messages name the store: its member's path, or every member's.
+    pub fn path(&self) -> &Path {
+        self.store.path()
+    }
+
     /// The store's layout parameters (nodes, dimension, dtype, partitions), read-only: for a
     /// reader that moves the partitions itself (legend-query's GPU row cache).
     pub fn spec(&self) -> &StoreSpec {
@@ -571,13 +576,13 @@ pub fn encode_relations(emb: &[f32], state: &[f32]) -> Vec<u8> {
 impl FileStore {
     /// Calls `f` with each partition's rows in order, through the swap path (the next one
     /// read while `f` has the last; at most two in memory); never-written partitions hold their
-    /// initial rows, drawn by `init`. An error from `f` ends the walk and is returned as
-    /// [`PartitionStoreError::Invalid`].
-    pub fn for_each_partition(
+    /// initial rows, drawn by `init`. An error from `f` ends the walk and is returned as it
+    /// is; the store's own become `E`.
+    pub fn for_each_partition<E: From<PartitionStoreError>>(
         self,
         init: legend_model::Init,
-        f: impl FnMut(&crate::rows::Partition) -> Result<(), String>,
-    ) -> Result<(), PartitionStoreError> {
+        f: impl FnMut(&crate::rows::Partition) -> Result<(), E>,
+    ) -> Result<(), E> {
         self.require_checkpoint()?;
         let spec = self.store.spec();
         let shape = RowShape {
@@ -611,7 +616,7 @@ impl FileStore {
         let spec = self.store.spec();
         let (dim, dtype, nodes) = (spec.dim as usize, spec.dtype, spec.num_nodes);
         let row_bytes = (dim * dtype.bytes()) as u64;
-        let per_part = legend_storage::rows_per_partition(nodes, spec.num_partitions);
+        let per_part = legend_model::partition::rows_per_partition(nodes, spec.num_partitions);
         assert_eq!(out.len(), ids.len() * dim, "one row of out per id");
         if let Some(&bad) = ids.iter().find(|&&id| id >= nodes) {
             return Err(PartitionStoreError::Invalid(format!(
@@ -702,7 +707,7 @@ impl FileStore {
         self.for_each_partition(init, |part| {
             entities.extend_from_slice(&part.emb);
             entities_state.extend_from_slice(&part.state);
-            Ok(())
+            Ok::<_, PartitionStoreError>(())
         })?;
         Ok(Tables {
             entities,

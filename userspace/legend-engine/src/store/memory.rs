@@ -13,19 +13,19 @@ use crate::rows::RowShape;
 
 /// A partition's embeddings as a memory store keeps them.
 #[derive(Debug)]
-pub enum Embeddings {
+pub enum StoredEmbeddings {
     /// f32 values (`storage.dtype = "f32"`): moved in and out of the store, never copied.
     F32(Vec<f32>),
     /// The bits of 16-bit values (`bf16`, `f16`): converted on the way in and out.
     Bits16(Vec<u16>),
 }
 
-impl Embeddings {
+impl StoredEmbeddings {
     /// Values in the store.
     pub fn len(&self) -> usize {
         match self {
-            Embeddings::F32(v) => v.len(),
-            Embeddings::Bits16(v) => v.len(),
+            StoredEmbeddings::F32(v) => v.len(),
+            StoredEmbeddings::Bits16(v) => v.len(),
         }
     }
 
@@ -40,7 +40,7 @@ impl Embeddings {
 #[derive(Default)]
 pub struct MemoryStore {
     dtype: Dtype,
-    parts: FxHashMap<u32, (Embeddings, Vec<f32>)>,
+    parts: FxHashMap<u32, (StoredEmbeddings, Vec<f32>)>,
 }
 
 impl MemoryStore {
@@ -80,13 +80,13 @@ impl MemoryStore {
     }
 
     /// The store's form of `values`.
-    fn at_rest(&self, values: Vec<f32>) -> Embeddings {
+    fn at_rest(&self, values: Vec<f32>) -> StoredEmbeddings {
         if !self.dtype.is_narrow() {
-            return Embeddings::F32(values);
+            return StoredEmbeddings::F32(values);
         }
         let mut bits = vec![0u16; values.len()];
         narrow(self.dtype, &values, bytemuck::cast_slice_mut(&mut bits));
-        Embeddings::Bits16(bits)
+        StoredEmbeddings::Bits16(bits)
     }
 
     /// The format it keeps embeddings in.
@@ -104,13 +104,13 @@ impl MemoryStore {
 }
 
 /// `emb` widened into `out` (resized).
-pub(crate) fn widen_into(dtype: Dtype, emb: &Embeddings, out: &mut Vec<f32>) {
+pub(crate) fn widen_into(dtype: Dtype, emb: &StoredEmbeddings, out: &mut Vec<f32>) {
     match emb {
-        Embeddings::F32(v) => {
+        StoredEmbeddings::F32(v) => {
             out.clear();
             out.extend_from_slice(v);
         }
-        Embeddings::Bits16(bits) => {
+        StoredEmbeddings::Bits16(bits) => {
             out.resize(bits.len(), 0.0);
             widen(dtype, bytemuck::cast_slice(bits), out);
         }
@@ -125,12 +125,12 @@ impl PartitionStore for MemoryStore {
         state: &mut [f32],
     ) -> Result<bool, PartitionStoreError> {
         match self.parts.get(&p) {
-            Some((Embeddings::F32(e), s)) => {
+            Some((StoredEmbeddings::F32(e), s)) => {
                 emb.copy_from_slice(e);
                 state.copy_from_slice(s);
                 Ok(true)
             }
-            Some((Embeddings::Bits16(bits), s)) => {
+            Some((StoredEmbeddings::Bits16(bits), s)) => {
                 widen(self.dtype, bytemuck::cast_slice(bits), emb);
                 state.copy_from_slice(s);
                 Ok(true)
@@ -143,18 +143,18 @@ impl PartitionStore for MemoryStore {
         true
     }
 
-    fn take_stored(&mut self, p: u32) -> Option<(Embeddings, Vec<f32>)> {
+    fn take_stored(&mut self, p: u32) -> Option<(StoredEmbeddings, Vec<f32>)> {
         self.parts.remove(&p)
     }
 
     fn keep_stored(
         &mut self,
         p: u32,
-        emb: Embeddings,
+        emb: StoredEmbeddings,
         state: Vec<f32>,
     ) -> Result<(), PartitionStoreError> {
         let emb = match emb {
-            Embeddings::F32(v) if self.dtype.is_narrow() => self.at_rest(v),
+            StoredEmbeddings::F32(v) if self.dtype.is_narrow() => self.at_rest(v),
             other => other,
         };
         self.parts.insert(p, (emb, state));
@@ -166,22 +166,22 @@ impl PartitionStore for MemoryStore {
         let entry = self
             .parts
             .entry(p)
-            .or_insert_with(|| (Embeddings::F32(Vec::new()), Vec::new()));
+            .or_insert_with(|| (StoredEmbeddings::F32(Vec::new()), Vec::new()));
         match (&mut entry.0, dtype.is_narrow()) {
-            (Embeddings::Bits16(bits), true) => {
+            (StoredEmbeddings::Bits16(bits), true) => {
                 bits.resize(emb.len(), 0);
                 narrow(dtype, emb, bytemuck::cast_slice_mut(bits));
             }
             (_, true) => {
                 let mut bits = vec![0u16; emb.len()];
                 narrow(dtype, emb, bytemuck::cast_slice_mut(&mut bits));
-                entry.0 = Embeddings::Bits16(bits);
+                entry.0 = StoredEmbeddings::Bits16(bits);
             }
-            (Embeddings::F32(v), false) => {
+            (StoredEmbeddings::F32(v), false) => {
                 v.clear();
                 v.extend_from_slice(emb);
             }
-            (_, false) => entry.0 = Embeddings::F32(emb.to_vec()),
+            (_, false) => entry.0 = StoredEmbeddings::F32(emb.to_vec()),
         }
         entry.1.clear();
         entry.1.extend_from_slice(state);
@@ -233,14 +233,14 @@ impl PartitionStore for SharedMemoryStore {
         true
     }
 
-    fn take_stored(&mut self, p: u32) -> Option<(Embeddings, Vec<f32>)> {
+    fn take_stored(&mut self, p: u32) -> Option<(StoredEmbeddings, Vec<f32>)> {
         self.lock().take_stored(p)
     }
 
     fn keep_stored(
         &mut self,
         p: u32,
-        emb: Embeddings,
+        emb: StoredEmbeddings,
         state: Vec<f32>,
     ) -> Result<(), PartitionStoreError> {
         self.lock().keep_stored(p, emb, state)
@@ -262,7 +262,7 @@ mod tests {
             let scheme = PartitionScheme::new(entities, n).unwrap();
             let mut store = MemoryStore::from_tables(scheme, shape, emb.clone(), state.clone());
             for p in 0..n {
-                let Some((Embeddings::F32(e), s)) = store.take_stored(p) else {
+                let Some((StoredEmbeddings::F32(e), s)) = store.take_stored(p) else {
                     panic!("partition {p} kept as f32");
                 };
                 let rows = scheme.range(p);
@@ -277,7 +277,7 @@ mod tests {
         let scheme = PartitionScheme::new(entities, 1).unwrap();
         let at = emb.as_ptr();
         let mut store = MemoryStore::from_tables(scheme, shape, emb, state);
-        let Some((Embeddings::F32(e), _)) = store.take_stored(0) else {
+        let Some((StoredEmbeddings::F32(e), _)) = store.take_stored(0) else {
             panic!("kept as f32")
         };
         assert_eq!(e.as_ptr(), at);
@@ -303,11 +303,11 @@ mod tests {
         // Written back as f32 values, kept as 16 bits.
         store.write(2, &got, &got_state).unwrap();
         assert_eq!(store.bytes(), entities * (dim as u64 * 2 + 4));
-        let Some((Embeddings::Bits16(bits), _)) = store.take_stored(2) else {
+        let Some((StoredEmbeddings::Bits16(bits), _)) = store.take_stored(2) else {
             panic!("kept as bits")
         };
         let mut back = Vec::new();
-        widen_into(Dtype::Bf16, &Embeddings::Bits16(bits), &mut back);
+        widen_into(Dtype::Bf16, &StoredEmbeddings::Bits16(bits), &mut back);
         assert_eq!(back, got);
     }
 }

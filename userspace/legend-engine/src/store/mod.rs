@@ -11,7 +11,7 @@ pub(crate) mod memory;
 
 pub use file::{FileStore, FileStoreSpec, MemberFile, PROGRESS_CAPACITY, QueuedMember, StoreFile};
 pub use location::{QueueBackend, QueueLocation, StoreMember};
-pub use memory::{Embeddings, MemoryStore, SharedMemoryStore};
+pub use memory::{MemoryStore, SharedMemoryStore, StoredEmbeddings};
 
 /// The store a run's partitions live in while they are not resident, as the session opened
 /// it: the trainer picks the path between it and the engine's slots from it.
@@ -58,7 +58,7 @@ pub trait PartitionStore: Send + 'static {
     /// For a store in memory: gives partition `p`'s rows away as it keeps them (embeddings in
     /// its format, state); `None` when the store does not hold `p` (never written, or another
     /// store kind).
-    fn take_stored(&mut self, _p: u32) -> Option<(Embeddings, Vec<f32>)> {
+    fn take_stored(&mut self, _p: u32) -> Option<(StoredEmbeddings, Vec<f32>)> {
         None
     }
     /// For a store in memory: takes partition `p`'s rows over, as a move when they are in its
@@ -67,12 +67,12 @@ pub trait PartitionStore: Send + 'static {
     fn keep_stored(
         &mut self,
         p: u32,
-        emb: Embeddings,
+        emb: StoredEmbeddings,
         state: Vec<f32>,
     ) -> Result<(), PartitionStoreError> {
         match emb {
-            Embeddings::F32(values) => self.write(p, &values, &state),
-            Embeddings::Bits16(_) => Err(PartitionStoreError::Invalid(format!(
+            StoredEmbeddings::F32(values) => self.write(p, &values, &state),
+            StoredEmbeddings::Bits16(_) => Err(PartitionStoreError::Invalid(format!(
                 "partition {p}: only a memory store keeps rows as 16-bit bits"
             ))),
         }
@@ -81,6 +81,7 @@ pub trait PartitionStore: Send + 'static {
 
 /// A partition store failure, with its cause.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PartitionStoreError {
     /// The on-disk store failed.
     #[error(transparent)]

@@ -3,12 +3,9 @@
 //! ([`GpuDirectMover`]). Both run on the swap's I/O thread with CUDA streams of their own,
 //! ordered against the compute stream by the jobs' fences.
 
-use std::sync::Arc;
 use std::time::Instant;
 
-use legend_cuda::nvme_io::{
-    CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, IoMember, MemberJob, RingPlacement,
-};
+use legend_cuda::nvme_io::{GpuIo, GpuIoJob, GpuIoOptions, IoMember, MemberJob, RingPlacement};
 use legend_cuda::{
     CudaSlice, DEFAULT_CHUNK_BYTES, Gpu, GpuError, RowConverter, RowSpan, Transfer, addr,
 };
@@ -16,8 +13,9 @@ use legend_cuda::{
 use super::host::HostStore;
 use super::{Fence, IoDirection, IoKernelSpan, Moved, Mover, WriteJob};
 use crate::rows::Partition;
-use crate::store::controllers::SharedController;
-use crate::store::{Embeddings, FileStore, PartitionStore, PartitionStoreError, QueuedMember};
+use crate::store::{
+    FileStore, PartitionStore, PartitionStoreError, QueuedMember, StoredEmbeddings,
+};
 
 /// The slots of the GPU engine's node table as its movers reach them: raw device addresses.
 ///
@@ -128,27 +126,27 @@ impl<S: PartitionStore> GpuCopyMover<S> {
     unsafe fn download_stored(
         &mut self,
         span: &RowSpan,
-        stale: Option<(Embeddings, Vec<f32>)>,
-    ) -> Result<(Embeddings, Vec<f32>), GpuError> {
-        let (emb, mut state) = stale.unwrap_or((Embeddings::F32(Vec::new()), Vec::new()));
+        stale: Option<(StoredEmbeddings, Vec<f32>)>,
+    ) -> Result<(StoredEmbeddings, Vec<f32>), GpuError> {
+        let (emb, mut state) = stale.unwrap_or((StoredEmbeddings::F32(Vec::new()), Vec::new()));
         let [(emb_at, emb_bytes), (state_at, state_bytes)] = span.addrs();
         state.resize(state_bytes / 4, 0.0);
         let values = emb_bytes / 4;
         let emb = match &self.narrow {
             None => {
                 let mut v = match emb {
-                    Embeddings::F32(v) => v,
-                    Embeddings::Bits16(_) => Vec::new(),
+                    StoredEmbeddings::F32(v) => v,
+                    StoredEmbeddings::Bits16(_) => Vec::new(),
                 };
                 v.resize(values, 0.0);
                 // SAFETY: the caller's contract; the span is the slot's.
                 unsafe { self.transfer.download_raw(emb_at, &mut v) }?;
-                Embeddings::F32(v)
+                StoredEmbeddings::F32(v)
             }
             Some((converter, staging)) => {
                 let mut bits = match emb {
-                    Embeddings::Bits16(b) => b,
-                    Embeddings::F32(_) => Vec::new(),
+                    StoredEmbeddings::Bits16(b) => b,
+                    StoredEmbeddings::F32(_) => Vec::new(),
                 };
                 bits.resize(values, 0);
                 // SAFETY: as above; the staging buffer is this mover's, and its stream runs one
@@ -157,7 +155,7 @@ impl<S: PartitionStore> GpuCopyMover<S> {
                     converter.narrow(self.transfer.stream(), emb_at, addr(staging), values)?;
                     self.transfer.download_raw(addr(staging), &mut bits)?;
                 }
-                Embeddings::Bits16(bits)
+                StoredEmbeddings::Bits16(bits)
             }
         };
         // SAFETY: as above.
@@ -172,7 +170,7 @@ impl<S: PartitionStore> GpuCopyMover<S> {
     unsafe fn upload_stored(
         &mut self,
         span: &RowSpan,
-        emb: &Embeddings,
+        emb: &StoredEmbeddings,
         state: &[f32],
     ) -> Result<(), GpuError> {
         let [(emb_at, _), (state_at, _)] = span.addrs();
@@ -180,12 +178,12 @@ impl<S: PartitionStore> GpuCopyMover<S> {
         // runs after the upload on its stream.
         unsafe {
             match (emb, &self.narrow) {
-                (Embeddings::F32(v), _) => self.transfer.upload_raw(v, emb_at)?,
-                (Embeddings::Bits16(bits), Some((converter, staging))) => {
+                (StoredEmbeddings::F32(v), _) => self.transfer.upload_raw(v, emb_at)?,
+                (StoredEmbeddings::Bits16(bits), Some((converter, staging))) => {
                     self.transfer.upload_raw(bits, addr(staging))?;
                     converter.widen(self.transfer.stream(), addr(staging), emb_at, bits.len())?;
                 }
-                (Embeddings::Bits16(_), None) => {
+                (StoredEmbeddings::Bits16(_), None) => {
                     return Err(GpuError::Shape(
                         "16-bit rows without their conversion kernels".into(),
                     ));
@@ -407,22 +405,7 @@ impl GpuDirectMover {
 /// The GPU I/O kernels' queues on store member `m`: a proxy's in pinned host memory (it moves
 /// the kernels' data with this GPU's copy engine), a real controller's in GPU memory.
 fn io_member(gpu: &Gpu, m: &QueuedMember) -> Result<IoMember, PartitionStoreError> {
-    let placement = match &m.controller {
-        SharedController::Proxy(p) => {
-            let memory =
-                CudaDeviceMemory::new(gpu).map_err(|e| PartitionStoreError::Controller {
-                    what: "setting up the proxy controller's copies".into(),
-                    source: Box::new(e),
-                })?;
-            p.attach_device(Arc::new(memory))
-                .map_err(|e| PartitionStoreError::Controller {
-                    what: "attaching the GPU to the proxy controller".into(),
-                    source: Box::new(e),
-                })?;
-            RingPlacement::Host
-        }
-        SharedController::Device(_) => RingPlacement::Device,
-    };
+    let placement = m.controller.gpu_placement(gpu)?;
     Ok(IoMember {
         controller: m.controller.controller(),
         options: GpuIoOptions {

@@ -10,7 +10,7 @@ use super::{Fence, Moved, Mover, WriteJob};
 use crate::rows::{Partition, RowMut, RowShape};
 use crate::store::at_rest::narrow;
 use crate::store::memory::widen_into;
-use crate::store::{Embeddings, PartitionStore, PartitionStoreError};
+use crate::store::{PartitionStore, PartitionStoreError, StoredEmbeddings};
 
 /// The CPU engine's resident partitions, by partition: compute reads and updates their rows
 /// in place; a partition's memory travels to the I/O thread with its write and comes back
@@ -149,7 +149,7 @@ impl<S: PartitionStore> HostStore<S> {
         moved: &mut Moved,
     ) -> Result<(Partition, bool), PartitionStoreError> {
         let part = match self.store.take_stored(p) {
-            Some((Embeddings::F32(emb), state)) => Partition { id: p, emb, state },
+            Some((StoredEmbeddings::F32(emb), state)) => Partition { id: p, emb, state },
             Some((bits, state)) => {
                 // 16-bit rows widened into `spare`'s memory; the bits go (the partition is
                 // resident now, and its next write narrows it again).
@@ -185,13 +185,14 @@ impl<S: PartitionStore> HostStore<S> {
         if self.store.in_memory() {
             let Partition { id, emb, state } = part;
             if !self.shape.dtype.is_narrow() {
-                self.store.keep_stored(id, Embeddings::F32(emb), state)?;
+                self.store
+                    .keep_stored(id, StoredEmbeddings::F32(emb), state)?;
                 return Ok(None);
             }
             let mut bits = vec![0u16; emb.len()];
             narrow(self.shape.dtype, &emb, bytemuck::cast_slice_mut(&mut bits));
             self.store
-                .keep_stored(id, Embeddings::Bits16(bits), state)?;
+                .keep_stored(id, StoredEmbeddings::Bits16(bits), state)?;
             return Ok(Some(Partition {
                 id,
                 emb,
@@ -221,7 +222,7 @@ impl<S: PartitionStore> HostStore<S> {
         match self.store.take_stored(p) {
             // Lent, not copied: a checkpoint or an evaluation reads every partition, and a copy
             // of each would raise the run's peak by a partition.
-            Some((Embeddings::F32(emb), state)) => {
+            Some((StoredEmbeddings::F32(emb), state)) => {
                 return Ok((Partition { id: p, emb, state }, true));
             }
             // 16-bit rows: a widened copy; the store keeps its bits.

@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 pub use host::HostRows;
 
 use crate::rows::Partition;
-use crate::store::{Embeddings, PartitionStore, PartitionStoreError};
+use crate::store::{PartitionStore, PartitionStoreError, StoredEmbeddings};
 
 /// A point in a device's queued work: a slot may be written out once the work before it has
 /// run ([`Swapper::evict`]), and compute may use an arrived partition once its copy has run
@@ -592,10 +592,10 @@ impl Swapper {
 /// Calls `f` with every partition of `rest`'s store in order, through the swap path: a read
 /// ahead into a second slot while `f` has the partition before (a checkpoint's export, a query
 /// scan: no reader of its own). A partition never written holds its initial rows.
-pub(crate) fn stream_partitions<S: PartitionStore>(
+pub(crate) fn stream_partitions<S: PartitionStore, E: From<PartitionStoreError>>(
     rest: host::HostStore<S>,
-    mut f: impl FnMut(&Partition) -> Result<(), String>,
-) -> Result<(), PartitionStoreError> {
+    mut f: impl FnMut(&Partition) -> Result<(), E>,
+) -> Result<(), E> {
     let scheme = rest.scheme;
     let in_memory = rest.store.in_memory();
     let mover = Box::new(host::HostMover::new(rest));
@@ -608,10 +608,10 @@ pub(crate) fn stream_partitions<S: PartitionStore>(
             swapper.load(p + 1, None)?;
         }
         let part = swapper.host().partition(p).expect("arrived");
-        f(part).map_err(PartitionStoreError::Invalid)?;
+        f(part)?;
         swapper.discard(p)?;
     }
-    swapper.drain()
+    Ok(swapper.drain()?)
 }
 
 impl Drop for Swapper {
@@ -655,7 +655,7 @@ fn serve(mover: &mut dyn Mover, job: Job) -> Reply {
         Job::Return(part) => (
             mover
                 .store()
-                .keep_stored(part.id, Embeddings::F32(part.emb), part.state)
+                .keep_stored(part.id, StoredEmbeddings::F32(part.emb), part.state)
                 .map(|()| Done::Returned),
             None,
         ),
@@ -896,11 +896,9 @@ mod tests {
                 if part.id == 3 {
                     init().node_row(id, &mut want);
                 }
-                if row != want {
-                    return Err(format!("row {id}: {row:?}, not {want:?}"));
-                }
+                assert_eq!(row, want, "row {id}");
             }
-            Ok(())
+            Ok::<_, PartitionStoreError>(())
         })
         .unwrap();
         assert_eq!(seen, [0, 1, 2, 3, 4]);

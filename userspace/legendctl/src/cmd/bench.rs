@@ -43,7 +43,7 @@ enum What {
 /// Where the I/O goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Backend {
+pub enum BenchBackend {
     /// A file or block device through io_uring (O_DIRECT where the file system allows it).
     File,
     /// The userspace proxy controller over a file or block device, through NVMe queues.
@@ -87,7 +87,7 @@ pub enum Op {
 pub struct IoArgs {
     /// The target's kind.
     #[arg(long, value_enum, default_value = "file")]
-    pub backend: Backend,
+    pub backend: BenchBackend,
     /// A file or block device (`file`, `proxy`), or the device node (`nvme`); repeated, the
     /// targets are driven at once (CPU submitters), as the members of a striped store are.
     #[arg(long = "path", required = true)]
@@ -182,7 +182,7 @@ impl Samples {
 /// The report.
 #[derive(Serialize)]
 struct Report {
-    backend: Backend,
+    backend: BenchBackend,
     submitter: Submitter,
     pattern: Pattern,
     op: Op,
@@ -305,6 +305,32 @@ impl Span {
     }
 }
 
+/// Zeroed, page-aligned memory a submitter's requests or queues live in, freed on drop.
+struct PageMemory {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl PageMemory {
+    /// `bytes` (non-zero) of memory for `what`, which a failure names.
+    fn new(bytes: usize, what: &str) -> anyhow::Result<PageMemory> {
+        let layout = std::alloc::Layout::from_size_align(bytes, 4096)?;
+        // SAFETY: a non-zero size (checked by the caller's arguments).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            bail!("cannot allocate {bytes} bytes of {what}");
+        }
+        Ok(PageMemory { ptr, layout })
+    }
+}
+
+impl Drop for PageMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Io(a) => io(a),
@@ -321,7 +347,7 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
             bail!(
                 "{}: no such file or device{}",
                 path.display(),
-                if args.backend == Backend::Nvme {
+                if args.backend == BenchBackend::Nvme {
                     " (is the controller bound to legend_nvme? `legendctl device list`)"
                 } else {
                     ""
@@ -332,7 +358,8 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
             bail!("--path {} is given twice", other.display());
         }
     }
-    if (args.ssd_model.is_some() || args.proxy_threads.is_some()) && args.backend != Backend::Proxy
+    if (args.ssd_model.is_some() || args.proxy_threads.is_some())
+        && args.backend != BenchBackend::Proxy
     {
         bail!("--ssd-model and --proxy-threads set up the proxy: use them with --backend proxy");
     }
@@ -342,7 +369,7 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
     if args.staging.is_some() && args.submitter != Submitter::Gpu {
         bail!("--staging sets up the GPU I/O kernels: use it with --submitter gpu");
     }
-    if args.submitter == Submitter::Gpu && args.backend == Backend::File {
+    if args.submitter == Submitter::Gpu && args.backend == BenchBackend::File {
         bail!("--submitter gpu drives NVMe queues: use --backend proxy or nvme");
     }
     let duration = Duration::from_secs_f64(args.seconds);
@@ -404,8 +431,8 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
         queues: args.queues,
         depth: args.depth,
         ssd_model: args.ssd_model.map(|m| m.to_string()),
-        proxy_threads: (args.backend == Backend::Proxy).then(|| proxy_options(&args).threads),
-        proxy_depth: (args.backend == Backend::Proxy).then_some(args.proxy_depth),
+        proxy_threads: (args.backend == BenchBackend::Proxy).then(|| proxy_options(&args).threads),
+        proxy_depth: (args.backend == BenchBackend::Proxy).then_some(args.proxy_depth),
         staging_bytes: (args.submitter == Submitter::Gpu).then(|| staging(&args)),
         elapsed_s: secs,
         ops: samples.ops,
@@ -466,19 +493,20 @@ fn proxy_options(args: &IoArgs) -> ProxyOptions {
 
 /// The staging slot bytes of `--submitter gpu`.
 fn staging(args: &IoArgs) -> u32 {
-    args.staging
-        .unwrap_or(if args.backend == Backend::Proxy && args.size <= 64 << 10 {
+    args.staging.unwrap_or(
+        if args.backend == BenchBackend::Proxy && args.size <= 64 << 10 {
             args.size as u32
         } else {
             0
-        })
+        },
+    )
 }
 
 /// Runs the benchmark on one target with CPU submitters.
 fn one_target(args: &IoArgs, path: &Path, duration: Duration) -> anyhow::Result<Samples> {
     match args.backend {
-        Backend::File => file::run(args, path, duration),
-        Backend::Proxy | Backend::Nvme => {
+        BenchBackend::File => file::run(args, path, duration),
+        BenchBackend::Proxy | BenchBackend::Nvme => {
             let ctrl = controller(args, path)?;
             queues::run(args, path, ctrl.controller(), duration)
         }
@@ -487,7 +515,7 @@ fn one_target(args: &IoArgs, path: &Path, duration: Duration) -> anyhow::Result<
 
 /// The controller of target `path` (`--backend proxy` or `nvme`).
 fn controller(args: &IoArgs, path: &Path) -> anyhow::Result<controllers::SharedController> {
-    if args.backend == Backend::Proxy {
+    if args.backend == BenchBackend::Proxy {
         // Its own proxy, with the asked-for threads and depth (no other user of the file in
         // this process to share one with).
         let proxy = Proxy::open(path, &proxy_options(args))
@@ -510,22 +538,14 @@ fn name(v: &impl std::fmt::Debug) -> String {
 /// pair with two batches in flight; each launch moves a few batches a block on every target at
 /// once, until the time is up. What each target moved, in `paths` order.
 fn gpu(args: &IoArgs, duration: Duration) -> anyhow::Result<Vec<Samples>> {
-    use legend_cuda::nvme_io::{
-        CudaDeviceMemory, GpuIo, GpuIoJob, GpuIoOptions, IoMember, MemberJob, RingPlacement,
-    };
+    use legend_cuda::nvme_io::{GpuIo, GpuIoJob, GpuIoOptions, IoMember, MemberJob, RingPlacement};
     let device = legend_cuda::Gpu::new(0).context("opening cuda:0")?;
     // Kept open while the queues use them.
     let mut ctrls = Vec::with_capacity(args.paths.len());
     let mut members = Vec::with_capacity(args.paths.len());
     for path in &args.paths {
         let ctrl = controller(args, path)?;
-        let placement = match &ctrl {
-            controllers::SharedController::Proxy(p) => {
-                p.attach_device(Arc::new(CudaDeviceMemory::new(&device)?))?;
-                RingPlacement::Host
-            }
-            controllers::SharedController::Device(_) => RingPlacement::Device,
-        };
+        let placement = ctrl.gpu_placement(&device)?;
         check_write(args, path, placement == RingPlacement::Device)?;
         members.push(IoMember {
             controller: ctrl.controller(),

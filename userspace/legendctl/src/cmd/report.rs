@@ -29,14 +29,14 @@ pub struct Args {
 
 /// The report's view of an epoch record (legend-engine's `EpochReport`, read back).
 trait EpochView {
-    fn check(&self) -> Result<(), String>;
+    fn check(&self) -> anyhow::Result<()>;
     fn hidden(&self) -> Option<f64>;
     fn fill(&self) -> (f64, f64);
     fn summary(&self) -> String;
 }
 
 impl EpochView for Epoch {
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> anyhow::Result<()> {
         let mut times = vec![self.seconds, self.io_s, self.io_wait_s];
         for s in &self.swaps {
             times.extend([
@@ -49,10 +49,10 @@ impl EpochView for Epoch {
             times.extend(s.io_kernels.iter().flat_map(|k| [k.start_s, k.seconds]));
         }
         match times.iter().find(|t| !(t.is_finite() && **t >= 0.0)) {
-            Some(t) => Err(format!(
+            Some(t) => bail!(
                 "epoch {}: time {t} is not a non-negative number",
                 self.epoch
-            )),
+            ),
             None => Ok(()),
         }
     }
@@ -150,9 +150,7 @@ fn read_metrics(path: &Path) -> anyhow::Result<Vec<Epoch>> {
         }
         let epoch: Epoch = serde_json::from_value(value)
             .with_context(|| format!("{}: not an epoch record of legendctl train", at()))?;
-        epoch
-            .check()
-            .map_err(|m| anyhow::anyhow!("{}: {m}", at()))?;
+        epoch.check().with_context(at)?;
         epochs.push(epoch);
     }
     if epochs.is_empty() {
@@ -223,17 +221,11 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
             .max(s.start_s + s.overlap_compute_s + s.wait_s + s.after_compute_s)
     });
     let span = if span > 0.0 { span } else { 1.0 };
-    let scale = (WIDTH - LEFT - RIGHT) / span;
-    let x = |t: f64| LEFT + t * scale;
+    let scale = Scale((WIDTH - LEFT - RIGHT) / span);
     let shown = &all[all.len().saturating_sub(TABLE_ROWS)..];
     let kernels = epoch.swaps.iter().any(|sw| !sw.io_kernels.is_empty());
-    let Layout {
-        kernels_y,
-        axis_y,
-        legend_y,
-        table_y,
-    } = Layout::new(kernels);
-    let charts_y = table_y + ROW * (shown.len() as f64 + 1.0) + 36.0;
+    let layout = Layout::new(kernels);
+    let charts_y = layout.table_y + ROW * (shown.len() as f64 + 1.0) + 36.0;
     let height = charts_y + CHART_H + 40.0;
     let mut s = String::new();
     writeln!(
@@ -252,8 +244,39 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
         r#"<text x="16" y="48">{}</text>"#,
         escape(&epoch.summary())
     )?;
-
     // Grid and axis first, so the lanes draw over the grid lines.
+    axis(&mut s, &scale, span, &layout)?;
+    timeline(&mut s, epoch, &scale, layout.kernels_y)?;
+    legend(&mut s, kernels, layout.legend_y)?;
+    table(&mut s, epoch, all, shown, layout.table_y)?;
+    epoch_charts(&mut s, all, charts_y)?;
+    writeln!(s, "</svg>")?;
+    Ok(s)
+}
+
+/// The timeline's scale: pixels a second, from [`LEFT`].
+struct Scale(f64);
+
+impl Scale {
+    /// The x of time `t`.
+    fn x(&self, t: f64) -> f64 {
+        LEFT + t * self.0
+    }
+
+    /// A lane's segment of class `class` from `t0` for `dt` seconds, at height `y`.
+    fn rect(&self, s: &mut String, class: &str, t0: f64, dt: f64, y: f64) -> std::fmt::Result {
+        writeln!(
+            s,
+            r#"<rect class="{class}" x="{:.2}" y="{y}" width="{:.2}" height="{LANE}"/>"#,
+            self.x(t0),
+            dt * self.0
+        )
+    }
+}
+
+/// The time axis with its grid, and the lanes' names.
+fn axis(s: &mut String, scale: &Scale, span: f64, layout: &Layout) -> std::fmt::Result {
+    let axis_y = layout.axis_y;
     let step = tick_step(span);
     let decimals = (-step.log10()).ceil().max(0.0) as usize;
     let ticks = (span / step).floor() as u32;
@@ -262,7 +285,7 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
         writeln!(
             s,
             r#"<line class="grid" x1="{0:.2}" y1="{1}" x2="{0:.2}" y2="{axis_y}"/><text class="small" x="{0:.2}" y="{2}" text-anchor="middle">{t:.decimals$}</text>"#,
-            x(t),
+            scale.x(t),
             COMPUTE_Y - 6.0,
             axis_y + 16.0
         )?;
@@ -277,7 +300,7 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
     let lanes = [
         Some(("compute", COMPUTE_Y)),
         Some(("I/O", IO_Y)),
-        kernels_y.map(|y| ("I/O kernels", y)),
+        layout.kernels_y.map(|y| ("I/O kernels", y)),
     ];
     for (label, y) in lanes.into_iter().flatten() {
         writeln!(
@@ -287,15 +310,17 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
             y + LANE / 2.0 + 5.0
         )?;
     }
+    Ok(())
+}
 
-    let rect = |s: &mut String, class: &str, t0: f64, dt: f64, y: f64| {
-        writeln!(
-            s,
-            r#"<rect class="{class}" x="{:.2}" y="{y}" width="{:.2}" height="{LANE}"/>"#,
-            x(t0),
-            dt * scale
-        )
-    };
+/// The lanes of `epoch`: the buffer fill, each swap's compute and I/O (and its I/O kernels'
+/// launches, in the lane at `kernels_y`), the swap boundaries.
+fn timeline(
+    s: &mut String,
+    epoch: &Epoch,
+    scale: &Scale,
+    kernels_y: Option<f64>,
+) -> std::fmt::Result {
     // Before the first swap: the buffer fill (its I/O and the wait for it) and the initial buckets.
     let (fill_io, fill_wait) = epoch.fill();
     let first = epoch.swaps.first().map_or(epoch.seconds, |sw| sw.start_s);
@@ -303,88 +328,101 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
         s,
         "<g><title>before the first swap: buffer fill {fill_io:.3} s of I/O, waited {fill_wait:.3} s; initial buckets until {first:.3} s</title>"
     )?;
-    rect(&mut s, "fill-wait", 0.0, fill_wait.min(first), COMPUTE_Y)?;
-    rect(
-        &mut s,
+    scale.rect(s, "fill-wait", 0.0, fill_wait.min(first), COMPUTE_Y)?;
+    scale.rect(
+        s,
         "initial",
         fill_wait.min(first),
         (first - fill_wait).max(0.0),
         COMPUTE_Y,
     )?;
-    rect(&mut s, "fill", 0.0, fill_io, IO_Y)?;
+    scale.rect(s, "fill", 0.0, fill_io, IO_Y)?;
     writeln!(s, "</g>")?;
-
     for (i, sw) in epoch.swaps.iter().enumerate() {
-        writeln!(
-            s,
-            "<g><title>swap {}: write back p{}, read p{} ({}) from {:.3} s; I/O {:.3} s; compute {:.3} s overlapped, waited {:.3} s, {:.3} s after</title>",
-            i + 1,
-            sw.evicted,
-            sw.loaded,
-            bytes(sw.bytes),
-            sw.start_s,
-            sw.io_s,
-            sw.overlap_compute_s,
-            sw.wait_s,
-            sw.after_compute_s
-        )?;
-        let mut t = sw.start_s;
-        for (class, dt) in [
-            ("overlap", sw.overlap_compute_s),
-            ("wait", sw.wait_s),
-            ("after", sw.after_compute_s),
-        ] {
-            rect(&mut s, class, t, dt, COMPUTE_Y)?;
-            t += dt;
-        }
-        rect(&mut s, "io", io_start(sw), sw.io_s, IO_Y)?;
-        if let Some(y) = kernels_y {
-            for k in &sw.io_kernels {
-                let (class, op) = match k.op {
-                    IoDirection::Write => ("kwrite", "write"),
-                    IoDirection::Read => ("kread", "read"),
-                };
-                writeln!(
-                    s,
-                    "<g><title>I/O kernels: {} p{}, {} commands, {} in {:.3} s ({:.2} GB/s) from {:.3} s</title>",
-                    op,
-                    k.partition,
-                    k.commands,
-                    bytes(k.bytes),
-                    k.seconds,
-                    k.bytes as f64 / k.seconds.max(1e-9) / 1e9,
-                    k.start_s
-                )?;
-                rect(&mut s, class, k.start_s, k.seconds, y)?;
-                writeln!(s, "</g>")?;
-            }
-        }
-        // Label the swap where there is room: the partition read and the one written back.
-        if sw.io_s * scale >= 64.0 {
-            writeln!(
-                s,
-                r#"<text class="small" x="{:.2}" y="{}" text-anchor="middle">+p{} −p{}</text>"#,
-                x(sw.start_s + sw.io_s / 2.0),
-                IO_Y + LANE / 2.0 + 4.0,
-                sw.loaded,
-                sw.evicted
-            )?;
-        }
-        writeln!(s, "</g>")?;
+        swap(s, i, sw, scale, kernels_y)?;
     }
-
     // Swap boundaries, where they are far enough apart to tell from the segments.
     if epoch.swaps.len() as f64 * 4.0 <= WIDTH - LEFT - RIGHT {
         for sw in &epoch.swaps {
             writeln!(
                 s,
                 r#"<line class="sep" x1="{0:.2}" y1="{COMPUTE_Y}" x2="{0:.2}" y2="{1}"/>"#,
-                x(sw.start_s),
+                scale.x(sw.start_s),
                 COMPUTE_Y + LANE
             )?;
         }
     }
+    Ok(())
+}
 
+/// Swap `i`'s segments: its compute, its I/O, its I/O kernels' launches.
+fn swap(
+    s: &mut String,
+    i: usize,
+    sw: &legend_engine::SwapReport,
+    scale: &Scale,
+    kernels_y: Option<f64>,
+) -> std::fmt::Result {
+    writeln!(
+        s,
+        "<g><title>swap {}: write back p{}, read p{} ({}) from {:.3} s; I/O {:.3} s; compute {:.3} s overlapped, waited {:.3} s, {:.3} s after</title>",
+        i + 1,
+        sw.evicted,
+        sw.loaded,
+        bytes(sw.bytes),
+        sw.start_s,
+        sw.io_s,
+        sw.overlap_compute_s,
+        sw.wait_s,
+        sw.after_compute_s
+    )?;
+    let mut t = sw.start_s;
+    for (class, dt) in [
+        ("overlap", sw.overlap_compute_s),
+        ("wait", sw.wait_s),
+        ("after", sw.after_compute_s),
+    ] {
+        scale.rect(s, class, t, dt, COMPUTE_Y)?;
+        t += dt;
+    }
+    scale.rect(s, "io", io_start(sw), sw.io_s, IO_Y)?;
+    if let Some(y) = kernels_y {
+        for k in &sw.io_kernels {
+            let (class, op) = match k.op {
+                IoDirection::Write => ("kwrite", "write"),
+                IoDirection::Read => ("kread", "read"),
+            };
+            writeln!(
+                s,
+                "<g><title>I/O kernels: {} p{}, {} commands, {} in {:.3} s ({:.2} GB/s) from {:.3} s</title>",
+                op,
+                k.partition,
+                k.commands,
+                bytes(k.bytes),
+                k.seconds,
+                k.bytes as f64 / k.seconds.max(1e-9) / 1e9,
+                k.start_s
+            )?;
+            scale.rect(s, class, k.start_s, k.seconds, y)?;
+            writeln!(s, "</g>")?;
+        }
+    }
+    // Label the swap where there is room: the partition read and the one written back.
+    if sw.io_s * scale.0 >= 64.0 {
+        writeln!(
+            s,
+            r#"<text class="small" x="{:.2}" y="{}" text-anchor="middle">+p{} −p{}</text>"#,
+            scale.x(sw.start_s + sw.io_s / 2.0),
+            IO_Y + LANE / 2.0 + 4.0,
+            sw.loaded,
+            sw.evicted
+        )?;
+    }
+    writeln!(s, "</g>")
+}
+
+/// The key of the segment colours, a row a lane (the I/O kernels' with `kernels`).
+fn legend(s: &mut String, kernels: bool, legend_y: f64) -> std::fmt::Result {
     let mut legend = vec![
         (
             "compute",
@@ -431,7 +469,17 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
             lx += 20.0 + 7.0 * label.len() as f64 + 28.0;
         }
     }
+    Ok(())
+}
 
+/// The table of the epochs `shown` (the latest of `all`), `epoch`'s row in bold.
+fn table(
+    s: &mut String,
+    epoch: &Epoch,
+    all: &[Epoch],
+    shown: &[Epoch],
+    table_y: f64,
+) -> std::fmt::Result {
     let columns = [
         "epoch",
         "loss",
@@ -486,9 +534,7 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
             )?;
         }
     }
-    epoch_charts(&mut s, all, charts_y)?;
-    writeln!(s, "</svg>")?;
-    Ok(s)
+    Ok(())
 }
 
 /// Height of the per-epoch charts below the table.

@@ -243,10 +243,10 @@ impl ProgressView {
                             report.edges_per_sec,
                             report.negatives_per_positive,
                             report.seconds,
-                            legend_engine::memory::gib(report.peak_rss_bytes),
+                            legend_engine::footprint::gib(report.peak_rss_bytes),
                             report.gpu_memory_bytes.map_or(String::new(), |b| format!(
                                 ", GPU memory in use {:.2} GiB",
-                                legend_engine::memory::gib(b)
+                                legend_engine::footprint::gib(b)
                             ))
                         );
                         if let Some(w) = &report.workers {

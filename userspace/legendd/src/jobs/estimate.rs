@@ -5,10 +5,11 @@
 use legend_daemon_api::JobSpec;
 use legend_dataset::{DatasetMeta, Split};
 use legend_engine::config::DeviceChoice;
-use legend_engine::memory::HostEstimate;
+use legend_engine::footprint::HostEstimate;
 use legend_engine::run::{self, RunMeta};
 use legend_engine::{Config, run::CONFIG_FILE};
 
+use super::table::{GPU_SET_QUEUE, gpu_queue};
 use crate::access::Peer;
 
 /// What the margin adds to an estimate: the process itself, allocator slack.
@@ -79,14 +80,20 @@ pub fn train_config(spec: &JobSpec, reader: &Peer, resuming: bool) -> Result<Con
     .map_err(|e| e.to_string())
 }
 
-/// The device queue a train job of `config` runs in: `cpu` or `cuda:N` (eval and export jobs
-/// run on the CPU).
+/// The device queue a train job of `config` runs in: `cpu`, `cuda:N`, or `cuda` (any
+/// `training.gpus` GPUs, given when it starts) on several GPUs; eval and export jobs run on
+/// the CPU.
 pub fn queue_of(config: &Config) -> String {
-    match config.device() {
-        DeviceChoice::Cpu => "cpu".into(),
-        DeviceChoice::Cuda(n) => format!("cuda:{n}"),
-        DeviceChoice::Auto if legend_cuda::driver_present() => "cuda:0".into(),
-        DeviceChoice::Auto => "cpu".into(),
+    let ordinal = match config.device() {
+        DeviceChoice::Cpu => return "cpu".into(),
+        DeviceChoice::Cuda(n) => n,
+        DeviceChoice::Auto if legend_cuda::driver_present() => 0,
+        DeviceChoice::Auto => return "cpu".into(),
+    };
+    if config.training.gpus > 1 {
+        GPU_SET_QUEUE.into()
+    } else {
+        gpu_queue(u32::try_from(ordinal).unwrap_or(u32::MAX))
     }
 }
 

@@ -53,6 +53,13 @@ impl Jobs {
         }
         let _ = writeln!(
             s,
+            "# HELP legendd_running_slots Job slots taken, by device (a job on K GPUs takes one on each).\n# TYPE legendd_running_slots gauge"
+        );
+        for (q, n) in t.running_slots() {
+            let _ = writeln!(s, "legendd_running_slots{{device=\"{q}\"}} {n}");
+        }
+        let _ = writeln!(
+            s,
             "# HELP legendd_requests_total Requests answered.\n# TYPE legendd_requests_total counter\nlegendd_requests_total {}",
             self.requests.load(Ordering::Relaxed)
         );

@@ -26,7 +26,7 @@ use legend_engine::config::DeviceChoice;
 
 use self::live::LiveJob;
 use self::record::{RECORD_FORMAT, Record, private_dir, write_durably};
-use self::table::{Entry, RunKey, Slots, Table};
+use self::table::{Entry, GPU_SET_QUEUE, RunKey, Slots, Table};
 use self::watch::Watcher;
 use crate::access::Peer;
 use crate::config::DaemonConfig;
@@ -44,6 +44,8 @@ const MAX_INTERRUPTIONS: u32 = 3;
 
 /// The policy the daemon's configuration sets.
 pub struct Settings {
+    /// The GPUs the daemon schedules: those it sees (its `CUDA_VISIBLE_DEVICES`).
+    gpu_count: u32,
     cpu: Slots,
     gpu: Slots,
     serve: Slots,
@@ -104,6 +106,16 @@ pub struct Submission {
     pub expect: Option<crate::extents::RecordedStore>,
     /// The device node it holds.
     pub device_node: Option<String>,
+    /// GPUs it trains on at once (1 outside the `cuda` queue).
+    pub gpus: u32,
+}
+
+/// Why a job on `wanted` GPUs cannot run under a daemon that schedules `count`.
+fn too_many_gpus(wanted: u32, count: u32) -> String {
+    format!(
+        "training.gpus = {wanted}: this daemon schedules {count} GPUs (those of its \
+         CUDA_VISIBLE_DEVICES that the driver reports)"
+    )
 }
 
 /// FNV-1a of `bytes`, in hex: a short stable name.
@@ -128,6 +140,7 @@ impl Jobs {
                 .and_then(|()| std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700)))
                 .map_err(|e| anyhow::anyhow!("{}: {e}", d.display()))?;
         }
+        let gpu_count = u32::try_from(legend_cuda::device_count()).unwrap_or(u32::MAX);
         let mut table = Table::default();
         let last_id = dir.join(LAST_ID_FILE);
         match std::fs::read_to_string(&last_id) {
@@ -190,6 +203,20 @@ impl Jobs {
                     tracing::info!("job {} was running: queued again", record.info.id);
                 }
             }
+            if record.info.state == JobState::Queued
+                && record.queue == GPU_SET_QUEUE
+                && record.gpus > gpu_count
+            {
+                // It would wait for ever, and hold GPUs against every later job.
+                let why = too_many_gpus(record.gpus, gpu_count);
+                tracing::warn!("job {}: {why}", record.info.id);
+                record.info.state = JobState::Failed;
+                record.info.error = Some(why);
+                record.info.ended = Some(crate::handover::file_clock_secs());
+                if !changed.contains(&record.info.id) {
+                    changed.push(record.info.id);
+                }
+            }
             table.insert(Entry::new(record));
         }
         let slots = |total: usize, reserved: usize, per_user: usize| Slots {
@@ -204,6 +231,7 @@ impl Jobs {
             dir,
             kernels,
             settings: Settings {
+                gpu_count,
                 cpu: slots(
                     config.cpu_jobs,
                     config.reserved_job_slots,
@@ -339,6 +367,9 @@ impl Jobs {
                 ));
             }
         }
+        if s.queue == GPU_SET_QUEUE && s.gpus > self.settings.gpu_count {
+            return refuse(too_many_gpus(s.gpus, self.settings.gpu_count));
+        }
         let dir = s.spec.dir();
         let keys = [s.run_id.map(RunKey::Dir), Some(RunKey::Path(dir.clone()))];
         if matches!(s.spec, JobSpec::Train { .. }) && keys.iter().flatten().any(|k| t.run_busy(k)) {
@@ -362,7 +393,7 @@ impl Jobs {
             owner,
             spec: s.spec,
             state: JobState::Queued,
-            device: Some(s.queue.clone()),
+            device: None,
             submitted: crate::handover::file_clock_secs(),
             started: None,
             ended: None,
@@ -371,10 +402,12 @@ impl Jobs {
             result: None,
             process: None,
         };
-        let record = Record {
+        let mut record = Record {
             format: RECORD_FORMAT,
-            info: info.clone(),
+            info,
             queue: s.queue,
+            gpus: s.gpus,
+            devices: Vec::new(),
             run_made: false,
             interruptions: 0,
             gid: Some(s.peer.gid),
@@ -383,6 +416,8 @@ impl Jobs {
             expect: s.expect,
             device_node: s.device_node,
         };
+        record.info.device = Some(record.device_label());
+        let info = record.info.clone();
         t.insert(Entry::new(record));
         // Acknowledged only once on disk: a job the daemon said it queued survives a crash.
         if let Err(e) = self.persist(&t, id) {
@@ -627,10 +662,10 @@ impl Jobs {
                 }
                 return;
             }
-            let starting = t.to_start(|q| self.slots(q));
+            let starting = t.to_start(|q| self.slots(q), self.settings.gpu_count);
             let started = !starting.is_empty();
-            for id in starting {
-                let runner = self.start(&mut t, id);
+            for start in starting {
+                let runner = self.start(&mut t, start);
                 t.runners.push(runner);
             }
             if started {

@@ -9,6 +9,7 @@ use std::path::Path;
 use legend_daemon_api::JobInfo;
 use serde::{Deserialize, Serialize};
 
+use super::table::{GPU_SET_QUEUE, gpu_queue};
 use crate::extents::RecordedStore;
 use crate::paths::{DirId, clipped, normalise_spec};
 
@@ -37,8 +38,18 @@ pub struct Record {
     pub format: u32,
     /// The job as reported.
     pub info: JobInfo,
-    /// `cpu`, `cuda:N` or `serve`.
+    /// `cpu`, `cuda:N`, `serve`, or `cuda` for a job on several GPUs ([`GPU_SET_QUEUE`]).
+    ///
+    /// [`GPU_SET_QUEUE`]: super::table::GPU_SET_QUEUE
     pub queue: String,
+    /// GPUs the job trains on at once (`training.gpus`; 1 for every job outside the `cuda`
+    /// queue).
+    #[serde(default = "one_gpu")]
+    pub gpus: u32,
+    /// The GPUs (the daemon's ordinals) a job of the `cuda` queue was given when it started;
+    /// empty while it is queued.
+    #[serde(default)]
+    pub devices: Vec<u32>,
     /// A train job's run directory has been made: after a restart the job continues it (the
     /// spec stays as submitted, `resume` included).
     #[serde(default)]
@@ -71,10 +82,37 @@ fn first_format() -> u32 {
     1
 }
 
+fn one_gpu() -> u32 {
+    1
+}
+
 impl Record {
+    /// The queues the job takes a slot of while it runs: its own, or each of its GPUs'.
+    pub fn running_queues(&self) -> Vec<String> {
+        if self.devices.is_empty() {
+            vec![self.queue.clone()]
+        } else {
+            self.devices.iter().map(|&d| gpu_queue(d)).collect()
+        }
+    }
+
+    /// Where the job runs, as `jobs` and `status` show it: its queue, its GPUs once it has
+    /// them (`cuda:0,2`), or how many it waits for (`2 GPUs`).
+    pub fn device_label(&self) -> String {
+        match (self.queue == GPU_SET_QUEUE, self.devices.as_slice()) {
+            (false, _) => self.queue.clone(),
+            (true, []) => format!("{} GPUs", self.gpus),
+            (true, devices) => {
+                let ordinals: Vec<String> = devices.iter().map(u32::to_string).collect();
+                format!("cuda:{}", ordinals.join(","))
+            }
+        }
+    }
+
     /// Bounds every field that a job's process or an old record could have made long, and
     /// normalises the paths of the spec (a record written before paths were normalised).
     pub fn bound(&mut self) -> Result<(), String> {
+        self.gpus = self.gpus.max(1);
         let info = &mut self.info;
         normalise_spec(&mut info.spec)?;
         if let Some(e) = &mut info.error {

@@ -19,7 +19,7 @@ use super::Jobs;
 use super::estimate::{self, Needs};
 use super::live::LiveJob;
 use super::record::Record;
-use super::table::Table;
+use super::table::{Start, Table};
 use crate::access::Peer;
 use crate::channel::{self, Ended, Frame, FromJob, JobStart, ServeStart, Submitter, ToJob};
 use crate::paths::{DirId, clipped};
@@ -51,8 +51,9 @@ struct Running {
 
 impl Jobs {
     /// Marks job `id` running and starts its runner.
-    pub(super) fn start(self: &Arc<Self>, t: &mut Table, id: u64) -> JoinHandle<()> {
-        t.set_running(id);
+    pub(super) fn start(self: &Arc<Self>, t: &mut Table, start: Start) -> JoinHandle<()> {
+        let id = start.id;
+        t.set_running(start);
         let entry = t.jobs.get_mut(&id).expect("a queued job");
         let info = &mut entry.record.info;
         info.started = Some(crate::handover::file_clock_secs());
@@ -168,7 +169,7 @@ impl Jobs {
             Some(c) => c.procs_files()?,
             None => Vec::new(),
         };
-        let env = spawn::job_env();
+        let env = spawn::job_env(&record.devices);
         let launched = spawn::launch(&Launch {
             program: Path::new("/proc/self/exe"),
             args: &["job"],
@@ -398,7 +399,15 @@ impl Jobs {
         let p = &mut entry.record.info.progress;
         match message {
             FromJob::Engine(engine) => {
-                entry.record.info.device = Some(clipped(&engine, 128));
+                // A job on several GPUs numbers them from cuda:0; the daemon's numbers are
+                // the ones its users know: keep those, with the engine's model.
+                let shown = match (entry.record.devices.is_empty(), engine.find(" (")) {
+                    (false, Some(model)) => {
+                        format!("{}{}", entry.record.device_label(), &engine[model..])
+                    }
+                    _ => engine,
+                };
+                entry.record.info.device = Some(clipped(&shown, 128));
                 self.save(&mut t, id);
             }
             FromJob::RunMade => {

@@ -239,8 +239,9 @@ fn child_setup(s: &ChildSetup<'_>) -> std::io::Result<()> {
 
 /// The environment of every job: the kernel cache in the directory it is handed,
 /// `NCCL_NVLS_ENABLE=0` (NVLink multicast off, as the machines need), and the administrator's
-/// GPU selection and library path from the daemon's own environment.
-pub fn job_env() -> Vec<(&'static str, String)> {
+/// GPU selection and library path from the daemon's own environment; a job given `devices`
+/// (several GPUs, by the daemon's ordinals) sees those alone, as its `cuda:0` onwards.
+pub fn job_env(devices: &[u32]) -> Vec<(&'static str, String)> {
     let mut env = vec![
         ("NCCL_NVLS_ENABLE", "0".to_owned()),
         // legend-cuda caches compiled kernels in $XDG_CACHE_HOME/legend/kernels.
@@ -257,12 +258,44 @@ pub fn job_env() -> Vec<(&'static str, String)> {
             env.push((key, v));
         }
     }
+    if !devices.is_empty() {
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let selection = visible_subset(visible.as_deref(), devices);
+        env.retain(|(key, _)| *key != "CUDA_VISIBLE_DEVICES");
+        env.push(("CUDA_VISIBLE_DEVICES", selection));
+    }
     env
+}
+
+/// The `CUDA_VISIBLE_DEVICES` that shows a process the daemon's GPUs `devices` (its ordinals),
+/// given the daemon's own `visible` list (indices or UUIDs; all GPUs when unset). CUDA stops
+/// a list at its first invalid entry, so the daemon's ordinal `d` is the `d`-th entry.
+fn visible_subset(visible: Option<&str>, devices: &[u32]) -> String {
+    let entries: Option<Vec<&str>> = visible.map(|v| v.split(',').map(str::trim).collect());
+    let names: Vec<String> = devices
+        .iter()
+        .map(|&d| match &entries {
+            Some(list) => list
+                .get(d as usize)
+                .map_or_else(|| d.to_string(), |e| (*e).to_owned()),
+            None => d.to_string(),
+        })
+        .collect();
+    names.join(",")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_on_several_gpus_sees_only_its_own() {
+        assert_eq!(visible_subset(None, &[1, 3]), "1,3");
+        assert_eq!(
+            visible_subset(Some("GPU-aa, GPU-bb,2,5"), &[1, 3]),
+            "GPU-bb,5"
+        );
+    }
 
     /// What a process running as `uid` gets from `kill(pid, 0)` and `ptrace(PTRACE_ATTACH)`:
     /// their errno values (0 for success).
@@ -332,7 +365,7 @@ mod tests {
                 cgroup_procs: &[],
                 memlock: limit.rlim_max,
                 cache_dir: &cache_fd,
-                env: &job_env(),
+                env: &job_env(&[]),
                 umask: 0o022,
             })
             .unwrap()

@@ -13,6 +13,7 @@ use super::{error, job_error};
 use crate::access::{self, Peer};
 use crate::extents::{self, RecordedStore};
 use crate::jobs::estimate::{self, queue_of, train_config};
+use crate::jobs::table::GPU_SET_QUEUE;
 use crate::jobs::{Jobs, SERVE_QUEUE, Submission};
 use crate::paths::{DirId, normalise_spec};
 
@@ -107,6 +108,7 @@ fn device_node(store: Option<&RecordedStore>) -> Option<String> {
 fn check(mut spec: JobSpec, peer: &Peer) -> Result<Submission, String> {
     normalise_spec(&mut spec)?;
     let mut queue = "cpu".to_owned();
+    let mut gpus = 1;
     let (mut run_id, mut expect, mut node) = (None, None, None);
     match &spec {
         JobSpec::Train {
@@ -150,6 +152,9 @@ fn check(mut spec: JobSpec, peer: &Peer) -> Result<Submission, String> {
                 expect = recorded.map(|p| p.recorded());
             }
             queue = queue_of(&config);
+            if queue == GPU_SET_QUEUE {
+                gpus = config.training.gpus;
+            }
             node = device_node(expect.as_ref()).or_else(|| {
                 (config.storage.backend == Backend::Nvme)
                     .then(|| config.storage.path.clone())
@@ -207,6 +212,7 @@ fn check(mut spec: JobSpec, peer: &Peer) -> Result<Submission, String> {
         run_id,
         expect,
         device_node: node,
+        gpus,
     })
 }
 

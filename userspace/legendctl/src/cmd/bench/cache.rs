@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
 use legend_cuda::nvme_io::{
-    CachedTable, CudaDeviceMemory, GpuIo, GpuIoOptions, RingPlacement, RowCache, RowCacheOptions,
+    CachedTable, GpuIo, GpuIoOptions, RingPlacement, RowCache, RowCacheOptions,
 };
 use legend_engine::run;
-use legend_engine::store::controllers::DeviceModel;
+use legend_engine::store::controllers::{DeviceModel, SharedController};
 use legend_engine::store::{FileStore, MemberFile};
 use legend_nvme_proxy::{Proxy, ProxyOptions};
 use serde::Serialize;
@@ -182,8 +182,7 @@ fn source(args: &CacheArgs) -> anyhow::Result<Source> {
                 path.display()
             );
         };
-        let table = legend_query::store_table(&store)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let table = legend_query::store_table(&store)?;
         return Ok(Source {
             file: members[0].file.path(),
             table,
@@ -245,100 +244,7 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
             }
             (0, 0, None)
         }
-        CacheMode::Gpu | CacheMode::Resident => {
-            let gpu = legend_cuda::Gpu::new(0).context("opening cuda:0")?;
-            let mut opts = RowCacheOptions {
-                line_bytes: args.line_bytes,
-                lines: 0,
-                ways: args.ways,
-                requesters: args.requesters,
-                ahead: args.ahead,
-                flops_per_byte: args.flops_per_byte,
-                overlap: !args.no_overlap,
-            };
-            let fraction = match args.mode {
-                CacheMode::Resident => 1.0,
-                _ => args.cache_fraction,
-            };
-            let mut cache = match &src.store {
-                Some((store, members)) => {
-                    let mut bytes = (table_bytes as f64 * fraction) as u64;
-                    if args.mode == CacheMode::Resident {
-                        // A partition's last line may be partly past its rows: room for one
-                        // more line (at most 1 MiB) a partition.
-                        bytes += src.table.partitions.len() as u64 * (1 << 20);
-                    }
-                    legend_query::store_row_cache(
-                        &gpu,
-                        (store, members),
-                        src.ssd_model,
-                        bytes,
-                        (args.queues, &opts),
-                    )
-                    .map_err(|e| anyhow::anyhow!(e))?
-                }
-                None => {
-                    let default = ProxyOptions::default();
-                    let proxy = Proxy::open(
-                        &src.file,
-                        &ProxyOptions {
-                            model: src.ssd_model,
-                            threads: args.proxy_threads.unwrap_or(default.threads),
-                            ..default
-                        },
-                    )
-                    .with_context(|| format!("starting the proxy over {}", src.file.display()))?;
-                    proxy.attach_device(Arc::new(CudaDeviceMemory::new(&gpu)?))?;
-                    let proxy = Arc::new(proxy);
-                    // The line size the cache will use, to size it in lines.
-                    let line =
-                        RowCache::line_bytes_for(row_bytes, args.line_bytes, proxy.block_size());
-                    let table_lines = table_bytes.div_ceil(line);
-                    let lines = match args.mode {
-                        CacheMode::Resident => table_lines.next_multiple_of(u64::from(args.ways)),
-                        _ => ((table_lines as f64 * fraction) as u64).max(u64::from(args.ways)),
-                    };
-                    opts.lines = u32::try_from(lines).context("too many cache lines")?;
-                    let io_opts = GpuIoOptions {
-                        queues: args.queues,
-                        threads: 64,
-                        placement: RingPlacement::Host,
-                        staging: if line <= 64 << 10 { line as u32 } else { 0 },
-                        timeout: Duration::from_secs(10),
-                        ..GpuIoOptions::default()
-                    };
-                    let io = GpuIo::open(&gpu, proxy.clone(), &io_opts)?;
-                    RowCache::open(&gpu, io, src.table.clone(), &opts)?
-                }
-            };
-            if args.mode == CacheMode::Resident {
-                // Every line once, untimed: all later lookups hit.
-                let per_line = u64::from(cache.line_bytes() / row_bytes);
-                let table = &src.table;
-                let all: Vec<u64> = (0..rows)
-                    .filter(|&r| (r % table.rows_per_partition).is_multiple_of(per_line))
-                    .collect();
-                for chunk in all.chunks(1 << 20) {
-                    cache.lookup(chunk)?;
-                }
-            }
-            let before = cache.stats()?;
-            for (i, ids) in batches.iter().enumerate() {
-                let t = Instant::now();
-                cache.lookup(ids)?;
-                if i > 0 {
-                    times.push(t.elapsed());
-                }
-            }
-            let after = cache.stats()?;
-            let delta = legend_cuda::nvme_io::CacheStats {
-                hits: after.hits - before.hits,
-                misses: after.misses - before.misses,
-                coalesced: after.coalesced - before.coalesced,
-                retries: after.retries - before.retries,
-            };
-            (cache.capacity_bytes(), cache.line_bytes(), Some(delta))
-        }
+        CacheMode::Gpu | CacheMode::Resident => gpu_batches(&args, &src, &batches, &mut times)?,
     };
     let total: Duration = times.iter().sum();
     times.sort_unstable();
@@ -392,6 +298,121 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// The timed batches of lookups through the GPU row cache (all but the first, a warm-up, in
+/// `times`); the cache's bytes, its line size and its counters over them.
+fn gpu_batches(
+    args: &CacheArgs,
+    src: &Source,
+    batches: &[Vec<u64>],
+    times: &mut Vec<Duration>,
+) -> anyhow::Result<(u64, u32, Option<legend_cuda::nvme_io::CacheStats>)> {
+    let (rows, row_bytes) = (src.table.rows, src.table.row_bytes);
+    let table_bytes = rows * u64::from(row_bytes);
+    let gpu = legend_cuda::Gpu::new(0).context("opening cuda:0")?;
+    let mut cache = open_cache(args, src, &gpu, table_bytes)?;
+    if args.mode == CacheMode::Resident {
+        // Every line once, untimed: all later lookups hit.
+        let per_line = u64::from(cache.line_bytes() / row_bytes);
+        let table = &src.table;
+        let all: Vec<u64> = (0..rows)
+            .filter(|&r| (r % table.rows_per_partition).is_multiple_of(per_line))
+            .collect();
+        for chunk in all.chunks(1 << 20) {
+            cache.lookup(chunk)?;
+        }
+    }
+    let before = cache.stats()?;
+    for (i, ids) in batches.iter().enumerate() {
+        let t = Instant::now();
+        cache.lookup(ids)?;
+        if i > 0 {
+            times.push(t.elapsed());
+        }
+    }
+    let after = cache.stats()?;
+    let delta = legend_cuda::nvme_io::CacheStats {
+        hits: after.hits - before.hits,
+        misses: after.misses - before.misses,
+        coalesced: after.coalesced - before.coalesced,
+        retries: after.retries - before.retries,
+    };
+    Ok((cache.capacity_bytes(), cache.line_bytes(), Some(delta)))
+}
+
+/// The row cache of `args` over `src` on `gpu`: over a run's store through its own
+/// controller, or over a file through a proxy started here.
+fn open_cache(
+    args: &CacheArgs,
+    src: &Source,
+    gpu: &legend_cuda::Gpu,
+    table_bytes: u64,
+) -> anyhow::Result<RowCache> {
+    let row_bytes = src.table.row_bytes;
+    let mut opts = RowCacheOptions {
+        line_bytes: args.line_bytes,
+        lines: 0,
+        ways: args.ways,
+        requesters: args.requesters,
+        ahead: args.ahead,
+        flops_per_byte: args.flops_per_byte,
+        overlap: !args.no_overlap,
+    };
+    let fraction = match args.mode {
+        CacheMode::Resident => 1.0,
+        _ => args.cache_fraction,
+    };
+    let cache = match &src.store {
+        Some((store, members)) => {
+            let mut bytes = (table_bytes as f64 * fraction) as u64;
+            if args.mode == CacheMode::Resident {
+                // A partition's last line may be partly past its rows: room for one
+                // more line (at most 1 MiB) a partition.
+                bytes += src.table.partitions.len() as u64 * (1 << 20);
+            }
+            legend_query::store_row_cache(
+                gpu,
+                (store, members),
+                src.ssd_model,
+                bytes,
+                (args.queues, &opts),
+            )?
+        }
+        None => {
+            let default = ProxyOptions::default();
+            let proxy = Proxy::open(
+                &src.file,
+                &ProxyOptions {
+                    model: src.ssd_model,
+                    threads: args.proxy_threads.unwrap_or(default.threads),
+                    ..default
+                },
+            )
+            .with_context(|| format!("starting the proxy over {}", src.file.display()))?;
+            let proxy = Arc::new(proxy);
+            SharedController::Proxy(proxy.clone()).gpu_placement(gpu)?;
+            // The line size the cache will use, to size it in lines.
+            let line = RowCache::line_bytes_for(row_bytes, args.line_bytes, proxy.block_size());
+            let table_lines = table_bytes.div_ceil(line);
+            let lines = match args.mode {
+                CacheMode::Resident => table_lines.next_multiple_of(u64::from(args.ways)),
+                _ => ((table_lines as f64 * fraction) as u64).max(u64::from(args.ways)),
+            };
+            opts.lines = u32::try_from(lines).context("too many cache lines")?;
+            let io_opts = GpuIoOptions {
+                queues: args.queues,
+                threads: 64,
+                placement: RingPlacement::Host,
+                staging: if line <= 64 << 10 { line as u32 } else { 0 },
+                timeout: Duration::from_secs(10),
+                ..GpuIoOptions::default()
+            };
+            let io = GpuIo::open(gpu, proxy.clone(), &io_opts)?;
+            RowCache::open(gpu, io, src.table.clone(), &opts)?
+        }
+    };
+    Ok(cache)
 }
 
 /// One batch by `threads` CPU threads, one `pread` a row of `table`.

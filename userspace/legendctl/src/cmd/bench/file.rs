@@ -9,32 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use io_uring::{IoUring, opcode, types};
 
-use super::{IoArgs, Op, Samples, Span, check_write};
-
-/// Aligned request buffers of one thread.
-struct Buffers {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl Buffers {
-    fn new(bytes: usize) -> anyhow::Result<Buffers> {
-        let layout = std::alloc::Layout::from_size_align(bytes, 4096)?;
-        // SAFETY: a non-zero size (checked by the caller's arguments).
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            bail!("cannot allocate {bytes} bytes of request buffers");
-        }
-        Ok(Buffers { ptr, layout })
-    }
-}
-
-impl Drop for Buffers {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
-    }
-}
+use super::{IoArgs, Op, PageMemory, Samples, Span, check_write};
 
 pub fn run(args: &IoArgs, path: &Path, duration: Duration) -> anyhow::Result<Samples> {
     let open = |direct: bool| {
@@ -88,7 +63,7 @@ fn queue(
 ) -> anyhow::Result<Samples> {
     let depth = args.depth as usize;
     let size = args.size as usize;
-    let bufs = Buffers::new(depth * size)?;
+    let bufs = PageMemory::new(depth * size, "request buffers")?;
     let mut ring = IoUring::new(args.depth.next_power_of_two())?;
     let mut started = vec![Instant::now(); depth];
     let mut rng = 0x9e37_79b9_7f4a_7c15 ^ u64::from(q + 1);

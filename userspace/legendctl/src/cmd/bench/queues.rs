@@ -9,32 +9,7 @@ use anyhow::{Context, bail};
 use legend_nvme::{Controller, uapi};
 use legend_nvme_protocol::{CommandError, MAX_DEPTH, Opcode, QueueLayout, QueuePair, Sqe, prp};
 
-use super::{Backend, IoArgs, Op, Samples, Span, check_write};
-
-/// Page-aligned memory of one queue: SQ, CQ, one PRP list page per slot, then the data.
-struct QueueMemory {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl QueueMemory {
-    fn new(bytes: usize) -> anyhow::Result<QueueMemory> {
-        let layout = std::alloc::Layout::from_size_align(bytes, 4096)?;
-        // SAFETY: a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            bail!("cannot allocate {bytes} bytes of queue memory");
-        }
-        Ok(QueueMemory { ptr, layout })
-    }
-}
-
-impl Drop for QueueMemory {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
-    }
-}
+use super::{BenchBackend, IoArgs, Op, PageMemory, Samples, Span, check_write};
 
 /// How long one command may take before the run is declared failed.
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -46,11 +21,9 @@ pub fn run(
     duration: Duration,
 ) -> anyhow::Result<Samples> {
     let info = ctrl.info()?;
-    let ns = info.namespaces[..info.num_namespaces as usize]
-        .iter()
-        .find(|n| n.nsid == args.namespace)
+    let ns = legend_nvme::namespace(&info, args.namespace)
         .with_context(|| format!("{}: no namespace {}", ctrl.label(), args.namespace))?;
-    check_write(args, path, args.backend == Backend::Nvme)?;
+    check_write(args, path, args.backend == BenchBackend::Nvme)?;
     let block = 1u64 << ns.lba_shift;
     let span = Span::of(args, path, ns.blocks << ns.lba_shift, block)?;
     if info.max_transfer != 0 && args.size > u64::from(info.max_transfer) {
@@ -117,7 +90,7 @@ fn queue(
     // The rings and PRP list pages, then each slot's data buffer.
     let layout = QueueLayout::new(depth);
     let total = layout.bytes() + usize::from(depth) * slot_bytes(args);
-    let mem = QueueMemory::new(total)?;
+    let mem = PageMemory::new(total, "queue memory")?;
     // SAFETY: `mem` outlives the mapping: it is unmapped below after the queue pair is gone
     // (or leaked with it on failure).
     let map = unsafe { ctrl.map_host(mem.ptr, total) }?;
@@ -158,7 +131,7 @@ fn queue(
 fn drive(
     args: &IoArgs,
     pair: &mut QueuePair,
-    mem: &QueueMemory,
+    mem: &PageMemory,
     map: &legend_nvme::Mapping,
     span: &Span,
     q: u32,

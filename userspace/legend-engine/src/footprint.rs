@@ -1,4 +1,5 @@
-//! Host memory: what a run will need, what the machine has, and what a run used.
+//! A run's memory footprint, on the host and on the GPU: what it will need, what the machine
+//! has, what it used, and which settings would make it fit.
 //!
 //! A billion-edge run that the OOM killer ends while it saves has lost all its work, so a
 //! session estimates its peak before it allocates anything and refuses, saying which setting
@@ -247,6 +248,12 @@ fn cgroup_headroom(root: &Path, own: &str) -> Option<u64> {
     }
 }
 
+/// A run that does not fit in memory: what it needs, what there is, and the settings that
+/// would make it fit (or that none does), in words.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct DoesNotFit(pub String);
+
 /// Bytes in GiB, for messages.
 pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / f64::from(1u32 << 30)
@@ -262,7 +269,7 @@ pub fn check_fits(
     on_cuda: bool,
     resuming: bool,
     available: u64,
-) -> Result<HostEstimate, String> {
+) -> Result<HostEstimate, DoesNotFit> {
     let e = HostEstimate::of(config, dataset, on_cuda, resuming);
     if e.total() <= available {
         return Ok(e);
@@ -293,7 +300,7 @@ pub fn check_fits(
             )
         }
     };
-    Err(format!(
+    Err(DoesNotFit(format!(
         "this run needs about {:.1} GiB of host memory ({:.1} GiB of edges, {:.1} GiB of tables, \
          {:.1} GiB of filtered-negative index, {:.1} GiB for evaluation, {:.1} GiB for a step's \
          negatives, {:.1} GiB for the process and drivers) \
@@ -306,7 +313,7 @@ pub fn check_fits(
         gib(e.step),
         gib(e.baseline),
         gib(available),
-    ))
+    )))
 }
 
 /// One configuration change the memory advice may propose; displayed as the `key = value`
@@ -592,7 +599,7 @@ impl GpuEstimate {
 
     /// Refuses the run when the estimate exceeds `free` bytes of `device`'s memory, saying
     /// what would make it fit.
-    pub fn check(&self, config: &Config, device: &str, free: u64) -> Result<(), String> {
+    pub fn check(&self, config: &Config, device: &str, free: u64) -> Result<(), DoesNotFit> {
         if self.total() <= free {
             return Ok(());
         }
@@ -638,7 +645,7 @@ impl GpuEstimate {
                 gib(rest)
             ),
         });
-        Err(format!(
+        Err(DoesNotFit(format!(
             "training on {device} needs about {:.1} GiB of its memory ({:.1} GiB of node rows with their AdaGrad state and gradients, {:.1} GiB of relation rows, {:.1} GiB of edges, {:.1} GiB of workspace, {:.1} GiB of known edges) but {:.1} GiB is free: {}",
             gib(self.total()),
             gib(self.nodes),
@@ -648,7 +655,7 @@ impl GpuEstimate {
             gib(self.known_edges),
             gib(free),
             advice.join("; or ")
-        ))
+        )))
     }
 }
 
@@ -691,7 +698,7 @@ mod tests {
             assert!(e.check(&config, "cuda:0", 70 << 30).is_ok());
         }
         let (config, e) = twitter(1, 1, false);
-        let err = e.check(&config, "cuda:0", 40 << 30).unwrap_err();
+        let err = e.check(&config, "cuda:0", 40 << 30).unwrap_err().0;
         assert!(
             err.contains("needs about 65.")
                 && err.contains("40.0 GiB is free")
@@ -705,19 +712,22 @@ mod tests {
         let (ahead_config, ahead) = twitter(8, 3, true);
         assert_eq!(ahead.total() - e.total(), e.slot);
         assert!((gib(e.slot) - 5.88).abs() < 0.01, "{:.2} GiB", gib(e.slot));
-        let err = ahead.check(&ahead_config, "cuda:0", 40 << 30).unwrap_err();
+        let err = ahead
+            .check(&ahead_config, "cuda:0", 40 << 30)
+            .unwrap_err()
+            .0;
         assert!(
             err.contains("turn storage.read_ahead off")
                 && err.contains("storage.buffer_capacity = 2"),
             "{err}"
         );
-        let err = e.check(&config, "cuda:0", 30 << 30).unwrap_err();
+        let err = e.check(&config, "cuda:0", 30 << 30).unwrap_err().0;
         assert!(
             err.contains("storage.gpu_edge_fraction")
                 && err.contains("storage.buffer_capacity = 2"),
             "{err}"
         );
-        let err = e.check(&config, "cuda:0", 10 << 30).unwrap_err();
+        let err = e.check(&config, "cuda:0", 10 << 30).unwrap_err().0;
         assert!(err.contains("no partitioning fits the node rows"), "{err}");
     }
 
@@ -759,12 +769,16 @@ mod tests {
         // 100k entities at d = 100000: 74.5 GiB of tables; every evaluation gathers 37.3 GiB.
         let config = Config::parse("", &["model.dim=100000".into()]).unwrap();
         let meta = meta(100_000, 1_000_000);
-        let err = check_fits(&config, &meta, false, false, 24 << 30).unwrap_err();
+        let err = check_fits(&config, &meta, false, false, 24 << 30)
+            .unwrap_err()
+            .0;
         assert!(
             err.contains("no setting of") && err.contains("37.3 GiB for evaluation"),
             "{err}"
         );
-        let err = check_fits(&config, &meta, false, false, 64 << 30).unwrap_err();
+        let err = check_fits(&config, &meta, false, false, 64 << 30)
+            .unwrap_err()
+            .0;
         let sets = advised_sets(&err).unwrap_or_else(|| panic!("{err}"));
         assert_eq!(
             sets,
@@ -808,7 +822,7 @@ mod tests {
             let available = available_mib << 20;
             match check_fits(&config, &meta, false, resuming, available) {
                 Ok(e) => proptest::prop_assert!(e.total() <= available),
-                Err(err) => match advised_sets(&err) {
+                Err(DoesNotFit(err)) => match advised_sets(&err) {
                     Some(advice) => {
                         let all: Vec<String> = sets.iter().cloned().chain(advice).collect();
                         let advised = Config::parse("", &all).map_err(|e| {

@@ -1,4 +1,5 @@
-//! `training.device`: which engine trains, resolved before anything is written.
+//! `training.device`: which engine trains, resolved before anything is written, and the one
+//! resolution of a [`DeviceChoice`] (the queries of a run use it too).
 
 use legend_cuda::{Gpu, driver_present};
 
@@ -43,43 +44,71 @@ fn open_gpu(ordinal: usize) -> Result<Gpu, legend_cuda::GpuError> {
     Ok(gpu)
 }
 
-impl Engine {
-    /// Resolves `training.device`: `cpu`; `cuda:N`, which opens device N or fails with the
-    /// reason (no driver, no NVRTC, no such device); `auto`, which opens device 0 when a
-    /// driver is present and the device opens, and otherwise trains on the CPU (saying why
-    /// in the log).
-    pub fn open(config: &Config) -> Result<Engine, TrainError> {
-        match config.device() {
-            DeviceChoice::Cpu => Ok(Engine::Cpu),
-            DeviceChoice::Cuda(ordinal) => {
-                let gpu = open_gpu(ordinal).map_err(|error| TrainError::Device {
-                    device: config.device().to_string(),
-                    error,
-                })?;
-                Ok(Engine::Cuda {
-                    ordinal,
-                    gpu: Box::new(gpu),
-                })
-            }
-            DeviceChoice::Auto => {
-                if !driver_present() {
-                    tracing::info!(
-                        "training.device = \"auto\": no CUDA driver, training on the CPU"
-                    );
-                    return Ok(Engine::Cpu);
-                }
-                match open_gpu(0) {
-                    Ok(gpu) => Ok(Engine::Cuda {
-                        ordinal: 0,
-                        gpu: Box::new(gpu),
-                    }),
-                    Err(e) => {
-                        tracing::info!("training.device = \"auto\": training on the CPU ({e})");
-                        Ok(Engine::Cpu)
-                    }
-                }
-            }
+/// Where a [`DeviceChoice`] resolved: a GPU opened, or the CPU.
+pub enum Resolved {
+    /// CUDA device `ordinal`, opened (kernels loaded).
+    Gpu {
+        /// The device ordinal.
+        ordinal: usize,
+        /// The device.
+        gpu: Box<Gpu>,
+    },
+    /// The CPU: chosen (`why` is `None`), or what `auto` fell back to, and why.
+    Cpu {
+        /// Why `auto` found no GPU: no driver, or the device's error.
+        why: Option<String>,
+    },
+}
+
+impl DeviceChoice {
+    /// Resolves the choice, the one way every user of `training.device` does: `cpu`;
+    /// `cuda:N`, which opens device N or fails with the reason (no driver, no NVRTC, no such
+    /// device); `auto`, which opens device 0 when a driver is present and the device opens,
+    /// and otherwise picks the CPU, saying why.
+    ///
+    /// # Errors
+    ///
+    /// `cuda:N` whose device does not open.
+    pub fn resolve(self) -> Result<Resolved, legend_cuda::GpuError> {
+        let gpu = |ordinal| {
+            open_gpu(ordinal).map(|gpu| Resolved::Gpu {
+                ordinal,
+                gpu: Box::new(gpu),
+            })
+        };
+        match self {
+            DeviceChoice::Cpu => Ok(Resolved::Cpu { why: None }),
+            DeviceChoice::Cuda(ordinal) => gpu(ordinal),
+            DeviceChoice::Auto if !driver_present() => Ok(Resolved::Cpu {
+                why: Some("no CUDA driver".into()),
+            }),
+            DeviceChoice::Auto => Ok(gpu(0).unwrap_or_else(|e| Resolved::Cpu {
+                why: Some(e.to_string()),
+            })),
         }
+    }
+}
+
+impl Engine {
+    /// Resolves `training.device` ([`DeviceChoice::resolve`]); `auto` that trains on the CPU
+    /// says why in the log.
+    pub fn open(config: &Config) -> Result<Engine, TrainError> {
+        let resolved = config
+            .device()
+            .resolve()
+            .map_err(|error| TrainError::Device {
+                device: config.device().to_string(),
+                error,
+            })?;
+        Ok(match resolved {
+            Resolved::Gpu { ordinal, gpu } => Engine::Cuda { ordinal, gpu },
+            Resolved::Cpu { why } => {
+                if let Some(why) = why {
+                    tracing::info!("training.device = \"auto\": training on the CPU ({why})");
+                }
+                Engine::Cpu
+            }
+        })
     }
 
     /// The engines of `training.gpus` workers: `cuda:0 .. cuda:K-1` (with NCCL present, one
