@@ -131,6 +131,33 @@ pub const TABLE_FILES: [&str; 4] = [
 ];
 
 impl RunMeta {
+    /// A record of nothing yet: the current format and batch keys, every other field empty or
+    /// zero (no epoch completed, no checkpoint, no store) for a new run to fill in what it is.
+    pub fn blank() -> RunMeta {
+        RunMeta {
+            format_version: RUN_FORMAT_VERSION,
+            dataset: PathBuf::new(),
+            dataset_identity: String::new(),
+            decoder: String::new(),
+            dim: 0,
+            entity_state_width: None,
+            entity_dtype: Dtype::F32,
+            entities: 0,
+            relations: 0,
+            reciprocal_relations: false,
+            batch_keys: crate::progress::BATCH_KEYS_VERSION,
+            epochs_completed: 0,
+            cut: None,
+            checkpoint: String::new(),
+            store: None,
+            store_queue: None,
+            store_members: Vec::new(),
+            store_id: None,
+            store_creating: false,
+            checksums: TableChecksums::default(),
+        }
+    }
+
     /// The members of the run's store, when it has one: `store_members`, or the one member
     /// `store` and `store_queue` name.
     pub fn recorded_members(&self) -> Option<Vec<crate::store::location::StoreMember>> {

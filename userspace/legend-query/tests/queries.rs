@@ -9,7 +9,7 @@ use std::path::Path;
 use common::grid;
 use legend_dataset::{ImportInput, ImportOptions, Split, import};
 use legend_engine::config::DeviceChoice;
-use legend_engine::run::{self, RunMeta, TableChecksums};
+use legend_engine::run::{self, RunMeta};
 use legend_eval::{FilterIndex, Kernel};
 use legend_fs::Unguarded;
 use legend_model::{Decoder, Side};
@@ -272,26 +272,15 @@ fn line_run_with(dir: &Path, reciprocal: bool) -> std::path::PathBuf {
     let out = dir.join("run");
     std::fs::create_dir(&out).unwrap();
     let meta = RunMeta {
-        format_version: run::RUN_FORMAT_VERSION,
         dataset: ds,
         dataset_identity: format!("{:032x}", dataset.meta().identity()),
         decoder: "transe_l1".into(),
         dim: 1,
         entities: 7,
         relations: if reciprocal { 2 } else { 1 },
-        entity_state_width: None,
-        entity_dtype: legend_model::Dtype::F32,
         reciprocal_relations: reciprocal,
-        batch_keys: legend_engine::progress::BATCH_KEYS_VERSION,
         epochs_completed: 1,
-        cut: None,
-        checkpoint: String::new(),
-        store: None,
-        store_queue: None,
-        store_members: Vec::new(),
-        store_id: None,
-        store_creating: false,
-        checksums: TableChecksums::default(),
+        ..RunMeta::blank()
     };
     let state = vec![0.0; 7];
     let relations = if reciprocal { &[1.0, 2.0][..] } else { &[1.0] };
@@ -511,26 +500,14 @@ fn grid_run(dir: &Path, entities: usize, dim: usize) -> (legend_fs::Dir, RunMeta
     let out = dir.join("grid-run");
     std::fs::create_dir(&out).unwrap();
     let meta = RunMeta {
-        format_version: run::RUN_FORMAT_VERSION,
         dataset: dir.to_owned(),
         dataset_identity: "0".repeat(32),
         decoder: "distmult".into(),
         dim,
         entities: entities as u64,
         relations: 2,
-        entity_state_width: None,
-        entity_dtype: legend_model::Dtype::F32,
-        reciprocal_relations: false,
-        batch_keys: legend_engine::progress::BATCH_KEYS_VERSION,
         epochs_completed: 1,
-        cut: None,
-        checkpoint: String::new(),
-        store: None,
-        store_queue: None,
-        store_members: Vec::new(),
-        store_id: None,
-        store_creating: false,
-        checksums: TableChecksums::default(),
+        ..RunMeta::blank()
     };
     let rows = grid(entities * dim, 3);
     let meta = run::commit_checkpoint(

@@ -329,3 +329,55 @@ fn report_on_a_trained_generated_graph() {
     assert_balanced(&svg);
     assert_eq!(count(&svg, "<rect class=\"io\""), swaps);
 }
+
+#[test]
+fn report_draws_a_lane_a_worker_with_each_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dir.path().join("ds");
+    let run = dir.path().join("run");
+    ok(&[
+        "generate",
+        "--nodes",
+        "400",
+        "--edges",
+        "4000",
+        "--seed",
+        "5",
+        &s(&ds),
+    ]);
+    ok(&[
+        "train",
+        "--dataset",
+        &s(&ds),
+        "--out",
+        &s(&run),
+        "--gpus",
+        "2",
+        "--set",
+        "training.device=\"cpu\"",
+        "--set",
+        "model.dim=8",
+        "--set",
+        "training.num_epochs=1",
+        "--set",
+        "training.batch_size=256",
+    ]);
+    let out = ok(&["report", &s(&run)]);
+    assert!(out.contains("2 workers: parallel efficiency"), "{out}");
+    let svg = std::fs::read_to_string(run.join("report.svg")).unwrap();
+    assert_balanced(&svg);
+    assert!(svg.contains("2 GPUs per round"), "the K-GPU title");
+    // N = 4 on 2 workers: 3 rounds, each drawing every worker's hand-over, training and wait.
+    for class in ["handover", "after", "wait"] {
+        assert_eq!(
+            count(&svg, &format!("<rect class=\"{class}\"")),
+            6,
+            "{class}"
+        );
+    }
+    assert_eq!(count(&svg, "<title>round 3, "), 2, "round 3 on both lanes");
+    assert!(
+        svg.contains(">0: cpu<") && svg.contains(">1: cpu<"),
+        "lanes named by device"
+    );
+}

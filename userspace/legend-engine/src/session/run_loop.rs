@@ -2,19 +2,17 @@
 //! stopping, and the final evaluation.
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use legend_dataset::Split;
 use legend_eval::{Metrics, SampledNegatives};
 use legend_fs::Access;
-use legend_model::Dtype;
 
 use crate::config::Protocol;
 use crate::evaluation::EvalRequest;
-use crate::progress::BATCH_KEYS_VERSION;
-use crate::run::{RunMeta, TableChecksums, TableWriter};
+use crate::run::{RunMeta, TableWriter};
 use crate::store::file::encode_relations;
 use crate::trainer::{EpochEnd, EpochReport};
 use crate::training::Training;
@@ -368,7 +366,8 @@ impl Session {
             // The store committed; run.toml only mirrors the position for people.
             return write_meta(&self.run, &self.meta);
         }
-        let meta = std::mem::replace(&mut self.meta, new_placeholder_meta());
+        // A blank stand-in while the real record is moved through `commit_checkpoint`.
+        let meta = std::mem::replace(&mut self.meta, RunMeta::blank());
         self.meta = run::commit_checkpoint(
             &self.run,
             meta,
@@ -419,32 +418,6 @@ const CHECKPOINT_SPACING: u32 = 20;
 /// the next batch, so a crash loses at most about `interval`.
 pub fn checkpoint_due(since_last: Duration, cost: Duration, interval: Duration) -> bool {
     !interval.is_zero() && since_last >= interval.max(cost * CHECKPOINT_SPACING)
-}
-
-/// A stand-in while the real record is moved through `commit_checkpoint`.
-fn new_placeholder_meta() -> RunMeta {
-    RunMeta {
-        format_version: run::RUN_FORMAT_VERSION,
-        dataset: PathBuf::new(),
-        dataset_identity: String::new(),
-        decoder: String::new(),
-        dim: 0,
-        entity_state_width: None,
-        entity_dtype: Dtype::F32,
-        entities: 0,
-        relations: 0,
-        reciprocal_relations: false,
-        batch_keys: BATCH_KEYS_VERSION,
-        epochs_completed: 0,
-        cut: None,
-        checkpoint: String::new(),
-        store: None,
-        store_queue: None,
-        store_members: Vec::new(),
-        store_id: None,
-        store_creating: false,
-        checksums: TableChecksums::default(),
-    }
 }
 
 /// Streams every partition's embedding and state rows from wherever `trainer` holds them into

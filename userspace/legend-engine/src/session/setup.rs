@@ -12,7 +12,7 @@ use crate::engine::Engine;
 use crate::error::TrainError;
 use crate::progress::BATCH_KEYS_VERSION;
 use crate::relations::Relations;
-use crate::run::{RunMeta, TableChecksums};
+use crate::run::RunMeta;
 use crate::schedule::ValidHistory;
 use crate::store::controllers::SharedController;
 use crate::store::{FileStore, FileStoreSpec, MemberFile, MemoryStore, PartitionHome};
@@ -446,7 +446,6 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
     let m = dataset.meta();
     let decoder = config.decoder();
     RunMeta {
-        format_version: run::RUN_FORMAT_VERSION,
         dataset: std::fs::canonicalize(dataset.dir()).unwrap_or_else(|_| dataset.dir().to_owned()),
         dataset_identity: format!("{:032x}", m.identity()),
         decoder: decoder.name().into(),
@@ -456,16 +455,7 @@ fn new_meta(config: &Config, dataset: &Dataset) -> RunMeta {
         entities: m.entities,
         relations: config.relation_rows(m.relations),
         reciprocal_relations: config.model.reciprocal_relations && decoder.uses_relations(),
-        batch_keys: BATCH_KEYS_VERSION,
-        epochs_completed: 0,
-        cut: None,
-        checkpoint: String::new(),
-        store: None,
-        store_queue: None,
-        store_members: Vec::new(),
-        store_id: None,
-        store_creating: false,
-        checksums: TableChecksums::default(),
+        ..RunMeta::blank()
     }
 }
 

@@ -4,13 +4,16 @@
 //! paper. The compute lane shows, per swap, the compute overlapped with the swap's I/O, the time
 //! compute waited for it and the compute after it; the I/O lane shows the swap's write-back and
 //! read from its start; for swaps the GPU I/O kernels moved, a third lane shows each of their
-//! launches (commands submitted to the last completion). A table gives every epoch's loss, time,
-//! I/O time, wait and hidden I/O share, and two charts every epoch's loss and training rate.
+//! launches (commands submitted to the last completion). An epoch trained on K GPUs
+//! (`training.gpus`) draws a lane a GPU instead: per round, its hand-over, its training and its
+//! wait at the round gate. A table gives every epoch's loss, time, I/O time, wait and hidden
+//! I/O share, and two charts every epoch's loss and training rate.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
+use legend_engine::workers::WorkersReport;
 use legend_engine::{EpochReport as Epoch, IoDirection};
 
 /// Arguments of `legendctl report`.
@@ -123,7 +126,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         svg
     };
     std::fs::write(&out, text).with_context(|| format!("writing {}", out.display()))?;
-    outln!("{}", chosen.summary())?;
+    outln!("{}", headline(chosen))?;
     outln!("wrote {}", out.display())?;
     Ok(())
 }
@@ -170,8 +173,9 @@ const COMPUTE_Y: f64 = 78.0;
 const IO_Y: f64 = COMPUTE_Y + LANE + 10.0;
 const ROW: f64 = 18.0;
 
-/// Where the parts below the lanes go: one lane lower when the I/O kernels' lane is drawn.
+/// The lanes (name and top) and where the parts below them go.
 struct Layout {
+    lanes: Vec<(String, f64)>,
     kernels_y: Option<f64>,
     axis_y: f64,
     legend_y: f64,
@@ -179,15 +183,39 @@ struct Layout {
 }
 
 impl Layout {
+    /// One trainer's lanes: compute, I/O, and the I/O kernels' with `kernels`.
     fn new(kernels: bool) -> Layout {
+        let mut lanes = vec![("compute".to_owned(), COMPUTE_Y), ("I/O".to_owned(), IO_Y)];
         let kernels_y = kernels.then_some(IO_Y + LANE + 10.0);
-        let axis_y = kernels_y.unwrap_or(IO_Y) + LANE + 8.0;
+        if let Some(y) = kernels_y {
+            lanes.push(("I/O kernels".to_owned(), y));
+        }
+        Layout::below(lanes, kernels_y, if kernels { 3 } else { 2 })
+    }
+
+    /// A lane a worker of `workers`, named by its device.
+    fn workers(workers: &WorkersReport) -> Layout {
+        let lanes = (0..workers.gpus as usize)
+            .map(|g| {
+                let device = workers.devices.get(g).map_or("?", String::as_str);
+                // The ordinal only: the model is in the summary line.
+                let name = device.split(" (").next().unwrap_or(device);
+                (format!("{g}: {name}"), COMPUTE_Y + g as f64 * (LANE + 10.0))
+            })
+            .collect();
+        Layout::below(lanes, None, 1)
+    }
+
+    fn below(lanes: Vec<(String, f64)>, kernels_y: Option<f64>, legend_rows: usize) -> Layout {
+        let last = lanes.last().map_or(COMPUTE_Y, |(_, y)| *y);
+        let axis_y = last + LANE + 8.0;
         let legend_y = axis_y + 44.0;
         Layout {
+            lanes,
             kernels_y,
             axis_y,
             legend_y,
-            table_y: legend_y + 20.0 * if kernels { 3.0 } else { 2.0 } + 16.0,
+            table_y: legend_y + 20.0 * legend_rows as f64 + 16.0,
         }
     }
 }
@@ -200,7 +228,7 @@ const STYLE: &str = "text{font-family:sans-serif;font-size:13px;fill:#222}\
 .mono{font-family:monospace;font-size:12px}.chosen{font-weight:bold}\
 .overlap{fill:#4f9d69}.after{fill:#2f6db5}.initial{fill:#a9b7c6}\
 .wait,.fill-wait{fill:#d9453d}.io{fill:#f0a43a}.fill{fill:#f6d19b}\
-.kwrite{fill:#a0522d}.kread{fill:#7b5ea7}\
+.kwrite{fill:#a0522d}.kread{fill:#7b5ea7}.handover{fill:#8e6bbf}\
 .sep{stroke:#fff;stroke-width:1}.grid{stroke:#ddd;stroke-width:1}.axis{stroke:#444;stroke-width:1}\
 .frame{fill:none;stroke:#bbb;stroke-width:1}.line{fill:none;stroke-width:2}\
 .loss{stroke:#2f6db5}.rate{stroke:#4f9d69}.pt{fill:#222}";
@@ -213,18 +241,25 @@ fn io_start(sw: &legend_engine::SwapReport) -> f64 {
 
 /// The timeline of `epoch` and the table of `all`, as a standalone SVG document.
 fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
-    let span = epoch.swaps.iter().fold(epoch.seconds, |m, s| {
-        let kernels = s.io_kernels.iter().map(|k| k.start_s + k.seconds);
-        kernels
-            .fold(m, f64::max)
-            .max(io_start(s) + s.io_s)
-            .max(s.start_s + s.overlap_compute_s + s.wait_s + s.after_compute_s)
-    });
+    let workers = epoch.workers.as_ref().filter(|w| w.gpus > 1);
+    let span = match workers {
+        Some(w) => rounds_span(w).max(epoch.seconds),
+        None => epoch.swaps.iter().fold(epoch.seconds, |m, s| {
+            let kernels = s.io_kernels.iter().map(|k| k.start_s + k.seconds);
+            kernels
+                .fold(m, f64::max)
+                .max(io_start(s) + s.io_s)
+                .max(s.start_s + s.overlap_compute_s + s.wait_s + s.after_compute_s)
+        }),
+    };
     let span = if span > 0.0 { span } else { 1.0 };
     let scale = Scale((WIDTH - LEFT - RIGHT) / span);
     let shown = &all[all.len().saturating_sub(TABLE_ROWS)..];
     let kernels = epoch.swaps.iter().any(|sw| !sw.io_kernels.is_empty());
-    let layout = Layout::new(kernels);
+    let layout = match workers {
+        Some(w) => Layout::workers(w),
+        None => Layout::new(kernels),
+    };
     let charts_y = layout.table_y + ROW * (shown.len() as f64 + 1.0) + 36.0;
     let height = charts_y + CHART_H + 40.0;
     let mut s = String::new();
@@ -234,24 +269,122 @@ fn render(title: &str, epoch: &Epoch, all: &[Epoch]) -> anyhow::Result<String> {
     )?;
     writeln!(s, "<style>{STYLE}</style>")?;
     writeln!(s, r##"<rect width="100%" height="100%" fill="#fff"/>"##)?;
+    let what = match workers {
+        Some(w) => format!("{} GPUs per round", w.gpus),
+        None => "compute vs I/O per swap".to_owned(),
+    };
+    let summary = headline(epoch);
     writeln!(
         s,
-        r#"<text class="title" x="16" y="26">{}: compute vs I/O per swap</text>"#,
+        r#"<text class="title" x="16" y="26">{}: {what}</text>"#,
         escape(title)
     )?;
-    writeln!(
-        s,
-        r#"<text x="16" y="48">{}</text>"#,
-        escape(&epoch.summary())
-    )?;
+    writeln!(s, r#"<text x="16" y="48">{}</text>"#, escape(&summary))?;
     // Grid and axis first, so the lanes draw over the grid lines.
     axis(&mut s, &scale, span, &layout)?;
-    timeline(&mut s, epoch, &scale, layout.kernels_y)?;
-    legend(&mut s, kernels, layout.legend_y)?;
+    match workers {
+        Some(w) => {
+            workers_timeline(&mut s, w, &scale, &layout)?;
+            workers_legend(&mut s, layout.legend_y)?;
+        }
+        None => {
+            timeline(&mut s, epoch, &scale, layout.kernels_y)?;
+            legend(&mut s, kernels, layout.legend_y)?;
+        }
+    }
     table(&mut s, epoch, all, shown, layout.table_y)?;
     epoch_charts(&mut s, all, charts_y)?;
     writeln!(s, "</svg>")?;
     Ok(s)
+}
+
+/// The epoch in a line: its workers' figures when K GPUs trained it, its swaps' otherwise.
+fn headline(epoch: &Epoch) -> String {
+    match epoch.workers.as_ref().filter(|w| w.gpus > 1) {
+        Some(w) => format!(
+            "epoch {}: {:.3} s; {}",
+            epoch.epoch,
+            epoch.seconds,
+            w.describe()
+        ),
+        None => epoch.summary(),
+    }
+}
+
+/// Seconds of the workers' rounds end to end: each round ends when its last GPU passes the
+/// gate.
+fn rounds_span(w: &WorkersReport) -> f64 {
+    w.rounds
+        .iter()
+        .map(|round| {
+            round
+                .iter()
+                .map(|g| g.handover_s + g.compute_s + g.wait_s)
+                .fold(0.0, f64::max)
+        })
+        .sum()
+}
+
+/// A lane a GPU: per round, its hand-over, its training and its wait at the round gate; the
+/// rounds' boundaries across the lanes.
+fn workers_timeline(
+    s: &mut String,
+    w: &WorkersReport,
+    scale: &Scale,
+    layout: &Layout,
+) -> std::fmt::Result {
+    let mut start = 0.0;
+    for (r, round) in w.rounds.iter().enumerate() {
+        let mut end: f64 = start;
+        for (g, gpu) in round.iter().enumerate() {
+            let Some((name, y)) = layout.lanes.get(g) else {
+                break;
+            };
+            writeln!(
+                s,
+                "<g><title>round {}, {}: handed over {:.3} s, trained {:.3} s ({} edges), waited {:.3} s at the gate</title>",
+                r + 1,
+                escape(name),
+                gpu.handover_s,
+                gpu.compute_s,
+                gpu.edges,
+                gpu.wait_s
+            )?;
+            let mut t = start;
+            for (class, dt) in [
+                ("handover", gpu.handover_s),
+                ("after", gpu.compute_s),
+                ("wait", gpu.wait_s),
+            ] {
+                scale.rect(s, class, t, dt, *y)?;
+                t += dt;
+            }
+            writeln!(s, "</g>")?;
+            end = end.max(t);
+        }
+        start = end;
+        writeln!(
+            s,
+            r#"<line class="sep" x1="{0:.2}" y1="{COMPUTE_Y}" x2="{0:.2}" y2="{1}"/>"#,
+            scale.x(start),
+            layout.axis_y - 8.0
+        )?;
+    }
+    Ok(())
+}
+
+/// The key of the workers' lanes.
+fn workers_legend(s: &mut String, legend_y: f64) -> std::fmt::Result {
+    key_row(
+        s,
+        "each GPU",
+        &[
+            ("handover", "handing partitions over (NCCL)"),
+            ("after", "training its buckets"),
+            ("wait", "waiting at the round gate"),
+        ],
+        legend_y,
+    )
 }
 
 /// The timeline's scale: pixels a second, from [`LEFT`].
@@ -297,17 +430,13 @@ fn axis(s: &mut String, scale: &Scale, span: f64, layout: &Layout) -> std::fmt::
         WIDTH - RIGHT,
         axis_y + 32.0
     )?;
-    let lanes = [
-        Some(("compute", COMPUTE_Y)),
-        Some(("I/O", IO_Y)),
-        layout.kernels_y.map(|y| ("I/O kernels", y)),
-    ];
-    for (label, y) in lanes.into_iter().flatten() {
+    for (label, y) in &layout.lanes {
         writeln!(
             s,
-            r#"<text x="{}" y="{}" text-anchor="end">{label}</text>"#,
+            r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#,
             LEFT - 10.0,
-            y + LANE / 2.0 + 5.0
+            y + LANE / 2.0 + 5.0,
+            escape(label)
         )?;
     }
     Ok(())
@@ -451,23 +580,28 @@ fn legend(s: &mut String, kernels: bool, legend_y: f64) -> std::fmt::Result {
         ));
     }
     for (row, (lane, entries)) in legend.iter().enumerate() {
-        let y = legend_y + 20.0 * row as f64;
+        key_row(s, lane, entries, legend_y + 20.0 * row as f64)?;
+    }
+    Ok(())
+}
+
+/// One row of the key: the lane's name, then each colour and what it means.
+fn key_row(s: &mut String, lane: &str, entries: &[(&str, &str)], y: f64) -> std::fmt::Result {
+    writeln!(
+        s,
+        r#"<text class="small" x="{}" y="{y}" text-anchor="end">{lane}</text>"#,
+        LEFT - 10.0
+    )?;
+    let mut lx = LEFT;
+    for (class, label) in entries {
         writeln!(
             s,
-            r#"<text class="small" x="{}" y="{y}" text-anchor="end">{lane}</text>"#,
-            LEFT - 10.0
+            r#"<rect class="{class} key" x="{lx}" y="{}" width="14" height="14"/><text x="{}" y="{y}">{}</text>"#,
+            y - 11.0,
+            lx + 20.0,
+            escape(label)
         )?;
-        let mut lx = LEFT;
-        for (class, label) in *entries {
-            writeln!(
-                s,
-                r#"<rect class="{class} key" x="{lx}" y="{}" width="14" height="14"/><text x="{}" y="{y}">{}</text>"#,
-                y - 11.0,
-                lx + 20.0,
-                escape(label)
-            )?;
-            lx += 20.0 + 7.0 * label.len() as f64 + 28.0;
-        }
+        lx += 20.0 + 7.0 * label.len() as f64 + 28.0;
     }
     Ok(())
 }

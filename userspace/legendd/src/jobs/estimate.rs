@@ -106,7 +106,7 @@ pub fn run_meta(reader: &Peer, path: &std::path::Path) -> Result<RunMeta, String
 /// The dataset description at `path`, read as `reader`.
 pub fn dataset_meta(reader: &Peer, path: &std::path::Path) -> Result<DatasetMeta, String> {
     let dir = reader.open_dir(path)?;
-    DatasetMeta::read_in(&dir).map_err(|e| e.to_string())
+    DatasetMeta::read_in(&dir).map_err(|e| legend_engine::error_chain::with_sources(&e))
 }
 
 /// What job `spec` (in `queue`; a train job resuming or not) needs; serve jobs hold at most

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use legend_daemon_api::{ErrorCode, NvmeController, Reply};
+use legend_engine::error_chain::with_sources;
 use legend_engine::store::QueueBackend;
 use legend_engine::store::StoreFile;
 use legend_engine::store::controllers::{self, SharedController};
@@ -21,7 +22,7 @@ pub fn devices() -> Reply {
         Ok(list) => Reply::Data {
             data: serde_json::Value::Array(list.into_iter().map(controller_json).collect()),
         },
-        Err(e) => error(ErrorCode::Refused, e.to_string()),
+        Err(e) => error(ErrorCode::Refused, with_sources(&e)),
     }
 }
 
@@ -43,15 +44,18 @@ pub fn report(
     let controller = match file.and_then(|file| controllers::open(QueueBackend::Nvme, &file, None))
     {
         Ok(c) => c,
-        Err(e) => return error(ErrorCode::Refused, e.to_string()),
+        Err(e) => return error(ErrorCode::Refused, with_sources(&e)),
     };
     let SharedController::Device(device) = controller else {
         unreachable!("an nvme controller is a device");
     };
     match read(&device) {
         Ok(Ok(data)) => Reply::Data { data },
-        Ok(Err(e)) => error(ErrorCode::Unavailable, e.to_string()),
-        Err(e) => error(ErrorCode::Unavailable, format!("{node}: {e}")),
+        Ok(Err(e)) => error(ErrorCode::Unavailable, with_sources(&e)),
+        Err(e) => error(
+            ErrorCode::Unavailable,
+            format!("{node}: {}", with_sources(&e)),
+        ),
     }
 }
 
@@ -61,6 +65,6 @@ pub fn change(result: legend_nvme::Result<legend_nvme::PciController>) -> Reply 
         Ok(c) => Reply::Data {
             data: controller_json(c),
         },
-        Err(e) => error(ErrorCode::Refused, e.to_string()),
+        Err(e) => error(ErrorCode::Refused, with_sources(&e)),
     }
 }

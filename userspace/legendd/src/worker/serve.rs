@@ -246,6 +246,7 @@ fn answer(run: &QueryRun<'_>, bound: &AnswerBound, text: &str) -> (u32, Reply) {
                 seconds: started.elapsed().as_secs_f64(),
             },
         ),
-        Err(e) => (0, error(ErrorCode::Refused, e.to_string())),
+        // The chain: a store's failure ends at the OS's words (its reason is the source).
+        Err(e) => (0, error(ErrorCode::Refused, chain(&e))),
     }
 }
