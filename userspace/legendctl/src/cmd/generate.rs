@@ -34,14 +34,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let cancel = super::stop_on_signals(
-        |signal| {
-            errln!(
-                "{signal}: stopping the generation; its temporary directory is removed and nothing is written (press it again to quit at once, which may leave a hidden .NAME.generating-* directory beside the output)"
-            )
-        },
-        |signal| errln!("{signal} again: quitting at once"),
-    )?;
+    let cancel = super::stop_staging_on_signals("the generation", "generating")?;
     let options = GenerateOptions {
         nodes: args.nodes,
         edges: args.edges,

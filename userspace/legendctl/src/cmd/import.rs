@@ -72,14 +72,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, None, Some(dir)) => ImportInput::Marius { dir },
         _ => bail!("give exactly one of --train, --split or --marius"),
     };
-    let cancel = super::stop_on_signals(
-        |signal| {
-            errln!(
-                "{signal}: stopping the import; its temporary directory is removed and nothing is written (press it again to quit at once, which may leave a hidden .NAME.importing-* directory beside the output)"
-            )
-        },
-        |signal| errln!("{signal} again: quitting at once"),
-    )?;
+    let cancel = super::stop_staging_on_signals("the import", "importing")?;
     let options = ImportOptions {
         input,
         delimiter: args.delimiter,

@@ -105,6 +105,23 @@ pub fn stop_on_signals(
     Ok(stop)
 }
 
+/// [`stop_on_signals`] for a command that writes a dataset through a hidden temporary directory
+/// beside its output (import, generate): the first signal stops `work` (`the import`) and the
+/// directory (`.NAME.{staging}-*`) is removed; a second quits at once, which may leave it.
+pub fn stop_staging_on_signals(
+    work: &'static str,
+    staging: &'static str,
+) -> anyhow::Result<Arc<AtomicBool>> {
+    stop_on_signals(
+        move |signal| {
+            errln!(
+                "{signal}: stopping {work}; its temporary directory is removed and nothing is written (press it again to quit at once, which may leave a hidden .NAME.{staging}-* directory beside the output)"
+            )
+        },
+        |signal| errln!("{signal} again: quitting at once"),
+    )
+}
+
 /// Parses `train,valid,test` fractions such as `0.9,0.05,0.05` (checked further by the library).
 pub fn parse_fractions(s: &str) -> Result<[f64; 3], String> {
     let parts: Vec<f64> = s
