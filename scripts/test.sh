@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: formatting, lints, the workspace's unit and integration tests, the kernel
-# module's selftests in QEMU, and (when present) the NVRTC compile check of the CUDA kernels.
+# The whole test suite: formatting, lints, the workspace's unit and integration tests, the Python
+# package's tests (pytest, in a virtual environment under the cache), the kernel module's
+# selftests in QEMU, and (when present) the NVRTC compile check of the CUDA kernels.
 # Every stage runs even if an earlier one failed; the last line is `test-suites: N passed, M failed`.
 # Tests that need a GPU are reported as ignored (skipped) without one; scripts/gpu/run-all.sh runs
 # them on a GPU machine. A stage that prints nothing for 9 s says so (`... NAME: working, N s`),
@@ -15,14 +16,20 @@ source scripts/lib/heartbeat.sh
 passed=0
 failed=0
 failures=()
+skipped=()
+# A stage that exits with 77 could not run here (it said why): reported as skipped, not failed.
 stage() {
   local name=$1
   shift
   echo "=== $name: $*"
-  local start=$SECONDS
-  if HEARTBEAT=always heartbeat "$name" "$@"; then
+  local start=$SECONDS status=0
+  HEARTBEAT=always heartbeat "$name" "$@" || status=$?
+  if [ "$status" -eq 0 ]; then
     passed=$((passed + 1))
     echo "=== $name: ok ($((SECONDS - start)) s)"
+  elif [ "$status" -eq 77 ]; then
+    skipped+=("$name")
+    echo "=== $name: skipped ($((SECONDS - start)) s)"
   else
     failed=$((failed + 1))
     failures+=("$name")
@@ -57,11 +64,13 @@ if stage cargo-test cargo_tests; then
   export LEGENDCTL=$debug/legendctl LEGEND_NVRTC_CHECK=$debug/legend-nvrtc-check
 fi
 stage recipe scripts/recipe-check.sh
+stage python scripts/python-test.sh
 stage kmod-selftests tests/kmod/run
 if [ -x scripts/gpu/nvrtc-check.sh ]; then
   stage nvrtc-compile scripts/gpu/nvrtc-check.sh
 fi
 
 [ "$failed" -eq 0 ] || echo "failed stages: ${failures[*]}"
+[ "${#skipped[@]}" -eq 0 ] || echo "skipped stages: ${skipped[*]} (each said why above)"
 echo "test-suites: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

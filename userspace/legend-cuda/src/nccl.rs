@@ -2,6 +2,12 @@
 //! communicator for each GPU of this process, partitions sent and received on a stream of each
 //! GPU's own, ordered after the compute that last used them by events.
 //!
+//! One process's GPUs share a communicator made with `ncclCommInitAll` ([`communicators`]).
+//! A job of several hosts makes one over all their GPUs ([`job_communicators`]) from the
+//! unique id host 0 draws ([`unique_id`]) and its rendezvous hands out; those are
+//! non-blocking, so that no call waits for a peer that is gone: initialisation and every
+//! exchange are polled, and given up when the job fails anywhere.
+//!
 //! cudarc's loader panics when no library loads and its safe `Comm` panics when a teardown
 //! fails: this module probes for the library first ([`nccl_version`]) and owns every
 //! communicator's teardown, so a missing library or a failed call is an error, never an abort.
@@ -154,6 +160,9 @@ pub struct Communicator {
     size: usize,
     stream: Arc<CudaStream>,
     aborted: bool,
+    /// Made non-blocking (a job of several hosts): calls may return before their work is
+    /// queued, and are polled.
+    nonblocking: bool,
 }
 
 // SAFETY: an NCCL communicator may move between threads; it is used by one at a time (the
@@ -172,9 +181,21 @@ pub fn communicators(gpus: &[&Gpu]) -> Result<Vec<Communicator>, NcclError> {
     call("ncclCommInitAll", None, unsafe {
         result::comm_init_all(comms.as_mut_ptr(), gpus.len() as i32, ordinals.as_ptr())
     })?;
-    // Made before any stream, so that a failure below tears the communicators down too.
+    wrap(&comms, gpus, 0, gpus.len(), false)
+}
+
+/// `comms` (made for `gpus`, ranks `first ..` of `size`) as [`Communicator`]s, each with a
+/// transfer stream of its GPU's. Wrapped before any stream of the next is made, so that a
+/// failure tears every one down: the wrapped as they drop, the others aborted here.
+fn wrap(
+    comms: &[sys::ncclComm_t],
+    gpus: &[&Gpu],
+    first: usize,
+    size: usize,
+    nonblocking: bool,
+) -> Result<Vec<Communicator>, NcclError> {
     let mut made: Vec<Communicator> = Vec::with_capacity(gpus.len());
-    for (rank, (comm, gpu)) in comms.into_iter().zip(gpus).enumerate() {
+    for (i, (&comm, gpu)) in comms.iter().zip(gpus).enumerate() {
         let stream = match gpu
             .context()
             .new_stream()
@@ -182,20 +203,176 @@ pub fn communicators(gpus: &[&Gpu]) -> Result<Vec<Communicator>, NcclError> {
         {
             Ok(s) => s,
             Err(e) => {
-                // SAFETY: `comm` is a live communicator nothing else holds.
-                let _ = unsafe { result::comm_abort(comm) };
+                for &c in &comms[i..] {
+                    // SAFETY: a live communicator nothing else holds.
+                    let _ = unsafe { result::comm_abort(c) };
+                }
                 return Err(e.into());
             }
         };
         made.push(Communicator {
             comm,
-            rank,
-            size: gpus.len(),
+            rank: first + i,
+            size,
             stream,
             aborted: false,
+            nonblocking,
         });
     }
     Ok(made)
+}
+
+/// Bytes of an NCCL unique id.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// A fresh NCCL unique id (host 0 of a job draws it; every host's communicators start from
+/// it): NCCL's bootstrap listens on this host for the ranks to meet.
+pub fn unique_id() -> Result<Vec<u8>, NcclError> {
+    nccl_version()?;
+    let id = result::get_uniqueid().map_err(|e| NcclError::Call {
+        what: "ncclGetUniqueId",
+        message: describe(e.0, None),
+    })?;
+    Ok(id.internal.iter().map(|&c| c as u8).collect())
+}
+
+/// NCCL's initializer of a communicator's configuration (NCCL_CONFIG_INITIALIZER of the
+/// 2.28 headers cudarc's bindings follow), made non-blocking.
+fn nonblocking_config() -> sys::ncclConfig_t {
+    const UNDEF: std::ffi::c_int = std::ffi::c_int::MIN;
+    sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: 22_800,
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+    }
+}
+
+/// The communicators of this host's `gpus` in a job of `ranks` GPUs over several hosts, from
+/// host 0's unique `id`: rank `first + i` for `gpus[i]` (ranks host-major). Non-blocking:
+/// initialisation is polled, and abandoned (every communicator aborted) once `give_up` is
+/// raised (the job failed elsewhere) or after `deadline`, so that a peer that never comes
+/// leaves no host waiting.
+pub fn job_communicators(
+    gpus: &[&Gpu],
+    id: &[u8],
+    ranks: usize,
+    first: usize,
+    give_up: &AtomicBool,
+    deadline: Duration,
+) -> Result<Vec<Communicator>, NcclError> {
+    nccl_version()?;
+    if std::env::var_os(MULTICAST).is_none() {
+        return Err(NcclError::MulticastUnset);
+    }
+    let mut unique = sys::ncclUniqueId {
+        internal: [0; UNIQUE_ID_BYTES],
+    };
+    if id.len() != UNIQUE_ID_BYTES {
+        return Err(NcclError::Call {
+            what: "ncclCommInitRankConfig",
+            message: format!("a unique id of {} bytes, not {UNIQUE_ID_BYTES}", id.len()),
+        });
+    }
+    for (c, b) in unique.internal.iter_mut().zip(id) {
+        *c = *b as std::ffi::c_char;
+    }
+    let mut comms: Vec<sys::ncclComm_t> = vec![std::ptr::null_mut(); gpus.len()];
+    let abort_all = |comms: &[sys::ncclComm_t]| {
+        for &c in comms.iter().filter(|c| !c.is_null()) {
+            // SAFETY: a communicator this function made, used by nothing else.
+            let _ = unsafe { result::comm_abort(c) };
+        }
+    };
+    call("ncclGroupStart", None, result::group_start())?;
+    let mut started = Ok(());
+    for (i, gpu) in gpus.iter().enumerate() {
+        let bound = gpu
+            .context()
+            .bind_to_thread()
+            .during("binding a GPU for NCCL");
+        if let Err(e) = bound {
+            started = started.and(Err(e.into()));
+            break;
+        }
+        let mut config = nonblocking_config();
+        // SAFETY: `comms[i]` receives the communicator; the config outlives the call (NCCL
+        // copies it).
+        let r = unsafe {
+            result::comm_init_rank_config(
+                &mut comms[i],
+                ranks as std::ffi::c_int,
+                unique,
+                (first + i) as std::ffi::c_int,
+                &mut config,
+            )
+        };
+        started = started.and(call("ncclCommInitRankConfig", None, r));
+    }
+    let ended = call("ncclGroupEnd", None, result::group_end());
+    if let Err(e) = started.and(ended) {
+        abort_all(&comms);
+        return Err(e);
+    }
+    let since = std::time::Instant::now();
+    loop {
+        let mut pending = false;
+        for &c in &comms {
+            let mut state = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: a query of a communicator being initialised, writing one result code.
+            let code = unsafe { sys::ncclCommGetAsyncError(c, &mut state) };
+            let checked =
+                call("ncclCommGetAsyncError", Some(c), code.result()).and_then(|()| match state {
+                    sys::ncclResult_t::ncclSuccess => Ok(()),
+                    sys::ncclResult_t::ncclInProgress => {
+                        pending = true;
+                        Ok(())
+                    }
+                    e => Err(NcclError::Call {
+                        what: "ncclCommInitRankConfig (asynchronous)",
+                        message: describe(e, Some(c)),
+                    }),
+                });
+            if let Err(e) = checked {
+                abort_all(&comms);
+                return Err(e);
+            }
+        }
+        if !pending {
+            break;
+        }
+        if give_up.load(Ordering::Acquire) {
+            abort_all(&comms);
+            return Err(NcclError::Aborted(
+                "the job failed while its communicators were being made".into(),
+            ));
+        }
+        if since.elapsed() > deadline {
+            abort_all(&comms);
+            return Err(NcclError::Call {
+                what: "ncclCommInitRankConfig",
+                message: format!(
+                    "the {ranks} ranks did not all connect within {} s",
+                    deadline.as_secs()
+                ),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    wrap(&comms, gpus, first, ranks, true)
 }
 
 impl Communicator {
@@ -212,7 +389,8 @@ impl Communicator {
     /// Sends the rows of each `(peer, span)` of `sends` to that peer and receives those of each
     /// of `recvs` from it, as one NCCL group on this GPU's transfer stream, after `after` (the
     /// compute that last used the spans: every event of it). Returns the event after which the received spans
-    /// hold their rows and the sent ones may be reused.
+    /// hold their rows and the sent ones may be reused. A non-blocking communicator's group is
+    /// polled until queued, given up (aborted) once `give_up` is raised.
     ///
     /// # Safety
     /// The spans must be device memory of this communicator's GPU that nothing else writes
@@ -223,6 +401,7 @@ impl Communicator {
         sends: &[(usize, RowSpan)],
         recvs: &[(usize, RowSpan)],
         after: &[&CudaEvent],
+        give_up: &AtomicBool,
     ) -> Result<CudaEvent, NcclError> {
         if self.aborted {
             return Err(NcclError::Aborted("before an exchange".into()));
@@ -275,6 +454,10 @@ impl Communicator {
         // The group is closed whatever happened inside it.
         let ended = call("ncclGroupEnd", Some(comm), result::group_end());
         queued.and(ended)?;
+        if self.nonblocking {
+            // Queued on the stream only once NCCL says so.
+            self.settle(give_up)?;
+        }
         let ev = self
             .stream
             .context()
@@ -287,7 +470,8 @@ impl Communicator {
 
     /// Sums `floats` f32 at `at` over every rank, in place, on this GPU's transfer stream after
     /// `after` (the step that wrote them): every rank ends with the same sum. Returns the event
-    /// after which the sum is there.
+    /// after which the sum is there. A non-blocking communicator's call is polled until
+    /// queued, given up (aborted) once `give_up` is raised.
     ///
     /// # Safety
     /// `at` must hold `floats` f32 of device memory of this communicator's GPU that nothing
@@ -297,6 +481,7 @@ impl Communicator {
         at: u64,
         floats: usize,
         after: &[&CudaEvent],
+        give_up: &AtomicBool,
     ) -> Result<CudaEvent, NcclError> {
         if self.aborted {
             return Err(NcclError::Aborted("before a sum".into()));
@@ -325,6 +510,10 @@ impl Communicator {
             )
         };
         call("ncclAllReduce", Some(self.comm), r)?;
+        if self.nonblocking {
+            // Queued on the stream only once NCCL says so.
+            self.settle(give_up)?;
+        }
         let ev = self
             .stream
             .context()
@@ -370,6 +559,12 @@ impl Communicator {
     /// NCCL's asynchronous error of this communicator, if any (a peer gone, a failed
     /// transfer), or the abort that ended it.
     pub fn check(&mut self) -> Result<(), NcclError> {
+        self.state().map(|_| ())
+    }
+
+    /// Whether NCCL still works on the calls made (a non-blocking communicator's), failing
+    /// (aborted) on its asynchronous error.
+    fn state(&mut self) -> Result<bool, NcclError> {
         if self.aborted {
             return Err(NcclError::Aborted("the communicator was aborted".into()));
         }
@@ -378,7 +573,8 @@ impl Communicator {
         let code = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
         call("ncclCommGetAsyncError", Some(self.comm), code.result())?;
         match state {
-            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
+            sys::ncclResult_t::ncclSuccess => Ok(false),
+            sys::ncclResult_t::ncclInProgress => Ok(true),
             e => {
                 self.abort();
                 Err(NcclError::Call {
@@ -387,6 +583,19 @@ impl Communicator {
                 })
             }
         }
+    }
+
+    /// Polls a non-blocking communicator until its calls are done (queued on the stream),
+    /// aborting it once `give_up` is raised.
+    fn settle(&mut self, give_up: &AtomicBool) -> Result<(), NcclError> {
+        while self.state()? {
+            if give_up.load(Ordering::Acquire) {
+                self.abort();
+                return Err(NcclError::Aborted("another GPU's worker stopped".into()));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        Ok(())
     }
 
     /// Aborts the communicator: operations queued or blocked on it end with an error, so no
@@ -425,6 +634,30 @@ impl Drop for Communicator {
                 return;
             }
             std::thread::sleep(Duration::from_millis(1));
+        }
+        if self.nonblocking {
+            // A non-blocking communicator is finalised (polled) before it is destroyed.
+            // SAFETY: the communicator is live and nothing else uses it now (we own it).
+            let finalised = unsafe { result::comm_finalize(self.comm) };
+            let started = std::time::Instant::now();
+            let settled = finalised.is_ok()
+                && loop {
+                    match self.state() {
+                        Ok(false) => break true,
+                        Ok(true) if started.elapsed() < TEARDOWN_GRACE => {
+                            std::thread::sleep(Duration::from_millis(1))
+                        }
+                        _ => break false,
+                    }
+                };
+            if !settled {
+                tracing::warn!(
+                    "NCCL: GPU rank {}'s communicator did not finalise; aborting it",
+                    self.rank
+                );
+                self.abort();
+                return;
+            }
         }
         // SAFETY: the communicator is live and nothing else uses it now (we own it).
         let destroyed = unsafe { result::comm_destroy(self.comm) };

@@ -101,7 +101,8 @@ impl Buckets {
             out.extend_from_slice(edges.chunks(block_edges).nth(i).unwrap_or_default());
             Ok(())
         };
-        Self::from_blocks(scheme, edges.len(), block_edges, block).expect("blocks of memory read")
+        Self::from_blocks(scheme, edges.len(), block_edges, block, &|_| true)
+            .expect("blocks of memory read")
     }
 
     /// Reads the edge file `path` (`edges` edges of 12 bytes) into buckets, each bucket's edges
@@ -116,71 +117,79 @@ impl Buckets {
         edges: u64,
         check: impl Fn(&Edge) -> std::result::Result<(), RecordError> + Sync,
     ) -> Result<Buckets> {
-        use std::os::unix::fs::FileExt;
-        let path = &dir.join(name);
-        let file = dir.open_file(name, Access::Read).at(path)?;
-        let have = file.metadata().at(path)?.len();
-        let edge_bytes = size_of::<Edge>() as u64;
-        if have != edges * edge_bytes {
-            return Err(invalid(
-                path,
-                format!("holds {have} bytes, expected {edges} edges of {edge_bytes} bytes"),
-            ));
-        }
-        let total = edges as usize;
-        let block_edges = block_edges(total, scheme);
+        Self::read_selected(dir, name, scheme, edges, check, &|_| true)
+    }
+
+    /// [`Buckets::read`] keeping only the buckets `keep` selects (by row-major index): the
+    /// others are empty here, and the edges are still checked and counted in one pass, placed
+    /// in a second (one host of several holds the buckets its GPUs train).
+    pub(crate) fn read_selected(
+        dir: &Dir,
+        name: &Path,
+        scheme: PartitionScheme,
+        edges: u64,
+        check: impl Fn(&Edge) -> std::result::Result<(), RecordError> + Sync,
+        keep: &(dyn Fn(usize) -> bool + Sync),
+    ) -> Result<Buckets> {
         // Each block is read twice: to count its buckets' edges, then to place them.
-        let progress = ReadProgress::new(
-            format!(
-                "sorting {} into {n}×{n} buckets (two reads)",
-                path.display(),
-                n = scheme.num_partitions
-            ),
-            2 * have,
-        );
-        let block = |i: usize, out: &mut Vec<Edge>| -> Result<()> {
-            let first = i * block_edges;
-            out.resize(block_edges.min(total - first), [0; 3]);
-            file.read_exact_at(bytemuck::cast_slice_mut(out), first as u64 * edge_bytes)
-                .at(path)?;
-            progress.add((out.len() * size_of::<Edge>()) as u64);
-            if let Some((k, message)) = out
-                .iter()
-                .enumerate()
-                .find_map(|(k, e)| check(e).err().map(|m| (k, m)))
-            {
-                let e = out[k];
-                return Err(invalid(path, format!("edge {} {e:?} {message}", first + k)));
+        let file = EdgeFile::open(
+            dir,
+            name,
+            scheme,
+            edges,
+            "sorting into buckets (two reads)",
+            2,
+        )?;
+        let block = |i: usize, out: &mut Vec<Edge>| file.block(i, out, &check);
+        Self::from_blocks(scheme, file.total, file.block_edges, block, keep)
+    }
+
+    /// The edge counts of `scheme`'s buckets (row-major) of the edge file `name`, in one
+    /// checked pass that keeps no edge.
+    pub(crate) fn count(
+        dir: &Dir,
+        name: &Path,
+        scheme: PartitionScheme,
+        edges: u64,
+        check: impl Fn(&Edge) -> std::result::Result<(), RecordError> + Sync,
+    ) -> Result<Vec<u64>> {
+        let file = EdgeFile::open(dir, name, scheme, edges, "counting bucket edges", 1)?;
+        let block = |i: usize, out: &mut Vec<Edge>| file.block(i, out, &check);
+        let counts = count_blocks(scheme, file.total.div_ceil(file.block_edges), &block)?;
+        let n2 = scheme.num_partitions as usize * scheme.num_partitions as usize;
+        let mut all = vec![0u64; n2];
+        for c in &counts {
+            for (b, &k) in c.iter().enumerate() {
+                all[b] += k as u64;
             }
-            Ok(())
-        };
-        Self::from_blocks(scheme, total, block_edges, block)
+        }
+        Ok(all)
     }
 
     /// Buckets `total` edges that `block(i, out)` puts into `out`, block by block
-    /// (`block_edges` each, the last shorter): each block's edges are counted per bucket, then
-    /// each block places its edges in its own runs of the buckets, all blocks in parallel.
+    /// (`block_edges` each, the last shorter), keeping the buckets `keep` selects: each block's
+    /// edges are counted per bucket, then each block places its edges in its own runs of the
+    /// buckets, all blocks in parallel.
     fn from_blocks(
         scheme: PartitionScheme,
         total: usize,
         block_edges: usize,
         block: impl Fn(usize, &mut Vec<Edge>) -> Result<()> + Sync,
+        keep: &(dyn Fn(usize) -> bool + Sync),
     ) -> Result<Buckets> {
         let blocks = total.div_ceil(block_edges);
         let n2 = scheme.num_partitions as usize * scheme.num_partitions as usize;
+        let kept: Vec<bool> = (0..n2).map(keep).collect();
         let bucket =
             |e: &Edge| scheme.bucket_index(scheme.partition_of(e[0]), scheme.partition_of(e[2]));
-        let counts: Vec<Vec<usize>> = (0..blocks)
-            .into_par_iter()
-            .map_init(Vec::new, |buf, i| {
-                block(i, buf)?;
-                let mut c = vec![0usize; n2];
-                for e in buf.iter() {
-                    c[bucket(e)] += 1;
+        let mut counts = count_blocks(scheme, blocks, &block)?;
+        for c in &mut counts {
+            for (b, k) in c.iter_mut().enumerate() {
+                if !kept[b] {
+                    *k = 0;
                 }
-                Ok(c)
-            })
-            .collect::<Result<_>>()?;
+            }
+        }
         let mut offsets = vec![0u64; n2 + 1];
         for c in &counts {
             for (b, &k) in c.iter().enumerate() {
@@ -190,7 +199,7 @@ impl Buckets {
         for b in 0..n2 {
             offsets[b + 1] += offsets[b];
         }
-        let mut edges = vec![[0u32; 3]; total];
+        let mut edges = vec![[0u32; 3]; offsets[n2] as usize];
         // Each block's run of each bucket: the buckets cut into their blocks' runs in block
         // order, so that every block owns the slices it writes.
         let mut runs: Vec<Vec<&mut [Edge]>> = (0..blocks).map(|_| Vec::with_capacity(n2)).collect();
@@ -209,8 +218,10 @@ impl Buckets {
                 let mut next = vec![0usize; n2];
                 for e in buf.iter() {
                     let b = bucket(e);
-                    runs[b][next[b]] = *e;
-                    next[b] += 1;
+                    if kept[b] {
+                        runs[b][next[b]] = *e;
+                        next[b] += 1;
+                    }
                 }
                 Ok(())
             })?;
@@ -276,6 +287,90 @@ impl Buckets {
         scheme: PartitionScheme,
         expected_edges: u64,
     ) -> Result<Option<Buckets>> {
+        Self::load_selected(dir, scheme, expected_edges, &|_| true)
+    }
+
+    /// [`Buckets::load`] of the buckets `keep` selects (row-major index), the others empty:
+    /// only their runs of the saved file are read.
+    pub fn load_selected(
+        dir: &Dir,
+        scheme: PartitionScheme,
+        expected_edges: u64,
+        keep: &(dyn Fn(usize) -> bool + Sync),
+    ) -> Result<Option<Buckets>> {
+        use std::os::unix::fs::FileExt;
+        let Some(saved) = Self::load_offsets(dir, scheme, expected_edges)? else {
+            return Ok(None);
+        };
+        let (edges_name, _) = Self::paths(Path::new(""), scheme.num_partitions);
+        let edges_path = dir.join(&edges_name);
+        let file = dir.open_file(&edges_name, Access::Read).at(&edges_path)?;
+        let n2 = saved.len() - 1;
+        let kept: Vec<usize> = (0..n2).filter(|&b| keep(b)).collect();
+        let mut offsets = vec![0u64; n2 + 1];
+        for b in 0..n2 {
+            let count = if keep(b) { saved[b + 1] - saved[b] } else { 0 };
+            offsets[b + 1] = offsets[b] + count;
+        }
+        let mut edges = vec![[0u32; 3]; offsets[n2] as usize];
+        // Every kept bucket's run read in place, in parallel.
+        let mut runs: Vec<(usize, &mut [Edge])> = Vec::with_capacity(kept.len());
+        let mut rest: &mut [Edge] = &mut edges;
+        for &b in &kept {
+            let (run, tail) =
+                std::mem::take(&mut rest).split_at_mut((offsets[b + 1] - offsets[b]) as usize);
+            runs.push((b, run));
+            rest = tail;
+        }
+        let edge_bytes = size_of::<Edge>() as u64;
+        runs.into_par_iter()
+            .try_for_each(|(b, run)| {
+                file.read_exact_at(bytemuck::cast_slice_mut(run), saved[b] * edge_bytes)
+            })
+            .at(&edges_path)?;
+        let buckets = Buckets {
+            scheme,
+            edges: Arc::new(edges),
+            offsets,
+        };
+        for &b in &kept {
+            let (i, j) = (
+                b as u32 / scheme.num_partitions,
+                b as u32 % scheme.num_partitions,
+            );
+            let misplaced = buckets.bucket(i, j).iter().any(|e| {
+                scheme.partition_of(e[0]) != i
+                    || scheme.partition_of(e[2]) != j
+                    || u64::from(e[0].max(e[2])) >= scheme.entities
+            });
+            if misplaced {
+                return Err(invalid(
+                    &edges_path,
+                    format!("bucket ({i}, {j}) holds an edge of another bucket; re-run partition"),
+                ));
+            }
+        }
+        Ok(Some(buckets))
+    }
+
+    /// The saved buckets' edge counts (row-major), read from their offsets alone; `None` if
+    /// none are saved for this scheme.
+    pub fn load_counts(
+        dir: &Dir,
+        scheme: PartitionScheme,
+        expected_edges: u64,
+    ) -> Result<Option<Vec<u64>>> {
+        Ok(Self::load_offsets(dir, scheme, expected_edges)?
+            .map(|o| o.windows(2).map(|w| w[1] - w[0]).collect()))
+    }
+
+    /// The saved offsets for `scheme`, checked against each other, the edge file's size and
+    /// `expected_edges`; `None` if none are saved.
+    fn load_offsets(
+        dir: &Dir,
+        scheme: PartitionScheme,
+        expected_edges: u64,
+    ) -> Result<Option<Vec<u64>>> {
         let (edges_name, offsets_name) = Self::paths(Path::new(""), scheme.num_partitions);
         let (edges_path, offsets_path) = (dir.join(&edges_name), dir.join(&offsets_name));
         let present = |name: &Path| dir.exists(name).at(dir.join(name));
@@ -284,53 +379,123 @@ impl Buckets {
         }
         let n2 = scheme.num_partitions as usize * scheme.num_partitions as usize;
         let offsets: Vec<u64> = read_pod(dir, &offsets_name)?;
-        let edges: Vec<Edge> = read_pod(dir, &edges_name)?;
+        let file_edges = dir
+            .open_file(&edges_name, Access::Read)
+            .and_then(|f| f.metadata())
+            .at(&edges_path)?
+            .len()
+            / size_of::<Edge>() as u64;
         let monotone = offsets.windows(2).all(|w| w[0] <= w[1]);
-        if offsets.len() != n2 + 1
-            || offsets[0] != 0
-            || !monotone
-            || offsets[n2] != edges.len() as u64
-        {
+        if offsets.len() != n2 + 1 || offsets[0] != 0 || !monotone || offsets[n2] != file_edges {
             return Err(invalid(
                 &offsets_path,
-                format!(
-                    "not valid offsets for {n2} buckets of {} edges",
-                    edges.len()
-                ),
+                format!("not valid offsets for {n2} buckets of {file_edges} edges"),
             ));
         }
-        if edges.len() as u64 != expected_edges {
+        if file_edges != expected_edges {
             return Err(invalid(
                 &edges_path,
                 format!(
-                    "holds {} edges but the dataset has {expected_edges} train edges; re-run partition",
-                    edges.len()
+                    "holds {file_edges} edges but the dataset has {expected_edges} train edges; re-run partition"
                 ),
             ));
         }
-        let buckets = Buckets {
-            scheme,
-            edges: Arc::new(edges),
-            offsets,
-        };
-        for i in 0..scheme.num_partitions {
-            for j in 0..scheme.num_partitions {
-                let misplaced = buckets.bucket(i, j).iter().any(|e| {
-                    scheme.partition_of(e[0]) != i
-                        || scheme.partition_of(e[2]) != j
-                        || u64::from(e[0].max(e[2])) >= scheme.entities
-                });
-                if misplaced {
-                    return Err(invalid(
-                        &edges_path,
-                        format!(
-                            "bucket ({i}, {j}) holds an edge of another bucket; re-run partition"
-                        ),
-                    ));
-                }
+        Ok(Some(offsets))
+    }
+}
+
+/// The edges of `scheme`'s counting and placing passes, a block at a time.
+fn count_blocks(
+    scheme: PartitionScheme,
+    blocks: usize,
+    block: &(impl Fn(usize, &mut Vec<Edge>) -> Result<()> + Sync),
+) -> Result<Vec<Vec<usize>>> {
+    let n2 = scheme.num_partitions as usize * scheme.num_partitions as usize;
+    let bucket =
+        |e: &Edge| scheme.bucket_index(scheme.partition_of(e[0]), scheme.partition_of(e[2]));
+    (0..blocks)
+        .into_par_iter()
+        .map_init(Vec::new, |buf, i| {
+            block(i, buf)?;
+            let mut c = vec![0usize; n2];
+            for e in buf.iter() {
+                c[bucket(e)] += 1;
             }
+            Ok(c)
+        })
+        .collect()
+}
+
+/// An edge file read in blocks of [`block_edges`] edges.
+struct EdgeFile {
+    file: std::fs::File,
+    path: PathBuf,
+    total: usize,
+    block_edges: usize,
+    /// How far the reads are, logged every 10 s (minutes for a billion edges).
+    progress: ReadProgress,
+}
+
+impl EdgeFile {
+    /// `name` in `dir`, which must hold `edges` edges, to be read `reads` times for `task` (in
+    /// the progress lines).
+    fn open(
+        dir: &Dir,
+        name: &Path,
+        scheme: PartitionScheme,
+        edges: u64,
+        task: &str,
+        reads: u64,
+    ) -> Result<EdgeFile> {
+        let path = dir.join(name);
+        let file = dir.open_file(name, Access::Read).at(&path)?;
+        let have = file.metadata().at(&path)?.len();
+        let edge_bytes = size_of::<Edge>() as u64;
+        if have != edges * edge_bytes {
+            return Err(invalid(
+                &path,
+                format!("holds {have} bytes, expected {edges} edges of {edge_bytes} bytes"),
+            ));
         }
-        Ok(Some(buckets))
+        let total = edges as usize;
+        Ok(EdgeFile {
+            progress: ReadProgress::new(format!("{task}: {}", path.display()), reads * have),
+            file,
+            path,
+            total,
+            block_edges: block_edges(total, scheme),
+        })
+    }
+
+    /// Block `i` into `out`, every edge checked with `check` (an error names the first bad).
+    fn block(
+        &self,
+        i: usize,
+        out: &mut Vec<Edge>,
+        check: &(impl Fn(&Edge) -> std::result::Result<(), RecordError> + Sync),
+    ) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let first = i * self.block_edges;
+        out.resize(self.block_edges.min(self.total - first), [0; 3]);
+        self.file
+            .read_exact_at(
+                bytemuck::cast_slice_mut(out),
+                first as u64 * size_of::<Edge>() as u64,
+            )
+            .at(&self.path)?;
+        self.progress.add((out.len() * size_of::<Edge>()) as u64);
+        if let Some((k, message)) = out
+            .iter()
+            .enumerate()
+            .find_map(|(k, e)| check(e).err().map(|m| (k, m)))
+        {
+            let e = out[k];
+            return Err(invalid(
+                &self.path,
+                format!("edge {} {e:?} {message}", first + k),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -440,6 +605,61 @@ mod tests {
             "{big}"
         );
         assert_eq!(block_edges(10, scheme(256)), BLOCK_EDGES);
+    }
+
+    #[test]
+    fn a_host_reads_only_the_buckets_it_selects_from_the_edges_or_the_saved_buckets() {
+        let dir = tempfile::tempdir().unwrap();
+        let v = 700u32;
+        let total = BLOCK_EDGES + 999;
+        let edges: Vec<Edge> = (0..total as u32)
+            .map(|i| {
+                let h = i.wrapping_mul(2_654_435_761);
+                [h % v, 0, (h >> 9) % v]
+            })
+            .collect();
+        std::fs::create_dir(dir.path().join(EDGES_DIR)).unwrap();
+        let name = Path::new(EDGES_DIR).join("train.bin");
+        std::fs::write(
+            dir.path().join(&name),
+            bytemuck::cast_slice::<Edge, u8>(&edges),
+        )
+        .unwrap();
+        let scheme = PartitionScheme::new(u64::from(v), 4).unwrap();
+        let root = Dir::open(dir.path()).unwrap();
+        let all = Buckets::build(edges.clone(), scheme);
+        let keep = |b: usize| b % 3 != 1;
+        let counts = Buckets::count(&root, &name, scheme, total as u64, |_| Ok(())).unwrap();
+        assert_eq!(counts, all.counts());
+        let from_file =
+            Buckets::read_selected(&root, &name, scheme, total as u64, |_| Ok(()), &keep).unwrap();
+        assert!(
+            Buckets::load_counts(&root, scheme, total as u64)
+                .unwrap()
+                .is_none()
+        );
+        all.save(dir.path()).unwrap();
+        assert_eq!(
+            Buckets::load_counts(&root, scheme, total as u64)
+                .unwrap()
+                .unwrap(),
+            counts
+        );
+        let saved = Buckets::load_selected(&root, scheme, total as u64, &keep)
+            .unwrap()
+            .unwrap();
+        for got in [&from_file, &saved] {
+            for i in 0..4 {
+                for j in 0..4 {
+                    let b = scheme.bucket_index(i, j);
+                    let want: &[Edge] = if keep(b) { all.bucket(i, j) } else { &[] };
+                    assert_eq!(got.bucket(i, j), want, "bucket ({i}, {j})");
+                }
+            }
+            assert!(got.edges().len() < edges.len());
+        }
+        // A stale save is refused as the whole load refuses it.
+        assert!(Buckets::load_selected(&root, scheme, total as u64 + 1, &keep).is_err());
     }
 
     #[test]

@@ -158,6 +158,47 @@ impl Dataset {
         self.sort_train_edges(scheme)
     }
 
+    /// The edge counts of the N×N train buckets (row-major): from the saved offsets when
+    /// `legendctl partition` wrote them for this N, else one checked pass over the train edges
+    /// that keeps none.
+    pub fn bucket_counts(&self, num_partitions: u32) -> Result<Vec<u64>> {
+        let scheme = self.scheme(num_partitions)?;
+        if let Some(saved) = Buckets::load_counts(&self.root, scheme, self.meta.splits.train)? {
+            return Ok(saved);
+        }
+        Buckets::count(
+            &self.root,
+            &edge_name(Split::Train),
+            scheme,
+            self.meta.splits.train,
+            |e| self.check_edge(e),
+        )
+    }
+
+    /// The train edges of the N×N buckets `keep` selects (row-major index), the others empty:
+    /// what one host of several trains. From the saved buckets when `legendctl partition` wrote
+    /// them for this N (only the selected buckets' runs are read), else from one pass over the
+    /// train edges that keeps the selected ones.
+    pub fn buckets_selected(
+        &self,
+        num_partitions: u32,
+        keep: &(dyn Fn(usize) -> bool + Sync),
+    ) -> Result<Buckets> {
+        let scheme = self.scheme(num_partitions)?;
+        let train = self.meta.splits.train;
+        if let Some(saved) = Buckets::load_selected(&self.root, scheme, train, keep)? {
+            return Ok(saved);
+        }
+        Buckets::read_selected(
+            &self.root,
+            &edge_name(Split::Train),
+            scheme,
+            train,
+            |e| self.check_edge(e),
+            keep,
+        )
+    }
+
     /// The train edges, checked and sorted into `scheme`'s buckets.
     fn sort_train_edges(&self, scheme: PartitionScheme) -> Result<Buckets> {
         if scheme.num_partitions == 1 {

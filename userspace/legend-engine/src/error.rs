@@ -80,6 +80,12 @@ pub enum TrainError {
     /// A worker stopped because another failed (its own error is the other's).
     #[error("stopped because another worker failed")]
     WorkerStopped,
+    /// A host of several could not read its part of the dataset.
+    #[error(transparent)]
+    Dataset(#[from] legend_dataset::DatasetError),
+    /// A run on several hosts failed on some host, or lost one (the message names it).
+    #[error(transparent)]
+    Hosts(#[from] legend_cluster::ClusterError),
 }
 
 /// GPU failures, with a row that left its storage format's range reported as the CPU engine

@@ -33,6 +33,10 @@ pub struct EpochCut {
     /// schedule trained (`next` is none: they stop between rounds). None: one trainer's plan.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workers: Option<u32>,
+    /// The workers were spread over this many hosts (`training.hosts` > 1; their schedule is
+    /// not one host's): only the same layout finishes the epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hosts: Option<u32>,
 }
 
 /// A batch of a bucket: the group's buckets before it are trained, and so are
@@ -49,6 +53,9 @@ impl EpochCut {
     /// In words, for logs: `after 5 of its swaps`, `in bucket (2, 3) at batch 7 after 5 swaps`,
     /// `after 3 of its rounds` (K workers).
     pub fn describe(&self) -> String {
+        if let Some(hosts) = self.hosts {
+            return format!("after {} of its rounds on {hosts} hosts", self.swaps);
+        }
         if self.workers.is_some() {
             return format!("after {} of its rounds", self.swaps);
         }
@@ -80,6 +87,7 @@ mod tests {
                 edges: 81200,
                 loss: 12.5,
                 workers: None,
+                hosts: None,
             }
         );
         let new = EpochCut {

@@ -132,16 +132,7 @@ fn serial_run(k: u32, sets: &[&str], epochs: u32, engine: &str) -> Vec<f32> {
                 let shares: Vec<(&[legend_planner::Piece], [u32; 2])> = (0..k as usize)
                     .map(|g| (round.work[g].as_slice(), round.held[g]))
                     .collect();
-                let steps = round
-                    .work
-                    .iter()
-                    .map(|w| {
-                        w.iter()
-                            .map(|p| p.batches.end - p.batches.start)
-                            .sum::<u64>()
-                    })
-                    .max()
-                    .unwrap();
+                let steps = round.lockstep_steps();
                 t.train_lockstep(epoch, &shares, steps).unwrap();
                 continue;
             }

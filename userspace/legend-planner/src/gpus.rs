@@ -46,6 +46,18 @@ pub struct GpuRound {
     pub work: Vec<Vec<Piece>>,
 }
 
+impl GpuRound {
+    /// The most batches a GPU trains in the round: the steps every GPU takes when they step in
+    /// lockstep (relation gradients summed after each).
+    pub fn lockstep_steps(&self) -> u64 {
+        self.work
+            .iter()
+            .map(|pieces| pieces.iter().map(|p| p.batches.end - p.batches.start).sum())
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 /// A partition moving from one GPU to another between two rounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct HandOver {
@@ -155,6 +167,9 @@ const LABELLING_TRIALS: usize = 500;
 const SEARCH_PIECES: u64 = 32;
 /// ... and in this many in the schedule.
 const PIECES: u64 = 1000;
+/// Work of the labelling search (pieces × rounds × pairs summed over its trials) beyond which
+/// it tries fewer labellings: above what 500 trials cost at N = 128 (64 GPUs of one host).
+const LABELLING_WORK: u64 = 200_000_000;
 
 /// The schedule of `gpus` GPUs over `num_partitions` = 2K partitions whose buckets have
 /// `batches[i · N + j]` batches (bucket (i, j), row-major). It has passed [`validate_gpus`].
@@ -180,9 +195,20 @@ pub fn plan_gpus(
         });
     }
     let factors = circle_rounds(n);
+    let label = search_labelling(&factors, batches, n);
+    let schedule = build(&factors, &label, batches, n, k);
+    validate_gpus(&schedule, batches)?;
+    Ok(schedule)
+}
+
+/// The labelling of `factors` (rounds of pairs of the partitions' roles, each pair a GPU's)
+/// with the smallest predicted epoch for buckets of `batches` batches: every one at N ≤ 6, a
+/// seeded search above (fewer trials where one costs more than a 128-partition one, so that
+/// planning hundreds of partitions stays a fraction of a second).
+pub(crate) fn search_labelling(factors: &[Vec<[u32; 2]>], batches: &[u64], n: u32) -> Vec<u32> {
     let mut best: Option<(u64, Vec<u32>)> = None;
     let mut consider = |label: &[u32]| {
-        let cost = epoch_cost(&factors, label, batches, n);
+        let cost = pairs_cost(&labelled(factors, label), batches, n);
         if best.as_ref().is_none_or(|(c, _)| cost < *c) {
             best = Some((cost, label.to_vec()));
         }
@@ -191,9 +217,11 @@ pub fn plan_gpus(
     if n <= 6 {
         permutations(&mut label, 0, &mut consider);
     } else {
+        let work = SEARCH_PIECES * factors.len() as u64 * u64::from(n / 2);
+        let trials = (LABELLING_WORK / work.max(1)).clamp(1, LABELLING_TRIALS as u64);
         let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ u64::from(n);
         consider(&label);
-        for _ in 0..LABELLING_TRIALS {
+        for _ in 0..trials {
             for i in (1..label.len()).rev() {
                 state = next(state);
                 label.swap(i, (state % (i as u64 + 1)) as usize);
@@ -201,10 +229,7 @@ pub fn plan_gpus(
             consider(&label);
         }
     }
-    let (_, label) = best.expect("at least one labelling");
-    let schedule = build(&factors, &label, batches, n, k);
-    validate_gpus(&schedule, batches)?;
-    Ok(schedule)
+    best.expect("at least one labelling").1
 }
 
 /// splitmix64's step: the labelling search's random numbers.
@@ -230,7 +255,7 @@ fn permutations(v: &mut Vec<u32>, at: usize, f: &mut impl FnMut(&[u32])) {
 
 /// The circle method's 1-factorisation of the complete graph on `n` (even) vertices: `n − 1`
 /// rounds of `n / 2` disjoint pairs, every pair once.
-fn circle_rounds(n: u32) -> Vec<Vec<[u32; 2]>> {
+pub(crate) fn circle_rounds(n: u32) -> Vec<Vec<[u32; 2]>> {
     let m = n - 1;
     (0..m)
         .map(|r| {
@@ -248,21 +273,19 @@ fn pair_batches(batches: &[u64], n: u32, [a, b]: [u32; 2]) -> u64 {
     batches[(a * n + b) as usize] + batches[(b * n + a) as usize]
 }
 
-/// The predicted epoch (the slowest GPU's batches summed over the rounds) with partition `i`
-/// of the factorisation played by data partition `label[i]`, the diagonals spread as
-/// [`spread_diagonals`] spreads them.
-fn epoch_cost(factors: &[Vec<[u32; 2]>], label: &[u32], batches: &[u64], n: u32) -> u64 {
-    let pairs = labelled(factors, label);
+/// The predicted epoch (the slowest GPU's batches summed over the rounds) of rounds `pairs`
+/// (in data partitions), the diagonals spread as [`spread_diagonals`] spreads them.
+fn pairs_cost(pairs: &[Vec<[u32; 2]>], batches: &[u64], n: u32) -> u64 {
     let loads: Vec<Vec<u64>> = pairs
         .iter()
         .map(|round| round.iter().map(|&p| pair_batches(batches, n, p)).collect())
         .collect();
-    let (loads, _) = spread_diagonals(&pairs, loads, batches, n, SEARCH_PIECES);
+    let (loads, _) = spread_diagonals(pairs, loads, batches, n, SEARCH_PIECES);
     loads.iter().map(|l| *l.iter().max().unwrap_or(&0)).sum()
 }
 
 /// The factorisation's pairs in data partitions.
-fn labelled(factors: &[Vec<[u32; 2]>], label: &[u32]) -> Vec<Vec<[u32; 2]>> {
+pub(crate) fn labelled(factors: &[Vec<[u32; 2]>], label: &[u32]) -> Vec<Vec<[u32; 2]>> {
     factors
         .iter()
         .map(|round| {
@@ -327,35 +350,40 @@ fn spread_diagonals(
     (loads, added)
 }
 
-/// The schedule of labelling `label`.
+/// The schedule of labelling `label`: the pairs of each round seated on the GPUs so that every
+/// GPU keeps one of its partitions from round to round.
 fn build(factors: &[Vec<[u32; 2]>], label: &[u32], batches: &[u64], n: u32, k: u32) -> GpuSchedule {
     let pairs = labelled(factors, label);
-    let loads: Vec<Vec<u64>> = pairs
+    // GPUs follow pairs: round 0's pair g is GPU g's; each later round's pairs are matched to
+    // the GPUs so that every GPU keeps one partition.
+    let mut seated: Vec<Vec<[u32; 2]>> = vec![pairs[0].clone()];
+    for round in &pairs[1..] {
+        let before = seated.last().expect("round 0 is seated");
+        let mut now = vec![[0, 0]; k as usize];
+        for (i, g) in match_pairs(before, round).into_iter().enumerate() {
+            now[g] = round[i];
+        }
+        seated.push(now);
+    }
+    assemble(&seated, batches, n, k)
+}
+
+/// The schedule of rounds `seated` (per round, GPU `g`'s pair at `g`; every GPU keeps one of
+/// its partitions from a round to the next): the diagonal buckets spread over the rounds, each
+/// GPU's pieces in order, the hand-overs and the predicted balance.
+pub(crate) fn assemble(seated: &[Vec<[u32; 2]>], batches: &[u64], n: u32, k: u32) -> GpuSchedule {
+    let loads: Vec<Vec<u64>> = seated
         .iter()
         .map(|round| round.iter().map(|&p| pair_batches(batches, n, p)).collect())
         .collect();
-    let (loads, diagonals) = spread_diagonals(&pairs, loads, batches, n, PIECES);
-    // GPUs follow pairs: round 0's pair g is GPU g's; each later round's pairs are matched to
-    // the GPUs so that every GPU keeps one partition.
-    let mut gpu_of_pair: Vec<Vec<usize>> = vec![(0..k as usize).collect()];
-    for r in 1..pairs.len() {
-        let before: Vec<[u32; 2]> = {
-            let mut held = vec![[0, 0]; k as usize];
-            for (i, &g) in gpu_of_pair[r - 1].iter().enumerate() {
-                held[g] = pairs[r - 1][i];
-            }
-            held
-        };
-        gpu_of_pair.push(match_pairs(&before, &pairs[r]));
-    }
+    let (loads, diagonals) = spread_diagonals(seated, loads, batches, n, PIECES);
     // Diagonal batches go to the GPUs in round order, each bucket's batches consecutively.
     let mut next_batch = vec![0u64; n as usize];
-    let mut rounds = Vec::with_capacity(pairs.len());
-    for (r, round) in pairs.iter().enumerate() {
+    let mut rounds = Vec::with_capacity(seated.len());
+    for (r, round) in seated.iter().enumerate() {
         let mut held = vec![[0u32; 2]; k as usize];
         let mut work = vec![Vec::new(); k as usize];
-        for (i, &[a, b]) in round.iter().enumerate() {
-            let g = gpu_of_pair[r][i];
+        for (g, &[a, b]) in round.iter().enumerate() {
             // The partition kept from the round before comes first, and the work that uses
             // it alone (its diagonal) before the work that needs the arriving one.
             let kept = if r == 0 {
@@ -368,7 +396,7 @@ fn build(factors: &[Vec<[u32; 2]>], label: &[u32], batches: &[u64], n: u32, k: u
             held[g] = [kept, other];
             let mut pieces: Vec<Piece> = Vec::new();
             let mut diagonal = |p: u32, pieces: &mut Vec<Piece>| {
-                for &(q, count) in &diagonals[r][i] {
+                for &(q, count) in &diagonals[r][g] {
                     if q == p && count > 0 {
                         let from = next_batch[p as usize];
                         next_batch[p as usize] += count;
@@ -437,7 +465,7 @@ fn build(factors: &[Vec<[u32; 2]>], label: &[u32], batches: &[u64], n: u32, k: u
 /// `held`: pair `i` goes to GPU `result[i]`. The GPUs and pairs sharing a partition form a
 /// 2-regular bipartite graph (every GPU's two partitions sit in two different pairs), a union
 /// of even cycles: walking each cycle and taking every other edge matches all.
-fn match_pairs(held: &[[u32; 2]], next: &[[u32; 2]]) -> Vec<usize> {
+pub(crate) fn match_pairs(held: &[[u32; 2]], next: &[[u32; 2]]) -> Vec<usize> {
     let pair_of = |p: u32| {
         next.iter()
             .position(|q| q.contains(&p))
@@ -583,11 +611,12 @@ fn broken_rule(schedule: &GpuSchedule, batches: &[u64]) -> Option<String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn uniform(n: u32, b: u64) -> Vec<u64> {
+    /// `b` batches in each of the N×N buckets.
+    pub(crate) fn uniform(n: u32, b: u64) -> Vec<u64> {
         vec![b; (n * n) as usize]
     }
 
@@ -643,7 +672,11 @@ mod tests {
         validate_gpus(&s, &batches).unwrap();
         let (mut best, mut worst) = (u64::MAX, 0);
         permutations(&mut (0..n as u32).collect(), 0, &mut |label| {
-            let cost = epoch_cost(&circle_rounds(n as u32), label, &batches, n as u32);
+            let cost = pairs_cost(
+                &labelled(&circle_rounds(n as u32), label),
+                &batches,
+                n as u32,
+            );
             (best, worst) = (best.min(cost), worst.max(cost));
         });
         assert!(

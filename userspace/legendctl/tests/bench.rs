@@ -452,15 +452,18 @@ fn several_targets_run_at_once_and_two_modelled_ssds_give_twice_the_rate() {
         ],
     );
     // Each over its own time (the two proxies start one after the other on a loaded machine).
+    // What is tested is that each SSD has its own budgets: never above its rate, and far above
+    // the 0.05 GB/s each would get from one shared budget. How close each comes to 0.1 depends
+    // on the host delivering completions on time, which a starved CI machine does not (0.0897
+    // at load 12), so the floor leaves that margin rather than assert the host's speed.
     let rates: Vec<f64> = r["targets"]
         .as_array()
         .unwrap()
         .iter()
         .map(|t| t["gb_per_s"].as_f64().unwrap())
         .collect();
-    let sum: f64 = rates.iter().sum();
     assert!(
-        rates.iter().all(|g| (g - 0.1).abs() <= 0.01) && (sum - 0.2).abs() <= 0.02,
+        rates.iter().all(|&g| (0.075..=0.11).contains(&g)),
         "two 0.1 GB/s SSDs gave {rates:?} GB/s: {r}"
     );
     fails(

@@ -257,6 +257,9 @@ pub struct TrainingConfig {
     /// coordinator's reference, tested without GPUs). More than one sets
     /// `storage.num_partitions` to 2K (see `crate::workers`).
     pub gpus: u32,
+    /// Hosts H the run spreads over, `training.gpus` GPUs each (one process a host, launched
+    /// with `legendctl train --hosts` or by torchrun or Slurm, which set it): N = 2·H·K.
+    pub hosts: u32,
     /// Negative sampling.
     pub negatives: NegativesConfig,
 }
@@ -272,6 +275,7 @@ impl Default for TrainingConfig {
             checkpoint_minutes: 30.0,
             device: DeviceChoice::Cpu,
             gpus: 1,
+            hosts: 1,
             negatives: NegativesConfig::default(),
         }
     }

@@ -248,6 +248,8 @@ const MAX_NEGATIVES: usize = 1 << 20;
 const MAX_THREADS: usize = 4096;
 /// Largest `training.gpus`: one host's GPUs.
 const MAX_GPUS: u32 = 64;
+/// Largest `training.hosts` (N = 2·H·K stays within [`MAX_PARTITIONS`]'s order).
+const MAX_HOSTS: u32 = 1024;
 
 /// Largest `storage.num_partitions`: N² edge buckets (the Legend paper's largest N is 32).
 const MAX_PARTITIONS: usize = 4096;
@@ -275,29 +277,58 @@ fn positive_f32(key: &str, v: f32, zero_ok: bool) -> Result<(), ConfigError> {
 }
 
 impl Config {
-    /// With `training.gpus` = K > 1: N = 2K partitions (each GPU holds two, handed between
-    /// GPUs; a configuration recorded with another K follows the new one), in host memory
-    /// between epochs; refused otherwise, naming the key.
+    /// With `training.gpus` = K and `training.hosts` = H, K·H > 1: N = 2·K·H partitions (each
+    /// GPU holds two, handed between GPUs; a configuration recorded with another layout follows
+    /// the new one), in host memory between epochs (and, on several hosts, negatives drawn
+    /// unfiltered: a host holds only its buckets); refused otherwise, naming the key.
     pub(super) fn resolve_workers(&mut self) -> Result<(), ConfigError> {
-        let k = self.training.gpus;
+        let (k, hosts) = (self.training.gpus, self.training.hosts);
         if k == 0 {
             return Err(bad("training.gpus", "must be at least 1"));
         }
-        if k == 1 {
-            return Ok(());
+        if hosts == 0 {
+            return Err(bad("training.hosts", "must be at least 1"));
         }
         if k > MAX_GPUS {
             return Err(bad(
                 "training.gpus",
-                format!("{k}: at most {MAX_GPUS} GPUs train one run"),
+                format!("{k}: at most {MAX_GPUS} GPUs a host train one run"),
             ));
         }
+        if hosts > MAX_HOSTS {
+            return Err(bad(
+                "training.hosts",
+                format!("{hosts}: at most {MAX_HOSTS} hosts train one run"),
+            ));
+        }
+        if hosts > 1 && self.training.negatives.filtered {
+            return Err(bad(
+                "training.negatives.filtered",
+                format!(
+                    "a run on {hosts} hosts draws unfiltered negatives: each host holds only the edges its GPUs train, not the whole graph a filter needs"
+                ),
+            ));
+        }
+        // Both ≤ their maximum: no overflow.
+        let k = k * hosts;
+        if k == 1 {
+            return Ok(());
+        }
         let n = 2 * k;
+        if n as usize > MAX_PARTITIONS {
+            return Err(bad(
+                "training.hosts",
+                format!(
+                    "{hosts} hosts of {gpus} GPUs need {n} partitions, more than the {MAX_PARTITIONS} a run may have",
+                    gpus = self.training.gpus
+                ),
+            ));
+        }
         let s = &mut self.storage;
         if s.num_partitions != n {
             if s.num_partitions != 1 {
                 tracing::info!(
-                    "training.gpus = {k}: storage.num_partitions = {n} (two partitions a GPU) instead of {}",
+                    "{k} GPUs: storage.num_partitions = {n} (two partitions a GPU) instead of {}",
                     s.num_partitions
                 );
             }
@@ -313,14 +344,15 @@ impl Config {
                 ),
             ));
         }
+        let gpus = self.training.gpus;
         if let DeviceChoice::Cuda(d) = self.training.device
             && d != 0
         {
             return Err(bad(
                 "training.gpus",
                 format!(
-                    "the workers take the first {k} devices (cuda:0 .. cuda:{}): set training.device = \"cuda:0\" (or auto) and choose the GPUs with CUDA_VISIBLE_DEVICES, not cuda:{d}",
-                    k - 1
+                    "the workers take the first {gpus} devices (cuda:0 .. cuda:{}): set training.device = \"cuda:0\" (or auto) and choose the GPUs with CUDA_VISIBLE_DEVICES, not cuda:{d}",
+                    gpus - 1
                 ),
             ));
         }

@@ -111,7 +111,7 @@ pub enum Event<'a> {
     },
 }
 
-/// How [`Session::run`] ended.
+/// How [`Session::run`](super::Session::run) ended.
 #[derive(Debug)]
 pub enum Outcome {
     /// Every epoch trained and the final evaluation done (`None` without edges to evaluate).

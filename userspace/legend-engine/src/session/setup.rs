@@ -37,6 +37,25 @@ impl Session {
         config: Config,
         guard: &dyn Guard,
     ) -> Result<Session, SessionError> {
+        Session::create_on(out, dataset, config, guard, None)
+    }
+
+    /// [`Session::create`] as host 0 of a job on several hosts (`hosts`, joined: the other
+    /// hosts follow, `crate::workers::hosts::follow`); one host with `None`.
+    pub fn create_on(
+        out: &Path,
+        dataset: &Path,
+        config: Config,
+        guard: &dyn Guard,
+        hosts: Option<legend_cluster::Cluster>,
+    ) -> Result<Session, SessionError> {
+        let joined = hosts.as_ref().map_or(1, legend_cluster::Cluster::hosts);
+        if config.training.hosts != joined {
+            return Err(SessionError::Refused(format!(
+                "training.hosts = {} but the run starts on {joined} host(s): the launch sets it (legendctl train --hosts, torchrun or Slurm)",
+                config.training.hosts
+            )));
+        }
         if out.exists()
             && std::fs::read_dir(out)
                 .map_err(io_error(out))?
@@ -64,7 +83,7 @@ impl Session {
         let run = assemble_run_dir(&parent, name, out, &config, &meta, guard)?;
         // Nothing is trained until the session starts: a refusal on the way (a store target
         // that holds a file system, say) takes the new directory away again.
-        Session::start(run, config, dataset, meta, device, guard).inspect_err(|_| {
+        Session::start(run, config, dataset, meta, device, guard, hosts).inspect_err(|_| {
             let _ = parent.remove_all(name);
         })
     }
@@ -81,6 +100,17 @@ impl Session {
         Self::resume_expecting(out, dataset, sets, guard, &|_| Ok(()))
     }
 
+    /// [`Session::resume`] as host 0 of a job on several hosts (see [`Session::create_on`]).
+    pub fn resume_on(
+        out: &Path,
+        dataset: Option<&Path>,
+        sets: &[String],
+        guard: &dyn Guard,
+        hosts: Option<legend_cluster::Cluster>,
+    ) -> Result<Session, SessionError> {
+        Self::resume_with(out, dataset, sets, guard, &|_| Ok(()), hosts)
+    }
+
     /// [`Session::resume`], refusing the run when `expect` refuses its record `run.toml`, read
     /// once: the store it names is opened only after `expect` accepted it (a service checks
     /// it against what it recorded when the job was submitted, so that an edit of the record
@@ -91,6 +121,17 @@ impl Session {
         sets: &[String],
         guard: &dyn Guard,
         expect: &dyn Fn(&RunMeta) -> Result<(), String>,
+    ) -> Result<Session, SessionError> {
+        Self::resume_with(out, dataset, sets, guard, expect, None)
+    }
+
+    fn resume_with(
+        out: &Path,
+        dataset: Option<&Path>,
+        sets: &[String],
+        guard: &dyn Guard,
+        expect: &dyn Fn(&RunMeta) -> Result<(), String>,
+        hosts: Option<legend_cluster::Cluster>,
     ) -> Result<Session, SessionError> {
         let not_a_run = || {
             SessionError::Refused(format!(
@@ -117,12 +158,16 @@ impl Session {
         let text = run
             .read_to_string(run::CONFIG_FILE)
             .map_err(io_error(&config_path))?;
-        let config = Config::parse_recorded(&text, sets)?;
+        // The hosts it resumes on, whatever the run last trained on.
+        let joined = hosts.as_ref().map_or(1, legend_cluster::Cluster::hosts);
+        let mut sets = sets.to_vec();
+        sets.push(format!("training.hosts={joined}"));
+        let config = Config::parse_recorded(&text, &sets)?;
         let dataset = evaluation::open_run_dataset(&meta, dataset, guard)?;
         let device = Engine::open_all(&config)?;
         // Resuming reads the checkpoint's tables into host memory before they go to the GPU.
         check_memory(&config, dataset.meta(), &device[0], true)?;
-        let session = Session::start(run, config, dataset, meta, device, guard)?;
+        let session = Session::start(run, config, dataset, meta, device, guard, hosts)?;
         // The keys changed with `sets` hold from now on.
         run::write_atomically(
             &session.run,
@@ -139,6 +184,7 @@ impl Session {
         mut meta: RunMeta,
         mut device: Vec<Engine>,
         guard: &dyn Guard,
+        hosts: Option<legend_cluster::Cluster>,
     ) -> Result<Session, SessionError> {
         let meta_ds = dataset.meta();
         let decoder = config.decoder();
@@ -149,15 +195,22 @@ impl Session {
             );
         }
         let started = Instant::now();
-        let buckets = dataset.buckets(config.storage.num_partitions)?;
-        let scheme = buckets.scheme();
-        let degrees = legend_dataset::degrees(meta_ds.entities as usize, buckets.edges());
-        tracing::info!(
-            "set-up: {} train edges loaded into {} buckets and entity degrees counted in {:.1} s",
-            buckets.edges().len(),
-            buckets.counts().len(),
-            started.elapsed().as_secs_f64()
-        );
+        let scheme = dataset.scheme(config.storage.num_partitions)?;
+        // On several hosts each reads its own buckets (workers::hosts), not every edge here.
+        let edges = match hosts {
+            Some(_) => None,
+            None => {
+                let buckets = dataset.buckets(config.storage.num_partitions)?;
+                let degrees = legend_dataset::degrees(meta_ds.entities as usize, buckets.edges());
+                tracing::info!(
+                    "set-up: {} train edges loaded into {} buckets and entity degrees counted in {:.1} s",
+                    buckets.edges().len(),
+                    buckets.counts().len(),
+                    started.elapsed().as_secs_f64()
+                );
+                Some((buckets, degrees))
+            }
+        };
         let engine = match device.as_slice() {
             [one] => one.describe(),
             all => format!("{} × {}", all.len(), all[0].describe()),
@@ -183,18 +236,23 @@ impl Session {
             )));
         }
         adopt_batch_keys(&mut meta, &position)?;
-        let trainer = match (device.len(), home) {
-            (1, home) => {
+        let trainer = match (hosts, edges, home) {
+            (Some(cluster), _, PartitionHome::Memory(store)) => Training::Workers(Box::new(
+                Workers::on_hosts(&config, &dataset, store, relations, device, cluster)?,
+            )),
+            (None, Some((buckets, degrees)), home) if device.len() == 1 => {
                 let engine = device.pop().expect("one engine");
                 Training::One(Box::new(Trainer::on_device(
                     &config, buckets, &degrees, home, relations, engine,
                 )?))
             }
-            (_, PartitionHome::Memory(store)) => Training::Workers(Box::new(Workers::new(
-                &config, buckets, &degrees, store, relations, device,
-            )?)),
+            (None, Some((buckets, degrees)), PartitionHome::Memory(store)) => {
+                Training::Workers(Box::new(Workers::new(
+                    &config, buckets, &degrees, store, relations, device,
+                )?))
+            }
             _ => unreachable!(
-                "training.gpus > 1 keeps partitions in memory (its configuration says)"
+                "training.gpus or training.hosts > 1 keeps partitions in memory (its configuration says)"
             ),
         };
         tracing::info!(

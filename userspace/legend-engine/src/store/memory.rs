@@ -206,6 +206,13 @@ impl SharedMemoryStore {
         self.lock().dtype()
     }
 
+    /// The partitions it holds, ascending.
+    pub(crate) fn stored(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self.lock().parts.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, MemoryStore> {
         // A worker that panicked holding the lock left whole partitions (each operation moves
         // one partition in or out at once): the store is still consistent.

@@ -300,6 +300,7 @@ impl Trainer {
             edges: report.edges,
             loss: loss_before + self.compute.take_loss()?,
             workers: None,
+            hosts: None,
         }))
     }
 

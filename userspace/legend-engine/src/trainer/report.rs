@@ -82,7 +82,7 @@ pub struct EpochReport {
     pub resumed: bool,
     /// What the workers did, when K of them trained the epoch (`training.gpus`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub workers: Option<crate::workers::report::WorkersReport>,
+    pub workers: Option<Box<crate::workers::report::WorkersReport>>,
 }
 
 /// How [`Trainer::run_epoch_from`](super::Trainer::run_epoch_from) ended.

@@ -42,7 +42,7 @@ pub(crate) trait Link: Send {
 }
 
 /// What CPU workers send each other.
-enum Message {
+pub(crate) enum Message {
     /// A partition's host rows.
     Partition(Partition),
     /// A step's relation gradients.
@@ -50,14 +50,46 @@ enum Message {
 }
 
 /// Channels between CPU workers: a partition's host rows move from one worker to the other,
-/// and each step's relation gradients go to every other worker.
+/// and each step's relation gradients go to every other worker (to a worker on another host
+/// over the job's connections, see `hosts`).
 pub(crate) struct ChannelLink {
     me: usize,
-    to: Vec<mpsc::Sender<Message>>,
+    to: Vec<PeerSender>,
     from: Vec<mpsc::Receiver<Message>>,
 }
 
+/// How a CPU worker's messages reach one peer.
+pub(crate) enum PeerSender {
+    /// A worker of this process.
+    Local(mpsc::Sender<Message>),
+    /// A worker on another host: the message goes over the job's connections, and a failure
+    /// to send fails the job (every host's waits then end).
+    Remote(Box<dyn Fn(&Message) + Send>),
+}
+
+impl PeerSender {
+    fn send(&self, m: Message) {
+        match self {
+            // A peer that has gone (failed) no longer listens: the give-up flag says so.
+            PeerSender::Local(to) => {
+                let _ = to.send(m);
+            }
+            PeerSender::Remote(send) => send(&m),
+        }
+    }
+}
+
 impl ChannelLink {
+    /// Worker `me`'s link, sending to each worker through `to` and receiving from each on
+    /// `from` (indexed by worker).
+    pub(crate) fn new(
+        me: usize,
+        to: Vec<PeerSender>,
+        from: Vec<mpsc::Receiver<Message>>,
+    ) -> ChannelLink {
+        ChannelLink { me, to, from }
+    }
+
     /// The next message from `peer`, unless the others gave up.
     fn receive(&self, peer: usize, give_up: &AtomicBool) -> Result<Message, TrainError> {
         loop {
@@ -88,7 +120,10 @@ pub(crate) fn channel_links(k: usize) -> Vec<ChannelLink> {
         .enumerate()
         .map(|(me, (to, from))| ChannelLink {
             me,
-            to: to.into_iter().map(|s| s.expect("made above")).collect(),
+            to: to
+                .into_iter()
+                .map(|s| PeerSender::Local(s.expect("made above")))
+                .collect(),
             from: from.into_iter().map(|r| r.expect("made above")).collect(),
         })
         .collect()
@@ -110,8 +145,7 @@ impl Link for ChannelLink {
                 .hand_out(p)?
                 .rows
                 .expect("a CPU worker's partitions are host rows");
-            // A peer that has gone (failed) no longer listens: the give-up flag says so.
-            let _ = self.to[peer].send(Message::Partition(rows));
+            self.to[peer].send(Message::Partition(rows));
         }
         for &(p, peer) in into {
             let Message::Partition(rows) = self.receive(peer, give_up)? else {
@@ -134,7 +168,7 @@ impl Link for ChannelLink {
         let shared = Arc::new(mine.clone());
         for (peer, to) in self.to.iter().enumerate() {
             if peer != self.me {
-                let _ = to.send(Message::Relations(Arc::clone(&shared)));
+                to.send(Message::Relations(Arc::clone(&shared)));
             }
         }
         // Summed in worker order on every worker: the same floats everywhere.
@@ -194,7 +228,7 @@ impl Link for NcclLink {
         // waits for those events) and that no partition takes before this exchange is waited
         // for (a slot freed here is reserved again only at the next hand-over). The peers post
         // the matching halves: the schedule's moves, the same on every worker.
-        unsafe { self.comm.exchange(&sends, &recvs, &released) }?;
+        unsafe { self.comm.exchange(&sends, &recvs, &released, give_up) }?;
         // Waited for here: the next round starts with its partitions in place (the time is
         // the round's hand-over time).
         self.comm.wait(give_up)?;
@@ -207,7 +241,7 @@ impl Link for NcclLink {
     fn sum_relations(
         &mut self,
         pending: PendingRelations<'_>,
-        _give_up: &AtomicBool,
+        give_up: &AtomicBool,
     ) -> Result<Fence, TrainError> {
         let PendingRelations::Device { at, floats, after } = pending else {
             unreachable!("GPU workers' relation gradients are device rows");
@@ -216,7 +250,7 @@ impl Link for NcclLink {
         // SAFETY: the relation gradient table is this GPU's; compute writes it only in the
         // next step, which waits for the returned fence (the apply waits for it first), and
         // every worker makes this call once a step (the rounds' step counts are aligned).
-        let ev = unsafe { self.comm.all_reduce_sum(at, floats, &after) }?;
+        let ev = unsafe { self.comm.all_reduce_sum(at, floats, &after, give_up) }?;
         Ok(Fence::at(ev))
     }
 }

@@ -35,6 +35,23 @@ pub struct WorkersReport {
     pub imbalance: f64,
     /// The planner's prediction of that imbalance, from the buckets' batch counts.
     pub predicted_imbalance: f64,
+    /// Hosts the workers ran on (one process each); 1 on one host.
+    #[serde(default = "one")]
+    pub hosts: u32,
+    /// Of the hand-overs, those between hosts (over the network rather than NVLink).
+    #[serde(default)]
+    pub cross_host_handovers: u64,
+    /// Bytes of those hand-overs.
+    #[serde(default)]
+    pub cross_host_bytes: u64,
+    /// Each host's peak resident memory so far (bytes), host 0 first; empty on one host (the
+    /// epoch's `peak_rss_bytes` is host 0's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_peak_rss_bytes: Vec<u64>,
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl WorkersReport {
@@ -54,8 +71,20 @@ impl WorkersReport {
                 )
             })
             .collect();
+        let hosts = if self.hosts > 1 {
+            let peak = self.host_peak_rss_bytes.iter().max().copied().unwrap_or(0);
+            format!(
+                " on {} hosts, {} of them between hosts ({:.2} GB), peak RSS of a host {:.2} GiB",
+                self.hosts,
+                self.cross_host_handovers,
+                self.cross_host_bytes as f64 / 1e9,
+                crate::footprint::gib(peak)
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "{} workers: parallel efficiency {:.1} %, imbalance {:.3} (predicted {:.3}), {} hand-overs ({:.2} GB); {}",
+            "{} workers: parallel efficiency {:.1} %, imbalance {:.3} (predicted {:.3}), {} hand-overs ({:.2} GB){hosts}; {}",
             self.gpus,
             100.0 * self.parallel_efficiency,
             self.imbalance,

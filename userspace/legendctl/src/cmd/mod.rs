@@ -27,6 +27,7 @@ pub mod device;
 pub mod eval;
 pub mod export;
 pub mod generate;
+pub mod hosts;
 pub mod import;
 pub mod partition;
 pub mod plan;

@@ -40,6 +40,9 @@ pub struct Args {
     /// as `--set training.gpus=K`; the table is then in the K GPUs' memory together).
     #[arg(long, value_name = "K")]
     gpus: Option<u32>,
+    /// A job on several hosts (see Documentation/admin-guide.md, "Several hosts").
+    #[command(flatten)]
+    hosts: super::hosts::HostArgs,
 }
 
 /// How often progress is logged inside an epoch when stderr is not a terminal.
@@ -49,11 +52,14 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     if let Some(k) = args.gpus {
         args.sets.push(format!("training.gpus={k}"));
     }
-    let out = &args.out;
+    let launch = super::hosts::launch(&args.hosts)?;
+    if let Some(l) = &launch {
+        args.sets.push(format!("training.hosts={}", l.hosts));
+    }
     // From the start: a signal while the run is being set up stops it before its first batch.
     // A resumed run starts from its checkpoint (corrected once it is read), a new one from
     // nothing.
-    let notes = StopNotes::new(out, "scratch (no checkpoint yet)".into());
+    let notes = StopNotes::new(&args.out, "scratch (no checkpoint yet)".into());
     let stop = super::stop_on_signals(
         {
             let notes = notes.clone();
@@ -64,12 +70,70 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
             move |signal| notes.second(signal)
         },
     )?;
+    let Some(launch) = launch else {
+        return train(&args, &stop, None, notes);
+    };
+    let token = super::hosts::token()?;
+    if args.resume && args.config.is_some() {
+        bail!("--resume continues with the run's own config.toml; change keys with --set");
+    }
+    let config = if args.resume {
+        None
+    } else {
+        Some(read_config(&args)?)
+    };
+    let identity = super::hosts::identity(config.as_ref(), args.dataset.as_deref(), &args.sets)?;
+    let cluster = super::hosts::join(&launch, &args.hosts, token, &identity)?;
+    cluster.watch_stop(stop.clone());
+    if !cluster.is_leader() {
+        return super::hosts::follow(cluster, args.dataset.as_deref(), stop);
+    }
+    // Whatever ends host 0 (an error included) ends every host, told why.
+    train(&args, &stop, Some(cluster.clone()), notes).inspect_err(|e| {
+        cluster.fail(format!("{} failed: {e:#}", cluster.host(0)));
+    })
+}
+
+/// The configuration of a new run: the file, then the `--set`s.
+fn read_config(args: &Args) -> anyhow::Result<Config> {
+    let text = match &args.config {
+        Some(p) => {
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?
+        }
+        None => String::new(),
+    };
+    Config::parse(&text, &args.sets).with_context(|| match &args.config {
+        Some(p) => format!("{}", p.display()),
+        None => "configuration".into(),
+    })
+}
+
+/// Trains the run of `args` (as host 0 of `hosts`, when given); `notes` say what a stop does.
+fn train(
+    args: &Args,
+    stop: &std::sync::atomic::AtomicBool,
+    hosts: Option<legend_cluster::Cluster>,
+    notes: StopNotes,
+) -> anyhow::Result<()> {
+    let out = &args.out;
+    let finish = |stopped: bool| {
+        if let Some(c) = &hosts {
+            c.finish(stopped);
+        }
+    };
     let mut session = if args.resume {
         if args.config.is_some() {
             bail!("--resume continues with the run's own config.toml; change keys with --set");
         }
-        let session = Session::resume(out, args.dataset.as_deref(), &args.sets, &Unguarded)?;
+        let session = Session::resume_on(
+            out,
+            args.dataset.as_deref(),
+            &args.sets,
+            &Unguarded,
+            hosts.clone(),
+        )?;
         if session.is_finished()? {
+            finish(false);
             outln!(
                 "{}: all {} epochs are trained and evaluated; nothing to do (raise training.num_epochs with --set to train more)",
                 out.display(),
@@ -85,26 +149,18 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
         let Some(dataset) = &args.dataset else {
             bail!("--dataset DIR is required (or --resume an existing run)");
         };
-        let text = match &args.config {
-            Some(p) => {
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?
-            }
-            None => String::new(),
-        };
-        let config = Config::parse(&text, &args.sets).with_context(|| match &args.config {
-            Some(p) => format!("{}", p.display()),
-            None => "configuration".into(),
-        })?;
+        let config = read_config(args)?;
         let made = super::create_parent(out)?;
-        let session = Session::create(out, dataset, config, &Unguarded)?;
+        let session = Session::create_on(out, dataset, config, &Unguarded, hosts.clone())?;
         made.keep();
         session
     };
     tracing::info!("device: {}", session.engine());
     tracing::info!("{}", session.describe());
     let mut view = ProgressView::new(args.json, notes);
-    let outcome = session.run(&stop, &mut |event| view.show(event))?;
+    let outcome = session.run(stop, &mut |event| view.show(event))?;
     drop(view);
+    finish(matches!(outcome, Outcome::Stopped(_)));
     match outcome {
         Outcome::Finished(Some(m)) if !args.json => {
             let split = session.config().evaluation.split.split();
