@@ -4,10 +4,14 @@
 # selftests in QEMU, and (when present) the NVRTC compile check of the CUDA kernels.
 # Every stage runs even if an earlier one failed; the last line is `test-suites: N passed, M failed`.
 # Tests that need a GPU are reported as ignored (skipped) without one; scripts/gpu/run-all.sh runs
-# them on a GPU machine.
+# them on a GPU machine. A stage that prints nothing for 9 s says so (`... NAME: working, N s`),
+# so that a log never stalls silently (a long compile, QEMU booting). 41 minutes on a 2-core
+# machine shared with other builds, from a nearly empty target/, the kmod toolchain cached
+# (README.md says what each stage took).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+source scripts/lib/heartbeat.sh
 
 passed=0
 failed=0
@@ -19,7 +23,7 @@ stage() {
   shift
   echo "=== $name: $*"
   local start=$SECONDS status=0
-  "$@" || status=$?
+  HEARTBEAT=always heartbeat "$name" "$@" || status=$?
   if [ "$status" -eq 0 ]; then
     passed=$((passed + 1))
     echo "=== $name: ok ($((SECONDS - start)) s)"
@@ -30,6 +34,7 @@ stage() {
     failed=$((failed + 1))
     failures+=("$name")
     echo "=== $name: FAILED ($((SECONDS - start)) s)"
+    return 1
   fi
 }
 
@@ -51,7 +56,13 @@ cargo_tests() {
   rm -f "$log"
   return "$status"
 }
-stage cargo-test cargo_tests
+# The binaries the recipe and NVRTC stages run were built by cargo-test with the workspace's
+# test features: given to them, they are not built again for other features (minutes). After a
+# failed test stage they build their own (a failed compile would leave stale binaries here).
+if stage cargo-test cargo_tests; then
+  debug=${CARGO_TARGET_DIR:-$PWD/target}/debug
+  export LEGENDCTL=$debug/legendctl LEGEND_NVRTC_CHECK=$debug/legend-nvrtc-check
+fi
 stage recipe scripts/recipe-check.sh
 stage python scripts/python-test.sh
 stage kmod-selftests tests/kmod/run

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use legend_dataset::{
-    Columns, Dataset, DatasetError, Delimiter, ImportInput, ImportOptions, Split, import,
+    Columns, Dataset, DatasetError, Delimiter, Header, ImportInput, ImportOptions, Split, import,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -60,6 +60,8 @@ pub fn import_dataset(
         columns: columns.parse::<Columns>().map_err(bad_argument)?,
         seed,
         keep_unseen,
+        // As legendctl import: a first line naming the columns is skipped, with a warning.
+        header: Header::Auto,
         progress: false,
         cancel: Some(cancel.clone()),
     };

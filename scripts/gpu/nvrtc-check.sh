@@ -12,7 +12,7 @@ lib=$prefix/nvidia/cu13/lib
 if [ ! -e "$lib/libnvrtc.so.13" ]; then
     echo "installing nvidia-cuda-nvrtc==$version into $prefix"
     # Into a private directory, so pip's warning about running as root does not apply.
-    PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --no-deps \
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip install --disable-pip-version-check --no-deps \
         --target "$prefix" "nvidia-cuda-nvrtc==$version"
 fi
 if [ ! -e "$lib/libnvrtc.so.13" ]; then
@@ -21,6 +21,12 @@ if [ ! -e "$lib/libnvrtc.so.13" ]; then
 fi
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
 cd "$root"
-cargo build --quiet -p legend-cuda --bin legend-nvrtc-check
-LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    "$CARGO_TARGET_DIR/debug/legend-nvrtc-check" "$@" sm_80 sm_90 sm_90a
+# scripts/test.sh passes the binary its test stage built (LEGEND_NVRTC_CHECK), which a build
+# here, resolving features for legend-cuda alone, would compile again with its dependencies.
+check=${LEGEND_NVRTC_CHECK:-}
+if [ -z "$check" ] || [ ! -x "$check" ]; then
+    echo "== building legend-nvrtc-check"
+    cargo build -p legend-cuda --bin legend-nvrtc-check
+    check=$CARGO_TARGET_DIR/debug/legend-nvrtc-check
+fi
+LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$check" "$@" sm_80 sm_90 sm_90a

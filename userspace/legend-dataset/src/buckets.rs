@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{IoContext, PartitionSchemeError, RecordError, Result, invalid};
 use crate::import::write_synced;
+use crate::read_progress::ReadProgress;
 use crate::{EDGES_DIR, Edge};
 
 /// How entity ids are split into partitions ([`legend_model::partition`]): partition `p` covers
@@ -130,7 +131,15 @@ impl Buckets {
         check: impl Fn(&Edge) -> std::result::Result<(), RecordError> + Sync,
         keep: &(dyn Fn(usize) -> bool + Sync),
     ) -> Result<Buckets> {
-        let file = EdgeFile::open(dir, name, scheme, edges)?;
+        // Each block is read twice: to count its buckets' edges, then to place them.
+        let file = EdgeFile::open(
+            dir,
+            name,
+            scheme,
+            edges,
+            "sorting into buckets (two reads)",
+            2,
+        )?;
         let block = |i: usize, out: &mut Vec<Edge>| file.block(i, out, &check);
         Self::from_blocks(scheme, file.total, file.block_edges, block, keep)
     }
@@ -144,7 +153,7 @@ impl Buckets {
         edges: u64,
         check: impl Fn(&Edge) -> std::result::Result<(), RecordError> + Sync,
     ) -> Result<Vec<u64>> {
-        let file = EdgeFile::open(dir, name, scheme, edges)?;
+        let file = EdgeFile::open(dir, name, scheme, edges, "counting bucket edges", 1)?;
         let block = |i: usize, out: &mut Vec<Edge>| file.block(i, out, &check);
         let counts = count_blocks(scheme, file.total.div_ceil(file.block_edges), &block)?;
         let n2 = scheme.num_partitions as usize * scheme.num_partitions as usize;
@@ -423,11 +432,21 @@ struct EdgeFile {
     path: PathBuf,
     total: usize,
     block_edges: usize,
+    /// How far the reads are, logged every 10 s (minutes for a billion edges).
+    progress: ReadProgress,
 }
 
 impl EdgeFile {
-    /// `name` in `dir`, which must hold `edges` edges.
-    fn open(dir: &Dir, name: &Path, scheme: PartitionScheme, edges: u64) -> Result<EdgeFile> {
+    /// `name` in `dir`, which must hold `edges` edges, to be read `reads` times for `task` (in
+    /// the progress lines).
+    fn open(
+        dir: &Dir,
+        name: &Path,
+        scheme: PartitionScheme,
+        edges: u64,
+        task: &str,
+        reads: u64,
+    ) -> Result<EdgeFile> {
         let path = dir.join(name);
         let file = dir.open_file(name, Access::Read).at(&path)?;
         let have = file.metadata().at(&path)?.len();
@@ -440,6 +459,7 @@ impl EdgeFile {
         }
         let total = edges as usize;
         Ok(EdgeFile {
+            progress: ReadProgress::new(format!("{task}: {}", path.display()), reads * have),
             file,
             path,
             total,
@@ -463,6 +483,7 @@ impl EdgeFile {
                 first as u64 * size_of::<Edge>() as u64,
             )
             .at(&self.path)?;
+        self.progress.add((out.len() * size_of::<Edge>()) as u64);
         if let Some((k, message)) = out
             .iter()
             .enumerate()
@@ -511,10 +532,15 @@ pub(crate) fn read_pod<T: bytemuck::Pod>(dir: &Dir, name: &Path) -> Result<Vec<T
     // blocks on every core: one thread reads tmpfs at a few GB/s, a billion-edge file is 18 GB.
     let mut items = vec![T::zeroed(); (len / size) as usize];
     let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut items);
+    let progress = ReadProgress::new(format!("reading {}", path.display()), len);
     bytes
         .par_chunks_mut(READ_BLOCK)
         .enumerate()
-        .try_for_each(|(i, block)| file.read_exact_at(block, (i * READ_BLOCK) as u64))
+        .try_for_each(|(i, block)| {
+            file.read_exact_at(block, (i * READ_BLOCK) as u64)?;
+            progress.add(block.len() as u64);
+            Ok(())
+        })
         .at(path)?;
     Ok(items)
 }

@@ -20,6 +20,7 @@ use rustc_hash::FxHashMap;
 use serde::Serialize;
 
 use crate::error::{DatasetError, IoContext, RecordError, Result, invalid};
+use crate::header::{self, Header};
 use crate::marius;
 use crate::meta::{DatasetMeta, FORMAT_VERSION, Split, SplitCounts};
 use crate::raw::{RawGraph, UNTYPED_RELATION};
@@ -66,6 +67,8 @@ pub struct ImportOptions {
     pub seed: u64,
     /// Keep valid/test edges whose entity or relation never occurs in train.
     pub keep_unseen: bool,
+    /// Whether text files start with a header line ([`Header`]).
+    pub header: Header,
     /// Draw a progress bar on stderr.
     pub progress: bool,
     /// Set by a signal handler to abandon the import; nothing is written then.
@@ -81,6 +84,7 @@ impl ImportOptions {
             columns: Columns::Hrt,
             seed: 0,
             keep_unseen: false,
+            header: Header::Auto,
             progress: false,
             cancel: None,
         }
@@ -106,6 +110,8 @@ pub struct ImportSummary {
     pub unseen_dropped: u64,
     /// Valid/test edges kept despite that (`--keep-unseen`).
     pub unseen_kept: u64,
+    /// The header lines skipped, as `FILE:LINE` ([`Header`]).
+    pub skipped_headers: Vec<String>,
     /// Wall time in seconds.
     pub seconds: f64,
 }
@@ -145,6 +151,7 @@ impl Interner {
 pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
     let started = Instant::now();
     check_new_output(out)?;
+    let mut skipped_headers = Vec::new();
     let (raw, sources) = match &options.input {
         ImportInput::Marius { dir } => (marius::read(dir)?, vec![dir.display().to_string()]),
         ImportInput::Files { train, valid, test } => {
@@ -156,7 +163,8 @@ pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
             .into_iter()
             .filter_map(|(s, p)| p.map(|p| (s, p)))
             .collect();
-            let raw = read_text(options, &inputs)?;
+            let (raw, headers) = read_text(options, &inputs)?;
+            skipped_headers = headers;
             (
                 raw,
                 inputs
@@ -171,7 +179,8 @@ pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
                 return Err(DatasetError::Options("no input files to split".into()));
             }
             let inputs: Vec<(Split, &PathBuf)> = files.iter().map(|p| (Split::Train, p)).collect();
-            let mut raw = read_text(options, &inputs)?;
+            let (mut raw, headers) = read_text(options, &inputs)?;
+            skipped_headers = headers;
             split_by_fraction(&mut raw, fractions, options.seed);
             (raw, files.iter().map(|p| p.display().to_string()).collect())
         }
@@ -191,6 +200,7 @@ pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
         test: meta.splits.test,
         unseen_dropped: meta.unseen_dropped,
         unseen_kept: meta.unseen_kept,
+        skipped_headers,
         seconds: started.elapsed().as_secs_f64(),
     })
 }
@@ -217,8 +227,12 @@ fn check_fractions(f: &[f64; 3]) -> Result<()> {
     Ok(())
 }
 
-/// Reads text inputs, interning labels, into per-split edge lists.
-fn read_text(options: &ImportOptions, inputs: &[(Split, &PathBuf)]) -> Result<RawGraph> {
+/// Reads text inputs, interning labels, into per-split edge lists; returns them with the header
+/// lines skipped (`FILE:LINE`).
+fn read_text(
+    options: &ImportOptions,
+    inputs: &[(Split, &PathBuf)],
+) -> Result<(RawGraph, Vec<String>)> {
     let total: u64 = inputs
         .iter()
         .map(|(_, p)| std::fs::metadata(p).map(|m| m.len()).at(*p))
@@ -241,6 +255,10 @@ fn read_text(options: &ImportOptions, inputs: &[(Split, &PathBuf)]) -> Result<Ra
     let mut splits: [Vec<Edge>; 3] = Default::default();
     let mut done_before = 0u64;
     let mut line = Vec::with_capacity(256);
+    let mut skipped = Vec::new();
+    // First lines imported as edges, checked for being unlike the rest once all are read:
+    // (split, index, where, the line).
+    let mut first_edges = Vec::new();
     for (split, path) in inputs {
         bar.set_message(split.name());
         let mut reader = LineReader::open(path)?;
@@ -248,6 +266,7 @@ fn read_text(options: &ImportOptions, inputs: &[(Split, &PathBuf)]) -> Result<Ra
         let mut delimiter = options.delimiter;
         let edges = &mut splits[*split as usize];
         let before = edges.len();
+        let mut first = true;
         while let Some(line_no) = reader.next_data_line(&mut line)? {
             let delim = *delimiter.get_or_insert_with(|| Delimiter::detect(&line));
             let parse_error = |e: RecordError| DatasetError::Parse {
@@ -256,6 +275,37 @@ fn read_text(options: &ImportOptions, inputs: &[(Split, &PathBuf)]) -> Result<Ra
                 message: e.to_string(),
             };
             let f = parse_fields(&line, delim, options.columns).map_err(parse_error)?;
+            if std::mem::take(&mut first) {
+                let at = format!("{}:{line_no}", reader.path().display());
+                let fields: Vec<&[u8]> = [Some(f.head), f.rel, Some(f.tail)]
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                let skip = match options.header {
+                    Header::Yes => true,
+                    Header::Auto if header::names_columns(&fields) => {
+                        tracing::warn!(
+                            "{at}: {} names columns: skipped as a header line (--header no imports it as an edge)",
+                            quoted_line(&line)
+                        );
+                        true
+                    }
+                    Header::Auto => {
+                        first_edges.push((
+                            *split as usize,
+                            edges.len(),
+                            at.clone(),
+                            quoted_line(&line),
+                        ));
+                        false
+                    }
+                    Header::No => false,
+                };
+                if skip {
+                    skipped.push(at);
+                    continue;
+                }
+            }
             let head = entities.intern(f.head).map_err(parse_error)?;
             let tail = entities.intern(f.tail).map_err(parse_error)?;
             let rel = match f.rel {
@@ -273,19 +323,37 @@ fn read_text(options: &ImportOptions, inputs: &[(Split, &PathBuf)]) -> Result<Ra
         if edges.len() == before {
             return Err(invalid(
                 *path,
-                "no edges: the file is empty or holds only comments and blank lines",
+                "no edges: the file is empty or holds only comments, blank lines and a header line",
             ));
         }
         done_before += consumed.load(Ordering::Relaxed);
         bar.set_position(done_before);
     }
     bar.finish_and_clear();
-    Ok(RawGraph {
+    let typed = options.columns != Columns::Sd;
+    for (split, index, at, text) in first_edges {
+        if header::is_isolated(&splits, split, index, typed) {
+            tracing::warn!(
+                "{at}: {text} is unlike the other lines (none of its labels occurs elsewhere): imported as an edge; if it is a header, import with --header yes"
+            );
+        }
+    }
+    let raw = RawGraph {
         entity_labels: entities.into_labels(),
         relation_labels: relations.into_labels(),
-        has_relations: options.columns != Columns::Sd,
+        has_relations: typed,
         splits,
-    })
+    };
+    Ok((raw, skipped))
+}
+
+/// A line quoted for a warning, cut at 100 characters.
+fn quoted_line(line: &[u8]) -> String {
+    let text = String::from_utf8_lossy(line);
+    match text.char_indices().nth(100) {
+        Some((cut, _)) => format!("{:?}…", &text[..cut]),
+        None => format!("{text:?}"),
+    }
 }
 
 /// Moves a random `fractions[1]` / `fractions[2]` of the pooled train edges into valid / test.

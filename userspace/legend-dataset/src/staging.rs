@@ -12,11 +12,14 @@ pub(crate) struct Staging {
     tmp: tempfile::TempDir,
     parent: PathBuf,
     out: PathBuf,
+    /// The folders above `out` made for it: removed with the temporary directory (declared
+    /// after it, so dropped after it) unless published.
+    made: legend_fs::MadeDirs,
 }
 
 impl Staging {
-    /// Creates `.NAME.{verb}-XXXX` next to `out` (creating `out`'s parent if needed); `out`
-    /// itself must not exist.
+    /// Creates `.NAME.{verb}-XXXX` next to `out` (creating `out`'s parent if needed, until
+    /// published); `out` itself must not exist.
     pub fn new(out: &Path, verb: &str) -> Result<Staging> {
         check_new_output(out)?;
         let parent = match out.parent() {
@@ -28,7 +31,7 @@ impl Staging {
             .ok_or_else(|| invalid(out, "not a usable directory name"))?
             .to_string_lossy()
             .into_owned();
-        std::fs::create_dir_all(&parent).at(&parent)?;
+        let made = legend_fs::MadeDirs::create(&parent).at(&parent)?;
         let tmp = tempfile::Builder::new()
             .prefix(&format!(".{name}.{verb}-"))
             .tempdir_in(&parent)
@@ -37,6 +40,7 @@ impl Staging {
             tmp,
             parent,
             out: out.to_owned(),
+            made,
         })
     }
 
@@ -48,18 +52,23 @@ impl Staging {
     /// Syncs the temporary directory and its `edges/` folder, renames it to `out` and syncs the
     /// parent, so the new directory is durable.
     pub fn publish(self) -> Result<()> {
-        let dir = self.tmp.path();
+        let Staging {
+            tmp,
+            parent,
+            out,
+            made,
+        } = self;
+        let dir = tmp.path();
         let edges = dir.join(crate::EDGES_DIR);
         if edges.is_dir() {
             File::open(&edges).and_then(|d| d.sync_all()).at(&edges)?;
         }
         File::open(dir).and_then(|d| d.sync_all()).at(dir)?;
-        std::fs::rename(dir, &self.out).at(&self.out)?;
+        std::fs::rename(dir, &out).at(&out)?;
         // The directory now lives at `out`; keep TempDir from deleting it.
-        let _ = self.tmp.keep();
-        File::open(&self.parent)
-            .and_then(|d| d.sync_all())
-            .at(&self.parent)
+        let _ = tmp.keep();
+        made.keep();
+        File::open(&parent).and_then(|d| d.sync_all()).at(&parent)
     }
 }
 

@@ -22,6 +22,7 @@ pub mod store;
 pub mod swap;
 pub mod trainer;
 mod training;
+pub mod which_tables;
 pub mod workers;
 
 pub use config::{Config, ConfigError, DeviceChoice};

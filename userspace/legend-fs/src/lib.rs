@@ -18,6 +18,10 @@
 //! asking a [`ReadCheck`] about each (search permission on the way, read at the end), and the
 //! directory it returns asks the same about every directory and file opened beneath it.
 
+mod made;
+
+pub use made::MadeDirs;
+
 use std::ffi::{OsStr, OsString};
 use std::fs::{File, Metadata};
 use std::io::{self, Read, Write};

@@ -405,6 +405,83 @@ fn line_starts(text: &[u8]) -> Vec<u64> {
         .concat()
 }
 
+/// Labels [`Names::near`] names at most.
+const NEAR_LABELS: usize = 3;
+
+/// Tables of at most this many labels are searched for misspellings too (an edit distance
+/// per label: about 0.1 s for a million on a busy core); larger ones for case only.
+const SPELLING_SEARCH_LABELS: usize = 1 << 20;
+
+impl Names {
+    /// Labels close to `name`, which names none, for the hint of an unknown-label error: those
+    /// equal to it but for case, else (on tables of at most [`SPELLING_SEARCH_LABELS`]) those
+    /// one or two edits away; at most [`NEAR_LABELS`], the closest first. It reads every
+    /// label in order (an error's path: a second or so for tens of millions).
+    pub(crate) fn near(&self, name: &str) -> Vec<String> {
+        let lower = name.to_lowercase();
+        // Label ids count the non-empty lines, as the index does.
+        let labels = || {
+            self.text
+                .get()
+                .split(|&b| b == b'\n')
+                .filter(|line| !line.is_empty())
+                .map(|line| lossy(label_in_line(line)))
+                .enumerate()
+        };
+        let mut found: Vec<(usize, u32)> = labels()
+            .filter(|(_, l)| l.len() == name.len() && l.to_lowercase() == lower)
+            .map(|(id, _)| (0, id as u32))
+            .collect();
+        if found.is_empty() && self.count <= SPELLING_SEARCH_LABELS {
+            let wanted: Vec<char> = lower.chars().collect();
+            // Two edits at most, and fewer than a third of the name's characters: a short
+            // name is not "near" every other short label.
+            let most = 2.min(wanted.len().saturating_sub(1) / 3);
+            found = labels()
+                .filter_map(|(id, l)| {
+                    let d = edit_distance(&wanted, &l.to_lowercase(), most)?;
+                    Some((d, id as u32))
+                })
+                .collect();
+        }
+        found.sort_unstable();
+        let mut near: Vec<String> = Vec::new();
+        for (_, id) in found {
+            let label = self.label(id).into_owned();
+            if label != name && !near.contains(&label) {
+                near.push(label);
+            }
+            if near.len() == NEAR_LABELS {
+                break;
+            }
+        }
+        near
+    }
+}
+
+/// The edit distance (insertions, deletions, substitutions of characters) from `a` to `b` when
+/// it is at most `most`, else `None` (computed only that far).
+fn edit_distance(a: &[char], b: &str, most: usize) -> Option<usize> {
+    let b: Vec<char> = b.chars().collect();
+    if a.len().abs_diff(b.len()) > most {
+        return None;
+    }
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.iter().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let substituted = diagonal + usize::from(ca != cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substituted.min(row[j] + 1).min(diagonal + 1);
+        }
+        if row.iter().min().is_some_and(|&m| m > most) {
+            return None;
+        }
+    }
+    Some(row[b.len()]).filter(|&d| d <= most)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -497,5 +574,26 @@ mod tests {
         // 64-bit FNV-1a, then MurmurHash3's 64-bit finalizer (computed apart from this code).
         assert_eq!(label_hash(""), 0xefd0_1f60_ba99_2926);
         assert_eq!(label_hash("/m/02mjmr"), 0x48d9_6d7d_b730_be4a);
+    }
+
+    #[test]
+    fn near_labels_differ_in_case_or_spelling() {
+        let names = of_text(&file(&[
+            "alga",
+            "bacterium",
+            "Bacterium",
+            "virus",
+            "fungus",
+        ]));
+        assert_eq!(names.near("Alga"), ["alga"]);
+        assert_eq!(names.near("BACTERIUM"), ["bacterium", "Bacterium"]);
+        // No label in other case: the ones a few edits away.
+        assert_eq!(names.near("bacterum"), ["bacterium", "Bacterium"]);
+        assert_eq!(names.near("fungi"), Vec::<&str>::new());
+        assert_eq!(names.near("funguss"), ["fungus"]);
+        // Short names are near nothing but their case variants.
+        assert_eq!(names.near("vir"), Vec::<&str>::new());
+        assert_eq!(edit_distance(&['a', 'b'], "ba", 2), Some(2));
+        assert_eq!(edit_distance(&['a', 'b', 'c'], "xyz", 2), None);
     }
 }

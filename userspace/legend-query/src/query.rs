@@ -628,16 +628,25 @@ impl<'a> QueryRun<'a> {
         }
         match name.parse::<u32>() {
             Ok(id) if (id as usize) < names.len() => Ok(id),
-            _ => Err(QueryError::Unknown {
-                at: at(),
-                kind,
-                name: quoted(name),
-                why: format!(
-                    "not one of the {kind} labels of the dataset {} nor an id below {}",
-                    self.dataset.dir().display(),
-                    names.len()
-                ),
-            }),
+            _ => {
+                let near = names.near(name);
+                let hint = if near.is_empty() {
+                    String::new()
+                } else {
+                    let quoted: Vec<String> = near.iter().map(|l| format!("{l:?}")).collect();
+                    format!("; did you mean {}?", quoted.join(" or "))
+                };
+                Err(QueryError::Unknown {
+                    at: at(),
+                    kind,
+                    name: quoted(name),
+                    why: format!(
+                        "not one of the {kind} labels of the dataset {} nor an id below {}{hint}",
+                        self.dataset.dir().display(),
+                        names.len()
+                    ),
+                })
+            }
         }
     }
 
@@ -679,9 +688,16 @@ impl<'a> QueryRun<'a> {
             let here = || at(i);
             let top = |top: usize| {
                 if top == 0 || top > max_top {
+                    // Past `max_top` (a daemon's limit), that limit; for none, a sane range:
+                    // up to the run's entities (more return them all), not `usize::MAX`.
+                    let most = if top == 0 {
+                        max_top.min(entities).max(1)
+                    } else {
+                        max_top
+                    };
                     return Err(QueryError::Malformed {
                         at: here(),
-                        why: format!("top {top}: ask for 1 to {max_top} entities"),
+                        why: format!("top {top}: ask for 1 to {most} entities"),
                     });
                 }
                 // Every entity but none twice.

@@ -472,6 +472,14 @@ fn unknown_labels_ids_and_relations_are_named() {
     })
     .to_string();
     assert!(msg.contains("top 101: ask for 1 to 100"), "{msg}");
+    // None asked for: the range named is the run's entities, below the limit.
+    let msg = ask(Query::Neighbors {
+        entity: "p1".into(),
+        top: 0,
+        metric: Metric::Cosine,
+    })
+    .to_string();
+    assert!(msg.contains("top 0: ask for 1 to 7 entities"), "{msg}");
 }
 
 /// A run of `entities` rows of `dim` floats from [`grid`], DistMult, written as a checkpoint

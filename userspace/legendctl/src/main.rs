@@ -1,5 +1,6 @@
 //! `legendctl`: import graphs, partition them, plan swap orders, train and evaluate embeddings.
 
+#[macro_use]
 mod cmd;
 
 use std::process::ExitCode;
@@ -56,8 +57,9 @@ enum Command {
     Status(cmd::client::JobArgs),
     /// Follow a legendd job until it ends.
     Watch(cmd::client::JobArgs),
-    /// Cancel a legendd job (a running train job stops at its next checkpoint, a serve job at
-    /// once).
+    /// Cancel a legendd job: a queued one at once; a running train job at its next
+    /// checkpointable point (with a checkpoint); a serve job within a second; eval and export
+    /// jobs run to their end.
     Cancel(cmd::client::JobArgs),
     /// A legendd job's log.
     Logs(cmd::client::JobArgs),
@@ -114,7 +116,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) if is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            errln!("error: {err:#}");
             ExitCode::FAILURE
         }
     }

@@ -657,6 +657,24 @@ fn reciprocal_runs_export_and_evaluate_through_their_best_epoch() {
         let best_dir = run.join("best");
         let eval = json(ok(&["eval", &s(&best_dir), "--json"]).trim());
         assert_eq!(eval["mrr"], last["metrics"]["mrr"], "{decoder}");
+        // `eval RUN` ranks the same tables (what `train` printed), and says so; `--last` ranks
+        // the last epoch's, saying that too.
+        let eval = json(ok(&["eval", &s(&run), "--json"]).trim());
+        assert_eq!(eval["mrr"], last["metrics"]["mrr"], "{decoder}");
+        assert_eq!(eval["tables"]["kind"], "best", "{eval}");
+        assert_eq!(eval["tables"]["epoch"], best, "{eval}");
+        let text = ok(&["eval", &s(&run)]);
+        assert!(
+            text.contains(&format!("epoch {best} (the best validated, in ")),
+            "{text}"
+        );
+        let at_last = json(ok(&["eval", &s(&run), "--last", "--json"]).trim());
+        assert_eq!(at_last["tables"]["kind"], "last", "{at_last}");
+        assert_eq!(at_last["tables"]["other_epoch"], best, "{at_last}");
+        assert!(
+            at_last["tables"]["epoch"].as_u64() >= Some(best),
+            "{at_last}"
+        );
         let export = dir.path().join(format!("export-{decoder}"));
         ok(&[
             "export",

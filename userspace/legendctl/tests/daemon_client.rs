@@ -4,6 +4,10 @@
 //! everyone's jobs, bind or unbind controllers, or put a run into a directory it does not own. The two-user part needs
 //! root to switch uids and says so when it cannot run.
 
+// A test's notes go to the test harness's output: the binary's output rules (clippy.toml)
+// are not for it.
+#![allow(clippy::disallowed_macros)]
+
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
@@ -411,4 +415,120 @@ fn lchown_to_other(path: &Path) {
 fn nix_is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
+}
+
+/// The client's commands end quietly when their reader goes away, as the local ones do
+/// (closed_pipe.rs): submit (with --watch), jobs, watch, logs, query, cancel and delete.
+#[test]
+fn client_commands_end_quietly_when_their_reader_goes_away() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = common::graph(dir.path());
+    let (_daemon, socket) = start(dir.path());
+    let sock = s(&socket);
+    let run = s(&dir.path().join("run"));
+    let small = [
+        "--set",
+        "model.dim=8",
+        "--set",
+        "training.num_epochs=2",
+        "--set",
+        "evaluation.epochs_per_eval=1",
+    ];
+    let submit_train = |out: &str| {
+        let mut args = vec!["submit", "train", "--dataset", &*s(&ds).leak(), "--out"];
+        args.push(out.to_owned().leak());
+        args.extend(small);
+        args.push("--watch");
+        args
+    };
+    ok(&[&["--socket", &sock][..], &submit_train(&run)].concat());
+    let served = ok(&["--socket", &sock, "submit", "serve", &run, "--json"]);
+    let serving = common::json(served.trim())["id"]
+        .as_u64()
+        .unwrap()
+        .to_string();
+    let started = Instant::now();
+    while !legendctl(&[
+        "--socket", &sock, "query", &serving, "lookup", "--entity", "e0",
+    ])
+    .status
+    .success()
+    {
+        assert!(started.elapsed() < Duration::from_secs(60), "not serving");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let made = std::cell::Cell::new(0);
+    let fresh = || {
+        made.set(made.get() + 1);
+        s(&dir.path().join(format!("out-{}", made.get())))
+    };
+    let commands: Vec<Box<dyn FnMut() -> Vec<String>>> = vec![
+        Box::new(|| vec!["jobs".into()]),
+        Box::new(|| vec!["jobs".into(), "--json".into()]),
+        Box::new(|| vec!["status".into(), "1".into()]),
+        Box::new(|| vec!["watch".into(), "1".into()]),
+        Box::new(|| vec!["logs".into(), "1".into()]),
+        Box::new(|| {
+            let out = fresh();
+            submit_train(&out).iter().map(|a| a.to_string()).collect()
+        }),
+        Box::new(|| {
+            ["submit", "eval", &run, "--watch"]
+                .map(String::from)
+                .to_vec()
+        }),
+        Box::new(|| {
+            let out = fresh();
+            [
+                "submit", "export", &run, "--format", "tsv", "-o", &out, "--watch",
+            ]
+            .map(String::from)
+            .to_vec()
+        }),
+        Box::new(|| {
+            [
+                "query",
+                &serving,
+                "predict",
+                "--head",
+                "e0",
+                "--relation",
+                "r0",
+                "--top",
+                "20",
+            ]
+            .map(String::from)
+            .to_vec()
+        }),
+        Box::new(|| {
+            [
+                "query",
+                &serving,
+                "neighbors",
+                "--entity",
+                "e0",
+                "--top",
+                "20",
+                "--json",
+            ]
+            .map(String::from)
+            .to_vec()
+        }),
+        Box::new(|| ["cancel", &serving].map(String::from).to_vec()),
+        // Each run forgets an ended job of its own.
+        Box::new(|| {
+            let job = ok(&[
+                "--socket", &sock, "submit", "eval", &run, "--json", "--watch",
+            ]);
+            let id = common::json(job.lines().next().unwrap())["id"].to_string();
+            vec!["delete".into(), id]
+        }),
+    ];
+    for mut args in commands {
+        common::closed_pipe_runs(&mut || {
+            let mut a = vec!["--socket".to_string(), sock.clone()];
+            a.extend(args());
+            a
+        });
+    }
 }

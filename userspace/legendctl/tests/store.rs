@@ -1,6 +1,10 @@
 //! The `file` and `proxy` backends end to end: equality with the in-memory run, swap counts,
 //! crash safety under SIGKILL, refusals, and peak memory.
 
+// A test's notes go to the test harness's output: the binary's output rules (clippy.toml)
+// are not for it.
+#![allow(clippy::disallowed_macros)]
+
 mod common;
 
 use common::{argv, bin, legendctl as run, memory_tempdir, ok, s};

@@ -57,6 +57,12 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             failed = true;
         }
+        // A compile takes tens of seconds on a busy machine: say what is being waited for.
+        eprintln!(
+            "compiling {} programs for {arch} with NVRTC",
+            nvrtc::PROGRAMS.len()
+        );
+        let started = std::time::Instant::now();
         match nvrtc::compile(arch) {
             Ok(programs) => {
                 for (p, c) in nvrtc::PROGRAMS.iter().zip(&programs) {
@@ -87,7 +93,7 @@ fn main() -> ExitCode {
                 let kernels = nvrtc::kernel_names().count();
                 let code: usize = programs.iter().map(|c| c.cubin.len()).sum();
                 println!(
-                    "{}: {arch}, NVRTC {}.{}, {} programs, {kernels} kernels, {code} bytes of machine code",
+                    "{}: {arch}, NVRTC {}.{}, {} programs, {kernels} kernels, {code} bytes of machine code, {:.0} s",
                     if failed && !failed_before {
                         "checked"
                     } else {
@@ -96,6 +102,7 @@ fn main() -> ExitCode {
                     version.0,
                     version.1,
                     programs.len(),
+                    started.elapsed().as_secs_f64(),
                 );
             }
             Err(e) => {

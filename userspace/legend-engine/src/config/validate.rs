@@ -19,6 +19,23 @@ impl Config {
         self.validate_negatives()
     }
 
+    /// Refuses what a new run may not set but a run made before the check may hold in its
+    /// `config.toml`, which must stay readable (resume, eval): a buffer larger than the
+    /// partitions (it holds them all, as 0 does, so the setting misleads).
+    pub fn check_new_run(&self) -> Result<(), ConfigError> {
+        let s = &self.storage;
+        if s.buffer_capacity > s.num_partitions {
+            return Err(bad(
+                "storage.buffer_capacity",
+                format!(
+                    "{} is more than storage.num_partitions = {}: the buffer holds at most every partition (0 = all of them); to keep only some in memory, raise storage.num_partitions",
+                    s.buffer_capacity, s.num_partitions
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// `[model]`'s numbers.
     fn validate_model(&self) -> Result<(), ConfigError> {
         self.model

@@ -68,6 +68,7 @@ impl Session {
                 out.display()
             )));
         }
+        config.check_new_run()?;
         legend_planner::plan(
             config.storage.num_partitions,
             config.capacity(),

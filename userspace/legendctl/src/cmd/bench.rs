@@ -447,7 +447,7 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
         super::print_json(&serde_json::to_value(&report)?)?;
     } else {
         let l = &report.latency_us;
-        println!(
+        outln!(
             "{} {} {} of {} B requests on {} ({} submitter, {} queues x {} deep): \
              {} ops, {} bytes in {:.2} s: {:.0} ops/s, {:.3} GB/s ({:.3} GiB/s); latency \
              p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, max {:.1} us",
@@ -475,7 +475,7 @@ fn io(args: IoArgs) -> anyhow::Result<()> {
             l.p99,
             l.p999,
             l.max
-        );
+        )?;
     }
     Ok(())
 }

@@ -10,6 +10,7 @@ use legend_daemon_api::{
     DEFAULT_SOCKET, Envelope, JobInfo, JobSpec, JobState, MAX_FRAME, PROTOCOL_VERSION, Reply,
     Request, read_message, write_message,
 };
+use legend_engine::which_tables::{self, Pick};
 
 /// A connection to `legendd`.
 pub struct Client {
@@ -109,8 +110,12 @@ enum SubmitCommand {
     },
     /// Evaluate a run, as `legendctl eval` does, in the daemon.
     Eval {
-        /// The run directory.
+        /// The run directory: its best validated epoch's tables when it kept them (the job is
+        /// then on `RUN/best`), else its last checkpoint's.
         run: PathBuf,
+        /// Rank the run's last checkpoint even when it kept a best epoch in `RUN/best`.
+        #[arg(long)]
+        last: bool,
         /// `filtered` or `sampled`.
         #[arg(long, default_value = "filtered")]
         protocol: String,
@@ -127,8 +132,12 @@ enum SubmitCommand {
     /// Keep a run's embeddings in the daemon's memory and answer `legendctl query JOB ...` on
     /// it until cancelled.
     Serve {
-        /// The run directory (yours).
+        /// The run directory (yours): its best validated epoch's tables when it kept them (the
+        /// job is then on `RUN/best`), else its last checkpoint's.
         run: PathBuf,
+        /// Serve the run's last checkpoint even when it kept a best epoch in `RUN/best`.
+        #[arg(long)]
+        last: bool,
         /// Members of this group (one of yours) may query it too.
         #[arg(long)]
         group: Option<String>,
@@ -143,8 +152,12 @@ enum SubmitCommand {
     },
     /// Export a run's embeddings, as `legendctl export` does, in the daemon.
     Export {
-        /// The run directory.
+        /// The run directory: its best validated epoch's tables when it kept them (the job is
+        /// then on `RUN/best`), else its last checkpoint's.
         run: PathBuf,
+        /// Export the run's last checkpoint even when it kept a best epoch in `RUN/best`.
+        #[arg(long)]
+        last: bool,
         /// `npy`, `tsv` or `bin`.
         #[arg(long)]
         format: legend_engine::export::Format,
@@ -170,6 +183,13 @@ fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
             .join(name)),
         _ => Ok(abs),
     }
+}
+
+/// The tables of `run` that `last` picks, said on stderr: the directory a job on them names.
+fn chosen_tables(run: &Path, last: bool) -> anyhow::Result<PathBuf> {
+    let tables = which_tables::choose(run, super::pick(last))?;
+    errln!("{}: the job reads {}", run.display(), tables.describe());
+    absolute(&tables.dir)
 }
 
 pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
@@ -199,13 +219,14 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
         }
         SubmitCommand::Eval {
             run,
+            last,
             protocol,
             split,
             watch,
             json,
         } => (
             JobSpec::Eval {
-                run: absolute(&run)?,
+                run: chosen_tables(&run, last)?,
                 protocol,
                 split,
             },
@@ -214,12 +235,13 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
         ),
         SubmitCommand::Serve {
             run,
+            last,
             group,
             device,
             json,
         } => (
             JobSpec::Serve {
-                run: absolute(&run)?,
+                run: chosen_tables(&run, last)?,
                 group,
                 device: device.map(|d| d.to_string()),
             },
@@ -228,6 +250,7 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
         ),
         SubmitCommand::Export {
             run,
+            last,
             format,
             out,
             watch,
@@ -235,7 +258,7 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
         } => (
             JobSpec::Export {
                 out: absolute(&out.unwrap_or_else(|| run.join("export")))?,
-                run: absolute(&run)?,
+                run: chosen_tables(&run, last)?,
                 format: format.to_string(),
             },
             watch,
@@ -251,12 +274,14 @@ pub fn submit(socket: Option<&Path>, args: SubmitArgs) -> anyhow::Result<()> {
             Some(d) if d != job.spec.kind() => format!("{} on {d}", job.spec.kind()),
             _ => job.spec.kind().to_owned(),
         };
-        println!(
+        outln!(
             "job {} queued ({queue}): it runs in a process and a memory cgroup of its own, as \
              uid {} (a job that holds an NVMe controller: as a uid of the daemon's); `legendctl \
              status {}` shows its pid, uid, cgroup and memory",
-            job.id, job.owner, job.id
-        );
+            job.id,
+            job.owner,
+            job.id
+        )?;
     }
     if watch_it {
         return follow(client, job.id, json);
@@ -283,10 +308,16 @@ pub fn jobs(socket: Option<&Path>, args: JobsArgs) -> anyhow::Result<()> {
     if args.json {
         return super::print_json(&jobs);
     }
-    println!(
+    outln!(
         "{:>5}  {:<10} {:<6} {:>6}  {:<8} {:<14} {:>8} dir",
-        "id", "state", "kind", "owner", "device", "progress", "memory"
-    );
+        "id",
+        "state",
+        "kind",
+        "owner",
+        "device",
+        "progress",
+        "memory"
+    )?;
     for j in &jobs {
         let p = &j.progress;
         let progress = if p.epochs > 0 {
@@ -300,7 +331,7 @@ pub fn jobs(socket: Option<&Path>, args: JobsArgs) -> anyhow::Result<()> {
             .as_ref()
             .and_then(|p| p.peak_memory)
             .map_or("-".to_string(), |b| format!("{}M", b >> 20));
-        println!(
+        outln!(
             "{:>5}  {:<10} {:<6} {:>6}  {:<8} {:<14} {:>8} {}",
             j.id,
             j.state.name(),
@@ -310,7 +341,7 @@ pub fn jobs(socket: Option<&Path>, args: JobsArgs) -> anyhow::Result<()> {
             progress,
             memory,
             j.spec.dir().display()
-        );
+        )?;
     }
     Ok(())
 }
@@ -321,37 +352,41 @@ pub fn status(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
     if args.json {
         return super::print_json(&job);
     }
-    println!(
+    outln!(
         "job {}: {} {} of uid {}, {}",
         job.id,
         job.state.name(),
         job.spec.kind(),
         job.owner,
         job.spec.dir().display()
-    );
+    )?;
     let p = &job.progress;
     if p.epochs > 0 {
-        println!(
+        outln!(
             "  epoch {}/{}, {}/{} edges, {:.0} edges/s",
-            p.epoch, p.epochs, p.edges_done, p.edges, p.edges_per_sec
-        );
+            p.epoch,
+            p.epochs,
+            p.edges_done,
+            p.edges,
+            p.edges_per_sec
+        )?;
     }
     if let Some(p) = &job.process {
         let mib = |b: Option<u64>| b.map_or("-".to_string(), |b| format!("{} MiB", b >> 20));
-        println!(
+        outln!(
             "  process {} as uid {}, cgroup {}, memory limit {}, peak {}",
             p.pid,
             p.uid,
             p.cgroup.as_deref().unwrap_or("none"),
             mib(p.memory_limit),
             mib(p.peak_memory)
-        );
+        )?;
     }
     if let Some(e) = &job.error {
-        println!("  error: {e}");
+        outln!("  error: {e}")?;
     }
     if let Some(r) = &job.result {
-        println!("  result: {r}");
+        outln!("  result: {r}")?;
     }
     Ok(())
 }
@@ -414,7 +449,7 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
                             b.finish_and_clear();
                         }
                         let l = &event["line"];
-                        eprintln!(
+                        errln!(
                             "epoch {}: loss {:.4}, {:.0} edges/s, {:.2} s",
                             l["epoch"],
                             l["loss"].as_f64().unwrap_or(f64::NAN),
@@ -422,12 +457,12 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
                             l["seconds"].as_f64().unwrap_or(0.0)
                         );
                         if l["valid"].is_object() {
-                            eprintln!("epoch {} valid: {}", l["epoch"], metrics_text(&l["valid"]));
+                            errln!("epoch {} valid: {}", l["epoch"], metrics_text(&l["valid"]));
                         }
                     }
                     // What the job's process says (why it stopped early, say).
                     Some("log") => {
-                        let line = || eprintln!("{}", event["text"].as_str().unwrap_or(""));
+                        let line = || errln!("{}", event["text"].as_str().unwrap_or(""));
                         match &bar {
                             Some(b) => b.suspend(line),
                             None => line(),
@@ -444,7 +479,7 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
                             .as_u64()
                             .map_or(String::new(), |e| format!(" (best epoch {e})"));
                         // The job's result: on stdout, like `legendctl train`'s.
-                        println!("{split}{best}: {}", metrics_text(&line["metrics"]));
+                        outln!("{split}{best}: {}", metrics_text(&line["metrics"]))?;
                     }
                     _ => {}
                 }
@@ -459,10 +494,13 @@ fn follow(mut client: Client, id: u64, json: bool) -> anyhow::Result<()> {
     if json {
         super::print_json(&ended)?;
     } else {
-        println!("job {} {}", ended.id, ended.state.name());
-        // An eval job's result is its metrics (a train job's final ones came as an event).
+        outln!("job {} {}", ended.id, ended.state.name())?;
+        // An eval job's result is its metrics (a train job's final ones came as an event),
+        // with the epoch its tables hold when they can still be read here.
         if let (JobSpec::Eval { run, split, .. }, Some(result)) = (&ended.spec, &ended.result) {
-            println!("{} {split}: {}", run.display(), metrics_text(result));
+            let epoch = which_tables::choose(run, Pick::Last)
+                .map_or(String::new(), |t| format!(", {}", t.describe()));
+            outln!("{} {split}{epoch}: {}", run.display(), metrics_text(result))?;
         }
     }
     match ended.state {
@@ -481,12 +519,22 @@ pub fn cancel(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
     if args.json {
         super::print_json(&job)?;
     } else if job.state == JobState::Running {
-        match job.spec {
-            JobSpec::Serve { .. } => println!("job {}: stopping", job.id),
-            _ => println!("job {}: stopping at its next checkpoint", job.id),
-        }
+        // What each kind does with the stop it was just asked for (legendd's jobs.rs).
+        let what = match &job.spec {
+            JobSpec::Train { .. } => {
+                "stopping at its next checkpointable point, where it commits a checkpoint \
+                 (`legendctl submit train --out RUN --resume` continues from there)"
+            }
+            JobSpec::Serve { .. } => {
+                "stops serving within a second: queries are refused from then on, and it ends"
+            }
+            JobSpec::Eval { .. } | JobSpec::Export { .. } => {
+                "cannot stop midway: it runs to its end (an export's files appear only complete)"
+            }
+        };
+        outln!("job {} ({}): {what}", job.id, job.spec.kind())?;
     } else {
-        println!("job {} {}", job.id, job.state.name());
+        outln!("job {} {}", job.id, job.state.name())?;
     }
     Ok(())
 }
@@ -496,7 +544,7 @@ pub fn delete(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
     if args.json {
         super::print_json(&job)?;
     } else {
-        println!("job {} deleted", job.id);
+        outln!("job {} deleted", job.id)?;
     }
     Ok(())
 }
@@ -506,6 +554,7 @@ pub fn logs(socket: Option<&Path>, args: JobArgs) -> anyhow::Result<()> {
     else {
         bail!("unexpected reply from legendd");
     };
-    print!("{text}");
+    use std::io::Write as _;
+    std::io::stdout().lock().write_all(text.as_bytes())?;
     Ok(())
 }

@@ -120,10 +120,10 @@ pub fn run(args: Args, socket: Option<&Path>) -> anyhow::Result<()> {
                 return super::print_json(&list);
             }
             if list.is_empty() {
-                println!("no NVMe controllers found");
+                outln!("no NVMe controllers found")?;
             }
             for c in list {
-                println!(
+                outln!(
                     "{}  {}:{}  driver {}  block {}  legend {}",
                     c.bdf,
                     c.vendor,
@@ -135,7 +135,7 @@ pub fn run(args: Args, socket: Option<&Path>) -> anyhow::Result<()> {
                         c.block_devices.join(",")
                     },
                     c.legend_device.as_deref().unwrap_or("-"),
-                );
+                )?;
             }
         }
         // Only root writes sysfs; everyone else asks legendd, which binds for its admin group.
@@ -169,7 +169,7 @@ pub fn run(args: Args, socket: Option<&Path>) -> anyhow::Result<()> {
             if args.json {
                 return super::print_json(&view);
             }
-            println!(
+            outln!(
                 "{} ({}): {} serial {} firmware {}, NVMe {}, {} queue pairs of up to {} entries, max transfer {} B",
                 view.device,
                 view.pci_address,
@@ -180,12 +180,14 @@ pub fn run(args: Args, socket: Option<&Path>) -> anyhow::Result<()> {
                 view.queue_pairs,
                 view.max_queue_entries,
                 view.max_transfer
-            );
+            )?;
             for n in &view.namespaces {
-                println!(
+                outln!(
                     "  namespace {}: {} blocks of {} B",
-                    n.nsid, n.lbas, n.lba_bytes
-                );
+                    n.nsid,
+                    n.lbas,
+                    n.lba_bytes
+                )?;
             }
         }
         DeviceCommand::Health { device } => {
@@ -196,7 +198,7 @@ pub fn run(args: Args, socket: Option<&Path>) -> anyhow::Result<()> {
             if args.json {
                 return super::print_json(&view);
             }
-            println!(
+            outln!(
                 "{}: critical warning {:#04x}, {} °C, spare {}%, used {}%, {} power-on hours, {} unsafe shutdowns, {} media errors",
                 view.device,
                 view.critical_warning,
@@ -206,7 +208,7 @@ pub fn run(args: Args, socket: Option<&Path>) -> anyhow::Result<()> {
                 view.power_on_hours,
                 view.unsafe_shutdowns,
                 view.media_errors
-            );
+            )?;
         }
     }
     Ok(())
@@ -216,11 +218,11 @@ fn report(json: bool, what: &str, c: NvmeController) -> anyhow::Result<()> {
     if json {
         return super::print_json(&c);
     }
-    println!(
+    outln!(
         "{} {what} (driver {})",
         c.bdf,
         c.driver.as_deref().unwrap_or("(none)")
-    );
+    )?;
     Ok(())
 }
 

@@ -7,6 +7,7 @@ use legend_dataset::{Dataset, Split};
 use legend_engine::config::Protocol;
 use legend_engine::evaluation::{EvalRequest, describe, evaluate, open_run_dataset};
 use legend_engine::run;
+use legend_engine::which_tables::{self, Tables};
 use legend_eval::SampledNegatives;
 use legend_fs::Unguarded;
 use legend_model::Decoder;
@@ -14,9 +15,14 @@ use legend_model::Decoder;
 /// Arguments of `legendctl eval`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The run directory (or use --embeddings for embeddings trained elsewhere).
+    /// The run directory (or use --embeddings for embeddings trained elsewhere): its best
+    /// validated epoch's tables when it kept them (`RUN/best`, what `legendctl train` printed),
+    /// else its last checkpoint's.
     #[arg(required_unless_present = "embeddings")]
     run: Option<PathBuf>,
+    /// Rank the run's last checkpoint even when it kept a best epoch in `RUN/best`.
+    #[arg(long, conflicts_with = "embeddings")]
+    last: bool,
     /// A directory with `entities.npy` and `relations.npy` (float32, rows in this dataset's id
     /// order, ComplEx rows as [real | imaginary]): evaluate embeddings trained by another system.
     #[arg(long, conflicts_with = "run", requires_all = ["dataset", "decoder"])]
@@ -67,10 +73,13 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let mut chosen: Option<Tables> = None;
     let (label, dataset, decoder, dim, entities, relations, reciprocal, negatives) =
         match (&args.run, &args.embeddings) {
             (Some(run_dir), _) => {
-                let run = run::open(run_dir)?;
+                let tables = which_tables::choose(run_dir, super::pick(args.last))?;
+                let run = run::open(&tables.dir)?;
+                chosen = Some(tables);
                 let meta = run::read_meta(&run)?;
                 let dataset = open_run_dataset(&meta, args.dataset.as_deref(), &Unguarded)?;
                 let (entities, relations) = run::load_embeddings(&run, &meta, &Unguarded)?;
@@ -144,12 +153,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let m = evaluate(
         &dataset, decoder, dim, &entities, &relations, reciprocal, &request,
     )?;
-    if args.json {
-        super::print_json(&m)?;
-    } else {
-        println!("{label} {}: {}", args.split.name(), describe(&m));
+    match &chosen {
+        // The metrics' keys, and the tables ranked.
+        Some(tables) if args.json => {
+            let mut line = serde_json::to_value(&m)?;
+            line["tables"] = serde_json::to_value(tables)?;
+            super::print_json(&line)
+        }
+        _ if args.json => super::print_json(&m),
+        Some(tables) => outln!(
+            "{label} {}, {}: {}",
+            args.split.name(),
+            tables.describe(),
+            describe(&m)
+        ),
+        None => outln!("{label} {}: {}", args.split.name(), describe(&m)),
     }
-    Ok(())
 }
 
 /// Reads a 2-D little-endian float32 C-order `.npy` file: (values, rows, columns).

@@ -4,13 +4,18 @@
 use std::path::PathBuf;
 
 use legend_engine::export::{self, Format};
+use legend_engine::which_tables;
 use legend_fs::Unguarded;
 
 /// Arguments of `legendctl export`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The run directory.
+    /// The run directory: its best validated epoch's tables when it kept them (`RUN/best`),
+    /// else its last checkpoint's.
     run: PathBuf,
+    /// Export the run's last checkpoint even when it kept a best epoch in `RUN/best`.
+    #[arg(long)]
+    last: bool,
     /// Output format: npy (NumPy float32 arrays plus label files), tsv (`label<TAB>v1<TAB>v2…`
     /// per row) or bin (raw little-endian float32, row-major, plus label files).
     #[arg(long)]
@@ -25,21 +30,24 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let tables = which_tables::choose(&args.run, super::pick(args.last))?;
     let out = args.out.unwrap_or_else(|| args.run.join("export"));
-    super::create_parent(&out)?;
+    let made = super::create_parent(&out)?;
     let done = export::export(
-        &args.run,
+        &tables.dir,
         args.format,
         &out,
         args.dataset.as_deref(),
         &Unguarded,
     )?;
-    println!(
-        "exported {} entities and {} relations (d = {}) to {}",
+    made.keep();
+    outln!(
+        "exported {}: {} entities and {} relations (d = {}) to {}",
+        tables.describe(),
         done.entities,
         done.relations,
         done.dim,
         out.display()
-    );
+    )?;
     Ok(())
 }

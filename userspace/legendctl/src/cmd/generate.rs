@@ -34,7 +34,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let cancel = super::cancel_on_signals()?;
+    let cancel = super::stop_staging_on_signals("the generation", "generating")?;
     let options = GenerateOptions {
         nodes: args.nodes,
         edges: args.edges,
@@ -49,7 +49,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.json {
         super::print_json(&summary)?;
     } else {
-        println!(
+        outln!(
             "generated {} entities, {} relations, {} train / {} valid / {} test edges into {} in {:.1} s ({:.1} M edges/s drawn)",
             summary.entities,
             summary.relations,
@@ -59,7 +59,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             summary.output.display(),
             summary.seconds,
             args.edges as f64 / summary.generate_seconds.max(1e-9) / 1e6
-        );
+        )?;
     }
     Ok(())
 }

@@ -141,12 +141,12 @@ pub fn follow(
     let me = cluster.host(cluster.rank());
     let stopped = legend_engine::workers::hosts::follow(cluster, dataset, stop)?;
     if stopped {
-        eprintln!(
+        errln!(
             "{me}: host 0 stopped the job with a checkpoint; continue it with --resume on host 0's run, every host started again"
         );
         std::process::exit(130);
     }
-    eprintln!("{me}: the job completed; host 0's run holds its results");
+    errln!("{me}: the job completed; host 0's run holds its results");
     Ok(())
 }
 

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::bail;
-use legend_dataset::{Columns, Delimiter, ImportInput, ImportOptions, import};
+use legend_dataset::{Columns, Delimiter, Header, ImportInput, ImportOptions, import};
 
 /// Arguments of `legendctl import`.
 #[derive(clap::Args)]
@@ -39,6 +39,12 @@ pub struct Args {
     /// Keep valid/test edges whose entity or relation never occurs in train.
     #[arg(long)]
     keep_unseen: bool,
+    /// Whether text files start with a header line: `auto` skips a first line of column names
+    /// (`head relation tail`, `subject predicate object`, ...) and warns about a first line
+    /// whose labels occur nowhere else; `yes` skips every file's first line; `no` imports
+    /// every line. Each skipped line is named in a warning.
+    #[arg(long, default_value = "auto")]
+    header: Header,
     /// Print a JSON summary on stdout.
     #[arg(long)]
     json: bool,
@@ -66,13 +72,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, None, Some(dir)) => ImportInput::Marius { dir },
         _ => bail!("give exactly one of --train, --split or --marius"),
     };
-    let cancel = super::cancel_on_signals()?;
+    let cancel = super::stop_staging_on_signals("the import", "importing")?;
     let options = ImportOptions {
         input,
         delimiter: args.delimiter,
         columns: args.columns,
         seed: args.seed,
         keep_unseen: args.keep_unseen,
+        header: args.header,
         progress: true,
         cancel: Some(cancel),
     };
@@ -80,7 +87,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.json {
         super::print_json(&summary)?;
     } else {
-        println!(
+        outln!(
             "imported {} entities, {} relations, {} train / {} valid / {} test edges into {} in {:.1} s",
             summary.entities,
             summary.relations,
@@ -89,12 +96,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             summary.test,
             summary.output.display(),
             summary.seconds
-        );
+        )?;
         if summary.unseen_dropped > 0 {
-            println!(
+            outln!(
                 "dropped {} valid/test edges whose entity or relation is not in train (--keep-unseen keeps them)",
                 summary.unseen_dropped
-            );
+            )?;
         }
     }
     Ok(())

@@ -45,7 +45,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.json {
         super::print_json(&summary)?;
     } else {
-        println!(
+        outln!(
             "{} train edges in {}×{} buckets ({} ids per partition; bucket sizes {}..{}) in {:.2} s",
             summary.edges,
             args.partitions,
@@ -54,7 +54,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             summary.smallest_bucket,
             summary.largest_bucket,
             summary.seconds
-        );
+        )?;
     }
     Ok(())
 }

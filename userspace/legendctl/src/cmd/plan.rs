@@ -115,25 +115,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    println!(
+    outln!(
         "order {} with N = {}, C = {buffer}:",
-        plan.kind, args.partitions
-    );
+        plan.kind,
+        args.partitions
+    )?;
     for (i, s) in plan.states.iter().enumerate() {
-        println!("  state {i:>3}: {s:?}");
+        outln!("  state {i:>3}: {s:?}")?;
     }
     for (i, s) in plan.swaps.iter().enumerate() {
-        println!(
+        outln!(
             "  swap {i:>3}: evict {:>3} load {:>3}  overlap {:?}  after {:?}",
-            s.evicted, s.loaded, s.overlap, s.after
-        );
+            s.evicted,
+            s.loaded,
+            s.overlap,
+            s.after
+        )?;
     }
-    println!(
+    outln!(
         "io_count {}  volume {:.3}× the store  swaps_without_overlap {}",
-        plan.io_count, plan.volume, plan.swaps_without_overlap
-    );
+        plan.io_count,
+        plan.volume,
+        plan.swaps_without_overlap
+    )?;
     if let Some(p) = prediction {
-        println!(
+        outln!(
             "Theorem 3: density {:.3e} vs threshold {:.3e}: I/O {} hidden; predicted epoch {:.2} s with overlap, {:.2} s without",
             p.density,
             p.threshold,
@@ -144,7 +150,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             },
             p.epoch_s_with_overlap,
             p.epoch_s_without_overlap
-        );
+        )?;
     }
     Ok(())
 }
@@ -194,11 +200,11 @@ fn run_gpus(args: &Args) -> anyhow::Result<()> {
     if args.json {
         return super::print_json(&report);
     }
-    println!(
+    outln!(
         "{k} GPUs over N = {n} partitions: {} rounds (fewest possible {})",
         schedule.rounds.len(),
         report.fewest_rounds
-    );
+    )?;
     for (r, round) in schedule.rounds.iter().enumerate() {
         for (g, held) in round.held.iter().enumerate() {
             let pieces: Vec<String> = round.work[g]
@@ -210,20 +216,20 @@ fn run_gpus(args: &Args) -> anyhow::Result<()> {
                     )
                 })
                 .collect();
-            println!(
+            outln!(
                 "  round {r:>3} GPU {g}: holds {held:?}  trains {}",
                 pieces.join(" ")
-            );
+            )?;
         }
         if let Some(moves) = schedule.handovers.get(r) {
             let moves: Vec<String> = moves
                 .iter()
                 .map(|m| format!("{} GPU {}→{}", m.partition, m.from, m.to))
                 .collect();
-            println!("  then hand over: {}", moves.join(", "));
+            outln!("  then hand over: {}", moves.join(", "))?;
         }
     }
-    println!(
+    outln!(
         "hand-overs {moves} an epoch (fewest possible {}){}; predicted imbalance {:.3} (slowest GPU's batches over a perfect split{})",
         report.fewest_moves,
         report
@@ -236,6 +242,6 @@ fn run_gpus(args: &Args) -> anyhow::Result<()> {
         } else {
             "; give --dataset for its buckets"
         }
-    );
+    )?;
     Ok(())
 }

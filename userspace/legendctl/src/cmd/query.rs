@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use legend_daemon_api::{MAX_ANSWER_HITS, MAX_QUERIES, Queries, Reply, Request};
 use legend_engine::config::DeviceChoice;
+use legend_engine::which_tables::{self, Tables};
 use legend_fs::Unguarded;
 use legend_query::{
     Answer, DEFAULT_CACHE_FRACTION, DEFAULT_TOP, GpuOptions, LineKind, Metric, Query, QueryRun,
@@ -18,14 +19,16 @@ use legend_query::{
 /// answered in several batches.
 const BATCH: usize = 1024;
 
-/// What `predict` asks.
+/// What `predict` asks: one of --head, --tail or --queries (a missing one is named with the
+/// others, so that `predict` without --head points at --tail too).
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("asked").args(["head", "tail", "queries"]).required(true)))]
 pub struct PredictArgs {
     /// The known head: predict tails (label, or id).
-    #[arg(long, conflicts_with_all = ["tail", "queries"], required_unless_present_any = ["tail", "queries"])]
+    #[arg(long)]
     head: Option<String>,
-    /// The known tail: predict heads.
-    #[arg(long, conflicts_with = "queries")]
+    /// The known tail: predict heads (label, or id).
+    #[arg(long)]
     tail: Option<String>,
     /// The relation.
     #[arg(long, conflicts_with = "queries", required_unless_present = "queries")]
@@ -76,6 +79,10 @@ pub struct Output {
     /// The run's dataset, only if it moved since training (labels and known triples).
     #[arg(long)]
     dataset: Option<PathBuf>,
+    /// Answer with the run's last checkpoint even when it kept a best epoch in `RUN/best`
+    /// (by default its tables answer, as they gave the result `legendctl train` printed).
+    #[arg(long)]
+    last: bool,
     /// Read the run's entities from its checkpoint or store a piece at a time for every batch,
     /// even when they would fit in memory (by default a run whose entity rows take at most
     /// half the memory available is read once into memory).
@@ -169,13 +176,19 @@ impl NeighborsArgs {
     }
 }
 
-/// Prints `answers` as text or JSON lines.
-fn print(answers: &[Answer], json: bool) -> anyhow::Result<()> {
+/// Prints `answers` as text or JSON lines; a JSON line names the epoch of the `tables` that
+/// answered, when known here.
+fn print(answers: &[Answer], json: bool, tables: Option<&Tables>) -> anyhow::Result<()> {
     for a in answers {
-        if json {
-            super::print_json(a)?;
-        } else {
-            println!("{}", a.text());
+        match tables {
+            Some(t) if json => {
+                let mut line = serde_json::to_value(a)?;
+                line["epoch"] = t.epoch.into();
+                line["tables"] = t.kind.into();
+                super::print_json(&line)?;
+            }
+            None if json => super::print_json(a)?,
+            _ => outln!("{}", a.text())?,
         }
     }
     Ok(())
@@ -204,10 +217,18 @@ fn answer_here(run: &Path, queries: &[Located], out: &Output) -> anyhow::Result<
         cache_fraction: out.cache_fraction,
         ..GpuOptions::on(out.device)
     };
+    let tables = which_tables::choose(run, super::pick(out.last))?;
+    errln!("{}: answering with {}", run.display(), tables.describe());
     let loading = Instant::now();
-    let q = QueryRun::open_on(run, out.dataset.as_deref(), &Unguarded, residency, &gpu)?;
+    let q = QueryRun::open_on(
+        &tables.dir,
+        out.dataset.as_deref(),
+        &Unguarded,
+        residency,
+        &gpu,
+    )?;
     if q.model().is_resident() {
-        eprintln!(
+        errln!(
             "{} entity rows {} in {:.3} s (the run opened)",
             q.model().num_entities(),
             if q.model().is_mapped() {
@@ -218,19 +239,19 @@ fn answer_here(run: &Path, queries: &[Located], out: &Output) -> anyhow::Result<
             loading.elapsed().as_secs_f64()
         );
     }
-    eprintln!("answering on {}", q.placement());
+    errln!("answering on {}", q.placement());
     for (b, batch) in queries.chunks(BATCH).enumerate() {
         let started = Instant::now();
         let asked: Vec<Query> = batch.iter().map(|(_, q)| q.clone()).collect();
         let answers = q.answer(&asked, usize::MAX, &|i| batch[i].0.clone())?;
-        eprintln!(
+        errln!(
             "batch {}: {} queries in {:.3} s ({} entities)",
             b + 1,
             batch.len(),
             started.elapsed().as_secs_f64(),
             q.model().num_entities()
         );
-        print(&answers, out.json)?;
+        print(&answers, out.json, Some(&tables))?;
     }
     Ok(())
 }
@@ -366,7 +387,7 @@ pub fn query(socket: Option<&Path>, args: QueryArgs) -> anyhow::Result<()> {
         let Reply::Answers { answers, seconds } = reply else {
             bail!("unexpected reply from legendd: {reply:?}");
         };
-        eprintln!(
+        errln!(
             "batch {}: {} queries in {:.3} s in the daemon, {:.3} s here",
             b + 1,
             batch.len(),
@@ -378,7 +399,7 @@ pub fn query(socket: Option<&Path>, args: QueryArgs) -> anyhow::Result<()> {
             .map(serde_json::from_value)
             .collect::<Result<Vec<Answer>, _>>()
             .context("reading legendd's answers")?;
-        print(&answers, args.json)?;
+        print(&answers, args.json, None)?;
     }
     Ok(())
 }

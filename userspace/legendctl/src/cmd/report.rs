@@ -126,8 +126,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         svg
     };
     std::fs::write(&out, text).with_context(|| format!("writing {}", out.display()))?;
-    println!("{}", headline(chosen));
-    println!("wrote {}", out.display());
+    outln!("{}", headline(chosen))?;
+    outln!("wrote {}", out.display())?;
     Ok(())
 }
 

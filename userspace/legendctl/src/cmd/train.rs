@@ -1,5 +1,8 @@
 //! `legendctl train`: a [`Session`] driven from the terminal (a progress bar, log lines,
-//! `--json` lines), stopped by SIGINT/SIGTERM at its next checkpointable point.
+//! `--json` lines), stopped by SIGINT/SIGTERM before its next batch, with a checkpoint there
+//! (`stopping`: what it says when asked).
+
+mod stopping;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -11,6 +14,7 @@ use legend_engine::Config;
 use legend_engine::evaluation::describe;
 use legend_engine::session::{Event, Outcome, Session};
 use legend_fs::Unguarded;
+use stopping::{Phase, StopNotes};
 
 /// Arguments of `legendctl train`.
 #[derive(clap::Args)]
@@ -52,10 +56,22 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     if let Some(l) = &launch {
         args.sets.push(format!("training.hosts={}", l.hosts));
     }
-    // From the start: a signal while the run is being set up stops it at its first boundary.
-    let stop = super::cancel_on_signals()?;
+    // From the start: a signal while the run is being set up stops it before its first batch.
+    // A resumed run starts from its checkpoint (corrected once it is read), a new one from
+    // nothing.
+    let notes = StopNotes::new(&args.out, "scratch (no checkpoint yet)".into());
+    let stop = super::stop_on_signals(
+        {
+            let notes = notes.clone();
+            move |signal| notes.first(signal)
+        },
+        {
+            let notes = notes.clone();
+            move |signal| notes.second(signal)
+        },
+    )?;
     let Some(launch) = launch else {
-        return train(&args, &stop, None);
+        return train(&args, &stop, None, notes);
     };
     let token = super::hosts::token()?;
     if args.resume && args.config.is_some() {
@@ -73,7 +89,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
         return super::hosts::follow(cluster, args.dataset.as_deref(), stop);
     }
     // Whatever ends host 0 (an error included) ends every host, told why.
-    train(&args, &stop, Some(cluster.clone())).inspect_err(|e| {
+    train(&args, &stop, Some(cluster.clone()), notes).inspect_err(|e| {
         cluster.fail(format!("{} failed: {e:#}", cluster.host(0)));
     })
 }
@@ -92,11 +108,12 @@ fn read_config(args: &Args) -> anyhow::Result<Config> {
     })
 }
 
-/// Trains the run of `args` (as host 0 of `hosts`, when given).
+/// Trains the run of `args` (as host 0 of `hosts`, when given); `notes` say what a stop does.
 fn train(
     args: &Args,
     stop: &std::sync::atomic::AtomicBool,
     hosts: Option<legend_cluster::Cluster>,
+    notes: StopNotes,
 ) -> anyhow::Result<()> {
     let out = &args.out;
     let finish = |stopped: bool| {
@@ -117,45 +134,52 @@ fn train(
         )?;
         if session.is_finished()? {
             finish(false);
-            println!(
+            outln!(
                 "{}: all {} epochs are trained and evaluated; nothing to do (raise training.num_epochs with --set to train more)",
                 out.display(),
                 session.config().training.num_epochs
-            );
+            )?;
             return Ok(());
         }
-        tracing::info!(
-            "resuming {} from {}",
-            out.display(),
-            session.position().describe()
-        );
+        let from = session.position().describe();
+        tracing::info!("resuming {} from {from}", out.display());
+        notes.set_checkpoint(from);
         session
     } else {
         let Some(dataset) = &args.dataset else {
             bail!("--dataset DIR is required (or --resume an existing run)");
         };
         let config = read_config(args)?;
-        super::create_parent(out)?;
-        Session::create_on(out, dataset, config, &Unguarded, hosts.clone())?
+        let made = super::create_parent(out)?;
+        let session = Session::create_on(out, dataset, config, &Unguarded, hosts.clone())?;
+        made.keep();
+        session
     };
     tracing::info!("device: {}", session.engine());
     tracing::info!("{}", session.describe());
-    let mut view = ProgressView::new(args.json);
+    let mut view = ProgressView::new(args.json, notes);
     let outcome = session.run(stop, &mut |event| view.show(event))?;
     drop(view);
     finish(matches!(outcome, Outcome::Stopped(_)));
     match outcome {
         Outcome::Finished(Some(m)) if !args.json => {
             let split = session.config().evaluation.split.split();
-            let best = session.best_epoch().map_or(String::new(), |e| {
-                format!(" (best epoch {e}, {}/best)", out.display())
-            });
-            println!("{} {}{best}: {}", out.display(), split.name(), describe(&m));
+            // The epoch ranked, in the words of `legendctl eval RUN`, which ranks the same.
+            let epoch = match session.best_epoch() {
+                Some(e) => format!("epoch {e} (the best validated, in {}/best)", out.display()),
+                None => format!("epoch {}", session.position().epochs_completed),
+            };
+            outln!(
+                "{} {}, {epoch}: {}",
+                out.display(),
+                split.name(),
+                describe(&m)
+            )?;
         }
         Outcome::Finished(_) => {}
         Outcome::Stopped(position) => {
             // The checkpoint is committed; the process ends as an interrupted one does.
-            eprintln!(
+            errln!(
                 "interrupted: {} is checkpointed at {}; continue with `legendctl train --out {} --resume`",
                 out.display(),
                 position.describe(),
@@ -183,21 +207,26 @@ fn train(
 /// one every [`LOG_EVERY`] inside long epochs. `--json` lines go to stdout either way.
 struct ProgressView {
     json: bool,
+    /// Where the run is, for what a stop says.
+    notes: StopNotes,
     bar: Option<ProgressBar>,
     terminal: bool,
     epoch_edges: u64,
+    epochs: u32,
     logged: Instant,
     started: Instant,
     last_loss: Option<f64>,
 }
 
 impl ProgressView {
-    fn new(json: bool) -> ProgressView {
+    fn new(json: bool, notes: StopNotes) -> ProgressView {
         ProgressView {
             json,
+            notes,
             bar: None,
             terminal: std::io::stderr().is_terminal(),
             epoch_edges: 0,
+            epochs: 0,
             logged: Instant::now(),
             started: Instant::now(),
             last_loss: None,
@@ -226,34 +255,31 @@ impl ProgressView {
                 edges_done,
             } => {
                 self.epoch_edges = edges;
+                self.epochs = epochs;
                 self.logged = Instant::now();
+                self.notes.set_phase(Phase::Training { epoch, epochs });
                 if self.terminal {
                     let prefix = format!("epoch {epoch}/{epochs}");
                     match &self.bar {
                         Some(bar) => bar.set_prefix(prefix),
                         // Everything set before it is first drawn.
                         None => {
-                            self.bar = Some(
-                                Self::run_bar(epochs, edges)
-                                    .with_prefix(prefix)
-                                    .with_position(run_position(epoch, edges, edges_done)),
-                            )
+                            let bar = Self::run_bar(epochs, edges)
+                                .with_prefix(prefix)
+                                .with_position(run_position(epoch, edges, edges_done));
+                            self.notes.set_bar(Some(bar.clone()));
+                            self.bar = Some(bar);
                         }
                     }
                 }
             }
-            Event::Progress { epoch, edges_done } => match &self.bar {
-                Some(bar) => bar.set_position(run_position(epoch, self.epoch_edges, edges_done)),
-                None if self.logged.elapsed() >= LOG_EVERY => {
-                    self.logged = Instant::now();
-                    tracing::info!(
-                        "epoch {epoch}: {edges_done}/{} edges ({:.0}%)",
-                        self.epoch_edges,
-                        100.0 * edges_done as f64 / self.epoch_edges.max(1) as f64
-                    );
+            Event::Progress { epoch, edges_done } => {
+                if edges_done >= self.epoch_edges {
+                    let epochs = self.epochs;
+                    self.notes.set_phase(Phase::EndingEpoch { epoch, epochs });
                 }
-                None => {}
-            },
+                self.show_progress(epoch, edges_done);
+            }
             Event::EpochFinished {
                 report,
                 valid,
@@ -296,9 +322,11 @@ impl ProgressView {
                 self.print(line);
             }
             Event::Checkpoint { position } => {
+                self.notes.set_checkpoint(position.describe());
                 tracing::debug!("checkpoint committed at {}", position.describe());
             }
             Event::Evaluating { split } => {
+                self.notes.set_phase(Phase::Evaluating);
                 self.finish_bar();
                 tracing::info!("evaluating on {}", split.name());
             }
@@ -306,25 +334,48 @@ impl ProgressView {
         }
     }
 
+    /// Moves the bar, or logs how far the epoch is every [`LOG_EVERY`].
+    fn show_progress(&mut self, epoch: u32, edges_done: u64) {
+        match &self.bar {
+            Some(bar) => bar.set_position(run_position(epoch, self.epoch_edges, edges_done)),
+            None if self.logged.elapsed() >= LOG_EVERY => {
+                self.logged = Instant::now();
+                tracing::info!(
+                    "epoch {epoch}: {edges_done}/{} edges ({:.0}%)",
+                    self.epoch_edges,
+                    100.0 * edges_done as f64 / self.epoch_edges.max(1) as f64
+                );
+            }
+            None => {}
+        }
+    }
+
     /// Replaces the bar by one line saying what the run trained.
     fn finish_bar(&mut self) {
         if let Some(bar) = self.bar.take() {
+            self.notes.set_bar(None);
             bar.finish_and_clear();
             let loss = self
                 .last_loss
                 .map_or(String::new(), |l| format!(", last loss {l:.4}"));
-            eprintln!(
+            errln!(
                 "trained in {}{loss}",
                 indicatif::HumanDuration(self.started.elapsed())
             );
         }
     }
 
-    fn print(&self, line: &serde_json::Value) {
-        if self.json
-            && let Err(e) = super::print_json(line)
-        {
-            tracing::warn!("writing to stdout: {e}");
+    /// Writes a `--json` line. When stdout's reader has gone (`| head -1`), training goes on,
+    /// since the run directory is what it makes, and the lines stop, said once.
+    fn print(&mut self, line: &serde_json::Value) {
+        if !self.json {
+            return;
+        }
+        if let Err(e) = super::print_json(line) {
+            self.json = false;
+            tracing::warn!(
+                "writing to stdout: {e}; training goes on (every epoch's line is in the run's metrics.jsonl)"
+            );
         }
     }
 }
@@ -347,6 +398,7 @@ fn bar_message(report: &legend_engine::trainer::EpochReport) -> String {
 impl Drop for ProgressView {
     fn drop(&mut self) {
         if let Some(bar) = self.bar.take() {
+            self.notes.set_bar(None);
             bar.finish_and_clear();
         }
     }

@@ -2,8 +2,9 @@
 
 #![allow(dead_code)] // Each test binary uses its own subset.
 
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, ExitStatus, Output, Stdio};
 
 /// Path of the binary under test.
 pub fn bin() -> &'static str {
@@ -118,4 +119,51 @@ pub fn memory_tempdir() -> tempfile::TempDir {
         tempfile::tempdir()
     }
     .unwrap()
+}
+
+/// Runs `legendctl` with the arguments `args()` gives (fresh ones each run) against three
+/// readers of its output that go away, and asserts that it ends quietly each time (exit 0, no
+/// panic): one that closed before the command started, for stdout alone and for stdout and
+/// stderr together (`2>&1 | head`), and one that reads a line and closes (`| head -1`).
+pub fn closed_pipe_runs(args: &mut dyn FnMut() -> Vec<String>) {
+    let quiet = |args: &[String], reader: &str, status: ExitStatus, stderr: &[u8]| {
+        let stderr = String::from_utf8_lossy(stderr);
+        assert!(
+            status.success() && !stderr.contains("panicked"),
+            "legendctl {args:?} with {reader}: {status}, stderr {stderr:?}"
+        );
+    };
+    let command = |args: &[String]| {
+        let mut c = Command::new(bin());
+        c.args(args).env("LEGEND_LOG", "info").stdin(Stdio::null());
+        c
+    };
+
+    let a = args();
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = command(&a).stdout(writer).output().unwrap();
+    quiet(&a, "stdout's reader gone", out.status, &out.stderr);
+
+    let a = args();
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let status = command(&a)
+        .stdout(writer.try_clone().unwrap())
+        .stderr(writer)
+        .status()
+        .unwrap();
+    quiet(&a, "stdout's and stderr's reader gone", status, b"");
+
+    let a = args();
+    let mut child = command(&a)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    stdout.read_line(&mut String::new()).unwrap();
+    drop(stdout);
+    let out = child.wait_with_output().unwrap();
+    quiet(&a, "a reader of one line", out.status, &out.stderr);
 }

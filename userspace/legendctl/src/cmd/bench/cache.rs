@@ -280,7 +280,7 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
     if args.json {
         super::super::print_json(&report)?;
     } else {
-        println!(
+        outln!(
             "{:?} lookups of {}-byte rows ({} rows, cache {} of {} bytes): {:.0} lookups/s, \
              batch of {} p50 {:.2} ms p99 {:.2} ms, hit rate {}",
             report.mode,
@@ -295,7 +295,7 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
             report
                 .hit_rate
                 .map_or_else(|| "-".to_string(), |h| format!("{h:.3}"))
-        );
+        )?;
     }
     Ok(())
 }
