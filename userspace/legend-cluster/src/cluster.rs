@@ -739,11 +739,7 @@ impl Cluster {
         let mut w = lock(&peer.writer);
         write_frame(&mut *w, Kind::Data, inner.rank, to, channel, parts).map_err(|e| {
             drop(w);
-            let reason = format!(
-                "{} lost its connection to {} while sending to it: {e}",
-                inner.host(inner.rank),
-                inner.host(via)
-            );
+            let reason = closed(&inner.host(via), &e);
             inner.fail(reason.clone());
             ClusterError::Failed(reason)
         })
@@ -949,11 +945,7 @@ impl Inner {
         let mut w = lock(&peer.writer);
         write_frame(&mut *w, kind, self.rank, to, 0, &[payload]).map_err(|e| {
             drop(w);
-            let reason = format!(
-                "{} lost its connection to {}: {e}",
-                self.host(self.rank),
-                self.host(to)
-            );
+            let reason = closed(&self.host(to), &e);
             self.fail(reason.clone());
             ClusterError::Failed(reason)
         })
@@ -1012,10 +1004,7 @@ impl Inner {
                 Ok(f) => f,
                 Err(e) => {
                     if !self.ending.load(Ordering::Acquire) {
-                        self.fail(format!(
-                            "{} closed its connection ({e}): its process ended or its network failed",
-                            self.host(from)
-                        ));
+                        self.fail(closed(&self.host(from), &e));
                     }
                     return;
                 }
@@ -1078,10 +1067,7 @@ impl Inner {
                     &[&payload],
                 ) {
                     drop(w);
-                    self.fail(format!(
-                        "host 0 lost its connection to {}: {e}",
-                        self.host(head.to)
-                    ));
+                    self.fail(closed(&self.host(head.to), &e));
                 }
             }
             other => {
@@ -1131,11 +1117,7 @@ impl Inner {
                     {
                         drop(w);
                         if !self.ending.load(Ordering::Acquire) {
-                            self.fail(format!(
-                                "{} lost its connection to {}: {e}",
-                                self.host(self.rank),
-                                self.host(r as u32)
-                            ));
+                            self.fail(closed(&self.host(r as u32), &e));
                         }
                         return;
                     }
@@ -1144,6 +1126,13 @@ impl Inner {
             std::thread::sleep(Duration::from_millis(100));
         }
     }
+}
+
+/// Why the job fails when the connection to `host` ended, in the same words whichever end
+/// noticed first: a read that found it closed, or a write that found the pipe broken (both
+/// race when a host dies).
+fn closed(host: &str, e: &std::io::Error) -> String {
+    format!("{host} closed its connection ({e}): its process ended or its network failed")
 }
 
 #[cfg(test)]
