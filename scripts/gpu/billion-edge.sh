@@ -214,8 +214,19 @@ serve_start() {
         echo "serve start: $wall s from the submission to the first answer, the job's peak RSS $peak GiB"
         printf 'serve	%s	%s
 ' "$wall" "$peak" >>"$out/billion-phases.tsv"
-        if cmp -s "$work/answer-serve.json" "$work/answer-predict-cpu-warm.json"; then
-            echo "serve: the CLI's answer"
+        # The same hits (ids, labels, scores to f32's precision): the daemon prints scores as
+        # f32 and the CLI as f64, and only the CLI's answer names the epoch it read.
+        if python3 - "$work/answer-serve.json" "$work/answer-predict-cpu-warm.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p))["hits"] for p in sys.argv[1:3])
+same = len(a) == len(b) and all(
+    x["id"] == y["id"] and x["label"] == y["label"]
+    and abs(x["score"] - y["score"]) <= 1e-6 * max(1.0, abs(y["score"]))
+    for x, y in zip(a, b))
+sys.exit(0 if same else 1)
+PY
+        then
+            echo "serve: the CLI's answer (the same hits and scores)"
         else
             echo "serve: answer DIFFERS from the CLI's"
         fi
