@@ -285,12 +285,11 @@ fn report_errors_name_the_file_and_line() {
     );
 }
 
-/// generate → train with fewer buffer slots than partitions → report on the real metrics.
-#[test]
-fn report_on_a_trained_generated_graph() {
-    let dir = tempfile::tempdir().unwrap();
-    let ds = dir.path().join("ds");
-    let run = dir.path().join("run");
+/// A generated graph of 400 nodes and 4,000 edges trained one epoch (d = 8, B = 256) with
+/// `extra` arguments: the run's directory (in `dir`) and `train --json`'s output.
+fn trained_tiny(dir: &Path, extra: &[&str]) -> (std::path::PathBuf, String) {
+    let ds = dir.join("ds");
+    let run = dir.join("run");
     ok(&[
         "generate",
         "--nodes",
@@ -303,24 +302,39 @@ fn report_on_a_trained_generated_graph() {
         "3",
         &s(&ds),
     ]);
-    let out = ok(&[
-        "train",
-        "--dataset",
-        &s(&ds),
-        "--out",
-        &s(&run),
-        "--json",
-        "--set",
+    let mut args = vec![
+        "train".to_owned(),
+        "--dataset".into(),
+        s(&ds),
+        "--out".into(),
+        s(&run),
+        "--json".into(),
+    ];
+    for set in [
         "model.dim=8",
-        "--set",
         "training.num_epochs=1",
-        "--set",
         "training.batch_size=256",
-        "--set",
-        "storage.num_partitions=6",
-        "--set",
-        "storage.buffer_capacity=3",
-    ]);
+    ] {
+        args.extend(["--set".to_owned(), set.to_owned()]);
+    }
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    let out = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    (run, out)
+}
+
+/// generate → train with fewer buffer slots than partitions → report on the real metrics.
+#[test]
+fn report_on_a_trained_generated_graph() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, out) = trained_tiny(
+        dir.path(),
+        &[
+            "--set",
+            "storage.num_partitions=6",
+            "--set",
+            "storage.buffer_capacity=3",
+        ],
+    );
     let first: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
     let swaps = first["swaps"].as_array().unwrap().len();
     assert!(swaps > 1, "C < N swaps partitions: {first}");
@@ -333,35 +347,10 @@ fn report_on_a_trained_generated_graph() {
 #[test]
 fn report_draws_a_lane_a_worker_with_each_round() {
     let dir = tempfile::tempdir().unwrap();
-    let ds = dir.path().join("ds");
-    let run = dir.path().join("run");
-    ok(&[
-        "generate",
-        "--nodes",
-        "400",
-        "--edges",
-        "4000",
-        "--seed",
-        "5",
-        &s(&ds),
-    ]);
-    ok(&[
-        "train",
-        "--dataset",
-        &s(&ds),
-        "--out",
-        &s(&run),
-        "--gpus",
-        "2",
-        "--set",
-        "training.device=\"cpu\"",
-        "--set",
-        "model.dim=8",
-        "--set",
-        "training.num_epochs=1",
-        "--set",
-        "training.batch_size=256",
-    ]);
+    let (run, _) = trained_tiny(
+        dir.path(),
+        &["--gpus", "2", "--set", "training.device=\"cpu\""],
+    );
     let out = ok(&["report", &s(&run)]);
     assert!(out.contains("2 workers: parallel efficiency"), "{out}");
     let svg = std::fs::read_to_string(run.join("report.svg")).unwrap();
