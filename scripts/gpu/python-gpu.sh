@@ -29,6 +29,11 @@ run)
   mkdir -p "$out"
   venv=$carry/venv
   python3 -m venv --system-site-packages "$venv"
+  # The machine's python3 may itself be a virtual environment (torch in /opt/torch/.venv):
+  # --system-site-packages reaches only its base interpreter's, so its packages are added.
+  outer=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+  inner=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+  [ "$outer" != "$inner" ] && echo "$outer" >"$inner/machine-packages.pth"
   "$venv/bin/python" -m pip --disable-pip-version-check install --quiet --no-index \
     --find-links "$carry/wheels" legend pytest
   nvidia-smi -L | tee "$out/python-gpu.log"
