@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use legend_nvme::{Controller, Doorbells, Mapping, QueuePair, uapi};
+use legend_nvme::{Controller, Doorbells, Mapping, QueuePairDoorbells, uapi};
 use legend_storage::{
     CreateOptions, DatasetId, Dtype, Expect, IoBuffer, IoConfig, NvmeTarget, Region, Store,
     StoreError, StoreSpec, Target,
@@ -239,7 +239,7 @@ impl Controller for Oversized {
     fn unmap(&self, handle: u32) -> legend_nvme::Result<()> {
         self.0.unmap(handle)
     }
-    fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> legend_nvme::Result<QueuePair> {
+    fn create_queue_pair(&self, args: uapi::QueuePairArgs) -> legend_nvme::Result<QueuePairDoorbells> {
         self.0.create_queue_pair(args)
     }
     fn delete_queue_pair(&self, qid: u32) -> legend_nvme::Result<()> {
