@@ -17,7 +17,7 @@ use std::str::FromStr;
 use legend_fs::{Access, Dir, Guard};
 
 use crate::evaluation::{EvaluationError, open_run_dataset};
-use crate::run::{self, RunError};
+use crate::run::{self, RunError, RunMeta};
 
 /// Output formats.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -87,6 +87,15 @@ pub enum ExportError {
         /// What it holds and what to do.
         message: String,
     },
+    /// The run's record is not the one the caller expects (a daemon's job: the store recorded
+    /// when it was submitted).
+    #[error("{}: {message}", path.display())]
+    NotExpected {
+        /// The record.
+        path: PathBuf,
+        /// What differs.
+        message: String,
+    },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ExportError + '_ {
@@ -123,11 +132,29 @@ pub fn export(
     dataset: Option<&Path>,
     guard: &dyn Guard,
 ) -> Result<Exported, ExportError> {
+    export_expecting(run, format, out, dataset, guard, &|_| Ok(()))
+}
+
+/// [`export`], the run's record first checked by `expect` — the record read once, and the one
+/// the export then uses, so that a record rewritten after a caller's own check cannot point
+/// the export elsewhere.
+pub fn export_expecting(
+    run: &Path,
+    format: Format,
+    out: &Path,
+    dataset: Option<&Path>,
+    guard: &dyn Guard,
+    expect: &dyn Fn(&RunMeta) -> Result<(), String>,
+) -> Result<Exported, ExportError> {
     let run = run::open(run)?;
     guard.admit(&run).map_err(io(run.path()))?;
     // The directory is the submitter's; what is read in it must be theirs to read too.
     let run = run.reading_as(guard.read_check());
     let meta = run::read_meta(&run)?;
+    expect(&meta).map_err(|message| ExportError::NotExpected {
+        path: run.join(run::META_FILE),
+        message,
+    })?;
     let (parent, name) = Dir::open_parent(out).map_err(io(out))?;
     guard.admit(&parent).map_err(io(parent.path()))?;
     check_out_dir(&parent, name, format)?;

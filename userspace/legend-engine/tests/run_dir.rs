@@ -158,6 +158,21 @@ fn a_directory_the_guard_refuses_is_never_written() {
     .expect_err("the export's parent is refused");
     assert!(chain(&e).contains("not the submitter's directory"), "{e}");
     assert!(names(&other).is_empty());
+    // A record its caller refuses exports nothing, naming the record.
+    let e = legend_engine::export::export_expecting(
+        &out,
+        legend_engine::export::Format::Npy,
+        &tmp.path().join("refused-export"),
+        None,
+        &refuse,
+        &|meta| Err(format!("{} entities, not the run submitted", meta.entities)),
+    )
+    .expect_err("the record is refused");
+    assert!(
+        chain(&e).contains("run.toml: ") && chain(&e).contains("entities, not the run submitted"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("refused-export").exists());
     // The same export where the guard admits it lands there.
     legend_engine::export::export(
         &out,

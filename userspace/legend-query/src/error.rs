@@ -21,6 +21,10 @@ pub enum QueryError {
     /// The index of known triples could not be built.
     #[error(transparent)]
     Filter(#[from] EvalError),
+    /// The run's record is not the one the caller expects (a daemon's job: the store recorded
+    /// when it was submitted): the record, and what differs.
+    #[error("{0}")]
+    NotExpected(String),
     /// The tables do not fit together.
     #[error("{0}")]
     Tables(String),

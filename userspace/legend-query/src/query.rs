@@ -378,6 +378,15 @@ pub fn keep_label_indexes(
     Ok(())
 }
 
+/// How [`QueryRun::open_with`] opens a run: reads through `guard`, the GPU `gpu` asks for,
+/// files mapped or copied, and the check of the run's record.
+struct Opening<'g> {
+    guard: &'g dyn Guard,
+    gpu: &'g GpuOptions,
+    access: FileAccess,
+    expect: &'g dyn Fn(&RunMeta) -> Result<(), String>,
+}
+
 impl QueryRun<'static> {
     /// Opens the run at `path` to be served (its reads through `guard`, which the run keeps),
     /// answering on the GPU `gpu` asks for. The entity rows go into the GPU's memory when they
@@ -385,16 +394,24 @@ impl QueryRun<'static> {
     /// (`MemAvailable`, or the cgroup's limit) and at most `host_limit` bytes; else they are
     /// streamed from the run (scans through the swap path, lookups row by row or through the
     /// GPU row cache), and read once now, so that a damaged checkpoint or store fails here.
+    /// `expect` checks the run's record, read once: the one the run is then opened by.
     pub fn open_served(
         path: &Path,
         dataset: Option<&Path>,
         guard: Arc<dyn Guard>,
         gpu: &GpuOptions,
         host_limit: Option<u64>,
+        expect: &dyn Fn(&RunMeta) -> Result<(), String>,
     ) -> Result<QueryRun<'static>, QueryError> {
         let shared = guard.clone();
         let access = FileAccess::Copy;
-        let run = Self::open_with(path, dataset, guard.as_ref(), gpu, access, move |meta| {
+        let opening = Opening {
+            guard: guard.as_ref(),
+            gpu,
+            access,
+            expect,
+        };
+        let run = Self::open_with(path, dataset, opening, move |meta| {
             let bytes = entity_bytes(meta);
             let available = legend_engine::footprint::available_bytes();
             let (limit, what) = match (available, host_limit) {
@@ -514,7 +531,13 @@ impl<'a> QueryRun<'a> {
         residency: Residency,
         gpu: &GpuOptions,
     ) -> Result<QueryRun<'a>, QueryError> {
-        Self::open_with(path, dataset, guard, gpu, FileAccess::MapAndKeep, |meta| {
+        let opening = Opening {
+            guard,
+            gpu,
+            access: FileAccess::MapAndKeep,
+            expect: &|_| Ok(()),
+        };
+        Self::open_with(path, dataset, opening, |meta| {
             let why = match residency {
                 Residency::Resident => None,
                 Residency::Streamed => Some("asked".to_owned()),
@@ -532,12 +555,19 @@ impl<'a> QueryRun<'a> {
     fn open_with(
         path: &Path,
         dataset: Option<&Path>,
-        guard: &dyn Guard,
-        gpu: &GpuOptions,
-        access: FileAccess,
+        opening: Opening<'_>,
         stream_with: impl FnOnce(&RunMeta) -> Option<(StreamGuard<'a>, String)>,
     ) -> Result<QueryRun<'a>, QueryError> {
+        let Opening {
+            guard,
+            gpu,
+            access,
+            expect,
+        } = opening;
         let (dir, meta, dataset) = open_run_files(path, dataset, guard)?;
+        expect(&meta).map_err(|why| {
+            QueryError::NotExpected(format!("{}: {why}", dir.join(run::META_FILE).display()))
+        })?;
         let entities = Names::open(&dataset, LabelTable::Entities, &dir, access)?;
         let relations = Names::open(&dataset, LabelTable::Relations, &dir, access)?;
         let (stream_with, why) = stream_with(&meta).unzip();

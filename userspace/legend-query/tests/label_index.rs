@@ -88,7 +88,15 @@ fn command(run: &Path) -> QueryRun<'static> {
 
 /// Opens `run` as a daemon's serve job does (files read, the run not written).
 fn served(run: &Path) -> QueryRun<'static> {
-    QueryRun::open_served(run, None, Arc::new(Unguarded), &GpuOptions::cpu(), None).unwrap()
+    QueryRun::open_served(
+        run,
+        None,
+        Arc::new(Unguarded),
+        &GpuOptions::cpu(),
+        None,
+        &|_| Ok(()),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -181,8 +189,15 @@ fn a_checkpoint_damaged_since_it_was_written_is_refused_mapped_or_read() {
     bytes[12345] ^= 0x40;
     std::fs::write(&file, &bytes).unwrap();
     let mapped = QueryRun::open(&run, None, &Unguarded, Residency::Fitting).err();
-    let read =
-        QueryRun::open_served(&run, None, Arc::new(Unguarded), &GpuOptions::cpu(), None).err();
+    let read = QueryRun::open_served(
+        &run,
+        None,
+        Arc::new(Unguarded),
+        &GpuOptions::cpu(),
+        None,
+        &|_| Ok(()),
+    )
+    .err();
     for (how, e) in [("mapped", mapped), ("read", read)] {
         let msg = e.unwrap_or_else(|| panic!("{how}: answered")).to_string();
         assert!(
@@ -190,4 +205,32 @@ fn a_checkpoint_damaged_since_it_was_written_is_refused_mapped_or_read() {
             "{how}: {msg}"
         );
     }
+}
+
+#[test]
+fn a_served_run_is_opened_by_the_record_its_caller_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, _) = run_and_dataset(dir.path());
+    // The check sees the record the run is opened by; a refusal names the record and why.
+    let seen = std::cell::Cell::new(0u64);
+    let expect = |meta: &run::RunMeta| {
+        seen.set(meta.entities);
+        Err("names another store than at submission".to_owned())
+    };
+    let Err(e) = QueryRun::open_served(
+        &run,
+        None,
+        Arc::new(Unguarded),
+        &GpuOptions::cpu(),
+        None,
+        &expect,
+    ) else {
+        panic!("opened though its record was refused");
+    };
+    assert!(
+        e.to_string()
+            .contains("run.toml: names another store than at submission"),
+        "{e}"
+    );
+    assert_eq!(seen.get(), ENTITIES);
 }

@@ -13,8 +13,13 @@ use crate::access::JobGuard;
 use crate::channel::{Ended, JobStart};
 
 /// Opens the run `path` for reading as the job's guard says, and checks that its record still
-/// names the store the daemon recorded at submission.
-pub fn open_run(path: &Path, start: &JobStart, guard: &JobGuard) -> Result<Dir, String> {
+/// names the store the daemon recorded at submission: the directory and that record, which is
+/// the one the job must then use (reading it again would leave a window for a rewrite).
+pub fn open_run(
+    path: &Path,
+    start: &JobStart,
+    guard: &JobGuard,
+) -> Result<(Dir, run::RunMeta), String> {
     let dir = run::open(path).map_err(|e| chain(&e))?;
     guard
         .admit(&dir)
@@ -24,7 +29,7 @@ pub fn open_run(path: &Path, start: &JobStart, guard: &JobGuard) -> Result<Dir, 
     let meta = run::read_meta(&dir).map_err(|e| chain(&e))?;
     check_store(&meta, start.expect.as_ref())
         .map_err(|why| format!("{}: {why}", dir.join(run::META_FILE).display()))?;
-    Ok(dir)
+    Ok((dir, meta))
 }
 
 /// Ranks a run's tables.
@@ -39,8 +44,7 @@ pub fn eval(start: &JobStart, guard: &JobGuard) -> Result<Ended, String> {
     };
     let protocol: Protocol = protocol.parse()?;
     let split: legend_dataset::Split = split.parse()?;
-    let dir = open_run(path, start, guard)?;
-    let meta = run::read_meta(&dir).map_err(|e| chain(&e))?;
+    let (dir, meta) = open_run(path, start, guard)?;
     let dataset = evaluation::open_run_dataset(&meta, None, guard).map_err(|e| chain(&e))?;
     let (entities, relations) = run::load_embeddings(&dir, &meta, guard).map_err(|e| chain(&e))?;
     let decoder = meta.decoder.parse()?;
@@ -77,7 +81,10 @@ pub fn export(start: &JobStart, guard: &JobGuard, out: &Outbox) -> Result<Ended,
     };
     let format = format.parse()?;
     open_run(path, start, guard)?;
-    let done = export::export(path, format, to, None, guard).map_err(|e| chain(&e))?;
+    // The export reads the record again: it checks that one, the one it uses.
+    let expect = |meta: &run::RunMeta| check_store(meta, start.expect.as_ref());
+    let done =
+        export::export_expecting(path, format, to, None, guard, &expect).map_err(|e| chain(&e))?;
     out.log(format!(
         "exported {} entities and {} relations (d = {}) to {}",
         done.entities,

@@ -15,7 +15,7 @@ use legend_engine::config::DeviceChoice;
 use legend_query::{GpuOptions, Query, QueryRun};
 
 use super::read::open_run;
-use super::{Outbox, chain};
+use super::{Outbox, chain, check_store};
 use crate::access::JobGuard;
 use crate::channel::{Ended, FromJob, JobStart, Serving};
 
@@ -104,7 +104,10 @@ pub fn serve(
     };
     // The run keeps the guard: a streamed run reads through it for as long as it serves.
     let reads: Arc<dyn legend_fs::Guard> = Arc::new(guard.clone());
-    let loaded = QueryRun::open_served(run, None, reads, &options, placed.host_limit)
+    // The record the run is opened by is the one checked: read once (a submitter's rewrite
+    // after `open_run`'s check could otherwise point the store elsewhere).
+    let expect = |meta: &legend_engine::run::RunMeta| check_store(meta, start.expect.as_ref());
+    let loaded = QueryRun::open_served(run, None, reads, &options, placed.host_limit, &expect)
         .map_err(|e| chain(&e))?;
     let model = loaded.model();
     let gpu_bytes = model.gpu_bytes();
