@@ -386,6 +386,23 @@ impl Communicator {
         self.size
     }
 
+    /// What every collective does first: refuses after an abort (saying `when`), binds the
+    /// communicator's GPU to this thread and orders its stream after the events `after`.
+    fn begin(&self, when: &str, after: &[&CudaEvent]) -> Result<(), NcclError> {
+        if self.aborted {
+            return Err(NcclError::Aborted(when.into()));
+        }
+        self.stream
+            .context()
+            .bind_to_thread()
+            .during("binding the NCCL GPU")?;
+        for ev in after {
+            self.stream
+                .wait(ev)
+                .during("ordering the NCCL stream after compute")?;
+        }
+        Ok(())
+    }
     /// Sends the rows of each `(peer, span)` of `sends` to that peer and receives those of each
     /// of `recvs` from it, as one NCCL group on this GPU's transfer stream, after `after` (the
     /// compute that last used the spans: every event of it). Returns the event after which the received spans
@@ -403,18 +420,7 @@ impl Communicator {
         after: &[&CudaEvent],
         give_up: &AtomicBool,
     ) -> Result<CudaEvent, NcclError> {
-        if self.aborted {
-            return Err(NcclError::Aborted("before an exchange".into()));
-        }
-        self.stream
-            .context()
-            .bind_to_thread()
-            .during("binding the NCCL GPU")?;
-        for ev in after {
-            self.stream
-                .wait(ev)
-                .during("ordering the NCCL stream after compute")?;
-        }
+        self.begin("before an exchange", after)?;
         let stream = self.stream.cu_stream() as sys::cudaStream_t;
         let comm = self.comm;
         call("ncclGroupStart", Some(comm), result::group_start())?;
@@ -483,18 +489,7 @@ impl Communicator {
         after: &[&CudaEvent],
         give_up: &AtomicBool,
     ) -> Result<CudaEvent, NcclError> {
-        if self.aborted {
-            return Err(NcclError::Aborted("before a sum".into()));
-        }
-        self.stream
-            .context()
-            .bind_to_thread()
-            .during("binding the NCCL GPU")?;
-        for ev in after {
-            self.stream
-                .wait(ev)
-                .during("ordering the NCCL stream after compute")?;
-        }
+        self.begin("before a sum", after)?;
         let buffer = at as *mut std::ffi::c_void;
         // SAFETY: the caller's contract; in place (send and receive buffers the same) is
         // NCCL's documented in-place all-reduce.
