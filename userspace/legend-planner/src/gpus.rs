@@ -180,6 +180,15 @@ pub enum GpuPlanError {
         /// K.
         gpus: u32,
     },
+    /// More partitions than a parked schedule plans.
+    #[error(
+        "{num_partitions} partitions: a schedule that parks partitions between rounds plans at most {}",
+        crate::MAX_PARKED_PARTITIONS
+    )]
+    TooManyParked {
+        /// N asked for.
+        num_partitions: u32,
+    },
     /// Several hosts with N other than 2K.
     #[error(
         "{gpus} GPUs on {hosts} hosts need storage.num_partitions = {} (the table in their memory together), not {num_partitions}: partitions parked between rounds wait on one host, so parked schedules run on one host",
@@ -241,6 +250,9 @@ pub fn plan_gpus(
             num_partitions: n,
             gpus: k,
         });
+    }
+    if n != 2 * k && n > crate::MAX_PARKED_PARTITIONS {
+        return Err(GpuPlanError::TooManyParked { num_partitions: n });
     }
     if batches.len() != (n * n) as usize {
         return Err(GpuPlanError::BatchCounts {
