@@ -8,12 +8,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::ClusterError;
-use crate::auth::{Token, nonce};
+use crate::auth::{SessionKey, Token, nonce};
 use crate::launch::Launch;
 use crate::wire::{
-    self, Abort, Arrive, Challenge, DATA_MAX, Decide, Finish, HANDSHAKE_MAX, Heartbeat, Hello,
-    Kind, Refused, VERSION, Welcome, decode, hex, read_header, read_payload, unhex, write_frame,
-    write_json,
+    self, Abort, Arrive, Challenge, DATA_MAX, Decide, Direction, Finish, FrameError, HANDSHAKE_MAX,
+    Heartbeat, Hello, Kind, Opener, Refused, Sealer, VERSION, Welcome, decode, hex, read_header,
+    read_payload, unhex, write_json,
 };
 
 /// How long the hosts have to find each other by default.
@@ -234,16 +234,13 @@ fn lead(launch: &Launch, identity: &Identity, options: &Options) -> Result<Clust
     }
     let mut names = vec![options.name.clone()];
     names.extend(joined.iter().flatten().map(|c| c.hello.name.clone()));
-    let mut streams: Vec<Option<TcpStream>> = vec![None];
+    let mut streams: Vec<Option<(TcpStream, SessionKey)>> = vec![None];
     for c in joined.into_iter().flatten() {
         let rank = c.hello.rank;
         let mut stream = c.stream;
-        let mac = options.token.mac(&[
-            b"welcome",
-            &c.challenge,
-            &c.client_nonce,
-            &rank.to_le_bytes(),
-        ]);
+        let mac = options
+            .token
+            .mac(&welcome_signed(&c.challenge, &c.client_nonce, rank, &names).as_parts());
         write_json(
             &mut stream,
             Kind::Welcome,
@@ -255,7 +252,10 @@ fn lead(launch: &Launch, identity: &Identity, options: &Options) -> Result<Clust
             },
         )
         .map_err(io(format!("welcoming host {rank} at the rendezvous {at}")))?;
-        streams.push(Some(stream));
+        let key = options
+            .token
+            .session_key(&c.challenge, &c.client_nonce, rank);
+        streams.push(Some((stream, key)));
     }
     tracing::info!("rendezvous {at}: all {} hosts arrived", launch.hosts);
     Cluster::start(0, names, at.clone(), streams, options)
@@ -286,8 +286,7 @@ fn handshake(mut stream: TcpStream, options: &Options) -> Result<Candidate, Stri
     if head.kind != Kind::Hello {
         return Err(format!("sent {:?} instead of its hello", head.kind));
     }
-    let payload =
-        read_payload(&mut stream, head.len, HANDSHAKE_MAX, &|| {}).map_err(|e| e.to_string())?;
+    let payload = read_payload(&mut stream, head.len, HANDSHAKE_MAX).map_err(|e| e.to_string())?;
     let hello: Hello = decode(&payload).map_err(|e| e.to_string())?;
     let refuse = |stream: &mut TcpStream, reason: String| {
         let _ = write_json(
@@ -312,14 +311,8 @@ fn handshake(mut stream: TcpStream, options: &Options) -> Result<Candidate, Stri
     }
     let client_nonce = unhex(&hello.nonce).unwrap_or_default();
     let proof = unhex(&hello.mac).unwrap_or_default();
-    let signed: [&[u8]; 5] = [
-        b"hello",
-        &challenge,
-        &client_nonce,
-        &hello.rank.to_le_bytes(),
-        &hello.hosts.to_le_bytes(),
-    ];
-    if client_nonce.len() != 32 || !options.token.verify(&signed, &proof) {
+    let signed = hello_signed(&challenge, &client_nonce, &hello);
+    if client_nonce.len() != 32 || !options.token.verify(&signed.as_parts(), &proof) {
         return Err(refuse(
             &mut stream,
             format!(
@@ -336,6 +329,40 @@ fn handshake(mut stream: TcpStream, options: &Options) -> Result<Candidate, Stri
         challenge,
         client_nonce,
     })
+}
+
+/// What a MAC of the handshake covers, part by part (each length-prefixed by `Token::mac`).
+struct Signed(Vec<Vec<u8>>);
+
+impl Signed {
+    fn as_parts(&self) -> Vec<&[u8]> {
+        self.0.iter().map(Vec::as_slice).collect()
+    }
+}
+
+/// What a host's hello proves: both nonces, and all it says (its place, name and identity),
+/// so that none of it can be changed on the way.
+fn hello_signed(challenge: &[u8], client_nonce: &[u8], hello: &Hello) -> Signed {
+    Signed(vec![
+        b"hello".to_vec(),
+        challenge.to_vec(),
+        client_nonce.to_vec(),
+        hello.rank.to_le_bytes().to_vec(),
+        hello.hosts.to_le_bytes().to_vec(),
+        hello.name.as_bytes().to_vec(),
+        serde_json::to_vec(&hello.identity).expect("identities serialize"),
+    ])
+}
+
+/// What host 0's welcome proves: both nonces, the host's rank and the hosts' names.
+fn welcome_signed(challenge: &[u8], client_nonce: &[u8], rank: u32, names: &[String]) -> Signed {
+    Signed(vec![
+        b"welcome".to_vec(),
+        challenge.to_vec(),
+        client_nonce.to_vec(),
+        rank.to_le_bytes().to_vec(),
+        serde_json::to_vec(names).expect("names serialize"),
+    ])
 }
 
 /// The first keys where `theirs` differs from `ours`, in words; `None` when they match.
@@ -429,7 +456,7 @@ fn follow(
                 "rendezvous at {at}: the connection to host 0 failed: {e}"
             )),
         })?;
-        let payload = read_payload(stream, head.len, HANDSHAKE_MAX, &|| {}).map_err(|e| {
+        let payload = read_payload(stream, head.len, HANDSHAKE_MAX).map_err(|e| {
             ClusterError::Rendezvous(format!("rendezvous at {at}: reading host 0: {e}"))
         })?;
         Ok((head.kind, payload))
@@ -444,29 +471,20 @@ fn follow(
     let challenge: Challenge = decode(&payload).map_err(bad)?;
     let server_nonce = unhex(&challenge.nonce).unwrap_or_default();
     let client_nonce = nonce()?;
-    let mac = options.token.mac(&[
-        b"hello",
-        &server_nonce,
-        &client_nonce,
-        &launch.rank.to_le_bytes(),
-        &launch.hosts.to_le_bytes(),
-    ]);
-    write_json(
-        &mut stream,
-        Kind::Hello,
-        launch.rank,
-        0,
-        &Hello {
-            version: VERSION,
-            rank: launch.rank,
-            hosts: launch.hosts,
-            name: options.name.clone(),
-            nonce: hex(&client_nonce),
-            mac: hex(&mac),
-            identity: identity.clone(),
-        },
-    )
-    .map_err(io(format!("greeting host 0 at the rendezvous {at}")))?;
+    let mut hello = Hello {
+        version: VERSION,
+        rank: launch.rank,
+        hosts: launch.hosts,
+        name: options.name.clone(),
+        nonce: hex(&client_nonce),
+        mac: String::new(),
+        identity: identity.clone(),
+    };
+    hello.mac = hex(&options
+        .token
+        .mac(&hello_signed(&server_nonce, &client_nonce, &hello).as_parts()));
+    write_json(&mut stream, Kind::Hello, launch.rank, 0, &hello)
+        .map_err(io(format!("greeting host 0 at the rendezvous {at}")))?;
     tracing::info!(
         "host {} of {}: joined the rendezvous at {at}, waiting for the other hosts",
         launch.rank,
@@ -490,26 +508,28 @@ fn follow(
     }
     let welcome: Welcome = decode(&payload).map_err(bad)?;
     let proof = unhex(&welcome.mac).unwrap_or_default();
-    let signed: [&[u8]; 4] = [
-        b"welcome",
-        &server_nonce,
-        &client_nonce,
-        &launch.rank.to_le_bytes(),
-    ];
-    if !options.token.verify(&signed, &proof) || welcome.names.len() != launch.hosts as usize {
+    let signed = welcome_signed(&server_nonce, &client_nonce, launch.rank, &welcome.names);
+    if !options.token.verify(&signed.as_parts(), &proof)
+        || welcome.names.len() != launch.hosts as usize
+    {
         return Err(ClusterError::Refused(format!(
             "rendezvous at {at}: what answers does not hold this job's token ({})",
             crate::TOKEN_VAR
         )));
     }
-    let mut streams: Vec<Option<TcpStream>> = (0..launch.hosts).map(|_| None).collect();
-    streams[0] = Some(stream);
+    let key = options
+        .token
+        .session_key(&server_nonce, &client_nonce, launch.rank);
+    let mut streams: Vec<Option<(TcpStream, SessionKey)>> =
+        (0..launch.hosts).map(|_| None).collect();
+    streams[0] = Some((stream, key));
     Cluster::start(launch.rank, welcome.names, at.clone(), streams, options)
 }
 
 /// One connection to another host.
 struct Peer {
-    writer: Mutex<TcpStream>,
+    /// Every frame after the handshake is sealed under the connection's session key.
+    writer: Mutex<Sealer<TcpStream>>,
     /// For shutting the connection down while a writer holds `writer`.
     handle: TcpStream,
     /// Milliseconds since the job's start when the peer was last heard from.
@@ -589,14 +609,14 @@ impl Cluster {
         rank: u32,
         names: Vec<String>,
         rendezvous: String,
-        streams: Vec<Option<TcpStream>>,
+        streams: Vec<Option<(TcpStream, SessionKey)>>,
         options: &Options,
     ) -> Result<Cluster, ClusterError> {
         let hosts = names.len();
         let mut peers = Vec::with_capacity(hosts);
         let mut readers = Vec::new();
         for (r, stream) in streams.into_iter().enumerate() {
-            let Some(stream) = stream else {
+            let Some((stream, key)) = stream else {
                 peers.push(None);
                 continue;
             };
@@ -607,12 +627,13 @@ impl Cluster {
                 .map_err(io(what.clone()))?;
             let reader = stream.try_clone().map_err(io(what.clone()))?;
             let handle = stream.try_clone().map_err(io(what))?;
+            let out = Direction::outgoing(rank);
             peers.push(Some(Peer {
-                writer: Mutex::new(stream),
+                writer: Mutex::new(Sealer::new(stream, key.clone(), out)),
                 handle,
                 heard: AtomicU64::new(0),
             }));
-            readers.push((r as u32, reader));
+            readers.push((r as u32, Opener::new(reader, key, out.reverse())));
         }
         let inner = Arc::new(Inner {
             rank,
@@ -716,9 +737,9 @@ impl Cluster {
         for (r, p) in inner.peers.iter().enumerate() {
             if let Some(p) = p {
                 let mut w = lock(&p.writer);
-                let sent = write_json(&mut *w, Kind::Finish, 0, r as u32, &Finish { stopped });
-                if sent.is_ok() {
-                    let _ = w.shutdown(Shutdown::Write);
+                let finish = serde_json::to_vec(&Finish { stopped }).expect("serializes");
+                if w.send(Kind::Finish, 0, r as u32, 0, &[&finish]).is_ok() {
+                    let _ = w.get_ref().shutdown(Shutdown::Write);
                 }
             }
         }
@@ -737,12 +758,13 @@ impl Cluster {
             panic!("host {} has no connection to host {via}", inner.rank);
         };
         let mut w = lock(&peer.writer);
-        write_frame(&mut *w, Kind::Data, inner.rank, to, channel, parts).map_err(|e| {
-            drop(w);
-            let reason = closed(&inner.host(via), &e);
-            inner.fail(reason.clone());
-            ClusterError::Failed(reason)
-        })
+        w.send(Kind::Data, inner.rank, to, channel, parts)
+            .map_err(|e| {
+                drop(w);
+                let reason = closed(&inner.host(via), &e);
+                inner.fail(reason.clone());
+                ClusterError::Failed(reason)
+            })
     }
 
     /// The next message from host `from` on `channel`. Fails when the job fails, when host 0
@@ -943,7 +965,7 @@ impl Inner {
             .as_ref()
             .expect("control messages go between host 0 and another host");
         let mut w = lock(&peer.writer);
-        write_frame(&mut *w, kind, self.rank, to, 0, &[payload]).map_err(|e| {
+        w.send(kind, self.rank, to, 0, &[payload]).map_err(|e| {
             drop(w);
             let reason = closed(&self.host(to), &e);
             self.fail(reason.clone());
@@ -979,8 +1001,8 @@ impl Inner {
             };
             match writer {
                 Some(mut w) => {
-                    let _ = write_frame(&mut *w, Kind::Abort, self.rank, r as u32, 0, &[&abort]);
-                    let _ = w.shutdown(Shutdown::Write);
+                    let _ = w.send(Kind::Abort, self.rank, r as u32, 0, &[&abort]);
+                    let _ = w.get_ref().shutdown(Shutdown::Write);
                 }
                 None => {
                     let _ = p.handle.shutdown(Shutdown::Both);
@@ -991,21 +1013,25 @@ impl Inner {
         self.gate_changed.notify_all();
     }
 
-    /// Reads host `from`'s frames until its connection ends.
-    fn read_from(&self, from: u32, mut stream: TcpStream) {
+    /// Reads host `from`'s frames until its connection ends. A frame that is not authentic,
+    /// out of sequence or cut short fails the job, naming the host: nothing of it is acted on.
+    fn read_from(&self, from: u32, mut frames: Opener<TcpStream>) {
         let peer = self.peers[from as usize].as_ref().expect("a peer");
         let touch = || peer.heard.store(self.now_ms(), Ordering::Relaxed);
         loop {
-            let frame = read_header(&mut stream).and_then(|h| {
-                touch();
-                read_payload(&mut stream, h.len, DATA_MAX, &touch).map(|p| (h, p))
-            });
-            let (head, payload) = match frame {
+            let (head, payload) = match frames.next_frame(DATA_MAX, &touch) {
                 Ok(f) => f,
-                Err(e) => {
+                Err(FrameError::Closed(e)) => {
                     if !self.ending.load(Ordering::Acquire) {
                         self.fail(closed(&self.host(from), &e));
                     }
+                    return;
+                }
+                Err(e) => {
+                    self.fail(format!(
+                        "{}: {e}; the job stops rather than act on it",
+                        self.host(from)
+                    ));
                     return;
                 }
             };
@@ -1058,14 +1084,7 @@ impl Inner {
             {
                 let peer = self.peers[head.to as usize].as_ref().expect("a peer");
                 let mut w = lock(&peer.writer);
-                if let Err(e) = write_frame(
-                    &mut *w,
-                    Kind::Data,
-                    head.from,
-                    head.to,
-                    head.channel,
-                    &[&payload],
-                ) {
+                if let Err(e) = w.send(Kind::Data, head.from, head.to, head.channel, &[&payload]) {
                     drop(w);
                     self.fail(closed(&self.host(head.to), &e));
                 }
@@ -1112,8 +1131,7 @@ impl Inner {
                     let Some(p) = p else { continue };
                     // A writer busy with a large message keeps the peer hearing from us.
                     if let Ok(mut w) = p.writer.try_lock()
-                        && let Err(e) =
-                            write_frame(&mut *w, Kind::Heartbeat, self.rank, r as u32, 0, &[&beat])
+                        && let Err(e) = w.send(Kind::Heartbeat, self.rank, r as u32, 0, &[&beat])
                     {
                         drop(w);
                         if !self.ending.load(Ordering::Acquire) {
@@ -1359,8 +1377,9 @@ mod tests {
         assert!(e.contains("listens on that address only"), "{e}");
     }
 
-    /// A host that completes the rendezvous by hand and then behaves as told.
-    fn raw_host(port: u16) -> TcpStream {
+    /// A host that completes the rendezvous by hand and then behaves as told: its
+    /// connection, and the session key host 0 derived for it.
+    fn raw_host(port: u16) -> (TcpStream, SessionKey) {
         // Host 0 may not listen yet.
         let mut s = loop {
             match TcpStream::connect(("127.0.0.1", port)) {
@@ -1370,37 +1389,133 @@ mod tests {
         };
         let head = read_header(&mut s).unwrap();
         let ch: Challenge =
-            decode(&read_payload(&mut s, head.len, HANDSHAKE_MAX, &|| {}).unwrap()).unwrap();
+            decode(&read_payload(&mut s, head.len, HANDSHAKE_MAX).unwrap()).unwrap();
         let server = unhex(&ch.nonce).unwrap();
         let client = [7u8; 32];
         let token = Token::new(TOKEN).unwrap();
-        let mac = token.mac(&[
-            b"hello",
-            &server,
-            &client,
-            &1u32.to_le_bytes(),
-            &2u32.to_le_bytes(),
-        ]);
-        write_json(
-            &mut s,
-            Kind::Hello,
-            1,
-            0,
-            &Hello {
-                version: VERSION,
-                rank: 1,
-                hosts: 2,
-                name: "raw".into(),
-                nonce: hex(&client),
-                mac: hex(&mac),
-                identity: identity("8"),
-            },
-        )
-        .unwrap();
+        let mut hello = Hello {
+            version: VERSION,
+            rank: 1,
+            hosts: 2,
+            name: "raw".into(),
+            nonce: hex(&client),
+            mac: String::new(),
+            identity: identity("8"),
+        };
+        hello.mac = hex(&token.mac(&hello_signed(&server, &client, &hello).as_parts()));
+        write_json(&mut s, Kind::Hello, 1, 0, &hello).unwrap();
         let head = read_header(&mut s).unwrap();
         assert_eq!(head.kind, Kind::Welcome);
-        read_payload(&mut s, head.len, HANDSHAKE_MAX, &|| {}).unwrap();
-        s
+        read_payload(&mut s, head.len, HANDSHAKE_MAX).unwrap();
+        (s, token.session_key(&server, &client, 1))
+    }
+
+    /// `frames` as host 1 seals them under `key` from the connection's start, each frame's
+    /// bytes apart.
+    fn sealed_by(key: &SessionKey, frames: &[(Kind, &[u8])]) -> Vec<Vec<u8>> {
+        let mut sealer = Sealer::new(Vec::new(), key.clone(), Direction::ToHostZero);
+        let mut at = 0;
+        frames
+            .iter()
+            .map(|(kind, payload)| {
+                sealer.send(*kind, 1, 0, 3, &[payload]).unwrap();
+                let frame = sealer.get_ref()[at..].to_vec();
+                at = sealer.get_ref().len();
+                frame
+            })
+            .collect()
+    }
+
+    /// Host 0 of a job of two whose host 1 is a raw host: host 0, host 1's connection and key.
+    fn with_raw_host() -> (Cluster, TcpStream, SessionKey) {
+        let port = free_port();
+        let raw = std::thread::spawn(move || raw_host(port));
+        let leader = join(
+            &launch(2, 0, port),
+            &identity("8"),
+            &options("n0", LONG, LONG),
+        )
+        .unwrap();
+        let (stream, key) = raw.join().unwrap();
+        (leader, stream, key)
+    }
+
+    /// Why host 0 failed after host 1 wrote what `write` makes of its session key (and
+    /// closed its connection if `close`), once the `delivered` messages before the bad frame
+    /// came through on channel 3.
+    fn refused(write: impl Fn(&SessionKey) -> Vec<u8>, close: bool, delivered: usize) -> String {
+        use std::io::Write;
+        let (leader, mut stream, key) = with_raw_host();
+        stream.write_all(&write(&key)).unwrap();
+        if close {
+            stream.shutdown(Shutdown::Write).unwrap();
+        }
+        for _ in 0..delivered {
+            assert!(leader.recv(3, 1, None, "data").is_ok());
+        }
+        let e = leader.recv(3, 1, None, "data").err().unwrap().to_string();
+        assert!(leader.failed_flag().load(Ordering::Acquire));
+        e
+    }
+
+    #[test]
+    fn a_tampered_replayed_foreign_or_cut_frame_fails_the_job_naming_the_host() {
+        let two =
+            |key: &SessionKey| sealed_by(key, &[(Kind::Data, b"rows"), (Kind::Data, b"more")]);
+        let then = "; the job stops rather than act on it";
+        // Tampered: a bit of the second frame's payload.
+        let e = refused(
+            |key| {
+                let mut f = two(key);
+                let at = f[1].len() - 33;
+                f[1][at] ^= 4;
+                f.concat()
+            },
+            false,
+            1,
+        );
+        assert_eq!(
+            e,
+            format!(
+                "host 1 (raw): frame 1 on its connection fails authentication (its payload's MAC does not match): tampered with, injected, or sealed under another connection's session key{then}"
+            )
+        );
+        // Replayed: the first frame again.
+        let e = refused(
+            |key| [two(key)[0].clone(), two(key)[0].clone()].concat(),
+            false,
+            1,
+        );
+        assert_eq!(
+            e,
+            format!(
+                "host 1 (raw): frame 0 of its connection arrived where frame 1 was due: replayed or reordered{then}"
+            )
+        );
+        // Sealed under the session key of another connection (another job, the same token).
+        let (_other_job, _, other_key) = with_raw_host();
+        let e = refused(|_| two(&other_key).concat(), false, 0);
+        assert!(
+            e.starts_with(
+                "host 1 (raw): frame 0 on its connection fails authentication (its header's MAC does not match)"
+            ),
+            "{e}"
+        );
+        // Cut short: the first frame but its last 10 bytes, then the connection closes.
+        let e = refused(
+            |key| {
+                let f = &two(key)[0];
+                f[..f.len() - 10].to_vec()
+            },
+            true,
+            0,
+        );
+        assert!(
+            e.starts_with(
+                "host 1 (raw): its connection ended inside a frame, after 98 of its 108 bytes"
+            ),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1415,7 +1530,7 @@ mod tests {
             &options("n0", LONG, Duration::from_millis(700)),
         )
         .unwrap();
-        let _silent = raw.join().unwrap();
+        let (_silent, _) = raw.join().unwrap();
         let e = leader.recv(1, 1, None, "data").err().unwrap().to_string();
         assert!(e.contains("host 1 (raw) sent nothing for"), "{e}");
         assert!(started.elapsed() < Duration::from_secs(10));
@@ -1429,7 +1544,7 @@ mod tests {
             &options("n0", LONG, LONG),
         )
         .unwrap();
-        drop(raw.join().unwrap());
+        drop(raw.join().unwrap().0);
         let e = leader.recv(1, 1, None, "data").err().unwrap().to_string();
         assert!(e.contains("host 1 (raw) closed its connection"), "{e}");
     }

@@ -16,6 +16,12 @@
 //!   dead, cut off) or closes its connection fails the job on every host with an error that
 //!   names it. The engine's waits poll [`Cluster::failed_flag`], so no host waits for ever.
 //!
+//! Every frame after the handshake is authenticated under a key of its connection (HKDF-SHA-256
+//! of the token and both handshake nonces; keyed BLAKE3 over the frame's direction, its
+//! sequence number on the connection, its header and its payload): a frame tampered with,
+//! injected, replayed, reordered, cut short or recorded on another connection fails the job,
+//! naming the host, before anything in it is acted on. Nothing is encrypted.
+//!
 //! This is the control plane only: partitions travel between GPUs through NCCL.
 
 mod auth;
