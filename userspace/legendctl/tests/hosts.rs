@@ -403,6 +403,95 @@ fn a_stopped_or_killed_host_stops_the_other_naming_it() {
     let _ = zero.finish(Duration::from_secs(10));
 }
 
+/// Two "hosts" in network namespaces of their own, joined by a veth pair (10.46.0.1 and .2),
+/// inside a user namespace (no privilege needed beyond creating one): `sh` runs this with the
+/// directory for its records, then the `legendctl train` command both hosts share. Once host 0
+/// reports its first epoch, the link goes down (packets are dropped, no connection is closed:
+/// what a cut cable or a dead switch does). Each host's output, and its exit status with the
+/// time it ended, go to files; so does the time the link went down.
+const LINK_GOES_DOWN: &str = r#"
+set -eu
+dir=$1; shift
+mount -t tmpfs tmpfs /run
+ip netns add h0; ip netns add h1
+ip link add v0 netns h0 type veth peer name v1 netns h1
+for r in 0 1; do
+    ip -n h$r addr add 10.46.0.$((r + 1))/24 dev v$r
+    ip -n h$r link set v$r up
+    ip -n h$r link set lo up
+done
+for r in 0 1; do
+    ( set +e
+      ip netns exec h$r "$@" --host-rank $r --out "$dir/run$r" --rendezvous 10.46.0.1:29400 \
+          >"$dir/out$r" 2>"$dir/err$r"
+      echo "$? $(date +%s%N)" >"$dir/end$r" ) &
+done
+tries=0
+until grep -q '"epoch"' "$dir/out0"; do
+    if [ -e "$dir/end0" ] || [ $tries -ge 1200 ]; then
+        echo "host 0 reported no epoch"; cat "$dir/err0" "$dir/err1"; exit 1
+    fi
+    sleep 0.05; tries=$((tries + 1))
+done
+date +%s%N >"$dir/down"
+ip -n h0 link set v0 down
+wait
+"#;
+
+#[test]
+fn the_network_going_down_mid_run_stops_both_hosts_within_the_host_timeout_naming_each_other() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ds = dataset(tmp.path());
+    let mut cmd = Command::new("unshare");
+    cmd.args(["--user", "--map-root-user", "--net", "--mount", "sh", "-c"])
+        .args([LINK_GOES_DOWN, "sh", &s(tmp.path()), bin()])
+        .args([
+            "train",
+            "--dataset",
+            &s(&ds),
+            "--json",
+            "--gpus",
+            "2",
+            "--hosts",
+            "2",
+        ])
+        .args(["--host-timeout", "3", "--set", "training.num_epochs=100000"]);
+    for set in SETS {
+        cmd.args(["--set", set]);
+    }
+    cmd.env("LEGEND_JOB_TOKEN", TOKEN)
+        .env("LEGEND_LOG", "info")
+        .env("LEGEND_LAUNCH", "none");
+    let (status, out, err) = Running::start(cmd).finish(Duration::from_secs(90));
+    assert!(
+        status.success(),
+        "network namespaces (unshare --user --net --mount, ip netns, veth) must work here: {out}{err}"
+    );
+    let read = |name: &str| std::fs::read_to_string(tmp.path().join(name)).unwrap();
+    let nanos = |text: &str| text.trim().parse::<u64>().unwrap();
+    let down = nanos(&read("down"));
+    for (r, other) in [(0, 1), (1, 0)] {
+        let end = read(&format!("end{r}"));
+        let (code, at) = end.trim().split_once(' ').unwrap();
+        let log = read(&format!("err{r}"));
+        assert_ne!(code, "0", "host {r} failed: {log}");
+        // The host timeout (3 s), a heartbeat's period and the time to end the process.
+        let took = Duration::from_nanos(nanos(at) - down);
+        assert!(
+            took < Duration::from_secs(10),
+            "host {r} ended {took:?} after the link went down: {log}"
+        );
+        assert!(
+            log.contains(&format!("host {other} (")) && log.contains("sent nothing for 3 s"),
+            "host {r}: {log}"
+        );
+    }
+    assert!(
+        !tmp.path().join("run1").exists(),
+        "only host 0 writes the run"
+    );
+}
+
 #[test]
 fn a_stop_asked_on_host_one_checkpoints_and_the_run_resumes_on_one_host_or_two() {
     let tmp = tempfile::tempdir().unwrap();
