@@ -1459,6 +1459,45 @@ mod tests {
     }
 
     #[test]
+    fn a_host_of_the_previous_protocol_is_told_to_run_the_same_legend() {
+        let port = free_port();
+        let leader = std::thread::spawn(move || {
+            join(
+                &launch(2, 0, port),
+                &identity("8"),
+                &options("n0", Duration::from_secs(2), LONG),
+            )
+        });
+        let mut s = loop {
+            match TcpStream::connect(("127.0.0.1", port)) {
+                Ok(s) => break s,
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        let head = read_header(&mut s).unwrap();
+        read_payload(&mut s, head.len, HANDSHAKE_MAX).unwrap();
+        // Version 1's handshake frames have the same layout.
+        let hello = Hello {
+            version: 1,
+            rank: 1,
+            hosts: 2,
+            name: "old".into(),
+            nonce: hex(&[7; 32]),
+            mac: String::new(),
+            identity: identity("8"),
+        };
+        write_json(&mut s, Kind::Hello, 1, 0, &hello).unwrap();
+        let head = read_header(&mut s).unwrap();
+        assert_eq!(head.kind, Kind::Refused);
+        let r: Refused = decode(&read_payload(&mut s, head.len, HANDSHAKE_MAX).unwrap()).unwrap();
+        assert_eq!(
+            r.reason,
+            "host 1 speaks rendezvous version 1, host 0 version 2: run the same Legend on every host"
+        );
+        assert!(leader.join().unwrap().is_err());
+    }
+
+    #[test]
     fn a_tampered_replayed_foreign_or_cut_frame_fails_the_job_naming_the_host() {
         let two =
             |key: &SessionKey| sealed_by(key, &[(Kind::Data, b"rows"), (Kind::Data, b"more")]);

@@ -19,8 +19,11 @@ use crate::auth::SessionKey;
 
 /// "LGND": the first bytes of every frame.
 const MAGIC: u32 = 0x4c47_4e44;
-/// Bytes of a frame's header.
+/// Bytes of a sealed frame's header.
 const HEADER_BYTES: usize = 40;
+/// Bytes of a handshake frame's header: the sealed one without its sequence number, the
+/// layout of every protocol version, so that a host of another version is told so.
+const PLAIN_HEADER_BYTES: usize = 32;
 /// Bytes of a frame's MACs (BLAKE3 keyed with the session key).
 const TAG_BYTES: usize = 32;
 /// Payloads are read in pieces of this size, each one proof that the peer is alive.
@@ -137,14 +140,14 @@ pub(crate) fn write_json(
         len: bytes.len() as u64,
         seq: 0,
     };
-    w.write_all(&[&head.encode()[..], &bytes].concat())?;
+    w.write_all(&[&head.encode()[..PLAIN_HEADER_BYTES], &bytes].concat())?;
     w.flush()
 }
 
 /// Reads a handshake frame's header, refusing what is not one of ours.
 pub(crate) fn read_header(r: &mut impl Read) -> io::Result<Header> {
     let mut head = [0u8; HEADER_BYTES];
-    r.read_exact(&mut head)?;
+    r.read_exact(&mut head[..PLAIN_HEADER_BYTES])?;
     Header::decode(&head)
 }
 
