@@ -409,48 +409,18 @@ mod sessions {
         assert!(err.contains("training.gpus = 2"), "{err}");
     }
 
-    /// A worker that fails (a step past f16's range) stops the others at once: the run ends
-    /// with an error naming the worker and the cause, and nothing hangs.
-    /// Parked (N = 9), the others may be waiting for a partition the failed worker held: the
-    /// home lets them go too.
-    #[test]
-    fn a_failing_worker_stops_the_others_and_is_named() {
+    /// Trains with `extra` until a step overflows f16 (a worker fails): returns the error's
+    /// text, once the run has stopped within a minute.
+    fn a_failing_run(extra: &[&str]) -> String {
         let tmp = tempfile::tempdir().unwrap();
         let ds = dataset(tmp.path());
-        for partitions in ["storage.num_partitions=4", "storage.num_partitions=9"] {
-            let extra = [
-                "training.gpus=2",
-                "storage.dtype=\"f16\"",
-                "optimizer.learning_rate=1e9",
-                partitions,
-            ];
-            let config = Config::parse("", &sets(&extra)).unwrap();
-            let out = tmp.path().join(format!("run-{partitions}"));
-            let mut session = Session::create(&out, &ds, config, &Unguarded).unwrap();
-            let started = std::time::Instant::now();
-            let err = session
-                .run(&AtomicBool::new(false), &mut |_| {})
-                .unwrap_err();
-            let text = legend_engine::error_chain::with_sources(&err);
-            assert!(text.contains("worker ") && text.contains("(cpu)"), "{text}");
-            assert!(text.contains("does not fit storage.dtype"), "{text}");
-            assert!(started.elapsed().as_secs() < 60, "{text}");
-        }
-    }
-
-    /// The same on GPUs: a failing GPU worker's error names its device; NCCL waits end.
-    #[test]
-    #[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (scripts/gpu/run-all.sh does)"]
-    fn a_failing_gpu_worker_stops_the_others_and_is_named() {
-        let tmp = tempfile::tempdir().unwrap();
-        let ds = dataset(tmp.path());
-        let extra = [
+        let mut all = vec![
             "training.gpus=2",
-            "training.device=\"cuda:0\"",
             "storage.dtype=\"f16\"",
             "optimizer.learning_rate=1e9",
         ];
-        let config = Config::parse("", &sets(&extra)).unwrap();
+        all.extend_from_slice(extra);
+        let config = Config::parse("", &sets(&all)).unwrap();
         let out = tmp.path().join("run");
         let mut session = Session::create(&out, &ds, config, &Unguarded).unwrap();
         let started = std::time::Instant::now();
@@ -458,8 +428,27 @@ mod sessions {
             .run(&AtomicBool::new(false), &mut |_| {})
             .unwrap_err();
         let text = legend_engine::error_chain::with_sources(&err);
-        assert!(text.contains("worker ") && text.contains("cuda:"), "{text}");
         assert!(text.contains("does not fit storage.dtype"), "{text}");
         assert!(started.elapsed().as_secs() < 60, "{text}");
+        text
+    }
+
+    /// A worker that fails (a step past f16's range) stops the others at once: the run ends
+    /// with an error naming the worker and the cause, and nothing hangs. Parked (N = 9), the
+    /// others may be waiting for a partition the failed worker held: the home lets them go too.
+    #[test]
+    fn a_failing_worker_stops_the_others_and_is_named() {
+        for partitions in ["storage.num_partitions=4", "storage.num_partitions=9"] {
+            let text = a_failing_run(&[partitions]);
+            assert!(text.contains("worker ") && text.contains("(cpu)"), "{text}");
+        }
+    }
+
+    /// The same on GPUs: a failing GPU worker's error names its device; NCCL waits end.
+    #[test]
+    #[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+    fn a_failing_gpu_worker_stops_the_others_and_is_named() {
+        let text = a_failing_run(&["training.device=\"cuda:0\""]);
+        assert!(text.contains("worker ") && text.contains("cuda:"), "{text}");
     }
 }

@@ -141,22 +141,22 @@ impl GpuSchedule {
     /// Partitions GPU `gpu` holds in round `to` and not in round `from`, which no GPU held in
     /// round `from` (they come from the home), in the order it holds them.
     pub fn from_home(&self, from: usize, to: usize, gpu: usize) -> Vec<u32> {
-        let before = &self.rounds[from].held;
-        self.rounds[to].held[gpu]
-            .iter()
-            .copied()
-            .filter(|p| before.iter().all(|h| !h.contains(p)))
-            .collect()
+        self.held_only(to, gpu, from)
     }
 
     /// Partitions GPU `gpu` holds in round `from` that no GPU holds in round `to` (they go
     /// home).
     pub fn to_home(&self, from: usize, to: usize, gpu: usize) -> Vec<u32> {
-        let after = &self.rounds[to].held;
-        self.rounds[from].held[gpu]
+        self.held_only(from, gpu, to)
+    }
+
+    /// Partitions GPU `gpu` holds in round `round` that no GPU holds in round `other`.
+    fn held_only(&self, round: usize, gpu: usize, other: usize) -> Vec<u32> {
+        let others = &self.rounds[other].held;
+        self.rounds[round].held[gpu]
             .iter()
             .copied()
-            .filter(|p| after.iter().all(|h| !h.contains(p)))
+            .filter(|p| others.iter().all(|h| !h.contains(p)))
             .collect()
     }
 }
