@@ -1334,16 +1334,31 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_wrong_token_is_refused_and_the_job_waits_for_the_real_host() {
-        let port = free_port();
-        let leader = std::thread::spawn(move || {
+    /// Host 0 of a job of two at `port`, joining in a thread, waiting `timeout` for host 1.
+    fn leader_in_thread(port: u16, timeout: Duration) -> std::thread::JoinHandle<Joined> {
+        std::thread::spawn(move || {
             join(
                 &launch(2, 0, port),
                 &identity("8"),
-                &options("n0", LONG, LONG),
+                &options("n0", timeout, LONG),
             )
-        });
+        })
+    }
+
+    /// A connection to the rendezvous at `port` (host 0 may not listen yet).
+    fn connect(port: u16) -> TcpStream {
+        loop {
+            match TcpStream::connect(("127.0.0.1", port)) {
+                Ok(s) => break s,
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+
+    #[test]
+    fn a_wrong_token_is_refused_and_the_job_waits_for_the_real_host() {
+        let port = free_port();
+        let leader = leader_in_thread(port, LONG);
         let mut wrong = options("intruder", LONG, LONG);
         wrong.token = Token::new("another-token-of-16").unwrap();
         let e = join(&launch(2, 1, port), &identity("8"), &wrong)
@@ -1380,13 +1395,7 @@ mod tests {
     /// A host that completes the rendezvous by hand and then behaves as told: its
     /// connection, and the session key host 0 derived for it.
     fn raw_host(port: u16) -> (TcpStream, SessionKey) {
-        // Host 0 may not listen yet.
-        let mut s = loop {
-            match TcpStream::connect(("127.0.0.1", port)) {
-                Ok(s) => break s,
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        };
+        let mut s = connect(port);
         let head = read_header(&mut s).unwrap();
         let ch: Challenge =
             decode(&read_payload(&mut s, head.len, HANDSHAKE_MAX).unwrap()).unwrap();
@@ -1461,19 +1470,8 @@ mod tests {
     #[test]
     fn a_host_of_the_previous_protocol_is_told_to_run_the_same_legend() {
         let port = free_port();
-        let leader = std::thread::spawn(move || {
-            join(
-                &launch(2, 0, port),
-                &identity("8"),
-                &options("n0", Duration::from_secs(2), LONG),
-            )
-        });
-        let mut s = loop {
-            match TcpStream::connect(("127.0.0.1", port)) {
-                Ok(s) => break s,
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        };
+        let leader = leader_in_thread(port, Duration::from_secs(2));
+        let mut s = connect(port);
         let head = read_header(&mut s).unwrap();
         read_payload(&mut s, head.len, HANDSHAKE_MAX).unwrap();
         // Version 1's handshake frames have the same layout.
@@ -1575,15 +1573,8 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(10));
         assert!(leader.failed_flag().load(Ordering::Acquire));
         // Closed: the process died.
-        let port = free_port();
-        let raw = std::thread::spawn(move || raw_host(port));
-        let leader = join(
-            &launch(2, 0, port),
-            &identity("8"),
-            &options("n0", LONG, LONG),
-        )
-        .unwrap();
-        drop(raw.join().unwrap().0);
+        let (leader, stream, _) = with_raw_host();
+        drop(stream);
         let e = leader.recv(1, 1, None, "data").err().unwrap().to_string();
         assert!(e.contains("host 1 (raw) closed its connection"), "{e}");
     }
