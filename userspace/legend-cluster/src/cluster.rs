@@ -1027,6 +1027,10 @@ impl Inner {
                     }
                     return;
                 }
+                // The job is over: a connection cut then is no failure.
+                Err(FrameError::Truncated { .. }) if self.ending.load(Ordering::Acquire) => {
+                    return;
+                }
                 Err(e) => {
                     self.fail(format!(
                         "{}: {e}; the job stops rather than act on it",

@@ -345,7 +345,8 @@ impl<R: Read> Opener<R> {
     }
 
     /// The next frame, its payload at most `max` bytes; `alive` is called after its header
-    /// and after every piece of its payload, each one proof that the peer is alive.
+    /// and after every piece of its payload, each one proof that the peer is alive (the
+    /// header's once it is found authentic).
     pub(crate) fn next_frame(
         &mut self,
         max: u64,
@@ -366,7 +367,6 @@ impl<R: Read> Opener<R> {
                 of: whole,
             });
         }
-        alive();
         let (raw, tag) = sealed_head.split_at(HEADER_BYTES);
         let raw: &[u8; HEADER_BYTES] = raw.try_into().expect("the header's bytes");
         let seq = self.next;
@@ -385,6 +385,7 @@ impl<R: Read> Opener<R> {
         if head.len > max {
             return Err(FrameError::TooLarge { len: head.len, max });
         }
+        alive();
         let of = whole + head.len + TAG_BYTES as u64;
         let len = usize::try_from(head.len).map_err(|_| FrameError::TooLarge {
             len: head.len,
