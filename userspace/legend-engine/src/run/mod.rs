@@ -34,8 +34,8 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::rows::Tables;
 pub use tables::{
-    RowReader, StoreAndMembers, load_embeddings, load_entities, load_relations, load_tables,
-    open_entity_file, open_store, stream_entities,
+    RowReader, StoreAndMembers, load_embeddings, load_entities, load_relation_tables,
+    load_relations, load_tables, open_entity_file, open_store, stream_entities, stream_rows,
 };
 
 mod tables;
@@ -113,6 +113,10 @@ pub struct RunMeta {
     pub store_creating: bool,
     /// CRC-32 of each table file of the checkpoint.
     pub checksums: TableChecksums,
+    /// The run whose tables seeded this one (`legendctl train --init-from`), absent in a run
+    /// that started from drawn rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<crate::incremental::InitFrom>,
 }
 
 /// CRC-32 of the four table files.
@@ -162,6 +166,7 @@ impl RunMeta {
             store_id: None,
             store_creating: false,
             checksums: TableChecksums::default(),
+            init_from: None,
         }
     }
 

@@ -112,24 +112,51 @@ pub fn stream_entities(
     guard: &dyn Guard,
     mut block: impl FnMut(&[f32]) -> Result<(), RunError>,
 ) -> Result<(), RunError> {
+    stream_rows(run, meta, guard, false, |emb, _| block(emb))
+}
+
+/// [`stream_entities`] with the rows' AdaGrad state when `with_state` (else `block` gets an
+/// empty state): pieces of whole rows, embeddings and state of the same rows.
+pub fn stream_rows(
+    run: &Dir,
+    meta: &RunMeta,
+    guard: &dyn Guard,
+    with_state: bool,
+    mut block: impl FnMut(&[f32], &[f32]) -> Result<(), RunError>,
+) -> Result<(), RunError> {
     if let Some(path) = &meta.store {
         let store = open_run_store(run, path, meta, guard)?;
         let init = read_config(run)?.init();
         return store
-            .for_each_partition(init, |part| block(&part.emb).map_err(WalkError::Block))
+            .for_each_partition(init, |part| {
+                let state: &[f32] = if with_state { &part.state } else { &[] };
+                block(&part.emb, state).map_err(WalkError::Block)
+            })
             .map_err(|e| match e {
                 WalkError::Store(source) => store_error(path)(source),
                 WalkError::Block(e) => e,
             });
     }
+    let shape = meta.entity_shape();
+    let rows_per_piece = (STREAM_FLOATS / shape.dim.max(1)).max(1);
     let mut table = TableReader::open(run, meta, 0)?;
-    let mut buf = vec![0f32; STREAM_FLOATS.min(table.values_left())];
+    let mut state = with_state
+        .then(|| TableReader::open(run, meta, 1))
+        .transpose()?;
+    let mut buf = vec![0f32; (rows_per_piece * shape.dim).min(table.values_left())];
+    let mut state_buf = Vec::new();
     while table.values_left() > 0 {
-        let piece = &mut buf[..table.values_left().min(STREAM_FLOATS)];
+        let rows = (table.values_left() / shape.dim.max(1)).min(rows_per_piece);
+        let piece = &mut buf[..rows * shape.dim];
         table.read(piece)?;
-        block(piece)?;
+        if let Some(state) = &mut state {
+            state_buf.resize(rows * shape.state, 0.0);
+            state.read(&mut state_buf)?;
+        }
+        block(piece, &state_buf)?;
     }
-    table.finish()
+    table.finish()?;
+    state.map_or(Ok(()), TableReader::finish)
 }
 
 /// The current checkpoint's entity file (a run without a store), opened and its size checked
@@ -272,18 +299,34 @@ impl RowReader {
 
 /// The current checkpoint's relation embeddings (small: the rows of each relation).
 pub fn load_relations(run: &Dir, meta: &RunMeta, guard: &dyn Guard) -> Result<Vec<f32>, RunError> {
+    Ok(load_relation_tables(run, meta, guard, false)?.0)
+}
+
+/// The current checkpoint's relation embeddings and, when `with_state`, their AdaGrad state
+/// (else empty).
+pub fn load_relation_tables(
+    run: &Dir,
+    meta: &RunMeta,
+    guard: &dyn Guard,
+    with_state: bool,
+) -> Result<(Vec<f32>, Vec<f32>), RunError> {
     if meta.relations == 0 {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     }
     let floats = meta.relation_floats();
     if let Some(path) = &meta.store {
         let mut store = open_run_store(run, path, meta, guard)?;
         return store
             .relations(floats)
-            .map(|(emb, _)| emb)
+            .map(|(emb, state)| (emb, if with_state { state } else { Vec::new() }))
             .map_err(store_error(path));
     }
-    TableReader::open(run, meta, 2)?.read_all()
+    let state = if with_state {
+        TableReader::open(run, meta, 3)?.read_all()?
+    } else {
+        Vec::new()
+    };
+    Ok((TableReader::open(run, meta, 2)?.read_all()?, state))
 }
 
 /// Loads the current checkpoint of `run`: from its store (file backend) or from its checkpoint

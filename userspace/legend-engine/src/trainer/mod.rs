@@ -349,5 +349,6 @@ fn cpu_compute(
         neg_rows: Vec::new(),
         block_grads: Vec::new(),
         pending_relations: None,
+        frozen: config.frozen,
     })
 }
