@@ -174,9 +174,12 @@ pub(crate) fn extend(
     })
 }
 
+/// A label file's bytes and its labels by id.
+type LabelFile = (Vec<u8>, Vec<Box<[u8]>>);
+
 /// The bytes of the base's label file of `table` and its labels by id, checked: each line
 /// `id<TAB>label` with the ids `0, 1, …` in order, as many as `dataset.toml` counts.
-fn base_labels(base: &Dataset, table: LabelTable) -> Result<(Vec<u8>, Vec<Box<[u8]>>)> {
+fn base_labels(base: &Dataset, table: LabelTable) -> Result<LabelFile> {
     let (mut file, path) = base.open_labels(table)?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes).at(&path)?;

@@ -369,6 +369,7 @@ mod tests {
             store_id: None,
             store_creating: false,
             checksums,
+            init_from: None,
         }
     }
 

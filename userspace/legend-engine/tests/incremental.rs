@@ -133,13 +133,25 @@ fn a_frozen_seeded_run_leaves_every_old_row_bit_for_bit_on_every_backend() {
             let old_state = |t: &Tables| bits(&t.entities_state[..old * dim]);
             let old_rels = |t: &Tables| bits(&t.relations[..old_rel * dim]);
             if freeze == "existing" {
-                assert!(old_rows(&after) == old_rows(&before), "{layout:?}: an old row moved");
-                assert!(old_state(&after) == old_state(&before), "{layout:?}: old state moved");
-                assert!(old_rels(&after) == old_rels(&before), "{layout:?}: a relation moved");
+                assert!(
+                    old_rows(&after) == old_rows(&before),
+                    "{layout:?}: an old row moved"
+                );
+                assert!(
+                    old_state(&after) == old_state(&before),
+                    "{layout:?}: old state moved"
+                );
+                assert!(
+                    old_rels(&after) == old_rels(&before),
+                    "{layout:?}: a relation moved"
+                );
                 // The new relation and the new rows trained.
                 assert_eq!(after.relations.len(), 4 * dim);
             } else {
-                assert!(old_rows(&after) != old_rows(&before), "{layout:?}: nothing trained");
+                assert!(
+                    old_rows(&after) != old_rows(&before),
+                    "{layout:?}: nothing trained"
+                );
             }
             // New rows started from their neighbours' mean and trained: none is zero.
             assert!(
@@ -163,14 +175,20 @@ fn carried_rows_are_the_init_runs_and_new_rows_their_neighbours_mean() {
     let before = tables(&base_run);
     // Stopped before its first batch: the checkpoint then holds exactly the carried rows.
     let out = g.dir.join("seeded");
-    let sets = ["training.new_rows=\"neighbours\"", "training.carry_state=false"];
+    let sets = [
+        "training.new_rows=\"neighbours\"",
+        "training.carry_state=false",
+    ];
     let mut s = Session::create_from(&out, &g.grown, config(&sets), &Unguarded, &base_run).unwrap();
     let outcome = s.run(&AtomicBool::new(true), &mut |_| {}).unwrap();
     assert!(matches!(outcome, Outcome::Stopped(_)), "{outcome:?}");
     drop(s);
     let t = tables(&out);
     assert!(bits(&t.entities[..500 * dim]) == bits(&before.entities));
-    assert!(t.entities_state.iter().all(|&x| x == 0.0), "state not carried");
+    assert!(
+        t.entities_state.iter().all(|&x| x == 0.0),
+        "state not carried"
+    );
     // new0's neighbours in the delta (old ones only).
     let ds = Dataset::open(&g.grown).unwrap();
     let added = ds.added_edges(legend_dataset::Split::Train).unwrap();
@@ -211,15 +229,16 @@ fn a_seeded_run_killed_or_stopped_before_its_first_checkpoint_resumes_as_the_uni
         // Killed after the set-up (the carry-over done, nothing committed): the resume carries
         // over again.
         let killed = g.dir.join(format!("killed{tag}"));
-        drop(Session::create_from(&killed, &g.grown, config(layout), &Unguarded, &base_run).unwrap());
+        drop(
+            Session::create_from(&killed, &g.grown, config(layout), &Unguarded, &base_run).unwrap(),
+        );
         let mut s = Session::resume(&killed, None, &[], &Unguarded).unwrap();
         train_to_the_end(&mut s);
         drop(s);
         // Stopped inside the first epoch: it resumes from that checkpoint.
         let stopped = g.dir.join(format!("stopped{tag}"));
-        let mut s =
-            Session::create_from(&stopped, &g.grown, config(layout), &Unguarded, &base_run)
-                .unwrap();
+        let mut s = Session::create_from(&stopped, &g.grown, config(layout), &Unguarded, &base_run)
+            .unwrap();
         let stop = AtomicBool::new(false);
         let outcome = s
             .run(&stop, &mut |e| {
@@ -236,8 +255,14 @@ fn a_seeded_run_killed_or_stopped_before_its_first_checkpoint_resumes_as_the_uni
         let want = tables(&plain);
         for run in [&killed, &stopped] {
             let got = tables(run);
-            assert!(bits(&got.entities) == bits(&want.entities), "{layout:?} {run:?}");
-            assert!(bits(&got.relations) == bits(&want.relations), "{layout:?} {run:?}");
+            assert!(
+                bits(&got.entities) == bits(&want.entities),
+                "{layout:?} {run:?}"
+            );
+            assert!(
+                bits(&got.relations) == bits(&want.relations),
+                "{layout:?} {run:?}"
+            );
         }
     }
 }
@@ -261,7 +286,11 @@ fn seeding_is_refused_for_another_model_another_dataset_or_a_run_being_trained()
         assert!(!out.exists(), "{sets:?}: a refused run left {out:?}");
     };
     refused(&["model.dim=16"], &g.grown, &["d = 8", "model.dim is 16"]);
-    refused(&["model.decoder=complex"], &g.grown, &["trained distmult", "complex"]);
+    refused(
+        &["model.decoder=complex"],
+        &g.grown,
+        &["trained distmult", "complex"],
+    );
     refused(
         &["model.reciprocal_relations=true"],
         &g.grown,
@@ -275,13 +304,24 @@ fn seeding_is_refused_for_another_model_another_dataset_or_a_run_being_trained()
     legend_dataset::generate(&o, &other).unwrap();
     refused(&[], &other, &["does not extend", "import --extend"]);
     // Keys of a seeded run in a run that is not one.
-    let e = Session::create(&out, &g.grown, config(&["training.freeze=\"existing\""]), &Unguarded)
-        .err()
-        .unwrap();
+    let e = Session::create(
+        &out,
+        &g.grown,
+        config(&["training.freeze=\"existing\""]),
+        &Unguarded,
+    )
+    .err()
+    .unwrap();
     assert!(chain(&e).contains("--init-from"), "{}", chain(&e));
     assert!(!out.exists());
-    let e = Config::parse("", &["training.freeze=\"existing\"".into(), "training.replay=0.5".into()])
-        .unwrap_err();
+    let e = Config::parse(
+        "",
+        &[
+            "training.freeze=\"existing\"".into(),
+            "training.replay=0.5".into(),
+        ],
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("training.replay"), "{e}");
     // A run being trained: another process holds its lock.
     let lock = legend_engine::incremental::lock_exclusive(&base_run).unwrap();
