@@ -92,7 +92,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-const LAYOUTS: [&[&str]; 4] = [
+const LAYOUTS: [&[&str]; 5] = [
     &["storage.num_partitions=1"],
     &["storage.num_partitions=4", "storage.buffer_capacity=2"],
     &[
@@ -105,6 +105,8 @@ const LAYOUTS: [&[&str]; 4] = [
         "storage.buffer_capacity=3",
         "storage.dtype=bf16",
     ],
+    // Two workers of the CPU engine, the schedule of two GPUs (relations summed over both).
+    &["training.gpus=2"],
 ];
 
 #[test]
