@@ -159,19 +159,7 @@ pub(crate) fn extend(
     meta.write(dir)?;
     check_cancel(options)?;
     staging.publish()?;
-    Ok(ImportSummary {
-        output: out.to_owned(),
-        entities: meta.entities,
-        relations: meta.relations,
-        train: meta.splits.train,
-        valid: meta.splits.valid,
-        test: meta.splits.test,
-        unseen_dropped: meta.unseen_dropped,
-        unseen_kept: meta.unseen_kept,
-        skipped_headers,
-        seconds: started.elapsed().as_secs_f64(),
-        extends: meta.extends,
-    })
+    Ok(ImportSummary::of(out, meta, skipped_headers, started))
 }
 
 /// A label file's bytes and its labels by id.

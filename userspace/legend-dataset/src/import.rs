@@ -242,19 +242,31 @@ pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
     let meta = graph.write(staging.dir(), options.seed, sources)?;
     check_cancel(options)?;
     staging.publish()?;
-    Ok(ImportSummary {
-        output: out.to_owned(),
-        entities: meta.entities,
-        relations: meta.relations,
-        train: meta.splits.train,
-        valid: meta.splits.valid,
-        test: meta.splits.test,
-        unseen_dropped: meta.unseen_dropped,
-        unseen_kept: meta.unseen_kept,
-        skipped_headers,
-        seconds: started.elapsed().as_secs_f64(),
-        extends: None,
-    })
+    Ok(ImportSummary::of(out, meta, skipped_headers, started))
+}
+
+impl ImportSummary {
+    /// The summary of the dataset `meta` describes, written to `out` since `started`.
+    pub(crate) fn of(
+        out: &Path,
+        meta: DatasetMeta,
+        skipped_headers: Vec<String>,
+        started: Instant,
+    ) -> ImportSummary {
+        ImportSummary {
+            output: out.to_owned(),
+            entities: meta.entities,
+            relations: meta.relations,
+            train: meta.splits.train,
+            valid: meta.splits.valid,
+            test: meta.splits.test,
+            unseen_dropped: meta.unseen_dropped,
+            unseen_kept: meta.unseen_kept,
+            skipped_headers,
+            seconds: started.elapsed().as_secs_f64(),
+            extends: meta.extends,
+        }
+    }
 }
 
 pub(crate) fn check_cancel(options: &ImportOptions) -> Result<()> {

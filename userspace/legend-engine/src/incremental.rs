@@ -173,42 +173,40 @@ pub fn check_init_run(
 /// holds the run's lock: `legendctl train` and `legendd`'s train jobs): its tables are still
 /// being written. Held while they are read.
 pub fn lock_shared(run: &Path) -> Result<File, SessionError> {
-    let dir = File::open(run).map_err(|source| run::RunError::Io {
-        path: run.to_owned(),
-        source,
-    })?;
-    match dir.try_lock_shared() {
-        Ok(()) => Ok(dir),
-        Err(std::fs::TryLockError::WouldBlock) => Err(SessionError::Refused(format!(
+    lock(run, File::try_lock_shared, || {
+        format!(
             "--init-from {}: a process is training that run (it holds the run's lock): its tables are still being written; seed from it once it has stopped",
             run.display()
-        ))),
-        Err(std::fs::TryLockError::Error(source)) => Err(run::RunError::Io {
-            path: run.to_owned(),
-            source,
-        }
-        .into()),
-    }
+        )
+    })
 }
 
 /// The exclusive lock of a process that trains the run `run` (see [`lock_shared`]); refused
 /// when another process holds it.
 pub fn lock_exclusive(run: &Path) -> Result<File, SessionError> {
-    let dir = File::open(run).map_err(|source| run::RunError::Io {
-        path: run.to_owned(),
-        source,
-    })?;
-    match dir.try_lock() {
-        Ok(()) => Ok(dir),
-        Err(std::fs::TryLockError::WouldBlock) => Err(SessionError::Refused(format!(
+    lock(run, File::try_lock, || {
+        format!(
             "{}: another process trains or reads this run (it holds the run's lock); a run has one trainer at a time",
             run.display()
-        ))),
-        Err(std::fs::TryLockError::Error(source)) => Err(run::RunError::Io {
-            path: run.to_owned(),
-            source,
-        }
-        .into()),
+        )
+    })
+}
+
+/// `run` opened and locked by `try_lock` (`flock` on the directory), or refused with `busy`.
+fn lock(
+    run: &Path,
+    try_lock: fn(&File) -> Result<(), std::fs::TryLockError>,
+    busy: impl FnOnce() -> String,
+) -> Result<File, SessionError> {
+    let io = |source| run::RunError::Io {
+        path: run.to_owned(),
+        source,
+    };
+    let dir = File::open(run).map_err(io)?;
+    match try_lock(&dir) {
+        Ok(()) => Ok(dir),
+        Err(std::fs::TryLockError::WouldBlock) => Err(SessionError::Refused(busy())),
+        Err(std::fs::TryLockError::Error(source)) => Err(io(source).into()),
     }
 }
 
