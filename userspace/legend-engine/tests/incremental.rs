@@ -92,7 +92,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-const LAYOUTS: [&[&str]; 5] = [
+const LAYOUTS: [&[&str]; 6] = [
     &["storage.num_partitions=1"],
     &["storage.num_partitions=4", "storage.buffer_capacity=2"],
     &[
@@ -107,7 +107,23 @@ const LAYOUTS: [&[&str]; 5] = [
     ],
     // Two workers of the CPU engine, the schedule of two GPUs (relations summed over both).
     &["training.gpus=2"],
+    // NVMe queues of the userspace proxy controller (its backing file: `on_proxy`).
+    &[
+        "storage.backend=proxy",
+        "storage.num_partitions=4",
+        "storage.buffer_capacity=2",
+    ],
 ];
+
+/// `layout` with, for the proxy backend, a backing file of its own for the run `out`.
+fn on_proxy(layout: &[&str], out: &Path) -> Vec<String> {
+    let mut sets: Vec<String> = layout.iter().map(|s| s.to_string()).collect();
+    if layout.contains(&"storage.backend=proxy") {
+        let file = out.with_extension("proxy.bin");
+        sets.push(format!("storage.path=\"{}\"", file.display()));
+    }
+    sets
+}
 
 #[test]
 fn a_frozen_seeded_run_leaves_every_old_row_bit_for_bit_on_every_backend() {
@@ -115,16 +131,18 @@ fn a_frozen_seeded_run_leaves_every_old_row_bit_for_bit_on_every_backend() {
     let (dim, old, old_rel) = (8, 500, 3);
     for (i, layout) in LAYOUTS.iter().enumerate() {
         let base_run = g.dir.join(format!("base{i}"));
-        let mut s = Session::create(&base_run, &g.base, config(layout), &Unguarded).unwrap();
+        let base_sets = on_proxy(layout, &base_run);
+        let base_sets: Vec<&str> = base_sets.iter().map(String::as_str).collect();
+        let mut s = Session::create(&base_run, &g.base, config(&base_sets), &Unguarded).unwrap();
         train_to_the_end(&mut s);
         drop(s);
         let before = tables(&base_run);
         for freeze in ["existing", "none"] {
-            let mut sets = layout.to_vec();
-            let set = format!("training.freeze=\"{freeze}\"");
-            sets.push(&set);
-            sets.push("training.new_rows=\"neighbours\"");
             let out = g.dir.join(format!("seeded{i}-{freeze}"));
+            let mut sets = on_proxy(layout, &out);
+            sets.push(format!("training.freeze=\"{freeze}\""));
+            sets.push("training.new_rows=\"neighbours\"".into());
+            let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
             let mut s = Session::create_from(&out, &g.grown, config(&sets), &Unguarded, &base_run)
                 .unwrap_or_else(|e| panic!("{layout:?}: {}", chain(&e)));
             train_to_the_end(&mut s);
