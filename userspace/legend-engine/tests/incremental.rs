@@ -349,3 +349,40 @@ fn seeding_is_refused_for_another_model_another_dataset_or_a_run_being_trained()
     drop(lock);
     Session::create_from(&out, &g.grown, config(&[]), &Unguarded, &base_run).unwrap();
 }
+
+/// On the GPU engine (memory and file backends): the carried rows reach the GPU exactly (a
+/// run stopped before its first batch checkpoints them bit for bit), a seeded run trains to
+/// its end, and `training.freeze = "existing"` is refused naming the CPU engine.
+#[test]
+#[ignore = "needs a GPU"]
+fn a_seeded_run_on_the_gpu_carries_every_old_row_and_freezing_there_is_refused() {
+    let g = grown();
+    let dim = 8;
+    let base_run = g.dir.join("base");
+    let mut s = Session::create(&base_run, &g.base, config(&[]), &Unguarded).unwrap();
+    train_to_the_end(&mut s);
+    drop(s);
+    let before = tables(&base_run);
+    for (i, layout) in [LAYOUTS[0], LAYOUTS[2]].into_iter().enumerate() {
+        let mut sets = layout.to_vec();
+        sets.push("training.device=\"cuda:0\"");
+        let out = g.dir.join(format!("gpu-stopped{i}"));
+        let mut s = Session::create_from(&out, &g.grown, config(&sets), &Unguarded, &base_run)
+            .unwrap_or_else(|e| panic!("{layout:?}: {}", chain(&e)));
+        let outcome = s.run(&AtomicBool::new(true), &mut |_| {}).unwrap();
+        assert!(matches!(outcome, Outcome::Stopped(_)), "{outcome:?}");
+        drop(s);
+        let t = tables(&out);
+        assert!(bits(&t.entities[..500 * dim]) == bits(&before.entities), "{layout:?}");
+        assert!(bits(&t.relations[..3 * dim]) == bits(&before.relations), "{layout:?}");
+        let mut s = Session::resume(&out, None, &[], &Unguarded).unwrap();
+        train_to_the_end(&mut s);
+    }
+    let out = g.dir.join("gpu-frozen");
+    let sets = ["training.device=\"cuda:0\"", "training.freeze=\"existing\""];
+    let e = Session::create_from(&out, &g.grown, config(&sets), &Unguarded, &base_run)
+        .err()
+        .expect("freezing on the GPU is refused");
+    assert!(chain(&e).contains("CPU engine only"), "{}", chain(&e));
+    assert!(!out.exists());
+}
