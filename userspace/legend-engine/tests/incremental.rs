@@ -373,8 +373,14 @@ fn a_seeded_run_on_the_gpu_carries_every_old_row_and_freezing_there_is_refused()
         assert!(matches!(outcome, Outcome::Stopped(_)), "{outcome:?}");
         drop(s);
         let t = tables(&out);
-        assert!(bits(&t.entities[..500 * dim]) == bits(&before.entities), "{layout:?}");
-        assert!(bits(&t.relations[..3 * dim]) == bits(&before.relations), "{layout:?}");
+        assert!(
+            bits(&t.entities[..500 * dim]) == bits(&before.entities),
+            "{layout:?}"
+        );
+        assert!(
+            bits(&t.relations[..3 * dim]) == bits(&before.relations),
+            "{layout:?}"
+        );
         let mut s = Session::resume(&out, None, &[], &Unguarded).unwrap();
         train_to_the_end(&mut s);
     }

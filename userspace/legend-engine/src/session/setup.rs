@@ -233,6 +233,9 @@ impl Session {
             Some(init) => incremental::selected_edges(&config, init, &dataset)?,
             None => None,
         };
+        let epoch_edges = selected
+            .as_ref()
+            .map_or(meta_ds.splits.train, |e| e.len() as u64);
         // On several hosts each reads its own buckets (workers::hosts), not every edge here.
         let edges = match hosts {
             Some(_) => None,
@@ -357,6 +360,7 @@ impl Session {
             engine,
             device_health,
             history,
+            epoch_edges,
         })
     }
 }
