@@ -10,11 +10,11 @@
 //! scan runs as legend-cuda's, which gives the same scores and order; the query vectors are
 //! made here either way.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use legend_cuda::scan::{EntityRows, SCAN_MAX_QUERIES, Scan, ScanScoring};
 use legend_engine::restore::{MappedTable, map_entities};
-use legend_engine::run::{self, RowReader, RunError, RunMeta};
+use legend_engine::run::{self, RunError, RunMeta, RunReader};
 use legend_eval::{FilterIndex, Kernel};
 use legend_fs::{Dir, Guard};
 use legend_model::{Comparator, Decoder, Side};
@@ -34,45 +34,21 @@ const CANDIDATE_BLOCK: usize = 256;
 const DOWNLOAD_BYTES: usize = 64 << 20;
 
 /// Where the entity rows are.
-enum Entities<'a> {
+enum Entities {
     /// In memory, row-major `[entities × dim]` (a served run).
     Resident(Vec<f32>),
     /// The run's checkpoint file mapped in place, its checksum checked: the page cache's
     /// pages, row-major (a query command on a run of the memory backend in f32).
     Mapped(MappedTable),
     /// In the run's checkpoint or store, read a piece at a time by every scan (a run larger
-    /// than memory), and row by row by lookups.
+    /// than memory), and row by row by lookups, through the run's one reader.
     Stored {
-        /// The run directory.
-        run: Dir,
-        /// Its commit record.
-        meta: Box<RunMeta>,
-        /// Admits a store outside the run and checks reads (legend-fs).
-        guard: StreamGuard<'a>,
-        /// The rows lookups read, kept open (one lookup at a time).
-        reader: Mutex<RowReader>,
-        /// Held by a scan: one at a time holds its partitions, so that a run's host memory
-        /// stays within [`Model::stream_bytes`] however many batches come at once.
-        scanning: Mutex<()>,
+        /// The reader, opened once: one scan or lookup at a time holds it, so that a run's
+        /// host memory stays within [`Model::stream_bytes`] however many batches come at once.
+        reader: Mutex<RunReader>,
     },
     /// In GPU memory only (the rows of [`Model::gpu`]).
     OnGpu,
-}
-
-/// The guard a stored run's reads go through: the caller's, or one the model shares (a served
-/// run, which outlives the job that opened it).
-pub(crate) enum StreamGuard<'a> {
-    Borrowed(&'a dyn Guard),
-    Shared(Arc<dyn Guard>),
-}
-
-impl StreamGuard<'_> {
-    fn get(&self) -> &dyn Guard {
-        match self {
-            StreamGuard::Borrowed(g) => *g,
-            StreamGuard::Shared(g) => g.as_ref(),
-        }
-    }
 }
 
 /// `m` locked, whether or not a holder panicked (what it guards stays consistent).
@@ -89,20 +65,17 @@ pub(crate) struct GpuPlan {
 }
 
 /// The one place that reads a stored run's entity rows for a scan: `piece` gets them in row
-/// order, whole rows of `meta.dim` floats a piece at a time (a partition of the store, or a
-/// block of the checkpoint file), through the run's existing read path. Whoever reworks how
-/// partitions are read changes this function only.
+/// order, whole rows of `dim` floats a piece at a time (a partition of the store, or a block of
+/// the checkpoint file), through the run's reader.
 fn read_pieces(
-    run: &Dir,
-    meta: &RunMeta,
-    guard: &dyn Guard,
+    reader: &mut RunReader,
+    dim: usize,
     mut piece: impl FnMut(&[f32]) -> Result<(), RunError>,
 ) -> Result<(), RunError> {
-    let dim = meta.dim;
     // A checkpoint file is read in blocks of a fixed size, which may end inside a row: the
     // row is completed from the next block.
     let mut split_row: Vec<f32> = Vec::with_capacity(dim);
-    run::stream_entities(run, meta, guard, |mut block| {
+    reader.stream_entities(|mut block| {
         if !split_row.is_empty() {
             let take = (dim - split_row.len()).min(block.len());
             split_row.extend_from_slice(&block[..take]);
@@ -120,6 +93,25 @@ fn read_pieces(
         split_row.extend_from_slice(&block[whole..]);
         Ok(())
     })
+}
+
+/// Refuses to load the entity rows of `meta`'s run (in `run`) into host memory when they take
+/// more than is available: jobs are threads of the daemon, and an allocation that fails would
+/// take it down.
+fn fits_in_memory(run: &Dir, meta: &RunMeta) -> Result<(), QueryError> {
+    let bytes = u128::from(meta.entities) * (meta.dim as u128) * 4;
+    let available = legend_engine::footprint::available_bytes().map_or(u128::MAX, u128::from);
+    if bytes > available {
+        return Err(QueryError::Tables(format!(
+            "{}: the run's entity rows take {:.1} GiB, more than the {:.1} GiB of memory \
+             available: query it with legendctl predict|score|neighbors instead, which reads it \
+             a piece at a time",
+            run.path().display(),
+            bytes as f64 / f64::from(1u32 << 30),
+            available as f64 / f64::from(1u32 << 30)
+        )));
+    }
+    Ok(())
 }
 
 /// Bytes of each staging chunk of a table's upload to the GPU: 64 pieces, copied on every core.
@@ -226,7 +218,7 @@ pub struct Nearest {
 }
 
 /// A run's trained tables, ready for queries.
-pub struct Model<'a> {
+pub struct Model {
     decoder: Decoder,
     dim: usize,
     num_entities: usize,
@@ -236,7 +228,7 @@ pub struct Model<'a> {
     /// evaluator ranks it.
     reciprocal: bool,
     relations: Vec<f32>,
-    entities: Entities<'a>,
+    entities: Entities,
     /// The GPU that scans, holding the entity rows when [`Entities::OnGpu`].
     gpu: Option<GpuScans>,
     /// Rows looked up through the GPU row cache over the run's store (a table out of GPU
@@ -244,40 +236,42 @@ pub struct Model<'a> {
     store_rows: Option<StoreRows>,
 }
 
-impl<'a> Model<'a> {
+impl Model {
     /// The tables of `meta`'s run, read through `guard`: relations loaded; entities loaded
-    /// too, or, with `stream_with`, read by each scan through that guard.
+    /// too, or, when `streamed`, read by each scan and lookup through the run's reader.
     pub fn of_run(
         run: Dir,
         meta: RunMeta,
         num_relations: usize,
         guard: &dyn Guard,
-        stream_with: Option<&'a dyn Guard>,
-    ) -> Result<Model<'a>, QueryError> {
-        let stream_with = stream_with.map(StreamGuard::Borrowed);
+        streamed: bool,
+    ) -> Result<Model, QueryError> {
+        if !streamed {
+            // Refused before anything of the run is opened.
+            fits_in_memory(&run, &meta)?;
+        }
+        let reader = RunReader::open(&run, &meta, guard, None)?;
         Self::of_run_on(
-            run,
-            meta,
+            (run, meta, reader),
             num_relations,
-            guard,
-            stream_with,
+            streamed,
             None,
             FileAccess::Copy,
         )
     }
 
-    /// [`Model::of_run`], scanning on the GPU of `plan`: the entity rows read into its memory
-    /// (not the host's) when the plan says they fit. With [`FileAccess::MapAndKeep`], rows
-    /// not streamed come from the checkpoint file mapped in place when its layout is theirs.
+    /// [`Model::of_run`] through `reader` (opened on the run, kept when the rows are
+    /// streamed: the run's one reader), scanning on the GPU of `plan`: the entity rows read
+    /// into its memory (not the host's) when the plan says they fit. With
+    /// [`FileAccess::MapAndKeep`], rows not streamed come from the checkpoint file mapped in
+    /// place when its layout is theirs.
     pub(crate) fn of_run_on(
-        run: Dir,
-        meta: RunMeta,
+        (run, meta, mut reader): (Dir, RunMeta, RunReader),
         num_relations: usize,
-        guard: &dyn Guard,
-        stream_with: Option<StreamGuard<'a>>,
+        streamed: bool,
         plan: Option<GpuPlan>,
         access: FileAccess,
-    ) -> Result<Model<'a>, QueryError> {
+    ) -> Result<Model, QueryError> {
         let decoder: Decoder = meta
             .decoder
             .parse()
@@ -285,12 +279,12 @@ impl<'a> Model<'a> {
                 path: run.join(run::META_FILE),
                 message: e.to_string(),
             })?;
-        let relations = run::load_relations(&run, &meta, guard)?;
+        let relations = reader.relations()?;
         let reciprocal = meta.reciprocal_relations;
         let (dim, num_entities) = (meta.dim, meta.entities as usize);
         let (mut gpu, mut store_rows) = (None, None);
         let mapped = match access {
-            FileAccess::MapAndKeep if stream_with.is_none() => map_entities(&run, &meta)?,
+            FileAccess::MapAndKeep if !streamed => map_entities(&run, &meta)?,
             _ => None,
         };
         if let Some(plan) = plan {
@@ -302,7 +296,7 @@ impl<'a> Model<'a> {
                 } else {
                     let mut first = 0;
                     let mut failed = None;
-                    read_pieces(&run, &meta, guard, |piece| {
+                    read_pieces(&mut reader, dim, |piece| {
                         if failed.is_none() {
                             failed = rows.write(&plan.opened.gpu, first, piece).err();
                             first += piece.len() / dim;
@@ -328,34 +322,17 @@ impl<'a> Model<'a> {
             gpu = Some(GpuScans::new(plan.opened, None));
             store_rows = plan.store_rows;
         }
-        let entities = match (stream_with, mapped) {
-            (None, Some(mapped)) => {
+        let entities = match (streamed, mapped) {
+            (false, Some(mapped)) => {
                 mapped.check()?;
                 Entities::Mapped(mapped)
             }
-            (Some(guard), _) => Entities::Stored {
-                reader: Mutex::new(RowReader::open(&run, &meta, guard.get())?),
-                run,
-                meta: Box::new(meta),
-                guard,
-                scanning: Mutex::new(()),
+            (true, _) => Entities::Stored {
+                reader: Mutex::new(reader),
             },
-            (None, None) => {
-                // Jobs are threads of the daemon: an allocation that fails would take it down.
-                let bytes = (meta.entities as u128) * (dim as u128) * 4;
-                let available =
-                    legend_engine::footprint::available_bytes().map_or(u128::MAX, u128::from);
-                if bytes > available {
-                    return Err(QueryError::Tables(format!(
-                        "{}: the run's entity rows take {:.1} GiB, more than the {:.1} GiB of \
-                         memory available: query it with legendctl predict|score|neighbors \
-                         instead, which reads it a piece at a time",
-                        run.path().display(),
-                        bytes as f64 / f64::from(1u32 << 30),
-                        available as f64 / f64::from(1u32 << 30)
-                    )));
-                }
-                Entities::Resident(run::load_entities(&run, &meta, guard)?)
+            (false, None) => {
+                fits_in_memory(&run, &meta)?;
+                Entities::Resident(reader.entities()?)
             }
         };
         let mut model = Model::new(
@@ -380,7 +357,7 @@ impl<'a> Model<'a> {
         entities: Vec<f32>,
         relations: Vec<f32>,
         (num_relations, reciprocal): (usize, bool),
-    ) -> Result<Model<'static>, QueryError> {
+    ) -> Result<Model, QueryError> {
         let num_entities = entities.len() / dim.max(1);
         Model::new(
             decoder,
@@ -399,9 +376,9 @@ impl<'a> Model<'a> {
         dim: usize,
         (num_relations, reciprocal): (usize, bool),
         relations: Vec<f32>,
-        entities: Entities<'a>,
+        entities: Entities,
         num_entities: usize,
-    ) -> Result<Model<'a>, QueryError> {
+    ) -> Result<Model, QueryError> {
         decoder
             .check_dim(dim)
             .map_err(|e| QueryError::Tables(e.to_string()))?;
@@ -623,16 +600,9 @@ impl<'a> Model<'a> {
         match &self.entities {
             Entities::Resident(rows) => piece(0, rows),
             Entities::Mapped(mapped) => piece(0, mapped.values()),
-            Entities::Stored {
-                run,
-                meta,
-                guard,
-                scanning,
-                ..
-            } => {
-                let _turn = lock(scanning);
+            Entities::Stored { reader, .. } => {
                 let mut first = 0;
-                read_pieces(run, meta, guard.get(), |rows| {
+                read_pieces(&mut lock(reader), self.dim, |rows| {
                     piece(first, rows);
                     first += rows.len() / self.dim;
                     Ok(())
@@ -683,7 +653,7 @@ impl<'a> Model<'a> {
             Entities::Stored { reader, .. } => {
                 let wide: Vec<u64> = ids.iter().map(|&id| u64::from(id)).collect();
                 let mut flat = vec![0.0; ids.len() * dim];
-                lock(reader).read(&wide, &mut flat)?;
+                lock(reader).read_rows(&wide, &mut flat)?;
                 Ok(flat.chunks_exact(dim).map(<[f32]>::to_vec).collect())
             }
             Entities::OnGpu => unreachable!("rows on a GPU are gathered there"),
@@ -853,7 +823,7 @@ impl<'a> Model<'a> {
     }
 }
 
-impl Model<'_> {
+impl Model {
     /// [`Model::top_k`] on the GPU: the resident table scanned there, or the rows streamed to
     /// it from where they are; at most [`SCAN_MAX_QUERIES`] queries a scan.
     fn top_k_gpu(

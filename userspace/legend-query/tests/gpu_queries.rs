@@ -278,17 +278,16 @@ fn the_row_cache_over_a_runs_store_returns_its_rows_byte_for_byte() {
         // of 8 lines (far fewer than the lines the lookups touch).
         let run_dir = run::open(&path).unwrap();
         let meta = run::read_meta(&run_dir).unwrap();
-        let (store, members) = run::open_store(&run_dir, &meta, &Unguarded, None)
-            .unwrap()
-            .expect("a store-backed run");
-        let table = store_table(&store).unwrap();
-        let file = std::fs::read(members[0].file.path()).unwrap();
+        let reader = run::RunReader::open(&run_dir, &meta, &Unguarded, None).unwrap();
+        let layout = reader.store_layout().expect("a store-backed run");
+        let table = store_table(layout).unwrap();
+        let file = std::fs::read(layout.members[0].file.path()).unwrap();
         let gpu = legend_cuda::Gpu::new(0).unwrap();
         let opts = RowCacheOptions {
             requesters: 128,
             ..RowCacheOptions::default()
         };
-        let cache = store_row_cache(&gpu, (&store, &members), None, 1, (4, &opts)).unwrap();
+        let cache = store_row_cache(&gpu, layout, None, 1, (4, &opts)).unwrap();
         assert_eq!(cache.capacity_bytes(), 8 * u64::from(cache.line_bytes()));
         let cache = Mutex::new(cache);
         let rb = table.row_bytes as usize;

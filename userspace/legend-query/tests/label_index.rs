@@ -70,7 +70,7 @@ fn queries() -> Vec<Query> {
     q
 }
 
-fn answer(q: &QueryRun<'_>) -> Vec<Answer> {
+fn answer(q: &QueryRun) -> Vec<Answer> {
     q.answer(&queries(), 100, &|i| format!("query {}", i + 1))
         .unwrap()
 }
@@ -82,12 +82,12 @@ fn index_file(run: &Path) -> (u64, u64) {
 }
 
 /// Opens `run` as a query command does (files mapped, the index kept).
-fn command(run: &Path) -> QueryRun<'static> {
+fn command(run: &Path) -> QueryRun {
     QueryRun::open(run, None, &Unguarded, Residency::Fitting).unwrap()
 }
 
 /// Opens `run` as a daemon's serve job does (files read, the run not written).
-fn served(run: &Path) -> QueryRun<'static> {
+fn served(run: &Path) -> QueryRun {
     QueryRun::open_served(
         run,
         None,

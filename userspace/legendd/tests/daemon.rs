@@ -1964,7 +1964,7 @@ fn a_run_over_the_serve_jobs_host_memory_is_served_streamed_with_the_resident_an
             let dir = legend_engine::run::open(&run).unwrap();
             let mut meta = legend_engine::run::read_meta(&dir).unwrap();
             meta.reciprocal_relations = false;
-            let plain = Model::of_run(dir, meta, 6, &legend_fs::Unguarded, None).unwrap();
+            let plain = Model::of_run(dir, meta, 6, &legend_fs::Unguarded, false).unwrap();
             let e2 = served_label_id(&got[1]);
             let ask = |side, relation| Completion {
                 side,

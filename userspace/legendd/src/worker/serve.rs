@@ -126,7 +126,7 @@ pub fn serve(
         loaded.placement(),
         started.elapsed().as_secs_f64()
     ));
-    let serving = |loaded: &QueryRun<'_>| Serving {
+    let serving = |loaded: &QueryRun| Serving {
         placement: loaded.placement().to_owned(),
         streamed: loaded.streamed().map(str::to_owned),
         host_bytes: loaded.model().resident_bytes() as u64,
@@ -190,7 +190,7 @@ fn send_reply(out: &Outbox, id: u64, queries: u32, reply: &Reply) {
 }
 
 /// Answers a request's queries (a JSON list): how many were answered, and the reply.
-fn answer(run: &QueryRun<'_>, bound: &AnswerBound, text: &str) -> (u32, Reply) {
+fn answer(run: &QueryRun, bound: &AnswerBound, text: &str) -> (u32, Reply) {
     let raw = match legend_daemon_api::fields::raw_list(text, MAX_QUERIES) {
         Ok(raw) if !raw.is_empty() => raw,
         Ok(_) => {
