@@ -123,11 +123,12 @@ fn a_queried_run_opens_its_store_and_queue_pairs_once() {
 fn a_queried_run_on_a_gpu_opens_its_store_and_queue_pairs_once() {
     let dir = tempfile::tempdir().unwrap();
     let (run, backing) = proxy_run(dir.path());
-    // The table does not fit a budget of a scan's buffers and 1 MiB: rows are looked up
-    // through the row cache over the store, whose GPU queue pairs join the store's CPU one.
+    // The table (3000 rows of 8 floats and a norm: 108 kB) does not fit a budget of a scan's
+    // buffers and 64 KiB: rows are looked up through the row cache over the store, whose GPU
+    // queue pairs join the store's CPU one.
     let gpu = GpuOptions {
         device: DeviceChoice::Cuda(0),
-        budget: Some(legend_cuda::scan::SCAN_WORKING_BYTES + (1 << 20)),
+        budget: Some(legend_cuda::scan::SCAN_WORKING_BYTES + (64 << 10)),
         cache_fraction: 0.25,
     };
     let gpu_pairs = u64::from(legend_cuda::nvme_io::GpuIoOptions::default().queues);
