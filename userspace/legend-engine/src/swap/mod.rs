@@ -217,6 +217,8 @@ enum Job {
     /// Rows of partition `p` for a memory store to keep: a lent partition back, or a restored
     /// one ([`Swapper::keep`]).
     Keep(u32, StoredEmbeddings, Vec<f32>),
+    /// Partition `p` left its slot unmodified, its rows already at rest: it is home.
+    Home(u32),
     /// Reads rows `ids` alone into the buffer, which comes back ([`Swapper::read_rows`]).
     Rows(Vec<u64>, Vec<f32>),
 }
@@ -475,15 +477,14 @@ impl Swapper {
         let slot = self.slot(p).unwrap_or_else(|| {
             panic!("discarding partition {p}, which is not resident");
         });
-        if let Some(rows) = self.host.remove(p)
-            && self.in_memory
-        {
-            // Its reply is taken in turn with the others' (a read may be queued before it).
-            self.send(Job::Keep(
+        // Its reply is taken in turn with the others' (a read may be queued before it).
+        match self.host.remove(p) {
+            Some(rows) if self.in_memory => self.send(Job::Keep(
                 rows.id,
                 StoredEmbeddings::F32(rows.emb),
                 rows.state,
-            ))?;
+            ))?,
+            _ => self.send(Job::Home(p))?,
         }
         self.slot_of[p as usize] = None;
         self.arrived[p as usize] = false;
@@ -638,7 +639,7 @@ impl Swapper {
     }
 
     /// After a failed scan: takes the replies still owed (the failure's consequences) and
-    /// frees every slot, giving a memory store back the rows they held.
+    /// frees every slot, its partition home again (a memory store given back its rows).
     fn forget_slots(&mut self) {
         while self.outstanding > 0 {
             let Ok(reply) = self.replies.recv() else {
@@ -655,13 +656,18 @@ impl Swapper {
         let slots = (self.free.len() + self.slot_of.iter().flatten().count()) as u32;
         self.pending.clear();
         for p in 0..self.scheme.num_partitions {
-            if let Some(rows) = self.host.remove(p)
-                && self.in_memory
-            {
-                let back = Job::Keep(rows.id, StoredEmbeddings::F32(rows.emb), rows.state);
-                // A failure here is the I/O thread's, which the next call reports.
-                let _ = self.send(back).and_then(|()| self.receive());
+            if self.slot_of[p as usize].is_none() {
+                continue;
             }
+            // Home again, as `discard` sends it. A failure here is the I/O thread's, which the
+            // next call reports.
+            let back = match self.host.remove(p) {
+                Some(rows) if self.in_memory => {
+                    Job::Keep(rows.id, StoredEmbeddings::F32(rows.emb), rows.state)
+                }
+                _ => Job::Home(p),
+            };
+            let _ = self.send(back).and_then(|()| self.receive());
             self.slot_of[p as usize] = None;
             self.arrived[p as usize] = false;
         }
@@ -738,16 +744,24 @@ impl Drop for Swapper {
 fn serve(mover: &mut dyn Mover, job: Job) -> Reply {
     let started = Instant::now();
     let mut moved = Moved::default();
+    // A store shared by several swap paths orders their moves of one partition: a read waits
+    // until the partition's last holder has written it home (see `PartitionStore::take_out`).
     let (done, record) = match job {
         Job::Write { job, tag } => {
-            let done = mover
-                .write(job, &mut moved)
-                .map(|rows| Done::Written { rows });
+            let (p, home) = (job.p, !job.keep);
+            let done = mover.write(job, &mut moved).map(|rows| {
+                if home {
+                    mover.store().bring_home(p);
+                }
+                Done::Written { rows }
+            });
             (done, Some(tag))
         }
         Job::Read { p, slot, tag } => {
             let done = mover
-                .read(p, slot, &mut moved)
+                .store()
+                .take_out(p)
+                .and_then(|()| mover.read(p, slot, &mut moved))
                 .map(|(rows, ready)| Done::Read { p, rows, ready });
             (done, Some(tag))
         }
@@ -757,17 +771,24 @@ fn serve(mover: &mut dyn Mover, job: Job) -> Reply {
         ),
         Job::Lend(p) => (
             mover
-                .lend(p)
+                .store()
+                .wait_home(p)
+                .and_then(|()| mover.lend(p))
                 .map(|(part, returnable)| Done::Lent { part, returnable }),
             None,
         ),
-        Job::Keep(p, emb, state) => (
-            mover
-                .store()
-                .keep_stored(p, emb, state)
-                .map(|()| Done::Returned),
-            None,
-        ),
+        Job::Keep(p, emb, state) => {
+            let store = mover.store();
+            let done = store.keep_stored(p, emb, state).map(|()| {
+                store.bring_home(p);
+                Done::Returned
+            });
+            (done, None)
+        }
+        Job::Home(p) => {
+            mover.store().bring_home(p);
+            (Ok(Done::Returned), None)
+        }
         Job::Rows(ids, mut out) => (
             mover.read_rows(&ids, &mut out).map(|()| Done::Rows(out)),
             None,
