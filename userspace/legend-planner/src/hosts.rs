@@ -98,15 +98,17 @@ pub fn plan_hosts(
         return Err(GpuPlanError::NoGpus);
     }
     let k = h * l;
-    if h == 1 || l == 1 || l % 2 == 1 {
-        return plan_gpus(num_partitions, k, batches);
-    }
     let n = num_partitions;
-    if n != 2 * k {
-        return Err(GpuPlanError::Partitions {
+    if h > 1 && n != 2 * k {
+        // A parked partition would wait on one host while another host's GPU reads it.
+        return Err(GpuPlanError::HostsPartitions {
             num_partitions: n,
             gpus: k,
+            hosts: h,
         });
+    }
+    if h == 1 || l == 1 || l % 2 == 1 {
+        return plan_gpus(num_partitions, k, batches);
     }
     if batches.len() != (n * n) as usize {
         return Err(GpuPlanError::BatchCounts {
@@ -313,7 +315,7 @@ mod tests {
         assert_eq!(plan_hosts(8, 0, 4, &b).unwrap_err(), GpuPlanError::NoGpus);
         assert!(matches!(
             plan_hosts(10, 2, 2, &uniform(10, 1)),
-            Err(GpuPlanError::Partitions { gpus: 4, .. })
+            Err(GpuPlanError::HostsPartitions { gpus: 4, .. })
         ));
     }
 

@@ -14,6 +14,7 @@ mod gpus;
 mod hosts;
 mod legend;
 mod order;
+mod parked;
 mod plan;
 mod predict;
 mod search;
