@@ -616,7 +616,8 @@ impl Dir {
 /// Who, besides this process's own user and root, could change the contents of the open file
 /// `file` while this process reads it: `None` when no one can (the file is this user's or
 /// root's, and neither its group nor others may write it; an ACL's entries are bounded by its
-/// mask, which the group bits are), else who, in words.
+/// mask, which the group bits are; and it is not on a FUSE file system, whose server, which
+/// may be anyone's, says what it holds and who owns it), else who, in words.
 ///
 /// A file no one else can change may be mapped into a process that others rely on (legendd's
 /// serve job answers its submitter's group): a change under the mapping could then come only
@@ -624,6 +625,12 @@ impl Dir {
 /// from root. A file someone else could rewrite or truncate is read into the process instead,
 /// so that what was checked when it was read is what is used.
 pub fn writable_by_others(file: &File) -> io::Result<Option<String>> {
+    use nix::sys::statfs::{FUSE_SUPER_MAGIC, fstatfs};
+    if fstatfs(file)?.filesystem_type() == FUSE_SUPER_MAGIC {
+        return Ok(Some(
+            "on a FUSE file system (its server says what the file holds)".into(),
+        ));
+    }
     let st = fstat(file)?;
     let me = nix::unistd::geteuid().as_raw();
     if st.st_uid != me && st.st_uid != 0 {

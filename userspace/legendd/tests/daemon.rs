@@ -1917,6 +1917,37 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
     assert_eq!(failed.state, JobState::Failed, "{failed:?}");
     let error = failed.error.unwrap_or_default();
     assert!(error.contains("serving on cuda:7"), "{error}");
+    // Its rows swapped for a hard link to root's own file (of their size, mode 600), or for a
+    // symbolic link to one anyone may read: the job, which opens what it maps or reads as its
+    // submitter would, beneath the run's directory without following links, fails naming the
+    // file, having read nothing of it.
+    let bytes = std::fs::read(&rows).unwrap();
+    let secret = dir.path().join("secret-rows");
+    std::fs::write(&secret, &bytes).unwrap();
+    mode(&secret, 0o600);
+    let public = dir.path().join("public-rows");
+    std::fs::write(&public, &bytes).unwrap();
+    mode(&public, 0o644);
+    for hard in [true, false] {
+        std::fs::remove_file(&rows).unwrap();
+        let why = if hard {
+            std::fs::hard_link(&secret, &rows).unwrap();
+            "Permission denied"
+        } else {
+            std::os::unix::fs::symlink(&public, &rows).unwrap();
+            "a symbolic link: not followed"
+        };
+        let refused = serve(&mut owner, &run);
+        let ended = wait_for(&mut owner, refused, Duration::from_secs(30), |j| {
+            j.state.is_final()
+        });
+        assert_eq!(ended.state, JobState::Failed, "{ended:?}");
+        let error = ended.error.unwrap_or_default();
+        assert!(
+            error.contains(&format!("{}: {why}", rows.display())),
+            "{error}"
+        );
+    }
 }
 
 /// A daemon whose serve jobs may hold no entity rows in host memory (`serve_host_memory_mib =
