@@ -92,11 +92,6 @@ impl TableReader {
         ((self.len - self.offset) / self.dtype.bytes() as u64) as usize
     }
 
-    /// The file's path, for messages.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Tells the kernel that the file's `bytes` stored bytes after the next `skip` will be
     /// read soon: a reader that reads a cold file in pieces keeps the disk busy between them.
     pub fn will_read(&self, skip: u64, bytes: u64) {
