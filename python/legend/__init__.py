@@ -14,13 +14,20 @@
 Documentation/python.md is the reference: the zero-copy rule for arrays, threads, errors.
 """
 
-from . import errors, interop
-from ._legend import __version__
-from .client import Client
-from .dataset import Dataset, import_marius, import_triples
-from .errors import *  # noqa: F403 (the exception classes, listed in errors.__all__)
-from .run import Run, open
-from .training import ProgressView, train
+import os as _os
+
+# NVLink multicast off for NCCL (training with gpus > 1) unless the user chose otherwise: it can
+# take a shared host's GPUs out of service, and the engine makes no communicator while the
+# variable is unset. Set here, at import, before the extension starts any thread.
+_os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+from . import errors, interop  # noqa: E402 (after the environment is settled)
+from ._legend import __version__  # noqa: E402
+from .client import Client  # noqa: E402
+from .dataset import Dataset, import_marius, import_triples  # noqa: E402
+from .errors import *  # noqa: E402, F403 (the exception classes, listed in errors.__all__)
+from .run import Run, open  # noqa: E402
+from .training import ProgressView, train  # noqa: E402
 
 __all__ = [
     "__version__",

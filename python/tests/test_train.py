@@ -163,3 +163,19 @@ def test_numpy_values_are_settings_and_values_toml_cannot_carry_are_refused_by_k
     with pytest.raises(legend.ConfigError, match=r"training.device = .*not object"):
         legend.train(umls, out, overrides={"training.device": object()}, progress=False)
     assert not out.exists()
+
+
+def test_importing_legend_keeps_nvlink_multicast_off_unless_the_user_set_it():
+    import os
+    import subprocess
+    import sys
+
+    probe = "import os, legend; print(os.environ['NCCL_NVLS_ENABLE'])"
+    for preset, expected in [(None, "0"), ("1", "1")]:
+        env = {k: v for k, v in os.environ.items() if k != "NCCL_NVLS_ENABLE"}
+        if preset is not None:
+            env["NCCL_NVLS_ENABLE"] = preset
+        out = subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == expected, (preset, out.stdout, out.stderr)

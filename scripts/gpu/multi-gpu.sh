@@ -7,9 +7,15 @@
 # times, the workers' per-round compute / wait / hand-over, bytes handed over, imbalance and
 # parallel efficiency, and the speed-ups against one GPU at N = 1 and at the same N.
 #
+# With PARKED (a list of K:N, N ≥ 3K, e.g. "4:12 4:16") it also trains K GPUs over N partitions
+# parked in host memory between rounds (each read while the round before trains) and sets them
+# beside the K GPUs holding the table (N = 2K, for the K in GPUS).
+#
 # Builds nothing: expects legendctl in ${BIN_DIR:-target-gpu} (scripts/gpu/build-binaries.sh).
 # Edges and runs on tmpfs (the checkpoints are 33 GB each; the machine has 512 GiB).
-# NODES, EDGES and EPOCHS scale it down (a smoke run); GPUS lists the K to run (default "2 4").
+# NODES, EDGES and EPOCHS scale it down (a smoke run); GPUS lists the K to run (default "2 4");
+# SAME_N=0 skips the one-GPU runs at N = 2K; DEVICE=cpu runs the CPU engine's workers (a smoke
+# run of the script itself, on a machine without GPUs).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=${BIN_DIR:-$root/target-gpu}
@@ -20,9 +26,12 @@ nodes=${NODES:-41652230}
 edges=${EDGES:-1468365182}
 epochs=${EPOCHS:-3}
 gpus_list=${GPUS-2 4}
+parked_list=${PARKED-}
+same_n=${SAME_N:-1}
+device=${DEVICE:-cuda:0}
 mkdir -p "$out"
 rm -rf "$data" "$work" && mkdir -p "$work"
-source "$root/scripts/gpu/nvrtc-env.sh"
+[ "$device" = cpu ] || source "$root/scripts/gpu/nvrtc-env.sh"
 # The VM's MemAvailable starts far below the memory it will give (config.md, "Memory").
 export LEGEND_HOST_MEMORY_GIB=${LEGEND_HOST_MEMORY_GIB:-400}
 ctl=$bin/legendctl
@@ -72,7 +81,7 @@ train() {
         --set training.negatives.degree_fraction=0.5 \
         --set storage.backend=memory --set storage.num_partitions="$n" \
         --set training.num_epochs="$epochs" --set training.checkpoint_minutes=0 \
-        --set evaluation.protocol=sampled --set training.device='"cuda:0"' "$@" || return 1
+        --set evaluation.protocol=sampled --set training.device="\"$device\"" "$@" || return 1
     cp "$work/$name/metrics.jsonl" "$out/metrics-$name.jsonl"
     grep -E "GPU memory|set-up|workers|rounds" "$out/multi-$name.log" | head -8 | tee -a "$log"
     rm -rf "$work/$name"
@@ -82,13 +91,19 @@ train one-n1 0 1 || exit 1
 for k in $gpus_list; do
     n=$((2 * k))
     devices=$(seq -s, 0 $((k - 1)))
-    train "one-n$n" 0 "$n" || exit 1
+    [ "$same_n" = 0 ] || train "one-n$n" 0 "$n" || exit 1
     train "gpus$k" "$devices" "$n" --gpus "$k" || exit 1
 done
+for spec in $parked_list; do
+    k=${spec%%:*} n=${spec##*:}
+    train "parked$k-$n" "$(seq -s, 0 $((k - 1)))" "$n" --gpus "$k" || exit 1
+done
 
-python3 - "$out" "$epochs" $gpus_list <<'EOF' | tee -a "$log"
-import json, sys
-out, epochs, ks = sys.argv[1], int(sys.argv[2]), [int(k) for k in sys.argv[3:]]
+python3 - "$out" "$epochs" "$same_n" "$parked_list" $gpus_list <<'EOF' | tee -a "$log"
+import json, os, sys
+out, epochs, same_n = sys.argv[1], int(sys.argv[2]), sys.argv[3] != "0"
+parked = [tuple(int(x) for x in spec.split(":")) for spec in sys.argv[4].split()]
+ks = [int(k) for k in sys.argv[5:]]
 def epochs_of(name):
     lines = [json.loads(l) for l in open(f"{out}/metrics-{name}.jsonl") if l.startswith("{")]
     return [l for l in lines if "epoch" in l and "seconds" in l]
@@ -102,13 +117,26 @@ print("| K | N | 1 GPU at N | K GPUs | vs 1 GPU N=1 | vs 1 GPU same N | parallel
 print("|---|---|---|---|---|---|---|---|---|---|")
 for k in ks:
     n = 2 * k
-    same, _ = steady(f"one-n{n}")
+    same, _ = steady(f"one-n{n}") if same_n else (float("nan"), None)
     multi, e = steady(f"gpus{k}")
     w = e[-1].get("workers", {})
     rounds = w.get("rounds", [])
     hand = [g["handover_s"] for r in rounds[1:] for g in r]
     hand_s = max(hand) if hand else 0.0
-    print(f"| {k} | {n} | {same:.2f} s | {multi:.2f} s | {base / (k * multi):.1%} | {same / (k * multi):.1%} "
+    same_s, same_r = (f"{same:.2f} s", f"{same / (k * multi):.1%}") if same_n else ("–", "–")
+    print(f"| {k} | {n} | {same_s} | {multi:.2f} s | {base / (k * multi):.1%} | {same_r} "
           f"| {w.get('parallel_efficiency', 0):.1%} | {w.get('imbalance', 0):.3f} ({w.get('predicted_imbalance', 0):.3f}) "
           f"| {hand_s:.3f} | {w.get('handover_bytes', 0) / 1e9:.1f} |")
+if parked:
+    print("\nParked in host memory between rounds (N ≥ 3K), against K GPUs holding the table (N = 2K):")
+    print("| K | N | epoch | vs K GPUs, N = 2K | vs 1 GPU N=1 | parallel eff. | imbalance (pred.) | exposed move s/round (max) | reads from host memory | GB read |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for k, n in parked:
+        t, e = steady(f"parked{k}-{n}")
+        held = steady(f"gpus{k}")[0] if os.path.exists(f"{out}/metrics-gpus{k}.jsonl") else float("nan")
+        w = e[-1].get("workers", {})
+        moves = [g["handover_s"] for r in w.get("rounds", [])[1:] for g in r]
+        print(f"| {k} | {n} | {t:.2f} s | {held / t:.1%} | {base / (k * t):.1%} | {w.get('parallel_efficiency', 0):.1%} "
+              f"| {w.get('imbalance', 0):.3f} ({w.get('predicted_imbalance', 0):.3f}) | {max(moves) if moves else 0:.3f} "
+              f"| {w.get('home_reads', 0)} | {w.get('home_read_bytes', 0) / 1e9:.1f} |")
 EOF

@@ -604,6 +604,33 @@ impl GpuEstimate {
         })
     }
 
+    /// What makes a worker of a K-GPU run (`workers` of them; each holds three partition
+    /// slots) fit in `free`: the fewest partitions, at least 3K, whose slots fit beside the
+    /// rest, the others parked in host memory between rounds (one host only).
+    fn parked_advice(&self, config: &Config, workers: u32, free: u64) -> String {
+        let rest = self.total() - self.nodes;
+        if config.training.hosts > 1 {
+            return format!(
+                "a run over several hosts holds the table in its GPUs' memory together (N = 2K): add GPUs or hosts, or train on one host with storage.num_partitions ≥ {} (partitions parked in its memory)",
+                3 * workers
+            );
+        }
+        let most = MAX_ADVISED_PARTITIONS.min(u32::try_from(self.entities).unwrap_or(u32::MAX));
+        let slot = |n: u32| self.entities.div_ceil(u64::from(n)) * self.row;
+        let start = (3 * workers).max(config.storage.num_partitions + 1);
+        match (start..=most).find(|&n| rest + 3 * slot(n) <= free) {
+            Some(n) => format!(
+                "park partitions in host memory between rounds, each GPU holding 3 of {n} ({:.1} GiB each): {}",
+                gib(slot(n)),
+                Change::Partitions(n)
+            ),
+            None => format!(
+                "no partitioning fits a GPU's three partition slots beside the {:.1} GiB that the edges, relation rows and workspace take",
+                gib(rest)
+            ),
+        }
+    }
+
     /// Refuses the run when the estimate exceeds `free` bytes of `device`'s memory, saying
     /// what would make it fit.
     pub fn check(&self, config: &Config, device: &str, free: u64) -> Result<(), DoesNotFit> {
@@ -625,7 +652,8 @@ impl GpuEstimate {
                 config.storage.gpu_edge_fraction
             ));
         }
-        if config.read_ahead() && self.slot >= short {
+        let workers = config.training.gpus * config.training.hosts;
+        if workers == 1 && config.read_ahead() && self.slot >= short {
             advice.push(format!(
                 "turn storage.read_ahead off (its spare partition slot takes {:.1} GiB; each swap then reads after its write)",
                 gib(self.slot)
@@ -633,7 +661,10 @@ impl GpuEstimate {
         }
         // What stays whatever the partition slots (edges, relations, workspace).
         let rest = self.total() - self.nodes;
-        advice.push(match self.fitting_layout(config, free) {
+        advice.push(if workers > 1 {
+            self.parked_advice(config, workers, free)
+        } else {
+            match self.fitting_layout(config, free) {
             Some((n, c)) => {
                 let mut changes = Vec::new();
                 if n != config.storage.num_partitions {
@@ -651,6 +682,7 @@ impl GpuEstimate {
                 "no partitioning fits the node rows beside the {:.1} GiB that the edges, relation rows and workspace take",
                 gib(rest)
             ),
+            }
         });
         Err(DoesNotFit(format!(
             "training on {device} needs about {:.1} GiB of its memory ({:.1} GiB of node rows with their AdaGrad state and gradients, {:.1} GiB of relation rows, {:.1} GiB of edges, {:.1} GiB of workspace, {:.1} GiB of known edges) but {:.1} GiB is free: {}",
@@ -736,6 +768,52 @@ mod tests {
         );
         let err = e.check(&config, "cuda:0", 10 << 30).unwrap_err().0;
         assert!(err.contains("no partitioning fits the node rows"), "{err}");
+    }
+
+    /// A worker of a K-GPU run holds three slots (two training, one arriving); when they do
+    /// not fit, the advice is to park partitions in host memory: N ≥ 3K.
+    #[test]
+    fn a_k_gpu_worker_that_does_not_fit_is_advised_to_park_partitions() {
+        let worker = |n: u32| {
+            let mut config = Config::parse(
+                "",
+                &[
+                    "model.decoder=dot".into(),
+                    "model.dim=100".into(),
+                    "training.gpus=2".into(),
+                    format!("storage.num_partitions={n}"),
+                ],
+            )
+            .unwrap();
+            // What `Workers` gives each worker's trainer.
+            config.storage.buffer_capacity = 2;
+            config.storage.read_ahead = true;
+            let scheme = PartitionScheme::new(41_652_230, n).unwrap();
+            let n2 = u64::from(n * n);
+            let buckets = vec![1_468_218_346 / n2; n2 as usize];
+            let e = GpuEstimate::of(&config, scheme, &buckets, 0, 143_771 << 20);
+            (config, e)
+        };
+        let (config, e) = worker(4);
+        assert_eq!(config.storage.num_partitions, 4);
+        // Three slots of a quarter of the table: 3 × 11.8 GiB, and the edges.
+        let err = e.check(&config, "cuda:0", 40 << 30).unwrap_err().0;
+        assert!(
+            err.contains("park partitions in host memory")
+                && err.contains("storage.num_partitions = ")
+                && !err.contains("buffer_capacity"),
+            "{err}"
+        );
+        let advised: u32 = err
+            .split("storage.num_partitions = ")
+            .nth(1)
+            .and_then(|t| t.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|d| d.parse().ok())
+            .expect("a partition count");
+        assert!(advised >= 6, "{err}");
+        let (config, e) = worker(advised);
+        assert_eq!(config.storage.num_partitions, advised, "N ≥ 3K is kept");
+        assert!(e.check(&config, "cuda:0", 40 << 30).is_ok());
     }
 
     fn meta(entities: u64, train: u64) -> DatasetMeta {

@@ -141,22 +141,22 @@ impl GpuSchedule {
     /// Partitions GPU `gpu` holds in round `to` and not in round `from`, which no GPU held in
     /// round `from` (they come from the home), in the order it holds them.
     pub fn from_home(&self, from: usize, to: usize, gpu: usize) -> Vec<u32> {
-        let before = &self.rounds[from].held;
-        self.rounds[to].held[gpu]
-            .iter()
-            .copied()
-            .filter(|p| before.iter().all(|h| !h.contains(p)))
-            .collect()
+        self.held_only(to, gpu, from)
     }
 
     /// Partitions GPU `gpu` holds in round `from` that no GPU holds in round `to` (they go
     /// home).
     pub fn to_home(&self, from: usize, to: usize, gpu: usize) -> Vec<u32> {
-        let after = &self.rounds[to].held;
-        self.rounds[from].held[gpu]
+        self.held_only(from, gpu, to)
+    }
+
+    /// Partitions GPU `gpu` holds in round `round` that no GPU holds in round `other`.
+    fn held_only(&self, round: usize, gpu: usize, other: usize) -> Vec<u32> {
+        let others = &self.rounds[other].held;
+        self.rounds[round].held[gpu]
             .iter()
             .copied()
-            .filter(|p| after.iter().all(|h| !h.contains(p)))
+            .filter(|p| others.iter().all(|h| !h.contains(p)))
             .collect()
     }
 }
@@ -179,6 +179,15 @@ pub enum GpuPlanError {
         num_partitions: u32,
         /// K.
         gpus: u32,
+    },
+    /// More partitions than a parked schedule plans.
+    #[error(
+        "{num_partitions} partitions: a schedule that parks partitions between rounds plans at most {}",
+        crate::MAX_PARKED_PARTITIONS
+    )]
+    TooManyParked {
+        /// N asked for.
+        num_partitions: u32,
     },
     /// Several hosts with N other than 2K.
     #[error(
@@ -241,6 +250,9 @@ pub fn plan_gpus(
             num_partitions: n,
             gpus: k,
         });
+    }
+    if n != 2 * k && n > crate::MAX_PARKED_PARTITIONS {
+        return Err(GpuPlanError::TooManyParked { num_partitions: n });
     }
     if batches.len() != (n * n) as usize {
         return Err(GpuPlanError::BatchCounts {

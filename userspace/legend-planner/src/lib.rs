@@ -25,6 +25,7 @@ pub use error::{PlanError, PredictError, ValidationError};
 pub use gpus::{GpuPlanError, GpuRound, GpuSchedule, HandOver, Piece, plan_gpus, validate_gpus};
 pub use hosts::{HostTraffic, plan_hosts, validate_hosts};
 pub use order::{Order, UnknownOrder};
+pub use parked::MAX_PARKED_PARTITIONS;
 pub use plan::{Plan, Swap, validate};
 pub use predict::{Prediction, PredictionInput, predict};
 

@@ -18,19 +18,29 @@
 //! one with the fewest rounds, then the fewest exposed loads, is kept; the lower bound is
 //! ⌈N(N − 1) / 2K⌉ rounds (every pair once, K a round).
 
-/// Attempts, each with its own tie-breaking; the schedule is a function of (N, K).
-const ATTEMPTS: u64 = 8;
+/// Attempts, each with its own tie-breaking, at N ≤ 32 (small schedules gain most from a
+/// second look); fewer above, so that planning stays well under a second: the schedule is a
+/// function of (N, K).
+const ATTEMPTS: u64 = 64;
 
 /// Seated rounds (per round, GPU `g`'s pair at `g`) covering every pair of `n` partitions
 /// once with `k` GPUs, `n ≥ 3k`, each GPU keeping one partition from a round to the next
 /// wherever it can (see the module docs).
 pub(crate) fn parked_rounds(n: u32, k: u32) -> Vec<Vec<[u32; 2]>> {
     assert!(k >= 1 && n >= 3 * k, "parked rounds need N ≥ 3K");
-    (0..ATTEMPTS)
+    let attempts = (ATTEMPTS * 32 * 32 / u64::from(n * n)).clamp(2, ATTEMPTS);
+    (0..attempts)
         .filter_map(|seed| attempt(n, k, seed))
         .min_by_key(|rounds| (rounds.len(), exposed_loads(rounds)))
         .expect("the first attempt never gives up (it breaks ties by index)")
 }
+
+/// The most partitions a parked schedule plans (a GPU then holds 3/256 of the table; planning
+/// takes about a second there, and grows with N³).
+pub const MAX_PARKED_PARTITIONS: u32 = 256;
+
+/// Parked partitions a GPU with no open pair through one considers pairing first.
+const FALLBACK_CANDIDATES: usize = 16;
 
 /// Transitions (over consecutive rounds, per GPU) that bring a GPU two partitions: one of them
 /// cannot be read ahead into the one free slot.
@@ -165,13 +175,16 @@ fn fallback(
     n: u32,
     rank: impl Fn(u32) -> u64 + Copy,
 ) -> [u32; 2] {
-    let free: Vec<u32> = (0..n)
+    let mut free: Vec<u32> = (0..n)
         .filter(|&p| parked[p as usize] && !used[p as usize])
         .collect();
+    // The neediest partitions first; pairs among the first few are enough to choose from.
+    free.sort_by_key(|&p| (std::cmp::Reverse(open.left[p as usize]), rank(p)));
     let best_pair = free
         .iter()
+        .take(FALLBACK_CANDIDATES)
         .flat_map(|&x| free.iter().map(move |&y| (x, y)))
-        .filter(|&(x, y)| x < y && open.open(x, y))
+        .filter(|&(x, y)| x != y && open.open(x, y))
         .max_by_key(|&(x, y)| {
             (
                 open.left[x as usize] + open.left[y as usize],

@@ -255,7 +255,9 @@ pub struct TrainingConfig {
     /// workers take `cuda:0 .. cuda:K-1` of the devices `CUDA_VISIBLE_DEVICES` shows). With
     /// `training.device = "cpu"`, K workers of the CPU engine run the same schedule (the
     /// coordinator's reference, tested without GPUs). More than one sets
-    /// `storage.num_partitions` to 2K (see `crate::workers`).
+    /// `storage.num_partitions` to 2K (the table in the GPUs' memory together) unless it is at
+    /// least 3K on one host (partitions parked in host memory between rounds, read ahead; see
+    /// `crate::workers`).
     pub gpus: u32,
     /// Hosts H the run spreads over, `training.gpus` GPUs each (one process a host, launched
     /// with `legendctl train --hosts` or by torchrun or Slurm, which set it): N = 2·H·K.

@@ -362,3 +362,45 @@ fn resolved_config_round_trips() {
     let c = Config::parse("", &["storage.num_partitions=4".into()]).unwrap();
     assert_eq!(Config::parse(&c.to_toml(), &[]).unwrap(), c);
 }
+
+#[test]
+fn several_gpus_take_two_k_partitions_or_keep_three_k_and_more_on_one_host() {
+    let partitions = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        Config::parse("", &sets).unwrap().storage.num_partitions
+    };
+    assert_eq!(partitions(&["training.gpus=3"]), 6);
+    // Between 2K and 3K no partition could be read ahead: 2K.
+    assert_eq!(
+        partitions(&["training.gpus=3", "storage.num_partitions=8"]),
+        6
+    );
+    // At least 3K: parked in host memory between rounds, kept (and a resumed run's N kept).
+    for n in [9, 10, 31] {
+        let set = format!("storage.num_partitions={n}");
+        assert_eq!(partitions(&["training.gpus=3", &set]), n);
+    }
+    let err = Config::parse(
+        "",
+        &[
+            "training.gpus=3".into(),
+            "storage.num_partitions=300".into(),
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("storage.num_partitions") && err.contains("at most 256"),
+        "{err}"
+    );
+    // Several hosts hold the table in their GPUs: 2HK.
+    assert_eq!(
+        partitions(&[
+            "training.gpus=2",
+            "training.hosts=2",
+            "storage.num_partitions=12",
+            "training.negatives.filtered=false"
+        ]),
+        8
+    );
+}

@@ -314,7 +314,23 @@ impl Config {
         if k == 1 {
             return Ok(());
         }
-        let n = 2 * k;
+        // N = 2K keeps the table in the GPUs; N ≥ 3K parks partitions in host memory between
+        // rounds (one host: a parked partition waits in that host's memory).
+        let asked = self.storage.num_partitions;
+        let n = if hosts == 1 && asked >= 3 * k {
+            asked
+        } else {
+            2 * k
+        };
+        if n > legend_planner::MAX_PARKED_PARTITIONS && n != 2 * k {
+            return Err(bad(
+                "storage.num_partitions",
+                format!(
+                    "{n}: {k} GPUs park partitions in host memory between rounds with at most {} partitions (each GPU then holds 3 of them)",
+                    legend_planner::MAX_PARKED_PARTITIONS
+                ),
+            ));
+        }
         if n as usize > MAX_PARTITIONS {
             return Err(bad(
                 "training.hosts",
@@ -326,10 +342,19 @@ impl Config {
         }
         let s = &mut self.storage;
         if s.num_partitions != n {
-            if s.num_partitions != 1 {
+            // A resumed run keeps its N where it can; else (a new K) the partitions are laid
+            // out anew.
+            if asked != 1 {
                 tracing::info!(
-                    "{k} GPUs: storage.num_partitions = {n} (two partitions a GPU) instead of {}",
-                    s.num_partitions
+                    "{k} GPUs: storage.num_partitions = {n} (the table in their memory together) instead of {asked}{}",
+                    if hosts == 1 {
+                        format!(
+                            "; {} or more park partitions in host memory between rounds",
+                            3 * k
+                        )
+                    } else {
+                        String::new()
+                    }
                 );
             }
             s.num_partitions = n;

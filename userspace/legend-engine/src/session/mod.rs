@@ -147,12 +147,20 @@ impl Session {
         );
         let Some(plan) = self.trainer.plan() else {
             let schedule = self.trainer.schedule().expect("workers have a schedule");
+            let moves = if schedule.parks() {
+                format!(
+                    "partitions parked in host memory between rounds: {} read ahead, {} not",
+                    schedule.home_loads - schedule.exposed_loads,
+                    schedule.exposed_loads
+                )
+            } else {
+                format!("{} hand-overs", schedule.moves_per_epoch())
+            };
             return format!(
-                "{what}, {} partitions on {} workers, {} rounds per epoch ({} hand-overs; predicted imbalance {:.3})",
+                "{what}, {} partitions on {} workers, {} rounds per epoch ({moves}; predicted imbalance {:.3})",
                 schedule.num_partitions,
                 schedule.gpus,
                 schedule.rounds.len(),
-                schedule.moves_per_epoch(),
                 schedule.predicted_imbalance
             );
         };

@@ -1,7 +1,7 @@
 //! The `memory` backend's store: partitions kept in RAM outside the resident set, their
 //! embeddings in `storage.dtype` (16-bit rows take half the RAM of f32 ones).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use legend_dataset::PartitionScheme;
 use legend_model::Dtype;
@@ -207,35 +207,96 @@ impl PartitionStore for MemoryStore {
 }
 
 /// One memory store shared by the workers of a K-GPU run ([`crate::workers`]): each worker's
-/// swap path reads the partitions it starts an epoch with from it and writes back those it
-/// leaves; in between, partitions travel from worker to worker.
+/// swap path reads the partitions it trains from it and writes back those it leaves; in
+/// between, partitions travel from worker to worker or wait here (parked, N ≥ 3K).
+///
+/// A partition a worker took out is not home until that worker writes it back, and the write
+/// runs on the worker's I/O thread while another worker may already be reading the same
+/// partition ahead of its next round: the store orders the two, making the read wait
+/// ([`PartitionStore::take_out`]). A read never sees stale rows nor draws a partition afresh
+/// because its last holder had not written it yet.
 #[derive(Clone)]
-pub struct SharedMemoryStore(Arc<Mutex<MemoryStore>>);
+pub struct SharedMemoryStore(Arc<Shared>);
+
+struct Shared {
+    store: Mutex<Kept>,
+    came_home: Condvar,
+}
+
+struct Kept {
+    store: MemoryStore,
+    /// Partitions some swap path took out and has not brought home.
+    out: std::collections::HashSet<u32>,
+    /// Set when the run fails: waits end with an error instead of waiting for a worker that
+    /// will never write its partition back.
+    abandoned: bool,
+}
+
+/// How often a wait for a partition looks whether the run was abandoned (belt and braces: an
+/// abandon also wakes every wait).
+const WAKE: std::time::Duration = std::time::Duration::from_millis(100);
 
 impl SharedMemoryStore {
-    /// `store`, shared.
+    /// `store`, shared; every partition home.
     pub fn new(store: MemoryStore) -> SharedMemoryStore {
-        SharedMemoryStore(Arc::new(Mutex::new(store)))
+        SharedMemoryStore(Arc::new(Shared {
+            store: Mutex::new(Kept {
+                store,
+                out: std::collections::HashSet::new(),
+                abandoned: false,
+            }),
+            came_home: Condvar::new(),
+        }))
     }
 
     /// The embeddings' format at rest.
     pub fn dtype(&self) -> Dtype {
-        self.lock().dtype()
+        self.lock().store.dtype()
     }
 
     /// The partitions it holds, ascending.
     pub(crate) fn stored(&self) -> Vec<u32> {
-        let mut ids: Vec<u32> = self.lock().parts.keys().copied().collect();
+        let mut ids: Vec<u32> = self.lock().store.parts.keys().copied().collect();
         ids.sort_unstable();
         ids
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, MemoryStore> {
+    /// The run failed: every wait for a partition ends in [`PartitionStoreError::Abandoned`],
+    /// until [`SharedMemoryStore::resume`].
+    pub(crate) fn abandon(&self) {
+        self.lock().abandoned = true;
+        self.0.came_home.notify_all();
+    }
+
+    /// Waits block again (a new part of the run starts).
+    pub(crate) fn resume(&self) {
+        self.lock().abandoned = false;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
         // A worker that panicked holding the lock left whole partitions (each operation moves
         // one partition in or out at once): the store is still consistent.
         self.0
+            .store
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The lock, once partition `p` is home.
+    fn lock_home(&self, p: u32) -> Result<std::sync::MutexGuard<'_, Kept>, PartitionStoreError> {
+        let mut kept = self.lock();
+        while kept.out.contains(&p) {
+            if kept.abandoned {
+                return Err(PartitionStoreError::Abandoned(p));
+            }
+            kept = self
+                .0
+                .came_home
+                .wait_timeout(kept, WAKE)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+        Ok(kept)
     }
 }
 
@@ -246,11 +307,11 @@ impl PartitionStore for SharedMemoryStore {
         emb: &mut [f32],
         state: &mut [f32],
     ) -> Result<bool, PartitionStoreError> {
-        self.lock().read(p, emb, state)
+        self.lock().store.read(p, emb, state)
     }
 
     fn write(&mut self, p: u32, emb: &[f32], state: &[f32]) -> Result<(), PartitionStoreError> {
-        self.lock().write(p, emb, state)
+        self.lock().store.write(p, emb, state)
     }
 
     fn in_memory(&self) -> bool {
@@ -258,7 +319,7 @@ impl PartitionStore for SharedMemoryStore {
     }
 
     fn take_stored(&mut self, p: u32) -> Option<(StoredEmbeddings, Vec<f32>)> {
-        self.lock().take_stored(p)
+        self.lock().store.take_stored(p)
     }
 
     fn keep_stored(
@@ -267,7 +328,21 @@ impl PartitionStore for SharedMemoryStore {
         emb: StoredEmbeddings,
         state: Vec<f32>,
     ) -> Result<(), PartitionStoreError> {
-        self.lock().keep_stored(p, emb, state)
+        self.lock().store.keep_stored(p, emb, state)
+    }
+
+    fn take_out(&mut self, p: u32) -> Result<(), PartitionStoreError> {
+        self.lock_home(p)?.out.insert(p);
+        Ok(())
+    }
+
+    fn bring_home(&mut self, p: u32) {
+        self.lock().out.remove(&p);
+        self.0.came_home.notify_all();
+    }
+
+    fn wait_home(&mut self, p: u32) -> Result<(), PartitionStoreError> {
+        self.lock_home(p).map(drop)
     }
 }
 
@@ -333,5 +408,40 @@ mod tests {
         let mut back = Vec::new();
         widen_into(Dtype::Bf16, &StoredEmbeddings::Bits16(bits), &mut back);
         assert_eq!(back, got);
+    }
+
+    /// A worker reading a partition another worker still holds waits for its write-back, and
+    /// sees the written rows; an abandoned run's wait ends in an error naming the partition.
+    #[test]
+    fn a_shared_read_waits_for_the_holders_write_and_an_abandon_ends_it() {
+        let home = SharedMemoryStore::new(MemoryStore::new(Dtype::F32));
+        let (mut holder, mut reader) = (home.clone(), home.clone());
+        holder.take_out(3).unwrap();
+        let waiting = std::thread::spawn(move || {
+            reader.take_out(3).unwrap();
+            let (mut emb, mut state) = ([0.0f32; 2], [0.0f32; 2]);
+            assert!(reader.read(3, &mut emb, &mut state).unwrap());
+            emb
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            !waiting.is_finished(),
+            "the read waits while partition 3 is out"
+        );
+        holder.write(3, &[1.0, 2.0], &[0.5, 0.5]).unwrap();
+        holder.bring_home(3);
+        assert_eq!(waiting.join().unwrap(), [1.0, 2.0]);
+        // Out again, with the reader; nobody will bring it home.
+        let mut stuck = home.clone();
+        let waiting = std::thread::spawn(move || stuck.take_out(3));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        home.abandon();
+        let err = waiting.join().unwrap().unwrap_err().to_string();
+        assert!(err.contains("partition 3 was not written back"), "{err}");
+        // A new part of the run waits again; other partitions were never held up.
+        home.resume();
+        let mut other = home.clone();
+        other.take_out(4).unwrap();
+        other.wait_home(5).unwrap();
     }
 }

@@ -77,6 +77,19 @@ pub trait PartitionStore: Send + 'static {
             ))),
         }
     }
+    /// A slot is about to read partition `p` to train it: a store shared by several swap paths
+    /// waits until `p` is home (written back by whichever path held it) and marks it out.
+    /// Stores with one reader do nothing.
+    fn take_out(&mut self, _p: u32) -> Result<(), PartitionStoreError> {
+        Ok(())
+    }
+    /// Partition `p` is home again (written back, or given back unmodified).
+    fn bring_home(&mut self, _p: u32) {}
+    /// Waits until partition `p` is home, without taking it out (a checkpoint's or an
+    /// evaluation's read of a partition no slot holds).
+    fn wait_home(&mut self, _p: u32) -> Result<(), PartitionStoreError> {
+        Ok(())
+    }
 }
 
 /// A partition store failure, with its cause.
@@ -123,4 +136,9 @@ pub enum PartitionStoreError {
     /// The store does not hold what was asked of it (the message says what).
     #[error("{0}")]
     Invalid(String),
+    /// A shared store's partition stayed out with a swap path that has stopped.
+    #[error(
+        "partition {0} was not written back: the worker holding it stopped (another failure stopped the run)"
+    )]
+    Abandoned(u32),
 }

@@ -212,6 +212,8 @@ enum Job {
     /// Rows of partition `p` for a memory store to keep: a lent partition back, or a restored
     /// one ([`Swapper::keep`]).
     Keep(u32, StoredEmbeddings, Vec<f32>),
+    /// Partition `p` left its slot unmodified, its rows already at rest: it is home.
+    Home(u32),
 }
 
 /// What a job did.
@@ -467,15 +469,14 @@ impl Swapper {
         let slot = self.slot(p).unwrap_or_else(|| {
             panic!("discarding partition {p}, which is not resident");
         });
-        if let Some(rows) = self.host.remove(p)
-            && self.in_memory
-        {
-            // Its reply is taken in turn with the others' (a read may be queued before it).
-            self.send(Job::Keep(
+        // Its reply is taken in turn with the others' (a read may be queued before it).
+        match self.host.remove(p) {
+            Some(rows) if self.in_memory => self.send(Job::Keep(
                 rows.id,
                 StoredEmbeddings::F32(rows.emb),
                 rows.state,
-            ))?;
+            ))?,
+            _ => self.send(Job::Home(p))?,
         }
         self.slot_of[p as usize] = None;
         self.arrived[p as usize] = false;
@@ -677,16 +678,24 @@ impl Drop for Swapper {
 fn serve(mover: &mut dyn Mover, job: Job) -> Reply {
     let started = Instant::now();
     let mut moved = Moved::default();
+    // A store shared by several swap paths orders their moves of one partition: a read waits
+    // until the partition's last holder has written it home (see `PartitionStore::take_out`).
     let (done, record) = match job {
         Job::Write { job, tag } => {
-            let done = mover
-                .write(job, &mut moved)
-                .map(|rows| Done::Written { rows });
+            let (p, home) = (job.p, !job.keep);
+            let done = mover.write(job, &mut moved).map(|rows| {
+                if home {
+                    mover.store().bring_home(p);
+                }
+                Done::Written { rows }
+            });
             (done, Some(tag))
         }
         Job::Read { p, slot, tag } => {
             let done = mover
-                .read(p, slot, &mut moved)
+                .store()
+                .take_out(p)
+                .and_then(|()| mover.read(p, slot, &mut moved))
                 .map(|(rows, ready)| Done::Read { p, rows, ready });
             (done, Some(tag))
         }
@@ -696,17 +705,24 @@ fn serve(mover: &mut dyn Mover, job: Job) -> Reply {
         ),
         Job::Lend(p) => (
             mover
-                .lend(p)
+                .store()
+                .wait_home(p)
+                .and_then(|()| mover.lend(p))
                 .map(|(part, returnable)| Done::Lent { part, returnable }),
             None,
         ),
-        Job::Keep(p, emb, state) => (
-            mover
-                .store()
-                .keep_stored(p, emb, state)
-                .map(|()| Done::Returned),
-            None,
-        ),
+        Job::Keep(p, emb, state) => {
+            let store = mover.store();
+            let done = store.keep_stored(p, emb, state).map(|()| {
+                store.bring_home(p);
+                Done::Returned
+            });
+            (done, None)
+        }
+        Job::Home(p) => {
+            mover.store().bring_home(p);
+            (Ok(Done::Returned), None)
+        }
     };
     let record = record.map(|tag| {
         moved.stats.io_time = started.elapsed();

@@ -249,6 +249,37 @@ impl Trainer {
         self.compute.arrive(p, slot, &ready)
     }
 
+    /// Partition `p` (resident) goes home, parked until a worker takes it again: its write is
+    /// queued to run once compute has let it go, and its slot is free for what is read next.
+    pub(crate) fn park(&mut self, p: u32) -> Result<(), TrainError> {
+        let released = self.compute.release(p)?;
+        Ok(self.swapper.evict(p, released, None)?)
+    }
+
+    /// Queues the read of partition `p` from home into the free slot, to run while compute
+    /// trains (a parked schedule's next partition).
+    pub(crate) fn read_ahead(&mut self, p: u32) -> Result<(), TrainError> {
+        Ok(self.swapper.load(p, None)?)
+    }
+
+    /// Waits for the read of `p` (the oldest queued) and lets compute use it.
+    pub(crate) fn take_arrival(&mut self, p: u32) -> Result<(), TrainError> {
+        let (slot, ready) = self.swapper.arrive(p)?;
+        self.compute.arrive(p, slot, &ready)
+    }
+
+    /// Drops the swap path's record of finished moves: the workers count moves by their
+    /// schedule (the record feeds a one-GPU epoch's timeline, and would only grow here).
+    pub(crate) fn forget_moves(&mut self) {
+        self.swapper.take_log();
+    }
+
+    /// Gives back, unmodified, every partition read ahead and not yet taken (a stop at a round
+    /// gate: the next round will not run).
+    pub(crate) fn cancel_read_ahead(&mut self) -> Result<(), TrainError> {
+        Ok(self.swapper.cancel_loads()?)
+    }
+
     /// Partitions resident, ascending.
     pub fn resident(&self) -> Vec<u32> {
         self.swapper.resident()

@@ -1,12 +1,16 @@
 //! Training on several GPUs in one process: one worker a GPU, each a [`Trainer`] of its own
 //! (its compute engine, its swap path and slots), running its share of every round of
-//! legend-planner's K-GPU schedule ([`GpuSchedule`]: N = 2K partitions, each GPU holding two),
+//! legend-planner's K-GPU schedule ([`GpuSchedule`]: each GPU holding two partitions a round),
 //! with partitions handed from worker to worker between rounds over a [`Link`] — NCCL between
-//! GPUs; channels between the CPU engine's workers, which run this same coordinator in tests.
+//! GPUs; channels between the CPU engine's workers, which run this same coordinator in tests
+//! — when N = 2K, or parked in the shared home between rounds when N ≥ 3K.
 //!
 //! A round: every worker passes the round gate (where they agree whether to stop), takes its
 //! hand-overs (the schedule's moves, the same list on every worker, so every send meets its
-//! receive), then trains its pieces with negatives drawn from its two partitions. No partition
+//! receive) or, parked, writes home what the round drops and takes the partition it read ahead
+//! during the round before, queues the read of its next round's partition, then trains its
+//! pieces with negatives drawn from its two partitions. The home orders one partition's
+//! write-back by one worker before its read by another ([`SharedMemoryStore`]). No partition
 //! is on two workers in a round, so the workers' updates never meet, and since every batch is
 //! keyed by its bucket (legend-model's `BatchKey`), a bucket trains exactly as it would on one
 //! worker with the same resident partitions: the K-worker epoch equals the schedule run one
@@ -86,7 +90,7 @@ pub struct Workers {
     scheme: PartitionScheme,
     relations: Relations,
     negatives: usize,
-    /// Bytes of one partition as the workers hand it over (resident f32 rows and state).
+    /// Bytes of one partition as the workers move it (resident f32 rows and state).
     partition_bytes: u64,
     /// Where this host's partitions rest between layouts (its workers' shared store).
     home: SharedMemoryStore,
@@ -220,11 +224,23 @@ impl Workers {
             .iter()
             .map(legend_planner::GpuRound::lockstep_steps)
             .collect();
+        let moves = if schedule.parks() {
+            format!(
+                "{} partitions of {:.2} GB read from host memory and as many parked ({} not read ahead)",
+                schedule.home_loads,
+                partition_bytes as f64 / 1e9,
+                schedule.exposed_loads
+            )
+        } else {
+            format!(
+                "{} hand-overs of {:.2} GB each",
+                schedule.moves_per_epoch(),
+                partition_bytes as f64 / 1e9
+            )
+        };
         tracing::info!(
-            "{k} workers, {} rounds an epoch, {} hand-overs of {:.2} GB each; predicted imbalance {:.3}",
+            "{k} workers, {} rounds an epoch, {moves}; predicted imbalance {:.3}",
             schedule.rounds.len(),
-            schedule.moves_per_epoch(),
-            partition_bytes as f64 / 1e9,
             schedule.predicted_imbalance
         );
         let devices = workers.iter().map(|w| w.device.clone()).collect();
@@ -429,6 +445,10 @@ impl Workers {
             .filter(|m| GpuSchedule::crosses_hosts(m.from, m.to, per_host))
             .count() as u64;
         let handovers = moves.len() as u64;
+        let home_reads: u64 = (first + 1..first + trained_rounds)
+            .flat_map(|i| (0..k).map(move |g| (i, g)))
+            .map(|(i, g)| self.schedule.from_home(order[i - 1], order[i], g).len() as u64)
+            .sum();
         let trained_now = edges - base;
         let report = EpochReport {
             epoch,
@@ -447,6 +467,8 @@ impl Workers {
                 rounds,
                 handovers,
                 handover_bytes: handovers * self.partition_bytes,
+                home_reads,
+                home_read_bytes: home_reads * self.partition_bytes,
                 parallel_efficiency: busy / (k as f64 * seconds.max(1e-9)),
                 imbalance: if busy > 0.0 {
                     slowest / (busy / k as f64)
@@ -506,6 +528,8 @@ impl Workers {
         let rounds = &order[first..];
         let hosts = self.hosts.as_ref();
         let offset = self.first;
+        let home = &self.home;
+        home.resume();
         let outcomes: Vec<Result<WorkerEpoch, TrainError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .workers
@@ -521,6 +545,8 @@ impl Workers {
                             if r.is_err() {
                                 shared.give_up.store(true, Ordering::Release);
                                 shared.gate.fail();
+                                // No worker waits for a partition this one will never park.
+                                home.abandon();
                             }
                             r
                         })
@@ -537,6 +563,7 @@ impl Workers {
                     if h.failed() {
                         shared.give_up.store(true, Ordering::Release);
                         shared.gate.fail();
+                        home.abandon();
                     }
                 }
                 if handles.iter().all(|h| h.is_finished()) {
@@ -647,12 +674,16 @@ fn run_rounds(
     shared: &Shared<'_>,
 ) -> Result<WorkerEpoch, TrainError> {
     let mut reports = Vec::with_capacity(rounds.len());
+    // The partition read ahead for the next round, if any.
+    let mut ahead: Option<u32> = None;
     for (i, &r) in rounds.iter().enumerate() {
         let mut report = RoundReport::default();
         let t = Instant::now();
         let go = shared.gate.pass(shared.stop, &shared.give_up)?;
         report.wait_s = t.elapsed().as_secs_f64();
         if !go {
+            // The next round will not run: what was read for it goes back home unmodified.
+            w.trainer.cancel_read_ahead()?;
             return Ok(WorkerEpoch {
                 rounds: reports,
                 stopped: true,
@@ -661,20 +692,21 @@ fn run_rounds(
         }
         if i > 0 {
             let t = Instant::now();
-            let moves = schedule.handovers_between(rounds[i - 1], r);
-            let out: Vec<(u32, usize)> = moves
-                .iter()
-                .filter(|m| m.from as usize == g)
-                .map(|m| (m.partition, m.to as usize))
-                .collect();
-            let into: Vec<(u32, usize)> = moves
-                .iter()
-                .filter(|m| m.to as usize == g)
-                .map(|m| (m.partition, m.from as usize))
-                .collect();
-            w.link
-                .hand_over(&mut w.trainer, &out, &into, &shared.give_up)?;
+            if schedule.parks() {
+                take_from_home(w, schedule, rounds[i - 1], r, g, &mut ahead)?;
+            } else {
+                hand_over(w, schedule, rounds[i - 1], r, g, &shared.give_up)?;
+            }
             report.handover_s = t.elapsed().as_secs_f64();
+        }
+        // Parked: the next round's partition is read while this one trains, into the free
+        // slot (the third: two train).
+        if schedule.parks()
+            && let Some(&next) = rounds.get(i + 1)
+            && let Some(&p) = schedule.from_home(r, next, g).first()
+        {
+            w.trainer.read_ahead(p)?;
+            ahead = Some(p);
         }
         let round = &schedule.rounds[r];
         let t = Instant::now();
@@ -709,6 +741,64 @@ fn run_rounds(
         stopped: false,
         loss: w.trainer.take_loss()?,
     })
+}
+
+/// Worker `g`'s hand-overs from round `from` to round `to` (N = 2K): what it gives to and
+/// takes from the other workers, as one exchange.
+fn hand_over(
+    w: &mut Worker,
+    schedule: &GpuSchedule,
+    from: usize,
+    to: usize,
+    g: usize,
+    give_up: &AtomicBool,
+) -> Result<(), TrainError> {
+    let moves = schedule.handovers_between(from, to);
+    let out: Vec<(u32, usize)> = moves
+        .iter()
+        .filter(|m| m.from as usize == g)
+        .map(|m| (m.partition, m.to as usize))
+        .collect();
+    let into: Vec<(u32, usize)> = moves
+        .iter()
+        .filter(|m| m.to as usize == g)
+        .map(|m| (m.partition, m.from as usize))
+        .collect();
+    w.link.hand_over(&mut w.trainer, &out, &into, give_up)
+}
+
+/// Worker `g`'s move from round `from` to round `to` of a parked schedule (N ≥ 3K): parks what
+/// `to` drops, takes the partition read ahead (`ahead`), and reads — exposed — a second one
+/// when `to` brings two.
+fn take_from_home(
+    w: &mut Worker,
+    schedule: &GpuSchedule,
+    from: usize,
+    to: usize,
+    g: usize,
+    ahead: &mut Option<u32>,
+) -> Result<(), TrainError> {
+    for p in schedule.to_home(from, to, g) {
+        w.trainer.park(p)?;
+    }
+    let arriving = schedule.from_home(from, to, g);
+    // The read ahead first: the swap path's reads arrive in the order they were queued.
+    if let Some(p) = ahead.take() {
+        assert!(
+            arriving.contains(&p),
+            "partition {p} was read ahead for a round that does not take it"
+        );
+        w.trainer.take_arrival(p)?;
+    }
+    for p in arriving {
+        if w.trainer.resident().contains(&p) {
+            continue;
+        }
+        w.trainer.read_ahead(p)?;
+        w.trainer.take_arrival(p)?;
+    }
+    w.trainer.forget_moves();
+    Ok(())
 }
 
 /// Where the workers meet before each round and agree whether to go on: the last to arrive

@@ -9,7 +9,9 @@ pub struct RoundReport {
     pub compute_s: f64,
     /// Seconds waiting at the round gate for the other workers.
     pub wait_s: f64,
-    /// Seconds handing partitions over before the round.
+    /// Seconds moving partitions before the round: handing them over (N = 2K), or parking
+    /// what the round drops and waiting for what it takes from home (N ≥ 3K; the reads ahead
+    /// ran during the round before, so this is the I/O compute did not hide).
     pub handover_s: f64,
     /// Positive edges trained.
     pub edges: u64,
@@ -28,6 +30,13 @@ pub struct WorkersReport {
     pub handovers: u64,
     /// Bytes of those hand-overs.
     pub handover_bytes: u64,
+    /// Partitions read from the home (host memory) between rounds, N ≥ 3K: as many are
+    /// written back.
+    #[serde(default)]
+    pub home_reads: u64,
+    /// Bytes of those reads (as many written).
+    #[serde(default)]
+    pub home_read_bytes: u64,
     /// Σ compute ÷ (K × wall time): how much of the K workers' time trained.
     pub parallel_efficiency: f64,
     /// The slowest worker's compute summed over the rounds, over the mean worker's: what the
@@ -63,7 +72,7 @@ impl WorkersReport {
                     self.rounds.iter().filter_map(|r| r.get(g)).map(f).sum()
                 };
                 format!(
-                    "{} trained {:.2} s, waited {:.2} s, handed over {:.2} s",
+                    "{} trained {:.2} s, waited {:.2} s, moved partitions {:.2} s",
                     self.devices.get(g).map_or("?", String::as_str),
                     sum(|r| r.compute_s),
                     sum(|r| r.wait_s),
@@ -83,14 +92,25 @@ impl WorkersReport {
         } else {
             String::new()
         };
+        let moves = if self.home_reads > 0 {
+            format!(
+                "{} partitions read from host memory and as many parked ({:.2} GB each way)",
+                self.home_reads,
+                self.home_read_bytes as f64 / 1e9
+            )
+        } else {
+            format!(
+                "{} hand-overs ({:.2} GB)",
+                self.handovers,
+                self.handover_bytes as f64 / 1e9
+            )
+        };
         format!(
-            "{} workers: parallel efficiency {:.1} %, imbalance {:.3} (predicted {:.3}), {} hand-overs ({:.2} GB){hosts}; {}",
+            "{} workers: parallel efficiency {:.1} %, imbalance {:.3} (predicted {:.3}), {moves}{hosts}; {}",
             self.gpus,
             100.0 * self.parallel_efficiency,
             self.imbalance,
             self.predicted_imbalance,
-            self.handovers,
-            self.handover_bytes as f64 / 1e9,
             per_gpu.join("; ")
         )
     }

@@ -160,13 +160,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 struct GpuPlanReport<'a> {
     #[serde(flatten)]
     schedule: &'a legend_planner::GpuSchedule,
-    /// Partitions handed from GPU to GPU an epoch, and the fewest any schedule of 2K − 1
-    /// rounds can do (every GPU's pair changes at every transition).
+    /// Partitions moved an epoch (handed from GPU to GPU with N = 2K, read from the home when
+    /// parked), and the fewest any schedule of as many rounds can do (every GPU's pair changes
+    /// at every transition).
     moves_per_epoch: usize,
     fewest_moves: usize,
-    /// Bytes those moves carry (resident f32 rows and their state), with `--dataset`.
+    /// Bytes those moves carry (resident f32 rows and their state), with `--dataset` or
+    /// `--nodes`.
     bytes_per_epoch: Option<f64>,
-    /// The fewest rounds: 2K − 1 (a partition meets one other a round).
+    /// The fewest rounds: 2K − 1 with N = 2K (a partition meets one other a round);
+    /// ⌈N(N − 1) / 2K⌉ when parked (every pair once, K a round).
     fewest_rounds: u32,
 }
 
@@ -188,14 +191,20 @@ fn run_gpus(args: &Args) -> anyhow::Result<()> {
     let schedule = legend_planner::plan_gpus(n, k, &batches)?;
     let dim = args.dim as usize;
     let row_bytes = (dim + args.state.width(dim)) as f64 * 4.0;
-    let moves = schedule.moves_per_epoch();
+    let parks = schedule.parks();
+    let (moves, fewest_rounds) = if parks {
+        let pairs = u64::from(n) * u64::from(n - 1) / 2;
+        (schedule.home_loads, pairs.div_ceil(u64::from(k)) as u32)
+    } else {
+        (schedule.moves_per_epoch(), (2 * k).saturating_sub(1))
+    };
     let report = GpuPlanReport {
         schedule: &schedule,
         moves_per_epoch: moves,
-        fewest_moves: (k * (2 * k).saturating_sub(2)) as usize,
+        fewest_moves: (k * fewest_rounds.saturating_sub(1)) as usize,
         bytes_per_epoch: nodes
             .map(|nodes| moves as f64 * nodes.div_ceil(u64::from(n)) as f64 * row_bytes),
-        fewest_rounds: (2 * k).saturating_sub(1),
+        fewest_rounds,
     };
     if args.json {
         return super::print_json(&report);
@@ -221,7 +230,17 @@ fn run_gpus(args: &Args) -> anyhow::Result<()> {
                 pieces.join(" ")
             )?;
         }
-        if let Some(moves) = schedule.handovers.get(r) {
+        if parks && r + 1 < schedule.rounds.len() {
+            let loads: Vec<String> = (0..k as usize)
+                .flat_map(|g| {
+                    schedule
+                        .from_home(r, r + 1, g)
+                        .into_iter()
+                        .map(move |p| format!("{p} → GPU {g}"))
+                })
+                .collect();
+            outln!("  then read from home: {}", loads.join(", "))?;
+        } else if let Some(moves) = schedule.handovers.get(r) {
             let moves: Vec<String> = moves
                 .iter()
                 .map(|m| format!("{} GPU {}→{}", m.partition, m.from, m.to))
@@ -229,8 +248,16 @@ fn run_gpus(args: &Args) -> anyhow::Result<()> {
             outln!("  then hand over: {}", moves.join(", "))?;
         }
     }
+    if parks {
+        outln!(
+            "partitions parked in host memory between rounds: {} reads from home an epoch, {} of them exposed (a GPU taking two partitions at once), the others read while the round before trains",
+            schedule.home_loads,
+            schedule.exposed_loads
+        )?;
+    }
     outln!(
-        "hand-overs {moves} an epoch (fewest possible {}){}; predicted imbalance {:.3} (slowest GPU's batches over a perfect split{})",
+        "{} {moves} an epoch (fewest possible {}){}; predicted imbalance {:.3} (slowest GPU's batches over a perfect split{})",
+        if parks { "moves" } else { "hand-overs" },
         report.fewest_moves,
         report
             .bytes_per_epoch

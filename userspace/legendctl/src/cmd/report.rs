@@ -342,7 +342,7 @@ fn workers_timeline(
             };
             writeln!(
                 s,
-                "<g><title>round {}, {}: handed over {:.3} s, trained {:.3} s ({} edges), waited {:.3} s at the gate</title>",
+                "<g><title>round {}, {}: moved partitions {:.3} s, trained {:.3} s ({} edges), waited {:.3} s at the gate</title>",
                 r + 1,
                 escape(name),
                 gpu.handover_s,
