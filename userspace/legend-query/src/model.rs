@@ -13,7 +13,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 use legend_cuda::scan::{EntityRows, SCAN_MAX_QUERIES, Scan, ScanScoring};
-use legend_engine::restore::{MappedTable, map_entities};
+use legend_engine::restore::{MappedTable, TableReader, entities_in_checkpoint, map_entities};
 use legend_engine::run::{self, RunError, RunMeta, RunReader};
 use legend_eval::{FilterIndex, Kernel};
 use legend_fs::{Dir, Guard};
@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::QueryError;
 use crate::gpu::{GpuScans, OpenedGpu, StoreRows};
-use crate::names::FileAccess;
+use crate::names::{FileAccess, note_copied};
 use crate::topk::{Ranked, TopK};
 
 /// Candidate rows scored at a time by one thread: 256 rows of d = 200 stay in L2 while the
@@ -114,33 +114,53 @@ fn fits_in_memory(run: &Dir, meta: &RunMeta) -> Result<(), QueryError> {
     Ok(())
 }
 
-/// Bytes of each staging chunk of a table's upload to the GPU: 64 pieces, copied on every core.
+/// Bytes of each staging chunk of a table's upload to the GPU: 16 blocks of the checkpoint
+/// file, read on every core straight into pinned memory.
 const UPLOAD_CHUNK_BYTES: usize = 64 << 20;
 
-/// Copies `mapped` (a checkpoint's rows, mapped) into `rows` on `gpu`'s device, summing the
-/// bytes as they are staged, and checks the sum against the run's record: the table is read
-/// once, not once to check it and once to copy it.
-fn upload_checked(
+/// Why a table's upload from its checkpoint stopped: the file, or the GPU.
+enum UploadError {
+    Read(RunError),
+    Gpu(legend_cuda::GpuError),
+}
+
+impl From<legend_cuda::GpuError> for UploadError {
+    fn from(e: legend_cuda::GpuError) -> UploadError {
+        UploadError::Gpu(e)
+    }
+}
+
+/// Reads the entity rows of `meta`'s checkpoint in `run` into `rows` on `gpu`'s device: the
+/// file read on every core straight into pinned staging, a chunk at a time, each chunk's DMA
+/// running while the next is read and the one after is asked of the disk, so that a cold
+/// file is read once at the disk's rate (not read, then staged) and a warm one is one copy out
+/// of the page cache. The bytes are checksummed as they are read and checked against the
+/// run's record once all are: what the GPU holds is what was checked (staged memory is this
+/// process's own, whoever else may write the file). A 16-bit checkpoint is widened as read.
+fn upload_checkpoint(
     gpu: &OpenedGpu,
     rows: &mut EntityRows,
-    mapped: &MappedTable,
+    run: &Dir,
+    meta: &RunMeta,
 ) -> Result<(), QueryError> {
+    let mut reader = TableReader::open(run, meta, 0)?;
     let mut transfer =
         legend_cuda::Transfer::new(&gpu.gpu, UPLOAD_CHUNK_BYTES).map_err(|e| gpu.error(e))?;
-    let sums = Mutex::new(Vec::new());
-    rows.write_all(&mut transfer, mapped.values(), &|at, piece| {
-        let mut h = crc32fast::Hasher::new();
-        h.update(piece);
-        lock(&sums).push((at, h));
-    })
-    .map_err(|e| gpu.error(e))?;
-    let mut sums = sums.into_inner().unwrap_or_else(|e| e.into_inner());
-    sums.sort_unstable_by_key(|&(at, _)| at);
-    let mut crc = crc32fast::Hasher::new();
-    for (_, h) in &sums {
-        crc.combine(h);
+    // Stored bytes a chunk of f32 holds (a 16-bit file's are half as many).
+    let stored = |bytes: usize| (bytes / 4 * meta.entity_dtype.bytes()) as u64;
+    reader.will_read(0, stored(UPLOAD_CHUNK_BYTES));
+    let mut fill = |_: usize, chunk: &mut [u8]| {
+        reader.will_read(stored(chunk.len()), stored(UPLOAD_CHUNK_BYTES));
+        // Staging chunks are page-aligned, and hold whole floats.
+        reader
+            .read(bytemuck::cast_slice_mut(chunk))
+            .map_err(UploadError::Read)
+    };
+    match rows.fill(&mut transfer, &mut fill) {
+        Ok(()) => Ok(reader.finish()?),
+        Err(UploadError::Read(e)) => Err(e.into()),
+        Err(UploadError::Gpu(e)) => Err(gpu.error(e)),
     }
-    Ok(mapped.check_sum(crc.finalize())?)
 }
 
 /// How neighbours are compared.
@@ -234,6 +254,8 @@ pub struct Model {
     /// Rows looked up through the GPU row cache over the run's store (a table out of GPU
     /// memory).
     store_rows: Option<StoreRows>,
+    /// The checkpoint file read into memory though it could have been mapped, with why.
+    copied: Vec<String>,
 }
 
 impl Model {
@@ -283,16 +305,12 @@ impl Model {
         let reciprocal = meta.reciprocal_relations;
         let (dim, num_entities) = (meta.dim, meta.entities as usize);
         let (mut gpu, mut store_rows) = (None, None);
-        let mapped = match access {
-            FileAccess::MapAndKeep if !streamed => map_entities(&run, &meta)?,
-            _ => None,
-        };
         if let Some(plan) = plan {
             if plan.resident {
                 let mut rows = EntityRows::new(&plan.opened.gpu, num_entities, dim)
                     .map_err(|e| plan.opened.error(e))?;
-                if let Some(mapped) = &mapped {
-                    upload_checked(&plan.opened, &mut rows, mapped)?;
+                if entities_in_checkpoint(&meta) {
+                    upload_checkpoint(&plan.opened, &mut rows, &run, &meta)?;
                 } else {
                     let mut first = 0;
                     let mut failed = None;
@@ -322,6 +340,18 @@ impl Model {
             gpu = Some(GpuScans::new(plan.opened, None));
             store_rows = plan.store_rows;
         }
+        let mut copied = Vec::new();
+        let mapped = match access {
+            _ if streamed => None,
+            FileAccess::Copy => None,
+            _ => map_entities(&run, &meta, |file, path| match access.may_map(file) {
+                Ok(()) => true,
+                Err(why) => {
+                    note_copied(&mut copied, path, &why);
+                    false
+                }
+            })?,
+        };
         let entities = match (streamed, mapped) {
             (false, Some(mapped)) => {
                 mapped.check()?;
@@ -345,6 +375,7 @@ impl Model {
         )?;
         model.gpu = gpu;
         model.store_rows = store_rows;
+        model.copied = copied;
         Ok(model)
     }
 
@@ -411,6 +442,7 @@ impl Model {
             entities,
             gpu: None,
             store_rows: None,
+            copied: Vec::new(),
         })
     }
 
@@ -520,6 +552,12 @@ impl Model {
     /// Whether the entity rows are the checkpoint file's pages, mapped in place.
     pub fn is_mapped(&self) -> bool {
         matches!(self.entities, Entities::Mapped(_))
+    }
+
+    /// The checkpoint file, when its rows were read into memory though they could have been
+    /// mapped, with why (a served run's file that someone else may write).
+    pub(crate) fn copied(&self) -> &[String] {
+        &self.copied
     }
 
     /// The entity rows in host memory (held, or mapped), row-major.

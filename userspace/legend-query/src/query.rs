@@ -396,6 +396,13 @@ impl QueryRun {
     /// streamed from the run (scans through the swap path, lookups row by row or through the
     /// GPU row cache), and read once now, so that a damaged checkpoint or store fails here.
     /// `expect` checks the run's record, read once: the one the run is then opened by.
+    ///
+    /// Its files are opened as a query command opens them, through `guard`'s checks, and
+    /// mapped in place as the command maps them where no one but this process's own user (or
+    /// root) could change them; a file someone else may write is read into memory
+    /// ([`QueryRun::copied`] names it). Entity rows that go into GPU memory are read from the
+    /// checkpoint straight into pinned staging, either way. Nothing is written in the run (a
+    /// label index not kept there is built in memory).
     pub fn open_served(
         path: &Path,
         dataset: Option<&Path>,
@@ -404,7 +411,7 @@ impl QueryRun {
         host_limit: Option<u64>,
         expect: &dyn Fn(&RunMeta) -> Result<(), String>,
     ) -> Result<QueryRun, QueryError> {
-        let access = FileAccess::Copy;
+        let access = FileAccess::MapOwn;
         let opening = Opening {
             guard: guard.as_ref(),
             gpu,
@@ -633,6 +640,18 @@ impl QueryRun {
     /// The tables.
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// The run's and its dataset's files read into this process's memory though they could
+    /// have been mapped (a served run's files that someone other than its process's user may
+    /// write), each as `PATH: why`; empty when every file that could be mapped was.
+    pub fn copied(&self) -> Vec<String> {
+        [
+            self.entities.copied(),
+            self.relations.copied(),
+            self.model.copied(),
+        ]
+        .concat()
     }
 
     /// Bytes of the longest entity or relation label: what bounds the size of an answer

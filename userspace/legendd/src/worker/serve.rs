@@ -116,9 +116,17 @@ pub fn serve(
         (_, DeviceChoice::Cuda(n)) => format!("cuda:{n}"),
         (_, DeviceChoice::Auto) => "cuda:0".to_owned(),
     };
+    // Mapped where only the job's own user could change a file; what others may write is
+    // read, checked and kept as read (legend-query's `QueryRun::open_served`).
+    let copied = loaded.copied();
+    let files = if copied.is_empty() {
+        "no file copied (mapped where their layout allows)".to_owned()
+    } else {
+        format!("read into memory, not mapped: {}", copied.join("; "))
+    };
     out.log(format!(
         "serving {}: {} MiB of tables in host memory (and at most {} MiB while streaming), {} \
-         MiB on the GPU; answering on {}; loaded in {:.1} s",
+         MiB on the GPU; answering on {}; {files}; loaded in {:.1} s",
         run.display(),
         model.resident_bytes() >> 20,
         model.stream_bytes() >> 20,
