@@ -320,7 +320,8 @@ pub fn carry_over(
     };
     let mut carried = Carried::default();
     let mut part = PartitionFill::new(target, scheme, shape);
-    run::stream_rows(&dir, &meta, guard, t.carry_state, |emb, state| {
+    let mut reader = run::RunReader::open(&dir, &meta, guard, None)?;
+    reader.stream_rows(t.carry_state, |emb, state| {
         let rows = emb.len() / shape.dim;
         for r in 0..rows {
             let id = part.next_id;
@@ -355,7 +356,7 @@ pub fn carry_over(
     }
     carried.new_rows = scheme.entities - old;
     carried.partitions = scheme.num_partitions;
-    let relations = carry_relations(&dir, &meta, config, dataset, guard)?;
+    let relations = carry_relations(&reader, &meta, config, dataset)?;
     carried.seconds = started.elapsed().as_secs_f64();
     Ok((relations, carried))
 }
@@ -486,11 +487,10 @@ impl NeighbourMeans {
 /// The new run's relations: the init run's rows at their types (a reciprocal table's inverse
 /// half moved after the new forward rows), the new types' rows drawn.
 fn carry_relations(
-    dir: &legend_fs::Dir,
+    reader: &run::RunReader,
     meta: &RunMeta,
     config: &Config,
     dataset: &Dataset,
-    guard: &dyn Guard,
 ) -> Result<Relations, SessionError> {
     let types = dataset.meta().relations;
     let rows = config.relation_rows(types) as usize;
@@ -499,7 +499,10 @@ fn carry_relations(
         return Ok(fresh);
     }
     let width = meta.relation_width();
-    let (emb, state) = run::load_relation_tables(dir, meta, guard, config.training.carry_state)?;
+    let (emb, mut state) = reader.relation_tables()?;
+    if !config.training.carry_state {
+        state.clear();
+    }
     let old_rows = meta.relations as usize;
     let (old_types, new_types) = if meta.reciprocal_relations {
         (old_rows / 2, types as usize)

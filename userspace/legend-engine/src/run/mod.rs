@@ -33,11 +33,12 @@ use legend_model::{Decoder, Dtype};
 use serde::{Deserialize, Serialize};
 
 pub use crate::rows::Tables;
+pub use reader::{RunReader, StoreLayout};
 pub use tables::{
-    RowReader, StoreAndMembers, load_embeddings, load_entities, load_relation_tables,
-    load_relations, load_tables, open_entity_file, open_store, stream_entities, stream_rows,
+    load_embeddings, load_entities, load_relations, load_tables, open_entity_file, stream_entities,
 };
 
+mod reader;
 mod tables;
 
 /// Version of the run directory layout.
