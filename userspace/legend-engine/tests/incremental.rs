@@ -82,6 +82,16 @@ fn grown() -> Grown {
     }
 }
 
+impl Grown {
+    /// The base run `base`: the default configuration trained on the base graph.
+    fn base_run(&self) -> PathBuf {
+        let run = self.dir.join("base");
+        let mut s = Session::create(&run, &self.base, config(&[]), &Unguarded).unwrap();
+        train_to_the_end(&mut s);
+        run
+    }
+}
+
 fn tables(run: &Path) -> Tables {
     let dir = run::open(run).unwrap();
     let meta = run::read_meta(&dir).unwrap();
@@ -188,10 +198,7 @@ fn a_frozen_seeded_run_leaves_every_old_row_bit_for_bit_on_every_backend() {
 fn carried_rows_are_the_init_runs_and_new_rows_their_neighbours_mean() {
     let g = grown();
     let dim = 8;
-    let base_run = g.dir.join("base");
-    let mut s = Session::create(&base_run, &g.base, config(&[]), &Unguarded).unwrap();
-    train_to_the_end(&mut s);
-    drop(s);
+    let base_run = g.base_run();
     let before = tables(&base_run);
     // Stopped before its first batch: the checkpoint then holds exactly the carried rows.
     let out = g.dir.join("seeded");
@@ -235,10 +242,7 @@ fn carried_rows_are_the_init_runs_and_new_rows_their_neighbours_mean() {
 #[test]
 fn a_seeded_run_killed_or_stopped_before_its_first_checkpoint_resumes_as_the_uninterrupted_one() {
     let g = grown();
-    let base_run = g.dir.join("base");
-    let mut s = Session::create(&base_run, &g.base, config(&[]), &Unguarded).unwrap();
-    train_to_the_end(&mut s);
-    drop(s);
+    let base_run = g.base_run();
     for layout in [LAYOUTS[1], LAYOUTS[2]] {
         let tag = layout.len();
         let plain = g.dir.join(format!("plain{tag}"));
@@ -290,10 +294,7 @@ fn a_seeded_run_killed_or_stopped_before_its_first_checkpoint_resumes_as_the_uni
 #[test]
 fn seeding_is_refused_for_another_model_another_dataset_or_a_run_being_trained() {
     let g = grown();
-    let base_run = g.dir.join("base");
-    let mut s = Session::create(&base_run, &g.base, config(&[]), &Unguarded).unwrap();
-    train_to_the_end(&mut s);
-    drop(s);
+    let base_run = g.base_run();
     let out = g.dir.join("seeded");
     let refused = |sets: &[&str], dataset: &Path, needles: &[&str]| {
         let e = Session::create_from(&out, dataset, config(sets), &Unguarded, &base_run)
@@ -358,10 +359,7 @@ fn seeding_is_refused_for_another_model_another_dataset_or_a_run_being_trained()
 fn a_seeded_run_on_the_gpu_carries_every_old_row_and_freezing_there_is_refused() {
     let g = grown();
     let dim = 8;
-    let base_run = g.dir.join("base");
-    let mut s = Session::create(&base_run, &g.base, config(&[]), &Unguarded).unwrap();
-    train_to_the_end(&mut s);
-    drop(s);
+    let base_run = g.base_run();
     let before = tables(&base_run);
     for (i, layout) in [LAYOUTS[0], LAYOUTS[2]].into_iter().enumerate() {
         let mut sets = layout.to_vec();
