@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use legend_dataset::Dataset;
 use legend_engine::config::DeviceChoice;
 use legend_engine::evaluation::open_run_dataset;
-use legend_engine::run::{self, RowReader, RunError, RunMeta};
+use legend_engine::run::{self, RunError, RunMeta, RunReader};
 use legend_fs::{Dir, Unguarded};
 use legend_query::{GpuOptions, Query, QueryRun, Residency};
 use pyo3::exceptions::PyValueError;
@@ -24,7 +24,7 @@ enum State {
     /// Not opened yet: the first query opens it (reading the rows in, or onto the GPU).
     Unopened,
     /// Open, shared by the queries under way.
-    Open(Arc<QueryRun<'static>>),
+    Open(Arc<QueryRun>),
     /// Closed by `close()`.
     Closed,
 }
@@ -137,7 +137,7 @@ fn copied_rows(dir: &Dir, meta: &RunMeta) -> Result<Table, RunError> {
 
 impl RunHandle {
     /// The query engine, opened on first use (`py` detached: it may read the whole table).
-    fn queries(&self) -> Result<Arc<QueryRun<'static>>, Opening> {
+    fn queries(&self) -> Result<Arc<QueryRun>, Opening> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         match &*state {
             State::Open(q) => Ok(q.clone()),
@@ -318,9 +318,9 @@ impl RunHandle {
         py.detach(|| -> Result<Table, RunError> {
             let dir = run::open(&self.path)?;
             let meta = run::read_meta(&dir)?;
-            let mut reader = RowReader::open(&dir, &meta, &Unguarded)?;
+            let mut reader = RunReader::open(&dir, &meta, &Unguarded, None)?;
             let mut out = vec![0f32; ids.len() * meta.dim];
-            reader.read(&ids, &mut out)?;
+            reader.read_rows(&ids, &mut out)?;
             Ok(Table::new(Rows::F32(out), meta.dim))
         })
         .or_raise(py)

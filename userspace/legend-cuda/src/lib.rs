@@ -35,7 +35,7 @@ pub use engine::{
     rng_vectors,
 };
 pub use gpu::{Gpu, device_count, device_memory, driver_present};
-pub use transfer::{DEFAULT_CHUNK_BYTES, RowSpan, Transfer, Visit, addr};
+pub use transfer::{DEFAULT_CHUNK_BYTES, Fill, RowSpan, Transfer, addr};
 
 /// cudarc's types that the engine's API hands out (events ordering streams, device buffers).
 pub use cudarc::driver::{CudaEvent, CudaSlice, CudaView};

@@ -153,33 +153,25 @@ impl EntityRows {
         self.dim
     }
 
-    /// Copies a whole table (`len × dim` floats, row-major) in through `transfer`'s pinned
-    /// staging, whose host side runs on every core: for gigabytes of rows (a run's table mapped
-    /// from its checkpoint), where [`EntityRows::write`]'s copy through the driver's staging
-    /// runs on one thread. `visit` sees every piece of `rows` as it is staged (see
-    /// [`Transfer::upload_visited`]). Work queued on the compute stream later waits for it.
+    /// Fills the whole table (`len × dim` floats, row-major, as bytes) through `transfer`'s
+    /// pinned staging: `fill` writes each staging chunk's bytes in order (see
+    /// [`Transfer::upload_filled`]), a run's table read from its checkpoint file straight into
+    /// pinned memory on every core while the chunk before is on its way to the device; where
+    /// [`EntityRows::write`]'s copy through the driver's staging runs on one thread, after the
+    /// rows were read. Work queued on the compute stream later waits for it.
     ///
     /// # Errors
     ///
-    /// [`GpuError::Shape`] when `rows` is not the table's size; driver errors.
-    pub fn write_all(
+    /// `fill`'s first error; driver errors.
+    pub fn fill<E: From<GpuError>>(
         &mut self,
         transfer: &mut Transfer,
-        rows: &[f32],
-        visit: crate::transfer::Visit<'_>,
-    ) -> Result<(), GpuError> {
-        if rows.len() != self.len * self.dim {
-            return Err(GpuError::Shape(format!(
-                "{} floats into a table of {} rows of {}",
-                rows.len(),
-                self.len,
-                self.dim
-            )));
-        }
-        transfer.upload_visited(rows, &mut self.rows, visit)?;
-        // Rows changed: their norms are stale.
+        fill: crate::transfer::Fill<'_, E>,
+    ) -> Result<(), E> {
+        // Rows change (or some do, when `fill` fails): their norms are stale.
         self.norms = None;
-        Ok(())
+        let bytes = self.len * self.dim * size_of::<f32>();
+        transfer.upload_filled(&mut self.rows, bytes, fill)
     }
 
     /// Copies `rows` (whole rows) into the table from row `first`.

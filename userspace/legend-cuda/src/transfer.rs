@@ -37,22 +37,16 @@ pub const DEFAULT_CHUNK_BYTES: usize = 16 << 20;
 /// host side of a chunk is split over rayon's threads.
 const PIECE: usize = 1 << 20;
 
-/// Sees each piece of an upload's source as it is staged, with its offset in bytes: on the
-/// thread that copies it, while the piece is in that core's cache.
-pub type Visit<'a> = &'a (dyn Fn(usize, &[u8]) + Sync);
+/// Writes an upload's source bytes into a staging chunk: `fill(at, chunk)` fills `chunk` with
+/// the source's bytes from offset `at`, chunk after chunk in order (a file read straight into
+/// pinned memory, or a slice copied there).
+pub type Fill<'a, E> = &'a mut dyn FnMut(usize, &mut [u8]) -> Result<(), E>;
 
-/// `dst.copy_from_slice(src)` on several threads, each piece shown to `visit` (its offset
-/// counted from `base`).
-fn copy(dst: &mut [u8], src: &[u8], base: usize, visit: Option<Visit<'_>>) {
+/// `dst.copy_from_slice(src)` on several threads.
+fn copy(dst: &mut [u8], src: &[u8]) {
     dst.par_chunks_mut(PIECE)
         .zip(src.par_chunks(PIECE))
-        .enumerate()
-        .for_each(|(i, (d, s))| {
-            d.copy_from_slice(s);
-            if let Some(visit) = visit {
-                visit(base + i * PIECE, s);
-            }
-        });
+        .for_each(|(d, s)| d.copy_from_slice(s));
 }
 
 /// A stream for copies with its pinned staging (see the module docs).
@@ -202,24 +196,33 @@ impl Transfer {
         src: &[T],
         dst: CUdeviceptr,
     ) -> Result<(), GpuError> {
+        let src: &[u8] = bytemuck::cast_slice(src);
+        let mut from_src = |at: usize, stage: &mut [u8]| {
+            copy(stage, &src[at..at + stage.len()]);
+            Ok(())
+        };
         // SAFETY: this function's contract.
-        unsafe { self.upload_visited_raw(src, dst, None) }
+        unsafe { self.upload_filled_raw(src.len(), dst, &mut from_src) }
     }
 
-    /// [`Transfer::upload_raw`], each piece of `src` shown to `visit` as it is staged.
+    /// Queues the copy of `bytes` bytes that `fill` writes into the staging chunks, one chunk
+    /// after the other, into the device bytes at `dst`: each chunk's DMA runs while `fill`
+    /// writes the next. Returns once the last chunk is staged, or with `fill`'s first error
+    /// (the chunks before it still on their way).
     ///
     /// # Safety
-    /// As [`Transfer::upload_raw`].
-    unsafe fn upload_visited_raw<T: bytemuck::Pod>(
+    /// `dst .. dst + bytes` must be device memory that stays allocated until the copies have
+    /// run, and that no work unordered with the transfer stream uses meanwhile.
+    unsafe fn upload_filled_raw<E: From<GpuError>>(
         &mut self,
-        src: &[T],
+        bytes: usize,
         dst: CUdeviceptr,
-        visit: Option<Visit<'_>>,
-    ) -> Result<(), GpuError> {
-        let src: &[u8] = bytemuck::cast_slice(src);
+        fill: Fill<'_, E>,
+    ) -> Result<(), E> {
         self.bind()?;
         let chunk = self.stage[0].len();
-        for (c, part) in src.chunks(chunk).enumerate() {
+        for (c, at) in (0..bytes).step_by(chunk).enumerate() {
+            let len = chunk.min(bytes - at);
             let i = c % 2;
             // The chunk's previous DMA must have read it before the host overwrites it.
             self.done[i]
@@ -228,12 +231,13 @@ impl Transfer {
             let stage = self.stage[i]
                 .as_mut_slice()
                 .during("mapping a staging chunk")?;
-            copy(&mut stage[..part.len()], part, c * chunk, visit);
-            let at = dst + (c * chunk) as u64;
+            fill(at, &mut stage[..len])?;
             // SAFETY: the staged bytes stay untouched until `done[i]` completes (waited for
             // above before every reuse); the destination is valid by the caller's contract.
-            unsafe { result::memcpy_htod_async(at, &stage[..part.len()], self.stream.cu_stream()) }
-                .during("copying a staging chunk to the device")?;
+            unsafe {
+                result::memcpy_htod_async(dst + at as u64, &stage[..len], self.stream.cu_stream())
+            }
+            .during("copying a staging chunk to the device")?;
             self.done[i]
                 .record(&self.stream)
                 .during("recording a staging event")?;
@@ -267,12 +271,7 @@ impl Transfer {
                 .synchronize()
                 .during("waiting for a staging chunk")?;
             let stage = self.stage[i].as_slice().during("mapping a staging chunk")?;
-            copy(
-                &mut dst[c * chunk..c * chunk + len(c)],
-                &stage[..len(c)],
-                c * chunk,
-                None,
-            );
+            copy(&mut dst[c * chunk..c * chunk + len(c)], &stage[..len(c)]);
             if c + 2 < chunks {
                 // SAFETY: as this function's contract.
                 unsafe { self.queue_download(src, c + 2, len(c + 2)) }?;
@@ -366,17 +365,32 @@ impl Transfer {
         self.upload_unordered(src, dst)
     }
 
-    /// [`Transfer::upload`], each piece of `src` shown to `visit` (with its offset in bytes)
-    /// as it is staged: what reads every byte of an upload anyway (a checksum of a table read
-    /// from a file) costs no pass of its own over it.
-    pub fn upload_visited<T: bytemuck::Pod>(
+    /// Copies `bytes` bytes that `fill` writes into the staging chunks into the start of
+    /// `dst`, ordered like [`Transfer::upload`]: a source read straight into pinned memory (a
+    /// table's file), each chunk's DMA running while the next chunk is read, so that a file
+    /// read from the disk is read once, at the disk's rate, and not first into memory of its
+    /// own.
+    pub fn upload_filled<T: bytemuck::Pod, E: From<GpuError>>(
         &mut self,
-        src: &[T],
         dst: &mut CudaSlice<T>,
-        visit: Visit<'_>,
-    ) -> Result<(), GpuError> {
+        bytes: usize,
+        fill: Fill<'_, E>,
+    ) -> Result<(), E> {
+        let room = dst.len() * size_of::<T>();
+        if bytes > room {
+            return Err(GpuError::Shape(format!(
+                "uploading {bytes} bytes into a buffer of {room}"
+            ))
+            .into());
+        }
         self.after_compute()?;
-        self.upload_unordered_visited(src, dst, Some(visit))
+        // SAFETY: `dst` holds at least `bytes`; it is freed stream-ordered on the compute
+        // stream, which waits for these copies (below) before anything queued later.
+        let filled = unsafe { self.upload_filled_raw(bytes, addr(dst), fill) };
+        // Also after a failed fill: the chunks queued before it must land before `dst` is
+        // used or freed.
+        self.before_compute()?;
+        filled
     }
 
     /// Like [`Transfer::upload`], but not after the compute work queued so far: only after the
@@ -385,16 +399,6 @@ impl Transfer {
         &mut self,
         src: &[T],
         dst: &mut CudaSlice<T>,
-    ) -> Result<(), GpuError> {
-        self.upload_unordered_visited(src, dst, None)
-    }
-
-    /// [`Transfer::upload_unordered`], each piece of `src` shown to `visit` when given.
-    fn upload_unordered_visited<T: bytemuck::Pod>(
-        &mut self,
-        src: &[T],
-        dst: &mut CudaSlice<T>,
-        visit: Option<Visit<'_>>,
     ) -> Result<(), GpuError> {
         if src.len() > dst.len() {
             return Err(GpuError::Shape(format!(
@@ -405,7 +409,7 @@ impl Transfer {
         }
         // SAFETY: `dst` is at least as long as `src`; it is freed stream-ordered on the compute
         // stream, which waits for these copies (below) before anything queued later.
-        unsafe { self.upload_visited_raw(src, addr(dst), visit) }?;
+        unsafe { self.upload_raw(src, addr(dst)) }?;
         self.before_compute()
     }
 

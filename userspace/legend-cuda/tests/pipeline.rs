@@ -6,6 +6,7 @@
 
 use cudarc::driver::DevicePtr;
 use cudarc::driver::sys::CUevent_flags;
+use legend_cuda::scan::EntityRows;
 use legend_cuda::{
     BatchShape, CudaEvent, DeviceTable, Gpu, GpuBatchEngine, Transfer, gather_batch, negative_keys,
 };
@@ -190,6 +191,64 @@ fn staged_copies_round_trip_in_many_chunks() {
         t.download_rows(&table, 2 * rows + 1, &mut e2, &mut s2)
             .is_err()
     );
+}
+
+/// Why the fill of [`an_upload_filled_by_its_caller_lands_in_order_and_stops_at_its_error`]
+/// stopped.
+#[derive(Debug)]
+enum Filled {
+    Source(usize),
+    Gpu(legend_cuda::GpuError),
+}
+
+impl From<legend_cuda::GpuError> for Filled {
+    fn from(e: legend_cuda::GpuError) -> Filled {
+        Filled::Gpu(e)
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu/run-all.sh does)"]
+fn an_upload_filled_by_its_caller_lands_in_order_and_stops_at_its_error() {
+    let gpu = gpu();
+    let mut rng = Rng(seed("filled upload"));
+    // 4 KiB chunks: 777 rows of 33 floats (102 564 bytes) take 26 chunks, the last short.
+    let mut t = Transfer::new(&gpu, 4096).unwrap();
+    let (rows, dim) = (777usize, 33usize);
+    let src: Vec<f32> = (0..rows * dim).map(|_| rng.next() as f32).collect();
+    let bytes: &[u8] = bytemuck::cast_slice(&src);
+    let mut table = EntityRows::new(&gpu, rows, dim).unwrap();
+    let mut asked = Vec::new();
+    let mut fill = |at: usize, chunk: &mut [u8]| {
+        asked.push((at, chunk.len()));
+        chunk.copy_from_slice(&bytes[at..at + chunk.len()]);
+        Ok::<(), Filled>(())
+    };
+    table.fill(&mut t, &mut fill).unwrap();
+    assert_eq!(table.read(&gpu, 0, rows).unwrap(), src);
+    // Every byte asked for once, in order, a chunk at a time.
+    let want: Vec<(usize, usize)> = (0..bytes.len())
+        .step_by(4096)
+        .map(|at| (at, 4096.min(bytes.len() - at)))
+        .collect();
+    assert_eq!(asked, want);
+    assert_eq!(want.len(), 26);
+    // A fill that fails at its fourth chunk: its error, and no chunk asked after it.
+    let mut calls = 0;
+    let mut failing = |at: usize, chunk: &mut [u8]| {
+        calls += 1;
+        if calls == 4 {
+            return Err(Filled::Source(at));
+        }
+        chunk.fill(0);
+        Ok(())
+    };
+    match table.fill(&mut t, &mut failing) {
+        Err(Filled::Source(at)) => assert_eq!(at, 3 * 4096),
+        Err(Filled::Gpu(e)) => panic!("the GPU failed: {e}"),
+        Ok(()) => panic!("filled though the fill failed"),
+    }
+    assert_eq!(calls, 4);
 }
 
 fn timed_event(gpu: &Gpu) -> CudaEvent {

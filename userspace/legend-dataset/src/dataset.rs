@@ -89,6 +89,43 @@ impl Dataset {
         Ok(edges)
     }
 
+    /// The edges of `split` added to the dataset this one extends (`legendctl import
+    /// --extend`): those after the base's count, read alone and checked; every edge of a
+    /// dataset that extends none.
+    pub fn added_edges(&self, split: Split) -> Result<Vec<Edge>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let Some(base) = &self.meta.extends else {
+            return self.edges(split);
+        };
+        let path = edge_file(&self.dir, split);
+        let mut file = self
+            .root
+            .open_file(edge_name(split), Access::Read)
+            .at(&path)?;
+        let edge_bytes = std::mem::size_of::<Edge>() as u64;
+        let (want, first) = (self.meta.splits.get(split), base.splits.get(split));
+        let have = file.metadata().at(&path)?.len();
+        if have != want * edge_bytes || first > want {
+            return Err(invalid(
+                &path,
+                format!(
+                    "holds {have} bytes, dataset.toml says {want} edges of {edge_bytes} bytes, {first} of them the base's"
+                ),
+            ));
+        }
+        let mut edges = vec![[0u32; 3]; (want - first) as usize];
+        file.seek(SeekFrom::Start(first * edge_bytes))
+            .and_then(|_| file.read_exact(bytemuck::cast_slice_mut(&mut edges)))
+            .at(&path)?;
+        if let Some(i) = edges.iter().position(|e| self.check_edge(e).is_err()) {
+            let e = edges[i];
+            let why = self.check_edge(&e).unwrap_err();
+            let at = first + i as u64;
+            return Err(invalid(&path, format!("edge {at} {e:?} {why}")));
+        }
+        Ok(edges)
+    }
+
     /// Whether `e`'s ids lie within the dataset's entities and relations (the engines index
     /// their tables with them unchecked); the error says what is wrong.
     fn check_edge(&self, e: &Edge) -> std::result::Result<(), RecordError> {

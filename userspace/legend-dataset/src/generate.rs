@@ -224,6 +224,7 @@ pub fn generate(options: &GenerateOptions, out: &Path) -> Result<GenerateSummary
         )],
         unseen_dropped: 0,
         unseen_kept: 0,
+        extends: None,
     };
     meta.write(dir)?;
     if options.cancelled() {

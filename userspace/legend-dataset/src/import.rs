@@ -52,6 +52,19 @@ pub enum ImportInput {
         /// The directory.
         dir: PathBuf,
     },
+    /// A dataset directory (`base`) with new edges added (`legendctl import --extend BASE
+    /// --add FILE`): every id of the base kept, new labels after them (see
+    /// [`crate::Extension`]). Valid and test are optional.
+    Extend {
+        /// The dataset extended (only read).
+        base: PathBuf,
+        /// The added training edges.
+        train: PathBuf,
+        /// Added validation edges.
+        valid: Option<PathBuf>,
+        /// Added test edges.
+        test: Option<PathBuf>,
+    },
 }
 
 /// Options of [`import`].
@@ -114,6 +127,10 @@ pub struct ImportSummary {
     pub skipped_headers: Vec<String>,
     /// Wall time in seconds.
     pub seconds: f64,
+    /// What the dataset was extended from (`ImportInput::Extend`): its counts are the base's,
+    /// the edges after them the added ones.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub extends: Option<crate::Extension>,
 }
 
 /// Interns labels to dense provisional ids in order of first appearance.
@@ -123,6 +140,27 @@ pub(crate) struct Interner {
 }
 
 impl Interner {
+    /// An interner that already holds `labels` at their indices (the labels of a dataset being
+    /// extended: its ids are kept, new labels come after them). A label given twice is
+    /// returned as `Err((first id, second id, label))`: it could not be matched to one id.
+    pub(crate) fn seeded(
+        labels: Vec<Box<[u8]>>,
+    ) -> std::result::Result<Interner, (u32, u32, Box<[u8]>)> {
+        let mut ids = FxHashMap::default();
+        ids.reserve(labels.len());
+        for (id, label) in labels.into_iter().enumerate() {
+            match ids.entry(label) {
+                std::collections::hash_map::Entry::Occupied(e) => {
+                    return Err((*e.get(), id as u32, e.key().clone()));
+                }
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(id as u32);
+                }
+            }
+        }
+        Ok(Interner { ids })
+    }
+
     fn intern(&mut self, label: &[u8]) -> std::result::Result<u32, RecordError> {
         if let Some(&id) = self.ids.get(label) {
             return Ok(id);
@@ -136,7 +174,7 @@ impl Interner {
     }
 
     /// Labels indexed by id.
-    fn into_labels(self) -> Vec<Box<[u8]>> {
+    pub(crate) fn into_labels(self) -> Vec<Box<[u8]>> {
         let mut labels = vec![Box::<[u8]>::default(); self.ids.len()];
         for (label, id) in self.ids {
             labels[id as usize] = label;
@@ -153,6 +191,19 @@ pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
     check_new_output(out)?;
     let mut skipped_headers = Vec::new();
     let (raw, sources) = match &options.input {
+        ImportInput::Extend {
+            base,
+            train,
+            valid,
+            test,
+        } => {
+            let delta = crate::extend::Delta {
+                train,
+                valid: valid.as_ref(),
+                test: test.as_ref(),
+            };
+            return crate::extend::extend(options, base, delta, out);
+        }
         ImportInput::Marius { dir } => (marius::read(dir)?, vec![dir.display().to_string()]),
         ImportInput::Files { train, valid, test } => {
             let inputs: Vec<(Split, &PathBuf)> = [
@@ -163,7 +214,7 @@ pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
             .into_iter()
             .filter_map(|(s, p)| p.map(|p| (s, p)))
             .collect();
-            let (raw, headers) = read_text(options, &inputs)?;
+            let (raw, headers) = read_text(options, &inputs, Default::default())?;
             skipped_headers = headers;
             (
                 raw,
@@ -179,7 +230,7 @@ pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
                 return Err(DatasetError::Options("no input files to split".into()));
             }
             let inputs: Vec<(Split, &PathBuf)> = files.iter().map(|p| (Split::Train, p)).collect();
-            let (mut raw, headers) = read_text(options, &inputs)?;
+            let (mut raw, headers) = read_text(options, &inputs, Default::default())?;
             skipped_headers = headers;
             split_by_fraction(&mut raw, fractions, options.seed);
             (raw, files.iter().map(|p| p.display().to_string()).collect())
@@ -191,21 +242,34 @@ pub fn import(options: &ImportOptions, out: &Path) -> Result<ImportSummary> {
     let meta = graph.write(staging.dir(), options.seed, sources)?;
     check_cancel(options)?;
     staging.publish()?;
-    Ok(ImportSummary {
-        output: out.to_owned(),
-        entities: meta.entities,
-        relations: meta.relations,
-        train: meta.splits.train,
-        valid: meta.splits.valid,
-        test: meta.splits.test,
-        unseen_dropped: meta.unseen_dropped,
-        unseen_kept: meta.unseen_kept,
-        skipped_headers,
-        seconds: started.elapsed().as_secs_f64(),
-    })
+    Ok(ImportSummary::of(out, meta, skipped_headers, started))
 }
 
-fn check_cancel(options: &ImportOptions) -> Result<()> {
+impl ImportSummary {
+    /// The summary of the dataset `meta` describes, written to `out` since `started`.
+    pub(crate) fn of(
+        out: &Path,
+        meta: DatasetMeta,
+        skipped_headers: Vec<String>,
+        started: Instant,
+    ) -> ImportSummary {
+        ImportSummary {
+            output: out.to_owned(),
+            entities: meta.entities,
+            relations: meta.relations,
+            train: meta.splits.train,
+            valid: meta.splits.valid,
+            test: meta.splits.test,
+            unseen_dropped: meta.unseen_dropped,
+            unseen_kept: meta.unseen_kept,
+            skipped_headers,
+            seconds: started.elapsed().as_secs_f64(),
+            extends: meta.extends,
+        }
+    }
+}
+
+pub(crate) fn check_cancel(options: &ImportOptions) -> Result<()> {
     match &options.cancel {
         Some(flag) if flag.load(Ordering::Relaxed) => Err(DatasetError::Interrupted),
         _ => Ok(()),
@@ -227,11 +291,12 @@ fn check_fractions(f: &[f64; 3]) -> Result<()> {
     Ok(())
 }
 
-/// Reads text inputs, interning labels, into per-split edge lists; returns them with the header
-/// lines skipped (`FILE:LINE`).
-fn read_text(
+/// Reads text inputs, interning labels after those `interners` (entities, relations) already
+/// hold, into per-split edge lists; returns them with the header lines skipped (`FILE:LINE`).
+pub(crate) fn read_text(
     options: &ImportOptions,
     inputs: &[(Split, &PathBuf)],
+    (mut entities, mut relations): (Interner, Interner),
 ) -> Result<(RawGraph, Vec<String>)> {
     let total: u64 = inputs
         .iter()
@@ -250,8 +315,6 @@ fn read_text(
     } else {
         ProgressBar::hidden()
     };
-    let mut entities = Interner::default();
-    let mut relations = Interner::default();
     let mut splits: [Vec<Edge>; 3] = Default::default();
     let mut done_before = 0u64;
     let mut line = Vec::with_capacity(256);
@@ -496,6 +559,7 @@ impl FinalGraph {
             sources,
             unseen_dropped: self.unseen_dropped,
             unseen_kept: self.unseen_kept,
+            extends: None,
         };
         meta.write(dir)?;
         Ok(meta)
@@ -511,11 +575,23 @@ pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<u32> {
     Ok(crc32fast::hash(bytes))
 }
 
-fn write_labels(path: &Path, labels: &[Box<[u8]>]) -> Result<()> {
+pub(crate) fn write_labels(path: &Path, labels: &[Box<[u8]>]) -> Result<()> {
+    write_labels_after(path, &[], 0, labels)
+}
+
+/// Writes a label file: the lines `head` (a label file's bytes, `first_id` labels) as they are,
+/// then `labels` with the ids from `first_id` on.
+pub(crate) fn write_labels_after(
+    path: &Path,
+    head: &[u8],
+    first_id: usize,
+    labels: &[Box<[u8]>],
+) -> Result<()> {
     let file = File::create(path).at(path)?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
+    w.write_all(head).at(path)?;
     for (id, label) in labels.iter().enumerate() {
-        write!(w, "{id}\t").at(path)?;
+        write!(w, "{}\t", first_id + id).at(path)?;
         w.write_all(label).at(path)?;
         w.write_all(b"\n").at(path)?;
     }

@@ -14,6 +14,7 @@ compile_error!(
 mod buckets;
 mod dataset;
 mod error;
+mod extend;
 mod generate;
 mod header;
 mod import;
@@ -29,6 +30,7 @@ use std::path::{Path, PathBuf};
 pub use buckets::{Buckets, PartitionScheme};
 pub use dataset::{Dataset, LabelTable, degrees, label_in_line};
 pub use error::{DatasetError, PartitionSchemeError, Result};
+pub use extend::Extension;
 pub use generate::{GenerateOptions, GenerateSummary, generate};
 pub use header::Header;
 pub use import::{ImportInput, ImportOptions, ImportSummary, import};

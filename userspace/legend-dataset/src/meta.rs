@@ -108,6 +108,10 @@ pub struct DatasetMeta {
     pub unseen_dropped: u64,
     /// Valid/test edges kept despite unseen entities or relations (`--keep-unseen`).
     pub unseen_kept: u64,
+    /// The dataset this one extends (`legendctl import --extend`), absent in one imported
+    /// whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extends: Option<crate::Extension>,
 }
 
 impl DatasetMeta {

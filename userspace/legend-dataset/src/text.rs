@@ -38,7 +38,7 @@ impl Columns {
         }
     }
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Columns::Hrt => "hrt",
             Columns::Htr => "htr",

@@ -159,7 +159,9 @@ pub fn export_expecting(
     guard.admit(&parent).map_err(io(parent.path()))?;
     check_out_dir(&parent, name, format)?;
     let dataset = open_run_dataset(&meta, dataset, guard)?;
-    let relations = run::load_relations(&run, &meta, guard)?;
+    // One reader for both tables: a store is opened once.
+    let mut reader = run::RunReader::open(&run, &meta, guard, None)?;
+    let relations = reader.relations()?;
     let entity_labels = dataset.entity_labels()?;
     let relation_labels = match (meta.relations > 0, meta.reciprocal_relations) {
         (false, _) => Vec::new(),
@@ -193,7 +195,7 @@ pub fn export_expecting(
             };
         table("entities", &entity_labels, meta.dim, &mut |w| {
             let path = w.path.clone();
-            Ok(run::stream_entities(&run, &meta, guard, |block| {
+            Ok(reader.stream_entities(|block| {
                 w.rows(block).map_err(|e| RunError::Invalid {
                     path: path.clone(),
                     message: e.to_string(),

@@ -833,6 +833,7 @@ mod tests {
             sources: Vec::new(),
             unseen_dropped: 0,
             unseen_kept: 0,
+            extends: None,
         }
     }
 

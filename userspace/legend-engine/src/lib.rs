@@ -10,6 +10,7 @@ pub mod error_chain;
 pub mod evaluation;
 pub mod export;
 pub mod footprint;
+pub mod incremental;
 pub mod progress;
 pub mod relations;
 pub mod restore;

@@ -92,6 +92,13 @@ impl TableReader {
         ((self.len - self.offset) / self.dtype.bytes() as u64) as usize
     }
 
+    /// Tells the kernel that the file's `bytes` stored bytes after the next `skip` will be
+    /// read soon: a reader that reads a cold file in pieces keeps the disk busy between them.
+    pub fn will_read(&self, skip: u64, bytes: u64) {
+        let from = self.offset.saturating_add(skip).min(self.len);
+        legend_fs::will_read(&self.file, from, bytes.min(self.len - from));
+    }
+
     /// Fills `bytes` with the file's next bytes as stored, reading and checksumming blocks of
     /// them on every core.
     pub fn read_stored(&mut self, bytes: &mut [u8]) -> Result<(), RunError> {
@@ -199,7 +206,7 @@ impl TableReader {
 }
 
 /// A table file of f32 values of a checkpoint mapped into memory ([`TableReader::map`]): its
-/// values are to be trusted once [`MappedTable::check`] or [`MappedTable::check_sum`] said so.
+/// values are to be trusted once [`MappedTable::check`] said so.
 pub struct MappedTable {
     map: Option<memmap2::Mmap>,
     path: PathBuf,
@@ -216,13 +223,7 @@ impl MappedTable {
 
     /// Checks the values against the record's checksum, summed on every core.
     pub fn check(&self) -> Result<(), RunError> {
-        self.check_sum(crc32(bytemuck::cast_slice(self.values())).finalize())
-    }
-
-    /// Checks `crc`, the CRC-32 of the values' bytes that whoever read them all summed (a copy
-    /// that sums what passes through it reads the table once, not twice), against the record's.
-    pub fn check_sum(&self, crc: u32) -> Result<(), RunError> {
-        if crc != self.want {
+        if crc32(bytemuck::cast_slice(self.values())).finalize() != self.want {
             return Err(RunError::Invalid {
                 path: self.path.clone(),
                 message: "checksum mismatch: the checkpoint is damaged".into(),
@@ -234,18 +235,33 @@ impl MappedTable {
 
 /// `meta`'s entity embeddings in place, when its checkpoint holds them as queries read them:
 /// the memory backend's `entities.bin` in f32, mapped, to be checked (the rows of a
-/// billion-edge run are then the page cache's, read by whoever scans them, never copied);
-/// `None` for rows in a store or in a 16-bit format.
-pub fn map_entities(run: &Dir, meta: &RunMeta) -> Result<Option<MappedTable>, RunError> {
+/// billion-edge run are then the page cache's, read by whoever scans them, never copied), and
+/// `may_map` allows the opened file (the caller's rule of whose files it maps); `None` for rows
+/// in a store or in a 16-bit format, or a file `may_map` refused.
+pub fn map_entities(
+    run: &Dir,
+    meta: &RunMeta,
+    may_map: impl FnOnce(&File, &Path) -> bool,
+) -> Result<Option<MappedTable>, RunError> {
     if !entities_map(meta) {
         return Ok(None);
     }
-    TableReader::open(run, meta, 0)?.map().map(Some)
+    let reader = TableReader::open(run, meta, 0)?;
+    if !may_map(&reader.file, &reader.path) {
+        return Ok(None);
+    }
+    reader.map().map(Some)
 }
 
 /// Whether [`map_entities`] maps `meta`'s entity embeddings.
 pub fn entities_map(meta: &RunMeta) -> bool {
-    meta.store.is_none() && !meta.checkpoint.is_empty() && meta.entity_dtype == Dtype::F32
+    entities_in_checkpoint(meta) && meta.entity_dtype == Dtype::F32
+}
+
+/// Whether `meta`'s entity embeddings are in its checkpoint's files (table 0 of
+/// [`TABLE_FILES`], read by [`TableReader`]), not in a store.
+pub fn entities_in_checkpoint(meta: &RunMeta) -> bool {
+    meta.store.is_none() && !meta.checkpoint.is_empty()
 }
 
 /// The CRC-32 state of `bytes`, summed in blocks on every core and combined in order.
@@ -369,6 +385,7 @@ mod tests {
             store_id: None,
             store_creating: false,
             checksums,
+            init_from: None,
         }
     }
 
@@ -439,14 +456,24 @@ mod tests {
         let emb: Vec<f32> = (0..3_000_003).map(|i| i as f32 * 0.5).collect();
         let meta = write(dir.path(), &emb, &emb, 3, Dtype::F32);
         let run = Dir::open(dir.path()).unwrap();
-        let mapped = map_entities(&run, &meta).unwrap().expect("f32 rows map");
+        let any = |_: &File, _: &Path| true;
+        let mapped = map_entities(&run, &meta, any)
+            .unwrap()
+            .expect("f32 rows map");
         mapped.check().unwrap();
         assert_eq!(mapped.values(), &emb[..]);
+        // A file the caller's rule refuses is not mapped; the rule sees the file and its path.
+        let refused = map_entities(&run, &meta, |file, path| {
+            assert!(path.ends_with("c/entities.bin"), "{}", path.display());
+            assert_eq!(file.metadata().unwrap().len(), 4 * emb.len() as u64);
+            false
+        });
+        assert!(refused.unwrap().is_none());
         // Its files are rewritten below: a mapping must not outlive them (see `map`).
         drop(mapped);
         // 16-bit rows are widened by whoever reads them: not mapped.
         let narrow = write(dir.path(), &emb, &emb, 3, Dtype::Bf16);
-        assert!(map_entities(&run, &narrow).unwrap().is_none());
+        assert!(map_entities(&run, &narrow, any).unwrap().is_none());
         // One bit flipped in the last block: refused, naming the file.
         let meta = write(dir.path(), &emb, &emb, 3, Dtype::F32);
         let path = dir.path().join("c").join("entities.bin");
@@ -454,7 +481,9 @@ mod tests {
         let last = bytes.len() - 1;
         bytes[last] ^= 1;
         std::fs::write(&path, &bytes).unwrap();
-        let mapped = map_entities(&run, &meta).unwrap().expect("f32 rows map");
+        let mapped = map_entities(&run, &meta, any)
+            .unwrap()
+            .expect("f32 rows map");
         let err = mapped.check().unwrap_err().to_string();
         assert!(
             err.contains("entities.bin") && err.contains("checksum mismatch"),

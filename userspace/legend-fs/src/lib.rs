@@ -613,6 +613,62 @@ impl Dir {
     }
 }
 
+/// Who, besides this process's own user and root, could change the contents of the open file
+/// `file` while this process reads it: `None` when no one can (the file is this user's or
+/// root's, and neither its group nor others may write it; an ACL's entries are bounded by its
+/// mask, which the group bits are; and it is not on a FUSE file system, whose server, which
+/// may be anyone's, says what it holds and who owns it), else who, in words.
+///
+/// A file no one else can change may be mapped into a process that others rely on (legendd's
+/// serve job answers its submitter's group): a change under the mapping could then come only
+/// from the user who controls the process anyway (they may trace it and write its memory) or
+/// from root. A file someone else could rewrite or truncate is read into the process instead,
+/// so that what was checked when it was read is what is used.
+pub fn writable_by_others(file: &File) -> io::Result<Option<String>> {
+    use nix::sys::statfs::{FUSE_SUPER_MAGIC, fstatfs};
+    if fstatfs(file)?.filesystem_type() == FUSE_SUPER_MAGIC {
+        return Ok(Some(
+            "on a FUSE file system (its server says what the file holds)".into(),
+        ));
+    }
+    let st = fstat(file)?;
+    let me = nix::unistd::geteuid().as_raw();
+    if st.st_uid != me && st.st_uid != 0 {
+        return Ok(Some(format!(
+            "owned by uid {} (this process runs as uid {me})",
+            st.st_uid
+        )));
+    }
+    let mode = st.st_mode & 0o7777;
+    Ok((mode & 0o022 != 0).then(|| {
+        let who = match (mode & 0o020 != 0, mode & 0o002 != 0) {
+            (true, true) => "its group and others",
+            (true, false) => "its group",
+            _ => "others",
+        };
+        format!("writable by {who} (mode {mode:o})")
+    }))
+}
+
+/// Tells the kernel that `len` bytes of `file` from `offset` will be read soon
+/// (`POSIX_FADV_WILLNEED`): a cold file's pages are then read while the caller is still busy
+/// with the bytes before them. Advice only: a kernel that declines it changes nothing; `len` 0
+/// asks for nothing (not, as the call itself reads it, for the rest of the file).
+pub fn will_read(file: &File, offset: u64, len: u64) {
+    let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+        return;
+    };
+    if len == 0 {
+        return;
+    }
+    let _ = nix::fcntl::posix_fadvise(
+        file,
+        offset,
+        len,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+    );
+}
+
 /// The names in the directory `fd` (without `.` and `..`), unsorted.
 fn names_in(fd: &OwnedFd) -> io::Result<Vec<OsString>> {
     let mut stream = nix::dir::Dir::from_fd(fd.try_clone()?)?;
@@ -981,5 +1037,35 @@ mod tests {
         std::fs::write(tmp.path().join("x"), b"").unwrap();
         let e = Dir::open_guarded(tmp.path(), &OnlyEmpty).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
+    }
+
+    #[test]
+    fn a_file_only_its_user_or_root_can_change_is_told_apart_from_one_others_can() {
+        use std::os::unix::fs::PermissionsExt;
+        let (tmp, _) = setup();
+        let path = tmp.path().join("entities.bin");
+        std::fs::write(&path, b"rows").unwrap();
+        let why = |mode: u32| {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            writable_by_others(&File::open(&path).unwrap()).unwrap()
+        };
+        assert_eq!(why(0o644), None);
+        assert_eq!(why(0o600), None);
+        assert_eq!(why(0o444), None);
+        assert_eq!(why(0o664).unwrap(), "writable by its group (mode 664)");
+        assert_eq!(why(0o646).unwrap(), "writable by others (mode 646)");
+        assert_eq!(
+            why(0o666).unwrap(),
+            "writable by its group and others (mode 666)"
+        );
+        // Another user's file (only root can give one away here), however its mode.
+        if nix::unistd::geteuid().is_root() {
+            let other = nix::unistd::Uid::from_raw(4321);
+            nix::unistd::chown(&path, Some(other), None).unwrap();
+            assert_eq!(
+                why(0o644).unwrap(),
+                "owned by uid 4321 (this process runs as uid 0)"
+            );
+        }
     }
 }

@@ -118,6 +118,8 @@ pub(crate) struct Shared {
     bounce: (usize, usize),
     /// Commands fetched so far, by all threads (`Faults::fail_every` counts them).
     pub(crate) commands: AtomicU64,
+    /// I/O queue pairs created so far (deleted ones included).
+    pairs_created: AtomicU64,
     /// The modelled device's budgets, shared by all threads.
     pub(crate) clock: Option<Mutex<DeviceClock>>,
 }
@@ -184,6 +186,15 @@ impl Drop for Pages {
         // SAFETY: our own mapping.
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
+}
+
+/// A proxy's I/O queue pairs ([`Proxy::queue_pairs`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueuePairCount {
+    /// Created since the proxy started.
+    pub created: u64,
+    /// Existing now.
+    pub live: u64,
 }
 
 /// A userspace NVMe controller over a file or block device. Dropping it stops the controller
@@ -296,6 +307,7 @@ impl Proxy {
             max_transfer: opts.max_transfer,
             bounce: (bounce.ptr.as_ptr() as usize, bounce.len),
             commands: AtomicU64::new(0),
+            pairs_created: AtomicU64::new(0),
             clock: opts.model.map(|m| Mutex::new(DeviceClock::new(m))),
         });
         let info = info(opts, blocks, path);
@@ -359,6 +371,20 @@ impl Proxy {
     /// Replaces the injected faults.
     pub fn set_faults(&self, faults: Faults) {
         *lock(&self.shared.faults) = faults;
+    }
+
+    /// Its users' I/O queue pairs: how many were ever created, and how many exist now (what a
+    /// reader that should open its queues once is checked by).
+    pub fn queue_pairs(&self) -> QueuePairCount {
+        QueuePairCount {
+            created: self.shared.pairs_created.load(Ordering::Relaxed),
+            live: self
+                .shared
+                .shards
+                .iter()
+                .map(|s| lock(s).len() as u64)
+                .sum(),
+        }
     }
 
     /// The namespace's size in blocks.
@@ -542,6 +568,7 @@ impl Controller for Proxy {
             unsafe { self.shared.doorbell(i).write_volatile(0) };
         }
         queues.push(Queue::new(qid, depth, sq as *const Sqe, cq as *mut Cqe));
+        self.shared.pairs_created.fetch_add(1, Ordering::Relaxed);
         let stride = self.info.doorbell_stride;
         Ok(QueuePairDoorbells {
             qid: u32::from(qid),

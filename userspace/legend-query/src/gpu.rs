@@ -17,9 +17,10 @@ use legend_cuda::scan::{EntityRows, SCAN_MAX_ROWS, SCAN_MAX_TOP, SCAN_WORKING_BY
 use legend_cuda::{Gpu, GpuError};
 use legend_engine::config::DeviceChoice;
 use legend_engine::engine::Resolved;
+use legend_engine::run::StoreLayout;
+use legend_engine::store::MemberFile;
 use legend_engine::store::QueueBackend;
 use legend_engine::store::controllers::{self, DeviceModel};
-use legend_engine::store::{FileStore, MemberFile};
 use legend_eval::Kernel;
 use legend_model::{Comparator, Dtype};
 
@@ -160,26 +161,27 @@ impl GpuScans {
     }
 }
 
-/// A GPU row cache of at most `bytes` over the committed partitions of a run's `store` (one
-/// member: `members[0]`; [`legend_engine::run::open_store`]), its rows as stored (the store's
-/// dtype), read through the store's own controller (the proxy or `legend_nvme` of a
-/// queue-backed store), or through a proxy over the store's file started here at
-/// `proxy_model`'s rates (a `file` store); `queues` queue pairs, `opts` but for its lines.
-/// A refusal says why the rows must be read on the CPU instead.
+/// A GPU row cache of at most `bytes` over the committed partitions of a run's store, as its
+/// reader found them ([`legend_engine::run::RunReader::store_layout`]), its rows as stored (the
+/// store's dtype), read through the controller the reader's store opened (the proxy or
+/// `legend_nvme` of a queue-backed store), or through a proxy over the store's file started
+/// here at `proxy_model`'s rates (a `file` store); `queues` queue pairs, `opts` but for its
+/// lines. A refusal says why the rows must be read on the CPU instead.
 pub fn store_row_cache(
     gpu: &Gpu,
-    (store, members): (&FileStore, &[MemberFile]),
+    layout: &StoreLayout,
     proxy_model: Option<DeviceModel>,
     bytes: u64,
     (queues, opts): (u32, &RowCacheOptions),
 ) -> Result<RowCache, RowCacheError> {
-    let [member] = members else {
+    let label = store_label(&layout.members);
+    let [member] = &layout.members[..] else {
         return Err(RowCacheError::Unsupported(format!(
-            "a store striped over {} devices (the GPU I/O kernels drive one controller a launch)",
-            members.len()
+            "{label}: a store striped over {} devices (the row cache's lines address one \
+             member's blocks; its rows are looked up through the store's reader instead)",
+            layout.members.len()
         )));
     };
-    let label = store_label(members);
     let fail = |what: &'static str| {
         let label = label.clone();
         move |e: Box<dyn std::error::Error + Send + Sync>| RowCacheError::Failed {
@@ -188,15 +190,15 @@ pub fn store_row_cache(
             source: e,
         }
     };
-    let ctrl = match store.controller() {
-        Some(c) => c.clone(),
-        None => controllers::open(QueueBackend::Proxy, &member.file, proxy_model)
+    let ctrl = match &layout.queued[..] {
+        [one] => one.controller.clone(),
+        _ => controllers::open(QueueBackend::Proxy, &member.file, proxy_model)
             .map_err(|e| fail("starting a proxy controller over the store")(e.into()))?,
     };
     let placement = ctrl
         .gpu_placement(gpu)
         .map_err(|e| fail("reaching the controller from the GPU")(e.into()))?;
-    let table = store_table(store)?;
+    let table = store_table(layout)?;
     let namespace = member.queue.map_or(1, |q| q.namespace);
     let info = ctrl
         .controller()
@@ -235,25 +237,26 @@ pub fn store_row_cache(
     RowCache::open(gpu, io, table, &opts).map_err(|e| fail("opening the row cache")(e.into()))
 }
 
-/// Where the committed entity rows of a run's `store` lie on its (first) member: each
-/// partition's embeddings at the byte of its committed copy, rows as stored. A store striped
-/// over several members has no such single table.
-pub fn store_table(store: &FileStore) -> Result<CachedTable, RowCacheError> {
-    let spec = store.spec();
-    let label = store.path().display().to_string();
+/// Where the committed entity rows of a run's store lie on its member, as its reader found
+/// them: each partition's embeddings at the first byte of its committed copy, rows as stored.
+/// A store striped over several members has no such single table.
+pub fn store_table(layout: &StoreLayout) -> Result<CachedTable, RowCacheError> {
+    let spec = &layout.spec;
+    let label = store_label(&layout.members);
     let row_bytes = u32::try_from(spec.dim as usize * spec.dtype.bytes())
         .map_err(|_| RowCacheError::Unsupported(format!("{label}: rows of {} values", spec.dim)))?;
     let per_part = legend_model::partition::rows_per_partition(spec.num_nodes, spec.num_partitions);
-    // Trailing partitions may hold no rows: the table ends with the last that does.
-    let parts = spec.num_nodes.div_ceil(per_part) as u32;
-    let partitions = (0..parts)
-        .map(|p| store.io_extent(p, false).map(|(at, _)| at))
-        .collect::<Result<Vec<u64>, _>>()
-        .map_err(|e| RowCacheError::Failed {
-            label,
-            what: "finding the committed partitions",
-            source: e.into(),
-        })?;
+    let partitions = layout
+        .committed
+        .iter()
+        .map(|pieces| match &pieces[..] {
+            [one] => Ok(one.at),
+            _ => Err(RowCacheError::Unsupported(format!(
+                "{label}: a partition in {} pieces (a striped store)",
+                pieces.len()
+            ))),
+        })
+        .collect::<Result<Vec<u64>, _>>()?;
     Ok(CachedTable {
         partitions,
         rows_per_partition: per_part,
@@ -303,16 +306,19 @@ impl StoreRows {
     /// [`store_row_cache`] on the opened GPU, its rows widened to f32 by [`StoreRows::rows`].
     pub(crate) fn open(
         opened: &OpenedGpu,
-        store: &FileStore,
-        members: &[MemberFile],
+        layout: &StoreLayout,
         proxy_model: Option<DeviceModel>,
         bytes: u64,
     ) -> Result<StoreRows, RowCacheError> {
-        let spec = store.spec();
+        let spec = &layout.spec;
         let defaults = (GpuIoOptions::default().queues, &RowCacheOptions::default());
-        let cache = store_row_cache(&opened.gpu, (store, members), proxy_model, bytes, defaults)?;
+        let cache = store_row_cache(&opened.gpu, layout, proxy_model, bytes, defaults)?;
         Ok(StoreRows {
-            label: format!("{}, row cache over {}", opened.name, store_label(members)),
+            label: format!(
+                "{}, row cache over {}",
+                opened.name,
+                store_label(&layout.members)
+            ),
             cache: Mutex::new(cache),
             dtype: spec.dtype,
             dim: spec.dim as usize,

@@ -10,11 +10,11 @@
 //! scan runs as legend-cuda's, which gives the same scores and order; the query vectors are
 //! made here either way.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use legend_cuda::scan::{EntityRows, SCAN_MAX_QUERIES, Scan, ScanScoring};
-use legend_engine::restore::{MappedTable, map_entities};
-use legend_engine::run::{self, RowReader, RunError, RunMeta};
+use legend_engine::restore::{MappedTable, TableReader, entities_in_checkpoint, map_entities};
+use legend_engine::run::{self, RunError, RunMeta, RunReader};
 use legend_eval::{FilterIndex, Kernel};
 use legend_fs::{Dir, Guard};
 use legend_model::{Comparator, Decoder, Side};
@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::QueryError;
 use crate::gpu::{GpuScans, OpenedGpu, StoreRows};
-use crate::names::FileAccess;
+use crate::names::{FileAccess, note_copied};
 use crate::topk::{Ranked, TopK};
 
 /// Candidate rows scored at a time by one thread: 256 rows of d = 200 stay in L2 while the
@@ -34,45 +34,21 @@ const CANDIDATE_BLOCK: usize = 256;
 const DOWNLOAD_BYTES: usize = 64 << 20;
 
 /// Where the entity rows are.
-enum Entities<'a> {
+enum Entities {
     /// In memory, row-major `[entities × dim]` (a served run).
     Resident(Vec<f32>),
     /// The run's checkpoint file mapped in place, its checksum checked: the page cache's
     /// pages, row-major (a query command on a run of the memory backend in f32).
     Mapped(MappedTable),
     /// In the run's checkpoint or store, read a piece at a time by every scan (a run larger
-    /// than memory), and row by row by lookups.
+    /// than memory), and row by row by lookups, through the run's one reader.
     Stored {
-        /// The run directory.
-        run: Dir,
-        /// Its commit record.
-        meta: Box<RunMeta>,
-        /// Admits a store outside the run and checks reads (legend-fs).
-        guard: StreamGuard<'a>,
-        /// The rows lookups read, kept open (one lookup at a time).
-        reader: Mutex<RowReader>,
-        /// Held by a scan: one at a time holds its partitions, so that a run's host memory
-        /// stays within [`Model::stream_bytes`] however many batches come at once.
-        scanning: Mutex<()>,
+        /// The reader, opened once: one scan or lookup at a time holds it, so that a run's
+        /// host memory stays within [`Model::stream_bytes`] however many batches come at once.
+        reader: Mutex<RunReader>,
     },
     /// In GPU memory only (the rows of [`Model::gpu`]).
     OnGpu,
-}
-
-/// The guard a stored run's reads go through: the caller's, or one the model shares (a served
-/// run, which outlives the job that opened it).
-pub(crate) enum StreamGuard<'a> {
-    Borrowed(&'a dyn Guard),
-    Shared(Arc<dyn Guard>),
-}
-
-impl StreamGuard<'_> {
-    fn get(&self) -> &dyn Guard {
-        match self {
-            StreamGuard::Borrowed(g) => *g,
-            StreamGuard::Shared(g) => g.as_ref(),
-        }
-    }
 }
 
 /// `m` locked, whether or not a holder panicked (what it guards stays consistent).
@@ -89,20 +65,17 @@ pub(crate) struct GpuPlan {
 }
 
 /// The one place that reads a stored run's entity rows for a scan: `piece` gets them in row
-/// order, whole rows of `meta.dim` floats a piece at a time (a partition of the store, or a
-/// block of the checkpoint file), through the run's existing read path. Whoever reworks how
-/// partitions are read changes this function only.
+/// order, whole rows of `dim` floats a piece at a time (a partition of the store, or a block of
+/// the checkpoint file), through the run's reader.
 fn read_pieces(
-    run: &Dir,
-    meta: &RunMeta,
-    guard: &dyn Guard,
+    reader: &mut RunReader,
+    dim: usize,
     mut piece: impl FnMut(&[f32]) -> Result<(), RunError>,
 ) -> Result<(), RunError> {
-    let dim = meta.dim;
     // A checkpoint file is read in blocks of a fixed size, which may end inside a row: the
     // row is completed from the next block.
     let mut split_row: Vec<f32> = Vec::with_capacity(dim);
-    run::stream_entities(run, meta, guard, |mut block| {
+    reader.stream_entities(|mut block| {
         if !split_row.is_empty() {
             let take = (dim - split_row.len()).min(block.len());
             split_row.extend_from_slice(&block[..take]);
@@ -122,33 +95,72 @@ fn read_pieces(
     })
 }
 
-/// Bytes of each staging chunk of a table's upload to the GPU: 64 pieces, copied on every core.
+/// Refuses to load the entity rows of `meta`'s run (in `run`) into host memory when they take
+/// more than is available: jobs are threads of the daemon, and an allocation that fails would
+/// take it down.
+fn fits_in_memory(run: &Dir, meta: &RunMeta) -> Result<(), QueryError> {
+    let bytes = u128::from(meta.entities) * (meta.dim as u128) * 4;
+    let available = legend_engine::footprint::available_bytes().map_or(u128::MAX, u128::from);
+    if bytes > available {
+        return Err(QueryError::Tables(format!(
+            "{}: the run's entity rows take {:.1} GiB, more than the {:.1} GiB of memory \
+             available: query it with legendctl predict|score|neighbors instead, which reads it \
+             a piece at a time",
+            run.path().display(),
+            bytes as f64 / f64::from(1u32 << 30),
+            available as f64 / f64::from(1u32 << 30)
+        )));
+    }
+    Ok(())
+}
+
+/// Bytes of each staging chunk of a table's upload to the GPU: 16 blocks of the checkpoint
+/// file, read on every core straight into pinned memory.
 const UPLOAD_CHUNK_BYTES: usize = 64 << 20;
 
-/// Copies `mapped` (a checkpoint's rows, mapped) into `rows` on `gpu`'s device, summing the
-/// bytes as they are staged, and checks the sum against the run's record: the table is read
-/// once, not once to check it and once to copy it.
-fn upload_checked(
+/// Why a table's upload from its checkpoint stopped: the file, or the GPU.
+enum UploadError {
+    Read(RunError),
+    Gpu(legend_cuda::GpuError),
+}
+
+impl From<legend_cuda::GpuError> for UploadError {
+    fn from(e: legend_cuda::GpuError) -> UploadError {
+        UploadError::Gpu(e)
+    }
+}
+
+/// Reads the entity rows of `meta`'s checkpoint in `run` into `rows` on `gpu`'s device: the
+/// file read on every core straight into pinned staging, a chunk at a time, each chunk's DMA
+/// running while the next is read and the one after is asked of the disk, so that a cold
+/// file is read once at the disk's rate (not read, then staged) and a warm one is one copy out
+/// of the page cache. The bytes are checksummed as they are read and checked against the
+/// run's record once all are: what the GPU holds is what was checked (staged memory is this
+/// process's own, whoever else may write the file). A 16-bit checkpoint is widened as read.
+fn upload_checkpoint(
     gpu: &OpenedGpu,
     rows: &mut EntityRows,
-    mapped: &MappedTable,
+    run: &Dir,
+    meta: &RunMeta,
 ) -> Result<(), QueryError> {
+    let mut reader = TableReader::open(run, meta, 0)?;
     let mut transfer =
         legend_cuda::Transfer::new(&gpu.gpu, UPLOAD_CHUNK_BYTES).map_err(|e| gpu.error(e))?;
-    let sums = Mutex::new(Vec::new());
-    rows.write_all(&mut transfer, mapped.values(), &|at, piece| {
-        let mut h = crc32fast::Hasher::new();
-        h.update(piece);
-        lock(&sums).push((at, h));
-    })
-    .map_err(|e| gpu.error(e))?;
-    let mut sums = sums.into_inner().unwrap_or_else(|e| e.into_inner());
-    sums.sort_unstable_by_key(|&(at, _)| at);
-    let mut crc = crc32fast::Hasher::new();
-    for (_, h) in &sums {
-        crc.combine(h);
+    // Stored bytes a chunk of f32 holds (a 16-bit file's are half as many).
+    let stored = |bytes: usize| (bytes / 4 * meta.entity_dtype.bytes()) as u64;
+    reader.will_read(0, stored(UPLOAD_CHUNK_BYTES));
+    let mut fill = |_: usize, chunk: &mut [u8]| {
+        reader.will_read(stored(chunk.len()), stored(UPLOAD_CHUNK_BYTES));
+        // Staging chunks are page-aligned, and hold whole floats.
+        reader
+            .read(bytemuck::cast_slice_mut(chunk))
+            .map_err(UploadError::Read)
+    };
+    match rows.fill(&mut transfer, &mut fill) {
+        Ok(()) => Ok(reader.finish()?),
+        Err(UploadError::Read(e)) => Err(e.into()),
+        Err(UploadError::Gpu(e)) => Err(gpu.error(e)),
     }
-    Ok(mapped.check_sum(crc.finalize())?)
 }
 
 /// How neighbours are compared.
@@ -226,7 +238,7 @@ pub struct Nearest {
 }
 
 /// A run's trained tables, ready for queries.
-pub struct Model<'a> {
+pub struct Model {
     decoder: Decoder,
     dim: usize,
     num_entities: usize,
@@ -236,48 +248,52 @@ pub struct Model<'a> {
     /// evaluator ranks it.
     reciprocal: bool,
     relations: Vec<f32>,
-    entities: Entities<'a>,
+    entities: Entities,
     /// The GPU that scans, holding the entity rows when [`Entities::OnGpu`].
     gpu: Option<GpuScans>,
     /// Rows looked up through the GPU row cache over the run's store (a table out of GPU
     /// memory).
     store_rows: Option<StoreRows>,
+    /// The checkpoint file read into memory though it could have been mapped, with why.
+    copied: Vec<String>,
 }
 
-impl<'a> Model<'a> {
+impl Model {
     /// The tables of `meta`'s run, read through `guard`: relations loaded; entities loaded
-    /// too, or, with `stream_with`, read by each scan through that guard.
+    /// too, or, when `streamed`, read by each scan and lookup through the run's reader.
     pub fn of_run(
         run: Dir,
         meta: RunMeta,
         num_relations: usize,
         guard: &dyn Guard,
-        stream_with: Option<&'a dyn Guard>,
-    ) -> Result<Model<'a>, QueryError> {
-        let stream_with = stream_with.map(StreamGuard::Borrowed);
+        streamed: bool,
+    ) -> Result<Model, QueryError> {
+        if !streamed {
+            // Refused before anything of the run is opened.
+            fits_in_memory(&run, &meta)?;
+        }
+        let reader = RunReader::open(&run, &meta, guard, None)?;
         Self::of_run_on(
-            run,
-            meta,
+            (run, meta, reader),
             num_relations,
-            guard,
-            stream_with,
+            streamed,
             None,
             FileAccess::Copy,
         )
     }
 
-    /// [`Model::of_run`], scanning on the GPU of `plan`: the entity rows read into its memory
-    /// (not the host's) when the plan says they fit. With [`FileAccess::MapAndKeep`], rows
-    /// not streamed come from the checkpoint file mapped in place when its layout is theirs.
+    /// [`Model::of_run`] through `reader` (opened on the run, kept when the rows are
+    /// streamed: the run's one reader), scanning on the GPU of `plan`: the entity rows read
+    /// into its memory (not the host's) when the plan says they fit. With
+    /// [`FileAccess::MapAndKeep`], rows not streamed come from the checkpoint file mapped in
+    /// place when its layout is theirs.
     pub(crate) fn of_run_on(
-        run: Dir,
-        meta: RunMeta,
+        (run, meta, mut reader): (Dir, RunMeta, RunReader),
         num_relations: usize,
-        guard: &dyn Guard,
-        stream_with: Option<StreamGuard<'a>>,
+        streamed: bool,
         plan: Option<GpuPlan>,
         access: FileAccess,
-    ) -> Result<Model<'a>, QueryError> {
+    ) -> Result<Model, QueryError> {
         let decoder: Decoder = meta
             .decoder
             .parse()
@@ -285,24 +301,20 @@ impl<'a> Model<'a> {
                 path: run.join(run::META_FILE),
                 message: e.to_string(),
             })?;
-        let relations = run::load_relations(&run, &meta, guard)?;
+        let relations = reader.relations()?;
         let reciprocal = meta.reciprocal_relations;
         let (dim, num_entities) = (meta.dim, meta.entities as usize);
         let (mut gpu, mut store_rows) = (None, None);
-        let mapped = match access {
-            FileAccess::MapAndKeep if stream_with.is_none() => map_entities(&run, &meta)?,
-            _ => None,
-        };
         if let Some(plan) = plan {
             if plan.resident {
                 let mut rows = EntityRows::new(&plan.opened.gpu, num_entities, dim)
                     .map_err(|e| plan.opened.error(e))?;
-                if let Some(mapped) = &mapped {
-                    upload_checked(&plan.opened, &mut rows, mapped)?;
+                if entities_in_checkpoint(&meta) {
+                    upload_checkpoint(&plan.opened, &mut rows, &run, &meta)?;
                 } else {
                     let mut first = 0;
                     let mut failed = None;
-                    read_pieces(&run, &meta, guard, |piece| {
+                    read_pieces(&mut reader, dim, |piece| {
                         if failed.is_none() {
                             failed = rows.write(&plan.opened.gpu, first, piece).err();
                             first += piece.len() / dim;
@@ -328,34 +340,29 @@ impl<'a> Model<'a> {
             gpu = Some(GpuScans::new(plan.opened, None));
             store_rows = plan.store_rows;
         }
-        let entities = match (stream_with, mapped) {
-            (None, Some(mapped)) => {
+        let mut copied = Vec::new();
+        let mapped = match access {
+            _ if streamed => None,
+            FileAccess::Copy => None,
+            _ => map_entities(&run, &meta, |file, path| match access.may_map(file) {
+                Ok(()) => true,
+                Err(why) => {
+                    note_copied(&mut copied, path, &why);
+                    false
+                }
+            })?,
+        };
+        let entities = match (streamed, mapped) {
+            (false, Some(mapped)) => {
                 mapped.check()?;
                 Entities::Mapped(mapped)
             }
-            (Some(guard), _) => Entities::Stored {
-                reader: Mutex::new(RowReader::open(&run, &meta, guard.get())?),
-                run,
-                meta: Box::new(meta),
-                guard,
-                scanning: Mutex::new(()),
+            (true, _) => Entities::Stored {
+                reader: Mutex::new(reader),
             },
-            (None, None) => {
-                // Jobs are threads of the daemon: an allocation that fails would take it down.
-                let bytes = (meta.entities as u128) * (dim as u128) * 4;
-                let available =
-                    legend_engine::footprint::available_bytes().map_or(u128::MAX, u128::from);
-                if bytes > available {
-                    return Err(QueryError::Tables(format!(
-                        "{}: the run's entity rows take {:.1} GiB, more than the {:.1} GiB of \
-                         memory available: query it with legendctl predict|score|neighbors \
-                         instead, which reads it a piece at a time",
-                        run.path().display(),
-                        bytes as f64 / f64::from(1u32 << 30),
-                        available as f64 / f64::from(1u32 << 30)
-                    )));
-                }
-                Entities::Resident(run::load_entities(&run, &meta, guard)?)
+            (false, None) => {
+                fits_in_memory(&run, &meta)?;
+                Entities::Resident(reader.entities()?)
             }
         };
         let mut model = Model::new(
@@ -368,6 +375,7 @@ impl<'a> Model<'a> {
         )?;
         model.gpu = gpu;
         model.store_rows = store_rows;
+        model.copied = copied;
         Ok(model)
     }
 
@@ -380,7 +388,7 @@ impl<'a> Model<'a> {
         entities: Vec<f32>,
         relations: Vec<f32>,
         (num_relations, reciprocal): (usize, bool),
-    ) -> Result<Model<'static>, QueryError> {
+    ) -> Result<Model, QueryError> {
         let num_entities = entities.len() / dim.max(1);
         Model::new(
             decoder,
@@ -399,9 +407,9 @@ impl<'a> Model<'a> {
         dim: usize,
         (num_relations, reciprocal): (usize, bool),
         relations: Vec<f32>,
-        entities: Entities<'a>,
+        entities: Entities,
         num_entities: usize,
-    ) -> Result<Model<'a>, QueryError> {
+    ) -> Result<Model, QueryError> {
         decoder
             .check_dim(dim)
             .map_err(|e| QueryError::Tables(e.to_string()))?;
@@ -434,6 +442,7 @@ impl<'a> Model<'a> {
             entities,
             gpu: None,
             store_rows: None,
+            copied: Vec::new(),
         })
     }
 
@@ -545,6 +554,12 @@ impl<'a> Model<'a> {
         matches!(self.entities, Entities::Mapped(_))
     }
 
+    /// The checkpoint file, when its rows were read into memory though they could have been
+    /// mapped, with why (a served run's file that someone else may write).
+    pub(crate) fn copied(&self) -> &[String] {
+        &self.copied
+    }
+
     /// The entity rows in host memory (held, or mapped), row-major.
     fn host_rows(&self) -> Option<&[f32]> {
         match &self.entities {
@@ -623,16 +638,9 @@ impl<'a> Model<'a> {
         match &self.entities {
             Entities::Resident(rows) => piece(0, rows),
             Entities::Mapped(mapped) => piece(0, mapped.values()),
-            Entities::Stored {
-                run,
-                meta,
-                guard,
-                scanning,
-                ..
-            } => {
-                let _turn = lock(scanning);
+            Entities::Stored { reader, .. } => {
                 let mut first = 0;
-                read_pieces(run, meta, guard.get(), |rows| {
+                read_pieces(&mut lock(reader), self.dim, |rows| {
                     piece(first, rows);
                     first += rows.len() / self.dim;
                     Ok(())
@@ -683,7 +691,7 @@ impl<'a> Model<'a> {
             Entities::Stored { reader, .. } => {
                 let wide: Vec<u64> = ids.iter().map(|&id| u64::from(id)).collect();
                 let mut flat = vec![0.0; ids.len() * dim];
-                lock(reader).read(&wide, &mut flat)?;
+                lock(reader).read_rows(&wide, &mut flat)?;
                 Ok(flat.chunks_exact(dim).map(<[f32]>::to_vec).collect())
             }
             Entities::OnGpu => unreachable!("rows on a GPU are gathered there"),
@@ -853,7 +861,7 @@ impl<'a> Model<'a> {
     }
 }
 
-impl Model<'_> {
+impl Model {
     /// [`Model::top_k`] on the GPU: the resident table scanned there, or the rows streamed to
     /// it from where they are; at most [`SCAN_MAX_QUERIES`] queries a scan.
     fn top_k_gpu(

@@ -47,13 +47,45 @@ const HEADER_WORDS: usize = 6;
 /// How a query process reads the files of a run and of its dataset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum FileAccess {
-    /// Mapped in place, and an index kept in the run when it is missing or stale: a process of
-    /// the run's owner (a file changed under a mapping can end only that process).
+    /// Mapped in place, and an index kept in the run when it is missing or stale: a query
+    /// command, a process of the run's owner who asked for it.
     MapAndKeep,
-    /// Read into memory, the run left as it is: a daemon's serve job (an edit of a file it had
-    /// mapped, by the run's owner, would end the job that serves the run to others too; the
-    /// daemon's jobs do not write their runs).
+    /// Mapped in place where no one but this process's own user (or root) could change the
+    /// file, read into memory otherwise; nothing written in the run: a daemon's serve job,
+    /// which answers others than its user (its group), from a run its user could also be
+    /// training on. A file its user rewrote under the mapping would change (or, truncated, end)
+    /// only a process they control anyway; one that someone else may write could be changed
+    /// after it was checked, so it is read, checked and kept as read.
+    MapOwn,
+    /// Read into memory, the run left as it is.
     Copy,
+}
+
+impl FileAccess {
+    /// Whether `file` is mapped: `Ok`, or why it is read into memory instead.
+    pub(crate) fn may_map(self, file: &std::fs::File) -> Result<(), String> {
+        match self {
+            FileAccess::MapAndKeep => Ok(()),
+            FileAccess::Copy => Err("read as asked".into()),
+            FileAccess::MapOwn => match legend_fs::writable_by_others(file) {
+                Ok(None) => Ok(()),
+                Ok(Some(who)) => Err(who),
+                Err(e) => Err(format!("its owner and mode unknown ({e})")),
+            },
+        }
+    }
+
+    /// Whether a label index built now is kept in the run.
+    fn keeps(self) -> bool {
+        self == FileAccess::MapAndKeep
+    }
+}
+
+/// Notes the file `path` as read into memory because of `why`, where a served run's files
+/// could have been mapped (see [`FileAccess::MapOwn`]).
+pub(crate) fn note_copied(copied: &mut Vec<String>, path: &Path, why: &str) {
+    tracing::info!("{}: {why}: read into memory, not mapped", path.display());
+    copied.push(format!("{}: {why}", path.display()));
 }
 
 /// Bytes held as a file's pages or as a copy (in whole words, for an index's sake; the
@@ -79,18 +111,28 @@ impl Bytes {
         Bytes::Owned(words, len)
     }
 
-    /// `file`'s `len` bytes, mapped or read (into whole words, the tail zeroed).
-    fn of_file(file: &std::fs::File, len: u64, access: FileAccess) -> std::io::Result<Bytes> {
+    /// `file`'s `len` bytes, mapped or read (into whole words, the tail zeroed) as `access`
+    /// allows; a file read though its layout would map is noted in `copied` (as `path`).
+    fn of_file(
+        file: &std::fs::File,
+        len: u64,
+        access: FileAccess,
+        (path, copied): (&Path, &mut Vec<String>),
+    ) -> std::io::Result<Bytes> {
         if len == 0 {
             return Ok(Bytes::Empty);
         }
-        match access {
+        match access.may_map(file) {
             // SAFETY: the mapping is read only, and checked when opened (the label file's CRC,
             // the index's checksum). A file changed under it later is read as it is then, and
-            // truncated, ends this process only (see `FileAccess::MapAndKeep`).
-            FileAccess::MapAndKeep => Ok(Bytes::Mapped(unsafe { memmap2::Mmap::map(file) }?)),
-            FileAccess::Copy => {
+            // truncated, ends this process only; `may_map` maps only files that this
+            // process's own user (or root) may change, or whose user asked (see `FileAccess`).
+            Ok(()) => Ok(Bytes::Mapped(unsafe { memmap2::Mmap::map(file) }?)),
+            Err(why) => {
                 use std::os::unix::fs::FileExt;
+                if access != FileAccess::Copy {
+                    note_copied(copied, path, &why);
+                }
                 let mut words = vec![0u64; (len as usize).div_ceil(8)];
                 let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
                 file.read_exact_at(&mut bytes[..len as usize], 0)?;
@@ -128,6 +170,8 @@ pub(crate) struct Names {
     /// The index: header, line starts, hashes, ids (see [`Names::build`]).
     index: Bytes,
     count: usize,
+    /// The files read into memory though they could have been mapped, with why.
+    copied: Vec<String>,
 }
 
 /// Where the sections of an index of `count` labels start, in words: line starts, hashes,
@@ -170,7 +214,8 @@ impl Names {
             source,
         };
         let len = file.metadata().map_err(io)?.len();
-        let text = Bytes::of_file(&file, len, access).map_err(io)?;
+        let mut copied = Vec::new();
+        let text = Bytes::of_file(&file, len, access, (&path, &mut copied)).map_err(io)?;
         let key = text_key(text.get());
         let want = match table {
             LabelTable::Entities => dataset.meta().entities,
@@ -179,12 +224,13 @@ impl Names {
         let name = format!("{}.index", table.file());
         let kept = Path::new(INDEX_DIR).join(&name);
         if want >= KEPT_FROM_LABELS
-            && let Some(index) = Names::reuse(run, &kept, key, want as usize, access)
+            && let Some(index) = Names::reuse(run, &kept, key, want as usize, (access, &mut copied))
         {
             return Ok(Names {
                 text,
                 index,
                 count: want as usize,
+                copied,
             });
         }
         let started = std::time::Instant::now();
@@ -193,6 +239,7 @@ impl Names {
             count: words[2] as usize,
             text,
             index: Bytes::words(words),
+            copied,
         };
         dataset.check_label_count(table, names.count as u64)?;
         if want >= KEPT_FROM_LABELS {
@@ -202,7 +249,7 @@ impl Names {
                 names.count,
                 started.elapsed().as_secs_f64()
             );
-            if access == FileAccess::MapAndKeep {
+            if access.keeps() {
                 names.keep(run, &name);
             }
         }
@@ -211,18 +258,21 @@ impl Names {
 
     /// The index kept at `kept` in `run`, when it is whole (its checksum) and built from the
     /// label file of `key` with `count` labels; `None` otherwise, saying why when it is there.
+    /// Mapped or read as `access` allows (noted in `copied` when read though it could map).
     fn reuse(
         run: &Dir,
         kept: &Path,
         key: [u64; 2],
         count: usize,
-        access: FileAccess,
+        (access, copied): (FileAccess, &mut Vec<String>),
     ) -> Option<Bytes> {
         let path = run.join(kept);
         let again = |why: &dyn std::fmt::Display| -> Option<Bytes> {
             tracing::warn!("{}: {why}; indexing the labels again", path.display());
             None
         };
+        // Noted as read into memory only once it is used.
+        let mut noted = Vec::new();
         let file = match run.open_file(kept, Access::Read) {
             Ok(file) => file,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
@@ -230,7 +280,7 @@ impl Names {
         };
         let index = match file
             .metadata()
-            .and_then(|m| Bytes::of_file(&file, m.len(), access))
+            .and_then(|m| Bytes::of_file(&file, m.len(), access, (&path, &mut noted)))
         {
             Ok(index) => index,
             Err(e) => return again(&e),
@@ -253,6 +303,7 @@ impl Names {
         if words.len() != sections(count)[3] || u64::from(checksum(words)) != words[5] {
             return again(&"checksum mismatch (the index is damaged)");
         }
+        copied.append(&mut noted);
         Some(index)
     }
 
@@ -314,6 +365,12 @@ impl Names {
 
     fn words(&self) -> &[u64] {
         bytemuck::cast_slice(self.index.get())
+    }
+
+    /// The files read into memory though they could have been mapped (the label file, the
+    /// kept index), each with why.
+    pub(crate) fn copied(&self) -> &[String] {
+        &self.copied
     }
 
     /// Labels.
@@ -496,6 +553,7 @@ mod tests {
             count: words[2] as usize,
             text: Bytes::Owned(owned, text.len()),
             index: Bytes::words(words),
+            copied: Vec::new(),
         }
     }
 
@@ -533,6 +591,7 @@ mod tests {
             count: words[2] as usize,
             text: Bytes::Owned(owned, text.len()),
             index: Bytes::words(words),
+            copied: Vec::new(),
         };
         let labels: Vec<String> = (0..names.len() as u32)
             .map(|id| names.label(id).into_owned())

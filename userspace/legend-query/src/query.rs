@@ -16,8 +16,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::QueryError;
 use crate::gpu::{GpuOptions, OpenedGpu, StoreRows};
-use crate::model::{Completion, GpuPlan, Metric, Model, Nearest, StreamGuard};
+use crate::model::{Completion, GpuPlan, Metric, Model, Nearest};
 use crate::names::{FileAccess, Names};
+use legend_engine::store::controllers::DeviceModel;
 
 /// Entities a query returns unless told.
 pub const DEFAULT_TOP: usize = 10;
@@ -387,7 +388,7 @@ struct Opening<'g> {
     expect: &'g dyn Fn(&RunMeta) -> Result<(), String>,
 }
 
-impl QueryRun<'static> {
+impl QueryRun {
     /// Opens the run at `path` to be served (its reads through `guard`, which the run keeps),
     /// answering on the GPU `gpu` asks for. The entity rows go into the GPU's memory when they
     /// fit its budget; else into host memory when they take at most the memory available
@@ -395,6 +396,13 @@ impl QueryRun<'static> {
     /// streamed from the run (scans through the swap path, lookups row by row or through the
     /// GPU row cache), and read once now, so that a damaged checkpoint or store fails here.
     /// `expect` checks the run's record, read once: the one the run is then opened by.
+    ///
+    /// Its files are opened as a query command opens them, through `guard`'s checks, and
+    /// mapped in place as the command maps them where no one but this process's own user (or
+    /// root) could change them; a file someone else may write is read into memory
+    /// ([`QueryRun::copied`] names it). Entity rows that go into GPU memory are read from the
+    /// checkpoint straight into pinned staging, either way. Nothing is written in the run (a
+    /// label index not kept there is built in memory).
     pub fn open_served(
         path: &Path,
         dataset: Option<&Path>,
@@ -402,9 +410,8 @@ impl QueryRun<'static> {
         gpu: &GpuOptions,
         host_limit: Option<u64>,
         expect: &dyn Fn(&RunMeta) -> Result<(), String>,
-    ) -> Result<QueryRun<'static>, QueryError> {
-        let shared = guard.clone();
-        let access = FileAccess::Copy;
+    ) -> Result<QueryRun, QueryError> {
+        let access = FileAccess::MapOwn;
         let opening = Opening {
             guard: guard.as_ref(),
             gpu,
@@ -426,7 +433,7 @@ impl QueryRun<'static> {
                     size(bytes),
                     size(limit)
                 );
-                (StreamGuard::Shared(shared), why)
+                why
             })
         })?;
         if run.model.is_streamed() {
@@ -438,8 +445,8 @@ impl QueryRun<'static> {
 
 /// A run opened for queries: its tables, its dataset's labels, and (built on first use) the
 /// index of its known triples.
-pub struct QueryRun<'a> {
-    model: Model<'a>,
+pub struct QueryRun {
+    model: Model,
     dataset: Dataset,
     entities: Names,
     relations: Names,
@@ -453,9 +460,9 @@ pub struct QueryRun<'a> {
 /// budget, else a row cache over the run's store; and, when there is no GPU, or a row cache was
 /// wanted but none could be had, why (in words, for the placement).
 fn gpu_plan(
-    dir: &legend_fs::Dir,
     meta: &RunMeta,
-    guard: &dyn Guard,
+    reader: &run::RunReader,
+    proxy_model: Option<DeviceModel>,
     gpu: &GpuOptions,
 ) -> Result<(Option<GpuPlan>, String), QueryError> {
     let (opened, note) = crate::gpu::open_device(gpu.device)?;
@@ -486,17 +493,16 @@ fn gpu_plan(
     }
     let mut why_not = String::new();
     let mut store_rows = None;
-    if gpu.cache_fraction > 0.0 && meta.store.is_some() {
+    if gpu.cache_fraction > 0.0
+        && let Some(layout) = reader.store_layout()
+    {
         let at_rest = meta.entities * meta.dim as u64 * meta.entity_dtype.bytes() as u64;
         let bytes = ((at_rest as f64 * gpu.cache_fraction) as u64).min(budget - working);
-        let proxy_model = run::read_config(dir)?.proxy_model();
-        if let Some((store, members)) = run::open_store(dir, meta, guard, proxy_model)? {
-            match StoreRows::open(&opened, &store, &members, proxy_model, bytes) {
-                Ok(rows) => store_rows = Some(rows),
-                Err(e) => {
-                    let e = legend_engine::error_chain::with_sources(&e);
-                    why_not = format!(" (rows looked up on the CPU: {}: {e})", opened.name);
-                }
+        match StoreRows::open(&opened, layout, proxy_model, bytes) {
+            Ok(rows) => store_rows = Some(rows),
+            Err(e) => {
+                let e = legend_engine::error_chain::with_sources(&e);
+                why_not = format!(" (rows looked up on the CPU: {}: {e})", opened.name);
             }
         }
     }
@@ -508,15 +514,15 @@ fn gpu_plan(
     Ok((Some(plan), why_not))
 }
 
-impl<'a> QueryRun<'a> {
+impl QueryRun {
     /// Opens the run directory `path` (its dataset from `dataset` if it moved), reading
     /// through `guard` (admits the run, checks reads as its owner could).
     pub fn open(
         path: &Path,
         dataset: Option<&Path>,
-        guard: &'a dyn Guard,
+        guard: &dyn Guard,
         residency: Residency,
-    ) -> Result<QueryRun<'a>, QueryError> {
+    ) -> Result<QueryRun, QueryError> {
         Self::open_on(path, dataset, guard, residency, &GpuOptions::cpu())
     }
 
@@ -527,37 +533,34 @@ impl<'a> QueryRun<'a> {
     pub fn open_on(
         path: &Path,
         dataset: Option<&Path>,
-        guard: &'a dyn Guard,
+        guard: &dyn Guard,
         residency: Residency,
         gpu: &GpuOptions,
-    ) -> Result<QueryRun<'a>, QueryError> {
+    ) -> Result<QueryRun, QueryError> {
         let opening = Opening {
             guard,
             gpu,
             access: FileAccess::MapAndKeep,
             expect: &|_| Ok(()),
         };
-        Self::open_with(path, dataset, opening, |meta| {
-            let why = match residency {
-                Residency::Resident => None,
-                Residency::Streamed => Some("asked".to_owned()),
-                // Rows mapped from the checkpoint are the page cache's, whatever their size.
-                Residency::Fitting if entities_map(meta) => None,
-                Residency::Fitting => too_big_for_memory(meta),
-            };
-            why.map(|why| (StreamGuard::Borrowed(guard), why))
+        Self::open_with(path, dataset, opening, |meta| match residency {
+            Residency::Resident => None,
+            Residency::Streamed => Some("asked".to_owned()),
+            // Rows mapped from the checkpoint are the page cache's, whatever their size.
+            Residency::Fitting if entities_map(meta) => None,
+            Residency::Fitting => too_big_for_memory(meta),
         })
     }
 
     /// Opens the run, its entity rows on the GPU `gpu` names when they fit there, else
-    /// streamed through the guard `stream_with` gives for its record (with why), or loaded
-    /// (mapped, when `access` allows) when it gives none; its files read as `access` says.
+    /// streamed when `stream_why` gives a reason for its record, or loaded (mapped, when
+    /// `access` allows) when it gives none; its files read as `access` says.
     fn open_with(
         path: &Path,
         dataset: Option<&Path>,
         opening: Opening<'_>,
-        stream_with: impl FnOnce(&RunMeta) -> Option<(StreamGuard<'a>, String)>,
-    ) -> Result<QueryRun<'a>, QueryError> {
+        stream_why: impl FnOnce(&RunMeta) -> Option<String>,
+    ) -> Result<QueryRun, QueryError> {
         let Opening {
             guard,
             gpu,
@@ -570,10 +573,25 @@ impl<'a> QueryRun<'a> {
         })?;
         let entities = Names::open(&dataset, LabelTable::Entities, &dir, access)?;
         let relations = Names::open(&dataset, LabelTable::Relations, &dir, access)?;
-        let (stream_with, why) = stream_with(&meta).unzip();
-        let (plan, note) = gpu_plan(&dir, &meta, guard, gpu)?;
+        let why = stream_why(&meta);
+        // The run's one reader: every read of its rows (relations, scans, lookups; the GPU row
+        // cache reaches its store's controllers through it) goes through it, its store opened
+        // once. A GPU's reads of a proxy's store go at the SSD the run modelled.
+        let proxy_model = match gpu.device {
+            legend_engine::config::DeviceChoice::Cpu => None,
+            _ if meta.store.is_some() => run::read_config(&dir)?.proxy_model(),
+            _ => None,
+        };
+        let reader = run::RunReader::open(&dir, &meta, guard, proxy_model)?;
+        let (plan, note) = gpu_plan(&meta, &reader, proxy_model, gpu)?;
         let on_gpu = plan.is_some();
-        let model = Model::of_run_on(dir, meta, relations.len(), guard, stream_with, plan, access)?;
+        let model = Model::of_run_on(
+            (dir, meta, reader),
+            relations.len(),
+            why.is_some(),
+            plan,
+            access,
+        )?;
         // Rows that went into GPU memory are not streamed, whatever the host's memory.
         let streamed = why.filter(|_| model.is_streamed());
         let mut placement = if on_gpu {
@@ -620,8 +638,20 @@ impl<'a> QueryRun<'a> {
     }
 
     /// The tables.
-    pub fn model(&self) -> &Model<'a> {
+    pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// The run's and its dataset's files read into this process's memory though they could
+    /// have been mapped (a served run's files that someone other than its process's user may
+    /// write), each as `PATH: why`; empty when every file that could be mapped was.
+    pub fn copied(&self) -> Vec<String> {
+        [
+            self.entities.copied(),
+            self.relations.copied(),
+            self.model.copied(),
+        ]
+        .concat()
     }
 
     /// Bytes of the longest entity or relation label: what bounds the size of an answer

@@ -70,7 +70,7 @@ fn queries() -> Vec<Query> {
     q
 }
 
-fn answer(q: &QueryRun<'_>) -> Vec<Answer> {
+fn answer(q: &QueryRun) -> Vec<Answer> {
     q.answer(&queries(), 100, &|i| format!("query {}", i + 1))
         .unwrap()
 }
@@ -82,12 +82,13 @@ fn index_file(run: &Path) -> (u64, u64) {
 }
 
 /// Opens `run` as a query command does (files mapped, the index kept).
-fn command(run: &Path) -> QueryRun<'static> {
+fn command(run: &Path) -> QueryRun {
     QueryRun::open(run, None, &Unguarded, Residency::Fitting).unwrap()
 }
 
-/// Opens `run` as a daemon's serve job does (files read, the run not written).
-fn served(run: &Path) -> QueryRun<'static> {
+/// Opens `run` as a daemon's serve job does (files mapped where only this user may write
+/// them, else read; the run not written).
+fn served(run: &Path) -> QueryRun {
     QueryRun::open_served(
         run,
         None,
@@ -189,6 +190,9 @@ fn a_checkpoint_damaged_since_it_was_written_is_refused_mapped_or_read() {
     bytes[12345] ^= 0x40;
     std::fs::write(&file, &bytes).unwrap();
     let mapped = QueryRun::open(&run, None, &Unguarded, Residency::Fitting).err();
+    // Writable by its group: a served run reads it into memory rather than mapping it.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o664)).unwrap();
     let read = QueryRun::open_served(
         &run,
         None,
@@ -233,4 +237,71 @@ fn a_served_run_is_opened_by_the_record_its_caller_checked() {
         "{e}"
     );
     assert_eq!(seen.get(), ENTITIES);
+}
+
+#[test]
+fn a_served_run_maps_the_files_only_its_user_can_change_and_reads_the_others() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (run, ds) = run_and_dataset(dir.path());
+    let want = answer(&command(&run));
+    let meta = run::read_meta(&run::open(&run).unwrap()).unwrap();
+    let rows = run.join(&meta.checkpoint).join("entities.bin");
+    let index = run.join("index/entities.tsv.index");
+    let labels = ds.join("entities.tsv");
+    let mode = |path: &Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    // Its user's own files (the checkpoint, the labels, the index the command kept), no one
+    // else may write (whatever this process's umask made them): mapped as the command maps
+    // them, nothing copied, nothing written.
+    for file in [&rows, &index, &labels, &ds.join("relations.tsv")] {
+        mode(file, 0o644);
+    }
+    let kept = index_file(&run);
+    let first = served(&run);
+    assert!(first.model().is_mapped());
+    assert_eq!(first.copied(), Vec::<String>::new());
+    assert_eq!(answer(&first), want);
+    drop(first);
+    assert_eq!(index_file(&run), kept, "a served run writes nothing");
+    // A file its group or others may write could change under a mapping after it was checked:
+    // read into memory, checked there, the answers the same; the others still mapped.
+    for (file, m, who) in [
+        (&rows, 0o664, "writable by its group (mode 664)"),
+        (&index, 0o646, "writable by others (mode 646)"),
+        (
+            &labels,
+            0o666,
+            "writable by its group and others (mode 666)",
+        ),
+    ] {
+        mode(file, m);
+        let q = served(&run);
+        assert_eq!(
+            q.copied(),
+            vec![format!("{}: {who}", file.display())],
+            "{}",
+            file.display()
+        );
+        assert_eq!(q.model().is_mapped(), file != &rows);
+        assert_eq!(answer(&q), want, "{} read", file.display());
+        mode(file, 0o644);
+    }
+    // Another user's file, however its mode (only root can give one away here; the run this
+    // process made is its user's).
+    if std::fs::metadata(&run).unwrap().uid() == 0 {
+        std::os::unix::fs::chown(&labels, Some(4321), None).unwrap();
+        let q = served(&run);
+        assert_eq!(
+            q.copied(),
+            vec![format!(
+                "{}: owned by uid 4321 (this process runs as uid 0)",
+                labels.display()
+            )]
+        );
+        assert_eq!(answer(&q), want);
+        // A query command is its user's own: it maps what it may read.
+        assert_eq!(command(&run).copied(), Vec::<String>::new());
+    }
 }

@@ -19,7 +19,7 @@ use legend_query::{
 };
 
 /// Seven entities on a line (entity k at k) and one relation "+1", TransE L1 in one dimension.
-fn line() -> Model<'static> {
+fn line() -> Model {
     let entities: Vec<f32> = (0..7).map(|k| k as f32).collect();
     Model::in_memory(Decoder::TransEL1, 1, entities, vec![1.0], (1, false)).unwrap()
 }
@@ -517,9 +517,9 @@ fn a_checkpoint_read_in_blocks_that_split_rows_answers_as_from_memory() {
     let (entities, dim) = (5_600_000, 3);
     let dir = tempfile::tempdir().unwrap();
     let (run_dir, meta) = grid_run(dir.path(), entities, dim);
-    let resident = Model::of_run(run_dir, meta.clone(), 2, &Unguarded, None).unwrap();
+    let resident = Model::of_run(run_dir, meta.clone(), 2, &Unguarded, false).unwrap();
     let run_dir = legend_fs::Dir::open(&dir.path().join("grid-run")).unwrap();
-    let streamed = Model::of_run(run_dir, meta, 2, &Unguarded, Some(&Unguarded)).unwrap();
+    let streamed = Model::of_run(run_dir, meta, 2, &Unguarded, true).unwrap();
     assert!(resident.is_resident() && !streamed.is_resident());
     // The rows around the first block's end, and the last.
     let boundary = ((16 << 20) / dim) as u32;
@@ -556,7 +556,7 @@ fn a_run_larger_than_memory_is_refused_before_loading_and_checked_when_streamed(
     let (run_dir, mut meta) = grid_run(dir.path(), 10, 3);
     // As a record claiming 2^40 rows says: far more than any machine's memory.
     meta.entities = 1 << 40;
-    let Err(e) = Model::of_run(run_dir, meta.clone(), 2, &Unguarded, None) else {
+    let Err(e) = Model::of_run(run_dir, meta.clone(), 2, &Unguarded, false) else {
         panic!("loaded 12 TiB");
     };
     let msg = e.to_string();
@@ -567,7 +567,7 @@ fn a_run_larger_than_memory_is_refused_before_loading_and_checked_when_streamed(
     // Streamed, nothing is loaded: the checkpoint is checked against the record instead, and
     // this one's entity file is far too short for it.
     let run_dir = legend_fs::Dir::open(&dir.path().join("grid-run")).unwrap();
-    let Err(e) = Model::of_run(run_dir, meta, 2, &Unguarded, Some(&Unguarded)) else {
+    let Err(e) = Model::of_run(run_dir, meta, 2, &Unguarded, true) else {
         panic!("streamed a checkpoint shorter than its record");
     };
     let msg = e.to_string();

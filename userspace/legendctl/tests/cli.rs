@@ -716,3 +716,61 @@ fn reciprocal_runs_export_and_evaluate_through_their_best_epoch() {
         fails(&argv(&embeddings(&[])), "relations.npy: shape");
     }
 }
+
+/// `import --extend --add` keeps every id and `train --init-from` seeds a run from the base's,
+/// frozen or not; a mismatched model and a run being trained are refused, leaving nothing.
+#[test]
+fn a_day_of_edges_added_and_trained_from_the_base_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = graph(dir.path());
+    let base_run = dir.path().join("base-run");
+    let sets = ["model.dim=8", "training.num_epochs=2"];
+    ok(&argv(&train_args(&ds, &base_run, &sets)));
+    let delta = dir.path().join("day2.tsv");
+    std::fs::write(
+        &delta,
+        "e0\tr0\tnewcomer\nnewcomer\tr1\te5\ne7\tr2\tnewcomer\n",
+    )
+    .unwrap();
+    let grown = dir.path().join("grown");
+    let out = ok(&[
+        "import",
+        "-o",
+        &s(&grown),
+        "--extend",
+        &s(&ds),
+        "--add",
+        &s(&delta),
+        "--json",
+    ]);
+    let v = json(out.trim());
+    assert_eq!(v["entities"], 61, "{v}");
+    assert_eq!(v["extends"]["entities"], 60, "{v}");
+    let labels = |d: &Path| std::fs::read_to_string(d.join("entities.tsv")).unwrap();
+    assert!(labels(&grown).starts_with(&labels(&ds)));
+    assert!(labels(&grown).ends_with("60\tnewcomer\n"));
+    // --add needs --extend; --init-from cannot be a resume.
+    fails(
+        &[
+            "import",
+            "-o",
+            &s(&dir.path().join("x")),
+            "--add",
+            &s(&delta),
+        ],
+        "--extend",
+    );
+    let seeded = dir.path().join("seeded");
+    let mut args = train_args(&grown, &seeded, &sets);
+    args.extend(["--init-from".into(), s(&base_run)]);
+    args.extend(["--set".into(), "training.freeze=\"existing\"".into()]);
+    ok(&argv(&args));
+    let record = std::fs::read_to_string(seeded.join("run.toml")).unwrap();
+    assert!(record.contains("[init_from]"), "{record}");
+    // Another dimension is refused before the run exists.
+    let refused = dir.path().join("refused");
+    let mut args = train_args(&grown, &refused, &["model.dim=16"]);
+    args.extend(["--init-from".into(), s(&base_run)]);
+    fails(&argv(&args), "model.dim is 16");
+    assert!(!refused.exists());
+}

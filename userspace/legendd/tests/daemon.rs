@@ -1728,6 +1728,17 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
     let run = dir.path().join("run");
     reference(&ds, &run, 1);
     chown_tree(&run, OTHER_UID);
+    // The run's rows (the owner's) and the dataset's labels (root's), which no one else may
+    // write: mapped by the serve job as a query command maps them.
+    let meta = legend_engine::run::read_meta(&legend_engine::run::open(&run).unwrap()).unwrap();
+    let rows = run.join(&meta.checkpoint).join("entities.bin");
+    let mode = |path: &Path, mode: u32| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    for file in [&rows, &ds.join("entities.tsv"), &ds.join("relations.tsv")] {
+        mode(file, 0o644);
+    }
     let d = Daemon::start(dir.path());
     // The owner's primary group: a second user in it may query, a third may not.
     let group = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(OTHER_UID))
@@ -1864,6 +1875,34 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
     });
     assert_eq!(ended.state, JobState::Succeeded);
     assert!(refusal(ask(&mut owner)).contains("has ended"));
+    let log = |c: &mut Client, job: u64| {
+        let Reply::Text { text } = c.call(Request::Logs { job }) else {
+            panic!("no log");
+        };
+        text
+    };
+    let text = log(&mut owner, job.id);
+    assert!(
+        text.contains("no file copied (mapped where their layout allows)"),
+        "{text}"
+    );
+    // Rows its group may write could change under a mapping after they were checked: a serve
+    // job reads them into its memory, says so, and answers the same.
+    mode(&rows, 0o664);
+    let copied = serve(&mut owner, &run);
+    assert_eq!(answers(ask_served(&mut owner, copied, &queries)), want);
+    let text = log(&mut owner, copied);
+    assert!(
+        text.contains(&format!(
+            "read into memory, not mapped: {}: writable by its group (mode 664)",
+            rows.display()
+        )),
+        "{text}"
+    );
+    owner.job(Request::Cancel { job: copied });
+    wait_for(&mut owner, copied, Duration::from_secs(30), |j| {
+        j.state.is_final()
+    });
     // A GPU the machine does not have fails the job, naming it.
     let missing = owner.job(Request::Submit {
         job: JobSpec::Serve {
@@ -1878,6 +1917,37 @@ fn a_served_run_answers_its_owner_and_its_group_and_refuses_anyone_else() {
     assert_eq!(failed.state, JobState::Failed, "{failed:?}");
     let error = failed.error.unwrap_or_default();
     assert!(error.contains("serving on cuda:7"), "{error}");
+    // Its rows swapped for a hard link to root's own file (of their size, mode 600), or for a
+    // symbolic link to one anyone may read: the job, which opens what it maps or reads as its
+    // submitter would, beneath the run's directory without following links, fails naming the
+    // file, having read nothing of it.
+    let bytes = std::fs::read(&rows).unwrap();
+    let secret = dir.path().join("secret-rows");
+    std::fs::write(&secret, &bytes).unwrap();
+    mode(&secret, 0o600);
+    let public = dir.path().join("public-rows");
+    std::fs::write(&public, &bytes).unwrap();
+    mode(&public, 0o644);
+    for hard in [true, false] {
+        std::fs::remove_file(&rows).unwrap();
+        let why = if hard {
+            std::fs::hard_link(&secret, &rows).unwrap();
+            "Permission denied"
+        } else {
+            std::os::unix::fs::symlink(&public, &rows).unwrap();
+            "a symbolic link: not followed"
+        };
+        let refused = serve(&mut owner, &run);
+        let ended = wait_for(&mut owner, refused, Duration::from_secs(30), |j| {
+            j.state.is_final()
+        });
+        assert_eq!(ended.state, JobState::Failed, "{ended:?}");
+        let error = ended.error.unwrap_or_default();
+        assert!(
+            error.contains(&format!("{}: {why}", rows.display())),
+            "{error}"
+        );
+    }
 }
 
 /// A daemon whose serve jobs may hold no entity rows in host memory (`serve_host_memory_mib =
@@ -1964,7 +2034,7 @@ fn a_run_over_the_serve_jobs_host_memory_is_served_streamed_with_the_resident_an
             let dir = legend_engine::run::open(&run).unwrap();
             let mut meta = legend_engine::run::read_meta(&dir).unwrap();
             meta.reciprocal_relations = false;
-            let plain = Model::of_run(dir, meta, 6, &legend_fs::Unguarded, None).unwrap();
+            let plain = Model::of_run(dir, meta, 6, &legend_fs::Unguarded, false).unwrap();
             let e2 = served_label_id(&got[1]);
             let ask = |side, relation| Completion {
                 side,

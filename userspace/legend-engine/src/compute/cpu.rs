@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use super::{BucketRef, ComputeBackend, PendingRelations, Step};
 
 use crate::error::TrainError;
+use crate::incremental::Frozen;
 use crate::relations::{RelationGradients, Relations};
 use crate::rows::RowMut;
 use crate::sampler::NegativeSampler;
@@ -69,6 +70,8 @@ pub(crate) struct CpuCompute {
     pub(crate) block_grads: Vec<ChunkGrads>,
     /// Several workers: each step's relation gradients, held back for their sum.
     pub(crate) pending_relations: Option<RelationGradients>,
+    /// The rows that are never stepped (`training.freeze = "existing"`).
+    pub(crate) frozen: Option<Frozen>,
 }
 
 /// One block of a chunk: its rows and the chunk's negatives (ids and gathered rows).
@@ -150,6 +153,28 @@ impl<'a> RowSums<'a> {
             parts,
             positives,
         }
+    }
+
+    /// The groups whose row `frozen` does not hold: those rows are not stepped at all (no
+    /// gradient, no regulariser, no AdaGrad state change).
+    fn without(self, frozen: impl Fn(u32) -> bool) -> Self {
+        let mut kept = RowSums {
+            ids: Vec::with_capacity(self.ids.len()),
+            starts: vec![0],
+            parts: Vec::with_capacity(self.parts.len()),
+            positives: Vec::with_capacity(self.ids.len()),
+        };
+        for (s, &id) in self.ids.iter().enumerate() {
+            if frozen(id) {
+                continue;
+            }
+            kept.ids.push(id);
+            kept.positives.push(self.positives[s]);
+            kept.parts
+                .extend_from_slice(&self.parts[self.starts[s]..self.starts[s + 1]]);
+            kept.starts.push(kept.parts.len());
+        }
+        kept
     }
 
     /// Adds each row's gradients, in their order, and its count of positives to `pending`.
@@ -354,6 +379,13 @@ impl ComputeBackend for CpuCompute {
                     forward.chain(inverse)
                 }),
         );
+        let (nodes, relation_rows) = match self.frozen {
+            Some(f) => (
+                nodes.without(|id| f.entity(id)),
+                relation_rows.without(|row| f.relation_row(row)),
+            ),
+            None => (nodes, relation_rows),
+        };
         let (optimizer, regularizer) = (self.optimizer, self.regularizer);
         let rounding = self.dtype.is_narrow().then_some(StepRounding {
             dtype: self.dtype,

@@ -23,8 +23,9 @@ mod validate;
 
 pub(crate) use schema::by_name;
 pub use schema::{
-    Backend, DeviceChoice, EvalSplit, EvaluationConfig, LossKind, ModelConfig, NegativesConfig,
-    OptimizerConfig, Protocol, RelationStart, StorageConfig, StoreDevice, TrainingConfig,
+    Backend, DeviceChoice, EvalSplit, EvaluationConfig, Freeze, LossKind, ModelConfig,
+    NegativesConfig, NewRows, OptimizerConfig, Protocol, RelationStart, StorageConfig, StoreDevice,
+    TrainingConfig,
 };
 use text::{Written, move_deprecated_keys, name_key, parse_value, refuse_retired_keys, set_dotted};
 
@@ -42,6 +43,10 @@ pub struct Config {
     pub optimizer: OptimizerConfig,
     /// Evaluation during and after training.
     pub evaluation: EvaluationConfig,
+    /// The rows that stay fixed (`training.freeze = "existing"` in a run seeded by
+    /// `--init-from`): not a key, set by the session from the run's record, for the engines.
+    #[serde(skip)]
+    pub frozen: Option<crate::incremental::Frozen>,
 }
 
 /// A configuration error; the message names the key.

@@ -264,6 +264,42 @@ pub struct TrainingConfig {
     pub hosts: u32,
     /// Negative sampling.
     pub negatives: NegativesConfig,
+    /// A run seeded from another (`--init-from`): which rows train. `none` (all of them) or
+    /// `existing` (the rows and relations the init run had stay fixed, only the new ones and
+    /// the edges touching them train).
+    pub freeze: Freeze,
+    /// A run seeded from another: the fraction of the base dataset's train edges trained each
+    /// epoch with the added ones (1: every edge; 0: only the added edges). A sample drawn once
+    /// with `training.seed`.
+    pub replay: f64,
+    /// A run seeded from another: whether the init run's AdaGrad state comes with its rows
+    /// (else the carried rows start with fresh state, and take larger steps at first).
+    pub carry_state: bool,
+    /// A run seeded from another: how the new entities' rows start.
+    pub new_rows: NewRows,
+}
+
+/// `training.freeze`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Freeze {
+    /// Every row trains.
+    #[default]
+    None,
+    /// The init run's rows and relations stay as they were (ids below its counts).
+    Existing,
+}
+
+/// `training.new_rows`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NewRows {
+    /// Drawn as a new run's rows are (`model.init_scale`).
+    #[default]
+    Init,
+    /// The mean of the rows of the entity's neighbours in the added train edges that the init
+    /// run trained (drawn as `init` when it has none).
+    Neighbours,
 }
 
 impl Default for TrainingConfig {
@@ -279,6 +315,10 @@ impl Default for TrainingConfig {
             gpus: 1,
             hosts: 1,
             negatives: NegativesConfig::default(),
+            freeze: Freeze::None,
+            replay: 1.0,
+            carry_state: true,
+            new_rows: NewRows::Init,
         }
     }
 }

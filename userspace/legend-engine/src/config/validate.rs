@@ -126,6 +126,18 @@ impl Config {
                 format!("must be a finite number ≥ 0, got {}", t.checkpoint_minutes),
             ));
         }
+        if !(0.0..=1.0).contains(&t.replay) {
+            return Err(bad(
+                "training.replay",
+                format!("must lie in [0, 1], got {}", t.replay),
+            ));
+        }
+        if t.freeze == super::Freeze::Existing && t.replay != 1.0 {
+            return Err(bad(
+                "training.replay",
+                "has no use with training.freeze = \"existing\": only the edges touching a new row or relation train then (an old edge, both of its ends frozen, would change nothing)",
+            ));
+        }
         Ok(())
     }
 

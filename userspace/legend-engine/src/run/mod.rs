@@ -33,11 +33,12 @@ use legend_model::{Decoder, Dtype};
 use serde::{Deserialize, Serialize};
 
 pub use crate::rows::Tables;
+pub use reader::{RunReader, StoreLayout};
 pub use tables::{
-    RowReader, StoreAndMembers, load_embeddings, load_entities, load_relations, load_tables,
-    open_entity_file, open_store, stream_entities,
+    load_embeddings, load_entities, load_relations, load_tables, open_entity_file, stream_entities,
 };
 
+mod reader;
 mod tables;
 
 /// Version of the run directory layout.
@@ -113,6 +114,10 @@ pub struct RunMeta {
     pub store_creating: bool,
     /// CRC-32 of each table file of the checkpoint.
     pub checksums: TableChecksums,
+    /// The run whose tables seeded this one (`legendctl train --init-from`), absent in a run
+    /// that started from drawn rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<crate::incremental::InitFrom>,
 }
 
 /// CRC-32 of the four table files.
@@ -162,6 +167,7 @@ impl RunMeta {
             store_id: None,
             store_creating: false,
             checksums: TableChecksums::default(),
+            init_from: None,
         }
     }
 

@@ -76,6 +76,9 @@ pub struct Session {
     device_health: Vec<legend_nvme::Health>,
     /// The validation evaluations so far (best epoch, early stopping, learning-rate plateaus).
     history: ValidHistory,
+    /// The train edges an epoch trains: the dataset's, or those a seeded run selects
+    /// (`training.freeze`, `training.replay`).
+    epoch_edges: u64,
 }
 
 /// The directory in a run that holds the best validated epoch's tables
@@ -134,8 +137,13 @@ impl Session {
     /// writes to it (users weigh SSD wear).
     pub fn describe(&self) -> String {
         let m = self.dataset.meta();
+        let trained = if self.epoch_edges == m.splits.train {
+            String::new()
+        } else {
+            format!(", {} of them trained an epoch", self.epoch_edges)
+        };
         let what = format!(
-            "training {} d={} on {} ({} entities, {} relations, {} train edges); engine {}, {} backend",
+            "training {} d={} on {} ({} entities, {} relations, {} train edges{trained}); engine {}, {} backend",
             self.config.decoder(),
             self.config.model.dim,
             self.dataset.dir().display(),

@@ -109,7 +109,7 @@ impl Session {
         on_event(Event::EpochStarted {
             epoch,
             epochs: self.config.training.num_epochs,
-            edges: self.dataset.meta().splits.train,
+            edges: self.epoch_edges,
             edges_done: cut.map_or(0, |c| c.edges),
         });
         loop {

@@ -20,7 +20,7 @@ use crate::store::{FileStore, FileStoreSpec, MemberFile, MemoryStore, PartitionH
 use crate::trainer::Trainer;
 use crate::training::Training;
 use crate::workers::Workers;
-use crate::{evaluation, footprint, run};
+use crate::{evaluation, footprint, incremental, run};
 
 use super::metrics::{keep_metrics_up_to, metrics_lines};
 use super::{Position, Session, SessionError, io_error, write_meta};
@@ -50,6 +50,31 @@ impl Session {
         guard: &dyn Guard,
         hosts: Option<legend_cluster::Cluster>,
     ) -> Result<Session, SessionError> {
+        Session::create_with(out, dataset, config, guard, hosts, None)
+    }
+
+    /// [`Session::create`] seeded from the run `init` (`legendctl train --init-from`): its
+    /// rows and relations carried over, `dataset` an extension of the one it trained on
+    /// (see [`crate::incremental`]). Refused, before anything is written, when the run's model
+    /// differs, the dataset does not extend its, or a process trains it now.
+    pub fn create_from(
+        out: &Path,
+        dataset: &Path,
+        config: Config,
+        guard: &dyn Guard,
+        init: &Path,
+    ) -> Result<Session, SessionError> {
+        Session::create_with(out, dataset, config, guard, None, Some(init))
+    }
+
+    fn create_with(
+        out: &Path,
+        dataset: &Path,
+        config: Config,
+        guard: &dyn Guard,
+        hosts: Option<legend_cluster::Cluster>,
+        init: Option<&Path>,
+    ) -> Result<Session, SessionError> {
         let joined = hosts.as_ref().map_or(1, legend_cluster::Cluster::hosts);
         if config.training.hosts != joined {
             return Err(SessionError::Refused(format!(
@@ -76,9 +101,15 @@ impl Session {
         )
         .map_err(TrainError::from)?;
         let dataset = Dataset::open_checked(dataset, guard.read_check())?;
+        let init = init
+            .map(|init| incremental::check_init_run(init, &config, &dataset))
+            .transpose()?;
         let device = Engine::open_all(&config)?;
         check_memory(&config, dataset.meta(), &device[0], false)?;
-        let meta = new_meta(&config, &dataset);
+        let meta = RunMeta {
+            init_from: init,
+            ..new_meta(&config, &dataset)
+        };
         let (parent, name) = Dir::open_parent(out).map_err(io_error(out))?;
         guard.admit(&parent).map_err(io_error(parent.path()))?;
         let run = assemble_run_dir(&parent, name, out, &config, &meta, guard)?;
@@ -179,7 +210,7 @@ impl Session {
 
     fn start(
         run: Dir,
-        config: Config,
+        mut config: Config,
         dataset: Dataset,
         mut meta: RunMeta,
         mut device: Vec<Engine>,
@@ -194,13 +225,25 @@ impl Session {
                 "the dataset has no relation types; {decoder} learns one relation for all edges"
             );
         }
+        check_seeding(&config, &meta, &device, hosts.is_some())?;
+        config.frozen = incremental::frozen(&config, meta.init_from.as_ref(), &dataset);
         let started = Instant::now();
         let scheme = dataset.scheme(config.storage.num_partitions)?;
+        let selected = match &meta.init_from {
+            Some(init) => incremental::selected_edges(&config, init, &dataset)?,
+            None => None,
+        };
+        let epoch_edges = selected
+            .as_ref()
+            .map_or(meta_ds.splits.train, |e| e.len() as u64);
         // On several hosts each reads its own buckets (workers::hosts), not every edge here.
         let edges = match hosts {
             Some(_) => None,
             None => {
-                let buckets = dataset.buckets(config.storage.num_partitions)?;
+                let buckets = match selected {
+                    Some(edges) => legend_dataset::Buckets::build(edges, scheme),
+                    None => dataset.buckets(config.storage.num_partitions)?,
+                };
                 let degrees = legend_dataset::degrees(meta_ds.entities as usize, buckets.edges());
                 tracing::info!(
                     "set-up: {} train edges loaded into {} buckets and entity degrees counted in {:.1} s",
@@ -216,8 +259,8 @@ impl Session {
             all => format!("{} × {}", all.len(), all[0].describe()),
         };
         let Home {
-            home,
-            relations,
+            mut home,
+            mut relations,
             position,
             device_health,
             checkpoint,
@@ -226,6 +269,32 @@ impl Session {
         } else {
             Home::in_memory(&run, &config, &meta, scheme, guard)?
         };
+        // A seeded run that starts from its beginning (again, if it stopped before its first
+        // checkpoint) carries the init run's rows over into its store.
+        if let Some(init) = &meta.init_from
+            && position == Position::default()
+        {
+            let store: &mut dyn crate::store::PartitionStore = match &mut home {
+                PartitionHome::Memory(s) => s,
+                PartitionHome::File(s) => s.as_mut(),
+                PartitionHome::Shared(s) => s,
+            };
+            let carried;
+            (relations, carried) =
+                incremental::carry_over(run.path(), store, scheme, &config, &dataset, init, guard)?;
+            tracing::info!(
+                "set-up: carried over {} rows ({:.1} MB read) of {} (epoch {}) into {} partitions in {:.1} s ({:.0} MB/s); {} new rows, {} of them started from their neighbours' mean",
+                carried.rows,
+                carried.bytes_read as f64 / 1e6,
+                init.tables.display(),
+                init.epoch,
+                carried.partitions,
+                carried.seconds,
+                carried.bytes_read as f64 / 1e6 / carried.seconds.max(1e-9),
+                carried.new_rows,
+                carried.from_neighbours
+            );
+        }
         let epochs = config.training.num_epochs;
         if position.epochs_completed > epochs
             || (position.epochs_completed == epochs && position.cut.is_some())
@@ -291,6 +360,7 @@ impl Session {
             engine,
             device_health,
             history,
+            epoch_edges,
         })
     }
 }
@@ -478,6 +548,38 @@ fn check_memory(
         footprint::gib(estimate.total()),
         footprint::gib(available)
     );
+    Ok(())
+}
+
+/// Refuses what a seeded run (`--init-from`) cannot do, and its keys in a run that is not one.
+fn check_seeding(
+    config: &Config,
+    meta: &RunMeta,
+    device: &[Engine],
+    on_hosts: bool,
+) -> Result<(), SessionError> {
+    let t = &config.training;
+    let refuse = |why: &str| Err(SessionError::Refused(why.to_string()));
+    let Some(_) = &meta.init_from else {
+        if t.freeze != crate::config::Freeze::None || t.replay != 1.0 {
+            return refuse(
+                "training.freeze and training.replay choose what a run seeded with --init-from trains; this run starts from drawn rows (every row trains)",
+            );
+        }
+        return Ok(());
+    };
+    if on_hosts {
+        return refuse(
+            "a run seeded with --init-from trains on one host (each host's store would need the carry-over)",
+        );
+    }
+    if t.freeze != crate::config::Freeze::None
+        && device.iter().any(|d| matches!(d, Engine::Cuda { .. }))
+    {
+        return refuse(
+            "training.freeze = \"existing\" is honoured by the CPU engine only in this build (the GPU kernels step every row they touch): train it with training.device = \"cpu\", or without freezing",
+        );
+    }
     Ok(())
 }
 

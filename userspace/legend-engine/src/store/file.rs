@@ -15,7 +15,7 @@ use legend_storage::{
 use super::at_rest::{narrow, widen};
 use super::controllers::{self, SharedController};
 use super::{PartitionStore, PartitionStoreError, QueueBackend, QueueLocation, StoreMember};
-use crate::rows::{RowShape, Tables};
+use crate::rows::RowShape;
 
 /// Bytes between two rows of a partition below which [`FileStore::read_rows`] reads both in one
 /// transfer (the bytes between them come along): a few blocks cost less than another request.
@@ -316,20 +316,14 @@ impl FileStore {
         Ok(self.store.is_initialized(Region::Partition(p))?)
     }
 
-    /// Where the caller's own transfer of partition `p` goes: the byte in the namespace and
-    /// the length (see [`Store::io_extent`]).
-    pub fn io_extent(&self, p: u32, write: bool) -> Result<(u64, u64), PartitionStoreError> {
-        Ok(self.store.io_extent(Region::Partition(p), write)?)
-    }
-
-    /// [`FileStore::io_extent`] for a store on any number of members: the transfer's pieces
-    /// (see [`Store::io_pieces`]).
+    /// Where the caller's own transfer of partition `p` goes, on a store of any number of
+    /// members: the transfer's pieces (see [`Store::io_pieces`]).
     pub fn io_pieces(&self, p: u32, write: bool) -> Result<Vec<IoPiece>, PartitionStoreError> {
         Ok(self.store.io_pieces(Region::Partition(p), write)?)
     }
 
-    /// Records that the caller wrote partition `p` itself, at [`FileStore::io_extent`] (the GPU
-    /// I/O kernels): the next commit includes it.
+    /// Records that the caller wrote partition `p` itself, at [`FileStore::io_pieces`] (the
+    /// GPU I/O kernels): the next commit includes it.
     pub fn mark_written(&mut self, p: u32) -> Result<(), PartitionStoreError> {
         Ok(self.store.mark_written(Region::Partition(p))?)
     }
@@ -339,8 +333,8 @@ impl FileStore {
         self.store.path()
     }
 
-    /// The store's layout parameters (nodes, dimension, dtype, partitions), read-only: for a
-    /// reader that moves the partitions itself (legend-query's GPU row cache).
+    /// The store's layout parameters (nodes, dimension, dtype, partitions), read-only (a run's
+    /// reader keeps them for the users of its [`crate::run::StoreLayout`]).
     pub fn spec(&self) -> &StoreSpec {
         self.store.spec()
     }
@@ -348,15 +342,6 @@ impl FileStore {
     /// Bytes the largest partition takes on the medium (a staging buffer for it).
     pub fn max_partition_bytes(&self) -> usize {
         self.store.max_partition_bytes()
-    }
-
-    /// The controller of a queue-backed store on one controller (`None` for a store striped
-    /// over several: [`FileStore::queued_members`]).
-    pub fn controller(&self) -> Option<&SharedController> {
-        match self.queued.as_slice() {
-            [one] => Some(&one.controller),
-            _ => None,
-        }
     }
 
     /// The members of a queue-backed store, in stripe order (none for a store on files).
@@ -405,6 +390,68 @@ impl PartitionStore for FileStore {
         narrow(spec.dtype, emb, stored_emb);
         stored_state.copy_from_slice(state);
         Ok(self.store.write(Region::Partition(p), &self.staging)?)
+    }
+
+    /// Only the blocks holding the rows are read ([`Store::read_range`]; rows of one partition
+    /// less than [`ROW_READ_GAP`] apart in one read), never the AdaGrad state. A store without
+    /// a checkpoint yet refuses.
+    fn read_rows(
+        &mut self,
+        init: &legend_model::Init,
+        ids: &[u64],
+        out: &mut [f32],
+    ) -> Result<(), PartitionStoreError> {
+        self.require_checkpoint()?;
+        let spec = self.store.spec();
+        let (dim, dtype, nodes) = (spec.dim as usize, spec.dtype, spec.num_nodes);
+        let row_bytes = (dim * dtype.bytes()) as u64;
+        let per_part = legend_model::partition::rows_per_partition(nodes, spec.num_partitions);
+        assert_eq!(out.len(), ids.len() * dim, "one row of out per id");
+        if let Some(&bad) = ids.iter().find(|&&id| id >= nodes) {
+            return Err(PartitionStoreError::Invalid(format!(
+                "{}: row {bad} asked of a store of {nodes} rows",
+                self.store.path().display()
+            )));
+        }
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        order.sort_unstable_by_key(|&i| ids[i]);
+        let mut rest = &order[..];
+        while let Some(&first) = rest.first() {
+            let p = (ids[first] / per_part) as u32;
+            let base = u64::from(p) * per_part;
+            let byte = |i: usize| (ids[i] - base) * row_bytes;
+            // The rows of one read: this partition's, each less than the gap after the last.
+            let n = rest
+                .windows(2)
+                .take_while(|w| {
+                    ids[w[1]] / per_part == u64::from(p)
+                        && byte(w[1]) < byte(w[0]) + row_bytes + ROW_READ_GAP
+                })
+                .count()
+                + 1;
+            let (group, after) = rest.split_at(n);
+            rest = after;
+            if !self.store.is_initialized(Region::Partition(p))? {
+                for &i in group {
+                    init.node_row(ids[i], &mut out[i * dim..][..dim]);
+                }
+                continue;
+            }
+            let start = byte(group[0]);
+            let end = byte(group[n - 1]) + row_bytes;
+            let at = self
+                .store
+                .read_range(Region::Partition(p), start..end, &mut self.staging)?;
+            let bytes = &self.staging.as_bytes()[at..];
+            for &i in group {
+                let from = (byte(i) - start) as usize;
+                dtype.widen(
+                    &bytes[from..][..row_bytes as usize],
+                    &mut out[i * dim..][..dim],
+                );
+            }
+        }
+        Ok(())
     }
 
     fn commit(&mut self, progress: &[u8], aux: &[u8]) -> Result<bool, PartitionStoreError> {
@@ -574,97 +621,6 @@ pub fn encode_relations(emb: &[f32], state: &[f32]) -> Vec<u8> {
 }
 
 impl FileStore {
-    /// Calls `f` with each partition's rows in order, through the swap path (the next one
-    /// read while `f` has the last; at most two in memory); never-written partitions hold their
-    /// initial rows, drawn by `init`. An error from `f` ends the walk and is returned as it
-    /// is; the store's own become `E`.
-    pub fn for_each_partition<E: From<PartitionStoreError>>(
-        self,
-        init: legend_model::Init,
-        f: impl FnMut(&crate::rows::Partition) -> Result<(), E>,
-    ) -> Result<(), E> {
-        self.require_checkpoint()?;
-        let spec = self.store.spec();
-        let shape = RowShape {
-            dim: spec.dim as usize,
-            state: spec.state_width as usize,
-            dtype: spec.dtype,
-        };
-        let scheme = legend_dataset::PartitionScheme::new(spec.num_nodes, spec.num_partitions)
-            .map_err(|e| PartitionStoreError::Invalid(e.to_string()))?;
-        let rest = crate::swap::host::HostStore {
-            store: self,
-            scheme,
-            shape,
-            init,
-        };
-        crate::swap::stream_partitions(rest, f)
-    }
-
-    /// The committed entity rows `ids` (any order, repeats allowed), widened to f32 into
-    /// `out` (`ids.len()` rows of the store's dimension, in `ids`' order): only the blocks
-    /// holding them are read ([`Store::read_range`]; rows of one partition less than
-    /// [`ROW_READ_GAP`] apart in one read), never the AdaGrad state; a row of a partition never
-    /// written is drawn by `init`, as the swap path draws it.
-    pub fn read_rows(
-        &mut self,
-        init: &legend_model::Init,
-        ids: &[u64],
-        out: &mut [f32],
-    ) -> Result<(), PartitionStoreError> {
-        self.require_checkpoint()?;
-        let spec = self.store.spec();
-        let (dim, dtype, nodes) = (spec.dim as usize, spec.dtype, spec.num_nodes);
-        let row_bytes = (dim * dtype.bytes()) as u64;
-        let per_part = legend_model::partition::rows_per_partition(nodes, spec.num_partitions);
-        assert_eq!(out.len(), ids.len() * dim, "one row of out per id");
-        if let Some(&bad) = ids.iter().find(|&&id| id >= nodes) {
-            return Err(PartitionStoreError::Invalid(format!(
-                "{}: row {bad} asked of a store of {nodes} rows",
-                self.store.path().display()
-            )));
-        }
-        let mut order: Vec<usize> = (0..ids.len()).collect();
-        order.sort_unstable_by_key(|&i| ids[i]);
-        let mut rest = &order[..];
-        while let Some(&first) = rest.first() {
-            let p = (ids[first] / per_part) as u32;
-            let base = u64::from(p) * per_part;
-            let byte = |i: usize| (ids[i] - base) * row_bytes;
-            // The rows of one read: this partition's, each less than the gap after the last.
-            let n = rest
-                .windows(2)
-                .take_while(|w| {
-                    ids[w[1]] / per_part == u64::from(p)
-                        && byte(w[1]) < byte(w[0]) + row_bytes + ROW_READ_GAP
-                })
-                .count()
-                + 1;
-            let (group, after) = rest.split_at(n);
-            rest = after;
-            if !self.store.is_initialized(Region::Partition(p))? {
-                for &i in group {
-                    init.node_row(ids[i], &mut out[i * dim..][..dim]);
-                }
-                continue;
-            }
-            let start = byte(group[0]);
-            let end = byte(group[n - 1]) + row_bytes;
-            let at = self
-                .store
-                .read_range(Region::Partition(p), start..end, &mut self.staging)?;
-            let bytes = &self.staging.as_bytes()[at..];
-            for &i in group {
-                let from = (byte(i) - start) as usize;
-                dtype.widen(
-                    &bytes[from..][..row_bytes as usize],
-                    &mut out[i * dim..][..dim],
-                );
-            }
-        }
-        Ok(())
-    }
-
     /// The checkpoint's relation embeddings and their AdaGrad state (`relation_floats` each;
     /// empty when the store holds none).
     pub fn relations(
@@ -690,30 +646,5 @@ impl FileStore {
             )));
         }
         Ok(())
-    }
-
-    /// The whole checkpoint: every partition's rows in order (see
-    /// [`FileStore::for_each_partition`]), and the relations.
-    pub fn read_tables(
-        mut self,
-        init: legend_model::Init,
-        relation_floats: usize,
-    ) -> Result<Tables, PartitionStoreError> {
-        let (relations, relations_state) = self.relations(relation_floats)?;
-        let spec = self.store.spec();
-        let rows = spec.num_nodes as usize;
-        let mut entities = Vec::with_capacity(rows * spec.dim as usize);
-        let mut entities_state = Vec::with_capacity(rows * spec.state_width as usize);
-        self.for_each_partition(init, |part| {
-            entities.extend_from_slice(&part.emb);
-            entities_state.extend_from_slice(&part.state);
-            Ok::<_, PartitionStoreError>(())
-        })?;
-        Ok(Tables {
-            entities,
-            entities_state,
-            relations,
-            relations_state,
-        })
     }
 }

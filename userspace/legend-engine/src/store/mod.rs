@@ -48,6 +48,20 @@ pub trait PartitionStore: Send + 'static {
     fn commit(&mut self, _progress: &[u8], _aux: &[u8]) -> Result<bool, PartitionStoreError> {
         Ok(false)
     }
+    /// The committed rows `ids` (any order, repeats allowed) alone, their embeddings widened
+    /// to f32 into `out` (a row per id, in `ids`' order), a row of a partition never written
+    /// drawn by `init`: a lookup. Only a store on disk reads rows alone; the others refuse.
+    fn read_rows(
+        &mut self,
+        _init: &legend_model::Init,
+        ids: &[u64],
+        _out: &mut [f32],
+    ) -> Result<(), PartitionStoreError> {
+        Err(PartitionStoreError::Invalid(format!(
+            "{} rows asked of a store in memory, which is read a partition at a time",
+            ids.len()
+        )))
+    }
     /// Whether the store is process memory: partitions then move in and out of it
     /// ([`PartitionStore::take_stored`], [`PartitionStore::keep_stored`]) instead of being
     /// copied, and a checkpoint leaves the resident partitions where they are (with every

@@ -280,6 +280,10 @@ impl<S: PartitionStore> Mover for GpuCopyMover<S> {
         self.rest.lend(p)
     }
 
+    fn read_rows(&mut self, ids: &[u64], out: &mut [f32]) -> Result<(), PartitionStoreError> {
+        self.rest.store.read_rows(&self.rest.init, ids, out)
+    }
+
     fn store(&mut self) -> &mut dyn PartitionStore {
         &mut self.rest.store
     }
@@ -489,6 +493,10 @@ impl Mover for GpuDirectMover {
 
     fn lend(&mut self, p: u32) -> Result<(Partition, bool), PartitionStoreError> {
         self.rest.lend(p)
+    }
+
+    fn read_rows(&mut self, ids: &[u64], out: &mut [f32]) -> Result<(), PartitionStoreError> {
+        self.rest.store.read_rows(&self.rest.init, ids, out)
     }
 
     fn store(&mut self) -> &mut dyn PartitionStore {

@@ -297,6 +297,10 @@ impl<S: PartitionStore> Mover for HostMover<S> {
         self.rest.lend(p)
     }
 
+    fn read_rows(&mut self, ids: &[u64], out: &mut [f32]) -> Result<(), PartitionStoreError> {
+        self.rest.store.read_rows(&self.rest.init, ids, out)
+    }
+
     fn store(&mut self) -> &mut dyn PartitionStore {
         &mut self.rest.store
     }

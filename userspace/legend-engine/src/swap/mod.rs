@@ -4,14 +4,15 @@
 //! A *slot* holds one resident partition's rows where the engine computes on them: host memory
 //! for the CPU engine ([`HostRows`]), a range of rows of the GPU engine's node table. The
 //! [`Swapper`] owns the slots' bookkeeping (which partition is in which slot, which slots are
-//! free, which reads are in flight) and an I/O thread that runs one [`Mover`], chosen once when
-//! the trainer is built, for the path the run's partitions take:
+//! free, which reads are in flight) and an I/O thread that runs one [`Mover`], chosen once by
+//! [`path::mover`] for the consumer of the partitions (the trainer's engine, or a run's reader,
+//! [`crate::run::RunReader`], a consumer on the CPU) and the store they live in:
 //!
-//! | engine | store | mover | a write | a read |
+//! | consumer | store | mover | a write | a read |
 //! |---|---|---|---|---|
 //! | CPU | any | [`host::HostMover`] | host rows to the store (a memory store takes them over) | the store into host rows, or drawn |
-//! | GPU | memory, `file`, striped queues | [`gpu::GpuCopyMover`] | the slot through pinned host memory to the store | the store through pinned memory into the slot, or drawn on the GPU |
-//! | GPU | `proxy`, `nvme` | [`gpu::GpuDirectMover`] | the slot into GPU staging, then the GPU I/O kernels to the SSD | the GPU I/O kernels into staging, then the slot, or drawn on the GPU |
+//! | GPU | memory, `file` | [`gpu::GpuCopyMover`] | the slot through pinned host memory to the store | the store through pinned memory into the slot, or drawn on the GPU |
+//! | GPU | `proxy`, `nvme`, striped or not | [`gpu::GpuDirectMover`] | the slot into GPU staging, then the GPU I/O kernels to the SSD | the GPU I/O kernels into staging, then the slot, or drawn on the GPU |
 //!
 //! Jobs run one at a time in the order they were queued, so a read queued after a write of
 //! the same slot or partition finds it done. A swap (see `Trainer::run_epoch_from`): the
@@ -25,6 +26,7 @@
 
 pub(crate) mod gpu;
 pub(crate) mod host;
+pub(crate) mod path;
 
 use std::collections::VecDeque;
 use std::sync::mpsc;
@@ -188,6 +190,9 @@ pub(crate) trait Mover: Send {
     /// come back through [`PartitionStore::keep_stored`] (`true`), else a copy read from the
     /// store or drawn (`false`).
     fn lend(&mut self, p: u32) -> Result<(Partition, bool), PartitionStoreError>;
+    /// The committed rows `ids` alone, widened to f32 into `out` (a lookup: see
+    /// [`PartitionStore::read_rows`]).
+    fn read_rows(&mut self, ids: &[u64], out: &mut [f32]) -> Result<(), PartitionStoreError>;
     /// The store, for what every path does alike: commits and lent rows coming back.
     fn store(&mut self) -> &mut dyn PartitionStore;
 }
@@ -214,6 +219,8 @@ enum Job {
     Keep(u32, StoredEmbeddings, Vec<f32>),
     /// Partition `p` left its slot unmodified, its rows already at rest: it is home.
     Home(u32),
+    /// Reads rows `ids` alone into the buffer, which comes back ([`Swapper::read_rows`]).
+    Rows(Vec<u64>, Vec<f32>),
 }
 
 /// What a job did.
@@ -232,6 +239,7 @@ enum Done {
         returnable: bool,
     },
     Returned,
+    Rows(Vec<f32>),
 }
 
 /// One finished move, for the epoch's timeline.
@@ -598,6 +606,89 @@ impl Swapper {
         Ok(r)
     }
 
+    /// Calls `f` with every partition in order, each read (or drawn, if never written) into a
+    /// slot while `f` has the one before: a reader's scan (a checkpoint's export, a query's
+    /// scan). The swapper's slots hold nothing before and after, even when
+    /// `f` or a read fails, so the next scan starts afresh.
+    pub(crate) fn stream<E: From<PartitionStoreError>>(
+        &mut self,
+        mut f: impl FnMut(&Partition) -> Result<(), E>,
+    ) -> Result<(), E> {
+        assert!(
+            self.resident().is_empty() && self.pending.is_empty(),
+            "streaming with partitions resident"
+        );
+        let n = self.scheme.num_partitions;
+        let mut walk = || -> Result<(), E> {
+            self.load(0, None)?;
+            for p in 0..n {
+                self.arrive(p)?;
+                if p + 1 < n {
+                    self.load(p + 1, None)?;
+                }
+                f(self.host.partition(p).expect("arrived"))?;
+                self.discard(p)?;
+            }
+            Ok(self.drain()?)
+        };
+        let walked = walk();
+        if walked.is_err() {
+            self.forget_slots();
+        }
+        walked
+    }
+
+    /// After a failed scan: takes the replies still owed (the failure's consequences) and
+    /// frees every slot, its partition home again (a memory store given back its rows).
+    fn forget_slots(&mut self) {
+        while self.outstanding > 0 {
+            let Ok(reply) = self.replies.recv() else {
+                break;
+            };
+            self.outstanding -= 1;
+            if let Ok(Done::Read {
+                rows: Some(rows), ..
+            }) = reply.done
+            {
+                self.host.insert(rows);
+            }
+        }
+        let slots = (self.free.len() + self.slot_of.iter().flatten().count()) as u32;
+        self.pending.clear();
+        for p in 0..self.scheme.num_partitions {
+            if self.slot_of[p as usize].is_none() {
+                continue;
+            }
+            // Home again, as `discard` sends it. A failure here is the I/O thread's, which the
+            // next call reports.
+            let back = match self.host.remove(p) {
+                Some(rows) if self.in_memory => {
+                    Job::Keep(rows.id, StoredEmbeddings::F32(rows.emb), rows.state)
+                }
+                _ => Job::Home(p),
+            };
+            let _ = self.send(back).and_then(|()| self.receive());
+            self.slot_of[p as usize] = None;
+            self.arrived[p as usize] = false;
+        }
+        self.free = (0..slots).rev().collect();
+    }
+
+    /// The committed rows `ids` (any order, repeats allowed) alone, widened to f32 into `out`
+    /// (a row of the store's dimension per id), read by the I/O thread's mover: a lookup.
+    pub(crate) fn read_rows(
+        &mut self,
+        ids: &[u64],
+        out: &mut [f32],
+    ) -> Result<(), PartitionStoreError> {
+        self.send(Job::Rows(ids.to_vec(), vec![0.0; out.len()]))?;
+        let Done::Rows(rows) = self.receive()? else {
+            unreachable!("a lookup's reply")
+        };
+        out.copy_from_slice(&rows);
+        Ok(())
+    }
+
     /// Whether every partition has a slot of its own for the run (C = N): nothing is ever
     /// swapped, and a resumed run's rows go straight into the slots ([`Swapper::place`]).
     pub(crate) fn slots_for_good(&self) -> bool {
@@ -636,31 +727,6 @@ impl Swapper {
         );
         self.send(Job::Keep(p, emb, state))
     }
-}
-
-/// Calls `f` with every partition of `rest`'s store in order, through the swap path: a read
-/// ahead into a second slot while `f` has the partition before (a checkpoint's export, a query
-/// scan: no reader of its own). A partition never written holds its initial rows.
-pub(crate) fn stream_partitions<S: PartitionStore, E: From<PartitionStoreError>>(
-    rest: host::HostStore<S>,
-    mut f: impl FnMut(&Partition) -> Result<(), E>,
-) -> Result<(), E> {
-    let scheme = rest.scheme;
-    let in_memory = rest.store.in_memory();
-    let mover = Box::new(host::HostMover::new(rest));
-    let mut swapper = Swapper::new(scheme, 2, mover, in_memory, true);
-    let n = scheme.num_partitions;
-    swapper.load(0, None)?;
-    for p in 0..n {
-        swapper.arrive(p)?;
-        if p + 1 < n {
-            swapper.load(p + 1, None)?;
-        }
-        let part = swapper.host().partition(p).expect("arrived");
-        f(part)?;
-        swapper.discard(p)?;
-    }
-    Ok(swapper.drain()?)
 }
 
 impl Drop for Swapper {
@@ -723,6 +789,10 @@ fn serve(mover: &mut dyn Mover, job: Job) -> Reply {
             mover.store().bring_home(p);
             (Ok(Done::Returned), None)
         }
+        Job::Rows(ids, mut out) => (
+            mover.read_rows(&ids, &mut out).map(|()| Done::Rows(out)),
+            None,
+        ),
     };
     let record = record.map(|tag| {
         moved.stats.io_time = started.elapsed();
@@ -948,10 +1018,8 @@ mod tests {
         let scheme = PartitionScheme::new(entities, 5).unwrap();
         let mut store = numbered(scheme, shape);
         store.take_stored(3);
-        let rest = host_store(scheme, shape, store);
-        let mut seen = Vec::new();
-        stream_partitions(rest, |part| {
-            seen.push(part.id);
+        let mut s = swapper(scheme, shape, 2, store);
+        let check = |part: &Partition| {
             for (i, row) in part.emb.chunks_exact(dim).enumerate() {
                 let id = scheme.range(part.id).start + i as u64;
                 let mut want = vec![id as f32 * dim as f32, 0.0, 0.0];
@@ -962,9 +1030,32 @@ mod tests {
                 }
                 assert_eq!(row, want, "row {id}");
             }
-            Ok::<_, PartitionStoreError>(())
-        })
-        .unwrap();
-        assert_eq!(seen, [0, 1, 2, 3, 4]);
+        };
+        // A scan that fails half-way (its block refuses partition 2) leaves the slots free and
+        // the store whole: the next scans see every partition, the same rows.
+        let failed = s.stream(|part| {
+            if part.id == 2 {
+                return Err(PartitionStoreError::Invalid("stop".into()));
+            }
+            check(part);
+            Ok(())
+        });
+        assert!(matches!(failed, Err(PartitionStoreError::Invalid(_))));
+        for _ in 0..2 {
+            let mut seen = Vec::new();
+            s.stream(|part| {
+                seen.push(part.id);
+                check(part);
+                Ok::<_, PartitionStoreError>(())
+            })
+            .unwrap();
+            assert_eq!(seen, [0, 1, 2, 3, 4]);
+        }
+        // A memory store reads whole partitions only: a lookup is refused, and the swapper
+        // goes on.
+        let mut out = vec![0.0; dim];
+        let refused = s.read_rows(&[7], &mut out).unwrap_err();
+        assert!(refused.to_string().contains("in memory"), "{refused}");
+        assert_eq!(s.resident(), [] as [u32; 0]);
     }
 }

@@ -35,8 +35,7 @@ use crate::restore::CheckpointRows;
 use crate::rows::{Partition, RowShape};
 use crate::sampler::NegativeSampler;
 use crate::store::PartitionHome;
-use crate::swap::gpu::{GpuCopyMover, GpuDirectMover};
-use crate::swap::host::{HostMover, HostStore};
+use crate::swap::path::{self, AtRest, Consumer};
 use crate::swap::{Fence, Mover, Swapper};
 
 mod epoch;
@@ -104,54 +103,26 @@ impl Trainer {
             );
         }
         let in_memory = memory_dtype.is_some();
+        let at_rest = AtRest {
+            scheme,
+            shape: config.entity_shape(),
+            init: config.init(),
+        };
         let (compute, mover, host_rows): (Box<dyn ComputeBackend>, Box<dyn Mover>, bool) =
             match engine {
                 Engine::Cpu => {
                     let compute = cpu_compute(config, &buckets, degrees)?;
-                    let mover: Box<dyn Mover> = match home {
-                        PartitionHome::Memory(s) => {
-                            Box::new(HostMover::new(at_rest(s, scheme, config)))
-                        }
-                        PartitionHome::File(s) => {
-                            Box::new(HostMover::new(at_rest(*s, scheme, config)))
-                        }
-                        PartitionHome::Shared(s) => {
-                            Box::new(HostMover::new(at_rest(s, scheme, config)))
-                        }
-                    };
+                    let mover = path::mover(Consumer::Host, home, at_rest)?;
                     (Box::new(compute), mover, true)
                 }
                 Engine::Cuda { gpu, .. } => {
                     let compute = CudaCompute::new(*gpu, config, &buckets, degrees, &relations)?;
-                    let device_slots = compute.device_slots()?;
-                    let gpu = compute.gpu();
-                    let for_good = slots == scheme.num_partitions;
-                    let mover: Box<dyn Mover> = match home {
-                        PartitionHome::Memory(s) => Box::new(GpuCopyMover::new(
-                            gpu,
-                            at_rest(s, scheme, config),
-                            device_slots,
-                            for_good,
-                        )?),
-                        // A store behind NVMe queues (one controller or several): the GPU I/O
-                        // kernels.
-                        PartitionHome::File(s) if !s.queued_members().is_empty() => Box::new(
-                            GpuDirectMover::new(gpu, at_rest(*s, scheme, config), device_slots)?,
-                        ),
-                        PartitionHome::File(s) => Box::new(GpuCopyMover::new(
-                            gpu,
-                            at_rest(*s, scheme, config),
-                            device_slots,
-                            for_good,
-                        )?),
-                        // Partitions leave for other GPUs and come back: the store keeps them.
-                        PartitionHome::Shared(s) => Box::new(GpuCopyMover::new(
-                            gpu,
-                            at_rest(s, scheme, config),
-                            device_slots,
-                            false,
-                        )?),
+                    let consumer = Consumer::Gpu {
+                        gpu: compute.gpu(),
+                        slots: compute.device_slots()?,
+                        resident_for_good: slots == scheme.num_partitions,
                     };
+                    let mover = path::mover(consumer, home, at_rest)?;
                     (Box::new(compute), mover, false)
                 }
             };
@@ -296,17 +267,6 @@ impl Trainer {
     }
 }
 
-/// `store` with what moving its rows to and from host memory takes, for `config`'s runs over
-/// `scheme`.
-fn at_rest<S>(store: S, scheme: legend_dataset::PartitionScheme, config: &Config) -> HostStore<S> {
-    HostStore {
-        store,
-        scheme,
-        shape: config.entity_shape(),
-        init: config.init(),
-    }
-}
-
 /// The CPU engine for `config`.
 fn cpu_compute(
     config: &Config,
@@ -349,5 +309,6 @@ fn cpu_compute(
         neg_rows: Vec::new(),
         block_grads: Vec::new(),
         pending_relations: None,
+        frozen: config.frozen,
     })
 }

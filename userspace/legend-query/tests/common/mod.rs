@@ -42,7 +42,7 @@ pub fn run_meta(
 }
 
 /// The id `q` gives the entity `label`, through a lookup.
-pub fn id_of(q: &QueryRun<'_>, label: &str) -> u32 {
+pub fn id_of(q: &QueryRun, label: &str) -> u32 {
     let asked = [Query::Lookup {
         entity: label.into(),
     }];

@@ -7,7 +7,7 @@ use legend_dataset::{Columns, Delimiter, Header, ImportInput, ImportOptions, imp
 
 /// Arguments of `legendctl import`.
 #[derive(clap::Args)]
-#[command(group(clap::ArgGroup::new("source").required(true).args(["train", "split", "marius"])))]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["train", "split", "marius", "add"])))]
 pub struct Args {
     /// Output dataset directory (must not exist).
     #[arg(short = 'o', long = "out")]
@@ -15,12 +15,21 @@ pub struct Args {
     /// Training edges (text, optionally gzip).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["split", "marius"])]
     train: Option<PathBuf>,
-    /// Validation edges.
-    #[arg(long, value_name = "FILE", requires = "train")]
+    /// Validation edges (with --add: the added ones).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["split", "marius"])]
     valid: Option<PathBuf>,
-    /// Test edges.
-    #[arg(long, value_name = "FILE", requires = "train")]
+    /// Test edges (with --add: the added ones).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["split", "marius"])]
     test: Option<PathBuf>,
+    /// A day's new training edges, added to the dataset --extend names (as a new dataset
+    /// directory --out): every entity and relation keeps its id, new labels get the ids after
+    /// them, and the added edges follow the base's in each split (so that `legendctl train
+    /// --init-from` carries a base run's rows over).
+    #[arg(long, value_name = "FILE", requires = "extend", conflicts_with_all = ["train", "split", "marius"])]
+    add: Option<PathBuf>,
+    /// The dataset directory --add extends (only read).
+    #[arg(long, value_name = "DIR", requires = "add")]
+    extend: Option<PathBuf>,
     /// Split FILEs at random into train,valid,test by these fractions, e.g. 0.9,0.05,0.05.
     #[arg(long, value_name = "FRACTIONS", value_parser = super::parse_fractions, requires = "files", conflicts_with = "marius")]
     split: Option<[f64; 3]>,
@@ -55,6 +64,17 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let input = match (args.train, args.split, args.marius) {
+        _ if args.add.is_some() => {
+            if !args.files.is_empty() {
+                bail!("positional FILEs are only used with --split; use --add/--valid/--test");
+            }
+            ImportInput::Extend {
+                base: args.extend.expect("--add requires --extend"),
+                train: args.add.expect("matched"),
+                valid: args.valid,
+                test: args.test,
+            }
+        }
         (Some(train), None, None) => {
             if !args.files.is_empty() {
                 bail!("positional FILEs are only used with --split; use --train/--valid/--test");
@@ -70,7 +90,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             fractions,
         },
         (None, None, Some(dir)) => ImportInput::Marius { dir },
-        _ => bail!("give exactly one of --train, --split or --marius"),
+        _ => bail!("give exactly one of --train, --split, --marius or --add"),
     };
     let cancel = super::stop_staging_on_signals("the import", "importing")?;
     let options = ImportOptions {
@@ -97,6 +117,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             summary.output.display(),
             summary.seconds
         )?;
+        if let Some(base) = &summary.extends {
+            outln!(
+                "of them {} entities, {} relations and {} / {} / {} edges are new (ids from {} and {} on; the rest are {}'s)",
+                summary.entities - base.entities,
+                summary.relations - base.relations,
+                summary.train - base.splits.train,
+                summary.valid - base.splits.valid,
+                summary.test - base.splits.test,
+                base.entities,
+                base.relations,
+                base.base
+            )?;
+        }
         if summary.unseen_dropped > 0 {
             outln!(
                 "dropped {} valid/test edges whose entity or relation is not in train (--keep-unseen keeps them)",

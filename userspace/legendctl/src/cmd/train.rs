@@ -33,6 +33,12 @@ pub struct Args {
     /// Continue the run in --out from its last checkpoint.
     #[arg(long)]
     resume: bool,
+    /// Seed the new run from the run RUN, trained on the dataset --dataset extends (`legendctl
+    /// import --extend`): its rows and relations (its best validated epoch's when it kept
+    /// them) are carried over, the new ones drawn (training.new_rows); training.freeze and
+    /// training.replay choose what trains.
+    #[arg(long, value_name = "RUN", conflicts_with = "resume")]
+    init_from: Option<PathBuf>,
     /// Print one JSON object per epoch, and the final evaluation, on stdout.
     #[arg(long)]
     json: bool,
@@ -121,10 +127,11 @@ fn train(
             c.finish(stopped);
         }
     };
-    let mut session = if args.resume {
+    let (mut session, _lock) = if args.resume {
         if args.config.is_some() {
             bail!("--resume continues with the run's own config.toml; change keys with --set");
         }
+        let lock = legend_engine::incremental::lock_exclusive(out)?;
         let session = Session::resume_on(
             out,
             args.dataset.as_deref(),
@@ -144,17 +151,25 @@ fn train(
         let from = session.position().describe();
         tracing::info!("resuming {} from {from}", out.display());
         notes.set_checkpoint(from);
-        session
+        (session, lock)
     } else {
         let Some(dataset) = &args.dataset else {
             bail!("--dataset DIR is required (or --resume an existing run)");
         };
         let config = read_config(args)?;
         let made = super::create_parent(out)?;
-        let session = Session::create_on(out, dataset, config, &Unguarded, hosts.clone())?;
+        let session = match &args.init_from {
+            Some(init) if hosts.is_none() => {
+                Session::create_from(out, dataset, config, &Unguarded, init)?
+            }
+            Some(_) => bail!("--init-from seeds a run on one host"),
+            None => Session::create_on(out, dataset, config, &Unguarded, hosts.clone())?,
+        };
         made.keep();
-        session
+        let lock = legend_engine::incremental::lock_exclusive(out)?;
+        (session, lock)
     };
+    // Held while the run trains: `--init-from` refuses a run whose tables are being written.
     tracing::info!("device: {}", session.engine());
     tracing::info!("{}", session.describe());
     let mut view = ProgressView::new(args.json, notes);

@@ -116,9 +116,17 @@ pub fn serve(
         (_, DeviceChoice::Cuda(n)) => format!("cuda:{n}"),
         (_, DeviceChoice::Auto) => "cuda:0".to_owned(),
     };
+    // Mapped where only the job's own user could change a file; what others may write is
+    // read, checked and kept as read (legend-query's `QueryRun::open_served`).
+    let copied = loaded.copied();
+    let files = if copied.is_empty() {
+        "no file copied (mapped where their layout allows)".to_owned()
+    } else {
+        format!("read into memory, not mapped: {}", copied.join("; "))
+    };
     out.log(format!(
         "serving {}: {} MiB of tables in host memory (and at most {} MiB while streaming), {} \
-         MiB on the GPU; answering on {}; loaded in {:.1} s",
+         MiB on the GPU; answering on {}; {files}; loaded in {:.1} s",
         run.display(),
         model.resident_bytes() >> 20,
         model.stream_bytes() >> 20,
@@ -126,7 +134,7 @@ pub fn serve(
         loaded.placement(),
         started.elapsed().as_secs_f64()
     ));
-    let serving = |loaded: &QueryRun<'_>| Serving {
+    let serving = |loaded: &QueryRun| Serving {
         placement: loaded.placement().to_owned(),
         streamed: loaded.streamed().map(str::to_owned),
         host_bytes: loaded.model().resident_bytes() as u64,
@@ -190,7 +198,7 @@ fn send_reply(out: &Outbox, id: u64, queries: u32, reply: &Reply) {
 }
 
 /// Answers a request's queries (a JSON list): how many were answered, and the reply.
-fn answer(run: &QueryRun<'_>, bound: &AnswerBound, text: &str) -> (u32, Reply) {
+fn answer(run: &QueryRun, bound: &AnswerBound, text: &str) -> (u32, Reply) {
     let raw = match legend_daemon_api::fields::raw_list(text, MAX_QUERIES) {
         Ok(raw) if !raw.is_empty() => raw,
         Ok(_) => {

@@ -19,7 +19,6 @@ use legend_cuda::nvme_io::{
 };
 use legend_engine::run;
 use legend_engine::store::controllers::{DeviceModel, SharedController};
-use legend_engine::store::{FileStore, MemberFile};
 use legend_nvme_proxy::{Proxy, ProxyOptions};
 use serde::Serialize;
 
@@ -162,8 +161,8 @@ fn gcd(a: u64, b: u64) -> u64 {
 struct Source {
     file: PathBuf,
     table: CachedTable,
-    /// `--run`'s store and its members, and the modelled SSD its proxy serves at.
-    store: Option<(FileStore, Vec<MemberFile>)>,
+    /// `--run`'s reader (its store opened once), and the modelled SSD its proxy serves at.
+    store: Option<run::RunReader>,
     ssd_model: Option<DeviceModel>,
 }
 
@@ -173,20 +172,19 @@ fn source(args: &CacheArgs) -> anyhow::Result<Source> {
         let dir = run::open(path)?;
         let meta = run::read_meta(&dir)?;
         let ssd_model = args.ssd_model.or(run::read_config(&dir)?.proxy_model());
-        let Some((store, members)) =
-            run::open_store(&dir, &meta, &legend_fs::Unguarded, ssd_model)?
-        else {
+        let reader = run::RunReader::open(&dir, &meta, &legend_fs::Unguarded, ssd_model)?;
+        let Some(layout) = reader.store_layout() else {
             bail!(
                 "{}: the run keeps its checkpoint in files, not in a store (storage.backend = \
                  \"memory\"): look rows up in its entities.bin with --path",
                 path.display()
             );
         };
-        let table = legend_query::store_table(&store)?;
+        let table = legend_query::store_table(layout)?;
         return Ok(Source {
-            file: members[0].file.path(),
+            file: layout.members[0].file.path(),
             table,
-            store: Some((store, members)),
+            store: Some(reader),
             ssd_model,
         });
     }
@@ -364,20 +362,15 @@ fn open_cache(
         _ => args.cache_fraction,
     };
     let cache = match &src.store {
-        Some((store, members)) => {
+        Some(reader) => {
+            let layout = reader.store_layout().expect("a store's reader");
             let mut bytes = (table_bytes as f64 * fraction) as u64;
             if args.mode == CacheMode::Resident {
                 // A partition's last line may be partly past its rows: room for one
                 // more line (at most 1 MiB) a partition.
                 bytes += src.table.partitions.len() as u64 * (1 << 20);
             }
-            legend_query::store_row_cache(
-                gpu,
-                (store, members),
-                src.ssd_model,
-                bytes,
-                (args.queues, &opts),
-            )?
+            legend_query::store_row_cache(gpu, layout, src.ssd_model, bytes, (args.queues, &opts))?
         }
         None => {
             let default = ProxyOptions::default();
