@@ -756,6 +756,17 @@ pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// 0 to 49 batches in each of the N×N buckets, drawn from `seed`.
+    fn random_batches(n: u32, seed: u64) -> Vec<u64> {
+        let mut state = seed;
+        (0..n * n)
+            .map(|_| {
+                state = next(state);
+                state % 50
+            })
+            .collect()
+    }
+
     /// `b` batches in each of the N×N buckets.
     pub(crate) fn uniform(n: u32, b: u64) -> Vec<u64> {
         vec![b; (n * n) as usize]
@@ -854,10 +865,7 @@ pub(crate) mod tests {
             seed in any::<u64>(),
         ) {
             let n = 2 * k;
-            let mut state = seed;
-            let batches: Vec<u64> = (0..n * n)
-                .map(|_| { state = next(state); state % 50 })
-                .collect();
+            let batches = random_batches(n, seed);
             let s = plan_gpus(n, k, &batches).unwrap();
             prop_assert!(validate_gpus(&s, &batches).is_ok());
             prop_assert!(s.predicted_imbalance >= 1.0 - 1e-9);
@@ -881,10 +889,7 @@ pub(crate) mod tests {
             seed in any::<u64>(),
         ) {
             let n = 3 * k + extra;
-            let mut state = seed;
-            let batches: Vec<u64> = (0..n * n)
-                .map(|_| { state = next(state); state % 50 })
-                .collect();
+            let batches = random_batches(n, seed);
             let s = plan_gpus(n, k, &batches).unwrap();
             prop_assert!(validate_gpus(&s, &batches).is_ok());
             prop_assert!(s.parks() && s.handovers.iter().all(Vec::is_empty));
