@@ -182,8 +182,8 @@ impl DeviceClock {
         }
     }
 
-    /// When a command fetched at `now` that moves `bytes` (0 for a Flush) completes on the
-    /// modelled device; it takes its share of the budgets.
+    /// When a command there to take since `now` (first seen in its SQ) that moves `bytes` (0 for
+    /// a Flush) completes on the modelled device; it takes its share of the budgets.
     pub(crate) fn complete_at(&mut self, now: Instant, bytes: u64, write: bool) -> Instant {
         let mut done = now;
         if bytes > 0 {

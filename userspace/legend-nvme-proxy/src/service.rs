@@ -47,6 +47,11 @@ pub(crate) struct Queue {
     in_flight: u32,
     /// A lost doorbell write: the tail value the proxy pretends not to have seen.
     ignored_tail: Option<u16>,
+    /// The SQ tail as last seen, and when each entry up to it was first seen: a modelled
+    /// device takes a command from when it was there to take, not from when the proxy (short
+    /// of command slots, or descheduled on a loaded machine) got round to fetching it.
+    seen_tail: u16,
+    seen_at: Vec<Option<Instant>>,
     /// Completions waiting for room in the CQ.
     pending: Vec<Cqe>,
     /// The commands fetched and not yet completed, by the SQ entry each was fetched from (for
@@ -72,6 +77,8 @@ impl Queue {
             phase: true,
             in_flight: 0,
             ignored_tail: None,
+            seen_tail: 0,
+            seen_at: vec![None; usize::from(depth)],
             pending: Vec::new(),
             held: vec![None; usize::from(depth)],
             deleting: false,
@@ -244,6 +251,11 @@ impl Service {
                 continue;
             }
             q.ignored_tail = None;
+            let seen = Instant::now();
+            while q.seen_tail != tail {
+                q.seen_at[usize::from(q.seen_tail)] = Some(seen);
+                q.seen_tail = (q.seen_tail + 1) % q.depth;
+            }
             while q.sq_head != tail {
                 let Some(slot) = self.slots.iter().position(Option::is_none) else {
                     return progress;
@@ -256,6 +268,7 @@ impl Service {
                 let count = shared.commands.fetch_add(1, Ordering::Relaxed) + 1;
                 let status = check(&sqe, &shared, faults, count);
                 let fetched = Instant::now();
+                let arrived = q.seen_at[entry].take().unwrap_or(fetched);
                 q.held[entry] = Some(Held {
                     cid: sqe.cid(),
                     opcode: sqe.opcode(),
@@ -275,7 +288,7 @@ impl Service {
                         _ => 0,
                     };
                     due =
-                        due.max(lock(clock).complete_at(fetched, bytes, op == Some(Opcode::Write)));
+                        due.max(lock(clock).complete_at(arrived, bytes, op == Some(Opcode::Write)));
                 }
                 self.start(slot, q.qid, q.sq_head, sqe, status, due, space);
                 progress = true;
