@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+mod common;
+
 use legend_dataset::{Columns, Dataset, ImportInput, ImportOptions, Split, import};
 
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
@@ -37,22 +39,6 @@ fn extend(base: &Path, train: PathBuf, test: Option<PathBuf>) -> ImportOptions {
         valid: None,
         test,
     })
-}
-
-fn labelled(ds: &Dataset, split: Split) -> Vec<(String, String, String)> {
-    let ents = ds.entity_labels().unwrap();
-    let rels = ds.relation_labels().unwrap();
-    ds.edges(split)
-        .unwrap()
-        .iter()
-        .map(|e| {
-            (
-                ents[e[0] as usize].clone(),
-                rels[e[1] as usize].clone(),
-                ents[e[2] as usize].clone(),
-            )
-        })
-        .collect()
 }
 
 #[test]
@@ -91,7 +77,7 @@ fn extending_keeps_every_id_and_appends_new_labels_and_edges() {
         let (o, n) = (old.edges(split).unwrap(), new.edges(split).unwrap());
         assert_eq!(n[..o.len()], o[..], "{split:?}");
     }
-    let train = labelled(&new, Split::Train);
+    let train = common::labelled(&new, Split::Train);
     let strs = |v: &[(&str, &str, &str)]| -> Vec<(String, String, String)> {
         v.iter()
             .map(|(a, b, c)| (a.to_string(), b.to_string(), c.to_string()))
@@ -107,7 +93,7 @@ fn extending_keeps_every_id_and_appends_new_labels_and_edges() {
         ])[..]
     );
     assert_eq!(
-        labelled(&new, Split::Test)[1..],
+        common::labelled(&new, Split::Test)[1..],
         strs(&[("f", "s", "g")])[..]
     );
     // An extension of the extension keeps both generations' ids.

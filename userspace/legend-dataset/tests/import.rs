@@ -3,6 +3,8 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+mod common;
+
 use legend_dataset::{Columns, Dataset, DatasetError, ImportInput, ImportOptions, Split, import};
 
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
@@ -33,22 +35,9 @@ fn assert_fails(options: &ImportOptions, dir: &Path, needles: &[&str]) {
     assert_eq!(before, after, "a failed import left files behind");
 }
 
-/// Labels of an edge in a dataset, for comparing against the input text.
+/// Labels of the edges of `split` in `ds`, sorted (the import's order is its own).
 fn labelled(ds: &Dataset, split: Split) -> Vec<(String, String, String)> {
-    let ents = ds.entity_labels().unwrap();
-    let rels = ds.relation_labels().unwrap();
-    let mut v: Vec<_> = ds
-        .edges(split)
-        .unwrap()
-        .iter()
-        .map(|e| {
-            (
-                ents[e[0] as usize].clone(),
-                rels[e[1] as usize].clone(),
-                ents[e[2] as usize].clone(),
-            )
-        })
-        .collect();
+    let mut v = common::labelled(ds, split);
     v.sort();
     v
 }
