@@ -21,7 +21,7 @@ cargo test --release -p legend-cuda -p legend-engine -p legend-query --no-run --
 import json, shutil, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("legend_cuda", "gpu", "pipeline", "gpu_trainer", "nvme_io", "checkpoints", "gpu_queries", "one_reader", "workers", "batch_keys"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("legend_cuda", "gpu", "pipeline", "gpu_trainer", "nvme_io", "checkpoints", "gpu_queries", "one_reader", "workers", "batch_keys", "incremental"):
         shutil.copy(m["executable"], sys.argv[1] + "/test-" + m["target"]["name"])
 ' "$out"
 strip "$out"/* && ls -la "$out"
